@@ -1,0 +1,116 @@
+#include "compress/error_feedback.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "compress/check.h"
+#include "compress/simd/element_ops.h"
+
+namespace morse::compress {
+
+absl::Status ValidateFeedbackSpec(const FeedbackSpec& spec) {
+  if (spec.kind == FeedbackKind::kEma && !(spec.beta > 0.0f && spec.beta <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ema feedback needs beta in (0, 1], got ", spec.beta));
+  }
+  return absl::OkStatus();
+}
+
+ErrorFeedback::ErrorFeedback(const FeedbackSpec& spec, size_t n,
+                             uint32_t block_elems)
+    : spec_(spec), size_(n), block_elems_(block_elems) {
+  MORSE_CHECK(ValidateFeedbackSpec(spec).ok());
+  MORSE_CHECK(block_elems > 0 && block_elems % 16 == 0);
+  if (spec.kind == FeedbackKind::kNone) return;
+  if (spec.storage == ErrorStorage::kFp32) {
+    fp32_.assign(n, 0.0f);
+  } else {
+    int8_.assign(n, 0);
+    scales_.assign((n + block_elems - 1) / block_elems, 0.0f);
+  }
+}
+
+absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
+                                     absl::Span<const float> x,
+                                     const RoundingKey& key,
+                                     absl::Span<uint8_t> payload) {
+  if (offset % block_elems_ != 0 || offset > size_ || x.size() > size_ - offset) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "error feedback range [", offset, ", ", offset + x.size(),
+        ") is not block-aligned inside a buffer of ", size_));
+  }
+  const FeedbackArgs fb{spec_.kind, spec_.beta};
+  if (spec_.kind == FeedbackKind::kNone) {
+    return EncodeWithError(codec, x, {}, fb, key, payload);
+  }
+  if (spec_.storage == ErrorStorage::kFp32) {
+    return EncodeWithError(codec, x, absl::MakeSpan(fp32_).subspan(offset, x.size()),
+                           fb, key, payload);
+  }
+  std::vector<float> error(x.size());
+  Read(offset, absl::MakeSpan(error));
+  absl::Status status = EncodeWithError(codec, x, absl::MakeSpan(error), fb, key, payload);
+  if (status.ok()) Quantize(offset, error);
+  return status;
+}
+
+void ErrorFeedback::Quantize(size_t offset, absl::Span<const float> error) {
+  for (size_t start = 0; start < error.size(); start += block_elems_) {
+    const size_t len = simd::MinSize(block_elems_, error.size() - start);
+    float amax = 0.0f;
+    for (size_t j = 0; j < len; ++j) amax = std::fmax(amax, std::fabs(error[start + j]));
+    const float s = amax / 127.0f;
+    scales_[(offset + start) / block_elems_] = s;
+    for (size_t j = 0; j < len; ++j) {
+      const float q = s == 0.0f ? 0.0f : simd::ClampQ(std::nearbyint(error[start + j] / s), 127.0f);
+      int8_[offset + start + j] = static_cast<int8_t>(q);
+    }
+  }
+}
+
+void ErrorFeedback::Read(size_t offset, absl::Span<float> out) const {
+  MORSE_CHECK(offset <= size_ && out.size() <= size_ - offset);
+  if (spec_.kind == FeedbackKind::kNone) {
+    std::fill(out.begin(), out.end(), 0.0f);
+  } else if (spec_.storage == ErrorStorage::kFp32) {
+    std::copy_n(fp32_.begin() + offset, out.size(), out.begin());
+  } else {
+    for (size_t j = 0; j < out.size(); ++j) {
+      const size_t i = offset + j;
+      out[j] = static_cast<float>(int8_[i]) * scales_[i / block_elems_];
+    }
+  }
+}
+
+absl::Status ErrorFeedback::Restore(absl::Span<const float> error) {
+  if (error.size() != size_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "error buffer of ", error.size(), " elements restored into one of ", size_));
+  }
+  for (size_t j = 0; j < error.size(); ++j) {
+    if (!std::isfinite(error[j])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("restored error element ", j, " is not finite"));
+    }
+  }
+  if (spec_.kind == FeedbackKind::kNone) return absl::OkStatus();
+  if (spec_.storage == ErrorStorage::kFp32) {
+    fp32_.assign(error.begin(), error.end());
+  } else {
+    Quantize(0, error);
+  }
+  return absl::OkStatus();
+}
+
+double ErrorFeedback::SquaredNorm() const {
+  double sum = 0.0;
+  std::vector<float> block(block_elems_);
+  for (size_t start = 0; start < size_; start += block_elems_) {
+    const size_t len = simd::MinSize(block_elems_, size_ - start);
+    Read(start, absl::MakeSpan(block.data(), len));
+    for (size_t j = 0; j < len; ++j) sum += double{block[j]} * block[j];
+  }
+  return sum;
+}
+
+}  // namespace morse::compress

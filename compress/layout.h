@@ -1,0 +1,73 @@
+// Layout: how the flat parameter vector of D fp32 values is cut into blocks,
+// shards and partitions (DESIGN 3). A pure function of (D, S, B,
+// partition_elems); workers and servers each compute it and compare
+// fingerprints before exchanging anything.
+//
+//   blocks      ceil(D/B) blocks of B elements (the last may be shorter)
+//   shards      blocks dealt in contiguous runs, the first (blocks mod S)
+//               shards one block longer; shard s owns [begin_s, end_s)
+//   partitions  each shard range cut from its start into runs of
+//               partition_elems (the last may be shorter); ids are global, in
+//               order of position
+//
+// Immutable after Create; safe to share between threads.
+#ifndef MORSE_COMPRESS_LAYOUT_H_
+#define MORSE_COMPRESS_LAYOUT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace morse::compress {
+
+struct LayoutSpec {
+  uint64_t dim = 0;                    // D
+  uint32_t shards = 1;                 // S
+  uint32_t block_elems = 2048;         // B, a positive multiple of 16
+  uint32_t partition_elems = 1u << 20; // a positive multiple of B
+};
+
+struct Range {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t size() const { return end - begin; }
+};
+
+struct Partition {
+  uint32_t id = 0;
+  uint32_t shard = 0;
+  Range range;  // global element indices
+};
+
+class Layout {
+ public:
+  // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, or block and
+  // partition sizes that break the rules above.
+  static absl::StatusOr<Layout> Create(const LayoutSpec& spec);
+
+  const LayoutSpec& spec() const { return spec_; }
+  uint64_t block_count() const { return block_count_; }
+  const Range& shard_range(uint32_t shard) const { return shards_[shard]; }
+  absl::Span<const Partition> partitions() const { return partitions_; }
+  // The partitions of one shard, in order.
+  absl::Span<const Partition> shard_partitions(uint32_t shard) const;
+  // 64-bit FNV-1a over a version tag and the four spec fields, little-endian:
+  // equal specs give equal fingerprints on every platform.
+  uint64_t fingerprint() const { return fingerprint_; }
+
+ private:
+  Layout() = default;
+
+  LayoutSpec spec_;
+  uint64_t block_count_ = 0;
+  std::vector<Range> shards_;
+  std::vector<Partition> partitions_;
+  std::vector<uint32_t> first_partition_;  // per shard, plus one past the end
+  uint64_t fingerprint_ = 0;
+};
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_LAYOUT_H_

@@ -1,0 +1,118 @@
+// Element formulas shared by every CPU implementation of KernelTable.
+//
+// These are the normative fp32 evaluation orders of DESIGN 2.1-2.4; the CUDA
+// kernels spell the same operations with explicitly rounded intrinsics. Every
+// function is `static inline` on purpose: the avx2/ and avx512/ translation
+// units are compiled with wider instruction sets, and internal linkage keeps
+// the linker from handing their copies to code that must run on any x86-64.
+// Compile with -ffp-contract=off (the compress target does).
+#ifndef MORSE_COMPRESS_SIMD_ELEMENT_OPS_H_
+#define MORSE_COMPRESS_SIMD_ELEMENT_OPS_H_
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "compress/kernels.h"
+
+namespace morse::compress::simd {
+
+static inline size_t MinSize(size_t a, size_t b) { return a < b ? a : b; }
+
+static inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+static inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Bits of the largest finite fp32 magnitude + 1: anything at or above is
+// infinite or NaN.
+inline constexpr uint32_t kNonFiniteBits = 0x7f800000u;
+
+// The fixed lane reduction described in kernels.h.
+static inline float ReduceLanes16(const float lanes[16]) {
+  float t[16];
+  for (int i = 0; i < 16; ++i) t[i] = lanes[i];
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
+  }
+  return t[0];
+}
+
+// sign1 block scale from the reduced sum over `len` elements.
+static inline float Sign1Scale(float sum, size_t len, ScaleKind scale) {
+  const float mean = sum / static_cast<float>(len);
+  return scale == ScaleKind::kL2 ? std::sqrt(mean) : mean;
+}
+
+static inline bool IsFiniteScale(float s) {
+  return (FloatBits(s) & 0x7fffffffu) < kNonFiniteBits;
+}
+
+// The error after sending c for u (DESIGN 2.4).
+static inline float NextError(FeedbackArgs fb, float e_old, float u, float c) {
+  const float d = u - c;
+  if (fb.kind == FeedbackKind::kEma) {
+    return (1.0f - fb.beta) * e_old + fb.beta * d;
+  }
+  return d;
+}
+
+static inline float ClampQ(float q, float qmax) {
+  return q < -qmax ? -qmax : (q > qmax ? qmax : q);
+}
+
+// Adam element: returns nothing, updates x, m, v in place.
+static inline void AdamElement(const AdamScalars& s, float g, float* x,
+                               float* m, float* v) {
+  const float mi = s.beta1 * *m + (1.0f - s.beta1) * g;
+  const float vi = s.beta2 * *v + (1.0f - s.beta2) * (g * g);
+  const float m_hat = mi / s.bias_correction1;
+  const float v_hat = vi / s.bias_correction2;
+  const float step = m_hat / (std::sqrt(v_hat) + s.eps) + s.weight_decay * *x;
+  *m = mi;
+  *v = vi;
+  *x = *x - s.lr * step;
+}
+
+// 1-bit Adam compression phase element: m = c, v frozen.
+static inline void FrozenElement(const AdamScalars& s, float c, float* x,
+                                 float* m, float v) {
+  const float step = c / (std::sqrt(v) + s.eps) + s.weight_decay * *x;
+  *m = c;
+  *x = *x - s.lr * step;
+}
+
+static inline float MomentumElement(float beta1, float m, float g) {
+  return beta1 * m + (1.0f - beta1) * g;
+}
+
+static inline int QMax(int bits_per_elem) { return bits_per_elem == 8 ? 127 : 7; }
+
+// Stores q (an integral float in [-qmax, qmax]) as element j of int8/int4
+// data. int4 requires the byte to have been zeroed before its first nibble.
+static inline void StoreQ(int bits_per_elem, uint8_t* data, size_t j, float q) {
+  const int qi = static_cast<int>(q);
+  if (bits_per_elem == 8) {
+    data[j] = static_cast<uint8_t>(static_cast<int8_t>(qi));
+  } else {
+    data[j / 2] |= static_cast<uint8_t>((qi & 0xF) << (4 * (j & 1)));
+  }
+}
+
+static inline int LoadQ(int bits_per_elem, const uint8_t* data, size_t j) {
+  if (bits_per_elem == 8) return static_cast<int8_t>(data[j]);
+  const int nibble = (data[j / 2] >> (4 * (j & 1))) & 0xF;
+  return (nibble ^ 8) - 8;
+}
+
+}  // namespace morse::compress::simd
+
+#endif  // MORSE_COMPRESS_SIMD_ELEMENT_OPS_H_

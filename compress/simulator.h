@@ -1,0 +1,98 @@
+// Simulator: DESIGN section 2 in one process, with no threads and no RPC.
+//
+// N workers and S server shards, fed one gradient per worker per step,
+// produce the model (x, m, v, identical on every worker by construction) and
+// every error buffer after each step. It is the oracle the distributed system
+// is tested against, so it is written to be obviously right rather than fast:
+// it walks the partitions of the layout in order and does, for each, exactly
+// what the worker and the shard do.
+//
+// Not thread-safe; use one per thread.
+#ifndef MORSE_COMPRESS_SIMULATOR_H_
+#define MORSE_COMPRESS_SIMULATOR_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "compress/codec.h"
+#include "compress/error_feedback.h"
+#include "compress/layout.h"
+#include "compress/update_rules.h"
+
+namespace morse::compress {
+
+enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam };
+
+struct SimulatorConfig {
+  OptimizerKind optimizer = OptimizerKind::kOneBitAdam;
+  uint32_t workers = 1;  // N
+  LayoutSpec layout;
+  AdamHyper adam;
+  LrSchedule lr;
+  // onebit_adam: steps t < freeze_step are warmup (full-precision Adam
+  // without bias correction); from freeze_step on, v is frozen.
+  int64_t freeze_step = 0;
+  // onebit_adam: the codec of both directions in warmup (fp32, fp16, bf16;
+  // no error feedback).
+  CodecSpec warmup_codec{CodecKind::kFp32};
+  // The compression-phase codecs (onebit_adam) or the every-step codecs
+  // (adam): up = worker -> server, down = server -> worker.
+  CodecSpec up_codec{CodecKind::kSign1};
+  CodecSpec down_codec{CodecKind::kSign1};
+  FeedbackSpec worker_feedback;  // ef by default
+  FeedbackSpec server_feedback;
+  bool bias_correction = true;  // adam only; onebit_adam never corrects
+  uint64_t seed = 0;            // stochastic rounding
+};
+
+// OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
+absl::Status ValidateSimulatorConfig(const SimulatorConfig& config);
+
+// The stochastic-rounding key of a sender: workers are ranks 0..N-1, shard s
+// sends as rank N + s.
+RoundingKey SenderKey(const SimulatorConfig& config, int64_t step,
+                      uint32_t sender_rank, uint64_t first_index);
+
+class Simulator {
+ public:
+  // Starts at step 0 from parameters x0 (size D), m = v = 0, zero errors.
+  static absl::StatusOr<Simulator> Create(const SimulatorConfig& config,
+                                          absl::Span<const float> x0);
+
+  // Runs one step. gradients[i] is worker i's gradient (size D).
+  // INVALID_ARGUMENT on wrong sizes or a non-finite encode; state is then
+  // undefined for an encode failure and unchanged for a size error.
+  absl::Status Step(absl::Span<const absl::Span<const float>> gradients);
+
+  int64_t step() const { return step_; }  // steps completed
+  bool compressing() const;               // is the next step compressed?
+  const Layout& layout() const { return layout_; }
+  absl::Span<const float> x() const { return x_; }
+  absl::Span<const float> m() const { return m_; }
+  absl::Span<const float> v() const { return v_; }
+  const ErrorFeedback& worker_error(uint32_t rank) const { return worker_errors_[rank]; }
+  const ErrorFeedback& server_error(uint32_t shard) const { return server_errors_[shard]; }
+
+ private:
+  Simulator(const SimulatorConfig& config, Layout layout, absl::Span<const float> x0);
+
+  // One partition's round trip; returns the decoded reply (what every worker
+  // receives) in `reply`.
+  absl::Status RoundTrip(const Partition& p, const CodecSpec& up,
+                         const CodecSpec& down, bool feedback,
+                         const std::vector<std::vector<float>>& messages,
+                         std::vector<float>& reply);
+
+  SimulatorConfig config_;
+  Layout layout_;
+  int64_t step_ = 0;
+  std::vector<float> x_, m_, v_;
+  std::vector<ErrorFeedback> worker_errors_;
+  std::vector<ErrorFeedback> server_errors_;
+};
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_SIMULATOR_H_

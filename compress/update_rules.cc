@@ -1,0 +1,87 @@
+#include "compress/update_rules.h"
+
+#include <cmath>
+#include <numbers>
+
+#include "absl/strings/str_cat.h"
+#include "compress/check.h"
+
+namespace morse::compress {
+
+absl::Status ValidateAdamHyper(const AdamHyper& h) {
+  if (!(h.beta1 >= 0.0f && h.beta1 < 1.0f) || !(h.beta2 >= 0.0f && h.beta2 < 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "adam: betas must be in [0, 1), got ", h.beta1, ", ", h.beta2));
+  }
+  if (!(h.eps > 0.0f) || !std::isfinite(h.eps)) {
+    return absl::InvalidArgumentError(absl::StrCat("adam: eps must be positive, got ", h.eps));
+  }
+  if (!(h.weight_decay >= 0.0f) || !std::isfinite(h.weight_decay)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("adam: weight_decay must be >= 0, got ", h.weight_decay));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLrSchedule(const LrSchedule& s) {
+  if (!(s.base_lr > 0.0f) || !std::isfinite(s.base_lr)) {
+    return absl::InvalidArgumentError(absl::StrCat("lr: base_lr must be positive, got ", s.base_lr));
+  }
+  if (s.warmup_steps < 0) return absl::InvalidArgumentError("lr: warmup_steps must be >= 0");
+  if (s.kind == LrSchedule::Kind::kCosine &&
+      (s.total_steps <= s.warmup_steps || !(s.min_lr >= 0.0f) || s.min_lr > s.base_lr)) {
+    return absl::InvalidArgumentError(
+        "lr: cosine needs total_steps > warmup_steps and 0 <= min_lr <= base_lr");
+  }
+  return absl::OkStatus();
+}
+
+float LearningRate(const LrSchedule& s, int64_t step) {
+  const double base = s.base_lr;
+  if (step < s.warmup_steps) {
+    return static_cast<float>(base * static_cast<double>(step + 1) /
+                              static_cast<double>(s.warmup_steps));
+  }
+  if (s.kind == LrSchedule::Kind::kConstant) return s.base_lr;
+  const double span = static_cast<double>(s.total_steps - s.warmup_steps);
+  const double done = std::min(1.0, static_cast<double>(step - s.warmup_steps) / span);
+  const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * done));
+  return static_cast<float>(s.min_lr + (base - s.min_lr) * cosine);
+}
+
+AdamScalars MakeAdamScalars(const AdamHyper& h, float lr, int64_t t,
+                            bool bias_correction) {
+  AdamScalars s;
+  s.lr = lr;
+  s.beta1 = h.beta1;
+  s.beta2 = h.beta2;
+  s.eps = h.eps;
+  s.weight_decay = h.weight_decay;
+  if (bias_correction) {
+    MORSE_CHECK(t >= 1);
+    s.bias_correction1 = static_cast<float>(1.0 - std::pow(double{h.beta1}, double(t)));
+    s.bias_correction2 = static_cast<float>(1.0 - std::pow(double{h.beta2}, double(t)));
+  }
+  return s;
+}
+
+void AdamStep(const AdamScalars& s, absl::Span<const float> g,
+              absl::Span<float> x, absl::Span<float> m, absl::Span<float> v) {
+  MORSE_CHECK(g.size() == x.size() && x.size() == m.size() && m.size() == v.size());
+  ActiveKernels().adam_update(s, g.data(), x.data(), m.data(), v.data(), x.size());
+}
+
+void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
+                        absl::Span<float> x, absl::Span<float> m,
+                        absl::Span<const float> v) {
+  MORSE_CHECK(c.size() == x.size() && x.size() == m.size() && m.size() == v.size());
+  ActiveKernels().frozen_update(s, c.data(), x.data(), m.data(), v.data(), x.size());
+}
+
+void LocalMomentum(float beta1, absl::Span<const float> m,
+                   absl::Span<const float> g, absl::Span<float> out) {
+  MORSE_CHECK(m.size() == g.size() && g.size() == out.size());
+  ActiveKernels().momentum(beta1, m.data(), g.data(), out.data(), out.size());
+}
+
+}  // namespace morse::compress

@@ -1,0 +1,63 @@
+// The optimizer updates of DESIGN 2.1 and 2.2 as functions on spans, and the
+// learning-rate schedule. Every function runs on ActiveKernels(), whose
+// implementations give identical bits (no FMA contraction, no fast-math).
+// Spans passed together must have equal sizes (checked; a mismatch aborts).
+#ifndef MORSE_COMPRESS_UPDATE_RULES_H_
+#define MORSE_COMPRESS_UPDATE_RULES_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "compress/kernels.h"
+
+namespace morse::compress {
+
+struct AdamHyper {
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+absl::Status ValidateAdamHyper(const AdamHyper& hyper);
+
+// Learning rate gamma_t for step t (0-based): linear warmup from 0 over
+// warmup_steps, then constant or cosine decay to min_lr at total_steps.
+struct LrSchedule {
+  enum class Kind : uint8_t { kConstant, kCosine };
+  Kind kind = Kind::kConstant;
+  float base_lr = 1e-3f;
+  int64_t warmup_steps = 0;
+  int64_t total_steps = 0;  // kCosine only
+  float min_lr = 0.0f;      // kCosine only
+};
+
+absl::Status ValidateLrSchedule(const LrSchedule& schedule);
+// Computed in double and rounded once to fp32, so every process agrees.
+float LearningRate(const LrSchedule& schedule, int64_t step);
+
+// The fp32 scalars of one update. `t` is the 1-based count of Adam updates
+// for bias correction, which is applied only when `bias_correction` is true
+// (1 - beta^t computed in double, rounded once).
+AdamScalars MakeAdamScalars(const AdamHyper& hyper, float lr, int64_t t,
+                            bool bias_correction);
+
+// Adam (DESIGN 2.2; with bias_correction1/2 == 1 it is the 1-bit Adam warmup
+// step of 2.1): m, v from g, then x.
+void AdamStep(const AdamScalars& s, absl::Span<const float> g,
+              absl::Span<float> x, absl::Span<float> m, absl::Span<float> v);
+
+// 1-bit Adam compression phase (2.1): m = c (the decoded server reply), v
+// frozen, then x.
+void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
+                        absl::Span<float> x, absl::Span<float> m,
+                        absl::Span<const float> v);
+
+// A worker's local momentum in the compression phase: out = b1*m + (1-b1)*g.
+void LocalMomentum(float beta1, absl::Span<const float> m,
+                   absl::Span<const float> g, absl::Span<float> out);
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_UPDATE_RULES_H_
