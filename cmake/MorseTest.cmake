@@ -12,6 +12,8 @@ function(morse_add_test source)
   string(REPLACE "/" "_" name ${name})
   add_executable(${name} ${source})
   target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gtest_main)
+  # Oracles written out in tests must round like the code under test.
+  target_compile_options(${name} PRIVATE -ffp-contract=off)
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 120
                        PROPERTIES LABELS "${ARG_LABELS}")
 endfunction()

@@ -104,7 +104,7 @@ absl::Status ValidateCodecSpec(const CodecSpec& spec) {
         "block_elems must be a positive multiple of 16, got ", spec.block_elems));
   }
   if (spec.kind == CodecKind::kTopK &&
-      !(spec.topk_ratio > 0.0f && spec.topk_ratio <= 1.0f)) {
+      !(spec.topk_ratio > 0.0 && spec.topk_ratio <= 1.0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "topk ratio must be in (0, 1], got ", spec.topk_ratio));
   }
@@ -115,8 +115,8 @@ size_t BlockCount(const CodecSpec& spec, size_t n) {
   return (n + spec.block_elems - 1) / spec.block_elems;
 }
 
-size_t TopKCount(float ratio, size_t n) {
-  const double k = std::ceil(static_cast<double>(ratio) * static_cast<double>(n));
+size_t TopKCount(double ratio, size_t n) {
+  const double k = std::ceil(ratio * static_cast<double>(n));
   return std::min(n, static_cast<size_t>(k));
 }
 

@@ -45,7 +45,7 @@ struct CodecSpec {
   uint32_t block_elems = kDefaultBlockElems;
   ScaleKind scale = ScaleKind::kL2;            // sign1 only
   Rounding rounding = Rounding::kNearestEven;  // int8 and int4 only
-  float topk_ratio = 0.01f;                    // topk only, in (0, 1]
+  double topk_ratio = 0.01;                    // topk only, in (0, 1]
 };
 
 // The per-element key of stochastic rounding (DESIGN 2.3): the draw for
@@ -82,9 +82,9 @@ absl::Status ValidateCodecSpec(const CodecSpec& spec);
 // Number of blocks (scales) of a payload of n elements.
 size_t BlockCount(const CodecSpec& spec, size_t n);
 
-// Number of values topk keeps of n: min(n, ceil(ratio * n)), computed in
-// double precision from the fp32 ratio.
-size_t TopKCount(float ratio, size_t n);
+// Number of values topk keeps of n: min(n, ceil(ratio * n)) in double
+// precision (the ratio is a double so that 0.1 of 5000 is 500, not 501).
+size_t TopKCount(double ratio, size_t n);
 
 // Exact payload size in bytes of n elements. Requires a valid spec.
 size_t PayloadBytes(const CodecSpec& spec, size_t n);

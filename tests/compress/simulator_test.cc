@@ -1,0 +1,201 @@
+// The simulator against independent oracles: plain synchronous Adam written
+// out here element by element, and Adam's loss on a noisy quadratic.
+#include "compress/simulator.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/compress/test_util.h"
+
+namespace morse::compress {
+namespace {
+
+// A noisy quadratic: f(x) = 0.5 sum_j a_j (x_j - t_j)^2; worker i sees the
+// exact gradient plus its own Gaussian noise.
+class NoisyQuadratic {
+ public:
+  NoisyQuadratic(size_t dim, uint32_t workers, float noise, uint32_t seed)
+      : a_(dim), t_(dim), workers_(workers), noise_(noise), rng_(seed) {
+    std::uniform_real_distribution<float> curvature(0.1f, 1.0f), target(-1.0f, 1.0f);
+    for (size_t j = 0; j < dim; ++j) {
+      a_[j] = curvature(rng_);
+      t_[j] = target(rng_);
+    }
+  }
+
+  std::vector<std::vector<float>> Gradients(absl::Span<const float> x) {
+    std::normal_distribution<float> normal(0.0f, noise_);
+    std::vector<std::vector<float>> g(workers_, std::vector<float>(x.size()));
+    for (auto& gi : g) {
+      for (size_t j = 0; j < x.size(); ++j) gi[j] = a_[j] * (x[j] - t_[j]) + normal(rng_);
+    }
+    return g;
+  }
+
+  double Loss(absl::Span<const float> x) const {
+    double loss = 0.0;
+    for (size_t j = 0; j < x.size(); ++j) {
+      loss += 0.5 * a_[j] * double(x[j] - t_[j]) * double(x[j] - t_[j]);
+    }
+    return loss;
+  }
+
+ private:
+  std::vector<float> a_, t_;
+  uint32_t workers_;
+  float noise_;
+  std::mt19937 rng_;
+};
+
+absl::Status Step(Simulator& sim, const std::vector<std::vector<float>>& g) {
+  std::vector<absl::Span<const float>> views(g.begin(), g.end());
+  return sim.Step(views);
+}
+
+SimulatorConfig BaseConfig(OptimizerKind optimizer, uint32_t workers, uint64_t dim) {
+  SimulatorConfig c;
+  c.optimizer = optimizer;
+  c.workers = workers;
+  c.layout = {dim, 2, 256, 1024};
+  for (CodecSpec* codec : {&c.warmup_codec, &c.up_codec, &c.down_codec}) {
+    codec->block_elems = 256;
+  }
+  return c;
+}
+
+TEST(SimulatorTest, Fp32AdamWithoutFeedbackIsExactSynchronousAdam) {
+  const uint64_t dim = 3001;  // odd: last block and partition are short
+  SimulatorConfig c = BaseConfig(OptimizerKind::kAdam, 3, dim);
+  c.up_codec.kind = c.down_codec.kind = CodecKind::kFp32;
+  c.worker_feedback.kind = c.server_feedback.kind = FeedbackKind::kNone;
+  c.adam = {0.9f, 0.999f, 1e-8f, 0.001f};
+  c.lr = {LrSchedule::Kind::kConstant, 0.01f, 5};
+  NoisyQuadratic problem(dim, 3, 0.1f, 1);
+  std::vector<float> x0 = testing::VariedData(dim, 2);
+  auto sim = Simulator::Create(c, x0);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+
+  std::vector<float> x = x0, m(dim, 0.0f), v(dim, 0.0f);
+  for (int t = 0; t < 20; ++t) {
+    const auto g = problem.Gradients(x);
+    ASSERT_TRUE(Step(*sim, g).ok());
+    // The oracle: average in rank order, then Adam, written out.
+    const float lr = LearningRate(c.lr, t);
+    const float bc1 = static_cast<float>(1.0 - std::pow(double{0.9f}, t + 1));
+    const float bc2 = static_cast<float>(1.0 - std::pow(double{0.999f}, t + 1));
+    for (size_t j = 0; j < dim; ++j) {
+      float sum = 0.0f;
+      for (const auto& gi : g) sum += gi[j];
+      const float avg = sum / 3.0f;
+      m[j] = 0.9f * m[j] + (1.0f - 0.9f) * avg;
+      v[j] = 0.999f * v[j] + (1.0f - 0.999f) * (avg * avg);
+      const float step = (m[j] / bc1) / (std::sqrt(v[j] / bc2) + 1e-8f) + 0.001f * x[j];
+      x[j] = x[j] - lr * step;
+    }
+    ASSERT_EQ(testing::FirstBitDifference(sim->x(), x), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(sim->m(), m), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(sim->v(), v), -1) << "step " << t;
+  }
+}
+
+struct TrainResult {
+  double initial_loss = 0, final_loss = 0;
+};
+
+TrainResult Train(const SimulatorConfig& c, int steps) {
+  NoisyQuadratic problem(c.layout.dim, c.workers, 0.5f, 3);
+  std::vector<float> x0(c.layout.dim, 0.0f);
+  auto sim = Simulator::Create(c, x0);
+  EXPECT_TRUE(sim.ok()) << sim.status();
+  TrainResult r{problem.Loss(sim->x()), 0};
+  for (int t = 0; t < steps; ++t) EXPECT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
+  r.final_loss = problem.Loss(sim->x());
+  return r;
+}
+
+TEST(SimulatorTest, OneBitAdamReachesAdamsLossOnANoisyQuadratic) {
+  const uint64_t dim = 4000;
+  const int steps = 1000;
+  SimulatorConfig adam = BaseConfig(OptimizerKind::kAdam, 4, dim);
+  adam.up_codec.kind = adam.down_codec.kind = CodecKind::kFp32;
+  adam.worker_feedback.kind = adam.server_feedback.kind = FeedbackKind::kNone;
+  adam.lr = {LrSchedule::Kind::kCosine, 0.02f, 0, steps, 0.0f};
+  SimulatorConfig onebit = BaseConfig(OptimizerKind::kOneBitAdam, 4, dim);
+  onebit.lr = adam.lr;
+  onebit.freeze_step = steps / 5;
+  const TrainResult a = Train(adam, steps), b = Train(onebit, steps);
+  std::printf("noisy quadratic, %d steps: loss %.4g -> adam %.4g, onebit_adam %.4g\n",
+              steps, a.initial_loss, a.final_loss, b.final_loss);
+  // Both make real progress, and 1-bit Adam ends within 25% of Adam's loss
+  // plus 0.1% of the starting loss (the gradient noise sets the floor).
+  EXPECT_LT(a.final_loss, 0.01 * a.initial_loss);
+  EXPECT_LT(b.final_loss, 1.25 * a.final_loss + 1e-3 * a.initial_loss);
+}
+
+TEST(SimulatorTest, OneBitAdamFreezesVAndSetsMomentumToTheServersSigns) {
+  const uint64_t dim = 1500;
+  SimulatorConfig c = BaseConfig(OptimizerKind::kOneBitAdam, 2, dim);
+  c.lr = {LrSchedule::Kind::kConstant, 0.01f};
+  c.freeze_step = 3;
+  NoisyQuadratic problem(dim, 2, 0.1f, 5);
+  auto sim = Simulator::Create(c, std::vector<float>(dim, 0.0f));
+  ASSERT_TRUE(sim.ok());
+  std::vector<float> v_frozen;
+  for (int t = 0; t < 8; ++t) {
+    EXPECT_EQ(sim->compressing(), t >= 3);
+    ASSERT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
+    if (t == 2) v_frozen.assign(sim->v().begin(), sim->v().end());
+  }
+  EXPECT_EQ(testing::FirstBitDifference(sim->v(), v_frozen), -1);
+  // m is the decoded sign1 reply: one magnitude per 256-element block.
+  for (size_t start = 0; start < dim; start += 256) {
+    for (size_t j = start; j < std::min<size_t>(dim, start + 256); ++j) {
+      ASSERT_EQ(std::fabs(sim->m()[j]), std::fabs(sim->m()[start])) << j;
+    }
+  }
+  EXPECT_GT(sim->worker_error(0).SquaredNorm(), 0.0);
+  EXPECT_GT(sim->server_error(1).SquaredNorm(), 0.0);
+}
+
+TEST(SimulatorTest, SameInputsGiveTheSameBits) {
+  SimulatorConfig c = BaseConfig(OptimizerKind::kAdam, 3, 2000);
+  c.up_codec.kind = c.down_codec.kind = CodecKind::kInt4;
+  c.up_codec.rounding = Rounding::kStochastic;
+  c.worker_feedback = c.server_feedback = {FeedbackKind::kEma, 0.5f};
+  c.seed = 99;
+  std::vector<std::vector<float>> xs;
+  for (int run = 0; run < 2; ++run) {
+    NoisyQuadratic problem(2000, 3, 0.1f, 7);
+    auto sim = Simulator::Create(c, std::vector<float>(2000, 0.0f));
+    ASSERT_TRUE(sim.ok());
+    for (int t = 0; t < 10; ++t) ASSERT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
+    xs.emplace_back(sim->x().begin(), sim->x().end());
+  }
+  EXPECT_EQ(testing::FirstBitDifference(xs[0], xs[1]), -1);
+}
+
+TEST(SimulatorTest, BadConfigsAndInputsAreRejected) {
+  SimulatorConfig c = BaseConfig(OptimizerKind::kOneBitAdam, 2, 1000);
+  c.warmup_codec.kind = CodecKind::kSign1;
+  EXPECT_EQ(Simulator::Create(c, std::vector<float>(1000)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  c = BaseConfig(OptimizerKind::kOneBitAdam, 2, 1000);
+  c.up_codec.block_elems = 512;
+  EXPECT_EQ(Simulator::Create(c, std::vector<float>(1000)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  c = BaseConfig(OptimizerKind::kOneBitAdam, 2, 1000);
+  EXPECT_EQ(Simulator::Create(c, std::vector<float>(999)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto sim = Simulator::Create(c, std::vector<float>(1000));
+  ASSERT_TRUE(sim.ok());
+  const std::vector<std::vector<float>> one(1, std::vector<float>(1000));
+  EXPECT_EQ(Step(*sim, one).code(), absl::StatusCode::kInvalidArgument);
+  const std::vector<std::vector<float>> short_g(2, std::vector<float>(999));
+  EXPECT_EQ(Step(*sim, short_g).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sim->step(), 0);
+}
+
+}  // namespace
+}  // namespace morse::compress
