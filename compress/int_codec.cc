@@ -11,6 +11,31 @@
 namespace morse::compress {
 namespace {
 
+// Index of the first byte equal to `value`, or n.
+size_t FindByte(const uint8_t* p, size_t n, uint8_t value) {
+  const void* hit = std::memchr(p, value, n);
+  return hit ? static_cast<size_t>(static_cast<const uint8_t*>(hit) - p) : n;
+}
+
+// Index of the first byte with a nibble equal to 8 (int4's -8), or n. Eight
+// bytes at a time: a nibble is 8 iff it is zero after xor with 8, found by
+// the has-zero-byte trick on each nibble position.
+size_t FindNibble8(const uint8_t* p, size_t n) {
+  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0Full, kEights = 0x0808080808080808ull;
+  constexpr uint64_t kOnes = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
+  const auto has_zero_byte = [](uint64_t v) { return ((v - kOnes) & ~v & kHigh) != 0; };
+  size_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + k, 8);
+    if (has_zero_byte((w & kLow) ^ kEights) || has_zero_byte(((w >> 4) & kLow) ^ kEights)) break;
+  }
+  for (; k < n; ++k) {
+    if ((p[k] & 0x0F) == 0x08 || (p[k] & 0xF0) == 0x80) return k;
+  }
+  return n;
+}
+
 int BitsPerElem(const CodecSpec& spec) {
   return spec.kind == CodecKind::kInt8 ? 8 : 4;
 }
@@ -49,15 +74,11 @@ absl::Status IntCodec::Validate(const CodecSpec& spec,
   // The encoder clamps to [-q_max, q_max]; -q_max - 1 is malformed.
   const uint8_t* data = payload.data() + 4 * blocks;
   const size_t bytes = payload.size() - 4 * blocks;
-  for (size_t k = 0; k < bytes; ++k) {
-    const bool bad = spec.kind == CodecKind::kInt8
-                         ? data[k] == 0x80
-                         : (data[k] & 0x0F) == 0x08 || (data[k] & 0xF0) == 0x80;
-    if (bad) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          CodecName(spec.kind), ": byte ", k,
-          " holds a value outside [-q_max, q_max]"));
-    }
+  const size_t bad = spec.kind == CodecKind::kInt8 ? FindByte(data, bytes, 0x80)
+                                                   : FindNibble8(data, bytes);
+  if (bad < bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        CodecName(spec.kind), ": byte ", bad, " holds a value outside [-q_max, q_max]"));
   }
   if (spec.kind == CodecKind::kInt4 && n % 2 == 1 && bytes > 0 &&
       (data[bytes - 1] & 0xF0) != 0) {

@@ -22,6 +22,8 @@ struct Avx2 {
   static F Set1(float f) { return _mm256_set1_ps(f); }
   static F Load(const float* p) { return _mm256_loadu_ps(p); }
   static void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void StoreStream(float* p, F v) { _mm256_stream_ps(p, v); }
+  static void Fence() { _mm_sfence(); }
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }

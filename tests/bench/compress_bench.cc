@@ -1,0 +1,233 @@
+// Throughput of compress/'s hot loops against the memory-bandwidth ceiling
+// measured in the same run.
+//
+// The first benchmark is a STREAM-like triad (a = b + s*c over 64 MiB
+// arrays); its best rate in GB/s is the ceiling. Every other benchmark
+// reports its effective bandwidth (the bytes the operation must read and
+// write, divided by its time) and `vs_triad`, that rate over the ceiling.
+// Single-threaded: the targets are per core.
+//
+//   build/tests/bench/compress_bench [--benchmark_filter=sign1]
+//   MORSE_SIMD=scalar build/tests/bench/compress_bench  (codec benchmarks only)
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "compress/codec.h"
+#include "compress/error_feedback.h"
+#include "compress/kernels.h"
+#include "compress/update_rules.h"
+
+namespace morse::compress {
+namespace {
+
+constexpr size_t kElems = size_t{16} << 20;  // 64 MiB of fp32
+constexpr uint32_t kBlock = kDefaultBlockElems;
+double g_triad_gbps = 0.0;
+
+// Buffers the system allocates for partitions are 64-byte aligned; so are
+// the benchmark's outputs.
+struct AlignedFloats {
+  explicit AlignedFloats(size_t n)
+      : data(static_cast<float*>(std::aligned_alloc(64, (4 * n + 63) / 64 * 64))), size(n) {}
+  ~AlignedFloats() { std::free(data); }
+  absl::Span<float> span() { return {data, size}; }
+  float* data;
+  size_t size;
+};
+
+std::vector<float> RandomVector(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+// Runs `op` per iteration with manual timing and reports GB/s and vs_triad.
+template <class Op>
+void Measure(benchmark::State& state, double bytes_per_op, double elems_per_op, Op op) {
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    op();
+    benchmark::ClobberMemory();
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(t);
+    seconds += t;
+  }
+  const double gbps = bytes_per_op * double(state.iterations()) / seconds / 1e9;
+  state.counters["GB/s"] = gbps;
+  state.counters["Gelem/s"] = elems_per_op * double(state.iterations()) / seconds / 1e9;
+  if (g_triad_gbps > 0) state.counters["vs_triad"] = gbps / g_triad_gbps;
+}
+
+void BM_Triad(benchmark::State& state) {
+  std::vector<float> a(kElems), b = RandomVector(kElems, 1), c = RandomVector(kElems, 2);
+  const float s = 3.0f;
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    float* __restrict pa = a.data();
+    const float* __restrict pb = b.data();
+    const float* __restrict pc = c.data();
+    for (size_t i = 0; i < kElems; ++i) pa[i] = pb[i] + s * pc[i];
+    benchmark::ClobberMemory();
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(t);
+    seconds += t;
+    g_triad_gbps = std::max(g_triad_gbps, 12.0 * kElems / t / 1e9);
+  }
+  state.counters["GB/s"] = 12.0 * kElems * double(state.iterations()) / seconds / 1e9;
+  state.counters["best_GB/s"] = g_triad_gbps;
+}
+BENCHMARK(BM_Triad)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
+
+// sign1 encode fused with ef, per kernel implementation: reads x and e,
+// writes e and the payload.
+void BM_Sign1EncodeEf(benchmark::State& state, const KernelTable* table) {
+  if (table == nullptr) {
+    state.SkipWithError("this CPU cannot run this implementation");
+    return;
+  }
+  const std::vector<float> x = RandomVector(kElems, 3);
+  std::vector<float> e(kElems, 0.0f);
+  std::vector<float> scales(kElems / kBlock);
+  std::vector<uint8_t> bits(kElems / 8);
+  const double bytes = 12.0 * kElems + 4.0 * scales.size() + bits.size();
+  Measure(state, bytes, kElems, [&] {
+    table->sign1_encode(x.data(), e.data(), kElems, kBlock, ScaleKind::kL2,
+                        {FeedbackKind::kEf, 1}, scales.data(), bits.data());
+  });
+}
+
+void BM_Sign1Decode(benchmark::State& state, const KernelTable* table) {
+  if (table == nullptr) {
+    state.SkipWithError("this CPU cannot run this implementation");
+    return;
+  }
+  std::vector<float> scales(kElems / kBlock, 0.5f);
+  AlignedFloats out(kElems);
+  std::vector<uint8_t> bits(kElems / 8);
+  std::mt19937 rng(4);
+  for (uint8_t& b : bits) b = static_cast<uint8_t>(rng());
+  const double bytes = 4.0 * kElems + 4.0 * scales.size() + bits.size();
+  Measure(state, bytes, kElems, [&] {
+    table->sign1_decode(scales.data(), bits.data(), kElems, kBlock, out.data);
+  });
+}
+
+// The codec API on the active kernels, for every codec; encode with ef
+// where it applies (the error buffer is read and written).
+void BM_Encode(benchmark::State& state, CodecKind kind, FeedbackKind feedback) {
+  CodecSpec spec{kind, kBlock};
+  const size_t n = kind == CodecKind::kTopK ? kElems / 8 : kElems;  // topk sorts
+  const std::vector<float> x = RandomVector(n, 5);
+  ErrorFeedback fb({feedback}, n, kBlock);
+  std::vector<uint8_t> payload(PayloadBytes(spec, n));
+  const double bytes = (feedback == FeedbackKind::kNone ? 4.0 : 12.0) * n + payload.size();
+  Measure(state, bytes, n, [&] {
+    benchmark::DoNotOptimize(fb.Compress(spec, 0, x, {}, absl::MakeSpan(payload)));
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+void BM_Decode(benchmark::State& state, CodecKind kind) {
+  CodecSpec spec{kind, kBlock};
+  const size_t n = kind == CodecKind::kTopK ? kElems / 8 : kElems;
+  const std::vector<float> x = RandomVector(n, 6);
+  std::vector<uint8_t> payload(PayloadBytes(spec, n));
+  if (!Encode(spec, x, {}, absl::MakeSpan(payload)).ok()) std::abort();
+  AlignedFloats out(n);
+  const double bytes = 4.0 * n + payload.size();
+  Measure(state, bytes, n, [&] {
+    benchmark::DoNotOptimize(Decode(spec, payload, out.span()));
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+// The server's average of N decoded payloads (N = 4 workers).
+void BM_DecodeAverage4(benchmark::State& state, CodecKind kind) {
+  CodecSpec spec{kind, kBlock};
+  std::vector<std::vector<uint8_t>> payloads(4);
+  for (int i = 0; i < 4; ++i) {
+    payloads[i].resize(PayloadBytes(spec, kElems));
+    if (!Encode(spec, RandomVector(kElems, 10 + i), {}, absl::MakeSpan(payloads[i])).ok()) {
+      std::abort();
+    }
+  }
+  std::vector<absl::Span<const uint8_t>> views(payloads.begin(), payloads.end());
+  std::vector<float> out(kElems);
+  const double bytes = 4.0 * kElems + 4.0 * payloads[0].size();
+  Measure(state, bytes, kElems, [&] {
+    benchmark::DoNotOptimize(DecodeAverage(spec, views, absl::MakeSpan(out)));
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+void BM_AdamStep(benchmark::State& state) {
+  const std::vector<float> g = RandomVector(kElems, 7);
+  std::vector<float> x = RandomVector(kElems, 8), m(kElems, 0.0f), v(kElems, 0.0f);
+  const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, true);
+  Measure(state, 28.0 * kElems, kElems, [&] {
+    AdamStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v));
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+void BM_FrozenVarianceStep(benchmark::State& state) {
+  const std::vector<float> c = RandomVector(kElems, 9);
+  std::vector<float> x = RandomVector(kElems, 10), m(kElems, 0.0f), v(kElems, 1.0f);
+  const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
+  Measure(state, 20.0 * kElems, kElems, [&] {
+    FrozenVarianceStep(s, c, absl::MakeSpan(x), absl::MakeSpan(m), v);
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+void RegisterAll() {
+  const std::pair<const char*, const KernelTable*> tables[] = {
+      {"scalar", &ScalarKernels()}, {"avx2", Avx2Kernels()}, {"avx512", Avx512Kernels()}};
+  const auto common = [](benchmark::internal::Benchmark* b) {
+    b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
+  };
+  for (const auto& [name, table] : tables) {
+    common(benchmark::RegisterBenchmark((std::string("sign1_encode_ef/") + name).c_str(),
+                                        BM_Sign1EncodeEf, table));
+    common(benchmark::RegisterBenchmark((std::string("sign1_decode/") + name).c_str(),
+                                        BM_Sign1Decode, table));
+  }
+  for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4,
+                         CodecKind::kFp16, CodecKind::kBf16, CodecKind::kFp32,
+                         CodecKind::kTopK}) {
+    const std::string codec(CodecName(kind));
+    common(benchmark::RegisterBenchmark(("encode/" + codec).c_str(), BM_Encode, kind,
+                                        FeedbackKind::kNone));
+    common(benchmark::RegisterBenchmark(("encode_ef/" + codec).c_str(), BM_Encode, kind,
+                                        FeedbackKind::kEf));
+    common(benchmark::RegisterBenchmark(("decode/" + codec).c_str(), BM_Decode, kind));
+  }
+  for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4}) {
+    common(benchmark::RegisterBenchmark(
+        ("average4/" + std::string(CodecName(kind))).c_str(), BM_DecodeAverage4, kind));
+  }
+  common(benchmark::RegisterBenchmark("adam_step", BM_AdamStep));
+  common(benchmark::RegisterBenchmark("frozen_variance_step", BM_FrozenVarianceStep));
+}
+
+}  // namespace
+}  // namespace morse::compress
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  morse::compress::RegisterAll();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
