@@ -1,0 +1,75 @@
+#include "compress/replica.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+
+namespace morse::compress {
+
+StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
+  StepPlan plan;
+  if (config.optimizer == OptimizerKind::kOneBitAdam && step < config.freeze_step) {
+    plan.up = plan.down = config.warmup_codec;
+    return plan;
+  }
+  plan.compressing = config.optimizer == OptimizerKind::kOneBitAdam;
+  plan.feedback = true;
+  plan.up = config.up_codec;
+  plan.down = config.down_codec;
+  return plan;
+}
+
+uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (absl::Span<const float> a : arrays) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(a.data());
+    const size_t n = a.size() * sizeof(float);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t word;
+      std::memcpy(&word, bytes + i, 8);
+      hash = (hash ^ word) * 0x100000001b3ull;
+    }
+    for (; i < n; ++i) hash = (hash ^ bytes[i]) * 0x100000001b3ull;
+  }
+  return hash;
+}
+
+Replica::Replica(const SimulatorConfig& config, Range range)
+    : config_(config),
+      range_(range),
+      x_(range.size(), 0.0f),
+      m_(range.size(), 0.0f),
+      v_(range.size(), 0.0f) {}
+
+absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
+                                 absl::Span<const uint8_t> reply) {
+  if (begin < range_.begin || begin + n > range_.end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
+        range_.begin, ", ", range_.end, ")"));
+  }
+  const StepPlan plan = PlanStep(config_, step);
+  std::vector<float> decoded(n);
+  if (absl::Status s = Decode(plan.down, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
+  const size_t offset = begin - range_.begin;
+  auto x = absl::MakeSpan(x_).subspan(offset, n);
+  auto m = absl::MakeSpan(m_).subspan(offset, n);
+  auto v = absl::MakeSpan(v_).subspan(offset, n);
+  const float lr = LearningRate(config_.lr, step);
+  if (plan.compressing) {
+    FrozenVarianceStep(MakeAdamScalars(config_.adam, lr, step + 1, false), decoded, x, m, v);
+  } else {
+    const bool correct = config_.optimizer == OptimizerKind::kAdam && config_.bias_correction;
+    AdamStep(MakeAdamScalars(config_.adam, lr, step + 1, correct), decoded, x, m, v);
+  }
+  return absl::OkStatus();
+}
+
+void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g,
+                            absl::Span<float> out) const {
+  compress::LocalMomentum(config_.adam.beta1,
+                          absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
+}
+
+}  // namespace morse::compress

@@ -1,0 +1,65 @@
+// Replica: x, m and v over one range of the flat parameter vector, and the
+// one place that turns a shard's reply into an update (DESIGN 2.1-2.2). A
+// worker holds a replica of [0, D); a server shard mirrors its own range.
+// Both run this same code on the same bytes, which is what keeps them
+// bit-identical (DESIGN 2.5).
+//
+// ApplyReply on disjoint partitions may run concurrently; everything else is
+// thread-compatible.
+#ifndef MORSE_COMPRESS_REPLICA_H_
+#define MORSE_COMPRESS_REPLICA_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "compress/layout.h"
+#include "compress/simulator.h"
+
+namespace morse::compress {
+
+// What step t of a job sends in each direction.
+struct StepPlan {
+  bool compressing = false;  // 1-bit Adam after the freeze step
+  bool feedback = false;     // error feedback on (never in 1-bit warmup)
+  CodecSpec up;
+  CodecSpec down;
+};
+StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
+
+// A 64-bit checksum of float arrays' bits, in order (FNV-1a over 8-byte
+// words, then the tail). For comparing replicas, never for security.
+uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays);
+
+class Replica {
+ public:
+  // Zero x, m, v over `range`.
+  Replica(const SimulatorConfig& config, Range range);
+
+  const Range& range() const { return range_; }
+  absl::Span<float> x() { return absl::MakeSpan(x_); }
+  absl::Span<const float> x() const { return x_; }
+  absl::Span<const float> m() const { return m_; }
+  absl::Span<const float> v() const { return v_; }
+
+  // Decodes the reply of step `step` for global elements [begin, begin + n)
+  // and applies the update. INVALID_ARGUMENT (nothing changed) if the
+  // payload is malformed or the range is outside the replica.
+  absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
+                          absl::Span<const uint8_t> reply);
+
+  // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()).
+  void LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out) const;
+
+  uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
+
+ private:
+  SimulatorConfig config_;
+  Range range_;
+  std::vector<float> x_, m_, v_;
+};
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_REPLICA_H_

@@ -1,0 +1,251 @@
+#include "proto/job_config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+#include "google/protobuf/util/json_util.h"
+#include "proto/morse.pb.h"
+
+namespace morse::proto {
+namespace {
+
+using compress::CodecKind;
+using compress::CodecSpec;
+using compress::FeedbackKind;
+using compress::FeedbackSpec;
+
+absl::Status Invalid(absl::string_view field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat("config field '", field, "': ", why));
+}
+
+absl::StatusOr<CodecSpec> ToCodec(const v1::CodecConfig& c, absl::string_view field,
+                                  CodecKind default_kind, uint32_t block) {
+  CodecSpec spec;
+  spec.block_elems = block;
+  spec.kind = default_kind;
+  if (!c.codec().empty()) {
+    auto kind = compress::ParseCodecKind(c.codec());
+    if (!kind.ok()) return Invalid(field, kind.status().message());
+    spec.kind = *kind;
+  }
+  if (!c.scale().empty()) {
+    auto scale = compress::ParseScaleKind(c.scale());
+    if (!scale.ok()) return Invalid(field, scale.status().message());
+    spec.scale = *scale;
+  }
+  spec.rounding = c.stochastic() ? compress::Rounding::kStochastic : compress::Rounding::kNearestEven;
+  if (c.topk_ratio() != 0) spec.topk_ratio = c.topk_ratio();
+  if (absl::Status s = compress::ValidateCodecSpec(spec); !s.ok()) return Invalid(field, s.message());
+  return spec;
+}
+
+absl::StatusOr<FeedbackSpec> ToFeedback(const v1::FeedbackConfig& f, absl::string_view field,
+                                        FeedbackKind default_kind) {
+  FeedbackSpec spec;
+  spec.kind = default_kind;
+  if (f.mode() == "none") {
+    spec.kind = FeedbackKind::kNone;
+  } else if (f.mode() == "ef") {
+    spec.kind = FeedbackKind::kEf;
+  } else if (f.mode() == "ema") {
+    spec.kind = FeedbackKind::kEma;
+  } else if (!f.mode().empty()) {
+    return Invalid(field, absl::StrCat("mode '", f.mode(), "' is not none, ef or ema"));
+  }
+  if (spec.kind == FeedbackKind::kEma) spec.beta = f.beta();
+  if (f.storage() == "int8") {
+    spec.storage = compress::ErrorStorage::kInt8;
+  } else if (!f.storage().empty() && f.storage() != "fp32") {
+    return Invalid(field, absl::StrCat("storage '", f.storage(), "' is not fp32 or int8"));
+  }
+  if (absl::Status s = compress::ValidateFeedbackSpec(spec); !s.ok()) return Invalid(field, s.message());
+  return spec;
+}
+
+absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
+  JobSpec job;
+  job.name = c.name().empty() ? "morse" : c.name();
+  compress::SimulatorConfig& a = job.algorithm;
+  if (c.workers() == 0) return Invalid("workers", "must be at least 1");
+  if (c.shards() == 0) return Invalid("shards", "must be at least 1");
+  if (c.steps() <= 0) return Invalid("steps", "must be positive");
+  a.workers = c.workers();
+  job.steps = c.steps();
+
+  switch (c.workload_case()) {
+    case v1::JobConfig::kSynthetic:
+      job.workload = WorkloadKind::kSynthetic;
+      job.synthetic.dim = c.synthetic().dim();
+      if (c.synthetic().noise() != 0) job.synthetic.noise = c.synthetic().noise();
+      if (job.synthetic.dim == 0) return Invalid("synthetic.dim", "must be positive");
+      a.layout.dim = job.synthetic.dim;
+      break;
+    case v1::JobConfig::kMlp: {
+      job.workload = WorkloadKind::kMlp;
+      const v1::MlpWorkload& m = c.mlp();
+      job.mlp.train_path = m.train_path();
+      job.mlp.test_path = m.test_path();
+      if (!m.format().empty()) job.mlp.format = m.format();
+      if (m.hidden_size() > 0) job.mlp.hidden.assign(m.hidden().begin(), m.hidden().end());
+      if (m.batch_size() != 0) job.mlp.batch_size = m.batch_size();
+      job.mlp.features = m.features();
+      job.mlp.classes = m.classes();
+      if (job.mlp.train_path.empty()) return Invalid("mlp.train_path", "is required");
+      if (job.mlp.format != "csv" && job.mlp.format != "libsvm") {
+        return Invalid("mlp.format", absl::StrCat("'", job.mlp.format, "' is not csv or libsvm"));
+      }
+      if (job.mlp.features == 0) return Invalid("mlp.features", "is required (servers size the model from it)");
+      if (job.mlp.classes < 2) return Invalid("mlp.classes", "is required and at least 2");
+      for (uint32_t h : job.mlp.hidden) {
+        if (h == 0) return Invalid("mlp.hidden", "widths must be positive");
+      }
+      a.layout.dim = MlpParameterCount(job.mlp);
+      break;
+    }
+    default:
+      return Invalid("workload", "set synthetic { ... } or mlp { ... }");
+  }
+
+  if (c.optimizer().empty() || c.optimizer() == "onebit_adam") {
+    a.optimizer = compress::OptimizerKind::kOneBitAdam;
+  } else if (c.optimizer() == "adam") {
+    a.optimizer = compress::OptimizerKind::kAdam;
+  } else {
+    return Invalid("optimizer", absl::StrCat("'", c.optimizer(), "' is not onebit_adam or adam"));
+  }
+  const bool onebit = a.optimizer == compress::OptimizerKind::kOneBitAdam;
+
+  const v1::AdamConfig& adam = c.adam();
+  if (adam.has_beta1()) a.adam.beta1 = adam.beta1();
+  if (adam.has_beta2()) a.adam.beta2 = adam.beta2();
+  if (adam.has_eps()) a.adam.eps = adam.eps();
+  a.adam.weight_decay = adam.weight_decay();
+  a.bias_correction = !onebit && (!adam.has_bias_correction() || adam.bias_correction());
+  if (onebit && adam.has_bias_correction() && adam.bias_correction()) {
+    return Invalid("adam.bias_correction", "onebit_adam never corrects bias (DESIGN 2.1)");
+  }
+  if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok()) return Invalid("adam", s.message());
+
+  const v1::LrConfig& lr = c.lr();
+  if (lr.schedule().empty() || lr.schedule() == "constant") {
+    a.lr.kind = compress::LrSchedule::Kind::kConstant;
+  } else if (lr.schedule() == "cosine") {
+    a.lr.kind = compress::LrSchedule::Kind::kCosine;
+  } else {
+    return Invalid("lr.schedule", absl::StrCat("'", lr.schedule(), "' is not constant or cosine"));
+  }
+  a.lr.base_lr = lr.lr();
+  a.lr.warmup_steps = lr.warmup_steps();
+  a.lr.total_steps = c.steps();
+  a.lr.min_lr = lr.min_lr();
+  if (absl::Status s = compress::ValidateLrSchedule(a.lr); !s.ok()) return Invalid("lr", s.message());
+
+  a.freeze_step = c.freeze_step();
+  if (onebit && (a.freeze_step < 0 || a.freeze_step > c.steps())) {
+    return Invalid("freeze_step", absl::StrCat(a.freeze_step, " is outside [0, steps]"));
+  }
+  const uint32_t block = c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
+  a.layout.shards = c.shards();
+  a.layout.block_elems = block;
+  a.layout.partition_elems = c.has_partition_elems() ? c.partition_elems() : (1u << 20);
+  if (absl::Status s = compress::Layout::Create(a.layout).status(); !s.ok()) {
+    return Invalid("block_elems/partition_elems/shards", s.message());
+  }
+
+  auto warmup = ToCodec(c.warmup_codec(), "warmup_codec", CodecKind::kFp32, block);
+  if (!warmup.ok()) return warmup.status();
+  a.warmup_codec = *warmup;
+  auto up = ToCodec(c.up_codec(), "up_codec", onebit ? CodecKind::kSign1 : CodecKind::kFp32, block);
+  if (!up.ok()) return up.status();
+  a.up_codec = *up;
+  auto down = c.has_down_codec() ? ToCodec(c.down_codec(), "down_codec", up->kind, block) : up;
+  if (!down.ok()) return down.status();
+  a.down_codec = *down;
+  const FeedbackKind default_fb = onebit ? FeedbackKind::kEf : FeedbackKind::kNone;
+  auto wfb = ToFeedback(c.worker_feedback(), "worker_feedback", default_fb);
+  if (!wfb.ok()) return wfb.status();
+  a.worker_feedback = *wfb;
+  auto sfb = c.has_server_feedback() ? ToFeedback(c.server_feedback(), "server_feedback", default_fb)
+                                     : wfb;
+  if (!sfb.ok()) return sfb.status();
+  a.server_feedback = *sfb;
+  a.seed = c.seed();
+  if (absl::Status s = compress::ValidateSimulatorConfig(a); !s.ok()) return Invalid("job", s.message());
+
+  const v1::Timeouts& t = c.timeouts();
+  if (t.has_connect_seconds()) job.connect_timeout_seconds = t.connect_seconds();
+  if (t.has_step_seconds()) job.step_timeout_seconds = t.step_seconds();
+  if (t.has_rpc_seconds()) job.rpc_timeout_seconds = t.rpc_seconds();
+  for (double seconds : {job.connect_timeout_seconds, job.step_timeout_seconds,
+                         job.rpc_timeout_seconds}) {
+    if (!(seconds > 0)) return Invalid("timeouts", "every timeout must be positive");
+  }
+  if (c.has_channels_per_shard()) job.channels_per_shard = c.channels_per_shard();
+  if (c.has_window()) job.window = c.window();
+  if (c.has_log_every()) job.log_every = c.log_every();
+  if (job.channels_per_shard == 0 || job.channels_per_shard > 64) {
+    return Invalid("channels_per_shard", "must be in [1, 64]");
+  }
+  if (job.window == 0) return Invalid("window", "must be at least 1");
+  if (job.log_every == 0) return Invalid("log_every", "must be at least 1");
+  return job;
+}
+
+}  // namespace
+
+uint64_t MlpParameterCount(const MlpSpec& mlp) {
+  uint64_t count = 0, in = mlp.features;
+  std::vector<uint32_t> widths = mlp.hidden;
+  widths.push_back(mlp.classes);
+  for (uint32_t out : widths) {
+    count += in * out + out;
+    in = out;
+  }
+  return count;
+}
+
+absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat format) {
+  v1::JobConfig config;
+  if (format == ConfigFormat::kJson) {
+    auto status = google::protobuf::util::JsonStringToMessage(
+        google::protobuf::StringPiece(text.data(), text.size()), &config);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("JSON config: ", status.message().as_string()));
+    }
+  } else {
+    struct Collector : google::protobuf::io::ErrorCollector {
+      std::string errors;
+      void AddError(int line, int column, const std::string& message) override {
+        absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ", message, "; ");
+      }
+    } collector;
+    google::protobuf::TextFormat::Parser parser;
+    parser.RecordErrorsTo(&collector);
+    if (!parser.ParseFromString(std::string(text), &config)) {
+      return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
+    }
+  }
+  return FromProto(config);
+}
+
+absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string body = text.str();
+  const size_t first = body.find_first_not_of(" \t\r\n");
+  const bool json = (path.size() >= 5 && path.substr(path.size() - 5) == ".json") ||
+                    (first != std::string::npos && body[first] == '{');
+  auto job = ParseJobConfig(body, json ? ConfigFormat::kJson : ConfigFormat::kText);
+  if (!job.ok()) {
+    return absl::Status(job.status().code(), absl::StrCat(path, ": ", job.status().message()));
+  }
+  return job;
+}
+
+}  // namespace morse::proto

@@ -1,0 +1,71 @@
+// JobSpec: the whole job's configuration as plain C++, loaded from a
+// JobConfig (proto/morse.proto) in text format or JSON. Server and worker
+// cores take a JobSpec and never see generated types (DESIGN 5).
+//
+// LoadJobConfig fills every default, validates every field and returns
+// INVALID_ARGUMENT naming the field and the value when something is wrong.
+#ifndef MORSE_PROTO_JOB_CONFIG_H_
+#define MORSE_PROTO_JOB_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "compress/simulator.h"
+
+namespace morse::proto {
+
+enum class WorkloadKind : uint8_t { kSynthetic, kMlp };
+
+struct SyntheticSpec {
+  uint64_t dim = 0;
+  float noise = 0.1f;
+};
+
+struct MlpSpec {
+  std::string train_path;
+  std::string test_path;
+  std::string format = "csv";  // csv (label first) or libsvm
+  std::vector<uint32_t> hidden = {64};
+  uint32_t batch_size = 32;
+  uint32_t features = 0;  // required: servers size the model without data
+  uint32_t classes = 0;   // required
+};
+
+// Parameters of an MLP: sum over layers of in*out weights + out biases.
+uint64_t MlpParameterCount(const MlpSpec& mlp);
+
+struct JobSpec {
+  std::string name;
+  // Workers, layout, optimizer, schedule, codecs, feedback, seed: everything
+  // DESIGN section 2 needs, in the form the simulator takes.
+  compress::SimulatorConfig algorithm;
+  int64_t steps = 0;
+  WorkloadKind workload = WorkloadKind::kSynthetic;
+  SyntheticSpec synthetic;
+  MlpSpec mlp;
+  double connect_timeout_seconds = 60;
+  double step_timeout_seconds = 60;
+  double rpc_timeout_seconds = 120;
+  uint32_t channels_per_shard = 2;
+  uint32_t window = 8;
+  uint32_t log_every = 10;
+
+  uint32_t workers() const { return algorithm.workers; }
+  uint32_t shards() const { return algorithm.layout.shards; }
+};
+
+enum class ConfigFormat : uint8_t { kText, kJson };
+
+// Parses and validates. Relative data paths are kept as given.
+absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat format);
+
+// Reads a file: JSON if the name ends in .json or the text starts with '{',
+// text format otherwise. Errors name the file.
+absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path);
+
+}  // namespace morse::proto
+
+#endif  // MORSE_PROTO_JOB_CONFIG_H_

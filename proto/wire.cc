@@ -1,0 +1,65 @@
+#include "proto/wire.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace morse::proto {
+
+v1::Codec ToWire(compress::CodecKind kind) {
+  switch (kind) {
+    case compress::CodecKind::kFp32: return v1::CODEC_FP32;
+    case compress::CodecKind::kFp16: return v1::CODEC_FP16;
+    case compress::CodecKind::kBf16: return v1::CODEC_BF16;
+    case compress::CodecKind::kInt8: return v1::CODEC_INT8;
+    case compress::CodecKind::kInt4: return v1::CODEC_INT4;
+    case compress::CodecKind::kSign1: return v1::CODEC_SIGN1;
+    case compress::CodecKind::kTopK: return v1::CODEC_TOPK;
+  }
+  return v1::CODEC_UNSPECIFIED;
+}
+
+absl::StatusOr<compress::CodecKind> FromWire(v1::Codec codec) {
+  switch (codec) {
+    case v1::CODEC_FP32: return compress::CodecKind::kFp32;
+    case v1::CODEC_FP16: return compress::CodecKind::kFp16;
+    case v1::CODEC_BF16: return compress::CodecKind::kBf16;
+    case v1::CODEC_INT8: return compress::CodecKind::kInt8;
+    case v1::CODEC_INT4: return compress::CodecKind::kInt4;
+    case v1::CODEC_SIGN1: return compress::CodecKind::kSign1;
+    case v1::CODEC_TOPK: return compress::CodecKind::kTopK;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", static_cast<int>(codec)));
+  }
+}
+
+int MaxMessageBytes(const JobSpec& job) {
+  const uint64_t largest = std::min<uint64_t>(job.algorithm.layout.partition_elems,
+                                              job.algorithm.layout.dim);
+  // fp32 is the largest encoding except topk at ratio 1 (8 bytes a value).
+  return static_cast<int>(std::min<uint64_t>(8 * largest + (1 << 20), INT32_MAX));
+}
+
+grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(MaxMessageBytes(job));
+  args.SetMaxSendMessageSize(MaxMessageBytes(job));
+  // Distinct arguments give distinct subchannels, hence distinct TCP streams.
+  args.SetInt("morse.channel_index", channel_index);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // Backoff between reconnect attempts while servers are not up yet.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  return args;
+}
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+}  // namespace morse::proto

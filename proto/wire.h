@@ -1,0 +1,34 @@
+// The protocol layer both sides share: codec enums on the wire, message size
+// limits sized to the largest partition, and channel options.
+#ifndef MORSE_PROTO_WIRE_H_
+#define MORSE_PROTO_WIRE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "compress/codec.h"
+#include "grpcpp/grpcpp.h"
+#include "proto/job_config.h"
+#include "proto/morse.pb.h"
+
+namespace morse::proto {
+
+v1::Codec ToWire(compress::CodecKind kind);
+// INVALID_ARGUMENT for CODEC_UNSPECIFIED or an unknown value.
+absl::StatusOr<compress::CodecKind> FromWire(v1::Codec codec);
+
+// The largest message either side may send or receive: the largest
+// partition as fp32 (init and fp32 pushes) plus room for the framing.
+int MaxMessageBytes(const JobSpec& job);
+
+// Channel arguments for a worker's connection to a shard. `channel_index`
+// makes each of a shard's channels a separate TCP connection.
+grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index);
+
+absl::Status FromGrpc(const grpc::Status& status);
+grpc::Status ToGrpc(const absl::Status& status);
+
+}  // namespace morse::proto
+
+#endif  // MORSE_PROTO_WIRE_H_

@@ -1,0 +1,142 @@
+// morse-server: one shard of a Morse job's parameter server.
+//
+//   morse-server --config job.textproto --shard 0 --listen 127.0.0.1:7000
+//
+// Serves morse.v1.ParameterServer, the gRPC health service and server
+// reflection on --listen until SIGTERM or SIGINT, then shuts down gracefully.
+#include <atomic>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
+#include "boost/asio/io_context.hpp"
+#include "boost/asio/signal_set.hpp"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "proto/job_config.h"
+#include "proto/wire.h"
+#include "server/service.h"
+#include "server/shard_core.h"
+
+ABSL_FLAG(std::string, config, "", "Job config file (text-format or JSON JobConfig). Required.");
+ABSL_FLAG(int, shard, -1, "Which shard of the job this server holds, 0..shards-1. Required.");
+ABSL_FLAG(std::string, listen, "127.0.0.1:7000",
+          "Address to serve on, host:port (0.0.0.0:PORT for every interface).");
+ABSL_FLAG(std::string, state_log, "",
+          "If set, append one JSON line per completed step to this file with the mirror's "
+          "checksum of x, m, v (costs a pass over the shard per step; for tests).");
+ABSL_FLAG(bool, check_config, false, "Parse the flags and config, print a summary, and exit.");
+
+namespace {
+
+// Exit codes (docs/operations.md): 0 done, 2 bad flags or config (do not
+// retry), 3 cannot serve (address in use; retryable).
+constexpr int kExitConfig = 2;
+constexpr int kExitUnavailable = 3;
+
+int Fail(int code, const std::string& message) {
+  std::fprintf(stderr, "morse-server: %s\n", message.c_str());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "one shard of a Morse parameter server.\n"
+      "  morse-server --config job.textproto --shard 0 --listen 127.0.0.1:7000");
+  absl::ParseCommandLine(argc, argv);
+  using namespace morse;
+  const std::string config_path = absl::GetFlag(FLAGS_config);
+  if (config_path.empty()) return Fail(kExitConfig, "--config is required (see --help)");
+  auto job = proto::LoadJobConfig(config_path);
+  if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
+  const int shard = absl::GetFlag(FLAGS_shard);
+  if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
+  auto core = server::ShardCore::Create(*job, static_cast<uint32_t>(shard));
+  if (!core.ok()) return Fail(kExitConfig, std::string(core.status().message()));
+  const server::ShardStatus initial = (*core)->Status();
+  const std::string summary = absl::StrFormat(
+      "shard %d/%u of job '%s': elements [%u, %u) in %u partitions, %u workers, layout %x",
+      shard, job->shards(), job->name, initial.range.begin, initial.range.end,
+      initial.partitions, job->workers(), initial.layout_fingerprint);
+  if (absl::GetFlag(FLAGS_check_config)) {
+    std::printf("morse-server: config OK: %s\n", summary.c_str());
+    return 0;
+  }
+
+  std::unique_ptr<std::ofstream> state_log;
+  if (!absl::GetFlag(FLAGS_state_log).empty()) {
+    state_log = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_state_log), std::ios::app);
+    if (!*state_log) return Fail(kExitConfig, "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
+  }
+  const uint32_t log_every = job->log_every;
+  (*core)->SetStepObserver([&](int64_t step, const server::ShardCore& c) {
+    if (state_log) {
+      *state_log << absl::StrFormat("{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
+                                    step, shard, c.MirrorChecksum())
+                 << std::flush;
+    }
+    if ((step + 1) % log_every == 0) {
+      std::printf("morse-server shard %d: step %lld completed\n", shard, static_cast<long long>(step));
+      std::fflush(stdout);
+    }
+  });
+
+  server::ParameterServerService service(core->get());
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.SetMaxReceiveMessageSize(proto::MaxMessageBytes(*job));
+  builder.SetMaxSendMessageSize(proto::MaxMessageBytes(*job));
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) {
+    return Fail(kExitUnavailable, "cannot listen on " + absl::GetFlag(FLAGS_listen));
+  }
+  server->GetHealthCheckService()->SetServingStatus(true);
+  std::printf("morse-server: %s; listening on %s\n", summary.c_str(),
+              absl::GetFlag(FLAGS_listen).c_str());
+  std::fflush(stdout);
+
+  // Steps whose pushes do not all arrive in time fail instead of hanging.
+  std::atomic<bool> stopping{false};
+  std::thread expirer([&] {
+    while (!stopping.load()) {
+      (*core)->ExpireWaiting(absl::Now());
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+  });
+
+  boost::asio::io_context io;
+  boost::asio::signal_set signals(io, SIGINT, SIGTERM);
+  signals.async_wait([&](const boost::system::error_code&, int signal) {
+    std::printf("morse-server shard %d: signal %d, shutting down\n", shard, signal);
+    std::fflush(stdout);
+    server->GetHealthCheckService()->SetServingStatus(false);
+    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  });
+  std::thread signal_thread([&] { io.run(); });
+  server->Wait();
+  stopping = true;
+  io.stop();
+  signal_thread.join();
+  expirer.join();
+  const server::ShardStatus final_status = (*core)->Status();
+  std::printf("morse-server shard %d: stopped after %lld steps; %llu pushes accepted, %llu rejected\n",
+              shard, static_cast<long long>(final_status.completed_steps),
+              static_cast<unsigned long long>(final_status.pushes_accepted),
+              static_cast<unsigned long long>(final_status.pushes_rejected));
+  return 0;
+}

@@ -1,0 +1,31 @@
+// The gRPC face of a ShardCore: translates morse.v1 messages to and from the
+// core's plain types and nothing more (callback API, one reactor per call).
+#ifndef MORSE_SERVER_SERVICE_H_
+#define MORSE_SERVER_SERVICE_H_
+
+#include "proto/morse.grpc.pb.h"
+#include "server/shard_core.h"
+
+namespace morse::server {
+
+class ParameterServerService final : public v1::ParameterServer::CallbackService {
+ public:
+  explicit ParameterServerService(ShardCore* core) : core_(core) {}
+
+  grpc::ServerUnaryReactor* InitPartition(grpc::CallbackServerContext* context,
+                                          const v1::InitPartitionRequest* request,
+                                          v1::InitPartitionReply* reply) override;
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
+                                 const v1::PushRequest* request,
+                                 v1::PushReply* reply) override;
+  grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* context,
+                                         const v1::ShardInfoRequest* request,
+                                         v1::ShardInfo* reply) override;
+
+ private:
+  ShardCore* core_;
+};
+
+}  // namespace morse::server
+
+#endif  // MORSE_SERVER_SERVICE_H_

@@ -1,0 +1,325 @@
+#include "server/shard_core.h"
+
+#include <cstring>
+#include <optional>
+#include <string_view>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace morse::server {
+
+using compress::CodecName;
+
+struct ShardCore::PartitionState {
+  explicit PartitionState(const compress::Partition& p, uint32_t workers)
+      : partition(p), pushes(workers), last_hashes(workers, 0) {}
+
+  const compress::Partition partition;
+  absl::Mutex mu;
+  bool initialized ABSL_GUARDED_BY(mu) = false;
+  int64_t next_step ABSL_GUARDED_BY(mu) = 0;  // steps completed
+  // The pending step next_step:
+  std::vector<std::optional<std::string>> pushes ABSL_GUARDED_BY(mu);
+  uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
+  absl::Time first_arrival ABSL_GUARDED_BY(mu);
+  std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
+  // The last completed step, next_step - 1:
+  std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
+  std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
+};
+
+namespace {
+
+size_t HashBytes(absl::string_view bytes) {
+  return std::hash<std::string_view>{}(std::string_view(bytes.data(), bytes.size()));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(const proto::JobSpec& job,
+                                                              uint32_t shard) {
+  auto layout = compress::Layout::Create(job.algorithm.layout);
+  if (!layout.ok()) return layout.status();
+  if (shard >= job.shards()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard ", shard, " does not exist; the job has ", job.shards(), " shards (0..",
+                     job.shards() - 1, ")"));
+  }
+  return std::unique_ptr<ShardCore>(new ShardCore(job, shard, *std::move(layout)));
+}
+
+ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout layout)
+    : job_(job),
+      shard_(shard),
+      layout_(std::move(layout)),
+      range_(layout_.shard_range(shard)),
+      mirror_(job.algorithm, range_),
+      server_error_(job.algorithm.server_feedback, range_.size(), job.algorithm.layout.block_elems) {
+  for (const compress::Partition& p : layout_.shard_partitions(shard)) {
+    partitions_.push_back(std::make_unique<PartitionState>(p, job.workers()));
+  }
+}
+
+ShardCore::~ShardCore() = default;
+
+absl::Status ShardCore::CheckCommon(uint32_t rank, uint32_t partition,
+                                    uint64_t fingerprint) const {
+  if (fingerprint != layout_.fingerprint()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layout fingerprint ", absl::Hex(fingerprint), " differs from this shard's ",
+        absl::Hex(layout_.fingerprint()), "; worker and server configs disagree on D, S, "
+        "block_elems or partition_elems"));
+  }
+  if (rank >= job_.workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown rank ", rank, "; the job has ", job_.workers(), " workers"));
+  }
+  const auto owned = layout_.shard_partitions(shard_);
+  if (partition < owned.front().id || partition > owned.back().id) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partition ", partition, " is not on shard ", shard_, " (it holds ", owned.front().id,
+        "..", owned.back().id, ")"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition, uint64_t fingerprint,
+                                      absl::string_view values) {
+  if (absl::Status s = CheckCommon(rank, partition, fingerprint); !s.ok()) return s;
+  if (rank != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("only rank 0 uploads initial parameters, not rank ", rank));
+  }
+  PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+  const uint64_t n = p.partition.range.size();
+  if (values.size() != 4 * n) {
+    return absl::InvalidArgumentError(absl::StrCat("initial values of partition ", partition,
+                                                   ": ", values.size(), " bytes for ", n,
+                                                   " fp32 elements"));
+  }
+  for (uint64_t j = 0; j < n; ++j) {
+    float f;
+    std::memcpy(&f, values.data() + 4 * j, 4);
+    if (!std::isfinite(f)) {
+      return absl::InvalidArgumentError(absl::StrCat("initial value ", j, " of partition ",
+                                                     partition, " is not finite"));
+    }
+  }
+  absl::MutexLock lock(&p.mu);
+  auto x = mirror_.x().subspan(p.partition.range.begin - range_.begin, n);
+  if (p.initialized) {
+    if (std::memcmp(x.data(), values.data(), 4 * n) == 0) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", partition, " already holds different initial values",
+        p.next_step > 0 ? " and training has started" : ""));
+  }
+  std::memcpy(x.data(), values.data(), 4 * n);
+  p.initialized = true;
+  absl::MutexLock progress(&progress_mu_);
+  ++initialized_;
+  return absl::OkStatus();
+}
+
+void ShardCore::Push(PushArgs args, ReplyCallback done) {
+  const auto reject = [&](absl::Status status) {
+    {
+      absl::MutexLock progress(&progress_mu_);
+      ++rejected_;
+    }
+    done(std::move(status));
+  };
+  if (absl::Status s = CheckCommon(args.rank, args.partition, args.layout_fingerprint); !s.ok()) {
+    return reject(s);
+  }
+  if (args.step < 0) return reject(absl::InvalidArgumentError("negative step"));
+  PartitionState& p = *partitions_[args.partition - layout_.shard_partitions(shard_).front().id];
+  std::shared_ptr<const Reply> reply;
+  std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
+  absl::Status failure;
+  {
+    absl::MutexLock lock(&p.mu);
+    if (!p.initialized) {
+      return reject(absl::UnavailableError(absl::StrCat(
+          "partition ", args.partition, " has no initial parameters yet (rank 0 uploads them)")));
+    }
+    const size_t hash = HashBytes(args.payload);
+    if (args.step == p.next_step - 1) {  // a retry of the completed step
+      if (hash != p.last_hashes[args.rank]) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "rank ", args.rank, " re-sent step ", args.step, " of partition ", args.partition,
+            " with different bytes")));
+      }
+      reply = p.last_reply;
+    } else if (args.step != p.next_step) {
+      return reject(absl::FailedPreconditionError(absl::StrCat(
+          "step ", args.step, " of partition ", args.partition, " is ",
+          args.step < p.next_step ? "stale" : "too far ahead", "; the partition has completed ",
+          p.next_step, " steps and accepts step ", p.next_step)));
+    } else {
+      const compress::StepPlan plan = compress::PlanStep(job_.algorithm, args.step);
+      if (args.codec != plan.up.kind) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "codec ", CodecName(args.codec), " is not allowed at step ", args.step, " (",
+            plan.compressing ? "compression" : "warmup", " phase); expected ",
+            CodecName(plan.up.kind))));
+      }
+      const uint64_t n = p.partition.range.size();
+      if (absl::Status s = compress::ValidatePayload(
+              plan.up, {reinterpret_cast<const uint8_t*>(args.payload.data()), args.payload.size()},
+              n);
+          !s.ok()) {
+        return reject(absl::InvalidArgumentError(absl::StrCat(
+            "rank ", args.rank, " partition ", args.partition, " step ", args.step, ": ",
+            s.message())));
+      }
+      std::optional<std::string>& slot = p.pushes[args.rank];
+      if (slot.has_value()) {
+        if (*slot != args.payload) {
+          return reject(absl::FailedPreconditionError(absl::StrCat(
+              "rank ", args.rank, " re-sent step ", args.step, " of partition ", args.partition,
+              " with different bytes")));
+        }
+      } else {
+        if (p.arrived == 0) p.first_arrival = absl::Now();
+        slot = std::move(args.payload);
+        ++p.arrived;
+      }
+      p.waiters.emplace_back(args.rank, std::move(done));
+      if (p.arrived == job_.workers()) {
+        auto result = Complete(p);
+        waiters.swap(p.waiters);
+        if (result.ok()) {
+          reply = *result;
+        } else {
+          failure = result.status();
+        }
+      }
+    }
+  }
+  {
+    absl::MutexLock progress(&progress_mu_);
+    ++accepted_;
+  }
+  if (!waiters.empty()) {
+    if (failure.ok()) NoteStepCompleted(reply->step);
+    for (auto& [rank, callback] : waiters) {
+      if (failure.ok()) {
+        callback(reply);
+      } else {
+        callback(failure);
+      }
+    }
+  } else if (reply != nullptr) {
+    done(reply);  // the retry of a completed step
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState& p) {
+  const compress::Partition& part = p.partition;
+  const uint64_t n = part.range.size();
+  const int64_t step = p.next_step;
+  const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
+  std::vector<absl::Span<const uint8_t>> views;
+  for (const auto& push : p.pushes) {
+    views.emplace_back(reinterpret_cast<const uint8_t*>(push->data()), push->size());
+  }
+  std::vector<float> average(n);
+  absl::Status status = compress::DecodeAverage(plan.up, views, absl::MakeSpan(average));
+  auto reply = std::make_shared<Reply>();
+  reply->step = step;
+  reply->partition = part.id;
+  reply->codec = plan.down.kind;
+  reply->payload.resize(compress::PayloadBytes(plan.down, n));
+  auto payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(reply->payload.data()),
+                                reply->payload.size());
+  const compress::RoundingKey key =
+      compress::SenderKey(job_.algorithm, step, job_.workers() + shard_, part.range.begin);
+  if (status.ok()) {
+    status = plan.feedback
+                 ? server_error_.Compress(plan.down, part.range.begin - range_.begin, average, key,
+                                          payload)
+                 : compress::Encode(plan.down, average, key, payload);
+  }
+  if (status.ok()) status = mirror_.ApplyReply(step, part.range.begin, n, payload);
+  for (size_t r = 0; r < p.pushes.size(); ++r) {
+    p.last_hashes[r] = HashBytes(*p.pushes[r]);
+    p.pushes[r].reset();
+  }
+  p.arrived = 0;
+  if (!status.ok()) {
+    return absl::InternalError(absl::StrCat("partition ", part.id, " step ", step,
+                                            ": recompression failed: ", status.message()));
+  }
+  p.last_reply = reply;
+  ++p.next_step;
+  return std::shared_ptr<const Reply>(std::move(reply));
+}
+
+void ShardCore::NoteStepCompleted(int64_t step) {
+  std::vector<int64_t> finished;
+  {
+    absl::MutexLock progress(&progress_mu_);
+    if (++completions_[step] < partitions_.size()) return;
+    // Steps finish in order: a step's replies are all out before any
+    // worker can push the next one.
+    while (!completions_.empty() && completions_.begin()->first == observed_step_ + 1 &&
+           completions_.begin()->second == partitions_.size()) {
+      finished.push_back(++observed_step_);
+      completions_.erase(completions_.begin());
+    }
+  }
+  if (observer_) {
+    for (int64_t s : finished) observer_(s, *this);
+  }
+}
+
+void ShardCore::ExpireWaiting(absl::Time now) {
+  const absl::Duration timeout = absl::Seconds(job_.step_timeout_seconds);
+  for (auto& state : partitions_) {
+    PartitionState& p = *state;
+    std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
+    absl::Status status;
+    {
+      absl::MutexLock lock(&p.mu);
+      if (p.arrived == 0 || now - p.first_arrival < timeout) continue;
+      std::vector<uint32_t> missing;
+      for (uint32_t r = 0; r < p.pushes.size(); ++r) {
+        if (!p.pushes[r].has_value()) missing.push_back(r);
+      }
+      status = absl::DeadlineExceededError(absl::StrCat(
+          "step ", p.next_step, " of partition ", p.partition.id, " timed out after ",
+          job_.step_timeout_seconds, " s: rank(s) ", absl::StrJoin(missing, ", "),
+          " did not push; is a worker down?"));
+      for (auto& push : p.pushes) push.reset();
+      p.arrived = 0;
+      waiters.swap(p.waiters);
+    }
+    for (auto& [rank, callback] : waiters) callback(status);
+  }
+}
+
+uint64_t ShardCore::MirrorChecksum() const { return mirror_.Checksum(); }
+
+ShardStatus ShardCore::Status() const {
+  ShardStatus s;
+  s.shard = shard_;
+  s.range = range_;
+  s.layout_fingerprint = layout_.fingerprint();
+  s.workers = job_.workers();
+  s.partitions = static_cast<uint32_t>(partitions_.size());
+  int64_t completed = INT64_MAX;
+  for (const auto& state : partitions_) {
+    absl::MutexLock lock(&state->mu);
+    completed = std::min(completed, state->next_step);
+  }
+  s.completed_steps = completed;
+  s.mirror_checksum = mirror_.Checksum();
+  absl::MutexLock progress(&progress_mu_);
+  s.partitions_initialized = initialized_;
+  s.pushes_accepted = accepted_;
+  s.pushes_rejected = rejected_;
+  return s;
+}
+
+}  // namespace morse::server

@@ -1,0 +1,132 @@
+// ShardCore: one server shard's state and rules, as plain C++ (no gRPC), so
+// tests drive it directly (DESIGN 1, 2.1, 4).
+//
+// For each partition it owns, the core collects the N workers' pushes of the
+// current step, and when the last arrives: sums the decoded messages in rank
+// order and divides by N, recompresses with the shard's error buffer, applies
+// the reply to its mirror of x, m, v, and answers every waiting worker with
+// the same bytes. It then keeps only that reply and a hash of each worker's
+// push, so a retried push gets the same reply and memory stays bounded (one
+// completed and one pending step per partition).
+//
+// Every push is validated before anything is stored; a rejected push leaves
+// the shard as it was. Codes: FAILED_PRECONDITION for the wrong layout, step,
+// phase or conflicting bytes; INVALID_ARGUMENT for malformed input;
+// UNAVAILABLE before the initial parameters arrived; DEADLINE_EXCEEDED for
+// pushes whose step did not complete within the step timeout.
+//
+// Thread-safe: partitions lock independently; callbacks run outside locks,
+// on the thread of the push that completed the step (or of ExpireWaiting).
+#ifndef MORSE_SERVER_SHARD_CORE_H_
+#define MORSE_SERVER_SHARD_CORE_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "compress/error_feedback.h"
+#include "compress/layout.h"
+#include "compress/replica.h"
+#include "proto/job_config.h"
+
+namespace morse::server {
+
+struct PushArgs {
+  int64_t step = 0;
+  uint32_t rank = 0;
+  uint32_t partition = 0;
+  uint64_t layout_fingerprint = 0;
+  compress::CodecKind codec = compress::CodecKind::kFp32;
+  std::string payload;
+};
+
+struct Reply {
+  int64_t step = 0;
+  uint32_t partition = 0;
+  compress::CodecKind codec = compress::CodecKind::kFp32;
+  std::string payload;
+};
+
+using ReplyCallback = std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
+
+struct ShardStatus {
+  uint32_t shard = 0;
+  compress::Range range;
+  uint64_t layout_fingerprint = 0;
+  uint32_t workers = 0;
+  uint32_t partitions = 0;
+  uint32_t partitions_initialized = 0;
+  int64_t completed_steps = 0;  // by every partition
+  uint64_t mirror_checksum = 0;
+  uint64_t pushes_accepted = 0;
+  uint64_t pushes_rejected = 0;
+};
+
+class ShardCore {
+ public:
+  // Called once per step when every partition of the shard has completed it,
+  // with the mirror exactly as after that step (for logs and tests).
+  using StepObserver = std::function<void(int64_t step, const ShardCore& core)>;
+
+  static absl::StatusOr<std::unique_ptr<ShardCore>> Create(const proto::JobSpec& job,
+                                                           uint32_t shard);
+  ~ShardCore();
+  ShardCore(const ShardCore&) = delete;
+  ShardCore& operator=(const ShardCore&) = delete;
+
+  // Rank 0's initial values (fp32 bytes) of one partition, before step 0.
+  absl::Status InitPartition(uint32_t rank, uint32_t partition, uint64_t layout_fingerprint,
+                             absl::string_view values);
+
+  // Calls done exactly once: with the reply when the step completes (maybe
+  // before Push returns), or with an error.
+  void Push(PushArgs args, ReplyCallback done);
+
+  // Fails the waiting pushes of every partition whose oldest push for the
+  // current step is older than the step timeout; those pushes are dropped.
+  void ExpireWaiting(absl::Time now);
+
+  void SetStepObserver(StepObserver observer) { observer_ = std::move(observer); }
+
+  ShardStatus Status() const;
+  uint64_t MirrorChecksum() const;  // call only while no step completes
+  const compress::Layout& layout() const { return layout_; }
+  uint32_t shard() const { return shard_; }
+
+ private:
+  struct PartitionState;
+
+  ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout layout);
+
+  absl::Status CheckCommon(uint32_t rank, uint32_t partition, uint64_t fingerprint) const;
+  // Runs under the partition's lock once all N pushes are in.
+  absl::StatusOr<std::shared_ptr<const Reply>> Complete(PartitionState& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  void NoteStepCompleted(int64_t step);
+
+  proto::JobSpec job_;
+  uint32_t shard_;
+  compress::Layout layout_;
+  compress::Range range_;
+  compress::Replica mirror_;
+  compress::ErrorFeedback server_error_;
+  std::vector<std::unique_ptr<PartitionState>> partitions_;
+  StepObserver observer_;
+
+  mutable absl::Mutex progress_mu_;
+  uint32_t initialized_ ABSL_GUARDED_BY(progress_mu_) = 0;
+  int64_t observed_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
+  std::map<int64_t, uint32_t> completions_ ABSL_GUARDED_BY(progress_mu_);  // step -> partitions
+  uint64_t accepted_ ABSL_GUARDED_BY(progress_mu_) = 0;
+  uint64_t rejected_ ABSL_GUARDED_BY(progress_mu_) = 0;
+};
+
+}  // namespace morse::server
+
+#endif  // MORSE_SERVER_SHARD_CORE_H_
