@@ -47,6 +47,22 @@ inline float StochasticDraw(const RoundingKey& key, uint64_t index) {
   return static_cast<float>(words[index % 4] >> 8) * 0x1p-24f;
 }
 
+// out[i] = StochasticDraw(key, key.first_index + i), four draws per Philox
+// call: for bulk random numbers (synthetic workloads, tests).
+inline void FillDraws(const RoundingKey& key, float* out, size_t n) {
+  for (size_t i = 0; i < n;) {
+    const uint64_t index = key.first_index + i;
+    const uint64_t group = index / 4;
+    const auto words = Philox4x32_10(
+        {static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32)},
+        {static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32),
+         static_cast<uint32_t>(key.step), key.rank});
+    for (uint64_t w = index % 4; w < 4 && i < n; ++w, ++i) {
+      out[i] = static_cast<float>(words[w] >> 8) * 0x1p-24f;
+    }
+  }
+}
+
 // floor(v) + (draw < frac(v)), exact in fp32 for |v| < 2^23.
 inline float StochasticRound(float v, float draw) {
   const float f = std::floor(v);

@@ -10,6 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc
   libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libopenblas-dev python3-sklearn
   "$@"
 )
 

@@ -1,5 +1,7 @@
 #include "compress/stochastic_rounding.h"
 
+#include <vector>
+
 #include "gtest/gtest.h"
 
 namespace morse::compress {
@@ -37,6 +39,23 @@ TEST(StochasticRoundingTest, RoundsToANeighbour) {
   EXPECT_EQ(StochasticRound(-2.25f, 0.7f), -2.0f);  // frac(-2.25) = 0.75
   EXPECT_EQ(StochasticRound(-2.25f, 0.8f), -3.0f);
   EXPECT_EQ(StochasticRound(4.0f, 0.0f), 4.0f);     // integers never move
+}
+
+}  // namespace
+}  // namespace morse::compress
+
+namespace morse::compress {
+namespace {
+
+TEST(StochasticRoundingTest, FillDrawsEqualsOneDrawAtATime) {
+  for (uint64_t first : {0ull, 1ull, 3ull, 4ull, 1001ull}) {
+    const RoundingKey key{5, 6, 7, first};
+    std::vector<float> bulk(37);
+    FillDraws(key, bulk.data(), bulk.size());
+    for (size_t i = 0; i < bulk.size(); ++i) {
+      ASSERT_EQ(bulk[i], StochasticDraw(key, first + i)) << first << " " << i;
+    }
+  }
 }
 
 }  // namespace

@@ -1,0 +1,269 @@
+#include "worker/client.h"
+
+#include <chrono>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/wire.h"
+
+namespace morse::worker {
+namespace {
+
+std::chrono::system_clock::time_point DeadlineIn(double seconds) {
+  return std::chrono::system_clock::now() +
+         std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
+}
+
+double Since(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+
+// Transient failures worth retrying: the server is not reachable yet, or
+// not initialized yet.
+bool Retryable(const grpc::Status& s) { return s.error_code() == grpc::StatusCode::UNAVAILABLE; }
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobSpec& job,
+                                                                const compress::Layout& layout,
+                                                                std::vector<std::string> servers,
+                                                                uint32_t rank) {
+  if (servers.size() != job.shards()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        servers.size(), " server addresses for a job of ", job.shards(),
+        " shards; pass one host:port per shard, in shard order"));
+  }
+  if (rank >= job.workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
+  }
+  return std::unique_ptr<PushClient>(new PushClient(job, layout, std::move(servers), rank));
+}
+
+PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout,
+                       std::vector<std::string> servers, uint32_t rank)
+    : job_(job), layout_(layout), servers_(std::move(servers)), rank_(rank) {
+  for (const std::string& address : servers_) {
+    auto& shard_stubs = stubs_.emplace_back();
+    for (uint32_t c = 0; c < job.channels_per_shard; ++c) {
+      auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
+                                               proto::ChannelArgs(job, static_cast<int>(c)));
+      shard_stubs.push_back(v1::ParameterServer::NewStub(channel));
+    }
+  }
+}
+
+v1::ParameterServer::Stub* PushClient::Stub(uint32_t shard, uint32_t partition) {
+  return stubs_[shard][partition % stubs_[shard].size()].get();
+}
+
+absl::Status PushClient::WaitForShards() {
+  const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  absl::Duration backoff = absl::Milliseconds(100);
+  std::vector<bool> ready(servers_.size(), false);
+  std::string last_error;
+  while (true) {
+    for (uint32_t s = 0; s < servers_.size(); ++s) {
+      if (ready[s]) continue;
+      grpc::ClientContext context;
+      context.set_deadline(DeadlineIn(2.0));
+      v1::ShardInfo info;
+      const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &info);
+      if (!status.ok()) {
+        last_error = absl::StrCat(servers_[s], ": ", status.error_message());
+        continue;
+      }
+      if (info.shard() != s) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            servers_[s], " serves shard ", info.shard(), ", not shard ", s,
+            "; list --servers in shard order"));
+      }
+      if (info.layout_fingerprint() != layout_.fingerprint()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            servers_[s], " has a different layout (D, shards, block_elems or partition_elems); "
+            "all processes must load the same job config"));
+      }
+      ready[s] = true;
+    }
+    if (std::all_of(ready.begin(), ready.end(), [](bool r) { return r; })) return absl::OkStatus();
+    if (absl::Now() + backoff > deadline) {
+      std::vector<std::string> missing;
+      for (uint32_t s = 0; s < servers_.size(); ++s) {
+        if (!ready[s]) missing.push_back(servers_[s]);
+      }
+      return absl::DeadlineExceededError(absl::StrCat(
+          "no answer within ", job_.connect_timeout_seconds, " s from ",
+          absl::StrJoin(missing, ", "), " (last error: ", last_error, ")"));
+    }
+    std::fprintf(stderr, "morse-worker %u: waiting for servers (%s); retrying in %.1f s\n", rank_,
+                 last_error.c_str(), absl::ToDoubleSeconds(backoff));
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
+absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
+  for (const compress::Partition& p : layout_.partitions()) {
+    v1::InitPartitionRequest request;
+    request.set_rank(rank_);
+    request.set_partition(p.id);
+    request.set_layout_fingerprint(layout_.fingerprint());
+    request.set_values(reinterpret_cast<const char*>(x0.data() + p.range.begin),
+                       4 * p.range.size());
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    v1::InitPartitionReply reply;
+    const grpc::Status status = Stub(p.shard, p.id)->InitPartition(&context, request, &reply);
+    if (!status.ok()) {
+      return absl::Status(proto::FromGrpc(status).code(),
+                          absl::StrCat("uploading partition ", p.id, " to ", servers_[p.shard],
+                                       ": ", status.error_message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PushClient::WaitInitialized() {
+  const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  while (true) {
+    auto infos = ShardInfos();
+    if (!infos.ok()) return infos.status();
+    bool all = true;
+    for (const auto& info : *infos) all = all && info.initialized();
+    if (all) return absl::OkStatus();
+    if (absl::Now() > deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "shards not initialized within ", job_.connect_timeout_seconds,
+          " s; rank 0 uploads the initial parameters: is it running?"));
+    }
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+}
+
+absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
+  std::vector<v1::ShardInfo> infos(servers_.size());
+  for (uint32_t s = 0; s < servers_.size(); ++s) {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &infos[s]);
+    if (!status.ok()) {
+      return absl::Status(proto::FromGrpc(status).code(),
+                          absl::StrCat(servers_[s], ": ", status.error_message()));
+    }
+  }
+  return infos;
+}
+
+namespace {
+
+// The shared state of one step's exchange.
+struct StepState {
+  absl::Mutex mu;
+  uint32_t window = 1;
+  uint32_t in_flight ABSL_GUARDED_BY(mu) = 0;
+  absl::Status error ABSL_GUARDED_BY(mu);
+  StepTraffic traffic ABSL_GUARDED_BY(mu);
+};
+
+struct Call {
+  grpc::ClientContext context;
+  v1::PushRequest request;
+  v1::PushReply reply;
+  const compress::Partition* partition = nullptr;
+  absl::Time first_try;
+  int attempt = 0;
+};
+
+}  // namespace
+
+absl::Status PushClient::RunStep(int64_t step, compress::CodecKind up, const Encode& encode,
+                                 const Apply& apply, StepTraffic* traffic) {
+  StepState state;
+  state.window = job_.window;
+  // Sends (or re-sends) a call; the completion applies the reply or retries.
+  std::function<void(std::shared_ptr<Call>)> send = [&](std::shared_ptr<Call> call) {
+    auto fresh = std::make_shared<Call>();
+    fresh->request = std::move(call->request);
+    fresh->partition = call->partition;
+    fresh->first_try = call->first_try;
+    fresh->attempt = call->attempt + 1;
+    fresh->context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    Call* raw = fresh.get();
+    Stub(raw->partition->shard, raw->partition->id)
+        ->async()
+        ->Push(&raw->context, &raw->request, &raw->reply, [&, fresh](grpc::Status status) {
+          if (!status.ok() && Retryable(status) &&
+              Since(fresh->first_try) < job_.rpc_timeout_seconds) {
+            {
+              absl::MutexLock lock(&state.mu);
+              ++state.traffic.retries;
+            }
+            absl::SleepFor(absl::Milliseconds(std::min(50 << std::min(fresh->attempt, 5), 2000)));
+            send(fresh);
+            return;
+          }
+          absl::Status result = proto::FromGrpc(status);
+          const absl::Time start = absl::Now();
+          if (result.ok()) result = apply(*fresh->partition, fresh->reply.payload());
+          const double apply_seconds = Since(start);
+          absl::MutexLock lock(&state.mu);
+          if (!result.ok() && state.error.ok()) {
+            state.error = absl::Status(result.code(), absl::StrCat(
+                "partition ", fresh->partition->id, " of step ", step, " on ",
+                servers_[fresh->partition->shard], ": ", result.message()));
+          }
+          state.traffic.payload_down += fresh->reply.payload().size();
+          state.traffic.apply_seconds += apply_seconds;
+          --state.in_flight;
+        });
+  };
+
+  const v1::Codec wire_codec = proto::ToWire(up);
+  for (const compress::Partition& p : layout_.partitions()) {
+    // Wait for a window slot (or an error).
+    bool failed = false;
+    {
+      absl::MutexLock lock(&state.mu);
+      state.mu.Await(absl::Condition(
+          +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+            return s->in_flight < s->window || !s->error.ok();
+          },
+          &state));
+      failed = !state.error.ok();
+      if (!failed) ++state.in_flight;
+    }
+    if (failed) break;
+
+    auto call = std::make_shared<Call>();
+    call->partition = &p;
+    call->first_try = absl::Now();
+    call->attempt = -1;
+    call->request.set_step(step);
+    call->request.set_rank(rank_);
+    call->request.set_partition(p.id);
+    call->request.set_layout_fingerprint(layout_.fingerprint());
+    call->request.set_codec(wire_codec);
+    const absl::Time start = absl::Now();
+    absl::Status encoded = encode(p, call->request.mutable_payload());
+    {
+      absl::MutexLock lock(&state.mu);
+      state.traffic.encode_seconds += Since(start);
+      state.traffic.payload_up += call->request.payload().size();
+      if (!encoded.ok()) {
+        if (state.error.ok()) state.error = encoded;
+        --state.in_flight;
+        break;
+      }
+    }
+    send(call);
+  }
+  // Wait for every partition that was sent.
+  absl::MutexLock lock(&state.mu);
+  state.mu.Await(absl::Condition(
+      +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->in_flight == 0; },
+      &state));
+  if (traffic != nullptr) *traffic = state.traffic;
+  return state.error;
+}
+
+}  // namespace morse::worker

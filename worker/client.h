@@ -1,0 +1,84 @@
+// PushClient: a worker's connections to every shard of the job and the
+// pipelined exchange of one step (DESIGN 1).
+//
+// Each shard gets `channels_per_shard` channels (separate TCP connections;
+// partitions are spread over them round-robin). RunStep encodes partitions in
+// order on the calling thread and keeps up to `window` pushes in flight; a
+// reply is applied on a gRPC thread as soon as it arrives, so encoding,
+// transfer and decoding overlap. Pushes that fail with UNAVAILABLE (server
+// not up yet, or restarting) are retried with exponential backoff until the
+// RPC timeout; pushes are idempotent on the server, so a retry is safe.
+//
+// RunStep must not be called concurrently; the callbacks it takes run on
+// gRPC threads, concurrently for different partitions.
+#ifndef MORSE_WORKER_CLIENT_H_
+#define MORSE_WORKER_CLIENT_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "compress/layout.h"
+#include "proto/job_config.h"
+#include "proto/morse.grpc.pb.h"
+
+namespace morse::worker {
+
+struct StepTraffic {
+  uint64_t payload_up = 0;    // payload bytes pushed
+  uint64_t payload_down = 0;  // payload bytes received
+  double encode_seconds = 0;  // on the calling thread
+  double apply_seconds = 0;   // summed over gRPC threads
+  uint32_t retries = 0;
+};
+
+class PushClient {
+ public:
+  using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
+  using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply)>;
+
+  // `servers[s]` is shard s's host:port. Creates channels; connects lazily.
+  static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
+                                                            const compress::Layout& layout,
+                                                            std::vector<std::string> servers,
+                                                            uint32_t rank);
+
+  // Waits, retrying with backoff up to the connect timeout, until every shard
+  // answers and has this job's layout. FAILED_PRECONDITION on a layout or
+  // shard-index mismatch; DEADLINE_EXCEEDED naming the shards that never
+  // answered.
+  absl::Status WaitForShards();
+
+  // Rank 0: uploads x0 partition by partition.
+  absl::Status UploadInitialParameters(absl::Span<const float> x0);
+
+  // Waits until every shard has all its initial parameters.
+  absl::Status WaitInitialized();
+
+  // One step's exchange (see the class comment). Returns the first error.
+  absl::Status RunStep(int64_t step, compress::CodecKind up, const Encode& encode,
+                       const Apply& apply, StepTraffic* traffic);
+
+  // Every shard's info, in shard order.
+  absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
+
+ private:
+  PushClient(const proto::JobSpec& job, const compress::Layout& layout,
+             std::vector<std::string> servers, uint32_t rank);
+  v1::ParameterServer::Stub* Stub(uint32_t shard, uint32_t partition);
+
+  proto::JobSpec job_;
+  compress::Layout layout_;
+  std::vector<std::string> servers_;
+  uint32_t rank_;
+  // stubs_[shard][channel]
+  std::vector<std::vector<std::unique_ptr<v1::ParameterServer::Stub>>> stubs_;
+};
+
+}  // namespace morse::worker
+
+#endif  // MORSE_WORKER_CLIENT_H_

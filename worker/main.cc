@@ -1,0 +1,93 @@
+// morse-worker: one worker of a Morse job.
+//
+//   morse-worker --config job.textproto --rank 0 --servers 127.0.0.1:7000,127.0.0.1:7001
+//
+// Trains the job's workload with its optimizer through the shards, printing
+// a progress line every log_every steps and a one-line JSON summary at the
+// end.
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "proto/job_config.h"
+#include "worker/trainer.h"
+
+ABSL_FLAG(std::string, config, "", "Job config file (text-format or JSON JobConfig). Required.");
+ABSL_FLAG(int, rank, -1, "This worker's rank, 0..workers-1. Required.");
+ABSL_FLAG(std::string, servers, "",
+          "Comma-separated host:port of every shard, in shard order. Required.");
+ABSL_FLAG(std::string, metrics, "", "Write one JSON line per step to this file.");
+ABSL_FLAG(bool, checksums, false,
+          "Add a checksum of x, m, v to every metrics line (a pass over the model per step).");
+ABSL_FLAG(bool, check_config, false, "Parse the flags and config, print a summary, and exit.");
+
+namespace {
+
+// Exit codes (docs/operations.md): 0 done, 1 training failed, 2 bad flags or
+// config (do not retry), 3 servers unavailable or timed out (retryable).
+int ExitCode(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+      return 2;
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kDeadlineExceeded:
+      return 3;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "one worker of a Morse job.\n"
+      "  morse-worker --config job.textproto --rank 0 --servers HOST:PORT,HOST:PORT");
+  absl::ParseCommandLine(argc, argv);
+  using namespace morse;
+  const std::string config = absl::GetFlag(FLAGS_config);
+  if (config.empty()) {
+    std::fprintf(stderr, "morse-worker: --config is required (see --help)\n");
+    return 2;
+  }
+  auto job = proto::LoadJobConfig(config);
+  if (!job.ok()) {
+    std::fprintf(stderr, "morse-worker: %s\n", std::string(job.status().message()).c_str());
+    return 2;
+  }
+  worker::TrainerOptions options;
+  const int rank = absl::GetFlag(FLAGS_rank);
+  if (rank < 0 || static_cast<uint32_t>(rank) >= job->workers()) {
+    std::fprintf(stderr, "morse-worker: --rank must be in 0..%u\n", job->workers() - 1);
+    return 2;
+  }
+  options.rank = static_cast<uint32_t>(rank);
+  options.servers = absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty());
+  if (options.servers.size() != job->shards()) {
+    std::fprintf(stderr, "morse-worker: --servers lists %zu addresses; the job has %u shards\n",
+                 options.servers.size(), job->shards());
+    return 2;
+  }
+  options.metrics_path = absl::GetFlag(FLAGS_metrics);
+  options.checksums = absl::GetFlag(FLAGS_checksums);
+  if (absl::GetFlag(FLAGS_check_config)) {
+    std::printf("morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = %llu, %lld steps\n",
+                job->name.c_str(), rank, job->workers(), job->shards(),
+                static_cast<unsigned long long>(job->algorithm.layout.dim),
+                static_cast<long long>(job->steps));
+    return 0;
+  }
+  auto summary = worker::Train(*job, options);
+  if (!summary.ok()) {
+    std::fprintf(stderr, "morse-worker %d: %s\n", rank, std::string(summary.status().message()).c_str());
+    return ExitCode(summary.status());
+  }
+  std::printf("%s\n", summary->ToJson().c_str());
+  return 0;
+}

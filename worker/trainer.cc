@@ -1,0 +1,194 @@
+#include "worker/trainer.h"
+
+#include <dirent.h>
+#include <linux/tcp.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "compress/error_feedback.h"
+#include "compress/replica.h"
+#include "worker/client.h"
+#include "worker/workload.h"
+
+namespace morse::worker {
+namespace {
+
+// Bytes this process's TCP sockets have sent (acknowledged by the peer) and
+// received, summed over the sockets open now (Linux TCP_INFO): what went over
+// the wire, framing and all, as opposed to payload bytes.
+struct TcpCounters {
+  uint64_t sent = 0, received = 0;
+};
+
+TcpCounters ReadTcpCounters() {
+  TcpCounters c;
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return c;
+  while (dirent* entry = readdir(dir)) {
+    const int fd = std::atoi(entry->d_name);
+    struct stat st;
+    if (fd <= 2 || fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    tcp_info info{};
+    socklen_t len = sizeof info;
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) continue;
+    c.sent += info.tcpi_bytes_acked;
+    c.received += info.tcpi_bytes_received;
+  }
+  closedir(dir);
+  return c;
+}
+
+std::string Bytes(double b) {
+  if (b >= 1e9) return absl::StrFormat("%.2f GB", b / 1e9);
+  if (b >= 1e6) return absl::StrFormat("%.2f MB", b / 1e6);
+  if (b >= 1e3) return absl::StrFormat("%.1f KB", b / 1e3);
+  return absl::StrFormat("%.0f B", b);
+}
+
+absl::Span<uint8_t> AsBytes(std::string* s) {
+  return {reinterpret_cast<uint8_t*>(s->data()), s->size()};
+}
+
+}  // namespace
+
+std::string TrainingSummary::ToJson() const {
+  std::string json = absl::StrFormat(
+      "{\"rank\":%u,\"steps\":%d,\"final_loss\":%.6g,\"payload_up_bytes\":%u,"
+      "\"payload_down_bytes\":%u,\"warmup_up_bytes_per_step\":%u,"
+      "\"compressed_up_bytes_per_step\":%u,\"wire_sent_bytes\":%u,\"wire_received_bytes\":%u,"
+      "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\"",
+      rank, steps, final_loss, payload_up, payload_down, warmup_up_per_step,
+      compressed_up_per_step, wire_sent_bytes, wire_received_bytes, wall_seconds, comm_seconds,
+      final_checksum);
+  if (test_accuracy.has_value()) absl::StrAppendFormat(&json, ",\"test_accuracy\":%.4f", *test_accuracy);
+  return json + "}";
+}
+
+absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options) {
+  const compress::SimulatorConfig& algo = job.algorithm;
+  auto layout = compress::Layout::Create(algo.layout);
+  if (!layout.ok()) return layout.status();
+  auto workload = MakeWorkload(job, options.rank);
+  if (!workload.ok()) return workload.status();
+  const uint64_t dim = algo.layout.dim;
+  if ((*workload)->dim() != dim) {
+    return absl::InternalError(absl::StrCat("workload has ", (*workload)->dim(), " parameters, the layout ", dim));
+  }
+  compress::Replica replica(algo, {0, dim});
+  (*workload)->Initialize(replica.x());
+  compress::ErrorFeedback worker_error(algo.worker_feedback, dim, algo.layout.block_elems);
+
+  auto client = PushClient::Create(job, *layout, options.servers, options.rank);
+  if (!client.ok()) return client.status();
+  if (absl::Status s = (*client)->WaitForShards(); !s.ok()) return s;
+  if (options.rank == 0) {
+    if (absl::Status s = (*client)->UploadInitialParameters(replica.x()); !s.ok()) return s;
+  }
+  if (absl::Status s = (*client)->WaitInitialized(); !s.ok()) return s;
+
+  std::unique_ptr<std::ofstream> metrics;
+  if (!options.metrics_path.empty()) {
+    metrics = std::make_unique<std::ofstream>(options.metrics_path, std::ios::trunc);
+    if (!*metrics) return absl::InvalidArgumentError("cannot write metrics file " + options.metrics_path);
+  }
+
+  TrainingSummary summary;
+  summary.rank = options.rank;
+  std::vector<float> grad(dim), momentum(dim);
+  const TcpCounters tcp_start = ReadTcpCounters();
+  const absl::Time train_start = absl::Now();
+  double interval_seconds = 0, interval_comm = 0, interval_loss = 0;
+  uint64_t interval_up = 0, interval_down = 0;
+  for (int64_t step = 0; step < job.steps; ++step) {
+    const absl::Time step_start = absl::Now();
+    auto loss = (*workload)->Gradient(step, replica.x(), absl::MakeSpan(grad));
+    if (!loss.ok()) return loss.status();
+    const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    const compress::StepPlan plan = compress::PlanStep(algo, step);
+
+    const auto encode = [&](const compress::Partition& p, std::string* payload) -> absl::Status {
+      const uint64_t n = p.range.size();
+      payload->resize(compress::PayloadBytes(plan.up, n));
+      absl::Span<const float> input = absl::MakeConstSpan(grad).subspan(p.range.begin, n);
+      if (plan.compressing) {
+        auto local = absl::MakeSpan(momentum).subspan(p.range.begin, n);
+        replica.LocalMomentum(p.range.begin, input, local);
+        input = local;
+      }
+      const compress::RoundingKey key = compress::SenderKey(algo, step, options.rank, p.range.begin);
+      if (plan.feedback) {
+        return worker_error.Compress(plan.up, p.range.begin, input, key, AsBytes(payload));
+      }
+      return compress::Encode(plan.up, input, key, AsBytes(payload));
+    };
+    const auto apply = [&](const compress::Partition& p, const std::string& reply) {
+      return replica.ApplyReply(step, p.range.begin, p.range.size(),
+                                {reinterpret_cast<const uint8_t*>(reply.data()), reply.size()});
+    };
+    StepTraffic traffic;
+    const absl::Time exchange_start = absl::Now();
+    if (absl::Status s = (*client)->RunStep(step, plan.up.kind, encode, apply, &traffic); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
+    }
+    const double step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    const double comm_seconds =
+        absl::ToDoubleSeconds(absl::Now() - exchange_start) - traffic.encode_seconds;
+    summary.payload_up += traffic.payload_up;
+    summary.payload_down += traffic.payload_down;
+    summary.comm_seconds += comm_seconds;
+    (plan.compressing ? summary.compressed_up_per_step : summary.warmup_up_per_step) = traffic.payload_up;
+    summary.final_loss = *loss;
+    if (metrics) {
+      *metrics << absl::StrFormat(
+          "{\"step\":%d,\"phase\":\"%s\",\"loss\":%.6g,\"step_seconds\":%.6f,"
+          "\"compute_seconds\":%.6f,\"encode_seconds\":%.6f,\"comm_seconds\":%.6f,"
+          "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"retries\":%u",
+          step, plan.compressing ? "compression" : "warmup", *loss, step_seconds,
+          compute_seconds, traffic.encode_seconds, comm_seconds, traffic.apply_seconds,
+          traffic.payload_up, traffic.payload_down, traffic.retries);
+      if (options.checksums) {
+        *metrics << absl::StrFormat(",\"checksum\":\"%016x\"", replica.Checksum());
+      }
+      *metrics << "}\n";
+    }
+    interval_seconds += step_seconds;
+    interval_comm += comm_seconds;
+    interval_loss += *loss;
+    interval_up += traffic.payload_up;
+    interval_down += traffic.payload_down;
+    const int64_t done = step + 1;
+    if (done % job.log_every == 0 || done == job.steps) {
+      const int64_t k = (done - 1) % job.log_every + 1;
+      std::printf(
+          "worker %u: step %lld/%lld %-11s loss %.4f | %.0f samples/s | up %s down %s per step | "
+          "comm %.0f%%\n",
+          options.rank, static_cast<long long>(done), static_cast<long long>(job.steps),
+          plan.compressing ? "compression" : "warmup", interval_loss / k,
+          (*workload)->samples_per_step() * k / interval_seconds, Bytes(double(interval_up) / k).c_str(),
+          Bytes(double(interval_down) / k).c_str(), 100.0 * interval_comm / interval_seconds);
+      std::fflush(stdout);
+      interval_seconds = interval_comm = interval_loss = 0;
+      interval_up = interval_down = 0;
+    }
+  }
+  summary.wall_seconds = absl::ToDoubleSeconds(absl::Now() - train_start);
+  const TcpCounters tcp_end = ReadTcpCounters();
+  summary.wire_sent_bytes = tcp_end.sent - tcp_start.sent;
+  summary.wire_received_bytes = tcp_end.received - tcp_start.received;
+  summary.steps = job.steps;
+  summary.test_accuracy = (*workload)->TestAccuracy(replica.x());
+  summary.final_checksum = replica.Checksum();
+  if (metrics) metrics->flush();
+  return summary;
+}
+
+}  // namespace morse::worker

@@ -1,0 +1,43 @@
+// Trainer: one worker's whole job — workload, replica of x/m/v, worker error
+// buffer, the client — and the step loop of DESIGN 2.1/2.2, with progress
+// lines, a JSON-lines metrics file and a final summary.
+#ifndef MORSE_WORKER_TRAINER_H_
+#define MORSE_WORKER_TRAINER_H_
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "proto/job_config.h"
+
+namespace morse::worker {
+
+struct TrainerOptions {
+  uint32_t rank = 0;
+  std::vector<std::string> servers;  // shard order
+  std::string metrics_path;          // JSON lines, one per step; empty: none
+  bool checksums = false;            // add x/m/v checksums to each metrics line
+};
+
+struct TrainingSummary {
+  uint32_t rank = 0;
+  int64_t steps = 0;
+  double final_loss = 0;
+  std::optional<double> test_accuracy;
+  uint64_t payload_up = 0, payload_down = 0;  // totals
+  uint64_t warmup_up_per_step = 0, compressed_up_per_step = 0;
+  // TCP bytes over this process's sockets during training (TCP_INFO).
+  uint64_t wire_sent_bytes = 0, wire_received_bytes = 0;
+  double wall_seconds = 0;
+  double comm_seconds = 0;
+  uint64_t final_checksum = 0;
+
+  std::string ToJson() const;
+};
+
+absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options);
+
+}  // namespace morse::worker
+
+#endif  // MORSE_WORKER_TRAINER_H_

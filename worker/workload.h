@@ -1,0 +1,66 @@
+// Workload: what a worker trains — the model's flat parameter vector, its
+// deterministic initial value, and the local gradient of each step.
+//
+// Built-in workloads:
+//   synthetic  0.5 * mean_j a_j (x_j - t_j)^2 plus per-(rank, step) uniform
+//              gradient noise; a, t and the noise come from Philox draws, so
+//              any D is cheap and every process can recompute any gradient.
+//   mlp        a ReLU multilayer perceptron with softmax cross-entropy on a
+//              CSV (label first) or libsvm data set; worker i trains on rows
+//              r with r mod N == i; matrix products go through CBLAS.
+// Not thread-safe; one per worker.
+#ifndef MORSE_WORKER_WORKLOAD_H_
+#define MORSE_WORKER_WORKLOAD_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "proto/job_config.h"
+
+namespace morse::worker {
+
+class Workload {
+ public:
+  virtual ~Workload() = default;
+  virtual uint64_t dim() const = 0;
+  // The same x0 in every process of the job (a function of the seed).
+  virtual void Initialize(absl::Span<float> x) const = 0;
+  // Writes the local gradient at x for `step` and returns the local loss.
+  virtual absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
+                                          absl::Span<float> grad) = 0;
+  virtual uint64_t samples_per_step() const = 0;
+  // Test-set accuracy in [0, 1], when the workload has a test set.
+  virtual std::optional<double> TestAccuracy(absl::Span<const float> x) const = 0;
+};
+
+absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const proto::JobSpec& job, uint32_t rank);
+
+// The synthetic workload's gradient, exposed so tests can feed the simulator
+// exactly what each worker computed.
+class SyntheticWorkload final : public Workload {
+ public:
+  SyntheticWorkload(const proto::JobSpec& job, uint32_t rank);
+  uint64_t dim() const override { return curvature_.size(); }
+  void Initialize(absl::Span<float> x) const override;
+  absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
+                                  absl::Span<float> grad) override;
+  uint64_t samples_per_step() const override { return 1; }
+  std::optional<double> TestAccuracy(absl::Span<const float>) const override {
+    return std::nullopt;
+  }
+
+ private:
+  uint64_t seed_;
+  uint32_t rank_;
+  float noise_;
+  std::vector<float> curvature_, target_;
+};
+
+}  // namespace morse::worker
+
+#endif  // MORSE_WORKER_WORKLOAD_H_
