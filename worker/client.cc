@@ -65,8 +65,11 @@ absl::Status PushClient::WaitForShards() {
   while (true) {
     for (uint32_t s = 0; s < servers_.size(); ++s) {
       if (ready[s]) continue;
+      // wait_for_ready: the call rides out the channel's own reconnect
+      // backoff and returns as soon as the server accepts a connection.
       grpc::ClientContext context;
-      context.set_deadline(DeadlineIn(2.0));
+      context.set_wait_for_ready(true);
+      context.set_deadline(DeadlineIn(1.0));
       v1::ShardInfo info;
       const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &info);
       if (!status.ok()) {
@@ -98,7 +101,7 @@ absl::Status PushClient::WaitForShards() {
     std::fprintf(stderr, "morse-worker %u: waiting for servers (%s); retrying in %.1f s\n", rank_,
                  last_error.c_str(), absl::ToDoubleSeconds(backoff));
     absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Seconds(2));
+    backoff = std::min(backoff * 2, absl::Seconds(1));
   }
 }
 

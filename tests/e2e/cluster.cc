@@ -1,0 +1,182 @@
+#include "tests/e2e/cluster.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+extern char** environ;
+
+namespace morse::testing {
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+Process::Process(const std::vector<std::string>& argv, const std::string& log_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
+  posix_spawn_file_actions_destroy(&actions);
+}
+
+Process::~Process() {
+  if (pid_ > 0 && !reaped_) {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+  }
+}
+
+bool Process::Wait(absl::Duration timeout, int* exit_code) {
+  if (pid_ <= 0) return false;
+  const absl::Time deadline = absl::Now() + timeout;
+  while (true) {
+    int status = 0;
+    const pid_t r = waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      reaped_ = true;
+      *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      return true;
+    }
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+void Process::Signal(int sig) {
+  if (pid_ > 0 && !reaped_) kill(pid_, sig);
+}
+
+Cluster::Cluster(const std::string& config_text, int shards, int workers)
+    : shards_(shards), workers_(workers) {
+  char pattern[] = "/tmp/morse-e2e-XXXXXX";
+  dir_ = mkdtemp(pattern);
+  std::ofstream(config_path()) << config_text;
+  for (int s = 0; s < shards; ++s) ports_.push_back(FreePort());
+}
+
+Cluster::~Cluster() {
+  workers_procs_.clear();
+  StopServers();
+  if (std::getenv("MORSE_KEEP_E2E") == nullptr) {
+    std::system(absl::StrCat("rm -rf ", dir_).c_str());
+  }
+}
+
+std::string Cluster::server_address(int shard) const {
+  return absl::StrCat("127.0.0.1:", ports_[shard]);
+}
+
+std::string Cluster::servers() const {
+  std::vector<std::string> all;
+  for (int s = 0; s < shards_; ++s) all.push_back(server_address(s));
+  return absl::StrJoin(all, ",");
+}
+
+std::string Cluster::worker_log(int rank) const { return absl::StrCat(dir_, "/worker", rank, ".log"); }
+std::string Cluster::worker_metrics(int rank) const {
+  return absl::StrCat(dir_, "/worker", rank, ".jsonl");
+}
+std::string Cluster::server_log(int shard) const { return absl::StrCat(dir_, "/server", shard, ".log"); }
+std::string Cluster::state_log(int shard) const {
+  return absl::StrCat(dir_, "/server", shard, ".jsonl");
+}
+
+void Cluster::StartServers(bool state_logs) {
+  for (int s = 0; s < shards_; ++s) {
+    std::vector<std::string> argv = {MORSE_SERVER_BIN, "--config", config_path(), "--shard",
+                                     std::to_string(s), "--listen", server_address(s)};
+    if (state_logs) argv.push_back("--state_log=" + state_log(s));
+    servers_.push_back(std::make_unique<Process>(argv, server_log(s)));
+  }
+}
+
+void Cluster::StartWorker(int rank, bool checksums) {
+  std::vector<std::string> argv = {MORSE_WORKER_BIN, "--config", config_path(), "--rank",
+                                   std::to_string(rank), "--servers", servers(),
+                                   "--metrics", worker_metrics(rank)};
+  if (checksums) argv.push_back("--checksums");
+  workers_procs_.push_back(std::make_unique<Process>(argv, worker_log(rank)));
+}
+
+void Cluster::StartWorkers(bool checksums) {
+  for (int r = 0; r < workers_; ++r) StartWorker(r, checksums);
+}
+
+bool Cluster::WaitWorkers(absl::Duration timeout, std::string* failure) {
+  const absl::Time deadline = absl::Now() + timeout;
+  bool ok = true;
+  for (size_t r = 0; r < workers_procs_.size(); ++r) {
+    int code = -1;
+    const absl::Duration left = std::max(deadline - absl::Now(), absl::Seconds(1));
+    if (!workers_procs_[r]->Wait(left, &code)) {
+      absl::StrAppend(failure, "worker ", r, " did not finish in time\n", ReadFile(worker_log(r)));
+      ok = false;
+    } else if (code != 0) {
+      absl::StrAppend(failure, "worker ", r, " exited ", code, ":\n", ReadFile(worker_log(r)));
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+void Cluster::StopServers() {
+  for (auto& s : servers_) s->Signal(SIGTERM);
+  for (auto& s : servers_) {
+    int code;
+    if (!s->Wait(absl::Seconds(10), &code)) s->Signal(SIGKILL);
+  }
+  servers_.clear();
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::vector<std::string> JsonField(const std::string& jsonl, const std::string& key) {
+  std::vector<std::string> values;
+  const std::string needle = "\"" + key + "\":";
+  for (absl::string_view line : absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {
+    const size_t at = line.find(needle);
+    if (at == absl::string_view::npos) continue;
+    absl::string_view rest = line.substr(at + needle.size());
+    if (!rest.empty() && rest[0] == '"') {
+      rest.remove_prefix(1);
+      values.emplace_back(rest.substr(0, rest.find('"')));
+    } else {
+      values.emplace_back(rest.substr(0, rest.find_first_of(",}")));
+    }
+  }
+  return values;
+}
+
+}  // namespace morse::testing

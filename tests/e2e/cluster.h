@@ -1,0 +1,77 @@
+// Test helpers that run real morse-server and morse-worker processes on
+// loopback: free ports, child processes with logs, a job directory, and
+// readers for the JSON lines the daemons write.
+#ifndef MORSE_TESTS_E2E_CLUSTER_H_
+#define MORSE_TESTS_E2E_CLUSTER_H_
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace morse::testing {
+
+// A port on 127.0.0.1 that was free a moment ago.
+int FreePort();
+
+// A child process whose stdout and stderr go to a log file. Killed (SIGKILL)
+// on destruction if still running.
+class Process {
+ public:
+  Process(const std::vector<std::string>& argv, const std::string& log_path);
+  ~Process();
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  // True with the exit code if the process ended within the timeout.
+  bool Wait(absl::Duration timeout, int* exit_code);
+  void Signal(int sig);
+  pid_t pid() const { return pid_; }
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+};
+
+// A job directory with a config and S server addresses.
+class Cluster {
+ public:
+  Cluster(const std::string& config_text, int shards, int workers);
+  ~Cluster();
+
+  const std::string& dir() const { return dir_; }
+  std::string config_path() const { return dir_ + "/job.textproto"; }
+  std::string servers() const;  // host:port,host:port
+  std::string server_address(int shard) const;
+
+  void StartServers(bool state_logs);
+  void StartWorkers(bool checksums);
+  void StartWorker(int rank, bool checksums);
+  // Waits for every worker; true if all exited 0 within the timeout.
+  bool WaitWorkers(absl::Duration timeout, std::string* failure);
+  void StopServers();  // SIGTERM, then wait
+
+  std::string worker_log(int rank) const;
+  std::string worker_metrics(int rank) const;
+  std::string server_log(int shard) const;
+  std::string state_log(int shard) const;
+
+ private:
+  std::string dir_;
+  int shards_, workers_;
+  std::vector<int> ports_;
+  std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
+};
+
+std::string ReadFile(const std::string& path);
+// The string value of "key":"..." or the number of "key":N in each line.
+std::vector<std::string> JsonField(const std::string& jsonl, const std::string& key);
+
+}  // namespace morse::testing
+
+#endif  // MORSE_TESTS_E2E_CLUSTER_H_
