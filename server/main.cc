@@ -30,7 +30,8 @@
 ABSL_FLAG(std::string, config, "", "Job config file (text-format or JSON JobConfig). Required.");
 ABSL_FLAG(int, shard, -1, "Which shard of the job this server holds, 0..shards-1. Required.");
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000",
-          "Address to serve on, host:port (0.0.0.0:PORT for every interface).");
+          "Address to serve on, host:port (0.0.0.0:PORT for every interface; port 0 picks a "
+          "free port and prints it).");
 ABSL_FLAG(std::string, state_log, "",
           "If set, append one JSON line per completed step to this file with the mirror's "
           "checksum of x, m, v (costs a pass over the shard per step; for tests).");
@@ -106,8 +107,10 @@ int main(int argc, char** argv) {
     return Fail(kExitUnavailable, "cannot listen on " + absl::GetFlag(FLAGS_listen));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
-  std::printf("morse-server: %s; listening on %s\n", summary.c_str(),
-              absl::GetFlag(FLAGS_listen).c_str());
+  // With port 0 the kernel picks one; print the real address for scripts.
+  std::string address = absl::GetFlag(FLAGS_listen);
+  address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
+  std::printf("morse-server: %s; listening on %s\n", summary.c_str(), address.c_str());
   std::fflush(stdout);
 
   // Steps whose pushes do not all arrive in time fail instead of hanging.

@@ -54,6 +54,11 @@ std::string Bytes(double b) {
   return absl::StrFormat("%.0f B", b);
 }
 
+const char* PhaseName(const compress::SimulatorConfig& algo, const compress::StepPlan& plan) {
+  if (algo.optimizer == compress::OptimizerKind::kAdam) return "adam";
+  return plan.compressing ? "compression" : "warmup";
+}
+
 absl::Span<uint8_t> AsBytes(std::string* s) {
   return {reinterpret_cast<uint8_t*>(s->data()), s->size()};
 }
@@ -152,7 +157,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
           "{\"step\":%d,\"phase\":\"%s\",\"loss\":%.6g,\"step_seconds\":%.6f,"
           "\"compute_seconds\":%.6f,\"encode_seconds\":%.6f,\"comm_seconds\":%.6f,"
           "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"retries\":%u",
-          step, plan.compressing ? "compression" : "warmup", *loss, step_seconds,
+          step, PhaseName(algo, plan), *loss, step_seconds,
           compute_seconds, traffic.encode_seconds, comm_seconds, traffic.apply_seconds,
           traffic.payload_up, traffic.payload_down, traffic.retries);
       if (options.checksums) {
@@ -172,7 +177,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
           "worker %u: step %lld/%lld %-11s loss %.4f | %.0f samples/s | up %s down %s per step | "
           "comm %.0f%%\n",
           options.rank, static_cast<long long>(done), static_cast<long long>(job.steps),
-          plan.compressing ? "compression" : "warmup", interval_loss / k,
+          PhaseName(algo, plan), interval_loss / k,
           (*workload)->samples_per_step() * k / interval_seconds, Bytes(double(interval_up) / k).c_str(),
           Bytes(double(interval_down) / k).c_str(), 100.0 * interval_comm / interval_seconds);
       std::fflush(stdout);
