@@ -140,10 +140,12 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
                                 {reinterpret_cast<const uint8_t*>(reply.data()), reply.size()});
     };
     StepTraffic traffic;
+    const TcpCounters tcp_before = ReadTcpCounters();
     const absl::Time exchange_start = absl::Now();
     if (absl::Status s = (*client)->RunStep(step, plan.up.kind, encode, apply, &traffic); !s.ok()) {
       return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
     }
+    const TcpCounters tcp_after = ReadTcpCounters();
     const double step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     const double comm_seconds =
         absl::ToDoubleSeconds(absl::Now() - exchange_start) - traffic.encode_seconds;
@@ -156,10 +158,12 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
       *metrics << absl::StrFormat(
           "{\"step\":%d,\"phase\":\"%s\",\"loss\":%.6g,\"step_seconds\":%.6f,"
           "\"compute_seconds\":%.6f,\"encode_seconds\":%.6f,\"comm_seconds\":%.6f,"
-          "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"retries\":%u",
+          "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"wire_up\":%u,"
+          "\"wire_down\":%u,\"retries\":%u",
           step, PhaseName(algo, plan), *loss, step_seconds,
           compute_seconds, traffic.encode_seconds, comm_seconds, traffic.apply_seconds,
-          traffic.payload_up, traffic.payload_down, traffic.retries);
+          traffic.payload_up, traffic.payload_down, tcp_after.sent - tcp_before.sent,
+          tcp_after.received - tcp_before.received, traffic.retries);
       if (options.checksums) {
         *metrics << absl::StrFormat(",\"checksum\":\"%016x\"", replica.Checksum());
       }
