@@ -1,0 +1,87 @@
+#include "proto/job_config.h"
+
+#include "gtest/gtest.h"
+
+namespace morse::proto {
+namespace {
+
+constexpr char kMinimal[] = R"(
+  workers: 4
+  shards: 2
+  synthetic { dim: 100000 }
+  lr { lr: 0.001 }
+  steps: 100
+  freeze_step: 20
+)";
+
+TEST(JobConfigTest, DefaultsForOneBitAdam) {
+  auto job = ParseJobConfig(kMinimal, ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const auto& a = job->algorithm;
+  EXPECT_EQ(a.optimizer, compress::OptimizerKind::kOneBitAdam);
+  EXPECT_EQ(a.up_codec.kind, compress::CodecKind::kSign1);
+  EXPECT_EQ(a.down_codec.kind, compress::CodecKind::kSign1);
+  EXPECT_EQ(a.warmup_codec.kind, compress::CodecKind::kFp32);
+  EXPECT_EQ(a.worker_feedback.kind, compress::FeedbackKind::kEf);
+  EXPECT_EQ(a.server_feedback.kind, compress::FeedbackKind::kEf);
+  EXPECT_FALSE(a.bias_correction);
+  EXPECT_EQ(a.layout.block_elems, 2048u);
+  EXPECT_EQ(a.layout.partition_elems, 1u << 20);
+  EXPECT_FLOAT_EQ(a.adam.beta1, 0.9f);
+  EXPECT_EQ(job->channels_per_shard, 2u);
+}
+
+TEST(JobConfigTest, AdamDefaultsAndJson) {
+  auto job = ParseJobConfig(R"({"workers": 2, "shards": 1, "mlp": {"trainPath": "t.csv",
+      "features": 64, "classes": 10, "hidden": [32, 16]}, "optimizer": "adam",
+      "lr": {"lr": 0.01}, "steps": 10, "upCodec": {"codec": "int4"},
+      "workerFeedback": {"mode": "ema", "beta": 0.5}})",
+                            ConfigFormat::kJson);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE(job->algorithm.bias_correction);
+  EXPECT_EQ(job->algorithm.up_codec.kind, compress::CodecKind::kInt4);
+  EXPECT_EQ(job->algorithm.down_codec.kind, compress::CodecKind::kInt4);  // follows up
+  EXPECT_EQ(job->algorithm.server_feedback.kind, compress::FeedbackKind::kEma);  // follows worker
+  EXPECT_EQ(job->algorithm.layout.dim, 64u * 32 + 32 + 32 * 16 + 16 + 16 * 10 + 10);
+}
+
+TEST(JobConfigTest, ErrorsNameTheField) {
+  const struct {
+    const char* text;
+    const char* field;
+  } cases[] = {
+      {"workers: 0 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1", "workers"},
+      {"workers: 1 shards: 1 lr { lr: 1 } steps: 1", "workload"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 0 } steps: 1", "lr"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"sgd\"",
+       "optimizer"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 up_codec { codec: \"int3\" }",
+       "up_codec"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 warmup_codec { codec: \"sign1\" }",
+       "job"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 block_elems: 24",
+       "block_elems"},
+      {"workers: 1 shards: 9 synthetic { dim: 10 } lr { lr: 1 } steps: 1", "shards"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 5 freeze_step: 9",
+       "freeze_step"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ema\" beta: 2 }",
+       "worker_feedback"},
+      {"workers: 1 shards: 1 mlp { train_path: \"x\" } lr { lr: 1 } steps: 1", "mlp.features"},
+      {"workers: 1 bogus: 3", "bogus"},
+  };
+  for (const auto& c : cases) {
+    auto job = ParseJobConfig(c.text, ConfigFormat::kText);
+    ASSERT_FALSE(job.ok()) << c.text;
+    EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(job.status().message().find(c.field), absl::string_view::npos)
+        << c.text << " -> " << job.status();
+  }
+}
+
+TEST(JobConfigTest, MissingFileIsNotFound) {
+  EXPECT_EQ(LoadJobConfig("/nonexistent/job.textproto").status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace morse::proto

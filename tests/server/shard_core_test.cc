@@ -1,0 +1,184 @@
+// The shard core without gRPC: rank-order sums whatever the arrival order,
+// the same reply for every worker, idempotent retries, conflicting bytes,
+// bounded memory, initialization rules and the step observer.
+#include "server/shard_core.h"
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+#include "compress/simulator.h"
+#include "gtest/gtest.h"
+#include "proto/job_config.h"
+#include "tests/compress/test_util.h"
+
+namespace morse::server {
+namespace {
+
+constexpr char kConfig[] = R"(
+  workers: 3
+  shards: 2
+  synthetic { dim: 300 }
+  lr { lr: 0.01 }
+  steps: 10
+  freeze_step: 1
+  block_elems: 16
+  partition_elems: 64
+)";
+
+class ShardCoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    job_ = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
+    core_ = *ShardCore::Create(job_, 1);
+    for (const auto& p : core_->layout().shard_partitions(1)) {
+      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+      ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
+                                       {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                      .ok());
+    }
+  }
+  uint64_t fingerprint() const { return core_->layout().fingerprint(); }
+  const compress::Partition& first() const { return core_->layout().shard_partitions(1)[0]; }
+
+  PushArgs Args(int64_t step, uint32_t rank, const compress::Partition& p) {
+    const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
+    const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
+    PushArgs args{step, rank, p.id, fingerprint(), plan.up.kind, {}};
+    args.payload.resize(compress::PayloadBytes(plan.up, x.size()));
+    EXPECT_TRUE(compress::Encode(plan.up, x, {},
+                                 {reinterpret_cast<uint8_t*>(args.payload.data()), args.payload.size()})
+                    .ok());
+    return args;
+  }
+
+  // Pushes and returns the status so far ("pending" while the step waits),
+  // capturing the reply if one came. The callback owns what it writes to, as
+  // it may run long after this returns.
+  absl::Status Push(PushArgs args, std::shared_ptr<const Reply>* reply = nullptr) {
+    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
+    auto got = std::make_shared<std::shared_ptr<const Reply>>();
+    core_->Push(std::move(args), [status, got](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+      *status = r.status();
+      if (r.ok()) *got = *r;
+    });
+    if (reply != nullptr) *reply = *got;
+    return *status;
+  }
+
+  proto::JobSpec job_;
+  std::unique_ptr<ShardCore> core_;
+};
+
+TEST_F(ShardCoreTest, ArrivalOrderDoesNotChangeTheReply) {
+  std::vector<std::string> replies;
+  std::vector<uint32_t> order = {0, 1, 2};
+  do {
+    SetUp();  // a fresh shard per order
+    std::vector<std::shared_ptr<const Reply>> got(3);
+    for (uint32_t rank : order) {
+      const absl::Status s = Push(Args(0, rank, first()), &got[rank]);
+      // Every push but the last waits for the others.
+      EXPECT_EQ(s.ok(), rank == order.back()) << s;
+    }
+    ASSERT_NE(got[order.back()], nullptr);
+    replies.push_back(got[order.back()]->payload);
+  } while (std::next_permutation(order.begin(), order.end()));
+  for (const std::string& r : replies) EXPECT_EQ(r, replies[0]);
+}
+
+TEST_F(ShardCoreTest, EveryWorkerGetsTheSameReplyAndRetriesToo) {
+  std::vector<std::shared_ptr<const Reply>> got(3);
+  std::vector<absl::Status> status(3, absl::UnknownError("none"));
+  for (uint32_t r = 0; r < 3; ++r) {
+    core_->Push(Args(0, r, first()), [&, r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
+      status[r] = reply.status();
+      if (reply.ok()) got[r] = *reply;
+    });
+  }
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(status[r].ok()) << status[r];
+    EXPECT_EQ(got[r]->payload, got[0]->payload);
+  }
+  std::shared_ptr<const Reply> retry;
+  ASSERT_TRUE(Push(Args(0, 2, first()), &retry).ok());
+  EXPECT_EQ(retry->payload, got[0]->payload);
+  PushArgs changed = Args(0, 2, first());
+  changed.payload[5] ^= 1;
+  EXPECT_EQ(Push(changed).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ShardCoreTest, APendingPushResentWithOtherBytesIsRejected) {
+  core_->Push(Args(0, 0, first()), [](auto) {});
+  PushArgs changed = Args(0, 0, first());
+  changed.payload[0] ^= 1;
+  EXPECT_EQ(Push(changed).code(), absl::StatusCode::kFailedPrecondition);
+  // The original push still completes with the others.
+  ASSERT_TRUE(Push(Args(0, 1, first())).code() == absl::StatusCode::kUnknown);
+  EXPECT_TRUE(Push(Args(0, 2, first())).ok());
+}
+
+TEST_F(ShardCoreTest, OnlyTheLastCompletedStepIsKept) {
+  for (int64_t step = 0; step < 3; ++step) {
+    for (uint32_t r = 0; r < 3; ++r) core_->Push(Args(step, r, first()), [](auto) {});
+  }
+  EXPECT_TRUE(Push(Args(2, 0, first())).ok());
+  EXPECT_EQ(Push(Args(1, 0, first())).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(ShardCoreTest, InitializationRules) {
+  auto fresh = *ShardCore::Create(job_, 0);
+  const auto& p = fresh->layout().shard_partitions(0)[0];
+  const std::vector<float> x0(p.range.size(), 1.0f);
+  const absl::string_view bytes(reinterpret_cast<const char*>(x0.data()), 4 * x0.size());
+  // Pushes wait for initial values.
+  absl::Status status;
+  fresh->Push(Args(0, 0, p), [&](auto r) { status = r.status(); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(fresh->InitPartition(1, p.id, fingerprint(), bytes).code(),
+            absl::StatusCode::kFailedPrecondition);  // only rank 0
+  EXPECT_EQ(fresh->InitPartition(0, p.id, fingerprint(), bytes.substr(4)).code(),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<float> nan = x0;
+  nan[3] = NAN;
+  EXPECT_EQ(fresh->InitPartition(0, p.id, fingerprint(),
+                                 {reinterpret_cast<const char*>(nan.data()), bytes.size()})
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(fresh->InitPartition(0, p.id, fingerprint(), bytes).ok());
+  EXPECT_TRUE(fresh->InitPartition(0, p.id, fingerprint(), bytes).ok());  // idempotent
+  std::vector<float> other = x0;
+  other[0] = 2.0f;
+  EXPECT_EQ(fresh->InitPartition(0, p.id, fingerprint(),
+                                 {reinterpret_cast<const char*>(other.data()), bytes.size()})
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(fresh->Status().partitions_initialized, 1u);
+}
+
+TEST_F(ShardCoreTest, TheObserverSeesEveryStepOnceInOrder) {
+  std::vector<int64_t> seen;
+  core_->SetStepObserver([&](int64_t step, const ShardCore&) { seen.push_back(step); });
+  for (int64_t step = 0; step < 3; ++step) {
+    for (const auto& p : core_->layout().shard_partitions(1)) {
+      for (uint32_t r = 0; r < 3; ++r) core_->Push(Args(step, r, p), [](auto) {});
+    }
+  }
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(core_->Status().completed_steps, 3);
+}
+
+TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
+  const uint64_t before = core_->MirrorChecksum();
+  absl::Status status;
+  core_->Push(Args(0, 0, first()), [&](auto r) { status = r.status(); });
+  core_->ExpireWaiting(absl::Now());  // not yet
+  EXPECT_TRUE(status.ok());
+  core_->ExpireWaiting(absl::Now() + absl::Seconds(job_.step_timeout_seconds + 1));
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(status.message().find("rank(s) 1, 2 did not push"), absl::string_view::npos) << status;
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+}
+
+}  // namespace
+}  // namespace morse::server
