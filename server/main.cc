@@ -14,6 +14,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
@@ -55,6 +57,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "one shard of a Morse parameter server.\n"
       "  morse-server --config job.textproto --shard 0 --listen 127.0.0.1:7000");
+  // --help lists this binary's own flags (Abseil would match on its name).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/main.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   using namespace morse;
   const std::string config_path = absl::GetFlag(FLAGS_config);

@@ -12,6 +12,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "proto/job_config.h"
 #include "worker/trainer.h"
@@ -49,6 +51,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "one worker of a Morse job.\n"
       "  morse-worker --config job.textproto --rank 0 --servers HOST:PORT,HOST:PORT");
+  // --help lists this binary's own flags (Abseil would match on its name).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/main.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   using namespace morse;
   const std::string config = absl::GetFlag(FLAGS_config);
