@@ -35,6 +35,52 @@ uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays) {
   return hash;
 }
 
+uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  const auto mix = [&](uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= (value >> (8 * byte)) & 0xff;
+      hash *= 0x100000001b3ull;
+    }
+  };
+  const auto mix_float = [&](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    mix(bits);
+  };
+  const auto mix_codec = [&](const CodecSpec& codec) {
+    mix(static_cast<uint64_t>(codec.kind));
+    mix(codec.block_elems);
+    mix(static_cast<uint64_t>(codec.scale));
+    mix(static_cast<uint64_t>(codec.rounding));
+    uint64_t ratio;
+    std::memcpy(&ratio, &codec.topk_ratio, 8);
+    mix(ratio);
+  };
+  const auto mix_feedback = [&](const FeedbackSpec& fb) {
+    mix(static_cast<uint64_t>(fb.kind));
+    mix_float(fb.beta);
+    mix(static_cast<uint64_t>(fb.storage));
+  };
+  mix(1);  // format version
+  mix(static_cast<uint64_t>(c.optimizer));
+  mix(c.workers);
+  mix(c.layout.dim);
+  mix(c.layout.shards);
+  mix(c.layout.block_elems);
+  mix(c.layout.partition_elems);
+  for (float f : {c.adam.beta1, c.adam.beta2, c.adam.eps, c.adam.weight_decay}) mix_float(f);
+  mix(static_cast<uint64_t>(c.freeze_step));
+  mix_codec(c.warmup_codec);
+  mix_codec(c.up_codec);
+  mix_codec(c.down_codec);
+  mix_feedback(c.worker_feedback);
+  mix_feedback(c.server_feedback);
+  mix(c.bias_correction);
+  mix(c.seed);
+  return hash;
+}
+
 Replica::Replica(const SimulatorConfig& config, Range range)
     : config_(config),
       range_(range),

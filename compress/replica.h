@@ -32,6 +32,12 @@ StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
 // words, then the tail). For comparing replicas, never for security.
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays);
 
+// A fingerprint of everything in `config` that must not change when a job
+// resumes from a checkpoint: workers, layout, optimizer, Adam
+// hyper-parameters, freeze step, codecs, feedback and seed. The learning-rate
+// schedule is left out, so a resumed job may train for more steps.
+uint64_t AlgorithmFingerprint(const SimulatorConfig& config);
+
 class Replica {
  public:
   // Zero x, m, v over `range`.
@@ -39,6 +45,8 @@ class Replica {
 
   const Range& range() const { return range_; }
   absl::Span<float> x() { return absl::MakeSpan(x_); }
+  absl::Span<float> mutable_m() { return absl::MakeSpan(m_); }
+  absl::Span<float> mutable_v() { return absl::MakeSpan(v_); }
   absl::Span<const float> x() const { return x_; }
   absl::Span<const float> m() const { return m_; }
   absl::Span<const float> v() const { return v_; }

@@ -192,6 +192,8 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   }
   if (job.window == 0) return Invalid("window", "must be at least 1");
   if (job.log_every == 0) return Invalid("log_every", "must be at least 1");
+  job.checkpoint_every_steps = c.checkpoint().every_steps();
+  job.checkpoint_dir = c.checkpoint().dir();
   return job;
 }
 

@@ -52,6 +52,8 @@ struct JobSpec {
   uint32_t channels_per_shard = 2;
   uint32_t window = 8;
   uint32_t log_every = 10;
+  uint32_t checkpoint_every_steps = 0;
+  std::string checkpoint_dir;
 
   uint32_t workers() const { return algorithm.workers; }
   uint32_t shards() const { return algorithm.layout.shards; }

@@ -37,6 +37,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:7000",
 ABSL_FLAG(std::string, state_log, "",
           "If set, append one JSON line per completed step to this file with the mirror's "
           "checksum of x, m, v (costs a pass over the shard per step; for tests).");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory for this shard's checkpoint (shard-<s>.ckpt); default: the config's "
+          "checkpoint.dir. If a checkpoint is there at start, the shard resumes from it. Written "
+          "every checkpoint.every_steps steps and at shutdown when the shard is between steps.");
 ABSL_FLAG(bool, check_config, false, "Parse the flags and config, print a summary, and exit.");
 
 namespace {
@@ -82,6 +86,32 @@ int main(int argc, char** argv) {
     return 0;
   }
 
+  std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  if (checkpoint_dir.empty()) checkpoint_dir = job->checkpoint_dir;
+  const std::string checkpoint =
+      checkpoint_dir.empty() ? "" : absl::StrCat(checkpoint_dir, "/shard-", shard, ".ckpt");
+  if (!checkpoint.empty()) {
+    absl::Status restored = (*core)->RestoreCheckpoint(checkpoint);
+    if (restored.ok()) {
+      std::printf("morse-server shard %d: resumed from %s at step %lld\n", shard, checkpoint.c_str(),
+                  static_cast<long long>((*core)->Status().completed_steps));
+    } else if (restored.code() != absl::StatusCode::kNotFound) {
+      return Fail(kExitConfig, absl::StrCat("cannot resume: ", restored.message(),
+                                            " (move the file away to start from scratch)"));
+    }
+  }
+  const auto save_checkpoint = [&](const char* why) {
+    const absl::Status saved = (*core)->SaveCheckpoint(checkpoint);
+    if (saved.ok()) {
+      std::printf("morse-server shard %d: checkpoint of step %lld written to %s (%s)\n", shard,
+                  static_cast<long long>((*core)->Status().completed_steps), checkpoint.c_str(), why);
+    } else {
+      std::printf("morse-server shard %d: no checkpoint written (%s): %s\n", shard, why,
+                  std::string(saved.message()).c_str());
+    }
+    std::fflush(stdout);
+  };
+
   std::unique_ptr<std::ofstream> state_log;
   if (!absl::GetFlag(FLAGS_state_log).empty()) {
     state_log = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_state_log), std::ios::app);
@@ -93,6 +123,10 @@ int main(int argc, char** argv) {
       *state_log << absl::StrFormat("{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
                                     step, shard, c.MirrorChecksum())
                  << std::flush;
+    }
+    if (!checkpoint.empty() && job->checkpoint_every_steps > 0 &&
+        (step + 1) % job->checkpoint_every_steps == 0) {
+      save_checkpoint("periodic");
     }
     if ((step + 1) % log_every == 0) {
       std::printf("morse-server shard %d: step %lld completed\n", shard, static_cast<long long>(step));
@@ -143,6 +177,7 @@ int main(int argc, char** argv) {
   io.stop();
   signal_thread.join();
   expirer.join();
+  if (!checkpoint.empty()) save_checkpoint("shutdown");
   const server::ShardStatus final_status = (*core)->Status();
   std::printf("morse-server shard %d: stopped after %lld steps; %llu pushes accepted, %llu rejected\n",
               shard, static_cast<long long>(final_status.completed_steps),

@@ -46,6 +46,25 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
+    grpc::CallbackServerContext* context, const v1::FetchPartitionRequest* request,
+    v1::PartitionState* reply) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto snapshot = core_->FetchPartition(request->partition(), request->layout_fingerprint());
+  if (snapshot.ok()) {
+    const auto bytes = [](const std::vector<float>& a) {
+      return std::string(reinterpret_cast<const char*>(a.data()), 4 * a.size());
+    };
+    reply->set_partition(request->partition());
+    reply->set_completed_steps(snapshot->completed_steps);
+    reply->set_x(bytes(snapshot->x));
+    reply->set_m(bytes(snapshot->m));
+    reply->set_v(bytes(snapshot->v));
+  }
+  reactor->Finish(proto::ToGrpc(snapshot.status()));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
     grpc::CallbackServerContext* context, const v1::ShardInfoRequest*,
     v1::ShardInfo* reply) {

@@ -18,6 +18,9 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
   grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
                                  const v1::PushRequest* request,
                                  v1::PushReply* reply) override;
+  grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
+                                           const v1::FetchPartitionRequest* request,
+                                           v1::PartitionState* reply) override;
   grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* context,
                                          const v1::ShardInfoRequest* request,
                                          v1::ShardInfo* reply) override;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "proto/checkpoint_file.h"
 
 namespace morse::server {
 
@@ -145,6 +146,11 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
     const size_t hash = HashBytes(args.payload);
     if (args.step == p.next_step - 1) {  // a retry of the completed step
+      if (p.last_reply == nullptr) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "step ", args.step, " of partition ", args.partition,
+            " was completed before this server restarted from its checkpoint; its reply is gone")));
+      }
       if (hash != p.last_hashes[args.rank]) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
             "rank ", args.rank, " re-sent step ", args.step, " of partition ", args.partition,
@@ -297,6 +303,88 @@ void ShardCore::ExpireWaiting(absl::Time now) {
     }
     for (auto& [rank, callback] : waiters) callback(status);
   }
+}
+
+absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
+  // Lock every partition (in order) so the state is one step's.
+  std::vector<std::unique_ptr<absl::MutexLock>> locks;
+  for (const auto& p : partitions_) locks.push_back(std::make_unique<absl::MutexLock>(&p->mu));
+  const int64_t step = partitions_.front()->next_step;
+  for (const auto& p : partitions_) {
+    if (!p->initialized) return absl::FailedPreconditionError("the shard has no parameters yet");
+    if (p->next_step != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the shard is in the middle of step ", std::min(step, p->next_step),
+          " (partitions at different steps)"));
+    }
+  }
+  proto::CheckpointWriter writer({"shard", shard_, layout_.fingerprint(),
+                                  compress::AlgorithmFingerprint(job_.algorithm), step});
+  writer.AddFloats("x", mirror_.x());
+  writer.AddFloats("m", mirror_.m());
+  writer.AddFloats("v", mirror_.v());
+  std::vector<float> error(range_.size());
+  server_error_.Read(0, absl::MakeSpan(error));
+  writer.AddFloats("server_error", error);
+  return writer.Write(path);
+}
+
+absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
+  auto reader = proto::CheckpointReader::Open(path);
+  if (!reader.ok()) return reader.status();
+  const proto::CheckpointHeader& h = reader->header();
+  if (h.kind != "shard" || h.index != shard_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is the checkpoint of ", h.kind, " ", h.index, ", not of shard ", shard_));
+  }
+  if (h.layout_fingerprint != layout_.fingerprint() ||
+      h.algorithm_fingerprint != compress::AlgorithmFingerprint(job_.algorithm)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " was written by a job with a different ",
+        h.layout_fingerprint != layout_.fingerprint() ? "layout" : "algorithm",
+        " (workers, optimizer, hyper-parameters, codecs, feedback or seed)"));
+  }
+  const uint64_t n = range_.size();
+  auto x = reader->Floats("x", n);
+  auto m = reader->Floats("m", n);
+  auto v = reader->Floats("v", n);
+  auto e = reader->Floats("server_error", n);
+  for (const auto* a : {&x, &m, &v, &e}) {
+    if (!a->ok()) return a->status();
+  }
+  if (h.step < 0) return absl::DataLossError(absl::StrCat(path, ": negative step"));
+  if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
+    return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
+  }
+  std::copy(x->begin(), x->end(), mirror_.x().begin());
+  std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
+  std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
+  for (auto& p : partitions_) {
+    absl::MutexLock lock(&p->mu);
+    p->initialized = true;
+    p->next_step = h.step;
+  }
+  absl::MutexLock progress(&progress_mu_);
+  initialized_ = static_cast<uint32_t>(partitions_.size());
+  observed_step_ = h.step - 1;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
+                                                            uint64_t fingerprint) const {
+  if (absl::Status s = CheckCommon(0, partition, fingerprint); !s.ok()) return s;
+  PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+  absl::MutexLock lock(&p.mu);
+  if (!p.initialized) {
+    return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
+  }
+  const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
+  PartitionSnapshot snapshot;
+  snapshot.completed_steps = p.next_step;
+  snapshot.x.assign(mirror_.x().begin() + offset, mirror_.x().begin() + offset + n);
+  snapshot.m.assign(mirror_.m().begin() + offset, mirror_.m().begin() + offset + n);
+  snapshot.v.assign(mirror_.v().begin() + offset, mirror_.v().begin() + offset + n);
+  return snapshot;
 }
 
 uint64_t ShardCore::MirrorChecksum() const { return mirror_.Checksum(); }

@@ -53,6 +53,12 @@ struct Reply {
   std::string payload;
 };
 
+// One partition's mirror, for workers that (re)join (DESIGN 4).
+struct PartitionSnapshot {
+  int64_t completed_steps = 0;
+  std::vector<float> x, m, v;
+};
+
 using ReplyCallback = std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
 
 struct ShardStatus {
@@ -93,6 +99,21 @@ class ShardCore {
   void ExpireWaiting(absl::Time now);
 
   void SetStepObserver(StepObserver observer) { observer_ = std::move(observer); }
+
+  // Writes x, m, v, the server error buffer and the step to `path`
+  // atomically (proto/checkpoint_file.h). FAILED_PRECONDITION, and nothing
+  // written, if the shard is in the middle of a step (partitions at
+  // different steps) or not initialized.
+  absl::Status SaveCheckpoint(const std::string& path) const;
+  // Loads a checkpoint of this shard and job before any push. NOT_FOUND if
+  // there is none; DATA_LOSS if it is corrupt; FAILED_PRECONDITION if it is
+  // another shard's or another job's (layout or algorithm). The shard is
+  // unchanged on any error.
+  absl::Status RestoreCheckpoint(const std::string& path);
+  // The mirror of one partition; INVALID_ARGUMENT or FAILED_PRECONDITION as
+  // for pushes, UNAVAILABLE before initialization.
+  absl::StatusOr<PartitionSnapshot> FetchPartition(uint32_t partition,
+                                                   uint64_t layout_fingerprint) const;
 
   ShardStatus Status() const;
   uint64_t MirrorChecksum() const;  // call only while no step completes

@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -141,6 +142,39 @@ absl::Status PushClient::WaitInitialized() {
     }
     absl::SleepFor(absl::Milliseconds(50));
   }
+}
+
+absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<float> m,
+                                               absl::Span<float> v) {
+  int64_t step = -1;
+  for (const compress::Partition& p : layout_.partitions()) {
+    v1::FetchPartitionRequest request;
+    request.set_partition(p.id);
+    request.set_layout_fingerprint(layout_.fingerprint());
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    v1::PartitionState state;
+    const grpc::Status status = Stub(p.shard, p.id)->FetchPartition(&context, request, &state);
+    if (!status.ok()) {
+      return absl::Status(proto::FromGrpc(status).code(),
+                          absl::StrCat("fetching partition ", p.id, " from ", servers_[p.shard],
+                                       ": ", status.error_message()));
+    }
+    const size_t bytes = 4 * p.range.size();
+    if (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes) {
+      return absl::InternalError(absl::StrCat("partition ", p.id, " came back with the wrong size"));
+    }
+    if (step >= 0 && state.completed_steps() != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", p.id, " has completed ", state.completed_steps(), " steps, others ", step,
+          "; restart the servers from their checkpoints"));
+    }
+    step = state.completed_steps();
+    std::memcpy(x.data() + p.range.begin, state.x().data(), bytes);
+    std::memcpy(m.data() + p.range.begin, state.m().data(), bytes);
+    std::memcpy(v.data() + p.range.begin, state.v().data(), bytes);
+  }
+  return step;
 }
 
 absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {

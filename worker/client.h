@@ -63,6 +63,11 @@ class PushClient {
   absl::Status RunStep(int64_t step, compress::CodecKind up, const Encode& encode,
                        const Apply& apply, StepTraffic* traffic);
 
+  // Downloads the shards' mirror of x, m and v into the replica's arrays and
+  // returns the steps completed, which must be the same on every partition
+  // (FAILED_PRECONDITION otherwise).
+  absl::StatusOr<int64_t> FetchModel(absl::Span<float> x, absl::Span<float> m, absl::Span<float> v);
+
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
 

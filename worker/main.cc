@@ -25,6 +25,13 @@ ABSL_FLAG(std::string, servers, "",
 ABSL_FLAG(std::string, metrics, "", "Write one JSON line per step to this file.");
 ABSL_FLAG(bool, checksums, false,
           "Add a checksum of x, m, v to every metrics line (a pass over the model per step).");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "Directory for this worker's checkpoint (worker-<rank>.ckpt: its error buffer), written "
+          "every checkpoint.every_steps steps; default: the config's checkpoint.dir.");
+ABSL_FLAG(bool, resume, false,
+          "Join a job whose servers hold its state (restarted from checkpoints, or running): "
+          "download x, m, v from the shards and continue at their step, with this worker's "
+          "error buffer from its checkpoint of that step if there is one.");
 ABSL_FLAG(bool, check_config, false, "Parse the flags and config, print a summary, and exit.");
 
 namespace {
@@ -83,6 +90,8 @@ int main(int argc, char** argv) {
   }
   options.metrics_path = absl::GetFlag(FLAGS_metrics);
   options.checksums = absl::GetFlag(FLAGS_checksums);
+  options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  options.resume = absl::GetFlag(FLAGS_resume);
   if (absl::GetFlag(FLAGS_check_config)) {
     std::printf("morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = %llu, %lld steps\n",
                 job->name.c_str(), rank, job->workers(), job->shards(),

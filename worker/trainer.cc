@@ -16,6 +16,7 @@
 #include "absl/time/clock.h"
 #include "compress/error_feedback.h"
 #include "compress/replica.h"
+#include "proto/checkpoint_file.h"
 #include "worker/client.h"
 #include "worker/workload.h"
 
@@ -95,10 +96,39 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   auto client = PushClient::Create(job, *layout, options.servers, options.rank);
   if (!client.ok()) return client.status();
   if (absl::Status s = (*client)->WaitForShards(); !s.ok()) return s;
-  if (options.rank == 0) {
-    if (absl::Status s = (*client)->UploadInitialParameters(replica.x()); !s.ok()) return s;
+  const std::string checkpoint_dir =
+      options.checkpoint_dir.empty() ? job.checkpoint_dir : options.checkpoint_dir;
+  const std::string checkpoint =
+      checkpoint_dir.empty() ? "" : absl::StrCat(checkpoint_dir, "/worker-", options.rank, ".ckpt");
+  const uint64_t algorithm_fingerprint = compress::AlgorithmFingerprint(algo);
+  int64_t first_step = 0;
+  if (options.resume) {
+    if (absl::Status s = (*client)->WaitInitialized(); !s.ok()) return s;
+    auto step = (*client)->FetchModel(replica.x(), replica.mutable_m(), replica.mutable_v());
+    if (!step.ok()) return step.status();
+    first_step = *step;
+    std::string restored = "from zero (no checkpoint of this step)";
+    if (!checkpoint.empty()) {
+      auto reader = proto::CheckpointReader::Open(checkpoint);
+      if (reader.ok() && reader->header().step == first_step &&
+          reader->header().layout_fingerprint == layout->fingerprint() &&
+          reader->header().algorithm_fingerprint == algorithm_fingerprint) {
+        auto error = reader->Floats("worker_error", dim);
+        if (!error.ok()) return error.status();
+        if (absl::Status s = worker_error.Restore(*error); !s.ok()) return s;
+        restored = "from " + checkpoint;
+      } else if (!reader.ok() && reader.status().code() != absl::StatusCode::kNotFound) {
+        return reader.status();
+      }
+    }
+    std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n",
+                options.rank, static_cast<long long>(first_step), restored.c_str());
+  } else {
+    if (options.rank == 0) {
+      if (absl::Status s = (*client)->UploadInitialParameters(replica.x()); !s.ok()) return s;
+    }
+    if (absl::Status s = (*client)->WaitInitialized(); !s.ok()) return s;
   }
-  if (absl::Status s = (*client)->WaitInitialized(); !s.ok()) return s;
 
   std::unique_ptr<std::ofstream> metrics;
   if (!options.metrics_path.empty()) {
@@ -113,7 +143,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   const absl::Time train_start = absl::Now();
   double interval_seconds = 0, interval_comm = 0, interval_loss = 0;
   uint64_t interval_up = 0, interval_down = 0;
-  for (int64_t step = 0; step < job.steps; ++step) {
+  for (int64_t step = first_step; step < job.steps; ++step) {
     const absl::Time step_start = absl::Now();
     auto loss = (*workload)->Gradient(step, replica.x(), absl::MakeSpan(grad));
     if (!loss.ok()) return loss.status();
@@ -169,6 +199,18 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
       }
       *metrics << "}\n";
     }
+    if (!checkpoint.empty() && job.checkpoint_every_steps > 0 &&
+        (step + 1) % job.checkpoint_every_steps == 0) {
+      proto::CheckpointWriter writer(
+          {"worker", options.rank, layout->fingerprint(), algorithm_fingerprint, step + 1});
+      std::vector<float> error(dim);
+      worker_error.Read(0, absl::MakeSpan(error));
+      writer.AddFloats("worker_error", error);
+      if (absl::Status s = writer.Write(checkpoint); !s.ok()) {
+        std::fprintf(stderr, "worker %u: checkpoint not written: %s\n", options.rank,
+                     std::string(s.message()).c_str());
+      }
+    }
     interval_seconds += step_seconds;
     interval_comm += comm_seconds;
     interval_loss += *loss;
@@ -176,7 +218,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     interval_down += traffic.payload_down;
     const int64_t done = step + 1;
     if (done % job.log_every == 0 || done == job.steps) {
-      const int64_t k = (done - 1) % job.log_every + 1;
+      const int64_t k = std::min<int64_t>((done - 1) % job.log_every + 1, done - first_step);
       std::printf(
           "worker %u: step %lld/%lld %-11s loss %.4f | %.0f samples/s | up %s down %s per step | "
           "comm %.0f%%\n",
@@ -193,7 +235,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   const TcpCounters tcp_end = ReadTcpCounters();
   summary.wire_sent_bytes = tcp_end.sent - tcp_start.sent;
   summary.wire_received_bytes = tcp_end.received - tcp_start.received;
-  summary.steps = job.steps;
+  summary.steps = job.steps - first_step;
   summary.test_accuracy = (*workload)->TestAccuracy(replica.x());
   summary.final_checksum = replica.Checksum();
   if (metrics) metrics->flush();

@@ -18,6 +18,13 @@ struct TrainerOptions {
   std::vector<std::string> servers;  // shard order
   std::string metrics_path;          // JSON lines, one per step; empty: none
   bool checksums = false;            // add x/m/v checksums to each metrics line
+  // Where worker-<rank>.ckpt (this worker's error buffer) is written every
+  // checkpoint_every_steps steps; empty: the config's checkpoint.dir.
+  std::string checkpoint_dir;
+  // Join a running or restarted job: download x, m, v from the shards and
+  // start at their step, restoring the error buffer from this worker's
+  // checkpoint of that step if there is one (from zero otherwise).
+  bool resume = false;
 };
 
 struct TrainingSummary {

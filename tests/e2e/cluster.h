@@ -49,6 +49,10 @@ class Cluster {
   std::string servers() const;  // host:port,host:port
   std::string server_address(int shard) const;
 
+  // Arguments appended to every server's or worker's command line.
+  void AddServerArgs(std::vector<std::string> args) { server_args_ = std::move(args); }
+  void AddWorkerArgs(std::vector<std::string> args) { worker_args_ = std::move(args); }
+
   void StartServers(bool state_logs);
   void StartWorkers(bool checksums);
   void StartWorker(int rank, bool checksums);
@@ -65,6 +69,7 @@ class Cluster {
   std::string dir_;
   int shards_, workers_;
   std::vector<int> ports_;
+  std::vector<std::string> server_args_, worker_args_;
   std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
 };
 

@@ -1,0 +1,133 @@
+// Recovery (DESIGN 4): a job trains 6 steps with checkpoints and stops; the
+// servers restart from their checkpoints and the workers rejoin with
+// --resume, downloading x, m, v from the shards. Steps 6..11 must be
+// bit-identical to a job that never stopped (the simulator), on every
+// worker and every server mirror. A corrupt checkpoint stops the server
+// with a clear error instead of training from scratch.
+#include <cstdio>
+#include <fstream>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "compress/replica.h"
+#include "compress/simulator.h"
+#include "gtest/gtest.h"
+#include "proto/job_config.h"
+#include "tests/e2e/cluster.h"
+#include "worker/workload.h"
+
+namespace morse {
+namespace {
+
+using testing::Cluster;
+using testing::JsonField;
+using testing::ReadFile;
+
+std::string Config(int steps) {
+  return absl::StrCat(R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 20011 noise: 0.2 }
+    optimizer: "onebit_adam"
+    lr { lr: 0.01 }
+    freeze_step: 3
+    block_elems: 256
+    partition_elems: 4096
+    seed: 5
+    checkpoint { every_steps: 3 }
+    steps: )", steps);
+}
+
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
+  auto job = *proto::ParseJobConfig(Config(12), proto::ConfigFormat::kText);
+  // The uninterrupted run.
+  const uint64_t dim = job.algorithm.layout.dim;
+  auto sim = *compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
+  std::vector<worker::SyntheticWorkload> workloads = {{job, 0}, {job, 1}};
+  std::vector<std::vector<float>> grads(2, std::vector<float>(dim));
+  std::vector<std::string> model, shard0, shard1;
+  for (int64_t step = 0; step < 12; ++step) {
+    for (int r = 0; r < 2; ++r) ASSERT_TRUE(workloads[r].Gradient(step, sim.x(), absl::MakeSpan(grads[r])).ok());
+    ASSERT_TRUE(sim.Step({grads[0], grads[1]}).ok());
+    model.push_back(Hex(compress::StateChecksum({sim.x(), sim.m(), sim.v()})));
+    for (int s = 0; s < 2; ++s) {
+      const compress::Range r = sim.layout().shard_range(s);
+      (s == 0 ? shard0 : shard1)
+          .push_back(Hex(compress::StateChecksum({sim.x().subspan(r.begin, r.size()),
+                                                  sim.m().subspan(r.begin, r.size()),
+                                                  sim.v().subspan(r.begin, r.size())})));
+    }
+  }
+
+  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
+  const std::string ckpt = mkdtemp(pattern);
+  std::string failure;
+  {
+    Cluster first(Config(6), 2, 2);
+    first.AddServerArgs({"--checkpoint_dir=" + ckpt});
+    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt});
+    first.StartServers(false);
+    first.StartWorkers(false);
+    ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+    first.StopServers();
+    EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 6 written"), std::string::npos)
+        << ReadFile(first.server_log(0));
+  }
+  Cluster second(Config(12), 2, 2);
+  second.AddServerArgs({"--checkpoint_dir=" + ckpt});
+  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--resume"});
+  second.StartServers(true);
+  second.StartWorkers(true);
+  ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+  second.StopServers();
+  EXPECT_NE(ReadFile(second.server_log(0)).find("resumed from"), std::string::npos);
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(second.worker_log(r));
+    EXPECT_NE(log.find("resuming at step 6; model from the shards, error buffer from"), std::string::npos) << log;
+    const auto got = JsonField(ReadFile(second.worker_metrics(r)), "checksum");
+    ASSERT_EQ(got.size(), 6u) << log;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], model[6 + i]) << "worker " << r << " step " << 6 + i;
+  }
+  for (int s = 0; s < 2; ++s) {
+    const auto got = JsonField(ReadFile(second.state_log(s)), "mirror_checksum");
+    ASSERT_EQ(got.size(), 6u);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i], (s == 0 ? shard0 : shard1)[6 + i]) << "shard " << s << " step " << 6 + i;
+    }
+  }
+  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+}
+
+TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {
+  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
+  const std::string ckpt = mkdtemp(pattern);
+  {
+    Cluster run(Config(3), 2, 2);
+    run.AddServerArgs({"--checkpoint_dir=" + ckpt});
+    run.StartServers(false);
+    run.StartWorkers(false);
+    std::string failure;
+    ASSERT_TRUE(run.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+  }
+  const std::string path = ckpt + "/shard-0.ckpt";
+  std::string bytes = ReadFile(path);
+  ASSERT_GT(bytes.size(), 1000u);
+  bytes[bytes.size() / 2] ^= 0x10;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  Cluster again(Config(6), 1, 0);
+  testing::Process server({MORSE_SERVER_BIN, "--config", again.config_path(), "--shard", "0",
+                           "--listen", "127.0.0.1:0", "--checkpoint_dir=" + ckpt},
+                          again.dir() + "/corrupt.log");
+  int code = -1;
+  ASSERT_TRUE(server.Wait(absl::Seconds(20), &code));
+  EXPECT_EQ(code, 2);
+  const std::string log = ReadFile(again.dir() + "/corrupt.log");
+  EXPECT_NE(log.find("is corrupt: checksum mismatch"), std::string::npos) << log;
+  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+}
+
+}  // namespace
+}  // namespace morse
