@@ -1,0 +1,132 @@
+// The built-in workloads: the MLP's backpropagated gradient against finite
+// differences, CSV and libsvm giving the same model, data errors with file
+// and line, and the synthetic workload's determinism.
+#include "worker/workload.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "proto/job_config.h"
+
+namespace morse::worker {
+namespace {
+
+class WorkloadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/morse-workload-XXXXXX";
+    dir_ = mkdtemp(pattern);
+    // 40 rows, 5 features, 3 classes, as CSV (with a header) and libsvm.
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::ofstream csv(dir_ + "/d.csv"), svm(dir_ + "/d.svm");
+    csv << "label,a,b,c,d,e\n";
+    for (int r = 0; r < 40; ++r) {
+      const int label = r % 3;
+      csv << label;
+      svm << label;
+      for (int f = 0; f < 5; ++f) {
+        const float v = (f == 2) ? 0.0f : u(rng) + (f == label ? 1.0f : 0.0f);
+        csv << "," << v;
+        if (v != 0.0f) svm << " " << f + 1 << ":" << v;
+      }
+      csv << "\n";
+      svm << "\n";
+    }
+  }
+  void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
+
+  proto::JobSpec Job(const std::string& file, const std::string& format) {
+    auto job = proto::ParseJobConfig(
+        absl::StrCat("workers: 1 shards: 1 lr { lr: 0.01 } steps: 10 block_elems: 16 "
+                     "partition_elems: 16 mlp { train_path: \"", dir_, "/", file,
+                     "\" format: \"", format, "\" features: 5 classes: 3 hidden: 4 hidden: 3 "
+                     "batch_size: 40 }"),
+        proto::ConfigFormat::kText);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return *job;
+  }
+  std::string dir_;
+};
+
+TEST_F(WorkloadTest, MlpGradientMatchesFiniteDifferences) {
+  const proto::JobSpec job = Job("d.csv", "csv");
+  auto workload = MakeWorkload(job, 0);
+  ASSERT_TRUE(workload.ok()) << workload.status();
+  std::vector<float> x((*workload)->dim()), g(x.size()), unused(x.size());
+  (*workload)->Initialize(absl::MakeSpan(x));
+  // Biases start at exactly 0, which can put a pre-activation exactly on the
+  // ReLU kink where finite differences see half a slope; move off it.
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> jitter(-0.1f, 0.1f);
+  for (float& v : x) v += jitter(rng);
+  // batch_size = all 40 rows, so every call sees the same batch (in another order).
+  ASSERT_TRUE((*workload)->Gradient(0, x, absl::MakeSpan(g)).ok());
+  int checked = 0;
+  for (size_t j = 0; j < x.size(); j += 3) {
+    const float h = 2e-3f;
+    std::vector<float> plus = x, minus = x;
+    plus[j] += h;
+    minus[j] -= h;
+    const double lp = *(*workload)->Gradient(0, plus, absl::MakeSpan(unused));
+    const double lm = *(*workload)->Gradient(0, minus, absl::MakeSpan(unused));
+    const double numeric = (lp - lm) / (2 * h);
+    ASSERT_NEAR(g[j], numeric, 2e-3 + 2e-2 * std::fabs(numeric)) << "parameter " << j;
+    ++checked;
+  }
+  EXPECT_GT(checked, 10);
+}
+
+TEST_F(WorkloadTest, CsvAndLibsvmGiveTheSameGradient) {
+  auto a = MakeWorkload(Job("d.csv", "csv"), 0);
+  auto b = MakeWorkload(Job("d.svm", "libsvm"), 0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  std::vector<float> x((*a)->dim()), ga(x.size()), gb(x.size());
+  (*a)->Initialize(absl::MakeSpan(x));
+  const double la = *(*a)->Gradient(0, x, absl::MakeSpan(ga));
+  const double lb = *(*b)->Gradient(0, x, absl::MakeSpan(gb));
+  EXPECT_NEAR(la, lb, 1e-5);
+  for (size_t j = 0; j < x.size(); ++j) ASSERT_NEAR(ga[j], gb[j], 1e-5) << j;
+  // Full-batch accuracy without a test set is not reported.
+  EXPECT_FALSE((*a)->TestAccuracy(x).has_value());
+}
+
+TEST_F(WorkloadTest, DataErrorsNameTheFileAndLine) {
+  std::ofstream(dir_ + "/bad.csv") << "0,1,2,3,4,5\n1,1,2,x,4,5\n";
+  std::ofstream(dir_ + "/short.csv") << "0,1,2,3,4,5\n1,1,2\n";
+  std::ofstream(dir_ + "/label.csv") << "7,1,2,3,4,5\n";
+  std::ofstream(dir_ + "/bad.svm") << "1 9:0.5\n";
+  for (const auto& [file, format, words] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"bad.csv", "csv", "bad.csv:2: feature 2"},
+           {"short.csv", "csv", "short.csv:2: 2 features"},
+           {"label.csv", "csv", "label.csv:1: label 7"},
+           {"bad.svm", "libsvm", "bad.svm:1: bad entry '9:0.5'"},
+           {"missing.csv", "csv", "cannot read data file"}}) {
+    auto w = MakeWorkload(Job(file, format), 0);
+    ASSERT_FALSE(w.ok()) << file;
+    EXPECT_NE(w.status().message().find(words), absl::string_view::npos) << w.status();
+  }
+}
+
+TEST(SyntheticWorkloadTest, GradientsDependOnStepAndRankOnly) {
+  auto job = *proto::ParseJobConfig(
+      "workers: 2 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 3",
+      proto::ConfigFormat::kText);
+  SyntheticWorkload a(job, 0), b(job, 0), other(job, 1);
+  std::vector<float> x(1000, 0.5f), ga(1000), gb(1000), go(1000);
+  ASSERT_TRUE(a.Gradient(2, x, absl::MakeSpan(ga)).ok());
+  ASSERT_TRUE(b.Gradient(2, x, absl::MakeSpan(gb)).ok());
+  ASSERT_TRUE(other.Gradient(2, x, absl::MakeSpan(go)).ok());
+  EXPECT_EQ(ga, gb);
+  EXPECT_NE(ga, go);
+  ASSERT_TRUE(b.Gradient(3, x, absl::MakeSpan(gb)).ok());
+  EXPECT_NE(ga, gb);
+}
+
+}  // namespace
+}  // namespace morse::worker
