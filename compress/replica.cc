@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "compress/check.h"
 
 namespace morse::compress {
 
@@ -84,9 +85,19 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
 Replica::Replica(const SimulatorConfig& config, Range range)
     : config_(config),
       range_(range),
-      x_(range.size(), 0.0f),
+      owned_x_(range.size(), 0.0f),
       m_(range.size(), 0.0f),
-      v_(range.size(), 0.0f) {}
+      v_(range.size(), 0.0f),
+      x_(absl::MakeSpan(owned_x_)) {}
+
+Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> external_x)
+    : config_(config),
+      range_(range),
+      m_(range.size(), 0.0f),
+      v_(range.size(), 0.0f),
+      x_(external_x) {
+  MORSE_CHECK(external_x.size() == range.size());
+}
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                  absl::Span<const uint8_t> reply) {
@@ -99,7 +110,7 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   std::vector<float> decoded(n);
   if (absl::Status s = Decode(plan.down, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
   const size_t offset = begin - range_.begin;
-  auto x = absl::MakeSpan(x_).subspan(offset, n);
+  auto x = x_.subspan(offset, n);
   auto m = absl::MakeSpan(m_).subspan(offset, n);
   auto v = absl::MakeSpan(v_).subspan(offset, n);
   const float lr = LearningRate(config_.lr, step);

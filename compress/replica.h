@@ -42,9 +42,15 @@ class Replica {
  public:
   // Zero x, m, v over `range`.
   Replica(const SimulatorConfig& config, Range range);
+  // x lives in memory the caller owns (range.size() floats, kept alive and
+  // not resized while the replica exists), such as a PyTorch flat tensor.
+  Replica(const SimulatorConfig& config, Range range, absl::Span<float> external_x);
+  Replica(const Replica&) = delete;  // x may point into this object
+  Replica& operator=(const Replica&) = delete;
+  Replica(Replica&&) = default;
 
   const Range& range() const { return range_; }
-  absl::Span<float> x() { return absl::MakeSpan(x_); }
+  absl::Span<float> x() { return x_; }
   absl::Span<float> mutable_m() { return absl::MakeSpan(m_); }
   absl::Span<float> mutable_v() { return absl::MakeSpan(v_); }
   absl::Span<const float> x() const { return x_; }
@@ -65,7 +71,8 @@ class Replica {
  private:
   SimulatorConfig config_;
   Range range_;
-  std::vector<float> x_, m_, v_;
+  std::vector<float> owned_x_, m_, v_;
+  absl::Span<float> x_;
 };
 
 }  // namespace morse::compress

@@ -72,7 +72,8 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   compress::SimulatorConfig& a = job.algorithm;
   if (c.workers() == 0) return Invalid("workers", "must be at least 1");
   if (c.shards() == 0) return Invalid("shards", "must be at least 1");
-  if (c.steps() <= 0) return Invalid("steps", "must be positive");
+  const bool external = c.workload_case() == v1::JobConfig::kExternal;
+  if (c.steps() < 0 || (c.steps() == 0 && !external)) return Invalid("steps", "must be positive");
   a.workers = c.workers();
   job.steps = c.steps();
 
@@ -106,8 +107,15 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       a.layout.dim = MlpParameterCount(job.mlp);
       break;
     }
+    case v1::JobConfig::kExternal:
+      job.workload = WorkloadKind::kExternal;
+      job.external.dim = c.external().dim();
+      job.external.shapes_fingerprint = c.external().shapes_fingerprint();
+      job.external.shapes = c.external().shapes();
+      a.layout.dim = job.external.dim;
+      break;
     default:
-      return Invalid("workload", "set synthetic { ... } or mlp { ... }");
+      return Invalid("workload", "set synthetic { ... }, mlp { ... } or external { ... }");
   }
 
   if (c.optimizer().empty() || c.optimizer() == "onebit_adam") {
@@ -141,18 +149,23 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   a.lr.base_lr = lr.lr();
   a.lr.warmup_steps = lr.warmup_steps();
   a.lr.total_steps = c.steps();
+  if (a.lr.kind == compress::LrSchedule::Kind::kCosine && c.steps() == 0) {
+    return Invalid("lr.schedule", "cosine needs steps");
+  }
   a.lr.min_lr = lr.min_lr();
   if (absl::Status s = compress::ValidateLrSchedule(a.lr); !s.ok()) return Invalid("lr", s.message());
 
   a.freeze_step = c.freeze_step();
-  if (onebit && (a.freeze_step < 0 || a.freeze_step > c.steps())) {
+  if (onebit && (a.freeze_step < 0 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
     return Invalid("freeze_step", absl::StrCat(a.freeze_step, " is outside [0, steps]"));
   }
   const uint32_t block = c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
   a.layout.shards = c.shards();
   a.layout.block_elems = block;
   a.layout.partition_elems = c.has_partition_elems() ? c.partition_elems() : (1u << 20);
-  if (absl::Status s = compress::Layout::Create(a.layout).status(); !s.ok()) {
+  compress::LayoutSpec probe = a.layout;
+  if (probe.dim == 0) probe.dim = uint64_t{probe.block_elems} * probe.shards;  // size comes later
+  if (absl::Status s = compress::Layout::Create(probe).status(); !s.ok()) {
     return Invalid("block_elems/partition_elems/shards", s.message());
   }
 
@@ -174,7 +187,11 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (!sfb.ok()) return sfb.status();
   a.server_feedback = *sfb;
   a.seed = c.seed();
-  if (absl::Status s = compress::ValidateSimulatorConfig(a); !s.ok()) return Invalid("job", s.message());
+  compress::SimulatorConfig checked = a;
+  checked.layout = probe;
+  if (absl::Status s = compress::ValidateSimulatorConfig(checked); !s.ok()) {
+    return Invalid("job", s.message());
+  }
 
   const v1::Timeouts& t = c.timeouts();
   if (t.has_connect_seconds()) job.connect_timeout_seconds = t.connect_seconds();
@@ -194,6 +211,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (job.log_every == 0) return Invalid("log_every", "must be at least 1");
   job.checkpoint_every_steps = c.checkpoint().every_steps();
   job.checkpoint_dir = c.checkpoint().dir();
+  c.SerializeToString(&job.config_proto);
   return job;
 }
 
@@ -230,6 +248,14 @@ absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat form
     if (!parser.ParseFromString(std::string(text), &config)) {
       return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
     }
+  }
+  return FromProto(config);
+}
+
+absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized) {
+  v1::JobConfig config;
+  if (!config.ParseFromArray(serialized.data(), static_cast<int>(serialized.size()))) {
+    return absl::InvalidArgumentError("the job config in the request is not a valid JobConfig");
   }
   return FromProto(config);
 }

@@ -17,7 +17,7 @@
 
 namespace morse::proto {
 
-enum class WorkloadKind : uint8_t { kSynthetic, kMlp };
+enum class WorkloadKind : uint8_t { kSynthetic, kMlp, kExternal };
 
 struct SyntheticSpec {
   uint64_t dim = 0;
@@ -34,6 +34,12 @@ struct MlpSpec {
   uint32_t classes = 0;   // required
 };
 
+struct ExternalSpec {
+  uint64_t dim = 0;  // 0: not known yet (a server waiting for workers)
+  uint64_t shapes_fingerprint = 0;
+  std::string shapes;
+};
+
 // Parameters of an MLP: sum over layers of in*out weights + out biases.
 uint64_t MlpParameterCount(const MlpSpec& mlp);
 
@@ -46,6 +52,9 @@ struct JobSpec {
   WorkloadKind workload = WorkloadKind::kSynthetic;
   SyntheticSpec synthetic;
   MlpSpec mlp;
+  ExternalSpec external;
+  // The JobConfig this spec came from, serialized, for Join.
+  std::string config_proto;
   double connect_timeout_seconds = 60;
   double step_timeout_seconds = 60;
   double rpc_timeout_seconds = 120;
@@ -56,6 +65,8 @@ struct JobSpec {
   std::string checkpoint_dir;
 
   uint32_t workers() const { return algorithm.workers; }
+  // False for an external model whose size the workers have not sent yet.
+  bool sized() const { return algorithm.layout.dim > 0; }
   uint32_t shards() const { return algorithm.layout.shards; }
 };
 
@@ -63,6 +74,9 @@ enum class ConfigFormat : uint8_t { kText, kJson };
 
 // Parses and validates. Relative data paths are kept as given.
 absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat format);
+
+// The same from serialized JobConfig bytes (what Join carries).
+absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized);
 
 // Reads a file: JSON if the name ends in .json or the text starts with '{',
 // text format otherwise. Errors name the file.

@@ -34,8 +34,9 @@ absl::StatusOr<compress::CodecKind> FromWire(v1::Codec codec) {
 }
 
 int MaxMessageBytes(const JobSpec& job) {
-  const uint64_t largest = std::min<uint64_t>(job.algorithm.layout.partition_elems,
-                                              job.algorithm.layout.dim);
+  const uint64_t largest =
+      job.sized() ? std::min<uint64_t>(job.algorithm.layout.partition_elems, job.algorithm.layout.dim)
+                  : job.algorithm.layout.partition_elems;  // the size comes later
   // fp32 is the largest encoding except topk at ratio 1 (8 bytes a value).
   return static_cast<int>(std::min<uint64_t>(8 * largest + (1 << 20), INT32_MAX));
 }

@@ -28,6 +28,7 @@
 #include "proto/wire.h"
 #include "server/service.h"
 #include "server/shard_core.h"
+#include "server/shard_host.h"
 
 ABSL_FLAG(std::string, config, "", "Job config file (text-format or JSON JobConfig). Required.");
 ABSL_FLAG(int, shard, -1, "Which shard of the job this server holds, 0..shards-1. Required.");
@@ -74,15 +75,28 @@ int main(int argc, char** argv) {
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
   if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
-  auto core = server::ShardCore::Create(*job, static_cast<uint32_t>(shard));
-  if (!core.ok()) return Fail(kExitConfig, std::string(core.status().message()));
-  const server::ShardStatus initial = (*core)->Status();
-  const std::string summary = absl::StrFormat(
-      "shard %d/%u of job '%s': elements [%u, %u) in %u partitions, %u workers, layout %x",
-      shard, job->shards(), job->name, initial.range.begin, initial.range.end,
-      initial.partitions, job->workers(), initial.layout_fingerprint);
+  if (shard >= static_cast<int>(job->shards())) {
+    return Fail(kExitConfig, absl::StrFormat("--shard %d: the job has %u shards", shard, job->shards()));
+  }
+  const auto describe = [&](const proto::JobSpec& j, const server::ShardCore* core) {
+    if (core == nullptr) {
+      return absl::StrFormat("shard %d/%u of job '%s': model size from the workers, %u workers",
+                             shard, j.shards(), j.name, j.workers());
+    }
+    const server::ShardStatus s = core->Status();
+    return absl::StrFormat(
+        "shard %d/%u of job '%s': elements [%u, %u) in %u partitions, %u workers, layout %x", shard,
+        j.shards(), j.name, s.range.begin, s.range.end, s.partitions, j.workers(),
+        s.layout_fingerprint);
+  };
   if (absl::GetFlag(FLAGS_check_config)) {
-    std::printf("morse-server: config OK: %s\n", summary.c_str());
+    std::unique_ptr<server::ShardCore> core;
+    if (job->sized()) {
+      auto created = server::ShardCore::Create(*job, static_cast<uint32_t>(shard));
+      if (!created.ok()) return Fail(kExitConfig, std::string(created.status().message()));
+      core = *std::move(created);
+    }
+    std::printf("morse-server: config OK: %s\n", describe(*job, core.get()).c_str());
     return 0;
   }
 
@@ -90,51 +104,56 @@ int main(int argc, char** argv) {
   if (checkpoint_dir.empty()) checkpoint_dir = job->checkpoint_dir;
   const std::string checkpoint =
       checkpoint_dir.empty() ? "" : absl::StrCat(checkpoint_dir, "/shard-", shard, ".ckpt");
-  if (!checkpoint.empty()) {
-    absl::Status restored = (*core)->RestoreCheckpoint(checkpoint);
-    if (restored.ok()) {
-      std::printf("morse-server shard %d: resumed from %s at step %lld\n", shard, checkpoint.c_str(),
-                  static_cast<long long>((*core)->Status().completed_steps));
-    } else if (restored.code() != absl::StatusCode::kNotFound) {
-      return Fail(kExitConfig, absl::StrCat("cannot resume: ", restored.message(),
-                                            " (move the file away to start from scratch)"));
-    }
+  std::unique_ptr<std::ofstream> state_log;
+  if (!absl::GetFlag(FLAGS_state_log).empty()) {
+    state_log = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_state_log), std::ios::app);
+    if (!*state_log) return Fail(kExitConfig, "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
   }
-  const auto save_checkpoint = [&](const char* why) {
-    const absl::Status saved = (*core)->SaveCheckpoint(checkpoint);
+  const auto save_checkpoint = [&](const server::ShardCore& core, const char* why) {
+    const absl::Status saved = core.SaveCheckpoint(checkpoint);
     if (saved.ok()) {
       std::printf("morse-server shard %d: checkpoint of step %lld written to %s (%s)\n", shard,
-                  static_cast<long long>((*core)->Status().completed_steps), checkpoint.c_str(), why);
+                  static_cast<long long>(core.Status().completed_steps), checkpoint.c_str(), why);
     } else {
       std::printf("morse-server shard %d: no checkpoint written (%s): %s\n", shard, why,
                   std::string(saved.message()).c_str());
     }
     std::fflush(stdout);
   };
+  // Runs once the model's size is known: at start for built-in workloads,
+  // at the first worker's Join for external (PyTorch) models.
+  const auto on_configured = [&](const proto::JobSpec& j, server::ShardCore& core) -> absl::Status {
+    if (!checkpoint.empty()) {
+      absl::Status restored = core.RestoreCheckpoint(checkpoint);
+      if (restored.ok()) {
+        std::printf("morse-server shard %d: resumed from %s at step %lld\n", shard,
+                    checkpoint.c_str(), static_cast<long long>(core.Status().completed_steps));
+      } else if (restored.code() != absl::StatusCode::kNotFound) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "cannot resume: ", restored.message(), " (move the file away to start from scratch)"));
+      }
+    }
+    const uint32_t every = j.checkpoint_every_steps, log_every = j.log_every;
+    core.SetStepObserver([&, every, log_every](int64_t step, const server::ShardCore& c) {
+      if (state_log) {
+        *state_log << absl::StrFormat("{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
+                                      step, shard, c.MirrorChecksum())
+                   << std::flush;
+      }
+      if (!checkpoint.empty() && every > 0 && (step + 1) % every == 0) save_checkpoint(c, "periodic");
+      if ((step + 1) % log_every == 0) {
+        std::printf("morse-server shard %d: step %lld completed\n", shard, static_cast<long long>(step));
+        std::fflush(stdout);
+      }
+    });
+    std::printf("morse-server: %s\n", describe(j, &core).c_str());
+    std::fflush(stdout);
+    return absl::OkStatus();
+  };
+  auto host = server::ShardHost::Create(*job, static_cast<uint32_t>(shard), on_configured);
+  if (!host.ok()) return Fail(kExitConfig, std::string(host.status().message()));
 
-  std::unique_ptr<std::ofstream> state_log;
-  if (!absl::GetFlag(FLAGS_state_log).empty()) {
-    state_log = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_state_log), std::ios::app);
-    if (!*state_log) return Fail(kExitConfig, "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
-  }
-  const uint32_t log_every = job->log_every;
-  (*core)->SetStepObserver([&](int64_t step, const server::ShardCore& c) {
-    if (state_log) {
-      *state_log << absl::StrFormat("{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
-                                    step, shard, c.MirrorChecksum())
-                 << std::flush;
-    }
-    if (!checkpoint.empty() && job->checkpoint_every_steps > 0 &&
-        (step + 1) % job->checkpoint_every_steps == 0) {
-      save_checkpoint("periodic");
-    }
-    if ((step + 1) % log_every == 0) {
-      std::printf("morse-server shard %d: step %lld completed\n", shard, static_cast<long long>(step));
-      std::fflush(stdout);
-    }
-  });
-
-  server::ParameterServerService service(core->get());
+  server::ParameterServerService service(host->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -151,14 +170,15 @@ int main(int argc, char** argv) {
   // With port 0 the kernel picks one; print the real address for scripts.
   std::string address = absl::GetFlag(FLAGS_listen);
   address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
-  std::printf("morse-server: %s; listening on %s\n", summary.c_str(), address.c_str());
+  std::printf("morse-server: %s; listening on %s\n", describe(*job, (*host)->core()).c_str(),
+              address.c_str());
   std::fflush(stdout);
 
   // Steps whose pushes do not all arrive in time fail instead of hanging.
   std::atomic<bool> stopping{false};
   std::thread expirer([&] {
     while (!stopping.load()) {
-      (*core)->ExpireWaiting(absl::Now());
+      if (server::ShardCore* core = (*host)->core()) core->ExpireWaiting(absl::Now());
       absl::SleepFor(absl::Milliseconds(200));
     }
   });
@@ -177,8 +197,13 @@ int main(int argc, char** argv) {
   io.stop();
   signal_thread.join();
   expirer.join();
-  if (!checkpoint.empty()) save_checkpoint("shutdown");
-  const server::ShardStatus final_status = (*core)->Status();
+  server::ShardCore* core = (*host)->core();
+  if (core == nullptr) {
+    std::printf("morse-server shard %d: stopped before any worker joined\n", shard);
+    return 0;
+  }
+  if (!checkpoint.empty()) save_checkpoint(*core, "shutdown");
+  const server::ShardStatus final_status = core->Status();
   std::printf("morse-server shard %d: stopped after %lld steps; %llu pushes accepted, %llu rejected\n",
               shard, static_cast<long long>(final_status.completed_steps),
               static_cast<unsigned long long>(final_status.pushes_accepted),

@@ -4,13 +4,37 @@
 
 namespace morse::server {
 
+ShardCore* ParameterServerService::CoreOrFinish(grpc::ServerUnaryReactor* reactor) {
+  ShardCore* core = host_->core();
+  if (core == nullptr) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                 "the model's size is not known yet: no worker has joined"));
+  }
+  return core;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Join(grpc::CallbackServerContext* context,
+                                                       const v1::JoinRequest* request,
+                                                       v1::JoinReply* reply) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto job = proto::ParseJobConfigProto(request->job().SerializeAsString());
+  absl::Status status = job.ok() ? host_->Join(request->rank(), *job) : job.status();
+  reply->set_workers_joined(host_->workers_joined());
+  reply->set_workers(host_->base().workers());
+  if (ShardCore* core = host_->core()) reply->set_layout_fingerprint(core->layout().fingerprint());
+  reactor->Finish(proto::ToGrpc(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
     grpc::CallbackServerContext* context, const v1::InitPartitionRequest* request,
     v1::InitPartitionReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = core_->InitPartition(request->rank(), request->partition(),
+  ShardCore* core = CoreOrFinish(reactor);
+  if (core == nullptr) return reactor;
+  absl::Status status = core->InitPartition(request->rank(), request->partition(),
                                              request->layout_fingerprint(), request->values());
-  const ShardStatus s = core_->Status();
+  const ShardStatus s = core->Status();
   reply->set_partitions_initialized(s.partitions_initialized);
   reply->set_partitions_total(s.partitions);
   reactor->Finish(proto::ToGrpc(status));
@@ -21,6 +45,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                                                        const v1::PushRequest* request,
                                                        v1::PushReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  ShardCore* core = CoreOrFinish(reactor);
+  if (core == nullptr) return reactor;
   auto codec = proto::FromWire(request->codec());
   if (!codec.ok()) {
     reactor->Finish(proto::ToGrpc(codec.status()));
@@ -33,7 +59,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   args.layout_fingerprint = request->layout_fingerprint();
   args.codec = *codec;
   args.payload = request->payload();
-  core_->Push(std::move(args),
+  core->Push(std::move(args),
               [reactor, reply](absl::StatusOr<std::shared_ptr<const Reply>> result) {
                 if (result.ok()) {
                   reply->set_step((*result)->step);
@@ -50,7 +76,9 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
     grpc::CallbackServerContext* context, const v1::FetchPartitionRequest* request,
     v1::PartitionState* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  auto snapshot = core_->FetchPartition(request->partition(), request->layout_fingerprint());
+  ShardCore* core = CoreOrFinish(reactor);
+  if (core == nullptr) return reactor;
+  auto snapshot = core->FetchPartition(request->partition(), request->layout_fingerprint());
   if (snapshot.ok()) {
     const auto bytes = [](const std::vector<float>& a) {
       return std::string(reinterpret_cast<const char*>(a.data()), 4 * a.size());
@@ -69,10 +97,17 @@ grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
     grpc::CallbackServerContext* context, const v1::ShardInfoRequest*,
     v1::ShardInfo* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  const ShardStatus s = core_->Status();
-  reply->set_shard(s.shard);
-  reply->set_shards(core_->layout().spec().shards);
-  reply->set_workers(s.workers);
+  reply->set_shard(host_->shard());
+  reply->set_shards(host_->base().shards());
+  reply->set_workers(host_->base().workers());
+  reply->set_workers_joined(host_->workers_joined());
+  ShardCore* core = host_->core();
+  reply->set_configured(core != nullptr);
+  if (core == nullptr) {
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+  const ShardStatus s = core->Status();
   reply->set_layout_fingerprint(s.layout_fingerprint);
   reply->set_initialized(s.partitions_initialized == s.partitions);
   reply->set_completed_steps(s.completed_steps);

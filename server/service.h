@@ -4,14 +4,16 @@
 #define MORSE_SERVER_SERVICE_H_
 
 #include "proto/morse.grpc.pb.h"
-#include "server/shard_core.h"
+#include "server/shard_host.h"
 
 namespace morse::server {
 
 class ParameterServerService final : public v1::ParameterServer::CallbackService {
  public:
-  explicit ParameterServerService(ShardCore* core) : core_(core) {}
+  explicit ParameterServerService(ShardHost* host) : host_(host) {}
 
+  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
+                                 const v1::JoinRequest* request, v1::JoinReply* reply) override;
   grpc::ServerUnaryReactor* InitPartition(grpc::CallbackServerContext* context,
                                           const v1::InitPartitionRequest* request,
                                           v1::InitPartitionReply* reply) override;
@@ -26,7 +28,10 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
                                          v1::ShardInfo* reply) override;
 
  private:
-  ShardCore* core_;
+  // The core, or null after finishing the call with UNAVAILABLE.
+  ShardCore* CoreOrFinish(grpc::ServerUnaryReactor* reactor);
+
+  ShardHost* host_;
 };
 
 }  // namespace morse::server

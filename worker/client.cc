@@ -82,7 +82,7 @@ absl::Status PushClient::WaitForShards() {
             servers_[s], " serves shard ", info.shard(), ", not shard ", s,
             "; list --servers in shard order"));
       }
-      if (info.layout_fingerprint() != layout_.fingerprint()) {
+      if (info.configured() && info.layout_fingerprint() != layout_.fingerprint()) {
         return absl::FailedPreconditionError(absl::StrCat(
             servers_[s], " has a different layout (D, shards, block_elems or partition_elems); "
             "all processes must load the same job config"));
@@ -191,18 +191,7 @@ absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
   return infos;
 }
 
-namespace {
-
-// The shared state of one step's exchange.
-struct StepState {
-  absl::Mutex mu;
-  uint32_t window = 1;
-  uint32_t in_flight ABSL_GUARDED_BY(mu) = 0;
-  absl::Status error ABSL_GUARDED_BY(mu);
-  StepTraffic traffic ABSL_GUARDED_BY(mu);
-};
-
-struct Call {
+struct StepExchange::Call {
   grpc::ClientContext context;
   v1::PushRequest request;
   v1::PushReply reply;
@@ -211,96 +200,147 @@ struct Call {
   int attempt = 0;
 };
 
-}  // namespace
+StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply)
+    : client_(client), step_(step), wire_codec_(proto::ToWire(up)), apply_(std::move(apply)) {}
+
+StepExchange::~StepExchange() {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](uint32_t* n) { return *n == 0; }, &in_flight_));
+}
+
+void StepExchange::Issue(std::shared_ptr<Call> call) {
+  // A gRPC call needs a fresh context each time.
+  auto fresh = std::make_shared<Call>();
+  fresh->request = std::move(call->request);
+  fresh->partition = call->partition;
+  fresh->first_try = call->first_try;
+  fresh->attempt = call->attempt + 1;
+  fresh->context.set_deadline(DeadlineIn(client_->job_.rpc_timeout_seconds));
+  Call* raw = fresh.get();
+  client_->Stub(raw->partition->shard, raw->partition->id)
+      ->async()
+      ->Push(&raw->context, &raw->request, &raw->reply, [this, fresh](grpc::Status status) {
+        if (!status.ok() && Retryable(status) &&
+            Since(fresh->first_try) < client_->job_.rpc_timeout_seconds) {
+          {
+            absl::MutexLock lock(&mu_);
+            ++traffic_.retries;
+          }
+          absl::SleepFor(absl::Milliseconds(std::min(50 << std::min(fresh->attempt, 5), 2000)));
+          Issue(fresh);
+          return;
+        }
+        absl::Status result = proto::FromGrpc(status);
+        const absl::Time start = absl::Now();
+        if (result.ok()) result = apply_(*fresh->partition, fresh->reply.payload());
+        const double apply_seconds = Since(start);
+        absl::MutexLock lock(&mu_);
+        if (!result.ok() && error_.ok()) {
+          error_ = absl::Status(result.code(), absl::StrCat(
+              "partition ", fresh->partition->id, " of step ", step_, " on ",
+              client_->servers_[fresh->partition->shard], ": ", result.message()));
+        }
+        traffic_.payload_down += fresh->reply.payload().size();
+        traffic_.apply_seconds += apply_seconds;
+        --in_flight_;
+      });
+}
+
+absl::Status StepExchange::Send(const compress::Partition& partition, const Encode& encode) {
+  struct Slot {
+    StepExchange* self;
+    uint32_t window;
+  } slot{this, client_->job_.window};
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](Slot* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return s->self->in_flight_ < s->window || !s->self->error_.ok();
+        },
+        &slot));
+    if (!error_.ok()) return error_;
+    ++in_flight_;
+  }
+  auto call = std::make_shared<Call>();
+  call->partition = &partition;
+  call->first_try = absl::Now();
+  call->attempt = -1;
+  call->request.set_step(step_);
+  call->request.set_rank(client_->rank_);
+  call->request.set_partition(partition.id);
+  call->request.set_layout_fingerprint(client_->layout_.fingerprint());
+  call->request.set_codec(static_cast<v1::Codec>(wire_codec_));
+  const absl::Time start = absl::Now();
+  absl::Status encoded = encode(partition, call->request.mutable_payload());
+  {
+    absl::MutexLock lock(&mu_);
+    traffic_.encode_seconds += Since(start);
+    traffic_.payload_up += call->request.payload().size();
+    if (!encoded.ok()) {
+      if (error_.ok()) error_ = encoded;
+      --in_flight_;
+      return encoded;
+    }
+  }
+  Issue(call);
+  return absl::OkStatus();
+}
+
+absl::Status StepExchange::Finish(StepTraffic* traffic) {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(+[](uint32_t* n) { return *n == 0; }, &in_flight_));
+  if (traffic != nullptr) *traffic = traffic_;
+  return error_;
+}
 
 absl::Status PushClient::RunStep(int64_t step, compress::CodecKind up, const Encode& encode,
                                  const Apply& apply, StepTraffic* traffic) {
-  StepState state;
-  state.window = job_.window;
-  // Sends (or re-sends) a call; the completion applies the reply or retries.
-  std::function<void(std::shared_ptr<Call>)> send = [&](std::shared_ptr<Call> call) {
-    auto fresh = std::make_shared<Call>();
-    fresh->request = std::move(call->request);
-    fresh->partition = call->partition;
-    fresh->first_try = call->first_try;
-    fresh->attempt = call->attempt + 1;
-    fresh->context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
-    Call* raw = fresh.get();
-    Stub(raw->partition->shard, raw->partition->id)
-        ->async()
-        ->Push(&raw->context, &raw->request, &raw->reply, [&, fresh](grpc::Status status) {
-          if (!status.ok() && Retryable(status) &&
-              Since(fresh->first_try) < job_.rpc_timeout_seconds) {
-            {
-              absl::MutexLock lock(&state.mu);
-              ++state.traffic.retries;
-            }
-            absl::SleepFor(absl::Milliseconds(std::min(50 << std::min(fresh->attempt, 5), 2000)));
-            send(fresh);
-            return;
-          }
-          absl::Status result = proto::FromGrpc(status);
-          const absl::Time start = absl::Now();
-          if (result.ok()) result = apply(*fresh->partition, fresh->reply.payload());
-          const double apply_seconds = Since(start);
-          absl::MutexLock lock(&state.mu);
-          if (!result.ok() && state.error.ok()) {
-            state.error = absl::Status(result.code(), absl::StrCat(
-                "partition ", fresh->partition->id, " of step ", step, " on ",
-                servers_[fresh->partition->shard], ": ", result.message()));
-          }
-          state.traffic.payload_down += fresh->reply.payload().size();
-          state.traffic.apply_seconds += apply_seconds;
-          --state.in_flight;
-        });
-  };
-
-  const v1::Codec wire_codec = proto::ToWire(up);
+  StepExchange exchange(this, step, up, apply);
   for (const compress::Partition& p : layout_.partitions()) {
-    // Wait for a window slot (or an error).
-    bool failed = false;
-    {
-      absl::MutexLock lock(&state.mu);
-      state.mu.Await(absl::Condition(
-          +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
-            return s->in_flight < s->window || !s->error.ok();
-          },
-          &state));
-      failed = !state.error.ok();
-      if (!failed) ++state.in_flight;
-    }
-    if (failed) break;
-
-    auto call = std::make_shared<Call>();
-    call->partition = &p;
-    call->first_try = absl::Now();
-    call->attempt = -1;
-    call->request.set_step(step);
-    call->request.set_rank(rank_);
-    call->request.set_partition(p.id);
-    call->request.set_layout_fingerprint(layout_.fingerprint());
-    call->request.set_codec(wire_codec);
-    const absl::Time start = absl::Now();
-    absl::Status encoded = encode(p, call->request.mutable_payload());
-    {
-      absl::MutexLock lock(&state.mu);
-      state.traffic.encode_seconds += Since(start);
-      state.traffic.payload_up += call->request.payload().size();
-      if (!encoded.ok()) {
-        if (state.error.ok()) state.error = encoded;
-        --state.in_flight;
-        break;
-      }
-    }
-    send(call);
+    if (!exchange.Send(p, encode).ok()) break;
   }
-  // Wait for every partition that was sent.
-  absl::MutexLock lock(&state.mu);
-  state.mu.Await(absl::Condition(
-      +[](StepState* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) { return s->in_flight == 0; },
-      &state));
-  if (traffic != nullptr) *traffic = state.traffic;
-  return state.error;
+  return exchange.Finish(traffic);
+}
+
+absl::Status PushClient::Join() {
+  v1::JoinRequest request;
+  request.set_rank(rank_);
+  if (!request.mutable_job()->ParseFromString(job_.config_proto)) {
+    return absl::InternalError("the job config does not serialize");
+  }
+  for (uint32_t s = 0; s < servers_.size(); ++s) {
+    grpc::ClientContext context;
+    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    v1::JoinReply reply;
+    const grpc::Status status = Stub(s, 0)->Join(&context, request, &reply);
+    if (!status.ok()) {
+      return absl::Status(proto::FromGrpc(status).code(),
+                          absl::StrCat("joining ", servers_[s], ": ", status.error_message()));
+    }
+    if (reply.layout_fingerprint() != layout_.fingerprint()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          servers_[s], " has a different layout (D, shards, block_elems or partition_elems)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PushClient::WaitAllJoined() {
+  const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  while (true) {
+    auto infos = ShardInfos();
+    if (!infos.ok()) return infos.status();
+    uint32_t joined = job_.workers();
+    for (const auto& info : *infos) joined = std::min(joined, info.workers_joined());
+    if (joined == job_.workers()) return absl::OkStatus();
+    if (absl::Now() > deadline) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "only ", joined, " of ", job_.workers(), " workers joined within ",
+          job_.connect_timeout_seconds, " s; start every rank (morse-run does)"));
+    }
+    absl::SleepFor(absl::Milliseconds(20));
+  }
 }
 
 }  // namespace morse::worker

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "compress/layout.h"
 #include "proto/job_config.h"
@@ -34,6 +35,41 @@ struct StepTraffic {
   double encode_seconds = 0;  // on the calling thread
   double apply_seconds = 0;   // summed over gRPC threads
   uint32_t retries = 0;
+};
+
+class PushClient;
+
+// One step's exchange, sent partition by partition: Send encodes a partition
+// on the calling thread (after waiting for a slot in the window) and pushes
+// it; its reply is applied on a gRPC thread when it lands. Finish waits for
+// every sent partition. Sends must come from one thread; the destructor
+// waits for anything in flight.
+class StepExchange {
+ public:
+  using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
+  using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply)>;
+
+  StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply);
+  ~StepExchange();
+  StepExchange(const StepExchange&) = delete;
+  StepExchange& operator=(const StepExchange&) = delete;
+
+  // Returns the first error of the step so far (then nothing is sent).
+  absl::Status Send(const compress::Partition& partition, const Encode& encode);
+  absl::Status Finish(StepTraffic* traffic);
+
+ private:
+  struct Call;
+  void Issue(std::shared_ptr<Call> call);
+
+  PushClient* client_;
+  const int64_t step_;
+  const int wire_codec_;
+  Apply apply_;
+  absl::Mutex mu_;
+  uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+  StepTraffic traffic_ ABSL_GUARDED_BY(mu_);
 };
 
 class PushClient {
@@ -53,6 +89,14 @@ class PushClient {
   // answered.
   absl::Status WaitForShards();
 
+  // Joins every shard with this worker's job config (see morse.proto Join):
+  // FAILED_PRECONDITION saying how the job differs from a shard's.
+  absl::Status Join();
+
+  // Waits up to the connect timeout until all N workers have joined every
+  // shard; FAILED_PRECONDITION saying how many have.
+  absl::Status WaitAllJoined();
+
   // Rank 0: uploads x0 partition by partition.
   absl::Status UploadInitialParameters(absl::Span<const float> x0);
 
@@ -71,7 +115,11 @@ class PushClient {
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
 
+  const proto::JobSpec& job() const { return job_; }
+  const compress::Layout& layout() const { return layout_; }
+
  private:
+  friend class StepExchange;
   PushClient(const proto::JobSpec& job, const compress::Layout& layout,
              std::vector<std::string> servers, uint32_t rank);
   v1::ParameterServer::Stub* Stub(uint32_t shard, uint32_t partition);

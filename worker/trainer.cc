@@ -18,6 +18,7 @@
 #include "compress/replica.h"
 #include "proto/checkpoint_file.h"
 #include "worker/client.h"
+#include "worker/session.h"
 #include "worker/workload.h"
 
 namespace morse::worker {
@@ -60,10 +61,6 @@ const char* PhaseName(const compress::SimulatorConfig& algo, const compress::Ste
   return plan.compressing ? "compression" : "warmup";
 }
 
-absl::Span<uint8_t> AsBytes(std::string* s) {
-  return {reinterpret_cast<uint8_t*>(s->data()), s->size()};
-}
-
 }  // namespace
 
 std::string TrainingSummary::ToJson() const {
@@ -80,55 +77,23 @@ std::string TrainingSummary::ToJson() const {
 }
 
 absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options) {
-  const compress::SimulatorConfig& algo = job.algorithm;
-  auto layout = compress::Layout::Create(algo.layout);
-  if (!layout.ok()) return layout.status();
   auto workload = MakeWorkload(job, options.rank);
   if (!workload.ok()) return workload.status();
-  const uint64_t dim = algo.layout.dim;
+  const uint64_t dim = job.algorithm.layout.dim;
   if ((*workload)->dim() != dim) {
     return absl::InternalError(absl::StrCat("workload has ", (*workload)->dim(), " parameters, the layout ", dim));
   }
-  compress::Replica replica(algo, {0, dim});
+  auto session = Session::Connect(job, options.rank, options.servers);
+  if (!session.ok()) return session.status();
+  compress::Replica& replica = (*session)->replica();
   (*workload)->Initialize(replica.x());
-  compress::ErrorFeedback worker_error(algo.worker_feedback, dim, algo.layout.block_elems);
-
-  auto client = PushClient::Create(job, *layout, options.servers, options.rank);
-  if (!client.ok()) return client.status();
-  if (absl::Status s = (*client)->WaitForShards(); !s.ok()) return s;
   const std::string checkpoint_dir =
       options.checkpoint_dir.empty() ? job.checkpoint_dir : options.checkpoint_dir;
   const std::string checkpoint =
       checkpoint_dir.empty() ? "" : absl::StrCat(checkpoint_dir, "/worker-", options.rank, ".ckpt");
-  const uint64_t algorithm_fingerprint = compress::AlgorithmFingerprint(algo);
-  int64_t first_step = 0;
-  if (options.resume) {
-    if (absl::Status s = (*client)->WaitInitialized(); !s.ok()) return s;
-    auto step = (*client)->FetchModel(replica.x(), replica.mutable_m(), replica.mutable_v());
-    if (!step.ok()) return step.status();
-    first_step = *step;
-    std::string restored = "from zero (no checkpoint of this step)";
-    if (!checkpoint.empty()) {
-      auto reader = proto::CheckpointReader::Open(checkpoint);
-      if (reader.ok() && reader->header().step == first_step &&
-          reader->header().layout_fingerprint == layout->fingerprint() &&
-          reader->header().algorithm_fingerprint == algorithm_fingerprint) {
-        auto error = reader->Floats("worker_error", dim);
-        if (!error.ok()) return error.status();
-        if (absl::Status s = worker_error.Restore(*error); !s.ok()) return s;
-        restored = "from " + checkpoint;
-      } else if (!reader.ok() && reader.status().code() != absl::StatusCode::kNotFound) {
-        return reader.status();
-      }
-    }
-    std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n",
-                options.rank, static_cast<long long>(first_step), restored.c_str());
-  } else {
-    if (options.rank == 0) {
-      if (absl::Status s = (*client)->UploadInitialParameters(replica.x()); !s.ok()) return s;
-    }
-    if (absl::Status s = (*client)->WaitInitialized(); !s.ok()) return s;
-  }
+  auto first = (*session)->Start(options.resume, checkpoint);
+  if (!first.ok()) return first.status();
+  const int64_t first_step = *first;
 
   std::unique_ptr<std::ofstream> metrics;
   if (!options.metrics_path.empty()) {
@@ -138,7 +103,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
 
   TrainingSummary summary;
   summary.rank = options.rank;
-  std::vector<float> grad(dim), momentum(dim);
+  std::vector<float> grad(dim);
   const TcpCounters tcp_start = ReadTcpCounters();
   const absl::Time train_start = absl::Now();
   double interval_seconds = 0, interval_comm = 0, interval_loss = 0;
@@ -148,33 +113,11 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     auto loss = (*workload)->Gradient(step, replica.x(), absl::MakeSpan(grad));
     if (!loss.ok()) return loss.status();
     const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-    const compress::StepPlan plan = compress::PlanStep(algo, step);
-
-    const auto encode = [&](const compress::Partition& p, std::string* payload) -> absl::Status {
-      const uint64_t n = p.range.size();
-      payload->resize(compress::PayloadBytes(plan.up, n));
-      absl::Span<const float> input = absl::MakeConstSpan(grad).subspan(p.range.begin, n);
-      if (plan.compressing) {
-        auto local = absl::MakeSpan(momentum).subspan(p.range.begin, n);
-        replica.LocalMomentum(p.range.begin, input, local);
-        input = local;
-      }
-      const compress::RoundingKey key = compress::SenderKey(algo, step, options.rank, p.range.begin);
-      if (plan.feedback) {
-        return worker_error.Compress(plan.up, p.range.begin, input, key, AsBytes(payload));
-      }
-      return compress::Encode(plan.up, input, key, AsBytes(payload));
-    };
-    const auto apply = [&](const compress::Partition& p, const std::string& reply) {
-      return replica.ApplyReply(step, p.range.begin, p.range.size(),
-                                {reinterpret_cast<const uint8_t*>(reply.data()), reply.size()});
-    };
     StepTraffic traffic;
     const TcpCounters tcp_before = ReadTcpCounters();
     const absl::Time exchange_start = absl::Now();
-    if (absl::Status s = (*client)->RunStep(step, plan.up.kind, encode, apply, &traffic); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("step ", step, ": ", s.message()));
-    }
+    if (absl::Status s = (*session)->Step(grad, &traffic); !s.ok()) return s;
+    const compress::StepPlan& plan = (*session)->plan();
     const TcpCounters tcp_after = ReadTcpCounters();
     const double step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     const double comm_seconds =
@@ -190,7 +133,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
           "\"compute_seconds\":%.6f,\"encode_seconds\":%.6f,\"comm_seconds\":%.6f,"
           "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"wire_up\":%u,"
           "\"wire_down\":%u,\"retries\":%u",
-          step, PhaseName(algo, plan), *loss, step_seconds,
+          step, PhaseName(job.algorithm, plan), *loss, step_seconds,
           compute_seconds, traffic.encode_seconds, comm_seconds, traffic.apply_seconds,
           traffic.payload_up, traffic.payload_down, tcp_after.sent - tcp_before.sent,
           tcp_after.received - tcp_before.received, traffic.retries);
@@ -201,12 +144,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     }
     if (!checkpoint.empty() && job.checkpoint_every_steps > 0 &&
         (step + 1) % job.checkpoint_every_steps == 0) {
-      proto::CheckpointWriter writer(
-          {"worker", options.rank, layout->fingerprint(), algorithm_fingerprint, step + 1});
-      std::vector<float> error(dim);
-      worker_error.Read(0, absl::MakeSpan(error));
-      writer.AddFloats("worker_error", error);
-      if (absl::Status s = writer.Write(checkpoint); !s.ok()) {
+      if (absl::Status s = (*session)->SaveCheckpoint(checkpoint); !s.ok()) {
         std::fprintf(stderr, "worker %u: checkpoint not written: %s\n", options.rank,
                      std::string(s.message()).c_str());
       }
@@ -223,7 +161,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
           "worker %u: step %lld/%lld %-11s loss %.4f | %.0f samples/s | up %s down %s per step | "
           "comm %.0f%%\n",
           options.rank, static_cast<long long>(done), static_cast<long long>(job.steps),
-          PhaseName(algo, plan), interval_loss / k,
+          PhaseName(job.algorithm, plan), interval_loss / k,
           (*workload)->samples_per_step() * k / interval_seconds, Bytes(double(interval_up) / k).c_str(),
           Bytes(double(interval_down) / k).c_str(), 100.0 * interval_comm / interval_seconds);
       std::fflush(stdout);

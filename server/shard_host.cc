@@ -1,0 +1,91 @@
+#include "server/shard_host.h"
+
+#include "absl/strings/str_cat.h"
+#include "compress/replica.h"
+
+namespace morse::server {
+
+absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpec& base,
+                                                              uint32_t shard,
+                                                              OnConfigured on_configured) {
+  if (shard >= base.shards()) {
+    return absl::InvalidArgumentError(absl::StrCat("shard ", shard, " does not exist; the job has ",
+                                                   base.shards(), " shards (0..", base.shards() - 1, ")"));
+  }
+  std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured)));
+  if (base.sized()) {
+    absl::MutexLock lock(&host->mu_);
+    if (absl::Status s = host->Configure(base); !s.ok()) return s;
+  }
+  return host;
+}
+
+absl::Status ShardHost::Configure(const proto::JobSpec& job) {
+  auto core = ShardCore::Create(job, shard_);
+  if (!core.ok()) return absl::FailedPreconditionError(core.status().message());
+  if (on_configured_) {
+    if (absl::Status s = on_configured_(job, **core); !s.ok()) return s;
+  }
+  job_ = job;
+  owned_ = *std::move(core);
+  core_.store(owned_.get());
+  return absl::OkStatus();
+}
+
+absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
+  if (rank >= base_.workers()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown rank ", rank, "; the job has ", base_.workers(), " workers"));
+  }
+  const auto differs = [](absl::string_view what, auto mine, auto theirs) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this worker's job differs from the shard's: ", what, " ", theirs, " vs ", mine));
+  };
+  if (job.workers() != base_.workers()) return differs("workers", base_.workers(), job.workers());
+  if (job.shards() != base_.shards()) return differs("shards", base_.shards(), job.shards());
+  if (!job.sized()) {
+    return absl::InvalidArgumentError("a joining worker must say the model's size (external.dim)");
+  }
+  absl::MutexLock lock(&mu_);
+  if (owned_ == nullptr) {
+    if (absl::Status s = Configure(job); !s.ok()) return s;
+  } else {
+    if (job.algorithm.layout.dim != job_.algorithm.layout.dim ||
+        job.external.shapes_fingerprint != job_.external.shapes_fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " registered ", job.algorithm.layout.dim, " parameters",
+          job.external.shapes.empty() ? "" : absl::StrCat(" shaped ", job.external.shapes),
+          " but the job has ", job_.algorithm.layout.dim,
+          job_.external.shapes.empty() ? "" : absl::StrCat(" shaped ", job_.external.shapes),
+          "; every worker must build the same model"));
+    }
+    if (owned_->layout().fingerprint() != compress::Layout::Create(job.algorithm.layout)->fingerprint()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " has a different layout (block_elems or partition_elems)"));
+    }
+    if (compress::AlgorithmFingerprint(job.algorithm) != compress::AlgorithmFingerprint(job_.algorithm)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " has different optimizer settings (optimizer, betas, eps, weight decay, "
+          "freeze_step, codecs, feedback or seed) from the job's"));
+    }
+    const compress::LrSchedule& a = job.algorithm.lr;
+    const compress::LrSchedule& b = job_.algorithm.lr;
+    if (a.kind != b.kind || a.base_lr != b.base_lr || a.warmup_steps != b.warmup_steps ||
+        a.total_steps != b.total_steps || a.min_lr != b.min_lr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " has a different learning-rate schedule (lr ", a.base_lr, " vs ",
+          b.base_lr, "); the shards' mirrors would drift from the workers"));
+    }
+  }
+  joined_[rank] = true;
+  return absl::OkStatus();
+}
+
+uint32_t ShardHost::workers_joined() const {
+  absl::MutexLock lock(&mu_);
+  uint32_t n = 0;
+  for (bool j : joined_) n += j;
+  return n;
+}
+
+}  // namespace morse::server

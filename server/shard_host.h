@@ -1,0 +1,61 @@
+// ShardHost: one shard's process-level state — the base job config from the
+// command line, the ShardCore once the model's size is known, and which
+// ranks have joined. For built-in workloads the core exists from the start;
+// for external models (PyTorch) the first worker's Join brings the size and
+// the optimizer's settings, and every other worker must bring the same.
+//
+// Thread-safe. core() is null until configured and never changes after.
+#ifndef MORSE_SERVER_SHARD_HOST_H_
+#define MORSE_SERVER_SHARD_HOST_H_
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "proto/job_config.h"
+#include "server/shard_core.h"
+
+namespace morse::server {
+
+class ShardHost {
+ public:
+  // Called once with the new core before any worker can use it (restore a
+  // checkpoint, set the step observer). An error fails the Join that
+  // configured it, and the shard stays unconfigured.
+  using OnConfigured = std::function<absl::Status(const proto::JobSpec& job, ShardCore& core)>;
+
+  // For a sized base config, creates the core now (and runs on_configured).
+  static absl::StatusOr<std::unique_ptr<ShardHost>> Create(const proto::JobSpec& base, uint32_t shard,
+                                                           OnConfigured on_configured);
+
+  // Registers `rank` with the job it loaded. FAILED_PRECONDITION if that job
+  // differs from this shard's (workers, shards, model size or shapes, layout
+  // or algorithm), saying how; INVALID_ARGUMENT for an unknown rank.
+  absl::Status Join(uint32_t rank, const proto::JobSpec& job);
+
+  ShardCore* core() const { return core_.load(); }
+  uint32_t workers_joined() const;
+  uint32_t shard() const { return shard_; }
+  const proto::JobSpec& base() const { return base_; }
+
+ private:
+  ShardHost(const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured)
+      : base_(base), shard_(shard), on_configured_(std::move(on_configured)), joined_(base.workers()) {}
+  absl::Status Configure(const proto::JobSpec& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const proto::JobSpec base_;
+  const uint32_t shard_;
+  OnConfigured on_configured_;
+  mutable absl::Mutex mu_;
+  std::unique_ptr<ShardCore> owned_ ABSL_GUARDED_BY(mu_);
+  std::atomic<ShardCore*> core_{nullptr};
+  proto::JobSpec job_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> joined_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace morse::server
+
+#endif  // MORSE_SERVER_SHARD_HOST_H_

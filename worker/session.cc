@@ -1,0 +1,166 @@
+#include "worker/session.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "proto/checkpoint_file.h"
+
+namespace morse::worker {
+namespace {
+
+absl::Span<uint8_t> AsBytes(std::string* s) {
+  return {reinterpret_cast<uint8_t*>(s->data()), s->size()};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
+                                                          std::vector<std::string> servers,
+                                                          absl::Span<float> x) {
+  auto layout = compress::Layout::Create(job.algorithm.layout);
+  if (!layout.ok()) return layout.status();
+  if (!x.empty() && x.size() != job.algorithm.layout.dim) {
+    return absl::InvalidArgumentError(absl::StrCat("parameters of ", x.size(), " elements for a job of ",
+                                                   job.algorithm.layout.dim));
+  }
+  auto client = PushClient::Create(job, *layout, std::move(servers), rank);
+  if (!client.ok()) return client.status();
+  std::unique_ptr<Session> session(new Session(job, rank, *std::move(layout), x));
+  session->client_ = *std::move(client);
+  if (absl::Status s = session->client_->WaitForShards(); !s.ok()) return s;
+  if (absl::Status s = session->client_->Join(); !s.ok()) return s;
+  return session;
+}
+
+Session::Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout,
+                 absl::Span<float> x)
+    : job_(job),
+      rank_(rank),
+      layout_(std::move(layout)),
+      replica_(x.empty() ? compress::Replica(job.algorithm, {0, job.algorithm.layout.dim})
+                         : compress::Replica(job.algorithm, {0, job.algorithm.layout.dim}, x)),
+      error_(job.algorithm.worker_feedback, job.algorithm.layout.dim, job.algorithm.layout.block_elems),
+      momentum_(job.algorithm.layout.dim) {}
+
+absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoint) {
+  if (!resume) {
+    if (rank_ == 0) {
+      if (absl::Status s = client_->UploadInitialParameters(replica_.x()); !s.ok()) return s;
+    }
+    if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
+    if (rank_ != 0) {
+      auto step = client_->FetchModel(replica_.x(), replica_.mutable_m(), replica_.mutable_v());
+      if (!step.ok()) return step.status();
+      step_ = *step;
+    }
+    return step_;
+  }
+  if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
+  auto step = client_->FetchModel(replica_.x(), replica_.mutable_m(), replica_.mutable_v());
+  if (!step.ok()) return step.status();
+  step_ = *step;
+  std::string restored = "from zero (no checkpoint of this step)";
+  if (!checkpoint.empty()) {
+    auto reader = proto::CheckpointReader::Open(checkpoint);
+    if (reader.ok() && reader->header().step == step_ &&
+        reader->header().layout_fingerprint == layout_.fingerprint() &&
+        reader->header().algorithm_fingerprint == compress::AlgorithmFingerprint(job_.algorithm)) {
+      auto error = reader->Floats("worker_error", job_.algorithm.layout.dim);
+      if (!error.ok()) return error.status();
+      if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
+      restored = "from " + checkpoint;
+    } else if (!reader.ok() && reader.status().code() != absl::StatusCode::kNotFound) {
+      return reader.status();
+    }
+  }
+  std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n", rank_,
+              static_cast<long long>(step_), restored.c_str());
+  return step_;
+}
+
+absl::Status Session::Encode(const compress::Partition& p, std::string* payload) {
+  const uint64_t n = p.range.size();
+  payload->resize(compress::PayloadBytes(plan_.up, n));
+  absl::Span<const float> input = grad_.subspan(p.range.begin, n);
+  if (plan_.compressing) {
+    auto local = absl::MakeSpan(momentum_).subspan(p.range.begin, n);
+    replica_.LocalMomentum(p.range.begin, input, local);
+    input = local;
+  }
+  const compress::RoundingKey key = compress::SenderKey(job_.algorithm, step_, rank_, p.range.begin);
+  if (plan_.feedback) return error_.Compress(plan_.up, p.range.begin, input, key, AsBytes(payload));
+  return compress::Encode(plan_.up, input, key, AsBytes(payload));
+}
+
+absl::Status Session::Begin(absl::Span<const float> grad) {
+  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
+  if (grad.size() != job_.algorithm.layout.dim) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient of ", grad.size(), " elements for ",
+                                                   job_.algorithm.layout.dim, " parameters"));
+  }
+  grad_ = grad;
+  plan_ = compress::PlanStep(job_.algorithm, step_);
+  sent_.assign(layout_.partitions().size(), false);
+  const int64_t step = step_;
+  exchange_ = std::make_unique<StepExchange>(
+      client_.get(), step, plan_.up.kind, [this, step](const compress::Partition& p, const std::string& reply) {
+        return replica_.ApplyReply(step, p.range.begin, p.range.size(),
+                                   {reinterpret_cast<const uint8_t*>(reply.data()), reply.size()});
+      });
+  return absl::OkStatus();
+}
+
+absl::Status Session::SendPartition(uint32_t partition) {
+  if (exchange_ == nullptr) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (partition >= sent_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("no partition ", partition));
+  }
+  if (sent_[partition]) return absl::OkStatus();
+  sent_[partition] = true;
+  return exchange_->Send(layout_.partitions()[partition],
+                         [this](const compress::Partition& p, std::string* payload) {
+                           return Encode(p, payload);
+                         });
+}
+
+absl::Status Session::Finish(StepTraffic* traffic) {
+  if (exchange_ == nullptr) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  absl::Status status;
+  for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p) status = SendPartition(p);
+  absl::Status finished = exchange_->Finish(traffic);
+  exchange_.reset();
+  if (!finished.ok()) return absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message()));
+  if (!status.ok()) return status;
+  ++step_;
+  return absl::OkStatus();
+}
+
+absl::Status Session::Step(absl::Span<const float> grad, StepTraffic* traffic) {
+  if (absl::Status s = Begin(grad); !s.ok()) return s;
+  return Finish(traffic);
+}
+
+absl::Status Session::SaveCheckpoint(const std::string& path) const {
+  proto::CheckpointWriter writer({"worker", rank_, layout_.fingerprint(),
+                                  compress::AlgorithmFingerprint(job_.algorithm), step_});
+  std::vector<float> error(job_.algorithm.layout.dim);
+  error_.Read(0, absl::MakeSpan(error));
+  writer.AddFloats("worker_error", error);
+  return writer.Write(path);
+}
+
+absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
+                              absl::Span<const float> error) {
+  const uint64_t dim = job_.algorithm.layout.dim;
+  if (step < 0 || m.size() != dim || v.size() != dim) {
+    return absl::InvalidArgumentError(absl::StrCat("optimizer state needs step >= 0 and m, v of ", dim,
+                                                   " elements"));
+  }
+  if (absl::Status s = error_.Restore(error); !s.ok()) return s;
+  std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
+  std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
+  step_ = step;
+  return absl::OkStatus();
+}
+
+}  // namespace morse::worker

@@ -1,0 +1,87 @@
+// Session: one worker's membership in a job — its connections, its replica of
+// x, m, v, its error buffer and its step — and the step of DESIGN 2.1/2.2:
+// encode each partition of the gradient (local momentum in 1-bit Adam's
+// compression phase, error feedback where the phase has it), push, and apply
+// every reply to the replica. The trainer of the built-in workloads and the
+// PyTorch binding both run on it.
+//
+// One thread drives a session; replies are applied on gRPC threads.
+#ifndef MORSE_WORKER_SESSION_H_
+#define MORSE_WORKER_SESSION_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "compress/error_feedback.h"
+#include "compress/replica.h"
+#include "proto/job_config.h"
+#include "worker/client.h"
+
+namespace morse::worker {
+
+class Session {
+ public:
+  // Connects to every shard (waiting up to the connect timeout) and joins
+  // the job. `x` is where the parameters live (job.algorithm.layout.dim
+  // floats, owned by the caller); empty: the session owns them.
+  static absl::StatusOr<std::unique_ptr<Session>> Connect(const proto::JobSpec& job, uint32_t rank,
+                                                          std::vector<std::string> servers,
+                                                          absl::Span<float> x = {});
+
+  // Starts training. Fresh: rank 0 uploads x as the initial parameters and
+  // every other rank replaces its x with them, so all start equal. Resume:
+  // x, m, v come from the shards and the step from their progress; the
+  // error buffer from `checkpoint` (a worker checkpoint of that step) if it
+  // exists. Returns the first step to run.
+  absl::StatusOr<int64_t> Start(bool resume, const std::string& checkpoint = "");
+
+  // Waits until all N workers have joined (see PushClient::WaitAllJoined).
+  absl::Status WaitAllJoined() { return client_->WaitAllJoined(); }
+
+  // One whole step from the gradient `grad` (dim floats).
+  absl::Status Step(absl::Span<const float> grad, StepTraffic* traffic = nullptr);
+
+  // The same step in pieces, for overlapping with a backward pass: Begin,
+  // then SendPartition for each partition whose gradient is complete (any
+  // order, each once), then Finish, which sends the rest and waits.
+  absl::Status Begin(absl::Span<const float> grad);
+  absl::Status SendPartition(uint32_t partition);
+  absl::Status Finish(StepTraffic* traffic = nullptr);
+
+  // Writes this worker's checkpoint (error buffer, step) to `path`.
+  absl::Status SaveCheckpoint(const std::string& path) const;
+
+  int64_t step() const { return step_; }
+  const compress::Layout& layout() const { return layout_; }
+  compress::Replica& replica() { return replica_; }
+  compress::ErrorFeedback& error() { return error_; }
+  const compress::StepPlan& plan() const { return plan_; }
+  // Sets the step counter and the optimizer state (load_state_dict).
+  absl::Status Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
+                       absl::Span<const float> error);
+
+ private:
+  Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout, absl::Span<float> x);
+  absl::Status Encode(const compress::Partition& p, std::string* payload);
+
+  proto::JobSpec job_;
+  uint32_t rank_;
+  compress::Layout layout_;
+  compress::Replica replica_;
+  compress::ErrorFeedback error_;
+  std::unique_ptr<PushClient> client_;
+  int64_t step_ = 0;
+  // The step in flight (between Begin and Finish).
+  compress::StepPlan plan_;
+  absl::Span<const float> grad_;
+  std::vector<float> momentum_;
+  std::vector<bool> sent_;
+  std::unique_ptr<StepExchange> exchange_;
+};
+
+}  // namespace morse::worker
+
+#endif  // MORSE_WORKER_SESSION_H_
