@@ -147,6 +147,9 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     return Invalid("lr.schedule", absl::StrCat("'", lr.schedule(), "' is not constant or cosine"));
   }
   a.lr.base_lr = lr.lr();
+  if (external && job.external.dim == 0 && lr.lr() == 0) {
+    a.lr.base_lr = 1.0f;  // a server's base config: the workers' Join brings the real one
+  }
   a.lr.warmup_steps = lr.warmup_steps();
   a.lr.total_steps = c.steps();
   if (a.lr.kind == compress::LrSchedule::Kind::kCosine && c.steps() == 0) {
@@ -248,6 +251,27 @@ absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat form
     if (!parser.ParseFromString(std::string(text), &config)) {
       return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
     }
+  }
+  return FromProto(config);
+}
+
+absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(absl::string_view base,
+                                                    absl::string_view overrides) {
+  v1::JobConfig config;
+  for (absl::string_view text : {base, overrides}) {
+    struct Collector : google::protobuf::io::ErrorCollector {
+      std::string errors;
+      void AddError(int line, int column, const std::string& message) override {
+        absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ", message, "; ");
+      }
+    } collector;
+    google::protobuf::TextFormat::Parser parser;
+    parser.RecordErrorsTo(&collector);
+    v1::JobConfig part;
+    if (!parser.ParseFromString(std::string(text), &part)) {
+      return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
+    }
+    config.MergeFrom(part);
   }
   return FromProto(config);
 }

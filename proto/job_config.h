@@ -75,6 +75,12 @@ enum class ConfigFormat : uint8_t { kText, kJson };
 // Parses and validates. Relative data paths are kept as given.
 absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat format);
 
+// A base config (text format) with `overrides` (text format) merged over it:
+// fields set in the overrides replace the base's (the PyTorch binding sets
+// the optimizer's arguments and the model over the launcher's base).
+absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(absl::string_view base,
+                                                    absl::string_view overrides);
+
 // The same from serialized JobConfig bytes (what Join carries).
 absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized);
 

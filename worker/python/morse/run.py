@@ -1,0 +1,154 @@
+"""morse-run: start a Morse job's servers and N copies of a training script.
+
+    morse-run --servers S --workers N [--config F] -- python3 train.py [args...]
+
+Starts S morse-server shards on free loopback ports and N copies of the
+command with MORSE_RANK, MORSE_WORLD_SIZE, MORSE_SERVERS and MORSE_CONFIG in
+their environment (morse.torch's optimizers read them). Output is streamed
+with [rank i] / [server s] prefixes. Ctrl-C, or any copy exiting non-zero,
+stops everything; the exit code is then non-zero (the failing copy's, or 130).
+--config is a base JobConfig (timeouts, checkpoints, layout...); the
+optimizer's arguments are merged over it, and workers/shards/the model come
+from the flags and the script.
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def _stream(pipe, prefix, sink, marker=None):
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode(errors="replace")
+        if marker is not None and "listening on" in line:
+            marker["address"] = line.rsplit("listening on", 1)[1].strip()
+            marker["event"].set()
+        sink.write(f"{prefix}{line}")
+        sink.flush()
+    if marker is not None:
+        marker["event"].set()
+
+
+def _base_config(path, workers, shards):
+    text = ""
+    if path:
+        with open(path) as f:
+            text = f.read()
+    for field, value in (("workers", workers), ("shards", shards)):
+        m = re.search(rf"^\s*{field}\s*:\s*(\d+)", text, re.M)
+        if m and int(m.group(1)) != value:
+            raise SystemExit(f"morse-run: {path} sets {field}: {m.group(1)} but --{field if field == 'workers' else 'servers'} is {value}")
+        if not m:
+            text += f"\n{field}: {value}\n"
+    if not re.search(r"^\s*(external|synthetic|mlp)\s*[:{]", text, re.M):
+        text += "\nexternal {}\n"
+    return text
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        split = argv.index("--")
+        own, command = argv[:split], argv[split + 1:]
+    else:
+        own, command = argv, []
+    parser = argparse.ArgumentParser(
+        prog="morse-run", description=__doc__.split("\n\n")[0],
+        epilog="Everything after -- is the command each worker runs.")
+    parser.add_argument("--servers", type=int, default=1, help="server shards to start (default 1)")
+    parser.add_argument("--workers", type=int, required=True, help="copies of the command (ranks)")
+    parser.add_argument("--config", help="base JobConfig file (text format)")
+    parser.add_argument("--server-bin", default=None,
+                        help="morse-server to run (default: the one next to this package)")
+    args = parser.parse_args(own)
+    if not command:
+        parser.error("give the command to run after --, e.g. -- python3 train.py")
+    if args.workers < 1 or args.servers < 1:
+        parser.error("--workers and --servers must be at least 1")
+    bin_dir = os.environ.get("MORSE_BIN_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+    server_bin = args.server_bin or os.path.join(bin_dir, "server", "morse-server")
+    if not os.access(server_bin, os.X_OK):
+        raise SystemExit(f"morse-run: no morse-server at {server_bin} (build Morse, or pass --server-bin)")
+
+    workdir = tempfile.mkdtemp(prefix="morse-run-")
+    config_path = os.path.join(workdir, "job.textproto")
+    with open(config_path, "w") as f:
+        f.write(_base_config(args.config, args.workers, args.servers))
+
+    procs, threads = [], []
+    def stop_all():
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 5
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def on_signal(signum, frame):
+        sys.stderr.write("morse-run: interrupted, stopping every process\n")
+        stop_all()
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    addresses = []
+    for s in range(args.servers):
+        p = subprocess.Popen([server_bin, "--config", config_path, "--shard", str(s),
+                              "--listen", "127.0.0.1:0"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(p)
+        marker = {"event": threading.Event()}
+        t = threading.Thread(target=_stream, args=(p.stdout, f"[server {s}] ", sys.stdout, marker),
+                             daemon=True)
+        t.start()
+        threads.append(t)
+        if not marker["event"].wait(30) or "address" not in marker:
+            stop_all()
+            raise SystemExit(f"morse-run: server {s} did not start (see its output above)")
+        addresses.append(marker["address"])
+
+    env = dict(os.environ, MORSE_WORLD_SIZE=str(args.workers), MORSE_SERVERS=",".join(addresses),
+               MORSE_CONFIG=config_path)
+    package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    workers = []
+    for r in range(args.workers):
+        p = subprocess.Popen(command, env=dict(env, MORSE_RANK=str(r)),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(p)
+        workers.append(p)
+        t = threading.Thread(target=_stream, args=(p.stdout, f"[rank {r}] ", sys.stdout), daemon=True)
+        t.start()
+        threads.append(t)
+
+    status = 0
+    remaining = set(range(args.workers))
+    while remaining:
+        for r in sorted(remaining):
+            code = workers[r].poll()
+            if code is None:
+                continue
+            remaining.discard(r)
+            if code != 0:
+                sys.stderr.write(f"morse-run: rank {r} exited with {code}; stopping the job\n")
+                status = code
+                remaining.clear()
+                break
+        time.sleep(0.05)
+    stop_all()
+    for t in threads:
+        t.join(timeout=2)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

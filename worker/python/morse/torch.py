@@ -1,0 +1,243 @@
+"""PyTorch optimizers that train through a Morse job.
+
+`OneBitAdam` (DESIGN 2.1) and `Adam` (2.2, any codec and error feedback;
+LoCo is codec="int4", feedback="ema") are `torch.optim.Optimizer`s. On
+construction the optimizer joins the job: rank, world size and server
+addresses come from the environment `morse-run` sets (MORSE_RANK,
+MORSE_WORLD_SIZE, MORSE_SERVERS, MORSE_CONFIG) or from arguments. The
+parameters are laid end to end in one flat float32 tensor (each parameter
+becomes a view of it, and so does its .grad), so Morse reads gradients and
+writes parameters in place, with no copies. Rank 0's initial values become
+everyone's.
+
+With overlap=True (the default), a hook on each parameter's gradient
+accumulator pushes a partition as soon as every gradient in it is ready, so
+communication overlaps the rest of the backward pass, as DDP's buckets do.
+That assumes one backward per step; for gradient accumulation pass
+overlap=False.
+"""
+import hashlib
+import os
+
+import torch
+
+from . import _morse
+from ._morse import MorseError
+
+__all__ = ["OneBitAdam", "Adam", "MorseError"]
+
+
+def _env(name, value, cast=str):
+    if value is not None:
+        return value
+    if name not in os.environ:
+        raise MorseError(
+            f"FAILED_PRECONDITION: {name} is not set; run the script under morse-run "
+            f"or pass rank=, world_size= and servers= to the optimizer")
+    return cast(os.environ[name])
+
+
+class _MorseOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
+                 codec, down_codec, feedback, feedback_beta, bias_correction, schedule, steps,
+                 config, rank, world_size, servers, overlap, block_elems, partition_elems):
+        params = list(params)
+        if not params:
+            raise ValueError("the optimizer got no parameters")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        if len(self.param_groups) != 1:
+            raise ValueError("Morse optimizers take a single parameter group")
+        self._params = list(self.param_groups[0]["params"])
+        for i, p in enumerate(self._params):
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {i} ({tuple(p.shape)}) is {p.dtype}; "
+                                "Morse trains float32 parameters")
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {i} ({tuple(p.shape)}) is not contiguous; "
+                                 "make it contiguous before building the optimizer")
+            if p.device.type != "cpu":
+                raise ValueError(f"parameter {i} is on {p.device}; this build of Morse "
+                                 "trains CPU tensors")
+        shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in self._params)
+        dim = sum(p.numel() for p in self._params)
+        self._rank = _env("MORSE_RANK", rank, int)
+        world = _env("MORSE_WORLD_SIZE", world_size, int)
+        servers = _env("MORSE_SERVERS", servers)
+        if isinstance(servers, str):
+            servers = [s for s in servers.split(",") if s]
+        config = config if config is not None else os.environ.get("MORSE_CONFIG")
+        base = ""
+        if config:
+            with open(config) as f:
+                base = f.read()
+        else:
+            base = f"workers: {world}\nshards: {len(servers)}\nexternal {{}}\n"
+        fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
+        adam = [f"beta1: {betas[0]!r}", f"beta2: {betas[1]!r}", f"eps: {eps!r}",
+                f"weight_decay: {weight_decay!r}"]
+        if optimizer == "adam":
+            adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
+        lines = [
+            f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" }}',
+            f'optimizer: "{optimizer}"',
+            "adam { " + " ".join(adam) + " }",
+            f'lr {{ schedule: "{schedule}" lr: {lr!r} }}',
+            f"steps: {steps}",
+            f'up_codec {{ codec: "{codec}" }}',
+            f'down_codec {{ codec: "{down_codec or codec}" }}',
+            f'worker_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
+            f'server_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
+        ]
+        if optimizer == "onebit_adam":
+            lines.append(f"freeze_step: {freeze_step}")
+        if block_elems:
+            lines.append(f"block_elems: {block_elems}")
+        if partition_elems:
+            lines.append(f"partition_elems: {partition_elems}")
+        self.job_overrides = "\n".join(lines)
+
+        # One flat tensor for the parameters and one for their gradients.
+        self._flat = torch.empty(dim, dtype=torch.float32)
+        self._flat_grad = torch.zeros(dim, dtype=torch.float32)
+        self._ranges = []
+        offset = 0
+        with torch.no_grad():
+            for p in self._params:
+                n = p.numel()
+                self._flat[offset:offset + n].copy_(p.reshape(-1))
+                p.data = self._flat[offset:offset + n].view_as(p)
+                p.grad = self._flat_grad[offset:offset + n].view_as(p)
+                self._ranges.append((offset, offset + n))
+                offset += n
+        self._session = _morse.Session(base, self.job_overrides, self._rank, servers,
+                                       self._flat.numpy())
+        self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+        self._joined = False
+        self._partitions = self._session.partitions()
+        # Which partitions each parameter touches, and how many parameters
+        # each partition waits for.
+        self._touches = [[q for q, (b, e) in enumerate(self._partitions) if b < hi and e > lo]
+                         for lo, hi in self._ranges]
+        self._waiting_for = [sum(q in t for t in self._touches) for q in range(len(self._partitions))]
+        self._pending = None
+        self._overlap = overlap
+        self._hooks = []
+        if overlap:
+            for i, p in enumerate(self._params):
+                if p.requires_grad:
+                    accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                    self._hooks.append((accumulator, accumulator.register_hook(
+                        lambda *unused, i=i: self._gradient_ready(i))))
+        self.last_step = {}
+
+    @property
+    def rank(self):
+        return self._rank
+
+    def _gradient_ready(self, i):
+        if not self._joined:
+            return  # the first step waits for every worker, then sends all
+        if self._pending is None:
+            self._session.begin(self._flat_grad.numpy())
+            self._pending = list(self._waiting_for)
+        for q in self._touches[i]:
+            self._pending[q] -= 1
+            if self._pending[q] == 0:
+                self._session.send_partition(q)
+
+    def _restore_views(self):
+        # Someone may have replaced a .grad (set_to_none, or an assignment);
+        # gather it back into the flat gradient.
+        for p, (lo, hi) in zip(self._params, self._ranges):
+            view = self._flat_grad[lo:hi]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad.reshape(-1))
+            else:
+                continue
+            p.grad = view.view_as(p)
+
+    def zero_grad(self, set_to_none=False):
+        """Zeroes the flat gradient in place (the views stay attached)."""
+        self._flat_grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._joined:
+            self._session.wait_all_joined()
+            self._joined = True
+        self._restore_views()
+        if self._pending is not None:
+            self.last_step = self._session.finish()
+        else:
+            self.last_step = self._session.step(self._flat_grad.numpy())
+        self._pending = None
+        return loss
+
+    @property
+    def step_index(self):
+        """Steps completed by this worker."""
+        return self._session.step_index
+
+    def checksum(self):
+        """A checksum of this worker's x, m and v (equal on every worker)."""
+        return self._session.checksum()
+
+    def state_dict(self):
+        step, m, v, error = self._session.get_state()
+        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self._params)))
+        return {"state": {"step": step, "exp_avg": torch.from_numpy(m),
+                          "exp_avg_sq": torch.from_numpy(v),
+                          "worker_error": torch.from_numpy(error)},
+                "param_groups": [group]}
+
+    def load_state_dict(self, state_dict):
+        state = state_dict["state"]
+        dim = self._flat.numel()
+        for key in ("exp_avg", "exp_avg_sq", "worker_error"):
+            if key not in state or state[key].numel() != dim:
+                raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
+        self._session.set_state(int(state["step"]),
+                                *(state[k].detach().to(torch.float32).contiguous().numpy()
+                                  for k in ("exp_avg", "exp_avg_sq", "worker_error")))
+
+
+class OneBitAdam(_MorseOptimizer):
+    """1-bit Adam (Tang et al. 2021): full-precision Adam for freeze_step steps,
+    then sign-compressed momentum with error feedback on workers and servers,
+    variance frozen. No bias correction, as in DeepSpeed's OnebitAdam."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 freeze_step=100, *, config=None, rank=None, world_size=None, servers=None,
+                 overlap=True, schedule="constant", steps=0, block_elems=None,
+                 partition_elems=None):
+        super().__init__(params, optimizer="onebit_adam", lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, freeze_step=freeze_step, codec="sign1",
+                         down_codec=None, feedback="ef", feedback_beta=1.0,
+                         bias_correction=False, schedule=schedule, steps=steps, config=config,
+                         rank=rank, world_size=world_size, servers=servers, overlap=overlap,
+                         block_elems=block_elems, partition_elems=partition_elems)
+
+
+class Adam(_MorseOptimizer):
+    """Adam on the servers' average of compressed gradients (DESIGN 2.2). The
+    defaults (fp32, no feedback, bias correction) are exact synchronous Adam;
+    LoCo is codec="int4", feedback="ema"."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 codec="fp32", down_codec=None, feedback="none", feedback_beta=1.0,
+                 bias_correction=True, config=None, rank=None, world_size=None, servers=None,
+                 overlap=True, schedule="constant", steps=0, block_elems=None,
+                 partition_elems=None):
+        super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, freeze_step=0, codec=codec,
+                         down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
+                         bias_correction=bias_correction, schedule=schedule, steps=steps,
+                         config=config, rank=rank, world_size=world_size, servers=servers,
+                         overlap=overlap, block_elems=block_elems, partition_elems=partition_elems)
