@@ -1,0 +1,64 @@
+"""morse.torch.OneBitAdam across 4 workers: after every step (through the
+freeze step) every worker holds bit-identical x, m, v, equal to the
+single-process simulator fed the gradients the workers computed."""
+import glob
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from harness import check, morse_run
+
+STEPS = 12
+
+
+def worker(out):
+    import morse.torch
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
+                                 partition_elems=64)
+    rank = opt.rank
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    checksums = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        np.save(f"{out}/grad-{rank}-{step}.npy",
+                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+        opt.step()
+        checksums.append(opt.checksum())
+    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    out = tempfile.mkdtemp(prefix="morse-onebit-")
+    code, log = morse_run(__file__, 4, 2, out)
+    print(log)
+    check(code == 0, "the job failed")
+    checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(4)]
+    for r in range(1, 4):
+        check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
+    from morse import _morse
+    job = json.load(open(f"{out}/job.json"))
+    sim = _morse.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
+    for step in range(STEPS):
+        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(4)])
+        check(sim.checksum() == checksums[0][step],
+              f"step {step}: workers {checksums[0][step]}, simulator {sim.checksum()}")
+    for f in glob.glob(f"{out}/*"):
+        os.remove(f)
+    os.rmdir(out)
+    print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator")

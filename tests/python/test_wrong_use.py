@@ -1,0 +1,99 @@
+"""Wrong use of morse.torch gets a clear Python exception, not a crash:
+non-float32 or non-contiguous parameters, no servers reachable (after the
+configured timeout), mismatched parameter shapes across workers, and step()
+before every worker joined."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from harness import check, morse_run
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def expect(exception, words, build):
+    try:
+        build()
+    except exception as e:
+        check(words in str(e), f"{exception.__name__} without '{words}': {e}")
+        print(f"ok: {exception.__name__}: {e}")
+        return
+    check(False, f"no {exception.__name__} ({words})")
+
+
+def config_file(text):
+    f = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
+    f.write(text)
+    f.close()
+    return f.name
+
+
+def worker_mismatch():
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    model = torch.nn.Linear(4, 3 + rank)  # rank 1 builds a different model
+    try:
+        opt = morse.torch.OneBitAdam(model.parameters())
+        opt.step()
+    except morse.torch.MorseError as e:
+        print(f"MISMATCH rank {rank}: {e}")
+        sys.exit(3)
+
+
+def main():
+    import morse.torch
+    from morse import MorseError
+    args = dict(rank=0, world_size=1, servers=["127.0.0.1:1"])
+    expect(TypeError, "float32", lambda: morse.torch.OneBitAdam(
+        [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], **args))
+    expect(ValueError, "not contiguous", lambda: morse.torch.OneBitAdam(
+        [torch.nn.Parameter(torch.zeros(3, 4).t())], **args))
+    expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
+
+    # No server listens on this port: the connect timeout (2 s) ends the wait.
+    quick = config_file("workers: 1\nshards: 1\nexternal {}\ntimeouts { connect_seconds: 2 }\n")
+    start = time.time()
+    expect(MorseError, "DEADLINE_EXCEEDED", lambda: morse.torch.OneBitAdam(
+        torch.nn.Linear(3, 2).parameters(), rank=0, world_size=1,
+        servers=[f"127.0.0.1:{free_port()}"], config=quick))
+    check(time.time() - start < 15, "the connect timeout was not honoured")
+
+    # step() while rank 1 never joins.
+    base = config_file("workers: 2\nshards: 1\nexternal {}\ntimeouts { connect_seconds: 2 }\n")
+    port = free_port()
+    server = subprocess.Popen([os.path.join(os.environ["MORSE_BIN_DIR"], "server", "morse-server"),
+                               "--config", base, "--shard", "0", "--listen", f"127.0.0.1:{port}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        opt = morse.torch.OneBitAdam(torch.nn.Linear(3, 2).parameters(), rank=0, world_size=2,
+                                     servers=[f"127.0.0.1:{port}"], config=base)
+        expect(MorseError, "only 1 of 2 workers joined", opt.step)
+    finally:
+        server.terminate()
+        server.wait()
+
+    # Different models on different ranks.
+    code, out = morse_run(__file__, 2, 1, "mismatch",
+                          config=config_file("timeouts { connect_seconds: 3 }\n"), timeout=120)
+    print(out)
+    check(code != 0, "the job should fail")
+    check("every worker must build the same model" in out, "the shape mismatch is named")
+    print("PASS")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker_mismatch()
+        sys.exit(0)
+    main()
