@@ -11,7 +11,7 @@ packages=(
   libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev python3-sklearn
-  python3-dev pybind11-dev python3-torch
+  python3-dev pybind11-dev python3-torch python3-matplotlib iproute2
   "$@"
 )
 

@@ -129,11 +129,12 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     summary.final_loss = *loss;
     if (metrics) {
       *metrics << absl::StrFormat(
-          "{\"step\":%d,\"phase\":\"%s\",\"loss\":%.6g,\"step_seconds\":%.6f,"
+          "{\"step\":%d,\"time\":%.6f,\"phase\":\"%s\",\"loss\":%.6g,\"step_seconds\":%.6f,"
           "\"compute_seconds\":%.6f,\"encode_seconds\":%.6f,\"comm_seconds\":%.6f,"
           "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"wire_up\":%u,"
           "\"wire_down\":%u,\"retries\":%u",
-          step, PhaseName(job.algorithm, plan), *loss, step_seconds,
+          step, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), PhaseName(job.algorithm, plan),
+          *loss, step_seconds,
           compute_seconds, traffic.encode_seconds, comm_seconds, traffic.apply_seconds,
           traffic.payload_up, traffic.payload_down, tcp_after.sent - tcp_before.sent,
           tcp_after.received - tcp_before.received, traffic.retries);

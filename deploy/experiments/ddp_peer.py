@@ -1,0 +1,63 @@
+#!/usr/bin/python3
+"""A peer for the experiments: PyTorch DDP all-reduce of D fp32 gradients over
+gloo, plain, with the fp16 compression hook, or with the PowerSGD hook.
+
+    ddp_peer.py --rank R --world N --master HOST:PORT --dim D --steps K --hook none|fp16|powersgd
+
+Prints one JSON line per step ({"step", "time", "step_seconds"}) on rank 0.
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+class Flat(torch.nn.Module):
+    """D parameters as a (D/1024) x 1024 matrix, so PowerSGD can compress it."""
+
+    def __init__(self, dim, cols=1024):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(max(1, dim // cols), cols))
+
+    def forward(self, noise):
+        return (self.w * noise).sum()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--dim", type=int, required=True)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank,
+                            world_size=a.world)
+    model = Flat(a.dim)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=25)
+    if a.hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif a.hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    noise = torch.randn(model.w.shape, generator=torch.Generator().manual_seed(a.rank))
+    for step in range(a.steps):
+        start = time.time()
+        ddp(noise).backward()  # DDP all-reduces the gradient during backward
+        model.w.grad = None
+        elapsed = time.time() - start
+        if a.rank == 0:
+            print(json.dumps({"step": step, "time": time.time(), "step_seconds": elapsed}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

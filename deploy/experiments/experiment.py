@@ -1,0 +1,345 @@
+#!/usr/bin/python3
+"""Network-bandwidth experiments: Morse against the physical ceiling and the
+peers on a virtual Ethernet cluster built inside this machine.
+
+    sudo deploy/experiments/experiment.py --quick            # < 5 minutes
+    sudo deploy/experiments/experiment.py --out out/experiments/full
+
+Every host (server shard, worker) is a network namespace with a veth link to
+a bridge in a switch namespace, shaped both ways with tc (tbf for the rate;
+netem for --delay/--jitter/--loss), addressed from 198.18.0.0/15. Before the
+runs at each link rate, morse-netprobe measures the raw TCP ceiling on the
+same links. Each Morse scheme and each peer (PyTorch DDP over gloo: fp32,
+fp16 hook, PowerSGD hook) runs a few steps of the synthetic workload of D
+parameters; results go to OUT/results.csv, OUT/*.png and OUT/report.md
+(report.py). Everything the harness creates is removed on exit, failure and
+Ctrl-C; every process is bounded in time. Needs root (ip netns, tc).
+"""
+import argparse
+import csv
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+import report  # noqa: E402
+
+SCHEMES = {
+    "fp32": 'optimizer: "adam"',
+    "fp16": 'optimizer: "adam" up_codec { codec: "fp16" }',
+    "bf16": 'optimizer: "adam" up_codec { codec: "bf16" }',
+    "int8": 'optimizer: "adam" up_codec { codec: "int8" } worker_feedback { mode: "ef" }',
+    "loco": 'optimizer: "adam" up_codec { codec: "int4" } worker_feedback { mode: "ema" beta: 0.5 }',
+    "topk": 'optimizer: "adam" up_codec { codec: "topk" topk_ratio: 0.01 } worker_feedback { mode: "ef" }',
+    "onebit_warmup": 'optimizer: "onebit_adam" freeze_step: {steps}',
+    "onebit": 'optimizer: "onebit_adam" freeze_step: 1',
+}
+PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd"}
+FIELDS = ["kind", "scheme", "rate_gbit", "dim", "workers", "shards", "steps_measured",
+          "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s", "payload_bytes_per_step",
+          "wire_bytes_per_step", "floor_s", "ceiling_up_gbps", "ceiling_down_gbps", "status"]
+
+
+def sh(*args, check=True, timeout=30):
+    return subprocess.run(args, check=check, timeout=timeout, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+class VirtualCluster:
+    """Hosts 0..n-1 as namespaces on one shaped bridge. A context manager:
+    everything is deleted on exit, whatever happened."""
+
+    def __init__(self, hosts, rate_gbit, delay_ms=0.0, jitter_ms=0.0, loss_pct=0.0):
+        self.tag = f"mx{random.randrange(16 ** 4):04x}"
+        self.hosts, self.rate, self.netem = hosts, rate_gbit, (delay_ms, jitter_ms, loss_pct)
+        self.switch = f"{self.tag}sw"
+        self.created = []
+
+    def ns(self, i):
+        return f"{self.tag}h{i}"
+
+    @staticmethod
+    def address(i):
+        return f"198.18.0.{i + 1}"
+
+    def _shape(self, ns, dev):
+        rate = f"{self.rate}gbit"
+        burst = max(64 * 1024, int(self.rate * 1e9 / 8 / 250))  # 4 ms of data
+        delay, jitter, loss = self.netem
+        parent = ["root"]
+        if delay or jitter or loss:
+            netem = ["netem"]
+            if delay or jitter:
+                netem += ["delay", f"{delay}ms"] + ([f"{jitter}ms"] if jitter else [])
+            if loss:
+                netem += ["loss", f"{loss}%"]
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem)
+            parent = ["parent", "1:"]
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:",
+           "tbf", "rate", rate, "burst", str(burst), "latency", "200ms")
+
+    def __enter__(self):
+        try:
+            sh("ip", "netns", "add", self.switch)
+            self.created.append(self.switch)
+            sh("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
+            sh("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
+            for i in range(self.hosts):
+                ns = self.ns(i)
+                sh("ip", "netns", "add", ns)
+                self.created.append(ns)
+                host_dev, switch_dev = f"{self.tag}a{i}", f"{self.tag}b{i}"
+                sh("ip", "link", "add", host_dev, "netns", ns, "type", "veth", "peer", "name",
+                   switch_dev, "netns", self.switch)
+                sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/16", "dev", host_dev)
+                sh("ip", "netns", "exec", ns, "ip", "link", "set", host_dev, "up")
+                sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                sh("ip", "netns", "exec", self.switch, "ip", "link", "set", switch_dev, "master", "br0")
+                sh("ip", "netns", "exec", self.switch, "ip", "link", "set", switch_dev, "up")
+                self._shape(ns, host_dev)             # host -> switch: upload
+                self._shape(self.switch, switch_dev)  # switch -> host: download
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *unused):
+        for ns in reversed(self.created):
+            sh("ip", "netns", "del", ns, check=False)  # deleting a namespace deletes its veths
+        self.created = []
+
+    def popen(self, i, argv, log):
+        # gloo picks its interface from the hostname (127.0.0.1 here) unless told.
+        return subprocess.Popen(["ip", "netns", "exec", self.ns(i), "env",
+                                 f"GLOO_SOCKET_IFNAME={self.tag}a{i}", *argv], stdout=log,
+                                stderr=subprocess.STDOUT)
+
+    def tx_rx(self, i):
+        dev = f"{self.tag}a{i}"
+        out = sh("ip", "netns", "exec", self.ns(i), "cat", f"/sys/class/net/{dev}/statistics/tx_bytes",
+                 f"/sys/class/net/{dev}/statistics/rx_bytes").stdout.split()
+        return int(out[0]), int(out[1])
+
+
+class CounterSampler(threading.Thread):
+    """Samples a host's interface byte counters every 20 ms with wall time,
+    so bytes between two instants (steps in a metrics file) can be read off."""
+
+    def __init__(self, cluster, host):
+        super().__init__(daemon=True)
+        self.cluster, self.host, self.samples, self.stop = cluster, host, [], threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            try:
+                self.samples.append((time.time(), *self.cluster.tx_rx(self.host)))
+            except Exception:
+                pass
+            time.sleep(0.02)
+
+    def between(self, t0, t1):
+        def at(t):
+            best = min(self.samples, key=lambda s: abs(s[0] - t))
+            return best[1], best[2]
+        (a_tx, a_rx), (b_tx, b_rx) = at(t0), at(t1)
+        return b_tx - a_tx, b_rx - a_rx
+
+
+def wait_all(procs, timeout):
+    deadline = time.time() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append("timeout")
+    return codes
+
+
+def stop(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    wait_all(procs, 5)
+
+
+def netprobe(vc, bin_dir, a, b, streams=2):
+    log = tempfile.TemporaryFile()
+    server = vc.popen(a, [f"{bin_dir}/deploy/experiments/morse-netprobe", "--listen",
+                          f"{vc.address(a)}:5201"], log)
+    try:
+        time.sleep(0.3)
+        out = sh("ip", "netns", "exec", vc.ns(b), f"{bin_dir}/deploy/experiments/morse-netprobe",
+                 "--connect", f"{vc.address(a)}:5201", "--streams", str(streams), "--seconds", "3",
+                 "--warmup", "1", "--both", timeout=30).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        stop([server])
+
+
+def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work):
+    """One Morse job; returns a result row (without the link fields)."""
+    config = os.path.join(work, f"{scheme}-{dim}.textproto")
+    with open(config, "w") as f:
+        f.write(f"""name: "{scheme}" workers: {workers} shards: {shards}
+synthetic {{ dim: {dim} noise: 0.1 }}
+lr {{ lr: 0.0001 }}
+steps: {steps}
+{SCHEMES[scheme].replace('{steps}', str(steps))}
+timeouts {{ connect_seconds: 30 step_seconds: 300 rpc_seconds: 600 }}
+channels_per_shard: 2
+partition_elems: 262144
+log_every: 1000
+""")
+    server_host = lambda s: s
+    worker_host = (lambda r: r % max(workers, shards)) if colocate else (lambda r: shards + r)
+    servers, procs = [], []
+    try:
+        for s in range(shards):
+            log = open(os.path.join(work, f"{scheme}-server{s}.log"), "w")
+            servers.append(vc.popen(server_host(s), [f"{bin_dir}/server/morse-server", "--config", config,
+                                                     "--shard", str(s), "--listen",
+                                                     f"{vc.address(server_host(s))}:7000"], log))
+        time.sleep(0.5)
+        addresses = ",".join(f"{vc.address(server_host(s))}:7000" for s in range(shards))
+        sampler = CounterSampler(vc, worker_host(0))
+        sampler.start()
+        for r in range(workers):
+            log = open(os.path.join(work, f"{scheme}-worker{r}.log"), "w")
+            procs.append(vc.popen(worker_host(r), [f"{bin_dir}/worker/morse-worker", "--config", config,
+                                                   "--rank", str(r), "--servers", addresses, "--metrics",
+                                                   os.path.join(work, f"{scheme}-worker{r}.jsonl")], log))
+        codes = wait_all(procs, 60 + steps * (dim * 4 * 8 / (vc.rate * 1e9) * 6 + 5))
+        sampler.stop.set()
+        sampler.join()
+    finally:
+        stop(procs + servers)
+    if any(c != 0 for c in codes):
+        tail = open(os.path.join(work, f"{scheme}-worker0.log")).read()[-300:].replace("\n", " ")
+        return {"status": f"failed ({codes}): {tail}"}
+    rows = [json.loads(l) for l in open(os.path.join(work, f"{scheme}-worker0.jsonl"))]
+    measured = [r for r in rows if r["step"] >= 2 and (scheme != "onebit" or r["phase"] == "compression")]
+    if not measured:
+        return {"status": "failed: no steps to measure (use --steps >= 4)"}
+    steps_s = sorted(r["step_seconds"] for r in measured)
+    t0 = measured[0]["time"] - measured[0]["step_seconds"]
+    tx, _ = sampler.between(t0, measured[-1]["time"])
+    q = statistics.quantiles(steps_s, n=4) if len(steps_s) > 1 else [steps_s[0]] * 3
+    return {"steps_measured": len(measured), "step_median_s": statistics.median(steps_s),
+            "step_p25_s": q[0], "step_p75_s": q[2],
+            "comm_median_s": statistics.median(r["comm_seconds"] for r in measured),
+            "payload_bytes_per_step": statistics.median(r["bytes_up"] for r in measured),
+            "wire_bytes_per_step": tx / len(measured), "status": "ok"}
+
+
+def ddp_run(vc, peer, dim, workers, steps, work):
+    procs = []
+    log_path = os.path.join(work, f"{peer}-rank0.log")
+    try:
+        for r in range(workers):
+            log = open(log_path if r == 0 else os.path.join(work, f"{peer}-rank{r}.log"), "w")
+            procs.append(vc.popen(r, ["/usr/bin/python3", os.path.join(HERE, "ddp_peer.py"), "--rank",
+                                      str(r), "--world", str(workers), "--master",
+                                      f"{vc.address(0)}:29500", "--dim", str(dim), "--steps", str(steps),
+                                      "--hook", PEERS[peer]], log))
+        codes = wait_all(procs, 120 + steps * (dim * 4 * 8 * 2 / (vc.rate * 1e9) * 6 + 5))
+    finally:
+        stop(procs)
+    if any(c != 0 for c in codes):
+        return {"status": f"failed ({codes}): " + open(log_path).read()[-300:].replace("\n", " ")}
+    rows = [json.loads(l) for l in open(log_path) if l.startswith("{")]
+    measured = sorted(r["step_seconds"] for r in rows if r["step"] >= 2)
+    if not measured:
+        return {"status": "failed: no steps measured"}
+    q = statistics.quantiles(measured, n=4) if len(measured) > 1 else [measured[0]] * 3
+    return {"steps_measured": len(measured), "step_median_s": statistics.median(measured),
+            "step_p25_s": q[0], "step_p75_s": q[2], "comm_median_s": statistics.median(measured),
+            "status": "ok"}
+
+
+def floor_seconds(payload, workers, shards, rate_gbit):
+    # DESIGN 7: max(P, N*P/S) bytes through one host link each way.
+    return max(payload, workers * payload / shards) / (rate_gbit * 1e9 / 8)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="2 hosts, D=1M, 4 steps, 1 Gbit/s, fp32 and onebit, ddp_fp32 (< 5 min)")
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "experiments", "latest"))
+    p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2.5, 10], help="Gbit/s")
+    p.add_argument("--dims", type=int, nargs="+", default=[1_000_000, 25_000_000])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    p.add_argument("--colocate", action="store_true", help="servers share hosts with workers")
+    p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
+    p.add_argument("--jitter", type=float, default=0.0, help="netem jitter, ms")
+    p.add_argument("--loss", type=float, default=0.0, help="netem loss, percent")
+    p.add_argument("--build", default=os.environ.get("MORSE_BUILD_DIR", os.path.join(ROOT, "build")))
+    a = p.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("experiment.py: needs root for ip netns and tc; run it with sudo")
+    if a.quick:
+        a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], 1, 1, 4
+        a.schemes, a.peers = ["fp32", "onebit"], ["ddp_fp32"]
+    os.makedirs(a.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="morse-exp-")
+    signal.signal(signal.SIGTERM, lambda *x: sys.exit(143))  # unwinds through the cluster's __exit__
+    hosts = max(a.workers, a.shards) if a.colocate else a.workers + a.shards
+    hosts = max(hosts, 2)
+    rows = []
+    started = time.time()
+    with open(os.path.join(a.out, "results.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for rate in a.rates:
+            with VirtualCluster(hosts, rate, a.delay, a.jitter, a.loss) as vc:
+                probe = netprobe(vc, a.build, 0, 1)
+                print(f"== {rate} Gbit/s: netprobe {probe['up_gbps']:.3f} up, {probe['down_gbps']:.3f} down",
+                      flush=True)
+                for dim in a.dims:
+                    runs = [("morse", s) for s in a.schemes] + [("peer", s) for s in a.peers]
+                    for kind, scheme in runs:
+                        row = {"kind": kind, "scheme": scheme, "rate_gbit": rate, "dim": dim,
+                               "workers": a.workers, "shards": a.shards,
+                               "ceiling_up_gbps": probe["up_gbps"], "ceiling_down_gbps": probe["down_gbps"]}
+                        try:
+                            if kind == "morse":
+                                row.update(morse_run(vc, a.build, scheme, dim, a.workers, a.shards, a.steps,
+                                                     a.colocate, work))
+                            else:
+                                row.update(ddp_run(vc, scheme, dim, max(2, a.workers), a.steps, work))
+                        except Exception as e:  # a failed run is reported, never dropped
+                            row["status"] = f"failed: {e}"
+                        payload = row.get("payload_bytes_per_step") or (4 * dim if kind == "peer" else 0)
+                        if kind == "peer":
+                            row["payload_bytes_per_step"] = 2 * 4 * dim if scheme == "ddp_fp32" else ""
+                        row["floor_s"] = floor_seconds(payload, a.workers, a.shards, rate) if kind == "morse" and payload else ""
+                        writer.writerow({k: row.get(k, "") for k in FIELDS})
+                        f.flush()
+                        rows.append(row)
+                        print(f"   D={dim:>11,} {scheme:<14} {row.get('status', '')[:60]:<12} "
+                              f"step {row.get('step_median_s', float('nan')):.4f} s", flush=True)
+    report.write(os.path.join(a.out, "results.csv"), a.out, {
+        "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),
+        "seconds": round(time.time() - started), "netem": [a.delay, a.jitter, a.loss],
+        "colocate": a.colocate})
+    print(f"results: {a.out}/results.csv, report: {a.out}/report.md ({time.time() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

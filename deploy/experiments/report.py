@@ -1,0 +1,168 @@
+#!/usr/bin/python3
+"""Turns the experiments' results.csv into plots and a Markdown report that
+checks the targets (issue 6) and says by how much a miss misses.
+
+    deploy/experiments/report.py results.csv OUT_DIR
+"""
+import csv
+import json
+import math
+import os
+import sys
+
+TARGET_COMM_OVER_FLOOR = 1.25
+TARGET_SPEEDUP_OVER_DDP = 20.0
+TARGET_GOODPUT = 0.9
+TARGET_WIRE_OVER_PAYLOAD = 1.1
+
+
+def _num(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def load(path):
+    rows = []
+    with open(path) as f:
+        for r in csv.DictReader(f):
+            for k in ("rate_gbit", "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s",
+                      "payload_bytes_per_step", "wire_bytes_per_step", "floor_s", "ceiling_up_gbps",
+                      "ceiling_down_gbps"):
+                r[k] = _num(r.get(k))
+            for k in ("dim", "workers", "shards", "steps_measured"):
+                r[k] = int(float(r[k])) if _num(r.get(k)) is not None else None
+            rows.append(r)
+    return rows
+
+
+def derive(rows):
+    """Adds comm/floor, wire/payload, goodput/ceiling and speedup over ddp_fp32."""
+    ddp = {(r["rate_gbit"], r["dim"]): r["step_median_s"] for r in rows
+           if r["scheme"] == "ddp_fp32" and r["status"] == "ok"}
+    for r in rows:
+        ok = r["status"] == "ok"
+        r["comm_over_floor"] = (r["comm_median_s"] / r["floor_s"]
+                                if ok and r["floor_s"] and r["comm_median_s"] else None)
+        r["wire_over_payload"] = (r["wire_bytes_per_step"] / r["payload_bytes_per_step"]
+                                  if ok and r["kind"] == "morse" and r["payload_bytes_per_step"] and
+                                  r["wire_bytes_per_step"] else None)
+        r["goodput_over_ceiling"] = None
+        if ok and r["kind"] == "morse" and r["comm_median_s"] and r["ceiling_up_gbps"]:
+            gbps = r["payload_bytes_per_step"] * 8 / r["comm_median_s"] / 1e9
+            r["goodput_over_ceiling"] = gbps / r["ceiling_up_gbps"]
+        base = ddp.get((r["rate_gbit"], r["dim"]))
+        r["speedup_over_ddp_fp32"] = base / r["step_median_s"] if ok and base and r["step_median_s"] else None
+    return rows
+
+
+def targets(rows):
+    """(name, target, measured, met, note) for each target that has data."""
+    out = []
+    for r in rows:
+        if r["scheme"] == "onebit" and r["rate_gbit"] == 1 and r["dim"] == 25_000_000 and r["status"] == "ok":
+            out.append(("onebit compression phase, 1 Gbit/s, D=25M: communication / DESIGN 7 floor",
+                        f"<= {TARGET_COMM_OVER_FLOOR}", r["comm_over_floor"],
+                        r["comm_over_floor"] is not None and r["comm_over_floor"] <= TARGET_COMM_OVER_FLOOR))
+            out.append(("onebit compression phase, 1 Gbit/s, D=25M: speedup over fp32 DDP all-reduce",
+                        f">= {TARGET_SPEEDUP_OVER_DDP}", r["speedup_over_ddp_fp32"],
+                        r["speedup_over_ddp_fp32"] is not None and r["speedup_over_ddp_fp32"] >= TARGET_SPEEDUP_OVER_DDP))
+    for r in rows:
+        if r["scheme"] == "fp32" and r["kind"] == "morse" and r["status"] == "ok":
+            out.append((f"fp32 goodput / netprobe ceiling, {_fmt(r['rate_gbit'])} Gbit/s, D={r['dim']:,}",
+                        f">= {TARGET_GOODPUT}", r["goodput_over_ceiling"],
+                        r["goodput_over_ceiling"] is not None and r["goodput_over_ceiling"] >= TARGET_GOODPUT))
+    for r in rows:
+        if r["wire_over_payload"] is not None:
+            out.append((f"wire / payload bytes, {r['scheme']}, {_fmt(r['rate_gbit'])} Gbit/s, D={r['dim']:,}",
+                        f"<= {TARGET_WIRE_OVER_PAYLOAD}", r["wire_over_payload"],
+                        r["wire_over_payload"] <= TARGET_WIRE_OVER_PAYLOAD))
+    return out
+
+
+def plots(rows, out_dir):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["(no plots: python3-matplotlib is not installed)"]
+    made = []
+    dims = sorted({r["dim"] for r in rows if r["dim"]})
+    for metric, ylabel, name, log in (
+            ("step_median_s", "median step time (s)", "step_time", True),
+            ("speedup_over_ddp_fp32", "speedup over fp32 DDP all-reduce", "speedup", True),
+            ("comm_over_floor", "communication time / DESIGN 7 floor", "over_floor", False)):
+        fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
+        for ax, dim in zip(axes[0], dims):
+            for scheme in sorted({r["scheme"] for r in rows}):
+                pts = sorted((r["rate_gbit"], r[metric]) for r in rows
+                             if r["scheme"] == scheme and r["dim"] == dim and r.get(metric))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=scheme)
+            ax.set_xscale("log")
+            if log:
+                ax.set_yscale("log")
+            ax.set_xlabel("link rate (Gbit/s)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"D = {dim:,}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        made.append(os.path.basename(path))
+    return made
+
+
+def _fmt(v, digits=3):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+
+
+def write(csv_path, out_dir, meta=None):
+    rows = derive(load(csv_path))
+    images = plots(rows, out_dir)
+    lines = ["# Morse network experiments", ""]
+    if meta:
+        lines += [f"Command: `{meta.get('command', '')}` ({meta.get('seconds', '?')} s). "
+                  f"netem delay/jitter/loss: {meta.get('netem')}; servers co-located with workers: "
+                  f"{meta.get('colocate')}.", ""]
+    lines += ["Every figure is from this run: the ceiling is morse-netprobe on the same links "
+              "(2 TCP streams, both directions at once); the floor is DESIGN 7's "
+              "max(P, N·P/S) / link rate for the payload P each worker pushed per step.", "",
+              "## Targets", "", "| target | wanted | measured | |", "| --- | --- | ---: | --- |"]
+    checks = targets(rows)
+    for name, want, got, met in checks:
+        verdict = "met" if met else "**missed**"
+        lines.append(f"| {name} | {want} | {_fmt(got)} | {verdict} |")
+    if not checks:
+        lines.append("| (no run covers a target: the full sweep includes 1 Gbit/s and D = 25M) | | | |")
+    lines += ["", "## Runs", "",
+              "| kind | scheme | Gbit/s | D | N | S | step s (p25–p75) | comm s | payload B/step | "
+              "wire/payload | comm/floor | goodput/ceiling | speedup vs DDP fp32 | status |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        spread = (f"{_fmt(r['step_median_s'])} ({_fmt(r['step_p25_s'])}–{_fmt(r['step_p75_s'])})"
+                  if r["step_median_s"] else "-")
+        lines.append(f"| {r['kind']} | {r['scheme']} | {_fmt(r['rate_gbit'])} | {r['dim']:,} | {r['workers']} | "
+                     f"{r['shards']} | {spread} | {_fmt(r['comm_median_s'])} | "
+                     f"{_fmt(r['payload_bytes_per_step'], 6)} | {_fmt(r['wire_over_payload'])} | "
+                     f"{_fmt(r['comm_over_floor'])} | {_fmt(r['goodput_over_ceiling'])} | "
+                     f"{_fmt(r['speedup_over_ddp_fp32'])} | {r['status'][:80]} |")
+    lines += [""] + [f"![{i}]({i})" for i in images]
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, "targets.json"), "w") as f:
+        json.dump([{"target": n, "wanted": w, "measured": g, "met": m} for n, w, g, m in checks], f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    write(sys.argv[1], sys.argv[2])
