@@ -37,8 +37,9 @@ int MaxMessageBytes(const JobSpec& job) {
   const uint64_t largest =
       job.sized() ? std::min<uint64_t>(job.algorithm.layout.partition_elems, job.algorithm.layout.dim)
                   : job.algorithm.layout.partition_elems;  // the size comes later
-  // fp32 is the largest encoding except topk at ratio 1 (8 bytes a value).
-  return static_cast<int>(std::min<uint64_t>(8 * largest + (1 << 20), INT32_MAX));
+  // The largest message is FetchPartition's x, m and v (12 bytes a value);
+  // pushes are at most 8 (topk at ratio 1).
+  return static_cast<int>(std::min<uint64_t>(12 * largest + (1 << 20), INT32_MAX));
 }
 
 grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {

@@ -18,8 +18,8 @@ v1::Codec ToWire(compress::CodecKind kind);
 // INVALID_ARGUMENT for CODEC_UNSPECIFIED or an unknown value.
 absl::StatusOr<compress::CodecKind> FromWire(v1::Codec codec);
 
-// The largest message either side may send or receive: the largest
-// partition as fp32 (init and fp32 pushes) plus room for the framing.
+// The largest message either side may send or receive: x, m and v of the
+// largest partition (FetchPartition) plus room for the framing.
 int MaxMessageBytes(const JobSpec& job);
 
 // Channel arguments for a worker's connection to a shard. `channel_index`

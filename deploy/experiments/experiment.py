@@ -155,14 +155,23 @@ class CounterSampler(threading.Thread):
 
 
 def wait_all(procs, timeout):
+    """Exit codes of every process; the first failure, or the timeout, stops
+    the rest (a worker waiting on a dead peer would otherwise sit out the
+    server's step timeout)."""
     deadline = time.time() + timeout
+    while time.time() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.05)
     codes = []
     for p in procs:
-        try:
-            codes.append(p.wait(max(0.1, deadline - time.time())))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             p.kill()
-            codes.append("timeout")
+            p.wait()
+            codes.append("stopped")
+        else:
+            codes.append(p.returncode)
     return codes
 
 

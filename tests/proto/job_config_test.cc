@@ -1,5 +1,7 @@
 #include "proto/job_config.h"
 
+#include "absl/strings/str_cat.h"
+
 #include "gtest/gtest.h"
 
 namespace morse::proto {
@@ -81,6 +83,29 @@ TEST(JobConfigTest, ErrorsNameTheField) {
 TEST(JobConfigTest, MissingFileIsNotFound) {
   EXPECT_EQ(LoadJobConfig("/nonexistent/job.textproto").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace morse::proto
+
+#include "proto/wire.h"
+
+namespace morse::proto {
+namespace {
+
+// The largest message is FetchPartition's x, m and v of the largest
+// partition (12 bytes an element); gRPC must allow it.
+TEST(WireTest, MessageLimitHoldsAFetchedPartition) {
+  for (const char* layout : {"partition_elems: 262144", "partition_elems: 1048576",
+                             "block_elems: 16 partition_elems: 64"}) {
+    auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 } "
+                                           "lr { lr: 0.1 } steps: 1 ", layout),
+                              ConfigFormat::kText);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const uint64_t largest = std::min<uint64_t>(job->algorithm.layout.partition_elems,
+                                                job->algorithm.layout.dim);
+    EXPECT_GE(static_cast<uint64_t>(MaxMessageBytes(*job)), 12 * largest + 1024) << layout;
+  }
 }
 
 }  // namespace
