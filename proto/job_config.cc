@@ -218,6 +218,22 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   return job;
 }
 
+// Text format into `config`, with every error's line and column.
+absl::Status ParseText(absl::string_view text, v1::JobConfig* config) {
+  struct Collector : google::protobuf::io::ErrorCollector {
+    std::string errors;
+    void AddError(int line, int column, const std::string& message) override {
+      absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ", message, "; ");
+    }
+  } collector;
+  google::protobuf::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&collector);
+  if (!parser.ParseFromString(std::string(text), config)) {
+    return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 uint64_t MlpParameterCount(const MlpSpec& mlp) {
@@ -239,18 +255,8 @@ absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat form
     if (!status.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("JSON config: ", status.message().as_string()));
     }
-  } else {
-    struct Collector : google::protobuf::io::ErrorCollector {
-      std::string errors;
-      void AddError(int line, int column, const std::string& message) override {
-        absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ", message, "; ");
-      }
-    } collector;
-    google::protobuf::TextFormat::Parser parser;
-    parser.RecordErrorsTo(&collector);
-    if (!parser.ParseFromString(std::string(text), &config)) {
-      return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
-    }
+  } else if (absl::Status s = ParseText(text, &config); !s.ok()) {
+    return s;
   }
   return FromProto(config);
 }
@@ -259,18 +265,8 @@ absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(absl::string_view base,
                                                     absl::string_view overrides) {
   v1::JobConfig config;
   for (absl::string_view text : {base, overrides}) {
-    struct Collector : google::protobuf::io::ErrorCollector {
-      std::string errors;
-      void AddError(int line, int column, const std::string& message) override {
-        absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ", message, "; ");
-      }
-    } collector;
-    google::protobuf::TextFormat::Parser parser;
-    parser.RecordErrorsTo(&collector);
     v1::JobConfig part;
-    if (!parser.ParseFromString(std::string(text), &part)) {
-      return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
-    }
+    if (absl::Status s = ParseText(text, &part); !s.ok()) return s;
     config.MergeFrom(part);
   }
   return FromProto(config);

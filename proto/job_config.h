@@ -59,7 +59,7 @@ struct JobSpec {
   double step_timeout_seconds = 60;
   double rpc_timeout_seconds = 120;
   uint32_t channels_per_shard = 2;
-  uint32_t window = 8;
+  uint32_t window = 32;
   uint32_t log_every = 10;
   uint32_t checkpoint_every_steps = 0;
   std::string checkpoint_dir;

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -130,30 +129,6 @@ class VirtualCluster:
         return int(out[0]), int(out[1])
 
 
-class CounterSampler(threading.Thread):
-    """Samples a host's interface byte counters every 20 ms with wall time,
-    so bytes between two instants (steps in a metrics file) can be read off."""
-
-    def __init__(self, cluster, host):
-        super().__init__(daemon=True)
-        self.cluster, self.host, self.samples, self.stop = cluster, host, [], threading.Event()
-
-    def run(self):
-        while not self.stop.is_set():
-            try:
-                self.samples.append((time.time(), *self.cluster.tx_rx(self.host)))
-            except Exception:
-                pass
-            time.sleep(0.02)
-
-    def between(self, t0, t1):
-        def at(t):
-            best = min(self.samples, key=lambda s: abs(s[0] - t))
-            return best[1], best[2]
-        (a_tx, a_rx), (b_tx, b_rx) = at(t0), at(t1)
-        return b_tx - a_tx, b_rx - a_rx
-
-
 def wait_all(procs, timeout):
     """Exit codes of every process; the first failure, or the timeout, stops
     the rest (a worker waiting on a dead peer would otherwise sit out the
@@ -196,7 +171,8 @@ def netprobe(vc, bin_dir, a, b, streams=2):
         stop([server])
 
 
-def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work):
+def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, window=8,
+              channels=2):
     """One Morse job; returns a result row (without the link fields)."""
     config = os.path.join(work, f"{scheme}-{dim}.textproto")
     with open(config, "w") as f:
@@ -206,7 +182,8 @@ lr {{ lr: 0.0001 }}
 steps: {steps}
 {SCHEMES[scheme].replace('{steps}', str(steps))}
 timeouts {{ connect_seconds: 30 step_seconds: 300 rpc_seconds: 600 }}
-channels_per_shard: 2
+channels_per_shard: {channels}
+window: {window}
 partition_elems: 262144
 log_every: 1000
 """)
@@ -221,16 +198,14 @@ log_every: 1000
                                                      f"{vc.address(server_host(s))}:7000"], log))
         time.sleep(0.5)
         addresses = ",".join(f"{vc.address(server_host(s))}:7000" for s in range(shards))
-        sampler = CounterSampler(vc, worker_host(0))
-        sampler.start()
+        before = vc.tx_rx(worker_host(0))
         for r in range(workers):
             log = open(os.path.join(work, f"{scheme}-worker{r}.log"), "w")
             procs.append(vc.popen(worker_host(r), [f"{bin_dir}/worker/morse-worker", "--config", config,
                                                    "--rank", str(r), "--servers", addresses, "--metrics",
                                                    os.path.join(work, f"{scheme}-worker{r}.jsonl")], log))
         codes = wait_all(procs, 60 + steps * (dim * 4 * 8 / (vc.rate * 1e9) * 6 + 5))
-        sampler.stop.set()
-        sampler.join()
+        after = vc.tx_rx(worker_host(0))
     finally:
         stop(procs + servers)
     if any(c != 0 for c in codes):
@@ -241,14 +216,17 @@ log_every: 1000
     if not measured:
         return {"status": "failed: no steps to measure (use --steps >= 4)"}
     steps_s = sorted(r["step_seconds"] for r in measured)
-    t0 = measured[0]["time"] - measured[0]["step_seconds"]
-    tx, _ = sampler.between(t0, measured[-1]["time"])
+    # Interface bytes over the whole run against every payload byte pushed in
+    # it: the framing overhead, free of timing; per step it scales the
+    # measured phase's payload.
+    overhead = (after[0] - before[0]) / sum(r["bytes_up"] for r in rows)
     q = statistics.quantiles(steps_s, n=4) if len(steps_s) > 1 else [steps_s[0]] * 3
     return {"steps_measured": len(measured), "step_median_s": statistics.median(steps_s),
             "step_p25_s": q[0], "step_p75_s": q[2],
             "comm_median_s": statistics.median(r["comm_seconds"] for r in measured),
             "payload_bytes_per_step": statistics.median(r["bytes_up"] for r in measured),
-            "wire_bytes_per_step": tx / len(measured), "status": "ok"}
+            "wire_bytes_per_step": overhead * statistics.median(r["bytes_up"] for r in measured),
+            "status": "ok"}
 
 
 def ddp_run(vc, peer, dim, workers, steps, work):
@@ -295,6 +273,8 @@ def main():
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
     p.add_argument("--colocate", action="store_true", help="servers share hosts with workers")
+    p.add_argument("--window", type=int, default=64, help="partitions each worker keeps in flight")
+    p.add_argument("--channels", type=int, default=4, help="TCP connections per worker and shard")
     p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
     p.add_argument("--jitter", type=float, default=0.0, help="netem jitter, ms")
     p.add_argument("--loss", type=float, default=0.0, help="netem loss, percent")
@@ -329,7 +309,7 @@ def main():
                         try:
                             if kind == "morse":
                                 row.update(morse_run(vc, a.build, scheme, dim, a.workers, a.shards, a.steps,
-                                                     a.colocate, work))
+                                                     a.colocate, work, a.window, a.channels))
                             else:
                                 row.update(ddp_run(vc, scheme, dim, max(2, a.workers), a.steps, work))
                         except Exception as e:  # a failed run is reported, never dropped
@@ -346,7 +326,7 @@ def main():
     report.write(os.path.join(a.out, "results.csv"), a.out, {
         "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),
         "seconds": round(time.time() - started), "netem": [a.delay, a.jitter, a.loss],
-        "colocate": a.colocate})
+        "colocate": a.colocate, "window": a.window})
     print(f"results: {a.out}/results.csv, report: {a.out}/report.md ({time.time() - started:.0f} s)")
 
 
