@@ -218,8 +218,9 @@ log_every: 1000
     steps_s = sorted(r["step_seconds"] for r in measured)
     # Interface bytes over the whole run against every payload byte pushed in
     # it: the framing overhead, free of timing; per step it scales the
-    # measured phase's payload.
-    overhead = (after[0] - before[0]) / sum(r["bytes_up"] for r in rows)
+    # measured phase's payload. Rank 0 also uploaded the initial parameters
+    # (4 bytes a parameter), which are not a step's payload.
+    overhead = (after[0] - before[0] - 4 * dim) / sum(r["bytes_up"] for r in rows)
     q = statistics.quantiles(steps_s, n=4) if len(steps_s) > 1 else [steps_s[0]] * 3
     return {"steps_measured": len(measured), "step_median_s": statistics.median(steps_s),
             "step_p25_s": q[0], "step_p75_s": q[2],
