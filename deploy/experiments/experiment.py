@@ -268,8 +268,8 @@ def main():
     p.add_argument("--out", default=os.path.join(ROOT, "out", "experiments", "latest"))
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2.5, 10], help="Gbit/s")
     p.add_argument("--dims", type=int, nargs="+", default=[1_000_000, 25_000_000])
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--workers", type=int, nargs="+", default=[2], help="N values to sweep")
+    p.add_argument("--shards", type=int, nargs="+", default=[2], help="S values to sweep")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
@@ -284,12 +284,12 @@ def main():
     if os.geteuid() != 0:
         sys.exit("experiment.py: needs root for ip netns and tc; run it with sudo")
     if a.quick:
-        a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], 1, 1, 4
+        a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], [1], [1], 4
         a.schemes, a.peers = ["fp32", "onebit"], ["ddp_fp32"]
     os.makedirs(a.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="morse-exp-")
     signal.signal(signal.SIGTERM, lambda *x: sys.exit(143))  # unwinds through the cluster's __exit__
-    hosts = max(a.workers, a.shards) if a.colocate else a.workers + a.shards
+    hosts = max(max(a.workers), max(a.shards)) if a.colocate else max(a.workers) + max(a.shards)
     hosts = max(hosts, 2)
     rows = []
     started = time.time()
@@ -301,28 +301,32 @@ def main():
                 probe = netprobe(vc, a.build, 0, 1)
                 print(f"== {rate} Gbit/s: netprobe {probe['up_gbps']:.3f} up, {probe['down_gbps']:.3f} down",
                       flush=True)
-                for dim in a.dims:
-                    runs = [("morse", s) for s in a.schemes] + [("peer", s) for s in a.peers]
+                shapes = [(dim, n, s) for dim in a.dims for n in a.workers for s in a.shards]
+                for dim, workers, shards in shapes:
+                    runs = [("morse", s) for s in a.schemes]
+                    if shards == a.shards[0]:  # peers have no servers: once per (D, N)
+                        runs += [("peer", s) for s in a.peers]
                     for kind, scheme in runs:
                         row = {"kind": kind, "scheme": scheme, "rate_gbit": rate, "dim": dim,
-                               "workers": a.workers, "shards": a.shards,
+                               "workers": workers, "shards": shards,
                                "ceiling_up_gbps": probe["up_gbps"], "ceiling_down_gbps": probe["down_gbps"]}
                         try:
                             if kind == "morse":
-                                row.update(morse_run(vc, a.build, scheme, dim, a.workers, a.shards, a.steps,
+                                row.update(morse_run(vc, a.build, scheme, dim, workers, shards, a.steps,
                                                      a.colocate, work, a.window, a.channels))
                             else:
-                                row.update(ddp_run(vc, scheme, dim, max(2, a.workers), a.steps, work))
+                                row["workers"] = max(2, workers)
+                                row.update(ddp_run(vc, scheme, dim, max(2, workers), a.steps, work))
                         except Exception as e:  # a failed run is reported, never dropped
                             row["status"] = f"failed: {e}"
                         payload = row.get("payload_bytes_per_step") or (4 * dim if kind == "peer" else 0)
                         if kind == "peer":
                             row["payload_bytes_per_step"] = 2 * 4 * dim if scheme == "ddp_fp32" else ""
-                        row["floor_s"] = floor_seconds(payload, a.workers, a.shards, rate) if kind == "morse" and payload else ""
+                        row["floor_s"] = floor_seconds(payload, workers, shards, rate) if kind == "morse" and payload else ""
                         writer.writerow({k: row.get(k, "") for k in FIELDS})
                         f.flush()
                         rows.append(row)
-                        print(f"   D={dim:>11,} {scheme:<14} {row.get('status', '')[:60]:<12} "
+                        print(f"   D={dim:>11,} N={workers} S={shards} {scheme:<14} {row.get('status', '')[:60]:<12} "
                               f"step {row.get('step_median_s', float('nan')):.4f} s", flush=True)
     report.write(os.path.join(a.out, "results.csv"), a.out, {
         "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),

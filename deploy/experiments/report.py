@@ -96,11 +96,12 @@ def plots(rows, out_dir):
             ("comm_over_floor", "communication time / DESIGN 7 floor", "over_floor", False)):
         fig, axes = plt.subplots(1, len(dims), figsize=(6 * len(dims), 4.5), squeeze=False)
         for ax, dim in zip(axes[0], dims):
+            ax.set_prop_cycle(color=plt.cm.tab20.colors[:12], marker=list("osD^vP*Xhp<>"))
             for scheme in sorted({r["scheme"] for r in rows}):
                 pts = sorted((r["rate_gbit"], r[metric]) for r in rows
                              if r["scheme"] == scheme and r["dim"] == dim and r.get(metric))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=scheme)
+                    ax.plot(*zip(*pts), label=scheme)
             ax.set_xscale("log")
             if log:
                 ax.set_yscale("log")
