@@ -12,10 +12,6 @@
 #include <thread>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
@@ -24,25 +20,35 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "proto/flags.h"
 #include "proto/job_config.h"
 #include "proto/wire.h"
 #include "server/service.h"
 #include "server/shard_core.h"
 #include "server/shard_host.h"
 
-ABSL_FLAG(std::string, config, "", "Job config file (text-format or JSON JobConfig). Required.");
-ABSL_FLAG(int, shard, -1, "Which shard of the job this server holds, 0..shards-1. Required.");
+ABSL_FLAG(std::string, config, "",
+          "Job config file (text-format or JSON JobConfig). Required.");
+ABSL_FLAG(int, shard, -1,
+          "Which shard of the job this server holds, 0..shards-1. Required.");
 ABSL_FLAG(std::string, listen, "127.0.0.1:7000",
-          "Address to serve on, host:port (0.0.0.0:PORT for every interface; port 0 picks a "
+          "Address to serve on, host:port (0.0.0.0:PORT for every interface; "
+          "port 0 picks a "
           "free port and prints it).");
-ABSL_FLAG(std::string, state_log, "",
-          "If set, append one JSON line per completed step to this file with the mirror's "
-          "checksum of x, m, v (costs a pass over the shard per step; for tests).");
+ABSL_FLAG(
+    std::string, state_log, "",
+    "If set, append one JSON line per completed step to this file with the "
+    "mirror's "
+    "checksum of x, m, v (costs a pass over the shard per step; for tests).");
 ABSL_FLAG(std::string, checkpoint_dir, "",
-          "Directory for this shard's checkpoint (shard-<s>.ckpt); default: the config's "
-          "checkpoint.dir. If a checkpoint is there at start, the shard resumes from it. Written "
-          "every checkpoint.every_steps steps and at shutdown when the shard is between steps.");
-ABSL_FLAG(bool, check_config, false, "Parse the flags and config, print a summary, and exit.");
+          "Directory for this shard's checkpoint (shard-<s>.ckpt); default: "
+          "the config's "
+          "checkpoint.dir. If a checkpoint is there at start, the shard "
+          "resumes from it. Written "
+          "every checkpoint.every_steps steps and at shutdown when the shard "
+          "is between steps.");
+ABSL_FLAG(bool, check_config, false,
+          "Parse the flags and config, print a summary, and exit.");
 
 namespace {
 
@@ -59,90 +65,111 @@ int Fail(int code, const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  morse::proto::ParseFlags(
+      argc, argv,
       "one shard of a Morse parameter server.\n"
-      "  morse-server --config job.textproto --shard 0 --listen 127.0.0.1:7000");
-  // --help lists this binary's own flags (Abseil would match on its name).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/main.cc"); };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+      "  morse-server --config job.textproto --shard 0 --listen 127.0.0.1:7000",
+      "/main.cc");
   using namespace morse;
   const std::string config_path = absl::GetFlag(FLAGS_config);
-  if (config_path.empty()) return Fail(kExitConfig, "--config is required (see --help)");
+  if (config_path.empty())
+    return Fail(kExitConfig, "--config is required (see --help)");
   auto job = proto::LoadJobConfig(config_path);
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
   if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
   if (shard >= static_cast<int>(job->shards())) {
-    return Fail(kExitConfig, absl::StrFormat("--shard %d: the job has %u shards", shard, job->shards()));
+    return Fail(kExitConfig,
+                absl::StrFormat("--shard %d: the job has %u shards", shard,
+                                job->shards()));
   }
-  const auto describe = [&](const proto::JobSpec& j, const server::ShardCore* core) {
+  const auto describe = [&](const proto::JobSpec& j,
+                            const server::ShardCore* core) {
     if (core == nullptr) {
-      return absl::StrFormat("shard %d/%u of job '%s': model size from the workers, %u workers",
-                             shard, j.shards(), j.name, j.workers());
+      return absl::StrFormat(
+          "shard %d/%u of job '%s': model size from the workers, %u workers",
+          shard, j.shards(), j.name, j.workers());
     }
     const server::ShardStatus s = core->Status();
     return absl::StrFormat(
-        "shard %d/%u of job '%s': elements [%u, %u) in %u partitions, %u workers, layout %x", shard,
-        j.shards(), j.name, s.range.begin, s.range.end, s.partitions, j.workers(),
-        s.layout_fingerprint);
+        "shard %d/%u of job '%s': elements [%u, %u) in %u partitions, %u "
+        "workers, layout %x",
+        shard, j.shards(), j.name, s.range.begin, s.range.end, s.partitions,
+        j.workers(), s.layout_fingerprint);
   };
   if (absl::GetFlag(FLAGS_check_config)) {
     std::unique_ptr<server::ShardCore> core;
     if (job->sized()) {
-      auto created = server::ShardCore::Create(*job, static_cast<uint32_t>(shard));
-      if (!created.ok()) return Fail(kExitConfig, std::string(created.status().message()));
+      auto created =
+          server::ShardCore::Create(*job, static_cast<uint32_t>(shard));
+      if (!created.ok())
+        return Fail(kExitConfig, std::string(created.status().message()));
       core = *std::move(created);
     }
-    std::printf("morse-server: config OK: %s\n", describe(*job, core.get()).c_str());
+    std::printf("morse-server: config OK: %s\n",
+                describe(*job, core.get()).c_str());
     return 0;
   }
 
   std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (checkpoint_dir.empty()) checkpoint_dir = job->checkpoint_dir;
   const std::string checkpoint =
-      checkpoint_dir.empty() ? "" : absl::StrCat(checkpoint_dir, "/shard-", shard, ".ckpt");
+      checkpoint_dir.empty()
+          ? ""
+          : absl::StrCat(checkpoint_dir, "/shard-", shard, ".ckpt");
   std::unique_ptr<std::ofstream> state_log;
   if (!absl::GetFlag(FLAGS_state_log).empty()) {
-    state_log = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_state_log), std::ios::app);
-    if (!*state_log) return Fail(kExitConfig, "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
+    state_log = std::make_unique<std::ofstream>(absl::GetFlag(FLAGS_state_log),
+                                                std::ios::app);
+    if (!*state_log)
+      return Fail(kExitConfig,
+                  "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
   }
-  const auto save_checkpoint = [&](const server::ShardCore& core, const char* why) {
+  const auto save_checkpoint = [&](const server::ShardCore& core,
+                                   const char* why) {
     const absl::Status saved = core.SaveCheckpoint(checkpoint);
     if (saved.ok()) {
-      std::printf("morse-server shard %d: checkpoint of step %lld written to %s (%s)\n", shard,
-                  static_cast<long long>(core.Status().completed_steps), checkpoint.c_str(), why);
+      std::printf(
+          "morse-server shard %d: checkpoint of step %lld written to %s (%s)\n",
+          shard, static_cast<long long>(core.Status().completed_steps),
+          checkpoint.c_str(), why);
     } else {
-      std::printf("morse-server shard %d: no checkpoint written (%s): %s\n", shard, why,
-                  std::string(saved.message()).c_str());
+      std::printf("morse-server shard %d: no checkpoint written (%s): %s\n",
+                  shard, why, std::string(saved.message()).c_str());
     }
     std::fflush(stdout);
   };
   // Runs once the model's size is known: at start for built-in workloads,
   // at the first worker's Join for external (PyTorch) models.
-  const auto on_configured = [&](const proto::JobSpec& j, server::ShardCore& core) -> absl::Status {
+  const auto on_configured = [&](const proto::JobSpec& j,
+                                 server::ShardCore& core) -> absl::Status {
     if (!checkpoint.empty()) {
       absl::Status restored = core.RestoreCheckpoint(checkpoint);
       if (restored.ok()) {
-        std::printf("morse-server shard %d: resumed from %s at step %lld\n", shard,
-                    checkpoint.c_str(), static_cast<long long>(core.Status().completed_steps));
+        std::printf("morse-server shard %d: resumed from %s at step %lld\n",
+                    shard, checkpoint.c_str(),
+                    static_cast<long long>(core.Status().completed_steps));
       } else if (restored.code() != absl::StatusCode::kNotFound) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "cannot resume: ", restored.message(), " (move the file away to start from scratch)"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("cannot resume: ", restored.message(),
+                         " (move the file away to start from scratch)"));
       }
     }
     const uint32_t every = j.checkpoint_every_steps, log_every = j.log_every;
-    core.SetStepObserver([&, every, log_every](int64_t step, const server::ShardCore& c) {
+    core.SetStepObserver([&, every, log_every](int64_t step,
+                                               const server::ShardCore& c) {
       if (state_log) {
-        *state_log << absl::StrFormat("{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
-                                      step, shard, c.MirrorChecksum())
-                   << std::flush;
+        *state_log
+            << absl::StrFormat(
+                   "{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
+                   step, shard, c.MirrorChecksum())
+            << std::flush;
       }
-      if (!checkpoint.empty() && every > 0 && (step + 1) % every == 0) save_checkpoint(c, "periodic");
+      if (!checkpoint.empty() && every > 0 && (step + 1) % every == 0)
+        save_checkpoint(c, "periodic");
       if ((step + 1) % log_every == 0) {
-        std::printf("morse-server shard %d: step %lld completed\n", shard, static_cast<long long>(step));
+        std::printf("morse-server shard %d: step %lld completed\n", shard,
+                    static_cast<long long>(step));
         std::fflush(stdout);
       }
     });
@@ -150,35 +177,40 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     return absl::OkStatus();
   };
-  auto host = server::ShardHost::Create(*job, static_cast<uint32_t>(shard), on_configured);
-  if (!host.ok()) return Fail(kExitConfig, std::string(host.status().message()));
+  auto host = server::ShardHost::Create(*job, static_cast<uint32_t>(shard),
+                                        on_configured);
+  if (!host.ok())
+    return Fail(kExitConfig, std::string(host.status().message()));
 
   server::ParameterServerService service(host->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen),
+                           grpc::InsecureServerCredentials(), &port);
   builder.SetMaxReceiveMessageSize(proto::MaxMessageBytes(*job));
   builder.SetMaxSendMessageSize(proto::MaxMessageBytes(*job));
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
-    return Fail(kExitUnavailable, "cannot listen on " + absl::GetFlag(FLAGS_listen));
+    return Fail(kExitUnavailable,
+                "cannot listen on " + absl::GetFlag(FLAGS_listen));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
   // With port 0 the kernel picks one; print the real address for scripts.
   std::string address = absl::GetFlag(FLAGS_listen);
   address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
-  std::printf("morse-server: %s; listening on %s\n", describe(*job, (*host)->core()).c_str(),
-              address.c_str());
+  std::printf("morse-server: %s; listening on %s\n",
+              describe(*job, (*host)->core()).c_str(), address.c_str());
   std::fflush(stdout);
 
   // Steps whose pushes do not all arrive in time fail instead of hanging.
   std::atomic<bool> stopping{false};
   std::thread expirer([&] {
     while (!stopping.load()) {
-      if (server::ShardCore* core = (*host)->core()) core->ExpireWaiting(absl::Now());
+      if (server::ShardCore* core = (*host)->core())
+        core->ExpireWaiting(absl::Now());
       absl::SleepFor(absl::Milliseconds(200));
     }
   });
@@ -186,10 +218,12 @@ int main(int argc, char** argv) {
   boost::asio::io_context io;
   boost::asio::signal_set signals(io, SIGINT, SIGTERM);
   signals.async_wait([&](const boost::system::error_code&, int signal) {
-    std::printf("morse-server shard %d: signal %d, shutting down\n", shard, signal);
+    std::printf("morse-server shard %d: signal %d, shutting down\n", shard,
+                signal);
     std::fflush(stdout);
     server->GetHealthCheckService()->SetServingStatus(false);
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    server->Shutdown(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
   });
   std::thread signal_thread([&] { io.run(); });
   server->Wait();
@@ -199,14 +233,17 @@ int main(int argc, char** argv) {
   expirer.join();
   server::ShardCore* core = (*host)->core();
   if (core == nullptr) {
-    std::printf("morse-server shard %d: stopped before any worker joined\n", shard);
+    std::printf("morse-server shard %d: stopped before any worker joined\n",
+                shard);
     return 0;
   }
   if (!checkpoint.empty()) save_checkpoint(*core, "shutdown");
   const server::ShardStatus final_status = core->Status();
-  std::printf("morse-server shard %d: stopped after %lld steps; %llu pushes accepted, %llu rejected\n",
-              shard, static_cast<long long>(final_status.completed_steps),
-              static_cast<unsigned long long>(final_status.pushes_accepted),
-              static_cast<unsigned long long>(final_status.pushes_rejected));
+  std::printf(
+      "morse-server shard %d: stopped after %lld steps; %llu pushes accepted, "
+      "%llu rejected\n",
+      shard, static_cast<long long>(final_status.completed_steps),
+      static_cast<unsigned long long>(final_status.pushes_accepted),
+      static_cast<unsigned long long>(final_status.pushes_rejected));
   return 0;
 }

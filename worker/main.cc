@@ -1,6 +1,7 @@
 // morse-worker: one worker of a Morse job.
 //
-//   morse-worker --config job.textproto --rank 0 --servers 127.0.0.1:7000,127.0.0.1:7001
+//   morse-worker --config job.textproto --rank 0 --servers
+//   127.0.0.1:7000,127.0.0.1:7001
 //
 // Trains the job's workload with its optimizer through the shards, printing
 // a progress line every log_every steps and a one-line JSON summary at the
@@ -10,29 +11,35 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
+#include "proto/flags.h"
 #include "proto/job_config.h"
 #include "worker/trainer.h"
 
-ABSL_FLAG(std::string, config, "", "Job config file (text-format or JSON JobConfig). Required.");
+ABSL_FLAG(std::string, config, "",
+          "Job config file (text-format or JSON JobConfig). Required.");
 ABSL_FLAG(int, rank, -1, "This worker's rank, 0..workers-1. Required.");
-ABSL_FLAG(std::string, servers, "",
-          "Comma-separated host:port of every shard, in shard order. Required.");
-ABSL_FLAG(std::string, metrics, "", "Write one JSON line per step to this file.");
+ABSL_FLAG(
+    std::string, servers, "",
+    "Comma-separated host:port of every shard, in shard order. Required.");
+ABSL_FLAG(std::string, metrics, "",
+          "Write one JSON line per step to this file.");
 ABSL_FLAG(bool, checksums, false,
-          "Add a checksum of x, m, v to every metrics line (a pass over the model per step).");
+          "Add a checksum of x, m, v to every metrics line (a pass over the "
+          "model per step).");
 ABSL_FLAG(std::string, checkpoint_dir, "",
-          "Directory for this worker's checkpoint (worker-<rank>.ckpt: its error buffer), written "
-          "every checkpoint.every_steps steps; default: the config's checkpoint.dir.");
+          "Directory for this worker's checkpoint (worker-<rank>.ckpt: its "
+          "error buffer), written "
+          "every checkpoint.every_steps steps; default: the config's "
+          "checkpoint.dir.");
 ABSL_FLAG(bool, resume, false,
-          "Join a job whose servers hold its state (restarted from checkpoints, or running): "
-          "download x, m, v from the shards and continue at their step, with this worker's "
+          "Join a job whose servers hold its state (restarted from "
+          "checkpoints, or running): "
+          "download x, m, v from the shards and continue at their step, with "
+          "this worker's "
           "error buffer from its checkpoint of that step if there is one.");
-ABSL_FLAG(bool, check_config, false, "Parse the flags and config, print a summary, and exit.");
+ABSL_FLAG(bool, check_config, false,
+          "Parse the flags and config, print a summary, and exit.");
 
 namespace {
 
@@ -55,15 +62,11 @@ int ExitCode(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "one worker of a Morse job.\n"
-      "  morse-worker --config job.textproto --rank 0 --servers HOST:PORT,HOST:PORT");
-  // --help lists this binary's own flags (Abseil would match on its name).
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "/main.cc"); };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  morse::proto::ParseFlags(argc, argv,
+                           "one worker of a Morse job.\n"
+                           "  morse-worker --config job.textproto --rank 0 "
+                           "--servers HOST:PORT,HOST:PORT",
+                           "/main.cc");
   using namespace morse;
   const std::string config = absl::GetFlag(FLAGS_config);
   if (config.empty()) {
@@ -72,20 +75,25 @@ int main(int argc, char** argv) {
   }
   auto job = proto::LoadJobConfig(config);
   if (!job.ok()) {
-    std::fprintf(stderr, "morse-worker: %s\n", std::string(job.status().message()).c_str());
+    std::fprintf(stderr, "morse-worker: %s\n",
+                 std::string(job.status().message()).c_str());
     return 2;
   }
   worker::TrainerOptions options;
   const int rank = absl::GetFlag(FLAGS_rank);
   if (rank < 0 || static_cast<uint32_t>(rank) >= job->workers()) {
-    std::fprintf(stderr, "morse-worker: --rank must be in 0..%u\n", job->workers() - 1);
+    std::fprintf(stderr, "morse-worker: --rank must be in 0..%u\n",
+                 job->workers() - 1);
     return 2;
   }
   options.rank = static_cast<uint32_t>(rank);
-  options.servers = absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty());
+  options.servers =
+      absl::StrSplit(absl::GetFlag(FLAGS_servers), ',', absl::SkipEmpty());
   if (options.servers.size() != job->shards()) {
-    std::fprintf(stderr, "morse-worker: --servers lists %zu addresses; the job has %u shards\n",
-                 options.servers.size(), job->shards());
+    std::fprintf(
+        stderr,
+        "morse-worker: --servers lists %zu addresses; the job has %u shards\n",
+        options.servers.size(), job->shards());
     return 2;
   }
   options.metrics_path = absl::GetFlag(FLAGS_metrics);
@@ -93,15 +101,18 @@ int main(int argc, char** argv) {
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.resume = absl::GetFlag(FLAGS_resume);
   if (absl::GetFlag(FLAGS_check_config)) {
-    std::printf("morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = %llu, %lld steps\n",
-                job->name.c_str(), rank, job->workers(), job->shards(),
-                static_cast<unsigned long long>(job->algorithm.layout.dim),
-                static_cast<long long>(job->steps));
+    std::printf(
+        "morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = "
+        "%llu, %lld steps\n",
+        job->name.c_str(), rank, job->workers(), job->shards(),
+        static_cast<unsigned long long>(job->algorithm.layout.dim),
+        static_cast<long long>(job->steps));
     return 0;
   }
   auto summary = worker::Train(*job, options);
   if (!summary.ok()) {
-    std::fprintf(stderr, "morse-worker %d: %s\n", rank, std::string(summary.status().message()).c_str());
+    std::fprintf(stderr, "morse-worker %d: %s\n", rank,
+                 std::string(summary.status().message()).c_str());
     return ExitCode(summary.status());
   }
   std::printf("%s\n", summary->ToJson().c_str());

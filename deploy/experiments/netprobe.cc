@@ -18,11 +18,8 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
-#include "absl/strings/match.h"
 #include "boost/asio.hpp"
+#include "proto/flags.h"
 
 ABSL_FLAG(std::string, listen, "", "Serve on host:port.");
 ABSL_FLAG(std::string, connect, "", "Measure against the server at host:port.");
@@ -39,7 +36,8 @@ constexpr size_t kBuffer = 1 << 20;
 tcp::endpoint Endpoint(const std::string& address) {
   const size_t colon = address.rfind(':');
   if (colon == std::string::npos) {
-    std::fprintf(stderr, "morse-netprobe: '%s' is not host:port\n", address.c_str());
+    std::fprintf(stderr, "morse-netprobe: '%s' is not host:port\n",
+                 address.c_str());
     std::exit(2);
   }
   return {boost::asio::ip::make_address(address.substr(0, colon)),
@@ -48,22 +46,25 @@ tcp::endpoint Endpoint(const std::string& address) {
 
 // Reads until the peer closes, counting bytes; writes forever if asked.
 struct Pipe : std::enable_shared_from_this<Pipe> {
-  explicit Pipe(tcp::socket s) : socket(std::move(s)), in(kBuffer), out(kBuffer, 'm') {}
+  explicit Pipe(tcp::socket s)
+      : socket(std::move(s)), in(kBuffer), out(kBuffer, 'm') {}
   void Read() {
     auto self = shared_from_this();
-    socket.async_read_some(boost::asio::buffer(in), [self](auto error, size_t n) {
-      if (error) return;
-      self->received += n;
-      self->Read();
-    });
+    socket.async_read_some(boost::asio::buffer(in),
+                           [self](auto error, size_t n) {
+                             if (error) return;
+                             self->received += n;
+                             self->Read();
+                           });
   }
   void Write() {
     auto self = shared_from_this();
-    socket.async_write_some(boost::asio::buffer(out), [self](auto error, size_t n) {
-      if (error) return;
-      self->sent += n;
-      self->Write();
-    });
+    socket.async_write_some(boost::asio::buffer(out),
+                            [self](auto error, size_t n) {
+                              if (error) return;
+                              self->sent += n;
+                              self->Write();
+                            });
   }
   tcp::socket socket;
   std::vector<char> in, out;
@@ -91,25 +92,25 @@ void Accept(tcp::acceptor& acceptor) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  morse::proto::ParseFlags(
+      argc, argv,
       "raw TCP throughput probe.\n  morse-netprobe --listen HOST:PORT\n"
-      "  morse-netprobe --connect HOST:PORT [--streams K] [--seconds T] [--both]");
-  absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view f) { return absl::EndsWith(f, "netprobe.cc"); };
-  usage.contains_helpshort_flags = usage.contains_help_flags;
-  absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+      "  morse-netprobe --connect HOST:PORT [--streams K] [--seconds T] "
+      "[--both]",
+      "netprobe.cc");
   boost::asio::io_context io;
   if (!absl::GetFlag(FLAGS_listen).empty()) {
     tcp::acceptor acceptor(io, Endpoint(absl::GetFlag(FLAGS_listen)));
-    std::printf("morse-netprobe: listening on %s\n", absl::GetFlag(FLAGS_listen).c_str());
+    std::printf("morse-netprobe: listening on %s\n",
+                absl::GetFlag(FLAGS_listen).c_str());
     std::fflush(stdout);
     Accept(acceptor);
     io.run();
     return 0;
   }
   if (absl::GetFlag(FLAGS_connect).empty()) {
-    std::fprintf(stderr, "morse-netprobe: give --listen or --connect (see --help)\n");
+    std::fprintf(stderr,
+                 "morse-netprobe: give --listen or --connect (see --help)\n");
     return 2;
   }
   const int streams = absl::GetFlag(FLAGS_streams);
@@ -121,7 +122,8 @@ int main(int argc, char** argv) {
     socket.connect(Endpoint(absl::GetFlag(FLAGS_connect)), error);
     if (error) {
       std::fprintf(stderr, "morse-netprobe: cannot connect to %s: %s\n",
-                   absl::GetFlag(FLAGS_connect).c_str(), error.message().c_str());
+                   absl::GetFlag(FLAGS_connect).c_str(),
+                   error.message().c_str());
       return 3;
     }
     socket.set_option(tcp::no_delay(true));
@@ -138,23 +140,29 @@ int main(int argc, char** argv) {
     return n;
   };
   using Clock = std::chrono::steady_clock;
-  const double warmup = absl::GetFlag(FLAGS_warmup), seconds = absl::GetFlag(FLAGS_seconds);
+  const double warmup = absl::GetFlag(FLAGS_warmup),
+               seconds = absl::GetFlag(FLAGS_seconds);
   uint64_t up0 = 0, down0 = 0;
   Clock::time_point start;
   boost::asio::steady_timer timer(io);
-  timer.expires_after(std::chrono::microseconds(static_cast<int64_t>(warmup * 1e6)));
+  timer.expires_after(
+      std::chrono::microseconds(static_cast<int64_t>(warmup * 1e6)));
   timer.async_wait([&](auto) {
     up0 = total(true);
     down0 = total(false);
     start = Clock::now();
-    timer.expires_after(std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6)));
+    timer.expires_after(
+        std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6)));
     timer.async_wait([&](auto) { io.stop(); });
   });
   io.run();
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  const double elapsed =
+      std::chrono::duration<double>(Clock::now() - start).count();
   const double up = (total(true) - up0) * 8.0 / elapsed / 1e9;
   const double down = (total(false) - down0) * 8.0 / elapsed / 1e9;
-  std::printf("{\"streams\":%d,\"seconds\":%.3f,\"both\":%s,\"up_gbps\":%.4f,\"down_gbps\":%.4f}\n",
-              streams, elapsed, both ? "true" : "false", up, down);
+  std::printf(
+      "{\"streams\":%d,\"seconds\":%.3f,\"both\":%s,\"up_gbps\":%.4f,\"down_"
+      "gbps\":%.4f}\n",
+      streams, elapsed, both ? "true" : "false", up, down);
   return 0;
 }

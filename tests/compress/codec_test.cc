@@ -18,6 +18,9 @@ namespace {
 using testing::VariedData;
 
 constexpr uint32_t kB = kDefaultBlockElems;
+const auto kAllCodecs = ::testing::Values(
+    CodecKind::kFp32, CodecKind::kFp16, CodecKind::kBf16, CodecKind::kInt8,
+    CodecKind::kInt4, CodecKind::kSign1, CodecKind::kTopK);
 
 CodecSpec Spec(CodecKind kind) {
   CodecSpec spec;
@@ -53,15 +56,17 @@ TEST(CodecTest, TopKCountRoundsUpAndCaps) {
 }
 
 TEST(CodecTest, NamesRoundTripAndUnknownNamesAreErrors) {
-  for (CodecKind kind : {CodecKind::kFp32, CodecKind::kFp16, CodecKind::kBf16,
-                         CodecKind::kInt8, CodecKind::kInt4, CodecKind::kSign1,
-                         CodecKind::kTopK}) {
+  for (CodecKind kind :
+       {CodecKind::kFp32, CodecKind::kFp16, CodecKind::kBf16, CodecKind::kInt8,
+        CodecKind::kInt4, CodecKind::kSign1, CodecKind::kTopK}) {
     auto parsed = ParseCodecKind(CodecName(kind));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, kind);
   }
-  EXPECT_EQ(ParseCodecKind("int3").status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseScaleKind("l3").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseCodecKind("int3").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseScaleKind("l3").status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(CodecTest, InvalidSpecsAreRejected) {
@@ -82,13 +87,18 @@ TEST(CodecTest, InvalidSpecsAreRejected) {
 // bounded by amax alone but the decoded value must be +-scale).
 float Tolerance(CodecKind kind, float value, float amax) {
   switch (kind) {
-    case CodecKind::kFp32: return 0.0f;
+    case CodecKind::kFp32:
+      return 0.0f;
     case CodecKind::kFp16:
       return std::max(std::fabs(value) * 0x1p-11f, 0x1p-25f);
-    case CodecKind::kBf16: return std::fabs(value) * 0x1p-8f;
-    case CodecKind::kInt8: return amax / 127.0f * 0.5f * 1.0001f;
-    case CodecKind::kInt4: return amax / 7.0f * 0.5f * 1.0001f;
-    default: return std::numeric_limits<float>::infinity();
+    case CodecKind::kBf16:
+      return std::fabs(value) * 0x1p-8f;
+    case CodecKind::kInt8:
+      return amax / 127.0f * 0.5f * 1.0001f;
+    case CodecKind::kInt4:
+      return amax / 7.0f * 0.5f * 1.0001f;
+    default:
+      return std::numeric_limits<float>::infinity();
   }
 }
 
@@ -131,8 +141,10 @@ TEST_P(RoundTripTest, DecodeInvertsEncodeWithinTheCodecsError) {
     float smallest_kept = std::numeric_limits<float>::infinity();
     float largest_dropped = 0.0f;
     for (size_t j = 0; j < n; ++j) {
-      if (y[j] != 0.0f) smallest_kept = std::min(smallest_kept, std::fabs(y[j]));
-      else largest_dropped = std::max(largest_dropped, std::fabs(x[j]));
+      if (y[j] != 0.0f)
+        smallest_kept = std::min(smallest_kept, std::fabs(y[j]));
+      else
+        largest_dropped = std::max(largest_dropped, std::fabs(x[j]));
     }
     EXPECT_GE(smallest_kept, largest_dropped);
   }
@@ -140,13 +152,11 @@ TEST_P(RoundTripTest, DecodeInvertsEncodeWithinTheCodecsError) {
 
 INSTANTIATE_TEST_SUITE_P(
     AllCodecsAllSizes, RoundTripTest,
-    ::testing::Combine(
-        ::testing::Values(CodecKind::kFp32, CodecKind::kFp16, CodecKind::kBf16,
-                          CodecKind::kInt8, CodecKind::kInt4, CodecKind::kSign1,
-                          CodecKind::kTopK),
-        ::testing::Values(size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9},
-                          size_t{kB - 1}, size_t{kB}, size_t{kB + 1},
-                          size_t{3} << 20 /* 12 MiB of fp32 */)),
+    ::testing::Combine(kAllCodecs,
+                       ::testing::Values(size_t{0}, size_t{1}, size_t{7},
+                                         size_t{8}, size_t{9}, size_t{kB - 1},
+                                         size_t{kB}, size_t{kB + 1},
+                                         size_t{3} << 20 /* 12 MiB of fp32 */)),
     [](const auto& info) {
       return std::string(CodecName(std::get<0>(info.param))) + "_" +
              std::to_string(std::get<1>(info.param));
@@ -190,11 +200,7 @@ TEST_P(MalformedPayloadTest, AverageRejectsAnyBadPayloadWithoutWriting) {
   for (float o : out) ASSERT_EQ(o, 42.0f);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllCodecs, MalformedPayloadTest,
-                         ::testing::Values(CodecKind::kFp32, CodecKind::kFp16,
-                                           CodecKind::kBf16, CodecKind::kInt8,
-                                           CodecKind::kInt4, CodecKind::kSign1,
-                                           CodecKind::kTopK),
+INSTANTIATE_TEST_SUITE_P(AllCodecs, MalformedPayloadTest, kAllCodecs,
                          [](const auto& info) {
                            return std::string(CodecName(info.param));
                          });
@@ -218,17 +224,14 @@ TEST_P(AverageTest, AverageIsTheRankOrderSumOfDecodes) {
     for (size_t j = 0; j < n; ++j) expected[j] += decoded[j];
   }
   for (float& e : expected) e = e / static_cast<float>(workers);
-  std::vector<absl::Span<const uint8_t>> views(payloads.begin(), payloads.end());
+  std::vector<absl::Span<const uint8_t>> views(payloads.begin(),
+                                               payloads.end());
   std::vector<float> average(n);
   ASSERT_TRUE(DecodeAverage(spec, views, absl::MakeSpan(average)).ok());
   EXPECT_EQ(testing::FirstBitDifference(average, expected), -1);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllCodecs, AverageTest,
-                         ::testing::Values(CodecKind::kFp32, CodecKind::kFp16,
-                                           CodecKind::kBf16, CodecKind::kInt8,
-                                           CodecKind::kInt4, CodecKind::kSign1,
-                                           CodecKind::kTopK),
+INSTANTIATE_TEST_SUITE_P(AllCodecs, AverageTest, kAllCodecs,
                          [](const auto& info) {
                            return std::string(CodecName(info.param));
                          });
