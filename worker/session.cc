@@ -93,6 +93,12 @@ absl::Status Session::Encode(const compress::Partition& p, std::string* payload)
 }
 
 absl::Status Session::Begin(absl::Span<const float> grad) {
+  if (!failed_.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step_, " failed earlier (", failed_.message(),
+        "); this worker's model may be half-updated: restart it with --resume "
+        "(morse-worker) or rebuild the optimizer"));
+  }
   if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
   if (grad.size() != job_.algorithm.layout.dim) {
     return absl::InvalidArgumentError(absl::StrCat("gradient of ", grad.size(), " elements for ",
@@ -129,8 +135,14 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p) status = SendPartition(p);
   absl::Status finished = exchange_->Finish(traffic);
   exchange_.reset();
-  if (!finished.ok()) return absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message()));
-  if (!status.ok()) return status;
+  if (!finished.ok()) {
+    failed_ = absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message()));
+    return failed_;
+  }
+  if (!status.ok()) {
+    failed_ = status;
+    return status;
+  }
   ++step_;
   return absl::OkStatus();
 }

@@ -41,7 +41,9 @@ class Session {
   // Waits until all N workers have joined (see PushClient::WaitAllJoined).
   absl::Status WaitAllJoined() { return client_->WaitAllJoined(); }
 
-  // One whole step from the gradient `grad` (dim floats).
+  // One whole step from the gradient `grad` (dim floats). After a step fails
+  // the replica may hold some of its partitions' updates, so every later
+  // Begin/Step fails with FAILED_PRECONDITION: the worker must rejoin (resume).
   absl::Status Step(absl::Span<const float> grad, StepTraffic* traffic = nullptr);
 
   // The same step in pieces, for overlapping with a backward pass: Begin,
@@ -80,6 +82,7 @@ class Session {
   std::vector<float> momentum_;
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
+  absl::Status failed_;  // the error that ended training, if a step failed
 };
 
 }  // namespace morse::worker
