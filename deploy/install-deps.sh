@@ -10,7 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc
   libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libopenblas-dev python3-sklearn
+  libopenblas-dev python3-sklearn prometheus-cpp-dev prometheus
   python3-dev pybind11-dev python3-torch python3-matplotlib iproute2
   "$@"
 )

@@ -21,8 +21,10 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "proto/flags.h"
+#include "proto/http_endpoint.h"
 #include "proto/job_config.h"
 #include "proto/wire.h"
+#include "server/metrics.h"
 #include "server/service.h"
 #include "server/shard_core.h"
 #include "server/shard_host.h"
@@ -47,6 +49,9 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "resumes from it. Written "
           "every checkpoint.every_steps steps and at shutdown when the shard "
           "is between steps.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Serve Prometheus /metrics, /healthz and /readyz over plain HTTP on host:port "
+          "(off when empty).");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -139,6 +144,9 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   };
+  // Set below once the metrics exist; the step observer reads it.
+  server::ServerMetrics* metrics_ptr = nullptr;
+  absl::Time last_step_time = absl::Now();
   // Runs once the model's size is known: at start for built-in workloads,
   // at the first worker's Join for external (PyTorch) models.
   const auto on_configured = [&](const proto::JobSpec& j,
@@ -165,8 +173,15 @@ int main(int argc, char** argv) {
                    step, shard, c.MirrorChecksum())
             << std::flush;
       }
-      if (!checkpoint.empty() && every > 0 && (step + 1) % every == 0)
+      if (!checkpoint.empty() && every > 0 && (step + 1) % every == 0) {
         save_checkpoint(c, "periodic");
+      }
+      if (metrics_ptr != nullptr) {
+        const absl::Time now = absl::Now();
+        metrics_ptr->StepCompleted(absl::ToDoubleSeconds(now - last_step_time));
+        last_step_time = now;
+        if ((step + 1) % log_every == 0) metrics_ptr->SetErrorNorm(c.ServerErrorNorm());
+      }
       if ((step + 1) % log_every == 0) {
         std::printf("morse-server shard %d: step %lld completed\n", shard,
                     static_cast<long long>(step));
@@ -182,7 +197,24 @@ int main(int argc, char** argv) {
   if (!host.ok())
     return Fail(kExitConfig, std::string(host.status().message()));
 
-  server::ParameterServerService service(host->get());
+  std::unique_ptr<server::ServerMetrics> metrics;
+  std::unique_ptr<proto::HttpEndpoint> http;
+  if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
+    metrics = std::make_unique<server::ServerMetrics>(std::make_shared<prometheus::Registry>(), shard);
+    auto endpoint = proto::HttpEndpoint::Start(
+        absl::GetFlag(FLAGS_metrics_listen), metrics->registry(), [&host] {
+          server::ShardCore* core = (*host)->core();
+          if (core == nullptr) return false;
+          const server::ShardStatus s = core->Status();
+          return s.partitions_initialized == s.partitions;
+        });
+    if (!endpoint.ok()) return Fail(kExitUnavailable, std::string(endpoint.status().message()));
+    http = *std::move(endpoint);
+    std::printf("morse-server shard %d: metrics on http://%s/metrics (port %d)\n", shard,
+                absl::GetFlag(FLAGS_metrics_listen).c_str(), http->port());
+  }
+  metrics_ptr = metrics.get();
+  server::ParameterServerService service(host->get(), metrics.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -21,6 +21,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Join(grpc::CallbackServerConte
   absl::Status status = job.ok() ? host_->Join(request->rank(), *job) : job.status();
   reply->set_workers_joined(host_->workers_joined());
   reply->set_workers(host_->base().workers());
+  if (metrics_ != nullptr) metrics_->SetWorkersJoined(host_->workers_joined());
   if (ShardCore* core = host_->core()) reply->set_layout_fingerprint(core->layout().fingerprint());
   reactor->Finish(proto::ToGrpc(status));
   return reactor;
@@ -59,8 +60,14 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   args.layout_fingerprint = request->layout_fingerprint();
   args.codec = *codec;
   args.payload = request->payload();
+  const size_t bytes_in = request->payload().size();
+  const compress::CodecKind kind = *codec;
   core->Push(std::move(args),
-              [reactor, reply](absl::StatusOr<std::shared_ptr<const Reply>> result) {
+              [this, reactor, reply, bytes_in, kind](absl::StatusOr<std::shared_ptr<const Reply>> result) {
+                if (metrics_ != nullptr) {
+                  metrics_->Push(result.status().code(), kind, bytes_in,
+                                 result.ok() ? (*result)->payload.size() : 0);
+                }
                 if (result.ok()) {
                   reply->set_step((*result)->step);
                   reply->set_partition((*result)->partition);

@@ -4,13 +4,15 @@
 #define MORSE_SERVER_SERVICE_H_
 
 #include "proto/morse.grpc.pb.h"
+#include "server/metrics.h"
 #include "server/shard_host.h"
 
 namespace morse::server {
 
 class ParameterServerService final : public v1::ParameterServer::CallbackService {
  public:
-  explicit ParameterServerService(ShardHost* host) : host_(host) {}
+  // `metrics` may be null (no --metrics_listen).
+  ParameterServerService(ShardHost* host, ServerMetrics* metrics) : host_(host), metrics_(metrics) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request, v1::JoinReply* reply) override;
@@ -32,6 +34,7 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
   ShardCore* CoreOrFinish(grpc::ServerUnaryReactor* reactor);
 
   ShardHost* host_;
+  ServerMetrics* metrics_;
 };
 
 }  // namespace morse::server

@@ -389,6 +389,8 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
 
 uint64_t ShardCore::MirrorChecksum() const { return mirror_.Checksum(); }
 
+double ShardCore::ServerErrorNorm() const { return std::sqrt(server_error_.SquaredNorm()); }
+
 ShardStatus ShardCore::Status() const {
   ShardStatus s;
   s.shard = shard_;

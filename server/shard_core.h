@@ -117,6 +117,7 @@ class ShardCore {
 
   ShardStatus Status() const;
   uint64_t MirrorChecksum() const;  // call only while no step completes
+  double ServerErrorNorm() const;   // likewise
   const compress::Layout& layout() const { return layout_; }
   uint32_t shard() const { return shard_; }
 
