@@ -38,6 +38,9 @@ ABSL_FLAG(bool, resume, false,
           "download x, m, v from the shards and continue at their step, with "
           "this worker's "
           "error buffer from its checkpoint of that step if there is one.");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "Serve Prometheus /metrics, /healthz and /readyz (ready once joined) over plain "
+          "HTTP on host:port (off when empty).");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -100,6 +103,7 @@ int main(int argc, char** argv) {
   options.checksums = absl::GetFlag(FLAGS_checksums);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.resume = absl::GetFlag(FLAGS_resume);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (absl::GetFlag(FLAGS_check_config)) {
     std::printf(
         "morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = "

@@ -6,6 +6,8 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -17,6 +19,11 @@
 #include "compress/error_feedback.h"
 #include "compress/replica.h"
 #include "proto/checkpoint_file.h"
+#include "proto/http_endpoint.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 #include "worker/client.h"
 #include "worker/session.h"
 #include "worker/workload.h"
@@ -83,6 +90,41 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   if ((*workload)->dim() != dim) {
     return absl::InternalError(absl::StrCat("workload has ", (*workload)->dim(), " parameters, the layout ", dim));
   }
+  // Metrics (--metrics_listen): morse_worker_* series, labelled by rank.
+  std::shared_ptr<prometheus::Registry> registry;
+  std::unique_ptr<proto::HttpEndpoint> http;
+  std::atomic<bool> ready{false};
+  prometheus::Counter* steps_total = nullptr;
+  prometheus::Family<prometheus::Counter>* bytes_total = nullptr;
+  prometheus::Histogram* step_seconds_metric = nullptr;
+  prometheus::Histogram* comm_seconds_metric = nullptr;
+  prometheus::Gauge* loss_metric = nullptr;
+  prometheus::Gauge* error_norm_metric = nullptr;
+  const prometheus::Labels rank_label = {{"rank", std::to_string(options.rank)}};
+  if (!options.metrics_listen.empty()) {
+    registry = std::make_shared<prometheus::Registry>();
+    const prometheus::Histogram::BucketBoundaries buckets = {0.001, 0.003, 0.01, 0.03, 0.1,
+                                                             0.3,   1,     3,    10,   30};
+    steps_total = &prometheus::BuildCounter().Name("morse_worker_steps_total")
+                       .Help("Steps this worker completed").Register(*registry).Add(rank_label);
+    bytes_total = &prometheus::BuildCounter().Name("morse_worker_payload_bytes_total")
+                       .Help("Payload bytes pushed (direction=up) and received (down), by codec")
+                       .Register(*registry);
+    step_seconds_metric = &prometheus::BuildHistogram().Name("morse_worker_step_seconds")
+                               .Help("Step duration").Register(*registry).Add(rank_label, buckets);
+    comm_seconds_metric = &prometheus::BuildHistogram().Name("morse_worker_communication_seconds")
+                               .Help("Time per step waiting on the shards")
+                               .Register(*registry).Add(rank_label, buckets);
+    loss_metric = &prometheus::BuildGauge().Name("morse_worker_loss")
+                       .Help("Local loss of the last step").Register(*registry).Add(rank_label);
+    error_norm_metric = &prometheus::BuildGauge().Name("morse_worker_error_buffer_norm")
+                             .Help("L2 norm of the worker's error-feedback buffer (every log_every steps)")
+                             .Register(*registry).Add(rank_label);
+    auto endpoint = proto::HttpEndpoint::Start(options.metrics_listen, registry,
+                                               [&ready] { return ready.load(); });
+    if (!endpoint.ok()) return endpoint.status();
+    http = *std::move(endpoint);
+  }
   auto session = Session::Connect(job, options.rank, options.servers);
   if (!session.ok()) return session.status();
   compress::Replica& replica = (*session)->replica();
@@ -94,6 +136,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   auto first = (*session)->Start(options.resume, checkpoint);
   if (!first.ok()) return first.status();
   const int64_t first_step = *first;
+  ready = true;
 
   std::unique_ptr<std::ofstream> metrics;
   if (!options.metrics_path.empty()) {
@@ -122,6 +165,21 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     const double step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     const double comm_seconds =
         absl::ToDoubleSeconds(absl::Now() - exchange_start) - traffic.encode_seconds;
+    if (steps_total != nullptr) {
+      const std::string codec(compress::CodecName(plan.up.kind));
+      steps_total->Increment();
+      bytes_total->Add({{"rank", std::to_string(options.rank)}, {"direction", "up"}, {"codec", codec}})
+          .Increment(static_cast<double>(traffic.payload_up));
+      bytes_total->Add({{"rank", std::to_string(options.rank)}, {"direction", "down"},
+                        {"codec", std::string(compress::CodecName(plan.down.kind))}})
+          .Increment(static_cast<double>(traffic.payload_down));
+      step_seconds_metric->Observe(step_seconds);
+      comm_seconds_metric->Observe(comm_seconds);
+      loss_metric->Set(*loss);
+      if ((step + 1) % job.log_every == 0) {
+        error_norm_metric->Set(std::sqrt((*session)->error().SquaredNorm()));
+      }
+    }
     summary.payload_up += traffic.payload_up;
     summary.payload_down += traffic.payload_down;
     summary.comm_seconds += comm_seconds;

@@ -91,3 +91,46 @@ TEST(MetricsTest, CountersMoveAndTheFormatIsPrometheus) {
 
 }  // namespace
 }  // namespace morse
+
+namespace morse {
+namespace {
+
+TEST(MetricsTest, AWorkerServesItsMetricsWhileItTrains) {
+  const int port = testing::FreePort();
+  const std::string config = R"(
+    workers: 1
+    shards: 1
+    synthetic { dim: 5000 }
+    lr { lr: 0.001 }
+    steps: 1000000
+    freeze_step: 3
+    block_elems: 256
+    partition_elems: 1024
+    log_every: 5
+  )";
+  testing::Cluster cluster(config, 1, 1);
+  cluster.AddWorkerArgs({absl::StrCat("--metrics_listen=127.0.0.1:", port)});
+  cluster.StartServers(false);
+  cluster.StartWorkers(false);  // runs until the cluster is torn down
+  double steps = -1;
+  std::string metrics;
+  for (int i = 0; i < 300 && steps < 10; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    metrics = Get(port, "/metrics");
+    steps = Value(metrics, "morse_worker_steps_total", "rank=\"0\"");
+  }
+  ASSERT_GE(steps, 10) << metrics << testing::ReadFile(cluster.worker_log(0));
+  EXPECT_NE(Get(port, "/readyz").find("200 OK"), std::string::npos);
+  EXPECT_NE(Get(port, "/healthz").find("200 OK"), std::string::npos);
+  EXPECT_GT(Value(metrics, "morse_worker_payload_bytes_total", "direction=\"up\""), 0) << metrics;
+  EXPECT_NE(metrics.find("morse_worker_communication_seconds_count"), std::string::npos);
+  EXPECT_NE(metrics.find("morse_worker_loss{"), std::string::npos);
+  if (std::system("command -v promtool >/dev/null 2>&1") == 0) {
+    const std::string path = cluster.dir() + "/worker-metrics.txt";
+    std::ofstream(path) << metrics.substr(metrics.find("\r\n\r\n") + 4);
+    EXPECT_EQ(std::system(("promtool check metrics < " + path).c_str()), 0);
+  }
+}
+
+}  // namespace
+}  // namespace morse
