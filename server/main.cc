@@ -52,6 +52,9 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
 ABSL_FLAG(std::string, metrics_listen, "",
           "Serve Prometheus /metrics, /healthz and /readyz over plain HTTP on host:port "
           "(off when empty).");
+ABSL_FLAG(std::string, health_listen, "",
+          "Also serve the gRPC health service, and nothing else, in plaintext on host:port "
+          "(for kubelet gRPC probes, which cannot speak TLS); off when empty.");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -230,6 +233,21 @@ int main(int argc, char** argv) {
                 "cannot listen on " + absl::GetFlag(FLAGS_listen));
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  // The probe port: a second server holding only the health service.
+  std::unique_ptr<grpc::Server> health_server;
+  if (!absl::GetFlag(FLAGS_health_listen).empty()) {
+    grpc::ServerBuilder health_builder;
+    int health_port = 0;
+    health_builder.AddListeningPort(absl::GetFlag(FLAGS_health_listen),
+                                    grpc::InsecureServerCredentials(), &health_port);
+    health_server = health_builder.BuildAndStart();
+    if (health_server == nullptr || health_port == 0) {
+      return Fail(kExitUnavailable, "cannot serve health on " + absl::GetFlag(FLAGS_health_listen));
+    }
+    health_server->GetHealthCheckService()->SetServingStatus(true);
+    std::printf("morse-server shard %d: gRPC health on %s\n", shard,
+                absl::GetFlag(FLAGS_health_listen).c_str());
+  }
   // With port 0 the kernel picks one; print the real address for scripts.
   std::string address = absl::GetFlag(FLAGS_listen);
   address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
@@ -254,11 +272,13 @@ int main(int argc, char** argv) {
                 signal);
     std::fflush(stdout);
     server->GetHealthCheckService()->SetServingStatus(false);
+    if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
     server->Shutdown(std::chrono::system_clock::now() +
                      std::chrono::seconds(5));
   });
   std::thread signal_thread([&] { io.run(); });
   server->Wait();
+  if (health_server) health_server->Shutdown(std::chrono::system_clock::now());
   stopping = true;
   io.stop();
   signal_thread.join();
