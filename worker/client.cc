@@ -206,39 +206,46 @@ StepExchange::~StepExchange() {
       +[](uint32_t* n) { return *n == 0; }, &in_flight_));
 }
 
-void StepExchange::Issue(std::shared_ptr<Call> call) {
+void StepExchange::Issue(std::unique_ptr<Call> call) {
   // A gRPC call needs a fresh context each time.
-  auto fresh = std::make_shared<Call>();
+  auto fresh = std::make_unique<Call>();
   fresh->request = std::move(call->request);
   fresh->partition = call->partition;
   fresh->first_try = call->first_try;
   fresh->attempt = call->attempt + 1;
   fresh->context.set_deadline(DeadlineIn(client_->job_.rpc_timeout_seconds));
-  Call* raw = fresh.get();
+  call.reset();
+  // The completion owns the call and destroys it before it signals the
+  // step: once Finish() returns, no gRPC object of this step is left alive.
+  Call* raw = fresh.release();
   client_->Stub(raw->partition->shard, raw->partition->id)
       ->async()
-      ->Push(&raw->context, &raw->request, &raw->reply, [this, fresh](grpc::Status status) {
+      ->Push(&raw->context, &raw->request, &raw->reply, [this, raw](grpc::Status status) {
+        std::unique_ptr<Call> done(raw);
         if (!status.ok() && Retryable(status) &&
-            Since(fresh->first_try) < client_->job_.rpc_timeout_seconds) {
+            Since(done->first_try) < client_->job_.rpc_timeout_seconds) {
           {
             absl::MutexLock lock(&mu_);
             ++traffic_.retries;
           }
-          absl::SleepFor(absl::Milliseconds(std::min(50 << std::min(fresh->attempt, 5), 2000)));
-          Issue(fresh);
+          absl::SleepFor(absl::Milliseconds(std::min(50 << std::min(done->attempt, 5), 2000)));
+          Issue(std::move(done));
           return;
         }
         absl::Status result = proto::FromGrpc(status);
         const absl::Time start = absl::Now();
-        if (result.ok()) result = apply_(*fresh->partition, fresh->reply.payload());
+        if (result.ok()) result = apply_(*done->partition, done->reply.payload());
         const double apply_seconds = Since(start);
+        const compress::Partition* partition = done->partition;
+        const size_t bytes_down = done->reply.payload().size();
+        done.reset();
         absl::MutexLock lock(&mu_);
         if (!result.ok() && error_.ok()) {
           error_ = absl::Status(result.code(), absl::StrCat(
-              "partition ", fresh->partition->id, " of step ", step_, " on ",
-              client_->servers_[fresh->partition->shard], ": ", result.message()));
+              "partition ", partition->id, " of step ", step_, " on ",
+              client_->servers_[partition->shard], ": ", result.message()));
         }
-        traffic_.payload_down += fresh->reply.payload().size();
+        traffic_.payload_down += bytes_down;
         traffic_.apply_seconds += apply_seconds;
         --in_flight_;
       });
@@ -259,7 +266,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
     if (!error_.ok()) return error_;
     ++in_flight_;
   }
-  auto call = std::make_shared<Call>();
+  auto call = std::make_unique<Call>();
   call->partition = &partition;
   call->first_try = absl::Now();
   call->attempt = -1;
@@ -280,7 +287,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
       return encoded;
     }
   }
-  Issue(call);
+  Issue(std::move(call));
   return absl::OkStatus();
 }
 

@@ -60,7 +60,7 @@ class StepExchange {
 
  private:
   struct Call;
-  void Issue(std::shared_ptr<Call> call);
+  void Issue(std::unique_ptr<Call> call);
 
   PushClient* client_;
   const int64_t step_;
