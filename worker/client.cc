@@ -298,15 +298,6 @@ absl::Status StepExchange::Finish(StepTraffic* traffic) {
   return error_;
 }
 
-absl::Status PushClient::RunStep(int64_t step, compress::CodecKind up, const Encode& encode,
-                                 const Apply& apply, StepTraffic* traffic) {
-  StepExchange exchange(this, step, up, apply);
-  for (const compress::Partition& p : layout_.partitions()) {
-    if (!exchange.Send(p, encode).ok()) break;
-  }
-  return exchange.Finish(traffic);
-}
-
 absl::Status PushClient::Join() {
   v1::JoinRequest request;
   request.set_rank(rank_);

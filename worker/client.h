@@ -2,15 +2,13 @@
 // pipelined exchange of one step (DESIGN 1).
 //
 // Each shard gets `channels_per_shard` channels (separate TCP connections;
-// partitions are spread over them round-robin). RunStep encodes partitions in
-// order on the calling thread and keeps up to `window` pushes in flight; a
-// reply is applied on a gRPC thread as soon as it arrives, so encoding,
-// transfer and decoding overlap. Pushes that fail with UNAVAILABLE (server
-// not up yet, or restarting) are retried with exponential backoff until the
-// RPC timeout; pushes are idempotent on the server, so a retry is safe.
-//
-// RunStep must not be called concurrently; the callbacks it takes run on
-// gRPC threads, concurrently for different partitions.
+// partitions are spread over them round-robin). A step's exchange is a
+// StepExchange: it encodes partitions on the calling thread and keeps up to
+// `window` pushes in flight; a reply is applied on a gRPC thread as soon as it
+// arrives, so encoding, transfer and decoding overlap. Pushes that fail with
+// UNAVAILABLE (server not up yet, or restarting) are retried with
+// exponential backoff until the RPC timeout; pushes are idempotent on the
+// server, so a retry is safe.
 #ifndef MORSE_WORKER_CLIENT_H_
 #define MORSE_WORKER_CLIENT_H_
 
@@ -74,9 +72,6 @@ class StepExchange {
 
 class PushClient {
  public:
-  using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
-  using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply)>;
-
   // `servers[s]` is shard s's host:port. Creates channels; connects lazily.
   static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
                                                             const compress::Layout& layout,
@@ -103,9 +98,6 @@ class PushClient {
   // Waits until every shard has all its initial parameters.
   absl::Status WaitInitialized();
 
-  // One step's exchange (see the class comment). Returns the first error.
-  absl::Status RunStep(int64_t step, compress::CodecKind up, const Encode& encode,
-                       const Apply& apply, StepTraffic* traffic);
 
   // Downloads the shards' mirror of x, m and v into the replica's arrays and
   // returns the steps completed, which must be the same on every partition
