@@ -101,7 +101,7 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
-    grpc::CallbackServerContext* context, const v1::ShardInfoRequest*,
+    grpc::CallbackServerContext* context, const v1::ShardInfoRequest* request,
     v1::ShardInfo* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reply->set_shard(host_->shard());
@@ -118,7 +118,7 @@ grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
   reply->set_layout_fingerprint(s.layout_fingerprint);
   reply->set_initialized(s.partitions_initialized == s.partitions);
   reply->set_completed_steps(s.completed_steps);
-  reply->set_mirror_checksum(s.mirror_checksum);
+  if (request->mirror_checksum()) reply->set_mirror_checksum(core->MirrorChecksum());
   reply->set_range_begin(s.range.begin);
   reply->set_range_end(s.range.end);
   reactor->Finish(grpc::Status::OK);

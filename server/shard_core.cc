@@ -404,7 +404,6 @@ ShardStatus ShardCore::Status() const {
     completed = std::min(completed, state->next_step);
   }
   s.completed_steps = completed;
-  s.mirror_checksum = mirror_.Checksum();
   absl::MutexLock progress(&progress_mu_);
   s.partitions_initialized = initialized_;
   s.pushes_accepted = accepted_;

@@ -69,7 +69,6 @@ struct ShardStatus {
   uint32_t partitions = 0;
   uint32_t partitions_initialized = 0;
   int64_t completed_steps = 0;  // by every partition
-  uint64_t mirror_checksum = 0;
   uint64_t pushes_accepted = 0;
   uint64_t pushes_rejected = 0;
 };
@@ -115,6 +114,8 @@ class ShardCore {
   absl::StatusOr<PartitionSnapshot> FetchPartition(uint32_t partition,
                                                    uint64_t layout_fingerprint) const;
 
+  // Cheap: counters and per-partition progress (the mirror checksum is
+  // MirrorChecksum(), a pass over the shard).
   ShardStatus Status() const;
   uint64_t MirrorChecksum() const;  // call only while no step completes
   double ServerErrorNorm() const;   // likewise

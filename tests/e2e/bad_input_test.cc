@@ -67,13 +67,16 @@ class BadInputTest : public ::testing::Test {
     }
     ASSERT_TRUE(Info(&before_).ok());
     ASSERT_EQ(before_.completed_steps(), 2);
+    ASSERT_NE(before_.mirror_checksum(), 0u);  // requested, so the comparisons mean something
   }
 
   grpc::Status Info(v1::ShardInfo* info, bool wait_for_ready = false) {
     grpc::ClientContext context;
     context.set_wait_for_ready(wait_for_ready);
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    return stub_->GetShardInfo(&context, v1::ShardInfoRequest(), info);
+    v1::ShardInfoRequest request;
+    request.set_mirror_checksum(true);
+    return stub_->GetShardInfo(&context, request, info);
   }
 
   std::pair<grpc::Status, v1::PushReply> Send(const v1::PushRequest& request) {
