@@ -175,28 +175,27 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path)
   return reader;
 }
 
+template <class T>
+absl::StatusOr<std::vector<T>> CheckpointReader::Read(const std::string& name, uint64_t count,
+                                                      uint8_t type, const char* type_name) const {
+  auto it = arrays_.find(name);
+  if (it == arrays_.end() || it->second.type != type || it->second.count != count) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has no ", type_name, " array '",
+                                            name, "' of ", count, " elements"));
+  }
+  std::vector<T> values(count);
+  std::memcpy(values.data(), bytes_.data() + it->second.offset, sizeof(T) * count);
+  return values;
+}
+
 absl::StatusOr<std::vector<float>> CheckpointReader::Floats(const std::string& name,
                                                             uint64_t count) const {
-  auto it = arrays_.find(name);
-  if (it == arrays_.end() || it->second.type != 0 || it->second.count != count) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has no fp32 array '", name,
-                                            "' of ", count, " elements"));
-  }
-  std::vector<float> values(count);
-  std::memcpy(values.data(), bytes_.data() + it->second.offset, 4 * count);
-  return values;
+  return Read<float>(name, count, 0, "fp32");
 }
 
 absl::StatusOr<std::vector<int64_t>> CheckpointReader::Ints(const std::string& name,
                                                             uint64_t count) const {
-  auto it = arrays_.find(name);
-  if (it == arrays_.end() || it->second.type != 1 || it->second.count != count) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has no int64 array '", name,
-                                            "' of ", count, " elements"));
-  }
-  std::vector<int64_t> values(count);
-  std::memcpy(values.data(), bytes_.data() + it->second.offset, 8 * count);
-  return values;
+  return Read<int64_t>(name, count, 1, "int64");
 }
 
 }  // namespace morse::proto

@@ -57,6 +57,10 @@ class CheckpointReader {
   absl::StatusOr<std::vector<int64_t>> Ints(const std::string& name, uint64_t count) const;
 
  private:
+  template <class T>
+  absl::StatusOr<std::vector<T>> Read(const std::string& name, uint64_t count, uint8_t type,
+                                      const char* type_name) const;
+
   struct Array {
     uint8_t type;
     uint64_t count;
