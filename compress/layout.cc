@@ -3,20 +3,12 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "compress/fnv.h"
 
 namespace morse::compress {
 namespace {
 
-constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ull;
-constexpr uint64_t kFnvPrime = 0x100000001b3ull;
 constexpr uint64_t kLayoutVersion = 1;
-
-void Mix(uint64_t& hash, uint64_t value) {
-  for (int byte = 0; byte < 8; ++byte) {
-    hash ^= (value >> (8 * byte)) & 0xff;
-    hash *= kFnvPrime;
-  }
-}
 
 }  // namespace
 
@@ -57,12 +49,12 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
     }
   }
   layout.first_partition_.push_back(static_cast<uint32_t>(layout.partitions_.size()));
-  uint64_t hash = kFnvOffset;
+  Fnv64 hash;
   for (uint64_t v : {kLayoutVersion, spec.dim, uint64_t{spec.shards},
                      uint64_t{spec.block_elems}, uint64_t{spec.partition_elems}}) {
-    Mix(hash, v);
+    hash.MixInt(v);
   }
-  layout.fingerprint_ = hash;
+  layout.fingerprint_ = hash.value();
   return layout;
 }
 

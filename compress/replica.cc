@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
+#include "compress/fnv.h"
 
 namespace morse::compress {
 
@@ -21,29 +22,14 @@ StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
 }
 
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (absl::Span<const float> a : arrays) {
-    const auto* bytes = reinterpret_cast<const uint8_t*>(a.data());
-    const size_t n = a.size() * sizeof(float);
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      uint64_t word;
-      std::memcpy(&word, bytes + i, 8);
-      hash = (hash ^ word) * 0x100000001b3ull;
-    }
-    for (; i < n; ++i) hash = (hash ^ bytes[i]) * 0x100000001b3ull;
-  }
-  return hash;
+  Fnv64 hash;
+  for (absl::Span<const float> a : arrays) hash.MixWords(a.data(), a.size() * sizeof(float));
+  return hash.value();
 }
 
 uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  const auto mix = [&](uint64_t value) {
-    for (int byte = 0; byte < 8; ++byte) {
-      hash ^= (value >> (8 * byte)) & 0xff;
-      hash *= 0x100000001b3ull;
-    }
-  };
+  Fnv64 hash;
+  const auto mix = [&](uint64_t value) { hash.MixInt(value); };
   const auto mix_float = [&](float f) {
     uint32_t bits;
     std::memcpy(&bits, &f, 4);
@@ -79,7 +65,7 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix_feedback(c.server_feedback);
   mix(c.bias_correction);
   mix(c.seed);
-  return hash;
+  return hash.value();
 }
 
 Replica::Replica(const SimulatorConfig& config, Range range)

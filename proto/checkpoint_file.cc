@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "compress/fnv.h"
 #include "compress/replica.h"
 
 namespace morse::proto {
@@ -28,15 +29,9 @@ void PutString(std::string* out, const std::string& s) {
 }
 
 uint64_t Checksum(absl::string_view bytes) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  size_t i = 0;
-  for (; i + 8 <= bytes.size(); i += 8) {
-    uint64_t word;
-    std::memcpy(&word, bytes.data() + i, 8);
-    hash = (hash ^ word) * 0x100000001b3ull;
-  }
-  for (; i < bytes.size(); ++i) hash = (hash ^ static_cast<uint8_t>(bytes[i])) * 0x100000001b3ull;
-  return hash;
+  compress::Fnv64 hash;
+  hash.MixWords(bytes.data(), bytes.size());
+  return hash.value();
 }
 
 absl::Status Errno(const std::string& what, const std::string& path) {

@@ -67,9 +67,9 @@ TEST(LayoutTest, FingerprintIsAFunctionOfTheSpec) {
                            LayoutSpec{1000003, 3, 2048, 1 << 17}}) {
     EXPECT_TRUE(seen.insert(Layout::Create(other)->fingerprint()).second);
   }
-  // The value is pinned: a change here breaks every deployed peer.
-  EXPECT_EQ(Layout::Create({1, 1, 16, 16})->fingerprint(),
-            Layout::Create({1, 1, 16, 16})->fingerprint());
+  // The value is pinned: a change here breaks every deployed peer. (This is
+  // the quickstart's layout: D = 4810, 2 shards, 1024-element blocks.)
+  EXPECT_EQ(Layout::Create({4810, 2, 1024, 1024})->fingerprint(), 0x37583bbf38f85f6aull);
 }
 
 TEST(LayoutTest, BadSpecsAreRejected) {
