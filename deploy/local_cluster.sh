@@ -36,7 +36,7 @@ trap cleanup EXIT
 addresses=()
 for ((s = 0; s < shards; s++)); do
   log="$out/server$s.log"
-  "$bin/server/morse-server" --config "$config" --shard "$s" --listen 127.0.0.1:0 >"$log" 2>&1 &
+  "$bin/server/morse-server" --config "$config" --shard "$s" --listen 127.0.0.1:0 --insecure >"$log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do
     grep -q "listening on" "$log" 2>/dev/null && break
@@ -50,7 +50,7 @@ echo "local_cluster: $shards shard(s) at $servers; starting $workers worker(s)"
 
 worker_pids=()
 for ((r = 0; r < workers; r++)); do
-  args=(--config "$config" --rank "$r" --servers "$servers" --metrics "$out/worker$r.jsonl")
+  args=(--config "$config" --rank "$r" --servers "$servers" --insecure --metrics "$out/worker$r.jsonl")
   if [ "$r" -eq 0 ]; then
     "$bin/worker/morse-worker" "${args[@]}" 2>&1 | tee "$out/worker$r.log" | sed 's/^/  /' &
   else

@@ -4,6 +4,8 @@
 //
 // Serves morse.v1.ParameterServer, the gRPC health service and server
 // reflection on --listen until SIGTERM or SIGINT, then shuts down gracefully.
+// TLS (--tls_cert/--tls_key, mutual with --tls_ca) and a bearer token
+// (--token_file) protect it; plaintext needs --insecure.
 #include <atomic>
 #include <cstdio>
 #include <fstream>
@@ -23,6 +25,8 @@
 #include "proto/flags.h"
 #include "proto/http_endpoint.h"
 #include "proto/job_config.h"
+#include "proto/security.h"
+#include "proto/security_flags.h"
 #include "proto/wire.h"
 #include "server/metrics.h"
 #include "server/service.h"
@@ -105,6 +109,15 @@ int main(int argc, char** argv) {
         shard, j.shards(), j.name, s.range.begin, s.range.end, s.partitions,
         j.workers(), s.layout_fingerprint);
   };
+  const proto::SecurityOptions security = proto::SecurityOptionsFromFlags();
+  if (absl::Status s = proto::ValidateServerSecurity(security); !s.ok()) {
+    return Fail(kExitConfig, std::string(s.message()));
+  }
+  const std::string security_summary =
+      security.insecure
+          ? absl::StrCat("plaintext (--insecure)", security.token_file.empty() ? "" : ", bearer token")
+          : absl::StrCat("TLS", security.tls_ca.empty() ? "" : " with client certificates",
+                         security.token_file.empty() ? "" : ", bearer token");
   if (absl::GetFlag(FLAGS_check_config)) {
     std::unique_ptr<server::ShardCore> core;
     if (job->sized()) {
@@ -114,8 +127,8 @@ int main(int argc, char** argv) {
         return Fail(kExitConfig, std::string(created.status().message()));
       core = *std::move(created);
     }
-    std::printf("morse-server: config OK: %s\n",
-                describe(*job, core.get()).c_str());
+    std::printf("morse-server: config OK: %s; %s\n",
+                describe(*job, core.get()).c_str(), security_summary.c_str());
     return 0;
   }
 
@@ -217,13 +230,19 @@ int main(int argc, char** argv) {
                 absl::GetFlag(FLAGS_metrics_listen).c_str(), http->port());
   }
   metrics_ptr = metrics.get();
-  server::ParameterServerService service(host->get(), metrics.get());
+  std::unique_ptr<proto::TokenFile> tokens;
+  if (!security.token_file.empty()) {
+    auto opened = proto::TokenFile::Open(security.token_file, absl::Seconds(security.refresh_seconds));
+    if (!opened.ok()) return Fail(kExitConfig, std::string(opened.status().message()));
+    tokens = *std::move(opened);
+  }
+  server::ParameterServerService service(host->get(), metrics.get(), tokens.get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen),
-                           grpc::InsecureServerCredentials(), &port);
+                           proto::MakeServerCredentials(security), &port);
   builder.SetMaxReceiveMessageSize(proto::MaxMessageBytes(*job));
   builder.SetMaxSendMessageSize(proto::MaxMessageBytes(*job));
   builder.RegisterService(&service);
@@ -251,8 +270,8 @@ int main(int argc, char** argv) {
   // With port 0 the kernel picks one; print the real address for scripts.
   std::string address = absl::GetFlag(FLAGS_listen);
   address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
-  std::printf("morse-server: %s; listening on %s\n",
-              describe(*job, (*host)->core()).c_str(), address.c_str());
+  std::printf("morse-server: %s; %s; listening on %s\n", describe(*job, (*host)->core()).c_str(),
+              security_summary.c_str(), address.c_str());
   std::fflush(stdout);
 
   // Steps whose pushes do not all arrive in time fail instead of hanging.

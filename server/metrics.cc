@@ -40,7 +40,12 @@ ServerMetrics::ServerMetrics(std::shared_ptr<prometheus::Registry> registry, uin
                       .Name("morse_server_error_buffer_norm")
                       .Help("L2 norm of the shard's error-feedback buffer")
                       .Register(*registry_)
-                      .Add({{"shard", shard_}})) {}
+                      .Add({{"shard", shard_}})),
+      unauthenticated_(prometheus::BuildCounter()
+                           .Name("morse_server_unauthenticated_calls_total")
+                           .Help("Calls refused with UNAUTHENTICATED (missing or wrong token)")
+                           .Register(*registry_)
+                           .Add({{"shard", shard_}})) {}
 
 void ServerMetrics::Push(absl::StatusCode code, compress::CodecKind codec, size_t bytes_in,
                          size_t bytes_out) {

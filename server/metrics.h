@@ -8,6 +8,7 @@
 //   morse_server_step_seconds                  time between step completions
 //   morse_server_workers_joined                workers that joined
 //   morse_server_error_buffer_norm             L2 norm of the shard's error buffer
+//   morse_server_unauthenticated_calls_total   calls refused for a missing or wrong token
 // Thread-safe (prometheus-cpp metrics are).
 #ifndef MORSE_SERVER_METRICS_H_
 #define MORSE_SERVER_METRICS_H_
@@ -32,6 +33,7 @@ class ServerMetrics {
   void StepCompleted(double seconds);
   void SetWorkersJoined(uint32_t n) { workers_joined_.Set(n); }
   void SetErrorNorm(double norm) { error_norm_.Set(norm); }
+  void Unauthenticated() { unauthenticated_.Increment(); }
   const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
 
  private:
@@ -44,6 +46,7 @@ class ServerMetrics {
   prometheus::Histogram& step_seconds_;
   prometheus::Gauge& workers_joined_;
   prometheus::Gauge& error_norm_;
+  prometheus::Counter& unauthenticated_;
 };
 
 }  // namespace morse::server

@@ -13,10 +13,20 @@ ShardCore* ParameterServerService::CoreOrFinish(grpc::ServerUnaryReactor* reacto
   return core;
 }
 
+bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
+                                        grpc::ServerUnaryReactor* reactor) {
+  grpc::Status status = proto::CheckBearerToken(*context, tokens_);
+  if (status.ok()) return true;
+  if (metrics_ != nullptr) metrics_->Unauthenticated();
+  reactor->Finish(status);
+  return false;
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::Join(grpc::CallbackServerContext* context,
                                                        const v1::JoinRequest* request,
                                                        v1::JoinReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor)) return reactor;
   auto job = proto::ParseJobConfigProto(request->job().SerializeAsString());
   absl::Status status = job.ok() ? host_->Join(request->rank(), *job) : job.status();
   reply->set_workers_joined(host_->workers_joined());
@@ -31,6 +41,7 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
     grpc::CallbackServerContext* context, const v1::InitPartitionRequest* request,
     v1::InitPartitionReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor)) return reactor;
   ShardCore* core = CoreOrFinish(reactor);
   if (core == nullptr) return reactor;
   absl::Status status = core->InitPartition(request->rank(), request->partition(),
@@ -46,6 +57,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                                                        const v1::PushRequest* request,
                                                        v1::PushReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor)) return reactor;
   ShardCore* core = CoreOrFinish(reactor);
   if (core == nullptr) return reactor;
   auto codec = proto::FromWire(request->codec());
@@ -83,6 +95,7 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
     grpc::CallbackServerContext* context, const v1::FetchPartitionRequest* request,
     v1::PartitionState* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor)) return reactor;
   ShardCore* core = CoreOrFinish(reactor);
   if (core == nullptr) return reactor;
   auto snapshot = core->FetchPartition(request->partition(), request->layout_fingerprint());
@@ -104,6 +117,7 @@ grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
     grpc::CallbackServerContext* context, const v1::ShardInfoRequest* request,
     v1::ShardInfo* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor)) return reactor;
   reply->set_shard(host_->shard());
   reply->set_shards(host_->base().shards());
   reply->set_workers(host_->base().workers());

@@ -4,6 +4,7 @@
 #define MORSE_SERVER_SERVICE_H_
 
 #include "proto/morse.grpc.pb.h"
+#include "proto/security.h"
 #include "server/metrics.h"
 #include "server/shard_host.h"
 
@@ -11,8 +12,10 @@ namespace morse::server {
 
 class ParameterServerService final : public v1::ParameterServer::CallbackService {
  public:
-  // `metrics` may be null (no --metrics_listen).
-  ParameterServerService(ShardHost* host, ServerMetrics* metrics) : host_(host), metrics_(metrics) {}
+  // `metrics` may be null (no --metrics_listen); `tokens` null when calls
+  // need no bearer token (no --token_file).
+  ParameterServerService(ShardHost* host, ServerMetrics* metrics, proto::TokenFile* tokens)
+      : host_(host), metrics_(metrics), tokens_(tokens) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request, v1::JoinReply* reply) override;
@@ -32,9 +35,13 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
  private:
   // The core, or null after finishing the call with UNAVAILABLE.
   ShardCore* CoreOrFinish(grpc::ServerUnaryReactor* reactor);
+  // Whether the call carries an accepted token; finishes it with
+  // UNAUTHENTICATED otherwise.
+  bool Authorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor);
 
   ShardHost* host_;
   ServerMetrics* metrics_;
+  proto::TokenFile* tokens_;
 };
 
 }  // namespace morse::server

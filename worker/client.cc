@@ -28,7 +28,8 @@ bool Retryable(const grpc::Status& s) { return s.error_code() == grpc::StatusCod
 absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobSpec& job,
                                                                 const compress::Layout& layout,
                                                                 std::vector<std::string> servers,
-                                                                uint32_t rank) {
+                                                                uint32_t rank,
+                                                                const proto::SecurityOptions& security) {
   if (servers.size() != job.shards()) {
     return absl::InvalidArgumentError(absl::StrCat(
         servers.size(), " server addresses for a job of ", job.shards(),
@@ -38,19 +39,40 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobS
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
-  return std::unique_ptr<PushClient>(new PushClient(job, layout, std::move(servers), rank));
+  if (absl::Status s = proto::ValidateClientSecurity(security); !s.ok()) return s;
+  std::unique_ptr<proto::TokenFile> tokens;
+  if (!security.token_file.empty()) {
+    auto opened = proto::TokenFile::Open(security.token_file, absl::Seconds(security.refresh_seconds));
+    if (!opened.ok()) return opened.status();
+    tokens = *std::move(opened);
+  }
+  return std::unique_ptr<PushClient>(
+      new PushClient(job, layout, std::move(servers), rank, security, std::move(tokens)));
 }
 
 PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout,
-                       std::vector<std::string> servers, uint32_t rank)
-    : job_(job), layout_(layout), servers_(std::move(servers)), rank_(rank) {
+                       std::vector<std::string> servers, uint32_t rank,
+                       const proto::SecurityOptions& security,
+                       std::unique_ptr<proto::TokenFile> tokens)
+    : job_(job), layout_(layout), servers_(std::move(servers)), rank_(rank),
+      tokens_(std::move(tokens)) {
+  const std::shared_ptr<grpc::ChannelCredentials> credentials =
+      proto::MakeChannelCredentials(security);
   for (const std::string& address : servers_) {
     auto& shard_stubs = stubs_.emplace_back();
     for (uint32_t c = 0; c < job.channels_per_shard; ++c) {
-      auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(),
-                                               proto::ChannelArgs(job, static_cast<int>(c)));
+      grpc::ChannelArguments args = proto::ChannelArgs(job, static_cast<int>(c));
+      proto::AddChannelSecurityArgs(security, &args);
+      auto channel = grpc::CreateCustomChannel(address, credentials, args);
       shard_stubs.push_back(v1::ParameterServer::NewStub(channel));
     }
+  }
+}
+
+void PushClient::Authorize(grpc::ClientContext* context) {
+  if (tokens_ != nullptr) {
+    context->AddMetadata(proto::kAuthorizationKey,
+                         absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
   }
 }
 
@@ -69,10 +91,17 @@ absl::Status PushClient::WaitForShards() {
       // wait_for_ready: the call rides out the channel's own reconnect
       // backoff and returns as soon as the server accepts a connection.
       grpc::ClientContext context;
+  Authorize(&context);
+    Authorize(&context);
       context.set_wait_for_ready(true);
       context.set_deadline(DeadlineIn(1.0));
       v1::ShardInfo info;
       const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &info);
+      if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+          status.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
+        return absl::Status(proto::FromGrpc(status).code(),
+                            absl::StrCat(servers_[s], ": ", status.error_message()));
+      }
       if (!status.ok()) {
         last_error = absl::StrCat(servers_[s], ": ", status.error_message());
         continue;
@@ -112,6 +141,8 @@ absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
     request.set_values(reinterpret_cast<const char*>(x0.data() + p.range.begin),
                        4 * p.range.size());
     grpc::ClientContext context;
+  Authorize(&context);
+    Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     v1::InitPartitionReply reply;
     const grpc::Status status = Stub(p.shard, p.id)->InitPartition(&context, request, &reply);
@@ -149,6 +180,8 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
     grpc::ClientContext context;
+  Authorize(&context);
+    Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     v1::PartitionState state;
     const grpc::Status status = Stub(p.shard, p.id)->FetchPartition(&context, request, &state);
@@ -178,6 +211,8 @@ absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
   std::vector<v1::ShardInfo> infos(servers_.size());
   for (uint32_t s = 0; s < servers_.size(); ++s) {
     grpc::ClientContext context;
+  Authorize(&context);
+    Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &infos[s]);
     if (!status.ok()) {
@@ -214,6 +249,7 @@ void StepExchange::Issue(std::unique_ptr<Call> call) {
   fresh->first_try = call->first_try;
   fresh->attempt = call->attempt + 1;
   fresh->context.set_deadline(DeadlineIn(client_->job_.rpc_timeout_seconds));
+  client_->Authorize(&fresh->context);
   call.reset();
   // The completion owns the call and destroys it before it signals the
   // step: once Finish() returns, no gRPC object of this step is left alive.
@@ -306,6 +342,8 @@ absl::Status PushClient::Join() {
   }
   for (uint32_t s = 0; s < servers_.size(); ++s) {
     grpc::ClientContext context;
+  Authorize(&context);
+    Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     v1::JoinReply reply;
     const grpc::Status status = Stub(s, 0)->Join(&context, request, &reply);

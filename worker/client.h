@@ -24,6 +24,7 @@
 #include "compress/layout.h"
 #include "proto/job_config.h"
 #include "proto/morse.grpc.pb.h"
+#include "proto/security.h"
 
 namespace morse::worker {
 
@@ -72,11 +73,14 @@ class StepExchange {
 
 class PushClient {
  public:
-  // `servers[s]` is shard s's host:port. Creates channels; connects lazily.
+  // `servers[s]` is shard s's host:port. Creates channels with the
+  // credentials of `security` (INVALID_ARGUMENT if they break the policy of
+  // proto/security.h); connects lazily.
   static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
                                                             const compress::Layout& layout,
                                                             std::vector<std::string> servers,
-                                                            uint32_t rank);
+                                                            uint32_t rank,
+                                                            const proto::SecurityOptions& security);
 
   // Waits, retrying with backoff up to the connect timeout, until every shard
   // answers and has this job's layout. FAILED_PRECONDITION on a layout or
@@ -113,13 +117,17 @@ class PushClient {
  private:
   friend class StepExchange;
   PushClient(const proto::JobSpec& job, const compress::Layout& layout,
-             std::vector<std::string> servers, uint32_t rank);
+             std::vector<std::string> servers, uint32_t rank,
+             const proto::SecurityOptions& security, std::unique_ptr<proto::TokenFile> tokens);
   v1::ParameterServer::Stub* Stub(uint32_t shard, uint32_t partition);
+  // Adds the bearer token, if any, to a call's metadata.
+  void Authorize(grpc::ClientContext* context);
 
   proto::JobSpec job_;
   compress::Layout layout_;
   std::vector<std::string> servers_;
   uint32_t rank_;
+  std::unique_ptr<proto::TokenFile> tokens_;
   // stubs_[shard][channel]
   std::vector<std::vector<std::unique_ptr<v1::ParameterServer::Stub>>> stubs_;
 };

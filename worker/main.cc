@@ -14,6 +14,8 @@
 #include "absl/strings/str_split.h"
 #include "proto/flags.h"
 #include "proto/job_config.h"
+#include "proto/security.h"
+#include "proto/security_flags.h"
 #include "worker/trainer.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -53,6 +55,8 @@ int ExitCode(const absl::Status& s) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kNotFound:
     case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kUnauthenticated:
+    case absl::StatusCode::kPermissionDenied:
       return 2;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kDeadlineExceeded:
@@ -68,7 +72,10 @@ int main(int argc, char** argv) {
   morse::proto::ParseFlags(argc, argv,
                            "one worker of a Morse job.\n"
                            "  morse-worker --config job.textproto --rank 0 "
-                           "--servers HOST:PORT,HOST:PORT",
+                           "--servers HOST:PORT,HOST:PORT \\\n"
+                           "      --tls_ca ca.pem --token_file token [--tls_cert c.pem --tls_key c.key]\n"
+                           "  morse-worker ... --insecure   (plaintext, on a network you trust)\n"
+                           "Flags may be spelled with dashes (--tls-ca) or underscores (--tls_ca).",
                            "/main.cc");
   using namespace morse;
   const std::string config = absl::GetFlag(FLAGS_config);
@@ -104,13 +111,19 @@ int main(int argc, char** argv) {
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.resume = absl::GetFlag(FLAGS_resume);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.security = proto::SecurityOptionsFromFlags();
+  if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {
+    std::fprintf(stderr, "morse-worker: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   if (absl::GetFlag(FLAGS_check_config)) {
     std::printf(
         "morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = "
-        "%llu, %lld steps\n",
+        "%llu, %lld steps, %s\n",
         job->name.c_str(), rank, job->workers(), job->shards(),
         static_cast<unsigned long long>(job->algorithm.layout.dim),
-        static_cast<long long>(job->steps));
+        static_cast<long long>(job->steps),
+        options.security.insecure ? "plaintext (--insecure)" : "TLS");
     return 0;
   }
   auto summary = worker::Train(*job, options);

@@ -16,6 +16,7 @@ absl::Span<uint8_t> AsBytes(std::string* s) {
 
 absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
                                                           std::vector<std::string> servers,
+                                                          const proto::SecurityOptions& security,
                                                           absl::Span<float> x) {
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
@@ -23,7 +24,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& 
     return absl::InvalidArgumentError(absl::StrCat("parameters of ", x.size(), " elements for a job of ",
                                                    job.algorithm.layout.dim));
   }
-  auto client = PushClient::Create(job, *layout, std::move(servers), rank);
+  auto client = PushClient::Create(job, *layout, std::move(servers), rank, security);
   if (!client.ok()) return client.status();
   std::unique_ptr<Session> session(new Session(job, rank, *std::move(layout), x));
   session->client_ = *std::move(client);

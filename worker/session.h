@@ -24,11 +24,13 @@ namespace morse::worker {
 
 class Session {
  public:
-  // Connects to every shard (waiting up to the connect timeout) and joins
-  // the job. `x` is where the parameters live (job.algorithm.layout.dim
-  // floats, owned by the caller); empty: the session owns them.
+  // Connects to every shard with `security`'s credentials (waiting up to the
+  // connect timeout) and joins the job. `x` is where the parameters live
+  // (job.algorithm.layout.dim floats, owned by the caller); empty: the
+  // session owns them.
   static absl::StatusOr<std::unique_ptr<Session>> Connect(const proto::JobSpec& job, uint32_t rank,
                                                           std::vector<std::string> servers,
+                                                          const proto::SecurityOptions& security,
                                                           absl::Span<float> x = {});
 
   // Starts training. Fresh: rank 0 uploads x as the initial parameters and

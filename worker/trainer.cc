@@ -125,7 +125,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     if (!endpoint.ok()) return endpoint.status();
     http = *std::move(endpoint);
   }
-  auto session = Session::Connect(job, options.rank, options.servers);
+  auto session = Session::Connect(job, options.rank, options.servers, options.security);
   if (!session.ok()) return session.status();
   compress::Replica& replica = (*session)->replica();
   (*workload)->Initialize(replica.x());

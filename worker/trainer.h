@@ -10,12 +10,14 @@
 
 #include "absl/status/statusor.h"
 #include "proto/job_config.h"
+#include "proto/security.h"
 
 namespace morse::worker {
 
 struct TrainerOptions {
   uint32_t rank = 0;
   std::vector<std::string> servers;  // shard order
+  proto::SecurityOptions security;   // credentials for the servers
   std::string metrics_path;          // JSON lines, one per step; empty: none
   bool checksums = false;            // add x/m/v checksums to each metrics line
   // Where worker-<rank>.ckpt (this worker's error buffer) is written every

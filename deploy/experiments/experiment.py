@@ -194,7 +194,7 @@ log_every: 1000
         for s in range(shards):
             log = open(os.path.join(work, f"{scheme}-server{s}.log"), "w")
             servers.append(vc.popen(server_host(s), [f"{bin_dir}/server/morse-server", "--config", config,
-                                                     "--shard", str(s), "--listen",
+                                                     "--shard", str(s), "--insecure", "--listen",
                                                      f"{vc.address(server_host(s))}:7000"], log))
         time.sleep(0.5)
         addresses = ",".join(f"{vc.address(server_host(s))}:7000" for s in range(shards))
@@ -202,7 +202,7 @@ log_every: 1000
         for r in range(workers):
             log = open(os.path.join(work, f"{scheme}-worker{r}.log"), "w")
             procs.append(vc.popen(worker_host(r), [f"{bin_dir}/worker/morse-worker", "--config", config,
-                                                   "--rank", str(r), "--servers", addresses, "--metrics",
+                                                   "--rank", str(r), "--servers", addresses, "--insecure", "--metrics",
                                                    os.path.join(work, f"{scheme}-worker{r}.jsonl")], log))
         codes = wait_all(procs, 60 + steps * (dim * 4 * 8 / (vc.rate * 1e9) * 6 + 5))
         after = vc.tx_rx(worker_host(0))

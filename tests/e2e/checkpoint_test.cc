@@ -119,7 +119,7 @@ TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   Cluster again(Config(6), 1, 0);
   testing::Process server({MORSE_SERVER_BIN, "--config", again.config_path(), "--shard", "0",
-                           "--listen", "127.0.0.1:0", "--checkpoint_dir=" + ckpt},
+                           "--listen", "127.0.0.1:0", "--insecure", "--checkpoint_dir=" + ckpt},
                           again.dir() + "/corrupt.log");
   int code = -1;
   ASSERT_TRUE(server.Wait(absl::Seconds(20), &code));

@@ -113,6 +113,7 @@ void Cluster::StartServers(bool state_logs) {
     std::vector<std::string> argv = {MORSE_SERVER_BIN, "--config", config_path(), "--shard",
                                      std::to_string(s), "--listen", server_address(s)};
     if (state_logs) argv.push_back("--state_log=" + state_log(s));
+    argv.insert(argv.end(), server_security_.begin(), server_security_.end());
     argv.insert(argv.end(), server_args_.begin(), server_args_.end());
     servers_.push_back(std::make_unique<Process>(argv, server_log(s)));
   }
@@ -123,6 +124,7 @@ void Cluster::StartWorker(int rank, bool checksums) {
                                    std::to_string(rank), "--servers", servers(),
                                    "--metrics", worker_metrics(rank)};
   if (checksums) argv.push_back("--checksums");
+  argv.insert(argv.end(), worker_security_.begin(), worker_security_.end());
   argv.insert(argv.end(), worker_args_.begin(), worker_args_.end());
   workers_procs_.push_back(std::make_unique<Process>(argv, worker_log(rank)));
 }

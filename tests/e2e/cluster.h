@@ -52,6 +52,11 @@ class Cluster {
   // Arguments appended to every server's or worker's command line.
   void AddServerArgs(std::vector<std::string> args) { server_args_ = std::move(args); }
   void AddWorkerArgs(std::vector<std::string> args) { worker_args_ = std::move(args); }
+  // Credential flags of the servers and workers (default: --insecure).
+  void SetSecurity(std::vector<std::string> server, std::vector<std::string> worker) {
+    server_security_ = std::move(server);
+    worker_security_ = std::move(worker);
+  }
 
   void StartServers(bool state_logs);
   void StartWorkers(bool checksums);
@@ -70,6 +75,7 @@ class Cluster {
   int shards_, workers_;
   std::vector<int> ports_;
   std::vector<std::string> server_args_, worker_args_;
+  std::vector<std::string> server_security_{"--insecure"}, worker_security_{"--insecure"};
   std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
 };
 

@@ -26,7 +26,7 @@ TEST(SessionTest, AFailedStepIsNotRetried) {
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   testing::Cluster cluster(config, 1, 0);
   cluster.StartServers(false);
-  auto session = worker::Session::Connect(job, 0, {cluster.server_address(0)});
+  auto session = worker::Session::Connect(job, 0, {cluster.server_address(0)}, proto::Insecure());
   ASSERT_TRUE(session.ok()) << session.status();
   ASSERT_TRUE((*session)->Start(false).ok());
   std::vector<float> grad(1000, 0.5f);

@@ -16,6 +16,7 @@
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "proto/job_config.h"
+#include "proto/security.h"
 #include "worker/session.h"
 
 namespace py = pybind11;
@@ -58,15 +59,35 @@ proto::JobSpec Job(const std::string& base, const std::string& overrides) {
   return Check(proto::ParseJobConfigWithOverrides(base, overrides));
 }
 
+// Credentials from a dict with the keys of the worker's flags: tls_ca,
+// tls_cert, tls_key, tls_server_name, token_file (paths or names), insecure
+// (bool), refresh_seconds (int).
+proto::SecurityOptions Security(const py::dict& d) {
+  proto::SecurityOptions o;
+  for (const auto& [key, value] : d) {
+    const std::string k = py::str(key);
+    if (k == "insecure") o.insecure = value.cast<bool>();
+    else if (k == "refresh_seconds") o.refresh_seconds = value.cast<int>();
+    else if (k == "tls_ca") o.tls_ca = value.cast<std::string>();
+    else if (k == "tls_cert") o.tls_cert = value.cast<std::string>();
+    else if (k == "tls_key") o.tls_key = value.cast<std::string>();
+    else if (k == "tls_server_name") o.tls_server_name = value.cast<std::string>();
+    else if (k == "token_file") o.token_file = value.cast<std::string>();
+    else throw py::value_error(absl::StrCat("unknown security option '", k, "'"));
+  }
+  return o;
+}
+
 class PySession {
  public:
   PySession(const std::string& base, const std::string& overrides, uint32_t rank,
-            std::vector<std::string> servers, py::array x)
+            std::vector<std::string> servers, py::array x, const py::dict& security)
       : x_(x) {
     const proto::JobSpec job = Job(base, overrides);
     absl::Span<float> storage = FloatSpan(x, "parameters", true);
+    const proto::SecurityOptions options = Security(security);
     py::gil_scoped_release release;
-    session_ = Check(worker::Session::Connect(job, rank, std::move(servers), storage));
+    session_ = Check(worker::Session::Connect(job, rank, std::move(servers), options, storage));
   }
 
   int64_t Start(bool resume, const std::string& checkpoint) {
@@ -167,8 +188,10 @@ PYBIND11_MODULE(_morse, m) {
     }
   });
   py::class_<PySession>(m, "Session")
-      .def(py::init<const std::string&, const std::string&, uint32_t, std::vector<std::string>, py::array>(),
-           py::arg("base_config"), py::arg("overrides"), py::arg("rank"), py::arg("servers"), py::arg("x"))
+      .def(py::init<const std::string&, const std::string&, uint32_t, std::vector<std::string>, py::array,
+                    const py::dict&>(),
+           py::arg("base_config"), py::arg("overrides"), py::arg("rank"), py::arg("servers"), py::arg("x"),
+           py::arg("security"))
       .def("start", &PySession::Start, py::arg("resume") = false, py::arg("checkpoint") = "")
       .def("wait_all_joined", &PySession::WaitAllJoined)
       .def("begin", &PySession::Begin)

@@ -63,6 +63,9 @@ def main(argv=None):
     parser.add_argument("--servers", type=int, default=1, help="server shards to start (default 1)")
     parser.add_argument("--workers", type=int, required=True, help="copies of the command (ranks)")
     parser.add_argument("--config", help="base JobConfig file (text format)")
+    parser.add_argument("--token-file", default=None,
+                        help="bearer-token file the servers require and the workers send "
+                             "(the servers listen on 127.0.0.1 in plaintext: morse-run is for one host)")
     parser.add_argument("--server-bin", default=None,
                         help="morse-server to run (default: the one next to this package)")
     args = parser.parse_args(own)
@@ -102,8 +105,10 @@ def main(argv=None):
 
     addresses = []
     for s in range(args.servers):
+        # Loopback only, so plaintext is asked for explicitly.
         p = subprocess.Popen([server_bin, "--config", config_path, "--shard", str(s),
-                              "--listen", "127.0.0.1:0"],
+                              "--listen", "127.0.0.1:0", "--insecure"] +
+                             (["--token_file", args.token_file] if args.token_file else []),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
         marker = {"event": threading.Event()}
@@ -117,7 +122,9 @@ def main(argv=None):
         addresses.append(marker["address"])
 
     env = dict(os.environ, MORSE_WORLD_SIZE=str(args.workers), MORSE_SERVERS=",".join(addresses),
-               MORSE_CONFIG=config_path)
+               MORSE_CONFIG=config_path, MORSE_INSECURE="1")
+    if args.token_file:
+        env["MORSE_TOKEN_FILE"] = os.path.abspath(args.token_file)
     package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     workers = []

@@ -37,10 +37,28 @@ def _env(name, value, cast=str):
     return cast(os.environ[name])
 
 
+_SECURITY_ENV = {"tls_ca": "MORSE_TLS_CA", "tls_cert": "MORSE_TLS_CERT", "tls_key": "MORSE_TLS_KEY",
+                 "tls_server_name": "MORSE_TLS_SERVER_NAME", "token_file": "MORSE_TOKEN_FILE"}
+
+
+def _security(security):
+    """The worker's credentials: `security` if given (a dict with the keys of
+    morse-worker's flags: tls_ca, tls_cert, tls_key, tls_server_name,
+    token_file, insecure), else from MORSE_TLS_CA, MORSE_TLS_CERT,
+    MORSE_TLS_KEY, MORSE_TLS_SERVER_NAME, MORSE_TOKEN_FILE and MORSE_INSECURE=1
+    (morse-run sets these)."""
+    if security is not None:
+        return dict(security)
+    out = {key: os.environ[env] for key, env in _SECURITY_ENV.items() if os.environ.get(env)}
+    if os.environ.get("MORSE_INSECURE", "") in ("1", "true", "yes"):
+        out["insecure"] = True
+    return out
+
+
 class _MorseOptimizer(torch.optim.Optimizer):
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
                  codec, down_codec, feedback, feedback_beta, bias_correction, schedule, steps,
-                 config, rank, world_size, servers, overlap, block_elems, partition_elems):
+                 config, rank, world_size, servers, overlap, block_elems, partition_elems, security):
         params = list(params)
         if not params:
             raise ValueError("the optimizer got no parameters")
@@ -110,7 +128,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._ranges.append((offset, offset + n))
                 offset += n
         self._session = _morse.Session(base, self.job_overrides, self._rank, servers,
-                                       self._flat.numpy())
+                                       self._flat.numpy(), _security(security))
         self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
         self._joined = False
         self._partitions = self._session.partitions()
@@ -216,13 +234,14 @@ class OneBitAdam(_MorseOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100, *, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, schedule="constant", steps=0, block_elems=None,
-                 partition_elems=None):
+                 partition_elems=None, security=None):
         super().__init__(params, optimizer="onebit_adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=freeze_step, codec="sign1",
                          down_codec=None, feedback="ef", feedback_beta=1.0,
                          bias_correction=False, schedule=schedule, steps=steps, config=config,
                          rank=rank, world_size=world_size, servers=servers, overlap=overlap,
-                         block_elems=block_elems, partition_elems=partition_elems)
+                         block_elems=block_elems, partition_elems=partition_elems,
+                         security=security)
 
 
 class Adam(_MorseOptimizer):
@@ -234,10 +253,11 @@ class Adam(_MorseOptimizer):
                  codec="fp32", down_codec=None, feedback="none", feedback_beta=1.0,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, schedule="constant", steps=0, block_elems=None,
-                 partition_elems=None):
+                 partition_elems=None, security=None):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
                          bias_correction=bias_correction, schedule=schedule, steps=steps,
                          config=config, rank=rank, world_size=world_size, servers=servers,
-                         overlap=overlap, block_elems=block_elems, partition_elems=partition_elems)
+                         overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
+                         security=security)
