@@ -55,7 +55,7 @@ PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout
                        const proto::SecurityOptions& security,
                        std::unique_ptr<proto::TokenFile> tokens)
     : job_(job), layout_(layout), servers_(std::move(servers)), rank_(rank),
-      tokens_(std::move(tokens)) {
+      tls_(!security.insecure), tokens_(std::move(tokens)) {
   const std::shared_ptr<grpc::ChannelCredentials> credentials =
       proto::MakeChannelCredentials(security);
   for (const std::string& address : servers_) {
@@ -123,7 +123,10 @@ absl::Status PushClient::WaitForShards() {
       }
       return absl::DeadlineExceededError(absl::StrCat(
           "no answer within ", job_.connect_timeout_seconds, " s from ",
-          absl::StrJoin(missing, ", "), " (last error: ", last_error, ")"));
+          absl::StrJoin(missing, ", "), " (last error: ", last_error, ")",
+          tls_ ? "; with TLS a failed handshake looks the same: check --tls_ca, the servers' "
+                 "certificate names (--tls_server_name) and the client certificate"
+               : ""));
     }
     std::fprintf(stderr, "morse-worker %u: waiting for servers (%s); retrying in %.1f s\n", rank_,
                  last_error.c_str(), absl::ToDoubleSeconds(backoff));

@@ -127,6 +127,7 @@ class PushClient {
   compress::Layout layout_;
   std::vector<std::string> servers_;
   uint32_t rank_;
+  bool tls_;
   std::unique_ptr<proto::TokenFile> tokens_;
   // stubs_[shard][channel]
   std::vector<std::vector<std::unique_ptr<v1::ParameterServer::Stub>>> stubs_;

@@ -40,6 +40,9 @@ ABSL_FLAG(bool, resume, false,
           "download x, m, v from the shards and continue at their step, with "
           "this worker's "
           "error buffer from its checkpoint of that step if there is one.");
+ABSL_FLAG(bool, rejoin, false,
+          "Resume (as --resume) if the shards already hold the job's model, start fresh "
+          "otherwise: for workers that a supervisor (systemd, a Kubernetes Job) restarts.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "Serve Prometheus /metrics, /healthz and /readyz (ready once joined) over plain "
           "HTTP on host:port (off when empty).");
@@ -110,6 +113,7 @@ int main(int argc, char** argv) {
   options.checksums = absl::GetFlag(FLAGS_checksums);
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.resume = absl::GetFlag(FLAGS_resume);
+  options.rejoin = absl::GetFlag(FLAGS_rejoin);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.security = proto::SecurityOptionsFromFlags();
   if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {

@@ -43,6 +43,15 @@ Session::Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layo
       error_(job.algorithm.worker_feedback, job.algorithm.layout.dim, job.algorithm.layout.block_elems),
       momentum_(job.algorithm.layout.dim) {}
 
+absl::StatusOr<bool> Session::ShardsHoldModel() {
+  auto infos = client_->ShardInfos();
+  if (!infos.ok()) return infos.status();
+  for (const v1::ShardInfo& info : *infos) {
+    if (!info.initialized()) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoint) {
   if (!resume) {
     if (rank_ == 0) {

@@ -40,6 +40,10 @@ class Session {
   // exists. Returns the first step to run.
   absl::StatusOr<int64_t> Start(bool resume, const std::string& checkpoint = "");
 
+  // Whether every shard already holds its initial parameters (the job has
+  // started, or the shards resumed from checkpoints).
+  absl::StatusOr<bool> ShardsHoldModel();
+
   // Waits until all N workers have joined (see PushClient::WaitAllJoined).
   absl::Status WaitAllJoined() { return client_->WaitAllJoined(); }
 

@@ -133,7 +133,15 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
       options.checkpoint_dir.empty() ? job.checkpoint_dir : options.checkpoint_dir;
   const std::string checkpoint =
       checkpoint_dir.empty() ? "" : absl::StrCat(checkpoint_dir, "/worker-", options.rank, ".ckpt");
-  auto first = (*session)->Start(options.resume, checkpoint);
+  bool resume = options.resume;
+  if (options.rejoin && !resume) {
+    // Ranks other than 0 take the model from the shards either way; rank 0
+    // uploads it only if no one has.
+    auto held = (*session)->ShardsHoldModel();
+    if (!held.ok()) return held.status();
+    resume = options.rank != 0 || *held;
+  }
+  auto first = (*session)->Start(resume, checkpoint);
   if (!first.ok()) return first.status();
   const int64_t first_step = *first;
   ready = true;

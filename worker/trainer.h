@@ -27,6 +27,9 @@ struct TrainerOptions {
   // start at their step, restoring the error buffer from this worker's
   // checkpoint of that step if there is one (from zero otherwise).
   bool resume = false;
+  // Resume if the shards already hold the model (a restarted worker), start
+  // fresh otherwise; for supervisors that restart workers (systemd, Jobs).
+  bool rejoin = false;
   // host:port for Prometheus /metrics, /healthz and /readyz (ready once the
   // worker has joined every shard and started); empty: none.
   std::string metrics_listen;

@@ -1,6 +1,7 @@
 // Recovery (DESIGN 4): a job trains 6 steps with checkpoints and stops; the
 // servers restart from their checkpoints and the workers rejoin with
-// --resume, downloading x, m, v from the shards. Steps 6..11 must be
+// --rejoin (which starts the first run fresh and resumes the second, as
+// --resume would), downloading x, m, v from the shards. Steps 6..11 must be
 // bit-identical to a job that never stopped (the simulator), on every
 // worker and every server mirror. A corrupt checkpoint stops the server
 // with a clear error instead of training from scratch.
@@ -68,17 +69,22 @@ TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
   {
     Cluster first(Config(6), 2, 2);
     first.AddServerArgs({"--checkpoint_dir=" + ckpt});
-    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt});
+    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
     first.StartServers(false);
-    first.StartWorkers(false);
+    first.StartWorkers(true);
     ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+    for (int r = 0; r < 2; ++r) {
+      const auto got = JsonField(ReadFile(first.worker_metrics(r)), "checksum");
+      ASSERT_EQ(got.size(), 6u);
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], model[i]) << "worker " << r << " step " << i;
+    }
     first.StopServers();
     EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 6 written"), std::string::npos)
         << ReadFile(first.server_log(0));
   }
   Cluster second(Config(12), 2, 2);
   second.AddServerArgs({"--checkpoint_dir=" + ckpt});
-  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--resume"});
+  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
   second.StartServers(true);
   second.StartWorkers(true);
   ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
