@@ -12,8 +12,12 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev python3-sklearn prometheus-cpp-dev prometheus
   python3-dev pybind11-dev python3-torch python3-matplotlib iproute2
+  openssl systemd dpkg-dev
   "$@"
 )
+# The deploy checks run npm packages (tests/deploy); Debian's npm unless a
+# Node.js with npm is already installed.
+command -v npm >/dev/null || packages+=(npm)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,175 @@
+// Checks one rendered overlay (the output of `kustomize build`), offline:
+//   node check_manifests.js RENDERED.yaml BIN_DIR WORK_DIR
+// 1. every object validates against the Kubernetes API schemas
+//    (kubernetes-models);
+// 2. the pods follow the deployment rules of issue 7: non-root, read-only
+//    root filesystem, all capabilities dropped, no privilege escalation,
+//    requests and limits, readiness and liveness probes;
+// 3. the job's config agrees with the manifests (shards = StatefulSet
+//    replicas = names in --servers; workers = the Job's completions);
+// 4. the binaries accept the args and config the manifests pass: each
+//    container's command runs here with --check_config, with the ConfigMap
+//    and Secret written where the pod would mount them (under WORK_DIR).
+// Prints what it checked; exits 1 with every problem listed otherwise.
+"use strict";
+const fs = require("fs");
+const path = require("path");
+const { spawnSync } = require("child_process");
+const YAML = require("yaml");
+
+const [rendered, binDir, workDir] = process.argv.slice(2);
+if (!rendered || !binDir || !workDir) {
+  console.error("usage: node check_manifests.js RENDERED.yaml BIN_DIR WORK_DIR");
+  process.exit(2);
+}
+const problems = [];
+const fail = (what) => problems.push(what);
+
+const docs = YAML.parseAllDocuments(fs.readFileSync(rendered, "utf8"))
+  .map((d) => d.toJSON())
+  .filter((d) => d);
+const name = (o) => `${o.kind}/${o.metadata && o.metadata.name}`;
+
+// 1. Schemas.
+for (const o of docs) {
+  const group = o.apiVersion.includes("/") ? o.apiVersion : `${o.apiVersion}`;
+  let module;
+  try {
+    module = require(`kubernetes-models/${group}`);
+  } catch (e) {
+    fail(`${name(o)}: no schema for apiVersion ${o.apiVersion}`);
+    continue;
+  }
+  const Model = module[o.kind];
+  if (!Model) {
+    fail(`${name(o)}: no schema for kind ${o.kind} in ${o.apiVersion}`);
+    continue;
+  }
+  // kustomize wraps long base64 values over lines; the API server's decoder
+  // ignores the newlines, the schema's "byte" format does not.
+  if (o.kind === "Secret" && o.data) {
+    for (const k of Object.keys(o.data)) o.data[k] = o.data[k].replace(/\s+/g, "");
+  }
+  try {
+    new Model(o).validate();
+  } catch (e) {
+    fail(`${name(o)}: ${e.message}`);
+  }
+}
+console.log(`schemas: ${docs.length} objects (${docs.map(name).join(", ")})`);
+
+// 2. Pod rules.
+const workloads = docs.filter((o) => o.kind === "StatefulSet" || o.kind === "Job");
+for (const w of workloads) {
+  const pod = w.spec.template.spec;
+  const psc = pod.securityContext || {};
+  if (psc.runAsNonRoot !== true) fail(`${name(w)}: pod securityContext.runAsNonRoot is not true`);
+  if (!(psc.runAsUser > 0)) fail(`${name(w)}: pod securityContext.runAsUser is not a non-root uid`);
+  for (const c of pod.containers) {
+    const where = `${name(w)} container ${c.name}`;
+    const sc = c.securityContext || {};
+    if (sc.readOnlyRootFilesystem !== true) fail(`${where}: readOnlyRootFilesystem is not true`);
+    if (sc.allowPrivilegeEscalation !== false) fail(`${where}: allowPrivilegeEscalation is not false`);
+    if (!((sc.capabilities || {}).drop || []).includes("ALL")) fail(`${where}: capabilities do not drop ALL`);
+    const r = c.resources || {};
+    for (const k of ["requests", "limits"]) {
+      if (!r[k] || !r[k].cpu || !r[k].memory) fail(`${where}: resources.${k} lacks cpu or memory`);
+    }
+    if (!c.readinessProbe) fail(`${where}: no readinessProbe`);
+    if (!c.livenessProbe) fail(`${where}: no livenessProbe`);
+  }
+}
+for (const kind of ["PodDisruptionBudget", "NetworkPolicy", "Service", "ConfigMap", "Secret"]) {
+  if (!docs.some((o) => o.kind === kind)) fail(`no ${kind}`);
+}
+const job = docs.find((o) => o.kind === "Job");
+const sts = docs.find((o) => o.kind === "StatefulSet");
+if (!job || job.spec.completionMode !== "Indexed") fail("the workers are not an Indexed Job");
+if (!sts) fail("no server StatefulSet");
+
+// 3. Config against manifests.
+const configMap = docs.find((o) => o.kind === "ConfigMap");
+const secret = docs.find((o) => o.kind === "Secret");
+const config = configMap ? configMap.data["job.textproto"] || "" : "";
+const field = (f) => {
+  const m = config.match(new RegExp(`^\\s*${f}:\\s*(\\d+)`, "m"));
+  return m ? Number(m[1]) : NaN;
+};
+const shards = field("shards"), workers = field("workers");
+if (sts && sts.spec.replicas !== shards) fail(`StatefulSet replicas ${sts.spec.replicas} != config shards ${shards}`);
+if (job && (job.spec.completions !== workers || job.spec.parallelism !== workers)) {
+  fail(`Job completions/parallelism ${job.spec.completions}/${job.spec.parallelism} != config workers ${workers}`);
+}
+if (job) {
+  const servers = (job.spec.template.spec.containers[0].args || []).find((a) => a.startsWith("--servers="));
+  const expected = Array.from({ length: shards }, (_, s) => `morse-server-${s}.morse-server:7000`).join(",");
+  if (servers !== `--servers=${expected}`) fail(`worker ${servers} != --servers=${expected}`);
+}
+if (job && sts) {
+  const gpu = (job.spec.template.spec.containers[0].resources.limits || {})["nvidia.com/gpu"];
+  console.log(`config: ${shards} shards = StatefulSet replicas, ${workers} workers = Job completions` +
+              (gpu ? `, ${gpu} nvidia.com/gpu per worker` : ", CPU workers"));
+}
+
+// 4. The binaries accept what the manifests pass.
+const mounts = {};  // mountPath -> local directory holding the volume's files
+function materialize(w) {
+  const pod = w.spec.template.spec;
+  for (const v of pod.volumes || []) {
+    let files = null;
+    if (v.configMap) {
+      const cm = docs.find((o) => o.kind === "ConfigMap" && o.metadata.name === v.configMap.name);
+      if (!cm) { fail(`${name(w)}: volume ${v.name} names a missing ConfigMap ${v.configMap.name}`); continue; }
+      files = Object.entries(cm.data).map(([k, text]) => [k, Buffer.from(text)]);
+    } else if (v.secret) {
+      const s = docs.find((o) => o.kind === "Secret" && o.metadata.name === v.secret.secretName);
+      if (!s) { fail(`${name(w)}: volume ${v.name} names a missing Secret ${v.secret.secretName}`); continue; }
+      const items = v.secret.items || Object.keys(s.data).map((k) => ({ key: k, path: k }));
+      files = items.map((it) => {
+        if (!(it.key in s.data)) fail(`${name(w)}: Secret ${s.metadata.name} has no key ${it.key}`);
+        return [it.path, Buffer.from(s.data[it.key] || "", "base64")];
+      });
+    }
+    const dir = path.join(workDir, w.metadata.name, v.name);
+    fs.mkdirSync(dir, { recursive: true });
+    for (const [file, bytes] of files || []) fs.writeFileSync(path.join(dir, file), bytes, { mode: 0o600 });
+  }
+  for (const c of pod.containers) {
+    for (const m of c.volumeMounts || []) mounts[`${w.metadata.name}:${m.mountPath}`] = path.join(workDir, w.metadata.name, m.name);
+  }
+}
+function checkConfig(w, env) {
+  const c = w.spec.template.spec.containers[0];
+  const binaries = { "morse-server": "server/morse-server", "morse-worker": "worker/morse-worker" };
+  const binary = path.join(binDir, binaries[path.basename(c.command[0])] || c.command[0]);
+  const local = (arg) => {
+    let out = arg.replace(/\$\((\w+)\)/g, (_, v) => (v in env ? env[v] : `$(${v})`));
+    // The longest mount path that prefixes the flag's value, replaced once.
+    const eq = out.indexOf("=");
+    if (eq < 0) return out;
+    let best = null;
+    for (const [key, dir] of Object.entries(mounts)) {
+      const [owner, mountPath] = key.split(":");
+      if (owner === w.metadata.name && out.startsWith(`${mountPath}/`, eq + 1) &&
+          (!best || mountPath.length > best[0].length)) best = [mountPath, dir];
+    }
+    return best ? out.slice(0, eq + 1) + best[1] + out.slice(eq + 1 + best[0].length) : out;
+  };
+  const args = (c.args || []).map(local).concat(["--check_config"]);
+  const r = spawnSync(binary, args, { encoding: "utf8", timeout: 30000 });
+  const text = `${r.stdout || ""}${r.stderr || ""}`.trim();
+  if (r.status !== 0) fail(`${name(w)} ${JSON.stringify(env)}: ${path.basename(binary)} --check_config exited ${r.status}: ${text}`);
+  else console.log(`check_config ${name(w)} ${JSON.stringify(env)}: ${text}`);
+}
+if (sts && job) {
+  materialize(sts);
+  materialize(job);
+  for (const shard of [0, shards - 1]) checkConfig(sts, { SHARD: String(shard) });
+  for (const rank of [0, workers - 1]) checkConfig(job, { JOB_COMPLETION_INDEX: String(rank) });
+}
+
+if (problems.length) {
+  console.error(`${rendered}: ${problems.length} problem(s):\n  ${problems.join("\n  ")}`);
+  process.exit(1);
+}
+console.log(`${rendered}: OK`);
