@@ -1,5 +1,5 @@
 """Wrong use of morse.torch gets a clear Python exception, not a crash:
-non-float32 or non-contiguous parameters, no servers reachable (after the
+non-float32 or non-contiguous parameters, no credentials, no servers reachable (after the
 configured timeout), mismatched parameter shapes across workers, and step()
 before every worker joined."""
 import os
@@ -62,6 +62,11 @@ def main():
     expect(ValueError, "not contiguous", lambda: morse.torch.OneBitAdam(
         [torch.nn.Parameter(torch.zeros(3, 4).t())], **args))
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
+    # No credentials and no insecure: refused, saying what to pass.
+    expect(MorseError, "--insecure", lambda: morse.torch.OneBitAdam(
+        torch.nn.Linear(3, 2).parameters(), security={}, **args))
+    expect(ValueError, "unknown security option", lambda: morse.torch.OneBitAdam(
+        torch.nn.Linear(3, 2).parameters(), security={"tls_cafile": "x"}, **args))
 
     # No server listens on this port: the connect timeout (2 s) ends the wait.
     quick = config_file("workers: 1\nshards: 1\nexternal {}\ntimeouts { connect_seconds: 2 }\n")
