@@ -1,0 +1,162 @@
+#include "kernels/codecs.h"
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
+#include "kernels/launch.h"
+
+namespace morse::kernels {
+namespace {
+
+using compress::CodecKind;
+
+cudaStream_t StreamOf(Context& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
+
+launch::AdamArgs Args(const compress::AdamScalars& s) {
+  return {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.bias_correction1, s.bias_correction2};
+}
+
+absl::Status CheckSpec(const compress::CodecSpec& spec, const void* payload) {
+  if (absl::Status s = compress::ValidateCodecSpec(spec); !s.ok()) return s;
+  if (spec.kind == CodecKind::kTopK) {
+    return absl::UnimplementedError("topk has no GPU kernel; use a CPU worker for topk jobs");
+  }
+  if (reinterpret_cast<uintptr_t>(payload) % 4 != 0) {
+    return absl::InvalidArgumentError("GPU payloads must start 4-byte aligned");
+  }
+  return absl::OkStatus();
+}
+
+// Scales, then packed elements (compress/ layout).
+size_t Blocks(const compress::CodecSpec& spec, size_t n) { return compress::BlockCount(spec, n); }
+
+}  // namespace
+
+absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec, const float* x,
+                             float* error, size_t n, compress::FeedbackArgs fb,
+                             const compress::RoundingKey& key, uint8_t* payload) {
+  if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
+  fb = compress::NormalizeFeedback(fb);
+  if (fb.kind != compress::FeedbackKind::kNone && error == nullptr && n > 0) {
+    return absl::InvalidArgumentError("error feedback without an error buffer");
+  }
+  if (fb.kind == compress::FeedbackKind::kNone) error = nullptr;
+  const int feedback = static_cast<int>(fb.kind);
+  cudaStream_t stream = StreamOf(ctx);
+  switch (spec.kind) {
+    case CodecKind::kFp32:
+      // fp32 is exact, so feedback has nothing to compensate; no job uses it.
+      if (error != nullptr) {
+        return absl::UnimplementedError("fp32 with error feedback has no GPU kernel");
+      }
+      if (n > 0) {
+        MORSE_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(payload, x, 4 * n, cudaMemcpyDeviceToDevice, stream));
+      }
+      return ctx.Synchronize();
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+      MORSE_CUDA_RETURN_IF_ERROR(launch::Float16Encode(spec.kind == CodecKind::kBf16, x, error, n,
+                                                       feedback, fb.beta,
+                                                       reinterpret_cast<uint16_t*>(payload),
+                                                       stream));
+      return ctx.Synchronize();
+    default:
+      break;
+  }
+  const size_t blocks = Blocks(spec, n);
+  float* scales = reinterpret_cast<float*>(payload);
+  uint8_t* data = payload + 4 * blocks;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ctx.device_flag(), 0, sizeof(int), stream));
+  if (spec.kind == CodecKind::kSign1) {
+    MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Encode(x, error, n, spec.block_elems,
+                                                   spec.scale == compress::ScaleKind::kL1,
+                                                   feedback, fb.beta, scales, data,
+                                                   ctx.device_flag(), stream));
+  } else {
+    MORSE_CUDA_RETURN_IF_ERROR(launch::IntEncode(
+        spec.kind == CodecKind::kInt8 ? 8 : 4, x, error, n, spec.block_elems, feedback, fb.beta,
+        spec.rounding == compress::Rounding::kStochastic, key.seed, key.step, key.rank,
+        key.first_index, scales, data, ctx.device_flag(), stream));
+  }
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ctx.host_flag(), ctx.device_flag(), sizeof(int),
+                                             cudaMemcpyDeviceToHost, stream));
+  if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
+  if (*ctx.host_flag() != 0) {
+    if (spec.kind == CodecKind::kSign1) {
+      return absl::InvalidArgumentError(
+          "sign1: a block scale is not finite (the input holds Inf or NaN, or "
+          "its squares overflow fp32)");
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        compress::CodecName(spec.kind),
+        ": the input holds Inf or NaN, so a block scale would not be finite"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Decode(Context& ctx, const compress::CodecSpec& spec, const uint8_t* payload,
+                    size_t n, float* out) {
+  if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
+  cudaStream_t stream = StreamOf(ctx);
+  const size_t blocks = Blocks(spec, n);
+  const float* scales = reinterpret_cast<const float*>(payload);
+  switch (spec.kind) {
+    case CodecKind::kFp32:
+      if (n > 0) {
+        MORSE_CUDA_RETURN_IF_ERROR(
+            cudaMemcpyAsync(out, payload, 4 * n, cudaMemcpyDeviceToDevice, stream));
+      }
+      return absl::OkStatus();
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+      MORSE_CUDA_RETURN_IF_ERROR(launch::Float16Decode(
+          spec.kind == CodecKind::kBf16, reinterpret_cast<const uint16_t*>(payload), n, out, stream));
+      return absl::OkStatus();
+    case CodecKind::kSign1:
+      MORSE_CUDA_RETURN_IF_ERROR(
+          launch::Sign1Decode(scales, payload + 4 * blocks, n, spec.block_elems, out, stream));
+      return absl::OkStatus();
+    default:
+      MORSE_CUDA_RETURN_IF_ERROR(launch::IntDecode(spec.kind == CodecKind::kInt8 ? 8 : 4, scales,
+                                                   payload + 4 * blocks, n, spec.block_elems, out,
+                                                   stream));
+      return absl::OkStatus();
+  }
+}
+
+absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
+                                const uint8_t* payload, size_t n,
+                                const compress::AdamScalars& adam, float* x, float* m,
+                                const float* v) {
+  if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
+  if (spec.kind != CodecKind::kSign1) {
+    return absl::InvalidArgumentError("DecodeFrozenUpdate takes sign1 payloads");
+  }
+  const size_t blocks = Blocks(spec, n);
+  MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1DecodeFrozen(reinterpret_cast<const float*>(payload),
+                                                       payload + 4 * blocks, n, spec.block_elems,
+                                                       Args(adam), x, m, v, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
+                        float* m, float* v, size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::AdamUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam, const float* c,
+                          float* x, float* m, const float* v, size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::FrozenUpdate(Args(adam), c, x, m, v, n, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g, float* out,
+                      size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::Momentum(beta1, m, g, out, n, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+}  // namespace morse::kernels

@@ -1,0 +1,55 @@
+// The compress/ functions a worker runs, on the GPU (DESIGN 2.1-2.4), in
+// host-only C++: every pointer is device memory, every function enqueues on
+// the context's stream and returns a status. Results are the same bytes and
+// floats as compress/ (scalar reference) for the same inputs: the kernels
+// use the same fp32 operations in the same order, explicitly rounded, and
+// the scale reductions follow compress/'s 16-lane order, so even the scales
+// match. Payloads use compress/'s layout (all scales, then packed elements)
+// and must start 4-byte aligned.
+//
+// Not on the GPU: topk (UNIMPLEMENTED), int8-stored error buffers (the
+// error buffer here is fp32), averaging (a server's job). Decode functions
+// trust their payload: validate it with compress::ValidatePayload on the
+// host, where it arrived.
+#ifndef MORSE_KERNELS_CODECS_H_
+#define MORSE_KERNELS_CODECS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "compress/codec.h"
+#include "compress/kernels.h"
+#include "kernels/device.h"
+
+namespace morse::kernels {
+
+// compress::EncodeWithError: payload (PayloadBytes(spec, n) bytes) from x
+// (+ error, updated per fb; null when fb is none). Waits for the stream:
+// INVALID_ARGUMENT, as compress/ says it, when a block scale is not finite.
+absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec, const float* x,
+                             float* error, size_t n, compress::FeedbackArgs fb,
+                             const compress::RoundingKey& key, uint8_t* payload);
+
+// compress::Decode into out (n floats). Asynchronous.
+absl::Status Decode(Context& ctx, const compress::CodecSpec& spec, const uint8_t* payload,
+                    size_t n, float* out);
+
+// 1-bit Adam's compression-phase update from a sign1 reply, fused with its
+// decode: m = decode(payload); x -= lr*(m/(sqrt(v)+eps) + wd*x). Asynchronous.
+absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
+                                const uint8_t* payload, size_t n,
+                                const compress::AdamScalars& adam, float* x, float* m,
+                                const float* v);
+
+// KernelTable's adam_update, frozen_update and momentum. Asynchronous.
+absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
+                        float* m, float* v, size_t n);
+absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam, const float* c,
+                          float* x, float* m, const float* v, size_t n);
+absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g, float* out,
+                      size_t n);
+
+}  // namespace morse::kernels
+
+#endif  // MORSE_KERNELS_CODECS_H_

@@ -1,0 +1,96 @@
+#include "kernels/device.h"
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_format.h"
+#include "kernels/cuda_status.h"
+
+namespace morse::kernels {
+
+absl::StatusOr<std::string> DeviceDescription() {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrFormat("no CUDA device: %s", cudaGetErrorString(error)));
+  }
+  if (count == 0) return absl::FailedPreconditionError("no CUDA device: none found");
+  cudaDeviceProp prop;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));
+  return absl::StrFormat("%s (sm_%d%d, %d GiB)", prop.name, prop.major, prop.minor,
+                         static_cast<int>(prop.totalGlobalMem >> 30));
+}
+
+absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
+  DeviceBuffer buffer;
+  if (bytes > 0) MORSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&buffer.data_, bytes));
+  buffer.bytes_ = bytes;
+  return buffer;
+}
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : data_(other.data_), bytes_(other.bytes_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFree(data_);
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+DeviceBuffer::~DeviceBuffer() {
+  if (data_ != nullptr) cudaFree(data_);
+}
+
+absl::Status DeviceBuffer::Upload(const void* host, size_t bytes, size_t offset) {
+  if (offset + bytes > bytes_) return absl::OutOfRangeError("upload past the device buffer");
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(static_cast<char*>(data_) + offset, host, bytes, cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceBuffer::Download(void* host, size_t bytes, size_t offset) const {
+  if (offset + bytes > bytes_) return absl::OutOfRangeError("download past the device buffer");
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host, static_cast<const char*>(data_) + offset, bytes, cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
+absl::Status DeviceBuffer::Fill(uint8_t value) {
+  if (bytes_ == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemset(data_, value, bytes_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<Context>> Context::Create() {
+  std::unique_ptr<Context> ctx(new Context());
+  cudaStream_t stream;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  ctx->stream_ = stream;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&ctx->flag_), sizeof(int)));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMallocHost(reinterpret_cast<void**>(&ctx->host_flag_), sizeof(int)));
+  return ctx;
+}
+
+Context::~Context() {
+  if (flag_ != nullptr) cudaFree(flag_);
+  if (host_flag_ != nullptr) cudaFreeHost(host_flag_);
+  if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+absl::Status Context::Synchronize() {
+  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  return absl::OkStatus();
+}
+
+}  // namespace morse::kernels

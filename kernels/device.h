@@ -1,0 +1,67 @@
+// GPU plumbing for the worker and the tests, in host-only C++ (no CUDA
+// headers): whether a device exists, device arrays, and a context holding a
+// stream and the small buffers the codec functions need.
+#ifndef MORSE_KERNELS_DEVICE_H_
+#define MORSE_KERNELS_DEVICE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace morse::kernels {
+
+// "NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)" for device 0, or
+// FAILED_PRECONDITION saying why there is none (no driver, no device).
+absl::StatusOr<std::string> DeviceDescription();
+
+// Untyped device memory (cudaMalloc), freed on destruction.
+class DeviceBuffer {
+ public:
+  static absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  ~DeviceBuffer();
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(data_); }
+
+  // Synchronous copies of `bytes` at byte `offset`.
+  absl::Status Upload(const void* host, size_t bytes, size_t offset = 0);
+  absl::Status Download(void* host, size_t bytes, size_t offset = 0) const;
+  // Every byte set to `value` (tests poison outputs with it).
+  absl::Status Fill(uint8_t value);
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A CUDA stream and a flag for kernels that report bad input. One thread
+// uses a context at a time.
+class Context {
+ public:
+  static absl::StatusOr<std::unique_ptr<Context>> Create();
+  ~Context();
+
+  void* stream() const { return stream_; }  // a cudaStream_t
+  int* device_flag() const { return flag_; }
+  int* host_flag() const { return host_flag_; }  // pinned
+  absl::Status Synchronize();
+
+ private:
+  Context() = default;
+  void* stream_ = nullptr;
+  int* flag_ = nullptr;
+  int* host_flag_ = nullptr;
+};
+
+}  // namespace morse::kernels
+
+#endif  // MORSE_KERNELS_DEVICE_H_

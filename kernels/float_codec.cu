@@ -1,0 +1,98 @@
+// fp16 and bf16 (DESIGN 2.3) on the GPU with compress/'s bit-level
+// conversions (round to nearest even, compress/'s NaN encodings), and the
+// element-wise Adam updates of DESIGN 2.1-2.2.
+#include "kernels/element_ops.cuh"
+#include "kernels/launch.h"
+
+namespace morse::kernels::launch {
+namespace {
+
+using namespace device;
+
+constexpr int kThreads = 256;
+
+unsigned Grid(size_t n) {
+  const size_t ctas = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(ctas < (1u << 20) ? (ctas > 0 ? ctas : 1) : (1u << 20));
+}
+
+#define MORSE_FOR_EACH_ELEMENT(j, n)                                                    \
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < (n); \
+       j += static_cast<size_t>(gridDim.x) * blockDim.x)
+
+__global__ void Float16EncodeKernel(bool bf16, const float* __restrict__ x, float* __restrict__ e,
+                                    size_t n, int feedback, float beta, uint16_t* __restrict__ out) {
+  MORSE_FOR_EACH_ELEMENT(j, n) {
+    // With feedback, compress/ encodes u = x + e and decodes it back (EncodeViaDecode).
+    const float u = e ? Add(x[j], e[j]) : x[j];
+    const uint16_t h = bf16 ? FloatToBfloat16(u) : FloatToHalf(u);
+    out[j] = h;
+    if (e) e[j] = NextError(feedback, beta, e[j], u, bf16 ? Bfloat16ToFloat(h) : HalfToFloat(h));
+  }
+}
+
+__global__ void Float16DecodeKernel(bool bf16, const uint16_t* __restrict__ in, size_t n,
+                                    float* __restrict__ out) {
+  MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = bf16 ? Bfloat16ToFloat(in[j]) : HalfToFloat(in[j]); }
+}
+
+__global__ void AdamKernel(Adam adam, const float* __restrict__ g, float* __restrict__ x,
+                           float* __restrict__ m, float* __restrict__ v, size_t n) {
+  MORSE_FOR_EACH_ELEMENT(j, n) { AdamElement(adam, g[j], &x[j], &m[j], &v[j]); }
+}
+
+__global__ void FrozenKernel(Adam adam, const float* __restrict__ c, float* __restrict__ x,
+                             float* __restrict__ m, const float* __restrict__ v, size_t n) {
+  MORSE_FOR_EACH_ELEMENT(j, n) { FrozenElement(adam, c[j], &x[j], &m[j], v[j]); }
+}
+
+__global__ void MomentumKernel(float beta1, const float* __restrict__ m,
+                               const float* __restrict__ g, float* __restrict__ out, size_t n) {
+  MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = MomentumElement(beta1, m[j], g[j]); }
+}
+
+#undef MORSE_FOR_EACH_ELEMENT
+
+Adam ToAdam(const AdamArgs& a) {
+  return {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.bias_correction1, a.bias_correction2};
+}
+
+}  // namespace
+
+cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n, int feedback, float beta,
+                          uint16_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  Float16EncodeKernel<<<Grid(n), kThreads, 0, stream>>>(bf16, x, feedback == kFbNone ? nullptr : e,
+                                                        n, feedback, beta, out);
+  return cudaGetLastError();
+}
+
+cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
+                          cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  Float16DecodeKernel<<<Grid(n), kThreads, 0, stream>>>(bf16, in, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
+                       cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  AdamKernel<<<Grid(n), kThreads, 0, stream>>>(ToAdam(adam), g, x, m, v, n);
+  return cudaGetLastError();
+}
+
+cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m, const float* v,
+                         size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  FrozenKernel<<<Grid(n), kThreads, 0, stream>>>(ToAdam(adam), c, x, m, v, n);
+  return cudaGetLastError();
+}
+
+cudaError_t Momentum(float beta1, const float* m, const float* g, float* out, size_t n,
+                     cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  MomentumKernel<<<Grid(n), kThreads, 0, stream>>>(beta1, m, g, out, n);
+  return cudaGetLastError();
+}
+
+}  // namespace morse::kernels::launch
