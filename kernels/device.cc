@@ -88,6 +88,12 @@ Context::~Context() {
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
+absl::Status Context::Copy(void* dst, const void* src, size_t bytes) {
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                                             static_cast<cudaStream_t>(stream_)));
+  return absl::OkStatus();
+}
+
 absl::Status Context::Synchronize() {
   MORSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();

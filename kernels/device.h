@@ -54,6 +54,8 @@ class Context {
   int* device_flag() const { return flag_; }
   int* host_flag() const { return host_flag_; }  // pinned
   absl::Status Synchronize();
+  // Enqueues a device-to-device copy (the bandwidth ceiling of benchmarks).
+  absl::Status Copy(void* dst, const void* src, size_t bytes);
 
  private:
   Context() = default;
