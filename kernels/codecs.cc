@@ -141,6 +141,23 @@ absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed, int64_t step, uint32_t rank,
+                                         float noise, const float* a, const float* t,
+                                         const float* x, float* grad, size_t n) {
+  auto loss = DeviceBuffer::Allocate(sizeof(double));
+  if (!loss.ok()) return loss.status();
+  cudaStream_t stream = StreamOf(ctx);
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(loss->data(), 0, sizeof(double), stream));
+  MORSE_CUDA_RETURN_IF_ERROR(launch::SyntheticGradient(seed, static_cast<uint64_t>(step), rank,
+                                                       noise, a, t, x, grad, n,
+                                                       loss->as<double>(), stream));
+  double host = 0.0;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, loss->data(), sizeof(double),
+                                             cudaMemcpyDeviceToHost, stream));
+  if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
+  return n == 0 ? 0.0 : host / static_cast<double>(n);
+}
+
 absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
                         float* m, float* v, size_t n) {
   MORSE_CUDA_RETURN_IF_ERROR(launch::AdamUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));

@@ -94,6 +94,49 @@ absl::Status Context::Copy(void* dst, const void* src, size_t bytes) {
   return absl::OkStatus();
 }
 
+absl::Status Context::CopyToHost(void* host, const void* device, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost,
+                                             static_cast<cudaStream_t>(stream_)));
+  return absl::OkStatus();
+}
+
+absl::Status Context::CopyToDevice(void* device, const void* host, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
+                                             static_cast<cudaStream_t>(stream_)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
+  PinnedBuffer buffer;
+  if (bytes > 0) {
+    MORSE_CUDA_RETURN_IF_ERROR(cudaMallocHost(reinterpret_cast<void**>(&buffer.data_), bytes));
+  }
+  buffer.bytes_ = bytes;
+  return buffer;
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
+  if (this != &other) {
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (data_ != nullptr) cudaFreeHost(data_);
+}
+
 absl::Status Context::Synchronize() {
   MORSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();

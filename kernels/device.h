@@ -43,6 +43,22 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// Page-locked host memory (cudaMallocHost), for asynchronous copies.
+class PinnedBuffer {
+ public:
+  static absl::StatusOr<PinnedBuffer> Allocate(size_t bytes);
+  PinnedBuffer() = default;
+  PinnedBuffer(PinnedBuffer&& other) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  ~PinnedBuffer();
+  uint8_t* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // A CUDA stream and a flag for kernels that report bad input. One thread
 // uses a context at a time.
 class Context {
@@ -54,8 +70,12 @@ class Context {
   int* device_flag() const { return flag_; }
   int* host_flag() const { return host_flag_; }  // pinned
   absl::Status Synchronize();
-  // Enqueues a device-to-device copy (the bandwidth ceiling of benchmarks).
+  // Enqueue copies on the stream: device to device (the bandwidth ceiling
+  // of benchmarks), device to host and host to device (asynchronous with
+  // pinned host memory).
   absl::Status Copy(void* dst, const void* src, size_t bytes);
+  absl::Status CopyToHost(void* host, const void* device, size_t bytes);
+  absl::Status CopyToDevice(void* device, const void* host, size_t bytes);
 
  private:
   Context() = default;

@@ -36,6 +36,21 @@ __global__ void Float16DecodeKernel(bool bf16, const uint16_t* __restrict__ in, 
   MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = bf16 ? Bfloat16ToFloat(in[j]) : HalfToFloat(in[j]); }
 }
 
+__global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step, uint32_t rank, float noise,
+                                        const float* __restrict__ a, const float* __restrict__ t,
+                                        const float* __restrict__ x, float* __restrict__ grad,
+                                        size_t n, double* loss) {
+  double partial = 0.0;
+  MORSE_FOR_EACH_ELEMENT(j, n) {
+    const float u = StochasticDraw(seed, step, rank, j);
+    const float d = Sub(x[j], t[j]);
+    grad[j] = Add(Mul(a[j], d), Mul(noise, Sub(Mul(2.0f, u), 1.0f)));
+    partial += 0.5 * static_cast<double>(a[j]) * static_cast<double>(d) * static_cast<double>(d);
+  }
+  for (int offset = 16; offset >= 1; offset /= 2) partial += __shfl_down_sync(0xffffffffu, partial, offset);
+  if ((threadIdx.x & 31) == 0) atomicAdd(loss, partial);
+}
+
 __global__ void AdamKernel(Adam adam, const float* __restrict__ g, float* __restrict__ x,
                            float* __restrict__ m, float* __restrict__ v, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) { AdamElement(adam, g[j], &x[j], &m[j], &v[j]); }
@@ -71,6 +86,15 @@ cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
                           cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   Float16DecodeKernel<<<Grid(n), kThreads, 0, stream>>>(bf16, in, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank, float noise,
+                              const float* a, const float* t, const float* x, float* grad,
+                              size_t n, double* loss, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  SyntheticGradientKernel<<<Grid(n), kThreads, 0, stream>>>(seed, step, rank, noise, a, t, x, grad,
+                                                            n, loss);
   return cudaGetLastError();
 }
 

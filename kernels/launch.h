@@ -42,6 +42,10 @@ cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n, int fee
 cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
                           cudaStream_t stream);
 
+cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank, float noise,
+                              const float* a, const float* t, const float* x, float* grad,
+                              size_t n, double* loss, cudaStream_t stream);
+
 cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
                        cudaStream_t stream);
 cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m, const float* v,

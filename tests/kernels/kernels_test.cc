@@ -266,6 +266,27 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
   }
 }
 
+TEST_F(KernelsTest, SyntheticGradientMatchesTheCpuFormula) {
+  // worker/synthetic_workload.cc: grad = a*(x - t) + noise*(2u - 1).
+  const size_t n = 100003;
+  const std::vector<float> a = RandomValues(n, 1, 1.0f), t = RandomValues(n, 2, 1.0f),
+                           x = RandomValues(n, 3, 1.0f);
+  std::vector<float> expected(n);
+  compress::FillDraws({42, 17, 3, 0}, expected.data(), n);
+  double loss = 0.0;
+  for (size_t j = 0; j < n; ++j) {
+    const float d = x[j] - t[j];
+    expected[j] = a[j] * d + 0.25f * (2.0f * expected[j] - 1.0f);
+    loss += 0.5 * double{a[j]} * double{d} * double{d};
+  }
+  kernels::DeviceBuffer da = Upload(a), dt = Upload(t), dx = Upload(x), grad = Poisoned(4 * n);
+  auto got = kernels::SyntheticGradient(*ctx_, 42, 17, 3, 0.25f, da.as<float>(), dt.as<float>(),
+                                        dx.as<float>(), grad.as<float>(), n);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_NEAR(*got, loss / n, 1e-9 * std::abs(loss / n));
+  EXPECT_EQ(FirstDifference(Download<float>(grad, n).data(), expected.data(), 4 * n, 4), "");
+}
+
 TEST_F(KernelsTest, NonFiniteInputIsRefusedLikeTheCpu) {
   std::vector<float> x = RandomValues(1000, 3, 1.0f);
   x[517] = std::numeric_limits<float>::infinity();
