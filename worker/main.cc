@@ -40,6 +40,10 @@ ABSL_FLAG(bool, resume, false,
           "download x, m, v from the shards and continue at their step, with "
           "this worker's "
           "error buffer from its checkpoint of that step if there is one.");
+ABSL_FLAG(std::string, device, "auto",
+          "Where the model, optimizer state, error buffer and gradient live: auto (the GPU "
+          "when one is present and the job can run there, else the CPU, saying why), cpu, or "
+          "cuda (the GPU, or exit 2 saying why not). CPU and GPU workers can share a job.");
 ABSL_FLAG(bool, rejoin, false,
           "Resume (as --resume) if the shards already hold the job's model, start fresh "
           "otherwise: for workers that a supervisor (systemd, a Kubernetes Job) restarts.");
@@ -114,6 +118,7 @@ int main(int argc, char** argv) {
   options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   options.resume = absl::GetFlag(FLAGS_resume);
   options.rejoin = absl::GetFlag(FLAGS_rejoin);
+  options.device = absl::GetFlag(FLAGS_device);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.security = proto::SecurityOptionsFromFlags();
   if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {

@@ -89,6 +89,7 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
 }
 
 absl::Status Session::Encode(const compress::Partition& p, std::string* payload) {
+  if (on_device_) return device_->Encode(step_, rank_, plan_, p, payload);
   const uint64_t n = p.range.size();
   payload->resize(compress::PayloadBytes(plan_.up, n));
   absl::Span<const float> input = grad_.subspan(p.range.begin, n);
@@ -103,6 +104,41 @@ absl::Status Session::Encode(const compress::Partition& p, std::string* payload)
 }
 
 absl::Status Session::Begin(absl::Span<const float> grad) {
+  if (device_ != nullptr) {
+    return absl::FailedPreconditionError("this session keeps its model on the GPU: use StepOnDevice");
+  }
+  if (grad.size() != job_.algorithm.layout.dim) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient of ", grad.size(), " elements for ",
+                                                   job_.algorithm.layout.dim, " parameters"));
+  }
+  if (absl::Status s = BeginStep(); !s.ok()) return s;
+  grad_ = grad;
+  return absl::OkStatus();
+}
+
+absl::Status Session::StepOnDevice(StepTraffic* traffic) {
+  if (device_ == nullptr) return absl::FailedPreconditionError("no GPU in this session (UseDevice)");
+  if (absl::Status s = BeginStep(); !s.ok()) return s;
+  return Finish(traffic);
+}
+
+absl::Status Session::UseDevice(std::unique_ptr<DeviceModel> device) {
+  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  std::vector<float> error(job_.algorithm.layout.dim);
+  error_.Read(0, absl::MakeSpan(error));
+  if (absl::Status s = device->Upload(replica_, error); !s.ok()) return s;
+  device_ = std::move(device);
+  return absl::OkStatus();
+}
+
+absl::Status Session::SyncHost() {
+  if (device_ == nullptr) return absl::OkStatus();
+  std::vector<float> error(job_.algorithm.layout.dim);
+  if (absl::Status s = device_->Download(replica_, absl::MakeSpan(error)); !s.ok()) return s;
+  return error_.Restore(error);
+}
+
+absl::Status Session::BeginStep() {
   if (!failed_.ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step_, " failed earlier (", failed_.message(),
@@ -110,18 +146,15 @@ absl::Status Session::Begin(absl::Span<const float> grad) {
         "(morse-worker) or rebuild the optimizer"));
   }
   if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
-  if (grad.size() != job_.algorithm.layout.dim) {
-    return absl::InvalidArgumentError(absl::StrCat("gradient of ", grad.size(), " elements for ",
-                                                   job_.algorithm.layout.dim, " parameters"));
-  }
-  grad_ = grad;
+  on_device_ = device_ != nullptr;
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   const int64_t step = step_;
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind, [this, step](const compress::Partition& p, const std::string& reply) {
-        return replica_.ApplyReply(step, p.range.begin, p.range.size(),
-                                   {reinterpret_cast<const uint8_t*>(reply.data()), reply.size()});
+        const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
+        if (on_device_) return device_->ApplyReply(step, p, bytes);
+        return replica_.ApplyReply(step, p.range.begin, p.range.size(), bytes);
       });
   return absl::OkStatus();
 }

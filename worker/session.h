@@ -19,6 +19,7 @@
 #include "compress/replica.h"
 #include "proto/job_config.h"
 #include "worker/client.h"
+#include "worker/device_model.h"
 
 namespace morse::worker {
 
@@ -59,6 +60,14 @@ class Session {
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
+  // The GPU path: from now on x, m, v and the error buffer live in `device`
+  // (uploaded here); StepOnDevice runs a step from the device's gradient,
+  // and SyncHost brings replica() and error() up to date.
+  absl::Status UseDevice(std::unique_ptr<DeviceModel> device);
+  DeviceModel* device() { return device_.get(); }
+  absl::Status StepOnDevice(StepTraffic* traffic = nullptr);
+  absl::Status SyncHost();
+
   // Writes this worker's checkpoint (error buffer, step) to `path`.
   absl::Status SaveCheckpoint(const std::string& path) const;
 
@@ -74,6 +83,7 @@ class Session {
  private:
   Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout, absl::Span<float> x);
   absl::Status Encode(const compress::Partition& p, std::string* payload);
+  absl::Status BeginStep();  // Begin's checks and the exchange, either path
 
   proto::JobSpec job_;
   uint32_t rank_;
@@ -88,6 +98,8 @@ class Session {
   std::vector<float> momentum_;
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
+  std::unique_ptr<DeviceModel> device_;
+  bool on_device_ = false;  // the step in flight runs on device_
   absl::Status failed_;  // the error that ended training, if a step failed
 };
 

@@ -20,6 +20,7 @@
 #include "compress/replica.h"
 #include "proto/checkpoint_file.h"
 #include "proto/http_endpoint.h"
+#include "worker/device_model.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -75,13 +76,48 @@ std::string TrainingSummary::ToJson() const {
       "{\"rank\":%u,\"steps\":%d,\"final_loss\":%.6g,\"payload_up_bytes\":%u,"
       "\"payload_down_bytes\":%u,\"warmup_up_bytes_per_step\":%u,"
       "\"compressed_up_bytes_per_step\":%u,\"wire_sent_bytes\":%u,\"wire_received_bytes\":%u,"
-      "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\"",
+      "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\",\"device\":\"%s\"",
       rank, steps, final_loss, payload_up, payload_down, warmup_up_per_step,
       compressed_up_per_step, wire_sent_bytes, wire_received_bytes, wall_seconds, comm_seconds,
-      final_checksum);
+      final_checksum, device);
   if (test_accuracy.has_value()) absl::StrAppendFormat(&json, ",\"test_accuracy\":%.4f", *test_accuracy);
   return json + "}";
 }
+
+namespace {
+
+// Moves the session's model to the GPU when options.device asks for it and
+// the job can run there; says why not for "auto". True when on the GPU.
+absl::StatusOr<bool> UseDevice(const proto::JobSpec& job, const TrainerOptions& options,
+                               Workload& workload, Session& session) {
+  if (options.device == "cpu") return false;
+  if (options.device != "auto" && options.device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device ", options.device, ": use auto, cpu or cuda"));
+  }
+  const auto cpu_because = [&](const absl::Status& why) -> absl::StatusOr<bool> {
+    if (options.device == "cuda") {
+      return absl::Status(why.code(), absl::StrCat("--device cuda: ", why.message()));
+    }
+    std::printf("worker %u: training on the CPU (%s)\n", options.rank, std::string(why.message()).c_str());
+    return false;
+  };
+  auto* synthetic = dynamic_cast<SyntheticWorkload*>(&workload);
+  if (synthetic == nullptr) {
+    return cpu_because(absl::UnimplementedError(
+        "only the synthetic workload computes its gradient on the GPU so far"));
+  }
+  auto model = DeviceModel::Create(job.algorithm, session.layout());
+  if (!model.ok()) return cpu_because(model.status());
+  if (absl::Status s = (*model)->SetSyntheticWorkload(*synthetic); !s.ok()) return s;
+  const std::string description = (*model)->description();
+  if (absl::Status s = session.UseDevice(*std::move(model)); !s.ok()) return s;
+  std::printf("worker %u: x, m, v, error buffer and gradient on %s\n", options.rank,
+              description.c_str());
+  return true;
+}
+
+}  // namespace
 
 absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options) {
   auto workload = MakeWorkload(job, options.rank);
@@ -144,6 +180,10 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   auto first = (*session)->Start(resume, checkpoint);
   if (!first.ok()) return first.status();
   const int64_t first_step = *first;
+  auto on_gpu = UseDevice(job, options, **workload, **session);
+  if (!on_gpu.ok()) return on_gpu.status();
+  DeviceModel* device = *on_gpu ? (*session)->device() : nullptr;
+  const auto sync_host = [&]() -> absl::Status { return (*session)->SyncHost(); };
   ready = true;
 
   std::unique_ptr<std::ofstream> metrics;
@@ -154,6 +194,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
 
   TrainingSummary summary;
   summary.rank = options.rank;
+  if (device != nullptr) summary.device = device->description();
   std::vector<float> grad(dim);
   const TcpCounters tcp_start = ReadTcpCounters();
   const absl::Time train_start = absl::Now();
@@ -161,13 +202,26 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   uint64_t interval_up = 0, interval_down = 0;
   for (int64_t step = first_step; step < job.steps; ++step) {
     const absl::Time step_start = absl::Now();
-    auto loss = (*workload)->Gradient(step, replica.x(), absl::MakeSpan(grad));
+    auto loss = device != nullptr ? device->Gradient(step)
+                                  : (*workload)->Gradient(step, replica.x(), absl::MakeSpan(grad));
     if (!loss.ok()) return loss.status();
     const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     StepTraffic traffic;
     const TcpCounters tcp_before = ReadTcpCounters();
     const absl::Time exchange_start = absl::Now();
-    if (absl::Status s = (*session)->Step(grad, &traffic); !s.ok()) return s;
+    if (absl::Status s = device != nullptr ? (*session)->StepOnDevice(&traffic)
+                                           : (*session)->Step(grad, &traffic);
+        !s.ok()) {
+      return s;
+    }
+    // The host copy of the model is brought up to date when it is read.
+    const bool host_needed = options.checksums ||
+                             (!checkpoint.empty() && job.checkpoint_every_steps > 0 &&
+                              (step + 1) % job.checkpoint_every_steps == 0) ||
+                             (steps_total != nullptr && (step + 1) % job.log_every == 0);
+    if (device != nullptr && host_needed) {
+      if (absl::Status s = sync_host(); !s.ok()) return s;
+    }
     const compress::StepPlan& plan = (*session)->plan();
     const TcpCounters tcp_after = ReadTcpCounters();
     const double step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
@@ -241,6 +295,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   summary.wire_sent_bytes = tcp_end.sent - tcp_start.sent;
   summary.wire_received_bytes = tcp_end.received - tcp_start.received;
   summary.steps = job.steps - first_step;
+  if (absl::Status s = sync_host(); !s.ok()) return s;
   summary.test_accuracy = (*workload)->TestAccuracy(replica.x());
   summary.final_checksum = replica.Checksum();
   if (metrics) metrics->flush();

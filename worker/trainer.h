@@ -30,6 +30,10 @@ struct TrainerOptions {
   // Resume if the shards already hold the model (a restarted worker), start
   // fresh otherwise; for supervisors that restart workers (systemd, Jobs).
   bool rejoin = false;
+  // Where x, m, v, the error buffer and the gradient live: "auto" (the GPU
+  // when there is one and the job can run there, else the CPU, saying why),
+  // "cpu", or "cuda" (the GPU or an error).
+  std::string device = "auto";
   // host:port for Prometheus /metrics, /healthz and /readyz (ready once the
   // worker has joined every shard and started); empty: none.
   std::string metrics_listen;
@@ -47,6 +51,7 @@ struct TrainingSummary {
   double wall_seconds = 0;
   double comm_seconds = 0;
   uint64_t final_checksum = 0;
+  std::string device = "cpu";  // or the GPU's description
 
   std::string ToJson() const;
 };

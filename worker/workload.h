@@ -53,6 +53,12 @@ class SyntheticWorkload final : public Workload {
   std::optional<double> TestAccuracy(absl::Span<const float>) const override {
     return std::nullopt;
   }
+  // What the GPU version of the gradient needs (worker/device_model.h).
+  uint64_t seed() const { return seed_; }
+  uint32_t rank() const { return rank_; }
+  float noise() const { return noise_; }
+  const std::vector<float>& curvature() const { return curvature_; }
+  const std::vector<float>& target() const { return target_; }
 
  private:
   uint64_t seed_;
