@@ -87,6 +87,34 @@ const sts = docs.find((o) => o.kind === "StatefulSet");
 if (!job || job.spec.completionMode !== "Indexed") fail("the workers are not an Indexed Job");
 if (!sts) fail("no server StatefulSet");
 
+// Selectors must select the pods they are meant for (the schemas cannot
+// tell): the Service, the PDB and the server NetworkPolicy select the server
+// pods; the NetworkPolicies' peers select worker pods; each workload's own
+// selector matches its template.
+const podLabels = (w) => (w && w.spec.template.metadata && w.spec.template.metadata.labels) || {};
+const selects = (selector, labels) =>
+  !!selector && Object.entries(selector).every(([k, v]) => labels[k] === v);
+const stsLabels = podLabels(docs.find((o) => o.kind === "StatefulSet"));
+const jobLabels = podLabels(docs.find((o) => o.kind === "Job"));
+for (const o of docs) {
+  if (o.kind === "Service" && !selects(o.spec.selector, stsLabels)) fail(`${name(o)}: selector misses the server pods`);
+  if (o.kind === "PodDisruptionBudget" && !selects(o.spec.selector.matchLabels, stsLabels)) {
+    fail(`${name(o)}: selector misses the server pods`);
+  }
+  if (o.kind === "StatefulSet" && !selects(o.spec.selector.matchLabels, stsLabels)) fail(`${name(o)}: selector misses its pods`);
+  if (o.kind === "NetworkPolicy") {
+    const target = o.metadata.name.endsWith("server") ? stsLabels : jobLabels;
+    if (!selects(o.spec.podSelector.matchLabels, target)) fail(`${name(o)}: podSelector misses its pods`);
+    for (const rule of o.spec.ingress || []) {
+      for (const peer of rule.from || []) {
+        if (peer.podSelector && !selects(peer.podSelector.matchLabels, jobLabels)) {
+          fail(`${name(o)}: an ingress podSelector ${JSON.stringify(peer.podSelector.matchLabels)} selects no worker pod`);
+        }
+      }
+    }
+  }
+}
+
 // 3. Config against manifests.
 const configMap = docs.find((o) => o.kind === "ConfigMap");
 const secret = docs.find((o) => o.kind === "Secret");
