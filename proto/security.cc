@@ -205,6 +205,10 @@ std::string TokenFile::Current() {
 grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens) {
   if (tokens == nullptr) return grpc::Status::OK;
   const auto& metadata = context.client_metadata();
+  if (metadata.count(kAuthorizationKey) > 1) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "more than one authorization header; send exactly one bearer token");
+  }
   const auto it = metadata.find(kAuthorizationKey);
   if (it == metadata.end()) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,

@@ -92,8 +92,8 @@ inline constexpr char kAuthorizationKey[] = "authorization";
 inline constexpr char kBearerPrefix[] = "Bearer ";
 
 // The server-side check: OK when `tokens` is null (no token configured) or
-// the call carries "authorization: Bearer <accepted token>"; UNAUTHENTICATED
-// saying what is wrong otherwise.
+// the call carries exactly one "authorization: Bearer <accepted token>";
+// UNAUTHENTICATED saying what is wrong otherwise.
 grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens);
 
 }  // namespace morse::proto

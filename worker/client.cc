@@ -91,8 +91,7 @@ absl::Status PushClient::WaitForShards() {
       // wait_for_ready: the call rides out the channel's own reconnect
       // backoff and returns as soon as the server accepts a connection.
       grpc::ClientContext context;
-  Authorize(&context);
-    Authorize(&context);
+      Authorize(&context);
       context.set_wait_for_ready(true);
       context.set_deadline(DeadlineIn(1.0));
       v1::ShardInfo info;
@@ -144,7 +143,6 @@ absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
     request.set_values(reinterpret_cast<const char*>(x0.data() + p.range.begin),
                        4 * p.range.size());
     grpc::ClientContext context;
-  Authorize(&context);
     Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     v1::InitPartitionReply reply;
@@ -183,7 +181,6 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
     grpc::ClientContext context;
-  Authorize(&context);
     Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     v1::PartitionState state;
@@ -214,7 +211,6 @@ absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
   std::vector<v1::ShardInfo> infos(servers_.size());
   for (uint32_t s = 0; s < servers_.size(); ++s) {
     grpc::ClientContext context;
-  Authorize(&context);
     Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &infos[s]);
@@ -345,7 +341,6 @@ absl::Status PushClient::Join() {
   }
   for (uint32_t s = 0; s < servers_.size(); ++s) {
     grpc::ClientContext context;
-  Authorize(&context);
     Authorize(&context);
     context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
     v1::JoinReply reply;

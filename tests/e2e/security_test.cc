@@ -69,7 +69,8 @@ class SecurityTest : public ::testing::Test {
   // GetShardInfo over `credentials`, with `token` as bearer token if set.
   static grpc::Status Call(const std::string& address,
                            std::shared_ptr<grpc::ChannelCredentials> credentials,
-                           const std::string& token, int seconds = 10) {
+                           const std::string& token, int seconds = 10,
+                           const std::string& second_token = "") {
     auto stub = v1::ParameterServer::NewStub(grpc::CreateChannel(address, credentials));
     grpc::ClientContext context;
     // Ready waits out the server's start-up; the deadline bounds a refused
@@ -78,6 +79,7 @@ class SecurityTest : public ::testing::Test {
     context.set_wait_for_ready(true);
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
     if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+    if (!second_token.empty()) context.AddMetadata("authorization", "Bearer " + second_token);
     v1::ShardInfo info;
     return stub->GetShardInfo(&context, v1::ShardInfoRequest(), &info);
   }
@@ -115,8 +117,13 @@ TEST_F(SecurityTest, CorrectClientIsAcceptedAndWrongOnesAreRefused) {
 
   s = Call(address, good, Token() + "x");
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
-  s = Call(address, good, "0" + Token().substr(1));
+  // The same length, the first character changed.
+  s = Call(address, good, (Token()[0] == '0' ? "1" : "0") + Token().substr(1));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  // Exactly one token: a second header, even a correct one, is refused.
+  s = Call(address, good, Token(), 10, Token());
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_message().find("more than one"), std::string::npos);
 
   // A client certificate from another CA fails the handshake.
   s = Call(address, Tls(A("ca.pem"), B("client.pem"), B("client.key")), Token(), 2);
