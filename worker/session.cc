@@ -89,7 +89,7 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
 }
 
 absl::Status Session::Encode(const compress::Partition& p, std::string* payload) {
-  if (on_device_) return device_->Encode(step_, rank_, plan_, p, payload);
+  if (device_ != nullptr) return device_->Encode(step_, rank_, plan_, p, payload);
   const uint64_t n = p.range.size();
   payload->resize(compress::PayloadBytes(plan_.up, n));
   absl::Span<const float> input = grad_.subspan(p.range.begin, n);
@@ -146,14 +146,13 @@ absl::Status Session::BeginStep() {
         "(morse-worker) or rebuild the optimizer"));
   }
   if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
-  on_device_ = device_ != nullptr;
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   const int64_t step = step_;
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind, [this, step](const compress::Partition& p, const std::string& reply) {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
-        if (on_device_) return device_->ApplyReply(step, p, bytes);
+        if (device_ != nullptr) return device_->ApplyReply(step, p, bytes);
         return replica_.ApplyReply(step, p.range.begin, p.range.size(), bytes);
       });
   return absl::OkStatus();

@@ -98,8 +98,7 @@ class Session {
   std::vector<float> momentum_;
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
-  std::unique_ptr<DeviceModel> device_;
-  bool on_device_ = false;  // the step in flight runs on device_
+  std::unique_ptr<DeviceModel> device_;  // set between steps only
   absl::Status failed_;  // the error that ended training, if a step failed
 };
 

@@ -183,7 +183,6 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   auto on_gpu = UseDevice(job, options, **workload, **session);
   if (!on_gpu.ok()) return on_gpu.status();
   DeviceModel* device = *on_gpu ? (*session)->device() : nullptr;
-  const auto sync_host = [&]() -> absl::Status { return (*session)->SyncHost(); };
   ready = true;
 
   std::unique_ptr<std::ofstream> metrics;
@@ -214,13 +213,12 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
         !s.ok()) {
       return s;
     }
-    // The host copy of the model is brought up to date when it is read.
-    const bool host_needed = options.checksums ||
-                             (!checkpoint.empty() && job.checkpoint_every_steps > 0 &&
-                              (step + 1) % job.checkpoint_every_steps == 0) ||
-                             (steps_total != nullptr && (step + 1) % job.log_every == 0);
-    if (device != nullptr && host_needed) {
-      if (absl::Status s = sync_host(); !s.ok()) return s;
+    const bool checkpoint_due = !checkpoint.empty() && job.checkpoint_every_steps > 0 &&
+                                (step + 1) % job.checkpoint_every_steps == 0;
+    const bool norm_due = steps_total != nullptr && (step + 1) % job.log_every == 0;
+    // On the GPU, the host copy of the model is brought up to date when read.
+    if (device != nullptr && (options.checksums || checkpoint_due || norm_due)) {
+      if (absl::Status s = (*session)->SyncHost(); !s.ok()) return s;
     }
     const compress::StepPlan& plan = (*session)->plan();
     const TcpCounters tcp_after = ReadTcpCounters();
@@ -238,7 +236,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
       step_seconds_metric->Observe(step_seconds);
       comm_seconds_metric->Observe(comm_seconds);
       loss_metric->Set(*loss);
-      if ((step + 1) % job.log_every == 0) {
+      if (norm_due) {
         error_norm_metric->Set(std::sqrt((*session)->error().SquaredNorm()));
       }
     }
@@ -263,8 +261,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
       }
       *metrics << "}\n";
     }
-    if (!checkpoint.empty() && job.checkpoint_every_steps > 0 &&
-        (step + 1) % job.checkpoint_every_steps == 0) {
+    if (checkpoint_due) {
       if (absl::Status s = (*session)->SaveCheckpoint(checkpoint); !s.ok()) {
         std::fprintf(stderr, "worker %u: checkpoint not written: %s\n", options.rank,
                      std::string(s.message()).c_str());
@@ -295,7 +292,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   summary.wire_sent_bytes = tcp_end.sent - tcp_start.sent;
   summary.wire_received_bytes = tcp_end.received - tcp_start.received;
   summary.steps = job.steps - first_step;
-  if (absl::Status s = sync_host(); !s.ok()) return s;
+  if (absl::Status s = (*session)->SyncHost(); !s.ok()) return s;
   summary.test_accuracy = (*workload)->TestAccuracy(replica.x());
   summary.final_checksum = replica.Checksum();
   if (metrics) metrics->flush();
