@@ -11,16 +11,25 @@ namespace {
 
 using compress::CodecKind;
 
-cudaStream_t StreamOf(Context& ctx) { return static_cast<cudaStream_t>(ctx.stream()); }
+cudaStream_t StreamOf(Context& ctx) {
+  return static_cast<cudaStream_t>(ctx.stream());
+}
 
 launch::AdamArgs Args(const compress::AdamScalars& s) {
-  return {s.lr, s.beta1, s.beta2, s.eps, s.weight_decay, s.bias_correction1, s.bias_correction2};
+  return {s.lr,
+          s.beta1,
+          s.beta2,
+          s.eps,
+          s.weight_decay,
+          s.bias_correction1,
+          s.bias_correction2};
 }
 
 absl::Status CheckSpec(const compress::CodecSpec& spec, const void* payload) {
   if (absl::Status s = compress::ValidateCodecSpec(spec); !s.ok()) return s;
   if (spec.kind == CodecKind::kTopK) {
-    return absl::UnimplementedError("topk has no GPU kernel; use a CPU worker for topk jobs");
+    return absl::UnimplementedError(
+        "topk has no GPU kernel; use a CPU worker for topk jobs");
   }
   if (reinterpret_cast<uintptr_t>(payload) % 4 != 0) {
     return absl::InvalidArgumentError("GPU payloads must start 4-byte aligned");
@@ -28,14 +37,13 @@ absl::Status CheckSpec(const compress::CodecSpec& spec, const void* payload) {
   return absl::OkStatus();
 }
 
-// Scales, then packed elements (compress/ layout).
-size_t Blocks(const compress::CodecSpec& spec, size_t n) { return compress::BlockCount(spec, n); }
-
 }  // namespace
 
-absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec, const float* x,
-                             float* error, size_t n, compress::FeedbackArgs fb,
-                             const compress::RoundingKey& key, uint8_t* payload) {
+absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
+                             const float* x, float* error, size_t n,
+                             compress::FeedbackArgs fb,
+                             const compress::RoundingKey& key,
+                             uint8_t* payload) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
   fb = compress::NormalizeFeedback(fb);
   if (fb.kind != compress::FeedbackKind::kNone && error == nullptr && n > 0) {
@@ -48,39 +56,41 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec, cons
     case CodecKind::kFp32:
       // fp32 is exact, so feedback has nothing to compensate; no job uses it.
       if (error != nullptr) {
-        return absl::UnimplementedError("fp32 with error feedback has no GPU kernel");
+        return absl::UnimplementedError(
+            "fp32 with error feedback has no GPU kernel");
       }
       if (n > 0) {
-        MORSE_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(payload, x, 4 * n, cudaMemcpyDeviceToDevice, stream));
+        MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+            payload, x, 4 * n, cudaMemcpyDeviceToDevice, stream));
       }
       return ctx.Synchronize();
     case CodecKind::kFp16:
     case CodecKind::kBf16:
-      MORSE_CUDA_RETURN_IF_ERROR(launch::Float16Encode(spec.kind == CodecKind::kBf16, x, error, n,
-                                                       feedback, fb.beta,
-                                                       reinterpret_cast<uint16_t*>(payload),
-                                                       stream));
+      MORSE_CUDA_RETURN_IF_ERROR(launch::Float16Encode(
+          spec.kind == CodecKind::kBf16, x, error, n, feedback, fb.beta,
+          reinterpret_cast<uint16_t*>(payload), stream));
       return ctx.Synchronize();
     default:
       break;
   }
-  const size_t blocks = Blocks(spec, n);
+  const size_t blocks = compress::BlockCount(spec, n);
   float* scales = reinterpret_cast<float*>(payload);
   uint8_t* data = payload + 4 * blocks;
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ctx.device_flag(), 0, sizeof(int), stream));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(ctx.device_flag(), 0, sizeof(int), stream));
   if (spec.kind == CodecKind::kSign1) {
-    MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Encode(x, error, n, spec.block_elems,
-                                                   spec.scale == compress::ScaleKind::kL1,
-                                                   feedback, fb.beta, scales, data,
-                                                   ctx.device_flag(), stream));
+    MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Encode(
+        x, error, n, spec.block_elems, spec.scale == compress::ScaleKind::kL1,
+        feedback, fb.beta, scales, data, ctx.device_flag(), stream));
   } else {
     MORSE_CUDA_RETURN_IF_ERROR(launch::IntEncode(
-        spec.kind == CodecKind::kInt8 ? 8 : 4, x, error, n, spec.block_elems, feedback, fb.beta,
-        spec.rounding == compress::Rounding::kStochastic, key.seed, key.step, key.rank,
-        key.first_index, scales, data, ctx.device_flag(), stream));
+        spec.kind == CodecKind::kInt8 ? 8 : 4, x, error, n, spec.block_elems,
+        feedback, fb.beta, spec.rounding == compress::Rounding::kStochastic,
+        key.seed, key.step, key.rank, key.first_index, scales, data,
+        ctx.device_flag(), stream));
   }
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ctx.host_flag(), ctx.device_flag(), sizeof(int),
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ctx.host_flag(), ctx.device_flag(),
+                                             sizeof(int),
                                              cudaMemcpyDeviceToHost, stream));
   if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
   if (*ctx.host_flag() != 0) {
@@ -96,83 +106,91 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec, cons
   return absl::OkStatus();
 }
 
-absl::Status Decode(Context& ctx, const compress::CodecSpec& spec, const uint8_t* payload,
-                    size_t n, float* out) {
+absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,
+                    const uint8_t* payload, size_t n, float* out) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
   cudaStream_t stream = StreamOf(ctx);
-  const size_t blocks = Blocks(spec, n);
+  const size_t blocks = compress::BlockCount(spec, n);
   const float* scales = reinterpret_cast<const float*>(payload);
   switch (spec.kind) {
     case CodecKind::kFp32:
       if (n > 0) {
-        MORSE_CUDA_RETURN_IF_ERROR(
-            cudaMemcpyAsync(out, payload, 4 * n, cudaMemcpyDeviceToDevice, stream));
+        MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+            out, payload, 4 * n, cudaMemcpyDeviceToDevice, stream));
       }
       return absl::OkStatus();
     case CodecKind::kFp16:
     case CodecKind::kBf16:
       MORSE_CUDA_RETURN_IF_ERROR(launch::Float16Decode(
-          spec.kind == CodecKind::kBf16, reinterpret_cast<const uint16_t*>(payload), n, out, stream));
+          spec.kind == CodecKind::kBf16,
+          reinterpret_cast<const uint16_t*>(payload), n, out, stream));
       return absl::OkStatus();
     case CodecKind::kSign1:
-      MORSE_CUDA_RETURN_IF_ERROR(
-          launch::Sign1Decode(scales, payload + 4 * blocks, n, spec.block_elems, out, stream));
+      MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Decode(
+          scales, payload + 4 * blocks, n, spec.block_elems, out, stream));
       return absl::OkStatus();
     default:
-      MORSE_CUDA_RETURN_IF_ERROR(launch::IntDecode(spec.kind == CodecKind::kInt8 ? 8 : 4, scales,
-                                                   payload + 4 * blocks, n, spec.block_elems, out,
-                                                   stream));
+      MORSE_CUDA_RETURN_IF_ERROR(launch::IntDecode(
+          spec.kind == CodecKind::kInt8 ? 8 : 4, scales, payload + 4 * blocks,
+          n, spec.block_elems, out, stream));
       return absl::OkStatus();
   }
 }
 
 absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
                                 const uint8_t* payload, size_t n,
-                                const compress::AdamScalars& adam, float* x, float* m,
-                                const float* v) {
+                                const compress::AdamScalars& adam, float* x,
+                                float* m, const float* v) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
   if (spec.kind != CodecKind::kSign1) {
-    return absl::InvalidArgumentError("DecodeFrozenUpdate takes sign1 payloads");
+    return absl::InvalidArgumentError(
+        "DecodeFrozenUpdate takes sign1 payloads");
   }
-  const size_t blocks = Blocks(spec, n);
-  MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1DecodeFrozen(reinterpret_cast<const float*>(payload),
-                                                       payload + 4 * blocks, n, spec.block_elems,
-                                                       Args(adam), x, m, v, StreamOf(ctx)));
+  const size_t blocks = compress::BlockCount(spec, n);
+  MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1DecodeFrozen(
+      reinterpret_cast<const float*>(payload), payload + 4 * blocks, n,
+      spec.block_elems, Args(adam), x, m, v, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed, int64_t step, uint32_t rank,
-                                         float noise, const float* a, const float* t,
-                                         const float* x, float* grad, size_t n) {
-  auto loss = DeviceBuffer::Allocate(sizeof(double));
-  if (!loss.ok()) return loss.status();
+absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
+                                         int64_t step, uint32_t rank,
+                                         float noise, const float* a,
+                                         const float* t, const float* x,
+                                         float* grad, size_t n) {
   cudaStream_t stream = StreamOf(ctx);
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(loss->data(), 0, sizeof(double), stream));
-  MORSE_CUDA_RETURN_IF_ERROR(launch::SyntheticGradient(seed, static_cast<uint64_t>(step), rank,
-                                                       noise, a, t, x, grad, n,
-                                                       loss->as<double>(), stream));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(ctx.device_sum(), 0, sizeof(double), stream));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::SyntheticGradient(seed, static_cast<uint64_t>(step), rank, noise,
+                                a, t, x, grad, n, ctx.device_sum(), stream));
   double host = 0.0;
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, loss->data(), sizeof(double),
-                                             cudaMemcpyDeviceToHost, stream));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      &host, ctx.device_sum(), sizeof(double), cudaMemcpyDeviceToHost, stream));
   if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
   return n == 0 ? 0.0 : host / static_cast<double>(n);
 }
 
-absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
-                        float* m, float* v, size_t n) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::AdamUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));
+absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam,
+                        const float* g, float* x, float* m, float* v,
+                        size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::AdamUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
-absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam, const float* c,
-                          float* x, float* m, const float* v, size_t n) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::FrozenUpdate(Args(adam), c, x, m, v, n, StreamOf(ctx)));
+absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam,
+                          const float* c, float* x, float* m, const float* v,
+                          size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::FrozenUpdate(Args(adam), c, x, m, v, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
-absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g, float* out,
-                      size_t n) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::Momentum(beta1, m, g, out, n, StreamOf(ctx)));
+absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
+                      float* out, size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::Momentum(beta1, m, g, out, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 

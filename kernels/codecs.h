@@ -27,37 +27,42 @@ namespace morse::kernels {
 // compress::EncodeWithError: payload (PayloadBytes(spec, n) bytes) from x
 // (+ error, updated per fb; null when fb is none). Waits for the stream:
 // INVALID_ARGUMENT, as compress/ says it, when a block scale is not finite.
-absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec, const float* x,
-                             float* error, size_t n, compress::FeedbackArgs fb,
-                             const compress::RoundingKey& key, uint8_t* payload);
+absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
+                             const float* x, float* error, size_t n,
+                             compress::FeedbackArgs fb,
+                             const compress::RoundingKey& key,
+                             uint8_t* payload);
 
 // compress::Decode into out (n floats). Asynchronous.
-absl::Status Decode(Context& ctx, const compress::CodecSpec& spec, const uint8_t* payload,
-                    size_t n, float* out);
+absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,
+                    const uint8_t* payload, size_t n, float* out);
 
 // 1-bit Adam's compression-phase update from a sign1 reply, fused with its
 // decode: m = decode(payload); x -= lr*(m/(sqrt(v)+eps) + wd*x). Asynchronous.
 absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
                                 const uint8_t* payload, size_t n,
-                                const compress::AdamScalars& adam, float* x, float* m,
-                                const float* v);
+                                const compress::AdamScalars& adam, float* x,
+                                float* m, const float* v);
 
 // The synthetic workload's gradient (worker/workload.h): grad = a*(x - t) +
 // noise*(2u - 1), u the Philox draw (seed, step, rank, element index), the
 // same floats as the CPU. Returns the loss 0.5*mean(a*(x - t)^2), summed in
 // double in an order that differs from the CPU's (it is only reported).
 // Waits for the stream.
-absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed, int64_t step, uint32_t rank,
-                                         float noise, const float* a, const float* t,
-                                         const float* x, float* grad, size_t n);
+absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
+                                         int64_t step, uint32_t rank,
+                                         float noise, const float* a,
+                                         const float* t, const float* x,
+                                         float* grad, size_t n);
 
 // KernelTable's adam_update, frozen_update and momentum. Asynchronous.
-absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
-                        float* m, float* v, size_t n);
-absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam, const float* c,
-                          float* x, float* m, const float* v, size_t n);
-absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g, float* out,
-                      size_t n);
+absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam,
+                        const float* g, float* x, float* m, float* v, size_t n);
+absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam,
+                          const float* c, float* x, float* m, const float* v,
+                          size_t n);
+absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
+                      float* out, size_t n);
 
 }  // namespace morse::kernels
 

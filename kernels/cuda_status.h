@@ -14,8 +14,9 @@ namespace morse::kernels {
 inline absl::Status CudaStatus(cudaError_t error, const char* what) {
   if (error == cudaSuccess) return absl::OkStatus();
   (void)cudaGetLastError();  // clear it
-  const std::string message = absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
-                                           cudaGetErrorString(error), ")");
+  const std::string message =
+      absl::StrCat(what, ": ", cudaGetErrorName(error), " (",
+                   cudaGetErrorString(error), ")");
   switch (error) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(message);
@@ -31,12 +32,13 @@ inline absl::Status CudaStatus(cudaError_t error, const char* what) {
 
 }  // namespace morse::kernels
 
-#define MORSE_CUDA_RETURN_IF_ERROR(expr)                                          \
-  do {                                                                            \
-    if (absl::Status _morse_cuda_status = ::morse::kernels::CudaStatus((expr), #expr); \
-        !_morse_cuda_status.ok()) {                                               \
-      return _morse_cuda_status;                                                  \
-    }                                                                             \
+#define MORSE_CUDA_RETURN_IF_ERROR(expr)                 \
+  do {                                                   \
+    if (absl::Status _morse_cuda_status =                \
+            ::morse::kernels::CudaStatus((expr), #expr); \
+        !_morse_cuda_status.ok()) {                      \
+      return _morse_cuda_status;                         \
+    }                                                    \
   } while (0)
 
 #endif  // MORSE_KERNELS_CUDA_STATUS_H_

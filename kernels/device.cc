@@ -15,130 +15,117 @@ absl::StatusOr<std::string> DeviceDescription() {
     return absl::FailedPreconditionError(
         absl::StrFormat("no CUDA device: %s", cudaGetErrorString(error)));
   }
-  if (count == 0) return absl::FailedPreconditionError("no CUDA device: none found");
+  if (count == 0)
+    return absl::FailedPreconditionError("no CUDA device: none found");
   cudaDeviceProp prop;
   MORSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));
-  return absl::StrFormat("%s (sm_%d%d, %d GiB)", prop.name, prop.major, prop.minor,
+  return absl::StrFormat("%s (sm_%d%d, %d GiB)", prop.name, prop.major,
+                         prop.minor,
                          static_cast<int>(prop.totalGlobalMem >> 30));
 }
 
+void CudaFree::operator()(void* p) const { cudaFree(p); }
+void CudaFreeHost::operator()(void* p) const { cudaFreeHost(p); }
+
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(size_t bytes) {
   DeviceBuffer buffer;
-  if (bytes > 0) MORSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&buffer.data_, bytes));
+  if (bytes > 0) {
+    void* data = nullptr;
+    MORSE_CUDA_RETURN_IF_ERROR(cudaMalloc(&data, bytes));
+    buffer.data_.reset(data);
+  }
   buffer.bytes_ = bytes;
   return buffer;
 }
 
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
-    : data_(other.data_), bytes_(other.bytes_) {
-  other.data_ = nullptr;
-  other.bytes_ = 0;
-}
-
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) cudaFree(data_);
-    data_ = other.data_;
-    bytes_ = other.bytes_;
-    other.data_ = nullptr;
-    other.bytes_ = 0;
-  }
-  return *this;
-}
-
-DeviceBuffer::~DeviceBuffer() {
-  if (data_ != nullptr) cudaFree(data_);
-}
-
-absl::Status DeviceBuffer::Upload(const void* host, size_t bytes, size_t offset) {
-  if (offset + bytes > bytes_) return absl::OutOfRangeError("upload past the device buffer");
+absl::Status DeviceBuffer::Upload(const void* host, size_t bytes,
+                                  size_t offset) {
+  if (offset + bytes > bytes_)
+    return absl::OutOfRangeError("upload past the device buffer");
   if (bytes == 0) return absl::OkStatus();
   MORSE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(static_cast<char*>(data_) + offset, host, bytes, cudaMemcpyHostToDevice));
+      cudaMemcpy(static_cast<char*>(data_.get()) + offset, host, bytes,
+                 cudaMemcpyHostToDevice));
   return absl::OkStatus();
 }
 
-absl::Status DeviceBuffer::Download(void* host, size_t bytes, size_t offset) const {
-  if (offset + bytes > bytes_) return absl::OutOfRangeError("download past the device buffer");
+absl::Status DeviceBuffer::Download(void* host, size_t bytes,
+                                    size_t offset) const {
+  if (offset + bytes > bytes_)
+    return absl::OutOfRangeError("download past the device buffer");
   if (bytes == 0) return absl::OkStatus();
   MORSE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpy(host, static_cast<const char*>(data_) + offset, bytes, cudaMemcpyDeviceToHost));
+      cudaMemcpy(host, static_cast<const char*>(data_.get()) + offset, bytes,
+                 cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 
 absl::Status DeviceBuffer::Fill(uint8_t value) {
   if (bytes_ == 0) return absl::OkStatus();
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemset(data_, value, bytes_));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemset(data_.get(), value, bytes_));
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Context>> Context::Create() {
   std::unique_ptr<Context> ctx(new Context());
   cudaStream_t stream;
-  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   ctx->stream_ = stream;
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMalloc(reinterpret_cast<void**>(&ctx->flag_), sizeof(int)));
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMallocHost(reinterpret_cast<void**>(&ctx->host_flag_), sizeof(int)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(reinterpret_cast<void**>(&ctx->flag_), sizeof(int)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMallocHost(reinterpret_cast<void**>(&ctx->host_flag_), sizeof(int)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(reinterpret_cast<void**>(&ctx->sum_), sizeof(double)));
   return ctx;
 }
 
 Context::~Context() {
   if (flag_ != nullptr) cudaFree(flag_);
+  if (sum_ != nullptr) cudaFree(sum_);
   if (host_flag_ != nullptr) cudaFreeHost(host_flag_);
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
 }
 
 absl::Status Context::Copy(void* dst, const void* src, size_t bytes) {
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
-                                             static_cast<cudaStream_t>(stream_)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice,
+                      static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();
 }
 
 absl::Status Context::CopyToHost(void* host, const void* device, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost,
-                                             static_cast<cudaStream_t>(stream_)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost,
+                      static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();
 }
 
-absl::Status Context::CopyToDevice(void* device, const void* host, size_t bytes) {
+absl::Status Context::CopyToDevice(void* device, const void* host,
+                                   size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
-                                             static_cast<cudaStream_t>(stream_)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice,
+                      static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();
 }
 
 absl::StatusOr<PinnedBuffer> PinnedBuffer::Allocate(size_t bytes) {
   PinnedBuffer buffer;
   if (bytes > 0) {
-    MORSE_CUDA_RETURN_IF_ERROR(cudaMallocHost(reinterpret_cast<void**>(&buffer.data_), bytes));
+    void* data = nullptr;
+    MORSE_CUDA_RETURN_IF_ERROR(cudaMallocHost(&data, bytes));
+    buffer.data_.reset(data);
   }
   buffer.bytes_ = bytes;
   return buffer;
 }
 
-PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept : data_(other.data_), bytes_(other.bytes_) {
-  other.data_ = nullptr;
-  other.bytes_ = 0;
-}
-
-PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
-  if (this != &other) {
-    if (data_ != nullptr) cudaFreeHost(data_);
-    data_ = other.data_;
-    bytes_ = other.bytes_;
-    other.data_ = nullptr;
-    other.bytes_ = 0;
-  }
-  return *this;
-}
-
-PinnedBuffer::~PinnedBuffer() {
-  if (data_ != nullptr) cudaFreeHost(data_);
-}
-
 absl::Status Context::Synchronize() {
-  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();
 }
 

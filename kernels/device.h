@@ -18,19 +18,25 @@ namespace morse::kernels {
 // FAILED_PRECONDITION saying why there is none (no driver, no device).
 absl::StatusOr<std::string> DeviceDescription();
 
-// Untyped device memory (cudaMalloc), freed on destruction.
+// Frees what cudaMalloc / cudaMallocHost returned.
+struct CudaFree {
+  void operator()(void* p) const;
+};
+struct CudaFreeHost {
+  void operator()(void* p) const;
+};
+
+// Untyped device memory (cudaMalloc), freed on destruction; movable.
 class DeviceBuffer {
  public:
   static absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
-  DeviceBuffer() = default;
-  DeviceBuffer(DeviceBuffer&& other) noexcept;
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
-  ~DeviceBuffer();
 
-  void* data() const { return data_; }
+  void* data() const { return data_.get(); }
   size_t bytes() const { return bytes_; }
   template <class T>
-  T* as() const { return static_cast<T*>(data_); }
+  T* as() const {
+    return static_cast<T*>(data_.get());
+  }
 
   // Synchronous copies of `bytes` at byte `offset`.
   absl::Status Upload(const void* host, size_t bytes, size_t offset = 0);
@@ -39,7 +45,7 @@ class DeviceBuffer {
   absl::Status Fill(uint8_t value);
 
  private:
-  void* data_ = nullptr;
+  std::unique_ptr<void, CudaFree> data_;
   size_t bytes_ = 0;
 };
 
@@ -47,20 +53,16 @@ class DeviceBuffer {
 class PinnedBuffer {
  public:
   static absl::StatusOr<PinnedBuffer> Allocate(size_t bytes);
-  PinnedBuffer() = default;
-  PinnedBuffer(PinnedBuffer&& other) noexcept;
-  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
-  ~PinnedBuffer();
-  uint8_t* data() const { return data_; }
+  uint8_t* data() const { return static_cast<uint8_t*>(data_.get()); }
   size_t bytes() const { return bytes_; }
 
  private:
-  uint8_t* data_ = nullptr;
+  std::unique_ptr<void, CudaFreeHost> data_;
   size_t bytes_ = 0;
 };
 
-// A CUDA stream and a flag for kernels that report bad input. One thread
-// uses a context at a time.
+// A CUDA stream, a flag for kernels that report bad input and a double for
+// kernels that sum (the synthetic loss). One thread uses a context at a time.
 class Context {
  public:
   static absl::StatusOr<std::unique_ptr<Context>> Create();
@@ -69,6 +71,7 @@ class Context {
   void* stream() const { return stream_; }  // a cudaStream_t
   int* device_flag() const { return flag_; }
   int* host_flag() const { return host_flag_; }  // pinned
+  double* device_sum() const { return sum_; }
   absl::Status Synchronize();
   // Enqueue copies on the stream: device to device (the bandwidth ceiling
   // of benchmarks), device to host and host to device (asynchronous with
@@ -82,6 +85,7 @@ class Context {
   void* stream_ = nullptr;
   int* flag_ = nullptr;
   int* host_flag_ = nullptr;
+  double* sum_ = nullptr;
 };
 
 }  // namespace morse::kernels

@@ -9,19 +9,46 @@
 
 #include <cstdint>
 
+#include "kernels/launch.h"
+
 namespace morse::kernels::device {
 
 // Mirrors compress::FeedbackKind.
 enum Feedback : int { kFbNone = 0, kFbEf = 1, kFbEma = 2 };
 
-struct Adam {  // mirrors compress::AdamScalars
-  float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2;
-};
+using Adam = launch::AdamArgs;  // compress::AdamScalars' fields
 
-__device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float Div(float a, float b) { return __fdiv_rn(a, b); }
+// Launch shapes. Element-wise kernels stride over the elements with a grid of
+// at most 2^20 CTAs; block kernels give each scale block a half-warp.
+inline constexpr int kThreads = 256;
+inline constexpr int kBlocksPerCta = kThreads / 16;
+
+inline unsigned ElementGrid(size_t n) {
+  const size_t ctas = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(ctas < (1u << 20) ? (ctas > 0 ? ctas : 1)
+                                                 : (1u << 20));
+}
+
+inline unsigned BlockGrid(size_t blocks) {
+  return static_cast<unsigned>((blocks + kBlocksPerCta - 1) / kBlocksPerCta);
+}
+
+#define MORSE_FOR_EACH_ELEMENT(j, n)                                          \
+  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; \
+       j < (n); j += static_cast<size_t>(gridDim.x) * blockDim.x)
+
+__device__ __forceinline__ float Add(float a, float b) {
+  return __fadd_rn(a, b);
+}
+__device__ __forceinline__ float Sub(float a, float b) {
+  return __fsub_rn(a, b);
+}
+__device__ __forceinline__ float Mul(float a, float b) {
+  return __fmul_rn(a, b);
+}
+__device__ __forceinline__ float Div(float a, float b) {
+  return __fdiv_rn(a, b);
+}
 __device__ __forceinline__ float Sqrt(float a) { return __fsqrt_rn(a); }
 
 __device__ __forceinline__ bool IsFinite(float s) {
@@ -29,7 +56,8 @@ __device__ __forceinline__ bool IsFinite(float s) {
 }
 
 // simd::NextError: the error after sending c for u.
-__device__ __forceinline__ float NextError(int kind, float beta, float e_old, float u, float c) {
+__device__ __forceinline__ float NextError(int kind, float beta, float e_old,
+                                           float u, float c) {
   const float d = Sub(u, c);
   if (kind == kFbEma) return Add(Mul(Sub(1.0f, beta), e_old), Mul(beta, d));
   return d;
@@ -40,32 +68,37 @@ __device__ __forceinline__ float Clamp(float q, float qmax) {
 }
 
 // simd::AdamElement.
-__device__ __forceinline__ void AdamElement(const Adam& s, float g, float* x, float* m, float* v) {
+__device__ __forceinline__ void AdamElement(const Adam& s, float g, float* x,
+                                            float* m, float* v) {
   const float mi = Add(Mul(s.beta1, *m), Mul(Sub(1.0f, s.beta1), g));
   const float vi = Add(Mul(s.beta2, *v), Mul(Sub(1.0f, s.beta2), Mul(g, g)));
   const float m_hat = Div(mi, s.bias_correction1);
   const float v_hat = Div(vi, s.bias_correction2);
-  const float step = Add(Div(m_hat, Add(Sqrt(v_hat), s.eps)), Mul(s.weight_decay, *x));
+  const float step =
+      Add(Div(m_hat, Add(Sqrt(v_hat), s.eps)), Mul(s.weight_decay, *x));
   *m = mi;
   *v = vi;
   *x = Sub(*x, Mul(s.lr, step));
 }
 
 // simd::FrozenElement: m = c, v frozen.
-__device__ __forceinline__ void FrozenElement(const Adam& s, float c, float* x, float* m, float v) {
+__device__ __forceinline__ void FrozenElement(const Adam& s, float c, float* x,
+                                              float* m, float v) {
   const float step = Add(Div(c, Add(Sqrt(v), s.eps)), Mul(s.weight_decay, *x));
   *m = c;
   *x = Sub(*x, Mul(s.lr, step));
 }
 
 // simd::MomentumElement.
-__device__ __forceinline__ float MomentumElement(float beta1, float m, float g) {
+__device__ __forceinline__ float MomentumElement(float beta1, float m,
+                                                 float g) {
   return Add(Mul(beta1, m), Mul(Sub(1.0f, beta1), g));
 }
 
 // compress/stochastic_rounding.h: Philox4x32-10 and the draw for a global
 // element index.
-__device__ __forceinline__ void Philox(uint32_t k0, uint32_t k1, uint32_t c[4]) {
+__device__ __forceinline__ void Philox(uint32_t k0, uint32_t k1,
+                                       uint32_t c[4]) {
   for (int round = 0; round < 10; ++round) {
     const uint32_t hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
     const uint32_t hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
@@ -79,10 +112,11 @@ __device__ __forceinline__ void Philox(uint32_t k0, uint32_t k1, uint32_t c[4]) 
   }
 }
 
-__device__ __forceinline__ float StochasticDraw(uint64_t seed, uint64_t step, uint32_t rank,
-                                                uint64_t index) {
+__device__ __forceinline__ float StochasticDraw(uint64_t seed, uint64_t step,
+                                                uint32_t rank, uint64_t index) {
   const uint64_t group = index / 4;
-  uint32_t c[4] = {static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32),
+  uint32_t c[4] = {static_cast<uint32_t>(group),
+                   static_cast<uint32_t>(group >> 32),
                    static_cast<uint32_t>(step), rank};
   Philox(static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), c);
   return Mul(static_cast<float>(c[index % 4] >> 8), 0x1p-24f);
@@ -102,7 +136,8 @@ __device__ __forceinline__ uint16_t FloatToHalf(float f) {
   if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00);
   if (x >= 0x477ff000u) return sign | 0x7c00;
   if (x < 0x38800000u) {
-    return sign | static_cast<uint16_t>(rintf(Mul(__uint_as_float(x), 0x1p24f)));
+    return sign |
+           static_cast<uint16_t>(rintf(Mul(__uint_as_float(x), 0x1p24f)));
   }
   x += 0x0fffu + ((x >> 13) & 1u);
   return sign | static_cast<uint16_t>((x - 0x38000000u) >> 13);
@@ -113,15 +148,18 @@ __device__ __forceinline__ float HalfToFloat(uint16_t h) {
   const uint32_t exponent = (h >> 10) & 0x1fu;
   const uint32_t mantissa = h & 0x3ffu;
   if (exponent == 0) {
-    return __uint_as_float(sign | __float_as_uint(Mul(static_cast<float>(mantissa), 0x1p-24f)));
+    return __uint_as_float(
+        sign | __float_as_uint(Mul(static_cast<float>(mantissa), 0x1p-24f)));
   }
-  if (exponent == 31) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 31)
+    return __uint_as_float(sign | 0x7f800000u | (mantissa << 13));
   return __uint_as_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
 }
 
 __device__ __forceinline__ uint16_t FloatToBfloat16(float f) {
   const uint32_t x = __float_as_uint(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((x >> 16) | 0x0040u);
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 

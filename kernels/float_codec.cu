@@ -9,113 +9,116 @@ namespace {
 
 using namespace device;
 
-constexpr int kThreads = 256;
-
-unsigned Grid(size_t n) {
-  const size_t ctas = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(ctas < (1u << 20) ? (ctas > 0 ? ctas : 1) : (1u << 20));
-}
-
-#define MORSE_FOR_EACH_ELEMENT(j, n)                                                    \
-  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < (n); \
-       j += static_cast<size_t>(gridDim.x) * blockDim.x)
-
-__global__ void Float16EncodeKernel(bool bf16, const float* __restrict__ x, float* __restrict__ e,
-                                    size_t n, int feedback, float beta, uint16_t* __restrict__ out) {
+__global__ void Float16EncodeKernel(bool bf16, const float* __restrict__ x,
+                                    float* __restrict__ e, size_t n,
+                                    int feedback, float beta,
+                                    uint16_t* __restrict__ out) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
-    // With feedback, compress/ encodes u = x + e and decodes it back (EncodeViaDecode).
+    // With feedback, compress/ encodes u = x + e and decodes it back
+    // (EncodeViaDecode).
     const float u = e ? Add(x[j], e[j]) : x[j];
     const uint16_t h = bf16 ? FloatToBfloat16(u) : FloatToHalf(u);
     out[j] = h;
-    if (e) e[j] = NextError(feedback, beta, e[j], u, bf16 ? Bfloat16ToFloat(h) : HalfToFloat(h));
+    if (e)
+      e[j] = NextError(feedback, beta, e[j], u,
+                       bf16 ? Bfloat16ToFloat(h) : HalfToFloat(h));
   }
 }
 
-__global__ void Float16DecodeKernel(bool bf16, const uint16_t* __restrict__ in, size_t n,
-                                    float* __restrict__ out) {
-  MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = bf16 ? Bfloat16ToFloat(in[j]) : HalfToFloat(in[j]); }
+__global__ void Float16DecodeKernel(bool bf16, const uint16_t* __restrict__ in,
+                                    size_t n, float* __restrict__ out) {
+  MORSE_FOR_EACH_ELEMENT(j, n) {
+    out[j] = bf16 ? Bfloat16ToFloat(in[j]) : HalfToFloat(in[j]);
+  }
 }
 
-__global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step, uint32_t rank, float noise,
-                                        const float* __restrict__ a, const float* __restrict__ t,
-                                        const float* __restrict__ x, float* __restrict__ grad,
-                                        size_t n, double* loss) {
+__global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step,
+                                        uint32_t rank, float noise,
+                                        const float* __restrict__ a,
+                                        const float* __restrict__ t,
+                                        const float* __restrict__ x,
+                                        float* __restrict__ grad, size_t n,
+                                        double* loss) {
   double partial = 0.0;
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float u = StochasticDraw(seed, step, rank, j);
     const float d = Sub(x[j], t[j]);
     grad[j] = Add(Mul(a[j], d), Mul(noise, Sub(Mul(2.0f, u), 1.0f)));
-    partial += 0.5 * static_cast<double>(a[j]) * static_cast<double>(d) * static_cast<double>(d);
+    partial += 0.5 * static_cast<double>(a[j]) * static_cast<double>(d) *
+               static_cast<double>(d);
   }
-  for (int offset = 16; offset >= 1; offset /= 2) partial += __shfl_down_sync(0xffffffffu, partial, offset);
+  for (int offset = 16; offset >= 1; offset /= 2)
+    partial += __shfl_down_sync(0xffffffffu, partial, offset);
   if ((threadIdx.x & 31) == 0) atomicAdd(loss, partial);
 }
 
-__global__ void AdamKernel(Adam adam, const float* __restrict__ g, float* __restrict__ x,
-                           float* __restrict__ m, float* __restrict__ v, size_t n) {
+__global__ void AdamKernel(Adam adam, const float* __restrict__ g,
+                           float* __restrict__ x, float* __restrict__ m,
+                           float* __restrict__ v, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) { AdamElement(adam, g[j], &x[j], &m[j], &v[j]); }
 }
 
-__global__ void FrozenKernel(Adam adam, const float* __restrict__ c, float* __restrict__ x,
-                             float* __restrict__ m, const float* __restrict__ v, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) { FrozenElement(adam, c[j], &x[j], &m[j], v[j]); }
+__global__ void FrozenKernel(Adam adam, const float* __restrict__ c,
+                             float* __restrict__ x, float* __restrict__ m,
+                             const float* __restrict__ v, size_t n) {
+  MORSE_FOR_EACH_ELEMENT(j, n) {
+    FrozenElement(adam, c[j], &x[j], &m[j], v[j]);
+  }
 }
 
 __global__ void MomentumKernel(float beta1, const float* __restrict__ m,
-                               const float* __restrict__ g, float* __restrict__ out, size_t n) {
+                               const float* __restrict__ g,
+                               float* __restrict__ out, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = MomentumElement(beta1, m[j], g[j]); }
-}
-
-#undef MORSE_FOR_EACH_ELEMENT
-
-Adam ToAdam(const AdamArgs& a) {
-  return {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.bias_correction1, a.bias_correction2};
 }
 
 }  // namespace
 
-cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n, int feedback, float beta,
-                          uint16_t* out, cudaStream_t stream) {
+cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n,
+                          int feedback, float beta, uint16_t* out,
+                          cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Float16EncodeKernel<<<Grid(n), kThreads, 0, stream>>>(bf16, x, feedback == kFbNone ? nullptr : e,
-                                                        n, feedback, beta, out);
+  Float16EncodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
+      bf16, x, feedback == kFbNone ? nullptr : e, n, feedback, beta, out);
   return cudaGetLastError();
 }
 
 cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
                           cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Float16DecodeKernel<<<Grid(n), kThreads, 0, stream>>>(bf16, in, n, out);
+  Float16DecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(bf16, in, n,
+                                                               out);
   return cudaGetLastError();
 }
 
-cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank, float noise,
-                              const float* a, const float* t, const float* x, float* grad,
-                              size_t n, double* loss, cudaStream_t stream) {
+cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
+                              float noise, const float* a, const float* t,
+                              const float* x, float* grad, size_t n,
+                              double* loss, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  SyntheticGradientKernel<<<Grid(n), kThreads, 0, stream>>>(seed, step, rank, noise, a, t, x, grad,
-                                                            n, loss);
+  SyntheticGradientKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
+      seed, step, rank, noise, a, t, x, grad, n, loss);
   return cudaGetLastError();
 }
 
-cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
-                       cudaStream_t stream) {
+cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m,
+                       float* v, size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  AdamKernel<<<Grid(n), kThreads, 0, stream>>>(ToAdam(adam), g, x, m, v, n);
+  AdamKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m, v, n);
   return cudaGetLastError();
 }
 
-cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m, const float* v,
-                         size_t n, cudaStream_t stream) {
+cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m,
+                         const float* v, size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  FrozenKernel<<<Grid(n), kThreads, 0, stream>>>(ToAdam(adam), c, x, m, v, n);
+  FrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, c, x, m, v, n);
   return cudaGetLastError();
 }
 
-cudaError_t Momentum(float beta1, const float* m, const float* g, float* out, size_t n,
-                     cudaStream_t stream) {
+cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
+                     size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  MomentumKernel<<<Grid(n), kThreads, 0, stream>>>(beta1, m, g, out, n);
+  MomentumKernel<<<ElementGrid(n), kThreads, 0, stream>>>(beta1, m, g, out, n);
   return cudaGetLastError();
 }
 

@@ -11,16 +11,16 @@ namespace {
 
 using namespace device;
 
-constexpr int kThreads = 256;
-constexpr int kBlocksPerCta = kThreads / 16;
-
 __global__ void IntEncodeKernel(int bits_per_elem, const float* __restrict__ x,
-                                float* __restrict__ e, size_t n, uint32_t block, int feedback,
-                                float beta, bool stochastic, uint64_t seed, uint64_t step,
-                                uint32_t rank, uint64_t first_index, float* __restrict__ scales,
+                                float* __restrict__ e, size_t n, uint32_t block,
+                                int feedback, float beta, bool stochastic,
+                                uint64_t seed, uint64_t step, uint32_t rank,
+                                uint64_t first_index,
+                                float* __restrict__ scales,
                                 uint8_t* __restrict__ data, int* bad) {
   const int lane = threadIdx.x & 15;
-  const size_t b = static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
+  const size_t b =
+      static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
   const size_t start = b * block;
   const size_t len = start >= n ? 0 : (n - start < block ? n - start : block);
   const float* xb = x + (start < n ? start : 0);
@@ -55,30 +55,34 @@ __global__ void IntEncodeKernel(int bits_per_elem, const float* __restrict__ x,
       u = eb ? Add(xb[j], eb[j]) : xb[j];
       if (s != 0.0f) {
         const float v = Div(u, s);
-        q = stochastic ? StochasticRound(v, StochasticDraw(seed, step, rank, first_index + start + j))
-                       : rintf(v);
+        q = stochastic
+                ? StochasticRound(v, StochasticDraw(seed, step, rank,
+                                                    first_index + start + j))
+                : rintf(v);
         q = Clamp(q, qmax);
       }
     }
     const int qi = static_cast<int>(q);
     if (bits_per_elem == 8) {
-      if (valid) data[start + j] = static_cast<uint8_t>(static_cast<int8_t>(qi));
+      if (valid)
+        data[start + j] = static_cast<uint8_t>(static_cast<int8_t>(qi));
     } else {
       // Element j (even lane) and j + 1 share a byte: low nibble, high nibble.
       const int next = __shfl_down_sync(0xffffffffu, qi, 1, 16);
       if (valid && (lane & 1) == 0) {
-        data[(start + j) / 2] = static_cast<uint8_t>((qi & 0xF) | ((j + 1 < len ? next & 0xF : 0) << 4));
+        data[(start + j) / 2] = static_cast<uint8_t>(
+            (qi & 0xF) | ((j + 1 < len ? next & 0xF : 0) << 4));
       }
     }
     if (valid && eb) eb[j] = NextError(feedback, beta, eb[j], u, Mul(q, s));
   }
 }
 
-__global__ void IntDecodeKernel(int bits_per_elem, const float* __restrict__ scales,
-                                const uint8_t* __restrict__ data, size_t n, uint32_t block,
-                                float* __restrict__ out) {
-  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < n;
-       j += static_cast<size_t>(gridDim.x) * blockDim.x) {
+__global__ void IntDecodeKernel(int bits_per_elem,
+                                const float* __restrict__ scales,
+                                const uint8_t* __restrict__ data, size_t n,
+                                uint32_t block, float* __restrict__ out) {
+  MORSE_FOR_EACH_ELEMENT(j, n) {
     int q;
     if (bits_per_elem == 8) {
       q = static_cast<int8_t>(data[j]);
@@ -91,26 +95,25 @@ __global__ void IntDecodeKernel(int bits_per_elem, const float* __restrict__ sca
 
 }  // namespace
 
-cudaError_t IntEncode(int bits_per_elem, const float* x, float* e, size_t n, uint32_t block,
-                      int feedback, float beta, bool stochastic, uint64_t seed, uint64_t step,
-                      uint32_t rank, uint64_t first_index, float* scales, uint8_t* data, int* bad,
-                      cudaStream_t stream) {
+cudaError_t IntEncode(int bits_per_elem, const float* x, float* e, size_t n,
+                      uint32_t block, int feedback, float beta, bool stochastic,
+                      uint64_t seed, uint64_t step, uint32_t rank,
+                      uint64_t first_index, float* scales, uint8_t* data,
+                      int* bad, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const size_t blocks = (n + block - 1) / block;
-  const unsigned grid = static_cast<unsigned>((blocks + kBlocksPerCta - 1) / kBlocksPerCta);
-  IntEncodeKernel<<<grid, kThreads, 0, stream>>>(bits_per_elem, x,
-                                                feedback == kFbNone ? nullptr : e, n, block,
-                                                feedback, beta, stochastic, seed, step, rank,
-                                                first_index, scales, data, bad);
+  IntEncodeKernel<<<BlockGrid(blocks), kThreads, 0, stream>>>(
+      bits_per_elem, x, feedback == kFbNone ? nullptr : e, n, block, feedback,
+      beta, stochastic, seed, step, rank, first_index, scales, data, bad);
   return cudaGetLastError();
 }
 
-cudaError_t IntDecode(int bits_per_elem, const float* scales, const uint8_t* data, size_t n,
-                      uint32_t block, float* out, cudaStream_t stream) {
+cudaError_t IntDecode(int bits_per_elem, const float* scales,
+                      const uint8_t* data, size_t n, uint32_t block, float* out,
+                      cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const size_t ctas = (n + kThreads - 1) / kThreads;
-  IntDecodeKernel<<<static_cast<unsigned>(ctas < (1u << 20) ? ctas : (1u << 20)), kThreads, 0,
-                    stream>>>(bits_per_elem, scales, data, n, block, out);
+  IntDecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
+      bits_per_elem, scales, data, n, block, out);
   return cudaGetLastError();
 }
 

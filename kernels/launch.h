@@ -17,41 +17,46 @@ struct AdamArgs {  // the fields of compress::AdamScalars, in order
 
 // sign1 of x (+ e) into scales[ceil(n/block)] and bits[ceil(n/8)]; e updated
 // per (feedback, beta) unless null. *bad is set to 1 if a scale is not finite.
-cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block, bool l1, int feedback,
-                        float beta, float* scales, uint8_t* bits, int* bad, cudaStream_t stream);
+cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
+                        bool l1, int feedback, float beta, float* scales,
+                        uint8_t* bits, int* bad, cudaStream_t stream);
 // out = decode, or (with adam) the 1-bit Adam compression-phase update:
 // m = decode, x -= lr*(m/(sqrt(v)+eps) + wd*x).
-cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
-                        float* out, cudaStream_t stream);
-cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
-                              AdamArgs adam, float* x, float* m, const float* v,
-                              cudaStream_t stream);
+cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
+                        uint32_t block, float* out, cudaStream_t stream);
+cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
+                              size_t n, uint32_t block, AdamArgs adam, float* x,
+                              float* m, const float* v, cudaStream_t stream);
 
 // int8 (bits 8) or int4 (bits 4) of x (+ e); stochastic rounding when
 // `stochastic` with the key (seed, step, rank, first_index).
-cudaError_t IntEncode(int bits_per_elem, const float* x, float* e, size_t n, uint32_t block,
-                      int feedback, float beta, bool stochastic, uint64_t seed, uint64_t step,
-                      uint32_t rank, uint64_t first_index, float* scales, uint8_t* data, int* bad,
+cudaError_t IntEncode(int bits_per_elem, const float* x, float* e, size_t n,
+                      uint32_t block, int feedback, float beta, bool stochastic,
+                      uint64_t seed, uint64_t step, uint32_t rank,
+                      uint64_t first_index, float* scales, uint8_t* data,
+                      int* bad, cudaStream_t stream);
+cudaError_t IntDecode(int bits_per_elem, const float* scales,
+                      const uint8_t* data, size_t n, uint32_t block, float* out,
                       cudaStream_t stream);
-cudaError_t IntDecode(int bits_per_elem, const float* scales, const uint8_t* data, size_t n,
-                      uint32_t block, float* out, cudaStream_t stream);
 
 // fp16 (half) or bf16 of x (+ e), as compress's EncodeViaDecode.
-cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n, int feedback, float beta,
-                          uint16_t* out, cudaStream_t stream);
+cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n,
+                          int feedback, float beta, uint16_t* out,
+                          cudaStream_t stream);
 cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
                           cudaStream_t stream);
 
-cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank, float noise,
-                              const float* a, const float* t, const float* x, float* grad,
-                              size_t n, double* loss, cudaStream_t stream);
+cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
+                              float noise, const float* a, const float* t,
+                              const float* x, float* grad, size_t n,
+                              double* loss, cudaStream_t stream);
 
-cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
-                       cudaStream_t stream);
-cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m, const float* v,
-                         size_t n, cudaStream_t stream);
-cudaError_t Momentum(float beta1, const float* m, const float* g, float* out, size_t n,
-                     cudaStream_t stream);
+cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m,
+                       float* v, size_t n, cudaStream_t stream);
+cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m,
+                         const float* v, size_t n, cudaStream_t stream);
+cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
+                     size_t n, cudaStream_t stream);
 
 }  // namespace morse::kernels::launch
 

@@ -15,16 +15,15 @@ namespace {
 
 using namespace device;
 
-constexpr int kThreads = 256;
-constexpr int kBlocksPerCta = kThreads / 16;
-
-__global__ void Sign1EncodeKernel(const float* __restrict__ x, float* __restrict__ e, size_t n,
-                                  uint32_t block, bool l1, int feedback, float beta,
-                                  float* __restrict__ scales, uint8_t* __restrict__ bits,
-                                  int* bad) {
+__global__ void Sign1EncodeKernel(const float* __restrict__ x,
+                                  float* __restrict__ e, size_t n,
+                                  uint32_t block, bool l1, int feedback,
+                                  float beta, float* __restrict__ scales,
+                                  uint8_t* __restrict__ bits, int* bad) {
   const int lane = threadIdx.x & 15;
   const int half = (threadIdx.x >> 4) & 1;
-  const size_t b = static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
+  const size_t b =
+      static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
   const size_t start = b * block;
   // Threads past the last block still take part in the shuffles.
   const size_t len = start >= n ? 0 : (n - start < block ? n - start : block);
@@ -48,8 +47,10 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x, float* __restrict
     s = l1 ? mean : Sqrt(mean);
     ok = IsFinite(s);
     if (lane == 0) {
-      if (ok) scales[b] = s;
-      else atomicOr(bad, 1);
+      if (ok)
+        scales[b] = s;
+      else
+        atomicOr(bad, 1);
     }
   }
   // Every thread of the warp runs the same number of rounds (ballots).
@@ -68,63 +69,60 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x, float* __restrict
       bits[(start + static_cast<size_t>(k) * 16) / 8 + lane] =
           static_cast<uint8_t>(signs >> (8 * lane));
     }
-    if (valid && eb) eb[j] = NextError(feedback, beta, eb[j], u, negative ? -s : s);
+    if (valid && eb)
+      eb[j] = NextError(feedback, beta, eb[j], u, negative ? -s : s);
   }
 }
 
 __global__ void Sign1DecodeKernel(const float* __restrict__ scales,
-                                  const uint8_t* __restrict__ bits, size_t n, uint32_t block,
-                                  float* __restrict__ out) {
-  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < n;
-       j += static_cast<size_t>(gridDim.x) * blockDim.x) {
+                                  const uint8_t* __restrict__ bits, size_t n,
+                                  uint32_t block, float* __restrict__ out) {
+  MORSE_FOR_EACH_ELEMENT(j, n) {
     const float s = scales[j / block];
     out[j] = (bits[j / 8] >> (j % 8)) & 1 ? -s : s;
   }
 }
 
 __global__ void Sign1DecodeFrozenKernel(const float* __restrict__ scales,
-                                        const uint8_t* __restrict__ bits, size_t n,
-                                        uint32_t block, Adam adam, float* __restrict__ x,
-                                        float* __restrict__ m, const float* __restrict__ v) {
-  for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; j < n;
-       j += static_cast<size_t>(gridDim.x) * blockDim.x) {
+                                        const uint8_t* __restrict__ bits,
+                                        size_t n, uint32_t block, Adam adam,
+                                        float* __restrict__ x,
+                                        float* __restrict__ m,
+                                        const float* __restrict__ v) {
+  MORSE_FOR_EACH_ELEMENT(j, n) {
     const float s = scales[j / block];
-    FrozenElement(adam, (bits[j / 8] >> (j % 8)) & 1 ? -s : s, &x[j], &m[j], v[j]);
+    FrozenElement(adam, (bits[j / 8] >> (j % 8)) & 1 ? -s : s, &x[j], &m[j],
+                  v[j]);
   }
-}
-
-unsigned GridFor(size_t n) {
-  const size_t blocks = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
 }
 
 }  // namespace
 
-cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block, bool l1, int feedback,
-                        float beta, float* scales, uint8_t* bits, int* bad, cudaStream_t stream) {
+cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
+                        bool l1, int feedback, float beta, float* scales,
+                        uint8_t* bits, int* bad, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const size_t blocks = (n + block - 1) / block;
-  const unsigned grid = static_cast<unsigned>((blocks + kBlocksPerCta - 1) / kBlocksPerCta);
-  Sign1EncodeKernel<<<grid, kThreads, 0, stream>>>(x, feedback == kFbNone ? nullptr : e, n, block,
-                                                  l1, feedback, beta, scales, bits, bad);
+  Sign1EncodeKernel<<<BlockGrid(blocks), kThreads, 0, stream>>>(
+      x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback, beta,
+      scales, bits, bad);
   return cudaGetLastError();
 }
 
-cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
-                        float* out, cudaStream_t stream) {
+cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
+                        uint32_t block, float* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  Sign1DecodeKernel<<<GridFor(n), kThreads, 0, stream>>>(scales, bits, n, block, out);
+  Sign1DecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(scales, bits, n,
+                                                             block, out);
   return cudaGetLastError();
 }
 
-cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits, size_t n, uint32_t block,
-                              AdamArgs a, float* x, float* m, const float* v,
-                              cudaStream_t stream) {
+cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
+                              size_t n, uint32_t block, AdamArgs adam, float* x,
+                              float* m, const float* v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const Adam adam{a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, a.bias_correction1,
-                  a.bias_correction2};
-  Sign1DecodeFrozenKernel<<<GridFor(n), kThreads, 0, stream>>>(scales, bits, n, block, adam, x, m,
-                                                              v);
+  Sign1DecodeFrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
+      scales, bits, n, block, adam, x, m, v);
   return cudaGetLastError();
 }
 

@@ -34,15 +34,16 @@ class DeviceModel {
   // FAILED_PRECONDITION when there is no GPU (or no CUDA in this build), with
   // the reason; UNIMPLEMENTED for settings the GPU path lacks (int8-stored
   // error buffers, topk).
-  static absl::StatusOr<std::unique_ptr<DeviceModel>> Create(const compress::SimulatorConfig& config,
-                                                             const compress::Layout& layout);
+  static absl::StatusOr<std::unique_ptr<DeviceModel>> Create(
+      const compress::SimulatorConfig& config, const compress::Layout& layout);
   ~DeviceModel();
 
   // "NVIDIA H100 ... (sm_90, 79 GiB)".
   const std::string& description() const;
 
   // Host -> device: the replica's x, m, v and the error buffer (dim floats).
-  absl::Status Upload(const compress::Replica& replica, absl::Span<const float> error);
+  absl::Status Upload(const compress::Replica& replica,
+                      absl::Span<const float> error);
   // Device -> host.
   absl::Status Download(compress::Replica& replica, absl::Span<float> error);
 
@@ -52,7 +53,8 @@ class DeviceModel {
   absl::StatusOr<double> Gradient(int64_t step);
 
   // The push payload of partition `p` for `step` (plan = PlanStep(step)).
-  absl::Status Encode(int64_t step, uint32_t rank, const compress::StepPlan& plan,
+  absl::Status Encode(int64_t step, uint32_t rank,
+                      const compress::StepPlan& plan,
                       const compress::Partition& p, std::string* payload);
   // Applies the reply of partition `p` for `step`; INVALID_ARGUMENT (nothing
   // changed) for a malformed reply.

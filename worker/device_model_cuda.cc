@@ -13,7 +13,9 @@
 namespace morse::worker {
 namespace {
 
-bool OnGpu(compress::CodecKind kind) { return kind != compress::CodecKind::kTopK; }
+bool OnGpu(compress::CodecKind kind) {
+  return kind != compress::CodecKind::kTopK;
+}
 
 }  // namespace
 
@@ -21,17 +23,22 @@ class DeviceModel::Impl {
  public:
   Impl(const compress::SimulatorConfig& config, const compress::Layout& layout,
        std::string description)
-      : config_(config), layout_(layout), description_(std::move(description)) {}
+      : config_(config),
+        layout_(layout),
+        description_(std::move(description)) {}
 
   absl::Status Init() {
     const size_t dim = config_.layout.dim;
     size_t max_payload = 0;
     for (const compress::Partition& p : layout_.partitions()) {
-      for (const compress::CodecSpec* spec : {&config_.warmup_codec, &config_.up_codec, &config_.down_codec}) {
-        max_payload = std::max(max_payload, compress::PayloadBytes(*spec, p.range.size()));
+      for (const compress::CodecSpec* spec :
+           {&config_.warmup_codec, &config_.up_codec, &config_.down_codec}) {
+        max_payload = std::max(max_payload,
+                               compress::PayloadBytes(*spec, p.range.size()));
       }
     }
-    for (kernels::DeviceBuffer* b : {&x_, &m_, &v_, &e_, &grad_, &scratch_, &apply_scratch_}) {
+    for (kernels::DeviceBuffer* b :
+         {&x_, &m_, &v_, &e_, &grad_, &scratch_, &apply_scratch_}) {
       auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
       if (!allocated.ok()) return allocated.status();
       *b = *std::move(allocated);
@@ -58,33 +65,47 @@ class DeviceModel::Impl {
 
   const std::string& description() const { return description_; }
 
-  absl::Status Upload(const compress::Replica& replica, absl::Span<const float> error) {
+  absl::Status Upload(const compress::Replica& replica,
+                      absl::Span<const float> error) {
     const size_t bytes = 4 * config_.layout.dim;
-    if (absl::Status s = x_.Upload(replica.x().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = x_.Upload(replica.x().data(), bytes); !s.ok())
+      return s;
+    if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok())
+      return s;
+    if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok())
+      return s;
     return e_.Upload(error.data(), bytes);
   }
 
   absl::Status Download(compress::Replica& replica, absl::Span<float> error) {
     const size_t bytes = 4 * config_.layout.dim;
-    if (absl::Status s = x_.Download(replica.x().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = v_.Download(replica.mutable_v().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = x_.Download(replica.x().data(), bytes); !s.ok())
+      return s;
+    if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes);
+        !s.ok())
+      return s;
+    if (absl::Status s = v_.Download(replica.mutable_v().data(), bytes);
+        !s.ok())
+      return s;
     return e_.Download(error.data(), bytes);
   }
 
   absl::Status SetSyntheticWorkload(const SyntheticWorkload& w) {
     if (w.dim() != config_.layout.dim) {
-      return absl::InvalidArgumentError("the synthetic workload's size differs from the model's");
+      return absl::InvalidArgumentError(
+          "the synthetic workload's size differs from the model's");
     }
     for (kernels::DeviceBuffer* b : {&curvature_, &target_}) {
       auto allocated = kernels::DeviceBuffer::Allocate(4 * w.dim());
       if (!allocated.ok()) return allocated.status();
       *b = *std::move(allocated);
     }
-    if (absl::Status s = curvature_.Upload(w.curvature().data(), 4 * w.dim()); !s.ok()) return s;
-    if (absl::Status s = target_.Upload(w.target().data(), 4 * w.dim()); !s.ok()) return s;
+    if (absl::Status s = curvature_.Upload(w.curvature().data(), 4 * w.dim());
+        !s.ok())
+      return s;
+    if (absl::Status s = target_.Upload(w.target().data(), 4 * w.dim());
+        !s.ok())
+      return s;
     seed_ = w.seed();
     rank_ = w.rank();
     noise_ = w.noise();
@@ -94,54 +115,68 @@ class DeviceModel::Impl {
 
   absl::StatusOr<double> Gradient(int64_t step) {
     if (!synthetic_) {
-      return absl::UnimplementedError("only the synthetic workload computes its gradient on the GPU");
+      return absl::UnimplementedError(
+          "only the synthetic workload computes its gradient on the GPU");
     }
-    return kernels::SyntheticGradient(*send_, seed_, step, rank_, noise_, curvature_.as<float>(),
-                                      target_.as<float>(), x_.as<float>(), grad_.as<float>(),
-                                      config_.layout.dim);
+    return kernels::SyntheticGradient(*send_, seed_, step, rank_, noise_,
+                                      curvature_.as<float>(),
+                                      target_.as<float>(), x_.as<float>(),
+                                      grad_.as<float>(), config_.layout.dim);
   }
 
   // Session::Encode, on the device.
-  absl::Status Encode(int64_t step, uint32_t rank, const compress::StepPlan& plan,
+  absl::Status Encode(int64_t step, uint32_t rank,
+                      const compress::StepPlan& plan,
                       const compress::Partition& p, std::string* payload) {
     const uint64_t begin = p.range.begin, n = p.range.size();
     const size_t bytes = compress::PayloadBytes(plan.up, n);
     const float* input = grad_.as<float>() + begin;
     if (plan.compressing) {
       float* local = scratch_.as<float>() + begin;
-      if (absl::Status s = kernels::Momentum(*send_, config_.adam.beta1, m_.as<float>() + begin, input,
-                                             local, n);
+      if (absl::Status s =
+              kernels::Momentum(*send_, config_.adam.beta1,
+                                m_.as<float>() + begin, input, local, n);
           !s.ok()) {
         return s;
       }
       input = local;
     }
-    const compress::RoundingKey key = compress::SenderKey(config_, step, rank, begin);
+    const compress::RoundingKey key =
+        compress::SenderKey(config_, step, rank, begin);
     compress::FeedbackArgs fb;
     float* error = nullptr;
-    if (plan.feedback && config_.worker_feedback.kind != compress::FeedbackKind::kNone) {
+    if (plan.feedback &&
+        config_.worker_feedback.kind != compress::FeedbackKind::kNone) {
       fb = {config_.worker_feedback.kind, config_.worker_feedback.beta};
       error = e_.as<float>() + begin;
     }
-    if (absl::Status s = kernels::EncodeWithError(*send_, plan.up, input, error, n, fb, key,
-                                                  send_payload_.as<uint8_t>());
+    if (absl::Status s =
+            kernels::EncodeWithError(*send_, plan.up, input, error, n, fb, key,
+                                     send_payload_.as<uint8_t>());
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = send_->CopyToHost(send_host_.data(), send_payload_.data(), bytes); !s.ok()) return s;
+    if (absl::Status s =
+            send_->CopyToHost(send_host_.data(), send_payload_.data(), bytes);
+        !s.ok())
+      return s;
     if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
     payload->assign(reinterpret_cast<const char*>(send_host_.data()), bytes);
     return absl::OkStatus();
   }
 
   // Replica::ApplyReply, on the device.
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply) {
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
+                          absl::Span<const uint8_t> reply) {
     const compress::StepPlan plan = compress::PlanStep(config_, step);
     const uint64_t begin = p.range.begin, n = p.range.size();
-    if (absl::Status s = compress::ValidatePayload(plan.down, reply, n); !s.ok()) return s;
+    if (absl::Status s = compress::ValidatePayload(plan.down, reply, n);
+        !s.ok())
+      return s;
     absl::MutexLock lock(&apply_mu_);
     std::copy(reply.begin(), reply.end(), reply_host_.data());
-    if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(), reply_host_.data(), reply.size());
+    if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(),
+                                              reply_host_.data(), reply.size());
         !s.ok()) {
       return s;
     }
@@ -152,21 +187,27 @@ class DeviceModel::Impl {
     const uint8_t* payload = reply_payload_.as<uint8_t>();
     absl::Status s;
     if (plan.compressing) {
-      const compress::AdamScalars scalars = compress::MakeAdamScalars(config_.adam, lr, step + 1, false);
+      const compress::AdamScalars scalars =
+          compress::MakeAdamScalars(config_.adam, lr, step + 1, false);
       if (plan.down.kind == compress::CodecKind::kSign1) {
-        s = kernels::DecodeFrozenUpdate(*apply_, plan.down, payload, n, scalars, x, m, v);
+        s = kernels::DecodeFrozenUpdate(*apply_, plan.down, payload, n, scalars,
+                                        x, m, v);
       } else {
         float* decoded = apply_scratch_.as<float>() + begin;
         s = kernels::Decode(*apply_, plan.down, payload, n, decoded);
-        if (s.ok()) s = kernels::FrozenUpdate(*apply_, scalars, decoded, x, m, v, n);
+        if (s.ok())
+          s = kernels::FrozenUpdate(*apply_, scalars, decoded, x, m, v, n);
       }
     } else {
       const bool correct =
-          config_.optimizer == compress::OptimizerKind::kAdam && config_.bias_correction;
-      const compress::AdamScalars scalars = compress::MakeAdamScalars(config_.adam, lr, step + 1, correct);
+          config_.optimizer == compress::OptimizerKind::kAdam &&
+          config_.bias_correction;
+      const compress::AdamScalars scalars =
+          compress::MakeAdamScalars(config_.adam, lr, step + 1, correct);
       float* decoded = apply_scratch_.as<float>() + begin;
       s = kernels::Decode(*apply_, plan.down, payload, n, decoded);
-      if (s.ok()) s = kernels::AdamUpdate(*apply_, scalars, decoded, x, m, v, n);
+      if (s.ok())
+        s = kernels::AdamUpdate(*apply_, scalars, decoded, x, m, v, n);
     }
     if (!s.ok()) return s;
     // The pinned and device staging buffers are reused by the next reply.
@@ -193,14 +234,17 @@ class DeviceModel::Impl {
 DeviceModel::DeviceModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceModel::~DeviceModel() = default;
 
-absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(const compress::SimulatorConfig& config,
-                                                                 const compress::Layout& layout) {
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(
+    const compress::SimulatorConfig& config, const compress::Layout& layout) {
   auto device = kernels::DeviceDescription();
   if (!device.ok()) return device.status();
   if (config.worker_feedback.storage != compress::ErrorStorage::kFp32) {
-    return absl::UnimplementedError("the GPU path keeps the error buffer in fp32 (worker_feedback storage int8)");
+    return absl::UnimplementedError(
+        "the GPU path keeps the error buffer in fp32 (worker_feedback storage "
+        "int8)");
   }
-  for (const compress::CodecSpec* spec : {&config.warmup_codec, &config.up_codec, &config.down_codec}) {
+  for (const compress::CodecSpec* spec :
+       {&config.warmup_codec, &config.up_codec, &config.down_codec}) {
     if (!OnGpu(spec->kind)) {
       return absl::UnimplementedError(
           absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
@@ -209,26 +253,36 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(const compress:
   if (config.optimizer == compress::OptimizerKind::kAdam &&
       config.up_codec.kind == compress::CodecKind::kFp32 &&
       config.worker_feedback.kind != compress::FeedbackKind::kNone) {
-    return absl::UnimplementedError("fp32 with error feedback has no GPU kernel");
+    return absl::UnimplementedError(
+        "fp32 with error feedback has no GPU kernel");
   }
   auto impl = std::make_unique<Impl>(config, layout, *device);
   if (absl::Status s = impl->Init(); !s.ok()) return s;
   return std::unique_ptr<DeviceModel>(new DeviceModel(std::move(impl)));
 }
 
-const std::string& DeviceModel::description() const { return impl_->description(); }
-absl::Status DeviceModel::Upload(const compress::Replica& replica, absl::Span<const float> error) {
+const std::string& DeviceModel::description() const {
+  return impl_->description();
+}
+absl::Status DeviceModel::Upload(const compress::Replica& replica,
+                                 absl::Span<const float> error) {
   return impl_->Upload(replica, error);
 }
-absl::Status DeviceModel::Download(compress::Replica& replica, absl::Span<float> error) {
+absl::Status DeviceModel::Download(compress::Replica& replica,
+                                   absl::Span<float> error) {
   return impl_->Download(replica, error);
 }
-absl::Status DeviceModel::SetSyntheticWorkload(const SyntheticWorkload& workload) {
+absl::Status DeviceModel::SetSyntheticWorkload(
+    const SyntheticWorkload& workload) {
   return impl_->SetSyntheticWorkload(workload);
 }
-absl::StatusOr<double> DeviceModel::Gradient(int64_t step) { return impl_->Gradient(step); }
-absl::Status DeviceModel::Encode(int64_t step, uint32_t rank, const compress::StepPlan& plan,
-                                 const compress::Partition& p, std::string* payload) {
+absl::StatusOr<double> DeviceModel::Gradient(int64_t step) {
+  return impl_->Gradient(step);
+}
+absl::Status DeviceModel::Encode(int64_t step, uint32_t rank,
+                                 const compress::StepPlan& plan,
+                                 const compress::Partition& p,
+                                 std::string* payload) {
   return impl_->Encode(step, rank, plan, p, payload);
 }
 absl::Status DeviceModel::ApplyReply(int64_t step, const compress::Partition& p,

@@ -8,17 +8,19 @@ class DeviceModel::Impl {};
 DeviceModel::DeviceModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceModel::~DeviceModel() = default;
 
-absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(const compress::SimulatorConfig&,
-                                                                 const compress::Layout&) {
+absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(
+    const compress::SimulatorConfig&, const compress::Layout&) {
   return absl::FailedPreconditionError(
-      "this build has no CUDA kernels (nvcc was not found, or -DMORSE_ENABLE_CUDA=OFF)");
+      "this build has no CUDA kernels (nvcc was not found, or "
+      "-DMORSE_ENABLE_CUDA=OFF)");
 }
 
 const std::string& DeviceModel::description() const {
   static const std::string kNone = "none";
   return kNone;
 }
-absl::Status DeviceModel::Upload(const compress::Replica&, absl::Span<const float>) {
+absl::Status DeviceModel::Upload(const compress::Replica&,
+                                 absl::Span<const float>) {
   return absl::FailedPreconditionError("no GPU");
 }
 absl::Status DeviceModel::Download(compress::Replica&, absl::Span<float>) {
@@ -27,12 +29,15 @@ absl::Status DeviceModel::Download(compress::Replica&, absl::Span<float>) {
 absl::Status DeviceModel::SetSyntheticWorkload(const SyntheticWorkload&) {
   return absl::FailedPreconditionError("no GPU");
 }
-absl::StatusOr<double> DeviceModel::Gradient(int64_t) { return absl::FailedPreconditionError("no GPU"); }
+absl::StatusOr<double> DeviceModel::Gradient(int64_t) {
+  return absl::FailedPreconditionError("no GPU");
+}
 absl::Status DeviceModel::Encode(int64_t, uint32_t, const compress::StepPlan&,
                                  const compress::Partition&, std::string*) {
   return absl::FailedPreconditionError("no GPU");
 }
-absl::Status DeviceModel::ApplyReply(int64_t, const compress::Partition&, absl::Span<const uint8_t>) {
+absl::Status DeviceModel::ApplyReply(int64_t, const compress::Partition&,
+                                     absl::Span<const uint8_t>) {
   return absl::FailedPreconditionError("no GPU");
 }
 
