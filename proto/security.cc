@@ -48,10 +48,7 @@ absl::Status CheckFiles(const SecurityOptions& o) {
   if (o.tls_cert.empty() != o.tls_key.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key go together");
   }
-  if (!o.token_file.empty()) {
-    auto tokens = TokenFile::Open(o.token_file, absl::Seconds(o.refresh_seconds));
-    if (!tokens.ok()) return tokens.status();
-  }
+  if (auto tokens = TokenFile::FromOptions(o); !tokens.ok()) return tokens.status();
   if (o.refresh_seconds < 1) return absl::InvalidArgumentError("--tls_refresh_seconds must be >= 1");
   return absl::OkStatus();
 }
@@ -144,6 +141,11 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
     diff |= x ^ y;
   }
   return diff == 0;
+}
+
+absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::FromOptions(const SecurityOptions& o) {
+  if (o.token_file.empty()) return nullptr;
+  return Open(o.token_file, absl::Seconds(o.refresh_seconds));
 }
 
 absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(const std::string& path,

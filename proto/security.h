@@ -63,6 +63,8 @@ class TokenFile {
  public:
   static absl::StatusOr<std::unique_ptr<TokenFile>> Open(const std::string& path,
                                                          absl::Duration refresh);
+  // The options' token file, or null when they name none.
+  static absl::StatusOr<std::unique_ptr<TokenFile>> FromOptions(const SecurityOptions& options);
 
   // Whether `presented` equals an accepted token; the comparison takes the
   // same time wherever the strings differ.

@@ -230,13 +230,9 @@ int main(int argc, char** argv) {
                 absl::GetFlag(FLAGS_metrics_listen).c_str(), http->port());
   }
   metrics_ptr = metrics.get();
-  std::unique_ptr<proto::TokenFile> tokens;
-  if (!security.token_file.empty()) {
-    auto opened = proto::TokenFile::Open(security.token_file, absl::Seconds(security.refresh_seconds));
-    if (!opened.ok()) return Fail(kExitConfig, std::string(opened.status().message()));
-    tokens = *std::move(opened);
-  }
-  server::ParameterServerService service(host->get(), metrics.get(), tokens.get());
+  auto tokens = proto::TokenFile::FromOptions(security);
+  if (!tokens.ok()) return Fail(kExitConfig, std::string(tokens.status().message()));
+  server::ParameterServerService service(host->get(), metrics.get(), tokens->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

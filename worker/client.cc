@@ -40,14 +40,10 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobS
         absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
   if (absl::Status s = proto::ValidateClientSecurity(security); !s.ok()) return s;
-  std::unique_ptr<proto::TokenFile> tokens;
-  if (!security.token_file.empty()) {
-    auto opened = proto::TokenFile::Open(security.token_file, absl::Seconds(security.refresh_seconds));
-    if (!opened.ok()) return opened.status();
-    tokens = *std::move(opened);
-  }
+  auto tokens = proto::TokenFile::FromOptions(security);
+  if (!tokens.ok()) return tokens.status();
   return std::unique_ptr<PushClient>(
-      new PushClient(job, layout, std::move(servers), rank, security, std::move(tokens)));
+      new PushClient(job, layout, std::move(servers), rank, security, *std::move(tokens)));
 }
 
 PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout,
