@@ -58,6 +58,18 @@ cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m,
 cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
                      size_t n, cudaStream_t stream);
 
+// The mlp workload's element-wise operations (kernels/mlp.h).
+cudaError_t BroadcastRows(const float* bias, size_t rows, size_t cols,
+                          float* out, cudaStream_t stream);
+cudaError_t Relu(float* z, size_t n, cudaStream_t stream);
+cudaError_t ReluBackward(const float* a, float* da, size_t n,
+                         cudaStream_t stream);
+cudaError_t SoftmaxCrossEntropy(const float* logits, const uint32_t* labels,
+                                int rows, int classes, float* dz,
+                                double* row_loss, cudaStream_t stream);
+cudaError_t ColumnSums(const float* in, int rows, int cols, float* out,
+                       cudaStream_t stream);
+
 }  // namespace morse::kernels::launch
 
 #endif  // MORSE_KERNELS_LAUNCH_H_

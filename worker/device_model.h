@@ -1,15 +1,17 @@
 // DeviceModel: a worker's x, m, v and error buffer in GPU memory, and the
 // parts of a step that touch them (DESIGN 2.1-2.4 through kernels/): the
-// gradient of the built-in synthetic workload, encoding each partition into
+// gradient of the built-in workloads, encoding each partition into
 // the bytes a push carries, and applying each reply. The only bytes that
 // cross PCIe in a step are the payloads and the replies (through pinned
-// buffers); the host Replica is brought up to date only when asked (SyncHost:
-// checksums, checkpoints, the end of training).
+// buffers), and for mlp the batch; the host Replica is brought up to date
+// only when asked (SyncHost: checksums, checkpoints, the end of training).
 //
 // Compiled from device_model_cuda.cc when the build has CUDA kernels, from
 // device_model_none.cc otherwise (Create then says the build has no CUDA).
-// Results are bit-identical to the CPU path (kernels/codecs.h), so CPU and
-// GPU workers can share a job.
+// Encoding and updates are bit-identical to the CPU path (kernels/codecs.h),
+// so CPU and GPU workers can share a job and every replica stays the same;
+// the synthetic gradient is too, the mlp gradient only to rounding (cuBLAS
+// sums its products in its own order).
 //
 // Encode runs on the thread that drives the step; ApplyReply on gRPC threads,
 // serialized by a mutex on a stream of its own.
@@ -27,7 +29,7 @@
 
 namespace morse::worker {
 
-class SyntheticWorkload;
+class Workload;
 
 class DeviceModel {
  public:
@@ -47,10 +49,16 @@ class DeviceModel {
   // Device -> host.
   absl::Status Download(compress::Replica& replica, absl::Span<float> error);
 
-  // The synthetic workload's gradient of `step` at the device's x, into the
-  // device gradient; returns the loss. UNIMPLEMENTED for other workloads.
-  absl::Status SetSyntheticWorkload(const SyntheticWorkload& workload);
+  // The workload whose gradient Gradient computes on the device: synthetic
+  // (a kernel) or mlp (cuBLAS and kernels, through worker/mlp_backprop.h;
+  // the batches are drawn on the host and copied over, features and labels
+  // only). Not owned; must outlive this model. UNIMPLEMENTED for others.
+  absl::Status SetWorkload(Workload& workload);
+  // The gradient of `step` at the device's x, into the device gradient;
+  // returns the local loss.
   absl::StatusOr<double> Gradient(int64_t step);
+  // Device -> host: the last Gradient's result (dim floats; tests).
+  absl::Status DownloadGradient(absl::Span<float> grad);
 
   // The push payload of partition `p` for `step` (plan = PlanStep(step)).
   absl::Status Encode(int64_t step, uint32_t rank,

@@ -7,7 +7,9 @@
 #include "compress/update_rules.h"
 #include "kernels/codecs.h"
 #include "kernels/device.h"
+#include "kernels/mlp.h"
 #include "worker/device_model.h"
+#include "worker/mlp_backprop.h"
 #include "worker/workload.h"
 
 namespace morse::worker {
@@ -16,6 +18,44 @@ namespace {
 bool OnGpu(compress::CodecKind kind) {
   return kind != compress::CodecKind::kTopK;
 }
+
+// MlpOps (worker/mlp_backprop.h) through kernels/mlp.h, on one context.
+class DeviceMlpOps final : public MlpOps {
+ public:
+  DeviceMlpOps(kernels::Context& ctx, kernels::Blas& blas, double* row_loss)
+      : ctx_(ctx), blas_(blas), row_loss_(row_loss) {}
+
+  absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k,
+                    const float* a, int lda, const float* b, int ldb,
+                    float beta, float* c, int ldc) override {
+    return blas_.Gemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  }
+  absl::Status BroadcastRows(const float* bias, int rows, int cols,
+                             float* out) override {
+    return kernels::BroadcastRows(ctx_, bias, rows, cols, out);
+  }
+  absl::Status Relu(float* z, size_t n) override {
+    return kernels::Relu(ctx_, z, n);
+  }
+  absl::Status ReluBackward(const float* a, float* da, size_t n) override {
+    return kernels::ReluBackward(ctx_, a, da, n);
+  }
+  absl::StatusOr<double> SoftmaxCrossEntropy(const float* logits,
+                                             const uint32_t* labels, int rows,
+                                             int classes, float* dz) override {
+    return kernels::SoftmaxCrossEntropy(ctx_, logits, labels, rows, classes,
+                                        dz, row_loss_);
+  }
+  absl::Status ColumnSums(const float* in, int rows, int cols,
+                          float* out) override {
+    return kernels::ColumnSums(ctx_, in, rows, cols, out);
+  }
+
+ private:
+  kernels::Context& ctx_;
+  kernels::Blas& blas_;
+  double* row_loss_;  // device, one double per batch row
+};
 
 }  // namespace
 
@@ -90,38 +130,35 @@ class DeviceModel::Impl {
     return e_.Download(error.data(), bytes);
   }
 
-  absl::Status SetSyntheticWorkload(const SyntheticWorkload& w) {
-    if (w.dim() != config_.layout.dim) {
+  absl::Status SetWorkload(Workload& workload) {
+    if (workload.dim() != config_.layout.dim) {
       return absl::InvalidArgumentError(
-          "the synthetic workload's size differs from the model's");
+          "the workload's size differs from the model's");
     }
-    for (kernels::DeviceBuffer* b : {&curvature_, &target_}) {
-      auto allocated = kernels::DeviceBuffer::Allocate(4 * w.dim());
-      if (!allocated.ok()) return allocated.status();
-      *b = *std::move(allocated);
+    if (auto* w = dynamic_cast<SyntheticWorkload*>(&workload)) {
+      return SetSynthetic(*w);
     }
-    if (absl::Status s = curvature_.Upload(w.curvature().data(), 4 * w.dim());
-        !s.ok())
-      return s;
-    if (absl::Status s = target_.Upload(w.target().data(), 4 * w.dim());
-        !s.ok())
-      return s;
-    seed_ = w.seed();
-    rank_ = w.rank();
-    noise_ = w.noise();
-    synthetic_ = true;
-    return absl::OkStatus();
+    if (auto* w = dynamic_cast<MlpWorkload*>(&workload)) return SetMlp(*w);
+    return absl::UnimplementedError("this workload has no GPU gradient");
   }
 
   absl::StatusOr<double> Gradient(int64_t step) {
+    if (mlp_ != nullptr) return MlpGradient(step);
     if (!synthetic_) {
-      return absl::UnimplementedError(
-          "only the synthetic workload computes its gradient on the GPU");
+      return absl::FailedPreconditionError("no workload was set");
     }
     return kernels::SyntheticGradient(*send_, seed_, step, rank_, noise_,
                                       curvature_.as<float>(),
                                       target_.as<float>(), x_.as<float>(),
                                       grad_.as<float>(), config_.layout.dim);
+  }
+
+  absl::Status DownloadGradient(absl::Span<float> grad) {
+    if (grad.size() != config_.layout.dim) {
+      return absl::InvalidArgumentError("the gradient has dim floats");
+    }
+    if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
+    return grad_.Download(grad.data(), 4 * grad.size());
   }
 
   // Session::Encode, on the device.
@@ -215,6 +252,85 @@ class DeviceModel::Impl {
   }
 
  private:
+  absl::Status SetSynthetic(const SyntheticWorkload& w) {
+    for (kernels::DeviceBuffer* b : {&curvature_, &target_}) {
+      auto allocated = kernels::DeviceBuffer::Allocate(4 * w.dim());
+      if (!allocated.ok()) return allocated.status();
+      *b = *std::move(allocated);
+    }
+    if (absl::Status s = curvature_.Upload(w.curvature().data(), 4 * w.dim());
+        !s.ok())
+      return s;
+    if (absl::Status s = target_.Upload(w.target().data(), 4 * w.dim());
+        !s.ok())
+      return s;
+    seed_ = w.seed();
+    rank_ = w.rank();
+    noise_ = w.noise();
+    synthetic_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::Status SetMlp(MlpWorkload& w) {
+    const std::vector<uint32_t>& widths = w.widths();
+    const uint32_t rows = w.batch_size();
+    const size_t input_bytes = 4 * static_cast<size_t>(rows) * widths[0];
+    mlp_storage_.clear();
+    mlp_buffers_ = MlpBuffers();
+    for (size_t l = 0; l < widths.size() + 2; ++l) {
+      const size_t floats = l < widths.size()
+                                ? static_cast<size_t>(rows) * widths[l]
+                                : MlpBufferFloats(widths, rows);
+      auto allocated = kernels::DeviceBuffer::Allocate(4 * floats);
+      if (!allocated.ok()) return allocated.status();
+      mlp_storage_.push_back(*std::move(allocated));
+    }
+    for (size_t l = 0; l < widths.size(); ++l) {
+      mlp_buffers_.acts.push_back(mlp_storage_[l].as<float>());
+    }
+    mlp_buffers_.dz = mlp_storage_[widths.size()].as<float>();
+    mlp_buffers_.da = mlp_storage_[widths.size() + 1].as<float>();
+    auto labels = kernels::DeviceBuffer::Allocate(4 * static_cast<size_t>(rows));
+    if (!labels.ok()) return labels.status();
+    labels_ = *std::move(labels);
+    auto row_loss = kernels::DeviceBuffer::Allocate(8 * static_cast<size_t>(rows));
+    if (!row_loss.ok()) return row_loss.status();
+    row_loss_ = *std::move(row_loss);
+    auto input_host = kernels::PinnedBuffer::Allocate(input_bytes);
+    if (!input_host.ok()) return input_host.status();
+    input_host_ = *std::move(input_host);
+    auto labels_host = kernels::PinnedBuffer::Allocate(4 * rows);
+    if (!labels_host.ok()) return labels_host.status();
+    labels_host_ = *std::move(labels_host);
+    auto blas = kernels::Blas::Create(*send_);
+    if (!blas.ok()) return blas.status();
+    blas_ = *std::move(blas);
+    mlp_ = &w;
+    return absl::OkStatus();
+  }
+
+  // The batch is drawn on the host (the CPU worker's draws) and copied
+  // over; the passes run on the send stream, ahead of the encodes.
+  absl::StatusOr<double> MlpGradient(int64_t) {
+    const uint32_t rows = mlp_->batch_size();
+    mlp_->NextBatch(reinterpret_cast<float*>(input_host_.data()),
+                    reinterpret_cast<uint32_t*>(labels_host_.data()));
+    if (absl::Status s = send_->CopyToDevice(mlp_buffers_.acts[0],
+                                             input_host_.data(),
+                                             input_host_.bytes());
+        !s.ok())
+      return s;
+    if (absl::Status s = send_->CopyToDevice(
+            labels_.data(), labels_host_.data(), labels_host_.bytes());
+        !s.ok())
+      return s;
+    DeviceMlpOps ops(*send_, *blas_, row_loss_.as<double>());
+    // Returns after the loss came back, so the pinned batch is free again.
+    return worker::MlpGradient(ops, mlp_->widths(), x_.as<float>(),
+                               labels_.as<uint32_t>(), static_cast<int>(rows),
+                               mlp_buffers_, grad_.as<float>());
+  }
+
   compress::SimulatorConfig config_;
   compress::Layout layout_;
   std::string description_;
@@ -229,6 +345,13 @@ class DeviceModel::Impl {
   uint64_t seed_ = 0;
   uint32_t rank_ = 0;
   float noise_ = 0;
+  // The mlp workload.
+  MlpWorkload* mlp_ = nullptr;
+  std::vector<kernels::DeviceBuffer> mlp_storage_;
+  MlpBuffers mlp_buffers_;
+  kernels::DeviceBuffer labels_, row_loss_;
+  kernels::PinnedBuffer input_host_, labels_host_;
+  std::unique_ptr<kernels::Blas> blas_;
 };
 
 DeviceModel::DeviceModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -272,12 +395,14 @@ absl::Status DeviceModel::Download(compress::Replica& replica,
                                    absl::Span<float> error) {
   return impl_->Download(replica, error);
 }
-absl::Status DeviceModel::SetSyntheticWorkload(
-    const SyntheticWorkload& workload) {
-  return impl_->SetSyntheticWorkload(workload);
+absl::Status DeviceModel::SetWorkload(Workload& workload) {
+  return impl_->SetWorkload(workload);
 }
 absl::StatusOr<double> DeviceModel::Gradient(int64_t step) {
   return impl_->Gradient(step);
+}
+absl::Status DeviceModel::DownloadGradient(absl::Span<float> grad) {
+  return impl_->DownloadGradient(grad);
 }
 absl::Status DeviceModel::Encode(int64_t step, uint32_t rank,
                                  const compress::StepPlan& plan,

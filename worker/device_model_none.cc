@@ -26,10 +26,13 @@ absl::Status DeviceModel::Upload(const compress::Replica&,
 absl::Status DeviceModel::Download(compress::Replica&, absl::Span<float>) {
   return absl::FailedPreconditionError("no GPU");
 }
-absl::Status DeviceModel::SetSyntheticWorkload(const SyntheticWorkload&) {
+absl::Status DeviceModel::SetWorkload(Workload&) {
   return absl::FailedPreconditionError("no GPU");
 }
 absl::StatusOr<double> DeviceModel::Gradient(int64_t) {
+  return absl::FailedPreconditionError("no GPU");
+}
+absl::Status DeviceModel::DownloadGradient(absl::Span<float>) {
   return absl::FailedPreconditionError("no GPU");
 }
 absl::Status DeviceModel::Encode(int64_t, uint32_t, const compress::StepPlan&,

@@ -102,14 +102,9 @@ absl::StatusOr<bool> UseDevice(const proto::JobSpec& job, const TrainerOptions& 
     std::printf("worker %u: training on the CPU (%s)\n", options.rank, std::string(why.message()).c_str());
     return false;
   };
-  auto* synthetic = dynamic_cast<SyntheticWorkload*>(&workload);
-  if (synthetic == nullptr) {
-    return cpu_because(absl::UnimplementedError(
-        "only the synthetic workload computes its gradient on the GPU so far"));
-  }
   auto model = DeviceModel::Create(job.algorithm, session.layout());
   if (!model.ok()) return cpu_because(model.status());
-  if (absl::Status s = (*model)->SetSyntheticWorkload(*synthetic); !s.ok()) return s;
+  if (absl::Status s = (*model)->SetWorkload(workload); !s.ok()) return cpu_because(s);
   const std::string description = (*model)->description();
   if (absl::Status s = session.UseDevice(*std::move(model)); !s.ok()) return s;
   std::printf("worker %u: x, m, v, error buffer and gradient on %s\n", options.rank,

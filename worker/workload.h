@@ -15,12 +15,14 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/job_config.h"
+#include "worker/mlp_backprop.h"
 
 namespace morse::worker {
 
@@ -39,6 +41,46 @@ class Workload {
 };
 
 absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const proto::JobSpec& job, uint32_t rank);
+
+// The mlp workload (worker/mlp_workload.cc), exposed so the GPU path can
+// draw the same batches and run the same passes (worker/mlp_backprop.h).
+struct MlpDataset {
+  std::vector<float> features;  // rows x dim, row-major
+  std::vector<uint32_t> labels;
+  uint32_t dim = 0;
+  size_t rows() const { return labels.size(); }
+};
+
+class MlpWorkload final : public Workload {
+ public:
+  MlpWorkload(const proto::JobSpec& job, uint32_t rank, MlpDataset train,
+              std::optional<MlpDataset> test);
+  uint64_t dim() const override;
+  void Initialize(absl::Span<float> x) const override;
+  absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
+                                  absl::Span<float> grad) override;
+  uint64_t samples_per_step() const override { return spec_.batch_size; }
+  std::optional<double> TestAccuracy(absl::Span<const float> x) const override;
+
+  // Layer widths: features, the hidden layers, classes.
+  const std::vector<uint32_t>& widths() const { return widths_; }
+  uint32_t batch_size() const { return spec_.batch_size; }
+  // The next batch_size() training rows (input row-major, batch_size() x
+  // features) and their labels; every Gradient call draws one batch.
+  void NextBatch(float* input, uint32_t* labels);
+
+ private:
+  proto::MlpSpec spec_;
+  uint64_t seed_;
+  std::vector<uint32_t> widths_;  // before batch_, which is sized from it
+  MlpDataset train_;
+  std::optional<MlpDataset> test_;
+  std::mt19937_64 rng_;
+  std::vector<size_t> order_;
+  size_t cursor_ = 0;
+  HostMlpBuffers batch_;  // the CPU path's buffers, batch_size() rows
+  std::vector<uint32_t> labels_;
+};
 
 // The synthetic workload's gradient, exposed so tests can feed the simulator
 // exactly what each worker computed.
