@@ -7,7 +7,8 @@
 //              any D is cheap and every process can recompute any gradient.
 //   mlp        a ReLU multilayer perceptron with softmax cross-entropy on a
 //              CSV (label first) or libsvm data set; worker i trains on rows
-//              r with r mod N == i; matrix products go through CBLAS.
+//              r with r mod N == i; the passes are worker/mlp_backprop.h's
+//              (CBLAS on the CPU, cuBLAS on the GPU).
 // Not thread-safe; one per worker.
 #ifndef MORSE_WORKER_WORKLOAD_H_
 #define MORSE_WORKER_WORKLOAD_H_

@@ -4,6 +4,9 @@
 // the scales match; DESIGN 2.5 would allow them 1e-6). Outputs are poisoned
 // before every run, so an element a kernel forgets to write shows up.
 // Sizes: 0, 1, 7, B-1, B, B+1, odd multi-block sizes and 64 MiB of floats.
+// The mlp workload's operations (kernels/mlp.h) against the CPU's
+// (worker/mlp_backprop.h): element-wise ones and column sums exactly, the
+// softmax and the cuBLAS products to rounding.
 // Skips, saying why, when there is no GPU.
 #include <cstring>
 #include <limits>
@@ -18,6 +21,8 @@
 #include "gtest/gtest.h"
 #include "kernels/codecs.h"
 #include "kernels/device.h"
+#include "kernels/mlp.h"
+#include "worker/mlp_backprop.h"
 
 namespace morse {
 namespace {
@@ -323,6 +328,101 @@ TEST_F(KernelsTest, TopkAndMisalignedPayloadsAreRefused) {
   spec.kind = CodecKind::kSign1;
   EXPECT_EQ(kernels::Decode(*ctx_, spec, payload.as<uint8_t>() + 1, 4, payload.as<float>()).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(KernelsTest, MlpOperationsMatchTheCpu) {
+  worker::HostMlpOps host;
+  const int rows = 37, cols = 13;
+  const size_t n = static_cast<size_t>(rows) * cols;
+  const auto compare_exact = [&](const kernels::DeviceBuffer& got, const std::vector<float>& want,
+                                 const char* what) {
+    ASSERT_TRUE(ctx_->Synchronize().ok());
+    EXPECT_EQ(FirstDifference(Download<float>(got, want.size()).data(), want.data(),
+                              4 * want.size(), 4),
+              "")
+        << what;
+  };
+  {
+    const std::vector<float> bias = RandomValues(cols, 1, 1.0f);
+    std::vector<float> want(n);
+    ASSERT_TRUE(host.BroadcastRows(bias.data(), rows, cols, want.data()).ok());
+    kernels::DeviceBuffer dbias = Upload(bias), out = Poisoned(4 * n);
+    ASSERT_TRUE(kernels::BroadcastRows(*ctx_, dbias.as<float>(), rows, cols, out.as<float>()).ok());
+    compare_exact(out, want, "broadcast rows");
+  }
+  {
+    const std::vector<float> z = RandomValues(n, 2, 1.0f);  // with exact zeros
+    std::vector<float> want = z;
+    ASSERT_TRUE(host.Relu(want.data(), n).ok());
+    kernels::DeviceBuffer dz = Upload(z);
+    ASSERT_TRUE(kernels::Relu(*ctx_, dz.as<float>(), n).ok());
+    compare_exact(dz, want, "relu");
+    const std::vector<float> da = RandomValues(n, 3, 1.0f);
+    std::vector<float> want_da = da;
+    ASSERT_TRUE(host.ReluBackward(want.data(), want_da.data(), n).ok());
+    kernels::DeviceBuffer dda = Upload(da);
+    ASSERT_TRUE(kernels::ReluBackward(*ctx_, dz.as<float>(), dda.as<float>(), n).ok());
+    compare_exact(dda, want_da, "relu backward");
+  }
+  {
+    const std::vector<float> in = RandomValues(n, 4, 1.0f);
+    std::vector<float> want(cols);
+    ASSERT_TRUE(host.ColumnSums(in.data(), rows, cols, want.data()).ok());
+    kernels::DeviceBuffer din = Upload(in), out = Poisoned(4 * cols);
+    ASSERT_TRUE(kernels::ColumnSums(*ctx_, din.as<float>(), rows, cols, out.as<float>()).ok());
+    compare_exact(out, want, "column sums");
+  }
+  {
+    const std::vector<float> logits = RandomValues(n, 5, 4.0f);
+    std::vector<uint32_t> labels(rows);
+    for (int r = 0; r < rows; ++r) labels[r] = static_cast<uint32_t>((r * 7) % cols);
+    std::vector<float> want(n);
+    auto want_loss = host.SoftmaxCrossEntropy(logits.data(), labels.data(), rows, cols, want.data());
+    ASSERT_TRUE(want_loss.ok());
+    kernels::DeviceBuffer dlogits = Upload(logits), dlabels = Upload(labels),
+                          out = Poisoned(4 * n), row_loss = Poisoned(8 * rows);
+    auto got_loss = kernels::SoftmaxCrossEntropy(*ctx_, dlogits.as<float>(),
+                                                 dlabels.as<uint32_t>(), rows, cols,
+                                                 out.as<float>(), row_loss.as<double>());
+    ASSERT_TRUE(got_loss.ok()) << got_loss.status();
+    EXPECT_NEAR(*got_loss, *want_loss, 1e-12 * std::abs(*want_loss));
+    const auto got = Download<float>(out, n);
+    for (size_t j = 0; j < n; ++j) {
+      ASSERT_NEAR(got[j], want[j], 1e-9f + 1e-6f * std::abs(want[j])) << "softmax dz " << j;
+    }
+  }
+  // The three products of worker/mlp_backprop.cc's passes (column-major).
+  auto blas = kernels::Blas::Create(*ctx_);
+  ASSERT_TRUE(blas.ok()) << blas.status();
+  const int in_width = 29, out_width = 11;
+  struct Product {
+    bool ta, tb;
+    int m, n, k, lda, ldb, ldc;
+    float beta;
+  };
+  for (const Product& p : {Product{false, false, out_width, rows, in_width, out_width, in_width,
+                                   out_width, 1.0f},  // forward
+                           Product{false, true, out_width, in_width, rows, out_width, in_width,
+                                   out_width, 0.0f},  // weight gradient
+                           Product{true, false, in_width, rows, out_width, out_width, out_width,
+                                   in_width, 0.0f}}) {  // input gradient
+    SCOPED_TRACE(absl::StrCat("trans_a=", p.ta, " trans_b=", p.tb));
+    const size_t a_size = static_cast<size_t>(p.lda) * (p.ta ? p.m : p.k);
+    const size_t b_size = static_cast<size_t>(p.ldb) * (p.tb ? p.k : p.n);
+    const size_t c_size = static_cast<size_t>(p.ldc) * p.n;
+    const std::vector<float> a = RandomValues(a_size, 6, 1.0f), b = RandomValues(b_size, 7, 1.0f);
+    std::vector<float> want = RandomValues(c_size, 8, 1.0f);
+    kernels::DeviceBuffer da = Upload(a), db = Upload(b), dc = Upload(want);
+    ASSERT_TRUE(host.Gemm(p.ta, p.tb, p.m, p.n, p.k, a.data(), p.lda, b.data(), p.ldb, p.beta,
+                          want.data(), p.ldc)
+                    .ok());
+    ASSERT_TRUE((*blas)->Gemm(p.ta, p.tb, p.m, p.n, p.k, da.as<float>(), p.lda, db.as<float>(),
+                              p.ldb, p.beta, dc.as<float>(), p.ldc)
+                    .ok());
+    ASSERT_TRUE(ctx_->Synchronize().ok());
+    const auto got = Download<float>(dc, c_size);
+    for (size_t j = 0; j < c_size; ++j) ASSERT_NEAR(got[j], want[j], 1e-3f) << "element " << j;
+  }
 }
 
 }  // namespace
