@@ -28,6 +28,9 @@ __global__ void IntEncodeKernel(int bits_per_elem, const float* __restrict__ x,
   const float qmax = bits_per_elem == 8 ? 127.0f : 7.0f;
 
   uint32_t amax = 0;
+  // Unrolled so that a thread has several loads in flight; the adds still
+  // run one after another in j order (the CPU's lane order).
+#pragma unroll 8
   for (size_t j = lane; j < len; j += 16) {
     const float u = eb ? Add(xb[j], eb[j]) : xb[j];
     amax = max(amax, __float_as_uint(u) & 0x7fffffffu);

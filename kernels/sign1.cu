@@ -31,6 +31,9 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x,
   float* eb = e != nullptr && start < n ? e + start : nullptr;
 
   float acc = 0.0f;
+  // Unrolled so that a thread has several loads in flight; the adds still
+  // run one after another in j order (the CPU's lane order).
+#pragma unroll 8
   for (size_t j = lane; j < len; j += 16) {
     const float u = eb ? Add(xb[j], eb[j]) : xb[j];
     acc = Add(acc, l1 ? fabsf(u) : Mul(u, u));
