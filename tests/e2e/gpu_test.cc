@@ -47,6 +47,22 @@ void WriteBlobs(const std::string& path, int rows, int features, int classes,
   }
 }
 
+// Servers, then rank 0 on the GPU and rank 1 on the CPU, both logging
+// checksums; waits for both and stops the servers.
+void RunGpuAndCpuWorker(testing::Cluster& cluster, bool state_logs) {
+  cluster.StartServers(state_logs);
+  cluster.AddWorkerArgs({"--device=cuda"});
+  cluster.StartWorker(0, /*checksums=*/true);
+  cluster.AddWorkerArgs({"--device=cpu"});
+  cluster.StartWorker(1, /*checksums=*/true);
+  std::string failure;
+  const bool finished = cluster.WaitWorkers(absl::Seconds(180), &failure);
+  cluster.StopServers();
+  ASSERT_TRUE(finished) << failure;
+  const std::string log = ReadFile(cluster.worker_log(0));
+  ASSERT_NE(log.find("gradient on "), std::string::npos) << log;
+}
+
 std::string MlpConfig(const std::string& dir, int workers, int steps) {
   return absl::StrCat(R"(
     shards: 2
@@ -89,16 +105,7 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
   ASSERT_TRUE(job.ok()) << job.status();
   const testing::Expected expected = testing::Simulate(*job);
   testing::Cluster cluster(config, 2, 2);
-  cluster.StartServers(/*state_logs=*/true);
-  cluster.AddWorkerArgs({"--device=cuda"});
-  cluster.StartWorker(0, /*checksums=*/true);
-  cluster.AddWorkerArgs({"--device=cpu"});
-  cluster.StartWorker(1, /*checksums=*/true);
-  std::string failure;
-  ASSERT_TRUE(cluster.WaitWorkers(absl::Seconds(180), &failure)) << failure;
-  cluster.StopServers();
-  EXPECT_NE(ReadFile(cluster.worker_log(0)).find("gradient on "), std::string::npos)
-      << ReadFile(cluster.worker_log(0));
+  ASSERT_NO_FATAL_FAILURE(RunGpuAndCpuWorker(cluster, /*state_logs=*/true));
   for (int r = 0; r < 2; ++r) {
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
     ASSERT_EQ(got.size(), expected.model.size()) << "worker " << r;
@@ -166,16 +173,8 @@ TEST(GpuTest, MixedMlpJobKeepsBothReplicasIdentical) {
   WriteBlobs(dir + "/train.csv", 800, 20, 4, 1);
   WriteBlobs(dir + "/test.csv", 200, 20, 4, 2);
   testing::Cluster cluster(MlpConfig(dir, 2, 60), 2, 2);
-  cluster.StartServers(/*state_logs=*/false);
-  cluster.AddWorkerArgs({"--device=cuda"});
-  cluster.StartWorker(0, /*checksums=*/true);
-  cluster.AddWorkerArgs({"--device=cpu"});
-  cluster.StartWorker(1, /*checksums=*/true);
-  std::string failure;
-  ASSERT_TRUE(cluster.WaitWorkers(absl::Seconds(180), &failure)) << failure;
-  cluster.StopServers();
+  ASSERT_NO_FATAL_FAILURE(RunGpuAndCpuWorker(cluster, /*state_logs=*/false));
   const std::string gpu_log = ReadFile(cluster.worker_log(0));
-  EXPECT_NE(gpu_log.find("gradient on "), std::string::npos) << gpu_log;
   // Every replica applies the same replies with bit-identical updates.
   const auto gpu = JsonField(ReadFile(cluster.worker_metrics(0)), "checksum");
   const auto cpu = JsonField(ReadFile(cluster.worker_metrics(1)), "checksum");
