@@ -50,9 +50,8 @@ absl::StatusOr<std::unique_ptr<Blas>> Blas::Create(Context& ctx) {
       !s.ok()) {
     return s;
   }
-  if (absl::Status s =
-          BlasStatus(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH),
-                     "cublasSetMathMode");
+  if (absl::Status s = BlasStatus(
+          cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
       !s.ok()) {
     return s;
   }
@@ -67,19 +66,18 @@ absl::Status Blas::Gemm(bool trans_a, bool trans_b, int m, int n, int k,
                         const float* a, int lda, const float* b, int ldb,
                         float beta, float* c, int ldc) {
   const float one = 1.0f;
-  return BlasStatus(
-      cublasSgemm(static_cast<cublasHandle_t>(handle_),
-                  trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                  trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k, &one, a, lda,
-                  b, ldb, &beta, c, ldc),
-      "cublasSgemm");
+  return BlasStatus(cublasSgemm(static_cast<cublasHandle_t>(handle_),
+                                trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k,
+                                &one, a, lda, b, ldb, &beta, c, ldc),
+                    "cublasSgemm");
 }
 
 absl::Status BroadcastRows(Context& ctx, const float* bias, int rows, int cols,
                            float* out) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::BroadcastRows(
-      bias, static_cast<size_t>(rows), static_cast<size_t>(cols), out,
-      StreamOf(ctx)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::BroadcastRows(bias, static_cast<size_t>(rows),
+                            static_cast<size_t>(cols), out, StreamOf(ctx)));
   return absl::OkStatus();
 }
 

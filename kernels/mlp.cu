@@ -8,9 +8,8 @@ namespace {
 
 using namespace device;
 
-__global__ void BroadcastRowsKernel(const float* __restrict__ bias,
-                                    size_t cols, size_t n,
-                                    float* __restrict__ out) {
+__global__ void BroadcastRowsKernel(const float* __restrict__ bias, size_t cols,
+                                    size_t n, float* __restrict__ out) {
   MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = bias[j % cols]; }
 }
 
@@ -51,8 +50,8 @@ __global__ void SoftmaxCrossEntropyKernel(const float* __restrict__ logits,
       const double y = static_cast<uint32_t>(c) == labels[r] ? 1.0 : 0.0;
       d[c] = static_cast<float>(__ddiv_rn(__dsub_rn(p, y), rows));
     }
-    row_loss[r] = -__dsub_rn(
-        __dsub_rn(static_cast<double>(z[labels[r]]), zmax), log(sum));
+    row_loss[r] = -__dsub_rn(__dsub_rn(static_cast<double>(z[labels[r]]), zmax),
+                             log(sum));
   }
 }
 
@@ -61,7 +60,8 @@ __global__ void ColumnSumsKernel(const float* __restrict__ in, int rows,
                                  int cols, float* __restrict__ out) {
   MORSE_FOR_EACH_ELEMENT(c, static_cast<size_t>(cols)) {
     float sum = 0.0f;
-    for (int r = 0; r < rows; ++r) sum = Add(sum, in[r * static_cast<size_t>(cols) + c]);
+    for (int r = 0; r < rows; ++r)
+      sum = Add(sum, in[r * static_cast<size_t>(cols) + c]);
     out[c] = sum;
   }
 }

@@ -43,8 +43,8 @@ class DeviceMlpOps final : public MlpOps {
   absl::StatusOr<double> SoftmaxCrossEntropy(const float* logits,
                                              const uint32_t* labels, int rows,
                                              int classes, float* dz) override {
-    return kernels::SoftmaxCrossEntropy(ctx_, logits, labels, rows, classes,
-                                        dz, row_loss_);
+    return kernels::SoftmaxCrossEntropy(ctx_, logits, labels, rows, classes, dz,
+                                        row_loss_);
   }
   absl::Status ColumnSums(const float* in, int rows, int cols,
                           float* out) override {
@@ -290,10 +290,12 @@ class DeviceModel::Impl {
     }
     mlp_buffers_.dz = mlp_storage_[widths.size()].as<float>();
     mlp_buffers_.da = mlp_storage_[widths.size() + 1].as<float>();
-    auto labels = kernels::DeviceBuffer::Allocate(4 * static_cast<size_t>(rows));
+    auto labels =
+        kernels::DeviceBuffer::Allocate(4 * static_cast<size_t>(rows));
     if (!labels.ok()) return labels.status();
     labels_ = *std::move(labels);
-    auto row_loss = kernels::DeviceBuffer::Allocate(8 * static_cast<size_t>(rows));
+    auto row_loss =
+        kernels::DeviceBuffer::Allocate(8 * static_cast<size_t>(rows));
     if (!row_loss.ok()) return row_loss.status();
     row_loss_ = *std::move(row_loss);
     auto input_host = kernels::PinnedBuffer::Allocate(input_bytes);
@@ -315,9 +317,8 @@ class DeviceModel::Impl {
     const uint32_t rows = mlp_->batch_size();
     mlp_->NextBatch(reinterpret_cast<float*>(input_host_.data()),
                     reinterpret_cast<uint32_t*>(labels_host_.data()));
-    if (absl::Status s = send_->CopyToDevice(mlp_buffers_.acts[0],
-                                             input_host_.data(),
-                                             input_host_.bytes());
+    if (absl::Status s = send_->CopyToDevice(
+            mlp_buffers_.acts[0], input_host_.data(), input_host_.bytes());
         !s.ok())
       return s;
     if (absl::Status s = send_->CopyToDevice(

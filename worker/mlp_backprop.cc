@@ -49,9 +49,9 @@ absl::StatusOr<double> MlpGradient(MlpOps& ops,
   if (absl::Status s = MlpForward(ops, widths, x, rows, buffers); !s.ok()) {
     return s;
   }
-  auto loss = ops.SoftmaxCrossEntropy(buffers.acts.back(), labels, rows,
-                                      static_cast<int>(widths.back()),
-                                      buffers.dz);
+  auto loss =
+      ops.SoftmaxCrossEntropy(buffers.acts.back(), labels, rows,
+                              static_cast<int>(widths.back()), buffers.dz);
   if (!loss.ok()) return loss.status();
   size_t offset = 0;
   for (size_t l = 0; l + 1 < widths.size(); ++l) {
@@ -145,7 +145,8 @@ absl::Status HostMlpOps::ColumnSums(const float* in, int rows, int cols,
                                     float* out) {
   std::fill(out, out + cols, 0.0f);
   for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < cols; ++c) out[c] += in[static_cast<size_t>(r) * cols + c];
+    for (int c = 0; c < cols; ++c)
+      out[c] += in[static_cast<size_t>(r) * cols + c];
   }
   return absl::OkStatus();
 }
