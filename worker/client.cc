@@ -23,6 +23,12 @@ double Since(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - star
 // not initialized yet.
 bool Retryable(const grpc::Status& s) { return s.error_code() == grpc::StatusCode::UNAVAILABLE; }
 
+// A failed call's status: its canonical code, with what was being done.
+absl::Status RpcError(const grpc::Status& status, absl::string_view what) {
+  return absl::Status(proto::FromGrpc(status).code(),
+                      absl::StrCat(what, ": ", status.error_message()));
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobSpec& job,
@@ -65,7 +71,8 @@ PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout
   }
 }
 
-void PushClient::Authorize(grpc::ClientContext* context) {
+void PushClient::PrepareContext(grpc::ClientContext* context, double seconds) {
+  context->set_deadline(DeadlineIn(seconds));
   if (tokens_ != nullptr) {
     context->AddMetadata(proto::kAuthorizationKey,
                          absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
@@ -87,15 +94,13 @@ absl::Status PushClient::WaitForShards() {
       // wait_for_ready: the call rides out the channel's own reconnect
       // backoff and returns as soon as the server accepts a connection.
       grpc::ClientContext context;
-      Authorize(&context);
+      PrepareContext(&context, 1.0);
       context.set_wait_for_ready(true);
-      context.set_deadline(DeadlineIn(1.0));
       v1::ShardInfo info;
       const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &info);
       if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
           status.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-        return absl::Status(proto::FromGrpc(status).code(),
-                            absl::StrCat(servers_[s], ": ", status.error_message()));
+        return RpcError(status, servers_[s]);
       }
       if (!status.ok()) {
         last_error = absl::StrCat(servers_[s], ": ", status.error_message());
@@ -139,14 +144,12 @@ absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
     request.set_values(reinterpret_cast<const char*>(x0.data() + p.range.begin),
                        4 * p.range.size());
     grpc::ClientContext context;
-    Authorize(&context);
-    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::InitPartitionReply reply;
     const grpc::Status status = Stub(p.shard, p.id)->InitPartition(&context, request, &reply);
     if (!status.ok()) {
-      return absl::Status(proto::FromGrpc(status).code(),
-                          absl::StrCat("uploading partition ", p.id, " to ", servers_[p.shard],
-                                       ": ", status.error_message()));
+      return RpcError(status, absl::StrCat("uploading partition ", p.id, " to ",
+                                           servers_[p.shard]));
     }
   }
   return absl::OkStatus();
@@ -177,14 +180,12 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
     grpc::ClientContext context;
-    Authorize(&context);
-    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::PartitionState state;
     const grpc::Status status = Stub(p.shard, p.id)->FetchPartition(&context, request, &state);
     if (!status.ok()) {
-      return absl::Status(proto::FromGrpc(status).code(),
-                          absl::StrCat("fetching partition ", p.id, " from ", servers_[p.shard],
-                                       ": ", status.error_message()));
+      return RpcError(status, absl::StrCat("fetching partition ", p.id, " from ",
+                                           servers_[p.shard]));
     }
     const size_t bytes = 4 * p.range.size();
     if (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes) {
@@ -207,12 +208,10 @@ absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
   std::vector<v1::ShardInfo> infos(servers_.size());
   for (uint32_t s = 0; s < servers_.size(); ++s) {
     grpc::ClientContext context;
-    Authorize(&context);
-    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    PrepareContext(&context, job_.rpc_timeout_seconds);
     const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &infos[s]);
     if (!status.ok()) {
-      return absl::Status(proto::FromGrpc(status).code(),
-                          absl::StrCat(servers_[s], ": ", status.error_message()));
+      return RpcError(status, servers_[s]);
     }
   }
   return infos;
@@ -243,8 +242,7 @@ void StepExchange::Issue(std::unique_ptr<Call> call) {
   fresh->partition = call->partition;
   fresh->first_try = call->first_try;
   fresh->attempt = call->attempt + 1;
-  fresh->context.set_deadline(DeadlineIn(client_->job_.rpc_timeout_seconds));
-  client_->Authorize(&fresh->context);
+  client_->PrepareContext(&fresh->context, client_->job_.rpc_timeout_seconds);
   call.reset();
   // The completion owns the call and destroys it before it signals the
   // step: once Finish() returns, no gRPC object of this step is left alive.
@@ -337,13 +335,11 @@ absl::Status PushClient::Join() {
   }
   for (uint32_t s = 0; s < servers_.size(); ++s) {
     grpc::ClientContext context;
-    Authorize(&context);
-    context.set_deadline(DeadlineIn(job_.rpc_timeout_seconds));
+    PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::JoinReply reply;
     const grpc::Status status = Stub(s, 0)->Join(&context, request, &reply);
     if (!status.ok()) {
-      return absl::Status(proto::FromGrpc(status).code(),
-                          absl::StrCat("joining ", servers_[s], ": ", status.error_message()));
+      return RpcError(status, absl::StrCat("joining ", servers_[s]));
     }
     if (reply.layout_fingerprint() != layout_.fingerprint()) {
       return absl::FailedPreconditionError(absl::StrCat(

@@ -120,8 +120,9 @@ class PushClient {
              std::vector<std::string> servers, uint32_t rank,
              const proto::SecurityOptions& security, std::unique_ptr<proto::TokenFile> tokens);
   v1::ParameterServer::Stub* Stub(uint32_t shard, uint32_t partition);
-  // Adds the bearer token, if any, to a call's metadata.
-  void Authorize(grpc::ClientContext* context);
+  // Every call's context: a deadline `seconds` from now and the bearer
+  // token, if any, in its metadata.
+  void PrepareContext(grpc::ClientContext* context, double seconds);
 
   proto::JobSpec job_;
   compress::Layout layout_;
