@@ -33,6 +33,32 @@ inline unsigned BlockGrid(size_t blocks) {
   return static_cast<unsigned>((blocks + kBlocksPerCta - 1) / kBlocksPerCta);
 }
 
+// The scale block a half-warp encodes (block kernels): this thread's lane
+// (0..15), the block's index, first element and length (0 for the threads
+// past the last block, which still take part in the shuffles), and its
+// slices of x and of the error buffer (null when there is none).
+struct HalfWarpBlock {
+  int lane;
+  size_t index, start, len;
+  const float* x;
+  float* e;
+};
+
+__device__ __forceinline__ HalfWarpBlock ThisHalfWarpsBlock(const float* x,
+                                                            float* e, size_t n,
+                                                            uint32_t block) {
+  HalfWarpBlock hb;
+  hb.lane = threadIdx.x & 15;
+  hb.index =
+      static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
+  hb.start = hb.index * block;
+  const bool inside = hb.start < n;
+  hb.len = !inside ? 0 : (n - hb.start < block ? n - hb.start : block);
+  hb.x = x + (inside ? hb.start : 0);
+  hb.e = e != nullptr && inside ? e + hb.start : nullptr;
+  return hb;
+}
+
 #define MORSE_FOR_EACH_ELEMENT(j, n)                                          \
   for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; \
        j < (n); j += static_cast<size_t>(gridDim.x) * blockDim.x)

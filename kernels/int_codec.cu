@@ -18,18 +18,15 @@ __global__ void IntEncodeKernel(int bits_per_elem, const float* __restrict__ x,
                                 uint64_t first_index,
                                 float* __restrict__ scales,
                                 uint8_t* __restrict__ data, int* bad) {
-  const int lane = threadIdx.x & 15;
-  const size_t b =
-      static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
-  const size_t start = b * block;
-  const size_t len = start >= n ? 0 : (n - start < block ? n - start : block);
-  const float* xb = x + (start < n ? start : 0);
-  float* eb = e != nullptr && start < n ? e + start : nullptr;
+  const HalfWarpBlock hb = ThisHalfWarpsBlock(x, e, n, block);
+  const int lane = hb.lane;
+  const size_t b = hb.index, start = hb.start, len = hb.len;
+  const float* xb = hb.x;
+  float* eb = hb.e;
   const float qmax = bits_per_elem == 8 ? 127.0f : 7.0f;
 
   uint32_t amax = 0;
-  // Unrolled so that a thread has several loads in flight; the adds still
-  // run one after another in j order (the CPU's lane order).
+  // Unrolled so that a thread has several loads in flight.
 #pragma unroll 8
   for (size_t j = lane; j < len; j += 16) {
     const float u = eb ? Add(xb[j], eb[j]) : xb[j];

@@ -20,15 +20,12 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x,
                                   uint32_t block, bool l1, int feedback,
                                   float beta, float* __restrict__ scales,
                                   uint8_t* __restrict__ bits, int* bad) {
-  const int lane = threadIdx.x & 15;
+  const HalfWarpBlock hb = ThisHalfWarpsBlock(x, e, n, block);
+  const int lane = hb.lane;
   const int half = (threadIdx.x >> 4) & 1;
-  const size_t b =
-      static_cast<size_t>(blockIdx.x) * kBlocksPerCta + (threadIdx.x >> 4);
-  const size_t start = b * block;
-  // Threads past the last block still take part in the shuffles.
-  const size_t len = start >= n ? 0 : (n - start < block ? n - start : block);
-  const float* xb = x + (start < n ? start : 0);
-  float* eb = e != nullptr && start < n ? e + start : nullptr;
+  const size_t b = hb.index, start = hb.start, len = hb.len;
+  const float* xb = hb.x;
+  float* eb = hb.e;
 
   float acc = 0.0f;
   // Unrolled so that a thread has several loads in flight; the adds still
