@@ -276,20 +276,14 @@ class DeviceModel::Impl {
     const uint32_t rows = w.batch_size();
     const size_t input_bytes = 4 * static_cast<size_t>(rows) * widths[0];
     mlp_storage_.clear();
-    mlp_buffers_ = MlpBuffers();
-    for (size_t l = 0; l < widths.size() + 2; ++l) {
-      const size_t floats = l < widths.size()
-                                ? static_cast<size_t>(rows) * widths[l]
-                                : MlpBufferFloats(widths, rows);
-      auto allocated = kernels::DeviceBuffer::Allocate(4 * floats);
+    std::vector<float*> pointers;
+    for (size_t size : MlpBufferSizes(widths, rows)) {
+      auto allocated = kernels::DeviceBuffer::Allocate(4 * size);
       if (!allocated.ok()) return allocated.status();
       mlp_storage_.push_back(*std::move(allocated));
+      pointers.push_back(mlp_storage_.back().as<float>());
     }
-    for (size_t l = 0; l < widths.size(); ++l) {
-      mlp_buffers_.acts.push_back(mlp_storage_[l].as<float>());
-    }
-    mlp_buffers_.dz = mlp_storage_[widths.size()].as<float>();
-    mlp_buffers_.da = mlp_storage_[widths.size() + 1].as<float>();
+    mlp_buffers_ = MlpBuffersOver(pointers);
     auto labels =
         kernels::DeviceBuffer::Allocate(4 * static_cast<size_t>(rows));
     if (!labels.ok()) return labels.status();

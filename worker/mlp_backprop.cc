@@ -8,9 +8,24 @@
 
 namespace morse::worker {
 
-size_t MlpBufferFloats(const std::vector<uint32_t>& widths, uint32_t rows) {
-  return static_cast<size_t>(rows) *
-         *std::max_element(widths.begin(), widths.end());
+std::vector<size_t> MlpBufferSizes(const std::vector<uint32_t>& widths,
+                                   uint32_t rows) {
+  std::vector<size_t> sizes;
+  for (uint32_t width : widths)
+    sizes.push_back(static_cast<size_t>(rows) * width);
+  const size_t widest = static_cast<size_t>(rows) *
+                        *std::max_element(widths.begin(), widths.end());
+  sizes.push_back(widest);  // dz
+  sizes.push_back(widest);  // da
+  return sizes;
+}
+
+MlpBuffers MlpBuffersOver(const std::vector<float*>& storage) {
+  MlpBuffers buffers;
+  buffers.acts.assign(storage.begin(), storage.end() - 2);
+  buffers.dz = storage[storage.size() - 2];
+  buffers.da = storage.back();
+  return buffers;
 }
 
 absl::Status MlpForward(MlpOps& ops, const std::vector<uint32_t>& widths,
@@ -153,16 +168,12 @@ absl::Status HostMlpOps::ColumnSums(const float* in, int rows, int cols,
 
 HostMlpBuffers::HostMlpBuffers(const std::vector<uint32_t>& widths,
                                uint32_t rows) {
-  for (uint32_t width : widths) {
-    storage_.emplace_back(static_cast<size_t>(rows) * width);
+  std::vector<float*> pointers;
+  for (size_t size : MlpBufferSizes(widths, rows)) {
+    storage_.emplace_back(size);
+    pointers.push_back(storage_.back().data());
   }
-  storage_.emplace_back(MlpBufferFloats(widths, rows));
-  storage_.emplace_back(MlpBufferFloats(widths, rows));
-  for (size_t l = 0; l < widths.size(); ++l) {
-    buffers_.acts.push_back(storage_[l].data());
-  }
-  buffers_.dz = storage_[widths.size()].data();
-  buffers_.da = storage_[widths.size() + 1].data();
+  buffers_ = MlpBuffersOver(pointers);
 }
 
 }  // namespace morse::worker

@@ -57,9 +57,12 @@ struct MlpBuffers {
   float* da = nullptr;
 };
 
-// Number of floats each buffer needs: acts[l] holds rows * widths[l], dz and
-// da rows * max(widths).
-size_t MlpBufferFloats(const std::vector<uint32_t>& widths, uint32_t rows);
+// The floats each buffer needs for up to `rows` rows, in the order acts[0],
+// ..., acts.back(), dz, da: rows * widths[l], then rows * max(widths) twice.
+std::vector<size_t> MlpBufferSizes(const std::vector<uint32_t>& widths,
+                                   uint32_t rows);
+// MlpBuffers over one allocation per MlpBufferSizes entry, in its order.
+MlpBuffers MlpBuffersOver(const std::vector<float*>& storage);
 
 // The forward pass at parameters x over acts[0]'s `rows` rows.
 absl::Status MlpForward(MlpOps& ops, const std::vector<uint32_t>& widths,
