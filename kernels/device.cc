@@ -17,11 +17,24 @@ absl::StatusOr<std::string> DeviceDescription() {
   }
   if (count == 0)
     return absl::FailedPreconditionError("no CUDA device: none found");
+  int device = 0;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   cudaDeviceProp prop;
-  MORSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, 0));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
   return absl::StrFormat("%s (sm_%d%d, %d GiB)", prop.name, prop.major,
                          prop.minor,
                          static_cast<int>(prop.totalGlobalMem >> 30));
+}
+
+absl::StatusOr<int> CurrentDevice() {
+  int device = 0;
+  MORSE_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  return device;
+}
+
+absl::Status SetDevice(int device) {
+  MORSE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  return absl::OkStatus();
 }
 
 void CudaFree::operator()(void* p) const { cudaFree(p); }
@@ -66,6 +79,20 @@ absl::Status DeviceBuffer::Fill(uint8_t value) {
   return absl::OkStatus();
 }
 
+absl::Status CopyToDevice(void* device, const void* host, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
+  return absl::OkStatus();
+}
+
+absl::Status CopyToHost(void* host, const void* device, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(host, device, bytes, cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Context>> Context::Create() {
   std::unique_ptr<Context> ctx(new Context());
   cudaStream_t stream;
@@ -78,6 +105,10 @@ absl::StatusOr<std::unique_ptr<Context>> Context::Create() {
       cudaMallocHost(reinterpret_cast<void**>(&ctx->host_flag_), sizeof(int)));
   MORSE_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&ctx->sum_), sizeof(double)));
+  cudaEvent_t event;
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  ctx->event_ = event;
   return ctx;
 }
 
@@ -85,7 +116,16 @@ Context::~Context() {
   if (flag_ != nullptr) cudaFree(flag_);
   if (sum_ != nullptr) cudaFree(sum_);
   if (host_flag_ != nullptr) cudaFreeHost(host_flag_);
+  if (event_ != nullptr) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
   if (stream_ != nullptr) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+}
+
+absl::Status Context::WaitFor(void* stream) {
+  MORSE_CUDA_RETURN_IF_ERROR(cudaEventRecord(
+      static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(
+      static_cast<cudaStream_t>(stream_), static_cast<cudaEvent_t>(event_), 0));
+  return absl::OkStatus();
 }
 
 absl::Status Context::Copy(void* dst, const void* src, size_t bytes) {

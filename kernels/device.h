@@ -14,9 +14,15 @@
 
 namespace morse::kernels {
 
-// "NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)" for device 0, or
-// FAILED_PRECONDITION saying why there is none (no driver, no device).
+// "NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)" for the calling thread's current
+// device (0 unless set), or FAILED_PRECONDITION saying why there is none (no
+// driver, no device).
 absl::StatusOr<std::string> DeviceDescription();
+
+// The calling thread's current device, and setting it (a model created on
+// one device runs its work on threads that must select that device too).
+absl::StatusOr<int> CurrentDevice();
+absl::Status SetDevice(int device);
 
 // Frees what cudaMalloc / cudaMallocHost returned.
 struct CudaFree {
@@ -25,6 +31,11 @@ struct CudaFree {
 struct CudaFreeHost {
   void operator()(void* p) const;
 };
+
+// Synchronous copies between host memory and any device array (one of ours
+// or a caller's, such as a PyTorch tensor's).
+absl::Status CopyToDevice(void* device, const void* host, size_t bytes);
+absl::Status CopyToHost(void* host, const void* device, size_t bytes);
 
 // Untyped device memory (cudaMalloc), freed on destruction; movable.
 class DeviceBuffer {
@@ -73,6 +84,10 @@ class Context {
   int* host_flag() const { return host_flag_; }  // pinned
   double* device_sum() const { return sum_; }
   absl::Status Synchronize();
+  // Work enqueued on this context from now on waits for the work already
+  // enqueued on `stream` (another cudaStream_t; nullptr is the legacy default
+  // stream), without blocking the host: an event recorded there.
+  absl::Status WaitFor(void* stream);
   // Enqueue copies on the stream: device to device (the bandwidth ceiling
   // of benchmarks), device to host and host to device (asynchronous with
   // pinned host memory).
@@ -86,6 +101,7 @@ class Context {
   int* flag_ = nullptr;
   int* host_flag_ = nullptr;
   double* sum_ = nullptr;
+  void* event_ = nullptr;  // a cudaEvent_t for WaitFor
 };
 
 }  // namespace morse::kernels

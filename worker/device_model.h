@@ -31,14 +31,28 @@ namespace morse::worker {
 
 class Workload;
 
+// A caller's device arrays of dim floats (PyTorch tensors): the model's
+// parameters live in `x` and Encode reads the gradient from `grad`. Null:
+// the model allocates its own.
+struct DeviceArrays {
+  float* x = nullptr;
+  float* grad = nullptr;
+};
+
 class DeviceModel {
  public:
   // FAILED_PRECONDITION when there is no GPU (or no CUDA in this build), with
   // the reason; UNIMPLEMENTED for settings the GPU path lacks (int8-stored
   // error buffers, topk).
+  // `external`: the caller's device arrays for x and the gradient, if any.
   static absl::StatusOr<std::unique_ptr<DeviceModel>> Create(
-      const compress::SimulatorConfig& config, const compress::Layout& layout);
+      const compress::SimulatorConfig& config, const compress::Layout& layout,
+      DeviceArrays external = {});
   ~DeviceModel();
+
+  // The GPU Create would use ("NVIDIA H100 ... (sm_90, 79 GiB)"), or
+  // FAILED_PRECONDITION saying why there is none.
+  static absl::StatusOr<std::string> Describe();
 
   // "NVIDIA H100 ... (sm_90, 79 GiB)".
   const std::string& description() const;
@@ -59,6 +73,11 @@ class DeviceModel {
   absl::StatusOr<double> Gradient(int64_t step);
   // Device -> host: the last Gradient's result (dim floats; tests).
   absl::Status DownloadGradient(absl::Span<float> grad);
+
+  // The next Encode waits for the work already enqueued on `stream` (a
+  // cudaStream_t of the caller's, e.g. PyTorch's current stream): the
+  // gradient it reads is complete; the host does not block.
+  absl::Status WaitFor(void* stream);
 
   // The push payload of partition `p` for `step` (plan = PlanStep(step)).
   absl::Status Encode(int64_t step, uint32_t rank,

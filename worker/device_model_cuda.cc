@@ -62,12 +62,16 @@ class DeviceMlpOps final : public MlpOps {
 class DeviceModel::Impl {
  public:
   Impl(const compress::SimulatorConfig& config, const compress::Layout& layout,
-       std::string description)
+       std::string description, DeviceArrays external)
       : config_(config),
         layout_(layout),
-        description_(std::move(description)) {}
+        description_(std::move(description)),
+        external_(external) {}
 
   absl::Status Init() {
+    auto device = kernels::CurrentDevice();
+    if (!device.ok()) return device.status();
+    device_ = *device;
     const size_t dim = config_.layout.dim;
     size_t max_payload = 0;
     for (const compress::Partition& p : layout_.partitions()) {
@@ -79,10 +83,15 @@ class DeviceModel::Impl {
     }
     for (kernels::DeviceBuffer* b :
          {&x_, &m_, &v_, &e_, &grad_, &scratch_, &apply_scratch_}) {
+      const bool external = (b == &x_ && external_.x != nullptr) ||
+                            (b == &grad_ && external_.grad != nullptr);
+      if (external) continue;
       auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
       if (!allocated.ok()) return allocated.status();
       *b = *std::move(allocated);
     }
+    x_ptr_ = external_.x != nullptr ? external_.x : x_.as<float>();
+    grad_ptr_ = external_.grad != nullptr ? external_.grad : grad_.as<float>();
     for (kernels::DeviceBuffer* b : {&send_payload_, &reply_payload_}) {
       auto allocated = kernels::DeviceBuffer::Allocate(max_payload);
       if (!allocated.ok()) return allocated.status();
@@ -105,10 +114,15 @@ class DeviceModel::Impl {
 
   const std::string& description() const { return description_; }
 
+  // Every entry point runs on the device the model was created on, whatever
+  // the calling thread (gRPC threads apply replies).
+  absl::Status OnDevice() const { return kernels::SetDevice(device_); }
+
   absl::Status Upload(const compress::Replica& replica,
                       absl::Span<const float> error) {
     const size_t bytes = 4 * config_.layout.dim;
-    if (absl::Status s = x_.Upload(replica.x().data(), bytes); !s.ok())
+    if (absl::Status s = kernels::CopyToDevice(x_ptr_, replica.x().data(), bytes);
+        !s.ok())
       return s;
     if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok())
       return s;
@@ -119,7 +133,8 @@ class DeviceModel::Impl {
 
   absl::Status Download(compress::Replica& replica, absl::Span<float> error) {
     const size_t bytes = 4 * config_.layout.dim;
-    if (absl::Status s = x_.Download(replica.x().data(), bytes); !s.ok())
+    if (absl::Status s = kernels::CopyToHost(replica.x().data(), x_ptr_, bytes);
+        !s.ok())
       return s;
     if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes);
         !s.ok())
@@ -149,8 +164,8 @@ class DeviceModel::Impl {
     }
     return kernels::SyntheticGradient(*send_, seed_, step, rank_, noise_,
                                       curvature_.as<float>(),
-                                      target_.as<float>(), x_.as<float>(),
-                                      grad_.as<float>(), config_.layout.dim);
+                                      target_.as<float>(), x_ptr_,
+                                      grad_ptr_, config_.layout.dim);
   }
 
   absl::Status DownloadGradient(absl::Span<float> grad) {
@@ -158,8 +173,10 @@ class DeviceModel::Impl {
       return absl::InvalidArgumentError("the gradient has dim floats");
     }
     if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
-    return grad_.Download(grad.data(), 4 * grad.size());
+    return kernels::CopyToHost(grad.data(), grad_ptr_, 4 * grad.size());
   }
+
+  absl::Status WaitFor(void* stream) { return send_->WaitFor(stream); }
 
   // Session::Encode, on the device.
   absl::Status Encode(int64_t step, uint32_t rank,
@@ -167,7 +184,7 @@ class DeviceModel::Impl {
                       const compress::Partition& p, std::string* payload) {
     const uint64_t begin = p.range.begin, n = p.range.size();
     const size_t bytes = compress::PayloadBytes(plan.up, n);
-    const float* input = grad_.as<float>() + begin;
+    const float* input = grad_ptr_ + begin;
     if (plan.compressing) {
       float* local = scratch_.as<float>() + begin;
       if (absl::Status s =
@@ -218,7 +235,7 @@ class DeviceModel::Impl {
       return s;
     }
     const float lr = compress::LearningRate(config_.lr, step);
-    float* x = x_.as<float>() + begin;
+    float* x = x_ptr_ + begin;
     float* m = m_.as<float>() + begin;
     float* v = v_.as<float>() + begin;
     const uint8_t* payload = reply_payload_.as<uint8_t>();
@@ -321,15 +338,19 @@ class DeviceModel::Impl {
       return s;
     DeviceMlpOps ops(*send_, *blas_, row_loss_.as<double>());
     // Returns after the loss came back, so the pinned batch is free again.
-    return worker::MlpGradient(ops, mlp_->widths(), x_.as<float>(),
+    return worker::MlpGradient(ops, mlp_->widths(), x_ptr_,
                                labels_.as<uint32_t>(), static_cast<int>(rows),
-                               mlp_buffers_, grad_.as<float>());
+                               mlp_buffers_, grad_ptr_);
   }
 
   compress::SimulatorConfig config_;
   compress::Layout layout_;
   std::string description_;
+  int device_ = 0;
+  DeviceArrays external_;
   kernels::DeviceBuffer x_, m_, v_, e_, grad_, scratch_, apply_scratch_;
+  float* x_ptr_ = nullptr;     // x_ or the caller's
+  float* grad_ptr_ = nullptr;  // grad_ or the caller's
   kernels::DeviceBuffer send_payload_, reply_payload_;
   kernels::PinnedBuffer send_host_, reply_host_;
   std::unique_ptr<kernels::Context> send_, apply_;
@@ -353,7 +374,8 @@ DeviceModel::DeviceModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceModel::~DeviceModel() = default;
 
 absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(
-    const compress::SimulatorConfig& config, const compress::Layout& layout) {
+    const compress::SimulatorConfig& config, const compress::Layout& layout,
+    DeviceArrays external) {
   auto device = kernels::DeviceDescription();
   if (!device.ok()) return device.status();
   if (config.worker_feedback.storage != compress::ErrorStorage::kFp32) {
@@ -374,9 +396,13 @@ absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(
     return absl::UnimplementedError(
         "fp32 with error feedback has no GPU kernel");
   }
-  auto impl = std::make_unique<Impl>(config, layout, *device);
+  auto impl = std::make_unique<Impl>(config, layout, *device, external);
   if (absl::Status s = impl->Init(); !s.ok()) return s;
   return std::unique_ptr<DeviceModel>(new DeviceModel(std::move(impl)));
+}
+
+absl::StatusOr<std::string> DeviceModel::Describe() {
+  return kernels::DeviceDescription();
 }
 
 const std::string& DeviceModel::description() const {
@@ -384,29 +410,40 @@ const std::string& DeviceModel::description() const {
 }
 absl::Status DeviceModel::Upload(const compress::Replica& replica,
                                  absl::Span<const float> error) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->Upload(replica, error);
 }
 absl::Status DeviceModel::Download(compress::Replica& replica,
                                    absl::Span<float> error) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->Download(replica, error);
 }
 absl::Status DeviceModel::SetWorkload(Workload& workload) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->SetWorkload(workload);
 }
 absl::StatusOr<double> DeviceModel::Gradient(int64_t step) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->Gradient(step);
 }
 absl::Status DeviceModel::DownloadGradient(absl::Span<float> grad) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->DownloadGradient(grad);
+}
+absl::Status DeviceModel::WaitFor(void* stream) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
+  return impl_->WaitFor(stream);
 }
 absl::Status DeviceModel::Encode(int64_t step, uint32_t rank,
                                  const compress::StepPlan& plan,
                                  const compress::Partition& p,
                                  std::string* payload) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->Encode(step, rank, plan, p, payload);
 }
 absl::Status DeviceModel::ApplyReply(int64_t step, const compress::Partition& p,
                                      absl::Span<const uint8_t> reply) {
+  if (absl::Status s = impl_->OnDevice(); !s.ok()) return s;
   return impl_->ApplyReply(step, p, reply);
 }
 

@@ -9,7 +9,13 @@ DeviceModel::DeviceModel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 DeviceModel::~DeviceModel() = default;
 
 absl::StatusOr<std::unique_ptr<DeviceModel>> DeviceModel::Create(
-    const compress::SimulatorConfig&, const compress::Layout&) {
+    const compress::SimulatorConfig&, const compress::Layout&, DeviceArrays) {
+  return absl::FailedPreconditionError(
+      "this build has no CUDA kernels (nvcc was not found, or "
+      "-DMORSE_ENABLE_CUDA=OFF)");
+}
+
+absl::StatusOr<std::string> DeviceModel::Describe() {
   return absl::FailedPreconditionError(
       "this build has no CUDA kernels (nvcc was not found, or "
       "-DMORSE_ENABLE_CUDA=OFF)");
@@ -33,6 +39,9 @@ absl::StatusOr<double> DeviceModel::Gradient(int64_t) {
   return absl::FailedPreconditionError("no GPU");
 }
 absl::Status DeviceModel::DownloadGradient(absl::Span<float>) {
+  return absl::FailedPreconditionError("no GPU");
+}
+absl::Status DeviceModel::WaitFor(void*) {
   return absl::FailedPreconditionError("no GPU");
 }
 absl::Status DeviceModel::Encode(int64_t, uint32_t, const compress::StepPlan&,

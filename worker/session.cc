@@ -117,9 +117,13 @@ absl::Status Session::Begin(absl::Span<const float> grad) {
 }
 
 absl::Status Session::StepOnDevice(StepTraffic* traffic) {
-  if (device_ == nullptr) return absl::FailedPreconditionError("no GPU in this session (UseDevice)");
-  if (absl::Status s = BeginStep(); !s.ok()) return s;
+  if (absl::Status s = BeginOnDevice(); !s.ok()) return s;
   return Finish(traffic);
+}
+
+absl::Status Session::BeginOnDevice() {
+  if (device_ == nullptr) return absl::FailedPreconditionError("no GPU in this session (UseDevice)");
+  return BeginStep();
 }
 
 absl::Status Session::UseDevice(std::unique_ptr<DeviceModel> device) {
@@ -210,11 +214,15 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
     return absl::InvalidArgumentError(absl::StrCat("optimizer state needs step >= 0 and m, v of ", dim,
                                                    " elements"));
   }
+  // On the GPU the host x is stale: bring it over first, so the upload
+  // below keeps the device's parameters.
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
   if (absl::Status s = error_.Restore(error); !s.ok()) return s;
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   step_ = step;
-  return absl::OkStatus();
+  if (device_ == nullptr) return absl::OkStatus();
+  return device_->Upload(replica_, error);
 }
 
 }  // namespace morse::worker

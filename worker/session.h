@@ -66,12 +66,17 @@ class Session {
   absl::Status UseDevice(std::unique_ptr<DeviceModel> device);
   DeviceModel* device() { return device_.get(); }
   absl::Status StepOnDevice(StepTraffic* traffic = nullptr);
+  // The GPU step in pieces (PyTorch's overlap hooks): BeginOnDevice, then
+  // SendPartition as gradients complete (after device()->WaitFor(the
+  // stream that wrote them)), then Finish.
+  absl::Status BeginOnDevice();
   absl::Status SyncHost();
 
   // Writes this worker's checkpoint (error buffer, step) to `path`.
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }
+  const proto::JobSpec& job() const { return job_; }
   const compress::Layout& layout() const { return layout_; }
   compress::Replica& replica() { return replica_; }
   compress::ErrorFeedback& error() { return error_; }

@@ -124,7 +124,7 @@ TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {
   bytes[bytes.size() / 2] ^= 0x10;
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   Cluster again(Config(6), 1, 0);
-  testing::Process server({MORSE_SERVER_BIN, "--config", again.config_path(), "--shard", "0",
+  testing::Process server({testing::ServerBin(), "--config", again.config_path(), "--shard", "0",
                            "--listen", "127.0.0.1:0", "--insecure", "--checkpoint_dir=" + ckpt},
                           again.dir() + "/corrupt.log");
   int code = -1;

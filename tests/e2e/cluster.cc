@@ -21,6 +21,26 @@ extern char** environ;
 
 namespace morse::testing {
 
+namespace {
+
+std::string DaemonPath(const char* env, const std::string& name, const char* built) {
+  if (const char* path = std::getenv(env); path != nullptr && *path != '\0') return path;
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    std::string dir(self, n);
+    dir.resize(dir.rfind('/'));
+    const std::string beside = absl::StrCat(dir, "/../bin/", name);
+    if (access(beside.c_str(), X_OK) == 0) return beside;
+  }
+  return built;
+}
+
+}  // namespace
+
+std::string ServerBin() { return DaemonPath("MORSE_SERVER_BIN", "morse-server", MORSE_BUILT_SERVER); }
+std::string WorkerBin() { return DaemonPath("MORSE_WORKER_BIN", "morse-worker", MORSE_BUILT_WORKER); }
+
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -110,7 +130,7 @@ std::string Cluster::state_log(int shard) const {
 
 void Cluster::StartServers(bool state_logs) {
   for (int s = 0; s < shards_; ++s) {
-    std::vector<std::string> argv = {MORSE_SERVER_BIN, "--config", config_path(), "--shard",
+    std::vector<std::string> argv = {ServerBin(), "--config", config_path(), "--shard",
                                      std::to_string(s), "--listen", server_address(s)};
     if (state_logs) argv.push_back("--state_log=" + state_log(s));
     argv.insert(argv.end(), server_security_.begin(), server_security_.end());
@@ -120,7 +140,7 @@ void Cluster::StartServers(bool state_logs) {
 }
 
 void Cluster::StartWorker(int rank, bool checksums) {
-  std::vector<std::string> argv = {MORSE_WORKER_BIN, "--config", config_path(), "--rank",
+  std::vector<std::string> argv = {WorkerBin(), "--config", config_path(), "--rank",
                                    std::to_string(rank), "--servers", servers(),
                                    "--metrics", worker_metrics(rank)};
   if (checksums) argv.push_back("--checksums");

@@ -19,6 +19,12 @@ namespace morse::testing {
 // A port on 127.0.0.1 that was free a moment ago.
 int FreePort();
 
+// The daemons the tests run: $MORSE_SERVER_BIN / $MORSE_WORKER_BIN if set;
+// else <test binary's folder>/../bin/NAME if it exists (a bundle made by
+// deploy/bundle.sh); else this build tree's (compiled in).
+std::string ServerBin();
+std::string WorkerBin();
+
 // A child process whose stdout and stderr go to a log file. Killed (SIGKILL)
 // on destruction if still running.
 class Process {

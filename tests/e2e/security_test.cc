@@ -168,7 +168,7 @@ TEST_F(SecurityTest, WorkerWithWrongTokenStopsWithPermanentError) {
 
 TEST_F(SecurityTest, DaemonsRefuseToStartWithoutCredentials) {
   testing::Cluster cluster(kJob, 1, 0);
-  testing::Process server({MORSE_SERVER_BIN, "--config", cluster.config_path(), "--shard", "0",
+  testing::Process server({testing::ServerBin(), "--config", cluster.config_path(), "--shard", "0",
                            "--listen", "127.0.0.1:0"},
                           cluster.dir() + "/server.log");
   int code = -1;
@@ -178,7 +178,7 @@ TEST_F(SecurityTest, DaemonsRefuseToStartWithoutCredentials) {
   EXPECT_NE(log.find("--tls_cert"), std::string::npos) << log;
   EXPECT_NE(log.find("--insecure"), std::string::npos) << log;
 
-  testing::Process worker({MORSE_WORKER_BIN, "--config", cluster.config_path(), "--rank", "0",
+  testing::Process worker({testing::WorkerBin(), "--config", cluster.config_path(), "--rank", "0",
                            "--servers", "127.0.0.1:1", "--token_file", A("token")},
                           cluster.dir() + "/worker.log");
   ASSERT_TRUE(worker.Wait(absl::Seconds(20), &code));
@@ -186,7 +186,7 @@ TEST_F(SecurityTest, DaemonsRefuseToStartWithoutCredentials) {
   EXPECT_NE(testing::ReadFile(cluster.dir() + "/worker.log").find("--tls_ca"), std::string::npos);
 
   // Unreadable or non-PEM files are refused at start too.
-  testing::Process bad({MORSE_SERVER_BIN, "--config", cluster.config_path(), "--shard", "0",
+  testing::Process bad({testing::ServerBin(), "--config", cluster.config_path(), "--shard", "0",
                         "--listen", "127.0.0.1:0", "--tls_cert", A("token"), "--tls_key",
                         A("server.key"), "--token_file", A("token")},
                        cluster.dir() + "/bad.log");

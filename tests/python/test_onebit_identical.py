@@ -67,9 +67,9 @@ if __name__ == "__main__":
     checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(4)]
     for r in range(1, 4):
         check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
-    from morse import _morse
+    from morse import _native
     job = json.load(open(f"{out}/job.json"))
-    sim = _morse.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
+    sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
     for step in range(STEPS):
         sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(4)])
         check(sim.checksum() == checksums[0][step],

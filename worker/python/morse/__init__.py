@@ -5,6 +5,6 @@
 
 Run the script with `morse-run --servers 2 --workers 4 -- python3 train.py`.
 """
-from ._morse import MorseError  # noqa: F401
+from ._native import MorseError, cuda_device  # noqa: F401
 
-__all__ = ["MorseError"]
+__all__ = ["MorseError", "cuda_device"]

@@ -50,6 +50,19 @@ def _base_config(path, workers, shards):
     return text
 
 
+def _find_server():
+    """morse-server: in $MORSE_BIN_DIR (a build folder or a bundle), else
+    beside this package in a build folder (build/python/morse) or a bundle
+    (morse/python/morse)."""
+    roots = [os.environ["MORSE_BIN_DIR"]] if os.environ.get("MORSE_BIN_DIR") else []
+    roots.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    candidates = [os.path.join(root, sub, "morse-server") for root in roots for sub in ("server", "bin", "")]
+    for c in candidates:
+        if os.access(c, os.X_OK):
+            return os.path.normpath(c)
+    return os.path.normpath(candidates[0])
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
@@ -73,8 +86,7 @@ def main(argv=None):
         parser.error("give the command to run after --, e.g. -- python3 train.py")
     if args.workers < 1 or args.servers < 1:
         parser.error("--workers and --servers must be at least 1")
-    bin_dir = os.environ.get("MORSE_BIN_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
-    server_bin = args.server_bin or os.path.join(bin_dir, "server", "morse-server")
+    server_bin = args.server_bin or _find_server()
     if not os.access(server_bin, os.X_OK):
         raise SystemExit(f"morse-run: no morse-server at {server_bin} (build Morse, or pass --server-bin)")
 

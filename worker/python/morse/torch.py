@@ -10,6 +10,13 @@ becomes a view of it, and so does its .grad), so Morse reads gradients and
 writes parameters in place, with no copies. Rank 0's initial values become
 everyone's.
 
+Parameters may live on the CPU or on one CUDA device. On a GPU the flat
+parameters, their gradient, m, v and the worker's error buffer stay in
+device memory; encoding (momentum, error feedback, sign packing) and the
+update run there, ordered after the work queued on PyTorch's current stream,
+and only the compressed bytes cross PCIe. CPU and GPU workers in one job
+hold bit-identical models.
+
 With overlap=True (the default), a hook on each parameter's gradient
 accumulator pushes a partition as soon as every gradient in it is ready, so
 communication overlaps the rest of the backward pass, as DDP's buckets do.
@@ -21,8 +28,8 @@ import os
 
 import torch
 
-from . import _morse
-from ._morse import MorseError
+from . import _native
+from ._native import MorseError
 
 __all__ = ["OneBitAdam", "Adam", "MorseError"]
 
@@ -73,9 +80,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"parameter {i} ({tuple(p.shape)}) is not contiguous; "
                                  "make it contiguous before building the optimizer")
-            if p.device.type != "cpu":
-                raise ValueError(f"parameter {i} is on {p.device}; this build of Morse "
-                                 "trains CPU tensors")
+            if p.device != self._params[0].device:
+                raise ValueError(f"parameter {i} is on {p.device}, parameter 0 on "
+                                 f"{self._params[0].device}; Morse trains parameters on one device")
+        device = self._params[0].device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"parameters on {device}: Morse trains CPU and CUDA tensors")
+        self._cuda = device.type == "cuda"
         shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in self._params)
         dim = sum(p.numel() for p in self._params)
         self._rank = _env("MORSE_RANK", rank, int)
@@ -114,9 +125,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             lines.append(f"partition_elems: {partition_elems}")
         self.job_overrides = "\n".join(lines)
 
-        # One flat tensor for the parameters and one for their gradients.
-        self._flat = torch.empty(dim, dtype=torch.float32)
-        self._flat_grad = torch.zeros(dim, dtype=torch.float32)
+        # One flat tensor for the parameters and one for their gradients, on
+        # the parameters' device.
+        self._flat = torch.empty(dim, dtype=torch.float32, device=device)
+        self._flat_grad = torch.zeros(dim, dtype=torch.float32, device=device)
         self._ranges = []
         offset = 0
         with torch.no_grad():
@@ -127,9 +139,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 p.grad = self._flat_grad[offset:offset + n].view_as(p)
                 self._ranges.append((offset, offset + n))
                 offset += n
-        self._session = _morse.Session(base, self.job_overrides, self._rank, servers,
-                                       self._flat.numpy(), _security(security))
+        # The session's host copy of x: the flat tensor itself on the CPU; on
+        # a GPU a host tensor that carries rank 0's values until use_cuda
+        # moves the model into the device tensors.
+        host_x = self._flat.cpu() if self._cuda else self._flat
+        self._session = _native.Session(base, self.job_overrides, self._rank, servers,
+                                        host_x.numpy(), _security(security))
         self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+        if self._cuda:
+            self._device = device
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).synchronize()  # the copies into _flat are done
+                self._session.use_cuda(self._flat.data_ptr(), self._flat_grad.data_ptr())
         self._joined = False
         self._partitions = self._session.partitions()
         # Which partitions each parameter touches, and how many parameters
@@ -156,12 +177,27 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not self._joined:
             return  # the first step waits for every worker, then sends all
         if self._pending is None:
-            self._session.begin(self._flat_grad.numpy())
+            self._begin()
             self._pending = list(self._waiting_for)
         for q in self._touches[i]:
             self._pending[q] -= 1
             if self._pending[q] == 0:
-                self._session.send_partition(q)
+                self._send(q)
+
+    def _begin(self):
+        if self._cuda:
+            self._session.begin_device()
+        else:
+            self._session.begin(self._flat_grad.numpy())
+
+    def _send(self, q):
+        if self._cuda:
+            # The encode waits for the gradient work queued on the stream
+            # that produced it; the host does not block.
+            with torch.cuda.device(self._device):
+                self._session.send_partition(q, torch.cuda.current_stream(self._device).cuda_stream)
+        else:
+            self._session.send_partition(q)
 
     def _restore_views(self):
         # Someone may have replaced a .grad (set_to_none, or an assignment);
@@ -190,11 +226,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._session.wait_all_joined()
             self._joined = True
         self._restore_views()
-        if self._pending is not None:
-            self.last_step = self._session.finish()
-        else:
-            self.last_step = self._session.step(self._flat_grad.numpy())
+        if self._pending is None:
+            self._begin()
+        if self._cuda:
+            for q in range(len(self._partitions)):
+                if self._pending is None or self._pending[q] > 0:
+                    self._send(q)
         self._pending = None
+        if self._cuda:
+            with torch.cuda.device(self._device):
+                self.last_step = self._session.finish()
+        else:
+            self.last_step = self._session.finish()
         return loss
 
     @property
@@ -210,9 +253,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         step, m, v, error = self._session.get_state()
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(self._params)))
-        return {"state": {"step": step, "exp_avg": torch.from_numpy(m),
-                          "exp_avg_sq": torch.from_numpy(v),
-                          "worker_error": torch.from_numpy(error)},
+        device = self._flat.device
+        return {"state": {"step": step, "exp_avg": torch.from_numpy(m).to(device),
+                          "exp_avg_sq": torch.from_numpy(v).to(device),
+                          "worker_error": torch.from_numpy(error).to(device)},
                 "param_groups": [group]}
 
     def load_state_dict(self, state_dict):
@@ -222,7 +266,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if key not in state or state[key].numel() != dim:
                 raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
         self._session.set_state(int(state["step"]),
-                                *(state[k].detach().to(torch.float32).contiguous().numpy()
+                                *(state[k].detach().to("cpu", torch.float32).contiguous().numpy()
                                   for k in ("exp_avg", "exp_avg_sq", "worker_error")))
 
 

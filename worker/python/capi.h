@@ -1,0 +1,102 @@
+/* libmorse: the worker library (worker/session.h) and the simulator behind a
+ * plain C ABI, for the `morse` Python package (loaded through ctypes, so one
+ * build serves every Python 3 and every PyTorch) and for anything else that
+ * can call C.
+ *
+ * Every function that can fail returns 0 or an absl/gRPC canonical status
+ * code (3 = INVALID_ARGUMENT, 9 = FAILED_PRECONDITION, ...); the message of
+ * the calling thread's last failure, "CODE_NAME: what happened", is
+ * morse_last_error(). Arrays are raw pointers to float32 memory that the
+ * caller owns and keeps alive: host memory, or device memory for the
+ * functions that say so. Functions may block (network) and never call
+ * back into the caller. */
+#ifndef MORSE_WORKER_PYTHON_CAPI_H_
+#define MORSE_WORKER_PYTHON_CAPI_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MORSE_CAPI_VERSION 1
+
+typedef struct morse_session morse_session;
+typedef struct morse_simulator morse_simulator;
+
+typedef struct morse_step_traffic {
+  uint64_t bytes_up;
+  uint64_t bytes_down;
+  double encode_seconds;
+  double apply_seconds;
+  uint64_t retries;
+} morse_step_traffic;
+
+int morse_capi_version(void);
+const char* morse_last_error(void);
+
+/* The GPU this process would use, "NVIDIA H100 ... (sm_90, 79 GiB)", into
+ * buf (NUL-terminated, truncated to size). FAILED_PRECONDITION with the
+ * reason when there is none or the library was built without CUDA. */
+int morse_cuda_device(char* buf, uint64_t size);
+
+/* Joins a job. base: a JobConfig in text format (may be empty); overrides:
+ * more fields, applied after it; servers: "host:port,host:port"; x: dim host
+ * floats holding the parameters (the session reads and writes them);
+ * security: "key=value" lines with the worker's flag names (tls_ca,
+ * tls_cert, tls_key, tls_server_name, token_file, insecure=1,
+ * refresh_seconds=N). */
+int morse_session_create(const char* base, const char* overrides, uint32_t rank, const char* servers,
+                         float* x, uint64_t dim, const char* security, morse_session** out);
+void morse_session_destroy(morse_session* s);
+
+/* Rank 0 uploads x, the others receive it (resume = 0), or x, m, v come from
+ * the shards (resume = 1; the error buffer from checkpoint if it matches).
+ * *first_step: the step training continues from. */
+int morse_session_start(morse_session* s, int resume, const char* checkpoint, int64_t* first_step);
+int morse_session_wait_all_joined(morse_session* s);
+
+/* Moves the model to the GPU: from now on x, m, v and the error buffer live
+ * there, x in the caller's device array x_device and the gradient read from
+ * grad_device (dim floats each, on the current device). The host x given at
+ * create is copied into x_device. Then steps use morse_session_begin_device. */
+int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device);
+
+/* A step in pieces: begin (grad: dim host floats, kept alive until finish),
+ * send each partition whose gradient is complete, finish (sends the rest,
+ * waits for every reply, applies them). On the GPU, begin_device and
+ * send_partition_on_stream: the partition's encode waits for the work
+ * already queued on `stream` (a cudaStream_t; 0 is the legacy default
+ * stream), so the gradient it reads is complete. */
+int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
+int morse_session_begin_device(morse_session* s);
+int morse_session_send_partition(morse_session* s, uint32_t partition);
+int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition, void* stream);
+int morse_session_finish(morse_session* s, morse_step_traffic* traffic);
+
+/* The partitions as [begin, end) pairs: ranges gets 2 * capacity values;
+ * *count is the number of partitions (call with capacity 0 to ask). */
+int morse_session_partitions(morse_session* s, uint64_t* ranges, uint64_t capacity, uint64_t* count);
+int64_t morse_session_step(morse_session* s);
+/* FNV checksum of x, m, v (equal on every worker after every step). */
+int morse_session_checksum(morse_session* s, uint64_t* checksum);
+/* The optimizer state into/from dim host floats each (state_dict). */
+int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v, float* error);
+int morse_session_set_state(morse_session* s, int64_t step, const float* m, const float* v,
+                            const float* error);
+int morse_session_save_checkpoint(morse_session* s, const char* path);
+
+/* The single-process simulator (compress/simulator.h): the oracle. */
+int morse_simulator_create(const char* base, const char* overrides, const float* x0, uint64_t dim,
+                           morse_simulator** out);
+void morse_simulator_destroy(morse_simulator* sim);
+/* One step from `workers` gradients of dim floats each. */
+int morse_simulator_step(morse_simulator* sim, const float* const* gradients, uint32_t workers, uint64_t dim);
+int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
+int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MORSE_WORKER_PYTHON_CAPI_H_ */

@@ -1,0 +1,262 @@
+"""libmorse (worker/python/capi.h) through ctypes.
+
+The library is found beside this file, or at $MORSE_LIBRARY. ctypes drops
+the GIL during every call, so a blocking exchange never stalls other Python
+threads (the autograd hooks push from the backward pass's thread).
+"""
+import ctypes
+import os
+
+__all__ = ["MorseError", "Session", "Simulator", "cuda_device", "library_path"]
+
+_CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+          "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+          "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+          "UNAUTHENTICATED"]
+
+
+class MorseError(RuntimeError):
+    """A failure inside Morse; str() starts with the canonical code's name
+    ("DEADLINE_EXCEEDED: ..."), which is also `.code`."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.code = message.split(":", 1)[0]
+
+
+class _Traffic(ctypes.Structure):
+    _fields_ = [("bytes_up", ctypes.c_uint64), ("bytes_down", ctypes.c_uint64),
+                ("encode_seconds", ctypes.c_double), ("apply_seconds", ctypes.c_double),
+                ("retries", ctypes.c_uint64)]
+
+
+def library_path():
+    return os.environ.get("MORSE_LIBRARY") or os.path.join(os.path.dirname(__file__), "libmorse.so")
+
+
+_lib = None
+
+
+def _load():
+    global _lib
+    if _lib is not None:
+        return _lib
+    path = library_path()
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        raise MorseError(f"FAILED_PRECONDITION: cannot load {path} ({e}); build Morse "
+                         "(deploy/build.sh) or unpack its bundle (deploy/bundle.sh)") from None
+    P, I, U32, U64, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int64
+    S, FP = ctypes.c_char_p, ctypes.POINTER(ctypes.c_float)
+    sigs = {
+        "morse_capi_version": ([], I),
+        "morse_last_error": ([], S),
+        "morse_cuda_device": ([S, U64], I),
+        "morse_session_create": ([S, S, U32, S, P, U64, S, ctypes.POINTER(P)], I),
+        "morse_session_destroy": ([P], None),
+        "morse_session_start": ([P, I, S, ctypes.POINTER(I64)], I),
+        "morse_session_wait_all_joined": ([P], I),
+        "morse_session_use_cuda": ([P, P, P], I),
+        "morse_session_begin": ([P, P, U64], I),
+        "morse_session_begin_device": ([P], I),
+        "morse_session_send_partition": ([P, U32], I),
+        "morse_session_send_partition_on_stream": ([P, U32, P], I),
+        "morse_session_finish": ([P, ctypes.POINTER(_Traffic)], I),
+        "morse_session_partitions": ([P, ctypes.POINTER(U64), U64, ctypes.POINTER(U64)], I),
+        "morse_session_step": ([P], I64),
+        "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
+        "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
+        "morse_session_set_state": ([P, I64, P, P, P], I),
+        "morse_session_save_checkpoint": ([P, S], I),
+        "morse_simulator_create": ([S, S, P, U64, ctypes.POINTER(P)], I),
+        "morse_simulator_destroy": ([P], None),
+        "morse_simulator_step": ([P, ctypes.POINTER(P), U32, U64], I),
+        "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
+        "morse_simulator_x": ([P, FP, U64], I),
+    }
+    for name, (args, result) in sigs.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, result
+    if lib.morse_capi_version() != 1:
+        raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
+                         "this package needs 1")
+    _lib = lib
+    return lib
+
+
+def _check(code):
+    if code != 0:
+        message = _lib.morse_last_error().decode("utf-8", "replace")
+        if not message:
+            message = f"{_CODES[code] if code < len(_CODES) else code}: (no message)"
+        raise MorseError(message)
+
+
+def _float32_array(array, what, writable=False):
+    """The address of a C-contiguous float32 numpy array."""
+    import numpy as np
+    if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+        raise TypeError(f"{what} must be a float32 numpy array")
+    if not array.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"{what} must be contiguous")
+    if writable and not array.flags["WRITEABLE"]:
+        raise ValueError(f"{what} must be writable")
+    return array.ctypes.data
+
+
+def cuda_device():
+    """The GPU libmorse would use ("NVIDIA H100 ... (sm_90, 79 GiB)"); raises
+    MorseError (FAILED_PRECONDITION) saying why there is none."""
+    lib = _load()
+    buf = ctypes.create_string_buffer(256)
+    _check(lib.morse_cuda_device(buf, len(buf)))
+    return buf.value.decode()
+
+
+_SECURITY_KEYS = ("tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_file", "insecure",
+                  "refresh_seconds")
+
+
+def _security_text(security):
+    lines = []
+    for key, value in security.items():
+        if key not in _SECURITY_KEYS:
+            raise ValueError(f"unknown security option '{key}' (known: {', '.join(_SECURITY_KEYS)})")
+        if isinstance(value, bool):
+            value = "1" if value else "0"
+        lines.append(f"{key}={value}")
+    return "\n".join(lines).encode()
+
+
+class Session:
+    """One worker's membership in a job (worker/session.h). `x` is a float32
+    numpy array the session reads and writes in place (kept alive here)."""
+
+    def __init__(self, base_config, overrides, rank, servers, x, security):
+        lib = _load()
+        self._x = x
+        self._dim = x.size
+        self._grad = None
+        handle = ctypes.c_void_p()
+        _check(lib.morse_session_create(base_config.encode(), overrides.encode(), rank,
+                                        ",".join(servers).encode(),
+                                        _float32_array(x, "parameters", writable=True), x.size,
+                                        _security_text(security), ctypes.byref(handle)))
+        self._handle = handle
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib is not None:
+            _lib.morse_session_destroy(self._handle)
+            self._handle = None
+
+    def start(self, resume=False, checkpoint=""):
+        step = ctypes.c_int64()
+        _check(_lib.morse_session_start(self._handle, 1 if resume else 0, checkpoint.encode(),
+                                        ctypes.byref(step)))
+        return step.value
+
+    def wait_all_joined(self):
+        _check(_lib.morse_session_wait_all_joined(self._handle))
+
+    def use_cuda(self, x_device_ptr, grad_device_ptr):
+        _check(_lib.morse_session_use_cuda(self._handle, x_device_ptr, grad_device_ptr))
+
+    def begin(self, grad):
+        self._grad = grad  # kept alive until finish
+        _check(_lib.morse_session_begin(self._handle, _float32_array(grad, "gradient"), grad.size))
+
+    def begin_device(self):
+        _check(_lib.morse_session_begin_device(self._handle))
+
+    def send_partition(self, partition, stream=None):
+        if stream is None:
+            _check(_lib.morse_session_send_partition(self._handle, partition))
+        else:
+            _check(_lib.morse_session_send_partition_on_stream(self._handle, partition, stream))
+
+    def finish(self):
+        traffic = _Traffic()
+        try:
+            _check(_lib.morse_session_finish(self._handle, ctypes.byref(traffic)))
+        finally:
+            self._grad = None
+        return {"bytes_up": traffic.bytes_up, "bytes_down": traffic.bytes_down,
+                "encode_seconds": traffic.encode_seconds, "apply_seconds": traffic.apply_seconds,
+                "retries": traffic.retries}
+
+    def step(self, grad):
+        self.begin(grad)
+        return self.finish()
+
+    def partitions(self):
+        count = ctypes.c_uint64()
+        _check(_lib.morse_session_partitions(self._handle, None, 0, ctypes.byref(count)))
+        ranges = (ctypes.c_uint64 * (2 * count.value))()
+        _check(_lib.morse_session_partitions(self._handle, ranges, count.value, ctypes.byref(count)))
+        return [(ranges[2 * i], ranges[2 * i + 1]) for i in range(count.value)]
+
+    @property
+    def step_index(self):
+        return _lib.morse_session_step(self._handle)
+
+    def checksum(self):
+        value = ctypes.c_uint64()
+        _check(_lib.morse_session_checksum(self._handle, ctypes.byref(value)))
+        return f"{value.value:016x}"
+
+    def get_state(self):
+        import numpy as np
+        m, v, error = (np.empty(self._dim, dtype=np.float32) for _ in range(3))
+        step = ctypes.c_int64()
+        _check(_lib.morse_session_get_state(self._handle, ctypes.byref(step), m.ctypes.data,
+                                            v.ctypes.data, error.ctypes.data))
+        return step.value, m, v, error
+
+    def set_state(self, step, m, v, error):
+        for name, a in (("m", m), ("v", v), ("error", error)):
+            if a.size != self._dim:
+                raise ValueError(f"{name} must hold {self._dim} values")
+        _check(_lib.morse_session_set_state(self._handle, step, _float32_array(m, "m"),
+                                            _float32_array(v, "v"), _float32_array(error, "error")))
+
+    def save_checkpoint(self, path):
+        _check(_lib.morse_session_save_checkpoint(self._handle, path.encode()))
+
+
+class Simulator:
+    """The single-process simulator (compress/simulator.h): the oracle the
+    tests compare jobs with."""
+
+    def __init__(self, base_config, overrides, x0):
+        lib = _load()
+        self._dim = x0.size
+        handle = ctypes.c_void_p()
+        _check(lib.morse_simulator_create(base_config.encode(), overrides.encode(),
+                                          _float32_array(x0, "x0"), x0.size, ctypes.byref(handle)))
+        self._handle = handle
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib is not None:
+            _lib.morse_simulator_destroy(self._handle)
+            self._handle = None
+
+    def step(self, gradients):
+        for g in gradients:
+            if g.size != self._dim:
+                raise ValueError(f"each gradient must hold {self._dim} values")
+        pointers = (ctypes.c_void_p * len(gradients))(
+            *(_float32_array(g, "gradient") for g in gradients))
+        _check(_lib.morse_simulator_step(self._handle, pointers, len(gradients), self._dim))
+
+    def checksum(self):
+        value = ctypes.c_uint64()
+        _check(_lib.morse_simulator_checksum(self._handle, ctypes.byref(value)))
+        return f"{value.value:016x}"
+
+    def x(self):
+        import numpy as np
+        out = np.empty(self._dim, dtype=np.float32)
+        _check(_lib.morse_simulator_x(self._handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                      self._dim))
+        return out
