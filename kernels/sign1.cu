@@ -1,12 +1,21 @@
 // sign1 (DESIGN 2.3) on the GPU: encode fused with error feedback, decode,
 // and decode fused with 1-bit Adam's compression-phase update.
 //
-// Encode: a half-warp (16 threads) per scale block. Thread l accumulates the
-// elements j = l, l + 16, ... of the block in increasing j, which is exactly
-// lane l of the CPU's 16-lane order, and the half-warp reduces the lanes with
-// the CPU's tree (i with i + 8, + 4, + 2, + 1) through shuffles: the scale is
-// the same float as compress/'s. The second pass (signs, error update)
-// re-reads the block, which is still in cache: one pass over DRAM.
+// Encode (staged, the usual path): a CTA per scale block. The CTA reads the
+// block once from DRAM into shared memory (u = x + e, and e for EMA), with
+// 16-byte loads; then thread l < 16 of the first warp accumulates the
+// elements j = l, l + 16, ... of u in increasing j, which is exactly lane l
+// of the CPU's 16-lane order, and the 16 lanes reduce with the CPU's tree
+// (i with i + 8, + 4, + 2, + 1) through shuffles: the scale is the same float
+// as compress/'s. Then every thread writes signs (a ballot per 32 elements)
+// and the new error from shared memory: x and e are read once and e written
+// once. Blocks whose staging would not fit in shared memory use the
+// half-warp kernel below, which reads the block twice (the second time
+// mostly from cache).
+//
+// Decode: a thread per byte of signs (8 elements, one scale) with 16-byte
+// stores, and one division per 8 elements; the per-element kernels serve
+// blocks that are not a multiple of 8 and unaligned arrays.
 #include "kernels/element_ops.cuh"
 #include "kernels/launch.h"
 
@@ -74,6 +83,176 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x,
   }
 }
 
+constexpr int kStagedThreads = 256;
+constexpr size_t kStagedSharedBytes = 48 * 1024;
+
+__device__ __forceinline__ float SignedScale(uint32_t bits, int k, float s) {
+  return (bits >> k) & 1 ? -s : s;
+}
+
+template <bool kVector>
+__global__ void __launch_bounds__(kStagedThreads)
+    Sign1EncodeStagedKernel(const float* __restrict__ x, float* __restrict__ e,
+                            size_t n, uint32_t block, bool l1, int feedback,
+                            float beta, float* __restrict__ scales,
+                            uint8_t* __restrict__ bits, int* bad) {
+  extern __shared__ float staged[];
+  float* u = staged;                 // x + e, block floats
+  float* e_old = staged + block;     // e, for EMA only
+  __shared__ float scale;
+  __shared__ bool scale_ok;
+  const size_t b = blockIdx.x;
+  const size_t start = b * block;
+  const uint32_t len =
+      static_cast<uint32_t>(n - start < block ? n - start : block);
+  const bool ema = e != nullptr && feedback == kFbEma;
+  const float* xb = x + start;
+  float* eb = e == nullptr ? nullptr : e + start;
+
+  // Stage the block: 16-byte loads where the arrays are aligned.
+  uint32_t scalar_from = 0;
+  if (kVector) {
+    const uint32_t quads = len / 4;
+    for (uint32_t q = threadIdx.x; q < quads; q += blockDim.x) {
+      const float4 xv = reinterpret_cast<const float4*>(xb)[q];
+      float4 uv = xv;
+      if (eb != nullptr) {
+        const float4 ev = reinterpret_cast<const float4*>(eb)[q];
+        uv = make_float4(Add(xv.x, ev.x), Add(xv.y, ev.y), Add(xv.z, ev.z),
+                         Add(xv.w, ev.w));
+        if (ema) reinterpret_cast<float4*>(e_old)[q] = ev;
+      }
+      reinterpret_cast<float4*>(u)[q] = uv;
+    }
+    scalar_from = quads * 4;
+  }
+  for (uint32_t j = scalar_from + threadIdx.x; j < len; j += blockDim.x) {
+    const float ev = eb != nullptr ? eb[j] : 0.0f;
+    u[j] = eb != nullptr ? Add(xb[j], ev) : xb[j];
+    if (ema) e_old[j] = ev;
+  }
+  __syncthreads();
+
+  // The scale, in the CPU's order.
+  if (threadIdx.x < 32) {
+    const uint32_t lane = threadIdx.x & 15;
+    float acc = 0.0f;
+    if (threadIdx.x < 16) {
+#pragma unroll 8
+      for (uint32_t j = lane; j < len; j += 16) {
+        const float v = u[j];
+        acc = Add(acc, l1 ? fabsf(v) : Mul(v, v));
+      }
+    }
+    for (int width = 8; width >= 1; width /= 2) {
+      const float other = __shfl_down_sync(0xffffffffu, acc, width, 16);
+      acc = Add(acc, other);
+    }
+    if (threadIdx.x == 0) {
+      const float mean = Div(acc, static_cast<float>(len));
+      const float s = l1 ? mean : Sqrt(mean);
+      const bool ok = IsFinite(s);
+      if (ok)
+        scales[b] = s;
+      else
+        atomicOr(bad, 1);
+      scale = s;
+      scale_ok = ok;
+    }
+  }
+  __syncthreads();
+  if (!scale_ok) return;
+  const float s = scale;
+
+  // Signs and the new error. Every thread runs the same rounds (ballots);
+  // a warp's 32 elements are 4 bytes of signs, written by lanes 0..3.
+  const uint32_t lane = threadIdx.x & 31;
+  for (uint32_t base = 0; base < len; base += blockDim.x) {
+    const uint32_t j = base + threadIdx.x;
+    const bool valid = j < len;
+    const float v = valid ? u[j] : 0.0f;
+    const bool negative = valid && signbit(v);
+    const uint32_t mask = __ballot_sync(0xffffffffu, negative);
+    const uint32_t warp_first = j - lane;
+    if (lane < 4 && warp_first + 8 * lane < len) {
+      bits[(start + warp_first) / 8 + lane] =
+          static_cast<uint8_t>(mask >> (8 * lane));
+    }
+    if (valid && eb != nullptr) {
+      eb[j] = NextError(feedback, beta, ema ? e_old[j] : 0.0f, v,
+                        negative ? -s : s);
+    }
+  }
+}
+
+__device__ __forceinline__ size_t BlockOf(size_t j, uint32_t block) {
+  // 32-bit division where it suffices: far cheaper than 64-bit.
+  return j <= 0xffffffffu ? static_cast<uint32_t>(j) / block : j / block;
+}
+
+__global__ void Sign1DecodeBytesKernel(const float* __restrict__ scales,
+                                       const uint8_t* __restrict__ bits,
+                                       size_t n, uint32_t block,
+                                       float* __restrict__ out) {
+  const size_t bytes = (n + 7) / 8;
+  MORSE_FOR_EACH_ELEMENT(i, bytes) {
+    const size_t j = 8 * i;
+    const float s = scales[BlockOf(j, block)];
+    const uint32_t byte = bits[i];
+    if (j + 8 <= n) {
+      float4* o = reinterpret_cast<float4*>(out + j);
+      o[0] = make_float4(SignedScale(byte, 0, s), SignedScale(byte, 1, s),
+                         SignedScale(byte, 2, s), SignedScale(byte, 3, s));
+      o[1] = make_float4(SignedScale(byte, 4, s), SignedScale(byte, 5, s),
+                         SignedScale(byte, 6, s), SignedScale(byte, 7, s));
+    } else {
+      for (int k = 0; j + k < n; ++k) out[j + k] = SignedScale(byte, k, s);
+    }
+  }
+}
+
+__device__ __forceinline__ void FrozenQuad(const Adam& adam, uint32_t byte,
+                                           int first, float s, float4* x,
+                                           float4* m, const float4& v) {
+  float4 xv = *x, mv;
+  FrozenElement(adam, SignedScale(byte, first, s), &xv.x, &mv.x, v.x);
+  FrozenElement(adam, SignedScale(byte, first + 1, s), &xv.y, &mv.y, v.y);
+  FrozenElement(adam, SignedScale(byte, first + 2, s), &xv.z, &mv.z, v.z);
+  FrozenElement(adam, SignedScale(byte, first + 3, s), &xv.w, &mv.w, v.w);
+  *x = xv;
+  *m = mv;
+}
+
+__global__ void Sign1DecodeFrozenBytesKernel(const float* __restrict__ scales,
+                                             const uint8_t* __restrict__ bits,
+                                             size_t n, uint32_t block, Adam adam,
+                                             float* __restrict__ x,
+                                             float* __restrict__ m,
+                                             const float* __restrict__ v) {
+  const size_t bytes = (n + 7) / 8;
+  MORSE_FOR_EACH_ELEMENT(i, bytes) {
+    const size_t j = 8 * i;
+    const float s = scales[BlockOf(j, block)];
+    const uint32_t byte = bits[i];
+    if (j + 8 <= n) {
+      const float4* vv = reinterpret_cast<const float4*>(v + j);
+      float4* xv = reinterpret_cast<float4*>(x + j);
+      float4* mv = reinterpret_cast<float4*>(m + j);
+      FrozenQuad(adam, byte, 0, s, xv, mv, vv[0]);
+      FrozenQuad(adam, byte, 4, s, xv + 1, mv + 1, vv[1]);
+    } else {
+      for (int k = 0; j + k < n; ++k) {
+        FrozenElement(adam, SignedScale(byte, k, s), &x[j + k], &m[j + k],
+                      v[j + k]);
+      }
+    }
+  }
+}
+
+bool Aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 __global__ void Sign1DecodeKernel(const float* __restrict__ scales,
                                   const uint8_t* __restrict__ bits, size_t n,
                                   uint32_t block, float* __restrict__ out) {
@@ -103,6 +282,23 @@ cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
                         uint8_t* bits, int* bad, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const size_t blocks = (n + block - 1) / block;
+  const float* error = feedback == kFbNone ? nullptr : e;
+  const size_t shared = size_t{block} * 4 * (feedback == kFbEma ? 2 : 1);
+  if (block % 8 == 0 && shared <= kStagedSharedBytes && blocks < (1u << 31)) {
+    const bool vector = Aligned16(x) && (error == nullptr || Aligned16(error));
+    if (vector) {
+      Sign1EncodeStagedKernel<true>
+          <<<static_cast<unsigned>(blocks), kStagedThreads, shared, stream>>>(
+              x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback,
+              beta, scales, bits, bad);
+    } else {
+      Sign1EncodeStagedKernel<false>
+          <<<static_cast<unsigned>(blocks), kStagedThreads, shared, stream>>>(
+              x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback,
+              beta, scales, bits, bad);
+    }
+    return cudaGetLastError();
+  }
   Sign1EncodeKernel<<<BlockGrid(blocks), kThreads, 0, stream>>>(
       x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback, beta,
       scales, bits, bad);
@@ -112,6 +308,11 @@ cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
 cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
                         uint32_t block, float* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
+  if (block % 8 == 0 && Aligned16(out)) {
+    Sign1DecodeBytesKernel<<<ElementGrid((n + 7) / 8), kThreads, 0, stream>>>(
+        scales, bits, n, block, out);
+    return cudaGetLastError();
+  }
   Sign1DecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(scales, bits, n,
                                                              block, out);
   return cudaGetLastError();
@@ -121,6 +322,12 @@ cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
                               size_t n, uint32_t block, AdamArgs adam, float* x,
                               float* m, const float* v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
+  if (block % 8 == 0 && Aligned16(x) && Aligned16(m) && Aligned16(v)) {
+    Sign1DecodeFrozenBytesKernel<<<ElementGrid((n + 7) / 8), kThreads, 0,
+                                   stream>>>(scales, bits, n, block, adam, x,
+                                             m, v);
+    return cudaGetLastError();
+  }
   Sign1DecodeFrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
       scales, bits, n, block, adam, x, m, v);
   return cudaGetLastError();

@@ -28,22 +28,26 @@ namespace {
 using testing::JsonField;
 using testing::ReadFile;
 
-// `rows` points of `classes` Gaussian blobs in `features` dimensions, as a
-// CSV with the label first.
-void WriteBlobs(const std::string& path, int rows, int features, int classes,
-                uint32_t seed) {
+// `train_rows` and `test_rows` points of the same `classes` Gaussian blobs
+// in `features` dimensions, as CSVs with the label first (dir/train.csv,
+// dir/test.csv). Both sets come from one draw of the centers.
+void WriteBlobs(const std::string& dir, int train_rows, int test_rows, int features,
+                int classes, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> noise(0.0f, 0.6f);
   std::vector<std::vector<float>> centers(classes, std::vector<float>(features));
   for (auto& c : centers) {
     for (float& v : c) v = noise(rng) * 2.0f;
   }
-  std::ofstream out(path);
-  for (int r = 0; r < rows; ++r) {
-    const int label = r % classes;
-    out << label;
-    for (int f = 0; f < features; ++f) out << "," << centers[label][f] + noise(rng);
-    out << "\n";
+  for (const auto& [name, rows] : {std::pair<const char*, int>{"/train.csv", train_rows},
+                                   std::pair<const char*, int>{"/test.csv", test_rows}}) {
+    std::ofstream out(dir + name);
+    for (int r = 0; r < rows; ++r) {
+      const int label = r % classes;
+      out << label;
+      for (int f = 0; f < features; ++f) out << "," << centers[label][f] + noise(rng);
+      out << "\n";
+    }
   }
 }
 
@@ -127,9 +131,8 @@ TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
   if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
   char pattern[] = "/tmp/morse-gpu-mlp-XXXXXX";
   const std::string dir = mkdtemp(pattern);
-  WriteBlobs(dir + "/train.csv", 500, 20, 4, 1);
-  WriteBlobs(dir + "/test.csv", 100, 20, 4, 2);
-  auto job = proto::ParseJobConfig(MlpConfig(dir, 1, 10), proto::ConfigFormat::kText);
+  WriteBlobs(dir, 500, 100, 20, 4, 1);
+  auto job = proto::ParseJobConfig(MlpConfig(dir, 1, 20), proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   // Two copies of the workload draw the same batches.
   auto cpu = worker::MakeWorkload(*job, 0);
@@ -170,8 +173,7 @@ TEST(GpuTest, MixedMlpJobKeepsBothReplicasIdentical) {
   if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
   char pattern[] = "/tmp/morse-gpu-mlp-XXXXXX";
   const std::string dir = mkdtemp(pattern);
-  WriteBlobs(dir + "/train.csv", 800, 20, 4, 1);
-  WriteBlobs(dir + "/test.csv", 200, 20, 4, 2);
+  WriteBlobs(dir, 800, 200, 20, 4, 1);
   testing::Cluster cluster(MlpConfig(dir, 2, 60), 2, 2);
   ASSERT_NO_FATAL_FAILURE(RunGpuAndCpuWorker(cluster, /*state_logs=*/false));
   const std::string gpu_log = ReadFile(cluster.worker_log(0));

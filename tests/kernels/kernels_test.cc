@@ -92,9 +92,11 @@ class KernelsTest : public ::testing::Test {
     ctx_ = *std::move(ctx);
   }
 
-  // Encodes x (+ e) on both sides and compares payload and error.
-  void CheckEncode(const CodecSpec& spec, FeedbackArgs fb, size_t n, uint64_t seed) {
-    SCOPED_TRACE(absl::StrCat(compress::CodecName(spec.kind), " n=", n, " block=",
+  // Encodes x (+ e) on both sides and compares payload and error. The
+  // device arrays start `offset` floats into their allocations (1: not
+  // 16-byte aligned, which the vectorized kernels must leave to others).
+  void CheckEncode(const CodecSpec& spec, FeedbackArgs fb, size_t n, uint64_t seed, size_t offset = 0) {
+    SCOPED_TRACE(absl::StrCat(compress::CodecName(spec.kind), " n=", n, " offset=", offset, " block=",
                               spec.block_elems, " feedback=", static_cast<int>(fb.kind),
                               " stochastic=", spec.rounding == compress::Rounding::kStochastic));
     const std::vector<float> x = RandomValues(n, seed, 3.0f);
@@ -109,25 +111,30 @@ class KernelsTest : public ::testing::Test {
                                           fb, key, absl::MakeSpan(cpu_payload))
                     .ok());
 
-    kernels::DeviceBuffer dx = Upload(x), de = Upload(e);
+    std::vector<float> padded_x(offset, 0.0f), padded_e(offset, 0.0f);
+    padded_x.insert(padded_x.end(), x.begin(), x.end());
+    padded_e.insert(padded_e.end(), e.begin(), e.end());
+    kernels::DeviceBuffer dx = Upload(padded_x), de_all = Upload(padded_e);
     kernels::DeviceBuffer payload = Poisoned(bytes);
-    ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>(), feedback ? de.as<float>() : nullptr,
-                                         n, fb, key, payload.as<uint8_t>())
+    ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>() + offset,
+                                         feedback ? de_all.as<float>() + offset : nullptr, n, fb, key,
+                                         payload.as<uint8_t>())
                     .ok());
     const auto gpu_payload = Download<uint8_t>(payload, bytes);
     EXPECT_EQ(FirstDifference(gpu_payload.data(), cpu_payload.data(), bytes, 1), "") << "payload";
-    const auto gpu_e = Download<float>(de, n);
-    EXPECT_EQ(FirstDifference(gpu_e.data(), cpu_e.data(), 4 * n, 4), "") << "error buffer";
+    const auto gpu_e_all = Download<float>(de_all, n + offset);
+    const float* gpu_e = gpu_e_all.data() + offset;
+    EXPECT_EQ(FirstDifference(gpu_e, cpu_e.data(), 4 * n, 4), "") << "error buffer";
 
     // Decode of the CPU's payload into a poisoned output.
     std::vector<float> cpu_out(n);
     ASSERT_TRUE(compress::Decode(spec, cpu_payload, absl::MakeSpan(cpu_out)).ok());
     kernels::DeviceBuffer in = Upload(cpu_payload);
-    kernels::DeviceBuffer out = Poisoned(4 * n);
-    ASSERT_TRUE(kernels::Decode(*ctx_, spec, in.as<uint8_t>(), n, out.as<float>()).ok());
+    kernels::DeviceBuffer out = Poisoned(4 * (n + offset));
+    ASSERT_TRUE(kernels::Decode(*ctx_, spec, in.as<uint8_t>(), n, out.as<float>() + offset).ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    const auto gpu_out = Download<float>(out, n);
-    EXPECT_EQ(FirstDifference(gpu_out.data(), cpu_out.data(), 4 * n, 4), "") << "decode";
+    const auto gpu_out = Download<float>(out, n + offset);
+    EXPECT_EQ(FirstDifference(gpu_out.data() + offset, cpu_out.data(), 4 * n, 4), "") << "decode";
   }
 
   std::vector<size_t> Sizes(uint32_t block) {
@@ -153,6 +160,19 @@ TEST_F(KernelsTest, Sign1EncodeAndDecodeMatchTheCpu) {
       spec.scale = scale;
       for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 11 + n);
     }
+  }
+}
+
+// The paths beside the staged and vectorized sign1 kernels: arrays that are
+// not 16-byte aligned, and blocks too large to stage in shared memory.
+TEST_F(KernelsTest, Sign1UnalignedArraysAndLargeBlocksMatchTheCpu) {
+  for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
+    CodecSpec spec;
+    spec.kind = CodecKind::kSign1;
+    spec.block_elems = 256;
+    for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 5 + n, /*offset=*/1);
+    spec.block_elems = 16384;  // 64 KiB of u, 128 KiB with EMA's e
+    for (size_t n : {size_t{16383}, size_t{16384} * 3 + 17}) CheckEncode(spec, fb, n, 3 + n);
   }
 }
 

@@ -79,7 +79,8 @@ def main():
     # step() while rank 1 never joins.
     base = config_file("workers: 2\nshards: 1\nexternal {}\ntimeouts { connect_seconds: 2 }\n")
     port = free_port()
-    server = subprocess.Popen([os.path.join(os.environ["MORSE_BIN_DIR"], "server", "morse-server"),
+    from morse.run import _find_server  # the build's or the bundle's morse-server
+    server = subprocess.Popen([_find_server(),
                                "--config", base, "--shard", "0", "--listen", f"127.0.0.1:{port}",
                                "--insecure"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
