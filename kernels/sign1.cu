@@ -13,9 +13,9 @@
 // half-warp kernel below, which reads the block twice (the second time
 // mostly from cache).
 //
-// Decode: a thread per byte of signs (8 elements, one scale) with 16-byte
-// stores, and one division per 8 elements; the per-element kernels serve
-// blocks that are not a multiple of 8 and unaligned arrays.
+// Decode: a thread per 4 elements (one scale, half a byte of signs) with
+// 16-byte loads and stores that a warp makes contiguous, and one 32-bit
+// division per 4 elements; the per-element kernels serve unaligned arrays.
 #include "kernels/element_ops.cuh"
 #include "kernels/launch.h"
 
@@ -190,62 +190,55 @@ __device__ __forceinline__ size_t BlockOf(size_t j, uint32_t block) {
   return j <= 0xffffffffu ? static_cast<uint32_t>(j) / block : j / block;
 }
 
-__global__ void Sign1DecodeBytesKernel(const float* __restrict__ scales,
+// A thread per 4 elements (half a byte of signs, one scale): a warp's
+// 16-byte stores cover 512 contiguous bytes.
+__device__ __forceinline__ float4 DecodeQuad(const float* __restrict__ scales,
+                                             const uint8_t* __restrict__ bits,
+                                             size_t j, uint32_t block) {
+  const float s = scales[BlockOf(j, block)];
+  const uint32_t nibble = bits[j / 8] >> (j % 8);
+  return make_float4(SignedScale(nibble, 0, s), SignedScale(nibble, 1, s),
+                     SignedScale(nibble, 2, s), SignedScale(nibble, 3, s));
+}
+
+__global__ void Sign1DecodeQuadsKernel(const float* __restrict__ scales,
                                        const uint8_t* __restrict__ bits,
                                        size_t n, uint32_t block,
                                        float* __restrict__ out) {
-  const size_t bytes = (n + 7) / 8;
-  MORSE_FOR_EACH_ELEMENT(i, bytes) {
-    const size_t j = 8 * i;
-    const float s = scales[BlockOf(j, block)];
-    const uint32_t byte = bits[i];
-    if (j + 8 <= n) {
-      float4* o = reinterpret_cast<float4*>(out + j);
-      o[0] = make_float4(SignedScale(byte, 0, s), SignedScale(byte, 1, s),
-                         SignedScale(byte, 2, s), SignedScale(byte, 3, s));
-      o[1] = make_float4(SignedScale(byte, 4, s), SignedScale(byte, 5, s),
-                         SignedScale(byte, 6, s), SignedScale(byte, 7, s));
-    } else {
-      for (int k = 0; j + k < n; ++k) out[j + k] = SignedScale(byte, k, s);
-    }
+  MORSE_FOR_EACH_ELEMENT(q, n / 4) {
+    reinterpret_cast<float4*>(out)[q] = DecodeQuad(scales, bits, 4 * q, block);
+  }
+  // The last n % 4 elements.
+  const size_t tail = n - n % 4;
+  if (blockIdx.x == 0 && threadIdx.x < n % 4) {
+    const size_t j = tail + threadIdx.x;
+    out[j] = SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)]);
   }
 }
 
-__device__ __forceinline__ void FrozenQuad(const Adam& adam, uint32_t byte,
-                                           int first, float s, float4* x,
-                                           float4* m, const float4& v) {
-  float4 xv = *x, mv;
-  FrozenElement(adam, SignedScale(byte, first, s), &xv.x, &mv.x, v.x);
-  FrozenElement(adam, SignedScale(byte, first + 1, s), &xv.y, &mv.y, v.y);
-  FrozenElement(adam, SignedScale(byte, first + 2, s), &xv.z, &mv.z, v.z);
-  FrozenElement(adam, SignedScale(byte, first + 3, s), &xv.w, &mv.w, v.w);
-  *x = xv;
-  *m = mv;
-}
-
-__global__ void Sign1DecodeFrozenBytesKernel(const float* __restrict__ scales,
+__global__ void Sign1DecodeFrozenQuadsKernel(const float* __restrict__ scales,
                                              const uint8_t* __restrict__ bits,
                                              size_t n, uint32_t block, Adam adam,
                                              float* __restrict__ x,
                                              float* __restrict__ m,
                                              const float* __restrict__ v) {
-  const size_t bytes = (n + 7) / 8;
-  MORSE_FOR_EACH_ELEMENT(i, bytes) {
-    const size_t j = 8 * i;
-    const float s = scales[BlockOf(j, block)];
-    const uint32_t byte = bits[i];
-    if (j + 8 <= n) {
-      const float4* vv = reinterpret_cast<const float4*>(v + j);
-      float4* xv = reinterpret_cast<float4*>(x + j);
-      float4* mv = reinterpret_cast<float4*>(m + j);
-      FrozenQuad(adam, byte, 0, s, xv, mv, vv[0]);
-      FrozenQuad(adam, byte, 4, s, xv + 1, mv + 1, vv[1]);
-    } else {
-      for (int k = 0; j + k < n; ++k) {
-        FrozenElement(adam, SignedScale(byte, k, s), &x[j + k], &m[j + k],
-                      v[j + k]);
-      }
-    }
+  MORSE_FOR_EACH_ELEMENT(q, n / 4) {
+    const float4 c = DecodeQuad(scales, bits, 4 * q, block);
+    const float4 vv = reinterpret_cast<const float4*>(v)[q];
+    float4 xv = reinterpret_cast<float4*>(x)[q], mv;
+    FrozenElement(adam, c.x, &xv.x, &mv.x, vv.x);
+    FrozenElement(adam, c.y, &xv.y, &mv.y, vv.y);
+    FrozenElement(adam, c.z, &xv.z, &mv.z, vv.z);
+    FrozenElement(adam, c.w, &xv.w, &mv.w, vv.w);
+    reinterpret_cast<float4*>(x)[q] = xv;
+    reinterpret_cast<float4*>(m)[q] = mv;
+  }
+  const size_t tail = n - n % 4;
+  if (blockIdx.x == 0 && threadIdx.x < n % 4) {
+    const size_t j = tail + threadIdx.x;
+    FrozenElement(adam,
+                  SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)]),
+                  &x[j], &m[j], v[j]);
   }
 }
 
@@ -308,8 +301,8 @@ cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
 cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
                         uint32_t block, float* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  if (block % 8 == 0 && Aligned16(out)) {
-    Sign1DecodeBytesKernel<<<ElementGrid((n + 7) / 8), kThreads, 0, stream>>>(
+  if (block % 4 == 0 && Aligned16(out)) {
+    Sign1DecodeQuadsKernel<<<ElementGrid(n / 4), kThreads, 0, stream>>>(
         scales, bits, n, block, out);
     return cudaGetLastError();
   }
@@ -322,10 +315,9 @@ cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
                               size_t n, uint32_t block, AdamArgs adam, float* x,
                               float* m, const float* v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  if (block % 8 == 0 && Aligned16(x) && Aligned16(m) && Aligned16(v)) {
-    Sign1DecodeFrozenBytesKernel<<<ElementGrid((n + 7) / 8), kThreads, 0,
-                                   stream>>>(scales, bits, n, block, adam, x,
-                                             m, v);
+  if (block % 4 == 0 && Aligned16(x) && Aligned16(m) && Aligned16(v)) {
+    Sign1DecodeFrozenQuadsKernel<<<ElementGrid(n / 4), kThreads, 0, stream>>>(
+        scales, bits, n, block, adam, x, m, v);
     return cudaGetLastError();
   }
   Sign1DecodeFrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
