@@ -12,7 +12,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev python3-sklearn prometheus-cpp-dev prometheus
   python3-dev pybind11-dev python3-torch python3-matplotlib iproute2
-  openssl systemd dpkg-dev patchelf xz-utils
+  openssl systemd dpkg-dev patchelf xz-utils python3-pip python3-setuptools
   "$@"
 )
 # The deploy checks run npm packages (tests/deploy); Debian's npm unless a

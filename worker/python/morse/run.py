@@ -14,6 +14,7 @@ from the flags and the script.
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,14 +54,15 @@ def _base_config(path, workers, shards):
 def _find_server():
     """morse-server: in $MORSE_BIN_DIR (a build folder or a bundle), else
     beside this package in a build folder (build/python/morse) or a bundle
-    (morse/python/morse)."""
+    (morse/python/morse), else on PATH."""
     roots = [os.environ["MORSE_BIN_DIR"]] if os.environ.get("MORSE_BIN_DIR") else []
     roots.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     candidates = [os.path.join(root, sub, "morse-server") for root in roots for sub in ("server", "bin", "")]
     for c in candidates:
         if os.access(c, os.X_OK):
             return os.path.normpath(c)
-    return os.path.normpath(candidates[0])
+    on_path = shutil.which("morse-server")  # an installed package beside installed daemons
+    return on_path or os.path.normpath(candidates[0])
 
 
 def main(argv=None):
