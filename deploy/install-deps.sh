@@ -11,7 +11,7 @@ packages=(
   libboost-dev libboost-system-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-dev python3-sklearn prometheus-cpp-dev prometheus
-  python3-dev pybind11-dev python3-torch python3-matplotlib iproute2
+  python3-dev python3-torch python3-matplotlib iproute2
   openssl systemd dpkg-dev patchelf xz-utils python3-pip python3-setuptools
   "$@"
 )
