@@ -21,6 +21,38 @@ StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
   return plan;
 }
 
+SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction direction,
+                  uint32_t sender, uint64_t first_index) {
+  const StepPlan plan = PlanStep(config, step);
+  SendRule rule;
+  rule.codec = direction == Direction::kUp ? plan.up : plan.down;
+  rule.local_momentum = direction == Direction::kUp && plan.compressing;
+  rule.beta1 = config.adam.beta1;
+  rule.feedback = plan.feedback;
+  rule.key = SenderKey(config, step, sender, first_index);
+  return rule;
+}
+
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step) {
+  const StepPlan plan = PlanStep(config, step);
+  ReplyRule rule;
+  rule.codec = plan.down;
+  rule.frozen_variance = plan.compressing;
+  const bool correct = !plan.compressing && config.optimizer == OptimizerKind::kAdam &&
+                       config.bias_correction;
+  rule.scalars = MakeAdamScalars(config.adam, LearningRate(config.lr, step), step + 1, correct);
+  return rule;
+}
+
+void ApplyRule(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> x,
+               absl::Span<float> m, absl::Span<float> v) {
+  if (rule.frozen_variance) {
+    FrozenVarianceStep(rule.scalars, decoded, x, m, v);
+  } else {
+    AdamStep(rule.scalars, decoded, x, m, v);
+  }
+}
+
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays) {
   Fnv64 hash;
   for (absl::Span<const float> a : arrays) hash.MixWords(a.data(), a.size() * sizeof(float));
@@ -92,20 +124,12 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
         range_.begin, ", ", range_.end, ")"));
   }
-  const StepPlan plan = PlanStep(config_, step);
+  const ReplyRule rule = PlanReply(config_, step);
   std::vector<float> decoded(n);
-  if (absl::Status s = Decode(plan.down, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
+  if (absl::Status s = Decode(rule.codec, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
   const size_t offset = begin - range_.begin;
-  auto x = x_.subspan(offset, n);
-  auto m = absl::MakeSpan(m_).subspan(offset, n);
-  auto v = absl::MakeSpan(v_).subspan(offset, n);
-  const float lr = LearningRate(config_.lr, step);
-  if (plan.compressing) {
-    FrozenVarianceStep(MakeAdamScalars(config_.adam, lr, step + 1, false), decoded, x, m, v);
-  } else {
-    const bool correct = config_.optimizer == OptimizerKind::kAdam && config_.bias_correction;
-    AdamStep(MakeAdamScalars(config_.adam, lr, step + 1, correct), decoded, x, m, v);
-  }
+  ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
+            absl::MakeSpan(v_).subspan(offset, n));
   return absl::OkStatus();
 }
 

@@ -28,6 +28,37 @@ struct StepPlan {
 };
 StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
 
+// The sender's rule (DESIGN 2.1-2.4) for the partition starting at global
+// element `first_index` in step `step`: what a worker pushes (`up`) or a
+// shard replies (`down`; sender = workers + shard, as SenderKey). The one
+// place every sender reads it: CPU and GPU workers, shards, the simulator.
+struct SendRule {
+  CodecSpec codec;
+  // Send the local momentum b1*m + (1-b1)*g instead of g (1-bit Adam's
+  // compression phase; workers only).
+  bool local_momentum = false;
+  float beta1 = 0;
+  // Encode through the sender's error buffer (ErrorFeedback::Compress);
+  // off in 1-bit Adam's warmup.
+  bool feedback = false;
+  RoundingKey key;
+};
+enum class Direction { kUp, kDown };
+SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction direction,
+                  uint32_t sender, uint64_t first_index);
+
+// The reply's rule: how every replica (worker CPU and GPU, shard mirror,
+// simulator) turns step `step`'s decoded reply into an update of x, m, v.
+struct ReplyRule {
+  CodecSpec codec;              // the reply's encoding
+  bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep
+  AdamScalars scalars;
+};
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step);
+// The update of a ReplyRule on host arrays of decoded.size() elements.
+void ApplyRule(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> x,
+               absl::Span<float> m, absl::Span<float> v);
+
 // A 64-bit checksum of float arrays' bits, in order (FNV-1a over 8-byte
 // words, then the tail). For comparing replicas, never for security.
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays);

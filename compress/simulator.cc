@@ -1,5 +1,7 @@
 #include "compress/simulator.h"
 
+#include "compress/replica.h"
+
 #include "absl/strings/str_cat.h"
 
 namespace morse::compress {
@@ -68,37 +70,44 @@ bool Simulator::compressing() const {
   return config_.optimizer == OptimizerKind::kOneBitAdam && step_ >= config_.freeze_step;
 }
 
-absl::Status Simulator::RoundTrip(const Partition& p, const CodecSpec& up,
-                                  const CodecSpec& down, bool feedback,
-                                  const std::vector<std::vector<float>>& messages,
+absl::Status Simulator::RoundTrip(const Partition& p,
+                                  absl::Span<const absl::Span<const float>> gradients,
                                   std::vector<float>& reply) {
   const size_t n = p.range.size();
-  // Workers: encode their message for this partition.
+  // Workers: what each sends for this partition (the sender's rule), encoded.
+  SendRule up;
   std::vector<std::vector<uint8_t>> pushes(config_.workers);
+  std::vector<float> message(n);
   for (uint32_t i = 0; i < config_.workers; ++i) {
-    pushes[i].resize(PayloadBytes(up, n));
-    const absl::Span<const float> part =
-        absl::MakeConstSpan(messages[i]).subspan(p.range.begin, n);
-    const RoundingKey key = SenderKey(config_, step_, i, p.range.begin);
-    absl::Status s = feedback
-        ? worker_errors_[i].Compress(up, p.range.begin, part, key, absl::MakeSpan(pushes[i]))
-        : Encode(up, part, key, absl::MakeSpan(pushes[i]));
+    up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin);
+    absl::Span<const float> part = gradients[i].subspan(p.range.begin, n);
+    if (up.local_momentum) {
+      LocalMomentum(up.beta1, absl::MakeConstSpan(m_).subspan(p.range.begin, n), part,
+                    absl::MakeSpan(message));
+      part = message;
+    }
+    pushes[i].resize(PayloadBytes(up.codec, n));
+    absl::Status s = up.feedback
+        ? worker_errors_[i].Compress(up.codec, p.range.begin, part, up.key, absl::MakeSpan(pushes[i]))
+        : Encode(up.codec, part, up.key, absl::MakeSpan(pushes[i]));
     if (!s.ok()) return s;
   }
   // Shard: average in rank order, recompress with its own error.
   std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
   std::vector<float> average(n);
-  if (absl::Status s = DecodeAverage(up, views, absl::MakeSpan(average)); !s.ok()) return s;
-  std::vector<uint8_t> payload(PayloadBytes(down, n));
+  if (absl::Status s = DecodeAverage(up.codec, views, absl::MakeSpan(average)); !s.ok()) return s;
+  const SendRule down =
+      PlanSend(config_, step_, Direction::kDown, config_.workers + p.shard, p.range.begin);
+  std::vector<uint8_t> payload(PayloadBytes(down.codec, n));
   const uint64_t shard_offset = p.range.begin - layout_.shard_range(p.shard).begin;
-  const RoundingKey key = SenderKey(config_, step_, config_.workers + p.shard, p.range.begin);
-  absl::Status s = feedback
-      ? server_errors_[p.shard].Compress(down, shard_offset, average, key, absl::MakeSpan(payload))
-      : Encode(down, average, key, absl::MakeSpan(payload));
+  absl::Status s = down.feedback
+      ? server_errors_[p.shard].Compress(down.codec, shard_offset, average, down.key,
+                                         absl::MakeSpan(payload))
+      : Encode(down.codec, average, down.key, absl::MakeSpan(payload));
   if (!s.ok()) return s;
   // Workers: decode the reply, the same bytes for everyone.
   reply.resize(n);
-  return Decode(down, payload, absl::MakeSpan(reply));
+  return Decode(down.codec, payload, absl::MakeSpan(reply));
 }
 
 absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients) {
@@ -112,34 +121,16 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
           "gradient of ", g.size(), " elements for a model of ", x_.size()));
     }
   }
-  const float lr = LearningRate(config_.lr, step_);
-  const bool compress = compressing();
-  // What each worker sends before compression: its gradient, or in 1-bit
-  // Adam's compression phase its local momentum m_i = b1*m + (1-b1)*g_i.
-  std::vector<std::vector<float>> messages(config_.workers);
-  for (uint32_t i = 0; i < config_.workers; ++i) {
-    messages[i].assign(gradients[i].begin(), gradients[i].end());
-    if (compress) LocalMomentum(config_.adam.beta1, m_, gradients[i], absl::MakeSpan(messages[i]));
-  }
-  const bool warmup = config_.optimizer == OptimizerKind::kOneBitAdam && !compress;
-  const CodecSpec& up = warmup ? config_.warmup_codec : config_.up_codec;
-  const CodecSpec& down = warmup ? config_.warmup_codec : config_.down_codec;
+  // Every partition's round trip reads m before any update of this step.
+  std::vector<std::vector<float>> replies(layout_.partitions().size());
   for (const Partition& p : layout_.partitions()) {
-    std::vector<float> reply;
-    if (absl::Status s = RoundTrip(p, up, down, /*feedback=*/!warmup, messages, reply);
-        !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = RoundTrip(p, gradients, replies[p.id]); !s.ok()) return s;
+  }
+  const ReplyRule rule = PlanReply(config_, step_);
+  for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
-    auto x = absl::MakeSpan(x_).subspan(begin, n);
-    auto m = absl::MakeSpan(m_).subspan(begin, n);
-    auto v = absl::MakeSpan(v_).subspan(begin, n);
-    if (compress) {
-      FrozenVarianceStep(MakeAdamScalars(config_.adam, lr, step_ + 1, false), reply, x, m, v);
-    } else {
-      const bool correct = config_.optimizer == OptimizerKind::kAdam && config_.bias_correction;
-      AdamStep(MakeAdamScalars(config_.adam, lr, step_ + 1, correct), reply, x, m, v);
-    }
+    ApplyRule(rule, replies[p.id], absl::MakeSpan(x_).subspan(begin, n),
+              absl::MakeSpan(m_).subspan(begin, n), absl::MakeSpan(v_).subspan(begin, n));
   }
   ++step_;
   return absl::OkStatus();

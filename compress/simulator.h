@@ -78,11 +78,10 @@ class Simulator {
  private:
   Simulator(const SimulatorConfig& config, Layout layout, absl::Span<const float> x0);
 
-  // One partition's round trip; returns the decoded reply (what every worker
-  // receives) in `reply`.
-  absl::Status RoundTrip(const Partition& p, const CodecSpec& up,
-                         const CodecSpec& down, bool feedback,
-                         const std::vector<std::vector<float>>& messages,
+  // One partition's round trip from the workers' gradients, through the
+  // sender's rule (compress/replica.h) on both sides; returns the decoded
+  // reply (what every worker receives) in `reply`.
+  absl::Status RoundTrip(const Partition& p, absl::Span<const absl::Span<const float>> gradients,
                          std::vector<float>& reply);
 
   SimulatorConfig config_;

@@ -1,6 +1,6 @@
 // The mlp workload's forward and backward passes, written once over the few
 // array operations they need (MlpOps), which the CPU (CBLAS and loops,
-// HostMlpOps) and the GPU (cuBLAS and kernels/, in device_model_cuda.cc)
+// HostMlpOps) and the GPU (cuBLAS and kernels/, in worker/engine/cuda/engine.cc)
 // both provide. The parameter layout is the workload's: layer after layer,
 // the weights (in x out, row-major) and then the biases (out). Activations
 // are row-major (rows x width).

@@ -149,6 +149,59 @@ absl::StatusOr<double> MlpWorkload::Gradient(int64_t, absl::Span<const float> x,
                      static_cast<int>(spec_.batch_size), batch_.buffers(), grad.data());
 }
 
+namespace {
+
+// The gradient on an engine's device: the pass buffers live there; each
+// step's batch is drawn on the host and copied over (features and labels).
+class DeviceMlpHook final : public GradientHook {
+ public:
+  DeviceMlpHook(MlpWorkload& workload, DeviceServices& device, MlpBuffers buffers, uint32_t* labels)
+      : workload_(workload),
+        device_(device),
+        buffers_(buffers),
+        labels_(labels),
+        input_host_(static_cast<size_t>(workload.batch_size()) * workload.widths()[0]),
+        labels_host_(workload.batch_size()) {}
+
+  absl::StatusOr<double> Gradient(int64_t, const float* x, float* grad) override {
+    workload_.NextBatch(input_host_.data(), labels_host_.data());
+    if (absl::Status s = device_.CopyIn(buffers_.acts[0], input_host_.data(), 4 * input_host_.size());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = device_.CopyIn(labels_, labels_host_.data(), 4 * labels_host_.size()); !s.ok()) {
+      return s;
+    }
+    return MlpGradient(device_.mlp_ops(), workload_.widths(), x, labels_,
+                       static_cast<int>(workload_.batch_size()), buffers_, grad);
+  }
+
+ private:
+  MlpWorkload& workload_;
+  DeviceServices& device_;
+  MlpBuffers buffers_;
+  uint32_t* labels_;
+  std::vector<float> input_host_;
+  std::vector<uint32_t> labels_host_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GradientHook>> MlpWorkload::GradientOn(Engine& engine) {
+  DeviceServices* device = engine.device();
+  if (device == nullptr) return Workload::GradientOn(engine);
+  std::vector<float*> pointers;
+  for (size_t size : MlpBufferSizes(widths_, spec_.batch_size)) {
+    auto memory = device->Allocate(4 * size);
+    if (!memory.ok()) return memory.status();
+    pointers.push_back(static_cast<float*>(*memory));
+  }
+  auto labels = device->Allocate(4 * static_cast<size_t>(spec_.batch_size));
+  if (!labels.ok()) return labels.status();
+  return std::make_unique<DeviceMlpHook>(*this, *device, MlpBuffersOver(pointers),
+                                         static_cast<uint32_t*>(*labels));
+}
+
 std::optional<double> MlpWorkload::TestAccuracy(absl::Span<const float> x) const {
   if (!test_.has_value()) return std::nullopt;
   constexpr uint32_t kChunk = 256;

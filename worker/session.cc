@@ -4,16 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "proto/checkpoint_file.h"
+#include "worker/engine/host/engine.h"
 
 namespace morse::worker {
-namespace {
-
-absl::Span<uint8_t> AsBytes(std::string* s) {
-  return {reinterpret_cast<uint8_t*>(s->data()), s->size()};
-}
-
-}  // namespace
-
 absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
                                                           std::vector<std::string> servers,
                                                           const proto::SecurityOptions& security,
@@ -41,7 +34,7 @@ Session::Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layo
       replica_(x.empty() ? compress::Replica(job.algorithm, {0, job.algorithm.layout.dim})
                          : compress::Replica(job.algorithm, {0, job.algorithm.layout.dim}, x)),
       error_(job.algorithm.worker_feedback, job.algorithm.layout.dim, job.algorithm.layout.block_elems),
-      momentum_(job.algorithm.layout.dim) {}
+      engine_(host::CreateEngine(EngineState{&job_.algorithm, &layout_, &replica_, &error_})) {}
 
 absl::StatusOr<bool> Session::ShardsHoldModel() {
   auto infos = client_->ShardInfos();
@@ -88,59 +81,30 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
   return step_;
 }
 
-absl::Status Session::Encode(const compress::Partition& p, std::string* payload) {
-  if (device_ != nullptr) return device_->Encode(step_, rank_, plan_, p, payload);
-  const uint64_t n = p.range.size();
-  payload->resize(compress::PayloadBytes(plan_.up, n));
-  absl::Span<const float> input = grad_.subspan(p.range.begin, n);
-  if (plan_.compressing) {
-    auto local = absl::MakeSpan(momentum_).subspan(p.range.begin, n);
-    replica_.LocalMomentum(p.range.begin, input, local);
-    input = local;
-  }
-  const compress::RoundingKey key = compress::SenderKey(job_.algorithm, step_, rank_, p.range.begin);
-  if (plan_.feedback) return error_.Compress(plan_.up, p.range.begin, input, key, AsBytes(payload));
-  return compress::Encode(plan_.up, input, key, AsBytes(payload));
-}
-
 absl::Status Session::Begin(absl::Span<const float> grad) {
-  if (device_ != nullptr) {
-    return absl::FailedPreconditionError("this session keeps its model on the GPU: use StepOnDevice");
-  }
-  if (grad.size() != job_.algorithm.layout.dim) {
-    return absl::InvalidArgumentError(absl::StrCat("gradient of ", grad.size(), " elements for ",
-                                                   job_.algorithm.layout.dim, " parameters"));
-  }
-  if (absl::Status s = BeginStep(); !s.ok()) return s;
-  grad_ = grad;
-  return absl::OkStatus();
-}
-
-absl::Status Session::StepOnDevice(StepTraffic* traffic) {
-  if (absl::Status s = BeginOnDevice(); !s.ok()) return s;
-  return Finish(traffic);
-}
-
-absl::Status Session::BeginOnDevice() {
-  if (device_ == nullptr) return absl::FailedPreconditionError("no GPU in this session (UseDevice)");
+  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
+  if (absl::Status s = engine_->SetHostGradient(grad); !s.ok()) return s;
   return BeginStep();
 }
 
-absl::Status Session::UseDevice(std::unique_ptr<DeviceModel> device) {
+absl::Status Session::BeginFromEngine() { return BeginStep(); }
+
+absl::Status Session::StepFromEngine(StepTraffic* traffic) {
+  if (absl::Status s = BeginFromEngine(); !s.ok()) return s;
+  return Finish(traffic);
+}
+
+absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
   if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
-  std::vector<float> error(job_.algorithm.layout.dim);
-  error_.Read(0, absl::MakeSpan(error));
-  if (absl::Status s = device->Upload(replica_, error); !s.ok()) return s;
-  device_ = std::move(device);
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  auto engine = CreateEngine(kind, EngineState{&job_.algorithm, &layout_, &replica_, &error_}, arrays);
+  if (!engine.ok()) return engine.status();
+  if (absl::Status s = (*engine)->Load(replica_, error_); !s.ok()) return s;
+  engine_ = *std::move(engine);
   return absl::OkStatus();
 }
 
-absl::Status Session::SyncHost() {
-  if (device_ == nullptr) return absl::OkStatus();
-  std::vector<float> error(job_.algorithm.layout.dim);
-  if (absl::Status s = device_->Download(replica_, absl::MakeSpan(error)); !s.ok()) return s;
-  return error_.Restore(error);
-}
+absl::Status Session::SyncHost() { return engine_->Store(replica_, error_); }
 
 absl::Status Session::BeginStep() {
   if (!failed_.ok()) {
@@ -156,8 +120,7 @@ absl::Status Session::BeginStep() {
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind, [this, step](const compress::Partition& p, const std::string& reply) {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
-        if (device_ != nullptr) return device_->ApplyReply(step, p, bytes);
-        return replica_.ApplyReply(step, p.range.begin, p.range.size(), bytes);
+        return engine_->ApplyReply(step, p, bytes);
       });
   return absl::OkStatus();
 }
@@ -171,7 +134,7 @@ absl::Status Session::SendPartition(uint32_t partition) {
   sent_[partition] = true;
   return exchange_->Send(layout_.partitions()[partition],
                          [this](const compress::Partition& p, std::string* payload) {
-                           return Encode(p, payload);
+                           return engine_->Encode(step_, rank_, p, payload);
                          });
 }
 
@@ -221,8 +184,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   step_ = step;
-  if (device_ == nullptr) return absl::OkStatus();
-  return device_->Upload(replica_, error);
+  return engine_->Load(replica_, error_);
 }
 
 }  // namespace morse::worker

@@ -19,7 +19,7 @@
 #include "compress/replica.h"
 #include "proto/job_config.h"
 #include "worker/client.h"
-#include "worker/device_model.h"
+#include "worker/engine/engine.h"
 
 namespace morse::worker {
 
@@ -48,7 +48,8 @@ class Session {
   // Waits until all N workers have joined (see PushClient::WaitAllJoined).
   absl::Status WaitAllJoined() { return client_->WaitAllJoined(); }
 
-  // One whole step from the gradient `grad` (dim floats). After a step fails
+  // One whole step from the host gradient `grad` (dim floats; host engine
+  // only, FAILED_PRECONDITION on a GPU). After a step fails
   // the replica may hold some of its partitions' updates, so every later
   // Begin/Step fails with FAILED_PRECONDITION: the worker must rejoin (resume).
   absl::Status Step(absl::Span<const float> grad, StepTraffic* traffic = nullptr);
@@ -60,17 +61,21 @@ class Session {
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
-  // The GPU path: from now on x, m, v and the error buffer live in `device`
-  // (uploaded here); StepOnDevice runs a step from the device's gradient,
-  // and SyncHost brings replica() and error() up to date.
-  absl::Status UseDevice(std::unique_ptr<DeviceModel> device);
-  DeviceModel* device() { return device_.get(); }
-  absl::Status StepOnDevice(StepTraffic* traffic = nullptr);
-  // The GPU step in pieces (PyTorch's overlap hooks): BeginOnDevice, then
-  // SendPartition as gradients complete (after device()->WaitFor(the
-  // stream that wrote them)), then Finish.
-  absl::Status BeginOnDevice();
+  // Where the per-step work runs (worker/engine/engine.h): the host engine
+  // over replica() and error() from the start; MoveTo("cuda", arrays) moves
+  // x, m, v and the error buffer to a GPU (into the caller's device arrays
+  // if given). SyncHost brings replica() and error() up to date from the
+  // engine (checksums, checkpoints, the end of training; nothing on the
+  // host).
+  absl::Status MoveTo(const std::string& kind, DeviceArrays arrays = {});
+  Engine& engine() { return *engine_; }
   absl::Status SyncHost();
+  // A step from the gradient already in the engine (a workload's hook via
+  // engine().Gradient, or the device array given to MoveTo); in pieces:
+  // BeginFromEngine, SendPartition as gradients complete (after
+  // engine().WaitFor(the stream that wrote them)), Finish.
+  absl::Status StepFromEngine(StepTraffic* traffic = nullptr);
+  absl::Status BeginFromEngine();
 
   // Writes this worker's checkpoint (error buffer, step) to `path`.
   absl::Status SaveCheckpoint(const std::string& path) const;
@@ -87,8 +92,7 @@ class Session {
 
  private:
   Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout, absl::Span<float> x);
-  absl::Status Encode(const compress::Partition& p, std::string* payload);
-  absl::Status BeginStep();  // Begin's checks and the exchange, either path
+  absl::Status BeginStep();  // the checks and the exchange, whatever the gradient's source
 
   proto::JobSpec job_;
   uint32_t rank_;
@@ -99,11 +103,9 @@ class Session {
   int64_t step_ = 0;
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
-  absl::Span<const float> grad_;
-  std::vector<float> momentum_;
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
-  std::unique_ptr<DeviceModel> device_;  // set between steps only
+  std::unique_ptr<Engine> engine_;  // replaced between steps only
   absl::Status failed_;  // the error that ended training, if a step failed
 };
 

@@ -9,7 +9,40 @@ namespace {
 constexpr uint32_t kCurvatureTag = 0xC0FFEE01u;
 constexpr uint32_t kTargetTag = 0xC0FFEE02u;
 
+// The gradient on an engine's device: a and t copied there once.
+class DeviceSyntheticHook final : public GradientHook {
+ public:
+  DeviceSyntheticHook(DeviceServices& device, uint64_t seed, uint32_t rank, float noise, const float* a,
+                      const float* t, size_t n)
+      : device_(device), seed_(seed), rank_(rank), noise_(noise), a_(a), t_(t), n_(n) {}
+  absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) override {
+    return device_.SyntheticGradient(seed_, step, rank_, noise_, a_, t_, x, grad, n_);
+  }
+
+ private:
+  DeviceServices& device_;
+  uint64_t seed_;
+  uint32_t rank_;
+  float noise_;
+  const float *a_, *t_;
+  size_t n_;
+};
+
 }  // namespace
+
+absl::StatusOr<std::unique_ptr<GradientHook>> SyntheticWorkload::GradientOn(Engine& engine) {
+  DeviceServices* device = engine.device();
+  if (device == nullptr) return Workload::GradientOn(engine);
+  const float* arrays[2];
+  const std::vector<float>* sources[2] = {&curvature_, &target_};
+  for (int i = 0; i < 2; ++i) {
+    auto memory = device->Allocate(4 * dim());
+    if (!memory.ok()) return memory.status();
+    if (absl::Status s = device->CopyIn(*memory, sources[i]->data(), 4 * dim()); !s.ok()) return s;
+    arrays[i] = static_cast<const float*>(*memory);
+  }
+  return std::make_unique<DeviceSyntheticHook>(*device, seed_, rank_, noise_, arrays[0], arrays[1], dim());
+}
 
 SyntheticWorkload::SyntheticWorkload(const proto::JobSpec& job, uint32_t rank)
     : seed_(job.algorithm.seed),

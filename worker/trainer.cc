@@ -20,7 +20,6 @@
 #include "compress/replica.h"
 #include "proto/checkpoint_file.h"
 #include "proto/http_endpoint.h"
-#include "worker/device_model.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -86,30 +85,32 @@ std::string TrainingSummary::ToJson() const {
 
 namespace {
 
-// Moves the session's model to the GPU when options.device asks for it and
-// the job can run there; says why not for "auto". True when on the GPU.
-absl::StatusOr<bool> UseDevice(const proto::JobSpec& job, const TrainerOptions& options,
-                               Workload& workload, Session& session) {
-  if (options.device == "cpu") return false;
-  if (options.device != "auto" && options.device != "cuda") {
+// Moves the session to the engine options.device names and gives the engine
+// the workload's gradient: "cuda" or the GPU for "auto" when there is one
+// and the job can run there (saying why not and staying on the CPU for
+// "auto"), else the CPU.
+absl::Status ChooseEngine(const TrainerOptions& options, Workload& workload, Session& session) {
+  if (options.device != "auto" && options.device != "cpu" && options.device != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", options.device, ": use auto, cpu or cuda"));
   }
-  const auto cpu_because = [&](const absl::Status& why) -> absl::StatusOr<bool> {
-    if (options.device == "cuda") {
-      return absl::Status(why.code(), absl::StrCat("--device cuda: ", why.message()));
+  if (options.device != "cpu") {
+    absl::Status moved = session.MoveTo("cuda");
+    if (moved.ok()) moved = session.engine().SetWorkload(workload);
+    if (moved.ok()) {
+      std::printf("worker %u: x, m, v, error buffer and gradient on %s\n", options.rank,
+                  session.engine().description().c_str());
+      return absl::OkStatus();
     }
-    std::printf("worker %u: training on the CPU (%s)\n", options.rank, std::string(why.message()).c_str());
-    return false;
-  };
-  auto model = DeviceModel::Create(job.algorithm, session.layout());
-  if (!model.ok()) return cpu_because(model.status());
-  if (absl::Status s = (*model)->SetWorkload(workload); !s.ok()) return cpu_because(s);
-  const std::string description = (*model)->description();
-  if (absl::Status s = session.UseDevice(*std::move(model)); !s.ok()) return s;
-  std::printf("worker %u: x, m, v, error buffer and gradient on %s\n", options.rank,
-              description.c_str());
-  return true;
+    if (options.device == "cuda") {
+      return absl::Status(moved.code(), absl::StrCat("--device cuda: ", moved.message()));
+    }
+    std::printf("worker %u: training on the CPU (%s)\n", options.rank, std::string(moved.message()).c_str());
+    if (session.engine().kind() != "cpu") {
+      if (absl::Status s = session.MoveTo("cpu"); !s.ok()) return s;
+    }
+  }
+  return session.engine().SetWorkload(workload);
 }
 
 }  // namespace
@@ -175,9 +176,8 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   auto first = (*session)->Start(resume, checkpoint);
   if (!first.ok()) return first.status();
   const int64_t first_step = *first;
-  auto on_gpu = UseDevice(job, options, **workload, **session);
-  if (!on_gpu.ok()) return on_gpu.status();
-  DeviceModel* device = *on_gpu ? (*session)->device() : nullptr;
+  if (absl::Status s = ChooseEngine(options, **workload, **session); !s.ok()) return s;
+  Engine& engine = (*session)->engine();
   ready = true;
 
   std::unique_ptr<std::ofstream> metrics;
@@ -188,31 +188,25 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
 
   TrainingSummary summary;
   summary.rank = options.rank;
-  if (device != nullptr) summary.device = device->description();
-  std::vector<float> grad(dim);
+  summary.device = engine.description();
   const TcpCounters tcp_start = ReadTcpCounters();
   const absl::Time train_start = absl::Now();
   double interval_seconds = 0, interval_comm = 0, interval_loss = 0;
   uint64_t interval_up = 0, interval_down = 0;
   for (int64_t step = first_step; step < job.steps; ++step) {
     const absl::Time step_start = absl::Now();
-    auto loss = device != nullptr ? device->Gradient(step)
-                                  : (*workload)->Gradient(step, replica.x(), absl::MakeSpan(grad));
+    auto loss = engine.Gradient(step);
     if (!loss.ok()) return loss.status();
     const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     StepTraffic traffic;
     const TcpCounters tcp_before = ReadTcpCounters();
     const absl::Time exchange_start = absl::Now();
-    if (absl::Status s = device != nullptr ? (*session)->StepOnDevice(&traffic)
-                                           : (*session)->Step(grad, &traffic);
-        !s.ok()) {
-      return s;
-    }
+    if (absl::Status s = (*session)->StepFromEngine(&traffic); !s.ok()) return s;
     const bool checkpoint_due = !checkpoint.empty() && job.checkpoint_every_steps > 0 &&
                                 (step + 1) % job.checkpoint_every_steps == 0;
     const bool norm_due = steps_total != nullptr && (step + 1) % job.log_every == 0;
-    // On the GPU, the host copy of the model is brought up to date when read.
-    if (device != nullptr && (options.checksums || checkpoint_due || norm_due)) {
+    // On a GPU, the host copy of the model is brought up to date when read.
+    if (options.checksums || checkpoint_due || norm_due) {
       if (absl::Status s = (*session)->SyncHost(); !s.ok()) return s;
     }
     const compress::StepPlan& plan = (*session)->plan();

@@ -9,6 +9,9 @@
 //              CSV (label first) or libsvm data set; worker i trains on rows
 //              r with r mod N == i; the passes are worker/mlp_backprop.h's
 //              (CBLAS on the CPU, cuBLAS on the GPU).
+// Each computes its gradient on any engine (worker/engine/engine.h) through
+// GradientOn: its CPU code on the host, the engine's DeviceServices on a
+// GPU.
 // Not thread-safe; one per worker.
 #ifndef MORSE_WORKER_WORKLOAD_H_
 #define MORSE_WORKER_WORKLOAD_H_
@@ -23,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "proto/job_config.h"
+#include "worker/engine/engine.h"
 #include "worker/mlp_backprop.h"
 
 namespace morse::worker {
@@ -39,6 +43,10 @@ class Workload {
   virtual uint64_t samples_per_step() const = 0;
   // Test-set accuracy in [0, 1], when the workload has a test set.
   virtual std::optional<double> TestAccuracy(absl::Span<const float> x) const = 0;
+  // The gradient where `engine` keeps its model (Engine::SetWorkload calls
+  // this). The default runs Gradient on the host engine and is UNIMPLEMENTED
+  // on others; workloads with device code override it.
+  virtual absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine);
 };
 
 absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const proto::JobSpec& job, uint32_t rank);
@@ -62,6 +70,9 @@ class MlpWorkload final : public Workload {
                                   absl::Span<float> grad) override;
   uint64_t samples_per_step() const override { return spec_.batch_size; }
   std::optional<double> TestAccuracy(absl::Span<const float> x) const override;
+  // On a GPU: cuBLAS and kernels through the engine's MlpOps; each step's
+  // batch is drawn on the host (the CPU worker's draws) and copied over.
+  absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine) override;
 
   // Layer widths: features, the hidden layers, classes.
   const std::vector<uint32_t>& widths() const { return widths_; }
@@ -96,12 +107,8 @@ class SyntheticWorkload final : public Workload {
   std::optional<double> TestAccuracy(absl::Span<const float>) const override {
     return std::nullopt;
   }
-  // What the GPU version of the gradient needs (worker/device_model.h).
-  uint64_t seed() const { return seed_; }
-  uint32_t rank() const { return rank_; }
-  float noise() const { return noise_; }
-  const std::vector<float>& curvature() const { return curvature_; }
-  const std::vector<float>& target() const { return target_; }
+  // On a GPU: the engine's synthetic-gradient kernel, the same floats.
+  absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine) override;
 
  private:
   uint64_t seed_;

@@ -19,7 +19,7 @@
 #include "proto/job_config.h"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/expected.h"
-#include "worker/device_model.h"
+#include "worker/engine/engine.h"
 #include "worker/workload.h"
 
 namespace morse {
@@ -145,15 +145,16 @@ TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
   (*cpu)->Initialize(replica.x());
   // Off the biases' exact zeros, so that the ReLUs see both signs.
   for (size_t j = 0; j < dim; ++j) replica.x()[j] += 0.01f * std::sin(0.37f * j);
-  auto model = worker::DeviceModel::Create(job->algorithm, *layout);
-  ASSERT_TRUE(model.ok()) << model.status();
-  std::vector<float> zeros(dim), gpu_grad(dim), cpu_grad(dim);
-  ASSERT_TRUE((*model)->Upload(replica, zeros).ok());
-  ASSERT_TRUE((*model)->SetWorkload(**gpu).ok());
+  compress::ErrorFeedback error(job->algorithm.worker_feedback, dim, job->algorithm.layout.block_elems);
+  auto engine = worker::CreateEngine("cuda", {&job->algorithm, &*layout, &replica, &error});
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  std::vector<float> gpu_grad(dim), cpu_grad(dim);
+  ASSERT_TRUE((*engine)->Load(replica, error).ok());
+  ASSERT_TRUE((*engine)->SetWorkload(**gpu).ok());
   for (int step = 0; step < 5; ++step) {
-    auto gpu_loss = (*model)->Gradient(step);
+    auto gpu_loss = (*engine)->Gradient(step);
     ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
-    ASSERT_TRUE((*model)->DownloadGradient(absl::MakeSpan(gpu_grad)).ok());
+    ASSERT_TRUE((*engine)->ReadGradient(absl::MakeSpan(gpu_grad)).ok());
     auto cpu_loss = (*cpu)->Gradient(step, replica.x(), absl::MakeSpan(cpu_grad));
     ASSERT_TRUE(cpu_loss.ok());
     EXPECT_NEAR(*gpu_loss, *cpu_loss, 1e-5 * std::fabs(*cpu_loss)) << "step " << step;

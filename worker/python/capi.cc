@@ -18,7 +18,7 @@
 #include "compress/simulator.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
-#include "worker/device_model.h"
+#include "worker/engine/engine.h"
 #include "worker/session.h"
 
 struct morse_session {
@@ -105,7 +105,7 @@ const char* morse_last_error(void) { return last_error.c_str(); }
 int morse_cuda_device(char* buf, uint64_t size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(buf, "buf"); !s.ok()) return s;
-    auto description = morse::worker::DeviceModel::Describe();
+    auto description = morse::worker::DescribeCuda();
     if (!description.ok()) return description.status();
     if (size == 0) return absl::InvalidArgumentError("buf has no room");
     const size_t n = std::min<size_t>(description->size(), size - 1);
@@ -158,11 +158,10 @@ int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (absl::Status st = NotNull(x_device, "x_device"); !st.ok()) return st;
     if (absl::Status st = NotNull(grad_device, "grad_device"); !st.ok()) return st;
-    if (s->session->device() != nullptr) return absl::FailedPreconditionError("the session already uses a GPU");
-    auto device = morse::worker::DeviceModel::Create(s->session->job().algorithm, s->session->layout(),
-                                                     {x_device, grad_device});
-    if (!device.ok()) return device.status();
-    return s->session->UseDevice(*std::move(device));
+    if (s->session->engine().kind() != "cpu") {
+      return absl::FailedPreconditionError("the session already uses a GPU");
+    }
+    return s->session->MoveTo("cuda", {x_device, grad_device});
   });
 }
 
@@ -177,7 +176,7 @@ int morse_session_begin(morse_session* s, const float* grad, uint64_t dim) {
 int morse_session_begin_device(morse_session* s) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    return s->session->BeginOnDevice();
+    return s->session->BeginFromEngine();
   });
 }
 
@@ -191,10 +190,10 @@ int morse_session_send_partition(morse_session* s, uint32_t partition) {
 int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition, void* stream) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    if (s->session->device() == nullptr) {
+    if (s->session->engine().kind() == "cpu") {
       return absl::FailedPreconditionError("the session keeps its model on the host (morse_session_use_cuda)");
     }
-    if (absl::Status st = s->session->device()->WaitFor(stream); !st.ok()) return st;
+    if (absl::Status st = s->session->engine().WaitFor(stream); !st.ok()) return st;
     return s->session->SendPartition(partition);
   });
 }

@@ -1,0 +1,312 @@
+#include "worker/engine/cuda/engine.h"
+
+#include <algorithm>
+#include <list>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "compress/update_rules.h"
+#include "kernels/codecs.h"
+#include "kernels/device.h"
+#include "kernels/mlp.h"
+
+namespace morse::worker::cuda {
+namespace {
+
+// MlpOps (worker/mlp_backprop.h) through kernels/mlp.h, on one context; the
+// cuBLAS handle and the per-row loss buffer are made on first use.
+class DeviceMlpOps final : public MlpOps {
+ public:
+  explicit DeviceMlpOps(kernels::Context& ctx) : ctx_(ctx) {}
+
+  absl::Status Gemm(bool trans_a, bool trans_b, int m, int n, int k,
+                    const float* a, int lda, const float* b, int ldb,
+                    float beta, float* c, int ldc) override {
+    if (blas_ == nullptr) {
+      auto blas = kernels::Blas::Create(ctx_);
+      if (!blas.ok()) return blas.status();
+      blas_ = *std::move(blas);
+    }
+    return blas_->Gemm(trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc);
+  }
+  absl::Status BroadcastRows(const float* bias, int rows, int cols,
+                             float* out) override {
+    return kernels::BroadcastRows(ctx_, bias, rows, cols, out);
+  }
+  absl::Status Relu(float* z, size_t n) override {
+    return kernels::Relu(ctx_, z, n);
+  }
+  absl::Status ReluBackward(const float* a, float* da, size_t n) override {
+    return kernels::ReluBackward(ctx_, a, da, n);
+  }
+  absl::StatusOr<double> SoftmaxCrossEntropy(const float* logits,
+                                             const uint32_t* labels, int rows,
+                                             int classes, float* dz) override {
+    if (row_loss_.bytes() < 8 * static_cast<size_t>(rows)) {
+      auto buffer = kernels::DeviceBuffer::Allocate(8 * static_cast<size_t>(rows));
+      if (!buffer.ok()) return buffer.status();
+      row_loss_ = *std::move(buffer);
+    }
+    return kernels::SoftmaxCrossEntropy(ctx_, logits, labels, rows, classes, dz,
+                                        row_loss_.as<double>());
+  }
+  absl::Status ColumnSums(const float* in, int rows, int cols,
+                          float* out) override {
+    return kernels::ColumnSums(ctx_, in, rows, cols, out);
+  }
+
+ private:
+  kernels::Context& ctx_;
+  std::unique_ptr<kernels::Blas> blas_;
+  kernels::DeviceBuffer row_loss_;  // one double per batch row
+};
+
+bool OnGpu(compress::CodecKind kind) {
+  return kind != compress::CodecKind::kTopK;
+}
+
+class CudaEngine final : public Engine, public DeviceServices {
+ public:
+  CudaEngine(const EngineState& state, std::string description, DeviceArrays arrays)
+      : config_(*state.config),
+        layout_(*state.layout),
+        description_(std::move(description)),
+        arrays_(arrays) {}
+
+  absl::Status Init() {
+    auto device = kernels::CurrentDevice();
+    if (!device.ok()) return device.status();
+    device_ = *device;
+    const size_t dim = config_.layout.dim;
+    size_t max_payload = 0;
+    for (const compress::Partition& p : layout_.partitions()) {
+      for (const compress::CodecSpec* spec :
+           {&config_.warmup_codec, &config_.up_codec, &config_.down_codec}) {
+        max_payload = std::max(max_payload,
+                               compress::PayloadBytes(*spec, p.range.size()));
+      }
+    }
+    for (kernels::DeviceBuffer* b :
+         {&x_, &m_, &v_, &e_, &grad_, &scratch_, &apply_scratch_}) {
+      const bool external = (b == &x_ && arrays_.x != nullptr) ||
+                            (b == &grad_ && arrays_.grad != nullptr);
+      if (external) continue;
+      auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
+      if (!allocated.ok()) return allocated.status();
+      *b = *std::move(allocated);
+    }
+    x_ptr_ = arrays_.x != nullptr ? arrays_.x : x_.as<float>();
+    grad_ptr_ = arrays_.grad != nullptr ? arrays_.grad : grad_.as<float>();
+    for (kernels::DeviceBuffer* b : {&send_payload_, &reply_payload_}) {
+      auto allocated = kernels::DeviceBuffer::Allocate(max_payload);
+      if (!allocated.ok()) return allocated.status();
+      *b = *std::move(allocated);
+    }
+    for (kernels::PinnedBuffer* b : {&send_host_, &reply_host_}) {
+      auto allocated = kernels::PinnedBuffer::Allocate(max_payload);
+      if (!allocated.ok()) return allocated.status();
+      *b = *std::move(allocated);
+    }
+    if (absl::Status s = e_.Fill(0); !s.ok()) return s;
+    auto send = kernels::Context::Create();
+    if (!send.ok()) return send.status();
+    send_ = *std::move(send);
+    auto apply = kernels::Context::Create();
+    if (!apply.ok()) return apply.status();
+    apply_ = *std::move(apply);
+    mlp_ops_ = std::make_unique<DeviceMlpOps>(*send_);
+    return absl::OkStatus();
+  }
+
+  const std::string& kind() const override { return kName; }
+  const std::string& description() const override { return description_; }
+  DeviceServices* device() override { return this; }
+
+  absl::Status Load(const compress::Replica& replica, const compress::ErrorFeedback& error) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const size_t bytes = 4 * config_.layout.dim;
+    std::vector<float> e(config_.layout.dim);
+    error.Read(0, absl::MakeSpan(e));
+    if (absl::Status s = kernels::CopyToDevice(x_ptr_, replica.x().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok()) return s;
+    return e_.Upload(e.data(), bytes);
+  }
+
+  absl::Status Store(compress::Replica& replica, compress::ErrorFeedback& error) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const size_t bytes = 4 * config_.layout.dim;
+    std::vector<float> e(config_.layout.dim);
+    if (absl::Status s = kernels::CopyToHost(replica.x().data(), x_ptr_, bytes); !s.ok()) return s;
+    if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = v_.Download(replica.mutable_v().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = e_.Download(e.data(), bytes); !s.ok()) return s;
+    return error.Restore(e);
+  }
+
+  absl::Status SetHostGradient(absl::Span<const float>) override {
+    return absl::FailedPreconditionError(
+        "this engine keeps the model on the GPU: its gradient is a device array "
+        "(a workload's hook, or the one given at creation)");
+  }
+
+  absl::Status ReadGradient(absl::Span<float> grad) override {
+    if (grad.size() != config_.layout.dim) {
+      return absl::InvalidArgumentError("the gradient has dim floats");
+    }
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
+    return kernels::CopyToHost(grad.data(), grad_ptr_, 4 * grad.size());
+  }
+
+  absl::Status WaitFor(void* stream) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    return send_->WaitFor(stream);
+  }
+
+  absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
+                      std::string* payload) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const compress::SendRule rule =
+        compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
+    const uint64_t begin = p.range.begin, n = p.range.size();
+    const size_t bytes = compress::PayloadBytes(rule.codec, n);
+    const float* input = grad_ptr_ + begin;
+    if (rule.local_momentum) {
+      float* local = scratch_.as<float>() + begin;
+      if (absl::Status s = kernels::Momentum(*send_, rule.beta1, m_.as<float>() + begin, input,
+                                             local, n);
+          !s.ok()) {
+        return s;
+      }
+      input = local;
+    }
+    compress::FeedbackArgs fb;
+    float* error = nullptr;
+    if (rule.feedback && config_.worker_feedback.kind != compress::FeedbackKind::kNone) {
+      fb = {config_.worker_feedback.kind, config_.worker_feedback.beta};
+      error = e_.as<float>() + begin;
+    }
+    if (absl::Status s = kernels::EncodeWithError(*send_, rule.codec, input, error, n, fb, rule.key,
+                                                  send_payload_.as<uint8_t>());
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = send_->CopyToHost(send_host_.data(), send_payload_.data(), bytes); !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
+    payload->assign(reinterpret_cast<const char*>(send_host_.data()), bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
+                          absl::Span<const uint8_t> reply) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const compress::ReplyRule rule = compress::PlanReply(config_, step);
+    const uint64_t begin = p.range.begin, n = p.range.size();
+    if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
+    absl::MutexLock lock(&apply_mu_);
+    std::copy(reply.begin(), reply.end(), reply_host_.data());
+    if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(), reply_host_.data(), reply.size());
+        !s.ok()) {
+      return s;
+    }
+    float* x = x_ptr_ + begin;
+    float* m = m_.as<float>() + begin;
+    float* v = v_.as<float>() + begin;
+    const uint8_t* payload = reply_payload_.as<uint8_t>();
+    absl::Status s;
+    if (rule.frozen_variance && rule.codec.kind == compress::CodecKind::kSign1) {
+      s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n, rule.scalars, x, m, v);
+    } else {
+      float* decoded = apply_scratch_.as<float>() + begin;
+      s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
+      if (s.ok()) {
+        s = rule.frozen_variance ? kernels::FrozenUpdate(*apply_, rule.scalars, decoded, x, m, v, n)
+                                 : kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
+      }
+    }
+    if (!s.ok()) return s;
+    // The pinned and device staging buffers are reused by the next reply.
+    return apply_->Synchronize();
+  }
+
+  // DeviceServices: what workloads' hooks use, on the send stream (ahead of
+  // the encodes that read their gradient).
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    auto buffer = kernels::DeviceBuffer::Allocate(bytes);
+    if (!buffer.ok()) return buffer.status();
+    workload_buffers_.push_back(*std::move(buffer));
+    return workload_buffers_.back().data();
+  }
+  absl::Status CopyIn(void* device, const void* host, size_t bytes) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    // Pageable host memory: the copy is staged before this returns.
+    return send_->CopyToDevice(device, host, bytes);
+  }
+  MlpOps& mlp_ops() override { return *mlp_ops_; }
+  absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step, uint32_t rank, float noise,
+                                           const float* a, const float* t, const float* x,
+                                           float* grad, size_t n) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    return kernels::SyntheticGradient(*send_, seed, step, rank, noise, a, t, x, grad, n);
+  }
+
+ protected:
+  float* x() override { return x_ptr_; }
+  float* grad() override { return grad_ptr_; }
+  uint64_t x_dim() const override { return config_.layout.dim; }
+
+ private:
+  // Every entry point runs on the device the engine was created on,
+  // whatever the calling thread (gRPC threads apply replies).
+  absl::Status OnDevice() const { return kernels::SetDevice(device_); }
+
+  static inline const std::string kName = "cuda";
+  compress::SimulatorConfig config_;
+  compress::Layout layout_;
+  std::string description_;
+  DeviceArrays arrays_;
+  int device_ = 0;
+  kernels::DeviceBuffer x_, m_, v_, e_, grad_, scratch_, apply_scratch_;
+  float* x_ptr_ = nullptr;     // x_ or the caller's
+  float* grad_ptr_ = nullptr;  // grad_ or the caller's
+  kernels::DeviceBuffer send_payload_, reply_payload_;
+  kernels::PinnedBuffer send_host_, reply_host_;
+  std::unique_ptr<kernels::Context> send_, apply_;
+  absl::Mutex apply_mu_;
+  std::unique_ptr<DeviceMlpOps> mlp_ops_;
+  std::list<kernels::DeviceBuffer> workload_buffers_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::string> Describe() { return kernels::DeviceDescription(); }
+
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, DeviceArrays arrays) {
+  auto device = Describe();
+  if (!device.ok()) return device.status();
+  const compress::SimulatorConfig& config = *state.config;
+  if (config.worker_feedback.storage != compress::ErrorStorage::kFp32) {
+    return absl::UnimplementedError(
+        "the GPU path keeps the error buffer in fp32 (worker_feedback storage int8)");
+  }
+  for (const compress::CodecSpec* spec : {&config.warmup_codec, &config.up_codec, &config.down_codec}) {
+    if (!OnGpu(spec->kind)) {
+      return absl::UnimplementedError(absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
+    }
+  }
+  if (config.optimizer == compress::OptimizerKind::kAdam &&
+      config.up_codec.kind == compress::CodecKind::kFp32 &&
+      config.worker_feedback.kind != compress::FeedbackKind::kNone) {
+    return absl::UnimplementedError("fp32 with error feedback has no GPU kernel");
+  }
+  auto engine = std::make_unique<CudaEngine>(state, *device, arrays);
+  if (absl::Status s = engine->Init(); !s.ok()) return s;
+  return std::unique_ptr<Engine>(std::move(engine));
+}
+
+}  // namespace morse::worker::cuda

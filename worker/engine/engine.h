@@ -1,0 +1,150 @@
+// Engine: where a worker keeps x, m, v, its error buffer and the gradient,
+// and the per-step work that touches them (DESIGN 2.1-2.4): encode a
+// partition into the bytes a push carries, apply a reply, move the state in
+// and out. One interface, one implementation per place, each in its own
+// folder with the same file names (as gloo does for its transports):
+//
+//   worker/engine/host/engine.{h,cc}  the CPU: the session's own replica and
+//                                     error buffer, compress/'s kernels
+//   worker/engine/cuda/engine.{h,cc}  a GPU: device arrays (its own or the
+//                                     caller's, e.g. PyTorch tensors),
+//                                     kernels/, pinned staging buffers
+//
+// chosen at run time by name (CreateEngine). Both read the step's rules from
+// compress/replica.h (PlanSend, PlanReply) and give the same bits, so CPU
+// and GPU workers share a job (DESIGN 2.5).
+//
+// Workloads compute their gradient on an engine through a hook
+// (Workload::GradientOn) built from the engine's DeviceServices, so neither
+// side knows the other's concrete type.
+//
+// Encode runs on the thread that drives the step; ApplyReply on gRPC threads
+// (concurrently for disjoint partitions on the host; serialized on a GPU).
+#ifndef MORSE_WORKER_ENGINE_ENGINE_H_
+#define MORSE_WORKER_ENGINE_ENGINE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "compress/error_feedback.h"
+#include "compress/layout.h"
+#include "compress/replica.h"
+#include "compress/simulator.h"
+#include "worker/mlp_backprop.h"
+
+namespace morse::worker {
+
+class Workload;
+
+// What a workload may use on an engine's device to compute its gradient
+// there. Pointers are the device's memory.
+class DeviceServices {
+ public:
+  virtual ~DeviceServices() = default;
+  // Device memory of `bytes`, owned by the engine (freed with it).
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  // Host -> device, ordered before the work enqueued after it; `host` may be
+  // reused when this returns.
+  virtual absl::Status CopyIn(void* device, const void* host, size_t bytes) = 0;
+  // The mlp's six array operations on this device (worker/mlp_backprop.h).
+  virtual MlpOps& mlp_ops() = 0;
+  // The synthetic workload's gradient (SyntheticWorkload: the same floats as
+  // its CPU formula): grad = a*(x - t) + noise*(2u - 1), u its Philox draw of
+  // (seed, step, rank); returns the mean loss.
+  virtual absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step, uint32_t rank,
+                                                   float noise, const float* a, const float* t,
+                                                   const float* x, float* grad, size_t n) = 0;
+};
+
+// A workload's gradient computed where an engine keeps its model: x and grad
+// are the engine's arrays (dim floats; device memory on a GPU).
+class GradientHook {
+ public:
+  virtual ~GradientHook() = default;
+  virtual absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) = 0;
+};
+
+// A caller's device arrays of dim floats (PyTorch tensors): a GPU engine's
+// parameters live in `x` and it encodes the gradient in `grad`. Null: the
+// engine allocates its own.
+struct DeviceArrays {
+  float* x = nullptr;
+  float* grad = nullptr;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  // "cpu" or "cuda".
+  virtual const std::string& kind() const = 0;
+  // "cpu", or the GPU's ("NVIDIA H100 ... (sm_90, 79 GiB)").
+  virtual const std::string& description() const = 0;
+  // Null on the host: workloads use their CPU code there.
+  virtual DeviceServices* device() = 0;
+
+  // The session's host replica and error buffer are the reference copies:
+  // Load brings them into the engine, Store writes the engine's state back
+  // (both nothing on the host, whose state they are).
+  virtual absl::Status Load(const compress::Replica& replica, const compress::ErrorFeedback& error) = 0;
+  virtual absl::Status Store(compress::Replica& replica, compress::ErrorFeedback& error) = 0;
+
+  // Where the step's gradient comes from: the workload's hook (SetWorkload,
+  // then Gradient each step), or the caller's memory: a host array for the
+  // host engine (SetHostGradient, kept alive for the step), the device array
+  // given at creation for a GPU engine.
+  absl::Status SetWorkload(Workload& workload);
+  absl::StatusOr<double> Gradient(int64_t step);
+  virtual absl::Status SetHostGradient(absl::Span<const float> grad) = 0;
+  // Device -> host copy of the gradient the next Encode reads (tests).
+  virtual absl::Status ReadGradient(absl::Span<float> grad) = 0;
+
+  // The next Encode waits for the work already enqueued on `stream` (a
+  // cudaStream_t of the caller's, e.g. PyTorch's current stream) without
+  // blocking the host; nothing on the host.
+  virtual absl::Status WaitFor(void* stream) = 0;
+  // The push payload of partition `p` for `step` from worker `rank` (the
+  // sender's rule, compress::PlanSend).
+  virtual absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
+                              std::string* payload) = 0;
+  // Applies the reply of partition `p` for `step` (compress::PlanReply);
+  // INVALID_ARGUMENT, nothing changed, for a malformed reply.
+  virtual absl::Status ApplyReply(int64_t step, const compress::Partition& p,
+                                  absl::Span<const uint8_t> reply) = 0;
+
+ protected:
+  // The engine's parameters and gradient arrays (dim floats), for the
+  // gradient hook.
+  virtual float* x() = 0;
+  virtual float* grad() = 0;
+  virtual uint64_t x_dim() const = 0;
+
+ private:
+  std::unique_ptr<GradientHook> hook_;
+};
+
+// The state an engine works on: the job's algorithm and layout, and the
+// session's host replica and error buffer (the host engine's own state; a
+// GPU engine's copy source and destination).
+struct EngineState {
+  const compress::SimulatorConfig* config = nullptr;
+  const compress::Layout* layout = nullptr;
+  compress::Replica* replica = nullptr;
+  compress::ErrorFeedback* error = nullptr;
+};
+
+// The engine named `kind`: "cpu", or "cuda" (FAILED_PRECONDITION, with the
+// reason, when there is no GPU or this build has no CUDA; UNIMPLEMENTED for
+// settings the GPU lacks: topk, int8-stored error buffers). `arrays` only
+// for "cuda".
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& kind,
+                                                     const EngineState& state,
+                                                     DeviceArrays arrays = {});
+// The GPU a "cuda" engine would use, or why there is none.
+absl::StatusOr<std::string> DescribeCuda();
+
+}  // namespace morse::worker
+
+#endif  // MORSE_WORKER_ENGINE_ENGINE_H_

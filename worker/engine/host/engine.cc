@@ -1,0 +1,96 @@
+#include "worker/engine/host/engine.h"
+
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "compress/codec.h"
+
+namespace morse::worker::host {
+namespace {
+
+absl::Span<uint8_t> AsBytes(std::string* s) {
+  return {reinterpret_cast<uint8_t*>(s->data()), s->size()};
+}
+
+class HostEngine final : public Engine {
+ public:
+  explicit HostEngine(const EngineState& state)
+      : config_(*state.config),
+        replica_(*state.replica),
+        error_(*state.error),
+        momentum_(config_.layout.dim) {}
+
+  const std::string& kind() const override { return kName; }
+  const std::string& description() const override { return kName; }
+  DeviceServices* device() override { return nullptr; }
+
+  // The state is the session's: nothing to move.
+  absl::Status Load(const compress::Replica&, const compress::ErrorFeedback&) override {
+    return absl::OkStatus();
+  }
+  absl::Status Store(compress::Replica&, compress::ErrorFeedback&) override { return absl::OkStatus(); }
+
+  absl::Status SetHostGradient(absl::Span<const float> grad) override {
+    if (grad.size() != config_.layout.dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("gradient of ", grad.size(), " elements for ", config_.layout.dim, " parameters"));
+    }
+    grad_ = grad;
+    return absl::OkStatus();
+  }
+  absl::Status ReadGradient(absl::Span<float> grad) override {
+    if (grad.size() != grad_.size()) return absl::InvalidArgumentError("the gradient has dim floats");
+    std::copy(grad_.begin(), grad_.end(), grad.begin());
+    return absl::OkStatus();
+  }
+  absl::Status WaitFor(void*) override { return absl::OkStatus(); }
+
+  absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
+                      std::string* payload) override {
+    const compress::SendRule rule =
+        compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
+    const uint64_t n = p.range.size();
+    payload->resize(compress::PayloadBytes(rule.codec, n));
+    absl::Span<const float> input = grad_.subspan(p.range.begin, n);
+    if (rule.local_momentum) {
+      auto local = absl::MakeSpan(momentum_).subspan(p.range.begin, n);
+      replica_.LocalMomentum(p.range.begin, input, local);
+      input = local;
+    }
+    if (rule.feedback) return error_.Compress(rule.codec, p.range.begin, input, rule.key, AsBytes(payload));
+    return compress::Encode(rule.codec, input, rule.key, AsBytes(payload));
+  }
+
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
+                          absl::Span<const uint8_t> reply) override {
+    return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply);
+  }
+
+ protected:
+  float* x() override { return replica_.x().data(); }
+  // The hook writes into the engine's own gradient, which the next steps
+  // then encode.
+  float* grad() override {
+    own_grad_.resize(config_.layout.dim);  // only engines that run hooks pay for it
+    grad_ = own_grad_;
+    return own_grad_.data();
+  }
+  uint64_t x_dim() const override { return config_.layout.dim; }
+
+ private:
+  static inline const std::string kName = "cpu";
+  const compress::SimulatorConfig& config_;
+  compress::Replica& replica_;
+  compress::ErrorFeedback& error_;
+  std::vector<float> momentum_;
+  std::vector<float> own_grad_;  // the hook's output
+  absl::Span<const float> grad_;  // what Encode reads: own_grad_ or the caller's
+};
+
+}  // namespace
+
+std::unique_ptr<Engine> CreateEngine(const EngineState& state) {
+  return std::make_unique<HostEngine>(state);
+}
+
+}  // namespace morse::worker::host

@@ -1,0 +1,28 @@
+#include "worker/workload.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace morse::worker {
+namespace {
+
+// A workload's CPU gradient, for the host engine.
+class HostHook final : public GradientHook {
+ public:
+  explicit HostHook(Workload& workload) : workload_(workload) {}
+  absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) override {
+    const uint64_t n = workload_.dim();
+    return workload_.Gradient(step, absl::MakeConstSpan(x, n), absl::MakeSpan(grad, n));
+  }
+
+ private:
+  Workload& workload_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GradientHook>> Workload::GradientOn(Engine& engine) {
+  if (engine.device() == nullptr) return std::make_unique<HostHook>(*this);
+  return absl::UnimplementedError(absl::StrCat("this workload has no gradient on ", engine.kind()));
+}
+
+}  // namespace morse::worker
