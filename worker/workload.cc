@@ -25,4 +25,17 @@ absl::StatusOr<std::unique_ptr<GradientHook>> Workload::GradientOn(Engine& engin
   return absl::UnimplementedError(absl::StrCat("this workload has no gradient on ", engine.kind()));
 }
 
+// Defined beside the workloads (engine/ does not include them): the engine
+// keeps the hook the workload builds for it.
+absl::Status Engine::SetWorkload(Workload& workload) {
+  if (workload.dim() != x_dim()) {
+    return absl::InvalidArgumentError(absl::StrCat("a workload of ", workload.dim(),
+                                                   " parameters for a model of ", x_dim()));
+  }
+  auto hook = workload.GradientOn(*this);
+  if (!hook.ok()) return hook.status();
+  hook_ = *std::move(hook);
+  return absl::OkStatus();
+}
+
 }  // namespace morse::worker

@@ -2,23 +2,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "worker/engine/host/engine.h"
-#include "worker/workload.h"
 #ifdef MORSE_HAVE_CUDA
 #include "worker/engine/cuda/engine.h"
 #endif
 
 namespace morse::worker {
-
-absl::Status Engine::SetWorkload(Workload& workload) {
-  if (workload.dim() != x_dim()) {
-    return absl::InvalidArgumentError(absl::StrCat("a workload of ", workload.dim(),
-                                                   " parameters for a model of ", x_dim()));
-  }
-  auto hook = workload.GradientOn(*this);
-  if (!hook.ok()) return hook.status();
-  hook_ = *std::move(hook);
-  return absl::OkStatus();
-}
 
 absl::StatusOr<double> Engine::Gradient(int64_t step) {
   if (hook_ == nullptr) return absl::FailedPreconditionError("no workload was set (SetWorkload)");

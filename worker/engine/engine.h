@@ -95,7 +95,7 @@ class Engine {
   // then Gradient each step), or the caller's memory: a host array for the
   // host engine (SetHostGradient, kept alive for the step), the device array
   // given at creation for a GPU engine.
-  absl::Status SetWorkload(Workload& workload);
+  absl::Status SetWorkload(Workload& workload);  // defined in worker/workload.cc
   absl::StatusOr<double> Gradient(int64_t step);
   virtual absl::Status SetHostGradient(absl::Span<const float> grad) = 0;
   // Device -> host copy of the gradient the next Encode reads (tests).
