@@ -1,5 +1,6 @@
 #include "compress/error_feedback.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -33,11 +34,21 @@ ErrorFeedback::ErrorFeedback(const FeedbackSpec& spec, size_t n,
 absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
                                      absl::Span<const float> x,
                                      const RoundingKey& key,
-                                     absl::Span<uint8_t> payload) {
+                                     absl::Span<uint8_t> payload,
+                                     absl::Span<const float> mask_v) {
   if (offset % block_elems_ != 0 || offset > size_ || x.size() > size_ - offset) {
     return absl::OutOfRangeError(absl::StrCat(
         "error feedback range [", offset, ", ", offset + x.size(),
         ") is not block-aligned inside a buffer of ", size_));
+  }
+  if (!mask_v.empty()) {
+    if (mask_v.size() != x.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("a mask of ", mask_v.size(), " values for ",
+                                                     x.size(), " elements"));
+    }
+    if (std::find(mask_v.begin(), mask_v.end(), 0.0f) != mask_v.end()) {
+      return CompressMasked(codec, offset, x, key, payload, mask_v);
+    }
   }
   const FeedbackArgs fb{spec_.kind, spec_.beta};
   if (spec_.kind == FeedbackKind::kNone) {
@@ -52,6 +63,35 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
   absl::Status status = EncodeWithError(codec, x, absl::MakeSpan(error), fb, key, payload);
   if (status.ok()) Quantize(offset, error);
   return status;
+}
+
+// u = mask ⊙ (x + e), e = mask ⊙ (u - C(u)): masked x and e enter as +0
+// (so u is +0 there), and the masked error leaves as +0.
+absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset,
+                                           absl::Span<const float> x, const RoundingKey& key,
+                                           absl::Span<uint8_t> payload,
+                                           absl::Span<const float> mask_v) {
+  std::vector<float> masked(x.begin(), x.end());
+  SelectByZero(mask_v, absl::MakeSpan(masked));
+  const FeedbackArgs fb{spec_.kind, spec_.beta};
+  if (spec_.kind == FeedbackKind::kNone) return EncodeWithError(codec, masked, {}, fb, key, payload);
+  std::vector<float> error(x.size());
+  Read(offset, absl::MakeSpan(error));
+  SelectByZero(mask_v, absl::MakeSpan(error));
+  absl::Status status = EncodeWithError(codec, masked, absl::MakeSpan(error), fb, key, payload);
+  SelectByZero(mask_v, absl::MakeSpan(error));
+  if (spec_.storage == ErrorStorage::kFp32) {
+    std::copy(error.begin(), error.end(), fp32_.begin() + offset);
+  } else if (status.ok()) {
+    Quantize(offset, error);
+  }
+  return status;
+}
+
+void ErrorFeedback::SelectByZero(absl::Span<const float> mask_v, absl::Span<float> values) {
+  for (size_t j = 0; j < values.size(); ++j) {
+    if (mask_v[j] == 0.0f) values[j] = 0.0f;
+  }
 }
 
 void ErrorFeedback::Quantize(size_t offset, absl::Span<const float> error) {

@@ -48,9 +48,13 @@ class ErrorFeedback {
   // block_elems and the range inside the buffer. On INVALID_ARGUMENT (a
   // non-finite scale: Inf or NaN in x + e) the range's error is partly
   // updated and the payload must not be sent; training cannot go on from it.
+  //
+  // mask_v, when given (x.size() values: the frozen v of those elements),
+  // applies DESIGN 2.1's zero-variance mask: where mask_v is exactly 0, u is
+  // +0 (whatever x and e hold) and the new error is +0.
   absl::Status Compress(const CodecSpec& codec, size_t offset,
                         absl::Span<const float> x, const RoundingKey& key,
-                        absl::Span<uint8_t> payload);
+                        absl::Span<uint8_t> payload, absl::Span<const float> mask_v = {});
 
   // Copies the error of [offset, offset + out.size()) as fp32.
   void Read(size_t offset, absl::Span<float> out) const;
@@ -65,6 +69,10 @@ class ErrorFeedback {
 
  private:
   void Quantize(size_t offset, absl::Span<const float> error);
+  absl::Status CompressMasked(const CodecSpec& codec, size_t offset, absl::Span<const float> x,
+                              const RoundingKey& key, absl::Span<uint8_t> payload,
+                              absl::Span<const float> mask_v);
+  static void SelectByZero(absl::Span<const float> mask_v, absl::Span<float> values);
 
   FeedbackSpec spec_;
   size_t size_;

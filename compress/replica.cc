@@ -29,6 +29,7 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
   rule.local_momentum = direction == Direction::kUp && plan.compressing;
   rule.beta1 = config.adam.beta1;
   rule.feedback = plan.feedback;
+  rule.mask = plan.compressing && config.mask_zero_variance;
   rule.key = SenderKey(config, step, sender, first_index);
   return rule;
 }
@@ -38,14 +39,27 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step) {
   ReplyRule rule;
   rule.codec = plan.down;
   rule.frozen_variance = plan.compressing;
-  const bool correct = !plan.compressing && config.optimizer == OptimizerKind::kAdam &&
-                       config.bias_correction;
-  rule.scalars = MakeAdamScalars(config.adam, LearningRate(config.lr, step), step + 1, correct);
+  rule.mask = plan.compressing && config.mask_zero_variance;
+  rule.scalars = MakeAdamScalars(config.adam, LearningRate(config.lr, step), step + 1,
+                                 config.bias_correction);
+  if (plan.compressing && config.bias_correction) {
+    // v and its correction freeze together: 1 - b2^T_w.
+    rule.scalars.bias_correction2 =
+        MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true).bias_correction2;
+  }
   return rule;
 }
 
-void ApplyRule(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> x,
+void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
+  MORSE_CHECK(v.size() == values.size());
+  for (size_t j = 0; j < v.size(); ++j) {
+    if (v[j] == 0.0f) values[j] = 0.0f;
+  }
+}
+
+void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
                absl::Span<float> m, absl::Span<float> v) {
+  if (rule.mask) SelectByVariance(v, decoded);
   if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
   } else {
@@ -96,6 +110,7 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix_feedback(c.worker_feedback);
   mix_feedback(c.server_feedback);
   mix(c.bias_correction);
+  mix(c.mask_zero_variance);
   mix(c.seed);
   return hash.value();
 }
@@ -128,7 +143,7 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   std::vector<float> decoded(n);
   if (absl::Status s = Decode(rule.codec, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
   const size_t offset = begin - range_.begin;
-  ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
+  ApplyRule(rule, absl::MakeSpan(decoded), x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
             absl::MakeSpan(v_).subspan(offset, n));
   return absl::OkStatus();
 }

@@ -41,6 +41,9 @@ struct SendRule {
   // Encode through the sender's error buffer (ErrorFeedback::Compress);
   // off in 1-bit Adam's warmup.
   bool feedback = false;
+  // DESIGN 2.1's zero-variance mask: elements whose v is exactly 0 send +0
+  // and keep +0 error (ErrorFeedback::Compress's mask_v).
+  bool mask = false;
   RoundingKey key;
 };
 enum class Direction { kUp, kDown };
@@ -52,12 +55,18 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
 struct ReplyRule {
   CodecSpec codec;              // the reply's encoding
   bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep
+  // The zero-variance mask: decoded values where v is exactly 0 become +0.
+  bool mask = false;
+  // Bias correction 1 - b1^t' and 1 - b2^t' (1 - b2^T_w once frozen), or 1.
   AdamScalars scalars;
 };
 ReplyRule PlanReply(const SimulatorConfig& config, int64_t step);
-// The update of a ReplyRule on host arrays of decoded.size() elements.
-void ApplyRule(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> x,
+// The update of a ReplyRule on host arrays of decoded.size() elements
+// (decoded is masked in place when the rule masks).
+void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
                absl::Span<float> m, absl::Span<float> v);
+// The zero-variance mask as a selection: values[j] = +0 where v[j] == 0.
+void SelectByVariance(absl::Span<const float> v, absl::Span<float> values);
 
 // A 64-bit checksum of float arrays' bits, in order (FNV-1a over 8-byte
 // words, then the tail). For comparing replicas, never for security.

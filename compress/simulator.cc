@@ -27,6 +27,10 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
         CodecName(warmup)));
   }
   if (c.freeze_step < 0) return absl::InvalidArgumentError("freeze_step must be >= 0");
+  if (c.optimizer == OptimizerKind::kOneBitAdam && c.freeze_step < 1) {
+    return absl::InvalidArgumentError(
+        "freeze_step must be at least 1 for onebit_adam (with no warmup there is no variance to freeze)");
+  }
   for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
     if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
   }
@@ -87,8 +91,11 @@ absl::Status Simulator::RoundTrip(const Partition& p,
       part = message;
     }
     pushes[i].resize(PayloadBytes(up.codec, n));
+    const absl::Span<const float> mask_v =
+        up.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n) : absl::Span<const float>();
     absl::Status s = up.feedback
-        ? worker_errors_[i].Compress(up.codec, p.range.begin, part, up.key, absl::MakeSpan(pushes[i]))
+        ? worker_errors_[i].Compress(up.codec, p.range.begin, part, up.key, absl::MakeSpan(pushes[i]),
+                                     mask_v)
         : Encode(up.codec, part, up.key, absl::MakeSpan(pushes[i]));
     if (!s.ok()) return s;
   }
@@ -100,9 +107,11 @@ absl::Status Simulator::RoundTrip(const Partition& p,
       PlanSend(config_, step_, Direction::kDown, config_.workers + p.shard, p.range.begin);
   std::vector<uint8_t> payload(PayloadBytes(down.codec, n));
   const uint64_t shard_offset = p.range.begin - layout_.shard_range(p.shard).begin;
+  const absl::Span<const float> mask_v =
+      down.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n) : absl::Span<const float>();
   absl::Status s = down.feedback
       ? server_errors_[p.shard].Compress(down.codec, shard_offset, average, down.key,
-                                         absl::MakeSpan(payload))
+                                         absl::MakeSpan(payload), mask_v)
       : Encode(down.codec, average, down.key, absl::MakeSpan(payload));
   if (!s.ok()) return s;
   // Workers: decode the reply, the same bytes for everyone.
@@ -129,7 +138,7 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   const ReplyRule rule = PlanReply(config_, step_);
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
-    ApplyRule(rule, replies[p.id], absl::MakeSpan(x_).subspan(begin, n),
+    ApplyRule(rule, absl::MakeSpan(replies[p.id]), absl::MakeSpan(x_).subspan(begin, n),
               absl::MakeSpan(m_).subspan(begin, n), absl::MakeSpan(v_).subspan(begin, n));
   }
   ++step_;

@@ -31,9 +31,9 @@ struct SimulatorConfig {
   LayoutSpec layout;
   AdamHyper adam;
   LrSchedule lr;
-  // onebit_adam: steps t < freeze_step are warmup (full-precision Adam
-  // without bias correction); from freeze_step on, v is frozen.
-  int64_t freeze_step = 0;
+  // onebit_adam: steps t < freeze_step are warmup (full-precision Adam);
+  // from freeze_step on, v is frozen. At least 1.
+  int64_t freeze_step = 1;
   // onebit_adam: the codec of both directions in warmup (fp32, fp16, bf16;
   // no error feedback).
   CodecSpec warmup_codec{CodecKind::kFp32};
@@ -43,7 +43,13 @@ struct SimulatorConfig {
   CodecSpec down_codec{CodecKind::kSign1};
   FeedbackSpec worker_feedback;  // ef by default
   FeedbackSpec server_feedback;
-  bool bias_correction = true;  // adam only; onebit_adam never corrects
+  // Both optimizers (DESIGN 2.1, 2.2): m̂ = m/(1-b1^t'), v̂ = v/(1-b2^t'),
+  // and for onebit_adam v̂ = v/(1-b2^T_w) from the freeze on. Off: m̂ = m,
+  // v̂ = v (DeepSpeed's OnebitAdam).
+  bool bias_correction = true;
+  // onebit_adam (DESIGN 2.1): from the freeze on, elements whose frozen v
+  // is exactly 0 send, carry and apply +0.
+  bool mask_zero_variance = true;
   uint64_t seed = 0;            // stochastic rounding
 };
 

@@ -43,8 +43,13 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* x, float* error, size_t n,
                              compress::FeedbackArgs fb,
                              const compress::RoundingKey& key,
-                             uint8_t* payload) {
+                             uint8_t* payload, const float* mask_v) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
+  if (mask_v != nullptr && spec.kind != CodecKind::kSign1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the zero-variance mask is fused into sign1 only on the GPU, not ",
+        compress::CodecName(spec.kind)));
+  }
   fb = compress::NormalizeFeedback(fb);
   if (fb.kind != compress::FeedbackKind::kNone && error == nullptr && n > 0) {
     return absl::InvalidArgumentError("error feedback without an error buffer");
@@ -81,7 +86,7 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
   if (spec.kind == CodecKind::kSign1) {
     MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Encode(
         x, error, n, spec.block_elems, spec.scale == compress::ScaleKind::kL1,
-        feedback, fb.beta, scales, data, ctx.device_flag(), stream));
+        feedback, fb.beta, mask_v, scales, data, ctx.device_flag(), stream));
   } else {
     MORSE_CUDA_RETURN_IF_ERROR(launch::IntEncode(
         spec.kind == CodecKind::kInt8 ? 8 : 4, x, error, n, spec.block_elems,
@@ -139,8 +144,8 @@ absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,
 
 absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
                                 const uint8_t* payload, size_t n,
-                                const compress::AdamScalars& adam, float* x,
-                                float* m, const float* v) {
+                                const compress::AdamScalars& adam, bool mask,
+                                float* x, float* m, const float* v) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
   if (spec.kind != CodecKind::kSign1) {
     return absl::InvalidArgumentError(
@@ -149,7 +154,7 @@ absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
   const size_t blocks = compress::BlockCount(spec, n);
   MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1DecodeFrozen(
       reinterpret_cast<const float*>(payload), payload + 4 * blocks, n,
-      spec.block_elems, Args(adam), x, m, v, StreamOf(ctx)));
+      spec.block_elems, Args(adam), mask, x, m, v, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
@@ -180,10 +185,10 @@ absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam,
 }
 
 absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam,
-                          const float* c, float* x, float* m, const float* v,
-                          size_t n) {
+                          bool mask, const float* c, float* x, float* m,
+                          const float* v, size_t n) {
   MORSE_CUDA_RETURN_IF_ERROR(
-      launch::FrozenUpdate(Args(adam), c, x, m, v, n, StreamOf(ctx)));
+      launch::FrozenUpdate(Args(adam), mask, c, x, m, v, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 

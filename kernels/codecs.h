@@ -27,22 +27,26 @@ namespace morse::kernels {
 // compress::EncodeWithError: payload (PayloadBytes(spec, n) bytes) from x
 // (+ error, updated per fb; null when fb is none). Waits for the stream:
 // INVALID_ARGUMENT, as compress/ says it, when a block scale is not finite.
+// mask_v (n floats, or null): compress::ErrorFeedback::Compress's
+// zero-variance mask, fused into sign1 (UNIMPLEMENTED for other codecs).
 absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* x, float* error, size_t n,
                              compress::FeedbackArgs fb,
                              const compress::RoundingKey& key,
-                             uint8_t* payload);
+                             uint8_t* payload,
+                             const float* mask_v = nullptr);
 
 // compress::Decode into out (n floats). Asynchronous.
 absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,
                     const uint8_t* payload, size_t n, float* out);
 
 // 1-bit Adam's compression-phase update from a sign1 reply, fused with its
-// decode: m = decode(payload); x -= lr*(m/(sqrt(v)+eps) + wd*x). Asynchronous.
+// decode: m = decode(payload), +0 where v is exactly 0 when `mask`;
+// x -= lr*(m̂/(sqrt(v̂)+eps) + wd*x) (compress::ApplyRule). Asynchronous.
 absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
                                 const uint8_t* payload, size_t n,
-                                const compress::AdamScalars& adam, float* x,
-                                float* m, const float* v);
+                                const compress::AdamScalars& adam, bool mask,
+                                float* x, float* m, const float* v);
 
 // The synthetic workload's gradient (worker/workload.h): grad = a*(x - t) +
 // noise*(2u - 1), u the Philox draw (seed, step, rank, element index), the
@@ -58,9 +62,10 @@ absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
 // KernelTable's adam_update, frozen_update and momentum. Asynchronous.
 absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam,
                         const float* g, float* x, float* m, float* v, size_t n);
+// frozen_update with c masked (+0 where v is 0) when `mask`.
 absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam,
-                          const float* c, float* x, float* m, const float* v,
-                          size_t n);
+                          bool mask, const float* c, float* x, float* m,
+                          const float* v, size_t n);
 absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
                       float* out, size_t n);
 

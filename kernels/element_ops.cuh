@@ -107,12 +107,21 @@ __device__ __forceinline__ void AdamElement(const Adam& s, float g, float* x,
   *x = Sub(*x, Mul(s.lr, step));
 }
 
-// simd::FrozenElement: m = c, v frozen.
+// simd::FrozenElement: m = c, v frozen; m̂ = c / bc1, v̂ = v / bc2.
 __device__ __forceinline__ void FrozenElement(const Adam& s, float c, float* x,
                                               float* m, float v) {
-  const float step = Add(Div(c, Add(Sqrt(v), s.eps)), Mul(s.weight_decay, *x));
+  const float m_hat = Div(c, s.bias_correction1);
+  const float v_hat = Div(v, s.bias_correction2);
+  const float step =
+      Add(Div(m_hat, Add(Sqrt(v_hat), s.eps)), Mul(s.weight_decay, *x));
   *m = c;
   *x = Sub(*x, Mul(s.lr, step));
+}
+
+// DESIGN 2.1's zero-variance mask as a selection: +0 where v is exactly 0
+// (when masking), c elsewhere.
+__device__ __forceinline__ float Masked(bool mask, float v, float c) {
+  return mask && v == 0.0f ? 0.0f : c;
 }
 
 // simd::MomentumElement.

@@ -58,11 +58,11 @@ __global__ void AdamKernel(Adam adam, const float* __restrict__ g,
   MORSE_FOR_EACH_ELEMENT(j, n) { AdamElement(adam, g[j], &x[j], &m[j], &v[j]); }
 }
 
-__global__ void FrozenKernel(Adam adam, const float* __restrict__ c,
+__global__ void FrozenKernel(Adam adam, bool mask, const float* __restrict__ c,
                              float* __restrict__ x, float* __restrict__ m,
                              const float* __restrict__ v, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
-    FrozenElement(adam, c[j], &x[j], &m[j], v[j]);
+    FrozenElement(adam, Masked(mask, v[j], c[j]), &x[j], &m[j], v[j]);
   }
 }
 
@@ -108,10 +108,12 @@ cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m,
   return cudaGetLastError();
 }
 
-cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m,
-                         const float* v, size_t n, cudaStream_t stream) {
+cudaError_t FrozenUpdate(AdamArgs adam, bool mask, const float* c, float* x,
+                         float* m, const float* v, size_t n,
+                         cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  FrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, c, x, m, v, n);
+  FrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, mask, c, x, m, v,
+                                                        n);
   return cudaGetLastError();
 }
 

@@ -17,16 +17,20 @@ struct AdamArgs {  // the fields of compress::AdamScalars, in order
 
 // sign1 of x (+ e) into scales[ceil(n/block)] and bits[ceil(n/8)]; e updated
 // per (feedback, beta) unless null. *bad is set to 1 if a scale is not finite.
+// mask_v (null: none): DESIGN 2.1's zero-variance mask, u = +0 and the new
+// error +0 where mask_v is exactly 0.
 cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
-                        bool l1, int feedback, float beta, float* scales,
-                        uint8_t* bits, int* bad, cudaStream_t stream);
+                        bool l1, int feedback, float beta, const float* mask_v,
+                        float* scales, uint8_t* bits, int* bad,
+                        cudaStream_t stream);
 // out = decode, or (with adam) the 1-bit Adam compression-phase update:
-// m = decode, x -= lr*(m/(sqrt(v)+eps) + wd*x).
+// m = decode (+0 where v is 0 when masking), x -= lr*(m̂/(sqrt(v̂)+eps) + wd*x).
 cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
                         uint32_t block, float* out, cudaStream_t stream);
 cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
-                              size_t n, uint32_t block, AdamArgs adam, float* x,
-                              float* m, const float* v, cudaStream_t stream);
+                              size_t n, uint32_t block, AdamArgs adam,
+                              bool mask, float* x, float* m, const float* v,
+                              cudaStream_t stream);
 
 // int8 (bits 8) or int4 (bits 4) of x (+ e); stochastic rounding when
 // `stochastic` with the key (seed, step, rank, first_index).
@@ -53,8 +57,9 @@ cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
 
 cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m,
                        float* v, size_t n, cudaStream_t stream);
-cudaError_t FrozenUpdate(AdamArgs adam, const float* c, float* x, float* m,
-                         const float* v, size_t n, cudaStream_t stream);
+cudaError_t FrozenUpdate(AdamArgs adam, bool mask, const float* c, float* x,
+                         float* m, const float* v, size_t n,
+                         cudaStream_t stream);
 cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
                      size_t n, cudaStream_t stream);
 

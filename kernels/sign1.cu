@@ -27,7 +27,8 @@ using namespace device;
 __global__ void Sign1EncodeKernel(const float* __restrict__ x,
                                   float* __restrict__ e, size_t n,
                                   uint32_t block, bool l1, int feedback,
-                                  float beta, float* __restrict__ scales,
+                                  float beta, const float* __restrict__ mask_v,
+                                  float* __restrict__ scales,
                                   uint8_t* __restrict__ bits, int* bad) {
   const HalfWarpBlock hb = ThisHalfWarpsBlock(x, e, n, block);
   const int lane = hb.lane;
@@ -35,13 +36,15 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x,
   const size_t b = hb.index, start = hb.start, len = hb.len;
   const float* xb = hb.x;
   float* eb = hb.e;
+  const float* vb = mask_v == nullptr ? nullptr : mask_v + start;
 
   float acc = 0.0f;
   // Unrolled so that a thread has several loads in flight; the adds still
   // run one after another in j order (the CPU's lane order).
 #pragma unroll 8
   for (size_t j = lane; j < len; j += 16) {
-    const float u = eb ? Add(xb[j], eb[j]) : xb[j];
+    float u = eb ? Add(xb[j], eb[j]) : xb[j];
+    if (vb != nullptr && vb[j] == 0.0f) u = 0.0f;
     acc = Add(acc, l1 ? fabsf(u) : Mul(u, u));
   }
   for (int width = 8; width >= 1; width /= 2) {
@@ -68,7 +71,8 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x,
     const size_t j = static_cast<size_t>(k) * 16 + lane;
     const bool valid = ok && j < len;
     float u = 0.0f;
-    if (valid) u = eb ? Add(xb[j], eb[j]) : xb[j];
+    const bool masked = valid && vb != nullptr && vb[j] == 0.0f;
+    if (valid && !masked) u = eb ? Add(xb[j], eb[j]) : xb[j];
     const bool negative = valid && signbit(u);
     const uint32_t mask = __ballot_sync(0xffffffffu, negative);
     const uint32_t signs = (mask >> (16 * half)) & 0xffffu;
@@ -79,7 +83,8 @@ __global__ void Sign1EncodeKernel(const float* __restrict__ x,
           static_cast<uint8_t>(signs >> (8 * lane));
     }
     if (valid && eb)
-      eb[j] = NextError(feedback, beta, eb[j], u, negative ? -s : s);
+      eb[j] = masked ? 0.0f
+                     : NextError(feedback, beta, eb[j], u, negative ? -s : s);
   }
 }
 
@@ -94,7 +99,8 @@ template <bool kVector>
 __global__ void __launch_bounds__(kStagedThreads)
     Sign1EncodeStagedKernel(const float* __restrict__ x, float* __restrict__ e,
                             size_t n, uint32_t block, bool l1, int feedback,
-                            float beta, float* __restrict__ scales,
+                            float beta, const float* __restrict__ mask_v,
+                            float* __restrict__ scales,
                             uint8_t* __restrict__ bits, int* bad) {
   extern __shared__ float staged[];
   float* u = staged;                 // x + e, block floats
@@ -108,6 +114,7 @@ __global__ void __launch_bounds__(kStagedThreads)
   const bool ema = e != nullptr && feedback == kFbEma;
   const float* xb = x + start;
   float* eb = e == nullptr ? nullptr : e + start;
+  const float* vb = mask_v == nullptr ? nullptr : mask_v + start;
 
   // Stage the block: 16-byte loads where the arrays are aligned.
   uint32_t scalar_from = 0;
@@ -130,6 +137,12 @@ __global__ void __launch_bounds__(kStagedThreads)
     const float ev = eb != nullptr ? eb[j] : 0.0f;
     u[j] = eb != nullptr ? Add(xb[j], ev) : xb[j];
     if (ema) e_old[j] = ev;
+  }
+  if (vb != nullptr) {
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
+      if (vb[j] == 0.0f) u[j] = 0.0f;
+    }
   }
   __syncthreads();
 
@@ -179,8 +192,10 @@ __global__ void __launch_bounds__(kStagedThreads)
           static_cast<uint8_t>(mask >> (8 * lane));
     }
     if (valid && eb != nullptr) {
-      eb[j] = NextError(feedback, beta, ema ? e_old[j] : 0.0f, v,
-                        negative ? -s : s);
+      eb[j] = vb != nullptr && vb[j] == 0.0f
+                  ? 0.0f
+                  : NextError(feedback, beta, ema ? e_old[j] : 0.0f, v,
+                              negative ? -s : s);
     }
   }
 }
@@ -219,6 +234,7 @@ __global__ void Sign1DecodeQuadsKernel(const float* __restrict__ scales,
 __global__ void Sign1DecodeFrozenQuadsKernel(const float* __restrict__ scales,
                                              const uint8_t* __restrict__ bits,
                                              size_t n, uint32_t block, Adam adam,
+                                             bool mask,
                                              float* __restrict__ x,
                                              float* __restrict__ m,
                                              const float* __restrict__ v) {
@@ -226,10 +242,10 @@ __global__ void Sign1DecodeFrozenQuadsKernel(const float* __restrict__ scales,
     const float4 c = DecodeQuad(scales, bits, 4 * q, block);
     const float4 vv = reinterpret_cast<const float4*>(v)[q];
     float4 xv = reinterpret_cast<float4*>(x)[q], mv;
-    FrozenElement(adam, c.x, &xv.x, &mv.x, vv.x);
-    FrozenElement(adam, c.y, &xv.y, &mv.y, vv.y);
-    FrozenElement(adam, c.z, &xv.z, &mv.z, vv.z);
-    FrozenElement(adam, c.w, &xv.w, &mv.w, vv.w);
+    FrozenElement(adam, Masked(mask, vv.x, c.x), &xv.x, &mv.x, vv.x);
+    FrozenElement(adam, Masked(mask, vv.y, c.y), &xv.y, &mv.y, vv.y);
+    FrozenElement(adam, Masked(mask, vv.z, c.z), &xv.z, &mv.z, vv.z);
+    FrozenElement(adam, Masked(mask, vv.w, c.w), &xv.w, &mv.w, vv.w);
     reinterpret_cast<float4*>(x)[q] = xv;
     reinterpret_cast<float4*>(m)[q] = mv;
   }
@@ -237,7 +253,9 @@ __global__ void Sign1DecodeFrozenQuadsKernel(const float* __restrict__ scales,
   if (blockIdx.x == 0 && threadIdx.x < n % 4) {
     const size_t j = tail + threadIdx.x;
     FrozenElement(adam,
-                  SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)]),
+                  Masked(mask, v[j],
+                         SignedScale(bits[j / 8], j % 8,
+                                     scales[BlockOf(j, block)])),
                   &x[j], &m[j], v[j]);
   }
 }
@@ -258,21 +276,23 @@ __global__ void Sign1DecodeKernel(const float* __restrict__ scales,
 __global__ void Sign1DecodeFrozenKernel(const float* __restrict__ scales,
                                         const uint8_t* __restrict__ bits,
                                         size_t n, uint32_t block, Adam adam,
-                                        float* __restrict__ x,
+                                        bool mask, float* __restrict__ x,
                                         float* __restrict__ m,
                                         const float* __restrict__ v) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float s = scales[j / block];
-    FrozenElement(adam, (bits[j / 8] >> (j % 8)) & 1 ? -s : s, &x[j], &m[j],
-                  v[j]);
+    FrozenElement(adam,
+                  Masked(mask, v[j], (bits[j / 8] >> (j % 8)) & 1 ? -s : s),
+                  &x[j], &m[j], v[j]);
   }
 }
 
 }  // namespace
 
 cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
-                        bool l1, int feedback, float beta, float* scales,
-                        uint8_t* bits, int* bad, cudaStream_t stream) {
+                        bool l1, int feedback, float beta, const float* mask_v,
+                        float* scales, uint8_t* bits, int* bad,
+                        cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const size_t blocks = (n + block - 1) / block;
   const float* error = feedback == kFbNone ? nullptr : e;
@@ -283,18 +303,18 @@ cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
       Sign1EncodeStagedKernel<true>
           <<<static_cast<unsigned>(blocks), kStagedThreads, shared, stream>>>(
               x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback,
-              beta, scales, bits, bad);
+              beta, mask_v, scales, bits, bad);
     } else {
       Sign1EncodeStagedKernel<false>
           <<<static_cast<unsigned>(blocks), kStagedThreads, shared, stream>>>(
               x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback,
-              beta, scales, bits, bad);
+              beta, mask_v, scales, bits, bad);
     }
     return cudaGetLastError();
   }
   Sign1EncodeKernel<<<BlockGrid(blocks), kThreads, 0, stream>>>(
       x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback, beta,
-      scales, bits, bad);
+      mask_v, scales, bits, bad);
   return cudaGetLastError();
 }
 
@@ -312,16 +332,17 @@ cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
 }
 
 cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
-                              size_t n, uint32_t block, AdamArgs adam, float* x,
-                              float* m, const float* v, cudaStream_t stream) {
+                              size_t n, uint32_t block, AdamArgs adam,
+                              bool mask, float* x, float* m, const float* v,
+                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (block % 4 == 0 && Aligned16(x) && Aligned16(m) && Aligned16(v)) {
     Sign1DecodeFrozenQuadsKernel<<<ElementGrid(n / 4), kThreads, 0, stream>>>(
-        scales, bits, n, block, adam, x, m, v);
+        scales, bits, n, block, adam, mask, x, m, v);
     return cudaGetLastError();
   }
   Sign1DecodeFrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      scales, bits, n, block, adam, x, m, v);
+      scales, bits, n, block, adam, mask, x, m, v);
   return cudaGetLastError();
 }
 

@@ -1,5 +1,6 @@
 #include "proto/job_config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -132,9 +133,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (adam.has_beta2()) a.adam.beta2 = adam.beta2();
   if (adam.has_eps()) a.adam.eps = adam.eps();
   a.adam.weight_decay = adam.weight_decay();
-  a.bias_correction = !onebit && (!adam.has_bias_correction() || adam.bias_correction());
-  if (onebit && adam.has_bias_correction() && adam.bias_correction()) {
-    return Invalid("adam.bias_correction", "onebit_adam never corrects bias (DESIGN 2.1)");
+  a.bias_correction = !adam.has_bias_correction() || adam.bias_correction();
+  a.mask_zero_variance = !c.has_mask_zero_variance() || c.mask_zero_variance();
+  if (!onebit && c.has_mask_zero_variance() && c.mask_zero_variance()) {
+    return Invalid("mask_zero_variance", "only onebit_adam freezes v (DESIGN 2.1); adam has nothing to mask");
   }
   if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok()) return Invalid("adam", s.message());
 
@@ -159,9 +161,6 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (absl::Status s = compress::ValidateLrSchedule(a.lr); !s.ok()) return Invalid("lr", s.message());
 
   a.freeze_step = c.freeze_step();
-  if (onebit && (a.freeze_step < 0 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
-    return Invalid("freeze_step", absl::StrCat(a.freeze_step, " is outside [0, steps]"));
-  }
   const uint32_t block = c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
   a.layout.shards = c.shards();
   a.layout.block_elems = block;
@@ -192,8 +191,19 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   a.seed = c.seed();
   compress::SimulatorConfig checked = a;
   checked.layout = probe;
+  // freeze_step gets its own message below, after the other fields' errors.
+  checked.freeze_step = std::max<int64_t>(checked.freeze_step, 1);
   if (absl::Status s = compress::ValidateSimulatorConfig(checked); !s.ok()) {
     return Invalid("job", s.message());
+  }
+  // A server's base config for an external model leaves the optimizer to
+  // the workers' Join.
+  const bool base_only = external && job.external.dim == 0;
+  if (onebit && base_only && a.freeze_step == 0) a.freeze_step = 1;
+  if (onebit && (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
+    return Invalid("freeze_step",
+                   absl::StrCat(a.freeze_step, " is outside [1, steps]: onebit_adam needs at least one "
+                                               "warmup step (with none there is no variance to freeze)"));
   }
 
   const v1::Timeouts& t = c.timeouts();

@@ -239,13 +239,15 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   reply->payload.resize(compress::PayloadBytes(plan.down, n));
   auto payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(reply->payload.data()),
                                 reply->payload.size());
-  const compress::RoundingKey key =
-      compress::SenderKey(job_.algorithm, step, job_.workers() + shard_, part.range.begin);
+  const compress::SendRule rule = compress::PlanSend(
+      job_.algorithm, step, compress::Direction::kDown, job_.workers() + shard_, part.range.begin);
+  const uint64_t offset = part.range.begin - range_.begin;
   if (status.ok()) {
-    status = plan.feedback
-                 ? server_error_.Compress(plan.down, part.range.begin - range_.begin, average, key,
-                                          payload)
-                 : compress::Encode(plan.down, average, key, payload);
+    const absl::Span<const float> mask_v =
+        rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
+    status = rule.feedback
+                 ? server_error_.Compress(rule.codec, offset, average, rule.key, payload, mask_v)
+                 : compress::Encode(rule.codec, average, rule.key, payload);
   }
   if (status.ok()) status = mirror_.ApplyReply(step, part.range.begin, n, payload);
   for (size_t r = 0; r < p.pushes.size(); ++r) {

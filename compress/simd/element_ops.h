@@ -82,10 +82,13 @@ static inline void AdamElement(const AdamScalars& s, float g, float* x,
   *x = *x - s.lr * step;
 }
 
-// 1-bit Adam compression phase element: m = c, v frozen.
+// 1-bit Adam compression phase element: m = c, v frozen; m̂ = c / bc1 and
+// v̂ = v / bc2 (both 1 without bias correction, which leaves c and v exact).
 static inline void FrozenElement(const AdamScalars& s, float c, float* x,
                                  float* m, float v) {
-  const float step = c / (std::sqrt(v) + s.eps) + s.weight_decay * *x;
+  const float m_hat = c / s.bias_correction1;
+  const float v_hat = v / s.bias_correction2;
+  const float step = m_hat / (std::sqrt(v_hat) + s.eps) + s.weight_decay * *x;
   *m = c;
   *x = *x - s.lr * step;
 }

@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     return kernels::Decode(ctx, sign1, payload.as<uint8_t>(), n, out.as<float>());
   });
   row("sign1 decode + frozen update", 16.0 * n + sign1_payload, [&] {
-    return kernels::DecodeFrozenUpdate(ctx, sign1, payload.as<uint8_t>(), n, adam, x.as<float>(),
+    return kernels::DecodeFrozenUpdate(ctx, sign1, payload.as<uint8_t>(), n, adam, /*mask=*/true, x.as<float>(),
                                        m.as<float>(), v.as<float>());
   });
   row("int4 encode + ema (stochastic)", 12.0 * n + n / 2.0 + 4.0 * n / int4.block_elems, [&] {

@@ -14,7 +14,7 @@ namespace {
 
 TEST(HealthTest, TheProbePortServesHealthAndNothingElse) {
   const int port = testing::FreePort();
-  testing::Cluster cluster("workers: 1 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 1", 1, 0);
+  testing::Cluster cluster("workers: 1 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 1 freeze_step: 1", 1, 0);
   cluster.AddServerArgs({absl::StrCat("--health_listen=127.0.0.1:", port)});
   cluster.StartServers(false);
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());

@@ -19,6 +19,7 @@ TEST(SessionTest, AFailedStepIsNotRetried) {
     synthetic { dim: 1000 }
     lr { lr: 0.01 }
     steps: 10
+    freeze_step: 2
     block_elems: 16
     partition_elems: 256
     timeouts { step_seconds: 1 connect_seconds: 10 }

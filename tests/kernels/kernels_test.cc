@@ -16,7 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "compress/error_feedback.h"
 #include "compress/kernels.h"
+#include "compress/replica.h"
 #include "compress/stochastic_rounding.h"
 #include "gtest/gtest.h"
 #include "kernels/codecs.h"
@@ -259,8 +261,8 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     m = m0;
     cpu.frozen_update(s, g.data(), x.data(), m.data(), v0.data(), n);
     kernels::DeviceBuffer fx = Upload(x0), fm = Upload(m0), fv = Upload(v0);
-    ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, dg.as<float>(), fx.as<float>(), fm.as<float>(),
-                                      fv.as<float>(), n).ok());
+    ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/false, dg.as<float>(), fx.as<float>(),
+                                      fm.as<float>(), fv.as<float>(), n).ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
     EXPECT_EQ(FirstDifference(Download<float>(fx, n).data(), x.data(), 4 * n, 4), "") << "frozen x";
     EXPECT_EQ(FirstDifference(Download<float>(fm, n).data(), m.data(), 4 * n, 4), "") << "frozen m";
@@ -276,8 +278,8 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     m = m0;
     cpu.frozen_update(s, c.data(), x.data(), m.data(), v0.data(), n);
     kernels::DeviceBuffer dreply = Upload(reply), rx = Upload(x0), rm = Poisoned(4 * n);
-    ASSERT_TRUE(kernels::DecodeFrozenUpdate(*ctx_, spec, dreply.as<uint8_t>(), n, s, rx.as<float>(),
-                                            rm.as<float>(), fv.as<float>()).ok());
+    ASSERT_TRUE(kernels::DecodeFrozenUpdate(*ctx_, spec, dreply.as<uint8_t>(), n, s, /*mask=*/false,
+                                            rx.as<float>(), rm.as<float>(), fv.as<float>()).ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
     EXPECT_EQ(FirstDifference(Download<float>(rx, n).data(), x.data(), 4 * n, 4), "") << "fused x";
     EXPECT_EQ(FirstDifference(Download<float>(rm, n).data(), m.data(), 4 * n, 4), "") << "fused m";
@@ -289,6 +291,99 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     ASSERT_TRUE(ctx_->Synchronize().ok());
     EXPECT_EQ(FirstDifference(Download<float>(dout, n).data(), out.data(), 4 * n, 4), "") << "momentum";
   }
+}
+
+// DESIGN 2.1's zero-variance mask: where v is exactly 0, the encode sends +0
+// and keeps +0 error (against compress::ErrorFeedback::Compress with its
+// mask), and the update applies +0 (against compress::SelectByVariance and
+// the frozen update), on the staged and the half-warp (unaligned) kernels.
+TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
+  CodecSpec spec;
+  spec.kind = CodecKind::kSign1;
+  spec.block_elems = 256;
+  compress::AdamScalars s;
+  s.lr = 0.01f;
+  s.weight_decay = 0.01f;
+  s.bias_correction1 = 0.5f;
+  s.bias_correction2 = 0.25f;
+  // Block 16384 with EMA stages too much for shared memory: the half-warp kernel.
+  for (const auto& [block, offset] : {std::pair<uint32_t, size_t>{256, 0}, {256, 1}, {16384, 0}}) {
+    spec.block_elems = block;
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
+      for (size_t n : {size_t{7}, size_t{256}, 3 * size_t{256} + 5, size_t{100003}}) {
+        SCOPED_TRACE(absl::StrCat("n=", n, " block=", block, " offset=", offset,
+                                  " feedback=", static_cast<int>(fb.kind)));
+        const std::vector<float> x = RandomValues(n, 5 + n, 2.0f);
+        std::vector<float> e = RandomValues(n, 6 + n, 0.5f);
+        std::vector<float> v = RandomValues(n, 7 + n, 0.1f);
+        for (size_t j = 0; j < n; ++j) {
+          v[j] = v[j] * v[j];
+          if (j % 7 == 3 || (j >= 256 && j < 512)) v[j] = 0.0f;  // scattered, and one whole block
+        }
+        const compress::RoundingKey key{1, 2, 3, 0};
+        std::vector<uint8_t> cpu_payload(compress::PayloadBytes(spec, n));
+        compress::ErrorFeedback cpu_error({fb.kind, fb.beta, compress::ErrorStorage::kFp32}, n,
+                                          spec.block_elems);
+        ASSERT_TRUE(cpu_error.Restore(e).ok());
+        ASSERT_TRUE(cpu_error.Compress(spec, 0, x, key, absl::MakeSpan(cpu_payload), v).ok());
+        std::vector<float> cpu_e(n);
+        cpu_error.Read(0, absl::MakeSpan(cpu_e));
+
+        std::vector<float> px(offset, 0.0f), pe(offset, 0.0f), pv(offset, 1.0f);
+        px.insert(px.end(), x.begin(), x.end());
+        pe.insert(pe.end(), e.begin(), e.end());
+        pv.insert(pv.end(), v.begin(), v.end());
+        kernels::DeviceBuffer dx = Upload(px), de = Upload(pe), dv = Upload(pv);
+        kernels::DeviceBuffer payload = Poisoned(cpu_payload.size());
+        ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>() + offset, de.as<float>() + offset, n,
+                                             fb, key, payload.as<uint8_t>(), dv.as<float>() + offset)
+                        .ok());
+        EXPECT_EQ(FirstDifference(Download<uint8_t>(payload, cpu_payload.size()).data(), cpu_payload.data(),
+                                  cpu_payload.size(), 1),
+                  "")
+            << "payload";
+        const auto gpu_e = Download<float>(de, n + offset);
+        EXPECT_EQ(FirstDifference(gpu_e.data() + offset, cpu_e.data(), 4 * n, 4), "") << "error";
+
+        // The update from this payload as a reply.
+        std::vector<float> c(n);
+        ASSERT_TRUE(compress::Decode(spec, cpu_payload, absl::MakeSpan(c)).ok());
+        compress::SelectByVariance(v, absl::MakeSpan(c));
+        std::vector<float> cx = x, cm(n);
+        compress::ScalarKernels().frozen_update(s, c.data(), cx.data(), cm.data(), v.data(), n);
+        kernels::DeviceBuffer reply = Upload(cpu_payload), rx = Upload(px), rm = Poisoned(4 * (n + offset));
+        ASSERT_TRUE(kernels::DecodeFrozenUpdate(*ctx_, spec, reply.as<uint8_t>(), n, s, /*mask=*/true,
+                                                rx.as<float>() + offset, rm.as<float>() + offset,
+                                                dv.as<float>() + offset)
+                        .ok());
+        ASSERT_TRUE(ctx_->Synchronize().ok());
+        EXPECT_EQ(FirstDifference(Download<float>(rx, n + offset).data() + offset, cx.data(), 4 * n, 4), "")
+            << "fused x";
+        EXPECT_EQ(FirstDifference(Download<float>(rm, n + offset).data() + offset, cm.data(), 4 * n, 4), "")
+            << "fused m";
+        // The unfused update from decoded values (other codecs' replies).
+        std::vector<float> raw(n);
+        ASSERT_TRUE(compress::Decode(spec, cpu_payload, absl::MakeSpan(raw)).ok());
+        kernels::DeviceBuffer draw = Upload(raw), ux = Upload(x), um = Poisoned(4 * n), uv = Upload(v);
+        ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/true, draw.as<float>(), ux.as<float>(),
+                                          um.as<float>(), uv.as<float>(), n)
+                        .ok());
+        ASSERT_TRUE(ctx_->Synchronize().ok());
+        EXPECT_EQ(FirstDifference(Download<float>(ux, n).data(), cx.data(), 4 * n, 4), "") << "x";
+        EXPECT_EQ(FirstDifference(Download<float>(um, n).data(), cm.data(), 4 * n, 4), "") << "m";
+      }
+    }
+  }
+  // Other codecs take the mask on the CPU only.
+  CodecSpec int4;
+  int4.kind = CodecKind::kInt4;
+  int4.block_elems = 256;
+  kernels::DeviceBuffer x = Upload(std::vector<float>(16, 1.0f)), v = Upload(std::vector<float>(16, 0.0f));
+  kernels::DeviceBuffer out = Poisoned(compress::PayloadBytes(int4, 16));
+  EXPECT_EQ(kernels::EncodeWithError(*ctx_, int4, x.as<float>(), nullptr, 16, {}, {}, out.as<uint8_t>(),
+                                     v.as<float>())
+                .code(),
+            absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(KernelsTest, SyntheticGradientMatchesTheCpuFormula) {

@@ -26,7 +26,8 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
   EXPECT_EQ(a.warmup_codec.kind, compress::CodecKind::kFp32);
   EXPECT_EQ(a.worker_feedback.kind, compress::FeedbackKind::kEf);
   EXPECT_EQ(a.server_feedback.kind, compress::FeedbackKind::kEf);
-  EXPECT_FALSE(a.bias_correction);
+  EXPECT_TRUE(a.bias_correction);     // DESIGN 2.1: on by default for onebit_adam too
+  EXPECT_TRUE(a.mask_zero_variance);
   EXPECT_EQ(a.layout.block_elems, 2048u);
   EXPECT_EQ(a.layout.partition_elems, 1u << 20);
   EXPECT_FLOAT_EQ(a.adam.beta1, 0.9f);
@@ -99,7 +100,7 @@ TEST(WireTest, MessageLimitHoldsAFetchedPartition) {
   for (const char* layout : {"partition_elems: 262144", "partition_elems: 1048576",
                              "block_elems: 16 partition_elems: 64"}) {
     auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 } "
-                                           "lr { lr: 0.1 } steps: 1 ", layout),
+                                           "lr { lr: 0.1 } steps: 1 freeze_step: 1 ", layout),
                               ConfigFormat::kText);
     ASSERT_TRUE(job.ok()) << job.status();
     const uint64_t largest = std::min<uint64_t>(job->algorithm.layout.partition_elems,

@@ -1,7 +1,8 @@
 """morse.torch on CUDA tensors (issue 15): a mixed job of 3 workers, ranks 0
 and 1 with their model on the GPU (rank 0 overlapping pushes with the
 backward pass, rank 1 not), rank 2 on the CPU, 1-bit Adam across the freeze
-step. After every step all three hold bit-identical x, m, v, equal to the
+step, with bias correction and the zero-variance mask (a parameter no loss
+uses). After every step all three hold bit-identical x, m, v, equal to the
 single-process simulator fed the gradients the workers computed; the GPU
 ranks' parameters stay CUDA tensors; state_dict()/load_state_dict() round
 trip on the GPU. Exits 77 (skipped, saying why) without a GPU."""
@@ -27,6 +28,7 @@ def worker(out):
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(),
                                 torch.nn.Linear(20, 4)).to(device)
+    model.unused = torch.nn.Parameter(torch.full((7,), 0.5, device=device))  # v = 0: masked
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank == 0)
     if rank == 0:
@@ -48,6 +50,7 @@ def worker(out):
         check(all(p.device.type == device.type for p in model.parameters()),
               f"rank {rank}: parameters left {device}")
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    check(torch.equal(model.unused.detach().cpu(), torch.full((7,), 0.5)), "a parameter with v = 0 moved")
     saved = opt.state_dict()
     check(saved["state"]["exp_avg"].device.type == device.type, "state_dict on the parameters' device")
     check(saved["state"]["worker_error"].abs().sum().item() > 0, "the error buffer is saved")

@@ -1,6 +1,8 @@
 """morse.torch.OneBitAdam across 4 workers: after every step (through the
 freeze step) every worker holds bit-identical x, m, v, equal to the
-single-process simulator fed the gradients the workers computed. Even ranks
+single-process simulator fed the gradients the workers computed, with
+bias correction and the zero-variance mask on (a parameter no loss uses
+stays where it was). Even ranks
 overlap pushes with the backward pass, odd ranks do not: the bytes, and so
 the results, are the same. state_dict()/load_state_dict() round-trip the
 optimizer state, error buffers included."""
@@ -22,6 +24,9 @@ def worker(out):
     import morse.torch
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    # A parameter the loss never uses: its v stays 0, so the zero-variance
+    # mask (on by default) has elements to mask after the freeze.
+    model.unused = torch.nn.Parameter(torch.full((7,), 0.5))
     rank = int(os.environ["MORSE_RANK"])
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank % 2 == 0)
@@ -41,6 +46,7 @@ def worker(out):
         opt.step()
         checksums.append(opt.checksum())
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    check(torch.equal(model.unused.detach(), torch.full((7,), 0.5)), "a parameter with v = 0 moved")
     # state_dict round trip: the error buffer is in it, a changed state
     # changes the replica, and loading the saved state restores it exactly.
     saved = opt.state_dict()

@@ -42,7 +42,7 @@ class WorkloadTest : public ::testing::Test {
 
   proto::JobSpec Job(const std::string& file, const std::string& format) {
     auto job = proto::ParseJobConfig(
-        absl::StrCat("workers: 1 shards: 1 lr { lr: 0.01 } steps: 10 block_elems: 16 "
+        absl::StrCat("workers: 1 shards: 1 lr { lr: 0.01 } steps: 10 freeze_step: 1 block_elems: 16 "
                      "partition_elems: 16 mlp { train_path: \"", dir_, "/", file,
                      "\" format: \"", format, "\" features: 5 classes: 3 hidden: 4 hidden: 3 "
                      "batch_size: 40 }"),
@@ -115,7 +115,7 @@ TEST_F(WorkloadTest, DataErrorsNameTheFileAndLine) {
 
 TEST(SyntheticWorkloadTest, GradientsDependOnStepAndRankOnly) {
   auto job = *proto::ParseJobConfig(
-      "workers: 2 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 3",
+      "workers: 2 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 3 freeze_step: 1",
       proto::ConfigFormat::kText);
   SyntheticWorkload a(job, 0), b(job, 0), other(job, 1);
   std::vector<float> x(1000, 0.5f), ga(1000), gb(1000), go(1000);

@@ -188,8 +188,10 @@ class CudaEngine final : public Engine, public DeviceServices {
       fb = {config_.worker_feedback.kind, config_.worker_feedback.beta};
       error = e_.as<float>() + begin;
     }
+    // The zero-variance mask reads v where it lives (fused into sign1).
+    const float* mask_v = rule.mask ? v_.as<float>() + begin : nullptr;
     if (absl::Status s = kernels::EncodeWithError(*send_, rule.codec, input, error, n, fb, rule.key,
-                                                  send_payload_.as<uint8_t>());
+                                                  send_payload_.as<uint8_t>(), mask_v);
         !s.ok()) {
       return s;
     }
@@ -219,12 +221,14 @@ class CudaEngine final : public Engine, public DeviceServices {
     const uint8_t* payload = reply_payload_.as<uint8_t>();
     absl::Status s;
     if (rule.frozen_variance && rule.codec.kind == compress::CodecKind::kSign1) {
-      s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n, rule.scalars, x, m, v);
+      s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n, rule.scalars, rule.mask, x, m,
+                                      v);
     } else {
       float* decoded = apply_scratch_.as<float>() + begin;
       s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
       if (s.ok()) {
-        s = rule.frozen_variance ? kernels::FrozenUpdate(*apply_, rule.scalars, decoded, x, m, v, n)
+        s = rule.frozen_variance
+                ? kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x, m, v, n)
                                  : kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
       }
     }
@@ -298,6 +302,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, D
     if (!OnGpu(spec->kind)) {
       return absl::UnimplementedError(absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
     }
+  }
+  if (config.optimizer == compress::OptimizerKind::kOneBitAdam && config.mask_zero_variance &&
+      config.up_codec.kind != compress::CodecKind::kSign1) {
+    return absl::UnimplementedError(absl::StrCat(
+        "the zero-variance mask is fused into sign1 only on the GPU; up_codec ",
+        compress::CodecName(config.up_codec.kind), " with mask_zero_variance trains on the CPU"));
   }
   if (config.optimizer == compress::OptimizerKind::kAdam &&
       config.up_codec.kind == compress::CodecKind::kFp32 &&

@@ -57,7 +57,11 @@ class HostEngine final : public Engine {
       replica_.LocalMomentum(p.range.begin, input, local);
       input = local;
     }
-    if (rule.feedback) return error_.Compress(rule.codec, p.range.begin, input, rule.key, AsBytes(payload));
+    if (rule.feedback) {
+      const absl::Span<const float> mask_v =
+          rule.mask ? replica_.v().subspan(p.range.begin, n) : absl::Span<const float>();
+      return error_.Compress(rule.codec, p.range.begin, input, rule.key, AsBytes(payload), mask_v);
+    }
     return compress::Encode(rule.codec, input, rule.key, AsBytes(payload));
   }
 

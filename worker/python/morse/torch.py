@@ -64,7 +64,8 @@ def _security(security):
 
 class _MorseOptimizer(torch.optim.Optimizer):
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
-                 codec, down_codec, feedback, feedback_beta, bias_correction, schedule, steps,
+                 codec, down_codec, feedback, feedback_beta, bias_correction, mask_zero_variance,
+                 schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security):
         params = list(params)
         if not params:
@@ -104,8 +105,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
         adam = [f"beta1: {betas[0]!r}", f"beta2: {betas[1]!r}", f"eps: {eps!r}",
                 f"weight_decay: {weight_decay!r}"]
-        if optimizer == "adam":
-            adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
+        adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
         lines = [
             f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" }}',
             f'optimizer: "{optimizer}"',
@@ -119,6 +119,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         ]
         if optimizer == "onebit_adam":
             lines.append(f"freeze_step: {freeze_step}")
+            lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
         if block_elems:
             lines.append(f"block_elems: {block_elems}")
         if partition_elems:
@@ -271,18 +272,27 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
 
 class OneBitAdam(_MorseOptimizer):
-    """1-bit Adam (Tang et al. 2021): full-precision Adam for freeze_step steps,
-    then sign-compressed momentum with error feedback on workers and servers,
-    variance frozen. No bias correction, as in DeepSpeed's OnebitAdam."""
+    """1-bit Adam (Tang et al. 2021): full-precision Adam for freeze_step steps
+    (at least 1), then sign-compressed momentum with error feedback on
+    workers and servers, variance frozen. bias_correction (default True, as
+    torch.optim.Adam; False is DeepSpeed's OnebitAdam) corrects m and v, v's
+    factor freezing with v; mask_zero_variance (default True) keeps elements
+    whose frozen v is exactly 0 (dead units, unused rows) at m = 0 instead of
+    sending them +-scale, which would blow the model up at the default eps."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 freeze_step=100, *, config=None, rank=None, world_size=None, servers=None,
+                 freeze_step=100, *, bias_correction=True, mask_zero_variance=True, config=None,
+                 rank=None, world_size=None, servers=None,
                  overlap=True, schedule="constant", steps=0, block_elems=None,
                  partition_elems=None, security=None):
+        if freeze_step < 1:
+            raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
+                             "step (with none there is no variance to freeze)")
         super().__init__(params, optimizer="onebit_adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=freeze_step, codec="sign1",
                          down_codec=None, feedback="ef", feedback_beta=1.0,
-                         bias_correction=False, schedule=schedule, steps=steps, config=config,
+                         bias_correction=bias_correction, mask_zero_variance=mask_zero_variance,
+                         schedule=schedule, steps=steps, config=config,
                          rank=rank, world_size=world_size, servers=servers, overlap=overlap,
                          block_elems=block_elems, partition_elems=partition_elems,
                          security=security)
@@ -301,7 +311,8 @@ class Adam(_MorseOptimizer):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
-                         bias_correction=bias_correction, schedule=schedule, steps=steps,
+                         bias_correction=bias_correction, mask_zero_variance=False,
+                         schedule=schedule, steps=steps,
                          config=config, rank=rank, world_size=world_size, servers=servers,
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
                          security=security)

@@ -1,0 +1,149 @@
+// DESIGN 2.1's two options of onebit_adam: bias correction and the
+// zero-variance mask. Off, they reproduce the bits Morse computed before
+// they existed (checksums recorded from that code, commit afe4479's
+// compress/, with the inputs below); on, they do what 2.1 says.
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "compress/replica.h"
+#include "compress/simulator.h"
+#include "gtest/gtest.h"
+
+namespace morse::compress {
+namespace {
+
+constexpr uint64_t kDim = 1007;
+constexpr int kSteps = 12;
+
+SimulatorConfig OneBitConfig() {
+  SimulatorConfig c;
+  c.optimizer = OptimizerKind::kOneBitAdam;
+  c.workers = 3;
+  c.layout = {kDim, 2, 64, 256};
+  c.lr.base_lr = 0.01f;
+  c.freeze_step = 4;
+  c.up_codec.block_elems = c.down_codec.block_elems = c.warmup_codec.block_elems = 64;
+  return c;
+}
+
+// Element j % 5 == 0 never gets a gradient: its v stays exactly 0.
+bool Dead(size_t j) { return j % 5 == 0; }
+
+std::vector<std::vector<float>> Gradients(uint32_t workers, int step) {
+  std::vector<std::vector<float>> g(workers, std::vector<float>(kDim));
+  for (uint32_t i = 0; i < workers; ++i) {
+    for (size_t j = 0; j < kDim; ++j) {
+      g[i][j] = Dead(j) ? 0.0f : std::sin(0.1f * j + 0.7f * i + 0.3f * step);
+    }
+  }
+  return g;
+}
+
+std::vector<float> X0() {
+  std::vector<float> x0(kDim);
+  for (size_t j = 0; j < kDim; ++j) x0[j] = 0.01f * static_cast<float>(j % 13) - 0.05f;
+  return x0;
+}
+
+// Runs kSteps steps; calls `after(step, sim)` after each.
+template <class F>
+void RunSteps(const SimulatorConfig& c, F after) {
+  auto sim = Simulator::Create(c, X0());
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  for (int step = 0; step < kSteps; ++step) {
+    const auto g = Gradients(c.workers, step);
+    std::vector<absl::Span<const float>> views(g.begin(), g.end());
+    ASSERT_TRUE(sim->Step(views).ok());
+    after(step, *sim);
+  }
+}
+
+uint64_t Checksum(const Simulator& sim) { return StateChecksum({sim.x(), sim.m(), sim.v()}); }
+
+TEST(OneBitOptionsTest, OffReproducesTheEarlierBits) {
+  // Per-step checksums of x, m, v from compress/ before the options existed.
+  const uint64_t onebit[kSteps] = {
+      0x6a4bd42a7c079bcdull, 0x1388d9398ac21a66ull, 0xd1382dc026c7ee0full, 0xe6d31dc04fc6f8e7ull,
+      0xd0c719a7c0d1793eull, 0xe3346a799dc6d2e0ull, 0xca3328e380775ed7ull, 0xa268c23fbd32d9c3ull,
+      0x5b252725e3d2ba4eull, 0xd1c2b232a5d385ffull, 0x33ceb0d48aaf6fc6ull, 0xe0386291455d1bebull};
+  // And of Adam with int4 and EMA feedback (LoCo), which the options leave alone.
+  const uint64_t loco[kSteps] = {
+      0xdd81e209d97edf80ull, 0xfbc96e5947c5eb19ull, 0xc29b581d0a735671ull, 0x30f5f132b29962fdull,
+      0x51d479e17cb8e4f0ull, 0x72632fab745a3bbcull, 0xc72fad67152a2818ull, 0x5d2c12a516421433ull,
+      0x5c9913661b4a57cfull, 0x07c82e4b6d6d8d0aull, 0xed1f047a893b50ceull, 0x00200b41b73e57faull};
+  SimulatorConfig c = OneBitConfig();
+  c.bias_correction = false;
+  c.mask_zero_variance = false;
+  RunSteps(c, [&](int step, const Simulator& sim) { EXPECT_EQ(Checksum(sim), onebit[step]) << "step " << step; });
+  SimulatorConfig a = OneBitConfig();
+  a.optimizer = OptimizerKind::kAdam;
+  a.bias_correction = true;
+  a.mask_zero_variance = false;
+  a.up_codec = a.down_codec = CodecSpec{CodecKind::kInt4, 64};
+  a.worker_feedback = a.server_feedback = FeedbackSpec{FeedbackKind::kEma, 0.5f};
+  RunSteps(a, [&](int step, const Simulator& sim) { EXPECT_EQ(Checksum(sim), loco[step]) << "step " << step; });
+}
+
+TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
+  SimulatorConfig c = OneBitConfig();  // both options on, eps 1e-8
+  ASSERT_TRUE(c.bias_correction && c.mask_zero_variance);
+  std::vector<float> x_at_freeze;
+  RunSteps(c, [&](int step, const Simulator& sim) {
+    for (size_t j = 0; j < kDim; ++j) {
+      ASSERT_TRUE(std::isfinite(sim.x()[j])) << "step " << step << " element " << j;
+    }
+    if (step + 1 == c.freeze_step) x_at_freeze.assign(sim.x().begin(), sim.x().end());
+    if (step < c.freeze_step) return;
+    for (size_t j = 0; j < kDim; j += 5) {
+      ASSERT_EQ(sim.v()[j], 0.0f);
+      uint32_t bits;
+      std::memcpy(&bits, &sim.m()[j], 4);
+      EXPECT_EQ(bits, 0u) << "m is +0, not -0, at element " << j << " step " << step;
+      EXPECT_EQ(sim.x()[j], x_at_freeze[j]) << "no weight decay: x stays, element " << j;
+    }
+  });
+  // Without the mask the same elements receive +-scale / eps.
+  c.mask_zero_variance = false;
+  float largest_move = 0;
+  RunSteps(c, [&](int step, const Simulator& sim) {
+    if (step + 1 == c.freeze_step) x_at_freeze.assign(sim.x().begin(), sim.x().end());
+    if (step < c.freeze_step) return;
+    for (size_t j = 0; j < kDim; j += 5) {
+      largest_move = std::max(largest_move, std::fabs(sim.x()[j] - x_at_freeze[j]));
+    }
+  });
+  EXPECT_GT(largest_move, 1000.0f);
+}
+
+TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
+  SimulatorConfig c = OneBitConfig();
+  c.freeze_step = 10;
+  const auto expected = [&](double beta, int64_t t) { return static_cast<float>(1.0 - std::pow(beta, t)); };
+  for (int64_t step : {0, 3, 9, 10, 11, 500}) {
+    const ReplyRule rule = PlanReply(c, step);
+    EXPECT_EQ(rule.frozen_variance, step >= 10);
+    EXPECT_EQ(rule.mask, step >= 10);
+    EXPECT_EQ(rule.scalars.bias_correction1, expected(c.adam.beta1, step + 1)) << step;
+    EXPECT_EQ(rule.scalars.bias_correction2, expected(c.adam.beta2, step >= 10 ? 10 : step + 1)) << step;
+  }
+  c.bias_correction = false;
+  c.mask_zero_variance = false;
+  for (int64_t step : {0, 9, 10, 500}) {
+    const ReplyRule rule = PlanReply(c, step);
+    EXPECT_EQ(rule.scalars.bias_correction1, 1.0f);
+    EXPECT_EQ(rule.scalars.bias_correction2, 1.0f);
+    EXPECT_FALSE(rule.mask);
+  }
+}
+
+TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
+  SimulatorConfig c = OneBitConfig();
+  c.freeze_step = 0;
+  const auto sim = Simulator::Create(c, X0());
+  EXPECT_EQ(sim.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(sim.status().message().find("freeze_step"), absl::string_view::npos);
+}
+
+}  // namespace
+}  // namespace morse::compress
