@@ -162,13 +162,15 @@ absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
                                          int64_t step, uint32_t rank,
                                          float noise, const float* a,
                                          const float* t, const float* x,
-                                         float* grad, size_t n) {
+                                         float* grad, size_t n,
+                                         uint32_t dead_every) {
   cudaStream_t stream = StreamOf(ctx);
   MORSE_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(ctx.device_sum(), 0, sizeof(double), stream));
   MORSE_CUDA_RETURN_IF_ERROR(
       launch::SyntheticGradient(seed, static_cast<uint64_t>(step), rank, noise,
-                                a, t, x, grad, n, ctx.device_sum(), stream));
+                                a, t, x, grad, n, dead_every, ctx.device_sum(),
+                                stream));
   double host = 0.0;
   MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       &host, ctx.device_sum(), sizeof(double), cudaMemcpyDeviceToHost, stream));

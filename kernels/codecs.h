@@ -49,15 +49,16 @@ absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
                                 float* x, float* m, const float* v);
 
 // The synthetic workload's gradient (worker/workload.h): grad = a*(x - t) +
-// noise*(2u - 1), u the Philox draw (seed, step, rank, element index), the
-// same floats as the CPU. Returns the loss 0.5*mean(a*(x - t)^2), summed in
+// noise*(2u - 1), u the Philox draw (seed, step, rank, element index), and
+// +0 for j % dead_every == 0 (dead_every 0: none), the same floats as the CPU. Returns the loss 0.5*mean(a*(x - t)^2), summed in
 // double in an order that differs from the CPU's (it is only reported).
 // Waits for the stream.
 absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
                                          int64_t step, uint32_t rank,
                                          float noise, const float* a,
                                          const float* t, const float* x,
-                                         float* grad, size_t n);
+                                         float* grad, size_t n,
+                                         uint32_t dead_every = 0);
 
 // KernelTable's adam_update, frozen_update and momentum. Asynchronous.
 absl::Status AdamUpdate(Context& ctx, const compress::AdamScalars& adam,

@@ -38,12 +38,14 @@ __global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step,
                                         const float* __restrict__ t,
                                         const float* __restrict__ x,
                                         float* __restrict__ grad, size_t n,
-                                        double* loss) {
+                                        uint32_t dead_every, double* loss) {
   double partial = 0.0;
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float u = StochasticDraw(seed, step, rank, j);
     const float d = Sub(x[j], t[j]);
-    grad[j] = Add(Mul(a[j], d), Mul(noise, Sub(Mul(2.0f, u), 1.0f)));
+    const bool dead = dead_every != 0 && j % dead_every == 0;
+    grad[j] = dead ? 0.0f
+                   : Add(Mul(a[j], d), Mul(noise, Sub(Mul(2.0f, u), 1.0f)));
     partial += 0.5 * static_cast<double>(a[j]) * static_cast<double>(d) *
                static_cast<double>(d);
   }
@@ -94,10 +96,11 @@ cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
 cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
                               float noise, const float* a, const float* t,
                               const float* x, float* grad, size_t n,
-                              double* loss, cudaStream_t stream) {
+                              uint32_t dead_every, double* loss,
+                              cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   SyntheticGradientKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      seed, step, rank, noise, a, t, x, grad, n, loss);
+      seed, step, rank, noise, a, t, x, grad, n, dead_every, loss);
   return cudaGetLastError();
 }
 

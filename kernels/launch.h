@@ -53,7 +53,8 @@ cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
 cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
                               float noise, const float* a, const float* t,
                               const float* x, float* grad, size_t n,
-                              double* loss, cudaStream_t stream);
+                              uint32_t dead_every, double* loss,
+                              cudaStream_t stream);
 
 cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m,
                        float* v, size_t n, cudaStream_t stream);

@@ -83,6 +83,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       job.workload = WorkloadKind::kSynthetic;
       job.synthetic.dim = c.synthetic().dim();
       if (c.synthetic().noise() != 0) job.synthetic.noise = c.synthetic().noise();
+      job.synthetic.dead_every = c.synthetic().dead_every();
       if (job.synthetic.dim == 0) return Invalid("synthetic.dim", "must be positive");
       a.layout.dim = job.synthetic.dim;
       break;

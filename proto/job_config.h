@@ -22,6 +22,7 @@ enum class WorkloadKind : uint8_t { kSynthetic, kMlp, kExternal };
 struct SyntheticSpec {
   uint64_t dim = 0;
   float noise = 0.1f;
+  uint32_t dead_every = 0;  // elements j % dead_every == 0 get a zero gradient (0: none)
 };
 
 struct MlpSpec {

@@ -12,11 +12,12 @@ constexpr uint32_t kTargetTag = 0xC0FFEE02u;
 // The gradient on an engine's device: a and t copied there once.
 class DeviceSyntheticHook final : public GradientHook {
  public:
-  DeviceSyntheticHook(DeviceServices& device, uint64_t seed, uint32_t rank, float noise, const float* a,
-                      const float* t, size_t n)
-      : device_(device), seed_(seed), rank_(rank), noise_(noise), a_(a), t_(t), n_(n) {}
+  DeviceSyntheticHook(DeviceServices& device, uint64_t seed, uint32_t rank, float noise,
+                      uint32_t dead_every, const float* a, const float* t, size_t n)
+      : device_(device), seed_(seed), rank_(rank), noise_(noise), dead_every_(dead_every), a_(a), t_(t),
+        n_(n) {}
   absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) override {
-    return device_.SyntheticGradient(seed_, step, rank_, noise_, a_, t_, x, grad, n_);
+    return device_.SyntheticGradient(seed_, step, rank_, noise_, dead_every_, a_, t_, x, grad, n_);
   }
 
  private:
@@ -24,6 +25,7 @@ class DeviceSyntheticHook final : public GradientHook {
   uint64_t seed_;
   uint32_t rank_;
   float noise_;
+  uint32_t dead_every_;
   const float *a_, *t_;
   size_t n_;
 };
@@ -41,13 +43,15 @@ absl::StatusOr<std::unique_ptr<GradientHook>> SyntheticWorkload::GradientOn(Engi
     if (absl::Status s = device->CopyIn(*memory, sources[i]->data(), 4 * dim()); !s.ok()) return s;
     arrays[i] = static_cast<const float*>(*memory);
   }
-  return std::make_unique<DeviceSyntheticHook>(*device, seed_, rank_, noise_, arrays[0], arrays[1], dim());
+  return std::make_unique<DeviceSyntheticHook>(*device, seed_, rank_, noise_, dead_every_, arrays[0],
+                                               arrays[1], dim());
 }
 
 SyntheticWorkload::SyntheticWorkload(const proto::JobSpec& job, uint32_t rank)
     : seed_(job.algorithm.seed),
       rank_(rank),
       noise_(job.synthetic.noise),
+      dead_every_(job.synthetic.dead_every),
       curvature_(job.synthetic.dim),
       target_(job.synthetic.dim) {
   compress::FillDraws({seed_, kCurvatureTag, kCurvatureTag, 0}, curvature_.data(), dim());
@@ -64,12 +68,14 @@ void SyntheticWorkload::Initialize(absl::Span<float> x) const {
 
 absl::StatusOr<double> SyntheticWorkload::Gradient(int64_t step, absl::Span<const float> x,
                                                    absl::Span<float> grad) {
-  // grad = a * (x - t) + noise * (2u - 1), u the Philox draw of (step, rank).
+  // grad = a * (x - t) + noise * (2u - 1), u the Philox draw of (step, rank);
+  // +0 for the dead elements.
   compress::FillDraws({seed_, static_cast<uint64_t>(step), rank_, 0}, grad.data(), grad.size());
   double loss = 0.0;
   for (uint64_t j = 0; j < dim(); ++j) {
     const float d = x[j] - target_[j];
-    grad[j] = curvature_[j] * d + noise_ * (2.0f * grad[j] - 1.0f);
+    const bool dead = dead_every_ != 0 && j % dead_every_ == 0;
+    grad[j] = dead ? 0.0f : curvature_[j] * d + noise_ * (2.0f * grad[j] - 1.0f);
     loss += 0.5 * double{curvature_[j]} * double{d} * double{d};
   }
   return loss / static_cast<double>(dim());

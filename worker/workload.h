@@ -5,6 +5,8 @@
 //   synthetic  0.5 * mean_j a_j (x_j - t_j)^2 plus per-(rank, step) uniform
 //              gradient noise; a, t and the noise come from Philox draws, so
 //              any D is cheap and every process can recompute any gradient.
+//              Optionally every dead_every-th element gets no gradient at
+//              all (a dead unit: v = 0, what the zero-variance mask is for).
 //   mlp        a ReLU multilayer perceptron with softmax cross-entropy on a
 //              CSV (label first) or libsvm data set; worker i trains on rows
 //              r with r mod N == i; the passes are worker/mlp_backprop.h's
@@ -114,6 +116,7 @@ class SyntheticWorkload final : public Workload {
   uint64_t seed_;
   uint32_t rank_;
   float noise_;
+  uint32_t dead_every_;  // elements j % dead_every == 0 get no gradient (0: none)
   std::vector<float> curvature_, target_;
 };
 

@@ -1,8 +1,9 @@
 // The GPU worker path (issue 4). Mixed jobs: rank 0 trains on the GPU
 // (--device cuda: x, m, v, error buffer and gradient in device memory), rank
-// 1 on the CPU, 2 shards, 1-bit Adam across the freeze step. With the
-// synthetic workload both workers and both server mirrors must be
-// bit-identical to the simulator after every step; with the mlp (cuBLAS)
+// 1 on the CPU, 2 shards, 1-bit Adam across the freeze step (with bias
+// correction and the zero-variance mask: the synthetic workload has dead
+// elements). With the synthetic workload both workers and both server
+// mirrors must be bit-identical to the simulator after every step; with the mlp (cuBLAS)
 // the GPU gradient must match the CPU's to rounding and both workers'
 // models must stay identical. These skip, saying why, without a GPU; the
 // --device checks at the end run everywhere.
@@ -95,7 +96,7 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
   const std::string config = R"(
     workers: 2
     shards: 2
-    synthetic { dim: 300007 noise: 0.3 }
+    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
     optimizer: "onebit_adam"
     adam { eps: 1e-4 }
     lr { lr: 0.01 }

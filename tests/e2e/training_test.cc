@@ -73,6 +73,24 @@ TEST(TrainingTest, OneBitAdamAcrossTheFreezeStepMatchesTheSimulator) {
   )");
 }
 
+// Dead elements (v = 0 at the freeze): the zero-variance mask and bias
+// correction (both on by default) on workers, mirrors and recompression; and
+// both off, DeepSpeed's OnebitAdam.
+TEST(TrainingTest, OneBitAdamWithDeadUnitsMatchesTheSimulatorWithAndWithoutItsOptions) {
+  std::string config(kCommon);
+  config.replace(config.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 }");
+  ExpectBitIdentical(config + R"(
+    optimizer: "onebit_adam"
+    freeze_step: 5
+  )");
+  ExpectBitIdentical(config + R"(
+    optimizer: "onebit_adam"
+    freeze_step: 5
+    adam { eps: 1e-4 bias_correction: false }
+    mask_zero_variance: false
+  )");
+}
+
 TEST(TrainingTest, LocoInt4EmaMatchesTheSimulator) {
   ExpectBitIdentical(std::string(kCommon) + R"(
     optimizer: "adam"

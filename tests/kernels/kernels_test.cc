@@ -405,6 +405,13 @@ TEST_F(KernelsTest, SyntheticGradientMatchesTheCpuFormula) {
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_NEAR(*got, loss / n, 1e-9 * std::abs(loss / n));
   EXPECT_EQ(FirstDifference(Download<float>(grad, n).data(), expected.data(), 4 * n, 4), "");
+  // Dead elements (synthetic { dead_every }): +0 there, the rest unchanged.
+  for (size_t j = 0; j < n; j += 3) expected[j] = 0.0f;
+  kernels::DeviceBuffer dead = Poisoned(4 * n);
+  ASSERT_TRUE(kernels::SyntheticGradient(*ctx_, 42, 17, 3, 0.25f, da.as<float>(), dt.as<float>(),
+                                         dx.as<float>(), dead.as<float>(), n, /*dead_every=*/3)
+                  .ok());
+  EXPECT_EQ(FirstDifference(Download<float>(dead, n).data(), expected.data(), 4 * n, 4), "") << "dead";
 }
 
 TEST_F(KernelsTest, NonFiniteInputIsRefusedLikeTheCpu) {

@@ -52,10 +52,12 @@ class DeviceServices {
   virtual MlpOps& mlp_ops() = 0;
   // The synthetic workload's gradient (SyntheticWorkload: the same floats as
   // its CPU formula): grad = a*(x - t) + noise*(2u - 1), u its Philox draw of
-  // (seed, step, rank); returns the mean loss.
+  // (seed, step, rank), and +0 where j % dead_every == 0 (0: nowhere);
+  // returns the mean loss.
   virtual absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step, uint32_t rank,
-                                                   float noise, const float* a, const float* t,
-                                                   const float* x, float* grad, size_t n) = 0;
+                                                   float noise, uint32_t dead_every, const float* a,
+                                                   const float* t, const float* x, float* grad,
+                                                   size_t n) = 0;
 };
 
 // A workload's gradient computed where an engine keeps its model: x and grad

@@ -253,10 +253,10 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
   MlpOps& mlp_ops() override { return *mlp_ops_; }
   absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step, uint32_t rank, float noise,
-                                           const float* a, const float* t, const float* x,
-                                           float* grad, size_t n) override {
+                                           uint32_t dead_every, const float* a, const float* t,
+                                           const float* x, float* grad, size_t n) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    return kernels::SyntheticGradient(*send_, seed, step, rank, noise, a, t, x, grad, n);
+    return kernels::SyntheticGradient(*send_, seed, step, rank, noise, a, t, x, grad, n, dead_every);
   }
 
  protected:
