@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -195,6 +196,19 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   uint64_t interval_up = 0, interval_down = 0;
   for (int64_t step = first_step; step < job.steps; ++step) {
     const absl::Time step_start = absl::Now();
+    if (step == job.algorithm.freeze_step && job.algorithm.optimizer == compress::OptimizerKind::kOneBitAdam) {
+      // v is frozen from here on: say how much the zero-variance mask holds.
+      if (absl::Status s = (*session)->SyncHost(); !s.ok()) return s;
+      const auto v = replica.v();
+      const size_t zeros = static_cast<size_t>(std::count(v.begin(), v.end(), 0.0f));
+      std::printf("worker %u: v frozen at step %lld; %zu of %zu elements have v = 0%s\n", options.rank,
+                  static_cast<long long>(step), zeros, v.size(),
+                  zeros == 0 ? ""
+                  : job.algorithm.mask_zero_variance
+                      ? " and are masked (mask_zero_variance)"
+                      : ": with mask_zero_variance off they get +-scale/eps updates");
+      std::fflush(stdout);
+    }
     auto loss = engine.Gradient(step);
     if (!loss.ok()) return loss.status();
     const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);

@@ -117,6 +117,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             f'worker_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
             f'server_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
         ]
+        self._freeze_step = freeze_step if optimizer == "onebit_adam" else None
+        self._mask_zero_variance = mask_zero_variance
         if optimizer == "onebit_adam":
             lines.append(f"freeze_step: {freeze_step}")
             lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
@@ -239,7 +241,23 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self.last_step = self._session.finish()
         else:
             self.last_step = self._session.finish()
+        if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
+            self._report_freeze()
         return loss
+
+    def _report_freeze(self):
+        # v is frozen from here on: which parameters hold elements with v = 0.
+        _, _, v, _ = self._session.get_state()
+        counts = [(i, p, int((v[lo:hi] == 0).sum())) for i, (p, (lo, hi))
+                  in enumerate(zip(self._params, self._ranges))]
+        total = sum(c for _, _, c in counts)
+        what = ("masked (mask_zero_variance)" if self._mask_zero_variance
+                else "NOT masked: they get +-scale/eps updates (mask_zero_variance=False)")
+        print(f"morse: v frozen at step {self._freeze_step}; {total} of {v.size} elements have "
+              f"v = 0 and are {what}", flush=True)
+        for i, p, c in counts:
+            if c:
+                print(f"morse:   parameter {i} {tuple(p.shape)}: {c} of {p.numel()}", flush=True)
 
     @property
     def step_index(self):
