@@ -1,0 +1,236 @@
+#!/usr/bin/python3
+"""Convergence of Morse's optimizers against torch.optim.Adam on models nobody
+tuned for (issue 13): a ReLU CNN on the UCI digits (Debian's python3-sklearn),
+a character-level GRU language model and a one-layer causal transformer on
+the license texts every Debian system ships (/usr/share/common-licenses).
+
+Each model trains with torch.optim.Adam in one process on the global batch
+(the union of every rank's batch: exactly synchronous data-parallel Adam),
+and under morse-run (2 workers, 1 server) with morse.torch.Adam (fp32),
+OneBitAdam (freeze at 20% of the steps) and LoCo (Adam with int4 and ema
+error feedback), all at default settings (eps 1e-8, bias correction, the
+zero-variance mask), on identical global batches from identical initial
+weights. It prints held-out loss and accuracy and the relative gap of the
+held-out loss to torch.optim.Adam's.
+
+    tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
+                               [--optimizers adam,onebit_adam,loco] [--json FILE] [--max-gap 0.02]
+
+MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+WORKERS = 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------- data
+def digits():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    order = np.random.RandomState(0).permutation(len(d.target))
+    x = torch.tensor(d.data[order] / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
+    y = torch.tensor(d.target[order])
+    return x[:-360], y[:-360], x[-360:], y[-360:]
+
+
+def license_text():
+    root = "/usr/share/common-licenses"
+    text = "".join(open(os.path.join(root, f), encoding="utf-8", errors="replace").read()
+                   for f in sorted(os.listdir(root)) if os.path.isfile(os.path.join(root, f)))
+    chars = sorted(set(text))
+    ids = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    split = int(0.9 * len(ids))
+    return ids[:split], ids[split:], len(chars)
+
+
+class Task:
+    """A model, its data and its batches: batch(rank, step) is rank's part of
+    the global batch of `step`, the same in every process."""
+
+    def __init__(self, name, steps):
+        self.name, self.steps = name, steps
+        if name == "cnn":
+            self.train_x, self.train_y, self.test_x, self.test_y = digits()
+            self.per_rank = 32
+        else:
+            self.train, self.test, self.vocab = license_text()
+            self.seq, self.per_rank = 64, 16
+
+    def model(self):
+        torch.manual_seed(1)
+        if self.name == "cnn":
+            return torch.nn.Sequential(
+                torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
+                torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                torch.nn.Flatten(), torch.nn.Linear(32 * 16, 64), torch.nn.ReLU(),
+                torch.nn.Linear(64, 10))
+        if self.name == "gru":
+            return CharModel(self.vocab, "gru")
+        return CharModel(self.vocab, "attention")
+
+    def batch(self, rank, step):
+        rng = np.random.RandomState(1000003 * step + rank)
+        if self.name == "cnn":
+            rows = np.arange(rank, len(self.train_y), WORKERS)
+            pick = rng.choice(rows, self.per_rank, replace=False)
+            return self.train_x[pick], self.train_y[pick]
+        starts = rng.randint(0, len(self.train) - self.seq - 1, self.per_rank)
+        x = torch.stack([self.train[s:s + self.seq] for s in starts])
+        y = torch.stack([self.train[s + 1:s + self.seq + 1] for s in starts])
+        return x, y
+
+    def loss(self, model, x, y):
+        out = model(x)
+        if self.name == "cnn":
+            return torch.nn.functional.cross_entropy(out, y)
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        model.eval()
+        if self.name == "cnn":
+            out = model(self.test_x)
+            loss = torch.nn.functional.cross_entropy(out, self.test_y).item()
+            acc = (out.argmax(1) == self.test_y).float().mean().item()
+        else:
+            n = (len(self.test) - 1) // self.seq
+            x = self.test[:n * self.seq].reshape(n, self.seq)
+            y = self.test[1:n * self.seq + 1].reshape(n, self.seq)
+            out = model(x)
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).item()
+            acc = (out.argmax(-1) == y).float().mean().item()
+        model.train()
+        return loss, acc
+
+
+class CharModel(torch.nn.Module):
+    def __init__(self, vocab, kind, width=96):
+        super().__init__()
+        self.kind = kind
+        self.embed = torch.nn.Embedding(vocab, width)
+        if kind == "gru":
+            self.body = torch.nn.GRU(width, width, batch_first=True)
+        else:
+            self.position = torch.nn.Parameter(torch.randn(256, width) * 0.02)
+            self.body = torch.nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0,
+                                                         batch_first=True)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if self.kind == "gru":
+            h, _ = self.body(h)
+        else:
+            t = x.shape[1]
+            mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+            h = self.body(h + self.position[:t], src_mask=mask)
+        return self.head(h)
+
+
+LR = {"cnn": 2e-3, "gru": 3e-3, "attention": 1e-3}
+
+
+# ---------------------------------------------------------------- runs
+def torch_adam(task):
+    model = task.model()
+    opt = torch.optim.Adam(model.parameters(), lr=LR[task.name])
+    for step in range(task.steps):
+        opt.zero_grad()
+        parts = [task.batch(r, step) for r in range(WORKERS)]
+        # The mean over the global batch: the mean of the ranks' means.
+        loss = sum(task.loss(model, x, y) for x, y in parts) / WORKERS
+        loss.backward()
+        opt.step()
+    return task.evaluate(model)
+
+
+def worker(task, optimizer):
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    model = task.model()
+    lr = LR[task.name]
+    if optimizer == "onebit_adam":
+        opt = morse.torch.OneBitAdam(model.parameters(), lr=lr, freeze_step=max(1, task.steps // 5))
+    elif optimizer == "loco":
+        opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
+                               feedback_beta=0.5)
+    else:
+        opt = morse.torch.Adam(model.parameters(), lr=lr)
+    for step in range(task.steps):
+        opt.zero_grad()
+        x, y = task.batch(rank, step)
+        task.loss(model, x, y).backward()
+        opt.step()
+    if rank == 0:
+        loss, acc = task.evaluate(model)
+        print("RESULT " + json.dumps({"loss": loss, "accuracy": acc}), flush=True)
+
+
+def morse(task, optimizer, morse_run):
+    command = [morse_run, "--servers", "1", "--workers", str(WORKERS), "--", sys.executable,
+               os.path.abspath(__file__), "--worker", task.name, optimizer, "--steps", str(task.steps)]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=3600)
+    lines = [l for l in result.stdout.splitlines() if "RESULT " in l]
+    if result.returncode != 0 or not lines:
+        return None, result.stdout[-2000:]
+    r = json.loads(lines[-1].split("RESULT ", 1)[1])
+    return (r["loss"], r["accuracy"]), ""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--models", default="cnn,gru,attention")
+    parser.add_argument("--optimizers", default="adam,onebit_adam,loco")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--max-gap", type=float, default=None,
+                        help="exit 1 if a Morse optimizer's held-out loss is more than this "
+                             "fraction above torch.optim.Adam's (e.g. 0.02)")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.worker:
+        worker(Task(args.worker[0], args.steps), args.worker[1])
+        return 0
+    morse_run = os.environ.get("MORSE_RUN") or os.path.join(HERE, "..", "..", "build", "bin", "morse-run")
+    rows, failed = [], False
+    print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to Adam':>12} {'s':>6}")
+    for name in args.models.split(","):
+        task = Task(name, args.steps)
+        start = time.time()
+        ref_loss, ref_acc = torch_adam(task)
+        print(f"{name:10} {'torch.optim.Adam':18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} {time.time() - start:6.1f}",
+              flush=True)
+        rows.append({"model": name, "optimizer": "torch_adam", "loss": ref_loss, "accuracy": ref_acc})
+        for optimizer in args.optimizers.split(","):
+            start = time.time()
+            result, log = morse(task, optimizer, morse_run)
+            if result is None:
+                failed = True
+                print(f"{name:10} {optimizer:18} FAILED\n{log}", flush=True)
+                rows.append({"model": name, "optimizer": optimizer, "failed": True})
+                continue
+            loss, acc = result
+            gap = (loss - ref_loss) / ref_loss
+            if args.max_gap is not None and gap > args.max_gap:
+                failed = True
+            print(f"{name:10} {optimizer:18} {loss:13.4f} {acc:9.4f} {100 * gap:+11.2f}% {time.time() - start:6.1f}",
+                  flush=True)
+            rows.append({"model": name, "optimizer": optimizer, "loss": loss, "accuracy": acc, "gap": gap})
+    if args.json:
+        json.dump({"steps": args.steps, "workers": WORKERS, "rows": rows}, open(args.json, "w"), indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
