@@ -159,7 +159,7 @@ def worker(task, optimizer):
     model = task.model()
     lr = LR[task.name]
     if optimizer == "onebit_adam":
-        opt = morse.torch.OneBitAdam(model.parameters(), lr=lr, freeze_step=max(1, task.steps // 5))
+        opt = morse.torch.OneBitAdam(model.named_parameters(), lr=lr, freeze_step=max(1, task.steps // 5))
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5)

@@ -92,6 +92,28 @@ def main():
         server.terminate()
         server.wait()
 
+    # A non-finite gradient: the error names the parameter, the step and
+    # phase, and what to try.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    port = free_port()
+    server = subprocess.Popen([_find_server(),
+                               "--config", base, "--shard", "0", "--listen", f"127.0.0.1:{port}",
+                               "--insecure"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        opt = morse.torch.OneBitAdam(model.named_parameters(), freeze_step=1, rank=0, world_size=1,
+                                     servers=[f"127.0.0.1:{port}"], config=base, overlap=False)
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()  # warmup
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        model[1].weight.grad.fill_(float("inf"))
+        expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
+    finally:
+        server.terminate()
+        server.wait()
+
     # Different models on different ranks.
     code, out = morse_run(__file__, 2, 1, "mismatch",
                           config=config_file("timeouts { connect_seconds: 3 }\n"), timeout=120)

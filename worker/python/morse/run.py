@@ -23,9 +23,11 @@ import threading
 import time
 
 
-def _stream(pipe, prefix, sink, marker=None):
+def _stream(pipe, prefix, sink, marker=None, errors=None):
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace")
+        if errors is not None and ("Error" in line or "error:" in line):
+            errors.append(line.rstrip())  # the rank's errors, for the summary at a failure
         if marker is not None and "listening on" in line:
             marker["address"] = line.rsplit("listening on", 1)[1].strip()
             marker["event"].set()
@@ -141,13 +143,15 @@ def main(argv=None):
         env["MORSE_TOKEN_FILE"] = os.path.abspath(args.token_file)
     package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    workers = []
+    workers, errors = [], []
     for r in range(args.workers):
         p = subprocess.Popen(command, env=dict(env, MORSE_RANK=str(r)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
         workers.append(p)
-        t = threading.Thread(target=_stream, args=(p.stdout, f"[rank {r}] ", sys.stdout), daemon=True)
+        errors.append([])
+        t = threading.Thread(target=_stream, args=(p.stdout, f"[rank {r}] ", sys.stdout, None, errors[r]),
+                             daemon=True)
         t.start()
         threads.append(t)
 
@@ -160,7 +164,10 @@ def main(argv=None):
                 continue
             remaining.discard(r)
             if code != 0:
-                sys.stderr.write(f"morse-run: rank {r} exited with {code}; stopping the job\n")
+                time.sleep(0.2)  # the rank's last lines
+                first = next((e for e in errors[r] if "MorseError" in e), errors[r][-1] if errors[r] else "")
+                sys.stderr.write(f"morse-run: rank {r} exited with {code}; stopping the job"
+                                 + (f"\nmorse-run: rank {r}'s error: {first}" if first else "") + "\n")
                 status = code
                 remaining.clear()
                 break

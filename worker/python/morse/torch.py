@@ -70,10 +70,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         params = list(params)
         if not params:
             raise ValueError("the optimizer got no parameters")
+        # model.named_parameters() gives errors the parameters' names.
+        names = None
+        if all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params):
+            names = [n for n, _ in params]
+            params = [p for _, p in params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if len(self.param_groups) != 1:
             raise ValueError("Morse optimizers take a single parameter group")
         self._params = list(self.param_groups[0]["params"])
+        self._names = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._params)]
         for i, p in enumerate(self._params):
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {i} ({tuple(p.shape)}) is {p.dtype}; "
@@ -188,19 +194,62 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._send(q)
 
     def _begin(self):
-        if self._cuda:
-            self._session.begin_device()
+        with self._explained():
+            if self._cuda:
+                self._session.begin_device()
+            else:
+                self._session.begin(self._flat_grad.numpy())
+
+    def _explained(self):
+        optimizer = self
+
+        class Explained:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, kind, error, trace):
+                if isinstance(error, MorseError) and "not finite" in str(error):
+                    raise optimizer._explain(error) from None
+                return False
+        return Explained()
+
+    def _explain(self, error):
+        """A non-finite value stopped the step: say where and what to try."""
+        step = self.step_index
+        if self._freeze_step is None:
+            phase = "adam"
         else:
-            self._session.begin(self._flat_grad.numpy())
+            phase = "compression phase" if step >= self._freeze_step else "warmup"
+        bad, largest = [], (0.0, None)
+        with torch.no_grad():
+            for name, (lo, hi) in zip(self._names, self._ranges):
+                x, g = self._flat[lo:hi], self._flat_grad[lo:hi]
+                if not (torch.isfinite(x).all() and torch.isfinite(g).all()):
+                    bad.append(name)
+                else:
+                    top = x.abs().max().item() if hi > lo else 0.0
+                    if top > largest[0]:
+                        largest = (top, name)
+        where = (f"non-finite values in {', '.join(bad)}" if bad else
+                 f"no parameter holds Inf or NaN; the largest |x| is {largest[0]:.3g} in {largest[1]}")
+        advice = ("likely causes: a learning rate too large for this model"
+                  + ("; in 1-bit Adam's compression phase, elements whose frozen variance is tiny but "
+                     "not zero get steps of about lr*scale/sqrt(v) (try a larger eps such as 1e-6, "
+                     "a later freeze_step, or a lower lr; mask_zero_variance only covers v = 0)"
+                     if phase == "compression phase" else "")
+                  + "; a loss that is already Inf or NaN (check it before step())")
+        return MorseError(f"{error}\n  at step {step} ({phase}): {where}\n  {advice}")
 
     def _send(self, q):
         if self._cuda:
             # The encode waits for the gradient work queued on the stream
             # that produced it; the host does not block.
             with torch.cuda.device(self._device):
-                self._session.send_partition(q, torch.cuda.current_stream(self._device).cuda_stream)
+                with self._explained():
+                    self._session.send_partition(q, torch.cuda.current_stream(self._device).cuda_stream)
         else:
-            self._session.send_partition(q)
+            with self._explained():
+                self._session.send_partition(q)
 
     def _restore_views(self):
         # Someone may have replaced a .grad (set_to_none, or an assignment);
@@ -237,10 +286,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._send(q)
         self._pending = None
         if self._cuda:
-            with torch.cuda.device(self._device):
+            with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
         else:
-            self.last_step = self._session.finish()
+            with self._explained():
+                self.last_step = self._session.finish()
         if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
             self._report_freeze()
         return loss
