@@ -23,9 +23,12 @@ import threading
 import time
 
 
-def _stream(pipe, prefix, sink, marker=None, errors=None):
+def _stream(pipe, prefix, sink, marker=None, errors=None, lines=None):
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace")
+        if lines is not None:
+            lines.append(line.rstrip())
+            del lines[:-20]
         if errors is not None and ("Error" in line or "error:" in line):
             errors.append(line.rstrip())  # the rank's errors, for the summary at a failure
         if marker is not None and "listening on" in line:
@@ -51,6 +54,22 @@ def _base_config(path, workers, shards):
     if not re.search(r"^\s*(external|synthetic|mlp)\s*[:{]", text, re.M):
         text += "\nexternal {}\n"
     return text
+
+
+def _check_interpreter(command, env):
+    """When COMMAND runs a Python, check that it can import morse.torch, and
+    if not, say which Python it is and why: the usual mistake is a python3
+    first on PATH that is not the one with torch."""
+    program = os.path.basename(command[0])
+    if not program.startswith("python"):
+        return None
+    found = shutil.which(command[0], path=env.get("PATH")) or command[0]
+    check = subprocess.run([found, "-c", "import morse.torch"], env=env, capture_output=True, text=True)
+    if check.returncode == 0:
+        return None
+    why = (check.stderr.strip().splitlines() or ["(no message)"])[-1]
+    return (f"morse-run: {command[0]} is {found}, which cannot import morse.torch: {why}\n"
+            f"morse-run: name the Python that has torch (e.g. -- /usr/bin/python3 train.py)")
 
 
 def _find_server():
@@ -119,7 +138,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    addresses = []
+    addresses, servers, server_lines = [], [], []
     for s in range(args.servers):
         # Loopback only, so plaintext is asked for explicitly.
         p = subprocess.Popen([server_bin, "--config", config_path, "--shard", str(s),
@@ -128,7 +147,10 @@ def main(argv=None):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
         marker = {"event": threading.Event()}
-        t = threading.Thread(target=_stream, args=(p.stdout, f"[server {s}] ", sys.stdout, marker),
+        servers.append(p)
+        server_lines.append([])
+        t = threading.Thread(target=_stream, args=(p.stdout, f"[server {s}] ", sys.stdout, marker,
+                                                   None, server_lines[s]),
                              daemon=True)
         t.start()
         threads.append(t)
@@ -137,15 +159,23 @@ def main(argv=None):
             raise SystemExit(f"morse-run: server {s} did not start (see its output above)")
         addresses.append(marker["address"])
 
+    # MORSE_* for morse.torch, and torch.distributed's names (RANK,
+    # WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) for samplers and scripts that
+    # read them; every rank is on this host.
     env = dict(os.environ, MORSE_WORLD_SIZE=str(args.workers), MORSE_SERVERS=",".join(addresses),
-               MORSE_CONFIG=config_path, MORSE_INSECURE="1")
+               MORSE_CONFIG=config_path, MORSE_INSECURE="1", WORLD_SIZE=str(args.workers),
+               LOCAL_WORLD_SIZE=str(args.workers))
     if args.token_file:
         env["MORSE_TOKEN_FILE"] = os.path.abspath(args.token_file)
     package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    problem = _check_interpreter(command, env)
+    if problem:
+        stop_all()
+        raise SystemExit(problem)
     workers, errors = [], []
     for r in range(args.workers):
-        p = subprocess.Popen(command, env=dict(env, MORSE_RANK=str(r)),
+        p = subprocess.Popen(command, env=dict(env, MORSE_RANK=str(r), RANK=str(r), LOCAL_RANK=str(r)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
         workers.append(p)
@@ -158,6 +188,16 @@ def main(argv=None):
     status = 0
     remaining = set(range(args.workers))
     while remaining:
+        # A server that dies ends the job at once, with its last words.
+        dead = [(s, servers[s].poll()) for s in range(len(servers)) if servers[s].poll() is not None]
+        if dead:
+            s, code = dead[0]
+            time.sleep(0.2)
+            last = server_lines[s][-5:]
+            sys.stderr.write(f"morse-run: server {s} exited with {code}; stopping every rank\n"
+                             + "".join(f"morse-run: server {s}: {line}\n" for line in last))
+            status = 3
+            break
         for r in sorted(remaining):
             code = workers[r].poll()
             if code is None:

@@ -78,8 +78,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         if len(self.param_groups) != 1:
             raise ValueError("Morse optimizers take a single parameter group")
-        self._params = list(self.param_groups[0]["params"])
-        self._names = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(self._params)]
+        every = list(self.param_groups[0]["params"])
+        every_name = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(every)]
+        # Frozen parameters (requires_grad=False) stay out of the flat buffer:
+        # Morse never touches them, as torch.optim never updates them.
+        self._params = [p for p in every if p.requires_grad]
+        self._names = [n for n, p in zip(every_name, every) if p.requires_grad]
+        if not self._params:
+            raise ValueError("every parameter has requires_grad=False; there is nothing to train")
         for i, p in enumerate(self._params):
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {i} ({tuple(p.shape)}) is {p.dtype}; "
@@ -177,6 +183,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._hooks.append((accumulator, accumulator.register_hook(
                         lambda *unused, i=i: self._gradient_ready(i))))
         self.last_step = {}
+
+    def add_param_group(self, param_group):
+        if hasattr(self, "_session"):
+            raise ValueError("Morse optimizers train one flat buffer fixed at construction: "
+                             "add_param_group is not supported; build the optimizer with every "
+                             "parameter")
+        super().add_param_group(param_group)
 
     @property
     def rank(self):

@@ -1,0 +1,75 @@
+"""torch idioms under morse-run (issue 19, first part): the launcher sets
+torch.distributed's variables, frozen parameters (requires_grad=False) stay
+bit-unchanged, add_param_group is refused with a message, and morse-run
+says which Python it found when that one cannot import morse."""
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from harness import check, morse_run  # noqa: E402
+
+
+def worker(out):
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)  # a frozen layer
+    frozen = model[0].weight.detach().clone()
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=2, block_elems=16,
+                                 partition_elems=32)
+    for step in range(6):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(10 * step + rank)
+        model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+        opt.step()
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    json.dump({"env": env, "frozen_unchanged": torch.equal(model[0].weight, frozen),
+               "add_param_group": refused, "checksum": opt.checksum()},
+              open(f"{out}/rank-{rank}.json", "w"))
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    out = tempfile.mkdtemp(prefix="morse-idioms-")
+    code, log = morse_run(__file__, 2, 1, out)
+    print(log)
+    check(code == 0, "the job failed")
+    ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(2)]
+    for r, got in enumerate(ranks):
+        check(got["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                             "LOCAL_WORLD_SIZE": "2"}, f"rank {r}'s torch variables: {got['env']}")
+        check(got["frozen_unchanged"], f"rank {r}: a requires_grad=False parameter moved")
+        check("add_param_group is not supported" in got["add_param_group"],
+              f"rank {r}: add_param_group was not refused: {got['add_param_group']!r}")
+    check(ranks[0]["checksum"] == ranks[1]["checksum"], "the ranks differ")
+    print("ok: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set; frozen parameters unchanged; "
+          "add_param_group refused")
+
+    # A python3 on PATH that cannot import morse: morse-run names it.
+    bin_dir = tempfile.mkdtemp(prefix="morse-fakepy-")
+    fake = os.path.join(bin_dir, "python3")
+    with open(fake, "w") as f:
+        f.write(f"#!/bin/sh\nexec {sys.executable} -I \"$@\"\n")  # -I: ignores PYTHONPATH
+    os.chmod(fake, os.stat(fake).st_mode | stat.S_IEXEC)
+    result = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--workers", "1", "--",
+                             "python3", "-c", "pass"],
+                            env=dict(os.environ, PATH=bin_dir + ":" + os.environ["PATH"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    print(result.stdout[-1500:])
+    check(result.returncode != 0, "morse-run should refuse")
+    check(f"python3 is {fake}, which cannot import morse.torch" in result.stdout,
+          "the message names the interpreter")
+    print("PASS")
