@@ -1,5 +1,6 @@
 #include "compress/replica.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -34,14 +35,26 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
   return rule;
 }
 
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step) {
+absl::Status ValidateStepHyper(const StepHyper& hyper) {
+  if (!(hyper.lr >= 0.0f) || !std::isfinite(hyper.lr) || !(hyper.weight_decay >= 0.0f) ||
+      !std::isfinite(hyper.weight_decay)) {
+    return absl::InvalidArgumentError(absl::StrCat("lr ", hyper.lr, " and weight_decay ",
+                                                   hyper.weight_decay,
+                                                   " must be finite and not negative"));
+  }
+  return absl::OkStatus();
+}
+
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper) {
   const StepPlan plan = PlanStep(config, step);
   ReplyRule rule;
   rule.codec = plan.down;
   rule.frozen_variance = plan.compressing;
   rule.mask = plan.compressing && config.mask_zero_variance;
-  rule.scalars = MakeAdamScalars(config.adam, LearningRate(config.lr, step), step + 1,
-                                 config.bias_correction);
+  AdamHyper adam = config.adam;
+  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
+  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
+  rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
   if (plan.compressing && config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
     rule.scalars.bias_correction2 =
@@ -133,13 +146,13 @@ Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> e
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
-                                 absl::Span<const uint8_t> reply) {
+                                 absl::Span<const uint8_t> reply, const StepHyper* hyper) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
         range_.begin, ", ", range_.end, ")"));
   }
-  const ReplyRule rule = PlanReply(config_, step);
+  const ReplyRule rule = PlanReply(config_, step, hyper);
   std::vector<float> decoded(n);
   if (absl::Status s = Decode(rule.codec, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
   const size_t offset = begin - range_.begin;

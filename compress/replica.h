@@ -60,7 +60,7 @@ struct ReplyRule {
   // Bias correction 1 - b1^t' and 1 - b2^t' (1 - b2^T_w once frozen), or 1.
   AdamScalars scalars;
 };
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step);
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper = nullptr);
 // The update of a ReplyRule on host arrays of decoded.size() elements
 // (decoded is masked in place when the rule masks).
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
@@ -98,10 +98,11 @@ class Replica {
   absl::Span<const float> v() const { return v_; }
 
   // Decodes the reply of step `step` for global elements [begin, begin + n)
+  // (with the workers' `hyper`, if they set one)
   // and applies the update. INVALID_ARGUMENT (nothing changed) if the
   // payload is malformed or the range is outside the replica.
   absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
-                          absl::Span<const uint8_t> reply);
+                          absl::Span<const uint8_t> reply, const StepHyper* hyper = nullptr);
 
   // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()).
   void LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out) const;

@@ -119,7 +119,8 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   return Decode(down.codec, payload, absl::MakeSpan(reply));
 }
 
-absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients) {
+absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients,
+                             const StepHyper* hyper) {
   if (gradients.size() != config_.workers) {
     return absl::InvalidArgumentError(absl::StrCat(
         gradients.size(), " gradients for ", config_.workers, " workers"));
@@ -135,7 +136,10 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   for (const Partition& p : layout_.partitions()) {
     if (absl::Status s = RoundTrip(p, gradients, replies[p.id]); !s.ok()) return s;
   }
-  const ReplyRule rule = PlanReply(config_, step_);
+  if (hyper != nullptr) {
+    if (absl::Status s = ValidateStepHyper(*hyper); !s.ok()) return s;
+  }
+  const ReplyRule rule = PlanReply(config_, step_, hyper);
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
     ApplyRule(rule, absl::MakeSpan(replies[p.id]), absl::MakeSpan(x_).subspan(begin, n),

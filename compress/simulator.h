@@ -23,6 +23,15 @@
 
 namespace morse::compress {
 
+// A step's learning rate and weight decay set by the workers (PyTorch's
+// param_groups, carried in every push) instead of the job's schedule and
+// adam.weight_decay. Both finite and not negative (ValidateStepHyper).
+struct StepHyper {
+  float lr = 0;
+  float weight_decay = 0;
+};
+absl::Status ValidateStepHyper(const StepHyper& hyper);
+
 enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam };
 
 struct SimulatorConfig {
@@ -70,7 +79,10 @@ class Simulator {
   // Runs one step. gradients[i] is worker i's gradient (size D).
   // INVALID_ARGUMENT on wrong sizes or a non-finite encode; state is then
   // undefined for an encode failure and unchanged for a size error.
-  absl::Status Step(absl::Span<const absl::Span<const float>> gradients);
+  // `hyper`: this step's learning rate and weight decay set by the workers
+  // (as pushes carry them), instead of the schedule.
+  absl::Status Step(absl::Span<const absl::Span<const float>> gradients,
+                    const StepHyper* hyper = nullptr);
 
   int64_t step() const { return step_; }  // steps completed
   bool compressing() const;               // is the next step compressed?

@@ -72,6 +72,14 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   args.layout_fingerprint = request->layout_fingerprint();
   args.codec = *codec;
   args.payload = request->payload();
+  if (request->has_lr() != request->has_weight_decay()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                 "a push sets lr and weight_decay together or neither"));
+    return reactor;
+  }
+  if (request->has_lr()) {
+    args.hyper = compress::StepHyper{request->lr(), request->weight_decay()};
+  }
   const size_t bytes_in = request->payload().size();
   const compress::CodecKind kind = *codec;
   core->Push(std::move(args),

@@ -24,6 +24,10 @@ struct ShardCore::PartitionState {
   std::vector<std::optional<std::string>> pushes ABSL_GUARDED_BY(mu);
   uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
   absl::Time first_arrival ABSL_GUARDED_BY(mu);
+  // The step's lr and weight decay as the first push carried them (every
+  // other push must carry the same), and that push's rank.
+  std::optional<compress::StepHyper> hyper ABSL_GUARDED_BY(mu);
+  uint32_t hyper_rank ABSL_GUARDED_BY(mu) = 0;
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
   // The last completed step, next_step - 1:
   std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
@@ -134,6 +138,11 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     return reject(s);
   }
   if (args.step < 0) return reject(absl::InvalidArgumentError("negative step"));
+  if (args.hyper.has_value()) {
+    if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
+      return reject(absl::InvalidArgumentError(absl::StrCat("rank ", args.rank, ": ", s.message())));
+    }
+  }
   PartitionState& p = *partitions_[args.partition - layout_.shard_partitions(shard_).front().id];
   std::shared_ptr<const Reply> reply;
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
@@ -179,6 +188,22 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
             "rank ", args.rank, " partition ", args.partition, " step ", args.step, ": ",
             s.message())));
       }
+      const auto same = [](const std::optional<compress::StepHyper>& a,
+                           const std::optional<compress::StepHyper>& b) {
+        return a.has_value() == b.has_value() &&
+               (!a.has_value() || (std::memcmp(&a->lr, &b->lr, 4) == 0 &&
+                                   std::memcmp(&a->weight_decay, &b->weight_decay, 4) == 0));
+      };
+      const auto describe = [](const std::optional<compress::StepHyper>& h) {
+        return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ", h->weight_decay)
+                             : std::string("the job's schedule");
+      };
+      if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "rank ", args.rank, " asks for ", describe(args.hyper), " at step ", args.step,
+            " but rank ", p.hyper_rank, " asked for ", describe(p.hyper),
+            "; every worker must use the same learning rate and weight decay each step")));
+      }
       std::optional<std::string>& slot = p.pushes[args.rank];
       if (slot.has_value()) {
         if (*slot != args.payload) {
@@ -187,7 +212,11 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
               " with different bytes")));
         }
       } else {
-        if (p.arrived == 0) p.first_arrival = absl::Now();
+        if (p.arrived == 0) {
+          p.first_arrival = absl::Now();
+          p.hyper = args.hyper;
+          p.hyper_rank = args.rank;
+        }
         slot = std::move(args.payload);
         ++p.arrived;
       }
@@ -249,12 +278,16 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
                  ? server_error_.Compress(rule.codec, offset, average, rule.key, payload, mask_v)
                  : compress::Encode(rule.codec, average, rule.key, payload);
   }
-  if (status.ok()) status = mirror_.ApplyReply(step, part.range.begin, n, payload);
+  if (status.ok()) {
+    status = mirror_.ApplyReply(step, part.range.begin, n, payload,
+                                p.hyper.has_value() ? &*p.hyper : nullptr);
+  }
   for (size_t r = 0; r < p.pushes.size(); ++r) {
     p.last_hashes[r] = HashBytes(*p.pushes[r]);
     p.pushes[r].reset();
   }
   p.arrived = 0;
+  p.hyper.reset();
   if (!status.ok()) {
     return absl::InternalError(absl::StrCat("partition ", part.id, " step ", step,
                                             ": recompression failed: ", status.message()));
@@ -301,6 +334,7 @@ void ShardCore::ExpireWaiting(absl::Time now) {
           " did not push; is a worker down?"));
       for (auto& push : p.pushes) push.reset();
       p.arrived = 0;
+      p.hyper.reset();
       waiters.swap(p.waiters);
     }
     for (auto& [rank, callback] : waiters) callback(status);

@@ -24,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,7 @@ struct PushArgs {
   uint64_t layout_fingerprint = 0;
   compress::CodecKind codec = compress::CodecKind::kFp32;
   std::string payload;
+  std::optional<compress::StepHyper> hyper;  // the workers' lr and weight decay, if set
 };
 
 struct Reply {

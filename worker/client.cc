@@ -226,8 +226,13 @@ struct StepExchange::Call {
   int attempt = 0;
 };
 
-StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply)
-    : client_(client), step_(step), wire_codec_(proto::ToWire(up)), apply_(std::move(apply)) {}
+StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
+                           std::optional<compress::StepHyper> hyper)
+    : client_(client),
+      step_(step),
+      wire_codec_(proto::ToWire(up)),
+      apply_(std::move(apply)),
+      hyper_(hyper) {}
 
 StepExchange::~StepExchange() {
   absl::MutexLock lock(&mu_);
@@ -304,6 +309,10 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   call->request.set_partition(partition.id);
   call->request.set_layout_fingerprint(client_->layout_.fingerprint());
   call->request.set_codec(static_cast<v1::Codec>(wire_codec_));
+  if (hyper_.has_value()) {
+    call->request.set_lr(hyper_->lr);
+    call->request.set_weight_decay(hyper_->weight_decay);
+  }
   const absl::Time start = absl::Now();
   absl::Status encoded = encode(partition, call->request.mutable_payload());
   {

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,7 +49,10 @@ class StepExchange {
   using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
   using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply)>;
 
-  StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply);
+  // `hyper`: the step's learning rate and weight decay, sent with every
+  // push (absent: the job's schedule).
+  StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
+               std::optional<compress::StepHyper> hyper = std::nullopt);
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
   StepExchange& operator=(const StepExchange&) = delete;
@@ -65,6 +69,7 @@ class StepExchange {
   const int64_t step_;
   const int wire_codec_;
   Apply apply_;
+  const std::optional<compress::StepHyper> hyper_;
   absl::Mutex mu_;
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);

@@ -89,6 +89,14 @@ absl::Status Session::Begin(absl::Span<const float> grad) {
 
 absl::Status Session::BeginFromEngine() { return BeginStep(); }
 
+absl::Status Session::SetStepHyper(std::optional<compress::StepHyper> hyper) {
+  if (hyper.has_value()) {
+    if (absl::Status s = compress::ValidateStepHyper(*hyper); !s.ok()) return s;
+  }
+  hyper_ = hyper;
+  return absl::OkStatus();
+}
+
 absl::Status Session::StepFromEngine(StepTraffic* traffic) {
   if (absl::Status s = BeginFromEngine(); !s.ok()) return s;
   return Finish(traffic);
@@ -117,11 +125,15 @@ absl::Status Session::BeginStep() {
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   const int64_t step = step_;
+  if (hyper_.has_value()) step_hyper_ = *hyper_;
+  const compress::StepHyper* hyper = hyper_.has_value() ? &step_hyper_ : nullptr;
   exchange_ = std::make_unique<StepExchange>(
-      client_.get(), step, plan_.up.kind, [this, step](const compress::Partition& p, const std::string& reply) {
+      client_.get(), step, plan_.up.kind,
+      [this, step, hyper](const compress::Partition& p, const std::string& reply) {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
-        return engine_->ApplyReply(step, p, bytes);
-      });
+        return engine_->ApplyReply(step, p, bytes, hyper);
+      },
+      hyper_);
   return absl::OkStatus();
 }
 

@@ -10,6 +10,7 @@
 #define MORSE_WORKER_SESSION_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,11 @@ class Session {
   // then SendPartition for each partition whose gradient is complete (any
   // order, each once), then Finish, which sends the rest and waits.
   absl::Status Begin(absl::Span<const float> grad);
+  // The learning rate and weight decay of the steps that begin from now on
+  // (PyTorch's param_groups), sent with every push and applied by every
+  // replica and mirror; nullopt: the job's schedule. INVALID_ARGUMENT for
+  // negative or non-finite values.
+  absl::Status SetStepHyper(std::optional<compress::StepHyper> hyper);
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
@@ -103,6 +109,8 @@ class Session {
   int64_t step_ = 0;
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
+  std::optional<compress::StepHyper> hyper_;
+  compress::StepHyper step_hyper_;  // the step in flight's copy of hyper_
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only

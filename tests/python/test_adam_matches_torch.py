@@ -3,7 +3,9 @@
 averaged gradient, after every step, to 1e-5 absolute (the two evaluate the
 same formula in different orders: Morse m/bc1 / (sqrt(v/bc2) + eps), torch
 m / (sqrt(v)/sqrt(bc2) + eps) * lr/bc1). Several parameter shapes, several
-partitions."""
+partitions. Then the same with torch's LambdaLR and StepLR schedulers and a
+weight-decay change in param_groups mid-run, which Morse reads at every step
+(against torch.optim.AdamW: Morse's weight decay is decoupled)."""
 import os
 import sys
 
@@ -28,17 +30,31 @@ def data(rank, step):
     return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
-def worker():
+def worker(schedules):
     import morse.torch
     torch.manual_seed(1)
     model = Model()
-    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32)
+    rank = int(os.environ["MORSE_RANK"])
+    # Rank 0 pushes from the backward pass, rank 1 at step(): the same bits.
+    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32,
+                           overlap=rank == 0)
     world = int(os.environ["MORSE_WORLD_SIZE"])
     reference = Model()
     reference.load_state_dict(model.state_dict())  # rank 0's values, which everyone now has
-    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    # Morse's weight decay is decoupled, as AdamW's (identical to Adam at 0).
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
+    schedulers = []
+    if schedules:
+        # Linear warmup over 4 steps, then halving every 6, on both sides.
+        for o in (opt, ref_opt):
+            warm = torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / 4))
+            schedulers.append(warm)
+            schedulers.append(torch.optim.lr_scheduler.StepLR(o, step_size=6, gamma=0.5))
     worst = 0.0
     for step in range(20):
+        if schedules and step == 10:
+            for o in (opt, ref_opt):  # a manual change of the weight decay
+                o.param_groups[0]["weight_decay"] = 0.05
         x, y = data(opt.rank, step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -55,18 +71,22 @@ def worker():
                 total += g
             p.grad = total / world
         ref_opt.step()
+        for sched in schedulers:
+            sched.step()
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
-    print(f"rank {opt.rank}: 20 steps, largest difference from torch.optim.Adam {worst:.2e}")
+    what = "with LambdaLR, StepLR and a weight-decay change" if schedules else "constant"
+    print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker()
+        worker(sys.argv[-1] == "schedules")
         sys.exit(0)
-    code, out = morse_run(__file__, workers=2, servers=2)
-    print(out)
-    check(code == 0, "the job failed")
-    check(out.count("largest difference from torch.optim.Adam") == 2, "both ranks report")
+    for mode in ("constant", "schedules"):
+        code, out = morse_run(__file__, 2, 2, mode)
+        print(out)
+        check(code == 0, f"the job failed ({mode})")
+        check(out.count("largest difference from torch.optim.Adam") == 2, "both ranks report")
     print("PASS")

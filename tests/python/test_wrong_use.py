@@ -53,6 +53,41 @@ def worker_mismatch():
         sys.exit(3)
 
 
+def worker_lr():
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = morse.torch.Adam(model.parameters(), lr=0.01)
+    try:
+        for step in range(3):
+            if step == 1:
+                opt.param_groups[0]["lr"] = 0.01 * (rank + 1)  # the ranks disagree
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+    except morse.torch.MorseError as e:
+        print(f"LR rank {rank}: {e}")
+        sys.exit(3)
+
+
+def worker_late_lr():
+    import morse.torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = morse.torch.Adam(model.parameters(), lr=0.01)  # overlap: pushes from backward()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # the first step waits for every rank, then pushes at step()
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.param_groups[0]["lr"] = 0.5  # too late: already pushed
+    try:
+        opt.step()
+    except morse.torch.MorseError as e:
+        print(f"LATE: {e}")
+        sys.exit(3)
+
+
 def main():
     import morse.torch
     from morse import MorseError
@@ -114,6 +149,17 @@ def main():
         server.terminate()
         server.wait()
 
+    # Ranks that set different learning rates, and a change after backward().
+    code, out = morse_run(__file__, 2, 1, "lr", timeout=120)
+    print(out[-2000:])
+    check(code != 0, "different learning rates should fail the job")
+    check("every worker must use the same learning rate and weight decay" in out,
+          "the disagreement is named")
+    code, out = morse_run(__file__, 1, 1, "late_lr", timeout=120)
+    print(out[-2000:])
+    check(code != 0 and "changed to (0.5, 0.0) between backward() and step()" in out,
+          "an lr change after backward() is refused")
+
     # Different models on different ranks.
     code, out = morse_run(__file__, 2, 1, "mismatch",
                           config=config_file("timeouts { connect_seconds: 3 }\n"), timeout=120)
@@ -125,6 +171,6 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker_mismatch()
+        {"mismatch": worker_mismatch, "lr": worker_lr, "late_lr": worker_late_lr}[sys.argv[-1]]()
         sys.exit(0)
     main()

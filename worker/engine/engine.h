@@ -111,10 +111,12 @@ class Engine {
   // sender's rule, compress::PlanSend).
   virtual absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
                               std::string* payload) = 0;
-  // Applies the reply of partition `p` for `step` (compress::PlanReply);
-  // INVALID_ARGUMENT, nothing changed, for a malformed reply.
+  // Applies the reply of partition `p` for `step` (compress::PlanReply, with
+  // the step's `hyper` when the workers set one); INVALID_ARGUMENT, nothing
+  // changed, for a malformed reply.
   virtual absl::Status ApplyReply(int64_t step, const compress::Partition& p,
-                                  absl::Span<const uint8_t> reply) = 0;
+                                  absl::Span<const uint8_t> reply,
+                                  const compress::StepHyper* hyper = nullptr) = 0;
 
  protected:
   // The engine's parameters and gradient arrays (dim floats), for the

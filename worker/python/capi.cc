@@ -165,6 +165,14 @@ int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device
   });
 }
 
+int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weight_decay) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (set == 0) return s->session->SetStepHyper(std::nullopt);
+    return s->session->SetStepHyper(morse::compress::StepHyper{lr, weight_decay});
+  });
+}
+
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

@@ -68,6 +68,11 @@ int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device
  * send_partition_on_stream: the partition's encode waits for the work
  * already queued on `stream` (a cudaStream_t; 0 is the legacy default
  * stream), so the gradient it reads is complete. */
+/* The learning rate and weight decay of the steps that begin from now on
+ * (set = 1; PyTorch's param_groups), sent with every push and applied by
+ * every replica; set = 0: the job's schedule again. */
+int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weight_decay);
+
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);
 int morse_session_send_partition(morse_session* s, uint32_t partition);

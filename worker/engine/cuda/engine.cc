@@ -203,10 +203,10 @@ class CudaEngine final : public Engine, public DeviceServices {
     return absl::OkStatus();
   }
 
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
-                          absl::Span<const uint8_t> reply) override {
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
+                          const compress::StepHyper* hyper) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const compress::ReplyRule rule = compress::PlanReply(config_, step);
+    const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
     const uint64_t begin = p.range.begin, n = p.range.size();
     if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
     absl::MutexLock lock(&apply_mu_);

@@ -65,9 +65,9 @@ class HostEngine final : public Engine {
     return compress::Encode(rule.codec, input, rule.key, AsBytes(payload));
   }
 
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
-                          absl::Span<const uint8_t> reply) override {
-    return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply);
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
+                          const compress::StepHyper* hyper) override {
+    return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper);
   }
 
  protected:

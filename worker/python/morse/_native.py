@@ -58,6 +58,7 @@ def _load():
         "morse_session_start": ([P, I, S, ctypes.POINTER(I64)], I),
         "morse_session_wait_all_joined": ([P], I),
         "morse_session_use_cuda": ([P, P, P], I),
+        "morse_session_set_step_hyper": ([P, I, ctypes.c_float, ctypes.c_float], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
         "morse_session_send_partition": ([P, U32], I),
@@ -161,6 +162,13 @@ class Session:
 
     def use_cuda(self, x_device_ptr, grad_device_ptr):
         _check(_lib.morse_session_use_cuda(self._handle, x_device_ptr, grad_device_ptr))
+
+    def set_step_hyper(self, lr=None, weight_decay=None):
+        """This and later steps' lr and weight decay (None: the job's schedule)."""
+        if lr is None:
+            _check(_lib.morse_session_set_step_hyper(self._handle, 0, 0.0, 0.0))
+        else:
+            _check(_lib.morse_session_set_step_hyper(self._handle, 1, lr, weight_decay))
 
     def begin(self, grad):
         self._grad = grad  # kept alive until finish

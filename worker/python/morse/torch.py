@@ -129,6 +129,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
             f'worker_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
             f'server_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
         ]
+        # With the constant schedule (the default) the steps follow
+        # param_groups[0]'s lr and weight_decay, read at every step, so torch's
+        # schedulers and manual changes work; with schedule="cosine" the job's
+        # schedule rules and param_groups' lr must stay as given.
+        self._follow_groups = schedule == "constant"
+        self._schedule = schedule
+        self._initial_lr = lr
+        self._sent_hyper = None
         self._freeze_step = freeze_step if optimizer == "onebit_adam" else None
         self._mask_zero_variance = mask_zero_variance
         if optimizer == "onebit_adam":
@@ -206,7 +214,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if self._pending[q] == 0:
                 self._send(q)
 
+    def _group_hyper(self):
+        group = self.param_groups[0]
+        return float(group["lr"]), float(group["weight_decay"])
+
     def _begin(self):
+        lr, weight_decay = self._group_hyper()
+        if self._follow_groups:
+            self._session.set_step_hyper(lr, weight_decay)
+            self._sent_hyper = (lr, weight_decay)
+        elif lr != self._initial_lr:
+            raise ValueError(f"param_groups[0]['lr'] is {lr} but schedule={self._schedule!r} sets "
+                             "the learning rate; use either Morse's schedule or a torch scheduler "
+                             "(with the default schedule='constant')")
         with self._explained():
             if self._cuda:
                 self._session.begin_device()
@@ -291,8 +311,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._session.wait_all_joined()
             self._joined = True
         self._restore_views()
+        changed = None
         if self._pending is None:
             self._begin()
+        elif self._follow_groups and self._group_hyper() != self._sent_hyper:
+            changed = self._group_hyper()  # the overlap hooks pushed at backward() time
         if self._cuda:
             for q in range(len(self._partitions)):
                 if self._pending is None or self._pending[q] > 0:
@@ -304,6 +327,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             with self._explained():
                 self.last_step = self._session.finish()
+        if changed is not None:
+            raise MorseError(
+                f"FAILED_PRECONDITION: lr/weight_decay changed to {changed} between backward() and "
+                f"step(); this step was already pushed, and applied, with {self._sent_hyper}. Change "
+                "them before backward() (schedulers step after optimizer.step()) or build the "
+                "optimizer with overlap=False")
         if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
             self._report_freeze()
         return loss
