@@ -6,7 +6,6 @@ uses). After every step all three hold bit-identical x, m, v, equal to the
 single-process simulator fed the gradients the workers computed; the GPU
 ranks' parameters stay CUDA tensors; state_dict()/load_state_dict() round
 trip on the GPU. Exits 77 (skipped, saying why) without a GPU."""
-import glob
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ import tempfile
 import numpy as np
 import torch
 
-from harness import check, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
 
 STEPS = 12
 SKIP = 77
@@ -75,17 +74,5 @@ if __name__ == "__main__":
     code, log = morse_run(__file__, 3, 2, out)
     print(log)
     check(code == 0, "the job failed")
-    checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(3)]
-    for r in range(1, 3):
-        check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
-    from morse import _native
-    job = json.load(open(f"{out}/job.json"))
-    sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
-    for step in range(STEPS):
-        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(3)])
-        check(sim.checksum() == checksums[0][step],
-              f"step {step}: workers {checksums[0][step]}, simulator {sim.checksum()}")
-    for f in glob.glob(f"{out}/*"):
-        os.remove(f)
-    os.rmdir(out)
+    check_ranks_match_simulator(out, 3, STEPS)
     print(f"PASS: {STEPS} steps, 2 GPU + 1 CPU workers bit-identical to each other and to the simulator")

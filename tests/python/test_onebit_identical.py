@@ -6,7 +6,6 @@ stays where it was). Even ranks
 overlap pushes with the backward pass, odd ranks do not: the bytes, and so
 the results, are the same. state_dict()/load_state_dict() round-trip the
 optimizer state, error buffers included."""
-import glob
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ import tempfile
 import numpy as np
 import torch
 
-from harness import check, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
 
 STEPS = 12
 
@@ -70,17 +69,5 @@ if __name__ == "__main__":
     code, log = morse_run(__file__, 4, 2, out)
     print(log)
     check(code == 0, "the job failed")
-    checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(4)]
-    for r in range(1, 4):
-        check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
-    from morse import _native
-    job = json.load(open(f"{out}/job.json"))
-    sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
-    for step in range(STEPS):
-        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(4)])
-        check(sim.checksum() == checksums[0][step],
-              f"step {step}: workers {checksums[0][step]}, simulator {sim.checksum()}")
-    for f in glob.glob(f"{out}/*"):
-        os.remove(f)
-    os.rmdir(out)
+    check_ranks_match_simulator(out, 4, STEPS)
     print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator")

@@ -3,25 +3,16 @@ non-float32 or non-contiguous parameters, no credentials, no servers reachable (
 configured timeout), mismatched parameter shapes across workers, and step()
 before every worker joined."""
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-from harness import check, morse_run
+from harness import check, free_port, morse_run, server
 
 os.environ["MORSE_INSECURE"] = "1"  # the servers here are plaintext on loopback
 
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def expect(exception, words, build):
@@ -113,41 +104,24 @@ def main():
 
     # step() while rank 1 never joins.
     base = config_file("workers: 2\nshards: 1\nexternal {}\ntimeouts { connect_seconds: 2 }\n")
-    port = free_port()
-    from morse.run import _find_server  # the build's or the bundle's morse-server
-    server = subprocess.Popen([_find_server(),
-                               "--config", base, "--shard", "0", "--listen", f"127.0.0.1:{port}",
-                               "--insecure"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with server(base) as address:
         opt = morse.torch.OneBitAdam(torch.nn.Linear(3, 2).parameters(), rank=0, world_size=2,
-                                     servers=[f"127.0.0.1:{port}"], config=base)
+                                     servers=[address], config=base)
         expect(MorseError, "only 1 of 2 workers joined", opt.step)
-    finally:
-        server.terminate()
-        server.wait()
 
     # A non-finite gradient: the error names the parameter, the step and
     # phase, and what to try.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
-    port = free_port()
-    server = subprocess.Popen([_find_server(),
-                               "--config", base, "--shard", "0", "--listen", f"127.0.0.1:{port}",
-                               "--insecure"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with server(base) as address:
         model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
         opt = morse.torch.OneBitAdam(model.named_parameters(), freeze_step=1, rank=0, world_size=1,
-                                     servers=[f"127.0.0.1:{port}"], config=base, overlap=False)
+                                     servers=[address], config=base, overlap=False)
         model(torch.ones(4, 3)).sum().backward()
         opt.step()  # warmup
         opt.zero_grad()
         model(torch.ones(4, 3)).sum().backward()
         model[1].weight.grad.fill_(float("inf"))
         expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
-    finally:
-        server.terminate()
-        server.wait()
 
     # Ranks that set different learning rates, and a change after backward().
     code, out = morse_run(__file__, 2, 1, "lr", timeout=120)

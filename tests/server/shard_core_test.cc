@@ -4,6 +4,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -116,6 +117,45 @@ TEST_F(ShardCoreTest, APendingPushResentWithOtherBytesIsRejected) {
   // The original push still completes with the others.
   ASSERT_TRUE(Push(Args(0, 1, first())).code() == absl::StatusCode::kUnknown);
   EXPECT_TRUE(Push(Args(0, 2, first())).ok());
+}
+
+// Per-step learning rate and weight decay (PyTorch's param_groups): every
+// push of a partition and step must carry the same values, bad values are
+// refused, and the mirror applies what the pushes carried.
+TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
+  const compress::StepHyper hyper{0.5f, 0.01f};
+  PushArgs bad = Args(0, 0, first());
+  bad.hyper = compress::StepHyper{-1.0f, 0.0f};
+  EXPECT_EQ(Push(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad.hyper = compress::StepHyper{std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  EXPECT_EQ(Push(bad).code(), absl::StatusCode::kInvalidArgument);
+
+  PushArgs a = Args(0, 0, first());
+  a.hyper = hyper;
+  EXPECT_EQ(Push(a).code(), absl::StatusCode::kUnknown);  // waits for the others
+  PushArgs other = Args(0, 1, first());
+  other.hyper = compress::StepHyper{0.25f, 0.01f};
+  const absl::Status refused = Push(other);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("same learning rate"), absl::string_view::npos) << refused;
+  PushArgs none = Args(0, 1, first());  // the schedule, against rank 0's values
+  EXPECT_EQ(Push(none).code(), absl::StatusCode::kFailedPrecondition);
+  for (uint32_t r = 1; r < 3; ++r) {
+    PushArgs same = Args(0, r, first());
+    same.hyper = hyper;
+    EXPECT_EQ(Push(same).ok(), r == 2);
+  }
+  // A second shard that saw the same pushes without the values applies the
+  // schedule's lr instead: its mirror differs.
+  auto plain = *ShardCore::Create(job_, 1);
+  for (const auto& p : plain->layout().shard_partitions(1)) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(plain->InitPartition(0, p.id, fingerprint(),
+                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  for (uint32_t r = 0; r < 3; ++r) plain->Push(Args(0, r, first()), [](auto) {});
+  EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
 TEST_F(ShardCoreTest, OnlyTheLastCompletedStepIsKept) {
