@@ -34,7 +34,17 @@ def worker(out):
         refused = ""
     except ValueError as e:
         refused = str(e)
-    json.dump({"env": env, "frozen_unchanged": torch.equal(model[0].weight, frozen),
+    # Weights changed behind the optimizer's back are reported, not overwritten.
+    with torch.no_grad():
+        model[2].weight.copy_(torch.zeros_like(model[2].weight))
+    opt.zero_grad()
+    try:  # with overlap the backward pass already pushes, so it raises there
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        opt.step()
+        changed = ""
+    except morse.torch.MorseError as e:
+        changed = str(e)
+    json.dump({"changed": changed, "env": env, "frozen_unchanged": torch.equal(model[0].weight, frozen),
                "add_param_group": refused, "checksum": opt.checksum()},
               open(f"{out}/rank-{rank}.json", "w"))
 
@@ -55,8 +65,11 @@ if __name__ == "__main__":
         check("add_param_group is not supported" in got["add_param_group"],
               f"rank {r}: add_param_group was not refused: {got['add_param_group']!r}")
     check(ranks[0]["checksum"] == ranks[1]["checksum"], "the ranks differ")
+    for r, got in enumerate(ranks):
+        check("parameter 2 (2, 8) changed outside the optimizer" in got["changed"],
+              f"rank {r}: a changed weight was not reported: {got['changed']!r}")
     print("ok: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set; frozen parameters unchanged; "
-          "add_param_group refused")
+          "add_param_group refused; weights changed behind the optimizer reported")
 
     # A python3 on PATH that cannot import morse: morse-run names it.
     bin_dir = tempfile.mkdtemp(prefix="morse-fakepy-")

@@ -175,6 +175,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 torch.cuda.current_stream(device).synchronize()  # the copies into _flat are done
                 self._session.use_cuda(self._flat.data_ptr(), self._flat_grad.data_ptr())
         self._joined = False
+        # Morse writes the parameters through raw memory, which leaves torch's
+        # version counters alone; any in-place change by torch
+        # (load_state_dict, copy_, clamp_ on a parameter) bumps that
+        # parameter's counter.
+        self._x_versions = [p._version for p in self._params]
         self._partitions = self._session.partitions()
         # Which partitions each parameter touches, and how many parameters
         # each partition waits for.
@@ -219,6 +224,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return float(group["lr"]), float(group["weight_decay"])
 
     def _begin(self):
+        changed = [n for n, p, v in zip(self._names, self._params, self._x_versions) if p._version != v]
+        if changed:
+            raise MorseError(
+                f"FAILED_PRECONDITION: {', '.join(changed)} changed outside the optimizer since it was "
+                "built (model.load_state_dict(), copy_(), or another in-place change); the servers "
+                "still hold the old values and Morse will not overwrite yours silently. Load weights "
+                "before building the optimizer, or restore a whole run with opt.load_state_dict()")
         lr, weight_decay = self._group_hyper()
         if self._follow_groups:
             self._session.set_step_hyper(lr, weight_decay)
