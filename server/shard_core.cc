@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "compress/check.h"
 #include "proto/checkpoint_file.h"
 
 namespace morse::server {
@@ -31,6 +32,11 @@ struct ShardCore::PartitionState {
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
   // The last completed step, next_step - 1:
   std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
+  // Its mirror update, when not applied yet: replies go out first, and the
+  // mirror catches up right after, or when something reads it first
+  // (ApplyMirror).
+  bool mirror_pending ABSL_GUARDED_BY(mu) = false;
+  std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
 };
 
@@ -237,6 +243,9 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     ++accepted_;
   }
   if (!waiters.empty()) {
+    // The observer first (it sees the step complete before any worker can
+    // start the next; what it reads of the mirror is brought up to date),
+    // then the replies, then the mirror update of this partition.
     if (failure.ok()) NoteStepCompleted(reply->step);
     for (auto& [rank, callback] : waiters) {
       if (failure.ok()) {
@@ -245,13 +254,19 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
         callback(failure);
       }
     }
+    if (failure.ok()) {
+      absl::MutexLock lock(&p.mu);
+      ApplyMirror(p);
+    }
   } else if (reply != nullptr) {
     done(reply);  // the retry of a completed step
   }
 }
 
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState& p) {
+  ApplyMirror(p);  // step t's mirror before step t + 1's reply
   const compress::Partition& part = p.partition;
+  const std::optional<compress::StepHyper> hyper = p.hyper;
   const uint64_t n = part.range.size();
   const int64_t step = p.next_step;
   const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
@@ -278,10 +293,6 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
                  ? server_error_.Compress(rule.codec, offset, average, rule.key, payload, mask_v)
                  : compress::Encode(rule.codec, average, rule.key, payload);
   }
-  if (status.ok()) {
-    status = mirror_.ApplyReply(step, part.range.begin, n, payload,
-                                p.hyper.has_value() ? &*p.hyper : nullptr);
-  }
   for (size_t r = 0; r < p.pushes.size(); ++r) {
     p.last_hashes[r] = HashBytes(*p.pushes[r]);
     p.pushes[r].reset();
@@ -294,7 +305,31 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   }
   p.last_reply = reply;
   ++p.next_step;
+  // The mirror applies this reply after the workers have it (Push), or
+  // before anything reads the mirror.
+  p.mirror_pending = true;
+  p.mirror_hyper = hyper;
   return std::shared_ptr<const Reply>(std::move(reply));
+}
+
+void ShardCore::ApplyMirror(PartitionState& p) const {
+  if (!p.mirror_pending) return;
+  p.mirror_pending = false;
+  const Reply& r = *p.last_reply;
+  const absl::Status s = mirror_.ApplyReply(
+      r.step, p.partition.range.begin, p.partition.range.size(),
+      {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
+      p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr);
+  // The payload is this shard's own encoding of finite values: decoding it
+  // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
+  MORSE_CHECK(s.ok());
+}
+
+void ShardCore::FlushMirrors() const {
+  for (const auto& p : partitions_) {
+    absl::MutexLock lock(&p->mu);
+    ApplyMirror(*p);
+  }
 }
 
 void ShardCore::NoteStepCompleted(int64_t step) {
@@ -342,9 +377,13 @@ void ShardCore::ExpireWaiting(absl::Time now) {
 }
 
 absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
-  // Lock every partition (in order) so the state is one step's.
+  // Lock every partition (in order) so the state is one step's, with every
+  // completed step's mirror update applied.
   std::vector<std::unique_ptr<absl::MutexLock>> locks;
-  for (const auto& p : partitions_) locks.push_back(std::make_unique<absl::MutexLock>(&p->mu));
+  for (const auto& p : partitions_) {
+    locks.push_back(std::make_unique<absl::MutexLock>(&p->mu));
+    ApplyMirror(*p);
+  }
   const int64_t step = partitions_.front()->next_step;
   for (const auto& p : partitions_) {
     if (!p->initialized) return absl::FailedPreconditionError("the shard has no parameters yet");
@@ -399,6 +438,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     absl::MutexLock lock(&p->mu);
     p->initialized = true;
     p->next_step = h.step;
+    p->mirror_pending = false;
   }
   absl::MutexLock progress(&progress_mu_);
   initialized_ = static_cast<uint32_t>(partitions_.size());
@@ -414,6 +454,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   if (!p.initialized) {
     return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
   }
+  ApplyMirror(p);
   const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
   PartitionSnapshot snapshot;
   snapshot.completed_steps = p.next_step;
@@ -423,7 +464,10 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   return snapshot;
 }
 
-uint64_t ShardCore::MirrorChecksum() const { return mirror_.Checksum(); }
+uint64_t ShardCore::MirrorChecksum() const {
+  FlushMirrors();
+  return mirror_.Checksum();
+}
 
 double ShardCore::ServerErrorNorm() const { return std::sqrt(server_error_.SquaredNorm()); }
 

@@ -119,7 +119,7 @@ class ShardCore {
   // Cheap: counters and per-partition progress (the mirror checksum is
   // MirrorChecksum(), a pass over the shard).
   ShardStatus Status() const;
-  uint64_t MirrorChecksum() const;  // call only while no step completes
+  uint64_t MirrorChecksum() const;  // call only while no step completes (the step observer)
   double ServerErrorNorm() const;   // likewise
   const compress::Layout& layout() const { return layout_; }
   uint32_t shard() const { return shard_; }
@@ -133,13 +133,19 @@ class ShardCore {
   // Runs under the partition's lock once all N pushes are in.
   absl::StatusOr<std::shared_ptr<const Reply>> Complete(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Applies the partition's last reply to the mirror if that is still to do.
+  void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  void FlushMirrors() const;  // ApplyMirror on every partition
   void NoteStepCompleted(int64_t step);
 
   proto::JobSpec job_;
   uint32_t shard_;
   compress::Layout layout_;
   compress::Range range_;
-  compress::Replica mirror_;
+  // Replies go out before the mirror applies them (the shard answers
+  // first); readers of the mirror (checkpoints, FetchPartition, checksums)
+  // apply what is pending, hence mutable.
+  mutable compress::Replica mirror_;
   compress::ErrorFeedback server_error_;
   std::vector<std::unique_ptr<PartitionState>> partitions_;
   StepObserver observer_;

@@ -158,6 +158,48 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
+// Replies go out before the mirror applies them; whatever reads the mirror
+// in between (a checkpoint, FetchPartition, a checksum, here from inside the
+// last reply's callback) sees the whole step.
+TEST_F(ShardCoreTest, TheShardAnswersFirstAndReadersSeeTheWholeStep) {
+  const auto& partitions = core_->layout().shard_partitions(1);
+  ASSERT_GE(partitions.size(), 2u);
+  for (const auto& p : partitions) {
+    for (uint32_t r = 0; r < 3; ++r) {
+      if (&p == &partitions.back() && r == 2) continue;
+      core_->Push(Args(0, r, p), [](auto) {});
+    }
+  }
+  const std::string path = ::testing::TempDir() + "/answers_first.ckpt";
+  absl::Status saved = absl::UnknownError("callback not run");
+  PartitionSnapshot inside;
+  uint64_t checksum_inside = 0;
+  core_->Push(Args(0, 2, partitions.back()), [&](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    saved = core_->SaveCheckpoint(path);
+    inside = *core_->FetchPartition(partitions.back().id, fingerprint());
+    checksum_inside = core_->MirrorChecksum();
+  });
+  ASSERT_TRUE(saved.ok()) << saved;
+  const PartitionSnapshot after = *core_->FetchPartition(partitions.back().id, fingerprint());
+  EXPECT_EQ(inside.completed_steps, 1);
+  EXPECT_EQ(inside.x, after.x);
+  EXPECT_EQ(inside.m, after.m);
+  EXPECT_EQ(checksum_inside, core_->MirrorChecksum());
+  auto restored = *ShardCore::Create(job_, 1);
+  ASSERT_TRUE(restored->RestoreCheckpoint(path).ok());
+  EXPECT_EQ(restored->MirrorChecksum(), core_->MirrorChecksum());
+  // And the mirror did move: a step was applied.
+  auto fresh = *ShardCore::Create(job_, 1);
+  for (const auto& p : fresh->layout().shard_partitions(1)) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(fresh->InitPartition(0, p.id, fingerprint(),
+                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  EXPECT_NE(fresh->MirrorChecksum(), core_->MirrorChecksum());
+}
+
 TEST_F(ShardCoreTest, OnlyTheLastCompletedStepIsKept) {
   for (int64_t step = 0; step < 3; ++step) {
     for (uint32_t r = 0; r < 3; ++r) core_->Push(Args(step, r, first()), [](auto) {});
