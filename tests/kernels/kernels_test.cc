@@ -165,9 +165,10 @@ TEST_F(KernelsTest, Sign1EncodeAndDecodeMatchTheCpu) {
   }
 }
 
-// The paths beside the staged and vectorized sign1 kernels: arrays that are
-// not 16-byte aligned, and blocks too large to stage in shared memory.
-TEST_F(KernelsTest, Sign1UnalignedArraysAndLargeBlocksMatchTheCpu) {
+// The paths beside the staged and vectorized encode kernels (sign1, int8,
+// int4): arrays that are not 16-byte aligned, and blocks too large to stage
+// in shared memory.
+TEST_F(KernelsTest, UnalignedArraysAndLargeBlocksMatchTheCpu) {
   for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
     CodecSpec spec;
     spec.kind = CodecKind::kSign1;
@@ -175,6 +176,18 @@ TEST_F(KernelsTest, Sign1UnalignedArraysAndLargeBlocksMatchTheCpu) {
     for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 5 + n, /*offset=*/1);
     spec.block_elems = 16384;  // 64 KiB of u, 128 KiB with EMA's e
     for (size_t n : {size_t{16383}, size_t{16384} * 3 + 17}) CheckEncode(spec, fb, n, 3 + n);
+  }
+  // The same for int8 and int4 (stochastic rounding too).
+  for (CodecKind kind : {CodecKind::kInt8, CodecKind::kInt4}) {
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
+      CodecSpec spec;
+      spec.kind = kind;
+      spec.rounding = compress::Rounding::kStochastic;
+      spec.block_elems = 256;
+      for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 7 + n, /*offset=*/1);
+      spec.block_elems = 16384;
+      for (size_t n : {size_t{16383}, size_t{16384} * 2 + 9}) CheckEncode(spec, fb, n, 5 + n);
+    }
   }
 }
 

@@ -45,7 +45,7 @@ class ShardCoreTest : public ::testing::Test {
   PushArgs Args(int64_t step, uint32_t rank, const compress::Partition& p) {
     const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
     const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
-    PushArgs args{step, rank, p.id, fingerprint(), plan.up.kind, {}};
+    PushArgs args{step, rank, p.id, fingerprint(), plan.up.kind, {}, std::nullopt};
     args.payload.resize(compress::PayloadBytes(plan.up, x.size()));
     EXPECT_TRUE(compress::Encode(plan.up, x, {},
                                  {reinterpret_cast<uint8_t*>(args.payload.data()), args.payload.size()})
