@@ -30,14 +30,18 @@ def data(rank, step):
     return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
-def worker(schedules):
+def worker(mode):
     import morse.torch
+    schedules, accumulate = mode == "schedules", mode == "accumulate"
     torch.manual_seed(1)
     model = Model()
     rank = int(os.environ["MORSE_RANK"])
     # Rank 0 pushes from the backward pass, rank 1 at step(): the same bits.
+    # "accumulate": each rank's batch in two backward() calls of half the
+    # rows, rank 0 with accumulation_steps=2 and torch 2's
+    # model.zero_grad(set_to_none=True).
     opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32,
-                           overlap=rank == 0)
+                           overlap=rank == 0, accumulation_steps=2 if accumulate else 1)
     world = int(os.environ["MORSE_WORLD_SIZE"])
     reference = Model()
     reference.load_state_dict(model.state_dict())  # rank 0's values, which everyone now has
@@ -56,8 +60,16 @@ def worker(schedules):
             for o in (opt, ref_opt):  # a manual change of the weight decay
                 o.param_groups[0]["weight_decay"] = 0.05
         x, y = data(opt.rank, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if accumulate:
+            if rank == 0:
+                model.zero_grad(set_to_none=True)
+            else:
+                opt.zero_grad()
+            for half in (slice(0, 8), slice(8, 16)):
+                (torch.nn.functional.cross_entropy(model(x[half]), y[half]) / 2).backward()
+        else:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         grads = []
         for r in range(world):
@@ -76,15 +88,17 @@ def worker(schedules):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
-    what = "with LambdaLR, StepLR and a weight-decay change" if schedules else "constant"
+    what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
+            "accumulate": "accumulating two backward() calls, zero_grad(set_to_none=True)"}.get(
+                mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[-1] == "schedules")
+        worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules"):
+    for mode in ("constant", "schedules", "accumulate"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -123,6 +123,28 @@ def main():
         model[1].weight.grad.fill_(float("inf"))
         expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
 
+    # Gradients edited after the backward pass pushed them, and a backward()
+    # more than accumulation_steps: refused, not silently ignored.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    for what, expected in (("clip", "the gradients changed after the backward pass pushed them"),
+                           ("again", "times in this step, with accumulation_steps=1")):
+        with server(base) as address:
+            model = torch.nn.Linear(3, 2)
+            opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
+                                   servers=[address], config=base)
+            model(torch.ones(4, 3)).sum().backward()
+            opt.step()  # the first step pushes at step()
+            opt.zero_grad()
+
+            def misuse():
+                model(torch.ones(4, 3)).sum().backward()
+                if what == "clip":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                else:
+                    model(torch.ones(4, 3)).sum().backward()
+                opt.step()
+            expect(MorseError, expected, misuse)
+
     # Ranks that set different learning rates, and a change after backward().
     code, out = morse_run(__file__, 2, 1, "lr", timeout=120)
     print(out[-2000:])

@@ -20,8 +20,9 @@ hold bit-identical models.
 With overlap=True (the default), a hook on each parameter's gradient
 accumulator pushes a partition as soon as every gradient in it is ready, so
 communication overlaps the rest of the backward pass, as DDP's buckets do.
-That assumes one backward per step; for gradient accumulation pass
-overlap=False.
+For gradient accumulation pass accumulation_steps (backward() calls per
+step); gradients edited after they were pushed raise MorseError (see
+docs/python.md).
 """
 import hashlib
 import os
@@ -66,7 +67,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
                  codec, down_codec, feedback, feedback_beta, bias_correction, mask_zero_variance,
                  schedule, steps,
-                 config, rank, world_size, servers, overlap, block_elems, partition_elems, security):
+                 config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
+                 accumulation_steps=1):
         params = list(params)
         if not params:
             raise ValueError("the optimizer got no parameters")
@@ -188,6 +190,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._waiting_for = [sum(q in t for t in self._touches) for q in range(len(self._partitions))]
         self._pending = None
         self._overlap = overlap
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps}: at least 1")
+        self._accumulation = accumulation_steps
+        self._counts = [0] * len(self._params)  # backward() passes that reached each parameter
+        self._grad_version = None  # the flat gradient's version at the last push
         self._hooks = []
         if overlap:
             for i, p in enumerate(self._params):
@@ -211,6 +218,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _gradient_ready(self, i):
         if not self._joined:
             return  # the first step waits for every worker, then sends all
+        self._counts[i] += 1
+        if self._counts[i] < self._accumulation:
+            return  # gradient accumulation: push at the last backward()
+        if self._counts[i] > self._accumulation:
+            raise MorseError(
+                f"FAILED_PRECONDITION: backward() reached {self._names[i]} {self._counts[i]} times "
+                f"in this step, with accumulation_steps={self._accumulation}: its gradient was "
+                "already pushed. For gradient accumulation pass accumulation_steps=<backward() "
+                "calls per step>; for a backward() that is not for the optimizer, call zero_grad() "
+                "and step() first, or build the optimizer with overlap=False")
+        self._attach_grad(i)
         if self._pending is None:
             self._begin()
             self._pending = list(self._waiting_for)
@@ -218,6 +236,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._pending[q] -= 1
             if self._pending[q] == 0:
                 self._send(q)
+        self._grad_version = self._flat_grad._version
+
+    def _attach_grad(self, i):
+        # model.zero_grad(set_to_none=True) (torch 2's default) lets backward()
+        # make a new .grad: gather it into the flat gradient before pushing.
+        p, (lo, hi) = self._params[i], self._ranges[i]
+        view = self._flat_grad[lo:hi]
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad.reshape(-1))
+            p.grad = view.view_as(p)
 
     def _group_hyper(self):
         group = self.param_groups[0]
@@ -322,6 +350,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not self._joined:
             self._session.wait_all_joined()
             self._joined = True
+        # Gradients edited after the backward pass pushed them (clipping,
+        # scaling, zeroing, another backward) bump the flat gradient's version.
+        edited = self._pending is not None and self._flat_grad._version != self._grad_version
         self._restore_views()
         changed = None
         if self._pending is None:
@@ -339,6 +370,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             with self._explained():
                 self.last_step = self._session.finish()
+        self._counts = [0] * len(self._params)
+        if edited:
+            raise MorseError(
+                "FAILED_PRECONDITION: the gradients changed after the backward pass pushed them "
+                "(clip_grad_norm_, editing or zeroing .grad, or another backward()); this step used "
+                "the gradients as backward() left them. With overlap=True each partition is pushed "
+                "as soon as its gradients are ready: make such changes in a gradient hook, or build "
+                "the optimizer with overlap=False (clipping then clips each rank's own gradient)")
         if changed is not None:
             raise MorseError(
                 f"FAILED_PRECONDITION: lr/weight_decay changed to {changed} between backward() and "
@@ -405,8 +444,8 @@ class OneBitAdam(_MorseOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100, *, bias_correction=True, mask_zero_variance=True, config=None,
                  rank=None, world_size=None, servers=None,
-                 overlap=True, schedule="constant", steps=0, block_elems=None,
-                 partition_elems=None, security=None):
+                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 block_elems=None, partition_elems=None, security=None):
         if freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
                              "step (with none there is no variance to freeze)")
@@ -417,7 +456,7 @@ class OneBitAdam(_MorseOptimizer):
                          schedule=schedule, steps=steps, config=config,
                          rank=rank, world_size=world_size, servers=servers, overlap=overlap,
                          block_elems=block_elems, partition_elems=partition_elems,
-                         security=security)
+                         security=security, accumulation_steps=accumulation_steps)
 
 
 class Adam(_MorseOptimizer):
@@ -428,8 +467,8 @@ class Adam(_MorseOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  codec="fp32", down_codec=None, feedback="none", feedback_beta=1.0,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
-                 overlap=True, schedule="constant", steps=0, block_elems=None,
-                 partition_elems=None, security=None):
+                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 block_elems=None, partition_elems=None, security=None):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
@@ -437,4 +476,4 @@ class Adam(_MorseOptimizer):
                          schedule=schedule, steps=steps,
                          config=config, rank=rank, world_size=world_size, servers=servers,
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
-                         security=security)
+                         security=security, accumulation_steps=accumulation_steps)
