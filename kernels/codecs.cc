@@ -43,8 +43,20 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* x, float* error, size_t n,
                              compress::FeedbackArgs fb,
                              const compress::RoundingKey& key,
-                             uint8_t* payload, const float* mask_v) {
+                             uint8_t* payload, const float* mask_v,
+                             const float* momentum_m, float beta1,
+                             float* scratch) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
+  if (momentum_m != nullptr && scratch == nullptr && n > 0) {
+    return absl::InvalidArgumentError("the fused momentum needs a scratch array");
+  }
+  if (momentum_m != nullptr && spec.kind != CodecKind::kSign1 && n > 0) {
+    // Only sign1 fuses it: form the momentum, then encode it.
+    MORSE_CUDA_RETURN_IF_ERROR(
+        launch::Momentum(beta1, momentum_m, x, scratch, n, StreamOf(ctx)));
+    x = scratch;
+    momentum_m = nullptr;
+  }
   if (mask_v != nullptr && spec.kind != CodecKind::kSign1) {
     return absl::UnimplementedError(absl::StrCat(
         "the zero-variance mask is fused into sign1 only on the GPU, not ",
@@ -86,7 +98,8 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
   if (spec.kind == CodecKind::kSign1) {
     MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Encode(
         x, error, n, spec.block_elems, spec.scale == compress::ScaleKind::kL1,
-        feedback, fb.beta, mask_v, scales, data, ctx.device_flag(), stream));
+        feedback, fb.beta, mask_v, scales, data, ctx.device_flag(), stream,
+        {momentum_m, beta1, scratch}));
   } else {
     MORSE_CUDA_RETURN_IF_ERROR(launch::IntEncode(
         spec.kind == CodecKind::kInt8 ? 8 : 4, x, error, n, spec.block_elems,

@@ -29,12 +29,19 @@ namespace morse::kernels {
 // INVALID_ARGUMENT, as compress/ says it, when a block scale is not finite.
 // mask_v (n floats, or null): compress::ErrorFeedback::Compress's
 // zero-variance mask, fused into sign1 (UNIMPLEMENTED for other codecs).
+//
+// momentum_m (n floats, or null): x is then a gradient g, and the encoded
+// message is 1-bit Adam's local momentum beta1*m + (1-beta1)*g (compress::
+// LocalMomentum's floats), fused into the sign1 encode where the block is
+// staged; `scratch` (n floats) holds it otherwise.
 absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* x, float* error, size_t n,
                              compress::FeedbackArgs fb,
                              const compress::RoundingKey& key,
                              uint8_t* payload,
-                             const float* mask_v = nullptr);
+                             const float* mask_v = nullptr,
+                             const float* momentum_m = nullptr,
+                             float beta1 = 0.0f, float* scratch = nullptr);
 
 // compress::Decode into out (n floats). Asynchronous.
 absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,

@@ -19,10 +19,18 @@ struct AdamArgs {  // the fields of compress::AdamScalars, in order
 // per (feedback, beta) unless null. *bad is set to 1 if a scale is not finite.
 // mask_v (null: none): DESIGN 2.1's zero-variance mask, u = +0 and the new
 // error +0 where mask_v is exactly 0.
+// momentum (m non-null): x is a gradient g and the kernel encodes the local
+// momentum beta1*m + (1-beta1)*g in the same pass (staged blocks), or writes
+// it to `scratch` first (the other blocks).
+struct MomentumInput {
+  const float* m = nullptr;
+  float beta1 = 0;
+  float* scratch = nullptr;
+};
 cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
                         bool l1, int feedback, float beta, const float* mask_v,
                         float* scales, uint8_t* bits, int* bad,
-                        cudaStream_t stream);
+                        cudaStream_t stream, MomentumInput momentum = {});
 // out = decode, or (with adam) the 1-bit Adam compression-phase update:
 // m = decode (+0 where v is 0 when masking), x -= lr*(m̂/(sqrt(v̂)+eps) + wd*x).
 cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,

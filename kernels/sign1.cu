@@ -101,7 +101,8 @@ __global__ void __launch_bounds__(kStagedThreads)
                             size_t n, uint32_t block, bool l1, int feedback,
                             float beta, const float* __restrict__ mask_v,
                             float* __restrict__ scales,
-                            uint8_t* __restrict__ bits, int* bad) {
+                            uint8_t* __restrict__ bits, int* bad,
+                            const float* __restrict__ mom_m, float beta1) {
   extern __shared__ float staged[];
   float* u = staged;                 // x + e, block floats
   float* e_old = staged + block;     // e, for EMA only
@@ -115,13 +116,22 @@ __global__ void __launch_bounds__(kStagedThreads)
   const float* xb = x + start;
   float* eb = e == nullptr ? nullptr : e + start;
   const float* vb = mask_v == nullptr ? nullptr : mask_v + start;
+  // The local momentum b1*m + (1-b1)*g in place of x, when asked.
+  const float* mb = mom_m == nullptr ? nullptr : mom_m + start;
 
   // Stage the block: 16-byte loads where the arrays are aligned.
   uint32_t scalar_from = 0;
   if (kVector) {
     const uint32_t quads = len / 4;
     for (uint32_t q = threadIdx.x; q < quads; q += blockDim.x) {
-      const float4 xv = reinterpret_cast<const float4*>(xb)[q];
+      float4 xv = reinterpret_cast<const float4*>(xb)[q];
+      if (mb != nullptr) {
+        const float4 mv = reinterpret_cast<const float4*>(mb)[q];
+        xv = make_float4(MomentumElement(beta1, mv.x, xv.x),
+                         MomentumElement(beta1, mv.y, xv.y),
+                         MomentumElement(beta1, mv.z, xv.z),
+                         MomentumElement(beta1, mv.w, xv.w));
+      }
       float4 uv = xv;
       if (eb != nullptr) {
         const float4 ev = reinterpret_cast<const float4*>(eb)[q];
@@ -135,7 +145,8 @@ __global__ void __launch_bounds__(kStagedThreads)
   }
   for (uint32_t j = scalar_from + threadIdx.x; j < len; j += blockDim.x) {
     const float ev = eb != nullptr ? eb[j] : 0.0f;
-    u[j] = eb != nullptr ? Add(xb[j], ev) : xb[j];
+    const float xv = mb != nullptr ? MomentumElement(beta1, mb[j], xb[j]) : xb[j];
+    u[j] = eb != nullptr ? Add(xv, ev) : xv;
     if (ema) e_old[j] = ev;
   }
   if (vb != nullptr) {
@@ -292,25 +303,35 @@ __global__ void Sign1DecodeFrozenKernel(const float* __restrict__ scales,
 cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
                         bool l1, int feedback, float beta, const float* mask_v,
                         float* scales, uint8_t* bits, int* bad,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, MomentumInput momentum) {
   if (n == 0) return cudaSuccess;
   const size_t blocks = (n + block - 1) / block;
   const float* error = feedback == kFbNone ? nullptr : e;
   const size_t shared = size_t{block} * 4 * (feedback == kFbEma ? 2 : 1);
   if (block % 8 == 0 && shared <= kStagedSharedBytes && blocks < (1u << 31)) {
-    const bool vector = Aligned16(x) && (error == nullptr || Aligned16(error));
+    const bool vector = Aligned16(x) && (error == nullptr || Aligned16(error)) &&
+                        (momentum.m == nullptr || Aligned16(momentum.m));
     if (vector) {
       Sign1EncodeStagedKernel<true>
           <<<static_cast<unsigned>(blocks), kStagedThreads, shared, stream>>>(
               x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback,
-              beta, mask_v, scales, bits, bad);
+              beta, mask_v, scales, bits, bad, momentum.m, momentum.beta1);
     } else {
       Sign1EncodeStagedKernel<false>
           <<<static_cast<unsigned>(blocks), kStagedThreads, shared, stream>>>(
               x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback,
-              beta, mask_v, scales, bits, bad);
+              beta, mask_v, scales, bits, bad, momentum.m, momentum.beta1);
     }
     return cudaGetLastError();
+  }
+  if (momentum.m != nullptr) {
+    // The half-warp kernel reads its input twice: form the momentum first.
+    if (cudaError_t err = Momentum(momentum.beta1, momentum.m, x,
+                                   momentum.scratch, n, stream);
+        err != cudaSuccess) {
+      return err;
+    }
+    x = momentum.scratch;
   }
   Sign1EncodeKernel<<<BlockGrid(blocks), kThreads, 0, stream>>>(
       x, feedback == kFbNone ? nullptr : e, n, block, l1, feedback, beta,

@@ -96,6 +96,11 @@ int main(int argc, char** argv) {
     return kernels::EncodeWithError(ctx, sign1, x.as<float>(), e.as<float>(), n,
                                     {compress::FeedbackKind::kEf, 1.0f}, {}, payload.as<uint8_t>());
   });
+  row("sign1 encode + ef + momentum (fused)", 16.0 * n + sign1_payload, [&] {
+    return kernels::EncodeWithError(ctx, sign1, g.as<float>(), e.as<float>(), n,
+                                    {compress::FeedbackKind::kEf, 1.0f}, {}, payload.as<uint8_t>(),
+                                    nullptr, m.as<float>(), 0.9f, out.as<float>());
+  });
   row("sign1 decode", 4.0 * n + sign1_payload, [&] {
     return kernels::Decode(ctx, sign1, payload.as<uint8_t>(), n, out.as<float>());
   });

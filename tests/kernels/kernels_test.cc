@@ -20,6 +20,7 @@
 #include "compress/kernels.h"
 #include "compress/replica.h"
 #include "compress/stochastic_rounding.h"
+#include "compress/update_rules.h"
 #include "gtest/gtest.h"
 #include "kernels/codecs.h"
 #include "kernels/device.h"
@@ -397,6 +398,74 @@ TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
                                      v.as<float>())
                 .code(),
             absl::StatusCode::kUnimplemented);
+}
+
+// 1-bit Adam's local momentum b1*m + (1-b1)*g formed inside the encode
+// (fused into sign1 where the block is staged; through the scratch array for
+// large blocks, unaligned arrays and other codecs) against compress/'s
+// LocalMomentum followed by ErrorFeedback::Compress, with and without the
+// zero-variance mask.
+TEST_F(KernelsTest, MomentumFusedIntoTheEncodeMatchesTheCpu) {
+  struct Case {
+    CodecKind kind;
+    uint32_t block;
+    size_t offset;
+    FeedbackArgs fb;
+    bool mask;
+  };
+  const Case cases[] = {
+      {CodecKind::kSign1, 256, 0, {FeedbackKind::kEf, 1.0f}, false},
+      {CodecKind::kSign1, 256, 0, {FeedbackKind::kEf, 1.0f}, true},
+      {CodecKind::kSign1, 256, 1, {FeedbackKind::kEma, 0.3f}, true},
+      {CodecKind::kSign1, 16384, 0, {FeedbackKind::kEma, 0.3f}, true},
+      {CodecKind::kInt4, 256, 0, {FeedbackKind::kEma, 0.3f}, false},
+  };
+  const float beta1 = 0.9f;
+  for (const Case& c : cases) {
+    for (size_t n : {size_t{7}, size_t{1000}, size_t{16384} * 2 + 5}) {
+      SCOPED_TRACE(absl::StrCat("codec ", compress::CodecName(c.kind), " block ", c.block, " offset ",
+                                c.offset, " mask ", c.mask, " n ", n));
+      CodecSpec spec;
+      spec.kind = c.kind;
+      spec.block_elems = c.block;
+      const std::vector<float> g = RandomValues(n, 40 + n, 1.0f), m = RandomValues(n, 41 + n, 0.5f);
+      const std::vector<float> e = RandomValues(n, 42 + n, 0.2f);
+      std::vector<float> v = RandomValues(n, 43 + n, 0.1f);
+      for (size_t j = 0; j < n; ++j) v[j] = j % 5 == 1 ? 0.0f : v[j] * v[j];
+      const compress::RoundingKey key{3, 4, 5, 0};
+      std::vector<float> local(n);
+      compress::LocalMomentum(beta1, m, g, absl::MakeSpan(local));
+      compress::ErrorFeedback cpu_error({c.fb.kind, c.fb.beta, compress::ErrorStorage::kFp32}, n, c.block);
+      ASSERT_TRUE(cpu_error.Restore(e).ok());
+      std::vector<uint8_t> cpu_payload(compress::PayloadBytes(spec, n));
+      ASSERT_TRUE(cpu_error
+                      .Compress(spec, 0, local, key, absl::MakeSpan(cpu_payload),
+                                c.mask ? absl::MakeConstSpan(v) : absl::Span<const float>())
+                      .ok());
+      std::vector<float> cpu_e(n);
+      cpu_error.Read(0, absl::MakeSpan(cpu_e));
+
+      const auto padded = [&](const std::vector<float>& a) {
+        std::vector<float> out(c.offset, 0.0f);
+        out.insert(out.end(), a.begin(), a.end());
+        return out;
+      };
+      kernels::DeviceBuffer dg = Upload(padded(g)), dm = Upload(padded(m)), de = Upload(padded(e)),
+                            dv = Upload(padded(v)), scratch = Poisoned(4 * (n + c.offset));
+      kernels::DeviceBuffer payload = Poisoned(cpu_payload.size());
+      ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dg.as<float>() + c.offset, de.as<float>() + c.offset,
+                                           n, c.fb, key, payload.as<uint8_t>(),
+                                           c.mask ? dv.as<float>() + c.offset : nullptr,
+                                           dm.as<float>() + c.offset, beta1, scratch.as<float>() + c.offset)
+                      .ok());
+      EXPECT_EQ(FirstDifference(Download<uint8_t>(payload, cpu_payload.size()).data(), cpu_payload.data(),
+                                cpu_payload.size(), 1),
+                "")
+          << "payload";
+      const auto gpu_e = Download<float>(de, n + c.offset);
+      EXPECT_EQ(FirstDifference(gpu_e.data() + c.offset, cpu_e.data(), 4 * n, 4), "") << "error";
+    }
+  }
 }
 
 TEST_F(KernelsTest, SyntheticGradientMatchesTheCpuFormula) {

@@ -173,15 +173,9 @@ class CudaEngine final : public Engine, public DeviceServices {
     const uint64_t begin = p.range.begin, n = p.range.size();
     const size_t bytes = compress::PayloadBytes(rule.codec, n);
     const float* input = grad_ptr_ + begin;
-    if (rule.local_momentum) {
-      float* local = scratch_.as<float>() + begin;
-      if (absl::Status s = kernels::Momentum(*send_, rule.beta1, m_.as<float>() + begin, input,
-                                             local, n);
-          !s.ok()) {
-        return s;
-      }
-      input = local;
-    }
+    // The local momentum is formed inside the encode (fused for sign1).
+    const float* momentum_m = rule.local_momentum ? m_.as<float>() + begin : nullptr;
+    float* scratch = scratch_.as<float>() + begin;
     compress::FeedbackArgs fb;
     float* error = nullptr;
     if (rule.feedback && config_.worker_feedback.kind != compress::FeedbackKind::kNone) {
@@ -191,7 +185,8 @@ class CudaEngine final : public Engine, public DeviceServices {
     // The zero-variance mask reads v where it lives (fused into sign1).
     const float* mask_v = rule.mask ? v_.as<float>() + begin : nullptr;
     if (absl::Status s = kernels::EncodeWithError(*send_, rule.codec, input, error, n, fb, rule.key,
-                                                  send_payload_.as<uint8_t>(), mask_v);
+                                                  send_payload_.as<uint8_t>(), mask_v, momentum_m,
+                                                  rule.beta1, scratch);
         !s.ok()) {
       return s;
     }
