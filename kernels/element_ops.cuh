@@ -130,6 +130,56 @@ __device__ __forceinline__ float MomentumElement(float beta1, float m,
   return Add(Mul(beta1, m), Mul(Sub(1.0f, beta1), g));
 }
 
+// The staged encoders' first pass (sign1.cu, int_codec.cu): a CTA copies its
+// block into shared memory, u[j] = x_j + e_j (x_j replaced by the local
+// momentum b1*m_j + (1-b1)*g_j when mb is given; e_j = 0 without eb), and
+// e_old[j] = e_j when keep_e; 16-byte loads when kVector (arrays aligned).
+// Calls seen(u_j) for every staged value (the int encoders' maximum).
+template <bool kVector, class Seen>
+__device__ __forceinline__ void StageBlock(const float* __restrict__ xb,
+                                           const float* __restrict__ eb,
+                                           const float* __restrict__ mb,
+                                           float beta1, uint32_t len, float* u,
+                                           float* e_old, bool keep_e,
+                                           Seen seen) {
+  uint32_t scalar_from = 0;
+  if (kVector) {
+    const uint32_t quads = len / 4;
+    for (uint32_t q = threadIdx.x; q < quads; q += blockDim.x) {
+      float4 xv = reinterpret_cast<const float4*>(xb)[q];
+      if (mb != nullptr) {
+        const float4 mv = reinterpret_cast<const float4*>(mb)[q];
+        xv = make_float4(MomentumElement(beta1, mv.x, xv.x),
+                         MomentumElement(beta1, mv.y, xv.y),
+                         MomentumElement(beta1, mv.z, xv.z),
+                         MomentumElement(beta1, mv.w, xv.w));
+      }
+      float4 uv = xv;
+      if (eb != nullptr) {
+        const float4 ev = reinterpret_cast<const float4*>(eb)[q];
+        uv = make_float4(Add(xv.x, ev.x), Add(xv.y, ev.y), Add(xv.z, ev.z),
+                         Add(xv.w, ev.w));
+        if (keep_e) reinterpret_cast<float4*>(e_old)[q] = ev;
+      }
+      reinterpret_cast<float4*>(u)[q] = uv;
+      seen(uv.x);
+      seen(uv.y);
+      seen(uv.z);
+      seen(uv.w);
+    }
+    scalar_from = quads * 4;
+  }
+  for (uint32_t j = scalar_from + threadIdx.x; j < len; j += blockDim.x) {
+    const float ev = eb != nullptr ? eb[j] : 0.0f;
+    const float xv = mb != nullptr ? MomentumElement(beta1, mb[j], xb[j]) : xb[j];
+    const float uv = eb != nullptr ? Add(xv, ev) : xv;
+    u[j] = uv;
+    if (keep_e) e_old[j] = ev;
+    seen(uv);
+  }
+}
+
+
 // compress/stochastic_rounding.h: Philox4x32-10 and the draw for a global
 // element index.
 __device__ __forceinline__ void Philox(uint32_t k0, uint32_t k1,

@@ -122,33 +122,9 @@ __global__ void __launch_bounds__(kStagedThreads)
   const float qmax = bits_per_elem == 8 ? 127.0f : 7.0f;
 
   uint32_t amax = 0;
-  uint32_t scalar_from = 0;
-  if (kVector) {
-    const uint32_t quads = len / 4;
-    for (uint32_t q = threadIdx.x; q < quads; q += blockDim.x) {
-      const float4 xv = reinterpret_cast<const float4*>(xb)[q];
-      float4 uv = xv;
-      if (eb != nullptr) {
-        const float4 ev = reinterpret_cast<const float4*>(eb)[q];
-        uv = make_float4(Add(xv.x, ev.x), Add(xv.y, ev.y), Add(xv.z, ev.z),
-                         Add(xv.w, ev.w));
-        if (ema) reinterpret_cast<float4*>(e_old)[q] = ev;
-      }
-      reinterpret_cast<float4*>(u)[q] = uv;
-      amax = max(amax, __float_as_uint(uv.x) & 0x7fffffffu);
-      amax = max(amax, __float_as_uint(uv.y) & 0x7fffffffu);
-      amax = max(amax, __float_as_uint(uv.z) & 0x7fffffffu);
-      amax = max(amax, __float_as_uint(uv.w) & 0x7fffffffu);
-    }
-    scalar_from = quads * 4;
-  }
-  for (uint32_t j = scalar_from + threadIdx.x; j < len; j += blockDim.x) {
-    const float ev = eb != nullptr ? eb[j] : 0.0f;
-    const float v = eb != nullptr ? Add(xb[j], ev) : xb[j];
-    u[j] = v;
-    if (ema) e_old[j] = ev;
+  StageBlock<kVector>(xb, eb, nullptr, 0.0f, len, u, e_old, ema, [&amax](float v) {
     amax = max(amax, __float_as_uint(v) & 0x7fffffffu);
-  }
+  });
   for (int width = 16; width >= 1; width /= 2) {
     amax = max(amax, __shfl_down_sync(0xffffffffu, amax, width));
   }

@@ -120,35 +120,7 @@ __global__ void __launch_bounds__(kStagedThreads)
   const float* mb = mom_m == nullptr ? nullptr : mom_m + start;
 
   // Stage the block: 16-byte loads where the arrays are aligned.
-  uint32_t scalar_from = 0;
-  if (kVector) {
-    const uint32_t quads = len / 4;
-    for (uint32_t q = threadIdx.x; q < quads; q += blockDim.x) {
-      float4 xv = reinterpret_cast<const float4*>(xb)[q];
-      if (mb != nullptr) {
-        const float4 mv = reinterpret_cast<const float4*>(mb)[q];
-        xv = make_float4(MomentumElement(beta1, mv.x, xv.x),
-                         MomentumElement(beta1, mv.y, xv.y),
-                         MomentumElement(beta1, mv.z, xv.z),
-                         MomentumElement(beta1, mv.w, xv.w));
-      }
-      float4 uv = xv;
-      if (eb != nullptr) {
-        const float4 ev = reinterpret_cast<const float4*>(eb)[q];
-        uv = make_float4(Add(xv.x, ev.x), Add(xv.y, ev.y), Add(xv.z, ev.z),
-                         Add(xv.w, ev.w));
-        if (ema) reinterpret_cast<float4*>(e_old)[q] = ev;
-      }
-      reinterpret_cast<float4*>(u)[q] = uv;
-    }
-    scalar_from = quads * 4;
-  }
-  for (uint32_t j = scalar_from + threadIdx.x; j < len; j += blockDim.x) {
-    const float ev = eb != nullptr ? eb[j] : 0.0f;
-    const float xv = mb != nullptr ? MomentumElement(beta1, mb[j], xb[j]) : xb[j];
-    u[j] = eb != nullptr ? Add(xv, ev) : xv;
-    if (ema) e_old[j] = ev;
-  }
+  StageBlock<kVector>(xb, eb, mb, beta1, len, u, e_old, ema, [](float) {});
   if (vb != nullptr) {
     __syncthreads();
     for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
