@@ -125,13 +125,12 @@ absl::Status Session::BeginStep() {
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   const int64_t step = step_;
-  if (hyper_.has_value()) step_hyper_ = *hyper_;
-  const compress::StepHyper* hyper = hyper_.has_value() ? &step_hyper_ : nullptr;
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind,
-      [this, step, hyper](const compress::Partition& p, const std::string& reply) {
+      // The step keeps its own copy of the hyper-parameters it was begun with.
+      [this, step, hyper = hyper_](const compress::Partition& p, const std::string& reply) {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
-        return engine_->ApplyReply(step, p, bytes, hyper);
+        return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
       hyper_);
   return absl::OkStatus();

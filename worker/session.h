@@ -110,7 +110,6 @@ class Session {
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
   std::optional<compress::StepHyper> hyper_;
-  compress::StepHyper step_hyper_;  // the step in flight's copy of hyper_
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only

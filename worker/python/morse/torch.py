@@ -24,6 +24,7 @@ For gradient accumulation pass accumulation_steps (backward() calls per
 step); gradients edited after they were pushed raise MorseError (see
 docs/python.md).
 """
+import contextlib
 import hashlib
 import os
 
@@ -273,18 +274,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
             else:
                 self._session.begin(self._flat_grad.numpy())
 
+    @contextlib.contextmanager
     def _explained(self):
-        optimizer = self
-
-        class Explained:
-            def __enter__(self):
-                return self
-
-            def __exit__(self, kind, error, trace):
-                if isinstance(error, MorseError) and "not finite" in str(error):
-                    raise optimizer._explain(error) from None
-                return False
-        return Explained()
+        try:
+            yield
+        except MorseError as error:
+            if "not finite" in str(error):
+                raise self._explain(error) from None
+            raise
 
     def _explain(self, error):
         """A non-finite value stopped the step: say where and what to try."""
