@@ -35,14 +35,17 @@ for f in "$top"/bin/morse-server "$top"/bin/morse-worker "$top"/tests/*_test "$t
   out="$(ldd "$f")"
   if grep -q "not found" <<<"$out"; then
     # Only CUDA's own libraries may be left to the host (this one may lack them).
-    if grep "not found" <<<"$out" | grep -vqE "libcudart|libcublas|libcuda\.so"; then
+    missing="$(grep "not found" <<<"$out")"
+    if grep -vqE "libcudart|libcublas|libcuda\.so" <<<"$missing"; then
       echo "$out"; fail "$f: a library is missing"
     fi
   fi
   if grep -q "$build" <<<"$out"; then echo "$out"; fail "$f: loads from the build folder"; fi
 done
 for f in "$top"/bin/morse-server "$top"/bin/morse-worker "$top"/python/morse/libmorse.so; do
-  ldd "$f" | grep -q "$top/.*python/morse/lib/libgrpc++" || fail "$f: gRPC does not come from the bundle"
+  # Not `ldd | grep -q`: under pipefail, grep's early exit can fail ldd with SIGPIPE.
+  out="$(ldd "$f")"
+  grep -q "$top/.*python/morse/lib/libgrpc++" <<<"$out" || fail "$f: gRPC does not come from the bundle"
 done
 echo "ok: every library resolves in the bundle or the host's system folders"
 

@@ -145,6 +145,15 @@ def main():
                 opt.step()
             expect(MorseError, expected, misuse)
 
+    # Morse's own schedule and a changed param_groups entry: refused.
+    with server(base) as address:
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=base, schedule="cosine", steps=10)
+        opt.param_groups[0]["weight_decay"] = 0.1
+        model(torch.ones(4, 3)).sum().backward()
+        expect(ValueError, "the job's schedule sets them", opt.step)
+
     # Ranks that set different learning rates, and a change after backward().
     code, out = morse_run(__file__, 2, 1, "lr", timeout=120)
     print(out[-2000:])

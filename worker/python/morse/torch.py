@@ -138,7 +138,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # schedule rules and param_groups' lr must stay as given.
         self._follow_groups = schedule == "constant"
         self._schedule = schedule
-        self._initial_lr = lr
+        self._initial_hyper = (float(lr), float(weight_decay))
         self._sent_hyper = None
         self._freeze_step = freeze_step if optimizer == "onebit_adam" else None
         self._mask_zero_variance = mask_zero_variance
@@ -264,9 +264,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._follow_groups:
             self._session.set_step_hyper(lr, weight_decay)
             self._sent_hyper = (lr, weight_decay)
-        elif lr != self._initial_lr:
-            raise ValueError(f"param_groups[0]['lr'] is {lr} but schedule={self._schedule!r} sets "
-                             "the learning rate; use either Morse's schedule or a torch scheduler "
+        elif (lr, weight_decay) != self._initial_hyper:
+            raise ValueError(f"param_groups[0] has lr {lr} and weight_decay {weight_decay}, but with "
+                             f"schedule={self._schedule!r} the job's schedule sets them as built "
+                             f"({self._initial_hyper}); use either Morse's schedule or torch's "
                              "(with the default schedule='constant')")
         with self._explained():
             if self._cuda:
