@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "compress/codec.h"
 
@@ -25,6 +26,8 @@ namespace morse::compress {
 // Scalars of the element-wise Adam update (DESIGN 2.1, 2.2), computed once by
 // the host so that every implementation sees the same fp32 values.
 // bias_correction1/2 are 1 - beta^t, or exactly 1 when correction is off.
+// max_ratio bounds |m̂/(sqrt(v̂)+eps)| in the frozen-variance update (DESIGN
+// 2.1, bound_update); +inf, the default, leaves every ratio as it is.
 struct AdamScalars {
   float lr = 1e-3f;
   float beta1 = 0.9f;
@@ -33,6 +36,7 @@ struct AdamScalars {
   float weight_decay = 0.0f;
   float bias_correction1 = 1.0f;
   float bias_correction2 = 1.0f;
+  float max_ratio = std::numeric_limits<float>::infinity();
 };
 
 // Stochastic rounding parameters; see stochastic_rounding.h.

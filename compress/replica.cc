@@ -60,6 +60,9 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
     rule.scalars.bias_correction2 =
         MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true).bias_correction2;
   }
+  if (plan.compressing && config.bound_update) {
+    rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
+  }
   return rule;
 }
 
@@ -124,6 +127,7 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix_feedback(c.server_feedback);
   mix(c.bias_correction);
   mix(c.mask_zero_variance);
+  mix(c.bound_update);
   mix(c.seed);
   return hash.value();
 }

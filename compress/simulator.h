@@ -59,6 +59,9 @@ struct SimulatorConfig {
   // onebit_adam (DESIGN 2.1): from the freeze on, elements whose frozen v
   // is exactly 0 send, carry and apply +0.
   bool mask_zero_variance = true;
+  // onebit_adam (DESIGN 2.1): from the freeze on, |m̂/(sqrt(v̂)+eps)| is at
+  // most OneBitUpdateBound(adam), Adam's own largest step.
+  bool bound_update = true;
   uint64_t seed = 0;            // stochastic rounding
 };
 

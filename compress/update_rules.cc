@@ -1,5 +1,6 @@
 #include "compress/update_rules.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -63,6 +64,11 @@ AdamScalars MakeAdamScalars(const AdamHyper& h, float lr, int64_t t,
     s.bias_correction2 = static_cast<float>(1.0 - std::pow(double{h.beta2}, double(t)));
   }
   return s;
+}
+
+float OneBitUpdateBound(const AdamHyper& h) {
+  const double bound = (1.0 - double{h.beta1}) / std::sqrt(1.0 - double{h.beta2});
+  return static_cast<float>(std::max(1.0, bound));
 }
 
 void AdamStep(const AdamScalars& s, absl::Span<const float> g,

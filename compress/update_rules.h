@@ -43,6 +43,12 @@ float LearningRate(const LrSchedule& schedule, int64_t step);
 AdamScalars MakeAdamScalars(const AdamHyper& hyper, float lr, int64_t t,
                             bool bias_correction);
 
+// The bound of DESIGN 2.1's bound_update: Adam's own largest step per unit of
+// learning rate (Kingma & Ba 2015, section 2.1), max(1, (1-b1)/sqrt(1-b2)),
+// computed in double from the fp32 betas and rounded once (3.1630 for the
+// defaults 0.9f, 0.999f).
+float OneBitUpdateBound(const AdamHyper& hyper);
+
 // Adam (DESIGN 2.2; with bias_correction1/2 == 1 it is the 1-bit Adam warmup
 // step of 2.1): m, v from g, then x.
 void AdamStep(const AdamScalars& s, absl::Span<const float> g,

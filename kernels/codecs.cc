@@ -22,7 +22,8 @@ launch::AdamArgs Args(const compress::AdamScalars& s) {
           s.eps,
           s.weight_decay,
           s.bias_correction1,
-          s.bias_correction2};
+          s.bias_correction2,
+          s.max_ratio};
 }
 
 absl::Status CheckSpec(const compress::CodecSpec& spec, const void* payload) {

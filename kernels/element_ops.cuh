@@ -107,13 +107,19 @@ __device__ __forceinline__ void AdamElement(const Adam& s, float g, float* x,
   *x = Sub(*x, Mul(s.lr, step));
 }
 
-// simd::FrozenElement: m = c, v frozen; m̂ = c / bc1, v̂ = v / bc2.
+// simd::BoundRatio.
+__device__ __forceinline__ float BoundRatio(float r, float bound) {
+  return r > bound ? bound : (r < -bound ? -bound : r);
+}
+
+// simd::FrozenElement: m = c, v frozen; m̂ = c / bc1, v̂ = v / bc2; the ratio
+// bounded by max_ratio.
 __device__ __forceinline__ void FrozenElement(const Adam& s, float c, float* x,
                                               float* m, float v) {
   const float m_hat = Div(c, s.bias_correction1);
   const float v_hat = Div(v, s.bias_correction2);
-  const float step =
-      Add(Div(m_hat, Add(Sqrt(v_hat), s.eps)), Mul(s.weight_decay, *x));
+  const float ratio = BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio);
+  const float step = Add(ratio, Mul(s.weight_decay, *x));
   *m = c;
   *x = Sub(*x, Mul(s.lr, step));
 }

@@ -12,7 +12,7 @@
 namespace morse::kernels::launch {
 
 struct AdamArgs {  // the fields of compress::AdamScalars, in order
-  float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2;
+  float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, max_ratio;
 };
 
 // sign1 of x (+ e) into scales[ceil(n/block)] and bits[ceil(n/8)]; e updated

@@ -139,6 +139,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (!onebit && c.has_mask_zero_variance() && c.mask_zero_variance()) {
     return Invalid("mask_zero_variance", "only onebit_adam freezes v (DESIGN 2.1); adam has nothing to mask");
   }
+  a.bound_update = !c.has_bound_update() || c.bound_update();
+  if (!onebit && c.has_bound_update() && c.bound_update()) {
+    return Invalid("bound_update", "only onebit_adam's frozen-variance update is bounded (DESIGN 2.1); adam's update is plain Adam");
+  }
   if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok()) return Invalid("adam", s.message());
 
   const v1::LrConfig& lr = c.lr();

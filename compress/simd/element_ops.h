@@ -82,13 +82,22 @@ static inline void AdamElement(const AdamScalars& s, float g, float* x,
   *x = *x - s.lr * step;
 }
 
+// The ratio r clamped to [-bound, bound]; NaN stays NaN, and an infinite
+// bound leaves r as it is. The vector kernels compute the same value as
+// Max(-bound, Min(bound, r)) with x86's operand order.
+static inline float BoundRatio(float r, float bound) {
+  return r > bound ? bound : (r < -bound ? -bound : r);
+}
+
 // 1-bit Adam compression phase element: m = c, v frozen; m̂ = c / bc1 and
-// v̂ = v / bc2 (both 1 without bias correction, which leaves c and v exact).
+// v̂ = v / bc2 (both 1 without bias correction, which leaves c and v exact);
+// the ratio m̂/(sqrt(v̂)+eps) is bounded by max_ratio (DESIGN 2.1).
 static inline void FrozenElement(const AdamScalars& s, float c, float* x,
                                  float* m, float v) {
   const float m_hat = c / s.bias_correction1;
   const float v_hat = v / s.bias_correction2;
-  const float step = m_hat / (std::sqrt(v_hat) + s.eps) + s.weight_decay * *x;
+  const float ratio = BoundRatio(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio);
+  const float step = ratio + s.weight_decay * *x;
   *m = c;
   *x = *x - s.lr * step;
 }

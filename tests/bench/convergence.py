@@ -56,8 +56,8 @@ class Task:
     """A model, its data and its batches: batch(rank, step) is rank's part of
     the global batch of `step`, the same in every process."""
 
-    def __init__(self, name, steps):
-        self.name, self.steps = name, steps
+    def __init__(self, name, steps, seed=1):
+        self.name, self.steps, self.seed = name, steps, seed
         if name == "cnn":
             self.train_x, self.train_y, self.test_x, self.test_y = digits()
             self.per_rank = 32
@@ -66,7 +66,7 @@ class Task:
             self.seq, self.per_rank = 64, 16
 
     def model(self):
-        torch.manual_seed(1)
+        torch.manual_seed(self.seed)
         if self.name == "cnn":
             return torch.nn.Sequential(
                 torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.ReLU(),
@@ -78,7 +78,7 @@ class Task:
         return CharModel(self.vocab, "attention")
 
     def batch(self, rank, step):
-        rng = np.random.RandomState(1000003 * step + rank)
+        rng = np.random.RandomState((1000003 * step + rank + 7919 * (self.seed - 1)) % 2**32)
         if self.name == "cnn":
             rows = np.arange(rank, len(self.train_y), WORKERS)
             pick = rng.choice(rows, self.per_rank, replace=False)
@@ -177,7 +177,8 @@ def worker(task, optimizer):
 
 def morse(task, optimizer, morse_run):
     command = [morse_run, "--servers", "1", "--workers", str(WORKERS), "--", sys.executable,
-               os.path.abspath(__file__), "--worker", task.name, optimizer, "--steps", str(task.steps)]
+               os.path.abspath(__file__), "--worker", task.name, optimizer, "--steps", str(task.steps),
+               "--seed", str(task.seed)]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=3600)
     lines = [l for l in result.stdout.splitlines() if "RESULT " in l]
@@ -187,48 +188,84 @@ def morse(task, optimizer, morse_run):
     return (r["loss"], r["accuracy"]), ""
 
 
+OPTIMIZERS = ("adam", "onebit_adam", "loco")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--models", default="cnn,gru,attention")
-    parser.add_argument("--optimizers", default="adam,onebit_adam,loco")
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                        help="any of " + ", ".join(OPTIMIZERS))
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train every run from seeds 1..N (initial weights and batch order) "
+                             "and compare means; the spread of torch.optim.Adam over the seeds "
+                             "is printed as the noise floor")
+    parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--max-gap", type=float, default=None,
-                        help="exit 1 if a Morse optimizer's held-out loss is more than this "
+                        help="exit 1 if a Morse optimizer's mean held-out loss is more than this "
                              "fraction above torch.optim.Adam's (e.g. 0.02)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.worker:
-        worker(Task(args.worker[0], args.steps), args.worker[1])
+        worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])
         return 0
+    models = args.models.split(",")
+    optimizers = args.optimizers.split(",")
+    for bad in [m for m in models if m not in ("cnn", "gru", "attention")]:
+        parser.error(f"unknown model {bad!r}: cnn, gru or attention")
+    for bad in [o for o in optimizers if o not in OPTIMIZERS]:
+        parser.error(f"unknown optimizer {bad!r}: one of {', '.join(OPTIMIZERS)}")
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
     morse_run = os.environ.get("MORSE_RUN") or os.path.join(HERE, "..", "..", "build", "bin", "morse-run")
+    seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
+    print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds)")
     print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to Adam':>12} {'s':>6}")
-    for name in args.models.split(","):
-        task = Task(name, args.steps)
+    for name in models:
         start = time.time()
-        ref_loss, ref_acc = torch_adam(task)
-        print(f"{name:10} {'torch.optim.Adam':18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} {time.time() - start:6.1f}",
-              flush=True)
-        rows.append({"model": name, "optimizer": "torch_adam", "loss": ref_loss, "accuracy": ref_acc})
-        for optimizer in args.optimizers.split(","):
+        ref = [torch_adam(Task(name, args.steps, seed)) for seed in seeds]
+        ref_loss = float(np.mean([l for l, _ in ref]))
+        ref_acc = float(np.mean([a for _, a in ref]))
+        spread = float(np.std([l for l, _ in ref]) / ref_loss) if len(seeds) > 1 else None
+        note = f"seed spread {100 * spread:.1f}%" if spread is not None else ""
+        print(f"{name:10} {'torch.optim.Adam':18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} "
+              f"{time.time() - start:6.1f}  {note}", flush=True)
+        rows.append({"model": name, "optimizer": "torch_adam", "loss": ref_loss, "accuracy": ref_acc,
+                     "seed_losses": [l for l, _ in ref], "seed_spread": spread})
+        for optimizer in optimizers:
             start = time.time()
-            result, log = morse(task, optimizer, morse_run)
-            if result is None:
+            results = []
+            for seed in seeds:
+                result, log = morse(Task(name, args.steps, seed), optimizer, morse_run)
+                if result is None:
+                    print(f"{name:10} {optimizer:18} FAILED (seed {seed})\n{log}", flush=True)
+                    break
+                results.append(result)
+            if len(results) != len(seeds):
                 failed = True
-                print(f"{name:10} {optimizer:18} FAILED\n{log}", flush=True)
                 rows.append({"model": name, "optimizer": optimizer, "failed": True})
                 continue
-            loss, acc = result
+            loss = float(np.mean([l for l, _ in results]))
+            acc = float(np.mean([a for _, a in results]))
             gap = (loss - ref_loss) / ref_loss
             if args.max_gap is not None and gap > args.max_gap:
                 failed = True
-            print(f"{name:10} {optimizer:18} {loss:13.4f} {acc:9.4f} {100 * gap:+11.2f}% {time.time() - start:6.1f}",
-                  flush=True)
-            rows.append({"model": name, "optimizer": optimizer, "loss": loss, "accuracy": acc, "gap": gap})
+            # Paired by seed (same weights, same batches): the standard error
+            # of the per-seed gaps says how much of `gap` the seeds explain.
+            paired = [(l - r[0]) / r[0] for (l, _), r in zip(results, ref)]
+            se = float(np.std(paired, ddof=1) / np.sqrt(len(paired))) if len(paired) > 1 else None
+            note = f"paired gap {100 * np.mean(paired):+.1f}% +- {100 * se:.1f}% (se)" if se is not None else ""
+            print(f"{name:10} {optimizer:18} {loss:13.4f} {acc:9.4f} {100 * gap:+11.2f}% "
+                  f"{time.time() - start:6.1f}  {note}", flush=True)
+            rows.append({"model": name, "optimizer": optimizer, "loss": loss, "accuracy": acc,
+                         "gap": gap, "paired_gap_se": se, "seed_losses": [l for l, _ in results]})
     if args.json:
-        json.dump({"steps": args.steps, "workers": WORKERS, "rows": rows}, open(args.json, "w"), indent=1)
+        json.dump({"steps": args.steps, "workers": WORKERS, "seeds": seeds, "rows": rows},
+                  open(args.json, "w"), indent=1)
     return 1 if failed else 0
 
 

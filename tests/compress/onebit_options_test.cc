@@ -1,13 +1,15 @@
-// DESIGN 2.1's two options of onebit_adam: bias correction and the
-// zero-variance mask. Off, they reproduce the bits Morse computed before
-// they existed (checksums recorded from that code, commit afe4479's
+// DESIGN 2.1's options of onebit_adam: bias correction, the zero-variance
+// mask and the bounded update. Off, they reproduce the bits Morse computed
+// before they existed (checksums recorded from that code, commit afe4479's
 // compress/, with the inputs below); on, they do what 2.1 says.
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "compress/replica.h"
 #include "compress/simulator.h"
+#include "compress/update_rules.h"
 #include "gtest/gtest.h"
 
 namespace morse::compress {
@@ -46,13 +48,14 @@ std::vector<float> X0() {
   return x0;
 }
 
-// Runs kSteps steps; calls `after(step, sim)` after each.
-template <class F>
-void RunSteps(const SimulatorConfig& c, F after) {
+// Runs kSteps steps of gradients(workers, step); calls `after(step, sim)`
+// after each.
+template <class F, class G = decltype(&Gradients)>
+void RunSteps(const SimulatorConfig& c, F after, G gradients = &Gradients) {
   auto sim = Simulator::Create(c, X0());
   ASSERT_TRUE(sim.ok()) << sim.status();
   for (int step = 0; step < kSteps; ++step) {
-    const auto g = Gradients(c.workers, step);
+    const auto g = gradients(c.workers, step);
     std::vector<absl::Span<const float>> views(g.begin(), g.end());
     ASSERT_TRUE(sim->Step(views).ok());
     after(step, *sim);
@@ -75,6 +78,7 @@ TEST(OneBitOptionsTest, OffReproducesTheEarlierBits) {
   SimulatorConfig c = OneBitConfig();
   c.bias_correction = false;
   c.mask_zero_variance = false;
+  c.bound_update = false;
   RunSteps(c, [&](int step, const Simulator& sim) { EXPECT_EQ(Checksum(sim), onebit[step]) << "step " << step; });
   SimulatorConfig a = OneBitConfig();
   a.optimizer = OptimizerKind::kAdam;
@@ -103,8 +107,9 @@ TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
       EXPECT_EQ(sim.x()[j], x_at_freeze[j]) << "no weight decay: x stays, element " << j;
     }
   });
-  // Without the mask the same elements receive +-scale / eps.
+  // Without the mask (and the bound) the same elements receive +-scale / eps.
   c.mask_zero_variance = false;
+  c.bound_update = false;
   float largest_move = 0;
   RunSteps(c, [&](int step, const Simulator& sim) {
     if (step + 1 == c.freeze_step) x_at_freeze.assign(sim.x().begin(), sim.x().end());
@@ -116,6 +121,72 @@ TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
   EXPECT_GT(largest_move, 1000.0f);
 }
 
+// Element j % 5 == 2 gets a gradient 1e-9 times the others': its frozen v is
+// about 1e-18, not 0, so the mask leaves it and only the bound holds it.
+std::vector<std::vector<float>> TinyGradients(uint32_t workers, int step) {
+  auto g = Gradients(workers, step);
+  for (auto& gi : g) {
+    for (size_t j = 2; j < kDim; j += 5) gi[j] *= 1e-9f;
+  }
+  return g;
+}
+
+TEST(OneBitOptionsTest, TheBoundHoldsTinyVarianceElementsToAdamsLargestStep) {
+  SimulatorConfig c = OneBitConfig();  // every option on, eps 1e-8
+  ASSERT_TRUE(c.bound_update);
+  const float bound = OneBitUpdateBound(c.adam);
+  // From the fp32 betas, in double: 3.16300 (0.9f and 0.999f are not 0.9, 0.999).
+  EXPECT_EQ(bound, static_cast<float>((1.0 - double{0.9f}) / std::sqrt(1.0 - double{0.999f})));
+  std::vector<float> before;
+  float largest_step = 0;
+  RunSteps(c, [&](int step, const Simulator& sim) {
+    if (step >= c.freeze_step) {
+      for (size_t j = 0; j < kDim; ++j) {
+        ASSERT_TRUE(std::isfinite(sim.x()[j])) << "step " << step << " element " << j;
+        largest_step = std::max(largest_step, std::fabs(sim.x()[j] - before[j]));
+      }
+    }
+    before.assign(sim.x().begin(), sim.x().end());
+  }, &TinyGradients);
+  // lr * (bound + wd * |x|) with wd = 0, and one rounding of x.
+  EXPECT_LE(largest_step, c.lr.base_lr * bound * 1.0001f);
+  EXPECT_GT(largest_step, c.lr.base_lr * bound * 0.5f) << "the bound binds for the tiny elements";
+  // Without it, the same elements take steps of about lr * scale / sqrt(v).
+  c.bound_update = false;
+  largest_step = 0;
+  RunSteps(c, [&](int step, const Simulator& sim) {
+    if (step >= c.freeze_step) {
+      for (size_t j = 2; j < kDim; j += 5) {
+        largest_step = std::max(largest_step, std::fabs(sim.x()[j] - before[j]));
+      }
+    }
+    before.assign(sim.x().begin(), sim.x().end());
+  }, &TinyGradients);
+  EXPECT_GT(largest_step, 1000.0f);
+}
+
+TEST(OneBitOptionsTest, TheBoundClampsOnlyRatiosBeyondIt) {
+  AdamScalars s;
+  s.lr = 0.5f;
+  s.weight_decay = 0.25f;
+  s.eps = 0.0f;
+  const std::vector<float> c = {0.5f, -0.5f, 4.0f, -4.0f, 3.0f, NAN};
+  const std::vector<float> v = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+  std::vector<float> x_free(c.size(), 2.0f), m_free(c.size());
+  std::vector<float> x_bound = x_free, m_bound = m_free;
+  FrozenVarianceStep(s, c, absl::MakeSpan(x_free), absl::MakeSpan(m_free), v);
+  s.max_ratio = 3.0f;
+  FrozenVarianceStep(s, c, absl::MakeSpan(x_bound), absl::MakeSpan(m_bound), v);
+  // |ratio| <= 3: the same bits as without the bound.
+  for (size_t j : {0, 1, 4}) EXPECT_EQ(x_bound[j], x_free[j]) << j;
+  // Beyond it: x - lr * (+-3 + wd * x); m is still c, unclamped.
+  EXPECT_EQ(x_bound[2], 2.0f - 0.5f * (3.0f + 0.25f * 2.0f));
+  EXPECT_EQ(x_bound[3], 2.0f - 0.5f * (-3.0f + 0.25f * 2.0f));
+  EXPECT_EQ(m_bound[2], 4.0f);
+  // NaN is not hidden by the clamp.
+  EXPECT_TRUE(std::isnan(x_bound[5]));
+}
+
 TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
   SimulatorConfig c = OneBitConfig();
   c.freeze_step = 10;
@@ -124,13 +195,17 @@ TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
     const ReplyRule rule = PlanReply(c, step);
     EXPECT_EQ(rule.frozen_variance, step >= 10);
     EXPECT_EQ(rule.mask, step >= 10);
+    EXPECT_EQ(rule.scalars.max_ratio,
+              step >= 10 ? OneBitUpdateBound(c.adam) : std::numeric_limits<float>::infinity());
     EXPECT_EQ(rule.scalars.bias_correction1, expected(c.adam.beta1, step + 1)) << step;
     EXPECT_EQ(rule.scalars.bias_correction2, expected(c.adam.beta2, step >= 10 ? 10 : step + 1)) << step;
   }
   c.bias_correction = false;
   c.mask_zero_variance = false;
+  c.bound_update = false;
   for (int64_t step : {0, 9, 10, 500}) {
     const ReplyRule rule = PlanReply(c, step);
+    EXPECT_EQ(rule.scalars.max_ratio, std::numeric_limits<float>::infinity());
     EXPECT_EQ(rule.scalars.bias_correction1, 1.0f);
     EXPECT_EQ(rule.scalars.bias_correction2, 1.0f);
     EXPECT_FALSE(rule.mask);

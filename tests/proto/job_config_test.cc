@@ -28,6 +28,7 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
   EXPECT_EQ(a.server_feedback.kind, compress::FeedbackKind::kEf);
   EXPECT_TRUE(a.bias_correction);     // DESIGN 2.1: on by default for onebit_adam too
   EXPECT_TRUE(a.mask_zero_variance);
+  EXPECT_TRUE(a.bound_update);
   EXPECT_EQ(a.layout.block_elems, 2048u);
   EXPECT_EQ(a.layout.partition_elems, 1u << 20);
   EXPECT_FLOAT_EQ(a.adam.beta1, 0.9f);
@@ -70,6 +71,10 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ema\" beta: 2 }",
        "worker_feedback"},
       {"workers: 1 shards: 1 mlp { train_path: \"x\" } lr { lr: 1 } steps: 1", "mlp.features"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"adam\" mask_zero_variance: true",
+       "mask_zero_variance"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"adam\" bound_update: true",
+       "bound_update"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
@@ -79,6 +84,17 @@ TEST(JobConfigTest, ErrorsNameTheField) {
     EXPECT_NE(job.status().message().find(c.field), absl::string_view::npos)
         << c.text << " -> " << job.status();
   }
+}
+
+TEST(JobConfigTest, OneBitOptionsCanBeTurnedOff) {
+  auto job = ParseJobConfig(
+      "workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 4 freeze_step: 2 "
+      "adam { bias_correction: false } mask_zero_variance: false bound_update: false",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_FALSE(job->algorithm.bias_correction);
+  EXPECT_FALSE(job->algorithm.mask_zero_variance);
+  EXPECT_FALSE(job->algorithm.bound_update);
 }
 
 TEST(JobConfigTest, MissingFileIsNotFound) {

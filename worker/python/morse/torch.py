@@ -67,6 +67,7 @@ def _security(security):
 class _MorseOptimizer(torch.optim.Optimizer):
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
                  codec, down_codec, feedback, feedback_beta, bias_correction, mask_zero_variance,
+                 bound_update,
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
                  accumulation_steps=1):
@@ -145,6 +146,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if optimizer == "onebit_adam":
             lines.append(f"freeze_step: {freeze_step}")
             lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
+            lines.append(f"bound_update: {'true' if bound_update else 'false'}")
         if block_elems:
             lines.append(f"block_elems: {block_elems}")
         if partition_elems:
@@ -305,8 +307,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  f"no parameter holds Inf or NaN; the largest |x| is {largest[0]:.3g} in {largest[1]}")
         advice = ("likely causes: a learning rate too large for this model"
                   + ("; in 1-bit Adam's compression phase, elements whose frozen variance is tiny but "
-                     "not zero get steps of about lr*scale/sqrt(v) (try a larger eps such as 1e-6, "
-                     "a later freeze_step, or a lower lr; mask_zero_variance only covers v = 0)"
+                     "not zero get steps of about lr*scale/sqrt(v) unless bound_update (default True) "
+                     "bounds them (keep bound_update and mask_zero_variance on, or try a larger eps "
+                     "such as 1e-6, a later freeze_step, or a lower lr)"
                      if phase == "compression phase" else "")
                   + "; a loss that is already Inf or NaN (check it before step())")
         return MorseError(f"{error}\n  at step {step} ({phase}): {where}\n  {advice}")
@@ -437,10 +440,14 @@ class OneBitAdam(_MorseOptimizer):
     torch.optim.Adam; False is DeepSpeed's OnebitAdam) corrects m and v, v's
     factor freezing with v; mask_zero_variance (default True) keeps elements
     whose frozen v is exactly 0 (dead units, unused rows) at m = 0 instead of
-    sending them +-scale, which would blow the model up at the default eps."""
+    sending them +-scale, which would blow the model up at the default eps;
+    bound_update (default True) clamps each element's m̂/(sqrt(v̂)+eps) to
+    Adam's own largest step, max(1, (1-b1)/sqrt(1-b2)), so elements whose
+    frozen v is tiny but not zero cannot take huge steps either."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 freeze_step=100, *, bias_correction=True, mask_zero_variance=True, config=None,
+                 freeze_step=100, *, bias_correction=True, mask_zero_variance=True, bound_update=True,
+                 config=None,
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None):
@@ -451,6 +458,7 @@ class OneBitAdam(_MorseOptimizer):
                          weight_decay=weight_decay, freeze_step=freeze_step, codec="sign1",
                          down_codec=None, feedback="ef", feedback_beta=1.0,
                          bias_correction=bias_correction, mask_zero_variance=mask_zero_variance,
+                         bound_update=bound_update,
                          schedule=schedule, steps=steps, config=config,
                          rank=rank, world_size=world_size, servers=servers, overlap=overlap,
                          block_elems=block_elems, partition_elems=partition_elems,
@@ -470,7 +478,7 @@ class Adam(_MorseOptimizer):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
-                         bias_correction=bias_correction, mask_zero_variance=False,
+                         bias_correction=bias_correction, mask_zero_variance=False, bound_update=False,
                          schedule=schedule, steps=steps,
                          config=config, rank=rank, world_size=world_size, servers=servers,
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
