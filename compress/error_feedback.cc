@@ -65,6 +65,23 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
   return status;
 }
 
+absl::Status ErrorFeedback::CompressOrKeep(const CodecSpec& codec, size_t offset,
+                                           absl::Span<const float> x, const RoundingKey& key,
+                                           absl::Span<uint8_t> payload,
+                                           absl::Span<const float> mask_v) {
+  const bool in_place = spec_.kind != FeedbackKind::kNone && spec_.storage == ErrorStorage::kFp32 &&
+                        offset % block_elems_ == 0 && offset <= size_ && x.size() <= size_ - offset;
+  if (!in_place) return Compress(codec, offset, x, key, payload, mask_v);
+  // Reused per thread: a shard compresses a partition (1 MiB of floats by
+  // default) per step, and a fresh allocation of that size would be mapped
+  // and faulted in every time.
+  thread_local std::vector<float> backup;
+  backup.assign(fp32_.begin() + offset, fp32_.begin() + offset + x.size());
+  absl::Status status = Compress(codec, offset, x, key, payload, mask_v);
+  if (!status.ok()) std::copy(backup.begin(), backup.end(), fp32_.begin() + offset);
+  return status;
+}
+
 // u = mask ⊙ (x + e), e = mask ⊙ (u - C(u)): masked x and e enter as +0
 // (so u is +0 there), and the masked error leaves as +0.
 absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset,
@@ -79,10 +96,11 @@ absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset
   Read(offset, absl::MakeSpan(error));
   SelectByZero(mask_v, absl::MakeSpan(error));
   absl::Status status = EncodeWithError(codec, masked, absl::MakeSpan(error), fb, key, payload);
+  if (!status.ok()) return status;  // the stored error stays as it was
   SelectByZero(mask_v, absl::MakeSpan(error));
   if (spec_.storage == ErrorStorage::kFp32) {
     std::copy(error.begin(), error.end(), fp32_.begin() + offset);
-  } else if (status.ok()) {
+  } else {
     Quantize(offset, error);
   }
   return status;

@@ -56,6 +56,14 @@ class ErrorFeedback {
                         absl::Span<const float> x, const RoundingKey& key,
                         absl::Span<uint8_t> payload, absl::Span<const float> mask_v = {});
 
+  // Compress, except that on any error the range's error is exactly as it
+  // was (DESIGN 4: bad input never changes a shard's state). With fp32
+  // storage this costs a copy of the range's error; the other paths already
+  // compute into a temporary and commit on success.
+  absl::Status CompressOrKeep(const CodecSpec& codec, size_t offset,
+                              absl::Span<const float> x, const RoundingKey& key,
+                              absl::Span<uint8_t> payload, absl::Span<const float> mask_v = {});
+
   // Copies the error of [offset, offset + out.size()) as fp32.
   void Read(size_t offset, absl::Span<float> out) const;
   // Replaces the whole buffer (from a checkpoint); INVALID_ARGUMENT if the

@@ -14,6 +14,10 @@
 namespace morse::proto {
 namespace {
 
+// ema feedback's weight of the newest error when the config gives none
+// (docs/config.md: Morse's choice, what docs/convergence.md measures).
+constexpr float kDefaultEmaBeta = 0.5f;
+
 using compress::CodecKind;
 using compress::CodecSpec;
 using compress::FeedbackKind;
@@ -57,8 +61,11 @@ absl::StatusOr<FeedbackSpec> ToFeedback(const v1::FeedbackConfig& f, absl::strin
   } else if (!f.mode().empty()) {
     return Invalid(field, absl::StrCat("mode '", f.mode(), "' is not none, ef or ema"));
   }
-  if (spec.kind == FeedbackKind::kEma) spec.beta = f.beta();
-  if (f.storage() == "int8") {
+  if (spec.kind == FeedbackKind::kEma) spec.beta = f.has_beta() ? f.beta() : kDefaultEmaBeta;
+  if (spec.kind != FeedbackKind::kEma && f.has_beta()) {
+    return Invalid(field, absl::StrCat("beta is the weight of ema feedback; mode '", f.mode(),
+                                       "' has none"));
+  }  if (f.storage() == "int8") {
     spec.storage = compress::ErrorStorage::kInt8;
   } else if (!f.storage().empty() && f.storage() != "fp32") {
     return Invalid(field, absl::StrCat("storage '", f.storage(), "' is not fp32 or int8"));

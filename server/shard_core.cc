@@ -290,7 +290,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
     const absl::Span<const float> mask_v =
         rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
     status = rule.feedback
-                 ? server_error_.Compress(rule.codec, offset, average, rule.key, payload, mask_v)
+                 ? server_error_.CompressOrKeep(rule.codec, offset, average, rule.key, payload, mask_v)
                  : compress::Encode(rule.codec, average, rule.key, payload);
   }
   for (size_t r = 0; r < p.pushes.size(); ++r) {

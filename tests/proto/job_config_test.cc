@@ -75,6 +75,10 @@ TEST(JobConfigTest, ErrorsNameTheField) {
        "mask_zero_variance"},
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"adam\" bound_update: true",
        "bound_update"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ef\" beta: 0.5 }",
+       "worker_feedback"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ema\" beta: 0 }",
+       "worker_feedback"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
@@ -95,6 +99,16 @@ TEST(JobConfigTest, OneBitOptionsCanBeTurnedOff) {
   EXPECT_FALSE(job->algorithm.bias_correction);
   EXPECT_FALSE(job->algorithm.mask_zero_variance);
   EXPECT_FALSE(job->algorithm.bound_update);
+}
+
+TEST(JobConfigTest, EmaWithoutBetaIsHalf) {
+  auto job = ParseJobConfig(
+      "workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 4 optimizer: \"adam\" "
+      "up_codec { codec: \"int4\" } worker_feedback { mode: \"ema\" }",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->algorithm.worker_feedback.kind, compress::FeedbackKind::kEma);
+  EXPECT_EQ(job->algorithm.worker_feedback.beta, 0.5f);
 }
 
 TEST(JobConfigTest, MissingFileIsNotFound) {

@@ -88,6 +88,8 @@ def main():
     expect(ValueError, "not contiguous", lambda: morse.torch.OneBitAdam(
         [torch.nn.Parameter(torch.zeros(3, 4).t())], **args))
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
+    expect(ValueError, "feedback='ef' has none", lambda: morse.torch.Adam(
+        torch.nn.Linear(3, 2).parameters(), feedback="ef", feedback_beta=0.5, **args))
     # No credentials and no insecure: refused, saying what to pass.
     expect(MorseError, "--insecure", lambda: morse.torch.OneBitAdam(
         torch.nn.Linear(3, 2).parameters(), security={}, **args))

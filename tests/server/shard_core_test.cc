@@ -4,6 +4,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -107,6 +108,61 @@ TEST_F(ShardCoreTest, EveryWorkerGetsTheSameReplyAndRetriesToo) {
   PushArgs changed = Args(0, 2, first());
   changed.payload[5] ^= 1;
   EXPECT_EQ(Push(changed).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Finite but huge scales whose average overflows: the recompression fails
+// in the partition's last block, after the blocks before it were encoded.
+// The step is refused and the server error buffer is exactly as before, so
+// the same step pushed again with sane data gives a fresh shard's reply.
+TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
+  // With the zero-variance mask (a temporary error, committed on success)
+  // and without it (the error updated in place, so restored on failure).
+  for (bool mask : {true, false}) {
+    SCOPED_TRACE(mask ? "mask" : "no mask");
+    SetUp();
+    job_.algorithm.mask_zero_variance = mask;
+    core_ = *ShardCore::Create(job_, 1);
+    for (const auto& p : core_->layout().shard_partitions(1)) {
+      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+      ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
+                                       {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                      .ok());
+    }
+    for (int64_t step : {0, 1}) {
+      for (uint32_t r = 0; r < 3; ++r) ASSERT_NE(Push(Args(step, r, first())).code(), absl::StatusCode::kInternal);
+    }
+    const double error_before = core_->ServerErrorNorm();
+    ASSERT_GT(error_before, 0.0);
+    absl::Status last;
+    for (uint32_t r = 0; r < 3; ++r) {
+      PushArgs huge = Args(2, r, first());
+      const float scale = 3e38f;  // finite; three of them sum to Inf
+      std::memcpy(huge.payload.data() + 4 * 3, &scale, 4);  // block 3 of 4
+      last = Push(std::move(huge));
+    }
+    EXPECT_EQ(last.code(), absl::StatusCode::kInternal) << last;
+    EXPECT_NE(last.message().find("recompression failed"), absl::string_view::npos) << last;
+    EXPECT_EQ(core_->ServerErrorNorm(), error_before);
+
+    // The same step again with sane pushes: a fresh shard's reply.
+    std::shared_ptr<const Reply> again;
+    for (uint32_t r = 0; r < 3; ++r) Push(Args(2, r, first()), &again);
+    auto fresh_core = *ShardCore::Create(job_, 1);
+    std::swap(core_, fresh_core);
+    for (const auto& p : core_->layout().shard_partitions(1)) {
+      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+      ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
+                                       {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                      .ok());
+    }
+    std::shared_ptr<const Reply> fresh;
+    for (int64_t step : {0, 1, 2}) {
+      for (uint32_t r = 0; r < 3; ++r) Push(Args(step, r, first()), &fresh);
+    }
+    ASSERT_NE(again, nullptr);
+    ASSERT_NE(fresh, nullptr);
+    EXPECT_EQ(again->payload, fresh->payload);
+  }
 }
 
 TEST_F(ShardCoreTest, APendingPushResentWithOtherBytesIsRejected) {

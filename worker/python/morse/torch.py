@@ -122,6 +122,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         adam = [f"beta1: {betas[0]!r}", f"beta2: {betas[1]!r}", f"eps: {eps!r}",
                 f"weight_decay: {weight_decay!r}"]
         adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
+        if feedback_beta is not None and feedback != "ema":
+            raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
+                             f"feedback={feedback!r} has none")
+        beta = f" beta: {float(feedback_beta)!r}" if feedback_beta is not None else ""
         lines = [
             f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" }}',
             f'optimizer: "{optimizer}"',
@@ -130,8 +134,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             f"steps: {steps}",
             f'up_codec {{ codec: "{codec}" }}',
             f'down_codec {{ codec: "{down_codec or codec}" }}',
-            f'worker_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
-            f'server_feedback {{ mode: "{feedback}" beta: {feedback_beta!r} }}',
+            f'worker_feedback {{ mode: "{feedback}"{beta} }}',
+            f'server_feedback {{ mode: "{feedback}"{beta} }}',
         ]
         # With the constant schedule (the default) the steps follow
         # param_groups[0]'s lr and weight_decay, read at every step, so torch's
@@ -456,7 +460,7 @@ class OneBitAdam(_MorseOptimizer):
                              "step (with none there is no variance to freeze)")
         super().__init__(params, optimizer="onebit_adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=freeze_step, codec="sign1",
-                         down_codec=None, feedback="ef", feedback_beta=1.0,
+                         down_codec=None, feedback="ef", feedback_beta=None,
                          bias_correction=bias_correction, mask_zero_variance=mask_zero_variance,
                          bound_update=bound_update,
                          schedule=schedule, steps=steps, config=config,
@@ -468,10 +472,11 @@ class OneBitAdam(_MorseOptimizer):
 class Adam(_MorseOptimizer):
     """Adam on the servers' average of compressed gradients (DESIGN 2.2). The
     defaults (fp32, no feedback, bias correction) are exact synchronous Adam;
-    LoCo is codec="int4", feedback="ema"."""
+    LoCo is codec="int4", feedback="ema" (feedback_beta, the moving average's
+    weight of the newest error, defaults to 0.5 for ema; docs/config.md)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 codec="fp32", down_codec=None, feedback="none", feedback_beta=1.0,
+                 codec="fp32", down_codec=None, feedback="none", feedback_beta=None,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None):
