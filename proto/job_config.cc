@@ -1,6 +1,9 @@
 #include "proto/job_config.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -78,8 +81,12 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   JobSpec job;
   job.name = c.name().empty() ? "morse" : c.name();
   compress::SimulatorConfig& a = job.algorithm;
-  if (c.workers() == 0) return Invalid("workers", "must be at least 1");
-  if (c.shards() == 0) return Invalid("shards", "must be at least 1");
+  if (c.workers() == 0 || c.workers() > kMaxWorkers) {
+    return Invalid("workers", absl::StrCat(c.workers(), " is not in [1, ", kMaxWorkers, "]"));
+  }
+  if (c.shards() == 0 || c.shards() > kMaxShards) {
+    return Invalid("shards", absl::StrCat(c.shards(), " is not in [1, ", kMaxShards, "]"));
+  }
   const bool external = c.workload_case() == v1::JobConfig::kExternal;
   if (c.steps() < 0 || (c.steps() == 0 && !external)) return Invalid("steps", "must be positive");
   a.workers = c.workers();
@@ -222,9 +229,14 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (t.has_connect_seconds()) job.connect_timeout_seconds = t.connect_seconds();
   if (t.has_step_seconds()) job.step_timeout_seconds = t.step_seconds();
   if (t.has_rpc_seconds()) job.rpc_timeout_seconds = t.rpc_seconds();
-  for (double seconds : {job.connect_timeout_seconds, job.step_timeout_seconds,
-                         job.rpc_timeout_seconds}) {
-    if (!(seconds > 0)) return Invalid("timeouts", "every timeout must be positive");
+  for (const auto& [name, seconds] : {std::pair<const char*, double>{"timeouts.connect_seconds",
+                                                                     job.connect_timeout_seconds},
+                                      {"timeouts.step_seconds", job.step_timeout_seconds},
+                                      {"timeouts.rpc_seconds", job.rpc_timeout_seconds}}) {
+    if (!std::isfinite(seconds) || !(seconds > 0) || seconds > kMaxTimeoutSeconds) {
+      return Invalid(name, absl::StrCat(seconds, " is not a finite number of seconds in (0, ",
+                                        kMaxTimeoutSeconds, "] (a week)"));
+    }
   }
   if (c.has_channels_per_shard()) job.channels_per_shard = c.channels_per_shard();
   if (c.has_window()) job.window = c.window();
@@ -316,6 +328,43 @@ absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path) {
     return absl::Status(job.status().code(), absl::StrCat(path, ": ", job.status().message()));
   }
   return job;
+}
+
+uint64_t HostMemoryBytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
+}
+
+absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what, uint64_t limit) {
+  if (limit == 0 || bytes <= limit) return absl::OkStatus();
+  const auto gib = [](uint64_t b) { return static_cast<double>(b) / double(uint64_t{1} << 30); };
+  return absl::ResourceExhaustedError(absl::StrCat(
+      what, " needs ", absl::SixDigits(gib(bytes)), " GiB of state but this host has ",
+      absl::SixDigits(gib(limit)), " GiB of memory; use more shards or a smaller model"));
+}
+
+namespace {
+// Saturating a * b for sizes that may be absurd.
+uint64_t Times(uint64_t a, uint64_t b) {
+  if (a != 0 && b > UINT64_MAX / a) return UINT64_MAX;
+  return a * b;
+}
+uint64_t ErrorBytesPerElement(const compress::FeedbackSpec& f) {
+  if (f.kind == compress::FeedbackKind::kNone) return 0;
+  return f.storage == compress::ErrorStorage::kFp32 ? 4 : 1;
+}
+}  // namespace
+
+uint64_t WorkerStateBytes(const JobSpec& job) {
+  const uint64_t per = 4 * 4 + ErrorBytesPerElement(job.algorithm.worker_feedback);
+  return Times(job.algorithm.layout.dim, per);
+}
+
+uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems) {
+  const uint64_t per = 3 * 4 + ErrorBytesPerElement(job.algorithm.server_feedback);
+  return Times(shard_elems, per);
 }
 
 }  // namespace morse::proto

@@ -89,6 +89,25 @@ absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized);
 // text format otherwise. Errors name the file.
 absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path);
 
+// The largest job a config may describe, whatever the host: ranks are 32-bit
+// on the wire and a shard keeps a push slot per worker and partition.
+inline constexpr uint32_t kMaxWorkers = 65536;
+inline constexpr uint32_t kMaxShards = 65536;
+// Timeouts above a week are refused (gRPC deadlines are absolute times).
+inline constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600.0;
+
+// Physical memory of this host in bytes (sysconf), or 0 if unknown.
+uint64_t HostMemoryBytes();
+// RESOURCE_EXHAUSTED naming `what` when `bytes` exceed `limit` (the host's
+// memory by default; 0 means unknown, and then nothing is refused).
+absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what,
+                               uint64_t limit = HostMemoryBytes());
+// What a worker holds for the whole model (x, m, v, its error buffer and a
+// gradient; DESIGN 2) and a shard for its range (x, m, v, the server error
+// buffer), in bytes, before anything is allocated.
+uint64_t WorkerStateBytes(const JobSpec& job);
+uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems);
+
 }  // namespace morse::proto
 
 #endif  // MORSE_PROTO_JOB_CONFIG_H_

@@ -59,6 +59,10 @@ ABSL_FLAG(std::string, metrics_listen, "",
 ABSL_FLAG(std::string, health_listen, "",
           "Also serve the gRPC health service, and nothing else, in plaintext on host:port "
           "(for kubelet gRPC probes, which cannot speak TLS); off when empty.");
+ABSL_FLAG(uint64_t, max_model_elems, 0,
+          "The largest model (elements) an external job's first Join may size this shard for; "
+          "larger ones are refused with RESOURCE_EXHAUSTED. 0: no limit but this host's memory, "
+          "which is always checked.");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -209,7 +213,7 @@ int main(int argc, char** argv) {
     return absl::OkStatus();
   };
   auto host = server::ShardHost::Create(*job, static_cast<uint32_t>(shard),
-                                        on_configured);
+                                        on_configured, absl::GetFlag(FLAGS_max_model_elems));
   if (!host.ok())
     return Fail(kExitConfig, std::string(host.status().message()));
 

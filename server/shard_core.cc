@@ -49,13 +49,23 @@ size_t HashBytes(absl::string_view bytes) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(const proto::JobSpec& job,
-                                                              uint32_t shard) {
+                                                              uint32_t shard,
+                                                              uint64_t memory_limit) {
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
   if (shard >= job.shards()) {
     return absl::InvalidArgumentError(
         absl::StrCat("shard ", shard, " does not exist; the job has ", job.shards(), " shards (0..",
                      job.shards() - 1, ")"));
+  }
+  const uint64_t elems = layout->shard_range(shard).size();
+  if (absl::Status s = proto::CheckFitsInMemory(
+          proto::ShardStateBytes(job, elems),
+          absl::StrCat("shard ", shard, " (", elems, " of the model's ", job.algorithm.layout.dim,
+                       " elements)"),
+          memory_limit);
+      !s.ok()) {
+    return s;
   }
   return std::unique_ptr<ShardCore>(new ShardCore(job, shard, *std::move(layout)));
 }

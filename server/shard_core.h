@@ -81,8 +81,11 @@ class ShardCore {
   // with the mirror exactly as after that step (for logs and tests).
   using StepObserver = std::function<void(int64_t step, const ShardCore& core)>;
 
-  static absl::StatusOr<std::unique_ptr<ShardCore>> Create(const proto::JobSpec& job,
-                                                           uint32_t shard);
+  // RESOURCE_EXHAUSTED, before allocating anything, if the shard's state
+  // (x, m, v and its error buffer) exceeds memory_limit bytes (default: this
+  // host's memory; 0: no limit).
+  static absl::StatusOr<std::unique_ptr<ShardCore>> Create(
+      const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit = proto::HostMemoryBytes());
   ~ShardCore();
   ShardCore(const ShardCore&) = delete;
   ShardCore& operator=(const ShardCore&) = delete;

@@ -7,12 +7,13 @@ namespace morse::server {
 
 absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpec& base,
                                                               uint32_t shard,
-                                                              OnConfigured on_configured) {
+                                                              OnConfigured on_configured,
+                                                              uint64_t max_model_elems) {
   if (shard >= base.shards()) {
     return absl::InvalidArgumentError(absl::StrCat("shard ", shard, " does not exist; the job has ",
                                                    base.shards(), " shards (0..", base.shards() - 1, ")"));
   }
-  std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured)));
+  std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured), max_model_elems));
   if (base.sized()) {
     absl::MutexLock lock(&host->mu_);
     if (absl::Status s = host->Configure(base); !s.ok()) return s;
@@ -22,6 +23,7 @@ absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpe
 
 absl::Status ShardHost::Configure(const proto::JobSpec& job) {
   auto core = ShardCore::Create(job, shard_);
+  if (core.status().code() == absl::StatusCode::kResourceExhausted) return core.status();
   if (!core.ok()) return absl::FailedPreconditionError(core.status().message());
   if (on_configured_) {
     if (absl::Status s = on_configured_(job, **core); !s.ok()) return s;
@@ -45,6 +47,11 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
   if (job.shards() != base_.shards()) return differs("shards", base_.shards(), job.shards());
   if (!job.sized()) {
     return absl::InvalidArgumentError("a joining worker must say the model's size (external.dim)");
+  }
+  if (max_model_elems_ > 0 && job.algorithm.layout.dim > max_model_elems_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rank ", rank, " brings a model of ", job.algorithm.layout.dim,
+        " elements; this server takes at most ", max_model_elems_, " (--max_model_elems)"));
   }
   absl::MutexLock lock(&mu_);
   if (owned_ == nullptr) {

@@ -28,12 +28,17 @@ class ShardHost {
   using OnConfigured = std::function<absl::Status(const proto::JobSpec& job, ShardCore& core)>;
 
   // For a sized base config, creates the core now (and runs on_configured).
+  // max_model_elems (0: no limit but the host's memory) caps the model an
+  // external job's first Join may size the shard for.
   static absl::StatusOr<std::unique_ptr<ShardHost>> Create(const proto::JobSpec& base, uint32_t shard,
-                                                           OnConfigured on_configured);
+                                                           OnConfigured on_configured,
+                                                           uint64_t max_model_elems = 0);
 
   // Registers `rank` with the job it loaded. FAILED_PRECONDITION if that job
   // differs from this shard's (workers, shards, model size or shapes, layout
-  // or algorithm), saying how; INVALID_ARGUMENT for an unknown rank.
+  // or algorithm), saying how; INVALID_ARGUMENT for an unknown rank;
+  // RESOURCE_EXHAUSTED for a model above max_model_elems or the host's
+  // memory (nothing is allocated then).
   absl::Status Join(uint32_t rank, const proto::JobSpec& job);
 
   ShardCore* core() const { return core_.load(); }
@@ -42,12 +47,18 @@ class ShardHost {
   const proto::JobSpec& base() const { return base_; }
 
  private:
-  ShardHost(const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured)
-      : base_(base), shard_(shard), on_configured_(std::move(on_configured)), joined_(base.workers()) {}
+  ShardHost(const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured,
+            uint64_t max_model_elems)
+      : base_(base),
+        shard_(shard),
+        max_model_elems_(max_model_elems),
+        on_configured_(std::move(on_configured)),
+        joined_(base.workers()) {}
   absl::Status Configure(const proto::JobSpec& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const proto::JobSpec base_;
   const uint32_t shard_;
+  const uint64_t max_model_elems_;
   OnConfigured on_configured_;
   mutable absl::Mutex mu_;
   std::unique_ptr<ShardCore> owned_ ABSL_GUARDED_BY(mu_);

@@ -64,6 +64,7 @@ int ExitCode(const absl::Status& s) {
     case absl::StatusCode::kFailedPrecondition:
     case absl::StatusCode::kUnauthenticated:
     case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kResourceExhausted:  // a model this host cannot hold
       return 2;
     case absl::StatusCode::kUnavailable:
     case absl::StatusCode::kDeadlineExceeded:
@@ -126,6 +127,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (absl::GetFlag(FLAGS_check_config)) {
+    if (absl::Status s = proto::CheckFitsInMemory(
+            proto::WorkerStateBytes(*job), absl::StrCat("worker ", rank, " (",
+                                                        job->algorithm.layout.dim, " elements)"));
+        !s.ok()) {
+      std::fprintf(stderr, "morse-worker: %s\n", std::string(s.message()).c_str());
+      return 2;
+    }
     std::printf(
         "morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = "
         "%llu, %lld steps, %s\n",

@@ -17,6 +17,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& 
     return absl::InvalidArgumentError(absl::StrCat("parameters of ", x.size(), " elements for a job of ",
                                                    job.algorithm.layout.dim));
   }
+  if (absl::Status s = proto::CheckFitsInMemory(
+          proto::WorkerStateBytes(job),
+          absl::StrCat("worker ", rank, " (", job.algorithm.layout.dim, " elements)"));
+      !s.ok()) {
+    return s;
+  }
   auto client = PushClient::Create(job, *layout, std::move(servers), rank, security);
   if (!client.ok()) return client.status();
   std::unique_ptr<Session> session(new Session(job, rank, *std::move(layout), x));

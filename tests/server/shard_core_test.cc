@@ -2,6 +2,7 @@
 // the same reply for every worker, idempotent retries, conflicting bytes,
 // bounded memory, initialization rules and the step observer.
 #include "server/shard_core.h"
+#include "server/shard_host.h"
 
 #include <algorithm>
 #include <cstring>
@@ -316,6 +317,37 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(status.message().find("rank(s) 1, 2 did not push"), absl::string_view::npos) << status;
   EXPECT_EQ(core_->MirrorChecksum(), before);
+}
+
+// Sizes: a shard whose state exceeds the memory limit is refused before
+// anything is allocated; an external job's first Join may not size a shard
+// above the operator's --max_model_elems.
+TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
+  auto job = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
+  // x, m, v and an fp32 error: 16 bytes per element of shard 1.
+  const uint64_t bytes = 16 * compress::Layout::Create(job.algorithm.layout)->shard_range(1).size();
+  EXPECT_TRUE(ShardCore::Create(job, 1, bytes).ok());
+  auto tight = ShardCore::Create(job, 1, bytes - 1);
+  EXPECT_EQ(tight.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(tight.status().message().find("GiB of state"), absl::string_view::npos) << tight.status();
+
+  auto base = *proto::ParseJobConfig("workers: 2 shards: 1 external {} lr { lr: 0.01 } steps: 5 freeze_step: 1",
+                                     proto::ConfigFormat::kText);
+  auto host = ShardHost::Create(base, 0, nullptr, /*max_model_elems=*/1000);
+  ASSERT_TRUE(host.ok()) << host.status();
+  auto big = *proto::ParseJobConfig(
+      "workers: 2 shards: 1 external { dim: 1001 } lr { lr: 0.01 } steps: 5 freeze_step: 1",
+      proto::ConfigFormat::kText);
+  const absl::Status refused = (*host)->Join(0, big);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("--max_model_elems"), absl::string_view::npos) << refused;
+  EXPECT_EQ((*host)->core(), nullptr);
+  EXPECT_EQ((*host)->workers_joined(), 0u);
+  auto fits = *proto::ParseJobConfig(
+      "workers: 2 shards: 1 external { dim: 1000 } lr { lr: 0.01 } steps: 5 freeze_step: 1",
+      proto::ConfigFormat::kText);
+  EXPECT_TRUE((*host)->Join(0, fits).ok());
+  EXPECT_NE((*host)->core(), nullptr);
 }
 
 }  // namespace
