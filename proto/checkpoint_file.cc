@@ -86,6 +86,14 @@ void CheckpointWriter::AddInts(const std::string& name, absl::Span<const int64_t
   ++arrays_;
 }
 
+void CheckpointWriter::AddBytes(const std::string& name, absl::string_view bytes) {
+  PutString(&body_, name);
+  Put<uint8_t>(&body_, 2);
+  Put<uint64_t>(&body_, bytes.size());
+  body_.append(bytes.data(), bytes.size());
+  ++arrays_;
+}
+
 absl::Status CheckpointWriter::Write(const std::string& path) const {
   std::string bytes(kMagic, sizeof kMagic);
   Put<uint32_t>(&bytes, kVersion);
@@ -157,11 +165,11 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path)
     std::string name;
     Array array;
     if (!cursor.GetString(&name) || !cursor.Get(&array.type) || !cursor.Get(&array.count) ||
-        array.type > 1) {
+        array.type > 2) {
       return corrupt("bad array header");
     }
     array.offset = sizeof kMagic + cursor.at();
-    const uint64_t width = array.type == 0 ? 4 : 8;
+    const uint64_t width = array.type == 0 ? 4 : array.type == 1 ? 8 : 1;
     if (array.count > (UINT64_MAX / width) || !cursor.Skip(array.count * width)) {
       return corrupt(absl::StrCat("array '", name, "' runs past the end"));
     }
@@ -191,6 +199,18 @@ absl::StatusOr<std::vector<float>> CheckpointReader::Floats(const std::string& n
 absl::StatusOr<std::vector<int64_t>> CheckpointReader::Ints(const std::string& name,
                                                             uint64_t count) const {
   return Read<int64_t>(name, count, 1, "int64");
+}
+
+absl::StatusOr<std::string> CheckpointReader::Bytes(const std::string& name) const {
+  auto it = arrays_.find(name);
+  if (it == arrays_.end()) {
+    return absl::NotFoundError(absl::StrCat("checkpoint ", path_, " has no array '", name, "'"));
+  }
+  if (it->second.type != 2) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, ": array '", name,
+                                            "' is not a byte array"));
+  }
+  return bytes_.substr(it->second.offset, it->second.count);
 }
 
 }  // namespace morse::proto

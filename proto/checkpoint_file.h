@@ -8,7 +8,7 @@
 //   "MORSECKP" u32 version
 //   u32 len, kind ("shard" or "worker")   u32 index   u64 layout fingerprint
 //   u64 algorithm fingerprint             i64 step    u32 arrays
-//   per array: u32 len, name; u8 type (0 fp32, 1 i64); u64 count; data
+//   per array: u32 len, name; u8 type (0 fp32, 1 i64, 2 bytes); u64 count; data
 //   u64 checksum (FNV-1a over 8-byte words of all the bytes before it)
 // All little-endian.
 #ifndef MORSE_PROTO_CHECKPOINT_FILE_H_
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace morse::proto {
@@ -37,6 +38,7 @@ class CheckpointWriter {
   explicit CheckpointWriter(CheckpointHeader header) : header_(std::move(header)) {}
   void AddFloats(const std::string& name, absl::Span<const float> values);
   void AddInts(const std::string& name, absl::Span<const int64_t> values);
+  void AddBytes(const std::string& name, absl::string_view bytes);
   // Writes `path` atomically; the directory must exist.
   absl::Status Write(const std::string& path) const;
 
@@ -55,6 +57,9 @@ class CheckpointReader {
   // The array, which must have `count` elements (DATA_LOSS otherwise).
   absl::StatusOr<std::vector<float>> Floats(const std::string& name, uint64_t count) const;
   absl::StatusOr<std::vector<int64_t>> Ints(const std::string& name, uint64_t count) const;
+  // A byte array of any length; NOT_FOUND if the file has none of that name
+  // (files from before it existed), DATA_LOSS if it is of another type.
+  absl::StatusOr<std::string> Bytes(const std::string& name) const;
 
  private:
   template <class T>

@@ -83,7 +83,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   const size_t bytes_in = request->payload().size();
   const compress::CodecKind kind = *codec;
   core->Push(std::move(args),
-              [this, reactor, reply, bytes_in, kind](absl::StatusOr<std::shared_ptr<const Reply>> result) {
+              [this, context, reactor, reply, bytes_in, kind](
+                  absl::StatusOr<std::shared_ptr<const Reply>> result) {
                 if (metrics_ != nullptr) {
                   metrics_->Push(result.status().code(), kind, bytes_in,
                                  result.ok() ? (*result)->payload.size() : 0);
@@ -93,6 +94,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                   reply->set_partition((*result)->partition);
                   reply->set_codec(proto::ToWire((*result)->codec));
                   reply->set_payload((*result)->payload);
+                } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
+                  context->AddTrailingMetadata(kNextStepPayload, std::string(*next));
                 }
                 reactor->Finish(proto::ToGrpc(result.status()));
               });

@@ -182,11 +182,20 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
             " with different bytes")));
       }
       reply = p.last_reply;
-    } else if (args.step != p.next_step) {
+    } else if (args.step < p.next_step) {
       return reject(absl::FailedPreconditionError(absl::StrCat(
-          "step ", args.step, " of partition ", args.partition, " is ",
-          args.step < p.next_step ? "stale" : "too far ahead", "; the partition has completed ",
-          p.next_step, " steps and accepts step ", p.next_step)));
+          "step ", args.step, " of partition ", args.partition,
+          " is stale; the partition has completed ", p.next_step, " steps and accepts step ",
+          p.next_step)));
+    } else if (args.step > p.next_step) {
+      // A shard restored from its checkpoint is behind its workers: they
+      // replay their retained pushes from next_step on (DESIGN 4).
+      absl::Status behind = absl::AbortedError(absl::StrCat(
+          "step ", args.step, " of partition ", args.partition,
+          " is too far ahead; the partition has completed ", p.next_step,
+          " steps and accepts step ", p.next_step));
+      behind.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(p.next_step)));
+      return reject(std::move(behind));
     } else {
       const compress::StepPlan plan = compress::PlanStep(job_.algorithm, args.step);
       if (args.codec != plan.up.kind) {
@@ -411,6 +420,20 @@ absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
   std::vector<float> error(range_.size());
   server_error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("server_error", error);
+  // The last completed step's replies and push hashes, so that a worker
+  // whose reply was lost when the shard died can still get it by retrying.
+  std::string replies;
+  std::vector<int64_t> reply_meta, hashes;
+  for (const auto& p : partitions_) {
+    const bool has = p->last_reply != nullptr && step > 0;
+    reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->codec) : -1);
+    reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->payload.size()) : 0);
+    if (has) replies += p->last_reply->payload;
+    for (size_t h : p->last_hashes) hashes.push_back(static_cast<int64_t>(h));
+  }
+  writer.AddInts("last_reply_meta", reply_meta);
+  writer.AddBytes("last_replies", replies);
+  writer.AddInts("last_hashes", hashes);
   return writer.Write(path);
 }
 
@@ -441,14 +464,54 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
   }
+  // The last step's replies (absent in files from before they were kept:
+  // then a retry of that step is refused, as it was).
+  const size_t parts = partitions_.size();
+  std::vector<std::shared_ptr<const Reply>> last(parts);
+  std::vector<int64_t> hashes;
+  auto replies = reader->Bytes("last_replies");
+  if (!replies.ok() && replies.status().code() != absl::StatusCode::kNotFound) return replies.status();
+  if (replies.ok()) {
+    auto meta = reader->Ints("last_reply_meta", 2 * parts);
+    if (!meta.ok()) return meta.status();
+    auto read_hashes = reader->Ints("last_hashes", uint64_t{parts} * job_.workers());
+    if (!read_hashes.ok()) return read_hashes.status();
+    hashes = *std::move(read_hashes);
+    size_t at = 0;
+    for (size_t i = 0; i < parts; ++i) {
+      const int64_t codec = (*meta)[2 * i], bytes = (*meta)[2 * i + 1];
+      if (codec < 0) continue;
+      if (bytes < 0 || static_cast<uint64_t>(bytes) > replies->size() - at || h.step < 1) {
+        return absl::DataLossError(absl::StrCat(path, ": bad last reply of partition ", i));
+      }
+      auto reply = std::make_shared<Reply>();
+      reply->step = h.step - 1;
+      reply->partition = partitions_[i]->partition.id;
+      reply->codec = static_cast<compress::CodecKind>(codec);
+      reply->payload = replies->substr(at, bytes);
+      at += bytes;
+      if (reply->codec != compress::PlanStep(job_.algorithm, reply->step).down.kind ||
+          reply->payload.size() != compress::PayloadBytes(compress::PlanStep(job_.algorithm, reply->step).down,
+                                                          partitions_[i]->partition.range.size())) {
+        return absl::DataLossError(absl::StrCat(path, ": the last reply of partition ", i,
+                                                " does not fit the job"));
+      }
+      last[i] = std::move(reply);
+    }
+  }
   std::copy(x->begin(), x->end(), mirror_.x().begin());
   std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
   std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
-  for (auto& p : partitions_) {
+  for (size_t i = 0; i < parts; ++i) {
+    PartitionState* p = partitions_[i].get();
     absl::MutexLock lock(&p->mu);
     p->initialized = true;
     p->next_step = h.step;
     p->mirror_pending = false;
+    p->last_reply = last[i];
+    for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
+      p->last_hashes[r] = static_cast<size_t>(hashes[i * job_.workers() + r]);
+    }
   }
   absl::MutexLock progress(&progress_mu_);
   initialized_ = static_cast<uint32_t>(partitions_.size());

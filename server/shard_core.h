@@ -48,6 +48,11 @@ struct PushArgs {
   std::optional<compress::StepHyper> hyper;  // the workers' lr and weight decay, if set
 };
 
+// The absl::Status payload of an ABORTED push that is ahead of its
+// partition: the step the partition accepts, in decimal (the gRPC service
+// sends it as trailing metadata `morse-next-step`).
+inline constexpr char kNextStepPayload[] = "morse-next-step";
+
 struct Reply {
   int64_t step = 0;
   uint32_t partition = 0;

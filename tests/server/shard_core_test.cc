@@ -319,6 +319,47 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
   EXPECT_EQ(core_->MirrorChecksum(), before);
 }
 
+// A shard restored from its checkpoint after step 1 (DESIGN 4, shard
+// recovery): a retry of step 1 gets the reply the shard gave before it died
+// (the checkpoint keeps the last replies and push hashes), a push of step 3
+// is ABORTED with the step to replay from, and replaying step 2 gives the
+// same reply as the shard that never died.
+TEST_F(ShardCoreTest, ARestoredShardAnswersRetriesAndAsksForAReplay) {
+  const std::string path = ::testing::TempDir() + "/restored_shard.ckpt";
+  std::vector<std::shared_ptr<const Reply>> step1(core_->layout().shard_partitions(1).size());
+  for (int64_t step : {0, 1}) {
+    for (size_t i = 0; i < step1.size(); ++i) {
+      for (uint32_t r = 0; r < 3; ++r) {
+        Push(Args(step, r, core_->layout().shard_partitions(1)[i]), &step1[i]);
+      }
+    }
+  }
+  ASSERT_TRUE(core_->SaveCheckpoint(path).ok());
+  std::shared_ptr<const Reply> step2;
+  for (uint32_t r = 0; r < 3; ++r) Push(Args(2, r, first()), &step2);
+  ASSERT_NE(step2, nullptr);
+
+  auto restored = *ShardCore::Create(job_, 1);
+  ASSERT_TRUE(restored->RestoreCheckpoint(path).ok());
+  std::swap(core_, restored);
+  std::shared_ptr<const Reply> retried;
+  ASSERT_TRUE(Push(Args(1, 2, first()), &retried).ok());
+  ASSERT_NE(retried, nullptr);
+  EXPECT_EQ(retried->payload, step1[0]->payload);
+  EXPECT_EQ(Push([&] { PushArgs a = Args(1, 2, first()); a.payload[0] ^= 1; return a; }()).code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  const absl::Status ahead = Push(Args(3, 0, first()));
+  EXPECT_EQ(ahead.code(), absl::StatusCode::kAborted) << ahead;
+  ASSERT_TRUE(ahead.GetPayload(kNextStepPayload).has_value());
+  EXPECT_EQ(std::string(*ahead.GetPayload(kNextStepPayload)), "2");
+
+  std::shared_ptr<const Reply> replayed;
+  for (uint32_t r = 0; r < 3; ++r) Push(Args(2, r, first()), &replayed);
+  ASSERT_NE(replayed, nullptr);
+  EXPECT_EQ(replayed->payload, step2->payload);
+}
+
 // Sizes: a shard whose state exceeds the memory limit is refused before
 // anything is allocated; an external job's first Join may not size a shard
 // above the operator's --max_model_elems.
