@@ -229,10 +229,12 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (t.has_connect_seconds()) job.connect_timeout_seconds = t.connect_seconds();
   if (t.has_step_seconds()) job.step_timeout_seconds = t.step_seconds();
   if (t.has_rpc_seconds()) job.rpc_timeout_seconds = t.rpc_seconds();
+  if (t.has_recovery_seconds()) job.recovery_timeout_seconds = t.recovery_seconds();
   for (const auto& [name, seconds] : {std::pair<const char*, double>{"timeouts.connect_seconds",
                                                                      job.connect_timeout_seconds},
                                       {"timeouts.step_seconds", job.step_timeout_seconds},
-                                      {"timeouts.rpc_seconds", job.rpc_timeout_seconds}}) {
+                                      {"timeouts.rpc_seconds", job.rpc_timeout_seconds},
+                                      {"timeouts.recovery_seconds", job.recovery_timeout_seconds}}) {
     if (!std::isfinite(seconds) || !(seconds > 0) || seconds > kMaxTimeoutSeconds) {
       return Invalid(name, absl::StrCat(seconds, " is not a finite number of seconds in (0, ",
                                         kMaxTimeoutSeconds, "] (a week)"));
@@ -248,6 +250,9 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (job.log_every == 0) return Invalid("log_every", "must be at least 1");
   job.checkpoint_every_steps = c.checkpoint().every_steps();
   job.checkpoint_dir = c.checkpoint().dir();
+  job.replay_steps = c.checkpoint().has_replay_steps()
+                         ? c.checkpoint().replay_steps()
+                         : (job.checkpoint_every_steps > 0 ? job.checkpoint_every_steps + 1 : 0);
   c.SerializeToString(&job.config_proto);
   return job;
 }

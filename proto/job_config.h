@@ -59,11 +59,13 @@ struct JobSpec {
   double connect_timeout_seconds = 60;
   double step_timeout_seconds = 60;
   double rpc_timeout_seconds = 120;
+  double recovery_timeout_seconds = 300;
   uint32_t channels_per_shard = 2;
   uint32_t window = 32;
   uint32_t log_every = 10;
   uint32_t checkpoint_every_steps = 0;
   std::string checkpoint_dir;
+  uint32_t replay_steps = 0;  // pushes a worker retains (steps)
 
   uint32_t workers() const { return algorithm.workers; }
   // False for an external model whose size the workers have not sent yet.
@@ -88,6 +90,13 @@ absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized);
 // Reads a file: JSON if the name ends in .json or the text starts with '{',
 // text format otherwise. Errors name the file.
 absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path);
+
+// Trailing metadata of refused pushes (DESIGN 4, shard recovery): an
+// ABORTED push ahead of its partition carries the step the partition
+// accepts (decimal); an UNAVAILABLE one from a shard that has no model yet
+// (an external job's shard that restarted) asks the worker to Join again.
+inline constexpr char kNextStepKey[] = "morse-next-step";
+inline constexpr char kNeedsJoinKey[] = "morse-needs-join";
 
 // The largest job a config may describe, whatever the host: ranks are 32-bit
 // on the wire and a shard keeps a push slot per worker and partition.

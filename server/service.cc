@@ -4,9 +4,12 @@
 
 namespace morse::server {
 
-ShardCore* ParameterServerService::CoreOrFinish(grpc::ServerUnaryReactor* reactor) {
+ShardCore* ParameterServerService::CoreOrFinish(grpc::CallbackServerContext* context,
+                                                grpc::ServerUnaryReactor* reactor) {
   ShardCore* core = host_->core();
   if (core == nullptr) {
+    // An external job's shard that restarted: the workers Join again.
+    context->AddTrailingMetadata(proto::kNeedsJoinKey, "1");
     reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
                                  "the model's size is not known yet: no worker has joined"));
   }
@@ -42,7 +45,7 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
     v1::InitPartitionReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor)) return reactor;
-  ShardCore* core = CoreOrFinish(reactor);
+  ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
   absl::Status status = core->InitPartition(request->rank(), request->partition(),
                                              request->layout_fingerprint(), request->values());
@@ -58,7 +61,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                                                        v1::PushReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor)) return reactor;
-  ShardCore* core = CoreOrFinish(reactor);
+  ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
   auto codec = proto::FromWire(request->codec());
   if (!codec.ok()) {
@@ -95,7 +98,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                   reply->set_codec(proto::ToWire((*result)->codec));
                   reply->set_payload((*result)->payload);
                 } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
-                  context->AddTrailingMetadata(kNextStepPayload, std::string(*next));
+                  context->AddTrailingMetadata(proto::kNextStepKey, std::string(*next));
                 }
                 reactor->Finish(proto::ToGrpc(result.status()));
               });
@@ -107,7 +110,7 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
     v1::PartitionState* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor)) return reactor;
-  ShardCore* core = CoreOrFinish(reactor);
+  ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
   auto snapshot = core->FetchPartition(request->partition(), request->layout_fingerprint());
   if (snapshot.ok()) {

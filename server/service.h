@@ -34,7 +34,7 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
 
  private:
   // The core, or null after finishing the call with UNAVAILABLE.
-  ShardCore* CoreOrFinish(grpc::ServerUnaryReactor* reactor);
+  ShardCore* CoreOrFinish(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor);
   // Whether the call carries an accepted token; finishes it with
   // UNAUTHENTICATED otherwise.
   bool Authorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor);

@@ -51,7 +51,7 @@ struct PushArgs {
 // The absl::Status payload of an ABORTED push that is ahead of its
 // partition: the step the partition accepts, in decimal (the gRPC service
 // sends it as trailing metadata `morse-next-step`).
-inline constexpr char kNextStepPayload[] = "morse-next-step";
+inline constexpr const char* kNextStepPayload = proto::kNextStepKey;
 
 struct Reply {
   int64_t step = 0;

@@ -4,9 +4,11 @@
 #include <cstdio>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "grpcpp/alarm.h"
 #include "proto/wire.h"
 
 namespace morse::worker {
@@ -57,7 +59,7 @@ PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout
                        const proto::SecurityOptions& security,
                        std::unique_ptr<proto::TokenFile> tokens)
     : job_(job), layout_(layout), servers_(std::move(servers)), rank_(rank),
-      tls_(!security.insecure), tokens_(std::move(tokens)) {
+      tls_(!security.insecure), tokens_(std::move(tokens)), rejoining_(servers_.size(), false) {
   const std::shared_ptr<grpc::ChannelCredentials> credentials =
       proto::MakeChannelCredentials(security);
   for (const std::string& address : servers_) {
@@ -218,12 +220,17 @@ absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
 }
 
 struct StepExchange::Call {
-  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientContext> context;  // fresh for every attempt
   v1::PushRequest request;
   v1::PushReply reply;
   const compress::Partition* partition = nullptr;
-  absl::Time first_try;
+  absl::Time first_failure = absl::InfiniteFuture();  // of the current outage
   int attempt = 0;
+  std::unique_ptr<grpc::Alarm> alarm;  // the pending retry
+  // A replay: this call re-sends a retained push whose reply must hash to
+  // `expected_hash`; `then` is the refused push to send once caught up.
+  std::unique_ptr<Call> then;
+  size_t expected_hash = 0;
 };
 
 StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
@@ -242,47 +249,145 @@ StepExchange::~StepExchange() {
 
 void StepExchange::Issue(std::unique_ptr<Call> call) {
   // A gRPC call needs a fresh context each time.
-  auto fresh = std::make_unique<Call>();
-  fresh->request = std::move(call->request);
-  fresh->partition = call->partition;
-  fresh->first_try = call->first_try;
-  fresh->attempt = call->attempt + 1;
-  client_->PrepareContext(&fresh->context, client_->job_.rpc_timeout_seconds);
-  call.reset();
+  call->context = std::make_unique<grpc::ClientContext>();
+  client_->PrepareContext(call->context.get(), client_->job_.rpc_timeout_seconds);
+  ++call->attempt;
   // The completion owns the call and destroys it before it signals the
   // step: once Finish() returns, no gRPC object of this step is left alive.
-  Call* raw = fresh.release();
+  Call* raw = call.release();
   client_->Stub(raw->partition->shard, raw->partition->id)
       ->async()
-      ->Push(&raw->context, &raw->request, &raw->reply, [this, raw](grpc::Status status) {
-        std::unique_ptr<Call> done(raw);
-        if (!status.ok() && Retryable(status) &&
-            Since(done->first_try) < client_->job_.rpc_timeout_seconds) {
-          {
-            absl::MutexLock lock(&mu_);
-            ++traffic_.retries;
-          }
-          absl::SleepFor(absl::Milliseconds(std::min(50 << std::min(done->attempt, 5), 2000)));
-          Issue(std::move(done));
-          return;
-        }
-        absl::Status result = proto::FromGrpc(status);
-        const absl::Time start = absl::Now();
-        if (result.ok()) result = apply_(*done->partition, done->reply.payload());
-        const double apply_seconds = Since(start);
-        const compress::Partition* partition = done->partition;
-        const size_t bytes_down = done->reply.payload().size();
-        done.reset();
+      ->Push(raw->context.get(), &raw->request, &raw->reply,
+             [this, raw](grpc::Status status) { OnDone(raw, status); });
+}
+
+void StepExchange::RetryLater(std::unique_ptr<Call> call) {
+  const absl::Duration backoff = absl::Milliseconds(std::min(50 << std::min(call->attempt, 5), 1000));
+  Call* raw = call.release();
+  // A fired alarm may be replaced (here, on the next failure) but not
+  // destroyed inside its own callback: it lives in the call.
+  raw->alarm = std::make_unique<grpc::Alarm>();
+  raw->alarm->Set(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(backoff),
+                  [this, raw](bool) { Issue(std::unique_ptr<Call>(raw)); });
+}
+
+void StepExchange::Fail(const compress::Partition& partition, absl::Status status) {
+  absl::MutexLock lock(&mu_);
+  if (error_.ok()) {
+    error_ = absl::Status(status.code(), absl::StrCat("partition ", partition.id, " of step ", step_,
+                                                      " on ", client_->servers_[partition.shard],
+                                                      ": ", status.message()));
+  }
+  --in_flight_;
+}
+
+absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from) {
+  const int64_t until = call->request.step();  // replay [from, until), then call
+  const uint32_t id = call->partition->id;
+  std::optional<PushClient::Retained> retained = client_->Find(from, id);
+  if (!retained.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the shard restarted from its checkpoint at step ", from, " but this worker no longer "
+        "holds its push of that step (it keeps checkpoint.replay_steps = ", client_->job_.replay_steps,
+        " steps; it must be at least checkpoint.every_steps + 1)"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (!replay_noticed_) {
+      replay_noticed_ = true;
+      std::fprintf(stderr,
+                   "morse-worker %u: %s restarted from its checkpoint at step %lld; replaying "
+                   "steps %lld..%lld\n",
+                   client_->rank_, client_->servers_[call->partition->shard].c_str(),
+                   static_cast<long long>(from), static_cast<long long>(from),
+                   static_cast<long long>(until - 1));
+    }
+  }
+  auto replay = std::make_unique<Call>();
+  replay->partition = call->partition;
+  replay->request = std::move(retained->request);
+  replay->expected_hash = retained->reply_hash;
+  if (call->then != nullptr) call = std::move(call->then);  // a replay refused again
+  replay->then = std::move(call);
+  Issue(std::move(replay));
+  return absl::OkStatus();
+}
+
+void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
+  std::unique_ptr<Call> done(raw);
+  const double recovery = client_->job_.recovery_timeout_seconds;
+  if (!status.ok() && Retryable(status)) {
+    if (done->first_failure == absl::InfiniteFuture()) done->first_failure = absl::Now();
+    const double down = Since(done->first_failure);
+    const auto& trailing = done->context->GetServerTrailingMetadata();
+    if (trailing.find(proto::kNeedsJoinKey) != trailing.end()) client_->Rejoin(done->partition->shard);
+    if (down < recovery) {
+      {
         absl::MutexLock lock(&mu_);
-        if (!result.ok() && error_.ok()) {
-          error_ = absl::Status(result.code(), absl::StrCat(
-              "partition ", partition->id, " of step ", step_, " on ",
-              client_->servers_[partition->shard], ": ", result.message()));
+        ++traffic_.retries;
+        if (down > 1.0 && absl::Now() - last_notice_ > absl::Seconds(5)) {
+          last_notice_ = absl::Now();
+          std::fprintf(stderr,
+                       "morse-worker %u: %s unavailable for %.0f s at step %lld (%s); retrying up to "
+                       "%.0f s (timeouts.recovery_seconds)\n",
+                       client_->rank_, client_->servers_[done->partition->shard].c_str(), down,
+                       static_cast<long long>(step_), status.error_message().c_str(), recovery);
         }
-        traffic_.payload_down += bytes_down;
-        traffic_.apply_seconds += apply_seconds;
-        --in_flight_;
-      });
+      }
+      RetryLater(std::move(done));
+      return;
+    }
+    return Fail(*done->partition,
+                absl::UnavailableError(absl::StrCat("unavailable for ", static_cast<int>(down),
+                                                    " s (timeouts.recovery_seconds = ", recovery,
+                                                    "): ", status.error_message())));
+  }
+  done->first_failure = absl::InfiniteFuture();
+  if (status.error_code() == grpc::StatusCode::ABORTED) {
+    const auto& trailing = done->context->GetServerTrailingMetadata();
+    const auto it = trailing.find(proto::kNextStepKey);
+    int64_t next = -1;
+    if (it != trailing.end() &&
+        absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &next) &&
+        next >= 0 && next < done->request.step()) {
+      const compress::Partition* partition = done->partition;
+      if (absl::Status s = StartReplay(std::move(done), next); !s.ok()) Fail(*partition, s);
+      return;
+    }
+  }
+  if (done->then != nullptr) {  // a replayed push
+    absl::Status result = proto::FromGrpc(status);
+    if (result.ok() && std::hash<std::string>{}(done->reply.payload()) != done->expected_hash) {
+      result = absl::InternalError(absl::StrCat(
+          "step ", done->request.step(), " replayed on the restarted shard gave another reply "
+          "than before it restarted; its checkpoint does not match the workers"));
+    }
+    if (!result.ok()) return Fail(*done->partition, result);
+    const int64_t next = done->request.step() + 1;
+    std::unique_ptr<Call> then = std::move(done->then);
+    if (next == then->request.step()) return Issue(std::move(then));
+    if (absl::Status s = StartReplay(std::move(then), next); !s.ok()) Fail(*done->partition, s);
+    return;
+  }
+  absl::Status result = proto::FromGrpc(status);
+  const absl::Time start = absl::Now();
+  if (result.ok()) result = apply_(*done->partition, done->reply.payload());
+  const double apply_seconds = Since(start);
+  const compress::Partition* partition = done->partition;
+  const size_t bytes_down = done->reply.payload().size();
+  if (result.ok() && client_->job_.replay_steps > 0) {
+    client_->Retain(std::move(done->request), std::hash<std::string>{}(done->reply.payload()));
+  }
+  done.reset();
+  absl::MutexLock lock(&mu_);
+  if (!result.ok() && error_.ok()) {
+    error_ = absl::Status(result.code(), absl::StrCat(
+        "partition ", partition->id, " of step ", step_, " on ",
+        client_->servers_[partition->shard], ": ", result.message()));
+  }
+  traffic_.payload_down += bytes_down;
+  traffic_.apply_seconds += apply_seconds;
+  --in_flight_;
 }
 
 absl::Status StepExchange::Send(const compress::Partition& partition, const Encode& encode) {
@@ -302,8 +407,6 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   }
   auto call = std::make_unique<Call>();
   call->partition = &partition;
-  call->first_try = absl::Now();
-  call->attempt = -1;
   call->request.set_step(step_);
   call->request.set_rank(client_->rank_);
   call->request.set_partition(partition.id);
@@ -334,6 +437,59 @@ absl::Status StepExchange::Finish(StepTraffic* traffic) {
   mu_.Await(absl::Condition(+[](uint32_t* n) { return *n == 0; }, &in_flight_));
   if (traffic != nullptr) *traffic = traffic_;
   return error_;
+}
+
+void PushClient::Retain(v1::PushRequest request, size_t reply_hash) {
+  const int64_t step = request.step();
+  const uint32_t partition = request.partition();
+  absl::MutexLock lock(&retained_mu_);
+  retained_[{step, partition}] = Retained{std::move(request), reply_hash};
+  const int64_t oldest = step - static_cast<int64_t>(job_.replay_steps);
+  while (!retained_.empty() && retained_.begin()->first.first <= oldest) {
+    retained_.erase(retained_.begin());
+  }
+}
+
+std::optional<PushClient::Retained> PushClient::Find(int64_t step, uint32_t partition) const {
+  absl::MutexLock lock(&retained_mu_);
+  const auto it = retained_.find({step, partition});
+  if (it == retained_.end()) return std::nullopt;
+  return it->second;
+}
+
+size_t PushClient::retained_pushes() const {
+  absl::MutexLock lock(&retained_mu_);
+  return retained_.size();
+}
+
+void PushClient::Rejoin(uint32_t shard) {
+  struct JoinCall {
+    grpc::ClientContext context;
+    v1::JoinRequest request;
+    v1::JoinReply reply;
+  };
+  {
+    absl::MutexLock lock(&retained_mu_);
+    if (rejoining_[shard]) return;
+    rejoining_[shard] = true;
+  }
+  auto* call = new JoinCall;
+  call->request.set_rank(rank_);
+  call->request.mutable_job()->ParseFromString(job_.config_proto);
+  PrepareContext(&call->context, job_.rpc_timeout_seconds);
+  std::fprintf(stderr, "morse-worker %u: %s lost the model (restarted); joining it again\n", rank_,
+               servers_[shard].c_str());
+  Stub(shard, 0)->async()->Join(&call->context, &call->request, &call->reply,
+                                [this, call, shard](grpc::Status status) {
+                                  if (!status.ok()) {
+                                    std::fprintf(stderr, "morse-worker %u: joining %s again: %s\n",
+                                                 rank_, servers_[shard].c_str(),
+                                                 status.error_message().c_str());
+                                  }
+                                  delete call;
+                                  absl::MutexLock lock(&retained_mu_);
+                                  rejoining_[shard] = false;
+                                });
 }
 
 absl::Status PushClient::Join() {

@@ -7,13 +7,23 @@
 // `window` pushes in flight; a reply is applied on a gRPC thread as soon as it
 // arrives, so encoding, transfer and decoding overlap. Pushes that fail with
 // UNAVAILABLE (server not up yet, or restarting) are retried with
-// exponential backoff until the RPC timeout; pushes are idempotent on the
-// server, so a retry is safe.
+// exponential backoff on a timer (never sleeping on a gRPC thread) until
+// timeouts.recovery_seconds; pushes are idempotent on the server, so a retry
+// is safe.
+//
+// Shard recovery (DESIGN 4): the client keeps each completed push of the
+// last checkpoint.replay_steps steps with a hash of its reply. A shard that
+// restarted from its checkpoint is behind: it answers a push with ABORTED
+// and the step it accepts, and the client re-sends its retained pushes from
+// that step on, checks that every recomputed reply is the one it applied
+// before, then sends the push that was refused. An external job's shard
+// that restarted without its model gets this worker's Join again first.
 #ifndef MORSE_WORKER_CLIENT_H_
 #define MORSE_WORKER_CLIENT_H_
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,6 +74,12 @@ class StepExchange {
  private:
   struct Call;
   void Issue(std::unique_ptr<Call> call);
+  void OnDone(Call* raw, const grpc::Status& status);
+  void RetryLater(std::unique_ptr<Call> call);
+  // Starts re-sending retained pushes of `call`'s partition from step
+  // `from` on, then `call` itself; an error if they are not retained.
+  absl::Status StartReplay(std::unique_ptr<Call> call, int64_t from);
+  void Fail(const compress::Partition& partition, absl::Status status);
 
   PushClient* client_;
   const int64_t step_;
@@ -71,6 +87,8 @@ class StepExchange {
   Apply apply_;
   const std::optional<compress::StepHyper> hyper_;
   absl::Mutex mu_;
+  absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  bool replay_noticed_ ABSL_GUARDED_BY(mu_) = false;
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   StepTraffic traffic_ ABSL_GUARDED_BY(mu_);
@@ -119,8 +137,23 @@ class PushClient {
   const proto::JobSpec& job() const { return job_; }
   const compress::Layout& layout() const { return layout_; }
 
+  // Pushes retained for replay (steps), and the oldest step retained.
+  size_t retained_pushes() const;
+
  private:
   friend class StepExchange;
+  struct Retained {
+    v1::PushRequest request;
+    size_t reply_hash = 0;
+  };
+  // Keeps a completed push (its request, moved) and its reply's hash, and
+  // drops pushes older than replay_steps before `request.step()`.
+  void Retain(v1::PushRequest request, size_t reply_hash);
+  // A copy of the retained push of (step, partition), if any.
+  std::optional<Retained> Find(int64_t step, uint32_t partition) const;
+  // Sends this worker's Join to `shard` in the background (once at a time):
+  // for an external job's shard that restarted without its model.
+  void Rejoin(uint32_t shard);
   PushClient(const proto::JobSpec& job, const compress::Layout& layout,
              std::vector<std::string> servers, uint32_t rank,
              const proto::SecurityOptions& security, std::unique_ptr<proto::TokenFile> tokens);
@@ -137,6 +170,9 @@ class PushClient {
   std::unique_ptr<proto::TokenFile> tokens_;
   // stubs_[shard][channel]
   std::vector<std::vector<std::unique_ptr<v1::ParameterServer::Stub>>> stubs_;
+  mutable absl::Mutex retained_mu_;
+  std::map<std::pair<int64_t, uint32_t>, Retained> retained_ ABSL_GUARDED_BY(retained_mu_);
+  std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);
 };
 
 }  // namespace morse::worker

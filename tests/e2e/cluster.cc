@@ -128,15 +128,28 @@ std::string Cluster::state_log(int shard) const {
   return absl::StrCat(dir_, "/server", shard, ".jsonl");
 }
 
+std::unique_ptr<Process> Cluster::StartServer(int s, bool state_logs, const std::string& log) {
+  std::vector<std::string> argv = {ServerBin(), "--config", config_path(), "--shard",
+                                   std::to_string(s), "--listen", server_address(s)};
+  if (state_logs) argv.push_back("--state_log=" + state_log(s));
+  argv.insert(argv.end(), server_security_.begin(), server_security_.end());
+  argv.insert(argv.end(), server_args_.begin(), server_args_.end());
+  return std::make_unique<Process>(argv, log);
+}
+
 void Cluster::StartServers(bool state_logs) {
-  for (int s = 0; s < shards_; ++s) {
-    std::vector<std::string> argv = {ServerBin(), "--config", config_path(), "--shard",
-                                     std::to_string(s), "--listen", server_address(s)};
-    if (state_logs) argv.push_back("--state_log=" + state_log(s));
-    argv.insert(argv.end(), server_security_.begin(), server_security_.end());
-    argv.insert(argv.end(), server_args_.begin(), server_args_.end());
-    servers_.push_back(std::make_unique<Process>(argv, server_log(s)));
-  }
+  for (int s = 0; s < shards_; ++s) servers_.push_back(StartServer(s, state_logs, server_log(s)));
+}
+
+void Cluster::KillServer(int shard) {
+  servers_[shard]->Signal(SIGKILL);
+  int code;
+  servers_[shard]->Wait(absl::Seconds(10), &code);
+}
+
+void Cluster::RestartServer(int shard, bool state_logs) {
+  servers_[shard] = StartServer(shard, state_logs,
+                                absl::StrCat(dir_, "/server", shard, ".restart", ++restarts_, ".log"));
 }
 
 void Cluster::StartWorker(int rank, bool checksums) {

@@ -70,6 +70,11 @@ class Cluster {
   // Waits for every worker; true if all exited 0 within the timeout.
   bool WaitWorkers(absl::Duration timeout, std::string* failure);
   void StopServers();  // SIGTERM, then wait
+  // kill -9 of one shard (waits until it is gone), and its restart with the
+  // same command line (its log continues in server<s>.restart<n>.log; the
+  // state log is appended to).
+  void KillServer(int shard);
+  void RestartServer(int shard, bool state_logs);
 
   std::string worker_log(int rank) const;
   std::string worker_metrics(int rank) const;
@@ -83,6 +88,8 @@ class Cluster {
   std::vector<std::string> server_args_, worker_args_;
   std::vector<std::string> server_security_{"--insecure"}, worker_security_{"--insecure"};
   std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
+  int restarts_ = 0;
+  std::unique_ptr<Process> StartServer(int shard, bool state_logs, const std::string& log);
 };
 
 std::string ReadFile(const std::string& path);
