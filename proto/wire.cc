@@ -1,6 +1,7 @@
 #include "proto/wire.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 
@@ -63,5 +64,7 @@ absl::Status FromGrpc(const grpc::Status& status) {
 grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
 }
+
+void TuneGrpcForReconnects() { setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "300", 0); }
 
 }  // namespace morse::proto

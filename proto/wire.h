@@ -26,6 +26,13 @@ int MaxMessageBytes(const JobSpec& job);
 // makes each of a shard's channels a separate TCP connection.
 grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index);
 
+// Makes gRPC notice a restarted server within about a second: its client
+// channels' backup poller runs every 300 ms instead of 5 s (the
+// GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS environment variable, unless
+// the user set it). gRPC reads it once, at its first initialization: call
+// this before creating any gRPC object.
+void TuneGrpcForReconnects();
+
 absl::Status FromGrpc(const grpc::Status& status);
 grpc::Status ToGrpc(const absl::Status& status);
 

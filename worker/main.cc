@@ -16,6 +16,7 @@
 #include "proto/job_config.h"
 #include "proto/security.h"
 #include "proto/security_flags.h"
+#include "proto/wire.h"
 #include "worker/trainer.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -77,6 +78,7 @@ int ExitCode(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  morse::proto::TuneGrpcForReconnects();
   morse::proto::ParseFlags(argc, argv,
                            "one worker of a Morse job.\n"
                            "  morse-worker --config job.textproto --rank 0 "

@@ -18,6 +18,7 @@
 #include "compress/simulator.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
+#include "proto/wire.h"
 #include "worker/engine/engine.h"
 #include "worker/session.h"
 
@@ -99,6 +100,10 @@ absl::Status CheckSession(morse_session* s) { return NotNull(s, "the session"); 
 extern "C" {
 
 int morse_capi_version(void) { return MORSE_CAPI_VERSION; }
+
+// Before any gRPC object of this library exists (see TuneGrpcForReconnects;
+// a process that initialized gRPC earlier keeps its own setting).
+__attribute__((constructor)) static void MorseTuneGrpc() { morse::proto::TuneGrpcForReconnects(); }
 
 const char* morse_last_error(void) { return last_error.c_str(); }
 
