@@ -97,6 +97,9 @@ absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path);
 // (an external job's shard that restarted) asks the worker to Join again.
 inline constexpr char kNextStepKey[] = "morse-next-step";
 inline constexpr char kNeedsJoinKey[] = "morse-needs-join";
+// DEADLINE_EXCEEDED from a shard that gave up on a step (recovery timeout),
+// as opposed to a push's own RPC deadline, which the worker retries.
+inline constexpr char kStepExpiredKey[] = "morse-step-expired";
 
 // The largest job a config may describe, whatever the host: ranks are 32-bit
 // on the wire and a shard keeps a push slot per worker and partition.

@@ -277,9 +277,19 @@ int main(int argc, char** argv) {
   // Steps whose pushes do not all arrive in time fail instead of hanging.
   std::atomic<bool> stopping{false};
   std::thread expirer([&] {
+    absl::Time last_notice = absl::InfinitePast();
     while (!stopping.load()) {
-      if (server::ShardCore* core = (*host)->core())
-        core->ExpireWaiting(absl::Now());
+      if (server::ShardCore* core = (*host)->core()) {
+        const absl::Time now = absl::Now();
+        if (now - last_notice > absl::Seconds(5)) {
+          if (std::optional<std::string> stalled = core->Stalled(now)) {
+            std::printf("morse-server shard %d: %s\n", shard, stalled->c_str());
+            std::fflush(stdout);
+            last_notice = now;
+          }
+        }
+        core->ExpireWaiting(now);
+      }
       absl::SleepFor(absl::Milliseconds(200));
     }
   });

@@ -99,6 +99,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                   reply->set_payload((*result)->payload);
                 } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
                   context->AddTrailingMetadata(proto::kNextStepKey, std::string(*next));
+                } else if (result.status().code() == absl::StatusCode::kDeadlineExceeded) {
+                  // The shard gave up on the step: not worth a retry.
+                  context->AddTrailingMetadata(proto::kStepExpiredKey, "1");
                 }
                 reactor->Finish(proto::ToGrpc(result.status()));
               });

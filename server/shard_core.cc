@@ -369,8 +369,30 @@ void ShardCore::NoteStepCompleted(int64_t step) {
   }
 }
 
+std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
+  const absl::Duration patience = absl::Seconds(job_.step_timeout_seconds);
+  std::optional<std::string> oldest;
+  absl::Duration longest;
+  for (const auto& state : partitions_) {
+    PartitionState& p = *state;
+    absl::MutexLock lock(&p.mu);
+    if (p.arrived == 0 || now - p.first_arrival < patience) continue;
+    if (oldest.has_value() && now - p.first_arrival <= longest) continue;
+    longest = now - p.first_arrival;
+    std::vector<uint32_t> missing;
+    for (uint32_t r = 0; r < p.pushes.size(); ++r) {
+      if (!p.pushes[r].has_value()) missing.push_back(r);
+    }
+    oldest = absl::StrCat("step ", p.next_step, " of partition ", p.partition.id, " has waited ",
+                          absl::FormatDuration(absl::Trunc(longest, absl::Seconds(1))), " for rank(s) ",
+                          absl::StrJoin(missing, ", "), "; it fails after ",
+                          job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds)");
+  }
+  return oldest;
+}
+
 void ShardCore::ExpireWaiting(absl::Time now) {
-  const absl::Duration timeout = absl::Seconds(job_.step_timeout_seconds);
+  const absl::Duration timeout = absl::Seconds(job_.recovery_timeout_seconds);
   for (auto& state : partitions_) {
     PartitionState& p = *state;
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
@@ -384,8 +406,8 @@ void ShardCore::ExpireWaiting(absl::Time now) {
       }
       status = absl::DeadlineExceededError(absl::StrCat(
           "step ", p.next_step, " of partition ", p.partition.id, " timed out after ",
-          job_.step_timeout_seconds, " s: rank(s) ", absl::StrJoin(missing, ", "),
-          " did not push; is a worker down?"));
+          job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds): rank(s) ",
+          absl::StrJoin(missing, ", "), " did not push; is a worker down?"));
       for (auto& push : p.pushes) push.reset();
       p.arrived = 0;
       p.hyper.reset();

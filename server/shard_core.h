@@ -13,7 +13,7 @@
 // the shard as it was. Codes: FAILED_PRECONDITION for the wrong layout, step,
 // phase or conflicting bytes; INVALID_ARGUMENT for malformed input;
 // UNAVAILABLE before the initial parameters arrived; DEADLINE_EXCEEDED for
-// pushes whose step did not complete within the step timeout.
+// pushes whose step did not complete within the recovery timeout.
 //
 // Thread-safe: partitions lock independently; callbacks run outside locks,
 // on the thread of the push that completed the step (or of ExpireWaiting).
@@ -103,8 +103,13 @@ class ShardCore {
   // before Push returns), or with an error.
   void Push(PushArgs args, ReplyCallback done);
 
+  // The longest wait for missing pushes beyond the step timeout, described
+  // (step, partition, how long, which ranks), for progress lines.
+  std::optional<std::string> Stalled(absl::Time now) const;
+
   // Fails the waiting pushes of every partition whose oldest push for the
-  // current step is older than the step timeout; those pushes are dropped.
+  // current step is older than the recovery timeout (a stalled or restarting
+  // worker gets that long); those pushes are dropped.
   void ExpireWaiting(absl::Time now);
 
   void SetStepObserver(StepObserver observer) { observer_ = std::move(observer); }

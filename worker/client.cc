@@ -316,7 +316,11 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
 void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
   std::unique_ptr<Call> done(raw);
   const double recovery = client_->job_.recovery_timeout_seconds;
-  if (!status.ok() && Retryable(status)) {
+  // A push still waiting for a stalled worker when its own deadline passed
+  // is re-sent too (the shard keeps the step up to the recovery timeout).
+  const bool waited_out = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
+                          done->context->GetServerTrailingMetadata().count(proto::kStepExpiredKey) == 0;
+  if (!status.ok() && (Retryable(status) || waited_out)) {
     if (done->first_failure == absl::InfiniteFuture()) done->first_failure = absl::Now();
     const double down = Since(done->first_failure);
     const auto& trailing = done->context->GetServerTrailingMetadata();

@@ -30,7 +30,7 @@ constexpr char kConfig[] = R"(
   freeze_step: 2
   block_elems: 16
   partition_elems: 256
-  timeouts { step_seconds: 2 }
+  timeouts { step_seconds: 1 recovery_seconds: 2 }
 )";
 
 class BadInputTest : public ::testing::Test {
@@ -202,7 +202,7 @@ TEST_F(BadInputTest, ResentWithDifferentBytes) {
 }
 
 TEST_F(BadInputTest, AStepMissingAWorkerTimesOutWithAClearError) {
-  // Only rank 0 pushes step 2; the step timeout is 2 s.
+  // Only rank 0 pushes step 2; the recovery timeout is 2 s.
   const absl::Time start = absl::Now();
   const auto [status, reply] = Send(Sign1Push(0));
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();

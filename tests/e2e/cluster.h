@@ -74,6 +74,7 @@ class Cluster {
   // same command line (its log continues in server<s>.restart<n>.log; the
   // state log is appended to).
   void KillServer(int shard);
+  void SignalWorker(int rank, int sig) { workers_procs_[rank]->Signal(sig); }
   void RestartServer(int shard, bool state_logs);
 
   std::string worker_log(int rank) const;

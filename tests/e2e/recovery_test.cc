@@ -6,6 +6,7 @@
 // every recomputed reply is the one they applied, and go on. Every worker's
 // x, m, v after every step, and every shard's mirror at the end, are
 // bit-identical to the undisturbed simulator's.
+#include <csignal>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -117,6 +118,48 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
   }
   std::printf("%zu steps, both shards killed and restarted: workers and mirrors identical to the "
               "simulator\n", expected.model.size());
+}
+
+// A worker stalled (SIGSTOP) for longer than the step timeout and its
+// peers' push deadlines: the shard reports whom it waits for and keeps the
+// step, the waiting worker re-sends its push when its deadline passes, and
+// the job goes on, bit-identical to the simulator, once the worker runs
+// again. (Before the recovery timeout existed it ended the job.)
+TEST(RecoveryTest, AWorkerStalledPastTheStepTimeoutDoesNotEndTheJob) {
+  const std::string config = R"(
+    workers: 2
+    shards: 1
+    synthetic { dim: 100003 }
+    freeze_step: 5
+    lr { lr: 0.01 }
+    steps: 60
+    block_elems: 256
+    partition_elems: 16384
+    log_every: 10
+    timeouts { step_seconds: 1 rpc_seconds: 2 recovery_seconds: 60 }
+  )";
+  auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const testing::Expected expected = testing::Simulate(*job);
+  Cluster cluster(config, 1, 2);
+  cluster.StartServers(/*state_logs=*/true);
+  cluster.StartWorkers(/*checksums=*/true);
+  ASSERT_TRUE(WaitForSteps(cluster, 0, 20));
+  cluster.SignalWorker(1, SIGSTOP);
+  absl::SleepFor(absl::Seconds(5));
+  cluster.SignalWorker(1, SIGCONT);
+  std::string failure;
+  ASSERT_TRUE(cluster.WaitWorkers(absl::Seconds(120), &failure)) << failure;
+  cluster.StopServers();
+  for (uint32_t r = 0; r < 2; ++r) {
+    const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
+    ASSERT_EQ(got.size(), expected.model.size()) << "worker " << r;
+    for (size_t t = 0; t < got.size(); ++t) {
+      ASSERT_EQ(got[t], expected.model[t]) << "worker " << r << " differs at step " << t;
+    }
+  }
+  const std::string server = ReadFile(cluster.server_log(0));
+  EXPECT_NE(server.find("for rank(s) 1; it fails after 60 s"), std::string::npos) << server;
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ TEST(SessionTest, AFailedStepIsNotRetried) {
     freeze_step: 2
     block_elems: 16
     partition_elems: 256
-    timeouts { step_seconds: 1 connect_seconds: 10 }
+    timeouts { step_seconds: 1 recovery_seconds: 2 connect_seconds: 10 }
   )";
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   testing::Cluster cluster(config, 1, 0);

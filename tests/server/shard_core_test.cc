@@ -313,7 +313,16 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
   core_->Push(Args(0, 0, first()), [&](auto r) { status = r.status(); });
   core_->ExpireWaiting(absl::Now());  // not yet
   EXPECT_TRUE(status.ok());
-  core_->ExpireWaiting(absl::Now() + absl::Seconds(job_.step_timeout_seconds + 1));
+  // Past the step timeout the step is only reported as stalled...
+  EXPECT_FALSE(core_->Stalled(absl::Now()).has_value());
+  const absl::Time late = absl::Now() + absl::Seconds(job_.step_timeout_seconds + 1);
+  const std::optional<std::string> stalled = core_->Stalled(late);
+  ASSERT_TRUE(stalled.has_value());
+  EXPECT_NE(stalled->find("for rank(s) 1, 2"), std::string::npos) << *stalled;
+  core_->ExpireWaiting(late);
+  EXPECT_TRUE(status.ok());
+  // ...and fails past the recovery timeout.
+  core_->ExpireWaiting(absl::Now() + absl::Seconds(job_.recovery_timeout_seconds + 1));
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(status.message().find("rank(s) 1, 2 did not push"), absl::string_view::npos) << status;
   EXPECT_EQ(core_->MirrorChecksum(), before);
