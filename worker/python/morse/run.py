@@ -7,6 +7,10 @@ command with MORSE_RANK, MORSE_WORLD_SIZE, MORSE_SERVERS and MORSE_CONFIG in
 their environment (morse.torch's optimizers read them). Output is streamed
 with [rank i] / [server s] prefixes. Ctrl-C, or any copy exiting non-zero,
 stops everything; the exit code is then non-zero (the failing copy's, or 130).
+A server that dies is restarted on its address from its last checkpoint when
+the job checkpoints (checkpoint { every_steps: N } in --config; the workers
+wait for it and replay what it lost), up to --restarts times; otherwise it
+ends the job.
 --config is a base JobConfig (timeouts, checkpoints, layout...); the
 optimizer's arguments are merged over it, and workers/shards/the model come
 from the flags and the script.
@@ -104,6 +108,9 @@ def main(argv=None):
                              "(the servers listen on 127.0.0.1 in plaintext: morse-run is for one host)")
     parser.add_argument("--server-bin", default=None,
                         help="morse-server to run (default: the one next to this package)")
+    parser.add_argument("--restarts", type=int, default=3,
+                        help="how many times to restart a server that dies, from its checkpoint, "
+                             "when the job checkpoints (default 3; 0: a dead server ends the job)")
     args = parser.parse_args(own)
     if not command:
         parser.error("give the command to run after --, e.g. -- python3 train.py")
@@ -113,10 +120,18 @@ def main(argv=None):
     if not os.access(server_bin, os.X_OK):
         raise SystemExit(f"morse-run: no morse-server at {server_bin} (build Morse, or pass --server-bin)")
 
+    if args.restarts < 0:
+        parser.error("--restarts must be at least 0")
     workdir = tempfile.mkdtemp(prefix="morse-run-")
     config_path = os.path.join(workdir, "job.textproto")
+    base = _base_config(args.config, args.workers, args.servers)
     with open(config_path, "w") as f:
-        f.write(_base_config(args.config, args.workers, args.servers))
+        f.write(base)
+    every = re.search(r"every_steps\s*:\s*(\d+)", base)
+    checkpointing = bool(every and int(every.group(1)) > 0)
+    # Checkpoints go to the config's checkpoint.dir, or else beside the config.
+    checkpoint_args = ([] if re.search(r"^\s*dir\s*:", base, re.M) or not checkpointing
+                       else ["--checkpoint_dir", workdir])
 
     procs, threads = [], []
     def stop_all():
@@ -139,25 +154,31 @@ def main(argv=None):
     signal.signal(signal.SIGTERM, on_signal)
 
     addresses, servers, server_lines = [], [], []
-    for s in range(args.servers):
+
+    def start_server(s, listen):
         # Loopback only, so plaintext is asked for explicitly.
         p = subprocess.Popen([server_bin, "--config", config_path, "--shard", str(s),
-                              "--listen", "127.0.0.1:0", "--insecure"] +
+                              "--listen", listen, "--insecure"] + checkpoint_args +
                              (["--token_file", args.token_file] if args.token_file else []),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
         marker = {"event": threading.Event()}
-        servers.append(p)
-        server_lines.append([])
+        lines = []
         t = threading.Thread(target=_stream, args=(p.stdout, f"[server {s}] ", sys.stdout, marker,
-                                                   None, server_lines[s]),
+                                                   None, lines),
                              daemon=True)
         t.start()
         threads.append(t)
         if not marker["event"].wait(30) or "address" not in marker:
             stop_all()
             raise SystemExit(f"morse-run: server {s} did not start (see its output above)")
-        addresses.append(marker["address"])
+        return p, marker["address"], lines
+
+    for s in range(args.servers):
+        p, address, lines = start_server(s, "127.0.0.1:0")
+        servers.append(p)
+        addresses.append(address)
+        server_lines.append(lines)
 
     # MORSE_* for morse.torch, and torch.distributed's names (RANK,
     # WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) for samplers and scripts that
@@ -186,16 +207,29 @@ def main(argv=None):
         threads.append(t)
 
     status = 0
+    restarts = 0
     remaining = set(range(args.workers))
     while remaining:
-        # A server that dies ends the job at once, with its last words.
+        # A server that dies is restarted from its checkpoint if the job has
+        # them (the workers wait and replay); otherwise it ends the job at
+        # once, with its last words.
         dead = [(s, servers[s].poll()) for s in range(len(servers)) if servers[s].poll() is not None]
         if dead:
             s, code = dead[0]
             time.sleep(0.2)
             last = server_lines[s][-5:]
-            sys.stderr.write(f"morse-run: server {s} exited with {code}; stopping every rank\n"
-                             + "".join(f"morse-run: server {s}: {line}\n" for line in last))
+            if checkpointing and restarts < args.restarts:
+                restarts += 1
+                sys.stderr.write(f"morse-run: server {s} exited with {code}; restarting it on "
+                                 f"{addresses[s]} from its checkpoint ({restarts} of --restarts "
+                                 f"{args.restarts}); the workers wait for it\n")
+                servers[s], _, server_lines[s] = start_server(s, addresses[s])
+                continue
+            sys.stderr.write(f"morse-run: server {s} exited with {code}; stopping every rank"
+                             + ("" if checkpointing else
+                                " (with checkpoint { every_steps: N } in --config it would be "
+                                "restarted and the job would go on)")
+                             + "\n" + "".join(f"morse-run: server {s}: {line}\n" for line in last))
             status = 3
             break
         for r in sorted(remaining):

@@ -1,0 +1,86 @@
+"""Shard loss under morse.torch is a pause: morse-run starts 2 shards for a
+job that checkpoints every 4 steps; rank 0 kills shard 1 with SIGKILL after
+step 9 and morse-run restarts it on its address from its checkpoint (step 8).
+The restarted shard has no model until a worker joins again (an external
+job), so the workers Join it again, replay their retained pushes of the steps
+it lost, check that it recomputes the replies they applied, and go on. After
+every step every rank holds the same bits as the undisturbed simulator."""
+import json
+import os
+import signal
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+
+STEPS = 20
+KILL_AFTER = 9
+
+
+def shard_pid(config, shard):
+    """The morse-server of this job's shard (its command line names the
+    job's own config file, so no other job's server matches)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if (argv and argv[0].endswith(b"morse-server") and config.encode() in argv
+                and b"--shard" in argv and argv[argv.index(b"--shard") + 1] == str(shard).encode()):
+            return int(pid)
+    return None
+
+
+def worker(out):
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    rank = int(os.environ["MORSE_RANK"])
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=5, block_elems=16,
+                                 partition_elems=64)
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    checksums = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        np.save(f"{out}/grad-{rank}-{step}.npy",
+                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+        opt.step()
+        checksums.append(opt.checksum())
+        if rank == 0 and step == KILL_AFTER:
+            pid = shard_pid(os.environ["MORSE_CONFIG"], 1)
+            check(pid is not None, "shard 1's process not found")
+            os.kill(pid, signal.SIGKILL)
+            print(f"killed shard 1 (pid {pid}) after step {step}", flush=True)
+    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    out = tempfile.mkdtemp(prefix="morse-restart-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+    code, log = morse_run(__file__, 2, 2, out, config=config)
+    print(log)
+    os.remove(config)
+    check(code == 0, "the job failed")
+    check("killed shard 1" in log, "the shard was not killed")
+    check("restarting it on" in log, "morse-run did not restart the shard")
+    check("restarted from its checkpoint at step 8" in log, "the workers did not replay from step 8")
+    check_ranks_match_simulator(out, 2, STEPS)
+    print(f"PASS: shard 1 killed after step {KILL_AFTER} and restarted; {STEPS} steps, both ranks "
+          "bit-identical to each other and to the simulator")
