@@ -12,7 +12,9 @@
 #include <sstream>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "grpcpp/security/tls_certificate_provider.h"
@@ -261,14 +263,29 @@ absl::Status TokenFile::Load() {
   auto contents = ReadFile(path_, "token_file");
   if (!contents.ok()) return contents.status();
   std::vector<std::string> tokens;
+  std::vector<int64_t> ranks;
   for (absl::string_view line : absl::StrSplit(*contents, '\n')) {
     line = absl::StripAsciiWhitespace(line);
-    if (!line.empty()) tokens.emplace_back(line);
+    if (line.empty()) continue;
+    int64_t rank = kAnyRank;
+    if (absl::ConsumePrefix(&line, "rank=")) {
+      const size_t space = line.find_first_of(" \t");
+      uint32_t r = 0;
+      if (space == absl::string_view::npos || !absl::SimpleAtoi(line.substr(0, space), &r)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--token_file: ", path_, ": a 'rank=' line must be 'rank=R TOKEN'"));
+      }
+      rank = r;
+      line = absl::StripAsciiWhitespace(line.substr(space));
+    }
+    tokens.emplace_back(line);
+    ranks.push_back(rank);
   }
   if (tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("--token_file: ", path_, " holds no token"));
   }
   tokens_ = std::move(tokens);
+  ranks_ = std::move(ranks);
   mtime_ns_ = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   size_ = st.st_size;
   next_check_ = absl::Now() + refresh_;
@@ -287,12 +304,16 @@ void TokenFile::MaybeReload() {
   (void)Load();
 }
 
-bool TokenFile::Accepts(absl::string_view presented) {
+bool TokenFile::Accepts(absl::string_view presented) { return Identify(presented).has_value(); }
+
+std::optional<int64_t> TokenFile::Identify(absl::string_view presented) {
   absl::MutexLock lock(&mu_);
   MaybeReload();
-  bool accepted = false;
-  for (const std::string& token : tokens_) accepted |= ConstantTimeEquals(presented, token);
-  return accepted;
+  std::optional<int64_t> identity;
+  for (size_t i = 0; i < tokens_.size(); ++i) {
+    if (ConstantTimeEquals(presented, tokens_[i]) && !identity.has_value()) identity = ranks_[i];
+  }
+  return identity;
 }
 
 std::string TokenFile::Current() {
@@ -301,7 +322,20 @@ std::string TokenFile::Current() {
   return tokens_.front();
 }
 
-grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens) {
+grpc::Status CheckRank(int64_t caller, uint32_t rank) {
+  if (caller == TokenFile::kAnyRank || caller == static_cast<int64_t>(rank)) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      absl::StrCat("this bearer token is rank ", caller, "'s; it cannot act as rank ",
+                                   rank));
+}
+
+std::string TokenPathForRank(const std::string& path, uint32_t rank) {
+  return absl::StrReplaceAll(path, {{"{rank}", absl::StrCat(rank)}});
+}
+
+grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens,
+                              int64_t* rank) {
+  if (rank != nullptr) *rank = TokenFile::kAnyRank;
   if (tokens == nullptr) return grpc::Status::OK;
   const auto& metadata = context.client_metadata();
   if (metadata.count(kAuthorizationKey) > 1) {
@@ -315,10 +349,13 @@ grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile*
                         "<token>' (morse-worker --token_file)");
   }
   const absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::StartsWith(value, kBearerPrefix) ||
-      !tokens->Accepts(value.substr(sizeof(kBearerPrefix) - 1))) {
+  const std::optional<int64_t> identity =
+      absl::StartsWith(value, kBearerPrefix) ? tokens->Identify(value.substr(sizeof(kBearerPrefix) - 1))
+                                             : std::nullopt;
+  if (!identity.has_value()) {
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "invalid bearer token");
   }
+  if (rank != nullptr) *rank = *identity;
   return grpc::Status::OK;
 }
 

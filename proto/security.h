@@ -12,6 +12,7 @@
 #define MORSE_PROTO_SECURITY_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,7 +56,9 @@ std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(const SecurityO
 void AddChannelSecurityArgs(const SecurityOptions& options, grpc::ChannelArguments* args);
 
 // A token file: one token per line (blank lines and surrounding whitespace
-// ignored). Re-read when its modification time or size changes, checked at
+// ignored). On a server, a line `rank=R TOKEN` is worker R's own token:
+// a call that carries it may act only as rank R (per-rank identity,
+// deploy/make-certs.sh --workers N); a bare TOKEN may act as any rank. Re-read when its modification time or size changes, checked at
 // most once per `refresh`. A server accepts any listed token (so a rotation
 // can add the new token, move clients, then drop the old one); a client
 // sends the first. Thread-safe.
@@ -69,7 +72,12 @@ class TokenFile {
   // Whether `presented` equals an accepted token; the comparison takes the
   // same time wherever the strings differ.
   bool Accepts(absl::string_view presented);
-  // The token a client sends.
+  // The identity `presented` proves: nullopt if it is no accepted token,
+  // kAnyRank for a bare token, the rank for a `rank=R` line.
+  static constexpr int64_t kAnyRank = -1;
+  std::optional<int64_t> Identify(absl::string_view presented);
+  // The token a client sends (a client file's first token; its `rank=R`
+  // prefix, if any, is not sent).
   std::string Current();
 
  private:
@@ -81,6 +89,7 @@ class TokenFile {
   const absl::Duration refresh_;
   absl::Mutex mu_;
   std::vector<std::string> tokens_ ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> ranks_ ABSL_GUARDED_BY(mu_);  // kAnyRank or the token's rank
   absl::Time next_check_ ABSL_GUARDED_BY(mu_);
   int64_t mtime_ns_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t size_ ABSL_GUARDED_BY(mu_) = 0;
@@ -95,8 +104,18 @@ inline constexpr char kBearerPrefix[] = "Bearer ";
 
 // The server-side check: OK when `tokens` is null (no token configured) or
 // the call carries exactly one "authorization: Bearer <accepted token>";
-// UNAUTHENTICATED saying what is wrong otherwise.
-grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens);
+// UNAUTHENTICATED saying what is wrong otherwise. `rank`, when given, gets
+// the identity the token proves (TokenFile::kAnyRank without tokens).
+grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens,
+                              int64_t* rank = nullptr);
+
+// PERMISSION_DENIED unless a caller of identity `caller` (CheckBearerToken's
+// rank) may act as `rank`.
+grpc::Status CheckRank(int64_t caller, uint32_t rank);
+
+// A --token_file path with "{rank}" replaced by the worker's rank, so one
+// flag serves every worker of a host or a manifest (token-{rank}).
+std::string TokenPathForRank(const std::string& path, uint32_t rank);
 
 }  // namespace morse::proto
 

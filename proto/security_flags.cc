@@ -14,8 +14,10 @@ ABSL_FLAG(std::string, tls_server_name, "",
           "Worker: the name to verify in the servers' certificates instead of the host in "
           "--servers (for addresses that are not in the certificate).");
 ABSL_FLAG(std::string, token_file, "",
-          "File of bearer tokens, one per line. Server: every call must carry one of them. "
-          "Worker: sends the first. Re-read when it changes.");
+          "File of bearer tokens, one per line. Server: every call must carry one of them; a "
+          "line 'rank=R TOKEN' is worker R's own token, and a call carrying it may act only as "
+          "rank R (PERMISSION_DENIED otherwise). Worker: sends the first; '{rank}' in the path "
+          "is replaced by --rank (token-{rank}). Re-read when it changes.");
 ABSL_FLAG(int, tls_refresh_seconds, 30,
           "How often certificate, key, CA and token files are checked for changes (rotation "
           "without restart).");

@@ -17,8 +17,11 @@ ShardCore* ParameterServerService::CoreOrFinish(grpc::CallbackServerContext* con
 }
 
 bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
-                                        grpc::ServerUnaryReactor* reactor) {
-  grpc::Status status = proto::CheckBearerToken(*context, tokens_);
+                                        grpc::ServerUnaryReactor* reactor,
+                                        std::optional<uint32_t> as_rank) {
+  int64_t caller = proto::TokenFile::kAnyRank;
+  grpc::Status status = proto::CheckBearerToken(*context, tokens_, &caller);
+  if (status.ok() && as_rank.has_value()) status = proto::CheckRank(caller, *as_rank);
   if (status.ok()) return true;
   if (metrics_ != nullptr) metrics_->Unauthenticated();
   reactor->Finish(status);
@@ -29,7 +32,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Join(grpc::CallbackServerConte
                                                        const v1::JoinRequest* request,
                                                        v1::JoinReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (!Authorized(context, reactor)) return reactor;
+  if (!Authorized(context, reactor, request->rank())) return reactor;
   auto job = proto::ParseJobConfigProto(request->job().SerializeAsString());
   absl::Status status = job.ok() ? host_->Join(request->rank(), *job) : job.status();
   reply->set_workers_joined(host_->workers_joined());
@@ -44,7 +47,7 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
     grpc::CallbackServerContext* context, const v1::InitPartitionRequest* request,
     v1::InitPartitionReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (!Authorized(context, reactor)) return reactor;
+  if (!Authorized(context, reactor, request->rank())) return reactor;
   ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
   absl::Status status = core->InitPartition(request->rank(), request->partition(),
@@ -60,7 +63,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                                                        const v1::PushRequest* request,
                                                        v1::PushReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (!Authorized(context, reactor)) return reactor;
+  if (!Authorized(context, reactor, request->rank())) return reactor;
   ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
   auto codec = proto::FromWire(request->codec());

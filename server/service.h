@@ -3,6 +3,8 @@
 #ifndef MORSE_SERVER_SERVICE_H_
 #define MORSE_SERVER_SERVICE_H_
 
+#include <optional>
+
 #include "proto/morse.grpc.pb.h"
 #include "proto/security.h"
 #include "server/metrics.h"
@@ -37,7 +39,10 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
   ShardCore* CoreOrFinish(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor);
   // Whether the call carries an accepted token; finishes it with
   // UNAUTHENTICATED otherwise.
-  bool Authorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor);
+  // Checks the bearer token; with `as_rank`, also that a per-rank token is
+  // that rank's (PERMISSION_DENIED otherwise). Finishes the call on failure.
+  bool Authorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                  std::optional<uint32_t> as_rank = std::nullopt);
 
   ShardHost* host_;
   ServerMetrics* metrics_;

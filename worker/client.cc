@@ -47,8 +47,10 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobS
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
-  if (absl::Status s = proto::ValidateClientSecurity(security); !s.ok()) return s;
-  auto tokens = proto::TokenFile::FromOptions(security);
+  proto::SecurityOptions own = security;
+  own.token_file = proto::TokenPathForRank(security.token_file, rank);  // token-{rank}
+  if (absl::Status s = proto::ValidateClientSecurity(own); !s.ok()) return s;
+  auto tokens = proto::TokenFile::FromOptions(own);
   if (!tokens.ok()) return tokens.status();
   return std::unique_ptr<PushClient>(
       new PushClient(job, layout, std::move(servers), rank, security, *std::move(tokens)));

@@ -124,6 +124,7 @@ int main(int argc, char** argv) {
   options.device = absl::GetFlag(FLAGS_device);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.security = proto::SecurityOptionsFromFlags();
+  options.security.token_file = proto::TokenPathForRank(options.security.token_file, options.rank);
   if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {
     std::fprintf(stderr, "morse-worker: %s\n", std::string(s.message()).c_str());
     return 2;

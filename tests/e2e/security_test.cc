@@ -166,6 +166,47 @@ TEST_F(SecurityTest, WorkerWithWrongTokenStopsWithPermanentError) {
   EXPECT_NE(testing::ReadFile(cluster.worker_log(0)).find("invalid bearer token"), std::string::npos);
 }
 
+// Per-rank identity: with make-certs.sh --workers, the servers' token file
+// ties each token to a rank; workers find theirs through token-{rank}. A
+// worker presenting another rank's token is refused with PERMISSION_DENIED
+// (exit 2) and the shard accepts no push from it.
+TEST_F(SecurityTest, PerRankTokensStopImpostors) {
+  const std::string c = *dir_ + "/c";
+  const std::string command = absl::StrCat(MORSE_SOURCE_DIR, "/deploy/make-certs.sh --workers 2 ", c,
+                                           " localhost 127.0.0.1 >/dev/null");
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const auto tls = [&](const std::string& token) {
+    return std::vector<std::string>{"--tls_ca", c + "/ca.pem", "--tls_cert", c + "/client.pem",
+                                    "--tls_key", c + "/client.key", "--token_file", token};
+  };
+  {
+    testing::Cluster cluster(kJob, 1, 2);
+    cluster.SetSecurity({"--tls-cert", c + "/server.pem", "--tls-key", c + "/server.key", "--tls-ca",
+                         c + "/ca.pem", "--token-file", c + "/tokens"},
+                        tls(c + "/token-{rank}"));
+    cluster.StartServers(false);
+    cluster.StartWorkers(false);
+    std::string failure;
+    EXPECT_TRUE(cluster.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+  }
+  testing::Cluster cluster(kJob, 1, 0);
+  cluster.SetSecurity({"--tls-cert", c + "/server.pem", "--tls-key", c + "/server.key", "--tls-ca",
+                       c + "/ca.pem", "--token-file", c + "/tokens"},
+                      tls(c + "/token-0"));  // rank 1 with rank 0's token
+  cluster.StartServers(false);
+  cluster.StartWorker(1, false);
+  std::string failure;
+  EXPECT_FALSE(cluster.WaitWorkers(absl::Seconds(30), &failure));
+  EXPECT_NE(failure.find("exited 2:"), std::string::npos) << failure;
+  EXPECT_NE(testing::ReadFile(cluster.worker_log(1)).find("is rank 0's; it cannot act as rank 1"),
+            std::string::npos)
+      << testing::ReadFile(cluster.worker_log(1));
+  // Rank 0's token still reads what needs no rank (shard info).
+  EXPECT_TRUE(Call(cluster.server_address(0), Tls(c + "/ca.pem", c + "/client.pem", c + "/client.key"),
+                   testing::ReadFile(c + "/token-0").substr(0, 64))
+                  .ok());
+}
+
 TEST_F(SecurityTest, DaemonsRefuseToStartWithoutCredentials) {
   testing::Cluster cluster(kJob, 1, 0);
   testing::Process server({testing::ServerBin(), "--config", cluster.config_path(), "--shard", "0",
