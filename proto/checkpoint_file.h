@@ -41,6 +41,7 @@ class CheckpointWriter {
   void AddBytes(const std::string& name, absl::string_view bytes);
   // Writes `path` atomically; the directory must exist.
   absl::Status Write(const std::string& path) const;
+  const CheckpointHeader& header() const { return header_; }
 
  private:
   CheckpointHeader header_;

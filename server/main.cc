@@ -31,6 +31,7 @@
 #include "server/metrics.h"
 #include "server/service.h"
 #include "server/shard_core.h"
+#include "server/checkpoint_thread.h"
 #include "server/shard_host.h"
 
 ABSL_FLAG(std::string, config, "",
@@ -150,19 +151,27 @@ int main(int argc, char** argv) {
       return Fail(kExitConfig,
                   "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
   }
-  const auto save_checkpoint = [&](const server::ShardCore& core,
-                                   const char* why) {
-    const absl::Status saved = core.SaveCheckpoint(checkpoint);
+  const auto report_checkpoint = [&, shard](const absl::Status& saved, int64_t step,
+                                            const std::string& why) {
     if (saved.ok()) {
-      std::printf(
-          "morse-server shard %d: checkpoint of step %lld written to %s (%s)\n",
-          shard, static_cast<long long>(core.Status().completed_steps),
-          checkpoint.c_str(), why);
+      std::printf("morse-server shard %d: checkpoint of step %lld written to %s (%s)\n", shard,
+                  static_cast<long long>(step), checkpoint.c_str(), why.c_str());
     } else {
-      std::printf("morse-server shard %d: no checkpoint written (%s): %s\n",
-                  shard, why, std::string(saved.message()).c_str());
+      std::printf("morse-server shard %d: no checkpoint written (%s): %s\n", shard, why.c_str(),
+                  std::string(saved.message()).c_str());
     }
     std::fflush(stdout);
+  };
+  // Periodic checkpoints: the snapshot is taken on the thread that completed
+  // the step, the file written (with its fsyncs) on a thread of its own.
+  std::unique_ptr<server::CheckpointThread> checkpoint_thread;
+  if (!checkpoint.empty()) {
+    checkpoint_thread = std::make_unique<server::CheckpointThread>(checkpoint, report_checkpoint);
+  }
+  const auto save_checkpoint = [&](const server::ShardCore& core, const char* why) {
+    auto snapshot = core.Snapshot();
+    if (!snapshot.ok()) return report_checkpoint(snapshot.status(), -1, why);
+    checkpoint_thread->Submit(*std::move(snapshot), why);
   };
   // Set below once the metrics exist; the step observer reads it.
   server::ServerMetrics* metrics_ptr = nullptr;
@@ -318,7 +327,10 @@ int main(int argc, char** argv) {
                 shard);
     return 0;
   }
-  if (!checkpoint.empty()) save_checkpoint(*core, "shutdown");
+  if (!checkpoint.empty()) {
+    save_checkpoint(*core, "shutdown");
+    checkpoint_thread->Flush();
+  }
   const server::ShardStatus final_status = core->Status();
   std::printf(
       "morse-server shard %d: stopped after %lld steps; %llu pushes accepted, "

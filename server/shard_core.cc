@@ -418,6 +418,12 @@ void ShardCore::ExpireWaiting(absl::Time now) {
 }
 
 absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
+  auto snapshot = Snapshot();
+  if (!snapshot.ok()) return snapshot.status();
+  return snapshot->Write(path);
+}
+
+absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   // Lock every partition (in order) so the state is one step's, with every
   // completed step's mirror update applied.
   std::vector<std::unique_ptr<absl::MutexLock>> locks;
@@ -456,7 +462,7 @@ absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
   writer.AddInts("last_reply_meta", reply_meta);
   writer.AddBytes("last_replies", replies);
   writer.AddInts("last_hashes", hashes);
-  return writer.Write(path);
+  return writer;
 }
 
 absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {

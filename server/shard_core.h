@@ -34,6 +34,7 @@
 #include "compress/error_feedback.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
+#include "proto/checkpoint_file.h"
 #include "proto/job_config.h"
 
 namespace morse::server {
@@ -119,6 +120,10 @@ class ShardCore {
   // written, if the shard is in the middle of a step (partitions at
   // different steps) or not initialized.
   absl::Status SaveCheckpoint(const std::string& path) const;
+  // The same checkpoint, copied into memory under the partitions' locks and
+  // not written: a caller may write it from another thread (fsync takes far
+  // longer than the copy) while training goes on.
+  absl::StatusOr<proto::CheckpointWriter> Snapshot() const;
   // Loads a checkpoint of this shard and job before any push. NOT_FOUND if
   // there is none; DATA_LOSS if it is corrupt; FAILED_PRECONDITION if it is
   // another shard's or another job's (layout or algorithm). The shard is

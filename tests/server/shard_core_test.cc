@@ -2,7 +2,6 @@
 // the same reply for every worker, idempotent retries, conflicting bytes,
 // bounded memory, initialization rules and the step observer.
 #include "server/shard_core.h"
-#include "server/shard_host.h"
 
 #include <algorithm>
 #include <cstring>
@@ -13,6 +12,8 @@
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
+#include "server/checkpoint_thread.h"
+#include "server/shard_host.h"
 #include "tests/compress/test_util.h"
 
 namespace morse::server {
@@ -367,6 +368,40 @@ TEST_F(ShardCoreTest, ARestoredShardAnswersRetriesAndAsksForAReplay) {
   for (uint32_t r = 0; r < 3; ++r) Push(Args(2, r, first()), &replayed);
   ASSERT_NE(replayed, nullptr);
   EXPECT_EQ(replayed->payload, step2->payload);
+}
+
+// Periodic checkpoints are written off the step's thread: snapshots go to
+// a CheckpointThread, a newer one replaces one still waiting, and Flush
+// returns once the latest is on disk.
+TEST_F(ShardCoreTest, CheckpointsAreWrittenOnTheirOwnThread) {
+  const std::string path = ::testing::TempDir() + "/threaded.ckpt";
+  std::vector<int64_t> written;
+  absl::Mutex mu;
+  {
+    CheckpointThread thread(path, [&](const absl::Status& s, int64_t step, const std::string& why) {
+      EXPECT_TRUE(s.ok()) << s;
+      EXPECT_EQ(why, "periodic");
+      absl::MutexLock lock(&mu);
+      written.push_back(step);
+    });
+    for (int64_t step : {0, 1, 2}) {
+      for (const auto& p : core_->layout().shard_partitions(1)) {
+        for (uint32_t r = 0; r < 3; ++r) Push(Args(step, r, p));
+      }
+      auto snapshot = core_->Snapshot();
+      ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+      thread.Submit(*std::move(snapshot), "periodic");
+    }
+    thread.Flush();
+    absl::MutexLock lock(&mu);
+    ASSERT_FALSE(written.empty());
+    EXPECT_EQ(written.back(), 3);  // the latest snapshot always gets written
+    EXPECT_TRUE(std::is_sorted(written.begin(), written.end()));
+  }
+  auto restored = *ShardCore::Create(job_, 1);
+  ASSERT_TRUE(restored->RestoreCheckpoint(path).ok());
+  EXPECT_EQ(restored->Status().completed_steps, 3);
+  EXPECT_EQ(restored->MirrorChecksum(), core_->MirrorChecksum());
 }
 
 // Sizes: a shard whose state exceeds the memory limit is refused before
