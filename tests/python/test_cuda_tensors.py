@@ -29,7 +29,8 @@ def worker(out):
                                 torch.nn.Linear(20, 4)).to(device)
     model.unused = torch.nn.Parameter(torch.full((7,), 0.5, device=device))  # v = 0: masked
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
-                                 partition_elems=64, overlap=rank == 0)
+                                 partition_elems=64, overlap=rank == 0,
+                                 missing_grads="zero")  # the unused parameter (torch 2 zero_grad sets None)
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()

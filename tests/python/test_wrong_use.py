@@ -125,6 +125,27 @@ def main():
         model[1].weight.grad.fill_(float("inf"))
         expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
 
+    # A parameter that gets no gradient in a step (zero_grad(set_to_none=True)
+    # and a loss that does not use it): torch.optim would skip it, Morse
+    # cannot, so it says so, naming it; missing_grads="zero" accepts it.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    for overlap in (True, False):
+        for missing in ("raise", "zero"):
+            with server(base) as address:
+                model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)})
+                opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
+                                       servers=[address], config=base, overlap=overlap,
+                                       missing_grads=missing)
+                opt.zero_grad(set_to_none=True)
+                model["used"](torch.ones(4, 3)).sum().backward()
+                if missing == "raise":
+                    expect(MorseError, "spare.weight, spare.bias got no gradient in step 0", opt.step)
+                else:
+                    opt.step()
+                check(model["spare"].weight.grad is not None, "the views are attached again")
+    expect(ValueError, "missing_grads='skip'", lambda: morse.torch.Adam(
+        torch.nn.Linear(3, 2).parameters(), missing_grads="skip", **args))
+
     # Gradients edited after the backward pass pushed them, and a backward()
     # more than accumulation_steps: refused, not silently ignored.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")

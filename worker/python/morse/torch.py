@@ -36,6 +36,19 @@ from ._native import MorseError
 __all__ = ["OneBitAdam", "Adam", "MorseError"]
 
 
+def _zero_grad_default():
+    """The installed torch's default for Optimizer.zero_grad(set_to_none)."""
+    import inspect
+    try:
+        default = inspect.signature(torch.optim.Optimizer.zero_grad).parameters["set_to_none"].default
+    except (KeyError, TypeError, ValueError):
+        return False
+    return bool(default) if isinstance(default, bool) else False
+
+
+_ZERO_GRAD_SETS_TO_NONE = _zero_grad_default()
+
+
 def _env(name, value, cast=str):
     if value is not None:
         return value
@@ -70,7 +83,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  bound_update,
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
-                 accumulation_steps=1):
+                 accumulation_steps=1, missing_grads="raise"):
+        if missing_grads not in ("raise", "zero"):
+            raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
         params = list(params)
         if not params:
             raise ValueError("the optimizer got no parameters")
@@ -200,6 +215,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps}: at least 1")
         self._accumulation = accumulation_steps
+        self._missing_grads = missing_grads
         self._counts = [0] * len(self._params)  # backward() passes that reached each parameter
         self._grad_version = None  # the flat gradient's version at the last push
         self._hooks = []
@@ -342,9 +358,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 continue
             p.grad = view.view_as(p)
 
-    def zero_grad(self, set_to_none=False):
-        """Zeroes the flat gradient in place (the views stay attached)."""
+    def zero_grad(self, set_to_none=None):
+        """As torch.optim's, with the installed torch's default for set_to_none
+        (False in torch 1.x, True from torch 2.0): the flat gradient is zeroed
+        in place, and with set_to_none every .grad is set to None as well (the
+        next backward() gathers the new gradients back into the flat buffer),
+        so a parameter that then gets no gradient is seen as such at step()."""
+        if set_to_none is None:
+            set_to_none = _ZERO_GRAD_SETS_TO_NONE
         self._flat_grad.zero_()
+        if set_to_none:
+            for p in self._params:
+                p.grad = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -358,6 +383,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Gradients edited after the backward pass pushed them (clipping,
         # scaling, zeroing, another backward) bump the flat gradient's version.
         edited = self._pending is not None and self._flat_grad._version != self._grad_version
+        # A parameter whose .grad is None got no gradient in this step
+        # (zero_grad(set_to_none=True) and a backward() that did not reach it):
+        # torch.optim skips it; Morse updates every element every step.
+        missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
         self._restore_views()
         changed = None
         if self._pending is None:
@@ -383,6 +412,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "the gradients as backward() left them. With overlap=True each partition is pushed "
                 "as soon as its gradients are ready: make such changes in a gradient hook, or build "
                 "the optimizer with overlap=False (clipping then clips each rank's own gradient)")
+        if missing and self._missing_grads == "raise":
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise MorseError(
+                f"FAILED_PRECONDITION: {shown} got no gradient in step {self.step_index - 1} "
+                "(.grad is None after zero_grad(set_to_none=True)); torch.optim would have skipped "
+                "them, Morse applied a zero gradient (their momentum keeps moving them, and weight "
+                "decay applies). Give them a gradient every step, freeze them "
+                "(requires_grad=False) before building the optimizer, or pass "
+                "missing_grads='zero' to accept zero gradients (what torch does with "
+                "zero_grad(set_to_none=False) once they have had one)")
         if changed is not None:
             raise MorseError(
                 f"FAILED_PRECONDITION: lr/weight_decay changed to {changed} between backward() and "
@@ -454,7 +493,7 @@ class OneBitAdam(_MorseOptimizer):
                  config=None,
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
-                 block_elems=None, partition_elems=None, security=None):
+                 block_elems=None, partition_elems=None, security=None, missing_grads="raise"):
         if freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
                              "step (with none there is no variance to freeze)")
@@ -466,7 +505,8 @@ class OneBitAdam(_MorseOptimizer):
                          schedule=schedule, steps=steps, config=config,
                          rank=rank, world_size=world_size, servers=servers, overlap=overlap,
                          block_elems=block_elems, partition_elems=partition_elems,
-                         security=security, accumulation_steps=accumulation_steps)
+                         security=security, accumulation_steps=accumulation_steps,
+                         missing_grads=missing_grads)
 
 
 class Adam(_MorseOptimizer):
@@ -479,7 +519,7 @@ class Adam(_MorseOptimizer):
                  codec="fp32", down_codec=None, feedback="none", feedback_beta=None,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
-                 block_elems=None, partition_elems=None, security=None):
+                 block_elems=None, partition_elems=None, security=None, missing_grads="raise"):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
@@ -487,4 +527,5 @@ class Adam(_MorseOptimizer):
                          schedule=schedule, steps=steps,
                          config=config, rank=rank, world_size=world_size, servers=servers,
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
-                         security=security, accumulation_steps=accumulation_steps)
+                         security=security, accumulation_steps=accumulation_steps,
+                         missing_grads=missing_grads)
