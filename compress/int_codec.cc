@@ -13,6 +13,7 @@ namespace {
 
 // Index of the first byte equal to `value`, or n.
 size_t FindByte(const uint8_t* p, size_t n, uint8_t value) {
+  if (n == 0) return 0;  // memchr's pointer must not be null, even for 0 bytes
   const void* hit = std::memchr(p, value, n);
   return hit ? static_cast<size_t>(static_cast<const uint8_t*>(hit) - p) : n;
 }
