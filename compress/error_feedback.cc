@@ -160,6 +160,29 @@ absl::Status ErrorFeedback::Restore(absl::Span<const float> error) {
   return absl::OkStatus();
 }
 
+absl::Status ErrorFeedback::RestoreRange(size_t offset, absl::Span<const float> error) {
+  const size_t end = offset + error.size();
+  if (offset % block_elems_ != 0 || offset > size_ || error.size() > size_ - offset ||
+      (end != size_ && end % block_elems_ != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "error range [", offset, ", ", end, ") of a buffer of ", size_,
+        " elements is not block-aligned (block_elems ", block_elems_, ")"));
+  }
+  for (size_t j = 0; j < error.size(); ++j) {
+    if (!std::isfinite(error[j])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("restored error element ", offset + j, " is not finite"));
+    }
+  }
+  if (spec_.kind == FeedbackKind::kNone) return absl::OkStatus();
+  if (spec_.storage == ErrorStorage::kFp32) {
+    std::copy(error.begin(), error.end(), fp32_.begin() + offset);
+  } else {
+    Quantize(offset, error);
+  }
+  return absl::OkStatus();
+}
+
 double ErrorFeedback::SquaredNorm() const {
   double sum = 0.0;
   std::vector<float> block(block_elems_);

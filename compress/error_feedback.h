@@ -69,6 +69,11 @@ class ErrorFeedback {
   // Replaces the whole buffer (from a checkpoint); INVALID_ARGUMENT if the
   // size differs or a value is not finite, and then nothing changes.
   absl::Status Restore(absl::Span<const float> error);
+  // Replaces [offset, offset + error.size()): offset a multiple of
+  // block_elems, the range inside the buffer and ending at a block boundary
+  // or the buffer's end; INVALID_ARGUMENT otherwise or for a non-finite
+  // value, and then nothing changes.
+  absl::Status RestoreRange(size_t offset, absl::Span<const float> error);
 
   // Sum of e^2 in double precision, for metrics and tests.
   double SquaredNorm() const;

@@ -1,5 +1,8 @@
 #include "server/service.h"
 
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
 #include "proto/wire.h"
 
 namespace morse::server {
@@ -118,7 +121,8 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
   if (!Authorized(context, reactor)) return reactor;
   ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
-  auto snapshot = core->FetchPartition(request->partition(), request->layout_fingerprint());
+  auto snapshot = core->FetchPartition(request->partition(), request->layout_fingerprint(),
+                                       request->server_error());
   if (snapshot.ok()) {
     const auto bytes = [](const std::vector<float>& a) {
       return std::string(reinterpret_cast<const char*>(a.data()), 4 * a.size());
@@ -128,8 +132,54 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
     reply->set_x(bytes(snapshot->x));
     reply->set_m(bytes(snapshot->m));
     reply->set_v(bytes(snapshot->v));
+    if (request->server_error()) reply->set_server_error(bytes(snapshot->server_error));
   }
   reactor->Finish(proto::ToGrpc(snapshot.status()));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::RestorePartition(
+    grpc::CallbackServerContext* context, const v1::PartitionState* request,
+    v1::RestorePartitionReply*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor, request->rank())) return reactor;
+  ShardCore* core = CoreOrFinish(context, reactor);
+  if (core == nullptr) return reactor;
+  PartitionSnapshot state;
+  state.completed_steps = request->completed_steps();
+  absl::Status status;
+  const auto floats = [&status](const std::string& bytes, const char* what, std::vector<float>* out) {
+    if (bytes.size() % 4 != 0) {
+      if (status.ok()) {
+        status = absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes.size(),
+                                                         " bytes is not a whole number of fp32"));
+      }
+      return;
+    }
+    out->resize(bytes.size() / 4);
+    std::memcpy(out->data(), bytes.data(), bytes.size());
+  };
+  floats(request->x(), "x", &state.x);
+  floats(request->m(), "m", &state.m);
+  floats(request->v(), "v", &state.v);
+  floats(request->server_error(), "server_error", &state.server_error);
+  if (status.ok()) {
+    status = core->RestorePartition(request->rank(), request->partition(),
+                                    request->layout_fingerprint(), state);
+  }
+  reactor->Finish(proto::ToGrpc(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Abort(grpc::CallbackServerContext* context,
+                                                        const v1::AbortRequest* request,
+                                                        v1::AbortReply*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor, request->rank())) return reactor;
+  ShardCore* core = CoreOrFinish(context, reactor);
+  if (core == nullptr) return reactor;
+  reactor->Finish(proto::ToGrpc(core->Abort(request->rank(), request->step(),
+                                            request->layout_fingerprint(), request->reason())));
   return reactor;
 }
 

@@ -30,6 +30,11 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
   grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
                                            const v1::FetchPartitionRequest* request,
                                            v1::PartitionState* reply) override;
+  grpc::ServerUnaryReactor* RestorePartition(grpc::CallbackServerContext* context,
+                                             const v1::PartitionState* request,
+                                             v1::RestorePartitionReply* reply) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
+                                  const v1::AbortRequest* request, v1::AbortReply* reply) override;
   grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* context,
                                          const v1::ShardInfoRequest* request,
                                          v1::ShardInfo* reply) override;

@@ -1,5 +1,7 @@
 #include "server/shard_core.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string_view>
@@ -38,6 +40,8 @@ struct ShardCore::PartitionState {
   bool mirror_pending ABSL_GUARDED_BY(mu) = false;
   std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
+  // Restored by RestorePartition and not stepped since: may be restored again.
+  bool restored ABSL_GUARDED_BY(mu) = false;
 };
 
 namespace {
@@ -169,6 +173,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       return reject(absl::UnavailableError(absl::StrCat(
           "partition ", args.partition, " has no initial parameters yet (rank 0 uploads them)")));
     }
+    if (std::optional<absl::Status> stopped = AbortFor(args.step)) return reject(*stopped);
     const size_t hash = HashBytes(args.payload);
     if (args.step == p.next_step - 1) {  // a retry of the completed step
       if (p.last_reply == nullptr) {
@@ -282,6 +287,61 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   }
 }
 
+std::optional<absl::Status> ShardCore::AbortFor(int64_t step) const {
+  absl::MutexLock lock(&abort_mu_);
+  if (!abort_.has_value() || step < abort_->first) return std::nullopt;
+  return absl::FailedPreconditionError(abort_->second);
+}
+
+absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                              absl::string_view reason) {
+  // CheckCommon with this shard's first partition: the layout and the rank.
+  if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id, layout_fingerprint);
+      !s.ok()) {
+    return s;
+  }
+  if (step < 0) return absl::InvalidArgumentError("negative step");
+  constexpr size_t kMaxReason = 4096;
+  {
+    absl::MutexLock lock(&abort_mu_);
+    if (abort_.has_value()) return absl::OkStatus();  // the first abort wins
+    abort_.emplace(step, absl::StrCat("rank ", rank, " stopped the job at step ", step, ": ",
+                                      reason.substr(0, kMaxReason)));
+  }
+  std::fprintf(stderr, "shard %u: rank %u stopped the job at step %lld: %.*s\n", shard_, rank,
+               static_cast<long long>(step), static_cast<int>(std::min(reason.size(), kMaxReason)),
+               reason.data());
+  // Pushes that arrive from now on see abort_ under their partition's lock;
+  // those already waiting are answered here. Their step never completes, so
+  // its pending pushes are dropped (a restarted job pushes it again).
+  const absl::Status stopped = *AbortFor(step);
+  for (auto& part : partitions_) {
+    PartitionState& p = *part;
+    std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
+    {
+      absl::MutexLock lock(&p.mu);
+      if (p.next_step < step) continue;
+      waiters.swap(p.waiters);
+      for (auto& push : p.pushes) push.reset();
+      p.arrived = 0;
+      p.hyper.reset();
+    }
+    for (auto& [unused, callback] : waiters) callback(stopped);
+  }
+  return absl::OkStatus();
+}
+
+void ShardCore::ClearAbort() {
+  absl::MutexLock lock(&abort_mu_);
+  abort_.reset();
+}
+
+std::optional<std::string> ShardCore::aborted() const {
+  absl::MutexLock lock(&abort_mu_);
+  if (!abort_.has_value()) return std::nullopt;
+  return abort_->second;
+}
+
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState& p) {
   ApplyMirror(p);  // step t's mirror before step t + 1's reply
   const compress::Partition& part = p.partition;
@@ -323,6 +383,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
                                             ": recompression failed: ", status.message()));
   }
   p.last_reply = reply;
+  p.restored = false;
   ++p.next_step;
   // The mirror applies this reply after the workers have it (Push), or
   // before anything reads the mirror.
@@ -548,7 +609,8 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
 }
 
 absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
-                                                            uint64_t fingerprint) const {
+                                                            uint64_t fingerprint,
+                                                            bool with_server_error) const {
   if (absl::Status s = CheckCommon(0, partition, fingerprint); !s.ok()) return s;
   PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
   absl::MutexLock lock(&p.mu);
@@ -562,7 +624,68 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   snapshot.x.assign(mirror_.x().begin() + offset, mirror_.x().begin() + offset + n);
   snapshot.m.assign(mirror_.m().begin() + offset, mirror_.m().begin() + offset + n);
   snapshot.v.assign(mirror_.v().begin() + offset, mirror_.v().begin() + offset + n);
+  if (with_server_error) {
+    // The error buffer changes only when a step completes, so it is the one
+    // of completed_steps even while pushes of the next step wait.
+    snapshot.server_error.resize(n);
+    server_error_.Read(offset, absl::MakeSpan(snapshot.server_error));
+  }
   return snapshot;
+}
+
+absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint64_t fingerprint,
+                                         const PartitionSnapshot& state) {
+  if (absl::Status s = CheckCommon(rank, partition, fingerprint); !s.ok()) return s;
+  if (rank != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("only rank 0 restores a saved run, not rank ", rank));
+  }
+  PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+  const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
+  if (state.completed_steps < 0) return absl::InvalidArgumentError("negative step");
+  for (const auto* a : {&state.x, &state.m, &state.v, &state.server_error}) {
+    if (a->size() != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "partition ", partition, " has ", n, " elements; the saved state has arrays of ",
+          state.x.size(), ", ", state.m.size(), ", ", state.v.size(), " and ",
+          state.server_error.size()));
+    }
+    for (float f : *a) {
+      if (!std::isfinite(f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the saved state of partition ", partition, " holds Inf or NaN"));
+      }
+    }
+  }
+  for (float f : state.v) {
+    if (f < 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the saved v of partition ", partition, " is negative"));
+    }
+  }
+  absl::MutexLock lock(&p.mu);
+  if (!p.initialized) {
+    return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
+  }
+  if (p.arrived > 0 || (p.next_step > 0 && !p.restored)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "partition ", partition, " has trained (", p.next_step, " steps",
+        p.arrived > 0 ? ", a push of the next one waiting" : "",
+        "); a saved run is restored before the job's first step"));
+  }
+  if (absl::Status s = server_error_.RestoreRange(offset, state.server_error); !s.ok()) return s;
+  std::copy(state.x.begin(), state.x.end(), mirror_.x().begin() + offset);
+  std::copy(state.m.begin(), state.m.end(), mirror_.mutable_m().begin() + offset);
+  std::copy(state.v.begin(), state.v.end(), mirror_.mutable_v().begin() + offset);
+  p.next_step = state.completed_steps;
+  p.restored = true;
+  p.mirror_pending = false;
+  p.last_reply = nullptr;
+  std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
+  absl::MutexLock progress(&progress_mu_);
+  observed_step_ = state.completed_steps - 1;
+  completions_.clear();
+  return absl::OkStatus();
 }
 
 uint64_t ShardCore::MirrorChecksum() const {

@@ -65,6 +65,7 @@ struct Reply {
 struct PartitionSnapshot {
   int64_t completed_steps = 0;
   std::vector<float> x, m, v;
+  std::vector<float> server_error;  // only when asked for (saving a whole run)
 };
 
 using ReplyCallback = std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
@@ -113,6 +114,19 @@ class ShardCore {
   // worker gets that long); those pushes are dropped.
   void ExpireWaiting(absl::Time now);
 
+  // Rank `rank` stops the job at `step` (its step failed, `reason` says
+  // why): every waiting push, and every later push of `step` or after, fails
+  // with FAILED_PRECONDITION "rank R stopped the job at step T: REASON", so
+  // the other workers learn why at once. The mirror is unchanged; the first
+  // abort wins (later ones return OK and change nothing). Errors as for
+  // pushes for a bad rank or layout.
+  absl::Status Abort(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                     absl::string_view reason);
+  // Forgets an abort: a worker joined again (the job restarts).
+  void ClearAbort();
+  // The abort's message, if the job is stopped.
+  std::optional<std::string> aborted() const;
+
   void SetStepObserver(StepObserver observer) { observer_ = std::move(observer); }
 
   // Writes x, m, v, the server error buffer and the step to `path`
@@ -132,7 +146,17 @@ class ShardCore {
   // The mirror of one partition; INVALID_ARGUMENT or FAILED_PRECONDITION as
   // for pushes, UNAVAILABLE before initialization.
   absl::StatusOr<PartitionSnapshot> FetchPartition(uint32_t partition,
-                                                   uint64_t layout_fingerprint) const;
+                                                   uint64_t layout_fingerprint,
+                                                   bool with_server_error = false) const;
+  // Rank 0 restores one partition of a saved run (morse.torch's
+  // load_state_dict) before the job's first step: x, m, v, the server
+  // error and the steps completed, as FetchPartition(with_server_error)
+  // gave them. Allowed while no push of the partition has arrived since it
+  // was initialized or last restored; FAILED_PRECONDITION once training has
+  // moved on, INVALID_ARGUMENT for wrong sizes or non-finite values, and
+  // nothing changes on any error.
+  absl::Status RestorePartition(uint32_t rank, uint32_t partition, uint64_t layout_fingerprint,
+                                const PartitionSnapshot& state);
 
   // Cheap: counters and per-partition progress (the mirror checksum is
   // MirrorChecksum(), a pass over the shard).
@@ -155,6 +179,8 @@ class ShardCore {
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   void FlushMirrors() const;  // ApplyMirror on every partition
   void NoteStepCompleted(int64_t step);
+  // The abort that refuses a push of `step`, if any.
+  std::optional<absl::Status> AbortFor(int64_t step) const;
 
   proto::JobSpec job_;
   uint32_t shard_;
@@ -167,6 +193,10 @@ class ShardCore {
   compress::ErrorFeedback server_error_;
   std::vector<std::unique_ptr<PartitionState>> partitions_;
   StepObserver observer_;
+
+  // Taken inside a partition's lock, never around one.
+  mutable absl::Mutex abort_mu_;
+  std::optional<std::pair<int64_t, std::string>> abort_ ABSL_GUARDED_BY(abort_mu_);  // step, message
 
   mutable absl::Mutex progress_mu_;
   uint32_t initialized_ ABSL_GUARDED_BY(progress_mu_) = 0;

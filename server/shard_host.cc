@@ -85,6 +85,7 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
     }
   }
   joined_[rank] = true;
+  owned_->ClearAbort();  // a worker (re)joining restarts a stopped job
   return absl::OkStatus();
 }
 

@@ -38,7 +38,8 @@ class ShardHost {
   // differs from this shard's (workers, shards, model size or shapes, layout
   // or algorithm), saying how; INVALID_ARGUMENT for an unknown rank;
   // RESOURCE_EXHAUSTED for a model above max_model_elems or the host's
-  // memory (nothing is allocated then).
+  // memory (nothing is allocated then). A successful Join clears an abort
+  // (ShardCore::Abort): the job is restarting.
   absl::Status Join(uint32_t rank, const proto::JobSpec& job);
 
   ShardCore* core() const { return core_.load(); }

@@ -177,12 +177,13 @@ absl::Status PushClient::WaitInitialized() {
 }
 
 absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<float> m,
-                                               absl::Span<float> v) {
+                                               absl::Span<float> v, absl::Span<float> server_error) {
   int64_t step = -1;
   for (const compress::Partition& p : layout_.partitions()) {
     v1::FetchPartitionRequest request;
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
+    request.set_server_error(!server_error.empty());
     grpc::ClientContext context;
     PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::PartitionState state;
@@ -204,8 +205,50 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
     std::memcpy(x.data() + p.range.begin, state.x().data(), bytes);
     std::memcpy(m.data() + p.range.begin, state.m().data(), bytes);
     std::memcpy(v.data() + p.range.begin, state.v().data(), bytes);
+    if (!server_error.empty()) {
+      if (state.server_error().size() != bytes) {
+        return absl::InternalError(absl::StrCat("partition ", p.id, "'s server error came back with ",
+                                                state.server_error().size(), " bytes"));
+      }
+      std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);
+    }
   }
   return step;
+}
+
+absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
+                                      absl::Span<const float> m, absl::Span<const float> v,
+                                      absl::Span<const float> server_error) {
+  for (const compress::Partition& p : layout_.partitions()) {
+    v1::PartitionState request;
+    request.set_rank(rank_);
+    request.set_partition(p.id);
+    request.set_layout_fingerprint(layout_.fingerprint());
+    request.set_completed_steps(step);
+    const auto bytes = [&p](absl::Span<const float> a) {
+      return std::string(reinterpret_cast<const char*>(a.data() + p.range.begin), 4 * p.range.size());
+    };
+    request.set_x(bytes(x));
+    request.set_m(bytes(m));
+    request.set_v(bytes(v));
+    request.set_server_error(bytes(server_error));
+    grpc::ClientContext context;
+    PrepareContext(&context, job_.rpc_timeout_seconds);
+    v1::RestorePartitionReply reply;
+    const grpc::Status status = Stub(p.shard, p.id)->RestorePartition(&context, request, &reply);
+    if (!status.ok()) {
+      return RpcError(status, absl::StrCat("restoring partition ", p.id, " on ", servers_[p.shard]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> PushClient::CompletedSteps() {
+  auto infos = ShardInfos();
+  if (!infos.ok()) return infos.status();
+  int64_t steps = INT64_MAX;
+  for (const v1::ShardInfo& info : *infos) steps = std::min(steps, info.completed_steps());
+  return steps;
 }
 
 absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
@@ -515,6 +558,39 @@ absl::Status PushClient::Join() {
     if (reply.layout_fingerprint() != layout_.fingerprint()) {
       return absl::FailedPreconditionError(absl::StrCat(
           servers_[s], " has a different layout (D, shards, block_elems or partition_elems)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
+  struct AbortCall {
+    grpc::ClientContext context;
+    v1::AbortReply reply;
+    grpc::Status status;
+  };
+  v1::AbortRequest request;
+  request.set_rank(rank_);
+  request.set_step(step);
+  request.set_layout_fingerprint(layout_.fingerprint());
+  request.set_reason(reason);
+  std::vector<AbortCall> calls(servers_.size());
+  absl::Mutex mu;
+  size_t pending = servers_.size();
+  for (uint32_t s = 0; s < servers_.size(); ++s) {
+    PrepareContext(&calls[s].context, std::min(job_.rpc_timeout_seconds, 5.0));
+    Stub(s, 0)->async()->Abort(&calls[s].context, &request, &calls[s].reply,
+                               [&, s](grpc::Status status) {
+                                 absl::MutexLock lock(&mu);
+                                 calls[s].status = std::move(status);
+                                 --pending;
+                               });
+  }
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &pending));
+  for (uint32_t s = 0; s < servers_.size(); ++s) {
+    if (!calls[s].status.ok()) {
+      return RpcError(calls[s].status, absl::StrCat("stopping the job on ", servers_[s]));
     }
   }
   return absl::OkStatus();

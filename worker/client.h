@@ -129,7 +129,24 @@ class PushClient {
   // Downloads the shards' mirror of x, m and v into the replica's arrays and
   // returns the steps completed, which must be the same on every partition
   // (FAILED_PRECONDITION otherwise).
-  absl::StatusOr<int64_t> FetchModel(absl::Span<float> x, absl::Span<float> m, absl::Span<float> v);
+  // With `server_error` (dim floats), also the shards' error buffers
+  // (saving a whole run; the shards must be between steps).
+  absl::StatusOr<int64_t> FetchModel(absl::Span<float> x, absl::Span<float> m, absl::Span<float> v,
+                                     absl::Span<float> server_error = {});
+
+  // Rank 0: restores a saved run on every shard before the first step
+  // (ShardCore::RestorePartition), partition by partition.
+  absl::Status RestoreModel(int64_t step, absl::Span<const float> x, absl::Span<const float> m,
+                            absl::Span<const float> v, absl::Span<const float> server_error);
+
+  // The steps every partition of every shard has completed (the least).
+  absl::StatusOr<int64_t> CompletedSteps();
+
+  // Tells every shard that this worker stops the job at `step` because of
+  // `reason` (ShardCore::Abort), so the other workers' pushes fail with it
+  // at once. Best effort: waits at most a few seconds for all shards and
+  // returns the first failure.
+  absl::Status Abort(int64_t step, const std::string& reason);
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();

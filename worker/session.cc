@@ -149,10 +149,24 @@ absl::Status Session::SendPartition(uint32_t partition) {
   }
   if (sent_[partition]) return absl::OkStatus();
   sent_[partition] = true;
-  return exchange_->Send(layout_.partitions()[partition],
-                         [this](const compress::Partition& p, std::string* payload) {
-                           return engine_->Encode(step_, rank_, p, payload);
-                         });
+  absl::Status sent = exchange_->Send(layout_.partitions()[partition],
+                                      [this](const compress::Partition& p, std::string* payload) {
+                                        return engine_->Encode(step_, rank_, p, payload);
+                                      });
+  if (!sent.ok()) return Fail(sent);
+  return absl::OkStatus();
+}
+
+absl::Status Session::Fail(absl::Status status) {
+  if (!failed_.ok()) return status;  // the job was stopped at the first failure
+  failed_ = status;
+  // The other workers would wait for this one's pushes until the recovery
+  // timeout: stop the job on the shards, so they fail now with the reason.
+  if (absl::Status s = client_->Abort(step_, std::string(status.message())); !s.ok()) {
+    std::fprintf(stderr, "worker %u: could not tell the shards that step %lld failed: %s\n", rank_,
+                 static_cast<long long>(step_), std::string(s.message()).c_str());
+  }
+  return status;
 }
 
 absl::Status Session::Finish(StepTraffic* traffic) {
@@ -161,13 +175,9 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p) status = SendPartition(p);
   absl::Status finished = exchange_->Finish(traffic);
   exchange_.reset();
+  if (!status.ok()) return Fail(status);  // this worker's own failure comes first
   if (!finished.ok()) {
-    failed_ = absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message()));
-    return failed_;
-  }
-  if (!status.ok()) {
-    failed_ = status;
-    return status;
+    return Fail(absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message())));
   }
   ++step_;
   return absl::OkStatus();
@@ -187,12 +197,64 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   return writer.Write(path);
 }
 
-absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
-                              absl::Span<const float> error) {
+absl::Status Session::ServerError(absl::Span<float> out) {
   const uint64_t dim = job_.algorithm.layout.dim;
-  if (step < 0 || m.size() != dim || v.size() != dim) {
-    return absl::InvalidArgumentError(absl::StrCat("optimizer state needs step >= 0 and m, v of ", dim,
-                                                   " elements"));
+  if (out.size() != dim) {
+    return absl::InvalidArgumentError(absl::StrCat("the server error has ", dim, " elements"));
+  }
+  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  std::vector<float> x(dim), m(dim), v(dim);
+  auto steps = client_->FetchModel(absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v), out);
+  if (!steps.ok()) return steps.status();
+  if (*steps != step_) {
+    return absl::FailedPreconditionError(absl::StrCat("the shards have completed ", *steps,
+                                                      " steps, this worker ", step_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
+                              absl::Span<const float> error, absl::Span<const float> server_error) {
+  const uint64_t dim = job_.algorithm.layout.dim;
+  if (step < 0 || m.size() != dim || v.size() != dim ||
+      (!server_error.empty() && server_error.size() != dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer state needs step >= 0 and m, v (and the server error, if given) of ", dim,
+        " elements"));
+  }
+  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  auto held = client_->CompletedSteps();
+  if (!held.ok()) return held.status();
+  if (*held != step) {
+    if (*held != 0 || step_ != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the shards hold step ", *held, " of this job, the saved state step ", step,
+          "; load a state saved at step ", *held, ", or restart the shards fresh (or from their "
+          "checkpoints of step ", step, ") and load it before the first step()"));
+    }
+    if (rank_ == 0) {
+      if (server_error.empty()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the shards are fresh and this state (step ", step, ") has no server state: save rank "
+            "0's optimizer.state_dict() (it holds the shards' error buffers) and load it on rank 0"));
+      }
+      if (absl::Status s = SyncHost(); !s.ok()) return s;
+      if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v, server_error); !s.ok()) {
+        return s;
+      }
+    } else {
+      const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+      while (*held != step) {
+        if (absl::Now() > deadline) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "waited ", job_.connect_timeout_seconds, " s for rank 0 to restore the shards to step ",
+              step, " (they hold step ", *held, "); load the saved state on every rank"));
+        }
+        absl::SleepFor(absl::Milliseconds(50));
+        held = client_->CompletedSteps();
+        if (!held.ok()) return held.status();
+      }
+    }
   }
   // On the GPU the host x is stale: bring it over first, so the upload
   // below keeps the device's parameters.

@@ -52,7 +52,9 @@ class Session {
   // One whole step from the host gradient `grad` (dim floats; host engine
   // only, FAILED_PRECONDITION on a GPU). After a step fails
   // the replica may hold some of its partitions' updates, so every later
-  // Begin/Step fails with FAILED_PRECONDITION: the worker must rejoin (resume).
+  // Begin/Step fails with FAILED_PRECONDITION: the worker must rejoin
+  // (resume). A failed step stops the job on the shards (ShardCore::Abort):
+  // every other worker's step fails at once with this one's reason.
   absl::Status Step(absl::Span<const float> grad, StepTraffic* traffic = nullptr);
 
   // The same step in pieces, for overlapping with a backward pass: Begin,
@@ -92,13 +94,26 @@ class Session {
   compress::Replica& replica() { return replica_; }
   compress::ErrorFeedback& error() { return error_; }
   const compress::StepPlan& plan() const { return plan_; }
-  // Sets the step counter and the optimizer state (load_state_dict).
+  // Sets the step counter and the optimizer state (load_state_dict) and
+  // brings the shards to the same run: if they hold that step already
+  // (they survived, or resumed from their checkpoints) nothing more;
+  // else, if they have not trained, rank 0 restores them from
+  // `server_error` (what ServerError() gave when the run was saved) and its
+  // x, m, v, and every other rank waits (up to the connect timeout) until
+  // they hold the step. FAILED_PRECONDITION, saying what to do, otherwise
+  // (shards at another step; rank 0 without the server error).
   absl::Status Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
-                       absl::Span<const float> error);
+                       absl::Span<const float> error, absl::Span<const float> server_error = {});
+  // The shards' error buffers over the whole model after this worker's
+  // last step (state_dict on rank 0), between this worker's steps.
+  absl::Status ServerError(absl::Span<float> out);
 
  private:
   Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout, absl::Span<float> x);
   absl::Status BeginStep();  // the checks and the exchange, whatever the gradient's source
+  // Records the failure of the step in flight and stops the job on the
+  // shards (PushClient::Abort) so every other worker fails with it too.
+  absl::Status Fail(absl::Status status);
 
   proto::JobSpec job_;
   uint32_t rank_;

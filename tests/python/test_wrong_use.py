@@ -79,6 +79,31 @@ def worker_late_lr():
         sys.exit(3)
 
 
+def worker_abort():
+    """Rank 1's gradient turns Inf at step 2; every rank must get a
+    MorseError at once (not wait out the recovery timeout for rank 1's
+    pushes), rank 0's naming rank 1 and its reason."""
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    opt = morse.torch.OneBitAdam(model.named_parameters(), freeze_step=1)
+    start = time.time()
+    try:
+        for step in range(5):
+            opt.zero_grad()
+            loss = model(torch.ones(2, 4)).sum()
+            if rank == 1 and step == 2:
+                loss = loss * float("inf")  # the overlap hooks push Inf: backward() raises
+            loss.backward()
+            opt.step()
+    except morse.torch.MorseError as e:
+        print(f"CAUGHT rank {rank} after {time.time() - start:.1f} s: {e}", flush=True)
+        time.sleep(1)  # let the other rank print before morse-run stops it
+        sys.exit(0)
+    print(f"NO ERROR rank {rank}", flush=True)
+
+
 def main():
     import morse.torch
     from morse import MorseError
@@ -88,6 +113,9 @@ def main():
     expect(ValueError, "not contiguous", lambda: morse.torch.OneBitAdam(
         [torch.nn.Parameter(torch.zeros(3, 4).t())], **args))
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
+    expect(ValueError, "single parameter group", lambda: morse.torch.Adam(
+        [{"params": [torch.nn.Parameter(torch.zeros(3))]},
+         {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], **args))
     expect(ValueError, "feedback='ef' has none", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), feedback="ef", feedback_beta=0.5, **args))
     # No credentials and no insecure: refused, saying what to pass.
@@ -188,6 +216,17 @@ def main():
     check(code != 0 and "changed to (0.5, 0.0) between backward() and step()" in out,
           "an lr change after backward() is refused")
 
+    # One rank's step fails: every rank's script gets a MorseError promptly,
+    # naming the failing rank and why (the shards stop the job).
+    start = time.time()
+    code, out = morse_run(__file__, 2, 1, "abort", timeout=120)
+    print(out[-3000:])
+    check("CAUGHT rank 1" in out and "not finite" in out, "rank 1 reports its non-finite step")
+    check("CAUGHT rank 0" in out and "rank 1 stopped the job at step 2" in out,
+          "rank 0 gets a MorseError naming rank 1 and its reason")
+    check("NO ERROR" not in out, "no rank finishes the job")
+    check(time.time() - start < 60, "the other rank learned at once, not after the recovery timeout")
+
     # Different models on different ranks.
     code, out = morse_run(__file__, 2, 1, "mismatch",
                           config=config_file("timeouts { connect_seconds: 3 }\n"), timeout=120)
@@ -199,6 +238,7 @@ def main():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        {"mismatch": worker_mismatch, "lr": worker_lr, "late_lr": worker_late_lr}[sys.argv[-1]]()
+        {"mismatch": worker_mismatch, "lr": worker_lr, "late_lr": worker_late_lr,
+         "abort": worker_abort}[sys.argv[-1]]()
         sys.exit(0)
     main()

@@ -148,7 +148,7 @@ TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
 
     // The same step again with sane pushes: a fresh shard's reply.
     std::shared_ptr<const Reply> again;
-    for (uint32_t r = 0; r < 3; ++r) Push(Args(2, r, first()), &again);
+    for (uint32_t r = 0; r < 3; ++r) (void)Push(Args(2, r, first()), &again);
     auto fresh_core = *ShardCore::Create(job_, 1);
     std::swap(core_, fresh_core);
     for (const auto& p : core_->layout().shard_partitions(1)) {
@@ -327,6 +327,46 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(status.message().find("rank(s) 1, 2 did not push"), absl::string_view::npos) << status;
   EXPECT_EQ(core_->MirrorChecksum(), before);
+}
+
+// A worker whose step failed stops the job: the pushes waiting for it and
+// every later push of that step fail at once with its reason, the mirror is
+// untouched, a retry of an earlier step still gets its reply, and after a
+// Join clears the abort the same step completes as if nothing happened.
+TEST_F(ShardCoreTest, AnAbortFailsTheStepForEveryWorkerAndChangesNothing) {
+  std::shared_ptr<const Reply> step0;
+  for (uint32_t r = 0; r < 3; ++r) ASSERT_TRUE(Push(Args(0, r, first()), &step0).ok() || r < 2);
+  ASSERT_NE(step0, nullptr);
+  const uint64_t before = core_->MirrorChecksum();
+  absl::Status waiting;
+  core_->Push(Args(1, 0, first()), [&](auto r) { waiting = r.status(); });
+  EXPECT_TRUE(waiting.ok());  // not called yet
+  EXPECT_EQ(core_->Abort(7, 1, fingerprint(), "x").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Abort(2, 1, fingerprint() + 1, "x").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(core_->aborted().has_value());
+  ASSERT_TRUE(core_->Abort(2, 1, fingerprint(), "sign1: a block scale is not finite").ok());
+  EXPECT_EQ(waiting.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(waiting.message(), "rank 2 stopped the job at step 1: sign1: a block scale is not finite");
+  ASSERT_TRUE(core_->Abort(0, 1, fingerprint(), "a second reason").ok());  // the first wins
+  EXPECT_EQ(*core_->aborted(), waiting.message());
+  const absl::Status later = Push(Args(1, 1, first()));
+  EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(later.message(), waiting.message());
+  std::shared_ptr<const Reply> retry;
+  ASSERT_TRUE(Push(Args(0, 1, first()), &retry).ok());  // step 0 is before the abort
+  EXPECT_EQ(retry->payload, step0->payload);
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+
+  // The job restarts: a Join clears the abort and step 1 completes from
+  // scratch (the aborted step's pushes were dropped).
+  core_->ClearAbort();
+  std::shared_ptr<const Reply> step1;
+  for (uint32_t r = 0; r < 3; ++r) {
+    const absl::Status s = Push(Args(1, r, first()), &step1);
+    EXPECT_EQ(s.ok(), r == 2) << s;
+  }
+  ASSERT_NE(step1, nullptr);
+  EXPECT_EQ(step1->step, 1);
 }
 
 // A shard restored from its checkpoint after step 1 (DESIGN 4, shard

@@ -268,15 +268,25 @@ int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v,
 }
 
 int morse_session_set_state(morse_session* s, int64_t step, const float* m, const float* v,
-                            const float* error) {
+                            const float* error, const float* server_error) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     for (const void* p : {static_cast<const void*>(m), static_cast<const void*>(v),
                           static_cast<const void*>(error)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
     }
-    return s->session->Restore(step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
-                               absl::MakeConstSpan(error, s->dim));
+    return s->session->Restore(
+        step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
+        absl::MakeConstSpan(error, s->dim),
+        server_error == nullptr ? absl::Span<const float>() : absl::MakeConstSpan(server_error, s->dim));
+  });
+}
+
+int morse_session_server_error(morse_session* s, float* out) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
+    return s->session->ServerError(absl::MakeSpan(out, s->dim));
   });
 }
 

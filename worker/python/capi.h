@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 1
+#define MORSE_CAPI_VERSION 2
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -85,10 +85,15 @@ int morse_session_partitions(morse_session* s, uint64_t* ranges, uint64_t capaci
 int64_t morse_session_step(morse_session* s);
 /* FNV checksum of x, m, v (equal on every worker after every step). */
 int morse_session_checksum(morse_session* s, uint64_t* checksum);
-/* The optimizer state into/from dim host floats each (state_dict). */
+/* The optimizer state into/from dim host floats each (state_dict).
+   set_state also brings the shards to the saved run (Session::Restore):
+   server_error (dim floats, or NULL) is what morse_session_server_error
+   gave on rank 0 when the run was saved. */
 int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v, float* error);
 int morse_session_set_state(morse_session* s, int64_t step, const float* m, const float* v,
-                            const float* error);
+                            const float* error, const float* server_error);
+/* The shards' error buffers (dim floats), between steps. */
+int morse_session_server_error(morse_session* s, float* out);
 int morse_session_save_checkpoint(morse_session* s, const char* path);
 
 /* The single-process simulator (compress/simulator.h): the oracle. */

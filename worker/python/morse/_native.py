@@ -68,7 +68,8 @@ def _load():
         "morse_session_step": ([P], I64),
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
-        "morse_session_set_state": ([P, I64, P, P, P], I),
+        "morse_session_set_state": ([P, I64, P, P, P, P], I),
+        "morse_session_server_error": ([P, P], I),
         "morse_session_save_checkpoint": ([P, S], I),
         "morse_simulator_create": ([S, S, P, U64, ctypes.POINTER(P)], I),
         "morse_simulator_destroy": ([P], None),
@@ -79,9 +80,9 @@ def _load():
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
-    if lib.morse_capi_version() != 1:
+    if lib.morse_capi_version() != 2:
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 1")
+                         "this package needs 2")
     _lib = lib
     return lib
 
@@ -221,12 +222,20 @@ class Session:
                                             v.ctypes.data, error.ctypes.data))
         return step.value, m, v, error
 
-    def set_state(self, step, m, v, error):
-        for name, a in (("m", m), ("v", v), ("error", error)):
-            if a.size != self._dim:
+    def set_state(self, step, m, v, error, server_error=None):
+        for name, a in (("m", m), ("v", v), ("error", error), ("server_error", server_error)):
+            if a is not None and a.size != self._dim:
                 raise ValueError(f"{name} must hold {self._dim} values")
-        _check(_lib.morse_session_set_state(self._handle, step, _float32_array(m, "m"),
-                                            _float32_array(v, "v"), _float32_array(error, "error")))
+        _check(_lib.morse_session_set_state(
+            self._handle, step, _float32_array(m, "m"), _float32_array(v, "v"),
+            _float32_array(error, "error"),
+            None if server_error is None else _float32_array(server_error, "server_error")))
+
+    def server_error(self):
+        import numpy as np
+        out = np.empty(self._dim, dtype=np.float32)
+        _check(_lib.morse_session_server_error(self._handle, out.ctypes.data))
+        return out
 
     def save_checkpoint(self, path):
         _check(_lib.morse_session_save_checkpoint(self._handle, path.encode()))

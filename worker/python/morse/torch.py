@@ -302,6 +302,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         try:
             yield
         except MorseError as error:
+            if " stopped the job at step " in str(error):
+                # Another rank's step failed and it stopped the job on the
+                # shards: its reason is in the message, its parameters in its
+                # own error.
+                raise MorseError(f"{error}\n  this rank (rank {self._rank}) is stopped too; the "
+                                 "failing rank's own error says where and what to try") from None
             if "not finite" in str(error):
                 raise self._explain(error) from None
             raise
@@ -456,24 +462,70 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return self._session.checksum()
 
     def state_dict(self):
+        """The run's state: step, m (exp_avg), v (exp_avg_sq) and this rank's
+        worker error buffer; on rank 0 also the shards' error buffers
+        (server_error), so that rank 0's state_dict and each rank's own
+        restore the whole run with load_state_dict in a fresh job (exactly:
+        the continued run is bit-identical to an uninterrupted one)."""
         step, m, v, error = self._session.get_state()
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(self._params)))
         device = self._flat.device
-        return {"state": {"step": step, "exp_avg": torch.from_numpy(m).to(device),
-                          "exp_avg_sq": torch.from_numpy(v).to(device),
-                          "worker_error": torch.from_numpy(error).to(device)},
-                "param_groups": [group]}
+        state = {"step": step, "rank": self._rank,
+                 "exp_avg": torch.from_numpy(m).to(device),
+                 "exp_avg_sq": torch.from_numpy(v).to(device),
+                 "worker_error": torch.from_numpy(error).to(device)}
+        if self._rank == 0:
+            state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
+        return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict):
+        """Restores a run saved with state_dict(), before the first step():
+        build the model, load its weights, build the optimizer, then call
+        this on every rank with that rank's saved state (rank 0's must hold
+        server_error). Against fresh shards, rank 0 restores them (x from the
+        model, m, v, the server error and the step) and the other ranks wait
+        for it; against shards that already hold that step (they survived,
+        or resumed from their own checkpoints) nothing is sent. A state saved
+        by another rank is refused when its worker error buffer matters
+        (feedback other than 'none'), since loading it would silently change
+        the run."""
         state = state_dict["state"]
         dim = self._flat.numel()
         for key in ("exp_avg", "exp_avg_sq", "worker_error"):
             if key not in state or state[key].numel() != dim:
                 raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
+        saved_rank = state.get("rank", self._rank)
+        if saved_rank != self._rank and bool(state["worker_error"].abs().max() > 0):
+            raise ValueError(
+                f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its worker error "
+                f"buffer is rank {saved_rank}'s own, and loading it here would change the run. Save "
+                "every rank's optimizer.state_dict() (e.g. to f'opt-{rank}.pt') and load each "
+                "rank's own")
+        if "server_error" in state and state["server_error"].numel() != dim:
+            raise ValueError(f"state_dict['state']['server_error'] must hold {dim} values")
+
+        def host(t):
+            return t.detach().to("cpu", torch.float32).contiguous().numpy()
+        server_error = host(state["server_error"]) if "server_error" in state else None
         self._session.set_state(int(state["step"]),
-                                *(state[k].detach().to("cpu", torch.float32).contiguous().numpy()
-                                  for k in ("exp_avg", "exp_avg_sq", "worker_error")))
+                                *(host(state[k]) for k in ("exp_avg", "exp_avg_sq", "worker_error")),
+                                server_error)
+        group = state_dict.get("param_groups", [{}])[0]
+        for key in ("betas", "eps"):
+            if key in group and tuple(np_list(group[key])) != tuple(np_list(self.param_groups[0][key])):
+                raise ValueError(f"the saved {key} {group[key]} differ from this optimizer's "
+                                 f"{self.param_groups[0][key]}; build the optimizer with the saved "
+                                 "values (the job's algorithm fixes them)")
+        # lr and weight_decay follow param_groups every step, as in torch.
+        for key in ("lr", "weight_decay"):
+            if key in group:
+                self.param_groups[0][key] = group[key]
+
+
+def np_list(value):
+    """betas (a tuple) or eps (a number) as a list, for comparing."""
+    return list(value) if isinstance(value, (tuple, list)) else [value]
 
 
 class OneBitAdam(_MorseOptimizer):

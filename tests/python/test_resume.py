@@ -1,0 +1,114 @@
+"""Resume in one call: a run saved with torch.save(opt.state_dict()) at step
+4 and restored in a fresh job (new shards, new processes) with
+model.load_state_dict + opt.load_state_dict continues bit-identically to
+the run that never stopped (OneBitAdam across the freeze, 2 workers, 2
+shards). Also: another rank's state is refused, and rank 0's state without
+the shards' error buffer is refused against fresh shards."""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from harness import check, morse_run
+
+SAVE_AT, STEPS = 4, 8
+
+
+def model_and_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    return model
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def train(model, opt, first, rank):
+    sums = {}
+    for step in range(first, STEPS):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        sums[step] = opt.checksum()
+        if step + 1 == SAVE_AT and first == 0:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                       f"{os.environ['RESUME_DIR']}/ckpt-{rank}.pt")
+    return sums
+
+
+def worker(mode):
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    out = os.environ["RESUME_DIR"]
+    model = model_and_batch()
+    if mode == "through":
+        opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=2,
+                                     block_elems=16, partition_elems=32)
+        sums = train(model, opt, 0, rank)
+    else:
+        saved = torch.load(f"{out}/ckpt-{rank}.pt")
+        model.load_state_dict(saved["model"])
+        opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=2,
+                                     block_elems=16, partition_elems=32)
+        other = torch.load(f"{out}/ckpt-{1 - rank}.pt")["opt"]
+        try:
+            opt.load_state_dict(other)
+            check(False, "another rank's state was accepted")
+        except ValueError as e:
+            check(f"this state_dict is rank {1 - rank}'s" in str(e), str(e))
+        if mode == "no_server_state":
+            saved["opt"]["state"].pop("server_error", None)  # as if saved without it
+            try:
+                opt.load_state_dict(saved["opt"])
+            except morse.torch.MorseError as e:
+                print(f"REFUSED rank {rank}: {e}", flush=True)
+                sys.exit(0)
+            check(rank != 0, "rank 0's state without server_error was accepted by fresh shards")
+            return
+        opt.load_state_dict(saved["opt"])
+        check(opt.step_index == SAVE_AT, f"resumed at step {opt.step_index}")
+        sums = train(model, opt, SAVE_AT, rank)
+    with open(f"{out}/{mode}-{rank}.json", "w") as f:
+        json.dump(sums, f)
+
+
+def main():
+    out = tempfile.mkdtemp()
+    os.environ["RESUME_DIR"] = out
+    for mode in ("through", "resumed"):
+        code, text = morse_run(__file__, 2, 2, mode, timeout=180)
+        print(text[-2500:])
+        check(code == 0, f"the {mode} run failed")
+    for rank in range(2):
+        through = json.load(open(f"{out}/through-{rank}.json"))
+        resumed = json.load(open(f"{out}/resumed-{rank}.json"))
+        for step in range(SAVE_AT, STEPS):
+            check(through[str(step)] == resumed[str(step)],
+                  f"rank {rank} step {step}: resumed {resumed[str(step)]}, uninterrupted "
+                  f"{through[str(step)]}")
+        print(f"rank {rank}: steps {SAVE_AT}..{STEPS - 1} bit-identical after the resume")
+    code, text = morse_run(__file__, 2, 2, "no_server_state",
+                           config=_config(out, "timeouts { connect_seconds: 5 }\n"), timeout=180)
+    print(text[-2500:])
+    check("REFUSED rank 0" in text and "has no server state" in text,
+          "rank 0 without the shards' error buffer is refused, saying what to save")
+    print("PASS")
+
+
+def _config(out, text):
+    path = f"{out}/job.textproto"
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    main()
