@@ -100,6 +100,8 @@ inline constexpr char kNeedsJoinKey[] = "morse-needs-join";
 // DEADLINE_EXCEEDED from a shard that gave up on a step (recovery timeout),
 // as opposed to a push's own RPC deadline, which the worker retries.
 inline constexpr char kStepExpiredKey[] = "morse-step-expired";
+// The most bytes of module buffers a push may carry (PushRequest.buffers).
+inline constexpr size_t kMaxBufferBytes = size_t{64} << 20;
 
 // The largest job a config may describe, whatever the host: ranks are 32-bit
 // on the wire and a shard keeps a push slot per worker and partition.

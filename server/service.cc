@@ -81,6 +81,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   args.layout_fingerprint = request->layout_fingerprint();
   args.codec = *codec;
   args.payload = request->payload();
+  args.buffers = request->buffers();
   if (request->has_lr() != request->has_weight_decay()) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                  "a push sets lr and weight_decay together or neither"));
@@ -103,6 +104,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                   reply->set_partition((*result)->partition);
                   reply->set_codec(proto::ToWire((*result)->codec));
                   reply->set_payload((*result)->payload);
+                  if (!(*result)->buffers.empty()) reply->set_buffers((*result)->buffers);
                 } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
                   context->AddTrailingMetadata(proto::kNextStepKey, std::string(*next));
                 } else if (result.status().code() == absl::StatusCode::kDeadlineExceeded) {

@@ -31,6 +31,7 @@ struct ShardCore::PartitionState {
   // other push must carry the same), and that push's rank.
   std::optional<compress::StepHyper> hyper ABSL_GUARDED_BY(mu);
   uint32_t hyper_rank ABSL_GUARDED_BY(mu) = 0;
+  std::string buffers ABSL_GUARDED_BY(mu);  // rank 0's, for the reply
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
   // The last completed step, next_step - 1:
   std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
@@ -158,6 +159,15 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     return reject(s);
   }
   if (args.step < 0) return reject(absl::InvalidArgumentError("negative step"));
+  if (!args.buffers.empty() && (args.rank != 0 || args.partition != 0)) {
+    return reject(absl::InvalidArgumentError(absl::StrCat(
+        "rank ", args.rank, " sent module buffers with partition ", args.partition,
+        "; only rank 0 sends them, with partition 0")));
+  }
+  if (args.buffers.size() > proto::kMaxBufferBytes) {
+    return reject(absl::InvalidArgumentError(absl::StrCat(
+        "module buffers of ", args.buffers.size(), " bytes; at most ", proto::kMaxBufferBytes)));
+  }
   if (args.hyper.has_value()) {
     if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
       return reject(absl::InvalidArgumentError(absl::StrCat("rank ", args.rank, ": ", s.message())));
@@ -248,6 +258,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
           p.hyper_rank = args.rank;
         }
         slot = std::move(args.payload);
+        if (args.rank == 0) p.buffers = std::move(args.buffers);
         ++p.arrived;
       }
       p.waiters.emplace_back(args.rank, std::move(done));
@@ -325,6 +336,7 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_finge
       for (auto& push : p.pushes) push.reset();
       p.arrived = 0;
       p.hyper.reset();
+      p.buffers.clear();
     }
     for (auto& [unused, callback] : waiters) callback(stopped);
   }
@@ -359,6 +371,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   reply->step = step;
   reply->partition = part.id;
   reply->codec = plan.down.kind;
+  reply->buffers = std::move(p.buffers);
+  p.buffers.clear();
   reply->payload.resize(compress::PayloadBytes(plan.down, n));
   auto payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(reply->payload.data()),
                                 reply->payload.size());
@@ -472,6 +486,7 @@ void ShardCore::ExpireWaiting(absl::Time now) {
       for (auto& push : p.pushes) push.reset();
       p.arrived = 0;
       p.hyper.reset();
+      p.buffers.clear();
       waiters.swap(p.waiters);
     }
     for (auto& [rank, callback] : waiters) callback(status);

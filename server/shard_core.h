@@ -47,7 +47,9 @@ struct PushArgs {
   compress::CodecKind codec = compress::CodecKind::kFp32;
   std::string payload;
   std::optional<compress::StepHyper> hyper;  // the workers' lr and weight decay, if set
+  std::string buffers;  // rank 0's module buffers, partition 0 only (morse.proto)
 };
+
 
 // The absl::Status payload of an ABORTED push that is ahead of its
 // partition: the step the partition accepts, in decimal (the gRPC service
@@ -59,6 +61,7 @@ struct Reply {
   uint32_t partition = 0;
   compress::CodecKind codec = compress::CodecKind::kFp32;
   std::string payload;
+  std::string buffers;  // rank 0's module buffers of this step (partition 0)
 };
 
 // One partition's mirror, for workers that (re)join (DESIGN 4).

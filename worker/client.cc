@@ -279,12 +279,18 @@ struct StepExchange::Call {
 };
 
 StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-                           std::optional<compress::StepHyper> hyper)
+                           std::optional<compress::StepHyper> hyper, std::string buffers)
     : client_(client),
       step_(step),
       wire_codec_(proto::ToWire(up)),
       apply_(std::move(apply)),
-      hyper_(hyper) {}
+      hyper_(hyper),
+      buffers_(std::move(buffers)) {}
+
+std::string StepExchange::TakeReceivedBuffers() {
+  absl::MutexLock lock(&mu_);
+  return std::move(received_buffers_);
+}
 
 StepExchange::~StepExchange() {
   absl::MutexLock lock(&mu_);
@@ -424,6 +430,7 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
   const double apply_seconds = Since(start);
   const compress::Partition* partition = done->partition;
   const size_t bytes_down = done->reply.payload().size();
+  std::string buffers = partition->id == 0 ? std::move(*done->reply.mutable_buffers()) : std::string();
   if (result.ok() && client_->job_.replay_steps > 0) {
     client_->Retain(std::move(done->request), std::hash<std::string>{}(done->reply.payload()));
   }
@@ -435,6 +442,7 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
         client_->servers_[partition->shard], ": ", result.message()));
   }
   traffic_.payload_down += bytes_down;
+  if (result.ok() && partition->id == 0) received_buffers_ = std::move(buffers);
   traffic_.apply_seconds += apply_seconds;
   --in_flight_;
 }
@@ -465,6 +473,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
     call->request.set_lr(hyper_->lr);
     call->request.set_weight_decay(hyper_->weight_decay);
   }
+  if (partition.id == 0 && !buffers_.empty()) call->request.set_buffers(std::move(buffers_));
   const absl::Time start = absl::Now();
   absl::Status encoded = encode(partition, call->request.mutable_payload());
   {

@@ -61,8 +61,10 @@ class StepExchange {
 
   // `hyper`: the step's learning rate and weight decay, sent with every
   // push (absent: the job's schedule).
+  // `buffers`: rank 0's module buffers, sent with its push of partition 0
+  // (morse.proto); the reply's are in received_buffers() after Finish.
   StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-               std::optional<compress::StepHyper> hyper = std::nullopt);
+               std::optional<compress::StepHyper> hyper = std::nullopt, std::string buffers = "");
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
   StepExchange& operator=(const StepExchange&) = delete;
@@ -70,6 +72,8 @@ class StepExchange {
   // Returns the first error of the step so far (then nothing is sent).
   absl::Status Send(const compress::Partition& partition, const Encode& encode);
   absl::Status Finish(StepTraffic* traffic);
+  // The module buffers that came with partition 0's reply (empty if none).
+  std::string TakeReceivedBuffers();
 
  private:
   struct Call;
@@ -86,7 +90,9 @@ class StepExchange {
   const int wire_codec_;
   Apply apply_;
   const std::optional<compress::StepHyper> hyper_;
+  std::string buffers_;  // moved into partition 0's push
   absl::Mutex mu_;
+  std::string received_buffers_ ABSL_GUARDED_BY(mu_);
   absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool replay_noticed_ ABSL_GUARDED_BY(mu_) = false;
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;

@@ -138,7 +138,8 @@ absl::Status Session::BeginStep() {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
-      hyper_);
+      hyper_, std::move(buffers_));
+  buffers_.clear();
   return absl::OkStatus();
 }
 
@@ -174,6 +175,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   absl::Status status;
   for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p) status = SendPartition(p);
   absl::Status finished = exchange_->Finish(traffic);
+  received_buffers_ = exchange_->TakeReceivedBuffers();
   exchange_.reset();
   if (!status.ok()) return Fail(status);  // this worker's own failure comes first
   if (!finished.ok()) {

@@ -66,6 +66,11 @@ class Session {
   // replica and mirror; nullopt: the job's schedule. INVALID_ARGUMENT for
   // negative or non-finite values.
   absl::Status SetStepHyper(std::optional<compress::StepHyper> hyper);
+  // Rank 0's module buffers for the steps that begin from now on, sent with
+  // partition 0's push; every worker finds them in received_buffers()
+  // after Finish (empty when rank 0 sent none).
+  void SetStepBuffers(std::string buffers) { buffers_ = std::move(buffers); }
+  const std::string& received_buffers() const { return received_buffers_; }
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
@@ -125,6 +130,8 @@ class Session {
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
   std::optional<compress::StepHyper> hyper_;
+  std::string buffers_;           // rank 0: sent with the next step
+  std::string received_buffers_;  // from the last step's reply of partition 0
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only

@@ -369,6 +369,51 @@ TEST_F(ShardCoreTest, AnAbortFailsTheStepForEveryWorkerAndChangesNothing) {
   EXPECT_EQ(step1->step, 1);
 }
 
+// Rank 0's module buffers ride on its push of partition 0 and come back in
+// that partition's reply to every worker; any other rank or partition
+// sending them is refused, and the shard is unchanged.
+TEST_F(ShardCoreTest, ModuleBuffersGoFromRankZeroToEveryWorker) {
+  PushArgs elsewhere = Args(0, 0, first());  // shard 1 holds partition 2 on
+  elsewhere.buffers = "stats";
+  const uint64_t before = core_->MirrorChecksum();
+  EXPECT_EQ(Push(elsewhere).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+
+  core_ = *ShardCore::Create(job_, 0);
+  const compress::Partition& zero = core_->layout().shard_partitions(0)[0];
+  ASSERT_EQ(zero.id, 0u);
+  for (const auto& p : core_->layout().shard_partitions(0)) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
+                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  PushArgs impostor = Args(0, 1, zero);
+  impostor.buffers = "stats";
+  EXPECT_EQ(Push(impostor).code(), absl::StatusCode::kInvalidArgument);
+  PushArgs huge = Args(0, 0, zero);
+  huge.buffers.assign(proto::kMaxBufferBytes + 1, 'x');
+  EXPECT_EQ(Push(huge).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<std::shared_ptr<const Reply>> got(3);
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs args = Args(0, r, zero);
+    if (r == 0) args.buffers = std::string("running\0stats", 13);
+    core_->Push(std::move(args), [&got, r](auto reply) {
+      ASSERT_TRUE(reply.ok()) << reply.status();
+      got[r] = *reply;
+    });
+  }
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_NE(got[r], nullptr);
+    EXPECT_EQ(got[r]->buffers, std::string("running\0stats", 13));
+  }
+  // The next step without buffers replies without them.
+  std::shared_ptr<const Reply> next;
+  for (uint32_t r = 0; r < 3; ++r) (void)Push(Args(1, r, zero), &next);
+  ASSERT_NE(next, nullptr);
+  EXPECT_TRUE(next->buffers.empty());
+}
+
 // A shard restored from its checkpoint after step 1 (DESIGN 4, shard
 // recovery): a retry of step 1 gets the reply the shard gave before it died
 // (the checkpoint keeps the last replies and push hashes), a push of step 3

@@ -178,6 +178,35 @@ int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weig
   });
 }
 
+int morse_session_set_buffers(morse_session* s, const void* data, uint64_t size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (size > 0) {
+      if (absl::Status st = NotNull(data, "data"); !st.ok()) return st;
+    }
+    if (size > morse::proto::kMaxBufferBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("module buffers of ", size, " bytes; at most ",
+                                                     morse::proto::kMaxBufferBytes));
+    }
+    s->session->SetStepBuffers(std::string(static_cast<const char*>(data), size));
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_received_buffers(morse_session* s, void* out, uint64_t capacity, uint64_t* size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(size, "size"); !st.ok()) return st;
+    const std::string& got = s->session->received_buffers();
+    *size = got.size();
+    if (capacity > 0) {
+      if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
+      std::memcpy(out, got.data(), std::min<uint64_t>(capacity, got.size()));
+    }
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

@@ -73,6 +73,13 @@ int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device
  * every replica; set = 0: the job's schedule again. */
 int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weight_decay);
 
+/* Rank 0: `size` bytes of module buffers sent with the next step's push of
+ * partition 0 (at most 64 MiB). After a step, every worker reads what came
+ * back with partition 0's reply: *size is set to its length, and up to
+ * `capacity` bytes are copied to `out` (pass capacity 0 to ask the size). */
+int morse_session_set_buffers(morse_session* s, const void* data, uint64_t size);
+int morse_session_received_buffers(morse_session* s, void* out, uint64_t capacity, uint64_t* size);
+
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);
 int morse_session_send_partition(morse_session* s, uint32_t partition);

@@ -59,6 +59,8 @@ def _load():
         "morse_session_wait_all_joined": ([P], I),
         "morse_session_use_cuda": ([P, P, P], I),
         "morse_session_set_step_hyper": ([P, I, ctypes.c_float, ctypes.c_float], I),
+        "morse_session_set_buffers": ([P, P, U64], I),
+        "morse_session_received_buffers": ([P, P, U64, ctypes.POINTER(U64)], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
         "morse_session_send_partition": ([P, U32], I),
@@ -170,6 +172,18 @@ class Session:
             _check(_lib.morse_session_set_step_hyper(self._handle, 0, 0.0, 0.0))
         else:
             _check(_lib.morse_session_set_step_hyper(self._handle, 1, lr, weight_decay))
+
+    def set_buffers(self, data):
+        """Rank 0: module buffers (bytes) sent with the next step."""
+        _check(_lib.morse_session_set_buffers(self._handle, data, len(data)))
+
+    def received_buffers(self):
+        """The module buffers (bytes) that came with the last step's reply."""
+        size = ctypes.c_uint64()
+        _check(_lib.morse_session_received_buffers(self._handle, None, 0, ctypes.byref(size)))
+        out = ctypes.create_string_buffer(size.value)
+        _check(_lib.morse_session_received_buffers(self._handle, out, size.value, ctypes.byref(size)))
+        return out.raw[:size.value]
 
     def begin(self, grad):
         self._grad = grad  # kept alive until finish

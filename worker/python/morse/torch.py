@@ -83,9 +83,27 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  bound_update,
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
-                 accumulation_steps=1, missing_grads="raise"):
+                 accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None):
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
+        # Given the model itself, the optimizer sees its buffers too (BatchNorm
+        # running statistics) and keeps them equal on every rank, as DDP's
+        # broadcast_buffers: rank 0's go out with each step and every rank
+        # takes them when the step ends.
+        if isinstance(params, torch.nn.Module):
+            if buffers is None and broadcast_buffers:
+                buffers = list(params.named_buffers())
+            params = params.named_parameters()
+        self._buffers = []
+        if broadcast_buffers and buffers is not None:
+            for i, b in enumerate(buffers):
+                name, t = b if isinstance(b, tuple) else (f"buffer {i}", b)
+                try:
+                    t.detach().cpu()[:0].numpy() if t.dim() else t.detach().cpu().numpy()
+                except (TypeError, RuntimeError) as e:
+                    raise TypeError(f"buffer {name} is {t.dtype}, which Morse cannot broadcast ({e}); "
+                                    "pass broadcast_buffers=False") from None
+                self._buffers.append((name, t))
         params = list(params)
         if not params:
             raise ValueError("the optimizer got no parameters")
@@ -282,6 +300,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "built (model.load_state_dict(), copy_(), or another in-place change); the servers "
                 "still hold the old values and Morse will not overwrite yours silently. Load weights "
                 "before building the optimizer, or restore a whole run with opt.load_state_dict()")
+        if self._buffers and self._rank == 0:
+            self._session.set_buffers(self._pack_buffers())
         lr, weight_decay = self._group_hyper()
         if self._follow_groups:
             self._session.set_step_hyper(lr, weight_decay)
@@ -296,6 +316,29 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._session.begin_device()
             else:
                 self._session.begin(self._flat_grad.numpy())
+
+    def _pack_buffers(self):
+        return b"".join(t.detach().cpu().contiguous().numpy().tobytes() for _, t in self._buffers)
+
+    def _take_buffers(self):
+        """Every rank takes rank 0's buffers of the step that just ended."""
+        got = self._session.received_buffers()
+        mine = sum(t.numel() * t.element_size() for _, t in self._buffers)
+        if len(got) != mine:
+            raise MorseError(
+                f"FAILED_PRECONDITION: rank 0 sent {len(got)} bytes of module buffers, this rank "
+                f"(rank {self._rank}) has {mine}: build the same model on every rank, with the same "
+                "broadcast_buffers setting")
+        if self._rank == 0:
+            return
+        import numpy as np
+        at = 0
+        with torch.no_grad():
+            for _, t in self._buffers:
+                n = t.numel() * t.element_size()
+                value = np.frombuffer(got[at:at + n], dtype=t.detach().cpu().numpy().dtype)
+                t.copy_(torch.from_numpy(value.copy()).reshape(t.shape))
+                at += n
 
     @contextlib.contextmanager
     def _explained(self):
@@ -411,6 +454,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             with self._explained():
                 self.last_step = self._session.finish()
         self._counts = [0] * len(self._params)
+        if self._buffers:
+            self._take_buffers()
         if edited:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after the backward pass pushed them "
@@ -545,7 +590,8 @@ class OneBitAdam(_MorseOptimizer):
                  config=None,
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
-                 block_elems=None, partition_elems=None, security=None, missing_grads="raise"):
+                 block_elems=None, partition_elems=None, security=None, missing_grads="raise",
+                 broadcast_buffers=True, buffers=None):
         if freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
                              "step (with none there is no variance to freeze)")
@@ -558,7 +604,8 @@ class OneBitAdam(_MorseOptimizer):
                          rank=rank, world_size=world_size, servers=servers, overlap=overlap,
                          block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
-                         missing_grads=missing_grads)
+                         missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
+                         buffers=buffers)
 
 
 class Adam(_MorseOptimizer):
@@ -571,7 +618,8 @@ class Adam(_MorseOptimizer):
                  codec="fp32", down_codec=None, feedback="none", feedback_beta=None,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
-                 block_elems=None, partition_elems=None, security=None, missing_grads="raise"):
+                 block_elems=None, partition_elems=None, security=None, missing_grads="raise",
+                 broadcast_buffers=True, buffers=None):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
@@ -580,4 +628,5 @@ class Adam(_MorseOptimizer):
                          config=config, rank=rank, world_size=world_size, servers=servers,
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
-                         missing_grads=missing_grads)
+                         missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
+                         buffers=buffers)
