@@ -131,10 +131,20 @@ absl::Status Session::BeginStep() {
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   const int64_t step = step_;
+  step_hyper_ = hyper_;
+  deferred_.reset();
+  if (defer_apply_) {
+    deferred_ = std::make_shared<std::vector<std::optional<std::string>>>(layout_.partitions().size());
+  }
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind,
       // The step keeps its own copy of the hyper-parameters it was begun with.
-      [this, step, hyper = hyper_](const compress::Partition& p, const std::string& reply) {
+      [this, step, hyper = hyper_, deferred = deferred_](const compress::Partition& p,
+                                                          const std::string& reply) {
+        if (deferred != nullptr) {  // each partition's slot is written by one reply only
+          (*deferred)[p.id] = reply;
+          return absl::OkStatus();
+        }
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
@@ -180,6 +190,20 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   if (!status.ok()) return Fail(status);  // this worker's own failure comes first
   if (!finished.ok()) {
     return Fail(absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message())));
+  }
+  if (deferred_ != nullptr) {
+    for (const compress::Partition& p : layout_.partitions()) {
+      const std::optional<std::string>& reply = (*deferred_)[p.id];
+      if (!reply.has_value()) {
+        return Fail(absl::InternalError(absl::StrCat("step ", step_, ": no reply for partition ", p.id)));
+      }
+      const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply->data()), reply->size());
+      if (absl::Status s = engine_->ApplyReply(step_, p, bytes, step_hyper_.has_value() ? &*step_hyper_ : nullptr);
+          !s.ok()) {
+        return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ", p.id, ": ", s.message())));
+      }
+    }
+    deferred_.reset();
   }
   ++step_;
   return absl::OkStatus();

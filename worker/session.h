@@ -70,6 +70,12 @@ class Session {
   // partition 0's push; every worker finds them in received_buffers()
   // after Finish (empty when rank 0 sent none).
   void SetStepBuffers(std::string buffers) { buffers_ = std::move(buffers); }
+  // Replies are applied as they arrive (on gRPC threads, overlapping the
+  // rest of the exchange) by default; deferred, they are kept and applied
+  // by Finish, in partition order, so x, m and v change only when the step
+  // ends (morse.torch: parameters stay as they were until step(), as in
+  // torch). The same bits either way.
+  void SetDeferApply(bool defer) { defer_apply_ = defer; }
   const std::string& received_buffers() const { return received_buffers_; }
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
@@ -132,6 +138,10 @@ class Session {
   std::optional<compress::StepHyper> hyper_;
   std::string buffers_;           // rank 0: sent with the next step
   std::string received_buffers_;  // from the last step's reply of partition 0
+  bool defer_apply_ = false;
+  std::optional<compress::StepHyper> step_hyper_;  // the step in flight's
+  // The step's replies kept for Finish when deferred, by partition.
+  std::shared_ptr<std::vector<std::optional<std::string>>> deferred_;
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only

@@ -4,12 +4,15 @@ as DDP's broadcast_buffers: given the model itself, the optimizer sends rank
 Each rank here sees differently distributed data, so without the broadcast
 (broadcast_buffers=False) the ranks' statistics differ; with it every rank
 holds rank 0's bits after every step, overlap on one rank and off on the
-other, across OneBitAdam's freeze."""
+other, across OneBitAdam's freeze. Also: with overlap the parameters do not
+change between backward() and step() (the replies are applied at step()),
+as with torch.optim."""
 import hashlib
 import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -34,8 +37,15 @@ def worker(mode):
     for step in range(STEPS):
         x = torch.randn(6, 4, generator=g) * (1 + rank) + 3 * rank  # rank-dependent statistics
         opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
         model(x).square().mean().backward()
+        if step > 0 and rank == 0:  # rank 0 overlaps (the first step pushes at step())
+            time.sleep(0.5)  # rank 1 pushed at its step(): the replies have come by now
+            check(all(torch.equal(a, p) for a, p in zip(before, model.parameters())),
+                  f"rank {rank} step {step}: parameters changed between backward() and step()")
         opt.step()
+        check(not all(torch.equal(a, p) for a, p in zip(before, model.parameters())),
+              "step() changed nothing")
         bn = model[1]
         digests.append(hashlib.sha256(b"".join(
             t.numpy().tobytes() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked))).hexdigest())

@@ -193,6 +193,14 @@ int morse_session_set_buffers(morse_session* s, const void* data, uint64_t size)
   });
 }
 
+int morse_session_set_defer_apply(morse_session* s, int defer) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    s->session->SetDeferApply(defer != 0);
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_received_buffers(morse_session* s, void* out, uint64_t capacity, uint64_t* size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

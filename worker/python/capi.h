@@ -78,6 +78,9 @@ int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weig
  * back with partition 0's reply: *size is set to its length, and up to
  * `capacity` bytes are copied to `out` (pass capacity 0 to ask the size). */
 int morse_session_set_buffers(morse_session* s, const void* data, uint64_t size);
+/* defer != 0: replies are kept and applied when the step finishes, so the
+ * parameters change only then (Session::SetDeferApply). */
+int morse_session_set_defer_apply(morse_session* s, int defer);
 int morse_session_received_buffers(morse_session* s, void* out, uint64_t capacity, uint64_t* size);
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);

@@ -60,6 +60,7 @@ def _load():
         "morse_session_use_cuda": ([P, P, P], I),
         "morse_session_set_step_hyper": ([P, I, ctypes.c_float, ctypes.c_float], I),
         "morse_session_set_buffers": ([P, P, U64], I),
+        "morse_session_set_defer_apply": ([P, I], I),
         "morse_session_received_buffers": ([P, P, U64, ctypes.POINTER(U64)], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
@@ -176,6 +177,10 @@ class Session:
     def set_buffers(self, data):
         """Rank 0: module buffers (bytes) sent with the next step."""
         _check(_lib.morse_session_set_buffers(self._handle, data, len(data)))
+
+    def set_defer_apply(self, defer):
+        """Apply replies when the step finishes (True) or as they arrive."""
+        _check(_lib.morse_session_set_defer_apply(self._handle, 1 if defer else 0))
 
     def received_buffers(self):
         """The module buffers (bytes) that came with the last step's reply."""

@@ -83,7 +83,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  bound_update,
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
-                 accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None):
+                 accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None,
+                 apply_at_step=True):
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
         # Given the model itself, the optimizer sees its buffers too (BatchNorm
@@ -230,6 +231,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._waiting_for = [sum(q in t for t in self._touches) for q in range(len(self._partitions))]
         self._pending = None
         self._overlap = overlap
+        # With overlap the replies arrive during backward(); kept until
+        # step(), the parameters change only there, as with torch.optim
+        # (apply_at_step=False applies them as they arrive: faster on big
+        # models, but the parameters then change under backward()).
+        if overlap and apply_at_step:
+            self._session.set_defer_apply(True)
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps}: at least 1")
         self._accumulation = accumulation_steps
@@ -591,7 +598,7 @@ class OneBitAdam(_MorseOptimizer):
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None):
+                 broadcast_buffers=True, buffers=None, apply_at_step=True):
         if freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
                              "step (with none there is no variance to freeze)")
@@ -605,7 +612,7 @@ class OneBitAdam(_MorseOptimizer):
                          block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
-                         buffers=buffers)
+                         buffers=buffers, apply_at_step=apply_at_step)
 
 
 class Adam(_MorseOptimizer):
@@ -619,7 +626,7 @@ class Adam(_MorseOptimizer):
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None):
+                 broadcast_buffers=True, buffers=None, apply_at_step=True):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
@@ -629,4 +636,4 @@ class Adam(_MorseOptimizer):
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
-                         buffers=buffers)
+                         buffers=buffers, apply_at_step=apply_at_step)
