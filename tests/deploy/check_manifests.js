@@ -9,7 +9,10 @@
 //    replicas = names in --servers; workers = the Job's completions);
 // 4. the binaries accept the args and config the manifests pass: each
 //    container's command runs here with --check_config, with the ConfigMap
-//    and Secret written where the pod would mount them (under WORK_DIR).
+//    and Secret written where the pod would mount them (under WORK_DIR);
+//    a worker that runs a Python script (the torch-script overlay) gets its
+//    MORSE_* environment checked against the config and the mounts, and the
+//    script, from its ConfigMap, compiled and checked to use morse.torch.
 // Prints what it checked; exits 1 with every problem listed otherwise.
 "use strict";
 const fs = require("fs");
@@ -128,10 +131,27 @@ if (sts && sts.spec.replicas !== shards) fail(`StatefulSet replicas ${sts.spec.r
 if (job && (job.spec.completions !== workers || job.spec.parallelism !== workers)) {
   fail(`Job completions/parallelism ${job.spec.completions}/${job.spec.parallelism} != config workers ${workers}`);
 }
+const isScript = (c) => path.basename(c.command[0]).startsWith("python");
+const envOf = (c) => Object.fromEntries((c.env || []).filter((e) => "value" in e).map((e) => [e.name, e.value]));
 if (job) {
-  const servers = (job.spec.template.spec.containers[0].args || []).find((a) => a.startsWith("--servers="));
+  const c = job.spec.template.spec.containers[0];
   const expected = Array.from({ length: shards }, (_, s) => `morse-server-${s}.morse-server:7000`).join(",");
-  if (servers !== `--servers=${expected}`) fail(`worker ${servers} != --servers=${expected}`);
+  if (isScript(c)) {
+    const env = envOf(c);
+    if (env.MORSE_SERVERS !== expected) fail(`worker MORSE_SERVERS ${env.MORSE_SERVERS} != ${expected}`);
+    for (const k of ["MORSE_WORLD_SIZE", "WORLD_SIZE"]) {
+      if (Number(env[k]) !== workers) fail(`worker ${k} ${env[k]} != config workers ${workers}`);
+    }
+    const rank = (c.env || []).find((e) => e.name === "MORSE_RANK");
+    const index = "metadata.annotations['batch.kubernetes.io/job-completion-index']";
+    if (!rank || !rank.valueFrom || rank.valueFrom.fieldRef.fieldPath !== index) {
+      fail(`worker MORSE_RANK does not come from ${index}`);
+    }
+    if (env.RANK !== "$(MORSE_RANK)") fail(`worker RANK is ${env.RANK}, not $(MORSE_RANK)`);
+  } else {
+    const servers = (c.args || []).find((a) => a.startsWith("--servers="));
+    if (servers !== `--servers=${expected}`) fail(`worker ${servers} != --servers=${expected}`);
+  }
 }
 if (job && sts) {
   const gpu = (job.spec.template.spec.containers[0].resources.limits || {})["nvidia.com/gpu"];
@@ -166,8 +186,42 @@ function materialize(w) {
     for (const m of c.volumeMounts || []) mounts[`${w.metadata.name}:${m.mountPath}`] = path.join(workDir, w.metadata.name, m.name);
   }
 }
+// A Python worker: every path its environment and command name is mounted
+// (ConfigMap or Secret), the config is the servers' one, and the script
+// compiles and uses morse.torch.
+function checkScript(w) {
+  const c = w.spec.template.spec.containers[0];
+  const env = envOf(c);
+  const resolve = (p) => {
+    let best = null;
+    for (const [key, dir] of Object.entries(mounts)) {
+      const [owner, mountPath] = key.split(":");
+      if (owner === w.metadata.name && p.startsWith(`${mountPath}/`) && (!best || mountPath.length > best[0].length)) {
+        best = [mountPath, dir];
+      }
+    }
+    return best ? best[1] + p.slice(best[0].length) : null;
+  };
+  for (const k of ["MORSE_CONFIG", "MORSE_TLS_CA", "MORSE_TLS_CERT", "MORSE_TLS_KEY", "MORSE_TOKEN_FILE"]) {
+    const local = env[k] && resolve(env[k]);
+    if (!local || !fs.existsSync(local)) fail(`${name(w)}: ${k}=${env[k]} is not a mounted file`);
+  }
+  const script = resolve(c.command[1] || "");
+  if (!script || !fs.existsSync(script)) {
+    fail(`${name(w)}: the script ${c.command[1]} is not in a mounted volume`);
+    return;
+  }
+  const r = spawnSync("/usr/bin/python3", ["-c", "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])", script],
+                      { encoding: "utf8" });
+  if (r.status !== 0) fail(`${name(w)}: ${c.command[1]} does not compile: ${r.stderr}`);
+  if (!/import morse\.torch|from morse/.test(fs.readFileSync(script, "utf8"))) {
+    fail(`${name(w)}: ${c.command[1]} does not use morse.torch`);
+  }
+  console.log(`script ${name(w)}: ${c.command.join(" ")} compiles and uses morse.torch; MORSE_* files mounted`);
+}
 function checkConfig(w, env) {
   const c = w.spec.template.spec.containers[0];
+  if (isScript(c)) return checkScript(w);
   const binaries = { "morse-server": "server/morse-server", "morse-worker": "worker/morse-worker" };
   const binary = path.join(binDir, binaries[path.basename(c.command[0])] || c.command[0]);
   const local = (arg) => {
