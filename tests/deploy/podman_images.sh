@@ -29,9 +29,11 @@ mounted=()
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for m in "${mounted[@]}"; do umount "$m" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  local i
+  for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount "${mounted[$i]}" 2>/dev/null || umount -l "${mounted[$i]}" || true; done
   for i in localhost/morse:cpu localhost/morse:torch; do podman image unmount "$i" >/dev/null 2>&1 || true; done
-  rm -rf "$work"
+  rm -rf "$work" || true
 }
 trap cleanup EXIT
 
@@ -63,14 +65,14 @@ cp "$root/deploy/k8s/overlays/torch-script/job.textproto" "$work/mnt/torch-scrip
 cp "$root/deploy/k8s/overlays/torch-script/train.py" "$work/mnt/train.py"
 chmod -R a+rX "$work/mnt"
 
-# Mounts an image, binds $work/mnt at /mnt inside it; prints the root.
+# Mounts an image and binds $work/mnt, /proc and /dev inside it; sets root.
+declare -A roots
 enter() {
-  local r
-  r="$(podman image mount "localhost/morse:$1")"
-  mount --bind "$work/mnt" "$r/mnt"
-  mounted+=("$r/mnt")
-  for d in proc dev; do mount --bind "/$d" "$r/$d"; mounted+=("$r/$d"); done
-  echo "$r"
+  root_of="$(podman image mount "localhost/morse:$1")"
+  roots[$1]="$root_of"
+  mount --bind "$work/mnt" "$root_of/mnt"
+  mounted+=("$root_of/mnt")
+  for d in proc dev; do mount --bind "/$d" "$root_of/$d"; mounted+=("$root_of/$d"); done
 }
 in_image() { local r="$1"; shift; chroot --userspec=10001:10001 "$r" "$@"; }
 
@@ -79,7 +81,8 @@ tls_server=(--tls_cert=/mnt/certs/server.pem --tls_key=/mnt/certs/server.key --t
 tls_worker=(--tls_ca=/mnt/certs/ca.pem --tls_cert=/mnt/certs/client.pem --tls_key=/mnt/certs/client.key
             --token_file=/mnt/certs/token)
 for image in cpu torch; do
-  r="$(enter "$image")"
+  enter "$image"
+  r="${roots[$image]}"
   echo "== inside morse:$image"
   for bin in morse-server morse-worker; do
     in_image "$r" "/usr/local/bin/$bin" --help >"$work/help.txt" 2>&1 || true
@@ -96,7 +99,7 @@ for image in cpu torch; do
 done
 
 echo "== morse.torch inside morse:torch"
-r="$(enter torch)"
+r="${roots[torch]}"
 in_image "$r" python3 -c 'import morse.torch, morse._native as n, torch; n._load(); print("morse.torch imports and loads libmorse.so with torch", torch.__version__)'
 # The torch-script overlay's script, for real: 2 shards and 2 ranks in the image.
 ports=()
