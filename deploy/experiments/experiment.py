@@ -10,7 +10,8 @@ a bridge in a switch namespace, shaped both ways with tc (tbf for the rate;
 netem for --delay/--jitter/--loss), addressed from 198.18.0.0/15. Before the
 runs at each link rate, morse-netprobe measures the raw TCP ceiling on the
 same links. Each Morse scheme and each peer (PyTorch DDP over gloo: fp32,
-fp16 hook, PowerSGD hook) runs a few steps of the synthetic workload of D
+fp16 hook, PowerSGD hook; DeepSpeed's 1-bit compressed all-reduce written on
+gloo, onebit_peer.py) runs a few steps of the synthetic workload of D
 parameters; results go to OUT/results.csv, OUT/*.png and OUT/report.md
 (report.py). Everything the harness creates is removed on exit, failure and
 Ctrl-C; every process is bounded in time. Needs root (ip netns, tc).
@@ -42,7 +43,10 @@ SCHEMES = {
     "onebit_warmup": 'optimizer: "onebit_adam" freeze_step: {steps}',
     "onebit": 'optimizer: "onebit_adam" freeze_step: 1',
 }
-PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd"}
+PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
+         # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
+         # exchange users would otherwise pick for 1-bit Adam.
+         "onebit_allreduce": None}
 FIELDS = ["kind", "scheme", "rate_gbit", "dim", "workers", "shards", "steps_measured",
           "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s", "payload_bytes_per_step",
           "wire_bytes_per_step", "floor_s", "ceiling_up_gbps", "ceiling_down_gbps", "status"]
@@ -236,10 +240,12 @@ def ddp_run(vc, peer, dim, workers, steps, work):
     try:
         for r in range(workers):
             log = open(log_path if r == 0 else os.path.join(work, f"{peer}-rank{r}.log"), "w")
-            procs.append(vc.popen(r, ["/usr/bin/python3", os.path.join(HERE, "ddp_peer.py"), "--rank",
+            script, hook = ("onebit_peer.py", []) if PEERS[peer] is None else \
+                ("ddp_peer.py", ["--hook", PEERS[peer]])
+            procs.append(vc.popen(r, ["/usr/bin/python3", os.path.join(HERE, script), "--rank",
                                       str(r), "--world", str(workers), "--master",
-                                      f"{vc.address(0)}:29500", "--dim", str(dim), "--steps", str(steps),
-                                      "--hook", PEERS[peer]], log))
+                                      f"{vc.address(0)}:29500", "--dim", str(dim), "--steps", str(steps)]
+                                  + hook, log))
         codes = wait_all(procs, 120 + steps * (dim * 4 * 8 * 2 / (vc.rate * 1e9) * 6 + 5))
     finally:
         stop(procs)
@@ -250,9 +256,14 @@ def ddp_run(vc, peer, dim, workers, steps, work):
     if not measured:
         return {"status": "failed: no steps measured"}
     q = statistics.quantiles(measured, n=4) if len(measured) > 1 else [measured[0]] * 3
-    return {"steps_measured": len(measured), "step_median_s": statistics.median(measured),
-            "step_p25_s": q[0], "step_p75_s": q[2], "comm_median_s": statistics.median(measured),
-            "status": "ok"}
+    out = {"steps_measured": len(measured), "step_median_s": statistics.median(measured),
+           "step_p25_s": q[0], "step_p75_s": q[2], "comm_median_s": statistics.median(measured),
+           "status": "ok"}
+    if "bytes_per_step" in rows[-1]:
+        out["payload_bytes_per_step"] = rows[-1]["bytes_per_step"]
+    if "comm_seconds" in rows[-1]:  # the 1-bit peer: time inside its collectives
+        out["comm_median_s"] = statistics.median(r["comm_seconds"] for r in rows if r["step"] >= 2)
+    return out
 
 
 def floor_seconds(payload, workers, shards, rate_gbit):
@@ -320,7 +331,7 @@ def main():
                         except Exception as e:  # a failed run is reported, never dropped
                             row["status"] = f"failed: {e}"
                         payload = row.get("payload_bytes_per_step") or (4 * dim if kind == "peer" else 0)
-                        if kind == "peer":
+                        if kind == "peer" and not row.get("payload_bytes_per_step"):
                             row["payload_bytes_per_step"] = 2 * 4 * dim if scheme == "ddp_fp32" else ""
                         row["floor_s"] = floor_seconds(payload, workers, shards, rate) if kind == "morse" and payload else ""
                         writer.writerow({k: row.get(k, "") for k in FIELDS})

@@ -14,6 +14,7 @@ TARGET_COMM_OVER_FLOOR = 1.25
 TARGET_SPEEDUP_OVER_DDP = 20.0
 TARGET_GOODPUT = 0.9
 TARGET_WIRE_OVER_PAYLOAD = 1.1
+TARGET_ONEBIT_OVER_PEER = 1.0  # Morse's 1-bit exchange below DeepSpeed's compressed all-reduce
 
 
 def _num(value):
@@ -54,6 +55,12 @@ def derive(rows):
             r["goodput_over_ceiling"] = gbps / r["ceiling_up_gbps"]
         base = ddp.get((r["rate_gbit"], r["dim"]))
         r["speedup_over_ddp_fp32"] = base / r["step_median_s"] if ok and base and r["step_median_s"] else None
+    peer = {(r["rate_gbit"], r["dim"], r["workers"]): r["comm_median_s"] for r in rows
+            if r["scheme"] == "onebit_allreduce" and r["status"] == "ok"}
+    for r in rows:
+        p = peer.get((r["rate_gbit"], r["dim"], r["workers"]))
+        r["onebit_over_peer"] = (r["comm_median_s"] / p if r["scheme"] == "onebit" and r["status"] == "ok"
+                                 and p and r["comm_median_s"] else None)
     return rows
 
 
@@ -65,6 +72,10 @@ def targets(rows):
             out.append(("onebit compression phase, 1 Gbit/s, D=25M: communication / DESIGN 7 floor",
                         f"<= {TARGET_COMM_OVER_FLOOR}", r["comm_over_floor"],
                         r["comm_over_floor"] is not None and r["comm_over_floor"] <= TARGET_COMM_OVER_FLOOR))
+            if r["onebit_over_peer"] is not None:
+                out.append(("onebit compression phase, 1 Gbit/s, D=25M: communication / DeepSpeed-style "
+                            "1-bit all-reduce's (onebit_peer.py)", f"< {TARGET_ONEBIT_OVER_PEER}",
+                            r["onebit_over_peer"], r["onebit_over_peer"] < TARGET_ONEBIT_OVER_PEER))
             out.append(("onebit compression phase, 1 Gbit/s, D=25M: speedup over fp32 DDP all-reduce",
                         f">= {TARGET_SPEEDUP_OVER_DDP}", r["speedup_over_ddp_fp32"],
                         r["speedup_over_ddp_fp32"] is not None and r["speedup_over_ddp_fp32"] >= TARGET_SPEEDUP_OVER_DDP))

@@ -16,6 +16,7 @@ ROWS = [
     ("morse", "topk", 1, 25_000_000, 0.50, 0.10, 2_000_000, 2_400_000, 0.016, 0.95, "ok"),
     ("peer", "ddp_fp32", 1, 25_000_000, 7.50, 7.50, 200_000_000, "", "", 0.95, "ok"),
     ("peer", "ddp_powersgd", 1, 25_000_000, "", "", "", "", "", 0.95, "failed (['timeout']): gloo"),
+    ("peer", "onebit_allreduce", 1, 25_000_000, 0.04, 0.04, 3_125_000, "", "", 0.95, "ok"),
 ]
 
 
@@ -42,6 +43,10 @@ def main():
     assert "| fp32 goodput / netprobe ceiling, 1 Gbit/s, D=25,000,000 | >= 0.9 | 0.936 | met |" in text, text
     # Missed, with the measured value: topk sends 1.2x its payload.
     assert "| wire / payload bytes, topk, 1 Gbit/s, D=25,000,000 | <= 1.1 | 1.2 | **missed** |" in text, text
+    # Against DeepSpeed's 1-bit all-reduce on the same link: 0.05 s / 0.04 s, missed.
+    assert abs(rows["onebit"]["onebit_over_peer"] - 1.25) < 1e-9, rows["onebit"]
+    assert ("| onebit compression phase, 1 Gbit/s, D=25M: communication / DeepSpeed-style 1-bit "
+            "all-reduce's (onebit_peer.py) | < 1.0 | 1.25 | **missed** |") in text, text
     # The failed peer is reported, not dropped.
     assert "ddp_powersgd" in text and "failed (['timeout']): gloo" in text
     try:
