@@ -16,8 +16,8 @@ Each step, on every rank:
    scale; e_s = v - s_s * sign(v));
 4. all-gather of the N recompressed chunks and their scales; every rank
    decodes the whole buffer.
-Bytes per step and rank: (N - 1)/N * D/8 out and in for each of the two
-phases, plus the scales. `step_seconds` covers all four parts;
+Bytes per step and rank: (N - 1)/N * D/8 out (and as many in) in each of
+the two phases, plus the scales; `bytes_per_step` is what a rank sends. `step_seconds` covers all four parts;
 `comm_seconds` only the time inside the collectives (2 and 4), the part
 comparable with Morse's `comm_seconds` (time waiting for replies).
 
@@ -124,7 +124,10 @@ def main():
     m = torch.randn(d, generator=gen)
     worker_error = torch.zeros(d)
     server_error = torch.zeros(d // a.world)
-    per_phase = 2 * (a.world - 1) * d // 8 // a.world  # out and in, per phase
+    # Bytes this rank sends per step: (N - 1)/N of the packed signs in each
+    # of the two phases (as many come in); Morse's payload_bytes_per_step is
+    # likewise what a worker pushes.
+    sent = 2 * (a.world - 1) * d // 8 // a.world
     for step in range(a.steps):
         start = time.time()
         Clock.comm = 0.0
@@ -136,7 +139,7 @@ def main():
         m.mul_(0.9).add_(out, alpha=0.1)  # the next step sends something new
         if a.rank == 0:
             print(json.dumps({"step": step, "time": time.time(), "step_seconds": elapsed,
-                              "comm_seconds": Clock.comm, "bytes_per_step": 2 * per_phase}), flush=True)
+                              "comm_seconds": Clock.comm, "bytes_per_step": sent}), flush=True)
     sys.stdout.flush()
     dist.barrier()
     os._exit(0)
