@@ -31,8 +31,8 @@
 #include "server/metrics.h"
 #include "server/service.h"
 #include "server/shard_core.h"
-#include "server/checkpoint_thread.h"
 #include "server/shard_host.h"
+#include "server/shard_runtime.h"
 
 ABSL_FLAG(std::string, config, "",
           "Job config file (text-format or JSON JobConfig). Required.");
@@ -151,72 +151,13 @@ int main(int argc, char** argv) {
       return Fail(kExitConfig,
                   "cannot open --state_log " + absl::GetFlag(FLAGS_state_log));
   }
-  const auto report_checkpoint = [&, shard](const absl::Status& saved, int64_t step,
-                                            const std::string& why) {
-    if (saved.ok()) {
-      std::printf("morse-server shard %d: checkpoint of step %lld written to %s (%s)\n", shard,
-                  static_cast<long long>(step), checkpoint.c_str(), why.c_str());
-    } else {
-      std::printf("morse-server shard %d: no checkpoint written (%s): %s\n", shard, why.c_str(),
-                  std::string(saved.message()).c_str());
-    }
-    std::fflush(stdout);
-  };
-  // Periodic checkpoints: the snapshot is taken on the thread that completed
-  // the step, the file written (with its fsyncs) on a thread of its own.
-  std::unique_ptr<server::CheckpointThread> checkpoint_thread;
-  if (!checkpoint.empty()) {
-    checkpoint_thread = std::make_unique<server::CheckpointThread>(checkpoint, report_checkpoint);
-  }
-  const auto save_checkpoint = [&](const server::ShardCore& core, const char* why) {
-    auto snapshot = core.Snapshot();
-    if (!snapshot.ok()) return report_checkpoint(snapshot.status(), -1, why);
-    checkpoint_thread->Submit(*std::move(snapshot), why);
-  };
-  // Set below once the metrics exist; the step observer reads it.
-  server::ServerMetrics* metrics_ptr = nullptr;
-  absl::Time last_step_time = absl::Now();
+  // Checkpoints, the state log, progress and stall lines, step metrics and
+  // expiry: server/shard_runtime.h.
+  server::ShardRuntime runtime({static_cast<uint32_t>(shard), checkpoint, state_log.get(), nullptr});
   // Runs once the model's size is known: at start for built-in workloads,
   // at the first worker's Join for external (PyTorch) models.
-  const auto on_configured = [&](const proto::JobSpec& j,
-                                 server::ShardCore& core) -> absl::Status {
-    if (!checkpoint.empty()) {
-      absl::Status restored = core.RestoreCheckpoint(checkpoint);
-      if (restored.ok()) {
-        std::printf("morse-server shard %d: resumed from %s at step %lld\n",
-                    shard, checkpoint.c_str(),
-                    static_cast<long long>(core.Status().completed_steps));
-      } else if (restored.code() != absl::StatusCode::kNotFound) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("cannot resume: ", restored.message(),
-                         " (move the file away to start from scratch)"));
-      }
-    }
-    const uint32_t every = j.checkpoint_every_steps, log_every = j.log_every;
-    core.SetStepObserver([&, every, log_every](int64_t step,
-                                               const server::ShardCore& c) {
-      if (state_log) {
-        *state_log
-            << absl::StrFormat(
-                   "{\"step\":%d,\"shard\":%d,\"mirror_checksum\":\"%016x\"}\n",
-                   step, shard, c.MirrorChecksum())
-            << std::flush;
-      }
-      if (!checkpoint.empty() && every > 0 && (step + 1) % every == 0) {
-        save_checkpoint(c, "periodic");
-      }
-      if (metrics_ptr != nullptr) {
-        const absl::Time now = absl::Now();
-        metrics_ptr->StepCompleted(absl::ToDoubleSeconds(now - last_step_time));
-        last_step_time = now;
-        if ((step + 1) % log_every == 0) metrics_ptr->SetErrorNorm(c.ServerErrorNorm());
-      }
-      if ((step + 1) % log_every == 0) {
-        std::printf("morse-server shard %d: step %lld completed\n", shard,
-                    static_cast<long long>(step));
-        std::fflush(stdout);
-      }
-    });
+  const auto on_configured = [&](const proto::JobSpec& j, server::ShardCore& core) -> absl::Status {
+    if (absl::Status s = runtime.OnConfigured(j, core); !s.ok()) return s;
     std::printf("morse-server: %s\n", describe(j, &core).c_str());
     std::fflush(stdout);
     return absl::OkStatus();
@@ -242,7 +183,7 @@ int main(int argc, char** argv) {
     std::printf("morse-server shard %d: metrics on http://%s/metrics (port %d)\n", shard,
                 absl::GetFlag(FLAGS_metrics_listen).c_str(), http->port());
   }
-  metrics_ptr = metrics.get();
+  runtime.SetMetrics(metrics.get());
   auto tokens = proto::TokenFile::FromOptions(security);
   if (!tokens.ok()) return Fail(kExitConfig, std::string(tokens.status().message()));
   server::ParameterServerService service(host->get(), metrics.get(), tokens->get());
@@ -286,19 +227,8 @@ int main(int argc, char** argv) {
   // Steps whose pushes do not all arrive in time fail instead of hanging.
   std::atomic<bool> stopping{false};
   std::thread expirer([&] {
-    absl::Time last_notice = absl::InfinitePast();
     while (!stopping.load()) {
-      if (server::ShardCore* core = (*host)->core()) {
-        const absl::Time now = absl::Now();
-        if (now - last_notice > absl::Seconds(5)) {
-          if (std::optional<std::string> stalled = core->Stalled(now)) {
-            std::printf("morse-server shard %d: %s\n", shard, stalled->c_str());
-            std::fflush(stdout);
-            last_notice = now;
-          }
-        }
-        core->ExpireWaiting(now);
-      }
+      if (server::ShardCore* core = (*host)->core()) runtime.Tick(*core, absl::Now());
       absl::SleepFor(absl::Milliseconds(200));
     }
   });
@@ -321,22 +251,6 @@ int main(int argc, char** argv) {
   io.stop();
   signal_thread.join();
   expirer.join();
-  server::ShardCore* core = (*host)->core();
-  if (core == nullptr) {
-    std::printf("morse-server shard %d: stopped before any worker joined\n",
-                shard);
-    return 0;
-  }
-  if (!checkpoint.empty()) {
-    save_checkpoint(*core, "shutdown");
-    checkpoint_thread->Flush();
-  }
-  const server::ShardStatus final_status = core->Status();
-  std::printf(
-      "morse-server shard %d: stopped after %lld steps; %llu pushes accepted, "
-      "%llu rejected\n",
-      shard, static_cast<long long>(final_status.completed_steps),
-      static_cast<unsigned long long>(final_status.pushes_accepted),
-      static_cast<unsigned long long>(final_status.pushes_rejected));
+  runtime.Shutdown((*host)->core());
   return 0;
 }
