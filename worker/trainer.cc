@@ -21,12 +21,10 @@
 #include "compress/replica.h"
 #include "proto/checkpoint_file.h"
 #include "proto/http_endpoint.h"
-#include "prometheus/counter.h"
-#include "prometheus/gauge.h"
-#include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 #include "worker/client.h"
 #include "worker/session.h"
+#include "worker/step_report.h"
 #include "worker/workload.h"
 
 namespace morse::worker {
@@ -55,13 +53,6 @@ TcpCounters ReadTcpCounters() {
   }
   closedir(dir);
   return c;
-}
-
-std::string Bytes(double b) {
-  if (b >= 1e9) return absl::StrFormat("%.2f GB", b / 1e9);
-  if (b >= 1e6) return absl::StrFormat("%.2f MB", b / 1e6);
-  if (b >= 1e3) return absl::StrFormat("%.1f KB", b / 1e3);
-  return absl::StrFormat("%.0f B", b);
 }
 
 const char* PhaseName(const compress::SimulatorConfig& algo, const compress::StepPlan& plan) {
@@ -123,37 +114,13 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   if ((*workload)->dim() != dim) {
     return absl::InternalError(absl::StrCat("workload has ", (*workload)->dim(), " parameters, the layout ", dim));
   }
-  // Metrics (--metrics_listen): morse_worker_* series, labelled by rank.
-  std::shared_ptr<prometheus::Registry> registry;
+  // Metrics (--metrics_listen): morse_worker_* series (worker/step_report.h).
+  std::unique_ptr<WorkerMetrics> prometheus_metrics;
   std::unique_ptr<proto::HttpEndpoint> http;
   std::atomic<bool> ready{false};
-  prometheus::Counter* steps_total = nullptr;
-  prometheus::Family<prometheus::Counter>* bytes_total = nullptr;
-  prometheus::Histogram* step_seconds_metric = nullptr;
-  prometheus::Histogram* comm_seconds_metric = nullptr;
-  prometheus::Gauge* loss_metric = nullptr;
-  prometheus::Gauge* error_norm_metric = nullptr;
-  const prometheus::Labels rank_label = {{"rank", std::to_string(options.rank)}};
   if (!options.metrics_listen.empty()) {
-    registry = std::make_shared<prometheus::Registry>();
-    const prometheus::Histogram::BucketBoundaries buckets = {0.001, 0.003, 0.01, 0.03, 0.1,
-                                                             0.3,   1,     3,    10,   30};
-    steps_total = &prometheus::BuildCounter().Name("morse_worker_steps_total")
-                       .Help("Steps this worker completed").Register(*registry).Add(rank_label);
-    bytes_total = &prometheus::BuildCounter().Name("morse_worker_payload_bytes_total")
-                       .Help("Payload bytes pushed (direction=up) and received (down), by codec")
-                       .Register(*registry);
-    step_seconds_metric = &prometheus::BuildHistogram().Name("morse_worker_step_seconds")
-                               .Help("Step duration").Register(*registry).Add(rank_label, buckets);
-    comm_seconds_metric = &prometheus::BuildHistogram().Name("morse_worker_communication_seconds")
-                               .Help("Time per step waiting on the shards")
-                               .Register(*registry).Add(rank_label, buckets);
-    loss_metric = &prometheus::BuildGauge().Name("morse_worker_loss")
-                       .Help("Local loss of the last step").Register(*registry).Add(rank_label);
-    error_norm_metric = &prometheus::BuildGauge().Name("morse_worker_error_buffer_norm")
-                             .Help("L2 norm of the worker's error-feedback buffer (every log_every steps)")
-                             .Register(*registry).Add(rank_label);
-    auto endpoint = proto::HttpEndpoint::Start(options.metrics_listen, registry,
+    prometheus_metrics = std::make_unique<WorkerMetrics>(std::make_shared<prometheus::Registry>(), options.rank);
+    auto endpoint = proto::HttpEndpoint::Start(options.metrics_listen, prometheus_metrics->registry(),
                                                [&ready] { return ready.load(); });
     if (!endpoint.ok()) return endpoint.status();
     http = *std::move(endpoint);
@@ -190,10 +157,10 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   TrainingSummary summary;
   summary.rank = options.rank;
   summary.device = engine.description();
+  StepReport report({options.rank, job.steps, first_step, job.log_every, (*workload)->samples_per_step(),
+                     metrics.get(), nullptr});
   const TcpCounters tcp_start = ReadTcpCounters();
   const absl::Time train_start = absl::Now();
-  double interval_seconds = 0, interval_comm = 0, interval_loss = 0;
-  uint64_t interval_up = 0, interval_down = 0;
   for (int64_t step = first_step; step < job.steps; ++step) {
     const absl::Time step_start = absl::Now();
     if (step == job.algorithm.freeze_step && job.algorithm.optimizer == compress::OptimizerKind::kOneBitAdam) {
@@ -211,84 +178,46 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     }
     auto loss = engine.Gradient(step);
     if (!loss.ok()) return loss.status();
-    const double compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-    StepTraffic traffic;
+    StepRecord record;
+    record.step = step;
+    record.loss = *loss;
+    record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     const TcpCounters tcp_before = ReadTcpCounters();
     const absl::Time exchange_start = absl::Now();
-    if (absl::Status s = (*session)->StepFromEngine(&traffic); !s.ok()) return s;
+    if (absl::Status s = (*session)->StepFromEngine(&record.traffic); !s.ok()) return s;
     const bool checkpoint_due = !checkpoint.empty() && job.checkpoint_every_steps > 0 &&
                                 (step + 1) % job.checkpoint_every_steps == 0;
-    const bool norm_due = steps_total != nullptr && (step + 1) % job.log_every == 0;
+    const bool norm_due = prometheus_metrics != nullptr && (step + 1) % job.log_every == 0;
     // On a GPU, the host copy of the model is brought up to date when read.
     if (options.checksums || checkpoint_due || norm_due) {
       if (absl::Status s = (*session)->SyncHost(); !s.ok()) return s;
     }
     const compress::StepPlan& plan = (*session)->plan();
     const TcpCounters tcp_after = ReadTcpCounters();
-    const double step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-    const double comm_seconds =
-        absl::ToDoubleSeconds(absl::Now() - exchange_start) - traffic.encode_seconds;
-    if (steps_total != nullptr) {
-      const std::string codec(compress::CodecName(plan.up.kind));
-      steps_total->Increment();
-      bytes_total->Add({{"rank", std::to_string(options.rank)}, {"direction", "up"}, {"codec", codec}})
-          .Increment(static_cast<double>(traffic.payload_up));
-      bytes_total->Add({{"rank", std::to_string(options.rank)}, {"direction", "down"},
-                        {"codec", std::string(compress::CodecName(plan.down.kind))}})
-          .Increment(static_cast<double>(traffic.payload_down));
-      step_seconds_metric->Observe(step_seconds);
-      comm_seconds_metric->Observe(comm_seconds);
-      loss_metric->Set(*loss);
-      if (norm_due) {
-        error_norm_metric->Set(std::sqrt((*session)->error().SquaredNorm()));
-      }
+    record.phase = PhaseName(job.algorithm, plan);
+    record.up = plan.up.kind;
+    record.down = plan.down.kind;
+    record.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    record.comm_seconds = absl::ToDoubleSeconds(absl::Now() - exchange_start) - record.traffic.encode_seconds;
+    record.wire_up = tcp_after.sent - tcp_before.sent;
+    record.wire_down = tcp_after.received - tcp_before.received;
+    if (options.checksums) record.checksum = replica.Checksum();
+    if (prometheus_metrics != nullptr) {
+      prometheus_metrics->Step(record);
+      if (norm_due) prometheus_metrics->SetErrorNorm(std::sqrt((*session)->error().SquaredNorm()));
     }
-    summary.payload_up += traffic.payload_up;
-    summary.payload_down += traffic.payload_down;
-    summary.comm_seconds += comm_seconds;
-    (plan.compressing ? summary.compressed_up_per_step : summary.warmup_up_per_step) = traffic.payload_up;
+    summary.payload_up += record.traffic.payload_up;
+    summary.payload_down += record.traffic.payload_down;
+    summary.comm_seconds += record.comm_seconds;
+    (plan.compressing ? summary.compressed_up_per_step : summary.warmup_up_per_step) = record.traffic.payload_up;
     summary.final_loss = *loss;
-    if (metrics) {
-      *metrics << absl::StrFormat(
-          "{\"step\":%d,\"time\":%.6f,\"phase\":\"%s\",\"loss\":%.6g,\"step_seconds\":%.6f,"
-          "\"compute_seconds\":%.6f,\"encode_seconds\":%.6f,\"comm_seconds\":%.6f,"
-          "\"apply_seconds\":%.6f,\"bytes_up\":%u,\"bytes_down\":%u,\"wire_up\":%u,"
-          "\"wire_down\":%u,\"retries\":%u",
-          step, absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()), PhaseName(job.algorithm, plan),
-          *loss, step_seconds,
-          compute_seconds, traffic.encode_seconds, comm_seconds, traffic.apply_seconds,
-          traffic.payload_up, traffic.payload_down, tcp_after.sent - tcp_before.sent,
-          tcp_after.received - tcp_before.received, traffic.retries);
-      if (options.checksums) {
-        *metrics << absl::StrFormat(",\"checksum\":\"%016x\"", replica.Checksum());
-      }
-      *metrics << "}\n";
-    }
     if (checkpoint_due) {
       if (absl::Status s = (*session)->SaveCheckpoint(checkpoint); !s.ok()) {
         std::fprintf(stderr, "worker %u: checkpoint not written: %s\n", options.rank,
                      std::string(s.message()).c_str());
       }
     }
-    interval_seconds += step_seconds;
-    interval_comm += comm_seconds;
-    interval_loss += *loss;
-    interval_up += traffic.payload_up;
-    interval_down += traffic.payload_down;
-    const int64_t done = step + 1;
-    if (done % job.log_every == 0 || done == job.steps) {
-      const int64_t k = std::min<int64_t>((done - 1) % job.log_every + 1, done - first_step);
-      std::printf(
-          "worker %u: step %lld/%lld %-11s loss %.4f | %.0f samples/s | up %s down %s per step | "
-          "comm %.0f%%\n",
-          options.rank, static_cast<long long>(done), static_cast<long long>(job.steps),
-          PhaseName(job.algorithm, plan), interval_loss / k,
-          (*workload)->samples_per_step() * k / interval_seconds, Bytes(double(interval_up) / k).c_str(),
-          Bytes(double(interval_down) / k).c_str(), 100.0 * interval_comm / interval_seconds);
-      std::fflush(stdout);
-      interval_seconds = interval_comm = interval_loss = 0;
-      interval_up = interval_down = 0;
-    }
+    report.Record(record);
   }
   summary.wall_seconds = absl::ToDoubleSeconds(absl::Now() - train_start);
   const TcpCounters tcp_end = ReadTcpCounters();
