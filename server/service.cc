@@ -131,9 +131,11 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
     };
     reply->set_partition(request->partition());
     reply->set_completed_steps(snapshot->completed_steps);
-    reply->set_x(bytes(snapshot->x));
-    reply->set_m(bytes(snapshot->m));
-    reply->set_v(bytes(snapshot->v));
+    if (!request->skip_model()) {
+      reply->set_x(bytes(snapshot->x));
+      reply->set_m(bytes(snapshot->m));
+      reply->set_v(bytes(snapshot->v));
+    }
     if (request->server_error()) reply->set_server_error(bytes(snapshot->server_error));
   }
   reactor->Finish(proto::ToGrpc(snapshot.status()));

@@ -177,13 +177,12 @@ absl::Status PushClient::WaitInitialized() {
 }
 
 absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<float> m,
-                                               absl::Span<float> v, absl::Span<float> server_error) {
+                                               absl::Span<float> v) {
   int64_t step = -1;
   for (const compress::Partition& p : layout_.partitions()) {
     v1::FetchPartitionRequest request;
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
-    request.set_server_error(!server_error.empty());
     grpc::ClientContext context;
     PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::PartitionState state;
@@ -205,13 +204,37 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
     std::memcpy(x.data() + p.range.begin, state.x().data(), bytes);
     std::memcpy(m.data() + p.range.begin, state.m().data(), bytes);
     std::memcpy(v.data() + p.range.begin, state.v().data(), bytes);
-    if (!server_error.empty()) {
-      if (state.server_error().size() != bytes) {
-        return absl::InternalError(absl::StrCat("partition ", p.id, "'s server error came back with ",
-                                                state.server_error().size(), " bytes"));
-      }
-      std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);
+  }
+  return step;
+}
+
+absl::StatusOr<int64_t> PushClient::FetchServerError(absl::Span<float> server_error) {
+  int64_t step = -1;
+  for (const compress::Partition& p : layout_.partitions()) {
+    v1::FetchPartitionRequest request;
+    request.set_partition(p.id);
+    request.set_layout_fingerprint(layout_.fingerprint());
+    request.set_server_error(true);
+    request.set_skip_model(true);
+    grpc::ClientContext context;
+    PrepareContext(&context, job_.rpc_timeout_seconds);
+    v1::PartitionState state;
+    const grpc::Status status = Stub(p.shard, p.id)->FetchPartition(&context, request, &state);
+    if (!status.ok()) {
+      return RpcError(status, absl::StrCat("fetching the server error of partition ", p.id, " from ",
+                                           servers_[p.shard]));
     }
+    const size_t bytes = 4 * p.range.size();
+    if (state.server_error().size() != bytes) {
+      return absl::InternalError(absl::StrCat("partition ", p.id, "'s server error came back with ",
+                                              state.server_error().size(), " bytes"));
+    }
+    if (step >= 0 && state.completed_steps() != step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", p.id, " has completed ", state.completed_steps(), " steps, others ", step));
+    }
+    step = state.completed_steps();
+    std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);
   }
   return step;
 }

@@ -135,10 +135,12 @@ class PushClient {
   // Downloads the shards' mirror of x, m and v into the replica's arrays and
   // returns the steps completed, which must be the same on every partition
   // (FAILED_PRECONDITION otherwise).
-  // With `server_error` (dim floats), also the shards' error buffers
-  // (saving a whole run; the shards must be between steps).
-  absl::StatusOr<int64_t> FetchModel(absl::Span<float> x, absl::Span<float> m, absl::Span<float> v,
-                                     absl::Span<float> server_error = {});
+  absl::StatusOr<int64_t> FetchModel(absl::Span<float> x, absl::Span<float> m, absl::Span<float> v);
+
+  // The shards' error buffers (dim floats) after the steps they have
+  // completed, which it returns (the same on every partition, else
+  // FAILED_PRECONDITION); x, m and v stay on the shards.
+  absl::StatusOr<int64_t> FetchServerError(absl::Span<float> server_error);
 
   // Rank 0: restores a saved run on every shard before the first step
   // (ShardCore::RestorePartition), partition by partition.

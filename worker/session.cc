@@ -229,8 +229,7 @@ absl::Status Session::ServerError(absl::Span<float> out) {
     return absl::InvalidArgumentError(absl::StrCat("the server error has ", dim, " elements"));
   }
   if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
-  std::vector<float> x(dim), m(dim), v(dim);
-  auto steps = client_->FetchModel(absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v), out);
+  auto steps = client_->FetchServerError(out);
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
     return absl::FailedPreconditionError(absl::StrCat("the shards have completed ", *steps,
