@@ -43,6 +43,14 @@ struct ShardCore::PartitionState {
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
   bool restored ABSL_GUARDED_BY(mu) = false;
+
+  // Forgets the pending step's pushes (completed, expired or aborted).
+  void ClearPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto& push : pushes) push.reset();
+    arrived = 0;
+    hyper.reset();
+    buffers.clear();
+  }
 };
 
 namespace {
@@ -333,10 +341,7 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_finge
       absl::MutexLock lock(&p.mu);
       if (p.next_step < step) continue;
       waiters.swap(p.waiters);
-      for (auto& push : p.pushes) push.reset();
-      p.arrived = 0;
-      p.hyper.reset();
-      p.buffers.clear();
+      p.ClearPending();
     }
     for (auto& [unused, callback] : waiters) callback(stopped);
   }
@@ -372,7 +377,6 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   reply->partition = part.id;
   reply->codec = plan.down.kind;
   reply->buffers = std::move(p.buffers);
-  p.buffers.clear();
   reply->payload.resize(compress::PayloadBytes(plan.down, n));
   auto payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(reply->payload.data()),
                                 reply->payload.size());
@@ -386,12 +390,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
                  ? server_error_.CompressOrKeep(rule.codec, offset, average, rule.key, payload, mask_v)
                  : compress::Encode(rule.codec, average, rule.key, payload);
   }
-  for (size_t r = 0; r < p.pushes.size(); ++r) {
-    p.last_hashes[r] = HashBytes(*p.pushes[r]);
-    p.pushes[r].reset();
-  }
-  p.arrived = 0;
-  p.hyper.reset();
+  for (size_t r = 0; r < p.pushes.size(); ++r) p.last_hashes[r] = HashBytes(*p.pushes[r]);
+  p.ClearPending();
   if (!status.ok()) {
     return absl::InternalError(absl::StrCat("partition ", part.id, " step ", step,
                                             ": recompression failed: ", status.message()));
@@ -483,10 +483,7 @@ void ShardCore::ExpireWaiting(absl::Time now) {
           "step ", p.next_step, " of partition ", p.partition.id, " timed out after ",
           job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds): rank(s) ",
           absl::StrJoin(missing, ", "), " did not push; is a worker down?"));
-      for (auto& push : p.pushes) push.reset();
-      p.arrived = 0;
-      p.hyper.reset();
-      p.buffers.clear();
+      p.ClearPending();
       waiters.swap(p.waiters);
     }
     for (auto& [rank, callback] : waiters) callback(status);

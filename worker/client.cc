@@ -178,11 +178,22 @@ absl::Status PushClient::WaitInitialized() {
 
 absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<float> m,
                                                absl::Span<float> v) {
+  return Fetch(ModelArrays{x, m, v}, {});
+}
+
+absl::StatusOr<int64_t> PushClient::FetchServerError(absl::Span<float> server_error) {
+  return Fetch(std::nullopt, server_error);
+}
+
+absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
+                                          absl::Span<float> server_error) {
   int64_t step = -1;
   for (const compress::Partition& p : layout_.partitions()) {
     v1::FetchPartitionRequest request;
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
+    request.set_skip_model(!model.has_value());
+    request.set_server_error(!server_error.empty());
     grpc::ClientContext context;
     PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::PartitionState state;
@@ -192,7 +203,9 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
                                            servers_[p.shard]));
     }
     const size_t bytes = 4 * p.range.size();
-    if (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes) {
+    if ((model.has_value() &&
+         (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes)) ||
+        (!server_error.empty() && state.server_error().size() != bytes)) {
       return absl::InternalError(absl::StrCat("partition ", p.id, " came back with the wrong size"));
     }
     if (step >= 0 && state.completed_steps() != step) {
@@ -201,40 +214,14 @@ absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<f
           "; restart the servers from their checkpoints"));
     }
     step = state.completed_steps();
-    std::memcpy(x.data() + p.range.begin, state.x().data(), bytes);
-    std::memcpy(m.data() + p.range.begin, state.m().data(), bytes);
-    std::memcpy(v.data() + p.range.begin, state.v().data(), bytes);
-  }
-  return step;
-}
-
-absl::StatusOr<int64_t> PushClient::FetchServerError(absl::Span<float> server_error) {
-  int64_t step = -1;
-  for (const compress::Partition& p : layout_.partitions()) {
-    v1::FetchPartitionRequest request;
-    request.set_partition(p.id);
-    request.set_layout_fingerprint(layout_.fingerprint());
-    request.set_server_error(true);
-    request.set_skip_model(true);
-    grpc::ClientContext context;
-    PrepareContext(&context, job_.rpc_timeout_seconds);
-    v1::PartitionState state;
-    const grpc::Status status = Stub(p.shard, p.id)->FetchPartition(&context, request, &state);
-    if (!status.ok()) {
-      return RpcError(status, absl::StrCat("fetching the server error of partition ", p.id, " from ",
-                                           servers_[p.shard]));
+    if (model.has_value()) {
+      std::memcpy(model->x.data() + p.range.begin, state.x().data(), bytes);
+      std::memcpy(model->m.data() + p.range.begin, state.m().data(), bytes);
+      std::memcpy(model->v.data() + p.range.begin, state.v().data(), bytes);
     }
-    const size_t bytes = 4 * p.range.size();
-    if (state.server_error().size() != bytes) {
-      return absl::InternalError(absl::StrCat("partition ", p.id, "'s server error came back with ",
-                                              state.server_error().size(), " bytes"));
+    if (!server_error.empty()) {
+      std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);
     }
-    if (step >= 0 && state.completed_steps() != step) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", p.id, " has completed ", state.completed_steps(), " steps, others ", step));
-    }
-    step = state.completed_steps();
-    std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);
   }
   return step;
 }

@@ -176,6 +176,13 @@ class PushClient {
   void Retain(v1::PushRequest request, size_t reply_hash);
   // A copy of the retained push of (step, partition), if any.
   std::optional<Retained> Find(int64_t step, uint32_t partition) const;
+  // Fetches every partition's x, m, v (into `model`, if given) and server
+  // error (into `server_error`, if not empty); returns the steps completed,
+  // which must be the same on every partition (FAILED_PRECONDITION otherwise).
+  struct ModelArrays {
+    absl::Span<float> x, m, v;
+  };
+  absl::StatusOr<int64_t> Fetch(std::optional<ModelArrays> model, absl::Span<float> server_error);
   // Sends this worker's Join to `shard` in the background (once at a time):
   // for an external job's shard that restarted without its model.
   void Rejoin(uint32_t shard);
