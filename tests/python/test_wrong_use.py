@@ -113,6 +113,8 @@ def main():
     expect(ValueError, "not contiguous", lambda: morse.torch.OneBitAdam(
         [torch.nn.Parameter(torch.zeros(3, 4).t())], **args))
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
+    expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
+        torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
     expect(ValueError, "single parameter group", lambda: morse.torch.Adam(
         [{"params": [torch.nn.Parameter(torch.zeros(3))]},
          {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], **args))

@@ -91,12 +91,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # running statistics) and keeps them equal on every rank, as DDP's
         # broadcast_buffers: rank 0's go out with each step and every rank
         # takes them when the step ends.
+        if buffers is not None and not broadcast_buffers:
+            raise ValueError("buffers= are broadcast only with broadcast_buffers=True; pass one or "
+                             "the other")
         if isinstance(params, torch.nn.Module):
             if buffers is None and broadcast_buffers:
                 buffers = list(params.named_buffers())
             params = params.named_parameters()
         self._buffers = []
-        if broadcast_buffers and buffers is not None:
+        if buffers is not None:
             for i, b in enumerate(buffers):
                 name, t = b if isinstance(b, tuple) else (f"buffer {i}", b)
                 try:
@@ -338,14 +341,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "broadcast_buffers setting")
         if self._rank == 0:
             return
-        import numpy as np
-        at = 0
+        data, at = bytearray(got), 0
         with torch.no_grad():
             for _, t in self._buffers:
-                n = t.numel() * t.element_size()
-                value = np.frombuffer(got[at:at + n], dtype=t.detach().cpu().numpy().dtype)
-                t.copy_(torch.from_numpy(value.copy()).reshape(t.shape))
-                at += n
+                if t.numel():
+                    t.copy_(torch.frombuffer(data, dtype=t.dtype, count=t.numel(), offset=at).view(t.shape))
+                at += t.numel() * t.element_size()
 
     @contextlib.contextmanager
     def _explained(self):
@@ -556,6 +557,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "rank's own")
         if "server_error" in state and state["server_error"].numel() != dim:
             raise ValueError(f"state_dict['state']['server_error'] must hold {dim} values")
+        group = state_dict.get("param_groups", [{}])[0]
+        for key in ("betas", "eps"):
+            if key in group and _as_list(group[key]) != _as_list(self.param_groups[0][key]):
+                raise ValueError(f"the saved {key} {group[key]} differ from this optimizer's "
+                                 f"{self.param_groups[0][key]}; build the optimizer with the saved "
+                                 "values (the job's algorithm fixes them)")
 
         def host(t):
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
@@ -563,19 +570,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._session.set_state(int(state["step"]),
                                 *(host(state[k]) for k in ("exp_avg", "exp_avg_sq", "worker_error")),
                                 server_error)
-        group = state_dict.get("param_groups", [{}])[0]
-        for key in ("betas", "eps"):
-            if key in group and tuple(np_list(group[key])) != tuple(np_list(self.param_groups[0][key])):
-                raise ValueError(f"the saved {key} {group[key]} differ from this optimizer's "
-                                 f"{self.param_groups[0][key]}; build the optimizer with the saved "
-                                 "values (the job's algorithm fixes them)")
         # lr and weight_decay follow param_groups every step, as in torch.
         for key in ("lr", "weight_decay"):
             if key in group:
                 self.param_groups[0][key] = group[key]
 
 
-def np_list(value):
+def _as_list(value):
     """betas (a tuple) or eps (a number) as a list, for comparing."""
     return list(value) if isinstance(value, (tuple, list)) else [value]
 
