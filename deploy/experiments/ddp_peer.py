@@ -6,15 +6,15 @@ gloo, plain, with the fp16 compression hook, or with the PowerSGD hook.
 
 Prints one JSON line per step ({"step", "time", "step_seconds"}) on rank 0.
 """
-import argparse
 import json
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+import peer
 
 
 class Flat(torch.nn.Module):
@@ -29,17 +29,8 @@ class Flat(torch.nn.Module):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True)
-    p.add_argument("--dim", type=int, required=True)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--hook", choices=["none", "fp16", "powersgd"], default="none")
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank,
-                            world_size=a.world)
+    a = peer.start(__doc__.split("\n\n")[0], lambda p: p.add_argument(
+        "--hook", choices=["none", "fp16", "powersgd"], default="none"))
     model = Flat(a.dim)
     ddp = DistributedDataParallel(model, bucket_cap_mb=25)
     if a.hook == "fp16":

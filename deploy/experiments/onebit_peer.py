@@ -25,7 +25,6 @@ Prints one JSON line per step ({"step", "time", "step_seconds",
 "comm_seconds", "bytes_per_step"}) on rank 0. torch.set_num_threads(1), as
 the DDP peer. Decoding goes through a 256-entry table of 8 signs.
 """
-import argparse
 import json
 import math
 import os
@@ -35,6 +34,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+
+import peer
 
 
 # Byte b -> its 8 signs as +-1 floats, most significant bit first (the order
@@ -107,16 +108,7 @@ def compressed_allreduce(m, worker_error, server_error, rank, world):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True)
-    p.add_argument("--dim", type=int, required=True)
-    p.add_argument("--steps", type=int, default=5)
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank,
-                            world_size=a.world)
+    a = peer.start(__doc__.split("\n\n")[0])
     # D rounded up so that every rank's chunk is whole bytes.
     unit = 8 * a.world
     d = (a.dim + unit - 1) // unit * unit
