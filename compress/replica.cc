@@ -45,9 +45,40 @@ absl::Status ValidateStepHyper(const StepHyper& hyper) {
   return absl::OkStatus();
 }
 
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper) {
+bool ClipsAverage(const SimulatorConfig& config, int64_t step) {
+  return config.clip_grad_norm > 0.0f && !PlanStep(config, step).compressing;
+}
+
+bool ClipsLocally(const SimulatorConfig& config, int64_t step) {
+  return config.clip_grad_norm > 0.0f && PlanStep(config, step).compressing;
+}
+
+double GradientSumOfSquares(absl::Span<const float> values) {
+  // Four partial sums (so the loop is not one long dependency chain), added
+  // in a fixed order at the end: the same bits on every machine.
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  size_t j = 0;
+  for (; j + 4 <= values.size(); j += 4) {
+    s0 += static_cast<double>(values[j]) * values[j];
+    s1 += static_cast<double>(values[j + 1]) * values[j + 1];
+    s2 += static_cast<double>(values[j + 2]) * values[j + 2];
+    s3 += static_cast<double>(values[j + 3]) * values[j + 3];
+  }
+  for (; j < values.size(); ++j) s0 += static_cast<double>(values[j]) * values[j];
+  return (s0 + s1) + (s2 + s3);
+}
+
+float ClipScale(double sum_of_squares, float max_norm) {
+  if (!(max_norm > 0.0f)) return 1.0f;
+  const double coefficient = static_cast<double>(max_norm) / (std::sqrt(sum_of_squares) + 1e-6);
+  return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
+}
+
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper,
+                    float grad_scale) {
   const StepPlan plan = PlanStep(config, step);
   ReplyRule rule;
+  rule.grad_scale = grad_scale;
   rule.codec = plan.down;
   rule.frozen_variance = plan.compressing;
   rule.mask = plan.compressing && config.mask_zero_variance;
@@ -75,6 +106,9 @@ void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
 
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
                absl::Span<float> m, absl::Span<float> v) {
+  if (rule.grad_scale != 1.0f) {
+    for (float& g : decoded) g *= rule.grad_scale;
+  }
   if (rule.mask) SelectByVariance(v, decoded);
   if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
@@ -128,6 +162,7 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix(c.bias_correction);
   mix(c.mask_zero_variance);
   mix(c.bound_update);
+  if (c.clip_grad_norm > 0.0f) mix_float(c.clip_grad_norm);  // absent before clipping existed
   mix(c.seed);
   return hash.value();
 }
@@ -150,13 +185,14 @@ Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> e
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
-                                 absl::Span<const uint8_t> reply, const StepHyper* hyper) {
+                                 absl::Span<const uint8_t> reply, const StepHyper* hyper,
+                                 float grad_scale) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
         range_.begin, ", ", range_.end, ")"));
   }
-  const ReplyRule rule = PlanReply(config_, step, hyper);
+  const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
   std::vector<float> decoded(n);
   if (absl::Status s = Decode(rule.codec, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
   const size_t offset = begin - range_.begin;
@@ -165,8 +201,14 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   return absl::OkStatus();
 }
 
-void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g,
-                            absl::Span<float> out) const {
+void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
+                            float grad_scale) const {
+  std::vector<float> scaled;
+  if (grad_scale != 1.0f) {
+    scaled.resize(g.size());
+    for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
+    g = scaled;
+  }
   compress::LocalMomentum(config_.adam.beta1,
                           absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
 }

@@ -59,8 +59,28 @@ struct ReplyRule {
   bool mask = false;
   // Bias correction 1 - b1^t' and 1 - b2^t' (1 - b2^T_w once frozen), or 1.
   AdamScalars scalars;
+  // The clip factor of the averaged gradient (ClipScale), applied to the
+  // decoded values before the update; 1: unclipped (the same bits as no
+  // clipping at all).
+  float grad_scale = 1.0f;
 };
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper = nullptr);
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper = nullptr,
+                    float grad_scale = 1.0f);
+
+// Gradient clipping (SimulatorConfig::clip_grad_norm). Step `step` clips
+// the averaged gradient: every replica needs the sum over all partitions of
+// GradientSumOfSquares of each decoded reply (in partition order; a shard
+// sends its partitions' with their replies) before it applies any of them.
+bool ClipsAverage(const SimulatorConfig& config, int64_t step);
+// Step `step` clips each worker's own gradient (onebit_adam's compression
+// phase): the worker needs its whole gradient before it sends anything.
+bool ClipsLocally(const SimulatorConfig& config, int64_t step);
+// The sum of squares of `values` in double, in order: every replica and
+// shard gets the same bits.
+double GradientSumOfSquares(absl::Span<const float> values);
+// torch's clip_grad_norm_ factor: min(1, max_norm / (sqrt(sum_of_squares) +
+// 1e-6)) in float; 1 when max_norm is 0.
+float ClipScale(double sum_of_squares, float max_norm);
 // The update of a ReplyRule on host arrays of decoded.size() elements
 // (decoded is masked in place when the rule masks).
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
@@ -101,11 +121,15 @@ class Replica {
   // (with the workers' `hyper`, if they set one)
   // and applies the update. INVALID_ARGUMENT (nothing changed) if the
   // payload is malformed or the range is outside the replica.
+  // `grad_scale`: the step's clip factor (ClipScale), when it clips.
   absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
-                          absl::Span<const uint8_t> reply, const StepHyper* hyper = nullptr);
+                          absl::Span<const uint8_t> reply, const StepHyper* hyper = nullptr,
+                          float grad_scale = 1.0f);
 
-  // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()).
-  void LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out) const;
+  // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()),
+  // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1.
+  void LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
+                     float grad_scale = 1.0f) const;
 
   uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
 

@@ -2,6 +2,8 @@
 
 #include "compress/replica.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 
 namespace morse::compress {
@@ -33,6 +35,10 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
   }
   for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
     if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
+  }
+  if (!(c.clip_grad_norm >= 0.0f) || !std::isfinite(c.clip_grad_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "clip_grad_norm must be finite and not negative (0: no clipping), got ", c.clip_grad_norm));
   }
   return absl::OkStatus();
 }
@@ -82,9 +88,15 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   SendRule up;
   std::vector<std::vector<uint8_t>> pushes(config_.workers);
   std::vector<float> message(n);
+  std::vector<float> scaled;
   for (uint32_t i = 0; i < config_.workers; ++i) {
     up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin);
     absl::Span<const float> part = gradients[i].subspan(p.range.begin, n);
+    if (local_scales_[i] != 1.0f) {  // ClipsLocally, as Replica::LocalMomentum
+      scaled.resize(n);
+      for (size_t j = 0; j < n; ++j) scaled[j] = part[j] * local_scales_[i];
+      part = scaled;
+    }
     if (up.local_momentum) {
       LocalMomentum(up.beta1, absl::MakeConstSpan(m_).subspan(p.range.begin, n), part,
                     absl::MakeSpan(message));
@@ -131,6 +143,13 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
           "gradient of ", g.size(), " elements for a model of ", x_.size()));
     }
   }
+  // Each worker's clip factor of its own gradient (compression phase).
+  local_scales_.assign(config_.workers, 1.0f);
+  if (ClipsLocally(config_, step_)) {
+    for (uint32_t i = 0; i < config_.workers; ++i) {
+      local_scales_[i] = ClipScale(GradientSumOfSquares(gradients[i]), config_.clip_grad_norm);
+    }
+  }
   // Every partition's round trip reads m before any update of this step.
   std::vector<std::vector<float>> replies(layout_.partitions().size());
   for (const Partition& p : layout_.partitions()) {
@@ -139,7 +158,15 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   if (hyper != nullptr) {
     if (absl::Status s = ValidateStepHyper(*hyper); !s.ok()) return s;
   }
-  const ReplyRule rule = PlanReply(config_, step_, hyper);
+  // The averaged gradient's clip factor: each shard's sum of squares of
+  // its partitions' decoded replies, added in partition order.
+  float grad_scale = 1.0f;
+  if (ClipsAverage(config_, step_)) {
+    double sum_of_squares = 0;
+    for (const Partition& p : layout_.partitions()) sum_of_squares += GradientSumOfSquares(replies[p.id]);
+    grad_scale = ClipScale(sum_of_squares, config_.clip_grad_norm);
+  }
+  const ReplyRule rule = PlanReply(config_, step_, hyper, grad_scale);
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
     ApplyRule(rule, absl::MakeSpan(replies[p.id]), absl::MakeSpan(x_).subspan(begin, n),

@@ -62,6 +62,13 @@ struct SimulatorConfig {
   // onebit_adam (DESIGN 2.1): from the freeze on, |m̂/(sqrt(v̂)+eps)| is at
   // most OneBitUpdateBound(adam), Adam's own largest step.
   bool bound_update = true;
+  // Clipping by the gradient's global L2 norm (torch's clip_grad_norm_),
+  // 0: off. Steps that average gradients (adam, onebit_adam's warmup) scale
+  // the averaged gradient by ClipScale of its norm over the whole model;
+  // onebit_adam's compression phase, which has no averaged gradient, scales
+  // each worker's own gradient by ClipScale of its own norm before its local
+  // momentum (as DeepSpeed does). ClipsAverage/ClipsLocally say which.
+  float clip_grad_norm = 0;
   uint64_t seed = 0;            // stochastic rounding
 };
 
@@ -111,6 +118,7 @@ class Simulator {
   std::vector<float> x_, m_, v_;
   std::vector<ErrorFeedback> worker_errors_;
   std::vector<ErrorFeedback> server_errors_;
+  std::vector<float> local_scales_;  // the step's ClipsLocally factors, by worker
 };
 
 }  // namespace morse::compress

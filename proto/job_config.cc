@@ -158,6 +158,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     return Invalid("bound_update", "only onebit_adam's frozen-variance update is bounded (DESIGN 2.1); adam's update is plain Adam");
   }
   if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok()) return Invalid("adam", s.message());
+  a.clip_grad_norm = c.clip_grad_norm();
+  if (!(a.clip_grad_norm >= 0.0f) || !std::isfinite(a.clip_grad_norm)) {
+    return Invalid("clip_grad_norm", "must be finite and not negative (0: no clipping)");
+  }
 
   const v1::LrConfig& lr = c.lr();
   if (lr.schedule().empty() || lr.schedule() == "constant") {

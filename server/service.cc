@@ -90,6 +90,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   if (request->has_lr()) {
     args.hyper = compress::StepHyper{request->lr(), request->weight_decay()};
   }
+  if (request->has_previous_grad_sum_of_squares()) {
+    args.previous_grad_sum_of_squares = request->previous_grad_sum_of_squares();
+  }
   const size_t bytes_in = request->payload().size();
   const compress::CodecKind kind = *codec;
   core->Push(std::move(args),
@@ -105,6 +108,9 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
                   reply->set_codec(proto::ToWire((*result)->codec));
                   reply->set_payload((*result)->payload);
                   if (!(*result)->buffers.empty()) reply->set_buffers((*result)->buffers);
+                  if ((*result)->grad_sum_of_squares.has_value()) {
+                    reply->set_grad_sum_of_squares(*(*result)->grad_sum_of_squares);
+                  }
                 } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
                   context->AddTrailingMetadata(proto::kNextStepKey, std::string(*next));
                 } else if (result.status().code() == absl::StatusCode::kDeadlineExceeded) {
@@ -184,6 +190,19 @@ grpc::ServerUnaryReactor* ParameterServerService::Abort(grpc::CallbackServerCont
   if (core == nullptr) return reactor;
   reactor->Finish(proto::ToGrpc(core->Abort(request->rank(), request->step(),
                                             request->layout_fingerprint(), request->reason())));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ParameterServerService::Commit(grpc::CallbackServerContext* context,
+                                                         const v1::CommitRequest* request,
+                                                         v1::CommitReply*) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!Authorized(context, reactor, request->rank())) return reactor;
+  ShardCore* core = CoreOrFinish(context, reactor);
+  if (core == nullptr) return reactor;
+  reactor->Finish(proto::ToGrpc(core->Commit(request->rank(), request->step(),
+                                             request->layout_fingerprint(),
+                                             request->grad_sum_of_squares())));
   return reactor;
 }
 

@@ -35,6 +35,8 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
                                              v1::RestorePartitionReply* reply) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
                                   const v1::AbortRequest* request, v1::AbortReply* reply) override;
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* context,
+                                   const v1::CommitRequest* request, v1::CommitReply* reply) override;
   grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* context,
                                          const v1::ShardInfoRequest* request,
                                          v1::ShardInfo* reply) override;

@@ -1,6 +1,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <optional>
@@ -40,6 +41,12 @@ struct ShardCore::PartitionState {
   // (ApplyMirror).
   bool mirror_pending ABSL_GUARDED_BY(mu) = false;
   std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
+  // Gradient clipping of the last completed step (compress::ClipsAverage):
+  // the mirror waits for the whole model's sum of squares (Commit), then
+  // applies the step scaled by its clip factor.
+  bool awaiting_norm ABSL_GUARDED_BY(mu) = false;
+  std::optional<double> committed_norm ABSL_GUARDED_BY(mu);  // the sum of squares
+  float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
   bool restored ABSL_GUARDED_BY(mu) = false;
@@ -185,6 +192,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   std::shared_ptr<const Reply> reply;
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
   absl::Status failure;
+  std::optional<int64_t> completed_norm;  // a step whose mirror this push's norm completed
+  bool awaiting_norm = false;             // the step this push completed waits for its norm
   {
     absl::MutexLock lock(&p.mu);
     if (!p.initialized) {
@@ -246,11 +255,33 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
         return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ", h->weight_decay)
                              : std::string("the job's schedule");
       };
+      bool commits = false;
+      if (args.previous_grad_sum_of_squares.has_value()) {
+        const double total = *args.previous_grad_sum_of_squares;
+        if (!std::isfinite(total) || total < 0) {
+          return reject(absl::InvalidArgumentError(absl::StrCat(
+              "rank ", args.rank, ": previous_grad_sum_of_squares ", total,
+              " must be finite and not negative")));
+        }
+        if (absl::Status s = CheckCommit(p, args.rank, args.step - 1, total, &commits); !s.ok()) {
+          return reject(s);
+        }
+      } else if (p.awaiting_norm) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "step ", args.step - 1, " of partition ", args.partition,
+            " clipped the averaged gradient (clip_grad_norm) and its sum of squares has not "
+            "arrived: rank ", args.rank, "'s push of step ", args.step,
+            " must carry it (previous_grad_sum_of_squares)")));
+      }
       if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
             "rank ", args.rank, " asks for ", describe(args.hyper), " at step ", args.step,
             " but rank ", p.hyper_rank, " asked for ", describe(p.hyper),
             "; every worker must use the same learning rate and weight decay each step")));
+      }
+      if (commits) {
+        ApplyCommit(p, *args.previous_grad_sum_of_squares);
+        completed_norm = args.step - 1;
       }
       std::optional<std::string>& slot = p.pushes[args.rank];
       if (slot.has_value()) {
@@ -272,6 +303,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       p.waiters.emplace_back(args.rank, std::move(done));
       if (p.arrived == job_.workers()) {
         auto result = Complete(p);
+        awaiting_norm = p.awaiting_norm;
         waiters.swap(p.waiters);
         if (result.ok()) {
           reply = *result;
@@ -285,11 +317,14 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     absl::MutexLock progress(&progress_mu_);
     ++accepted_;
   }
+  if (completed_norm.has_value()) NoteStepCompleted(*completed_norm);
   if (!waiters.empty()) {
     // The observer first (it sees the step complete before any worker can
     // start the next; what it reads of the mirror is brought up to date),
     // then the replies, then the mirror update of this partition.
-    if (failure.ok()) NoteStepCompleted(reply->step);
+    // A step that clips the averaged gradient completes when its norm
+    // arrives (Commit), which the mirror needs.
+    if (failure.ok() && !awaiting_norm) NoteStepCompleted(reply->step);
     for (auto& [rank, callback] : waiters) {
       if (failure.ok()) {
         callback(reply);
@@ -361,6 +396,7 @@ std::optional<std::string> ShardCore::aborted() const {
 
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState& p) {
   ApplyMirror(p);  // step t's mirror before step t + 1's reply
+  MORSE_CHECK(!p.awaiting_norm);  // Push took step t's norm first
   const compress::Partition& part = p.partition;
   const std::optional<compress::StepHyper> hyper = p.hyper;
   const uint64_t n = part.range.size();
@@ -390,6 +426,13 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
                  ? server_error_.CompressOrKeep(rule.codec, offset, average, rule.key, payload, mask_v)
                  : compress::Encode(rule.codec, average, rule.key, payload);
   }
+  const bool clips = compress::ClipsAverage(job_.algorithm, step);
+  if (status.ok() && clips) {
+    // The norm every replica computes from the decoded reply, not from the
+    // average (a lossy codec changes it).
+    status = compress::Decode(rule.codec, payload, absl::MakeSpan(average));
+    if (status.ok()) reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
+  }
   for (size_t r = 0; r < p.pushes.size(); ++r) p.last_hashes[r] = HashBytes(*p.pushes[r]);
   p.ClearPending();
   if (!status.ok()) {
@@ -403,20 +446,98 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   // before anything reads the mirror.
   p.mirror_pending = true;
   p.mirror_hyper = hyper;
+  p.awaiting_norm = clips;
+  p.committed_norm.reset();
+  p.mirror_scale = 1.0f;
   return std::shared_ptr<const Reply>(std::move(reply));
 }
 
 void ShardCore::ApplyMirror(PartitionState& p) const {
-  if (!p.mirror_pending) return;
+  if (!p.mirror_pending || p.awaiting_norm) return;
   p.mirror_pending = false;
   const Reply& r = *p.last_reply;
   const absl::Status s = mirror_.ApplyReply(
       r.step, p.partition.range.begin, p.partition.range.size(),
       {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
-      p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr);
+      p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr, p.mirror_scale);
   // The payload is this shard's own encoding of finite values: decoding it
   // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
   MORSE_CHECK(s.ok());
+}
+
+absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int64_t step,
+                                    double total, bool* applies) const {
+  *applies = false;
+  if (step >= p.next_step) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " sent the gradient norm of step ", step, " but partition ", p.partition.id,
+        " has completed ", p.next_step, " steps"));
+  }
+  if (step < p.next_step - 1) return absl::OkStatus();  // applied long ago
+  if (!compress::ClipsAverage(job_.algorithm, step)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " sent a gradient norm for step ", step,
+        ", which does not clip the averaged gradient (clip_grad_norm ",
+        job_.algorithm.clip_grad_norm, ", ",
+        compress::PlanStep(job_.algorithm, step).compressing ? "compression" : "warmup", " phase)"));
+  }
+  if (p.committed_norm.has_value()) {
+    if (std::memcmp(&*p.committed_norm, &total, sizeof(double)) != 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " sent ", total, " as the gradient's sum of squares at step ", step,
+          " but ", *p.committed_norm, " was sent before; every worker adds the same replies"));
+    }
+    return absl::OkStatus();
+  }
+  if (!p.awaiting_norm) return absl::OkStatus();  // restored past it
+  const std::optional<double> own =
+      p.last_reply != nullptr ? p.last_reply->grad_sum_of_squares : std::nullopt;
+  if (own.has_value() && total < *own) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " sent ", total, " as the gradient's sum of squares at step ", step,
+        ", less than partition ", p.partition.id, "'s own ", *own));
+  }
+  *applies = true;
+  return absl::OkStatus();
+}
+
+void ShardCore::ApplyCommit(PartitionState& p, double total) const {
+  p.committed_norm = total;
+  p.mirror_scale = compress::ClipScale(total, job_.algorithm.clip_grad_norm);
+  p.awaiting_norm = false;
+  ApplyMirror(p);
+}
+
+absl::Status ShardCore::Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                               double total) {
+  if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id, layout_fingerprint);
+      !s.ok()) {
+    return s;
+  }
+  if (step < 0) return absl::InvalidArgumentError("negative step");
+  if (!std::isfinite(total) || total < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the gradient's sum of squares ", total, " must be finite and not negative"));
+  }
+  // Every partition checked before any changes (locks in order, as Snapshot).
+  std::vector<std::unique_ptr<absl::MutexLock>> locks;
+  std::vector<bool> applies(partitions_.size());
+  for (size_t i = 0; i < partitions_.size(); ++i) {
+    PartitionState& p = *partitions_[i];
+    locks.push_back(std::make_unique<absl::MutexLock>(&p.mu));
+    bool a = false;
+    if (absl::Status s = CheckCommit(p, rank, step, total, &a); !s.ok()) return s;
+    applies[i] = a;
+  }
+  uint32_t completed = 0;
+  for (size_t i = 0; i < partitions_.size(); ++i) {
+    if (!applies[i]) continue;
+    ApplyCommit(*partitions_[i], total);
+    ++completed;
+  }
+  locks.clear();
+  for (uint32_t i = 0; i < completed; ++i) NoteStepCompleted(step);
+  return absl::OkStatus();
 }
 
 void ShardCore::FlushMirrors() const {
@@ -507,6 +628,10 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   const int64_t step = partitions_.front()->next_step;
   for (const auto& p : partitions_) {
     if (!p->initialized) return absl::FailedPreconditionError("the shard has no parameters yet");
+    if (p->awaiting_norm) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", p->next_step - 1, " waits for the workers' gradient norm (clip_grad_norm)"));
+    }
     if (p->next_step != step) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the shard is in the middle of step ", std::min(step, p->next_step),
@@ -609,6 +734,8 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->initialized = true;
     p->next_step = h.step;
     p->mirror_pending = false;
+    p->awaiting_norm = false;
+    p->committed_norm.reset();
     p->last_reply = last[i];
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
       p->last_hashes[r] = static_cast<size_t>(hashes[i * job_.workers() + r]);
@@ -630,6 +757,11 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
     return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
   }
   ApplyMirror(p);
+  if (p.awaiting_norm) {
+    return absl::UnavailableError(absl::StrCat(
+        "step ", p.next_step - 1, " of partition ", partition,
+        " waits for the workers' gradient norm (clip_grad_norm); try again"));
+  }
   const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
   PartitionSnapshot snapshot;
   snapshot.completed_steps = p.next_step;
@@ -692,6 +824,8 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   p.next_step = state.completed_steps;
   p.restored = true;
   p.mirror_pending = false;
+  p.awaiting_norm = false;
+  p.committed_norm.reset();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
   absl::MutexLock progress(&progress_mu_);

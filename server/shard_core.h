@@ -48,6 +48,9 @@ struct PushArgs {
   std::string payload;
   std::optional<compress::StepHyper> hyper;  // the workers' lr and weight decay, if set
   std::string buffers;  // rank 0's module buffers, partition 0 only (morse.proto)
+  // The previous step's sum of squares of the averaged gradient over the
+  // whole model, when that step clipped it (Commit).
+  std::optional<double> previous_grad_sum_of_squares;
 };
 
 
@@ -62,6 +65,9 @@ struct Reply {
   compress::CodecKind codec = compress::CodecKind::kFp32;
   std::string payload;
   std::string buffers;  // rank 0's module buffers of this step (partition 0)
+  // When the step clips the averaged gradient: this partition's sum of
+  // squares of the decoded reply (compress::GradientSumOfSquares).
+  std::optional<double> grad_sum_of_squares;
 };
 
 // One partition's mirror, for workers that (re)join (DESIGN 4).
@@ -125,6 +131,17 @@ class ShardCore {
   // pushes for a bad rank or layout.
   absl::Status Abort(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                      absl::string_view reason);
+  // Gradient clipping: the sum of squares over the whole model of step
+  // `step`'s averaged gradient (compress::ClipsAverage), which the mirror
+  // needs before it can apply that step; until then checkpoints and
+  // FetchPartition wait (FAILED_PRECONDITION / UNAVAILABLE) and the step
+  // observer is not called. Every push of the next step carries it too.
+  // FAILED_PRECONDITION for a step that is not the last completed one or
+  // does not clip, or a total that differs from the one already committed
+  // or is below a partition's own; INVALID_ARGUMENT for a negative or
+  // non-finite total. Nothing changes on any error.
+  absl::Status Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                      double grad_sum_of_squares);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
   // The abort's message, if the job is stopped.
@@ -178,8 +195,15 @@ class ShardCore {
   // Runs under the partition's lock once all N pushes are in.
   absl::StatusOr<std::shared_ptr<const Reply>> Complete(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
-  // Applies the partition's last reply to the mirror if that is still to do.
+  // Applies the partition's last reply to the mirror if that is still to do
+  // and possible (not waiting for the step's gradient norm).
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Checks a committed sum of squares of step `step` against partition p;
+  // Commit's errors. `*applies`: p was waiting for it.
+  absl::Status CheckCommit(const PartitionState& p, uint32_t rank, int64_t step, double total,
+                           bool* applies) const ABSL_SHARED_LOCKS_REQUIRED(p.mu);
+  // Records a checked commit and applies the mirror.
+  void ApplyCommit(PartitionState& p, double total) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   void FlushMirrors() const;  // ApplyMirror on every partition
   void NoteStepCompleted(int64_t step);
   // The abort that refuses a push of `step`, if any.

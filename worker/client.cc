@@ -289,13 +289,12 @@ struct StepExchange::Call {
 };
 
 StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-                           std::optional<compress::StepHyper> hyper, std::string buffers)
+                           StepExtras extras)
     : client_(client),
       step_(step),
       wire_codec_(proto::ToWire(up)),
       apply_(std::move(apply)),
-      hyper_(hyper),
-      buffers_(std::move(buffers)) {}
+      extras_(std::move(extras)) {}
 
 std::string StepExchange::TakeReceivedBuffers() {
   absl::MutexLock lock(&mu_);
@@ -436,7 +435,12 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
   }
   absl::Status result = proto::FromGrpc(status);
   const absl::Time start = absl::Now();
-  if (result.ok()) result = apply_(*done->partition, done->reply.payload());
+  if (result.ok()) {
+    result = apply_(*done->partition, done->reply.payload(),
+                    done->reply.has_grad_sum_of_squares()
+                        ? std::optional<double>(done->reply.grad_sum_of_squares())
+                        : std::nullopt);
+  }
   const double apply_seconds = Since(start);
   const compress::Partition* partition = done->partition;
   const size_t bytes_down = done->reply.payload().size();
@@ -479,11 +483,16 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   call->request.set_partition(partition.id);
   call->request.set_layout_fingerprint(client_->layout_.fingerprint());
   call->request.set_codec(static_cast<v1::Codec>(wire_codec_));
-  if (hyper_.has_value()) {
-    call->request.set_lr(hyper_->lr);
-    call->request.set_weight_decay(hyper_->weight_decay);
+  if (extras_.hyper.has_value()) {
+    call->request.set_lr(extras_.hyper->lr);
+    call->request.set_weight_decay(extras_.hyper->weight_decay);
   }
-  if (partition.id == 0 && !buffers_.empty()) call->request.set_buffers(std::move(buffers_));
+  if (partition.id == 0 && !extras_.buffers.empty()) {
+    call->request.set_buffers(std::move(extras_.buffers));
+  }
+  if (extras_.previous_grad_sum_of_squares.has_value()) {
+    call->request.set_previous_grad_sum_of_squares(*extras_.previous_grad_sum_of_squares);
+  }
   const absl::Time start = absl::Now();
   absl::Status encoded = encode(partition, call->request.mutable_payload());
   {
@@ -582,37 +591,55 @@ absl::Status PushClient::Join() {
   return absl::OkStatus();
 }
 
+absl::Status PushClient::OnEveryShard(
+    double timeout_seconds, absl::string_view what,
+    const std::function<void(uint32_t shard, grpc::ClientContext* context,
+                             std::function<void(grpc::Status)> done)>& start) {
+  const size_t shards = servers_.size();
+  std::vector<grpc::ClientContext> contexts(shards);
+  std::vector<grpc::Status> statuses(shards);
+  absl::Mutex mu;
+  size_t pending = shards;
+  for (uint32_t s = 0; s < shards; ++s) {
+    PrepareContext(&contexts[s], timeout_seconds);
+    start(s, &contexts[s], [&, s](grpc::Status status) {
+      absl::MutexLock lock(&mu);
+      statuses[s] = std::move(status);
+      --pending;
+    });
+  }
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &pending));
+  for (uint32_t s = 0; s < shards; ++s) {
+    if (!statuses[s].ok()) return RpcError(statuses[s], absl::StrCat(what, " ", servers_[s]));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
-  struct AbortCall {
-    grpc::ClientContext context;
-    v1::AbortReply reply;
-    grpc::Status status;
-  };
   v1::AbortRequest request;
   request.set_rank(rank_);
   request.set_step(step);
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_reason(reason);
-  std::vector<AbortCall> calls(servers_.size());
-  absl::Mutex mu;
-  size_t pending = servers_.size();
-  for (uint32_t s = 0; s < servers_.size(); ++s) {
-    PrepareContext(&calls[s].context, std::min(job_.rpc_timeout_seconds, 5.0));
-    Stub(s, 0)->async()->Abort(&calls[s].context, &request, &calls[s].reply,
-                               [&, s](grpc::Status status) {
-                                 absl::MutexLock lock(&mu);
-                                 calls[s].status = std::move(status);
-                                 --pending;
-                               });
-  }
-  absl::MutexLock lock(&mu);
-  mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &pending));
-  for (uint32_t s = 0; s < servers_.size(); ++s) {
-    if (!calls[s].status.ok()) {
-      return RpcError(calls[s].status, absl::StrCat("stopping the job on ", servers_[s]));
-    }
-  }
-  return absl::OkStatus();
+  std::vector<v1::AbortReply> replies(servers_.size());
+  return OnEveryShard(std::min(job_.rpc_timeout_seconds, 5.0), "stopping the job on",
+                      [&](uint32_t s, grpc::ClientContext* context, auto done) {
+                        Stub(s, 0)->async()->Abort(context, &request, &replies[s], std::move(done));
+                      });
+}
+
+absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares) {
+  v1::CommitRequest request;
+  request.set_rank(rank_);
+  request.set_step(step);
+  request.set_layout_fingerprint(layout_.fingerprint());
+  request.set_grad_sum_of_squares(grad_sum_of_squares);
+  std::vector<v1::CommitReply> replies(servers_.size());
+  return OnEveryShard(job_.rpc_timeout_seconds, "committing the gradient norm to",
+                      [&](uint32_t s, grpc::ClientContext* context, auto done) {
+                        Stub(s, 0)->async()->Commit(context, &request, &replies[s], std::move(done));
+                      });
 }
 
 absl::Status PushClient::WaitAllJoined() {

@@ -49,6 +49,18 @@ struct StepTraffic {
 
 class PushClient;
 
+// What every push of a step carries besides its payload.
+struct StepExtras {
+  // The step's learning rate and weight decay (absent: the job's schedule).
+  std::optional<compress::StepHyper> hyper;
+  // Rank 0's module buffers, sent with its push of partition 0
+  // (morse.proto); the reply's are in received_buffers() after Finish.
+  std::string buffers;
+  // The previous step's sum of squares of the averaged gradient, when that
+  // step clipped it (morse.proto Commit).
+  std::optional<double> previous_grad_sum_of_squares;
+};
+
 // One step's exchange, sent partition by partition: Send encodes a partition
 // on the calling thread (after waiting for a slot in the window) and pushes
 // it; its reply is applied on a gRPC thread when it lands. Finish waits for
@@ -57,14 +69,13 @@ class PushClient;
 class StepExchange {
  public:
   using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
-  using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply)>;
+  // `grad_sum_of_squares`: the shard's, when the step clips the averaged
+  // gradient (compress::ClipsAverage).
+  using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply,
+                                           std::optional<double> grad_sum_of_squares)>;
 
-  // `hyper`: the step's learning rate and weight decay, sent with every
-  // push (absent: the job's schedule).
-  // `buffers`: rank 0's module buffers, sent with its push of partition 0
-  // (morse.proto); the reply's are in received_buffers() after Finish.
   StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-               std::optional<compress::StepHyper> hyper = std::nullopt, std::string buffers = "");
+               StepExtras extras = {});
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
   StepExchange& operator=(const StepExchange&) = delete;
@@ -89,8 +100,7 @@ class StepExchange {
   const int64_t step_;
   const int wire_codec_;
   Apply apply_;
-  const std::optional<compress::StepHyper> hyper_;
-  std::string buffers_;  // moved into partition 0's push
+  StepExtras extras_;  // buffers are moved into partition 0's push
   absl::Mutex mu_;
   std::string received_buffers_ ABSL_GUARDED_BY(mu_);
   absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
@@ -156,6 +166,10 @@ class PushClient {
   // returns the first failure.
   absl::Status Abort(int64_t step, const std::string& reason);
 
+  // Sends step `step`'s sum of squares of the averaged gradient to every
+  // shard (ShardCore::Commit) and waits for them all.
+  absl::Status Commit(int64_t step, double grad_sum_of_squares);
+
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
 
@@ -167,6 +181,13 @@ class PushClient {
 
  private:
   friend class StepExchange;
+  // Starts one call on every shard at once (`start` issues shard s's with
+  // `context` and `done`) and waits for all; the first failure, described
+  // as `what` the shard.
+  absl::Status OnEveryShard(
+      double timeout_seconds, absl::string_view what,
+      const std::function<void(uint32_t shard, grpc::ClientContext* context,
+                               std::function<void(grpc::Status)> done)>& start);
   struct Retained {
     v1::PushRequest request;
     size_t reply_hash = 0;

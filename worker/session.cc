@@ -110,6 +110,10 @@ absl::Status Session::StepFromEngine(StepTraffic* traffic) {
 
 absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
   if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  if (kind != "cpu" && job_.algorithm.clip_grad_norm > 0.0f) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "clip_grad_norm is not supported on ", kind, " yet; train on the CPU or leave it 0"));
+  }
   if (absl::Status s = SyncHost(); !s.ok()) return s;
   auto engine = CreateEngine(kind, EngineState{&job_.algorithm, &layout_, &replica_, &error_}, arrays);
   if (!engine.ok()) return engine.status();
@@ -132,23 +136,27 @@ absl::Status Session::BeginStep() {
   sent_.assign(layout_.partitions().size(), false);
   const int64_t step = step_;
   step_hyper_ = hyper_;
+  clips_average_ = compress::ClipsAverage(job_.algorithm, step);
+  clips_locally_ = compress::ClipsLocally(job_.algorithm, step);
+  local_scale_.reset();
   deferred_.reset();
-  if (defer_apply_) {
-    deferred_ = std::make_shared<std::vector<std::optional<std::string>>>(layout_.partitions().size());
+  if (defer_apply_ || clips_average_) {
+    deferred_ = std::make_shared<std::vector<std::optional<DeferredReply>>>(layout_.partitions().size());
   }
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind,
       // The step keeps its own copy of the hyper-parameters it was begun with.
       [this, step, hyper = hyper_, deferred = deferred_](const compress::Partition& p,
-                                                          const std::string& reply) {
+                                                          const std::string& reply,
+                                                          std::optional<double> sum_of_squares) {
         if (deferred != nullptr) {  // each partition's slot is written by one reply only
-          (*deferred)[p.id] = reply;
+          (*deferred)[p.id] = DeferredReply{reply, sum_of_squares};
           return absl::OkStatus();
         }
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
-      hyper_, std::move(buffers_));
+      StepExtras{hyper_, std::move(buffers_), previous_grad_sum_of_squares_});
   buffers_.clear();
   return absl::OkStatus();
 }
@@ -159,10 +167,13 @@ absl::Status Session::SendPartition(uint32_t partition) {
     return absl::InvalidArgumentError(absl::StrCat("no partition ", partition));
   }
   if (sent_[partition]) return absl::OkStatus();
+  // Clipping this worker's own gradient needs all of it: Finish sends.
+  if (clips_locally_ && !local_scale_.has_value()) return absl::OkStatus();
   sent_[partition] = true;
+  const float scale = local_scale_.value_or(1.0f);
   absl::Status sent = exchange_->Send(layout_.partitions()[partition],
-                                      [this](const compress::Partition& p, std::string* payload) {
-                                        return engine_->Encode(step_, rank_, p, payload);
+                                      [this, scale](const compress::Partition& p, std::string* payload) {
+                                        return engine_->Encode(step_, rank_, p, payload, scale);
                                       });
   if (!sent.ok()) return Fail(sent);
   return absl::OkStatus();
@@ -183,6 +194,14 @@ absl::Status Session::Fail(absl::Status status) {
 absl::Status Session::Finish(StepTraffic* traffic) {
   if (exchange_ == nullptr) return absl::FailedPreconditionError("no step in progress (call Begin)");
   absl::Status status;
+  if (clips_locally_ && !local_scale_.has_value()) {
+    absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
+    if (sum_of_squares.ok()) {
+      local_scale_ = compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
+    } else {
+      status = sum_of_squares.status();
+    }
+  }
   for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p) status = SendPartition(p);
   absl::Status finished = exchange_->Finish(traffic);
   received_buffers_ = exchange_->TakeReceivedBuffers();
@@ -191,19 +210,44 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   if (!finished.ok()) {
     return Fail(absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message())));
   }
+  std::optional<double> sum_of_squares;
   if (deferred_ != nullptr) {
     for (const compress::Partition& p : layout_.partitions()) {
-      const std::optional<std::string>& reply = (*deferred_)[p.id];
+      const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
       if (!reply.has_value()) {
         return Fail(absl::InternalError(absl::StrCat("step ", step_, ": no reply for partition ", p.id)));
       }
-      const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply->data()), reply->size());
-      if (absl::Status s = engine_->ApplyReply(step_, p, bytes, step_hyper_.has_value() ? &*step_hyper_ : nullptr);
+      if (clips_average_) {
+        if (!reply->grad_sum_of_squares.has_value()) {
+          return Fail(absl::FailedPreconditionError(absl::StrCat(
+              "step ", step_, ": the reply of partition ", p.id, " has no gradient norm; is its "
+              "server older than this worker?")));
+        }
+        sum_of_squares = sum_of_squares.value_or(0.0) + *reply->grad_sum_of_squares;
+      }
+    }
+    // The averaged gradient's clip factor needs every partition's norm.
+    const float scale = clips_average_ ? compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm)
+                                       : 1.0f;
+    for (const compress::Partition& p : layout_.partitions()) {
+      const DeferredReply& reply = *(*deferred_)[p.id];
+      const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.payload.data()),
+                                            reply.payload.size());
+      if (absl::Status s = engine_->ApplyReply(step_, p, bytes,
+                                               step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
           !s.ok()) {
         return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ", p.id, ": ", s.message())));
       }
     }
     deferred_.reset();
+  }
+  previous_grad_sum_of_squares_ = sum_of_squares;
+  if (sum_of_squares.has_value() && rank_ == 0) {
+    // The shards' mirrors apply the step once they have the norm; the next
+    // step's pushes carry it as well, so only rank 0 waits for this.
+    if (absl::Status s = client_->Commit(step_, *sum_of_squares); !s.ok()) {
+      return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": ", s.message())));
+    }
   }
   ++step_;
   return absl::OkStatus();
@@ -288,6 +332,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   step_ = step;
+  previous_grad_sum_of_squares_.reset();
   return engine_->Load(replica_, error_);
 }
 

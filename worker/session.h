@@ -140,8 +140,22 @@ class Session {
   std::string received_buffers_;  // from the last step's reply of partition 0
   bool defer_apply_ = false;
   std::optional<compress::StepHyper> step_hyper_;  // the step in flight's
-  // The step's replies kept for Finish when deferred, by partition.
-  std::shared_ptr<std::vector<std::optional<std::string>>> deferred_;
+  // The step's replies kept for Finish when deferred (or when the step
+  // clips the averaged gradient, which needs every reply's norm first), by
+  // partition, with the shard's sum of squares of each.
+  struct DeferredReply {
+    std::string payload;
+    std::optional<double> grad_sum_of_squares;
+  };
+  std::shared_ptr<std::vector<std::optional<DeferredReply>>> deferred_;
+  // Gradient clipping (compress::ClipsAverage / ClipsLocally) of the step
+  // in flight; this worker's own clip factor once its whole gradient is in.
+  bool clips_average_ = false;
+  bool clips_locally_ = false;
+  std::optional<float> local_scale_;
+  // The last step's sum of squares of the averaged gradient, if it clipped:
+  // sent with the next step's pushes (morse.proto Commit).
+  std::optional<double> previous_grad_sum_of_squares_;
   std::vector<bool> sent_;
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only

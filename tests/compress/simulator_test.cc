@@ -2,6 +2,8 @@
 // out here element by element, and Adam's loss on a noisy quadratic.
 #include "compress/simulator.h"
 
+#include "compress/replica.h"
+
 #include <cmath>
 #include <random>
 #include <vector>
@@ -98,6 +100,83 @@ TEST(SimulatorTest, Fp32AdamWithoutFeedbackIsExactSynchronousAdam) {
     ASSERT_EQ(testing::FirstBitDifference(sim->m(), m), -1) << "step " << t;
     ASSERT_EQ(testing::FirstBitDifference(sim->v(), v), -1) << "step " << t;
   }
+}
+
+// clip_grad_norm on exact synchronous Adam: the averaged gradient is
+// scaled by min(1, max_norm / (|avg| + 1e-6)) before m and v see it, |avg|
+// being the sum of the partitions' sums of squares (what the shards send).
+TEST(SimulatorTest, ClippingScalesTheAveragedGradientByItsGlobalNorm) {
+  const uint64_t dim = 3001;
+  SimulatorConfig c = BaseConfig(OptimizerKind::kAdam, 3, dim);
+  c.up_codec.kind = c.down_codec.kind = CodecKind::kFp32;
+  c.worker_feedback.kind = c.server_feedback.kind = FeedbackKind::kNone;
+  c.lr = {LrSchedule::Kind::kConstant, 0.01f, 5};
+  c.clip_grad_norm = 2.0f;
+  NoisyQuadratic problem(dim, 3, 0.1f, 1);
+  std::vector<float> x0 = testing::VariedData(dim, 2);
+  auto sim = Simulator::Create(c, x0);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  const Layout& layout = sim->layout();
+  std::vector<float> x = x0, m(dim, 0.0f), v(dim, 0.0f), avg(dim);
+  int clipped = 0;
+  for (int t = 0; t < 10; ++t) {
+    const auto g = problem.Gradients(x);
+    ASSERT_TRUE(Step(*sim, g).ok());
+    for (size_t j = 0; j < dim; ++j) avg[j] = ((g[0][j] + g[1][j]) + g[2][j]) / 3.0f;
+    double sum_of_squares = 0;
+    for (const Partition& p : layout.partitions()) {
+      sum_of_squares += GradientSumOfSquares(absl::MakeConstSpan(avg).subspan(p.range.begin, p.range.size()));
+    }
+    const float scale = ClipScale(sum_of_squares, 2.0f);
+    EXPECT_FLOAT_EQ(scale, std::min(1.0, 2.0 / (std::sqrt(sum_of_squares) + 1e-6)));
+    clipped += scale < 1.0f;
+    const float bc1 = static_cast<float>(1.0 - std::pow(double{0.9f}, t + 1));
+    const float bc2 = static_cast<float>(1.0 - std::pow(double{0.999f}, t + 1));
+    for (size_t j = 0; j < dim; ++j) {
+      const float a = avg[j] * scale;
+      m[j] = 0.9f * m[j] + (1.0f - 0.9f) * a;
+      v[j] = 0.999f * v[j] + (1.0f - 0.999f) * (a * a);
+      x[j] = x[j] - LearningRate(c.lr, t) * ((m[j] / bc1) / (std::sqrt(v[j] / bc2) + 1e-8f) + 0.0f * x[j]);
+    }
+    ASSERT_EQ(testing::FirstBitDifference(sim->x(), x), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(sim->m(), m), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(sim->v(), v), -1) << "step " << t;
+  }
+  EXPECT_GT(clipped, 5);  // the norm is above 2 for most steps
+}
+
+// 1-bit Adam with clipping: in warmup the (one worker's) averaged gradient,
+// in the compression phase each worker's own gradient, is scaled before use,
+// which is what an unclipped run fed the scaled gradients does, bit for bit.
+// A huge max_norm never clips: the bits of no clipping at all.
+TEST(SimulatorTest, OneBitAdamClipsTheAverageInWarmupAndEachWorkersOwnGradientAfter) {
+  const uint64_t dim = 3001;
+  SimulatorConfig plain = BaseConfig(OptimizerKind::kOneBitAdam, 1, dim);
+  plain.lr = {LrSchedule::Kind::kConstant, 0.01f, 5};
+  plain.freeze_step = 3;
+  SimulatorConfig clipped = plain, huge = plain;
+  clipped.clip_grad_norm = 1.5f;
+  huge.clip_grad_norm = 1e30f;
+  std::vector<float> x0 = testing::VariedData(dim, 2);
+  auto a = Simulator::Create(clipped, x0), b = Simulator::Create(plain, x0);
+  auto c = Simulator::Create(huge, x0), d = Simulator::Create(plain, x0);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok());
+  NoisyQuadratic problem(dim, 1, 0.1f, 5);
+  for (int t = 0; t < 8; ++t) {
+    auto g = problem.Gradients(a->x());
+    ASSERT_TRUE(Step(*c, g).ok());
+    ASSERT_TRUE(Step(*d, g).ok());
+    ASSERT_TRUE(Step(*a, g).ok());
+    const float scale = ClipScale(GradientSumOfSquares(g[0]), 1.5f);
+    ASSERT_LT(scale, 1.0f) << "step " << t;
+    for (float& gj : g[0]) gj *= scale;
+    ASSERT_TRUE(Step(*b, g).ok());
+    ASSERT_EQ(testing::FirstBitDifference(a->x(), b->x()), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(a->m(), b->m()), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(a->v(), b->v()), -1) << "step " << t;
+    ASSERT_EQ(testing::FirstBitDifference(c->x(), d->x()), -1) << "step " << t;
+  }
+  EXPECT_NE(testing::FirstBitDifference(a->x(), d->x()), -1);
 }
 
 struct TrainResult {

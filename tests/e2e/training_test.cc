@@ -101,6 +101,33 @@ TEST(TrainingTest, LocoInt4EmaMatchesTheSimulator) {
   )");
 }
 
+// Gradient clipping (clip_grad_norm) on workers, server mirrors and the
+// simulator alike: 1-bit Adam across the freeze (the averaged gradient
+// clipped in warmup, through the replies' norms and Commit; each worker's
+// own gradient after the freeze) and adam with LoCo's int4 (every step
+// clips the average). The norm is far above 0.5, so every step clips.
+TEST(TrainingTest, ClippingMatchesTheSimulator) {
+  const std::string onebit = std::string(kCommon) + R"(
+    optimizer: "onebit_adam"
+    freeze_step: 5
+  )";
+  const std::string loco = std::string(kCommon) + R"(
+    optimizer: "adam"
+    up_codec { codec: "int4" stochastic: true }
+    down_codec { codec: "int4" }
+    worker_feedback { mode: "ema" beta: 0.5 }
+    server_feedback { mode: "ema" beta: 0.5 }
+  )";
+  for (const std::string& config : {onebit, loco}) {
+    const std::string clipped = config + "clip_grad_norm: 0.5\n";
+    const auto with = proto::ParseJobConfig(clipped, proto::ConfigFormat::kText);
+    const auto without = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+    ASSERT_TRUE(with.ok() && without.ok()) << with.status();
+    EXPECT_NE(Simulate(*with).model.back(), Simulate(*without).model.back());  // it clips
+    ExpectBitIdentical(clipped);
+  }
+}
+
 TEST(TrainingTest, AWorkerStartedBeforeItsServersWaitsAndTrains) {
   const std::string config = R"(
     workers: 1

@@ -369,6 +369,105 @@ TEST_F(ShardCoreTest, AnAbortFailsTheStepForEveryWorkerAndChangesNothing) {
   EXPECT_EQ(step1->step, 1);
 }
 
+// Gradient clipping in warmup (compress::ClipsAverage): each reply carries
+// its partition's sum of squares; the mirror applies the step only once the
+// whole model's total arrives (Commit, or the next step's pushes), scaled by
+// the clip factor, and until then the step observer waits and checkpoints
+// and fetches are refused. Bad totals change nothing.
+TEST_F(ShardCoreTest, AClippedStepWaitsForTheWholeModelsNormBeforeTheMirrorMoves) {
+  std::string config(kConfig);
+  config.replace(config.find("freeze_step: 1"), 14, "freeze_step: 3 clip_grad_norm: 0.5");
+  job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  ASSERT_EQ(job_.algorithm.clip_grad_norm, 0.5f);
+  core_ = *ShardCore::Create(job_, 1);
+  const auto parts = core_->layout().shard_partitions(1);
+  const compress::Range range = core_->layout().shard_range(1);
+  compress::Replica expected(job_.algorithm, range);
+  for (const auto& p : parts) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
+                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+    std::copy(x0.begin(), x0.end(), expected.x().begin() + (p.range.begin - range.begin));
+  }
+  std::vector<int64_t> seen;
+  core_->SetStepObserver([&](int64_t step, const ShardCore&) { seen.push_back(step); });
+  // One step of every partition; `previous` rides on the pushes. Returns
+  // the whole model's sum of squares (this shard's plus 3.0 for the other
+  // shard's partitions) and the largest partition's own.
+  std::vector<std::shared_ptr<const Reply>> replies(parts.size());
+  const auto step = [&](int64_t t, std::optional<double> previous, double* largest) {
+    double total = 0;
+    *largest = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      for (uint32_t r = 0; r < 3; ++r) {
+        PushArgs args = Args(t, r, parts[i]);
+        args.previous_grad_sum_of_squares = previous;
+        const absl::Status s = Push(std::move(args), &replies[i]);
+        EXPECT_EQ(s.ok(), r == 2) << s;
+      }
+      EXPECT_TRUE(replies[i]->grad_sum_of_squares.has_value());
+      total += *replies[i]->grad_sum_of_squares;
+      *largest = std::max(*largest, *replies[i]->grad_sum_of_squares);
+    }
+    return total + 3.0;
+  };
+  const auto apply = [&](int64_t t, double total) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const std::string& payload = replies[i]->payload;
+      ASSERT_TRUE(expected
+                      .ApplyReply(t, parts[i].range.begin, parts[i].range.size(),
+                                  {reinterpret_cast<const uint8_t*>(payload.data()), payload.size()},
+                                  nullptr, compress::ClipScale(total, 0.5f))
+                      .ok());
+    }
+  };
+  double largest = 0;
+  const double total0 = step(0, std::nullopt, &largest);
+  ASSERT_LT(compress::ClipScale(total0, 0.5f), 0.5f);  // the clip does something
+  EXPECT_TRUE(seen.empty());
+  EXPECT_EQ(core_->Snapshot().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_->FetchPartition(first().id, fingerprint()).status().code(),
+            absl::StatusCode::kUnavailable);
+  const uint64_t before = core_->MirrorChecksum();
+  EXPECT_EQ(Push(Args(1, 0, first())).code(), absl::StatusCode::kFailedPrecondition);  // no norm
+  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), std::numeric_limits<double>::quiet_NaN()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Commit(7, 0, fingerprint(), total0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Commit(0, 1, fingerprint(), total0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), largest / 2).code(),
+            absl::StatusCode::kFailedPrecondition);  // less than one partition's own
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+  EXPECT_TRUE(seen.empty());
+
+  ASSERT_TRUE(core_->Commit(0, 0, fingerprint(), total0).ok());
+  EXPECT_EQ(seen, std::vector<int64_t>{0});
+  apply(0, total0);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+  EXPECT_TRUE(core_->Commit(1, 0, fingerprint(), total0).ok());  // another rank's, the same
+  EXPECT_EQ(core_->Commit(1, 0, fingerprint(), 2 * total0).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(core_->Snapshot().ok());
+  PushArgs wrong = Args(1, 0, first());
+  wrong.previous_grad_sum_of_squares = 2 * total0;
+  EXPECT_EQ(Push(std::move(wrong)).code(), absl::StatusCode::kFailedPrecondition);
+
+  // Step 1 without a Commit: step 2's pushes bring its norm.
+  const double total1 = step(1, total0, &largest);
+  EXPECT_EQ(seen, std::vector<int64_t>{0});
+  std::vector<std::shared_ptr<const Reply>> step1 = replies;
+  for (const auto& p : parts) {
+    PushArgs args = Args(2, 0, p);
+    args.previous_grad_sum_of_squares = total1;
+    EXPECT_EQ(Push(std::move(args)).message(), "pending");
+  }
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 1}));
+  replies = step1;
+  apply(1, total1);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+}
+
 // Rank 0's module buffers ride on its push of partition 0 and come back in
 // that partition's reply to every worker; any other rank or partition
 // sending them is refused, and the shard is unchanged.

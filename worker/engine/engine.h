@@ -108,15 +108,21 @@ class Engine {
   // blocking the host; nothing on the host.
   virtual absl::Status WaitFor(void* stream) = 0;
   // The push payload of partition `p` for `step` from worker `rank` (the
-  // sender's rule, compress::PlanSend).
+  // sender's rule, compress::PlanSend), from the gradient scaled by
+  // `grad_scale` (the worker's own clip factor, compress::ClipsLocally).
   virtual absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
-                              std::string* payload) = 0;
+                              std::string* payload, float grad_scale = 1.0f) = 0;
   // Applies the reply of partition `p` for `step` (compress::PlanReply, with
-  // the step's `hyper` when the workers set one); INVALID_ARGUMENT, nothing
+  // the step's `hyper` when the workers set one, and the averaged
+  // gradient's clip factor `grad_scale`); INVALID_ARGUMENT, nothing
   // changed, for a malformed reply.
   virtual absl::Status ApplyReply(int64_t step, const compress::Partition& p,
                                   absl::Span<const uint8_t> reply,
-                                  const compress::StepHyper* hyper = nullptr) = 0;
+                                  const compress::StepHyper* hyper = nullptr,
+                                  float grad_scale = 1.0f) = 0;
+  // compress::GradientSumOfSquares of the whole gradient the next Encode
+  // reads (gradient clipping); FAILED_PRECONDITION where the engine cannot.
+  virtual absl::StatusOr<double> GradientSumOfSquares() = 0;
 
  protected:
   // The engine's parameters and gradient arrays (dim floats), for the

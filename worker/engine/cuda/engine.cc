@@ -166,7 +166,8 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
-                      std::string* payload) override {
+                      std::string* payload, float grad_scale) override {
+    if (grad_scale != 1.0f) return NoClipping();
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::SendRule rule =
         compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
@@ -199,7 +200,8 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper) override {
+                          const compress::StepHyper* hyper, float grad_scale) override {
+    if (grad_scale != 1.0f) return NoClipping();
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
     const uint64_t begin = p.range.begin, n = p.range.size();
@@ -230,6 +232,14 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (!s.ok()) return s;
     // The pinned and device staging buffers are reused by the next reply.
     return apply_->Synchronize();
+  }
+
+  absl::StatusOr<double> GradientSumOfSquares() override { return NoClipping(); }
+
+  // Gradient clipping is not on the GPU yet (Session refuses it at MoveTo).
+  static absl::Status NoClipping() {
+    return absl::FailedPreconditionError(
+        "clip_grad_norm is not supported on a GPU yet; clip on the CPU or leave it 0");
   }
 
   // DeviceServices: what workloads' hooks use, on the send stream (ahead of

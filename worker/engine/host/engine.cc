@@ -46,15 +46,18 @@ class HostEngine final : public Engine {
   absl::Status WaitFor(void*) override { return absl::OkStatus(); }
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
-                      std::string* payload) override {
+                      std::string* payload, float grad_scale) override {
     const compress::SendRule rule =
         compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
     const uint64_t n = p.range.size();
     payload->resize(compress::PayloadBytes(rule.codec, n));
     absl::Span<const float> input = grad_.subspan(p.range.begin, n);
+    if (grad_scale != 1.0f && !rule.local_momentum) {
+      return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
+    }
     if (rule.local_momentum) {
       auto local = absl::MakeSpan(momentum_).subspan(p.range.begin, n);
-      replica_.LocalMomentum(p.range.begin, input, local);
+      replica_.LocalMomentum(p.range.begin, input, local, grad_scale);
       input = local;
     }
     if (rule.feedback) {
@@ -66,8 +69,13 @@ class HostEngine final : public Engine {
   }
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper) override {
-    return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper);
+                          const compress::StepHyper* hyper, float grad_scale) override {
+    return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
+  }
+
+  absl::StatusOr<double> GradientSumOfSquares() override {
+    if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
+    return compress::GradientSumOfSquares(grad_);
   }
 
  protected:
