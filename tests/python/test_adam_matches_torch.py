@@ -5,7 +5,11 @@ same formula in different orders: Morse m/bc1 / (sqrt(v/bc2) + eps), torch
 m / (sqrt(v)/sqrt(bc2) + eps) * lr/bc1). Several parameter shapes, several
 partitions. Then the same with torch's LambdaLR and StepLR schedulers and a
 weight-decay change in param_groups mid-run, which Morse reads at every step
-(against torch.optim.AdamW: Morse's weight decay is decoupled)."""
+(against torch.optim.AdamW: Morse's weight decay is decoupled). And with
+clip_grad_norm against torch.nn.utils.clip_grad_norm_ on the averaged
+gradient; and clip_grad_norm_ on each rank's gradient with overlap=False
+against torch averaging the per-rank clipped gradients (what that idiom
+means under data parallelism)."""
 import os
 import sys
 
@@ -32,7 +36,8 @@ def data(rank, step):
 
 def worker(mode):
     import morse.torch
-    schedules, accumulate = mode == "schedules", mode == "accumulate"
+    schedules, accumulate, clip = mode == "schedules", mode == "accumulate", mode == "clip"
+    own_clip = mode == "clip_own"  # clip_grad_norm_ on each rank's gradient, overlap=False
     torch.manual_seed(1)
     model = Model()
     rank = int(os.environ["MORSE_RANK"])
@@ -41,7 +46,8 @@ def worker(mode):
     # rows, rank 0 with accumulation_steps=2 and torch 2's
     # model.zero_grad(set_to_none=True).
     opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32,
-                           overlap=rank == 0, accumulation_steps=2 if accumulate else 1)
+                           overlap=rank == 0 and not own_clip, accumulation_steps=2 if accumulate else 1,
+                           clip_grad_norm=0.2 if clip else None)
     world = int(os.environ["MORSE_WORLD_SIZE"])
     reference = Model()
     reference.load_state_dict(model.state_dict())  # rank 0's values, which everyone now has
@@ -55,6 +61,7 @@ def worker(mode):
             schedulers.append(warm)
             schedulers.append(torch.optim.lr_scheduler.StepLR(o, step_size=6, gamma=0.5))
     worst = 0.0
+    clipped = 0
     for step in range(20):
         if schedules and step == 10:
             for o in (opt, ref_opt):  # a manual change of the weight decay
@@ -70,27 +77,38 @@ def worker(mode):
         else:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
+            if own_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
         opt.step()
         grads = []
         for r in range(world):
             reference.zero_grad()
             xr, yr = data(r, step)
             torch.nn.functional.cross_entropy(reference(xr), yr).backward()
+            if own_clip:
+                clipped += torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.2).item() > 0.2
             grads.append([p.grad.clone() for p in reference.parameters()])
         for p, *gs in zip(reference.parameters(), *grads):
             total = torch.zeros_like(p)
             for g in gs:
                 total += g
             p.grad = total / world
+        if clip:  # torch's clip on the global batch's gradient
+            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.2).item()
+            clipped += norm > 0.2
         ref_opt.step()
         for sched in schedulers:
             sched.step()
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
+    if clip:
+        check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
-            "accumulate": "accumulating two backward() calls, zero_grad(set_to_none=True)"}.get(
-                mode, "constant")
+            "accumulate": "accumulating two backward() calls, zero_grad(set_to_none=True)",
+            "clip": f"clip_grad_norm=0.2, which clipped {clipped} steps",
+            "clip_own": f"clip_grad_norm_ on each rank's gradient with overlap=False, "
+                        f"{clipped} clipped"}.get(mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
@@ -98,7 +116,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate"):
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_own"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -5,7 +5,8 @@ bias correction and the zero-variance mask on (a parameter no loss uses
 stays where it was). Even ranks
 overlap pushes with the backward pass, odd ranks do not: the bytes, and so
 the results, are the same. state_dict()/load_state_dict() round-trip the
-optimizer state, error buffers included."""
+optimizer state, error buffers included. Then all of it again with
+clip_grad_norm, which clips every step."""
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
 STEPS = 12
 
 
-def worker(out):
+def worker(out, clip):
     import morse.torch
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
@@ -29,7 +30,8 @@ def worker(out):
     rank = int(os.environ["MORSE_RANK"])
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank % 2 == 0,
-                                 missing_grads="zero")  # the unused parameter (torch 2 zero_grad sets None)
+                                 missing_grads="zero",  # the unused parameter (torch 2 zero_grad sets None)
+                                 clip_grad_norm=float(clip) if clip != "none" else None)
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()
@@ -41,8 +43,10 @@ def worker(out):
         x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        np.save(f"{out}/grad-{rank}-{step}.npy",
-                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
+        if clip != "none":  # this rank's own gradient is clipped after the freeze
+            check(flat.norm().item() > 2 * float(clip), f"step {step}: the clip would not act")
         opt.step()
         checksums.append(opt.checksum())
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
@@ -64,11 +68,15 @@ def worker(out):
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[-1])
+        worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    out = tempfile.mkdtemp(prefix="morse-onebit-")
-    code, log = morse_run(__file__, 4, 2, out)
-    print(log)
-    check(code == 0, "the job failed")
-    check_ranks_match_simulator(out, 4, STEPS)
-    print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator")
+    # Then with clip_grad_norm small enough to clip every step: the averaged
+    # gradient in warmup, each rank's own after the freeze.
+    for clip in ("none", "0.05"):
+        out = tempfile.mkdtemp(prefix="morse-onebit-")
+        code, log = morse_run(__file__, 4, 2, out, clip)
+        print(log)
+        check(code == 0, f"the job failed (clip_grad_norm {clip})")
+        check_ranks_match_simulator(out, 4, STEPS)
+        print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator "
+              f"(clip_grad_norm {clip})")

@@ -120,6 +120,9 @@ def main():
          {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], **args))
     expect(ValueError, "feedback='ef' has none", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), feedback="ef", feedback_beta=0.5, **args))
+    for bad in (-1.0, 0, float("nan"), float("inf"), "big"):
+        expect(ValueError, "a positive, finite max_norm", lambda: morse.torch.Adam(
+            torch.nn.Linear(3, 2).parameters(), clip_grad_norm=bad, **args))
     # No credentials and no insecure: refused, saying what to pass.
     expect(MorseError, "--insecure", lambda: morse.torch.OneBitAdam(
         torch.nn.Linear(3, 2).parameters(), security={}, **args))

@@ -84,7 +84,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
                  accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None,
-                 apply_at_step=True):
+                 apply_at_step=True, clip_grad_norm=None):
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
         # Given the model itself, the optimizer sees its buffers too (BatchNorm
@@ -188,6 +188,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
             lines.append(f"freeze_step: {freeze_step}")
             lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
             lines.append(f"bound_update: {'true' if bound_update else 'false'}")
+        # Clipping by the global norm (torch's clip_grad_norm_ on the global
+        # batch): of the averaged gradient where the step has one (Adam,
+        # OneBitAdam's warmup), of each rank's own gradient in OneBitAdam's
+        # compression phase (as DeepSpeed). A job setting, the same on every
+        # rank and on the shards' mirrors.
+        if clip_grad_norm is not None:
+            try:
+                clip = float(clip_grad_norm)
+            except (TypeError, ValueError):
+                clip = float("nan")
+            if not clip > 0 or clip == float("inf"):
+                raise ValueError(f"clip_grad_norm={clip_grad_norm!r}: a positive, finite max_norm "
+                                 "(or None for no clipping)")
+            lines.append(f"clip_grad_norm: {clip!r}")
+        self.clip_grad_norm = clip_grad_norm
         if block_elems:
             lines.append(f"block_elems: {block_elems}")
         if partition_elems:
@@ -469,8 +484,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "FAILED_PRECONDITION: the gradients changed after the backward pass pushed them "
                 "(clip_grad_norm_, editing or zeroing .grad, or another backward()); this step used "
                 "the gradients as backward() left them. With overlap=True each partition is pushed "
-                "as soon as its gradients are ready: make such changes in a gradient hook, or build "
-                "the optimizer with overlap=False (clipping then clips each rank's own gradient)")
+                "as soon as its gradients are ready: to clip by the global norm, build the "
+                "optimizer with clip_grad_norm=max_norm instead of calling clip_grad_norm_; make "
+                "other changes in a gradient hook, or build the optimizer with overlap=False "
+                "(clip_grad_norm_ then clips each rank's own gradient, not the average)")
         if missing and self._missing_grads == "raise":
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise MorseError(
@@ -591,7 +608,12 @@ class OneBitAdam(_MorseOptimizer):
     sending them +-scale, which would blow the model up at the default eps;
     bound_update (default True) clamps each element's m̂/(sqrt(v̂)+eps) to
     Adam's own largest step, max(1, (1-b1)/sqrt(1-b2)), so elements whose
-    frozen v is tiny but not zero cannot take huge steps either."""
+    frozen v is tiny but not zero cannot take huge steps either.
+    clip_grad_norm (default None: off) clips by the global L2 norm as
+    torch.nn.utils.clip_grad_norm_ would on the global batch: in warmup the
+    averaged gradient, in the compression phase (which has no averaged
+    gradient) each rank's own gradient before its momentum, as DeepSpeed
+    does; there the pushes wait for the whole backward pass."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  freeze_step=100, *, bias_correction=True, mask_zero_variance=True, bound_update=True,
@@ -599,7 +621,7 @@ class OneBitAdam(_MorseOptimizer):
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None, apply_at_step=True):
+                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         if freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
                              "step (with none there is no variance to freeze)")
@@ -613,21 +635,24 @@ class OneBitAdam(_MorseOptimizer):
                          block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
-                         buffers=buffers, apply_at_step=apply_at_step)
+                         buffers=buffers, apply_at_step=apply_at_step,
+                         clip_grad_norm=clip_grad_norm)
 
 
 class Adam(_MorseOptimizer):
     """Adam on the servers' average of compressed gradients (DESIGN 2.2). The
     defaults (fp32, no feedback, bias correction) are exact synchronous Adam;
     LoCo is codec="int4", feedback="ema" (feedback_beta, the moving average's
-    weight of the newest error, defaults to 0.5 for ema; docs/config.md)."""
+    weight of the newest error, defaults to 0.5 for ema; docs/config.md).
+    clip_grad_norm (default None: off) clips the averaged gradient by its
+    global L2 norm, as torch.nn.utils.clip_grad_norm_ on the global batch."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  codec="fp32", down_codec=None, feedback="none", feedback_beta=None,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=1, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None, apply_at_step=True):
+                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
@@ -637,4 +662,5 @@ class Adam(_MorseOptimizer):
                          overlap=overlap, block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
-                         buffers=buffers, apply_at_step=apply_at_step)
+                         buffers=buffers, apply_at_step=apply_at_step,
+                         clip_grad_norm=clip_grad_norm)
