@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec_parts.h"
+#include "compress/scratch.h"
 #include "compress/simd/element_ops.h"
 
 namespace morse::compress {
@@ -235,11 +236,11 @@ absl::Status EncodeViaDecode(
                            absl::Span<uint8_t>),
     void (*decode)(const CodecSpec&, absl::Span<const uint8_t>,
                    absl::Span<float>)) {
-  std::vector<float> u(x.size());
+  const absl::Span<float> u = Scratch(ScratchSlot::kEncodeInput, x.size());
   for (size_t j = 0; j < x.size(); ++j) u[j] = x[j] + error[j];
   if (absl::Status s = encode(spec, u, payload); !s.ok()) return s;
-  std::vector<float> c(x.size());
-  decode(spec, payload, absl::MakeSpan(c));
+  const absl::Span<float> c = Scratch(ScratchSlot::kEncodeDecoded, x.size());
+  decode(spec, payload, c);
   for (size_t j = 0; j < x.size(); ++j) error[j] = simd::NextError(fb, error[j], u[j], c[j]);
   return absl::OkStatus();
 }
@@ -249,10 +250,10 @@ void AverageViaDecode(const CodecSpec& spec,
                       absl::Span<float> out,
                       void (*decode)(const CodecSpec&, absl::Span<const uint8_t>,
                                      absl::Span<float>)) {
-  std::vector<float> decoded(out.size());
+  const absl::Span<float> decoded = Scratch(ScratchSlot::kAverageDecoded, out.size());
   std::fill(out.begin(), out.end(), 0.0f);
   for (const auto& payload : payloads) {
-    decode(spec, payload, absl::MakeSpan(decoded));
+    decode(spec, payload, decoded);
     for (size_t j = 0; j < out.size(); ++j) out[j] += decoded[j];
   }
   const float divisor = static_cast<float>(payloads.size());

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
+#include "compress/scratch.h"
 #include "compress/simd/element_ops.h"
 
 namespace morse::compress {
@@ -58,9 +59,9 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
     return EncodeWithError(codec, x, absl::MakeSpan(fp32_).subspan(offset, x.size()),
                            fb, key, payload);
   }
-  std::vector<float> error(x.size());
-  Read(offset, absl::MakeSpan(error));
-  absl::Status status = EncodeWithError(codec, x, absl::MakeSpan(error), fb, key, payload);
+  const absl::Span<float> error = Scratch(ScratchSlot::kErrorCopy, x.size());
+  Read(offset, error);
+  absl::Status status = EncodeWithError(codec, x, error, fb, key, payload);
   if (status.ok()) Quantize(offset, error);
   return status;
 }
@@ -88,16 +89,17 @@ absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset
                                            absl::Span<const float> x, const RoundingKey& key,
                                            absl::Span<uint8_t> payload,
                                            absl::Span<const float> mask_v) {
-  std::vector<float> masked(x.begin(), x.end());
-  SelectByZero(mask_v, absl::MakeSpan(masked));
+  const absl::Span<float> masked = Scratch(ScratchSlot::kMaskedInput, x.size());
+  std::copy(x.begin(), x.end(), masked.begin());
+  SelectByZero(mask_v, masked);
   const FeedbackArgs fb{spec_.kind, spec_.beta};
   if (spec_.kind == FeedbackKind::kNone) return EncodeWithError(codec, masked, {}, fb, key, payload);
-  std::vector<float> error(x.size());
-  Read(offset, absl::MakeSpan(error));
-  SelectByZero(mask_v, absl::MakeSpan(error));
-  absl::Status status = EncodeWithError(codec, masked, absl::MakeSpan(error), fb, key, payload);
+  const absl::Span<float> error = Scratch(ScratchSlot::kErrorCopy, x.size());
+  Read(offset, error);
+  SelectByZero(mask_v, error);
+  absl::Status status = EncodeWithError(codec, masked, error, fb, key, payload);
   if (!status.ok()) return status;  // the stored error stays as it was
-  SelectByZero(mask_v, absl::MakeSpan(error));
+  SelectByZero(mask_v, error);
   if (spec_.storage == ErrorStorage::kFp32) {
     std::copy(error.begin(), error.end(), fp32_.begin() + offset);
   } else {

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
 #include "compress/fnv.h"
+#include "compress/scratch.h"
 
 namespace morse::compress {
 
@@ -193,19 +194,18 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
         range_.begin, ", ", range_.end, ")"));
   }
   const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
-  std::vector<float> decoded(n);
-  if (absl::Status s = Decode(rule.codec, reply, absl::MakeSpan(decoded)); !s.ok()) return s;
+  const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
+  if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
   const size_t offset = begin - range_.begin;
-  ApplyRule(rule, absl::MakeSpan(decoded), x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
+  ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
             absl::MakeSpan(v_).subspan(offset, n));
   return absl::OkStatus();
 }
 
 void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
                             float grad_scale) const {
-  std::vector<float> scaled;
   if (grad_scale != 1.0f) {
-    scaled.resize(g.size());
+    const absl::Span<float> scaled = Scratch(ScratchSlot::kLocalScaled, g.size());
     for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
     g = scaled;
   }

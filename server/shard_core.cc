@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "compress/check.h"
+#include "compress/scratch.h"
 #include "proto/checkpoint_file.h"
 
 namespace morse::server {
@@ -406,8 +407,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   for (const auto& push : p.pushes) {
     views.emplace_back(reinterpret_cast<const uint8_t*>(push->data()), push->size());
   }
-  std::vector<float> average(n);
-  absl::Status status = compress::DecodeAverage(plan.up, views, absl::MakeSpan(average));
+  const absl::Span<float> average = compress::Scratch(compress::ScratchSlot::kShardAverage, n);
+  absl::Status status = compress::DecodeAverage(plan.up, views, average);
   auto reply = std::make_shared<Reply>();
   reply->step = step;
   reply->partition = part.id;
@@ -430,7 +431,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   if (status.ok() && clips) {
     // The norm every replica computes from the decoded reply, not from the
     // average (a lossy codec changes it).
-    status = compress::Decode(rule.codec, payload, absl::MakeSpan(average));
+    status = compress::Decode(rule.codec, payload, average);
     if (status.ok()) reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
   }
   for (size_t r = 0; r < p.pushes.size(); ++r) p.last_hashes[r] = HashBytes(*p.pushes[r]);
