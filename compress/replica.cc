@@ -1,7 +1,9 @@
 #include "compress/replica.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
@@ -199,6 +201,57 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   const size_t offset = begin - range_.begin;
   ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
             absl::MakeSpan(v_).subspan(offset, n));
+  return absl::OkStatus();
+}
+
+absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, ErrorFeedback& error,
+                                 uint64_t begin, absl::Span<const float> g, float grad_scale,
+                                 absl::Span<uint8_t> payload) {
+  const uint64_t n = g.size();
+  const auto mask = [&](uint64_t at, uint64_t len) {
+    return rule.mask ? replica.v().subspan(at - replica.range().begin, len) : absl::Span<const float>();
+  };
+  if (grad_scale != 1.0f && !rule.local_momentum) {
+    return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
+  }
+  if (!rule.local_momentum) {
+    return rule.feedback ? error.Compress(rule.codec, begin, g, rule.key, payload, mask(begin, n))
+                         : Encode(rule.codec, g, rule.key, payload);
+  }
+  const uint64_t block = rule.codec.block_elems;
+  if (rule.codec.kind != CodecKind::kSign1 || !rule.feedback || block == 0) {
+    const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, n);
+    replica.LocalMomentum(begin, g, local, grad_scale);
+    return rule.feedback ? error.Compress(rule.codec, begin, local, rule.key, payload, mask(begin, n))
+                         : Encode(rule.codec, local, rule.key, payload);
+  }
+  if (payload.size() != PayloadBytes(rule.codec, n)) {
+    return absl::InvalidArgumentError(absl::StrCat("a payload of ", payload.size(), " bytes for ", n,
+                                                   " elements of ", CodecName(rule.codec.kind)));
+  }
+  // sign1 payload: every block's scale, then the bits (design.md 2.3). A
+  // chunk of whole blocks encodes into its own small payload, whose scales
+  // and bits are copied to their places (block_elems is a multiple of 16,
+  // so a chunk's bits start on a byte).
+  constexpr uint64_t kChunkElems = uint64_t{1} << 15;  // 128 KiB of momentum: stays in L2
+  const uint64_t chunk = block * std::max<uint64_t>(1, kChunkElems / block);
+  const uint64_t blocks = (n + block - 1) / block;
+  const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, std::min(chunk, n));
+  thread_local std::vector<uint8_t> part;
+  for (uint64_t at = 0; at < n; at += chunk) {
+    const uint64_t len = std::min(chunk, n - at);
+    const absl::Span<float> u = local.first(len);
+    replica.LocalMomentum(begin + at, g.subspan(at, len), u, grad_scale);
+    part.resize(PayloadBytes(rule.codec, len));
+    if (absl::Status s = error.Compress(rule.codec, begin + at, u, rule.key, absl::MakeSpan(part),
+                                        mask(begin + at, len));
+        !s.ok()) {
+      return s;
+    }
+    const uint64_t part_blocks = (len + block - 1) / block;
+    std::memcpy(payload.data() + 4 * (at / block), part.data(), 4 * part_blocks);
+    std::memcpy(payload.data() + 4 * blocks + at / 8, part.data() + 4 * part_blocks, (len + 7) / 8);
+  }
   return absl::OkStatus();
 }
 

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "compress/error_feedback.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
 
@@ -97,6 +98,20 @@ uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays);
 // hyper-parameters, freeze step, codecs, feedback and seed. The learning-rate
 // schedule is left out, so a resumed job may train for more steps.
 uint64_t AlgorithmFingerprint(const SimulatorConfig& config);
+
+class Replica;
+
+// A worker's message for [begin, begin + g.size()) of step `rule` (PlanSend
+// of the up direction): the local momentum of g (scaled by `grad_scale`,
+// ClipsLocally) when the rule says so, through `error` when it has
+// feedback, masked where v is 0 when it masks, encoded into `payload`
+// (PayloadBytes of the range). With sign1 (block-local) and local momentum,
+// the momentum is formed and encoded a cache-sized chunk of blocks at a
+// time, so it never goes to memory: one pass over g, m and e instead of
+// two. The bits are those of forming it whole first (tests/compress).
+absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, ErrorFeedback& error,
+                                 uint64_t begin, absl::Span<const float> g, float grad_scale,
+                                 absl::Span<uint8_t> payload);
 
 class Replica {
  public:

@@ -21,6 +21,7 @@ namespace morse::compress {
 enum class ScratchSlot : int {
   kReplyDecoded,    // Replica::ApplyReply
   kLocalScaled,     // Replica::LocalMomentum with a clip factor
+  kLocalMomentum,   // EncodeWorkerMessage: one chunk's local momentum
   kShardAverage,    // server::ShardCore: the average being recompressed
   kEncodeInput,     // EncodeViaDecode: u = x + e
   kEncodeDecoded,   // EncodeViaDecode: C(u)

@@ -220,5 +220,43 @@ TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
   EXPECT_NE(sim.status().message().find("freeze_step"), absl::string_view::npos);
 }
 
+// EncodeWorkerMessage forms a sign1 compression-phase message a chunk of
+// blocks at a time (the momentum never goes to memory): the payload and the
+// error buffer must be the bits of forming the momentum whole first, for a
+// range of several chunks with a short last block, with the zero-variance
+// mask holding some elements and with a clip factor.
+TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
+  const uint64_t dim = 3 * 32768 + 1000;  // three full chunks and a part, last block short
+  SimulatorConfig c = OneBitConfig();
+  c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
+  c.workers = 1;
+  Replica replica(c, {0, dim});
+  std::vector<float> g(dim);
+  for (uint64_t j = 0; j < dim; ++j) {
+    g[j] = std::sin(0.37f * static_cast<float>(j)) * (1.0f + static_cast<float>(j % 11));
+    replica.mutable_m()[j] = 0.25f * std::cos(0.11f * static_cast<float>(j));
+    replica.mutable_v()[j] = j % 97 == 0 ? 0.0f : 1e-3f;  // some masked elements
+  }
+  for (float scale : {1.0f, 0.37f}) {
+    ErrorFeedback whole_error(c.worker_feedback, dim, 64), chunked_error(c.worker_feedback, dim, 64);
+    const SendRule rule = PlanSend(c, c.freeze_step + 1, Direction::kUp, 0, 0);
+    ASSERT_TRUE(rule.local_momentum && rule.mask && rule.feedback);
+    std::vector<uint8_t> whole(PayloadBytes(rule.codec, dim)), chunked(whole.size(), 0xAB);
+    for (int round = 0; round < 2; ++round) {  // the second round reads the errors of the first
+      std::vector<float> local(dim);
+      replica.LocalMomentum(0, g, absl::MakeSpan(local), scale);
+      ASSERT_TRUE(whole_error.Compress(rule.codec, 0, local, rule.key, absl::MakeSpan(whole),
+                                       replica.v()).ok());
+      ASSERT_TRUE(EncodeWorkerMessage(rule, replica, chunked_error, 0, g, scale,
+                                      absl::MakeSpan(chunked)).ok());
+      ASSERT_EQ(whole, chunked) << "scale " << scale << " round " << round;
+      std::vector<float> a(dim), b(dim);
+      whole_error.Read(0, absl::MakeSpan(a));
+      chunked_error.Read(0, absl::MakeSpan(b));
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * dim), 0) << "scale " << scale;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace morse::compress

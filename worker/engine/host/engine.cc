@@ -17,8 +17,7 @@ class HostEngine final : public Engine {
   explicit HostEngine(const EngineState& state)
       : config_(*state.config),
         replica_(*state.replica),
-        error_(*state.error),
-        momentum_(config_.layout.dim) {}
+        error_(*state.error) {}
 
   const std::string& kind() const override { return kName; }
   const std::string& description() const override { return kName; }
@@ -51,21 +50,8 @@ class HostEngine final : public Engine {
         compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
     const uint64_t n = p.range.size();
     payload->resize(compress::PayloadBytes(rule.codec, n));
-    absl::Span<const float> input = grad_.subspan(p.range.begin, n);
-    if (grad_scale != 1.0f && !rule.local_momentum) {
-      return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
-    }
-    if (rule.local_momentum) {
-      auto local = absl::MakeSpan(momentum_).subspan(p.range.begin, n);
-      replica_.LocalMomentum(p.range.begin, input, local, grad_scale);
-      input = local;
-    }
-    if (rule.feedback) {
-      const absl::Span<const float> mask_v =
-          rule.mask ? replica_.v().subspan(p.range.begin, n) : absl::Span<const float>();
-      return error_.Compress(rule.codec, p.range.begin, input, rule.key, AsBytes(payload), mask_v);
-    }
-    return compress::Encode(rule.codec, input, rule.key, AsBytes(payload));
+    return compress::EncodeWorkerMessage(rule, replica_, error_, p.range.begin,
+                                         grad_.subspan(p.range.begin, n), grad_scale, AsBytes(payload));
   }
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
@@ -94,7 +80,6 @@ class HostEngine final : public Engine {
   const compress::SimulatorConfig& config_;
   compress::Replica& replica_;
   compress::ErrorFeedback& error_;
-  std::vector<float> momentum_;
   std::vector<float> own_grad_;  // the hook's output
   absl::Span<const float> grad_;  // what Encode reads: own_grad_ or the caller's
 };
