@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
 #include "compress/fnv.h"
+#include "compress/kernels.h"
 #include "compress/scratch.h"
 
 namespace morse::compress {
@@ -196,9 +197,32 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
         range_.begin, ", ", range_.end, ")"));
   }
   const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
+  const size_t offset = begin - range_.begin;
+  const uint64_t block = rule.codec.block_elems;
+  if (rule.codec.kind == CodecKind::kSign1 && block > 0) {
+    // A chunk of blocks at a time: its decoded values are still in L2 when
+    // the update reads them (one pass over x, m, v instead of a decoded
+    // partition written to memory and read back). Elementwise, so the bits
+    // are those of decoding the whole partition first.
+    if (absl::Status s = ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
+    constexpr uint64_t kChunkElems = uint64_t{1} << 15;
+    const uint64_t chunk = block * std::max<uint64_t>(1, kChunkElems / block);
+    const uint64_t blocks = (n + block - 1) / block;
+    const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, std::min<uint64_t>(chunk, n));
+    thread_local std::vector<float> scales;  // the payload's scales may be unaligned
+    scales.resize(chunk / block);
+    for (uint64_t at = 0; at < n; at += chunk) {
+      const uint64_t len = std::min(chunk, n - at);
+      std::memcpy(scales.data(), reply.data() + 4 * (at / block), 4 * ((len + block - 1) / block));
+      ActiveKernels().sign1_decode(scales.data(), reply.data() + 4 * blocks + at / 8, len, block,
+                                   decoded.data());
+      ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
+                absl::MakeSpan(m_).subspan(offset + at, len), absl::MakeSpan(v_).subspan(offset + at, len));
+    }
+    return absl::OkStatus();
+  }
   const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
   if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
-  const size_t offset = begin - range_.begin;
   ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
             absl::MakeSpan(v_).subspan(offset, n));
   return absl::OkStatus();

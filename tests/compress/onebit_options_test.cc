@@ -258,5 +258,40 @@ TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
   }
 }
 
+// Replica::ApplyReply decodes a sign1 reply a chunk of blocks at a time and
+// updates while the chunk is in cache: the bits of decoding the whole
+// partition first, with the mask and the bounded update (compression phase)
+// over several chunks and a short last block.
+TEST(OneBitOptionsTest, AChunkedReplyUpdateHasTheBitsOfAWholeOne) {
+  const uint64_t dim = 3 * 32768 + 1000;
+  SimulatorConfig c = OneBitConfig();
+  c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
+  Replica chunked(c, {0, dim});
+  std::vector<float> x(dim), m(dim), v(dim), u(dim);
+  for (uint64_t j = 0; j < dim; ++j) {
+    x[j] = chunked.x()[j] = std::cos(0.3f * static_cast<float>(j));
+    m[j] = chunked.mutable_m()[j] = 0.1f * std::sin(0.7f * static_cast<float>(j));
+    v[j] = chunked.mutable_v()[j] = j % 89 == 0 ? 0.0f : 1e-4f * static_cast<float>(1 + j % 5);
+    u[j] = std::sin(0.13f * static_cast<float>(j)) - 0.2f;
+  }
+  const int64_t step = c.freeze_step + 2;
+  const ReplyRule rule = PlanReply(c, step);
+  ASSERT_TRUE(rule.frozen_variance && rule.mask && rule.codec.kind == CodecKind::kSign1);
+  std::vector<uint8_t> reply(PayloadBytes(rule.codec, dim));
+  ASSERT_TRUE(Encode(rule.codec, u, {}, absl::MakeSpan(reply)).ok());
+  ASSERT_TRUE(chunked.ApplyReply(step, 0, dim, reply).ok());
+  std::vector<float> decoded(dim);
+  ASSERT_TRUE(Decode(rule.codec, reply, absl::MakeSpan(decoded)).ok());
+  ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v));
+  EXPECT_EQ(std::memcmp(chunked.x().data(), x.data(), 4 * dim), 0);
+  EXPECT_EQ(std::memcmp(chunked.m().data(), m.data(), 4 * dim), 0);
+  EXPECT_EQ(std::memcmp(chunked.v().data(), v.data(), 4 * dim), 0);
+  // A truncated reply is refused with nothing changed.
+  const uint64_t before = chunked.Checksum();
+  EXPECT_EQ(chunked.ApplyReply(step, 0, dim, absl::MakeSpan(reply).first(reply.size() - 1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(chunked.Checksum(), before);
+}
+
 }  // namespace
 }  // namespace morse::compress
