@@ -12,6 +12,16 @@
 #include "compress/scratch.h"
 
 namespace morse::compress {
+namespace {
+
+// Whole blocks of about 32K elements (128 KiB of floats): what the chunked
+// sign1 encode and reply update keep in L2 between their two halves.
+uint64_t ChunkElems(uint64_t block) {
+  constexpr uint64_t kTarget = uint64_t{1} << 15;
+  return block * std::max<uint64_t>(1, kTarget / block);
+}
+
+}  // namespace
 
 StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
   StepPlan plan;
@@ -205,8 +215,7 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
     // partition written to memory and read back). Elementwise, so the bits
     // are those of decoding the whole partition first.
     if (absl::Status s = ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
-    constexpr uint64_t kChunkElems = uint64_t{1} << 15;
-    const uint64_t chunk = block * std::max<uint64_t>(1, kChunkElems / block);
+    const uint64_t chunk = ChunkElems(block);
     const uint64_t blocks = (n + block - 1) / block;
     const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, std::min<uint64_t>(chunk, n));
     thread_local std::vector<float> scales;  // the payload's scales may be unaligned
@@ -257,8 +266,7 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
   // chunk of whole blocks encodes into its own small payload, whose scales
   // and bits are copied to their places (block_elems is a multiple of 16,
   // so a chunk's bits start on a byte).
-  constexpr uint64_t kChunkElems = uint64_t{1} << 15;  // 128 KiB of momentum: stays in L2
-  const uint64_t chunk = block * std::max<uint64_t>(1, kChunkElems / block);
+  const uint64_t chunk = ChunkElems(block);
   const uint64_t blocks = (n + block - 1) / block;
   const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, std::min(chunk, n));
   thread_local std::vector<uint8_t> part;

@@ -88,15 +88,9 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   SendRule up;
   std::vector<std::vector<uint8_t>> pushes(config_.workers);
   std::vector<float> message(n);
-  std::vector<float> scaled;
   for (uint32_t i = 0; i < config_.workers; ++i) {
     up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin);
     absl::Span<const float> part = gradients[i].subspan(p.range.begin, n);
-    if (local_scales_[i] != 1.0f) {  // ClipsLocally, as Replica::LocalMomentum
-      scaled.resize(n);
-      for (size_t j = 0; j < n; ++j) scaled[j] = part[j] * local_scales_[i];
-      part = scaled;
-    }
     if (up.local_momentum) {
       LocalMomentum(up.beta1, absl::MakeConstSpan(m_).subspan(p.range.begin, n), part,
                     absl::MakeSpan(message));
@@ -143,13 +137,21 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
           "gradient of ", g.size(), " elements for a model of ", x_.size()));
     }
   }
-  // Each worker's clip factor of its own gradient (compression phase).
-  local_scales_.assign(config_.workers, 1.0f);
+  // The compression phase's clip: each worker's gradient scaled by its own
+  // factor before anything reads it (as Replica::LocalMomentum does).
+  std::vector<std::vector<float>> clipped;
+  clipped.reserve(config_.workers);
+  std::vector<absl::Span<const float>> views(gradients.begin(), gradients.end());
   if (ClipsLocally(config_, step_)) {
     for (uint32_t i = 0; i < config_.workers; ++i) {
-      local_scales_[i] = ClipScale(GradientSumOfSquares(gradients[i]), config_.clip_grad_norm);
+      const float scale = ClipScale(GradientSumOfSquares(gradients[i]), config_.clip_grad_norm);
+      if (scale == 1.0f) continue;
+      std::vector<float>& g = clipped.emplace_back(gradients[i].begin(), gradients[i].end());
+      for (float& gj : g) gj *= scale;
+      views[i] = g;
     }
   }
+  gradients = views;
   // Every partition's round trip reads m before any update of this step.
   std::vector<std::vector<float>> replies(layout_.partitions().size());
   for (const Partition& p : layout_.partitions()) {

@@ -118,7 +118,6 @@ class Simulator {
   std::vector<float> x_, m_, v_;
   std::vector<ErrorFeedback> worker_errors_;
   std::vector<ErrorFeedback> server_errors_;
-  std::vector<float> local_scales_;  // the step's ClipsLocally factors, by worker
 };
 
 }  // namespace morse::compress
