@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -23,17 +24,104 @@ uint64_t ChunkElems(uint64_t block) {
 
 }  // namespace
 
+namespace {
+
+// The variance schedule (design.md 2.7) at 1-based step s <= F: phase k
+// updates v at kappa steps spaced 2^k apart, starting at the first multiple
+// of 2^k after the previous phase's last update. Returns the updates at
+// steps <= s; *at_s: whether s is one.
+int64_t VarianceUpdates(int64_t kappa, int64_t s, bool* at_s) {
+  *at_s = false;
+  int64_t end = 0, count = 0;
+  for (int k = 0; k < 62; ++k) {
+    const int64_t interval = int64_t{1} << k;
+    const int64_t first = (end / interval + 1) * interval;
+    if (s < first) return count;
+    const int64_t span = kappa - 1;
+    const int64_t last = span > (std::numeric_limits<int64_t>::max() - first) / interval
+                             ? std::numeric_limits<int64_t>::max()
+                             : first + span * interval;
+    if (s <= last) {
+      *at_s = (s - first) % interval == 0;
+      return count + (s - first) / interval + 1;
+    }
+    count += kappa;
+    end = last;
+  }
+  return count;
+}
+
+}  // namespace
+
+ZeroOneStep ZeroOneAt(const SimulatorConfig& config, int64_t step) {
+  const ZeroOneSpec& z = config.zero_one;
+  ZeroOneStep at;
+  const int64_t s = step + 1;
+  if (s <= z.var_freeze_step) {
+    at.variance_updates = VarianceUpdates(z.var_update_scaler, s, &at.variance);
+    return at;
+  }
+  bool unused;
+  at.variance_updates = VarianceUpdates(z.var_update_scaler, z.var_freeze_step, &unused);
+  at.local = true;
+  const int64_t doublings = (s - z.var_freeze_step - 1) / z.local_step_scaler;
+  at.interval = doublings >= 62 ? z.local_step_clipper
+                                : std::min(z.local_step_clipper, int64_t{1} << doublings);
+  at.exchanges = s % at.interval == 0;
+  return at;
+}
+
 StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
   StepPlan plan;
-  if (config.optimizer == OptimizerKind::kOneBitAdam && step < config.freeze_step) {
+  if (config.optimizer == OptimizerKind::kZeroOneAdam) {
+    const ZeroOneStep z = ZeroOneAt(config, step);
+    if (z.variance) {
+      plan.up = plan.down = config.warmup_codec;
+      return plan;
+    }
+    plan.local = z.local;
+    plan.exchanges = z.exchanges;
+  } else if (config.optimizer == OptimizerKind::kOneBitAdam && step < config.freeze_step) {
     plan.up = plan.down = config.warmup_codec;
     return plan;
   }
-  plan.compressing = config.optimizer == OptimizerKind::kOneBitAdam;
+  plan.compressing = config.optimizer != OptimizerKind::kAdam;
   plan.feedback = true;
   plan.up = config.up_codec;
   plan.down = config.down_codec;
   return plan;
+}
+
+int64_t NextExchange(const SimulatorConfig& config, int64_t step) {
+  if (config.optimizer != OptimizerKind::kZeroOneAdam) return step;
+  while (!ZeroOneAt(config, step).exchanges) ++step;  // at most local_step_clipper - 1 steps
+  return step;
+}
+
+bool StartsInterval(const SimulatorConfig& config, int64_t step) {
+  if (config.optimizer != OptimizerKind::kZeroOneAdam || !ZeroOneAt(config, step).local) return false;
+  return step == config.zero_one.var_freeze_step || ZeroOneAt(config, step - 1).exchanges;
+}
+
+float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
+  int64_t first = step;
+  while (!StartsInterval(config, first)) --first;
+  float sum = 0.0f;
+  for (int64_t t = first; t <= step; ++t) sum += LearningRate(config.lr, t);
+  return sum;
+}
+
+AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step, const StepHyper* hyper) {
+  AdamHyper adam = config.adam;
+  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
+  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
+  AdamScalars s = MakeAdamScalars(adam, lr, step + 1, /*bias_correction=*/false);
+  if (config.bias_correction) {
+    s.bias_correction2 =
+        MakeAdamScalars(config.adam, 0.0f, ZeroOneAt(config, step).variance_updates, true).bias_correction2;
+  }
+  if (config.bound_update) s.max_ratio = OneBitUpdateBound(config.adam);
+  return s;
 }
 
 SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction direction,
@@ -41,7 +129,9 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
   const StepPlan plan = PlanStep(config, step);
   SendRule rule;
   rule.codec = direction == Direction::kUp ? plan.up : plan.down;
-  rule.local_momentum = direction == Direction::kUp && plan.compressing;
+  rule.local_momentum = direction == Direction::kUp && plan.compressing && !plan.local;
+  rule.accumulated = direction == Direction::kUp && plan.local;
+  rule.step = step;
   rule.beta1 = config.adam.beta1;
   rule.feedback = plan.feedback;
   rule.mask = plan.compressing && config.mask_zero_variance;
@@ -94,13 +184,26 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
   ReplyRule rule;
   rule.grad_scale = grad_scale;
   rule.codec = plan.down;
-  rule.frozen_variance = plan.compressing;
+  rule.frozen_variance = plan.compressing && !plan.local;
+  rule.sync = plan.local;
   rule.mask = plan.compressing && config.mask_zero_variance;
+  if (plan.local) {
+    // The sync: the interval's learning-rate sum (the workers' pushes carry
+    // it as their lr when they set one), v̂ as in the local steps.
+    rule.scalars = LocalStepScalars(config, step, hyper);
+    rule.scalars.lr = hyper != nullptr ? hyper->lr : IntervalLrSum(config, step);
+    return rule;
+  }
   AdamHyper adam = config.adam;
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
   rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
-  if (plan.compressing && config.bias_correction) {
+  if (config.optimizer == OptimizerKind::kZeroOneAdam && config.bias_correction) {
+    // v has been updated n_v times (its correction 1 - b2^n_v).
+    rule.scalars.bias_correction2 =
+        MakeAdamScalars(config.adam, 0.0f, ZeroOneAt(config, step).variance_updates, true)
+            .bias_correction2;
+  } else if (plan.compressing && config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
     rule.scalars.bias_correction2 =
         MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true).bias_correction2;
@@ -119,12 +222,14 @@ void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
 }
 
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
-               absl::Span<float> m, absl::Span<float> v) {
+               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor) {
   if (rule.grad_scale != 1.0f) {
     for (float& g : decoded) g *= rule.grad_scale;
   }
   if (rule.mask) SelectByVariance(v, decoded);
-  if (rule.frozen_variance) {
+  if (rule.sync) {
+    ZeroOneSyncStep(rule.scalars, decoded, anchor.empty() ? absl::Span<const float>(x) : anchor, x, m, v);
+  } else if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
   } else {
     AdamStep(rule.scalars, decoded, x, m, v);
@@ -177,6 +282,12 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix(c.mask_zero_variance);
   mix(c.bound_update);
   if (c.clip_grad_norm > 0.0f) mix_float(c.clip_grad_norm);  // absent before clipping existed
+  if (c.optimizer == OptimizerKind::kZeroOneAdam) {
+    mix(static_cast<uint64_t>(c.zero_one.var_freeze_step));
+    mix(static_cast<uint64_t>(c.zero_one.var_update_scaler));
+    mix(static_cast<uint64_t>(c.zero_one.local_step_scaler));
+    mix(static_cast<uint64_t>(c.zero_one.local_step_clipper));
+  }
   mix(c.seed);
   return hash.value();
 }
@@ -208,6 +319,11 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   }
   const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
   const size_t offset = begin - range_.begin;
+  // A worker's sync starts from x at the last sync; a mirror's x is that.
+  const auto anchor = [&](uint64_t at, uint64_t len) {
+    return rule.sync && !anchor_.empty() ? absl::MakeConstSpan(anchor_).subspan(offset + at, len)
+                                         : absl::Span<const float>();
+  };
   const uint64_t block = rule.codec.block_elems;
   if (rule.codec.kind == CodecKind::kSign1 && block > 0) {
     // A chunk of blocks at a time: its decoded values are still in L2 when
@@ -226,14 +342,15 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
       ActiveKernels().sign1_decode(scales.data(), reply.data() + 4 * blocks + at / 8, len, block,
                                    decoded.data());
       ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
-                absl::MakeSpan(m_).subspan(offset + at, len), absl::MakeSpan(v_).subspan(offset + at, len));
+                absl::MakeSpan(m_).subspan(offset + at, len), absl::MakeSpan(v_).subspan(offset + at, len),
+                anchor(at, len));
     }
     return absl::OkStatus();
   }
   const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
   if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
   ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
-            absl::MakeSpan(v_).subspan(offset, n));
+            absl::MakeSpan(v_).subspan(offset, n), anchor(0, n));
   return absl::OkStatus();
 }
 
@@ -244,6 +361,11 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
   const auto mask = [&](uint64_t at, uint64_t len) {
     return rule.mask ? replica.v().subspan(at - replica.range().begin, len) : absl::Span<const float>();
   };
+  if (rule.accumulated) {  // zero_one_adam's sync: the gradient is already in u
+    const absl::Span<float> message = Scratch(ScratchSlot::kLocalMomentum, n);
+    replica.SyncMessage(rule.step, begin, message);
+    return error.Compress(rule.codec, begin, message, rule.key, payload, mask(begin, n));
+  }
   if (grad_scale != 1.0f && !rule.local_momentum) {
     return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
   }
@@ -296,6 +418,46 @@ void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Spa
   }
   compress::LocalMomentum(config_.adam.beta1,
                           absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
+}
+
+absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const StepHyper* hyper,
+                               float grad_scale) {
+  const StepPlan plan = PlanStep(config_, step);
+  if (!plan.local) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " is not in zero_one_adam's local phase"));
+  }
+  if (g.size() != range_.size() || range_.begin != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("a local step needs the whole model's gradient (",
+                                                   range_.size(), " elements), got ", g.size()));
+  }
+  if (StartsInterval(config_, step)) {
+    anchor_.assign(x_.begin(), x_.end());
+    u_.assign(range_.size(), 0.0f);
+    lr_sum_ = 0.0f;
+  } else if (local_step_ != step - 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " is in the middle of a zero_one_adam local interval that this worker did not "
+        "start; it can resume only at the step after a sync"));
+  }
+  if (grad_scale != 1.0f) {
+    const absl::Span<float> scaled = Scratch(ScratchSlot::kLocalScaled, g.size());
+    for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
+    g = scaled;
+  }
+  const AdamScalars s = LocalStepScalars(config_, step, hyper);
+  ZeroOneLocalStep(s, g, x_, absl::MakeSpan(m_), absl::MakeSpan(u_), v_, /*write_x=*/!plan.exchanges);
+  lr_sum_ += s.lr;
+  local_step_ = step;
+  return absl::OkStatus();
+}
+
+void Replica::SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const {
+  MORSE_CHECK(local_step_ == step && begin >= range_.begin && begin + out.size() <= range_.end);
+  const size_t at = begin - range_.begin;
+  const AdamScalars s = LocalStepScalars(config_, step, nullptr);
+  ZeroOneSyncMessage(s, lr_sum_, absl::MakeConstSpan(u_).subspan(at, out.size()),
+                     absl::MakeConstSpan(m_).subspan(at, out.size()),
+                     absl::MakeConstSpan(v_).subspan(at, out.size()), out);
 }
 
 }  // namespace morse::compress

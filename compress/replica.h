@@ -22,12 +22,39 @@ namespace morse::compress {
 
 // What step t of a job sends in each direction.
 struct StepPlan {
-  bool compressing = false;  // 1-bit Adam after the freeze step
+  bool compressing = false;  // frozen v: 1-bit Adam after the freeze step, 0/1 Adam between v's updates
   bool feedback = false;     // error feedback on (never in 1-bit warmup)
+  // zero_one_adam's local phase (design.md 2.7): workers step on their own
+  // and push only at syncs (`exchanges`), the mean of their updates.
+  bool local = false;
+  bool exchanges = true;     // false: a local step, nothing is sent
   CodecSpec up;
   CodecSpec down;
 };
 StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
+
+// zero_one_adam's schedule at step `step` (0-based; design.md 2.7).
+struct ZeroOneStep {
+  bool variance = false;         // a full-precision exchange that updates v
+  int64_t variance_updates = 0;  // v's updates in steps 0..step (n_v)
+  bool local = false;            // the local phase (step >= var_freeze_step)
+  int64_t interval = 1;          // the local phase's interval at this step
+  bool exchanges = true;         // the workers push at this step
+};
+ZeroOneStep ZeroOneAt(const SimulatorConfig& config, int64_t step);
+// The first step >= `step` at which the workers push (`step` itself except
+// for zero_one_adam's local steps).
+int64_t NextExchange(const SimulatorConfig& config, int64_t step);
+// Whether `step` begins an interval of zero_one_adam's local phase (the
+// first local step, or the step after a sync): workers reset their
+// accumulated update and take x as the new anchor.
+bool StartsInterval(const SimulatorConfig& config, int64_t step);
+// The learning rates of the schedule summed in fp32, in step order, over
+// the interval that ends with sync step `step` (zero_one_adam).
+float IntervalLrSum(const SimulatorConfig& config, int64_t step);
+// The scalars of a zero_one_adam local step (ZeroOneLocalStep; with
+// `hyper`'s lr and weight decay when the workers set them).
+AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step, const StepHyper* hyper);
 
 // The sender's rule (DESIGN 2.1-2.4) for the partition starting at global
 // element `first_index` in step `step`: what a worker pushes (`up`) or a
@@ -39,6 +66,10 @@ struct SendRule {
   // compression phase; workers only).
   bool local_momentum = false;
   float beta1 = 0;
+  // Send the sync message of zero_one_adam's local phase
+  // (Replica::SyncMessage; workers only).
+  bool accumulated = false;
+  int64_t step = 0;
   // Encode through the sender's error buffer (ErrorFeedback::Compress);
   // off in 1-bit Adam's warmup.
   bool feedback = false;
@@ -56,6 +87,9 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
 struct ReplyRule {
   CodecSpec codec;              // the reply's encoding
   bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep
+  // zero_one_adam's sync (ZeroOneSyncStep, scalars.lr the interval's
+  // learning-rate sum); the others are off.
+  bool sync = false;
   // The zero-variance mask: decoded values where v is exactly 0 become +0.
   bool mask = false;
   // Bias correction 1 - b1^t' and 1 - b2^t' (1 - b2^T_w once frozen), or 1.
@@ -83,9 +117,10 @@ double GradientSumOfSquares(absl::Span<const float> values);
 // 1e-6)) in float; 1 when max_norm is 0.
 float ClipScale(double sum_of_squares, float max_norm);
 // The update of a ReplyRule on host arrays of decoded.size() elements
-// (decoded is masked in place when the rule masks).
+// (decoded is masked in place when the rule masks). `anchor`: x at the last
+// sync for a sync rule (empty: x itself, a shard's mirror).
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
-               absl::Span<float> m, absl::Span<float> v);
+               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor = {});
 // The zero-variance mask as a selection: values[j] = +0 where v[j] == 0.
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values);
 
@@ -146,6 +181,20 @@ class Replica {
   void LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
                      float grad_scale = 1.0f) const;
 
+  // zero_one_adam's local phase (design.md 2.7), on a worker's whole
+  // replica: the local step of `step` from gradient g (scaled by
+  // grad_scale), which moves x only when the step does not sync.
+  // FAILED_PRECONDITION outside the local phase, or in the middle of an
+  // interval this replica did not start (state from a sync is needed).
+  absl::Status LocalStep(int64_t step, absl::Span<const float> g, const StepHyper* hyper = nullptr,
+                         float grad_scale = 1.0f);
+  // The sync message of [begin, begin + out.size()) at sync step `step`
+  // (ZeroOneSyncMessage), after LocalStep of that step.
+  void SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const;
+  // The learning rates of this interval's local steps so far, summed (what
+  // a sync's push carries as its lr when the workers set the lr).
+  float lr_sum() const { return lr_sum_; }
+
   uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
 
  private:
@@ -153,6 +202,11 @@ class Replica {
   Range range_;
   std::vector<float> owned_x_, m_, v_;
   absl::Span<float> x_;
+  // zero_one_adam's local phase on a worker: x at the last sync, the
+  // update accumulated since (u), and the interval's learning-rate sum.
+  std::vector<float> anchor_, u_;
+  float lr_sum_ = 0;
+  int64_t local_step_ = -1;  // the last step LocalStep ran
 };
 
 }  // namespace morse::compress

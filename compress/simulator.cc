@@ -33,6 +33,24 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
     return absl::InvalidArgumentError(
         "freeze_step must be at least 1 for onebit_adam (with no warmup there is no variance to freeze)");
   }
+  if (c.optimizer == OptimizerKind::kZeroOneAdam) {
+    const ZeroOneSpec& z = c.zero_one;
+    constexpr int64_t kMax = int64_t{1} << 40;
+    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"var_freeze_step", z.var_freeze_step},
+                                      {"var_update_scaler", z.var_update_scaler},
+                                      {"local_step_scaler", z.local_step_scaler},
+                                      {"local_step_clipper", z.local_step_clipper}}) {
+      if (value < 1 || value > kMax) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "zero_one_adam.", name, " must be in [1, 2^40], got ", value));
+      }
+    }
+    if (warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 && warmup != CodecKind::kBf16) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "zero_one_adam's variance steps use warmup_codec, which must be fp32, fp16 or bf16, got ",
+          CodecName(warmup)));
+    }
+  }
   for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
     if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
   }
@@ -76,9 +94,7 @@ Simulator::Simulator(const SimulatorConfig& config, Layout layout,
   }
 }
 
-bool Simulator::compressing() const {
-  return config_.optimizer == OptimizerKind::kOneBitAdam && step_ >= config_.freeze_step;
-}
+bool Simulator::compressing() const { return PlanStep(config_, step_).compressing; }
 
 absl::Status Simulator::RoundTrip(const Partition& p,
                                   absl::Span<const absl::Span<const float>> gradients,
@@ -91,7 +107,14 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   for (uint32_t i = 0; i < config_.workers; ++i) {
     up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin);
     absl::Span<const float> part = gradients[i].subspan(p.range.begin, n);
-    if (up.local_momentum) {
+    if (up.accumulated) {  // zero_one_adam's sync: the worker's interval, not its gradient
+      const Local& local = locals_[i];
+      ZeroOneSyncMessage(LocalStepScalars(config_, step_, nullptr), lr_sum_,
+                         absl::MakeConstSpan(local.u).subspan(p.range.begin, n),
+                         absl::MakeConstSpan(local.m).subspan(p.range.begin, n),
+                         absl::MakeConstSpan(v_).subspan(p.range.begin, n), absl::MakeSpan(message));
+      part = message;
+    } else if (up.local_momentum) {
       LocalMomentum(up.beta1, absl::MakeConstSpan(m_).subspan(p.range.begin, n), part,
                     absl::MakeSpan(message));
       part = message;
@@ -152,13 +175,39 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
     }
   }
   gradients = views;
+  if (hyper != nullptr) {
+    if (absl::Status s = ValidateStepHyper(*hyper); !s.ok()) return s;
+  }
+  // zero_one_adam's local phase (design.md 2.7): every worker steps on its
+  // own; only a sync exchanges anything.
+  const StepPlan plan = PlanStep(config_, step_);
+  StepHyper sync_hyper;
+  if (plan.local) {
+    if (StartsInterval(config_, step_)) {
+      locals_.assign(config_.workers, Local{x_, m_, std::vector<float>(x_.size(), 0.0f)});
+      lr_sum_ = 0.0f;
+    }
+    const AdamScalars s = LocalStepScalars(config_, step_, hyper);
+    for (uint32_t i = 0; i < config_.workers; ++i) {
+      Local& local = locals_[i];
+      ZeroOneLocalStep(s, gradients[i], absl::MakeSpan(local.x), absl::MakeSpan(local.m),
+                       absl::MakeSpan(local.u), v_, /*write_x=*/!plan.exchanges);
+    }
+    lr_sum_ += s.lr;
+    if (!plan.exchanges) {
+      diverged_ = true;
+      ++step_;
+      return absl::OkStatus();
+    }
+    if (hyper != nullptr) {  // what the workers' sync pushes carry as their lr
+      sync_hyper = StepHyper{lr_sum_, hyper->weight_decay};
+      hyper = &sync_hyper;
+    }
+  }
   // Every partition's round trip reads m before any update of this step.
   std::vector<std::vector<float>> replies(layout_.partitions().size());
   for (const Partition& p : layout_.partitions()) {
     if (absl::Status s = RoundTrip(p, gradients, replies[p.id]); !s.ok()) return s;
-  }
-  if (hyper != nullptr) {
-    if (absl::Status s = ValidateStepHyper(*hyper); !s.ok()) return s;
   }
   // The averaged gradient's clip factor: each shard's sum of squares of
   // its partitions' decoded replies, added in partition order.
@@ -174,8 +223,17 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
     ApplyRule(rule, absl::MakeSpan(replies[p.id]), absl::MakeSpan(x_).subspan(begin, n),
               absl::MakeSpan(m_).subspan(begin, n), absl::MakeSpan(v_).subspan(begin, n));
   }
+  diverged_ = false;
   ++step_;
   return absl::OkStatus();
+}
+
+absl::Span<const float> Simulator::worker_x(uint32_t rank) const {
+  return diverged_ ? absl::MakeConstSpan(locals_[rank].x) : absl::MakeConstSpan(x_);
+}
+
+absl::Span<const float> Simulator::worker_m(uint32_t rank) const {
+  return diverged_ ? absl::MakeConstSpan(locals_[rank].m) : absl::MakeConstSpan(m_);
 }
 
 }  // namespace morse::compress

@@ -32,7 +32,23 @@ struct StepHyper {
 };
 absl::Status ValidateStepHyper(const StepHyper& hyper);
 
-enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam };
+enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam, kZeroOneAdam };
+
+// zero_one_adam's schedule (design.md 2.7; DeepSpeed's ZeroOneAdam names and
+// defaults). Steps are counted from 1 here, as in the paper: step t of the
+// job is s = t + 1.
+struct ZeroOneSpec {
+  // F: v may be updated at steps s <= F only; from s = F + 1 on the local
+  // phase (local steps and syncs). At least 1.
+  int64_t var_freeze_step = 100000;
+  // kappa: v is updated at kappa steps with interval 1, then kappa with
+  // interval 2, 4, ... At least 1.
+  int64_t var_update_scaler = 16;
+  // The local phase's interval between syncs doubles every this many steps
+  // (S, at least 1) up to local_step_clipper (H, at least 1).
+  int64_t local_step_scaler = 32678;
+  int64_t local_step_clipper = 16;
+};
 
 struct SimulatorConfig {
   OptimizerKind optimizer = OptimizerKind::kOneBitAdam;
@@ -69,6 +85,7 @@ struct SimulatorConfig {
   // each worker's own gradient by ClipScale of its own norm before its local
   // momentum (as DeepSpeed does). ClipsAverage/ClipsLocally say which.
   float clip_grad_norm = 0;
+  ZeroOneSpec zero_one;  // zero_one_adam only
   uint64_t seed = 0;            // stochastic rounding
 };
 
@@ -97,9 +114,15 @@ class Simulator {
   int64_t step() const { return step_; }  // steps completed
   bool compressing() const;               // is the next step compressed?
   const Layout& layout() const { return layout_; }
+  // The state every replica agrees on: after the last exchange, what the
+  // shards' mirrors hold.
   absl::Span<const float> x() const { return x_; }
   absl::Span<const float> m() const { return m_; }
   absl::Span<const float> v() const { return v_; }
+  // Worker `rank`'s own x and m: x() and m() except after zero_one_adam's
+  // local steps (design.md 2.7), where each worker has moved on its own.
+  absl::Span<const float> worker_x(uint32_t rank) const;
+  absl::Span<const float> worker_m(uint32_t rank) const;
   const ErrorFeedback& worker_error(uint32_t rank) const { return worker_errors_[rank]; }
   const ErrorFeedback& server_error(uint32_t shard) const { return server_errors_[shard]; }
 
@@ -118,6 +141,16 @@ class Simulator {
   std::vector<float> x_, m_, v_;
   std::vector<ErrorFeedback> worker_errors_;
   std::vector<ErrorFeedback> server_errors_;
+  // zero_one_adam's local phase: each worker's x, m and accumulated update
+  // u since the last sync (x_ is the anchor), the interval's learning-rate
+  // sum, and whether the workers have left x_, m_ (a local step since the
+  // last exchange).
+  struct Local {
+    std::vector<float> x, m, u;
+  };
+  std::vector<Local> locals_;
+  float lr_sum_ = 0;
+  bool diverged_ = false;
 };
 
 }  // namespace morse::compress

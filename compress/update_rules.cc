@@ -90,4 +90,50 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
   ActiveKernels().momentum(beta1, m.data(), g.data(), out.data(), out.size());
 }
 
+namespace {
+
+float Bound(float r, float bound) { return r > bound ? bound : (r < -bound ? -bound : r); }
+
+}  // namespace
+
+void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
+                      absl::Span<float> m, absl::Span<float> u, absl::Span<const float> v,
+                      bool write_x) {
+  MORSE_CHECK(g.size() == x.size() && x.size() == m.size() && m.size() == u.size() &&
+              u.size() == v.size());
+  for (size_t j = 0; j < g.size(); ++j) {
+    const float mi = s.beta1 * m[j] + (1.0f - s.beta1) * g[j];
+    const float m_hat = mi / s.bias_correction1;
+    const float v_hat = v[j] / s.bias_correction2;
+    const float d = Bound(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio) + s.weight_decay * x[j];
+    m[j] = mi;
+    u[j] = u[j] + s.lr * d;
+    if (write_x) x[j] = x[j] - s.lr * d;
+  }
+}
+
+void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const float> u,
+                        absl::Span<const float> m, absl::Span<const float> v, absl::Span<float> out) {
+  MORSE_CHECK(u.size() == m.size() && m.size() == v.size() && v.size() == out.size());
+  if (lr_sum == 0.0f) {
+    std::copy(m.begin(), m.end(), out.begin());
+    return;
+  }
+  for (size_t j = 0; j < u.size(); ++j) {
+    const float a = std::sqrt(v[j] / s.bias_correction2) + s.eps;
+    out[j] = (u[j] * a) / lr_sum;
+  }
+}
+
+void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w, absl::Span<const float> anchor,
+                     absl::Span<float> x, absl::Span<float> m, absl::Span<const float> v) {
+  MORSE_CHECK(w.size() == anchor.size() && anchor.size() == x.size() && x.size() == m.size() &&
+              m.size() == v.size());
+  for (size_t j = 0; j < w.size(); ++j) {
+    const float a = std::sqrt(v[j] / s.bias_correction2) + s.eps;
+    x[j] = anchor[j] - (s.lr * w[j]) / a;
+    m[j] = w[j];
+  }
+}
+
 }  // namespace morse::compress

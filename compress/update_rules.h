@@ -64,6 +64,27 @@ void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
 void LocalMomentum(float beta1, absl::Span<const float> m,
                    absl::Span<const float> g, absl::Span<float> out);
 
+// zero_one_adam (design.md 2.7). Plain loops in one fixed fp32 order (the
+// compress target is built without FMA contraction), on the CPU only.
+//
+// One worker's local step: m = b1*m + (1-b1)*g; r = bound((m/bc1) /
+// (sqrt(v/bc2) + eps)); d = r + wd*x; u = u + lr*d; x = x - lr*d unless
+// !write_x (a sync step, whose x comes from the reply).
+void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
+                      absl::Span<float> m, absl::Span<float> u, absl::Span<const float> v,
+                      bool write_x);
+// A worker's sync message: out = (u * (sqrt(v/bc2) + eps)) / lr_sum, the
+// learning-rate-weighted mean of its local momenta since the last sync; its
+// own m where lr_sum is 0.
+void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const float> u,
+                        absl::Span<const float> m, absl::Span<const float> v, absl::Span<float> out);
+// Every replica's sync update from the decoded reply w, with s.lr the
+// interval's learning-rate sum: x = anchor - (lr_sum * w) / (sqrt(v/bc2) +
+// eps); m = w. `anchor` (x at the last sync) may be x itself (a shard's
+// mirror never leaves it).
+void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w, absl::Span<const float> anchor,
+                     absl::Span<float> x, absl::Span<float> m, absl::Span<const float> v);
+
 }  // namespace morse::compress
 
 #endif  // MORSE_COMPRESS_UPDATE_RULES_H_

@@ -1,0 +1,266 @@
+// zero_one_adam (design.md 2.7) against independent oracles: its schedule
+// against DeepSpeed's counters, and the simulator against the algorithm
+// written out here element by element (lossless fp32 messages, so every
+// worker's x and m and the shared v must match bit for bit through variance
+// steps, compressed steps, local steps and syncs).
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "compress/replica.h"
+#include "compress/simulator.h"
+#include "gtest/gtest.h"
+
+namespace morse::compress {
+namespace {
+
+// DeepSpeed's ZeroOneAdam counters, stepped once per 1-based step s: the
+// variance steps (var_interval, var_counter) and, after the freeze, the
+// local-step interval (local_step_interval, local_step_counter).
+struct DeepSpeedCounters {
+  int64_t kappa, freeze, scaler, clipper;
+  int64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0, s = 0;
+  int64_t variance_updates = 0;
+
+  // Returns {is a variance step, is a sync} of the next step.
+  std::pair<bool, bool> Next() {
+    ++s;
+    if (s <= freeze) {
+      const bool variance = s % var_interval == 0;
+      if (variance) {
+        ++variance_updates;
+        if (++var_counter == kappa) {
+          var_counter = 0;
+          var_interval *= 2;
+        }
+      }
+      return {variance, true};
+    }
+    const bool sync = s % local_interval == 0;
+    if (++local_counter == scaler) {
+      local_counter = 0;
+      local_interval = std::min(clipper, local_interval * 2);
+    }
+    return {false, sync};
+  }
+};
+
+SimulatorConfig ZeroOneConfig(int64_t freeze, int64_t kappa, int64_t scaler, int64_t clipper) {
+  SimulatorConfig c;
+  c.optimizer = OptimizerKind::kZeroOneAdam;
+  c.zero_one = {freeze, kappa, scaler, clipper};
+  return c;
+}
+
+TEST(ZeroOneTest, TheScheduleIsDeepSpeedsCounters) {
+  for (const auto& [freeze, kappa, scaler, clipper] :
+       std::vector<std::array<int64_t, 4>>{{200, 3, 5, 8}, {100000, 16, 32678, 16}, {50, 1, 1, 3},
+                                           {1, 2, 4, 16}}) {
+    const SimulatorConfig config = ZeroOneConfig(freeze, kappa, scaler, clipper);
+    DeepSpeedCounters ds{kappa, freeze, scaler, clipper};
+    const int64_t steps = std::min<int64_t>(freeze + 400, 120000);
+    for (int64_t t = 0; t < steps; ++t) {
+      const auto [variance, sync] = ds.Next();
+      const ZeroOneStep z = ZeroOneAt(config, t);
+      ASSERT_EQ(z.variance, variance) << "step " << t << " F " << freeze;
+      ASSERT_EQ(z.exchanges, sync) << "step " << t << " F " << freeze;
+      ASSERT_EQ(z.local, t >= freeze) << "step " << t;
+      ASSERT_EQ(z.variance_updates, ds.variance_updates) << "step " << t;
+      ASSERT_EQ(NextExchange(config, t) == t, sync);
+    }
+  }
+}
+
+TEST(ZeroOneTest, PlansFollowThePhases) {
+  SimulatorConfig c = ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
+  // Variance steps s = t + 1 = 1, 2, 4, 6, 8; local from t = 10 with
+  // interval 1 (t = 10..12), then 2 (t = 13..15: s = 14 and 16 sync), then 4.
+  EXPECT_FALSE(PlanStep(c, 0).compressing);
+  EXPECT_FALSE(PlanStep(c, 1).compressing);
+  EXPECT_TRUE(PlanStep(c, 2).compressing);
+  EXPECT_TRUE(PlanSend(c, 2, Direction::kUp, 0, 0).local_momentum);
+  EXPECT_FALSE(PlanStep(c, 3).compressing);
+  EXPECT_TRUE(PlanStep(c, 10).local && PlanStep(c, 10).exchanges);
+  EXPECT_TRUE(PlanSend(c, 10, Direction::kUp, 0, 0).accumulated);
+  EXPECT_FALSE(PlanSend(c, 10, Direction::kDown, 2, 0).accumulated);
+  EXPECT_TRUE(PlanReply(c, 10).sync);
+  EXPECT_TRUE(PlanStep(c, 12).exchanges && PlanStep(c, 13).exchanges);
+  EXPECT_FALSE(PlanStep(c, 14).exchanges);
+  EXPECT_TRUE(PlanStep(c, 15).exchanges);
+  EXPECT_EQ(NextExchange(c, 14), 15);
+  EXPECT_TRUE(StartsInterval(c, 10));
+  EXPECT_TRUE(StartsInterval(c, 14));
+  EXPECT_FALSE(StartsInterval(c, 15));
+  EXPECT_FALSE(StartsInterval(c, 9));
+  c.lr.base_lr = 0.5f;
+  EXPECT_EQ(IntervalLrSum(c, 15), 1.0f);
+  EXPECT_EQ(PlanReply(c, 15).scalars.lr, 1.0f);
+  StepHyper hyper{0.25f, 0.0f};
+  EXPECT_EQ(PlanReply(c, 15, &hyper).scalars.lr, 0.25f);  // the pushes carry the sum
+}
+
+// The algorithm of design.md 2.7 written out with lossless messages.
+class Reference {
+ public:
+  Reference(const SimulatorConfig& c, absl::Span<const float> x0)
+      : c_(c), x_(x0.begin(), x0.end()), m_(x0.size()), v_(x0.size()),
+        wx_(c.workers, x_), wm_(c.workers, m_), wu_(c.workers, std::vector<float>(x0.size())),
+        ds_{c.zero_one.var_update_scaler, c.zero_one.var_freeze_step, c.zero_one.local_step_scaler,
+            c.zero_one.local_step_clipper} {}
+
+  void Step(const std::vector<std::vector<float>>& g) {
+    const auto [variance, sync] = ds_.Next();
+    const int64_t s = ds_.s;
+    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps, wd = c_.adam.weight_decay;
+    const float lr = c_.lr.base_lr;
+    const float bc1 = static_cast<float>(1.0 - std::pow(double{b1}, double(s)));
+    const float bc2 = static_cast<float>(1.0 - std::pow(double{b2}, double(ds_.variance_updates)));
+    const float bound = OneBitUpdateBound(c_.adam);
+    const size_t n = x_.size();
+    const uint32_t workers = c_.workers;
+    const auto average = [&](const std::vector<std::vector<float>>& values, size_t j) {
+      float sum = 0.0f;
+      for (uint32_t i = 0; i < workers; ++i) sum += values[i][j];
+      return sum / static_cast<float>(workers);
+    };
+    const auto clamp = [&](float r) { return r > bound ? bound : (r < -bound ? -bound : r); };
+    if (s <= c_.zero_one.var_freeze_step) {
+      std::vector<std::vector<float>> sent = g;
+      if (!variance) {  // local momenta, masked where v is 0
+        for (uint32_t i = 0; i < workers; ++i) {
+          for (size_t j = 0; j < n; ++j) sent[i][j] = v_[j] == 0.0f ? 0.0f : b1 * m_[j] + (1.0f - b1) * g[i][j];
+        }
+      }
+      for (size_t j = 0; j < n; ++j) {
+        const float a = average(sent, j);
+        if (variance) {
+          m_[j] = b1 * m_[j] + (1.0f - b1) * a;
+          v_[j] = b2 * v_[j] + (1.0f - b2) * (a * a);
+          x_[j] = x_[j] - lr * ((m_[j] / bc1) / (std::sqrt(v_[j] / bc2) + eps) + wd * x_[j]);
+        } else {
+          m_[j] = a;
+          x_[j] = x_[j] - lr * (clamp((a / bc1) / (std::sqrt(v_[j] / bc2) + eps)) + wd * x_[j]);
+        }
+      }
+      for (uint32_t i = 0; i < workers; ++i) wx_[i] = x_, wm_[i] = m_;
+      return;
+    }
+    if (starts_) {
+      for (uint32_t i = 0; i < workers; ++i) wx_[i] = x_, wm_[i] = m_, wu_[i].assign(n, 0.0f);
+      lr_sum_ = 0.0f;
+    }
+    for (uint32_t i = 0; i < workers; ++i) {
+      for (size_t j = 0; j < n; ++j) {
+        wm_[i][j] = b1 * wm_[i][j] + (1.0f - b1) * g[i][j];
+        const float d = clamp(wm_[i][j] / (std::sqrt(v_[j] / bc2) + eps)) + wd * wx_[i][j];
+        wu_[i][j] = wu_[i][j] + lr * d;
+        if (!sync) wx_[i][j] = wx_[i][j] - lr * d;
+      }
+    }
+    lr_sum_ += lr;
+    starts_ = sync;
+    if (!sync) return;
+    std::vector<std::vector<float>> sent(workers, std::vector<float>(n));
+    for (uint32_t i = 0; i < workers; ++i) {
+      for (size_t j = 0; j < n; ++j) {
+        sent[i][j] = v_[j] == 0.0f ? 0.0f : (wu_[i][j] * (std::sqrt(v_[j] / bc2) + eps)) / lr_sum_;
+      }
+    }
+    for (size_t j = 0; j < n; ++j) {
+      const float w = average(sent, j);
+      x_[j] = x_[j] - (lr_sum_ * w) / (std::sqrt(v_[j] / bc2) + eps);
+      m_[j] = w;
+    }
+    for (uint32_t i = 0; i < workers; ++i) wx_[i] = x_, wm_[i] = m_;
+  }
+
+  const std::vector<float>& x(uint32_t i) const { return wx_[i]; }
+  const std::vector<float>& m(uint32_t i) const { return wm_[i]; }
+  const std::vector<float>& v() const { return v_; }
+  const std::vector<float>& shared_x() const { return x_; }
+
+ private:
+  SimulatorConfig c_;
+  std::vector<float> x_, m_, v_;
+  std::vector<std::vector<float>> wx_, wm_, wu_;
+  DeepSpeedCounters ds_;
+  float lr_sum_ = 0.0f;
+  bool starts_ = true;
+};
+
+bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+}
+
+TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
+  constexpr size_t kDim = 700;
+  SimulatorConfig c = ZeroOneConfig(/*freeze=*/30, /*kappa=*/3, /*scaler=*/4, /*clipper=*/4);
+  c.workers = 3;
+  c.layout = {kDim, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/128};
+  c.warmup_codec = c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32, 64};
+  c.worker_feedback = c.server_feedback = FeedbackSpec{FeedbackKind::kEf};
+  c.lr.base_lr = 0.01f;
+  c.adam.weight_decay = 0.01f;
+  std::vector<float> x0(kDim), a(kDim), target(kDim);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (size_t j = 0; j < kDim; ++j) x0[j] = uniform(rng), a[j] = 0.5f + 0.5f * uniform(rng), target[j] = uniform(rng);
+  auto sim = Simulator::Create(c, x0);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  Reference ref(c, x0);
+  int64_t local_steps = 0, syncs = 0;
+  for (int64_t t = 0; t < 80; ++t) {
+    std::vector<std::vector<float>> g(c.workers, std::vector<float>(kDim));
+    for (uint32_t i = 0; i < c.workers; ++i) {
+      std::mt19937 noise(static_cast<uint32_t>(1000 * t + i));
+      std::normal_distribution<float> normal(0.0f, 0.3f);
+      const auto x = sim->worker_x(i);
+      for (size_t j = 0; j < kDim; ++j) {
+        g[i][j] = j % 7 == 0 ? 0.0f : a[j] * (x[j] - target[j]) + normal(noise);  // j % 7: dead, v = 0
+      }
+    }
+    std::vector<absl::Span<const float>> views(g.begin(), g.end());
+    const StepPlan plan = PlanStep(c, t);
+    local_steps += plan.local && !plan.exchanges;
+    syncs += plan.local && plan.exchanges;
+    ASSERT_TRUE(sim->Step(views).ok());
+    ref.Step(g);
+    for (uint32_t i = 0; i < c.workers; ++i) {
+      ASSERT_TRUE(SameBits(sim->worker_x(i), ref.x(i))) << "worker " << i << " x at step " << t;
+      ASSERT_TRUE(SameBits(sim->worker_m(i), ref.m(i))) << "worker " << i << " m at step " << t;
+    }
+    ASSERT_TRUE(SameBits(sim->v(), ref.v())) << "v at step " << t;
+    ASSERT_TRUE(SameBits(sim->x(), ref.shared_x())) << "shared x at step " << t;
+    if (plan.local && !plan.exchanges) {
+      EXPECT_FALSE(SameBits(sim->worker_x(0), sim->worker_x(1))) << "workers step on their own";
+    }
+  }
+  EXPECT_GT(local_steps, 20);
+  EXPECT_GT(syncs, 10);
+}
+
+TEST(ZeroOneTest, AWorkerReplicaMatchesTheSimulatorAndRefusesAnIntervalItDidNotStart) {
+  constexpr size_t kDim = 300;
+  SimulatorConfig c = ZeroOneConfig(/*freeze=*/4, /*kappa=*/1, /*scaler=*/1, /*clipper=*/4);
+  c.workers = 1;
+  c.layout = {kDim, 1, 64, 128};
+  c.warmup_codec = CodecSpec{CodecKind::kFp32, 64};
+  c.up_codec = c.down_codec = CodecSpec{CodecKind::kSign1, 64};
+  c.worker_feedback = c.server_feedback = FeedbackSpec{FeedbackKind::kEf};
+  c.lr.base_lr = 0.01f;
+  // Intervals 1, 2, then 4 from t = 6: t = 7 syncs (s = 8), t = 8 starts
+  // an interval, t = 9 is in its middle.
+  EXPECT_TRUE(PlanStep(c, 7).exchanges);
+  EXPECT_TRUE(StartsInterval(c, 8));
+  EXPECT_FALSE(PlanStep(c, 9).exchanges || StartsInterval(c, 9));
+  Replica replica(c, {0, kDim});
+  std::vector<float> g(kDim, 0.5f);
+  absl::Status s = replica.LocalStep(9, g);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(replica.LocalStep(2, g).code(), absl::StatusCode::kFailedPrecondition);  // not local
+}
+
+}  // namespace
+}  // namespace morse::compress
