@@ -92,6 +92,16 @@ StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
   return plan;
 }
 
+const char* PhaseName(const SimulatorConfig& config, int64_t step) {
+  if (config.optimizer == OptimizerKind::kAdam) return "adam";
+  const StepPlan plan = PlanStep(config, step);
+  if (config.optimizer == OptimizerKind::kZeroOneAdam) {
+    if (plan.local) return plan.exchanges ? "sync" : "local";
+    return plan.compressing ? "compression" : "variance";
+  }
+  return plan.compressing ? "compression" : "warmup";
+}
+
 int64_t NextExchange(const SimulatorConfig& config, int64_t step) {
   if (config.optimizer != OptimizerKind::kZeroOneAdam) return step;
   while (!ZeroOneAt(config, step).exchanges) ++step;  // at most local_step_clipper - 1 steps

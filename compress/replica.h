@@ -32,6 +32,10 @@ struct StepPlan {
   CodecSpec down;
 };
 StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
+// The phase of `step` in words, for logs and errors: "adam"; onebit_adam's
+// "warmup" or "compression"; zero_one_adam's "variance", "compression",
+// "local" or "sync".
+const char* PhaseName(const SimulatorConfig& config, int64_t step);
 
 // zero_one_adam's schedule at step `step` (0-based; design.md 2.7).
 struct ZeroOneStep {

@@ -138,10 +138,27 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     a.optimizer = compress::OptimizerKind::kOneBitAdam;
   } else if (c.optimizer() == "adam") {
     a.optimizer = compress::OptimizerKind::kAdam;
+  } else if (c.optimizer() == "zero_one_adam") {
+    a.optimizer = compress::OptimizerKind::kZeroOneAdam;
   } else {
-    return Invalid("optimizer", absl::StrCat("'", c.optimizer(), "' is not onebit_adam or adam"));
+    return Invalid("optimizer", absl::StrCat("'", c.optimizer(), "' is not onebit_adam, adam or zero_one_adam"));
   }
-  const bool onebit = a.optimizer == compress::OptimizerKind::kOneBitAdam;
+  // onebit_adam and zero_one_adam compress with error feedback by default
+  // and have a frozen v to mask and bound.
+  const bool onebit = a.optimizer != compress::OptimizerKind::kAdam;
+  const bool zero_one = a.optimizer == compress::OptimizerKind::kZeroOneAdam;
+  if (zero_one) {
+    const v1::ZeroOneAdamConfig& z = c.zero_one_adam();
+    if (z.has_var_freeze_step()) a.zero_one.var_freeze_step = z.var_freeze_step();
+    if (z.has_var_update_scaler()) a.zero_one.var_update_scaler = z.var_update_scaler();
+    if (z.has_local_step_scaler()) a.zero_one.local_step_scaler = z.local_step_scaler();
+    if (z.has_local_step_clipper()) a.zero_one.local_step_clipper = z.local_step_clipper();
+    if (c.freeze_step() != 0) {
+      return Invalid("freeze_step", "is onebit_adam's; zero_one_adam freezes v at zero_one_adam.var_freeze_step");
+    }
+  } else if (c.has_zero_one_adam()) {
+    return Invalid("zero_one_adam", "is set but the optimizer is not zero_one_adam");
+  }
 
   const v1::AdamConfig& adam = c.adam();
   if (adam.has_beta1()) a.adam.beta1 = adam.beta1();
@@ -151,11 +168,11 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   a.bias_correction = !adam.has_bias_correction() || adam.bias_correction();
   a.mask_zero_variance = !c.has_mask_zero_variance() || c.mask_zero_variance();
   if (!onebit && c.has_mask_zero_variance() && c.mask_zero_variance()) {
-    return Invalid("mask_zero_variance", "only onebit_adam freezes v (DESIGN 2.1); adam has nothing to mask");
+    return Invalid("mask_zero_variance", "only onebit_adam and zero_one_adam freeze v (DESIGN 2.1); adam has nothing to mask");
   }
   a.bound_update = !c.has_bound_update() || c.bound_update();
   if (!onebit && c.has_bound_update() && c.bound_update()) {
-    return Invalid("bound_update", "only onebit_adam's frozen-variance update is bounded (DESIGN 2.1); adam's update is plain Adam");
+    return Invalid("bound_update", "only the frozen-variance updates of onebit_adam and zero_one_adam are bounded (DESIGN 2.1); adam's update is plain Adam");
   }
   if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok()) return Invalid("adam", s.message());
   a.clip_grad_norm = c.clip_grad_norm();
@@ -222,8 +239,9 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   // A server's base config for an external model leaves the optimizer to
   // the workers' Join.
   const bool base_only = external && job.external.dim == 0;
-  if (onebit && base_only && a.freeze_step == 0) a.freeze_step = 1;
-  if (onebit && (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
+  const bool freezes = a.optimizer == compress::OptimizerKind::kOneBitAdam;
+  if (freezes && base_only && a.freeze_step == 0) a.freeze_step = 1;
+  if (freezes && (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
     return Invalid("freeze_step",
                    absl::StrCat(a.freeze_step, " is outside [1, steps]: onebit_adam needs at least one "
                                                "warmup step (with none there is no variance to freeze)"));

@@ -220,21 +220,26 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
           "step ", args.step, " of partition ", args.partition,
           " is stale; the partition has completed ", p.next_step, " steps and accepts step ",
           p.next_step)));
-    } else if (args.step > p.next_step) {
+    } else if (args.step < NextExchange(p)) {
+      return reject(absl::FailedPreconditionError(absl::StrCat(
+          "step ", args.step, " is a local step of zero_one_adam (docs/design.md 2.7): workers do "
+          "not push; partition ", args.partition, " accepts step ", NextExchange(p), " next")));
+    } else if (args.step > NextExchange(p)) {
       // A shard restored from its checkpoint is behind its workers: they
-      // replay their retained pushes from next_step on (DESIGN 4).
+      // replay their retained pushes from the step it accepts on (DESIGN 4).
+      const int64_t accepts = NextExchange(p);
       absl::Status behind = absl::AbortedError(absl::StrCat(
           "step ", args.step, " of partition ", args.partition,
           " is too far ahead; the partition has completed ", p.next_step,
-          " steps and accepts step ", p.next_step));
-      behind.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(p.next_step)));
+          " steps and accepts step ", accepts));
+      behind.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(accepts)));
       return reject(std::move(behind));
     } else {
       const compress::StepPlan plan = compress::PlanStep(job_.algorithm, args.step);
       if (args.codec != plan.up.kind) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
             "codec ", CodecName(args.codec), " is not allowed at step ", args.step, " (",
-            plan.compressing ? "compression" : "warmup", " phase); expected ",
+            compress::PhaseName(job_.algorithm, args.step), " phase); expected ",
             CodecName(plan.up.kind))));
       }
       const uint64_t n = p.partition.range.size();
@@ -342,6 +347,10 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   }
 }
 
+int64_t ShardCore::NextExchange(const PartitionState& p) const {
+  return compress::NextExchange(job_.algorithm, p.next_step);
+}
+
 std::optional<absl::Status> ShardCore::AbortFor(int64_t step) const {
   absl::MutexLock lock(&abort_mu_);
   if (!abort_.has_value() || step < abort_->first) return std::nullopt;
@@ -401,7 +410,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   const compress::Partition& part = p.partition;
   const std::optional<compress::StepHyper> hyper = p.hyper;
   const uint64_t n = part.range.size();
-  const int64_t step = p.next_step;
+  const int64_t step = NextExchange(p);
   const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
   std::vector<absl::Span<const uint8_t>> views;
   for (const auto& push : p.pushes) {
@@ -442,7 +451,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   }
   p.last_reply = reply;
   p.restored = false;
-  ++p.next_step;
+  p.next_step = step + 1;
   // The mirror applies this reply after the workers have it (Push), or
   // before anything reads the mirror.
   p.mirror_pending = true;
@@ -480,7 +489,7 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int6
         "rank ", rank, " sent a gradient norm for step ", step,
         ", which does not clip the averaged gradient (clip_grad_norm ",
         job_.algorithm.clip_grad_norm, ", ",
-        compress::PlanStep(job_.algorithm, step).compressing ? "compression" : "warmup", " phase)"));
+        compress::PhaseName(job_.algorithm, step), " phase)"));
   }
   if (p.committed_norm.has_value()) {
     if (std::memcmp(&*p.committed_norm, &total, sizeof(double)) != 0) {
@@ -555,9 +564,12 @@ void ShardCore::NoteStepCompleted(int64_t step) {
     if (++completions_[step] < partitions_.size()) return;
     // Steps finish in order: a step's replies are all out before any
     // worker can push the next one.
-    while (!completions_.empty() && completions_.begin()->first == observed_step_ + 1 &&
+    // (zero_one_adam's local steps complete nothing: the next exchange.)
+    while (!completions_.empty() &&
+           completions_.begin()->first == compress::NextExchange(job_.algorithm, observed_step_ + 1) &&
            completions_.begin()->second == partitions_.size()) {
-      finished.push_back(++observed_step_);
+      observed_step_ = completions_.begin()->first;
+      finished.push_back(observed_step_);
       completions_.erase(completions_.begin());
     }
   }
@@ -580,7 +592,7 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
     for (uint32_t r = 0; r < p.pushes.size(); ++r) {
       if (!p.pushes[r].has_value()) missing.push_back(r);
     }
-    oldest = absl::StrCat("step ", p.next_step, " of partition ", p.partition.id, " has waited ",
+    oldest = absl::StrCat("step ", NextExchange(p), " of partition ", p.partition.id, " has waited ",
                           absl::FormatDuration(absl::Trunc(longest, absl::Seconds(1))), " for rank(s) ",
                           absl::StrJoin(missing, ", "), "; it fails after ",
                           job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds)");
@@ -602,7 +614,7 @@ void ShardCore::ExpireWaiting(absl::Time now) {
         if (!p.pushes[r].has_value()) missing.push_back(r);
       }
       status = absl::DeadlineExceededError(absl::StrCat(
-          "step ", p.next_step, " of partition ", p.partition.id, " timed out after ",
+          "step ", NextExchange(p), " of partition ", p.partition.id, " timed out after ",
           job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds): rank(s) ",
           absl::StrJoin(missing, ", "), " did not push; is a worker down?"));
       p.ClearPending();

@@ -205,6 +205,9 @@ class ShardCore {
   // Records a checked commit and applies the mirror.
   void ApplyCommit(PartitionState& p, double total) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   void FlushMirrors() const;  // ApplyMirror on every partition
+  // The step p accepts pushes of: its next step, or zero_one_adam's next
+  // sync after local steps.
+  int64_t NextExchange(const PartitionState& p) const ABSL_SHARED_LOCKS_REQUIRED(p.mu);
   void NoteStepCompleted(int64_t step);
   // The abort that refuses a push of `step`, if any.
   std::optional<absl::Status> AbortFor(int64_t step) const;

@@ -88,7 +88,7 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
 }
 
 absl::Status Session::Begin(absl::Span<const float> grad) {
-  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
+  if (InStep()) return absl::FailedPreconditionError("a step is already in progress");
   if (absl::Status s = engine_->SetHostGradient(grad); !s.ok()) return s;
   return BeginStep();
 }
@@ -109,7 +109,7 @@ absl::Status Session::StepFromEngine(StepTraffic* traffic) {
 }
 
 absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
-  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (kind != "cpu" && job_.algorithm.clip_grad_norm > 0.0f) {
     return absl::FailedPreconditionError(absl::StrCat(
         "clip_grad_norm is not supported on ", kind, " yet; train on the CPU or leave it 0"));
@@ -131,24 +131,32 @@ absl::Status Session::BeginStep() {
         "); this worker's model may be half-updated: restart it with --resume "
         "(morse-worker) or rebuild the optimizer"));
   }
-  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is already in progress");
+  if (InStep()) return absl::FailedPreconditionError("a step is already in progress");
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
-  const int64_t step = step_;
   step_hyper_ = hyper_;
-  clips_average_ = compress::ClipsAverage(job_.algorithm, step);
-  clips_locally_ = compress::ClipsLocally(job_.algorithm, step);
+  clips_average_ = compress::ClipsAverage(job_.algorithm, step_);
+  clips_locally_ = compress::ClipsLocally(job_.algorithm, step_);
   local_scale_.reset();
   deferred_.reset();
+  // zero_one_adam's local phase: the local step needs the whole gradient,
+  // so Finish does it, and then sends if the step syncs.
+  local_pending_ = plan_.local;
+  if (!local_pending_) StartExchange();
+  return absl::OkStatus();
+}
+
+void Session::StartExchange() {
+  const int64_t step = step_;
   if (defer_apply_ || clips_average_) {
     deferred_ = std::make_shared<std::vector<std::optional<DeferredReply>>>(layout_.partitions().size());
   }
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind,
       // The step keeps its own copy of the hyper-parameters it was begun with.
-      [this, step, hyper = hyper_, deferred = deferred_](const compress::Partition& p,
-                                                          const std::string& reply,
-                                                          std::optional<double> sum_of_squares) {
+      [this, step, hyper = step_hyper_, deferred = deferred_](const compress::Partition& p,
+                                                              const std::string& reply,
+                                                              std::optional<double> sum_of_squares) {
         if (deferred != nullptr) {  // each partition's slot is written by one reply only
           (*deferred)[p.id] = DeferredReply{reply, sum_of_squares};
           return absl::OkStatus();
@@ -156,17 +164,39 @@ absl::Status Session::BeginStep() {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
-      StepExtras{hyper_, std::move(buffers_), previous_grad_sum_of_squares_});
+      StepExtras{step_hyper_, std::move(buffers_), previous_grad_sum_of_squares_});
   buffers_.clear();
+}
+
+absl::Status Session::LocalStep() {
+  local_pending_ = false;
+  float scale = 1.0f;
+  if (clips_locally_) {
+    absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
+    if (!sum_of_squares.ok()) return sum_of_squares.status();
+    scale = compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
+  }
+  if (absl::Status s = engine_->LocalStep(step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
+      !s.ok()) {
+    return s;
+  }
+  // A sync's message is the interval's update, not the gradient.
+  clips_locally_ = false;
+  local_scale_ = 1.0f;
+  if (!plan_.exchanges) return absl::OkStatus();
+  // Every replica needs the interval's learning-rate sum for the sync; the
+  // pushes carry it when the workers set the lr (compress::PlanReply).
+  if (step_hyper_.has_value()) step_hyper_->lr = replica_.lr_sum();
+  StartExchange();
   return absl::OkStatus();
 }
 
 absl::Status Session::SendPartition(uint32_t partition) {
-  if (exchange_ == nullptr) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (!InStep()) return absl::FailedPreconditionError("no step in progress (call Begin)");
   if (partition >= sent_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("no partition ", partition));
   }
-  if (sent_[partition]) return absl::OkStatus();
+  if (sent_[partition] || local_pending_) return absl::OkStatus();  // a local step: Finish sends
   // Clipping this worker's own gradient needs all of it: Finish sends.
   if (clips_locally_ && !local_scale_.has_value()) return absl::OkStatus();
   sent_[partition] = true;
@@ -192,7 +222,18 @@ absl::Status Session::Fail(absl::Status status) {
 }
 
 absl::Status Session::Finish(StepTraffic* traffic) {
-  if (exchange_ == nullptr) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (!InStep()) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (local_pending_) {
+    if (absl::Status s = LocalStep(); !s.ok()) {
+      return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": ", s.message())));
+    }
+    if (exchange_ == nullptr) {  // a local step: nothing to send
+      if (traffic != nullptr) *traffic = StepTraffic{};
+      received_buffers_.clear();
+      ++step_;
+      return absl::OkStatus();
+    }
+  }
   absl::Status status;
   if (clips_locally_ && !local_scale_.has_value()) {
     absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
@@ -272,7 +313,7 @@ absl::Status Session::ServerError(absl::Span<float> out) {
   if (out.size() != dim) {
     return absl::InvalidArgumentError(absl::StrCat("the server error has ", dim, " elements"));
   }
-  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   auto steps = client_->FetchServerError(out);
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
@@ -291,7 +332,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
         "optimizer state needs step >= 0 and m, v (and the server error, if given) of ", dim,
         " elements"));
   }
-  if (exchange_ != nullptr) return absl::FailedPreconditionError("a step is in progress");
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
   if (*held != step) {

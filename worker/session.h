@@ -122,6 +122,11 @@ class Session {
  private:
   Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout, absl::Span<float> x);
   absl::Status BeginStep();  // the checks and the exchange, whatever the gradient's source
+  void StartExchange();      // the exchange of the step in flight (step_hyper_'s hyper)
+  // zero_one_adam's local step of the step in flight (compress::Replica::
+  // LocalStep), then its exchange if it syncs.
+  absl::Status LocalStep();
+  bool InStep() const { return exchange_ != nullptr || local_pending_; }
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);
@@ -157,6 +162,9 @@ class Session {
   // sent with the next step's pushes (morse.proto Commit).
   std::optional<double> previous_grad_sum_of_squares_;
   std::vector<bool> sent_;
+  // zero_one_adam's local phase: the step in flight waits for Finish to
+  // take its local step (and only then exchanges, if it syncs).
+  bool local_pending_ = false;
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only
   absl::Status failed_;  // the error that ended training, if a step failed

@@ -55,21 +55,16 @@ TcpCounters ReadTcpCounters() {
   return c;
 }
 
-const char* PhaseName(const compress::SimulatorConfig& algo, const compress::StepPlan& plan) {
-  if (algo.optimizer == compress::OptimizerKind::kAdam) return "adam";
-  return plan.compressing ? "compression" : "warmup";
-}
-
 }  // namespace
 
 std::string TrainingSummary::ToJson() const {
   std::string json = absl::StrFormat(
       "{\"rank\":%u,\"steps\":%d,\"final_loss\":%.6g,\"payload_up_bytes\":%u,"
       "\"payload_down_bytes\":%u,\"warmup_up_bytes_per_step\":%u,"
-      "\"compressed_up_bytes_per_step\":%u,\"wire_sent_bytes\":%u,\"wire_received_bytes\":%u,"
+      "\"compressed_up_bytes_per_step\":%u,\"exchanges\":%d,\"wire_sent_bytes\":%u,\"wire_received_bytes\":%u,"
       "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\",\"device\":\"%s\"",
       rank, steps, final_loss, payload_up, payload_down, warmup_up_per_step,
-      compressed_up_per_step, wire_sent_bytes, wire_received_bytes, wall_seconds, comm_seconds,
+      compressed_up_per_step, exchanges, wire_sent_bytes, wire_received_bytes, wall_seconds, comm_seconds,
       final_checksum, device);
   if (test_accuracy.has_value()) absl::StrAppendFormat(&json, ",\"test_accuracy\":%.4f", *test_accuracy);
   return json + "}";
@@ -194,7 +189,7 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     }
     const compress::StepPlan& plan = (*session)->plan();
     const TcpCounters tcp_after = ReadTcpCounters();
-    record.phase = PhaseName(job.algorithm, plan);
+    record.phase = compress::PhaseName(job.algorithm, step);
     record.up = plan.up.kind;
     record.down = plan.down.kind;
     record.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
@@ -209,7 +204,10 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     summary.payload_up += record.traffic.payload_up;
     summary.payload_down += record.traffic.payload_down;
     summary.comm_seconds += record.comm_seconds;
-    (plan.compressing ? summary.compressed_up_per_step : summary.warmup_up_per_step) = record.traffic.payload_up;
+    if (plan.exchanges) {
+      (plan.compressing ? summary.compressed_up_per_step : summary.warmup_up_per_step) = record.traffic.payload_up;
+      ++summary.exchanges;
+    }
     summary.final_loss = *loss;
     if (checkpoint_due) {
       if (absl::Status s = (*session)->SaveCheckpoint(checkpoint); !s.ok()) {

@@ -46,6 +46,8 @@ struct TrainingSummary {
   std::optional<double> test_accuracy;
   uint64_t payload_up = 0, payload_down = 0;  // totals
   uint64_t warmup_up_per_step = 0, compressed_up_per_step = 0;
+  // Steps that exchanged with the shards (all but zero_one_adam's local steps).
+  int64_t exchanges = 0;
   // TCP bytes over this process's sockets during training (TCP_INFO).
   uint64_t wire_sent_bytes = 0, wire_received_bytes = 0;
   double wall_seconds = 0;

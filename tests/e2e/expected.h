@@ -12,8 +12,14 @@
 namespace morse::testing {
 
 struct Expected {
-  std::vector<std::string> model;               // per step, all of x, m, v
-  std::vector<std::vector<std::string>> shard;  // [shard][step]
+  std::vector<std::string> model;                // per step, all of x, m, v
+  // [rank][step]: each worker's own x, m, v (model except after
+  // zero_one_adam's local steps, where each worker moves on its own).
+  std::vector<std::vector<std::string>> worker;
+  // [shard][i]: the mirror after the i-th step that exchanged (every step
+  // but zero_one_adam's local ones), and which steps those were.
+  std::vector<std::vector<std::string>> shard;
+  std::vector<int64_t> exchanged_steps;
 };
 
 // Runs the simulator on the synthetic workload's gradients and records the

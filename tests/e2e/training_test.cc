@@ -35,20 +35,26 @@ void ExpectBitIdentical(const std::string& config) {
   cluster.StopServers();
   for (uint32_t r = 0; r < job->workers(); ++r) {
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
-    ASSERT_EQ(got.size(), expected.model.size()) << "worker " << r;
+    ASSERT_EQ(got.size(), expected.worker[r].size()) << "worker " << r;
     for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.model[t]) << "worker " << r << " differs at step " << t;
+      ASSERT_EQ(got[t], expected.worker[r][t]) << "worker " << r << " differs at step " << t;
     }
   }
   for (uint32_t s = 0; s < job->shards(); ++s) {
-    const auto got = JsonField(ReadFile(cluster.state_log(s)), "mirror_checksum");
+    const std::string log = ReadFile(cluster.state_log(s));
+    const auto got = JsonField(log, "mirror_checksum");
+    const auto steps = JsonField(log, "step");
     ASSERT_EQ(got.size(), expected.shard[s].size()) << "shard " << s;
-    for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.shard[s][t]) << "shard " << s << " mirror differs at step " << t;
+    ASSERT_EQ(steps.size(), got.size()) << "shard " << s;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const int64_t step = expected.exchanged_steps[i];
+      ASSERT_EQ(steps[i], std::to_string(step)) << "shard " << s << " logged another step";
+      ASSERT_EQ(got[i], expected.shard[s][i]) << "shard " << s << " mirror differs at step " << step;
     }
   }
-  std::printf("%zu steps: %u workers and %u server mirrors bit-identical to the simulator\n",
-              expected.model.size(), job->workers(), job->shards());
+  std::printf("%zu steps (%zu exchanged): %u workers and %u server mirrors bit-identical to the "
+              "simulator\n",
+              expected.model.size(), expected.exchanged_steps.size(), job->workers(), job->shards());
 }
 
 // D = 20011: 79 blocks of 256 -> shards of 40 and 39 blocks, 3 partitions of
@@ -89,6 +95,23 @@ TEST(TrainingTest, OneBitAdamWithDeadUnitsMatchesTheSimulatorWithAndWithoutItsOp
     adam { eps: 1e-4 bias_correction: false }
     mask_zero_variance: false
   )");
+}
+
+// 0/1 Adam (docs/design.md 2.7) across every phase change: variance steps
+// at s = 1, 2, 4, 6, 8 with 1-bit steps between them, then the local phase
+// from step 8 with intervals 1, 2 and 4 (workers step on their own and the
+// shards see only the syncs), with dead units (the mask) and weight decay
+// (folded into the sync). Then with clipping and bias correction off.
+TEST(TrainingTest, ZeroOneAdamAcrossEveryPhaseMatchesTheSimulator) {
+  std::string config(kCommon);
+  config.replace(config.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 }");
+  config.replace(config.find("steps: 12"), 9, "steps: 26");
+  config += R"(
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 8 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
+  )";
+  ExpectBitIdentical(config + "adam { weight_decay: 0.01 }\n");
+  ExpectBitIdentical(config + "adam { bias_correction: false }\nclip_grad_norm: 0.5\n");
 }
 
 TEST(TrainingTest, LocoInt4EmaMatchesTheSimulator) {

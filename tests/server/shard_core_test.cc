@@ -591,6 +591,86 @@ TEST_F(ShardCoreTest, CheckpointsAreWrittenOnTheirOwnThread) {
 // Sizes: a shard whose state exceeds the memory limit is refused before
 // anything is allocated; an external job's first Join may not size a shard
 // above the operator's --max_model_elems.
+// zero_one_adam (docs/design.md 2.7): the shard takes pushes only at the
+// schedule's exchanges. A push of a local step, or with the codec of
+// another phase, is refused with FAILED_PRECONDITION and changes nothing;
+// one beyond the next sync is ABORTED naming the step the shard accepts.
+TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
+  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+    workers: 2
+    shards: 1
+    synthetic { dim: 200 }
+    lr { lr: 0.01 }
+    steps: 20
+    block_elems: 16
+    partition_elems: 64
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
+  )", proto::ConfigFormat::kText);
+  // Variance steps 0 and 1; syncs at 2 and 3, then every 4th (s = 8, 12).
+  std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
+  const uint64_t fingerprint = core->layout().fingerprint();
+  for (const auto& p : core->layout().partitions()) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
+                                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  const auto args = [&](int64_t step, uint32_t rank, const compress::Partition& p,
+                        compress::CodecSpec codec) {
+    const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
+    PushArgs a{step, rank, p.id, fingerprint, codec.kind, {}, std::nullopt};
+    a.payload.resize(compress::PayloadBytes(codec, x.size()));
+    EXPECT_TRUE(compress::Encode(codec, x, {},
+                                 {reinterpret_cast<uint8_t*>(a.payload.data()), a.payload.size()})
+                    .ok());
+    return a;
+  };
+  const auto push = [&](PushArgs a) {
+    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
+    core->Push(std::move(a), [status](absl::StatusOr<std::shared_ptr<const Reply>> r) { *status = r.status(); });
+    return *status;
+  };
+  const compress::CodecSpec fp32 = job.algorithm.warmup_codec, sign1 = job.algorithm.up_codec;
+  const compress::Partition& first = core->layout().partitions()[0];
+  // Step 0 updates v: full precision only.
+  uint64_t checksum = core->MirrorChecksum();
+  absl::Status wrong = push(args(0, 0, first, sign1));
+  EXPECT_EQ(wrong.code(), absl::StatusCode::kFailedPrecondition) << wrong;
+  EXPECT_NE(wrong.message().find("variance phase"), std::string::npos) << wrong;
+  EXPECT_EQ(core->Status().pushes_accepted, 0u);
+  EXPECT_EQ(core->MirrorChecksum(), checksum);
+  for (int64_t step = 0; step < 4; ++step) {
+    for (const auto& p : core->layout().partitions()) {
+      for (uint32_t rank = 0; rank < 2; ++rank) {
+        const compress::CodecSpec codec = compress::PlanStep(job.algorithm, step).up;
+        const absl::Status s = push(args(step, rank, p, codec));
+        ASSERT_EQ(s.ok(), rank == 1) << "step " << step << ": " << s;
+      }
+    }
+  }
+  EXPECT_EQ(core->Status().completed_steps, 4);
+  // Steps 4..6 are local: nobody pushes.
+  checksum = core->MirrorChecksum();
+  const uint64_t accepted = core->Status().pushes_accepted;
+  for (int64_t step : {4, 5, 6}) {
+    const absl::Status local = push(args(step, 0, first, sign1));
+    EXPECT_EQ(local.code(), absl::StatusCode::kFailedPrecondition) << local;
+    EXPECT_NE(local.message().find("local step"), std::string::npos) << local;
+    EXPECT_NE(local.message().find("accepts step 7"), std::string::npos) << local;
+  }
+  const absl::Status ahead = push(args(11, 0, first, sign1));
+  EXPECT_EQ(ahead.code(), absl::StatusCode::kAborted) << ahead;
+  EXPECT_EQ(ahead.GetPayload(kNextStepPayload).value_or(absl::Cord()), "7");
+  EXPECT_EQ(push(args(7, 0, first, fp32)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core->Status().pushes_accepted, accepted);
+  EXPECT_EQ(core->MirrorChecksum(), checksum);
+  EXPECT_EQ(core->Status().completed_steps, 4);
+  // The sync of step 7 is taken.
+  EXPECT_EQ(push(args(7, 0, first, sign1)).message(), "pending");
+  EXPECT_EQ(push(args(7, 1, first, sign1)), absl::OkStatus());
+}
+
 TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
   auto job = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
   // x, m, v and an fp32 error: 16 bytes per element of shard 1.

@@ -120,6 +120,9 @@ class Engine {
                                   absl::Span<const uint8_t> reply,
                                   const compress::StepHyper* hyper = nullptr,
                                   float grad_scale = 1.0f) = 0;
+  // zero_one_adam's local step of `step` from the whole gradient
+  // (compress::Replica::LocalStep; before a sync step's Encode).
+  virtual absl::Status LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) = 0;
   // compress::GradientSumOfSquares of the whole gradient the next Encode
   // reads (gradient clipping); FAILED_PRECONDITION where the engine cannot.
   virtual absl::StatusOr<double> GradientSumOfSquares() = 0;

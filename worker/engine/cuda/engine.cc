@@ -235,6 +235,10 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override { return NoClipping(); }
+  // CreateEngine refuses zero_one_adam on a GPU.
+  absl::Status LocalStep(int64_t, const compress::StepHyper*, float) override {
+    return absl::UnimplementedError("zero_one_adam's local steps are not on the GPU yet");
+  }
 
   // Gradient clipping is not on the GPU yet (Session refuses it at MoveTo).
   static absl::Status NoClipping() {
@@ -307,6 +311,11 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, D
     if (!OnGpu(spec->kind)) {
       return absl::UnimplementedError(absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
     }
+  }
+  if (config.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+    return absl::UnimplementedError(
+        "zero_one_adam runs on the CPU only for now (its local steps and syncs have no GPU kernels); "
+        "train it without --device cuda");
   }
   if (config.optimizer == compress::OptimizerKind::kOneBitAdam && config.mask_zero_variance &&
       config.up_codec.kind != compress::CodecKind::kSign1) {

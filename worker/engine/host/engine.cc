@@ -59,6 +59,11 @@ class HostEngine final : public Engine {
     return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
   }
 
+  absl::Status LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
+    if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
+    return replica_.LocalStep(step, grad_, hyper, grad_scale);
+  }
+
   absl::StatusOr<double> GradientSumOfSquares() override {
     if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
     return compress::GradientSumOfSquares(grad_);
