@@ -121,6 +121,7 @@ class Simulator {
   absl::Span<const float> v() const { return v_; }
   // Worker `rank`'s own x and m: x() and m() except after zero_one_adam's
   // local steps (design.md 2.7), where each worker has moved on its own.
+  uint32_t worker_count() const { return config_.workers; }
   absl::Span<const float> worker_x(uint32_t rank) const;
   absl::Span<const float> worker_m(uint32_t rank) const;
   const ErrorFeedback& worker_error(uint32_t rank) const { return worker_errors_[rank]; }

@@ -375,6 +375,19 @@ int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum) {
   });
 }
 
+int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank, uint64_t* checksum) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
+    if (absl::Status st = NotNull(checksum, "checksum"); !st.ok()) return st;
+    const auto& s = *sim->simulator;
+    if (rank >= s.worker_count()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", s.worker_count(), " workers"));
+    }
+    *checksum = morse::compress::StateChecksum({s.worker_x(rank), s.worker_m(rank), s.v()});
+    return absl::OkStatus();
+  });
+}
+
 int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;

@@ -113,6 +113,9 @@ void morse_simulator_destroy(morse_simulator* sim);
 /* One step from `workers` gradients of dim floats each. */
 int morse_simulator_step(morse_simulator* sim, const float* const* gradients, uint32_t workers, uint64_t dim);
 int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
+/* Worker `rank`'s own x, m, v (differs from the shared state only after
+   zero_one_adam's local steps). */
+int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank, uint64_t* checksum);
 int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
 
 #ifdef __cplusplus

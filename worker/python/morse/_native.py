@@ -79,6 +79,7 @@ def _load():
         "morse_simulator_step": ([P, ctypes.POINTER(P), U32, U64], I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
+        "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
     }
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
@@ -288,6 +289,13 @@ class Simulator:
     def checksum(self):
         value = ctypes.c_uint64()
         _check(_lib.morse_simulator_checksum(self._handle, ctypes.byref(value)))
+        return f"{value.value:016x}"
+
+    def worker_checksum(self, rank):
+        """Worker `rank`'s own state (zero_one_adam's local steps move each
+        worker on its own; elsewhere it is checksum())."""
+        value = ctypes.c_uint64()
+        _check(_lib.morse_simulator_worker_checksum(self._handle, rank, ctypes.byref(value)))
         return f"{value.value:016x}"
 
     def x(self):

@@ -1,7 +1,8 @@
 """PyTorch optimizers that train through a Morse job.
 
-`OneBitAdam` (DESIGN 2.1) and `Adam` (2.2, any codec and error feedback;
-LoCo is codec="int4", feedback="ema") are `torch.optim.Optimizer`s. On
+`OneBitAdam` (DESIGN 2.1), `Adam` (2.2, any codec and error feedback;
+LoCo is codec="int4", feedback="ema") and `ZeroOneAdam` (2.7, 0/1 Adam)
+are `torch.optim.Optimizer`s. On
 construction the optimizer joins the job: rank, world size and server
 addresses come from the environment `morse-run` sets (MORSE_RANK,
 MORSE_WORLD_SIZE, MORSE_SERVERS, MORSE_CONFIG) or from arguments. The
@@ -33,7 +34,7 @@ import torch
 from . import _native
 from ._native import MorseError
 
-__all__ = ["OneBitAdam", "Adam", "MorseError"]
+__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "MorseError"]
 
 
 def _zero_grad_default():
@@ -84,7 +85,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
                  accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None,
-                 apply_at_step=True, clip_grad_norm=None):
+                 apply_at_step=True, clip_grad_norm=None, zero_one=None):
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
         # Given the model itself, the optimizer sees its buffers too (BatchNorm
@@ -186,8 +187,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._mask_zero_variance = mask_zero_variance
         if optimizer == "onebit_adam":
             lines.append(f"freeze_step: {freeze_step}")
+        if optimizer in ("onebit_adam", "zero_one_adam"):
             lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
             lines.append(f"bound_update: {'true' if bound_update else 'false'}")
+        if zero_one is not None:
+            lines.append("zero_one_adam { " + " ".join(f"{k}: {int(v)}" for k, v in zero_one.items()) + " }")
         # Clipping by the global norm (torch's clip_grad_norm_ on the global
         # batch): of the averaged gradient where the step has one (Adam,
         # OneBitAdam's warmup), of each rank's own gradient in OneBitAdam's
@@ -664,3 +668,57 @@ class Adam(_MorseOptimizer):
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
                          buffers=buffers, apply_at_step=apply_at_step,
                          clip_grad_norm=clip_grad_norm)
+
+
+class ZeroOneAdam(_MorseOptimizer):
+    """0/1 Adam (Lu et al. 2022; docs/design.md 2.7) with DeepSpeed's
+    ZeroOneAdam parameter names and defaults: v is updated at full precision
+    at var_update_scaler steps with interval 1, then as many with interval 2,
+    4, ... up to step var_freeze_step (counted from 1), with 1-bit compressed
+    momentum (error feedback on both sides) in between; after it every rank
+    takes local steps on its own and the ranks sync every I steps, I doubling
+    every local_step_scaler steps up to local_step_clipper. Between syncs each
+    rank's parameters are its own, as in DeepSpeed. CPU tensors only for now.
+
+    DeepSpeed's cuda_aware and comm_backend_name are accepted and ignored
+    (Morse's transport is gRPC to its shards); amsgrad and eps_inside_sqrt
+    must stay False and max_grad_norm 0, as DeepSpeed's ZeroOneAdam ignores
+    it (clip with clip_grad_norm=). bias_correction (default True) corrects
+    m and v, v by the number of its updates; False is DeepSpeed's update.
+    mask_zero_variance and bound_update are OneBitAdam's."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 bias_correction=True, var_freeze_step=100000, var_update_scaler=16,
+                 local_step_scaler=32678, local_step_clipper=16, amsgrad=False, eps_inside_sqrt=False,
+                 max_grad_norm=0.0, cuda_aware=False, comm_backend_name=None,
+                 mask_zero_variance=True, bound_update=True, config=None,
+                 rank=None, world_size=None, servers=None,
+                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 block_elems=None, partition_elems=None, security=None, missing_grads="raise",
+                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
+        del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
+        if amsgrad:
+            raise ValueError("0/1 Adam does not support the AMSGrad variant (amsgrad=True)")
+        if eps_inside_sqrt:
+            raise ValueError("eps_inside_sqrt=True is not supported: Morse adds eps outside the "
+                             "square root, as torch.optim.Adam")
+        if max_grad_norm:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: DeepSpeed's ZeroOneAdam ignores it; "
+                             "clip with clip_grad_norm=")
+        zero_one = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
+                        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
+        for name, value in zero_one.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2 ** 40:
+                raise ValueError(f"{name}={value!r}: an integer in [1, 2**40]")
+        super().__init__(params, optimizer="zero_one_adam", lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, freeze_step=0, codec="sign1",
+                         down_codec=None, feedback="ef", feedback_beta=None,
+                         bias_correction=bias_correction, mask_zero_variance=mask_zero_variance,
+                         bound_update=bound_update,
+                         schedule=schedule, steps=steps, config=config,
+                         rank=rank, world_size=world_size, servers=servers, overlap=overlap,
+                         block_elems=block_elems, partition_elems=partition_elems,
+                         security=security, accumulation_steps=accumulation_steps,
+                         missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
+                         buffers=buffers, apply_at_step=apply_at_step,
+                         clip_grad_norm=clip_grad_norm, zero_one=zero_one)

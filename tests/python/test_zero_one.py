@@ -1,0 +1,87 @@
+"""morse.torch.ZeroOneAdam (0/1 Adam, docs/design.md 2.7) across 3 workers
+and 2 shards, through every phase: variance steps, 1-bit steps between
+them, then local steps (each rank moves on its own) and syncs (all ranks
+equal again). After every step each rank's x, m, v must equal the
+single-process simulator's state of that rank, fed the gradients the ranks
+computed. Even ranks overlap pushes with backward(), odd ranks do not.
+DeepSpeed's parameter names are taken; unsupported ones are refused."""
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from harness import check, morse_run  # noqa: E402
+
+STEPS = 18
+RANKS = 3
+SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
+
+
+def worker(out):
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    rank = int(os.environ["MORSE_RANK"])
+    for bad in (dict(amsgrad=True), dict(max_grad_norm=1.0), dict(var_update_scaler=0),
+                dict(local_step_clipper=2.5)):
+        try:
+            morse.torch.ZeroOneAdam(model.parameters(), **bad, world_size=RANKS, servers=["unused:1"])
+            check(False, f"{bad} was accepted")
+        except ValueError as e:
+            print(f"refused {bad}: {e}")
+    # A DeepSpeed config's params move over as they are (cuda_aware and
+    # comm_backend_name are accepted and ignored).
+    opt = morse.torch.ZeroOneAdam(model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE,
+                                  cuda_aware=False, comm_backend_name="nccl", block_elems=16,
+                                  partition_elems=64, overlap=rank % 2 == 0)
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    checksums = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
+        opt.step()
+        checksums.append(opt.checksum())
+    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+
+
+def check_against_simulator(out):
+    from morse import _native
+    checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
+    job = json.load(open(f"{out}/job.json"))
+    sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
+    apart = together = 0
+    for step in range(STEPS):
+        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(RANKS)])
+        for r in range(RANKS):
+            check(sim.worker_checksum(r) == checksums[r][step],
+                  f"step {step}: rank {r} {checksums[r][step]}, simulator {sim.worker_checksum(r)}")
+        same = len({checksums[r][step] for r in range(RANKS)}) == 1
+        apart += not same
+        together += same
+    check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
+    check(together >= 8, f"only {together} steps where the ranks agreed")
+    return apart, together
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    out = tempfile.mkdtemp(prefix="morse-zero-one-")
+    code, log = morse_run(__file__, RANKS, 2, out)
+    print(log)
+    check(code == 0, "the job failed")
+    apart, together = check_against_simulator(out)
+    print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's; "
+          f"{apart} local steps apart, {together} steps equal")
