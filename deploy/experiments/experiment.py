@@ -42,6 +42,10 @@ SCHEMES = {
     "topk": 'optimizer: "adam" up_codec { codec: "topk" topk_ratio: 0.01 } worker_feedback { mode: "ef" }',
     "onebit_warmup": 'optimizer: "onebit_adam" freeze_step: {steps}',
     "onebit": 'optimizer: "onebit_adam" freeze_step: 1',
+    # 0/1 Adam's local phase from the second step, the interval doubling
+    # every step up to 4: per step, a quarter of onebit's exchanges.
+    "zero_one": 'optimizer: "zero_one_adam" zero_one_adam { var_freeze_step: 1 local_step_scaler: 1 '
+                'local_step_clipper: 4 }',
 }
 PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
@@ -49,7 +53,7 @@ PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          "onebit_allreduce": None}
 FIELDS = ["kind", "scheme", "rate_gbit", "dim", "workers", "shards", "steps_measured",
           "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s", "payload_bytes_per_step",
-          "wire_bytes_per_step", "floor_s", "ceiling_up_gbps", "ceiling_down_gbps", "status"]
+          "wire_bytes_per_step", "rounds_per_step", "floor_s", "ceiling_up_gbps", "ceiling_down_gbps", "status"]
 
 
 def sh(*args, check=True, timeout=30):
@@ -219,6 +223,15 @@ log_every: 1000
     measured = [r for r in rows if r["step"] >= 2 and (scheme != "onebit" or r["phase"] == "compression")]
     if not measured:
         return {"status": "failed: no steps to measure (use --steps >= 4)"}
+    if scheme == "zero_one":
+        # Local steps send nothing: per step means the mean over the local
+        # phase (its whole intervals), not the median step.
+        measured = [r for r in rows if r["phase"] in ("local", "sync")]
+        last_sync = max((i for i, r in enumerate(measured) if r["phase"] == "sync"), default=-1)
+        first_sync = min((i for i, r in enumerate(measured) if r["phase"] == "sync"), default=-1)
+        measured = measured[first_sync + 1:last_sync + 1]
+        if not measured:
+            return {"status": "failed: no whole interval to measure (use --steps >= 12)"}
     steps_s = sorted(r["step_seconds"] for r in measured)
     # Interface bytes over the whole run against every payload byte pushed in
     # it: the framing overhead, free of timing; per step it scales the
@@ -226,11 +239,13 @@ log_every: 1000
     # (4 bytes a parameter), which are not a step's payload.
     overhead = (after[0] - before[0] - 4 * dim) / sum(r["bytes_up"] for r in rows)
     q = statistics.quantiles(steps_s, n=4) if len(steps_s) > 1 else [steps_s[0]] * 3
-    return {"steps_measured": len(measured), "step_median_s": statistics.median(steps_s),
+    center = statistics.mean if scheme == "zero_one" else statistics.median
+    return {"steps_measured": len(measured), "step_median_s": center(steps_s),
             "step_p25_s": q[0], "step_p75_s": q[2],
-            "comm_median_s": statistics.median(r["comm_seconds"] for r in measured),
-            "payload_bytes_per_step": statistics.median(r["bytes_up"] for r in measured),
-            "wire_bytes_per_step": overhead * statistics.median(r["bytes_up"] for r in measured),
+            "comm_median_s": center(r["comm_seconds"] for r in measured),
+            "payload_bytes_per_step": center(r["bytes_up"] for r in measured),
+            "wire_bytes_per_step": overhead * center(r["bytes_up"] for r in measured),
+            "rounds_per_step": sum(r["phase"] not in ("local",) for r in measured) / len(measured),
             "status": "ok"}
 
 

@@ -29,8 +29,8 @@ def load(path):
     with open(path) as f:
         for r in csv.DictReader(f):
             for k in ("rate_gbit", "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s",
-                      "payload_bytes_per_step", "wire_bytes_per_step", "floor_s", "ceiling_up_gbps",
-                      "ceiling_down_gbps"):
+                      "payload_bytes_per_step", "wire_bytes_per_step", "rounds_per_step", "floor_s",
+                      "ceiling_up_gbps", "ceiling_down_gbps"):
                 r[k] = _num(r.get(k))
             for k in ("dim", "workers", "shards", "steps_measured"):
                 r[k] = int(float(r[k])) if _num(r.get(k)) is not None else None
@@ -156,15 +156,19 @@ def write(csv_path, out_dir, meta=None):
     if not checks:
         lines.append("| (no run covers a target: the full sweep includes 1 Gbit/s and D = 25M) | | | |")
     lines += ["", "## Runs", "",
+              "zero_one's step, comm and payload are means over whole local intervals (local steps "
+              "send nothing); rounds/step is the share of steps that exchange (1 for every other "
+              "scheme).", "",
               "| kind | scheme | Gbit/s | D | N | S | step s (p25–p75) | comm s | payload B/step | "
-              "wire/payload | comm/floor | goodput/ceiling | speedup vs DDP fp32 | status |",
-              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "rounds/step | wire/payload | comm/floor | goodput/ceiling | speedup vs DDP fp32 | status |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         spread = (f"{_fmt(r['step_median_s'])} ({_fmt(r['step_p25_s'])}–{_fmt(r['step_p75_s'])})"
                   if r["step_median_s"] else "-")
         lines.append(f"| {r['kind']} | {r['scheme']} | {_fmt(r['rate_gbit'])} | {r['dim']:,} | {r['workers']} | "
                      f"{r['shards']} | {spread} | {_fmt(r['comm_median_s'])} | "
-                     f"{_fmt(r['payload_bytes_per_step'], 6)} | {_fmt(r['wire_over_payload'])} | "
+                     f"{_fmt(r['payload_bytes_per_step'], 6)} | {_fmt(r.get('rounds_per_step'))} | "
+                     f"{_fmt(r['wire_over_payload'])} | "
                      f"{_fmt(r['comm_over_floor'])} | {_fmt(r['goodput_over_ceiling'])} | "
                      f"{_fmt(r['speedup_over_ddp_fp32'])} | {r['status'][:80]} |")
     lines += [""] + [f"![{i}]({i})" for i in images]

@@ -7,14 +7,16 @@ the license texts every Debian system ships (/usr/share/common-licenses).
 Each model trains with torch.optim.Adam in one process on the global batch
 (the union of every rank's batch: exactly synchronous data-parallel Adam),
 and under morse-run (2 workers, 1 server) with morse.torch.Adam (fp32),
-OneBitAdam (freeze at 20% of the steps) and LoCo (Adam with int4 and ema
-error feedback), all at default settings (eps 1e-8, bias correction, the
+OneBitAdam (freeze at 20% of the steps), LoCo (Adam with int4 and ema
+error feedback) and ZeroOneAdam (v's updates end at 20% of the steps, the
+local-step interval doubling every 10% up to 16), all at default settings (eps 1e-8, bias correction, the
 zero-variance mask), on identical global batches from identical initial
 weights. It prints held-out loss and accuracy and the relative gap of the
 held-out loss to torch.optim.Adam's.
 
     tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
-                               [--optimizers adam,onebit_adam,loco] [--json FILE] [--max-gap 0.02]
+                               [--optimizers adam,onebit_adam,loco,zero_one_adam] [--json FILE]
+                               [--max-gap 0.02]
 
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
 """
@@ -160,6 +162,13 @@ def worker(task, optimizer):
     lr = LR[task.name]
     if optimizer == "onebit_adam":
         opt = morse.torch.OneBitAdam(model.named_parameters(), lr=lr, freeze_step=max(1, task.steps // 5))
+    elif optimizer == "zero_one_adam":
+        # DeepSpeed's defaults scaled to a short run: v's updates end at 20%
+        # of the steps (as OneBitAdam's freeze), and the local-step interval
+        # doubles every 10% of the steps up to the default clipper, 16.
+        opt = morse.torch.ZeroOneAdam(model.named_parameters(), lr=lr,
+                                      var_freeze_step=max(1, task.steps // 5),
+                                      local_step_scaler=max(1, task.steps // 10))
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5)
@@ -188,7 +197,7 @@ def morse(task, optimizer, morse_run):
     return (r["loss"], r["accuracy"]), ""
 
 
-OPTIMIZERS = ("adam", "onebit_adam", "loco")
+OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam")
 
 
 def main():
