@@ -300,8 +300,13 @@ absl::Status Session::Step(absl::Span<const float> grad, StepTraffic* traffic) {
 }
 
 absl::Status Session::SaveCheckpoint(const std::string& path) const {
+  // The error buffer changes only at exchanges: after zero_one_adam's local
+  // steps it is the one of the step after the last sync, where the shards
+  // are and where a resumed worker starts.
+  int64_t step = step_;
+  while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges) --step;
   proto::CheckpointWriter writer({"worker", rank_, layout_.fingerprint(),
-                                  compress::AlgorithmFingerprint(job_.algorithm), step_});
+                                  compress::AlgorithmFingerprint(job_.algorithm), step});
   std::vector<float> error(job_.algorithm.layout.dim);
   error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("worker_error", error);

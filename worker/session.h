@@ -96,7 +96,9 @@ class Session {
   absl::Status StepFromEngine(StepTraffic* traffic = nullptr);
   absl::Status BeginFromEngine();
 
-  // Writes this worker's checkpoint (error buffer, step) to `path`.
+  // Writes this worker's checkpoint (error buffer, step) to `path`. After
+  // zero_one_adam's local steps the step is the one after the last sync
+  // (the error buffer is that step's; a resumed worker starts there).
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }

@@ -107,6 +107,74 @@ TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
   std::system(absl::StrCat("rm -rf ", ckpt).c_str());
 }
 
+// zero_one_adam (docs/design.md 2.7): a job stopped in the middle of a
+// local interval. The shards hold the last sync (step 3 done: completed 4),
+// the workers' checkpoints are labelled with that step, and the resumed
+// workers re-run the interval's local steps from there, bit for bit.
+TEST(CheckpointTest, ZeroOneAdamResumesAtTheLastSyncBitForBit) {
+  const auto config = [](int steps) {
+    return absl::StrCat(R"(
+      workers: 2
+      shards: 2
+      synthetic { dim: 20011 noise: 0.2 }
+      optimizer: "zero_one_adam"
+      zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
+      lr { lr: 0.01 }
+      block_elems: 256
+      partition_elems: 4096
+      seed: 5
+      checkpoint { every_steps: 3 }
+      steps: )", steps);
+  };
+  // Variance steps 0, 1; syncs 2, 3, 7, 11; local steps 4-6 and 8-10.
+  auto job = *proto::ParseJobConfig(config(12), proto::ConfigFormat::kText);
+  const uint64_t dim = job.algorithm.layout.dim;
+  auto sim = *compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
+  std::vector<worker::SyntheticWorkload> workloads = {{job, 0}, {job, 1}};
+  std::vector<std::vector<float>> grads(2, std::vector<float>(dim));
+  std::vector<std::vector<std::string>> expected(2);
+  for (int64_t step = 0; step < 12; ++step) {
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(workloads[r].Gradient(step, sim.worker_x(r), absl::MakeSpan(grads[r])).ok());
+    }
+    ASSERT_TRUE(sim.Step({grads[0], grads[1]}).ok());
+    for (int r = 0; r < 2; ++r) {
+      expected[r].push_back(Hex(compress::StateChecksum({sim.worker_x(r), sim.worker_m(r), sim.v()})));
+    }
+  }
+  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
+  const std::string ckpt = mkdtemp(pattern);
+  std::string failure;
+  {
+    Cluster first(config(6), 2, 2);
+    first.AddServerArgs({"--checkpoint_dir=" + ckpt});
+    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
+    first.StartServers(false);
+    first.StartWorkers(true);
+    ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+    first.StopServers();
+    EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 4 written"), std::string::npos)
+        << ReadFile(first.server_log(0));
+  }
+  Cluster second(config(12), 2, 2);
+  second.AddServerArgs({"--checkpoint_dir=" + ckpt});
+  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
+  second.StartServers(true);
+  second.StartWorkers(true);
+  ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+  second.StopServers();
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(second.worker_log(r));
+    EXPECT_NE(log.find("resuming at step 4; model from the shards, error buffer from"), std::string::npos) << log;
+    const auto got = JsonField(ReadFile(second.worker_metrics(r)), "checksum");
+    ASSERT_EQ(got.size(), 8u) << log;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i], expected[r][4 + i]) << "worker " << r << " step " << 4 + i;
+    }
+  }
+  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+}
+
 TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {
   char pattern[] = "/tmp/morse-ckpt-XXXXXX";
   const std::string ckpt = mkdtemp(pattern);
