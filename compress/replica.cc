@@ -22,6 +22,22 @@ uint64_t ChunkElems(uint64_t block) {
   return block * std::max<uint64_t>(1, kTarget / block);
 }
 
+// g scaled by a worker's own clip factor (ClipsLocally), in this thread's
+// scratch; g itself when the factor is 1.
+absl::Span<const float> ScaledGradient(absl::Span<const float> g, float grad_scale) {
+  if (grad_scale == 1.0f) return g;
+  const absl::Span<float> scaled = Scratch(ScratchSlot::kLocalScaled, g.size());
+  for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
+  return scaled;
+}
+
+// zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
+// updated n_v times.
+float ZeroOneVarianceCorrection(const SimulatorConfig& config, int64_t step) {
+  return MakeAdamScalars(config.adam, 0.0f, ZeroOneAt(config, step).variance_updates, true)
+      .bias_correction2;
+}
+
 }  // namespace
 
 namespace {
@@ -126,10 +142,7 @@ AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step, const 
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
   AdamScalars s = MakeAdamScalars(adam, lr, step + 1, /*bias_correction=*/false);
-  if (config.bias_correction) {
-    s.bias_correction2 =
-        MakeAdamScalars(config.adam, 0.0f, ZeroOneAt(config, step).variance_updates, true).bias_correction2;
-  }
+  if (config.bias_correction) s.bias_correction2 = ZeroOneVarianceCorrection(config, step);
   if (config.bound_update) s.max_ratio = OneBitUpdateBound(config.adam);
   return s;
 }
@@ -209,10 +222,7 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
   rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
   if (config.optimizer == OptimizerKind::kZeroOneAdam && config.bias_correction) {
-    // v has been updated n_v times (its correction 1 - b2^n_v).
-    rule.scalars.bias_correction2 =
-        MakeAdamScalars(config.adam, 0.0f, ZeroOneAt(config, step).variance_updates, true)
-            .bias_correction2;
+    rule.scalars.bias_correction2 = ZeroOneVarianceCorrection(config, step);
   } else if (plan.compressing && config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
     rule.scalars.bias_correction2 =
@@ -421,11 +431,7 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
 
 void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
                             float grad_scale) const {
-  if (grad_scale != 1.0f) {
-    const absl::Span<float> scaled = Scratch(ScratchSlot::kLocalScaled, g.size());
-    for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
-    g = scaled;
-  }
+  g = ScaledGradient(g, grad_scale);
   compress::LocalMomentum(config_.adam.beta1,
                           absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
 }
@@ -449,11 +455,7 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const S
         "step ", step, " is in the middle of a zero_one_adam local interval that this worker did not "
         "start; it can resume only at the step after a sync"));
   }
-  if (grad_scale != 1.0f) {
-    const absl::Span<float> scaled = Scratch(ScratchSlot::kLocalScaled, g.size());
-    for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
-    g = scaled;
-  }
+  g = ScaledGradient(g, grad_scale);
   const AdamScalars s = LocalStepScalars(config_, step, hyper);
   ZeroOneLocalStep(s, g, x_, absl::MakeSpan(m_), absl::MakeSpan(u_), v_, /*write_x=*/!plan.exchanges);
   lr_sum_ += s.lr;

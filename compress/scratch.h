@@ -20,7 +20,7 @@ namespace morse::compress {
 
 enum class ScratchSlot : int {
   kReplyDecoded,    // Replica::ApplyReply
-  kLocalScaled,     // Replica::LocalMomentum with a clip factor
+  kLocalScaled,     // a worker's gradient scaled by its clip factor (LocalMomentum, LocalStep)
   kLocalMomentum,   // EncodeWorkerMessage: one chunk's local momentum
   kShardAverage,    // server::ShardCore: the average being recompressed
   kEncodeInput,     // EncodeViaDecode: u = x + e

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
+#include "compress/simd/element_ops.h"
 
 namespace morse::compress {
 
@@ -90,12 +91,6 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
   ActiveKernels().momentum(beta1, m.data(), g.data(), out.data(), out.size());
 }
 
-namespace {
-
-float Bound(float r, float bound) { return r > bound ? bound : (r < -bound ? -bound : r); }
-
-}  // namespace
-
 void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
                       absl::Span<float> m, absl::Span<float> u, absl::Span<const float> v,
                       bool write_x) {
@@ -105,7 +100,7 @@ void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Spa
     const float mi = s.beta1 * m[j] + (1.0f - s.beta1) * g[j];
     const float m_hat = mi / s.bias_correction1;
     const float v_hat = v[j] / s.bias_correction2;
-    const float d = Bound(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio) + s.weight_decay * x[j];
+    const float d = simd::BoundRatio(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio) + s.weight_decay * x[j];
     m[j] = mi;
     u[j] = u[j] + s.lr * d;
     if (write_x) x[j] = x[j] - s.lr * d;

@@ -322,9 +322,8 @@ absl::Status Session::ServerError(absl::Span<float> out) {
   auto steps = client_->FetchServerError(out);
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
-    const bool local = job_.algorithm.optimizer == compress::OptimizerKind::kZeroOneAdam &&
-                       compress::PlanStep(job_.algorithm, step_ - 1).local &&
-                       !compress::PlanStep(job_.algorithm, step_ - 1).exchanges;
+    const compress::StepPlan last = compress::PlanStep(job_.algorithm, step_ - 1);
+    const bool local = step_ > 0 && last.local && !last.exchanges;
     return absl::FailedPreconditionError(absl::StrCat(
         "the shards have completed ", *steps, " steps, this worker ", step_,
         local ? "; zero_one_adam: this worker is in the middle of a local interval, and the shards "
