@@ -10,6 +10,7 @@
 #include "compress/check.h"
 #include "compress/fnv.h"
 #include "compress/kernels.h"
+#include "compress/lamb.h"
 #include "compress/scratch.h"
 
 namespace morse::compress {
@@ -97,7 +98,9 @@ StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
     }
     plan.local = z.local;
     plan.exchanges = z.exchanges;
-  } else if (config.optimizer == OptimizerKind::kOneBitAdam && step < config.freeze_step) {
+  } else if ((config.optimizer == OptimizerKind::kOneBitAdam ||
+              config.optimizer == OptimizerKind::kOneBitLamb) &&
+             step < config.freeze_step) {
     plan.up = plan.down = config.warmup_codec;
     return plan;
   }
@@ -221,6 +224,11 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
   rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
+  if (config.optimizer == OptimizerKind::kOneBitLamb) {
+    rule.lamb = true;
+    rule.fresh_correction2 = rule.scalars.bias_correction2;
+    rule.copy_fresh = step + 1 == config.freeze_step;
+  }
   if (config.optimizer == OptimizerKind::kZeroOneAdam && config.bias_correction) {
     rule.scalars.bias_correction2 = ZeroOneVarianceCorrection(config, step);
   } else if (plan.compressing && config.bias_correction) {
@@ -242,12 +250,15 @@ void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
 }
 
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
-               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor) {
+               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor,
+               absl::Span<float> v_fresh) {
   if (rule.grad_scale != 1.0f) {
     for (float& g : decoded) g *= rule.grad_scale;
   }
   if (rule.mask) SelectByVariance(v, decoded);
-  if (rule.sync) {
+  if (rule.lamb) {
+    LambMoments(rule, decoded, m, v, v_fresh);
+  } else if (rule.sync) {
     ZeroOneSyncStep(rule.scalars, decoded, anchor.empty() ? absl::Span<const float>(x) : anchor, x, m, v);
   } else if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
@@ -308,6 +319,14 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
     mix(static_cast<uint64_t>(c.zero_one.local_step_scaler));
     mix(static_cast<uint64_t>(c.zero_one.local_step_clipper));
   }
+  if (c.optimizer == OptimizerKind::kOneBitLamb) {
+    for (float f : {c.lamb.max_coeff, c.lamb.min_coeff, c.lamb.coeff_beta, c.lamb.factor_max,
+                    c.lamb.factor_min, c.lamb.factor_threshold}) {
+      mix_float(f);
+    }
+    mix(c.layers.size());
+    for (uint64_t size : c.layers) mix(size);
+  }
   mix(c.seed);
   return hash.value();
 }
@@ -318,7 +337,12 @@ Replica::Replica(const SimulatorConfig& config, Range range)
       owned_x_(range.size(), 0.0f),
       m_(range.size(), 0.0f),
       v_(range.size(), 0.0f),
-      x_(absl::MakeSpan(owned_x_)) {}
+      x_(absl::MakeSpan(owned_x_)) {
+  if (config.optimizer == OptimizerKind::kOneBitLamb) {
+    v_fresh_.assign(range.size(), 0.0f);
+    lamb_layers_.resize(LayerBounds(config).size() - 1);
+  }
+}
 
 Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> external_x)
     : config_(config),
@@ -327,6 +351,10 @@ Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> e
       v_(range.size(), 0.0f),
       x_(external_x) {
   MORSE_CHECK(external_x.size() == range.size());
+  if (config.optimizer == OptimizerKind::kOneBitLamb) {
+    v_fresh_.assign(range.size(), 0.0f);
+    lamb_layers_.resize(LayerBounds(config).size() - 1);
+  }
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
@@ -343,6 +371,9 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   const auto anchor = [&](uint64_t at, uint64_t len) {
     return rule.sync && !anchor_.empty() ? absl::MakeConstSpan(anchor_).subspan(offset + at, len)
                                          : absl::Span<const float>();
+  };
+  const auto fresh = [&](uint64_t at, uint64_t len) {
+    return rule.lamb ? absl::MakeSpan(v_fresh_).subspan(offset + at, len) : absl::Span<float>();
   };
   const uint64_t block = rule.codec.block_elems;
   if (rule.codec.kind == CodecKind::kSign1 && block > 0) {
@@ -363,14 +394,14 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                    decoded.data());
       ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
                 absl::MakeSpan(m_).subspan(offset + at, len), absl::MakeSpan(v_).subspan(offset + at, len),
-                anchor(at, len));
+                anchor(at, len), fresh(at, len));
     }
     return absl::OkStatus();
   }
   const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
   if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
   ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
-            absl::MakeSpan(v_).subspan(offset, n), anchor(0, n));
+            absl::MakeSpan(v_).subspan(offset, n), anchor(0, n), fresh(0, n));
   return absl::OkStatus();
 }
 
@@ -470,6 +501,39 @@ void Replica::SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) c
   ZeroOneSyncMessage(s, lr_sum_, absl::MakeConstSpan(u_).subspan(at, out.size()),
                      absl::MakeConstSpan(m_).subspan(at, out.size()),
                      absl::MakeConstSpan(v_).subspan(at, out.size()), out);
+}
+
+absl::StatusOr<std::vector<double>> Replica::LambStep(int64_t step, const StepHyper* hyper) {
+  if (config_.optimizer != OptimizerKind::kOneBitLamb) {
+    return absl::FailedPreconditionError("LambStep is for onebit_lamb");
+  }
+  if (range_.begin != 0 || range_.end != config_.layout.dim) {
+    return absl::FailedPreconditionError("a onebit_lamb commit needs the whole model's replica");
+  }
+  absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
+  if (!layout.ok()) return layout.status();
+  const ReplyRule rule = PlanReply(config_, step, hyper);
+  const std::vector<double> totals = LambTotals(config_, *layout, rule, range_, x_, m_, v_, v_fresh_);
+  std::vector<double> commit = LambCommit(config_, rule, totals, lamb_layers_);
+  if (absl::Status s = ApplyLambCommit(step, range_.begin, range_.size(), commit, hyper); !s.ok()) {
+    return s;
+  }
+  return commit;
+}
+
+absl::Status Replica::ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n,
+                                      absl::Span<const double> commit, const StepHyper* hyper) {
+  if (config_.optimizer != OptimizerKind::kOneBitLamb) {
+    return absl::FailedPreconditionError("a onebit_lamb commit for another optimizer");
+  }
+  if (begin < range_.begin || begin + n > range_.end) {
+    return absl::InvalidArgumentError(absl::StrCat("commit range [", begin, ", ", begin + n,
+                                                   ") is outside the replica"));
+  }
+  if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
+  LambUpdateX(config_, PlanReply(config_, step, hyper), commit, range_, begin, n, x_, m_, v_);
+  lamb_layers_ = LambStateOf(commit);
+  return absl::OkStatus();
 }
 
 }  // namespace morse::compress

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "compress/error_feedback.h"
+#include "compress/lamb.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
 
@@ -102,6 +103,14 @@ struct ReplyRule {
   // decoded values before the update; 1: unclipped (the same bits as no
   // clipping at all).
   float grad_scale = 1.0f;
+  // onebit_lamb (compress/lamb.h): the reply moves m, v and the fresh
+  // variance v' only (LambMoments); x follows the step's commit
+  // (LambUpdateX). frozen_variance says which phase; v' is corrected by
+  // 1 - b2^t' (fresh_correction2), and copied from v at the last warmup
+  // step (copy_fresh).
+  bool lamb = false;
+  float fresh_correction2 = 1.0f;
+  bool copy_fresh = false;
 };
 ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper = nullptr,
                     float grad_scale = 1.0f);
@@ -124,7 +133,8 @@ float ClipScale(double sum_of_squares, float max_norm);
 // (decoded is masked in place when the rule masks). `anchor`: x at the last
 // sync for a sync rule (empty: x itself, a shard's mirror).
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
-               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor = {});
+               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor = {},
+               absl::Span<float> v_fresh = {});
 // The zero-variance mask as a selection: values[j] = +0 where v[j] == 0.
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values);
 
@@ -199,6 +209,22 @@ class Replica {
   // a sync's push carries as its lr when the workers set the lr).
   float lr_sum() const { return lr_sum_; }
 
+  // onebit_lamb (compress/lamb.h): ApplyReply moves m, v and the fresh
+  // variance v'; x follows the step's commit. A worker, holding the whole
+  // model, forms the commit itself once every reply of `step` is applied,
+  // applies it, and returns it for the shards; FAILED_PRECONDITION for a
+  // replica of part of the model.
+  absl::StatusOr<std::vector<double>> LambStep(int64_t step, const StepHyper* hyper = nullptr);
+  // A shard's mirror: applies the commit of `step` (from the workers) to x
+  // over [begin, begin + n) and takes its layers' state. INVALID_ARGUMENT,
+  // nothing changed, for a malformed commit or range.
+  absl::Status ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n, absl::Span<const double> commit,
+                               const StepHyper* hyper = nullptr);
+  absl::Span<const float> v_fresh() const { return v_fresh_; }
+  absl::Span<float> mutable_v_fresh() { return absl::MakeSpan(v_fresh_); }
+  absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }
+  void set_lamb_layers(std::vector<LambLayerState> layers) { lamb_layers_ = std::move(layers); }
+
   uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
 
  private:
@@ -211,6 +237,9 @@ class Replica {
   std::vector<float> anchor_, u_;
   float lr_sum_ = 0;
   int64_t local_step_ = -1;  // the last step LocalStep ran
+  // onebit_lamb: v' over the range, and every layer's state.
+  std::vector<float> v_fresh_;
+  std::vector<LambLayerState> lamb_layers_;
 };
 
 }  // namespace morse::compress

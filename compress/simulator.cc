@@ -1,5 +1,6 @@
 #include "compress/simulator.h"
 
+#include "compress/lamb.h"
 #include "compress/replica.h"
 
 #include <cmath>
@@ -22,16 +23,56 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
     }
   }
   const CodecKind warmup = c.warmup_codec.kind;
-  if (c.optimizer == OptimizerKind::kOneBitAdam && warmup != CodecKind::kFp32 &&
+  const bool onebit = c.optimizer == OptimizerKind::kOneBitAdam || c.optimizer == OptimizerKind::kOneBitLamb;
+  if (onebit && warmup != CodecKind::kFp32 &&
       warmup != CodecKind::kFp16 && warmup != CodecKind::kBf16) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "onebit_adam warmup codec must be fp32, fp16 or bf16, got ",
+        "the warmup codec of onebit_adam and onebit_lamb must be fp32, fp16 or bf16, got ",
         CodecName(warmup)));
   }
   if (c.freeze_step < 0) return absl::InvalidArgumentError("freeze_step must be >= 0");
-  if (c.optimizer == OptimizerKind::kOneBitAdam && c.freeze_step < 1) {
+  if (onebit && c.freeze_step < 1) {
     return absl::InvalidArgumentError(
-        "freeze_step must be at least 1 for onebit_adam (with no warmup there is no variance to freeze)");
+        "freeze_step must be at least 1 for onebit_adam and onebit_lamb (with no warmup there is no "
+        "variance to freeze)");
+  }
+  if (!c.layers.empty()) {
+    uint64_t sum = 0;
+    for (uint64_t size : c.layers) {
+      if (size == 0 || size > c.layout.dim) {
+        return absl::InvalidArgumentError(absl::StrCat("layer sizes must be in [1, dim], got ", size));
+      }
+      sum += size;
+      if (sum > c.layout.dim) break;
+    }
+    if (sum != c.layout.dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the layers' sizes must add up to the model's ", c.layout.dim, " elements"));
+    }
+  }
+  if (c.optimizer == OptimizerKind::kOneBitLamb) {
+    const LambSpec& l = c.lamb;
+    const auto finite = [](float f) { return std::isfinite(f); };
+    if (!(l.min_coeff > 0.0f) || !(l.max_coeff >= l.min_coeff) || !finite(l.max_coeff)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb needs 0 < min_coeff <= max_coeff (finite), got ", l.min_coeff, ", ", l.max_coeff));
+    }
+    if (!(l.coeff_beta >= 0.0f && l.coeff_beta < 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat("onebit_lamb.coeff_beta must be in [0, 1), got ",
+                                                     l.coeff_beta));
+    }
+    if (!(l.factor_min > 0.0f) || !(l.factor_max >= l.factor_min) || !finite(l.factor_max)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb needs 0 < factor_min <= factor_max (finite), got ", l.factor_min, ", ",
+          l.factor_max));
+    }
+    if (!(l.factor_threshold >= 0.0f && l.factor_threshold < 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb.factor_threshold must be in [0, 1), got ", l.factor_threshold));
+    }
+    if (c.clip_grad_norm != 0.0f) {
+      return absl::InvalidArgumentError("clip_grad_norm is not supported with onebit_lamb (leave it 0)");
+    }
   }
   if (c.optimizer == OptimizerKind::kZeroOneAdam) {
     const ZeroOneSpec& z = c.zero_one;
@@ -85,6 +126,10 @@ Simulator::Simulator(const SimulatorConfig& config, Layout layout,
       x_(x0.begin(), x0.end()),
       m_(x0.size(), 0.0f),
       v_(x0.size(), 0.0f) {
+  if (config.optimizer == OptimizerKind::kOneBitLamb) {
+    v_fresh_.assign(x0.size(), 0.0f);
+    lamb_layers_.resize(LayerBounds(config).size() - 1);
+  }
   for (uint32_t i = 0; i < config.workers; ++i) {
     worker_errors_.emplace_back(config.worker_feedback, x0.size(), config.layout.block_elems);
   }
@@ -221,7 +266,15 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
     ApplyRule(rule, absl::MakeSpan(replies[p.id]), absl::MakeSpan(x_).subspan(begin, n),
-              absl::MakeSpan(m_).subspan(begin, n), absl::MakeSpan(v_).subspan(begin, n));
+              absl::MakeSpan(m_).subspan(begin, n), absl::MakeSpan(v_).subspan(begin, n), {},
+              rule.lamb ? absl::MakeSpan(v_fresh_).subspan(begin, n) : absl::Span<float>());
+  }
+  if (rule.lamb) {  // x moves by each layer's coefficient, from sums over the whole layer
+    const Range all{0, x_.size()};
+    const std::vector<double> totals = LambTotals(config_, layout_, rule, all, x_, m_, v_, v_fresh_);
+    const std::vector<double> commit = LambCommit(config_, rule, totals, lamb_layers_);
+    LambUpdateX(config_, rule, commit, all, 0, x_.size(), absl::MakeSpan(x_), m_, v_);
+    lamb_layers_ = LambStateOf(commit);
   }
   diverged_ = false;
   ++step_;

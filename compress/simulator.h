@@ -32,7 +32,7 @@ struct StepHyper {
 };
 absl::Status ValidateStepHyper(const StepHyper& hyper);
 
-enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam, kZeroOneAdam };
+enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam, kZeroOneAdam, kOneBitLamb };
 
 // zero_one_adam's schedule (design.md 2.7; DeepSpeed's ZeroOneAdam names and
 // defaults). Steps are counted from 1 here, as in the paper: step t of the
@@ -48,6 +48,27 @@ struct ZeroOneSpec {
   // (S, at least 1) up to local_step_clipper (H, at least 1).
   int64_t local_step_scaler = 32678;
   int64_t local_step_clipper = 16;
+};
+
+// onebit_lamb's coefficients (design.md 2.8; DeepSpeed's OnebitLamb names
+// and defaults). Warmup: a layer's coefficient is ||x|| / ||u|| clamped to
+// [min_coeff, max_coeff], and coeff_freeze its moving average with
+// coeff_beta. Compression: coeff_freeze times a factor from the fresh
+// variance, clamped to [factor_min, factor_max] and to within
+// factor_threshold of the last step's.
+struct LambSpec {
+  float max_coeff = 10.0f;
+  float min_coeff = 0.01f;
+  float coeff_beta = 0.9f;
+  float factor_max = 4.0f;
+  float factor_min = 0.5f;
+  float factor_threshold = 0.1f;
+};
+
+// A onebit_lamb layer's state, the same on every replica (compress/lamb.h).
+struct LambLayerState {
+  float coeff_freeze = 0.0f;  // the warmup coefficients' moving average
+  float last_factor = 1.0f;   // the compression phase's last factor
 };
 
 struct SimulatorConfig {
@@ -86,6 +107,11 @@ struct SimulatorConfig {
   // momentum (as DeepSpeed does). ClipsAverage/ClipsLocally say which.
   float clip_grad_norm = 0;
   ZeroOneSpec zero_one;  // zero_one_adam only
+  LambSpec lamb;         // onebit_lamb only
+  // The model's layers (parameter tensors) as element counts in order,
+  // summing to layout.dim; empty: one layer of the whole model. Only
+  // onebit_lamb reads them (its coefficients are per layer).
+  std::vector<uint64_t> layers;
   uint64_t seed = 0;            // stochastic rounding
 };
 
@@ -125,6 +151,9 @@ class Simulator {
   absl::Span<const float> worker_x(uint32_t rank) const;
   absl::Span<const float> worker_m(uint32_t rank) const;
   const ErrorFeedback& worker_error(uint32_t rank) const { return worker_errors_[rank]; }
+  // onebit_lamb (compress/lamb.h): the fresh variance and the layers' state.
+  absl::Span<const float> v_fresh() const { return v_fresh_; }
+  absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }
   const ErrorFeedback& server_error(uint32_t shard) const { return server_errors_[shard]; }
 
  private:
@@ -152,6 +181,8 @@ class Simulator {
   std::vector<Local> locals_;
   float lr_sum_ = 0;
   bool diverged_ = false;
+  std::vector<float> v_fresh_;
+  std::vector<LambLayerState> lamb_layers_;
 };
 
 }  // namespace morse::compress

@@ -155,6 +155,15 @@ def torch_adam(task):
     return task.evaluate(model)
 
 
+def zero_one_schedule(steps):
+    """ZeroOneAdam's var_freeze_step, local_step_scaler and local_step_clipper
+    for a run of `steps`: MORSE_ZERO_ONE_SCHEDULE (set from --zero-one-schedule)
+    holds the first two as fractions of the steps and the clipper."""
+    freeze, scaler, clipper = (float(v) for v in
+                               os.environ.get("MORSE_ZERO_ONE_SCHEDULE", "0.2,0.1,16").split(","))
+    return max(1, int(steps * freeze)), max(1, int(steps * scaler)), max(1, int(clipper))
+
+
 def worker(task, optimizer):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
@@ -166,9 +175,9 @@ def worker(task, optimizer):
         # DeepSpeed's defaults scaled to a short run: v's updates end at 20%
         # of the steps (as OneBitAdam's freeze), and the local-step interval
         # doubles every 10% of the steps up to the default clipper, 16.
-        opt = morse.torch.ZeroOneAdam(model.named_parameters(), lr=lr,
-                                      var_freeze_step=max(1, task.steps // 5),
-                                      local_step_scaler=max(1, task.steps // 10))
+        freeze, scaler, clipper = zero_one_schedule(task.steps)
+        opt = morse.torch.ZeroOneAdam(model.named_parameters(), lr=lr, var_freeze_step=freeze,
+                                      local_step_scaler=scaler, local_step_clipper=clipper)
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5)
@@ -219,8 +228,19 @@ def main():
     parser.add_argument("--max-gap", type=float, default=None,
                         help="exit 1 if a Morse optimizer's mean held-out loss is more than this "
                              "fraction above torch.optim.Adam's (e.g. 0.02)")
+    parser.add_argument("--zero-one-schedule", metavar="F,S,C", default="0.2,0.1,16",
+                        help="zero_one_adam: var_freeze_step and local_step_scaler as fractions of "
+                             "--steps, and local_step_clipper (default 0.2,0.1,16)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    try:
+        f, sc, c = (float(v) for v in args.zero_one_schedule.split(","))
+        if not (0 < f <= 1 and 0 < sc <= 1 and c >= 1):
+            raise ValueError
+    except ValueError:
+        parser.error("--zero-one-schedule needs F,S,C with 0 < F, S <= 1 and C >= 1")
+    if not args.worker:
+        os.environ["MORSE_ZERO_ONE_SCHEDULE"] = args.zero_one_schedule
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])

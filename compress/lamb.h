@@ -1,0 +1,77 @@
+// onebit_lamb: 1-bit LAMB (Li et al. 2021), design.md 2.8. The exchange is
+// 1-bit Adam's (compress/replica.h's PlanSend): full-precision averaged
+// gradients in the warmup, sign-packed momentum with error feedback on both
+// sides after the freeze. What LAMB adds happens on every replica after a
+// step's replies: a coefficient per layer (parameter tensor) from sums over
+// the whole layer, which may span partitions and shards.
+//
+// So a step of onebit_lamb applies in two halves. The reply of a partition
+// updates m, v and the fresh variance v' at once (ApplyRule with a lamb
+// rule). Then the step's per-layer totals (LambTotals, over the whole model
+// in partition order) give its commit (LambCommit: each layer's coefficient
+// and its state after the step), and the commit moves x (LambUpdateX). A
+// worker holds the whole model and computes the commit itself; a shard's
+// mirror holds one range, so rank 0 sends it the commit (ShardCore::Commit)
+// and every next push carries it too, as for gradient clipping.
+//
+// Sums are in double, in a fixed order; the element formulas are plain fp32
+// loops (no FMA contraction): the same bits on every replica.
+#ifndef MORSE_COMPRESS_LAMB_H_
+#define MORSE_COMPRESS_LAMB_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "compress/layout.h"
+#include "compress/simulator.h"
+
+namespace morse::compress {
+
+struct ReplyRule;
+
+// Per layer, LambTotals gives kLambStats doubles and a commit holds
+// kLambCommit: [coefficient, coeff_freeze, last_factor] after the step.
+inline constexpr int kLambStats = 3;
+inline constexpr int kLambCommit = 3;
+
+// The first element of every layer, then D (config.layers, or one layer).
+std::vector<uint64_t> LayerBounds(const SimulatorConfig& config);
+
+// The moments of a lamb reply rule (PlanReply) from the decoded values
+// (masked already): warmup, m = b1*m + (1-b1)*g and v = b2*v + (1-b2)*g*g,
+// and at the last warmup step v' = v; compression, g' = (c - b1*m)/(1-b1),
+// v' = b2*v' + (1-b2)*g'*g', m = c.
+void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> m,
+                 absl::Span<float> v, absl::Span<float> v_fresh);
+
+// The per-layer statistics of the step of `rule` over the partitions of
+// `layout` that lie in `range` (all of them for a worker), in partition
+// order; the arrays hold `range`. Warmup: [sum x^2, sum u^2, 0];
+// compression: [sum u^2, sum p^2, max d/d'] (design.md 2.8).
+std::vector<double> LambTotals(const SimulatorConfig& config, const Layout& layout,
+                               const ReplyRule& rule, Range range, absl::Span<const float> x,
+                               absl::Span<const float> m, absl::Span<const float> v,
+                               absl::Span<const float> v_fresh);
+
+// The step's commit from its totals and the layers' state before the step.
+std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& rule,
+                               absl::Span<const double> totals, absl::Span<const LambLayerState> state);
+
+// INVALID_ARGUMENT unless `commit` has kLambCommit values per layer, each
+// a finite float that is not negative.
+absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const double> commit);
+
+// The layers' state after the step of `commit`.
+std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit);
+
+// x = x - (lr * c_l) * u over global elements [begin, begin + n), arrays
+// holding `range`.
+void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Span<const double> commit,
+                 Range range, uint64_t begin, uint64_t n, absl::Span<float> x, absl::Span<const float> m,
+                 absl::Span<const float> v);
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_LAMB_H_

@@ -1,0 +1,335 @@
+// onebit_lamb (design.md 2.8) against the algorithm written out here element
+// by element, with lossless fp32 messages: x, m, v, the fresh variance and
+// every layer's state must match the simulator bit for bit through the
+// warmup, the freeze and the compression phase, with layers that cross
+// partitions and shards. Plus what the coefficients must do (clamps, the
+// factor's threshold) and the config checks.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "compress/lamb.h"
+#include "compress/replica.h"
+#include "compress/simulator.h"
+#include "gtest/gtest.h"
+
+namespace morse::compress {
+namespace {
+
+bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+}
+
+// design.md 2.8 written out: one worker loop per message, one pass per
+// formula, layer sums over each layer's pieces in partition order.
+class Reference {
+ public:
+  Reference(const SimulatorConfig& c, absl::Span<const float> x0, const Layout& layout)
+      : c_(c), layout_(layout), x_(x0.begin(), x0.end()), m_(x0.size()), v_(x0.size()), vf_(x0.size()) {
+    bounds_.push_back(0);
+    for (uint64_t size : c.layers) bounds_.push_back(bounds_.back() + size);
+    freeze_.assign(c.layers.size(), 0.0f);
+    last_.assign(c.layers.size(), 1.0f);
+  }
+
+  void Step(const std::vector<std::vector<float>>& g) {
+    ++s_;
+    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps, wd = c_.adam.weight_decay;
+    const float lr = c_.lr.base_lr;
+    const auto correction = [&](float beta, int64_t t) {
+      return c_.bias_correction ? static_cast<float>(1.0 - std::pow(double{beta}, double(t))) : 1.0f;
+    };
+    const bool warmup = s_ <= c_.freeze_step;
+    const float bc1 = correction(b1, s_);
+    const float bc2 = correction(b2, warmup ? s_ : c_.freeze_step);
+    const float bc2_fresh = correction(b2, s_);
+    const float bound = OneBitUpdateBound(c_.adam);
+    const size_t n = x_.size();
+    const uint32_t workers = c_.workers;
+    // What the workers send, and its average.
+    std::vector<float> a(n);
+    for (size_t j = 0; j < n; ++j) {
+      float sum = 0.0f;
+      for (uint32_t i = 0; i < workers; ++i) {
+        const float sent = warmup ? g[i][j] : (v_[j] == 0.0f ? 0.0f : b1 * m_[j] + (1.0f - b1) * g[i][j]);
+        sum += sent;
+      }
+      a[j] = sum / static_cast<float>(workers);
+    }
+    // Moments.
+    for (size_t j = 0; j < n; ++j) {
+      if (warmup) {
+        m_[j] = b1 * m_[j] + (1.0f - b1) * a[j];
+        v_[j] = b2 * v_[j] + (1.0f - b2) * (a[j] * a[j]);
+        if (s_ == c_.freeze_step) vf_[j] = v_[j];
+      } else {
+        const float c = v_[j] == 0.0f ? 0.0f : a[j];
+        const float gr = (c - b1 * m_[j]) / (1.0f - b1);
+        vf_[j] = b2 * vf_[j] + (1.0f - b2) * (gr * gr);
+        m_[j] = c;
+      }
+    }
+    // Directions.
+    std::vector<float> u(n), p(n), ratio(n);
+    for (size_t j = 0; j < n; ++j) {
+      const float d = std::sqrt(v_[j] / bc2) + eps;
+      p[j] = (m_[j] / bc1) / d;
+      if (!warmup) {
+        p[j] = std::clamp(p[j], -bound, bound);
+        ratio[j] = d / (std::sqrt(vf_[j] / bc2_fresh) + eps);
+      }
+      u[j] = p[j] + wd * x_[j];
+    }
+    // Coefficients, layer by layer.
+    coefficients_.assign(c_.layers.size(), 0.0f);
+    for (size_t l = 0; l + 1 < bounds_.size(); ++l) {
+      double s1 = 0, s2 = 0, most = 0;
+      for (const Partition& part : layout_.partitions()) {
+        const uint64_t begin = std::max(part.range.begin, bounds_[l]);
+        const uint64_t end = std::min(part.range.end, bounds_[l + 1]);
+        double piece1 = 0, piece2 = 0;
+        for (uint64_t j = begin; j < end; ++j) {
+          piece1 += warmup ? double{x_[j]} * x_[j] : double{u[j]} * u[j];
+          piece2 += warmup ? double{u[j]} * u[j] : double{p[j]} * p[j];
+          if (!warmup) most = std::max(most, double{ratio[j]});
+        }
+        s1 += piece1;
+        s2 += piece2;
+      }
+      float coefficient = 1.0f;
+      if (warmup) {
+        if (s1 > 0 && s2 > 0) {
+          coefficient = static_cast<float>(
+              std::clamp(std::sqrt(s1) / std::sqrt(s2), double{c_.lamb.min_coeff}, double{c_.lamb.max_coeff}));
+          freeze_[l] = static_cast<float>(double{c_.lamb.coeff_beta} * freeze_[l] +
+                                          (1.0 - double{c_.lamb.coeff_beta}) * coefficient);
+        }
+      } else {
+        double factor = most;
+        if (wd > 0) {
+          const double share = s1 > 0 ? std::min(1.0, std::sqrt(s2) / std::sqrt(s1)) : 1.0;
+          factor = factor * share + (1.0 - share);
+        }
+        factor = std::clamp(factor, double{c_.lamb.factor_min}, double{c_.lamb.factor_max});
+        factor = std::clamp(factor, last_[l] * (1.0 - double{c_.lamb.factor_threshold}),
+                            last_[l] * (1.0 + double{c_.lamb.factor_threshold}));
+        last_[l] = static_cast<float>(factor);
+        coefficient = static_cast<float>(double{freeze_[l]} * last_[l]);
+      }
+      coefficients_[l] = coefficient;
+      for (uint64_t j = bounds_[l]; j < bounds_[l + 1]; ++j) x_[j] = x_[j] - (lr * coefficient) * u[j];
+    }
+  }
+
+  const std::vector<float>& x() const { return x_; }
+  const std::vector<float>& m() const { return m_; }
+  const std::vector<float>& v() const { return v_; }
+  const std::vector<float>& v_fresh() const { return vf_; }
+  const std::vector<float>& freeze() const { return freeze_; }
+  const std::vector<float>& last() const { return last_; }
+  const std::vector<float>& coefficients() const { return coefficients_; }
+
+ private:
+  SimulatorConfig c_;
+  const Layout& layout_;
+  std::vector<float> x_, m_, v_, vf_;
+  std::vector<uint64_t> bounds_;
+  std::vector<float> freeze_, last_, coefficients_;
+  int64_t s_ = 0;
+};
+
+SimulatorConfig LambConfig() {
+  SimulatorConfig c;
+  c.optimizer = OptimizerKind::kOneBitLamb;
+  c.workers = 3;
+  c.layout = {1000, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/128};
+  // Layers of very different sizes; the 600-element one crosses partitions
+  // and both shards.
+  c.layers = {10, 250, 600, 64, 76};
+  c.warmup_codec = c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32, 64};
+  c.worker_feedback = c.server_feedback = FeedbackSpec{FeedbackKind::kEf};
+  c.freeze_step = 12;
+  c.lr.base_lr = 0.01f;
+  c.lamb.max_coeff = 2.0f;  // reached by the large layer (its ||x|| / ||u|| is about 3)
+  return c;
+}
+
+void RunAgainstReference(const SimulatorConfig& c, int64_t steps) {
+  const size_t dim = c.layout.dim;
+  std::vector<float> x0(dim), a(dim), target(dim);
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (size_t j = 0; j < dim; ++j) {
+    // Layer scales far apart, which is what LAMB's coefficients are for.
+    const float scale = j < 10 ? 0.0f : (j < 260 ? 5.0f : 0.1f);  // layer 0 starts at 0: ||x|| = 0
+    x0[j] = scale * uniform(rng), a[j] = 0.5f + 0.5f * uniform(rng), target[j] = uniform(rng);
+  }
+  auto layout = Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok());
+  auto sim = Simulator::Create(c, x0);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  Reference ref(c, x0, *layout);
+  bool saw_factor_move = false, saw_max_coeff = false;
+  std::vector<float> last(c.layers.size(), 1.0f);
+  for (int64_t t = 0; t < steps; ++t) {
+    std::vector<std::vector<float>> g(c.workers, std::vector<float>(dim));
+    for (uint32_t i = 0; i < c.workers; ++i) {
+      std::mt19937 noise(static_cast<uint32_t>(1000 * t + i));
+      std::normal_distribution<float> normal(0.0f, 0.3f);
+      for (size_t j = 0; j < dim; ++j) {
+        g[i][j] = j % 7 == 0 ? 0.0f : a[j] * (sim->x()[j] - target[j]) + normal(noise);  // dead: v = 0
+      }
+    }
+    std::vector<absl::Span<const float>> views(g.begin(), g.end());
+    ASSERT_TRUE(sim->Step(views).ok());
+    ref.Step(g);
+    ASSERT_TRUE(SameBits(sim->x(), ref.x())) << "x at step " << t;
+    ASSERT_TRUE(SameBits(sim->m(), ref.m())) << "m at step " << t;
+    ASSERT_TRUE(SameBits(sim->v(), ref.v())) << "v at step " << t;
+    ASSERT_TRUE(SameBits(sim->v_fresh(), ref.v_fresh())) << "v' at step " << t;
+    ASSERT_EQ(sim->lamb_layers().size(), c.layers.size());
+    for (size_t l = 0; l < c.layers.size(); ++l) {
+      ASSERT_EQ(sim->lamb_layers()[l].coeff_freeze, ref.freeze()[l]) << "layer " << l << " step " << t;
+      ASSERT_EQ(sim->lamb_layers()[l].last_factor, ref.last()[l]) << "layer " << l << " step " << t;
+      saw_max_coeff |= ref.coefficients()[l] == c.lamb.max_coeff;
+      // The factor moves by at most factor_threshold a step.
+      const float now = sim->lamb_layers()[l].last_factor;
+      EXPECT_LE(std::abs(now / last[l] - 1.0f), c.lamb.factor_threshold * 1.0001f) << l << " " << t;
+      saw_factor_move |= now != last[l];
+      last[l] = now;
+    }
+  }
+  // The run went through the coefficients' clamp and moved the factors.
+  EXPECT_TRUE(saw_max_coeff);
+  EXPECT_TRUE(saw_factor_move);
+}
+
+TEST(LambTest, TheSimulatorIsTheAlgorithmWrittenOut) { RunAgainstReference(LambConfig(), 40); }
+
+TEST(LambTest, WithWeightDecayAndDeepSpeedsUncorrectedMoments) {
+  SimulatorConfig c = LambConfig();
+  c.adam.weight_decay = 0.01f;
+  c.bias_correction = false;
+  c.lamb.factor_threshold = 0.05f;
+  c.lamb.max_coeff = 1.0f;
+  RunAgainstReference(c, 40);
+}
+
+TEST(LambTest, LayersDefaultToOneAndMustCoverTheModel) {
+  SimulatorConfig c = LambConfig();
+  c.layers.clear();
+  EXPECT_EQ(LayerBounds(c), (std::vector<uint64_t>{0, 1000}));
+  c.layers = {500, 400};
+  EXPECT_EQ(ValidateSimulatorConfig(c).code(), absl::StatusCode::kInvalidArgument);
+  c.layers = {500, 0, 500};
+  EXPECT_EQ(ValidateSimulatorConfig(c).code(), absl::StatusCode::kInvalidArgument);
+  c.layers = {1000};
+  EXPECT_TRUE(ValidateSimulatorConfig(c).ok());
+}
+
+TEST(LambTest, BadSpecsAreRefused) {
+  const auto refused = [](auto edit) {
+    SimulatorConfig c = LambConfig();
+    edit(c);
+    return ValidateSimulatorConfig(c).code() == absl::StatusCode::kInvalidArgument;
+  };
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.min_coeff = 0; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.max_coeff = 0.001f; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.coeff_beta = 1.0f; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_min = 0; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_max = 0.1f; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_threshold = -0.1f; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.max_coeff = INFINITY; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.clip_grad_norm = 1.0f; }));
+  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.freeze_step = 0; }));
+}
+
+TEST(LambTest, ItsPlansAreOneBitAdamsExchange) {
+  const SimulatorConfig c = LambConfig();
+  SimulatorConfig adam = c;
+  adam.optimizer = OptimizerKind::kOneBitAdam;
+  for (int64_t t : {0, 11, 12, 30}) {
+    EXPECT_EQ(PlanStep(c, t).compressing, PlanStep(adam, t).compressing) << t;
+    EXPECT_EQ(PlanStep(c, t).up.kind, PlanStep(adam, t).up.kind) << t;
+    EXPECT_STREQ(PhaseName(c, t), PhaseName(adam, t));
+    EXPECT_TRUE(PlanReply(c, t).lamb);
+    EXPECT_EQ(PlanReply(c, t).copy_fresh, t == 11);
+  }
+  EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(adam));
+  SimulatorConfig other = c;
+  other.layers = {10, 250, 600, 70, 70};
+  EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(other));
+}
+
+TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
+  // A worker replica applies every reply then its own commit; each shard's
+  // mirror applies its partitions' replies and then the worker's commit.
+  SimulatorConfig c = LambConfig();
+  c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32, 64};
+  c.workers = 1;
+  const size_t dim = c.layout.dim;
+  auto layout = Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok());
+  std::vector<float> x0(dim);
+  for (size_t j = 0; j < dim; ++j) x0[j] = std::sin(0.1f * j);
+  auto sim = Simulator::Create(c, x0);
+  ASSERT_TRUE(sim.ok());
+  Replica worker(c, {0, dim});
+  std::copy(x0.begin(), x0.end(), worker.x().begin());
+  std::vector<Replica> mirrors;
+  for (uint32_t s = 0; s < c.layout.shards; ++s) {
+    mirrors.emplace_back(c, layout->shard_range(s));
+    const Range r = layout->shard_range(s);
+    std::copy(x0.begin() + r.begin, x0.begin() + r.end, mirrors.back().x().begin());
+  }
+  for (int64_t t = 0; t < 24; ++t) {
+    std::vector<float> g(dim);
+    for (size_t j = 0; j < dim; ++j) g[j] = std::cos(0.01f * j * (t + 1)) + sim->x()[j];
+    // One worker with fp32 both ways: the reply is its message.
+    std::vector<float> message(dim);
+    if (PlanStep(c, t).compressing) {
+      worker.LocalMomentum(0, g, absl::MakeSpan(message));
+      for (size_t j = 0; j < dim; ++j) message[j] = worker.v()[j] == 0.0f ? 0.0f : message[j];
+    } else {
+      message = g;
+    }
+    const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(message.data()), 4 * dim);
+    for (const Partition& p : layout->partitions()) {
+      const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
+      ASSERT_TRUE(worker.ApplyReply(t, p.range.begin, p.range.size(), part).ok());
+      ASSERT_TRUE(mirrors[p.shard].ApplyReply(t, p.range.begin, p.range.size(), part).ok());
+    }
+    auto commit = worker.LambStep(t);
+    ASSERT_TRUE(commit.ok()) << commit.status();
+    for (const Partition& p : layout->partitions()) {
+      ASSERT_TRUE(mirrors[p.shard].ApplyLambCommit(t, p.range.begin, p.range.size(), *commit).ok());
+    }
+    std::vector<absl::Span<const float>> views{g};
+    ASSERT_TRUE(sim->Step(views).ok());
+    ASSERT_TRUE(SameBits(worker.x(), sim->x())) << "worker x at step " << t;
+    ASSERT_TRUE(SameBits(worker.v_fresh(), sim->v_fresh())) << "worker v' at step " << t;
+    for (uint32_t s = 0; s < c.layout.shards; ++s) {
+      const Range r = layout->shard_range(s);
+      ASSERT_TRUE(SameBits(mirrors[s].x(), sim->x().subspan(r.begin, r.size()))) << "shard " << s << " step " << t;
+      ASSERT_TRUE(SameBits(mirrors[s].m(), sim->m().subspan(r.begin, r.size())));
+      ASSERT_TRUE(SameBits(mirrors[s].v_fresh(), sim->v_fresh().subspan(r.begin, r.size())));
+      ASSERT_EQ(mirrors[s].lamb_layers()[2].last_factor, sim->lamb_layers()[2].last_factor);
+    }
+  }
+  // A malformed commit changes nothing.
+  const std::vector<float> before(mirrors[0].x().begin(), mirrors[0].x().end());
+  std::vector<double> bad(kLambCommit * c.layers.size(), 1.0);
+  bad[4] = -1.0;
+  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
+  bad[4] = 0.1;  // not a float
+  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
+  bad.pop_back();
+  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SameBits(mirrors[0].x(), before));
+  EXPECT_EQ(mirrors[0].LambStep(24).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace morse::compress
