@@ -100,6 +100,15 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       job.synthetic.dead_every = c.synthetic().dead_every();
       if (job.synthetic.dim == 0) return Invalid("synthetic.dim", "must be positive");
       a.layout.dim = job.synthetic.dim;
+      if (const uint64_t l = c.synthetic().layer_elems(); l > 0) {
+        if (l > job.synthetic.dim) {
+          return Invalid("synthetic.layer_elems", absl::StrCat(l, " is more than dim (", job.synthetic.dim, ")"));
+        }
+        if (job.synthetic.dim / l > kMaxLayers) {
+          return Invalid("synthetic.layer_elems", absl::StrCat("makes more than ", kMaxLayers, " layers"));
+        }
+        for (uint64_t at = 0; at < job.synthetic.dim; at += l) a.layers.push_back(std::min(l, job.synthetic.dim - at));
+      }
       break;
     case v1::JobConfig::kMlp: {
       job.workload = WorkloadKind::kMlp;
@@ -121,6 +130,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
         if (h == 0) return Invalid("mlp.hidden", "widths must be positive");
       }
       a.layout.dim = MlpParameterCount(job.mlp);
+      a.layers = MlpLayerSizes(job.mlp);
       break;
     }
     case v1::JobConfig::kExternal:
@@ -129,6 +139,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       job.external.shapes_fingerprint = c.external().shapes_fingerprint();
       job.external.shapes = c.external().shapes();
       a.layout.dim = job.external.dim;
+      if (c.external().layers_size() > static_cast<int>(kMaxLayers)) {
+        return Invalid("external.layers", absl::StrCat("more than ", kMaxLayers, " layers"));
+      }
+      a.layers.assign(c.external().layers().begin(), c.external().layers().end());
       break;
     default:
       return Invalid("workload", "set synthetic { ... }, mlp { ... } or external { ... }");
@@ -140,8 +154,22 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     a.optimizer = compress::OptimizerKind::kAdam;
   } else if (c.optimizer() == "zero_one_adam") {
     a.optimizer = compress::OptimizerKind::kZeroOneAdam;
+  } else if (c.optimizer() == "onebit_lamb") {
+    a.optimizer = compress::OptimizerKind::kOneBitLamb;
   } else {
-    return Invalid("optimizer", absl::StrCat("'", c.optimizer(), "' is not onebit_adam, adam or zero_one_adam"));
+    return Invalid("optimizer", absl::StrCat("'", c.optimizer(),
+                                             "' is not onebit_adam, adam, zero_one_adam or onebit_lamb"));
+  }
+  if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    const v1::OneBitLambConfig& l = c.onebit_lamb();
+    if (l.has_max_coeff()) a.lamb.max_coeff = l.max_coeff();
+    if (l.has_min_coeff()) a.lamb.min_coeff = l.min_coeff();
+    if (l.has_coeff_beta()) a.lamb.coeff_beta = l.coeff_beta();
+    if (l.has_factor_max()) a.lamb.factor_max = l.factor_max();
+    if (l.has_factor_min()) a.lamb.factor_min = l.factor_min();
+    if (l.has_factor_threshold()) a.lamb.factor_threshold = l.factor_threshold();
+  } else if (c.has_onebit_lamb()) {
+    return Invalid("onebit_lamb", "is set but the optimizer is not onebit_lamb");
   }
   // onebit_adam and zero_one_adam compress with error feedback by default
   // and have a frozen v to mask and bound.
@@ -239,11 +267,12 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   // A server's base config for an external model leaves the optimizer to
   // the workers' Join.
   const bool base_only = external && job.external.dim == 0;
-  const bool freezes = a.optimizer == compress::OptimizerKind::kOneBitAdam;
+  const bool freezes = a.optimizer == compress::OptimizerKind::kOneBitAdam ||
+                       a.optimizer == compress::OptimizerKind::kOneBitLamb;
   if (freezes && base_only && a.freeze_step == 0) a.freeze_step = 1;
   if (freezes && (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
     return Invalid("freeze_step",
-                   absl::StrCat(a.freeze_step, " is outside [1, steps]: onebit_adam needs at least one "
+                   absl::StrCat(a.freeze_step, " is outside [1, steps]: onebit_adam and onebit_lamb need at least one "
                                                "warmup step (with none there is no variance to freeze)"));
   }
 
@@ -296,6 +325,19 @@ absl::Status ParseText(absl::string_view text, v1::JobConfig* config) {
 }
 
 }  // namespace
+
+std::vector<uint64_t> MlpLayerSizes(const MlpSpec& mlp) {
+  std::vector<uint64_t> sizes;
+  uint64_t in = mlp.features;
+  std::vector<uint32_t> widths = mlp.hidden;
+  widths.push_back(mlp.classes);
+  for (uint32_t out : widths) {
+    sizes.push_back(in * out);  // the weights, then the biases (worker/mlp_workload.cc)
+    sizes.push_back(out);
+    in = out;
+  }
+  return sizes;
+}
 
 uint64_t MlpParameterCount(const MlpSpec& mlp) {
   uint64_t count = 0, in = mlp.features;

@@ -43,6 +43,9 @@ struct ExternalSpec {
 
 // Parameters of an MLP: sum over layers of in*out weights + out biases.
 uint64_t MlpParameterCount(const MlpSpec& mlp);
+// Its parameter tensors' sizes in order (each layer's weights, then its
+// biases): onebit_lamb's layers.
+std::vector<uint64_t> MlpLayerSizes(const MlpSpec& mlp);
 
 struct JobSpec {
   std::string name;
@@ -107,6 +110,8 @@ inline constexpr size_t kMaxBufferBytes = size_t{64} << 20;
 // on the wire and a shard keeps a push slot per worker and partition.
 inline constexpr uint32_t kMaxWorkers = 65536;
 inline constexpr uint32_t kMaxShards = 65536;
+// onebit_lamb's layers: at most this many (a commit carries 3 doubles each).
+inline constexpr uint64_t kMaxLayers = 1u << 20;
 // Timeouts above a week are refused (gRPC deadlines are absolute times).
 inline constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600.0;
 

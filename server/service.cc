@@ -90,6 +90,8 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   if (request->has_lr()) {
     args.hyper = compress::StepHyper{request->lr(), request->weight_decay()};
   }
+  args.previous_lamb_commit.assign(request->previous_lamb_commit().begin(),
+                                   request->previous_lamb_commit().end());
   if (request->has_previous_grad_sum_of_squares()) {
     args.previous_grad_sum_of_squares = request->previous_grad_sum_of_squares();
   }
@@ -200,6 +202,12 @@ grpc::ServerUnaryReactor* ParameterServerService::Commit(grpc::CallbackServerCon
   if (!Authorized(context, reactor, request->rank())) return reactor;
   ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
+  if (request->lamb_commit_size() > 0) {
+    reactor->Finish(proto::ToGrpc(core->CommitLamb(
+        request->rank(), request->step(), request->layout_fingerprint(),
+        std::vector<double>(request->lamb_commit().begin(), request->lamb_commit().end()))));
+    return reactor;
+  }
   reactor->Finish(proto::ToGrpc(core->Commit(request->rank(), request->step(),
                                              request->layout_fingerprint(),
                                              request->grad_sum_of_squares())));

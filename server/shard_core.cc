@@ -44,10 +44,12 @@ struct ShardCore::PartitionState {
   std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
   // Gradient clipping of the last completed step (compress::ClipsAverage):
   // the mirror waits for the whole model's sum of squares (Commit), then
-  // applies the step scaled by its clip factor.
-  bool awaiting_norm ABSL_GUARDED_BY(mu) = false;
+  // applies the step scaled by its clip factor. onebit_lamb: every step's
+  // mirror waits for the layers' coefficients (CommitLamb).
+  bool awaiting_commit ABSL_GUARDED_BY(mu) = false;
   std::optional<double> committed_norm ABSL_GUARDED_BY(mu);  // the sum of squares
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
+  std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
   bool restored ABSL_GUARDED_BY(mu) = false;
@@ -194,7 +196,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
   absl::Status failure;
   std::optional<int64_t> completed_norm;  // a step whose mirror this push's norm completed
-  bool awaiting_norm = false;             // the step this push completed waits for its norm
+  bool awaiting_commit = false;             // the step this push completed waits for its norm
   {
     absl::MutexLock lock(&p.mu);
     if (!p.initialized) {
@@ -262,22 +264,21 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
                              : std::string("the job's schedule");
       };
       bool commits = false;
-      if (args.previous_grad_sum_of_squares.has_value()) {
-        const double total = *args.previous_grad_sum_of_squares;
-        if (!std::isfinite(total) || total < 0) {
-          return reject(absl::InvalidArgumentError(absl::StrCat(
-              "rank ", args.rank, ": previous_grad_sum_of_squares ", total,
-              " must be finite and not negative")));
-        }
-        if (absl::Status s = CheckCommit(p, args.rank, args.step - 1, total, &commits); !s.ok()) {
+      StepCommit carried{args.previous_grad_sum_of_squares, std::move(args.previous_lamb_commit)};
+      if (carried.grad_sum_of_squares.has_value() || !carried.lamb.empty()) {
+        if (absl::Status s = CheckCommit(p, args.rank, args.step - 1, carried, &commits); !s.ok()) {
           return reject(s);
         }
-      } else if (p.awaiting_norm) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "step ", args.step - 1, " of partition ", args.partition,
-            " clipped the averaged gradient (clip_grad_norm) and its sum of squares has not "
-            "arrived: rank ", args.rank, "'s push of step ", args.step,
-            " must carry it (previous_grad_sum_of_squares)")));
+      } else if (p.awaiting_commit) {
+        return reject(absl::FailedPreconditionError(
+            p.committed_lamb.empty() && job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
+                ? absl::StrCat("step ", args.step - 1, " of partition ", args.partition,
+                               " waits for onebit_lamb's layer coefficients: rank ", args.rank,
+                               "'s push of step ", args.step, " must carry them (previous_lamb_commit)")
+                : absl::StrCat("step ", args.step - 1, " of partition ", args.partition,
+                               " clipped the averaged gradient (clip_grad_norm) and its sum of squares "
+                               "has not arrived: rank ", args.rank, "'s push of step ", args.step,
+                               " must carry it (previous_grad_sum_of_squares)")));
       }
       if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
@@ -286,7 +287,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
             "; every worker must use the same learning rate and weight decay each step")));
       }
       if (commits) {
-        ApplyCommit(p, *args.previous_grad_sum_of_squares);
+        ApplyCommit(p, carried);
         completed_norm = args.step - 1;
       }
       std::optional<std::string>& slot = p.pushes[args.rank];
@@ -309,7 +310,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       p.waiters.emplace_back(args.rank, std::move(done));
       if (p.arrived == job_.workers()) {
         auto result = Complete(p);
-        awaiting_norm = p.awaiting_norm;
+        awaiting_commit = p.awaiting_commit;
         waiters.swap(p.waiters);
         if (result.ok()) {
           reply = *result;
@@ -330,7 +331,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     // then the replies, then the mirror update of this partition.
     // A step that clips the averaged gradient completes when its norm
     // arrives (Commit), which the mirror needs.
-    if (failure.ok() && !awaiting_norm) NoteStepCompleted(reply->step);
+    if (failure.ok() && !awaiting_commit) NoteStepCompleted(reply->step);
     for (auto& [rank, callback] : waiters) {
       if (failure.ok()) {
         callback(reply);
@@ -406,7 +407,7 @@ std::optional<std::string> ShardCore::aborted() const {
 
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState& p) {
   ApplyMirror(p);  // step t's mirror before step t + 1's reply
-  MORSE_CHECK(!p.awaiting_norm);  // Push took step t's norm first
+  MORSE_CHECK(!p.awaiting_commit);  // Push took step t's norm first
   const compress::Partition& part = p.partition;
   const std::optional<compress::StepHyper> hyper = p.hyper;
   const uint64_t n = part.range.size();
@@ -456,14 +457,15 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   // before anything reads the mirror.
   p.mirror_pending = true;
   p.mirror_hyper = hyper;
-  p.awaiting_norm = clips;
+  p.awaiting_commit = clips || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
   p.committed_norm.reset();
+  p.committed_lamb.clear();
   p.mirror_scale = 1.0f;
   return std::shared_ptr<const Reply>(std::move(reply));
 }
 
 void ShardCore::ApplyMirror(PartitionState& p) const {
-  if (!p.mirror_pending || p.awaiting_norm) return;
+  if (!p.mirror_pending || p.awaiting_commit) return;
   p.mirror_pending = false;
   const Reply& r = *p.last_reply;
   const absl::Status s = mirror_.ApplyReply(
@@ -473,17 +475,58 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   // The payload is this shard's own encoding of finite values: decoding it
   // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
   MORSE_CHECK(s.ok());
+  if (!p.committed_lamb.empty()) {  // checked when it arrived (CheckCommit)
+    MORSE_CHECK(mirror_
+                    .ApplyLambCommit(r.step, p.partition.range.begin, p.partition.range.size(),
+                                     p.committed_lamb, p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr)
+                    .ok());
+  }
 }
 
 absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int64_t step,
-                                    double total, bool* applies) const {
+                                    const StepCommit& commit, bool* applies) const {
   *applies = false;
+  const bool lamb = !commit.lamb.empty();
+  const char* what = lamb ? "onebit_lamb's layer coefficients" : "the gradient norm";
+  if (lamb) {
+    if (commit.grad_sum_of_squares.has_value()) {
+      return absl::InvalidArgumentError("a commit holds a gradient norm or layer coefficients, not both");
+    }
+    if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " sent layer coefficients (onebit_lamb) for a job whose optimizer is not onebit_lamb"));
+    }
+    if (absl::Status s = compress::ValidateLambCommit(job_.algorithm, commit.lamb); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": ", s.message()));
+    }
+  } else {
+    const double total = *commit.grad_sum_of_squares;
+    if (!std::isfinite(total) || total < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, ": the gradient's sum of squares ", total, " must be finite and not negative"));
+    }
+  }
   if (step >= p.next_step) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " sent the gradient norm of step ", step, " but partition ", p.partition.id,
+        "rank ", rank, " sent ", what, " of step ", step, " but partition ", p.partition.id,
         " has completed ", p.next_step, " steps"));
   }
   if (step < p.next_step - 1) return absl::OkStatus();  // applied long ago
+  if (lamb) {
+    if (!p.committed_lamb.empty()) {
+      if (p.committed_lamb.size() != commit.lamb.size() ||
+          std::memcmp(p.committed_lamb.data(), commit.lamb.data(), 8 * commit.lamb.size()) != 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "rank ", rank, " sent other layer coefficients for step ", step,
+            " than were sent before; every worker computes the same ones"));
+      }
+      return absl::OkStatus();
+    }
+    if (!p.awaiting_commit) return absl::OkStatus();  // restored past it
+    *applies = true;
+    return absl::OkStatus();
+  }
+  const double total = *commit.grad_sum_of_squares;
   if (!compress::ClipsAverage(job_.algorithm, step)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " sent a gradient norm for step ", step,
@@ -499,7 +542,7 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int6
     }
     return absl::OkStatus();
   }
-  if (!p.awaiting_norm) return absl::OkStatus();  // restored past it
+  if (!p.awaiting_commit) return absl::OkStatus();  // restored past it
   const std::optional<double> own =
       p.last_reply != nullptr ? p.last_reply->grad_sum_of_squares : std::nullopt;
   if (own.has_value() && total < *own) {
@@ -511,24 +554,35 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int6
   return absl::OkStatus();
 }
 
-void ShardCore::ApplyCommit(PartitionState& p, double total) const {
-  p.committed_norm = total;
-  p.mirror_scale = compress::ClipScale(total, job_.algorithm.clip_grad_norm);
-  p.awaiting_norm = false;
+void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
+  if (commit.grad_sum_of_squares.has_value()) {
+    p.committed_norm = *commit.grad_sum_of_squares;
+    p.mirror_scale = compress::ClipScale(*commit.grad_sum_of_squares, job_.algorithm.clip_grad_norm);
+  } else {
+    p.committed_lamb = commit.lamb;
+  }
+  p.awaiting_commit = false;
   ApplyMirror(p);
 }
 
 absl::Status ShardCore::Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                                double total) {
+  return CommitStep(rank, step, layout_fingerprint, StepCommit{total, {}});
+}
+
+absl::Status ShardCore::CommitLamb(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                                   std::vector<double> commit) {
+  if (commit.empty()) return absl::InvalidArgumentError("an empty onebit_lamb commit");
+  return CommitStep(rank, step, layout_fingerprint, StepCommit{std::nullopt, std::move(commit)});
+}
+
+absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                                   const StepCommit& commit) {
   if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id, layout_fingerprint);
       !s.ok()) {
     return s;
   }
   if (step < 0) return absl::InvalidArgumentError("negative step");
-  if (!std::isfinite(total) || total < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the gradient's sum of squares ", total, " must be finite and not negative"));
-  }
   // Every partition checked before any changes (locks in order, as Snapshot).
   std::vector<std::unique_ptr<absl::MutexLock>> locks;
   std::vector<bool> applies(partitions_.size());
@@ -536,13 +590,13 @@ absl::Status ShardCore::Commit(uint32_t rank, int64_t step, uint64_t layout_fing
     PartitionState& p = *partitions_[i];
     locks.push_back(std::make_unique<absl::MutexLock>(&p.mu));
     bool a = false;
-    if (absl::Status s = CheckCommit(p, rank, step, total, &a); !s.ok()) return s;
+    if (absl::Status s = CheckCommit(p, rank, step, commit, &a); !s.ok()) return s;
     applies[i] = a;
   }
   uint32_t completed = 0;
   for (size_t i = 0; i < partitions_.size(); ++i) {
     if (!applies[i]) continue;
-    ApplyCommit(*partitions_[i], total);
+    ApplyCommit(*partitions_[i], commit);
     ++completed;
   }
   locks.clear();
@@ -641,9 +695,10 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   const int64_t step = partitions_.front()->next_step;
   for (const auto& p : partitions_) {
     if (!p->initialized) return absl::FailedPreconditionError("the shard has no parameters yet");
-    if (p->awaiting_norm) {
+    if (p->awaiting_commit) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "step ", p->next_step - 1, " waits for the workers' gradient norm (clip_grad_norm)"));
+          "step ", p->next_step - 1, " waits for the workers' commit (clip_grad_norm's gradient norm "
+          "or onebit_lamb's layer coefficients)"));
     }
     if (p->next_step != step) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -659,6 +714,16 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   std::vector<float> error(range_.size());
   server_error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("server_error", error);
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    // onebit_lamb's fresh variance and every layer's state (design.md 2.8).
+    writer.AddFloats("v_fresh", mirror_.v_fresh());
+    std::vector<float> layers;
+    for (const compress::LambLayerState& l : mirror_.lamb_layers()) {
+      layers.push_back(l.coeff_freeze);
+      layers.push_back(l.last_factor);
+    }
+    writer.AddFloats("lamb_layers", layers);
+  }
   // The last completed step's replies and push hashes, so that a worker
   // whose reply was lost when the shard died can still get it by retrying.
   std::string replies;
@@ -700,6 +765,16 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     if (!a->ok()) return a->status();
   }
   if (h.step < 0) return absl::DataLossError(absl::StrCat(path, ": negative step"));
+  std::vector<float> v_fresh;
+  std::vector<compress::LambLayerState> lamb_layers;
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    auto fresh = reader->Floats("v_fresh", n);
+    if (!fresh.ok()) return fresh.status();
+    auto layers = reader->Floats("lamb_layers", 2 * mirror_.lamb_layers().size());
+    if (!layers.ok()) return layers.status();
+    v_fresh = *std::move(fresh);
+    for (size_t l = 0; l < layers->size(); l += 2) lamb_layers.push_back({(*layers)[l], (*layers)[l + 1]});
+  }
   if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
   }
@@ -741,14 +816,19 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   std::copy(x->begin(), x->end(), mirror_.x().begin());
   std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
   std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
+  if (!lamb_layers.empty()) {
+    std::copy(v_fresh.begin(), v_fresh.end(), mirror_.mutable_v_fresh().begin());
+    mirror_.set_lamb_layers(std::move(lamb_layers));
+  }
   for (size_t i = 0; i < parts; ++i) {
     PartitionState* p = partitions_[i].get();
     absl::MutexLock lock(&p->mu);
     p->initialized = true;
     p->next_step = h.step;
     p->mirror_pending = false;
-    p->awaiting_norm = false;
+    p->awaiting_commit = false;
     p->committed_norm.reset();
+    p->committed_lamb.clear();
     p->last_reply = last[i];
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
       p->last_hashes[r] = static_cast<size_t>(hashes[i * job_.workers() + r]);
@@ -770,10 +850,11 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
     return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
   }
   ApplyMirror(p);
-  if (p.awaiting_norm) {
+  if (p.awaiting_commit) {
     return absl::UnavailableError(absl::StrCat(
         "step ", p.next_step - 1, " of partition ", partition,
-        " waits for the workers' gradient norm (clip_grad_norm); try again"));
+        " waits for the workers' commit (clip_grad_norm's gradient norm or onebit_lamb's layer "
+        "coefficients); try again"));
   }
   const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
   PartitionSnapshot snapshot;
@@ -837,8 +918,9 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   p.next_step = state.completed_steps;
   p.restored = true;
   p.mirror_pending = false;
-  p.awaiting_norm = false;
+  p.awaiting_commit = false;
   p.committed_norm.reset();
+  p.committed_lamb.clear();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
   absl::MutexLock progress(&progress_mu_);

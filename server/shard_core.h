@@ -51,6 +51,16 @@ struct PushArgs {
   // The previous step's sum of squares of the averaged gradient over the
   // whole model, when that step clipped it (Commit).
   std::optional<double> previous_grad_sum_of_squares;
+  // onebit_lamb: the previous step's commit (CommitLamb).
+  std::vector<double> previous_lamb_commit;
+};
+
+// What the workers commit after a step whose mirror update needs the whole
+// model: the averaged gradient's sum of squares (clip_grad_norm), or
+// onebit_lamb's per-layer coefficients and state (compress/lamb.h).
+struct StepCommit {
+  std::optional<double> grad_sum_of_squares;
+  std::vector<double> lamb;
 };
 
 
@@ -142,6 +152,12 @@ class ShardCore {
   // non-finite total. Nothing changes on any error.
   absl::Status Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                       double grad_sum_of_squares);
+  // onebit_lamb's commit of step `step` (compress::Replica::LambStep: each
+  // layer's coefficient and state after the step), which the mirror needs
+  // to move x; as Commit otherwise (every step of onebit_lamb waits for
+  // one). INVALID_ARGUMENT for a malformed commit.
+  absl::Status CommitLamb(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                          std::vector<double> commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
   // The abort's message, if the job is stopped.
@@ -198,12 +214,15 @@ class ShardCore {
   // Applies the partition's last reply to the mirror if that is still to do
   // and possible (not waiting for the step's gradient norm).
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
-  // Checks a committed sum of squares of step `step` against partition p;
-  // Commit's errors. `*applies`: p was waiting for it.
-  absl::Status CheckCommit(const PartitionState& p, uint32_t rank, int64_t step, double total,
-                           bool* applies) const ABSL_SHARED_LOCKS_REQUIRED(p.mu);
+  // Checks a commit of step `step` against partition p; Commit's errors.
+  // `*applies`: p was waiting for it.
+  absl::Status CheckCommit(const PartitionState& p, uint32_t rank, int64_t step,
+                           const StepCommit& commit, bool* applies) const
+      ABSL_SHARED_LOCKS_REQUIRED(p.mu);
   // Records a checked commit and applies the mirror.
-  void ApplyCommit(PartitionState& p, double total) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  void ApplyCommit(PartitionState& p, const StepCommit& commit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  absl::Status CommitStep(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+                          const StepCommit& commit);
   void FlushMirrors() const;  // ApplyMirror on every partition
   // The step p accepts pushes of: its next step, or zero_one_adam's next
   // sync after local steps.

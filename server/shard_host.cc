@@ -73,7 +73,7 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
     if (compress::AlgorithmFingerprint(job.algorithm) != compress::AlgorithmFingerprint(job_.algorithm)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", rank, " has different optimizer settings (optimizer, betas, eps, weight decay, "
-          "freeze_step, clip_grad_norm, codecs, feedback or seed) from the job's"));
+          "freeze_step, clip_grad_norm, codecs, feedback, seed or onebit_lamb's layers) from the job's"));
     }
     const compress::LrSchedule& a = job.algorithm.lr;
     const compress::LrSchedule& b = job_.algorithm.lr;

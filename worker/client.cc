@@ -490,6 +490,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   if (partition.id == 0 && !extras_.buffers.empty()) {
     call->request.set_buffers(std::move(extras_.buffers));
   }
+  for (double value : extras_.previous_lamb_commit) call->request.add_previous_lamb_commit(value);
   if (extras_.previous_grad_sum_of_squares.has_value()) {
     call->request.set_previous_grad_sum_of_squares(*extras_.previous_grad_sum_of_squares);
   }
@@ -630,13 +631,24 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
 }
 
 absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares) {
+  return SendCommit(step, grad_sum_of_squares, {});
+}
+
+absl::Status PushClient::CommitLamb(int64_t step, absl::Span<const double> commit) {
+  return SendCommit(step, 0.0, commit);
+}
+
+absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
+                                    absl::Span<const double> lamb) {
   v1::CommitRequest request;
   request.set_rank(rank_);
   request.set_step(step);
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_grad_sum_of_squares(grad_sum_of_squares);
+  for (double value : lamb) request.add_lamb_commit(value);
   std::vector<v1::CommitReply> replies(servers_.size());
-  return OnEveryShard(job_.rpc_timeout_seconds, "committing the gradient norm to",
+  return OnEveryShard(job_.rpc_timeout_seconds,
+                      lamb.empty() ? "committing the gradient norm to" : "committing the layer coefficients to",
                       [&](uint32_t s, grpc::ClientContext* context, auto done) {
                         Stub(s, 0)->async()->Commit(context, &request, &replies[s], std::move(done));
                       });

@@ -59,6 +59,8 @@ struct StepExtras {
   // The previous step's sum of squares of the averaged gradient, when that
   // step clipped it (morse.proto Commit).
   std::optional<double> previous_grad_sum_of_squares;
+  // onebit_lamb: the previous step's commit (morse.proto CommitRequest).
+  std::vector<double> previous_lamb_commit;
 };
 
 // One step's exchange, sent partition by partition: Send encodes a partition
@@ -169,6 +171,9 @@ class PushClient {
   // Sends step `step`'s sum of squares of the averaged gradient to every
   // shard (ShardCore::Commit) and waits for them all.
   absl::Status Commit(int64_t step, double grad_sum_of_squares);
+  // onebit_lamb: step `step`'s layer coefficients and state
+  // (compress::Replica::LambStep; ShardCore::CommitLamb), likewise.
+  absl::Status CommitLamb(int64_t step, absl::Span<const double> commit);
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
@@ -181,6 +186,7 @@ class PushClient {
 
  private:
   friend class StepExchange;
+  absl::Status SendCommit(int64_t step, double grad_sum_of_squares, absl::Span<const double> lamb);
   // Starts one call on every shard at once (`start` issues shard s's with
   // `context` and `done`) and waits for all; the first failure, described
   // as `what` the shard.

@@ -164,7 +164,7 @@ void Session::StartExchange() {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
-      StepExtras{step_hyper_, std::move(buffers_), previous_grad_sum_of_squares_});
+      StepExtras{step_hyper_, std::move(buffers_), previous_grad_sum_of_squares_, previous_lamb_commit_});
   buffers_.clear();
 }
 
@@ -283,6 +283,21 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     deferred_.reset();
   }
   previous_grad_sum_of_squares_ = sum_of_squares;
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    // x moves by each layer's coefficient, from sums over the whole model.
+    absl::StatusOr<std::vector<double>> commit =
+        engine_->LambStep(step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr);
+    if (!commit.ok()) {
+      return Fail(absl::Status(commit.status().code(), absl::StrCat("step ", step_, ": ", commit.status().message())));
+    }
+    previous_lamb_commit_ = *std::move(commit);
+    // The shards' mirrors need it to move x; the next pushes carry it too.
+    if (rank_ == 0) {
+      if (absl::Status s = client_->CommitLamb(step_, previous_lamb_commit_); !s.ok()) {
+        return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": ", s.message())));
+      }
+    }
+  }
   if (sum_of_squares.has_value() && rank_ == 0) {
     // The shards' mirrors apply the step once they have the norm; the next
     // step's pushes carry it as well, so only rank 0 waits for this.
@@ -384,6 +399,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   step_ = step;
   previous_grad_sum_of_squares_.reset();
+  previous_lamb_commit_.clear();
   return engine_->Load(replica_, error_);
 }
 

@@ -163,6 +163,8 @@ class Session {
   // The last step's sum of squares of the averaged gradient, if it clipped:
   // sent with the next step's pushes (morse.proto Commit).
   std::optional<double> previous_grad_sum_of_squares_;
+  // onebit_lamb: the last step's commit, likewise.
+  std::vector<double> previous_lamb_commit_;
   std::vector<bool> sent_;
   // zero_one_adam's local phase: the step in flight waits for Finish to
   // take its local step (and only then exchanges, if it syncs).

@@ -114,6 +114,33 @@ TEST(TrainingTest, ZeroOneAdamAcrossEveryPhaseMatchesTheSimulator) {
   ExpectBitIdentical(config + "adam { bias_correction: false }\nclip_grad_norm: 0.5\n");
 }
 
+// 1-bit LAMB (docs/design.md 2.8) across the freeze: layers of 3000
+// elements cross partitions and both shards, so every mirror moves x only
+// with the coefficients the workers commit (rank 0's Commit, or the next
+// pushes). With dead units and weight decay; then without bias correction
+// and with other coefficient bounds.
+TEST(TrainingTest, OneBitLambAcrossTheFreezeMatchesTheSimulator) {
+  std::string config(kCommon);
+  config.replace(config.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
+  config += R"(
+    optimizer: "onebit_lamb"
+    freeze_step: 5
+  )";
+  // The layers matter: one layer of the whole model trains differently.
+  std::string one_layer = config;
+  one_layer.replace(one_layer.find(" layer_elems: 3000"), 18, "");
+  const auto layered = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  const auto whole = proto::ParseJobConfig(one_layer, proto::ConfigFormat::kText);
+  ASSERT_TRUE(layered.ok() && whole.ok()) << layered.status() << whole.status();
+  ASSERT_EQ(layered->algorithm.layers.size(), 7u);
+  EXPECT_NE(Simulate(*layered).model.back(), Simulate(*whole).model.back());
+  ExpectBitIdentical(config + "adam { weight_decay: 0.01 }\n");
+  ExpectBitIdentical(config + R"(
+    adam { bias_correction: false }
+    onebit_lamb { max_coeff: 0.5 min_coeff: 0.05 coeff_beta: 0.5 factor_threshold: 0.2 }
+  )");
+}
+
 TEST(TrainingTest, LocoInt4EmaMatchesTheSimulator) {
   ExpectBitIdentical(std::string(kCommon) + R"(
     optimizer: "adam"

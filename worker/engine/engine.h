@@ -123,6 +123,10 @@ class Engine {
   // zero_one_adam's local step of `step` from the whole gradient
   // (compress::Replica::LocalStep; before a sync step's Encode).
   virtual absl::Status LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) = 0;
+  // onebit_lamb's second half of `step`, once every reply is applied: the
+  // step's commit from the whole model, applied to x, returned for the
+  // shards (compress::Replica::LambStep).
+  virtual absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) = 0;
   // compress::GradientSumOfSquares of the whole gradient the next Encode
   // reads (gradient clipping); FAILED_PRECONDITION where the engine cannot.
   virtual absl::StatusOr<double> GradientSumOfSquares() = 0;

@@ -239,6 +239,10 @@ class CudaEngine final : public Engine, public DeviceServices {
   absl::Status LocalStep(int64_t, const compress::StepHyper*, float) override {
     return absl::UnimplementedError("zero_one_adam's local steps are not on the GPU yet");
   }
+  // CreateEngine refuses onebit_lamb on a GPU.
+  absl::StatusOr<std::vector<double>> LambStep(int64_t, const compress::StepHyper*) override {
+    return absl::UnimplementedError("onebit_lamb is not on the GPU yet");
+  }
 
   // Gradient clipping is not on the GPU yet (Session refuses it at MoveTo).
   static absl::Status NoClipping() {
@@ -315,6 +319,11 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, D
   if (config.optimizer == compress::OptimizerKind::kZeroOneAdam) {
     return absl::UnimplementedError(
         "zero_one_adam runs on the CPU only for now (its local steps and syncs have no GPU kernels); "
+        "train it without --device cuda");
+  }
+  if (config.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    return absl::UnimplementedError(
+        "onebit_lamb runs on the CPU only for now (its layer statistics have no GPU kernels); "
         "train it without --device cuda");
   }
   if (config.optimizer == compress::OptimizerKind::kOneBitAdam && config.mask_zero_variance &&

@@ -64,6 +64,10 @@ class HostEngine final : public Engine {
     return replica_.LocalStep(step, grad_, hyper, grad_scale);
   }
 
+  absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) override {
+    return replica_.LambStep(step, hyper);
+  }
+
   absl::StatusOr<double> GradientSumOfSquares() override {
     if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
     return compress::GradientSumOfSquares(grad_);
