@@ -143,6 +143,8 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
       reply->set_x(bytes(snapshot->x));
       reply->set_m(bytes(snapshot->m));
       reply->set_v(bytes(snapshot->v));
+      reply->set_v_fresh(bytes(snapshot->v_fresh));
+      reply->mutable_lamb_layers()->Assign(snapshot->lamb_layers.begin(), snapshot->lamb_layers.end());
     }
     if (request->server_error()) reply->set_server_error(bytes(snapshot->server_error));
   }

@@ -862,6 +862,13 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   snapshot.x.assign(mirror_.x().begin() + offset, mirror_.x().begin() + offset + n);
   snapshot.m.assign(mirror_.m().begin() + offset, mirror_.m().begin() + offset + n);
   snapshot.v.assign(mirror_.v().begin() + offset, mirror_.v().begin() + offset + n);
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset, mirror_.v_fresh().begin() + offset + n);
+    for (const compress::LambLayerState& l : mirror_.lamb_layers()) {
+      snapshot.lamb_layers.push_back(l.coeff_freeze);
+      snapshot.lamb_layers.push_back(l.last_factor);
+    }
+  }
   if (with_server_error) {
     // The error buffer changes only when a step completes, so it is the one
     // of completed_steps even while pushes of the next step wait.

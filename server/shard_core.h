@@ -85,6 +85,9 @@ struct PartitionSnapshot {
   int64_t completed_steps = 0;
   std::vector<float> x, m, v;
   std::vector<float> server_error;  // only when asked for (saving a whole run)
+  // onebit_lamb: v' of the partition, and coeff_freeze, last_factor of
+  // every layer.
+  std::vector<float> v_fresh, lamb_layers;
 };
 
 using ReplyCallback = std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;

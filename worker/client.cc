@@ -176,9 +176,8 @@ absl::Status PushClient::WaitInitialized() {
   }
 }
 
-absl::StatusOr<int64_t> PushClient::FetchModel(absl::Span<float> x, absl::Span<float> m,
-                                               absl::Span<float> v) {
-  return Fetch(ModelArrays{x, m, v}, {});
+absl::StatusOr<int64_t> PushClient::FetchModel(compress::Replica& replica) {
+  return Fetch(ModelArrays{&replica}, {});
 }
 
 absl::StatusOr<int64_t> PushClient::FetchServerError(absl::Span<float> server_error) {
@@ -203,8 +202,12 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
                                            servers_[p.shard]));
     }
     const size_t bytes = 4 * p.range.size();
+    const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
     if ((model.has_value() &&
-         (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes)) ||
+         (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes ||
+          (lamb && (state.v_fresh().size() != bytes ||
+                    static_cast<size_t>(state.lamb_layers_size()) !=
+                        2 * model->replica->lamb_layers().size())))) ||
         (!server_error.empty() && state.server_error().size() != bytes)) {
       return absl::InternalError(absl::StrCat("partition ", p.id, " came back with the wrong size"));
     }
@@ -215,9 +218,18 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
     }
     step = state.completed_steps();
     if (model.has_value()) {
-      std::memcpy(model->x.data() + p.range.begin, state.x().data(), bytes);
-      std::memcpy(model->m.data() + p.range.begin, state.m().data(), bytes);
-      std::memcpy(model->v.data() + p.range.begin, state.v().data(), bytes);
+      compress::Replica& r = *model->replica;
+      std::memcpy(r.x().data() + p.range.begin, state.x().data(), bytes);
+      std::memcpy(r.mutable_m().data() + p.range.begin, state.m().data(), bytes);
+      std::memcpy(r.mutable_v().data() + p.range.begin, state.v().data(), bytes);
+      if (lamb) {
+        std::memcpy(r.mutable_v_fresh().data() + p.range.begin, state.v_fresh().data(), bytes);
+        std::vector<compress::LambLayerState> layers;
+        for (int l = 0; l < state.lamb_layers_size(); l += 2) {
+          layers.push_back({state.lamb_layers(l), state.lamb_layers(l + 1)});
+        }
+        r.set_lamb_layers(std::move(layers));  // every shard holds them all
+      }
     }
     if (!server_error.empty()) {
       std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);

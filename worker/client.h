@@ -33,6 +33,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "compress/layout.h"
+#include "compress/replica.h"
 #include "proto/job_config.h"
 #include "proto/morse.grpc.pb.h"
 #include "proto/security.h"
@@ -144,10 +145,11 @@ class PushClient {
   absl::Status WaitInitialized();
 
 
-  // Downloads the shards' mirror of x, m and v into the replica's arrays and
+  // Downloads the shards' mirror of x, m and v (and onebit_lamb's v' and
+  // layer state) into the replica of the whole model and
   // returns the steps completed, which must be the same on every partition
   // (FAILED_PRECONDITION otherwise).
-  absl::StatusOr<int64_t> FetchModel(absl::Span<float> x, absl::Span<float> m, absl::Span<float> v);
+  absl::StatusOr<int64_t> FetchModel(compress::Replica& replica);
 
   // The shards' error buffers (dim floats) after the steps they have
   // completed, which it returns (the same on every partition, else
@@ -207,7 +209,7 @@ class PushClient {
   // error (into `server_error`, if not empty); returns the steps completed,
   // which must be the same on every partition (FAILED_PRECONDITION otherwise).
   struct ModelArrays {
-    absl::Span<float> x, m, v;
+    compress::Replica* replica;  // of the whole model
   };
   absl::StatusOr<int64_t> Fetch(std::optional<ModelArrays> model, absl::Span<float> server_error);
   // Sends this worker's Join to `shard` in the background (once at a time):

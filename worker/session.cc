@@ -58,14 +58,14 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
     }
     if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
     if (rank_ != 0) {
-      auto step = client_->FetchModel(replica_.x(), replica_.mutable_m(), replica_.mutable_v());
+      auto step = client_->FetchModel(replica_);
       if (!step.ok()) return step.status();
       step_ = *step;
     }
     return step_;
   }
   if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
-  auto step = client_->FetchModel(replica_.x(), replica_.mutable_m(), replica_.mutable_v());
+  auto step = client_->FetchModel(replica_);
   if (!step.ok()) return step.status();
   step_ = *step;
   std::string restored = "from zero (no checkpoint of this step)";
@@ -328,12 +328,21 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   return writer.Write(path);
 }
 
+absl::Status Session::NoSavedRunYet() const {
+  if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) return absl::OkStatus();
+  return absl::UnimplementedError(
+      "onebit_lamb's optimizer state (its fresh variance and layer coefficients) is not in "
+      "state_dict() yet; resume a onebit_lamb job from the shards' checkpoints (--checkpoint_dir, "
+      "morse-worker --rejoin) instead");
+}
+
 absl::Status Session::ServerError(absl::Span<float> out) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (out.size() != dim) {
     return absl::InvalidArgumentError(absl::StrCat("the server error has ", dim, " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  if (absl::Status s = NoSavedRunYet(); !s.ok()) return s;
   auto steps = client_->FetchServerError(out);
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
@@ -358,6 +367,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
         " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  if (absl::Status s = NoSavedRunYet(); !s.ok()) return s;
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
   if (*held != step) {

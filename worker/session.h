@@ -129,6 +129,9 @@ class Session {
   // LocalStep), then its exchange if it syncs.
   absl::Status LocalStep();
   bool InStep() const { return exchange_ != nullptr || local_pending_; }
+  // UNIMPLEMENTED for optimizers whose saved runs (Restore, ServerError)
+  // would miss state: onebit_lamb for now.
+  absl::Status NoSavedRunYet() const;
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);

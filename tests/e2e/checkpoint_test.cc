@@ -175,6 +175,71 @@ TEST(CheckpointTest, ZeroOneAdamResumesAtTheLastSyncBitForBit) {
   std::system(absl::StrCat("rm -rf ", ckpt).c_str());
 }
 
+// onebit_lamb's shards checkpoint its fresh variance and the layers' state
+// (coeff_freeze, last_factor); resumed workers fetch them with the model.
+// Stopped after the freeze, the job continues bit for bit.
+TEST(CheckpointTest, OneBitLambResumesWithItsLayerStateBitForBit) {
+  const auto config = [](int steps) {
+    return absl::StrCat(R"(
+      workers: 2
+      shards: 2
+      synthetic { dim: 20011 noise: 0.2 layer_elems: 3000 }
+      optimizer: "onebit_lamb"
+      freeze_step: 3
+      adam { weight_decay: 0.01 }
+      lr { lr: 0.01 }
+      block_elems: 256
+      partition_elems: 4096
+      seed: 5
+      checkpoint { every_steps: 3 }
+      steps: )", steps);
+  };
+  auto job = *proto::ParseJobConfig(config(12), proto::ConfigFormat::kText);
+  const uint64_t dim = job.algorithm.layout.dim;
+  auto sim = *compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
+  std::vector<worker::SyntheticWorkload> workloads = {{job, 0}, {job, 1}};
+  std::vector<std::vector<float>> grads(2, std::vector<float>(dim));
+  std::vector<std::string> expected;
+  for (int64_t step = 0; step < 12; ++step) {
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(workloads[r].Gradient(step, sim.x(), absl::MakeSpan(grads[r])).ok());
+    }
+    ASSERT_TRUE(sim.Step({grads[0], grads[1]}).ok());
+    expected.push_back(Hex(compress::StateChecksum({sim.x(), sim.m(), sim.v()})));
+  }
+  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
+  const std::string ckpt = mkdtemp(pattern);
+  std::string failure;
+  {
+    Cluster first(config(6), 2, 2);
+    first.AddServerArgs({"--checkpoint_dir=" + ckpt});
+    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
+    first.StartServers(false);
+    first.StartWorkers(true);
+    ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+    first.StopServers();
+    EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 6 written"), std::string::npos)
+        << ReadFile(first.server_log(0));
+  }
+  Cluster second(config(12), 2, 2);
+  second.AddServerArgs({"--checkpoint_dir=" + ckpt});
+  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
+  second.StartServers(true);
+  second.StartWorkers(true);
+  ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+  second.StopServers();
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(second.worker_log(r));
+    EXPECT_NE(log.find("resuming at step 6; model from the shards, error buffer from"), std::string::npos) << log;
+    const auto got = JsonField(ReadFile(second.worker_metrics(r)), "checksum");
+    ASSERT_EQ(got.size(), 6u) << log;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i], expected[6 + i]) << "worker " << r << " step " << 6 + i;
+    }
+  }
+  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+}
+
 TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {
   char pattern[] = "/tmp/morse-ckpt-XXXXXX";
   const std::string ckpt = mkdtemp(pattern);
