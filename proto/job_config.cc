@@ -427,12 +427,15 @@ uint64_t ErrorBytesPerElement(const compress::FeedbackSpec& f) {
 }  // namespace
 
 uint64_t WorkerStateBytes(const JobSpec& job) {
-  const uint64_t per = 4 * 4 + ErrorBytesPerElement(job.algorithm.worker_feedback);
+  // x, m, v and the gradient (and onebit_lamb's v').
+  const uint64_t lamb = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
+  const uint64_t per = 4 * 4 + lamb + ErrorBytesPerElement(job.algorithm.worker_feedback);
   return Times(job.algorithm.layout.dim, per);
 }
 
 uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems) {
-  const uint64_t per = 3 * 4 + ErrorBytesPerElement(job.algorithm.server_feedback);
+  const uint64_t lamb = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
+  const uint64_t per = 3 * 4 + lamb + ErrorBytesPerElement(job.algorithm.server_feedback);
   return Times(shard_elems, per);
 }
 

@@ -671,6 +671,91 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
   EXPECT_EQ(push(args(7, 1, first, sign1)), absl::OkStatus());
 }
 
+// onebit_lamb (docs/design.md 2.8): each step's mirror update waits for the
+// workers' layer commit. A push of the next step without it, a malformed
+// one, one that differs from the commit already taken, or one for a step
+// the shard has not completed is refused and changes nothing; the right
+// one (from Commit or from the pushes) moves the mirror as a worker's
+// replica moves.
+TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
+  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+    workers: 2
+    shards: 1
+    synthetic { dim: 200 layer_elems: 90 }
+    lr { lr: 0.01 }
+    steps: 20
+    block_elems: 16
+    partition_elems: 64
+    optimizer: "onebit_lamb"
+    freeze_step: 2
+  )", proto::ConfigFormat::kText);
+  std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const uint64_t dim = job.algorithm.layout.dim;
+  compress::Replica worker(job.algorithm, {0, dim});
+  for (const auto& p : core->layout().partitions()) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    std::copy(x0.begin(), x0.end(), worker.x().begin() + p.range.begin);
+    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
+                                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  const auto push = [&](int64_t step, uint32_t rank, const compress::Partition& p,
+                        std::vector<double> commit, std::shared_ptr<const Reply>* reply = nullptr) {
+    const compress::CodecSpec codec = compress::PlanStep(job.algorithm, step).up;
+    const std::vector<float> g = compress::testing::VariedData(p.range.size(), 100 * step + rank);
+    PushArgs a{step, rank, p.id, fingerprint, codec.kind, {}, std::nullopt};
+    a.payload.resize(compress::PayloadBytes(codec, g.size()));
+    EXPECT_TRUE(compress::Encode(codec, g, {}, {reinterpret_cast<uint8_t*>(a.payload.data()), a.payload.size()}).ok());
+    a.previous_lamb_commit = std::move(commit);
+    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
+    core->Push(std::move(a), [status, reply](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+      *status = r.status();
+      if (r.ok() && reply != nullptr) *reply = *r;
+    });
+    return *status;
+  };
+  const auto parts = core->layout().partitions();
+  // Step 0 completes on every partition; the worker applies the replies and
+  // forms the commit.
+  for (const auto& p : parts) {
+    std::shared_ptr<const Reply> reply;
+    ASSERT_EQ(push(0, 0, p, {}).message(), "pending");
+    ASSERT_TRUE(push(0, 1, p, {}, &reply).ok());
+    ASSERT_TRUE(worker.ApplyReply(0, p.range.begin, p.range.size(),
+                                  {reinterpret_cast<const uint8_t*>(reply->payload.data()), reply->payload.size()})
+                    .ok());
+  }
+  const std::vector<double> commit = *worker.LambStep(0);
+  ASSERT_EQ(commit.size(), 3u * 3);  // layers of 90, 90 and 20
+  // Without its commit, the mirror cannot be read and step 1 is refused.
+  EXPECT_EQ(core->FetchPartition(parts[0].id, fingerprint).status().code(), absl::StatusCode::kUnavailable);
+  absl::Status missing = push(1, 0, parts[0], {});
+  EXPECT_EQ(missing.code(), absl::StatusCode::kFailedPrecondition) << missing;
+  EXPECT_NE(missing.message().find("previous_lamb_commit"), std::string::npos) << missing;
+  std::vector<double> bad = commit;
+  bad[0] = std::nan("");
+  EXPECT_EQ(push(1, 0, parts[0], bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core->CommitLamb(0, 0, fingerprint, {1.0, 1.0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core->CommitLamb(0, 1, fingerprint, commit).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core->Commit(0, 0, fingerprint, 1.0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core->Status().pushes_accepted, 2u * parts.size());
+  // Rank 0's Commit applies it; the mirror is the worker's replica.
+  ASSERT_TRUE(core->CommitLamb(0, 0, fingerprint, commit).ok());
+  std::vector<double> other = commit;
+  other[0] = 0.5;
+  EXPECT_EQ(push(1, 1, parts[0], other).code(), absl::StatusCode::kFailedPrecondition);
+  for (const auto& p : parts) {
+    const PartitionSnapshot s = *core->FetchPartition(p.id, fingerprint);
+    EXPECT_TRUE(std::equal(s.x.begin(), s.x.end(), worker.x().begin() + p.range.begin)) << p.id;
+    EXPECT_TRUE(std::equal(s.v_fresh.begin(), s.v_fresh.end(), worker.v_fresh().begin() + p.range.begin));
+    EXPECT_EQ(s.lamb_layers.size(), 6u);
+  }
+  // The pushes of step 1 may carry the same commit again.
+  EXPECT_EQ(push(1, 0, parts[0], commit).message(), "pending");
+  EXPECT_TRUE(push(1, 1, parts[0], commit).ok());
+}
+
 TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
   auto job = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
   // x, m, v and an fp32 error: 16 bytes per element of shard 1.
