@@ -34,7 +34,7 @@ import torch
 from . import _native
 from ._native import MorseError
 
-__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "MorseError"]
+__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "MorseError"]
 
 
 def _zero_grad_default():
@@ -85,7 +85,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
                  accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None,
-                 apply_at_step=True, clip_grad_norm=None, zero_one=None):
+                 apply_at_step=True, clip_grad_norm=None, zero_one=None, lamb=None):
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
         # Given the model itself, the optimizer sees its buffers too (BatchNorm
@@ -164,8 +164,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
                              f"feedback={feedback!r} has none")
         beta = f" beta: {float(feedback_beta)!r}" if feedback_beta is not None else ""
+        # The parameter tensors are onebit_lamb's layers.
+        layers = " ".join(f"layers: {p.numel()}" for p in self._params)
         lines = [
-            f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" }}',
+            f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" {layers} }}',
             f'optimizer: "{optimizer}"',
             "adam { " + " ".join(adam) + " }",
             f'lr {{ schedule: "{schedule}" lr: {lr!r} }}',
@@ -183,15 +185,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._schedule = schedule
         self._initial_hyper = (float(lr), float(weight_decay))
         self._sent_hyper = None
-        self._freeze_step = freeze_step if optimizer == "onebit_adam" else None
+        self._freeze_step = freeze_step if optimizer in ("onebit_adam", "onebit_lamb") else None
         self._mask_zero_variance = mask_zero_variance
-        if optimizer == "onebit_adam":
+        if optimizer in ("onebit_adam", "onebit_lamb"):
             lines.append(f"freeze_step: {freeze_step}")
-        if optimizer in ("onebit_adam", "zero_one_adam"):
+        if optimizer in ("onebit_adam", "zero_one_adam", "onebit_lamb"):
             lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
             lines.append(f"bound_update: {'true' if bound_update else 'false'}")
         if zero_one is not None:
             lines.append("zero_one_adam { " + " ".join(f"{k}: {int(v)}" for k, v in zero_one.items()) + " }")
+        if lamb is not None:
+            lines.append("onebit_lamb { " + " ".join(f"{k}: {float(v)!r}" for k, v in lamb.items()) + " }")
         # Clipping by the global norm (torch's clip_grad_norm_ on the global
         # batch): of the averaged gradient where the step has one (Adam,
         # OneBitAdam's warmup), of each rank's own gradient in OneBitAdam's
@@ -722,3 +726,74 @@ class ZeroOneAdam(_MorseOptimizer):
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
                          buffers=buffers, apply_at_step=apply_at_step,
                          clip_grad_norm=clip_grad_norm, zero_one=zero_one)
+
+
+class OneBitLamb(_MorseOptimizer):
+    """1-bit LAMB (Li et al. 2021; docs/design.md 2.8) with DeepSpeed's
+    OnebitLamb parameter names and defaults. For freeze_step steps it is
+    LAMB on the averaged gradient: each parameter tensor (a "layer") steps
+    by lr * c * u, u = m̂/(sqrt(v̂)+eps) + weight_decay * x and c =
+    ||x|| / ||u|| clamped to [min_coeff, max_coeff], whose moving average
+    (coeff_beta) is kept. Then v freezes and the ranks exchange 1-bit
+    momentum with error feedback on both sides, as OneBitAdam; a layer's
+    coefficient is that average times a factor from a fresh variance
+    reconstructed from the momenta, clamped to [factor_min, factor_max] and
+    to within factor_threshold of the last step's. CPU tensors only for
+    now; state_dict() is not supported yet (resume from the shards'
+    checkpoints).
+
+    DeepSpeed's cuda_aware and comm_backend_name are accepted and ignored;
+    amsgrad and eps_inside_sqrt must stay False and max_grad_norm 0 (as in
+    DeepSpeed's OnebitLamb, which does not clip). bias_correction (default
+    True) corrects m and v; False is DeepSpeed's update. mask_zero_variance
+    and bound_update are OneBitAdam's, after the freeze."""
+
+    def __init__(self, params, lr=1e-3, freeze_step=100000, bias_correction=True,
+                 betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.0,
+                 max_grad_norm=0.0, max_coeff=10.0, min_coeff=0.01, amsgrad=False, cuda_aware=False,
+                 comm_backend_name=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
+                 factor_threshold=0.1, *, mask_zero_variance=True, bound_update=True, config=None,
+                 rank=None, world_size=None, servers=None,
+                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 block_elems=None, partition_elems=None, security=None, missing_grads="raise",
+                 broadcast_buffers=True, buffers=None, apply_at_step=True):
+        del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
+        if amsgrad:
+            raise ValueError("1-bit LAMB does not support the AMSGrad variant (amsgrad=True)")
+        if eps_inside_sqrt:
+            raise ValueError("eps_inside_sqrt=True is not supported: Morse adds eps outside the "
+                             "square root, as torch.optim.Adam")
+        if max_grad_norm:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: 1-bit LAMB does not clip (nor does "
+                             "DeepSpeed's OnebitLamb)")
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(f"freeze_step={freeze_step!r}: OneBitLamb needs at least one warmup step")
+        lamb = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
+                    factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+        for name, value in lamb.items():
+            try:
+                ok = float(value) == float(value) and abs(float(value)) != float("inf")
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{name}={value!r}: a finite number")
+        if not 0 < min_coeff <= max_coeff:
+            raise ValueError(f"min_coeff={min_coeff!r}, max_coeff={max_coeff!r}: 0 < min_coeff <= max_coeff")
+        if not 0 <= coeff_beta < 1:
+            raise ValueError(f"coeff_beta={coeff_beta!r}: in [0, 1)")
+        if not 0 < factor_min <= factor_max:
+            raise ValueError(f"factor_min={factor_min!r}, factor_max={factor_max!r}: "
+                             "0 < factor_min <= factor_max")
+        if not 0 <= factor_threshold < 1:
+            raise ValueError(f"factor_threshold={factor_threshold!r}: in [0, 1)")
+        super().__init__(params, optimizer="onebit_lamb", lr=lr, betas=betas, eps=eps,
+                         weight_decay=weight_decay, freeze_step=freeze_step, codec="sign1",
+                         down_codec=None, feedback="ef", feedback_beta=None,
+                         bias_correction=bias_correction, mask_zero_variance=mask_zero_variance,
+                         bound_update=bound_update,
+                         schedule=schedule, steps=steps, config=config,
+                         rank=rank, world_size=world_size, servers=servers, overlap=overlap,
+                         block_elems=block_elems, partition_elems=partition_elems,
+                         security=security, accumulation_steps=accumulation_steps,
+                         missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
+                         buffers=buffers, apply_at_step=apply_at_step, lamb=lamb)
