@@ -12,10 +12,12 @@ error feedback) and ZeroOneAdam (v's updates end at 20% of the steps, the
 local-step interval doubling every 10% up to 16), all at default settings (eps 1e-8, bias correction, the
 zero-variance mask), on identical global batches from identical initial
 weights. It prints held-out loss and accuracy and the relative gap of the
-held-out loss to torch.optim.Adam's.
+held-out loss to torch.optim.Adam's; OneBitLamb (freeze at 20%) is compared
+with LAMB written here in torch (the "gap to ref" column names which).
 
     tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
-                               [--optimizers adam,onebit_adam,loco,zero_one_adam] [--json FILE]
+                               [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb]
+                               [--zero-one-schedule F,S,C] [--json FILE]
                                [--max-gap 0.02]
 
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
@@ -139,12 +141,54 @@ class CharModel(torch.nn.Module):
 
 
 LR = {"cnn": 2e-3, "gru": 3e-3, "attention": 1e-3}
+# LAMB moves each layer by about lr * ||x|| a step, not lr per element as
+# Adam does: LAMB and OneBitLamb run at this multiple of the model's Adam lr.
+LAMB_LR_SCALE = 10
 
 
 # ---------------------------------------------------------------- runs
-def torch_adam(task):
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al. 2020) as DeepSpeed's Lamb and 1-bit LAMB's warmup
+    compute it: Adam's bias-corrected direction u = m̂/(sqrt(v̂)+eps) +
+    weight_decay*x, scaled per parameter tensor by ||x||/||u|| clamped to
+    [min_coeff, max_coeff] (1 where either norm is 0). The baseline that
+    OneBitLamb's held-out loss is compared with."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 max_coeff=10.0, min_coeff=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      max_coeff=max_coeff, min_coeff=min_coeff))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["t"], state["m"], state["v"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                state["t"] += 1
+                t, m, v = state["t"], state["m"], state["v"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                u = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + group["eps"])
+                u.add_(p, alpha=group["weight_decay"])
+                x_norm, u_norm = p.norm().item(), u.norm().item()
+                coeff = 1.0
+                if x_norm > 0 and u_norm > 0:
+                    coeff = min(max(x_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+                p.add_(u, alpha=-group["lr"] * coeff)
+
+
+def torch_reference(task, optimizer="adam"):
+    """torch.optim.Adam (or the LAMB above) in one process on the global batch."""
     model = task.model()
-    opt = torch.optim.Adam(model.parameters(), lr=LR[task.name])
+    if optimizer == "lamb":
+        opt = Lamb(model.parameters(), lr=LAMB_LR_SCALE * LR[task.name])
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=LR[task.name])
     for step in range(task.steps):
         opt.zero_grad()
         parts = [task.batch(r, step) for r in range(WORKERS)]
@@ -178,6 +222,11 @@ def worker(task, optimizer):
         freeze, scaler, clipper = zero_one_schedule(task.steps)
         opt = morse.torch.ZeroOneAdam(model.named_parameters(), lr=lr, var_freeze_step=freeze,
                                       local_step_scaler=scaler, local_step_clipper=clipper)
+    elif optimizer == "onebit_lamb":
+        # 1-bit LAMB with DeepSpeed's defaults but the freeze at 20% of the
+        # steps (as OneBitAdam's), against torch LAMB at the same lr.
+        opt = morse.torch.OneBitLamb(model.named_parameters(), lr=LAMB_LR_SCALE * lr,
+                                     freeze_step=max(1, task.steps // 5))
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5)
@@ -206,7 +255,9 @@ def morse(task, optimizer, morse_run):
     return (r["loss"], r["accuracy"]), ""
 
 
-OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam")
+OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam", "onebit_lamb")
+# What each Morse optimizer's held-out loss is compared with.
+REFERENCE = {"onebit_lamb": "lamb"}
 # What runs without --optimizers (and in ctest's --max-gap check):
 # zero_one_adam is not within 2% yet (docs/convergence.md).
 DEFAULT_OPTIMIZERS = ("adam", "onebit_adam", "loco")
@@ -257,19 +308,25 @@ def main():
     seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
     print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds)")
-    print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to Adam':>12} {'s':>6}")
+    print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to ref':>12} {'s':>6}")
     for name in models:
         start = time.time()
-        ref = [torch_adam(Task(name, args.steps, seed)) for seed in seeds]
-        ref_loss = float(np.mean([l for l, _ in ref]))
-        ref_acc = float(np.mean([a for _, a in ref]))
-        spread = float(np.std([l for l, _ in ref]) / ref_loss) if len(seeds) > 1 else None
-        note = f"seed spread {100 * spread:.1f}%" if spread is not None else ""
-        print(f"{name:10} {'torch.optim.Adam':18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} "
-              f"{time.time() - start:6.1f}  {note}", flush=True)
-        rows.append({"model": name, "optimizer": "torch_adam", "loss": ref_loss, "accuracy": ref_acc,
-                     "seed_losses": [l for l, _ in ref], "seed_spread": spread})
+        refs = {}
+        for kind in sorted({REFERENCE.get(o, "adam") for o in optimizers} | {"adam"}):
+            start = time.time()
+            ref = [torch_reference(Task(name, args.steps, seed), kind) for seed in seeds]
+            ref_loss = float(np.mean([l for l, _ in ref]))
+            ref_acc = float(np.mean([a for _, a in ref]))
+            spread = float(np.std([l for l, _ in ref]) / ref_loss) if len(seeds) > 1 else None
+            note = f"seed spread {100 * spread:.1f}%" if spread is not None else ""
+            label = "torch LAMB" if kind == "lamb" else "torch.optim.Adam"
+            print(f"{name:10} {label:18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} "
+                  f"{time.time() - start:6.1f}  {note}", flush=True)
+            rows.append({"model": name, "optimizer": f"torch_{kind}", "loss": ref_loss, "accuracy": ref_acc,
+                         "seed_losses": [l for l, _ in ref], "seed_spread": spread})
+            refs[kind] = (ref, ref_loss)
         for optimizer in optimizers:
+            ref, ref_loss = refs[REFERENCE.get(optimizer, "adam")]
             start = time.time()
             results = []
             for seed in seeds:
