@@ -101,9 +101,6 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       if (job.synthetic.dim == 0) return Invalid("synthetic.dim", "must be positive");
       a.layout.dim = job.synthetic.dim;
       if (const uint64_t l = c.synthetic().layer_elems(); l > 0) {
-        if (l > job.synthetic.dim) {
-          return Invalid("synthetic.layer_elems", absl::StrCat(l, " is more than dim (", job.synthetic.dim, ")"));
-        }
         if (job.synthetic.dim / l > kMaxLayers) {
           return Invalid("synthetic.layer_elems", absl::StrCat("makes more than ", kMaxLayers, " layers"));
         }

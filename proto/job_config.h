@@ -110,8 +110,9 @@ inline constexpr size_t kMaxBufferBytes = size_t{64} << 20;
 // on the wire and a shard keeps a push slot per worker and partition.
 inline constexpr uint32_t kMaxWorkers = 65536;
 inline constexpr uint32_t kMaxShards = 65536;
-// onebit_lamb's layers: at most this many (a commit carries 3 doubles each).
-inline constexpr uint64_t kMaxLayers = 1u << 20;
+// onebit_lamb's layers: at most this many (every push carries 3 doubles
+// each, the last step's commit).
+inline constexpr uint64_t kMaxLayers = 65536;
 // Timeouts above a week are refused (gRPC deadlines are absolute times).
 inline constexpr double kMaxTimeoutSeconds = 7 * 24 * 3600.0;
 

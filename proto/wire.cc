@@ -38,9 +38,15 @@ int MaxMessageBytes(const JobSpec& job) {
   const uint64_t largest =
       job.sized() ? std::min<uint64_t>(job.algorithm.layout.partition_elems, job.algorithm.layout.dim)
                   : job.algorithm.layout.partition_elems;  // the size comes later
-  // The largest message is FetchPartition's x, m and v (12 bytes a value);
-  // pushes are at most 8 (topk at ratio 1).
-  return static_cast<int>(std::min<uint64_t>(12 * largest + (1 << 20), INT32_MAX));
+  // The largest messages are RestorePartition's x, m, v and server error,
+  // and onebit_lamb's FetchPartition (x, m, v, v'): 16 bytes a value, plus
+  // onebit_lamb's layer state (2 floats a layer) or commit (3 doubles a
+  // layer, with every push); pushes are at most 8 bytes a value (topk at
+  // ratio 1).
+  const uint64_t layers = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
+                              ? 24 * std::max<uint64_t>(1, job.algorithm.layers.size())
+                              : 0;
+  return static_cast<int>(std::min<uint64_t>(16 * largest + layers + (1 << 20), INT32_MAX));
 }
 
 grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {

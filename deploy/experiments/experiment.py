@@ -46,7 +46,11 @@ SCHEMES = {
     # every step up to 4: per step, a quarter of onebit's exchanges.
     "zero_one": 'optimizer: "zero_one_adam" zero_one_adam { var_freeze_step: 1 local_step_scaler: 1 '
                 'local_step_clipper: 4 }',
+    # 1-bit LAMB after its first step, over layers of 2^20 elements
+    # (LAYER_ELEMS): onebit's exchange plus each step's layer commit.
+    "onebit_lamb": 'optimizer: "onebit_lamb" freeze_step: 1',
 }
+LAYER_ELEMS = {"onebit_lamb": 1 << 20}
 PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
          # exchange users would otherwise pick for 1-bit Adam.
@@ -185,7 +189,7 @@ def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, 
     config = os.path.join(work, f"{scheme}-{dim}.textproto")
     with open(config, "w") as f:
         f.write(f"""name: "{scheme}" workers: {workers} shards: {shards}
-synthetic {{ dim: {dim} noise: 0.1 }}
+synthetic {{ dim: {dim} noise: 0.1{f" layer_elems: {LAYER_ELEMS[scheme]}" if scheme in LAYER_ELEMS else ""} }}
 lr {{ lr: 0.0001 }}
 steps: {steps}
 {SCHEMES[scheme].replace('{steps}', str(steps))}
@@ -220,7 +224,8 @@ log_every: 1000
         tail = open(os.path.join(work, f"{scheme}-worker0.log")).read()[-300:].replace("\n", " ")
         return {"status": f"failed ({codes}): {tail}"}
     rows = [json.loads(l) for l in open(os.path.join(work, f"{scheme}-worker0.jsonl"))]
-    measured = [r for r in rows if r["step"] >= 2 and (scheme != "onebit" or r["phase"] == "compression")]
+    measured = [r for r in rows if r["step"] >= 2 and
+                (scheme not in ("onebit", "onebit_lamb") or r["phase"] == "compression")]
     if not measured:
         return {"status": "failed: no steps to measure (use --steps >= 4)"}
     if scheme == "zero_one":

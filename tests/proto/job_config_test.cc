@@ -124,18 +124,23 @@ TEST(JobConfigTest, MissingFileIsNotFound) {
 namespace morse::proto {
 namespace {
 
-// The largest message is FetchPartition's x, m and v of the largest
-// partition (12 bytes an element); gRPC must allow it.
+// The largest messages are RestorePartition's x, m, v and server error and
+// onebit_lamb's FetchPartition (x, m, v, v' and the layers' state) of the
+// largest partition (16 bytes an element); gRPC must allow them.
 TEST(WireTest, MessageLimitHoldsAFetchedPartition) {
   for (const char* layout : {"partition_elems: 262144", "partition_elems: 1048576",
                              "block_elems: 16 partition_elems: 64"}) {
-    auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 } "
-                                           "lr { lr: 0.1 } steps: 1 freeze_step: 1 ", layout),
-                              ConfigFormat::kText);
-    ASSERT_TRUE(job.ok()) << job.status();
-    const uint64_t largest = std::min<uint64_t>(job->algorithm.layout.partition_elems,
-                                                job->algorithm.layout.dim);
-    EXPECT_GE(static_cast<uint64_t>(MaxMessageBytes(*job)), 12 * largest + 1024) << layout;
+    for (const char* optimizer : {"", "optimizer: \"onebit_lamb\" "}) {
+      auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 layer_elems: 100 } "
+                                             "lr { lr: 0.1 } steps: 1 freeze_step: 1 ", optimizer, layout),
+                                ConfigFormat::kText);
+      ASSERT_TRUE(job.ok()) << job.status();
+      const uint64_t largest = std::min<uint64_t>(job->algorithm.layout.partition_elems,
+                                                  job->algorithm.layout.dim);
+      const uint64_t layers = job->algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 50000 : 0;
+      EXPECT_GE(static_cast<uint64_t>(MaxMessageBytes(*job)), 16 * largest + 24 * layers + 1024)
+          << layout << optimizer;
+    }
   }
 }
 
