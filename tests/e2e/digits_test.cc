@@ -41,10 +41,14 @@ TEST(DigitsTest, OneBitAdamIsWithinAPointOfAdam) {
       << "could not write the digits data set (needs python3-sklearn; tests/run.sh installs it)";
   const double adam = TrainDigits("digits_adam.textproto", data_dir);
   const double onebit = TrainDigits("digits_onebit_adam.textproto", data_dir);
-  std::printf("digits, 500 steps, 4 workers, 2 shards: test accuracy adam %.2f%%, onebit_adam %.2f%%\n",
-              100 * adam, 100 * onebit);
+  // 1-bit LAMB with the MLP's weight matrices and bias vectors as layers.
+  const double lamb = TrainDigits("digits_onebit_lamb.textproto", data_dir);
+  std::printf("digits, 500 steps, 4 workers, 2 shards: test accuracy adam %.2f%%, onebit_adam %.2f%%, "
+              "onebit_lamb %.2f%%\n",
+              100 * adam, 100 * onebit, 100 * lamb);
   EXPECT_GT(adam, 0.95);
   EXPECT_GE(onebit, adam - 0.01);
+  EXPECT_GE(lamb, adam - 0.01);
   std::system(absl::StrCat("rm -rf ", data_dir).c_str());
 }
 
