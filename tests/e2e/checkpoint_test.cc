@@ -42,66 +42,93 @@ std::string Config(int steps) {
 
 std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
-TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
-  auto job = *proto::ParseJobConfig(Config(12), proto::ConfigFormat::kText);
-  // The uninterrupted run.
+// The uninterrupted run of `job`'s 2 workers for `steps` steps: each
+// worker's checksum of its x, m, v after every step, [rank][step] (and each
+// shard's of its range in `shards`, if given).
+std::vector<std::vector<std::string>> Simulated(const proto::JobSpec& job, int steps,
+                                                std::vector<std::vector<std::string>>* shards = nullptr) {
   const uint64_t dim = job.algorithm.layout.dim;
   auto sim = *compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
   std::vector<worker::SyntheticWorkload> workloads = {{job, 0}, {job, 1}};
   std::vector<std::vector<float>> grads(2, std::vector<float>(dim));
-  std::vector<std::string> model, shard0, shard1;
-  for (int64_t step = 0; step < 12; ++step) {
-    for (int r = 0; r < 2; ++r) ASSERT_TRUE(workloads[r].Gradient(step, sim.x(), absl::MakeSpan(grads[r])).ok());
-    ASSERT_TRUE(sim.Step({grads[0], grads[1]}).ok());
-    model.push_back(Hex(compress::StateChecksum({sim.x(), sim.m(), sim.v()})));
-    for (int s = 0; s < 2; ++s) {
+  std::vector<std::vector<std::string>> workers(2);
+  if (shards != nullptr) shards->assign(2, {});
+  for (int64_t step = 0; step < steps; ++step) {
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_TRUE(workloads[r].Gradient(step, sim.worker_x(r), absl::MakeSpan(grads[r])).ok());
+    }
+    EXPECT_TRUE(sim.Step({grads[0], grads[1]}).ok());
+    for (int r = 0; r < 2; ++r) {
+      workers[r].push_back(Hex(compress::StateChecksum({sim.worker_x(r), sim.worker_m(r), sim.v()})));
+    }
+    for (int s = 0; shards != nullptr && s < 2; ++s) {
       const compress::Range r = sim.layout().shard_range(s);
-      (s == 0 ? shard0 : shard1)
-          .push_back(Hex(compress::StateChecksum({sim.x().subspan(r.begin, r.size()),
-                                                  sim.m().subspan(r.begin, r.size()),
-                                                  sim.v().subspan(r.begin, r.size())})));
+      (*shards)[s].push_back(Hex(compress::StateChecksum({sim.x().subspan(r.begin, r.size()),
+                                                          sim.m().subspan(r.begin, r.size()),
+                                                          sim.v().subspan(r.begin, r.size())})));
     }
   }
+  return workers;
+}
+
+// Runs `cluster` to its end with server and worker checkpoints in `dir`
+// (workers --rejoin), then stops its servers; false, with *failure, if a
+// worker failed.
+bool RunCheckpointed(Cluster& cluster, const std::string& dir, bool state_logs, std::string* failure) {
+  cluster.AddServerArgs({"--checkpoint_dir=" + dir});
+  cluster.AddWorkerArgs({"--checkpoint_dir=" + dir, "--rejoin"});
+  cluster.StartServers(state_logs);
+  cluster.StartWorkers(true);
+  const bool ok = cluster.WaitWorkers(absl::Seconds(60), failure);
+  cluster.StopServers();
+  return ok;
+}
+
+// Every worker of `cluster` resumed at `step` and then reported the
+// expected checksums of the `steps` steps after it.
+void ExpectResumedAt(const Cluster& cluster, int64_t step, size_t steps,
+                     const std::vector<std::vector<std::string>>& expected) {
+  for (int r = 0; r < 2; ++r) {
+    const std::string log = ReadFile(cluster.worker_log(r));
+    EXPECT_NE(log.find(absl::StrCat("resuming at step ", step, "; model from the shards, error buffer from")),
+              std::string::npos)
+        << log;
+    const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
+    ASSERT_EQ(got.size(), steps) << log;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i], expected[r][step + i]) << "worker " << r << " step " << step + i;
+    }
+  }
+}
+
+TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
+  auto job = *proto::ParseJobConfig(Config(12), proto::ConfigFormat::kText);
+  std::vector<std::vector<std::string>> shards;
+  const auto expected = Simulated(job, 12, &shards);  // the uninterrupted run
 
   char pattern[] = "/tmp/morse-ckpt-XXXXXX";
   const std::string ckpt = mkdtemp(pattern);
   std::string failure;
   {
     Cluster first(Config(6), 2, 2);
-    first.AddServerArgs({"--checkpoint_dir=" + ckpt});
-    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
-    first.StartServers(false);
-    first.StartWorkers(true);
-    ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
+    ASSERT_TRUE(RunCheckpointed(first, ckpt, false, &failure)) << failure;
     for (int r = 0; r < 2; ++r) {
       const auto got = JsonField(ReadFile(first.worker_metrics(r)), "checksum");
       ASSERT_EQ(got.size(), 6u);
-      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], model[i]) << "worker " << r << " step " << i;
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], expected[r][i]) << "worker " << r << " step " << i;
     }
-    first.StopServers();
     EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 6 written"), std::string::npos)
         << ReadFile(first.server_log(0));
   }
   Cluster second(Config(12), 2, 2);
-  second.AddServerArgs({"--checkpoint_dir=" + ckpt});
-  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
-  second.StartServers(true);
-  second.StartWorkers(true);
-  ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
-  second.StopServers();
+  ASSERT_TRUE(RunCheckpointed(second, ckpt, true, &failure)) << failure;
   EXPECT_NE(ReadFile(second.server_log(0)).find("resumed from"), std::string::npos);
-  for (int r = 0; r < 2; ++r) {
-    const std::string log = ReadFile(second.worker_log(r));
-    EXPECT_NE(log.find("resuming at step 6; model from the shards, error buffer from"), std::string::npos) << log;
-    const auto got = JsonField(ReadFile(second.worker_metrics(r)), "checksum");
-    ASSERT_EQ(got.size(), 6u) << log;
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], model[6 + i]) << "worker " << r << " step " << 6 + i;
-  }
+  ExpectResumedAt(second, 6, 6, expected);
   for (int s = 0; s < 2; ++s) {
     const auto got = JsonField(ReadFile(second.state_log(s)), "mirror_checksum");
     ASSERT_EQ(got.size(), 6u);
     for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_EQ(got[i], (s == 0 ? shard0 : shard1)[6 + i]) << "shard " << s << " step " << 6 + i;
+      EXPECT_EQ(got[i], shards[s][6 + i]) << "shard " << s << " step " << 6 + i;
     }
   }
   std::system(absl::StrCat("rm -rf ", ckpt).c_str());
@@ -127,51 +154,19 @@ TEST(CheckpointTest, ZeroOneAdamResumesAtTheLastSyncBitForBit) {
       steps: )", steps);
   };
   // Variance steps 0, 1; syncs 2, 3, 7, 11; local steps 4-6 and 8-10.
-  auto job = *proto::ParseJobConfig(config(12), proto::ConfigFormat::kText);
-  const uint64_t dim = job.algorithm.layout.dim;
-  auto sim = *compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
-  std::vector<worker::SyntheticWorkload> workloads = {{job, 0}, {job, 1}};
-  std::vector<std::vector<float>> grads(2, std::vector<float>(dim));
-  std::vector<std::vector<std::string>> expected(2);
-  for (int64_t step = 0; step < 12; ++step) {
-    for (int r = 0; r < 2; ++r) {
-      ASSERT_TRUE(workloads[r].Gradient(step, sim.worker_x(r), absl::MakeSpan(grads[r])).ok());
-    }
-    ASSERT_TRUE(sim.Step({grads[0], grads[1]}).ok());
-    for (int r = 0; r < 2; ++r) {
-      expected[r].push_back(Hex(compress::StateChecksum({sim.worker_x(r), sim.worker_m(r), sim.v()})));
-    }
-  }
+  const auto expected = Simulated(*proto::ParseJobConfig(config(12), proto::ConfigFormat::kText), 12);
   char pattern[] = "/tmp/morse-ckpt-XXXXXX";
   const std::string ckpt = mkdtemp(pattern);
   std::string failure;
   {
     Cluster first(config(6), 2, 2);
-    first.AddServerArgs({"--checkpoint_dir=" + ckpt});
-    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
-    first.StartServers(false);
-    first.StartWorkers(true);
-    ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
-    first.StopServers();
+    ASSERT_TRUE(RunCheckpointed(first, ckpt, false, &failure)) << failure;
     EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 4 written"), std::string::npos)
         << ReadFile(first.server_log(0));
   }
   Cluster second(config(12), 2, 2);
-  second.AddServerArgs({"--checkpoint_dir=" + ckpt});
-  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
-  second.StartServers(true);
-  second.StartWorkers(true);
-  ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
-  second.StopServers();
-  for (int r = 0; r < 2; ++r) {
-    const std::string log = ReadFile(second.worker_log(r));
-    EXPECT_NE(log.find("resuming at step 4; model from the shards, error buffer from"), std::string::npos) << log;
-    const auto got = JsonField(ReadFile(second.worker_metrics(r)), "checksum");
-    ASSERT_EQ(got.size(), 8u) << log;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_EQ(got[i], expected[r][4 + i]) << "worker " << r << " step " << 4 + i;
-    }
-  }
+  ASSERT_TRUE(RunCheckpointed(second, ckpt, true, &failure)) << failure;
+  ExpectResumedAt(second, 4, 8, expected);
   std::system(absl::StrCat("rm -rf ", ckpt).c_str());
 }
 
@@ -194,49 +189,19 @@ TEST(CheckpointTest, OneBitLambResumesWithItsLayerStateBitForBit) {
       checkpoint { every_steps: 3 }
       steps: )", steps);
   };
-  auto job = *proto::ParseJobConfig(config(12), proto::ConfigFormat::kText);
-  const uint64_t dim = job.algorithm.layout.dim;
-  auto sim = *compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
-  std::vector<worker::SyntheticWorkload> workloads = {{job, 0}, {job, 1}};
-  std::vector<std::vector<float>> grads(2, std::vector<float>(dim));
-  std::vector<std::string> expected;
-  for (int64_t step = 0; step < 12; ++step) {
-    for (int r = 0; r < 2; ++r) {
-      ASSERT_TRUE(workloads[r].Gradient(step, sim.x(), absl::MakeSpan(grads[r])).ok());
-    }
-    ASSERT_TRUE(sim.Step({grads[0], grads[1]}).ok());
-    expected.push_back(Hex(compress::StateChecksum({sim.x(), sim.m(), sim.v()})));
-  }
+  const auto expected = Simulated(*proto::ParseJobConfig(config(12), proto::ConfigFormat::kText), 12);
   char pattern[] = "/tmp/morse-ckpt-XXXXXX";
   const std::string ckpt = mkdtemp(pattern);
   std::string failure;
   {
     Cluster first(config(6), 2, 2);
-    first.AddServerArgs({"--checkpoint_dir=" + ckpt});
-    first.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
-    first.StartServers(false);
-    first.StartWorkers(true);
-    ASSERT_TRUE(first.WaitWorkers(absl::Seconds(60), &failure)) << failure;
-    first.StopServers();
+    ASSERT_TRUE(RunCheckpointed(first, ckpt, false, &failure)) << failure;
     EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 6 written"), std::string::npos)
         << ReadFile(first.server_log(0));
   }
   Cluster second(config(12), 2, 2);
-  second.AddServerArgs({"--checkpoint_dir=" + ckpt});
-  second.AddWorkerArgs({"--checkpoint_dir=" + ckpt, "--rejoin"});
-  second.StartServers(true);
-  second.StartWorkers(true);
-  ASSERT_TRUE(second.WaitWorkers(absl::Seconds(60), &failure)) << failure;
-  second.StopServers();
-  for (int r = 0; r < 2; ++r) {
-    const std::string log = ReadFile(second.worker_log(r));
-    EXPECT_NE(log.find("resuming at step 6; model from the shards, error buffer from"), std::string::npos) << log;
-    const auto got = JsonField(ReadFile(second.worker_metrics(r)), "checksum");
-    ASSERT_EQ(got.size(), 6u) << log;
-    for (size_t i = 0; i < got.size(); ++i) {
-      EXPECT_EQ(got[i], expected[6 + i]) << "worker " << r << " step " << 6 + i;
-    }
-  }
+  ASSERT_TRUE(RunCheckpointed(second, ckpt, true, &failure)) << failure;
+  ExpectResumedAt(second, 6, 6, expected);
   std::system(absl::StrCat("rm -rf ", ckpt).c_str());
 }
 
