@@ -26,25 +26,68 @@ def check(condition, message):
         sys.exit(1)
 
 
-def check_ranks_match_simulator(out, ranks, steps):
+def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, on_step=None):
+    """This rank (MORSE_RANK) trains `model` with `opt` for `steps` steps of
+    cross-entropy on 8 random samples of `features` inputs and `classes`
+    labels, drawn from seed 100 * step + rank, and writes to `out` what
+    check_ranks_match_simulator reads: rank 0 the job (job.json: base config
+    and overrides) and x0.npy, every rank grad-<rank>-<step>.npy and
+    checksums-<rank>.json. on_gradient(step, flat) sees each step's
+    gradient before step(), on_step(step) runs after it. Returns the
+    checksums."""
+    import numpy as np
+    import torch
+    rank = int(os.environ["MORSE_RANK"])
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    checksums = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, features, generator=g), torch.randint(0, classes, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
+        if on_gradient is not None:
+            on_gradient(step, flat)
+        opt.step()
+        checksums.append(opt.checksum())
+        if on_step is not None:
+            on_step(step)
+    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    return checksums
+
+
+def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
     """The job wrote checksums-<rank>.json (one checksum per step), job.json
-    (base config and overrides), x0.npy and grad-<rank>-<step>.npy to `out`:
-    every rank must hold rank 0's bits after every step, and the simulator
-    fed the same gradients must too. Removes `out` afterwards."""
+    (base config and overrides), x0.npy and grad-<rank>-<step>.npy to `out`
+    (train_recorded): after every step every rank must hold the bits the
+    simulator fed the same gradients gives that rank, and, unless
+    `ranks_may_differ` (zero_one_adam's local steps), rank 0's bits.
+    Returns the number of steps after which all ranks agreed; removes
+    `out`."""
     import numpy as np
     from morse import _native
     checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(ranks)]
-    for r in range(1, ranks):
-        check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
+    if not ranks_may_differ:
+        for r in range(1, ranks):
+            check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
     job = json.load(open(f"{out}/job.json"))
     sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
+    together = 0
     for step in range(steps):
         sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(ranks)])
-        check(sim.checksum() == checksums[0][step],
-              f"step {step}: workers {checksums[0][step]}, simulator {sim.checksum()}")
+        for r in range(ranks):
+            check(sim.worker_checksum(r) == checksums[r][step],
+                  f"step {step}: rank {r} {checksums[r][step]}, simulator {sim.worker_checksum(r)}")
+        together += len({checksums[r][step] for r in range(ranks)}) == 1
     for f in glob.glob(f"{out}/*"):
         os.remove(f)
     os.rmdir(out)
+    return together
 
 
 def free_port():

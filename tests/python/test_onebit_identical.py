@@ -7,15 +7,13 @@ overlap pushes with the backward pass, odd ranks do not: the bytes, and so
 the results, are the same. state_dict()/load_state_dict() round-trip the
 optimizer state, error buffers included. Then all of it again with
 clip_grad_norm, which clips every step."""
-import json
 import os
 import sys
 import tempfile
 
-import numpy as np
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
 
 STEPS = 12
 
@@ -32,24 +30,11 @@ def worker(out, clip):
                                  partition_elems=64, overlap=rank % 2 == 0,
                                  missing_grads="zero",  # the unused parameter (torch 2 zero_grad sets None)
                                  clip_grad_norm=float(clip) if clip != "none" else None)
-    if rank == 0:
-        with open(os.environ["MORSE_CONFIG"]) as f:
-            base = f.read()
-        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    checksums = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
-        if clip != "none":  # this rank's own gradient is clipped after the freeze
-            check(flat.norm().item() > 2 * float(clip), f"step {step}: the clip would not act")
-        opt.step()
-        checksums.append(opt.checksum())
-    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    def clips(step, flat):  # this rank's own gradient is clipped after the freeze
+        check(flat.norm().item() > 2 * float(clip), f"step {step}: the clip would not act")
+
+    checksums = train_recorded(opt, model, out, STEPS, features=10, classes=4,
+                               on_gradient=clips if clip != "none" else None)
     check(torch.equal(model.unused.detach(), torch.full((7,), 0.5)), "a parameter with v = 0 moved")
     # state_dict round trip: the error buffer is in it, a changed state
     # changes the replica, and loading the saved state restores it exactly.

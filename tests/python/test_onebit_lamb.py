@@ -10,10 +10,9 @@ import os
 import sys
 import tempfile
 
-import numpy as np
 import torch
 
-from harness import check, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
 
 STEPS = 14
 RANKS = 3
@@ -38,22 +37,7 @@ def worker(out):
                                  factor_min=0.5, factor_threshold=0.1, cuda_aware=False,
                                  comm_backend_name="nccl", block_elems=16, partition_elems=64,
                                  overlap=rank % 2 == 0)
-    if rank == 0:
-        with open(os.environ["MORSE_CONFIG"]) as f:
-            base = f.read()
-        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    checksums = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-        np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
-        opt.step()
-        checksums.append(opt.checksum())
-    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    train_recorded(opt, model, out, STEPS, features=10, classes=4)
     if rank == 0:
         try:
             opt.state_dict()
@@ -61,20 +45,6 @@ def worker(out):
         except morse.torch.MorseError as e:
             check("onebit_lamb" in str(e) and "checkpoint" in str(e), f"unclear error: {e}")
             print(f"refused state_dict: {e}")
-
-
-def check_against_simulator(out):
-    from morse import _native
-    checksums = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
-    job = json.load(open(f"{out}/job.json"))
-    check("layers: 200 layers: 20 layers: 80 layers: 4" in job["overrides"],
-          f"the tensors are not the layers: {job['overrides']}")
-    sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
-    for step in range(STEPS):
-        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(RANKS)])
-        for r in range(RANKS):
-            check(sim.worker_checksum(r) == checksums[r][step],
-                  f"step {step}: rank {r} {checksums[r][step]}, simulator {sim.worker_checksum(r)}")
 
 
 if __name__ == "__main__":
@@ -85,5 +55,8 @@ if __name__ == "__main__":
     code, log = morse_run(__file__, RANKS, 2, out)
     print(log)
     check(code == 0, "the job failed")
-    check_against_simulator(out)
+    overrides = json.load(open(f"{out}/job.json"))["overrides"]
+    check("layers: 200 layers: 20 layers: 80 layers: 4" in overrides,
+          f"the tensors are not the layers: {overrides}")
+    check_ranks_match_simulator(out, RANKS, STEPS)
     print(f"PASS: {STEPS} steps across the freeze, {RANKS} ranks bit-identical to the simulator")

@@ -5,16 +5,14 @@ The restarted shard has no model until a worker joins again (an external
 job), so the workers Join it again, replay their retained pushes of the steps
 it lost, check that it recomputes the replies they applied, and go on. After
 every step every rank holds the same bits as the undisturbed simulator."""
-import json
 import os
 import signal
 import sys
 import tempfile
 
-import numpy as np
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
 
 STEPS = 20
 KILL_AFTER = 9
@@ -43,27 +41,14 @@ def worker(out):
     rank = int(os.environ["MORSE_RANK"])
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=5, block_elems=16,
                                  partition_elems=64)
-    if rank == 0:
-        with open(os.environ["MORSE_CONFIG"]) as f:
-            base = f.read()
-        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    checksums = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        np.save(f"{out}/grad-{rank}-{step}.npy",
-                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
-        opt.step()
-        checksums.append(opt.checksum())
+    def kill_shard(step):
         if rank == 0 and step == KILL_AFTER:
             pid = shard_pid(os.environ["MORSE_CONFIG"], 1)
             check(pid is not None, "shard 1's process not found")
             os.kill(pid, signal.SIGKILL)
             print(f"killed shard 1 (pid {pid}) after step {step}", flush=True)
-    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+
+    train_recorded(opt, model, out, STEPS, features=12, classes=5, on_step=kill_shard)
 
 
 if __name__ == "__main__":
