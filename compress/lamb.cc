@@ -43,6 +43,8 @@ std::vector<uint64_t> LayerBounds(const SimulatorConfig& config) {
   return bounds;
 }
 
+size_t LayerCount(const SimulatorConfig& config) { return std::max<size_t>(1, config.layers.size()); }
+
 void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> m,
                  absl::Span<float> v, absl::Span<float> v_fresh) {
   MORSE_CHECK(decoded.size() == m.size() && m.size() == v.size() && v.size() == v_fresh.size());
@@ -146,7 +148,7 @@ std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& r
 }
 
 absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const double> commit) {
-  const size_t layers = LayerBounds(config).size() - 1;
+  const size_t layers = LayerCount(config);
   if (commit.size() != kLambCommit * layers) {
     return absl::InvalidArgumentError(absl::StrCat("a onebit_lamb commit has ", kLambCommit,
                                                    " values for each of the model's ", layers,

@@ -38,6 +38,8 @@ inline constexpr int kLambCommit = 3;
 
 // The first element of every layer, then D (config.layers, or one layer).
 std::vector<uint64_t> LayerBounds(const SimulatorConfig& config);
+// How many layers: config.layers.size(), or 1.
+size_t LayerCount(const SimulatorConfig& config);
 
 // The moments of a lamb reply rule (PlanReply) from the decoded values
 // (masked already): warmup, m = b1*m + (1-b1)*g and v = b2*v + (1-b2)*g*g,

@@ -338,10 +338,7 @@ Replica::Replica(const SimulatorConfig& config, Range range)
       m_(range.size(), 0.0f),
       v_(range.size(), 0.0f),
       x_(absl::MakeSpan(owned_x_)) {
-  if (config.optimizer == OptimizerKind::kOneBitLamb) {
-    v_fresh_.assign(range.size(), 0.0f);
-    lamb_layers_.resize(LayerBounds(config).size() - 1);
-  }
+  InitLamb();
 }
 
 Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> external_x)
@@ -351,10 +348,7 @@ Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> e
       v_(range.size(), 0.0f),
       x_(external_x) {
   MORSE_CHECK(external_x.size() == range.size());
-  if (config.optimizer == OptimizerKind::kOneBitLamb) {
-    v_fresh_.assign(range.size(), 0.0f);
-    lamb_layers_.resize(LayerBounds(config).size() - 1);
-  }
+  InitLamb();
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
@@ -501,6 +495,12 @@ void Replica::SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) c
   ZeroOneSyncMessage(s, lr_sum_, absl::MakeConstSpan(u_).subspan(at, out.size()),
                      absl::MakeConstSpan(m_).subspan(at, out.size()),
                      absl::MakeConstSpan(v_).subspan(at, out.size()), out);
+}
+
+void Replica::InitLamb() {
+  if (config_.optimizer != OptimizerKind::kOneBitLamb) return;
+  v_fresh_.assign(range_.size(), 0.0f);
+  lamb_layers_.resize(LayerCount(config_));
 }
 
 absl::StatusOr<std::vector<double>> Replica::LambStep(int64_t step, const StepHyper* hyper) {

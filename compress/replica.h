@@ -240,6 +240,7 @@ class Replica {
   // onebit_lamb: v' over the range, and every layer's state.
   std::vector<float> v_fresh_;
   std::vector<LambLayerState> lamb_layers_;
+  void InitLamb();  // sizes v' and the layers' state for onebit_lamb
 };
 
 }  // namespace morse::compress

@@ -128,7 +128,7 @@ Simulator::Simulator(const SimulatorConfig& config, Layout layout,
       v_(x0.size(), 0.0f) {
   if (config.optimizer == OptimizerKind::kOneBitLamb) {
     v_fresh_.assign(x0.size(), 0.0f);
-    lamb_layers_.resize(LayerBounds(config).size() - 1);
+    lamb_layers_.resize(LayerCount(config));
   }
   for (uint32_t i = 0; i < config.workers; ++i) {
     worker_errors_.emplace_back(config.worker_feedback, x0.size(), config.layout.block_elems);
