@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "compress/boundary.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "proto/job_config.h"
@@ -21,6 +22,7 @@
 #include "proto/wire.h"
 #include "worker/engine/engine.h"
 #include "worker/session.h"
+#include "worker/stage_link.h"
 
 struct morse_session {
   std::unique_ptr<morse::worker::Session> session;
@@ -30,6 +32,16 @@ struct morse_session {
 struct morse_simulator {
   std::unique_ptr<morse::compress::Simulator> simulator;
   uint64_t dim = 0;
+};
+
+struct morse_link {
+  std::unique_ptr<morse::worker::StageLink> link;
+  morse::worker::StageFrame received;
+};
+
+struct morse_boundary {
+  std::unique_ptr<morse::compress::BoundaryCodec> codec;
+  std::string payload;
 };
 
 namespace {
@@ -394,6 +406,217 @@ int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim) {
     if (absl::Status st = NotNull(x, "x"); !st.ok()) return st;
     if (dim != sim->dim) return absl::InvalidArgumentError(absl::StrCat("x has ", dim, " floats, not ", sim->dim));
     std::copy(sim->simulator->x().begin(), sim->simulator->x().end(), x);
+    return absl::OkStatus();
+  });
+}
+
+// ---------------------------------------------------------------- pipeline
+
+int morse_link_listen(const char* address, const char* security, morse_link** out) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
+    if (absl::Status s = NotNull(address, "address"); !s.ok()) return s;
+    auto options = ParseSecurity(security);
+    if (!options.ok()) return options.status();
+    auto link = morse::worker::StageLink::Listen(address, *options);
+    if (!link.ok()) return link.status();
+    *out = new morse_link{*std::move(link), {}};
+    return absl::OkStatus();
+  });
+}
+
+int morse_link_connect(const char* address, const char* security, double timeout_seconds,
+                       morse_link** out) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
+    if (absl::Status s = NotNull(address, "address"); !s.ok()) return s;
+    auto options = ParseSecurity(security);
+    if (!options.ok()) return options.status();
+    auto link = morse::worker::StageLink::Connect(address, *options, absl::Seconds(timeout_seconds));
+    if (!link.ok()) return link.status();
+    *out = new morse_link{*std::move(link), {}};
+    return absl::OkStatus();
+  });
+}
+
+int morse_link_address(morse_link* link, char* buf, uint64_t size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
+    if (buf == nullptr || size == 0) return absl::InvalidArgumentError("buf has no room");
+    const std::string& a = link->link->address();
+    const size_t n = std::min<size_t>(a.size(), size - 1);
+    std::memcpy(buf, a.data(), n);
+    buf[n] = '\0';
+    return absl::OkStatus();
+  });
+}
+
+int morse_link_accept(morse_link* link, double timeout_seconds) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
+    return link->link->Accept(absl::Seconds(timeout_seconds));
+  });
+}
+
+int morse_link_send(morse_link* link, uint32_t kind, const char* meta, const void* payload,
+                    uint64_t payload_size, const void* extra, uint64_t extra_size, const char* error) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
+    if ((payload == nullptr && payload_size != 0) || (extra == nullptr && extra_size != 0)) {
+      return absl::InvalidArgumentError("a null buffer with a non-zero size");
+    }
+    morse::worker::StageFrame frame;
+    frame.kind = kind;
+    if (meta != nullptr) frame.meta = meta;
+    if (payload_size != 0) frame.payload.assign(static_cast<const char*>(payload), payload_size);
+    if (extra_size != 0) frame.extra.assign(static_cast<const char*>(extra), extra_size);
+    if (error != nullptr) frame.error = error;
+    return link->link->Send(frame);
+  });
+}
+
+int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind, uint64_t* meta_size,
+                       uint64_t* payload_size, uint64_t* extra_size, uint64_t* error_size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
+    auto frame = link->link->Receive(absl::Seconds(timeout_seconds));
+    if (!frame.ok()) return frame.status();
+    link->received = *std::move(frame);
+    if (kind) *kind = link->received.kind;
+    if (meta_size) *meta_size = link->received.meta.size();
+    if (payload_size) *payload_size = link->received.payload.size();
+    if (extra_size) *extra_size = link->received.extra.size();
+    if (error_size) *error_size = link->received.error.size();
+    return absl::OkStatus();
+  });
+}
+
+int morse_link_frame(morse_link* link, void* meta, void* payload, void* extra, void* error) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
+    const morse::worker::StageFrame& f = link->received;
+    const std::pair<void*, const std::string*> parts[] = {
+        {meta, &f.meta}, {payload, &f.payload}, {extra, &f.extra}, {error, &f.error}};
+    for (const auto& [to, from] : parts) {
+      if (from->empty()) continue;
+      if (to == nullptr) return absl::InvalidArgumentError("a null buffer for a non-empty part");
+      std::memcpy(to, from->data(), from->size());
+    }
+    return absl::OkStatus();
+  });
+}
+
+int morse_link_traffic(morse_link* link, uint64_t* bytes_sent, uint64_t* bytes_received) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
+    if (bytes_sent) *bytes_sent = link->link->bytes_sent();
+    if (bytes_received) *bytes_received = link->link->bytes_received();
+    return absl::OkStatus();
+  });
+}
+
+void morse_link_destroy(morse_link* link) { delete link; }
+
+int morse_boundary_create(const char* spec, morse_boundary** out) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
+    if (absl::Status s = NotNull(spec, "spec"); !s.ok()) return s;
+    auto parsed = morse::compress::ParseBoundarySpec(spec);
+    if (!parsed.ok()) return parsed.status();
+    *out = new morse_boundary{std::make_unique<morse::compress::BoundaryCodec>(*parsed), {}};
+    return absl::OkStatus();
+  });
+}
+
+void morse_boundary_destroy(morse_boundary* b) { delete b; }
+
+namespace {
+
+// mode 1 and 2 (inference): the codec, or fp32.
+morse::compress::CodecSpec InferenceCodec(const morse_boundary* b, int mode) {
+  if (mode == 1) return b->codec->spec().codec;
+  return morse::compress::CodecSpec{morse::compress::CodecKind::kFp32};
+}
+
+absl::Status CheckMode(int mode) {
+  if (mode < 0 || mode > 2) return absl::InvalidArgumentError(absl::StrCat("mode ", mode, " is not 0, 1 or 2"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n, uint64_t rows,
+                          const int64_t* samples, uint32_t slot, int mode, uint64_t* size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
+    if (absl::Status s = CheckMode(mode); !s.ok()) return s;
+    if (x == nullptr && n != 0) return absl::InvalidArgumentError("x is null");
+    absl::Status s =
+        mode == 0 ? b->codec->Encode(absl::MakeConstSpan(x, n), rows,
+                                     samples ? absl::MakeConstSpan(samples, rows) : absl::Span<const int64_t>(),
+                                     slot, &b->payload)
+                  : morse::compress::BoundaryCodec::EncodeStateless(InferenceCodec(b, mode),
+                                                                    absl::MakeConstSpan(x, n), &b->payload);
+    if (!s.ok()) return s;
+    if (size) *size = b->payload.size();
+    return absl::OkStatus();
+  });
+}
+
+int morse_boundary_payload(morse_boundary* b, void* out, uint64_t capacity) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
+    if (capacity < b->payload.size() || (out == nullptr && !b->payload.empty())) {
+      return absl::InvalidArgumentError(absl::StrCat("the payload needs ", b->payload.size(), " bytes"));
+    }
+    if (!b->payload.empty()) std::memcpy(out, b->payload.data(), b->payload.size());
+    return absl::OkStatus();
+  });
+}
+
+int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size, uint64_t rows,
+                          const int64_t* samples, int mode, float* out, uint64_t n) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
+    if (absl::Status s = CheckMode(mode); !s.ok()) return s;
+    if ((payload == nullptr && size != 0) || (out == nullptr && n != 0)) {
+      return absl::InvalidArgumentError("a null buffer with a non-zero size");
+    }
+    const absl::string_view bytes(static_cast<const char*>(payload), size);
+    if (mode != 0) {
+      return morse::compress::BoundaryCodec::DecodeStateless(InferenceCodec(b, mode), bytes,
+                                                             absl::MakeSpan(out, n));
+    }
+    return b->codec->Decode(bytes, rows,
+                            samples ? absl::MakeConstSpan(samples, rows) : absl::Span<const int64_t>(),
+                            absl::MakeSpan(out, n));
+  });
+}
+
+int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity, uint64_t* size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
+    const std::string state = b->codec->SaveState();
+    if (size) *size = state.size();
+    if (capacity == 0) return absl::OkStatus();
+    if (out == nullptr) return absl::InvalidArgumentError("out is null");
+    std::memcpy(out, state.data(), std::min<uint64_t>(capacity, state.size()));
+    return absl::OkStatus();
+  });
+}
+
+int morse_boundary_load(morse_boundary* b, const void* state, uint64_t size) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
+    if (state == nullptr && size != 0) return absl::InvalidArgumentError("state is null");
+    return b->codec->LoadState(absl::string_view(static_cast<const char*>(state), size));
+  });
+}
+
+int morse_boundary_samples_seen(morse_boundary* b, uint64_t* count) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
+    if (count) *count = b->codec->samples_seen();
     return absl::OkStatus();
   });
 }

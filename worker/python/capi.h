@@ -19,10 +19,12 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 2
+#define MORSE_CAPI_VERSION 3
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
+typedef struct morse_link morse_link;
+typedef struct morse_boundary morse_boundary;
 
 typedef struct morse_step_traffic {
   uint64_t bytes_up;
@@ -117,6 +119,57 @@ int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
    zero_one_adam's local steps). */
 int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank, uint64_t* checksum);
 int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
+
+/* Pipeline stages (worker/stage_link.h, compress/boundary.h). */
+
+/* The later stage's end of a boundary: listens on address ("host:port",
+ * port 0 picks one) for the earlier stage; security as for a server
+ * ("key=value" lines: tls_cert, tls_key, tls_ca, token_file, insecure=1).
+ * The address with its real port: morse_link_address. */
+int morse_link_listen(const char* address, const char* security, morse_link** out);
+/* The earlier stage's end: connects to address within timeout_seconds;
+ * security as for a worker. */
+int morse_link_connect(const char* address, const char* security, double timeout_seconds,
+                       morse_link** out);
+int morse_link_address(morse_link* link, char* buf, uint64_t size);
+/* Listening end: waits for the earlier stage's stream. */
+int morse_link_accept(morse_link* link, double timeout_seconds);
+/* Sends one frame (kind: 0 hello, 1 forward, 2 backward, 3 error, 4 end);
+ * meta and error are NUL-terminated, payload and extra any bytes. */
+int morse_link_send(morse_link* link, uint32_t kind, const char* meta, const void* payload,
+                    uint64_t payload_size, const void* extra, uint64_t extra_size, const char* error);
+/* Waits for the next frame and keeps it; its kind and the sizes of its
+ * parts come back here, the parts through morse_link_frame (buffers of at
+ * least those sizes; meta and error are not NUL-terminated).
+ * UNAVAILABLE when the peer is gone, DEADLINE_EXCEEDED after the timeout. */
+int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind, uint64_t* meta_size,
+                       uint64_t* payload_size, uint64_t* extra_size, uint64_t* error_size);
+int morse_link_frame(morse_link* link, void* meta, void* payload, void* extra, void* error);
+int morse_link_traffic(morse_link* link, uint64_t* bytes_sent, uint64_t* bytes_received);
+/* Closes the stream and frees the link. */
+void morse_link_destroy(morse_link* link);
+
+/* One direction of a boundary: spec as compress/boundary.h's
+ * ParseBoundarySpec ("fp32", "int4/128", "topk:0.1+ef", "int8+aq"). */
+int morse_boundary_create(const char* spec, morse_boundary** out);
+void morse_boundary_destroy(morse_boundary* b);
+/* Encodes n floats (rows rows; samples: one index per row for AQ-SGD, else
+ * may be NULL; slot: the micro-batch, for ef) and keeps the payload; *size
+ * gets its length, morse_boundary_payload copies it out. mode 0: training
+ * (feedback state used and updated), 1: inference with the codec and no
+ * state, 2: inference in fp32. */
+int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n, uint64_t rows,
+                          const int64_t* samples, uint32_t slot, int mode, uint64_t* size);
+int morse_boundary_payload(morse_boundary* b, void* out, uint64_t capacity);
+/* Decodes a payload of the same mode into n floats at out. */
+int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size, uint64_t rows,
+                          const int64_t* samples, int mode, float* out, uint64_t n);
+/* The state (ef buffers, AQ-SGD buffers): *size its length; up to capacity
+ * bytes copied to out (capacity 0 asks the size). */
+int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity, uint64_t* size);
+int morse_boundary_load(morse_boundary* b, const void* state, uint64_t size);
+/* AQ-SGD: how many samples have buffers. */
+int morse_boundary_samples_seen(morse_boundary* b, uint64_t* count);
 
 #ifdef __cplusplus
 }
