@@ -59,6 +59,7 @@ cp "$root"/deploy/configs/*.textproto "$top/share/morse/configs/"
 
 # The Python package: whatever CMake assembled in build/python/morse.
 cp "$build"/python/morse/*.py "$build/python/morse/libmorse.so" "$top/python/morse/"
+mkdir -p "$top/python/morse/torch" && cp "$build"/python/morse/torch/*.py "$top/python/morse/torch/"
 cp "$build/python/pyproject.toml" "$top/python/"
 
 # Shared libraries: everything ldd resolves except what the host provides.

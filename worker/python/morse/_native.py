@@ -7,7 +7,7 @@ threads (the autograd hooks push from the backward pass's thread).
 import ctypes
 import os
 
-__all__ = ["MorseError", "Session", "Simulator", "cuda_device", "library_path"]
+__all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
@@ -80,13 +80,30 @@ def _load():
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
         "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
+        "morse_link_listen": ([S, S, ctypes.POINTER(P)], I),
+        "morse_link_connect": ([S, S, ctypes.c_double, ctypes.POINTER(P)], I),
+        "morse_link_address": ([P, S, U64], I),
+        "morse_link_accept": ([P, ctypes.c_double], I),
+        "morse_link_send": ([P, U32, S, P, U64, P, U64, S], I),
+        "morse_link_receive": ([P, ctypes.c_double, ctypes.POINTER(U32)] + [ctypes.POINTER(U64)] * 4, I),
+        "morse_link_frame": ([P, P, P, P, P], I),
+        "morse_link_traffic": ([P, ctypes.POINTER(U64), ctypes.POINTER(U64)], I),
+        "morse_link_destroy": ([P], None),
+        "morse_boundary_create": ([S, ctypes.POINTER(P)], I),
+        "morse_boundary_destroy": ([P], None),
+        "morse_boundary_encode": ([P, P, U64, U64, P, U32, I, ctypes.POINTER(U64)], I),
+        "morse_boundary_payload": ([P, P, U64], I),
+        "morse_boundary_decode": ([P, P, U64, U64, P, I, P, U64], I),
+        "morse_boundary_save": ([P, P, U64, ctypes.POINTER(U64)], I),
+        "morse_boundary_load": ([P, P, U64], I),
+        "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
-    if lib.morse_capi_version() != 2:
+    if lib.morse_capi_version() != 3:
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 2")
+                         "this package needs 3")
     _lib = lib
     return lib
 
@@ -304,3 +321,127 @@ class Simulator:
         _check(_lib.morse_simulator_x(self._handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                                       self._dim))
         return out
+
+
+class Link:
+    """One end of a pipeline boundary (worker/stage_link.h): listen() for
+    the later stage, connect() for the earlier one. Frames are
+    (kind, meta str, payload bytes, extra bytes, error str)."""
+
+    HELLO, FORWARD, BACKWARD, ERROR, END = range(5)
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    @classmethod
+    def listen(cls, address, security):
+        lib = _load()
+        handle = ctypes.c_void_p()
+        _check(lib.morse_link_listen(address.encode(), _security_text(security), ctypes.byref(handle)))
+        return cls(handle)
+
+    @classmethod
+    def connect(cls, address, security, timeout):
+        lib = _load()
+        handle = ctypes.c_void_p()
+        _check(lib.morse_link_connect(address.encode(), _security_text(security), float(timeout),
+                                      ctypes.byref(handle)))
+        return cls(handle)
+
+    @property
+    def address(self):
+        buf = ctypes.create_string_buffer(256)
+        _check(_lib.morse_link_address(self._handle, buf, len(buf)))
+        return buf.value.decode()
+
+    def accept(self, timeout):
+        _check(_lib.morse_link_accept(self._handle, float(timeout)))
+
+    def send(self, kind, meta="", payload=b"", extra=b"", error=""):
+        _check(_lib.morse_link_send(self._handle, kind, meta.encode(), payload, len(payload), extra,
+                                    len(extra), error.encode()))
+
+    def receive(self, timeout):
+        kind = ctypes.c_uint32()
+        sizes = [ctypes.c_uint64() for _ in range(4)]
+        _check(_lib.morse_link_receive(self._handle, float(timeout), ctypes.byref(kind),
+                                       *(ctypes.byref(n) for n in sizes)))
+        parts = [ctypes.create_string_buffer(max(1, n.value)) for n in sizes]
+        _check(_lib.morse_link_frame(self._handle, *parts))
+        meta, payload, extra, error = (p.raw[:n.value] for p, n in zip(parts, sizes))
+        return kind.value, meta.decode(), payload, extra, error.decode("utf-8", "replace")
+
+    def traffic(self):
+        sent, received = ctypes.c_uint64(), ctypes.c_uint64()
+        _check(_lib.morse_link_traffic(self._handle, ctypes.byref(sent), ctypes.byref(received)))
+        return sent.value, received.value
+
+    def close(self):
+        if getattr(self, "_handle", None) and _lib is not None:
+            _lib.morse_link_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        self.close()
+
+
+class Boundary:
+    """One direction of a boundary's codec and feedback state
+    (compress/boundary.h). mode: 0 training, 1 inference with the codec,
+    2 inference in fp32."""
+
+    def __init__(self, spec):
+        lib = _load()
+        handle = ctypes.c_void_p()
+        _check(lib.morse_boundary_create(spec.encode(), ctypes.byref(handle)))
+        self._handle = handle
+        self.spec = spec
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib is not None:
+            _lib.morse_boundary_destroy(self._handle)
+            self._handle = None
+
+    @staticmethod
+    def _samples(samples, rows):
+        import numpy as np
+        if samples is None:
+            return None, None
+        s = np.ascontiguousarray(samples, dtype=np.int64)
+        if s.size != rows:
+            raise ValueError(f"{s.size} sample indices for {rows} rows")
+        return s, s.ctypes.data
+
+    def encode(self, x, rows, samples=None, slot=0, mode=0):
+        """x: a C-contiguous float32 numpy array; returns the payload bytes."""
+        keep, pointer = self._samples(samples, rows)
+        size = ctypes.c_uint64()
+        _check(_lib.morse_boundary_encode(self._handle, _float32_array(x, "the boundary tensor"), x.size,
+                                          rows, pointer, slot, mode, ctypes.byref(size)))
+        out = ctypes.create_string_buffer(max(1, size.value))
+        _check(_lib.morse_boundary_payload(self._handle, out, size.value))
+        del keep
+        return out.raw[:size.value]
+
+    def decode(self, payload, out, rows, samples=None, mode=0):
+        """Decodes into out (a float32 numpy array of the tensor's size)."""
+        keep, pointer = self._samples(samples, rows)
+        _check(_lib.morse_boundary_decode(self._handle, payload, len(payload), rows, pointer, mode,
+                                          _float32_array(out, "out", writable=True), out.size))
+        del keep
+        return out
+
+    def state(self):
+        size = ctypes.c_uint64()
+        _check(_lib.morse_boundary_save(self._handle, None, 0, ctypes.byref(size)))
+        out = ctypes.create_string_buffer(max(1, size.value))
+        _check(_lib.morse_boundary_save(self._handle, out, size.value, ctypes.byref(size)))
+        return out.raw[:size.value]
+
+    def load(self, state):
+        _check(_lib.morse_boundary_load(self._handle, state, len(state)))
+
+    def samples_seen(self):
+        count = ctypes.c_uint64()
+        _check(_lib.morse_boundary_samples_seen(self._handle, ctypes.byref(count)))
+        return count.value

@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from . import _native
-from ._native import MorseError
+from .. import _native
+from .._native import MorseError
 
 __all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "MorseError"]
 
