@@ -263,7 +263,7 @@ class Stage:
         if self._failed:
             return
         self._failed = True
-        message = f"stage {self.index}: {error}"
+        message = f"{type(error).__name__}: {error}" if not isinstance(error, MorseError) else str(error)
         for link in (self._prev, self._next):
             if link is None:
                 continue
@@ -395,12 +395,12 @@ class _Schedule:
 
     # ---------------------------------------------------------------- pieces
 
-    def _inputs(self, x, target, samples):
+    def _inputs(self, x, target, samples, training=True):
         st, m = self.stage, self.microbatches
         if st.is_first:
             if x is None:
                 raise ValueError("stage 0 needs the batch: step(x, target=...)")
-            if self._aq and samples is None:
+            if training and self._aq and samples is None:
                 raise ValueError("AQ-SGD boundaries need each row's dataset index: step(x, target=y, samples=idx)")
             if samples is not None and len(samples) != x.shape[0]:
                 raise ValueError(f"{len(samples)} sample indices for a batch of {x.shape[0]}")
@@ -500,7 +500,7 @@ class _Schedule:
 
     def _eval_step(self, x, target, compress, metric_fn):
         st = self.stage
-        xs, ts, ss = self._inputs(x, target, None)
+        xs, ts, ss = self._inputs(x, target, None, training=False)
         mode = 1 if compress else 2
         step = st.step_count
         loss_sum, metric_sum, rows = 0.0, 0.0, 0
