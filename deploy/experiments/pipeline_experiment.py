@@ -20,6 +20,7 @@ import argparse
 import csv
 import json
 import os
+import signal
 import sys
 import time
 
@@ -42,12 +43,12 @@ SETTINGS = [
     ("topk 10% + AQ-SGD", "topk:0.1+aq", "topk:0.1"),
 ]
 QUICK = ["none", "int8", "topk 10%", "topk 10% + EF", "topk 10% + AQ-SGD"]
-FIELDS = ["stages", "setting", "forward", "backward", "steps", "test_loss_compressed", "test_accuracy_compressed",
+FIELDS = ["stages", "setting", "forward", "backward", "steps", "seed", "test_loss_compressed", "test_accuracy_compressed",
           "test_loss_fp32", "test_accuracy_fp32", "bytes_forward_per_step", "bytes_backward_per_step",
           "seconds_per_step", "final_train_loss", "status"]
 
 
-def run_one(vc, stages, forward, backward, args, work):
+def run_one(vc, stages, forward, backward, args, work, seed):
     example = os.path.join(ROOT, "worker", "python", "examples", "digits_pipeline.py")
     port = 29500
     procs, logs = [], []
@@ -62,7 +63,7 @@ def run_one(vc, stages, forward, backward, args, work):
         logs.append(log)
         argv = ["env", *env, "/usr/bin/python3", example, "--optimizer", "local", "--steps", str(args.steps),
                 "--hidden", str(args.hidden), "--batch", str(args.batch), "--microbatches", "4",
-                "--forward", forward, "--backward", backward, "--timeout", "60"]
+                "--forward", forward, "--backward", backward, "--timeout", "60", "--seed", str(seed)]
         procs.append(vc.popen(s, argv, log))
     codes = wait_all(procs, args.timeout)
     stop(procs)
@@ -84,6 +85,31 @@ def run_one(vc, stages, forward, backward, args, work):
             "bytes_backward_per_step": results[1]["bytes_backward_per_step"],
             "seconds_per_step": max(r["seconds_per_step"] for r in results.values()),
             "final_train_loss": last["final_loss"], "status": "ok"}
+
+
+MEASURES = ["test_loss_compressed", "test_accuracy_compressed", "test_loss_fp32", "test_accuracy_fp32",
+            "bytes_forward_per_step", "bytes_backward_per_step", "seconds_per_step", "final_train_loss"]
+
+
+def mean_over_seeds(rows):
+    """One row per (stages, setting): the mean of its seeds' measures, with
+    each accuracy's min and max, or status 'failed' if any seed failed."""
+    out = []
+    for key in dict.fromkeys((r["stages"], r["setting"]) for r in rows):
+        group = [r for r in rows if (r["stages"], r["setting"]) == key]
+        merged = {k: group[0][k] for k in ("stages", "setting", "forward", "backward", "steps")}
+        merged["seeds"] = len(group)
+        if any(r["status"] != "ok" for r in group):
+            merged["status"] = "failed"
+            out.append(merged)
+            continue
+        merged["status"] = "ok"
+        for m in MEASURES:
+            merged[m] = sum(r[m] for r in group) / len(group)
+        for m in ("test_accuracy_compressed", "test_accuracy_fp32"):
+            merged[m + "_range"] = (min(r[m] for r in group), max(r[m] for r in group))
+        out.append(merged)
+    return out
 
 
 def plot(rows, out):
@@ -123,7 +149,8 @@ def plot(rows, out):
 
 def report(rows, args, out):
     lines = [f"# Pipeline boundaries: digits MLP (hidden {args.hidden}), {args.steps} steps, batch {args.batch}, "
-             f"4 micro-batches, GPipe, {args.rate_mbit} Mbit/s links", "",
+             f"4 micro-batches, GPipe, {args.rate_mbit:g} Mbit/s links, mean of {args.seeds} seed(s) "
+             f"(accuracy: mean [min, max])", "",
              "| stages | setting (activations / gradients) | test acc. compressed | test acc. fp32 | "
              "test loss compressed | test loss fp32 | bytes/step fwd | bytes/step bwd | ms/step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -131,8 +158,10 @@ def report(rows, args, out):
         if r["status"] != "ok":
             lines.append(f"| {r['stages']} | {r['setting']} | failed | | | | | | |")
             continue
+        ca, fa = r["test_accuracy_compressed_range"], r["test_accuracy_fp32_range"]
         lines.append(f"| {r['stages']} | {r['setting']} (`{r['forward']}` / `{r['backward']}`) | "
-                     f"{100 * r['test_accuracy_compressed']:.2f}% | {100 * r['test_accuracy_fp32']:.2f}% | "
+                     f"{100 * r['test_accuracy_compressed']:.2f}% [{100 * ca[0]:.1f}, {100 * ca[1]:.1f}] | "
+                     f"{100 * r['test_accuracy_fp32']:.2f}% [{100 * fa[0]:.1f}, {100 * fa[1]:.1f}] | "
                      f"{r['test_loss_compressed']:.4f} | {r['test_loss_fp32']:.4f} | "
                      f"{r['bytes_forward_per_step']:.0f} | {r['bytes_backward_per_step']:.0f} | "
                      f"{1000 * r['seconds_per_step']:.1f} |")
@@ -150,6 +179,8 @@ def main():
     parser.add_argument("--batch", type=int, default=64, help="rows per step (default 64)")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="link rate, Mbit/s (default 100)")
     parser.add_argument("--settings", nargs="+", default=None, help="names from SETTINGS (default all)")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="model initialisations per setting (default 3); the table shows their mean")
     parser.add_argument("--quick", action="store_true", help="5 settings, 2 stages, 100 steps")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
     parser.add_argument("--python-path", default=os.path.join(ROOT, "build", "python"),
@@ -157,31 +188,36 @@ def main():
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("pipeline_experiment.py: needs root for ip netns and tc; run it with sudo")
+    # SIGTERM unwinds like Ctrl-C, so the namespaces are removed.
+    signal.signal(signal.SIGTERM, lambda *unused: sys.exit(143))
     settings = [s for s in SETTINGS if (args.settings is None or s[0] in args.settings)]
     if args.quick:
         settings = [s for s in settings if s[0] in QUICK]
-        args.stages, args.steps = [2], min(args.steps, 100)
+        args.stages, args.steps, args.seeds = [2], min(args.steps, 100), 1
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for stages in args.stages:
         with VirtualCluster(stages, args.rate_mbit / 1000.0) as vc:
             for name, forward, backward in settings:
-                work = os.path.join(args.out, f"{stages}-{name.replace(' ', '_').replace('%', '')}")
-                os.makedirs(work, exist_ok=True)
-                started = time.time()
-                r = run_one(vc, stages, forward, backward, args, work)
-                r.update(stages=stages, setting=name, forward=forward, backward=backward, steps=args.steps)
-                rows.append(r)
-                print(f"{stages} stages, {name}: {r.get('status')} "
-                      f"acc {r.get('test_accuracy_compressed', 0):.4f}/{r.get('test_accuracy_fp32', 0):.4f} "
-                      f"{1000 * r.get('seconds_per_step', 0):.1f} ms/step ({time.time() - started:.0f} s)",
-                      flush=True)
+                for seed in range(args.seeds):
+                    work = os.path.join(args.out, f"{stages}-{name.replace(' ', '_').replace('%', '')}-{seed}")
+                    os.makedirs(work, exist_ok=True)
+                    started = time.time()
+                    r = run_one(vc, stages, forward, backward, args, work, seed)
+                    r.update(stages=stages, setting=name, forward=forward, backward=backward, steps=args.steps,
+                             seed=seed)
+                    rows.append(r)
+                    print(f"{stages} stages, {name}: {r.get('status')} "
+                          f"acc {r.get('test_accuracy_compressed', 0):.4f}/{r.get('test_accuracy_fp32', 0):.4f} "
+                          f"{1000 * r.get('seconds_per_step', 0):.1f} ms/step ({time.time() - started:.0f} s)",
+                          flush=True)
     with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    print(report(rows, args, args.out))
-    path = plot(rows, args.out)
+    merged = mean_over_seeds(rows)
+    print(report(merged, args, args.out))
+    path = plot(merged, args.out)
     if path:
         print(f"plot: {path}")
 

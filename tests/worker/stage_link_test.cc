@@ -4,6 +4,7 @@
 #include "worker/stage_link.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -128,6 +129,43 @@ TEST(StageLinkTest, TokensAreCheckedWhenTheStreamOpens) {
   auto g = q.later->Receive(absl::Seconds(10));
   ASSERT_TRUE(g.ok()) << g.status();
   EXPECT_EQ(g->meta, "ok");
+}
+
+// Mutual TLS with deploy/make-certs.sh's files: the job's certificates
+// connect; a stage without a client certificate does not.
+TEST(StageLinkTest, MutualTlsWithTheJobsCertificates) {
+  const std::string dir = ::testing::TempDir() + "/stage_link_certs";
+  const std::string command = std::string("rm -rf ") + dir + " && " + MORSE_SOURCE_DIR +
+                              "/deploy/make-certs.sh " + dir + " localhost 127.0.0.1 >/dev/null";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  proto::SecurityOptions server, client;
+  server.tls_cert = dir + "/server.pem";
+  server.tls_key = dir + "/server.key";
+  server.tls_ca = dir + "/ca.pem";  // clients must present a certificate of this CA
+  client.tls_ca = dir + "/ca.pem";
+  client.tls_cert = dir + "/client.pem";
+  client.tls_key = dir + "/client.key";
+  client.tls_server_name = "localhost";
+  Pair p = Connected(server, client);
+  ASSERT_TRUE(p.earlier->Send(Frame(StageFrame::kHello, "over tls")).ok());
+  auto f = p.later->Receive(absl::Seconds(10));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_EQ(f->meta, "over tls");
+
+  auto later = StageLink::Listen("127.0.0.1:0", server);
+  ASSERT_TRUE(later.ok()) << later.status();
+  proto::SecurityOptions anonymous = client;
+  anonymous.tls_cert.clear();
+  anonymous.tls_key.clear();
+  anonymous.token_file = dir + "/token";  // a token, but the server asks for a certificate
+  auto earlier = StageLink::Connect((*later)->address(), anonymous, absl::Seconds(3));
+  if (earlier.ok()) {
+    (void)(*earlier)->Send(Frame(StageFrame::kHello, ""));
+    EXPECT_EQ((*earlier)->Receive(absl::Seconds(10)).status().code(), absl::StatusCode::kUnavailable);
+  } else {
+    EXPECT_EQ(earlier.status().code(), absl::StatusCode::kUnavailable) << earlier.status();
+  }
+  EXPECT_EQ((*later)->Accept(absl::Milliseconds(200)).code(), absl::StatusCode::kDeadlineExceeded);
 }
 
 TEST(StageLinkTest, NobodyListeningIsUnavailableWithinTheTimeout) {
