@@ -167,6 +167,9 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     if (l.has_factor_threshold()) a.lamb.factor_threshold = l.factor_threshold();
   } else if (c.has_onebit_lamb()) {
     return Invalid("onebit_lamb", "is set but the optimizer is not onebit_lamb");
+  } else if (c.has_synthetic() && c.synthetic().layer_elems() > 0) {
+    return Invalid("synthetic.layer_elems", "is set but the optimizer is not onebit_lamb (only its "
+                                            "coefficients are per layer)");
   }
   // onebit_adam and zero_one_adam compress with error feedback by default
   // and have a frozen v to mask and bound.

@@ -79,6 +79,8 @@ TEST(JobConfigTest, ErrorsNameTheField) {
        "worker_feedback"},
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ema\" beta: 0 }",
        "worker_feedback"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 layer_elems: 5 } lr { lr: 1 } steps: 1",
+       "synthetic.layer_elems"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
@@ -130,9 +132,9 @@ namespace {
 TEST(WireTest, MessageLimitHoldsAFetchedPartition) {
   for (const char* layout : {"partition_elems: 262144", "partition_elems: 1048576",
                              "block_elems: 16 partition_elems: 64"}) {
-    for (const char* optimizer : {"", "optimizer: \"onebit_lamb\" "}) {
-      auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 layer_elems: 100 } "
-                                             "lr { lr: 0.1 } steps: 1 freeze_step: 1 ", optimizer, layout),
+    for (const char* optimizer : {"} ", "layer_elems: 100 } optimizer: \"onebit_lamb\" "}) {
+      auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 ", optimizer,
+                                             "lr { lr: 0.1 } steps: 1 freeze_step: 1 ", layout),
                                 ConfigFormat::kText);
       ASSERT_TRUE(job.ok()) << job.status();
       const uint64_t largest = std::min<uint64_t>(job->algorithm.layout.partition_elems,
