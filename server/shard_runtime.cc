@@ -1,5 +1,6 @@
 #include "server/shard_runtime.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,10 @@ ShardRuntime::ShardRuntime(Options options) : options_(std::move(options)) {
     checkpoints_ = std::make_unique<CheckpointThread>(
         options_.checkpoint_path, [this](const absl::Status& saved, int64_t step, const std::string& why) {
           if (saved.ok()) {
+            {
+              absl::MutexLock lock(&mu_);
+              durable_steps_ = std::max(durable_steps_, step);
+            }
             Log(absl::StrFormat("morse-server shard %u: checkpoint of step %d written to %s (%s)",
                                 options_.shard, step, options_.checkpoint_path, why));
           } else {
@@ -54,15 +59,22 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job, ShardCore& co
           "cannot resume: ", restored.message(), " (move the file away to start from scratch)"));
     }
   }
+  {
+    absl::MutexLock lock(&mu_);
+    durable_steps_ = core.Status().completed_steps;
+  }
   const uint32_t every = job.checkpoint_every_steps, log_every = job.log_every;
-  core.SetStepObserver([this, every, log_every](int64_t step, const ShardCore& c) {
-    StepCompleted(step, c, every, log_every);
+  // How far the shard may get past its newest checkpoint on disk: the
+  // workers hold the pushes of the last replay_steps steps.
+  const int64_t slack = job.replay_steps > 0 ? static_cast<int64_t>(job.replay_steps) - 1 : every;
+  core.SetStepObserver([this, every, log_every, slack](int64_t step, const ShardCore& c) {
+    StepCompleted(step, c, every, log_every, slack);
   });
   return absl::OkStatus();
 }
 
 void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core, uint32_t every,
-                                 uint32_t log_every) {
+                                 uint32_t log_every, int64_t slack) {
   if (options_.state_log != nullptr) {
     *options_.state_log << absl::StrFormat("{\"step\":%d,\"shard\":%u,\"mirror_checksum\":\"%016x\"}\n",
                                            step, options_.shard, core.MirrorChecksum())
@@ -70,6 +82,21 @@ void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core, uint32_t e
   }
   if (checkpoints_ != nullptr && every > 0 && (step + 1) % every == 0) {
     SaveCheckpoint(core, "periodic");
+  }
+  // The workers keep the pushes of the last replay_steps (every + 1) steps
+  // (DESIGN 4), and a shard restarted from its newest checkpoint must find
+  // them all. The observer runs before this step's last replies go out, so
+  // no worker pushes step + 1 before it returns: if the newest checkpoint on
+  // disk is more than `slack` steps behind step + 1, wait for the write in
+  // flight. A write slower than a step (fsync under load) then holds the
+  // next step back instead of making the run unrecoverable.
+  if (checkpoints_ != nullptr && every > 0) {
+    bool behind;
+    {
+      absl::MutexLock lock(&mu_);
+      behind = durable_steps_ < step + 1 - slack;
+    }
+    if (behind) checkpoints_->Flush();
   }
   const bool report = log_every > 0 && (step + 1) % log_every == 0;
   {

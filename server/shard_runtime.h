@@ -64,13 +64,17 @@ class ShardRuntime {
  private:
   void Log(const std::string& line) const;
   void SaveCheckpoint(const ShardCore& core, const char* why);
-  void StepCompleted(int64_t step, const ShardCore& core, uint32_t every, uint32_t log_every);
+  void StepCompleted(int64_t step, const ShardCore& core, uint32_t every, uint32_t log_every, int64_t slack);
 
   const Options options_;
   std::unique_ptr<CheckpointThread> checkpoints_;
   absl::Mutex mu_;
   ServerMetrics* metrics_ ABSL_GUARDED_BY(mu_) = nullptr;
   absl::Time last_step_time_ ABSL_GUARDED_BY(mu_) = absl::Now();
+  // Completed steps of the newest checkpoint on disk (or of the state the
+  // shard started from): a restarted shard resumes there, so the workers
+  // must still hold every push since (checkpoint.replay_steps).
+  int64_t durable_steps_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_stall_notice_ = absl::InfinitePast();  // the expiry thread's
 };
 
