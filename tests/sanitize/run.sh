@@ -18,6 +18,7 @@ mapfile -t tests < <(ninja -C "$build" -t targets all |
 echo "sanitize: building ${#tests[@]} unit tests with -fsanitize=address,undefined"
 ninja -C "$build" -j "$jobs" "${tests[@]}" >"$build/build.log" 2>&1 || { tail -50 "$build/build.log"; exit 1; }
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
+export LSAN_OPTIONS="suppressions=$(cd "$(dirname "$0")" && pwd)/lsan.supp:print_suppressions=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 failed=()
 for t in "${tests[@]}"; do
