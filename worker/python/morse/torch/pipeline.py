@@ -413,7 +413,8 @@ class _Schedule:
 
     def _forward(self, i, x_i, t_i, s_i, mode, step):
         """Returns (input, output, target, samples) of micro-batch i, or
-        None when the previous stage ended the run."""
+        None when the previous stage ended the run before micro-batch 0
+        (an end in the middle of a step is an error)."""
         st = self.stage
         train = mode == 0
         if st.is_first:
@@ -423,7 +424,9 @@ class _Schedule:
         else:
             got = st._receive(st._prev, _native.Link.FORWARD, step, i, "prev")
             if got is None:
-                return None
+                if i == 0:
+                    return None
+                self._need(None, st.index - 1)
             meta, payload, extra = got
             if meta.get("train") != train:
                 raise MorseError(f"FAILED_PRECONDITION: stage {st.index} runs {'step' if train else 'evaluate'} "
@@ -507,9 +510,7 @@ class _Schedule:
         for i in range(self.microbatches):
             saved = self._forward(i, xs[i], ts[i], None, mode, step)
             if saved is None:
-                if i == 0:
-                    return None
-                self._need(None, self.stage.index - 1)
+                return None
             if st.is_last:
                 inp, out, target_i, _ = saved
                 if target_i is None:
@@ -538,9 +539,7 @@ class GPipe(_Schedule):
         for i in range(self.microbatches):
             s = self._forward(i, xs[i], ts[i], ss[i], 0, step)
             if s is None:
-                if i == 0:
-                    return True
-                self._need(None, self.stage.index - 1)
+                return True
             saved.append(s)
         for i in range(self.microbatches):
             self._backward(i, saved[i], step, losses)
@@ -564,9 +563,7 @@ class OneFOneB(_Schedule):
             if done_forward < m and (ahead <= warmup):
                 s = self._forward(done_forward, xs[done_forward], ts[done_forward], ss[done_forward], 0, step)
                 if s is None:
-                    if done_forward == 0:
-                        return True
-                    self._need(None, self.stage.index - 1)
+                    return True
                 saved[done_forward] = s
                 done_forward += 1
                 if ahead < warmup:
