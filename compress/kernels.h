@@ -82,6 +82,10 @@ struct KernelTable {
   // out = b1*m + (1-b1)*g (a worker's local momentum in 1-bit Adam).
   void (*momentum)(float beta1, const float* m, const float* g, float* out,
                    size_t n);
+  // out[i] = the uniform draw of element key.first_index + i
+  // (stochastic_rounding.h's FillDraws: the same floats, several Philox
+  // counters at a time).
+  void (*fill_draws)(const RoundingKey& key, float* out, size_t n);
 };
 
 // The portable reference.

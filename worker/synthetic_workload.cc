@@ -1,3 +1,7 @@
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "compress/kernels.h"
 #include "compress/stochastic_rounding.h"
 #include "worker/workload.h"
 
@@ -68,17 +72,57 @@ void SyntheticWorkload::Initialize(absl::Span<float> x) const {
 
 absl::StatusOr<double> SyntheticWorkload::Gradient(int64_t step, absl::Span<const float> x,
                                                    absl::Span<float> grad) {
-  // grad = a * (x - t) + noise * (2u - 1), u the Philox draw of (step, rank);
-  // +0 for the dead elements.
-  compress::FillDraws({seed_, static_cast<uint64_t>(step), rank_, 0}, grad.data(), grad.size());
-  double loss = 0.0;
-  for (uint64_t j = 0; j < dim(); ++j) {
-    const float d = x[j] - target_[j];
-    const bool dead = dead_every_ != 0 && j % dead_every_ == 0;
-    grad[j] = dead ? 0.0f : curvature_[j] * d + noise_ * (2.0f * grad[j] - 1.0f);
-    loss += 0.5 * double{curvature_[j]} * double{d} * double{d};
+  double lanes[4] = {0, 0, 0, 0};
+  if (absl::Status s = GradientRange(step, x, grad, 0, dim(), lanes); !s.ok()) return s;
+  return (lanes[0] + lanes[1] + (lanes[2] + lanes[3])) / static_cast<double>(dim());
+}
+
+absl::Status SyntheticWorkload::GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad,
+                                              uint64_t begin, uint64_t end, double loss_lanes[4]) {
+  // grad = a * (x - t) + noise * (2u - 1), u the Philox draw of (step,
+  // rank); +0 for the dead elements. A chunk at a time: its draws stay in
+  // L1 (the vector generator, compress::KernelTable::fill_draws), and the
+  // loss goes to four lanes so that its additions do not wait on each other.
+  if (begin > end || end > dim() || x.size() != dim() || grad.size() != dim()) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient range [", begin, ", ", end, ") of ", dim()));
   }
-  return loss / static_cast<double>(dim());
+  constexpr uint64_t kChunk = 1024;
+  double lanes[4] = {loss_lanes[0], loss_lanes[1], loss_lanes[2], loss_lanes[3]};
+  alignas(64) float draws[kChunk];
+  const compress::KernelTable& kernels = compress::ActiveKernels();
+  const float* __restrict a = curvature_.data();
+  const float* __restrict t = target_.data();
+  const float* __restrict xs = x.data();
+  float* __restrict g = grad.data();
+  const float noise = noise_;
+  for (uint64_t start = begin; start < end; start += kChunk) {
+    const uint64_t len = std::min(kChunk, end - start);
+    kernels.fill_draws({seed_, static_cast<uint64_t>(step), rank_, start}, draws, len);
+    for (uint64_t i = 0; i < len; ++i) {
+      const uint64_t j = start + i;
+      g[j] = a[j] * (xs[j] - t[j]) + noise * (2.0f * draws[i] - 1.0f);
+    }
+    if (dead_every_ != 0) {
+      for (uint64_t j = (start + dead_every_ - 1) / dead_every_ * dead_every_; j < start + len; j += dead_every_) {
+        g[j] = 0.0f;
+      }
+    }
+    const auto term = [&](uint64_t j) {
+      const float d = xs[j] - t[j];
+      return 0.5 * double{a[j]} * double{d} * double{d};
+    };
+    uint64_t j = start;
+    for (; j % 4 != 0 && j < start + len; ++j) lanes[j % 4] += term(j);
+    for (; j + 4 <= start + len; j += 4) {
+      lanes[0] += term(j);
+      lanes[1] += term(j + 1);
+      lanes[2] += term(j + 2);
+      lanes[3] += term(j + 3);
+    }
+    for (; j < start + len; ++j) lanes[j % 4] += term(j);
+  }
+  for (int l = 0; l < 4; ++l) loss_lanes[l] = lanes[l];
+  return absl::OkStatus();
 }
 
 }  // namespace morse::worker

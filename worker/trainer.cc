@@ -171,15 +171,30 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
                       : ": with mask_zero_variance off they get +-scale/eps updates");
       std::fflush(stdout);
     }
-    auto loss = engine.Gradient(step);
-    if (!loss.ok()) return loss.status();
     StepRecord record;
     record.step = step;
-    record.loss = *loss;
-    record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     const TcpCounters tcp_before = ReadTcpCounters();
-    const absl::Time exchange_start = absl::Now();
-    if (absl::Status s = (*session)->StepFromEngine(&record.traffic); !s.ok()) return s;
+    absl::StatusOr<double> loss;
+    if (engine.ComputesGradientRanges()) {
+      // Each partition is pushed as soon as its gradient is computed, so the
+      // exchange overlaps the rest of the gradient.
+      if (absl::Status s = (*session)->BeginFromEngine(); !s.ok()) return s;
+      double lanes[4] = {0, 0, 0, 0};
+      for (const compress::Partition& p : (*session)->layout().partitions()) {
+        const absl::Time start = absl::Now();
+        if (absl::Status s = engine.GradientRange(step, p.range.begin, p.range.end, lanes); !s.ok()) return s;
+        record.compute_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+        if (absl::Status s = (*session)->SendPartition(p.id); !s.ok()) return s;
+      }
+      loss = engine.GradientRangeLoss(lanes);
+      if (absl::Status s = (*session)->Finish(&record.traffic); !s.ok()) return s;
+    } else {
+      loss = engine.Gradient(step);
+      if (!loss.ok()) return loss.status();
+      record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+      if (absl::Status s = (*session)->StepFromEngine(&record.traffic); !s.ok()) return s;
+    }
+    record.loss = *loss;
     const bool checkpoint_due = !checkpoint.empty() && job.checkpoint_every_steps > 0 &&
                                 (step + 1) % job.checkpoint_every_steps == 0;
     const bool norm_due = prometheus_metrics != nullptr && (step + 1) % job.log_every == 0;
@@ -193,7 +208,9 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     record.up = plan.up.kind;
     record.down = plan.down.kind;
     record.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-    record.comm_seconds = absl::ToDoubleSeconds(absl::Now() - exchange_start) - record.traffic.encode_seconds;
+    // What the step spent neither computing its gradient nor encoding:
+    // waiting for replies (and applying those that land meanwhile).
+    record.comm_seconds = record.step_seconds - record.compute_seconds - record.traffic.encode_seconds;
     record.wire_up = tcp_after.sent - tcp_before.sent;
     record.wire_down = tcp_after.received - tcp_before.received;
     if (options.checksums) record.checksum = replica.Checksum();

@@ -13,12 +13,24 @@ class HostHook final : public GradientHook {
     const uint64_t n = workload_.dim();
     return workload_.Gradient(step, absl::MakeConstSpan(x, n), absl::MakeSpan(grad, n));
   }
+  bool ComputesRanges() const override { return workload_.ComputesRanges(); }
+  absl::Status GradientRange(int64_t step, const float* x, float* grad, uint64_t begin, uint64_t end,
+                             double loss_lanes[4]) override {
+    const uint64_t n = workload_.dim();
+    return workload_.GradientRange(step, absl::MakeConstSpan(x, n), absl::MakeSpan(grad, n), begin, end,
+                                   loss_lanes);
+  }
 
  private:
   Workload& workload_;
 };
 
 }  // namespace
+
+absl::Status Workload::GradientRange(int64_t, absl::Span<const float>, absl::Span<float>, uint64_t, uint64_t,
+                                     double[4]) {
+  return absl::UnimplementedError("this workload computes its gradient whole");
+}
 
 absl::StatusOr<std::unique_ptr<GradientHook>> Workload::GradientOn(Engine& engine) {
   if (engine.device() == nullptr) return std::make_unique<HostHook>(*this);

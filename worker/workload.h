@@ -42,6 +42,15 @@ class Workload {
   // Writes the local gradient at x for `step` and returns the local loss.
   virtual absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
                                           absl::Span<float> grad) = 0;
+  // Workloads whose gradient element j depends on x_j alone (synthetic)
+  // compute it a range of elements at a time, so that a step's first
+  // pushes overlap the rest of its gradient (GradientHook::GradientRange).
+  virtual bool ComputesRanges() const { return false; }
+  // grad[begin, end) at x; adds element j's loss term to loss_lanes[j % 4].
+  // Ranges taken in increasing order give the floats and the lanes of one
+  // call over everything (Gradient's loss is their sum over dim()).
+  virtual absl::Status GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad,
+                                     uint64_t begin, uint64_t end, double loss_lanes[4]);
   virtual uint64_t samples_per_step() const = 0;
   // Test-set accuracy in [0, 1], when the workload has a test set.
   virtual std::optional<double> TestAccuracy(absl::Span<const float> x) const = 0;
@@ -105,12 +114,18 @@ class SyntheticWorkload final : public Workload {
   void Initialize(absl::Span<float> x) const override;
   absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
                                   absl::Span<float> grad) override;
+  bool ComputesRanges() const override { return true; }
+  absl::Status GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad, uint64_t begin,
+                             uint64_t end, double loss_lanes[4]) override;
   uint64_t samples_per_step() const override { return 1; }
   std::optional<double> TestAccuracy(absl::Span<const float>) const override {
     return std::nullopt;
   }
   // On a GPU: the engine's synthetic-gradient kernel, the same floats.
   absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine) override;
+  // a and t of the formula (tests).
+  absl::Span<const float> curvature() const { return curvature_; }
+  absl::Span<const float> target() const { return target_; }
 
  private:
   uint64_t seed_;

@@ -3,16 +3,23 @@
 // contract); reached only through Avx2Kernels(), which checks the CPU first.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compress/kernels.h"
 #include "compress/simd/element_ops.h"
+#include "compress/stochastic_rounding.h"
 
 namespace morse::compress {
 namespace {
 
+#include "compress/simd/philox_avx2.h"
+
 struct Avx2 {
+  static void FillDraws(const RoundingKey& key, float* out, size_t n) {
+    PhiloxAvx2::FillDraws(key, out, n);
+  }
   using F = __m256;
   using I = __m256i;
   static constexpr size_t kWidth = 8;

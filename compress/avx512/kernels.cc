@@ -3,16 +3,23 @@
 // which checks the CPU first.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "compress/kernels.h"
 #include "compress/simd/element_ops.h"
+#include "compress/stochastic_rounding.h"
 
 namespace morse::compress {
 namespace {
 
+#include "compress/simd/philox_avx2.h"
+
 struct Avx512 {
+  static void FillDraws(const RoundingKey& key, float* out, size_t n) {
+    PhiloxAvx2::FillDraws(key, out, n);
+  }
   using F = __m512;
   using I = __m512i;
   static constexpr size_t kWidth = 16;

@@ -144,6 +144,7 @@ const KernelTable& ScalarKernels() {
   static constexpr KernelTable kTable = {
       "scalar",  Sign1Encode, Sign1Decode,  Sign1Average, IntEncode,
       IntDecode, IntAverage,  AdamUpdate,   FrozenUpdate, Momentum,
+      FillDraws,
   };
   return kTable;
 }

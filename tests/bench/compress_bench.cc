@@ -123,6 +123,16 @@ void BM_Sign1Decode(benchmark::State& state, const KernelTable* table) {
   });
 }
 
+// Philox draws (stochastic rounding, the synthetic workload): writes out.
+void BM_FillDraws(benchmark::State& state, const KernelTable* table) {
+  if (table == nullptr) {
+    state.SkipWithError("this CPU cannot run this implementation");
+    return;
+  }
+  AlignedFloats out(kElems);
+  Measure(state, 4.0 * kElems, kElems, [&] { table->fill_draws({7, 3, 1, 0}, out.data, kElems); });
+}
+
 // The codec API on the active kernels, for every codec; encode with ef
 // where it applies (the error buffer is read and written).
 void BM_Encode(benchmark::State& state, CodecKind kind, FeedbackKind feedback) {
@@ -202,6 +212,8 @@ void RegisterAll() {
                                         BM_Sign1EncodeEf, table));
     common(benchmark::RegisterBenchmark((std::string("sign1_decode/") + name).c_str(),
                                         BM_Sign1Decode, table));
+    common(benchmark::RegisterBenchmark((std::string("fill_draws/") + name).c_str(),
+                                        BM_FillDraws, table));
   }
   for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4,
                          CodecKind::kFp16, CodecKind::kBf16, CodecKind::kFp32,

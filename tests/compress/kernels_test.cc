@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "compress/stochastic_rounding.h"
 #include "gtest/gtest.h"
 #include "tests/compress/test_util.h"
 
@@ -159,6 +160,26 @@ TEST_P(KernelsTest, UpdateRulesMatchTheReference) {
       ref_.momentum(0.9f, m_ref.data(), g.data(), o_ref.data(), n);
       fast_->momentum(0.9f, m_ref.data(), g.data(), o_fast.data(), n);
       EXPECT_EQ(FirstBitDifference(o_fast, o_ref), -1) << n;
+    }
+  }
+}
+
+TEST_P(KernelsTest, FillDrawsMatchesTheScalarGenerator) {
+  // Starts inside and on a group of 4, lengths inside and across batches of
+  // 32, a batch whose groups carry into the counter's high word, and keys
+  // with both halves of the seed set.
+  const uint64_t firsts[] = {0, 1, 3, 4, 1000003, (uint64_t{1} << 34) - 21, (uint64_t{1} << 34) + 7};
+  const size_t lengths[] = {0, 1, 3, 31, 32, 33, 100, 4099};
+  for (uint64_t first : firsts) {
+    for (size_t n : lengths) {
+      const RoundingKey key{0x123456789abcdefull, 77, 5, first};
+      std::vector<float> ref(n, -1), fast(n, -2);
+      ref_.fill_draws(key, ref.data(), n);
+      fast_->fill_draws(key, fast.data(), n);
+      EXPECT_EQ(FirstBitDifference(fast, ref), -1) << "first=" << first << " n=" << n;
+      for (size_t i = 0; i < n; i += 97) {
+        ASSERT_EQ(ref[i], StochasticDraw(key, first + i)) << "first=" << first << " i=" << i;
+      }
     }
   }
 }

@@ -1,14 +1,17 @@
 // The built-in workloads: the MLP's backpropagated gradient against finite
 // differences, CSV and libsvm giving the same model, data errors with file
-// and line, and the synthetic workload's determinism.
+// and line, and the synthetic workload's determinism and formula, whole or in ranges.
 #include "worker/workload.h"
 
 #include <cmath>
+#include <cstring>
+#include <iterator>
 #include <cstdlib>
 #include <fstream>
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "compress/stochastic_rounding.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
 
@@ -126,6 +129,43 @@ TEST(SyntheticWorkloadTest, GradientsDependOnStepAndRankOnly) {
   EXPECT_NE(ga, go);
   ASSERT_TRUE(b.Gradient(3, x, absl::MakeSpan(gb)).ok());
   EXPECT_NE(ga, gb);
+}
+
+TEST(SyntheticWorkloadTest, GradientIsItsFormulaWholeOrInRanges) {
+  auto job = *proto::ParseJobConfig(
+      "workers: 4 shards: 1 synthetic { dim: 10007 noise: 0.3 dead_every: 7 } lr { lr: 0.1 } steps: 3 "
+      "freeze_step: 1 seed: 11",
+      proto::ConfigFormat::kText);
+  SyntheticWorkload w(job, 3);
+  const size_t n = 10007;
+  std::vector<float> x(n), whole(n), pieces(n, -7.0f);
+  for (size_t j = 0; j < n; ++j) x[j] = std::sin(0.37 * static_cast<double>(j));
+  auto loss = w.Gradient(5, x, absl::MakeSpan(whole));
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  // The formula element by element, with the scalar Philox draw.
+  const auto a = w.curvature(), t = w.target();
+  double reference_loss = 0.0;
+  for (size_t j = 0; j < n; ++j) {
+    const float d = x[j] - t[j];
+    const float u = compress::StochasticDraw({11, 5, 3, 0}, j);
+    const float g = j % 7 == 0 ? 0.0f : a[j] * d + 0.3f * (2.0f * u - 1.0f);
+    ASSERT_EQ(std::memcmp(&g, &whole[j], 4), 0) << "element " << j << ": " << g << " vs " << whole[j];
+    reference_loss += 0.5 * double{a[j]} * double{d} * double{d};
+  }
+  EXPECT_NEAR(*loss, reference_loss / n, 1e-12 * std::abs(reference_loss / n));
+  // Ranges in increasing order: the same floats and the same loss.
+  double lanes[4] = {0, 0, 0, 0};
+  const uint64_t cuts[] = {0, 1, 6, 1030, 5003, 5003, n};
+  for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
+    ASSERT_TRUE(w.GradientRange(5, x, absl::MakeSpan(pieces), cuts[c], cuts[c + 1], lanes).ok());
+  }
+  EXPECT_EQ(std::memcmp(pieces.data(), whole.data(), 4 * n), 0);
+  EXPECT_EQ((lanes[0] + lanes[1] + (lanes[2] + lanes[3])) / n, *loss);
+  // Ranges outside the model are refused.
+  EXPECT_EQ(w.GradientRange(5, x, absl::MakeSpan(pieces), 5, n + 1, lanes).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(w.GradientRange(5, x, absl::MakeSpan(pieces), 9, 8, lanes).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -13,6 +13,24 @@ absl::StatusOr<double> Engine::Gradient(int64_t step) {
   return hook_->Gradient(step, x(), grad());
 }
 
+absl::Status GradientHook::GradientRange(int64_t, const float*, float*, uint64_t, uint64_t, double[4]) {
+  return absl::UnimplementedError("this gradient is computed whole");
+}
+
+bool Engine::ComputesGradientRanges() const { return hook_ != nullptr && hook_->ComputesRanges(); }
+
+absl::Status Engine::GradientRange(int64_t step, uint64_t begin, uint64_t end, double loss_lanes[4]) {
+  if (hook_ == nullptr) return absl::FailedPreconditionError("no workload was set (SetWorkload)");
+  if (begin > end || end > x_dim()) {
+    return absl::InvalidArgumentError(absl::StrCat("gradient range [", begin, ", ", end, ") of ", x_dim()));
+  }
+  return hook_->GradientRange(step, x(), grad(), begin, end, loss_lanes);
+}
+
+double Engine::GradientRangeLoss(const double loss_lanes[4]) {
+  return (loss_lanes[0] + loss_lanes[1] + (loss_lanes[2] + loss_lanes[3])) / static_cast<double>(x_dim());
+}
+
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& kind,
                                                      const EngineState& state,
                                                      DeviceArrays arrays) {

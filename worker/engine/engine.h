@@ -66,6 +66,11 @@ class GradientHook {
  public:
   virtual ~GradientHook() = default;
   virtual absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) = 0;
+  // Hooks of element-wise gradients (Workload::ComputesRanges) also compute
+  // grad[begin, end), adding element j's loss term to loss_lanes[j % 4].
+  virtual bool ComputesRanges() const { return false; }
+  virtual absl::Status GradientRange(int64_t step, const float* x, float* grad, uint64_t begin,
+                                     uint64_t end, double loss_lanes[4]);
 };
 
 // A caller's device arrays of dim floats (PyTorch tensors): a GPU engine's
@@ -99,6 +104,13 @@ class Engine {
   // given at creation for a GPU engine.
   absl::Status SetWorkload(Workload& workload);  // defined in worker/workload.cc
   absl::StatusOr<double> Gradient(int64_t step);
+  // The gradient a range at a time, where the hook can (GradientHook::
+  // ComputesRanges): the trainer pushes each partition as soon as its range
+  // is computed. GradientRangeLoss is the mean loss of lanes filled by
+  // ranges covering every element.
+  bool ComputesGradientRanges() const;
+  absl::Status GradientRange(int64_t step, uint64_t begin, uint64_t end, double loss_lanes[4]);
+  double GradientRangeLoss(const double loss_lanes[4]);
   virtual absl::Status SetHostGradient(absl::Span<const float> grad) = 0;
   // Device -> host copy of the gradient the next Encode reads (tests).
   virtual absl::Status ReadGradient(absl::Span<float> grad) = 0;
