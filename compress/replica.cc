@@ -454,6 +454,74 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
   return absl::OkStatus();
 }
 
+absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
+                              absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
+                              uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
+                              absl::Span<uint8_t> payload) {
+  const uint64_t block = rule.codec.block_elems;
+  const bool chunked = rule.feedback && rule.codec.kind == CodecKind::kSign1 && up.kind == CodecKind::kSign1 &&
+                       block > 0 && up.block_elems == block && offset % block == 0 &&
+                       (n % block == 0 || offset + n == error.size()) &&  // RestoreRange's alignment
+                       error.spec().kind != FeedbackKind::kNone && error.spec().storage == ErrorStorage::kFp32;
+  if (!chunked) {
+    const absl::Span<float> average = Scratch(ScratchSlot::kShardAverage, n);
+    if (absl::Status s = DecodeAverage(up, pushes, average); !s.ok()) return s;
+    return rule.feedback ? error.CompressOrKeep(rule.codec, offset, average, rule.key, payload, mask_v)
+                         : Encode(rule.codec, average, rule.key, payload);
+  }
+  if (payload.size() != PayloadBytes(rule.codec, n) || (!mask_v.empty() && mask_v.size() != n) ||
+      offset > error.size() || n > error.size() - offset) {
+    return absl::InvalidArgumentError(absl::StrCat("a reply of ", payload.size(), " bytes for ", n,
+                                                   " elements at ", offset, " of an error buffer of ",
+                                                   error.size()));
+  }
+  for (const auto& push : pushes) {
+    if (push.size() != PayloadBytes(up, n)) {
+      return absl::InvalidArgumentError(absl::StrCat("a push of ", push.size(), " bytes for ", n, " elements"));
+    }
+  }
+  // sign1 payloads: every block's scale, then the bits (design.md 2.3). A
+  // chunk of whole blocks is cut out of each push into a small payload of
+  // its own, averaged, and encoded into another, whose scales and bits are
+  // copied to their places in the reply.
+  const uint64_t chunk = ChunkElems(block);
+  const uint64_t blocks = (n + block - 1) / block;
+  const absl::Span<float> average = Scratch(ScratchSlot::kShardAverage, std::min(chunk, n));
+  const absl::Span<float> backup = Scratch(ScratchSlot::kErrorBackup, n);
+  thread_local std::vector<std::vector<uint8_t>> parts;
+  thread_local std::vector<absl::Span<const uint8_t>> views;
+  thread_local std::vector<uint8_t> out;
+  if (parts.size() < pushes.size()) parts.resize(pushes.size());
+  views.resize(pushes.size());
+  for (uint64_t at = 0; at < n; at += chunk) {
+    const uint64_t len = std::min(chunk, n - at);
+    const uint64_t part_blocks = (len + block - 1) / block;
+    for (size_t i = 0; i < pushes.size(); ++i) {
+      parts[i].resize(PayloadBytes(up, len));
+      std::memcpy(parts[i].data(), pushes[i].data() + 4 * (at / block), 4 * part_blocks);
+      std::memcpy(parts[i].data() + 4 * part_blocks, pushes[i].data() + 4 * blocks + at / 8, (len + 7) / 8);
+      views[i] = absl::MakeConstSpan(parts[i]);
+    }
+    const absl::Span<float> u = average.first(len);
+    absl::Status status = DecodeAverage(up, views, u);
+    error.Read(offset + at, backup.subspan(at, len));  // now in cache for Compress too
+    out.resize(PayloadBytes(rule.codec, len));
+    if (status.ok()) {
+      RoundingKey key = rule.key;
+      key.first_index += at;
+      status = error.Compress(rule.codec, offset + at, u, key, absl::MakeSpan(out),
+                              mask_v.empty() ? mask_v : mask_v.subspan(at, len));
+    }
+    if (!status.ok()) {
+      MORSE_CHECK(error.RestoreRange(offset, backup.first(at + len)).ok());
+      return status;
+    }
+    std::memcpy(payload.data() + 4 * (at / block), out.data(), 4 * part_blocks);
+    std::memcpy(payload.data() + 4 * blocks + at / 8, out.data() + 4 * part_blocks, (len + 7) / 8);
+  }
+  return absl::OkStatus();
+}
+
 void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
                             float grad_scale) const {
   g = ScaledGradient(g, grad_scale);

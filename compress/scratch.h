@@ -22,12 +22,14 @@ enum class ScratchSlot : int {
   kReplyDecoded,    // Replica::ApplyReply
   kLocalScaled,     // a worker's gradient scaled by its clip factor (LocalMomentum, LocalStep)
   kLocalMomentum,   // EncodeWorkerMessage: one chunk's local momentum
-  kShardAverage,    // server::ShardCore: the average being recompressed
+  kShardAverage,    // EncodeShardReply: the average being recompressed (and
+                    // server::ShardCore: the decoded reply, for its norm)
   kEncodeInput,     // EncodeViaDecode: u = x + e
   kEncodeDecoded,   // EncodeViaDecode: C(u)
   kAverageDecoded,  // AverageViaDecode: one payload decoded
   kErrorCopy,       // ErrorFeedback: the error of an int8 buffer or a masked range
   kMaskedInput,     // ErrorFeedback::CompressMasked: masked x
+  kErrorBackup,     // EncodeShardReply: the partition's error before the step
   kCount,
 };
 

@@ -175,19 +175,17 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   }
   // Shard: average in rank order, recompress with its own error.
   std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
-  std::vector<float> average(n);
-  if (absl::Status s = DecodeAverage(up.codec, views, absl::MakeSpan(average)); !s.ok()) return s;
   const SendRule down =
       PlanSend(config_, step_, Direction::kDown, config_.workers + p.shard, p.range.begin);
   std::vector<uint8_t> payload(PayloadBytes(down.codec, n));
   const uint64_t shard_offset = p.range.begin - layout_.shard_range(p.shard).begin;
   const absl::Span<const float> mask_v =
       down.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n) : absl::Span<const float>();
-  absl::Status s = down.feedback
-      ? server_errors_[p.shard].Compress(down.codec, shard_offset, average, down.key,
-                                         absl::MakeSpan(payload), mask_v)
-      : Encode(down.codec, average, down.key, absl::MakeSpan(payload));
-  if (!s.ok()) return s;
+  if (absl::Status s = EncodeShardReply(down, up.codec, views, server_errors_[p.shard], shard_offset, n, mask_v,
+                                        absl::MakeSpan(payload));
+      !s.ok()) {
+    return s;
+  }
   // Workers: decode the reply, the same bytes for everyone.
   reply.resize(n);
   return Decode(down.codec, payload, absl::MakeSpan(reply));

@@ -204,14 +204,13 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
           "partition ", args.partition, " has no initial parameters yet (rank 0 uploads them)")));
     }
     if (std::optional<absl::Status> stopped = AbortFor(args.step)) return reject(*stopped);
-    const size_t hash = HashBytes(args.payload);
     if (args.step == p.next_step - 1) {  // a retry of the completed step
       if (p.last_reply == nullptr) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
             "step ", args.step, " of partition ", args.partition,
             " was completed before this server restarted from its checkpoint; its reply is gone")));
       }
-      if (hash != p.last_hashes[args.rank]) {
+      if (HashBytes(args.payload) != p.last_hashes[args.rank]) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
             "rank ", args.rank, " re-sent step ", args.step, " of partition ", args.partition,
             " with different bytes")));
@@ -417,8 +416,6 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   for (const auto& push : p.pushes) {
     views.emplace_back(reinterpret_cast<const uint8_t*>(push->data()), push->size());
   }
-  const absl::Span<float> average = compress::Scratch(compress::ScratchSlot::kShardAverage, n);
-  absl::Status status = compress::DecodeAverage(plan.up, views, average);
   auto reply = std::make_shared<Reply>();
   reply->step = step;
   reply->partition = part.id;
@@ -430,17 +427,14 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   const compress::SendRule rule = compress::PlanSend(
       job_.algorithm, step, compress::Direction::kDown, job_.workers() + shard_, part.range.begin);
   const uint64_t offset = part.range.begin - range_.begin;
-  if (status.ok()) {
-    const absl::Span<const float> mask_v =
-        rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
-    status = rule.feedback
-                 ? server_error_.CompressOrKeep(rule.codec, offset, average, rule.key, payload, mask_v)
-                 : compress::Encode(rule.codec, average, rule.key, payload);
-  }
+  const absl::Span<const float> mask_v = rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
+  absl::Status status =
+      compress::EncodeShardReply(rule, plan.up, views, server_error_, offset, n, mask_v, payload);
   const bool clips = compress::ClipsAverage(job_.algorithm, step);
   if (status.ok() && clips) {
     // The norm every replica computes from the decoded reply, not from the
     // average (a lossy codec changes it).
+    const absl::Span<float> average = compress::Scratch(compress::ScratchSlot::kShardAverage, n);
     status = compress::Decode(rule.codec, payload, average);
     if (status.ok()) reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
   }

@@ -7,6 +7,8 @@
 #include <limits>
 #include <vector>
 
+#include "compress/codec.h"
+#include "compress/error_feedback.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/update_rules.h"
@@ -291,6 +293,59 @@ TEST(OneBitOptionsTest, AChunkedReplyUpdateHasTheBitsOfAWholeOne) {
   EXPECT_EQ(chunked.ApplyReply(step, 0, dim, absl::MakeSpan(reply).first(reply.size() - 1)).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(chunked.Checksum(), before);
+}
+
+// EncodeShardReply averages sign1 pushes and recompresses them with the
+// shard's error a chunk of blocks at a time: the bits of averaging the whole
+// partition first, with the mask, over several chunks and a short last
+// block at the end of the shard's buffer; and a push whose huge scales make
+// a late chunk's recompression fail leaves the whole error as it was.
+TEST(OneBitOptionsTest, AChunkedShardReplyHasTheBitsOfAWholeOne) {
+  const uint64_t dim = 3 * 32768 + 1000;
+  const uint64_t offset = 640;  // the partition starts inside the shard's buffer
+  SimulatorConfig c = OneBitConfig();
+  c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
+  const int64_t step = c.freeze_step + 1;
+  const SendRule up = PlanSend(c, step, Direction::kUp, 0, 0);
+  const SendRule down = PlanSend(c, step, Direction::kDown, c.workers, 0);
+  ASSERT_TRUE(down.feedback && down.mask && down.codec.kind == CodecKind::kSign1);
+  std::vector<std::vector<uint8_t>> pushes(c.workers, std::vector<uint8_t>(PayloadBytes(up.codec, dim)));
+  std::vector<float> v(dim);
+  for (uint32_t i = 0; i < c.workers; ++i) {
+    std::vector<float> g(dim);
+    for (uint64_t j = 0; j < dim; ++j) g[j] = std::sin(0.31f * static_cast<float>(j) + 0.9f * i) + 0.1f * i;
+    ASSERT_TRUE(Encode(up.codec, g, {}, absl::MakeSpan(pushes[i])).ok());
+  }
+  for (uint64_t j = 0; j < dim; ++j) v[j] = j % 83 == 0 ? 0.0f : 1e-3f;
+  std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
+  ErrorFeedback whole_error(c.server_feedback, offset + dim, 64), chunked_error(c.server_feedback, offset + dim, 64);
+  std::vector<uint8_t> whole(PayloadBytes(down.codec, dim)), chunked(whole.size(), 0xCD);
+  for (int round = 0; round < 2; ++round) {  // the second round reads the errors of the first
+    std::vector<float> average(dim);
+    ASSERT_TRUE(DecodeAverage(up.codec, views, absl::MakeSpan(average)).ok());
+    ASSERT_TRUE(whole_error.Compress(down.codec, offset, average, down.key, absl::MakeSpan(whole), v).ok());
+    ASSERT_TRUE(EncodeShardReply(down, up.codec, views, chunked_error, offset, dim, v, absl::MakeSpan(chunked)).ok());
+    ASSERT_EQ(whole, chunked) << "round " << round;
+    std::vector<float> a(offset + dim), b(offset + dim);
+    whole_error.Read(0, absl::MakeSpan(a));
+    chunked_error.Read(0, absl::MakeSpan(b));
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * a.size()), 0) << "round " << round;
+  }
+  // Huge but finite scales in the third chunk of every push: their sum
+  // overflows, so that chunk's recompression fails after two chunks were
+  // recompressed; the error buffer must be exactly as before.
+  const uint64_t blocks = (dim + 63) / 64;
+  for (auto& push : pushes) {
+    const float huge = 3e38f;
+    std::memcpy(push.data() + 4 * (2 * 32768 / 64 + 3), &huge, 4);
+  }
+  std::vector<float> before(offset + dim), after(offset + dim);
+  chunked_error.Read(0, absl::MakeSpan(before));
+  EXPECT_EQ(EncodeShardReply(down, up.codec, views, chunked_error, offset, dim, v, absl::MakeSpan(chunked)).code(),
+            absl::StatusCode::kInvalidArgument);
+  chunked_error.Read(0, absl::MakeSpan(after));
+  EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0);
+  EXPECT_GT(blocks, 2 * 32768 / 64 + 3);
 }
 
 }  // namespace
