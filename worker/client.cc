@@ -295,9 +295,12 @@ struct StepExchange::Call {
   int attempt = 0;
   std::unique_ptr<grpc::Alarm> alarm;  // the pending retry
   // A replay: this call re-sends a retained push whose reply must hash to
-  // `expected_hash`; `then` is the refused push to send once caught up.
+  // `expected_hash`; `then` is the refused push to send once caught up, or
+  // null for ReplayCompleted's re-sends, which go on through `replay_last`.
+  bool replay = false;
   std::unique_ptr<Call> then;
   size_t expected_hash = 0;
+  int64_t replay_last = -1;
 };
 
 StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
@@ -306,7 +309,9 @@ StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind
       step_(step),
       wire_codec_(proto::ToWire(up)),
       apply_(std::move(apply)),
-      extras_(std::move(extras)) {}
+      extras_(std::move(extras)),
+      restarted_from_(client->servers_.size(), -1),
+      caught_up_(client->layout_.partitions().size(), false) {}
 
 std::string StepExchange::TakeReceivedBuffers() {
   absl::MutexLock lock(&mu_);
@@ -363,6 +368,7 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
         "holds its push of that step (it keeps checkpoint.replay_steps = ", client_->job_.replay_steps,
         " steps; it must be at least checkpoint.every_steps + 1)"));
   }
+  std::vector<const compress::Partition*> completed;
   {
     absl::MutexLock lock(&mu_);
     if (!replay_noticed_) {
@@ -374,15 +380,48 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
                    static_cast<long long>(from), static_cast<long long>(from),
                    static_cast<long long>(until - 1));
     }
+    caught_up_[id] = true;
+    completed = NoteRestart(call->partition->shard, from);
   }
   auto replay = std::make_unique<Call>();
   replay->partition = call->partition;
   replay->request = std::move(retained->request);
   replay->expected_hash = retained->reply_hash;
+  replay->replay = true;
   if (call->then != nullptr) call = std::move(call->then);  // a replay refused again
   replay->then = std::move(call);
   Issue(std::move(replay));
+  for (const compress::Partition* p : completed) ReplayCompleted(*p, from);
   return absl::OkStatus();
+}
+
+std::vector<const compress::Partition*> StepExchange::NoteRestart(uint32_t shard, int64_t from) {
+  restarted_from_[shard] = from;
+  std::vector<const compress::Partition*> out;
+  for (const compress::Partition* p : completed_) {
+    if (p->shard != shard || caught_up_[p->id]) continue;
+    caught_up_[p->id] = true;
+    ++in_flight_;
+    out.push_back(p);
+  }
+  return out;
+}
+
+void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t from) {
+  std::optional<PushClient::Retained> retained = client_->Find(from, partition.id);
+  if (!retained.has_value()) {
+    return Fail(partition, absl::FailedPreconditionError(absl::StrCat(
+                               "the shard restarted from its checkpoint at step ", from,
+                               " but this worker no longer holds its push of that step (it keeps "
+                               "checkpoint.replay_steps = ", client_->job_.replay_steps, " steps)")));
+  }
+  auto replay = std::make_unique<Call>();
+  replay->partition = &partition;
+  replay->request = std::move(retained->request);
+  replay->expected_hash = retained->reply_hash;
+  replay->replay = true;
+  replay->replay_last = step_;
+  Issue(std::move(replay));
 }
 
 void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
@@ -431,7 +470,7 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
       return;
     }
   }
-  if (done->then != nullptr) {  // a replayed push
+  if (done->replay) {  // a replayed push
     absl::Status result = proto::FromGrpc(status);
     if (result.ok() && std::hash<std::string>{}(done->reply.payload()) != done->expected_hash) {
       result = absl::InternalError(absl::StrCat(
@@ -440,6 +479,22 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
     }
     if (!result.ok()) return Fail(*done->partition, result);
     const int64_t next = done->request.step() + 1;
+    if (done->then == nullptr) {  // ReplayCompleted's: on through replay_last
+      if (next > done->replay_last) {
+        absl::MutexLock lock(&mu_);
+        --in_flight_;
+        return;
+      }
+      std::optional<PushClient::Retained> retained = client_->Find(next, done->partition->id);
+      if (!retained.has_value()) {
+        return Fail(*done->partition, absl::InternalError(absl::StrCat(
+                                          "the retained push of step ", next, " is gone during its replay")));
+      }
+      done->request = std::move(retained->request);
+      done->expected_hash = retained->reply_hash;
+      done->attempt = 0;
+      return Issue(std::move(done));
+    }
     std::unique_ptr<Call> then = std::move(done->then);
     if (next == then->request.step()) return Issue(std::move(then));
     if (absl::Status s = StartReplay(std::move(then), next); !s.ok()) Fail(*done->partition, s);
@@ -461,6 +516,21 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
     client_->Retain(std::move(done->request), std::hash<std::string>{}(done->reply.payload()));
   }
   done.reset();
+  int64_t restarted_from = -1;
+  {
+    absl::MutexLock lock(&mu_);
+    if (result.ok() && !caught_up_[partition->id]) {
+      completed_.push_back(partition);
+      // A reply from the shard as it was before a restart this step has
+      // already seen: the restarted shard needs this push replayed too.
+      if (restarted_from_[partition->shard] >= 0) {
+        restarted_from = restarted_from_[partition->shard];
+        caught_up_[partition->id] = true;
+        ++in_flight_;
+      }
+    }
+  }
+  if (restarted_from >= 0) ReplayCompleted(*partition, restarted_from);
   absl::MutexLock lock(&mu_);
   if (!result.ok() && error_.ok()) {
     error_ = absl::Status(result.code(), absl::StrCat(

@@ -97,6 +97,17 @@ class StepExchange {
   // Starts re-sending retained pushes of `call`'s partition from step
   // `from` on, then `call` itself; an error if they are not retained.
   absl::Status StartReplay(std::unique_ptr<Call> call, int64_t from);
+  // A partition whose reply of this step came from a shard that has since
+  // restarted from its checkpoint at step `from`: its retained pushes of
+  // [from, step_] are re-sent (replies checked, not applied), because the
+  // restarted shard needs them to answer the workers still waiting for
+  // that reply. Called with the partition counted in in_flight_.
+  void ReplayCompleted(const compress::Partition& partition, int64_t from);
+  // Marks the restart of `shard` at `from` and returns the partitions this
+  // step already completed there (each now counted in in_flight_) for
+  // ReplayCompleted.
+  std::vector<const compress::Partition*> NoteRestart(uint32_t shard, int64_t from)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(const compress::Partition& partition, absl::Status status);
 
   PushClient* client_;
@@ -108,6 +119,12 @@ class StepExchange {
   std::string received_buffers_ ABSL_GUARDED_BY(mu_);
   absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool replay_noticed_ ABSL_GUARDED_BY(mu_) = false;
+  // Per shard: the step it restarted from during this exchange (-1: none).
+  std::vector<int64_t> restarted_from_ ABSL_GUARDED_BY(mu_);
+  // Partitions whose reply came without a replay, and those caught up with
+  // their shard's restart (replayed, or re-sent by ReplayCompleted).
+  std::vector<const compress::Partition*> completed_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> caught_up_ ABSL_GUARDED_BY(mu_);
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   StepTraffic traffic_ ABSL_GUARDED_BY(mu_);
