@@ -85,7 +85,8 @@ class ErrorFeedback {
   absl::Status CompressMasked(const CodecSpec& codec, size_t offset, absl::Span<const float> x,
                               const RoundingKey& key, absl::Span<uint8_t> payload,
                               absl::Span<const float> mask_v);
-  static void SelectByZero(absl::Span<const float> mask_v, absl::Span<float> values);
+  // out = in where mask_v is not 0, +0 where it is (in may be out).
+  static void SelectByZero(absl::Span<const float> mask_v, absl::Span<const float> in, absl::Span<float> out);
 
   FeedbackSpec spec_;
   size_t size_;

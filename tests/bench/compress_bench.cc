@@ -11,17 +11,25 @@
 //   MORSE_SIMD=scalar build/tests/bench/compress_bench  (codec benchmarks only)
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
+#include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
 #include "compress/kernels.h"
+#include "compress/replica.h"
+#include "compress/simulator.h"
 #include "compress/update_rules.h"
 
 namespace morse::compress {
@@ -65,6 +73,7 @@ void Measure(benchmark::State& state, double bytes_per_op, double elems_per_op, 
   const double gbps = bytes_per_op * double(state.iterations()) / seconds / 1e9;
   state.counters["GB/s"] = gbps;
   state.counters["Gelem/s"] = elems_per_op * double(state.iterations()) / seconds / 1e9;
+  state.counters["ns/elem"] = seconds / (elems_per_op * double(state.iterations())) * 1e9;
   if (g_triad_gbps > 0) state.counters["vs_triad"] = gbps / g_triad_gbps;
 }
 
@@ -201,6 +210,138 @@ void BM_FrozenVarianceStep(benchmark::State& state) {
   state.SetLabel(ActiveKernels().name);
 }
 
+// The data path's phases of one 1-bit Adam compression step (issue 12), at
+// kElems elements, on this thread, with the zero-variance mask on (the
+// default) and a few masked elements. Bytes are the least each phase must
+// move per element (payloads at 1/8 byte an element plus their scales);
+// what a phase moves beyond that shows as a lower vs_triad.
+SimulatorConfig PhaseConfig() {
+  SimulatorConfig c;
+  c.optimizer = OptimizerKind::kOneBitAdam;
+  c.workers = 2;
+  c.layout = {kElems, 1, kBlock, kElems};
+  c.freeze_step = 1;
+  return c;
+}
+constexpr int64_t kPhaseStep = 3;  // in the compression phase
+double PayloadPerElem() { return 1.0 / 8 + 4.0 / kBlock; }
+
+// masked: every 1009th element has v = 0 (dead units), so every chunk
+// takes the mask's path; else no element is masked.
+struct PhaseState {
+  explicit PhaseState(bool masked)
+      : config(PhaseConfig()), replica(config, {0, kElems}), error(config.worker_feedback, kElems, kBlock) {
+    const std::vector<float> m = RandomVector(kElems, 11), v = RandomVector(kElems, 12);
+    for (size_t j = 0; j < kElems; ++j) {
+      replica.mutable_m()[j] = 0.1f * m[j];
+      replica.mutable_v()[j] = masked && j % 1009 == 0 ? 0.0f : 1e-4f + 1e-4f * std::fabs(v[j]);
+    }
+  }
+  SimulatorConfig config;
+  Replica replica;
+  ErrorFeedback error;
+};
+
+// A worker's message: local momentum, error feedback, mask, scales and
+// signs (EncodeWorkerMessage). Reads g, m, e, v; writes e and the payload.
+void BM_PhaseWorkerEncode(benchmark::State& state) {
+  PhaseState p(state.range(0) != 0);
+  const std::vector<float> g = RandomVector(kElems, 13);
+  const SendRule rule = PlanSend(p.config, kPhaseStep, Direction::kUp, 0, 0);
+  std::vector<uint8_t> payload(PayloadBytes(rule.codec, kElems));
+  Measure(state, (20.0 + PayloadPerElem()) * kElems, kElems, [&] {
+    if (!EncodeWorkerMessage(rule, p.replica, p.error, 0, g, 1.0f, absl::MakeSpan(payload)).ok()) std::abort();
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+// A reply applied to x and m with the frozen v (Replica::ApplyReply): a
+// worker's decode+update, and the same call is a shard's mirror update.
+// Reads the payload, x, m, v; writes x and m.
+void BM_PhaseApplyReply(benchmark::State& state) {
+  PhaseState p(state.range(0) != 0);
+  const SendRule rule = PlanSend(p.config, kPhaseStep, Direction::kDown, 2, 0);
+  std::vector<uint8_t> reply(PayloadBytes(rule.codec, kElems));
+  if (!Encode(rule.codec, RandomVector(kElems, 14), {}, absl::MakeSpan(reply)).ok()) std::abort();
+  Measure(state, (20.0 + PayloadPerElem()) * kElems, kElems, [&] {
+    if (!p.replica.ApplyReply(kPhaseStep, 0, kElems, reply).ok()) std::abort();
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
+// A shard's reply to N = 2 pushes over `threads` threads, each on its own
+// partition (EncodeShardReply): reads the pushes, e and v; writes e and the
+// reply. Gelem/s over threads is the shard's rate; per_core divides it.
+void BM_PhaseShardReply(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  PhaseState p(state.range(1) != 0);
+  ErrorFeedback server(p.config.server_feedback, kElems, kBlock);
+  const SendRule up = PlanSend(p.config, kPhaseStep, Direction::kUp, 0, 0);
+  const SendRule down = PlanSend(p.config, kPhaseStep, Direction::kDown, 2, 0);
+  const size_t per = kElems / threads / kBlock * kBlock;
+  std::vector<std::vector<std::vector<uint8_t>>> pushes(threads);
+  std::vector<std::vector<uint8_t>> replies(threads);
+  for (int t = 0; t < threads; ++t) {
+    const size_t n = t + 1 == threads ? kElems - per * t : per;
+    for (uint32_t i = 0; i < 2; ++i) {
+      pushes[t].emplace_back(PayloadBytes(up.codec, n));
+      if (!Encode(up.codec, RandomVector(n, 15 + i), {}, absl::MakeSpan(pushes[t].back())).ok()) std::abort();
+    }
+    replies[t].resize(PayloadBytes(down.codec, n));
+  }
+  const auto run = [&](int t) {
+    const size_t begin = per * t, n = t + 1 == threads ? kElems - begin : per;
+    const std::vector<absl::Span<const uint8_t>> views(pushes[t].begin(), pushes[t].end());
+    if (!EncodeShardReply(down, up.codec, views, server, begin, n, p.replica.v().subspan(begin, n),
+                          absl::MakeSpan(replies[t]))
+             .ok()) {
+      std::abort();
+    }
+  };
+  // Threads that live across iterations, as a server's do (their scratch
+  // arrays are allocated once).
+  std::mutex mu;
+  std::condition_variable cv;
+  int generation = 0, done = 0;
+  bool stop = false;
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int seen = 0;;) {
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] { return stop || generation != seen; });
+          if (stop) return;
+          seen = generation;
+        }
+        run(t);
+        std::lock_guard<std::mutex> lock(mu);
+        ++done;
+        cv.notify_all();
+      }
+    });
+  }
+  Measure(state, (12.0 + 3 * PayloadPerElem()) * kElems, kElems, [&] {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++generation;
+      done = 0;
+    }
+    cv.notify_all();
+    run(0);
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return done == threads - 1; });
+  });
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stop = true;
+  }
+  cv.notify_all();
+  for (auto& thread : pool) thread.join();
+  state.counters["per_core_Gelem/s"] = state.counters["Gelem/s"] / threads;
+  state.SetLabel(ActiveKernels().name);
+}
+
 void RegisterAll() {
   const std::pair<const char*, const KernelTable*> tables[] = {
       {"scalar", &ScalarKernels()}, {"avx2", Avx2Kernels()}, {"avx512", Avx512Kernels()}};
@@ -228,6 +369,13 @@ void RegisterAll() {
   for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4}) {
     common(benchmark::RegisterBenchmark(
         ("average4/" + std::string(CodecName(kind))).c_str(), BM_DecodeAverage4, kind));
+  }
+  // Arg masked (0/1); shard_reply: threads, masked.
+  common(benchmark::RegisterBenchmark("phase/worker_encode", BM_PhaseWorkerEncode)->Arg(0)->Arg(1));
+  common(benchmark::RegisterBenchmark("phase/apply_reply", BM_PhaseApplyReply)->Arg(0)->Arg(1));
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  for (int threads : std::set<int>{1, 2, cores}) {  // 1, 2 and all cores
+    common(benchmark::RegisterBenchmark("phase/shard_reply", BM_PhaseShardReply)->Args({threads, 0})->Args({threads, 1}));
   }
   common(benchmark::RegisterBenchmark("adam_step", BM_AdamStep));
   common(benchmark::RegisterBenchmark("frozen_variance_step", BM_FrozenVarianceStep));
