@@ -23,6 +23,23 @@ uint64_t ChunkElems(uint64_t block) {
   return block * std::max<uint64_t>(1, kTarget / block);
 }
 
+// A sign1 payload of n elements holds every block's scale, then the bits
+// (design.md 2.3), so a chunk of whole blocks (len elements from element
+// `at`; block_elems is a multiple of 16, so its bits start on a byte) lies
+// in two places. CutSign1Chunk copies it out into a payload of its own
+// (PayloadBytes of len), PutSign1Chunk copies such a payload back in.
+void CutSign1Chunk(const uint8_t* whole, uint64_t n, uint64_t block, uint64_t at, uint64_t len, uint8_t* part) {
+  const uint64_t blocks = (n + block - 1) / block, part_blocks = (len + block - 1) / block;
+  std::memcpy(part, whole + 4 * (at / block), 4 * part_blocks);
+  std::memcpy(part + 4 * part_blocks, whole + 4 * blocks + at / 8, (len + 7) / 8);
+}
+
+void PutSign1Chunk(const uint8_t* part, uint64_t n, uint64_t block, uint64_t at, uint64_t len, uint8_t* whole) {
+  const uint64_t blocks = (n + block - 1) / block, part_blocks = (len + block - 1) / block;
+  std::memcpy(whole + 4 * (at / block), part, 4 * part_blocks);
+  std::memcpy(whole + 4 * blocks + at / 8, part + 4 * part_blocks, (len + 7) / 8);
+}
+
 // g scaled by a worker's own clip factor (ClipsLocally), in this thread's
 // scratch; g itself when the factor is 1.
 absl::Span<const float> ScaledGradient(absl::Span<const float> g, float grad_scale) {
@@ -429,12 +446,9 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
     return absl::InvalidArgumentError(absl::StrCat("a payload of ", payload.size(), " bytes for ", n,
                                                    " elements of ", CodecName(rule.codec.kind)));
   }
-  // sign1 payload: every block's scale, then the bits (design.md 2.3). A
-  // chunk of whole blocks encodes into its own small payload, whose scales
-  // and bits are copied to their places (block_elems is a multiple of 16,
-  // so a chunk's bits start on a byte).
+  // A chunk of whole blocks encodes into its own small payload, put in its
+  // place in the whole one (PutSign1Chunk).
   const uint64_t chunk = ChunkElems(block);
-  const uint64_t blocks = (n + block - 1) / block;
   const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, std::min(chunk, n));
   thread_local std::vector<uint8_t> part;
   for (uint64_t at = 0; at < n; at += chunk) {
@@ -447,9 +461,7 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
         !s.ok()) {
       return s;
     }
-    const uint64_t part_blocks = (len + block - 1) / block;
-    std::memcpy(payload.data() + 4 * (at / block), part.data(), 4 * part_blocks);
-    std::memcpy(payload.data() + 4 * blocks + at / 8, part.data() + 4 * part_blocks, (len + 7) / 8);
+    PutSign1Chunk(part.data(), n, block, at, len, payload.data());
   }
   return absl::OkStatus();
 }
@@ -480,12 +492,10 @@ absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
       return absl::InvalidArgumentError(absl::StrCat("a push of ", push.size(), " bytes for ", n, " elements"));
     }
   }
-  // sign1 payloads: every block's scale, then the bits (design.md 2.3). A
-  // chunk of whole blocks is cut out of each push into a small payload of
-  // its own, averaged, and encoded into another, whose scales and bits are
-  // copied to their places in the reply.
+  // A chunk of whole blocks is cut out of each push into a small payload of
+  // its own (CutSign1Chunk), averaged, and encoded into another, put in its
+  // place in the reply (PutSign1Chunk).
   const uint64_t chunk = ChunkElems(block);
-  const uint64_t blocks = (n + block - 1) / block;
   const absl::Span<float> average = Scratch(ScratchSlot::kShardAverage, std::min(chunk, n));
   const absl::Span<float> backup = Scratch(ScratchSlot::kErrorBackup, n);
   thread_local std::vector<std::vector<uint8_t>> parts;
@@ -495,11 +505,9 @@ absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
   views.resize(pushes.size());
   for (uint64_t at = 0; at < n; at += chunk) {
     const uint64_t len = std::min(chunk, n - at);
-    const uint64_t part_blocks = (len + block - 1) / block;
     for (size_t i = 0; i < pushes.size(); ++i) {
       parts[i].resize(PayloadBytes(up, len));
-      std::memcpy(parts[i].data(), pushes[i].data() + 4 * (at / block), 4 * part_blocks);
-      std::memcpy(parts[i].data() + 4 * part_blocks, pushes[i].data() + 4 * blocks + at / 8, (len + 7) / 8);
+      CutSign1Chunk(pushes[i].data(), n, block, at, len, parts[i].data());
       views[i] = absl::MakeConstSpan(parts[i]);
     }
     const absl::Span<float> u = average.first(len);
@@ -516,8 +524,7 @@ absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
       MORSE_CHECK(error.RestoreRange(offset, backup.first(at + len)).ok());
       return status;
     }
-    std::memcpy(payload.data() + 4 * (at / block), out.data(), 4 * part_blocks);
-    std::memcpy(payload.data() + 4 * blocks + at / 8, out.data() + 4 * part_blocks, (len + 7) / 8);
+    PutSign1Chunk(out.data(), n, block, at, len, payload.data());
   }
   return absl::OkStatus();
 }

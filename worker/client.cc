@@ -358,16 +358,28 @@ void StepExchange::Fail(const compress::Partition& partition, absl::Status statu
   --in_flight_;
 }
 
+absl::StatusOr<std::unique_ptr<StepExchange::Call>> StepExchange::RetainedPush(
+    const compress::Partition& partition, int64_t step) {
+  std::optional<PushClient::Retained> retained = client_->Find(step, partition.id);
+  if (!retained.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the shard restarted from its checkpoint and needs this worker's push of step ", step,
+        ", which it no longer holds (it keeps checkpoint.replay_steps = ", client_->job_.replay_steps,
+        " steps; it must be at least checkpoint.every_steps + 1)"));
+  }
+  auto replay = std::make_unique<Call>();
+  replay->partition = &partition;
+  replay->request = std::move(retained->request);
+  replay->expected_hash = retained->reply_hash;
+  replay->replay = true;
+  return replay;
+}
+
 absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from) {
   const int64_t until = call->request.step();  // replay [from, until), then call
   const uint32_t id = call->partition->id;
-  std::optional<PushClient::Retained> retained = client_->Find(from, id);
-  if (!retained.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the shard restarted from its checkpoint at step ", from, " but this worker no longer "
-        "holds its push of that step (it keeps checkpoint.replay_steps = ", client_->job_.replay_steps,
-        " steps; it must be at least checkpoint.every_steps + 1)"));
-  }
+  absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(*call->partition, from);
+  if (!replay.ok()) return replay.status();
   std::vector<const compress::Partition*> completed;
   {
     absl::MutexLock lock(&mu_);
@@ -383,14 +395,9 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
     caught_up_[id] = true;
     completed = NoteRestart(call->partition->shard, from);
   }
-  auto replay = std::make_unique<Call>();
-  replay->partition = call->partition;
-  replay->request = std::move(retained->request);
-  replay->expected_hash = retained->reply_hash;
-  replay->replay = true;
   if (call->then != nullptr) call = std::move(call->then);  // a replay refused again
-  replay->then = std::move(call);
-  Issue(std::move(replay));
+  (*replay)->then = std::move(call);
+  Issue(*std::move(replay));
   for (const compress::Partition* p : completed) ReplayCompleted(*p, from);
   return absl::OkStatus();
 }
@@ -408,20 +415,10 @@ std::vector<const compress::Partition*> StepExchange::NoteRestart(uint32_t shard
 }
 
 void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t from) {
-  std::optional<PushClient::Retained> retained = client_->Find(from, partition.id);
-  if (!retained.has_value()) {
-    return Fail(partition, absl::FailedPreconditionError(absl::StrCat(
-                               "the shard restarted from its checkpoint at step ", from,
-                               " but this worker no longer holds its push of that step (it keeps "
-                               "checkpoint.replay_steps = ", client_->job_.replay_steps, " steps)")));
-  }
-  auto replay = std::make_unique<Call>();
-  replay->partition = &partition;
-  replay->request = std::move(retained->request);
-  replay->expected_hash = retained->reply_hash;
-  replay->replay = true;
-  replay->replay_last = step_;
-  Issue(std::move(replay));
+  absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(partition, from);
+  if (!replay.ok()) return Fail(partition, replay.status());
+  (*replay)->replay_last = step_;
+  Issue(*std::move(replay));
 }
 
 void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
@@ -485,15 +482,10 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
         --in_flight_;
         return;
       }
-      std::optional<PushClient::Retained> retained = client_->Find(next, done->partition->id);
-      if (!retained.has_value()) {
-        return Fail(*done->partition, absl::InternalError(absl::StrCat(
-                                          "the retained push of step ", next, " is gone during its replay")));
-      }
-      done->request = std::move(retained->request);
-      done->expected_hash = retained->reply_hash;
-      done->attempt = 0;
-      return Issue(std::move(done));
+      absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(*done->partition, next);
+      if (!replay.ok()) return Fail(*done->partition, replay.status());
+      (*replay)->replay_last = done->replay_last;
+      return Issue(*std::move(replay));
     }
     std::unique_ptr<Call> then = std::move(done->then);
     if (next == then->request.step()) return Issue(std::move(then));

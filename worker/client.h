@@ -97,6 +97,9 @@ class StepExchange {
   // Starts re-sending retained pushes of `call`'s partition from step
   // `from` on, then `call` itself; an error if they are not retained.
   absl::Status StartReplay(std::unique_ptr<Call> call, int64_t from);
+  // A replay of this worker's retained push of `partition` at `step`;
+  // FAILED_PRECONDITION, saying why, when it is no longer retained.
+  absl::StatusOr<std::unique_ptr<Call>> RetainedPush(const compress::Partition& partition, int64_t step);
   // A partition whose reply of this step came from a shard that has since
   // restarted from its checkpoint at step `from`: its retained pushes of
   // [from, step_] are re-sent (replies checked, not applied), because the

@@ -74,7 +74,7 @@ absl::StatusOr<double> SyntheticWorkload::Gradient(int64_t step, absl::Span<cons
                                                    absl::Span<float> grad) {
   double lanes[4] = {0, 0, 0, 0};
   if (absl::Status s = GradientRange(step, x, grad, 0, dim(), lanes); !s.ok()) return s;
-  return (lanes[0] + lanes[1] + (lanes[2] + lanes[3])) / static_cast<double>(dim());
+  return GradientHook::MeanLoss(lanes, dim());
 }
 
 absl::Status SyntheticWorkload::GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad,

@@ -7,6 +7,8 @@
 // with a clear error instead of training from scratch.
 #include <cstdio>
 #include <fstream>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -101,6 +103,28 @@ void ExpectResumedAt(const Cluster& cluster, int64_t step, size_t steps,
   }
 }
 
+// Runs config(6), checkpointing into a fresh directory (the shards' last
+// checkpoint must be of step `written`), then config(12) from those
+// checkpoints: every worker resumes at `resumed` and reports the
+// uninterrupted run's checksums from there to the end.
+void ExpectStopAndResumeBitForBit(const std::function<std::string(int)>& config, int written, int64_t resumed) {
+  const auto expected = Simulated(*proto::ParseJobConfig(config(12), proto::ConfigFormat::kText), 12);
+  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
+  const std::string ckpt = mkdtemp(pattern);
+  std::string failure;
+  {
+    Cluster first(config(6), 2, 2);
+    ASSERT_TRUE(RunCheckpointed(first, ckpt, false, &failure)) << failure;
+    EXPECT_NE(ReadFile(first.server_log(0)).find(absl::StrCat("checkpoint of step ", written, " written")),
+              std::string::npos)
+        << ReadFile(first.server_log(0));
+  }
+  Cluster second(config(12), 2, 2);
+  ASSERT_TRUE(RunCheckpointed(second, ckpt, true, &failure)) << failure;
+  ExpectResumedAt(second, resumed, static_cast<size_t>(12 - resumed), expected);
+  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+}
+
 TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
   auto job = *proto::ParseJobConfig(Config(12), proto::ConfigFormat::kText);
   std::vector<std::vector<std::string>> shards;
@@ -154,20 +178,7 @@ TEST(CheckpointTest, ZeroOneAdamResumesAtTheLastSyncBitForBit) {
       steps: )", steps);
   };
   // Variance steps 0, 1; syncs 2, 3, 7, 11; local steps 4-6 and 8-10.
-  const auto expected = Simulated(*proto::ParseJobConfig(config(12), proto::ConfigFormat::kText), 12);
-  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
-  const std::string ckpt = mkdtemp(pattern);
-  std::string failure;
-  {
-    Cluster first(config(6), 2, 2);
-    ASSERT_TRUE(RunCheckpointed(first, ckpt, false, &failure)) << failure;
-    EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 4 written"), std::string::npos)
-        << ReadFile(first.server_log(0));
-  }
-  Cluster second(config(12), 2, 2);
-  ASSERT_TRUE(RunCheckpointed(second, ckpt, true, &failure)) << failure;
-  ExpectResumedAt(second, 4, 8, expected);
-  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+  ExpectStopAndResumeBitForBit(config, 4, 4);
 }
 
 // onebit_lamb's shards checkpoint its fresh variance and the layers' state
@@ -189,20 +200,7 @@ TEST(CheckpointTest, OneBitLambResumesWithItsLayerStateBitForBit) {
       checkpoint { every_steps: 3 }
       steps: )", steps);
   };
-  const auto expected = Simulated(*proto::ParseJobConfig(config(12), proto::ConfigFormat::kText), 12);
-  char pattern[] = "/tmp/morse-ckpt-XXXXXX";
-  const std::string ckpt = mkdtemp(pattern);
-  std::string failure;
-  {
-    Cluster first(config(6), 2, 2);
-    ASSERT_TRUE(RunCheckpointed(first, ckpt, false, &failure)) << failure;
-    EXPECT_NE(ReadFile(first.server_log(0)).find("checkpoint of step 6 written"), std::string::npos)
-        << ReadFile(first.server_log(0));
-  }
-  Cluster second(config(12), 2, 2);
-  ASSERT_TRUE(RunCheckpointed(second, ckpt, true, &failure)) << failure;
-  ExpectResumedAt(second, 6, 6, expected);
-  std::system(absl::StrCat("rm -rf ", ckpt).c_str());
+  ExpectStopAndResumeBitForBit(config, 6, 6);
 }
 
 TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {

@@ -28,7 +28,7 @@ absl::Status Engine::GradientRange(int64_t step, uint64_t begin, uint64_t end, d
 }
 
 double Engine::GradientRangeLoss(const double loss_lanes[4]) {
-  return (loss_lanes[0] + loss_lanes[1] + (loss_lanes[2] + loss_lanes[3])) / static_cast<double>(x_dim());
+  return GradientHook::MeanLoss(loss_lanes, x_dim());
 }
 
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& kind,

@@ -71,6 +71,10 @@ class GradientHook {
   virtual bool ComputesRanges() const { return false; }
   virtual absl::Status GradientRange(int64_t step, const float* x, float* grad, uint64_t begin,
                                      uint64_t end, double loss_lanes[4]);
+  // The mean loss of lanes filled over all n elements.
+  static double MeanLoss(const double loss_lanes[4], uint64_t n) {
+    return (loss_lanes[0] + loss_lanes[1] + (loss_lanes[2] + loss_lanes[3])) / static_cast<double>(n);
+  }
 };
 
 // A caller's device arrays of dim floats (PyTorch tensors): a GPU engine's
