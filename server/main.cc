@@ -19,6 +19,7 @@
 #include "absl/synchronization/notification.h"
 #include "boost/asio/io_context.hpp"
 #include "boost/asio/signal_set.hpp"
+#include "compress/compute_pool.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -64,6 +65,10 @@ ABSL_FLAG(uint64_t, max_model_elems, 0,
           "The largest model (elements) an external job's first Join may size this shard for; "
           "larger ones are refused with RESOURCE_EXHAUSTED. 0: no limit but this host's memory, "
           "which is always checked.");
+ABSL_FLAG(int, compute_threads, 0,
+          "Threads that average and recompress completed partitions, partitions in parallel, "
+          "off gRPC's threads (docs/design.md 7). 0: one per core this process may run on. "
+          "Replies are bit-identical whatever the count.");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -95,6 +100,12 @@ int main(int argc, char** argv) {
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
   if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
+  int compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  if (compute_threads < 0 || compute_threads > 1024) {
+    return Fail(kExitConfig, absl::StrFormat("--compute_threads %d: 0 (one per core) to 1024",
+                                             compute_threads));
+  }
+  if (compute_threads == 0) compute_threads = compress::ComputePool::DefaultThreads();
   if (shard >= static_cast<int>(job->shards())) {
     return Fail(kExitConfig,
                 absl::StrFormat("--shard %d: the job has %u shards", shard,
@@ -163,7 +174,8 @@ int main(int argc, char** argv) {
     return absl::OkStatus();
   };
   auto host = server::ShardHost::Create(*job, static_cast<uint32_t>(shard),
-                                        on_configured, absl::GetFlag(FLAGS_max_model_elems));
+                                        on_configured, absl::GetFlag(FLAGS_max_model_elems),
+                                        compute_threads);
   if (!host.ok())
     return Fail(kExitConfig, std::string(host.status().message()));
 
@@ -220,8 +232,9 @@ int main(int argc, char** argv) {
   // With port 0 the kernel picks one; print the real address for scripts.
   std::string address = absl::GetFlag(FLAGS_listen);
   address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
-  std::printf("morse-server: %s; %s; listening on %s\n", describe(*job, (*host)->core()).c_str(),
-              security_summary.c_str(), address.c_str());
+  std::printf("morse-server: %s; %s; %d compute threads; listening on %s\n",
+              describe(*job, (*host)->core()).c_str(), security_summary.c_str(), compute_threads,
+              address.c_str());
   std::fflush(stdout);
 
   // Steps whose pushes do not all arrive in time fail instead of hanging.

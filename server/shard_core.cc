@@ -35,6 +35,8 @@ struct ShardCore::PartitionState {
   uint32_t hyper_rank ABSL_GUARDED_BY(mu) = 0;
   std::string buffers ABSL_GUARDED_BY(mu);  // rank 0's, for the reply
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
+  // Every push is in and the step's completion is scheduled on the pool.
+  bool completing ABSL_GUARDED_BY(mu) = false;
   // The last completed step, next_step - 1:
   std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
   // Its mirror update, when not applied yet: replies go out first, and the
@@ -58,6 +60,7 @@ struct ShardCore::PartitionState {
   void ClearPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto& push : pushes) push.reset();
     arrived = 0;
+    completing = false;
     hyper.reset();
     buffers.clear();
   }
@@ -73,7 +76,12 @@ size_t HashBytes(absl::string_view bytes) {
 
 absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(const proto::JobSpec& job,
                                                               uint32_t shard,
-                                                              uint64_t memory_limit) {
+                                                              uint64_t memory_limit,
+                                                              int compute_threads) {
+  if (compute_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute threads: ", compute_threads, "; at least 0 (0: none, complete inline)"));
+  }
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
   if (shard >= job.shards()) {
@@ -90,7 +98,9 @@ absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(const proto::JobSpe
       !s.ok()) {
     return s;
   }
-  return std::unique_ptr<ShardCore>(new ShardCore(job, shard, *std::move(layout)));
+  auto core = std::unique_ptr<ShardCore>(new ShardCore(job, shard, *std::move(layout)));
+  if (compute_threads > 0) core->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
+  return core;
 }
 
 ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout layout)
@@ -105,7 +115,9 @@ ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout
   }
 }
 
-ShardCore::~ShardCore() = default;
+ShardCore::~ShardCore() {
+  pool_.reset();  // completes what is scheduled while the partitions exist
+}
 
 absl::Status ShardCore::CheckCommon(uint32_t rank, uint32_t partition,
                                     uint64_t fingerprint) const {
@@ -192,11 +204,10 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
   }
   PartitionState& p = *partitions_[args.partition - layout_.shard_partitions(shard_).front().id];
-  std::shared_ptr<const Reply> reply;
-  std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
-  absl::Status failure;
+  std::shared_ptr<const Reply> reply;  // a retry's
+  Completion completion;               // the step this push completed, inline
+  bool schedule = false;               // ... or on the pool
   std::optional<int64_t> completed_norm;  // a step whose mirror this push's norm completed
-  bool awaiting_commit = false;             // the step this push completed waits for its norm
   {
     absl::MutexLock lock(&p.mu);
     if (!p.initialized) {
@@ -307,14 +318,12 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
         ++p.arrived;
       }
       p.waiters.emplace_back(args.rank, std::move(done));
-      if (p.arrived == job_.workers()) {
-        auto result = Complete(p);
-        awaiting_commit = p.awaiting_commit;
-        waiters.swap(p.waiters);
-        if (result.ok()) {
-          reply = *result;
+      if (p.arrived == job_.workers() && !p.completing) {
+        if (pool_ == nullptr) {
+          completion = CompleteLocked(p);
         } else {
-          failure = result.status();
+          p.completing = true;  // a retry arriving meanwhile only waits
+          schedule = true;
         }
       }
     }
@@ -324,26 +333,60 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     ++accepted_;
   }
   if (completed_norm.has_value()) NoteStepCompleted(*completed_norm);
-  if (!waiters.empty()) {
-    // The observer first (it sees the step complete before any worker can
-    // start the next; what it reads of the mirror is brought up to date),
-    // then the replies, then the mirror update of this partition.
-    // A step that clips the averaged gradient completes when its norm
-    // arrives (Commit), which the mirror needs.
-    if (failure.ok() && !awaiting_commit) NoteStepCompleted(reply->step);
-    for (auto& [rank, callback] : waiters) {
-      if (failure.ok()) {
-        callback(reply);
-      } else {
-        callback(failure);
-      }
-    }
-    if (failure.ok()) {
-      absl::MutexLock lock(&p.mu);
-      ApplyMirror(p);
-    }
+  if (schedule) {
+    pool_->Schedule([this, &p] { CompleteOnPool(p); });
+  } else if (!completion.waiters.empty()) {
+    Answer(p, std::move(completion));
   } else if (reply != nullptr) {
     done(reply);  // the retry of a completed step
+  }
+}
+
+ShardCore::Completion ShardCore::CompleteLocked(PartitionState& p) {
+  Completion c;
+  absl::StatusOr<std::shared_ptr<const Reply>> result = Complete(p);
+  c.awaiting_commit = p.awaiting_commit;
+  c.waiters.swap(p.waiters);
+  if (result.ok()) {
+    c.reply = *std::move(result);
+  } else {
+    c.failure = result.status();
+  }
+  return c;
+}
+
+void ShardCore::CompleteOnPool(PartitionState& p) {
+  Completion completion;
+  {
+    absl::MutexLock lock(&p.mu);
+    // ExpireWaiting and Abort skip a partition being completed, but an
+    // abort that came first may have cleared it.
+    if (!p.completing) return;
+    p.completing = false;
+    if (p.arrived != job_.workers()) return;
+    completion = CompleteLocked(p);
+  }
+  Answer(p, std::move(completion));
+}
+
+void ShardCore::Answer(PartitionState& p, Completion c) {
+  // The observer first (it sees the step complete before any worker can
+  // start the next; what it reads of the mirror is brought up to date),
+  // then the replies, then the mirror update of this partition.
+  // A step that clips the averaged gradient completes when its norm
+  // arrives (Commit), which the mirror needs.
+  const bool ok = c.failure.ok();
+  if (ok && !c.awaiting_commit) NoteStepCompleted(c.reply->step);
+  for (auto& [rank, callback] : c.waiters) {
+    if (ok) {
+      callback(c.reply);
+    } else {
+      callback(c.failure);
+    }
+  }
+  if (ok) {
+    absl::MutexLock lock(&p.mu);
+    ApplyMirror(p);
   }
 }
 
@@ -656,7 +699,8 @@ void ShardCore::ExpireWaiting(absl::Time now) {
     absl::Status status;
     {
       absl::MutexLock lock(&p.mu);
-      if (p.arrived == 0 || now - p.first_arrival < timeout) continue;
+      // A partition with every push in is being completed, not waiting.
+      if (p.arrived == 0 || p.completing || now - p.first_arrival < timeout) continue;
       std::vector<uint32_t> missing;
       for (uint32_t r = 0; r < p.pushes.size(); ++r) {
         if (!p.pushes[r].has_value()) missing.push_back(r);

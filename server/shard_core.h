@@ -16,7 +16,8 @@
 // pushes whose step did not complete within the recovery timeout.
 //
 // Thread-safe: partitions lock independently; callbacks run outside locks,
-// on the thread of the push that completed the step (or of ExpireWaiting).
+// on a compute-pool thread or the thread of the push that completed the step
+// (Create), or of ExpireWaiting or Abort.
 #ifndef MORSE_SERVER_SHARD_CORE_H_
 #define MORSE_SERVER_SHARD_CORE_H_
 
@@ -31,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
@@ -112,9 +114,14 @@ class ShardCore {
 
   // RESOURCE_EXHAUSTED, before allocating anything, if the shard's state
   // (x, m, v and its error buffer) exceeds memory_limit bytes (default: this
-  // host's memory; 0: no limit).
+  // host's memory; 0: no limit). With compute_threads > 0, a partition whose
+  // last push arrived is completed (averaged, recompressed, answered, its
+  // mirror updated) on a compute pool of that many threads, partitions in
+  // parallel; with 0, on the thread of that last push, before Push returns.
+  // The replies' bits do not depend on it.
   static absl::StatusOr<std::unique_ptr<ShardCore>> Create(
-      const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit = proto::HostMemoryBytes());
+      const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit = proto::HostMemoryBytes(),
+      int compute_threads = 0);
   ~ShardCore();
   ShardCore(const ShardCore&) = delete;
   ShardCore& operator=(const ShardCore&) = delete;
@@ -214,6 +221,18 @@ class ShardCore {
   // Runs under the partition's lock once all N pushes are in.
   absl::StatusOr<std::shared_ptr<const Reply>> Complete(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // A completed step's outcome, for Answer to deliver outside the lock.
+  struct Completion {
+    std::shared_ptr<const Reply> reply;
+    absl::Status failure;
+    bool awaiting_commit = false;  // the step waits for its commit (Commit)
+    std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
+  };
+  Completion CompleteLocked(PartitionState& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // The pool's task for a partition whose pushes are all in.
+  void CompleteOnPool(PartitionState& p);
+  // The step observer, then the waiting pushes' callbacks, then the mirror.
+  void Answer(PartitionState& p, Completion completion);
   // Applies the partition's last reply to the mirror if that is still to do
   // and possible (not waiting for the step's gradient norm).
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
@@ -256,6 +275,10 @@ class ShardCore {
   std::map<int64_t, uint32_t> completions_ ABSL_GUARDED_BY(progress_mu_);  // step -> partitions
   uint64_t accepted_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t rejected_ ABSL_GUARDED_BY(progress_mu_) = 0;
+
+  // Completes partitions when compute_threads > 0 (Create); destroyed
+  // first, so what it runs finds the partitions alive.
+  std::unique_ptr<compress::ComputePool> pool_;
 };
 
 }  // namespace morse::server

@@ -8,12 +8,13 @@ namespace morse::server {
 absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpec& base,
                                                               uint32_t shard,
                                                               OnConfigured on_configured,
-                                                              uint64_t max_model_elems) {
+                                                              uint64_t max_model_elems,
+                                                              int compute_threads) {
   if (shard >= base.shards()) {
     return absl::InvalidArgumentError(absl::StrCat("shard ", shard, " does not exist; the job has ",
                                                    base.shards(), " shards (0..", base.shards() - 1, ")"));
   }
-  std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured), max_model_elems));
+  std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured), max_model_elems, compute_threads));
   if (base.sized()) {
     absl::MutexLock lock(&host->mu_);
     if (absl::Status s = host->Configure(base); !s.ok()) return s;
@@ -22,7 +23,7 @@ absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpe
 }
 
 absl::Status ShardHost::Configure(const proto::JobSpec& job) {
-  auto core = ShardCore::Create(job, shard_);
+  auto core = ShardCore::Create(job, shard_, proto::HostMemoryBytes(), compute_threads_);
   if (core.status().code() == absl::StatusCode::kResourceExhausted) return core.status();
   if (!core.ok()) return absl::FailedPreconditionError(core.status().message());
   if (on_configured_) {

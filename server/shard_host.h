@@ -29,10 +29,12 @@ class ShardHost {
 
   // For a sized base config, creates the core now (and runs on_configured).
   // max_model_elems (0: no limit but the host's memory) caps the model an
-  // external job's first Join may size the shard for.
+  // external job's first Join may size the shard for. compute_threads:
+  // the core's compute pool (ShardCore::Create; 0: none).
   static absl::StatusOr<std::unique_ptr<ShardHost>> Create(const proto::JobSpec& base, uint32_t shard,
                                                            OnConfigured on_configured,
-                                                           uint64_t max_model_elems = 0);
+                                                           uint64_t max_model_elems = 0,
+                                                           int compute_threads = 0);
 
   // Registers `rank` with the job it loaded. FAILED_PRECONDITION if that job
   // differs from this shard's (workers, shards, model size or shapes, layout
@@ -49,10 +51,11 @@ class ShardHost {
 
  private:
   ShardHost(const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured,
-            uint64_t max_model_elems)
+            uint64_t max_model_elems, int compute_threads)
       : base_(base),
         shard_(shard),
         max_model_elems_(max_model_elems),
+        compute_threads_(compute_threads),
         on_configured_(std::move(on_configured)),
         joined_(base.workers()) {}
   absl::Status Configure(const proto::JobSpec& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -60,6 +63,7 @@ class ShardHost {
   const proto::JobSpec base_;
   const uint32_t shard_;
   const uint64_t max_model_elems_;
+  const int compute_threads_;
   OnConfigured on_configured_;
   mutable absl::Mutex mu_;
   std::unique_ptr<ShardCore> owned_ ABSL_GUARDED_BY(mu_);

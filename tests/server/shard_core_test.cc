@@ -91,6 +91,61 @@ TEST_F(ShardCoreTest, ArrivalOrderDoesNotChangeTheReply) {
   for (const std::string& r : replies) EXPECT_EQ(r, replies[0]);
 }
 
+// A compute pool (ShardCore::Create's compute_threads) completes
+// partitions in parallel off the pushing thread; every reply and the mirror
+// keep the bits of the inline core's, whatever the thread count.
+TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
+  const auto partitions = core_->layout().shard_partitions(1);
+  constexpr int64_t kSteps = 4;
+  // The inline core's replies, step by step (SetUp's core_).
+  std::vector<std::string> expected;
+  for (int64_t t = 0; t < kSteps; ++t) {
+    for (const compress::Partition& p : partitions) {
+      std::shared_ptr<const Reply> reply;
+      for (uint32_t r = 0; r < 3; ++r) ASSERT_EQ(Push(Args(t, r, p), &reply).ok(), r == 2);
+      expected.push_back(reply->payload);
+    }
+  }
+  const uint64_t expected_mirror = core_->MirrorChecksum();
+  for (int threads : {1, 2, 8}) {
+    SCOPED_TRACE(threads);
+    auto pooled = *ShardCore::Create(job_, 1, /*memory_limit=*/0, threads);
+    for (const compress::Partition& p : partitions) {
+      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+      ASSERT_TRUE(pooled->InitPartition(0, p.id, fingerprint(),
+                                        {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                      .ok());
+    }
+    absl::Mutex mu;
+    std::vector<std::string> got(expected.size());
+    size_t answered = 0;
+    for (int64_t t = 0; t < kSteps; ++t) {
+      const size_t first_reply = t * partitions.size();
+      // Every partition's pushes, then wait for the step's replies.
+      for (size_t i = 0; i < partitions.size(); ++i) {
+        for (uint32_t r = 0; r < 3; ++r) {
+          pooled->Push(Args(t, r, partitions[i]),
+                       [&, slot = first_reply + i, r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
+                         absl::MutexLock lock(&mu);
+                         ASSERT_TRUE(reply.ok()) << reply.status();
+                         if (r == 0) got[slot] = (*reply)->payload;
+                         ++answered;
+                       });
+        }
+      }
+      absl::MutexLock lock(&mu);
+      struct Wait {
+        const size_t* answered;
+        size_t want;
+      } wait{&answered, 3 * (first_reply + partitions.size())};
+      mu.Await(absl::Condition(+[](Wait* w) { return *w->answered == w->want; }, &wait));
+    }
+    EXPECT_EQ(got, expected);
+    EXPECT_EQ(pooled->Status().completed_steps, kSteps);
+    EXPECT_EQ(pooled->MirrorChecksum(), expected_mirror);
+  }
+}
+
 TEST_F(ShardCoreTest, EveryWorkerGetsTheSameReplyAndRetriesToo) {
   std::vector<std::shared_ptr<const Reply>> got(3);
   std::vector<absl::Status> status(3, absl::UnknownError("none"));

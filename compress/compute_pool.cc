@@ -1,0 +1,61 @@
+#include "compress/compute_pool.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "compress/check.h"
+
+namespace morse::compress {
+
+int ComputePool::DefaultThreads() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+ComputePool::ComputePool(int threads) {
+  MORSE_CHECK(threads >= 1);
+  threads_.reserve(threads);
+  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+}
+
+ComputePool::~ComputePool() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  for (std::thread& t : threads_) t.join();
+}
+
+void ComputePool::Schedule(absl::AnyInvocable<void() &&> task) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) {
+      tasks_.push_back(std::move(task));
+      return;
+    }
+  }
+  std::move(task)();  // the pool is being destroyed: run it here, never drop it
+}
+
+void ComputePool::Run() {
+  for (;;) {
+    absl::AnyInvocable<void() &&> task;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](ComputePool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return pool->stopping_ || !pool->tasks_.empty();
+          },
+          this));
+      if (tasks_.empty()) return;  // stopping, and nothing left to run
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    std::move(task)();
+  }
+}
+
+}  // namespace morse::compress

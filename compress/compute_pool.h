@@ -1,0 +1,51 @@
+// ComputePool: a fixed set of threads that run the data path's per-partition
+// work (a shard's aggregation and recompression, a worker's encoding and the
+// application of its replies) so that it uses the host's cores instead of
+// gRPC's callback threads or the caller's (docs/design.md 7).
+//
+// Tasks start in the order they were scheduled, on whichever thread is free;
+// callers that need an order between two tasks must enforce it themselves
+// (the data path's tasks touch disjoint partitions, so results do not depend
+// on the thread count). The destructor runs every task already scheduled,
+// then joins the threads; a task scheduled while it does runs on the
+// caller's thread.
+//
+// Thread-safe.
+#ifndef MORSE_COMPRESS_COMPUTE_POOL_H_
+#define MORSE_COMPRESS_COMPUTE_POOL_H_
+
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/synchronization/mutex.h"
+
+namespace morse::compress {
+
+class ComputePool {
+ public:
+  // The default size: the cores this process may run on (at least 1).
+  static int DefaultThreads();
+
+  // `threads` >= 1.
+  explicit ComputePool(int threads);
+  ~ComputePool();
+  ComputePool(const ComputePool&) = delete;
+  ComputePool& operator=(const ComputePool&) = delete;
+
+  void Schedule(absl::AnyInvocable<void() &&> task);
+  int threads() const { return static_cast<int>(threads_.size()); }
+
+ private:
+  void Run();
+
+  absl::Mutex mu_;
+  std::deque<absl::AnyInvocable<void() &&>> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_COMPUTE_POOL_H_

@@ -1,0 +1,67 @@
+#include "compress/compute_pool.h"
+
+#include <atomic>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gtest/gtest.h"
+
+namespace morse::compress {
+namespace {
+
+TEST(ComputePoolTest, RunsEveryTaskBeforeItIsDestroyed) {
+  std::atomic<int> ran{0};
+  {
+    ComputePool pool(3);
+    EXPECT_EQ(pool.threads(), 3);
+    for (int i = 0; i < 1000; ++i) pool.Schedule([&ran] { ran.fetch_add(1); });
+  }
+  EXPECT_EQ(ran.load(), 1000);
+}
+
+TEST(ComputePoolTest, RunsTasksOnAsManyThreadsAsItHas) {
+  constexpr int kThreads = 4;
+  ComputePool pool(kThreads);
+  // Every task waits until all kThreads have started one: this completes
+  // only if the pool runs kThreads tasks at once.
+  absl::Mutex mu;
+  int started = 0;
+  std::set<std::thread::id> ids;
+  for (int i = 0; i < kThreads; ++i) {
+    pool.Schedule([&] {
+      absl::MutexLock lock(&mu);
+      ++started;
+      ids.insert(std::this_thread::get_id());
+      mu.Await(absl::Condition(+[](int* n) { return *n == kThreads; }, &started));
+    });
+  }
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(+[](int* n) { return *n == kThreads; }, &started));
+  EXPECT_EQ(ids.size(), static_cast<size_t>(kThreads));
+  EXPECT_EQ(ids.count(std::this_thread::get_id()), 0u);
+}
+
+TEST(ComputePoolTest, ATaskMaySchedule) {
+  std::atomic<int> ran{0};
+  absl::Notification done;
+  {
+    ComputePool pool(1);
+    pool.Schedule([&] {
+      ran.fetch_add(1);
+      pool.Schedule([&] {
+        ran.fetch_add(1);
+        done.Notify();
+      });
+    });
+    done.WaitForNotification();
+  }
+  EXPECT_EQ(ran.load(), 2);
+}
+
+TEST(ComputePoolTest, DefaultsToAtLeastOneThread) { EXPECT_GE(ComputePool::DefaultThreads(), 1); }
+
+}  // namespace
+}  // namespace morse::compress
