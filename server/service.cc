@@ -80,7 +80,11 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   args.partition = request->partition();
   args.layout_fingerprint = request->layout_fingerprint();
   args.codec = *codec;
-  args.payload = request->payload();
+  // The request is this call's own, and nothing reads its payload after
+  // this: take the bytes instead of copying them (1 MiB per partition in
+  // fp32 phases).
+  const size_t bytes_in = request->payload().size();
+  args.payload.swap(*const_cast<v1::PushRequest*>(request)->mutable_payload());
   args.buffers = request->buffers();
   if (request->has_lr() != request->has_weight_decay()) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -95,7 +99,6 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   if (request->has_previous_grad_sum_of_squares()) {
     args.previous_grad_sum_of_squares = request->previous_grad_sum_of_squares();
   }
-  const size_t bytes_in = request->payload().size();
   const compress::CodecKind kind = *codec;
   core->Push(std::move(args),
               [this, context, reactor, reply, bytes_in, kind](

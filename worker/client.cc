@@ -37,7 +37,12 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobS
                                                                 const compress::Layout& layout,
                                                                 std::vector<std::string> servers,
                                                                 uint32_t rank,
-                                                                const proto::SecurityOptions& security) {
+                                                                const proto::SecurityOptions& security,
+                                                                int compute_threads) {
+  if (compute_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compute threads: ", compute_threads, "; at least 0 (0: none)"));
+  }
   if (servers.size() != job.shards()) {
     return absl::InvalidArgumentError(absl::StrCat(
         servers.size(), " server addresses for a job of ", job.shards(),
@@ -52,8 +57,10 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobS
   if (absl::Status s = proto::ValidateClientSecurity(own); !s.ok()) return s;
   auto tokens = proto::TokenFile::FromOptions(own);
   if (!tokens.ok()) return tokens.status();
-  return std::unique_ptr<PushClient>(
+  std::unique_ptr<PushClient> client(
       new PushClient(job, layout, std::move(servers), rank, security, *std::move(tokens)));
+  if (compute_threads > 0) client->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
+  return client;
 }
 
 PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout,
@@ -304,10 +311,11 @@ struct StepExchange::Call {
 };
 
 StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-                           StepExtras extras)
+                           StepExtras extras, bool parallel_encode)
     : client_(client),
       step_(step),
       wire_codec_(proto::ToWire(up)),
+      parallel_encode_(parallel_encode),
       apply_(std::move(apply)),
       extras_(std::move(extras)),
       restarted_from_(client->servers_.size(), -1),
@@ -492,6 +500,18 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
     if (absl::Status s = StartReplay(std::move(then), next); !s.ok()) Fail(*done->partition, s);
     return;
   }
+  if (client_->pool_ != nullptr) {
+    // Decoding and applying the reply is the worker's work of the step:
+    // on the compute pool, off gRPC's thread.
+    client_->pool_->Schedule([this, done = std::move(done), status]() mutable {
+      Deliver(std::move(done), status);
+    });
+    return;
+  }
+  Deliver(std::move(done), status);
+}
+
+void StepExchange::Deliver(std::unique_ptr<Call> done, const grpc::Status& status) {
   absl::Status result = proto::FromGrpc(status);
   const absl::Time start = absl::Now();
   if (result.ok()) {
@@ -568,11 +588,26 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   if (extras_.previous_grad_sum_of_squares.has_value()) {
     call->request.set_previous_grad_sum_of_squares(*extras_.previous_grad_sum_of_squares);
   }
+  if (client_->pool_ != nullptr && parallel_encode_) {
+    // The caller goes on (computing the next partitions' gradient) while a
+    // pool thread encodes and pushes this one; an error shows in Finish.
+    client_->pool_->Schedule([this, call = std::move(call), encode]() mutable {
+      (void)EncodeAndIssue(std::move(call), encode, /*inline_call=*/false);
+    });
+    return absl::OkStatus();
+  }
+  return EncodeAndIssue(std::move(call), encode, /*inline_call=*/true);
+}
+
+absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode,
+                                          bool inline_call) {
   const absl::Time start = absl::Now();
-  absl::Status encoded = encode(partition, call->request.mutable_payload());
+  absl::Status encoded = encode(*call->partition, call->request.mutable_payload());
   {
     absl::MutexLock lock(&mu_);
-    traffic_.encode_seconds += Since(start);
+    const double seconds = Since(start);
+    traffic_.encode_seconds += seconds;
+    if (inline_call) traffic_.encode_inline_seconds += seconds;
     traffic_.payload_up += call->request.payload().size();
     if (!encoded.ok()) {
       if (error_.ok()) error_ = encoded;

@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "compress/compute_pool.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
 #include "proto/job_config.h"
@@ -43,8 +44,9 @@ namespace morse::worker {
 struct StepTraffic {
   uint64_t payload_up = 0;    // payload bytes pushed
   uint64_t payload_down = 0;  // payload bytes received
-  double encode_seconds = 0;  // on the calling thread
-  double apply_seconds = 0;   // summed over gRPC threads
+  double encode_seconds = 0;         // summed over the threads that encoded
+  double encode_inline_seconds = 0;  // of which on the calling thread
+  double apply_seconds = 0;          // summed over the threads that applied
   uint32_t retries = 0;
 };
 
@@ -64,11 +66,13 @@ struct StepExtras {
   std::vector<double> previous_lamb_commit;
 };
 
-// One step's exchange, sent partition by partition: Send encodes a partition
-// on the calling thread (after waiting for a slot in the window) and pushes
-// it; its reply is applied on a gRPC thread when it lands. Finish waits for
-// every sent partition. Sends must come from one thread; the destructor
-// waits for anything in flight.
+// One step's exchange, sent partition by partition: Send waits for a slot
+// in the window, then encodes the partition and pushes it, on the calling
+// thread or (parallel_encode, with the client's compute pool) on the pool
+// while the caller goes on; its reply is applied when it lands, on the pool
+// if the client has one, else on a gRPC thread. Finish waits for every sent
+// partition. Sends must come from one thread; the destructor waits for
+// anything in flight.
 class StepExchange {
  public:
   using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
@@ -77,8 +81,10 @@ class StepExchange {
   using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply,
                                            std::optional<double> grad_sum_of_squares)>;
 
+  // parallel_encode: `encode` may run on the compute pool, concurrently
+  // for different partitions (the host engine; not a GPU's).
   StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-               StepExtras extras = {});
+               StepExtras extras = {}, bool parallel_encode = false);
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
   StepExchange& operator=(const StepExchange&) = delete;
@@ -93,6 +99,10 @@ class StepExchange {
   struct Call;
   void Issue(std::unique_ptr<Call> call);
   void OnDone(Call* raw, const grpc::Status& status);
+  // A reply (or final error) of this step's own push: applies it and
+  // counts the partition done.
+  void Deliver(std::unique_ptr<Call> done, const grpc::Status& status);
+  absl::Status EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode, bool inline_call);
   void RetryLater(std::unique_ptr<Call> call);
   // Starts re-sending retained pushes of `call`'s partition from step
   // `from` on, then `call` itself; an error if they are not retained.
@@ -116,6 +126,7 @@ class StepExchange {
   PushClient* client_;
   const int64_t step_;
   const int wire_codec_;
+  const bool parallel_encode_;
   Apply apply_;
   StepExtras extras_;  // buffers are moved into partition 0's push
   absl::Mutex mu_;
@@ -137,12 +148,15 @@ class PushClient {
  public:
   // `servers[s]` is shard s's host:port. Creates channels with the
   // credentials of `security` (INVALID_ARGUMENT if they break the policy of
-  // proto/security.h); connects lazily.
+  // proto/security.h); connects lazily. compute_threads > 0: a compute pool
+  // of that many threads encodes and applies the steps' partitions
+  // (StepExchange); 0: none.
   static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
                                                             const compress::Layout& layout,
                                                             std::vector<std::string> servers,
                                                             uint32_t rank,
-                                                            const proto::SecurityOptions& security);
+                                                            const proto::SecurityOptions& security,
+                                                            int compute_threads = 0);
 
   // Waits, retrying with backoff up to the connect timeout, until every shard
   // answers and has this job's layout. FAILED_PRECONDITION on a layout or
@@ -254,6 +268,9 @@ class PushClient {
   mutable absl::Mutex retained_mu_;
   std::map<std::pair<int64_t, uint32_t>, Retained> retained_ ABSL_GUARDED_BY(retained_mu_);
   std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);
+  // With compute_threads > 0 (Create): encodes (StepExchange's
+  // parallel_encode) and applies replies; destroyed first.
+  std::unique_ptr<compress::ComputePool> pool_;
 };
 
 }  // namespace morse::worker

@@ -12,6 +12,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/strings/str_split.h"
+#include "compress/compute_pool.h"
 #include "proto/flags.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
@@ -51,6 +52,10 @@ ABSL_FLAG(bool, rejoin, false,
 ABSL_FLAG(std::string, metrics_listen, "",
           "Serve Prometheus /metrics, /healthz and /readyz (ready once joined) over plain "
           "HTTP on host:port (off when empty).");
+ABSL_FLAG(int, compute_threads, 0,
+          "Threads that encode the step's partitions (on the CPU) and apply the shards' replies, "
+          "partitions in parallel and overlapping the gradient (docs/design.md 7). 0: one per "
+          "core this process may run on. The results are bit-identical whatever the count.");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -123,6 +128,13 @@ int main(int argc, char** argv) {
   options.rejoin = absl::GetFlag(FLAGS_rejoin);
   options.device = absl::GetFlag(FLAGS_device);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  if (options.compute_threads < 0 || options.compute_threads > 1024) {
+    std::fprintf(stderr, "morse-worker: --compute_threads %d: 0 (one per core) to 1024\n",
+                 options.compute_threads);
+    return 2;
+  }
+  if (options.compute_threads == 0) options.compute_threads = compress::ComputePool::DefaultThreads();
   options.security = proto::SecurityOptionsFromFlags();
   options.security.token_file = proto::TokenPathForRank(options.security.token_file, options.rank);
   if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {

@@ -10,7 +10,7 @@ namespace morse::worker {
 absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
                                                           std::vector<std::string> servers,
                                                           const proto::SecurityOptions& security,
-                                                          absl::Span<float> x) {
+                                                          absl::Span<float> x, int compute_threads) {
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
   if (!x.empty() && x.size() != job.algorithm.layout.dim) {
@@ -23,7 +23,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& 
       !s.ok()) {
     return s;
   }
-  auto client = PushClient::Create(job, *layout, std::move(servers), rank, security);
+  auto client = PushClient::Create(job, *layout, std::move(servers), rank, security, compute_threads);
   if (!client.ok()) return client.status();
   std::unique_ptr<Session> session(new Session(job, rank, *std::move(layout), x));
   session->client_ = *std::move(client);
@@ -164,7 +164,8 @@ void Session::StartExchange() {
         const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
       },
-      StepExtras{step_hyper_, std::move(buffers_), previous_grad_sum_of_squares_, previous_lamb_commit_});
+      StepExtras{step_hyper_, std::move(buffers_), previous_grad_sum_of_squares_, previous_lamb_commit_},
+      /*parallel_encode=*/engine_->kind() == "cpu");
   buffers_.clear();
 }
 
@@ -202,8 +203,9 @@ absl::Status Session::SendPartition(uint32_t partition) {
   sent_[partition] = true;
   const float scale = local_scale_.value_or(1.0f);
   absl::Status sent = exchange_->Send(layout_.partitions()[partition],
-                                      [this, scale](const compress::Partition& p, std::string* payload) {
-                                        return engine_->Encode(step_, rank_, p, payload, scale);
+                                      [this, step = step_, scale](const compress::Partition& p,
+                                                                  std::string* payload) {
+                                        return engine_->Encode(step, rank_, p, payload, scale);
                                       });
   if (!sent.ok()) return Fail(sent);
   return absl::OkStatus();

@@ -5,7 +5,8 @@
 // every reply to the replica. The trainer of the built-in workloads and the
 // PyTorch binding both run on it.
 //
-// One thread drives a session; replies are applied on gRPC threads.
+// One thread drives a session; replies are applied on gRPC threads or the
+// session's compute pool, and CPU encodes may run there too.
 #ifndef MORSE_WORKER_SESSION_H_
 #define MORSE_WORKER_SESSION_H_
 
@@ -29,11 +30,14 @@ class Session {
   // Connects to every shard with `security`'s credentials (waiting up to the
   // connect timeout) and joins the job. `x` is where the parameters live
   // (job.algorithm.layout.dim floats, owned by the caller); empty: the
-  // session owns them.
+  // session owns them. compute_threads > 0: partitions are encoded (on the
+  // CPU) and replies applied on a compute pool of that many threads
+  // (PushClient::Create); 0: on the driving thread and gRPC's.
   static absl::StatusOr<std::unique_ptr<Session>> Connect(const proto::JobSpec& job, uint32_t rank,
                                                           std::vector<std::string> servers,
                                                           const proto::SecurityOptions& security,
-                                                          absl::Span<float> x = {});
+                                                          absl::Span<float> x = {},
+                                                          int compute_threads = 0);
 
   // Starts training. Fresh: rank 0 uploads x as the initial parameters and
   // every other rank replaces its x with them, so all start equal. Resume:

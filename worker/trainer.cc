@@ -120,7 +120,8 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     if (!endpoint.ok()) return endpoint.status();
     http = *std::move(endpoint);
   }
-  auto session = Session::Connect(job, options.rank, options.servers, options.security);
+  auto session = Session::Connect(job, options.rank, options.servers, options.security, {},
+                                  options.compute_threads);
   if (!session.ok()) return session.status();
   compress::Replica& replica = (*session)->replica();
   (*workload)->Initialize(replica.x());
@@ -152,7 +153,8 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
   TrainingSummary summary;
   summary.rank = options.rank;
   summary.device = engine.description();
-  StepReport report({options.rank, job.steps, first_step, job.log_every, (*workload)->samples_per_step(),
+  StepReport report({options.rank, job.steps, first_step, job.log_every,
+                     static_cast<double>((*workload)->samples_per_step()),
                      metrics.get(), nullptr});
   const TcpCounters tcp_start = ReadTcpCounters();
   const absl::Time train_start = absl::Now();
@@ -208,9 +210,11 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
     record.up = plan.up.kind;
     record.down = plan.down.kind;
     record.step_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-    // What the step spent neither computing its gradient nor encoding:
-    // waiting for replies (and applying those that land meanwhile).
-    record.comm_seconds = record.step_seconds - record.compute_seconds - record.traffic.encode_seconds;
+    // What the step spent neither computing its gradient nor encoding on
+    // this thread: waiting for replies and for encodes on the compute pool
+    // that the gradient did not hide (and applying what lands meanwhile).
+    record.comm_seconds =
+        record.step_seconds - record.compute_seconds - record.traffic.encode_inline_seconds;
     record.wire_up = tcp_after.sent - tcp_before.sent;
     record.wire_down = tcp_after.received - tcp_before.received;
     if (options.checksums) record.checksum = replica.Checksum();

@@ -37,6 +37,8 @@ struct TrainerOptions {
   // host:port for Prometheus /metrics, /healthz and /readyz (ready once the
   // worker has joined every shard and started); empty: none.
   std::string metrics_listen;
+  // The session's compute pool (Session::Connect; 0: none).
+  int compute_threads = 0;
 };
 
 struct TrainingSummary {

@@ -23,11 +23,14 @@ using testing::ReadFile;
 using testing::Expected;
 using testing::Simulate;
 
-void ExpectBitIdentical(const std::string& config) {
+// `daemon_args`: appended to every server's and worker's command line.
+void ExpectBitIdentical(const std::string& config, const std::vector<std::string>& daemon_args = {}) {
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const Expected expected = Simulate(*job);
   Cluster cluster(config, job->shards(), job->workers());
+  cluster.AddServerArgs(daemon_args);
+  cluster.AddWorkerArgs(daemon_args);
   cluster.StartServers(/*state_logs=*/true);
   cluster.StartWorkers(/*checksums=*/true);
   std::string failure;
@@ -77,6 +80,21 @@ TEST(TrainingTest, OneBitAdamAcrossTheFreezeStepMatchesTheSimulator) {
     optimizer: "onebit_adam"
     freeze_step: 5
   )");
+}
+
+// The compute pools (--compute_threads) of servers and workers complete,
+// encode and apply partitions in parallel: the same bits with 1, 2 or 8
+// threads (the other tests run with the default, one per core).
+TEST(TrainingTest, ComputePoolsOfOneTwoOrEightThreadsMatchTheSimulator) {
+  std::string config(kCommon);
+  config.replace(config.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 }");
+  for (const char* threads : {"1", "2", "8"}) {
+    SCOPED_TRACE(threads);
+    ExpectBitIdentical(config + R"(
+      optimizer: "onebit_adam"
+      freeze_step: 5
+    )", {"--compute_threads", threads});
+  }
 }
 
 // Dead elements (v = 0 at the freeze): the zero-variance mask and bias

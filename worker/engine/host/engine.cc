@@ -78,8 +78,12 @@ class HostEngine final : public Engine {
   // The hook writes into the engine's own gradient, which the next steps
   // then encode.
   float* grad() override {
-    own_grad_.resize(config_.layout.dim);  // only engines that run hooks pay for it
-    grad_ = own_grad_;
+    // Called for every gradient range while the pool encodes the ranges
+    // before: only the first call writes (the others only read).
+    if (own_grad_.size() != config_.layout.dim) {
+      own_grad_.resize(config_.layout.dim);  // only engines that run hooks pay for it
+    }
+    if (grad_.data() != own_grad_.data()) grad_ = own_grad_;
     return own_grad_.data();
   }
   uint64_t x_dim() const override { return config_.layout.dim; }
