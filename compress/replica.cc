@@ -256,6 +256,12 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
   if (plan.compressing && config.bound_update) {
     rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
   }
+  if (config.optimizer == OptimizerKind::kZeroOneAdam && !plan.compressing && config.bound_update) {
+    // A variance step's m comes from the 1-bit steps before it, not from
+    // gradients alone as Adam's does: bounded like them (design.md 2.7).
+    rule.bounded_variance = true;
+    rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
+  }
   return rule;
 }
 
@@ -279,6 +285,8 @@ void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<floa
     ZeroOneSyncStep(rule.scalars, decoded, anchor.empty() ? absl::Span<const float>(x) : anchor, x, m, v);
   } else if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
+  } else if (rule.bounded_variance) {
+    ZeroOneVarianceStep(rule.scalars, decoded, x, m, v);
   } else {
     AdamStep(rule.scalars, decoded, x, m, v);
   }

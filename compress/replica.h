@@ -91,7 +91,9 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
 // simulator) turns step `step`'s decoded reply into an update of x, m, v.
 struct ReplyRule {
   CodecSpec codec;              // the reply's encoding
-  bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep
+  bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep, or
+  // zero_one_adam's variance step with its bounded ratio (ZeroOneVarianceStep)
+  bool bounded_variance = false;
   // zero_one_adam's sync (ZeroOneSyncStep, scalars.lr the interval's
   // learning-rate sum); the others are off.
   bool sync = false;

@@ -91,6 +91,21 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
   ActiveKernels().momentum(beta1, m.data(), g.data(), out.data(), out.size());
 }
 
+void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
+                         absl::Span<float> m, absl::Span<float> v) {
+  MORSE_CHECK(g.size() == x.size() && x.size() == m.size() && m.size() == v.size());
+  for (size_t j = 0; j < g.size(); ++j) {
+    const float mi = s.beta1 * m[j] + (1.0f - s.beta1) * g[j];
+    const float vi = s.beta2 * v[j] + (1.0f - s.beta2) * (g[j] * g[j]);
+    const float m_hat = mi / s.bias_correction1;
+    const float v_hat = vi / s.bias_correction2;
+    const float d = simd::BoundRatio(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio) + s.weight_decay * x[j];
+    m[j] = mi;
+    v[j] = vi;
+    x[j] = x[j] - s.lr * d;
+  }
+}
+
 void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
                       absl::Span<float> m, absl::Span<float> u, absl::Span<const float> v,
                       bool write_x) {

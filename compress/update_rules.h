@@ -67,6 +67,11 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
 // zero_one_adam (design.md 2.7). Plain loops in one fixed fp32 order (the
 // compress target is built without FMA contraction), on the CPU only.
 //
+// A variance step (s in T_v before the freeze): Adam's step with the ratio
+// bounded, r = bound((m/bc1) / (sqrt(v/bc2) + eps)), as the other steps of
+// the optimizer are (design.md 2.7).
+void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
+                         absl::Span<float> m, absl::Span<float> v);
 // One worker's local step: m = b1*m + (1-b1)*g; r = bound((m/bc1) /
 // (sqrt(v/bc2) + eps)); d = r + wd*x; u = u + lr*d; x = x - lr*d unless
 // !write_x (a sync step, whose x comes from the reply).

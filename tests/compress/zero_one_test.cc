@@ -101,6 +101,36 @@ TEST(ZeroOneTest, PlansFollowThePhases) {
   EXPECT_EQ(PlanReply(c, 15, &hyper).scalars.lr, 0.25f);  // the pushes carry the sum
 }
 
+// A variance step after 1-bit steps: m holds the compressed replies'
+// momentum while v holds only the variance steps' squared gradients, so
+// Adam's ratio m/sqrt(v) is unbounded where v is tiny. It is clamped to
+// 2.1's bound, as in every other step of the optimizer; bound_update off
+// leaves Adam's step.
+TEST(ZeroOneTest, AVarianceStepIsBoundedLikeTheOneBitSteps) {
+  SimulatorConfig c = ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
+  c.bias_correction = false;
+  c.adam.weight_decay = 0.0f;
+  const float bound = OneBitUpdateBound(c.adam);
+  for (bool bounded : {true, false}) {
+    c.bound_update = bounded;
+    const ReplyRule rule = PlanReply(c, 3);  // s = 4: a variance step after s = 3's 1-bit step
+    ASSERT_FALSE(rule.frozen_variance);
+    EXPECT_EQ(rule.bounded_variance, bounded);
+    std::vector<float> g = {0.0f, 1e-3f}, x = {0.0f, 0.0f}, m = {1.0f, 1e-3f}, v = {1e-12f, 1.0f};
+    ApplyRule(rule, absl::MakeSpan(g), absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v), {}, {});
+    const float lr = rule.scalars.lr;
+    if (bounded) {
+      EXPECT_EQ(x[0], 0.0f - lr * bound);  // clamped
+    } else {
+      EXPECT_LT(x[0], -1000.0f * lr);  // about lr * 0.9 / sqrt(0.999e-12)
+    }
+    // Within Adam's own bound nothing changes.
+    const float m1 = c.adam.beta1 * 1e-3f + (1.0f - c.adam.beta1) * 1e-3f;
+    const float v1 = c.adam.beta2 * 1.0f + (1.0f - c.adam.beta2) * (1e-3f * 1e-3f);
+    EXPECT_EQ(x[1], 0.0f - lr * (m1 / (std::sqrt(v1) + c.adam.eps)));
+  }
+}
+
 // The algorithm of design.md 2.7 written out with lossless messages.
 class Reference {
  public:
@@ -138,7 +168,7 @@ class Reference {
         if (variance) {
           m_[j] = b1 * m_[j] + (1.0f - b1) * a;
           v_[j] = b2 * v_[j] + (1.0f - b2) * (a * a);
-          x_[j] = x_[j] - lr * ((m_[j] / bc1) / (std::sqrt(v_[j] / bc2) + eps) + wd * x_[j]);
+          x_[j] = x_[j] - lr * (clamp((m_[j] / bc1) / (std::sqrt(v_[j] / bc2) + eps)) + wd * x_[j]);
         } else {
           m_[j] = a;
           x_[j] = x_[j] - lr * (clamp((a / bc1) / (std::sqrt(v_[j] / bc2) + eps)) + wd * x_[j]);
