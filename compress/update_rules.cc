@@ -141,7 +141,7 @@ void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w, absl::Span
               m.size() == v.size());
   for (size_t j = 0; j < w.size(); ++j) {
     const float a = std::sqrt(v[j] / s.bias_correction2) + s.eps;
-    x[j] = anchor[j] - (s.lr * w[j]) / a;
+    x[j] = anchor[j] - s.lr * simd::BoundRatio(w[j] / a, s.max_ratio);
     m[j] = w[j];
   }
 }

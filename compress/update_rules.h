@@ -84,8 +84,8 @@ void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Spa
 void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const float> u,
                         absl::Span<const float> m, absl::Span<const float> v, absl::Span<float> out);
 // Every replica's sync update from the decoded reply w, with s.lr the
-// interval's learning-rate sum: x = anchor - (lr_sum * w) / (sqrt(v/bc2) +
-// eps); m = w. `anchor` (x at the last sync) may be x itself (a shard's
+// interval's learning-rate sum: x = anchor - lr_sum * bound(w / (sqrt(v/bc2)
+// + eps)); m = w. `anchor` (x at the last sync) may be x itself (a shard's
 // mirror never leaves it).
 void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w, absl::Span<const float> anchor,
                      absl::Span<float> x, absl::Span<float> m, absl::Span<const float> v);

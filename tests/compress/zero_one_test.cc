@@ -200,7 +200,7 @@ class Reference {
     }
     for (size_t j = 0; j < n; ++j) {
       const float w = average(sent, j);
-      x_[j] = x_[j] - (lr_sum_ * w) / (std::sqrt(v_[j] / bc2) + eps);
+      x_[j] = x_[j] - lr_sum_ * clamp(w / (std::sqrt(v_[j] / bc2) + eps));
       m_[j] = w;
     }
     for (uint32_t i = 0; i < workers; ++i) wx_[i] = x_, wm_[i] = m_;
