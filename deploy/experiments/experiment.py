@@ -184,7 +184,7 @@ def netprobe(vc, bin_dir, a, b, streams=2):
 
 
 def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, window=8,
-              channels=2):
+              channels=2, compute_threads=0):
     """One Morse job; returns a result row (without the link fields)."""
     config = os.path.join(work, f"{scheme}-{dim}.textproto")
     with open(config, "w") as f:
@@ -207,7 +207,8 @@ log_every: 1000
             log = open(os.path.join(work, f"{scheme}-server{s}.log"), "w")
             servers.append(vc.popen(server_host(s), [f"{bin_dir}/server/morse-server", "--config", config,
                                                      "--shard", str(s), "--insecure", "--listen",
-                                                     f"{vc.address(server_host(s))}:7000"], log))
+                                                     f"{vc.address(server_host(s))}:7000",
+                                                     "--compute_threads", str(compute_threads)], log))
         time.sleep(0.5)
         addresses = ",".join(f"{vc.address(server_host(s))}:7000" for s in range(shards))
         before = vc.tx_rx(worker_host(0))
@@ -215,7 +216,8 @@ log_every: 1000
             log = open(os.path.join(work, f"{scheme}-worker{r}.log"), "w")
             procs.append(vc.popen(worker_host(r), [f"{bin_dir}/worker/morse-worker", "--config", config,
                                                    "--rank", str(r), "--servers", addresses, "--insecure", "--metrics",
-                                                   os.path.join(work, f"{scheme}-worker{r}.jsonl")], log))
+                                                   os.path.join(work, f"{scheme}-worker{r}.jsonl"),
+                                                   "--compute_threads", str(compute_threads)], log))
         codes = wait_all(procs, 60 + steps * (dim * 4 * 8 / (vc.rate * 1e9) * 6 + 5))
         after = vc.tx_rx(worker_host(0))
     finally:
@@ -307,6 +309,8 @@ def main():
     p.add_argument("--colocate", action="store_true", help="servers share hosts with workers")
     p.add_argument("--window", type=int, default=64, help="partitions each worker keeps in flight")
     p.add_argument("--channels", type=int, default=4, help="TCP connections per worker and shard")
+    p.add_argument("--compute-threads", type=int, default=0,
+                   help="every daemon's --compute_threads (0: one per core, the daemons' default)")
     p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
     p.add_argument("--jitter", type=float, default=0.0, help="netem jitter, ms")
     p.add_argument("--loss", type=float, default=0.0, help="netem loss, percent")
@@ -344,7 +348,8 @@ def main():
                         try:
                             if kind == "morse":
                                 row.update(morse_run(vc, a.build, scheme, dim, workers, shards, a.steps,
-                                                     a.colocate, work, a.window, a.channels))
+                                                     a.colocate, work, a.window, a.channels,
+                                                     a.compute_threads))
                             else:
                                 row["workers"] = max(2, workers)
                                 row.update(ddp_run(vc, scheme, dim, max(2, workers), a.steps, work))
