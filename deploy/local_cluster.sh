@@ -8,7 +8,8 @@
 # worker 0's progress streams to stdout, every worker's log, metrics
 # (OUT_DIR/worker*.jsonl) and final JSON summary (OUT_DIR/summary*.json) land
 # in OUT_DIR. Ctrl-C, or any worker failing, stops every process it started;
-# the exit code is then non-zero. Set MORSE_BUILD_DIR for a build elsewhere.
+# the exit code is then non-zero. Set MORSE_BUILD_DIR for a build elsewhere,
+# MORSE_COMPUTE_THREADS for every daemon's --compute_threads.
 set -euo pipefail
 if [ $# -ne 2 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
   sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
@@ -19,6 +20,7 @@ bin="${MORSE_BUILD_DIR:-$root/build}"
 config="$1"
 out="$2"
 mkdir -p "$out"
+threads=(--compute_threads "${MORSE_COMPUTE_THREADS:-0}")
 
 shape="$("$bin/server/morse-server" --config "$config" --shard 0 --insecure --check_config)" || exit 2
 shards="$(sed -n 's/.*shard 0\/\([0-9]*\) of job.*/\1/p' <<<"$shape")"
@@ -36,7 +38,7 @@ trap cleanup EXIT
 addresses=()
 for ((s = 0; s < shards; s++)); do
   log="$out/server$s.log"
-  "$bin/server/morse-server" --config "$config" --shard "$s" --listen 127.0.0.1:0 --insecure >"$log" 2>&1 &
+  "$bin/server/morse-server" --config "$config" --shard "$s" --listen 127.0.0.1:0 --insecure "${threads[@]}" >"$log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do
     grep -q "listening on" "$log" 2>/dev/null && break
@@ -50,7 +52,8 @@ echo "local_cluster: $shards shard(s) at $servers; starting $workers worker(s)"
 
 worker_pids=()
 for ((r = 0; r < workers; r++)); do
-  args=(--config "$config" --rank "$r" --servers "$servers" --insecure --metrics "$out/worker$r.jsonl")
+  args=(--config "$config" --rank "$r" --servers "$servers" --insecure --metrics "$out/worker$r.jsonl"
+        "${threads[@]}")
   if [ "$r" -eq 0 ]; then
     "$bin/worker/morse-worker" "${args[@]}" 2>&1 | tee "$out/worker$r.log" | sed 's/^/  /' &
   else
