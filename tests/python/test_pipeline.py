@@ -218,10 +218,18 @@ def test_failures_do_not_hang(tmp):
     print(f"a dead stage 2: stages 1 and 0 failed clearly within {took:.1f} s")
 
     procs = launch_by_hand(2, "--steps", "100000", "--timeout", "4")
-    time.sleep(3)
+    # Silence stage 1 once the two are connected and training (stage 0's
+    # first progress line), not after a fixed sleep: on a loaded host stage
+    # 1 may not listen yet, and stage 0 then fails to connect instead.
+    first = []
+    while True:
+        line = procs[0].stdout.readline()
+        first.append(line)
+        if not line or line.startswith("step "):
+            break
     procs[1].send_signal(signal.SIGSTOP)
     try:
-        out0 = procs[0].communicate(timeout=90)[0]
+        out0 = "".join(first) + procs[0].communicate(timeout=90)[0]
     finally:
         procs[1].send_signal(signal.SIGKILL)
         procs[1].communicate()
