@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "compress/check.h"
 
 namespace morse::compress {
@@ -13,6 +14,14 @@ int ComputePool::DefaultThreads() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+absl::StatusOr<int> ComputePool::ThreadsFromFlag(int flag) {
+  if (flag < 0 || flag > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--compute_threads ", flag, ": 0 (one per core) to 1024"));
+  }
+  return flag == 0 ? DefaultThreads() : flag;
 }
 
 ComputePool::ComputePool(int threads) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
+#include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 
 namespace morse::compress {
@@ -27,6 +28,9 @@ class ComputePool {
  public:
   // The default size: the cores this process may run on (at least 1).
   static int DefaultThreads();
+  // The size a daemon's --compute_threads asks for: 1..1024 as given, 0 for
+  // DefaultThreads(); INVALID_ARGUMENT naming the flag otherwise.
+  static absl::StatusOr<int> ThreadsFromFlag(int flag);
 
   // `threads` >= 1.
   explicit ComputePool(int threads);

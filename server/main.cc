@@ -100,12 +100,10 @@ int main(int argc, char** argv) {
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
   if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
-  int compute_threads = absl::GetFlag(FLAGS_compute_threads);
-  if (compute_threads < 0 || compute_threads > 1024) {
-    return Fail(kExitConfig, absl::StrFormat("--compute_threads %d: 0 (one per core) to 1024",
-                                             compute_threads));
-  }
-  if (compute_threads == 0) compute_threads = compress::ComputePool::DefaultThreads();
+  const absl::StatusOr<int> threads =
+      compress::ComputePool::ThreadsFromFlag(absl::GetFlag(FLAGS_compute_threads));
+  if (!threads.ok()) return Fail(kExitConfig, std::string(threads.status().message()));
+  const int compute_threads = *threads;
   if (shard >= static_cast<int>(job->shards())) {
     return Fail(kExitConfig,
                 absl::StrFormat("--shard %d: the job has %u shards", shard,

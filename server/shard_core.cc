@@ -359,11 +359,11 @@ void ShardCore::CompleteOnPool(PartitionState& p) {
   Completion completion;
   {
     absl::MutexLock lock(&p.mu);
-    // ExpireWaiting and Abort skip a partition being completed, but an
-    // abort that came first may have cleared it.
+    // ExpireWaiting skips a partition being completed, but an Abort may
+    // have cleared it (ClearPending), and then this task has nothing to do.
     if (!p.completing) return;
     p.completing = false;
-    if (p.arrived != job_.workers()) return;
+    MORSE_CHECK(p.arrived == job_.workers());  // only ClearPending lowers it
     completion = CompleteLocked(p);
   }
   Answer(p, std::move(completion));

@@ -128,13 +128,13 @@ int main(int argc, char** argv) {
   options.rejoin = absl::GetFlag(FLAGS_rejoin);
   options.device = absl::GetFlag(FLAGS_device);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
-  if (options.compute_threads < 0 || options.compute_threads > 1024) {
-    std::fprintf(stderr, "morse-worker: --compute_threads %d: 0 (one per core) to 1024\n",
-                 options.compute_threads);
+  const absl::StatusOr<int> threads =
+      compress::ComputePool::ThreadsFromFlag(absl::GetFlag(FLAGS_compute_threads));
+  if (!threads.ok()) {
+    std::fprintf(stderr, "morse-worker: %s\n", std::string(threads.status().message()).c_str());
     return 2;
   }
-  if (options.compute_threads == 0) options.compute_threads = compress::ComputePool::DefaultThreads();
+  options.compute_threads = *threads;
   options.security = proto::SecurityOptionsFromFlags();
   options.security.token_file = proto::TokenPathForRank(options.security.token_file, options.rank);
   if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {

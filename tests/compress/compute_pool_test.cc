@@ -63,5 +63,17 @@ TEST(ComputePoolTest, ATaskMaySchedule) {
 
 TEST(ComputePoolTest, DefaultsToAtLeastOneThread) { EXPECT_GE(ComputePool::DefaultThreads(), 1); }
 
+TEST(ComputePoolTest, TheFlagIsOneToATousandTwentyFourOrZeroForTheDefault) {
+  EXPECT_EQ(*ComputePool::ThreadsFromFlag(0), ComputePool::DefaultThreads());
+  EXPECT_EQ(*ComputePool::ThreadsFromFlag(8), 8);
+  EXPECT_EQ(*ComputePool::ThreadsFromFlag(1024), 1024);
+  for (int bad : {-1, 1025}) {
+    const absl::StatusOr<int> threads = ComputePool::ThreadsFromFlag(bad);
+    ASSERT_FALSE(threads.ok());
+    EXPECT_EQ(threads.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(threads.status().message().find("--compute_threads"), std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace morse::compress
