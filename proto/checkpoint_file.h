@@ -61,6 +61,8 @@ class CheckpointReader {
   // A byte array of any length; NOT_FOUND if the file has none of that name
   // (files from before it existed), DATA_LOSS if it is of another type.
   absl::StatusOr<std::string> Bytes(const std::string& name) const;
+  // Whether the file has an array of that name (of any type and size).
+  bool Has(const std::string& name) const { return arrays_.count(name) != 0; }
 
  private:
   template <class T>

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <optional>
 #include <string_view>
 
@@ -53,6 +54,15 @@ struct ShardCore::PartitionState {
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
+  // The completed steps before the last one, oldest first, each with its
+  // reply and the hashes of the pushes it answered: a restarted worker
+  // replays from its checkpoint's step and gets these replies again
+  // (checkpoint.replay_steps in all, the last one included).
+  struct Answered {
+    std::shared_ptr<const Reply> reply;
+    std::vector<size_t> hashes;
+  };
+  std::deque<Answered> history ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
   bool restored ABSL_GUARDED_BY(mu) = false;
 
@@ -228,10 +238,29 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       }
       reply = p.last_reply;
     } else if (args.step < p.next_step) {
-      return reject(absl::FailedPreconditionError(absl::StrCat(
-          "step ", args.step, " of partition ", args.partition,
-          " is stale; the partition has completed ", p.next_step, " steps and accepts step ",
-          p.next_step)));
+      // A restarted worker replaying from its checkpoint (DESIGN 4): the
+      // reply it had, if its push is the one it sent then.
+      const auto answered = std::find_if(p.history.begin(), p.history.end(),
+                                         [&](const PartitionState::Answered& a) {
+                                           return a.reply->step == args.step;
+                                         });
+      if (answered == p.history.end()) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "step ", args.step, " of partition ", args.partition,
+            " is stale; the partition has completed ", p.next_step, " steps and accepts step ",
+            p.next_step,
+            p.history.empty()
+                ? std::string()
+                : absl::StrCat(" (it keeps the replies of steps ", p.history.front().reply->step,
+                               " on for restarted workers: checkpoint.replay_steps)"))));
+      }
+      if (HashBytes(args.payload) != answered->hashes[args.rank]) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "rank ", args.rank, " replayed step ", args.step, " of partition ", args.partition,
+            " with other bytes than it pushed then: its checkpoint, data or command line differ "
+            "from the run's")));
+      }
+      reply = answered->reply;
     } else if (args.step < NextExchange(p)) {
       return reject(absl::FailedPreconditionError(absl::StrCat(
           "step ", args.step, " is a local step of zero_one_adam (docs/design.md 2.7): workers do "
@@ -481,12 +510,18 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
     status = compress::Decode(rule.codec, payload, average);
     if (status.ok()) reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
   }
-  for (size_t r = 0; r < p.pushes.size(); ++r) p.last_hashes[r] = HashBytes(*p.pushes[r]);
+  std::vector<size_t> hashes(p.pushes.size());
+  for (size_t r = 0; r < p.pushes.size(); ++r) hashes[r] = HashBytes(*p.pushes[r]);
   p.ClearPending();
   if (!status.ok()) {
     return absl::InternalError(absl::StrCat("partition ", part.id, " step ", step,
                                             ": recompression failed: ", status.message()));
   }
+  if (p.last_reply != nullptr && job_.replay_steps > 1) {
+    p.history.push_back({std::move(p.last_reply), p.last_hashes});
+    while (p.history.size() > job_.replay_steps - 1) p.history.pop_front();
+  }
+  p.last_hashes = std::move(hashes);
   p.last_reply = reply;
   p.restored = false;
   p.next_step = step + 1;
@@ -868,6 +903,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->committed_norm.reset();
     p->committed_lamb.clear();
     p->last_reply = last[i];
+    p->history.clear();
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
       p->last_hashes[r] = static_cast<size_t>(hashes[i * job_.workers() + r]);
     }
@@ -968,6 +1004,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   p.committed_lamb.clear();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
+  p.history.clear();
   absl::MutexLock progress(&progress_mu_);
   observed_step_ = state.completed_steps - 1;
   completions_.clear();

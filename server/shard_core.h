@@ -5,9 +5,12 @@
 // current step, and when the last arrives: sums the decoded messages in rank
 // order and divides by N, recompresses with the shard's error buffer, applies
 // the reply to its mirror of x, m, v, and answers every waiting worker with
-// the same bytes. It then keeps only that reply and a hash of each worker's
-// push, so a retried push gets the same reply and memory stays bounded (one
-// completed and one pending step per partition).
+// the same bytes. It then keeps that reply and a hash of each worker's push,
+// so a retried push gets the same reply, for the last
+// checkpoint.replay_steps completed steps (one without checkpoints): a worker
+// restarted from its own checkpoint replays its pushes from there and gets
+// the replies it had, its pushes checked against the hashes (DESIGN 4).
+// Memory stays bounded: those replies and one pending step per partition.
 //
 // Every push is validated before anything is stored; a rejected push leaves
 // the shard as it was. Codes: FAILED_PRECONDITION for the wrong layout, step,

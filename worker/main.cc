@@ -33,15 +33,17 @@ ABSL_FLAG(bool, checksums, false,
           "model per step).");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for this worker's checkpoint (worker-<rank>.ckpt: its "
-          "error buffer), written "
+          "x, m, v and error buffer), written "
           "every checkpoint.every_steps steps; default: the config's "
           "checkpoint.dir.");
 ABSL_FLAG(bool, resume, false,
           "Join a job whose servers hold its state (restarted from "
-          "checkpoints, or running): "
-          "download x, m, v from the shards and continue at their step, with "
-          "this worker's "
-          "error buffer from its checkpoint of that step if there is one.");
+          "checkpoints, or running): from this worker's checkpoint if it holds "
+          "a step the shards have reached (replaying the steps since with the "
+          "replies the shards kept: a worker killed and restarted ends "
+          "bit-identical), else x, m, v from the shards at their step with the "
+          "error buffer from a checkpoint of that step if there is one (from "
+          "zero otherwise, saying so).");
 ABSL_FLAG(std::string, device, "auto",
           "Where the model, optimizer state, error buffer and gradient live: auto (the GPU "
           "when one is present and the job can run there, else the CPU, saying why), cpu, or "

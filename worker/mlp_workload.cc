@@ -105,6 +105,7 @@ MlpWorkload::MlpWorkload(const proto::JobSpec& job, uint32_t rank,
       widths_(LayerWidths(spec_)),
       train_(std::move(train)),
       test_(std::move(test)),
+      rank_(rank),
       rng_(job.algorithm.seed * 1000003 + rank),
       order_(train_.rows()),
       batch_(widths_, spec_.batch_size),
@@ -128,7 +129,20 @@ void MlpWorkload::Initialize(absl::Span<float> x) const {
   }
 }
 
-void MlpWorkload::NextBatch(float* input, uint32_t* labels) {
+void MlpWorkload::Batch(int64_t step, float* input, uint32_t* labels) {
+  if (step != next_step_) {
+    // The order and cursor at `step`: the constructor's shuffle, one more
+    // per pass over the rows completed before it.
+    rng_.seed(seed_ * 1000003 + rank_);
+    std::iota(order_.begin(), order_.end(), 0);
+    std::shuffle(order_.begin(), order_.end(), rng_);
+    const uint64_t consumed = static_cast<uint64_t>(step) * spec_.batch_size;
+    for (uint64_t pass = 0; pass < consumed / order_.size(); ++pass) {
+      std::shuffle(order_.begin(), order_.end(), rng_);
+    }
+    cursor_ = consumed % order_.size();
+  }
+  next_step_ = step + 1;
   for (uint32_t b = 0; b < spec_.batch_size; ++b) {
     if (cursor_ == order_.size()) {
       std::shuffle(order_.begin(), order_.end(), rng_);
@@ -141,9 +155,9 @@ void MlpWorkload::NextBatch(float* input, uint32_t* labels) {
   }
 }
 
-absl::StatusOr<double> MlpWorkload::Gradient(int64_t, absl::Span<const float> x,
+absl::StatusOr<double> MlpWorkload::Gradient(int64_t step, absl::Span<const float> x,
                                              absl::Span<float> grad) {
-  NextBatch(batch_.input(), labels_.data());
+  Batch(step, batch_.input(), labels_.data());
   HostMlpOps ops;
   return MlpGradient(ops, widths_, x.data(), labels_.data(),
                      static_cast<int>(spec_.batch_size), batch_.buffers(), grad.data());
@@ -163,8 +177,8 @@ class DeviceMlpHook final : public GradientHook {
         input_host_(static_cast<size_t>(workload.batch_size()) * workload.widths()[0]),
         labels_host_(workload.batch_size()) {}
 
-  absl::StatusOr<double> Gradient(int64_t, const float* x, float* grad) override {
-    workload_.NextBatch(input_host_.data(), labels_host_.data());
+  absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) override {
+    workload_.Batch(step, input_host_.data(), labels_host_.data());
     if (absl::Status s = device_.CopyIn(buffers_.acts[0], input_host_.data(), 4 * input_host_.size());
         !s.ok()) {
       return s;

@@ -1,6 +1,7 @@
 #include "worker/session.h"
 
 #include <cstdio>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "proto/checkpoint_file.h"
@@ -65,21 +66,56 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
     return step_;
   }
   if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
+  std::optional<proto::CheckpointReader> reader;
+  if (!checkpoint.empty()) {
+    auto opened = proto::CheckpointReader::Open(checkpoint);
+    if (!opened.ok() && opened.status().code() != absl::StatusCode::kNotFound) return opened.status();
+    if (opened.ok() && opened->header().layout_fingerprint == layout_.fingerprint() &&
+        opened->header().algorithm_fingerprint == compress::AlgorithmFingerprint(job_.algorithm)) {
+      reader = *std::move(opened);
+    }
+  }
+  if (reader.has_value()) {
+    // A checkpoint of this worker's whole state at a step the shards have
+    // reached: start there. Steps the shards have completed since are
+    // replayed: they answer each push with the reply it had then (checked
+    // against the push's hash), so this worker ends where an undisturbed one
+    // would (DESIGN 4).
+    auto completed = client_->CompletedSteps();
+    if (!completed.ok()) return completed.status();
+    const int64_t saved = reader->header().step;
+    if (saved <= *completed) {
+      auto whole = RestoreWholeState(*reader);
+      if (!whole.ok()) return whole.status();
+      if (*whole) {
+        step_ = saved;
+        if (saved == *completed) {
+          std::printf("worker %u: resuming at step %lld; model and error buffer from %s\n", rank_,
+                      static_cast<long long>(step_), checkpoint.c_str());
+        } else {
+          std::printf("worker %u: rejoining at step %lld from %s (model and error buffer); the shards "
+                      "have completed %lld steps: replaying steps %lld..%lld with the replies they kept\n",
+                      rank_, static_cast<long long>(step_), checkpoint.c_str(),
+                      static_cast<long long>(*completed), static_cast<long long>(step_),
+                      static_cast<long long>(*completed - 1));
+        }
+        return step_;
+      }
+    }
+  }
   auto step = client_->FetchModel(replica_);
   if (!step.ok()) return step.status();
   step_ = *step;
   std::string restored = "from zero (no checkpoint of this step)";
-  if (!checkpoint.empty()) {
-    auto reader = proto::CheckpointReader::Open(checkpoint);
-    if (reader.ok() && reader->header().step == step_ &&
-        reader->header().layout_fingerprint == layout_.fingerprint() &&
-        reader->header().algorithm_fingerprint == compress::AlgorithmFingerprint(job_.algorithm)) {
+  if (reader.has_value()) {
+    if (reader->header().step == step_) {
       auto error = reader->Floats("worker_error", job_.algorithm.layout.dim);
       if (!error.ok()) return error.status();
       if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
       restored = "from " + checkpoint;
-    } else if (!reader.ok() && reader.status().code() != absl::StatusCode::kNotFound) {
-      return reader.status();
+    } else {
+      restored = absl::StrCat("from zero (", checkpoint, " is of step ", reader->header().step,
+                              reader->Has("x") ? "" : " and holds only the error buffer", ")");
     }
   }
   std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n", rank_,
@@ -327,7 +363,53 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   std::vector<float> error(job_.algorithm.layout.dim);
   error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("worker_error", error);
+  if (HoldsWholeState(step)) {
+    // The whole replica too, so that this worker, restarted, can replay its
+    // steps from here while the shards have moved on (Start).
+    writer.AddFloats("x", replica_.x());
+    writer.AddFloats("m", replica_.m());
+    writer.AddFloats("v", replica_.v());
+    if (previous_grad_sum_of_squares_.has_value()) {
+      int64_t bits = 0;
+      std::memcpy(&bits, &*previous_grad_sum_of_squares_, sizeof bits);
+      writer.AddInts("previous_grad_sum_of_squares", {&bits, 1});
+    }
+  }
   return writer.Write(path);
+}
+
+bool Session::HoldsWholeState(int64_t step) const {
+  // x, m, v (and the norm a clipped step's successor carries) are the whole
+  // state of a worker between steps, except onebit_lamb's fresh variance
+  // and layer state, and zero_one_adam's inside a local interval.
+  return step == step_ && !InStep() && job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb;
+}
+
+absl::StatusOr<bool> Session::RestoreWholeState(const proto::CheckpointReader& reader) {
+  if (!reader.Has("x") || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) return false;
+  const uint64_t dim = job_.algorithm.layout.dim;
+  auto x = reader.Floats("x", dim);
+  if (!x.ok()) return x.status();
+  auto m = reader.Floats("m", dim);
+  if (!m.ok()) return m.status();
+  auto v = reader.Floats("v", dim);
+  if (!v.ok()) return v.status();
+  auto error = reader.Floats("worker_error", dim);
+  if (!error.ok()) return error.status();
+  std::optional<double> norm;
+  if (reader.Has("previous_grad_sum_of_squares")) {
+    auto bits = reader.Ints("previous_grad_sum_of_squares", 1);
+    if (!bits.ok()) return bits.status();
+    double value = 0;
+    std::memcpy(&value, bits->data(), sizeof value);
+    norm = value;
+  }
+  if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
+  std::copy(x->begin(), x->end(), replica_.x().begin());
+  std::copy(m->begin(), m->end(), replica_.mutable_m().begin());
+  std::copy(v->begin(), v->end(), replica_.mutable_v().begin());
+  previous_grad_sum_of_squares_ = norm;
+  return true;
 }
 
 absl::Status Session::NoSavedRunYet() const {

@@ -19,6 +19,7 @@
 #include "absl/types/span.h"
 #include "compress/error_feedback.h"
 #include "compress/replica.h"
+#include "proto/checkpoint_file.h"
 #include "proto/job_config.h"
 #include "worker/client.h"
 #include "worker/engine/engine.h"
@@ -41,9 +42,12 @@ class Session {
 
   // Starts training. Fresh: rank 0 uploads x as the initial parameters and
   // every other rank replaces its x with them, so all start equal. Resume:
-  // x, m, v come from the shards and the step from their progress; the
-  // error buffer from `checkpoint` (a worker checkpoint of that step) if it
-  // exists. Returns the first step to run.
+  // from `checkpoint` (this worker's) if it holds the whole state of a step
+  // the shards have reached — steps they completed since are replayed, the
+  // shards answering each push with the reply it had (a worker restarted
+  // mid-run); else x, m, v come from the shards and the step from their
+  // progress, and the error buffer from `checkpoint` if it is of that step
+  // (from zero otherwise, saying so). Returns the first step to run.
   absl::StatusOr<int64_t> Start(bool resume, const std::string& checkpoint = "");
 
   // Whether every shard already holds its initial parameters (the job has
@@ -100,9 +104,11 @@ class Session {
   absl::Status StepFromEngine(StepTraffic* traffic = nullptr);
   absl::Status BeginFromEngine();
 
-  // Writes this worker's checkpoint (error buffer, step) to `path`. After
-  // zero_one_adam's local steps the step is the one after the last sync
-  // (the error buffer is that step's; a resumed worker starts there).
+  // Writes this worker's checkpoint to `path`: the step, the error buffer,
+  // and x, m, v where they are the worker's whole state (HoldsWholeState).
+  // After zero_one_adam's local steps the step is the one after the last
+  // sync (the error buffer is that step's; a resumed worker starts there)
+  // and the checkpoint holds the error buffer only.
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }
@@ -136,6 +142,12 @@ class Session {
   // UNIMPLEMENTED for optimizers whose saved runs (Restore, ServerError)
   // would miss state: onebit_lamb for now.
   absl::Status NoSavedRunYet() const;
+  // Whether x, m, v (and the carried gradient norm) are this worker's whole
+  // state at `step` (not onebit_lamb's, nor inside a zero_one_adam interval).
+  bool HoldsWholeState(int64_t step) const;
+  // Loads x, m, v, the error buffer and the carried norm from a checkpoint
+  // that has them (false, nothing changed, if it has not).
+  absl::StatusOr<bool> RestoreWholeState(const proto::CheckpointReader& reader);
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);

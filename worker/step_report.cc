@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ostream>
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -65,7 +66,8 @@ void StepReport::Record(const StepRecord& r) {
         r.compute_seconds, r.traffic.encode_seconds, r.comm_seconds, r.traffic.apply_seconds,
         r.traffic.payload_up, r.traffic.payload_down, r.wire_up, r.wire_down, r.traffic.retries);
     if (r.checksum.has_value()) *options_.jsonl << absl::StrFormat(",\"checksum\":\"%016x\"", *r.checksum);
-    *options_.jsonl << "}\n";
+    // Flushed: a worker killed later keeps its lines so far.
+    *options_.jsonl << "}\n" << std::flush;
   }
   seconds_ += r.step_seconds;
   comm_ += r.comm_seconds;

@@ -230,13 +230,15 @@ absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOp
       ++summary.exchanges;
     }
     summary.final_loss = *loss;
+    // The step's line before its checkpoint: a worker restarted from the
+    // checkpoint has written every step before it.
+    report.Record(record);
     if (checkpoint_due) {
       if (absl::Status s = (*session)->SaveCheckpoint(checkpoint); !s.ok()) {
         std::fprintf(stderr, "worker %u: checkpoint not written: %s\n", options.rank,
                      std::string(s.message()).c_str());
       }
     }
-    report.Record(record);
   }
   summary.wall_seconds = absl::ToDoubleSeconds(absl::Now() - train_start);
   const TcpCounters tcp_end = ReadTcpCounters();

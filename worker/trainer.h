@@ -23,9 +23,10 @@ struct TrainerOptions {
   // Where worker-<rank>.ckpt (this worker's error buffer) is written every
   // checkpoint_every_steps steps; empty: the config's checkpoint.dir.
   std::string checkpoint_dir;
-  // Join a running or restarted job: download x, m, v from the shards and
-  // start at their step, restoring the error buffer from this worker's
-  // checkpoint of that step if there is one (from zero otherwise).
+  // Join a running or restarted job (Session::Start): from this worker's
+  // checkpoint if it holds a step the shards have reached, replaying the
+  // steps since; else x, m, v from the shards at their step, the error
+  // buffer from a checkpoint of that step if there is one.
   bool resume = false;
   // Resume if the shards already hold the model (a restarted worker), start
   // fresh otherwise; for supervisors that restart workers (systemd, Jobs).

@@ -88,9 +88,12 @@ class MlpWorkload final : public Workload {
   // Layer widths: features, the hidden layers, classes.
   const std::vector<uint32_t>& widths() const { return widths_; }
   uint32_t batch_size() const { return spec_.batch_size; }
-  // The next batch_size() training rows (input row-major, batch_size() x
-  // features) and their labels; every Gradient call draws one batch.
-  void NextBatch(float* input, uint32_t* labels);
+  // Step `step`'s batch_size() training rows (input row-major, batch_size()
+  // x features) and their labels: the rows an uninterrupted run draws at
+  // that step whatever was drawn before, so a resumed or restarted worker
+  // sees the same data. Cheap for consecutive steps; a jump replays the
+  // shuffles up to that step.
+  void Batch(int64_t step, float* input, uint32_t* labels);
 
  private:
   proto::MlpSpec spec_;
@@ -98,9 +101,11 @@ class MlpWorkload final : public Workload {
   std::vector<uint32_t> widths_;  // before batch_, which is sized from it
   MlpDataset train_;
   std::optional<MlpDataset> test_;
+  uint32_t rank_;
   std::mt19937_64 rng_;
   std::vector<size_t> order_;
   size_t cursor_ = 0;
+  int64_t next_step_ = 0;  // the step whose batch the order and cursor give
   HostMlpBuffers batch_;  // the CPU path's buffers, batch_size() rows
   std::vector<uint32_t> labels_;
 };

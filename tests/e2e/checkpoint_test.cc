@@ -92,8 +92,13 @@ void ExpectResumedAt(const Cluster& cluster, int64_t step, size_t steps,
                      const std::vector<std::vector<std::string>>& expected) {
   for (int r = 0; r < 2; ++r) {
     const std::string log = ReadFile(cluster.worker_log(r));
-    EXPECT_NE(log.find(absl::StrCat("resuming at step ", step, "; model from the shards, error buffer from")),
-              std::string::npos)
+    // With the error buffer from its checkpoint of that step (and x, m, v
+    // too where the checkpoint holds the whole state, else from the shards).
+    const size_t line = log.find(absl::StrCat("resuming at step ", step, "; model "));
+    ASSERT_NE(line, std::string::npos) << log;
+    const std::string resumed = log.substr(line, log.find('\n', line) - line);
+    EXPECT_TRUE(resumed.find("error buffer from /") != std::string::npos &&
+                resumed.find(absl::StrCat("/worker-", r, ".ckpt")) != std::string::npos)
         << log;
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
     ASSERT_EQ(got.size(), steps) << log;

@@ -152,14 +152,39 @@ void Cluster::RestartServer(int shard, bool state_logs) {
                                 absl::StrCat(dir_, "/server", shard, ".restart", ++restarts_, ".log"));
 }
 
-void Cluster::StartWorker(int rank, bool checksums) {
+std::unique_ptr<Process> Cluster::StartWorkerProcess(int rank, bool checksums, const std::string& log,
+                                                     const std::string& metrics) {
   std::vector<std::string> argv = {WorkerBin(), "--config", config_path(), "--rank",
                                    std::to_string(rank), "--servers", servers(),
-                                   "--metrics", worker_metrics(rank)};
+                                   "--metrics", metrics};
   if (checksums) argv.push_back("--checksums");
   argv.insert(argv.end(), worker_security_.begin(), worker_security_.end());
   argv.insert(argv.end(), worker_args_.begin(), worker_args_.end());
-  workers_procs_.push_back(std::make_unique<Process>(argv, worker_log(rank)));
+  return std::make_unique<Process>(argv, log);
+}
+
+void Cluster::StartWorker(int rank, bool checksums) {
+  workers_procs_.push_back(StartWorkerProcess(rank, checksums, worker_log(rank), worker_metrics(rank)));
+}
+
+void Cluster::KillWorker(int rank) {
+  workers_procs_[rank]->Signal(SIGKILL);
+  int code;
+  workers_procs_[rank]->Wait(absl::Seconds(10), &code);
+}
+
+void Cluster::RestartWorker(int rank, bool checksums) {
+  const int n = ++worker_restarts_[rank];
+  workers_procs_[rank] = StartWorkerProcess(rank, checksums, restarted_worker_log(rank, n),
+                                            restarted_worker_metrics(rank, n));
+}
+
+std::string Cluster::restarted_worker_log(int rank, int restart) const {
+  return absl::StrCat(dir_, "/worker", rank, ".restart", restart, ".log");
+}
+
+std::string Cluster::restarted_worker_metrics(int rank, int restart) const {
+  return absl::StrCat(dir_, "/worker", rank, ".restart", restart, ".jsonl");
 }
 
 void Cluster::StartWorkers(bool checksums) {

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/types.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,6 +76,13 @@ class Cluster {
   // state log is appended to).
   void KillServer(int shard);
   void SignalWorker(int rank, int sig) { workers_procs_[rank]->Signal(sig); }
+  // kill -9 of one worker (waits until it is gone), and its restart with the
+  // same command line (its log and metrics in worker<r>.restart<n>.log and
+  // .jsonl: restarted_worker_log/metrics).
+  void KillWorker(int rank);
+  void RestartWorker(int rank, bool checksums);
+  std::string restarted_worker_log(int rank, int restart) const;
+  std::string restarted_worker_metrics(int rank, int restart) const;
   void RestartServer(int shard, bool state_logs);
 
   std::string worker_log(int rank) const;
@@ -90,7 +98,10 @@ class Cluster {
   std::vector<std::string> server_security_{"--insecure"}, worker_security_{"--insecure"};
   std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
   int restarts_ = 0;
+  std::map<int, int> worker_restarts_;  // rank -> restarts so far
   std::unique_ptr<Process> StartServer(int shard, bool state_logs, const std::string& log);
+  std::unique_ptr<Process> StartWorkerProcess(int rank, bool checksums, const std::string& log,
+                                              const std::string& metrics);
 };
 
 std::string ReadFile(const std::string& path);

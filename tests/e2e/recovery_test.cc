@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstdio>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -118,6 +119,84 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
   }
   std::printf("%zu steps, both shards killed and restarted: workers and mirrors identical to the "
               "simulator\n", expected.model.size());
+}
+
+// Worker loss is a pause too (DESIGN 4, issue 14): each worker killed with
+// -9 at a random step and restarted by the "supervisor" with the same
+// command line (--rejoin). It restarts from its own last checkpoint (x, m,
+// v and its error buffer), replays its pushes from there, the shards
+// answering each with the reply it had (checked against the push's hash),
+// and catches up with the others, who waited for it. Every step each worker
+// ran, before and after its restart, is bit-identical to the undisturbed
+// simulator, and so are the shards' mirrors.
+TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
+  const std::string config = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 200003 noise: 0.2 }
+    optimizer: "onebit_adam"
+    freeze_step: 20
+    lr { lr: 0.01 }
+    steps: 140
+    block_elems: 256
+    partition_elems: 16384
+    seed: 11
+    log_every: 20
+    timeouts { step_seconds: 30 recovery_seconds: 60 }
+    checkpoint { every_steps: 10 }
+  )";
+  auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const testing::Expected expected = testing::Simulate(*job);
+  Cluster cluster(config, 2, 2);
+  cluster.AddWorkerArgs({"--checkpoint_dir=" + cluster.dir(), "--rejoin"});
+  cluster.StartServers(/*state_logs=*/true);
+  cluster.StartWorkers(/*checksums=*/true);
+  // Worker 1 dies in warmup (fp32 pushes), worker 0 (which uploaded the
+  // initial model) in the compression phase; neither at a checkpoint step.
+  std::mt19937 random(std::random_device{}());
+  const int warmup_at = 13 + static_cast<int>(random() % 6);
+  const int compressed_at = 63 + static_cast<int>(random() % 16);
+  for (const auto& [rank, at] : {std::pair<int, int>{1, warmup_at}, {0, compressed_at}}) {
+    ASSERT_TRUE(WaitForSteps(cluster, 0, at)) << "shard 0 never reached step " << at;
+    cluster.KillWorker(rank);
+    absl::SleepFor(absl::Seconds(1));
+    cluster.RestartWorker(rank, /*checksums=*/true);
+  }
+  std::string failure;
+  ASSERT_TRUE(cluster.WaitWorkers(absl::Seconds(180), &failure))
+      << failure << ReadFile(cluster.restarted_worker_log(0, 1)) << ReadFile(cluster.restarted_worker_log(1, 1));
+  cluster.StopServers();
+  for (int r = 0; r < 2; ++r) {
+    // The killed process's lines, then the restarted one's (from its
+    // checkpoint's step): every line equal to the simulator at its step,
+    // and every step up to the last covered.
+    std::vector<bool> seen(expected.model.size(), false);
+    for (const std::string& path : {cluster.worker_metrics(r), cluster.restarted_worker_metrics(r, 1)}) {
+      const std::string text = ReadFile(path);
+      const auto steps = JsonField(text, "step");
+      const auto sums = JsonField(text, "checksum");
+      ASSERT_EQ(steps.size(), sums.size()) << path;
+      for (size_t i = 0; i < steps.size(); ++i) {
+        int64_t step = -1;
+        ASSERT_TRUE(absl::SimpleAtoi(steps[i], &step));
+        ASSERT_LT(step, static_cast<int64_t>(expected.model.size()));
+        EXPECT_EQ(sums[i], expected.model[step]) << path << " step " << step;
+        seen[step] = true;
+      }
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), false), 0) << "worker " << r << " missed steps";
+    const std::string log = ReadFile(cluster.restarted_worker_log(r, 1));
+    EXPECT_NE(log.find("replaying steps"), std::string::npos) << log;
+  }
+  for (int s = 0; s < 2; ++s) {
+    const auto sums = JsonField(ReadFile(cluster.state_log(s)), "mirror_checksum");
+    ASSERT_EQ(sums.size(), expected.shard[s].size()) << "shard " << s;
+    for (size_t t = 0; t < sums.size(); ++t) EXPECT_EQ(sums[t], expected.shard[s][t]) << "shard " << s;
+  }
+  std::printf("%zu steps, worker 1 killed at step %d and worker 0 at step %d, both restarted: every "
+              "step identical to the simulator\n",
+              expected.model.size(), warmup_at, compressed_at);
 }
 
 // A worker stalled (SIGSTOP) for longer than the step timeout and its

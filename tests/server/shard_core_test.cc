@@ -321,6 +321,49 @@ TEST_F(ShardCoreTest, OnlyTheLastCompletedStepIsKept) {
   EXPECT_EQ(Push(Args(1, 0, first())).code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// With checkpoint.replay_steps = K the shard keeps the replies of its last
+// K completed steps: a restarted worker replaying from its checkpoint gets
+// each step's reply again if it pushes the same bytes, and a clear refusal
+// for other bytes or a step no longer kept. Nothing changes either way.
+TEST_F(ShardCoreTest, TheLastReplayStepsRepliesAreKeptForRestartedWorkers) {
+  job_ = *proto::ParseJobConfig(std::string(kConfig) + "checkpoint { every_steps: 2 }",
+                                proto::ConfigFormat::kText);
+  ASSERT_EQ(job_.replay_steps, 3u);
+  core_ = *ShardCore::Create(job_, 1);
+  for (const auto& p : core_->layout().shard_partitions(1)) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
+                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  std::vector<std::shared_ptr<const Reply>> replies;
+  for (int64_t step = 0; step < 6; ++step) {
+    std::shared_ptr<const Reply> reply;
+    for (uint32_t r = 0; r < 3; ++r) ASSERT_EQ(Push(Args(step, r, first()), &reply).ok(), r == 2);
+    replies.push_back(reply);
+  }
+  const uint64_t mirror = core_->MirrorChecksum();
+  for (int64_t step : {3, 4, 5}) {  // steps 3 and 4 from the history, 5 the last
+    for (uint32_t r = 0; r < 3; ++r) {
+      std::shared_ptr<const Reply> again;
+      ASSERT_TRUE(Push(Args(step, r, first()), &again).ok()) << step;
+      EXPECT_EQ(again->payload, replies[step]->payload) << step;
+    }
+  }
+  PushArgs other = Args(4, 1, first());
+  other.payload[0] ^= 1;
+  const absl::Status changed = Push(std::move(other));
+  EXPECT_EQ(changed.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(changed.message().find("with other bytes than it pushed then"), std::string::npos) << changed;
+  const absl::Status gone = Push(Args(2, 1, first()));
+  EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(gone.message().find("keeps the replies of steps 3 on"), std::string::npos) << gone;
+  EXPECT_EQ(core_->MirrorChecksum(), mirror);
+  EXPECT_EQ(core_->Status().completed_steps, 0);  // the other partitions never stepped
+  // The next step goes on as before.
+  for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(Push(Args(6, r, first())).ok(), r == 2);
+}
+
 TEST_F(ShardCoreTest, InitializationRules) {
   auto fresh = *ShardCore::Create(job_, 0);
   const auto& p = fresh->layout().shard_partitions(0)[0];

@@ -43,12 +43,12 @@ class WorkloadTest : public ::testing::Test {
   }
   void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
 
-  proto::JobSpec Job(const std::string& file, const std::string& format) {
+  proto::JobSpec Job(const std::string& file, const std::string& format, int batch_size = 40) {
     auto job = proto::ParseJobConfig(
         absl::StrCat("workers: 1 shards: 1 lr { lr: 0.01 } steps: 10 freeze_step: 1 block_elems: 16 "
                      "partition_elems: 16 mlp { train_path: \"", dir_, "/", file,
                      "\" format: \"", format, "\" features: 5 classes: 3 hidden: 4 hidden: 3 "
-                     "batch_size: 40 }"),
+                     "batch_size: ", batch_size, " }"),
         proto::ConfigFormat::kText);
     EXPECT_TRUE(job.ok()) << job.status();
     return *job;
@@ -82,6 +82,30 @@ TEST_F(WorkloadTest, MlpGradientMatchesFiniteDifferences) {
     ++checked;
   }
   EXPECT_GT(checked, 10);
+}
+
+// A step's batch does not depend on the steps drawn before it: a worker
+// resumed or restarted at step s (or replaying from its checkpoint) trains
+// on what an uninterrupted one does at s, across passes over the data.
+TEST_F(WorkloadTest, MlpBatchesAreAFunctionOfTheStep) {
+  const proto::JobSpec job = Job("d.csv", "csv", /*batch_size=*/7);  // 40 rows: passes end mid-batch
+  auto straight = MakeWorkload(job, 0);
+  auto jumping = MakeWorkload(job, 0);
+  ASSERT_TRUE(straight.ok() && jumping.ok());
+  std::vector<float> x((*straight)->dim());
+  (*straight)->Initialize(absl::MakeSpan(x));
+  std::vector<std::vector<float>> expected;
+  for (int64_t step = 0; step < 30; ++step) {
+    std::vector<float> g(x.size());
+    ASSERT_TRUE((*straight)->Gradient(step, x, absl::MakeSpan(g)).ok());
+    expected.push_back(g);
+  }
+  EXPECT_NE(expected[0], expected[1]);
+  for (int64_t step : {17, 18, 19, 3, 4, 29, 0, 23}) {
+    std::vector<float> g(x.size());
+    ASSERT_TRUE((*jumping)->Gradient(step, x, absl::MakeSpan(g)).ok());
+    EXPECT_EQ(g, expected[step]) << "step " << step;
+  }
 }
 
 TEST_F(WorkloadTest, CsvAndLibsvmGiveTheSameGradient) {
