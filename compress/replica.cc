@@ -571,6 +571,20 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const S
   return absl::OkStatus();
 }
 
+absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
+  if (interval.anchor.size() != interval.u.size() ||
+      (!interval.anchor.empty() && interval.anchor.size() != range_.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("a local interval of ", interval.anchor.size(), " and ",
+                                                   interval.u.size(), " elements for a replica of ",
+                                                   range_.size()));
+  }
+  anchor_ = std::move(interval.anchor);
+  u_ = std::move(interval.u);
+  lr_sum_ = interval.lr_sum;
+  local_step_ = interval.last_step;
+  return absl::OkStatus();
+}
+
 void Replica::SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const {
   MORSE_CHECK(local_step_ == step && begin >= range_.begin && begin + out.size() <= range_.end);
   const size_t at = begin - range_.begin;

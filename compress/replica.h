@@ -224,6 +224,19 @@ class Replica {
   // The learning rates of this interval's local steps so far, summed (what
   // a sync's push carries as its lr when the workers set the lr).
   float lr_sum() const { return lr_sum_; }
+  // The local interval in progress, for a worker's checkpoint: x at its
+  // start (anchor), the update accumulated since (u), the learning-rate sum
+  // and the last local step (-1: none; anchor and u empty before the local
+  // phase).
+  struct LocalInterval {
+    std::vector<float> anchor, u;
+    float lr_sum = 0;
+    int64_t last_step = -1;
+  };
+  LocalInterval local_interval() const { return {anchor_, u_, lr_sum_, local_step_}; }
+  // INVALID_ARGUMENT, nothing changed, unless anchor and u are both empty or
+  // both of the replica's size.
+  absl::Status RestoreLocalInterval(LocalInterval interval);
 
   // onebit_lamb (compress/lamb.h): ApplyReply moves m, v and the fresh
   // variance v'; x follows the step's commit. A worker, holding the whole

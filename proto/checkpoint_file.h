@@ -63,6 +63,12 @@ class CheckpointReader {
   absl::StatusOr<std::string> Bytes(const std::string& name) const;
   // Whether the file has an array of that name (of any type and size).
   bool Has(const std::string& name) const { return arrays_.count(name) != 0; }
+  // Its element count (0 if there is none).
+  uint64_t Count(const std::string& name) const {
+    auto it = arrays_.find(name);
+    return it == arrays_.end() ? 0 : it->second.count;
+  }
+  const std::string& path() const { return path_; }
 
  private:
   template <class T>

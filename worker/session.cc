@@ -81,15 +81,16 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
     // replayed: they answer each push with the reply it had then (checked
     // against the push's hash), so this worker ends where an undisturbed one
     // would (DESIGN 4).
+    // (Inside a zero_one_adam local interval the state is of a later step
+    // than the header's, with no exchange between them.)
     auto completed = client_->CompletedSteps();
     if (!completed.ok()) return completed.status();
-    const int64_t saved = reader->header().step;
-    if (saved <= *completed) {
+    if (reader->header().step <= *completed) {
       auto whole = RestoreWholeState(*reader);
       if (!whole.ok()) return whole.status();
-      if (*whole) {
-        step_ = saved;
-        if (saved == *completed) {
+      if (whole->has_value()) {
+        step_ = **whole;
+        if (step_ >= *completed) {
           std::printf("worker %u: resuming at step %lld; model and error buffer from %s\n", rank_,
                       static_cast<long long>(step_), checkpoint.c_str());
         } else {
@@ -114,8 +115,7 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
       if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
       restored = "from " + checkpoint;
     } else {
-      restored = absl::StrCat("from zero (", checkpoint, " is of step ", reader->header().step,
-                              reader->Has("x") ? "" : " and holds only the error buffer", ")");
+      restored = absl::StrCat("from zero (", checkpoint, " is of step ", reader->header().step, ")");
     }
   }
   std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n", rank_,
@@ -352,10 +352,28 @@ absl::Status Session::Step(absl::Span<const float> grad, StepTraffic* traffic) {
   return Finish(traffic);
 }
 
+namespace {
+
+// Doubles kept bit for bit in a checkpoint's int64 arrays.
+std::vector<int64_t> DoubleBits(absl::Span<const double> values) {
+  std::vector<int64_t> bits(values.size());
+  std::memcpy(bits.data(), values.data(), 8 * values.size());
+  return bits;
+}
+
+std::vector<double> BitsDouble(absl::Span<const int64_t> bits) {
+  std::vector<double> values(bits.size());
+  std::memcpy(values.data(), bits.data(), 8 * bits.size());
+  return values;
+}
+
+}  // namespace
+
 absl::Status Session::SaveCheckpoint(const std::string& path) const {
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   // The error buffer changes only at exchanges: after zero_one_adam's local
   // steps it is the one of the step after the last sync, where the shards
-  // are and where a resumed worker starts.
+  // are and where a resumed worker that takes x, m, v from them starts.
   int64_t step = step_;
   while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges) --step;
   proto::CheckpointWriter writer({"worker", rank_, layout_.fingerprint(),
@@ -363,53 +381,97 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   std::vector<float> error(job_.algorithm.layout.dim);
   error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("worker_error", error);
-  if (HoldsWholeState(step)) {
-    // The whole replica too, so that this worker, restarted, can replay its
-    // steps from here while the shards have moved on (Start).
-    writer.AddFloats("x", replica_.x());
-    writer.AddFloats("m", replica_.m());
-    writer.AddFloats("v", replica_.v());
-    if (previous_grad_sum_of_squares_.has_value()) {
-      int64_t bits = 0;
-      std::memcpy(&bits, &*previous_grad_sum_of_squares_, sizeof bits);
-      writer.AddInts("previous_grad_sum_of_squares", {&bits, 1});
+  // The whole state at step_ too, so that this worker, restarted, can start
+  // here and replay the steps the shards completed since (Start).
+  const int64_t whole_step = step_;
+  writer.AddInts("whole_step", {&whole_step, 1});
+  writer.AddFloats("x", replica_.x());
+  writer.AddFloats("m", replica_.m());
+  writer.AddFloats("v", replica_.v());
+  if (previous_grad_sum_of_squares_.has_value()) {
+    writer.AddInts("previous_grad_sum_of_squares", DoubleBits({&*previous_grad_sum_of_squares_, 1}));
+  }
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    writer.AddFloats("v_fresh", replica_.v_fresh());
+    std::vector<float> layers;
+    for (const compress::LambLayerState& l : replica_.lamb_layers()) {
+      layers.push_back(l.coeff_freeze);
+      layers.push_back(l.last_factor);
     }
+    writer.AddFloats("lamb_layers", layers);
+    writer.AddInts("previous_lamb_commit", DoubleBits(previous_lamb_commit_));
+  }
+  if (whole_step != step) {  // inside a zero_one_adam local interval
+    const compress::Replica::LocalInterval interval = replica_.local_interval();
+    writer.AddFloats("anchor", interval.anchor);
+    writer.AddFloats("u", interval.u);
+    writer.AddFloats("lr_sum", {&interval.lr_sum, 1});
+    writer.AddInts("last_local_step", {&interval.last_step, 1});
   }
   return writer.Write(path);
 }
 
-bool Session::HoldsWholeState(int64_t step) const {
-  // x, m, v (and the norm a clipped step's successor carries) are the whole
-  // state of a worker between steps, except onebit_lamb's fresh variance
-  // and layer state, and zero_one_adam's inside a local interval.
-  return step == step_ && !InStep() && job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb;
-}
-
-absl::StatusOr<bool> Session::RestoreWholeState(const proto::CheckpointReader& reader) {
-  if (!reader.Has("x") || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) return false;
+absl::StatusOr<std::optional<int64_t>> Session::RestoreWholeState(const proto::CheckpointReader& reader) {
+  if (!reader.Has("whole_step")) return std::nullopt;  // a checkpoint of the error buffer alone
   const uint64_t dim = job_.algorithm.layout.dim;
-  auto x = reader.Floats("x", dim);
-  if (!x.ok()) return x.status();
-  auto m = reader.Floats("m", dim);
-  if (!m.ok()) return m.status();
-  auto v = reader.Floats("v", dim);
-  if (!v.ok()) return v.status();
-  auto error = reader.Floats("worker_error", dim);
-  if (!error.ok()) return error.status();
+  const auto floats = [&](const char* name, uint64_t n, std::vector<float>* out) {
+    auto values = reader.Floats(name, n);
+    if (values.ok()) *out = *std::move(values);
+    return values.status();
+  };
+  auto whole_step = reader.Ints("whole_step", 1);
+  if (!whole_step.ok()) return whole_step.status();
+  std::vector<float> x, m, v, error, v_fresh, layers;
+  for (auto [name, out] : {std::pair{"x", &x}, {"m", &m}, {"v", &v}, {"worker_error", &error}}) {
+    if (absl::Status s = floats(name, dim, out); !s.ok()) return s;
+  }
   std::optional<double> norm;
   if (reader.Has("previous_grad_sum_of_squares")) {
     auto bits = reader.Ints("previous_grad_sum_of_squares", 1);
     if (!bits.ok()) return bits.status();
-    double value = 0;
-    std::memcpy(&value, bits->data(), sizeof value);
-    norm = value;
+    norm = BitsDouble(*bits)[0];
   }
-  if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
-  std::copy(x->begin(), x->end(), replica_.x().begin());
-  std::copy(m->begin(), m->end(), replica_.mutable_m().begin());
-  std::copy(v->begin(), v->end(), replica_.mutable_v().begin());
+  std::vector<double> lamb_commit;
+  const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  if (lamb) {
+    if (absl::Status s = floats("v_fresh", dim, &v_fresh); !s.ok()) return s;
+    if (absl::Status s = floats("lamb_layers", 2 * replica_.lamb_layers().size(), &layers); !s.ok()) return s;
+    if (!reader.Has("previous_lamb_commit")) {
+      return absl::DataLossError(absl::StrCat(reader.path(), " has no previous_lamb_commit"));
+    }
+    auto bits = reader.Ints("previous_lamb_commit", reader.Count("previous_lamb_commit"));
+    if (!bits.ok()) return bits.status();
+    lamb_commit = BitsDouble(*bits);
+  }
+  std::optional<compress::Replica::LocalInterval> interval;
+  if ((*whole_step)[0] != reader.header().step) {
+    interval.emplace();
+    if (absl::Status s = floats("anchor", dim, &interval->anchor); !s.ok()) return s;
+    if (absl::Status s = floats("u", dim, &interval->u); !s.ok()) return s;
+    std::vector<float> lr_sum;
+    if (absl::Status s = floats("lr_sum", 1, &lr_sum); !s.ok()) return s;
+    interval->lr_sum = lr_sum[0];
+    auto last = reader.Ints("last_local_step", 1);
+    if (!last.ok()) return last.status();
+    interval->last_step = (*last)[0];
+  }
+  // Everything read: now change the session.
+  if (absl::Status s = error_.Restore(error); !s.ok()) return s;
+  if (interval.has_value()) {
+    if (absl::Status s = replica_.RestoreLocalInterval(*std::move(interval)); !s.ok()) return s;
+  }
+  std::copy(x.begin(), x.end(), replica_.x().begin());
+  std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
+  std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
+  if (lamb) {
+    std::copy(v_fresh.begin(), v_fresh.end(), replica_.mutable_v_fresh().begin());
+    std::vector<compress::LambLayerState> state;
+    for (size_t l = 0; l < layers.size(); l += 2) state.push_back({layers[l], layers[l + 1]});
+    replica_.set_lamb_layers(std::move(state));
+    previous_lamb_commit_ = std::move(lamb_commit);
+  }
   previous_grad_sum_of_squares_ = norm;
-  return true;
+  return (*whole_step)[0];
 }
 
 absl::Status Session::NoSavedRunYet() const {

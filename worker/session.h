@@ -104,11 +104,12 @@ class Session {
   absl::Status StepFromEngine(StepTraffic* traffic = nullptr);
   absl::Status BeginFromEngine();
 
-  // Writes this worker's checkpoint to `path`: the step, the error buffer,
-  // and x, m, v where they are the worker's whole state (HoldsWholeState).
-  // After zero_one_adam's local steps the step is the one after the last
-  // sync (the error buffer is that step's; a resumed worker starts there)
-  // and the checkpoint holds the error buffer only.
+  // Writes this worker's checkpoint to `path`, between steps: its whole
+  // state at step() (x, m, v, the error buffer, and what the optimizer
+  // carries between steps), so that a restarted worker can replay from
+  // there (Start). The header's step is the one after the last exchange
+  // (after zero_one_adam's local steps, the step after the last sync): the
+  // shards' step a worker taking x, m, v from them would start at.
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }
@@ -142,12 +143,12 @@ class Session {
   // UNIMPLEMENTED for optimizers whose saved runs (Restore, ServerError)
   // would miss state: onebit_lamb for now.
   absl::Status NoSavedRunYet() const;
-  // Whether x, m, v (and the carried gradient norm) are this worker's whole
-  // state at `step` (not onebit_lamb's, nor inside a zero_one_adam interval).
-  bool HoldsWholeState(int64_t step) const;
-  // Loads x, m, v, the error buffer and the carried norm from a checkpoint
-  // that has them (false, nothing changed, if it has not).
-  absl::StatusOr<bool> RestoreWholeState(const proto::CheckpointReader& reader);
+  // Loads this worker's whole state from a checkpoint that has it (x, m,
+  // v, the error buffer, what the next pushes carry, onebit_lamb's and a
+  // zero_one_adam local interval's state) and returns its step; nullopt,
+  // nothing changed, for a checkpoint of the error buffer alone; an error,
+  // nothing changed, for a malformed one.
+  absl::StatusOr<std::optional<int64_t>> RestoreWholeState(const proto::CheckpointReader& reader);
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);

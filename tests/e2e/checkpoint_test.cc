@@ -165,9 +165,10 @@ TEST(CheckpointTest, RestartedServersAndResumedWorkersContinueBitForBit) {
 
 // zero_one_adam (docs/design.md 2.7): a job stopped in the middle of a
 // local interval. The shards hold the last sync (step 3 done: completed 4),
-// the workers' checkpoints are labelled with that step, and the resumed
-// workers re-run the interval's local steps from there, bit for bit.
-TEST(CheckpointTest, ZeroOneAdamResumesAtTheLastSyncBitForBit) {
+// the workers' checkpoints are labelled with that step and hold their whole
+// state at step 6 (the interval's start, the update so far), and the
+// resumed workers go on from step 6, bit for bit.
+TEST(CheckpointTest, ZeroOneAdamResumesInsideALocalIntervalBitForBit) {
   const auto config = [](int steps) {
     return absl::StrCat(R"(
       workers: 2
@@ -183,7 +184,7 @@ TEST(CheckpointTest, ZeroOneAdamResumesAtTheLastSyncBitForBit) {
       steps: )", steps);
   };
   // Variance steps 0, 1; syncs 2, 3, 7, 11; local steps 4-6 and 8-10.
-  ExpectStopAndResumeBitForBit(config, 4, 4);
+  ExpectStopAndResumeBitForBit(config, 4, 6);
 }
 
 // onebit_lamb's shards checkpoint its fresh variance and the layers' state

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
@@ -123,28 +124,15 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
 
 // Worker loss is a pause too (DESIGN 4, issue 14): each worker killed with
 // -9 at a random step and restarted by the "supervisor" with the same
-// command line (--rejoin). It restarts from its own last checkpoint (x, m,
-// v and its error buffer), replays its pushes from there, the shards
-// answering each with the reply it had (checked against the push's hash),
-// and catches up with the others, who waited for it. Every step each worker
-// ran, before and after its restart, is bit-identical to the undisturbed
-// simulator, and so are the shards' mirrors.
-TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
-  const std::string config = R"(
-    workers: 2
-    shards: 2
-    synthetic { dim: 200003 noise: 0.2 }
-    optimizer: "onebit_adam"
-    freeze_step: 20
-    lr { lr: 0.01 }
-    steps: 140
-    block_elems: 256
-    partition_elems: 16384
-    seed: 11
-    log_every: 20
-    timeouts { step_seconds: 30 recovery_seconds: 60 }
-    checkpoint { every_steps: 10 }
-  )";
+// command line (--rejoin). It restarts from its own last checkpoint (its
+// whole state), replays its pushes from there, the shards answering each
+// with the reply it had (checked against the push's hash), and catches up
+// with the others, who waited for it. Every step each worker ran, before
+// and after its restart, is bit-identical to the undisturbed simulator, and
+// so are the shards' mirrors. `config` has 2 workers, 2 shards and
+// checkpoints; rank 1 dies at a step in [first, first + 6), rank 0 in
+// [second, second + 16).
+void ExpectEveryWorkerSurvivesAKill(const std::string& config, int first, int second) {
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const testing::Expected expected = testing::Simulate(*job);
@@ -152,13 +140,18 @@ TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
   cluster.AddWorkerArgs({"--checkpoint_dir=" + cluster.dir(), "--rejoin"});
   cluster.StartServers(/*state_logs=*/true);
   cluster.StartWorkers(/*checksums=*/true);
-  // Worker 1 dies in warmup (fp32 pushes), worker 0 (which uploaded the
-  // initial model) in the compression phase; neither at a checkpoint step.
   std::mt19937 random(std::random_device{}());
-  const int warmup_at = 13 + static_cast<int>(random() % 6);
-  const int compressed_at = 63 + static_cast<int>(random() % 16);
-  for (const auto& [rank, at] : {std::pair<int, int>{1, warmup_at}, {0, compressed_at}}) {
-    ASSERT_TRUE(WaitForSteps(cluster, 0, at)) << "shard 0 never reached step " << at;
+  const int first_at = first + static_cast<int>(random() % 6);
+  const int second_at = second + static_cast<int>(random() % 16);
+  for (const auto& [rank, at] : {std::pair<int, int>{1, first_at}, {0, second_at}}) {
+    // The worker's metrics file has a line per step it completed.
+    const absl::Time deadline = absl::Now() + absl::Seconds(60);
+    while (Lines(cluster.worker_metrics(rank)) < static_cast<size_t>(at) && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    ASSERT_GE(Lines(cluster.worker_metrics(rank)), static_cast<size_t>(at))
+        << "worker " << rank << ":\n" << ReadFile(cluster.worker_log(rank)) << "restarted worker 1:\n"
+        << ReadFile(cluster.restarted_worker_log(1, 1)) << "server 0:\n" << ReadFile(cluster.server_log(0));
     cluster.KillWorker(rank);
     absl::SleepFor(absl::Seconds(1));
     cluster.RestartWorker(rank, /*checksums=*/true);
@@ -170,8 +163,8 @@ TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
   for (int r = 0; r < 2; ++r) {
     // The killed process's lines, then the restarted one's (from its
     // checkpoint's step): every line equal to the simulator at its step,
-    // and every step up to the last covered.
-    std::vector<bool> seen(expected.model.size(), false);
+    // and every step covered.
+    std::vector<bool> seen(expected.worker[r].size(), false);
     for (const std::string& path : {cluster.worker_metrics(r), cluster.restarted_worker_metrics(r, 1)}) {
       const std::string text = ReadFile(path);
       const auto steps = JsonField(text, "step");
@@ -180,23 +173,75 @@ TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
       for (size_t i = 0; i < steps.size(); ++i) {
         int64_t step = -1;
         ASSERT_TRUE(absl::SimpleAtoi(steps[i], &step));
-        ASSERT_LT(step, static_cast<int64_t>(expected.model.size()));
-        EXPECT_EQ(sums[i], expected.model[step]) << path << " step " << step;
+        ASSERT_LT(step, static_cast<int64_t>(expected.worker[r].size()));
+        EXPECT_EQ(sums[i], expected.worker[r][step]) << path << " step " << step;
         seen[step] = true;
       }
     }
     EXPECT_EQ(std::count(seen.begin(), seen.end(), false), 0) << "worker " << r << " missed steps";
     const std::string log = ReadFile(cluster.restarted_worker_log(r, 1));
-    EXPECT_NE(log.find("replaying steps"), std::string::npos) << log;
+    EXPECT_NE(log.find(absl::StrCat("from ", cluster.dir(), "/worker-", r, ".ckpt")), std::string::npos) << log;
+    EXPECT_EQ(log.find("from zero"), std::string::npos) << log;
   }
-  for (int s = 0; s < 2; ++s) {
-    const auto sums = JsonField(ReadFile(cluster.state_log(s)), "mirror_checksum");
+  for (int s = 0; s < 2; ++s) {  // a line per exchanged step
+    const std::string text = ReadFile(cluster.state_log(s));
+    const auto sums = JsonField(text, "mirror_checksum");
+    const auto steps = JsonField(text, "step");
     ASSERT_EQ(sums.size(), expected.shard[s].size()) << "shard " << s;
-    for (size_t t = 0; t < sums.size(); ++t) EXPECT_EQ(sums[t], expected.shard[s][t]) << "shard " << s;
+    ASSERT_EQ(steps.size(), sums.size()) << "shard " << s;
+    for (size_t i = 0; i < sums.size(); ++i) {
+      EXPECT_EQ(steps[i], std::to_string(expected.exchanged_steps[i])) << "shard " << s;
+      EXPECT_EQ(sums[i], expected.shard[s][i]) << "shard " << s << " step " << steps[i];
+    }
   }
   std::printf("%zu steps, worker 1 killed at step %d and worker 0 at step %d, both restarted: every "
               "step identical to the simulator\n",
-              expected.model.size(), warmup_at, compressed_at);
+              expected.worker[0].size(), first_at, second_at);
+}
+
+constexpr char kWorkerKillJob[] = R"(
+    workers: 2
+    shards: 2
+    block_elems: 256
+    partition_elems: 16384
+    seed: 11
+    log_every: 20
+    lr { lr: 0.01 }
+    timeouts { step_seconds: 30 recovery_seconds: 60 }
+    checkpoint { every_steps: 10 }
+)";
+
+// 1-bit Adam: worker 1 dies in warmup (fp32 pushes), worker 0 (which
+// uploaded the initial model) in the compression phase.
+TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
+  ExpectEveryWorkerSurvivesAKill(absl::StrCat(kWorkerKillJob, R"(
+    synthetic { dim: 200003 noise: 0.2 }
+    optimizer: "onebit_adam"
+    freeze_step: 20
+    steps: 140
+  )"), 13, 63);
+}
+
+// 0/1 Adam: killed in its variance phase and among local steps and syncs
+// (a checkpoint inside a local interval holds the interval's state).
+TEST(RecoveryTest, ZeroOneAdamWorkersKilledAndRestartedStayIdentical) {
+  ExpectEveryWorkerSurvivesAKill(absl::StrCat(kWorkerKillJob, R"(
+    synthetic { dim: 100003 noise: 0.2 }
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 12 var_update_scaler: 4 local_step_scaler: 8 local_step_clipper: 4 }
+    steps: 120
+  )"), 12, 40);
+}
+
+// 1-bit LAMB: its fresh variance, layer state and the commit the next
+// pushes carry come back from the checkpoint too.
+TEST(RecoveryTest, OneBitLambWorkersKilledAndRestartedStayIdentical) {
+  ExpectEveryWorkerSurvivesAKill(absl::StrCat(kWorkerKillJob, R"(
+    synthetic { dim: 100003 noise: 0.2 layer_elems: 20000 }
+    optimizer: "onebit_lamb"
+    freeze_step: 20
+    steps: 120
+  )"), 13, 50);
 }
 
 // A worker stalled (SIGSTOP) for longer than the step timeout and its
