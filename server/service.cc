@@ -1,6 +1,14 @@
 #include "server/service.h"
 
 #include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/slice.h>
 
 #include "absl/strings/str_cat.h"
 #include "proto/wire.h"
@@ -62,10 +70,67 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
   return reactor;
 }
 
+grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
+  // morse.proto's PushReply: step = 1, partition = 2, codec = 3 (varints),
+  // payload = 4, buffers = 5 (length-delimited), grad_sum_of_squares = 6
+  // (fixed64).
+  using google::protobuf::io::CodedOutputStream;
+  using google::protobuf::io::StringOutputStream;
+  // Tags: field number << 3 | wire type (0 varint, 1 fixed64, 2 length-delimited).
+  constexpr auto tag = [](uint32_t field, uint32_t type) { return field << 3 | type; };
+  std::string head, tail;
+  {
+    StringOutputStream stream(&head);
+    CodedOutputStream out(&stream);
+    out.WriteTag(tag(1, 0));
+    out.WriteVarint64(static_cast<uint64_t>(reply->step));
+    out.WriteTag(tag(2, 0));
+    out.WriteVarint32(reply->partition);
+    out.WriteTag(tag(3, 0));
+    out.WriteVarint32SignExtended(static_cast<int32_t>(proto::ToWire(reply->codec)));
+    out.WriteTag(tag(4, 2));
+    out.WriteVarint64(reply->payload.size());
+  }
+  {
+    StringOutputStream stream(&tail);
+    CodedOutputStream out(&stream);
+    if (!reply->buffers.empty()) {
+      out.WriteTag(tag(5, 2));
+      out.WriteVarint64(reply->buffers.size());
+      out.WriteRaw(reply->buffers.data(), static_cast<int>(reply->buffers.size()));
+    }
+    if (reply->grad_sum_of_squares.has_value()) {
+      uint64_t bits = 0;
+      std::memcpy(&bits, &*reply->grad_sum_of_squares, sizeof bits);
+      out.WriteTag(tag(6, 1));
+      out.WriteLittleEndian64(bits);
+    }
+  }
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(head);
+  if (!reply->payload.empty()) {
+    // The slice holds a reference to the reply; gRPC drops it when the
+    // bytes are sent (the payload is never written through it).
+    auto* owner = new std::shared_ptr<const Reply>(reply);
+    slices.emplace_back(const_cast<char*>((*owner)->payload.data()), (*owner)->payload.size(),
+                        [](void* user_data) { delete static_cast<std::shared_ptr<const Reply>*>(user_data); },
+                        owner);
+  }
+  if (!tail.empty()) slices.emplace_back(tail);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerContext* context,
-                                                       const v1::PushRequest* request,
-                                                       v1::PushReply* reply) {
+                                                       const grpc::ByteBuffer* raw_request,
+                                                       grpc::ByteBuffer* raw_reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto request = std::make_unique<v1::PushRequest>();
+  if (!grpc::GenericDeserialize<grpc::ProtoBufferReader, v1::PushRequest>(
+           const_cast<grpc::ByteBuffer*>(raw_request), request.get())
+           .ok()) {
+    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a push that is not a PushRequest"));
+    return reactor;
+  }
   if (!Authorized(context, reactor, request->rank())) return reactor;
   ShardCore* core = CoreOrFinish(context, reactor);
   if (core == nullptr) return reactor;
@@ -84,7 +149,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   // this: take the bytes instead of copying them (1 MiB per partition in
   // fp32 phases).
   const size_t bytes_in = request->payload().size();
-  args.payload.swap(*const_cast<v1::PushRequest*>(request)->mutable_payload());
+  args.payload.swap(*request->mutable_payload());
   args.buffers = request->buffers();
   if (request->has_lr() != request->has_weight_decay()) {
     reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -101,21 +166,14 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
   }
   const compress::CodecKind kind = *codec;
   core->Push(std::move(args),
-              [this, context, reactor, reply, bytes_in, kind](
+              [this, context, reactor, raw_reply, bytes_in, kind](
                   absl::StatusOr<std::shared_ptr<const Reply>> result) {
                 if (metrics_ != nullptr) {
                   metrics_->Push(result.status().code(), kind, bytes_in,
                                  result.ok() ? (*result)->payload.size() : 0);
                 }
                 if (result.ok()) {
-                  reply->set_step((*result)->step);
-                  reply->set_partition((*result)->partition);
-                  reply->set_codec(proto::ToWire((*result)->codec));
-                  reply->set_payload((*result)->payload);
-                  if (!(*result)->buffers.empty()) reply->set_buffers((*result)->buffers);
-                  if ((*result)->grad_sum_of_squares.has_value()) {
-                    reply->set_grad_sum_of_squares(*(*result)->grad_sum_of_squares);
-                  }
+                  *raw_reply = SerializePushReply(*std::move(result));
                 } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
                   context->AddTrailingMetadata(proto::kNextStepKey, std::string(*next));
                 } else if (result.status().code() == absl::StatusCode::kDeadlineExceeded) {

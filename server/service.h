@@ -1,9 +1,15 @@
 // The gRPC face of a ShardCore: translates morse.v1 messages to and from the
 // core's plain types and nothing more (callback API, one reactor per call).
+// Push is a raw method: its reply goes out as slices over the core's reply,
+// which is the same for every worker, so no worker's copy of it is made
+// (SerializePushReply).
 #ifndef MORSE_SERVER_SERVICE_H_
 #define MORSE_SERVER_SERVICE_H_
 
+#include <memory>
 #include <optional>
+
+#include <grpcpp/support/byte_buffer.h>
 
 #include "proto/morse.grpc.pb.h"
 #include "proto/security.h"
@@ -12,7 +18,13 @@
 
 namespace morse::server {
 
-class ParameterServerService final : public v1::ParameterServer::CallbackService {
+// The PushReply of `reply` in protobuf's wire format without copying its
+// payload: the fields before it, a slice over the payload that keeps
+// `reply` alive until gRPC is done with it, then the fields after it.
+grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply);
+
+class ParameterServerService final
+    : public v1::ParameterServer::WithRawCallbackMethod_Push<v1::ParameterServer::CallbackService> {
  public:
   // `metrics` may be null (no --metrics_listen); `tokens` null when calls
   // need no bearer token (no --token_file).
@@ -24,9 +36,10 @@ class ParameterServerService final : public v1::ParameterServer::CallbackService
   grpc::ServerUnaryReactor* InitPartition(grpc::CallbackServerContext* context,
                                           const v1::InitPartitionRequest* request,
                                           v1::InitPartitionReply* reply) override;
-  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
-                                 const v1::PushRequest* request,
-                                 v1::PushReply* reply) override;
+  // A PushRequest in, a PushReply out (SerializePushReply); INVALID_ARGUMENT
+  // for bytes that are not a PushRequest.
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+                                 grpc::ByteBuffer* raw_reply) override;
   grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
                                            const v1::FetchPartitionRequest* request,
                                            v1::PartitionState* reply) override;

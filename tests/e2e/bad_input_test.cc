@@ -9,6 +9,7 @@
 
 #include "compress/codec.h"
 #include "compress/layout.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
@@ -134,6 +135,28 @@ TEST_F(BadInputTest, PayloadOfTheWrongLength) {
   v1::PushRequest request = Sign1Push(0);
   request.mutable_payload()->pop_back();
   ExpectRejected(request, grpc::StatusCode::INVALID_ARGUMENT, "bytes");
+}
+
+// Bytes that are not a PushRequest at all (Push is a raw method on the
+// server, which parses the request itself).
+TEST_F(BadInputTest, BytesThatAreNotAPushRequest) {
+  grpc::GenericStub generic(
+      grpc::CreateChannel(cluster_->server_address(0), grpc::InsecureChannelCredentials()));
+  const std::string garbage = "\x0a\xff\xff\xff\xff\x0f not protobuf";  // a field longer than the message
+  grpc::Slice slice(garbage);
+  grpc::ByteBuffer request(&slice, 1), reply;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  std::promise<grpc::Status> done;
+  generic.UnaryCall(&context, "/morse.v1.ParameterServer/Push", grpc::StubOptions(), &request, &reply,
+                    [&](grpc::Status status) { done.set_value(status); });
+  const grpc::Status status = done.get_future().get();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("not a PushRequest"), std::string::npos) << status.error_message();
+  v1::ShardInfo after;
+  ASSERT_TRUE(Info(&after).ok());
+  EXPECT_EQ(after.mirror_checksum(), before_.mirror_checksum());
+  EXPECT_EQ(after.completed_steps(), before_.completed_steps());
 }
 
 TEST_F(BadInputTest, UnknownRank) {
