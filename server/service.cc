@@ -296,6 +296,7 @@ grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
   reply->set_layout_fingerprint(s.layout_fingerprint);
   reply->set_initialized(s.partitions_initialized == s.partitions);
   reply->set_completed_steps(s.completed_steps);
+  reply->set_replies_kept_from(s.replies_kept_from);
   if (request->mirror_checksum()) reply->set_mirror_checksum(core->MirrorChecksum());
   reply->set_range_begin(s.range.begin);
   reply->set_range_end(s.range.end);

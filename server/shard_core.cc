@@ -1025,12 +1025,16 @@ ShardStatus ShardCore::Status() const {
   s.layout_fingerprint = layout_.fingerprint();
   s.workers = job_.workers();
   s.partitions = static_cast<uint32_t>(partitions_.size());
-  int64_t completed = INT64_MAX;
+  int64_t completed = INT64_MAX, kept_from = 0;
   for (const auto& state : partitions_) {
     absl::MutexLock lock(&state->mu);
     completed = std::min(completed, state->next_step);
+    kept_from = std::max(kept_from, !state->history.empty()      ? state->history.front().reply->step
+                                    : state->last_reply != nullptr ? state->last_reply->step
+                                                                   : state->next_step);
   }
   s.completed_steps = completed;
+  s.replies_kept_from = kept_from;
   absl::MutexLock progress(&progress_mu_);
   s.partitions_initialized = initialized_;
   s.pushes_accepted = accepted_;

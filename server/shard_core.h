@@ -105,6 +105,9 @@ struct ShardStatus {
   uint32_t partitions = 0;
   uint32_t partitions_initialized = 0;
   int64_t completed_steps = 0;  // by every partition
+  // Every partition keeps the replies of its completed steps from this one
+  // on (a restarted worker can replay from here).
+  int64_t replies_kept_from = 0;
   uint64_t pushes_accepted = 0;
   uint64_t pushes_rejected = 0;
 };

@@ -83,22 +83,30 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
     // would (DESIGN 4).
     // (Inside a zero_one_adam local interval the state is of a later step
     // than the header's, with no exchange between them.)
-    auto completed = client_->CompletedSteps();
-    if (!completed.ok()) return completed.status();
-    if (reader->header().step <= *completed) {
+    auto infos = client_->ShardInfos();
+    if (!infos.ok()) return infos.status();
+    int64_t completed = INT64_MAX, kept_from = 0;
+    for (const v1::ShardInfo& info : *infos) {
+      completed = std::min(completed, info.completed_steps());
+      kept_from = std::max(kept_from, info.replies_kept_from());
+    }
+    // The step the whole state is of (-1: a checkpoint of the error buffer
+    // alone), which the shards must still hold every reply after.
+    const int64_t whole_step = reader->Ints("whole_step", 1).value_or(std::vector<int64_t>{-1})[0];
+    if (reader->header().step <= completed && whole_step >= std::min(kept_from, completed)) {
       auto whole = RestoreWholeState(*reader);
       if (!whole.ok()) return whole.status();
       if (whole->has_value()) {
         step_ = **whole;
-        if (step_ >= *completed) {
+        if (step_ >= completed) {
           std::printf("worker %u: resuming at step %lld; model and error buffer from %s\n", rank_,
                       static_cast<long long>(step_), checkpoint.c_str());
         } else {
           std::printf("worker %u: rejoining at step %lld from %s (model and error buffer); the shards "
                       "have completed %lld steps: replaying steps %lld..%lld with the replies they kept\n",
                       rank_, static_cast<long long>(step_), checkpoint.c_str(),
-                      static_cast<long long>(*completed), static_cast<long long>(step_),
-                      static_cast<long long>(*completed - 1));
+                      static_cast<long long>(completed), static_cast<long long>(step_),
+                      static_cast<long long>(completed - 1));
         }
         return step_;
       }
@@ -115,7 +123,8 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
       if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
       restored = "from " + checkpoint;
     } else {
-      restored = absl::StrCat("from zero (", checkpoint, " is of step ", reader->header().step, ")");
+      restored = absl::StrCat("from zero (", checkpoint, " is of step ", reader->header().step,
+                              ", and the shards keep no replies to replay from there)");
     }
   }
   std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n", rank_,

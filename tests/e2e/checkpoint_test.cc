@@ -209,6 +209,36 @@ TEST(CheckpointTest, OneBitLambResumesWithItsLayerStateBitForBit) {
   ExpectStopAndResumeBitForBit(config, 6, 6);
 }
 
+// A worker checkpoint older than any reply the shards keep (the worker died
+// after the shards' last checkpoint but before its own; shards restored
+// from a checkpoint keep only its step's replies): the worker cannot replay,
+// so it rejoins at the shards' step with x, m, v from them and its error
+// buffer from zero, says so, and the job goes on.
+TEST(CheckpointTest, AWorkerCheckpointTooOldToReplayRejoinsAtTheShardsStep) {
+  char older_pattern[] = "/tmp/morse-ckpt-XXXXXX", pattern[] = "/tmp/morse-ckpt-XXXXXX";
+  const std::string older = mkdtemp(older_pattern), ckpt = mkdtemp(pattern);
+  std::string failure;
+  {
+    Cluster first(Config(3), 2, 2);  // worker checkpoints of step 3
+    ASSERT_TRUE(RunCheckpointed(first, older, false, &failure)) << failure;
+  }
+  {
+    Cluster second(Config(6), 2, 2);  // everything at step 6
+    ASSERT_TRUE(RunCheckpointed(second, ckpt, false, &failure)) << failure;
+  }
+  ASSERT_EQ(std::system(absl::StrCat("cp ", older, "/worker-1.ckpt ", ckpt, "/worker-1.ckpt").c_str()), 0);
+  Cluster third(Config(9), 2, 2);
+  ASSERT_TRUE(RunCheckpointed(third, ckpt, false, &failure)) << failure;
+  const std::string log = ReadFile(third.worker_log(1));
+  EXPECT_NE(log.find("resuming at step 6; model from the shards, error buffer from zero ("), std::string::npos)
+      << log;
+  EXPECT_NE(log.find("is of step 3, and the shards keep no replies to replay from there"), std::string::npos)
+      << log;
+  EXPECT_NE(ReadFile(third.worker_log(0)).find("resuming at step 6; model and error buffer from "),
+            std::string::npos);
+  std::system(absl::StrCat("rm -rf ", older, " ", ckpt).c_str());
+}
+
 TEST(CheckpointTest, ACorruptCheckpointStopsTheServerWithAClearError) {
   char pattern[] = "/tmp/morse-ckpt-XXXXXX";
   const std::string ckpt = mkdtemp(pattern);
