@@ -173,6 +173,22 @@ std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit) {
   return state;
 }
 
+std::vector<float> FlattenLambLayers(absl::Span<const LambLayerState> layers) {
+  std::vector<float> values;
+  values.reserve(2 * layers.size());
+  for (const LambLayerState& l : layers) {
+    values.push_back(l.coeff_freeze);
+    values.push_back(l.last_factor);
+  }
+  return values;
+}
+
+std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values) {
+  std::vector<LambLayerState> layers(values.size() / 2);
+  for (size_t l = 0; l < layers.size(); ++l) layers[l] = {values[2 * l], values[2 * l + 1]};
+  return layers;
+}
+
 void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Span<const double> commit,
                  Range range, uint64_t begin, uint64_t n, absl::Span<float> x, absl::Span<const float> m,
                  absl::Span<const float> v) {

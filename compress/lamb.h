@@ -68,6 +68,11 @@ absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const 
 // The layers' state after the step of `commit`.
 std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit);
 
+// Every layer's state as floats, coeff_freeze then last_factor of each
+// layer in turn (checkpoints, FetchPartition), and back.
+std::vector<float> FlattenLambLayers(absl::Span<const LambLayerState> layers);
+std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values);
+
 // x = x - (lr * c_l) * u over global elements [begin, begin + n), arrays
 // holding `range`.
 void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Span<const double> commit,

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "compress/check.h"
+#include "compress/lamb.h"
 #include "compress/scratch.h"
 #include "proto/checkpoint_file.h"
 
@@ -790,12 +791,7 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     // onebit_lamb's fresh variance and every layer's state (design.md 2.8).
     writer.AddFloats("v_fresh", mirror_.v_fresh());
-    std::vector<float> layers;
-    for (const compress::LambLayerState& l : mirror_.lamb_layers()) {
-      layers.push_back(l.coeff_freeze);
-      layers.push_back(l.last_factor);
-    }
-    writer.AddFloats("lamb_layers", layers);
+    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(mirror_.lamb_layers()));
   }
   // The last completed step's replies and push hashes, so that a worker
   // whose reply was lost when the shard died can still get it by retrying.
@@ -846,7 +842,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     auto layers = reader->Floats("lamb_layers", 2 * mirror_.lamb_layers().size());
     if (!layers.ok()) return layers.status();
     v_fresh = *std::move(fresh);
-    for (size_t l = 0; l < layers->size(); l += 2) lamb_layers.push_back({(*layers)[l], (*layers)[l + 1]});
+    lamb_layers = compress::UnflattenLambLayers(*layers);
   }
   if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
@@ -938,10 +934,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   snapshot.v.assign(mirror_.v().begin() + offset, mirror_.v().begin() + offset + n);
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset, mirror_.v_fresh().begin() + offset + n);
-    for (const compress::LambLayerState& l : mirror_.lamb_layers()) {
-      snapshot.lamb_layers.push_back(l.coeff_freeze);
-      snapshot.lamb_layers.push_back(l.last_factor);
-    }
+    snapshot.lamb_layers = compress::FlattenLambLayers(mirror_.lamb_layers());
   }
   if (with_server_error) {
     // The error buffer changes only when a step completes, so it is the one

@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "compress/lamb.h"
 #include "grpcpp/alarm.h"
 #include "proto/wire.h"
 
@@ -231,11 +232,9 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
       std::memcpy(r.mutable_v().data() + p.range.begin, state.v().data(), bytes);
       if (lamb) {
         std::memcpy(r.mutable_v_fresh().data() + p.range.begin, state.v_fresh().data(), bytes);
-        std::vector<compress::LambLayerState> layers;
-        for (int l = 0; l < state.lamb_layers_size(); l += 2) {
-          layers.push_back({state.lamb_layers(l), state.lamb_layers(l + 1)});
-        }
-        r.set_lamb_layers(std::move(layers));  // every shard holds them all
+        // Every shard holds them all.
+        r.set_lamb_layers(compress::UnflattenLambLayers(
+            absl::MakeConstSpan(state.lamb_layers().data(), state.lamb_layers_size())));
       }
     }
     if (!server_error.empty()) {

@@ -106,12 +106,17 @@ MlpWorkload::MlpWorkload(const proto::JobSpec& job, uint32_t rank,
       train_(std::move(train)),
       test_(std::move(test)),
       rank_(rank),
-      rng_(job.algorithm.seed * 1000003 + rank),
       order_(train_.rows()),
       batch_(widths_, spec_.batch_size),
       labels_(spec_.batch_size) {
+  Rewind();
+}
+
+void MlpWorkload::Rewind() {
+  rng_.seed(seed_ * 1000003 + rank_);
   std::iota(order_.begin(), order_.end(), 0);
   std::shuffle(order_.begin(), order_.end(), rng_);
+  cursor_ = 0;
 }
 
 uint64_t MlpWorkload::dim() const { return proto::MlpParameterCount(spec_); }
@@ -131,11 +136,9 @@ void MlpWorkload::Initialize(absl::Span<float> x) const {
 
 void MlpWorkload::Batch(int64_t step, float* input, uint32_t* labels) {
   if (step != next_step_) {
-    // The order and cursor at `step`: the constructor's shuffle, one more
-    // per pass over the rows completed before it.
-    rng_.seed(seed_ * 1000003 + rank_);
-    std::iota(order_.begin(), order_.end(), 0);
-    std::shuffle(order_.begin(), order_.end(), rng_);
+    // The order and cursor at `step`: step 0's, then one more shuffle per
+    // pass over the rows completed before it.
+    Rewind();
     const uint64_t consumed = static_cast<uint64_t>(step) * spec_.batch_size;
     for (uint64_t pass = 0; pass < consumed / order_.size(); ++pass) {
       std::shuffle(order_.begin(), order_.end(), rng_);

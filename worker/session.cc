@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "compress/lamb.h"
 #include "proto/checkpoint_file.h"
 #include "worker/engine/host/engine.h"
 
@@ -92,24 +93,27 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
     }
     // The step the whole state is of (-1: a checkpoint of the error buffer
     // alone), which the shards must still hold every reply after.
-    const int64_t whole_step = reader->Ints("whole_step", 1).value_or(std::vector<int64_t>{-1})[0];
-    if (reader->header().step <= completed && whole_step >= std::min(kept_from, completed)) {
-      auto whole = RestoreWholeState(*reader);
-      if (!whole.ok()) return whole.status();
-      if (whole->has_value()) {
-        step_ = **whole;
-        if (step_ >= completed) {
-          std::printf("worker %u: resuming at step %lld; model and error buffer from %s\n", rank_,
-                      static_cast<long long>(step_), checkpoint.c_str());
-        } else {
-          std::printf("worker %u: rejoining at step %lld from %s (model and error buffer); the shards "
-                      "have completed %lld steps: replaying steps %lld..%lld with the replies they kept\n",
-                      rank_, static_cast<long long>(step_), checkpoint.c_str(),
-                      static_cast<long long>(completed), static_cast<long long>(step_),
-                      static_cast<long long>(completed - 1));
-        }
-        return step_;
+    int64_t whole_step = -1;
+    if (reader->Has("whole_step")) {
+      auto stored = reader->Ints("whole_step", 1);
+      if (!stored.ok()) return stored.status();
+      whole_step = (*stored)[0];
+    }
+    if (whole_step >= 0 && reader->header().step <= completed &&
+        whole_step >= std::min(kept_from, completed)) {
+      if (absl::Status s = RestoreWholeState(*reader, whole_step); !s.ok()) return s;
+      step_ = whole_step;
+      if (step_ >= completed) {
+        std::printf("worker %u: resuming at step %lld; model and error buffer from %s\n", rank_,
+                    static_cast<long long>(step_), checkpoint.c_str());
+      } else {
+        std::printf("worker %u: rejoining at step %lld from %s (model and error buffer); the shards "
+                    "have completed %lld steps: replaying steps %lld..%lld with the replies they kept\n",
+                    rank_, static_cast<long long>(step_), checkpoint.c_str(),
+                    static_cast<long long>(completed), static_cast<long long>(step_),
+                    static_cast<long long>(completed - 1));
       }
+      return step_;
     }
   }
   auto step = client_->FetchModel(replica_);
@@ -402,12 +406,7 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   }
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     writer.AddFloats("v_fresh", replica_.v_fresh());
-    std::vector<float> layers;
-    for (const compress::LambLayerState& l : replica_.lamb_layers()) {
-      layers.push_back(l.coeff_freeze);
-      layers.push_back(l.last_factor);
-    }
-    writer.AddFloats("lamb_layers", layers);
+    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(replica_.lamb_layers()));
     writer.AddInts("previous_lamb_commit", DoubleBits(previous_lamb_commit_));
   }
   if (whole_step != step) {  // inside a zero_one_adam local interval
@@ -420,16 +419,13 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   return writer.Write(path);
 }
 
-absl::StatusOr<std::optional<int64_t>> Session::RestoreWholeState(const proto::CheckpointReader& reader) {
-  if (!reader.Has("whole_step")) return std::nullopt;  // a checkpoint of the error buffer alone
+absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader, int64_t whole_step) {
   const uint64_t dim = job_.algorithm.layout.dim;
   const auto floats = [&](const char* name, uint64_t n, std::vector<float>* out) {
     auto values = reader.Floats(name, n);
     if (values.ok()) *out = *std::move(values);
     return values.status();
   };
-  auto whole_step = reader.Ints("whole_step", 1);
-  if (!whole_step.ok()) return whole_step.status();
   std::vector<float> x, m, v, error, v_fresh, layers;
   for (auto [name, out] : {std::pair{"x", &x}, {"m", &m}, {"v", &v}, {"worker_error", &error}}) {
     if (absl::Status s = floats(name, dim, out); !s.ok()) return s;
@@ -453,7 +449,7 @@ absl::StatusOr<std::optional<int64_t>> Session::RestoreWholeState(const proto::C
     lamb_commit = BitsDouble(*bits);
   }
   std::optional<compress::Replica::LocalInterval> interval;
-  if ((*whole_step)[0] != reader.header().step) {
+  if (whole_step != reader.header().step) {
     interval.emplace();
     if (absl::Status s = floats("anchor", dim, &interval->anchor); !s.ok()) return s;
     if (absl::Status s = floats("u", dim, &interval->u); !s.ok()) return s;
@@ -474,13 +470,11 @@ absl::StatusOr<std::optional<int64_t>> Session::RestoreWholeState(const proto::C
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   if (lamb) {
     std::copy(v_fresh.begin(), v_fresh.end(), replica_.mutable_v_fresh().begin());
-    std::vector<compress::LambLayerState> state;
-    for (size_t l = 0; l < layers.size(); l += 2) state.push_back({layers[l], layers[l + 1]});
-    replica_.set_lamb_layers(std::move(state));
+    replica_.set_lamb_layers(compress::UnflattenLambLayers(layers));
     previous_lamb_commit_ = std::move(lamb_commit);
   }
   previous_grad_sum_of_squares_ = norm;
-  return (*whole_step)[0];
+  return absl::OkStatus();
 }
 
 absl::Status Session::NoSavedRunYet() const {

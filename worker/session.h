@@ -143,12 +143,11 @@ class Session {
   // UNIMPLEMENTED for optimizers whose saved runs (Restore, ServerError)
   // would miss state: onebit_lamb for now.
   absl::Status NoSavedRunYet() const;
-  // Loads this worker's whole state from a checkpoint that has it (x, m,
-  // v, the error buffer, what the next pushes carry, onebit_lamb's and a
-  // zero_one_adam local interval's state) and returns its step; nullopt,
-  // nothing changed, for a checkpoint of the error buffer alone; an error,
-  // nothing changed, for a malformed one.
-  absl::StatusOr<std::optional<int64_t>> RestoreWholeState(const proto::CheckpointReader& reader);
+  // Loads this worker's whole state at `whole_step` (the checkpoint's
+  // "whole_step") from a checkpoint that has it: x, m, v, the error buffer,
+  // what the next pushes carry, onebit_lamb's and a zero_one_adam local
+  // interval's state. An error, nothing changed, for a malformed one.
+  absl::Status RestoreWholeState(const proto::CheckpointReader& reader, int64_t whole_step);
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);

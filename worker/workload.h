@@ -96,13 +96,17 @@ class MlpWorkload final : public Workload {
   void Batch(int64_t step, float* input, uint32_t* labels);
 
  private:
+  // The order and cursor of step 0: rows shuffled by a generator seeded
+  // from the job's seed and the rank.
+  void Rewind();
+
   proto::MlpSpec spec_;
   uint64_t seed_;
   std::vector<uint32_t> widths_;  // before batch_, which is sized from it
   MlpDataset train_;
   std::optional<MlpDataset> test_;
   uint32_t rank_;
-  std::mt19937_64 rng_;
+  std::mt19937_64 rng_;  // seeded by Rewind
   std::vector<size_t> order_;
   size_t cursor_ = 0;
   int64_t next_step_ = 0;  // the step whose batch the order and cursor give

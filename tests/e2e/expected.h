@@ -26,6 +26,11 @@ struct Expected {
 // checksums a worker and each shard should report after every step.
 Expected Simulate(const proto::JobSpec& job);
 
+// A shard's state log (morse-server --state_log: a line per exchanged step,
+// no replays) has exactly `expected`'s steps and mirror checksums of shard
+// `shard`.
+void ExpectStateLogMatches(const std::string& state_log, const Expected& expected, uint32_t shard);
+
 }  // namespace morse::testing
 
 #endif  // MORSE_TESTS_E2E_EXPECTED_H_

@@ -44,16 +44,7 @@ void ExpectBitIdentical(const std::string& config, const std::vector<std::string
     }
   }
   for (uint32_t s = 0; s < job->shards(); ++s) {
-    const std::string log = ReadFile(cluster.state_log(s));
-    const auto got = JsonField(log, "mirror_checksum");
-    const auto steps = JsonField(log, "step");
-    ASSERT_EQ(got.size(), expected.shard[s].size()) << "shard " << s;
-    ASSERT_EQ(steps.size(), got.size()) << "shard " << s;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const int64_t step = expected.exchanged_steps[i];
-      ASSERT_EQ(steps[i], std::to_string(step)) << "shard " << s << " logged another step";
-      ASSERT_EQ(got[i], expected.shard[s][i]) << "shard " << s << " mirror differs at step " << step;
-    }
+    ASSERT_NO_FATAL_FAILURE(testing::ExpectStateLogMatches(ReadFile(cluster.state_log(s)), expected, s));
   }
   std::printf("%zu steps (%zu exchanged): %u workers and %u server mirrors bit-identical to the "
               "simulator\n",

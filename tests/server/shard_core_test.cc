@@ -30,17 +30,23 @@ constexpr char kConfig[] = R"(
   partition_elems: 64
 )";
 
+// Rank 0's initial values (varied per partition) for every partition of
+// `shard`.
+void InitializeAll(ShardCore& core, uint32_t shard = 1) {
+  for (const auto& p : core.layout().shard_partitions(shard)) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core.InitPartition(0, p.id, core.layout().fingerprint(),
+                                   {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+}
+
 class ShardCoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
     job_ = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
     core_ = *ShardCore::Create(job_, 1);
-    for (const auto& p : core_->layout().shard_partitions(1)) {
-      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-      ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
-                                       {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                      .ok());
-    }
+    InitializeAll(*core_);
   }
   uint64_t fingerprint() const { return core_->layout().fingerprint(); }
   const compress::Partition& first() const { return core_->layout().shard_partitions(1)[0]; }
@@ -110,12 +116,7 @@ TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
   for (int threads : {1, 2, 8}) {
     SCOPED_TRACE(threads);
     auto pooled = *ShardCore::Create(job_, 1, /*memory_limit=*/0, threads);
-    for (const compress::Partition& p : partitions) {
-      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-      ASSERT_TRUE(pooled->InitPartition(0, p.id, fingerprint(),
-                                        {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                      .ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(InitializeAll(*pooled));
     absl::Mutex mu;
     std::vector<std::string> got(expected.size());
     size_t answered = 0;
@@ -179,12 +180,7 @@ TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
     SetUp();
     job_.algorithm.mask_zero_variance = mask;
     core_ = *ShardCore::Create(job_, 1);
-    for (const auto& p : core_->layout().shard_partitions(1)) {
-      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-      ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
-                                       {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                      .ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
     for (int64_t step : {0, 1}) {
       for (uint32_t r = 0; r < 3; ++r) ASSERT_NE(Push(Args(step, r, first())).code(), absl::StatusCode::kInternal);
     }
@@ -206,12 +202,7 @@ TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
     for (uint32_t r = 0; r < 3; ++r) (void)Push(Args(2, r, first()), &again);
     auto fresh_core = *ShardCore::Create(job_, 1);
     std::swap(core_, fresh_core);
-    for (const auto& p : core_->layout().shard_partitions(1)) {
-      const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-      ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
-                                       {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                      .ok());
-    }
+    ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
     std::shared_ptr<const Reply> fresh;
     for (int64_t step : {0, 1, 2}) {
       for (uint32_t r = 0; r < 3; ++r) Push(Args(step, r, first()), &fresh);
@@ -261,12 +252,7 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   // A second shard that saw the same pushes without the values applies the
   // schedule's lr instead: its mirror differs.
   auto plain = *ShardCore::Create(job_, 1);
-  for (const auto& p : plain->layout().shard_partitions(1)) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(plain->InitPartition(0, p.id, fingerprint(),
-                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*plain));
   for (uint32_t r = 0; r < 3; ++r) plain->Push(Args(0, r, first()), [](auto) {});
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
@@ -304,12 +290,7 @@ TEST_F(ShardCoreTest, TheShardAnswersFirstAndReadersSeeTheWholeStep) {
   EXPECT_EQ(restored->MirrorChecksum(), core_->MirrorChecksum());
   // And the mirror did move: a step was applied.
   auto fresh = *ShardCore::Create(job_, 1);
-  for (const auto& p : fresh->layout().shard_partitions(1)) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(fresh->InitPartition(0, p.id, fingerprint(),
-                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh));
   EXPECT_NE(fresh->MirrorChecksum(), core_->MirrorChecksum());
 }
 
@@ -330,12 +311,7 @@ TEST_F(ShardCoreTest, TheLastReplayStepsRepliesAreKeptForRestartedWorkers) {
                                 proto::ConfigFormat::kText);
   ASSERT_EQ(job_.replay_steps, 3u);
   core_ = *ShardCore::Create(job_, 1);
-  for (const auto& p : core_->layout().shard_partitions(1)) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
-                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
   std::vector<std::shared_ptr<const Reply>> replies;
   for (int64_t step = 0; step < 6; ++step) {
     std::shared_ptr<const Reply> reply;
@@ -579,12 +555,7 @@ TEST_F(ShardCoreTest, ModuleBuffersGoFromRankZeroToEveryWorker) {
   core_ = *ShardCore::Create(job_, 0);
   const compress::Partition& zero = core_->layout().shard_partitions(0)[0];
   ASSERT_EQ(zero.id, 0u);
-  for (const auto& p : core_->layout().shard_partitions(0)) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
-                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_, 0));
   PushArgs impostor = Args(0, 1, zero);
   impostor.buffers = "stats";
   EXPECT_EQ(Push(impostor).code(), absl::StatusCode::kInvalidArgument);
@@ -708,12 +679,7 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
   // Variance steps 0 and 1; syncs at 2 and 3, then every 4th (s = 8, 12).
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
   const uint64_t fingerprint = core->layout().fingerprint();
-  for (const auto& p : core->layout().partitions()) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
-                                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));  // the only shard
   const auto args = [&](int64_t step, uint32_t rank, const compress::Partition& p,
                         compress::CodecSpec codec) {
     const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
