@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdlib>
 
+#include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
 namespace morse::proto {
@@ -69,6 +71,38 @@ absl::Status FromGrpc(const grpc::Status& status) {
 
 grpc::Status ToGrpc(const absl::Status& status) {
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+namespace {
+constexpr const char* kTrailers[] = {kNextStepKey, kNeedsJoinKey, kStepExpiredKey};
+}  // namespace
+
+absl::Status FromGrpc(const grpc::Status& status,
+                      const std::multimap<grpc::string_ref, grpc::string_ref>& trailing) {
+  absl::Status out = FromGrpc(status);
+  if (out.ok()) return out;
+  for (const char* key : kTrailers) {
+    const auto it = trailing.find(key);
+    if (it != trailing.end()) SetTrailer(out, key, absl::string_view(it->second.data(), it->second.size()));
+  }
+  return out;
+}
+
+void AddTrailers(const absl::Status& status, grpc::ServerContextBase* context) {
+  for (const char* key : kTrailers) {
+    if (auto value = status.GetPayload(key)) context->AddTrailingMetadata(key, std::string(*value));
+  }
+}
+
+void SetTrailer(absl::Status& status, const char* key, absl::string_view value) {
+  status.SetPayload(key, absl::Cord(value));
+}
+
+std::optional<int64_t> NextStep(const absl::Status& status) {
+  const auto value = status.GetPayload(kNextStepKey);
+  int64_t step = -1;
+  if (!value.has_value() || !absl::SimpleAtoi(std::string(*value), &step) || step < 0) return std::nullopt;
+  return step;
 }
 
 void TuneGrpcForReconnects() { setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "300", 0); }

@@ -3,7 +3,9 @@
 #ifndef MORSE_PROTO_WIRE_H_
 #define MORSE_PROTO_WIRE_H_
 
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -35,6 +37,20 @@ void TuneGrpcForReconnects();
 
 absl::Status FromGrpc(const grpc::Status& status);
 grpc::Status ToGrpc(const absl::Status& status);
+
+// A call's whole outcome as one absl::Status, whatever carried it (gRPC, or
+// the in-process transport of the tests): the code and message, and what a
+// shard says besides — kNextStepKey, kNeedsJoinKey, kStepExpiredKey of
+// job_config.h — as payloads of those names (values as on the wire).
+// FromGrpc with the call's trailing metadata; AddTrailers puts a status's
+// payloads into a server call's trailing metadata.
+absl::Status FromGrpc(const grpc::Status& status,
+                      const std::multimap<grpc::string_ref, grpc::string_ref>& trailing);
+void AddTrailers(const absl::Status& status, grpc::ServerContextBase* context);
+// Sets one of those payloads.
+void SetTrailer(absl::Status& status, const char* key, absl::string_view value);
+// The step in a status's kNextStepKey payload, if it has a valid one.
+std::optional<int64_t> NextStep(const absl::Status& status);
 
 }  // namespace morse::proto
 

@@ -15,18 +15,6 @@
 
 namespace morse::server {
 
-ShardCore* ParameterServerService::CoreOrFinish(grpc::CallbackServerContext* context,
-                                                grpc::ServerUnaryReactor* reactor) {
-  ShardCore* core = host_->core();
-  if (core == nullptr) {
-    // An external job's shard that restarted: the workers Join again.
-    context->AddTrailingMetadata(proto::kNeedsJoinKey, "1");
-    reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                 "the model's size is not known yet: no worker has joined"));
-  }
-  return core;
-}
-
 bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
                                         grpc::ServerUnaryReactor* reactor,
                                         std::optional<uint32_t> as_rank) {
@@ -39,19 +27,22 @@ bool ParameterServerService::Authorized(grpc::CallbackServerContext* context,
   return false;
 }
 
+grpc::ServerUnaryReactor* ParameterServerService::Finish(grpc::CallbackServerContext* context,
+                                                         grpc::ServerUnaryReactor* reactor,
+                                                         const absl::Status& status) {
+  proto::AddTrailers(status, context);
+  reactor->Finish(proto::ToGrpc(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ParameterServerService::Join(grpc::CallbackServerContext* context,
                                                        const v1::JoinRequest* request,
                                                        v1::JoinReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor, request->rank())) return reactor;
-  auto job = proto::ParseJobConfigProto(request->job().SerializeAsString());
-  absl::Status status = job.ok() ? host_->Join(request->rank(), *job) : job.status();
-  reply->set_workers_joined(host_->workers_joined());
-  reply->set_workers(host_->base().workers());
-  if (metrics_ != nullptr) metrics_->SetWorkersJoined(host_->workers_joined());
-  if (ShardCore* core = host_->core()) reply->set_layout_fingerprint(core->layout().fingerprint());
-  reactor->Finish(proto::ToGrpc(status));
-  return reactor;
+  const absl::Status status = handler_.Join(*request, reply);
+  if (metrics_ != nullptr) metrics_->SetWorkersJoined(reply->workers_joined());
+  return Finish(context, reactor, status);
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
@@ -59,15 +50,7 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
     v1::InitPartitionReply* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor, request->rank())) return reactor;
-  ShardCore* core = CoreOrFinish(context, reactor);
-  if (core == nullptr) return reactor;
-  absl::Status status = core->InitPartition(request->rank(), request->partition(),
-                                             request->layout_fingerprint(), request->values());
-  const ShardStatus s = core->Status();
-  reply->set_partitions_initialized(s.partitions_initialized);
-  reply->set_partitions_total(s.partitions);
-  reactor->Finish(proto::ToGrpc(status));
-  return reactor;
+  return Finish(context, reactor, handler_.InitPartition(*request, reply));
 }
 
 grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
@@ -132,56 +115,23 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(grpc::CallbackServerConte
     return reactor;
   }
   if (!Authorized(context, reactor, request.rank())) return reactor;
-  ShardCore* core = CoreOrFinish(context, reactor);
-  if (core == nullptr) return reactor;
-  auto codec = proto::FromWire(request.codec());
-  if (!codec.ok()) {
-    reactor->Finish(proto::ToGrpc(codec.status()));
-    return reactor;
-  }
-  PushArgs args;
-  args.step = request.step();
-  args.rank = request.rank();
-  args.partition = request.partition();
-  args.layout_fingerprint = request.layout_fingerprint();
-  args.codec = *codec;
-  // The request is this call's own, and nothing reads its payload after
-  // this: take the bytes instead of copying them (1 MiB per partition in
-  // fp32 phases).
   const size_t bytes_in = request.payload().size();
-  args.payload.swap(*request.mutable_payload());
-  args.buffers = request.buffers();
-  if (request.has_lr() != request.has_weight_decay()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                 "a push sets lr and weight_decay together or neither"));
-    return reactor;
-  }
-  if (request.has_lr()) {
-    args.hyper = compress::StepHyper{request.lr(), request.weight_decay()};
-  }
-  args.previous_lamb_commit.assign(request.previous_lamb_commit().begin(),
-                                   request.previous_lamb_commit().end());
-  if (request.has_previous_grad_sum_of_squares()) {
-    args.previous_grad_sum_of_squares = request.previous_grad_sum_of_squares();
-  }
-  const compress::CodecKind kind = *codec;
-  core->Push(std::move(args),
-              [this, context, reactor, raw_reply, bytes_in, kind](
-                  absl::StatusOr<std::shared_ptr<const Reply>> result) {
-                if (metrics_ != nullptr) {
-                  metrics_->Push(result.status().code(), kind, bytes_in,
-                                 result.ok() ? (*result)->payload.size() : 0);
-                }
-                if (result.ok()) {
-                  *raw_reply = SerializePushReply(*std::move(result));
-                } else if (auto next = result.status().GetPayload(kNextStepPayload)) {
-                  context->AddTrailingMetadata(proto::kNextStepKey, std::string(*next));
-                } else if (result.status().code() == absl::StatusCode::kDeadlineExceeded) {
-                  // The shard gave up on the step: not worth a retry.
-                  context->AddTrailingMetadata(proto::kStepExpiredKey, "1");
-                }
-                reactor->Finish(proto::ToGrpc(result.status()));
-              });
+  const v1::Codec codec = request.codec();
+  handler_.Push(request, [this, context, reactor, raw_reply, bytes_in, codec](
+                             absl::StatusOr<std::shared_ptr<const Reply>> result) {
+    if (metrics_ != nullptr) {
+      if (auto kind = proto::FromWire(codec); kind.ok()) {
+        metrics_->Push(result.status().code(), *kind, bytes_in,
+                       result.ok() ? (*result)->payload.size() : 0);
+      }
+    }
+    if (result.ok()) {
+      *raw_reply = SerializePushReply(*std::move(result));
+    } else {
+      proto::AddTrailers(result.status(), context);
+    }
+    reactor->Finish(proto::ToGrpc(result.status()));
+  });
   return reactor;
 }
 
@@ -190,27 +140,7 @@ grpc::ServerUnaryReactor* ParameterServerService::FetchPartition(
     v1::PartitionState* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor)) return reactor;
-  ShardCore* core = CoreOrFinish(context, reactor);
-  if (core == nullptr) return reactor;
-  auto snapshot = core->FetchPartition(request->partition(), request->layout_fingerprint(),
-                                       request->server_error());
-  if (snapshot.ok()) {
-    const auto bytes = [](const std::vector<float>& a) {
-      return std::string(reinterpret_cast<const char*>(a.data()), 4 * a.size());
-    };
-    reply->set_partition(request->partition());
-    reply->set_completed_steps(snapshot->completed_steps);
-    if (!request->skip_model()) {
-      reply->set_x(bytes(snapshot->x));
-      reply->set_m(bytes(snapshot->m));
-      reply->set_v(bytes(snapshot->v));
-      reply->set_v_fresh(bytes(snapshot->v_fresh));
-      reply->mutable_lamb_layers()->Assign(snapshot->lamb_layers.begin(), snapshot->lamb_layers.end());
-    }
-    if (request->server_error()) reply->set_server_error(bytes(snapshot->server_error));
-  }
-  reactor->Finish(proto::ToGrpc(snapshot.status()));
-  return reactor;
+  return Finish(context, reactor, handler_.FetchPartition(*request, reply));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::RestorePartition(
@@ -218,32 +148,7 @@ grpc::ServerUnaryReactor* ParameterServerService::RestorePartition(
     v1::RestorePartitionReply*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor, request->rank())) return reactor;
-  ShardCore* core = CoreOrFinish(context, reactor);
-  if (core == nullptr) return reactor;
-  PartitionSnapshot state;
-  state.completed_steps = request->completed_steps();
-  absl::Status status;
-  const auto floats = [&status](const std::string& bytes, const char* what, std::vector<float>* out) {
-    if (bytes.size() % 4 != 0) {
-      if (status.ok()) {
-        status = absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes.size(),
-                                                         " bytes is not a whole number of fp32"));
-      }
-      return;
-    }
-    out->resize(bytes.size() / 4);
-    std::memcpy(out->data(), bytes.data(), bytes.size());
-  };
-  floats(request->x(), "x", &state.x);
-  floats(request->m(), "m", &state.m);
-  floats(request->v(), "v", &state.v);
-  floats(request->server_error(), "server_error", &state.server_error);
-  if (status.ok()) {
-    status = core->RestorePartition(request->rank(), request->partition(),
-                                    request->layout_fingerprint(), state);
-  }
-  reactor->Finish(proto::ToGrpc(status));
-  return reactor;
+  return Finish(context, reactor, handler_.RestorePartition(*request));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Abort(grpc::CallbackServerContext* context,
@@ -251,11 +156,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Abort(grpc::CallbackServerCont
                                                         v1::AbortReply*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor, request->rank())) return reactor;
-  ShardCore* core = CoreOrFinish(context, reactor);
-  if (core == nullptr) return reactor;
-  reactor->Finish(proto::ToGrpc(core->Abort(request->rank(), request->step(),
-                                            request->layout_fingerprint(), request->reason())));
-  return reactor;
+  return Finish(context, reactor, handler_.Abort(*request));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::Commit(grpc::CallbackServerContext* context,
@@ -263,18 +164,7 @@ grpc::ServerUnaryReactor* ParameterServerService::Commit(grpc::CallbackServerCon
                                                          v1::CommitReply*) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor, request->rank())) return reactor;
-  ShardCore* core = CoreOrFinish(context, reactor);
-  if (core == nullptr) return reactor;
-  if (request->lamb_commit_size() > 0) {
-    reactor->Finish(proto::ToGrpc(core->CommitLamb(
-        request->rank(), request->step(), request->layout_fingerprint(),
-        std::vector<double>(request->lamb_commit().begin(), request->lamb_commit().end()))));
-    return reactor;
-  }
-  reactor->Finish(proto::ToGrpc(core->Commit(request->rank(), request->step(),
-                                             request->layout_fingerprint(),
-                                             request->grad_sum_of_squares())));
-  return reactor;
+  return Finish(context, reactor, handler_.Commit(*request));
 }
 
 grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
@@ -282,26 +172,7 @@ grpc::ServerUnaryReactor* ParameterServerService::GetShardInfo(
     v1::ShardInfo* reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   if (!Authorized(context, reactor)) return reactor;
-  reply->set_shard(host_->shard());
-  reply->set_shards(host_->base().shards());
-  reply->set_workers(host_->base().workers());
-  reply->set_workers_joined(host_->workers_joined());
-  ShardCore* core = host_->core();
-  reply->set_configured(core != nullptr);
-  if (core == nullptr) {
-    reactor->Finish(grpc::Status::OK);
-    return reactor;
-  }
-  const ShardStatus s = core->Status();
-  reply->set_layout_fingerprint(s.layout_fingerprint);
-  reply->set_initialized(s.partitions_initialized == s.partitions);
-  reply->set_completed_steps(s.completed_steps);
-  reply->set_replies_kept_from(s.replies_kept_from);
-  if (request->mirror_checksum()) reply->set_mirror_checksum(core->MirrorChecksum());
-  reply->set_range_begin(s.range.begin);
-  reply->set_range_end(s.range.end);
-  reactor->Finish(grpc::Status::OK);
-  return reactor;
+  return Finish(context, reactor, handler_.GetShardInfo(*request, reply));
 }
 
 }  // namespace morse::server

@@ -1,5 +1,8 @@
-// The gRPC face of a ShardCore: translates morse.v1 messages to and from the
-// core's plain types and nothing more (callback API, one reactor per call).
+// The gRPC face of a shard: checks each call's bearer token, counts it in
+// the metrics and hands it to the ShardHandler (handler.h), which
+// translates morse.v1 messages to and from the core's plain types; the
+// handler's status payloads go out as trailing metadata (callback API, one
+// reactor per call).
 // Push is a raw method: its reply goes out as slices over the core's reply,
 // which is the same for every worker, so no worker's copy of it is made
 // (SerializePushReply).
@@ -13,6 +16,7 @@
 
 #include "proto/morse.grpc.pb.h"
 #include "proto/security.h"
+#include "server/handler.h"
 #include "server/metrics.h"
 #include "server/shard_host.h"
 
@@ -29,7 +33,7 @@ class ParameterServerService final
   // `metrics` may be null (no --metrics_listen); `tokens` null when calls
   // need no bearer token (no --token_file).
   ParameterServerService(ShardHost* host, ServerMetrics* metrics, proto::TokenFile* tokens)
-      : host_(host), metrics_(metrics), tokens_(tokens) {}
+      : handler_(host), metrics_(metrics), tokens_(tokens) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
                                  const v1::JoinRequest* request, v1::JoinReply* reply) override;
@@ -55,16 +59,17 @@ class ParameterServerService final
                                          v1::ShardInfo* reply) override;
 
  private:
-  // The core, or null after finishing the call with UNAVAILABLE.
-  ShardCore* CoreOrFinish(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor);
-  // Whether the call carries an accepted token; finishes it with
-  // UNAUTHENTICATED otherwise.
-  // Checks the bearer token; with `as_rank`, also that a per-rank token is
+  // Finishes the call with `status` and its payloads as trailing metadata.
+  // (A call's DefaultReactor() may be taken once only: gRPC builds it anew
+  // on every call of it.)
+  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+                                   const absl::Status& status);
+  // Checks the bearer token (UNAUTHENTICATED without an accepted one); with `as_rank`, also that a per-rank token is
   // that rank's (PERMISSION_DENIED otherwise). Finishes the call on failure.
   bool Authorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
                   std::optional<uint32_t> as_rank = std::nullopt);
 
-  ShardHost* host_;
+  ShardHandler handler_;
   ServerMetrics* metrics_;
   proto::TokenFile* tokens_;
 };

@@ -246,14 +246,17 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
                                            return a.reply->step == args.step;
                                          });
       if (answered == p.history.end()) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
+        absl::Status stale = absl::FailedPreconditionError(absl::StrCat(
             "step ", args.step, " of partition ", args.partition,
             " is stale; the partition has completed ", p.next_step, " steps and accepts step ",
             p.next_step,
             p.history.empty()
                 ? std::string()
                 : absl::StrCat(" (it keeps the replies of steps ", p.history.front().reply->step,
-                               " on for restarted workers: checkpoint.replay_steps)"))));
+                               " on for restarted workers: checkpoint.replay_steps)")));
+        // A worker replaying to help a restarted shard learns it is past that.
+        stale.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(NextExchange(p))));
+        return reject(std::move(stale));
       }
       if (HashBytes(args.payload) != answered->hashes[args.rank]) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
@@ -745,6 +748,8 @@ void ShardCore::ExpireWaiting(absl::Time now) {
           "step ", NextExchange(p), " of partition ", p.partition.id, " timed out after ",
           job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds): rank(s) ",
           absl::StrJoin(missing, ", "), " did not push; is a worker down?"));
+      // The shard gave up on the step: the workers must not retry it.
+      status.SetPayload(proto::kStepExpiredKey, absl::Cord("1"));
       p.ClearPending();
       waiters.swap(p.waiters);
     }

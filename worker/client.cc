@@ -9,27 +9,21 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "compress/lamb.h"
-#include "grpcpp/alarm.h"
 #include "proto/wire.h"
+#include "worker/transport/grpc/transport.h"
 
 namespace morse::worker {
 namespace {
-
-std::chrono::system_clock::time_point DeadlineIn(double seconds) {
-  return std::chrono::system_clock::now() +
-         std::chrono::microseconds(static_cast<int64_t>(seconds * 1e6));
-}
 
 double Since(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
 
 // Transient failures worth retrying: the server is not reachable yet, or
 // not initialized yet.
-bool Retryable(const grpc::Status& s) { return s.error_code() == grpc::StatusCode::UNAVAILABLE; }
+bool Retryable(const absl::Status& s) { return s.code() == absl::StatusCode::kUnavailable; }
 
 // A failed call's status: its canonical code, with what was being done.
-absl::Status RpcError(const grpc::Status& status, absl::string_view what) {
-  return absl::Status(proto::FromGrpc(status).code(),
-                      absl::StrCat(what, ": ", status.error_message()));
+absl::Status RpcError(const absl::Status& status, absl::string_view what) {
+  return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));
 }
 
 }  // namespace
@@ -40,87 +34,71 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobS
                                                                 uint32_t rank,
                                                                 const proto::SecurityOptions& security,
                                                                 int compute_threads) {
+  auto transport = GrpcTransport::Create(job, std::move(servers), rank, security);
+  if (!transport.ok()) return transport.status();
+  return Create(job, layout, *std::move(transport), rank, compute_threads, !security.insecure);
+}
+
+absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobSpec& job,
+                                                                const compress::Layout& layout,
+                                                                std::unique_ptr<Transport> transport,
+                                                                uint32_t rank, int compute_threads,
+                                                                bool tls) {
   if (compute_threads < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("compute threads: ", compute_threads, "; at least 0 (0: none)"));
   }
-  if (servers.size() != job.shards()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        servers.size(), " server addresses for a job of ", job.shards(),
-        " shards; pass one host:port per shard, in shard order"));
+  if (transport->shards() != job.shards()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a transport to ", transport->shards(), " shards for a job of ", job.shards()));
   }
   if (rank >= job.workers()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
-  proto::SecurityOptions own = security;
-  own.token_file = proto::TokenPathForRank(security.token_file, rank);  // token-{rank}
-  if (absl::Status s = proto::ValidateClientSecurity(own); !s.ok()) return s;
-  auto tokens = proto::TokenFile::FromOptions(own);
-  if (!tokens.ok()) return tokens.status();
-  std::unique_ptr<PushClient> client(
-      new PushClient(job, layout, std::move(servers), rank, security, *std::move(tokens)));
+  std::unique_ptr<PushClient> client(new PushClient(job, layout, std::move(transport), rank, tls));
   if (compute_threads > 0) client->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
   return client;
 }
 
 PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout,
-                       std::vector<std::string> servers, uint32_t rank,
-                       const proto::SecurityOptions& security,
-                       std::unique_ptr<proto::TokenFile> tokens)
-    : job_(job), layout_(layout), servers_(std::move(servers)), rank_(rank),
-      tls_(!security.insecure), tokens_(std::move(tokens)), rejoining_(servers_.size(), false) {
-  const std::shared_ptr<grpc::ChannelCredentials> credentials =
-      proto::MakeChannelCredentials(security);
-  for (const std::string& address : servers_) {
-    auto& shard_stubs = stubs_.emplace_back();
-    for (uint32_t c = 0; c < job.channels_per_shard; ++c) {
-      grpc::ChannelArguments args = proto::ChannelArgs(job, static_cast<int>(c));
-      proto::AddChannelSecurityArgs(security, &args);
-      auto channel = grpc::CreateCustomChannel(address, credentials, args);
-      shard_stubs.push_back(v1::ParameterServer::NewStub(channel));
-    }
-  }
-}
+                       std::unique_ptr<Transport> transport, uint32_t rank, bool tls)
+    : job_(job), layout_(layout), transport_(std::move(transport)), rank_(rank), tls_(tls),
+      rejoining_(transport_->shards(), false) {}
 
-void PushClient::PrepareContext(grpc::ClientContext* context, double seconds) {
-  context->set_deadline(DeadlineIn(seconds));
-  if (tokens_ != nullptr) {
-    context->AddMetadata(proto::kAuthorizationKey,
-                         absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
-  }
-}
-
-v1::ParameterServer::Stub* PushClient::Stub(uint32_t shard, uint32_t partition) {
-  return stubs_[shard][partition % stubs_[shard].size()].get();
+CallOptions PushClient::Options(double seconds, uint32_t lane) const {
+  CallOptions options;
+  options.timeout_seconds = seconds;
+  options.lane = lane;
+  return options;
 }
 
 absl::Status PushClient::WaitForShards() {
   const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   absl::Duration backoff = absl::Milliseconds(100);
-  std::vector<bool> ready(servers_.size(), false);
+  std::vector<bool> ready(transport_->shards(), false);
   std::string last_error;
   while (true) {
-    for (uint32_t s = 0; s < servers_.size(); ++s) {
+    for (uint32_t s = 0; s < transport_->shards(); ++s) {
       if (ready[s]) continue;
       // wait_for_ready: the call rides out the channel's own reconnect
       // backoff and returns as soon as the server accepts a connection.
-      grpc::ClientContext context;
-      PrepareContext(&context, 1.0);
-      context.set_wait_for_ready(true);
+      CallOptions options = Options(1.0);
+      options.wait_for_ready = true;
       v1::ShardInfo info;
-      const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &info);
-      if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
-          status.error_code() == grpc::StatusCode::PERMISSION_DENIED) {
-        return RpcError(status, servers_[s]);
+      const absl::Status status =
+          Wait(&Transport::GetShardInfo, *transport_, s, v1::ShardInfoRequest(), &info, options);
+      if (status.code() == absl::StatusCode::kUnauthenticated ||
+          status.code() == absl::StatusCode::kPermissionDenied) {
+        return RpcError(status, transport_->address(s));
       }
       if (!status.ok()) {
-        last_error = absl::StrCat(servers_[s], ": ", status.error_message());
+        last_error = absl::StrCat(transport_->address(s), ": ", status.message());
         continue;
       }
       if (info.shard() != s) {
         return absl::FailedPreconditionError(absl::StrCat(
-            servers_[s], " serves shard ", info.shard(), ", not shard ", s,
+            transport_->address(s), " serves shard ", info.shard(), ", not shard ", s,
             "; list --servers in shard order"));
       }
       // Whether the shard runs the same job is Join's to check: it can say
@@ -130,8 +108,8 @@ absl::Status PushClient::WaitForShards() {
     if (std::all_of(ready.begin(), ready.end(), [](bool r) { return r; })) return absl::OkStatus();
     if (absl::Now() + backoff > deadline) {
       std::vector<std::string> missing;
-      for (uint32_t s = 0; s < servers_.size(); ++s) {
-        if (!ready[s]) missing.push_back(servers_[s]);
+      for (uint32_t s = 0; s < transport_->shards(); ++s) {
+        if (!ready[s]) missing.push_back(transport_->address(s));
       }
       return absl::DeadlineExceededError(absl::StrCat(
           "no answer within ", job_.connect_timeout_seconds, " s from ",
@@ -155,13 +133,12 @@ absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
     request.set_layout_fingerprint(layout_.fingerprint());
     request.set_values(reinterpret_cast<const char*>(x0.data() + p.range.begin),
                        4 * p.range.size());
-    grpc::ClientContext context;
-    PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::InitPartitionReply reply;
-    const grpc::Status status = Stub(p.shard, p.id)->InitPartition(&context, request, &reply);
+    const absl::Status status = Wait(&Transport::InitPartition, *transport_, p.shard, request, &reply,
+                                     Options(job_.rpc_timeout_seconds, p.id));
     if (!status.ok()) {
       return RpcError(status, absl::StrCat("uploading partition ", p.id, " to ",
-                                           servers_[p.shard]));
+                                           transport_->address(p.shard)));
     }
   }
   return absl::OkStatus();
@@ -201,13 +178,12 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
     request.set_layout_fingerprint(layout_.fingerprint());
     request.set_skip_model(!model.has_value());
     request.set_server_error(!server_error.empty());
-    grpc::ClientContext context;
-    PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::PartitionState state;
-    const grpc::Status status = Stub(p.shard, p.id)->FetchPartition(&context, request, &state);
+    const absl::Status status = Wait(&Transport::FetchPartition, *transport_, p.shard, request, &state,
+                                     Options(job_.rpc_timeout_seconds, p.id));
     if (!status.ok()) {
       return RpcError(status, absl::StrCat("fetching partition ", p.id, " from ",
-                                           servers_[p.shard]));
+                                           transport_->address(p.shard)));
     }
     const size_t bytes = 4 * p.range.size();
     const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
@@ -260,12 +236,11 @@ absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
     request.set_m(bytes(m));
     request.set_v(bytes(v));
     request.set_server_error(bytes(server_error));
-    grpc::ClientContext context;
-    PrepareContext(&context, job_.rpc_timeout_seconds);
     v1::RestorePartitionReply reply;
-    const grpc::Status status = Stub(p.shard, p.id)->RestorePartition(&context, request, &reply);
+    const absl::Status status = Wait(&Transport::RestorePartition, *transport_, p.shard, request,
+                                     &reply, Options(job_.rpc_timeout_seconds, p.id));
     if (!status.ok()) {
-      return RpcError(status, absl::StrCat("restoring partition ", p.id, " on ", servers_[p.shard]));
+      return RpcError(status, absl::StrCat("restoring partition ", p.id, " on ", transport_->address(p.shard)));
     }
   }
   return absl::OkStatus();
@@ -280,26 +255,23 @@ absl::StatusOr<int64_t> PushClient::CompletedSteps() {
 }
 
 absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
-  std::vector<v1::ShardInfo> infos(servers_.size());
-  for (uint32_t s = 0; s < servers_.size(); ++s) {
-    grpc::ClientContext context;
-    PrepareContext(&context, job_.rpc_timeout_seconds);
-    const grpc::Status status = Stub(s, 0)->GetShardInfo(&context, v1::ShardInfoRequest(), &infos[s]);
+  std::vector<v1::ShardInfo> infos(transport_->shards());
+  for (uint32_t s = 0; s < transport_->shards(); ++s) {
+    const absl::Status status = Wait(&Transport::GetShardInfo, *transport_, s, v1::ShardInfoRequest(),
+                                     &infos[s], Options(job_.rpc_timeout_seconds));
     if (!status.ok()) {
-      return RpcError(status, servers_[s]);
+      return RpcError(status, transport_->address(s));
     }
   }
   return infos;
 }
 
 struct StepExchange::Call {
-  std::unique_ptr<grpc::ClientContext> context;  // fresh for every attempt
   v1::PushRequest request;
   v1::PushReply reply;
   const compress::Partition* partition = nullptr;
   absl::Time first_failure = absl::InfiniteFuture();  // of the current outage
   int attempt = 0;
-  std::unique_ptr<grpc::Alarm> alarm;  // the pending retry
   // A replay: this call re-sends a retained push whose reply must hash to
   // `expected_hash`; `then` is the refused push to send once caught up, or
   // null for ReplayCompleted's re-sends, which go on through `replay_last`.
@@ -317,7 +289,7 @@ StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind
       parallel_encode_(parallel_encode),
       apply_(std::move(apply)),
       extras_(std::move(extras)),
-      restarted_from_(client->servers_.size(), -1),
+      restarted_from_(client->transport_->shards(), -1),
       caught_up_(client->layout_.partitions().size(), false) {}
 
 std::string StepExchange::TakeReceivedBuffers() {
@@ -332,34 +304,26 @@ StepExchange::~StepExchange() {
 }
 
 void StepExchange::Issue(std::unique_ptr<Call> call) {
-  // A gRPC call needs a fresh context each time.
-  call->context = std::make_unique<grpc::ClientContext>();
-  client_->PrepareContext(call->context.get(), client_->job_.rpc_timeout_seconds);
   ++call->attempt;
   // The completion owns the call and destroys it before it signals the
-  // step: once Finish() returns, no gRPC object of this step is left alive.
+  // step: once Finish() returns, nothing of this step is left in flight.
   Call* raw = call.release();
-  client_->Stub(raw->partition->shard, raw->partition->id)
-      ->async()
-      ->Push(raw->context.get(), &raw->request, &raw->reply,
-             [this, raw](grpc::Status status) { OnDone(raw, status); });
+  client_->transport_->Push(raw->partition->shard, raw->request, &raw->reply,
+                            client_->Options(client_->job_.rpc_timeout_seconds, raw->partition->id),
+                            [this, raw](absl::Status status) { OnDone(raw, std::move(status)); });
 }
 
 void StepExchange::RetryLater(std::unique_ptr<Call> call) {
   const absl::Duration backoff = absl::Milliseconds(std::min(50 << std::min(call->attempt, 5), 1000));
-  Call* raw = call.release();
-  // A fired alarm may be replaced (here, on the next failure) but not
-  // destroyed inside its own callback: it lives in the call.
-  raw->alarm = std::make_unique<grpc::Alarm>();
-  raw->alarm->Set(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(backoff),
-                  [this, raw](bool) { Issue(std::unique_ptr<Call>(raw)); });
+  // On the client's timer thread, never sleeping on the transport's.
+  client_->timer_.After(backoff, [this, raw = call.release()] { Issue(std::unique_ptr<Call>(raw)); });
 }
 
 void StepExchange::Fail(const compress::Partition& partition, absl::Status status) {
   absl::MutexLock lock(&mu_);
   if (error_.ok()) {
     error_ = absl::Status(status.code(), absl::StrCat("partition ", partition.id, " of step ", step_,
-                                                      " on ", client_->servers_[partition.shard],
+                                                      " on ", client_->transport_->address(partition.shard),
                                                       ": ", status.message()));
   }
   --in_flight_;
@@ -395,7 +359,7 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
       std::fprintf(stderr,
                    "morse-worker %u: %s restarted from its checkpoint at step %lld; replaying "
                    "steps %lld..%lld\n",
-                   client_->rank_, client_->servers_[call->partition->shard].c_str(),
+                   client_->rank_, client_->transport_->address(call->partition->shard).c_str(),
                    static_cast<long long>(from), static_cast<long long>(from),
                    static_cast<long long>(until - 1));
     }
@@ -410,7 +374,7 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
 }
 
 std::vector<const compress::Partition*> StepExchange::NoteRestart(uint32_t shard, int64_t from) {
-  restarted_from_[shard] = from;
+  if (restarted_from_[shard] < 0 || from < restarted_from_[shard]) restarted_from_[shard] = from;
   std::vector<const compress::Partition*> out;
   for (const compress::Partition* p : completed_) {
     if (p->shard != shard || caught_up_[p->id]) continue;
@@ -421,6 +385,16 @@ std::vector<const compress::Partition*> StepExchange::NoteRestart(uint32_t shard
   return out;
 }
 
+void StepExchange::ResendCompleted(uint32_t shard) {
+  if (client_->job_.replay_steps == 0) return;  // nothing retained: no shard recovery
+  std::vector<const compress::Partition*> again;
+  {
+    absl::MutexLock lock(&mu_);
+    again = NoteRestart(shard, step_);
+  }
+  for (const compress::Partition* p : again) ReplayCompleted(*p, step_);
+}
+
 void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t from) {
   absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(partition, from);
   if (!replay.ok()) return Fail(partition, replay.status());
@@ -428,18 +402,17 @@ void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t
   Issue(*std::move(replay));
 }
 
-void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
+void StepExchange::OnDone(Call* raw, const absl::Status& status) {
   std::unique_ptr<Call> done(raw);
   const double recovery = client_->job_.recovery_timeout_seconds;
   // A push still waiting for a stalled worker when its own deadline passed
   // is re-sent too (the shard keeps the step up to the recovery timeout).
-  const bool waited_out = status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED &&
-                          done->context->GetServerTrailingMetadata().count(proto::kStepExpiredKey) == 0;
+  const bool waited_out = status.code() == absl::StatusCode::kDeadlineExceeded &&
+                          !status.GetPayload(proto::kStepExpiredKey).has_value();
   if (!status.ok() && (Retryable(status) || waited_out)) {
     if (done->first_failure == absl::InfiniteFuture()) done->first_failure = absl::Now();
     const double down = Since(done->first_failure);
-    const auto& trailing = done->context->GetServerTrailingMetadata();
-    if (trailing.find(proto::kNeedsJoinKey) != trailing.end()) client_->Rejoin(done->partition->shard);
+    if (status.GetPayload(proto::kNeedsJoinKey).has_value()) client_->Rejoin(done->partition->shard);
     if (down < recovery) {
       {
         absl::MutexLock lock(&mu_);
@@ -449,40 +422,51 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
           std::fprintf(stderr,
                        "morse-worker %u: %s unavailable for %.0f s at step %lld (%s); retrying up to "
                        "%.0f s (timeouts.recovery_seconds)\n",
-                       client_->rank_, client_->servers_[done->partition->shard].c_str(), down,
-                       static_cast<long long>(step_), status.error_message().c_str(), recovery);
+                       client_->rank_, client_->transport_->address(done->partition->shard).c_str(), down,
+                       static_cast<long long>(step_), std::string(status.message()).c_str(), recovery);
         }
       }
+      const uint32_t shard = done->partition->shard;
       RetryLater(std::move(done));
+      ResendCompleted(shard);
       return;
     }
     return Fail(*done->partition,
                 absl::UnavailableError(absl::StrCat("unavailable for ", static_cast<int>(down),
                                                     " s (timeouts.recovery_seconds = ", recovery,
-                                                    "): ", status.error_message())));
+                                                    "): ", status.message())));
   }
   done->first_failure = absl::InfiniteFuture();
-  if (status.error_code() == grpc::StatusCode::ABORTED) {
-    const auto& trailing = done->context->GetServerTrailingMetadata();
-    const auto it = trailing.find(proto::kNextStepKey);
-    int64_t next = -1;
-    if (it != trailing.end() &&
-        absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &next) &&
-        next >= 0 && next < done->request.step()) {
+  if (status.code() == absl::StatusCode::kAborted) {
+    const std::optional<int64_t> next = proto::NextStep(status);
+    if (next.has_value() && *next < done->request.step()) {
       const compress::Partition* partition = done->partition;
-      if (absl::Status s = StartReplay(std::move(done), next); !s.ok()) Fail(*partition, s);
+      if (absl::Status s = StartReplay(std::move(done), *next); !s.ok()) Fail(*partition, s);
       return;
     }
   }
   if (done->replay) {  // a replayed push
-    absl::Status result = proto::FromGrpc(status);
+    const std::optional<int64_t> accepts = proto::NextStep(status);
+    if (status.code() == absl::StatusCode::kFailedPrecondition && accepts.has_value() &&
+        *accepts > done->request.step()) {
+      // The shard restarted again, from a checkpoint past this step: no one
+      // needs it replayed any more. Go on with the refused push, if any.
+      std::unique_ptr<Call> then = std::move(done->then);
+      if (then != nullptr) return Issue(std::move(then));
+      absl::MutexLock lock(&mu_);
+      --in_flight_;
+      return;
+    }
+    absl::Status result = status;
     if (result.ok() && std::hash<std::string>{}(done->reply.payload()) != done->expected_hash) {
       result = absl::InternalError(absl::StrCat(
           "step ", done->request.step(), " replayed on the restarted shard gave another reply "
           "than before it restarted; its checkpoint does not match the workers"));
     }
     if (!result.ok()) return Fail(*done->partition, result);
-    const int64_t next = done->request.step() + 1;
+    // The step after it that pushed (zero_one_adam's local steps push
+    // nothing).
+    const int64_t next = compress::NextExchange(client_->job_.algorithm, done->request.step() + 1);
     if (done->then == nullptr) {  // ReplayCompleted's: on through replay_last
       if (next > done->replay_last) {
         absl::MutexLock lock(&mu_);
@@ -510,8 +494,8 @@ void StepExchange::OnDone(Call* raw, const grpc::Status& status) {
   Deliver(std::move(done), status);
 }
 
-void StepExchange::Deliver(std::unique_ptr<Call> done, const grpc::Status& status) {
-  absl::Status result = proto::FromGrpc(status);
+void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& status) {
+  absl::Status result = status;
   const absl::Time start = absl::Now();
   if (result.ok()) {
     result = apply_(*done->partition, done->reply.payload(),
@@ -546,7 +530,7 @@ void StepExchange::Deliver(std::unique_ptr<Call> done, const grpc::Status& statu
   if (!result.ok() && error_.ok()) {
     error_ = absl::Status(result.code(), absl::StrCat(
         "partition ", partition->id, " of step ", step_, " on ",
-        client_->servers_[partition->shard], ": ", result.message()));
+        client_->transport_->address(partition->shard), ": ", result.message()));
   }
   traffic_.payload_down += bytes_down;
   if (result.ok() && partition->id == 0) received_buffers_ = std::move(buffers);
@@ -650,7 +634,6 @@ size_t PushClient::retained_pushes() const {
 
 void PushClient::Rejoin(uint32_t shard) {
   struct JoinCall {
-    grpc::ClientContext context;
     v1::JoinRequest request;
     v1::JoinReply reply;
   };
@@ -662,15 +645,14 @@ void PushClient::Rejoin(uint32_t shard) {
   auto* call = new JoinCall;
   call->request.set_rank(rank_);
   call->request.mutable_job()->ParseFromString(job_.config_proto);
-  PrepareContext(&call->context, job_.rpc_timeout_seconds);
   std::fprintf(stderr, "morse-worker %u: %s lost the model (restarted); joining it again\n", rank_,
-               servers_[shard].c_str());
-  Stub(shard, 0)->async()->Join(&call->context, &call->request, &call->reply,
-                                [this, call, shard](grpc::Status status) {
+               transport_->address(shard).c_str());
+  transport_->Join(shard, call->request, &call->reply, Options(job_.rpc_timeout_seconds),
+                   [this, call, shard](absl::Status status) {
                                   if (!status.ok()) {
                                     std::fprintf(stderr, "morse-worker %u: joining %s again: %s\n",
-                                                 rank_, servers_[shard].c_str(),
-                                                 status.error_message().c_str());
+                                                 rank_, transport_->address(shard).c_str(),
+                                                 std::string(status.message()).c_str());
                                   }
                                   delete call;
                                   absl::MutexLock lock(&retained_mu_);
@@ -684,17 +666,16 @@ absl::Status PushClient::Join() {
   if (!request.mutable_job()->ParseFromString(job_.config_proto)) {
     return absl::InternalError("the job config does not serialize");
   }
-  for (uint32_t s = 0; s < servers_.size(); ++s) {
-    grpc::ClientContext context;
-    PrepareContext(&context, job_.rpc_timeout_seconds);
+  for (uint32_t s = 0; s < transport_->shards(); ++s) {
     v1::JoinReply reply;
-    const grpc::Status status = Stub(s, 0)->Join(&context, request, &reply);
+    const absl::Status status =
+        Wait(&Transport::Join, *transport_, s, request, &reply, Options(job_.rpc_timeout_seconds));
     if (!status.ok()) {
-      return RpcError(status, absl::StrCat("joining ", servers_[s]));
+      return RpcError(status, absl::StrCat("joining ", transport_->address(s)));
     }
     if (reply.layout_fingerprint() != layout_.fingerprint()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          servers_[s], " has a different layout (D, shards, block_elems or partition_elems)"));
+          transport_->address(s), " has a different layout (D, shards, block_elems or partition_elems)"));
     }
   }
   return absl::OkStatus();
@@ -702,16 +683,13 @@ absl::Status PushClient::Join() {
 
 absl::Status PushClient::OnEveryShard(
     double timeout_seconds, absl::string_view what,
-    const std::function<void(uint32_t shard, grpc::ClientContext* context,
-                             std::function<void(grpc::Status)> done)>& start) {
-  const size_t shards = servers_.size();
-  std::vector<grpc::ClientContext> contexts(shards);
-  std::vector<grpc::Status> statuses(shards);
+    const std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>& start) {
+  const size_t shards = transport_->shards();
+  std::vector<absl::Status> statuses(shards);
   absl::Mutex mu;
   size_t pending = shards;
   for (uint32_t s = 0; s < shards; ++s) {
-    PrepareContext(&contexts[s], timeout_seconds);
-    start(s, &contexts[s], [&, s](grpc::Status status) {
+    start(s, Options(timeout_seconds), [&, s](absl::Status status) {
       absl::MutexLock lock(&mu);
       statuses[s] = std::move(status);
       --pending;
@@ -720,7 +698,7 @@ absl::Status PushClient::OnEveryShard(
   absl::MutexLock lock(&mu);
   mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &pending));
   for (uint32_t s = 0; s < shards; ++s) {
-    if (!statuses[s].ok()) return RpcError(statuses[s], absl::StrCat(what, " ", servers_[s]));
+    if (!statuses[s].ok()) return RpcError(statuses[s], absl::StrCat(what, " ", transport_->address(s)));
   }
   return absl::OkStatus();
 }
@@ -731,10 +709,10 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
   request.set_step(step);
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_reason(reason);
-  std::vector<v1::AbortReply> replies(servers_.size());
+  std::vector<v1::AbortReply> replies(transport_->shards());
   return OnEveryShard(std::min(job_.rpc_timeout_seconds, 5.0), "stopping the job on",
-                      [&](uint32_t s, grpc::ClientContext* context, auto done) {
-                        Stub(s, 0)->async()->Abort(context, &request, &replies[s], std::move(done));
+                      [&](uint32_t s, const CallOptions& options, auto done) {
+                        transport_->Abort(s, request, &replies[s], options, std::move(done));
                       });
 }
 
@@ -754,11 +732,11 @@ absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_grad_sum_of_squares(grad_sum_of_squares);
   for (double value : lamb) request.add_lamb_commit(value);
-  std::vector<v1::CommitReply> replies(servers_.size());
+  std::vector<v1::CommitReply> replies(transport_->shards());
   return OnEveryShard(job_.rpc_timeout_seconds,
                       lamb.empty() ? "committing the gradient norm to" : "committing the layer coefficients to",
-                      [&](uint32_t s, grpc::ClientContext* context, auto done) {
-                        Stub(s, 0)->async()->Commit(context, &request, &replies[s], std::move(done));
+                      [&](uint32_t s, const CallOptions& options, auto done) {
+                        transport_->Commit(s, request, &replies[s], options, std::move(done));
                       });
 }
 

@@ -1,8 +1,8 @@
-// PushClient: a worker's connections to every shard of the job and the
-// pipelined exchange of one step (DESIGN 1).
-//
-// Each shard gets `channels_per_shard` channels (separate TCP connections;
-// partitions are spread over them round-robin). A step's exchange is a
+// PushClient: a worker's calls to every shard of the job and the
+// pipelined exchange of one step (DESIGN 1), over a Transport
+// (transport/transport.h): gRPC in the daemons, where each shard gets
+// `channels_per_shard` channels (separate TCP connections; partitions are
+// spread over them round-robin), or in-process in tests. A step's exchange is a
 // StepExchange: it encodes partitions on the calling thread and keeps up to
 // `window` pushes in flight; a reply is applied on a gRPC thread as soon as it
 // arrives, so encoding, transfer and decoding overlap. Pushes that fail with
@@ -36,8 +36,10 @@
 #include "compress/layout.h"
 #include "compress/replica.h"
 #include "proto/job_config.h"
-#include "proto/morse.grpc.pb.h"
+#include "proto/morse.pb.h"
 #include "proto/security.h"
+#include "worker/timer.h"
+#include "worker/transport/transport.h"
 
 namespace morse::worker {
 
@@ -98,10 +100,10 @@ class StepExchange {
  private:
   struct Call;
   void Issue(std::unique_ptr<Call> call);
-  void OnDone(Call* raw, const grpc::Status& status);
+  void OnDone(Call* raw, const absl::Status& status);
   // A reply (or final error) of this step's own push: applies it and
   // counts the partition done.
-  void Deliver(std::unique_ptr<Call> done, const grpc::Status& status);
+  void Deliver(std::unique_ptr<Call> done, const absl::Status& status);
   absl::Status EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode, bool inline_call);
   void RetryLater(std::unique_ptr<Call> call);
   // Starts re-sending retained pushes of `call`'s partition from step
@@ -116,6 +118,14 @@ class StepExchange {
   // restarted shard needs them to answer the workers still waiting for
   // that reply. Called with the partition counted in in_flight_.
   void ReplayCompleted(const compress::Partition& partition, int64_t from);
+  // A push of this step to `shard` went unanswered (unreachable, or past its
+  // deadline): the shard may have restarted from a checkpoint of this step
+  // and lost replies it had sent, and then it waits for this worker's
+  // pushes of the partitions this worker already has, while this worker
+  // waits for the others' — so those are re-sent once (replies checked, not
+  // applied). A shard that did not restart answers them from the reply it
+  // keeps.
+  void ResendCompleted(uint32_t shard);
   // Marks the restart of `shard` at `from` and returns the partitions this
   // step already completed there (each now counted in in_flight_) for
   // ReplayCompleted.
@@ -157,6 +167,13 @@ class PushClient {
                                                             uint32_t rank,
                                                             const proto::SecurityOptions& security,
                                                             int compute_threads = 0);
+  // The same over any transport (tests: tests/inproc); `tls` only words
+  // the connect timeout's error.
+  static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
+                                                            const compress::Layout& layout,
+                                                            std::unique_ptr<Transport> transport,
+                                                            uint32_t rank, int compute_threads = 0,
+                                                            bool tls = false);
 
   // Waits, retrying with backoff up to the connect timeout, until every shard
   // answers and has this job's layout. FAILED_PRECONDITION on a layout or
@@ -228,8 +245,7 @@ class PushClient {
   // as `what` the shard.
   absl::Status OnEveryShard(
       double timeout_seconds, absl::string_view what,
-      const std::function<void(uint32_t shard, grpc::ClientContext* context,
-                               std::function<void(grpc::Status)> done)>& start);
+      const std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>& start);
   struct Retained {
     v1::PushRequest request;
     size_t reply_hash = 0;
@@ -250,21 +266,18 @@ class PushClient {
   // for an external job's shard that restarted without its model.
   void Rejoin(uint32_t shard);
   PushClient(const proto::JobSpec& job, const compress::Layout& layout,
-             std::vector<std::string> servers, uint32_t rank,
-             const proto::SecurityOptions& security, std::unique_ptr<proto::TokenFile> tokens);
-  v1::ParameterServer::Stub* Stub(uint32_t shard, uint32_t partition);
-  // Every call's context: a deadline `seconds` from now and the bearer
-  // token, if any, in its metadata.
-  void PrepareContext(grpc::ClientContext* context, double seconds);
+             std::unique_ptr<Transport> transport, uint32_t rank, bool tls);
+  // A call's deadline `seconds` from now, on `lane` (a partition's id).
+  CallOptions Options(double seconds, uint32_t lane = 0) const;
 
   proto::JobSpec job_;
   compress::Layout layout_;
-  std::vector<std::string> servers_;
+  std::unique_ptr<Transport> transport_;
   uint32_t rank_;
   bool tls_;
-  std::unique_ptr<proto::TokenFile> tokens_;
-  // stubs_[shard][channel]
-  std::vector<std::vector<std::unique_ptr<v1::ParameterServer::Stub>>> stubs_;
+  // Retries' backoff (StepExchange::RetryLater); destroyed before the
+  // transport.
+  Timer timer_;
   mutable absl::Mutex retained_mu_;
   std::map<std::pair<int64_t, uint32_t>, Retained> retained_ ABSL_GUARDED_BY(retained_mu_);
   std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);

@@ -7,12 +7,22 @@
 #include "compress/lamb.h"
 #include "proto/checkpoint_file.h"
 #include "worker/engine/host/engine.h"
+#include "worker/transport/grpc/transport.h"
 
 namespace morse::worker {
 absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
                                                           std::vector<std::string> servers,
                                                           const proto::SecurityOptions& security,
                                                           absl::Span<float> x, int compute_threads) {
+  auto transport = GrpcTransport::Create(job, std::move(servers), rank, security);
+  if (!transport.ok()) return transport.status();
+  return Connect(job, rank, *std::move(transport), x, compute_threads, !security.insecure);
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
+                                                          std::unique_ptr<Transport> transport,
+                                                          absl::Span<float> x, int compute_threads,
+                                                          bool tls) {
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
   if (!x.empty() && x.size() != job.algorithm.layout.dim) {
@@ -25,7 +35,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& 
       !s.ok()) {
     return s;
   }
-  auto client = PushClient::Create(job, *layout, std::move(servers), rank, security, compute_threads);
+  auto client = PushClient::Create(job, *layout, std::move(transport), rank, compute_threads, tls);
   if (!client.ok()) return client.status();
   std::unique_ptr<Session> session(new Session(job, rank, *std::move(layout), x));
   session->client_ = *std::move(client);

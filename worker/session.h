@@ -39,6 +39,11 @@ class Session {
                                                           const proto::SecurityOptions& security,
                                                           absl::Span<float> x = {},
                                                           int compute_threads = 0);
+  // The same over any transport (tests: tests/inproc's in-process cluster).
+  static absl::StatusOr<std::unique_ptr<Session>> Connect(const proto::JobSpec& job, uint32_t rank,
+                                                          std::unique_ptr<Transport> transport,
+                                                          absl::Span<float> x = {},
+                                                          int compute_threads = 0, bool tls = false);
 
   // Starts training. Fresh: rank 0 uploads x as the initial parameters and
   // every other rank replaces its x with them, so all start equal. Resume:

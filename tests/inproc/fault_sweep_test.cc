@@ -1,0 +1,220 @@
+// N workers and S shards in one process (InProcessCluster), each worker a
+// Session on its own thread over a FaultyTransport, swept over faults ×
+// N × S × optimizers and codecs: whatever the network does (refused pushes,
+// lost replies, duplicates, drops, reordering) and when a shard dies and
+// comes back from its checkpoint mid-run, every worker's x, m, v after
+// every step and every shard's mirror at the end are bit-identical to the
+// simulator's.
+#include <stdlib.h>
+
+#include <atomic>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "compress/replica.h"
+#include "gtest/gtest.h"
+#include "proto/job_config.h"
+#include "tests/e2e/expected.h"
+#include "tests/inproc/cluster.h"
+#include "tests/inproc/faults.h"
+#include "worker/session.h"
+#include "worker/workload.h"
+
+namespace morse::inproc {
+namespace {
+
+struct Scheme {
+  const char* name;
+  const char* config;
+};
+
+// D = 5003: 20 blocks of 256, 1024-element partitions (five, the last
+// short; with two shards 3 + 3).
+constexpr Scheme kSchemes[] = {
+    {"onebit_adam_sign1", R"(optimizer: "onebit_adam" freeze_step: 3)"},
+    {"adam_int4", R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
+    {"zero_one_adam", R"(optimizer: "zero_one_adam"
+       zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
+};
+
+enum class Faults { kNone, kLossy, kDuplicatesAndReordering, kDrops, kShardKilled };
+
+const char* Name(Faults f) {
+  switch (f) {
+    case Faults::kNone: return "none";
+    case Faults::kLossy: return "lossy";
+    case Faults::kDuplicatesAndReordering: return "duplicates_reordering";
+    case Faults::kDrops: return "drops";
+    case Faults::kShardKilled: return "shard_killed";
+  }
+  return "?";
+}
+
+FaultPlan PlanFor(Faults f, uint32_t rank) {
+  FaultPlan plan;
+  plan.seed = 1000 + rank;
+  switch (f) {
+    case Faults::kLossy:
+      plan.refuse = 0.1;
+      plan.lose_reply = 0.1;
+      break;
+    case Faults::kDuplicatesAndReordering:
+      plan.duplicate = 0.2;
+      plan.max_delay = absl::Milliseconds(4);
+      break;
+    case Faults::kDrops:
+      plan.drop = 0.03;
+      break;
+    case Faults::kNone:
+    case Faults::kShardKilled:
+      break;
+  }
+  return plan;
+}
+
+using Param = std::tuple<Faults, uint32_t /*workers*/, uint32_t /*shards*/, Scheme>;
+
+class FaultSweepTest : public ::testing::TestWithParam<Param> {};
+
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+// A fresh directory for the shards' checkpoints.
+std::string TempDir() {
+  std::string path = ::testing::TempDir() + "morse-inproc-XXXXXX";
+  return mkdtemp(path.data()) != nullptr ? path : "";
+}
+
+TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
+  const auto [faults, workers, shards, scheme] = GetParam();
+  const std::string config = absl::StrCat(R"(
+    synthetic { dim: 5003 noise: 0.2 }
+    lr { lr: 0.01 }
+    steps: 14
+    block_elems: 256
+    partition_elems: 1024
+    seed: 11
+    window: 3
+    timeouts { connect_seconds: 20 step_seconds: 30 rpc_seconds: 1 recovery_seconds: 60 }
+    checkpoint { every_steps: 2 }
+    workers: )", workers, " shards: ", shards, " ", scheme.config);
+  auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const testing::Expected expected = testing::Simulate(*job);
+  const std::string dir = TempDir();
+  ASSERT_NE(dir, "");
+  auto cluster = InProcessCluster::Create(*job, {dir, /*compute_threads=*/1, /*delivery_threads=*/2});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+
+  std::vector<std::string> failures(workers);
+  std::vector<std::vector<std::string>> sums(workers);
+  std::vector<uint64_t> injected(workers, 0);
+  std::vector<std::thread> threads;
+  std::atomic<uint32_t> running{workers};
+  int kills = 0;
+  for (uint32_t r = 0; r < workers; ++r) {
+    threads.emplace_back([&, r] {
+      struct Exit {
+        std::atomic<uint32_t>* running;
+        ~Exit() { --*running; }
+      } exit{&running};
+      auto transport = std::make_unique<FaultyTransport>((*cluster)->Connect(), PlanFor(faults, r));
+      FaultyTransport* faulty = transport.get();
+      auto session = worker::Session::Connect(*job, r, std::move(transport), {}, /*compute_threads=*/1);
+      if (!session.ok()) {
+        failures[r] = absl::StrCat("connect: ", session.status().ToString());
+        return;
+      }
+      worker::SyntheticWorkload workload(*job, r);
+      workload.Initialize((*session)->replica().x());
+      auto first = (*session)->Start(/*resume=*/false);
+      if (!first.ok()) {
+        failures[r] = absl::StrCat("start: ", first.status().ToString());
+        return;
+      }
+      std::vector<float> grad(job->algorithm.layout.dim);
+      for (int64_t step = *first; step < job->steps; ++step) {
+        compress::Replica& replica = (*session)->replica();
+        if (auto loss = workload.Gradient(step, replica.x(), absl::MakeSpan(grad)); !loss.ok()) {
+          failures[r] = loss.status().ToString();
+          return;
+        }
+        if (absl::Status s = (*session)->Step(grad); !s.ok()) {
+          failures[r] = absl::StrCat("step ", step, ": ", s.ToString());
+          return;
+        }
+        sums[r].push_back(Hex(compress::StateChecksum({replica.x(), replica.m(), replica.v()})));
+      }
+      injected[r] = faulty->injected();
+    });
+  }
+  if (faults == Faults::kShardKilled) {
+    // Kills a shard mid-step once it has checkpointed, and its supervisor
+    // brings it back a moment later, twice in the run (while the workers
+    // still run).
+    std::mt19937 random(workers * 10 + shards);
+    for (int64_t at : {4, 9}) {
+      const uint32_t victim = random() % shards;
+      bool reached = false;
+      while (!reached && running.load() > 0) {
+        auto done = (*cluster)->CompletedSteps(victim);
+        reached = done.ok() && *done >= at;
+        if (!reached) absl::SleepFor(absl::Milliseconds(1));
+      }
+      if (!reached) break;
+      absl::SleepFor(absl::Microseconds(random() % 3000));
+      (*cluster)->Kill(victim);
+      ++kills;
+      absl::SleepFor(absl::Milliseconds(30));
+      EXPECT_TRUE((*cluster)->Restart(victim).ok());
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  const auto shard_log = [&] {
+    std::string all;
+    for (const std::string& line : (*cluster)->log()) absl::StrAppend(&all, line, "\n");
+    return all;
+  };
+  for (uint32_t r = 0; r < workers; ++r) {
+    ASSERT_EQ(failures[r], "") << "worker " << r << "; the shards said:\n" << shard_log();
+    ASSERT_EQ(sums[r].size(), expected.worker[r].size()) << "worker " << r;
+    for (size_t t = 0; t < sums[r].size(); ++t) {
+      ASSERT_EQ(sums[r][t], expected.worker[r][t]) << "worker " << r << " differs at step " << t;
+    }
+  }
+  for (uint32_t s = 0; s < shards; ++s) {
+    auto mirror = (*cluster)->MirrorChecksum(s);
+    ASSERT_TRUE(mirror.ok()) << mirror.status();
+    EXPECT_EQ(Hex(*mirror), expected.shard[s].back()) << "shard " << s;
+  }
+  uint64_t total = 0;
+  for (uint64_t n : injected) total += n;
+  if (faults != Faults::kNone && faults != Faults::kShardKilled) {
+    EXPECT_GT(total, 0u) << "the plan injected nothing: the test would prove nothing";
+  }
+  if (faults == Faults::kShardKilled) {
+    EXPECT_EQ(kills, 2) << "the run ended before both kills: the test would prove little";
+    total = kills;
+  }
+  std::printf("%s, %u workers, %u shards, %s: %zu steps bit-identical to the simulator; %llu faults "
+              "injected\n",
+              Name(faults), workers, shards, scheme.name, expected.model.size(),
+              static_cast<unsigned long long>(total));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sweep, FaultSweepTest,
+    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy, Faults::kDuplicatesAndReordering,
+                                         Faults::kDrops, Faults::kShardKilled),
+                       ::testing::Values(1u, 3u), ::testing::Values(1u, 2u), ::testing::ValuesIn(kSchemes)),
+    [](const ::testing::TestParamInfo<Param>& info) {
+      return absl::StrCat(Name(std::get<0>(info.param)), "_", std::get<1>(info.param), "workers_",
+                          std::get<2>(info.param), "shards_", std::get<3>(info.param).name);
+    });
+
+}  // namespace
+}  // namespace morse::inproc
