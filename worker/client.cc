@@ -290,7 +290,9 @@ StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind
       apply_(std::move(apply)),
       extras_(std::move(extras)),
       restarted_from_(client->transport_->shards(), -1),
-      caught_up_(client->layout_.partitions().size(), false) {}
+      caught_up_(client->layout_.partitions().size(), false),
+      sent_(client->layout_.partitions().size(), false),
+      replayed_ahead_(client->layout_.partitions().size(), false) {}
 
 std::string StepExchange::TakeReceivedBuffers() {
   absl::MutexLock lock(&mu_);
@@ -351,7 +353,7 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
   const uint32_t id = call->partition->id;
   absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(*call->partition, from);
   if (!replay.ok()) return replay.status();
-  std::vector<const compress::Partition*> completed;
+  std::vector<Resend> completed;
   {
     absl::MutexLock lock(&mu_);
     if (!replay_noticed_) {
@@ -369,36 +371,82 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
   if (call->then != nullptr) call = std::move(call->then);  // a replay refused again
   (*replay)->then = std::move(call);
   Issue(*std::move(replay));
-  for (const compress::Partition* p : completed) ReplayCompleted(*p, from);
+  for (const Resend& r : completed) ReplayCompleted(*r.partition, from, r.last);
   return absl::OkStatus();
 }
 
-std::vector<const compress::Partition*> StepExchange::NoteRestart(uint32_t shard, int64_t from) {
+std::vector<StepExchange::Resend> StepExchange::NoteRestart(uint32_t shard, int64_t from) {
   if (restarted_from_[shard] < 0 || from < restarted_from_[shard]) restarted_from_[shard] = from;
-  std::vector<const compress::Partition*> out;
+  std::vector<Resend> out;
   for (const compress::Partition* p : completed_) {
     if (p->shard != shard || caught_up_[p->id]) continue;
     caught_up_[p->id] = true;
     ++in_flight_;
-    out.push_back(p);
+    out.push_back({p, step_});
+  }
+  if (from < step_) {
+    // Partitions this step has not sent yet: their earlier steps now, not
+    // when the window lets their own push go (the shard may need them to
+    // answer the pushes that hold the window).
+    for (const compress::Partition& p : client_->layout_.partitions()) {
+      if (p.shard != shard || sent_[p.id] || replayed_ahead_[p.id]) continue;
+      replayed_ahead_[p.id] = true;
+      ++in_flight_;
+      out.push_back({&p, step_ - 1});
+    }
   }
   return out;
 }
 
 void StepExchange::ResendCompleted(uint32_t shard) {
   if (client_->job_.replay_steps == 0) return;  // nothing retained: no shard recovery
-  std::vector<const compress::Partition*> again;
+  std::vector<Resend> again;
   {
     absl::MutexLock lock(&mu_);
     again = NoteRestart(shard, step_);
   }
-  for (const compress::Partition* p : again) ReplayCompleted(*p, step_);
+  for (const Resend& r : again) ReplayCompleted(*r.partition, step_, r.last);
 }
 
-void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t from) {
+void StepExchange::ProbeShards() {
+  if (client_->job_.replay_steps == 0) return;
+  const uint32_t shards = client_->transport_->shards();
+  {
+    absl::MutexLock lock(&mu_);
+    in_flight_ += shards;  // the probes' callbacks use this exchange
+  }
+  for (uint32_t s = 0; s < shards; ++s) {
+    struct Probe {
+      v1::ShardInfoRequest request;
+      v1::ShardInfo info;
+    };
+    auto probe = std::make_shared<Probe>();
+    client_->transport_->GetShardInfo(
+        s, probe->request, &probe->info, client_->Options(client_->job_.rpc_timeout_seconds),
+        [this, s, probe](absl::Status status) {
+          std::vector<Resend> again;
+          int64_t from = -1;
+          {
+            absl::MutexLock lock(&mu_);
+            // This worker has every reply of the steps before this one, so
+            // a shard that has not completed them restarted from a
+            // checkpoint and needs this worker's pushes since.
+            if (status.ok() && probe->info.initialized()) {
+              from = compress::NextExchange(client_->job_.algorithm, probe->info.completed_steps());
+              if (from < step_) again = NoteRestart(s, from);
+            }
+          }
+          for (const Resend& r : again) ReplayCompleted(*r.partition, from, r.last);
+          absl::MutexLock lock(&mu_);
+          --in_flight_;
+        });
+  }
+}
+
+void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t from, int64_t last) {
   absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(partition, from);
   if (!replay.ok()) return Fail(partition, replay.status());
-  (*replay)->replay_last = step_;
+  (*replay)->replay_last = last;
   Issue(*std::move(replay));
 }
 
@@ -429,6 +477,7 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
       const uint32_t shard = done->partition->shard;
       RetryLater(std::move(done));
       ResendCompleted(shard);
+      ProbeShards();
       return;
     }
     return Fail(*done->partition,
@@ -525,7 +574,7 @@ void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& statu
       }
     }
   }
-  if (restarted_from >= 0) ReplayCompleted(*partition, restarted_from);
+  if (restarted_from >= 0) ReplayCompleted(*partition, restarted_from, step_);
   absl::MutexLock lock(&mu_);
   if (!result.ok() && error_.ok()) {
     error_ = absl::Status(result.code(), absl::StrCat(
@@ -552,6 +601,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
         &slot));
     if (!error_.ok()) return error_;
     ++in_flight_;
+    sent_[partition.id] = true;
   }
   auto call = std::make_unique<Call>();
   call->partition = &partition;

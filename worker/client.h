@@ -117,7 +117,7 @@ class StepExchange {
   // [from, step_] are re-sent (replies checked, not applied), because the
   // restarted shard needs them to answer the workers still waiting for
   // that reply. Called with the partition counted in in_flight_.
-  void ReplayCompleted(const compress::Partition& partition, int64_t from);
+  void ReplayCompleted(const compress::Partition& partition, int64_t from, int64_t last);
   // A push of this step to `shard` went unanswered (unreachable, or past its
   // deadline): the shard may have restarted from a checkpoint of this step
   // and lost replies it had sent, and then it waits for this worker's
@@ -126,10 +126,21 @@ class StepExchange {
   // applied). A shard that did not restart answers them from the reply it
   // keeps.
   void ResendCompleted(uint32_t shard);
+  // Likewise: asks every shard how far it is. One behind this worker's step
+  // restarted from a checkpoint, and this worker may be the one it waits
+  // for while this worker's window is held by pushes to other shards that
+  // wait for workers stuck on it; its partitions are replayed at once.
+  void ProbeShards();
   // Marks the restart of `shard` at `from` and returns the partitions this
   // step already completed there (each now counted in in_flight_) for
   // ReplayCompleted.
-  std::vector<const compress::Partition*> NoteRestart(uint32_t shard, int64_t from)
+  // Partitions not sent yet this step are replayed too, through the step
+  // before this one, when `from` is earlier.
+  struct Resend {
+    const compress::Partition* partition;
+    int64_t last;  // replay [from, last]
+  };
+  std::vector<Resend> NoteRestart(uint32_t shard, int64_t from)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Fail(const compress::Partition& partition, absl::Status status);
 
@@ -149,6 +160,10 @@ class StepExchange {
   // their shard's restart (replayed, or re-sent by ReplayCompleted).
   std::vector<const compress::Partition*> completed_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> caught_up_ ABSL_GUARDED_BY(mu_);
+  // Partitions whose push of this step has been sent; those replayed
+  // before it was (NoteRestart).
+  std::vector<bool> sent_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> replayed_ahead_ ABSL_GUARDED_BY(mu_);
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   StepTraffic traffic_ ABSL_GUARDED_BY(mu_);

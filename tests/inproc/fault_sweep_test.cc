@@ -115,37 +115,43 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   std::vector<uint64_t> injected(workers, 0);
   std::vector<std::thread> threads;
   std::atomic<uint32_t> running{workers};
-  int kills = 0;
+  std::atomic<bool> failed{false};
+  // The kills happen once a shard has completed kill_at[k] steps; workers
+  // wait before step kill_at[k] + 2 until that kill is done, so that no run
+  // ends before both.
+  constexpr int64_t kill_at[] = {4, 9};
+  std::atomic<int> kills{0};
   for (uint32_t r = 0; r < workers; ++r) {
     threads.emplace_back([&, r] {
       struct Exit {
         std::atomic<uint32_t>* running;
         ~Exit() { --*running; }
       } exit{&running};
+      const auto fail = [&](std::string what) {
+        failures[r] = std::move(what);
+        failed = true;
+      };
       auto transport = std::make_unique<FaultyTransport>((*cluster)->Connect(), PlanFor(faults, r));
       FaultyTransport* faulty = transport.get();
       auto session = worker::Session::Connect(*job, r, std::move(transport), {}, /*compute_threads=*/1);
-      if (!session.ok()) {
-        failures[r] = absl::StrCat("connect: ", session.status().ToString());
-        return;
-      }
+      if (!session.ok()) return fail(absl::StrCat("connect: ", session.status().ToString()));
       worker::SyntheticWorkload workload(*job, r);
       workload.Initialize((*session)->replica().x());
       auto first = (*session)->Start(/*resume=*/false);
-      if (!first.ok()) {
-        failures[r] = absl::StrCat("start: ", first.status().ToString());
-        return;
-      }
+      if (!first.ok()) return fail(absl::StrCat("start: ", first.status().ToString()));
       std::vector<float> grad(job->algorithm.layout.dim);
       for (int64_t step = *first; step < job->steps; ++step) {
+        if (faults == Faults::kShardKilled) {
+          int due = 0;
+          for (int64_t at : kill_at) due += step >= at + 2 ? 1 : 0;
+          while (kills.load() < due && !failed.load()) absl::SleepFor(absl::Milliseconds(1));
+        }
         compress::Replica& replica = (*session)->replica();
         if (auto loss = workload.Gradient(step, replica.x(), absl::MakeSpan(grad)); !loss.ok()) {
-          failures[r] = loss.status().ToString();
-          return;
+          return fail(loss.status().ToString());
         }
         if (absl::Status s = (*session)->Step(grad); !s.ok()) {
-          failures[r] = absl::StrCat("step ", step, ": ", s.ToString());
-          return;
+          return fail(absl::StrCat("step ", step, ": ", s.ToString()));
         }
         sums[r].push_back(Hex(compress::StateChecksum({replica.x(), replica.m(), replica.v()})));
       }
@@ -157,10 +163,10 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
     // brings it back a moment later, twice in the run (while the workers
     // still run).
     std::mt19937 random(workers * 10 + shards);
-    for (int64_t at : {4, 9}) {
+    for (int64_t at : kill_at) {
       const uint32_t victim = random() % shards;
       bool reached = false;
-      while (!reached && running.load() > 0) {
+      while (!reached && running.load() > 0 && !failed.load()) {
         auto done = (*cluster)->CompletedSteps(victim);
         reached = done.ok() && *done >= at;
         if (!reached) absl::SleepFor(absl::Milliseconds(1));
@@ -197,7 +203,7 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
     EXPECT_GT(total, 0u) << "the plan injected nothing: the test would prove nothing";
   }
   if (faults == Faults::kShardKilled) {
-    EXPECT_EQ(kills, 2) << "the run ended before both kills: the test would prove little";
+    EXPECT_EQ(kills.load(), 2) << "the run ended before both kills: the test would prove little";
     total = kills;
   }
   std::printf("%s, %u workers, %u shards, %s: %zu steps bit-identical to the simulator; %llu faults "
