@@ -385,9 +385,6 @@ std::vector<StepExchange::Resend> StepExchange::NoteRestart(uint32_t shard, int6
     out.push_back({p, step_});
   }
   if (from < step_) {
-    // Partitions this step has not sent yet: their earlier steps now, not
-    // when the window lets their own push go (the shard may need them to
-    // answer the pushes that hold the window).
     for (const compress::Partition& p : client_->layout_.partitions()) {
       if (p.shard != shard || sent_[p.id] || replayed_ahead_[p.id]) continue;
       replayed_ahead_[p.id] = true;
@@ -398,18 +395,16 @@ std::vector<StepExchange::Resend> StepExchange::NoteRestart(uint32_t shard, int6
   return out;
 }
 
-void StepExchange::ResendCompleted(uint32_t shard) {
-  if (client_->job_.replay_steps == 0) return;  // nothing retained: no shard recovery
+void StepExchange::CatchUp(uint32_t shard, int64_t from) {
   std::vector<Resend> again;
   {
     absl::MutexLock lock(&mu_);
-    again = NoteRestart(shard, step_);
+    again = NoteRestart(shard, from);
   }
-  for (const Resend& r : again) ReplayCompleted(*r.partition, step_, r.last);
+  for (const Resend& r : again) ReplayCompleted(*r.partition, from, r.last);
 }
 
 void StepExchange::ProbeShards() {
-  if (client_->job_.replay_steps == 0) return;
   const uint32_t shards = client_->transport_->shards();
   {
     absl::MutexLock lock(&mu_);
@@ -424,19 +419,13 @@ void StepExchange::ProbeShards() {
     client_->transport_->GetShardInfo(
         s, probe->request, &probe->info, client_->Options(client_->job_.rpc_timeout_seconds),
         [this, s, probe](absl::Status status) {
-          std::vector<Resend> again;
-          int64_t from = -1;
-          {
-            absl::MutexLock lock(&mu_);
-            // This worker has every reply of the steps before this one, so
-            // a shard that has not completed them restarted from a
-            // checkpoint and needs this worker's pushes since.
-            if (status.ok() && probe->info.initialized()) {
-              from = compress::NextExchange(client_->job_.algorithm, probe->info.completed_steps());
-              if (from < step_) again = NoteRestart(s, from);
-            }
+          // This worker has every reply of the steps before this one, so a
+          // shard that has not completed them restarted from a checkpoint
+          // and needs this worker's pushes since.
+          if (status.ok() && probe->info.initialized()) {
+            const int64_t from = compress::NextExchange(client_->job_.algorithm, probe->info.completed_steps());
+            if (from < step_) CatchUp(s, from);
           }
-          for (const Resend& r : again) ReplayCompleted(*r.partition, from, r.last);
           absl::MutexLock lock(&mu_);
           --in_flight_;
         });
@@ -476,8 +465,10 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
       }
       const uint32_t shard = done->partition->shard;
       RetryLater(std::move(done));
-      ResendCompleted(shard);
-      ProbeShards();
+      if (client_->job_.replay_steps > 0) {  // else nothing is retained: no shard recovery
+        CatchUp(shard, step_);
+        ProbeShards();
+      }
       return;
     }
     return Fail(*done->partition,

@@ -118,24 +118,28 @@ class StepExchange {
   // restarted shard needs them to answer the workers still waiting for
   // that reply. Called with the partition counted in in_flight_.
   void ReplayCompleted(const compress::Partition& partition, int64_t from, int64_t last);
-  // A push of this step to `shard` went unanswered (unreachable, or past its
-  // deadline): the shard may have restarted from a checkpoint of this step
-  // and lost replies it had sent, and then it waits for this worker's
-  // pushes of the partitions this worker already has, while this worker
-  // waits for the others' — so those are re-sent once (replies checked, not
-  // applied). A shard that did not restart answers them from the reply it
-  // keeps.
-  void ResendCompleted(uint32_t shard);
-  // Likewise: asks every shard how far it is. One behind this worker's step
-  // restarted from a checkpoint, and this worker may be the one it waits
-  // for while this worker's window is held by pushes to other shards that
-  // wait for workers stuck on it; its partitions are replayed at once.
+  // Replays to `shard`, restarted (or perhaps restarted) from a checkpoint
+  // at step `from`, what it may need of this worker (NoteRestart).
+  //
+  // Called with `from` = this step when a push of this step to `shard` goes
+  // unanswered (unreachable, or past its deadline): the shard may have
+  // restarted from a checkpoint of this step and lost replies it had sent,
+  // and then it waits for this worker's pushes of the partitions this
+  // worker already has, while this worker waits for the others'. A shard
+  // that did not restart answers the re-sent pushes from the reply it
+  // keeps (checked, not applied); the cost is that every partition of that
+  // shard this step is sent twice from then on.
+  void CatchUp(uint32_t shard, int64_t from);
+  // Also on an unanswered push: asks every shard how far it is. One behind
+  // this worker's step restarted from a checkpoint, and this worker may be
+  // the one it waits for while this worker's window is held by pushes to
+  // other shards that wait for workers stuck on it: CatchUp at once.
   void ProbeShards();
-  // Marks the restart of `shard` at `from` and returns the partitions this
-  // step already completed there (each now counted in in_flight_) for
-  // ReplayCompleted.
-  // Partitions not sent yet this step are replayed too, through the step
-  // before this one, when `from` is earlier.
+  // Marks the restart of `shard` at `from` and returns what to replay, each
+  // now counted in in_flight_: the partitions this step already completed
+  // there (through this step), and, when `from` is earlier than this step,
+  // those this step has not sent yet (through the step before; the shard
+  // may need them to answer the pushes that hold the window).
   struct Resend {
     const compress::Partition* partition;
     int64_t last;  // replay [from, last]
