@@ -615,6 +615,7 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(int64_t step, const StepHy
   if (absl::Status s = ApplyLambCommit(step, range_.begin, range_.size(), commit, hyper); !s.ok()) {
     return s;
   }
+  lamb_layers_ = LambStateOf(commit);
   return commit;
 }
 
@@ -629,7 +630,6 @@ absl::Status Replica::ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n,
   }
   if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
   LambUpdateX(config_, PlanReply(config_, step, hyper), commit, range_, begin, n, x_, m_, v_);
-  lamb_layers_ = LambStateOf(commit);
   return absl::OkStatus();
 }
 

@@ -245,8 +245,11 @@ class Replica {
   // replica of part of the model.
   absl::StatusOr<std::vector<double>> LambStep(int64_t step, const StepHyper* hyper = nullptr);
   // A shard's mirror: applies the commit of `step` (from the workers) to x
-  // over [begin, begin + n) and takes its layers' state. INVALID_ARGUMENT,
-  // nothing changed, for a malformed commit or range.
+  // over [begin, begin + n) and nothing else, so that partitions may apply
+  // their commits at once from different threads. The layers' state after
+  // the commit (LambStateOf) is the caller's to keep: LambStep keeps it
+  // here, a shard keeps it with each partition. INVALID_ARGUMENT, nothing
+  // changed, for a malformed commit or range.
   absl::Status ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n, absl::Span<const double> commit,
                                const StepHyper* hyper = nullptr);
   absl::Span<const float> v_fresh() const { return v_fresh_; }

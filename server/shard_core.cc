@@ -54,6 +54,12 @@ struct ShardCore::PartitionState {
   std::optional<double> committed_norm ABSL_GUARDED_BY(mu);  // the sum of squares
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
+  // onebit_lamb: every layer's state after the partition's last applied
+  // commit (compress::LambStateOf). Each partition keeps its own: the
+  // commits are the whole model's, the same for every partition of a step,
+  // but partitions apply them from different threads and may be a step
+  // apart, and a snapshot of one partition holds the state of its step.
+  std::vector<compress::LambLayerState> lamb_layers ABSL_GUARDED_BY(mu);
   std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
   // The completed steps before the last one, oldest first, each with its
   // reply and the hashes of the pushes it answered: a restarted worker
@@ -123,6 +129,9 @@ ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout
       server_error_(job.algorithm.server_feedback, range_.size(), job.algorithm.layout.block_elems) {
   for (const compress::Partition& p : layout_.shard_partitions(shard)) {
     partitions_.push_back(std::make_unique<PartitionState>(p, job.workers()));
+    if (job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+      partitions_.back()->lamb_layers.resize(compress::LayerCount(job.algorithm));
+    }
   }
 }
 
@@ -556,6 +565,7 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
                     .ApplyLambCommit(r.step, p.partition.range.begin, p.partition.range.size(),
                                      p.committed_lamb, p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr)
                     .ok());
+    p.lamb_layers = compress::LambStateOf(p.committed_lamb);
   }
 }
 
@@ -796,7 +806,8 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     // onebit_lamb's fresh variance and every layer's state (design.md 2.8).
     writer.AddFloats("v_fresh", mirror_.v_fresh());
-    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(mirror_.lamb_layers()));
+    // Every partition is at `step` and holds the same state.
+    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(partitions_.front()->lamb_layers));
   }
   // The last completed step's replies and push hashes, so that a worker
   // whose reply was lost when the shard died can still get it by retrying.
@@ -844,7 +855,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     auto fresh = reader->Floats("v_fresh", n);
     if (!fresh.ok()) return fresh.status();
-    auto layers = reader->Floats("lamb_layers", 2 * mirror_.lamb_layers().size());
+    auto layers = reader->Floats("lamb_layers", 2 * compress::LayerCount(job_.algorithm));
     if (!layers.ok()) return layers.status();
     v_fresh = *std::move(fresh);
     lamb_layers = compress::UnflattenLambLayers(*layers);
@@ -890,10 +901,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   std::copy(x->begin(), x->end(), mirror_.x().begin());
   std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
   std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
-  if (!lamb_layers.empty()) {
-    std::copy(v_fresh.begin(), v_fresh.end(), mirror_.mutable_v_fresh().begin());
-    mirror_.set_lamb_layers(std::move(lamb_layers));
-  }
+  if (!v_fresh.empty()) std::copy(v_fresh.begin(), v_fresh.end(), mirror_.mutable_v_fresh().begin());
   for (size_t i = 0; i < parts; ++i) {
     PartitionState* p = partitions_[i].get();
     absl::MutexLock lock(&p->mu);
@@ -903,6 +911,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->awaiting_commit = false;
     p->committed_norm.reset();
     p->committed_lamb.clear();
+    if (!lamb_layers.empty()) p->lamb_layers = lamb_layers;
     p->last_reply = last[i];
     p->history.clear();
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
@@ -939,7 +948,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   snapshot.v.assign(mirror_.v().begin() + offset, mirror_.v().begin() + offset + n);
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset, mirror_.v_fresh().begin() + offset + n);
-    snapshot.lamb_layers = compress::FlattenLambLayers(mirror_.lamb_layers());
+    snapshot.lamb_layers = compress::FlattenLambLayers(p.lamb_layers);
   }
   if (with_server_error) {
     // The error buffer changes only when a step completes, so it is the one
@@ -956,6 +965,12 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   if (rank != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("only rank 0 restores a saved run, not rank ", rank));
+  }
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    // A PartitionState has no fresh variance or layer state to restore.
+    return absl::UnimplementedError(
+        "onebit_lamb's shard state (its fresh variance and layer coefficients) is not restored by "
+        "RestorePartition; resume a onebit_lamb job from the shards' checkpoints instead");
   }
   PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
   const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();

@@ -75,13 +75,18 @@ Process::~Process() {
 
 bool Process::Wait(absl::Duration timeout, int* exit_code) {
   if (pid_ <= 0) return false;
+  if (reaped_) {
+    *exit_code = exit_code_;
+    return true;
+  }
   const absl::Time deadline = absl::Now() + timeout;
   while (true) {
     int status = 0;
     const pid_t r = waitpid(pid_, &status, WNOHANG);
     if (r == pid_) {
       reaped_ = true;
-      *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      *exit_code = exit_code_;
       return true;
     }
     if (absl::Now() > deadline) return false;
@@ -191,21 +196,49 @@ void Cluster::StartWorkers(bool checksums) {
   for (int r = 0; r < workers_; ++r) StartWorker(r, checksums);
 }
 
+namespace {
+
+// The last `lines` lines of a log, so that a failure's report stays readable
+// (a worker retrying a dead shard writes a line every few seconds).
+std::string Tail(const std::string& text, int lines) {
+  size_t at = text.size();
+  for (int n = 0; n <= lines && at != std::string::npos && at > 0; ++n) {
+    at = text.rfind('\n', at - 1);
+  }
+  if (at == std::string::npos || at == 0) return text;
+  return absl::StrCat("[...]\n", text.substr(at + 1));
+}
+
+}  // namespace
+
 bool Cluster::WaitWorkers(absl::Duration timeout, std::string* failure) {
   const absl::Time deadline = absl::Now() + timeout;
   bool ok = true;
+  std::string workers;
   for (size_t r = 0; r < workers_procs_.size(); ++r) {
     int code = -1;
     const absl::Duration left = std::max(deadline - absl::Now(), absl::Seconds(1));
     if (!workers_procs_[r]->Wait(left, &code)) {
-      absl::StrAppend(failure, "worker ", r, " did not finish in time\n", ReadFile(worker_log(r)));
+      absl::StrAppend(&workers, "worker ", r, " did not finish in time\n",
+                      Tail(ReadFile(worker_log(r)), 40));
       ok = false;
     } else if (code != 0) {
-      absl::StrAppend(failure, "worker ", r, " exited ", code, ":\n", ReadFile(worker_log(r)));
+      absl::StrAppend(&workers, "worker ", r, " exited ", code, ":\n",
+                      Tail(ReadFile(worker_log(r)), 40));
       ok = false;
     }
   }
-  return ok;
+  if (ok) return true;
+  // The shards first: a worker that fails is most often waiting on one that
+  // ended (exit code, 128 + signal) or stopped answering.
+  for (size_t s = 0; s < servers_.size(); ++s) {
+    int code = -1;
+    const bool ended = servers_[s]->Wait(absl::ZeroDuration(), &code);
+    absl::StrAppend(failure, "server ", s, ended ? absl::StrCat(" ended with ", code) : " running",
+                    "; its log:\n", Tail(ReadFile(server_log(s)), 40), "\n");
+  }
+  absl::StrAppend(failure, workers);
+  return false;
 }
 
 void Cluster::StopServers() {

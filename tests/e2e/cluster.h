@@ -35,7 +35,8 @@ class Process {
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
 
-  // True with the exit code if the process ended within the timeout.
+  // True with the exit code (128 + the signal if one ended it) if the process
+  // ended within the timeout; the same answer again once it has ended.
   bool Wait(absl::Duration timeout, int* exit_code);
   void Signal(int sig);
   pid_t pid() const { return pid_; }
@@ -43,6 +44,7 @@ class Process {
  private:
   pid_t pid_ = -1;
   bool reaped_ = false;
+  int exit_code_ = -1;
 };
 
 // A job directory with a config and S server addresses.

@@ -7,8 +7,10 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <thread>
 #include <vector>
 
+#include "compress/lamb.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
@@ -818,6 +820,90 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   // The pushes of step 1 may carry the same commit again.
   EXPECT_EQ(push(1, 0, parts[0], commit).message(), "pending");
   EXPECT_TRUE(push(1, 1, parts[0], commit).ok());
+  // Each partition keeps the layers' state of its own step: one a step
+  // ahead (its commit of step 1 carried by a push of step 2) does not move
+  // the state the others report.
+  std::vector<double> later = commit;
+  later[1] = 0.25;  // layer 0's coeff_freeze and last_factor
+  later[2] = 0.75;
+  EXPECT_EQ(push(2, 0, parts[0], later).message(), "pending");
+  const auto layers = [&](const compress::Partition& p) {
+    return core->FetchPartition(p.id, fingerprint)->lamb_layers;
+  };
+  EXPECT_EQ(layers(parts[0]), compress::FlattenLambLayers(compress::LambStateOf(later)));
+  for (size_t i = 1; i < parts.size(); ++i) {
+    EXPECT_EQ(layers(parts[i]), compress::FlattenLambLayers(compress::LambStateOf(commit))) << i;
+  }
+  // A saved run's PartitionState has no v' or layer state to load.
+  PartitionSnapshot saved = *core->FetchPartition(parts[1].id, fingerprint, /*with_server_error=*/true);
+  const absl::Status restore = core->RestorePartition(0, parts[1].id, fingerprint, saved);
+  EXPECT_EQ(restore.code(), absl::StatusCode::kUnimplemented) << restore;
+}
+
+// A server applies onebit_lamb commits from its RPC threads, each under its
+// partition's lock only: partitions pushing at once from their own threads
+// must not share anything unguarded (the sanitizers' run of this test found
+// a double free when they shared the layers' state).
+TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
+  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+    workers: 1
+    shards: 1
+    synthetic { dim: 512 layer_elems: 100 }
+    lr { lr: 0.01 }
+    steps: 400
+    block_elems: 16
+    partition_elems: 64
+    optimizer: "onebit_lamb"
+    freeze_step: 4
+  )", proto::ConfigFormat::kText);
+  std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto parts = core->layout().partitions();
+  ASSERT_EQ(parts.size(), 8u);
+  for (const auto& p : parts) {
+    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
+                                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                    .ok());
+  }
+  // Any well-formed commit will do: the shard checks its form, not how the
+  // workers computed it. Step t's commit gives every layer the factor t.
+  const size_t layers = compress::LayerCount(job.algorithm);
+  const auto commit_of = [layers](int64_t step) {
+    std::vector<double> c(compress::kLambCommit * layers, 1.0);
+    for (size_t l = 0; l < layers; ++l) c[compress::kLambCommit * l + 2] = static_cast<double>(step);
+    return c;
+  };
+  constexpr int64_t kSteps = 300;
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> failures(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const compress::Partition& p = parts[i];
+      for (int64_t step = 0; step < kSteps && failures[i].ok(); ++step) {
+        const compress::CodecSpec codec = compress::PlanStep(job.algorithm, step).up;
+        const std::vector<float> g = compress::testing::VariedData(p.range.size(), 100 * step + p.id);
+        PushArgs a{step, 0, p.id, fingerprint, codec.kind, {}, std::nullopt};
+        a.payload.resize(compress::PayloadBytes(codec, g.size()));
+        failures[i] = compress::Encode(codec, g, {},
+                                       {reinterpret_cast<uint8_t*>(a.payload.data()), a.payload.size()});
+        if (step > 0) a.previous_lamb_commit = commit_of(step - 1);
+        core->Push(std::move(a), [&failures, i](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+          if (!r.ok()) failures[i] = r.status();
+        });
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < parts.size(); ++i) ASSERT_TRUE(failures[i].ok()) << i << ": " << failures[i];
+  ASSERT_TRUE(core->CommitLamb(0, kSteps - 1, fingerprint, commit_of(kSteps - 1)).ok());
+  for (const auto& p : parts) {
+    auto snapshot = core->FetchPartition(p.id, fingerprint);
+    ASSERT_TRUE(snapshot.ok()) << snapshot.status();
+    EXPECT_EQ(snapshot->completed_steps, kSteps);
+    EXPECT_EQ(snapshot->lamb_layers,
+              compress::FlattenLambLayers(compress::LambStateOf(commit_of(kSteps - 1))));
+  }
 }
 
 TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
