@@ -32,7 +32,7 @@ ComputePool::ComputePool(int threads) {
 
 ComputePool::~ComputePool() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   for (std::thread& t : threads_) t.join();
@@ -40,7 +40,7 @@ ComputePool::~ComputePool() {
 
 void ComputePool::Schedule(absl::AnyInvocable<void() &&> task) {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!stopping_) {
       tasks_.push_back(std::move(task));
       return;
@@ -53,7 +53,7 @@ void ComputePool::Run() {
   for (;;) {
     absl::AnyInvocable<void() &&> task;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](ComputePool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return pool->stopping_ || !pool->tasks_.empty();

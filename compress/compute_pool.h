@@ -20,7 +20,7 @@
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 
 namespace morse::compress {
 
@@ -44,7 +44,7 @@ class ComputePool {
  private:
   void Run();
 
-  absl::Mutex mu_;
+  Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> tasks_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

@@ -250,7 +250,7 @@ absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::FromOptions(const Security
 absl::StatusOr<std::unique_ptr<TokenFile>> TokenFile::Open(const std::string& path,
                                                            absl::Duration refresh) {
   std::unique_ptr<TokenFile> file(new TokenFile(path, refresh));
-  absl::MutexLock lock(&file->mu_);
+  MutexLock lock(&file->mu_);
   if (absl::Status s = file->Load(); !s.ok()) return s;
   return file;
 }
@@ -307,7 +307,7 @@ void TokenFile::MaybeReload() {
 bool TokenFile::Accepts(absl::string_view presented) { return Identify(presented).has_value(); }
 
 std::optional<int64_t> TokenFile::Identify(absl::string_view presented) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   MaybeReload();
   std::optional<int64_t> identity;
   for (size_t i = 0; i < tokens_.size(); ++i) {
@@ -317,7 +317,7 @@ std::optional<int64_t> TokenFile::Identify(absl::string_view presented) {
 }
 
 std::string TokenFile::Current() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   MaybeReload();
   return tokens_.front();
 }

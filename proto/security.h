@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 
@@ -87,7 +87,7 @@ class TokenFile {
 
   const std::string path_;
   const absl::Duration refresh_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<std::string> tokens_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> ranks_ ABSL_GUARDED_BY(mu_);  // kAnyRank or the token's rank
   absl::Time next_check_ ABSL_GUARDED_BY(mu_);

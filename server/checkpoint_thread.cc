@@ -9,19 +9,19 @@ CheckpointThread::CheckpointThread(std::string path, Done done)
 
 CheckpointThread::~CheckpointThread() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   thread_.join();
 }
 
 void CheckpointThread::Submit(proto::CheckpointWriter snapshot, std::string why) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   pending_.emplace(std::move(snapshot), std::move(why));
 }
 
 void CheckpointThread::Flush() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](CheckpointThread* t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
         return !t->pending_.has_value() && !t->writing_;
@@ -33,7 +33,7 @@ void CheckpointThread::Run() {
   while (true) {
     std::optional<std::pair<proto::CheckpointWriter, std::string>> job;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](CheckpointThread* t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return t->pending_.has_value() || t->stopping_;
@@ -46,7 +46,7 @@ void CheckpointThread::Run() {
     }
     const absl::Status status = job->first.Write(path_);
     if (done_) done_(status, job->first.header().step, job->second);
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     writing_ = false;
   }
 }

@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "proto/checkpoint_file.h"
 
 namespace morse::server {
@@ -37,7 +37,7 @@ class CheckpointThread {
 
   const std::string path_;
   const Done done_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::optional<std::pair<proto::CheckpointWriter, std::string>> pending_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

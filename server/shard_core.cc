@@ -24,7 +24,7 @@ struct ShardCore::PartitionState {
       : partition(p), pushes(workers), last_hashes(workers, 0) {}
 
   const compress::Partition partition;
-  absl::Mutex mu;
+  Mutex mu;
   bool initialized ABSL_GUARDED_BY(mu) = false;
   int64_t next_step ABSL_GUARDED_BY(mu) = 0;  // steps completed
   // The pending step next_step:
@@ -182,7 +182,7 @@ absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition, uint64_
                                                      partition, " is not finite"));
     }
   }
-  absl::MutexLock lock(&p.mu);
+  MutexLock lock(&p.mu);
   auto x = mirror_.x().subspan(p.partition.range.begin - range_.begin, n);
   if (p.initialized) {
     if (std::memcmp(x.data(), values.data(), 4 * n) == 0) return absl::OkStatus();
@@ -192,7 +192,7 @@ absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition, uint64_
   }
   std::memcpy(x.data(), values.data(), 4 * n);
   p.initialized = true;
-  absl::MutexLock progress(&progress_mu_);
+  MutexLock progress(&progress_mu_);
   ++initialized_;
   return absl::OkStatus();
 }
@@ -200,7 +200,7 @@ absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition, uint64_
 void ShardCore::Push(PushArgs args, ReplyCallback done) {
   const auto reject = [&](absl::Status status) {
     {
-      absl::MutexLock progress(&progress_mu_);
+      MutexLock progress(&progress_mu_);
       ++rejected_;
     }
     done(std::move(status));
@@ -229,7 +229,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   bool schedule = false;               // ... or on the pool
   std::optional<int64_t> completed_norm;  // a step whose mirror this push's norm completed
   {
-    absl::MutexLock lock(&p.mu);
+    MutexLock lock(&p.mu);
     if (!p.initialized) {
       return reject(absl::UnavailableError(absl::StrCat(
           "partition ", args.partition, " has no initial parameters yet (rank 0 uploads them)")));
@@ -371,7 +371,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
   }
   {
-    absl::MutexLock progress(&progress_mu_);
+    MutexLock progress(&progress_mu_);
     ++accepted_;
   }
   if (completed_norm.has_value()) NoteStepCompleted(*completed_norm);
@@ -400,7 +400,7 @@ ShardCore::Completion ShardCore::CompleteLocked(PartitionState& p) {
 void ShardCore::CompleteOnPool(PartitionState& p) {
   Completion completion;
   {
-    absl::MutexLock lock(&p.mu);
+    MutexLock lock(&p.mu);
     // ExpireWaiting skips a partition being completed, but an Abort may
     // have cleared it (ClearPending), and then this task has nothing to do.
     if (!p.completing) return;
@@ -427,7 +427,7 @@ void ShardCore::Answer(PartitionState& p, Completion c) {
     }
   }
   if (ok) {
-    absl::MutexLock lock(&p.mu);
+    MutexLock lock(&p.mu);
     ApplyMirror(p);
   }
 }
@@ -437,7 +437,7 @@ int64_t ShardCore::NextExchange(const PartitionState& p) const {
 }
 
 std::optional<absl::Status> ShardCore::AbortFor(int64_t step) const {
-  absl::MutexLock lock(&abort_mu_);
+  MutexLock lock(&abort_mu_);
   if (!abort_.has_value() || step < abort_->first) return std::nullopt;
   return absl::FailedPreconditionError(abort_->second);
 }
@@ -452,7 +452,7 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_finge
   if (step < 0) return absl::InvalidArgumentError("negative step");
   constexpr size_t kMaxReason = 4096;
   {
-    absl::MutexLock lock(&abort_mu_);
+    MutexLock lock(&abort_mu_);
     if (abort_.has_value()) return absl::OkStatus();  // the first abort wins
     abort_.emplace(step, absl::StrCat("rank ", rank, " stopped the job at step ", step, ": ",
                                       reason.substr(0, kMaxReason)));
@@ -468,7 +468,7 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_finge
     PartitionState& p = *part;
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
     {
-      absl::MutexLock lock(&p.mu);
+      MutexLock lock(&p.mu);
       if (p.next_step < step) continue;
       waiters.swap(p.waiters);
       p.ClearPending();
@@ -479,12 +479,12 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_finge
 }
 
 void ShardCore::ClearAbort() {
-  absl::MutexLock lock(&abort_mu_);
+  MutexLock lock(&abort_mu_);
   abort_.reset();
 }
 
 std::optional<std::string> ShardCore::aborted() const {
-  absl::MutexLock lock(&abort_mu_);
+  MutexLock lock(&abort_mu_);
   if (!abort_.has_value()) return std::nullopt;
   return abort_->second;
 }
@@ -670,11 +670,11 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_
   }
   if (step < 0) return absl::InvalidArgumentError("negative step");
   // Every partition checked before any changes (locks in order, as Snapshot).
-  std::vector<std::unique_ptr<absl::MutexLock>> locks;
+  std::vector<std::unique_ptr<MutexLock>> locks;
   std::vector<bool> applies(partitions_.size());
   for (size_t i = 0; i < partitions_.size(); ++i) {
     PartitionState& p = *partitions_[i];
-    locks.push_back(std::make_unique<absl::MutexLock>(&p.mu));
+    locks.push_back(std::make_unique<MutexLock>(&p.mu));
     bool a = false;
     if (absl::Status s = CheckCommit(p, rank, step, commit, &a); !s.ok()) return s;
     applies[i] = a;
@@ -692,7 +692,7 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_
 
 void ShardCore::FlushMirrors() const {
   for (const auto& p : partitions_) {
-    absl::MutexLock lock(&p->mu);
+    MutexLock lock(&p->mu);
     ApplyMirror(*p);
   }
 }
@@ -700,7 +700,7 @@ void ShardCore::FlushMirrors() const {
 void ShardCore::NoteStepCompleted(int64_t step) {
   std::vector<int64_t> finished;
   {
-    absl::MutexLock progress(&progress_mu_);
+    MutexLock progress(&progress_mu_);
     if (++completions_[step] < partitions_.size()) return;
     // Steps finish in order: a step's replies are all out before any
     // worker can push the next one.
@@ -724,7 +724,7 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
   absl::Duration longest;
   for (const auto& state : partitions_) {
     PartitionState& p = *state;
-    absl::MutexLock lock(&p.mu);
+    MutexLock lock(&p.mu);
     if (p.arrived == 0 || now - p.first_arrival < patience) continue;
     if (oldest.has_value() && now - p.first_arrival <= longest) continue;
     longest = now - p.first_arrival;
@@ -747,7 +747,7 @@ void ShardCore::ExpireWaiting(absl::Time now) {
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
     absl::Status status;
     {
-      absl::MutexLock lock(&p.mu);
+      MutexLock lock(&p.mu);
       // A partition with every push in is being completed, not waiting.
       if (p.arrived == 0 || p.completing || now - p.first_arrival < timeout) continue;
       std::vector<uint32_t> missing;
@@ -776,9 +776,9 @@ absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
 absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   // Lock every partition (in order) so the state is one step's, with every
   // completed step's mirror update applied.
-  std::vector<std::unique_ptr<absl::MutexLock>> locks;
+  std::vector<std::unique_ptr<MutexLock>> locks;
   for (const auto& p : partitions_) {
-    locks.push_back(std::make_unique<absl::MutexLock>(&p->mu));
+    locks.push_back(std::make_unique<MutexLock>(&p->mu));
     ApplyMirror(*p);
   }
   const int64_t step = partitions_.front()->next_step;
@@ -904,7 +904,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   if (!v_fresh.empty()) std::copy(v_fresh.begin(), v_fresh.end(), mirror_.mutable_v_fresh().begin());
   for (size_t i = 0; i < parts; ++i) {
     PartitionState* p = partitions_[i].get();
-    absl::MutexLock lock(&p->mu);
+    MutexLock lock(&p->mu);
     p->initialized = true;
     p->next_step = h.step;
     p->mirror_pending = false;
@@ -918,7 +918,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
       p->last_hashes[r] = static_cast<size_t>(hashes[i * job_.workers() + r]);
     }
   }
-  absl::MutexLock progress(&progress_mu_);
+  MutexLock progress(&progress_mu_);
   initialized_ = static_cast<uint32_t>(partitions_.size());
   observed_step_ = h.step - 1;
   return absl::OkStatus();
@@ -929,7 +929,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
                                                             bool with_server_error) const {
   if (absl::Status s = CheckCommon(0, partition, fingerprint); !s.ok()) return s;
   PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
-  absl::MutexLock lock(&p.mu);
+  MutexLock lock(&p.mu);
   if (!p.initialized) {
     return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
   }
@@ -995,7 +995,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
           absl::StrCat("the saved v of partition ", partition, " is negative"));
     }
   }
-  absl::MutexLock lock(&p.mu);
+  MutexLock lock(&p.mu);
   if (!p.initialized) {
     return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
   }
@@ -1018,7 +1018,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
   p.history.clear();
-  absl::MutexLock progress(&progress_mu_);
+  MutexLock progress(&progress_mu_);
   observed_step_ = state.completed_steps - 1;
   completions_.clear();
   return absl::OkStatus();
@@ -1040,7 +1040,7 @@ ShardStatus ShardCore::Status() const {
   s.partitions = static_cast<uint32_t>(partitions_.size());
   int64_t completed = INT64_MAX, kept_from = 0;
   for (const auto& state : partitions_) {
-    absl::MutexLock lock(&state->mu);
+    MutexLock lock(&state->mu);
     completed = std::min(completed, state->next_step);
     kept_from = std::max(kept_from, !state->history.empty()      ? state->history.front().reply->step
                                     : state->last_reply != nullptr ? state->last_reply->step
@@ -1048,7 +1048,7 @@ ShardStatus ShardCore::Status() const {
   }
   s.completed_steps = completed;
   s.replies_kept_from = kept_from;
-  absl::MutexLock progress(&progress_mu_);
+  MutexLock progress(&progress_mu_);
   s.partitions_initialized = initialized_;
   s.pushes_accepted = accepted_;
   s.pushes_rejected = rejected_;

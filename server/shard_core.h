@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
@@ -272,10 +272,10 @@ class ShardCore {
   StepObserver observer_;
 
   // Taken inside a partition's lock, never around one.
-  mutable absl::Mutex abort_mu_;
+  mutable Mutex abort_mu_;
   std::optional<std::pair<int64_t, std::string>> abort_ ABSL_GUARDED_BY(abort_mu_);  // step, message
 
-  mutable absl::Mutex progress_mu_;
+  mutable Mutex progress_mu_;
   uint32_t initialized_ ABSL_GUARDED_BY(progress_mu_) = 0;
   int64_t observed_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
   std::map<int64_t, uint32_t> completions_ ABSL_GUARDED_BY(progress_mu_);  // step -> partitions

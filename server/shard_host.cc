@@ -16,7 +16,7 @@ absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpe
   }
   std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured), max_model_elems, compute_threads));
   if (base.sized()) {
-    absl::MutexLock lock(&host->mu_);
+    MutexLock lock(&host->mu_);
     if (absl::Status s = host->Configure(base); !s.ok()) return s;
   }
   return host;
@@ -54,7 +54,7 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
         "rank ", rank, " brings a model of ", job.algorithm.layout.dim,
         " elements; this server takes at most ", max_model_elems_, " (--max_model_elems)"));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (owned_ == nullptr) {
     if (absl::Status s = Configure(job); !s.ok()) return s;
   } else {
@@ -91,7 +91,7 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
 }
 
 uint32_t ShardHost::workers_joined() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   uint32_t n = 0;
   for (bool j : joined_) n += j;
   return n;

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "proto/job_config.h"
 #include "server/shard_core.h"
 
@@ -65,7 +65,7 @@ class ShardHost {
   const uint64_t max_model_elems_;
   const int compute_threads_;
   OnConfigured on_configured_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::unique_ptr<ShardCore> owned_ ABSL_GUARDED_BY(mu_);
   std::atomic<ShardCore*> core_{nullptr};
   proto::JobSpec job_ ABSL_GUARDED_BY(mu_);

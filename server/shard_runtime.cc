@@ -14,7 +14,7 @@ ShardRuntime::ShardRuntime(Options options) : options_(std::move(options)) {
         options_.checkpoint_path, [this](const absl::Status& saved, int64_t step, const std::string& why) {
           if (saved.ok()) {
             {
-              absl::MutexLock lock(&mu_);
+              MutexLock lock(&mu_);
               durable_steps_ = std::max(durable_steps_, step);
             }
             Log(absl::StrFormat("morse-server shard %u: checkpoint of step %d written to %s (%s)",
@@ -34,7 +34,7 @@ void ShardRuntime::Log(const std::string& line) const {
 }
 
 void ShardRuntime::SetMetrics(ServerMetrics* metrics) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   metrics_ = metrics;
 }
 
@@ -60,7 +60,7 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job, ShardCore& co
     }
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     durable_steps_ = core.Status().completed_steps;
   }
   const uint32_t every = job.checkpoint_every_steps, log_every = job.log_every;
@@ -93,14 +93,14 @@ void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core, uint32_t e
   if (checkpoints_ != nullptr && every > 0) {
     bool behind;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       behind = durable_steps_ < step + 1 - slack;
     }
     if (behind) checkpoints_->Flush();
   }
   const bool report = log_every > 0 && (step + 1) % log_every == 0;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (metrics_ != nullptr) {
       const absl::Time now = absl::Now();
       metrics_->StepCompleted(absl::ToDoubleSeconds(now - last_step_time_));

@@ -7,7 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "compress/lamb.h"
 #include "proto/wire.h"
 #include "worker/transport/grpc/transport.h"
@@ -295,12 +295,12 @@ StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind
       replayed_ahead_(client->layout_.partitions().size(), false) {}
 
 std::string StepExchange::TakeReceivedBuffers() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return std::move(received_buffers_);
 }
 
 StepExchange::~StepExchange() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](uint32_t* n) { return *n == 0; }, &in_flight_));
 }
@@ -322,7 +322,7 @@ void StepExchange::RetryLater(std::unique_ptr<Call> call) {
 }
 
 void StepExchange::Fail(const compress::Partition& partition, absl::Status status) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (error_.ok()) {
     error_ = absl::Status(status.code(), absl::StrCat("partition ", partition.id, " of step ", step_,
                                                       " on ", client_->transport_->address(partition.shard),
@@ -355,7 +355,7 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
   if (!replay.ok()) return replay.status();
   std::vector<Resend> completed;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (!replay_noticed_) {
       replay_noticed_ = true;
       std::fprintf(stderr,
@@ -398,7 +398,7 @@ std::vector<StepExchange::Resend> StepExchange::NoteRestart(uint32_t shard, int6
 void StepExchange::CatchUp(uint32_t shard, int64_t from) {
   std::vector<Resend> again;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     again = NoteRestart(shard, from);
   }
   for (const Resend& r : again) ReplayCompleted(*r.partition, from, r.last);
@@ -407,7 +407,7 @@ void StepExchange::CatchUp(uint32_t shard, int64_t from) {
 void StepExchange::ProbeShards() {
   const uint32_t shards = client_->transport_->shards();
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     in_flight_ += shards;  // the probes' callbacks use this exchange
   }
   for (uint32_t s = 0; s < shards; ++s) {
@@ -426,7 +426,7 @@ void StepExchange::ProbeShards() {
             const int64_t from = compress::NextExchange(client_->job_.algorithm, probe->info.completed_steps());
             if (from < step_) CatchUp(s, from);
           }
-          absl::MutexLock lock(&mu_);
+          MutexLock lock(&mu_);
           --in_flight_;
         });
   }
@@ -452,7 +452,7 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
     if (status.GetPayload(proto::kNeedsJoinKey).has_value()) client_->Rejoin(done->partition->shard);
     if (down < recovery) {
       {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         ++traffic_.retries;
         if (down > 1.0 && absl::Now() - last_notice_ > absl::Seconds(5)) {
           last_notice_ = absl::Now();
@@ -493,7 +493,7 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
       // needs it replayed any more. Go on with the refused push, if any.
       std::unique_ptr<Call> then = std::move(done->then);
       if (then != nullptr) return Issue(std::move(then));
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       --in_flight_;
       return;
     }
@@ -509,7 +509,7 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
     const int64_t next = compress::NextExchange(client_->job_.algorithm, done->request.step() + 1);
     if (done->then == nullptr) {  // ReplayCompleted's: on through replay_last
       if (next > done->replay_last) {
-        absl::MutexLock lock(&mu_);
+        MutexLock lock(&mu_);
         --in_flight_;
         return;
       }
@@ -553,7 +553,7 @@ void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& statu
   done.reset();
   int64_t restarted_from = -1;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (result.ok() && !caught_up_[partition->id]) {
       completed_.push_back(partition);
       // A reply from the shard as it was before a restart this step has
@@ -566,7 +566,7 @@ void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& statu
     }
   }
   if (restarted_from >= 0) ReplayCompleted(*partition, restarted_from, step_);
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (!result.ok() && error_.ok()) {
     error_ = absl::Status(result.code(), absl::StrCat(
         "partition ", partition->id, " of step ", step_, " on ",
@@ -584,7 +584,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
     uint32_t window;
   } slot{this, client_->job_.window};
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     mu_.Await(absl::Condition(
         +[](Slot* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
           return s->self->in_flight_ < s->window || !s->self->error_.ok();
@@ -628,7 +628,7 @@ absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call, const Enco
   const absl::Time start = absl::Now();
   absl::Status encoded = encode(*call->partition, call->request.mutable_payload());
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     const double seconds = Since(start);
     traffic_.encode_seconds += seconds;
     if (inline_call) traffic_.encode_inline_seconds += seconds;
@@ -644,7 +644,7 @@ absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call, const Enco
 }
 
 absl::Status StepExchange::Finish(StepTraffic* traffic) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   mu_.Await(absl::Condition(+[](uint32_t* n) { return *n == 0; }, &in_flight_));
   if (traffic != nullptr) *traffic = traffic_;
   return error_;
@@ -653,7 +653,7 @@ absl::Status StepExchange::Finish(StepTraffic* traffic) {
 void PushClient::Retain(v1::PushRequest request, size_t reply_hash) {
   const int64_t step = request.step();
   const uint32_t partition = request.partition();
-  absl::MutexLock lock(&retained_mu_);
+  MutexLock lock(&retained_mu_);
   retained_[{step, partition}] = Retained{std::move(request), reply_hash};
   const int64_t oldest = step - static_cast<int64_t>(job_.replay_steps);
   while (!retained_.empty() && retained_.begin()->first.first <= oldest) {
@@ -662,14 +662,14 @@ void PushClient::Retain(v1::PushRequest request, size_t reply_hash) {
 }
 
 std::optional<PushClient::Retained> PushClient::Find(int64_t step, uint32_t partition) const {
-  absl::MutexLock lock(&retained_mu_);
+  MutexLock lock(&retained_mu_);
   const auto it = retained_.find({step, partition});
   if (it == retained_.end()) return std::nullopt;
   return it->second;
 }
 
 size_t PushClient::retained_pushes() const {
-  absl::MutexLock lock(&retained_mu_);
+  MutexLock lock(&retained_mu_);
   return retained_.size();
 }
 
@@ -679,7 +679,7 @@ void PushClient::Rejoin(uint32_t shard) {
     v1::JoinReply reply;
   };
   {
-    absl::MutexLock lock(&retained_mu_);
+    MutexLock lock(&retained_mu_);
     if (rejoining_[shard]) return;
     rejoining_[shard] = true;
   }
@@ -696,7 +696,7 @@ void PushClient::Rejoin(uint32_t shard) {
                                                  std::string(status.message()).c_str());
                                   }
                                   delete call;
-                                  absl::MutexLock lock(&retained_mu_);
+                                  MutexLock lock(&retained_mu_);
                                   rejoining_[shard] = false;
                                 });
 }
@@ -727,16 +727,16 @@ absl::Status PushClient::OnEveryShard(
     const std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>& start) {
   const size_t shards = transport_->shards();
   std::vector<absl::Status> statuses(shards);
-  absl::Mutex mu;
+  Mutex mu;
   size_t pending = shards;
   for (uint32_t s = 0; s < shards; ++s) {
     start(s, Options(timeout_seconds), [&, s](absl::Status status) {
-      absl::MutexLock lock(&mu);
+      MutexLock lock(&mu);
       statuses[s] = std::move(status);
       --pending;
     });
   }
-  absl::MutexLock lock(&mu);
+  MutexLock lock(&mu);
   mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &pending));
   for (uint32_t s = 0; s < shards; ++s) {
     if (!statuses[s].ok()) return RpcError(statuses[s], absl::StrCat(what, " ", transport_->address(s)));

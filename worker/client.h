@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "compress/compute_pool.h"
 #include "compress/layout.h"
@@ -154,7 +154,7 @@ class StepExchange {
   const bool parallel_encode_;
   Apply apply_;
   StepExtras extras_;  // buffers are moved into partition 0's push
-  absl::Mutex mu_;
+  Mutex mu_;
   std::string received_buffers_ ABSL_GUARDED_BY(mu_);
   absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool replay_noticed_ ABSL_GUARDED_BY(mu_) = false;
@@ -297,7 +297,7 @@ class PushClient {
   // Retries' backoff (StepExchange::RetryLater); destroyed before the
   // transport.
   Timer timer_;
-  mutable absl::Mutex retained_mu_;
+  mutable Mutex retained_mu_;
   std::map<std::pair<int64_t, uint32_t>, Retained> retained_ ABSL_GUARDED_BY(retained_mu_);
   std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);
   // With compute_threads > 0 (Create): encodes (StepExchange's

@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
+#include "compress/sync.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/morse.grpc.pb.h"
 #include "proto/wire.h"
@@ -73,7 +73,7 @@ class ClientEndpoint : public StageLink::Endpoint {
   std::unique_ptr<v1::Stage::Stub> stub;
   std::unique_ptr<grpc::ClientReaderWriter<v1::BoundaryFrame, v1::BoundaryFrame>> stream;
   std::thread reader;
-  absl::Notification reader_done;
+  Notification reader_done;
 };
 
 class StageService final : public v1::Stage::Service {
@@ -86,7 +86,7 @@ class StageService final : public v1::Stage::Service {
     if (grpc::Status s = proto::CheckBearerToken(*context, tokens_.get()); !s.ok()) return s;
     ServerEndpoint endpoint(stream);
     {
-      absl::MutexLock lock(&link_->mu_);
+      MutexLock lock(&link_->mu_);
       if (link_->endpoint_ != nullptr || !link_->gone_.empty() || link_->closing_) {
         return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                             "this stage already has its previous stage connected (or had, and lost it); "
@@ -102,7 +102,7 @@ class StageService final : public v1::Stage::Service {
     link_->PeerGone(context->IsCancelled() ? "its connection was lost (the process died or the network failed)"
                                            : "it closed the stream");
     // The stage may still be sending through `endpoint`: stay until it closes.
-    absl::MutexLock lock(&link_->mu_);
+    MutexLock lock(&link_->mu_);
     link_->mu_.Await(absl::Condition(&link_->closing_));
     link_->endpoint_ = nullptr;
     return grpc::Status::OK;
@@ -187,23 +187,23 @@ StageLink::StageLink(std::string address, bool listening)
 StageLink::~StageLink() { Close(); }
 
 void StageLink::Attach(Endpoint* endpoint) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   endpoint_ = endpoint;
 }
 
 void StageLink::Deliver(StageFrame frame, size_t bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   bytes_received_ += bytes;
   queue_.push_back(std::move(frame));
 }
 
 void StageLink::PeerGone(const std::string& why) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (gone_.empty()) gone_ = why;
 }
 
 absl::Status StageLink::Accept(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto attached = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return endpoint_ != nullptr || !gone_.empty(); };
   if (!mu_.AwaitWithTimeout(absl::Condition(&attached), timeout)) {
     return absl::DeadlineExceededError(absl::StrCat("no previous stage connected to ", address_, " within ",
@@ -216,7 +216,7 @@ absl::Status StageLink::Send(const StageFrame& frame) {
   const v1::BoundaryFrame f = ToProto(frame);
   Endpoint* endpoint = nullptr;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (closing_) return absl::FailedPreconditionError("the link is closed");
     if (endpoint_ == nullptr) {
       return absl::FailedPreconditionError(absl::StrCat("no previous stage has connected to ", address_, " yet"));
@@ -226,18 +226,18 @@ absl::Status StageLink::Send(const StageFrame& frame) {
   // Not under mu_: a write may wait for the peer to read, and the peer may be
   // waiting for this end's reader to take its frames.
   if (!endpoint->Write(f)) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return absl::UnavailableError(absl::StrCat(listening_ ? "the previous stage" : "the next stage", " (",
                                                address_, ") is gone: ",
                                                gone_.empty() ? "the stream broke" : gone_));
   }
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   bytes_sent_ += f.ByteSizeLong();
   return absl::OkStatus();
 }
 
 absl::StatusOr<StageFrame> StageLink::Receive(absl::Duration timeout) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto ready = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return !queue_.empty() || !gone_.empty(); };
   mu_.AwaitWithTimeout(absl::Condition(&ready), timeout);
   if (!queue_.empty()) {
@@ -255,7 +255,7 @@ absl::StatusOr<StageFrame> StageLink::Receive(absl::Duration timeout) {
 
 void StageLink::Close() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (closing_) return;
     closing_ = true;
   }
@@ -269,12 +269,12 @@ void StageLink::Close() {
 }
 
 uint64_t StageLink::bytes_sent() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return bytes_sent_;
 }
 
 uint64_t StageLink::bytes_received() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return bytes_received_;
 }
 

@@ -22,7 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "proto/security.h"
 
@@ -84,7 +84,7 @@ class StageLink {
 
   const std::string address_;
   const bool listening_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   Endpoint* endpoint_ ABSL_GUARDED_BY(mu_) = nullptr;
   std::deque<StageFrame> queue_ ABSL_GUARDED_BY(mu_);
   std::string gone_ ABSL_GUARDED_BY(mu_);  // why the peer is gone, once it is

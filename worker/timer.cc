@@ -6,19 +6,19 @@ Timer::Timer() : thread_([this] { Run(); }) {}
 
 Timer::~Timer() {
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
   thread_.join();
 }
 
 void Timer::At(absl::Time when, std::function<void()> fn) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   tasks_.emplace(std::make_pair(when, next_id_++), std::move(fn));
 }
 
 void Timer::Run() {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   while (!stopping_) {
     if (tasks_.empty()) {
       mu_.Await(absl::Condition(

@@ -15,7 +15,7 @@
 #include <thread>
 #include <utility>
 
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "absl/time/time.h"
 
 namespace morse::worker {
@@ -34,7 +34,7 @@ class Timer {
  private:
   void Run();
 
-  absl::Mutex mu_;
+  Mutex mu_;
   // By time, then by the order scheduled.
   std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;

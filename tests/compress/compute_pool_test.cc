@@ -5,8 +5,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include "compress/sync.h"
 #include "gtest/gtest.h"
 
 namespace morse::compress {
@@ -24,21 +23,22 @@ TEST(ComputePoolTest, RunsEveryTaskBeforeItIsDestroyed) {
 
 TEST(ComputePoolTest, RunsTasksOnAsManyThreadsAsItHas) {
   constexpr int kThreads = 4;
-  ComputePool pool(kThreads);
   // Every task waits until all kThreads have started one: this completes
-  // only if the pool runs kThreads tasks at once.
-  absl::Mutex mu;
+  // only if the pool runs kThreads tasks at once. The pool is declared last
+  // so that it is gone (its tasks finished) before what they lock.
+  Mutex mu;
   int started = 0;
   std::set<std::thread::id> ids;
+  ComputePool pool(kThreads);
   for (int i = 0; i < kThreads; ++i) {
     pool.Schedule([&] {
-      absl::MutexLock lock(&mu);
+      MutexLock lock(&mu);
       ++started;
       ids.insert(std::this_thread::get_id());
       mu.Await(absl::Condition(+[](int* n) { return *n == kThreads; }, &started));
     });
   }
-  absl::MutexLock lock(&mu);
+  MutexLock lock(&mu);
   mu.Await(absl::Condition(+[](int* n) { return *n == kThreads; }, &started));
   EXPECT_EQ(ids.size(), static_cast<size_t>(kThreads));
   EXPECT_EQ(ids.count(std::this_thread::get_id()), 0u);
@@ -46,7 +46,7 @@ TEST(ComputePoolTest, RunsTasksOnAsManyThreadsAsItHas) {
 
 TEST(ComputePoolTest, ATaskMaySchedule) {
   std::atomic<int> ran{0};
-  absl::Notification done;
+  Notification done;
   {
     ComputePool pool(1);
     pool.Schedule([&] {

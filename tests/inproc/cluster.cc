@@ -9,14 +9,14 @@ namespace morse::inproc {
 // A push the shard has not answered yet: finished once, by the reply, its
 // deadline or the shard's death, whichever comes first.
 struct PendingPush {
-  absl::Mutex mu;
+  Mutex mu;
   bool finished ABSL_GUARDED_BY(mu) = false;
   v1::PushReply* reply = nullptr;
   worker::Transport::Done done;
 
   // Whether this caller is the one that finishes it.
   bool Claim() {
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     if (finished) return false;
     finished = true;
     return true;
@@ -29,7 +29,7 @@ struct InProcessCluster::Shard {
   std::unique_ptr<server::ShardRuntime> runtime;
   std::unique_ptr<server::ShardHost> host;
   std::unique_ptr<server::ShardHandler> handler;
-  absl::Mutex mu;
+  Mutex mu;
   std::vector<std::weak_ptr<PendingPush>> pending ABSL_GUARDED_BY(mu);
 };
 
@@ -88,7 +88,7 @@ class InProcessCluster::ClusterTransport final : public worker::Transport {
     pending->reply = reply;
     pending->done = std::move(done);
     {
-      absl::MutexLock lock(&target->mu);
+      MutexLock lock(&target->mu);
       if (target->pending.size() >= 64) {
         std::erase_if(target->pending, [](const auto& weak) { return weak.expired(); });
       }
@@ -160,7 +160,7 @@ absl::StatusOr<std::unique_ptr<InProcessCluster>> InProcessCluster::Create(const
   for (uint32_t s = 0; s < job.shards(); ++s) {
     auto shard = cluster->Start(s);
     if (!shard.ok()) return shard.status();
-    absl::MutexLock lock(&cluster->mu_);
+    MutexLock lock(&cluster->mu_);
     cluster->shards_[s] = *std::move(shard);
   }
   cluster->ticker_ = std::thread([c = cluster.get()] { c->Tick(); });
@@ -184,7 +184,7 @@ absl::StatusOr<std::shared_ptr<InProcessCluster::Shard>> InProcessCluster::Start
     runtime.checkpoint_path = absl::StrCat(options_.checkpoint_dir, "/shard-", s, ".ckpt");
   }
   runtime.log = [this](const std::string& line) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     log_.push_back(line);
   };
   shard->runtime = std::make_unique<server::ShardRuntime>(std::move(runtime));
@@ -203,21 +203,21 @@ std::unique_ptr<worker::Transport> InProcessCluster::Connect() {
 }
 
 std::shared_ptr<InProcessCluster::Shard> InProcessCluster::Get(uint32_t shard) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return shards_[shard];
 }
 
 void InProcessCluster::Kill(uint32_t shard) {
   std::shared_ptr<Shard> dead;
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     dead = std::move(shards_[shard]);
   }
   if (dead == nullptr) return;
   // Its connections break: what waits in it fails now, as over TCP.
   std::vector<std::weak_ptr<PendingPush>> pending;
   {
-    absl::MutexLock lock(&dead->mu);
+    MutexLock lock(&dead->mu);
     pending.swap(dead->pending);
   }
   for (const auto& weak : pending) {
@@ -237,7 +237,7 @@ absl::Status InProcessCluster::Restart(uint32_t shard) {
   }
   auto started = Start(shard);
   if (!started.ok()) return started.status();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   shards_[shard] = *std::move(started);
   return absl::OkStatus();
 }
@@ -259,7 +259,7 @@ absl::StatusOr<int64_t> InProcessCluster::CompletedSteps(uint32_t shard) {
 }
 
 std::vector<std::string> InProcessCluster::log() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return log_;
 }
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "compress/compute_pool.h"
 #include "proto/job_config.h"
 #include "server/handler.h"
@@ -90,7 +90,7 @@ class InProcessCluster {
 
   const proto::JobSpec job_;
   const Options options_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> log_ ABSL_GUARDED_BY(mu_);
   compress::ComputePool delivery_;    // calls' callbacks; destroyed after the timer

@@ -19,7 +19,7 @@ FaultyTransport::~FaultyTransport() {
 }
 
 FaultyTransport::Fault FaultyTransport::Draw(absl::Duration* delay) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   *delay = plan_.max_delay * uniform(random_);
   double u = uniform(random_);

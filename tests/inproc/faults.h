@@ -15,7 +15,7 @@
 #include <random>
 #include <string>
 
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "worker/timer.h"
 #include "worker/transport/transport.h"
@@ -83,7 +83,7 @@ class FaultyTransport final : public worker::Transport {
 
   std::unique_ptr<worker::Transport> inner_;
   const FaultPlan plan_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::mt19937_64 random_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> injected_{0};
   // Delivered duplicates' calls still in flight (the destructor waits).

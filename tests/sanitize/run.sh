@@ -1,34 +1,59 @@
 #!/usr/bin/env bash
-# Builds the unit tests of compress/, proto/, server/ and worker/ with
-# AddressSanitizer and UndefinedBehaviorSanitizer (MORSE_SANITIZE, any report
-# fatal) in a build folder of their own, and runs them. ctest runs this as
-# `sanitize_unit_tests` (label sanitize); by hand:
+# Builds tests with sanitizers in a build folder of their own, and runs them;
+# any report fails the run.
 #
-#   tests/sanitize/run.sh [BUILD_DIR]     (default build/sanitize)
+#   tests/sanitize/run.sh [BUILD_DIR]           ASan + UBSan: the unit tests of
+#                                               compress/, proto/, server/ and
+#                                               worker/ (default build/sanitize)
+#   tests/sanitize/run.sh --thread [BUILD_DIR]  ThreadSanitizer: the tests that
+#                                               run threads without gRPC (the
+#                                               compute pool, the shard, its
+#                                               runtime) and the in-process
+#                                               fault sweep (default build/tsan)
+#
+# ctest runs them as `sanitize_unit_tests` and `tsan_tests` (label sanitize).
+# Under TSan, locks are compress/sync.h's std::mutex-based ones (Debian's
+# Abseil is not instrumented); gRPC's threads are not, so the tests that
+# serve gRPC stay out of the TSan run.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:-$root/build/sanitize}"
+here="$root/tests/sanitize"
+mode=address
+if [ "${1:-}" = "--thread" ]; then
+  mode=thread
+  shift
+fi
 jobs="${MORSE_JOBS:-$(nproc)}"
+if [ "$mode" = thread ]; then
+  build="${1:-$root/build/tsan}"
+  sanitizers=thread
+  pattern='^tests/(compress/compress_(compute_pool|lamb|simulator)|server/server_shard_(core|runtime)|inproc/inproc_fault_sweep)_test'
+  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
+else
+  build="${1:-$root/build/sanitize}"
+  sanitizers=address,undefined
+  pattern='^tests/(compress|proto|server|worker)/[a-z0-9_]+_test'
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
+  export LSAN_OPTIONS="suppressions=$here/lsan.supp:print_suppressions=0"
+  export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+fi
 mkdir -p "$build"
-cmake -S "$root" -B "$build" -G Ninja -DMORSE_ENABLE_CUDA=OFF -DMORSE_SANITIZE=address,undefined \
+cmake -S "$root" -B "$build" -G Ninja -DMORSE_ENABLE_CUDA=OFF -DMORSE_SANITIZE="$sanitizers" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo >"$build/configure.log" 2>&1 || { cat "$build/configure.log"; exit 1; }
-mapfile -t tests < <(ninja -C "$build" -t targets all |
-  grep -oE '^tests/(compress|proto|server|worker)/[a-z0-9_]+_test' | sort -u)
-[ ${#tests[@]} -gt 0 ] || { echo "sanitize: no unit test targets found" >&2; exit 1; }
-echo "sanitize: building ${#tests[@]} unit tests with -fsanitize=address,undefined"
+mapfile -t tests < <(ninja -C "$build" -t targets all | grep -oE "$pattern" | sort -u)
+[ ${#tests[@]} -gt 0 ] || { echo "sanitize: no test targets found" >&2; exit 1; }
+echo "sanitize: building ${#tests[@]} tests with -fsanitize=$sanitizers"
 ninja -C "$build" -j "$jobs" "${tests[@]}" >"$build/build.log" 2>&1 || { tail -50 "$build/build.log"; exit 1; }
-export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1"
-export LSAN_OPTIONS="suppressions=$(cd "$(dirname "$0")" && pwd)/lsan.supp:print_suppressions=0"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 failed=()
 for t in "${tests[@]}"; do
   if out="$("$build/$t" --gtest_brief=1 2>&1)"; then
     echo "ok   $t: $(grep -E 'PASSED' <<<"$out" | tail -1)"
   else
     echo "FAIL $t"
+    echo "$out" | grep -A60 -E 'Sanitizer|runtime error' | head -80 || true
     echo "$out" | tail -40
     failed+=("$t")
   fi
 done
 [ ${#failed[@]} -eq 0 ] || { echo "sanitize: FAILED: ${failed[*]}"; exit 1; }
-echo "sanitize: ${#tests[@]} unit test binaries clean under ASan and UBSan"
+echo "sanitize: ${#tests[@]} test binaries clean under -fsanitize=$sanitizers"

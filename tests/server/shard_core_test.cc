@@ -119,7 +119,7 @@ TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
     SCOPED_TRACE(threads);
     auto pooled = *ShardCore::Create(job_, 1, /*memory_limit=*/0, threads);
     ASSERT_NO_FATAL_FAILURE(InitializeAll(*pooled));
-    absl::Mutex mu;
+    Mutex mu;
     std::vector<std::string> got(expected.size());
     size_t answered = 0;
     for (int64_t t = 0; t < kSteps; ++t) {
@@ -129,14 +129,14 @@ TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
         for (uint32_t r = 0; r < 3; ++r) {
           pooled->Push(Args(t, r, partitions[i]),
                        [&, slot = first_reply + i, r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
-                         absl::MutexLock lock(&mu);
+                         MutexLock lock(&mu);
                          ASSERT_TRUE(reply.ok()) << reply.status();
                          if (r == 0) got[slot] = (*reply)->payload;
                          ++answered;
                        });
         }
       }
-      absl::MutexLock lock(&mu);
+      MutexLock lock(&mu);
       struct Wait {
         const size_t* answered;
         size_t want;
@@ -631,12 +631,12 @@ TEST_F(ShardCoreTest, ARestoredShardAnswersRetriesAndAsksForAReplay) {
 TEST_F(ShardCoreTest, CheckpointsAreWrittenOnTheirOwnThread) {
   const std::string path = ::testing::TempDir() + "/threaded.ckpt";
   std::vector<int64_t> written;
-  absl::Mutex mu;
+  Mutex mu;
   {
     CheckpointThread thread(path, [&](const absl::Status& s, int64_t step, const std::string& why) {
       EXPECT_TRUE(s.ok()) << s;
       EXPECT_EQ(why, "periodic");
-      absl::MutexLock lock(&mu);
+      MutexLock lock(&mu);
       written.push_back(step);
     });
     for (int64_t step : {0, 1, 2}) {
@@ -648,7 +648,7 @@ TEST_F(ShardCoreTest, CheckpointsAreWrittenOnTheirOwnThread) {
       thread.Submit(*std::move(snapshot), "periodic");
     }
     thread.Flush();
-    absl::MutexLock lock(&mu);
+    MutexLock lock(&mu);
     ASSERT_FALSE(written.empty());
     EXPECT_EQ(written.back(), 3);  // the latest snapshot always gets written
     EXPECT_TRUE(std::is_sorted(written.begin(), written.end()));

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "gtest/gtest.h"
 #include "proto/checkpoint_file.h"
 #include "proto/job_config.h"
@@ -45,7 +45,7 @@ class ShardRuntimeTest : public ::testing::Test {
   std::unique_ptr<ShardRuntime> MakeRuntime(std::ostream* state_log = nullptr) {
     return std::make_unique<ShardRuntime>(ShardRuntime::Options{
         0, dir_ + "/shard-0.ckpt", state_log, [this](const std::string& line) {
-          absl::MutexLock lock(&mu_);
+          MutexLock lock(&mu_);
           lines_.push_back(line);
         }});
   }
@@ -79,7 +79,7 @@ class ShardRuntimeTest : public ::testing::Test {
     return args;
   }
   bool Logged(const std::string& words) {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (const std::string& l : lines_) {
       if (l.find(words) != std::string::npos) return true;
     }
@@ -88,7 +88,7 @@ class ShardRuntimeTest : public ::testing::Test {
 
   proto::JobSpec job_;
   std::string dir_;
-  absl::Mutex mu_;
+  Mutex mu_;
   std::vector<std::string> lines_;
 };
 

@@ -19,7 +19,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/notification.h"
+#include "compress/sync.h"
 #include "proto/morse.pb.h"
 
 namespace morse::worker {
@@ -72,7 +72,7 @@ absl::Status Wait(void (Transport::*call)(uint32_t, const Request&, Reply*, cons
                                           Transport::Done),
                   Transport& transport, uint32_t shard, const Request& request, Reply* reply,
                   const CallOptions& options) {
-  absl::Notification finished;
+  Notification finished;
   absl::Status result;
   (transport.*call)(shard, request, reply, options, [&](absl::Status status) {
     result = std::move(status);

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "compress/sync.h"
 #include "compress/update_rules.h"
 #include "kernels/codecs.h"
 #include "kernels/device.h"
@@ -206,7 +206,7 @@ class CudaEngine final : public Engine, public DeviceServices {
     const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
     const uint64_t begin = p.range.begin, n = p.range.size();
     if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
-    absl::MutexLock lock(&apply_mu_);
+    MutexLock lock(&apply_mu_);
     std::copy(reply.begin(), reply.end(), reply_host_.data());
     if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(), reply_host_.data(), reply.size());
         !s.ok()) {
@@ -294,7 +294,7 @@ class CudaEngine final : public Engine, public DeviceServices {
   kernels::DeviceBuffer send_payload_, reply_payload_;
   kernels::PinnedBuffer send_host_, reply_host_;
   std::unique_ptr<kernels::Context> send_, apply_;
-  absl::Mutex apply_mu_;
+  Mutex apply_mu_;
   std::unique_ptr<DeviceMlpOps> mlp_ops_;
   std::list<kernels::DeviceBuffer> workload_buffers_;
 };
