@@ -676,7 +676,13 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_
     PartitionState& p = *partitions_[i];
     locks.push_back(std::make_unique<MutexLock>(&p.mu));
     bool a = false;
-    if (absl::Status s = CheckCommit(p, rank, step, commit, &a); !s.ok()) return s;
+    if (absl::Status s = CheckCommit(p, rank, step, commit, &a); !s.ok()) {
+      // A shard restarted from a checkpoint before `step`: the workers'
+      // replayed pushes of the next step carry the commit, and the caller
+      // learns how far the partition is.
+      if (step >= p.next_step) s.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(p.next_step)));
+      return s;
+    }
     applies[i] = a;
   }
   uint32_t completed = 0;

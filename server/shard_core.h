@@ -164,8 +164,10 @@ class ShardCore {
   // observer is not called. Every push of the next step carries it too.
   // FAILED_PRECONDITION for a step that is not the last completed one or
   // does not clip, or a total that differs from the one already committed
-  // or is below a partition's own; INVALID_ARGUMENT for a negative or
-  // non-finite total. Nothing changes on any error.
+  // or is below a partition's own (a step not completed yet: with
+  // kNextStepPayload, the steps completed); INVALID_ARGUMENT for a negative
+  // or non-finite total. Nothing changes on any error; the same commit
+  // again is OK.
   absl::Status Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                       double grad_sum_of_squares);
   // onebit_lamb's commit of step `step` (compress::Replica::LambStep: each

@@ -722,23 +722,29 @@ absl::Status PushClient::Join() {
   return absl::OkStatus();
 }
 
-absl::Status PushClient::OnEveryShard(
-    double timeout_seconds, absl::string_view what,
-    const std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>& start) {
+std::vector<absl::Status> PushClient::CallShards(double timeout_seconds, const std::vector<bool>& pending,
+                                                 const StartCall& start) {
   const size_t shards = transport_->shards();
   std::vector<absl::Status> statuses(shards);
   Mutex mu;
-  size_t pending = shards;
+  size_t left = 0;
+  for (uint32_t s = 0; s < shards; ++s) left += pending.empty() || pending[s];
   for (uint32_t s = 0; s < shards; ++s) {
+    if (!pending.empty() && !pending[s]) continue;
     start(s, Options(timeout_seconds), [&, s](absl::Status status) {
       MutexLock lock(&mu);
       statuses[s] = std::move(status);
-      --pending;
+      --left;
     });
   }
   MutexLock lock(&mu);
-  mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &pending));
-  for (uint32_t s = 0; s < shards; ++s) {
+  mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &left));
+  return statuses;
+}
+
+absl::Status PushClient::OnEveryShard(double timeout_seconds, absl::string_view what, const StartCall& start) {
+  const std::vector<absl::Status> statuses = CallShards(timeout_seconds, {}, start);
+  for (uint32_t s = 0; s < statuses.size(); ++s) {
     if (!statuses[s].ok()) return RpcError(statuses[s], absl::StrCat(what, " ", transport_->address(s)));
   }
   return absl::OkStatus();
@@ -773,12 +779,41 @@ absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_grad_sum_of_squares(grad_sum_of_squares);
   for (double value : lamb) request.add_lamb_commit(value);
+  const char* what = lamb.empty() ? "committing the gradient norm to" : "committing the layer coefficients to";
+  // A shard takes the same commit again, so one whose outcome is unknown
+  // (refused, reply lost, deadline passed) is sent again, up to the
+  // recovery timeout. A shard that restarted from a checkpoint before
+  // `step` answers that it has not completed it (with the step it accepts):
+  // the pushes the workers replay to it carry the commit (DESIGN 4).
+  const absl::Time give_up = absl::Now() + absl::Seconds(job_.recovery_timeout_seconds);
+  absl::Duration backoff = absl::Milliseconds(20);
+  std::vector<bool> pending(transport_->shards(), true);
   std::vector<v1::CommitReply> replies(transport_->shards());
-  return OnEveryShard(job_.rpc_timeout_seconds,
-                      lamb.empty() ? "committing the gradient norm to" : "committing the layer coefficients to",
-                      [&](uint32_t s, const CallOptions& options, auto done) {
-                        transport_->Commit(s, request, &replies[s], options, std::move(done));
-                      });
+  while (true) {
+    const std::vector<absl::Status> statuses =
+        CallShards(job_.rpc_timeout_seconds, pending, [&](uint32_t s, const CallOptions& options, auto done) {
+          transport_->Commit(s, request, &replies[s], options, std::move(done));
+        });
+    bool any = false;
+    for (uint32_t s = 0; s < statuses.size(); ++s) {
+      if (!pending[s]) continue;
+      const absl::Status& status = statuses[s];
+      const std::optional<int64_t> accepts = proto::NextStep(status);
+      if (status.ok() || (status.code() == absl::StatusCode::kFailedPrecondition && accepts.has_value() &&
+                          *accepts <= step)) {
+        pending[s] = false;
+        continue;
+      }
+      const bool unknown = Retryable(status) || status.code() == absl::StatusCode::kDeadlineExceeded;
+      if (!unknown || absl::Now() >= give_up) {
+        return RpcError(status, absl::StrCat(what, " ", transport_->address(s)));
+      }
+      any = true;
+    }
+    if (!any) return absl::OkStatus();
+    absl::SleepFor(backoff);
+    backoff = std::min(2 * backoff, absl::Seconds(1));
+  }
 }
 
 absl::Status PushClient::WaitAllJoined() {

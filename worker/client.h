@@ -259,12 +259,15 @@ class PushClient {
  private:
   friend class StepExchange;
   absl::Status SendCommit(int64_t step, double grad_sum_of_squares, absl::Span<const double> lamb);
-  // Starts one call on every shard at once (`start` issues shard s's with
-  // `context` and `done`) and waits for all; the first failure, described
-  // as `what` the shard.
-  absl::Status OnEveryShard(
-      double timeout_seconds, absl::string_view what,
-      const std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>& start);
+  using StartCall = std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>;
+  // Starts one call on every shard whose `pending` is true (all, if empty)
+  // at once (`start` issues shard s's with `options` and `done`) and waits
+  // for all; each shard's outcome (OK for a shard not called).
+  std::vector<absl::Status> CallShards(double timeout_seconds, const std::vector<bool>& pending,
+                                       const StartCall& start);
+  // CallShards on every shard; the first failure, described as `what` the
+  // shard.
+  absl::Status OnEveryShard(double timeout_seconds, absl::string_view what, const StartCall& start);
   struct Retained {
     v1::PushRequest request;
     size_t reply_hash = 0;

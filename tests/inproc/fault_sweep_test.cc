@@ -40,6 +40,8 @@ constexpr Scheme kSchemes[] = {
     {"adam_int4", R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
     {"zero_one_adam", R"(optimizer: "zero_one_adam"
        zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
+    // Rank 0 commits every step's layer coefficients (Commit, faults too).
+    {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
 };
 
 enum class Faults { kNone, kLossy, kDuplicatesAndReordering, kDrops, kShardKilled };

@@ -31,22 +31,25 @@ FaultyTransport::Fault FaultyTransport::Draw(absl::Duration* delay) {
   return Fault::kNone;
 }
 
-void FaultyTransport::Push(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
-                           const worker::CallOptions& options, Done done) {
+template <typename Request, typename Reply>
+void FaultyTransport::Inject(Call<Request, Reply> call, uint32_t shard, const Request& request, Reply* reply,
+                             const worker::CallOptions& options, Done done) {
   absl::Duration delay;
   const Fault fault = Draw(&delay);
   if (fault != Fault::kNone) ++injected_;
-  if (delay <= absl::ZeroDuration()) return Send(shard, request, reply, options, std::move(done), fault);
-  timer_.After(delay, [this, shard, &request, reply, options, done = std::move(done), fault]() mutable {
-    Send(shard, request, reply, options, std::move(done), fault);
+  if (delay <= absl::ZeroDuration()) return Send(call, shard, request, reply, options, std::move(done), fault);
+  timer_.After(delay, [this, call, shard, &request, reply, options, done = std::move(done), fault]() mutable {
+    Send(call, shard, request, reply, options, std::move(done), fault);
   });
 }
 
-void FaultyTransport::Send(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
+template <typename Request, typename Reply>
+void FaultyTransport::Send(Call<Request, Reply> call, uint32_t shard, const Request& request, Reply* reply,
                            const worker::CallOptions& options, Done done, Fault fault) {
+  worker::Transport& inner = *inner_;
   switch (fault) {
     case Fault::kNone:
-      return inner_->Push(shard, request, reply, options, std::move(done));
+      return (inner.*call)(shard, request, reply, options, std::move(done));
     case Fault::kRefuse:
       return done(absl::UnavailableError("injected: connection refused"));
     case Fault::kDrop:
@@ -54,17 +57,17 @@ void FaultyTransport::Send(uint32_t shard, const v1::PushRequest& request, v1::P
                    [done = std::move(done)]() mutable { done(absl::DeadlineExceededError("injected: dropped")); });
       return;
     case Fault::kLoseReply: {
-      auto lost = std::make_shared<v1::PushReply>();
-      return inner_->Push(shard, request, lost.get(), options, [lost, done = std::move(done)](absl::Status) mutable {
+      auto lost = std::make_shared<Reply>();
+      return (inner.*call)(shard, request, lost.get(), options, [lost, done = std::move(done)](absl::Status) mutable {
         done(absl::UnavailableError("injected: the reply was lost"));
       });
     }
     case Fault::kDuplicate: {
-      auto copy = std::make_shared<v1::PushRequest>(request);
-      auto twin = std::make_shared<v1::PushReply>();
+      auto copy = std::make_shared<Request>(request);
+      auto twin = std::make_shared<Reply>();
       ++duplicates_;
-      inner_->Push(shard, *copy, twin.get(), options, [this, copy, twin](absl::Status) { --duplicates_; });
-      return inner_->Push(shard, request, reply, options, std::move(done));
+      (inner.*call)(shard, *copy, twin.get(), options, [this, copy, twin](absl::Status) { --duplicates_; });
+      return (inner.*call)(shard, request, reply, options, std::move(done));
     }
   }
 }

@@ -61,16 +61,20 @@ class FaultyTransport final : public worker::Transport {
              const worker::CallOptions& options, Done done) override {
     inner_->Abort(shard, request, reply, options, std::move(done));
   }
+  // Commits get the same faults as pushes (rank 0's Commit RPC after each
+  // step of onebit_lamb or clipping).
   void Commit(uint32_t shard, const v1::CommitRequest& request, v1::CommitReply* reply,
               const worker::CallOptions& options, Done done) override {
-    inner_->Commit(shard, request, reply, options, std::move(done));
+    Inject(&Transport::Commit, shard, request, reply, options, std::move(done));
   }
   void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request, v1::ShardInfo* reply,
                     const worker::CallOptions& options, Done done) override {
     inner_->GetShardInfo(shard, request, reply, options, std::move(done));
   }
   void Push(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
-            const worker::CallOptions& options, Done done) override;
+            const worker::CallOptions& options, Done done) override {
+    Inject(&Transport::Push, shard, request, reply, options, std::move(done));
+  }
 
   // Faults injected so far, of every kind together.
   uint64_t injected() const { return injected_.load(); }
@@ -78,7 +82,15 @@ class FaultyTransport final : public worker::Transport {
  private:
   enum class Fault { kNone, kRefuse, kLoseReply, kDuplicate, kDrop };
   Fault Draw(absl::Duration* delay);
-  void Send(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
+  // `call` (&Transport::Push or ::Commit) after the drawn delay, with the
+  // drawn fault.
+  template <typename Request, typename Reply>
+  using Call = void (worker::Transport::*)(uint32_t, const Request&, Reply*, const worker::CallOptions&, Done);
+  template <typename Request, typename Reply>
+  void Inject(Call<Request, Reply> call, uint32_t shard, const Request& request, Reply* reply,
+              const worker::CallOptions& options, Done done);
+  template <typename Request, typename Reply>
+  void Send(Call<Request, Reply> call, uint32_t shard, const Request& request, Reply* reply,
             const worker::CallOptions& options, Done done, Fault fault);
 
   std::unique_ptr<worker::Transport> inner_;
