@@ -43,6 +43,19 @@ void InitializeAll(ShardCore& core, uint32_t shard = 1) {
   }
 }
 
+// Rank `rank`'s push of `step` to partition p: varied values of its own,
+// encoded with `codec`.
+PushArgs EncodedPush(uint64_t fingerprint, compress::CodecSpec codec, int64_t step, uint32_t rank,
+                     const compress::Partition& p) {
+  const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
+  PushArgs args{step, rank, p.id, fingerprint, codec.kind, {}, std::nullopt};
+  args.payload.resize(compress::PayloadBytes(codec, x.size()));
+  EXPECT_TRUE(compress::Encode(codec, x, {},
+                               {reinterpret_cast<uint8_t*>(args.payload.data()), args.payload.size()})
+                  .ok());
+  return args;
+}
+
 class ShardCoreTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -54,14 +67,7 @@ class ShardCoreTest : public ::testing::Test {
   const compress::Partition& first() const { return core_->layout().shard_partitions(1)[0]; }
 
   PushArgs Args(int64_t step, uint32_t rank, const compress::Partition& p) {
-    const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
-    const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
-    PushArgs args{step, rank, p.id, fingerprint(), plan.up.kind, {}, std::nullopt};
-    args.payload.resize(compress::PayloadBytes(plan.up, x.size()));
-    EXPECT_TRUE(compress::Encode(plan.up, x, {},
-                                 {reinterpret_cast<uint8_t*>(args.payload.data()), args.payload.size()})
-                    .ok());
-    return args;
+    return EncodedPush(fingerprint(), compress::PlanStep(job_.algorithm, step).up, step, rank, p);
   }
 
   // Pushes and returns the status so far ("pending" while the step waits),
@@ -683,15 +689,7 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
   const uint64_t fingerprint = core->layout().fingerprint();
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));  // the only shard
   const auto args = [&](int64_t step, uint32_t rank, const compress::Partition& p,
-                        compress::CodecSpec codec) {
-    const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
-    PushArgs a{step, rank, p.id, fingerprint, codec.kind, {}, std::nullopt};
-    a.payload.resize(compress::PayloadBytes(codec, x.size()));
-    EXPECT_TRUE(compress::Encode(codec, x, {},
-                                 {reinterpret_cast<uint8_t*>(a.payload.data()), a.payload.size()})
-                    .ok());
-    return a;
-  };
+                        compress::CodecSpec codec) { return EncodedPush(fingerprint, codec, step, rank, p); };
   const auto push = [&](PushArgs a) {
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
     core->Push(std::move(a), [status](absl::StatusOr<std::shared_ptr<const Reply>> r) { *status = r.status(); });
@@ -768,11 +766,7 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   }
   const auto push = [&](int64_t step, uint32_t rank, const compress::Partition& p,
                         std::vector<double> commit, std::shared_ptr<const Reply>* reply = nullptr) {
-    const compress::CodecSpec codec = compress::PlanStep(job.algorithm, step).up;
-    const std::vector<float> g = compress::testing::VariedData(p.range.size(), 100 * step + rank);
-    PushArgs a{step, rank, p.id, fingerprint, codec.kind, {}, std::nullopt};
-    a.payload.resize(compress::PayloadBytes(codec, g.size()));
-    EXPECT_TRUE(compress::Encode(codec, g, {}, {reinterpret_cast<uint8_t*>(a.payload.data()), a.payload.size()}).ok());
+    PushArgs a = EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up, step, rank, p);
     a.previous_lamb_commit = std::move(commit);
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
     core->Push(std::move(a), [status, reply](absl::StatusOr<std::shared_ptr<const Reply>> r) {
@@ -864,12 +858,7 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
   const uint64_t fingerprint = core->layout().fingerprint();
   const auto parts = core->layout().partitions();
   ASSERT_EQ(parts.size(), 8u);
-  for (const auto& p : parts) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
-                                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                    .ok());
-  }
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));  // the only shard
   // Any well-formed commit will do: the shard checks its form, not how the
   // workers computed it. Step t's commit gives every layer the factor t.
   const size_t layers = compress::LayerCount(job.algorithm);
@@ -885,12 +874,7 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
     threads.emplace_back([&, i] {
       const compress::Partition& p = parts[i];
       for (int64_t step = 0; step < kSteps && failures[i].ok(); ++step) {
-        const compress::CodecSpec codec = compress::PlanStep(job.algorithm, step).up;
-        const std::vector<float> g = compress::testing::VariedData(p.range.size(), 100 * step + p.id);
-        PushArgs a{step, 0, p.id, fingerprint, codec.kind, {}, std::nullopt};
-        a.payload.resize(compress::PayloadBytes(codec, g.size()));
-        failures[i] = compress::Encode(codec, g, {},
-                                       {reinterpret_cast<uint8_t*>(a.payload.data()), a.payload.size()});
+        PushArgs a = EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up, step, 0, p);
         if (step > 0) a.previous_lamb_commit = commit_of(step - 1);
         core->Push(std::move(a), [&failures, i](absl::StatusOr<std::shared_ptr<const Reply>> r) {
           if (!r.ok()) failures[i] = r.status();
