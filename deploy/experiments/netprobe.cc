@@ -7,14 +7,16 @@
 // The client opens --streams connections; each sends as fast as it can
 // (upload) and, with --both, the server sends back at the same time
 // (download). After --warmup seconds the client counts bytes for --seconds
-// and prints one JSON line with Gbit/s each way. The server serves clients
-// until killed. Boost.Asio, one thread, 1 MiB buffers.
+// and prints one JSON line with Gbit/s each way. A refused connection is
+// tried again for --connect_seconds, so a server started a moment before
+// need not be listening yet. The server serves clients until killed. Boost.Asio, one thread, 1 MiB buffers.
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -27,6 +29,9 @@ ABSL_FLAG(int, streams, 1, "Parallel TCP connections.");
 ABSL_FLAG(double, seconds, 5.0, "Measured duration.");
 ABSL_FLAG(double, warmup, 1.0, "Seconds before measuring (TCP slow start).");
 ABSL_FLAG(bool, both, false, "Send in both directions at once (full duplex).");
+ABSL_FLAG(double, connect_seconds, 10.0,
+          "How long the client tries again while the server refuses "
+          "(a server just started may not listen yet).");
 
 namespace {
 
@@ -119,7 +124,15 @@ int main(int argc, char** argv) {
   for (int i = 0; i < streams; ++i) {
     tcp::socket socket(io);
     boost::system::error_code error;
-    socket.connect(Endpoint(absl::GetFlag(FLAGS_connect)), error);
+    const auto give_up =
+        std::chrono::steady_clock::now() +
+        std::chrono::duration<double>(absl::GetFlag(FLAGS_connect_seconds));
+    for (;;) {
+      socket.connect(Endpoint(absl::GetFlag(FLAGS_connect)), error);
+      if (!error || std::chrono::steady_clock::now() >= give_up) break;
+      socket.close();
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     if (error) {
       std::fprintf(stderr, "morse-netprobe: cannot connect to %s: %s\n",
                    absl::GetFlag(FLAGS_connect).c_str(),
