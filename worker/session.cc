@@ -129,8 +129,9 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
   auto step = client_->FetchModel(replica_);
   if (!step.ok()) return step.status();
   step_ = *step;
-  std::string restored = "from zero (no checkpoint of this step)";
-  if (reader.has_value()) {
+  // At step 0 the error buffer is zero in every run: nothing is lost.
+  std::string restored = step_ == 0 ? "zero (the job's first step)" : "from zero (no checkpoint of this step)";
+  if (reader.has_value() && step_ > 0) {
     if (reader->header().step == step_) {
       auto error = reader->Floats("worker_error", job_.algorithm.layout.dim);
       if (!error.ok()) return error.status();

@@ -1,16 +1,26 @@
 // Trainer: one worker's whole job — workload, replica of x/m/v, worker error
 // buffer, the client — and the step loop of DESIGN 2.1/2.2, with progress
-// lines, a JSON-lines metrics file and a final summary.
+// lines, a JSON-lines metrics file, checkpoints and a final summary.
 #ifndef MORSE_WORKER_TRAINER_H_
 #define MORSE_WORKER_TRAINER_H_
 
+#include <atomic>
+#include <fstream>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "proto/http_endpoint.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
+#include "worker/session.h"
+#include "worker/step_report.h"
+#include "worker/transport/transport.h"
+#include "worker/workload.h"
 
 namespace morse::worker {
 
@@ -40,6 +50,9 @@ struct TrainerOptions {
   std::string metrics_listen;
   // The session's compute pool (Session::Connect; 0: none).
   int compute_threads = 0;
+  // Progress lines (the step report's, the device's, the freeze's);
+  // default: stdout.
+  std::function<void(const std::string&)> log;
 };
 
 struct TrainingSummary {
@@ -61,6 +74,81 @@ struct TrainingSummary {
   std::string ToJson() const;
 };
 
+// One worker's job from join to summary, a step at a time, so that tests
+// can drive it (over tests/inproc's cluster) and stop it between steps as a
+// kill would; morse-worker's main() only parses flags and calls Train().
+//
+//   auto trainer = Trainer::Create(job, options);   // joined, started
+//   while (!(*trainer)->done()) (*trainer)->Step();  // one step each
+//   auto summary = (*trainer)->Summary();
+//
+// Not thread-safe: one thread drives it.
+class Trainer {
+ public:
+  // Everything before the first step: the workload, the metrics endpoint,
+  // the session to options.servers over gRPC, the start (fresh, --resume or
+  // --rejoin from this worker's checkpoint) and the engine (--device).
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const proto::JobSpec& job,
+                                                         const TrainerOptions& options);
+  // The same over any transport (options.servers and security unused).
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const proto::JobSpec& job,
+                                                         const TrainerOptions& options,
+                                                         std::unique_ptr<Transport> transport);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  // The step this worker started at (0, or where a resume took it) and the
+  // one Step() runs next.
+  int64_t first_step() const { return first_step_; }
+  int64_t next_step() const { return next_step_; }
+  bool done() const { return next_step_ >= job_.steps; }
+
+  // Runs step next_step(): the gradient (a partition at a time, each pushed
+  // as soon as it is computed, where the workload allows), the exchange,
+  // the metrics and progress lines, and this worker's checkpoint when due
+  // (a checkpoint that cannot be written is reported, not fatal). After an
+  // error the trainer is unusable (the session must rejoin: a new Trainer
+  // with rejoin).
+  absl::StatusOr<StepRecord> Step();
+
+  // After the last step: totals, test accuracy and the final checksum.
+  absl::StatusOr<TrainingSummary> Summary();
+
+  // Step() until done(), then Summary().
+  absl::StatusOr<TrainingSummary> Run();
+
+  Session& session() { return *session_; }
+
+ private:
+  Trainer(const proto::JobSpec& job, const TrainerOptions& options);
+  absl::Status Begin(std::unique_ptr<Transport> transport);
+  // This process's TCP byte counters (over gRPC only: another transport has
+  // no sockets, and the process's other threads open and close files).
+  struct TcpCounters {
+    uint64_t sent = 0, received = 0;
+  };
+  TcpCounters ReadTcp() const;
+  void Log(const std::string& line) const;
+
+  const proto::JobSpec job_;
+  const TrainerOptions options_;
+  std::unique_ptr<Workload> workload_;
+  std::unique_ptr<WorkerMetrics> prometheus_metrics_;
+  std::atomic<bool> ready_{false};            // /readyz; outlives http_
+  std::unique_ptr<proto::HttpEndpoint> http_;
+  std::unique_ptr<Session> session_;
+  std::string checkpoint_;                    // this worker's; empty: none
+  std::unique_ptr<std::ofstream> metrics_;    // --metrics
+  std::unique_ptr<StepReport> report_;
+  TrainingSummary summary_;
+  uint64_t tcp_sent_start_ = 0, tcp_received_start_ = 0;
+  absl::Time train_start_;
+  int64_t first_step_ = 0, next_step_ = 0;
+  bool count_tcp_ = false;
+};
+
+// Trainer::Create(job, options), then Run().
 absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options);
 
 }  // namespace morse::worker

@@ -1,10 +1,11 @@
 // N workers and S shards in one process (InProcessCluster), each worker a
-// Session on its own thread over a FaultyTransport, swept over faults ×
-// N × S × optimizers and codecs: whatever the network does (refused pushes,
-// lost replies, duplicates, drops, reordering) and when a shard dies and
-// comes back from its checkpoint mid-run, every worker's x, m, v after
-// every step and every shard's mirror at the end are bit-identical to the
-// simulator's.
+// Trainer (morse-worker's step loop) on its own thread over a
+// FaultyTransport, swept over faults × N × S × optimizers and codecs:
+// whatever the network does (refused pushes, lost replies, duplicates,
+// drops, reordering), when a shard dies and comes back from its checkpoint
+// mid-run, and when a worker dies and rejoins from its own, every worker's
+// x, m, v after every step and every shard's mirror at the end are
+// bit-identical to the simulator's.
 #include <stdlib.h>
 
 #include <atomic>
@@ -22,8 +23,7 @@
 #include "tests/e2e/expected.h"
 #include "tests/inproc/cluster.h"
 #include "tests/inproc/faults.h"
-#include "worker/session.h"
-#include "worker/workload.h"
+#include "worker/trainer.h"
 
 namespace morse::inproc {
 namespace {
@@ -44,7 +44,7 @@ constexpr Scheme kSchemes[] = {
     {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
 };
 
-enum class Faults { kNone, kLossy, kDuplicatesAndReordering, kDrops, kShardKilled };
+enum class Faults { kNone, kLossy, kDuplicatesAndReordering, kDrops, kShardKilled, kWorkerKilled };
 
 const char* Name(Faults f) {
   switch (f) {
@@ -53,6 +53,7 @@ const char* Name(Faults f) {
     case Faults::kDuplicatesAndReordering: return "duplicates_reordering";
     case Faults::kDrops: return "drops";
     case Faults::kShardKilled: return "shard_killed";
+    case Faults::kWorkerKilled: return "worker_killed";
   }
   return "?";
 }
@@ -74,9 +75,20 @@ FaultPlan PlanFor(Faults f, uint32_t rank) {
       break;
     case Faults::kNone:
     case Faults::kShardKilled:
+    case Faults::kWorkerKilled:
       break;
   }
   return plan;
+}
+
+// kWorkerKilled: the worker killed before step 5 and the one killed before
+// step 9, ranks 0 and 1 (the only one with one worker); -1: none. Each has
+// checkpointed the step before last (every 2 steps), so it replays one step
+// from the shards' kept replies when it rejoins.
+int WorkerVictim(int64_t step, uint32_t workers) {
+  if (step == 5) return 0;
+  if (step == 9) return workers > 1 ? 1 : 0;
+  return -1;
 }
 
 using Param = std::tuple<Faults, uint32_t /*workers*/, uint32_t /*shards*/, Scheme>;
@@ -133,31 +145,56 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
         failures[r] = std::move(what);
         failed = true;
       };
-      auto transport = std::make_unique<FaultyTransport>((*cluster)->Connect(), PlanFor(faults, r));
-      FaultyTransport* faulty = transport.get();
-      auto session = worker::Session::Connect(*job, r, std::move(transport), {}, /*compute_threads=*/1);
-      if (!session.ok()) return fail(absl::StrCat("connect: ", session.status().ToString()));
-      worker::SyntheticWorkload workload(*job, r);
-      workload.Initialize((*session)->replica().x());
-      auto first = (*session)->Start(/*resume=*/false);
-      if (!first.ok()) return fail(absl::StrCat("start: ", first.status().ToString()));
-      std::vector<float> grad(job->algorithm.layout.dim);
-      for (int64_t step = *first; step < job->steps; ++step) {
+      // Each worker is a Trainer, morse-worker's step loop; a killed one is
+      // destroyed between steps and a new one rejoins (--rejoin) from its
+      // checkpoint, as after kill -9 and a supervisor's restart.
+      worker::TrainerOptions options;
+      options.rank = r;
+      options.checksums = true;
+      options.checkpoint_dir = dir;
+      options.compute_threads = 1;
+      options.security.insecure = true;
+      options.rejoin = true;
+      options.log = [](const std::string&) {};
+      FaultyTransport* faulty = nullptr;
+      const auto create = [&]() -> absl::StatusOr<std::unique_ptr<worker::Trainer>> {
+        auto transport = std::make_unique<FaultyTransport>((*cluster)->Connect(), PlanFor(faults, r));
+        faulty = transport.get();
+        return worker::Trainer::Create(*job, options, std::move(transport));
+      };
+      int64_t killed_before = -1;  // the last kill's step
+      auto trainer = create();
+      if (!trainer.ok()) return fail(absl::StrCat("start: ", trainer.status().ToString()));
+      while (!(*trainer)->done()) {
+        const int64_t step = (*trainer)->next_step();
         if (faults == Faults::kShardKilled) {
           int due = 0;
           for (int64_t at : kill_at) due += step >= at + 2 ? 1 : 0;
           while (kills.load() < due && !failed.load()) absl::SleepFor(absl::Milliseconds(1));
         }
-        compress::Replica& replica = (*session)->replica();
-        if (auto loss = workload.Gradient(step, replica.x(), absl::MakeSpan(grad)); !loss.ok()) {
-          return fail(loss.status().ToString());
+        if (faults == Faults::kWorkerKilled && static_cast<int>(r) == WorkerVictim(step, workers) &&
+            step > killed_before) {
+          killed_before = step;
+          injected[r] += faulty->injected();
+          trainer->reset();  // its memory is gone; its checkpoint stays
+          ++kills;
+          absl::SleepFor(absl::Milliseconds(20));
+          trainer = create();
+          if (!trainer.ok()) return fail(absl::StrCat("rejoin before step ", step, ": ", trainer.status().ToString()));
+          // From its checkpoint of two steps before: it runs step - 1 again,
+          // the shards answering with the reply they kept, and its state
+          // after it is checked against the simulator's again.
+          if ((*trainer)->first_step() != step - 1) {
+            return fail(absl::StrCat("rejoined at step ", (*trainer)->first_step(), ", not ", step - 1));
+          }
+          sums[r].resize(step - 1);
+          continue;
         }
-        if (absl::Status s = (*session)->Step(grad); !s.ok()) {
-          return fail(absl::StrCat("step ", step, ": ", s.ToString()));
-        }
-        sums[r].push_back(Hex(compress::StateChecksum({replica.x(), replica.m(), replica.v()})));
+        auto record = (*trainer)->Step();
+        if (!record.ok()) return fail(absl::StrCat("step ", step, ": ", record.status().ToString()));
+        sums[r].push_back(Hex(*record->checksum));
       }
-      injected[r] = faulty->injected();
+      injected[r] += faulty->injected();
     });
   }
   if (faults == Faults::kShardKilled) {
@@ -201,10 +238,10 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   }
   uint64_t total = 0;
   for (uint64_t n : injected) total += n;
-  if (faults != Faults::kNone && faults != Faults::kShardKilled) {
+  if (faults != Faults::kNone && faults != Faults::kShardKilled && faults != Faults::kWorkerKilled) {
     EXPECT_GT(total, 0u) << "the plan injected nothing: the test would prove nothing";
   }
-  if (faults == Faults::kShardKilled) {
+  if (faults == Faults::kShardKilled || faults == Faults::kWorkerKilled) {
     EXPECT_EQ(kills.load(), 2) << "the run ended before both kills: the test would prove little";
     total = kills;
   }
@@ -217,7 +254,7 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
 INSTANTIATE_TEST_SUITE_P(
     Sweep, FaultSweepTest,
     ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy, Faults::kDuplicatesAndReordering,
-                                         Faults::kDrops, Faults::kShardKilled),
+                                         Faults::kDrops, Faults::kShardKilled, Faults::kWorkerKilled),
                        ::testing::Values(1u, 3u), ::testing::Values(1u, 2u), ::testing::ValuesIn(kSchemes)),
     [](const ::testing::TestParamInfo<Param>& info) {
       return absl::StrCat(Name(std::get<0>(info.param)), "_", std::get<1>(info.param), "workers_",

@@ -27,7 +27,7 @@ jobs="${MORSE_JOBS:-$(nproc)}"
 if [ "$mode" = thread ]; then
   build="${1:-$root/build/tsan}"
   sanitizers=thread
-  pattern='^tests/(compress/compress_(compute_pool|lamb|simulator)|server/server_shard_(core|runtime)|inproc/inproc_fault_sweep)_test'
+  pattern='^tests/(compress/compress_(compute_pool|lamb|simulator)|server/server_shard_(core|runtime)|inproc/inproc_(fault_sweep|trainer))_test'
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
 else
   build="${1:-$root/build/sanitize}"
