@@ -12,6 +12,8 @@
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
+#include "compress/codec.h"
+#include "compress/replica.h"
 #include "proto/morse.pb.h"
 
 namespace morse::proto {
@@ -424,19 +426,45 @@ uint64_t ErrorBytesPerElement(const compress::FeedbackSpec& f) {
   if (f.kind == compress::FeedbackKind::kNone) return 0;
   return f.storage == compress::ErrorStorage::kFp32 ? 4 : 1;
 }
+
+uint64_t Plus(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+
+// The bytes of the payloads (up: a worker's pushes; else the replies) of
+// `elems` elements kept for replay_steps steps: the job's first
+// replay_steps steps, the widest window (1-bit warmup and 0/1 Adam's
+// variance steps, fp32, come first; local steps send nothing). From the
+// payload of 2^20 elements (scales included), rounded up; past 2^16 steps
+// each further step counts at the widest codec.
+uint64_t KeptPayloadBytes(const JobSpec& job, uint64_t elems, bool up) {
+  constexpr uint64_t kSample = uint64_t{1} << 20;
+  constexpr uint64_t kWalk = uint64_t{1} << 16;
+  const uint64_t window = std::min<uint64_t>(job.replay_steps, static_cast<uint64_t>(std::max<int64_t>(job.steps, 0)));
+  uint64_t per_sample = 0, widest = 0;
+  for (uint64_t step = 0; step < std::min(window, kWalk); ++step) {
+    const compress::StepPlan plan = compress::PlanStep(job.algorithm, static_cast<int64_t>(step));
+    if (!plan.exchanges) continue;
+    const uint64_t bytes = compress::PayloadBytes(up ? plan.up : plan.down, kSample);
+    per_sample += bytes;
+    widest = std::max(widest, bytes);
+  }
+  if (window > kWalk) per_sample = Plus(per_sample, Times(window - kWalk, widest));
+  return Times(elems / kSample + (elems % kSample != 0 ? 1 : 0), per_sample);
+}
+
 }  // namespace
 
 uint64_t WorkerStateBytes(const JobSpec& job) {
   // x, m, v and the gradient (and onebit_lamb's v').
   const uint64_t lamb = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
   const uint64_t per = 4 * 4 + lamb + ErrorBytesPerElement(job.algorithm.worker_feedback);
-  return Times(job.algorithm.layout.dim, per);
+  return Plus(Times(job.algorithm.layout.dim, per),
+              KeptPayloadBytes(job, job.algorithm.layout.dim, /*up=*/true));
 }
 
 uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems) {
   const uint64_t lamb = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
   const uint64_t per = 3 * 4 + lamb + ErrorBytesPerElement(job.algorithm.server_feedback);
-  return Times(shard_elems, per);
+  return Plus(Times(shard_elems, per), KeptPayloadBytes(job, shard_elems, /*up=*/false));
 }
 
 }  // namespace morse::proto

@@ -123,8 +123,12 @@ uint64_t HostMemoryBytes();
 absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what,
                                uint64_t limit = HostMemoryBytes());
 // What a worker holds for the whole model (x, m, v, its error buffer and a
-// gradient; DESIGN 2) and a shard for its range (x, m, v, the server error
-// buffer), in bytes, before anything is allocated.
+// gradient; DESIGN 2, and the pushes it retains for a restarted shard:
+// replay_steps of them) and a shard for its range (x, m, v, the server error
+// buffer, and the replies it keeps for a restarted worker: replay_steps of
+// them), in bytes, before anything is allocated. Retained payloads are
+// counted over the job's first replay_steps steps (the widest: fp32 warmup
+// comes first).
 uint64_t WorkerStateBytes(const JobSpec& job);
 uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems);
 

@@ -113,6 +113,41 @@ TEST(JobConfigTest, EmaWithoutBetaIsHalf) {
   EXPECT_EQ(job->algorithm.worker_feedback.beta, 0.5f);
 }
 
+// The memory check counts the pushes a worker retains and the replies a
+// shard keeps for replay (replay_steps each), over the job's first
+// replay_steps steps: fp32 in 1-bit Adam's warmup, then 1 bit.
+TEST(JobConfigTest, StateBytesCountWhatIsKeptForReplay) {
+  const auto job = [](const std::string& checkpoint, int freeze = 10) {
+    auto parsed = ParseJobConfig(absl::StrCat("workers: 2 shards: 1 synthetic { dim: 4194304 } lr { lr: 1 } "
+                                              "steps: 100 optimizer: \"onebit_adam\" freeze_step: ", freeze,
+                                              " ", checkpoint),
+                                 ConfigFormat::kText);
+    EXPECT_TRUE(parsed.ok()) << parsed.status();
+    return *parsed;
+  };
+  const JobSpec none = job(""), kept = job("checkpoint { every_steps: 9 }");
+  ASSERT_EQ(none.replay_steps, 0u);
+  ASSERT_EQ(kept.replay_steps, 10u);
+  const uint64_t dim = 4194304, fp32_steps = 10 * 4 * dim;
+  const uint64_t worker_extra = WorkerStateBytes(kept) - WorkerStateBytes(none);
+  EXPECT_GE(worker_extra, fp32_steps);
+  EXPECT_LE(worker_extra, fp32_steps * 11 / 10);
+  const uint64_t shard_extra = ShardStateBytes(kept, dim) - ShardStateBytes(none, dim);
+  EXPECT_GE(shard_extra, fp32_steps);
+  EXPECT_LE(shard_extra, fp32_steps * 11 / 10);
+  // A warmup of 2 steps: 2 fp32 steps and 8 of 1 bit are kept at most.
+  const JobSpec short_warmup = job("checkpoint { every_steps: 9 }", 2), short_none = job("", 2);
+  const uint64_t short_extra = WorkerStateBytes(short_warmup) - WorkerStateBytes(short_none);
+  EXPECT_GE(short_extra, 2 * 4 * dim + 8 * dim / 8);
+  EXPECT_LE(short_extra, (2 * 4 * dim + 8 * dim / 8) * 11 / 10);
+  // An absurd retention saturates instead of wrapping round.
+  JobSpec absurd = kept;
+  absurd.replay_steps = 4000000000u;
+  absurd.algorithm.layout.dim = uint64_t{1} << 62;
+  EXPECT_EQ(WorkerStateBytes(absurd), UINT64_MAX);
+  EXPECT_FALSE(CheckFitsInMemory(WorkerStateBytes(absurd), "worker", uint64_t{1} << 40).ok());
+}
+
 TEST(JobConfigTest, MissingFileIsNotFound) {
   EXPECT_EQ(LoadJobConfig("/nonexistent/job.textproto").status().code(),
             absl::StatusCode::kNotFound);
