@@ -123,6 +123,8 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
   floats(request.m(), "m", &state.m);
   floats(request.v(), "v", &state.v);
   floats(request.server_error(), "server_error", &state.server_error);
+  floats(request.v_fresh(), "v_fresh", &state.v_fresh);
+  state.lamb_layers.assign(request.lamb_layers().begin(), request.lamb_layers().end());
   if (!status.ok()) return status;
   return (*core)->RestorePartition(request.rank(), request.partition(), request.layout_fingerprint(),
                                    state);

@@ -972,15 +972,32 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
     return absl::FailedPreconditionError(
         absl::StrCat("only rank 0 restores a saved run, not rank ", rank));
   }
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
-    // A PartitionState has no fresh variance or layer state to restore.
-    return absl::UnimplementedError(
-        "onebit_lamb's shard state (its fresh variance and layer coefficients) is not restored by "
-        "RestorePartition; resume a onebit_lamb job from the shards' checkpoints instead");
-  }
   PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
   const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
   if (state.completed_steps < 0) return absl::InvalidArgumentError("negative step");
+  // onebit_lamb: v' of the partition and every layer's state (design.md
+  // 2.8), as FetchPartition gives them; no other optimizer has them.
+  const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const size_t layer_floats = lamb ? 2 * compress::LayerCount(job_.algorithm) : 0;
+  if (state.v_fresh.size() != (lamb ? n : 0) || state.lamb_layers.size() != layer_floats) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partition ", partition, ": the saved state has v' of ", state.v_fresh.size(), " values and layer state of ",
+        state.lamb_layers.size(), "; ", job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
+                                             ? absl::StrCat("onebit_lamb needs ", n, " and ", layer_floats)
+                                             : std::string("only onebit_lamb has them")));
+  }
+  for (float f : state.v_fresh) {
+    if (!std::isfinite(f) || f < 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the saved v' of partition ", partition, " holds a negative, Inf or NaN"));
+    }
+  }
+  for (float f : state.lamb_layers) {
+    if (!std::isfinite(f)) {
+      return absl::InvalidArgumentError(absl::StrCat("the saved layer state of partition ", partition,
+                                                     " holds Inf or NaN"));
+    }
+  }
   for (const auto* a : {&state.x, &state.m, &state.v, &state.server_error}) {
     if (a->size() != n) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -1015,6 +1032,10 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   std::copy(state.x.begin(), state.x.end(), mirror_.x().begin() + offset);
   std::copy(state.m.begin(), state.m.end(), mirror_.mutable_m().begin() + offset);
   std::copy(state.v.begin(), state.v.end(), mirror_.mutable_v().begin() + offset);
+  if (lamb) {
+    std::copy(state.v_fresh.begin(), state.v_fresh.end(), mirror_.mutable_v_fresh().begin() + offset);
+    p.lamb_layers = compress::UnflattenLambLayers(state.lamb_layers);
+  }
   p.next_step = state.completed_steps;
   p.restored = true;
   p.mirror_pending = false;

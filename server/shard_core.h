@@ -204,8 +204,8 @@ class ShardCore {
                                                    bool with_server_error = false) const;
   // Rank 0 restores one partition of a saved run (morse.torch's
   // load_state_dict) before the job's first step: x, m, v, the server
-  // error and the steps completed, as FetchPartition(with_server_error)
-  // gave them. Allowed while no push of the partition has arrived since it
+  // error and the steps completed (onebit_lamb: also v' and the layers'
+  // state), as FetchPartition(with_server_error) gave them. Allowed while no push of the partition has arrived since it
   // was initialized or last restored; FAILED_PRECONDITION once training has
   // moved on, INVALID_ARGUMENT for wrong sizes or non-finite values, and
   // nothing changes on any error.

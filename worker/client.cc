@@ -222,7 +222,9 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
 
 absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
                                       absl::Span<const float> m, absl::Span<const float> v,
-                                      absl::Span<const float> server_error) {
+                                      absl::Span<const float> server_error,
+                                      absl::Span<const float> v_fresh,
+                                      absl::Span<const float> lamb_layers) {
   for (const compress::Partition& p : layout_.partitions()) {
     v1::PartitionState request;
     request.set_rank(rank_);
@@ -236,6 +238,8 @@ absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
     request.set_m(bytes(m));
     request.set_v(bytes(v));
     request.set_server_error(bytes(server_error));
+    if (!v_fresh.empty()) request.set_v_fresh(bytes(v_fresh));
+    request.mutable_lamb_layers()->Assign(lamb_layers.begin(), lamb_layers.end());
     v1::RestorePartitionReply reply;
     const absl::Status status = Wait(&Transport::RestorePartition, *transport_, p.shard, request,
                                      &reply, Options(job_.rpc_timeout_seconds, p.id));

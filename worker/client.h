@@ -227,9 +227,12 @@ class PushClient {
   absl::StatusOr<int64_t> FetchServerError(absl::Span<float> server_error);
 
   // Rank 0: restores a saved run on every shard before the first step
-  // (ShardCore::RestorePartition), partition by partition.
+  // (ShardCore::RestorePartition), partition by partition; onebit_lamb's
+  // v' (dim floats) and layer state (the same for every partition) too.
   absl::Status RestoreModel(int64_t step, absl::Span<const float> x, absl::Span<const float> m,
-                            absl::Span<const float> v, absl::Span<const float> server_error);
+                            absl::Span<const float> v, absl::Span<const float> server_error,
+                            absl::Span<const float> v_fresh = {},
+                            absl::Span<const float> lamb_layers = {});
 
   // The steps every partition of every shard has completed (the least).
   absl::StatusOr<int64_t> CompletedSteps();

@@ -488,12 +488,46 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader, i
   return absl::OkStatus();
 }
 
-absl::Status Session::NoSavedRunYet() const {
-  if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) return absl::OkStatus();
-  return absl::UnimplementedError(
-      "onebit_lamb's optimizer state (its fresh variance and layer coefficients) is not in "
-      "state_dict() yet; resume a onebit_lamb job from the shards' checkpoints (--checkpoint_dir, "
-      "morse-worker --rejoin) instead");
+absl::Status Session::CheckLambState(const LambState* lamb) const {
+  const bool is_lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  if (!is_lamb) {
+    return lamb == nullptr ? absl::OkStatus()
+                           : absl::InvalidArgumentError("onebit_lamb state given for another optimizer");
+  }
+  if (lamb == nullptr) {
+    return absl::InvalidArgumentError(
+        "a onebit_lamb state needs its fresh variance v', layer state and last commit (state_dict() of "
+        "OneBitLamb saves them)");
+  }
+  const size_t layers = replica_.lamb_layers().size();
+  if (lamb->v_fresh.size() != job_.algorithm.layout.dim || lamb->layers.size() != 2 * layers ||
+      (!lamb->commit.empty() && lamb->commit.size() != compress::kLambCommit * layers)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "onebit_lamb state: v' of ", lamb->v_fresh.size(), " values (needs ", job_.algorithm.layout.dim,
+        "), layer state of ", lamb->layers.size(), " (needs ", 2 * layers, " for ", layers,
+        " layers), commit of ", lamb->commit.size(), " (needs 0 or ", compress::kLambCommit * layers, ")"));
+  }
+  for (float f : lamb->v_fresh) {
+    if (!std::isfinite(f) || f < 0.0f) return absl::InvalidArgumentError("onebit_lamb state: v' holds a negative, Inf or NaN");
+  }
+  for (float f : lamb->layers) {
+    if (!std::isfinite(f)) return absl::InvalidArgumentError("onebit_lamb state: the layer state holds Inf or NaN");
+  }
+  if (!lamb->commit.empty()) return compress::ValidateLambCommit(job_.algorithm, lamb->commit);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Session::LambState> Session::SavedLamb() {
+  if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) {
+    return absl::FailedPreconditionError("only onebit_lamb has a lamb state");
+  }
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  LambState state;
+  state.v_fresh.assign(replica_.v_fresh().begin(), replica_.v_fresh().end());
+  state.layers = compress::FlattenLambLayers(replica_.lamb_layers());
+  state.commit = previous_lamb_commit_;
+  return state;
 }
 
 absl::Status Session::ServerError(absl::Span<float> out) {
@@ -502,7 +536,6 @@ absl::Status Session::ServerError(absl::Span<float> out) {
     return absl::InvalidArgumentError(absl::StrCat("the server error has ", dim, " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
-  if (absl::Status s = NoSavedRunYet(); !s.ok()) return s;
   auto steps = client_->FetchServerError(out);
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
@@ -518,7 +551,8 @@ absl::Status Session::ServerError(absl::Span<float> out) {
 }
 
 absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
-                              absl::Span<const float> error, absl::Span<const float> server_error) {
+                              absl::Span<const float> error, absl::Span<const float> server_error,
+                              const LambState* lamb) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (step < 0 || m.size() != dim || v.size() != dim ||
       (!server_error.empty() && server_error.size() != dim)) {
@@ -527,7 +561,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
         " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
-  if (absl::Status s = NoSavedRunYet(); !s.ok()) return s;
+  if (absl::Status s = CheckLambState(lamb); !s.ok()) return s;
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
   if (*held != step) {
@@ -544,7 +578,10 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
             "0's optimizer.state_dict() (it holds the shards' error buffers) and load it on rank 0"));
       }
       if (absl::Status s = SyncHost(); !s.ok()) return s;
-      if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v, server_error); !s.ok()) {
+      if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v, server_error,
+                                                 lamb != nullptr ? lamb->v_fresh : std::vector<float>(),
+                                                 lamb != nullptr ? lamb->layers : std::vector<float>());
+          !s.ok()) {
         return s;
       }
     } else {
@@ -567,9 +604,15 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
   if (absl::Status s = error_.Restore(error); !s.ok()) return s;
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
+  if (lamb != nullptr) {
+    std::copy(lamb->v_fresh.begin(), lamb->v_fresh.end(), replica_.mutable_v_fresh().begin());
+    replica_.set_lamb_layers(compress::UnflattenLambLayers(lamb->layers));
+    previous_lamb_commit_ = lamb->commit;
+  } else {
+    previous_lamb_commit_.clear();
+  }
   step_ = step;
   previous_grad_sum_of_squares_.reset();
-  previous_lamb_commit_.clear();
   return engine_->Load(replica_, error_);
 }
 

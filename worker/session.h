@@ -131,8 +131,20 @@ class Session {
   // x, m, v, and every other rank waits (up to the connect timeout) until
   // they hold the step. FAILED_PRECONDITION, saying what to do, otherwise
   // (shards at another step; rank 0 without the server error).
+  // onebit_lamb's state beyond m and v (design.md 2.8), which Restore
+  // needs too: v' (dim floats), every layer's coeff_freeze and last_factor
+  // (2 per layer), and the last step's commit that the next pushes carry
+  // (kLambCommit doubles per layer; none before the first step).
+  struct LambState {
+    std::vector<float> v_fresh, layers;
+    std::vector<double> commit;
+  };
   absl::Status Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
-                       absl::Span<const float> error, absl::Span<const float> server_error = {});
+                       absl::Span<const float> error, absl::Span<const float> server_error = {},
+                       const LambState* lamb = nullptr);
+  // This worker's LambState (state_dict), between steps;
+  // FAILED_PRECONDITION for other optimizers.
+  absl::StatusOr<LambState> SavedLamb();
   // The shards' error buffers over the whole model after this worker's
   // last step (state_dict on rank 0), between this worker's steps.
   absl::Status ServerError(absl::Span<float> out);
@@ -145,9 +157,9 @@ class Session {
   // LocalStep), then its exchange if it syncs.
   absl::Status LocalStep();
   bool InStep() const { return exchange_ != nullptr || local_pending_; }
-  // UNIMPLEMENTED for optimizers whose saved runs (Restore, ServerError)
-  // would miss state: onebit_lamb for now.
-  absl::Status NoSavedRunYet() const;
+  // INVALID_ARGUMENT unless `lamb` is given exactly when the job is
+  // onebit_lamb, with its arrays' sizes and finite values.
+  absl::Status CheckLambState(const LambState* lamb) const;
   // Loads this worker's whole state at `whole_step` (the checkpoint's
   // "whole_step") from a checkpoint that has it: x, m, v, the error buffer,
   // what the next pushes carry, onebit_lamb's and a zero_one_adam local

@@ -832,10 +832,45 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   for (size_t i = 1; i < parts.size(); ++i) {
     EXPECT_EQ(layers(parts[i]), compress::FlattenLambLayers(compress::LambStateOf(commit))) << i;
   }
-  // A saved run's PartitionState has no v' or layer state to load.
+  // A saved run (load_state_dict) restores v' and the layers' state with
+  // x, m, v and the server error into a fresh shard, which then reports
+  // what this one did; without them it is refused and nothing changes.
+  std::unique_ptr<ShardCore> fresh = *ShardCore::Create(job, 0);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh, 0));
+  const PartitionSnapshot before = *fresh->FetchPartition(parts[1].id, fingerprint, true);
   PartitionSnapshot saved = *core->FetchPartition(parts[1].id, fingerprint, /*with_server_error=*/true);
-  const absl::Status restore = core->RestorePartition(0, parts[1].id, fingerprint, saved);
-  EXPECT_EQ(restore.code(), absl::StatusCode::kUnimplemented) << restore;
+  ASSERT_EQ(saved.v_fresh.size(), parts[1].range.size());
+  PartitionSnapshot partial = saved;
+  partial.v_fresh.clear();
+  const absl::Status refused = fresh->RestorePartition(0, parts[1].id, fingerprint, partial);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("onebit_lamb needs"), std::string::npos) << refused;
+  partial = saved;
+  partial.lamb_layers[0] = std::nanf("");
+  EXPECT_EQ(fresh->RestorePartition(0, parts[1].id, fingerprint, partial).code(),
+            absl::StatusCode::kInvalidArgument);
+  const PartitionSnapshot unchanged = *fresh->FetchPartition(parts[1].id, fingerprint, true);
+  EXPECT_EQ(unchanged.x, before.x);
+  EXPECT_EQ(unchanged.v_fresh, before.v_fresh);
+  EXPECT_EQ(unchanged.lamb_layers, before.lamb_layers);
+  const absl::Status restore = fresh->RestorePartition(0, parts[1].id, fingerprint, saved);
+  ASSERT_TRUE(restore.ok()) << restore;
+  const PartitionSnapshot restored = *fresh->FetchPartition(parts[1].id, fingerprint, true);
+  EXPECT_EQ(restored.completed_steps, saved.completed_steps);
+  EXPECT_EQ(restored.x, saved.x);
+  EXPECT_EQ(restored.m, saved.m);
+  EXPECT_EQ(restored.v, saved.v);
+  EXPECT_EQ(restored.server_error, saved.server_error);
+  EXPECT_EQ(restored.v_fresh, saved.v_fresh);
+  EXPECT_EQ(restored.lamb_layers, saved.lamb_layers);
+  // Another optimizer has no v' or layer state to take.
+  std::unique_ptr<ShardCore> adam = *ShardCore::Create(*proto::ParseJobConfig(R"(
+    workers: 2 shards: 1 synthetic { dim: 200 } lr { lr: 0.01 } steps: 20 block_elems: 16
+    partition_elems: 64 optimizer: "adam")", proto::ConfigFormat::kText), 0);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*adam, 0));
+  const absl::Status foreign = adam->RestorePartition(0, parts[1].id, adam->layout().fingerprint(), saved);
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kInvalidArgument) << foreign;
+  EXPECT_NE(foreign.message().find("only onebit_lamb"), std::string::npos) << foreign;
 }
 
 // A server applies onebit_lamb commits from its RPC threads, each under its

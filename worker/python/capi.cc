@@ -331,6 +331,48 @@ int morse_session_set_state(morse_session* s, int64_t step, const float* m, cons
   });
 }
 
+int morse_session_get_lamb_state(morse_session* s, float* v_fresh, float* layers, uint64_t* layer_values,
+                                 double* commit, uint64_t* commit_values) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(layer_values, "layer_values"); !st.ok()) return st;
+    if (absl::Status st = NotNull(commit_values, "commit_values"); !st.ok()) return st;
+    auto state = s->session->SavedLamb();
+    if (!state.ok()) return state.status();
+    *layer_values = state->layers.size();
+    *commit_values = state->commit.size();
+    if (v_fresh != nullptr) std::copy(state->v_fresh.begin(), state->v_fresh.end(), v_fresh);
+    if (layers != nullptr) std::copy(state->layers.begin(), state->layers.end(), layers);
+    if (commit != nullptr) std::copy(state->commit.begin(), state->commit.end(), commit);
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m, const float* v,
+                                 const float* error, const float* server_error, const float* v_fresh,
+                                 const float* layers, uint64_t layer_values, const double* commit,
+                                 uint64_t commit_values) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    for (const void* p : {static_cast<const void*>(m), static_cast<const void*>(v),
+                          static_cast<const void*>(error), static_cast<const void*>(v_fresh),
+                          static_cast<const void*>(layers)}) {
+      if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
+    }
+    if (commit_values > 0) {
+      if (absl::Status st = NotNull(commit, "commit"); !st.ok()) return st;
+    }
+    morse::worker::Session::LambState lamb;
+    lamb.v_fresh.assign(v_fresh, v_fresh + s->dim);
+    lamb.layers.assign(layers, layers + layer_values);
+    if (commit_values > 0) lamb.commit.assign(commit, commit + commit_values);
+    return s->session->Restore(
+        step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
+        absl::MakeConstSpan(error, s->dim),
+        server_error == nullptr ? absl::Span<const float>() : absl::MakeConstSpan(server_error, s->dim), &lamb);
+  });
+}
+
 int morse_session_server_error(morse_session* s, float* out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

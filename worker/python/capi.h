@@ -104,6 +104,17 @@ int morse_session_checksum(morse_session* s, uint64_t* checksum);
 int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v, float* error);
 int morse_session_set_state(morse_session* s, int64_t step, const float* m, const float* v,
                             const float* error, const float* server_error);
+/* onebit_lamb's state beyond m and v (state_dict, design.md 2.8): v' (dim
+   floats), every layer's state (*layer_values floats: 2 per layer) and the
+   last step's commit (*commit_values doubles: 3 per layer, or 0 before the
+   first step). With NULL arrays only the counts are written. */
+int morse_session_get_lamb_state(morse_session* s, float* v_fresh, float* layers, uint64_t* layer_values,
+                                 double* commit, uint64_t* commit_values);
+/* set_state for a onebit_lamb job, with that state (set_state refuses one). */
+int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m, const float* v,
+                                 const float* error, const float* server_error, const float* v_fresh,
+                                 const float* layers, uint64_t layer_values, const double* commit,
+                                 uint64_t commit_values);
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
 int morse_session_save_checkpoint(morse_session* s, const char* path);

@@ -72,6 +72,8 @@ def _load():
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
         "morse_session_set_state": ([P, I64, P, P, P, P], I),
+        "morse_session_get_lamb_state": ([P, P, P, ctypes.POINTER(U64), P, ctypes.POINTER(U64)], I),
+        "morse_session_set_lamb_state": ([P, I64, P, P, P, P, P, P, U64, P, U64], I),
         "morse_session_server_error": ([P, P], I),
         "morse_session_save_checkpoint": ([P, S], I),
         "morse_simulator_create": ([S, S, P, U64, ctypes.POINTER(P)], I),
@@ -267,6 +269,35 @@ class Session:
             self._handle, step, _float32_array(m, "m"), _float32_array(v, "v"),
             _float32_array(error, "error"),
             None if server_error is None else _float32_array(server_error, "server_error")))
+
+    def get_lamb_state(self):
+        """onebit_lamb's v', layer state (2 floats per layer) and last commit
+        (3 doubles per layer, or none before the first step)."""
+        import numpy as np
+        layer_values, commit_values = ctypes.c_uint64(), ctypes.c_uint64()
+        _check(_lib.morse_session_get_lamb_state(self._handle, None, None, ctypes.byref(layer_values), None,
+                                                 ctypes.byref(commit_values)))
+        v_fresh = np.empty(self._dim, dtype=np.float32)
+        layers = np.empty(layer_values.value, dtype=np.float32)
+        commit = np.empty(commit_values.value, dtype=np.float64)
+        _check(_lib.morse_session_get_lamb_state(self._handle, v_fresh.ctypes.data, layers.ctypes.data,
+                                                 ctypes.byref(layer_values), commit.ctypes.data,
+                                                 ctypes.byref(commit_values)))
+        return v_fresh, layers, commit
+
+    def set_lamb_state(self, step, m, v, error, server_error, v_fresh, layers, commit):
+        import numpy as np
+        for name, a in (("m", m), ("v", v), ("error", error), ("server_error", server_error),
+                        ("v_fresh", v_fresh)):
+            if a is not None and a.size != self._dim:
+                raise ValueError(f"{name} must hold {self._dim} values")
+        commit = np.ascontiguousarray(commit, dtype=np.float64)
+        _check(_lib.morse_session_set_lamb_state(
+            self._handle, step, _float32_array(m, "m"), _float32_array(v, "v"),
+            _float32_array(error, "error"),
+            None if server_error is None else _float32_array(server_error, "server_error"),
+            _float32_array(v_fresh, "v_fresh"), _float32_array(layers, "layers"), layers.size,
+            commit.ctypes.data if commit.size else None, commit.size))
 
     def server_error(self):
         import numpy as np

@@ -186,6 +186,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._initial_hyper = (float(lr), float(weight_decay))
         self._sent_hyper = None
         self._freeze_step = freeze_step if optimizer in ("onebit_adam", "onebit_lamb") else None
+        self._lamb = optimizer == "onebit_lamb"
         self._mask_zero_variance = mask_zero_variance
         if optimizer in ("onebit_adam", "onebit_lamb"):
             lines.append(f"freeze_step: {freeze_step}")
@@ -541,7 +542,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def state_dict(self):
         """The run's state: step, m (exp_avg), v (exp_avg_sq) and this rank's
-        worker error buffer; on rank 0 also the shards' error buffers
+        worker error buffer (OneBitLamb: also v' as exp_avg_sq_fresh, the
+        layers' coefficient state as lamb_layers and the last step's commit
+        as lamb_commit); on rank 0 also the shards' error buffers
         (server_error), so that rank 0's state_dict and each rank's own
         restore the whole run with load_state_dict in a fresh job (exactly:
         the continued run is bit-identical to an uninterrupted one)."""
@@ -553,6 +556,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  "exp_avg": torch.from_numpy(m).to(device),
                  "exp_avg_sq": torch.from_numpy(v).to(device),
                  "worker_error": torch.from_numpy(error).to(device)}
+        if self._lamb:
+            # 1-bit LAMB's own state: v' (the fresh variance), each layer's
+            # coefficient state and the last step's commit (design.md 2.8).
+            v_fresh, layers, commit = self._session.get_lamb_state()
+            state["exp_avg_sq_fresh"] = torch.from_numpy(v_fresh).to(device)
+            state["lamb_layers"] = torch.from_numpy(layers)
+            state["lamb_commit"] = torch.from_numpy(commit)
         if self._rank == 0:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         return {"state": state, "param_groups": [group]}
@@ -592,9 +602,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         def host(t):
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
         server_error = host(state["server_error"]) if "server_error" in state else None
-        self._session.set_state(int(state["step"]),
-                                *(host(state[k]) for k in ("exp_avg", "exp_avg_sq", "worker_error")),
-                                server_error)
+        moments = [host(state[k]) for k in ("exp_avg", "exp_avg_sq", "worker_error")]
+        if self._lamb:
+            missing = [k for k in ("exp_avg_sq_fresh", "lamb_layers", "lamb_commit") if k not in state]
+            if missing:
+                raise ValueError(f"this state_dict has no {', '.join(missing)}: a OneBitLamb state "
+                                 "is saved by OneBitLamb.state_dict()")
+            if state["exp_avg_sq_fresh"].numel() != dim:
+                raise ValueError(f"state_dict['state']['exp_avg_sq_fresh'] must hold {dim} values")
+            self._session.set_lamb_state(
+                int(state["step"]), *moments, server_error, host(state["exp_avg_sq_fresh"]),
+                host(state["lamb_layers"]),
+                state["lamb_commit"].detach().to("cpu", torch.float64).contiguous().numpy())
+        else:
+            self._session.set_state(int(state["step"]), *moments, server_error)
         # lr and weight_decay follow param_groups every step, as in torch.
         for key in ("lr", "weight_decay"):
             if key in group:
