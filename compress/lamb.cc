@@ -164,6 +164,19 @@ absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const 
   return absl::OkStatus();
 }
 
+absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh, absl::Span<const float> layers,
+                               absl::string_view what) {
+  for (float f : v_fresh) {
+    if (!std::isfinite(f) || f < 0.0f) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": v' holds a negative, Inf or NaN"));
+    }
+  }
+  for (float f : layers) {
+    if (!std::isfinite(f)) return absl::InvalidArgumentError(absl::StrCat(what, ": the layer state holds Inf or NaN"));
+  }
+  return absl::OkStatus();
+}
+
 std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit) {
   std::vector<LambLayerState> state(commit.size() / kLambCommit);
   for (size_t l = 0; l < state.size(); ++l) {

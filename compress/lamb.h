@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
@@ -64,6 +65,12 @@ std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& r
 // INVALID_ARGUMENT unless `commit` has kLambCommit values per layer, each
 // a finite float that is not negative.
 absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const double> commit);
+
+// INVALID_ARGUMENT unless a saved run's v' (of any part of the model) is
+// finite and not negative and its flattened layer state (FlattenLambLayers)
+// is finite; `what` starts the message ("the saved state of partition 3").
+absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh, absl::Span<const float> layers,
+                               absl::string_view what);
 
 // The layers' state after the step of `commit`.
 std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit);

@@ -982,21 +982,13 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   if (state.v_fresh.size() != (lamb ? n : 0) || state.lamb_layers.size() != layer_floats) {
     return absl::InvalidArgumentError(absl::StrCat(
         "partition ", partition, ": the saved state has v' of ", state.v_fresh.size(), " values and layer state of ",
-        state.lamb_layers.size(), "; ", job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
-                                             ? absl::StrCat("onebit_lamb needs ", n, " and ", layer_floats)
+        state.lamb_layers.size(), "; ", lamb ? absl::StrCat("onebit_lamb needs ", n, " and ", layer_floats)
                                              : std::string("only onebit_lamb has them")));
   }
-  for (float f : state.v_fresh) {
-    if (!std::isfinite(f) || f < 0.0f) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the saved v' of partition ", partition, " holds a negative, Inf or NaN"));
-    }
-  }
-  for (float f : state.lamb_layers) {
-    if (!std::isfinite(f)) {
-      return absl::InvalidArgumentError(absl::StrCat("the saved layer state of partition ", partition,
-                                                     " holds Inf or NaN"));
-    }
+  if (absl::Status s = compress::ValidateSavedLamb(state.v_fresh, state.lamb_layers,
+                                                   absl::StrCat("the saved state of partition ", partition));
+      !s.ok()) {
+    return s;
   }
   for (const auto* a : {&state.x, &state.m, &state.v, &state.server_error}) {
     if (a->size() != n) {

@@ -507,11 +507,8 @@ absl::Status Session::CheckLambState(const LambState* lamb) const {
         "), layer state of ", lamb->layers.size(), " (needs ", 2 * layers, " for ", layers,
         " layers), commit of ", lamb->commit.size(), " (needs 0 or ", compress::kLambCommit * layers, ")"));
   }
-  for (float f : lamb->v_fresh) {
-    if (!std::isfinite(f) || f < 0.0f) return absl::InvalidArgumentError("onebit_lamb state: v' holds a negative, Inf or NaN");
-  }
-  for (float f : lamb->layers) {
-    if (!std::isfinite(f)) return absl::InvalidArgumentError("onebit_lamb state: the layer state holds Inf or NaN");
+  if (absl::Status s = compress::ValidateSavedLamb(lamb->v_fresh, lamb->layers, "onebit_lamb state"); !s.ok()) {
+    return s;
   }
   if (!lamb->commit.empty()) return compress::ValidateLambCommit(job_.algorithm, lamb->commit);
   return absl::OkStatus();
@@ -579,8 +576,10 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
       }
       if (absl::Status s = SyncHost(); !s.ok()) return s;
       if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v, server_error,
-                                                 lamb != nullptr ? lamb->v_fresh : std::vector<float>(),
-                                                 lamb != nullptr ? lamb->layers : std::vector<float>());
+                                                 lamb != nullptr ? absl::MakeConstSpan(lamb->v_fresh)
+                                                                 : absl::Span<const float>(),
+                                                 lamb != nullptr ? absl::MakeConstSpan(lamb->layers)
+                                                                 : absl::Span<const float>());
           !s.ok()) {
         return s;
       }

@@ -1,10 +1,18 @@
 #include "tests/inproc/cluster.h"
 
+#include <stdlib.h>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
 
 namespace morse::inproc {
+
+std::string MakeTempDir(const std::string& prefix) {
+  std::string path = ::testing::TempDir() + prefix + "-XXXXXX";
+  return mkdtemp(path.data()) != nullptr ? path : "";
+}
 
 // A push the shard has not answered yet: finished once, by the reply, its
 // deadline or the shard's death, whichever comes first.

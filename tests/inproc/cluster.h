@@ -34,6 +34,10 @@
 
 namespace morse::inproc {
 
+// A fresh directory for a test's checkpoints under the test's temporary
+// directory, named prefix-XXXXXX; "" if it cannot be made.
+std::string MakeTempDir(const std::string& prefix);
+
 struct PendingPush;
 
 class InProcessCluster {

@@ -6,7 +6,6 @@
 // mid-run, and when a worker dies and rejoins from its own, every worker's
 // x, m, v after every step and every shard's mirror at the end are
 // bit-identical to the simulator's.
-#include <stdlib.h>
 
 #include <atomic>
 #include <cstdio>
@@ -97,12 +96,6 @@ class FaultSweepTest : public ::testing::TestWithParam<Param> {};
 
 std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
-// A fresh directory for the shards' checkpoints.
-std::string TempDir() {
-  std::string path = ::testing::TempDir() + "morse-inproc-XXXXXX";
-  return mkdtemp(path.data()) != nullptr ? path : "";
-}
-
 TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   const auto [faults, workers, shards, scheme] = GetParam();
   const std::string config = absl::StrCat(R"(
@@ -119,7 +112,7 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const testing::Expected expected = testing::Simulate(*job);
-  const std::string dir = TempDir();
+  const std::string dir = MakeTempDir("morse-inproc");
   ASSERT_NE(dir, "");
   auto cluster = InProcessCluster::Create(*job, {dir, /*compute_threads=*/1, /*delivery_threads=*/2});
   ASSERT_TRUE(cluster.ok()) << cluster.status();

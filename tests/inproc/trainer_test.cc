@@ -3,7 +3,6 @@
 // lines, the metrics file, checkpoints), its summary, and what it refuses.
 #include "worker/trainer.h"
 
-#include <stdlib.h>
 
 #include <fstream>
 #include <string>
@@ -18,11 +17,6 @@
 
 namespace morse::inproc {
 namespace {
-
-std::string TempDir() {
-  std::string path = ::testing::TempDir() + "morse-trainer-XXXXXX";
-  return mkdtemp(path.data()) != nullptr ? path : "";
-}
 
 proto::JobSpec Job() {
   auto job = proto::ParseJobConfig(R"(
@@ -43,7 +37,7 @@ proto::JobSpec Job() {
 
 TEST(TrainerTest, RunsOneStepAtATimeLikeTheSimulatorAndReportsEach) {
   const proto::JobSpec job = Job();
-  const std::string dir = TempDir();
+  const std::string dir = MakeTempDir("morse-trainer");
   ASSERT_NE(dir, "");
   auto cluster = InProcessCluster::Create(job, {dir});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
