@@ -66,43 +66,90 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::S
   }
 }
 
+std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& layout, Range range) {
+  const std::vector<uint64_t> bounds = LayerBounds(config);
+  std::vector<LambPiece> pieces;
+  for (const Partition& p : layout.partitions()) {
+    if (p.range.begin < range.begin || p.range.end > range.end) continue;
+    for (uint64_t at = p.range.begin; at < p.range.end;) {
+      const size_t l = LayerOf(bounds, at);
+      const uint64_t end = std::min(p.range.end, bounds[l + 1]);
+      pieces.push_back({at, end, static_cast<uint32_t>(l)});
+      at = end;
+    }
+  }
+  return pieces;
+}
+
+void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, const float* v,
+                     const float* v_fresh, uint64_t n, double out[kLambStats]) {
+  MORSE_CHECK(n <= kLambSegment);
+  double a[kLambSegment], b[kLambSegment], most[kLambSegment];
+  for (uint64_t j = 0; j < kLambSegment; ++j) {
+    a[j] = b[j] = most[j] = 0.0;
+    if (j >= n) continue;
+    float q = 0.0f, ratio = 0.0f;
+    const float u = UpdateDirection(rule, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
+    if (rule.frozen_variance) {
+      a[j] = static_cast<double>(u) * u;
+      b[j] = static_cast<double>(q) * q;
+      most[j] = ratio > 0.0f ? ratio : 0.0f;  // NaN: 0
+    } else {
+      a[j] = static_cast<double>(x[j]) * x[j];
+      b[j] = static_cast<double>(u) * u;
+    }
+  }
+  for (uint64_t h = kLambSegment / 2; h >= 1; h /= 2) {
+    for (uint64_t i = 0; i < h; ++i) {
+      a[i] = a[i] + a[i + h];
+      b[i] = b[i] + b[i + h];
+      most[i] = most[i + h] > most[i] ? most[i + h] : most[i];
+    }
+  }
+  out[0] = a[0];
+  out[1] = b[0];
+  out[2] = most[0];
+}
+
+std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config, absl::Span<const LambPiece> pieces,
+                                         absl::Span<const double> segments) {
+  std::vector<double> totals(kLambStats * LayerCount(config), 0.0);
+  size_t k = 0;
+  for (const LambPiece& piece : pieces) {
+    double a = 0, b = 0, most = 0;
+    for (uint64_t s = 0; s < piece.segments(); ++s, ++k) {
+      MORSE_CHECK(kLambStats * (k + 1) <= segments.size());
+      const double* seg = &segments[kLambStats * k];
+      a += seg[0];
+      b += seg[1];
+      most = seg[2] > most ? seg[2] : most;
+    }
+    double* total = &totals[kLambStats * piece.layer];
+    total[0] += a;
+    total[1] += b;
+    total[2] = most > total[2] ? most : total[2];
+  }
+  MORSE_CHECK(kLambStats * k == segments.size());
+  return totals;
+}
+
 std::vector<double> LambTotals(const SimulatorConfig& config, const Layout& layout,
                                const ReplyRule& rule, Range range, absl::Span<const float> x,
                                absl::Span<const float> m, absl::Span<const float> v,
                                absl::Span<const float> v_fresh) {
   MORSE_CHECK(x.size() == range.size() && m.size() == x.size() && v.size() == x.size() &&
               v_fresh.size() == x.size());
-  const std::vector<uint64_t> bounds = LayerBounds(config);
-  std::vector<double> totals(kLambStats * (bounds.size() - 1), 0.0);
-  for (const Partition& p : layout.partitions()) {
-    if (p.range.begin < range.begin || p.range.end > range.end) continue;
-    // Each piece of a layer in this partition: its sums in element order,
-    // added to the layer's in partition order.
-    for (uint64_t at = p.range.begin; at < p.range.end;) {
-      const size_t l = LayerOf(bounds, at);
-      const uint64_t end = std::min(p.range.end, bounds[l + 1]);
-      double a = 0, b = 0;
-      float most = 0.0f;
-      for (uint64_t g = at; g < end; ++g) {
-        const size_t j = g - range.begin;
-        float q = 0.0f, ratio = 0.0f;
-        const float u = UpdateDirection(rule, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
-        if (rule.frozen_variance) {
-          a += static_cast<double>(u) * u;
-          b += static_cast<double>(q) * q;
-          most = std::max(most, ratio);
-        } else {
-          a += static_cast<double>(x[j]) * x[j];
-          b += static_cast<double>(u) * u;
-        }
-      }
-      totals[kLambStats * l] += a;
-      totals[kLambStats * l + 1] += b;
-      totals[kLambStats * l + 2] = std::max(totals[kLambStats * l + 2], static_cast<double>(most));
-      at = end;
+  const std::vector<LambPiece> pieces = LambPieces(config, layout, range);
+  std::vector<double> segments;
+  for (const LambPiece& piece : pieces) {
+    for (uint64_t at = piece.begin; at < piece.end; at += kLambSegment) {
+      const size_t j = at - range.begin;
+      double out[kLambStats];
+      LambSegmentSums(rule, &x[j], &m[j], &v[j], &v_fresh[j], std::min(kLambSegment, piece.end - at), out);
+      segments.insert(segments.end(), out, out + kLambStats);
     }
   }
-  return totals;
+  return LambTotalsOfSegments(config, pieces, segments);
 }
 
 std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& rule,
@@ -202,16 +249,25 @@ std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values) 
   return layers;
 }
 
+std::vector<float> LambLayerSteps(const ReplyRule& rule, absl::Span<const double> commit) {
+  std::vector<float> steps(commit.size() / kLambCommit);
+  for (size_t l = 0; l < steps.size(); ++l) {
+    steps[l] = rule.scalars.lr * static_cast<float>(commit[kLambCommit * l]);
+  }
+  return steps;
+}
+
 void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Span<const double> commit,
                  Range range, uint64_t begin, uint64_t n, absl::Span<float> x, absl::Span<const float> m,
                  absl::Span<const float> v) {
   MORSE_CHECK(begin >= range.begin && begin + n <= range.end && x.size() == range.size() &&
               m.size() == x.size() && v.size() == x.size());
   const std::vector<uint64_t> bounds = LayerBounds(config);
+  const std::vector<float> steps = LambLayerSteps(rule, commit);
   for (uint64_t at = begin; at < begin + n;) {
     const size_t l = LayerOf(bounds, at);
     const uint64_t end = std::min(begin + n, bounds[l + 1]);
-    const float step = rule.scalars.lr * static_cast<float>(commit[kLambCommit * l]);
+    const float step = steps[l];
     for (uint64_t g = at; g < end; ++g) {
       const size_t j = g - range.begin;
       x[j] = x[j] - step * UpdateDirection(rule, x[j], m[j], v[j], 0.0f, nullptr, nullptr);

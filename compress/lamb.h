@@ -53,10 +53,40 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::S
 // `layout` that lie in `range` (all of them for a worker), in partition
 // order; the arrays hold `range`. Warmup: [sum x^2, sum u^2, 0];
 // compression: [sum u^2, sum p^2, max d/d'] (design.md 2.8).
+//
+// The order of the sums is part of the algorithm, and one a GPU can follow:
+// a layer's total adds its pieces (the part of it in one partition) in
+// partition order; a piece adds its segments (kLambSegment elements from the
+// piece's start, the last one shorter) in order; a segment adds its terms
+// by a fixed tree (LambSegmentSums). A CUDA CTA per segment gives the same
+// bits.
 std::vector<double> LambTotals(const SimulatorConfig& config, const Layout& layout,
                                const ReplyRule& rule, Range range, absl::Span<const float> x,
                                absl::Span<const float> m, absl::Span<const float> v,
                                absl::Span<const float> v_fresh);
+
+// LambTotals in its parts, for engines that compute the segments elsewhere.
+inline constexpr uint64_t kLambSegment = 256;
+// One layer's part in one partition: global elements [begin, end).
+struct LambPiece {
+  uint64_t begin = 0, end = 0;
+  uint32_t layer = 0;
+  uint64_t segments() const { return (end - begin + kLambSegment - 1) / kLambSegment; }
+};
+// The pieces of the partitions of `layout` inside `range`, in partition
+// order, then element order.
+std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& layout, Range range);
+// One segment's statistics (kLambStats values: two sums and a maximum) from
+// its n <= kLambSegment elements: the terms padded with +0 to kLambSegment,
+// then t[i] += t[i + h] for i < h, h = 128, 64, ..., 1, in double; the
+// maximum ignores NaN (and is at least 0).
+void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, const float* v,
+                     const float* v_fresh, uint64_t n, double out[kLambStats]);
+// The totals from every piece's segments (kLambStats values each, pieces in
+// the order of LambPieces): each piece's segments added in order from 0,
+// then the piece added to its layer's total.
+std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config, absl::Span<const LambPiece> pieces,
+                                         absl::Span<const double> segments);
 
 // The step's commit from its totals and the layers' state before the step.
 std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& rule,
@@ -79,6 +109,10 @@ std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit);
 // layer in turn (checkpoints, FetchPartition), and back.
 std::vector<float> FlattenLambLayers(absl::Span<const LambLayerState> layers);
 std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values);
+
+// Each layer's step lr * c_l in fp32 (what LambUpdateX moves x by, per
+// unit of u).
+std::vector<float> LambLayerSteps(const ReplyRule& rule, absl::Span<const double> commit);
 
 // x = x - (lr * c_l) * u over global elements [begin, begin + n), arrays
 // holding `range`.

@@ -149,6 +149,19 @@ bool StartsInterval(const SimulatorConfig& config, int64_t step) {
   return step == config.zero_one.var_freeze_step || ZeroOneAt(config, step - 1).exchanges;
 }
 
+absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step, int64_t last_step) {
+  if (!PlanStep(config, step).local) {
+    return absl::FailedPreconditionError(absl::StrCat("step ", step, " is not in zero_one_adam's local phase"));
+  }
+  if (StartsInterval(config, step)) return true;
+  if (last_step != step - 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step, " is in the middle of a zero_one_adam local interval that this worker did not "
+        "start; it can resume only at the step after a sync"));
+  }
+  return false;
+}
+
 float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
   int64_t first = step;
   while (!StartsInterval(config, first)) --first;
@@ -546,23 +559,18 @@ void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Spa
 
 absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const StepHyper* hyper,
                                float grad_scale) {
-  const StepPlan plan = PlanStep(config_, step);
-  if (!plan.local) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", step, " is not in zero_one_adam's local phase"));
-  }
+  const absl::StatusOr<bool> starts = BeginLocalStep(config_, step, local_step_);
+  if (!starts.ok()) return starts.status();
   if (g.size() != range_.size() || range_.begin != 0) {
     return absl::InvalidArgumentError(absl::StrCat("a local step needs the whole model's gradient (",
                                                    range_.size(), " elements), got ", g.size()));
   }
-  if (StartsInterval(config_, step)) {
+  if (*starts) {
     anchor_.assign(x_.begin(), x_.end());
     u_.assign(range_.size(), 0.0f);
     lr_sum_ = 0.0f;
-  } else if (local_step_ != step - 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, " is in the middle of a zero_one_adam local interval that this worker did not "
-        "start; it can resume only at the step after a sync"));
   }
+  const StepPlan plan = PlanStep(config_, step);
   g = ScaledGradient(g, grad_scale);
   const AdamScalars s = LocalStepScalars(config_, step, hyper);
   ZeroOneLocalStep(s, g, x_, absl::MakeSpan(m_), absl::MakeSpan(u_), v_, /*write_x=*/!plan.exchanges);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "compress/error_feedback.h"
 #include "compress/lamb.h"
@@ -54,6 +55,12 @@ int64_t NextExchange(const SimulatorConfig& config, int64_t step);
 // first local step, or the step after a sync): workers reset their
 // accumulated update and take x as the new anchor.
 bool StartsInterval(const SimulatorConfig& config, int64_t step);
+// Whether zero_one_adam's local step `step` starts an interval (the
+// replica resets its anchor, accumulated update and learning-rate sum) or
+// continues the one whose last local step was `last_step`.
+// FAILED_PRECONDITION outside the local phase, or in the middle of an
+// interval the replica did not start. Every engine's LocalStep asks it.
+absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step, int64_t last_step);
 // The learning rates of the schedule summed in fp32, in step order, over
 // the interval that ends with sync step `step` (zero_one_adam).
 float IntervalLrSum(const SimulatorConfig& config, int64_t step);

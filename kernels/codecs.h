@@ -18,8 +18,12 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "compress/codec.h"
 #include "compress/kernels.h"
+#include "compress/lamb.h"
+#include "compress/replica.h"
 #include "kernels/device.h"
 
 namespace morse::kernels {
@@ -76,6 +80,48 @@ absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam,
                           const float* v, size_t n);
 absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
                       float* out, size_t n);
+
+// zero_one_adam (design.md 2.7), compress/update_rules.h's loops.
+// Asynchronous. A variance step's update from the decoded average g:
+absl::Status ZeroOneVarianceUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g,
+                                   float* x, float* m, float* v, size_t n);
+// A worker's local step (write_x: not a sync step).
+absl::Status ZeroOneLocalStep(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
+                              float* m, float* u, const float* v, size_t n, bool write_x);
+// A worker's sync message into out.
+absl::Status ZeroOneSyncMessage(Context& ctx, const compress::AdamScalars& adam, float lr_sum,
+                                const float* u, const float* m, const float* v, float* out, size_t n);
+// The sync update from the decoded reply w (+0 where v is 0 when `mask`);
+// anchor may be x.
+absl::Status ZeroOneSyncUpdate(Context& ctx, const compress::AdamScalars& adam, bool mask, const float* w,
+                               const float* anchor, float* x, float* m, const float* v, size_t n);
+
+// onebit_lamb (design.md 2.8) for a lamb reply rule (compress::PlanReply).
+// compress::ApplyRule's first half: the moments from the decoded reply.
+// Asynchronous.
+absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule, const float* decoded, float* m,
+                         float* v, float* v_fresh, size_t n);
+// A worker's whole model for compress::LambTotals: the segments of the
+// pieces (compress::LambPieces over [0, D)) in device memory, the buffers
+// their sums go through, and the layers' steps.
+class LambSegments {
+ public:
+  static absl::StatusOr<LambSegments> Create(absl::Span<const compress::LambPiece> pieces, size_t layers);
+  // compress::LambTotalsOfSegments' input: every segment's kLambStats
+  // values, computed on the GPU. Waits for the stream.
+  absl::StatusOr<absl::Span<const double>> Sums(Context& ctx, const compress::ReplyRule& rule,
+                                                 const float* x, const float* m, const float* v,
+                                                 const float* v_fresh);
+  // compress::LambUpdateX over the whole model with each layer's step
+  // (compress::LambLayerSteps). Waits for the stream.
+  absl::Status UpdateX(Context& ctx, const compress::ReplyRule& rule, absl::Span<const float> steps,
+                       float* x, const float* m, const float* v);
+
+ private:
+  size_t count_ = 0, layers_ = 0;
+  DeviceBuffer segments_, sums_, steps_;
+  PinnedBuffer host_sums_, host_steps_;
+};
 
 }  // namespace morse::kernels
 

@@ -72,6 +72,38 @@ cudaError_t FrozenUpdate(AdamArgs adam, bool mask, const float* c, float* x,
 cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
                      size_t n, cudaStream_t stream);
 
+// zero_one_adam (compress/update_rules.h's ZeroOne* loops).
+cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
+                                  cudaStream_t stream);
+cudaError_t ZeroOneLocalStep(AdamArgs adam, const float* g, float* x, float* m, float* u, const float* v,
+                             size_t n, bool write_x, cudaStream_t stream);
+cudaError_t ZeroOneSyncMessage(AdamArgs adam, float lr_sum, const float* u, const float* m, const float* v,
+                               float* out, size_t n, cudaStream_t stream);
+cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w, const float* anchor, float* x,
+                              float* m, const float* v, size_t n, cudaStream_t stream);
+
+// onebit_lamb (compress/lamb.h): a reply rule's fields, and a segment of
+// compress::LambTotals' order (within one piece of one layer).
+struct LambArgs {
+  AdamArgs adam;
+  float fresh_correction2;
+  bool frozen, copy_fresh, mask;
+};
+struct LambSegment {
+  uint64_t begin;  // global element
+  uint32_t len;    // <= compress::kLambSegment
+  uint32_t layer;
+};
+cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v, float* v_fresh, size_t n,
+                        cudaStream_t stream);
+// out[3k..3k+2]: segment k's two sums and maximum.
+cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments, size_t count, const float* x,
+                            const float* m, const float* v, const float* v_fresh, double* out,
+                            cudaStream_t stream);
+// x -= steps[layer] * u over every segment.
+cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments, size_t count, const float* steps,
+                        float* x, const float* m, const float* v, cudaStream_t stream);
+
 // The mlp workload's element-wise operations (kernels/mlp.h).
 cudaError_t BroadcastRows(const float* bias, size_t rows, size_t cols,
                           float* out, cudaStream_t stream);

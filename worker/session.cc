@@ -237,17 +237,16 @@ absl::Status Session::LocalStep() {
     if (!sum_of_squares.ok()) return sum_of_squares.status();
     scale = compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
   }
-  if (absl::Status s = engine_->LocalStep(step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
-      !s.ok()) {
-    return s;
-  }
+  const absl::StatusOr<float> lr_sum =
+      engine_->LocalStep(step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
+  if (!lr_sum.ok()) return lr_sum.status();
   // A sync's message is the interval's update, not the gradient.
   clips_locally_ = false;
   local_scale_ = 1.0f;
   if (!plan_.exchanges) return absl::OkStatus();
   // Every replica needs the interval's learning-rate sum for the sync; the
   // pushes carry it when the workers set the lr (compress::PlanReply).
-  if (step_hyper_.has_value()) step_hyper_->lr = replica_.lr_sum();
+  if (step_hyper_.has_value()) step_hyper_->lr = *lr_sum;
   StartExchange();
   return absl::OkStatus();
 }

@@ -23,7 +23,8 @@ bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
 }
 
 // design.md 2.8 written out: one worker loop per message, one pass per
-// formula, layer sums over each layer's pieces in partition order.
+// formula, layer sums over each layer's pieces in partition order, each
+// piece's segments of 256 in order, each segment by halving.
 class Reference {
  public:
   Reference(const SimulatorConfig& c, absl::Span<const float> x0, const Layout& layout)
@@ -89,11 +90,23 @@ class Reference {
       for (const Partition& part : layout_.partitions()) {
         const uint64_t begin = std::max(part.range.begin, bounds_[l]);
         const uint64_t end = std::min(part.range.end, bounds_[l + 1]);
+        // Segments of 256 from the piece's start, each summed by halving.
         double piece1 = 0, piece2 = 0;
-        for (uint64_t j = begin; j < end; ++j) {
-          piece1 += warmup ? double{x_[j]} * x_[j] : double{u[j]} * u[j];
-          piece2 += warmup ? double{u[j]} * u[j] : double{p[j]} * p[j];
-          if (!warmup) most = std::max(most, double{ratio[j]});
+        for (uint64_t at = begin; at < end; at += 256) {
+          std::vector<double> t1(256, 0.0), t2(256, 0.0);
+          for (uint64_t j = at; j < std::min(end, at + 256); ++j) {
+            t1[j - at] = warmup ? double{x_[j]} * x_[j] : double{u[j]} * u[j];
+            t2[j - at] = warmup ? double{u[j]} * u[j] : double{p[j]} * p[j];
+            if (!warmup) most = std::max(most, double{ratio[j]});
+          }
+          for (size_t half = 128; half >= 1; half /= 2) {
+            for (size_t i = 0; i < half; ++i) {
+              t1[i] += t1[i + half];
+              t2[i] += t2[i + half];
+            }
+          }
+          piece1 += t1[0];
+          piece2 += t2[0];
         }
         s1 += piece1;
         s2 += piece2;
@@ -215,6 +228,20 @@ TEST(LambTest, WithWeightDecayAndDeepSpeedsUncorrectedMoments) {
   c.lamb.factor_threshold = 0.05f;
   c.lamb.max_coeff = 1.0f;
   RunAgainstReference(c, 40);
+}
+
+// Partitions of 640 elements: the 600-element layer lies in pieces of
+// several 256-element segments, whose order of summation design.md 2.8 fixes.
+TEST(LambTest, PiecesLongerThanASegment) {
+  SimulatorConfig c = LambConfig();
+  c.layout.partition_elems = 640;
+  auto layout = Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok());
+  const std::vector<LambPiece> pieces = LambPieces(c, *layout, {0, c.layout.dim});
+  uint64_t longest = 0;
+  for (const LambPiece& piece : pieces) longest = std::max(longest, piece.segments());
+  ASSERT_GE(longest, 2u);
+  RunAgainstReference(c, 30);
 }
 
 TEST(LambTest, LayersDefaultToOneAndMustCoverTheModel) {

@@ -90,22 +90,9 @@ std::string MlpConfig(const std::string& dir, int workers, int steps) {
     workers: )", workers, "\n    steps: ", steps, "\n");
 }
 
-TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
-  auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
-  const std::string config = R"(
-    workers: 2
-    shards: 2
-    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
-    optimizer: "onebit_adam"
-    adam { eps: 1e-4 }
-    lr { lr: 0.01 }
-    freeze_step: 10
-    steps: 50
-    block_elems: 256
-    partition_elems: 65536
-    seed: 3
-  )";
+// Rank 0 on the GPU and rank 1 on the CPU, 2 shards: both workers and both
+// shard mirrors bit-identical to the simulator after every step.
+void ExpectMixedJobBitIdentical(const std::string& config) {
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const testing::Expected expected = testing::Simulate(*job);
@@ -125,6 +112,65 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
       ASSERT_EQ(got[t], expected.shard[s][t]) << "shard " << s << " differs at step " << t;
     }
   }
+}
+
+TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
+  auto device = kernels::DeviceDescription();
+  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  ExpectMixedJobBitIdentical(R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
+    optimizer: "onebit_adam"
+    adam { eps: 1e-4 }
+    lr { lr: 0.01 }
+    freeze_step: 10
+    steps: 50
+    block_elems: 256
+    partition_elems: 65536
+    seed: 3
+  )");
+}
+
+// zero_one_adam (design.md 2.7) through every phase on a GPU worker:
+// variance steps, 1-bit steps between them, then local steps and syncs of
+// growing intervals (the anchor, u and the learning-rate sum on the device).
+TEST(GpuTest, ZeroOneAdamOnTheGpuStaysBitIdenticalThroughEveryPhase) {
+  auto device = kernels::DeviceDescription();
+  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  ExpectMixedJobBitIdentical(R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 12 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 4 }
+    adam { eps: 1e-4 weight_decay: 0.01 }
+    lr { lr: 0.01 }
+    steps: 40
+    block_elems: 256
+    partition_elems: 65536
+    seed: 3
+  )");
+}
+
+// onebit_lamb (design.md 2.8) across the freeze on a GPU worker: layers
+// that cross partitions and shards, the layer sums from the GPU's segments.
+TEST(GpuTest, OneBitLambOnTheGpuStaysBitIdenticalAcrossTheFreeze) {
+  auto device = kernels::DeviceDescription();
+  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  ExpectMixedJobBitIdentical(R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 300007 noise: 0.3 dead_every: 11 layer_elems: 70000 }
+    optimizer: "onebit_lamb"
+    adam { eps: 1e-4 weight_decay: 0.01 }
+    lr { lr: 0.01 }
+    freeze_step: 10
+    steps: 30
+    block_elems: 256
+    partition_elems: 65536
+    seed: 3
+  )");
 }
 
 TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {

@@ -18,6 +18,8 @@
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
 #include "compress/kernels.h"
+#include "compress/lamb.h"
+#include "compress/layout.h"
 #include "compress/replica.h"
 #include "compress/stochastic_rounding.h"
 #include "compress/update_rules.h"
@@ -307,6 +309,135 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     ASSERT_TRUE(kernels::Momentum(*ctx_, 0.9f, dm0.as<float>(), dg.as<float>(), dout.as<float>(), n).ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
     EXPECT_EQ(FirstDifference(Download<float>(dout, n).data(), out.data(), 4 * n, 4), "") << "momentum";
+  }
+}
+
+// zero_one_adam's element loops (design.md 2.7) against compress/'s: the
+// variance step, the local step (with and without writing x), the sync
+// message (and its lr_sum = 0 case) and the sync update (masked), some
+// ratios past the bound, some v exactly 0.
+TEST_F(KernelsTest, ZeroOneAdamMatchesTheCpu) {
+  compress::AdamScalars s;
+  s.lr = 0.01f;
+  s.weight_decay = 0.01f;
+  s.bias_correction1 = 1.0f - 0.9f * 0.9f;
+  s.bias_correction2 = 1.0f - 0.999f * 0.999f;
+  s.max_ratio = 3.1622777f;
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000003}}) {
+    SCOPED_TRACE(n);
+    const std::vector<float> g = RandomValues(n, 1, 1.0f), x0 = RandomValues(n, 2, 1.0f),
+                             m0 = RandomValues(n, 3, 0.1f), u0 = RandomValues(n, 5, 0.1f);
+    std::vector<float> v0 = RandomValues(n, 4, 0.01f);
+    for (size_t j = 0; j < n; ++j) v0[j] = j % 13 == 0 ? 0.0f : v0[j] * v0[j];
+    const auto same = [&](const kernels::DeviceBuffer& d, const std::vector<float>& cpu, const char* what) {
+      EXPECT_EQ(FirstDifference(Download<float>(d, n).data(), cpu.data(), 4 * n, 4), "") << what;
+    };
+    {  // variance step
+      std::vector<float> x = x0, m = m0, v = v0;
+      compress::ZeroOneVarianceStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v));
+      kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), dv = Upload(v0);
+      ASSERT_TRUE(kernels::ZeroOneVarianceUpdate(*ctx_, s, dg.as<float>(), dx.as<float>(), dm.as<float>(),
+                                                 dv.as<float>(), n).ok());
+      ASSERT_TRUE(ctx_->Synchronize().ok());
+      same(dx, x, "variance x");
+      same(dm, m, "variance m");
+      same(dv, v, "variance v");
+    }
+    for (bool write_x : {true, false}) {  // local step
+      std::vector<float> x = x0, m = m0, u = u0;
+      compress::ZeroOneLocalStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(u), v0, write_x);
+      kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), du = Upload(u0), dv = Upload(v0);
+      ASSERT_TRUE(kernels::ZeroOneLocalStep(*ctx_, s, dg.as<float>(), dx.as<float>(), dm.as<float>(),
+                                            du.as<float>(), dv.as<float>(), n, write_x).ok());
+      ASSERT_TRUE(ctx_->Synchronize().ok());
+      same(dx, x, "local x");
+      same(dm, m, "local m");
+      same(du, u, "local u");
+    }
+    for (float lr_sum : {0.0f, 0.03f}) {  // sync message
+      std::vector<float> out(n);
+      compress::ZeroOneSyncMessage(s, lr_sum, u0, m0, v0, absl::MakeSpan(out));
+      kernels::DeviceBuffer du = Upload(u0), dm = Upload(m0), dv = Upload(v0), dout = Poisoned(4 * n);
+      ASSERT_TRUE(kernels::ZeroOneSyncMessage(*ctx_, s, lr_sum, du.as<float>(), dm.as<float>(), dv.as<float>(),
+                                              dout.as<float>(), n).ok());
+      ASSERT_TRUE(ctx_->Synchronize().ok());
+      same(dout, out, "sync message");
+    }
+    for (bool mask : {false, true}) {  // sync update, from an anchor and in place
+      for (bool in_place : {false, true}) {
+        std::vector<float> w = g, x = x0, m = m0;
+        const std::vector<float> anchor = in_place ? x0 : u0;
+        if (mask) compress::SelectByVariance(v0, absl::MakeSpan(w));
+        compress::ZeroOneSyncStep(s, w, anchor, absl::MakeSpan(x), absl::MakeSpan(m), v0);
+        kernels::DeviceBuffer dw = Upload(g), da = Upload(anchor), dx = Upload(x0), dm = Upload(m0),
+                              dv = Upload(v0);
+        ASSERT_TRUE(kernels::ZeroOneSyncUpdate(*ctx_, s, mask, dw.as<float>(),
+                                               in_place ? dx.as<float>() : da.as<float>(), dx.as<float>(),
+                                               dm.as<float>(), dv.as<float>(), n).ok());
+        ASSERT_TRUE(ctx_->Synchronize().ok());
+        same(dx, x, "sync x");
+        same(dm, m, "sync m");
+      }
+    }
+  }
+}
+
+// onebit_lamb (design.md 2.8) against compress/: the moments of a warmup
+// reply (and the last one, which copies v'), of a masked compression reply,
+// then the layer totals from the GPU's segments and the x update, over
+// layers that cross partitions and pieces of many segments.
+TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
+  compress::SimulatorConfig c;
+  c.optimizer = compress::OptimizerKind::kOneBitLamb;
+  c.layout = {300007, /*shards=*/2, /*block_elems=*/256, /*partition_elems=*/65536};
+  c.layers = {10, 1000, 200000, 99, 98898};
+  c.freeze_step = 4;
+  c.adam.weight_decay = 0.01f;
+  auto layout = compress::Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  const size_t n = c.layout.dim;
+  const std::vector<compress::LambPiece> pieces = compress::LambPieces(c, *layout, {0, n});
+  auto segments = kernels::LambSegments::Create(pieces, c.layers.size());
+  ASSERT_TRUE(segments.ok()) << segments.status();
+  const std::vector<float> g = RandomValues(n, 1, 1.0f), x0 = RandomValues(n, 2, 1.0f),
+                           m0 = RandomValues(n, 3, 0.1f), vf0 = RandomValues(n, 6, 0.01f);
+  std::vector<float> v0 = RandomValues(n, 4, 0.01f), vf_sq(n);
+  for (size_t j = 0; j < n; ++j) {
+    v0[j] = j % 13 == 0 ? 0.0f : v0[j] * v0[j];
+    vf_sq[j] = vf0[j] * vf0[j];
+  }
+  // Steps 2 (warmup), 3 (the last warmup step) and 6 (compression, masked).
+  for (int64_t step : {2, 3, 6}) {
+    SCOPED_TRACE(step);
+    const compress::ReplyRule rule = compress::PlanReply(c, step);
+    ASSERT_TRUE(rule.lamb);
+    std::vector<float> decoded = g, x = x0, m = m0, v = v0, vf = vf_sq;
+    compress::ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v),
+                        {}, absl::MakeSpan(vf));
+    kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), dv = Upload(v0), dvf = Upload(vf_sq);
+    ASSERT_TRUE(kernels::LambMoments(*ctx_, rule, dg.as<float>(), dm.as<float>(), dv.as<float>(),
+                                     dvf.as<float>(), n).ok());
+    ASSERT_TRUE(ctx_->Synchronize().ok());
+    EXPECT_EQ(FirstDifference(Download<float>(dm, n).data(), m.data(), 4 * n, 4), "") << "m";
+    EXPECT_EQ(FirstDifference(Download<float>(dv, n).data(), v.data(), 4 * n, 4), "") << "v";
+    EXPECT_EQ(FirstDifference(Download<float>(dvf, n).data(), vf.data(), 4 * n, 4), "") << "v'";
+    // The totals: the CPU's, from the GPU's segments.
+    const std::vector<double> totals = compress::LambTotals(c, *layout, rule, {0, n}, x, m, v, vf);
+    auto sums = segments->Sums(*ctx_, rule, dx.as<float>(), dm.as<float>(), dv.as<float>(), dvf.as<float>());
+    ASSERT_TRUE(sums.ok()) << sums.status();
+    const std::vector<double> gpu_totals = compress::LambTotalsOfSegments(c, pieces, *sums);
+    ASSERT_EQ(gpu_totals.size(), totals.size());
+    for (size_t i = 0; i < totals.size(); ++i) {
+      EXPECT_EQ(std::memcmp(&gpu_totals[i], &totals[i], 8), 0) << "total " << i << ": " << gpu_totals[i]
+                                                               << " vs " << totals[i];
+    }
+    // The x update with the commit's steps.
+    std::vector<compress::LambLayerState> state(c.layers.size());
+    const std::vector<double> commit = compress::LambCommit(c, rule, totals, state);
+    compress::LambUpdateX(c, rule, commit, {0, n}, 0, n, absl::MakeSpan(x), m, v);
+    ASSERT_TRUE(segments->UpdateX(*ctx_, rule, compress::LambLayerSteps(rule, commit), dx.as<float>(),
+                                  dm.as<float>(), dv.as<float>()).ok());
+    EXPECT_EQ(FirstDifference(Download<float>(dx, n).data(), x.data(), 4 * n, 4), "") << "x";
   }
 }
 

@@ -1,9 +1,11 @@
 """morse.torch on CUDA tensors (issue 15): a mixed job of 3 workers, ranks 0
 and 1 with their model on the GPU (rank 0 overlapping pushes with the
-backward pass, rank 1 not), rank 2 on the CPU, 1-bit Adam across the freeze
-step, with bias correction and the zero-variance mask (a parameter no loss
-uses). After every step all three hold bit-identical x, m, v, equal to the
-single-process simulator fed the gradients the workers computed; the GPU
+backward pass, rank 1 not), rank 2 on the CPU, with bias correction and the
+zero-variance mask (a parameter no loss uses), for each of OneBitAdam
+(across the freeze), ZeroOneAdam (variance, 1-bit, local and sync steps)
+and OneBitLamb (across the freeze). After every step each rank holds the
+x, m, v of the single-process simulator fed the gradients the workers
+computed (all three the same bits, except between zero_one_adam's syncs); the GPU
 ranks' parameters stay CUDA tensors; state_dict()/load_state_dict() round
 trip on the GPU. Exits 77 (skipped, saying why) without a GPU."""
 import json
@@ -18,6 +20,10 @@ from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
 
 STEPS = 12
 SKIP = 77
+# Variance steps, 1-bit steps, then local intervals of 1, 2 and 4 steps; step
+# 12 ends with a sync, so state_dict() may save the whole run there.
+ZERO_ONE_SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
+OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
 
 
 def worker(out):
@@ -28,9 +34,13 @@ def worker(out):
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(),
                                 torch.nn.Linear(20, 4)).to(device)
     model.unused = torch.nn.Parameter(torch.full((7,), 0.5, device=device))  # v = 0: masked
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
-                                 partition_elems=64, overlap=rank == 0,
-                                 missing_grads="zero")  # the unused parameter (torch 2 zero_grad sets None)
+    name = os.environ.get("CUDA_OPTIMIZER", "OneBitAdam")
+    # The unused parameter needs missing_grads (torch 2's zero_grad sets None).
+    common = dict(lr=0.01, block_elems=16, partition_elems=64, overlap=rank == 0, missing_grads="zero")
+    if name == "ZeroOneAdam":
+        opt = morse.torch.ZeroOneAdam(model.parameters(), **ZERO_ONE_SCHEDULE, **common)
+    else:
+        opt = getattr(morse.torch, name)(model.parameters(), freeze_step=4, **common)
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()
@@ -71,9 +81,12 @@ if __name__ == "__main__":
         sys.exit(SKIP)
     import morse
     print("GPU:", morse.cuda_device(), "| torch", torch.__version__, "| Python", sys.version.split()[0])
-    out = tempfile.mkdtemp(prefix="morse-cuda-")
-    code, log = morse_run(__file__, 3, 2, out)
-    print(log)
-    check(code == 0, "the job failed")
-    check_ranks_match_simulator(out, 3, STEPS)
-    print(f"PASS: {STEPS} steps, 2 GPU + 1 CPU workers bit-identical to each other and to the simulator")
+    for name in OPTIMIZERS:
+        os.environ["CUDA_OPTIMIZER"] = name
+        out = tempfile.mkdtemp(prefix="morse-cuda-")
+        code, log = morse_run(__file__, 3, 2, out)
+        print(log)
+        check(code == 0, f"the {name} job failed")
+        # zero_one_adam's ranks differ between syncs (their own local steps).
+        check_ranks_match_simulator(out, 3, STEPS, ranks_may_differ=name == "ZeroOneAdam")
+        print(f"PASS {name}: {STEPS} steps, 2 GPU + 1 CPU workers bit-identical to the simulator")

@@ -137,8 +137,11 @@ class Engine {
                                   const compress::StepHyper* hyper = nullptr,
                                   float grad_scale = 1.0f) = 0;
   // zero_one_adam's local step of `step` from the whole gradient
-  // (compress::Replica::LocalStep; before a sync step's Encode).
-  virtual absl::Status LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) = 0;
+  // (compress::Replica::LocalStep; before a sync step's Encode). Returns
+  // the learning rates of the interval's local steps so far, summed (what a
+  // sync's pushes carry as their lr when the workers set the lr).
+  virtual absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper,
+                                          float grad_scale) = 0;
   // onebit_lamb's second half of `step`, once every reply is applied: the
   // step's commit from the whole model, applied to x, returned for the
   // shards (compress::Replica::LambStep).

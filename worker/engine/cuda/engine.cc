@@ -109,6 +109,24 @@ class CudaEngine final : public Engine, public DeviceServices {
       *b = *std::move(allocated);
     }
     if (absl::Status s = e_.Fill(0); !s.ok()) return s;
+    if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+      for (kernels::DeviceBuffer* b : {&anchor_, &u_}) {
+        auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
+        if (!allocated.ok()) return allocated.status();
+        *b = *std::move(allocated);
+      }
+    }
+    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+      auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
+      if (!allocated.ok()) return allocated.status();
+      v_fresh_ = *std::move(allocated);
+      if (absl::Status s = v_fresh_.Fill(0); !s.ok()) return s;
+      pieces_ = compress::LambPieces(config_, layout_, {0, dim});
+      lamb_layers_.resize(compress::LayerCount(config_));
+      auto segments = kernels::LambSegments::Create(pieces_, lamb_layers_.size());
+      if (!segments.ok()) return segments.status();
+      lamb_segments_ = *std::move(segments);
+    }
     auto send = kernels::Context::Create();
     if (!send.ok()) return send.status();
     send_ = *std::move(send);
@@ -131,7 +149,22 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (absl::Status s = kernels::CopyToDevice(x_ptr_, replica.x().data(), bytes); !s.ok()) return s;
     if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok()) return s;
     if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok()) return s;
-    return e_.Upload(e.data(), bytes);
+    if (absl::Status s = e_.Upload(e.data(), bytes); !s.ok()) return s;
+    if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+      const compress::Replica::LocalInterval interval = replica.local_interval();
+      has_interval_ = !interval.anchor.empty();
+      if (has_interval_) {
+        if (absl::Status s = anchor_.Upload(interval.anchor.data(), bytes); !s.ok()) return s;
+        if (absl::Status s = u_.Upload(interval.u.data(), bytes); !s.ok()) return s;
+      }
+      lr_sum_ = interval.lr_sum;
+      local_step_ = interval.last_step;
+    }
+    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+      if (absl::Status s = v_fresh_.Upload(replica.v_fresh().data(), bytes); !s.ok()) return s;
+      lamb_layers_.assign(replica.lamb_layers().begin(), replica.lamb_layers().end());
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Store(compress::Replica& replica, compress::ErrorFeedback& error) override {
@@ -142,6 +175,22 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes); !s.ok()) return s;
     if (absl::Status s = v_.Download(replica.mutable_v().data(), bytes); !s.ok()) return s;
     if (absl::Status s = e_.Download(e.data(), bytes); !s.ok()) return s;
+    if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+      compress::Replica::LocalInterval interval;
+      if (has_interval_) {
+        interval.anchor.resize(config_.layout.dim);
+        interval.u.resize(config_.layout.dim);
+        if (absl::Status s = anchor_.Download(interval.anchor.data(), bytes); !s.ok()) return s;
+        if (absl::Status s = u_.Download(interval.u.data(), bytes); !s.ok()) return s;
+      }
+      interval.lr_sum = lr_sum_;
+      interval.last_step = local_step_;
+      if (absl::Status s = replica.RestoreLocalInterval(std::move(interval)); !s.ok()) return s;
+    }
+    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+      if (absl::Status s = v_fresh_.Download(replica.mutable_v_fresh().data(), bytes); !s.ok()) return s;
+      replica.set_lamb_layers(lamb_layers_);
+    }
     return error.Restore(e);
   }
 
@@ -174,6 +223,21 @@ class CudaEngine final : public Engine, public DeviceServices {
     const uint64_t begin = p.range.begin, n = p.range.size();
     const size_t bytes = compress::PayloadBytes(rule.codec, n);
     const float* input = grad_ptr_ + begin;
+    if (rule.accumulated) {
+      // zero_one_adam's sync: the message is the interval's update
+      // (compress::Replica::SyncMessage), formed in scratch.
+      if (local_step_ != step) {
+        return absl::FailedPreconditionError(absl::StrCat("the sync of step ", step, " before its local step"));
+      }
+      float* message = scratch_.as<float>() + begin;
+      if (absl::Status s = kernels::ZeroOneSyncMessage(*send_, compress::LocalStepScalars(config_, step, nullptr),
+                                                       lr_sum_, u_.as<float>() + begin, m_.as<float>() + begin,
+                                                       v_.as<float>() + begin, message, n);
+          !s.ok()) {
+        return s;
+      }
+      input = message;
+    }
     // The local momentum is formed inside the encode (fused for sign1).
     const float* momentum_m = rule.local_momentum ? m_.as<float>() + begin : nullptr;
     float* scratch = scratch_.as<float>() + begin;
@@ -217,16 +281,25 @@ class CudaEngine final : public Engine, public DeviceServices {
     float* v = v_.as<float>() + begin;
     const uint8_t* payload = reply_payload_.as<uint8_t>();
     absl::Status s;
-    if (rule.frozen_variance && rule.codec.kind == compress::CodecKind::kSign1) {
+    if (rule.frozen_variance && !rule.lamb && rule.codec.kind == compress::CodecKind::kSign1) {
       s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n, rule.scalars, rule.mask, x, m,
                                       v);
     } else {
+      // compress::ApplyRule's cases, on the decoded reply.
       float* decoded = apply_scratch_.as<float>() + begin;
       s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
-      if (s.ok()) {
-        s = rule.frozen_variance
-                ? kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x, m, v, n)
-                                 : kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
+      if (!s.ok()) {
+      } else if (rule.lamb) {
+        s = kernels::LambMoments(*apply_, rule, decoded, m, v, v_fresh_.as<float>() + begin, n);
+      } else if (rule.sync) {
+        const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
+        s = kernels::ZeroOneSyncUpdate(*apply_, rule.scalars, rule.mask, decoded, anchor, x, m, v, n);
+      } else if (rule.frozen_variance) {
+        s = kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x, m, v, n);
+      } else if (rule.bounded_variance) {
+        s = kernels::ZeroOneVarianceUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
+      } else {
+        s = kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
       }
     }
     if (!s.ok()) return s;
@@ -235,13 +308,60 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override { return NoClipping(); }
-  // CreateEngine refuses zero_one_adam on a GPU.
-  absl::Status LocalStep(int64_t, const compress::StepHyper*, float) override {
-    return absl::UnimplementedError("zero_one_adam's local steps are not on the GPU yet");
+
+  // compress::Replica::LocalStep on the device: the anchor, the
+  // accumulated update u and the learning-rate sum live here.
+  absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
+    if (grad_scale != 1.0f) return NoClipping();
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const absl::StatusOr<bool> starts = compress::BeginLocalStep(config_, step, local_step_);
+    if (!starts.ok()) return starts.status();
+    const size_t bytes = 4 * config_.layout.dim;
+    if (*starts) {
+      // x is final: every reply's update was synchronized.
+      if (absl::Status s = send_->Copy(anchor_.data(), x_ptr_, bytes); !s.ok()) return s;
+      if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
+      if (absl::Status s = u_.Fill(0); !s.ok()) return s;
+      has_interval_ = true;
+      lr_sum_ = 0.0f;
+    }
+    const compress::AdamScalars scalars = compress::LocalStepScalars(config_, step, hyper);
+    const bool exchanges = compress::PlanStep(config_, step).exchanges;
+    if (absl::Status s = kernels::ZeroOneLocalStep(*send_, scalars, grad_ptr_, x_ptr_, m_.as<float>(),
+                                                   u_.as<float>(), v_.as<float>(), config_.layout.dim,
+                                                   /*write_x=*/!exchanges);
+        !s.ok()) {
+      return s;
+    }
+    // Store and the next gradient read x and m from other streams.
+    if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
+    lr_sum_ += scalars.lr;
+    local_step_ = step;
+    return lr_sum_;
   }
-  // CreateEngine refuses onebit_lamb on a GPU.
-  absl::StatusOr<std::vector<double>> LambStep(int64_t, const compress::StepHyper*) override {
-    return absl::UnimplementedError("onebit_lamb is not on the GPU yet");
+
+  // compress::Replica::LambStep on the device: the segments' sums come to
+  // the host, which forms the totals and the commit exactly as the CPU does.
+  absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) override {
+    if (config_.optimizer != compress::OptimizerKind::kOneBitLamb) {
+      return absl::FailedPreconditionError("LambStep is for onebit_lamb");
+    }
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
+    MutexLock lock(&apply_mu_);
+    absl::StatusOr<absl::Span<const double>> sums =
+        lamb_segments_.Sums(*apply_, rule, x_ptr_, m_.as<float>(), v_.as<float>(), v_fresh_.as<float>());
+    if (!sums.ok()) return sums.status();
+    const std::vector<double> totals = compress::LambTotalsOfSegments(config_, pieces_, *sums);
+    std::vector<double> commit = compress::LambCommit(config_, rule, totals, lamb_layers_);
+    if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok()) return s;
+    if (absl::Status s = lamb_segments_.UpdateX(*apply_, rule, compress::LambLayerSteps(rule, commit), x_ptr_,
+                                                m_.as<float>(), v_.as<float>());
+        !s.ok()) {
+      return s;
+    }
+    lamb_layers_ = compress::LambStateOf(commit);
+    return commit;
   }
 
   // Gradient clipping is not on the GPU yet (Session refuses it at MoveTo).
@@ -289,6 +409,17 @@ class CudaEngine final : public Engine, public DeviceServices {
   DeviceArrays arrays_;
   int device_ = 0;
   kernels::DeviceBuffer x_, m_, v_, e_, grad_, scratch_, apply_scratch_;
+  // zero_one_adam's local interval (compress::Replica::LocalInterval).
+  kernels::DeviceBuffer anchor_, u_;
+  bool has_interval_ = false;
+  float lr_sum_ = 0.0f;
+  int64_t local_step_ = -1;
+  // onebit_lamb: v', the pieces of compress::LambTotals and the layers'
+  // state.
+  kernels::DeviceBuffer v_fresh_;
+  std::vector<compress::LambPiece> pieces_;
+  kernels::LambSegments lamb_segments_;
+  std::vector<compress::LambLayerState> lamb_layers_;
   float* x_ptr_ = nullptr;     // x_ or the caller's
   float* grad_ptr_ = nullptr;  // grad_ or the caller's
   kernels::DeviceBuffer send_payload_, reply_payload_;
@@ -316,17 +447,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, D
       return absl::UnimplementedError(absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
     }
   }
-  if (config.optimizer == compress::OptimizerKind::kZeroOneAdam) {
-    return absl::UnimplementedError(
-        "zero_one_adam runs on the CPU only for now (its local steps and syncs have no GPU kernels); "
-        "train it without --device cuda");
-  }
-  if (config.optimizer == compress::OptimizerKind::kOneBitLamb) {
-    return absl::UnimplementedError(
-        "onebit_lamb runs on the CPU only for now (its layer statistics have no GPU kernels); "
-        "train it without --device cuda");
-  }
-  if (config.optimizer == compress::OptimizerKind::kOneBitAdam && config.mask_zero_variance &&
+  if (config.optimizer != compress::OptimizerKind::kAdam && config.mask_zero_variance &&
       config.up_codec.kind != compress::CodecKind::kSign1) {
     return absl::UnimplementedError(absl::StrCat(
         "the zero-variance mask is fused into sign1 only on the GPU; up_codec ",

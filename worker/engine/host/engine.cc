@@ -59,9 +59,10 @@ class HostEngine final : public Engine {
     return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
   }
 
-  absl::Status LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
+  absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
     if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
-    return replica_.LocalStep(step, grad_, hyper, grad_scale);
+    if (absl::Status s = replica_.LocalStep(step, grad_, hyper, grad_scale); !s.ok()) return s;
+    return replica_.lr_sum();
   }
 
   absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) override {

@@ -703,7 +703,7 @@ class ZeroOneAdam(_MorseOptimizer):
     momentum (error feedback on both sides) in between; after it every rank
     takes local steps on its own and the ranks sync every I steps, I doubling
     every local_step_scaler steps up to local_step_clipper. Between syncs each
-    rank's parameters are its own, as in DeepSpeed. CPU tensors only for now.
+    rank's parameters are its own, as in DeepSpeed. CPU and CUDA tensors.
 
     DeepSpeed's cuda_aware and comm_backend_name are accepted and ignored
     (Morse's transport is gRPC to its shards); amsgrad and eps_inside_sqrt
@@ -759,9 +759,8 @@ class OneBitLamb(_MorseOptimizer):
     momentum with error feedback on both sides, as OneBitAdam; a layer's
     coefficient is that average times a factor from a fresh variance
     reconstructed from the momenta, clamped to [factor_min, factor_max] and
-    to within factor_threshold of the last step's. CPU tensors only for
-    now; state_dict() is not supported yet (resume from the shards'
-    checkpoints).
+    to within factor_threshold of the last step's. CPU and CUDA tensors;
+    state_dict() carries v', the layers' state and the last commit.
 
     DeepSpeed's cuda_aware and comm_backend_name are accepted and ignored;
     amsgrad and eps_inside_sqrt must stay False and max_grad_norm 0 (as in
