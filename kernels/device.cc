@@ -6,6 +6,18 @@
 #include "kernels/cuda_status.h"
 
 namespace morse::kernels {
+namespace {
+
+// cudaMemcpy from pageable memory to the device returns once the bytes are
+// staged, and cudaMemset once it is queued, both on the legacy default
+// stream, which the engines' non-blocking streams do not wait for: wait
+// here, so that a kernel enqueued next anywhere reads what was written.
+absl::Status Landed() {
+  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<std::string> DeviceDescription() {
   int count = 0;
@@ -59,7 +71,7 @@ absl::Status DeviceBuffer::Upload(const void* host, size_t bytes,
   MORSE_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(static_cast<char*>(data_.get()) + offset, host, bytes,
                  cudaMemcpyHostToDevice));
-  return absl::OkStatus();
+  return Landed();
 }
 
 absl::Status DeviceBuffer::Download(void* host, size_t bytes,
@@ -76,14 +88,14 @@ absl::Status DeviceBuffer::Download(void* host, size_t bytes,
 absl::Status DeviceBuffer::Fill(uint8_t value) {
   if (bytes_ == 0) return absl::OkStatus();
   MORSE_CUDA_RETURN_IF_ERROR(cudaMemset(data_.get(), value, bytes_));
-  return absl::OkStatus();
+  return Landed();
 }
 
 absl::Status CopyToDevice(void* device, const void* host, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
   MORSE_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(device, host, bytes, cudaMemcpyHostToDevice));
-  return absl::OkStatus();
+  return Landed();
 }
 
 absl::Status CopyToHost(void* host, const void* device, size_t bytes) {
@@ -125,6 +137,12 @@ absl::Status Context::WaitFor(void* stream) {
       static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)));
   MORSE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(
       static_cast<cudaStream_t>(stream_), static_cast<cudaEvent_t>(event_), 0));
+  return absl::OkStatus();
+}
+
+absl::Status Context::Fill(void* device, uint8_t value, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device, value, bytes, static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();
 }
 

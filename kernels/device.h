@@ -33,7 +33,8 @@ struct CudaFreeHost {
 };
 
 // Synchronous copies between host memory and any device array (one of ours
-// or a caller's, such as a PyTorch tensor's).
+// or a caller's, such as a PyTorch tensor's), complete when they return,
+// whatever stream works on the array next.
 absl::Status CopyToDevice(void* device, const void* host, size_t bytes);
 absl::Status CopyToHost(void* host, const void* device, size_t bytes);
 
@@ -49,10 +50,11 @@ class DeviceBuffer {
     return static_cast<T*>(data_.get());
   }
 
-  // Synchronous copies of `bytes` at byte `offset`.
+  // Synchronous copies of `bytes` at byte `offset` (complete on return).
   absl::Status Upload(const void* host, size_t bytes, size_t offset = 0);
   absl::Status Download(void* host, size_t bytes, size_t offset = 0) const;
-  // Every byte set to `value` (tests poison outputs with it).
+  // Every byte set to `value`, complete on return (tests poison outputs
+  // with it).
   absl::Status Fill(uint8_t value);
 
  private:
@@ -94,6 +96,8 @@ class Context {
   absl::Status Copy(void* dst, const void* src, size_t bytes);
   absl::Status CopyToHost(void* host, const void* device, size_t bytes);
   absl::Status CopyToDevice(void* device, const void* host, size_t bytes);
+  // Enqueue setting `bytes` of device memory to `value`.
+  absl::Status Fill(void* device, uint8_t value, size_t bytes);
 
  private:
   Context() = default;

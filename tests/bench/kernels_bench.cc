@@ -119,5 +119,25 @@ int main(int argc, char** argv) {
   row("momentum", 12.0 * n, [&] {
     return kernels::Momentum(ctx, 0.9f, m.as<float>(), g.as<float>(), out.as<float>(), n);
   });
+  // zero_one_adam's local step (g, v read; x, m, u read and written).
+  row("0/1 adam local step", 32.0 * n, [&] {
+    return kernels::ZeroOneLocalStep(ctx, adam, g.as<float>(), x.as<float>(), m.as<float>(), out.as<float>(),
+                                     v.as<float>(), n, /*write_x=*/true);
+  });
+  // onebit_lamb's step after its replies, over one layer of n elements:
+  // the segment sums (x, m, v, v' read; the sums copied to the host), then
+  // the x update (x, m, v read; x written).
+  compress::ReplyRule lamb;
+  lamb.lamb = true;
+  lamb.frozen_variance = true;
+  auto segments = kernels::LambSegments::Create({compress::LambPiece{0, n, 0}}, 1);
+  if (!segments.ok()) return 1;
+  row("lamb layer sums (to the host)", 16.0 * n + 24.0 * n / compress::kLambSegment, [&] {
+    return segments->Sums(ctx, lamb, x.as<float>(), m.as<float>(), v.as<float>(), g.as<float>()).status();
+  });
+  const std::vector<float> steps = {1e-6f};
+  row("lamb x update", 16.0 * n, [&] {
+    return segments->UpdateX(ctx, lamb, steps, x.as<float>(), m.as<float>(), v.as<float>());
+  });
   return 0;
 }

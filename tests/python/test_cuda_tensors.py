@@ -54,7 +54,8 @@ def worker(out):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         np.save(f"{out}/grad-{rank}-{step}.npy",
-                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy())
+                torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                           for p in model.parameters()]).cpu().numpy())
         opt.step()
         checksums.append(opt.checksum())
         check(all(p.device.type == device.type for p in model.parameters()),

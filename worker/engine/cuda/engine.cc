@@ -318,10 +318,10 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (!starts.ok()) return starts.status();
     const size_t bytes = 4 * config_.layout.dim;
     if (*starts) {
-      // x is final: every reply's update was synchronized.
+      // x is final: every reply's update was synchronized. Both ahead of
+      // the step's kernel on the same stream.
       if (absl::Status s = send_->Copy(anchor_.data(), x_ptr_, bytes); !s.ok()) return s;
-      if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
-      if (absl::Status s = u_.Fill(0); !s.ok()) return s;
+      if (absl::Status s = send_->Fill(u_.data(), 0, bytes); !s.ok()) return s;
       has_interval_ = true;
       lr_sum_ = 0.0f;
     }
