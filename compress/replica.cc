@@ -213,19 +213,22 @@ bool ClipsLocally(const SimulatorConfig& config, int64_t step) {
   return config.clip_grad_norm > 0.0f && PlanStep(config, step).compressing;
 }
 
-double GradientSumOfSquares(absl::Span<const float> values) {
-  // Four partial sums (so the loop is not one long dependency chain), added
-  // in a fixed order at the end: the same bits on every machine.
-  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-  size_t j = 0;
-  for (; j + 4 <= values.size(); j += 4) {
-    s0 += static_cast<double>(values[j]) * values[j];
-    s1 += static_cast<double>(values[j + 1]) * values[j + 1];
-    s2 += static_cast<double>(values[j + 2]) * values[j + 2];
-    s3 += static_cast<double>(values[j + 3]) * values[j + 3];
+double SegmentSumOfSquares(const float* values, uint64_t n) {
+  MORSE_CHECK(n <= kSumSegment);
+  double t[kSumSegment];
+  for (uint64_t j = 0; j < kSumSegment; ++j) t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
+  for (uint64_t h = kSumSegment / 2; h >= 1; h /= 2) {
+    for (uint64_t i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
   }
-  for (; j < values.size(); ++j) s0 += static_cast<double>(values[j]) * values[j];
-  return (s0 + s1) + (s2 + s3);
+  return t[0];
+}
+
+double GradientSumOfSquares(absl::Span<const float> values) {
+  double sum = 0.0;
+  for (uint64_t at = 0; at < values.size(); at += kSumSegment) {
+    sum += SegmentSumOfSquares(values.data() + at, std::min<uint64_t>(kSumSegment, values.size() - at));
+  }
+  return sum;
 }
 
 float ClipScale(double sum_of_squares, float max_norm) {

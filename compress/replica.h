@@ -132,9 +132,15 @@ bool ClipsAverage(const SimulatorConfig& config, int64_t step);
 // Step `step` clips each worker's own gradient (onebit_adam's compression
 // phase): the worker needs its whole gradient before it sends anything.
 bool ClipsLocally(const SimulatorConfig& config, int64_t step);
-// The sum of squares of `values` in double, in order: every replica and
-// shard gets the same bits.
+// The sum of squares of `values` in double, in one fixed order that a GPU
+// can follow (design.md 2.6): segments of kSumSegment elements added in
+// order from 0, each segment's squares (+0 past its end) added by halving,
+// t[i] = t[i] + t[i + h] for i < h, h = kSumSegment/2, ..., 1. Every
+// replica, shard and engine gets the same bits.
+inline constexpr uint64_t kSumSegment = 256;
 double GradientSumOfSquares(absl::Span<const float> values);
+// One segment's sum (n <= kSumSegment), as above.
+double SegmentSumOfSquares(const float* values, uint64_t n);
 // torch's clip_grad_norm_ factor: min(1, max_norm / (sqrt(sum_of_squares) +
 // 1e-6)) in float; 1 when max_norm is 0.
 float ClipScale(double sum_of_squares, float max_norm);

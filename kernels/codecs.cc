@@ -218,6 +218,21 @@ absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
   return absl::OkStatus();
 }
 
+absl::StatusOr<double> SumOfSquares(Context& ctx, const float* x, size_t n, double* sums, double* host) {
+  const size_t segments = (n + compress::kSumSegment - 1) / compress::kSumSegment;
+  MORSE_CUDA_RETURN_IF_ERROR(launch::SumOfSquaresSegments(x, n, sums, StreamOf(ctx)));
+  if (absl::Status s = ctx.CopyToHost(host, sums, sizeof(double) * segments); !s.ok()) return s;
+  if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
+  double sum = 0.0;
+  for (size_t k = 0; k < segments; ++k) sum += host[k];
+  return sum;
+}
+
+absl::Status Scale(Context& ctx, float k, const float* in, float* out, size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::Scale(k, in, out, n, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
 absl::Status ZeroOneVarianceUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g,
                                    float* x, float* m, float* v, size_t n) {
   MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneVarianceUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));

@@ -81,6 +81,14 @@ absl::Status FrozenUpdate(Context& ctx, const compress::AdamScalars& adam,
 absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
                       float* out, size_t n);
 
+// Gradient clipping (design.md 2.6). compress::GradientSumOfSquares of n
+// device floats: the segments' sums on the GPU into `sums` (device memory)
+// and `host` (pinned), ceil(n / compress::kSumSegment) doubles each, added
+// on the host in order. Waits for the stream.
+absl::StatusOr<double> SumOfSquares(Context& ctx, const float* x, size_t n, double* sums, double* host);
+// out = k * in (out may be in). Asynchronous.
+absl::Status Scale(Context& ctx, float k, const float* in, float* out, size_t n);
+
 // zero_one_adam (design.md 2.7), compress/update_rules.h's loops.
 // Asynchronous. A variance step's update from the decoded average g:
 absl::Status ZeroOneVarianceUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g,

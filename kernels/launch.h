@@ -72,6 +72,11 @@ cudaError_t FrozenUpdate(AdamArgs adam, bool mask, const float* c, float* x,
 cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
                      size_t n, cudaStream_t stream);
 
+// Gradient clipping (compress::GradientSumOfSquares): out[k] is segment k's
+// sum (ceil(n/256) doubles); and out = k * in.
+cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out, cudaStream_t stream);
+cudaError_t Scale(float k, const float* in, float* out, size_t n, cudaStream_t stream);
+
 // zero_one_adam (compress/update_rules.h's ZeroOne* loops).
 cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
                                   cudaStream_t stream);

@@ -156,7 +156,40 @@ __global__ void __launch_bounds__(kSegment)
   x[j] = Sub(x[j], Mul(steps[seg.layer], u));
 }
 
+// compress::SegmentSumOfSquares: a CTA per segment, the same halving tree.
+__global__ void __launch_bounds__(kSegment)
+    SumOfSquaresKernel(const float* __restrict__ x, size_t n, double* __restrict__ out) {
+  __shared__ double t[kSegment];
+  const size_t j = static_cast<size_t>(blockIdx.x) * kSegment + threadIdx.x;
+  const double value = j < n ? static_cast<double>(x[j]) : 0.0;
+  t[threadIdx.x] = __dmul_rn(value, value);
+  __syncthreads();
+  for (int h = kSegment / 2; h >= 1; h /= 2) {
+    if (static_cast<int>(threadIdx.x) < h) t[threadIdx.x] = __dadd_rn(t[threadIdx.x], t[threadIdx.x + h]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = t[0];
+}
+
+// A clip factor applied (compress::ApplyRule's decoded *= k; the worker's
+// own g*k).
+__global__ void ScaleKernel(float k, const float* in, float* out, size_t n) {
+  MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = Mul(in[j], k); }
+}
+
 }  // namespace
+
+cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  SumOfSquaresKernel<<<static_cast<unsigned>((n + kSegment - 1) / kSegment), kSegment, 0, stream>>>(x, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t Scale(float k, const float* in, float* out, size_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  ScaleKernel<<<ElementGrid(n), kThreads, 0, stream>>>(k, in, out, n);
+  return cudaGetLastError();
+}
 
 cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
                                   cudaStream_t stream) {

@@ -170,10 +170,6 @@ absl::Status Session::StepFromEngine(StepTraffic* traffic) {
 
 absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
-  if (kind != "cpu" && job_.algorithm.clip_grad_norm > 0.0f) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "clip_grad_norm is not supported on ", kind, " yet; train on the CPU or leave it 0"));
-  }
   if (absl::Status s = SyncHost(); !s.ok()) return s;
   auto engine = CreateEngine(kind, EngineState{&job_.algorithm, &layout_, &replica_, &error_}, arrays);
   if (!engine.ok()) return engine.status();

@@ -146,6 +146,12 @@ LR = {"cnn": 2e-3, "gru": 3e-3, "attention": 1e-3}
 LAMB_LR_SCALE = 10
 
 
+def lamb_lr_scale():
+    """LAMB's and OneBitLamb's lr as a multiple of the model's Adam lr:
+    MORSE_LAMB_LR_SCALE (set from --lamb-lr-scale), LAMB_LR_SCALE by default."""
+    return float(os.environ.get("MORSE_LAMB_LR_SCALE", LAMB_LR_SCALE))
+
+
 # ---------------------------------------------------------------- runs
 class Lamb(torch.optim.Optimizer):
     """LAMB (You et al. 2020) as DeepSpeed's Lamb and 1-bit LAMB's warmup
@@ -186,7 +192,7 @@ def torch_reference(task, optimizer="adam"):
     """torch.optim.Adam (or the LAMB above) in one process on the global batch."""
     model = task.model()
     if optimizer == "lamb":
-        opt = Lamb(model.parameters(), lr=LAMB_LR_SCALE * LR[task.name])
+        opt = Lamb(model.parameters(), lr=lamb_lr_scale() * LR[task.name])
     else:
         opt = torch.optim.Adam(model.parameters(), lr=LR[task.name])
     for step in range(task.steps):
@@ -226,7 +232,7 @@ def worker(task, optimizer):
     elif optimizer == "onebit_lamb":
         # 1-bit LAMB with DeepSpeed's defaults but the freeze at 20% of the
         # steps (as OneBitAdam's), against torch LAMB at the same lr.
-        opt = morse.torch.OneBitLamb(model.named_parameters(), lr=LAMB_LR_SCALE * lr,
+        opt = morse.torch.OneBitLamb(model.named_parameters(), lr=lamb_lr_scale() * lr,
                                      freeze_step=max(1, task.steps // 5))
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
@@ -283,8 +289,13 @@ def main():
     parser.add_argument("--zero-one-schedule", metavar="F,S,C", default="0.2,0.1,4",
                         help="zero_one_adam: var_freeze_step and local_step_scaler as fractions of "
                              "--steps, and local_step_clipper (default 0.2,0.1,4)")
+    parser.add_argument("--lamb-lr-scale", type=float, default=LAMB_LR_SCALE,
+                        help="onebit_lamb and its torch LAMB baseline: lr as a multiple of the "
+                             f"model's Adam lr (default {LAMB_LR_SCALE})")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not args.lamb_lr_scale > 0:
+        parser.error("--lamb-lr-scale must be positive")
     try:
         f, sc, c = (float(v) for v in args.zero_one_schedule.split(","))
         if not (0 < f <= 1 and 0 < sc <= 1 and c >= 1):
@@ -293,6 +304,7 @@ def main():
         parser.error("--zero-one-schedule needs F,S,C with 0 < F, S <= 1 and C >= 1")
     if not args.worker:
         os.environ["MORSE_ZERO_ONE_SCHEDULE"] = args.zero_one_schedule
+        os.environ["MORSE_LAMB_LR_SCALE"] = repr(args.lamb_lr_scale)
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])

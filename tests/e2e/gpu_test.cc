@@ -133,6 +133,33 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
   )");
 }
 
+// Gradient clipping (design.md 2.6) on a GPU worker: the averaged gradient
+// clipped in the warmup (the shards' norms, the replies scaled on the GPU),
+// the worker's own gradient after the freeze (its norm summed on the GPU);
+// then 0/1 Adam's local steps clipped too. The norms are far above 0.5, so
+// every step clips.
+TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
+  auto device = kernels::DeviceDescription();
+  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  const std::string common = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
+    adam { eps: 1e-4 }
+    lr { lr: 0.01 }
+    clip_grad_norm: 0.5
+    block_elems: 256
+    partition_elems: 65536
+    seed: 3
+  )";
+  ExpectMixedJobBitIdentical(common + "optimizer: \"onebit_adam\"\nfreeze_step: 8\nsteps: 20\n");
+  ExpectMixedJobBitIdentical(common + R"(
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 6 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
+    steps: 20
+  )");
+}
+
 // zero_one_adam (design.md 2.7) through every phase on a GPU worker:
 // variance steps, 1-bit steps between them, then local steps and syncs of
 // growing intervals (the anchor, u and the learning-rate sum on the device).

@@ -312,6 +312,32 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
   }
 }
 
+// Gradient clipping (design.md 2.6): the sum of squares in the CPU's
+// segment order, byte for byte, and the scale.
+TEST_F(KernelsTest, ClippingMatchesTheCpu) {
+  for (size_t n : {size_t{0}, size_t{1}, size_t{255}, size_t{257}, size_t{1000003}}) {
+    SCOPED_TRACE(n);
+    const std::vector<float> g = RandomValues(n, 9, 3.0f);
+    const double cpu = compress::GradientSumOfSquares(g);
+    const size_t segments = std::max<size_t>(1, (n + compress::kSumSegment - 1) / compress::kSumSegment);
+    auto sums = kernels::DeviceBuffer::Allocate(8 * segments);
+    auto host = kernels::PinnedBuffer::Allocate(8 * segments);
+    ASSERT_TRUE(sums.ok() && host.ok());
+    kernels::DeviceBuffer dg = Upload(g);
+    auto gpu = kernels::SumOfSquares(*ctx_, dg.as<float>(), n, sums->as<double>(),
+                                     reinterpret_cast<double*>(host->data()));
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    EXPECT_EQ(std::memcmp(&*gpu, &cpu, 8), 0) << *gpu << " vs " << cpu;
+    const float k = compress::ClipScale(cpu, 0.5f);
+    std::vector<float> scaled(n);
+    for (size_t j = 0; j < n; ++j) scaled[j] = g[j] * k;
+    kernels::DeviceBuffer out = Poisoned(4 * n);
+    ASSERT_TRUE(kernels::Scale(*ctx_, k, dg.as<float>(), out.as<float>(), n).ok());
+    ASSERT_TRUE(ctx_->Synchronize().ok());
+    EXPECT_EQ(FirstDifference(Download<float>(out, n).data(), scaled.data(), 4 * n, 4), "") << "scaled";
+  }
+}
+
 // zero_one_adam's element loops (design.md 2.7) against compress/'s: the
 // variance step, the local step (with and without writing x), the sync
 // message (and its lr_sum = 0 case) and the sync update (masked), some

@@ -108,6 +108,16 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (!allocated.ok()) return allocated.status();
       *b = *std::move(allocated);
     }
+    if (config_.clip_grad_norm > 0.0f) {
+      const size_t bytes = sizeof(double) * std::max<size_t>(1, (dim + compress::kSumSegment - 1) /
+                                                                    compress::kSumSegment);
+      auto sums = kernels::DeviceBuffer::Allocate(bytes);
+      if (!sums.ok()) return sums.status();
+      square_sums_ = *std::move(sums);
+      auto host = kernels::PinnedBuffer::Allocate(bytes);
+      if (!host.ok()) return host.status();
+      square_sums_host_ = *std::move(host);
+    }
     if (absl::Status s = e_.Fill(0); !s.ok()) return s;
     if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
       for (kernels::DeviceBuffer* b : {&anchor_, &u_}) {
@@ -216,7 +226,6 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
                       std::string* payload, float grad_scale) override {
-    if (grad_scale != 1.0f) return NoClipping();
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::SendRule rule =
         compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
@@ -237,6 +246,15 @@ class CudaEngine final : public Engine, public DeviceServices {
         return s;
       }
       input = message;
+    } else if (grad_scale != 1.0f) {
+      // The worker's own clip factor (compress::ClipsLocally): the local
+      // momentum of k*g, k*g formed in scratch first as the CPU does.
+      if (!rule.local_momentum) {
+        return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
+      }
+      float* scaled = scratch_.as<float>() + begin;
+      if (absl::Status s = kernels::Scale(*send_, grad_scale, input, scaled, n); !s.ok()) return s;
+      input = scaled;
     }
     // The local momentum is formed inside the encode (fused for sign1).
     const float* momentum_m = rule.local_momentum ? m_.as<float>() + begin : nullptr;
@@ -265,9 +283,8 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
                           const compress::StepHyper* hyper, float grad_scale) override {
-    if (grad_scale != 1.0f) return NoClipping();
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
+    const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper, grad_scale);
     const uint64_t begin = p.range.begin, n = p.range.size();
     if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
     MutexLock lock(&apply_mu_);
@@ -281,13 +298,17 @@ class CudaEngine final : public Engine, public DeviceServices {
     float* v = v_.as<float>() + begin;
     const uint8_t* payload = reply_payload_.as<uint8_t>();
     absl::Status s;
-    if (rule.frozen_variance && !rule.lamb && rule.codec.kind == compress::CodecKind::kSign1) {
+    if (rule.frozen_variance && !rule.lamb && rule.grad_scale == 1.0f &&
+        rule.codec.kind == compress::CodecKind::kSign1) {
       s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n, rule.scalars, rule.mask, x, m,
                                       v);
     } else {
       // compress::ApplyRule's cases, on the decoded reply.
       float* decoded = apply_scratch_.as<float>() + begin;
       s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
+      if (s.ok() && rule.grad_scale != 1.0f) {  // the averaged gradient's clip factor
+        s = kernels::Scale(*apply_, rule.grad_scale, decoded, decoded, n);
+      }
       if (!s.ok()) {
       } else if (rule.lamb) {
         s = kernels::LambMoments(*apply_, rule, decoded, m, v, v_fresh_.as<float>() + begin, n);
@@ -307,12 +328,15 @@ class CudaEngine final : public Engine, public DeviceServices {
     return apply_->Synchronize();
   }
 
-  absl::StatusOr<double> GradientSumOfSquares() override { return NoClipping(); }
+  absl::StatusOr<double> GradientSumOfSquares() override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    return kernels::SumOfSquares(*send_, grad_ptr_, config_.layout.dim, square_sums_.as<double>(),
+                                 reinterpret_cast<double*>(square_sums_host_.data()));
+  }
 
   // compress::Replica::LocalStep on the device: the anchor, the
   // accumulated update u and the learning-rate sum live here.
   absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
-    if (grad_scale != 1.0f) return NoClipping();
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const absl::StatusOr<bool> starts = compress::BeginLocalStep(config_, step, local_step_);
     if (!starts.ok()) return starts.status();
@@ -327,7 +351,15 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     const compress::AdamScalars scalars = compress::LocalStepScalars(config_, step, hyper);
     const bool exchanges = compress::PlanStep(config_, step).exchanges;
-    if (absl::Status s = kernels::ZeroOneLocalStep(*send_, scalars, grad_ptr_, x_ptr_, m_.as<float>(),
+    const float* g = grad_ptr_;
+    if (grad_scale != 1.0f) {  // the worker's own clip factor
+      if (absl::Status s = kernels::Scale(*send_, grad_scale, g, scratch_.as<float>(), config_.layout.dim);
+          !s.ok()) {
+        return s;
+      }
+      g = scratch_.as<float>();
+    }
+    if (absl::Status s = kernels::ZeroOneLocalStep(*send_, scalars, g, x_ptr_, m_.as<float>(),
                                                    u_.as<float>(), v_.as<float>(), config_.layout.dim,
                                                    /*write_x=*/!exchanges);
         !s.ok()) {
@@ -364,11 +396,6 @@ class CudaEngine final : public Engine, public DeviceServices {
     return commit;
   }
 
-  // Gradient clipping is not on the GPU yet (Session refuses it at MoveTo).
-  static absl::Status NoClipping() {
-    return absl::FailedPreconditionError(
-        "clip_grad_norm is not supported on a GPU yet; clip on the CPU or leave it 0");
-  }
 
   // DeviceServices: what workloads' hooks use, on the send stream (ahead of
   // the encodes that read their gradient).
@@ -424,6 +451,9 @@ class CudaEngine final : public Engine, public DeviceServices {
   float* grad_ptr_ = nullptr;  // grad_ or the caller's
   kernels::DeviceBuffer send_payload_, reply_payload_;
   kernels::PinnedBuffer send_host_, reply_host_;
+  // clip_grad_norm: the gradient's segment sums of squares.
+  kernels::DeviceBuffer square_sums_;
+  kernels::PinnedBuffer square_sums_host_;
   std::unique_ptr<kernels::Context> send_, apply_;
   Mutex apply_mu_;
   std::unique_ptr<DeviceMlpOps> mlp_ops_;
