@@ -3,7 +3,7 @@ and 1 with their model on the GPU (rank 0 overlapping pushes with the
 backward pass, rank 1 not), rank 2 on the CPU, with bias correction and the
 zero-variance mask (a parameter no loss uses), for each of OneBitAdam
 (across the freeze), ZeroOneAdam (variance, 1-bit, local and sync steps)
-and OneBitLamb (across the freeze). After every step each rank holds the
+and OneBitLamb (across the freeze), and OneBitAdam with clip_grad_norm. After every step each rank holds the
 x, m, v of the single-process simulator fed the gradients the workers
 computed (all three the same bits, except between zero_one_adam's syncs); the GPU
 ranks' parameters stay CUDA tensors; state_dict()/load_state_dict() round
@@ -23,7 +23,7 @@ SKIP = 77
 # Variance steps, 1-bit steps, then local intervals of 1, 2 and 4 steps; step
 # 12 ends with a sync, so state_dict() may save the whole run there.
 ZERO_ONE_SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
-OPTIMIZERS = ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")
+OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "ZeroOneAdam", "OneBitLamb")
 
 
 def worker(out):
@@ -39,6 +39,8 @@ def worker(out):
     common = dict(lr=0.01, block_elems=16, partition_elems=64, overlap=rank == 0, missing_grads="zero")
     if name == "ZeroOneAdam":
         opt = morse.torch.ZeroOneAdam(model.parameters(), **ZERO_ONE_SCHEDULE, **common)
+    elif name == "OneBitAdam+clip":  # the averaged gradient, then each rank's own
+        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, clip_grad_norm=0.05, **common)
     else:
         opt = getattr(morse.torch, name)(model.parameters(), freeze_step=4, **common)
     if rank == 0:
