@@ -90,6 +90,14 @@ std::string MlpConfig(const std::string& dir, int workers, int steps) {
     workers: )", workers, "\n    steps: ", steps, "\n");
 }
 
+// The mixed jobs' common part: 2 workers and 2 shards on the synthetic
+// model (300007 elements, every 11th dead: v = 0, masked); `rest` adds the
+// optimizer, its settings and the steps, `synthetic` more workload fields.
+std::string MixedJob(const std::string& rest, const std::string& synthetic = "") {
+  return absl::StrCat("workers: 2\nshards: 2\nsynthetic { dim: 300007 noise: 0.3 dead_every: 11 ", synthetic,
+                      " }\nlr { lr: 0.01 }\nblock_elems: 256\npartition_elems: 65536\nseed: 3\n", rest);
+}
+
 // Rank 0 on the GPU and rank 1 on the CPU, 2 shards: both workers and both
 // shard mirrors bit-identical to the simulator after every step.
 void ExpectMixedJobBitIdentical(const std::string& config) {
@@ -118,19 +126,12 @@ void ExpectMixedJobBitIdentical(const std::string& config) {
 TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
   auto device = kernels::DeviceDescription();
   if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
-  ExpectMixedJobBitIdentical(R"(
-    workers: 2
-    shards: 2
-    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
+  ExpectMixedJobBitIdentical(MixedJob(R"(
     optimizer: "onebit_adam"
     adam { eps: 1e-4 }
-    lr { lr: 0.01 }
     freeze_step: 10
     steps: 50
-    block_elems: 256
-    partition_elems: 65536
-    seed: 3
-  )");
+  )"));
 }
 
 // Gradient clipping (design.md 2.6) on a GPU worker: the averaged gradient
@@ -141,23 +142,12 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
 TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
   auto device = kernels::DeviceDescription();
   if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
-  const std::string common = R"(
-    workers: 2
-    shards: 2
-    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
-    adam { eps: 1e-4 }
-    lr { lr: 0.01 }
-    clip_grad_norm: 0.5
-    block_elems: 256
-    partition_elems: 65536
-    seed: 3
-  )";
-  ExpectMixedJobBitIdentical(common + "optimizer: \"onebit_adam\"\nfreeze_step: 8\nsteps: 20\n");
-  ExpectMixedJobBitIdentical(common + R"(
+  const std::string clipped = "adam { eps: 1e-4 }\nclip_grad_norm: 0.5\nsteps: 20\n";
+  ExpectMixedJobBitIdentical(MixedJob(clipped + "optimizer: \"onebit_adam\"\nfreeze_step: 8\n"));
+  ExpectMixedJobBitIdentical(MixedJob(clipped + R"(
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 6 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
-    steps: 20
-  )");
+  )"));
 }
 
 // zero_one_adam (design.md 2.7) through every phase on a GPU worker:
@@ -166,19 +156,12 @@ TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
 TEST(GpuTest, ZeroOneAdamOnTheGpuStaysBitIdenticalThroughEveryPhase) {
   auto device = kernels::DeviceDescription();
   if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
-  ExpectMixedJobBitIdentical(R"(
-    workers: 2
-    shards: 2
-    synthetic { dim: 300007 noise: 0.3 dead_every: 11 }
+  ExpectMixedJobBitIdentical(MixedJob(R"(
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 12 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 4 }
     adam { eps: 1e-4 weight_decay: 0.01 }
-    lr { lr: 0.01 }
     steps: 40
-    block_elems: 256
-    partition_elems: 65536
-    seed: 3
-  )");
+  )"));
 }
 
 // onebit_lamb (design.md 2.8) across the freeze on a GPU worker: layers
@@ -186,19 +169,12 @@ TEST(GpuTest, ZeroOneAdamOnTheGpuStaysBitIdenticalThroughEveryPhase) {
 TEST(GpuTest, OneBitLambOnTheGpuStaysBitIdenticalAcrossTheFreeze) {
   auto device = kernels::DeviceDescription();
   if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
-  ExpectMixedJobBitIdentical(R"(
-    workers: 2
-    shards: 2
-    synthetic { dim: 300007 noise: 0.3 dead_every: 11 layer_elems: 70000 }
+  ExpectMixedJobBitIdentical(MixedJob(R"(
     optimizer: "onebit_lamb"
     adam { eps: 1e-4 weight_decay: 0.01 }
-    lr { lr: 0.01 }
     freeze_step: 10
     steps: 30
-    block_elems: 256
-    partition_elems: 65536
-    seed: 3
-  )");
+  )", "layer_elems: 70000"));
 }
 
 TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
