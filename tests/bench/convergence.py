@@ -232,8 +232,9 @@ def worker(task, optimizer):
     elif optimizer == "onebit_lamb":
         # 1-bit LAMB with DeepSpeed's defaults but the freeze at 20% of the
         # steps (as OneBitAdam's), against torch LAMB at the same lr.
+        freeze = float(os.environ.get("MORSE_LAMB_FREEZE", "0.2"))
         opt = morse.torch.OneBitLamb(model.named_parameters(), lr=lamb_lr_scale() * lr,
-                                     freeze_step=max(1, task.steps // 5))
+                                     freeze_step=max(1, int(task.steps * freeze)))
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5)
@@ -292,8 +293,12 @@ def main():
     parser.add_argument("--lamb-lr-scale", type=float, default=LAMB_LR_SCALE,
                         help="onebit_lamb and its torch LAMB baseline: lr as a multiple of the "
                              f"model's Adam lr (default {LAMB_LR_SCALE})")
+    parser.add_argument("--lamb-freeze", type=float, default=0.2, metavar="F",
+                        help="onebit_lamb: freeze_step as a fraction of --steps (default 0.2)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not 0 < args.lamb_freeze <= 1:
+        parser.error("--lamb-freeze must be in (0, 1]")
     if not args.lamb_lr_scale > 0:
         parser.error("--lamb-lr-scale must be positive")
     try:
@@ -305,6 +310,7 @@ def main():
     if not args.worker:
         os.environ["MORSE_ZERO_ONE_SCHEDULE"] = args.zero_one_schedule
         os.environ["MORSE_LAMB_LR_SCALE"] = repr(args.lamb_lr_scale)
+        os.environ["MORSE_LAMB_FREEZE"] = repr(args.lamb_freeze)
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])
