@@ -2,12 +2,13 @@
 and 1 with their model on the GPU (rank 0 overlapping pushes with the
 backward pass, rank 1 not), rank 2 on the CPU, with bias correction and the
 zero-variance mask (a parameter no loss uses), for each of OneBitAdam
-(across the freeze), ZeroOneAdam (variance, 1-bit, local and sync steps)
-and OneBitLamb (across the freeze), and OneBitAdam with clip_grad_norm. After every step each rank holds the
-x, m, v of the single-process simulator fed the gradients the workers
-computed (all three the same bits, except between zero_one_adam's syncs); the GPU
-ranks' parameters stay CUDA tensors; state_dict()/load_state_dict() round
-trip on the GPU. Exits 77 (skipped, saying why) without a GPU."""
+(across the freeze), OneBitAdam with clip_grad_norm, ZeroOneAdam (variance,
+1-bit, local and sync steps) and OneBitLamb (across the freeze). After
+every step each rank holds the x, m, v of the single-process simulator fed
+the gradients the workers computed (all three the same bits, except
+between zero_one_adam's syncs); the GPU ranks' parameters stay CUDA
+tensors; state_dict()/load_state_dict() round trip on the GPU. Exits 77
+(skipped, saying why) without a GPU."""
 import json
 import os
 import sys
