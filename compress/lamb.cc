@@ -99,15 +99,12 @@ void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, cons
       b[j] = static_cast<double>(u) * u;
     }
   }
+  out[0] = HalvingSum(a);
+  out[1] = HalvingSum(b);
+  // The maximum by the same halving (any order gives it: no NaN is left).
   for (uint64_t h = kLambSegment / 2; h >= 1; h /= 2) {
-    for (uint64_t i = 0; i < h; ++i) {
-      a[i] = a[i] + a[i + h];
-      b[i] = b[i] + b[i + h];
-      most[i] = most[i + h] > most[i] ? most[i + h] : most[i];
-    }
+    for (uint64_t i = 0; i < h; ++i) most[i] = most[i + h] > most[i] ? most[i + h] : most[i];
   }
-  out[0] = a[0];
-  out[1] = b[0];
   out[2] = most[0];
 }
 

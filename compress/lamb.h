@@ -25,6 +25,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "compress/halving_sum.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
 
@@ -66,7 +67,7 @@ std::vector<double> LambTotals(const SimulatorConfig& config, const Layout& layo
                                absl::Span<const float> v_fresh);
 
 // LambTotals in its parts, for engines that compute the segments elsewhere.
-inline constexpr uint64_t kLambSegment = 256;
+inline constexpr uint64_t kLambSegment = kSumSegment;
 // One layer's part in one partition: global elements [begin, end).
 struct LambPiece {
   uint64_t begin = 0, end = 0;

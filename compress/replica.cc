@@ -217,10 +217,7 @@ double SegmentSumOfSquares(const float* values, uint64_t n) {
   MORSE_CHECK(n <= kSumSegment);
   double t[kSumSegment];
   for (uint64_t j = 0; j < kSumSegment; ++j) t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
-  for (uint64_t h = kSumSegment / 2; h >= 1; h /= 2) {
-    for (uint64_t i = 0; i < h; ++i) t[i] = t[i] + t[i + h];
-  }
-  return t[0];
+  return HalvingSum(t);
 }
 
 double GradientSumOfSquares(absl::Span<const float> values) {

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "compress/error_feedback.h"
+#include "compress/halving_sum.h"
 #include "compress/lamb.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
@@ -135,9 +136,9 @@ bool ClipsLocally(const SimulatorConfig& config, int64_t step);
 // The sum of squares of `values` in double, in one fixed order that a GPU
 // can follow (design.md 2.6): segments of kSumSegment elements added in
 // order from 0, each segment's squares (+0 past its end) added by halving,
-// t[i] = t[i] + t[i + h] for i < h, h = kSumSegment/2, ..., 1. Every
-// replica, shard and engine gets the same bits.
-inline constexpr uint64_t kSumSegment = 256;
+// t[i] = t[i] + t[i + h] for i < h, h = kSumSegment/2, ..., 1
+// (compress/halving_sum.h). Every replica, shard and engine gets the same
+// bits.
 double GradientSumOfSquares(absl::Span<const float> values);
 // One segment's sum (n <= kSumSegment), as above.
 double SegmentSumOfSquares(const float* values, uint64_t n);

@@ -3,6 +3,7 @@
 // lamb.cc's LambMoments, LambSegmentSums and LambUpdateX, the same fp32
 // (and, for the layer sums, double) operations in the same order, each an
 // explicitly rounded intrinsic.
+#include "compress/halving_sum.h"
 #include "kernels/element_ops.cuh"
 #include "kernels/launch.h"
 
@@ -99,7 +100,8 @@ __device__ __forceinline__ float UpdateDirection(const LambArgs& a, float x, flo
   return Add(q, Mul(s.weight_decay, x));
 }
 
-constexpr int kSegment = 256;  // compress::kLambSegment
+// compress/halving_sum.h's segment, one thread per element.
+constexpr int kSegment = static_cast<int>(compress::kSumSegment);
 
 // compress::LambSegmentSums: a CTA of kSegment threads per segment, the
 // terms in shared memory, added by the same halving tree.
