@@ -1,9 +1,11 @@
 #include "server/handler.h"
 
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "proto/wire.h"
 
@@ -12,6 +14,21 @@ namespace {
 
 std::string Bytes(const std::vector<float>& a) {
   return std::string(reinterpret_cast<const char*>(a.data()), 4 * a.size());
+}
+
+// Whether every byte of a (non-empty) array is zero: +0.0 everywhere, not
+// -0.0, so a receiver that fills +0.0 gets the same bits.
+bool AllZeroBits(const std::vector<float>& a) {
+  if (a.empty()) return false;
+  uint32_t any = 0;
+  for (const float f : a) any |= absl::bit_cast<uint32_t>(f);
+  return any == 0;
+}
+
+// One of FetchPartition's arrays: left out and flagged when it is all zero.
+void SetArray(const std::vector<float>& a, std::string* bytes, bool* zero) {
+  *zero = AllZeroBits(a);
+  if (!*zero) *bytes = Bytes(a);
 }
 
 }  // namespace
@@ -93,9 +110,13 @@ absl::Status ShardHandler::FetchPartition(const v1::FetchPartitionRequest& reque
   reply->set_completed_steps(snapshot->completed_steps);
   if (!request.skip_model()) {
     reply->set_x(Bytes(snapshot->x));
-    reply->set_m(Bytes(snapshot->m));
-    reply->set_v(Bytes(snapshot->v));
-    reply->set_v_fresh(Bytes(snapshot->v_fresh));
+    bool m_zero = false, v_zero = false, v_fresh_zero = false;
+    SetArray(snapshot->m, reply->mutable_m(), &m_zero);
+    SetArray(snapshot->v, reply->mutable_v(), &v_zero);
+    SetArray(snapshot->v_fresh, reply->mutable_v_fresh(), &v_fresh_zero);
+    reply->set_m_zero(m_zero);
+    reply->set_v_zero(v_zero);
+    reply->set_v_fresh_zero(v_fresh_zero);
     reply->mutable_lamb_layers()->Assign(snapshot->lamb_layers.begin(), snapshot->lamb_layers.end());
   }
   if (request.server_error()) reply->set_server_error(Bytes(snapshot->server_error));
@@ -119,11 +140,21 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
     out->resize(bytes.size() / 4);
     std::memcpy(out->data(), bytes.data(), bytes.size());
   };
+  // An array flagged zero (as FetchPartition gives it) is +0.0 over x's length.
+  const auto array = [&](const std::string& bytes, bool zero, const char* what,
+                         std::vector<float>* out) {
+    if (!zero) return floats(bytes, what, out);
+    if (!bytes.empty() && status.ok()) {
+      status = absl::InvalidArgumentError(absl::StrCat(what, "_zero is set but ", what, " holds ",
+                                                       bytes.size(), " bytes"));
+    }
+    out->assign(state.x.size(), 0.0f);
+  };
   floats(request.x(), "x", &state.x);
-  floats(request.m(), "m", &state.m);
-  floats(request.v(), "v", &state.v);
+  array(request.m(), request.m_zero(), "m", &state.m);
+  array(request.v(), request.v_zero(), "v", &state.v);
   floats(request.server_error(), "server_error", &state.server_error);
-  floats(request.v_fresh(), "v_fresh", &state.v_fresh);
+  array(request.v_fresh(), request.v_fresh_zero(), "v_fresh", &state.v_fresh);
   state.lamb_layers.assign(request.lamb_layers().begin(), request.lamb_layers().end());
   if (!status.ok()) return status;
   return (*core)->RestorePartition(request.rank(), request.partition(), request.layout_fingerprint(),

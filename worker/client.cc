@@ -1,5 +1,6 @@
 #include "worker/client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -187,9 +188,14 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
     }
     const size_t bytes = 4 * p.range.size();
     const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+    // An array flagged zero is left out of the message (all +0.0).
+    const auto sized = [bytes](const std::string& array, bool zero) {
+      return array.size() == (zero ? 0 : bytes);
+    };
     if ((model.has_value() &&
-         (state.x().size() != bytes || state.m().size() != bytes || state.v().size() != bytes ||
-          (lamb && (state.v_fresh().size() != bytes ||
+         (state.x().size() != bytes || !sized(state.m(), state.m_zero()) ||
+          !sized(state.v(), state.v_zero()) ||
+          (lamb && (!sized(state.v_fresh(), state.v_fresh_zero()) ||
                     static_cast<size_t>(state.lamb_layers_size()) !=
                         2 * model->replica->lamb_layers().size())))) ||
         (!server_error.empty() && state.server_error().size() != bytes)) {
@@ -203,11 +209,18 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
     step = state.completed_steps();
     if (model.has_value()) {
       compress::Replica& r = *model->replica;
+      const auto copy = [&](const std::string& array, bool zero, float* to) {
+        if (zero) {
+          std::fill(to + p.range.begin, to + p.range.end, 0.0f);
+        } else {
+          std::memcpy(to + p.range.begin, array.data(), bytes);
+        }
+      };
       std::memcpy(r.x().data() + p.range.begin, state.x().data(), bytes);
-      std::memcpy(r.mutable_m().data() + p.range.begin, state.m().data(), bytes);
-      std::memcpy(r.mutable_v().data() + p.range.begin, state.v().data(), bytes);
+      copy(state.m(), state.m_zero(), r.mutable_m().data());
+      copy(state.v(), state.v_zero(), r.mutable_v().data());
       if (lamb) {
-        std::memcpy(r.mutable_v_fresh().data() + p.range.begin, state.v_fresh().data(), bytes);
+        copy(state.v_fresh(), state.v_fresh_zero(), r.mutable_v_fresh().data());
         // Every shard holds them all.
         r.set_lamb_layers(compress::UnflattenLambLayers(
             absl::MakeConstSpan(state.lamb_layers().data(), state.lamb_layers_size())));

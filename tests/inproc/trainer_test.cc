@@ -92,6 +92,68 @@ TEST(TrainerTest, RunsOneStepAtATimeLikeTheSimulatorAndReportsEach) {
   EXPECT_TRUE(std::ifstream(dir + "/worker-0.ckpt").good());
 }
 
+// A fresh job's m and v are all zero: FetchPartition flags them and leaves
+// their bytes out (two thirds of a new worker's model fetch), and the
+// worker that fetched them still equals the simulator. Once they hold
+// values they travel in full. RestorePartition refuses a flag that
+// contradicts its bytes.
+TEST(TrainerTest, FetchLeavesZeroMomentsOutOfTheMessage) {
+  const proto::JobSpec job = Job();
+  auto cluster = InProcessCluster::Create(job, {});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  worker::TrainerOptions options;
+  options.checksums = true;
+  options.security.insecure = true;
+  auto trainer = worker::Trainer::Create(job, options, (*cluster)->Connect());
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+
+  std::unique_ptr<worker::Transport> transport = (*cluster)->Connect();
+  worker::CallOptions call;
+  call.timeout_seconds = 5;
+  v1::ShardInfo info;
+  ASSERT_TRUE(worker::Wait(&worker::Transport::GetShardInfo, *transport, 0, v1::ShardInfoRequest(),
+                           &info, call).ok());
+  v1::FetchPartitionRequest fetch;
+  fetch.set_partition(0);
+  fetch.set_layout_fingerprint(info.layout_fingerprint());
+  const auto state = [&]() {
+    v1::PartitionState reply;
+    const absl::Status status =
+        worker::Wait(&worker::Transport::FetchPartition, *transport, 0, fetch, &reply, call);
+    EXPECT_TRUE(status.ok()) << status;
+    return reply;
+  };
+  const v1::PartitionState fresh = state();
+  EXPECT_EQ(fresh.completed_steps(), 0);
+  EXPECT_EQ(fresh.x().size(), 4u * 1024);
+  EXPECT_TRUE(fresh.m_zero());
+  EXPECT_TRUE(fresh.v_zero());
+  EXPECT_TRUE(fresh.m().empty());
+  EXPECT_TRUE(fresh.v().empty());
+
+  const testing::Expected expected = testing::Simulate(job);
+  auto record = (*trainer)->Step();
+  ASSERT_TRUE(record.ok()) << record.status();
+  EXPECT_EQ(absl::StrFormat("%016x", *record->checksum), expected.worker[0][0]);
+  const v1::PartitionState trained = state();
+  EXPECT_EQ(trained.completed_steps(), 1);
+  EXPECT_FALSE(trained.m_zero());
+  EXPECT_FALSE(trained.v_zero());
+  EXPECT_EQ(trained.m().size(), 4u * 1024);
+  EXPECT_EQ(trained.v().size(), 4u * 1024);
+
+  v1::PartitionState contradicts = trained;
+  contradicts.set_rank(0);
+  contradicts.set_layout_fingerprint(info.layout_fingerprint());
+  contradicts.set_m_zero(true);
+  v1::RestorePartitionReply restored;
+  const absl::Status refused = worker::Wait(&worker::Transport::RestorePartition, *transport, 0,
+                                            contradicts, &restored, call);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("m_zero is set but m holds 4096 bytes"), std::string::npos)
+      << refused;
+}
+
 TEST(TrainerTest, RefusesAnUnknownDeviceBeforeJoining) {
   const proto::JobSpec job = Job();
   auto cluster = InProcessCluster::Create(job, {});
