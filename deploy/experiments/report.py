@@ -29,6 +29,7 @@ def load(path):
     with open(path) as f:
         for r in csv.DictReader(f):
             for k in ("rate_gbit", "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s",
+                      "comm_rank0_median_s",
                       "payload_bytes_per_step", "wire_bytes_per_step", "rounds_per_step", "floor_s",
                       "ceiling_up_gbps", "ceiling_down_gbps"):
                 r[k] = _num(r.get(k))
@@ -158,15 +159,21 @@ def write(csv_path, out_dir, meta=None):
     lines += ["", "## Runs", "",
               "zero_one's step, comm and payload are means over whole local intervals (local steps "
               "send nothing); rounds/step is the share of steps that exchange (1 for every other "
-              "scheme).", "",
-              "| kind | scheme | Gbit/s | D | N | S | step s (p25–p75) | comm s | payload B/step | "
-              "rounds/step | wire/payload | comm/floor | goodput/ceiling | speedup vs DDP fp32 | status |",
-              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+              "scheme). comm s is, per step, the least any worker (or any rank of the 1-bit peer) "
+              "waited for the exchange: the worker whose gradient was ready last waits for the "
+              "exchange alone, the others also for it (skew, not communication); rank 0's own "
+              "wait is beside it.", "",
+              "| kind | scheme | Gbit/s | D | N | S | step s (p25–p75) | comm s | rank 0's wait s | "
+              "payload B/step | rounds/step | wire/payload | comm/floor | goodput/ceiling | "
+              "speedup vs DDP fp32 | status |",
+              "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+              "| ---: | ---: | --- |"]
     for r in rows:
         spread = (f"{_fmt(r['step_median_s'])} ({_fmt(r['step_p25_s'])}–{_fmt(r['step_p75_s'])})"
                   if r["step_median_s"] else "-")
         lines.append(f"| {r['kind']} | {r['scheme']} | {_fmt(r['rate_gbit'])} | {r['dim']:,} | {r['workers']} | "
                      f"{r['shards']} | {spread} | {_fmt(r['comm_median_s'])} | "
+                     f"{_fmt(r.get('comm_rank0_median_s'))} | "
                      f"{_fmt(r['payload_bytes_per_step'], 6)} | {_fmt(r.get('rounds_per_step'))} | "
                      f"{_fmt(r['wire_over_payload'])} | "
                      f"{_fmt(r['comm_over_floor'])} | {_fmt(r['goodput_over_ceiling'])} | "

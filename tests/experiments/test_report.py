@@ -56,7 +56,22 @@ def main():
             assert f"![{name}]({name})" in text
     except ImportError:
         assert "no plots" not in text or True
+    check_least_wait(out)
     print("PASS")
+
+
+def check_least_wait(out):
+    """Communication per step is the least any rank waited in that step;
+    lines of other steps, or without comm_seconds, are ignored."""
+    rank0 = [{"step": 2, "comm_seconds": 0.05}, {"step": 3, "comm_seconds": 0.01},
+             {"step": 4, "comm_seconds": 0.09}]
+    other = os.path.join(out, "rank1.jsonl")
+    with open(other, "w") as f:
+        f.write('{"step": 2, "comm_seconds": 0.02}\n{"step": 3, "comm_seconds": 0.03}\n'
+                'not json: a warning line\n{"step": 1, "comm_seconds": 0.0}\n{"step": 4}\n')
+    got = experiment.least_wait(rank0, [other])
+    assert got == [0.02, 0.01, 0.09], got
+    assert experiment.least_wait(rank0, []) == [0.05, 0.01, 0.09]
 
 
 if __name__ == "__main__":
