@@ -68,7 +68,8 @@ class LambVariant(torch.optim.Optimizer):
                     st.update(m=torch.zeros_like(p), v=torch.zeros_like(p), v_fresh=None,
                               c_bar=0.0, f=1.0)
                 m, v, g = st["m"], st["v"], p.grad
-                m_last = m.clone()
+                # Only 1-bit LAMB's v' needs the momentum before this step.
+                m_last = m.clone() if frozen and self.variant == "onebit_lamb" else None
                 m.mul_(b1).add_(g, alpha=1 - b1)
                 if not frozen or live_v:
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
