@@ -19,6 +19,7 @@
 #include "boost/asio/io_context.hpp"
 #include "boost/asio/signal_set.hpp"
 #include "compress/compute_pool.h"
+#include "compress/kernels.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -229,9 +230,10 @@ int main(int argc, char** argv) {
   // With port 0 the kernel picks one; print the real address for scripts.
   std::string address = absl::GetFlag(FLAGS_listen);
   address = address.substr(0, address.rfind(':') + 1) + std::to_string(port);
-  std::printf("morse-server: %s; %s; %d compute threads; listening on %s\n",
-              describe(*job, (*host)->core()).c_str(), security_summary.c_str(), compute_threads,
-              address.c_str());
+  std::printf(
+      "morse-server: %s; %s; %d compute threads, %s kernels; listening on %s\n",
+      describe(*job, (*host)->core()).c_str(), security_summary.c_str(),
+      compute_threads, compress::ActiveKernels().name, address.c_str());
   std::fflush(stdout);
 
   // Steps whose pushes do not all arrive in time fail instead of hanging.

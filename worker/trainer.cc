@@ -18,10 +18,11 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "compress/error_feedback.h"
+#include "compress/kernels.h"
 #include "compress/replica.h"
+#include "prometheus/registry.h"
 #include "proto/checkpoint_file.h"
 #include "proto/http_endpoint.h"
-#include "prometheus/registry.h"
 #include "worker/client.h"
 #include "worker/session.h"
 #include "worker/step_report.h"
@@ -34,11 +35,15 @@ std::string TrainingSummary::ToJson() const {
   std::string json = absl::StrFormat(
       "{\"rank\":%u,\"steps\":%d,\"final_loss\":%.6g,\"payload_up_bytes\":%u,"
       "\"payload_down_bytes\":%u,\"warmup_up_bytes_per_step\":%u,"
-      "\"compressed_up_bytes_per_step\":%u,\"exchanges\":%d,\"wire_sent_bytes\":%u,\"wire_received_bytes\":%u,"
-      "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\",\"device\":\"%s\"",
+      "\"compressed_up_bytes_per_step\":%u,\"exchanges\":%d,\"wire_sent_"
+      "bytes\":%u,\"wire_received_bytes\":%u,"
+      "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\","
+      "\"device\":\"%s\","
+      "\"kernels\":\"%s\"",
       rank, steps, final_loss, payload_up, payload_down, warmup_up_per_step,
-      compressed_up_per_step, exchanges, wire_sent_bytes, wire_received_bytes, wall_seconds, comm_seconds,
-      final_checksum, device);
+      compressed_up_per_step, exchanges, wire_sent_bytes, wire_received_bytes,
+      wall_seconds, comm_seconds, final_checksum, device,
+      compress::ActiveKernels().name);
   if (test_accuracy.has_value()) absl::StrAppendFormat(&json, ",\"test_accuracy\":%.4f", *test_accuracy);
   return json + "}";
 }

@@ -71,6 +71,9 @@ struct TrainingSummary {
   uint64_t final_checksum = 0;
   std::string device = "cpu";  // or the GPU's description
 
+  // The final JSON line; besides the fields above, "kernels" names the CPU
+  // kernel table in use (scalar, avx2 or avx512; MORSE_SIMD narrows the
+  // choice), whose bits are the same on every table.
   std::string ToJson() const;
 };
 

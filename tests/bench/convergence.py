@@ -7,14 +7,21 @@ the license texts every Debian system ships (/usr/share/common-licenses).
 Each model trains with torch.optim.Adam in one process on the global batch
 (the union of every rank's batch: exactly synchronous data-parallel Adam),
 and under morse-run (2 workers, 1 server) with morse.torch.Adam (fp32),
-OneBitAdam (freeze at 20% of the steps), LoCo (Adam with int4 and ema
-error feedback) and ZeroOneAdam (v's updates end at 20% of the steps, the
-local-step interval doubling every 10% up to 4), all at default settings (eps 1e-8, bias correction, the
-zero-variance mask), on identical global batches from identical initial
-weights. It prints held-out loss and accuracy and the relative gap of the
-held-out loss to torch.optim.Adam's; OneBitLamb (at 3x the Adam lr, freeze
-at 50%) is compared with LAMB written here in torch at the same lr (the "gap
-to ref" column names which).
+OneBitAdam (freeze at 20% of the steps), LoCo (Adam with int4 and ema error
+feedback) and ZeroOneAdam (v's updates end at 20% of the steps, the
+local-step interval doubling every 10% up to 4), all at default settings
+(eps 1e-8, bias correction, the zero-variance mask), on identical global
+batches from identical initial weights. OneBitLamb (at 3x the Adam lr,
+freeze at 50%) is compared with LAMB written here in torch at the same lr
+(the "gap to ref" column names which). It prints held-out loss and
+accuracy and the relative gap of the held-out loss to the reference.
+
+--max-gap G exits 1 when the seeds' paired gaps put a Morse optimizer above
+G by more than the noise they measure in the same run explains
+(tests/python/seeds.py). It needs 3 or more seeds: one seed's loss moves
+with the host's CPU as much as with another seed (issue 34), so ctest's
+checks run 3-6 seeds and the 2% claims over many seeds are in
+docs/convergence.md.
 
     tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
                                [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb]
@@ -36,6 +43,8 @@ import torch
 
 WORKERS = 2
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+import seeds as seed_check  # noqa: E402  (tests/python/seeds.py: the pass/fail rule)
 
 
 # ---------------------------------------------------------------- data
@@ -300,8 +309,10 @@ def main():
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--max-gap", type=float, default=None,
-                        help="exit 1 if a Morse optimizer's mean held-out loss is more than this "
-                             "fraction above torch.optim.Adam's (e.g. 0.02)")
+                        help="exit 1 if a Morse optimizer's paired gap to its reference (mean over "
+                             "the seeds) is above this fraction (e.g. 0.02) by more than the seeds' "
+                             "noise measured in the same run explains (tests/python/seeds.py); "
+                             f"needs --seeds {seed_check.MIN_SEEDS} or more")
     parser.add_argument("--zero-one-schedule", metavar="F,S,C[,K]", default="0.2,0.1,4",
                         help="zero_one_adam: var_freeze_step and local_step_scaler as fractions of "
                              "--steps, local_step_clipper, and optionally var_update_scaler "
@@ -350,6 +361,9 @@ def main():
         parser.error("--seeds must be at least 1")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
+    if args.max_gap is not None and args.seeds < seed_check.MIN_SEEDS:
+        parser.error(f"--max-gap needs --seeds {seed_check.MIN_SEEDS} or more: one seed's loss "
+                     "measures the seed and the host's floating point, not Morse (issue 34)")
     morse_run = os.environ.get("MORSE_RUN") or os.path.join(HERE, "..", "..", "build", "bin", "morse-run")
     seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
@@ -358,7 +372,7 @@ def main():
     for name in models:
         start = time.time()
         refs = {}
-        for kind in sorted({REFERENCE.get(o, "adam") for o in optimizers} | {"adam"}):
+        for kind in sorted({REFERENCE.get(o, "adam") for o in optimizers}):
             start = time.time()
             ref = [torch_reference(Task(name, args.steps, seed), kind) for seed in seeds]
             ref_loss = float(np.mean([l for l, _ in ref]))
@@ -388,17 +402,22 @@ def main():
             loss = float(np.mean([l for l, _ in results]))
             acc = float(np.mean([a for _, a in results]))
             gap = (loss - ref_loss) / ref_loss
-            if args.max_gap is not None and gap > args.max_gap:
-                failed = True
             # Paired by seed (same weights, same batches): the standard error
             # of the per-seed gaps says how much of `gap` the seeds explain.
             paired = [(l - r[0]) / r[0] for (l, _), r in zip(results, ref)]
             se = float(np.std(paired, ddof=1) / np.sqrt(len(paired))) if len(paired) > 1 else None
             note = f"paired gap {100 * np.mean(paired):+.1f}% +- {100 * se:.1f}% (se)" if se is not None else ""
+            if args.max_gap is not None:
+                verdict = seed_check.Verdict(paired, args.max_gap)
+                note = verdict.describe()
+                failed = failed or not verdict.ok
             print(f"{name:10} {optimizer:18} {loss:13.4f} {acc:9.4f} {100 * gap:+11.2f}% "
                   f"{time.time() - start:6.1f}  {note}", flush=True)
             rows.append({"model": name, "optimizer": optimizer, "loss": loss, "accuracy": acc,
-                         "gap": gap, "paired_gap_se": se, "seed_losses": [l for l, _ in results]})
+                         "gap": gap, "paired_gaps": paired, "paired_gap_se": se,
+                         "seed_losses": [l for l, _ in results]})
+            if args.max_gap is not None:
+                rows[-1].update(limit=verdict.limit, ok=verdict.ok)
     if args.json:
         json.dump({"steps": args.steps, "workers": WORKERS, "seeds": seeds, "rows": rows},
                   open(args.json, "w"), indent=1)

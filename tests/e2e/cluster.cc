@@ -133,13 +133,30 @@ std::string Cluster::state_log(int shard) const {
   return absl::StrCat(dir_, "/server", shard, ".jsonl");
 }
 
+namespace {
+
+// `argv` run through /usr/bin/env with `env`'s settings for `index`, if any.
+std::vector<std::string> WithEnv(
+    const std::map<int, std::vector<std::string>>& env, int index,
+    std::vector<std::string> argv) {
+  const auto it = env.find(index);
+  if (it == env.end() || it->second.empty()) return argv;
+  std::vector<std::string> wrapped = {"/usr/bin/env"};
+  wrapped.insert(wrapped.end(), it->second.begin(), it->second.end());
+  wrapped.insert(wrapped.end(), argv.begin(), argv.end());
+  return wrapped;
+}
+
+}  // namespace
+
 std::unique_ptr<Process> Cluster::StartServer(int s, bool state_logs, const std::string& log) {
   std::vector<std::string> argv = {ServerBin(), "--config", config_path(), "--shard",
                                    std::to_string(s), "--listen", server_address(s)};
   if (state_logs) argv.push_back("--state_log=" + state_log(s));
   argv.insert(argv.end(), server_security_.begin(), server_security_.end());
   argv.insert(argv.end(), server_args_.begin(), server_args_.end());
-  return std::make_unique<Process>(argv, log);
+  return std::make_unique<Process>(WithEnv(server_env_, s, std::move(argv)),
+                                   log);
 }
 
 void Cluster::StartServers(bool state_logs) {
@@ -165,7 +182,8 @@ std::unique_ptr<Process> Cluster::StartWorkerProcess(int rank, bool checksums, c
   if (checksums) argv.push_back("--checksums");
   argv.insert(argv.end(), worker_security_.begin(), worker_security_.end());
   argv.insert(argv.end(), worker_args_.begin(), worker_args_.end());
-  return std::make_unique<Process>(argv, log);
+  return std::make_unique<Process>(WithEnv(worker_env_, rank, std::move(argv)),
+                                   log);
 }
 
 void Cluster::StartWorker(int rank, bool checksums) {

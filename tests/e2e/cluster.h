@@ -61,6 +61,14 @@ class Cluster {
   // Arguments appended to every server's or worker's command line.
   void AddServerArgs(std::vector<std::string> args) { server_args_ = std::move(args); }
   void AddWorkerArgs(std::vector<std::string> args) { worker_args_ = std::move(args); }
+  // NAME=VALUE settings added to one shard's or one worker's environment
+  // (e.g. MORSE_SIMD=scalar), through /usr/bin/env, which execs the daemon.
+  void SetServerEnv(int shard, std::vector<std::string> env) {
+    server_env_[shard] = std::move(env);
+  }
+  void SetWorkerEnv(int rank, std::vector<std::string> env) {
+    worker_env_[rank] = std::move(env);
+  }
   // Credential flags of the servers and workers (default: --insecure).
   void SetSecurity(std::vector<std::string> server, std::vector<std::string> worker) {
     server_security_ = std::move(server);
@@ -101,6 +109,7 @@ class Cluster {
   std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
   int restarts_ = 0;
   std::map<int, int> worker_restarts_;  // rank -> restarts so far
+  std::map<int, std::vector<std::string>> server_env_, worker_env_;
   std::unique_ptr<Process> StartServer(int shard, bool state_logs, const std::string& log);
   std::unique_ptr<Process> StartWorkerProcess(int rank, bool checksums, const std::string& log,
                                               const std::string& metrics);

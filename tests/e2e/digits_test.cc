@@ -1,6 +1,9 @@
 // Convergence through the real daemons on the real digits data: 1-bit Adam
-// with a 20% warmup reaches test accuracy within 1 point of fp32 Adam after
-// the same number of steps (the quickstart's two jobs).
+// with a 20% warmup, and 1-bit LAMB, reach test accuracy within 1 point of
+// fp32 Adam after the same number of steps (the quickstart's jobs), decided
+// over seeds by tests/python/seeds.py's rule: the MLP's gradients go through
+// OpenBLAS, whose kernels differ by CPU, so one seed's accuracy moves with
+// the host as much as with the seed (issue 34).
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -18,10 +21,16 @@ using testing::Cluster;
 using testing::JsonField;
 using testing::ReadFile;
 
-double TrainDigits(const std::string& config_name, const std::string& data_dir) {
+constexpr int kSeeds = 5;
+
+double TrainDigits(const std::string& config_name, const std::string& data_dir,
+                   int seed) {
   std::string config = ReadFile(absl::StrCat(MORSE_SOURCE_DIR, "/deploy/configs/", config_name));
   EXPECT_FALSE(config.empty()) << config_name;
-  config = absl::StrReplaceAll(config, {{"data/digits", data_dir}});
+  EXPECT_NE(config.find("\nseed: 1\n"), std::string::npos) << config_name;
+  config = absl::StrReplaceAll(
+      config, {{"data/digits", data_dir},
+               {"\nseed: 1\n", absl::StrCat("\nseed: ", seed, "\n")}});
   Cluster cluster(config, 2, 4);
   cluster.StartServers(false);
   cluster.StartWorkers(false);
@@ -39,16 +48,38 @@ TEST(DigitsTest, OneBitAdamIsWithinAPointOfAdam) {
                                         "/deploy/data/digits.py ", data_dir);
   ASSERT_EQ(std::system(prep.c_str()), 0)
       << "could not write the digits data set (needs python3-sklearn; tests/run.sh installs it)";
-  const double adam = TrainDigits("digits_adam.textproto", data_dir);
-  const double onebit = TrainDigits("digits_onebit_adam.textproto", data_dir);
-  // 1-bit LAMB with the MLP's weight matrices and bias vectors as layers.
-  const double lamb = TrainDigits("digits_onebit_lamb.textproto", data_dir);
-  std::printf("digits, 500 steps, 4 workers, 2 shards: test accuracy adam %.2f%%, onebit_adam %.2f%%, "
-              "onebit_lamb %.2f%%\n",
-              100 * adam, 100 * onebit, 100 * lamb);
-  EXPECT_GT(adam, 0.95);
-  EXPECT_GE(onebit, adam - 0.01);
-  EXPECT_GE(lamb, adam - 0.01);
+  // Points below Adam, per seed: positive when Morse is behind.
+  std::string onebit_gaps, lamb_gaps;
+  for (int seed = 1; seed <= kSeeds; ++seed) {
+    const double adam = TrainDigits("digits_adam.textproto", data_dir, seed);
+    const double onebit =
+        TrainDigits("digits_onebit_adam.textproto", data_dir, seed);
+    // 1-bit LAMB with the MLP's weight matrices and bias vectors as layers.
+    const double lamb =
+        TrainDigits("digits_onebit_lamb.textproto", data_dir, seed);
+    std::printf(
+        "digits, seed %d, 500 steps, 4 workers, 2 shards: test accuracy adam "
+        "%.2f%%, "
+        "onebit_adam %.2f%%, onebit_lamb %.2f%%\n",
+        seed, 100 * adam, 100 * onebit, 100 * lamb);
+    EXPECT_GT(adam, 0.9) << "seed "
+                         << seed;  // trains at all (each seed ends near 97%)
+    absl::StrAppend(&onebit_gaps, " ", adam - onebit);
+    absl::StrAppend(&lamb_gaps, " ", adam - lamb);
+  }
+  std::fflush(stdout);
+  const std::string rule = absl::StrCat("/usr/bin/python3 ", MORSE_SOURCE_DIR,
+                                        "/tests/python/seeds.py 0.01");
+  std::printf("onebit_adam: ");
+  std::fflush(stdout);
+  EXPECT_EQ(std::system(absl::StrCat(rule, onebit_gaps).c_str()), 0)
+      << "onebit_adam is more than a point below adam beyond the seeds' noise:"
+      << onebit_gaps;
+  std::printf("onebit_lamb: ");
+  std::fflush(stdout);
+  EXPECT_EQ(std::system(absl::StrCat(rule, lamb_gaps).c_str()), 0)
+      << "onebit_lamb is more than a point below adam beyond the seeds' noise:"
+      << lamb_gaps;
   std::system(absl::StrCat("rm -rf ", data_dir).c_str());
 }
 

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_format.h"
+#include "compress/kernels.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
@@ -23,14 +24,36 @@ using testing::ReadFile;
 using testing::Expected;
 using testing::Simulate;
 
+// The CPU kernel table (MORSE_SIMD) each shard and each worker is forced to;
+// empty: each picks the widest its CPU runs.
+struct KernelTables {
+  std::vector<std::string> shards, workers;
+};
+
+// What a process forced to `wanted` runs: that table, or the scalar one where
+// the CPU cannot run it (compress/kernels.cc).
+std::string TableRun(const std::string& wanted) {
+  const compress::KernelTable* table =
+      wanted == "avx512" ? compress::Avx512Kernels()
+      : wanted == "avx2" ? compress::Avx2Kernels()
+                         : nullptr;
+  return table != nullptr ? wanted : "scalar";
+}
+
 // `daemon_args`: appended to every server's and worker's command line.
-void ExpectBitIdentical(const std::string& config, const std::vector<std::string>& daemon_args = {}) {
+void ExpectBitIdentical(const std::string& config,
+                        const std::vector<std::string>& daemon_args = {},
+                        const KernelTables& tables = {}) {
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const Expected expected = Simulate(*job);
   Cluster cluster(config, job->shards(), job->workers());
   cluster.AddServerArgs(daemon_args);
   cluster.AddWorkerArgs(daemon_args);
+  for (size_t s = 0; s < tables.shards.size(); ++s)
+    cluster.SetServerEnv(s, {"MORSE_SIMD=" + tables.shards[s]});
+  for (size_t r = 0; r < tables.workers.size(); ++r)
+    cluster.SetWorkerEnv(r, {"MORSE_SIMD=" + tables.workers[r]});
   cluster.StartServers(/*state_logs=*/true);
   cluster.StartWorkers(/*checksums=*/true);
   std::string failure;
@@ -45,6 +68,19 @@ void ExpectBitIdentical(const std::string& config, const std::vector<std::string
   }
   for (uint32_t s = 0; s < job->shards(); ++s) {
     ASSERT_NO_FATAL_FAILURE(testing::ExpectStateLogMatches(ReadFile(cluster.state_log(s)), expected, s));
+  }
+  // The forced tables did run (the summary's "kernels", the server's first
+  // line).
+  for (size_t r = 0; r < tables.workers.size(); ++r) {
+    const auto used = JsonField(ReadFile(cluster.worker_log(r)), "kernels");
+    ASSERT_FALSE(used.empty()) << ReadFile(cluster.worker_log(r));
+    EXPECT_EQ(used.back(), TableRun(tables.workers[r])) << "worker " << r;
+  }
+  for (size_t s = 0; s < tables.shards.size(); ++s) {
+    const std::string log = ReadFile(cluster.server_log(s));
+    EXPECT_NE(log.find(", " + TableRun(tables.shards[s]) + " kernels;"),
+              std::string::npos)
+        << "shard " << s << ": " << log.substr(0, 2000);
   }
   std::printf("%zu steps (%zu exchanged): %u workers and %u server mirrors bit-identical to the "
               "simulator\n",
@@ -184,6 +220,52 @@ TEST(TrainingTest, ClippingMatchesTheSimulator) {
     ASSERT_TRUE(with.ok() && without.ok()) << with.status();
     EXPECT_NE(Simulate(*with).model.back(), Simulate(*without).model.back());  // it clips
     ExpectBitIdentical(clipped);
+  }
+}
+
+// Morse's own arithmetic gives the same bits on every CPU (issue 34): a job
+// whose shards and workers each run another kernel table (scalar, AVX2,
+// AVX-512; MORSE_SIMD), at an odd D whose last block ends inside a vector,
+// against the simulator in this process (the widest table here), for every
+// optimizer and codec family. A table this CPU lacks runs scalar (said in
+// the output); tests/compress/kernels_test compares each table with the
+// scalar one kernel by kernel.
+TEST(TrainingTest, EveryKernelTableGivesTheSameBits) {
+  const KernelTables tables{{"scalar", "avx512"},
+                            {"avx512", "scalar", "avx2", "avx2"}};
+  std::printf(
+      "kernel tables here: shards %s, %s; workers %s, %s, %s, %s\n",
+      TableRun(tables.shards[0]).c_str(), TableRun(tables.shards[1]).c_str(),
+      TableRun(tables.workers[0]).c_str(), TableRun(tables.workers[1]).c_str(),
+      TableRun(tables.workers[2]).c_str(), TableRun(tables.workers[3]).c_str());
+  std::string dead(kCommon);
+  dead.replace(dead.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 }");
+  std::string layered(kCommon);
+  layered.replace(layered.find("noise: 0.2 }"), 12,
+                  "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
+  std::string zero_one = dead;
+  zero_one.replace(zero_one.find("steps: 12"), 9, "steps: 20");
+  const std::string configs[] = {
+      dead +
+          "optimizer: \"onebit_adam\"\nfreeze_step: 5\nclip_grad_norm: 0.5\n",
+      zero_one + R"(
+        optimizer: "zero_one_adam"
+        zero_one_adam { var_freeze_step: 8 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
+      )",
+      layered +
+          "optimizer: \"onebit_lamb\"\nfreeze_step: 5\nadam { weight_decay: "
+          "0.01 }\n",
+      std::string(kCommon) + R"(
+        optimizer: "adam"
+        up_codec { codec: "int4" stochastic: true }
+        down_codec { codec: "int8" }
+        worker_feedback { mode: "ema" beta: 0.5 }
+        server_feedback { mode: "ef" }
+      )",
+  };
+  for (const std::string& config : configs) {
+    SCOPED_TRACE(config);
+    ExpectBitIdentical(config, {}, tables);
   }
 }
 

@@ -23,9 +23,10 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
 
 
-def batch(features, labels, rank, world, step, size):
+def batch(features, labels, rank, world, step, size, seed=0):
     rows = np.arange(rank, len(labels), world)
-    pick = np.random.RandomState(1000003 * step + rank).choice(rows, size, replace=False)
+    pick = np.random.RandomState((1000003 * step + rank + 7919 * seed) % 2**32).choice(
+        rows, size, replace=False)
     return features[pick], labels[pick]
 
 
@@ -39,6 +40,8 @@ def main():
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--optimizer", choices=["onebit_adam", "adam", "loco"], default="onebit_adam")
     parser.add_argument("--lr", type=float, default=0.003)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="initial weights and batch order (default 0)")
     args = parser.parse_args()
 
     digits = load_digits()
@@ -47,7 +50,7 @@ def main():
     labels = torch.tensor(digits.target[order])
     train_x, train_y, test_x, test_y = features[:-360], labels[:-360], features[-360:], labels[-360:]
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = make_model()
     baseline = make_model()
     baseline.load_state_dict(model.state_dict())
@@ -67,13 +70,14 @@ def main():
         reference, lambda t: 0.5 * (1 + np.cos(np.pi * min(t, args.steps) / args.steps)))
 
     for step in range(args.steps):
-        x, y = batch(train_x, train_y, rank, world, step, 32)
+        x, y = batch(train_x, train_y, rank, world, step, 32, args.seed)
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
         if rank == 0:  # the baseline sees every rank's batch of this step
-            xs, ys = zip(*(batch(train_x, train_y, r, world, step, 32) for r in range(world)))
+            xs, ys = zip(*(batch(train_x, train_y, r, world, step, 32, args.seed)
+                             for r in range(world)))
             reference.zero_grad()
             torch.nn.functional.cross_entropy(baseline(torch.cat(xs)), torch.cat(ys)).backward()
             reference.step()
