@@ -39,6 +39,14 @@ struct AdamScalars {
   float max_ratio = std::numeric_limits<float>::infinity();
 };
 
+// 1-bit LAMB's element scalars for one step (design.md 2.8): Adam's, whether
+// v is frozen (the compression phase), and the bias correction of v'.
+struct LambScalars {
+  AdamScalars adam;
+  bool frozen_variance = false;
+  float fresh_correction2 = 1.0f;
+};
+
 // Stochastic rounding parameters; see stochastic_rounding.h.
 struct StochasticArgs {
   RoundingKey key;
@@ -82,6 +90,16 @@ struct KernelTable {
   // out = b1*m + (1-b1)*g (a worker's local momentum in 1-bit Adam).
   void (*momentum)(float beta1, const float* m, const float* g, float* out,
                    size_t n);
+  // 1-bit LAMB (design.md 2.8), the element direction u = p + wd*x with
+  // p = m̂/(sqrt(v̂)+eps) (bounded once v is frozen): one segment's
+  // statistics (n <= kSumSegment elements; compress/lamb.h's
+  // LambSegmentSums: warmup [sum x^2, sum u^2, 0], compression [sum u^2,
+  // sum p^2, max d/d']), and x = x - step*u over n elements.
+  void (*lamb_segment_sums)(const LambScalars& s, const float* x,
+                            const float* m, const float* v,
+                            const float* v_fresh, size_t n, double out[3]);
+  void (*lamb_update_x)(const LambScalars& s, float step, float* x,
+                        const float* m, const float* v, size_t n);
   // out[i] = the uniform draw of element key.first_index + i
   // (stochastic_rounding.h's FillDraws: the same floats, several Philox
   // counters at a time).

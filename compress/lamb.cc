@@ -6,27 +6,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
+#include "compress/kernels.h"
 #include "compress/replica.h"
-#include "compress/simd/element_ops.h"
 
 namespace morse::compress {
 namespace {
 
-// One element's update direction u = p + wd*x, with p = m̂/(sqrt(v̂)+eps)
-// (bounded from the freeze on); *p and *ratio (d/d', compression only) for
-// the statistics.
-inline float UpdateDirection(const ReplyRule& rule, float x, float m, float v, float v_fresh, float* p,
-                       float* ratio) {
-  const AdamScalars& s = rule.scalars;
-  const float m_hat = m / s.bias_correction1;
-  const float d = std::sqrt(v / s.bias_correction2) + s.eps;
-  float q = m_hat / d;
-  if (rule.frozen_variance) {
-    q = simd::BoundRatio(q, s.max_ratio);
-    if (ratio != nullptr) *ratio = d / (std::sqrt(v_fresh / rule.fresh_correction2) + s.eps);
-  }
-  if (p != nullptr) *p = q;
-  return q + s.weight_decay * x;
+// The element scalars of `rule` for the kernels' LAMB loops.
+LambScalars ScalarsOf(const ReplyRule& rule) {
+  return {rule.scalars, rule.frozen_variance, rule.fresh_correction2};
 }
 
 // The layer of global element `at`: the last bound <= at.
@@ -84,28 +72,7 @@ std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& l
 void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, const float* v,
                      const float* v_fresh, uint64_t n, double out[kLambStats]) {
   MORSE_CHECK(n <= kLambSegment);
-  double a[kLambSegment], b[kLambSegment], most[kLambSegment];
-  for (uint64_t j = 0; j < kLambSegment; ++j) {
-    a[j] = b[j] = most[j] = 0.0;
-    if (j >= n) continue;
-    float q = 0.0f, ratio = 0.0f;
-    const float u = UpdateDirection(rule, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
-    if (rule.frozen_variance) {
-      a[j] = static_cast<double>(u) * u;
-      b[j] = static_cast<double>(q) * q;
-      most[j] = ratio > 0.0f ? ratio : 0.0f;  // NaN: 0
-    } else {
-      a[j] = static_cast<double>(x[j]) * x[j];
-      b[j] = static_cast<double>(u) * u;
-    }
-  }
-  out[0] = HalvingSum(a);
-  out[1] = HalvingSum(b);
-  // The maximum by the same halving (any order gives it: no NaN is left).
-  for (uint64_t h = kLambSegment / 2; h >= 1; h /= 2) {
-    for (uint64_t i = 0; i < h; ++i) most[i] = most[i + h] > most[i] ? most[i + h] : most[i];
-  }
-  out[2] = most[0];
+  ActiveKernels().lamb_segment_sums(ScalarsOf(rule), x, m, v, v_fresh, n, out);
 }
 
 std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config, absl::Span<const LambPiece> pieces,
@@ -261,14 +228,13 @@ void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Spa
               m.size() == x.size() && v.size() == x.size());
   const std::vector<uint64_t> bounds = LayerBounds(config);
   const std::vector<float> steps = LambLayerSteps(rule, commit);
+  const LambScalars scalars = ScalarsOf(rule);
   for (uint64_t at = begin; at < begin + n;) {
     const size_t l = LayerOf(bounds, at);
     const uint64_t end = std::min(begin + n, bounds[l + 1]);
-    const float step = steps[l];
-    for (uint64_t g = at; g < end; ++g) {
-      const size_t j = g - range.begin;
-      x[j] = x[j] - step * UpdateDirection(rule, x[j], m[j], v[j], 0.0f, nullptr, nullptr);
-    }
+    const size_t j = at - range.begin;
+    ActiveKernels().lamb_update_x(scalars, steps[l], &x[j], &m[j], &v[j],
+                                  end - at);
     at = end;
   }
 }

@@ -84,8 +84,8 @@ __global__ void LambMomentsKernel(LambArgs a, const float* __restrict__ decoded,
   }
 }
 
-// compress/lamb.cc's UpdateDirection: u = p + wd*x, p = m̂/(sqrt(v̂)+eps)
-// (bounded when frozen); *ratio = d/d' when frozen.
+// compress/simd/element_ops.h's LambDirection: u = p + wd*x, p =
+// m̂/(sqrt(v̂)+eps) (bounded when frozen); *ratio = d/d' when frozen.
 __device__ __forceinline__ float UpdateDirection(const LambArgs& a, float x, float m, float v,
                                                  float v_fresh, float* p, float* ratio) {
   const Adam& s = a.adam;

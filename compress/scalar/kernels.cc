@@ -138,13 +138,37 @@ void Momentum(float beta1, const float* m, const float* g, float* out,
   for (size_t i = 0; i < n; ++i) out[i] = simd::MomentumElement(beta1, m[i], g[i]);
 }
 
+void LambSegmentSums(const LambScalars& s, const float* x, const float* m,
+                     const float* v, const float* v_fresh, size_t n,
+                     double out[3]) {
+  // Warmup: [x, u]; compression: [u, p] and the ratios.
+  float first[kSumSegment], second[kSumSegment], most[kSumSegment];
+  for (size_t j = 0; j < n; ++j) {
+    float p = 0.0f, ratio = 0.0f;
+    const float u =
+        simd::LambDirection(s, x[j], m[j], v[j], v_fresh[j], &p, &ratio);
+    first[j] = s.frozen_variance ? u : x[j];
+    second[j] = s.frozen_variance ? p : u;
+    most[j] = ratio;
+  }
+  simd::LambSegmentFromTerms(first, second, most, n, out);
+}
+
+void LambUpdateX(const LambScalars& s, float step, float* x, const float* m,
+                 const float* v, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = x[i] - step * simd::LambDirection(s, x[i], m[i], v[i], 0.0f, nullptr,
+                                             nullptr);
+  }
+}
+
 }  // namespace
 
 const KernelTable& ScalarKernels() {
   static constexpr KernelTable kTable = {
-      "scalar",  Sign1Encode, Sign1Decode,  Sign1Average, IntEncode,
-      IntDecode, IntAverage,  AdamUpdate,   FrozenUpdate, Momentum,
-      FillDraws,
+      "scalar",        Sign1Encode, Sign1Decode, Sign1Average, IntEncode,
+      IntDecode,       IntAverage,  AdamUpdate,  FrozenUpdate, Momentum,
+      LambSegmentSums, LambUpdateX, FillDraws,
   };
   return kTable;
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "compress/halving_sum.h"
 #include "compress/kernels.h"
 
 namespace morse::compress::simd {
@@ -100,6 +101,52 @@ static inline void FrozenElement(const AdamScalars& s, float c, float* x,
   const float step = ratio + s.weight_decay * *x;
   *m = c;
   *x = *x - s.lr * step;
+}
+
+// 1-bit LAMB's direction of one element (design.md 2.8): u = p + wd*x with
+// p = m̂/(sqrt(v̂)+eps), bounded by max_ratio once v is frozen, when also
+// *ratio = (sqrt(v̂)+eps) / (sqrt(v'/bc2')+eps) (if ratio is not null).
+static inline float LambDirection(const LambScalars& ls, float x, float m,
+                                  float v, float v_fresh, float* p,
+                                  float* ratio) {
+  const AdamScalars& s = ls.adam;
+  const float m_hat = m / s.bias_correction1;
+  const float d = std::sqrt(v / s.bias_correction2) + s.eps;
+  float q = m_hat / d;
+  if (ls.frozen_variance) {
+    q = BoundRatio(q, s.max_ratio);
+    if (ratio != nullptr)
+      *ratio = d / (std::sqrt(v_fresh / ls.fresh_correction2) + s.eps);
+  }
+  if (p != nullptr) *p = q;
+  return q + s.weight_decay * x;
+}
+
+// One LAMB segment's statistics from its n <= kSumSegment terms: out[0] and
+// out[1] the halving sums (halving_sum.h) of first^2 and second^2 in double
+// (exact products), out[2] the maximum of most (each at least +0; NaN
+// counts as 0), the terms past n being +0.
+static inline void LambSegmentFromTerms(const float* first, const float* second,
+                                        const float* most, size_t n,
+                                        double out[3]) {
+  double a[kSumSegment], b[kSumSegment], top[kSumSegment];
+  for (size_t j = 0; j < kSumSegment; ++j) {
+    if (j < n) {
+      a[j] = static_cast<double>(first[j]) * first[j];
+      b[j] = static_cast<double>(second[j]) * second[j];
+      top[j] = most[j] > 0.0f ? most[j] : 0.0f;
+    } else {
+      a[j] = b[j] = top[j] = 0.0;
+    }
+  }
+  out[0] = HalvingSum(a);
+  out[1] = HalvingSum(b);
+  // The maximum by the same halving (any order gives it: no NaN is left).
+  for (uint64_t h = kSumSegment / 2; h >= 1; h /= 2) {
+    for (uint64_t i = 0; i < h; ++i)
+      top[i] = top[i + h] > top[i] ? top[i + h] : top[i];
+  }
+  out[2] = top[0];
 }
 
 static inline float MomentumElement(float beta1, float m, float g) {

@@ -164,6 +164,47 @@ TEST_P(KernelsTest, UpdateRulesMatchTheReference) {
   }
 }
 
+// 1-bit LAMB's segment statistics and x update, in warmup and compression,
+// at segment lengths that end inside a vector; zeros in v and v' (ratios up
+// to 1/eps), max_ratio clamping a share of the compression ratios.
+TEST_P(KernelsTest, LambLoopsMatchTheReference) {
+  const size_t lengths[] = {0, 1, 7, 8, 9, 15, 16, 17, 100, 255, 256};
+  for (size_t n : lengths) {
+    for (bool frozen : {false, true}) {
+      LambScalars s;
+      s.adam.weight_decay = 0.01f;
+      s.adam.bias_correction1 = 0.271f;
+      s.adam.bias_correction2 = 0.00299f;
+      s.adam.max_ratio = frozen ? 0.75f : s.adam.max_ratio;
+      s.frozen_variance = frozen;
+      s.fresh_correction2 = 0.0419f;
+      const std::vector<float> m = VariedData(n, 30);
+      std::vector<float> v = VariedData(n, 31), v_fresh = VariedData(n, 32);
+      for (float& e : v) e = e * e;  // zeros included (VariedData's every 97th)
+      for (float& e : v_fresh) e = e * e;
+      for (size_t j = 11; j < n; j += 13) v_fresh[j] = 0.0f;
+      const std::vector<float> x0 = VariedData(n, 33);
+      const std::string where =
+          "n=" + std::to_string(n) + (frozen ? " compression" : " warmup");
+      double ref[3] = {-1, -1, -1}, fast[3] = {-2, -2, -2};
+      ref_.lamb_segment_sums(s, x0.data(), m.data(), v.data(), v_fresh.data(),
+                             n, ref);
+      fast_->lamb_segment_sums(s, x0.data(), m.data(), v.data(), v_fresh.data(),
+                               n, fast);
+      EXPECT_EQ(std::memcmp(ref, fast, sizeof ref), 0)
+          << where << ": " << ref[0] << " " << ref[1] << " " << ref[2] << " vs "
+          << fast[0] << " " << fast[1] << " " << fast[2];
+      std::vector<float> x_ref = x0, x_fast = x0;
+      ref_.lamb_update_x(s, 3e-3f, x_ref.data(), m.data(), v.data(), n);
+      fast_->lamb_update_x(s, 3e-3f, x_fast.data(), m.data(), v.data(), n);
+      EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << where;
+      if (n > 0)
+        EXPECT_NE(FirstBitDifference(x_ref, x0), -1)
+            << where << ": x did not move";
+    }
+  }
+}
+
 TEST_P(KernelsTest, FillDrawsMatchesTheScalarGenerator) {
   // Starts inside and on a group of 4, lengths inside and across batches of
   // 32, a batch whose groups carry into the counter's high word, and keys
