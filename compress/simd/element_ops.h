@@ -129,24 +129,29 @@ static inline float LambDirection(const LambScalars& ls, float x, float m,
 static inline void LambSegmentFromTerms(const float* first, const float* second,
                                         const float* most, size_t n,
                                         double out[3]) {
-  double a[kSumSegment], b[kSumSegment], top[kSumSegment];
-  for (size_t j = 0; j < kSumSegment; ++j) {
-    if (j < n) {
-      a[j] = static_cast<double>(first[j]) * first[j];
-      b[j] = static_cast<double>(second[j]) * second[j];
-      top[j] = most[j] > 0.0f ? most[j] : 0.0f;
-    } else {
-      a[j] = b[j] = top[j] = 0.0;
-    }
+  double a[kSumSegment], b[kSumSegment];
+  float top[kSumSegment];
+  const auto terms = [&](size_t j) {
+    a[j] = static_cast<double>(first[j]) * first[j];
+    b[j] = static_cast<double>(second[j]) * second[j];
+    top[j] = most[j] > 0.0f ? most[j] : 0.0f;
+  };
+  // A whole segment in a loop of constant length, which the compiler
+  // vectorizes (each element on its own: the same values).
+  if (n == kSumSegment) {
+    for (size_t j = 0; j < kSumSegment; ++j) terms(j);
+  } else {
+    for (size_t j = 0; j < n; ++j) terms(j);
+    for (size_t j = n; j < kSumSegment; ++j) a[j] = b[j] = top[j] = 0.0f;
   }
   out[0] = HalvingSum(a);
   out[1] = HalvingSum(b);
-  // The maximum by the same halving (any order gives it: no NaN is left).
-  for (uint64_t h = kSumSegment / 2; h >= 1; h /= 2) {
-    for (uint64_t i = 0; i < h; ++i)
-      top[i] = top[i + h] > top[i] ? top[i + h] : top[i];
-  }
-  out[2] = top[0];
+  // The maximum of the non-negative floats, as a double (any order gives it:
+  // no NaN is left).
+  float biggest = 0.0f;
+  for (size_t j = 0; j < kSumSegment; ++j)
+    biggest = top[j] > biggest ? top[j] : biggest;
+  out[2] = biggest;
 }
 
 static inline float MomentumElement(float beta1, float m, float g) {
