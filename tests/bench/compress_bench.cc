@@ -27,6 +27,7 @@
 
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
+#include "compress/halving_sum.h"
 #include "compress/kernels.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
@@ -140,6 +141,49 @@ void BM_FillDraws(benchmark::State& state, const KernelTable* table) {
   }
   AlignedFloats out(kElems);
   Measure(state, 4.0 * kElems, kElems, [&] { table->fill_draws({7, 3, 1, 0}, out.data, kElems); });
+}
+
+// 1-bit LAMB's per-element loops (design.md 2.8) in the compression phase,
+// per kernel implementation: the segment statistics read x, m, v and v'
+// (kSumSegment elements a call, as LambTotals makes them); the x update reads
+// x, m, v and writes x.
+void BM_LambSegmentSums(benchmark::State& state, const KernelTable* table) {
+  if (table == nullptr) {
+    state.SkipWithError("this CPU cannot run this implementation");
+    return;
+  }
+  const std::vector<float> x = RandomVector(kElems, 11),
+                           m = RandomVector(kElems, 12);
+  std::vector<float> v = RandomVector(kElems, 13),
+                     v_fresh = RandomVector(kElems, 14);
+  for (float& e : v) e = e * e;
+  for (float& e : v_fresh) e = e * e;
+  LambScalars s;
+  s.frozen_variance = true;
+  s.adam.bias_correction2 = 0.1f;
+  std::vector<double> out(3 * (kElems / kSumSegment));
+  Measure(state, 16.0 * kElems, kElems, [&] {
+    for (size_t at = 0, k = 0; at < kElems; at += kSumSegment, k += 3) {
+      table->lamb_segment_sums(s, &x[at], &m[at], &v[at], &v_fresh[at],
+                               kSumSegment, &out[k]);
+    }
+  });
+}
+
+void BM_LambUpdateX(benchmark::State& state, const KernelTable* table) {
+  if (table == nullptr) {
+    state.SkipWithError("this CPU cannot run this implementation");
+    return;
+  }
+  std::vector<float> x = RandomVector(kElems, 15);
+  const std::vector<float> m = RandomVector(kElems, 16);
+  std::vector<float> v = RandomVector(kElems, 17);
+  for (float& e : v) e = e * e;
+  LambScalars s;
+  s.frozen_variance = true;
+  Measure(state, 16.0 * kElems, kElems, [&] {
+    table->lamb_update_x(s, 1e-7f, x.data(), m.data(), v.data(), kElems);
+  });
 }
 
 // The codec API on the active kernels, for every codec; encode with ef
@@ -355,6 +399,11 @@ void RegisterAll() {
                                         BM_Sign1Decode, table));
     common(benchmark::RegisterBenchmark((std::string("fill_draws/") + name).c_str(),
                                         BM_FillDraws, table));
+    common(benchmark::RegisterBenchmark(
+        (std::string("lamb_segment_sums/") + name).c_str(), BM_LambSegmentSums,
+        table));
+    common(benchmark::RegisterBenchmark(
+        (std::string("lamb_update_x/") + name).c_str(), BM_LambUpdateX, table));
   }
   for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4,
                          CodecKind::kFp16, CodecKind::kBf16, CodecKind::kFp32,
