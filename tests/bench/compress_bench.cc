@@ -29,6 +29,7 @@
 #include "compress/error_feedback.h"
 #include "compress/halving_sum.h"
 #include "compress/kernels.h"
+#include "compress/lamb.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/update_rules.h"
@@ -254,6 +255,58 @@ void BM_FrozenVarianceStep(benchmark::State& state) {
   state.SetLabel(ActiveKernels().name);
 }
 
+// The other optimizers' update loops, through the functions the daemons
+// call (issue 36's baseline; plain loops, not yet in the kernel table):
+// 0/1 Adam's local step (reads g, x, m, u, v; writes x, m, u), its sync
+// message (reads u, m, v; writes out) and its sync step (reads w, x, v;
+// writes x, m), and 1-bit LAMB's moments in the compression phase (reads c,
+// m, v'; writes m, v') after the zero-variance mask (reads v, c; writes c).
+void BM_ZeroOneLocalStep(benchmark::State& state) {
+  const std::vector<float> g = RandomVector(kElems, 18);
+  std::vector<float> x = RandomVector(kElems, 19), m(kElems, 0.0f),
+                     u(kElems, 0.0f), v(kElems, 1.0f);
+  const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
+  Measure(state, 32.0 * kElems, kElems, [&] {
+    ZeroOneLocalStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m),
+                     absl::MakeSpan(u), v, true);
+  });
+}
+
+void BM_ZeroOneSyncMessage(benchmark::State& state) {
+  const std::vector<float> u = RandomVector(kElems, 20),
+                           m = RandomVector(kElems, 21);
+  const std::vector<float> v(kElems, 1.0f);
+  std::vector<float> out(kElems);
+  const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
+  Measure(state, 16.0 * kElems, kElems,
+          [&] { ZeroOneSyncMessage(s, 4e-3f, u, m, v, absl::MakeSpan(out)); });
+}
+
+void BM_ZeroOneSyncStep(benchmark::State& state) {
+  const std::vector<float> w = RandomVector(kElems, 22);
+  std::vector<float> x = RandomVector(kElems, 23), m(kElems, 0.0f);
+  const std::vector<float> v(kElems, 1.0f);
+  AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
+  s.lr = 4e-3f;
+  Measure(state, 20.0 * kElems, kElems, [&] {
+    ZeroOneSyncStep(s, w, x, absl::MakeSpan(x), absl::MakeSpan(m), v);
+  });
+}
+
+void BM_LambMomentsMasked(benchmark::State& state) {
+  const std::vector<float> decoded = RandomVector(kElems, 24);
+  std::vector<float> c = decoded, m = RandomVector(kElems, 25), v(kElems, 1.0f),
+                     v_fresh(kElems, 1.0f);
+  ReplyRule rule;
+  rule.frozen_variance = true;
+  rule.lamb = true;
+  Measure(state, 28.0 * kElems, kElems, [&] {
+    SelectByVariance(v, absl::MakeSpan(c));
+    LambMoments(rule, c, absl::MakeSpan(m), absl::MakeSpan(v),
+                absl::MakeSpan(v_fresh));
+  });
+}
+
 // The data path's phases of one 1-bit Adam compression step (issue 12), at
 // kElems elements, on this thread, with the zero-variance mask on (the
 // default) and a few masked elements. Bytes are the least each phase must
@@ -428,6 +481,14 @@ void RegisterAll() {
   }
   common(benchmark::RegisterBenchmark("adam_step", BM_AdamStep));
   common(benchmark::RegisterBenchmark("frozen_variance_step", BM_FrozenVarianceStep));
+  common(
+      benchmark::RegisterBenchmark("zero_one/local_step", BM_ZeroOneLocalStep));
+  common(benchmark::RegisterBenchmark("zero_one/sync_message",
+                                      BM_ZeroOneSyncMessage));
+  common(
+      benchmark::RegisterBenchmark("zero_one/sync_step", BM_ZeroOneSyncStep));
+  common(benchmark::RegisterBenchmark("lamb/moments_masked",
+                                      BM_LambMomentsMasked));
 }
 
 }  // namespace
