@@ -58,12 +58,11 @@ TEST(DigitsTest, OneBitAdamIsWithinAPointOfAdam) {
     const double lamb =
         TrainDigits("digits_onebit_lamb.textproto", data_dir, seed);
     std::printf(
-        "digits, seed %d, 500 steps, 4 workers, 2 shards: test accuracy adam "
-        "%.2f%%, "
-        "onebit_adam %.2f%%, onebit_lamb %.2f%%\n",
+        "digits, seed %d, 500 steps, 4 workers, 2 shards: test accuracy "
+        "adam %.2f%%, onebit_adam %.2f%%, onebit_lamb %.2f%%\n",
         seed, 100 * adam, 100 * onebit, 100 * lamb);
-    EXPECT_GT(adam, 0.9) << "seed "
-                         << seed;  // trains at all (each seed ends near 97%)
+    // Adam trains at all (each seed ends near 97%).
+    EXPECT_GT(adam, 0.9) << "seed " << seed;
     absl::StrAppend(&onebit_gaps, " ", adam - onebit);
     absl::StrAppend(&lamb_gaps, " ", adam - lamb);
   }
