@@ -246,15 +246,20 @@ TEST(TrainingTest, EveryKernelTableGivesTheSameBits) {
   std::string zero_one = dead;
   zero_one.replace(zero_one.find("steps: 12"), 9, "steps: 20");
   const std::string configs[] = {
-      dead +
-          "optimizer: \"onebit_adam\"\nfreeze_step: 5\nclip_grad_norm: 0.5\n",
+      dead + R"(
+        optimizer: "onebit_adam"
+        freeze_step: 5
+        clip_grad_norm: 0.5
+      )",
       zero_one + R"(
         optimizer: "zero_one_adam"
         zero_one_adam { var_freeze_step: 8 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
       )",
-      layered +
-          "optimizer: \"onebit_lamb\"\nfreeze_step: 5\nadam { weight_decay: "
-          "0.01 }\n",
+      layered + R"(
+        optimizer: "onebit_lamb"
+        freeze_step: 5
+        adam { weight_decay: 0.01 }
+      )",
       std::string(kCommon) + R"(
         optimizer: "adam"
         up_codec { codec: "int4" stochastic: true }
