@@ -35,11 +35,10 @@ std::string TrainingSummary::ToJson() const {
   std::string json = absl::StrFormat(
       "{\"rank\":%u,\"steps\":%d,\"final_loss\":%.6g,\"payload_up_bytes\":%u,"
       "\"payload_down_bytes\":%u,\"warmup_up_bytes_per_step\":%u,"
-      "\"compressed_up_bytes_per_step\":%u,\"exchanges\":%d,\"wire_sent_"
-      "bytes\":%u,\"wire_received_bytes\":%u,"
+      "\"compressed_up_bytes_per_step\":%u,\"exchanges\":%d,"
+      "\"wire_sent_bytes\":%u,\"wire_received_bytes\":%u,"
       "\"wall_seconds\":%.3f,\"comm_seconds\":%.3f,\"checksum\":\"%016x\","
-      "\"device\":\"%s\","
-      "\"kernels\":\"%s\"",
+      "\"device\":\"%s\",\"kernels\":\"%s\"",
       rank, steps, final_loss, payload_up, payload_down, warmup_up_per_step,
       compressed_up_per_step, exchanges, wire_sent_bytes, wire_received_bytes,
       wall_seconds, comm_seconds, final_checksum, device,

@@ -141,25 +141,17 @@ void Momentum(float beta1, const float* m, const float* g, float* out,
 void LambSegmentSums(const LambScalars& s, const float* x, const float* m,
                      const float* v, const float* v_fresh, size_t n,
                      double out[3]) {
-  // Warmup: [x, u]; compression: [u, p] and the ratios.
   float first[kSumSegment], second[kSumSegment], most[kSumSegment];
   for (size_t j = 0; j < n; ++j) {
-    float p = 0.0f, ratio = 0.0f;
-    const float u =
-        simd::LambDirection(s, x[j], m[j], v[j], v_fresh[j], &p, &ratio);
-    first[j] = s.frozen_variance ? u : x[j];
-    second[j] = s.frozen_variance ? p : u;
-    most[j] = ratio;
+    simd::LambTermsElement(s, x, m, v, v_fresh, j, first, second, most);
   }
   simd::LambSegmentFromTerms(first, second, most, n, out);
 }
 
 void LambUpdateX(const LambScalars& s, float step, float* x, const float* m,
                  const float* v, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
-    x[i] = x[i] - step * simd::LambDirection(s, x[i], m[i], v[i], 0.0f, nullptr,
-                                             nullptr);
-  }
+  for (size_t i = 0; i < n; ++i)
+    simd::LambUpdateElement(s, step, &x[i], m[i], v[i]);
 }
 
 }  // namespace

@@ -122,6 +122,25 @@ static inline float LambDirection(const LambScalars& ls, float x, float m,
   return q + s.weight_decay * x;
 }
 
+// Element j's terms of a LAMB segment's statistics: warmup first = x and
+// second = u; compression first = u, second = p and most = d/d'.
+static inline void LambTermsElement(const LambScalars& s, const float* x,
+                                    const float* m, const float* v,
+                                    const float* v_fresh, size_t j,
+                                    float* first, float* second, float* most) {
+  float p = 0.0f, ratio = 0.0f;
+  const float u = LambDirection(s, x[j], m[j], v[j], v_fresh[j], &p, &ratio);
+  first[j] = s.frozen_variance ? u : x[j];
+  second[j] = s.frozen_variance ? p : u;
+  most[j] = ratio;
+}
+
+// x = x - step*u for one element.
+static inline void LambUpdateElement(const LambScalars& s, float step, float* x,
+                                     float m, float v) {
+  *x = *x - step * LambDirection(s, *x, m, v, 0.0f, nullptr, nullptr);
+}
+
 // One LAMB segment's statistics from its n <= kSumSegment terms: out[0] and
 // out[1] the halving sums (halving_sum.h) of first^2 and second^2 in double
 // (exact products), out[2] the maximum of most (each at least +0; NaN
