@@ -100,6 +100,20 @@ struct KernelTable {
                             const float* v_fresh, size_t n, double out[3]);
   void (*lamb_update_x)(const LambScalars& s, float step, float* x,
                         const float* m, const float* v, size_t n);
+  // zero_one_adam (design.md 2.7), compress/update_rules.h's loops: a
+  // worker's local step over n elements (u read as +0 when `fresh`, the
+  // interval's first step, so u need not be cleared first), its sync message
+  // (lr_sum != 0), and every replica's sync update from the decoded reply w,
+  // masked first when `mask` (anchor may be x itself).
+  void (*zero_one_local_step)(const AdamScalars& s, const float* g, float* x,
+                              float* m, float* u, const float* v, size_t n,
+                              bool fresh, bool write_x);
+  void (*zero_one_sync_message)(const AdamScalars& s, float lr_sum,
+                                const float* u, const float* v, float* out,
+                                size_t n);
+  void (*zero_one_sync_step)(const AdamScalars& s, bool mask, const float* w,
+                             const float* anchor, float* x, float* m,
+                             const float* v, size_t n);
   // out[i] = the uniform draw of element key.first_index + i
   // (stochastic_rounding.h's FillDraws: the same floats, several Philox
   // counters at a time).

@@ -291,11 +291,15 @@ void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<floa
   if (rule.grad_scale != 1.0f) {
     for (float& g : decoded) g *= rule.grad_scale;
   }
+  if (rule.sync) {  // the mask in the same pass
+    ZeroOneSyncStep(rule.scalars, decoded,
+                    anchor.empty() ? absl::Span<const float>(x) : anchor, x, m,
+                    v, rule.mask);
+    return;
+  }
   if (rule.mask) SelectByVariance(v, decoded);
   if (rule.lamb) {
     LambMoments(rule, decoded, m, v, v_fresh);
-  } else if (rule.sync) {
-    ZeroOneSyncStep(rule.scalars, decoded, anchor.empty() ? absl::Span<const float>(x) : anchor, x, m, v);
   } else if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
   } else if (rule.bounded_variance) {

@@ -146,7 +146,7 @@ double SegmentSumOfSquares(const float* values, uint64_t n);
 // 1e-6)) in float; 1 when max_norm is 0.
 float ClipScale(double sum_of_squares, float max_norm);
 // The update of a ReplyRule on host arrays of decoded.size() elements
-// (decoded is masked in place when the rule masks). `anchor`: x at the last
+// (decoded is scratch: it may be masked in place). `anchor`: x at the last
 // sync for a sync rule (empty: x itself, a shard's mirror).
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
                absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor = {},

@@ -106,20 +106,14 @@ void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g, absl::
   }
 }
 
-void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
-                      absl::Span<float> m, absl::Span<float> u, absl::Span<const float> v,
-                      bool write_x) {
+void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g,
+                      absl::Span<float> x, absl::Span<float> m,
+                      absl::Span<float> u, absl::Span<const float> v,
+                      bool write_x, bool fresh) {
   MORSE_CHECK(g.size() == x.size() && x.size() == m.size() && m.size() == u.size() &&
               u.size() == v.size());
-  for (size_t j = 0; j < g.size(); ++j) {
-    const float mi = s.beta1 * m[j] + (1.0f - s.beta1) * g[j];
-    const float m_hat = mi / s.bias_correction1;
-    const float v_hat = v[j] / s.bias_correction2;
-    const float d = simd::BoundRatio(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio) + s.weight_decay * x[j];
-    m[j] = mi;
-    u[j] = u[j] + s.lr * d;
-    if (write_x) x[j] = x[j] - s.lr * d;
-  }
+  ActiveKernels().zero_one_local_step(s, g.data(), x.data(), m.data(), u.data(),
+                                      v.data(), g.size(), fresh, write_x);
 }
 
 void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const float> u,
@@ -129,21 +123,18 @@ void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const flo
     std::copy(m.begin(), m.end(), out.begin());
     return;
   }
-  for (size_t j = 0; j < u.size(); ++j) {
-    const float a = std::sqrt(v[j] / s.bias_correction2) + s.eps;
-    out[j] = (u[j] * a) / lr_sum;
-  }
+  ActiveKernels().zero_one_sync_message(s, lr_sum, u.data(), v.data(),
+                                        out.data(), u.size());
 }
 
-void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w, absl::Span<const float> anchor,
-                     absl::Span<float> x, absl::Span<float> m, absl::Span<const float> v) {
+void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w,
+                     absl::Span<const float> anchor, absl::Span<float> x,
+                     absl::Span<float> m, absl::Span<const float> v,
+                     bool mask) {
   MORSE_CHECK(w.size() == anchor.size() && anchor.size() == x.size() && x.size() == m.size() &&
               m.size() == v.size());
-  for (size_t j = 0; j < w.size(); ++j) {
-    const float a = std::sqrt(v[j] / s.bias_correction2) + s.eps;
-    x[j] = anchor[j] - s.lr * simd::BoundRatio(w[j] / a, s.max_ratio);
-    m[j] = w[j];
-  }
+  ActiveKernels().zero_one_sync_step(s, mask, w.data(), anchor.data(), x.data(),
+                                     m.data(), v.data(), w.size());
 }
 
 }  // namespace morse::compress

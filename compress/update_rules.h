@@ -64,8 +64,9 @@ void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
 void LocalMomentum(float beta1, absl::Span<const float> m,
                    absl::Span<const float> g, absl::Span<float> out);
 
-// zero_one_adam (design.md 2.7). Plain loops in one fixed fp32 order (the
-// compress target is built without FMA contraction), on the CPU only.
+// zero_one_adam (design.md 2.7): simd/element_ops.h's ZeroOne*Element in
+// one fixed fp32 order, through ActiveKernels() (the variance step is a plain
+// loop: it runs only before the freeze).
 //
 // A variance step (s in T_v before the freeze): Adam's step with the ratio
 // bounded, r = bound((m/bc1) / (sqrt(v/bc2) + eps)), as the other steps of
@@ -73,11 +74,13 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
 void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
                          absl::Span<float> m, absl::Span<float> v);
 // One worker's local step: m = b1*m + (1-b1)*g; r = bound((m/bc1) /
-// (sqrt(v/bc2) + eps)); d = r + wd*x; u = u + lr*d; x = x - lr*d unless
-// !write_x (a sync step, whose x comes from the reply).
-void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
-                      absl::Span<float> m, absl::Span<float> u, absl::Span<const float> v,
-                      bool write_x);
+// (sqrt(v/bc2) + eps)); d = r + wd*x; u = u + lr*d (u read as +0 when
+// `fresh`, the interval's first step); x = x - lr*d unless !write_x (a sync
+// step, whose x comes from the reply).
+void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g,
+                      absl::Span<float> x, absl::Span<float> m,
+                      absl::Span<float> u, absl::Span<const float> v,
+                      bool write_x, bool fresh = false);
 // A worker's sync message: out = (u * (sqrt(v/bc2) + eps)) / lr_sum, the
 // learning-rate-weighted mean of its local momenta since the last sync; its
 // own m where lr_sum is 0.
@@ -85,10 +88,12 @@ void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const flo
                         absl::Span<const float> m, absl::Span<const float> v, absl::Span<float> out);
 // Every replica's sync update from the decoded reply w, with s.lr the
 // interval's learning-rate sum: x = anchor - lr_sum * bound(w / (sqrt(v/bc2)
-// + eps)); m = w. `anchor` (x at the last sync) may be x itself (a shard's
-// mirror never leaves it).
-void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w, absl::Span<const float> anchor,
-                     absl::Span<float> x, absl::Span<float> m, absl::Span<const float> v);
+// + eps)); m = w, w first masked (+0 where v is 0) when `mask`. `anchor` (x
+// at the last sync) may be x itself (a shard's mirror never leaves it).
+void ZeroOneSyncStep(const AdamScalars& s, absl::Span<const float> w,
+                     absl::Span<const float> anchor, absl::Span<float> x,
+                     absl::Span<float> m, absl::Span<const float> v,
+                     bool mask = false);
 
 }  // namespace morse::compress
 

@@ -38,6 +38,11 @@ struct Avx2 {
   static F Sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F Min(F a, F b) { return _mm256_min_ps(a, b); }
   static F Max(F a, F b) { return _mm256_max_ps(a, b); }
+  // +0 in the lanes where v == 0 (ordered: NaN is not 0), else w.
+  static F ZeroWhereZero(F v, F w) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ),
+                            w);
+  }
   static I AbsBits(F a) {
     return _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff));
   }

@@ -38,6 +38,11 @@ struct Avx512 {
   static F Sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F Min(F a, F b) { return _mm512_min_ps(a, b); }
   static F Max(F a, F b) { return _mm512_max_ps(a, b); }
+  // +0 in the lanes where v == 0 (ordered: NaN is not 0), else w.
+  static F ZeroWhereZero(F v, F w) {
+    return _mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ), w);
+  }
   static I AbsBits(F a) {
     return _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff));
   }

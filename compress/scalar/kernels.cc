@@ -154,13 +154,36 @@ void LambUpdateX(const LambScalars& s, float step, float* x, const float* m,
     simd::LambUpdateElement(s, step, &x[i], m[i], v[i]);
 }
 
+void ZeroOneLocalStep(const AdamScalars& s, const float* g, float* x, float* m,
+                      float* u, const float* v, size_t n, bool fresh,
+                      bool write_x) {
+  for (size_t i = 0; i < n; ++i) {
+    simd::ZeroOneLocalElement(s, g[i], &x[i], &m[i], fresh ? 0.0f : u[i], &u[i],
+                              v[i], write_x);
+  }
+}
+
+void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, const float* u,
+                        const float* v, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    out[i] = simd::ZeroOneMessageElement(s, lr_sum, u[i], v[i]);
+}
+
+void ZeroOneSyncStep(const AdamScalars& s, bool mask, const float* w,
+                     const float* anchor, float* x, float* m, const float* v,
+                     size_t n) {
+  for (size_t i = 0; i < n; ++i)
+    simd::ZeroOneSyncElement(s, mask, w[i], anchor[i], &x[i], &m[i], v[i]);
+}
+
 }  // namespace
 
 const KernelTable& ScalarKernels() {
   static constexpr KernelTable kTable = {
-      "scalar",        Sign1Encode, Sign1Decode, Sign1Average, IntEncode,
-      IntDecode,       IntAverage,  AdamUpdate,  FrozenUpdate, Momentum,
-      LambSegmentSums, LambUpdateX, FillDraws,
+      "scalar",         Sign1Encode,        Sign1Decode,     Sign1Average,
+      IntEncode,        IntDecode,          IntAverage,      AdamUpdate,
+      FrozenUpdate,     Momentum,           LambSegmentSums, LambUpdateX,
+      ZeroOneLocalStep, ZeroOneSyncMessage, ZeroOneSyncStep, FillDraws,
   };
   return kTable;
 }

@@ -173,6 +173,49 @@ static inline void LambSegmentFromTerms(const float* first, const float* second,
   out[2] = biggest;
 }
 
+// DESIGN 2.1's zero-variance mask: +0 where v is exactly 0 (either sign of
+// zero; NaN is not 0), else w.
+static inline float MaskedByVariance(bool mask, float v, float w) {
+  return mask && v == 0.0f ? 0.0f : w;
+}
+
+// zero_one_adam (design.md 2.7). The bounded Adam ratio of the local and
+// sync steps: bound(m_hat / (sqrt(v/bc2) + eps)).
+static inline float ZeroOneDenominator(const AdamScalars& s, float v) {
+  return std::sqrt(v / s.bias_correction2) + s.eps;
+}
+
+// One worker's local step on one element: m = b1*m + (1-b1)*g;
+// d = bound((m/bc1) / (sqrt(v/bc2) + eps)) + wd*x; u = u + lr*d (u_old is
+// +0 at the interval's first step); x = x - lr*d when write_x.
+static inline void ZeroOneLocalElement(const AdamScalars& s, float g, float* x,
+                                       float* m, float u_old, float* u, float v,
+                                       bool write_x) {
+  const float mi = s.beta1 * *m + (1.0f - s.beta1) * g;
+  const float m_hat = mi / s.bias_correction1;
+  const float d = BoundRatio(m_hat / ZeroOneDenominator(s, v), s.max_ratio) +
+                  s.weight_decay * *x;
+  *m = mi;
+  *u = u_old + s.lr * d;
+  if (write_x) *x = *x - s.lr * d;
+}
+
+// A worker's sync message element: (u * (sqrt(v/bc2) + eps)) / lr_sum.
+static inline float ZeroOneMessageElement(const AdamScalars& s, float lr_sum,
+                                          float u, float v) {
+  return (u * ZeroOneDenominator(s, v)) / lr_sum;
+}
+
+// Every replica's sync update of one element from the decoded reply w
+// (masked first), s.lr the interval's learning-rate sum.
+static inline void ZeroOneSyncElement(const AdamScalars& s, bool mask, float w,
+                                      float anchor, float* x, float* m,
+                                      float v) {
+  const float wj = MaskedByVariance(mask, v, w);
+  *x = anchor - s.lr * BoundRatio(wj / ZeroOneDenominator(s, v), s.max_ratio);
+  *m = wj;
+}
+
 static inline float MomentumElement(float beta1, float m, float g) {
   return beta1 * m + (1.0f - beta1) * g;
 }

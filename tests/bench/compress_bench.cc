@@ -256,11 +256,11 @@ void BM_FrozenVarianceStep(benchmark::State& state) {
 }
 
 // The other optimizers' update loops, through the functions the daemons
-// call (issue 36's baseline; plain loops, not yet in the kernel table):
-// 0/1 Adam's local step (reads g, x, m, u, v; writes x, m, u), its sync
-// message (reads u, m, v; writes out) and its sync step (reads w, x, v;
-// writes x, m), and 1-bit LAMB's moments in the compression phase (reads c,
-// m, v'; writes m, v') after the zero-variance mask (reads v, c; writes c).
+// call: 0/1 Adam's local step (reads g, x, m, u, v; writes x, m, u), its
+// sync message (reads u, v; writes out) and its masked sync step (reads w,
+// x, v; writes x, m), in the kernel table; and 1-bit LAMB's moments in the
+// compression phase (reads c, m, v'; writes m, v') after the zero-variance
+// mask (reads v, c; writes c), still plain loops.
 void BM_ZeroOneLocalStep(benchmark::State& state) {
   const std::vector<float> g = RandomVector(kElems, 18);
   std::vector<float> x = RandomVector(kElems, 19), m(kElems, 0.0f),
@@ -270,6 +270,7 @@ void BM_ZeroOneLocalStep(benchmark::State& state) {
     ZeroOneLocalStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m),
                      absl::MakeSpan(u), v, true);
   });
+  state.SetLabel(ActiveKernels().name);
 }
 
 void BM_ZeroOneSyncMessage(benchmark::State& state) {
@@ -280,6 +281,7 @@ void BM_ZeroOneSyncMessage(benchmark::State& state) {
   const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
   Measure(state, 16.0 * kElems, kElems,
           [&] { ZeroOneSyncMessage(s, 4e-3f, u, m, v, absl::MakeSpan(out)); });
+  state.SetLabel(ActiveKernels().name);
 }
 
 void BM_ZeroOneSyncStep(benchmark::State& state) {
@@ -289,8 +291,10 @@ void BM_ZeroOneSyncStep(benchmark::State& state) {
   AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
   s.lr = 4e-3f;
   Measure(state, 20.0 * kElems, kElems, [&] {
-    ZeroOneSyncStep(s, w, x, absl::MakeSpan(x), absl::MakeSpan(m), v);
+    ZeroOneSyncStep(s, w, x, absl::MakeSpan(x), absl::MakeSpan(m), v,
+                    /*mask=*/true);
   });
+  state.SetLabel(ActiveKernels().name);
 }
 
 void BM_LambMomentsMasked(benchmark::State& state) {

@@ -205,6 +205,73 @@ TEST_P(KernelsTest, LambLoopsMatchTheReference) {
   }
 }
 
+// zero_one_adam's local step (fresh or continuing an interval, with and
+// without x), sync message and masked sync, at lengths that end inside a
+// vector; zeros in v (masked elements, ratios up to 1/eps), max_ratio
+// clamping a share of the ratios, the sync's anchor x itself or its own.
+TEST_P(KernelsTest, ZeroOneLoopsMatchTheReference) {
+  const size_t lengths[] = {0, 1, 7, 8, 9, 15, 16, 17, 100, 255, 256};
+  for (size_t n : lengths) {
+    AdamScalars s;
+    s.lr = 3e-3f;
+    s.weight_decay = 0.01f;
+    s.bias_correction1 = 0.271f;
+    s.bias_correction2 = 0.00299f;
+    s.max_ratio = 0.75f;
+    const std::vector<float> g = VariedData(n, 40), x0 = VariedData(n, 41),
+                             m0 = VariedData(n, 42), u0 = VariedData(n, 43),
+                             w = VariedData(n, 44), anchor = VariedData(n, 45);
+    std::vector<float> v = VariedData(n, 46);
+    for (float& e : v) e = e * e;  // zeros included (VariedData's every 97th)
+    for (size_t j = 5; j < n; j += 11) v[j] = j % 2 ? -0.0f : 0.0f;
+    for (bool fresh : {false, true}) {
+      for (bool write_x : {false, true}) {
+        const std::string where = "n=" + std::to_string(n) +
+                                  (fresh ? " fresh" : "") +
+                                  (write_x ? " write_x" : "");
+        std::vector<float> x_ref = x0, m_ref = m0, u_ref = u0;
+        std::vector<float> x_fast = x0, m_fast = m0, u_fast = u0;
+        ref_.zero_one_local_step(s, g.data(), x_ref.data(), m_ref.data(),
+                                 u_ref.data(), v.data(), n, fresh, write_x);
+        fast_->zero_one_local_step(s, g.data(), x_fast.data(), m_fast.data(),
+                                   u_fast.data(), v.data(), n, fresh, write_x);
+        EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << where << " x";
+        EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << where << " m";
+        EXPECT_EQ(FirstBitDifference(u_fast, u_ref), -1) << where << " u";
+        if (n > 0) EXPECT_NE(FirstBitDifference(u_ref, u0), -1) << where;
+      }
+    }
+    std::vector<float> out_ref(n, -1), out_fast(n, -2);
+    ref_.zero_one_sync_message(s, 7e-3f, u0.data(), v.data(), out_ref.data(),
+                               n);
+    fast_->zero_one_sync_message(s, 7e-3f, u0.data(), v.data(), out_fast.data(),
+                                 n);
+    EXPECT_EQ(FirstBitDifference(out_fast, out_ref), -1) << "n=" << n;
+    for (bool mask : {false, true}) {
+      for (bool own_anchor : {false, true}) {
+        const std::string where = "n=" + std::to_string(n) +
+                                  (mask ? " mask" : "") +
+                                  (own_anchor ? " anchor" : " anchor=x");
+        std::vector<float> x_ref = x0, m_ref = m0, x_fast = x0, m_fast = m0;
+        ref_.zero_one_sync_step(s, mask, w.data(),
+                                own_anchor ? anchor.data() : x_ref.data(),
+                                x_ref.data(), m_ref.data(), v.data(), n);
+        fast_->zero_one_sync_step(s, mask, w.data(),
+                                  own_anchor ? anchor.data() : x_fast.data(),
+                                  x_fast.data(), m_fast.data(), v.data(), n);
+        EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << where << " x";
+        EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << where << " m";
+        for (size_t j = 0; j < n; ++j) {
+          if (mask && v[j] == 0.0f) {
+            ASSERT_TRUE(m_ref[j] == 0.0f && !std::signbit(m_ref[j]))
+                << where << " j=" << j;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(KernelsTest, FillDrawsMatchesTheScalarGenerator) {
   // Starts inside and on a group of 4, lengths inside and across batches of
   // 32, a batch whose groups carry into the counter's high word, and keys
