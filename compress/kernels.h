@@ -100,6 +100,11 @@ struct KernelTable {
                             const float* v_fresh, size_t n, double out[3]);
   void (*lamb_update_x)(const LambScalars& s, float step, float* x,
                         const float* m, const float* v, size_t n);
+  // Its moments from the decoded reply (simd::LambMomentsElement), masked
+  // first when `mask`; v' = v at the last warmup step when copy_fresh.
+  void (*lamb_moments)(const LambScalars& s, bool copy_fresh, bool mask,
+                       const float* decoded, float* m, float* v, float* v_fresh,
+                       size_t n);
   // zero_one_adam (design.md 2.7), compress/update_rules.h's loops: a
   // worker's local step over n elements (u read as +0 when `fresh`, the
   // interval's first step, so u need not be cleared first), its sync message

@@ -36,22 +36,9 @@ size_t LayerCount(const SimulatorConfig& config) { return std::max<size_t>(1, co
 void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> m,
                  absl::Span<float> v, absl::Span<float> v_fresh) {
   MORSE_CHECK(decoded.size() == m.size() && m.size() == v.size() && v.size() == v_fresh.size());
-  const float b1 = rule.scalars.beta1, b2 = rule.scalars.beta2;
-  if (!rule.frozen_variance) {
-    for (size_t j = 0; j < m.size(); ++j) {
-      const float g = decoded[j];
-      m[j] = b1 * m[j] + (1.0f - b1) * g;
-      v[j] = b2 * v[j] + (1.0f - b2) * (g * g);
-      if (rule.copy_fresh) v_fresh[j] = v[j];
-    }
-    return;
-  }
-  for (size_t j = 0; j < m.size(); ++j) {
-    const float c = decoded[j];
-    const float g = (c - b1 * m[j]) / (1.0f - b1);
-    v_fresh[j] = b2 * v_fresh[j] + (1.0f - b2) * (g * g);
-    m[j] = c;
-  }
+  ActiveKernels().lamb_moments(ScalarsOf(rule), rule.copy_fresh, rule.mask,
+                               decoded.data(), m.data(), v.data(),
+                               v_fresh.data(), m.size());
 }
 
 std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& layout, Range range) {

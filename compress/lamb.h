@@ -44,9 +44,9 @@ std::vector<uint64_t> LayerBounds(const SimulatorConfig& config);
 size_t LayerCount(const SimulatorConfig& config);
 
 // The moments of a lamb reply rule (PlanReply) from the decoded values
-// (masked already): warmup, m = b1*m + (1-b1)*g and v = b2*v + (1-b2)*g*g,
-// and at the last warmup step v' = v; compression, g' = (c - b1*m)/(1-b1),
-// v' = b2*v' + (1-b2)*g'*g', m = c.
+// (masked first when the rule masks: +0 where v is 0): warmup, m = b1*m +
+// (1-b1)*g and v = b2*v + (1-b2)*g*g, and at the last warmup step v' = v;
+// compression, g' = (c - b1*m)/(1-b1), v' = b2*v' + (1-b2)*g'*g', m = c.
 void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> m,
                  absl::Span<float> v, absl::Span<float> v_fresh);
 

@@ -297,10 +297,12 @@ void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<floa
                     v, rule.mask);
     return;
   }
-  if (rule.mask) SelectByVariance(v, decoded);
-  if (rule.lamb) {
+  if (rule.lamb) {  // the mask in the same pass
     LambMoments(rule, decoded, m, v, v_fresh);
-  } else if (rule.frozen_variance) {
+    return;
+  }
+  if (rule.mask) SelectByVariance(v, decoded);
+  if (rule.frozen_variance) {
     FrozenVarianceStep(rule.scalars, decoded, x, m, v);
   } else if (rule.bounded_variance) {
     ZeroOneVarianceStep(rule.scalars, decoded, x, m, v);
@@ -569,15 +571,23 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const S
     return absl::InvalidArgumentError(absl::StrCat("a local step needs the whole model's gradient (",
                                                    range_.size(), " elements), got ", g.size()));
   }
+  const StepPlan plan = PlanStep(config_, step);
   if (*starts) {
-    anchor_.assign(x_.begin(), x_.end());
-    u_.assign(range_.size(), 0.0f);
+    // An interval of one step leaves x alone until its sync, which then
+    // starts from x itself (no anchor: ApplyReply's empty anchor).
+    if (plan.exchanges) {
+      anchor_.clear();
+    } else {
+      anchor_.assign(x_.begin(), x_.end());
+    }
+    u_.resize(range_.size());  // read as +0 by the interval's first step
     lr_sum_ = 0.0f;
   }
-  const StepPlan plan = PlanStep(config_, step);
   g = ScaledGradient(g, grad_scale);
   const AdamScalars s = LocalStepScalars(config_, step, hyper);
-  ZeroOneLocalStep(s, g, x_, absl::MakeSpan(m_), absl::MakeSpan(u_), v_, /*write_x=*/!plan.exchanges);
+  ZeroOneLocalStep(s, g, x_, absl::MakeSpan(m_), absl::MakeSpan(u_), v_,
+                   /*write_x=*/!plan.exchanges,
+                   /*fresh=*/*starts);
   lr_sum_ += s.lr;
   local_step_ = step;
   return absl::OkStatus();

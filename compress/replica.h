@@ -241,13 +241,17 @@ class Replica {
   // The local interval in progress, for a worker's checkpoint: x at its
   // start (anchor), the update accumulated since (u), the learning-rate sum
   // and the last local step (-1: none; anchor and u empty before the local
-  // phase).
+  // phase and for an interval of one step, which leaves x alone until its
+  // sync).
   struct LocalInterval {
     std::vector<float> anchor, u;
     float lr_sum = 0;
     int64_t last_step = -1;
   };
-  LocalInterval local_interval() const { return {anchor_, u_, lr_sum_, local_step_}; }
+  LocalInterval local_interval() const {
+    if (anchor_.empty()) return {{}, {}, lr_sum_, local_step_};
+    return {anchor_, u_, lr_sum_, local_step_};
+  }
   // INVALID_ARGUMENT, nothing changed, unless anchor and u are both empty or
   // both of the replica's size.
   absl::Status RestoreLocalInterval(LocalInterval interval);

@@ -154,6 +154,15 @@ void LambUpdateX(const LambScalars& s, float step, float* x, const float* m,
     simd::LambUpdateElement(s, step, &x[i], m[i], v[i]);
 }
 
+void LambMoments(const LambScalars& s, bool copy_fresh, bool mask,
+                 const float* decoded, float* m, float* v, float* v_fresh,
+                 size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    simd::LambMomentsElement(s, copy_fresh, mask, decoded[i], &m[i], &v[i],
+                             &v_fresh[i]);
+  }
+}
+
 void ZeroOneLocalStep(const AdamScalars& s, const float* g, float* x, float* m,
                       float* u, const float* v, size_t n, bool fresh,
                       bool write_x) {
@@ -180,10 +189,11 @@ void ZeroOneSyncStep(const AdamScalars& s, bool mask, const float* w,
 
 const KernelTable& ScalarKernels() {
   static constexpr KernelTable kTable = {
-      "scalar",         Sign1Encode,        Sign1Decode,     Sign1Average,
-      IntEncode,        IntDecode,          IntAverage,      AdamUpdate,
-      FrozenUpdate,     Momentum,           LambSegmentSums, LambUpdateX,
-      ZeroOneLocalStep, ZeroOneSyncMessage, ZeroOneSyncStep, FillDraws,
+      "scalar",     Sign1Encode,      Sign1Decode,        Sign1Average,
+      IntEncode,    IntDecode,        IntAverage,         AdamUpdate,
+      FrozenUpdate, Momentum,         LambSegmentSums,    LambUpdateX,
+      LambMoments,  ZeroOneLocalStep, ZeroOneSyncMessage, ZeroOneSyncStep,
+      FillDraws,
   };
   return kTable;
 }

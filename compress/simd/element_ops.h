@@ -90,6 +90,12 @@ static inline float BoundRatio(float r, float bound) {
   return r > bound ? bound : (r < -bound ? -bound : r);
 }
 
+// DESIGN 2.1's zero-variance mask: +0 where v is exactly 0 (either sign of
+// zero; NaN is not 0), else w.
+static inline float MaskedByVariance(bool mask, float v, float w) {
+  return mask && v == 0.0f ? 0.0f : w;
+}
+
 // 1-bit Adam compression phase element: m = c, v frozen; m̂ = c / bc1 and
 // v̂ = v / bc2 (both 1 without bias correction, which leaves c and v exact);
 // the ratio m̂/(sqrt(v̂)+eps) is bounded by max_ratio (DESIGN 2.1).
@@ -135,6 +141,26 @@ static inline void LambTermsElement(const LambScalars& s, const float* x,
   most[j] = ratio;
 }
 
+// 1-bit LAMB's moments of one element from the decoded reply (masked first
+// when `mask`, by v before the update): warmup, m = b1*m + (1-b1)*g and v =
+// b2*v + (1-b2)*g*g, and v' = v when copy_fresh (the last warmup step);
+// compression, g' = (c - b1*m)/(1-b1), v' = b2*v' + (1-b2)*g'*g', m = c.
+static inline void LambMomentsElement(const LambScalars& s, bool copy_fresh,
+                                      bool mask, float decoded, float* m,
+                                      float* v, float* v_fresh) {
+  const float b1 = s.adam.beta1, b2 = s.adam.beta2;
+  const float c = MaskedByVariance(mask, *v, decoded);
+  if (!s.frozen_variance) {
+    *m = b1 * *m + (1.0f - b1) * c;
+    *v = b2 * *v + (1.0f - b2) * (c * c);
+    if (copy_fresh) *v_fresh = *v;
+    return;
+  }
+  const float g = (c - b1 * *m) / (1.0f - b1);
+  *v_fresh = b2 * *v_fresh + (1.0f - b2) * (g * g);
+  *m = c;
+}
+
 // x = x - step*u for one element.
 static inline void LambUpdateElement(const LambScalars& s, float step, float* x,
                                      float m, float v) {
@@ -171,12 +197,6 @@ static inline void LambSegmentFromTerms(const float* first, const float* second,
   for (size_t j = 0; j < kSumSegment; ++j)
     biggest = top[j] > biggest ? top[j] : biggest;
   out[2] = biggest;
-}
-
-// DESIGN 2.1's zero-variance mask: +0 where v is exactly 0 (either sign of
-// zero; NaN is not 0), else w.
-static inline float MaskedByVariance(bool mask, float v, float w) {
-  return mask && v == 0.0f ? 0.0f : w;
 }
 
 // zero_one_adam (design.md 2.7). The bounded Adam ratio of the local and

@@ -201,6 +201,30 @@ TEST_P(KernelsTest, LambLoopsMatchTheReference) {
       if (n > 0)
         EXPECT_NE(FirstBitDifference(x_ref, x0), -1)
             << where << ": x did not move";
+      // The moments from a decoded reply, masked or not, copying v' or not.
+      const std::vector<float> decoded = VariedData(n, 34);
+      for (bool mask : {false, true}) {
+        for (bool copy_fresh : {false, true}) {
+          const std::string at =
+              where + (mask ? " mask" : "") + (copy_fresh ? " copy_fresh" : "");
+          std::vector<float> m_ref = m, v_ref = v, f_ref = v_fresh;
+          std::vector<float> m_fast = m, v_fast = v, f_fast = v_fresh;
+          ref_.lamb_moments(s, copy_fresh, mask, decoded.data(), m_ref.data(),
+                            v_ref.data(), f_ref.data(), n);
+          fast_->lamb_moments(s, copy_fresh, mask, decoded.data(),
+                              m_fast.data(), v_fast.data(), f_fast.data(), n);
+          EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << at << " m";
+          EXPECT_EQ(FirstBitDifference(v_fast, v_ref), -1) << at << " v";
+          EXPECT_EQ(FirstBitDifference(f_fast, f_ref), -1) << at << " v'";
+          if (n > 0) EXPECT_NE(FirstBitDifference(m_ref, m), -1) << at;
+          for (size_t j = 0; j < n; ++j) {
+            if (mask && frozen && v[j] == 0.0f) {
+              ASSERT_TRUE(m_ref[j] == 0.0f && !std::signbit(m_ref[j]))
+                  << at << " j=" << j;
+            }
+          }
+        }
+      }
     }
   }
 }
