@@ -41,19 +41,50 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::S
                                v_fresh.data(), m.size());
 }
 
-std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& layout, Range range) {
+std::vector<LambPiece> LambPiecesOf(const SimulatorConfig& config,
+                                    Range partition) {
   const std::vector<uint64_t> bounds = LayerBounds(config);
+  std::vector<LambPiece> pieces;
+  for (uint64_t at = partition.begin; at < partition.end;) {
+    const size_t l = LayerOf(bounds, at);
+    const uint64_t end = std::min(partition.end, bounds[l + 1]);
+    pieces.push_back({at, end, static_cast<uint32_t>(l)});
+    at = end;
+  }
+  return pieces;
+}
+
+std::vector<LambPiece> LambPieces(const SimulatorConfig& config,
+                                  const Layout& layout, Range range) {
   std::vector<LambPiece> pieces;
   for (const Partition& p : layout.partitions()) {
     if (p.range.begin < range.begin || p.range.end > range.end) continue;
-    for (uint64_t at = p.range.begin; at < p.range.end;) {
-      const size_t l = LayerOf(bounds, at);
-      const uint64_t end = std::min(p.range.end, bounds[l + 1]);
-      pieces.push_back({at, end, static_cast<uint32_t>(l)});
-      at = end;
-    }
+    const std::vector<LambPiece> of = LambPiecesOf(config, p.range);
+    pieces.insert(pieces.end(), of.begin(), of.end());
   }
   return pieces;
+}
+
+std::vector<double> LambSegmentsOf(const ReplyRule& rule,
+                                   absl::Span<const LambPiece> pieces,
+                                   Range held, absl::Span<const float> x,
+                                   absl::Span<const float> m,
+                                   absl::Span<const float> v,
+                                   absl::Span<const float> v_fresh) {
+  MORSE_CHECK(x.size() == held.size() && m.size() == x.size() &&
+              v.size() == x.size() && v_fresh.size() == x.size());
+  std::vector<double> segments;
+  for (const LambPiece& piece : pieces) {
+    MORSE_CHECK(piece.begin >= held.begin && piece.end <= held.end);
+    for (uint64_t at = piece.begin; at < piece.end; at += kLambSegment) {
+      const size_t j = at - held.begin;
+      double out[kLambStats];
+      LambSegmentSums(rule, &x[j], &m[j], &v[j], &v_fresh[j],
+                      std::min(kLambSegment, piece.end - at), out);
+      segments.insert(segments.end(), out, out + kLambStats);
+    }
+  }
+  return segments;
 }
 
 void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, const float* v,
@@ -84,23 +115,15 @@ std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config, absl::Sp
   return totals;
 }
 
-std::vector<double> LambTotals(const SimulatorConfig& config, const Layout& layout,
-                               const ReplyRule& rule, Range range, absl::Span<const float> x,
-                               absl::Span<const float> m, absl::Span<const float> v,
+std::vector<double> LambTotals(const SimulatorConfig& config,
+                               const Layout& layout, const ReplyRule& rule,
+                               Range range, absl::Span<const float> x,
+                               absl::Span<const float> m,
+                               absl::Span<const float> v,
                                absl::Span<const float> v_fresh) {
-  MORSE_CHECK(x.size() == range.size() && m.size() == x.size() && v.size() == x.size() &&
-              v_fresh.size() == x.size());
   const std::vector<LambPiece> pieces = LambPieces(config, layout, range);
-  std::vector<double> segments;
-  for (const LambPiece& piece : pieces) {
-    for (uint64_t at = piece.begin; at < piece.end; at += kLambSegment) {
-      const size_t j = at - range.begin;
-      double out[kLambStats];
-      LambSegmentSums(rule, &x[j], &m[j], &v[j], &v_fresh[j], std::min(kLambSegment, piece.end - at), out);
-      segments.insert(segments.end(), out, out + kLambStats);
-    }
-  }
-  return LambTotalsOfSegments(config, pieces, segments);
+  return LambTotalsOfSegments(
+      config, pieces, LambSegmentsOf(rule, pieces, range, x, m, v, v_fresh));
 }
 
 std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& rule,

@@ -77,6 +77,17 @@ struct LambPiece {
 // The pieces of the partitions of `layout` inside `range`, in partition
 // order, then element order.
 std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& layout, Range range);
+// The pieces of one partition's range: the range cut at the layer bounds.
+std::vector<LambPiece> LambPiecesOf(const SimulatorConfig& config,
+                                    Range partition);
+// The statistics of every segment of `pieces`, in order (kLambStats values
+// each, LambSegmentSums); the arrays hold `held`, which holds the pieces.
+std::vector<double> LambSegmentsOf(const ReplyRule& rule,
+                                   absl::Span<const LambPiece> pieces,
+                                   Range held, absl::Span<const float> x,
+                                   absl::Span<const float> m,
+                                   absl::Span<const float> v,
+                                   absl::Span<const float> v_fresh);
 // One segment's statistics (kLambStats values: two sums and a maximum) from
 // its n <= kLambSegment elements: the terms padded with +0 to kLambSegment,
 // then t[i] += t[i + h] for i < h, h = 128, 64, ..., 1, in double; the

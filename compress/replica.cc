@@ -622,7 +622,16 @@ void Replica::InitLamb() {
   lamb_layers_.resize(LayerCount(config_));
 }
 
-absl::StatusOr<std::vector<double>> Replica::LambStep(int64_t step, const StepHyper* hyper) {
+std::vector<double> Replica::LambSegments(int64_t step, Range partition,
+                                          const StepHyper* hyper) const {
+  return LambSegmentsOf(PlanReply(config_, step, hyper),
+                        LambPiecesOf(config_, partition), range_, x_, m_, v_,
+                        v_fresh_);
+}
+
+absl::StatusOr<std::vector<double>> Replica::LambStep(
+    int64_t step, const StepHyper* hyper,
+    absl::Span<const std::vector<double>> partition_segments) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
     return absl::FailedPreconditionError("LambStep is for onebit_lamb");
   }
@@ -631,8 +640,37 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(int64_t step, const StepHy
   }
   absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
   if (!layout.ok()) return layout.status();
+  if (!partition_segments.empty() &&
+      partition_segments.size() != layout->partitions().size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segment statistics of ", partition_segments.size(),
+        " partitions for a layout of ", layout->partitions().size()));
+  }
   const ReplyRule rule = PlanReply(config_, step, hyper);
-  const std::vector<double> totals = LambTotals(config_, *layout, rule, range_, x_, m_, v_, v_fresh_);
+  // Each partition's segments in partition order: the order LambTotals sums.
+  std::vector<LambPiece> pieces;
+  std::vector<double> segments;
+  for (const Partition& p : layout->partitions()) {
+    const std::vector<LambPiece> of = LambPiecesOf(config_, p.range);
+    pieces.insert(pieces.end(), of.begin(), of.end());
+    uint64_t count = 0;
+    for (const LambPiece& piece : of) count += piece.segments();
+    const bool given =
+        !partition_segments.empty() && !partition_segments[p.id].empty();
+    const std::vector<double> computed =
+        given ? std::vector<double>()
+              : LambSegmentsOf(rule, of, range_, x_, m_, v_, v_fresh_);
+    const std::vector<double>& these =
+        given ? partition_segments[p.id] : computed;
+    if (these.size() != kLambStats * count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("partition ", p.id, " has ", count, " segments, got ",
+                       these.size(), " statistics"));
+    }
+    segments.insert(segments.end(), these.begin(), these.end());
+  }
+  const std::vector<double> totals =
+      LambTotalsOfSegments(config_, pieces, segments);
   std::vector<double> commit = LambCommit(config_, rule, totals, lamb_layers_);
   if (absl::Status s = ApplyLambCommit(step, range_.begin, range_.size(), commit, hyper); !s.ok()) {
     return s;

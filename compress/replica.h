@@ -261,7 +261,19 @@ class Replica {
   // model, forms the commit itself once every reply of `step` is applied,
   // applies it, and returns it for the shards; FAILED_PRECONDITION for a
   // replica of part of the model.
-  absl::StatusOr<std::vector<double>> LambStep(int64_t step, const StepHyper* hyper = nullptr);
+  //
+  // `partition_segments`, if not empty, holds per partition (by id) the
+  // statistics of its segments at this step (LambSegments), or nothing for
+  // those to compute here: a worker computes them as each reply lands, on
+  // the thread that applied it, instead of in one pass after the last.
+  absl::StatusOr<std::vector<double>> LambStep(
+      int64_t step, const StepHyper* hyper = nullptr,
+      absl::Span<const std::vector<double>> partition_segments = {});
+  // The statistics of the segments of `partition` (a range of the model)
+  // for the step of `step` (compress/lamb.h's LambSegmentsOf), once its
+  // reply has been applied.
+  std::vector<double> LambSegments(int64_t step, Range partition,
+                                   const StepHyper* hyper = nullptr) const;
   // A shard's mirror: applies the commit of `step` (from the workers) to x
   // over [begin, begin + n) and nothing else, so that partitions may apply
   // their commits at once from different threads. The layers' state after

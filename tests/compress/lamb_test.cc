@@ -328,7 +328,16 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
       ASSERT_TRUE(worker.ApplyReply(t, p.range.begin, p.range.size(), part).ok());
       ASSERT_TRUE(mirrors[p.shard].ApplyReply(t, p.range.begin, p.range.size(), part).ok());
     }
-    auto commit = worker.LambStep(t);
+    // On odd steps as a worker's engine does it: the segments of some
+    // partitions taken as their replies landed, the others left to LambStep.
+    std::vector<std::vector<double>> segments;
+    if (t % 2 == 1) {
+      segments.resize(layout->partitions().size());
+      for (const Partition& p : layout->partitions()) {
+        if (p.id % 2 == 0) segments[p.id] = worker.LambSegments(t, p.range);
+      }
+    }
+    auto commit = worker.LambStep(t, nullptr, segments);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
       ASSERT_TRUE(mirrors[p.shard].ApplyLambCommit(t, p.range.begin, p.range.size(), *commit).ok());
@@ -358,6 +367,17 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(mirrors[0].x(), before));
   EXPECT_EQ(mirrors[0].LambStep(24).status().code(), absl::StatusCode::kFailedPrecondition);
+  // Segment statistics for another layout, or of the wrong length, change
+  // nothing either.
+  const std::vector<float> worker_before(worker.x().begin(), worker.x().end());
+  std::vector<std::vector<double>> wrong(layout->partitions().size() + 1);
+  EXPECT_EQ(worker.LambStep(24, nullptr, wrong).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  wrong.pop_back();
+  wrong[1] = {1.0};  // never 3 per segment
+  EXPECT_EQ(worker.LambStep(24, nullptr, wrong).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SameBits(worker.x(), worker_before));
 }
 
 }  // namespace

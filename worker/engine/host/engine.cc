@@ -15,9 +15,11 @@ absl::Span<uint8_t> AsBytes(std::string* s) {
 class HostEngine final : public Engine {
  public:
   explicit HostEngine(const EngineState& state)
-      : config_(*state.config),
-        replica_(*state.replica),
-        error_(*state.error) {}
+      : config_(*state.config), replica_(*state.replica), error_(*state.error) {
+    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+      lamb_segments_.resize(state.layout->partitions().size());
+    }
+  }
 
   const std::string& kind() const override { return kName; }
   const std::string& description() const override { return kName; }
@@ -56,7 +58,15 @@ class HostEngine final : public Engine {
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
                           const compress::StepHyper* hyper, float grad_scale) override {
-    return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
+    absl::Status applied = replica_.ApplyReply(
+        step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
+    if (applied.ok() && !lamb_segments_.empty()) {
+      // The partition's share of LambStep's statistics, while this pool
+      // thread has it and other replies are still on the way.
+      lamb_segments_[p.id] = {step,
+                              replica_.LambSegments(step, p.range, hyper)};
+    }
+    return applied;
   }
 
   absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
@@ -66,7 +76,15 @@ class HostEngine final : public Engine {
   }
 
   absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) override {
-    return replica_.LambStep(step, hyper);
+    std::vector<std::vector<double>> segments(lamb_segments_.size());
+    for (size_t i = 0; i < segments.size(); ++i) {
+      // Statistics of another step (a reply not applied here) are computed
+      // again.
+      if (lamb_segments_[i].step == step)
+        segments[i] = std::move(lamb_segments_[i].values);
+      lamb_segments_[i] = {};
+    }
+    return replica_.LambStep(step, hyper, segments);
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override {
@@ -95,6 +113,13 @@ class HostEngine final : public Engine {
   compress::Replica& replica_;
   compress::ErrorFeedback& error_;
   std::vector<float> own_grad_;  // the hook's output
+  // onebit_lamb: per partition, the statistics of its segments computed by
+  // ApplyReply (each slot written by its partition's reply only).
+  struct LambSegments {
+    int64_t step = -1;
+    std::vector<double> values;
+  };
+  std::vector<LambSegments> lamb_segments_;
   absl::Span<const float> grad_;  // what Encode reads: own_grad_ or the caller's
 };
 
