@@ -374,7 +374,10 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     MutexLock progress(&progress_mu_);
     ++accepted_;
   }
-  if (completed_norm.has_value()) NoteStepCompleted(*completed_norm);
+  if (completed_norm.has_value()) {
+    NoteStepCompleted(*completed_norm);
+    MirrorSoon(p);
+  }
   if (schedule) {
     pool_->Schedule([this, &p] { CompleteOnPool(p); });
   } else if (!completion.waiters.empty()) {
@@ -648,7 +651,18 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
     p.committed_lamb = commit.lamb;
   }
   p.awaiting_commit = false;
-  ApplyMirror(p);
+}
+
+void ShardCore::MirrorSoon(PartitionState& p) {
+  const auto apply = [this, &p] {
+    MutexLock lock(&p.mu);
+    ApplyMirror(p);
+  };
+  if (pool_ == nullptr) {
+    apply();
+  } else {
+    pool_->Schedule(apply);
+  }
 }
 
 absl::Status ShardCore::Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
@@ -693,6 +707,9 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_
   }
   locks.clear();
   for (uint32_t i = 0; i < completed; ++i) NoteStepCompleted(step);
+  for (size_t i = 0; i < partitions_.size(); ++i) {
+    if (applies[i]) MirrorSoon(*partitions_[i]);
+  }
   return absl::OkStatus();
 }
 

@@ -249,8 +249,12 @@ class ShardCore {
   absl::Status CheckCommit(const PartitionState& p, uint32_t rank, int64_t step,
                            const StepCommit& commit, bool* applies) const
       ABSL_SHARED_LOCKS_REQUIRED(p.mu);
-  // Records a checked commit and applies the mirror.
+  // Records a checked commit; the caller then moves the mirror (MirrorSoon).
   void ApplyCommit(PartitionState& p, const StepCommit& commit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // ApplyMirror on the pool (here without one), so that the worker whose
+  // commit completed the step need not wait for the mirror's update: all
+  // that reads the mirror applies it first.
+  void MirrorSoon(PartitionState& p) ABSL_LOCKS_EXCLUDED(p.mu);
   absl::Status CommitStep(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                           const StepCommit& commit);
   void FlushMirrors() const;  // ApplyMirror on every partition
