@@ -3,9 +3,11 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "compress/check.h"
 
 namespace morse::compress {
@@ -47,6 +49,23 @@ void ComputePool::Schedule(absl::AnyInvocable<void() &&> task) {
     }
   }
   std::move(task)();  // the pool is being destroyed: run it here, never drop it
+}
+
+void ComputePool::ParallelFor(size_t n, absl::FunctionRef<void(size_t)> fn) {
+  std::atomic<size_t> next{0};
+  const auto take = [&] {
+    for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  const size_t helpers = std::min<size_t>(threads_.size(), n > 0 ? n - 1 : 0);
+  absl::BlockingCounter done(static_cast<int>(helpers));
+  for (size_t h = 0; h < helpers; ++h) {
+    Schedule([&] {
+      take();
+      done.DecrementCount();
+    });
+  }
+  take();
+  done.Wait();  // the helpers hold references to this frame
 }
 
 void ComputePool::Run() {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "compress/sync.h"
 
@@ -39,6 +40,11 @@ class ComputePool {
   ComputePool& operator=(const ComputePool&) = delete;
 
   void Schedule(absl::AnyInvocable<void() &&> task);
+  // Runs fn(i) for every i in [0, n), on the pool's threads and the
+  // caller's, and returns once every call has returned. The caller takes
+  // indices too, so the loop finishes even when the pool is busy with other
+  // tasks. Not from a task of this pool.
+  void ParallelFor(size_t n, absl::FunctionRef<void(size_t)> fn);
   int threads() const { return static_cast<int>(threads_.size()); }
 
  private:

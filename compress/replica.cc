@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
+#include "compress/compute_pool.h"
 #include "compress/fnv.h"
 #include "compress/kernels.h"
 #include "compress/lamb.h"
@@ -563,8 +564,9 @@ void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Spa
                           absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
 }
 
-absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const StepHyper* hyper,
-                               float grad_scale) {
+absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
+                                const StepHyper* hyper, float grad_scale,
+                                ComputePool* pool) {
   const absl::StatusOr<bool> starts = BeginLocalStep(config_, step, local_step_);
   if (!starts.ok()) return starts.status();
   if (g.size() != range_.size() || range_.begin != 0) {
@@ -585,9 +587,22 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g, const S
   }
   g = ScaledGradient(g, grad_scale);
   const AdamScalars s = LocalStepScalars(config_, step, hyper);
-  ZeroOneLocalStep(s, g, x_, absl::MakeSpan(m_), absl::MakeSpan(u_), v_,
-                   /*write_x=*/!plan.exchanges,
-                   /*fresh=*/*starts);
+  // Element by element: chunks in parallel give the same bits.
+  constexpr size_t kChunk = size_t{1} << 20;
+  const size_t chunks = (g.size() + kChunk - 1) / kChunk;
+  const auto chunk = [&](size_t i) {
+    const size_t at = i * kChunk, n = std::min(kChunk, g.size() - at);
+    ZeroOneLocalStep(s, g.subspan(at, n), x_.subspan(at, n),
+                     absl::MakeSpan(m_).subspan(at, n),
+                     absl::MakeSpan(u_).subspan(at, n),
+                     absl::MakeConstSpan(v_).subspan(at, n),
+                     /*write_x=*/!plan.exchanges, /*fresh=*/*starts);
+  };
+  if (pool != nullptr && pool->threads() > 1 && chunks > 1) {
+    pool->ParallelFor(chunks, chunk);
+  } else {
+    for (size_t i = 0; i < chunks; ++i) chunk(i);
+  }
   lr_sum_ += s.lr;
   local_step_ = step;
   return absl::OkStatus();
@@ -631,7 +646,8 @@ std::vector<double> Replica::LambSegments(int64_t step, Range partition,
 
 absl::StatusOr<std::vector<double>> Replica::LambStep(
     int64_t step, const StepHyper* hyper,
-    absl::Span<const std::vector<double>> partition_segments) {
+    absl::Span<const std::vector<double>> partition_segments,
+    ComputePool* pool) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
     return absl::FailedPreconditionError("LambStep is for onebit_lamb");
   }
@@ -672,8 +688,18 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   const std::vector<double> totals =
       LambTotalsOfSegments(config_, pieces, segments);
   std::vector<double> commit = LambCommit(config_, rule, totals, lamb_layers_);
-  if (absl::Status s = ApplyLambCommit(step, range_.begin, range_.size(), commit, hyper); !s.ok()) {
-    return s;
+  if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
+  // x moves element by element: partitions in parallel give the same bits.
+  const auto& partitions = layout->partitions();
+  const auto update = [&](size_t i) {
+    MORSE_CHECK(ApplyLambCommit(step, partitions[i].range.begin,
+                                partitions[i].range.size(), commit, hyper)
+                    .ok());
+  };
+  if (pool != nullptr && pool->threads() > 1) {
+    pool->ParallelFor(partitions.size(), update);
+  } else {
+    for (size_t i = 0; i < partitions.size(); ++i) update(i);
   }
   lamb_layers_ = LambStateOf(commit);
   return commit;

@@ -23,6 +23,8 @@
 
 namespace morse::compress {
 
+class ComputePool;
+
 // What step t of a job sends in each direction.
 struct StepPlan {
   bool compressing = false;  // frozen v: 1-bit Adam after the freeze step, 0/1 Adam between v's updates
@@ -230,8 +232,10 @@ class Replica {
   // grad_scale), which moves x only when the step does not sync.
   // FAILED_PRECONDITION outside the local phase, or in the middle of an
   // interval this replica did not start (state from a sync is needed).
-  absl::Status LocalStep(int64_t step, absl::Span<const float> g, const StepHyper* hyper = nullptr,
-                         float grad_scale = 1.0f);
+  // `pool` (may be null) runs the element loop over chunks in parallel.
+  absl::Status LocalStep(int64_t step, absl::Span<const float> g,
+                         const StepHyper* hyper = nullptr,
+                         float grad_scale = 1.0f, ComputePool* pool = nullptr);
   // The sync message of [begin, begin + out.size()) at sync step `step`
   // (ZeroOneSyncMessage), after LocalStep of that step.
   void SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const;
@@ -266,9 +270,11 @@ class Replica {
   // statistics of its segments at this step (LambSegments), or nothing for
   // those to compute here: a worker computes them as each reply lands, on
   // the thread that applied it, instead of in one pass after the last.
+  // `pool` (may be null) moves x over the partitions in parallel.
   absl::StatusOr<std::vector<double>> LambStep(
       int64_t step, const StepHyper* hyper = nullptr,
-      absl::Span<const std::vector<double>> partition_segments = {});
+      absl::Span<const std::vector<double>> partition_segments = {},
+      ComputePool* pool = nullptr);
   // The statistics of the segments of `partition` (a range of the model)
   // for the step of `step` (compress/lamb.h's LambSegmentsOf), once its
   // reply has been applied.

@@ -309,6 +309,11 @@ class PushClient {
   // With compute_threads > 0 (Create): encodes (StepExchange's
   // parallel_encode) and applies replies; destroyed first.
   std::unique_ptr<compress::ComputePool> pool_;
+
+ public:
+  // The compute pool (null without one), for the session's own passes over
+  // the model between exchanges.
+  compress::ComputePool* pool() const { return pool_.get(); }
 };
 
 }  // namespace morse::worker

@@ -233,8 +233,9 @@ absl::Status Session::LocalStep() {
     if (!sum_of_squares.ok()) return sum_of_squares.status();
     scale = compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
   }
-  const absl::StatusOr<float> lr_sum =
-      engine_->LocalStep(step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
+  const absl::StatusOr<float> lr_sum = engine_->LocalStep(
+      step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale,
+      client_->pool());
   if (!lr_sum.ok()) return lr_sum.status();
   // A sync's message is the interval's update, not the gradient.
   clips_locally_ = false;
@@ -342,8 +343,9 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   previous_grad_sum_of_squares_ = sum_of_squares;
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     // x moves by each layer's coefficient, from sums over the whole model.
-    absl::StatusOr<std::vector<double>> commit =
-        engine_->LambStep(step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr);
+    absl::StatusOr<std::vector<double>> commit = engine_->LambStep(
+        step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr,
+        client_->pool());
     if (!commit.ok()) {
       return Fail(absl::Status(commit.status().code(), absl::StrCat("step ", step_, ": ", commit.status().message())));
     }

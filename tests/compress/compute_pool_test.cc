@@ -1,6 +1,7 @@
 #include "compress/compute_pool.h"
 
 #include <atomic>
+#include <chrono>
 #include <set>
 #include <thread>
 #include <vector>
@@ -59,6 +60,35 @@ TEST(ComputePoolTest, ATaskMaySchedule) {
     done.WaitForNotification();
   }
   EXPECT_EQ(ran.load(), 2);
+}
+
+TEST(ComputePoolTest, ParallelForRunsEveryIndexOnceEvenWhileThePoolIsBusy) {
+  ComputePool pool(3);
+  for (size_t n : {0, 1, 2, 7, 1000}) {
+    std::vector<std::atomic<int>> calls(n);
+    pool.ParallelFor(n, [&](size_t i) { calls[i].fetch_add(1); });
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(calls[i].load(), 1) << "n=" << n << " i=" << i;
+  }
+  // Every pool thread blocked for a while: the caller takes the indices
+  // itself, and ParallelFor returns once the helpers it scheduled have run.
+  Mutex mu;
+  bool release = false;
+  for (int t = 0; t < pool.threads(); ++t) {
+    pool.Schedule([&] {
+      MutexLock lock(&mu);
+      mu.Await(absl::Condition(&release));
+    });
+  }
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    MutexLock lock(&mu);
+    release = true;
+  });
+  std::vector<std::atomic<int>> calls(64);
+  pool.ParallelFor(calls.size(), [&](size_t i) { calls[i].fetch_add(1); });
+  releaser.join();
+  for (size_t i = 0; i < calls.size(); ++i) ASSERT_EQ(calls[i].load(), 1) << i;
 }
 
 TEST(ComputePoolTest, DefaultsToAtLeastOneThread) { EXPECT_GE(ComputePool::DefaultThreads(), 1); }

@@ -4,13 +4,15 @@
 // warmup, the freeze and the compression phase, with layers that cross
 // partitions and shards. Plus what the coefficients must do (clamps, the
 // factor's threshold) and the config checks.
+#include "compress/lamb.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
-#include "compress/lamb.h"
+#include "compress/compute_pool.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
@@ -311,6 +313,7 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
     const Range r = layout->shard_range(s);
     std::copy(x0.begin() + r.begin, x0.begin() + r.end, mirrors.back().x().begin());
   }
+  ComputePool pool(2);
   for (int64_t t = 0; t < 24; ++t) {
     std::vector<float> g(dim);
     for (size_t j = 0; j < dim; ++j) g[j] = std::cos(0.01f * j * (t + 1)) + sim->x()[j];
@@ -337,7 +340,9 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
         if (p.id % 2 == 0) segments[p.id] = worker.LambSegments(t, p.range);
       }
     }
-    auto commit = worker.LambStep(t, nullptr, segments);
+    // Every third step moves x over the partitions on a pool.
+    auto commit =
+        worker.LambStep(t, nullptr, segments, t % 3 == 2 ? &pool : nullptr);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
       ASSERT_TRUE(mirrors[p.shard].ApplyLambCommit(t, p.range.begin, p.range.size(), *commit).ok());

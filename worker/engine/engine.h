@@ -28,6 +28,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
@@ -140,12 +141,19 @@ class Engine {
   // (compress::Replica::LocalStep; before a sync step's Encode). Returns
   // the learning rates of the interval's local steps so far, summed (what a
   // sync's pushes carry as their lr when the workers set the lr).
-  virtual absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper,
-                                          float grad_scale) = 0;
+  // `pool` as for LambStep.
+  virtual absl::StatusOr<float> LocalStep(int64_t step,
+                                          const compress::StepHyper* hyper,
+                                          float grad_scale,
+                                          compress::ComputePool* pool) = 0;
   // onebit_lamb's second half of `step`, once every reply is applied: the
   // step's commit from the whole model, applied to x, returned for the
-  // shards (compress::Replica::LambStep).
-  virtual absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) = 0;
+  // shards (compress::Replica::LambStep). `pool` (may be null): the
+  // worker's compute pool, idle by then, for a CPU engine's whole-model
+  // passes.
+  virtual absl::StatusOr<std::vector<double>> LambStep(
+      int64_t step, const compress::StepHyper* hyper,
+      compress::ComputePool* pool) = 0;
   // compress::GradientSumOfSquares of the whole gradient the next Encode
   // reads (gradient clipping); FAILED_PRECONDITION where the engine cannot.
   virtual absl::StatusOr<double> GradientSumOfSquares() = 0;

@@ -336,7 +336,10 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   // compress::Replica::LocalStep on the device: the anchor, the
   // accumulated update u and the learning-rate sum live here.
-  absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
+  absl::StatusOr<float> LocalStep(int64_t step,
+                                  const compress::StepHyper* hyper,
+                                  float grad_scale,
+                                  compress::ComputePool*) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const absl::StatusOr<bool> starts = compress::BeginLocalStep(config_, step, local_step_);
     if (!starts.ok()) return starts.status();
@@ -374,7 +377,9 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   // compress::Replica::LambStep on the device: the segments' sums come to
   // the host, which forms the totals and the commit exactly as the CPU does.
-  absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) override {
+  absl::StatusOr<std::vector<double>> LambStep(
+      int64_t step, const compress::StepHyper* hyper,
+      compress::ComputePool*) override {
     if (config_.optimizer != compress::OptimizerKind::kOneBitLamb) {
       return absl::FailedPreconditionError("LambStep is for onebit_lamb");
     }
@@ -395,7 +400,6 @@ class CudaEngine final : public Engine, public DeviceServices {
     lamb_layers_ = compress::LambStateOf(commit);
     return commit;
   }
-
 
   // DeviceServices: what workloads' hooks use, on the send stream (ahead of
   // the encodes that read their gradient).

@@ -69,13 +69,21 @@ class HostEngine final : public Engine {
     return applied;
   }
 
-  absl::StatusOr<float> LocalStep(int64_t step, const compress::StepHyper* hyper, float grad_scale) override {
+  absl::StatusOr<float> LocalStep(int64_t step,
+                                  const compress::StepHyper* hyper,
+                                  float grad_scale,
+                                  compress::ComputePool* pool) override {
     if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
-    if (absl::Status s = replica_.LocalStep(step, grad_, hyper, grad_scale); !s.ok()) return s;
+    if (absl::Status s =
+            replica_.LocalStep(step, grad_, hyper, grad_scale, pool);
+        !s.ok())
+      return s;
     return replica_.lr_sum();
   }
 
-  absl::StatusOr<std::vector<double>> LambStep(int64_t step, const compress::StepHyper* hyper) override {
+  absl::StatusOr<std::vector<double>> LambStep(
+      int64_t step, const compress::StepHyper* hyper,
+      compress::ComputePool* pool) override {
     std::vector<std::vector<double>> segments(lamb_segments_.size());
     for (size_t i = 0; i < segments.size(); ++i) {
       // Statistics of another step (a reply not applied here) are computed
@@ -84,7 +92,7 @@ class HostEngine final : public Engine {
         segments[i] = std::move(lamb_segments_[i].values);
       lamb_segments_[i] = {};
     }
-    return replica_.LambStep(step, hyper, segments);
+    return replica_.LambStep(step, hyper, segments, pool);
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override {
