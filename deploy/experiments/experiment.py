@@ -57,7 +57,7 @@ PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          "onebit_allreduce": None}
 FIELDS = ["kind", "scheme", "rate_gbit", "dim", "workers", "shards", "steps_measured",
           "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s", "comm_rank0_median_s",
-          "payload_bytes_per_step",
+          "comm_round_median_s", "payload_bytes_per_step",
           "wire_bytes_per_step", "rounds_per_step", "floor_s", "ceiling_up_gbps", "ceiling_down_gbps", "status"]
 
 
@@ -255,10 +255,15 @@ log_every: 1000
     overhead = (after[0] - before[0] - 4 * dim) / sum(r["bytes_up"] for r in rows)
     q = statistics.quantiles(steps_s, n=4) if len(steps_s) > 1 else [steps_s[0]] * 3
     center = statistics.mean if scheme == "zero_one" else statistics.median
+    # The steps that exchange alone (zero_one's syncs; every step of the
+    # others): what one round costs, beside the mean over the interval,
+    # whose local steps count their own update as waiting.
+    rounds = [c for c, r in zip(comm, measured) if r["phase"] != "local"]
     return {"steps_measured": len(measured), "step_median_s": center(steps_s),
             "step_p25_s": q[0], "step_p75_s": q[2],
             "comm_median_s": center(comm),
             "comm_rank0_median_s": center(r["comm_seconds"] for r in measured),
+            "comm_round_median_s": statistics.median(rounds) if rounds else "",
             "payload_bytes_per_step": center(r["bytes_up"] for r in measured),
             "wire_bytes_per_step": overhead * center(r["bytes_up"] for r in measured),
             "rounds_per_step": sum(r["phase"] not in ("local",) for r in measured) / len(measured),

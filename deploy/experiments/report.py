@@ -34,7 +34,7 @@ def load(path):
     with open(path) as f:
         for r in csv.DictReader(f):
             for k in ("rate_gbit", "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s",
-                      "comm_rank0_median_s",
+                      "comm_rank0_median_s", "comm_round_median_s",
                       "payload_bytes_per_step", "wire_bytes_per_step", "rounds_per_step", "floor_s",
                       "ceiling_up_gbps", "ceiling_down_gbps"):
                 r[k] = _num(r.get(k))
@@ -94,6 +94,11 @@ def targets(rows):
         out.append((f"{r['scheme']}, 1 Gbit/s, D=25M: communication / DESIGN 7 floor",
                     f"<= {TARGET_OTHERS_COMM_OVER_FLOOR}", r["comm_over_floor"],
                     r["comm_over_floor"] is not None and r["comm_over_floor"] <= TARGET_OTHERS_COMM_OVER_FLOOR))
+        if r["scheme"] == "zero_one" and r.get("comm_round_median_s") and r["floor_s"] and r["rounds_per_step"]:
+            # A sync round carries payload / rounds_per_step bytes.
+            ratio = r["comm_round_median_s"] * r["rounds_per_step"] / r["floor_s"]
+            out.append(("zero_one, 1 Gbit/s, D=25M: a sync round's communication / DESIGN 7 floor of its payload",
+                        f"<= {TARGET_OTHERS_COMM_OVER_FLOOR}", ratio, ratio <= TARGET_OTHERS_COMM_OVER_FLOOR))
         base = onebit.get((r["rate_gbit"], r["dim"], r["workers"], r["shards"]))
         if base is None or not base["step_median_s"]:
             continue
