@@ -573,30 +573,19 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
     return absl::InvalidArgumentError(absl::StrCat("a local step needs the whole model's gradient (",
                                                    range_.size(), " elements), got ", g.size()));
   }
-  const StepPlan plan = PlanStep(config_, step);
-  if (*starts) {
-    // An interval of one step leaves x alone until its sync, which then
-    // starts from x itself (no anchor: ApplyReply's empty anchor).
-    if (plan.exchanges) {
-      anchor_.clear();
-    } else {
-      anchor_.assign(x_.begin(), x_.end());
-    }
-    u_.resize(range_.size());  // read as +0 by the interval's first step
-    lr_sum_ = 0.0f;
-  }
+  const LocalPass pass = StartLocalStep(step, *starts, hyper);
+  const AdamScalars& s = pass.scalars;
+  by_range_ = LocalPass{};  // this step's loop runs here
   g = ScaledGradient(g, grad_scale);
-  const AdamScalars s = LocalStepScalars(config_, step, hyper);
   // Element by element: chunks in parallel give the same bits.
   constexpr size_t kChunk = size_t{1} << 20;
   const size_t chunks = (g.size() + kChunk - 1) / kChunk;
   const auto chunk = [&](size_t i) {
     const size_t at = i * kChunk, n = std::min(kChunk, g.size() - at);
-    ZeroOneLocalStep(s, g.subspan(at, n), x_.subspan(at, n),
-                     absl::MakeSpan(m_).subspan(at, n),
-                     absl::MakeSpan(u_).subspan(at, n),
-                     absl::MakeConstSpan(v_).subspan(at, n),
-                     /*write_x=*/!plan.exchanges, /*fresh=*/*starts);
+    ZeroOneLocalStep(
+        s, g.subspan(at, n), x_.subspan(at, n),
+        absl::MakeSpan(m_).subspan(at, n), absl::MakeSpan(u_).subspan(at, n),
+        absl::MakeConstSpan(v_).subspan(at, n), pass.write_x, pass.fresh);
   };
   if (pool != nullptr && pool->threads() > 1 && chunks > 1) {
     pool->ParallelFor(chunks, chunk);
@@ -608,6 +597,65 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
   return absl::OkStatus();
 }
 
+Replica::LocalPass Replica::StartLocalStep(int64_t step, bool starts,
+                                           const StepHyper* hyper) {
+  const StepPlan plan = PlanStep(config_, step);
+  if (starts) {
+    // An interval of one step leaves x alone until its sync, which then
+    // starts from x itself (no anchor: ApplyReply's empty anchor).
+    if (plan.exchanges) {
+      anchor_.clear();
+    } else {
+      anchor_.assign(x_.begin(), x_.end());
+    }
+    u_.resize(range_.size());  // read as +0 by the interval's first step
+    lr_sum_ = 0.0f;
+  }
+  return LocalPass{step, LocalStepScalars(config_, step, hyper),
+                   /*fresh=*/starts,
+                   /*write_x=*/!plan.exchanges};
+}
+
+absl::StatusOr<float> Replica::BeginSyncLocalStep(int64_t step,
+                                                  const StepHyper* hyper) {
+  const absl::StatusOr<bool> starts =
+      BeginLocalStep(config_, step, local_step_);
+  if (!starts.ok()) return starts.status();
+  if (range_.begin != 0 || range_.end != config_.layout.dim) {
+    return absl::FailedPreconditionError(
+        "a local step needs the whole model's replica");
+  }
+  if (!PlanStep(config_, step).exchanges) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " does not sync"));
+  }
+  by_range_ = StartLocalStep(step, *starts, hyper);
+  lr_sum_ += by_range_.scalars.lr;
+  local_step_ = step;
+  return lr_sum_;
+}
+
+absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
+                                     absl::Span<const float> g) {
+  if (by_range_.step != step) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("no local step of step ", step, " begun by range"));
+  }
+  if (begin < range_.begin || begin > range_.end ||
+      g.size() > range_.end - begin) {
+    return absl::InvalidArgumentError(absl::StrCat("local step range [", begin,
+                                                   ", ", begin + g.size(),
+                                                   ") is outside the replica"));
+  }
+  const size_t at = begin - range_.begin, n = g.size();
+  ZeroOneLocalStep(by_range_.scalars, g, x_.subspan(at, n),
+                   absl::MakeSpan(m_).subspan(at, n),
+                   absl::MakeSpan(u_).subspan(at, n),
+                   absl::MakeConstSpan(v_).subspan(at, n), by_range_.write_x,
+                   by_range_.fresh);
+  return absl::OkStatus();
+}
+
 absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
   if (interval.anchor.size() != interval.u.size() ||
       (!interval.anchor.empty() && interval.anchor.size() != range_.size())) {
@@ -615,6 +663,7 @@ absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
                                                    interval.u.size(), " elements for a replica of ",
                                                    range_.size()));
   }
+  by_range_ = LocalPass{};
   anchor_ = std::move(interval.anchor);
   u_ = std::move(interval.u);
   lr_sum_ = interval.lr_sum;

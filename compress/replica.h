@@ -236,6 +236,21 @@ class Replica {
   absl::Status LocalStep(int64_t step, absl::Span<const float> g,
                          const StepHyper* hyper = nullptr,
                          float grad_scale = 1.0f, ComputePool* pool = nullptr);
+  // The local step of a sync step, run a range at a time (a CPU worker's
+  // encode of each partition, which then overlaps the gradient and the
+  // other pushes, as 1-bit Adam's momentum does): BeginSyncLocalStep does
+  // LocalStep's bookkeeping and returns the interval's learning-rate sum
+  // with this step's; LocalStepRange then runs the element loop over one
+  // range of the gradient, each range once, before its SyncMessage. The
+  // same values as LocalStep. BeginSyncLocalStep changes nothing on error:
+  // FAILED_PRECONDITION as LocalStep, or for a step that does not sync.
+  absl::StatusOr<float> BeginSyncLocalStep(int64_t step,
+                                           const StepHyper* hyper = nullptr);
+  bool local_step_by_range(int64_t step) const {
+    return by_range_.step == step;
+  }
+  absl::Status LocalStepRange(int64_t step, uint64_t begin,
+                              absl::Span<const float> g);
   // The sync message of [begin, begin + out.size()) at sync step `step`
   // (ZeroOneSyncMessage), after LocalStep of that step.
   void SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const;
@@ -305,6 +320,15 @@ class Replica {
   std::vector<float> anchor_, u_;
   float lr_sum_ = 0;
   int64_t local_step_ = -1;  // the last step LocalStep ran
+  // The elementwise part of a local step (LocalStep's, or one begun by
+  // BeginSyncLocalStep for `step`, whose ranges are still to run).
+  struct LocalPass {
+    int64_t step = -1;
+    AdamScalars scalars;
+    bool fresh = false, write_x = false;
+  };
+  LocalPass StartLocalStep(int64_t step, bool starts, const StepHyper* hyper);
+  LocalPass by_range_;
   // onebit_lamb: v' over the range, and every layer's state.
   std::vector<float> v_fresh_;
   std::vector<LambLayerState> lamb_layers_;

@@ -198,6 +198,18 @@ absl::Status Session::BeginStep() {
   // zero_one_adam's local phase: the local step needs the whole gradient,
   // so Finish does it, and then sends if the step syncs.
   local_pending_ = plan_.local;
+  if (local_pending_ && plan_.exchanges && !clips_locally_) {
+    // A sync without the worker's own clipping: each partition's encode
+    // runs its part of the local step (as 1-bit Adam's momentum), so the
+    // pushes need not wait for the whole gradient. Where the engine cannot,
+    // or the step cannot start here, Finish does it whole as below.
+    const absl::StatusOr<float> lr_sum = engine_->BeginSyncLocalStep(
+        step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr);
+    if (lr_sum.ok()) {
+      local_pending_ = false;
+      if (step_hyper_.has_value()) step_hyper_->lr = *lr_sum;
+    }
+  }
   if (!local_pending_) StartExchange();
   return absl::OkStatus();
 }

@@ -292,5 +292,65 @@ TEST(ZeroOneTest, AWorkerReplicaMatchesTheSimulatorAndRefusesAnIntervalItDidNotS
   EXPECT_EQ(replica.LocalStep(2, g).code(), absl::StatusCode::kFailedPrecondition);  // not local
 }
 
+// A CPU worker runs a sync's local step a partition at a time inside its
+// encode (BeginSyncLocalStep, LocalStepRange): the same x, m, u and message
+// as LocalStep over the whole gradient, whatever the ranges' order; a step
+// that does not sync, or a range without a begun step, changes nothing.
+TEST(ZeroOneTest, ASyncsLocalStepByRangeGivesLocalStepsValues) {
+  constexpr size_t kDim = 300;
+  SimulatorConfig c =
+      ZeroOneConfig(/*freeze=*/4, /*kappa=*/1, /*scaler=*/1, /*clipper=*/4);
+  c.workers = 1;
+  c.layout = {kDim, 1, 64, 128};
+  c.lr.base_lr = 0.01f;
+  ASSERT_TRUE(
+      StartsInterval(c, 8));  // an interval of 4 from t = 8: syncs at 11 and 15
+  ASSERT_TRUE(PlanStep(c, 11).exchanges && PlanStep(c, 15).exchanges);
+  Replica whole(c, {0, kDim}), by_range(c, {0, kDim});
+  for (Replica* r : {&whole, &by_range}) {
+    for (size_t j = 0; j < kDim; ++j) {
+      r->x()[j] = std::sin(0.3f * j);
+      r->mutable_m()[j] = 0.01f * std::cos(0.7f * j);
+      r->mutable_v()[j] = j % 17 == 0 ? 0.0f : 1e-4f * (1 + j % 5);
+    }
+  }
+  for (int64_t t = 8; t < 16; ++t) {
+    std::vector<float> g(kDim);
+    for (size_t j = 0; j < kDim; ++j) g[j] = std::cos(0.05f * j * (t + 1));
+    ASSERT_TRUE(whole.LocalStep(t, g).ok());
+    if (!PlanStep(c, t).exchanges) {
+      // Not a sync: refused, nothing changed, and LocalStep as before.
+      const std::vector<float> x(by_range.x().begin(), by_range.x().end());
+      EXPECT_EQ(by_range.BeginSyncLocalStep(t).status().code(),
+                absl::StatusCode::kFailedPrecondition);
+      EXPECT_EQ(by_range.LocalStepRange(t, 0, absl::MakeConstSpan(g).first(10))
+                    .code(),
+                absl::StatusCode::kFailedPrecondition);
+      EXPECT_TRUE(SameBits(by_range.x(), x));
+      ASSERT_TRUE(by_range.LocalStep(t, g).ok());
+    } else {
+      absl::StatusOr<float> lr_sum = by_range.BeginSyncLocalStep(t);
+      ASSERT_TRUE(lr_sum.ok()) << lr_sum.status();
+      EXPECT_EQ(*lr_sum, whole.lr_sum());
+      EXPECT_TRUE(by_range.local_step_by_range(t));
+      EXPECT_EQ(
+          by_range.LocalStepRange(t, 200, absl::MakeConstSpan(g).first(101))
+              .code(),
+          absl::StatusCode::kInvalidArgument);
+      const auto gs = absl::MakeConstSpan(g);
+      ASSERT_TRUE(by_range.LocalStepRange(t, 128, gs.subspan(128)).ok());
+      ASSERT_TRUE(by_range.LocalStepRange(t, 0, gs.first(128)).ok());
+      std::vector<float> a(kDim), b(kDim);
+      whole.SyncMessage(t, 0, absl::MakeSpan(a));
+      by_range.SyncMessage(t, 0, absl::MakeSpan(b));
+      EXPECT_TRUE(SameBits(a, b)) << "message at step " << t;
+    }
+    ASSERT_TRUE(SameBits(whole.x(), by_range.x())) << "x at step " << t;
+    ASSERT_TRUE(SameBits(whole.m(), by_range.m())) << "m at step " << t;
+    EXPECT_EQ(whole.lr_sum(), by_range.lr_sum());
+  }
+  EXPECT_FALSE(by_range.local_step_by_range(16));
+}
+
 }  // namespace
 }  // namespace morse::compress

@@ -146,6 +146,14 @@ class Engine {
                                           const compress::StepHyper* hyper,
                                           float grad_scale,
                                           compress::ComputePool* pool) = 0;
+  // A sync step's local step run partition by partition inside Encode
+  // (compress::Replica::BeginSyncLocalStep), instead of LocalStep before the
+  // first push; returns what LocalStep would. UNIMPLEMENTED where the engine
+  // does not (then LocalStep); other errors change nothing.
+  virtual absl::StatusOr<float> BeginSyncLocalStep(int64_t,
+                                                   const compress::StepHyper*) {
+    return absl::UnimplementedError("a local step by partition");
+  }
   // onebit_lamb's second half of `step`, once every reply is applied: the
   // step's commit from the whole model, applied to x, returned for the
   // shards (compress::Replica::LambStep). `pool` (may be null): the

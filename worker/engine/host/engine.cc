@@ -51,6 +51,14 @@ class HostEngine final : public Engine {
     const compress::SendRule rule =
         compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
     const uint64_t n = p.range.size();
+    if (replica_.local_step_by_range(
+            step)) {  // zero_one_adam's sync: its local step first
+      if (absl::Status s = replica_.LocalStepRange(
+              step, p.range.begin, grad_.subspan(p.range.begin, n));
+          !s.ok()) {
+        return s;
+      }
+    }
     payload->resize(compress::PayloadBytes(rule.codec, n));
     return compress::EncodeWorkerMessage(rule, replica_, error_, p.range.begin,
                                          grad_.subspan(p.range.begin, n), grad_scale, AsBytes(payload));
@@ -79,6 +87,11 @@ class HostEngine final : public Engine {
         !s.ok())
       return s;
     return replica_.lr_sum();
+  }
+
+  absl::StatusOr<float> BeginSyncLocalStep(
+      int64_t step, const compress::StepHyper* hyper) override {
+    return replica_.BeginSyncLocalStep(step, hyper);
   }
 
   absl::StatusOr<std::vector<double>> LambStep(
