@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/blocking_counter.h"
 #include "compress/check.h"
 
 namespace morse::compress {
@@ -57,15 +56,20 @@ void ComputePool::ParallelFor(size_t n, absl::FunctionRef<void(size_t)> fn) {
     for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
   };
   const size_t helpers = std::min<size_t>(threads_.size(), n > 0 ? n - 1 : 0);
-  absl::BlockingCounter done(static_cast<int>(helpers));
+  // morse::Mutex, not absl::BlockingCounter: TSan sees it (compress/sync.h).
+  Mutex mu;
+  size_t running = helpers;
   for (size_t h = 0; h < helpers; ++h) {
     Schedule([&] {
       take();
-      done.DecrementCount();
+      MutexLock lock(&mu);
+      --running;
     });
   }
   take();
-  done.Wait();  // the helpers hold references to this frame
+  MutexLock lock(&mu);  // the helpers hold references to this frame
+  mu.Await(absl::Condition(
+      +[](size_t* left) { return *left == 0; }, &running));
 }
 
 void ComputePool::Run() {

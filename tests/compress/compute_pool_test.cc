@@ -63,6 +63,10 @@ TEST(ComputePoolTest, ATaskMaySchedule) {
 }
 
 TEST(ComputePoolTest, ParallelForRunsEveryIndexOnceEvenWhileThePoolIsBusy) {
+  // Before the pool, so that the pool's threads are joined before the lock
+  // its blocked tasks hold goes away.
+  Mutex mu;
+  bool release = false;
   ComputePool pool(3);
   for (size_t n : {0, 1, 2, 7, 1000}) {
     std::vector<std::atomic<int>> calls(n);
@@ -72,8 +76,6 @@ TEST(ComputePoolTest, ParallelForRunsEveryIndexOnceEvenWhileThePoolIsBusy) {
   }
   // Every pool thread blocked for a while: the caller takes the indices
   // itself, and ParallelFor returns once the helpers it scheduled have run.
-  Mutex mu;
-  bool release = false;
   for (int t = 0; t < pool.threads(); ++t) {
     pool.Schedule([&] {
       MutexLock lock(&mu);
