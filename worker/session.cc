@@ -195,8 +195,9 @@ absl::Status Session::BeginStep() {
   clips_locally_ = compress::ClipsLocally(job_.algorithm, step_);
   local_scale_.reset();
   deferred_.reset();
-  // zero_one_adam's local phase: the local step needs the whole gradient,
-  // so Finish does it, and then sends if the step syncs.
+  // zero_one_adam's local phase: a local step that does not sync, or whose
+  // worker clips its own gradient, needs the whole gradient, so Finish does
+  // it, and then sends if the step syncs.
   local_pending_ = plan_.local;
   if (local_pending_ && plan_.exchanges && !clips_locally_) {
     // A sync without the worker's own clipping: each partition's encode

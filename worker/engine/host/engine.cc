@@ -51,8 +51,9 @@ class HostEngine final : public Engine {
     const compress::SendRule rule =
         compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
     const uint64_t n = p.range.size();
-    if (replica_.local_step_by_range(
-            step)) {  // zero_one_adam's sync: its local step first
+    // zero_one_adam's sync begun by BeginSyncLocalStep: this partition's
+    // part of the local step first.
+    if (replica_.local_step_by_range(step)) {
       if (absl::Status s = replica_.LocalStepRange(
               step, p.range.begin, grad_.subspan(p.range.begin, n));
           !s.ok()) {
