@@ -13,6 +13,7 @@
 #include "compress/kernels.h"
 #include "compress/lamb.h"
 #include "compress/scratch.h"
+#include "compress/simd/element_ops.h"
 
 namespace morse::compress {
 namespace {
@@ -281,9 +282,8 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
 
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
   MORSE_CHECK(v.size() == values.size());
-  for (size_t j = 0; j < v.size(); ++j) {
-    if (v[j] == 0.0f) values[j] = 0.0f;
-  }
+  for (size_t j = 0; j < v.size(); ++j)
+    values[j] = simd::MaskedByVariance(true, v[j], values[j]);
 }
 
 void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
@@ -574,27 +574,32 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
                                                    range_.size(), " elements), got ", g.size()));
   }
   const LocalPass pass = StartLocalStep(step, *starts, hyper);
-  const AdamScalars& s = pass.scalars;
   by_range_ = LocalPass{};  // this step's loop runs here
   g = ScaledGradient(g, grad_scale);
   // Element by element: chunks in parallel give the same bits.
   constexpr size_t kChunk = size_t{1} << 20;
   const size_t chunks = (g.size() + kChunk - 1) / kChunk;
   const auto chunk = [&](size_t i) {
-    const size_t at = i * kChunk, n = std::min(kChunk, g.size() - at);
-    ZeroOneLocalStep(
-        s, g.subspan(at, n), x_.subspan(at, n),
-        absl::MakeSpan(m_).subspan(at, n), absl::MakeSpan(u_).subspan(at, n),
-        absl::MakeConstSpan(v_).subspan(at, n), pass.write_x, pass.fresh);
+    const size_t at = i * kChunk;
+    RunLocalPass(pass, at, g.subspan(at, std::min(kChunk, g.size() - at)));
   };
   if (pool != nullptr && pool->threads() > 1 && chunks > 1) {
     pool->ParallelFor(chunks, chunk);
   } else {
     for (size_t i = 0; i < chunks; ++i) chunk(i);
   }
-  lr_sum_ += s.lr;
+  lr_sum_ += pass.scalars.lr;
   local_step_ = step;
   return absl::OkStatus();
+}
+
+void Replica::RunLocalPass(const LocalPass& pass, size_t at,
+                           absl::Span<const float> g) {
+  const size_t n = g.size();
+  ZeroOneLocalStep(
+      pass.scalars, g, x_.subspan(at, n), absl::MakeSpan(m_).subspan(at, n),
+      absl::MakeSpan(u_).subspan(at, n), absl::MakeConstSpan(v_).subspan(at, n),
+      pass.write_x, pass.fresh);
 }
 
 Replica::LocalPass Replica::StartLocalStep(int64_t step, bool starts,
@@ -647,12 +652,7 @@ absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
                                                    ", ", begin + g.size(),
                                                    ") is outside the replica"));
   }
-  const size_t at = begin - range_.begin, n = g.size();
-  ZeroOneLocalStep(by_range_.scalars, g, x_.subspan(at, n),
-                   absl::MakeSpan(m_).subspan(at, n),
-                   absl::MakeSpan(u_).subspan(at, n),
-                   absl::MakeConstSpan(v_).subspan(at, n), by_range_.write_x,
-                   by_range_.fresh);
+  RunLocalPass(by_range_, begin - range_.begin, g);
   return absl::OkStatus();
 }
 

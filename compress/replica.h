@@ -328,6 +328,10 @@ class Replica {
     bool fresh = false, write_x = false;
   };
   LocalPass StartLocalStep(int64_t step, bool starts, const StepHyper* hyper);
+  // The pass's element loop over gradient g for elements [at, at + g.size())
+  // of this replica.
+  void RunLocalPass(const LocalPass& pass, size_t at,
+                    absl::Span<const float> g);
   LocalPass by_range_;
   // onebit_lamb: v' over the range, and every layer's state.
   std::vector<float> v_fresh_;
