@@ -12,7 +12,12 @@
 //    and Secret written where the pod would mount them (under WORK_DIR);
 //    a worker that runs a Python script (the torch-script overlay) gets its
 //    MORSE_* environment checked against the config and the mounts, and the
-//    script, from its ConfigMap, compiled and checked to use morse.torch.
+//    script, from its ConfigMap, compiled and checked to use morse.torch;
+//    a worker pod that runs morse-run for a node (the multinode overlay:
+//    one pod per node) gets morse-run --check-config with its args, node 0's
+//    and the last node's, its topology checked against the config (nodes x
+//    ranks per node = workers, the Job's pods = nodes, one GPU per rank) and
+//    its rendezvous address against the pods' headless Service.
 // Prints what it checked; exits 1 with every problem listed otherwise.
 "use strict";
 const fs = require("fs");
@@ -99,8 +104,11 @@ const selects = (selector, labels) =>
   !!selector && Object.entries(selector).every(([k, v]) => labels[k] === v);
 const stsLabels = podLabels(docs.find((o) => o.kind === "StatefulSet"));
 const jobLabels = podLabels(docs.find((o) => o.kind === "Job"));
+const nodesService = job && job.spec.template.spec.subdomain;  // the node pods' DNS (morse-run --rdzv)
 for (const o of docs) {
-  if (o.kind === "Service" && !selects(o.spec.selector, stsLabels)) fail(`${name(o)}: selector misses the server pods`);
+  if (o.kind === "Service" && o.metadata.name === nodesService) {
+    if (!selects(o.spec.selector, jobLabels)) fail(`${name(o)}: selector misses the worker pods it names`);
+  } else if (o.kind === "Service" && !selects(o.spec.selector, stsLabels)) fail(`${name(o)}: selector misses the server pods`);
   if (o.kind === "PodDisruptionBudget" && !selects(o.spec.selector.matchLabels, stsLabels)) {
     fail(`${name(o)}: selector misses the server pods`);
   }
@@ -127,16 +135,45 @@ const field = (f) => {
   return m ? Number(m[1]) : NaN;
 };
 const shards = field("shards"), workers = field("workers");
+// morse-run as the container (python3 -m morse.run): a pod per node, each
+// running --nproc-per-node ranks.
+const isLauncher = (c) => (c.command || []).includes("morse.run") || path.basename(c.command[0]) === "morse-run";
+const flagOf = (c, f) => {
+  const a = (c.args || []).find((x) => x.startsWith(`--${f}=`));
+  return a === undefined ? undefined : a.slice(f.length + 3);
+};
+const launcher = job ? isLauncher(job.spec.template.spec.containers[0]) : false;
+const pods = launcher ? Number(flagOf(job.spec.template.spec.containers[0], "nnodes")) : workers;
 if (sts && sts.spec.replicas !== shards) fail(`StatefulSet replicas ${sts.spec.replicas} != config shards ${shards}`);
-if (job && (job.spec.completions !== workers || job.spec.parallelism !== workers)) {
-  fail(`Job completions/parallelism ${job.spec.completions}/${job.spec.parallelism} != config workers ${workers}`);
+if (job && (job.spec.completions !== pods || job.spec.parallelism !== pods)) {
+  fail(`Job completions/parallelism ${job.spec.completions}/${job.spec.parallelism} != ` +
+       (launcher ? `morse-run --nnodes ${pods}` : `config workers ${workers}`));
 }
-const isScript = (c) => path.basename(c.command[0]).startsWith("python");
+const isScript = (c) => path.basename(c.command[0]).startsWith("python") && !isLauncher(c);
 const envOf = (c) => Object.fromEntries((c.env || []).filter((e) => "value" in e).map((e) => [e.name, e.value]));
 if (job) {
   const c = job.spec.template.spec.containers[0];
   const expected = Array.from({ length: shards }, (_, s) => `morse-server-${s}.morse-server:7000`).join(",");
-  if (isScript(c)) {
+  if (launcher) {
+    const nproc = Number(flagOf(c, "nproc-per-node"));
+    if (flagOf(c, "servers") !== expected) fail(`morse-run --servers=${flagOf(c, "servers")} != ${expected}`);
+    if (pods * nproc !== workers) fail(`morse-run --nnodes ${pods} x --nproc-per-node ${nproc} != config workers ${workers}`);
+    if (flagOf(c, "node-rank") !== "$(JOB_COMPLETION_INDEX)") fail(`morse-run --node-rank is not $(JOB_COMPLETION_INDEX)`);
+    const gpus = (c.resources.limits || {})["nvidia.com/gpu"];
+    if (gpus !== undefined && Number(gpus) !== nproc) fail(`${gpus} nvidia.com/gpu per pod but --nproc-per-node ${nproc}`);
+    const service = docs.find((o) => o.kind === "Service" && o.metadata.name === nodesService);
+    const [host, port] = (flagOf(c, "rdzv") || "").split(":");
+    if (!service) fail(`the Job's subdomain ${nodesService} is no headless Service`);
+    else {
+      if (service.spec.clusterIP !== "None") fail(`${name(service)} is not headless`);
+      if (host !== `${job.metadata.name}-0.${nodesService}`) fail(`morse-run --rdzv host ${host} is not node 0's pod, ${job.metadata.name}-0.${nodesService}`);
+      if (!service.spec.ports.some((p) => String(p.port) === port)) fail(`${name(service)} does not expose the rendezvous port ${port}`);
+    }
+    const rdzvPolicy = docs.some((o) => o.kind === "NetworkPolicy" && selects(o.spec.podSelector.matchLabels, jobLabels) &&
+      (o.spec.ingress || []).some((r) => (r.ports || []).some((p) => String(p.port) === port) &&
+        (r.from || []).some((peer) => peer.podSelector && selects(peer.podSelector.matchLabels, jobLabels))));
+    if (!rdzvPolicy) fail(`no NetworkPolicy lets the worker pods reach each other on the rendezvous port ${port}`);
+  } else if (isScript(c)) {
     const env = envOf(c);
     if (env.MORSE_SERVERS !== expected) fail(`worker MORSE_SERVERS ${env.MORSE_SERVERS} != ${expected}`);
     for (const k of ["MORSE_WORLD_SIZE", "WORLD_SIZE"]) {
@@ -155,8 +192,9 @@ if (job) {
 }
 if (job && sts) {
   const gpu = (job.spec.template.spec.containers[0].resources.limits || {})["nvidia.com/gpu"];
-  console.log(`config: ${shards} shards = StatefulSet replicas, ${workers} workers = Job completions` +
-              (gpu ? `, ${gpu} nvidia.com/gpu per worker` : ", CPU workers"));
+  console.log(`config: ${shards} shards = StatefulSet replicas, ${workers} workers = ` +
+              (launcher ? `${pods} pods (nodes) x --nproc-per-node` : "Job completions") +
+              (gpu ? `, ${gpu} nvidia.com/gpu per ${launcher ? "pod" : "worker"}` : ", CPU workers"));
 }
 
 // 4. The binaries accept what the manifests pass.
@@ -189,38 +227,67 @@ function materialize(w) {
 // A Python worker: every path its environment and command name is mounted
 // (ConfigMap or Secret), the config is the servers' one, and the script
 // compiles and uses morse.torch.
+// A path inside the pod -> the local file holding it (null if unmounted).
+function resolveIn(w, p) {
+  let best = null;
+  for (const [key, dir] of Object.entries(mounts)) {
+    const [owner, mountPath] = key.split(":");
+    if (owner === w.metadata.name && (p === mountPath || p.startsWith(`${mountPath}/`)) &&
+        (!best || mountPath.length > best[0].length)) {
+      best = [mountPath, dir];
+    }
+  }
+  return best ? best[1] + p.slice(best[0].length) : null;  // a mounted file, or the mount itself
+}
+function checkPythonFile(w, inPod) {
+  const script = resolveIn(w, inPod || "");
+  if (!script || !fs.existsSync(script)) {
+    fail(`${name(w)}: the script ${inPod} is not in a mounted volume`);
+    return false;
+  }
+  const r = spawnSync("/usr/bin/python3", ["-c", "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])", script],
+                      { encoding: "utf8" });
+  if (r.status !== 0) fail(`${name(w)}: ${inPod} does not compile: ${r.stderr}`);
+  if (!/import morse\.torch|from morse/.test(fs.readFileSync(script, "utf8"))) {
+    fail(`${name(w)}: ${inPod} does not use morse.torch`);
+  }
+  return true;
+}
+// morse-run for one node: its own --check-config with the pod's args (the
+// mounted files found here, the node rank filled in), then the script.
+function checkLauncher(w, env) {
+  const c = w.spec.template.spec.containers[0];
+  const split = c.args.indexOf("--");
+  const own = (split < 0 ? c.args : c.args.slice(0, split)).map((a) => {
+    const out = a.replace(/\$\((\w+)\)/g, (_, v) => (v in env ? env[v] : `$(${v})`));
+    const eq = out.indexOf("=");
+    const local = eq < 0 ? null : resolveIn(w, out.slice(eq + 1));
+    return local ? out.slice(0, eq + 1) + local : out;
+  });
+  const command = split < 0 ? [] : c.args.slice(split + 1);
+  const r = spawnSync("/usr/bin/python3", ["-m", "morse.run", ...own, "--check-config", "--", ...command],
+                      { encoding: "utf8", timeout: 30000,
+                        env: { ...process.env, PYTHONPATH: path.join(binDir, "python"), MORSE_BIN_DIR: binDir } });
+  const text = `${r.stdout || ""}${r.stderr || ""}`.trim();
+  if (r.status !== 0) fail(`${name(w)} ${JSON.stringify(env)}: morse-run --check-config exited ${r.status}: ${text}`);
+  else console.log(`check_config ${name(w)} ${JSON.stringify(env)}: ${text}`);
+  const script = command.find((a) => a.endsWith(".py"));
+  if (checkPythonFile(w, script)) console.log(`script ${name(w)}: ${script} compiles and uses morse.torch`);
+}
 function checkScript(w) {
   const c = w.spec.template.spec.containers[0];
   const env = envOf(c);
-  const resolve = (p) => {
-    let best = null;
-    for (const [key, dir] of Object.entries(mounts)) {
-      const [owner, mountPath] = key.split(":");
-      if (owner === w.metadata.name && p.startsWith(`${mountPath}/`) && (!best || mountPath.length > best[0].length)) {
-        best = [mountPath, dir];
-      }
-    }
-    return best ? best[1] + p.slice(best[0].length) : null;
-  };
+  const resolve = (p) => resolveIn(w, p);
   for (const k of ["MORSE_CONFIG", "MORSE_TLS_CA", "MORSE_TLS_CERT", "MORSE_TLS_KEY", "MORSE_TOKEN_FILE"]) {
     const local = env[k] && resolve(env[k]);
     if (!local || !fs.existsSync(local)) fail(`${name(w)}: ${k}=${env[k]} is not a mounted file`);
   }
-  const script = resolve(c.command[1] || "");
-  if (!script || !fs.existsSync(script)) {
-    fail(`${name(w)}: the script ${c.command[1]} is not in a mounted volume`);
-    return;
-  }
-  const r = spawnSync("/usr/bin/python3", ["-c", "import ast, sys; ast.parse(open(sys.argv[1]).read(), sys.argv[1])", script],
-                      { encoding: "utf8" });
-  if (r.status !== 0) fail(`${name(w)}: ${c.command[1]} does not compile: ${r.stderr}`);
-  if (!/import morse\.torch|from morse/.test(fs.readFileSync(script, "utf8"))) {
-    fail(`${name(w)}: ${c.command[1]} does not use morse.torch`);
-  }
+  if (!checkPythonFile(w, c.command[1])) return;
   console.log(`script ${name(w)}: ${c.command.join(" ")} compiles and uses morse.torch; MORSE_* files mounted`);
 }
 function checkConfig(w, env) {
   const c = w.spec.template.spec.containers[0];
+  if (isLauncher(c)) return checkLauncher(w, env);
   if (isScript(c)) return checkScript(w);
   const binaries = { "morse-server": "server/morse-server", "morse-worker": "worker/morse-worker" };
   const binary = path.join(binDir, binaries[path.basename(c.command[0])] || c.command[0]);
@@ -247,7 +314,7 @@ if (sts && job) {
   materialize(sts);
   materialize(job);
   for (const shard of [0, shards - 1]) checkConfig(sts, { SHARD: String(shard) });
-  for (const rank of [0, workers - 1]) checkConfig(job, { JOB_COMPLETION_INDEX: String(rank) });
+  for (const rank of [0, pods - 1]) checkConfig(job, { JOB_COMPLETION_INDEX: String(rank) });
 }
 
 if (problems.length) {

@@ -2,6 +2,8 @@
 
     morse-run --servers S --workers N [--config F] -- python3 train.py [args...]
     morse-run --stages K --servers S --workers N -- python3 train.py [args...]
+    morse-run --nnodes M --node-rank i --nproc-per-node L --rdzv HOST:PORT \
+              --servers S -- python3 train.py [args...]      (on every node)
 
 Starts S morse-server shards on free loopback ports and N copies of the
 command with MORSE_RANK, MORSE_WORLD_SIZE, MORSE_SERVERS and MORSE_CONFIG in
@@ -23,6 +25,16 @@ MORSE_STAGE, MORSE_STAGES, MORSE_STAGE_LISTEN (where stage s > 0 listens for
 replica r of stage s - 1) and MORSE_STAGE_NEXT (where replica r of stage s
 connects to stage s + 1) in their environment; output lines are prefixed
 [stage s rank r]. Checkpoints go to a folder per stage (stage-<s>/).
+
+Across nodes, the same command runs on every node with its own --node-rank
+(torchrun's flags). Node 0 listens on --rdzv HOST:PORT (HOST: its address as
+the others reach it) until all M nodes have joined and agree on M, L,
+--servers and --config, then starts the S shards on HOST and hands every node
+their addresses and the config; node i runs ranks i*L .. i*L+L-1 (RANK,
+LOCAL_RANK, WORLD_SIZE = M*L, LOCAL_WORLD_SIZE = L, GROUP_RANK = i). A
+rank that fails, or a node that drops out, stops the job on every node.
+Off loopback the shards need --tls-dir (deploy/make-certs.sh) or --insecure.
+--servers HOST:PORT,... uses shards that are already running instead.
 """
 import socket
 import argparse
@@ -35,6 +47,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from morse import rendezvous as _rendezvous
 
 
 def _stream(pipe, prefix, sink, marker=None, errors=None, lines=None):
@@ -62,7 +76,9 @@ def _base_config(path, workers, shards):
     for field, value in (("workers", workers), ("shards", shards)):
         m = re.search(rf"^\s*{field}\s*:\s*(\d+)", text, re.M)
         if m and int(m.group(1)) != value:
-            raise SystemExit(f"morse-run: {path} sets {field}: {m.group(1)} but --{field if field == 'workers' else 'servers'} is {value}")
+            flag = ("the job's ranks (--workers, or --nnodes x --nproc-per-node) are" if field == "workers"
+                    else "--servers gives")
+            raise SystemExit(f"morse-run: {path} sets {field}: {m.group(1)} but {flag} {value}")
         if not m:
             text += f"\n{field}: {value}\n"
     if not re.search(r"^\s*(external|synthetic|mlp)\s*[:{]", text, re.M):
@@ -113,8 +129,7 @@ def _find_server():
     return on_path or os.path.normpath(candidates[0])
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def _parse(argv):
     if "--" in argv:
         split = argv.index("--")
         own, command = argv[:split], argv[split + 1:]
@@ -122,17 +137,46 @@ def main(argv=None):
         own, command = argv, []
     parser = argparse.ArgumentParser(
         prog="morse-run", description=__doc__.split("\n\n")[0],
-        epilog="Everything after -- is the command each worker runs.")
-    parser.add_argument("--servers", type=int, default=1,
-                        help="server shards to start (default 1), per stage with --stages")
-    parser.add_argument("--workers", type=int, required=True,
-                        help="copies of the command (ranks), per stage with --stages")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Everything after -- is the command each rank runs. Across hosts:\n"
+               "  morse-run --nnodes M --node-rank i --nproc-per-node L --rdzv HOST:PORT "
+               "--servers S -- CMD\non every node (node 0 at HOST); see docs/python.md.")
+    parser.add_argument("--servers", default="1",
+                        help="server shards to start (default 1; per stage with --stages; across nodes, "
+                             "node 0 starts them), or the HOST:PORT,... of shards already running")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="ranks on this host (copies of the command; per stage with --stages); "
+                             "with --nnodes, the job's ranks, which must be nnodes x nproc-per-node")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="ranks on each node (torchrun's name; on one host the same as --workers)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes in the job (default 1); every node runs the same morse-run command "
+                             "with its own --node-rank")
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="this node's index, 0 to nnodes - 1 (default 0); node 0 hosts the "
+                             "rendezvous and starts the shards")
+    parser.add_argument("--rdzv", default=None, metavar="HOST:PORT",
+                        help="with --nnodes > 1: node 0's address as the other nodes reach it, and a "
+                             "free port there; the shards listen on HOST too")
+    parser.add_argument("--rdzv-timeout", type=float, default=300,
+                        help="seconds to wait for every node to join (default 300); a node missing "
+                             "by then fails the job on every node that came")
     parser.add_argument("--stages", type=int, default=1,
-                        help="pipeline stages (morse.torch.pipeline; default 1: data parallel only)")
-    parser.add_argument("--config", help="base JobConfig file (text format)")
+                        help="pipeline stages (morse.torch.pipeline; default 1: data parallel only; "
+                             "one host only)")
+    parser.add_argument("--config", help="base JobConfig file (text format); across nodes, the same on each")
     parser.add_argument("--token-file", default=None,
-                        help="bearer-token file the servers require and the workers send "
-                             "(the servers listen on 127.0.0.1 in plaintext: morse-run is for one host)")
+                        help="bearer-token file the servers require and the workers send")
+    parser.add_argument("--tls-dir", default=None,
+                        help="a folder from deploy/make-certs.sh (ca.pem, server.pem/.key, client.pem/.key) "
+                             "for TLS between ranks and shards; its server certificate must name the "
+                             "shards' host (--rdzv HOST across nodes, 127.0.0.1 on one)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="across hosts, let the shards and ranks talk plaintext on the network "
+                             "(a private one); on one host they always may, on loopback")
+    parser.add_argument("--check-config", "--check_config", action="store_true",
+                        help="check the flags, the config and the credential files, print what this "
+                             "node would start, and exit (0 if all is well) without starting anything")
     parser.add_argument("--server-bin", default=None,
                         help="morse-server to run (default: the one next to this package)")
     parser.add_argument("--restarts", type=int, default=3,
@@ -141,19 +185,105 @@ def main(argv=None):
     args = parser.parse_args(own)
     if not command:
         parser.error("give the command to run after --, e.g. -- python3 train.py")
-    if args.workers < 1 or args.servers < 1 or args.stages < 1:
-        parser.error("--workers, --servers and --stages must be at least 1")
-    server_bin = args.server_bin or _find_server()
-    if not os.access(server_bin, os.X_OK):
-        raise SystemExit(f"morse-run: no morse-server at {server_bin} (build Morse, or pass --server-bin)")
-
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: "
+                     f"the node rank must be 0 to nnodes - 1")
+    if args.nproc_per_node is None:
+        if args.workers is None:
+            parser.error("give the ranks to start: --workers N (or --nproc-per-node L)")
+        if args.nnodes > 1:
+            parser.error("across nodes give --nproc-per-node L, the ranks on each node")
+        args.nproc_per_node = args.workers
+    elif args.workers is not None and args.workers != args.nnodes * args.nproc_per_node:
+        parser.error(f"--workers {args.workers} but --nnodes {args.nnodes} x --nproc-per-node "
+                     f"{args.nproc_per_node} is {args.nnodes * args.nproc_per_node}")
+    args.world = args.nnodes * args.nproc_per_node
+    if args.nnodes > 1 and not args.rdzv:
+        parser.error("--nnodes > 1 needs --rdzv HOST:PORT, node 0's address and a free port there")
+    if args.nnodes > 1 and args.stages > 1:
+        parser.error("--stages runs on one host: --nnodes > 1 with --stages is not supported")
+    if args.rdzv_timeout <= 0:
+        parser.error("--rdzv-timeout must be positive")
+    if re.fullmatch(r"\d+", args.servers):
+        args.shards, args.external = int(args.servers), None
+    else:
+        args.external = [s for s in args.servers.split(",") if s]
+        bad = [s for s in args.external if not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", s)]
+        if bad or not args.external:
+            parser.error(f"--servers {args.servers!r}: a shard count, or HOST:PORT,... of running shards")
+        if args.stages > 1:
+            parser.error("--stages starts its shards itself: give --servers as a count")
+        args.shards = len(args.external)
+    if args.nproc_per_node < 1 or args.shards < 1 or args.stages < 1:
+        parser.error("--workers (--nproc-per-node), --servers and --stages must be at least 1")
     if args.restarts < 0:
         parser.error("--restarts must be at least 0")
+    if args.tls_dir:
+        # The ranks' side always; the shards' only where this node starts them.
+        needed = ["ca.pem", "client.pem", "client.key"]
+        if args.external is None and args.node_rank == 0:
+            needed += ["server.pem", "server.key"]
+        missing = [f for f in needed if not os.path.isfile(os.path.join(args.tls_dir, f))]
+        if missing:
+            parser.error(f"--tls-dir {args.tls_dir} lacks {', '.join(missing)} (make it with "
+                         f"deploy/make-certs.sh DIR HOST)")
+        args.tls_dir = os.path.abspath(args.tls_dir)
+    args.host = "127.0.0.1"
+    if args.nnodes > 1:
+        args.host = _rendezvous.split_address(args.rdzv)[0]
+        if not _loopback(args.host) and not (args.tls_dir or args.insecure):
+            parser.error(f"the shards would listen on {args.host} in plaintext: pass --tls-dir DIR "
+                         f"(deploy/make-certs.sh DIR {args.host}) or, on a private network, --insecure")
+    return args, command
+
+
+def _check_only(args, command, server_bin, starts_servers, node):
+    """--check-config: what main() would check before starting anything,
+    and the plan, printed."""
+    base = _base_config(args.config, args.world, args.shards)
+    if args.token_file and not os.access(args.token_file, os.R_OK):
+        raise SystemExit(f"{node}: cannot read --token-file {args.token_file}")
+    first = args.node_rank * args.nproc_per_node
+    if starts_servers:
+        shards = f"{args.stages * args.shards} started here on {args.host} ({server_bin})"
+    elif args.external:
+        shards = ",".join(args.external) + " (running)"
+    else:
+        shards = f"{args.shards}, started by node 0"
+    print(f"{node}: ok: node {args.node_rank} of {args.nnodes}, ranks {first}..{first + args.nproc_per_node - 1} "
+          f"of {args.world}; shards: {shards}; "
+          + (f"rendezvous {args.rdzv} (timeout {args.rdzv_timeout:g} s); " if args.nnodes > 1 else "")
+          + ("TLS from " + args.tls_dir if args.tls_dir else "plaintext") + "; config "
+          + (args.config or "(counts only)") + f" ({len(base.splitlines())} lines); command: "
+          + " ".join(command))
+    return 0
+
+
+def _loopback(host):
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def main(argv=None):
+    try:
+        args, command = _parse(sys.argv[1:] if argv is None else argv)
+    except _rendezvous.RendezvousError as e:
+        raise SystemExit(f"morse-run: {e}")
+    server_bin = args.server_bin or _find_server()
+    starts_servers = args.external is None and args.node_rank == 0
+    if starts_servers and not os.access(server_bin, os.X_OK):
+        raise SystemExit(f"morse-run: no morse-server at {server_bin} (build Morse, or pass --server-bin)")
+    multi = args.nnodes > 1
+    node = f"morse-run (node {args.node_rank})" if multi else "morse-run"
+    if args.check_config:
+        return _check_only(args, command, server_bin, starts_servers, node)
+
     workdir = tempfile.mkdtemp(prefix="morse-run-")
     config_path = os.path.join(workdir, "job.textproto")
-    base = _base_config(args.config, args.workers, args.servers)
-    with open(config_path, "w") as f:
-        f.write(base)
+    try:
+        base = _base_config(args.config, args.world, args.shards)
+    except SystemExit:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     every = re.search(r"every_steps\s*:\s*(\d+)", base)
     checkpointing = bool(every and int(every.group(1)) > 0)
     # Checkpoints go to the config's checkpoint.dir, or else beside the config;
@@ -170,6 +300,29 @@ def main(argv=None):
         os.makedirs(folder, exist_ok=True)
         return ["--checkpoint_dir", folder]
 
+    # Across nodes: node 0 holds the store the others join; they learn the
+    # shards' addresses and the config from it once every node is there.
+    store = member = None
+    if multi:
+        try:
+            if args.node_rank == 0:
+                sys.stderr.write(f"{node}: waiting for {args.nnodes - 1} more node(s) at {args.rdzv} "
+                                 f"(up to {args.rdzv_timeout:g} s)\n")
+                store = _rendezvous.Store(args.rdzv, args.nnodes, args.nproc_per_node, base,
+                                          args.servers, args.rdzv_timeout)
+                store.wait_for_nodes()
+            else:
+                sys.stderr.write(f"{node}: joining the rendezvous at {args.rdzv}\n")
+                member = _rendezvous.Member(args.rdzv, args.node_rank, args.nnodes, args.nproc_per_node,
+                                            base, args.servers, args.rdzv_timeout)
+                base = member.job["config"]
+        except _rendezvous.RendezvousError as e:
+            if store:
+                store.close()
+            raise SystemExit(f"{node}: {e}")
+    with open(config_path, "w") as f:
+        f.write(base)
+
     procs, threads = [], []
     def stop_all():
         for p in procs:
@@ -182,8 +335,21 @@ def main(argv=None):
             except subprocess.TimeoutExpired:
                 p.kill()
 
+    def fail_before_start(why):
+        stop_all()
+        if member:
+            member.report(1, f"node {args.node_rank}: {why}")
+        if store:
+            store.abort(f"node 0: {why}")
+            store.close()
+        raise SystemExit(f"{node}: {why}")
+
     def on_signal(signum, frame):
-        sys.stderr.write("morse-run: interrupted, stopping every process\n")
+        sys.stderr.write(f"{node}: interrupted, stopping every process\n")
+        if store:
+            store.abort(f"node 0 was interrupted", 130)
+        if member:
+            member.report(130, f"node {args.node_rank} was interrupted")
         stop_all()
         sys.exit(130)
 
@@ -193,16 +359,18 @@ def main(argv=None):
     # Servers are listed stage by stage: index stage * S + shard.
     addresses, servers, server_lines = [], [], []
     staged = args.stages > 1
+    security = (["--tls_ca", os.path.join(args.tls_dir, "ca.pem"),
+                 "--tls_cert", os.path.join(args.tls_dir, "server.pem"),
+                 "--tls_key", os.path.join(args.tls_dir, "server.key")] if args.tls_dir else ["--insecure"])
 
     def server_name(i):
-        stage, shard = divmod(i, args.servers)
+        stage, shard = divmod(i, args.shards)
         return f"stage {stage} server {shard}" if staged else f"server {shard}"
 
     def start_server(i, listen):
-        stage, shard = divmod(i, args.servers)
-        # Loopback only, so plaintext is asked for explicitly.
+        stage, shard = divmod(i, args.shards)
         p = subprocess.Popen([server_bin, "--config", config_path, "--shard", str(shard),
-                              "--listen", listen, "--insecure"] + checkpoint_args(stage) +
+                              "--listen", listen] + security + checkpoint_args(stage) +
                              (["--token_file", args.token_file] if args.token_file else []),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
@@ -214,44 +382,59 @@ def main(argv=None):
         t.start()
         threads.append(t)
         if not marker["event"].wait(30) or "address" not in marker:
-            stop_all()
-            raise SystemExit(f"morse-run: {server_name(i)} did not start (see its output above)")
+            fail_before_start(f"{server_name(i)} did not start on {listen} (see its output above)")
         return p, marker["address"], lines
 
-    for i in range(args.stages * args.servers):
-        p, address, lines = start_server(i, "127.0.0.1:0")
-        servers.append(p)
-        addresses.append(address)
-        server_lines.append(lines)
+    if starts_servers:
+        listen = f"[{args.host}]:0" if ":" in args.host else f"{args.host}:0"
+        for i in range(args.stages * args.shards):
+            p, address, lines = start_server(i, listen)
+            servers.append(p)
+            addresses.append(address)
+            server_lines.append(lines)
+    elif member:
+        addresses = member.job["servers"]
+    else:
+        addresses = args.external
+    if store:
+        store.publish(addresses, args.world)
 
     # MORSE_* for morse.torch, and torch.distributed's names (RANK,
-    # WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) for samplers and scripts that
-    # read them; every rank is on this host.
-    env = dict(os.environ, MORSE_WORLD_SIZE=str(args.workers),
-               MORSE_CONFIG=config_path, MORSE_INSECURE="1", WORLD_SIZE=str(args.workers),
-               LOCAL_WORLD_SIZE=str(args.workers))
+    # WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) for samplers and
+    # scripts that read them.
+    L = args.nproc_per_node
+    env = dict(os.environ, MORSE_WORLD_SIZE=str(args.world), MORSE_CONFIG=config_path,
+               WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(args.node_rank),
+               MORSE_NODE_RANK=str(args.node_rank), MORSE_NNODES=str(args.nnodes))
+    if args.tls_dir:
+        env.update(MORSE_TLS_CA=os.path.join(args.tls_dir, "ca.pem"),
+                   MORSE_TLS_CERT=os.path.join(args.tls_dir, "client.pem"),
+                   MORSE_TLS_KEY=os.path.join(args.tls_dir, "client.key"))
+        env.pop("MORSE_INSECURE", None)
+    elif args.external is None or args.insecure:
+        env["MORSE_INSECURE"] = "1"
     if args.token_file:
         env["MORSE_TOKEN_FILE"] = os.path.abspath(args.token_file)
     package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     problem = _check_interpreter(command, env)
     if problem:
-        stop_all()
-        raise SystemExit(problem)
-    # Worker w is replica r of stage s: w = s * N + r. Stage s > 0 listens
-    # on listen_ports[(s - 1) * N + r] for replica r of stage s - 1.
-    listen_ports = _free_ports((args.stages - 1) * args.workers)
+        fail_before_start(problem.replace("morse-run: ", "", 1).replace("\nmorse-run: ", "; "))
+    # Worker w is replica r of stage s: w = s * L + r. Stage s > 0 listens
+    # on listen_ports[(s - 1) * L + r] for replica r of stage s - 1.
+    listen_ports = _free_ports((args.stages - 1) * L)
     workers, errors, names = [], [], []
-    for w in range(args.stages * args.workers):
-        stage, r = divmod(w, args.workers)
-        own = dict(env, MORSE_RANK=str(r), RANK=str(r), LOCAL_RANK=str(r),
-                   MORSE_SERVERS=",".join(addresses[stage * args.servers:(stage + 1) * args.servers]))
+    for w in range(args.stages * L):
+        stage, local = divmod(w, L)
+        r = args.node_rank * L + local
+        own = dict(env, MORSE_RANK=str(r), RANK=str(r), LOCAL_RANK=str(local),
+                   MORSE_SERVERS=",".join(addresses[stage * args.shards:(stage + 1) * args.shards]))
         if staged:
             own.update(MORSE_STAGE=str(stage), MORSE_STAGES=str(args.stages), MORSE_JOB=workdir)
             if stage > 0:
-                own["MORSE_STAGE_LISTEN"] = f"127.0.0.1:{listen_ports[(stage - 1) * args.workers + r]}"
+                own["MORSE_STAGE_LISTEN"] = f"127.0.0.1:{listen_ports[(stage - 1) * L + local]}"
             if stage < args.stages - 1:
-                own["MORSE_STAGE_NEXT"] = f"127.0.0.1:{listen_ports[stage * args.workers + r]}"
+                own["MORSE_STAGE_NEXT"] = f"127.0.0.1:{listen_ports[stage * L + local]}"
         names.append(f"stage {stage} rank {r}" if staged else f"rank {r}")
         p = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
@@ -262,10 +445,11 @@ def main(argv=None):
         t.start()
         threads.append(t)
 
-    status = 0
+    status, why = 0, ""
     restarts = 0
     remaining = set(range(len(workers)))
-    while remaining:
+    others = set(range(1, args.nnodes)) if store else set()
+    while remaining or others:
         # A server that dies is restarted from its checkpoint if the job has
         # them (the workers wait and replay); otherwise it ends the job at
         # once, with its last words.
@@ -276,16 +460,17 @@ def main(argv=None):
             last = server_lines[s][-5:]
             if checkpointing and restarts < args.restarts:
                 restarts += 1
-                sys.stderr.write(f"morse-run: {server_name(s)} exited with {code}; restarting it on "
+                sys.stderr.write(f"{node}: {server_name(s)} exited with {code}; restarting it on "
                                  f"{addresses[s]} from its checkpoint ({restarts} of --restarts "
                                  f"{args.restarts}); the workers wait for it\n")
                 servers[s], _, server_lines[s] = start_server(s, addresses[s])
                 continue
-            sys.stderr.write(f"morse-run: {server_name(s)} exited with {code}; stopping every rank"
+            why = f"{server_name(s)} exited with {code}"
+            sys.stderr.write(f"{node}: {why}; stopping every rank"
                              + ("" if checkpointing else
                                 " (with checkpoint { every_steps: N } in --config it would be "
                                 "restarted and the job would go on)")
-                             + "\n" + "".join(f"morse-run: {server_name(s)}: {line}\n" for line in last))
+                             + "\n" + "".join(f"{node}: {server_name(s)}: {line}\n" for line in last))
             status = 3
             break
         for r in sorted(remaining):
@@ -296,12 +481,36 @@ def main(argv=None):
             if code != 0:
                 time.sleep(0.2)  # the rank's last lines
                 first = next((e for e in errors[r] if "MorseError" in e), errors[r][-1] if errors[r] else "")
-                sys.stderr.write(f"morse-run: {names[r]} exited with {code}; stopping the job"
-                                 + (f"\nmorse-run: {names[r]}'s error: {first}" if first else "") + "\n")
+                why = f"{names[r]} exited with {code}" + (f": {first}" if first else "")
+                sys.stderr.write(f"{node}: {names[r]} exited with {code}; stopping the job"
+                                 + (f"\n{node}: {names[r]}'s error: {first}" if first else "") + "\n")
                 status = code
-                remaining.clear()
                 break
+        if status:
+            break
+        event = store.next_event() if store else None
+        if event:
+            other, code, reason = event
+            others.discard(other)
+            if code != 0:
+                why = f"node {other}: {reason}" if code is None else f"node {other} ended with {code}: {reason}"
+                sys.stderr.write(f"{node}: {why}; stopping the job\n")
+                status = code or 1
+                break
+        stopped = member.stopped() if member else None
+        if stopped:
+            why, status = stopped
+            sys.stderr.write(f"{node}: the job stopped: {why}\n")
+            status = status or 1
+            break
         time.sleep(0.05)
+    if store:
+        if status:
+            store.abort(f"node 0: {why}" if not why.startswith("node ") else why, status)
+        store.close()
+    if member:
+        member.report(status, why)
+        member.close()
     stop_all()
     for t in threads:
         t.join(timeout=2)

@@ -5,7 +5,8 @@ LoCo is codec="int4", feedback="ema") and `ZeroOneAdam` (2.7, 0/1 Adam)
 are `torch.optim.Optimizer`s. On
 construction the optimizer joins the job: rank, world size and server
 addresses come from the environment `morse-run` sets (MORSE_RANK,
-MORSE_WORLD_SIZE, MORSE_SERVERS, MORSE_CONFIG) or from arguments. The
+MORSE_WORLD_SIZE, MORSE_SERVERS, MORSE_CONFIG; torchrun's RANK and
+WORLD_SIZE where the first two are not set) or from arguments. The
 parameters are laid end to end in one flat float32 tensor (each parameter
 becomes a view of it, and so does its .grad), so Morse reads gradients and
 writes parameters in place, with no copies. Rank 0's initial values become
@@ -50,14 +51,20 @@ def _zero_grad_default():
 _ZERO_GRAD_SETS_TO_NONE = _zero_grad_default()
 
 
-def _env(name, value, cast=str):
+def _env(name, value, cast=str, torchrun=None):
+    """An argument, else $name, else torchrun's $torchrun (RANK, WORLD_SIZE:
+    so that `torchrun ... train.py` with MORSE_SERVERS set works)."""
     if value is not None:
         return value
-    if name not in os.environ:
-        raise MorseError(
-            f"FAILED_PRECONDITION: {name} is not set; run the script under morse-run "
-            f"or pass rank=, world_size= and servers= to the optimizer")
-    return cast(os.environ[name])
+    for key in (name, torchrun):
+        if key and key in os.environ:
+            try:
+                return cast(os.environ[key])
+            except ValueError:
+                raise MorseError(f"INVALID_ARGUMENT: {key}={os.environ[key]!r} is not a {cast.__name__}")
+    raise MorseError(
+        f"FAILED_PRECONDITION: {name} is not set; run the script under morse-run (or torchrun "
+        f"with MORSE_SERVERS set) or pass rank=, world_size= and servers= to the optimizer")
 
 
 _SECURITY_ENV = {"tls_ca": "MORSE_TLS_CA", "tls_cert": "MORSE_TLS_CERT", "tls_key": "MORSE_TLS_KEY",
@@ -144,8 +151,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._cuda = device.type == "cuda"
         shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in self._params)
         dim = sum(p.numel() for p in self._params)
-        self._rank = _env("MORSE_RANK", rank, int)
-        world = _env("MORSE_WORLD_SIZE", world_size, int)
+        self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
+        world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
