@@ -49,7 +49,10 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
         x, y = torch.randn(8, features, generator=g), torch.randint(0, classes, (8,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        # A parameter the loss did not reach has no .grad once torch 2's
+        # zero_grad sets it to None; missing_grads="zero" trains it on zeros.
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in model.parameters()])
         np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
         if on_gradient is not None:
             on_gradient(step, flat)

@@ -154,7 +154,7 @@ def torchrun(command, env):
     so with torch < 2 the copies get the variables torchrun sets, by hand."""
     if int(torch.__version__.split(".")[0]) >= 2:
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc_per_node", "2", *command], env=env, capture_output=True,
+                                 "--nproc_per_node", "2", *command[1:]], env=env, capture_output=True,
                                 text=True, timeout=240)
         return result.returncode, result.stdout + result.stderr
     procs = []

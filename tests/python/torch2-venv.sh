@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Makes VENV, a virtual environment of Debian's /usr/bin/python3 with a
+# current torch 2.x from PyPI (pinned below), for the Python tests' second
+# run (ctest -L torch2; issue 41: CI tests torch 2.x beside Debian's 1.13).
+#
+#   tests/python/torch2-venv.sh VENV
+#
+# PyPI's Linux wheels of torch 2.x carry CUDA (the nvidia-* and cuda-toolkit
+# packages, about 4.7 GB installed); on a machine without a GPU torch runs on
+# the CPU and they are not loaded. Made once: a stamp in VENV names the pins,
+# and a venv with other pins is made again. A host that cannot reach PyPI
+# skips (exit 77, which ctest reports as skipped, saying why) instead of
+# failing on the network.
+set -euo pipefail
+venv="${1:?usage: torch2-venv.sh VENV}"
+# scikit-learn: the examples' digits (bundled with it, no download).
+pins=(torch==2.11.0 numpy==2.1.3 scikit-learn==1.5.2 scipy==1.14.1)
+stamp="$venv/morse-pins"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ] && "$venv/bin/python" -c "import torch" 2>/dev/null; then
+  echo "torch2-venv: $venv has ${pins[*]} already"
+  exit 0
+fi
+if ! /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/torch/', timeout=20)" 2>/dev/null; then
+  echo "torch2-venv: SKIPPED: PyPI (https://pypi.org) is not reachable from this host, so the" \
+       "Python tests do not run against torch 2.x here (they still run against Debian's torch 1.13)"
+  exit 77
+fi
+rm -rf "$venv"
+/usr/bin/python3 -m venv "$venv"
+echo "torch2-venv: installing ${pins[*]} from PyPI into $venv"
+"$venv/bin/pip" install --quiet --disable-pip-version-check "${pins[@]}"
+"$venv/bin/python" -c "import torch, numpy; print('torch2-venv: torch', torch.__version__, 'numpy', numpy.__version__)"
+echo "${pins[*]}" >"$stamp"
