@@ -56,7 +56,8 @@ std::string BoundarySpecName(const BoundarySpec& spec);
 
 // Bytes of a payload of `rows` x `cols` values, `fresh` of whose rows are
 // sent in full (AQ-SGD's first visits; 0 otherwise).
-size_t BoundaryPayloadBytes(const BoundarySpec& spec, size_t rows, size_t cols, size_t fresh);
+size_t BoundaryPayloadBytes(const BoundarySpec& spec, size_t rows, size_t cols,
+                            size_t fresh);
 
 class BoundaryCodec {
  public:
@@ -68,21 +69,24 @@ class BoundaryCodec {
   // one sample index per row, each at most once; the others ignore them).
   // slot: ef's buffer. On error (a non-finite value, bad sizes) no state
   // changes and *payload is unspecified.
-  absl::Status Encode(absl::Span<const float> x, size_t rows, absl::Span<const int64_t> samples,
-                      uint32_t slot, std::string* payload);
+  absl::Status Encode(absl::Span<const float> x, size_t rows,
+                      absl::Span<const int64_t> samples, uint32_t slot,
+                      std::string* payload);
   // Receiver: writes the rows x cols values into out. Validates the payload
   // first (length, scales, indices, and for AQ-SGD that its fresh rows are
   // exactly the samples this end has not seen: FAILED_PRECONDITION when the
   // two ends' buffers disagree, e.g. one was restored from another step's
   // checkpoint); on error no state changes and out is not written.
-  absl::Status Decode(absl::string_view payload, size_t rows, absl::Span<const int64_t> samples,
-                      absl::Span<float> out);
+  absl::Status Decode(absl::string_view payload, size_t rows,
+                      absl::Span<const int64_t> samples, absl::Span<float> out);
 
   // Inference: C(x) with the spec's codec and no feedback; compress = false
   // sends fp32.
-  static absl::Status EncodeStateless(const CodecSpec& codec, absl::Span<const float> x,
+  static absl::Status EncodeStateless(const CodecSpec& codec,
+                                      absl::Span<const float> x,
                                       std::string* payload);
-  static absl::Status DecodeStateless(const CodecSpec& codec, absl::string_view payload,
+  static absl::Status DecodeStateless(const CodecSpec& codec,
+                                      absl::string_view payload,
                                       absl::Span<float> out);
 
   // The state (ef's buffers, AQ-SGD's per-sample buffers) as bytes, and

@@ -6,13 +6,13 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define MORSE_CHECK(cond)                                                  \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      std::fprintf(stderr, "%s:%d: MORSE_CHECK failed: %s\n", __FILE__,    \
-                   __LINE__, #cond);                                       \
-      std::abort();                                                        \
-    }                                                                      \
+#define MORSE_CHECK(cond)                                               \
+  do {                                                                  \
+    if (!(cond)) {                                                      \
+      std::fprintf(stderr, "%s:%d: MORSE_CHECK failed: %s\n", __FILE__, \
+                   __LINE__, #cond);                                    \
+      std::abort();                                                     \
+    }                                                                   \
   } while (0)
 
 #endif  // MORSE_COMPRESS_CHECK_H_

@@ -31,9 +31,9 @@ constexpr struct {
 absl::Status CheckLength(const CodecSpec& spec, size_t have, size_t n) {
   const size_t want = PayloadBytes(spec, n);
   if (have == want) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      CodecName(spec.kind), ": payload of ", have, " bytes for ", n,
-      " elements; the encoding needs exactly ", want));
+  return absl::InvalidArgumentError(
+      absl::StrCat(CodecName(spec.kind), ": payload of ", have, " bytes for ",
+                   n, " elements; the encoding needs exactly ", want));
 }
 
 // Calls visit(Part{}) with the struct of codec_parts.h that implements kind.
@@ -66,7 +66,8 @@ absl::Status Validated(const CodecSpec& spec, absl::Span<const uint8_t> payload,
 }  // namespace
 
 FeedbackArgs NormalizeFeedback(FeedbackArgs fb) {
-  if (fb.kind == FeedbackKind::kEma && fb.beta == 1.0f) fb.kind = FeedbackKind::kEf;
+  if (fb.kind == FeedbackKind::kEma && fb.beta == 1.0f)
+    fb.kind = FeedbackKind::kEf;
   return fb;
 }
 
@@ -82,7 +83,8 @@ absl::StatusOr<CodecKind> ParseCodecKind(absl::string_view name) {
     if (entry.name == name) return entry.kind;
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "unknown codec '", name, "'; expected one of fp32, fp16, bf16, int8, int4, sign1, topk"));
+      "unknown codec '", name,
+      "'; expected one of fp32, fp16, bf16, int8, int4, sign1, topk"));
 }
 
 absl::string_view ScaleName(ScaleKind scale) {
@@ -101,13 +103,14 @@ absl::Status ValidateCodecSpec(const CodecSpec& spec) {
     return absl::InvalidArgumentError("unknown codec kind");
   }
   if (spec.block_elems == 0 || spec.block_elems % 16 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "block_elems must be a positive multiple of 16, got ", spec.block_elems));
+    return absl::InvalidArgumentError(
+        absl::StrCat("block_elems must be a positive multiple of 16, got ",
+                     spec.block_elems));
   }
   if (spec.kind == CodecKind::kTopK &&
       !(spec.topk_ratio > 0.0 && spec.topk_ratio <= 1.0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "topk ratio must be in (0, 1], got ", spec.topk_ratio));
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk ratio must be in (0, 1], got ", spec.topk_ratio));
   }
   return absl::OkStatus();
 }
@@ -150,13 +153,15 @@ absl::Status EncodeWithError(const CodecSpec& spec, absl::Span<const float> x,
                              const RoundingKey& key,
                              absl::Span<uint8_t> payload) {
   if (absl::Status s = ValidateCodecSpec(spec); !s.ok()) return s;
-  if (absl::Status s = CheckLength(spec, payload.size(), x.size()); !s.ok()) return s;
+  if (absl::Status s = CheckLength(spec, payload.size(), x.size()); !s.ok())
+    return s;
   fb = NormalizeFeedback(fb);
   if (fb.kind == FeedbackKind::kNone) {
     error = {};
   } else if (error.size() != x.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "error buffer of ", error.size(), " elements for ", x.size(), " inputs"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("error buffer of ", error.size(), " elements for ",
+                     x.size(), " inputs"));
   }
   return VisitPart(spec.kind, [&](auto part) {
     return decltype(part)::Encode(spec, x, error, fb, key, payload);
@@ -171,8 +176,10 @@ absl::Status ValidatePayload(const CodecSpec& spec,
 
 absl::Status Decode(const CodecSpec& spec, absl::Span<const uint8_t> payload,
                     absl::Span<float> out) {
-  if (absl::Status s = ValidatePayload(spec, payload, out.size()); !s.ok()) return s;
-  VisitPart(spec.kind, [&](auto part) { decltype(part)::Decode(spec, payload, out); });
+  if (absl::Status s = ValidatePayload(spec, payload, out.size()); !s.ok())
+    return s;
+  VisitPart(spec.kind,
+            [&](auto part) { decltype(part)::Decode(spec, payload, out); });
   return absl::OkStatus();
 }
 
@@ -185,10 +192,12 @@ absl::Status DecodeAverage(const CodecSpec& spec,
   }
   for (size_t i = 0; i < payloads.size(); ++i) {
     if (absl::Status s = Validated(spec, payloads[i], out.size()); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat("payload ", i, ": ", s.message()));
+      return absl::Status(s.code(),
+                          absl::StrCat("payload ", i, ": ", s.message()));
     }
   }
-  VisitPart(spec.kind, [&](auto part) { decltype(part)::Average(spec, payloads, out); });
+  VisitPart(spec.kind,
+            [&](auto part) { decltype(part)::Average(spec, payloads, out); });
   return absl::OkStatus();
 }
 
@@ -202,12 +211,14 @@ float LoadFloatLE(const uint8_t* p) {
 
 void StoreFloatLE(uint8_t* p, float f) { std::memcpy(p, &f, 4); }
 
-absl::Status CheckScales(const uint8_t* p, size_t count, absl::string_view codec) {
+absl::Status CheckScales(const uint8_t* p, size_t count,
+                         absl::string_view codec) {
   for (size_t b = 0; b < count; ++b) {
     const float s = LoadFloatLE(p + 4 * b);
     if (!std::isfinite(s) || s < 0.0f) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          codec, ": scale of block ", b, " is ", s, "; scales must be finite and non-negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(codec, ": scale of block ", b, " is ", s,
+                       "; scales must be finite and non-negative"));
     }
   }
   return absl::OkStatus();
@@ -219,7 +230,8 @@ ScaledPayloads SplitScaled(absl::Span<const absl::Span<const uint8_t>> payloads,
   split.scales.resize(payloads.size() * blocks);
   for (size_t i = 0; i < payloads.size(); ++i) {
     if (blocks > 0) {
-      std::memcpy(split.scales.data() + i * blocks, payloads[i].data(), 4 * blocks);
+      std::memcpy(split.scales.data() + i * blocks, payloads[i].data(),
+                  4 * blocks);
     }
     split.data_ptrs.push_back(payloads[i].data() + 4 * blocks);
   }
@@ -241,16 +253,19 @@ absl::Status EncodeViaDecode(
   if (absl::Status s = encode(spec, u, payload); !s.ok()) return s;
   const absl::Span<float> c = Scratch(ScratchSlot::kEncodeDecoded, x.size());
   decode(spec, payload, c);
-  for (size_t j = 0; j < x.size(); ++j) error[j] = simd::NextError(fb, error[j], u[j], c[j]);
+  for (size_t j = 0; j < x.size(); ++j)
+    error[j] = simd::NextError(fb, error[j], u[j], c[j]);
   return absl::OkStatus();
 }
 
 void AverageViaDecode(const CodecSpec& spec,
                       absl::Span<const absl::Span<const uint8_t>> payloads,
                       absl::Span<float> out,
-                      void (*decode)(const CodecSpec&, absl::Span<const uint8_t>,
+                      void (*decode)(const CodecSpec&,
+                                     absl::Span<const uint8_t>,
                                      absl::Span<float>)) {
-  const absl::Span<float> decoded = Scratch(ScratchSlot::kAverageDecoded, out.size());
+  const absl::Span<float> decoded =
+      Scratch(ScratchSlot::kAverageDecoded, out.size());
   std::fill(out.begin(), out.end(), 0.0f);
   for (const auto& payload : payloads) {
     decode(spec, payload, decoded);

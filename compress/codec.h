@@ -21,15 +21,23 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace morse::compress {
 
-enum class CodecKind : uint8_t { kFp32, kFp16, kBf16, kInt8, kInt4, kSign1, kTopK };
+enum class CodecKind : uint8_t {
+  kFp32,
+  kFp16,
+  kBf16,
+  kInt8,
+  kInt4,
+  kSign1,
+  kTopK
+};
 
 // How sign1 computes a block's scale: l2 = RMS, l1 = mean absolute value.
 enum class ScaleKind : uint8_t { kL2, kL1 };
@@ -41,7 +49,8 @@ inline constexpr uint32_t kDefaultBlockElems = 2048;
 
 struct CodecSpec {
   CodecKind kind = CodecKind::kSign1;
-  // Elements per scale block. A positive multiple of 16 (see ValidateCodecSpec).
+  // Elements per scale block. A positive multiple of 16 (see
+  // ValidateCodecSpec).
   uint32_t block_elems = kDefaultBlockElems;
   ScaleKind scale = ScaleKind::kL2;            // sign1 only
   Rounding rounding = Rounding::kNearestEven;  // int8 and int4 only

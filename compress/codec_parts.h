@@ -15,22 +15,21 @@
 
 namespace morse::compress {
 
-#define MORSE_CODEC_PART(Name)                                               \
-  struct Name {                                                              \
-    static absl::Status Encode(const CodecSpec& spec,                        \
-                               absl::Span<const float> x,                    \
-                               absl::Span<float> error, FeedbackArgs fb,     \
-                               const RoundingKey& key,                       \
-                               absl::Span<uint8_t> payload);                 \
-    static absl::Status Validate(const CodecSpec& spec,                      \
-                                 absl::Span<const uint8_t> payload,          \
-                                 size_t n);                                  \
-    static void Decode(const CodecSpec& spec,                                \
-                       absl::Span<const uint8_t> payload,                    \
-                       absl::Span<float> out);                               \
-    static void Average(const CodecSpec& spec,                               \
-                        absl::Span<const absl::Span<const uint8_t>> payloads, \
-                        absl::Span<float> out);                              \
+#define MORSE_CODEC_PART(Name)                                                 \
+  struct Name {                                                                \
+    static absl::Status Encode(const CodecSpec& spec,                          \
+                               absl::Span<const float> x,                      \
+                               absl::Span<float> error, FeedbackArgs fb,       \
+                               const RoundingKey& key,                         \
+                               absl::Span<uint8_t> payload);                   \
+    static absl::Status Validate(const CodecSpec& spec,                        \
+                                 absl::Span<const uint8_t> payload, size_t n); \
+    static void Decode(const CodecSpec& spec,                                  \
+                       absl::Span<const uint8_t> payload,                      \
+                       absl::Span<float> out);                                 \
+    static void Average(const CodecSpec& spec,                                 \
+                        absl::Span<const absl::Span<const uint8_t>> payloads,  \
+                        absl::Span<float> out);                                \
   }
 
 MORSE_CODEC_PART(SignCodec);   // sign1
@@ -56,7 +55,8 @@ void StoreFloatLE(uint8_t* p, float f);
 
 // INVALID_ARGUMENT unless every one of the `count` scales at p is finite and
 // not negative.
-absl::Status CheckScales(const uint8_t* p, size_t count, absl::string_view codec);
+absl::Status CheckScales(const uint8_t* p, size_t count,
+                         absl::string_view codec);
 
 // The generic error-feedback wrapper for codecs without a fused kernel:
 // u = x + e, encode u, decode it back as c, e = next error.
@@ -73,7 +73,8 @@ absl::Status EncodeViaDecode(
 void AverageViaDecode(const CodecSpec& spec,
                       absl::Span<const absl::Span<const uint8_t>> payloads,
                       absl::Span<float> out,
-                      void (*decode)(const CodecSpec&, absl::Span<const uint8_t>,
+                      void (*decode)(const CodecSpec&,
+                                     absl::Span<const uint8_t>,
                                      absl::Span<float>));
 
 }  // namespace morse::compress

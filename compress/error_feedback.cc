@@ -11,7 +11,8 @@
 namespace morse::compress {
 
 absl::Status ValidateFeedbackSpec(const FeedbackSpec& spec) {
-  if (spec.kind == FeedbackKind::kEma && !(spec.beta > 0.0f && spec.beta <= 1.0f)) {
+  if (spec.kind == FeedbackKind::kEma &&
+      !(spec.beta > 0.0f && spec.beta <= 1.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat("ema feedback needs beta in (0, 1], got ", spec.beta));
   }
@@ -37,15 +38,16 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
                                      const RoundingKey& key,
                                      absl::Span<uint8_t> payload,
                                      absl::Span<const float> mask_v) {
-  if (offset % block_elems_ != 0 || offset > size_ || x.size() > size_ - offset) {
-    return absl::OutOfRangeError(absl::StrCat(
-        "error feedback range [", offset, ", ", offset + x.size(),
-        ") is not block-aligned inside a buffer of ", size_));
+  if (offset % block_elems_ != 0 || offset > size_ ||
+      x.size() > size_ - offset) {
+    return absl::OutOfRangeError(
+        absl::StrCat("error feedback range [", offset, ", ", offset + x.size(),
+                     ") is not block-aligned inside a buffer of ", size_));
   }
   if (!mask_v.empty()) {
     if (mask_v.size() != x.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("a mask of ", mask_v.size(), " values for ",
-                                                     x.size(), " elements"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a mask of ", mask_v.size(), " values for ", x.size(), " elements"));
     }
     if (std::find(mask_v.begin(), mask_v.end(), 0.0f) != mask_v.end()) {
       return CompressMasked(codec, offset, x, key, payload, mask_v);
@@ -56,8 +58,9 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
     return EncodeWithError(codec, x, {}, fb, key, payload);
   }
   if (spec_.storage == ErrorStorage::kFp32) {
-    return EncodeWithError(codec, x, absl::MakeSpan(fp32_).subspan(offset, x.size()),
-                           fb, key, payload);
+    return EncodeWithError(codec, x,
+                           absl::MakeSpan(fp32_).subspan(offset, x.size()), fb,
+                           key, payload);
   }
   const absl::Span<float> error = Scratch(ScratchSlot::kErrorCopy, x.size());
   Read(offset, error);
@@ -66,12 +69,16 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
   return status;
 }
 
-absl::Status ErrorFeedback::CompressOrKeep(const CodecSpec& codec, size_t offset,
-                                           absl::Span<const float> x, const RoundingKey& key,
+absl::Status ErrorFeedback::CompressOrKeep(const CodecSpec& codec,
+                                           size_t offset,
+                                           absl::Span<const float> x,
+                                           const RoundingKey& key,
                                            absl::Span<uint8_t> payload,
                                            absl::Span<const float> mask_v) {
-  const bool in_place = spec_.kind != FeedbackKind::kNone && spec_.storage == ErrorStorage::kFp32 &&
-                        offset % block_elems_ == 0 && offset <= size_ && x.size() <= size_ - offset;
+  const bool in_place = spec_.kind != FeedbackKind::kNone &&
+                        spec_.storage == ErrorStorage::kFp32 &&
+                        offset % block_elems_ == 0 && offset <= size_ &&
+                        x.size() <= size_ - offset;
   if (!in_place) return Compress(codec, offset, x, key, payload, mask_v);
   // Reused per thread: a shard compresses a partition (1 MiB of floats by
   // default) per step, and a fresh allocation of that size would be mapped
@@ -79,14 +86,17 @@ absl::Status ErrorFeedback::CompressOrKeep(const CodecSpec& codec, size_t offset
   thread_local std::vector<float> backup;
   backup.assign(fp32_.begin() + offset, fp32_.begin() + offset + x.size());
   absl::Status status = Compress(codec, offset, x, key, payload, mask_v);
-  if (!status.ok()) std::copy(backup.begin(), backup.end(), fp32_.begin() + offset);
+  if (!status.ok())
+    std::copy(backup.begin(), backup.end(), fp32_.begin() + offset);
   return status;
 }
 
 // u = mask ⊙ (x + e), e = mask ⊙ (u - C(u)): masked x and e enter as +0
 // (so u is +0 there), and the masked error leaves as +0.
-absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset,
-                                           absl::Span<const float> x, const RoundingKey& key,
+absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec,
+                                           size_t offset,
+                                           absl::Span<const float> x,
+                                           const RoundingKey& key,
                                            absl::Span<uint8_t> payload,
                                            absl::Span<const float> mask_v) {
   // Each copy is masked on its way (one pass each, written so that the
@@ -94,10 +104,12 @@ absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset
   const absl::Span<float> masked = Scratch(ScratchSlot::kMaskedInput, x.size());
   SelectByZero(mask_v, x, masked);
   const FeedbackArgs fb{spec_.kind, spec_.beta};
-  if (spec_.kind == FeedbackKind::kNone) return EncodeWithError(codec, masked, {}, fb, key, payload);
+  if (spec_.kind == FeedbackKind::kNone)
+    return EncodeWithError(codec, masked, {}, fb, key, payload);
   const absl::Span<float> error = Scratch(ScratchSlot::kErrorCopy, x.size());
   if (spec_.storage == ErrorStorage::kFp32) {
-    SelectByZero(mask_v, absl::MakeConstSpan(fp32_).subspan(offset, x.size()), error);
+    SelectByZero(mask_v, absl::MakeConstSpan(fp32_).subspan(offset, x.size()),
+                 error);
   } else {
     Read(offset, error);
     SelectByZero(mask_v, error, error);
@@ -105,7 +117,8 @@ absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset
   absl::Status status = EncodeWithError(codec, masked, error, fb, key, payload);
   if (!status.ok()) return status;  // the stored error stays as it was
   if (spec_.storage == ErrorStorage::kFp32) {
-    SelectByZero(mask_v, error, absl::MakeSpan(fp32_).subspan(offset, x.size()));
+    SelectByZero(mask_v, error,
+                 absl::MakeSpan(fp32_).subspan(offset, x.size()));
   } else {
     SelectByZero(mask_v, error, error);
     Quantize(offset, error);
@@ -113,7 +126,8 @@ absl::Status ErrorFeedback::CompressMasked(const CodecSpec& codec, size_t offset
   return status;
 }
 
-void ErrorFeedback::SelectByZero(absl::Span<const float> mask_v, absl::Span<const float> in,
+void ErrorFeedback::SelectByZero(absl::Span<const float> mask_v,
+                                 absl::Span<const float> in,
                                  absl::Span<float> out) {
   const float* __restrict m = mask_v.data();
   const float* i = in.data();
@@ -125,11 +139,15 @@ void ErrorFeedback::Quantize(size_t offset, absl::Span<const float> error) {
   for (size_t start = 0; start < error.size(); start += block_elems_) {
     const size_t len = simd::MinSize(block_elems_, error.size() - start);
     float amax = 0.0f;
-    for (size_t j = 0; j < len; ++j) amax = std::fmax(amax, std::fabs(error[start + j]));
+    for (size_t j = 0; j < len; ++j)
+      amax = std::fmax(amax, std::fabs(error[start + j]));
     const float s = amax / 127.0f;
     scales_[(offset + start) / block_elems_] = s;
     for (size_t j = 0; j < len; ++j) {
-      const float q = s == 0.0f ? 0.0f : simd::ClampQ(std::nearbyint(error[start + j] / s), 127.0f);
+      const float q =
+          s == 0.0f
+              ? 0.0f
+              : simd::ClampQ(std::nearbyint(error[start + j] / s), 127.0f);
       int8_[offset + start + j] = static_cast<int8_t>(q);
     }
   }
@@ -151,8 +169,9 @@ void ErrorFeedback::Read(size_t offset, absl::Span<float> out) const {
 
 absl::Status ErrorFeedback::Restore(absl::Span<const float> error) {
   if (error.size() != size_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "error buffer of ", error.size(), " elements restored into one of ", size_));
+    return absl::InvalidArgumentError(
+        absl::StrCat("error buffer of ", error.size(),
+                     " elements restored into one of ", size_));
   }
   for (size_t j = 0; j < error.size(); ++j) {
     if (!std::isfinite(error[j])) {
@@ -169,9 +188,11 @@ absl::Status ErrorFeedback::Restore(absl::Span<const float> error) {
   return absl::OkStatus();
 }
 
-absl::Status ErrorFeedback::RestoreRange(size_t offset, absl::Span<const float> error) {
+absl::Status ErrorFeedback::RestoreRange(size_t offset,
+                                         absl::Span<const float> error) {
   const size_t end = offset + error.size();
-  if (offset % block_elems_ != 0 || offset > size_ || error.size() > size_ - offset ||
+  if (offset % block_elems_ != 0 || offset > size_ ||
+      error.size() > size_ - offset ||
       (end != size_ && end % block_elems_ != 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "error range [", offset, ", ", end, ") of a buffer of ", size_,
@@ -179,8 +200,8 @@ absl::Status ErrorFeedback::RestoreRange(size_t offset, absl::Span<const float> 
   }
   for (size_t j = 0; j < error.size(); ++j) {
     if (!std::isfinite(error[j])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("restored error element ", offset + j, " is not finite"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "restored error element ", offset + j, " is not finite"));
     }
   }
   if (spec_.kind == FeedbackKind::kNone) return absl::OkStatus();

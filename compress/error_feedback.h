@@ -54,7 +54,8 @@ class ErrorFeedback {
   // +0 (whatever x and e hold) and the new error is +0.
   absl::Status Compress(const CodecSpec& codec, size_t offset,
                         absl::Span<const float> x, const RoundingKey& key,
-                        absl::Span<uint8_t> payload, absl::Span<const float> mask_v = {});
+                        absl::Span<uint8_t> payload,
+                        absl::Span<const float> mask_v = {});
 
   // Compress, except that on any error the range's error is exactly as it
   // was (DESIGN 4: bad input never changes a shard's state). With fp32
@@ -62,7 +63,8 @@ class ErrorFeedback {
   // compute into a temporary and commit on success.
   absl::Status CompressOrKeep(const CodecSpec& codec, size_t offset,
                               absl::Span<const float> x, const RoundingKey& key,
-                              absl::Span<uint8_t> payload, absl::Span<const float> mask_v = {});
+                              absl::Span<uint8_t> payload,
+                              absl::Span<const float> mask_v = {});
 
   // Copies the error of [offset, offset + out.size()) as fp32.
   void Read(size_t offset, absl::Span<float> out) const;
@@ -82,18 +84,20 @@ class ErrorFeedback {
 
  private:
   void Quantize(size_t offset, absl::Span<const float> error);
-  absl::Status CompressMasked(const CodecSpec& codec, size_t offset, absl::Span<const float> x,
-                              const RoundingKey& key, absl::Span<uint8_t> payload,
+  absl::Status CompressMasked(const CodecSpec& codec, size_t offset,
+                              absl::Span<const float> x, const RoundingKey& key,
+                              absl::Span<uint8_t> payload,
                               absl::Span<const float> mask_v);
   // out = in where mask_v is not 0, +0 where it is (in may be out).
-  static void SelectByZero(absl::Span<const float> mask_v, absl::Span<const float> in, absl::Span<float> out);
+  static void SelectByZero(absl::Span<const float> mask_v,
+                           absl::Span<const float> in, absl::Span<float> out);
 
   FeedbackSpec spec_;
   size_t size_;
   uint32_t block_elems_;
-  std::vector<float> fp32_;      // kFp32 storage
-  std::vector<int8_t> int8_;     // kInt8 storage: values
-  std::vector<float> scales_;    // kInt8 storage: one per block
+  std::vector<float> fp32_;    // kFp32 storage
+  std::vector<int8_t> int8_;   // kInt8 storage: values
+  std::vector<float> scales_;  // kInt8 storage: one per block
 };
 
 }  // namespace morse::compress

@@ -28,10 +28,12 @@ absl::Status EncodeRaw(const CodecSpec& spec, absl::Span<const float> u,
       if (!u.empty()) std::memcpy(out, u.data(), 4 * u.size());
       break;
     case CodecKind::kFp16:
-      for (size_t j = 0; j < u.size(); ++j) Store16(out + 2 * j, FloatToHalf(u[j]));
+      for (size_t j = 0; j < u.size(); ++j)
+        Store16(out + 2 * j, FloatToHalf(u[j]));
       break;
     default:
-      for (size_t j = 0; j < u.size(); ++j) Store16(out + 2 * j, FloatToBfloat16(u[j]));
+      for (size_t j = 0; j < u.size(); ++j)
+        Store16(out + 2 * j, FloatToBfloat16(u[j]));
       break;
   }
   return absl::OkStatus();
@@ -45,10 +47,12 @@ void DecodeRaw(const CodecSpec& spec, absl::Span<const uint8_t> payload,
       if (!out.empty()) std::memcpy(out.data(), in, 4 * out.size());
       break;
     case CodecKind::kFp16:
-      for (size_t j = 0; j < out.size(); ++j) out[j] = HalfToFloat(Load16(in + 2 * j));
+      for (size_t j = 0; j < out.size(); ++j)
+        out[j] = HalfToFloat(Load16(in + 2 * j));
       break;
     default:
-      for (size_t j = 0; j < out.size(); ++j) out[j] = Bfloat16ToFloat(Load16(in + 2 * j));
+      for (size_t j = 0; j < out.size(); ++j)
+        out[j] = Bfloat16ToFloat(Load16(in + 2 * j));
       break;
   }
 }
@@ -83,15 +87,18 @@ float HalfToFloat(uint16_t h) {
 
 uint16_t FloatToBfloat16(float f) {
   const uint32_t x = FloatBits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x0040u);
+  if ((x & 0x7fffffffu) > 0x7f800000u)
+    return static_cast<uint16_t>((x >> 16) | 0x0040u);
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
 float Bfloat16ToFloat(uint16_t b) { return BitsFloat(uint32_t{b} << 16); }
 
-absl::Status FloatCodec::Encode(const CodecSpec& spec, absl::Span<const float> x,
+absl::Status FloatCodec::Encode(const CodecSpec& spec,
+                                absl::Span<const float> x,
                                 absl::Span<float> error, FeedbackArgs fb,
-                                const RoundingKey&, absl::Span<uint8_t> payload) {
+                                const RoundingKey&,
+                                absl::Span<uint8_t> payload) {
   if (error.empty()) return EncodeRaw(spec, x, payload);
   return EncodeViaDecode(spec, x, error, fb, payload, EncodeRaw, DecodeRaw);
 }
@@ -101,7 +108,8 @@ absl::Status FloatCodec::Validate(const CodecSpec&, absl::Span<const uint8_t>,
   return absl::OkStatus();  // any bits are a value; the length was checked
 }
 
-void FloatCodec::Decode(const CodecSpec& spec, absl::Span<const uint8_t> payload,
+void FloatCodec::Decode(const CodecSpec& spec,
+                        absl::Span<const uint8_t> payload,
                         absl::Span<float> out) {
   DecodeRaw(spec, payload, out);
 }

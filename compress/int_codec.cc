@@ -22,14 +22,20 @@ size_t FindByte(const uint8_t* p, size_t n, uint8_t value) {
 // bytes at a time: a nibble is 8 iff it is zero after xor with 8, found by
 // the has-zero-byte trick on each nibble position.
 size_t FindNibble8(const uint8_t* p, size_t n) {
-  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0Full, kEights = 0x0808080808080808ull;
-  constexpr uint64_t kOnes = 0x0101010101010101ull, kHigh = 0x8080808080808080ull;
-  const auto has_zero_byte = [](uint64_t v) { return ((v - kOnes) & ~v & kHigh) != 0; };
+  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0Full,
+                     kEights = 0x0808080808080808ull;
+  constexpr uint64_t kOnes = 0x0101010101010101ull,
+                     kHigh = 0x8080808080808080ull;
+  const auto has_zero_byte = [](uint64_t v) {
+    return ((v - kOnes) & ~v & kHigh) != 0;
+  };
   size_t k = 0;
   for (; k + 8 <= n; k += 8) {
     uint64_t w;
     std::memcpy(&w, p + k, 8);
-    if (has_zero_byte((w & kLow) ^ kEights) || has_zero_byte(((w >> 4) & kLow) ^ kEights)) break;
+    if (has_zero_byte((w & kLow) ^ kEights) ||
+        has_zero_byte(((w >> 4) & kLow) ^ kEights))
+      break;
   }
   for (; k < n; ++k) {
     if ((p[k] & 0x0F) == 0x08 || (p[k] & 0xF0) == 0x80) return k;
@@ -40,7 +46,6 @@ size_t FindNibble8(const uint8_t* p, size_t n) {
 int BitsPerElem(const CodecSpec& spec) {
   return spec.kind == CodecKind::kInt8 ? 8 : 4;
 }
-
 
 }  // namespace
 
@@ -57,9 +62,10 @@ absl::Status IntCodec::Encode(const CodecSpec& spec, absl::Span<const float> x,
       spec.rounding == Rounding::kStochastic ? &sr : nullptr, scales.data(),
       payload.data() + 4 * blocks);
   if (!ok) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        CodecName(spec.kind), ": the input holds Inf or NaN, so a block scale "
-                              "would not be finite"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(CodecName(spec.kind),
+                     ": the input holds Inf or NaN, so a block scale "
+                     "would not be finite"));
   }
   if (blocks > 0) std::memcpy(payload.data(), scales.data(), 4 * blocks);
   return absl::OkStatus();
@@ -68,7 +74,8 @@ absl::Status IntCodec::Encode(const CodecSpec& spec, absl::Span<const float> x,
 absl::Status IntCodec::Validate(const CodecSpec& spec,
                                 absl::Span<const uint8_t> payload, size_t n) {
   const size_t blocks = BlockCount(spec, n);
-  if (absl::Status s = CheckScales(payload.data(), blocks, CodecName(spec.kind));
+  if (absl::Status s =
+          CheckScales(payload.data(), blocks, CodecName(spec.kind));
       !s.ok()) {
     return s;
   }
@@ -78,12 +85,14 @@ absl::Status IntCodec::Validate(const CodecSpec& spec,
   const size_t bad = spec.kind == CodecKind::kInt8 ? FindByte(data, bytes, 0x80)
                                                    : FindNibble8(data, bytes);
   if (bad < bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        CodecName(spec.kind), ": byte ", bad, " holds a value outside [-q_max, q_max]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(CodecName(spec.kind), ": byte ", bad,
+                     " holds a value outside [-q_max, q_max]"));
   }
   if (spec.kind == CodecKind::kInt4 && n % 2 == 1 && bytes > 0 &&
       (data[bytes - 1] & 0xF0) != 0) {
-    return absl::InvalidArgumentError("int4: the unused high nibble of the last byte is not zero");
+    return absl::InvalidArgumentError(
+        "int4: the unused high nibble of the last byte is not zero");
   }
   return absl::OkStatus();
 }
@@ -93,8 +102,8 @@ void IntCodec::Decode(const CodecSpec& spec, absl::Span<const uint8_t> payload,
   const size_t blocks = BlockCount(spec, out.size());
   const ScaledPayloads split = SplitScaled({payload}, blocks);
   ActiveKernels().int_decode(BitsPerElem(spec), split.scale_ptrs[0],
-                             split.data_ptrs[0], out.size(),
-                             spec.block_elems, out.data());
+                             split.data_ptrs[0], out.size(), spec.block_elems,
+                             out.data());
 }
 
 void IntCodec::Average(const CodecSpec& spec,
@@ -103,8 +112,8 @@ void IntCodec::Average(const CodecSpec& spec,
   const size_t blocks = BlockCount(spec, out.size());
   const ScaledPayloads split = SplitScaled(payloads, blocks);
   ActiveKernels().int_average(BitsPerElem(spec), split.scale_ptrs.data(),
-                              split.data_ptrs.data(), payloads.size(), out.size(),
-                              spec.block_elems, out.data());
+                              split.data_ptrs.data(), payloads.size(),
+                              out.size(), spec.block_elems, out.data());
 }
 
 }  // namespace morse::compress

@@ -65,9 +65,8 @@ struct KernelTable {
   void (*sign1_decode)(const float* scales, const uint8_t* bits, size_t n,
                        size_t block, float* out);
   // out = (sum_i decode(i)) / count, sum from +0 in i order.
-  void (*sign1_average)(const float* const* scales,
-                        const uint8_t* const* bits, size_t count, size_t n,
-                        size_t block, float* out);
+  void (*sign1_average)(const float* const* scales, const uint8_t* const* bits,
+                        size_t count, size_t n, size_t block, float* out);
 
   // int8 (bits = 8) or int4 (bits = 4) of x (+ e), as sign1_encode. sr is
   // null for round-half-even.
@@ -82,8 +81,8 @@ struct KernelTable {
 
   // Adam on gradient g: m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
   // x = x - lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*x).
-  void (*adam_update)(const AdamScalars& s, const float* g, float* x,
-                      float* m, float* v, size_t n);
+  void (*adam_update)(const AdamScalars& s, const float* g, float* x, float* m,
+                      float* v, size_t n);
   // 1-bit Adam compression phase: m = c; x = x - lr*(m/(sqrt(v)+eps) + wd*x).
   void (*frozen_update)(const AdamScalars& s, const float* c, float* x,
                         float* m, const float* v, size_t n);

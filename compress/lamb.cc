@@ -19,7 +19,10 @@ LambScalars ScalarsOf(const ReplyRule& rule) {
 
 // The layer of global element `at`: the last bound <= at.
 size_t LayerOf(absl::Span<const uint64_t> bounds, uint64_t at) {
-  return static_cast<size_t>(std::upper_bound(bounds.begin(), bounds.end(), at) - bounds.begin()) - 1;
+  return static_cast<size_t>(
+             std::upper_bound(bounds.begin(), bounds.end(), at) -
+             bounds.begin()) -
+         1;
 }
 
 }  // namespace
@@ -31,11 +34,15 @@ std::vector<uint64_t> LayerBounds(const SimulatorConfig& config) {
   return bounds;
 }
 
-size_t LayerCount(const SimulatorConfig& config) { return std::max<size_t>(1, config.layers.size()); }
+size_t LayerCount(const SimulatorConfig& config) {
+  return std::max<size_t>(1, config.layers.size());
+}
 
-void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> m,
-                 absl::Span<float> v, absl::Span<float> v_fresh) {
-  MORSE_CHECK(decoded.size() == m.size() && m.size() == v.size() && v.size() == v_fresh.size());
+void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded,
+                 absl::Span<float> m, absl::Span<float> v,
+                 absl::Span<float> v_fresh) {
+  MORSE_CHECK(decoded.size() == m.size() && m.size() == v.size() &&
+              v.size() == v_fresh.size());
   ActiveKernels().lamb_moments(ScalarsOf(rule), rule.copy_fresh, rule.mask,
                                decoded.data(), m.data(), v.data(),
                                v_fresh.data(), m.size());
@@ -87,13 +94,15 @@ std::vector<double> LambSegmentsOf(const ReplyRule& rule,
   return segments;
 }
 
-void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, const float* v,
-                     const float* v_fresh, uint64_t n, double out[kLambStats]) {
+void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m,
+                     const float* v, const float* v_fresh, uint64_t n,
+                     double out[kLambStats]) {
   MORSE_CHECK(n <= kLambSegment);
   ActiveKernels().lamb_segment_sums(ScalarsOf(rule), x, m, v, v_fresh, n, out);
 }
 
-std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config, absl::Span<const LambPiece> pieces,
+std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config,
+                                         absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments) {
   std::vector<double> totals(kLambStats * LayerCount(config), 0.0);
   size_t k = 0;
@@ -126,8 +135,10 @@ std::vector<double> LambTotals(const SimulatorConfig& config,
       config, pieces, LambSegmentsOf(rule, pieces, range, x, m, v, v_fresh));
 }
 
-std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& rule,
-                               absl::Span<const double> totals, absl::Span<const LambLayerState> state) {
+std::vector<double> LambCommit(const SimulatorConfig& config,
+                               const ReplyRule& rule,
+                               absl::Span<const double> totals,
+                               absl::Span<const LambLayerState> state) {
   const LambSpec& spec = config.lamb;
   const size_t layers = state.size();
   MORSE_CHECK(totals.size() == kLambStats * layers);
@@ -139,11 +150,13 @@ std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& r
     if (!rule.frozen_variance) {
       // LAMB: the trust ratio ||x|| / ||u||, clamped; 1 where either is 0.
       if (t[0] > 0 && t[1] > 0) {
-        const double r = std::clamp(std::sqrt(t[0]) / std::sqrt(t[1]), double{spec.min_coeff},
-                                    double{spec.max_coeff});
+        const double r =
+            std::clamp(std::sqrt(t[0]) / std::sqrt(t[1]),
+                       double{spec.min_coeff}, double{spec.max_coeff});
         coefficient = static_cast<float>(r);
-        next.coeff_freeze = static_cast<float>(double{spec.coeff_beta} * next.coeff_freeze +
-                                               (1.0 - double{spec.coeff_beta}) * coefficient);
+        next.coeff_freeze =
+            static_cast<float>(double{spec.coeff_beta} * next.coeff_freeze +
+                               (1.0 - double{spec.coeff_beta}) * coefficient);
       }
     } else {
       // 1-bit LAMB: how much larger the frozen denominator is than the
@@ -151,15 +164,18 @@ std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& r
       // update that is not decay.
       double factor = t[2];
       if (rule.scalars.weight_decay > 0.0f) {
-        const double share = t[0] > 0 ? std::min(1.0, std::sqrt(t[1]) / std::sqrt(t[0])) : 1.0;
+        const double share =
+            t[0] > 0 ? std::min(1.0, std::sqrt(t[1]) / std::sqrt(t[0])) : 1.0;
         factor = factor * share + (1.0 - share);
       }
-      factor = std::clamp(factor, double{spec.factor_min}, double{spec.factor_max});
+      factor =
+          std::clamp(factor, double{spec.factor_min}, double{spec.factor_max});
       const double last = next.last_factor;
       factor = std::clamp(factor, last * (1.0 - double{spec.factor_threshold}),
                           last * (1.0 + double{spec.factor_threshold}));
       next.last_factor = static_cast<float>(factor);
-      coefficient = static_cast<float>(double{next.coeff_freeze} * next.last_factor);
+      coefficient =
+          static_cast<float>(double{next.coeff_freeze} * next.last_factor);
     }
     commit[kLambCommit * l] = coefficient;
     commit[kLambCommit * l + 1] = next.coeff_freeze;
@@ -168,32 +184,40 @@ std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& r
   return commit;
 }
 
-absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const double> commit) {
+absl::Status ValidateLambCommit(const SimulatorConfig& config,
+                                absl::Span<const double> commit) {
   const size_t layers = LayerCount(config);
   if (commit.size() != kLambCommit * layers) {
-    return absl::InvalidArgumentError(absl::StrCat("a onebit_lamb commit has ", kLambCommit,
-                                                   " values for each of the model's ", layers,
-                                                   " layers, got ", commit.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a onebit_lamb commit has ", kLambCommit,
+                     " values for each of the model's ", layers,
+                     " layers, got ", commit.size()));
   }
   for (size_t i = 0; i < commit.size(); ++i) {
     const double value = commit[i];
-    if (!std::isfinite(value) || value < 0 || static_cast<double>(static_cast<float>(value)) != value) {
-      return absl::InvalidArgumentError(absl::StrCat("onebit_lamb commit value ", i, " (", value,
-                                                     ") must be a finite float, not negative"));
+    if (!std::isfinite(value) || value < 0 ||
+        static_cast<double>(static_cast<float>(value)) != value) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("onebit_lamb commit value ", i, " (", value,
+                       ") must be a finite float, not negative"));
     }
   }
   return absl::OkStatus();
 }
 
-absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh, absl::Span<const float> layers,
+absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh,
+                               absl::Span<const float> layers,
                                absl::string_view what) {
   for (float f : v_fresh) {
     if (!std::isfinite(f) || f < 0.0f) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": v' holds a negative, Inf or NaN"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": v' holds a negative, Inf or NaN"));
     }
   }
   for (float f : layers) {
-    if (!std::isfinite(f)) return absl::InvalidArgumentError(absl::StrCat(what, ": the layer state holds Inf or NaN"));
+    if (!std::isfinite(f))
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": the layer state holds Inf or NaN"));
   }
   return absl::OkStatus();
 }
@@ -217,13 +241,16 @@ std::vector<float> FlattenLambLayers(absl::Span<const LambLayerState> layers) {
   return values;
 }
 
-std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values) {
+std::vector<LambLayerState> UnflattenLambLayers(
+    absl::Span<const float> values) {
   std::vector<LambLayerState> layers(values.size() / 2);
-  for (size_t l = 0; l < layers.size(); ++l) layers[l] = {values[2 * l], values[2 * l + 1]};
+  for (size_t l = 0; l < layers.size(); ++l)
+    layers[l] = {values[2 * l], values[2 * l + 1]};
   return layers;
 }
 
-std::vector<float> LambLayerSteps(const ReplyRule& rule, absl::Span<const double> commit) {
+std::vector<float> LambLayerSteps(const ReplyRule& rule,
+                                  absl::Span<const double> commit) {
   std::vector<float> steps(commit.size() / kLambCommit);
   for (size_t l = 0; l < steps.size(); ++l) {
     steps[l] = rule.scalars.lr * static_cast<float>(commit[kLambCommit * l]);
@@ -231,11 +258,13 @@ std::vector<float> LambLayerSteps(const ReplyRule& rule, absl::Span<const double
   return steps;
 }
 
-void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Span<const double> commit,
-                 Range range, uint64_t begin, uint64_t n, absl::Span<float> x, absl::Span<const float> m,
+void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule,
+                 absl::Span<const double> commit, Range range, uint64_t begin,
+                 uint64_t n, absl::Span<float> x, absl::Span<const float> m,
                  absl::Span<const float> v) {
-  MORSE_CHECK(begin >= range.begin && begin + n <= range.end && x.size() == range.size() &&
-              m.size() == x.size() && v.size() == x.size());
+  MORSE_CHECK(begin >= range.begin && begin + n <= range.end &&
+              x.size() == range.size() && m.size() == x.size() &&
+              v.size() == x.size());
   const std::vector<uint64_t> bounds = LayerBounds(config);
   const std::vector<float> steps = LambLayerSteps(rule, commit);
   const LambScalars scalars = ScalarsOf(rule);

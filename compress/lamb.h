@@ -47,8 +47,9 @@ size_t LayerCount(const SimulatorConfig& config);
 // (masked first when the rule masks: +0 where v is 0): warmup, m = b1*m +
 // (1-b1)*g and v = b2*v + (1-b2)*g*g, and at the last warmup step v' = v;
 // compression, g' = (c - b1*m)/(1-b1), v' = b2*v' + (1-b2)*g'*g', m = c.
-void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::Span<float> m,
-                 absl::Span<float> v, absl::Span<float> v_fresh);
+void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded,
+                 absl::Span<float> m, absl::Span<float> v,
+                 absl::Span<float> v_fresh);
 
 // The per-layer statistics of the step of `rule` over the partitions of
 // `layout` that lie in `range` (all of them for a worker), in partition
@@ -61,9 +62,11 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded, absl::S
 // piece's start, the last one shorter) in order; a segment adds its terms
 // by a fixed tree (LambSegmentSums). A CUDA CTA per segment gives the same
 // bits.
-std::vector<double> LambTotals(const SimulatorConfig& config, const Layout& layout,
-                               const ReplyRule& rule, Range range, absl::Span<const float> x,
-                               absl::Span<const float> m, absl::Span<const float> v,
+std::vector<double> LambTotals(const SimulatorConfig& config,
+                               const Layout& layout, const ReplyRule& rule,
+                               Range range, absl::Span<const float> x,
+                               absl::Span<const float> m,
+                               absl::Span<const float> v,
                                absl::Span<const float> v_fresh);
 
 // LambTotals in its parts, for engines that compute the segments elsewhere.
@@ -72,11 +75,14 @@ inline constexpr uint64_t kLambSegment = kSumSegment;
 struct LambPiece {
   uint64_t begin = 0, end = 0;
   uint32_t layer = 0;
-  uint64_t segments() const { return (end - begin + kLambSegment - 1) / kLambSegment; }
+  uint64_t segments() const {
+    return (end - begin + kLambSegment - 1) / kLambSegment;
+  }
 };
 // The pieces of the partitions of `layout` inside `range`, in partition
 // order, then element order.
-std::vector<LambPiece> LambPieces(const SimulatorConfig& config, const Layout& layout, Range range);
+std::vector<LambPiece> LambPieces(const SimulatorConfig& config,
+                                  const Layout& layout, Range range);
 // The pieces of one partition's range: the range cut at the layer bounds.
 std::vector<LambPiece> LambPiecesOf(const SimulatorConfig& config,
                                     Range partition);
@@ -92,26 +98,32 @@ std::vector<double> LambSegmentsOf(const ReplyRule& rule,
 // its n <= kLambSegment elements: the terms padded with +0 to kLambSegment,
 // then t[i] += t[i + h] for i < h, h = 128, 64, ..., 1, in double; the
 // maximum ignores NaN (and is at least 0).
-void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m, const float* v,
-                     const float* v_fresh, uint64_t n, double out[kLambStats]);
+void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m,
+                     const float* v, const float* v_fresh, uint64_t n,
+                     double out[kLambStats]);
 // The totals from every piece's segments (kLambStats values each, pieces in
 // the order of LambPieces): each piece's segments added in order from 0,
 // then the piece added to its layer's total.
-std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config, absl::Span<const LambPiece> pieces,
+std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config,
+                                         absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments);
 
 // The step's commit from its totals and the layers' state before the step.
-std::vector<double> LambCommit(const SimulatorConfig& config, const ReplyRule& rule,
-                               absl::Span<const double> totals, absl::Span<const LambLayerState> state);
+std::vector<double> LambCommit(const SimulatorConfig& config,
+                               const ReplyRule& rule,
+                               absl::Span<const double> totals,
+                               absl::Span<const LambLayerState> state);
 
 // INVALID_ARGUMENT unless `commit` has kLambCommit values per layer, each
 // a finite float that is not negative.
-absl::Status ValidateLambCommit(const SimulatorConfig& config, absl::Span<const double> commit);
+absl::Status ValidateLambCommit(const SimulatorConfig& config,
+                                absl::Span<const double> commit);
 
 // INVALID_ARGUMENT unless a saved run's v' (of any part of the model) is
 // finite and not negative and its flattened layer state (FlattenLambLayers)
 // is finite; `what` starts the message ("the saved state of partition 3").
-absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh, absl::Span<const float> layers,
+absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh,
+                               absl::Span<const float> layers,
                                absl::string_view what);
 
 // The layers' state after the step of `commit`.
@@ -124,12 +136,14 @@ std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values);
 
 // Each layer's step lr * c_l in fp32 (what LambUpdateX moves x by, per
 // unit of u).
-std::vector<float> LambLayerSteps(const ReplyRule& rule, absl::Span<const double> commit);
+std::vector<float> LambLayerSteps(const ReplyRule& rule,
+                                  absl::Span<const double> commit);
 
 // x = x - (lr * c_l) * u over global elements [begin, begin + n), arrays
 // holding `range`.
-void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule, absl::Span<const double> commit,
-                 Range range, uint64_t begin, uint64_t n, absl::Span<float> x, absl::Span<const float> m,
+void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule,
+                 absl::Span<const double> commit, Range range, uint64_t begin,
+                 uint64_t n, absl::Span<float> x, absl::Span<const float> m,
                  absl::Span<const float> v);
 
 }  // namespace morse::compress

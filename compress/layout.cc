@@ -13,24 +13,30 @@ constexpr uint64_t kLayoutVersion = 1;
 }  // namespace
 
 absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
-  if (spec.dim == 0) return absl::InvalidArgumentError("layout: dim must be positive");
-  if (spec.shards == 0) return absl::InvalidArgumentError("layout: shards must be positive");
+  if (spec.dim == 0)
+    return absl::InvalidArgumentError("layout: dim must be positive");
+  if (spec.shards == 0)
+    return absl::InvalidArgumentError("layout: shards must be positive");
   if (spec.block_elems == 0 || spec.block_elems % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "layout: block_elems must be a positive multiple of 16, got ", spec.block_elems));
+        "layout: block_elems must be a positive multiple of 16, got ",
+        spec.block_elems));
   }
-  if (spec.partition_elems == 0 || spec.partition_elems % spec.block_elems != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layout: partition_elems (", spec.partition_elems,
-        ") must be a positive multiple of block_elems (", spec.block_elems, ")"));
+  if (spec.partition_elems == 0 ||
+      spec.partition_elems % spec.block_elems != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: partition_elems (", spec.partition_elems,
+                     ") must be a positive multiple of block_elems (",
+                     spec.block_elems, ")"));
   }
   Layout layout;
   layout.spec_ = spec;
   layout.block_count_ = (spec.dim + spec.block_elems - 1) / spec.block_elems;
   if (spec.shards > layout.block_count_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "layout: ", spec.shards, " shards but only ", layout.block_count_,
-        " blocks of ", spec.block_elems, " elements; every shard needs a block"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: ", spec.shards, " shards but only ",
+                     layout.block_count_, " blocks of ", spec.block_elems,
+                     " elements; every shard needs a block"));
   }
   const uint64_t per_shard = layout.block_count_ / spec.shards;
   const uint64_t longer = layout.block_count_ % spec.shards;
@@ -41,17 +47,21 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
                 std::min(spec.dim, (block + blocks) * spec.block_elems)};
     block += blocks;
     layout.shards_.push_back(range);
-    layout.first_partition_.push_back(static_cast<uint32_t>(layout.partitions_.size()));
-    for (uint64_t begin = range.begin; begin < range.end; begin += spec.partition_elems) {
-      layout.partitions_.push_back(
-          Partition{static_cast<uint32_t>(layout.partitions_.size()), s,
-                    Range{begin, std::min(range.end, begin + spec.partition_elems)}});
+    layout.first_partition_.push_back(
+        static_cast<uint32_t>(layout.partitions_.size()));
+    for (uint64_t begin = range.begin; begin < range.end;
+         begin += spec.partition_elems) {
+      layout.partitions_.push_back(Partition{
+          static_cast<uint32_t>(layout.partitions_.size()), s,
+          Range{begin, std::min(range.end, begin + spec.partition_elems)}});
     }
   }
-  layout.first_partition_.push_back(static_cast<uint32_t>(layout.partitions_.size()));
+  layout.first_partition_.push_back(
+      static_cast<uint32_t>(layout.partitions_.size()));
   Fnv64 hash;
-  for (uint64_t v : {kLayoutVersion, spec.dim, uint64_t{spec.shards},
-                     uint64_t{spec.block_elems}, uint64_t{spec.partition_elems}}) {
+  for (uint64_t v :
+       {kLayoutVersion, spec.dim, uint64_t{spec.shards},
+        uint64_t{spec.block_elems}, uint64_t{spec.partition_elems}}) {
     hash.MixInt(v);
   }
   layout.fingerprint_ = hash.value();

@@ -23,10 +23,10 @@
 namespace morse::compress {
 
 struct LayoutSpec {
-  uint64_t dim = 0;                    // D
-  uint32_t shards = 1;                 // S
-  uint32_t block_elems = 2048;         // B, a positive multiple of 16
-  uint32_t partition_elems = 1u << 20; // a positive multiple of B
+  uint64_t dim = 0;                     // D
+  uint32_t shards = 1;                  // S
+  uint32_t block_elems = 2048;          // B, a positive multiple of 16
+  uint32_t partition_elems = 1u << 20;  // a positive multiple of B
 };
 
 struct Range {

@@ -30,21 +30,28 @@ uint64_t ChunkElems(uint64_t block) {
 // `at`; block_elems is a multiple of 16, so its bits start on a byte) lies
 // in two places. CutSign1Chunk copies it out into a payload of its own
 // (PayloadBytes of len), PutSign1Chunk copies such a payload back in.
-void CutSign1Chunk(const uint8_t* whole, uint64_t n, uint64_t block, uint64_t at, uint64_t len, uint8_t* part) {
-  const uint64_t blocks = (n + block - 1) / block, part_blocks = (len + block - 1) / block;
+void CutSign1Chunk(const uint8_t* whole, uint64_t n, uint64_t block,
+                   uint64_t at, uint64_t len, uint8_t* part) {
+  const uint64_t blocks = (n + block - 1) / block,
+                 part_blocks = (len + block - 1) / block;
   std::memcpy(part, whole + 4 * (at / block), 4 * part_blocks);
-  std::memcpy(part + 4 * part_blocks, whole + 4 * blocks + at / 8, (len + 7) / 8);
+  std::memcpy(part + 4 * part_blocks, whole + 4 * blocks + at / 8,
+              (len + 7) / 8);
 }
 
-void PutSign1Chunk(const uint8_t* part, uint64_t n, uint64_t block, uint64_t at, uint64_t len, uint8_t* whole) {
-  const uint64_t blocks = (n + block - 1) / block, part_blocks = (len + block - 1) / block;
+void PutSign1Chunk(const uint8_t* part, uint64_t n, uint64_t block, uint64_t at,
+                   uint64_t len, uint8_t* whole) {
+  const uint64_t blocks = (n + block - 1) / block,
+                 part_blocks = (len + block - 1) / block;
   std::memcpy(whole + 4 * (at / block), part, 4 * part_blocks);
-  std::memcpy(whole + 4 * blocks + at / 8, part + 4 * part_blocks, (len + 7) / 8);
+  std::memcpy(whole + 4 * blocks + at / 8, part + 4 * part_blocks,
+              (len + 7) / 8);
 }
 
 // g scaled by a worker's own clip factor (ClipsLocally), in this thread's
 // scratch; g itself when the factor is 1.
-absl::Span<const float> ScaledGradient(absl::Span<const float> g, float grad_scale) {
+absl::Span<const float> ScaledGradient(absl::Span<const float> g,
+                                       float grad_scale) {
   if (grad_scale == 1.0f) return g;
   const absl::Span<float> scaled = Scratch(ScratchSlot::kLocalScaled, g.size());
   for (size_t j = 0; j < g.size(); ++j) scaled[j] = g[j] * grad_scale;
@@ -54,7 +61,8 @@ absl::Span<const float> ScaledGradient(absl::Span<const float> g, float grad_sca
 // zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
 // updated n_v times.
 float ZeroOneVarianceCorrection(const SimulatorConfig& config, int64_t step) {
-  return MakeAdamScalars(config.adam, 0.0f, ZeroOneAt(config, step).variance_updates, true)
+  return MakeAdamScalars(config.adam, 0.0f,
+                         ZeroOneAt(config, step).variance_updates, true)
       .bias_correction2;
 }
 
@@ -74,9 +82,10 @@ int64_t VarianceUpdates(int64_t kappa, int64_t s, bool* at_s) {
     const int64_t first = (end / interval + 1) * interval;
     if (s < first) return count;
     const int64_t span = kappa - 1;
-    const int64_t last = span > (std::numeric_limits<int64_t>::max() - first) / interval
-                             ? std::numeric_limits<int64_t>::max()
-                             : first + span * interval;
+    const int64_t last =
+        span > (std::numeric_limits<int64_t>::max() - first) / interval
+            ? std::numeric_limits<int64_t>::max()
+            : first + span * interval;
     if (s <= last) {
       *at_s = (s - first) % interval == 0;
       return count + (s - first) / interval + 1;
@@ -98,11 +107,13 @@ ZeroOneStep ZeroOneAt(const SimulatorConfig& config, int64_t step) {
     return at;
   }
   bool unused;
-  at.variance_updates = VarianceUpdates(z.var_update_scaler, z.var_freeze_step, &unused);
+  at.variance_updates =
+      VarianceUpdates(z.var_update_scaler, z.var_freeze_step, &unused);
   at.local = true;
   const int64_t doublings = (s - z.var_freeze_step - 1) / z.local_step_scaler;
-  at.interval = doublings >= 62 ? z.local_step_clipper
-                                : std::min(z.local_step_clipper, int64_t{1} << doublings);
+  at.interval = doublings >= 62
+                    ? z.local_step_clipper
+                    : std::min(z.local_step_clipper, int64_t{1} << doublings);
   at.exchanges = s % at.interval == 0;
   return at;
 }
@@ -142,24 +153,32 @@ const char* PhaseName(const SimulatorConfig& config, int64_t step) {
 
 int64_t NextExchange(const SimulatorConfig& config, int64_t step) {
   if (config.optimizer != OptimizerKind::kZeroOneAdam) return step;
-  while (!ZeroOneAt(config, step).exchanges) ++step;  // at most local_step_clipper - 1 steps
+  while (!ZeroOneAt(config, step).exchanges)
+    ++step;  // at most local_step_clipper - 1 steps
   return step;
 }
 
 bool StartsInterval(const SimulatorConfig& config, int64_t step) {
-  if (config.optimizer != OptimizerKind::kZeroOneAdam || !ZeroOneAt(config, step).local) return false;
-  return step == config.zero_one.var_freeze_step || ZeroOneAt(config, step - 1).exchanges;
+  if (config.optimizer != OptimizerKind::kZeroOneAdam ||
+      !ZeroOneAt(config, step).local)
+    return false;
+  return step == config.zero_one.var_freeze_step ||
+         ZeroOneAt(config, step - 1).exchanges;
 }
 
-absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step, int64_t last_step) {
+absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step,
+                                    int64_t last_step) {
   if (!PlanStep(config, step).local) {
-    return absl::FailedPreconditionError(absl::StrCat("step ", step, " is not in zero_one_adam's local phase"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step, " is not in zero_one_adam's local phase"));
   }
   if (StartsInterval(config, step)) return true;
   if (last_step != step - 1) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step, " is in the middle of a zero_one_adam local interval that this worker did not "
-        "start; it can resume only at the step after a sync"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step,
+                     " is in the middle of a zero_one_adam local interval that "
+                     "this worker did not "
+                     "start; it can resume only at the step after a sync"));
   }
   return false;
 }
@@ -172,22 +191,26 @@ float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
   return sum;
 }
 
-AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step, const StepHyper* hyper) {
+AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step,
+                             const StepHyper* hyper) {
   AdamHyper adam = config.adam;
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  AdamScalars s = MakeAdamScalars(adam, lr, step + 1, /*bias_correction=*/false);
-  if (config.bias_correction) s.bias_correction2 = ZeroOneVarianceCorrection(config, step);
+  AdamScalars s =
+      MakeAdamScalars(adam, lr, step + 1, /*bias_correction=*/false);
+  if (config.bias_correction)
+    s.bias_correction2 = ZeroOneVarianceCorrection(config, step);
   if (config.bound_update) s.max_ratio = OneBitUpdateBound(config.adam);
   return s;
 }
 
-SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction direction,
-                  uint32_t sender, uint64_t first_index) {
+SendRule PlanSend(const SimulatorConfig& config, int64_t step,
+                  Direction direction, uint32_t sender, uint64_t first_index) {
   const StepPlan plan = PlanStep(config, step);
   SendRule rule;
   rule.codec = direction == Direction::kUp ? plan.up : plan.down;
-  rule.local_momentum = direction == Direction::kUp && plan.compressing && !plan.local;
+  rule.local_momentum =
+      direction == Direction::kUp && plan.compressing && !plan.local;
   rule.accumulated = direction == Direction::kUp && plan.local;
   rule.step = step;
   rule.beta1 = config.adam.beta1;
@@ -198,11 +221,11 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction directi
 }
 
 absl::Status ValidateStepHyper(const StepHyper& hyper) {
-  if (!(hyper.lr >= 0.0f) || !std::isfinite(hyper.lr) || !(hyper.weight_decay >= 0.0f) ||
-      !std::isfinite(hyper.weight_decay)) {
-    return absl::InvalidArgumentError(absl::StrCat("lr ", hyper.lr, " and weight_decay ",
-                                                   hyper.weight_decay,
-                                                   " must be finite and not negative"));
+  if (!(hyper.lr >= 0.0f) || !std::isfinite(hyper.lr) ||
+      !(hyper.weight_decay >= 0.0f) || !std::isfinite(hyper.weight_decay)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr ", hyper.lr, " and weight_decay ", hyper.weight_decay,
+                     " must be finite and not negative"));
   }
   return absl::OkStatus();
 }
@@ -218,26 +241,30 @@ bool ClipsLocally(const SimulatorConfig& config, int64_t step) {
 double SegmentSumOfSquares(const float* values, uint64_t n) {
   MORSE_CHECK(n <= kSumSegment);
   double t[kSumSegment];
-  for (uint64_t j = 0; j < kSumSegment; ++j) t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
+  for (uint64_t j = 0; j < kSumSegment; ++j)
+    t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
   return HalvingSum(t);
 }
 
 double GradientSumOfSquares(absl::Span<const float> values) {
   double sum = 0.0;
   for (uint64_t at = 0; at < values.size(); at += kSumSegment) {
-    sum += SegmentSumOfSquares(values.data() + at, std::min<uint64_t>(kSumSegment, values.size() - at));
+    sum += SegmentSumOfSquares(
+        values.data() + at,
+        std::min<uint64_t>(kSumSegment, values.size() - at));
   }
   return sum;
 }
 
 float ClipScale(double sum_of_squares, float max_norm) {
   if (!(max_norm > 0.0f)) return 1.0f;
-  const double coefficient = static_cast<double>(max_norm) / (std::sqrt(sum_of_squares) + 1e-6);
+  const double coefficient =
+      static_cast<double>(max_norm) / (std::sqrt(sum_of_squares) + 1e-6);
   return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
 }
 
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper,
-                    float grad_scale) {
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
+                    const StepHyper* hyper, float grad_scale) {
   const StepPlan plan = PlanStep(config, step);
   ReplyRule rule;
   rule.grad_scale = grad_scale;
@@ -249,7 +276,8 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
     // The sync: the interval's learning-rate sum (the workers' pushes carry
     // it as their lr when they set one), v̂ as in the local steps.
     rule.scalars = LocalStepScalars(config, step, hyper);
-    rule.scalars.lr = hyper != nullptr ? hyper->lr : IntervalLrSum(config, step);
+    rule.scalars.lr =
+        hyper != nullptr ? hyper->lr : IntervalLrSum(config, step);
     return rule;
   }
   AdamHyper adam = config.adam;
@@ -261,17 +289,20 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper
     rule.fresh_correction2 = rule.scalars.bias_correction2;
     rule.copy_fresh = step + 1 == config.freeze_step;
   }
-  if (config.optimizer == OptimizerKind::kZeroOneAdam && config.bias_correction) {
+  if (config.optimizer == OptimizerKind::kZeroOneAdam &&
+      config.bias_correction) {
     rule.scalars.bias_correction2 = ZeroOneVarianceCorrection(config, step);
   } else if (plan.compressing && config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
     rule.scalars.bias_correction2 =
-        MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true).bias_correction2;
+        MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true)
+            .bias_correction2;
   }
   if (plan.compressing && config.bound_update) {
     rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
   }
-  if (config.optimizer == OptimizerKind::kZeroOneAdam && !plan.compressing && config.bound_update) {
+  if (config.optimizer == OptimizerKind::kZeroOneAdam && !plan.compressing &&
+      config.bound_update) {
     // A variance step's m comes from the 1-bit steps before it, not from
     // gradients alone as Adam's does: bounded like them (design.md 2.7).
     rule.bounded_variance = true;
@@ -286,9 +317,9 @@ void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
     values[j] = simd::MaskedByVariance(true, v[j], values[j]);
 }
 
-void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
-               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor,
-               absl::Span<float> v_fresh) {
+void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded,
+               absl::Span<float> x, absl::Span<float> m, absl::Span<float> v,
+               absl::Span<const float> anchor, absl::Span<float> v_fresh) {
   if (rule.grad_scale != 1.0f) {
     for (float& g : decoded) g *= rule.grad_scale;
   }
@@ -314,7 +345,8 @@ void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<floa
 
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays) {
   Fnv64 hash;
-  for (absl::Span<const float> a : arrays) hash.MixWords(a.data(), a.size() * sizeof(float));
+  for (absl::Span<const float> a : arrays)
+    hash.MixWords(a.data(), a.size() * sizeof(float));
   return hash.value();
 }
 
@@ -347,7 +379,8 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix(c.layout.shards);
   mix(c.layout.block_elems);
   mix(c.layout.partition_elems);
-  for (float f : {c.adam.beta1, c.adam.beta2, c.adam.eps, c.adam.weight_decay}) mix_float(f);
+  for (float f : {c.adam.beta1, c.adam.beta2, c.adam.eps, c.adam.weight_decay})
+    mix_float(f);
   mix(static_cast<uint64_t>(c.freeze_step));
   mix_codec(c.warmup_codec);
   mix_codec(c.up_codec);
@@ -357,7 +390,8 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix(c.bias_correction);
   mix(c.mask_zero_variance);
   mix(c.bound_update);
-  if (c.clip_grad_norm > 0.0f) mix_float(c.clip_grad_norm);  // absent before clipping existed
+  if (c.clip_grad_norm > 0.0f)
+    mix_float(c.clip_grad_norm);  // absent before clipping existed
   if (c.optimizer == OptimizerKind::kZeroOneAdam) {
     mix(static_cast<uint64_t>(c.zero_one.var_freeze_step));
     mix(static_cast<uint64_t>(c.zero_one.var_update_scaler));
@@ -365,8 +399,9 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
     mix(static_cast<uint64_t>(c.zero_one.local_step_clipper));
   }
   if (c.optimizer == OptimizerKind::kOneBitLamb) {
-    for (float f : {c.lamb.max_coeff, c.lamb.min_coeff, c.lamb.coeff_beta, c.lamb.factor_max,
-                    c.lamb.factor_min, c.lamb.factor_threshold}) {
+    for (float f :
+         {c.lamb.max_coeff, c.lamb.min_coeff, c.lamb.coeff_beta,
+          c.lamb.factor_max, c.lamb.factor_min, c.lamb.factor_threshold}) {
       mix_float(f);
     }
     mix(c.layers.size());
@@ -386,7 +421,8 @@ Replica::Replica(const SimulatorConfig& config, Range range)
   InitLamb();
 }
 
-Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> external_x)
+Replica::Replica(const SimulatorConfig& config, Range range,
+                 absl::Span<float> external_x)
     : config_(config),
       range_(range),
       m_(range.size(), 0.0f),
@@ -397,8 +433,8 @@ Replica::Replica(const SimulatorConfig& config, Range range, absl::Span<float> e
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
-                                 absl::Span<const uint8_t> reply, const StepHyper* hyper,
-                                 float grad_scale) {
+                                 absl::Span<const uint8_t> reply,
+                                 const StepHyper* hyper, float grad_scale) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
@@ -408,11 +444,13 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   const size_t offset = begin - range_.begin;
   // A worker's sync starts from x at the last sync; a mirror's x is that.
   const auto anchor = [&](uint64_t at, uint64_t len) {
-    return rule.sync && !anchor_.empty() ? absl::MakeConstSpan(anchor_).subspan(offset + at, len)
-                                         : absl::Span<const float>();
+    return rule.sync && !anchor_.empty()
+               ? absl::MakeConstSpan(anchor_).subspan(offset + at, len)
+               : absl::Span<const float>();
   };
   const auto fresh = [&](uint64_t at, uint64_t len) {
-    return rule.lamb ? absl::MakeSpan(v_fresh_).subspan(offset + at, len) : absl::Span<float>();
+    return rule.lamb ? absl::MakeSpan(v_fresh_).subspan(offset + at, len)
+                     : absl::Span<float>();
   };
   const uint64_t block = rule.codec.block_elems;
   if (rule.codec.kind == CodecKind::kSign1 && block > 0) {
@@ -420,72 +458,88 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
     // the update reads them (one pass over x, m, v instead of a decoded
     // partition written to memory and read back). Elementwise, so the bits
     // are those of decoding the whole partition first.
-    if (absl::Status s = ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
+    if (absl::Status s = ValidatePayload(rule.codec, reply, n); !s.ok())
+      return s;
     const uint64_t chunk = ChunkElems(block);
     const uint64_t blocks = (n + block - 1) / block;
-    const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, std::min<uint64_t>(chunk, n));
-    thread_local std::vector<float> scales;  // the payload's scales may be unaligned
+    const absl::Span<float> decoded =
+        Scratch(ScratchSlot::kReplyDecoded, std::min<uint64_t>(chunk, n));
+    thread_local std::vector<float>
+        scales;  // the payload's scales may be unaligned
     scales.resize(chunk / block);
     for (uint64_t at = 0; at < n; at += chunk) {
       const uint64_t len = std::min(chunk, n - at);
-      std::memcpy(scales.data(), reply.data() + 4 * (at / block), 4 * ((len + block - 1) / block));
-      ActiveKernels().sign1_decode(scales.data(), reply.data() + 4 * blocks + at / 8, len, block,
-                                   decoded.data());
+      std::memcpy(scales.data(), reply.data() + 4 * (at / block),
+                  4 * ((len + block - 1) / block));
+      ActiveKernels().sign1_decode(scales.data(),
+                                   reply.data() + 4 * blocks + at / 8, len,
+                                   block, decoded.data());
       ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
-                absl::MakeSpan(m_).subspan(offset + at, len), absl::MakeSpan(v_).subspan(offset + at, len),
-                anchor(at, len), fresh(at, len));
+                absl::MakeSpan(m_).subspan(offset + at, len),
+                absl::MakeSpan(v_).subspan(offset + at, len), anchor(at, len),
+                fresh(at, len));
     }
     return absl::OkStatus();
   }
   const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
   if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
-  ApplyRule(rule, decoded, x_.subspan(offset, n), absl::MakeSpan(m_).subspan(offset, n),
+  ApplyRule(rule, decoded, x_.subspan(offset, n),
+            absl::MakeSpan(m_).subspan(offset, n),
             absl::MakeSpan(v_).subspan(offset, n), anchor(0, n), fresh(0, n));
   return absl::OkStatus();
 }
 
-absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, ErrorFeedback& error,
-                                 uint64_t begin, absl::Span<const float> g, float grad_scale,
+absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
+                                 ErrorFeedback& error, uint64_t begin,
+                                 absl::Span<const float> g, float grad_scale,
                                  absl::Span<uint8_t> payload) {
   const uint64_t n = g.size();
   const auto mask = [&](uint64_t at, uint64_t len) {
-    return rule.mask ? replica.v().subspan(at - replica.range().begin, len) : absl::Span<const float>();
+    return rule.mask ? replica.v().subspan(at - replica.range().begin, len)
+                     : absl::Span<const float>();
   };
   if (rule.accumulated) {  // zero_one_adam's sync: the gradient is already in u
     const absl::Span<float> message = Scratch(ScratchSlot::kLocalMomentum, n);
     replica.SyncMessage(rule.step, begin, message);
-    return error.Compress(rule.codec, begin, message, rule.key, payload, mask(begin, n));
+    return error.Compress(rule.codec, begin, message, rule.key, payload,
+                          mask(begin, n));
   }
   if (grad_scale != 1.0f && !rule.local_momentum) {
-    return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
+    return absl::FailedPreconditionError(
+        "a worker scales its own gradient only in the compression phase");
   }
   if (!rule.local_momentum) {
-    return rule.feedback ? error.Compress(rule.codec, begin, g, rule.key, payload, mask(begin, n))
+    return rule.feedback ? error.Compress(rule.codec, begin, g, rule.key,
+                                          payload, mask(begin, n))
                          : Encode(rule.codec, g, rule.key, payload);
   }
   const uint64_t block = rule.codec.block_elems;
   if (rule.codec.kind != CodecKind::kSign1 || !rule.feedback || block == 0) {
     const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, n);
     replica.LocalMomentum(begin, g, local, grad_scale);
-    return rule.feedback ? error.Compress(rule.codec, begin, local, rule.key, payload, mask(begin, n))
+    return rule.feedback ? error.Compress(rule.codec, begin, local, rule.key,
+                                          payload, mask(begin, n))
                          : Encode(rule.codec, local, rule.key, payload);
   }
   if (payload.size() != PayloadBytes(rule.codec, n)) {
-    return absl::InvalidArgumentError(absl::StrCat("a payload of ", payload.size(), " bytes for ", n,
-                                                   " elements of ", CodecName(rule.codec.kind)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a payload of ", payload.size(), " bytes for ", n,
+                     " elements of ", CodecName(rule.codec.kind)));
   }
   // A chunk of whole blocks encodes into its own small payload, put in its
   // place in the whole one (PutSign1Chunk).
   const uint64_t chunk = ChunkElems(block);
-  const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, std::min(chunk, n));
+  const absl::Span<float> local =
+      Scratch(ScratchSlot::kLocalMomentum, std::min(chunk, n));
   thread_local std::vector<uint8_t> part;
   for (uint64_t at = 0; at < n; at += chunk) {
     const uint64_t len = std::min(chunk, n - at);
     const absl::Span<float> u = local.first(len);
     replica.LocalMomentum(begin + at, g.subspan(at, len), u, grad_scale);
     part.resize(PayloadBytes(rule.codec, len));
-    if (absl::Status s = error.Compress(rule.codec, begin + at, u, rule.key, absl::MakeSpan(part),
-                                        mask(begin + at, len));
+    if (absl::Status s =
+            error.Compress(rule.codec, begin + at, u, rule.key,
+                           absl::MakeSpan(part), mask(begin + at, len));
         !s.ok()) {
       return s;
     }
@@ -494,37 +548,46 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, E
   return absl::OkStatus();
 }
 
-absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
-                              absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
-                              uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
-                              absl::Span<uint8_t> payload) {
+absl::Status EncodeShardReply(
+    const SendRule& rule, const CodecSpec& up,
+    absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
+    uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
+    absl::Span<uint8_t> payload) {
   const uint64_t block = rule.codec.block_elems;
-  const bool chunked = rule.feedback && rule.codec.kind == CodecKind::kSign1 && up.kind == CodecKind::kSign1 &&
-                       block > 0 && up.block_elems == block && offset % block == 0 &&
-                       (n % block == 0 || offset + n == error.size()) &&  // RestoreRange's alignment
-                       error.spec().kind != FeedbackKind::kNone && error.spec().storage == ErrorStorage::kFp32;
+  const bool chunked =
+      rule.feedback && rule.codec.kind == CodecKind::kSign1 &&
+      up.kind == CodecKind::kSign1 && block > 0 && up.block_elems == block &&
+      offset % block == 0 &&
+      (n % block == 0 ||
+       offset + n == error.size()) &&  // RestoreRange's alignment
+      error.spec().kind != FeedbackKind::kNone &&
+      error.spec().storage == ErrorStorage::kFp32;
   if (!chunked) {
     const absl::Span<float> average = Scratch(ScratchSlot::kShardAverage, n);
     if (absl::Status s = DecodeAverage(up, pushes, average); !s.ok()) return s;
-    return rule.feedback ? error.CompressOrKeep(rule.codec, offset, average, rule.key, payload, mask_v)
+    return rule.feedback ? error.CompressOrKeep(rule.codec, offset, average,
+                                                rule.key, payload, mask_v)
                          : Encode(rule.codec, average, rule.key, payload);
   }
-  if (payload.size() != PayloadBytes(rule.codec, n) || (!mask_v.empty() && mask_v.size() != n) ||
-      offset > error.size() || n > error.size() - offset) {
-    return absl::InvalidArgumentError(absl::StrCat("a reply of ", payload.size(), " bytes for ", n,
-                                                   " elements at ", offset, " of an error buffer of ",
-                                                   error.size()));
+  if (payload.size() != PayloadBytes(rule.codec, n) ||
+      (!mask_v.empty() && mask_v.size() != n) || offset > error.size() ||
+      n > error.size() - offset) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a reply of ", payload.size(), " bytes for ", n, " elements at ",
+        offset, " of an error buffer of ", error.size()));
   }
   for (const auto& push : pushes) {
     if (push.size() != PayloadBytes(up, n)) {
-      return absl::InvalidArgumentError(absl::StrCat("a push of ", push.size(), " bytes for ", n, " elements"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a push of ", push.size(), " bytes for ", n, " elements"));
     }
   }
   // A chunk of whole blocks is cut out of each push into a small payload of
   // its own (CutSign1Chunk), averaged, and encoded into another, put in its
   // place in the reply (PutSign1Chunk).
   const uint64_t chunk = ChunkElems(block);
-  const absl::Span<float> average = Scratch(ScratchSlot::kShardAverage, std::min(chunk, n));
+  const absl::Span<float> average =
+      Scratch(ScratchSlot::kShardAverage, std::min(chunk, n));
   const absl::Span<float> backup = Scratch(ScratchSlot::kErrorBackup, n);
   thread_local std::vector<std::vector<uint8_t>> parts;
   thread_local std::vector<absl::Span<const uint8_t>> views;
@@ -540,13 +603,15 @@ absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
     }
     const absl::Span<float> u = average.first(len);
     absl::Status status = DecodeAverage(up, views, u);
-    error.Read(offset + at, backup.subspan(at, len));  // now in cache for Compress too
+    error.Read(offset + at,
+               backup.subspan(at, len));  // now in cache for Compress too
     out.resize(PayloadBytes(rule.codec, len));
     if (status.ok()) {
       RoundingKey key = rule.key;
       key.first_index += at;
-      status = error.Compress(rule.codec, offset + at, u, key, absl::MakeSpan(out),
-                              mask_v.empty() ? mask_v : mask_v.subspan(at, len));
+      status =
+          error.Compress(rule.codec, offset + at, u, key, absl::MakeSpan(out),
+                         mask_v.empty() ? mask_v : mask_v.subspan(at, len));
     }
     if (!status.ok()) {
       MORSE_CHECK(error.RestoreRange(offset, backup.first(at + len)).ok());
@@ -557,21 +622,24 @@ absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
   return absl::OkStatus();
 }
 
-void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
-                            float grad_scale) const {
+void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g,
+                            absl::Span<float> out, float grad_scale) const {
   g = ScaledGradient(g, grad_scale);
-  compress::LocalMomentum(config_.adam.beta1,
-                          absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
+  compress::LocalMomentum(
+      config_.adam.beta1,
+      absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
 }
 
 absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
                                 const StepHyper* hyper, float grad_scale,
                                 ComputePool* pool) {
-  const absl::StatusOr<bool> starts = BeginLocalStep(config_, step, local_step_);
+  const absl::StatusOr<bool> starts =
+      BeginLocalStep(config_, step, local_step_);
   if (!starts.ok()) return starts.status();
   if (g.size() != range_.size() || range_.begin != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("a local step needs the whole model's gradient (",
-                                                   range_.size(), " elements), got ", g.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a local step needs the whole model's gradient (",
+                     range_.size(), " elements), got ", g.size()));
   }
   const LocalPass pass = StartLocalStep(step, *starts, hyper);
   by_range_ = LocalPass{};  // this step's loop runs here
@@ -659,9 +727,9 @@ absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
 absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
   if (interval.anchor.size() != interval.u.size() ||
       (!interval.anchor.empty() && interval.anchor.size() != range_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("a local interval of ", interval.anchor.size(), " and ",
-                                                   interval.u.size(), " elements for a replica of ",
-                                                   range_.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a local interval of ", interval.anchor.size(), " and ",
+        interval.u.size(), " elements for a replica of ", range_.size()));
   }
   by_range_ = LocalPass{};
   anchor_ = std::move(interval.anchor);
@@ -671,11 +739,14 @@ absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
   return absl::OkStatus();
 }
 
-void Replica::SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const {
-  MORSE_CHECK(local_step_ == step && begin >= range_.begin && begin + out.size() <= range_.end);
+void Replica::SyncMessage(int64_t step, uint64_t begin,
+                          absl::Span<float> out) const {
+  MORSE_CHECK(local_step_ == step && begin >= range_.begin &&
+              begin + out.size() <= range_.end);
   const size_t at = begin - range_.begin;
   const AdamScalars s = LocalStepScalars(config_, step, nullptr);
-  ZeroOneSyncMessage(s, lr_sum_, absl::MakeConstSpan(u_).subspan(at, out.size()),
+  ZeroOneSyncMessage(s, lr_sum_,
+                     absl::MakeConstSpan(u_).subspan(at, out.size()),
                      absl::MakeConstSpan(m_).subspan(at, out.size()),
                      absl::MakeConstSpan(v_).subspan(at, out.size()), out);
 }
@@ -701,7 +772,8 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
     return absl::FailedPreconditionError("LambStep is for onebit_lamb");
   }
   if (range_.begin != 0 || range_.end != config_.layout.dim) {
-    return absl::FailedPreconditionError("a onebit_lamb commit needs the whole model's replica");
+    return absl::FailedPreconditionError(
+        "a onebit_lamb commit needs the whole model's replica");
   }
   absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
   if (!layout.ok()) return layout.status();
@@ -755,16 +827,19 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
 }
 
 absl::Status Replica::ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n,
-                                      absl::Span<const double> commit, const StepHyper* hyper) {
+                                      absl::Span<const double> commit,
+                                      const StepHyper* hyper) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
-    return absl::FailedPreconditionError("a onebit_lamb commit for another optimizer");
+    return absl::FailedPreconditionError(
+        "a onebit_lamb commit for another optimizer");
   }
   if (begin < range_.begin || begin + n > range_.end) {
-    return absl::InvalidArgumentError(absl::StrCat("commit range [", begin, ", ", begin + n,
-                                                   ") is outside the replica"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "commit range [", begin, ", ", begin + n, ") is outside the replica"));
   }
   if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
-  LambUpdateX(config_, PlanReply(config_, step, hyper), commit, range_, begin, n, x_, m_, v_);
+  LambUpdateX(config_, PlanReply(config_, step, hyper), commit, range_, begin,
+              n, x_, m_, v_);
   return absl::OkStatus();
 }
 

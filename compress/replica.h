@@ -27,12 +27,13 @@ class ComputePool;
 
 // What step t of a job sends in each direction.
 struct StepPlan {
-  bool compressing = false;  // frozen v: 1-bit Adam after the freeze step, 0/1 Adam between v's updates
+  bool compressing = false;  // frozen v: 1-bit Adam after the freeze step, 0/1
+                             // Adam between v's updates
   bool feedback = false;     // error feedback on (never in 1-bit warmup)
   // zero_one_adam's local phase (design.md 2.7): workers step on their own
   // and push only at syncs (`exchanges`), the mean of their updates.
   bool local = false;
-  bool exchanges = true;     // false: a local step, nothing is sent
+  bool exchanges = true;  // false: a local step, nothing is sent
   CodecSpec up;
   CodecSpec down;
 };
@@ -63,13 +64,15 @@ bool StartsInterval(const SimulatorConfig& config, int64_t step);
 // continues the one whose last local step was `last_step`.
 // FAILED_PRECONDITION outside the local phase, or in the middle of an
 // interval the replica did not start. Every engine's LocalStep asks it.
-absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step, int64_t last_step);
+absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step,
+                                    int64_t last_step);
 // The learning rates of the schedule summed in fp32, in step order, over
 // the interval that ends with sync step `step` (zero_one_adam).
 float IntervalLrSum(const SimulatorConfig& config, int64_t step);
 // The scalars of a zero_one_adam local step (ZeroOneLocalStep; with
 // `hyper`'s lr and weight decay when the workers set them).
-AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step, const StepHyper* hyper);
+AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step,
+                             const StepHyper* hyper);
 
 // The sender's rule (DESIGN 2.1-2.4) for the partition starting at global
 // element `first_index` in step `step`: what a worker pushes (`up`) or a
@@ -94,13 +97,13 @@ struct SendRule {
   RoundingKey key;
 };
 enum class Direction { kUp, kDown };
-SendRule PlanSend(const SimulatorConfig& config, int64_t step, Direction direction,
-                  uint32_t sender, uint64_t first_index);
+SendRule PlanSend(const SimulatorConfig& config, int64_t step,
+                  Direction direction, uint32_t sender, uint64_t first_index);
 
 // The reply's rule: how every replica (worker CPU and GPU, shard mirror,
 // simulator) turns step `step`'s decoded reply into an update of x, m, v.
 struct ReplyRule {
-  CodecSpec codec;              // the reply's encoding
+  CodecSpec codec;               // the reply's encoding
   bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep, or
   // zero_one_adam's variance step with its bounded ratio (ZeroOneVarianceStep)
   bool bounded_variance = false;
@@ -124,8 +127,8 @@ struct ReplyRule {
   float fresh_correction2 = 1.0f;
   bool copy_fresh = false;
 };
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step, const StepHyper* hyper = nullptr,
-                    float grad_scale = 1.0f);
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
+                    const StepHyper* hyper = nullptr, float grad_scale = 1.0f);
 
 // Gradient clipping (SimulatorConfig::clip_grad_norm). Step `step` clips
 // the averaged gradient: every replica needs the sum over all partitions of
@@ -150,8 +153,9 @@ float ClipScale(double sum_of_squares, float max_norm);
 // The update of a ReplyRule on host arrays of decoded.size() elements
 // (decoded is scratch: it may be masked in place). `anchor`: x at the last
 // sync for a sync rule (empty: x itself, a shard's mirror).
-void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded, absl::Span<float> x,
-               absl::Span<float> m, absl::Span<float> v, absl::Span<const float> anchor = {},
+void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded,
+               absl::Span<float> x, absl::Span<float> m, absl::Span<float> v,
+               absl::Span<const float> anchor = {},
                absl::Span<float> v_fresh = {});
 // The zero-variance mask as a selection: values[j] = +0 where v[j] == 0.
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values);
@@ -177,10 +181,11 @@ class Replica;
 // chunk of blocks at a time, so it never goes to memory; the bits are those
 // of averaging the whole partition first (tests/compress). The shards and
 // the simulator both call this.
-absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
-                              absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
-                              uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
-                              absl::Span<uint8_t> payload);
+absl::Status EncodeShardReply(
+    const SendRule& rule, const CodecSpec& up,
+    absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
+    uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
+    absl::Span<uint8_t> payload);
 
 // A worker's message for [begin, begin + g.size()) of step `rule` (PlanSend
 // of the up direction): the local momentum of g (scaled by `grad_scale`,
@@ -190,8 +195,9 @@ absl::Status EncodeShardReply(const SendRule& rule, const CodecSpec& up,
 // the momentum is formed and encoded a cache-sized chunk of blocks at a
 // time, so it never goes to memory: one pass over g, m and e instead of
 // two. The bits are those of forming it whole first (tests/compress).
-absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica, ErrorFeedback& error,
-                                 uint64_t begin, absl::Span<const float> g, float grad_scale,
+absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
+                                 ErrorFeedback& error, uint64_t begin,
+                                 absl::Span<const float> g, float grad_scale,
                                  absl::Span<uint8_t> payload);
 
 class Replica {
@@ -200,7 +206,8 @@ class Replica {
   Replica(const SimulatorConfig& config, Range range);
   // x lives in memory the caller owns (range.size() floats, kept alive and
   // not resized while the replica exists), such as a PyTorch flat tensor.
-  Replica(const SimulatorConfig& config, Range range, absl::Span<float> external_x);
+  Replica(const SimulatorConfig& config, Range range,
+          absl::Span<float> external_x);
   Replica(const Replica&) = delete;  // x may point into this object
   Replica& operator=(const Replica&) = delete;
   Replica(Replica&&) = default;
@@ -219,13 +226,14 @@ class Replica {
   // payload is malformed or the range is outside the replica.
   // `grad_scale`: the step's clip factor (ClipScale), when it clips.
   absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
-                          absl::Span<const uint8_t> reply, const StepHyper* hyper = nullptr,
+                          absl::Span<const uint8_t> reply,
+                          const StepHyper* hyper = nullptr,
                           float grad_scale = 1.0f);
 
   // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()),
   // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1.
-  void LocalMomentum(uint64_t begin, absl::Span<const float> g, absl::Span<float> out,
-                     float grad_scale = 1.0f) const;
+  void LocalMomentum(uint64_t begin, absl::Span<const float> g,
+                     absl::Span<float> out, float grad_scale = 1.0f) const;
 
   // zero_one_adam's local phase (design.md 2.7), on a worker's whole
   // replica: the local step of `step` from gradient g (scaled by
@@ -301,12 +309,15 @@ class Replica {
   // the commit (LambStateOf) is the caller's to keep: LambStep keeps it
   // here, a shard keeps it with each partition. INVALID_ARGUMENT, nothing
   // changed, for a malformed commit or range.
-  absl::Status ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n, absl::Span<const double> commit,
+  absl::Status ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n,
+                               absl::Span<const double> commit,
                                const StepHyper* hyper = nullptr);
   absl::Span<const float> v_fresh() const { return v_fresh_; }
   absl::Span<float> mutable_v_fresh() { return absl::MakeSpan(v_fresh_); }
   absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }
-  void set_lamb_layers(std::vector<LambLayerState> layers) { lamb_layers_ = std::move(layers); }
+  void set_lamb_layers(std::vector<LambLayerState> layers) {
+    lamb_layers_ = std::move(layers);
+  }
 
   uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
 

@@ -20,16 +20,17 @@ namespace morse::compress {
 
 enum class ScratchSlot : int {
   kReplyDecoded,    // Replica::ApplyReply
-  kLocalScaled,     // a worker's gradient scaled by its clip factor (LocalMomentum, LocalStep)
+  kLocalScaled,     // a worker's gradient scaled by its clip factor
+                    // (LocalMomentum, LocalStep)
   kLocalMomentum,   // EncodeWorkerMessage: one chunk's local momentum
   kShardAverage,    // EncodeShardReply: the average being recompressed (and
                     // server::ShardCore: the decoded reply, for its norm)
   kEncodeInput,     // EncodeViaDecode: u = x + e
   kEncodeDecoded,   // EncodeViaDecode: C(u)
   kAverageDecoded,  // AverageViaDecode: one payload decoded
-  kErrorCopy,       // ErrorFeedback: the error of an int8 buffer or a masked range
-  kMaskedInput,     // ErrorFeedback::CompressMasked: masked x
-  kErrorBackup,     // EncodeShardReply: the partition's error before the step
+  kErrorCopy,    // ErrorFeedback: the error of an int8 buffer or a masked range
+  kMaskedInput,  // ErrorFeedback::CompressMasked: masked x
+  kErrorBackup,  // EncodeShardReply: the partition's error before the step
   kCount,
 };
 

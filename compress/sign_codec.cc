@@ -7,19 +7,18 @@
 #include "compress/kernels.h"
 
 namespace morse::compress {
-namespace {
-
-
-}  // namespace
+namespace {}  // namespace
 
 absl::Status SignCodec::Encode(const CodecSpec& spec, absl::Span<const float> x,
                                absl::Span<float> error, FeedbackArgs fb,
-                               const RoundingKey&, absl::Span<uint8_t> payload) {
+                               const RoundingKey&,
+                               absl::Span<uint8_t> payload) {
   const size_t blocks = BlockCount(spec, x.size());
   std::vector<float> scales(blocks);
-  if (!ActiveKernels().sign1_encode(x.data(), error.empty() ? nullptr : error.data(),
-                                    x.size(), spec.block_elems, spec.scale, fb,
-                                    scales.data(), payload.data() + 4 * blocks)) {
+  if (!ActiveKernels().sign1_encode(
+          x.data(), error.empty() ? nullptr : error.data(), x.size(),
+          spec.block_elems, spec.scale, fb, scales.data(),
+          payload.data() + 4 * blocks)) {
     return absl::InvalidArgumentError(
         "sign1: a block scale is not finite (the input holds Inf or NaN, or "
         "its squares overflow fp32)");

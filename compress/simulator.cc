@@ -1,95 +1,110 @@
 #include "compress/simulator.h"
 
-#include "compress/lamb.h"
-#include "compress/replica.h"
-
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "compress/lamb.h"
+#include "compress/replica.h"
 
 namespace morse::compress {
 
 absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
-  if (c.workers == 0) return absl::InvalidArgumentError("workers must be positive");
+  if (c.workers == 0)
+    return absl::InvalidArgumentError("workers must be positive");
   if (absl::Status s = Layout::Create(c.layout).status(); !s.ok()) return s;
   if (absl::Status s = ValidateAdamHyper(c.adam); !s.ok()) return s;
   if (absl::Status s = ValidateLrSchedule(c.lr); !s.ok()) return s;
   for (const CodecSpec* codec : {&c.warmup_codec, &c.up_codec, &c.down_codec}) {
     if (absl::Status s = ValidateCodecSpec(*codec); !s.ok()) return s;
     if (codec->block_elems != c.layout.block_elems) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "codec block_elems (", codec->block_elems,
-          ") must equal the layout's block_elems (", c.layout.block_elems, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("codec block_elems (", codec->block_elems,
+                       ") must equal the layout's block_elems (",
+                       c.layout.block_elems, ")"));
     }
   }
   const CodecKind warmup = c.warmup_codec.kind;
-  const bool onebit = c.optimizer == OptimizerKind::kOneBitAdam || c.optimizer == OptimizerKind::kOneBitLamb;
-  if (onebit && warmup != CodecKind::kFp32 &&
-      warmup != CodecKind::kFp16 && warmup != CodecKind::kBf16) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the warmup codec of onebit_adam and onebit_lamb must be fp32, fp16 or bf16, got ",
-        CodecName(warmup)));
+  const bool onebit = c.optimizer == OptimizerKind::kOneBitAdam ||
+                      c.optimizer == OptimizerKind::kOneBitLamb;
+  if (onebit && warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 &&
+      warmup != CodecKind::kBf16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the warmup codec of onebit_adam and onebit_lamb must be "
+                     "fp32, fp16 or bf16, got ",
+                     CodecName(warmup)));
   }
-  if (c.freeze_step < 0) return absl::InvalidArgumentError("freeze_step must be >= 0");
+  if (c.freeze_step < 0)
+    return absl::InvalidArgumentError("freeze_step must be >= 0");
   if (onebit && c.freeze_step < 1) {
     return absl::InvalidArgumentError(
-        "freeze_step must be at least 1 for onebit_adam and onebit_lamb (with no warmup there is no "
+        "freeze_step must be at least 1 for onebit_adam and onebit_lamb (with "
+        "no warmup there is no "
         "variance to freeze)");
   }
   if (!c.layers.empty()) {
     uint64_t sum = 0;
     for (uint64_t size : c.layers) {
       if (size == 0 || size > c.layout.dim) {
-        return absl::InvalidArgumentError(absl::StrCat("layer sizes must be in [1, dim], got ", size));
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer sizes must be in [1, dim], got ", size));
       }
       sum += size;
       if (sum > c.layout.dim) break;
     }
     if (sum != c.layout.dim) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the layers' sizes must add up to the model's ", c.layout.dim, " elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the layers' sizes must add up to the model's ",
+                       c.layout.dim, " elements"));
     }
   }
   if (c.optimizer == OptimizerKind::kOneBitLamb) {
     const LambSpec& l = c.lamb;
     const auto finite = [](float f) { return std::isfinite(f); };
-    if (!(l.min_coeff > 0.0f) || !(l.max_coeff >= l.min_coeff) || !finite(l.max_coeff)) {
+    if (!(l.min_coeff > 0.0f) || !(l.max_coeff >= l.min_coeff) ||
+        !finite(l.max_coeff)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "onebit_lamb needs 0 < min_coeff <= max_coeff (finite), got ", l.min_coeff, ", ", l.max_coeff));
+          "onebit_lamb needs 0 < min_coeff <= max_coeff (finite), got ",
+          l.min_coeff, ", ", l.max_coeff));
     }
     if (!(l.coeff_beta >= 0.0f && l.coeff_beta < 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat("onebit_lamb.coeff_beta must be in [0, 1), got ",
-                                                     l.coeff_beta));
-    }
-    if (!(l.factor_min > 0.0f) || !(l.factor_max >= l.factor_min) || !finite(l.factor_max)) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "onebit_lamb needs 0 < factor_min <= factor_max (finite), got ", l.factor_min, ", ",
-          l.factor_max));
+          "onebit_lamb.coeff_beta must be in [0, 1), got ", l.coeff_beta));
+    }
+    if (!(l.factor_min > 0.0f) || !(l.factor_max >= l.factor_min) ||
+        !finite(l.factor_max)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb needs 0 < factor_min <= factor_max (finite), got ",
+          l.factor_min, ", ", l.factor_max));
     }
     if (!(l.factor_threshold >= 0.0f && l.factor_threshold < 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "onebit_lamb.factor_threshold must be in [0, 1), got ", l.factor_threshold));
+      return absl::InvalidArgumentError(
+          absl::StrCat("onebit_lamb.factor_threshold must be in [0, 1), got ",
+                       l.factor_threshold));
     }
     if (c.clip_grad_norm != 0.0f) {
-      return absl::InvalidArgumentError("clip_grad_norm is not supported with onebit_lamb (leave it 0)");
+      return absl::InvalidArgumentError(
+          "clip_grad_norm is not supported with onebit_lamb (leave it 0)");
     }
   }
   if (c.optimizer == OptimizerKind::kZeroOneAdam) {
     const ZeroOneSpec& z = c.zero_one;
     constexpr int64_t kMax = int64_t{1} << 40;
-    for (const auto& [name, value] : {std::pair<const char*, int64_t>{"var_freeze_step", z.var_freeze_step},
-                                      {"var_update_scaler", z.var_update_scaler},
-                                      {"local_step_scaler", z.local_step_scaler},
-                                      {"local_step_clipper", z.local_step_clipper}}) {
+    for (const auto& [name, value] :
+         {std::pair<const char*, int64_t>{"var_freeze_step", z.var_freeze_step},
+          {"var_update_scaler", z.var_update_scaler},
+          {"local_step_scaler", z.local_step_scaler},
+          {"local_step_clipper", z.local_step_clipper}}) {
       if (value < 1 || value > kMax) {
         return absl::InvalidArgumentError(absl::StrCat(
             "zero_one_adam.", name, " must be in [1, 2^40], got ", value));
       }
     }
-    if (warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 && warmup != CodecKind::kBf16) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "zero_one_adam's variance steps use warmup_codec, which must be fp32, fp16 or bf16, got ",
-          CodecName(warmup)));
+    if (warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 &&
+        warmup != CodecKind::kBf16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("zero_one_adam's variance steps use warmup_codec, which "
+                       "must be fp32, fp16 or bf16, got ",
+                       CodecName(warmup)));
     }
   }
   for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
@@ -97,14 +112,16 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
   }
   if (!(c.clip_grad_norm >= 0.0f) || !std::isfinite(c.clip_grad_norm)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "clip_grad_norm must be finite and not negative (0: no clipping), got ", c.clip_grad_norm));
+        "clip_grad_norm must be finite and not negative (0: no clipping), got ",
+        c.clip_grad_norm));
   }
   return absl::OkStatus();
 }
 
 RoundingKey SenderKey(const SimulatorConfig& config, int64_t step,
                       uint32_t sender_rank, uint64_t first_index) {
-  return RoundingKey{config.seed, static_cast<uint64_t>(step), sender_rank, first_index};
+  return RoundingKey{config.seed, static_cast<uint64_t>(step), sender_rank,
+                     first_index};
 }
 
 absl::StatusOr<Simulator> Simulator::Create(const SimulatorConfig& config,
@@ -131,19 +148,23 @@ Simulator::Simulator(const SimulatorConfig& config, Layout layout,
     lamb_layers_.resize(LayerCount(config));
   }
   for (uint32_t i = 0; i < config.workers; ++i) {
-    worker_errors_.emplace_back(config.worker_feedback, x0.size(), config.layout.block_elems);
+    worker_errors_.emplace_back(config.worker_feedback, x0.size(),
+                                config.layout.block_elems);
   }
   for (uint32_t s = 0; s < config.layout.shards; ++s) {
-    server_errors_.emplace_back(config.server_feedback, layout_.shard_range(s).size(),
+    server_errors_.emplace_back(config.server_feedback,
+                                layout_.shard_range(s).size(),
                                 config.layout.block_elems);
   }
 }
 
-bool Simulator::compressing() const { return PlanStep(config_, step_).compressing; }
+bool Simulator::compressing() const {
+  return PlanStep(config_, step_).compressing;
+}
 
-absl::Status Simulator::RoundTrip(const Partition& p,
-                                  absl::Span<const absl::Span<const float>> gradients,
-                                  std::vector<float>& reply) {
+absl::Status Simulator::RoundTrip(
+    const Partition& p, absl::Span<const absl::Span<const float>> gradients,
+    std::vector<float>& reply) {
   const size_t n = p.range.size();
   // Workers: what each sends for this partition (the sender's rule), encoded.
   SendRule up;
@@ -152,37 +173,44 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   for (uint32_t i = 0; i < config_.workers; ++i) {
     up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin);
     absl::Span<const float> part = gradients[i].subspan(p.range.begin, n);
-    if (up.accumulated) {  // zero_one_adam's sync: the worker's interval, not its gradient
+    if (up.accumulated) {  // zero_one_adam's sync: the worker's interval, not
+                           // its gradient
       const Local& local = locals_[i];
       ZeroOneSyncMessage(LocalStepScalars(config_, step_, nullptr), lr_sum_,
                          absl::MakeConstSpan(local.u).subspan(p.range.begin, n),
                          absl::MakeConstSpan(local.m).subspan(p.range.begin, n),
-                         absl::MakeConstSpan(v_).subspan(p.range.begin, n), absl::MakeSpan(message));
+                         absl::MakeConstSpan(v_).subspan(p.range.begin, n),
+                         absl::MakeSpan(message));
       part = message;
     } else if (up.local_momentum) {
-      LocalMomentum(up.beta1, absl::MakeConstSpan(m_).subspan(p.range.begin, n), part,
-                    absl::MakeSpan(message));
+      LocalMomentum(up.beta1, absl::MakeConstSpan(m_).subspan(p.range.begin, n),
+                    part, absl::MakeSpan(message));
       part = message;
     }
     pushes[i].resize(PayloadBytes(up.codec, n));
     const absl::Span<const float> mask_v =
-        up.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n) : absl::Span<const float>();
-    absl::Status s = up.feedback
-        ? worker_errors_[i].Compress(up.codec, p.range.begin, part, up.key, absl::MakeSpan(pushes[i]),
-                                     mask_v)
-        : Encode(up.codec, part, up.key, absl::MakeSpan(pushes[i]));
+        up.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n)
+                : absl::Span<const float>();
+    absl::Status s =
+        up.feedback
+            ? worker_errors_[i].Compress(up.codec, p.range.begin, part, up.key,
+                                         absl::MakeSpan(pushes[i]), mask_v)
+            : Encode(up.codec, part, up.key, absl::MakeSpan(pushes[i]));
     if (!s.ok()) return s;
   }
   // Shard: average in rank order, recompress with its own error.
   std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
-  const SendRule down =
-      PlanSend(config_, step_, Direction::kDown, config_.workers + p.shard, p.range.begin);
+  const SendRule down = PlanSend(config_, step_, Direction::kDown,
+                                 config_.workers + p.shard, p.range.begin);
   std::vector<uint8_t> payload(PayloadBytes(down.codec, n));
-  const uint64_t shard_offset = p.range.begin - layout_.shard_range(p.shard).begin;
+  const uint64_t shard_offset =
+      p.range.begin - layout_.shard_range(p.shard).begin;
   const absl::Span<const float> mask_v =
-      down.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n) : absl::Span<const float>();
-  if (absl::Status s = EncodeShardReply(down, up.codec, views, server_errors_[p.shard], shard_offset, n, mask_v,
-                                        absl::MakeSpan(payload));
+      down.mask ? absl::MakeConstSpan(v_).subspan(p.range.begin, n)
+                : absl::Span<const float>();
+  if (absl::Status s =
+          EncodeShardReply(down, up.codec, views, server_errors_[p.shard],
+                           shard_offset, n, mask_v, absl::MakeSpan(payload));
       !s.ok()) {
     return s;
   }
@@ -191,8 +219,9 @@ absl::Status Simulator::RoundTrip(const Partition& p,
   return Decode(down.codec, payload, absl::MakeSpan(reply));
 }
 
-absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients,
-                             const StepHyper* hyper) {
+absl::Status Simulator::Step(
+    absl::Span<const absl::Span<const float>> gradients,
+    const StepHyper* hyper) {
   if (gradients.size() != config_.workers) {
     return absl::InvalidArgumentError(absl::StrCat(
         gradients.size(), " gradients for ", config_.workers, " workers"));
@@ -207,12 +236,15 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   // factor before anything reads it (as Replica::LocalMomentum does).
   std::vector<std::vector<float>> clipped;
   clipped.reserve(config_.workers);
-  std::vector<absl::Span<const float>> views(gradients.begin(), gradients.end());
+  std::vector<absl::Span<const float>> views(gradients.begin(),
+                                             gradients.end());
   if (ClipsLocally(config_, step_)) {
     for (uint32_t i = 0; i < config_.workers; ++i) {
-      const float scale = ClipScale(GradientSumOfSquares(gradients[i]), config_.clip_grad_norm);
+      const float scale =
+          ClipScale(GradientSumOfSquares(gradients[i]), config_.clip_grad_norm);
       if (scale == 1.0f) continue;
-      std::vector<float>& g = clipped.emplace_back(gradients[i].begin(), gradients[i].end());
+      std::vector<float>& g =
+          clipped.emplace_back(gradients[i].begin(), gradients[i].end());
       for (float& gj : g) gj *= scale;
       views[i] = g;
     }
@@ -227,14 +259,16 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   StepHyper sync_hyper;
   if (plan.local) {
     if (StartsInterval(config_, step_)) {
-      locals_.assign(config_.workers, Local{x_, m_, std::vector<float>(x_.size(), 0.0f)});
+      locals_.assign(config_.workers,
+                     Local{x_, m_, std::vector<float>(x_.size(), 0.0f)});
       lr_sum_ = 0.0f;
     }
     const AdamScalars s = LocalStepScalars(config_, step_, hyper);
     for (uint32_t i = 0; i < config_.workers; ++i) {
       Local& local = locals_[i];
-      ZeroOneLocalStep(s, gradients[i], absl::MakeSpan(local.x), absl::MakeSpan(local.m),
-                       absl::MakeSpan(local.u), v_, /*write_x=*/!plan.exchanges);
+      ZeroOneLocalStep(s, gradients[i], absl::MakeSpan(local.x),
+                       absl::MakeSpan(local.m), absl::MakeSpan(local.u), v_,
+                       /*write_x=*/!plan.exchanges);
     }
     lr_sum_ += s.lr;
     if (!plan.exchanges) {
@@ -250,28 +284,37 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
   // Every partition's round trip reads m before any update of this step.
   std::vector<std::vector<float>> replies(layout_.partitions().size());
   for (const Partition& p : layout_.partitions()) {
-    if (absl::Status s = RoundTrip(p, gradients, replies[p.id]); !s.ok()) return s;
+    if (absl::Status s = RoundTrip(p, gradients, replies[p.id]); !s.ok())
+      return s;
   }
   // The averaged gradient's clip factor: each shard's sum of squares of
   // its partitions' decoded replies, added in partition order.
   float grad_scale = 1.0f;
   if (ClipsAverage(config_, step_)) {
     double sum_of_squares = 0;
-    for (const Partition& p : layout_.partitions()) sum_of_squares += GradientSumOfSquares(replies[p.id]);
+    for (const Partition& p : layout_.partitions())
+      sum_of_squares += GradientSumOfSquares(replies[p.id]);
     grad_scale = ClipScale(sum_of_squares, config_.clip_grad_norm);
   }
   const ReplyRule rule = PlanReply(config_, step_, hyper, grad_scale);
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
-    ApplyRule(rule, absl::MakeSpan(replies[p.id]), absl::MakeSpan(x_).subspan(begin, n),
-              absl::MakeSpan(m_).subspan(begin, n), absl::MakeSpan(v_).subspan(begin, n), {},
-              rule.lamb ? absl::MakeSpan(v_fresh_).subspan(begin, n) : absl::Span<float>());
+    ApplyRule(rule, absl::MakeSpan(replies[p.id]),
+              absl::MakeSpan(x_).subspan(begin, n),
+              absl::MakeSpan(m_).subspan(begin, n),
+              absl::MakeSpan(v_).subspan(begin, n), {},
+              rule.lamb ? absl::MakeSpan(v_fresh_).subspan(begin, n)
+                        : absl::Span<float>());
   }
-  if (rule.lamb) {  // x moves by each layer's coefficient, from sums over the whole layer
+  if (rule.lamb) {  // x moves by each layer's coefficient, from sums over the
+                    // whole layer
     const Range all{0, x_.size()};
-    const std::vector<double> totals = LambTotals(config_, layout_, rule, all, x_, m_, v_, v_fresh_);
-    const std::vector<double> commit = LambCommit(config_, rule, totals, lamb_layers_);
-    LambUpdateX(config_, rule, commit, all, 0, x_.size(), absl::MakeSpan(x_), m_, v_);
+    const std::vector<double> totals =
+        LambTotals(config_, layout_, rule, all, x_, m_, v_, v_fresh_);
+    const std::vector<double> commit =
+        LambCommit(config_, rule, totals, lamb_layers_);
+    LambUpdateX(config_, rule, commit, all, 0, x_.size(), absl::MakeSpan(x_),
+                m_, v_);
     lamb_layers_ = LambStateOf(commit);
   }
   diverged_ = false;
@@ -280,11 +323,13 @@ absl::Status Simulator::Step(absl::Span<const absl::Span<const float>> gradients
 }
 
 absl::Span<const float> Simulator::worker_x(uint32_t rank) const {
-  return diverged_ ? absl::MakeConstSpan(locals_[rank].x) : absl::MakeConstSpan(x_);
+  return diverged_ ? absl::MakeConstSpan(locals_[rank].x)
+                   : absl::MakeConstSpan(x_);
 }
 
 absl::Span<const float> Simulator::worker_m(uint32_t rank) const {
-  return diverged_ ? absl::MakeConstSpan(locals_[rank].m) : absl::MakeConstSpan(m_);
+  return diverged_ ? absl::MakeConstSpan(locals_[rank].m)
+                   : absl::MakeConstSpan(m_);
 }
 
 }  // namespace morse::compress

@@ -32,7 +32,12 @@ struct StepHyper {
 };
 absl::Status ValidateStepHyper(const StepHyper& hyper);
 
-enum class OptimizerKind : uint8_t { kOneBitAdam, kAdam, kZeroOneAdam, kOneBitLamb };
+enum class OptimizerKind : uint8_t {
+  kOneBitAdam,
+  kAdam,
+  kZeroOneAdam,
+  kOneBitLamb
+};
 
 // zero_one_adam's schedule (design.md 2.7; DeepSpeed's ZeroOneAdam names and
 // defaults). Steps are counted from 1 here, as in the paper: step t of the
@@ -112,7 +117,7 @@ struct SimulatorConfig {
   // summing to layout.dim; empty: one layer of the whole model. Only
   // onebit_lamb reads them (its coefficients are per layer).
   std::vector<uint64_t> layers;
-  uint64_t seed = 0;            // stochastic rounding
+  uint64_t seed = 0;  // stochastic rounding
 };
 
 // OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
@@ -150,19 +155,25 @@ class Simulator {
   uint32_t worker_count() const { return config_.workers; }
   absl::Span<const float> worker_x(uint32_t rank) const;
   absl::Span<const float> worker_m(uint32_t rank) const;
-  const ErrorFeedback& worker_error(uint32_t rank) const { return worker_errors_[rank]; }
+  const ErrorFeedback& worker_error(uint32_t rank) const {
+    return worker_errors_[rank];
+  }
   // onebit_lamb (compress/lamb.h): the fresh variance and the layers' state.
   absl::Span<const float> v_fresh() const { return v_fresh_; }
   absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }
-  const ErrorFeedback& server_error(uint32_t shard) const { return server_errors_[shard]; }
+  const ErrorFeedback& server_error(uint32_t shard) const {
+    return server_errors_[shard];
+  }
 
  private:
-  Simulator(const SimulatorConfig& config, Layout layout, absl::Span<const float> x0);
+  Simulator(const SimulatorConfig& config, Layout layout,
+            absl::Span<const float> x0);
 
   // One partition's round trip from the workers' gradients, through the
   // sender's rule (compress/replica.h) on both sides; returns the decoded
   // reply (what every worker receives) in `reply`.
-  absl::Status RoundTrip(const Partition& p, absl::Span<const absl::Span<const float>> gradients,
+  absl::Status RoundTrip(const Partition& p,
+                         absl::Span<const absl::Span<const float>> gradients,
                          std::vector<float>& reply);
 
   SimulatorConfig config_;

@@ -54,7 +54,8 @@ inline void FillDraws(const RoundingKey& key, float* out, size_t n) {
     const uint64_t index = key.first_index + i;
     const uint64_t group = index / 4;
     const auto words = Philox4x32_10(
-        {static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32)},
+        {static_cast<uint32_t>(key.seed),
+         static_cast<uint32_t>(key.seed >> 32)},
         {static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32),
          static_cast<uint32_t>(key.step), key.rank});
     for (uint64_t w = index % 4; w < 4 && i < n; ++w, ++i) {

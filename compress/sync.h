@@ -51,7 +51,8 @@ class ABSL_LOCKABLE Mutex {
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
 
   // Releases the lock until `condition` holds (evaluated under the lock).
-  void Await(const absl::Condition& condition) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+  void Await(const absl::Condition& condition)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
     AwaitWithDeadline(condition, absl::InfiniteFuture());
   }
   // Likewise, giving up at the deadline; true if the condition holds.
@@ -62,7 +63,8 @@ class ABSL_LOCKABLE Mutex {
     while (!condition.Eval()) {
       if (deadline == absl::InfiniteFuture()) {
         changed_.wait(lock);
-      } else if (changed_.wait_until(lock, absl::ToChronoTime(deadline)) == std::cv_status::timeout) {
+      } else if (changed_.wait_until(lock, absl::ToChronoTime(deadline)) ==
+                 std::cv_status::timeout) {
         const bool holds = condition.Eval();
         lock.release();
         return holds;
@@ -71,7 +73,8 @@ class ABSL_LOCKABLE Mutex {
     lock.release();  // the caller still holds mu_
     return true;
   }
-  bool AwaitWithTimeout(const absl::Condition& condition, absl::Duration timeout)
+  bool AwaitWithTimeout(const absl::Condition& condition,
+                        absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
     return AwaitWithDeadline(condition, absl::Now() + timeout);
   }
@@ -83,7 +86,9 @@ class ABSL_LOCKABLE Mutex {
 
 class ABSL_SCOPED_LOCKABLE MutexLock {
  public:
-  explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
+  explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) {
+    mu_->Lock();
+  }
   MutexLock(const MutexLock&) = delete;
   MutexLock& operator=(const MutexLock&) = delete;
   ~MutexLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }

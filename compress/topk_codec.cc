@@ -34,7 +34,8 @@ absl::Status EncodeTopK(const CodecSpec& spec, absl::Span<const float> u,
     const float fa = std::fabs(u[a]), fb = std::fabs(u[b]);
     return fa != fb ? fa > fb : a < b;
   };
-  if (k < n) std::nth_element(order.begin(), order.begin() + k, order.end(), larger);
+  if (k < n)
+    std::nth_element(order.begin(), order.begin() + k, order.end(), larger);
   order.resize(k);
   std::sort(order.begin(), order.end());
   uint8_t* indices = payload.data();
@@ -51,7 +52,8 @@ void DecodeTopK(const CodecSpec& spec, absl::Span<const uint8_t> payload,
   const size_t k = TopKCount(spec.topk_ratio, out.size());
   std::fill(out.begin(), out.end(), 0.0f);
   for (size_t i = 0; i < k; ++i) {
-    out[LoadIndex(payload.data() + 4 * i)] = LoadFloatLE(payload.data() + 4 * (k + i));
+    out[LoadIndex(payload.data() + 4 * i)] =
+        LoadFloatLE(payload.data() + 4 * (k + i));
   }
 }
 
@@ -59,7 +61,8 @@ void DecodeTopK(const CodecSpec& spec, absl::Span<const uint8_t> payload,
 
 absl::Status TopKCodec::Encode(const CodecSpec& spec, absl::Span<const float> x,
                                absl::Span<float> error, FeedbackArgs fb,
-                               const RoundingKey&, absl::Span<uint8_t> payload) {
+                               const RoundingKey&,
+                               absl::Span<uint8_t> payload) {
   if (error.empty()) return EncodeTopK(spec, x, payload);
   return EncodeViaDecode(spec, x, error, fb, payload, EncodeTopK, DecodeTopK);
 }
@@ -69,7 +72,8 @@ absl::Status TopKCodec::Validate(const CodecSpec& spec,
   const size_t k = TopKCount(spec.topk_ratio, n);
   for (size_t i = 0; i < k; ++i) {
     const uint32_t index = LoadIndex(payload.data() + 4 * i);
-    if (index >= n || (i > 0 && index <= LoadIndex(payload.data() + 4 * (i - 1)))) {
+    if (index >= n ||
+        (i > 0 && index <= LoadIndex(payload.data() + 4 * (i - 1)))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "topk: index ", i, " (", index,
           ") is out of range or not strictly ascending for ", n, " elements"));

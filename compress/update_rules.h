@@ -71,8 +71,9 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
 // A variance step (s in T_v before the freeze): Adam's step with the ratio
 // bounded, r = bound((m/bc1) / (sqrt(v/bc2) + eps)), as the other steps of
 // the optimizer are (design.md 2.7).
-void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g, absl::Span<float> x,
-                         absl::Span<float> m, absl::Span<float> v);
+void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g,
+                         absl::Span<float> x, absl::Span<float> m,
+                         absl::Span<float> v);
 // One worker's local step: m = b1*m + (1-b1)*g; r = bound((m/bc1) /
 // (sqrt(v/bc2) + eps)); d = r + wd*x; u = u + lr*d (u read as +0 when
 // `fresh`, the interval's first step); x = x - lr*d unless !write_x (a sync
@@ -84,8 +85,9 @@ void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g,
 // A worker's sync message: out = (u * (sqrt(v/bc2) + eps)) / lr_sum, the
 // learning-rate-weighted mean of its local momenta since the last sync; its
 // own m where lr_sum is 0.
-void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, absl::Span<const float> u,
-                        absl::Span<const float> m, absl::Span<const float> v, absl::Span<float> out);
+void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum,
+                        absl::Span<const float> u, absl::Span<const float> m,
+                        absl::Span<const float> v, absl::Span<float> out);
 // Every replica's sync update from the decoded reply w, with s.lr the
 // interval's learning-rate sum: x = anchor - lr_sum * bound(w / (sqrt(v/bc2)
 // + eps)); m = w, w first masked (+0 where v is 0) when `mask`. `anchor` (x

@@ -46,13 +46,13 @@ absl::Status CheckSpec(const compress::CodecSpec& spec, const void* payload) {
 absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* x, float* error, size_t n,
                              compress::FeedbackArgs fb,
-                             const compress::RoundingKey& key,
-                             uint8_t* payload, const float* mask_v,
-                             const float* momentum_m, float beta1,
-                             float* scratch) {
+                             const compress::RoundingKey& key, uint8_t* payload,
+                             const float* mask_v, const float* momentum_m,
+                             float beta1, float* scratch) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
   if (momentum_m != nullptr && scratch == nullptr && n > 0) {
-    return absl::InvalidArgumentError("the fused momentum needs a scratch array");
+    return absl::InvalidArgumentError(
+        "the fused momentum needs a scratch array");
   }
   if (momentum_m != nullptr && spec.kind != CodecKind::kSign1 && n > 0) {
     // Only sign1 fuses it: form the momentum, then encode it.
@@ -184,10 +184,9 @@ absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
   cudaStream_t stream = StreamOf(ctx);
   MORSE_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(ctx.device_sum(), 0, sizeof(double), stream));
-  MORSE_CUDA_RETURN_IF_ERROR(
-      launch::SyntheticGradient(seed, static_cast<uint64_t>(step), rank, noise,
-                                a, t, x, grad, n, dead_every, ctx.device_sum(),
-                                stream));
+  MORSE_CUDA_RETURN_IF_ERROR(launch::SyntheticGradient(
+      seed, static_cast<uint64_t>(step), rank, noise, a, t, x, grad, n,
+      dead_every, ctx.device_sum(), stream));
   double host = 0.0;
   MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
       &host, ctx.device_sum(), sizeof(double), cudaMemcpyDeviceToHost, stream));
@@ -218,125 +217,164 @@ absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
   return absl::OkStatus();
 }
 
-absl::StatusOr<double> SumOfSquares(Context& ctx, const float* x, size_t n, double* sums, double* host) {
-  const size_t segments = (n + compress::kSumSegment - 1) / compress::kSumSegment;
-  MORSE_CUDA_RETURN_IF_ERROR(launch::SumOfSquaresSegments(x, n, sums, StreamOf(ctx)));
-  if (absl::Status s = ctx.CopyToHost(host, sums, sizeof(double) * segments); !s.ok()) return s;
+absl::StatusOr<double> SumOfSquares(Context& ctx, const float* x, size_t n,
+                                    double* sums, double* host) {
+  const size_t segments =
+      (n + compress::kSumSegment - 1) / compress::kSumSegment;
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::SumOfSquaresSegments(x, n, sums, StreamOf(ctx)));
+  if (absl::Status s = ctx.CopyToHost(host, sums, sizeof(double) * segments);
+      !s.ok())
+    return s;
   if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
   double sum = 0.0;
   for (size_t k = 0; k < segments; ++k) sum += host[k];
   return sum;
 }
 
-absl::Status Scale(Context& ctx, float k, const float* in, float* out, size_t n) {
+absl::Status Scale(Context& ctx, float k, const float* in, float* out,
+                   size_t n) {
   MORSE_CUDA_RETURN_IF_ERROR(launch::Scale(k, in, out, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
-absl::Status ZeroOneVarianceUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g,
-                                   float* x, float* m, float* v, size_t n) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneVarianceUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));
-  return absl::OkStatus();
-}
-
-absl::Status ZeroOneLocalStep(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
-                              float* m, float* u, const float* v, size_t n, bool write_x) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneLocalStep(Args(adam), g, x, m, u, v, n, write_x, StreamOf(ctx)));
-  return absl::OkStatus();
-}
-
-absl::Status ZeroOneSyncMessage(Context& ctx, const compress::AdamScalars& adam, float lr_sum,
-                                const float* u, const float* m, const float* v, float* out, size_t n) {
-  MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneSyncMessage(Args(adam), lr_sum, u, m, v, out, n, StreamOf(ctx)));
-  return absl::OkStatus();
-}
-
-absl::Status ZeroOneSyncUpdate(Context& ctx, const compress::AdamScalars& adam, bool mask, const float* w,
-                               const float* anchor, float* x, float* m, const float* v, size_t n) {
+absl::Status ZeroOneVarianceUpdate(Context& ctx,
+                                   const compress::AdamScalars& adam,
+                                   const float* g, float* x, float* m, float* v,
+                                   size_t n) {
   MORSE_CUDA_RETURN_IF_ERROR(
-      launch::ZeroOneSyncUpdate(Args(adam), mask, w, anchor, x, m, v, n, StreamOf(ctx)));
+      launch::ZeroOneVarianceUpdate(Args(adam), g, x, m, v, n, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOneLocalStep(Context& ctx, const compress::AdamScalars& adam,
+                              const float* g, float* x, float* m, float* u,
+                              const float* v, size_t n, bool write_x) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneLocalStep(
+      Args(adam), g, x, m, u, v, n, write_x, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOneSyncMessage(Context& ctx, const compress::AdamScalars& adam,
+                                float lr_sum, const float* u, const float* m,
+                                const float* v, float* out, size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneSyncMessage(
+      Args(adam), lr_sum, u, m, v, out, n, StreamOf(ctx)));
+  return absl::OkStatus();
+}
+
+absl::Status ZeroOneSyncUpdate(Context& ctx, const compress::AdamScalars& adam,
+                               bool mask, const float* w, const float* anchor,
+                               float* x, float* m, const float* v, size_t n) {
+  MORSE_CUDA_RETURN_IF_ERROR(launch::ZeroOneSyncUpdate(
+      Args(adam), mask, w, anchor, x, m, v, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
 namespace {
 
 launch::LambArgs LambArgsOf(const compress::ReplyRule& rule) {
-  return {Args(rule.scalars), rule.fresh_correction2, rule.frozen_variance, rule.copy_fresh, rule.mask};
+  return {Args(rule.scalars), rule.fresh_correction2, rule.frozen_variance,
+          rule.copy_fresh, rule.mask};
 }
 
 absl::Status CheckLamb(const compress::ReplyRule& rule) {
   if (!rule.lamb || rule.grad_scale != 1.0f) {
-    return absl::InvalidArgumentError("a onebit_lamb kernel for another rule, or a clipped one");
+    return absl::InvalidArgumentError(
+        "a onebit_lamb kernel for another rule, or a clipped one");
   }
   return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule, const float* decoded, float* m,
-                         float* v, float* v_fresh, size_t n) {
+absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule,
+                         const float* decoded, float* m, float* v,
+                         float* v_fresh, size_t n) {
   if (absl::Status s = CheckLamb(rule); !s.ok()) return s;
-  MORSE_CUDA_RETURN_IF_ERROR(launch::LambMoments(LambArgsOf(rule), decoded, m, v, v_fresh, n, StreamOf(ctx)));
+  MORSE_CUDA_RETURN_IF_ERROR(launch::LambMoments(LambArgsOf(rule), decoded, m,
+                                                 v, v_fresh, n, StreamOf(ctx)));
   return absl::OkStatus();
 }
 
-absl::StatusOr<LambSegments> LambSegments::Create(absl::Span<const compress::LambPiece> pieces, size_t layers) {
+absl::StatusOr<LambSegments> LambSegments::Create(
+    absl::Span<const compress::LambPiece> pieces, size_t layers) {
   std::vector<launch::LambSegment> table;
   for (const compress::LambPiece& piece : pieces) {
-    for (uint64_t at = piece.begin; at < piece.end; at += compress::kLambSegment) {
-      const uint64_t len = std::min<uint64_t>(compress::kLambSegment, piece.end - at);
+    for (uint64_t at = piece.begin; at < piece.end;
+         at += compress::kLambSegment) {
+      const uint64_t len =
+          std::min<uint64_t>(compress::kLambSegment, piece.end - at);
       table.push_back({at, static_cast<uint32_t>(len), piece.layer});
     }
   }
   LambSegments out;
   out.count_ = table.size();
   out.layers_ = layers;
-  const size_t sums_bytes = sizeof(double) * compress::kLambStats * std::max<size_t>(1, table.size());
-  for (auto [buffer, bytes] : {std::pair{&out.segments_, sizeof(launch::LambSegment) * std::max<size_t>(1, table.size())},
-                               {&out.sums_, sums_bytes}, {&out.steps_, sizeof(float) * std::max<size_t>(1, layers)}}) {
+  const size_t sums_bytes =
+      sizeof(double) * compress::kLambStats * std::max<size_t>(1, table.size());
+  for (auto [buffer, bytes] :
+       {std::pair{&out.segments_, sizeof(launch::LambSegment) *
+                                      std::max<size_t>(1, table.size())},
+        {&out.sums_, sums_bytes},
+        {&out.steps_, sizeof(float) * std::max<size_t>(1, layers)}}) {
     auto allocated = DeviceBuffer::Allocate(bytes);
     if (!allocated.ok()) return allocated.status();
     *buffer = *std::move(allocated);
   }
-  for (auto [buffer, bytes] : {std::pair{&out.host_sums_, sums_bytes}, {&out.host_steps_, sizeof(float) * std::max<size_t>(1, layers)}}) {
+  for (auto [buffer, bytes] :
+       {std::pair{&out.host_sums_, sums_bytes},
+        {&out.host_steps_, sizeof(float) * std::max<size_t>(1, layers)}}) {
     auto allocated = PinnedBuffer::Allocate(bytes);
     if (!allocated.ok()) return allocated.status();
     *buffer = *std::move(allocated);
   }
   if (!table.empty()) {
-    if (absl::Status s = out.segments_.Upload(table.data(), sizeof(launch::LambSegment) * table.size()); !s.ok()) {
+    if (absl::Status s = out.segments_.Upload(
+            table.data(), sizeof(launch::LambSegment) * table.size());
+        !s.ok()) {
       return s;
     }
   }
   return out;
 }
 
-absl::StatusOr<absl::Span<const double>> LambSegments::Sums(Context& ctx, const compress::ReplyRule& rule,
-                                                            const float* x, const float* m, const float* v,
-                                                            const float* v_fresh) {
+absl::StatusOr<absl::Span<const double>> LambSegments::Sums(
+    Context& ctx, const compress::ReplyRule& rule, const float* x,
+    const float* m, const float* v, const float* v_fresh) {
   if (absl::Status s = CheckLamb(rule); !s.ok()) return s;
-  MORSE_CUDA_RETURN_IF_ERROR(launch::LambSegmentSums(LambArgsOf(rule), segments_.as<launch::LambSegment>(),
-                                                     count_, x, m, v, v_fresh, sums_.as<double>(),
-                                                     StreamOf(ctx)));
+  MORSE_CUDA_RETURN_IF_ERROR(launch::LambSegmentSums(
+      LambArgsOf(rule), segments_.as<launch::LambSegment>(), count_, x, m, v,
+      v_fresh, sums_.as<double>(), StreamOf(ctx)));
   const size_t bytes = sizeof(double) * compress::kLambStats * count_;
-  if (absl::Status s = ctx.CopyToHost(host_sums_.data(), sums_.data(), bytes); !s.ok()) return s;
+  if (absl::Status s = ctx.CopyToHost(host_sums_.data(), sums_.data(), bytes);
+      !s.ok())
+    return s;
   if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
-  return absl::Span<const double>(reinterpret_cast<const double*>(host_sums_.data()),
-                                  compress::kLambStats * count_);
+  return absl::Span<const double>(
+      reinterpret_cast<const double*>(host_sums_.data()),
+      compress::kLambStats * count_);
 }
 
-absl::Status LambSegments::UpdateX(Context& ctx, const compress::ReplyRule& rule, absl::Span<const float> steps,
-                                   float* x, const float* m, const float* v) {
+absl::Status LambSegments::UpdateX(Context& ctx,
+                                   const compress::ReplyRule& rule,
+                                   absl::Span<const float> steps, float* x,
+                                   const float* m, const float* v) {
   if (absl::Status s = CheckLamb(rule); !s.ok()) return s;
   if (steps.size() != layers_) {
-    return absl::InvalidArgumentError(absl::StrCat(steps.size(), " layer steps for ", layers_, " layers"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(steps.size(), " layer steps for ", layers_, " layers"));
   }
-  std::copy(steps.begin(), steps.end(), reinterpret_cast<float*>(host_steps_.data()));
-  if (absl::Status s = ctx.CopyToDevice(steps_.data(), host_steps_.data(), sizeof(float) * layers_); !s.ok()) {
+  std::copy(steps.begin(), steps.end(),
+            reinterpret_cast<float*>(host_steps_.data()));
+  if (absl::Status s = ctx.CopyToDevice(steps_.data(), host_steps_.data(),
+                                        sizeof(float) * layers_);
+      !s.ok()) {
     return s;
   }
-  MORSE_CUDA_RETURN_IF_ERROR(launch::LambUpdateX(LambArgsOf(rule), segments_.as<launch::LambSegment>(), count_,
-                                                 steps_.as<float>(), x, m, v, StreamOf(ctx)));
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::LambUpdateX(LambArgsOf(rule), segments_.as<launch::LambSegment>(),
+                          count_, steps_.as<float>(), x, m, v, StreamOf(ctx)));
   return ctx.Synchronize();
 }
 

@@ -41,8 +41,7 @@ namespace morse::kernels {
 absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* x, float* error, size_t n,
                              compress::FeedbackArgs fb,
-                             const compress::RoundingKey& key,
-                             uint8_t* payload,
+                             const compress::RoundingKey& key, uint8_t* payload,
                              const float* mask_v = nullptr,
                              const float* momentum_m = nullptr,
                              float beta1 = 0.0f, float* scratch = nullptr);
@@ -61,9 +60,9 @@ absl::Status DecodeFrozenUpdate(Context& ctx, const compress::CodecSpec& spec,
 
 // The synthetic workload's gradient (worker/workload.h): grad = a*(x - t) +
 // noise*(2u - 1), u the Philox draw (seed, step, rank, element index), and
-// +0 for j % dead_every == 0 (dead_every 0: none), the same floats as the CPU. Returns the loss 0.5*mean(a*(x - t)^2), summed in
-// double in an order that differs from the CPU's (it is only reported).
-// Waits for the stream.
+// +0 for j % dead_every == 0 (dead_every 0: none), the same floats as the CPU.
+// Returns the loss 0.5*mean(a*(x - t)^2), summed in double in an order that
+// differs from the CPU's (it is only reported). Waits for the stream.
 absl::StatusOr<double> SyntheticGradient(Context& ctx, uint64_t seed,
                                          int64_t step, uint32_t rank,
                                          float noise, const float* a,
@@ -85,45 +84,57 @@ absl::Status Momentum(Context& ctx, float beta1, const float* m, const float* g,
 // device floats: the segments' sums on the GPU into `sums` (device memory)
 // and `host` (pinned), ceil(n / compress::kSumSegment) doubles each, added
 // on the host in order. Waits for the stream.
-absl::StatusOr<double> SumOfSquares(Context& ctx, const float* x, size_t n, double* sums, double* host);
+absl::StatusOr<double> SumOfSquares(Context& ctx, const float* x, size_t n,
+                                    double* sums, double* host);
 // out = k * in (out may be in). Asynchronous.
-absl::Status Scale(Context& ctx, float k, const float* in, float* out, size_t n);
+absl::Status Scale(Context& ctx, float k, const float* in, float* out,
+                   size_t n);
 
 // zero_one_adam (design.md 2.7), compress/update_rules.h's loops.
 // Asynchronous. A variance step's update from the decoded average g:
-absl::Status ZeroOneVarianceUpdate(Context& ctx, const compress::AdamScalars& adam, const float* g,
-                                   float* x, float* m, float* v, size_t n);
+absl::Status ZeroOneVarianceUpdate(Context& ctx,
+                                   const compress::AdamScalars& adam,
+                                   const float* g, float* x, float* m, float* v,
+                                   size_t n);
 // A worker's local step (write_x: not a sync step).
-absl::Status ZeroOneLocalStep(Context& ctx, const compress::AdamScalars& adam, const float* g, float* x,
-                              float* m, float* u, const float* v, size_t n, bool write_x);
+absl::Status ZeroOneLocalStep(Context& ctx, const compress::AdamScalars& adam,
+                              const float* g, float* x, float* m, float* u,
+                              const float* v, size_t n, bool write_x);
 // A worker's sync message into out.
-absl::Status ZeroOneSyncMessage(Context& ctx, const compress::AdamScalars& adam, float lr_sum,
-                                const float* u, const float* m, const float* v, float* out, size_t n);
+absl::Status ZeroOneSyncMessage(Context& ctx, const compress::AdamScalars& adam,
+                                float lr_sum, const float* u, const float* m,
+                                const float* v, float* out, size_t n);
 // The sync update from the decoded reply w (+0 where v is 0 when `mask`);
 // anchor may be x.
-absl::Status ZeroOneSyncUpdate(Context& ctx, const compress::AdamScalars& adam, bool mask, const float* w,
-                               const float* anchor, float* x, float* m, const float* v, size_t n);
+absl::Status ZeroOneSyncUpdate(Context& ctx, const compress::AdamScalars& adam,
+                               bool mask, const float* w, const float* anchor,
+                               float* x, float* m, const float* v, size_t n);
 
 // onebit_lamb (design.md 2.8) for a lamb reply rule (compress::PlanReply).
 // compress::ApplyRule's first half: the moments from the decoded reply.
 // Asynchronous.
-absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule, const float* decoded, float* m,
-                         float* v, float* v_fresh, size_t n);
+absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule,
+                         const float* decoded, float* m, float* v,
+                         float* v_fresh, size_t n);
 // A worker's whole model for compress::LambTotals: the segments of the
 // pieces (compress::LambPieces over [0, D)) in device memory, the buffers
 // their sums go through, and the layers' steps.
 class LambSegments {
  public:
-  static absl::StatusOr<LambSegments> Create(absl::Span<const compress::LambPiece> pieces, size_t layers);
+  static absl::StatusOr<LambSegments> Create(
+      absl::Span<const compress::LambPiece> pieces, size_t layers);
   // compress::LambTotalsOfSegments' input: every segment's kLambStats
   // values, computed on the GPU. Waits for the stream.
-  absl::StatusOr<absl::Span<const double>> Sums(Context& ctx, const compress::ReplyRule& rule,
-                                                 const float* x, const float* m, const float* v,
-                                                 const float* v_fresh);
+  absl::StatusOr<absl::Span<const double>> Sums(Context& ctx,
+                                                const compress::ReplyRule& rule,
+                                                const float* x, const float* m,
+                                                const float* v,
+                                                const float* v_fresh);
   // compress::LambUpdateX over the whole model with each layer's step
   // (compress::LambLayerSteps). Waits for the stream.
-  absl::Status UpdateX(Context& ctx, const compress::ReplyRule& rule, absl::Span<const float> steps,
-                       float* x, const float* m, const float* v);
+  absl::Status UpdateX(Context& ctx, const compress::ReplyRule& rule,
+                       absl::Span<const float> steps, float* x, const float* m,
+                       const float* v);
 
  private:
   size_t count_ = 0, layers_ = 0;

@@ -142,7 +142,8 @@ absl::Status Context::WaitFor(void* stream) {
 
 absl::Status Context::Fill(void* device, uint8_t value, size_t bytes) {
   if (bytes == 0) return absl::OkStatus();
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device, value, bytes, static_cast<cudaStream_t>(stream_)));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+      device, value, bytes, static_cast<cudaStream_t>(stream_)));
   return absl::OkStatus();
 }
 

@@ -118,7 +118,8 @@ __device__ __forceinline__ void FrozenElement(const Adam& s, float c, float* x,
                                               float* m, float v) {
   const float m_hat = Div(c, s.bias_correction1);
   const float v_hat = Div(v, s.bias_correction2);
-  const float ratio = BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio);
+  const float ratio =
+      BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio);
   const float step = Add(ratio, Mul(s.weight_decay, *x));
   *m = c;
   *x = Sub(*x, Mul(s.lr, step));
@@ -177,14 +178,14 @@ __device__ __forceinline__ void StageBlock(const float* __restrict__ xb,
   }
   for (uint32_t j = scalar_from + threadIdx.x; j < len; j += blockDim.x) {
     const float ev = eb != nullptr ? eb[j] : 0.0f;
-    const float xv = mb != nullptr ? MomentumElement(beta1, mb[j], xb[j]) : xb[j];
+    const float xv =
+        mb != nullptr ? MomentumElement(beta1, mb[j], xb[j]) : xb[j];
     const float uv = eb != nullptr ? Add(xv, ev) : xv;
     u[j] = uv;
     if (keep_e) e_old[j] = ev;
     seen(uv);
   }
 }
-
 
 // compress/stochastic_rounding.h: Philox4x32-10 and the draw for a global
 // element index.

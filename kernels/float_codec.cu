@@ -44,8 +44,8 @@ __global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step,
     const float u = StochasticDraw(seed, step, rank, j);
     const float d = Sub(x[j], t[j]);
     const bool dead = dead_every != 0 && j % dead_every == 0;
-    grad[j] = dead ? 0.0f
-                   : Add(Mul(a[j], d), Mul(noise, Sub(Mul(2.0f, u), 1.0f)));
+    grad[j] =
+        dead ? 0.0f : Add(Mul(a[j], d), Mul(noise, Sub(Mul(2.0f, u), 1.0f)));
     partial += 0.5 * static_cast<double>(a[j]) * static_cast<double>(d) *
                static_cast<double>(d);
   }

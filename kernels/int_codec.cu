@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(kStagedThreads)
   const float qmax = bits_per_elem == 8 ? 127.0f : 7.0f;
 
   uint32_t amax = 0;
-  StageBlock<kVector>(xb, eb, nullptr, 0.0f, len, u, e_old, ema, [&amax](float v) {
-    amax = max(amax, __float_as_uint(v) & 0x7fffffffu);
-  });
+  StageBlock<kVector>(
+      xb, eb, nullptr, 0.0f, len, u, e_old, ema,
+      [&amax](float v) { amax = max(amax, __float_as_uint(v) & 0x7fffffffu); });
   for (int width = 16; width >= 1; width /= 2) {
     amax = max(amax, __shfl_down_sync(0xffffffffu, amax, width));
   }
@@ -151,10 +151,13 @@ __global__ void __launch_bounds__(kStagedThreads)
 
   if (bits_per_elem == 8) {
     for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
-      const float q = Quantize(u[j], s, qmax, stochastic, seed, step, rank, first + j);
-      data[start + j] = static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(q)));
+      const float q =
+          Quantize(u[j], s, qmax, stochastic, seed, step, rank, first + j);
+      data[start + j] =
+          static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(q)));
       if (eb != nullptr) {
-        eb[j] = NextError(feedback, beta, ema ? e_old[j] : 0.0f, u[j], Mul(q, s));
+        eb[j] =
+            NextError(feedback, beta, ema ? e_old[j] : 0.0f, u[j], Mul(q, s));
       }
     }
     return;
@@ -166,10 +169,12 @@ __global__ void __launch_bounds__(kStagedThreads)
     for (uint32_t k = 0; k < 2; ++k) {
       const uint32_t j = 2 * i + k;
       if (j >= len) break;
-      const float q = Quantize(u[j], s, qmax, stochastic, seed, step, rank, first + j);
+      const float q =
+          Quantize(u[j], s, qmax, stochastic, seed, step, rank, first + j);
       byte |= (static_cast<uint32_t>(static_cast<int>(q)) & 0xFu) << (4 * k);
       if (eb != nullptr) {
-        eb[j] = NextError(feedback, beta, ema ? e_old[j] : 0.0f, u[j], Mul(q, s));
+        eb[j] =
+            NextError(feedback, beta, ema ? e_old[j] : 0.0f, u[j], Mul(q, s));
       }
     }
     data[(start / 2) + i] = static_cast<uint8_t>(byte);

@@ -12,7 +12,8 @@
 namespace morse::kernels::launch {
 
 struct AdamArgs {  // the fields of compress::AdamScalars, in order
-  float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, max_ratio;
+  float lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
+      max_ratio;
 };
 
 // sign1 of x (+ e) into scales[ceil(n/block)] and bits[ceil(n/8)]; e updated
@@ -74,18 +75,24 @@ cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
 
 // Gradient clipping (compress::GradientSumOfSquares): out[k] is segment k's
 // sum (ceil(n/256) doubles); and out = k * in.
-cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out, cudaStream_t stream);
-cudaError_t Scale(float k, const float* in, float* out, size_t n, cudaStream_t stream);
+cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out,
+                                 cudaStream_t stream);
+cudaError_t Scale(float k, const float* in, float* out, size_t n,
+                  cudaStream_t stream);
 
 // zero_one_adam (compress/update_rules.h's ZeroOne* loops).
-cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
+cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x,
+                                  float* m, float* v, size_t n,
                                   cudaStream_t stream);
-cudaError_t ZeroOneLocalStep(AdamArgs adam, const float* g, float* x, float* m, float* u, const float* v,
-                             size_t n, bool write_x, cudaStream_t stream);
-cudaError_t ZeroOneSyncMessage(AdamArgs adam, float lr_sum, const float* u, const float* m, const float* v,
-                               float* out, size_t n, cudaStream_t stream);
-cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w, const float* anchor, float* x,
-                              float* m, const float* v, size_t n, cudaStream_t stream);
+cudaError_t ZeroOneLocalStep(AdamArgs adam, const float* g, float* x, float* m,
+                             float* u, const float* v, size_t n, bool write_x,
+                             cudaStream_t stream);
+cudaError_t ZeroOneSyncMessage(AdamArgs adam, float lr_sum, const float* u,
+                               const float* m, const float* v, float* out,
+                               size_t n, cudaStream_t stream);
+cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w,
+                              const float* anchor, float* x, float* m,
+                              const float* v, size_t n, cudaStream_t stream);
 
 // onebit_lamb (compress/lamb.h): a reply rule's fields, and a segment of
 // compress::LambTotals' order (within one piece of one layer).
@@ -99,15 +106,17 @@ struct LambSegment {
   uint32_t len;    // <= compress::kLambSegment
   uint32_t layer;
 };
-cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v, float* v_fresh, size_t n,
-                        cudaStream_t stream);
+cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v,
+                        float* v_fresh, size_t n, cudaStream_t stream);
 // out[3k..3k+2]: segment k's two sums and maximum.
-cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments, size_t count, const float* x,
-                            const float* m, const float* v, const float* v_fresh, double* out,
+cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments,
+                            size_t count, const float* x, const float* m,
+                            const float* v, const float* v_fresh, double* out,
                             cudaStream_t stream);
 // x -= steps[layer] * u over every segment.
-cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments, size_t count, const float* steps,
-                        float* x, const float* m, const float* v, cudaStream_t stream);
+cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments,
+                        size_t count, const float* steps, float* x,
+                        const float* m, const float* v, cudaStream_t stream);
 
 // The mlp workload's element-wise operations (kernels/mlp.h).
 cudaError_t BroadcastRows(const float* bias, size_t rows, size_t cols,

@@ -13,15 +13,20 @@ namespace {
 using namespace device;
 
 // compress::ZeroOneVarianceStep's element.
-__global__ void ZeroOneVarianceKernel(Adam s, const float* __restrict__ g, float* __restrict__ x,
-                                      float* __restrict__ m, float* __restrict__ v, size_t n) {
+__global__ void ZeroOneVarianceKernel(Adam s, const float* __restrict__ g,
+                                      float* __restrict__ x,
+                                      float* __restrict__ m,
+                                      float* __restrict__ v, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float gj = g[j];
     const float mi = Add(Mul(s.beta1, m[j]), Mul(Sub(1.0f, s.beta1), gj));
-    const float vi = Add(Mul(s.beta2, v[j]), Mul(Sub(1.0f, s.beta2), Mul(gj, gj)));
+    const float vi =
+        Add(Mul(s.beta2, v[j]), Mul(Sub(1.0f, s.beta2), Mul(gj, gj)));
     const float m_hat = Div(mi, s.bias_correction1);
     const float v_hat = Div(vi, s.bias_correction2);
-    const float d = Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio), Mul(s.weight_decay, x[j]));
+    const float d =
+        Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio),
+            Mul(s.weight_decay, x[j]));
     m[j] = mi;
     v[j] = vi;
     x[j] = Sub(x[j], Mul(s.lr, d));
@@ -29,14 +34,18 @@ __global__ void ZeroOneVarianceKernel(Adam s, const float* __restrict__ g, float
 }
 
 // compress::ZeroOneLocalStep's element.
-__global__ void ZeroOneLocalKernel(Adam s, const float* __restrict__ g, float* __restrict__ x,
-                                   float* __restrict__ m, float* __restrict__ u,
-                                   const float* __restrict__ v, size_t n, bool write_x) {
+__global__ void ZeroOneLocalKernel(Adam s, const float* __restrict__ g,
+                                   float* __restrict__ x, float* __restrict__ m,
+                                   float* __restrict__ u,
+                                   const float* __restrict__ v, size_t n,
+                                   bool write_x) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float mi = Add(Mul(s.beta1, m[j]), Mul(Sub(1.0f, s.beta1), g[j]));
     const float m_hat = Div(mi, s.bias_correction1);
     const float v_hat = Div(v[j], s.bias_correction2);
-    const float d = Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio), Mul(s.weight_decay, x[j]));
+    const float d =
+        Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio),
+            Mul(s.weight_decay, x[j]));
     m[j] = mi;
     u[j] = Add(u[j], Mul(s.lr, d));
     if (write_x) x[j] = Sub(x[j], Mul(s.lr, d));
@@ -44,8 +53,10 @@ __global__ void ZeroOneLocalKernel(Adam s, const float* __restrict__ g, float* _
 }
 
 // compress::ZeroOneSyncMessage's element (lr_sum != 0).
-__global__ void ZeroOneSyncMessageKernel(Adam s, float lr_sum, const float* __restrict__ u,
-                                         const float* __restrict__ v, float* __restrict__ out, size_t n) {
+__global__ void ZeroOneSyncMessageKernel(Adam s, float lr_sum,
+                                         const float* __restrict__ u,
+                                         const float* __restrict__ v,
+                                         float* __restrict__ out, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float a = Add(Sqrt(Div(v[j], s.bias_correction2)), s.eps);
     out[j] = Div(Mul(u[j], a), lr_sum);
@@ -53,8 +64,10 @@ __global__ void ZeroOneSyncMessageKernel(Adam s, float lr_sum, const float* __re
 }
 
 // compress::ZeroOneSyncStep's element, w masked first (ApplyRule).
-__global__ void ZeroOneSyncKernel(Adam s, bool mask, const float* __restrict__ w,
-                                  const float* anchor, float* x, float* __restrict__ m,
+__global__ void ZeroOneSyncKernel(Adam s, bool mask,
+                                  const float* __restrict__ w,
+                                  const float* anchor, float* x,
+                                  float* __restrict__ m,
                                   const float* __restrict__ v, size_t n) {
   MORSE_FOR_EACH_ELEMENT(j, n) {
     const float wj = Masked(mask, v[j], w[j]);
@@ -65,8 +78,9 @@ __global__ void ZeroOneSyncKernel(Adam s, bool mask, const float* __restrict__ w
 }
 
 // compress::LambMoments' element, the decoded value masked first.
-__global__ void LambMomentsKernel(LambArgs a, const float* __restrict__ decoded, float* __restrict__ m,
-                                  float* __restrict__ v, float* __restrict__ v_fresh, size_t n) {
+__global__ void LambMomentsKernel(LambArgs a, const float* __restrict__ decoded,
+                                  float* __restrict__ m, float* __restrict__ v,
+                                  float* __restrict__ v_fresh, size_t n) {
   const float b1 = a.adam.beta1, b2 = a.adam.beta2;
   MORSE_FOR_EACH_ELEMENT(j, n) {
     if (!a.frozen) {
@@ -86,8 +100,10 @@ __global__ void LambMomentsKernel(LambArgs a, const float* __restrict__ decoded,
 
 // compress/simd/element_ops.h's LambDirection: u = p + wd*x, p =
 // m̂/(sqrt(v̂)+eps) (bounded when frozen); *ratio = d/d' when frozen.
-__device__ __forceinline__ float UpdateDirection(const LambArgs& a, float x, float m, float v,
-                                                 float v_fresh, float* p, float* ratio) {
+__device__ __forceinline__ float UpdateDirection(const LambArgs& a, float x,
+                                                 float m, float v,
+                                                 float v_fresh, float* p,
+                                                 float* ratio) {
   const Adam& s = a.adam;
   const float m_hat = Div(m, s.bias_correction1);
   const float d = Add(Sqrt(Div(v, s.bias_correction2)), s.eps);
@@ -106,9 +122,11 @@ constexpr int kSegment = static_cast<int>(compress::kSumSegment);
 // compress::LambSegmentSums: a CTA of kSegment threads per segment, the
 // terms in shared memory, added by the same halving tree.
 __global__ void __launch_bounds__(kSegment)
-    LambSegmentsKernel(LambArgs a, const LambSegment* __restrict__ segments, const float* __restrict__ x,
-                       const float* __restrict__ m, const float* __restrict__ v,
-                       const float* __restrict__ v_fresh, double* __restrict__ out) {
+    LambSegmentsKernel(LambArgs a, const LambSegment* __restrict__ segments,
+                       const float* __restrict__ x, const float* __restrict__ m,
+                       const float* __restrict__ v,
+                       const float* __restrict__ v_fresh,
+                       double* __restrict__ out) {
   __shared__ double sa[kSegment], sb[kSegment], sm[kSegment];
   const LambSegment seg = segments[blockIdx.x];
   const int t = threadIdx.x;
@@ -116,7 +134,8 @@ __global__ void __launch_bounds__(kSegment)
   if (static_cast<uint32_t>(t) < seg.len) {
     const size_t j = seg.begin + t;
     float q = 0.0f, ratio = 0.0f;
-    const float u = UpdateDirection(a, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
+    const float u =
+        UpdateDirection(a, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
     if (a.frozen) {
       ta = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
       tb = __dmul_rn(static_cast<double>(q), static_cast<double>(q));
@@ -148,8 +167,10 @@ __global__ void __launch_bounds__(kSegment)
 // compress::LambUpdateX: x = x - step_l * u over each segment, step_l its
 // layer's lr * c_l.
 __global__ void __launch_bounds__(kSegment)
-    LambUpdateXKernel(LambArgs a, const LambSegment* __restrict__ segments, const float* __restrict__ steps,
-                      float* __restrict__ x, const float* __restrict__ m, const float* __restrict__ v) {
+    LambUpdateXKernel(LambArgs a, const LambSegment* __restrict__ segments,
+                      const float* __restrict__ steps, float* __restrict__ x,
+                      const float* __restrict__ m,
+                      const float* __restrict__ v) {
   const LambSegment seg = segments[blockIdx.x];
   if (threadIdx.x >= seg.len) return;
   const size_t j = seg.begin + threadIdx.x;
@@ -160,14 +181,16 @@ __global__ void __launch_bounds__(kSegment)
 
 // compress::SegmentSumOfSquares: a CTA per segment, the same halving tree.
 __global__ void __launch_bounds__(kSegment)
-    SumOfSquaresKernel(const float* __restrict__ x, size_t n, double* __restrict__ out) {
+    SumOfSquaresKernel(const float* __restrict__ x, size_t n,
+                       double* __restrict__ out) {
   __shared__ double t[kSegment];
   const size_t j = static_cast<size_t>(blockIdx.x) * kSegment + threadIdx.x;
   const double value = j < n ? static_cast<double>(x[j]) : 0.0;
   t[threadIdx.x] = __dmul_rn(value, value);
   __syncthreads();
   for (int h = kSegment / 2; h >= 1; h /= 2) {
-    if (static_cast<int>(threadIdx.x) < h) t[threadIdx.x] = __dadd_rn(t[threadIdx.x], t[threadIdx.x + h]);
+    if (static_cast<int>(threadIdx.x) < h)
+      t[threadIdx.x] = __dadd_rn(t[threadIdx.x], t[threadIdx.x + h]);
     __syncthreads();
   }
   if (threadIdx.x == 0) out[blockIdx.x] = t[0];
@@ -181,69 +204,84 @@ __global__ void ScaleKernel(float k, const float* in, float* out, size_t n) {
 
 }  // namespace
 
-cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out, cudaStream_t stream) {
+cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out,
+                                 cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  SumOfSquaresKernel<<<static_cast<unsigned>((n + kSegment - 1) / kSegment), kSegment, 0, stream>>>(x, n, out);
+  SumOfSquaresKernel<<<static_cast<unsigned>((n + kSegment - 1) / kSegment),
+                       kSegment, 0, stream>>>(x, n, out);
   return cudaGetLastError();
 }
 
-cudaError_t Scale(float k, const float* in, float* out, size_t n, cudaStream_t stream) {
+cudaError_t Scale(float k, const float* in, float* out, size_t n,
+                  cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   ScaleKernel<<<ElementGrid(n), kThreads, 0, stream>>>(k, in, out, n);
   return cudaGetLastError();
 }
 
-cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x, float* m, float* v, size_t n,
+cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x,
+                                  float* m, float* v, size_t n,
                                   cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  ZeroOneVarianceKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m, v, n);
+  ZeroOneVarianceKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m,
+                                                                 v, n);
   return cudaGetLastError();
 }
 
-cudaError_t ZeroOneLocalStep(AdamArgs adam, const float* g, float* x, float* m, float* u, const float* v,
-                             size_t n, bool write_x, cudaStream_t stream) {
+cudaError_t ZeroOneLocalStep(AdamArgs adam, const float* g, float* x, float* m,
+                             float* u, const float* v, size_t n, bool write_x,
+                             cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  ZeroOneLocalKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m, u, v, n, write_x);
+  ZeroOneLocalKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m, u,
+                                                              v, n, write_x);
   return cudaGetLastError();
 }
 
-cudaError_t ZeroOneSyncMessage(AdamArgs adam, float lr_sum, const float* u, const float* m, const float* v,
-                               float* out, size_t n, cudaStream_t stream) {
+cudaError_t ZeroOneSyncMessage(AdamArgs adam, float lr_sum, const float* u,
+                               const float* m, const float* v, float* out,
+                               size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (lr_sum == 0.0f) {  // no local step moved: the message is m
     return cudaMemcpyAsync(out, m, 4 * n, cudaMemcpyDeviceToDevice, stream);
   }
-  ZeroOneSyncMessageKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, lr_sum, u, v, out, n);
+  ZeroOneSyncMessageKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
+      adam, lr_sum, u, v, out, n);
   return cudaGetLastError();
 }
 
-cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w, const float* anchor, float* x,
-                              float* m, const float* v, size_t n, cudaStream_t stream) {
+cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w,
+                              const float* anchor, float* x, float* m,
+                              const float* v, size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  ZeroOneSyncKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, mask, w, anchor, x, m, v, n);
+  ZeroOneSyncKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
+      adam, mask, w, anchor, x, m, v, n);
   return cudaGetLastError();
 }
 
-cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v, float* v_fresh, size_t n,
-                        cudaStream_t stream) {
+cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v,
+                        float* v_fresh, size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  LambMomentsKernel<<<ElementGrid(n), kThreads, 0, stream>>>(args, decoded, m, v, v_fresh, n);
+  LambMomentsKernel<<<ElementGrid(n), kThreads, 0, stream>>>(args, decoded, m,
+                                                             v, v_fresh, n);
   return cudaGetLastError();
 }
 
-cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments, size_t count, const float* x,
-                            const float* m, const float* v, const float* v_fresh, double* out,
+cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments,
+                            size_t count, const float* x, const float* m,
+                            const float* v, const float* v_fresh, double* out,
                             cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  LambSegmentsKernel<<<static_cast<unsigned>(count), kSegment, 0, stream>>>(args, segments, x, m, v,
-                                                                             v_fresh, out);
+  LambSegmentsKernel<<<static_cast<unsigned>(count), kSegment, 0, stream>>>(
+      args, segments, x, m, v, v_fresh, out);
   return cudaGetLastError();
 }
 
-cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments, size_t count, const float* steps,
-                        float* x, const float* m, const float* v, cudaStream_t stream) {
+cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments,
+                        size_t count, const float* steps, float* x,
+                        const float* m, const float* v, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  LambUpdateXKernel<<<static_cast<unsigned>(count), kSegment, 0, stream>>>(args, segments, steps, x, m, v);
+  LambUpdateXKernel<<<static_cast<unsigned>(count), kSegment, 0, stream>>>(
+      args, segments, steps, x, m, v);
   return cudaGetLastError();
 }
 

@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(kStagedThreads)
                             uint8_t* __restrict__ bits, int* bad,
                             const float* __restrict__ mom_m, float beta1) {
   extern __shared__ float staged[];
-  float* u = staged;                 // x + e, block floats
-  float* e_old = staged + block;     // e, for EMA only
+  float* u = staged;              // x + e, block floats
+  float* e_old = staged + block;  // e, for EMA only
   __shared__ float scale;
   __shared__ bool scale_ok;
   const size_t b = blockIdx.x;
@@ -214,13 +214,10 @@ __global__ void Sign1DecodeQuadsKernel(const float* __restrict__ scales,
   }
 }
 
-__global__ void Sign1DecodeFrozenQuadsKernel(const float* __restrict__ scales,
-                                             const uint8_t* __restrict__ bits,
-                                             size_t n, uint32_t block, Adam adam,
-                                             bool mask,
-                                             float* __restrict__ x,
-                                             float* __restrict__ m,
-                                             const float* __restrict__ v) {
+__global__ void Sign1DecodeFrozenQuadsKernel(
+    const float* __restrict__ scales, const uint8_t* __restrict__ bits,
+    size_t n, uint32_t block, Adam adam, bool mask, float* __restrict__ x,
+    float* __restrict__ m, const float* __restrict__ v) {
   MORSE_FOR_EACH_ELEMENT(q, n / 4) {
     const float4 c = DecodeQuad(scales, bits, 4 * q, block);
     const float4 vv = reinterpret_cast<const float4*>(v)[q];
@@ -235,11 +232,11 @@ __global__ void Sign1DecodeFrozenQuadsKernel(const float* __restrict__ scales,
   const size_t tail = n - n % 4;
   if (blockIdx.x == 0 && threadIdx.x < n % 4) {
     const size_t j = tail + threadIdx.x;
-    FrozenElement(adam,
-                  Masked(mask, v[j],
-                         SignedScale(bits[j / 8], j % 8,
-                                     scales[BlockOf(j, block)])),
-                  &x[j], &m[j], v[j]);
+    FrozenElement(
+        adam,
+        Masked(mask, v[j],
+               SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)])),
+        &x[j], &m[j], v[j]);
   }
 }
 
@@ -281,7 +278,8 @@ cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
   const float* error = feedback == kFbNone ? nullptr : e;
   const size_t shared = size_t{block} * 4 * (feedback == kFbEma ? 2 : 1);
   if (block % 8 == 0 && shared <= kStagedSharedBytes && blocks < (1u << 31)) {
-    const bool vector = Aligned16(x) && (error == nullptr || Aligned16(error)) &&
+    const bool vector = Aligned16(x) &&
+                        (error == nullptr || Aligned16(error)) &&
                         (momentum.m == nullptr || Aligned16(momentum.m));
     if (vector) {
       Sign1EncodeStagedKernel<true>

@@ -35,7 +35,8 @@ uint64_t Checksum(absl::string_view bytes) {
 }
 
 absl::Status Errno(const std::string& what, const std::string& path) {
-  return absl::InternalError(absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
+  return absl::InternalError(
+      absl::StrCat(what, " ", path, ": ", std::strerror(errno)));
 }
 
 // Reads fixed-size values off a byte string, failing past its end.
@@ -70,7 +71,8 @@ class Cursor {
 
 }  // namespace
 
-void CheckpointWriter::AddFloats(const std::string& name, absl::Span<const float> values) {
+void CheckpointWriter::AddFloats(const std::string& name,
+                                 absl::Span<const float> values) {
   PutString(&body_, name);
   Put<uint8_t>(&body_, 0);
   Put<uint64_t>(&body_, values.size());
@@ -78,7 +80,8 @@ void CheckpointWriter::AddFloats(const std::string& name, absl::Span<const float
   ++arrays_;
 }
 
-void CheckpointWriter::AddInts(const std::string& name, absl::Span<const int64_t> values) {
+void CheckpointWriter::AddInts(const std::string& name,
+                               absl::Span<const int64_t> values) {
   PutString(&body_, name);
   Put<uint8_t>(&body_, 1);
   Put<uint64_t>(&body_, values.size());
@@ -86,7 +89,8 @@ void CheckpointWriter::AddInts(const std::string& name, absl::Span<const int64_t
   ++arrays_;
 }
 
-void CheckpointWriter::AddBytes(const std::string& name, absl::string_view bytes) {
+void CheckpointWriter::AddBytes(const std::string& name,
+                                absl::string_view bytes) {
   PutString(&body_, name);
   Put<uint8_t>(&body_, 2);
   Put<uint64_t>(&body_, bytes.size());
@@ -123,9 +127,13 @@ absl::Status CheckpointWriter::Write(const std::string& path) const {
     return Errno("cannot fsync", temp);
   }
   close(fd);
-  if (rename(temp.c_str(), path.c_str()) != 0) return Errno("cannot rename to", path);
-  const std::string dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/'));
-  const int dir_fd = open(dir.empty() ? "/" : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (rename(temp.c_str(), path.c_str()) != 0)
+    return Errno("cannot rename to", path);
+  const std::string dir = path.find('/') == std::string::npos
+                              ? "."
+                              : path.substr(0, path.rfind('/'));
+  const int dir_fd =
+      open(dir.empty() ? "/" : dir.c_str(), O_RDONLY | O_DIRECTORY);
   if (dir_fd >= 0) {
     fsync(dir_fd);
     close(dir_fd);
@@ -133,7 +141,8 @@ absl::Status CheckpointWriter::Write(const std::string& path) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path) {
+absl::StatusOr<CheckpointReader> CheckpointReader::Open(
+    const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("no checkpoint at ", path));
   std::stringstream buffer;
@@ -142,35 +151,43 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path)
   reader.path_ = path;
   reader.bytes_ = buffer.str();
   const auto corrupt = [&](absl::string_view why) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path, " is corrupt: ", why));
+    return absl::DataLossError(
+        absl::StrCat("checkpoint ", path, " is corrupt: ", why));
   };
   const std::string& bytes = reader.bytes_;
-  if (bytes.size() < sizeof kMagic + 8 || std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
+  if (bytes.size() < sizeof kMagic + 8 ||
+      std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
     return corrupt("not a Morse checkpoint (bad magic or too short)");
   }
   uint64_t stored;
   std::memcpy(&stored, bytes.data() + bytes.size() - 8, 8);
-  if (stored != Checksum(absl::string_view(bytes).substr(0, bytes.size() - 8))) {
+  if (stored !=
+      Checksum(absl::string_view(bytes).substr(0, bytes.size() - 8))) {
     return corrupt("checksum mismatch (truncated or modified)");
   }
-  Cursor cursor(absl::string_view(bytes).substr(sizeof kMagic, bytes.size() - sizeof kMagic - 8));
+  Cursor cursor(absl::string_view(bytes).substr(
+      sizeof kMagic, bytes.size() - sizeof kMagic - 8));
   uint32_t version, arrays;
   CheckpointHeader& h = reader.header_;
-  if (!cursor.Get(&version) || version != kVersion) return corrupt("unknown version");
-  if (!cursor.GetString(&h.kind) || !cursor.Get(&h.index) || !cursor.Get(&h.layout_fingerprint) ||
-      !cursor.Get(&h.algorithm_fingerprint) || !cursor.Get(&h.step) || !cursor.Get(&arrays)) {
+  if (!cursor.Get(&version) || version != kVersion)
+    return corrupt("unknown version");
+  if (!cursor.GetString(&h.kind) || !cursor.Get(&h.index) ||
+      !cursor.Get(&h.layout_fingerprint) ||
+      !cursor.Get(&h.algorithm_fingerprint) || !cursor.Get(&h.step) ||
+      !cursor.Get(&arrays)) {
     return corrupt("truncated header");
   }
   for (uint32_t a = 0; a < arrays; ++a) {
     std::string name;
     Array array;
-    if (!cursor.GetString(&name) || !cursor.Get(&array.type) || !cursor.Get(&array.count) ||
-        array.type > 2) {
+    if (!cursor.GetString(&name) || !cursor.Get(&array.type) ||
+        !cursor.Get(&array.count) || array.type > 2) {
       return corrupt("bad array header");
     }
     array.offset = sizeof kMagic + cursor.at();
     const uint64_t width = array.type == 0 ? 4 : array.type == 1 ? 8 : 1;
-    if (array.count > (UINT64_MAX / width) || !cursor.Skip(array.count * width)) {
+    if (array.count > (UINT64_MAX / width) ||
+        !cursor.Skip(array.count * width)) {
       return corrupt(absl::StrCat("array '", name, "' runs past the end"));
     }
     reader.arrays_[name] = array;
@@ -179,36 +196,42 @@ absl::StatusOr<CheckpointReader> CheckpointReader::Open(const std::string& path)
 }
 
 template <class T>
-absl::StatusOr<std::vector<T>> CheckpointReader::Read(const std::string& name, uint64_t count,
-                                                      uint8_t type, const char* type_name) const {
+absl::StatusOr<std::vector<T>> CheckpointReader::Read(
+    const std::string& name, uint64_t count, uint8_t type,
+    const char* type_name) const {
   auto it = arrays_.find(name);
-  if (it == arrays_.end() || it->second.type != type || it->second.count != count) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has no ", type_name, " array '",
-                                            name, "' of ", count, " elements"));
+  if (it == arrays_.end() || it->second.type != type ||
+      it->second.count != count) {
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, " has no ",
+                                            type_name, " array '", name,
+                                            "' of ", count, " elements"));
   }
   std::vector<T> values(count);
-  std::memcpy(values.data(), bytes_.data() + it->second.offset, sizeof(T) * count);
+  std::memcpy(values.data(), bytes_.data() + it->second.offset,
+              sizeof(T) * count);
   return values;
 }
 
-absl::StatusOr<std::vector<float>> CheckpointReader::Floats(const std::string& name,
-                                                            uint64_t count) const {
+absl::StatusOr<std::vector<float>> CheckpointReader::Floats(
+    const std::string& name, uint64_t count) const {
   return Read<float>(name, count, 0, "fp32");
 }
 
-absl::StatusOr<std::vector<int64_t>> CheckpointReader::Ints(const std::string& name,
-                                                            uint64_t count) const {
+absl::StatusOr<std::vector<int64_t>> CheckpointReader::Ints(
+    const std::string& name, uint64_t count) const {
   return Read<int64_t>(name, count, 1, "int64");
 }
 
-absl::StatusOr<std::string> CheckpointReader::Bytes(const std::string& name) const {
+absl::StatusOr<std::string> CheckpointReader::Bytes(
+    const std::string& name) const {
   auto it = arrays_.find(name);
   if (it == arrays_.end()) {
-    return absl::NotFoundError(absl::StrCat("checkpoint ", path_, " has no array '", name, "'"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint ", path_, " has no array '", name, "'"));
   }
   if (it->second.type != 2) {
-    return absl::DataLossError(absl::StrCat("checkpoint ", path_, ": array '", name,
-                                            "' is not a byte array"));
+    return absl::DataLossError(absl::StrCat("checkpoint ", path_, ": array '",
+                                            name, "' is not a byte array"));
   }
   return bytes_.substr(it->second.offset, it->second.count);
 }

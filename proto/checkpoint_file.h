@@ -35,7 +35,8 @@ struct CheckpointHeader {
 
 class CheckpointWriter {
  public:
-  explicit CheckpointWriter(CheckpointHeader header) : header_(std::move(header)) {}
+  explicit CheckpointWriter(CheckpointHeader header)
+      : header_(std::move(header)) {}
   void AddFloats(const std::string& name, absl::Span<const float> values);
   void AddInts(const std::string& name, absl::Span<const int64_t> values);
   void AddBytes(const std::string& name, absl::string_view bytes);
@@ -56,8 +57,10 @@ class CheckpointReader {
 
   const CheckpointHeader& header() const { return header_; }
   // The array, which must have `count` elements (DATA_LOSS otherwise).
-  absl::StatusOr<std::vector<float>> Floats(const std::string& name, uint64_t count) const;
-  absl::StatusOr<std::vector<int64_t>> Ints(const std::string& name, uint64_t count) const;
+  absl::StatusOr<std::vector<float>> Floats(const std::string& name,
+                                            uint64_t count) const;
+  absl::StatusOr<std::vector<int64_t>> Ints(const std::string& name,
+                                            uint64_t count) const;
   // A byte array of any length; NOT_FOUND if the file has none of that name
   // (files from before it existed), DATA_LOSS if it is of another type.
   absl::StatusOr<std::string> Bytes(const std::string& name) const;
@@ -72,7 +75,8 @@ class CheckpointReader {
 
  private:
   template <class T>
-  absl::StatusOr<std::vector<T>> Read(const std::string& name, uint64_t count, uint8_t type,
+  absl::StatusOr<std::vector<T>> Read(const std::string& name, uint64_t count,
+                                      uint8_t type,
                                       const char* type_name) const;
 
   struct Array {

@@ -36,7 +36,8 @@ inline void ParseFlags(int argc, char** argv, const char* usage,
   absl::FlagsUsageConfig config;
   const std::string suffix = main_file;
   config.contains_help_flags = [suffix](absl::string_view file) {
-    return absl::EndsWith(file, suffix) || absl::EndsWith(file, "proto/security_flags.cc");
+    return absl::EndsWith(file, suffix) ||
+           absl::EndsWith(file, "proto/security_flags.cc");
   };
   config.contains_helpshort_flags = config.contains_help_flags;
   absl::SetFlagsUsageConfig(config);

@@ -36,13 +36,15 @@ struct HttpEndpoint::Impl {
     } else if (target == "/metrics") {
       response.result(http::status::ok);
       response.set(http::field::content_type, "text/plain; version=0.0.4");
-      response.body() = prometheus::TextSerializer().Serialize(registry->Collect());
+      response.body() =
+          prometheus::TextSerializer().Serialize(registry->Collect());
     } else if (target == "/healthz") {
       response.result(http::status::ok);
       response.body() = "ok\n";
     } else if (target == "/readyz") {
       const bool is_ready = ready == nullptr || ready();
-      response.result(is_ready ? http::status::ok : http::status::service_unavailable);
+      response.result(is_ready ? http::status::ok
+                               : http::status::service_unavailable);
       response.body() = is_ready ? "ready\n" : "not ready\n";
     } else {
       response.result(http::status::not_found);
@@ -62,23 +64,31 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
   impl->ready = std::move(ready);
   const size_t colon = address.rfind(':');
   boost::system::error_code error;
-  const auto host = boost::asio::ip::make_address(address.substr(0, colon), error);
+  const auto host =
+      boost::asio::ip::make_address(address.substr(0, colon), error);
   if (colon == std::string::npos || error) {
-    return absl::InvalidArgumentError(absl::StrCat("'", address, "' is not host:port"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("'", address, "' is not host:port"));
   }
-  const tcp::endpoint endpoint(host, static_cast<unsigned short>(std::atoi(address.c_str() + colon + 1)));
+  const tcp::endpoint endpoint(
+      host,
+      static_cast<unsigned short>(std::atoi(address.c_str() + colon + 1)));
   impl->acceptor.open(endpoint.protocol(), error);
-  if (!error) impl->acceptor.set_option(tcp::acceptor::reuse_address(true), error);
+  if (!error)
+    impl->acceptor.set_option(tcp::acceptor::reuse_address(true), error);
   if (!error) impl->acceptor.bind(endpoint, error);
   if (!error) impl->acceptor.listen(16, error);
   if (error) {
-    return absl::UnavailableError(absl::StrCat("cannot serve HTTP on ", address, ": ", error.message()));
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve HTTP on ", address, ": ", error.message()));
   }
-  std::unique_ptr<HttpEndpoint> endpoint_owner(new HttpEndpoint(std::move(impl)));
+  std::unique_ptr<HttpEndpoint> endpoint_owner(
+      new HttpEndpoint(std::move(impl)));
   return endpoint_owner;
 }
 
-HttpEndpoint::HttpEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+HttpEndpoint::HttpEndpoint(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {
   port_ = impl_->acceptor.local_endpoint().port();
   thread_ = std::thread([impl = impl_.get()] {
     while (!impl->stopping.load()) {
@@ -97,11 +107,12 @@ HttpEndpoint::~HttpEndpoint() {
   // Wake the blocking accept with a connection of our own.
   boost::system::error_code error;
   tcp::socket poke(impl_->io);
-  poke.connect(tcp::endpoint(impl_->acceptor.local_endpoint().address().is_unspecified()
-                                 ? boost::asio::ip::make_address("127.0.0.1")
-                                 : impl_->acceptor.local_endpoint().address(),
-                             port_),
-               error);
+  poke.connect(
+      tcp::endpoint(impl_->acceptor.local_endpoint().address().is_unspecified()
+                        ? boost::asio::ip::make_address("127.0.0.1")
+                        : impl_->acceptor.local_endpoint().address(),
+                    port_),
+      error);
   if (error) impl_->acceptor.close(error);
   poke.close(error);
   thread_.join();

@@ -21,7 +21,8 @@ class HttpEndpoint {
  public:
   // `address` is host:port; port 0 picks a free one (see port()).
   static absl::StatusOr<std::unique_ptr<HttpEndpoint>> Start(
-      const std::string& address, std::shared_ptr<prometheus::Registry> registry,
+      const std::string& address,
+      std::shared_ptr<prometheus::Registry> registry,
       std::function<bool()> ready);
   ~HttpEndpoint();
   HttpEndpoint(const HttpEndpoint&) = delete;

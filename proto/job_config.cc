@@ -9,11 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "compress/codec.h"
+#include "compress/replica.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
-#include "compress/codec.h"
-#include "compress/replica.h"
 #include "proto/morse.pb.h"
 
 namespace morse::proto {
@@ -29,10 +29,12 @@ using compress::FeedbackKind;
 using compress::FeedbackSpec;
 
 absl::Status Invalid(absl::string_view field, absl::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("config field '", field, "': ", why));
+  return absl::InvalidArgumentError(
+      absl::StrCat("config field '", field, "': ", why));
 }
 
-absl::StatusOr<CodecSpec> ToCodec(const v1::CodecConfig& c, absl::string_view field,
+absl::StatusOr<CodecSpec> ToCodec(const v1::CodecConfig& c,
+                                  absl::string_view field,
                                   CodecKind default_kind, uint32_t block) {
   CodecSpec spec;
   spec.block_elems = block;
@@ -47,13 +49,16 @@ absl::StatusOr<CodecSpec> ToCodec(const v1::CodecConfig& c, absl::string_view fi
     if (!scale.ok()) return Invalid(field, scale.status().message());
     spec.scale = *scale;
   }
-  spec.rounding = c.stochastic() ? compress::Rounding::kStochastic : compress::Rounding::kNearestEven;
+  spec.rounding = c.stochastic() ? compress::Rounding::kStochastic
+                                 : compress::Rounding::kNearestEven;
   if (c.topk_ratio() != 0) spec.topk_ratio = c.topk_ratio();
-  if (absl::Status s = compress::ValidateCodecSpec(spec); !s.ok()) return Invalid(field, s.message());
+  if (absl::Status s = compress::ValidateCodecSpec(spec); !s.ok())
+    return Invalid(field, s.message());
   return spec;
 }
 
-absl::StatusOr<FeedbackSpec> ToFeedback(const v1::FeedbackConfig& f, absl::string_view field,
+absl::StatusOr<FeedbackSpec> ToFeedback(const v1::FeedbackConfig& f,
+                                        absl::string_view field,
                                         FeedbackKind default_kind) {
   FeedbackSpec spec;
   spec.kind = default_kind;
@@ -64,18 +69,24 @@ absl::StatusOr<FeedbackSpec> ToFeedback(const v1::FeedbackConfig& f, absl::strin
   } else if (f.mode() == "ema") {
     spec.kind = FeedbackKind::kEma;
   } else if (!f.mode().empty()) {
-    return Invalid(field, absl::StrCat("mode '", f.mode(), "' is not none, ef or ema"));
+    return Invalid(
+        field, absl::StrCat("mode '", f.mode(), "' is not none, ef or ema"));
   }
-  if (spec.kind == FeedbackKind::kEma) spec.beta = f.has_beta() ? f.beta() : kDefaultEmaBeta;
+  if (spec.kind == FeedbackKind::kEma)
+    spec.beta = f.has_beta() ? f.beta() : kDefaultEmaBeta;
   if (spec.kind != FeedbackKind::kEma && f.has_beta()) {
-    return Invalid(field, absl::StrCat("beta is the weight of ema feedback; mode '", f.mode(),
-                                       "' has none"));
-  }  if (f.storage() == "int8") {
+    return Invalid(field,
+                   absl::StrCat("beta is the weight of ema feedback; mode '",
+                                f.mode(), "' has none"));
+  }
+  if (f.storage() == "int8") {
     spec.storage = compress::ErrorStorage::kInt8;
   } else if (!f.storage().empty() && f.storage() != "fp32") {
-    return Invalid(field, absl::StrCat("storage '", f.storage(), "' is not fp32 or int8"));
+    return Invalid(
+        field, absl::StrCat("storage '", f.storage(), "' is not fp32 or int8"));
   }
-  if (absl::Status s = compress::ValidateFeedbackSpec(spec); !s.ok()) return Invalid(field, s.message());
+  if (absl::Status s = compress::ValidateFeedbackSpec(spec); !s.ok())
+    return Invalid(field, s.message());
   return spec;
 }
 
@@ -84,13 +95,16 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   job.name = c.name().empty() ? "morse" : c.name();
   compress::SimulatorConfig& a = job.algorithm;
   if (c.workers() == 0 || c.workers() > kMaxWorkers) {
-    return Invalid("workers", absl::StrCat(c.workers(), " is not in [1, ", kMaxWorkers, "]"));
+    return Invalid("workers", absl::StrCat(c.workers(), " is not in [1, ",
+                                           kMaxWorkers, "]"));
   }
   if (c.shards() == 0 || c.shards() > kMaxShards) {
-    return Invalid("shards", absl::StrCat(c.shards(), " is not in [1, ", kMaxShards, "]"));
+    return Invalid(
+        "shards", absl::StrCat(c.shards(), " is not in [1, ", kMaxShards, "]"));
   }
   const bool external = c.workload_case() == v1::JobConfig::kExternal;
-  if (c.steps() < 0 || (c.steps() == 0 && !external)) return Invalid("steps", "must be positive");
+  if (c.steps() < 0 || (c.steps() == 0 && !external))
+    return Invalid("steps", "must be positive");
   a.workers = c.workers();
   job.steps = c.steps();
 
@@ -98,15 +112,20 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     case v1::JobConfig::kSynthetic:
       job.workload = WorkloadKind::kSynthetic;
       job.synthetic.dim = c.synthetic().dim();
-      if (c.synthetic().noise() != 0) job.synthetic.noise = c.synthetic().noise();
+      if (c.synthetic().noise() != 0)
+        job.synthetic.noise = c.synthetic().noise();
       job.synthetic.dead_every = c.synthetic().dead_every();
-      if (job.synthetic.dim == 0) return Invalid("synthetic.dim", "must be positive");
+      if (job.synthetic.dim == 0)
+        return Invalid("synthetic.dim", "must be positive");
       a.layout.dim = job.synthetic.dim;
       if (const uint64_t l = c.synthetic().layer_elems(); l > 0) {
         if (job.synthetic.dim / l > kMaxLayers) {
-          return Invalid("synthetic.layer_elems", absl::StrCat("makes more than ", kMaxLayers, " layers"));
+          return Invalid(
+              "synthetic.layer_elems",
+              absl::StrCat("makes more than ", kMaxLayers, " layers"));
         }
-        for (uint64_t at = 0; at < job.synthetic.dim; at += l) a.layers.push_back(std::min(l, job.synthetic.dim - at));
+        for (uint64_t at = 0; at < job.synthetic.dim; at += l)
+          a.layers.push_back(std::min(l, job.synthetic.dim - at));
       }
       break;
     case v1::JobConfig::kMlp: {
@@ -115,16 +134,22 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       job.mlp.train_path = m.train_path();
       job.mlp.test_path = m.test_path();
       if (!m.format().empty()) job.mlp.format = m.format();
-      if (m.hidden_size() > 0) job.mlp.hidden.assign(m.hidden().begin(), m.hidden().end());
+      if (m.hidden_size() > 0)
+        job.mlp.hidden.assign(m.hidden().begin(), m.hidden().end());
       if (m.batch_size() != 0) job.mlp.batch_size = m.batch_size();
       job.mlp.features = m.features();
       job.mlp.classes = m.classes();
-      if (job.mlp.train_path.empty()) return Invalid("mlp.train_path", "is required");
+      if (job.mlp.train_path.empty())
+        return Invalid("mlp.train_path", "is required");
       if (job.mlp.format != "csv" && job.mlp.format != "libsvm") {
-        return Invalid("mlp.format", absl::StrCat("'", job.mlp.format, "' is not csv or libsvm"));
+        return Invalid("mlp.format", absl::StrCat("'", job.mlp.format,
+                                                  "' is not csv or libsvm"));
       }
-      if (job.mlp.features == 0) return Invalid("mlp.features", "is required (servers size the model from it)");
-      if (job.mlp.classes < 2) return Invalid("mlp.classes", "is required and at least 2");
+      if (job.mlp.features == 0)
+        return Invalid("mlp.features",
+                       "is required (servers size the model from it)");
+      if (job.mlp.classes < 2)
+        return Invalid("mlp.classes", "is required and at least 2");
       for (uint32_t h : job.mlp.hidden) {
         if (h == 0) return Invalid("mlp.hidden", "widths must be positive");
       }
@@ -139,12 +164,15 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       job.external.shapes = c.external().shapes();
       a.layout.dim = job.external.dim;
       if (c.external().layers_size() > static_cast<int>(kMaxLayers)) {
-        return Invalid("external.layers", absl::StrCat("more than ", kMaxLayers, " layers"));
+        return Invalid("external.layers",
+                       absl::StrCat("more than ", kMaxLayers, " layers"));
       }
-      a.layers.assign(c.external().layers().begin(), c.external().layers().end());
+      a.layers.assign(c.external().layers().begin(),
+                      c.external().layers().end());
       break;
     default:
-      return Invalid("workload", "set synthetic { ... }, mlp { ... } or external { ... }");
+      return Invalid("workload",
+                     "set synthetic { ... }, mlp { ... } or external { ... }");
   }
 
   if (c.optimizer().empty() || c.optimizer() == "onebit_adam") {
@@ -156,8 +184,11 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   } else if (c.optimizer() == "onebit_lamb") {
     a.optimizer = compress::OptimizerKind::kOneBitLamb;
   } else {
-    return Invalid("optimizer", absl::StrCat("'", c.optimizer(),
-                                             "' is not onebit_adam, adam, zero_one_adam or onebit_lamb"));
+    return Invalid(
+        "optimizer",
+        absl::StrCat(
+            "'", c.optimizer(),
+            "' is not onebit_adam, adam, zero_one_adam or onebit_lamb"));
   }
   if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {
     const v1::OneBitLambConfig& l = c.onebit_lamb();
@@ -166,12 +197,15 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     if (l.has_coeff_beta()) a.lamb.coeff_beta = l.coeff_beta();
     if (l.has_factor_max()) a.lamb.factor_max = l.factor_max();
     if (l.has_factor_min()) a.lamb.factor_min = l.factor_min();
-    if (l.has_factor_threshold()) a.lamb.factor_threshold = l.factor_threshold();
+    if (l.has_factor_threshold())
+      a.lamb.factor_threshold = l.factor_threshold();
   } else if (c.has_onebit_lamb()) {
-    return Invalid("onebit_lamb", "is set but the optimizer is not onebit_lamb");
+    return Invalid("onebit_lamb",
+                   "is set but the optimizer is not onebit_lamb");
   } else if (c.has_synthetic() && c.synthetic().layer_elems() > 0) {
-    return Invalid("synthetic.layer_elems", "is set but the optimizer is not onebit_lamb (only its "
-                                            "coefficients are per layer)");
+    return Invalid("synthetic.layer_elems",
+                   "is set but the optimizer is not onebit_lamb (only its "
+                   "coefficients are per layer)");
   }
   // onebit_adam and zero_one_adam compress with error feedback by default
   // and have a frozen v to mask and bound.
@@ -179,15 +213,22 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   const bool zero_one = a.optimizer == compress::OptimizerKind::kZeroOneAdam;
   if (zero_one) {
     const v1::ZeroOneAdamConfig& z = c.zero_one_adam();
-    if (z.has_var_freeze_step()) a.zero_one.var_freeze_step = z.var_freeze_step();
-    if (z.has_var_update_scaler()) a.zero_one.var_update_scaler = z.var_update_scaler();
-    if (z.has_local_step_scaler()) a.zero_one.local_step_scaler = z.local_step_scaler();
-    if (z.has_local_step_clipper()) a.zero_one.local_step_clipper = z.local_step_clipper();
+    if (z.has_var_freeze_step())
+      a.zero_one.var_freeze_step = z.var_freeze_step();
+    if (z.has_var_update_scaler())
+      a.zero_one.var_update_scaler = z.var_update_scaler();
+    if (z.has_local_step_scaler())
+      a.zero_one.local_step_scaler = z.local_step_scaler();
+    if (z.has_local_step_clipper())
+      a.zero_one.local_step_clipper = z.local_step_clipper();
     if (c.freeze_step() != 0) {
-      return Invalid("freeze_step", "is onebit_adam's; zero_one_adam freezes v at zero_one_adam.var_freeze_step");
+      return Invalid("freeze_step",
+                     "is onebit_adam's; zero_one_adam freezes v at "
+                     "zero_one_adam.var_freeze_step");
     }
   } else if (c.has_zero_one_adam()) {
-    return Invalid("zero_one_adam", "is set but the optimizer is not zero_one_adam");
+    return Invalid("zero_one_adam",
+                   "is set but the optimizer is not zero_one_adam");
   }
 
   const v1::AdamConfig& adam = c.adam();
@@ -198,16 +239,23 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   a.bias_correction = !adam.has_bias_correction() || adam.bias_correction();
   a.mask_zero_variance = !c.has_mask_zero_variance() || c.mask_zero_variance();
   if (!onebit && c.has_mask_zero_variance() && c.mask_zero_variance()) {
-    return Invalid("mask_zero_variance", "only onebit_adam and zero_one_adam freeze v (DESIGN 2.1); adam has nothing to mask");
+    return Invalid("mask_zero_variance",
+                   "only onebit_adam and zero_one_adam freeze v (DESIGN 2.1); "
+                   "adam has nothing to mask");
   }
   a.bound_update = !c.has_bound_update() || c.bound_update();
   if (!onebit && c.has_bound_update() && c.bound_update()) {
-    return Invalid("bound_update", "only the frozen-variance updates of onebit_adam and zero_one_adam are bounded (DESIGN 2.1); adam's update is plain Adam");
+    return Invalid(
+        "bound_update",
+        "only the frozen-variance updates of onebit_adam and zero_one_adam are "
+        "bounded (DESIGN 2.1); adam's update is plain Adam");
   }
-  if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok()) return Invalid("adam", s.message());
+  if (absl::Status s = compress::ValidateAdamHyper(a.adam); !s.ok())
+    return Invalid("adam", s.message());
   a.clip_grad_norm = c.clip_grad_norm();
   if (!(a.clip_grad_norm >= 0.0f) || !std::isfinite(a.clip_grad_norm)) {
-    return Invalid("clip_grad_norm", "must be finite and not negative (0: no clipping)");
+    return Invalid("clip_grad_norm",
+                   "must be finite and not negative (0: no clipping)");
   }
 
   const v1::LrConfig& lr = c.lr();
@@ -216,11 +264,13 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   } else if (lr.schedule() == "cosine") {
     a.lr.kind = compress::LrSchedule::Kind::kCosine;
   } else {
-    return Invalid("lr.schedule", absl::StrCat("'", lr.schedule(), "' is not constant or cosine"));
+    return Invalid("lr.schedule", absl::StrCat("'", lr.schedule(),
+                                               "' is not constant or cosine"));
   }
   a.lr.base_lr = lr.lr();
   if (external && job.external.dim == 0 && lr.lr() == 0) {
-    a.lr.base_lr = 1.0f;  // a server's base config: the workers' Join brings the real one
+    a.lr.base_lr =
+        1.0f;  // a server's base config: the workers' Join brings the real one
   }
   a.lr.warmup_steps = lr.warmup_steps();
   a.lr.total_steps = c.steps();
@@ -228,33 +278,43 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     return Invalid("lr.schedule", "cosine needs steps");
   }
   a.lr.min_lr = lr.min_lr();
-  if (absl::Status s = compress::ValidateLrSchedule(a.lr); !s.ok()) return Invalid("lr", s.message());
+  if (absl::Status s = compress::ValidateLrSchedule(a.lr); !s.ok())
+    return Invalid("lr", s.message());
 
   a.freeze_step = c.freeze_step();
-  const uint32_t block = c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
+  const uint32_t block =
+      c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
   a.layout.shards = c.shards();
   a.layout.block_elems = block;
-  a.layout.partition_elems = c.has_partition_elems() ? c.partition_elems() : (1u << 20);
+  a.layout.partition_elems =
+      c.has_partition_elems() ? c.partition_elems() : (1u << 20);
   compress::LayoutSpec probe = a.layout;
-  if (probe.dim == 0) probe.dim = uint64_t{probe.block_elems} * probe.shards;  // size comes later
+  if (probe.dim == 0)
+    probe.dim = uint64_t{probe.block_elems} * probe.shards;  // size comes later
   if (absl::Status s = compress::Layout::Create(probe).status(); !s.ok()) {
     return Invalid("block_elems/partition_elems/shards", s.message());
   }
 
-  auto warmup = ToCodec(c.warmup_codec(), "warmup_codec", CodecKind::kFp32, block);
+  auto warmup =
+      ToCodec(c.warmup_codec(), "warmup_codec", CodecKind::kFp32, block);
   if (!warmup.ok()) return warmup.status();
   a.warmup_codec = *warmup;
-  auto up = ToCodec(c.up_codec(), "up_codec", onebit ? CodecKind::kSign1 : CodecKind::kFp32, block);
+  auto up = ToCodec(c.up_codec(), "up_codec",
+                    onebit ? CodecKind::kSign1 : CodecKind::kFp32, block);
   if (!up.ok()) return up.status();
   a.up_codec = *up;
-  auto down = c.has_down_codec() ? ToCodec(c.down_codec(), "down_codec", up->kind, block) : up;
+  auto down = c.has_down_codec()
+                  ? ToCodec(c.down_codec(), "down_codec", up->kind, block)
+                  : up;
   if (!down.ok()) return down.status();
   a.down_codec = *down;
-  const FeedbackKind default_fb = onebit ? FeedbackKind::kEf : FeedbackKind::kNone;
+  const FeedbackKind default_fb =
+      onebit ? FeedbackKind::kEf : FeedbackKind::kNone;
   auto wfb = ToFeedback(c.worker_feedback(), "worker_feedback", default_fb);
   if (!wfb.ok()) return wfb.status();
   a.worker_feedback = *wfb;
-  auto sfb = c.has_server_feedback() ? ToFeedback(c.server_feedback(), "server_feedback", default_fb)
+  auto sfb = c.has_server_feedback() ? ToFeedback(c.server_feedback(),
+                                                  "server_feedback", default_fb)
                                      : wfb;
   if (!sfb.ok()) return sfb.status();
   a.server_feedback = *sfb;
@@ -272,28 +332,39 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   const bool freezes = a.optimizer == compress::OptimizerKind::kOneBitAdam ||
                        a.optimizer == compress::OptimizerKind::kOneBitLamb;
   if (freezes && base_only && a.freeze_step == 0) a.freeze_step = 1;
-  if (freezes && (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
-    return Invalid("freeze_step",
-                   absl::StrCat(a.freeze_step, " is outside [1, steps]: onebit_adam and onebit_lamb need at least one "
-                                               "warmup step (with none there is no variance to freeze)"));
+  if (freezes &&
+      (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
+    return Invalid(
+        "freeze_step",
+        absl::StrCat(a.freeze_step,
+                     " is outside [1, steps]: onebit_adam and onebit_lamb need "
+                     "at least one "
+                     "warmup step (with none there is no variance to freeze)"));
   }
 
   const v1::Timeouts& t = c.timeouts();
-  if (t.has_connect_seconds()) job.connect_timeout_seconds = t.connect_seconds();
+  if (t.has_connect_seconds())
+    job.connect_timeout_seconds = t.connect_seconds();
   if (t.has_step_seconds()) job.step_timeout_seconds = t.step_seconds();
   if (t.has_rpc_seconds()) job.rpc_timeout_seconds = t.rpc_seconds();
-  if (t.has_recovery_seconds()) job.recovery_timeout_seconds = t.recovery_seconds();
-  for (const auto& [name, seconds] : {std::pair<const char*, double>{"timeouts.connect_seconds",
-                                                                     job.connect_timeout_seconds},
-                                      {"timeouts.step_seconds", job.step_timeout_seconds},
-                                      {"timeouts.rpc_seconds", job.rpc_timeout_seconds},
-                                      {"timeouts.recovery_seconds", job.recovery_timeout_seconds}}) {
-    if (!std::isfinite(seconds) || !(seconds > 0) || seconds > kMaxTimeoutSeconds) {
-      return Invalid(name, absl::StrCat(seconds, " is not a finite number of seconds in (0, ",
-                                        kMaxTimeoutSeconds, "] (a week)"));
+  if (t.has_recovery_seconds())
+    job.recovery_timeout_seconds = t.recovery_seconds();
+  for (const auto& [name, seconds] :
+       {std::pair<const char*, double>{"timeouts.connect_seconds",
+                                       job.connect_timeout_seconds},
+        {"timeouts.step_seconds", job.step_timeout_seconds},
+        {"timeouts.rpc_seconds", job.rpc_timeout_seconds},
+        {"timeouts.recovery_seconds", job.recovery_timeout_seconds}}) {
+    if (!std::isfinite(seconds) || !(seconds > 0) ||
+        seconds > kMaxTimeoutSeconds) {
+      return Invalid(
+          name,
+          absl::StrCat(seconds, " is not a finite number of seconds in (0, ",
+                       kMaxTimeoutSeconds, "] (a week)"));
     }
   }
-  if (c.has_channels_per_shard()) job.channels_per_shard = c.channels_per_shard();
+  if (c.has_channels_per_shard())
+    job.channels_per_shard = c.channels_per_shard();
   if (c.has_window()) job.window = c.window();
   if (c.has_log_every()) job.log_every = c.log_every();
   if (job.channels_per_shard == 0 || job.channels_per_shard > 64) {
@@ -303,9 +374,11 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (job.log_every == 0) return Invalid("log_every", "must be at least 1");
   job.checkpoint_every_steps = c.checkpoint().every_steps();
   job.checkpoint_dir = c.checkpoint().dir();
-  job.replay_steps = c.checkpoint().has_replay_steps()
-                         ? c.checkpoint().replay_steps()
-                         : (job.checkpoint_every_steps > 0 ? job.checkpoint_every_steps + 1 : 0);
+  job.replay_steps =
+      c.checkpoint().has_replay_steps()
+          ? c.checkpoint().replay_steps()
+          : (job.checkpoint_every_steps > 0 ? job.checkpoint_every_steps + 1
+                                            : 0);
   c.SerializeToString(&job.config_proto);
   return job;
 }
@@ -315,13 +388,15 @@ absl::Status ParseText(absl::string_view text, v1::JobConfig* config) {
   struct Collector : google::protobuf::io::ErrorCollector {
     std::string errors;
     void AddError(int line, int column, const std::string& message) override {
-      absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ", message, "; ");
+      absl::StrAppend(&errors, "line ", line + 1, ":", column + 1, ": ",
+                      message, "; ");
     }
   } collector;
   google::protobuf::TextFormat::Parser parser;
   parser.RecordErrorsTo(&collector);
   if (!parser.ParseFromString(std::string(text), config)) {
-    return absl::InvalidArgumentError(absl::StrCat("text config: ", collector.errors));
+    return absl::InvalidArgumentError(
+        absl::StrCat("text config: ", collector.errors));
   }
   return absl::OkStatus();
 }
@@ -334,7 +409,8 @@ std::vector<uint64_t> MlpLayerSizes(const MlpSpec& mlp) {
   std::vector<uint32_t> widths = mlp.hidden;
   widths.push_back(mlp.classes);
   for (uint32_t out : widths) {
-    sizes.push_back(in * out);  // the weights, then the biases (worker/mlp_workload.cc)
+    sizes.push_back(
+        in * out);  // the weights, then the biases (worker/mlp_workload.cc)
     sizes.push_back(out);
     in = out;
   }
@@ -352,13 +428,15 @@ uint64_t MlpParameterCount(const MlpSpec& mlp) {
   return count;
 }
 
-absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat format) {
+absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text,
+                                       ConfigFormat format) {
   v1::JobConfig config;
   if (format == ConfigFormat::kJson) {
     auto status = google::protobuf::util::JsonStringToMessage(
         google::protobuf::StringPiece(text.data(), text.size()), &config);
     if (!status.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("JSON config: ", status.message().as_string()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("JSON config: ", status.message().as_string()));
     }
   } else if (absl::Status s = ParseText(text, &config); !s.ok()) {
     return s;
@@ -366,8 +444,8 @@ absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat form
   return FromProto(config);
 }
 
-absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(absl::string_view base,
-                                                    absl::string_view overrides) {
+absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(
+    absl::string_view base, absl::string_view overrides) {
   v1::JobConfig config;
   for (absl::string_view text : {base, overrides}) {
     v1::JobConfig part;
@@ -379,24 +457,31 @@ absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(absl::string_view base,
 
 absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized) {
   v1::JobConfig config;
-  if (!config.ParseFromArray(serialized.data(), static_cast<int>(serialized.size()))) {
-    return absl::InvalidArgumentError("the job config in the request is not a valid JobConfig");
+  if (!config.ParseFromArray(serialized.data(),
+                             static_cast<int>(serialized.size()))) {
+    return absl::InvalidArgumentError(
+        "the job config in the request is not a valid JobConfig");
   }
   return FromProto(config);
 }
 
 absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path) {
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  if (!in)
+    return absl::NotFoundError(
+        absl::StrCat("cannot read config file '", path, "'"));
   std::stringstream text;
   text << in.rdbuf();
   const std::string body = text.str();
   const size_t first = body.find_first_not_of(" \t\r\n");
-  const bool json = (path.size() >= 5 && path.substr(path.size() - 5) == ".json") ||
-                    (first != std::string::npos && body[first] == '{');
-  auto job = ParseJobConfig(body, json ? ConfigFormat::kJson : ConfigFormat::kText);
+  const bool json =
+      (path.size() >= 5 && path.substr(path.size() - 5) == ".json") ||
+      (first != std::string::npos && body[first] == '{');
+  auto job =
+      ParseJobConfig(body, json ? ConfigFormat::kJson : ConfigFormat::kText);
   if (!job.ok()) {
-    return absl::Status(job.status().code(), absl::StrCat(path, ": ", job.status().message()));
+    return absl::Status(job.status().code(),
+                        absl::StrCat(path, ": ", job.status().message()));
   }
   return job;
 }
@@ -408,12 +493,16 @@ uint64_t HostMemoryBytes() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
-absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what, uint64_t limit) {
+absl::Status CheckFitsInMemory(uint64_t bytes, absl::string_view what,
+                               uint64_t limit) {
   if (limit == 0 || bytes <= limit) return absl::OkStatus();
-  const auto gib = [](uint64_t b) { return static_cast<double>(b) / double(uint64_t{1} << 30); };
+  const auto gib = [](uint64_t b) {
+    return static_cast<double>(b) / double(uint64_t{1} << 30);
+  };
   return absl::ResourceExhaustedError(absl::StrCat(
-      what, " needs ", absl::SixDigits(gib(bytes)), " GiB of state but this host has ",
-      absl::SixDigits(gib(limit)), " GiB of memory; use more shards or a smaller model"));
+      what, " needs ", absl::SixDigits(gib(bytes)),
+      " GiB of state but this host has ", absl::SixDigits(gib(limit)),
+      " GiB of memory; use more shards or a smaller model"));
 }
 
 namespace {
@@ -427,7 +516,9 @@ uint64_t ErrorBytesPerElement(const compress::FeedbackSpec& f) {
   return f.storage == compress::ErrorStorage::kFp32 ? 4 : 1;
 }
 
-uint64_t Plus(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+uint64_t Plus(uint64_t a, uint64_t b) {
+  return a > UINT64_MAX - b ? UINT64_MAX : a + b;
+}
 
 // The bytes of the payloads (up: a worker's pushes; else the replies) of
 // `elems` elements kept for replay_steps steps: the job's first
@@ -438,16 +529,20 @@ uint64_t Plus(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX :
 uint64_t KeptPayloadBytes(const JobSpec& job, uint64_t elems, bool up) {
   constexpr uint64_t kSample = uint64_t{1} << 20;
   constexpr uint64_t kWalk = uint64_t{1} << 16;
-  const uint64_t window = std::min<uint64_t>(job.replay_steps, static_cast<uint64_t>(std::max<int64_t>(job.steps, 0)));
+  const uint64_t window = std::min<uint64_t>(
+      job.replay_steps, static_cast<uint64_t>(std::max<int64_t>(job.steps, 0)));
   uint64_t per_sample = 0, widest = 0;
   for (uint64_t step = 0; step < std::min(window, kWalk); ++step) {
-    const compress::StepPlan plan = compress::PlanStep(job.algorithm, static_cast<int64_t>(step));
+    const compress::StepPlan plan =
+        compress::PlanStep(job.algorithm, static_cast<int64_t>(step));
     if (!plan.exchanges) continue;
-    const uint64_t bytes = compress::PayloadBytes(up ? plan.up : plan.down, kSample);
+    const uint64_t bytes =
+        compress::PayloadBytes(up ? plan.up : plan.down, kSample);
     per_sample += bytes;
     widest = std::max(widest, bytes);
   }
-  if (window > kWalk) per_sample = Plus(per_sample, Times(window - kWalk, widest));
+  if (window > kWalk)
+    per_sample = Plus(per_sample, Times(window - kWalk, widest));
   return Times(elems / kSample + (elems % kSample != 0 ? 1 : 0), per_sample);
 }
 
@@ -455,16 +550,21 @@ uint64_t KeptPayloadBytes(const JobSpec& job, uint64_t elems, bool up) {
 
 uint64_t WorkerStateBytes(const JobSpec& job) {
   // x, m, v and the gradient (and onebit_lamb's v').
-  const uint64_t lamb = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
-  const uint64_t per = 4 * 4 + lamb + ErrorBytesPerElement(job.algorithm.worker_feedback);
+  const uint64_t lamb =
+      job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
+  const uint64_t per =
+      4 * 4 + lamb + ErrorBytesPerElement(job.algorithm.worker_feedback);
   return Plus(Times(job.algorithm.layout.dim, per),
               KeptPayloadBytes(job, job.algorithm.layout.dim, /*up=*/true));
 }
 
 uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems) {
-  const uint64_t lamb = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
-  const uint64_t per = 3 * 4 + lamb + ErrorBytesPerElement(job.algorithm.server_feedback);
-  return Plus(Times(shard_elems, per), KeptPayloadBytes(job, shard_elems, /*up=*/false));
+  const uint64_t lamb =
+      job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
+  const uint64_t per =
+      3 * 4 + lamb + ErrorBytesPerElement(job.algorithm.server_feedback);
+  return Plus(Times(shard_elems, per),
+              KeptPayloadBytes(job, shard_elems, /*up=*/false));
 }
 
 }  // namespace morse::proto

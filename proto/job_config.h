@@ -22,7 +22,8 @@ enum class WorkloadKind : uint8_t { kSynthetic, kMlp, kExternal };
 struct SyntheticSpec {
   uint64_t dim = 0;
   float noise = 0.1f;
-  uint32_t dead_every = 0;  // elements j % dead_every == 0 get a zero gradient (0: none)
+  uint32_t dead_every =
+      0;  // elements j % dead_every == 0 get a zero gradient (0: none)
 };
 
 struct MlpSpec {
@@ -79,13 +80,14 @@ struct JobSpec {
 enum class ConfigFormat : uint8_t { kText, kJson };
 
 // Parses and validates. Relative data paths are kept as given.
-absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text, ConfigFormat format);
+absl::StatusOr<JobSpec> ParseJobConfig(absl::string_view text,
+                                       ConfigFormat format);
 
 // A base config (text format) with `overrides` (text format) merged over it:
 // fields set in the overrides replace the base's (the PyTorch binding sets
 // the optimizer's arguments and the model over the launcher's base).
-absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(absl::string_view base,
-                                                    absl::string_view overrides);
+absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(
+    absl::string_view base, absl::string_view overrides);
 
 // The same from serialized JobConfig bytes (what Join carries).
 absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized);

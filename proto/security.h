@@ -18,20 +18,24 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "compress/sync.h"
 #include "absl/time/time.h"
+#include "compress/sync.h"
 #include "grpcpp/grpcpp.h"
 
 namespace morse::proto {
 
 struct SecurityOptions {
-  std::string tls_cert;         // PEM chain: the server's identity, or a worker's client certificate
-  std::string tls_key;          // PEM private key of tls_cert
-  std::string tls_ca;           // server: clients' CA (requires client certificates); worker: servers' CA
-  std::string tls_server_name;  // worker: the name to verify instead of the address's host
+  std::string tls_cert;  // PEM chain: the server's identity, or a worker's
+                         // client certificate
+  std::string tls_key;   // PEM private key of tls_cert
+  std::string tls_ca;    // server: clients' CA (requires client certificates);
+                         // worker: servers' CA
+  std::string tls_server_name;  // worker: the name to verify instead of the
+                                // address's host
   std::string token_file;       // bearer tokens, one per line
   bool insecure = false;        // plaintext, explicitly
-  int refresh_seconds = 30;     // how often certificate and token files are checked for changes
+  int refresh_seconds =
+      30;  // how often certificate and token files are checked for changes
 
   bool tls() const { return !tls_cert.empty() || !tls_ca.empty(); }
 };
@@ -50,24 +54,29 @@ absl::Status ValidateClientSecurity(const SecurityOptions& options);
 
 // Credentials that re-read their files every refresh_seconds. Call after the
 // matching Validate*.
-std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityOptions& options);
-std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(const SecurityOptions& options);
+std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(
+    const SecurityOptions& options);
+std::shared_ptr<grpc::ChannelCredentials> MakeChannelCredentials(
+    const SecurityOptions& options);
 // Adds the server-name override, if any, to a channel's arguments.
-void AddChannelSecurityArgs(const SecurityOptions& options, grpc::ChannelArguments* args);
+void AddChannelSecurityArgs(const SecurityOptions& options,
+                            grpc::ChannelArguments* args);
 
 // A token file: one token per line (blank lines and surrounding whitespace
 // ignored). On a server, a line `rank=R TOKEN` is worker R's own token:
 // a call that carries it may act only as rank R (per-rank identity,
-// deploy/make-certs.sh --workers N); a bare TOKEN may act as any rank. Re-read when its modification time or size changes, checked at
-// most once per `refresh`. A server accepts any listed token (so a rotation
-// can add the new token, move clients, then drop the old one); a client
-// sends the first. Thread-safe.
+// deploy/make-certs.sh --workers N); a bare TOKEN may act as any rank. Re-read
+// when its modification time or size changes, checked at most once per
+// `refresh`. A server accepts any listed token (so a rotation can add the new
+// token, move clients, then drop the old one); a client sends the first.
+// Thread-safe.
 class TokenFile {
  public:
-  static absl::StatusOr<std::unique_ptr<TokenFile>> Open(const std::string& path,
-                                                         absl::Duration refresh);
+  static absl::StatusOr<std::unique_ptr<TokenFile>> Open(
+      const std::string& path, absl::Duration refresh);
   // The options' token file, or null when they name none.
-  static absl::StatusOr<std::unique_ptr<TokenFile>> FromOptions(const SecurityOptions& options);
+  static absl::StatusOr<std::unique_ptr<TokenFile>> FromOptions(
+      const SecurityOptions& options);
 
   // Whether `presented` equals an accepted token; the comparison takes the
   // same time wherever the strings differ.
@@ -81,7 +90,8 @@ class TokenFile {
   std::string Current();
 
  private:
-  TokenFile(std::string path, absl::Duration refresh) : path_(std::move(path)), refresh_(refresh) {}
+  TokenFile(std::string path, absl::Duration refresh)
+      : path_(std::move(path)), refresh_(refresh) {}
   absl::Status Load() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MaybeReload() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -89,7 +99,8 @@ class TokenFile {
   const absl::Duration refresh_;
   Mutex mu_;
   std::vector<std::string> tokens_ ABSL_GUARDED_BY(mu_);
-  std::vector<int64_t> ranks_ ABSL_GUARDED_BY(mu_);  // kAnyRank or the token's rank
+  std::vector<int64_t> ranks_
+      ABSL_GUARDED_BY(mu_);  // kAnyRank or the token's rank
   absl::Time next_check_ ABSL_GUARDED_BY(mu_);
   int64_t mtime_ns_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t size_ ABSL_GUARDED_BY(mu_) = 0;
@@ -106,8 +117,8 @@ inline constexpr char kBearerPrefix[] = "Bearer ";
 // the call carries exactly one "authorization: Bearer <accepted token>";
 // UNAUTHENTICATED saying what is wrong otherwise. `rank`, when given, gets
 // the identity the token proves (TokenFile::kAnyRank without tokens).
-grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, TokenFile* tokens,
-                              int64_t* rank = nullptr);
+grpc::Status CheckBearerToken(const grpc::ServerContextBase& context,
+                              TokenFile* tokens, int64_t* rank = nullptr);
 
 // PERMISSION_DENIED unless a caller of identity `caller` (CheckBearerToken's
 // rank) may act as `rank`.

@@ -11,44 +11,63 @@ namespace morse::proto {
 
 v1::Codec ToWire(compress::CodecKind kind) {
   switch (kind) {
-    case compress::CodecKind::kFp32: return v1::CODEC_FP32;
-    case compress::CodecKind::kFp16: return v1::CODEC_FP16;
-    case compress::CodecKind::kBf16: return v1::CODEC_BF16;
-    case compress::CodecKind::kInt8: return v1::CODEC_INT8;
-    case compress::CodecKind::kInt4: return v1::CODEC_INT4;
-    case compress::CodecKind::kSign1: return v1::CODEC_SIGN1;
-    case compress::CodecKind::kTopK: return v1::CODEC_TOPK;
+    case compress::CodecKind::kFp32:
+      return v1::CODEC_FP32;
+    case compress::CodecKind::kFp16:
+      return v1::CODEC_FP16;
+    case compress::CodecKind::kBf16:
+      return v1::CODEC_BF16;
+    case compress::CodecKind::kInt8:
+      return v1::CODEC_INT8;
+    case compress::CodecKind::kInt4:
+      return v1::CODEC_INT4;
+    case compress::CodecKind::kSign1:
+      return v1::CODEC_SIGN1;
+    case compress::CodecKind::kTopK:
+      return v1::CODEC_TOPK;
   }
   return v1::CODEC_UNSPECIFIED;
 }
 
 absl::StatusOr<compress::CodecKind> FromWire(v1::Codec codec) {
   switch (codec) {
-    case v1::CODEC_FP32: return compress::CodecKind::kFp32;
-    case v1::CODEC_FP16: return compress::CodecKind::kFp16;
-    case v1::CODEC_BF16: return compress::CodecKind::kBf16;
-    case v1::CODEC_INT8: return compress::CodecKind::kInt8;
-    case v1::CODEC_INT4: return compress::CodecKind::kInt4;
-    case v1::CODEC_SIGN1: return compress::CodecKind::kSign1;
-    case v1::CODEC_TOPK: return compress::CodecKind::kTopK;
+    case v1::CODEC_FP32:
+      return compress::CodecKind::kFp32;
+    case v1::CODEC_FP16:
+      return compress::CodecKind::kFp16;
+    case v1::CODEC_BF16:
+      return compress::CodecKind::kBf16;
+    case v1::CODEC_INT8:
+      return compress::CodecKind::kInt8;
+    case v1::CODEC_INT4:
+      return compress::CodecKind::kInt4;
+    case v1::CODEC_SIGN1:
+      return compress::CodecKind::kSign1;
+    case v1::CODEC_TOPK:
+      return compress::CodecKind::kTopK;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("unknown codec ", static_cast<int>(codec)));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown codec ", static_cast<int>(codec)));
   }
 }
 
 int MaxMessageBytes(const JobSpec& job) {
   const uint64_t largest =
-      job.sized() ? std::min<uint64_t>(job.algorithm.layout.partition_elems, job.algorithm.layout.dim)
-                  : job.algorithm.layout.partition_elems;  // the size comes later
+      job.sized()
+          ? std::min<uint64_t>(job.algorithm.layout.partition_elems,
+                               job.algorithm.layout.dim)
+          : job.algorithm.layout.partition_elems;  // the size comes later
   // The largest messages are RestorePartition's x, m, v and server error,
   // and onebit_lamb's FetchPartition (x, m, v, v'): 16 bytes a value, plus
   // onebit_lamb's layer state (2 floats a layer) or commit (3 doubles a
   // layer, with every push); pushes are at most 8 bytes a value (topk at
   // ratio 1).
-  const uint64_t layers = job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
-                              ? 24 * std::max<uint64_t>(1, job.algorithm.layers.size())
-                              : 0;
-  return static_cast<int>(std::min<uint64_t>(16 * largest + layers + (1 << 20), INT32_MAX));
+  const uint64_t layers =
+      job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
+          ? 24 * std::max<uint64_t>(1, job.algorithm.layers.size())
+          : 0;
+  return static_cast<int>(
+      std::min<uint64_t>(16 * largest + layers + (1 << 20), INT32_MAX));
 }
 
 grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {
@@ -66,45 +85,57 @@ grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {
 }
 
 absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
 }
 
 grpc::Status ToGrpc(const absl::Status& status) {
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
 }
 
 namespace {
-constexpr const char* kTrailers[] = {kNextStepKey, kNeedsJoinKey, kStepExpiredKey};
+constexpr const char* kTrailers[] = {kNextStepKey, kNeedsJoinKey,
+                                     kStepExpiredKey};
 }  // namespace
 
-absl::Status FromGrpc(const grpc::Status& status,
-                      const std::multimap<grpc::string_ref, grpc::string_ref>& trailing) {
+absl::Status FromGrpc(
+    const grpc::Status& status,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& trailing) {
   absl::Status out = FromGrpc(status);
   if (out.ok()) return out;
   for (const char* key : kTrailers) {
     const auto it = trailing.find(key);
-    if (it != trailing.end()) SetTrailer(out, key, absl::string_view(it->second.data(), it->second.size()));
+    if (it != trailing.end())
+      SetTrailer(out, key,
+                 absl::string_view(it->second.data(), it->second.size()));
   }
   return out;
 }
 
 void AddTrailers(const absl::Status& status, grpc::ServerContextBase* context) {
   for (const char* key : kTrailers) {
-    if (auto value = status.GetPayload(key)) context->AddTrailingMetadata(key, std::string(*value));
+    if (auto value = status.GetPayload(key))
+      context->AddTrailingMetadata(key, std::string(*value));
   }
 }
 
-void SetTrailer(absl::Status& status, const char* key, absl::string_view value) {
+void SetTrailer(absl::Status& status, const char* key,
+                absl::string_view value) {
   status.SetPayload(key, absl::Cord(value));
 }
 
 std::optional<int64_t> NextStep(const absl::Status& status) {
   const auto value = status.GetPayload(kNextStepKey);
   int64_t step = -1;
-  if (!value.has_value() || !absl::SimpleAtoi(std::string(*value), &step) || step < 0) return std::nullopt;
+  if (!value.has_value() || !absl::SimpleAtoi(std::string(*value), &step) ||
+      step < 0)
+    return std::nullopt;
   return step;
 }
 
-void TuneGrpcForReconnects() { setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "300", 0); }
+void TuneGrpcForReconnects() {
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "300", 0);
+}
 
 }  // namespace morse::proto

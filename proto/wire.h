@@ -44,8 +44,9 @@ grpc::Status ToGrpc(const absl::Status& status);
 // job_config.h — as payloads of those names (values as on the wire).
 // FromGrpc with the call's trailing metadata; AddTrailers puts a status's
 // payloads into a server call's trailing metadata.
-absl::Status FromGrpc(const grpc::Status& status,
-                      const std::multimap<grpc::string_ref, grpc::string_ref>& trailing);
+absl::Status FromGrpc(
+    const grpc::Status& status,
+    const std::multimap<grpc::string_ref, grpc::string_ref>& trailing);
 void AddTrailers(const absl::Status& status, grpc::ServerContextBase* context);
 // Sets one of those payloads.
 void SetTrailer(absl::Status& status, const char* key, absl::string_view value);

@@ -5,7 +5,9 @@
 namespace morse::server {
 
 CheckpointThread::CheckpointThread(std::string path, Done done)
-    : path_(std::move(path)), done_(std::move(done)), thread_([this] { Run(); }) {}
+    : path_(std::move(path)),
+      done_(std::move(done)),
+      thread_([this] { Run(); }) {}
 
 CheckpointThread::~CheckpointThread() {
   {
@@ -15,7 +17,8 @@ CheckpointThread::~CheckpointThread() {
   thread_.join();
 }
 
-void CheckpointThread::Submit(proto::CheckpointWriter snapshot, std::string why) {
+void CheckpointThread::Submit(proto::CheckpointWriter snapshot,
+                              std::string why) {
   MutexLock lock(&mu_);
   pending_.emplace(std::move(snapshot), std::move(why));
 }

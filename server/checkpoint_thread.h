@@ -21,7 +21,8 @@ class CheckpointThread {
  public:
   // `done` is called on the writing thread after each write, with its
   // result, the step written and the reason given to Submit.
-  using Done = std::function<void(const absl::Status& status, int64_t step, const std::string& why)>;
+  using Done = std::function<void(const absl::Status& status, int64_t step,
+                                  const std::string& why)>;
   CheckpointThread(std::string path, Done done);
   // Writes what is pending, then stops.
   ~CheckpointThread();
@@ -38,7 +39,8 @@ class CheckpointThread {
   const std::string path_;
   const Done done_;
   Mutex mu_;
-  std::optional<std::pair<proto::CheckpointWriter, std::string>> pending_ ABSL_GUARDED_BY(mu_);
+  std::optional<std::pair<proto::CheckpointWriter, std::string>> pending_
+      ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

@@ -37,26 +37,31 @@ absl::StatusOr<ShardCore*> ShardHandler::Core() const {
   ShardCore* core = host_->core();
   if (core != nullptr) return core;
   // An external job's shard that restarted: the workers Join again.
-  absl::Status status = absl::UnavailableError("the model's size is not known yet: no worker has joined");
+  absl::Status status = absl::UnavailableError(
+      "the model's size is not known yet: no worker has joined");
   proto::SetTrailer(status, proto::kNeedsJoinKey, "1");
   return status;
 }
 
-absl::Status ShardHandler::Join(const v1::JoinRequest& request, v1::JoinReply* reply) {
+absl::Status ShardHandler::Join(const v1::JoinRequest& request,
+                                v1::JoinReply* reply) {
   auto job = proto::ParseJobConfigProto(request.job().SerializeAsString());
-  absl::Status status = job.ok() ? host_->Join(request.rank(), *job) : job.status();
+  absl::Status status =
+      job.ok() ? host_->Join(request.rank(), *job) : job.status();
   reply->set_workers_joined(host_->workers_joined());
   reply->set_workers(host_->base().workers());
-  if (ShardCore* core = host_->core()) reply->set_layout_fingerprint(core->layout().fingerprint());
+  if (ShardCore* core = host_->core())
+    reply->set_layout_fingerprint(core->layout().fingerprint());
   return status;
 }
 
-absl::Status ShardHandler::InitPartition(const v1::InitPartitionRequest& request,
-                                         v1::InitPartitionReply* reply) {
+absl::Status ShardHandler::InitPartition(
+    const v1::InitPartitionRequest& request, v1::InitPartitionReply* reply) {
   absl::StatusOr<ShardCore*> core = Core();
   if (!core.ok()) return core.status();
-  absl::Status status = (*core)->InitPartition(request.rank(), request.partition(),
-                                               request.layout_fingerprint(), request.values());
+  absl::Status status =
+      (*core)->InitPartition(request.rank(), request.partition(),
+                             request.layout_fingerprint(), request.values());
   const ShardStatus s = (*core)->Status();
   reply->set_partitions_initialized(s.partitions_initialized);
   reply->set_partitions_total(s.partitions);
@@ -69,7 +74,8 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   auto codec = proto::FromWire(request.codec());
   if (!codec.ok()) return done(codec.status());
   if (request.has_lr() != request.has_weight_decay()) {
-    return done(absl::InvalidArgumentError("a push sets lr and weight_decay together or neither"));
+    return done(absl::InvalidArgumentError(
+        "a push sets lr and weight_decay together or neither"));
   }
   PushArgs args;
   args.step = request.step();
@@ -81,7 +87,8 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   // of copying them (1 MiB per partition in fp32 phases).
   args.payload.swap(*request.mutable_payload());
   args.buffers = request.buffers();
-  if (request.has_lr()) args.hyper = compress::StepHyper{request.lr(), request.weight_decay()};
+  if (request.has_lr())
+    args.hyper = compress::StepHyper{request.lr(), request.weight_decay()};
   args.previous_lamb_commit.assign(request.previous_lamb_commit().begin(),
                                    request.previous_lamb_commit().end());
   if (request.has_previous_grad_sum_of_squares()) {
@@ -96,15 +103,17 @@ void ShardHandler::ToMessage(const Reply& reply, v1::PushReply* message) {
   message->set_codec(proto::ToWire(reply.codec));
   message->set_payload(reply.payload);
   if (!reply.buffers.empty()) message->set_buffers(reply.buffers);
-  if (reply.grad_sum_of_squares.has_value()) message->set_grad_sum_of_squares(*reply.grad_sum_of_squares);
+  if (reply.grad_sum_of_squares.has_value())
+    message->set_grad_sum_of_squares(*reply.grad_sum_of_squares);
 }
 
-absl::Status ShardHandler::FetchPartition(const v1::FetchPartitionRequest& request,
-                                          v1::PartitionState* reply) {
+absl::Status ShardHandler::FetchPartition(
+    const v1::FetchPartitionRequest& request, v1::PartitionState* reply) {
   absl::StatusOr<ShardCore*> core = Core();
   if (!core.ok()) return core.status();
-  auto snapshot = (*core)->FetchPartition(request.partition(), request.layout_fingerprint(),
-                                          request.server_error());
+  auto snapshot =
+      (*core)->FetchPartition(request.partition(), request.layout_fingerprint(),
+                              request.server_error());
   if (!snapshot.ok()) return snapshot.status();
   reply->set_partition(request.partition());
   reply->set_completed_steps(snapshot->completed_steps);
@@ -117,9 +126,11 @@ absl::Status ShardHandler::FetchPartition(const v1::FetchPartitionRequest& reque
     reply->set_m_zero(m_zero);
     reply->set_v_zero(v_zero);
     reply->set_v_fresh_zero(v_fresh_zero);
-    reply->mutable_lamb_layers()->Assign(snapshot->lamb_layers.begin(), snapshot->lamb_layers.end());
+    reply->mutable_lamb_layers()->Assign(snapshot->lamb_layers.begin(),
+                                         snapshot->lamb_layers.end());
   }
-  if (request.server_error()) reply->set_server_error(Bytes(snapshot->server_error));
+  if (request.server_error())
+    reply->set_server_error(Bytes(snapshot->server_error));
   return absl::OkStatus();
 }
 
@@ -129,11 +140,12 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
   PartitionSnapshot state;
   state.completed_steps = request.completed_steps();
   absl::Status status;
-  const auto floats = [&status](const std::string& bytes, const char* what, std::vector<float>* out) {
+  const auto floats = [&status](const std::string& bytes, const char* what,
+                                std::vector<float>* out) {
     if (bytes.size() % 4 != 0) {
       if (status.ok()) {
-        status = absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes.size(),
-                                                         " bytes is not a whole number of fp32"));
+        status = absl::InvalidArgumentError(absl::StrCat(
+            what, ": ", bytes.size(), " bytes is not a whole number of fp32"));
       }
       return;
     }
@@ -145,8 +157,8 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
                          std::vector<float>* out) {
     if (!zero) return floats(bytes, what, out);
     if (!bytes.empty() && status.ok()) {
-      status = absl::InvalidArgumentError(absl::StrCat(what, "_zero is set but ", what, " holds ",
-                                                       bytes.size(), " bytes"));
+      status = absl::InvalidArgumentError(absl::StrCat(
+          what, "_zero is set but ", what, " holds ", bytes.size(), " bytes"));
     }
     out->assign(state.x.size(), 0.0f);
   };
@@ -155,16 +167,18 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
   array(request.v(), request.v_zero(), "v", &state.v);
   floats(request.server_error(), "server_error", &state.server_error);
   array(request.v_fresh(), request.v_fresh_zero(), "v_fresh", &state.v_fresh);
-  state.lamb_layers.assign(request.lamb_layers().begin(), request.lamb_layers().end());
+  state.lamb_layers.assign(request.lamb_layers().begin(),
+                           request.lamb_layers().end());
   if (!status.ok()) return status;
-  return (*core)->RestorePartition(request.rank(), request.partition(), request.layout_fingerprint(),
-                                   state);
+  return (*core)->RestorePartition(request.rank(), request.partition(),
+                                   request.layout_fingerprint(), state);
 }
 
 absl::Status ShardHandler::Abort(const v1::AbortRequest& request) {
   absl::StatusOr<ShardCore*> core = Core();
   if (!core.ok()) return core.status();
-  return (*core)->Abort(request.rank(), request.step(), request.layout_fingerprint(), request.reason());
+  return (*core)->Abort(request.rank(), request.step(),
+                        request.layout_fingerprint(), request.reason());
 }
 
 absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
@@ -173,13 +187,16 @@ absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
   if (request.lamb_commit_size() > 0) {
     return (*core)->CommitLamb(
         request.rank(), request.step(), request.layout_fingerprint(),
-        std::vector<double>(request.lamb_commit().begin(), request.lamb_commit().end()));
+        std::vector<double>(request.lamb_commit().begin(),
+                            request.lamb_commit().end()));
   }
-  return (*core)->Commit(request.rank(), request.step(), request.layout_fingerprint(),
+  return (*core)->Commit(request.rank(), request.step(),
+                         request.layout_fingerprint(),
                          request.grad_sum_of_squares());
 }
 
-absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request, v1::ShardInfo* reply) {
+absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request,
+                                        v1::ShardInfo* reply) {
   reply->set_shard(host_->shard());
   reply->set_shards(host_->base().shards());
   reply->set_workers(host_->base().workers());
@@ -192,7 +209,8 @@ absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request, v1:
   reply->set_initialized(s.partitions_initialized == s.partitions);
   reply->set_completed_steps(s.completed_steps);
   reply->set_replies_kept_from(s.replies_kept_from);
-  if (request.mirror_checksum()) reply->set_mirror_checksum(core->MirrorChecksum());
+  if (request.mirror_checksum())
+    reply->set_mirror_checksum(core->MirrorChecksum());
   reply->set_range_begin(s.range.begin);
   reply->set_range_end(s.range.end);
   return absl::OkStatus();

@@ -34,18 +34,22 @@ class ShardHandler {
   // Calls that need the model's size fail with UNAVAILABLE and the
   // kNeedsJoinKey payload while no worker has joined an external job.
   absl::Status Join(const v1::JoinRequest& request, v1::JoinReply* reply);
-  absl::Status InitPartition(const v1::InitPartitionRequest& request, v1::InitPartitionReply* reply);
-  absl::Status FetchPartition(const v1::FetchPartitionRequest& request, v1::PartitionState* reply);
+  absl::Status InitPartition(const v1::InitPartitionRequest& request,
+                             v1::InitPartitionReply* reply);
+  absl::Status FetchPartition(const v1::FetchPartitionRequest& request,
+                              v1::PartitionState* reply);
   absl::Status RestorePartition(const v1::PartitionState& request);
   absl::Status Abort(const v1::AbortRequest& request);
   absl::Status Commit(const v1::CommitRequest& request);
-  absl::Status GetShardInfo(const v1::ShardInfoRequest& request, v1::ShardInfo* reply);
+  absl::Status GetShardInfo(const v1::ShardInfoRequest& request,
+                            v1::ShardInfo* reply);
 
   // Hands the push to the core (its payload moved out of `request`); `done`
   // gets the reply every worker of the step shares, or the error, exactly
   // once. Malformed requests fail with INVALID_ARGUMENT before the core
   // sees them.
-  using PushDone = std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
+  using PushDone =
+      std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
   void Push(v1::PushRequest& request, PushDone done);
 
   // The reply as a PushReply message (a copy of its payload; the gRPC

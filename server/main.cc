@@ -56,18 +56,24 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "every checkpoint.every_steps steps and at shutdown when the shard "
           "is between steps.");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "Serve Prometheus /metrics, /healthz and /readyz over plain HTTP on host:port "
+          "Serve Prometheus /metrics, /healthz and /readyz over plain HTTP on "
+          "host:port "
           "(off when empty).");
 ABSL_FLAG(std::string, health_listen, "",
-          "Also serve the gRPC health service, and nothing else, in plaintext on host:port "
+          "Also serve the gRPC health service, and nothing else, in plaintext "
+          "on host:port "
           "(for kubelet gRPC probes, which cannot speak TLS); off when empty.");
 ABSL_FLAG(uint64_t, max_model_elems, 0,
-          "The largest model (elements) an external job's first Join may size this shard for; "
-          "larger ones are refused with RESOURCE_EXHAUSTED. 0: no limit but this host's memory, "
+          "The largest model (elements) an external job's first Join may size "
+          "this shard for; "
+          "larger ones are refused with RESOURCE_EXHAUSTED. 0: no limit but "
+          "this host's memory, "
           "which is always checked.");
 ABSL_FLAG(int, compute_threads, 0,
-          "Threads that average and recompress completed partitions, partitions in parallel, "
-          "off gRPC's threads (docs/design.md 7). 0: one per core this process may run on. "
+          "Threads that average and recompress completed partitions, "
+          "partitions in parallel, "
+          "off gRPC's threads (docs/design.md 7). 0: one per core this process "
+          "may run on. "
           "Replies are bit-identical whatever the count.");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
@@ -100,9 +106,10 @@ int main(int argc, char** argv) {
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
   if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
-  const absl::StatusOr<int> threads =
-      compress::ComputePool::ThreadsFromFlag(absl::GetFlag(FLAGS_compute_threads));
-  if (!threads.ok()) return Fail(kExitConfig, std::string(threads.status().message()));
+  const absl::StatusOr<int> threads = compress::ComputePool::ThreadsFromFlag(
+      absl::GetFlag(FLAGS_compute_threads));
+  if (!threads.ok())
+    return Fail(kExitConfig, std::string(threads.status().message()));
   const int compute_threads = *threads;
   if (shard >= static_cast<int>(job->shards())) {
     return Fail(kExitConfig,
@@ -129,9 +136,12 @@ int main(int argc, char** argv) {
   }
   const std::string security_summary =
       security.insecure
-          ? absl::StrCat("plaintext (--insecure)", security.token_file.empty() ? "" : ", bearer token")
-          : absl::StrCat("TLS", security.tls_ca.empty() ? "" : " with client certificates",
-                         security.token_file.empty() ? "" : ", bearer token");
+          ? absl::StrCat("plaintext (--insecure)",
+                         security.token_file.empty() ? "" : ", bearer token")
+          : absl::StrCat(
+                "TLS",
+                security.tls_ca.empty() ? "" : " with client certificates",
+                security.token_file.empty() ? "" : ", bearer token");
   if (absl::GetFlag(FLAGS_check_config)) {
     std::unique_ptr<server::ShardCore> core;
     if (job->sized()) {
@@ -162,25 +172,28 @@ int main(int argc, char** argv) {
   }
   // Checkpoints, the state log, progress and stall lines, step metrics and
   // expiry: server/shard_runtime.h.
-  server::ShardRuntime runtime({static_cast<uint32_t>(shard), checkpoint, state_log.get(), nullptr});
+  server::ShardRuntime runtime(
+      {static_cast<uint32_t>(shard), checkpoint, state_log.get(), nullptr});
   // Runs once the model's size is known: at start for built-in workloads,
   // at the first worker's Join for external (PyTorch) models.
-  const auto on_configured = [&](const proto::JobSpec& j, server::ShardCore& core) -> absl::Status {
+  const auto on_configured = [&](const proto::JobSpec& j,
+                                 server::ShardCore& core) -> absl::Status {
     if (absl::Status s = runtime.OnConfigured(j, core); !s.ok()) return s;
     std::printf("morse-server: %s\n", describe(j, &core).c_str());
     std::fflush(stdout);
     return absl::OkStatus();
   };
-  auto host = server::ShardHost::Create(*job, static_cast<uint32_t>(shard),
-                                        on_configured, absl::GetFlag(FLAGS_max_model_elems),
-                                        compute_threads);
+  auto host = server::ShardHost::Create(
+      *job, static_cast<uint32_t>(shard), on_configured,
+      absl::GetFlag(FLAGS_max_model_elems), compute_threads);
   if (!host.ok())
     return Fail(kExitConfig, std::string(host.status().message()));
 
   std::unique_ptr<server::ServerMetrics> metrics;
   std::unique_ptr<proto::HttpEndpoint> http;
   if (!absl::GetFlag(FLAGS_metrics_listen).empty()) {
-    metrics = std::make_unique<server::ServerMetrics>(std::make_shared<prometheus::Registry>(), shard);
+    metrics = std::make_unique<server::ServerMetrics>(
+        std::make_shared<prometheus::Registry>(), shard);
     auto endpoint = proto::HttpEndpoint::Start(
         absl::GetFlag(FLAGS_metrics_listen), metrics->registry(), [&host] {
           server::ShardCore* core = (*host)->core();
@@ -188,15 +201,19 @@ int main(int argc, char** argv) {
           const server::ShardStatus s = core->Status();
           return s.partitions_initialized == s.partitions;
         });
-    if (!endpoint.ok()) return Fail(kExitUnavailable, std::string(endpoint.status().message()));
+    if (!endpoint.ok())
+      return Fail(kExitUnavailable, std::string(endpoint.status().message()));
     http = *std::move(endpoint);
-    std::printf("morse-server shard %d: metrics on http://%s/metrics (port %d)\n", shard,
-                absl::GetFlag(FLAGS_metrics_listen).c_str(), http->port());
+    std::printf(
+        "morse-server shard %d: metrics on http://%s/metrics (port %d)\n",
+        shard, absl::GetFlag(FLAGS_metrics_listen).c_str(), http->port());
   }
   runtime.SetMetrics(metrics.get());
   auto tokens = proto::TokenFile::FromOptions(security);
-  if (!tokens.ok()) return Fail(kExitConfig, std::string(tokens.status().message()));
-  server::ParameterServerService service(host->get(), metrics.get(), tokens->get());
+  if (!tokens.ok())
+    return Fail(kExitConfig, std::string(tokens.status().message()));
+  server::ParameterServerService service(host->get(), metrics.get(),
+                                         tokens->get());
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -218,10 +235,12 @@ int main(int argc, char** argv) {
     grpc::ServerBuilder health_builder;
     int health_port = 0;
     health_builder.AddListeningPort(absl::GetFlag(FLAGS_health_listen),
-                                    grpc::InsecureServerCredentials(), &health_port);
+                                    grpc::InsecureServerCredentials(),
+                                    &health_port);
     health_server = health_builder.BuildAndStart();
     if (health_server == nullptr || health_port == 0) {
-      return Fail(kExitUnavailable, "cannot serve health on " + absl::GetFlag(FLAGS_health_listen));
+      return Fail(kExitUnavailable, "cannot serve health on " +
+                                        absl::GetFlag(FLAGS_health_listen));
     }
     health_server->GetHealthCheckService()->SetServingStatus(true);
     std::printf("morse-server shard %d: gRPC health on %s\n", shard,
@@ -240,7 +259,8 @@ int main(int argc, char** argv) {
   std::atomic<bool> stopping{false};
   std::thread expirer([&] {
     while (!stopping.load()) {
-      if (server::ShardCore* core = (*host)->core()) runtime.Tick(*core, absl::Now());
+      if (server::ShardCore* core = (*host)->core())
+        runtime.Tick(*core, absl::Now());
       absl::SleepFor(absl::Milliseconds(200));
     }
   });
@@ -252,7 +272,8 @@ int main(int argc, char** argv) {
                 signal);
     std::fflush(stdout);
     server->GetHealthCheckService()->SetServingStatus(false);
-    if (health_server) health_server->GetHealthCheckService()->SetServingStatus(false);
+    if (health_server)
+      health_server->GetHealthCheckService()->SetServingStatus(false);
     server->Shutdown(std::chrono::system_clock::now() +
                      std::chrono::seconds(5));
   });

@@ -4,7 +4,8 @@
 
 namespace morse::server {
 
-ServerMetrics::ServerMetrics(std::shared_ptr<prometheus::Registry> registry, uint32_t shard)
+ServerMetrics::ServerMetrics(std::shared_ptr<prometheus::Registry> registry,
+                             uint32_t shard)
     : registry_(std::move(registry)),
       shard_(std::to_string(shard)),
       pushes_(prometheus::BuildCounter()
@@ -24,13 +25,14 @@ ServerMetrics::ServerMetrics(std::shared_ptr<prometheus::Registry> registry, uin
                  .Help("Steps completed by every partition of the shard")
                  .Register(*registry_)
                  .Add({{"shard", shard_}})),
-      step_seconds_(prometheus::BuildHistogram()
-                        .Name("morse_server_step_seconds")
-                        .Help("Time between consecutive step completions")
-                        .Register(*registry_)
-                        .Add({{"shard", shard_}},
-                             prometheus::Histogram::BucketBoundaries{0.001, 0.003, 0.01, 0.03, 0.1,
-                                                                     0.3, 1, 3, 10, 30})),
+      step_seconds_(
+          prometheus::BuildHistogram()
+              .Name("morse_server_step_seconds")
+              .Help("Time between consecutive step completions")
+              .Register(*registry_)
+              .Add({{"shard", shard_}},
+                   prometheus::Histogram::BucketBoundaries{
+                       0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30})),
       workers_joined_(prometheus::BuildGauge()
                           .Name("morse_server_workers_joined")
                           .Help("Workers that have joined the shard")
@@ -41,19 +43,24 @@ ServerMetrics::ServerMetrics(std::shared_ptr<prometheus::Registry> registry, uin
                       .Help("L2 norm of the shard's error-feedback buffer")
                       .Register(*registry_)
                       .Add({{"shard", shard_}})),
-      unauthenticated_(prometheus::BuildCounter()
-                           .Name("morse_server_unauthenticated_calls_total")
-                           .Help("Calls refused with UNAUTHENTICATED (missing or wrong token)")
-                           .Register(*registry_)
-                           .Add({{"shard", shard_}})) {}
+      unauthenticated_(
+          prometheus::BuildCounter()
+              .Name("morse_server_unauthenticated_calls_total")
+              .Help(
+                  "Calls refused with UNAUTHENTICATED (missing or wrong token)")
+              .Register(*registry_)
+              .Add({{"shard", shard_}})) {}
 
-void ServerMetrics::Push(absl::StatusCode code, compress::CodecKind codec, size_t bytes_in,
-                         size_t bytes_out) {
-  pushes_.Add({{"shard", shard_}, {"code", absl::StatusCodeToString(code)}}).Increment();
+void ServerMetrics::Push(absl::StatusCode code, compress::CodecKind codec,
+                         size_t bytes_in, size_t bytes_out) {
+  pushes_.Add({{"shard", shard_}, {"code", absl::StatusCodeToString(code)}})
+      .Increment();
   const std::string name(compress::CodecName(codec));
-  received_.Add({{"shard", shard_}, {"codec", name}}).Increment(static_cast<double>(bytes_in));
+  received_.Add({{"shard", shard_}, {"codec", name}})
+      .Increment(static_cast<double>(bytes_in));
   if (bytes_out > 0) {
-    sent_.Add({{"shard", shard_}, {"codec", name}}).Increment(static_cast<double>(bytes_out));
+    sent_.Add({{"shard", shard_}, {"codec", name}})
+        .Increment(static_cast<double>(bytes_out));
   }
 }
 

@@ -7,8 +7,9 @@
 //   morse_server_steps_total                   steps completed by the shard
 //   morse_server_step_seconds                  time between step completions
 //   morse_server_workers_joined                workers that joined
-//   morse_server_error_buffer_norm             L2 norm of the shard's error buffer
-//   morse_server_unauthenticated_calls_total   calls refused for a missing or wrong token
+//   morse_server_error_buffer_norm             L2 norm of the shard's error
+//   buffer morse_server_unauthenticated_calls_total   calls refused for a
+//   missing or wrong token
 // Thread-safe (prometheus-cpp metrics are).
 #ifndef MORSE_SERVER_METRICS_H_
 #define MORSE_SERVER_METRICS_H_
@@ -27,14 +28,18 @@ namespace morse::server {
 
 class ServerMetrics {
  public:
-  explicit ServerMetrics(std::shared_ptr<prometheus::Registry> registry, uint32_t shard);
+  explicit ServerMetrics(std::shared_ptr<prometheus::Registry> registry,
+                         uint32_t shard);
 
-  void Push(absl::StatusCode code, compress::CodecKind codec, size_t bytes_in, size_t bytes_out);
+  void Push(absl::StatusCode code, compress::CodecKind codec, size_t bytes_in,
+            size_t bytes_out);
   void StepCompleted(double seconds);
   void SetWorkersJoined(uint32_t n) { workers_joined_.Set(n); }
   void SetErrorNorm(double norm) { error_norm_.Set(norm); }
   void Unauthenticated() { unauthenticated_.Increment(); }
-  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+  const std::shared_ptr<prometheus::Registry>& registry() const {
+    return registry_;
+  }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;

@@ -9,10 +9,10 @@
 #ifndef MORSE_SERVER_SERVICE_H_
 #define MORSE_SERVER_SERVICE_H_
 
+#include <grpcpp/support/byte_buffer.h>
+
 #include <memory>
 #include <optional>
-
-#include <grpcpp/support/byte_buffer.h>
 
 #include "proto/morse.grpc.pb.h"
 #include "proto/security.h"
@@ -28,32 +28,40 @@ namespace morse::server {
 grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply);
 
 class ParameterServerService final
-    : public v1::ParameterServer::WithRawCallbackMethod_Push<v1::ParameterServer::CallbackService> {
+    : public v1::ParameterServer::WithRawCallbackMethod_Push<
+          v1::ParameterServer::CallbackService> {
  public:
   // `metrics` may be null (no --metrics_listen); `tokens` null when calls
   // need no bearer token (no --token_file).
-  ParameterServerService(ShardHost* host, ServerMetrics* metrics, proto::TokenFile* tokens)
+  ParameterServerService(ShardHost* host, ServerMetrics* metrics,
+                         proto::TokenFile* tokens)
       : handler_(host), metrics_(metrics), tokens_(tokens) {}
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* context,
-                                 const v1::JoinRequest* request, v1::JoinReply* reply) override;
-  grpc::ServerUnaryReactor* InitPartition(grpc::CallbackServerContext* context,
-                                          const v1::InitPartitionRequest* request,
-                                          v1::InitPartitionReply* reply) override;
+                                 const v1::JoinRequest* request,
+                                 v1::JoinReply* reply) override;
+  grpc::ServerUnaryReactor* InitPartition(
+      grpc::CallbackServerContext* context,
+      const v1::InitPartitionRequest* request,
+      v1::InitPartitionReply* reply) override;
   // A PushRequest in, a PushReply out (SerializePushReply); INVALID_ARGUMENT
   // for bytes that are not a PushRequest.
-  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
+  grpc::ServerUnaryReactor* Push(grpc::CallbackServerContext* context,
+                                 const grpc::ByteBuffer* raw_request,
                                  grpc::ByteBuffer* raw_reply) override;
-  grpc::ServerUnaryReactor* FetchPartition(grpc::CallbackServerContext* context,
-                                           const v1::FetchPartitionRequest* request,
-                                           v1::PartitionState* reply) override;
-  grpc::ServerUnaryReactor* RestorePartition(grpc::CallbackServerContext* context,
-                                             const v1::PartitionState* request,
-                                             v1::RestorePartitionReply* reply) override;
+  grpc::ServerUnaryReactor* FetchPartition(
+      grpc::CallbackServerContext* context,
+      const v1::FetchPartitionRequest* request,
+      v1::PartitionState* reply) override;
+  grpc::ServerUnaryReactor* RestorePartition(
+      grpc::CallbackServerContext* context, const v1::PartitionState* request,
+      v1::RestorePartitionReply* reply) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
-                                  const v1::AbortRequest* request, v1::AbortReply* reply) override;
+                                  const v1::AbortRequest* request,
+                                  v1::AbortReply* reply) override;
   grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* context,
-                                   const v1::CommitRequest* request, v1::CommitReply* reply) override;
+                                   const v1::CommitRequest* request,
+                                   v1::CommitReply* reply) override;
   grpc::ServerUnaryReactor* GetShardInfo(grpc::CallbackServerContext* context,
                                          const v1::ShardInfoRequest* request,
                                          v1::ShardInfo* reply) override;
@@ -62,11 +70,14 @@ class ParameterServerService final
   // Finishes the call with `status` and its payloads as trailing metadata.
   // (A call's DefaultReactor() may be taken once only: gRPC builds it anew
   // on every call of it.)
-  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+  grpc::ServerUnaryReactor* Finish(grpc::CallbackServerContext* context,
+                                   grpc::ServerUnaryReactor* reactor,
                                    const absl::Status& status);
-  // Checks the bearer token (UNAUTHENTICATED without an accepted one); with `as_rank`, also that a per-rank token is
-  // that rank's (PERMISSION_DENIED otherwise). Finishes the call on failure.
-  bool Authorized(grpc::CallbackServerContext* context, grpc::ServerUnaryReactor* reactor,
+  // Checks the bearer token (UNAUTHENTICATED without an accepted one); with
+  // `as_rank`, also that a per-rank token is that rank's (PERMISSION_DENIED
+  // otherwise). Finishes the call on failure.
+  bool Authorized(grpc::CallbackServerContext* context,
+                  grpc::ServerUnaryReactor* reactor,
                   std::optional<uint32_t> as_rank = std::nullopt);
 
   ShardHandler handler_;

@@ -51,7 +51,8 @@ struct ShardCore::PartitionState {
   // applies the step scaled by its clip factor. onebit_lamb: every step's
   // mirror waits for the layers' coefficients (CommitLamb).
   bool awaiting_commit ABSL_GUARDED_BY(mu) = false;
-  std::optional<double> committed_norm ABSL_GUARDED_BY(mu);  // the sum of squares
+  std::optional<double> committed_norm
+      ABSL_GUARDED_BY(mu);  // the sum of squares
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
   // onebit_lamb: every layer's state after the partition's last applied
@@ -86,51 +87,57 @@ struct ShardCore::PartitionState {
 namespace {
 
 size_t HashBytes(absl::string_view bytes) {
-  return std::hash<std::string_view>{}(std::string_view(bytes.data(), bytes.size()));
+  return std::hash<std::string_view>{}(
+      std::string_view(bytes.data(), bytes.size()));
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(const proto::JobSpec& job,
-                                                              uint32_t shard,
-                                                              uint64_t memory_limit,
-                                                              int compute_threads) {
+absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(
+    const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit,
+    int compute_threads) {
   if (compute_threads < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("compute threads: ", compute_threads, "; at least 0 (0: none, complete inline)"));
+        absl::StrCat("compute threads: ", compute_threads,
+                     "; at least 0 (0: none, complete inline)"));
   }
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
   if (shard >= job.shards()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("shard ", shard, " does not exist; the job has ", job.shards(), " shards (0..",
-                     job.shards() - 1, ")"));
+        absl::StrCat("shard ", shard, " does not exist; the job has ",
+                     job.shards(), " shards (0..", job.shards() - 1, ")"));
   }
   const uint64_t elems = layout->shard_range(shard).size();
   if (absl::Status s = proto::CheckFitsInMemory(
           proto::ShardStateBytes(job, elems),
-          absl::StrCat("shard ", shard, " (", elems, " of the model's ", job.algorithm.layout.dim,
-                       " elements)"),
+          absl::StrCat("shard ", shard, " (", elems, " of the model's ",
+                       job.algorithm.layout.dim, " elements)"),
           memory_limit);
       !s.ok()) {
     return s;
   }
-  auto core = std::unique_ptr<ShardCore>(new ShardCore(job, shard, *std::move(layout)));
-  if (compute_threads > 0) core->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
+  auto core =
+      std::unique_ptr<ShardCore>(new ShardCore(job, shard, *std::move(layout)));
+  if (compute_threads > 0)
+    core->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
   return core;
 }
 
-ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout layout)
+ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
+                     compress::Layout layout)
     : job_(job),
       shard_(shard),
       layout_(std::move(layout)),
       range_(layout_.shard_range(shard)),
       mirror_(job.algorithm, range_),
-      server_error_(job.algorithm.server_feedback, range_.size(), job.algorithm.layout.block_elems) {
+      server_error_(job.algorithm.server_feedback, range_.size(),
+                    job.algorithm.layout.block_elems) {
   for (const compress::Partition& p : layout_.shard_partitions(shard)) {
     partitions_.push_back(std::make_unique<PartitionState>(p, job.workers()));
     if (job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
-      partitions_.back()->lamb_layers.resize(compress::LayerCount(job.algorithm));
+      partitions_.back()->lamb_layers.resize(
+          compress::LayerCount(job.algorithm));
     }
   }
 }
@@ -143,49 +150,54 @@ absl::Status ShardCore::CheckCommon(uint32_t rank, uint32_t partition,
                                     uint64_t fingerprint) const {
   if (fingerprint != layout_.fingerprint()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "layout fingerprint ", absl::Hex(fingerprint), " differs from this shard's ",
-        absl::Hex(layout_.fingerprint()), "; worker and server configs disagree on D, S, "
+        "layout fingerprint ", absl::Hex(fingerprint),
+        " differs from this shard's ", absl::Hex(layout_.fingerprint()),
+        "; worker and server configs disagree on D, S, "
         "block_elems or partition_elems"));
   }
   if (rank >= job_.workers()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown rank ", rank, "; the job has ", job_.workers(), " workers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown rank ", rank, "; the job has ", job_.workers(), " workers"));
   }
   const auto owned = layout_.shard_partitions(shard_);
   if (partition < owned.front().id || partition > owned.back().id) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "partition ", partition, " is not on shard ", shard_, " (it holds ", owned.front().id,
-        "..", owned.back().id, ")"));
+        "partition ", partition, " is not on shard ", shard_, " (it holds ",
+        owned.front().id, "..", owned.back().id, ")"));
   }
   return absl::OkStatus();
 }
 
-absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition, uint64_t fingerprint,
+absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition,
+                                      uint64_t fingerprint,
                                       absl::string_view values) {
-  if (absl::Status s = CheckCommon(rank, partition, fingerprint); !s.ok()) return s;
+  if (absl::Status s = CheckCommon(rank, partition, fingerprint); !s.ok())
+    return s;
   if (rank != 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("only rank 0 uploads initial parameters, not rank ", rank));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "only rank 0 uploads initial parameters, not rank ", rank));
   }
-  PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+  PartitionState& p =
+      *partitions_[partition - layout_.shard_partitions(shard_).front().id];
   const uint64_t n = p.partition.range.size();
   if (values.size() != 4 * n) {
-    return absl::InvalidArgumentError(absl::StrCat("initial values of partition ", partition,
-                                                   ": ", values.size(), " bytes for ", n,
-                                                   " fp32 elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("initial values of partition ", partition, ": ",
+                     values.size(), " bytes for ", n, " fp32 elements"));
   }
   for (uint64_t j = 0; j < n; ++j) {
     float f;
     std::memcpy(&f, values.data() + 4 * j, 4);
     if (!std::isfinite(f)) {
-      return absl::InvalidArgumentError(absl::StrCat("initial value ", j, " of partition ",
-                                                     partition, " is not finite"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "initial value ", j, " of partition ", partition, " is not finite"));
     }
   }
   MutexLock lock(&p.mu);
   auto x = mirror_.x().subspan(p.partition.range.begin - range_.begin, n);
   if (p.initialized) {
-    if (std::memcmp(x.data(), values.data(), 4 * n) == 0) return absl::OkStatus();
+    if (std::memcmp(x.data(), values.data(), 4 * n) == 0)
+      return absl::OkStatus();
     return absl::FailedPreconditionError(absl::StrCat(
         "partition ", partition, " already holds different initial values",
         p.next_step > 0 ? " and training has started" : ""));
@@ -205,138 +217,171 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
     done(std::move(status));
   };
-  if (absl::Status s = CheckCommon(args.rank, args.partition, args.layout_fingerprint); !s.ok()) {
+  if (absl::Status s =
+          CheckCommon(args.rank, args.partition, args.layout_fingerprint);
+      !s.ok()) {
     return reject(s);
   }
   if (args.step < 0) return reject(absl::InvalidArgumentError("negative step"));
   if (!args.buffers.empty() && (args.rank != 0 || args.partition != 0)) {
     return reject(absl::InvalidArgumentError(absl::StrCat(
-        "rank ", args.rank, " sent module buffers with partition ", args.partition,
-        "; only rank 0 sends them, with partition 0")));
+        "rank ", args.rank, " sent module buffers with partition ",
+        args.partition, "; only rank 0 sends them, with partition 0")));
   }
   if (args.buffers.size() > proto::kMaxBufferBytes) {
-    return reject(absl::InvalidArgumentError(absl::StrCat(
-        "module buffers of ", args.buffers.size(), " bytes; at most ", proto::kMaxBufferBytes)));
+    return reject(absl::InvalidArgumentError(
+        absl::StrCat("module buffers of ", args.buffers.size(),
+                     " bytes; at most ", proto::kMaxBufferBytes)));
   }
   if (args.hyper.has_value()) {
     if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
-      return reject(absl::InvalidArgumentError(absl::StrCat("rank ", args.rank, ": ", s.message())));
+      return reject(absl::InvalidArgumentError(
+          absl::StrCat("rank ", args.rank, ": ", s.message())));
     }
   }
-  PartitionState& p = *partitions_[args.partition - layout_.shard_partitions(shard_).front().id];
+  PartitionState& p = *partitions_[args.partition -
+                                   layout_.shard_partitions(shard_).front().id];
   std::shared_ptr<const Reply> reply;  // a retry's
   Completion completion;               // the step this push completed, inline
   bool schedule = false;               // ... or on the pool
-  std::optional<int64_t> completed_norm;  // a step whose mirror this push's norm completed
+  std::optional<int64_t>
+      completed_norm;  // a step whose mirror this push's norm completed
   {
     MutexLock lock(&p.mu);
     if (!p.initialized) {
       return reject(absl::UnavailableError(absl::StrCat(
-          "partition ", args.partition, " has no initial parameters yet (rank 0 uploads them)")));
+          "partition ", args.partition,
+          " has no initial parameters yet (rank 0 uploads them)")));
     }
-    if (std::optional<absl::Status> stopped = AbortFor(args.step)) return reject(*stopped);
+    if (std::optional<absl::Status> stopped = AbortFor(args.step))
+      return reject(*stopped);
     if (args.step == p.next_step - 1) {  // a retry of the completed step
       if (p.last_reply == nullptr) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "step ", args.step, " of partition ", args.partition,
-            " was completed before this server restarted from its checkpoint; its reply is gone")));
+        return reject(absl::FailedPreconditionError(
+            absl::StrCat("step ", args.step, " of partition ", args.partition,
+                         " was completed before this server restarted from its "
+                         "checkpoint; its reply is gone")));
       }
       if (HashBytes(args.payload) != p.last_hashes[args.rank]) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
-            "rank ", args.rank, " re-sent step ", args.step, " of partition ", args.partition,
-            " with different bytes")));
+            "rank ", args.rank, " re-sent step ", args.step, " of partition ",
+            args.partition, " with different bytes")));
       }
       reply = p.last_reply;
     } else if (args.step < p.next_step) {
       // A restarted worker replaying from its checkpoint (DESIGN 4): the
       // reply it had, if its push is the one it sent then.
-      const auto answered = std::find_if(p.history.begin(), p.history.end(),
-                                         [&](const PartitionState::Answered& a) {
-                                           return a.reply->step == args.step;
-                                         });
+      const auto answered =
+          std::find_if(p.history.begin(), p.history.end(),
+                       [&](const PartitionState::Answered& a) {
+                         return a.reply->step == args.step;
+                       });
       if (answered == p.history.end()) {
         absl::Status stale = absl::FailedPreconditionError(absl::StrCat(
             "step ", args.step, " of partition ", args.partition,
-            " is stale; the partition has completed ", p.next_step, " steps and accepts step ",
-            p.next_step,
+            " is stale; the partition has completed ", p.next_step,
+            " steps and accepts step ", p.next_step,
             p.history.empty()
                 ? std::string()
-                : absl::StrCat(" (it keeps the replies of steps ", p.history.front().reply->step,
-                               " on for restarted workers: checkpoint.replay_steps)")));
+                : absl::StrCat(
+                      " (it keeps the replies of steps ",
+                      p.history.front().reply->step,
+                      " on for restarted workers: checkpoint.replay_steps)")));
         // A worker replaying to help a restarted shard learns it is past that.
-        stale.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(NextExchange(p))));
+        stale.SetPayload(kNextStepPayload,
+                         absl::Cord(absl::StrCat(NextExchange(p))));
         return reject(std::move(stale));
       }
       if (HashBytes(args.payload) != answered->hashes[args.rank]) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "rank ", args.rank, " replayed step ", args.step, " of partition ", args.partition,
-            " with other bytes than it pushed then: its checkpoint, data or command line differ "
-            "from the run's")));
+        return reject(absl::FailedPreconditionError(
+            absl::StrCat("rank ", args.rank, " replayed step ", args.step,
+                         " of partition ", args.partition,
+                         " with other bytes than it pushed then: its "
+                         "checkpoint, data or command line differ "
+                         "from the run's")));
       }
       reply = answered->reply;
     } else if (args.step < NextExchange(p)) {
       return reject(absl::FailedPreconditionError(absl::StrCat(
-          "step ", args.step, " is a local step of zero_one_adam (docs/design.md 2.7): workers do "
-          "not push; partition ", args.partition, " accepts step ", NextExchange(p), " next")));
+          "step ", args.step,
+          " is a local step of zero_one_adam (docs/design.md 2.7): workers do "
+          "not push; partition ",
+          args.partition, " accepts step ", NextExchange(p), " next")));
     } else if (args.step > NextExchange(p)) {
       // A shard restored from its checkpoint is behind its workers: they
       // replay their retained pushes from the step it accepts on (DESIGN 4).
       const int64_t accepts = NextExchange(p);
-      absl::Status behind = absl::AbortedError(absl::StrCat(
-          "step ", args.step, " of partition ", args.partition,
-          " is too far ahead; the partition has completed ", p.next_step,
-          " steps and accepts step ", accepts));
+      absl::Status behind = absl::AbortedError(
+          absl::StrCat("step ", args.step, " of partition ", args.partition,
+                       " is too far ahead; the partition has completed ",
+                       p.next_step, " steps and accepts step ", accepts));
       behind.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(accepts)));
       return reject(std::move(behind));
     } else {
-      const compress::StepPlan plan = compress::PlanStep(job_.algorithm, args.step);
+      const compress::StepPlan plan =
+          compress::PlanStep(job_.algorithm, args.step);
       if (args.codec != plan.up.kind) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
-            "codec ", CodecName(args.codec), " is not allowed at step ", args.step, " (",
-            compress::PhaseName(job_.algorithm, args.step), " phase); expected ",
-            CodecName(plan.up.kind))));
+            "codec ", CodecName(args.codec), " is not allowed at step ",
+            args.step, " (", compress::PhaseName(job_.algorithm, args.step),
+            " phase); expected ", CodecName(plan.up.kind))));
       }
       const uint64_t n = p.partition.range.size();
       if (absl::Status s = compress::ValidatePayload(
-              plan.up, {reinterpret_cast<const uint8_t*>(args.payload.data()), args.payload.size()},
+              plan.up,
+              {reinterpret_cast<const uint8_t*>(args.payload.data()),
+               args.payload.size()},
               n);
           !s.ok()) {
-        return reject(absl::InvalidArgumentError(absl::StrCat(
-            "rank ", args.rank, " partition ", args.partition, " step ", args.step, ": ",
-            s.message())));
+        return reject(absl::InvalidArgumentError(
+            absl::StrCat("rank ", args.rank, " partition ", args.partition,
+                         " step ", args.step, ": ", s.message())));
       }
       const auto same = [](const std::optional<compress::StepHyper>& a,
                            const std::optional<compress::StepHyper>& b) {
         return a.has_value() == b.has_value() &&
-               (!a.has_value() || (std::memcmp(&a->lr, &b->lr, 4) == 0 &&
-                                   std::memcmp(&a->weight_decay, &b->weight_decay, 4) == 0));
+               (!a.has_value() ||
+                (std::memcmp(&a->lr, &b->lr, 4) == 0 &&
+                 std::memcmp(&a->weight_decay, &b->weight_decay, 4) == 0));
       };
       const auto describe = [](const std::optional<compress::StepHyper>& h) {
-        return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ", h->weight_decay)
+        return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ",
+                                            h->weight_decay)
                              : std::string("the job's schedule");
       };
       bool commits = false;
-      StepCommit carried{args.previous_grad_sum_of_squares, std::move(args.previous_lamb_commit)};
+      StepCommit carried{args.previous_grad_sum_of_squares,
+                         std::move(args.previous_lamb_commit)};
       if (carried.grad_sum_of_squares.has_value() || !carried.lamb.empty()) {
-        if (absl::Status s = CheckCommit(p, args.rank, args.step - 1, carried, &commits); !s.ok()) {
+        if (absl::Status s =
+                CheckCommit(p, args.rank, args.step - 1, carried, &commits);
+            !s.ok()) {
           return reject(s);
         }
       } else if (p.awaiting_commit) {
         return reject(absl::FailedPreconditionError(
-            p.committed_lamb.empty() && job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
-                ? absl::StrCat("step ", args.step - 1, " of partition ", args.partition,
-                               " waits for onebit_lamb's layer coefficients: rank ", args.rank,
-                               "'s push of step ", args.step, " must carry them (previous_lamb_commit)")
-                : absl::StrCat("step ", args.step - 1, " of partition ", args.partition,
-                               " clipped the averaged gradient (clip_grad_norm) and its sum of squares "
-                               "has not arrived: rank ", args.rank, "'s push of step ", args.step,
-                               " must carry it (previous_grad_sum_of_squares)")));
+            p.committed_lamb.empty() && job_.algorithm.optimizer ==
+                                            compress::OptimizerKind::kOneBitLamb
+                ? absl::StrCat(
+                      "step ", args.step - 1, " of partition ", args.partition,
+                      " waits for onebit_lamb's layer coefficients: rank ",
+                      args.rank, "'s push of step ", args.step,
+                      " must carry them (previous_lamb_commit)")
+                : absl::StrCat(
+                      "step ", args.step - 1, " of partition ", args.partition,
+                      " clipped the averaged gradient (clip_grad_norm) and its "
+                      "sum of squares "
+                      "has not arrived: rank ",
+                      args.rank, "'s push of step ", args.step,
+                      " must carry it (previous_grad_sum_of_squares)")));
       }
       if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "rank ", args.rank, " asks for ", describe(args.hyper), " at step ", args.step,
-            " but rank ", p.hyper_rank, " asked for ", describe(p.hyper),
-            "; every worker must use the same learning rate and weight decay each step")));
+        return reject(absl::FailedPreconditionError(
+            absl::StrCat("rank ", args.rank, " asks for ", describe(args.hyper),
+                         " at step ", args.step, " but rank ", p.hyper_rank,
+                         " asked for ", describe(p.hyper),
+                         "; every worker must use the same learning rate and "
+                         "weight decay each step")));
       }
       if (commits) {
         ApplyCommit(p, carried);
@@ -346,8 +391,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       if (slot.has_value()) {
         if (*slot != args.payload) {
           return reject(absl::FailedPreconditionError(absl::StrCat(
-              "rank ", args.rank, " re-sent step ", args.step, " of partition ", args.partition,
-              " with different bytes")));
+              "rank ", args.rank, " re-sent step ", args.step, " of partition ",
+              args.partition, " with different bytes")));
         }
       } else {
         if (p.arrived == 0) {
@@ -445,10 +490,12 @@ std::optional<absl::Status> ShardCore::AbortFor(int64_t step) const {
   return absl::FailedPreconditionError(abort_->second);
 }
 
-absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+absl::Status ShardCore::Abort(uint32_t rank, int64_t step,
+                              uint64_t layout_fingerprint,
                               absl::string_view reason) {
   // CheckCommon with this shard's first partition: the layout and the rank.
-  if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id, layout_fingerprint);
+  if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id,
+                                   layout_fingerprint);
       !s.ok()) {
     return s;
   }
@@ -457,11 +504,13 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step, uint64_t layout_finge
   {
     MutexLock lock(&abort_mu_);
     if (abort_.has_value()) return absl::OkStatus();  // the first abort wins
-    abort_.emplace(step, absl::StrCat("rank ", rank, " stopped the job at step ", step, ": ",
-                                      reason.substr(0, kMaxReason)));
+    abort_.emplace(
+        step, absl::StrCat("rank ", rank, " stopped the job at step ", step,
+                           ": ", reason.substr(0, kMaxReason)));
   }
-  std::fprintf(stderr, "shard %u: rank %u stopped the job at step %lld: %.*s\n", shard_, rank,
-               static_cast<long long>(step), static_cast<int>(std::min(reason.size(), kMaxReason)),
+  std::fprintf(stderr, "shard %u: rank %u stopped the job at step %lld: %.*s\n",
+               shard_, rank, static_cast<long long>(step),
+               static_cast<int>(std::min(reason.size(), kMaxReason)),
                reason.data());
   // Pushes that arrive from now on see abort_ under their partition's lock;
   // those already waiting are answered here. Their step never completes, so
@@ -492,8 +541,9 @@ std::optional<std::string> ShardCore::aborted() const {
   return abort_->second;
 }
 
-absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState& p) {
-  ApplyMirror(p);  // step t's mirror before step t + 1's reply
+absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
+    PartitionState& p) {
+  ApplyMirror(p);                   // step t's mirror before step t + 1's reply
   MORSE_CHECK(!p.awaiting_commit);  // Push took step t's norm first
   const compress::Partition& part = p.partition;
   const std::optional<compress::StepHyper> hyper = p.hyper;
@@ -502,7 +552,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
   std::vector<absl::Span<const uint8_t>> views;
   for (const auto& push : p.pushes) {
-    views.emplace_back(reinterpret_cast<const uint8_t*>(push->data()), push->size());
+    views.emplace_back(reinterpret_cast<const uint8_t*>(push->data()),
+                       push->size());
   }
   auto reply = std::make_shared<Reply>();
   reply->step = step;
@@ -510,28 +561,34 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   reply->codec = plan.down.kind;
   reply->buffers = std::move(p.buffers);
   reply->payload.resize(compress::PayloadBytes(plan.down, n));
-  auto payload = absl::MakeSpan(reinterpret_cast<uint8_t*>(reply->payload.data()),
-                                reply->payload.size());
-  const compress::SendRule rule = compress::PlanSend(
-      job_.algorithm, step, compress::Direction::kDown, job_.workers() + shard_, part.range.begin);
+  auto payload = absl::MakeSpan(
+      reinterpret_cast<uint8_t*>(reply->payload.data()), reply->payload.size());
+  const compress::SendRule rule =
+      compress::PlanSend(job_.algorithm, step, compress::Direction::kDown,
+                         job_.workers() + shard_, part.range.begin);
   const uint64_t offset = part.range.begin - range_.begin;
-  const absl::Span<const float> mask_v = rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
-  absl::Status status =
-      compress::EncodeShardReply(rule, plan.up, views, server_error_, offset, n, mask_v, payload);
+  const absl::Span<const float> mask_v =
+      rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
+  absl::Status status = compress::EncodeShardReply(
+      rule, plan.up, views, server_error_, offset, n, mask_v, payload);
   const bool clips = compress::ClipsAverage(job_.algorithm, step);
   if (status.ok() && clips) {
     // The norm every replica computes from the decoded reply, not from the
     // average (a lossy codec changes it).
-    const absl::Span<float> average = compress::Scratch(compress::ScratchSlot::kShardAverage, n);
+    const absl::Span<float> average =
+        compress::Scratch(compress::ScratchSlot::kShardAverage, n);
     status = compress::Decode(rule.codec, payload, average);
-    if (status.ok()) reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
+    if (status.ok())
+      reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
   }
   std::vector<size_t> hashes(p.pushes.size());
-  for (size_t r = 0; r < p.pushes.size(); ++r) hashes[r] = HashBytes(*p.pushes[r]);
+  for (size_t r = 0; r < p.pushes.size(); ++r)
+    hashes[r] = HashBytes(*p.pushes[r]);
   p.ClearPending();
   if (!status.ok()) {
-    return absl::InternalError(absl::StrCat("partition ", part.id, " step ", step,
-                                            ": recompression failed: ", status.message()));
+    return absl::InternalError(
+        absl::StrCat("partition ", part.id, " step ", step,
+                     ": recompression failed: ", status.message()));
   }
   if (p.last_reply != nullptr && job_.replay_steps > 1) {
     p.history.push_back({std::move(p.last_reply), p.last_hashes});
@@ -545,7 +602,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(PartitionState&
   // before anything reads the mirror.
   p.mirror_pending = true;
   p.mirror_hyper = hyper;
-  p.awaiting_commit = clips || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  p.awaiting_commit =
+      clips || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
   p.committed_norm.reset();
   p.committed_lamb.clear();
   p.mirror_scale = 1.0f;
@@ -565,46 +623,58 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   MORSE_CHECK(s.ok());
   if (!p.committed_lamb.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_
-                    .ApplyLambCommit(r.step, p.partition.range.begin, p.partition.range.size(),
-                                     p.committed_lamb, p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr)
+                    .ApplyLambCommit(
+                        r.step, p.partition.range.begin,
+                        p.partition.range.size(), p.committed_lamb,
+                        p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr)
                     .ok());
     p.lamb_layers = compress::LambStateOf(p.committed_lamb);
   }
 }
 
-absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int64_t step,
-                                    const StepCommit& commit, bool* applies) const {
+absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
+                                    int64_t step, const StepCommit& commit,
+                                    bool* applies) const {
   *applies = false;
   const bool lamb = !commit.lamb.empty();
-  const char* what = lamb ? "onebit_lamb's layer coefficients" : "the gradient norm";
+  const char* what =
+      lamb ? "onebit_lamb's layer coefficients" : "the gradient norm";
   if (lamb) {
     if (commit.grad_sum_of_squares.has_value()) {
-      return absl::InvalidArgumentError("a commit holds a gradient norm or layer coefficients, not both");
+      return absl::InvalidArgumentError(
+          "a commit holds a gradient norm or layer coefficients, not both");
     }
     if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, " sent layer coefficients (onebit_lamb) for a job whose optimizer is not onebit_lamb"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank,
+                       " sent layer coefficients (onebit_lamb) for a job whose "
+                       "optimizer is not onebit_lamb"));
     }
-    if (absl::Status s = compress::ValidateLambCommit(job_.algorithm, commit.lamb); !s.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": ", s.message()));
+    if (absl::Status s =
+            compress::ValidateLambCommit(job_.algorithm, commit.lamb);
+        !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": ", s.message()));
     }
   } else {
     const double total = *commit.grad_sum_of_squares;
     if (!std::isfinite(total) || total < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "rank ", rank, ": the gradient's sum of squares ", total, " must be finite and not negative"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": the gradient's sum of squares ", total,
+                       " must be finite and not negative"));
     }
   }
   if (step >= p.next_step) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " sent ", what, " of step ", step, " but partition ", p.partition.id,
-        " has completed ", p.next_step, " steps"));
+        "rank ", rank, " sent ", what, " of step ", step, " but partition ",
+        p.partition.id, " has completed ", p.next_step, " steps"));
   }
   if (step < p.next_step - 1) return absl::OkStatus();  // applied long ago
   if (lamb) {
     if (!p.committed_lamb.empty()) {
       if (p.committed_lamb.size() != commit.lamb.size() ||
-          std::memcmp(p.committed_lamb.data(), commit.lamb.data(), 8 * commit.lamb.size()) != 0) {
+          std::memcmp(p.committed_lamb.data(), commit.lamb.data(),
+                      8 * commit.lamb.size()) != 0) {
         return absl::FailedPreconditionError(absl::StrCat(
             "rank ", rank, " sent other layer coefficients for step ", step,
             " than were sent before; every worker computes the same ones"));
@@ -625,18 +695,22 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int6
   }
   if (p.committed_norm.has_value()) {
     if (std::memcmp(&*p.committed_norm, &total, sizeof(double)) != 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, " sent ", total, " as the gradient's sum of squares at step ", step,
-          " but ", *p.committed_norm, " was sent before; every worker adds the same replies"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank, " sent ", total,
+                       " as the gradient's sum of squares at step ", step,
+                       " but ", *p.committed_norm,
+                       " was sent before; every worker adds the same replies"));
     }
     return absl::OkStatus();
   }
   if (!p.awaiting_commit) return absl::OkStatus();  // restored past it
-  const std::optional<double> own =
-      p.last_reply != nullptr ? p.last_reply->grad_sum_of_squares : std::nullopt;
+  const std::optional<double> own = p.last_reply != nullptr
+                                        ? p.last_reply->grad_sum_of_squares
+                                        : std::nullopt;
   if (own.has_value() && total < *own) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " sent ", total, " as the gradient's sum of squares at step ", step,
+        "rank ", rank, " sent ", total,
+        " as the gradient's sum of squares at step ", step,
         ", less than partition ", p.partition.id, "'s own ", *own));
   }
   *applies = true;
@@ -646,7 +720,8 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank, int6
 void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
   if (commit.grad_sum_of_squares.has_value()) {
     p.committed_norm = *commit.grad_sum_of_squares;
-    p.mirror_scale = compress::ClipScale(*commit.grad_sum_of_squares, job_.algorithm.clip_grad_norm);
+    p.mirror_scale = compress::ClipScale(*commit.grad_sum_of_squares,
+                                         job_.algorithm.clip_grad_norm);
   } else {
     p.committed_lamb = commit.lamb;
   }
@@ -665,20 +740,25 @@ void ShardCore::MirrorSoon(PartitionState& p) {
   }
 }
 
-absl::Status ShardCore::Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
-                               double total) {
+absl::Status ShardCore::Commit(uint32_t rank, int64_t step,
+                               uint64_t layout_fingerprint, double total) {
   return CommitStep(rank, step, layout_fingerprint, StepCommit{total, {}});
 }
 
-absl::Status ShardCore::CommitLamb(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+absl::Status ShardCore::CommitLamb(uint32_t rank, int64_t step,
+                                   uint64_t layout_fingerprint,
                                    std::vector<double> commit) {
-  if (commit.empty()) return absl::InvalidArgumentError("an empty onebit_lamb commit");
-  return CommitStep(rank, step, layout_fingerprint, StepCommit{std::nullopt, std::move(commit)});
+  if (commit.empty())
+    return absl::InvalidArgumentError("an empty onebit_lamb commit");
+  return CommitStep(rank, step, layout_fingerprint,
+                    StepCommit{std::nullopt, std::move(commit)});
 }
 
-absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step,
+                                   uint64_t layout_fingerprint,
                                    const StepCommit& commit) {
-  if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id, layout_fingerprint);
+  if (absl::Status s = CheckCommon(rank, partitions_.front()->partition.id,
+                                   layout_fingerprint);
       !s.ok()) {
     return s;
   }
@@ -694,7 +774,8 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step, uint64_t layout_
       // A shard restarted from a checkpoint before `step`: the workers'
       // replayed pushes of the next step carry the commit, and the caller
       // learns how far the partition is.
-      if (step >= p.next_step) s.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(p.next_step)));
+      if (step >= p.next_step)
+        s.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(p.next_step)));
       return s;
     }
     applies[i] = a;
@@ -729,7 +810,8 @@ void ShardCore::NoteStepCompleted(int64_t step) {
     // worker can push the next one.
     // (zero_one_adam's local steps complete nothing: the next exchange.)
     while (!completions_.empty() &&
-           completions_.begin()->first == compress::NextExchange(job_.algorithm, observed_step_ + 1) &&
+           completions_.begin()->first ==
+               compress::NextExchange(job_.algorithm, observed_step_ + 1) &&
            completions_.begin()->second == partitions_.size()) {
       observed_step_ = completions_.begin()->first;
       finished.push_back(observed_step_);
@@ -755,10 +837,12 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
     for (uint32_t r = 0; r < p.pushes.size(); ++r) {
       if (!p.pushes[r].has_value()) missing.push_back(r);
     }
-    oldest = absl::StrCat("step ", NextExchange(p), " of partition ", p.partition.id, " has waited ",
-                          absl::FormatDuration(absl::Trunc(longest, absl::Seconds(1))), " for rank(s) ",
-                          absl::StrJoin(missing, ", "), "; it fails after ",
-                          job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds)");
+    oldest = absl::StrCat(
+        "step ", NextExchange(p), " of partition ", p.partition.id,
+        " has waited ",
+        absl::FormatDuration(absl::Trunc(longest, absl::Seconds(1))),
+        " for rank(s) ", absl::StrJoin(missing, ", "), "; it fails after ",
+        job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds)");
   }
   return oldest;
 }
@@ -772,14 +856,16 @@ void ShardCore::ExpireWaiting(absl::Time now) {
     {
       MutexLock lock(&p.mu);
       // A partition with every push in is being completed, not waiting.
-      if (p.arrived == 0 || p.completing || now - p.first_arrival < timeout) continue;
+      if (p.arrived == 0 || p.completing || now - p.first_arrival < timeout)
+        continue;
       std::vector<uint32_t> missing;
       for (uint32_t r = 0; r < p.pushes.size(); ++r) {
         if (!p.pushes[r].has_value()) missing.push_back(r);
       }
       status = absl::DeadlineExceededError(absl::StrCat(
-          "step ", NextExchange(p), " of partition ", p.partition.id, " timed out after ",
-          job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds): rank(s) ",
+          "step ", NextExchange(p), " of partition ", p.partition.id,
+          " timed out after ", job_.recovery_timeout_seconds,
+          " s (timeouts.recovery_seconds): rank(s) ",
           absl::StrJoin(missing, ", "), " did not push; is a worker down?"));
       // The shard gave up on the step: the workers must not retry it.
       status.SetPayload(proto::kStepExpiredKey, absl::Cord("1"));
@@ -806,10 +892,12 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   }
   const int64_t step = partitions_.front()->next_step;
   for (const auto& p : partitions_) {
-    if (!p->initialized) return absl::FailedPreconditionError("the shard has no parameters yet");
+    if (!p->initialized)
+      return absl::FailedPreconditionError("the shard has no parameters yet");
     if (p->awaiting_commit) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "step ", p->next_step - 1, " waits for the workers' commit (clip_grad_norm's gradient norm "
+          "step ", p->next_step - 1,
+          " waits for the workers' commit (clip_grad_norm's gradient norm "
           "or onebit_lamb's layer coefficients)"));
     }
     if (p->next_step != step) {
@@ -818,8 +906,9 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
           " (partitions at different steps)"));
     }
   }
-  proto::CheckpointWriter writer({"shard", shard_, layout_.fingerprint(),
-                                  compress::AlgorithmFingerprint(job_.algorithm), step});
+  proto::CheckpointWriter writer(
+      {"shard", shard_, layout_.fingerprint(),
+       compress::AlgorithmFingerprint(job_.algorithm), step});
   writer.AddFloats("x", mirror_.x());
   writer.AddFloats("m", mirror_.m());
   writer.AddFloats("v", mirror_.v());
@@ -830,7 +919,8 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
     // onebit_lamb's fresh variance and every layer's state (design.md 2.8).
     writer.AddFloats("v_fresh", mirror_.v_fresh());
     // Every partition is at `step` and holds the same state.
-    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(partitions_.front()->lamb_layers));
+    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(
+                                        partitions_.front()->lamb_layers));
   }
   // The last completed step's replies and push hashes, so that a worker
   // whose reply was lost when the shard died can still get it by retrying.
@@ -839,7 +929,8 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   for (const auto& p : partitions_) {
     const bool has = p->last_reply != nullptr && step > 0;
     reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->codec) : -1);
-    reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->payload.size()) : 0);
+    reply_meta.push_back(
+        has ? static_cast<int64_t>(p->last_reply->payload.size()) : 0);
     if (has) replies += p->last_reply->payload;
     for (size_t h : p->last_hashes) hashes.push_back(static_cast<int64_t>(h));
   }
@@ -854,11 +945,13 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   if (!reader.ok()) return reader.status();
   const proto::CheckpointHeader& h = reader->header();
   if (h.kind != "shard" || h.index != shard_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, " is the checkpoint of ", h.kind, " ", h.index, ", not of shard ", shard_));
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " is the checkpoint of ", h.kind, " ", h.index,
+                     ", not of shard ", shard_));
   }
   if (h.layout_fingerprint != layout_.fingerprint() ||
-      h.algorithm_fingerprint != compress::AlgorithmFingerprint(job_.algorithm)) {
+      h.algorithm_fingerprint !=
+          compress::AlgorithmFingerprint(job_.algorithm)) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, " was written by a job with a different ",
         h.layout_fingerprint != layout_.fingerprint() ? "layout" : "algorithm",
@@ -872,13 +965,15 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   for (const auto* a : {&x, &m, &v, &e}) {
     if (!a->ok()) return a->status();
   }
-  if (h.step < 0) return absl::DataLossError(absl::StrCat(path, ": negative step"));
+  if (h.step < 0)
+    return absl::DataLossError(absl::StrCat(path, ": negative step"));
   std::vector<float> v_fresh;
   std::vector<compress::LambLayerState> lamb_layers;
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     auto fresh = reader->Floats("v_fresh", n);
     if (!fresh.ok()) return fresh.status();
-    auto layers = reader->Floats("lamb_layers", 2 * compress::LayerCount(job_.algorithm));
+    auto layers =
+        reader->Floats("lamb_layers", 2 * compress::LayerCount(job_.algorithm));
     if (!layers.ok()) return layers.status();
     v_fresh = *std::move(fresh);
     lamb_layers = compress::UnflattenLambLayers(*layers);
@@ -892,19 +987,23 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   std::vector<std::shared_ptr<const Reply>> last(parts);
   std::vector<int64_t> hashes;
   auto replies = reader->Bytes("last_replies");
-  if (!replies.ok() && replies.status().code() != absl::StatusCode::kNotFound) return replies.status();
+  if (!replies.ok() && replies.status().code() != absl::StatusCode::kNotFound)
+    return replies.status();
   if (replies.ok()) {
     auto meta = reader->Ints("last_reply_meta", 2 * parts);
     if (!meta.ok()) return meta.status();
-    auto read_hashes = reader->Ints("last_hashes", uint64_t{parts} * job_.workers());
+    auto read_hashes =
+        reader->Ints("last_hashes", uint64_t{parts} * job_.workers());
     if (!read_hashes.ok()) return read_hashes.status();
     hashes = *std::move(read_hashes);
     size_t at = 0;
     for (size_t i = 0; i < parts; ++i) {
       const int64_t codec = (*meta)[2 * i], bytes = (*meta)[2 * i + 1];
       if (codec < 0) continue;
-      if (bytes < 0 || static_cast<uint64_t>(bytes) > replies->size() - at || h.step < 1) {
-        return absl::DataLossError(absl::StrCat(path, ": bad last reply of partition ", i));
+      if (bytes < 0 || static_cast<uint64_t>(bytes) > replies->size() - at ||
+          h.step < 1) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": bad last reply of partition ", i));
       }
       auto reply = std::make_shared<Reply>();
       reply->step = h.step - 1;
@@ -912,11 +1011,15 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
       reply->codec = static_cast<compress::CodecKind>(codec);
       reply->payload = replies->substr(at, bytes);
       at += bytes;
-      if (reply->codec != compress::PlanStep(job_.algorithm, reply->step).down.kind ||
-          reply->payload.size() != compress::PayloadBytes(compress::PlanStep(job_.algorithm, reply->step).down,
-                                                          partitions_[i]->partition.range.size())) {
-        return absl::DataLossError(absl::StrCat(path, ": the last reply of partition ", i,
-                                                " does not fit the job"));
+      if (reply->codec !=
+              compress::PlanStep(job_.algorithm, reply->step).down.kind ||
+          reply->payload.size() !=
+              compress::PayloadBytes(
+                  compress::PlanStep(job_.algorithm, reply->step).down,
+                  partitions_[i]->partition.range.size())) {
+        return absl::DataLossError(
+            absl::StrCat(path, ": the last reply of partition ", i,
+                         " does not fit the job"));
       }
       last[i] = std::move(reply);
     }
@@ -924,7 +1027,9 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   std::copy(x->begin(), x->end(), mirror_.x().begin());
   std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
   std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
-  if (!v_fresh.empty()) std::copy(v_fresh.begin(), v_fresh.end(), mirror_.mutable_v_fresh().begin());
+  if (!v_fresh.empty())
+    std::copy(v_fresh.begin(), v_fresh.end(),
+              mirror_.mutable_v_fresh().begin());
   for (size_t i = 0; i < parts; ++i) {
     PartitionState* p = partitions_[i].get();
     MutexLock lock(&p->mu);
@@ -947,30 +1052,38 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
-                                                            uint64_t fingerprint,
-                                                            bool with_server_error) const {
-  if (absl::Status s = CheckCommon(0, partition, fingerprint); !s.ok()) return s;
-  PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
+    uint32_t partition, uint64_t fingerprint, bool with_server_error) const {
+  if (absl::Status s = CheckCommon(0, partition, fingerprint); !s.ok())
+    return s;
+  PartitionState& p =
+      *partitions_[partition - layout_.shard_partitions(shard_).front().id];
   MutexLock lock(&p.mu);
   if (!p.initialized) {
-    return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
+    return absl::UnavailableError(
+        absl::StrCat("partition ", partition, " has no parameters yet"));
   }
   ApplyMirror(p);
   if (p.awaiting_commit) {
-    return absl::UnavailableError(absl::StrCat(
-        "step ", p.next_step - 1, " of partition ", partition,
-        " waits for the workers' commit (clip_grad_norm's gradient norm or onebit_lamb's layer "
-        "coefficients); try again"));
+    return absl::UnavailableError(
+        absl::StrCat("step ", p.next_step - 1, " of partition ", partition,
+                     " waits for the workers' commit (clip_grad_norm's "
+                     "gradient norm or onebit_lamb's layer "
+                     "coefficients); try again"));
   }
-  const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
+  const uint64_t offset = p.partition.range.begin - range_.begin,
+                 n = p.partition.range.size();
   PartitionSnapshot snapshot;
   snapshot.completed_steps = p.next_step;
-  snapshot.x.assign(mirror_.x().begin() + offset, mirror_.x().begin() + offset + n);
-  snapshot.m.assign(mirror_.m().begin() + offset, mirror_.m().begin() + offset + n);
-  snapshot.v.assign(mirror_.v().begin() + offset, mirror_.v().begin() + offset + n);
+  snapshot.x.assign(mirror_.x().begin() + offset,
+                    mirror_.x().begin() + offset + n);
+  snapshot.m.assign(mirror_.m().begin() + offset,
+                    mirror_.m().begin() + offset + n);
+  snapshot.v.assign(mirror_.v().begin() + offset,
+                    mirror_.v().begin() + offset + n);
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
-    snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset, mirror_.v_fresh().begin() + offset + n);
+    snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset,
+                            mirror_.v_fresh().begin() + offset + n);
     snapshot.lamb_layers = compress::FlattenLambLayers(p.lamb_layers);
   }
   if (with_server_error) {
@@ -982,42 +1095,54 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(uint32_t partition,
   return snapshot;
 }
 
-absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint64_t fingerprint,
+absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
+                                         uint64_t fingerprint,
                                          const PartitionSnapshot& state) {
-  if (absl::Status s = CheckCommon(rank, partition, fingerprint); !s.ok()) return s;
+  if (absl::Status s = CheckCommon(rank, partition, fingerprint); !s.ok())
+    return s;
   if (rank != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("only rank 0 restores a saved run, not rank ", rank));
   }
-  PartitionState& p = *partitions_[partition - layout_.shard_partitions(shard_).front().id];
-  const uint64_t offset = p.partition.range.begin - range_.begin, n = p.partition.range.size();
-  if (state.completed_steps < 0) return absl::InvalidArgumentError("negative step");
+  PartitionState& p =
+      *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+  const uint64_t offset = p.partition.range.begin - range_.begin,
+                 n = p.partition.range.size();
+  if (state.completed_steps < 0)
+    return absl::InvalidArgumentError("negative step");
   // onebit_lamb: v' of the partition and every layer's state (design.md
   // 2.8), as FetchPartition gives them; no other optimizer has them.
-  const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
-  const size_t layer_floats = lamb ? 2 * compress::LayerCount(job_.algorithm) : 0;
-  if (state.v_fresh.size() != (lamb ? n : 0) || state.lamb_layers.size() != layer_floats) {
+  const bool lamb =
+      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const size_t layer_floats =
+      lamb ? 2 * compress::LayerCount(job_.algorithm) : 0;
+  if (state.v_fresh.size() != (lamb ? n : 0) ||
+      state.lamb_layers.size() != layer_floats) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "partition ", partition, ": the saved state has v' of ", state.v_fresh.size(), " values and layer state of ",
-        state.lamb_layers.size(), "; ", lamb ? absl::StrCat("onebit_lamb needs ", n, " and ", layer_floats)
-                                             : std::string("only onebit_lamb has them")));
+        "partition ", partition, ": the saved state has v' of ",
+        state.v_fresh.size(), " values and layer state of ",
+        state.lamb_layers.size(), "; ",
+        lamb ? absl::StrCat("onebit_lamb needs ", n, " and ", layer_floats)
+             : std::string("only onebit_lamb has them")));
   }
-  if (absl::Status s = compress::ValidateSavedLamb(state.v_fresh, state.lamb_layers,
-                                                   absl::StrCat("the saved state of partition ", partition));
+  if (absl::Status s = compress::ValidateSavedLamb(
+          state.v_fresh, state.lamb_layers,
+          absl::StrCat("the saved state of partition ", partition));
       !s.ok()) {
     return s;
   }
   for (const auto* a : {&state.x, &state.m, &state.v, &state.server_error}) {
     if (a->size() != n) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "partition ", partition, " has ", n, " elements; the saved state has arrays of ",
-          state.x.size(), ", ", state.m.size(), ", ", state.v.size(), " and ",
-          state.server_error.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("partition ", partition, " has ", n,
+                       " elements; the saved state has arrays of ",
+                       state.x.size(), ", ", state.m.size(), ", ",
+                       state.v.size(), " and ", state.server_error.size()));
     }
     for (float f : *a) {
       if (!std::isfinite(f)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the saved state of partition ", partition, " holds Inf or NaN"));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the saved state of partition ", partition, " holds Inf or NaN"));
       }
     }
   }
@@ -1029,7 +1154,8 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
   }
   MutexLock lock(&p.mu);
   if (!p.initialized) {
-    return absl::UnavailableError(absl::StrCat("partition ", partition, " has no parameters yet"));
+    return absl::UnavailableError(
+        absl::StrCat("partition ", partition, " has no parameters yet"));
   }
   if (p.arrived > 0 || (p.next_step > 0 && !p.restored)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -1037,12 +1163,17 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition, uint
         p.arrived > 0 ? ", a push of the next one waiting" : "",
         "); a saved run is restored before the job's first step"));
   }
-  if (absl::Status s = server_error_.RestoreRange(offset, state.server_error); !s.ok()) return s;
+  if (absl::Status s = server_error_.RestoreRange(offset, state.server_error);
+      !s.ok())
+    return s;
   std::copy(state.x.begin(), state.x.end(), mirror_.x().begin() + offset);
-  std::copy(state.m.begin(), state.m.end(), mirror_.mutable_m().begin() + offset);
-  std::copy(state.v.begin(), state.v.end(), mirror_.mutable_v().begin() + offset);
+  std::copy(state.m.begin(), state.m.end(),
+            mirror_.mutable_m().begin() + offset);
+  std::copy(state.v.begin(), state.v.end(),
+            mirror_.mutable_v().begin() + offset);
   if (lamb) {
-    std::copy(state.v_fresh.begin(), state.v_fresh.end(), mirror_.mutable_v_fresh().begin() + offset);
+    std::copy(state.v_fresh.begin(), state.v_fresh.end(),
+              mirror_.mutable_v_fresh().begin() + offset);
     p.lamb_layers = compress::UnflattenLambLayers(state.lamb_layers);
   }
   p.next_step = state.completed_steps;
@@ -1065,7 +1196,9 @@ uint64_t ShardCore::MirrorChecksum() const {
   return mirror_.Checksum();
 }
 
-double ShardCore::ServerErrorNorm() const { return std::sqrt(server_error_.SquaredNorm()); }
+double ShardCore::ServerErrorNorm() const {
+  return std::sqrt(server_error_.SquaredNorm());
+}
 
 ShardStatus ShardCore::Status() const {
   ShardStatus s;
@@ -1078,9 +1211,10 @@ ShardStatus ShardCore::Status() const {
   for (const auto& state : partitions_) {
     MutexLock lock(&state->mu);
     completed = std::min(completed, state->next_step);
-    kept_from = std::max(kept_from, !state->history.empty()      ? state->history.front().reply->step
-                                    : state->last_reply != nullptr ? state->last_reply->step
-                                                                   : state->next_step);
+    kept_from = std::max(
+        kept_from, !state->history.empty() ? state->history.front().reply->step
+                   : state->last_reply != nullptr ? state->last_reply->step
+                                                  : state->next_step);
   }
   s.completed_steps = completed;
   s.replies_kept_from = kept_from;

@@ -33,12 +33,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
+#include "compress/sync.h"
 #include "proto/checkpoint_file.h"
 #include "proto/job_config.h"
 
@@ -51,8 +51,10 @@ struct PushArgs {
   uint64_t layout_fingerprint = 0;
   compress::CodecKind codec = compress::CodecKind::kFp32;
   std::string payload;
-  std::optional<compress::StepHyper> hyper;  // the workers' lr and weight decay, if set
-  std::string buffers;  // rank 0's module buffers, partition 0 only (morse.proto)
+  std::optional<compress::StepHyper>
+      hyper;  // the workers' lr and weight decay, if set
+  std::string
+      buffers;  // rank 0's module buffers, partition 0 only (morse.proto)
   // The previous step's sum of squares of the averaged gradient over the
   // whole model, when that step clipped it (Commit).
   std::optional<double> previous_grad_sum_of_squares;
@@ -67,7 +69,6 @@ struct StepCommit {
   std::optional<double> grad_sum_of_squares;
   std::vector<double> lamb;
 };
-
 
 // The absl::Status payload of an ABORTED push that is ahead of its
 // partition: the step the partition accepts, in decimal (the gRPC service
@@ -95,7 +96,8 @@ struct PartitionSnapshot {
   std::vector<float> v_fresh, lamb_layers;
 };
 
-using ReplyCallback = std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
+using ReplyCallback =
+    std::function<void(absl::StatusOr<std::shared_ptr<const Reply>>)>;
 
 struct ShardStatus {
   uint32_t shard = 0;
@@ -126,14 +128,16 @@ class ShardCore {
   // parallel; with 0, on the thread of that last push, before Push returns.
   // The replies' bits do not depend on it.
   static absl::StatusOr<std::unique_ptr<ShardCore>> Create(
-      const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit = proto::HostMemoryBytes(),
+      const proto::JobSpec& job, uint32_t shard,
+      uint64_t memory_limit = proto::HostMemoryBytes(),
       int compute_threads = 0);
   ~ShardCore();
   ShardCore(const ShardCore&) = delete;
   ShardCore& operator=(const ShardCore&) = delete;
 
   // Rank 0's initial values (fp32 bytes) of one partition, before step 0.
-  absl::Status InitPartition(uint32_t rank, uint32_t partition, uint64_t layout_fingerprint,
+  absl::Status InitPartition(uint32_t rank, uint32_t partition,
+                             uint64_t layout_fingerprint,
                              absl::string_view values);
 
   // Calls done exactly once: with the reply when the step completes (maybe
@@ -174,14 +178,17 @@ class ShardCore {
   // layer's coefficient and state after the step), which the mirror needs
   // to move x; as Commit otherwise (every step of onebit_lamb waits for
   // one). INVALID_ARGUMENT for a malformed commit.
-  absl::Status CommitLamb(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+  absl::Status CommitLamb(uint32_t rank, int64_t step,
+                          uint64_t layout_fingerprint,
                           std::vector<double> commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
   // The abort's message, if the job is stopped.
   std::optional<std::string> aborted() const;
 
-  void SetStepObserver(StepObserver observer) { observer_ = std::move(observer); }
+  void SetStepObserver(StepObserver observer) {
+    observer_ = std::move(observer);
+  }
 
   // Writes x, m, v, the server error buffer and the step to `path`
   // atomically (proto/checkpoint_file.h). FAILED_PRECONDITION, and nothing
@@ -199,24 +206,26 @@ class ShardCore {
   absl::Status RestoreCheckpoint(const std::string& path);
   // The mirror of one partition; INVALID_ARGUMENT or FAILED_PRECONDITION as
   // for pushes, UNAVAILABLE before initialization.
-  absl::StatusOr<PartitionSnapshot> FetchPartition(uint32_t partition,
-                                                   uint64_t layout_fingerprint,
-                                                   bool with_server_error = false) const;
+  absl::StatusOr<PartitionSnapshot> FetchPartition(
+      uint32_t partition, uint64_t layout_fingerprint,
+      bool with_server_error = false) const;
   // Rank 0 restores one partition of a saved run (morse.torch's
   // load_state_dict) before the job's first step: x, m, v, the server
   // error and the steps completed (onebit_lamb: also v' and the layers'
-  // state), as FetchPartition(with_server_error) gave them. Allowed while no push of the partition has arrived since it
-  // was initialized or last restored; FAILED_PRECONDITION once training has
-  // moved on, INVALID_ARGUMENT for wrong sizes or non-finite values, and
-  // nothing changes on any error.
-  absl::Status RestorePartition(uint32_t rank, uint32_t partition, uint64_t layout_fingerprint,
+  // state), as FetchPartition(with_server_error) gave them. Allowed while no
+  // push of the partition has arrived since it was initialized or last
+  // restored; FAILED_PRECONDITION once training has moved on, INVALID_ARGUMENT
+  // for wrong sizes or non-finite values, and nothing changes on any error.
+  absl::Status RestorePartition(uint32_t rank, uint32_t partition,
+                                uint64_t layout_fingerprint,
                                 const PartitionSnapshot& state);
 
   // Cheap: counters and per-partition progress (the mirror checksum is
   // MirrorChecksum(), a pass over the shard).
   ShardStatus Status() const;
-  uint64_t MirrorChecksum() const;  // call only while no step completes (the step observer)
-  double ServerErrorNorm() const;   // likewise
+  uint64_t MirrorChecksum()
+      const;  // call only while no step completes (the step observer)
+  double ServerErrorNorm() const;  // likewise
   const compress::Layout& layout() const { return layout_; }
   uint32_t shard() const { return shard_; }
 
@@ -225,7 +234,8 @@ class ShardCore {
 
   ShardCore(const proto::JobSpec& job, uint32_t shard, compress::Layout layout);
 
-  absl::Status CheckCommon(uint32_t rank, uint32_t partition, uint64_t fingerprint) const;
+  absl::Status CheckCommon(uint32_t rank, uint32_t partition,
+                           uint64_t fingerprint) const;
   // Runs under the partition's lock once all N pushes are in.
   absl::StatusOr<std::shared_ptr<const Reply>> Complete(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
@@ -236,7 +246,8 @@ class ShardCore {
     bool awaiting_commit = false;  // the step waits for its commit (Commit)
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
   };
-  Completion CompleteLocked(PartitionState& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  Completion CompleteLocked(PartitionState& p)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // The pool's task for a partition whose pushes are all in.
   void CompleteOnPool(PartitionState& p);
   // The step observer, then the waiting pushes' callbacks, then the mirror.
@@ -250,17 +261,20 @@ class ShardCore {
                            const StepCommit& commit, bool* applies) const
       ABSL_SHARED_LOCKS_REQUIRED(p.mu);
   // Records a checked commit; the caller then moves the mirror (MirrorSoon).
-  void ApplyCommit(PartitionState& p, const StepCommit& commit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  void ApplyCommit(PartitionState& p, const StepCommit& commit) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // ApplyMirror on the pool (here without one), so that the worker whose
   // commit completed the step need not wait for the mirror's update: all
   // that reads the mirror applies it first.
   void MirrorSoon(PartitionState& p) ABSL_LOCKS_EXCLUDED(p.mu);
-  absl::Status CommitStep(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
+  absl::Status CommitStep(uint32_t rank, int64_t step,
+                          uint64_t layout_fingerprint,
                           const StepCommit& commit);
   void FlushMirrors() const;  // ApplyMirror on every partition
   // The step p accepts pushes of: its next step, or zero_one_adam's next
   // sync after local steps.
-  int64_t NextExchange(const PartitionState& p) const ABSL_SHARED_LOCKS_REQUIRED(p.mu);
+  int64_t NextExchange(const PartitionState& p) const
+      ABSL_SHARED_LOCKS_REQUIRED(p.mu);
   void NoteStepCompleted(int64_t step);
   // The abort that refuses a push of `step`, if any.
   std::optional<absl::Status> AbortFor(int64_t step) const;
@@ -279,12 +293,14 @@ class ShardCore {
 
   // Taken inside a partition's lock, never around one.
   mutable Mutex abort_mu_;
-  std::optional<std::pair<int64_t, std::string>> abort_ ABSL_GUARDED_BY(abort_mu_);  // step, message
+  std::optional<std::pair<int64_t, std::string>> abort_
+      ABSL_GUARDED_BY(abort_mu_);  // step, message
 
   mutable Mutex progress_mu_;
   uint32_t initialized_ ABSL_GUARDED_BY(progress_mu_) = 0;
   int64_t observed_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
-  std::map<int64_t, uint32_t> completions_ ABSL_GUARDED_BY(progress_mu_);  // step -> partitions
+  std::map<int64_t, uint32_t> completions_
+      ABSL_GUARDED_BY(progress_mu_);  // step -> partitions
   uint64_t accepted_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t rejected_ ABSL_GUARDED_BY(progress_mu_) = 0;
 

@@ -5,16 +5,16 @@
 
 namespace morse::server {
 
-absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpec& base,
-                                                              uint32_t shard,
-                                                              OnConfigured on_configured,
-                                                              uint64_t max_model_elems,
-                                                              int compute_threads) {
+absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(
+    const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured,
+    uint64_t max_model_elems, int compute_threads) {
   if (shard >= base.shards()) {
-    return absl::InvalidArgumentError(absl::StrCat("shard ", shard, " does not exist; the job has ",
-                                                   base.shards(), " shards (0..", base.shards() - 1, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard ", shard, " does not exist; the job has ",
+                     base.shards(), " shards (0..", base.shards() - 1, ")"));
   }
-  std::unique_ptr<ShardHost> host(new ShardHost(base, shard, std::move(on_configured), max_model_elems, compute_threads));
+  std::unique_ptr<ShardHost> host(new ShardHost(
+      base, shard, std::move(on_configured), max_model_elems, compute_threads));
   if (base.sized()) {
     MutexLock lock(&host->mu_);
     if (absl::Status s = host->Configure(base); !s.ok()) return s;
@@ -23,8 +23,10 @@ absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(const proto::JobSpe
 }
 
 absl::Status ShardHost::Configure(const proto::JobSpec& job) {
-  auto core = ShardCore::Create(job, shard_, proto::HostMemoryBytes(), compute_threads_);
-  if (core.status().code() == absl::StatusCode::kResourceExhausted) return core.status();
+  auto core = ShardCore::Create(job, shard_, proto::HostMemoryBytes(),
+                                compute_threads_);
+  if (core.status().code() == absl::StatusCode::kResourceExhausted)
+    return core.status();
   if (!core.ok()) return absl::FailedPreconditionError(core.status().message());
   if (on_configured_) {
     if (absl::Status s = on_configured_(job, **core); !s.ok()) return s;
@@ -37,22 +39,27 @@ absl::Status ShardHost::Configure(const proto::JobSpec& job) {
 
 absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
   if (rank >= base_.workers()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unknown rank ", rank, "; the job has ", base_.workers(), " workers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "unknown rank ", rank, "; the job has ", base_.workers(), " workers"));
   }
   const auto differs = [](absl::string_view what, auto mine, auto theirs) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "this worker's job differs from the shard's: ", what, " ", theirs, " vs ", mine));
+    return absl::FailedPreconditionError(
+        absl::StrCat("this worker's job differs from the shard's: ", what, " ",
+                     theirs, " vs ", mine));
   };
-  if (job.workers() != base_.workers()) return differs("workers", base_.workers(), job.workers());
-  if (job.shards() != base_.shards()) return differs("shards", base_.shards(), job.shards());
+  if (job.workers() != base_.workers())
+    return differs("workers", base_.workers(), job.workers());
+  if (job.shards() != base_.shards())
+    return differs("shards", base_.shards(), job.shards());
   if (!job.sized()) {
-    return absl::InvalidArgumentError("a joining worker must say the model's size (external.dim)");
+    return absl::InvalidArgumentError(
+        "a joining worker must say the model's size (external.dim)");
   }
   if (max_model_elems_ > 0 && job.algorithm.layout.dim > max_model_elems_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "rank ", rank, " brings a model of ", job.algorithm.layout.dim,
-        " elements; this server takes at most ", max_model_elems_, " (--max_model_elems)"));
+        " elements; this server takes at most ", max_model_elems_,
+        " (--max_model_elems)"));
   }
   MutexLock lock(&mu_);
   if (owned_ == nullptr) {
@@ -60,29 +67,42 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
   } else {
     if (job.algorithm.layout.dim != job_.algorithm.layout.dim ||
         job.external.shapes_fingerprint != job_.external.shapes_fingerprint) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, " registered ", job.algorithm.layout.dim, " parameters",
-          job.external.shapes.empty() ? "" : absl::StrCat(" shaped ", job.external.shapes),
-          " but the job has ", job_.algorithm.layout.dim,
-          job_.external.shapes.empty() ? "" : absl::StrCat(" shaped ", job_.external.shapes),
-          "; every worker must build the same model"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank, " registered ", job.algorithm.layout.dim,
+                       " parameters",
+                       job.external.shapes.empty()
+                           ? ""
+                           : absl::StrCat(" shaped ", job.external.shapes),
+                       " but the job has ", job_.algorithm.layout.dim,
+                       job_.external.shapes.empty()
+                           ? ""
+                           : absl::StrCat(" shaped ", job_.external.shapes),
+                       "; every worker must build the same model"));
     }
-    if (owned_->layout().fingerprint() != compress::Layout::Create(job.algorithm.layout)->fingerprint()) {
+    if (owned_->layout().fingerprint() !=
+        compress::Layout::Create(job.algorithm.layout)->fingerprint()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, " has a different layout (block_elems or partition_elems)"));
+          "rank ", rank,
+          " has a different layout (block_elems or partition_elems)"));
     }
-    if (compress::AlgorithmFingerprint(job.algorithm) != compress::AlgorithmFingerprint(job_.algorithm)) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, " has different optimizer settings (optimizer, betas, eps, weight decay, "
-          "freeze_step, clip_grad_norm, codecs, feedback, seed or onebit_lamb's layers) from the job's"));
+    if (compress::AlgorithmFingerprint(job.algorithm) !=
+        compress::AlgorithmFingerprint(job_.algorithm)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank,
+                       " has different optimizer settings (optimizer, betas, "
+                       "eps, weight decay, "
+                       "freeze_step, clip_grad_norm, codecs, feedback, seed or "
+                       "onebit_lamb's layers) from the job's"));
     }
     const compress::LrSchedule& a = job.algorithm.lr;
     const compress::LrSchedule& b = job_.algorithm.lr;
-    if (a.kind != b.kind || a.base_lr != b.base_lr || a.warmup_steps != b.warmup_steps ||
-        a.total_steps != b.total_steps || a.min_lr != b.min_lr) {
+    if (a.kind != b.kind || a.base_lr != b.base_lr ||
+        a.warmup_steps != b.warmup_steps || a.total_steps != b.total_steps ||
+        a.min_lr != b.min_lr) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, " has a different learning-rate schedule (lr ", a.base_lr, " vs ",
-          b.base_lr, "); the shards' mirrors would drift from the workers"));
+          "rank ", rank, " has a different learning-rate schedule (lr ",
+          a.base_lr, " vs ", b.base_lr,
+          "); the shards' mirrors would drift from the workers"));
     }
   }
   joined_[rank] = true;

@@ -25,16 +25,16 @@ class ShardHost {
   // Called once with the new core before any worker can use it (restore a
   // checkpoint, set the step observer). An error fails the Join that
   // configured it, and the shard stays unconfigured.
-  using OnConfigured = std::function<absl::Status(const proto::JobSpec& job, ShardCore& core)>;
+  using OnConfigured =
+      std::function<absl::Status(const proto::JobSpec& job, ShardCore& core)>;
 
   // For a sized base config, creates the core now (and runs on_configured).
   // max_model_elems (0: no limit but the host's memory) caps the model an
   // external job's first Join may size the shard for. compute_threads:
   // the core's compute pool (ShardCore::Create; 0: none).
-  static absl::StatusOr<std::unique_ptr<ShardHost>> Create(const proto::JobSpec& base, uint32_t shard,
-                                                           OnConfigured on_configured,
-                                                           uint64_t max_model_elems = 0,
-                                                           int compute_threads = 0);
+  static absl::StatusOr<std::unique_ptr<ShardHost>> Create(
+      const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured,
+      uint64_t max_model_elems = 0, int compute_threads = 0);
 
   // Registers `rank` with the job it loaded. FAILED_PRECONDITION if that job
   // differs from this shard's (workers, shards, model size or shapes, layout
@@ -50,15 +50,17 @@ class ShardHost {
   const proto::JobSpec& base() const { return base_; }
 
  private:
-  ShardHost(const proto::JobSpec& base, uint32_t shard, OnConfigured on_configured,
-            uint64_t max_model_elems, int compute_threads)
+  ShardHost(const proto::JobSpec& base, uint32_t shard,
+            OnConfigured on_configured, uint64_t max_model_elems,
+            int compute_threads)
       : base_(base),
         shard_(shard),
         max_model_elems_(max_model_elems),
         compute_threads_(compute_threads),
         on_configured_(std::move(on_configured)),
         joined_(base.workers()) {}
-  absl::Status Configure(const proto::JobSpec& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status Configure(const proto::JobSpec& job)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const proto::JobSpec base_;
   const uint32_t shard_;

@@ -10,20 +10,26 @@ namespace morse::server {
 
 ShardRuntime::ShardRuntime(Options options) : options_(std::move(options)) {
   if (!options_.checkpoint_path.empty()) {
-    checkpoints_ = std::make_unique<CheckpointThread>(
-        options_.checkpoint_path, [this](const absl::Status& saved, int64_t step, const std::string& why) {
-          if (saved.ok()) {
-            {
-              MutexLock lock(&mu_);
-              durable_steps_ = std::max(durable_steps_, step);
-            }
-            Log(absl::StrFormat("morse-server shard %u: checkpoint of step %d written to %s (%s)",
-                                options_.shard, step, options_.checkpoint_path, why));
-          } else {
-            Log(absl::StrFormat("morse-server shard %u: no checkpoint written (%s): %s", options_.shard,
-                                why, saved.message()));
-          }
-        });
+    checkpoints_ = std::make_unique<
+        CheckpointThread>(options_.checkpoint_path, [this](const absl::Status&
+                                                               saved,
+                                                           int64_t step,
+                                                           const std::string&
+                                                               why) {
+      if (saved.ok()) {
+        {
+          MutexLock lock(&mu_);
+          durable_steps_ = std::max(durable_steps_, step);
+        }
+        Log(absl::StrFormat(
+            "morse-server shard %u: checkpoint of step %d written to %s (%s)",
+            options_.shard, step, options_.checkpoint_path, why));
+      } else {
+        Log(absl::StrFormat(
+            "morse-server shard %u: no checkpoint written (%s): %s",
+            options_.shard, why, saved.message()));
+      }
+    });
   }
 }
 
@@ -41,22 +47,25 @@ void ShardRuntime::SetMetrics(ServerMetrics* metrics) {
 void ShardRuntime::SaveCheckpoint(const ShardCore& core, const char* why) {
   auto snapshot = core.Snapshot();
   if (!snapshot.ok()) {
-    Log(absl::StrFormat("morse-server shard %u: no checkpoint written (%s): %s", options_.shard, why,
-                        snapshot.status().message()));
+    Log(absl::StrFormat("morse-server shard %u: no checkpoint written (%s): %s",
+                        options_.shard, why, snapshot.status().message()));
     return;
   }
   checkpoints_->Submit(*std::move(snapshot), why);
 }
 
-absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job, ShardCore& core) {
+absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job,
+                                        ShardCore& core) {
   if (!options_.checkpoint_path.empty()) {
     absl::Status restored = core.RestoreCheckpoint(options_.checkpoint_path);
     if (restored.ok()) {
-      Log(absl::StrFormat("morse-server shard %u: resumed from %s at step %d", options_.shard,
-                          options_.checkpoint_path, core.Status().completed_steps));
+      Log(absl::StrFormat("morse-server shard %u: resumed from %s at step %d",
+                          options_.shard, options_.checkpoint_path,
+                          core.Status().completed_steps));
     } else if (restored.code() != absl::StatusCode::kNotFound) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "cannot resume: ", restored.message(), " (move the file away to start from scratch)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("cannot resume: ", restored.message(),
+                       " (move the file away to start from scratch)"));
     }
   }
   {
@@ -66,19 +75,24 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job, ShardCore& co
   const uint32_t every = job.checkpoint_every_steps, log_every = job.log_every;
   // How far the shard may get past its newest checkpoint on disk: the
   // workers hold the pushes of the last replay_steps steps.
-  const int64_t slack = job.replay_steps > 0 ? static_cast<int64_t>(job.replay_steps) - 1 : every;
-  core.SetStepObserver([this, every, log_every, slack](int64_t step, const ShardCore& c) {
-    StepCompleted(step, c, every, log_every, slack);
-  });
+  const int64_t slack =
+      job.replay_steps > 0 ? static_cast<int64_t>(job.replay_steps) - 1 : every;
+  core.SetStepObserver(
+      [this, every, log_every, slack](int64_t step, const ShardCore& c) {
+        StepCompleted(step, c, every, log_every, slack);
+      });
   return absl::OkStatus();
 }
 
-void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core, uint32_t every,
-                                 uint32_t log_every, int64_t slack) {
+void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core,
+                                 uint32_t every, uint32_t log_every,
+                                 int64_t slack) {
   if (options_.state_log != nullptr) {
-    *options_.state_log << absl::StrFormat("{\"step\":%d,\"shard\":%u,\"mirror_checksum\":\"%016x\"}\n",
-                                           step, options_.shard, core.MirrorChecksum())
-                        << std::flush;
+    *options_.state_log
+        << absl::StrFormat(
+               "{\"step\":%d,\"shard\":%u,\"mirror_checksum\":\"%016x\"}\n",
+               step, options_.shard, core.MirrorChecksum())
+        << std::flush;
   }
   if (checkpoints_ != nullptr && every > 0 && (step + 1) % every == 0) {
     SaveCheckpoint(core, "periodic");
@@ -108,13 +122,16 @@ void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core, uint32_t e
       if (report) metrics_->SetErrorNorm(core.ServerErrorNorm());
     }
   }
-  if (report) Log(absl::StrFormat("morse-server shard %u: step %d completed", options_.shard, step));
+  if (report)
+    Log(absl::StrFormat("morse-server shard %u: step %d completed",
+                        options_.shard, step));
 }
 
 void ShardRuntime::Tick(ShardCore& core, absl::Time now) {
   if (now - last_stall_notice_ > absl::Seconds(5)) {
     if (std::optional<std::string> stalled = core.Stalled(now)) {
-      Log(absl::StrFormat("morse-server shard %u: %s", options_.shard, *stalled));
+      Log(absl::StrFormat("morse-server shard %u: %s", options_.shard,
+                          *stalled));
       last_stall_notice_ = now;
     }
   }
@@ -123,7 +140,9 @@ void ShardRuntime::Tick(ShardCore& core, absl::Time now) {
 
 void ShardRuntime::Shutdown(const ShardCore* core) {
   if (core == nullptr) {
-    Log(absl::StrFormat("morse-server shard %u: stopped before any worker joined", options_.shard));
+    Log(absl::StrFormat(
+        "morse-server shard %u: stopped before any worker joined",
+        options_.shard));
     return;
   }
   if (checkpoints_ != nullptr) {
@@ -131,8 +150,10 @@ void ShardRuntime::Shutdown(const ShardCore* core) {
     checkpoints_->Flush();
   }
   const ShardStatus s = core->Status();
-  Log(absl::StrFormat("morse-server shard %u: stopped after %d steps; %u pushes accepted, %u rejected",
-                      options_.shard, s.completed_steps, s.pushes_accepted, s.pushes_rejected));
+  Log(absl::StrFormat(
+      "morse-server shard %u: stopped after %d steps; %u pushes accepted, %u "
+      "rejected",
+      options_.shard, s.completed_steps, s.pushes_accepted, s.pushes_rejected));
 }
 
 void ShardRuntime::FlushCheckpoints() {

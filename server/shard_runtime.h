@@ -17,8 +17,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "compress/sync.h"
 #include "absl/time/time.h"
+#include "compress/sync.h"
 #include "proto/job_config.h"
 #include "server/checkpoint_thread.h"
 #include "server/metrics.h"
@@ -30,8 +30,9 @@ class ShardRuntime {
  public:
   struct Options {
     uint32_t shard = 0;
-    std::string checkpoint_path;        // shard-<s>.ckpt; empty: no checkpoints
-    std::ostream* state_log = nullptr;  // one JSON line per completed step; null: none
+    std::string checkpoint_path;  // shard-<s>.ckpt; empty: no checkpoints
+    std::ostream* state_log =
+        nullptr;  // one JSON line per completed step; null: none
     // Where progress lines go (one line, no newline); default: stdout.
     std::function<void(const std::string&)> log;
   };
@@ -64,7 +65,8 @@ class ShardRuntime {
  private:
   void Log(const std::string& line) const;
   void SaveCheckpoint(const ShardCore& core, const char* why);
-  void StepCompleted(int64_t step, const ShardCore& core, uint32_t every, uint32_t log_every, int64_t slack);
+  void StepCompleted(int64_t step, const ShardCore& core, uint32_t every,
+                     uint32_t log_every, int64_t slack);
 
   const Options options_;
   Mutex mu_;

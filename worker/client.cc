@@ -8,63 +8,76 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "compress/sync.h"
 #include "compress/lamb.h"
+#include "compress/sync.h"
 #include "proto/wire.h"
 #include "worker/transport/grpc/transport.h"
 
 namespace morse::worker {
 namespace {
 
-double Since(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+double Since(absl::Time start) {
+  return absl::ToDoubleSeconds(absl::Now() - start);
+}
 
 // Transient failures worth retrying: the server is not reachable yet, or
 // not initialized yet.
-bool Retryable(const absl::Status& s) { return s.code() == absl::StatusCode::kUnavailable; }
+bool Retryable(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kUnavailable;
+}
 
 // A failed call's status: its canonical code, with what was being done.
 absl::Status RpcError(const absl::Status& status, absl::string_view what) {
-  return absl::Status(status.code(), absl::StrCat(what, ": ", status.message()));
+  return absl::Status(status.code(),
+                      absl::StrCat(what, ": ", status.message()));
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobSpec& job,
-                                                                const compress::Layout& layout,
-                                                                std::vector<std::string> servers,
-                                                                uint32_t rank,
-                                                                const proto::SecurityOptions& security,
-                                                                int compute_threads) {
-  auto transport = GrpcTransport::Create(job, std::move(servers), rank, security);
+absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(
+    const proto::JobSpec& job, const compress::Layout& layout,
+    std::vector<std::string> servers, uint32_t rank,
+    const proto::SecurityOptions& security, int compute_threads) {
+  auto transport =
+      GrpcTransport::Create(job, std::move(servers), rank, security);
   if (!transport.ok()) return transport.status();
-  return Create(job, layout, *std::move(transport), rank, compute_threads, !security.insecure);
+  return Create(job, layout, *std::move(transport), rank, compute_threads,
+                !security.insecure);
 }
 
-absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(const proto::JobSpec& job,
-                                                                const compress::Layout& layout,
-                                                                std::unique_ptr<Transport> transport,
-                                                                uint32_t rank, int compute_threads,
-                                                                bool tls) {
+absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(
+    const proto::JobSpec& job, const compress::Layout& layout,
+    std::unique_ptr<Transport> transport, uint32_t rank, int compute_threads,
+    bool tls) {
   if (compute_threads < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("compute threads: ", compute_threads, "; at least 0 (0: none)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute threads: ", compute_threads, "; at least 0 (0: none)"));
   }
   if (transport->shards() != job.shards()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("a transport to ", transport->shards(), " shards for a job of ", job.shards()));
+        absl::StrCat("a transport to ", transport->shards(),
+                     " shards for a job of ", job.shards()));
   }
   if (rank >= job.workers()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
-  std::unique_ptr<PushClient> client(new PushClient(job, layout, std::move(transport), rank, tls));
-  if (compute_threads > 0) client->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
+  std::unique_ptr<PushClient> client(
+      new PushClient(job, layout, std::move(transport), rank, tls));
+  if (compute_threads > 0)
+    client->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
   return client;
 }
 
-PushClient::PushClient(const proto::JobSpec& job, const compress::Layout& layout,
-                       std::unique_ptr<Transport> transport, uint32_t rank, bool tls)
-    : job_(job), layout_(layout), transport_(std::move(transport)), rank_(rank), tls_(tls),
+PushClient::PushClient(const proto::JobSpec& job,
+                       const compress::Layout& layout,
+                       std::unique_ptr<Transport> transport, uint32_t rank,
+                       bool tls)
+    : job_(job),
+      layout_(layout),
+      transport_(std::move(transport)),
+      rank_(rank),
+      tls_(tls),
       rejoining_(transport_->shards(), false) {}
 
 CallOptions PushClient::Options(double seconds, uint32_t lane) const {
@@ -75,7 +88,8 @@ CallOptions PushClient::Options(double seconds, uint32_t lane) const {
 }
 
 absl::Status PushClient::WaitForShards() {
-  const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   absl::Duration backoff = absl::Milliseconds(100);
   std::vector<bool> ready(transport_->shards(), false);
   std::string last_error;
@@ -87,26 +101,28 @@ absl::Status PushClient::WaitForShards() {
       CallOptions options = Options(1.0);
       options.wait_for_ready = true;
       v1::ShardInfo info;
-      const absl::Status status =
-          Wait(&Transport::GetShardInfo, *transport_, s, v1::ShardInfoRequest(), &info, options);
+      const absl::Status status = Wait(&Transport::GetShardInfo, *transport_, s,
+                                       v1::ShardInfoRequest(), &info, options);
       if (status.code() == absl::StatusCode::kUnauthenticated ||
           status.code() == absl::StatusCode::kPermissionDenied) {
         return RpcError(status, transport_->address(s));
       }
       if (!status.ok()) {
-        last_error = absl::StrCat(transport_->address(s), ": ", status.message());
+        last_error =
+            absl::StrCat(transport_->address(s), ": ", status.message());
         continue;
       }
       if (info.shard() != s) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            transport_->address(s), " serves shard ", info.shard(), ", not shard ", s,
-            "; list --servers in shard order"));
+        return absl::FailedPreconditionError(
+            absl::StrCat(transport_->address(s), " serves shard ", info.shard(),
+                         ", not shard ", s, "; list --servers in shard order"));
       }
       // Whether the shard runs the same job is Join's to check: it can say
       // what differs.
       ready[s] = true;
     }
-    if (std::all_of(ready.begin(), ready.end(), [](bool r) { return r; })) return absl::OkStatus();
+    if (std::all_of(ready.begin(), ready.end(), [](bool r) { return r; }))
+      return absl::OkStatus();
     if (absl::Now() + backoff > deadline) {
       std::vector<std::string> missing;
       for (uint32_t s = 0; s < transport_->shards(); ++s) {
@@ -115,12 +131,16 @@ absl::Status PushClient::WaitForShards() {
       return absl::DeadlineExceededError(absl::StrCat(
           "no answer within ", job_.connect_timeout_seconds, " s from ",
           absl::StrJoin(missing, ", "), " (last error: ", last_error, ")",
-          tls_ ? "; with TLS a failed handshake looks the same: check --tls_ca, the servers' "
-                 "certificate names (--tls_server_name) and the client certificate"
+          tls_ ? "; with TLS a failed handshake looks the same: check "
+                 "--tls_ca, the servers' "
+                 "certificate names (--tls_server_name) and the client "
+                 "certificate"
                : ""));
     }
-    std::fprintf(stderr, "morse-worker %u: waiting for servers (%s); retrying in %.1f s\n", rank_,
-                 last_error.c_str(), absl::ToDoubleSeconds(backoff));
+    std::fprintf(
+        stderr,
+        "morse-worker %u: waiting for servers (%s); retrying in %.1f s\n",
+        rank_, last_error.c_str(), absl::ToDoubleSeconds(backoff));
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Seconds(1));
   }
@@ -135,8 +155,9 @@ absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
     request.set_values(reinterpret_cast<const char*>(x0.data() + p.range.begin),
                        4 * p.range.size());
     v1::InitPartitionReply reply;
-    const absl::Status status = Wait(&Transport::InitPartition, *transport_, p.shard, request, &reply,
-                                     Options(job_.rpc_timeout_seconds, p.id));
+    const absl::Status status =
+        Wait(&Transport::InitPartition, *transport_, p.shard, request, &reply,
+             Options(job_.rpc_timeout_seconds, p.id));
     if (!status.ok()) {
       return RpcError(status, absl::StrCat("uploading partition ", p.id, " to ",
                                            transport_->address(p.shard)));
@@ -146,7 +167,8 @@ absl::Status PushClient::UploadInitialParameters(absl::Span<const float> x0) {
 }
 
 absl::Status PushClient::WaitInitialized() {
-  const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   while (true) {
     auto infos = ShardInfos();
     if (!infos.ok()) return infos.status();
@@ -166,7 +188,8 @@ absl::StatusOr<int64_t> PushClient::FetchModel(compress::Replica& replica) {
   return Fetch(ModelArrays{&replica}, {});
 }
 
-absl::StatusOr<int64_t> PushClient::FetchServerError(absl::Span<float> server_error) {
+absl::StatusOr<int64_t> PushClient::FetchServerError(
+    absl::Span<float> server_error) {
   return Fetch(std::nullopt, server_error);
 }
 
@@ -180,14 +203,17 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
     request.set_skip_model(!model.has_value());
     request.set_server_error(!server_error.empty());
     v1::PartitionState state;
-    const absl::Status status = Wait(&Transport::FetchPartition, *transport_, p.shard, request, &state,
-                                     Options(job_.rpc_timeout_seconds, p.id));
+    const absl::Status status =
+        Wait(&Transport::FetchPartition, *transport_, p.shard, request, &state,
+             Options(job_.rpc_timeout_seconds, p.id));
     if (!status.ok()) {
-      return RpcError(status, absl::StrCat("fetching partition ", p.id, " from ",
-                                           transport_->address(p.shard)));
+      return RpcError(status,
+                      absl::StrCat("fetching partition ", p.id, " from ",
+                                   transport_->address(p.shard)));
     }
     const size_t bytes = 4 * p.range.size();
-    const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+    const bool lamb =
+        job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
     // An array flagged zero is left out of the message (all +0.0).
     const auto sized = [bytes](const std::string& array, bool zero) {
       return array.size() == (zero ? 0 : bytes);
@@ -199,12 +225,14 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
                     static_cast<size_t>(state.lamb_layers_size()) !=
                         2 * model->replica->lamb_layers().size())))) ||
         (!server_error.empty() && state.server_error().size() != bytes)) {
-      return absl::InternalError(absl::StrCat("partition ", p.id, " came back with the wrong size"));
+      return absl::InternalError(
+          absl::StrCat("partition ", p.id, " came back with the wrong size"));
     }
     if (step >= 0 && state.completed_steps() != step) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "partition ", p.id, " has completed ", state.completed_steps(), " steps, others ", step,
-          "; restart the servers from their checkpoints"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition ", p.id, " has completed ",
+                       state.completed_steps(), " steps, others ", step,
+                       "; restart the servers from their checkpoints"));
     }
     step = state.completed_steps();
     if (model.has_value()) {
@@ -222,19 +250,21 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
       if (lamb) {
         copy(state.v_fresh(), state.v_fresh_zero(), r.mutable_v_fresh().data());
         // Every shard holds them all.
-        r.set_lamb_layers(compress::UnflattenLambLayers(
-            absl::MakeConstSpan(state.lamb_layers().data(), state.lamb_layers_size())));
+        r.set_lamb_layers(compress::UnflattenLambLayers(absl::MakeConstSpan(
+            state.lamb_layers().data(), state.lamb_layers_size())));
       }
     }
     if (!server_error.empty()) {
-      std::memcpy(server_error.data() + p.range.begin, state.server_error().data(), bytes);
+      std::memcpy(server_error.data() + p.range.begin,
+                  state.server_error().data(), bytes);
     }
   }
   return step;
 }
 
 absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
-                                      absl::Span<const float> m, absl::Span<const float> v,
+                                      absl::Span<const float> m,
+                                      absl::Span<const float> v,
                                       absl::Span<const float> server_error,
                                       absl::Span<const float> v_fresh,
                                       absl::Span<const float> lamb_layers) {
@@ -245,19 +275,24 @@ absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
     request.set_layout_fingerprint(layout_.fingerprint());
     request.set_completed_steps(step);
     const auto bytes = [&p](absl::Span<const float> a) {
-      return std::string(reinterpret_cast<const char*>(a.data() + p.range.begin), 4 * p.range.size());
+      return std::string(
+          reinterpret_cast<const char*>(a.data() + p.range.begin),
+          4 * p.range.size());
     };
     request.set_x(bytes(x));
     request.set_m(bytes(m));
     request.set_v(bytes(v));
     request.set_server_error(bytes(server_error));
     if (!v_fresh.empty()) request.set_v_fresh(bytes(v_fresh));
-    request.mutable_lamb_layers()->Assign(lamb_layers.begin(), lamb_layers.end());
+    request.mutable_lamb_layers()->Assign(lamb_layers.begin(),
+                                          lamb_layers.end());
     v1::RestorePartitionReply reply;
-    const absl::Status status = Wait(&Transport::RestorePartition, *transport_, p.shard, request,
-                                     &reply, Options(job_.rpc_timeout_seconds, p.id));
+    const absl::Status status =
+        Wait(&Transport::RestorePartition, *transport_, p.shard, request,
+             &reply, Options(job_.rpc_timeout_seconds, p.id));
     if (!status.ok()) {
-      return RpcError(status, absl::StrCat("restoring partition ", p.id, " on ", transport_->address(p.shard)));
+      return RpcError(status, absl::StrCat("restoring partition ", p.id, " on ",
+                                           transport_->address(p.shard)));
     }
   }
   return absl::OkStatus();
@@ -267,15 +302,17 @@ absl::StatusOr<int64_t> PushClient::CompletedSteps() {
   auto infos = ShardInfos();
   if (!infos.ok()) return infos.status();
   int64_t steps = INT64_MAX;
-  for (const v1::ShardInfo& info : *infos) steps = std::min(steps, info.completed_steps());
+  for (const v1::ShardInfo& info : *infos)
+    steps = std::min(steps, info.completed_steps());
   return steps;
 }
 
 absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
   std::vector<v1::ShardInfo> infos(transport_->shards());
   for (uint32_t s = 0; s < transport_->shards(); ++s) {
-    const absl::Status status = Wait(&Transport::GetShardInfo, *transport_, s, v1::ShardInfoRequest(),
-                                     &infos[s], Options(job_.rpc_timeout_seconds));
+    const absl::Status status =
+        Wait(&Transport::GetShardInfo, *transport_, s, v1::ShardInfoRequest(),
+             &infos[s], Options(job_.rpc_timeout_seconds));
     if (!status.ok()) {
       return RpcError(status, transport_->address(s));
     }
@@ -298,7 +335,8 @@ struct StepExchange::Call {
   int64_t replay_last = -1;
 };
 
-StepExchange::StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
+StepExchange::StepExchange(PushClient* client, int64_t step,
+                           compress::CodecKind up, Apply apply,
                            StepExtras extras, bool parallel_encode)
     : client_(client),
       step_(step),
@@ -327,34 +365,44 @@ void StepExchange::Issue(std::unique_ptr<Call> call) {
   // The completion owns the call and destroys it before it signals the
   // step: once Finish() returns, nothing of this step is left in flight.
   Call* raw = call.release();
-  client_->transport_->Push(raw->partition->shard, raw->request, &raw->reply,
-                            client_->Options(client_->job_.rpc_timeout_seconds, raw->partition->id),
-                            [this, raw](absl::Status status) { OnDone(raw, std::move(status)); });
+  client_->transport_->Push(
+      raw->partition->shard, raw->request, &raw->reply,
+      client_->Options(client_->job_.rpc_timeout_seconds, raw->partition->id),
+      [this, raw](absl::Status status) { OnDone(raw, std::move(status)); });
 }
 
 void StepExchange::RetryLater(std::unique_ptr<Call> call) {
-  const absl::Duration backoff = absl::Milliseconds(std::min(50 << std::min(call->attempt, 5), 1000));
+  const absl::Duration backoff =
+      absl::Milliseconds(std::min(50 << std::min(call->attempt, 5), 1000));
   // On the client's timer thread, never sleeping on the transport's.
-  client_->timer_.After(backoff, [this, raw = call.release()] { Issue(std::unique_ptr<Call>(raw)); });
+  client_->timer_.After(backoff, [this, raw = call.release()] {
+    Issue(std::unique_ptr<Call>(raw));
+  });
 }
 
-void StepExchange::Fail(const compress::Partition& partition, absl::Status status) {
+void StepExchange::Fail(const compress::Partition& partition,
+                        absl::Status status) {
   MutexLock lock(&mu_);
   if (error_.ok()) {
-    error_ = absl::Status(status.code(), absl::StrCat("partition ", partition.id, " of step ", step_,
-                                                      " on ", client_->transport_->address(partition.shard),
-                                                      ": ", status.message()));
+    error_ = absl::Status(
+        status.code(),
+        absl::StrCat("partition ", partition.id, " of step ", step_, " on ",
+                     client_->transport_->address(partition.shard), ": ",
+                     status.message()));
   }
   --in_flight_;
 }
 
 absl::StatusOr<std::unique_ptr<StepExchange::Call>> StepExchange::RetainedPush(
     const compress::Partition& partition, int64_t step) {
-  std::optional<PushClient::Retained> retained = client_->Find(step, partition.id);
+  std::optional<PushClient::Retained> retained =
+      client_->Find(step, partition.id);
   if (!retained.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "the shard restarted from its checkpoint and needs this worker's push of step ", step,
-        ", which it no longer holds (it keeps checkpoint.replay_steps = ", client_->job_.replay_steps,
+        "the shard restarted from its checkpoint and needs this worker's push "
+        "of step ",
+        step, ", which it no longer holds (it keeps checkpoint.replay_steps = ",
+        client_->job_.replay_steps,
         " steps; it must be at least checkpoint.every_steps + 1)"));
   }
   auto replay = std::make_unique<Call>();
@@ -365,10 +413,13 @@ absl::StatusOr<std::unique_ptr<StepExchange::Call>> StepExchange::RetainedPush(
   return replay;
 }
 
-absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from) {
-  const int64_t until = call->request.step();  // replay [from, until), then call
+absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call,
+                                       int64_t from) {
+  const int64_t until =
+      call->request.step();  // replay [from, until), then call
   const uint32_t id = call->partition->id;
-  absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(*call->partition, from);
+  absl::StatusOr<std::unique_ptr<Call>> replay =
+      RetainedPush(*call->partition, from);
   if (!replay.ok()) return replay.status();
   std::vector<Resend> completed;
   {
@@ -376,24 +427,29 @@ absl::Status StepExchange::StartReplay(std::unique_ptr<Call> call, int64_t from)
     if (!replay_noticed_) {
       replay_noticed_ = true;
       std::fprintf(stderr,
-                   "morse-worker %u: %s restarted from its checkpoint at step %lld; replaying "
+                   "morse-worker %u: %s restarted from its checkpoint at step "
+                   "%lld; replaying "
                    "steps %lld..%lld\n",
-                   client_->rank_, client_->transport_->address(call->partition->shard).c_str(),
+                   client_->rank_,
+                   client_->transport_->address(call->partition->shard).c_str(),
                    static_cast<long long>(from), static_cast<long long>(from),
                    static_cast<long long>(until - 1));
     }
     caught_up_[id] = true;
     completed = NoteRestart(call->partition->shard, from);
   }
-  if (call->then != nullptr) call = std::move(call->then);  // a replay refused again
+  if (call->then != nullptr)
+    call = std::move(call->then);  // a replay refused again
   (*replay)->then = std::move(call);
   Issue(*std::move(replay));
   for (const Resend& r : completed) ReplayCompleted(*r.partition, from, r.last);
   return absl::OkStatus();
 }
 
-std::vector<StepExchange::Resend> StepExchange::NoteRestart(uint32_t shard, int64_t from) {
-  if (restarted_from_[shard] < 0 || from < restarted_from_[shard]) restarted_from_[shard] = from;
+std::vector<StepExchange::Resend> StepExchange::NoteRestart(uint32_t shard,
+                                                            int64_t from) {
+  if (restarted_from_[shard] < 0 || from < restarted_from_[shard])
+    restarted_from_[shard] = from;
   std::vector<Resend> out;
   for (const compress::Partition* p : completed_) {
     if (p->shard != shard || caught_up_[p->id]) continue;
@@ -434,13 +490,15 @@ void StepExchange::ProbeShards() {
     };
     auto probe = std::make_shared<Probe>();
     client_->transport_->GetShardInfo(
-        s, probe->request, &probe->info, client_->Options(client_->job_.rpc_timeout_seconds),
+        s, probe->request, &probe->info,
+        client_->Options(client_->job_.rpc_timeout_seconds),
         [this, s, probe](absl::Status status) {
           // This worker has every reply of the steps before this one, so a
           // shard that has not completed them restarted from a checkpoint
           // and needs this worker's pushes since.
           if (status.ok() && probe->info.initialized()) {
-            const int64_t from = compress::NextExchange(client_->job_.algorithm, probe->info.completed_steps());
+            const int64_t from = compress::NextExchange(
+                client_->job_.algorithm, probe->info.completed_steps());
             if (from < step_) CatchUp(s, from);
           }
           MutexLock lock(&mu_);
@@ -449,7 +507,8 @@ void StepExchange::ProbeShards() {
   }
 }
 
-void StepExchange::ReplayCompleted(const compress::Partition& partition, int64_t from, int64_t last) {
+void StepExchange::ReplayCompleted(const compress::Partition& partition,
+                                   int64_t from, int64_t last) {
   absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(partition, from);
   if (!replay.ok()) return Fail(partition, replay.status());
   (*replay)->replay_last = last;
@@ -461,51 +520,61 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
   const double recovery = client_->job_.recovery_timeout_seconds;
   // A push still waiting for a stalled worker when its own deadline passed
   // is re-sent too (the shard keeps the step up to the recovery timeout).
-  const bool waited_out = status.code() == absl::StatusCode::kDeadlineExceeded &&
-                          !status.GetPayload(proto::kStepExpiredKey).has_value();
+  const bool waited_out =
+      status.code() == absl::StatusCode::kDeadlineExceeded &&
+      !status.GetPayload(proto::kStepExpiredKey).has_value();
   if (!status.ok() && (Retryable(status) || waited_out)) {
-    if (done->first_failure == absl::InfiniteFuture()) done->first_failure = absl::Now();
+    if (done->first_failure == absl::InfiniteFuture())
+      done->first_failure = absl::Now();
     const double down = Since(done->first_failure);
-    if (status.GetPayload(proto::kNeedsJoinKey).has_value()) client_->Rejoin(done->partition->shard);
+    if (status.GetPayload(proto::kNeedsJoinKey).has_value())
+      client_->Rejoin(done->partition->shard);
     if (down < recovery) {
       {
         MutexLock lock(&mu_);
         ++traffic_.retries;
         if (down > 1.0 && absl::Now() - last_notice_ > absl::Seconds(5)) {
           last_notice_ = absl::Now();
-          std::fprintf(stderr,
-                       "morse-worker %u: %s unavailable for %.0f s at step %lld (%s); retrying up to "
-                       "%.0f s (timeouts.recovery_seconds)\n",
-                       client_->rank_, client_->transport_->address(done->partition->shard).c_str(), down,
-                       static_cast<long long>(step_), std::string(status.message()).c_str(), recovery);
+          std::fprintf(
+              stderr,
+              "morse-worker %u: %s unavailable for %.0f s at step %lld (%s); "
+              "retrying up to "
+              "%.0f s (timeouts.recovery_seconds)\n",
+              client_->rank_,
+              client_->transport_->address(done->partition->shard).c_str(),
+              down, static_cast<long long>(step_),
+              std::string(status.message()).c_str(), recovery);
         }
       }
       const uint32_t shard = done->partition->shard;
       RetryLater(std::move(done));
-      if (client_->job_.replay_steps > 0) {  // else nothing is retained: no shard recovery
+      if (client_->job_.replay_steps >
+          0) {  // else nothing is retained: no shard recovery
         CatchUp(shard, step_);
         ProbeShards();
       }
       return;
     }
     return Fail(*done->partition,
-                absl::UnavailableError(absl::StrCat("unavailable for ", static_cast<int>(down),
-                                                    " s (timeouts.recovery_seconds = ", recovery,
-                                                    "): ", status.message())));
+                absl::UnavailableError(
+                    absl::StrCat("unavailable for ", static_cast<int>(down),
+                                 " s (timeouts.recovery_seconds = ", recovery,
+                                 "): ", status.message())));
   }
   done->first_failure = absl::InfiniteFuture();
   if (status.code() == absl::StatusCode::kAborted) {
     const std::optional<int64_t> next = proto::NextStep(status);
     if (next.has_value() && *next < done->request.step()) {
       const compress::Partition* partition = done->partition;
-      if (absl::Status s = StartReplay(std::move(done), *next); !s.ok()) Fail(*partition, s);
+      if (absl::Status s = StartReplay(std::move(done), *next); !s.ok())
+        Fail(*partition, s);
       return;
     }
   }
   if (done->replay) {  // a replayed push
     const std::optional<int64_t> accepts = proto::NextStep(status);
-    if (status.code() == absl::StatusCode::kFailedPrecondition && accepts.has_value() &&
-        *accepts > done->request.step()) {
+    if (status.code() == absl::StatusCode::kFailedPrecondition &&
+        accepts.has_value() && *accepts > done->request.step()) {
       // The shard restarted again, from a checkpoint past this step: no one
       // needs it replayed any more. Go on with the refused push, if any.
       std::unique_ptr<Call> then = std::move(done->then);
@@ -515,29 +584,35 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
       return;
     }
     absl::Status result = status;
-    if (result.ok() && std::hash<std::string>{}(done->reply.payload()) != done->expected_hash) {
-      result = absl::InternalError(absl::StrCat(
-          "step ", done->request.step(), " replayed on the restarted shard gave another reply "
-          "than before it restarted; its checkpoint does not match the workers"));
+    if (result.ok() && std::hash<std::string>{}(done->reply.payload()) !=
+                           done->expected_hash) {
+      result = absl::InternalError(
+          absl::StrCat("step ", done->request.step(),
+                       " replayed on the restarted shard gave another reply "
+                       "than before it restarted; its checkpoint does not "
+                       "match the workers"));
     }
     if (!result.ok()) return Fail(*done->partition, result);
     // The step after it that pushed (zero_one_adam's local steps push
     // nothing).
-    const int64_t next = compress::NextExchange(client_->job_.algorithm, done->request.step() + 1);
+    const int64_t next = compress::NextExchange(client_->job_.algorithm,
+                                                done->request.step() + 1);
     if (done->then == nullptr) {  // ReplayCompleted's: on through replay_last
       if (next > done->replay_last) {
         MutexLock lock(&mu_);
         --in_flight_;
         return;
       }
-      absl::StatusOr<std::unique_ptr<Call>> replay = RetainedPush(*done->partition, next);
+      absl::StatusOr<std::unique_ptr<Call>> replay =
+          RetainedPush(*done->partition, next);
       if (!replay.ok()) return Fail(*done->partition, replay.status());
       (*replay)->replay_last = done->replay_last;
       return Issue(*std::move(replay));
     }
     std::unique_ptr<Call> then = std::move(done->then);
     if (next == then->request.step()) return Issue(std::move(then));
-    if (absl::Status s = StartReplay(std::move(then), next); !s.ok()) Fail(*done->partition, s);
+    if (absl::Status s = StartReplay(std::move(then), next); !s.ok())
+      Fail(*done->partition, s);
     return;
   }
   if (client_->pool_ != nullptr) {
@@ -551,21 +626,26 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
   Deliver(std::move(done), status);
 }
 
-void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& status) {
+void StepExchange::Deliver(std::unique_ptr<Call> done,
+                           const absl::Status& status) {
   absl::Status result = status;
   const absl::Time start = absl::Now();
   if (result.ok()) {
-    result = apply_(*done->partition, done->reply.payload(),
-                    done->reply.has_grad_sum_of_squares()
-                        ? std::optional<double>(done->reply.grad_sum_of_squares())
-                        : std::nullopt);
+    result =
+        apply_(*done->partition, done->reply.payload(),
+               done->reply.has_grad_sum_of_squares()
+                   ? std::optional<double>(done->reply.grad_sum_of_squares())
+                   : std::nullopt);
   }
   const double apply_seconds = Since(start);
   const compress::Partition* partition = done->partition;
   const size_t bytes_down = done->reply.payload().size();
-  std::string buffers = partition->id == 0 ? std::move(*done->reply.mutable_buffers()) : std::string();
+  std::string buffers = partition->id == 0
+                            ? std::move(*done->reply.mutable_buffers())
+                            : std::string();
   if (result.ok() && client_->job_.replay_steps > 0) {
-    client_->Retain(std::move(done->request), std::hash<std::string>{}(done->reply.payload()));
+    client_->Retain(std::move(done->request),
+                    std::hash<std::string>{}(done->reply.payload()));
   }
   done.reset();
   int64_t restarted_from = -1;
@@ -585,9 +665,11 @@ void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& statu
   if (restarted_from >= 0) ReplayCompleted(*partition, restarted_from, step_);
   MutexLock lock(&mu_);
   if (!result.ok() && error_.ok()) {
-    error_ = absl::Status(result.code(), absl::StrCat(
-        "partition ", partition->id, " of step ", step_, " on ",
-        client_->transport_->address(partition->shard), ": ", result.message()));
+    error_ = absl::Status(
+        result.code(),
+        absl::StrCat("partition ", partition->id, " of step ", step_, " on ",
+                     client_->transport_->address(partition->shard), ": ",
+                     result.message()));
   }
   traffic_.payload_down += bytes_down;
   if (result.ok() && partition->id == 0) received_buffers_ = std::move(buffers);
@@ -595,7 +677,8 @@ void StepExchange::Deliver(std::unique_ptr<Call> done, const absl::Status& statu
   --in_flight_;
 }
 
-absl::Status StepExchange::Send(const compress::Partition& partition, const Encode& encode) {
+absl::Status StepExchange::Send(const compress::Partition& partition,
+                                const Encode& encode) {
   struct Slot {
     StepExchange* self;
     uint32_t window;
@@ -625,9 +708,11 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   if (partition.id == 0 && !extras_.buffers.empty()) {
     call->request.set_buffers(std::move(extras_.buffers));
   }
-  for (double value : extras_.previous_lamb_commit) call->request.add_previous_lamb_commit(value);
+  for (double value : extras_.previous_lamb_commit)
+    call->request.add_previous_lamb_commit(value);
   if (extras_.previous_grad_sum_of_squares.has_value()) {
-    call->request.set_previous_grad_sum_of_squares(*extras_.previous_grad_sum_of_squares);
+    call->request.set_previous_grad_sum_of_squares(
+        *extras_.previous_grad_sum_of_squares);
   }
   if (client_->pool_ != nullptr && parallel_encode_) {
     // The caller goes on (computing the next partitions' gradient) while a
@@ -640,10 +725,12 @@ absl::Status StepExchange::Send(const compress::Partition& partition, const Enco
   return EncodeAndIssue(std::move(call), encode, /*inline_call=*/true);
 }
 
-absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode,
+absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call,
+                                          const Encode& encode,
                                           bool inline_call) {
   const absl::Time start = absl::Now();
-  absl::Status encoded = encode(*call->partition, call->request.mutable_payload());
+  absl::Status encoded =
+      encode(*call->partition, call->request.mutable_payload());
   {
     MutexLock lock(&mu_);
     const double seconds = Since(start);
@@ -662,7 +749,8 @@ absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call, const Enco
 
 absl::Status StepExchange::Finish(StepTraffic* traffic) {
   MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(+[](uint32_t* n) { return *n == 0; }, &in_flight_));
+  mu_.Await(absl::Condition(
+      +[](uint32_t* n) { return *n == 0; }, &in_flight_));
   if (traffic != nullptr) *traffic = traffic_;
   return error_;
 }
@@ -678,7 +766,8 @@ void PushClient::Retain(v1::PushRequest request, size_t reply_hash) {
   }
 }
 
-std::optional<PushClient::Retained> PushClient::Find(int64_t step, uint32_t partition) const {
+std::optional<PushClient::Retained> PushClient::Find(int64_t step,
+                                                     uint32_t partition) const {
   MutexLock lock(&retained_mu_);
   const auto it = retained_.find({step, partition});
   if (it == retained_.end()) return std::nullopt;
@@ -703,19 +792,22 @@ void PushClient::Rejoin(uint32_t shard) {
   auto* call = new JoinCall;
   call->request.set_rank(rank_);
   call->request.mutable_job()->ParseFromString(job_.config_proto);
-  std::fprintf(stderr, "morse-worker %u: %s lost the model (restarted); joining it again\n", rank_,
-               transport_->address(shard).c_str());
-  transport_->Join(shard, call->request, &call->reply, Options(job_.rpc_timeout_seconds),
-                   [this, call, shard](absl::Status status) {
-                                  if (!status.ok()) {
-                                    std::fprintf(stderr, "morse-worker %u: joining %s again: %s\n",
-                                                 rank_, transport_->address(shard).c_str(),
-                                                 std::string(status.message()).c_str());
-                                  }
-                                  delete call;
-                                  MutexLock lock(&retained_mu_);
-                                  rejoining_[shard] = false;
-                                });
+  std::fprintf(
+      stderr,
+      "morse-worker %u: %s lost the model (restarted); joining it again\n",
+      rank_, transport_->address(shard).c_str());
+  transport_->Join(
+      shard, call->request, &call->reply, Options(job_.rpc_timeout_seconds),
+      [this, call, shard](absl::Status status) {
+        if (!status.ok()) {
+          std::fprintf(stderr, "morse-worker %u: joining %s again: %s\n", rank_,
+                       transport_->address(shard).c_str(),
+                       std::string(status.message()).c_str());
+        }
+        delete call;
+        MutexLock lock(&retained_mu_);
+        rejoining_[shard] = false;
+      });
 }
 
 absl::Status PushClient::Join() {
@@ -726,21 +818,24 @@ absl::Status PushClient::Join() {
   }
   for (uint32_t s = 0; s < transport_->shards(); ++s) {
     v1::JoinReply reply;
-    const absl::Status status =
-        Wait(&Transport::Join, *transport_, s, request, &reply, Options(job_.rpc_timeout_seconds));
+    const absl::Status status = Wait(&Transport::Join, *transport_, s, request,
+                                     &reply, Options(job_.rpc_timeout_seconds));
     if (!status.ok()) {
       return RpcError(status, absl::StrCat("joining ", transport_->address(s)));
     }
     if (reply.layout_fingerprint() != layout_.fingerprint()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          transport_->address(s), " has a different layout (D, shards, block_elems or partition_elems)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(transport_->address(s),
+                       " has a different layout (D, shards, block_elems or "
+                       "partition_elems)"));
     }
   }
   return absl::OkStatus();
 }
 
-std::vector<absl::Status> PushClient::CallShards(double timeout_seconds, const std::vector<bool>& pending,
-                                                 const StartCall& start) {
+std::vector<absl::Status> PushClient::CallShards(
+    double timeout_seconds, const std::vector<bool>& pending,
+    const StartCall& start) {
   const size_t shards = transport_->shards();
   std::vector<absl::Status> statuses(shards);
   Mutex mu;
@@ -755,14 +850,20 @@ std::vector<absl::Status> PushClient::CallShards(double timeout_seconds, const s
     });
   }
   MutexLock lock(&mu);
-  mu.Await(absl::Condition(+[](size_t* n) { return *n == 0; }, &left));
+  mu.Await(absl::Condition(
+      +[](size_t* n) { return *n == 0; }, &left));
   return statuses;
 }
 
-absl::Status PushClient::OnEveryShard(double timeout_seconds, absl::string_view what, const StartCall& start) {
-  const std::vector<absl::Status> statuses = CallShards(timeout_seconds, {}, start);
+absl::Status PushClient::OnEveryShard(double timeout_seconds,
+                                      absl::string_view what,
+                                      const StartCall& start) {
+  const std::vector<absl::Status> statuses =
+      CallShards(timeout_seconds, {}, start);
   for (uint32_t s = 0; s < statuses.size(); ++s) {
-    if (!statuses[s].ok()) return RpcError(statuses[s], absl::StrCat(what, " ", transport_->address(s)));
+    if (!statuses[s].ok())
+      return RpcError(statuses[s],
+                      absl::StrCat(what, " ", transport_->address(s)));
   }
   return absl::OkStatus();
 }
@@ -774,17 +875,19 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_reason(reason);
   std::vector<v1::AbortReply> replies(transport_->shards());
-  return OnEveryShard(std::min(job_.rpc_timeout_seconds, 5.0), "stopping the job on",
-                      [&](uint32_t s, const CallOptions& options, auto done) {
-                        transport_->Abort(s, request, &replies[s], options, std::move(done));
-                      });
+  return OnEveryShard(
+      std::min(job_.rpc_timeout_seconds, 5.0), "stopping the job on",
+      [&](uint32_t s, const CallOptions& options, auto done) {
+        transport_->Abort(s, request, &replies[s], options, std::move(done));
+      });
 }
 
 absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares) {
   return SendCommit(step, grad_sum_of_squares, {});
 }
 
-absl::Status PushClient::CommitLamb(int64_t step, absl::Span<const double> commit) {
+absl::Status PushClient::CommitLamb(int64_t step,
+                                    absl::Span<const double> commit) {
   return SendCommit(step, 0.0, commit);
 }
 
@@ -796,19 +899,22 @@ absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_grad_sum_of_squares(grad_sum_of_squares);
   for (double value : lamb) request.add_lamb_commit(value);
-  const char* what = lamb.empty() ? "committing the gradient norm to" : "committing the layer coefficients to";
+  const char* what = lamb.empty() ? "committing the gradient norm to"
+                                  : "committing the layer coefficients to";
   // A shard takes the same commit again, so one whose outcome is unknown
   // (refused, reply lost, deadline passed) is sent again, up to the
   // recovery timeout. A shard that restarted from a checkpoint before
   // `step` answers that it has not completed it (with the step it accepts):
   // the pushes the workers replay to it carry the commit (DESIGN 4).
-  const absl::Time give_up = absl::Now() + absl::Seconds(job_.recovery_timeout_seconds);
+  const absl::Time give_up =
+      absl::Now() + absl::Seconds(job_.recovery_timeout_seconds);
   absl::Duration backoff = absl::Milliseconds(20);
   std::vector<bool> pending(transport_->shards(), true);
   std::vector<v1::CommitReply> replies(transport_->shards());
   while (true) {
-    const std::vector<absl::Status> statuses =
-        CallShards(job_.rpc_timeout_seconds, pending, [&](uint32_t s, const CallOptions& options, auto done) {
+    const std::vector<absl::Status> statuses = CallShards(
+        job_.rpc_timeout_seconds, pending,
+        [&](uint32_t s, const CallOptions& options, auto done) {
           transport_->Commit(s, request, &replies[s], options, std::move(done));
         });
     bool any = false;
@@ -816,14 +922,17 @@ absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
       if (!pending[s]) continue;
       const absl::Status& status = statuses[s];
       const std::optional<int64_t> accepts = proto::NextStep(status);
-      if (status.ok() || (status.code() == absl::StatusCode::kFailedPrecondition && accepts.has_value() &&
-                          *accepts <= step)) {
+      if (status.ok() ||
+          (status.code() == absl::StatusCode::kFailedPrecondition &&
+           accepts.has_value() && *accepts <= step)) {
         pending[s] = false;
         continue;
       }
-      const bool unknown = Retryable(status) || status.code() == absl::StatusCode::kDeadlineExceeded;
+      const bool unknown = Retryable(status) ||
+                           status.code() == absl::StatusCode::kDeadlineExceeded;
       if (!unknown || absl::Now() >= give_up) {
-        return RpcError(status, absl::StrCat(what, " ", transport_->address(s)));
+        return RpcError(status,
+                        absl::StrCat(what, " ", transport_->address(s)));
       }
       any = true;
     }
@@ -834,17 +943,20 @@ absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
 }
 
 absl::Status PushClient::WaitAllJoined() {
-  const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   while (true) {
     auto infos = ShardInfos();
     if (!infos.ok()) return infos.status();
     uint32_t joined = job_.workers();
-    for (const auto& info : *infos) joined = std::min(joined, info.workers_joined());
+    for (const auto& info : *infos)
+      joined = std::min(joined, info.workers_joined());
     if (joined == job_.workers()) return absl::OkStatus();
     if (absl::Now() > deadline) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "only ", joined, " of ", job_.workers(), " workers joined within ",
-          job_.connect_timeout_seconds, " s; start every rank (morse-run does)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("only ", joined, " of ", job_.workers(),
+                       " workers joined within ", job_.connect_timeout_seconds,
+                       " s; start every rank (morse-run does)"));
     }
     absl::SleepFor(absl::Milliseconds(20));
   }

@@ -30,11 +30,11 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "compress/sync.h"
 #include "absl/time/time.h"
 #include "compress/compute_pool.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
+#include "compress/sync.h"
 #include "proto/job_config.h"
 #include "proto/morse.pb.h"
 #include "proto/security.h"
@@ -44,8 +44,8 @@
 namespace morse::worker {
 
 struct StepTraffic {
-  uint64_t payload_up = 0;    // payload bytes pushed
-  uint64_t payload_down = 0;  // payload bytes received
+  uint64_t payload_up = 0;           // payload bytes pushed
+  uint64_t payload_down = 0;         // payload bytes received
   double encode_seconds = 0;         // summed over the threads that encoded
   double encode_inline_seconds = 0;  // of which on the calling thread
   double apply_seconds = 0;          // summed over the threads that applied
@@ -77,16 +77,19 @@ struct StepExtras {
 // anything in flight.
 class StepExchange {
  public:
-  using Encode = std::function<absl::Status(const compress::Partition&, std::string* payload)>;
+  using Encode = std::function<absl::Status(const compress::Partition&,
+                                            std::string* payload)>;
   // `grad_sum_of_squares`: the shard's, when the step clips the averaged
   // gradient (compress::ClipsAverage).
-  using Apply = std::function<absl::Status(const compress::Partition&, const std::string& reply,
-                                           std::optional<double> grad_sum_of_squares)>;
+  using Apply = std::function<absl::Status(
+      const compress::Partition&, const std::string& reply,
+      std::optional<double> grad_sum_of_squares)>;
 
   // parallel_encode: `encode` may run on the compute pool, concurrently
   // for different partitions (the host engine; not a GPU's).
-  StepExchange(PushClient* client, int64_t step, compress::CodecKind up, Apply apply,
-               StepExtras extras = {}, bool parallel_encode = false);
+  StepExchange(PushClient* client, int64_t step, compress::CodecKind up,
+               Apply apply, StepExtras extras = {},
+               bool parallel_encode = false);
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
   StepExchange& operator=(const StepExchange&) = delete;
@@ -104,20 +107,23 @@ class StepExchange {
   // A reply (or final error) of this step's own push: applies it and
   // counts the partition done.
   void Deliver(std::unique_ptr<Call> done, const absl::Status& status);
-  absl::Status EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode, bool inline_call);
+  absl::Status EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode,
+                              bool inline_call);
   void RetryLater(std::unique_ptr<Call> call);
   // Starts re-sending retained pushes of `call`'s partition from step
   // `from` on, then `call` itself; an error if they are not retained.
   absl::Status StartReplay(std::unique_ptr<Call> call, int64_t from);
   // A replay of this worker's retained push of `partition` at `step`;
   // FAILED_PRECONDITION, saying why, when it is no longer retained.
-  absl::StatusOr<std::unique_ptr<Call>> RetainedPush(const compress::Partition& partition, int64_t step);
+  absl::StatusOr<std::unique_ptr<Call>> RetainedPush(
+      const compress::Partition& partition, int64_t step);
   // A partition whose reply of this step came from a shard that has since
   // restarted from its checkpoint at step `from`: its retained pushes of
   // [from, step_] are re-sent (replies checked, not applied), because the
   // restarted shard needs them to answer the workers still waiting for
   // that reply. Called with the partition counted in in_flight_.
-  void ReplayCompleted(const compress::Partition& partition, int64_t from, int64_t last);
+  void ReplayCompleted(const compress::Partition& partition, int64_t from,
+                       int64_t last);
   // Replays to `shard`, restarted (or perhaps restarted) from a checkpoint
   // at step `from`, what it may need of this worker (NoteRestart).
   //
@@ -180,19 +186,16 @@ class PushClient {
   // proto/security.h); connects lazily. compute_threads > 0: a compute pool
   // of that many threads encodes and applies the steps' partitions
   // (StepExchange); 0: none.
-  static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
-                                                            const compress::Layout& layout,
-                                                            std::vector<std::string> servers,
-                                                            uint32_t rank,
-                                                            const proto::SecurityOptions& security,
-                                                            int compute_threads = 0);
+  static absl::StatusOr<std::unique_ptr<PushClient>> Create(
+      const proto::JobSpec& job, const compress::Layout& layout,
+      std::vector<std::string> servers, uint32_t rank,
+      const proto::SecurityOptions& security, int compute_threads = 0);
   // The same over any transport (tests: tests/inproc); `tls` only words
   // the connect timeout's error.
-  static absl::StatusOr<std::unique_ptr<PushClient>> Create(const proto::JobSpec& job,
-                                                            const compress::Layout& layout,
-                                                            std::unique_ptr<Transport> transport,
-                                                            uint32_t rank, int compute_threads = 0,
-                                                            bool tls = false);
+  static absl::StatusOr<std::unique_ptr<PushClient>> Create(
+      const proto::JobSpec& job, const compress::Layout& layout,
+      std::unique_ptr<Transport> transport, uint32_t rank,
+      int compute_threads = 0, bool tls = false);
 
   // Waits, retrying with backoff up to the connect timeout, until every shard
   // answers and has this job's layout. FAILED_PRECONDITION on a layout or
@@ -214,7 +217,6 @@ class PushClient {
   // Waits until every shard has all its initial parameters.
   absl::Status WaitInitialized();
 
-
   // Downloads the shards' mirror of x, m and v (and onebit_lamb's v' and
   // layer state) into the replica of the whole model and
   // returns the steps completed, which must be the same on every partition
@@ -229,8 +231,10 @@ class PushClient {
   // Rank 0: restores a saved run on every shard before the first step
   // (ShardCore::RestorePartition), partition by partition; onebit_lamb's
   // v' (dim floats) and layer state (the same for every partition) too.
-  absl::Status RestoreModel(int64_t step, absl::Span<const float> x, absl::Span<const float> m,
-                            absl::Span<const float> v, absl::Span<const float> server_error,
+  absl::Status RestoreModel(int64_t step, absl::Span<const float> x,
+                            absl::Span<const float> m,
+                            absl::Span<const float> v,
+                            absl::Span<const float> server_error,
                             absl::Span<const float> v_fresh = {},
                             absl::Span<const float> lamb_layers = {});
 
@@ -261,16 +265,20 @@ class PushClient {
 
  private:
   friend class StepExchange;
-  absl::Status SendCommit(int64_t step, double grad_sum_of_squares, absl::Span<const double> lamb);
-  using StartCall = std::function<void(uint32_t shard, const CallOptions& options, Transport::Done done)>;
+  absl::Status SendCommit(int64_t step, double grad_sum_of_squares,
+                          absl::Span<const double> lamb);
+  using StartCall = std::function<void(
+      uint32_t shard, const CallOptions& options, Transport::Done done)>;
   // Starts one call on every shard whose `pending` is true (all, if empty)
   // at once (`start` issues shard s's with `options` and `done`) and waits
   // for all; each shard's outcome (OK for a shard not called).
-  std::vector<absl::Status> CallShards(double timeout_seconds, const std::vector<bool>& pending,
+  std::vector<absl::Status> CallShards(double timeout_seconds,
+                                       const std::vector<bool>& pending,
                                        const StartCall& start);
   // CallShards on every shard; the first failure, described as `what` the
   // shard.
-  absl::Status OnEveryShard(double timeout_seconds, absl::string_view what, const StartCall& start);
+  absl::Status OnEveryShard(double timeout_seconds, absl::string_view what,
+                            const StartCall& start);
   struct Retained {
     v1::PushRequest request;
     size_t reply_hash = 0;
@@ -286,7 +294,8 @@ class PushClient {
   struct ModelArrays {
     compress::Replica* replica;  // of the whole model
   };
-  absl::StatusOr<int64_t> Fetch(std::optional<ModelArrays> model, absl::Span<float> server_error);
+  absl::StatusOr<int64_t> Fetch(std::optional<ModelArrays> model,
+                                absl::Span<float> server_error);
   // Sends this worker's Join to `shard` in the background (once at a time):
   // for an external job's shard that restarted without its model.
   void Rejoin(uint32_t shard);
@@ -304,7 +313,8 @@ class PushClient {
   // transport.
   Timer timer_;
   mutable Mutex retained_mu_;
-  std::map<std::pair<int64_t, uint32_t>, Retained> retained_ ABSL_GUARDED_BY(retained_mu_);
+  std::map<std::pair<int64_t, uint32_t>, Retained> retained_
+      ABSL_GUARDED_BY(retained_mu_);
   std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);
   // With compute_threads > 0 (Create): encodes (StepExchange's
   // parallel_encode) and applies replies; destroyed first.

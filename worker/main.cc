@@ -45,19 +45,28 @@ ABSL_FLAG(bool, resume, false,
           "error buffer from a checkpoint of that step if there is one (from "
           "zero otherwise, saying so).");
 ABSL_FLAG(std::string, device, "auto",
-          "Where the model, optimizer state, error buffer and gradient live: auto (the GPU "
-          "when one is present and the job can run there, else the CPU, saying why), cpu, or "
-          "cuda (the GPU, or exit 2 saying why not). CPU and GPU workers can share a job.");
+          "Where the model, optimizer state, error buffer and gradient live: "
+          "auto (the GPU "
+          "when one is present and the job can run there, else the CPU, saying "
+          "why), cpu, or "
+          "cuda (the GPU, or exit 2 saying why not). CPU and GPU workers can "
+          "share a job.");
 ABSL_FLAG(bool, rejoin, false,
-          "Resume (as --resume) if the shards already hold the job's model, start fresh "
-          "otherwise: for workers that a supervisor (systemd, a Kubernetes Job) restarts.");
+          "Resume (as --resume) if the shards already hold the job's model, "
+          "start fresh "
+          "otherwise: for workers that a supervisor (systemd, a Kubernetes "
+          "Job) restarts.");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "Serve Prometheus /metrics, /healthz and /readyz (ready once joined) over plain "
+          "Serve Prometheus /metrics, /healthz and /readyz (ready once joined) "
+          "over plain "
           "HTTP on host:port (off when empty).");
 ABSL_FLAG(int, compute_threads, 0,
-          "Threads that encode the step's partitions (on the CPU) and apply the shards' replies, "
-          "partitions in parallel and overlapping the gradient (docs/design.md 7). 0: one per "
-          "core this process may run on. The results are bit-identical whatever the count.");
+          "Threads that encode the step's partitions (on the CPU) and apply "
+          "the shards' replies, "
+          "partitions in parallel and overlapping the gradient (docs/design.md "
+          "7). 0: one per "
+          "core this process may run on. The results are bit-identical "
+          "whatever the count.");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -86,14 +95,16 @@ int ExitCode(const absl::Status& s) {
 
 int main(int argc, char** argv) {
   morse::proto::TuneGrpcForReconnects();
-  morse::proto::ParseFlags(argc, argv,
-                           "one worker of a Morse job.\n"
-                           "  morse-worker --config job.textproto --rank 0 "
-                           "--servers HOST:PORT,HOST:PORT \\\n"
-                           "      --tls_ca ca.pem --token_file token [--tls_cert c.pem --tls_key c.key]\n"
-                           "  morse-worker ... --insecure   (plaintext, on a network you trust)\n"
-                           "Flags may be spelled with dashes (--tls-ca) or underscores (--tls_ca).",
-                           "/main.cc");
+  morse::proto::ParseFlags(
+      argc, argv,
+      "one worker of a Morse job.\n"
+      "  morse-worker --config job.textproto --rank 0 "
+      "--servers HOST:PORT,HOST:PORT \\\n"
+      "      --tls_ca ca.pem --token_file token [--tls_cert c.pem --tls_key "
+      "c.key]\n"
+      "  morse-worker ... --insecure   (plaintext, on a network you trust)\n"
+      "Flags may be spelled with dashes (--tls-ca) or underscores (--tls_ca).",
+      "/main.cc");
   using namespace morse;
   const std::string config = absl::GetFlag(FLAGS_config);
   if (config.empty()) {
@@ -130,25 +141,31 @@ int main(int argc, char** argv) {
   options.rejoin = absl::GetFlag(FLAGS_rejoin);
   options.device = absl::GetFlag(FLAGS_device);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  const absl::StatusOr<int> threads =
-      compress::ComputePool::ThreadsFromFlag(absl::GetFlag(FLAGS_compute_threads));
+  const absl::StatusOr<int> threads = compress::ComputePool::ThreadsFromFlag(
+      absl::GetFlag(FLAGS_compute_threads));
   if (!threads.ok()) {
-    std::fprintf(stderr, "morse-worker: %s\n", std::string(threads.status().message()).c_str());
+    std::fprintf(stderr, "morse-worker: %s\n",
+                 std::string(threads.status().message()).c_str());
     return 2;
   }
   options.compute_threads = *threads;
   options.security = proto::SecurityOptionsFromFlags();
-  options.security.token_file = proto::TokenPathForRank(options.security.token_file, options.rank);
-  if (absl::Status s = proto::ValidateClientSecurity(options.security); !s.ok()) {
-    std::fprintf(stderr, "morse-worker: %s\n", std::string(s.message()).c_str());
+  options.security.token_file =
+      proto::TokenPathForRank(options.security.token_file, options.rank);
+  if (absl::Status s = proto::ValidateClientSecurity(options.security);
+      !s.ok()) {
+    std::fprintf(stderr, "morse-worker: %s\n",
+                 std::string(s.message()).c_str());
     return 2;
   }
   if (absl::GetFlag(FLAGS_check_config)) {
     if (absl::Status s = proto::CheckFitsInMemory(
-            proto::WorkerStateBytes(*job), absl::StrCat("worker ", rank, " (",
-                                                        job->algorithm.layout.dim, " elements)"));
+            proto::WorkerStateBytes(*job),
+            absl::StrCat("worker ", rank, " (", job->algorithm.layout.dim,
+                         " elements)"));
         !s.ok()) {
-      std::fprintf(stderr, "morse-worker: %s\n", std::string(s.message()).c_str());
+      std::fprintf(stderr, "morse-worker: %s\n",
+                   std::string(s.message()).c_str());
       return 2;
     }
     std::printf(

@@ -1,9 +1,9 @@
 // The mlp workload's forward and backward passes, written once over the few
 // array operations they need (MlpOps), which the CPU (CBLAS and loops,
-// HostMlpOps) and the GPU (cuBLAS and kernels/, in worker/engine/cuda/engine.cc)
-// both provide. The parameter layout is the workload's: layer after layer,
-// the weights (in x out, row-major) and then the biases (out). Activations
-// are row-major (rows x width).
+// HostMlpOps) and the GPU (cuBLAS and kernels/, in
+// worker/engine/cuda/engine.cc) both provide. The parameter layout is the
+// workload's: layer after layer, the weights (in x out, row-major) and then the
+// biases (out). Activations are row-major (rows x width).
 //
 // Gemm takes BLAS's column-major convention, as cuBLAS does: a row-major
 // buffer of r x c is a column-major c x r matrix, its transpose, so the

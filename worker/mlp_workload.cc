@@ -19,17 +19,20 @@
 namespace morse::worker {
 namespace {
 
-absl::Status LineError(const std::string& path, size_t line, absl::string_view what) {
+absl::Status LineError(const std::string& path, size_t line,
+                       absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(path, ":", line, ": ", what));
 }
 
 // Reads every row, or only rows r with r % stride == offset.
-absl::StatusOr<MlpDataset> ReadDataset(const proto::MlpSpec& spec, const std::string& path,
-                                    uint32_t stride, uint32_t offset) {
+absl::StatusOr<MlpDataset> ReadDataset(const proto::MlpSpec& spec,
+                                       const std::string& path, uint32_t stride,
+                                       uint32_t offset) {
   std::ifstream in(path);
   if (!in) {
-    return absl::NotFoundError(absl::StrCat(
-        "cannot read data file '", path, "' (deploy/quickstart.sh creates the digits set)"));
+    return absl::NotFoundError(
+        absl::StrCat("cannot read data file '", path,
+                     "' (deploy/quickstart.sh creates the digits set)"));
   }
   MlpDataset data;
   data.dim = spec.features;
@@ -45,43 +48,60 @@ absl::StatusOr<MlpDataset> ReadDataset(const proto::MlpSpec& spec, const std::st
       std::vector<absl::string_view> fields = absl::StrSplit(line, ',');
       if (!absl::SimpleAtod(fields[0], &label)) {
         if (row == 0 && data.rows() == 0) continue;  // a header line
-        return LineError(path, line_no, absl::StrCat("label '", fields[0], "' is not a number"));
+        return LineError(
+            path, line_no,
+            absl::StrCat("label '", fields[0], "' is not a number"));
       }
       if (fields.size() != spec.features + 1) {
-        return LineError(path, line_no, absl::StrCat(fields.size() - 1, " features, the config says ",
-                                                     spec.features));
+        return LineError(
+            path, line_no,
+            absl::StrCat(fields.size() - 1, " features, the config says ",
+                         spec.features));
       }
       for (uint32_t f = 0; f < spec.features; ++f) {
-        if (!absl::SimpleAtof(fields[f + 1], &values[f]) || !std::isfinite(values[f])) {
-          return LineError(path, line_no, absl::StrCat("feature ", f, " is not a finite number"));
+        if (!absl::SimpleAtof(fields[f + 1], &values[f]) ||
+            !std::isfinite(values[f])) {
+          return LineError(
+              path, line_no,
+              absl::StrCat("feature ", f, " is not a finite number"));
         }
       }
     } else {  // libsvm: label index:value ... with 1-based indices
-      std::vector<absl::string_view> fields = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      std::vector<absl::string_view> fields =
+          absl::StrSplit(line, ' ', absl::SkipEmpty());
       if (fields.empty() || !absl::SimpleAtod(fields[0], &label)) {
-        return LineError(path, line_no, "the line does not start with a numeric label");
+        return LineError(path, line_no,
+                         "the line does not start with a numeric label");
       }
       for (size_t k = 1; k < fields.size(); ++k) {
-        std::pair<absl::string_view, absl::string_view> kv = absl::StrSplit(fields[k], ':');
+        std::pair<absl::string_view, absl::string_view> kv =
+            absl::StrSplit(fields[k], ':');
         uint32_t index = 0;
         float value = 0;
-        if (!absl::SimpleAtoi(kv.first, &index) || !absl::SimpleAtof(kv.second, &value) ||
-            index == 0 || index > spec.features) {
-          return LineError(path, line_no, absl::StrCat("bad entry '", fields[k], "' (features are 1..",
-                                                       spec.features, ")"));
+        if (!absl::SimpleAtoi(kv.first, &index) ||
+            !absl::SimpleAtof(kv.second, &value) || index == 0 ||
+            index > spec.features) {
+          return LineError(
+              path, line_no,
+              absl::StrCat("bad entry '", fields[k], "' (features are 1..",
+                           spec.features, ")"));
         }
         values[index - 1] = value;
       }
     }
     if (label < 0 || label >= spec.classes || label != std::floor(label)) {
-      return LineError(path, line_no, absl::StrCat("label ", label, " is not an integer in [0, ",
-                                                   spec.classes, ")"));
+      return LineError(
+          path, line_no,
+          absl::StrCat("label ", label, " is not an integer in [0, ",
+                       spec.classes, ")"));
     }
     if (row++ % stride != offset) continue;
     data.labels.push_back(static_cast<uint32_t>(label));
     data.features.insert(data.features.end(), values.begin(), values.end());
   }
-  if (data.rows() == 0) return absl::InvalidArgumentError(absl::StrCat(path, ": no rows for this worker"));
+  if (data.rows() == 0)
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": no rows for this worker"));
   return data;
 }
 
@@ -126,7 +146,8 @@ void MlpWorkload::Initialize(absl::Span<float> x) const {
   for (size_t l = 0; l + 1 < widths_.size(); ++l) {
     const uint64_t in = widths_[l], out = widths_[l + 1];
     float* w = x.data() + offset;
-    compress::FillDraws({seed_, 0xC0FFEE03u, static_cast<uint32_t>(l), 0}, w, in * out);
+    compress::FillDraws({seed_, 0xC0FFEE03u, static_cast<uint32_t>(l), 0}, w,
+                        in * out);
     const float bound = 1.0f / std::sqrt(static_cast<float>(in));
     for (uint64_t k = 0; k < in * out; ++k) w[k] = bound * (2.0f * w[k] - 1.0f);
     std::fill(w + in * out, w + in * out + out, 0.0f);
@@ -158,12 +179,14 @@ void MlpWorkload::Batch(int64_t step, float* input, uint32_t* labels) {
   }
 }
 
-absl::StatusOr<double> MlpWorkload::Gradient(int64_t step, absl::Span<const float> x,
+absl::StatusOr<double> MlpWorkload::Gradient(int64_t step,
+                                             absl::Span<const float> x,
                                              absl::Span<float> grad) {
   Batch(step, batch_.input(), labels_.data());
   HostMlpOps ops;
   return MlpGradient(ops, widths_, x.data(), labels_.data(),
-                     static_cast<int>(spec_.batch_size), batch_.buffers(), grad.data());
+                     static_cast<int>(spec_.batch_size), batch_.buffers(),
+                     grad.data());
 }
 
 namespace {
@@ -172,25 +195,32 @@ namespace {
 // step's batch is drawn on the host and copied over (features and labels).
 class DeviceMlpHook final : public GradientHook {
  public:
-  DeviceMlpHook(MlpWorkload& workload, DeviceServices& device, MlpBuffers buffers, uint32_t* labels)
+  DeviceMlpHook(MlpWorkload& workload, DeviceServices& device,
+                MlpBuffers buffers, uint32_t* labels)
       : workload_(workload),
         device_(device),
         buffers_(buffers),
         labels_(labels),
-        input_host_(static_cast<size_t>(workload.batch_size()) * workload.widths()[0]),
+        input_host_(static_cast<size_t>(workload.batch_size()) *
+                    workload.widths()[0]),
         labels_host_(workload.batch_size()) {}
 
-  absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) override {
+  absl::StatusOr<double> Gradient(int64_t step, const float* x,
+                                  float* grad) override {
     workload_.Batch(step, input_host_.data(), labels_host_.data());
-    if (absl::Status s = device_.CopyIn(buffers_.acts[0], input_host_.data(), 4 * input_host_.size());
+    if (absl::Status s = device_.CopyIn(buffers_.acts[0], input_host_.data(),
+                                        4 * input_host_.size());
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = device_.CopyIn(labels_, labels_host_.data(), 4 * labels_host_.size()); !s.ok()) {
+    if (absl::Status s = device_.CopyIn(labels_, labels_host_.data(),
+                                        4 * labels_host_.size());
+        !s.ok()) {
       return s;
     }
     return MlpGradient(device_.mlp_ops(), workload_.widths(), x, labels_,
-                       static_cast<int>(workload_.batch_size()), buffers_, grad);
+                       static_cast<int>(workload_.batch_size()), buffers_,
+                       grad);
   }
 
  private:
@@ -204,7 +234,8 @@ class DeviceMlpHook final : public GradientHook {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GradientHook>> MlpWorkload::GradientOn(Engine& engine) {
+absl::StatusOr<std::unique_ptr<GradientHook>> MlpWorkload::GradientOn(
+    Engine& engine) {
   DeviceServices* device = engine.device();
   if (device == nullptr) return Workload::GradientOn(engine);
   std::vector<float*> pointers;
@@ -215,11 +246,13 @@ absl::StatusOr<std::unique_ptr<GradientHook>> MlpWorkload::GradientOn(Engine& en
   }
   auto labels = device->Allocate(4 * static_cast<size_t>(spec_.batch_size));
   if (!labels.ok()) return labels.status();
-  return std::make_unique<DeviceMlpHook>(*this, *device, MlpBuffersOver(pointers),
+  return std::make_unique<DeviceMlpHook>(*this, *device,
+                                         MlpBuffersOver(pointers),
                                          static_cast<uint32_t*>(*labels));
 }
 
-std::optional<double> MlpWorkload::TestAccuracy(absl::Span<const float> x) const {
+std::optional<double> MlpWorkload::TestAccuracy(
+    absl::Span<const float> x) const {
   if (!test_.has_value()) return std::nullopt;
   constexpr uint32_t kChunk = 256;
   HostMlpOps ops;
@@ -227,10 +260,14 @@ std::optional<double> MlpWorkload::TestAccuracy(absl::Span<const float> x) const
   const uint32_t classes = spec_.classes;
   size_t correct = 0;
   for (size_t start = 0; start < test_->rows(); start += kChunk) {
-    const uint32_t rows = static_cast<uint32_t>(std::min<size_t>(kChunk, test_->rows() - start));
+    const uint32_t rows =
+        static_cast<uint32_t>(std::min<size_t>(kChunk, test_->rows() - start));
     std::copy(test_->features.begin() + start * spec_.features,
-              test_->features.begin() + (start + rows) * spec_.features, buffers.input());
-    if (!MlpForward(ops, widths_, x.data(), static_cast<int>(rows), buffers.buffers()).ok()) {
+              test_->features.begin() + (start + rows) * spec_.features,
+              buffers.input());
+    if (!MlpForward(ops, widths_, x.data(), static_cast<int>(rows),
+                    buffers.buffers())
+             .ok()) {
       return std::nullopt;  // the host ops do not fail
     }
     for (uint32_t b = 0; b < rows; ++b) {
@@ -242,7 +279,8 @@ std::optional<double> MlpWorkload::TestAccuracy(absl::Span<const float> x) const
   return static_cast<double>(correct) / static_cast<double>(test_->rows());
 }
 
-absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const proto::JobSpec& job, uint32_t rank) {
+absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(
+    const proto::JobSpec& job, uint32_t rank) {
   if (job.workload == proto::WorkloadKind::kSynthetic) {
     return std::make_unique<SyntheticWorkload>(job, rank);
   }
@@ -255,7 +293,8 @@ absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const proto::JobSpec& job
     if (!t.ok()) return t.status();
     test = *std::move(t);
   }
-  return std::make_unique<MlpWorkload>(job, rank, *std::move(train), std::move(test));
+  return std::make_unique<MlpWorkload>(job, rank, *std::move(train),
+                                       std::move(test));
 }
 
 }  // namespace morse::worker

@@ -10,49 +10,59 @@
 #include "worker/transport/grpc/transport.h"
 
 namespace morse::worker {
-absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
-                                                          std::vector<std::string> servers,
-                                                          const proto::SecurityOptions& security,
-                                                          absl::Span<float> x, int compute_threads) {
-  auto transport = GrpcTransport::Create(job, std::move(servers), rank, security);
+absl::StatusOr<std::unique_ptr<Session>> Session::Connect(
+    const proto::JobSpec& job, uint32_t rank, std::vector<std::string> servers,
+    const proto::SecurityOptions& security, absl::Span<float> x,
+    int compute_threads) {
+  auto transport =
+      GrpcTransport::Create(job, std::move(servers), rank, security);
   if (!transport.ok()) return transport.status();
-  return Connect(job, rank, *std::move(transport), x, compute_threads, !security.insecure);
+  return Connect(job, rank, *std::move(transport), x, compute_threads,
+                 !security.insecure);
 }
 
-absl::StatusOr<std::unique_ptr<Session>> Session::Connect(const proto::JobSpec& job, uint32_t rank,
-                                                          std::unique_ptr<Transport> transport,
-                                                          absl::Span<float> x, int compute_threads,
-                                                          bool tls) {
+absl::StatusOr<std::unique_ptr<Session>> Session::Connect(
+    const proto::JobSpec& job, uint32_t rank,
+    std::unique_ptr<Transport> transport, absl::Span<float> x,
+    int compute_threads, bool tls) {
   auto layout = compress::Layout::Create(job.algorithm.layout);
   if (!layout.ok()) return layout.status();
   if (!x.empty() && x.size() != job.algorithm.layout.dim) {
-    return absl::InvalidArgumentError(absl::StrCat("parameters of ", x.size(), " elements for a job of ",
+    return absl::InvalidArgumentError(absl::StrCat("parameters of ", x.size(),
+                                                   " elements for a job of ",
                                                    job.algorithm.layout.dim));
   }
   if (absl::Status s = proto::CheckFitsInMemory(
           proto::WorkerStateBytes(job),
-          absl::StrCat("worker ", rank, " (", job.algorithm.layout.dim, " elements)"));
+          absl::StrCat("worker ", rank, " (", job.algorithm.layout.dim,
+                       " elements)"));
       !s.ok()) {
     return s;
   }
-  auto client = PushClient::Create(job, *layout, std::move(transport), rank, compute_threads, tls);
+  auto client = PushClient::Create(job, *layout, std::move(transport), rank,
+                                   compute_threads, tls);
   if (!client.ok()) return client.status();
-  std::unique_ptr<Session> session(new Session(job, rank, *std::move(layout), x));
+  std::unique_ptr<Session> session(
+      new Session(job, rank, *std::move(layout), x));
   session->client_ = *std::move(client);
   if (absl::Status s = session->client_->WaitForShards(); !s.ok()) return s;
   if (absl::Status s = session->client_->Join(); !s.ok()) return s;
   return session;
 }
 
-Session::Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout,
-                 absl::Span<float> x)
+Session::Session(const proto::JobSpec& job, uint32_t rank,
+                 compress::Layout layout, absl::Span<float> x)
     : job_(job),
       rank_(rank),
       layout_(std::move(layout)),
-      replica_(x.empty() ? compress::Replica(job.algorithm, {0, job.algorithm.layout.dim})
-                         : compress::Replica(job.algorithm, {0, job.algorithm.layout.dim}, x)),
-      error_(job.algorithm.worker_feedback, job.algorithm.layout.dim, job.algorithm.layout.block_elems),
-      engine_(host::CreateEngine(EngineState{&job_.algorithm, &layout_, &replica_, &error_})) {}
+      replica_(x.empty() ? compress::Replica(job.algorithm,
+                                             {0, job.algorithm.layout.dim})
+                         : compress::Replica(job.algorithm,
+                                             {0, job.algorithm.layout.dim}, x)),
+      error_(job.algorithm.worker_feedback, job.algorithm.layout.dim,
+             job.algorithm.layout.block_elems),
+      engine_(host::CreateEngine(
+          EngineState{&job_.algorithm, &layout_, &replica_, &error_})) {}
 
 absl::StatusOr<bool> Session::ShardsHoldModel() {
   auto infos = client_->ShardInfos();
@@ -63,10 +73,13 @@ absl::StatusOr<bool> Session::ShardsHoldModel() {
   return true;
 }
 
-absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoint) {
+absl::StatusOr<int64_t> Session::Start(bool resume,
+                                       const std::string& checkpoint) {
   if (!resume) {
     if (rank_ == 0) {
-      if (absl::Status s = client_->UploadInitialParameters(replica_.x()); !s.ok()) return s;
+      if (absl::Status s = client_->UploadInitialParameters(replica_.x());
+          !s.ok())
+        return s;
     }
     if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
     if (rank_ != 0) {
@@ -80,9 +93,12 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
   std::optional<proto::CheckpointReader> reader;
   if (!checkpoint.empty()) {
     auto opened = proto::CheckpointReader::Open(checkpoint);
-    if (!opened.ok() && opened.status().code() != absl::StatusCode::kNotFound) return opened.status();
-    if (opened.ok() && opened->header().layout_fingerprint == layout_.fingerprint() &&
-        opened->header().algorithm_fingerprint == compress::AlgorithmFingerprint(job_.algorithm)) {
+    if (!opened.ok() && opened.status().code() != absl::StatusCode::kNotFound)
+      return opened.status();
+    if (opened.ok() &&
+        opened->header().layout_fingerprint == layout_.fingerprint() &&
+        opened->header().algorithm_fingerprint ==
+            compress::AlgorithmFingerprint(job_.algorithm)) {
       reader = *std::move(opened);
     }
   }
@@ -111,17 +127,23 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
     }
     if (whole_step >= 0 && reader->header().step <= completed &&
         whole_step >= std::min(kept_from, completed)) {
-      if (absl::Status s = RestoreWholeState(*reader, whole_step); !s.ok()) return s;
+      if (absl::Status s = RestoreWholeState(*reader, whole_step); !s.ok())
+        return s;
       step_ = whole_step;
       if (step_ >= completed) {
-        std::printf("worker %u: resuming at step %lld; model and error buffer from %s\n", rank_,
-                    static_cast<long long>(step_), checkpoint.c_str());
+        std::printf(
+            "worker %u: resuming at step %lld; model and error buffer from "
+            "%s\n",
+            rank_, static_cast<long long>(step_), checkpoint.c_str());
       } else {
-        std::printf("worker %u: rejoining at step %lld from %s (model and error buffer); the shards "
-                    "have completed %lld steps: replaying steps %lld..%lld with the replies they kept\n",
-                    rank_, static_cast<long long>(step_), checkpoint.c_str(),
-                    static_cast<long long>(completed), static_cast<long long>(step_),
-                    static_cast<long long>(completed - 1));
+        std::printf(
+            "worker %u: rejoining at step %lld from %s (model and error "
+            "buffer); the shards "
+            "have completed %lld steps: replaying steps %lld..%lld with the "
+            "replies they kept\n",
+            rank_, static_cast<long long>(step_), checkpoint.c_str(),
+            static_cast<long long>(completed), static_cast<long long>(step_),
+            static_cast<long long>(completed - 1));
       }
       return step_;
     }
@@ -130,7 +152,8 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
   if (!step.ok()) return step.status();
   step_ = *step;
   // At step 0 the error buffer is zero in every run: nothing is lost.
-  std::string restored = step_ == 0 ? "zero (the job's first step)" : "from zero (no checkpoint of this step)";
+  std::string restored = step_ == 0 ? "zero (the job's first step)"
+                                    : "from zero (no checkpoint of this step)";
   if (reader.has_value() && step_ > 0) {
     if (reader->header().step == step_) {
       auto error = reader->Floats("worker_error", job_.algorithm.layout.dim);
@@ -138,17 +161,21 @@ absl::StatusOr<int64_t> Session::Start(bool resume, const std::string& checkpoin
       if (absl::Status s = error_.Restore(*error); !s.ok()) return s;
       restored = "from " + checkpoint;
     } else {
-      restored = absl::StrCat("from zero (", checkpoint, " is of step ", reader->header().step,
-                              ", and the shards keep no replies to replay from there)");
+      restored = absl::StrCat(
+          "from zero (", checkpoint, " is of step ", reader->header().step,
+          ", and the shards keep no replies to replay from there)");
     }
   }
-  std::printf("worker %u: resuming at step %lld; model from the shards, error buffer %s\n", rank_,
-              static_cast<long long>(step_), restored.c_str());
+  std::printf(
+      "worker %u: resuming at step %lld; model from the shards, error buffer "
+      "%s\n",
+      rank_, static_cast<long long>(step_), restored.c_str());
   return step_;
 }
 
 absl::Status Session::Begin(absl::Span<const float> grad) {
-  if (InStep()) return absl::FailedPreconditionError("a step is already in progress");
+  if (InStep())
+    return absl::FailedPreconditionError("a step is already in progress");
   if (absl::Status s = engine_->SetHostGradient(grad); !s.ok()) return s;
   return BeginStep();
 }
@@ -171,7 +198,8 @@ absl::Status Session::StepFromEngine(StepTraffic* traffic) {
 absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (absl::Status s = SyncHost(); !s.ok()) return s;
-  auto engine = CreateEngine(kind, EngineState{&job_.algorithm, &layout_, &replica_, &error_}, arrays);
+  auto engine = CreateEngine(
+      kind, EngineState{&job_.algorithm, &layout_, &replica_, &error_}, arrays);
   if (!engine.ok()) return engine.status();
   if (absl::Status s = (*engine)->Load(replica_, error_); !s.ok()) return s;
   engine_ = *std::move(engine);
@@ -187,7 +215,8 @@ absl::Status Session::BeginStep() {
         "); this worker's model may be half-updated: restart it with --resume "
         "(morse-worker) or rebuild the optimizer"));
   }
-  if (InStep()) return absl::FailedPreconditionError("a step is already in progress");
+  if (InStep())
+    return absl::FailedPreconditionError("a step is already in progress");
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   step_hyper_ = hyper_;
@@ -218,22 +247,27 @@ absl::Status Session::BeginStep() {
 void Session::StartExchange() {
   const int64_t step = step_;
   if (defer_apply_ || clips_average_) {
-    deferred_ = std::make_shared<std::vector<std::optional<DeferredReply>>>(layout_.partitions().size());
+    deferred_ = std::make_shared<std::vector<std::optional<DeferredReply>>>(
+        layout_.partitions().size());
   }
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), step, plan_.up.kind,
       // The step keeps its own copy of the hyper-parameters it was begun with.
-      [this, step, hyper = step_hyper_, deferred = deferred_](const compress::Partition& p,
-                                                              const std::string& reply,
-                                                              std::optional<double> sum_of_squares) {
-        if (deferred != nullptr) {  // each partition's slot is written by one reply only
+      [this, step, hyper = step_hyper_, deferred = deferred_](
+          const compress::Partition& p, const std::string& reply,
+          std::optional<double> sum_of_squares) {
+        if (deferred !=
+            nullptr) {  // each partition's slot is written by one reply only
           (*deferred)[p.id] = DeferredReply{reply, sum_of_squares};
           return absl::OkStatus();
         }
-        const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
-        return engine_->ApplyReply(step, p, bytes, hyper.has_value() ? &*hyper : nullptr);
+        const absl::Span<const uint8_t> bytes(
+            reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
+        return engine_->ApplyReply(step, p, bytes,
+                                   hyper.has_value() ? &*hyper : nullptr);
       },
-      StepExtras{step_hyper_, std::move(buffers_), previous_grad_sum_of_squares_, previous_lamb_commit_},
+      StepExtras{step_hyper_, std::move(buffers_),
+                 previous_grad_sum_of_squares_, previous_lamb_commit_},
       /*parallel_encode=*/engine_->kind() == "cpu");
   buffers_.clear();
 }
@@ -262,20 +296,23 @@ absl::Status Session::LocalStep() {
 }
 
 absl::Status Session::SendPartition(uint32_t partition) {
-  if (!InStep()) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (!InStep())
+    return absl::FailedPreconditionError("no step in progress (call Begin)");
   if (partition >= sent_.size()) {
     return absl::InvalidArgumentError(absl::StrCat("no partition ", partition));
   }
-  if (sent_[partition] || local_pending_) return absl::OkStatus();  // a local step: Finish sends
+  if (sent_[partition] || local_pending_)
+    return absl::OkStatus();  // a local step: Finish sends
   // Clipping this worker's own gradient needs all of it: Finish sends.
   if (clips_locally_ && !local_scale_.has_value()) return absl::OkStatus();
   sent_[partition] = true;
   const float scale = local_scale_.value_or(1.0f);
-  absl::Status sent = exchange_->Send(layout_.partitions()[partition],
-                                      [this, step = step_, scale](const compress::Partition& p,
-                                                                  std::string* payload) {
-                                        return engine_->Encode(step, rank_, p, payload, scale);
-                                      });
+  absl::Status sent =
+      exchange_->Send(layout_.partitions()[partition],
+                      [this, step = step_, scale](const compress::Partition& p,
+                                                  std::string* payload) {
+                        return engine_->Encode(step, rank_, p, payload, scale);
+                      });
   if (!sent.ok()) return Fail(sent);
   return absl::OkStatus();
 }
@@ -285,18 +322,23 @@ absl::Status Session::Fail(absl::Status status) {
   failed_ = status;
   // The other workers would wait for this one's pushes until the recovery
   // timeout: stop the job on the shards, so they fail now with the reason.
-  if (absl::Status s = client_->Abort(step_, std::string(status.message())); !s.ok()) {
-    std::fprintf(stderr, "worker %u: could not tell the shards that step %lld failed: %s\n", rank_,
-                 static_cast<long long>(step_), std::string(s.message()).c_str());
+  if (absl::Status s = client_->Abort(step_, std::string(status.message()));
+      !s.ok()) {
+    std::fprintf(
+        stderr,
+        "worker %u: could not tell the shards that step %lld failed: %s\n",
+        rank_, static_cast<long long>(step_), std::string(s.message()).c_str());
   }
   return status;
 }
 
 absl::Status Session::Finish(StepTraffic* traffic) {
-  if (!InStep()) return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (!InStep())
+    return absl::FailedPreconditionError("no step in progress (call Begin)");
   if (local_pending_) {
     if (absl::Status s = LocalStep(); !s.ok()) {
-      return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": ", s.message())));
+      return Fail(absl::Status(
+          s.code(), absl::StrCat("step ", step_, ": ", s.message())));
     }
     if (exchange_ == nullptr) {  // a local step: nothing to send
       if (traffic != nullptr) *traffic = StepTraffic{};
@@ -309,46 +351,60 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   if (clips_locally_ && !local_scale_.has_value()) {
     absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
     if (sum_of_squares.ok()) {
-      local_scale_ = compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
+      local_scale_ =
+          compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
     } else {
       status = sum_of_squares.status();
     }
   }
-  for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p) status = SendPartition(p);
+  for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p)
+    status = SendPartition(p);
   absl::Status finished = exchange_->Finish(traffic);
   received_buffers_ = exchange_->TakeReceivedBuffers();
   exchange_.reset();
-  if (!status.ok()) return Fail(status);  // this worker's own failure comes first
+  if (!status.ok())
+    return Fail(status);  // this worker's own failure comes first
   if (!finished.ok()) {
-    return Fail(absl::Status(finished.code(), absl::StrCat("step ", step_, ": ", finished.message())));
+    return Fail(
+        absl::Status(finished.code(),
+                     absl::StrCat("step ", step_, ": ", finished.message())));
   }
   std::optional<double> sum_of_squares;
   if (deferred_ != nullptr) {
     for (const compress::Partition& p : layout_.partitions()) {
       const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
       if (!reply.has_value()) {
-        return Fail(absl::InternalError(absl::StrCat("step ", step_, ": no reply for partition ", p.id)));
+        return Fail(absl::InternalError(
+            absl::StrCat("step ", step_, ": no reply for partition ", p.id)));
       }
       if (clips_average_) {
         if (!reply->grad_sum_of_squares.has_value()) {
-          return Fail(absl::FailedPreconditionError(absl::StrCat(
-              "step ", step_, ": the reply of partition ", p.id, " has no gradient norm; is its "
-              "server older than this worker?")));
+          return Fail(absl::FailedPreconditionError(
+              absl::StrCat("step ", step_, ": the reply of partition ", p.id,
+                           " has no gradient norm; is its "
+                           "server older than this worker?")));
         }
-        sum_of_squares = sum_of_squares.value_or(0.0) + *reply->grad_sum_of_squares;
+        sum_of_squares =
+            sum_of_squares.value_or(0.0) + *reply->grad_sum_of_squares;
       }
     }
     // The averaged gradient's clip factor needs every partition's norm.
-    const float scale = clips_average_ ? compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm)
-                                       : 1.0f;
+    const float scale = clips_average_
+                            ? compress::ClipScale(*sum_of_squares,
+                                                  job_.algorithm.clip_grad_norm)
+                            : 1.0f;
     for (const compress::Partition& p : layout_.partitions()) {
       const DeferredReply& reply = *(*deferred_)[p.id];
-      const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(reply.payload.data()),
-                                            reply.payload.size());
-      if (absl::Status s = engine_->ApplyReply(step_, p, bytes,
-                                               step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
+      const absl::Span<const uint8_t> bytes(
+          reinterpret_cast<const uint8_t*>(reply.payload.data()),
+          reply.payload.size());
+      if (absl::Status s = engine_->ApplyReply(
+              step_, p, bytes,
+              step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
           !s.ok()) {
-        return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ", p.id, ": ", s.message())));
+        return Fail(
+            absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ",
+                                                p.id, ": ", s.message())));
       }
     }
     deferred_.reset();
@@ -360,13 +416,17 @@ absl::Status Session::Finish(StepTraffic* traffic) {
         step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr,
         client_->pool());
     if (!commit.ok()) {
-      return Fail(absl::Status(commit.status().code(), absl::StrCat("step ", step_, ": ", commit.status().message())));
+      return Fail(absl::Status(
+          commit.status().code(),
+          absl::StrCat("step ", step_, ": ", commit.status().message())));
     }
     previous_lamb_commit_ = *std::move(commit);
     // The shards' mirrors need it to move x; the next pushes carry it too.
     if (rank_ == 0) {
-      if (absl::Status s = client_->CommitLamb(step_, previous_lamb_commit_); !s.ok()) {
-        return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": ", s.message())));
+      if (absl::Status s = client_->CommitLamb(step_, previous_lamb_commit_);
+          !s.ok()) {
+        return Fail(absl::Status(
+            s.code(), absl::StrCat("step ", step_, ": ", s.message())));
       }
     }
   }
@@ -374,7 +434,8 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     // The shards' mirrors apply the step once they have the norm; the next
     // step's pushes carry it as well, so only rank 0 waits for this.
     if (absl::Status s = client_->Commit(step_, *sum_of_squares); !s.ok()) {
-      return Fail(absl::Status(s.code(), absl::StrCat("step ", step_, ": ", s.message())));
+      return Fail(absl::Status(
+          s.code(), absl::StrCat("step ", step_, ": ", s.message())));
     }
   }
   ++step_;
@@ -409,9 +470,11 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   // steps it is the one of the step after the last sync, where the shards
   // are and where a resumed worker that takes x, m, v from them starts.
   int64_t step = step_;
-  while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges) --step;
-  proto::CheckpointWriter writer({"worker", rank_, layout_.fingerprint(),
-                                  compress::AlgorithmFingerprint(job_.algorithm), step});
+  while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges)
+    --step;
+  proto::CheckpointWriter writer(
+      {"worker", rank_, layout_.fingerprint(),
+       compress::AlgorithmFingerprint(job_.algorithm), step});
   std::vector<float> error(job_.algorithm.layout.dim);
   error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("worker_error", error);
@@ -423,11 +486,13 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   writer.AddFloats("m", replica_.m());
   writer.AddFloats("v", replica_.v());
   if (previous_grad_sum_of_squares_.has_value()) {
-    writer.AddInts("previous_grad_sum_of_squares", DoubleBits({&*previous_grad_sum_of_squares_, 1}));
+    writer.AddInts("previous_grad_sum_of_squares",
+                   DoubleBits({&*previous_grad_sum_of_squares_, 1}));
   }
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     writer.AddFloats("v_fresh", replica_.v_fresh());
-    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(replica_.lamb_layers()));
+    writer.AddFloats("lamb_layers",
+                     compress::FlattenLambLayers(replica_.lamb_layers()));
     writer.AddInts("previous_lamb_commit", DoubleBits(previous_lamb_commit_));
   }
   if (whole_step != step) {  // inside a zero_one_adam local interval
@@ -440,15 +505,18 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   return writer.Write(path);
 }
 
-absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader, int64_t whole_step) {
+absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
+                                        int64_t whole_step) {
   const uint64_t dim = job_.algorithm.layout.dim;
-  const auto floats = [&](const char* name, uint64_t n, std::vector<float>* out) {
+  const auto floats = [&](const char* name, uint64_t n,
+                          std::vector<float>* out) {
     auto values = reader.Floats(name, n);
     if (values.ok()) *out = *std::move(values);
     return values.status();
   };
   std::vector<float> x, m, v, error, v_fresh, layers;
-  for (auto [name, out] : {std::pair{"x", &x}, {"m", &m}, {"v", &v}, {"worker_error", &error}}) {
+  for (auto [name, out] :
+       {std::pair{"x", &x}, {"m", &m}, {"v", &v}, {"worker_error", &error}}) {
     if (absl::Status s = floats(name, dim, out); !s.ok()) return s;
   }
   std::optional<double> norm;
@@ -458,21 +526,28 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader, i
     norm = BitsDouble(*bits)[0];
   }
   std::vector<double> lamb_commit;
-  const bool lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const bool lamb =
+      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
   if (lamb) {
     if (absl::Status s = floats("v_fresh", dim, &v_fresh); !s.ok()) return s;
-    if (absl::Status s = floats("lamb_layers", 2 * replica_.lamb_layers().size(), &layers); !s.ok()) return s;
+    if (absl::Status s =
+            floats("lamb_layers", 2 * replica_.lamb_layers().size(), &layers);
+        !s.ok())
+      return s;
     if (!reader.Has("previous_lamb_commit")) {
-      return absl::DataLossError(absl::StrCat(reader.path(), " has no previous_lamb_commit"));
+      return absl::DataLossError(
+          absl::StrCat(reader.path(), " has no previous_lamb_commit"));
     }
-    auto bits = reader.Ints("previous_lamb_commit", reader.Count("previous_lamb_commit"));
+    auto bits = reader.Ints("previous_lamb_commit",
+                            reader.Count("previous_lamb_commit"));
     if (!bits.ok()) return bits.status();
     lamb_commit = BitsDouble(*bits);
   }
   std::optional<compress::Replica::LocalInterval> interval;
   if (whole_step != reader.header().step) {
     interval.emplace();
-    if (absl::Status s = floats("anchor", dim, &interval->anchor); !s.ok()) return s;
+    if (absl::Status s = floats("anchor", dim, &interval->anchor); !s.ok())
+      return s;
     if (absl::Status s = floats("u", dim, &interval->u); !s.ok()) return s;
     std::vector<float> lr_sum;
     if (absl::Status s = floats("lr_sum", 1, &lr_sum); !s.ok()) return s;
@@ -484,13 +559,16 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader, i
   // Everything read: now change the session.
   if (absl::Status s = error_.Restore(error); !s.ok()) return s;
   if (interval.has_value()) {
-    if (absl::Status s = replica_.RestoreLocalInterval(*std::move(interval)); !s.ok()) return s;
+    if (absl::Status s = replica_.RestoreLocalInterval(*std::move(interval));
+        !s.ok())
+      return s;
   }
   std::copy(x.begin(), x.end(), replica_.x().begin());
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   if (lamb) {
-    std::copy(v_fresh.begin(), v_fresh.end(), replica_.mutable_v_fresh().begin());
+    std::copy(v_fresh.begin(), v_fresh.end(),
+              replica_.mutable_v_fresh().begin());
     replica_.set_lamb_layers(compress::UnflattenLambLayers(layers));
     previous_lamb_commit_ = std::move(lamb_commit);
   }
@@ -499,28 +577,39 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader, i
 }
 
 absl::Status Session::CheckLambState(const LambState* lamb) const {
-  const bool is_lamb = job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const bool is_lamb =
+      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
   if (!is_lamb) {
-    return lamb == nullptr ? absl::OkStatus()
-                           : absl::InvalidArgumentError("onebit_lamb state given for another optimizer");
+    return lamb == nullptr
+               ? absl::OkStatus()
+               : absl::InvalidArgumentError(
+                     "onebit_lamb state given for another optimizer");
   }
   if (lamb == nullptr) {
     return absl::InvalidArgumentError(
-        "a onebit_lamb state needs its fresh variance v', layer state and last commit (state_dict() of "
+        "a onebit_lamb state needs its fresh variance v', layer state and last "
+        "commit (state_dict() of "
         "OneBitLamb saves them)");
   }
   const size_t layers = replica_.lamb_layers().size();
-  if (lamb->v_fresh.size() != job_.algorithm.layout.dim || lamb->layers.size() != 2 * layers ||
-      (!lamb->commit.empty() && lamb->commit.size() != compress::kLambCommit * layers)) {
+  if (lamb->v_fresh.size() != job_.algorithm.layout.dim ||
+      lamb->layers.size() != 2 * layers ||
+      (!lamb->commit.empty() &&
+       lamb->commit.size() != compress::kLambCommit * layers)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "onebit_lamb state: v' of ", lamb->v_fresh.size(), " values (needs ", job_.algorithm.layout.dim,
-        "), layer state of ", lamb->layers.size(), " (needs ", 2 * layers, " for ", layers,
-        " layers), commit of ", lamb->commit.size(), " (needs 0 or ", compress::kLambCommit * layers, ")"));
+        "onebit_lamb state: v' of ", lamb->v_fresh.size(), " values (needs ",
+        job_.algorithm.layout.dim, "), layer state of ", lamb->layers.size(),
+        " (needs ", 2 * layers, " for ", layers, " layers), commit of ",
+        lamb->commit.size(), " (needs 0 or ", compress::kLambCommit * layers,
+        ")"));
   }
-  if (absl::Status s = compress::ValidateSavedLamb(lamb->v_fresh, lamb->layers, "onebit_lamb state"); !s.ok()) {
+  if (absl::Status s = compress::ValidateSavedLamb(lamb->v_fresh, lamb->layers,
+                                                   "onebit_lamb state");
+      !s.ok()) {
     return s;
   }
-  if (!lamb->commit.empty()) return compress::ValidateLambCommit(job_.algorithm, lamb->commit);
+  if (!lamb->commit.empty())
+    return compress::ValidateLambCommit(job_.algorithm, lamb->commit);
   return absl::OkStatus();
 }
 
@@ -540,32 +629,38 @@ absl::StatusOr<Session::LambState> Session::SavedLamb() {
 absl::Status Session::ServerError(absl::Span<float> out) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (out.size() != dim) {
-    return absl::InvalidArgumentError(absl::StrCat("the server error has ", dim, " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the server error has ", dim, " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   auto steps = client_->FetchServerError(out);
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
-    const compress::StepPlan last = compress::PlanStep(job_.algorithm, step_ - 1);
+    const compress::StepPlan last =
+        compress::PlanStep(job_.algorithm, step_ - 1);
     const bool local = step_ > 0 && last.local && !last.exchanges;
     return absl::FailedPreconditionError(absl::StrCat(
         "the shards have completed ", *steps, " steps, this worker ", step_,
-        local ? "; zero_one_adam: this worker is in the middle of a local interval, and the shards "
+        local ? "; zero_one_adam: this worker is in the middle of a local "
+                "interval, and the shards "
                 "hold its last sync: save the state right after a sync step"
               : ""));
   }
   return absl::OkStatus();
 }
 
-absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
-                              absl::Span<const float> error, absl::Span<const float> server_error,
+absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
+                              absl::Span<const float> v,
+                              absl::Span<const float> error,
+                              absl::Span<const float> server_error,
                               const LambState* lamb) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (step < 0 || m.size() != dim || v.size() != dim ||
       (!server_error.empty() && server_error.size() != dim)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "optimizer state needs step >= 0 and m, v (and the server error, if given) of ", dim,
-        " elements"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer state needs step >= 0 and m, v (and the server "
+                     "error, if given) of ",
+                     dim, " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (absl::Status s = CheckLambState(lamb); !s.ok()) return s;
@@ -574,32 +669,40 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
   if (*held != step) {
     if (*held != 0 || step_ != 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "the shards hold step ", *held, " of this job, the saved state step ", step,
-          "; load a state saved at step ", *held, ", or restart the shards fresh (or from their "
-          "checkpoints of step ", step, ") and load it before the first step()"));
+          "the shards hold step ", *held, " of this job, the saved state step ",
+          step, "; load a state saved at step ", *held,
+          ", or restart the shards fresh (or from their "
+          "checkpoints of step ",
+          step, ") and load it before the first step()"));
     }
     if (rank_ == 0) {
       if (server_error.empty()) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "the shards are fresh and this state (step ", step, ") has no server state: save rank "
-            "0's optimizer.state_dict() (it holds the shards' error buffers) and load it on rank 0"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("the shards are fresh and this state (step ", step,
+                         ") has no server state: save rank "
+                         "0's optimizer.state_dict() (it holds the shards' "
+                         "error buffers) and load it on rank 0"));
       }
       if (absl::Status s = SyncHost(); !s.ok()) return s;
-      if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v, server_error,
-                                                 lamb != nullptr ? absl::MakeConstSpan(lamb->v_fresh)
-                                                                 : absl::Span<const float>(),
-                                                 lamb != nullptr ? absl::MakeConstSpan(lamb->layers)
-                                                                 : absl::Span<const float>());
+      if (absl::Status s = client_->RestoreModel(
+              step, replica_.x(), m, v, server_error,
+              lamb != nullptr ? absl::MakeConstSpan(lamb->v_fresh)
+                              : absl::Span<const float>(),
+              lamb != nullptr ? absl::MakeConstSpan(lamb->layers)
+                              : absl::Span<const float>());
           !s.ok()) {
         return s;
       }
     } else {
-      const absl::Time deadline = absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+      const absl::Time deadline =
+          absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
       while (*held != step) {
         if (absl::Now() > deadline) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "waited ", job_.connect_timeout_seconds, " s for rank 0 to restore the shards to step ",
-              step, " (they hold step ", *held, "); load the saved state on every rank"));
+          return absl::FailedPreconditionError(
+              absl::StrCat("waited ", job_.connect_timeout_seconds,
+                           " s for rank 0 to restore the shards to step ", step,
+                           " (they hold step ", *held,
+                           "); load the saved state on every rank"));
         }
         absl::SleepFor(absl::Milliseconds(50));
         held = client_->CompletedSteps();
@@ -614,7 +717,8 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m, absl::Spa
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   if (lamb != nullptr) {
-    std::copy(lamb->v_fresh.begin(), lamb->v_fresh.end(), replica_.mutable_v_fresh().begin());
+    std::copy(lamb->v_fresh.begin(), lamb->v_fresh.end(),
+              replica_.mutable_v_fresh().begin());
     replica_.set_lamb_layers(compress::UnflattenLambLayers(lamb->layers));
     previous_lamb_commit_ = lamb->commit;
   } else {

@@ -34,16 +34,15 @@ class Session {
   // session owns them. compute_threads > 0: partitions are encoded (on the
   // CPU) and replies applied on a compute pool of that many threads
   // (PushClient::Create); 0: on the driving thread and gRPC's.
-  static absl::StatusOr<std::unique_ptr<Session>> Connect(const proto::JobSpec& job, uint32_t rank,
-                                                          std::vector<std::string> servers,
-                                                          const proto::SecurityOptions& security,
-                                                          absl::Span<float> x = {},
-                                                          int compute_threads = 0);
+  static absl::StatusOr<std::unique_ptr<Session>> Connect(
+      const proto::JobSpec& job, uint32_t rank,
+      std::vector<std::string> servers, const proto::SecurityOptions& security,
+      absl::Span<float> x = {}, int compute_threads = 0);
   // The same over any transport (tests: tests/inproc's in-process cluster).
-  static absl::StatusOr<std::unique_ptr<Session>> Connect(const proto::JobSpec& job, uint32_t rank,
-                                                          std::unique_ptr<Transport> transport,
-                                                          absl::Span<float> x = {},
-                                                          int compute_threads = 0, bool tls = false);
+  static absl::StatusOr<std::unique_ptr<Session>> Connect(
+      const proto::JobSpec& job, uint32_t rank,
+      std::unique_ptr<Transport> transport, absl::Span<float> x = {},
+      int compute_threads = 0, bool tls = false);
 
   // Starts training. Fresh: rank 0 uploads x as the initial parameters and
   // every other rank replaces its x with them, so all start equal. Resume:
@@ -53,7 +52,8 @@ class Session {
   // mid-run); else x, m, v come from the shards and the step from their
   // progress, and the error buffer from `checkpoint` if it is of that step
   // (from zero otherwise, saying so). Returns the first step to run.
-  absl::StatusOr<int64_t> Start(bool resume, const std::string& checkpoint = "");
+  absl::StatusOr<int64_t> Start(bool resume,
+                                const std::string& checkpoint = "");
 
   // Whether every shard already holds its initial parameters (the job has
   // started, or the shards resumed from checkpoints).
@@ -68,7 +68,8 @@ class Session {
   // Begin/Step fails with FAILED_PRECONDITION: the worker must rejoin
   // (resume). A failed step stops the job on the shards (ShardCore::Abort):
   // every other worker's step fails at once with this one's reason.
-  absl::Status Step(absl::Span<const float> grad, StepTraffic* traffic = nullptr);
+  absl::Status Step(absl::Span<const float> grad,
+                    StepTraffic* traffic = nullptr);
 
   // The same step in pieces, for overlapping with a backward pass: Begin,
   // then SendPartition for each partition whose gradient is complete (any
@@ -139,8 +140,9 @@ class Session {
     std::vector<float> v_fresh, layers;
     std::vector<double> commit;
   };
-  absl::Status Restore(int64_t step, absl::Span<const float> m, absl::Span<const float> v,
-                       absl::Span<const float> error, absl::Span<const float> server_error = {},
+  absl::Status Restore(int64_t step, absl::Span<const float> m,
+                       absl::Span<const float> v, absl::Span<const float> error,
+                       absl::Span<const float> server_error = {},
                        const LambState* lamb = nullptr);
   // This worker's LambState (state_dict), between steps;
   // FAILED_PRECONDITION for other optimizers.
@@ -150,9 +152,12 @@ class Session {
   absl::Status ServerError(absl::Span<float> out);
 
  private:
-  Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout, absl::Span<float> x);
-  absl::Status BeginStep();  // the checks and the exchange, whatever the gradient's source
-  void StartExchange();      // the exchange of the step in flight (step_hyper_'s hyper)
+  Session(const proto::JobSpec& job, uint32_t rank, compress::Layout layout,
+          absl::Span<float> x);
+  absl::Status
+  BeginStep();  // the checks and the exchange, whatever the gradient's source
+  void
+  StartExchange();  // the exchange of the step in flight (step_hyper_'s hyper)
   // zero_one_adam's local step of the step in flight (compress::Replica::
   // LocalStep), then its exchange if it syncs.
   absl::Status LocalStep();
@@ -164,7 +169,8 @@ class Session {
   // "whole_step") from a checkpoint that has it: x, m, v, the error buffer,
   // what the next pushes carry, onebit_lamb's and a zero_one_adam local
   // interval's state. An error, nothing changed, for a malformed one.
-  absl::Status RestoreWholeState(const proto::CheckpointReader& reader, int64_t whole_step);
+  absl::Status RestoreWholeState(const proto::CheckpointReader& reader,
+                                 int64_t whole_step);
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);

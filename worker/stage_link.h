@@ -22,8 +22,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "compress/sync.h"
 #include "absl/time/time.h"
+#include "compress/sync.h"
 #include "proto/security.h"
 
 namespace morse::worker {
@@ -32,7 +32,13 @@ class ClientEndpoint;
 class StageService;
 
 struct StageFrame {
-  enum Kind : uint32_t { kHello = 0, kForward = 1, kBackward = 2, kError = 3, kEnd = 4 };
+  enum Kind : uint32_t {
+    kHello = 0,
+    kForward = 1,
+    kBackward = 2,
+    kError = 3,
+    kEnd = 4
+  };
   uint32_t kind = kHello;
   std::string meta;
   std::string payload;
@@ -45,13 +51,13 @@ class StageLink {
   // The later stage's end: listens on `address` ("host:port"; port 0 picks
   // one, see address()) for the earlier stage's stream. `security` as for
   // a server (proto/security.h): TLS, client CAs, token file, or insecure.
-  static absl::StatusOr<std::unique_ptr<StageLink>> Listen(const std::string& address,
-                                                           const proto::SecurityOptions& security);
+  static absl::StatusOr<std::unique_ptr<StageLink>> Listen(
+      const std::string& address, const proto::SecurityOptions& security);
   // The earlier stage's end: opens the stream to `address`, retrying until
   // the listener is up or `timeout` passes (UNAVAILABLE naming the address).
-  static absl::StatusOr<std::unique_ptr<StageLink>> Connect(const std::string& address,
-                                                            const proto::SecurityOptions& security,
-                                                            absl::Duration timeout);
+  static absl::StatusOr<std::unique_ptr<StageLink>> Connect(
+      const std::string& address, const proto::SecurityOptions& security,
+      absl::Duration timeout);
 
   ~StageLink();
   StageLink(const StageLink&) = delete;

@@ -2,9 +2,10 @@
 //
 // - WorkerMetrics: the worker's Prometheus series, labelled `rank`, served
 //   by proto/HttpEndpoint on --metrics_listen (docs/operations.md):
-//     morse_worker_steps_total, morse_worker_payload_bytes_total{direction,codec},
-//     morse_worker_step_seconds, morse_worker_communication_seconds (histograms),
-//     morse_worker_loss, morse_worker_error_buffer_norm.
+//     morse_worker_steps_total,
+//     morse_worker_payload_bytes_total{direction,codec},
+//     morse_worker_step_seconds, morse_worker_communication_seconds
+//     (histograms), morse_worker_loss, morse_worker_error_buffer_norm.
 // - StepReport: one JSON line per step (--metrics) and a progress line
 //   every log_every steps averaged over the interval.
 //
@@ -32,7 +33,8 @@ namespace morse::worker {
 struct StepRecord {
   int64_t step = 0;
   std::string phase;  // adam, warmup, compression
-  compress::CodecKind up = compress::CodecKind::kFp32, down = compress::CodecKind::kFp32;
+  compress::CodecKind up = compress::CodecKind::kFp32,
+                      down = compress::CodecKind::kFp32;
   double loss = 0;
   double step_seconds = 0, compute_seconds = 0, comm_seconds = 0;
   StepTraffic traffic;
@@ -45,7 +47,9 @@ class WorkerMetrics {
   WorkerMetrics(std::shared_ptr<prometheus::Registry> registry, uint32_t rank);
   void Step(const StepRecord& record);
   void SetErrorNorm(double norm) { error_norm_.Set(norm); }
-  const std::shared_ptr<prometheus::Registry>& registry() const { return registry_; }
+  const std::shared_ptr<prometheus::Registry>& registry() const {
+    return registry_;
+  }
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -62,12 +66,13 @@ class StepReport {
  public:
   struct Options {
     uint32_t rank = 0;
-    int64_t steps = 0;        // the job's last step + 1
-    int64_t first_step = 0;   // where this worker started (resume)
+    int64_t steps = 0;       // the job's last step + 1
+    int64_t first_step = 0;  // where this worker started (resume)
     uint32_t log_every = 10;
     double samples_per_step = 0;
-    std::ostream* jsonl = nullptr;                 // --metrics; null: none
-    std::function<void(const std::string&)> log;  // progress lines; default: stdout
+    std::ostream* jsonl = nullptr;  // --metrics; null: none
+    std::function<void(const std::string&)>
+        log;  // progress lines; default: stdout
   };
   explicit StepReport(Options options) : options_(std::move(options)) {}
 

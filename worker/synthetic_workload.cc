@@ -16,12 +16,21 @@ constexpr uint32_t kTargetTag = 0xC0FFEE02u;
 // The gradient on an engine's device: a and t copied there once.
 class DeviceSyntheticHook final : public GradientHook {
  public:
-  DeviceSyntheticHook(DeviceServices& device, uint64_t seed, uint32_t rank, float noise,
-                      uint32_t dead_every, const float* a, const float* t, size_t n)
-      : device_(device), seed_(seed), rank_(rank), noise_(noise), dead_every_(dead_every), a_(a), t_(t),
+  DeviceSyntheticHook(DeviceServices& device, uint64_t seed, uint32_t rank,
+                      float noise, uint32_t dead_every, const float* a,
+                      const float* t, size_t n)
+      : device_(device),
+        seed_(seed),
+        rank_(rank),
+        noise_(noise),
+        dead_every_(dead_every),
+        a_(a),
+        t_(t),
         n_(n) {}
-  absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) override {
-    return device_.SyntheticGradient(seed_, step, rank_, noise_, dead_every_, a_, t_, x, grad, n_);
+  absl::StatusOr<double> Gradient(int64_t step, const float* x,
+                                  float* grad) override {
+    return device_.SyntheticGradient(seed_, step, rank_, noise_, dead_every_,
+                                     a_, t_, x, grad, n_);
   }
 
  private:
@@ -36,7 +45,8 @@ class DeviceSyntheticHook final : public GradientHook {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GradientHook>> SyntheticWorkload::GradientOn(Engine& engine) {
+absl::StatusOr<std::unique_ptr<GradientHook>> SyntheticWorkload::GradientOn(
+    Engine& engine) {
   DeviceServices* device = engine.device();
   if (device == nullptr) return Workload::GradientOn(engine);
   const float* arrays[2];
@@ -44,11 +54,13 @@ absl::StatusOr<std::unique_ptr<GradientHook>> SyntheticWorkload::GradientOn(Engi
   for (int i = 0; i < 2; ++i) {
     auto memory = device->Allocate(4 * dim());
     if (!memory.ok()) return memory.status();
-    if (absl::Status s = device->CopyIn(*memory, sources[i]->data(), 4 * dim()); !s.ok()) return s;
+    if (absl::Status s = device->CopyIn(*memory, sources[i]->data(), 4 * dim());
+        !s.ok())
+      return s;
     arrays[i] = static_cast<const float*>(*memory);
   }
-  return std::make_unique<DeviceSyntheticHook>(*device, seed_, rank_, noise_, dead_every_, arrays[0],
-                                               arrays[1], dim());
+  return std::make_unique<DeviceSyntheticHook>(
+      *device, seed_, rank_, noise_, dead_every_, arrays[0], arrays[1], dim());
 }
 
 SyntheticWorkload::SyntheticWorkload(const proto::JobSpec& job, uint32_t rank)
@@ -58,8 +70,10 @@ SyntheticWorkload::SyntheticWorkload(const proto::JobSpec& job, uint32_t rank)
       dead_every_(job.synthetic.dead_every),
       curvature_(job.synthetic.dim),
       target_(job.synthetic.dim) {
-  compress::FillDraws({seed_, kCurvatureTag, kCurvatureTag, 0}, curvature_.data(), dim());
-  compress::FillDraws({seed_, kTargetTag, kTargetTag, 0}, target_.data(), dim());
+  compress::FillDraws({seed_, kCurvatureTag, kCurvatureTag, 0},
+                      curvature_.data(), dim());
+  compress::FillDraws({seed_, kTargetTag, kTargetTag, 0}, target_.data(),
+                      dim());
   for (uint64_t j = 0; j < dim(); ++j) {
     curvature_[j] = 0.1f + 0.9f * curvature_[j];
     target_[j] = 2.0f * target_[j] - 1.0f;
@@ -70,24 +84,31 @@ void SyntheticWorkload::Initialize(absl::Span<float> x) const {
   std::fill(x.begin(), x.end(), 0.0f);
 }
 
-absl::StatusOr<double> SyntheticWorkload::Gradient(int64_t step, absl::Span<const float> x,
+absl::StatusOr<double> SyntheticWorkload::Gradient(int64_t step,
+                                                   absl::Span<const float> x,
                                                    absl::Span<float> grad) {
   double lanes[4] = {0, 0, 0, 0};
-  if (absl::Status s = GradientRange(step, x, grad, 0, dim(), lanes); !s.ok()) return s;
+  if (absl::Status s = GradientRange(step, x, grad, 0, dim(), lanes); !s.ok())
+    return s;
   return GradientHook::MeanLoss(lanes, dim());
 }
 
-absl::Status SyntheticWorkload::GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad,
-                                              uint64_t begin, uint64_t end, double loss_lanes[4]) {
+absl::Status SyntheticWorkload::GradientRange(int64_t step,
+                                              absl::Span<const float> x,
+                                              absl::Span<float> grad,
+                                              uint64_t begin, uint64_t end,
+                                              double loss_lanes[4]) {
   // grad = a * (x - t) + noise * (2u - 1), u the Philox draw of (step,
   // rank); +0 for the dead elements. A chunk at a time: its draws stay in
   // L1 (the vector generator, compress::KernelTable::fill_draws), and the
   // loss goes to four lanes so that its additions do not wait on each other.
   if (begin > end || end > dim() || x.size() != dim() || grad.size() != dim()) {
-    return absl::InvalidArgumentError(absl::StrCat("gradient range [", begin, ", ", end, ") of ", dim()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradient range [", begin, ", ", end, ") of ", dim()));
   }
   constexpr uint64_t kChunk = 1024;
-  double lanes[4] = {loss_lanes[0], loss_lanes[1], loss_lanes[2], loss_lanes[3]};
+  double lanes[4] = {loss_lanes[0], loss_lanes[1], loss_lanes[2],
+                     loss_lanes[3]};
   alignas(64) float draws[kChunk];
   const compress::KernelTable& kernels = compress::ActiveKernels();
   const float* __restrict a = curvature_.data();
@@ -97,13 +118,15 @@ absl::Status SyntheticWorkload::GradientRange(int64_t step, absl::Span<const flo
   const float noise = noise_;
   for (uint64_t start = begin; start < end; start += kChunk) {
     const uint64_t len = std::min(kChunk, end - start);
-    kernels.fill_draws({seed_, static_cast<uint64_t>(step), rank_, start}, draws, len);
+    kernels.fill_draws({seed_, static_cast<uint64_t>(step), rank_, start},
+                       draws, len);
     for (uint64_t i = 0; i < len; ++i) {
       const uint64_t j = start + i;
       g[j] = a[j] * (xs[j] - t[j]) + noise * (2.0f * draws[i] - 1.0f);
     }
     if (dead_every_ != 0) {
-      for (uint64_t j = (start + dead_every_ - 1) / dead_every_ * dead_every_; j < start + len; j += dead_every_) {
+      for (uint64_t j = (start + dead_every_ - 1) / dead_every_ * dead_every_;
+           j < start + len; j += dead_every_) {
         g[j] = 0.0f;
       }
     }

@@ -22,7 +22,9 @@ void Timer::Run() {
   while (!stopping_) {
     if (tasks_.empty()) {
       mu_.Await(absl::Condition(
-          +[](Timer* t) ABSL_NO_THREAD_SAFETY_ANALYSIS { return t->stopping_ || !t->tasks_.empty(); },
+          +[](Timer* t) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return t->stopping_ || !t->tasks_.empty();
+          },
           this));
       continue;
     }
@@ -34,12 +36,14 @@ void Timer::Run() {
         Timer* timer;
         std::pair<absl::Time, uint64_t> first;
       } wake{this, first};
-      mu_.AwaitWithDeadline(absl::Condition(
-                                +[](Wake* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                  return w->timer->stopping_ || w->timer->tasks_.empty() ||
-                                         w->timer->tasks_.begin()->first < w->first;
-                                }, &wake),
-                            due);
+      mu_.AwaitWithDeadline(
+          absl::Condition(
+              +[](Wake* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                return w->timer->stopping_ || w->timer->tasks_.empty() ||
+                       w->timer->tasks_.begin()->first < w->first;
+              },
+              &wake),
+          due);
       continue;
     }
     std::function<void()> fn = std::move(tasks_.begin()->second);

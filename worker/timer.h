@@ -15,8 +15,8 @@
 #include <thread>
 #include <utility>
 
-#include "compress/sync.h"
 #include "absl/time/time.h"
+#include "compress/sync.h"
 
 namespace morse::worker {
 
@@ -29,14 +29,17 @@ class Timer {
 
   // Runs `fn` on the timer's thread at `when` (at once if that has passed).
   void At(absl::Time when, std::function<void()> fn);
-  void After(absl::Duration delay, std::function<void()> fn) { At(absl::Now() + delay, std::move(fn)); }
+  void After(absl::Duration delay, std::function<void()> fn) {
+    At(absl::Now() + delay, std::move(fn));
+  }
 
  private:
   void Run();
 
   Mutex mu_;
   // By time, then by the order scheduled.
-  std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<absl::Time, uint64_t>, std::function<void()>> tasks_
+      ABSL_GUARDED_BY(mu_);
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;

@@ -43,7 +43,8 @@ std::string TrainingSummary::ToJson() const {
       compressed_up_per_step, exchanges, wire_sent_bytes, wire_received_bytes,
       wall_seconds, comm_seconds, final_checksum, device,
       compress::ActiveKernels().name);
-  if (test_accuracy.has_value()) absl::StrAppendFormat(&json, ",\"test_accuracy\":%.4f", *test_accuracy);
+  if (test_accuracy.has_value())
+    absl::StrAppendFormat(&json, ",\"test_accuracy\":%.4f", *test_accuracy);
   return json + "}";
 }
 
@@ -54,32 +55,38 @@ namespace {
 // and the job can run there (saying why not and staying on the CPU for
 // "auto"), else the CPU (options.device is one of the three: Begin checks
 // it before joining). Returns the line to log (empty: none).
-absl::StatusOr<std::string> ChooseEngine(const TrainerOptions& options, Workload& workload, Session& session) {
+absl::StatusOr<std::string> ChooseEngine(const TrainerOptions& options,
+                                         Workload& workload, Session& session) {
   std::string line;
   if (options.device != "cpu") {
     absl::Status moved = session.MoveTo("cuda");
     if (moved.ok()) moved = session.engine().SetWorkload(workload);
     if (moved.ok()) {
-      return absl::StrCat("worker ", options.rank, ": x, m, v, error buffer and gradient on ",
+      return absl::StrCat("worker ", options.rank,
+                          ": x, m, v, error buffer and gradient on ",
                           session.engine().description());
     }
     if (options.device == "cuda") {
-      return absl::Status(moved.code(), absl::StrCat("--device cuda: ", moved.message()));
+      return absl::Status(moved.code(),
+                          absl::StrCat("--device cuda: ", moved.message()));
     }
-    line = absl::StrCat("worker ", options.rank, ": training on the CPU (", moved.message(), ")");
+    line = absl::StrCat("worker ", options.rank, ": training on the CPU (",
+                        moved.message(), ")");
     if (session.engine().kind() != "cpu") {
       if (absl::Status s = session.MoveTo("cpu"); !s.ok()) return s;
     }
   }
-  if (absl::Status s = session.engine().SetWorkload(workload); !s.ok()) return s;
+  if (absl::Status s = session.engine().SetWorkload(workload); !s.ok())
+    return s;
   return line;
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const proto::JobSpec& job,
-                                                         const TrainerOptions& options) {
-  auto transport = GrpcTransport::Create(job, options.servers, options.rank, options.security);
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
+    const proto::JobSpec& job, const TrainerOptions& options) {
+  auto transport = GrpcTransport::Create(job, options.servers, options.rank,
+                                         options.security);
   if (!transport.ok()) return transport.status();
   std::unique_ptr<Trainer> trainer(new Trainer(job, options));
   trainer->count_tcp_ = true;
@@ -87,9 +94,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const proto::JobSpec& j
   return trainer;
 }
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const proto::JobSpec& job,
-                                                         const TrainerOptions& options,
-                                                         std::unique_ptr<Transport> transport) {
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
+    const proto::JobSpec& job, const TrainerOptions& options,
+    std::unique_ptr<Transport> transport) {
   std::unique_ptr<Trainer> trainer(new Trainer(job, options));
   if (absl::Status s = trainer->Begin(std::move(transport)); !s.ok()) return s;
   return trainer;
@@ -117,7 +124,8 @@ Trainer::TcpCounters Trainer::ReadTcp() const {
   return c;
 }
 
-Trainer::Trainer(const proto::JobSpec& job, const TrainerOptions& options) : job_(job), options_(options) {}
+Trainer::Trainer(const proto::JobSpec& job, const TrainerOptions& options)
+    : job_(job), options_(options) {}
 
 Trainer::~Trainer() = default;
 
@@ -131,31 +139,41 @@ void Trainer::Log(const std::string& line) const {
 }
 
 absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
-  if (options_.device != "auto" && options_.device != "cpu" && options_.device != "cuda") {
-    return absl::InvalidArgumentError(absl::StrCat("--device ", options_.device, ": use auto, cpu or cuda"));
+  if (options_.device != "auto" && options_.device != "cpu" &&
+      options_.device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device ", options_.device, ": use auto, cpu or cuda"));
   }
   auto workload = MakeWorkload(job_, options_.rank);
   if (!workload.ok()) return workload.status();
   workload_ = *std::move(workload);
   const uint64_t dim = job_.algorithm.layout.dim;
   if (workload_->dim() != dim) {
-    return absl::InternalError(absl::StrCat("workload has ", workload_->dim(), " parameters, the layout ", dim));
+    return absl::InternalError(absl::StrCat("workload has ", workload_->dim(),
+                                            " parameters, the layout ", dim));
   }
   // Metrics (--metrics_listen): morse_worker_* series (worker/step_report.h).
   if (!options_.metrics_listen.empty()) {
-    prometheus_metrics_ = std::make_unique<WorkerMetrics>(std::make_shared<prometheus::Registry>(), options_.rank);
-    auto endpoint = proto::HttpEndpoint::Start(options_.metrics_listen, prometheus_metrics_->registry(),
-                                               [this] { return ready_.load(); });
+    prometheus_metrics_ = std::make_unique<WorkerMetrics>(
+        std::make_shared<prometheus::Registry>(), options_.rank);
+    auto endpoint = proto::HttpEndpoint::Start(
+        options_.metrics_listen, prometheus_metrics_->registry(),
+        [this] { return ready_.load(); });
     if (!endpoint.ok()) return endpoint.status();
     http_ = *std::move(endpoint);
   }
-  auto session = Session::Connect(job_, options_.rank, std::move(transport), {}, options_.compute_threads,
-                                  !options_.security.insecure);
+  auto session =
+      Session::Connect(job_, options_.rank, std::move(transport), {},
+                       options_.compute_threads, !options_.security.insecure);
   if (!session.ok()) return session.status();
   session_ = *std::move(session);
   workload_->Initialize(session_->replica().x());
-  const std::string checkpoint_dir = options_.checkpoint_dir.empty() ? job_.checkpoint_dir : options_.checkpoint_dir;
-  if (!checkpoint_dir.empty()) checkpoint_ = absl::StrCat(checkpoint_dir, "/worker-", options_.rank, ".ckpt");
+  const std::string checkpoint_dir = options_.checkpoint_dir.empty()
+                                         ? job_.checkpoint_dir
+                                         : options_.checkpoint_dir;
+  if (!checkpoint_dir.empty())
+    checkpoint_ =
+        absl::StrCat(checkpoint_dir, "/worker-", options_.rank, ".ckpt");
   bool resume = options_.resume;
   if (options_.rejoin && !resume) {
     // Ranks other than 0 take the model from the shards either way; rank 0
@@ -173,14 +191,18 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   ready_ = true;
 
   if (!options_.metrics_path.empty()) {
-    metrics_ = std::make_unique<std::ofstream>(options_.metrics_path, std::ios::trunc);
-    if (!*metrics_) return absl::InvalidArgumentError("cannot write metrics file " + options_.metrics_path);
+    metrics_ =
+        std::make_unique<std::ofstream>(options_.metrics_path, std::ios::trunc);
+    if (!*metrics_)
+      return absl::InvalidArgumentError("cannot write metrics file " +
+                                        options_.metrics_path);
   }
   summary_.rank = options_.rank;
   summary_.device = session_->engine().description();
   report_ = std::make_unique<StepReport>(StepReport::Options{
       options_.rank, job_.steps, first_step_, job_.log_every,
-      static_cast<double>(workload_->samples_per_step()), metrics_.get(), options_.log});
+      static_cast<double>(workload_->samples_per_step()), metrics_.get(),
+      options_.log});
   const TcpCounters tcp = ReadTcp();
   tcp_sent_start_ = tcp.sent;
   tcp_received_start_ = tcp.received;
@@ -189,22 +211,27 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
 }
 
 absl::StatusOr<StepRecord> Trainer::Step() {
-  if (done()) return absl::FailedPreconditionError(absl::StrCat("the job's ", job_.steps, " steps are done"));
+  if (done())
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job's ", job_.steps, " steps are done"));
   const int64_t step = next_step_;
   Engine& engine = session_->engine();
   compress::Replica& replica = session_->replica();
   const absl::Time step_start = absl::Now();
-  if (step == job_.algorithm.freeze_step && job_.algorithm.optimizer == compress::OptimizerKind::kOneBitAdam) {
+  if (step == job_.algorithm.freeze_step &&
+      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitAdam) {
     // v is frozen from here on: say how much the zero-variance mask holds.
     if (absl::Status s = session_->SyncHost(); !s.ok()) return s;
     const auto v = replica.v();
-    const size_t zeros = static_cast<size_t>(std::count(v.begin(), v.end(), 0.0f));
-    Log(absl::StrFormat("worker %u: v frozen at step %d; %u of %u elements have v = 0%s", options_.rank, step,
-                        zeros, v.size(),
-                        zeros == 0 ? ""
-                        : job_.algorithm.mask_zero_variance
-                            ? " and are masked (mask_zero_variance)"
-                            : ": with mask_zero_variance off they get +-scale/eps updates"));
+    const size_t zeros =
+        static_cast<size_t>(std::count(v.begin(), v.end(), 0.0f));
+    Log(absl::StrFormat(
+        "worker %u: v frozen at step %d; %u of %u elements have v = 0%s",
+        options_.rank, step, zeros, v.size(),
+        zeros == 0 ? ""
+        : job_.algorithm.mask_zero_variance
+            ? " and are masked (mask_zero_variance)"
+            : ": with mask_zero_variance off they get +-scale/eps updates"));
   }
   StepRecord record;
   record.step = step;
@@ -217,7 +244,10 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     double lanes[4] = {0, 0, 0, 0};
     for (const compress::Partition& p : session_->layout().partitions()) {
       const absl::Time start = absl::Now();
-      if (absl::Status s = engine.GradientRange(step, p.range.begin, p.range.end, lanes); !s.ok()) return s;
+      if (absl::Status s =
+              engine.GradientRange(step, p.range.begin, p.range.end, lanes);
+          !s.ok())
+        return s;
       record.compute_seconds += absl::ToDoubleSeconds(absl::Now() - start);
       if (absl::Status s = session_->SendPartition(p.id); !s.ok()) return s;
     }
@@ -227,13 +257,16 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     loss = engine.Gradient(step);
     if (!loss.ok()) return loss.status();
     record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
-    if (absl::Status s = session_->StepFromEngine(&record.traffic); !s.ok()) return s;
+    if (absl::Status s = session_->StepFromEngine(&record.traffic); !s.ok())
+      return s;
   }
   next_step_ = step + 1;
   record.loss = *loss;
-  const bool checkpoint_due =
-      !checkpoint_.empty() && job_.checkpoint_every_steps > 0 && (step + 1) % job_.checkpoint_every_steps == 0;
-  const bool norm_due = prometheus_metrics_ != nullptr && (step + 1) % job_.log_every == 0;
+  const bool checkpoint_due = !checkpoint_.empty() &&
+                              job_.checkpoint_every_steps > 0 &&
+                              (step + 1) % job_.checkpoint_every_steps == 0;
+  const bool norm_due =
+      prometheus_metrics_ != nullptr && (step + 1) % job_.log_every == 0;
   // On a GPU, the host copy of the model is brought up to date when read.
   if (options_.checksums || checkpoint_due || norm_due) {
     if (absl::Status s = session_->SyncHost(); !s.ok()) return s;
@@ -247,19 +280,24 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   // What the step spent neither computing its gradient nor encoding on
   // this thread: waiting for replies and for encodes on the compute pool
   // that the gradient did not hide (and applying what lands meanwhile).
-  record.comm_seconds = record.step_seconds - record.compute_seconds - record.traffic.encode_inline_seconds;
+  record.comm_seconds = record.step_seconds - record.compute_seconds -
+                        record.traffic.encode_inline_seconds;
   record.wire_up = tcp_after.sent - tcp_before.sent;
   record.wire_down = tcp_after.received - tcp_before.received;
   if (options_.checksums) record.checksum = replica.Checksum();
   if (prometheus_metrics_ != nullptr) {
     prometheus_metrics_->Step(record);
-    if (norm_due) prometheus_metrics_->SetErrorNorm(std::sqrt(session_->error().SquaredNorm()));
+    if (norm_due)
+      prometheus_metrics_->SetErrorNorm(
+          std::sqrt(session_->error().SquaredNorm()));
   }
   summary_.payload_up += record.traffic.payload_up;
   summary_.payload_down += record.traffic.payload_down;
   summary_.comm_seconds += record.comm_seconds;
   if (plan.exchanges) {
-    (plan.compressing ? summary_.compressed_up_per_step : summary_.warmup_up_per_step) = record.traffic.payload_up;
+    (plan.compressing ? summary_.compressed_up_per_step
+                      : summary_.warmup_up_per_step) =
+        record.traffic.payload_up;
     ++summary_.exchanges;
   }
   summary_.final_loss = *loss;
@@ -268,8 +306,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   report_->Record(record);
   if (checkpoint_due) {
     if (absl::Status s = session_->SaveCheckpoint(checkpoint_); !s.ok()) {
-      std::fprintf(stderr, "worker %u: checkpoint not written: %s\n", options_.rank,
-                   std::string(s.message()).c_str());
+      std::fprintf(stderr, "worker %u: checkpoint not written: %s\n",
+                   options_.rank, std::string(s.message()).c_str());
     }
   }
   return record;
@@ -296,7 +334,8 @@ absl::StatusOr<TrainingSummary> Trainer::Run() {
   return Summary();
 }
 
-absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options) {
+absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job,
+                                      const TrainerOptions& options) {
   auto trainer = Trainer::Create(job, options);
   if (!trainer.ok()) return trainer.status();
   return (*trainer)->Run();

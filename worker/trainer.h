@@ -91,12 +91,12 @@ class Trainer {
   // Everything before the first step: the workload, the metrics endpoint,
   // the session to options.servers over gRPC, the start (fresh, --resume or
   // --rejoin from this worker's checkpoint) and the engine (--device).
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const proto::JobSpec& job,
-                                                         const TrainerOptions& options);
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const proto::JobSpec& job, const TrainerOptions& options);
   // The same over any transport (options.servers and security unused).
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const proto::JobSpec& job,
-                                                         const TrainerOptions& options,
-                                                         std::unique_ptr<Transport> transport);
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(
+      const proto::JobSpec& job, const TrainerOptions& options,
+      std::unique_ptr<Transport> transport);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -138,11 +138,11 @@ class Trainer {
   const TrainerOptions options_;
   std::unique_ptr<Workload> workload_;
   std::unique_ptr<WorkerMetrics> prometheus_metrics_;
-  std::atomic<bool> ready_{false};            // /readyz; outlives http_
+  std::atomic<bool> ready_{false};  // /readyz; outlives http_
   std::unique_ptr<proto::HttpEndpoint> http_;
   std::unique_ptr<Session> session_;
-  std::string checkpoint_;                    // this worker's; empty: none
-  std::unique_ptr<std::ofstream> metrics_;    // --metrics
+  std::string checkpoint_;                  // this worker's; empty: none
+  std::unique_ptr<std::ofstream> metrics_;  // --metrics
   std::unique_ptr<StepReport> report_;
   TrainingSummary summary_;
   uint64_t tcp_sent_start_ = 0, tcp_received_start_ = 0;
@@ -152,7 +152,8 @@ class Trainer {
 };
 
 // Trainer::Create(job, options), then Run().
-absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job, const TrainerOptions& options);
+absl::StatusOr<TrainingSummary> Train(const proto::JobSpec& job,
+                                      const TrainerOptions& options);
 
 }  // namespace morse::worker
 

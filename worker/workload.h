@@ -40,7 +40,8 @@ class Workload {
   // The same x0 in every process of the job (a function of the seed).
   virtual void Initialize(absl::Span<float> x) const = 0;
   // Writes the local gradient at x for `step` and returns the local loss.
-  virtual absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
+  virtual absl::StatusOr<double> Gradient(int64_t step,
+                                          absl::Span<const float> x,
                                           absl::Span<float> grad) = 0;
   // Workloads whose gradient element j depends on x_j alone (synthetic)
   // compute it a range of elements at a time, so that a step's first
@@ -49,18 +50,22 @@ class Workload {
   // grad[begin, end) at x; adds element j's loss term to loss_lanes[j % 4].
   // Ranges taken in increasing order give the floats and the lanes of one
   // call over everything (Gradient's loss is their sum over dim()).
-  virtual absl::Status GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad,
-                                     uint64_t begin, uint64_t end, double loss_lanes[4]);
+  virtual absl::Status GradientRange(int64_t step, absl::Span<const float> x,
+                                     absl::Span<float> grad, uint64_t begin,
+                                     uint64_t end, double loss_lanes[4]);
   virtual uint64_t samples_per_step() const = 0;
   // Test-set accuracy in [0, 1], when the workload has a test set.
-  virtual std::optional<double> TestAccuracy(absl::Span<const float> x) const = 0;
+  virtual std::optional<double> TestAccuracy(
+      absl::Span<const float> x) const = 0;
   // The gradient where `engine` keeps its model (Engine::SetWorkload calls
   // this). The default runs Gradient on the host engine and is UNIMPLEMENTED
   // on others; workloads with device code override it.
-  virtual absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine);
+  virtual absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(
+      Engine& engine);
 };
 
-absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(const proto::JobSpec& job, uint32_t rank);
+absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(
+    const proto::JobSpec& job, uint32_t rank);
 
 // The mlp workload (worker/mlp_workload.cc), exposed so the GPU path can
 // draw the same batches and run the same passes (worker/mlp_backprop.h).
@@ -83,7 +88,8 @@ class MlpWorkload final : public Workload {
   std::optional<double> TestAccuracy(absl::Span<const float> x) const override;
   // On a GPU: cuBLAS and kernels through the engine's MlpOps; each step's
   // batch is drawn on the host (the CPU worker's draws) and copied over.
-  absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine) override;
+  absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(
+      Engine& engine) override;
 
   // Layer widths: features, the hidden layers, classes.
   const std::vector<uint32_t>& widths() const { return widths_; }
@@ -110,7 +116,7 @@ class MlpWorkload final : public Workload {
   std::vector<size_t> order_;
   size_t cursor_ = 0;
   int64_t next_step_ = 0;  // the step whose batch the order and cursor give
-  HostMlpBuffers batch_;  // the CPU path's buffers, batch_size() rows
+  HostMlpBuffers batch_;   // the CPU path's buffers, batch_size() rows
   std::vector<uint32_t> labels_;
 };
 
@@ -124,14 +130,16 @@ class SyntheticWorkload final : public Workload {
   absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
                                   absl::Span<float> grad) override;
   bool ComputesRanges() const override { return true; }
-  absl::Status GradientRange(int64_t step, absl::Span<const float> x, absl::Span<float> grad, uint64_t begin,
+  absl::Status GradientRange(int64_t step, absl::Span<const float> x,
+                             absl::Span<float> grad, uint64_t begin,
                              uint64_t end, double loss_lanes[4]) override;
   uint64_t samples_per_step() const override { return 1; }
   std::optional<double> TestAccuracy(absl::Span<const float>) const override {
     return std::nullopt;
   }
   // On a GPU: the engine's synthetic-gradient kernel, the same floats.
-  absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(Engine& engine) override;
+  absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(
+      Engine& engine) override;
   // a and t of the formula (tests).
   absl::Span<const float> curvature() const { return curvature_; }
   absl::Span<const float> target() const { return target_; }
@@ -140,7 +148,8 @@ class SyntheticWorkload final : public Workload {
   uint64_t seed_;
   uint32_t rank_;
   float noise_;
-  uint32_t dead_every_;  // elements j % dead_every == 0 get no gradient (0: none)
+  uint32_t
+      dead_every_;  // elements j % dead_every == 0 get no gradient (0: none)
   std::vector<float> curvature_, target_;
 };
 

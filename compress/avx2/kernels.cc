@@ -1,13 +1,14 @@
 // KernelTable for AVX2: 8 fp32 lanes, two accumulators to keep the 16-lane
 // sum order. Compiled with -mavx2 (no FMA: element updates must not
 // contract); reached only through Avx2Kernels(), which checks the CPU first.
+#include "compress/kernels.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "compress/kernels.h"
 #include "compress/simd/element_ops.h"
 #include "compress/stochastic_rounding.h"
 
@@ -44,12 +45,14 @@ struct Avx2 {
                             w);
   }
   static I AbsBits(F a) {
-    return _mm256_and_si256(_mm256_castps_si256(a), _mm256_set1_epi32(0x7fffffff));
+    return _mm256_and_si256(_mm256_castps_si256(a),
+                            _mm256_set1_epi32(0x7fffffff));
   }
   static F Abs(F a) { return _mm256_castsi256_ps(AbsBits(a)); }
   static I MaxU32(I a, I b) { return _mm256_max_epu32(a, b); }
   static uint32_t HMaxU32(I a) {
-    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(a),
+                              _mm256_extracti128_si256(a, 1));
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(1, 0, 3, 2)));
     m = _mm_max_epu32(m, _mm_shuffle_epi32(m, _MM_SHUFFLE(2, 3, 0, 1)));
     return static_cast<uint32_t>(_mm_cvtsi128_si32(m));
@@ -58,17 +61,24 @@ struct Avx2 {
     return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   static F CopySign(F s, F u) {
-    const F sign = _mm256_and_ps(u, _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u))));
+    const F sign = _mm256_and_ps(
+        u, _mm256_castsi256_ps(_mm256_set1_epi32(int32_t(0x80000000u))));
     return _mm256_or_ps(s, sign);
   }
-  static uint32_t SignBits(F u) { return static_cast<uint32_t>(_mm256_movemask_ps(u)); }
-  static void StoreBits(uint8_t* p, uint32_t bits) { *p = static_cast<uint8_t>(bits); }
+  static uint32_t SignBits(F u) {
+    return static_cast<uint32_t>(_mm256_movemask_ps(u));
+  }
+  static void StoreBits(uint8_t* p, uint32_t bits) {
+    *p = static_cast<uint8_t>(bits);
+  }
   static uint32_t LoadBits(const uint8_t* p) { return *p; }
   static F ApplySigns(F s, uint32_t bits) {
     const I lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const I hit = _mm256_cmpeq_epi32(
-        _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit);
-    const I neg = _mm256_and_si256(hit, _mm256_set1_epi32(int32_t(0x80000000u)));
+        _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit),
+        lane_bit);
+    const I neg =
+        _mm256_and_si256(hit, _mm256_set1_epi32(int32_t(0x80000000u)));
     return _mm256_or_ps(s, _mm256_castsi256_ps(neg));
   }
   // 8 values -> 8 int8 in the low half of a 128-bit register.
@@ -84,13 +94,15 @@ struct Avx2 {
   static void StoreInt4(uint8_t* p, F q) {
     const __m128i b = PackInt8(q);
     const __m128i lo = _mm_and_si128(b, _mm_set1_epi16(0x000F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00F0));
-    const int32_t packed = _mm_cvtsi128_si32(_mm_packus_epi16(_mm_or_si128(lo, hi), lo));
+    const __m128i hi =
+        _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00F0));
+    const int32_t packed =
+        _mm_cvtsi128_si32(_mm_packus_epi16(_mm_or_si128(lo, hi), lo));
     std::memcpy(p, &packed, 4);
   }
   static F LoadInt8(const uint8_t* p) {
-    return _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static F LoadInt4(const uint8_t* p) {
     int32_t raw;

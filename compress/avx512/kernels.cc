@@ -1,13 +1,14 @@
 // KernelTable for AVX-512 (F, BW, VL): 16 fp32 lanes. Compiled with
 // -mavx512f -mavx512bw -mavx512vl; reached only through Avx512Kernels(),
 // which checks the CPU first.
+#include "compress/kernels.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "compress/kernels.h"
 #include "compress/simd/element_ops.h"
 #include "compress/stochastic_rounding.h"
 
@@ -44,13 +45,15 @@ struct Avx512 {
         _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ), w);
   }
   static I AbsBits(F a) {
-    return _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_and_si512(_mm512_castps_si512(a),
+                            _mm512_set1_epi32(0x7fffffff));
   }
   static F Abs(F a) { return _mm512_castsi512_ps(AbsBits(a)); }
   static I MaxU32(I a, I b) { return _mm512_max_epu32(a, b); }
   static uint32_t HMaxU32(I a) { return _mm512_reduce_max_epu32(a); }
   static F RoundEven(F a) {
-    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_roundscale_ps(a,
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   // s (non-negative) with u's sign bit: the sign1 value of u.
   static F CopySign(F s, F u) {
@@ -59,7 +62,8 @@ struct Avx512 {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(s), sign));
   }
   static uint32_t SignBits(F u) {
-    return _mm512_cmplt_epi32_mask(_mm512_castps_si512(u), _mm512_setzero_si512());
+    return _mm512_cmplt_epi32_mask(_mm512_castps_si512(u),
+                                   _mm512_setzero_si512());
   }
   static void StoreBits(uint8_t* p, uint32_t bits) {
     const uint16_t b = static_cast<uint16_t>(bits);
@@ -71,8 +75,8 @@ struct Avx512 {
     return b;
   }
   static F ApplySigns(F s, uint32_t bits) {
-    const I neg = _mm512_maskz_mov_epi32(static_cast<__mmask16>(bits),
-                                         _mm512_set1_epi32(int32_t(0x80000000u)));
+    const I neg = _mm512_maskz_mov_epi32(
+        static_cast<__mmask16>(bits), _mm512_set1_epi32(int32_t(0x80000000u)));
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(s), neg));
   }
   static void StoreInt8(uint8_t* p, F q) {
@@ -83,9 +87,11 @@ struct Avx512 {
   static void StoreInt4(uint8_t* p, F q) {
     const __m128i b = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q));
     const __m128i lo = _mm_and_si128(b, _mm_set1_epi16(0x000F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00F0));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(p),
-                     _mm_packus_epi16(_mm_or_si128(lo, hi), _mm_setzero_si128()));
+    const __m128i hi =
+        _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0x00F0));
+    _mm_storel_epi64(
+        reinterpret_cast<__m128i*>(p),
+        _mm_packus_epi16(_mm_or_si128(lo, hi), _mm_setzero_si128()));
   }
   static F LoadInt8(const uint8_t* p) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -1,9 +1,10 @@
 // The portable reference implementation of KernelTable: plain loops, one
 // element at a time, in the evaluation order of simd/element_ops.h. It is the
 // oracle for avx2/, avx512/ and the CUDA kernels, so it stays obvious.
+#include "compress/kernels.h"
+
 #include <cstring>
 
-#include "compress/kernels.h"
 #include "compress/simd/element_ops.h"
 #include "compress/stochastic_rounding.h"
 
@@ -89,8 +90,9 @@ bool IntEncode(int bits_per_elem, const float* x, float* e, size_t n,
       float q = 0.0f;
       if (s != 0.0f) {
         const float v = u / s;
-        q = sr ? StochasticRound(v, StochasticDraw(sr->key, sr->key.first_index +
-                                                                start + j))
+        q = sr ? StochasticRound(
+                     v,
+                     StochasticDraw(sr->key, sr->key.first_index + start + j))
                : std::nearbyint(v);
         q = simd::ClampQ(q, qmax);
       }
@@ -125,17 +127,20 @@ void IntAverage(int bits_per_elem, const float* const* scales,
 
 void AdamUpdate(const AdamScalars& s, const float* g, float* x, float* m,
                 float* v, size_t n) {
-  for (size_t i = 0; i < n; ++i) simd::AdamElement(s, g[i], &x[i], &m[i], &v[i]);
+  for (size_t i = 0; i < n; ++i)
+    simd::AdamElement(s, g[i], &x[i], &m[i], &v[i]);
 }
 
 void FrozenUpdate(const AdamScalars& s, const float* c, float* x, float* m,
                   const float* v, size_t n) {
-  for (size_t i = 0; i < n; ++i) simd::FrozenElement(s, c[i], &x[i], &m[i], v[i]);
+  for (size_t i = 0; i < n; ++i)
+    simd::FrozenElement(s, c[i], &x[i], &m[i], v[i]);
 }
 
 void Momentum(float beta1, const float* m, const float* g, float* out,
               size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = simd::MomentumElement(beta1, m[i], g[i]);
+  for (size_t i = 0; i < n; ++i)
+    out[i] = simd::MomentumElement(beta1, m[i], g[i]);
 }
 
 void LambSegmentSums(const LambScalars& s, const float* x, const float* m,

@@ -103,7 +103,8 @@ static inline void FrozenElement(const AdamScalars& s, float c, float* x,
                                  float* m, float v) {
   const float m_hat = c / s.bias_correction1;
   const float v_hat = v / s.bias_correction2;
-  const float ratio = BoundRatio(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio);
+  const float ratio =
+      BoundRatio(m_hat / (std::sqrt(v_hat) + s.eps), s.max_ratio);
   const float step = ratio + s.weight_decay * *x;
   *m = c;
   *x = *x - s.lr * step;
@@ -246,7 +247,9 @@ static inline float MomentumElement(float beta1, float m, float g) {
   return beta1 * m + (1.0f - beta1) * g;
 }
 
-static inline int QMax(int bits_per_elem) { return bits_per_elem == 8 ? 127 : 7; }
+static inline int QMax(int bits_per_elem) {
+  return bits_per_elem == 8 ? 127 : 7;
+}
 
 // Stores q (an integral float in [-qmax, qmax]) as element j of int8/int4
 // data. int4 requires the byte to have been zeroed before its first nibble.

@@ -20,8 +20,9 @@ struct PhiloxAvx2 {
 
   // Words of groups group0 .. group0 + 7 (no carry into the high word
   // among them) -> 32 floats in draw order.
-  static void Batch(uint32_t k0, uint32_t k1, uint32_t group_lo, uint32_t group_hi, uint32_t step,
-                    uint32_t rank, float* out) {
+  static void Batch(uint32_t k0, uint32_t k1, uint32_t group_lo,
+                    uint32_t group_hi, uint32_t step, uint32_t rank,
+                    float* out) {
     const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
     const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
     __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(group_lo)),
@@ -43,7 +44,8 @@ struct PhiloxAvx2 {
       k1 += 0xBB67AE85u;
     }
     // Transpose: t[l] = (c0[l], c1[l], c2[l], c3[l]) for l = 0..7.
-    const __m256i a01 = _mm256_unpacklo_epi32(c0, c1);  // l0: c0 c1, l1: c0 c1 | l4, l5
+    const __m256i a01 =
+        _mm256_unpacklo_epi32(c0, c1);  // l0: c0 c1, l1: c0 c1 | l4, l5
     const __m256i a23 = _mm256_unpacklo_epi32(c2, c3);
     const __m256i b01 = _mm256_unpackhi_epi32(c0, c1);  // l2, l3 | l6, l7
     const __m256i b23 = _mm256_unpackhi_epi32(c2, c3);
@@ -51,8 +53,10 @@ struct PhiloxAvx2 {
     const __m256i g1 = _mm256_unpackhi_epi64(a01, a23);  // group 1 | group 5
     const __m256i g2 = _mm256_unpacklo_epi64(b01, b23);  // group 2 | group 6
     const __m256i g3 = _mm256_unpackhi_epi64(b01, b23);  // group 3 | group 7
-    const __m256i w[4] = {_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g2, g3, 0x20),
-                          _mm256_permute2x128_si256(g0, g1, 0x31), _mm256_permute2x128_si256(g2, g3, 0x31)};
+    const __m256i w[4] = {_mm256_permute2x128_si256(g0, g1, 0x20),
+                          _mm256_permute2x128_si256(g2, g3, 0x20),
+                          _mm256_permute2x128_si256(g0, g1, 0x31),
+                          _mm256_permute2x128_si256(g2, g3, 0x31)};
     const __m256 unit = _mm256_set1_ps(0x1p-24f);
     for (int i = 0; i < 4; ++i) {
       const __m256 f = _mm256_cvtepi32_ps(_mm256_srli_epi32(w[i], 8));
@@ -70,7 +74,8 @@ struct PhiloxAvx2 {
       compress::FillDraws(key, out, std::min<size_t>(head, n));
       i = std::min<size_t>(head, n);
     }
-    const uint32_t k0 = static_cast<uint32_t>(key.seed), k1 = static_cast<uint32_t>(key.seed >> 32);
+    const uint32_t k0 = static_cast<uint32_t>(key.seed),
+                   k1 = static_cast<uint32_t>(key.seed >> 32);
     for (; i + 32 <= n; i += 32) {
       const uint64_t group = (key.first_index + i) / 4;
       const uint32_t lo = static_cast<uint32_t>(group);
@@ -80,8 +85,8 @@ struct PhiloxAvx2 {
         compress::FillDraws(k, out + i, 32);
         continue;
       }
-      Batch(k0, k1, lo, static_cast<uint32_t>(group >> 32), static_cast<uint32_t>(key.step), key.rank,
-            out + i);
+      Batch(k0, k1, lo, static_cast<uint32_t>(group >> 32),
+            static_cast<uint32_t>(key.step), key.rank, out + i);
     }
     if (i < n) {
       RoundingKey k = key;

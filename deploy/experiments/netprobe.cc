@@ -9,7 +9,8 @@
 // (download). After --warmup seconds the client counts bytes for --seconds
 // and prints one JSON line with Gbit/s each way. A refused connection is
 // tried again for --connect_seconds, so a server started a moment before
-// need not be listening yet. The server serves clients until killed. Boost.Asio, one thread, 1 MiB buffers.
+// need not be listening yet. The server serves clients until killed.
+// Boost.Asio, one thread, 1 MiB buffers.
 #include <atomic>
 #include <chrono>
 #include <cstdio>

@@ -45,7 +45,9 @@ double g_triad_gbps = 0.0;
 // the benchmark's outputs.
 struct AlignedFloats {
   explicit AlignedFloats(size_t n)
-      : data(static_cast<float*>(std::aligned_alloc(64, (4 * n + 63) / 64 * 64))), size(n) {}
+      : data(static_cast<float*>(
+            std::aligned_alloc(64, (4 * n + 63) / 64 * 64))),
+        size(n) {}
   ~AlignedFloats() { std::free(data); }
   absl::Span<float> span() { return {data, size}; }
   float* data;
@@ -62,25 +64,31 @@ std::vector<float> RandomVector(size_t n, uint32_t seed) {
 
 // Runs `op` per iteration with manual timing and reports GB/s and vs_triad.
 template <class Op>
-void Measure(benchmark::State& state, double bytes_per_op, double elems_per_op, Op op) {
+void Measure(benchmark::State& state, double bytes_per_op, double elems_per_op,
+             Op op) {
   double seconds = 0.0;
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
     op();
     benchmark::ClobberMemory();
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
     state.SetIterationTime(t);
     seconds += t;
   }
   const double gbps = bytes_per_op * double(state.iterations()) / seconds / 1e9;
   state.counters["GB/s"] = gbps;
-  state.counters["Gelem/s"] = elems_per_op * double(state.iterations()) / seconds / 1e9;
-  state.counters["ns/elem"] = seconds / (elems_per_op * double(state.iterations())) * 1e9;
+  state.counters["Gelem/s"] =
+      elems_per_op * double(state.iterations()) / seconds / 1e9;
+  state.counters["ns/elem"] =
+      seconds / (elems_per_op * double(state.iterations())) * 1e9;
   if (g_triad_gbps > 0) state.counters["vs_triad"] = gbps / g_triad_gbps;
 }
 
 void BM_Triad(benchmark::State& state) {
-  std::vector<float> a(kElems), b = RandomVector(kElems, 1), c = RandomVector(kElems, 2);
+  std::vector<float> a(kElems), b = RandomVector(kElems, 1),
+                                c = RandomVector(kElems, 2);
   const float s = 3.0f;
   double seconds = 0.0;
   for (auto _ : state) {
@@ -90,15 +98,21 @@ void BM_Triad(benchmark::State& state) {
     const float* __restrict pc = c.data();
     for (size_t i = 0; i < kElems; ++i) pa[i] = pb[i] + s * pc[i];
     benchmark::ClobberMemory();
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+            .count();
     state.SetIterationTime(t);
     seconds += t;
     g_triad_gbps = std::max(g_triad_gbps, 12.0 * kElems / t / 1e9);
   }
-  state.counters["GB/s"] = 12.0 * kElems * double(state.iterations()) / seconds / 1e9;
+  state.counters["GB/s"] =
+      12.0 * kElems * double(state.iterations()) / seconds / 1e9;
   state.counters["best_GB/s"] = g_triad_gbps;
 }
-BENCHMARK(BM_Triad)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
+BENCHMARK(BM_Triad)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0);
 
 // sign1 encode fused with ef, per kernel implementation: reads x and e,
 // writes e and the payload.
@@ -141,7 +155,9 @@ void BM_FillDraws(benchmark::State& state, const KernelTable* table) {
     return;
   }
   AlignedFloats out(kElems);
-  Measure(state, 4.0 * kElems, kElems, [&] { table->fill_draws({7, 3, 1, 0}, out.data, kElems); });
+  Measure(state, 4.0 * kElems, kElems, [&] {
+    table->fill_draws({7, 3, 1, 0}, out.data, kElems);
+  });
 }
 
 // 1-bit LAMB's per-element loops (design.md 2.8) in the compression phase,
@@ -191,13 +207,16 @@ void BM_LambUpdateX(benchmark::State& state, const KernelTable* table) {
 // where it applies (the error buffer is read and written).
 void BM_Encode(benchmark::State& state, CodecKind kind, FeedbackKind feedback) {
   CodecSpec spec{kind, kBlock};
-  const size_t n = kind == CodecKind::kTopK ? kElems / 8 : kElems;  // topk sorts
+  const size_t n =
+      kind == CodecKind::kTopK ? kElems / 8 : kElems;  // topk sorts
   const std::vector<float> x = RandomVector(n, 5);
   ErrorFeedback fb({feedback}, n, kBlock);
   std::vector<uint8_t> payload(PayloadBytes(spec, n));
-  const double bytes = (feedback == FeedbackKind::kNone ? 4.0 : 12.0) * n + payload.size();
+  const double bytes =
+      (feedback == FeedbackKind::kNone ? 4.0 : 12.0) * n + payload.size();
   Measure(state, bytes, n, [&] {
-    benchmark::DoNotOptimize(fb.Compress(spec, 0, x, {}, absl::MakeSpan(payload)));
+    benchmark::DoNotOptimize(
+        fb.Compress(spec, 0, x, {}, absl::MakeSpan(payload)));
   });
   state.SetLabel(ActiveKernels().name);
 }
@@ -210,9 +229,8 @@ void BM_Decode(benchmark::State& state, CodecKind kind) {
   if (!Encode(spec, x, {}, absl::MakeSpan(payload)).ok()) std::abort();
   AlignedFloats out(n);
   const double bytes = 4.0 * n + payload.size();
-  Measure(state, bytes, n, [&] {
-    benchmark::DoNotOptimize(Decode(spec, payload, out.span()));
-  });
+  Measure(state, bytes, n,
+          [&] { benchmark::DoNotOptimize(Decode(spec, payload, out.span())); });
   state.SetLabel(ActiveKernels().name);
 }
 
@@ -222,11 +240,14 @@ void BM_DecodeAverage4(benchmark::State& state, CodecKind kind) {
   std::vector<std::vector<uint8_t>> payloads(4);
   for (int i = 0; i < 4; ++i) {
     payloads[i].resize(PayloadBytes(spec, kElems));
-    if (!Encode(spec, RandomVector(kElems, 10 + i), {}, absl::MakeSpan(payloads[i])).ok()) {
+    if (!Encode(spec, RandomVector(kElems, 10 + i), {},
+                absl::MakeSpan(payloads[i]))
+             .ok()) {
       std::abort();
     }
   }
-  std::vector<absl::Span<const uint8_t>> views(payloads.begin(), payloads.end());
+  std::vector<absl::Span<const uint8_t>> views(payloads.begin(),
+                                               payloads.end());
   std::vector<float> out(kElems);
   const double bytes = 4.0 * kElems + 4.0 * payloads[0].size();
   Measure(state, bytes, kElems, [&] {
@@ -237,7 +258,8 @@ void BM_DecodeAverage4(benchmark::State& state, CodecKind kind) {
 
 void BM_AdamStep(benchmark::State& state) {
   const std::vector<float> g = RandomVector(kElems, 7);
-  std::vector<float> x = RandomVector(kElems, 8), m(kElems, 0.0f), v(kElems, 0.0f);
+  std::vector<float> x = RandomVector(kElems, 8), m(kElems, 0.0f),
+                     v(kElems, 0.0f);
   const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, true);
   Measure(state, 28.0 * kElems, kElems, [&] {
     AdamStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v));
@@ -247,7 +269,8 @@ void BM_AdamStep(benchmark::State& state) {
 
 void BM_FrozenVarianceStep(benchmark::State& state) {
   const std::vector<float> c = RandomVector(kElems, 9);
-  std::vector<float> x = RandomVector(kElems, 10), m(kElems, 0.0f), v(kElems, 1.0f);
+  std::vector<float> x = RandomVector(kElems, 10), m(kElems, 0.0f),
+                     v(kElems, 1.0f);
   const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
   Measure(state, 20.0 * kElems, kElems, [&] {
     FrozenVarianceStep(s, c, absl::MakeSpan(x), absl::MakeSpan(m), v);
@@ -332,11 +355,15 @@ double PayloadPerElem() { return 1.0 / 8 + 4.0 / kBlock; }
 // takes the mask's path; else no element is masked.
 struct PhaseState {
   explicit PhaseState(bool masked)
-      : config(PhaseConfig()), replica(config, {0, kElems}), error(config.worker_feedback, kElems, kBlock) {
-    const std::vector<float> m = RandomVector(kElems, 11), v = RandomVector(kElems, 12);
+      : config(PhaseConfig()),
+        replica(config, {0, kElems}),
+        error(config.worker_feedback, kElems, kBlock) {
+    const std::vector<float> m = RandomVector(kElems, 11),
+                             v = RandomVector(kElems, 12);
     for (size_t j = 0; j < kElems; ++j) {
       replica.mutable_m()[j] = 0.1f * m[j];
-      replica.mutable_v()[j] = masked && j % 1009 == 0 ? 0.0f : 1e-4f + 1e-4f * std::fabs(v[j]);
+      replica.mutable_v()[j] =
+          masked && j % 1009 == 0 ? 0.0f : 1e-4f + 1e-4f * std::fabs(v[j]);
     }
   }
   SimulatorConfig config;
@@ -352,7 +379,10 @@ void BM_PhaseWorkerEncode(benchmark::State& state) {
   const SendRule rule = PlanSend(p.config, kPhaseStep, Direction::kUp, 0, 0);
   std::vector<uint8_t> payload(PayloadBytes(rule.codec, kElems));
   Measure(state, (20.0 + PayloadPerElem()) * kElems, kElems, [&] {
-    if (!EncodeWorkerMessage(rule, p.replica, p.error, 0, g, 1.0f, absl::MakeSpan(payload)).ok()) std::abort();
+    if (!EncodeWorkerMessage(rule, p.replica, p.error, 0, g, 1.0f,
+                             absl::MakeSpan(payload))
+             .ok())
+      std::abort();
   });
   state.SetLabel(ActiveKernels().name);
 }
@@ -364,7 +394,9 @@ void BM_PhaseApplyReply(benchmark::State& state) {
   PhaseState p(state.range(0) != 0);
   const SendRule rule = PlanSend(p.config, kPhaseStep, Direction::kDown, 2, 0);
   std::vector<uint8_t> reply(PayloadBytes(rule.codec, kElems));
-  if (!Encode(rule.codec, RandomVector(kElems, 14), {}, absl::MakeSpan(reply)).ok()) std::abort();
+  if (!Encode(rule.codec, RandomVector(kElems, 14), {}, absl::MakeSpan(reply))
+           .ok())
+    std::abort();
   Measure(state, (20.0 + PayloadPerElem()) * kElems, kElems, [&] {
     if (!p.replica.ApplyReply(kPhaseStep, 0, kElems, reply).ok()) std::abort();
   });
@@ -387,14 +419,19 @@ void BM_PhaseShardReply(benchmark::State& state) {
     const size_t n = t + 1 == threads ? kElems - per * t : per;
     for (uint32_t i = 0; i < 2; ++i) {
       pushes[t].emplace_back(PayloadBytes(up.codec, n));
-      if (!Encode(up.codec, RandomVector(n, 15 + i), {}, absl::MakeSpan(pushes[t].back())).ok()) std::abort();
+      if (!Encode(up.codec, RandomVector(n, 15 + i), {},
+                  absl::MakeSpan(pushes[t].back()))
+               .ok())
+        std::abort();
     }
     replies[t].resize(PayloadBytes(down.codec, n));
   }
   const auto run = [&](int t) {
     const size_t begin = per * t, n = t + 1 == threads ? kElems - begin : per;
-    const std::vector<absl::Span<const uint8_t>> views(pushes[t].begin(), pushes[t].end());
-    if (!EncodeShardReply(down, up.codec, views, server, begin, n, p.replica.v().subspan(begin, n),
+    const std::vector<absl::Span<const uint8_t>> views(pushes[t].begin(),
+                                                       pushes[t].end());
+    if (!EncodeShardReply(down, up.codec, views, server, begin, n,
+                          p.replica.v().subspan(begin, n),
                           absl::MakeSpan(replies[t]))
              .ok()) {
       std::abort();
@@ -446,46 +483,61 @@ void BM_PhaseShardReply(benchmark::State& state) {
 
 void RegisterAll() {
   const std::pair<const char*, const KernelTable*> tables[] = {
-      {"scalar", &ScalarKernels()}, {"avx2", Avx2Kernels()}, {"avx512", Avx512Kernels()}};
+      {"scalar", &ScalarKernels()},
+      {"avx2", Avx2Kernels()},
+      {"avx512", Avx512Kernels()}};
   const auto common = [](benchmark::internal::Benchmark* b) {
     b->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(0.5);
   };
   for (const auto& [name, table] : tables) {
-    common(benchmark::RegisterBenchmark((std::string("sign1_encode_ef/") + name).c_str(),
-                                        BM_Sign1EncodeEf, table));
-    common(benchmark::RegisterBenchmark((std::string("sign1_decode/") + name).c_str(),
-                                        BM_Sign1Decode, table));
-    common(benchmark::RegisterBenchmark((std::string("fill_draws/") + name).c_str(),
-                                        BM_FillDraws, table));
+    common(benchmark::RegisterBenchmark(
+        (std::string("sign1_encode_ef/") + name).c_str(), BM_Sign1EncodeEf,
+        table));
+    common(benchmark::RegisterBenchmark(
+        (std::string("sign1_decode/") + name).c_str(), BM_Sign1Decode, table));
+    common(benchmark::RegisterBenchmark(
+        (std::string("fill_draws/") + name).c_str(), BM_FillDraws, table));
     common(benchmark::RegisterBenchmark(
         (std::string("lamb_segment_sums/") + name).c_str(), BM_LambSegmentSums,
         table));
     common(benchmark::RegisterBenchmark(
         (std::string("lamb_update_x/") + name).c_str(), BM_LambUpdateX, table));
   }
-  for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4,
-                         CodecKind::kFp16, CodecKind::kBf16, CodecKind::kFp32,
-                         CodecKind::kTopK}) {
+  for (CodecKind kind :
+       {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4, CodecKind::kFp16,
+        CodecKind::kBf16, CodecKind::kFp32, CodecKind::kTopK}) {
     const std::string codec(CodecName(kind));
-    common(benchmark::RegisterBenchmark(("encode/" + codec).c_str(), BM_Encode, kind,
-                                        FeedbackKind::kNone));
-    common(benchmark::RegisterBenchmark(("encode_ef/" + codec).c_str(), BM_Encode, kind,
-                                        FeedbackKind::kEf));
-    common(benchmark::RegisterBenchmark(("decode/" + codec).c_str(), BM_Decode, kind));
+    common(benchmark::RegisterBenchmark(("encode/" + codec).c_str(), BM_Encode,
+                                        kind, FeedbackKind::kNone));
+    common(benchmark::RegisterBenchmark(("encode_ef/" + codec).c_str(),
+                                        BM_Encode, kind, FeedbackKind::kEf));
+    common(benchmark::RegisterBenchmark(("decode/" + codec).c_str(), BM_Decode,
+                                        kind));
   }
-  for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4}) {
+  for (CodecKind kind :
+       {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4}) {
     common(benchmark::RegisterBenchmark(
-        ("average4/" + std::string(CodecName(kind))).c_str(), BM_DecodeAverage4, kind));
+        ("average4/" + std::string(CodecName(kind))).c_str(), BM_DecodeAverage4,
+        kind));
   }
   // Arg masked (0/1); shard_reply: threads, masked.
-  common(benchmark::RegisterBenchmark("phase/worker_encode", BM_PhaseWorkerEncode)->Arg(0)->Arg(1));
-  common(benchmark::RegisterBenchmark("phase/apply_reply", BM_PhaseApplyReply)->Arg(0)->Arg(1));
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  common(
+      benchmark::RegisterBenchmark("phase/worker_encode", BM_PhaseWorkerEncode)
+          ->Arg(0)
+          ->Arg(1));
+  common(benchmark::RegisterBenchmark("phase/apply_reply", BM_PhaseApplyReply)
+             ->Arg(0)
+             ->Arg(1));
+  const int cores =
+      static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int threads : std::set<int>{1, 2, cores}) {  // 1, 2 and all cores
-    common(benchmark::RegisterBenchmark("phase/shard_reply", BM_PhaseShardReply)->Args({threads, 0})->Args({threads, 1}));
+    common(benchmark::RegisterBenchmark("phase/shard_reply", BM_PhaseShardReply)
+               ->Args({threads, 0})
+               ->Args({threads, 1}));
   }
   common(benchmark::RegisterBenchmark("adam_step", BM_AdamStep));
-  common(benchmark::RegisterBenchmark("frozen_variance_step", BM_FrozenVarianceStep));
+  common(benchmark::RegisterBenchmark("frozen_variance_step",
+                                      BM_FrozenVarianceStep));
   common(
       benchmark::RegisterBenchmark("zero_one/local_step", BM_ZeroOneLocalStep));
   common(benchmark::RegisterBenchmark("zero_one/sync_message",

@@ -23,19 +23,22 @@ BoundarySpec Spec(absl::string_view text) {
 
 // Activation-like rows: a per-sample pattern plus noise, shifting slowly
 // with `step` as the model trains.
-std::vector<float> Rows(const std::vector<int64_t>& samples, size_t cols, int step) {
+std::vector<float> Rows(const std::vector<int64_t>& samples, size_t cols,
+                        int step) {
   std::vector<float> x;
   for (int64_t s : samples) {
     std::mt19937 rng(static_cast<uint32_t>(s));
     std::normal_distribution<float> normal;
-    for (size_t c = 0; c < cols; ++c) x.push_back(normal(rng) + 0.01f * step * std::sin(float(c + s)));
+    for (size_t c = 0; c < cols; ++c)
+      x.push_back(normal(rng) + 0.01f * step * std::sin(float(c + s)));
   }
   return x;
 }
 
 TEST(BoundarySpecTest, ParsesAndNamesEveryForm) {
-  for (const char* text : {"fp32", "fp16", "bf16", "int8", "int4/128", "topk:0.1", "topk:0.3+ef",
-                           "int8+aq", "topk:0.1+aq", "int4+ef"}) {
+  for (const char* text :
+       {"fp32", "fp16", "bf16", "int8", "int4/128", "topk:0.1", "topk:0.3+ef",
+        "int8+aq", "topk:0.1+aq", "int4+ef"}) {
     auto spec = ParseBoundarySpec(text);
     ASSERT_TRUE(spec.ok()) << text << ": " << spec.status();
     EXPECT_EQ(BoundarySpecName(*spec), text);
@@ -46,8 +49,8 @@ TEST(BoundarySpecTest, ParsesAndNamesEveryForm) {
 }
 
 TEST(BoundarySpecTest, RefusesWhatIsNotABoundary) {
-  for (const char* text : {"sign1", "topk", "topk:0", "topk:1.5", "int8:0.1", "int8+ema",
-                           "int8/10", "int8/x", "gzip", ""}) {
+  for (const char* text : {"sign1", "topk", "topk:0", "topk:1.5", "int8:0.1",
+                           "int8+ema", "int8/10", "int8/x", "gzip", ""}) {
     auto spec = ParseBoundarySpec(text);
     EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << text;
   }
@@ -63,8 +66,12 @@ TEST(BoundaryCodecTest, NoFeedbackSendsTheCodecOfX) {
     std::vector<float> out(x.size()), want(x.size());
     ASSERT_TRUE(receiver.Decode(payload, 4, {}, absl::MakeSpan(out)).ok());
     std::vector<uint8_t> direct(PayloadBytes(sender.spec().codec, x.size()));
-    ASSERT_TRUE(compress::Encode(sender.spec().codec, x, {}, absl::MakeSpan(direct)).ok());
-    ASSERT_TRUE(compress::Decode(sender.spec().codec, direct, absl::MakeSpan(want)).ok());
+    ASSERT_TRUE(
+        compress::Encode(sender.spec().codec, x, {}, absl::MakeSpan(direct))
+            .ok());
+    ASSERT_TRUE(
+        compress::Decode(sender.spec().codec, direct, absl::MakeSpan(want))
+            .ok());
     EXPECT_TRUE(SameBits(out, want)) << text;
     if (std::string(text) == "fp32") {
       EXPECT_TRUE(SameBits(out, x));
@@ -92,10 +99,13 @@ TEST(BoundaryCodecTest, ErrorFeedbackCarriesWhatWasNotSentPerSlot) {
   ASSERT_TRUE(probe.LoadState(sender.SaveState()).ok());
   std::string payload;
   const std::vector<float> zero(n, 0.0f);
-  // Sending zeros from slot 0 sends part of the owed error; from another slot, nothing.
+  // Sending zeros from slot 0 sends part of the owed error; from another slot,
+  // nothing.
   ASSERT_TRUE(probe.Encode(zero, 4, {}, 7, &payload).ok());
   std::vector<float> nothing(n);
-  ASSERT_TRUE(BoundaryCodec::DecodeStateless(probe.spec().codec, payload, absl::MakeSpan(nothing)).ok());
+  ASSERT_TRUE(BoundaryCodec::DecodeStateless(probe.spec().codec, payload,
+                                             absl::MakeSpan(nothing))
+                  .ok());
   for (float v : nothing) EXPECT_EQ(v, 0.0f);
   double owed = 0, gap = 0;
   // e = sum x - sum sent, up to fp32 rounding of the running sums.
@@ -117,7 +127,8 @@ TEST(BoundaryCodecTest, AqSgdEndsStayBitIdenticalAndConverge) {
   std::vector<int64_t> batch_a = {10, 11, 12}, batch_b = {12, 13, 10};
   for (int step = 0; step < 8; ++step) {
     const auto& samples = step % 2 ? batch_b : batch_a;
-    const std::vector<float> x = Rows(samples, cols, 0);  // the same activations again
+    const std::vector<float> x =
+        Rows(samples, cols, 0);  // the same activations again
     std::string payload;
     ASSERT_TRUE(sender.Encode(x, 3, samples, 0, &payload).ok());
     std::vector<float> out(x.size());
@@ -126,27 +137,35 @@ TEST(BoundaryCodecTest, AqSgdEndsStayBitIdenticalAndConverge) {
       EXPECT_TRUE(SameBits(out, x)) << "first visits are sent in full";
       EXPECT_EQ(payload.size(), 3 + 3 * cols * 4);
     }
-    EXPECT_TRUE(SameBits(out, x)) << "unchanged activations cost nothing after the first visit";
+    EXPECT_TRUE(SameBits(out, x))
+        << "unchanged activations cost nothing after the first visit";
     for (int64_t s : samples) {
       ASSERT_NE(receiver.SampleBuffer(s), nullptr);
-      EXPECT_TRUE(SameBits(*sender.SampleBuffer(s), *receiver.SampleBuffer(s))) << "sample " << s;
+      EXPECT_TRUE(SameBits(*sender.SampleBuffer(s), *receiver.SampleBuffer(s)))
+          << "sample " << s;
     }
   }
   EXPECT_EQ(sender.samples_seen(), 4u);
   // Activations that drift slowly arrive far closer than int4 of x itself
   // would bring them: the buffers track them and only the change is rounded.
-  BoundaryCodec drift_sender(Spec("int4/32+aq")), drift_receiver(Spec("int4/32+aq"));
+  BoundaryCodec drift_sender(Spec("int4/32+aq")),
+      drift_receiver(Spec("int4/32+aq"));
   for (int step = 0; step < 5; ++step) {
     const std::vector<float> x = Rows(batch_a, cols, step);
     std::string payload;
     ASSERT_TRUE(drift_sender.Encode(x, 3, batch_a, 0, &payload).ok());
     std::vector<float> out(x.size()), plain(x.size());
-    ASSERT_TRUE(drift_receiver.Decode(payload, 3, batch_a, absl::MakeSpan(out)).ok());
+    ASSERT_TRUE(
+        drift_receiver.Decode(payload, 3, batch_a, absl::MakeSpan(out)).ok());
     if (step == 0) continue;
     EXPECT_LT(payload.size(), 3 * cols * 4 / 4);
     std::string direct;
-    ASSERT_TRUE(BoundaryCodec::EncodeStateless(drift_sender.spec().codec, x, &direct).ok());
-    ASSERT_TRUE(BoundaryCodec::DecodeStateless(drift_sender.spec().codec, direct, absl::MakeSpan(plain)).ok());
+    ASSERT_TRUE(
+        BoundaryCodec::EncodeStateless(drift_sender.spec().codec, x, &direct)
+            .ok());
+    ASSERT_TRUE(BoundaryCodec::DecodeStateless(drift_sender.spec().codec,
+                                               direct, absl::MakeSpan(plain))
+                    .ok());
     double aq_error = 0, plain_error = 0;
     for (size_t j = 0; j < x.size(); ++j) {
       aq_error += std::abs(out[j] - x[j]);
@@ -160,8 +179,10 @@ TEST(BoundaryCodecTest, AqSgdRefusesEndsOutOfStepAndChangesNothing) {
   BoundaryCodec sender(Spec("int8+aq")), receiver(Spec("int8+aq"));
   const std::vector<int64_t> samples = {1, 2};
   std::string payload;
-  ASSERT_TRUE(sender.Encode(Rows(samples, 16, 0), 2, samples, 0, &payload).ok());
-  ASSERT_TRUE(sender.Encode(Rows(samples, 16, 1), 2, samples, 0, &payload).ok());
+  ASSERT_TRUE(
+      sender.Encode(Rows(samples, 16, 0), 2, samples, 0, &payload).ok());
+  ASSERT_TRUE(
+      sender.Encode(Rows(samples, 16, 1), 2, samples, 0, &payload).ok());
   std::vector<float> out(32, -7.0f);
   absl::Status s = receiver.Decode(payload, 2, samples, absl::MakeSpan(out));
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
@@ -177,7 +198,8 @@ TEST(BoundaryCodecTest, AqSgdRefusesEndsOutOfStepAndChangesNothing) {
             absl::StatusCode::kInvalidArgument);
   std::vector<float> bad = Rows({5, 6}, 16, 0);
   bad[3] = NAN;
-  EXPECT_EQ(sender.Encode(bad, 2, {5, 6}, 0, &payload).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(sender.Encode(bad, 2, {5, 6}, 0, &payload).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(sender.samples_seen(), 2u);
 }
 
@@ -186,7 +208,8 @@ TEST(BoundaryCodecTest, StateSurvivesASaveAndRefusesBadBytes) {
   const std::vector<int64_t> samples = {4, 9, 2};
   std::string payload;
   for (int step = 0; step < 3; ++step) {
-    ASSERT_TRUE(a.Encode(Rows(samples, 20, step), 3, samples, 0, &payload).ok());
+    ASSERT_TRUE(
+        a.Encode(Rows(samples, 20, step), 3, samples, 0, &payload).ok());
   }
   const std::string state = a.SaveState();
   ASSERT_TRUE(b.LoadState(state).ok());
@@ -198,7 +221,8 @@ TEST(BoundaryCodecTest, StateSurvivesASaveAndRefusesBadBytes) {
 
   BoundaryCodec other(Spec("int8+aq"));
   EXPECT_EQ(other.LoadState(state).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(b.LoadState(state.substr(0, state.size() - 3)).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(b.LoadState(state.substr(0, state.size() - 3)).code(),
+            absl::StatusCode::kDataLoss);
   EXPECT_EQ(b.LoadState("garbage").code(), absl::StatusCode::kDataLoss);
   EXPECT_EQ(b.SaveState(), a.SaveState()) << "a refused load changed the state";
 }

@@ -36,11 +36,13 @@ TEST(ComputePoolTest, RunsTasksOnAsManyThreadsAsItHas) {
       MutexLock lock(&mu);
       ++started;
       ids.insert(std::this_thread::get_id());
-      mu.Await(absl::Condition(+[](int* n) { return *n == kThreads; }, &started));
+      mu.Await(absl::Condition(
+          +[](int* n) { return *n == kThreads; }, &started));
     });
   }
   MutexLock lock(&mu);
-  mu.Await(absl::Condition(+[](int* n) { return *n == kThreads; }, &started));
+  mu.Await(absl::Condition(
+      +[](int* n) { return *n == kThreads; }, &started));
   EXPECT_EQ(ids.size(), static_cast<size_t>(kThreads));
   EXPECT_EQ(ids.count(std::this_thread::get_id()), 0u);
 }
@@ -93,7 +95,9 @@ TEST(ComputePoolTest, ParallelForRunsEveryIndexOnceEvenWhileThePoolIsBusy) {
   for (size_t i = 0; i < calls.size(); ++i) ASSERT_EQ(calls[i].load(), 1) << i;
 }
 
-TEST(ComputePoolTest, DefaultsToAtLeastOneThread) { EXPECT_GE(ComputePool::DefaultThreads(), 1); }
+TEST(ComputePoolTest, DefaultsToAtLeastOneThread) {
+  EXPECT_GE(ComputePool::DefaultThreads(), 1);
+}
 
 TEST(ComputePoolTest, TheFlagIsOneToATousandTwentyFourOrZeroForTheDefault) {
   EXPECT_EQ(*ComputePool::ThreadsFromFlag(0), ComputePool::DefaultThreads());
@@ -103,7 +107,8 @@ TEST(ComputePoolTest, TheFlagIsOneToATousandTwentyFourOrZeroForTheDefault) {
     const absl::StatusOr<int> threads = ComputePool::ThreadsFromFlag(bad);
     ASSERT_FALSE(threads.ok());
     EXPECT_EQ(threads.status().code(), absl::StatusCode::kInvalidArgument);
-    EXPECT_NE(threads.status().message().find("--compute_threads"), std::string::npos);
+    EXPECT_NE(threads.status().message().find("--compute_threads"),
+              std::string::npos);
   }
 }
 

@@ -63,14 +63,16 @@ INSTANTIATE_TEST_SUITE_P(Codecs, ConservationTest,
                          });
 
 TEST(ErrorFeedbackTest, EmaWithBetaOneIsEfBitForBit) {
-  for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt4, CodecKind::kTopK}) {
+  for (CodecKind kind :
+       {CodecKind::kSign1, CodecKind::kInt4, CodecKind::kTopK}) {
     CodecSpec codec{kind, kBlock};
     const size_t n = 777;
     ErrorFeedback ef({FeedbackKind::kEf}, n, kBlock);
     ErrorFeedback ema({FeedbackKind::kEma, 1.0f}, n, kBlock);
     for (int step = 0; step < 10; ++step) {
       const std::vector<float> x = VariedData(n, step);
-      EXPECT_TRUE(testing::SameBits(Compress(ef, codec, x), Compress(ema, codec, x)));
+      EXPECT_TRUE(
+          testing::SameBits(Compress(ef, codec, x), Compress(ema, codec, x)));
     }
     std::vector<float> a(n), b(n);
     ef.Read(0, absl::MakeSpan(a));
@@ -124,7 +126,8 @@ TEST(ErrorFeedbackTest, Int8StorageTracksFp32Storage) {
   int8.Read(0, absl::MakeSpan(b));
   for (size_t start = 0; start < n; start += kBlock) {
     float amax = 0;
-    for (size_t j = start; j < start + kBlock; ++j) amax = std::max(amax, std::fabs(a[j]));
+    for (size_t j = start; j < start + kBlock; ++j)
+      amax = std::max(amax, std::fabs(a[j]));
     for (size_t j = start; j < start + kBlock; ++j) {
       ASSERT_LE(std::fabs(a[j] - b[j]), amax / 127.0f * 0.5001f) << j;
     }
@@ -154,7 +157,8 @@ TEST(ErrorFeedbackTest, RangesAreChecked) {
 
 TEST(ErrorFeedbackTest, RestoreValidatesBeforeChanging) {
   ErrorFeedback fb({FeedbackKind::kEf}, 4, 16);
-  EXPECT_EQ(fb.Restore(std::vector<float>{1, 2, 3}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(fb.Restore(std::vector<float>{1, 2, 3}).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(fb.Restore(std::vector<float>{1, NAN, 3, 4}).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(fb.SquaredNorm(), 0.0);
@@ -172,7 +176,8 @@ double DistributedOneBitGap(FeedbackKind kind) {
   const size_t n = 256, workers = 4;
   const uint32_t block = 64;
   std::mt19937 rng(11);
-  std::uniform_real_distribution<float> curvature(0.1f, 1.0f), target(-1.0f, 1.0f);
+  std::uniform_real_distribution<float> curvature(0.1f, 1.0f),
+      target(-1.0f, 1.0f);
   std::vector<std::vector<float>> a(workers, std::vector<float>(n)), t = a;
   for (size_t i = 0; i < workers; ++i) {
     for (size_t j = 0; j < n; ++j) {
@@ -183,7 +188,8 @@ double DistributedOneBitGap(FeedbackKind kind) {
   const auto loss = [&](const std::vector<double>& x) {
     double f = 0.0;
     for (size_t i = 0; i < workers; ++i) {
-      for (size_t j = 0; j < n; ++j) f += 0.5 * a[i][j] * (x[j] - t[i][j]) * (x[j] - t[i][j]);
+      for (size_t j = 0; j < n; ++j)
+        f += 0.5 * a[i][j] * (x[j] - t[i][j]) * (x[j] - t[i][j]);
     }
     return f / workers;
   };
@@ -198,14 +204,18 @@ double DistributedOneBitGap(FeedbackKind kind) {
   }
   const CodecSpec codec{CodecKind::kSign1, block};
   std::vector<ErrorFeedback> worker_fb;
-  for (size_t i = 0; i < workers; ++i) worker_fb.emplace_back(FeedbackSpec{kind}, n, block);
+  for (size_t i = 0; i < workers; ++i)
+    worker_fb.emplace_back(FeedbackSpec{kind}, n, block);
   ErrorFeedback server_fb({kind}, n, block);
   std::vector<float> x(n, 0.0f), g(n);
   for (int step = 0; step < 4000; ++step) {
-    std::vector<std::vector<uint8_t>> pushes(workers, std::vector<uint8_t>(PayloadBytes(codec, n)));
+    std::vector<std::vector<uint8_t>> pushes(
+        workers, std::vector<uint8_t>(PayloadBytes(codec, n)));
     for (size_t i = 0; i < workers; ++i) {
       for (size_t j = 0; j < n; ++j) g[j] = a[i][j] * (x[j] - t[i][j]);
-      EXPECT_TRUE(worker_fb[i].Compress(codec, 0, g, {}, absl::MakeSpan(pushes[i])).ok());
+      EXPECT_TRUE(worker_fb[i]
+                      .Compress(codec, 0, g, {}, absl::MakeSpan(pushes[i]))
+                      .ok());
     }
     std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
     std::vector<float> average(n);
@@ -220,8 +230,10 @@ double DistributedOneBitGap(FeedbackKind kind) {
 TEST(ErrorFeedbackTest, DistributedOneBitDescentConvergesOnlyWithFeedback) {
   const double with = DistributedOneBitGap(FeedbackKind::kEf);
   const double without = DistributedOneBitGap(FeedbackKind::kNone);
-  std::printf("distributed 1-bit descent, 4 workers, 4000 steps: "
-              "f - f* = %.3g with ef, %.3g without\n", with, without);
+  std::printf(
+      "distributed 1-bit descent, 4 workers, 4000 steps: "
+      "f - f* = %.3g with ef, %.3g without\n",
+      with, without);
   EXPECT_LT(with, 1e-3);
   EXPECT_GT(without, 10 * with);
 }

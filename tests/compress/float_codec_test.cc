@@ -23,9 +23,9 @@ TEST(FloatCodecTest, HalfKnownValues) {
   EXPECT_EQ(FloatToHalf(-2.0f), 0xC000);
   EXPECT_EQ(FloatToHalf(65504.0f), 0x7BFF);
   EXPECT_EQ(FloatToHalf(65519.0f), 0x7BFF);
-  EXPECT_EQ(FloatToHalf(65520.0f), 0x7C00);  // the tie rounds to infinity
-  EXPECT_EQ(FloatToHalf(0x1p-24f), 0x0001);  // smallest subnormal
-  EXPECT_EQ(FloatToHalf(0x1p-25f), 0x0000);  // tie to even: zero
+  EXPECT_EQ(FloatToHalf(65520.0f), 0x7C00);    // the tie rounds to infinity
+  EXPECT_EQ(FloatToHalf(0x1p-24f), 0x0001);    // smallest subnormal
+  EXPECT_EQ(FloatToHalf(0x1p-25f), 0x0000);    // tie to even: zero
   EXPECT_EQ(FloatToHalf(0x1.8p-24f), 0x0002);  // tie to even: 2
   EXPECT_EQ(FloatToHalf(-0.0f), 0x8000);
   EXPECT_EQ(FloatToHalf(INFINITY), 0x7C00);
@@ -88,9 +88,10 @@ TEST(FloatCodecTest, Bfloat16RoundsToTheNearerNeighbour) {
     };
     const double d_zero = std::fabs(double{f} - value(toward_zero));
     const double d_away = std::fabs(double{f} - value(away));
-    const uint32_t nearer = d_zero < d_away   ? toward_zero
-                            : d_away < d_zero ? away
-                            : ((toward_zero >> 16) & 1) ? away : toward_zero;
+    const uint32_t nearer = d_zero < d_away             ? toward_zero
+                            : d_away < d_zero           ? away
+                            : ((toward_zero >> 16) & 1) ? away
+                                                        : toward_zero;
     ASSERT_EQ(g, nearer) << std::hexfloat << f;
   }
 }

@@ -23,14 +23,16 @@ std::vector<uint8_t> EncodeInt(CodecKind kind, const std::vector<float>& x,
 
 TEST(IntCodecTest, Int8HandCheckedBytes) {
   // max|u| = 127 -> s = 1, so u/s is exact and the ties are real ties.
-  const std::vector<float> x = {127, -127, 0, -0.0f, 2.5f, 3.5f, -2.5f, -126.5f};
+  const std::vector<float> x = {127,  -127, 0,     -0.0f,
+                                2.5f, 3.5f, -2.5f, -126.5f};
   const std::vector<uint8_t> p = EncodeInt(CodecKind::kInt8, x);
   ASSERT_EQ(p.size(), 4u + 8u);
   float scale;
   std::memcpy(&scale, p.data(), 4);
   EXPECT_EQ(scale, 1.0f);
-  EXPECT_EQ(std::vector<uint8_t>(p.begin() + 4, p.end()),
-            (std::vector<uint8_t>{0x7F, 0x81, 0x00, 0x00, 0x02, 0x04, 0xFE, 0x82}));
+  EXPECT_EQ(
+      std::vector<uint8_t>(p.begin() + 4, p.end()),
+      (std::vector<uint8_t>{0x7F, 0x81, 0x00, 0x00, 0x02, 0x04, 0xFE, 0x82}));
   std::vector<float> y(x.size());
   ASSERT_TRUE(Decode({CodecKind::kInt8, 16}, p, absl::MakeSpan(y)).ok());
   EXPECT_EQ(y, (std::vector<float>{127, -127, 0, 0, 2, 4, -2, -126}));
@@ -38,7 +40,8 @@ TEST(IntCodecTest, Int8HandCheckedBytes) {
 
 TEST(IntCodecTest, RoundsHalfToEven) {
   // s = 7/7 = 1, so u/s is u itself and the ties are exact.
-  const std::vector<float> x = {7, 0.5f, 1.5f, 2.5f, -0.5f, -1.5f, -2.5f, 3.49f};
+  const std::vector<float> x = {7,     0.5f,  1.5f,  2.5f,
+                                -0.5f, -1.5f, -2.5f, 3.49f};
   const std::vector<uint8_t> p = EncodeInt(CodecKind::kInt4, x);
   ASSERT_EQ(p.size(), 4u + 4u);
   // q = {7, 0, 2, 2, 0, -2, -2, 3}: nibbles low first.
@@ -57,7 +60,8 @@ TEST(IntCodecTest, OddCountLeavesTheLastHighNibbleZero) {
 }
 
 TEST(IntCodecTest, AllZeroBlockHasZeroScale) {
-  const std::vector<uint8_t> p = EncodeInt(CodecKind::kInt8, std::vector<float>(16, 0.0f));
+  const std::vector<uint8_t> p =
+      EncodeInt(CodecKind::kInt8, std::vector<float>(16, 0.0f));
   for (uint8_t b : p) EXPECT_EQ(b, 0);
 }
 
@@ -109,8 +113,9 @@ TEST(IntCodecTest, StochasticRoundingIsKeyedAndUnbiased) {
   const auto a = EncodeInt(CodecKind::kInt4, x, Rounding::kStochastic, key);
   const auto b = EncodeInt(CodecKind::kInt4, x, Rounding::kStochastic, key);
   EXPECT_EQ(a, b);
-  for (RoundingKey other : {RoundingKey{43, 3, 1, 1000}, RoundingKey{42, 4, 1, 1000},
-                            RoundingKey{42, 3, 2, 1000}, RoundingKey{42, 3, 1, 1016}}) {
+  for (RoundingKey other :
+       {RoundingKey{43, 3, 1, 1000}, RoundingKey{42, 4, 1, 1000},
+        RoundingKey{42, 3, 2, 1000}, RoundingKey{42, 3, 1, 1016}}) {
     EXPECT_NE(a, EncodeInt(CodecKind::kInt4, x, Rounding::kStochastic, other));
   }
   std::vector<float> y(n);
@@ -131,10 +136,13 @@ TEST(IntCodecTest, StochasticDrawsDependOnTheGlobalIndexOnly) {
   // Encoding [first_index, +32) in one call or as two 16-element halves with
   // shifted first_index gives the same elements.
   std::vector<float> x(32);
-  for (size_t j = 0; j < 32; ++j) x[j] = (j % 16 == 0) ? 7.0f : 0.5f + 0.01f * j;
-  const auto whole = EncodeInt(CodecKind::kInt8, x, Rounding::kStochastic, {9, 1, 0, 64});
+  for (size_t j = 0; j < 32; ++j)
+    x[j] = (j % 16 == 0) ? 7.0f : 0.5f + 0.01f * j;
+  const auto whole =
+      EncodeInt(CodecKind::kInt8, x, Rounding::kStochastic, {9, 1, 0, 64});
   const std::vector<float> hi(x.begin() + 16, x.end());
-  const auto half = EncodeInt(CodecKind::kInt8, hi, Rounding::kStochastic, {9, 1, 0, 80});
+  const auto half =
+      EncodeInt(CodecKind::kInt8, hi, Rounding::kStochastic, {9, 1, 0, 80});
   EXPECT_TRUE(std::equal(half.begin() + 4, half.end(), whole.begin() + 8 + 16));
 }
 

@@ -20,8 +20,8 @@ using testing::FirstBitDifference;
 using testing::VariedData;
 
 constexpr size_t kBlock = 256;
-const size_t kSizes[] = {0, 1, 7, 8, 9, 15, 16, 17, 31, 255, 256, 257,
-                         3 * kBlock + 40, 40000};
+const size_t kSizes[] = {
+    0, 1, 7, 8, 9, 15, 16, 17, 31, 255, 256, 257, 3 * kBlock + 40, 40000};
 
 const KernelTable* Table(const std::string& name) {
   return name == "avx2" ? Avx2Kernels() : Avx512Kernels();
@@ -47,14 +47,16 @@ TEST_P(KernelsTest, Sign1EncodeMatchesTheReference) {
         std::vector<float> e_ref = VariedData(n, 2), e_fast = e_ref;
         const size_t blocks = (n + kBlock - 1) / kBlock;
         std::vector<float> s_ref(blocks), s_fast(blocks, -1);
-        std::vector<uint8_t> b_ref((n + 7) / 8, 0xAA), b_fast((n + 7) / 8, 0x55);
-        ASSERT_TRUE(ref_.sign1_encode(x.data(), e_ref.data(), n, kBlock, scale, fb,
-                                      s_ref.data(), b_ref.data()));
-        ASSERT_TRUE(fast_->sign1_encode(x.data(), e_fast.data(), n, kBlock, scale, fb,
-                                        s_fast.data(), b_fast.data()));
-        const std::string where = "n=" + std::to_string(n) + " scale=" +
-                                  std::to_string(int(scale)) + " fb=" +
-                                  std::to_string(int(fb.kind));
+        std::vector<uint8_t> b_ref((n + 7) / 8, 0xAA),
+            b_fast((n + 7) / 8, 0x55);
+        ASSERT_TRUE(ref_.sign1_encode(x.data(), e_ref.data(), n, kBlock, scale,
+                                      fb, s_ref.data(), b_ref.data()));
+        ASSERT_TRUE(fast_->sign1_encode(x.data(), e_fast.data(), n, kBlock,
+                                        scale, fb, s_fast.data(),
+                                        b_fast.data()));
+        const std::string where = "n=" + std::to_string(n) +
+                                  " scale=" + std::to_string(int(scale)) +
+                                  " fb=" + std::to_string(int(fb.kind));
         EXPECT_EQ(FirstBitDifference(s_fast, s_ref), -1) << where;
         EXPECT_EQ(b_fast, b_ref) << where;
         EXPECT_EQ(FirstBitDifference(e_fast, e_ref), -1) << where;
@@ -70,7 +72,8 @@ TEST_P(KernelsTest, IntEncodeMatchesTheReference) {
                               FeedbackArgs{FeedbackKind::kEf, 1},
                               FeedbackArgs{FeedbackKind::kEma, 0.5f}}) {
         std::vector<float> x = VariedData(n, 3);
-        if (n > 300) std::fill(x.begin() + 256, x.begin() + 300, 0.0f);  // a zero run
+        if (n > 300)
+          std::fill(x.begin() + 256, x.begin() + 300, 0.0f);  // a zero run
         std::vector<float> e_ref = VariedData(n, 4), e_fast = e_ref;
         if (n >= 2 * kBlock) {  // one all-zero block, zero error too
           std::fill(x.begin() + kBlock, x.begin() + 2 * kBlock, 0.0f);
@@ -83,17 +86,21 @@ TEST_P(KernelsTest, IntEncodeMatchesTheReference) {
         std::vector<uint8_t> d_ref(bytes, 0xAA), d_fast(bytes, 0x55);
         ASSERT_TRUE(ref_.int_encode(bits, x.data(), e_ref.data(), n, kBlock, fb,
                                     nullptr, s_ref.data(), d_ref.data()));
-        ASSERT_TRUE(fast_->int_encode(bits, x.data(), e_fast.data(), n, kBlock, fb,
-                                      nullptr, s_fast.data(), d_fast.data()));
-        const std::string where = "n=" + std::to_string(n) + " bits=" +
-                                  std::to_string(bits) + " fb=" + std::to_string(int(fb.kind));
+        ASSERT_TRUE(fast_->int_encode(bits, x.data(), e_fast.data(), n, kBlock,
+                                      fb, nullptr, s_fast.data(),
+                                      d_fast.data()));
+        const std::string where = "n=" + std::to_string(n) +
+                                  " bits=" + std::to_string(bits) +
+                                  " fb=" + std::to_string(int(fb.kind));
         EXPECT_EQ(FirstBitDifference(s_fast, s_ref), -1) << where;
         EXPECT_EQ(d_fast, d_ref) << where;
         EXPECT_EQ(FirstBitDifference(e_fast, e_ref), -1) << where;
         // Decoding both ways, and averaging three copies, agree too.
         std::vector<float> y_ref(n), y_fast(n, 42);
-        ref_.int_decode(bits, s_ref.data(), d_ref.data(), n, kBlock, y_ref.data());
-        fast_->int_decode(bits, s_ref.data(), d_ref.data(), n, kBlock, y_fast.data());
+        ref_.int_decode(bits, s_ref.data(), d_ref.data(), n, kBlock,
+                        y_ref.data());
+        fast_->int_decode(bits, s_ref.data(), d_ref.data(), n, kBlock,
+                          y_fast.data());
         EXPECT_EQ(FirstBitDifference(y_fast, y_ref), -1) << where;
         const float* scales[] = {s_ref.data(), s_fast.data(), s_ref.data()};
         const uint8_t* data[] = {d_ref.data(), d_fast.data(), d_ref.data()};
@@ -114,15 +121,20 @@ TEST_P(KernelsTest, Sign1DecodeAndAverageMatchTheReference) {
       const std::vector<float> x = VariedData(n, 10 + i);
       scales[i].resize(blocks);
       bits[i].resize((n + 7) / 8);
-      ASSERT_TRUE(ref_.sign1_encode(x.data(), nullptr, n, kBlock, ScaleKind::kL2,
-                                    {}, scales[i].data(), bits[i].data()));
+      ASSERT_TRUE(ref_.sign1_encode(x.data(), nullptr, n, kBlock,
+                                    ScaleKind::kL2, {}, scales[i].data(),
+                                    bits[i].data()));
     }
     std::vector<float> y_ref(n), y_fast(n, 42);
-    ref_.sign1_decode(scales[0].data(), bits[0].data(), n, kBlock, y_ref.data());
-    fast_->sign1_decode(scales[0].data(), bits[0].data(), n, kBlock, y_fast.data());
+    ref_.sign1_decode(scales[0].data(), bits[0].data(), n, kBlock,
+                      y_ref.data());
+    fast_->sign1_decode(scales[0].data(), bits[0].data(), n, kBlock,
+                        y_fast.data());
     EXPECT_EQ(FirstBitDifference(y_fast, y_ref), -1) << n;
-    const float* s[] = {scales[0].data(), scales[1].data(), scales[2].data(), scales[3].data()};
-    const uint8_t* b[] = {bits[0].data(), bits[1].data(), bits[2].data(), bits[3].data()};
+    const float* s[] = {scales[0].data(), scales[1].data(), scales[2].data(),
+                        scales[3].data()};
+    const uint8_t* b[] = {bits[0].data(), bits[1].data(), bits[2].data(),
+                          bits[3].data()};
     for (size_t count : {1, 3, 4}) {
       ref_.sign1_average(s, b, count, n, kBlock, y_ref.data());
       fast_->sign1_average(s, b, count, n, kBlock, y_fast.data());
@@ -140,20 +152,25 @@ TEST_P(KernelsTest, UpdateRulesMatchTheReference) {
       if (corrected) {
         s.bias_correction1 = 0.271f;
         s.bias_correction2 = 0.00299f;
-        s.max_ratio = 0.75f;  // bound_update clamps a share of the frozen ratios
+        s.max_ratio =
+            0.75f;  // bound_update clamps a share of the frozen ratios
       }
       const std::vector<float> g = VariedData(n, 20);
       std::vector<float> x_ref = VariedData(n, 21), m_ref = VariedData(n, 22);
       std::vector<float> v_ref = VariedData(n, 23);
       for (float& v : v_ref) v = v * v;
       std::vector<float> x_fast = x_ref, m_fast = m_ref, v_fast = v_ref;
-      ref_.adam_update(s, g.data(), x_ref.data(), m_ref.data(), v_ref.data(), n);
-      fast_->adam_update(s, g.data(), x_fast.data(), m_fast.data(), v_fast.data(), n);
+      ref_.adam_update(s, g.data(), x_ref.data(), m_ref.data(), v_ref.data(),
+                       n);
+      fast_->adam_update(s, g.data(), x_fast.data(), m_fast.data(),
+                         v_fast.data(), n);
       EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << n;
       EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << n;
       EXPECT_EQ(FirstBitDifference(v_fast, v_ref), -1) << n;
-      ref_.frozen_update(s, g.data(), x_ref.data(), m_ref.data(), v_ref.data(), n);
-      fast_->frozen_update(s, g.data(), x_fast.data(), m_fast.data(), v_fast.data(), n);
+      ref_.frozen_update(s, g.data(), x_ref.data(), m_ref.data(), v_ref.data(),
+                         n);
+      fast_->frozen_update(s, g.data(), x_fast.data(), m_fast.data(),
+                           v_fast.data(), n);
       EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << n;
       EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << n;
       std::vector<float> o_ref(n), o_fast(n, 42);
@@ -300,7 +317,8 @@ TEST_P(KernelsTest, FillDrawsMatchesTheScalarGenerator) {
   // Starts inside and on a group of 4, lengths inside and across batches of
   // 32, a batch whose groups carry into the counter's high word, and keys
   // with both halves of the seed set.
-  const uint64_t firsts[] = {0, 1, 3, 4, 1000003, (uint64_t{1} << 34) - 21, (uint64_t{1} << 34) + 7};
+  const uint64_t firsts[] = {
+      0, 1, 3, 4, 1000003, (uint64_t{1} << 34) - 21, (uint64_t{1} << 34) + 7};
   const size_t lengths[] = {0, 1, 3, 31, 32, 33, 100, 4099};
   for (uint64_t first : firsts) {
     for (size_t n : lengths) {
@@ -308,9 +326,11 @@ TEST_P(KernelsTest, FillDrawsMatchesTheScalarGenerator) {
       std::vector<float> ref(n, -1), fast(n, -2);
       ref_.fill_draws(key, ref.data(), n);
       fast_->fill_draws(key, fast.data(), n);
-      EXPECT_EQ(FirstBitDifference(fast, ref), -1) << "first=" << first << " n=" << n;
+      EXPECT_EQ(FirstBitDifference(fast, ref), -1)
+          << "first=" << first << " n=" << n;
       for (size_t i = 0; i < n; i += 97) {
-        ASSERT_EQ(ref[i], StochasticDraw(key, first + i)) << "first=" << first << " i=" << i;
+        ASSERT_EQ(ref[i], StochasticDraw(key, first + i))
+            << "first=" << first << " i=" << i;
       }
     }
   }
@@ -321,17 +341,21 @@ TEST_P(KernelsTest, NonFiniteInputFailsLikeTheReference) {
   x[40] = NAN;
   std::vector<float> scales(1);
   std::vector<uint8_t> out(100);
-  EXPECT_FALSE(fast_->sign1_encode(x.data(), nullptr, 100, kBlock, ScaleKind::kL2,
-                                   {}, scales.data(), out.data()));
+  EXPECT_FALSE(fast_->sign1_encode(x.data(), nullptr, 100, kBlock,
+                                   ScaleKind::kL2, {}, scales.data(),
+                                   out.data()));
   EXPECT_FALSE(fast_->int_encode(8, x.data(), nullptr, 100, kBlock, {}, nullptr,
                                  scales.data(), out.data()));
 }
 
-INSTANTIATE_TEST_SUITE_P(VectorTables, KernelsTest, ::testing::Values("avx2", "avx512"),
+INSTANTIATE_TEST_SUITE_P(VectorTables, KernelsTest,
+                         ::testing::Values("avx2", "avx512"),
                          [](const auto& info) { return info.param; });
 
 TEST(ActiveKernelsTest, PicksTheWidestTheCpuRuns) {
-  const char* expected = Avx512Kernels() ? "avx512" : Avx2Kernels() ? "avx2" : "scalar";
+  const char* expected = Avx512Kernels() ? "avx512"
+                         : Avx2Kernels() ? "avx2"
+                                         : "scalar";
   if (const char* forced = std::getenv("MORSE_SIMD"); forced && *forced) {
     GTEST_SKIP() << "MORSE_SIMD=" << forced << " narrows the choice";
   }

@@ -21,7 +21,8 @@ namespace morse::compress {
 namespace {
 
 bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
 }
 
 // design.md 2.8 written out: one worker loop per message, one pass per
@@ -29,8 +30,14 @@ bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
 // piece's segments of 256 in order, each segment by halving.
 class Reference {
  public:
-  Reference(const SimulatorConfig& c, absl::Span<const float> x0, const Layout& layout)
-      : c_(c), layout_(layout), x_(x0.begin(), x0.end()), m_(x0.size()), v_(x0.size()), vf_(x0.size()) {
+  Reference(const SimulatorConfig& c, absl::Span<const float> x0,
+            const Layout& layout)
+      : c_(c),
+        layout_(layout),
+        x_(x0.begin(), x0.end()),
+        m_(x0.size()),
+        v_(x0.size()),
+        vf_(x0.size()) {
     bounds_.push_back(0);
     for (uint64_t size : c.layers) bounds_.push_back(bounds_.back() + size);
     freeze_.assign(c.layers.size(), 0.0f);
@@ -39,10 +46,13 @@ class Reference {
 
   void Step(const std::vector<std::vector<float>>& g) {
     ++s_;
-    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps, wd = c_.adam.weight_decay;
+    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps,
+                wd = c_.adam.weight_decay;
     const float lr = c_.lr.base_lr;
     const auto correction = [&](float beta, int64_t t) {
-      return c_.bias_correction ? static_cast<float>(1.0 - std::pow(double{beta}, double(t))) : 1.0f;
+      return c_.bias_correction
+                 ? static_cast<float>(1.0 - std::pow(double{beta}, double(t)))
+                 : 1.0f;
     };
     const bool warmup = s_ <= c_.freeze_step;
     const float bc1 = correction(b1, s_);
@@ -56,7 +66,10 @@ class Reference {
     for (size_t j = 0; j < n; ++j) {
       float sum = 0.0f;
       for (uint32_t i = 0; i < workers; ++i) {
-        const float sent = warmup ? g[i][j] : (v_[j] == 0.0f ? 0.0f : b1 * m_[j] + (1.0f - b1) * g[i][j]);
+        const float sent =
+            warmup
+                ? g[i][j]
+                : (v_[j] == 0.0f ? 0.0f : b1 * m_[j] + (1.0f - b1) * g[i][j]);
         sum += sent;
       }
       a[j] = sum / static_cast<float>(workers);
@@ -117,24 +130,30 @@ class Reference {
       if (warmup) {
         if (s1 > 0 && s2 > 0) {
           coefficient = static_cast<float>(
-              std::clamp(std::sqrt(s1) / std::sqrt(s2), double{c_.lamb.min_coeff}, double{c_.lamb.max_coeff}));
-          freeze_[l] = static_cast<float>(double{c_.lamb.coeff_beta} * freeze_[l] +
-                                          (1.0 - double{c_.lamb.coeff_beta}) * coefficient);
+              std::clamp(std::sqrt(s1) / std::sqrt(s2),
+                         double{c_.lamb.min_coeff}, double{c_.lamb.max_coeff}));
+          freeze_[l] = static_cast<float>(
+              double{c_.lamb.coeff_beta} * freeze_[l] +
+              (1.0 - double{c_.lamb.coeff_beta}) * coefficient);
         }
       } else {
         double factor = most;
         if (wd > 0) {
-          const double share = s1 > 0 ? std::min(1.0, std::sqrt(s2) / std::sqrt(s1)) : 1.0;
+          const double share =
+              s1 > 0 ? std::min(1.0, std::sqrt(s2) / std::sqrt(s1)) : 1.0;
           factor = factor * share + (1.0 - share);
         }
-        factor = std::clamp(factor, double{c_.lamb.factor_min}, double{c_.lamb.factor_max});
-        factor = std::clamp(factor, last_[l] * (1.0 - double{c_.lamb.factor_threshold}),
-                            last_[l] * (1.0 + double{c_.lamb.factor_threshold}));
+        factor = std::clamp(factor, double{c_.lamb.factor_min},
+                            double{c_.lamb.factor_max});
+        factor = std::clamp(
+            factor, last_[l] * (1.0 - double{c_.lamb.factor_threshold}),
+            last_[l] * (1.0 + double{c_.lamb.factor_threshold}));
         last_[l] = static_cast<float>(factor);
         coefficient = static_cast<float>(double{freeze_[l]} * last_[l]);
       }
       coefficients_[l] = coefficient;
-      for (uint64_t j = bounds_[l]; j < bounds_[l + 1]; ++j) x_[j] = x_[j] - (lr * coefficient) * u[j];
+      for (uint64_t j = bounds_[l]; j < bounds_[l + 1]; ++j)
+        x_[j] = x_[j] - (lr * coefficient) * u[j];
     }
   }
 
@@ -167,7 +186,8 @@ SimulatorConfig LambConfig() {
   c.worker_feedback = c.server_feedback = FeedbackSpec{FeedbackKind::kEf};
   c.freeze_step = 12;
   c.lr.base_lr = 0.01f;
-  c.lamb.max_coeff = 2.0f;  // reached by the large layer (its ||x|| / ||u|| is about 3)
+  c.lamb.max_coeff =
+      2.0f;  // reached by the large layer (its ||x|| / ||u|| is about 3)
   return c;
 }
 
@@ -178,8 +198,11 @@ void RunAgainstReference(const SimulatorConfig& c, int64_t steps) {
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   for (size_t j = 0; j < dim; ++j) {
     // Layer scales far apart, which is what LAMB's coefficients are for.
-    const float scale = j < 10 ? 0.0f : (j < 260 ? 5.0f : 0.1f);  // layer 0 starts at 0: ||x|| = 0
-    x0[j] = scale * uniform(rng), a[j] = 0.5f + 0.5f * uniform(rng), target[j] = uniform(rng);
+    const float scale =
+        j < 10 ? 0.0f
+               : (j < 260 ? 5.0f : 0.1f);  // layer 0 starts at 0: ||x|| = 0
+    x0[j] = scale * uniform(rng), a[j] = 0.5f + 0.5f * uniform(rng),
+    target[j] = uniform(rng);
   }
   auto layout = Layout::Create(c.layout);
   ASSERT_TRUE(layout.ok());
@@ -194,7 +217,9 @@ void RunAgainstReference(const SimulatorConfig& c, int64_t steps) {
       std::mt19937 noise(static_cast<uint32_t>(1000 * t + i));
       std::normal_distribution<float> normal(0.0f, 0.3f);
       for (size_t j = 0; j < dim; ++j) {
-        g[i][j] = j % 7 == 0 ? 0.0f : a[j] * (sim->x()[j] - target[j]) + normal(noise);  // dead: v = 0
+        g[i][j] = j % 7 == 0 ? 0.0f
+                             : a[j] * (sim->x()[j] - target[j]) +
+                                   normal(noise);  // dead: v = 0
       }
     }
     std::vector<absl::Span<const float>> views(g.begin(), g.end());
@@ -206,12 +231,16 @@ void RunAgainstReference(const SimulatorConfig& c, int64_t steps) {
     ASSERT_TRUE(SameBits(sim->v_fresh(), ref.v_fresh())) << "v' at step " << t;
     ASSERT_EQ(sim->lamb_layers().size(), c.layers.size());
     for (size_t l = 0; l < c.layers.size(); ++l) {
-      ASSERT_EQ(sim->lamb_layers()[l].coeff_freeze, ref.freeze()[l]) << "layer " << l << " step " << t;
-      ASSERT_EQ(sim->lamb_layers()[l].last_factor, ref.last()[l]) << "layer " << l << " step " << t;
+      ASSERT_EQ(sim->lamb_layers()[l].coeff_freeze, ref.freeze()[l])
+          << "layer " << l << " step " << t;
+      ASSERT_EQ(sim->lamb_layers()[l].last_factor, ref.last()[l])
+          << "layer " << l << " step " << t;
       saw_max_coeff |= ref.coefficients()[l] == c.lamb.max_coeff;
       // The factor moves by at most factor_threshold a step.
       const float now = sim->lamb_layers()[l].last_factor;
-      EXPECT_LE(std::abs(now / last[l] - 1.0f), c.lamb.factor_threshold * 1.0001f) << l << " " << t;
+      EXPECT_LE(std::abs(now / last[l] - 1.0f),
+                c.lamb.factor_threshold * 1.0001f)
+          << l << " " << t;
       saw_factor_move |= now != last[l];
       last[l] = now;
     }
@@ -221,7 +250,9 @@ void RunAgainstReference(const SimulatorConfig& c, int64_t steps) {
   EXPECT_TRUE(saw_factor_move);
 }
 
-TEST(LambTest, TheSimulatorIsTheAlgorithmWrittenOut) { RunAgainstReference(LambConfig(), 40); }
+TEST(LambTest, TheSimulatorIsTheAlgorithmWrittenOut) {
+  RunAgainstReference(LambConfig(), 40);
+}
 
 TEST(LambTest, WithWeightDecayAndDeepSpeedsUncorrectedMoments) {
   SimulatorConfig c = LambConfig();
@@ -239,9 +270,11 @@ TEST(LambTest, PiecesLongerThanASegment) {
   c.layout.partition_elems = 640;
   auto layout = Layout::Create(c.layout);
   ASSERT_TRUE(layout.ok());
-  const std::vector<LambPiece> pieces = LambPieces(c, *layout, {0, c.layout.dim});
+  const std::vector<LambPiece> pieces =
+      LambPieces(c, *layout, {0, c.layout.dim});
   uint64_t longest = 0;
-  for (const LambPiece& piece : pieces) longest = std::max(longest, piece.segments());
+  for (const LambPiece& piece : pieces)
+    longest = std::max(longest, piece.segments());
   ASSERT_GE(longest, 2u);
   RunAgainstReference(c, 30);
 }
@@ -251,9 +284,11 @@ TEST(LambTest, LayersDefaultToOneAndMustCoverTheModel) {
   c.layers.clear();
   EXPECT_EQ(LayerBounds(c), (std::vector<uint64_t>{0, 1000}));
   c.layers = {500, 400};
-  EXPECT_EQ(ValidateSimulatorConfig(c).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSimulatorConfig(c).code(),
+            absl::StatusCode::kInvalidArgument);
   c.layers = {500, 0, 500};
-  EXPECT_EQ(ValidateSimulatorConfig(c).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateSimulatorConfig(c).code(),
+            absl::StatusCode::kInvalidArgument);
   c.layers = {1000};
   EXPECT_TRUE(ValidateSimulatorConfig(c).ok());
 }
@@ -262,14 +297,16 @@ TEST(LambTest, BadSpecsAreRefused) {
   const auto refused = [](auto edit) {
     SimulatorConfig c = LambConfig();
     edit(c);
-    return ValidateSimulatorConfig(c).code() == absl::StatusCode::kInvalidArgument;
+    return ValidateSimulatorConfig(c).code() ==
+           absl::StatusCode::kInvalidArgument;
   };
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.min_coeff = 0; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.max_coeff = 0.001f; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.coeff_beta = 1.0f; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_min = 0; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_max = 0.1f; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_threshold = -0.1f; }));
+  EXPECT_TRUE(
+      refused([](SimulatorConfig& c) { c.lamb.factor_threshold = -0.1f; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.max_coeff = INFINITY; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.clip_grad_norm = 1.0f; }));
   EXPECT_TRUE(refused([](SimulatorConfig& c) { c.freeze_step = 0; }));
@@ -311,25 +348,32 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   for (uint32_t s = 0; s < c.layout.shards; ++s) {
     mirrors.emplace_back(c, layout->shard_range(s));
     const Range r = layout->shard_range(s);
-    std::copy(x0.begin() + r.begin, x0.begin() + r.end, mirrors.back().x().begin());
+    std::copy(x0.begin() + r.begin, x0.begin() + r.end,
+              mirrors.back().x().begin());
   }
   ComputePool pool(2);
   for (int64_t t = 0; t < 24; ++t) {
     std::vector<float> g(dim);
-    for (size_t j = 0; j < dim; ++j) g[j] = std::cos(0.01f * j * (t + 1)) + sim->x()[j];
+    for (size_t j = 0; j < dim; ++j)
+      g[j] = std::cos(0.01f * j * (t + 1)) + sim->x()[j];
     // One worker with fp32 both ways: the reply is its message.
     std::vector<float> message(dim);
     if (PlanStep(c, t).compressing) {
       worker.LocalMomentum(0, g, absl::MakeSpan(message));
-      for (size_t j = 0; j < dim; ++j) message[j] = worker.v()[j] == 0.0f ? 0.0f : message[j];
+      for (size_t j = 0; j < dim; ++j)
+        message[j] = worker.v()[j] == 0.0f ? 0.0f : message[j];
     } else {
       message = g;
     }
-    const absl::Span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(message.data()), 4 * dim);
+    const absl::Span<const uint8_t> bytes(
+        reinterpret_cast<const uint8_t*>(message.data()), 4 * dim);
     for (const Partition& p : layout->partitions()) {
       const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
-      ASSERT_TRUE(worker.ApplyReply(t, p.range.begin, p.range.size(), part).ok());
-      ASSERT_TRUE(mirrors[p.shard].ApplyReply(t, p.range.begin, p.range.size(), part).ok());
+      ASSERT_TRUE(
+          worker.ApplyReply(t, p.range.begin, p.range.size(), part).ok());
+      ASSERT_TRUE(mirrors[p.shard]
+                      .ApplyReply(t, p.range.begin, p.range.size(), part)
+                      .ok());
     }
     // On odd steps as a worker's engine does it: the segments of some
     // partitions taken as their replies landed, the others left to LambStep.
@@ -345,33 +389,46 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
         worker.LambStep(t, nullptr, segments, t % 3 == 2 ? &pool : nullptr);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
-      ASSERT_TRUE(mirrors[p.shard].ApplyLambCommit(t, p.range.begin, p.range.size(), *commit).ok());
+      ASSERT_TRUE(
+          mirrors[p.shard]
+              .ApplyLambCommit(t, p.range.begin, p.range.size(), *commit)
+              .ok());
     }
     std::vector<absl::Span<const float>> views{g};
     ASSERT_TRUE(sim->Step(views).ok());
     ASSERT_TRUE(SameBits(worker.x(), sim->x())) << "worker x at step " << t;
-    ASSERT_TRUE(SameBits(worker.v_fresh(), sim->v_fresh())) << "worker v' at step " << t;
+    ASSERT_TRUE(SameBits(worker.v_fresh(), sim->v_fresh()))
+        << "worker v' at step " << t;
     for (uint32_t s = 0; s < c.layout.shards; ++s) {
       const Range r = layout->shard_range(s);
-      ASSERT_TRUE(SameBits(mirrors[s].x(), sim->x().subspan(r.begin, r.size()))) << "shard " << s << " step " << t;
-      ASSERT_TRUE(SameBits(mirrors[s].m(), sim->m().subspan(r.begin, r.size())));
-      ASSERT_TRUE(SameBits(mirrors[s].v_fresh(), sim->v_fresh().subspan(r.begin, r.size())));
+      ASSERT_TRUE(SameBits(mirrors[s].x(), sim->x().subspan(r.begin, r.size())))
+          << "shard " << s << " step " << t;
+      ASSERT_TRUE(
+          SameBits(mirrors[s].m(), sim->m().subspan(r.begin, r.size())));
+      ASSERT_TRUE(SameBits(mirrors[s].v_fresh(),
+                           sim->v_fresh().subspan(r.begin, r.size())));
     }
     // The layers' state a shard keeps with each partition, and the worker's.
-    ASSERT_EQ(LambStateOf(*commit)[2].last_factor, sim->lamb_layers()[2].last_factor);
-    ASSERT_EQ(worker.lamb_layers()[2].last_factor, sim->lamb_layers()[2].last_factor);
+    ASSERT_EQ(LambStateOf(*commit)[2].last_factor,
+              sim->lamb_layers()[2].last_factor);
+    ASSERT_EQ(worker.lamb_layers()[2].last_factor,
+              sim->lamb_layers()[2].last_factor);
   }
   // A malformed commit changes nothing.
   const std::vector<float> before(mirrors[0].x().begin(), mirrors[0].x().end());
   std::vector<double> bad(kLambCommit * c.layers.size(), 1.0);
   bad[4] = -1.0;
-  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(),
+            absl::StatusCode::kInvalidArgument);
   bad[4] = 0.1;  // not a float
-  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(),
+            absl::StatusCode::kInvalidArgument);
   bad.pop_back();
-  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(mirrors[0].x(), before));
-  EXPECT_EQ(mirrors[0].LambStep(24).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mirrors[0].LambStep(24).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   // Segment statistics for another layout, or of the wrong length, change
   // nothing either.
   const std::vector<float> worker_before(worker.x().begin(), worker.x().end());

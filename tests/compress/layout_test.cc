@@ -8,8 +8,8 @@
 namespace morse::compress {
 namespace {
 
-class LayoutSweep
-    : public ::testing::TestWithParam<std::tuple<uint64_t, uint32_t, uint32_t, uint32_t>> {};
+class LayoutSweep : public ::testing::TestWithParam<
+                        std::tuple<uint64_t, uint32_t, uint32_t, uint32_t>> {};
 
 TEST_P(LayoutSweep, PartitionsCoverEverythingOnceAndShardsAreBalanced) {
   const auto [dim, shards, block, partition] = GetParam();
@@ -51,7 +51,8 @@ TEST_P(LayoutSweep, PartitionsCoverEverythingOnceAndShardsAreBalanced) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, LayoutSweep,
-    ::testing::Values(std::make_tuple(1, 1, 16, 16), std::make_tuple(17, 2, 16, 16),
+    ::testing::Values(std::make_tuple(1, 1, 16, 16),
+                      std::make_tuple(17, 2, 16, 16),
                       std::make_tuple(1000003, 3, 2048, 1 << 16),
                       std::make_tuple(25'000'000, 2, 2048, 1 << 20),
                       std::make_tuple(4096, 4, 1024, 1024),
@@ -59,7 +60,8 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(LayoutTest, FingerprintIsAFunctionOfTheSpec) {
   const LayoutSpec spec{1000003, 3, 2048, 1 << 16};
-  EXPECT_EQ(Layout::Create(spec)->fingerprint(), Layout::Create(spec)->fingerprint());
+  EXPECT_EQ(Layout::Create(spec)->fingerprint(),
+            Layout::Create(spec)->fingerprint());
   std::set<uint64_t> seen = {Layout::Create(spec)->fingerprint()};
   for (LayoutSpec other : {LayoutSpec{1000004, 3, 2048, 1 << 16},
                            LayoutSpec{1000003, 2, 2048, 1 << 16},
@@ -69,14 +71,16 @@ TEST(LayoutTest, FingerprintIsAFunctionOfTheSpec) {
   }
   // The value is pinned: a change here breaks every deployed peer. (This is
   // the quickstart's layout: D = 4810, 2 shards, 1024-element blocks.)
-  EXPECT_EQ(Layout::Create({4810, 2, 1024, 1024})->fingerprint(), 0x37583bbf38f85f6aull);
+  EXPECT_EQ(Layout::Create({4810, 2, 1024, 1024})->fingerprint(),
+            0x37583bbf38f85f6aull);
 }
 
 TEST(LayoutTest, BadSpecsAreRejected) {
   for (LayoutSpec bad : {LayoutSpec{0, 1, 16, 16}, LayoutSpec{100, 0, 16, 16},
                          LayoutSpec{100, 1, 24, 48}, LayoutSpec{100, 1, 16, 24},
                          LayoutSpec{100, 8, 16, 16} /* 7 blocks, 8 shards */}) {
-    EXPECT_EQ(Layout::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(Layout::Create(bad).status().code(),
+              absl::StatusCode::kInvalidArgument);
   }
 }
 

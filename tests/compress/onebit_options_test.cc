@@ -27,7 +27,8 @@ SimulatorConfig OneBitConfig() {
   c.layout = {kDim, 2, 64, 256};
   c.lr.base_lr = 0.01f;
   c.freeze_step = 4;
-  c.up_codec.block_elems = c.down_codec.block_elems = c.warmup_codec.block_elems = 64;
+  c.up_codec.block_elems = c.down_codec.block_elems =
+      c.warmup_codec.block_elems = 64;
   return c;
 }
 
@@ -46,7 +47,8 @@ std::vector<std::vector<float>> Gradients(uint32_t workers, int step) {
 
 std::vector<float> X0() {
   std::vector<float> x0(kDim);
-  for (size_t j = 0; j < kDim; ++j) x0[j] = 0.01f * static_cast<float>(j % 13) - 0.05f;
+  for (size_t j = 0; j < kDim; ++j)
+    x0[j] = 0.01f * static_cast<float>(j % 13) - 0.05f;
   return x0;
 }
 
@@ -64,31 +66,41 @@ void RunSteps(const SimulatorConfig& c, F after, G gradients = &Gradients) {
   }
 }
 
-uint64_t Checksum(const Simulator& sim) { return StateChecksum({sim.x(), sim.m(), sim.v()}); }
+uint64_t Checksum(const Simulator& sim) {
+  return StateChecksum({sim.x(), sim.m(), sim.v()});
+}
 
 TEST(OneBitOptionsTest, OffReproducesTheEarlierBits) {
   // Per-step checksums of x, m, v from compress/ before the options existed.
   const uint64_t onebit[kSteps] = {
-      0x6a4bd42a7c079bcdull, 0x1388d9398ac21a66ull, 0xd1382dc026c7ee0full, 0xe6d31dc04fc6f8e7ull,
-      0xd0c719a7c0d1793eull, 0xe3346a799dc6d2e0ull, 0xca3328e380775ed7ull, 0xa268c23fbd32d9c3ull,
-      0x5b252725e3d2ba4eull, 0xd1c2b232a5d385ffull, 0x33ceb0d48aaf6fc6ull, 0xe0386291455d1bebull};
-  // And of Adam with int4 and EMA feedback (LoCo), which the options leave alone.
+      0x6a4bd42a7c079bcdull, 0x1388d9398ac21a66ull, 0xd1382dc026c7ee0full,
+      0xe6d31dc04fc6f8e7ull, 0xd0c719a7c0d1793eull, 0xe3346a799dc6d2e0ull,
+      0xca3328e380775ed7ull, 0xa268c23fbd32d9c3ull, 0x5b252725e3d2ba4eull,
+      0xd1c2b232a5d385ffull, 0x33ceb0d48aaf6fc6ull, 0xe0386291455d1bebull};
+  // And of Adam with int4 and EMA feedback (LoCo), which the options leave
+  // alone.
   const uint64_t loco[kSteps] = {
-      0xdd81e209d97edf80ull, 0xfbc96e5947c5eb19ull, 0xc29b581d0a735671ull, 0x30f5f132b29962fdull,
-      0x51d479e17cb8e4f0ull, 0x72632fab745a3bbcull, 0xc72fad67152a2818ull, 0x5d2c12a516421433ull,
-      0x5c9913661b4a57cfull, 0x07c82e4b6d6d8d0aull, 0xed1f047a893b50ceull, 0x00200b41b73e57faull};
+      0xdd81e209d97edf80ull, 0xfbc96e5947c5eb19ull, 0xc29b581d0a735671ull,
+      0x30f5f132b29962fdull, 0x51d479e17cb8e4f0ull, 0x72632fab745a3bbcull,
+      0xc72fad67152a2818ull, 0x5d2c12a516421433ull, 0x5c9913661b4a57cfull,
+      0x07c82e4b6d6d8d0aull, 0xed1f047a893b50ceull, 0x00200b41b73e57faull};
   SimulatorConfig c = OneBitConfig();
   c.bias_correction = false;
   c.mask_zero_variance = false;
   c.bound_update = false;
-  RunSteps(c, [&](int step, const Simulator& sim) { EXPECT_EQ(Checksum(sim), onebit[step]) << "step " << step; });
+  RunSteps(c, [&](int step, const Simulator& sim) {
+    EXPECT_EQ(Checksum(sim), onebit[step]) << "step " << step;
+  });
   SimulatorConfig a = OneBitConfig();
   a.optimizer = OptimizerKind::kAdam;
   a.bias_correction = true;
   a.mask_zero_variance = false;
   a.up_codec = a.down_codec = CodecSpec{CodecKind::kInt4, 64};
-  a.worker_feedback = a.server_feedback = FeedbackSpec{FeedbackKind::kEma, 0.5f};
-  RunSteps(a, [&](int step, const Simulator& sim) { EXPECT_EQ(Checksum(sim), loco[step]) << "step " << step; });
+  a.worker_feedback = a.server_feedback =
+      FeedbackSpec{FeedbackKind::kEma, 0.5f};
+  RunSteps(a, [&](int step, const Simulator& sim) {
+    EXPECT_EQ(Checksum(sim), loco[step]) << "step " << step;
+  });
 }
 
 TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
@@ -97,16 +109,20 @@ TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
   std::vector<float> x_at_freeze;
   RunSteps(c, [&](int step, const Simulator& sim) {
     for (size_t j = 0; j < kDim; ++j) {
-      ASSERT_TRUE(std::isfinite(sim.x()[j])) << "step " << step << " element " << j;
+      ASSERT_TRUE(std::isfinite(sim.x()[j]))
+          << "step " << step << " element " << j;
     }
-    if (step + 1 == c.freeze_step) x_at_freeze.assign(sim.x().begin(), sim.x().end());
+    if (step + 1 == c.freeze_step)
+      x_at_freeze.assign(sim.x().begin(), sim.x().end());
     if (step < c.freeze_step) return;
     for (size_t j = 0; j < kDim; j += 5) {
       ASSERT_EQ(sim.v()[j], 0.0f);
       uint32_t bits;
       std::memcpy(&bits, &sim.m()[j], 4);
-      EXPECT_EQ(bits, 0u) << "m is +0, not -0, at element " << j << " step " << step;
-      EXPECT_EQ(sim.x()[j], x_at_freeze[j]) << "no weight decay: x stays, element " << j;
+      EXPECT_EQ(bits, 0u) << "m is +0, not -0, at element " << j << " step "
+                          << step;
+      EXPECT_EQ(sim.x()[j], x_at_freeze[j])
+          << "no weight decay: x stays, element " << j;
     }
   });
   // Without the mask (and the bound) the same elements receive +-scale / eps.
@@ -114,10 +130,12 @@ TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
   c.bound_update = false;
   float largest_move = 0;
   RunSteps(c, [&](int step, const Simulator& sim) {
-    if (step + 1 == c.freeze_step) x_at_freeze.assign(sim.x().begin(), sim.x().end());
+    if (step + 1 == c.freeze_step)
+      x_at_freeze.assign(sim.x().begin(), sim.x().end());
     if (step < c.freeze_step) return;
     for (size_t j = 0; j < kDim; j += 5) {
-      largest_move = std::max(largest_move, std::fabs(sim.x()[j] - x_at_freeze[j]));
+      largest_move =
+          std::max(largest_move, std::fabs(sim.x()[j] - x_at_freeze[j]));
     }
   });
   EXPECT_GT(largest_move, 1000.0f);
@@ -137,33 +155,45 @@ TEST(OneBitOptionsTest, TheBoundHoldsTinyVarianceElementsToAdamsLargestStep) {
   SimulatorConfig c = OneBitConfig();  // every option on, eps 1e-8
   ASSERT_TRUE(c.bound_update);
   const float bound = OneBitUpdateBound(c.adam);
-  // From the fp32 betas, in double: 3.16300 (0.9f and 0.999f are not 0.9, 0.999).
-  EXPECT_EQ(bound, static_cast<float>((1.0 - double{0.9f}) / std::sqrt(1.0 - double{0.999f})));
+  // From the fp32 betas, in double: 3.16300 (0.9f and 0.999f are not 0.9,
+  // 0.999).
+  EXPECT_EQ(bound, static_cast<float>((1.0 - double{0.9f}) /
+                                      std::sqrt(1.0 - double{0.999f})));
   std::vector<float> before;
   float largest_step = 0;
-  RunSteps(c, [&](int step, const Simulator& sim) {
-    if (step >= c.freeze_step) {
-      for (size_t j = 0; j < kDim; ++j) {
-        ASSERT_TRUE(std::isfinite(sim.x()[j])) << "step " << step << " element " << j;
-        largest_step = std::max(largest_step, std::fabs(sim.x()[j] - before[j]));
-      }
-    }
-    before.assign(sim.x().begin(), sim.x().end());
-  }, &TinyGradients);
+  RunSteps(
+      c,
+      [&](int step, const Simulator& sim) {
+        if (step >= c.freeze_step) {
+          for (size_t j = 0; j < kDim; ++j) {
+            ASSERT_TRUE(std::isfinite(sim.x()[j]))
+                << "step " << step << " element " << j;
+            largest_step =
+                std::max(largest_step, std::fabs(sim.x()[j] - before[j]));
+          }
+        }
+        before.assign(sim.x().begin(), sim.x().end());
+      },
+      &TinyGradients);
   // lr * (bound + wd * |x|) with wd = 0, and one rounding of x.
   EXPECT_LE(largest_step, c.lr.base_lr * bound * 1.0001f);
-  EXPECT_GT(largest_step, c.lr.base_lr * bound * 0.5f) << "the bound binds for the tiny elements";
+  EXPECT_GT(largest_step, c.lr.base_lr * bound * 0.5f)
+      << "the bound binds for the tiny elements";
   // Without it, the same elements take steps of about lr * scale / sqrt(v).
   c.bound_update = false;
   largest_step = 0;
-  RunSteps(c, [&](int step, const Simulator& sim) {
-    if (step >= c.freeze_step) {
-      for (size_t j = 2; j < kDim; j += 5) {
-        largest_step = std::max(largest_step, std::fabs(sim.x()[j] - before[j]));
-      }
-    }
-    before.assign(sim.x().begin(), sim.x().end());
-  }, &TinyGradients);
+  RunSteps(
+      c,
+      [&](int step, const Simulator& sim) {
+        if (step >= c.freeze_step) {
+          for (size_t j = 2; j < kDim; j += 5) {
+            largest_step =
+                std::max(largest_step, std::fabs(sim.x()[j] - before[j]));
+          }
+        }
+        before.assign(sim.x().begin(), sim.x().end());
+      },
+      &TinyGradients);
   EXPECT_GT(largest_step, 1000.0f);
 }
 
@@ -192,15 +222,21 @@ TEST(OneBitOptionsTest, TheBoundClampsOnlyRatiosBeyondIt) {
 TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
   SimulatorConfig c = OneBitConfig();
   c.freeze_step = 10;
-  const auto expected = [&](double beta, int64_t t) { return static_cast<float>(1.0 - std::pow(beta, t)); };
+  const auto expected = [&](double beta, int64_t t) {
+    return static_cast<float>(1.0 - std::pow(beta, t));
+  };
   for (int64_t step : {0, 3, 9, 10, 11, 500}) {
     const ReplyRule rule = PlanReply(c, step);
     EXPECT_EQ(rule.frozen_variance, step >= 10);
     EXPECT_EQ(rule.mask, step >= 10);
     EXPECT_EQ(rule.scalars.max_ratio,
-              step >= 10 ? OneBitUpdateBound(c.adam) : std::numeric_limits<float>::infinity());
-    EXPECT_EQ(rule.scalars.bias_correction1, expected(c.adam.beta1, step + 1)) << step;
-    EXPECT_EQ(rule.scalars.bias_correction2, expected(c.adam.beta2, step >= 10 ? 10 : step + 1)) << step;
+              step >= 10 ? OneBitUpdateBound(c.adam)
+                         : std::numeric_limits<float>::infinity());
+    EXPECT_EQ(rule.scalars.bias_correction1, expected(c.adam.beta1, step + 1))
+        << step;
+    EXPECT_EQ(rule.scalars.bias_correction2,
+              expected(c.adam.beta2, step >= 10 ? 10 : step + 1))
+        << step;
   }
   c.bias_correction = false;
   c.mask_zero_variance = false;
@@ -219,7 +255,8 @@ TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
   c.freeze_step = 0;
   const auto sim = Simulator::Create(c, X0());
   EXPECT_EQ(sim.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(sim.status().message().find("freeze_step"), absl::string_view::npos);
+  EXPECT_NE(sim.status().message().find("freeze_step"),
+            absl::string_view::npos);
 }
 
 // EncodeWorkerMessage forms a sign1 compression-phase message a chunk of
@@ -228,34 +265,44 @@ TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
 // range of several chunks with a short last block, with the zero-variance
 // mask holding some elements and with a clip factor.
 TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
-  const uint64_t dim = 3 * 32768 + 1000;  // three full chunks and a part, last block short
+  const uint64_t dim =
+      3 * 32768 + 1000;  // three full chunks and a part, last block short
   SimulatorConfig c = OneBitConfig();
   c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
   c.workers = 1;
   Replica replica(c, {0, dim});
   std::vector<float> g(dim);
   for (uint64_t j = 0; j < dim; ++j) {
-    g[j] = std::sin(0.37f * static_cast<float>(j)) * (1.0f + static_cast<float>(j % 11));
+    g[j] = std::sin(0.37f * static_cast<float>(j)) *
+           (1.0f + static_cast<float>(j % 11));
     replica.mutable_m()[j] = 0.25f * std::cos(0.11f * static_cast<float>(j));
-    replica.mutable_v()[j] = j % 97 == 0 ? 0.0f : 1e-3f;  // some masked elements
+    replica.mutable_v()[j] =
+        j % 97 == 0 ? 0.0f : 1e-3f;  // some masked elements
   }
   for (float scale : {1.0f, 0.37f}) {
-    ErrorFeedback whole_error(c.worker_feedback, dim, 64), chunked_error(c.worker_feedback, dim, 64);
+    ErrorFeedback whole_error(c.worker_feedback, dim, 64),
+        chunked_error(c.worker_feedback, dim, 64);
     const SendRule rule = PlanSend(c, c.freeze_step + 1, Direction::kUp, 0, 0);
     ASSERT_TRUE(rule.local_momentum && rule.mask && rule.feedback);
-    std::vector<uint8_t> whole(PayloadBytes(rule.codec, dim)), chunked(whole.size(), 0xAB);
-    for (int round = 0; round < 2; ++round) {  // the second round reads the errors of the first
+    std::vector<uint8_t> whole(PayloadBytes(rule.codec, dim)),
+        chunked(whole.size(), 0xAB);
+    for (int round = 0; round < 2;
+         ++round) {  // the second round reads the errors of the first
       std::vector<float> local(dim);
       replica.LocalMomentum(0, g, absl::MakeSpan(local), scale);
-      ASSERT_TRUE(whole_error.Compress(rule.codec, 0, local, rule.key, absl::MakeSpan(whole),
-                                       replica.v()).ok());
+      ASSERT_TRUE(whole_error
+                      .Compress(rule.codec, 0, local, rule.key,
+                                absl::MakeSpan(whole), replica.v())
+                      .ok());
       ASSERT_TRUE(EncodeWorkerMessage(rule, replica, chunked_error, 0, g, scale,
-                                      absl::MakeSpan(chunked)).ok());
+                                      absl::MakeSpan(chunked))
+                      .ok());
       ASSERT_EQ(whole, chunked) << "scale " << scale << " round " << round;
       std::vector<float> a(dim), b(dim);
       whole_error.Read(0, absl::MakeSpan(a));
       chunked_error.Read(0, absl::MakeSpan(b));
-      ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * dim), 0) << "scale " << scale;
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * dim), 0)
+          << "scale " << scale;
     }
   }
 }
@@ -272,25 +319,32 @@ TEST(OneBitOptionsTest, AChunkedReplyUpdateHasTheBitsOfAWholeOne) {
   std::vector<float> x(dim), m(dim), v(dim), u(dim);
   for (uint64_t j = 0; j < dim; ++j) {
     x[j] = chunked.x()[j] = std::cos(0.3f * static_cast<float>(j));
-    m[j] = chunked.mutable_m()[j] = 0.1f * std::sin(0.7f * static_cast<float>(j));
-    v[j] = chunked.mutable_v()[j] = j % 89 == 0 ? 0.0f : 1e-4f * static_cast<float>(1 + j % 5);
+    m[j] = chunked.mutable_m()[j] =
+        0.1f * std::sin(0.7f * static_cast<float>(j));
+    v[j] = chunked.mutable_v()[j] =
+        j % 89 == 0 ? 0.0f : 1e-4f * static_cast<float>(1 + j % 5);
     u[j] = std::sin(0.13f * static_cast<float>(j)) - 0.2f;
   }
   const int64_t step = c.freeze_step + 2;
   const ReplyRule rule = PlanReply(c, step);
-  ASSERT_TRUE(rule.frozen_variance && rule.mask && rule.codec.kind == CodecKind::kSign1);
+  ASSERT_TRUE(rule.frozen_variance && rule.mask &&
+              rule.codec.kind == CodecKind::kSign1);
   std::vector<uint8_t> reply(PayloadBytes(rule.codec, dim));
   ASSERT_TRUE(Encode(rule.codec, u, {}, absl::MakeSpan(reply)).ok());
   ASSERT_TRUE(chunked.ApplyReply(step, 0, dim, reply).ok());
   std::vector<float> decoded(dim);
   ASSERT_TRUE(Decode(rule.codec, reply, absl::MakeSpan(decoded)).ok());
-  ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v));
+  ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x), absl::MakeSpan(m),
+            absl::MakeSpan(v));
   EXPECT_EQ(std::memcmp(chunked.x().data(), x.data(), 4 * dim), 0);
   EXPECT_EQ(std::memcmp(chunked.m().data(), m.data(), 4 * dim), 0);
   EXPECT_EQ(std::memcmp(chunked.v().data(), v.data(), 4 * dim), 0);
   // A truncated reply is refused with nothing changed.
   const uint64_t before = chunked.Checksum();
-  EXPECT_EQ(chunked.ApplyReply(step, 0, dim, absl::MakeSpan(reply).first(reply.size() - 1)).code(),
+  EXPECT_EQ(chunked
+                .ApplyReply(step, 0, dim,
+                            absl::MakeSpan(reply).first(reply.size() - 1))
+                .code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(chunked.Checksum(), before);
 }
@@ -302,34 +356,47 @@ TEST(OneBitOptionsTest, AChunkedReplyUpdateHasTheBitsOfAWholeOne) {
 // a late chunk's recompression fail leaves the whole error as it was.
 TEST(OneBitOptionsTest, AChunkedShardReplyHasTheBitsOfAWholeOne) {
   const uint64_t dim = 3 * 32768 + 1000;
-  const uint64_t offset = 640;  // the partition starts inside the shard's buffer
+  const uint64_t offset =
+      640;  // the partition starts inside the shard's buffer
   SimulatorConfig c = OneBitConfig();
   c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
   const int64_t step = c.freeze_step + 1;
   const SendRule up = PlanSend(c, step, Direction::kUp, 0, 0);
   const SendRule down = PlanSend(c, step, Direction::kDown, c.workers, 0);
-  ASSERT_TRUE(down.feedback && down.mask && down.codec.kind == CodecKind::kSign1);
-  std::vector<std::vector<uint8_t>> pushes(c.workers, std::vector<uint8_t>(PayloadBytes(up.codec, dim)));
+  ASSERT_TRUE(down.feedback && down.mask &&
+              down.codec.kind == CodecKind::kSign1);
+  std::vector<std::vector<uint8_t>> pushes(
+      c.workers, std::vector<uint8_t>(PayloadBytes(up.codec, dim)));
   std::vector<float> v(dim);
   for (uint32_t i = 0; i < c.workers; ++i) {
     std::vector<float> g(dim);
-    for (uint64_t j = 0; j < dim; ++j) g[j] = std::sin(0.31f * static_cast<float>(j) + 0.9f * i) + 0.1f * i;
+    for (uint64_t j = 0; j < dim; ++j)
+      g[j] = std::sin(0.31f * static_cast<float>(j) + 0.9f * i) + 0.1f * i;
     ASSERT_TRUE(Encode(up.codec, g, {}, absl::MakeSpan(pushes[i])).ok());
   }
   for (uint64_t j = 0; j < dim; ++j) v[j] = j % 83 == 0 ? 0.0f : 1e-3f;
   std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
-  ErrorFeedback whole_error(c.server_feedback, offset + dim, 64), chunked_error(c.server_feedback, offset + dim, 64);
-  std::vector<uint8_t> whole(PayloadBytes(down.codec, dim)), chunked(whole.size(), 0xCD);
-  for (int round = 0; round < 2; ++round) {  // the second round reads the errors of the first
+  ErrorFeedback whole_error(c.server_feedback, offset + dim, 64),
+      chunked_error(c.server_feedback, offset + dim, 64);
+  std::vector<uint8_t> whole(PayloadBytes(down.codec, dim)),
+      chunked(whole.size(), 0xCD);
+  for (int round = 0; round < 2;
+       ++round) {  // the second round reads the errors of the first
     std::vector<float> average(dim);
     ASSERT_TRUE(DecodeAverage(up.codec, views, absl::MakeSpan(average)).ok());
-    ASSERT_TRUE(whole_error.Compress(down.codec, offset, average, down.key, absl::MakeSpan(whole), v).ok());
-    ASSERT_TRUE(EncodeShardReply(down, up.codec, views, chunked_error, offset, dim, v, absl::MakeSpan(chunked)).ok());
+    ASSERT_TRUE(whole_error
+                    .Compress(down.codec, offset, average, down.key,
+                              absl::MakeSpan(whole), v)
+                    .ok());
+    ASSERT_TRUE(EncodeShardReply(down, up.codec, views, chunked_error, offset,
+                                 dim, v, absl::MakeSpan(chunked))
+                    .ok());
     ASSERT_EQ(whole, chunked) << "round " << round;
     std::vector<float> a(offset + dim), b(offset + dim);
     whole_error.Read(0, absl::MakeSpan(a));
     chunked_error.Read(0, absl::MakeSpan(b));
-    ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * a.size()), 0) << "round " << round;
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * a.size()), 0)
+        << "round " << round;
   }
   // Huge but finite scales in the third chunk of every push: their sum
   // overflows, so that chunk's recompression fails after two chunks were
@@ -341,7 +408,9 @@ TEST(OneBitOptionsTest, AChunkedShardReplyHasTheBitsOfAWholeOne) {
   }
   std::vector<float> before(offset + dim), after(offset + dim);
   chunked_error.Read(0, absl::MakeSpan(before));
-  EXPECT_EQ(EncodeShardReply(down, up.codec, views, chunked_error, offset, dim, v, absl::MakeSpan(chunked)).code(),
+  EXPECT_EQ(EncodeShardReply(down, up.codec, views, chunked_error, offset, dim,
+                             v, absl::MakeSpan(chunked))
+                .code(),
             absl::StatusCode::kInvalidArgument);
   chunked_error.Read(0, absl::MakeSpan(after));
   EXPECT_EQ(std::memcmp(before.data(), after.data(), 4 * before.size()), 0);

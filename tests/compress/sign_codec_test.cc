@@ -48,7 +48,8 @@ TEST(SignCodecTest, L1ScaleIsTheMeanAbsoluteValue) {
 
 TEST(SignCodecTest, ScalesArePerBlockAndTheLastBlockIsShorter) {
   std::vector<float> x(40);
-  for (size_t j = 0; j < 40; ++j) x[j] = j < 16 ? 2.0f : (j < 32 ? -0.5f : 8.0f);
+  for (size_t j = 0; j < 40; ++j)
+    x[j] = j < 16 ? 2.0f : (j < 32 ? -0.5f : 8.0f);
   const std::vector<uint8_t> p = EncodeSign(x, ScaleKind::kL2);
   ASSERT_EQ(p.size(), 3 * 4u + 5u);
   EXPECT_EQ(ScaleAt(p, 0), 2.0f);

@@ -2,12 +2,11 @@
 // out here element by element, and Adam's loss on a noisy quadratic.
 #include "compress/simulator.h"
 
-#include "compress/replica.h"
-
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "compress/replica.h"
 #include "gtest/gtest.h"
 #include "tests/compress/test_util.h"
 
@@ -20,7 +19,8 @@ class NoisyQuadratic {
  public:
   NoisyQuadratic(size_t dim, uint32_t workers, float noise, uint32_t seed)
       : a_(dim), t_(dim), workers_(workers), noise_(noise), rng_(seed) {
-    std::uniform_real_distribution<float> curvature(0.1f, 1.0f), target(-1.0f, 1.0f);
+    std::uniform_real_distribution<float> curvature(0.1f, 1.0f),
+        target(-1.0f, 1.0f);
     for (size_t j = 0; j < dim; ++j) {
       a_[j] = curvature(rng_);
       t_[j] = target(rng_);
@@ -31,7 +31,8 @@ class NoisyQuadratic {
     std::normal_distribution<float> normal(0.0f, noise_);
     std::vector<std::vector<float>> g(workers_, std::vector<float>(x.size()));
     for (auto& gi : g) {
-      for (size_t j = 0; j < x.size(); ++j) gi[j] = a_[j] * (x[j] - t_[j]) + normal(rng_);
+      for (size_t j = 0; j < x.size(); ++j)
+        gi[j] = a_[j] * (x[j] - t_[j]) + normal(rng_);
     }
     return g;
   }
@@ -56,7 +57,8 @@ absl::Status Step(Simulator& sim, const std::vector<std::vector<float>>& g) {
   return sim.Step(views);
 }
 
-SimulatorConfig BaseConfig(OptimizerKind optimizer, uint32_t workers, uint64_t dim) {
+SimulatorConfig BaseConfig(OptimizerKind optimizer, uint32_t workers,
+                           uint64_t dim) {
   SimulatorConfig c;
   c.optimizer = optimizer;
   c.workers = workers;
@@ -93,7 +95,8 @@ TEST(SimulatorTest, Fp32AdamWithoutFeedbackIsExactSynchronousAdam) {
       const float avg = sum / 3.0f;
       m[j] = 0.9f * m[j] + (1.0f - 0.9f) * avg;
       v[j] = 0.999f * v[j] + (1.0f - 0.999f) * (avg * avg);
-      const float step = (m[j] / bc1) / (std::sqrt(v[j] / bc2) + 1e-8f) + 0.001f * x[j];
+      const float step =
+          (m[j] / bc1) / (std::sqrt(v[j] / bc2) + 1e-8f) + 0.001f * x[j];
       x[j] = x[j] - lr * step;
     }
     ASSERT_EQ(testing::FirstBitDifference(sim->x(), x), -1) << "step " << t;
@@ -122,13 +125,16 @@ TEST(SimulatorTest, ClippingScalesTheAveragedGradientByItsGlobalNorm) {
   for (int t = 0; t < 10; ++t) {
     const auto g = problem.Gradients(x);
     ASSERT_TRUE(Step(*sim, g).ok());
-    for (size_t j = 0; j < dim; ++j) avg[j] = ((g[0][j] + g[1][j]) + g[2][j]) / 3.0f;
+    for (size_t j = 0; j < dim; ++j)
+      avg[j] = ((g[0][j] + g[1][j]) + g[2][j]) / 3.0f;
     double sum_of_squares = 0;
     for (const Partition& p : layout.partitions()) {
-      sum_of_squares += GradientSumOfSquares(absl::MakeConstSpan(avg).subspan(p.range.begin, p.range.size()));
+      sum_of_squares += GradientSumOfSquares(
+          absl::MakeConstSpan(avg).subspan(p.range.begin, p.range.size()));
     }
     const float scale = ClipScale(sum_of_squares, 2.0f);
-    EXPECT_FLOAT_EQ(scale, std::min(1.0, 2.0 / (std::sqrt(sum_of_squares) + 1e-6)));
+    EXPECT_FLOAT_EQ(scale,
+                    std::min(1.0, 2.0 / (std::sqrt(sum_of_squares) + 1e-6)));
     clipped += scale < 1.0f;
     const float bc1 = static_cast<float>(1.0 - std::pow(double{0.9f}, t + 1));
     const float bc2 = static_cast<float>(1.0 - std::pow(double{0.999f}, t + 1));
@@ -136,7 +142,9 @@ TEST(SimulatorTest, ClippingScalesTheAveragedGradientByItsGlobalNorm) {
       const float a = avg[j] * scale;
       m[j] = 0.9f * m[j] + (1.0f - 0.9f) * a;
       v[j] = 0.999f * v[j] + (1.0f - 0.999f) * (a * a);
-      x[j] = x[j] - LearningRate(c.lr, t) * ((m[j] / bc1) / (std::sqrt(v[j] / bc2) + 1e-8f) + 0.0f * x[j]);
+      x[j] = x[j] -
+             LearningRate(c.lr, t) *
+                 ((m[j] / bc1) / (std::sqrt(v[j] / bc2) + 1e-8f) + 0.0f * x[j]);
     }
     ASSERT_EQ(testing::FirstBitDifference(sim->x(), x), -1) << "step " << t;
     ASSERT_EQ(testing::FirstBitDifference(sim->m(), m), -1) << "step " << t;
@@ -149,7 +157,8 @@ TEST(SimulatorTest, ClippingScalesTheAveragedGradientByItsGlobalNorm) {
 // in the compression phase each worker's own gradient, is scaled before use,
 // which is what an unclipped run fed the scaled gradients does, bit for bit.
 // A huge max_norm never clips: the bits of no clipping at all.
-TEST(SimulatorTest, OneBitAdamClipsTheAverageInWarmupAndEachWorkersOwnGradientAfter) {
+TEST(SimulatorTest,
+     OneBitAdamClipsTheAverageInWarmupAndEachWorkersOwnGradientAfter) {
   const uint64_t dim = 3001;
   SimulatorConfig plain = BaseConfig(OptimizerKind::kOneBitAdam, 1, dim);
   plain.lr = {LrSchedule::Kind::kConstant, 0.01f, 5};
@@ -189,7 +198,8 @@ TrainResult Train(const SimulatorConfig& c, int steps) {
   auto sim = Simulator::Create(c, x0);
   EXPECT_TRUE(sim.ok()) << sim.status();
   TrainResult r{problem.Loss(sim->x()), 0};
-  for (int t = 0; t < steps; ++t) EXPECT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
+  for (int t = 0; t < steps; ++t)
+    EXPECT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
   r.final_loss = problem.Loss(sim->x());
   return r;
 }
@@ -205,8 +215,9 @@ TEST(SimulatorTest, OneBitAdamReachesAdamsLossOnANoisyQuadratic) {
   onebit.lr = adam.lr;
   onebit.freeze_step = steps / 5;
   const TrainResult a = Train(adam, steps), b = Train(onebit, steps);
-  std::printf("noisy quadratic, %d steps: loss %.4g -> adam %.4g, onebit_adam %.4g\n",
-              steps, a.initial_loss, a.final_loss, b.final_loss);
+  std::printf(
+      "noisy quadratic, %d steps: loss %.4g -> adam %.4g, onebit_adam %.4g\n",
+      steps, a.initial_loss, a.final_loss, b.final_loss);
   // Both make real progress, and 1-bit Adam ends within 25% of Adam's loss
   // plus 0.1% of the starting loss (the gradient noise sets the floor).
   EXPECT_LT(a.final_loss, 0.01 * a.initial_loss);
@@ -249,7 +260,8 @@ TEST(SimulatorTest, SameInputsGiveTheSameBits) {
     NoisyQuadratic problem(2000, 3, 0.1f, 7);
     auto sim = Simulator::Create(c, std::vector<float>(2000, 0.0f));
     ASSERT_TRUE(sim.ok());
-    for (int t = 0; t < 10; ++t) ASSERT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
+    for (int t = 0; t < 10; ++t)
+      ASSERT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
     xs.emplace_back(sim->x().begin(), sim->x().end());
   }
   EXPECT_EQ(testing::FirstBitDifference(xs[0], xs[1]), -1);

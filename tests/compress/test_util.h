@@ -22,7 +22,8 @@ inline std::vector<float> VariedData(size_t n, uint32_t seed) {
   std::vector<float> x(n);
   float magnitude = 1.0f;
   for (size_t j = 0; j < n; ++j) {
-    if (j % 256 == 0) magnitude = std::pow(10.0f, static_cast<float>(exponent(rng)));
+    if (j % 256 == 0)
+      magnitude = std::pow(10.0f, static_cast<float>(exponent(rng)));
     x[j] = normal(rng) * magnitude;
     if (j % 97 == 5) x[j] = 0.0f;
     if (j % 101 == 7) x[j] = -0.0f;
@@ -36,11 +37,13 @@ inline bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
 }
 
 // The index of the first element whose bits differ, or -1.
-inline long FirstBitDifference(absl::Span<const float> a, absl::Span<const float> b) {
+inline long FirstBitDifference(absl::Span<const float> a,
+                               absl::Span<const float> b) {
   for (size_t j = 0; j < a.size() && j < b.size(); ++j) {
     if (std::memcmp(&a[j], &b[j], 4) != 0) return static_cast<long>(j);
   }
-  return a.size() == b.size() ? -1 : static_cast<long>(std::min(a.size(), b.size()));
+  return a.size() == b.size() ? -1
+                              : static_cast<long>(std::min(a.size(), b.size()));
 }
 
 inline uint32_t Bits(float f) {

@@ -52,8 +52,10 @@ TEST(TopKCodecTest, BadIndicesOrValuesAreRejected) {
     return s.code();
   };
   EXPECT_EQ(corrupt(0, 4), absl::StatusCode::kInvalidArgument);  // out of range
-  EXPECT_EQ(corrupt(0, 3), absl::StatusCode::kInvalidArgument);  // 3, 3: not ascending
-  EXPECT_EQ(corrupt(8, 0x7fc00000u), absl::StatusCode::kInvalidArgument);  // NaN value
+  EXPECT_EQ(corrupt(0, 3),
+            absl::StatusCode::kInvalidArgument);  // 3, 3: not ascending
+  EXPECT_EQ(corrupt(8, 0x7fc00000u),
+            absl::StatusCode::kInvalidArgument);  // NaN value
   std::vector<float> nan_in = {1, NAN, 3, 4};
   EXPECT_EQ(Encode(spec, nan_in, {}, absl::MakeSpan(good)).code(),
             absl::StatusCode::kInvalidArgument);

@@ -15,9 +15,8 @@ TEST(UpdateRulesTest, AdamMatchesTheTextbookInDoublePrecision) {
   const AdamHyper h{0.9f, 0.999f, 1e-8f, 0.01f};
   std::vector<float> x = {1.0f, -2.0f, 0.5f}, m(3, 0), v(3, 0);
   std::vector<double> xd(x.begin(), x.end()), md(3, 0), vd(3, 0);
-  const std::vector<std::vector<float>> grads = {{0.1f, -0.3f, 2.0f},
-                                                 {0.2f, 0.1f, -1.0f},
-                                                 {-0.5f, 0.0f, 0.3f}};
+  const std::vector<std::vector<float>> grads = {
+      {0.1f, -0.3f, 2.0f}, {0.2f, 0.1f, -1.0f}, {-0.5f, 0.0f, 0.3f}};
   for (int t = 1; t <= 3; ++t) {
     const float lr = 1e-2f;
     AdamStep(MakeAdamScalars(h, lr, t, true), grads[t - 1], absl::MakeSpan(x),
@@ -26,7 +25,8 @@ TEST(UpdateRulesTest, AdamMatchesTheTextbookInDoublePrecision) {
       const double g = grads[t - 1][j];
       md[j] = 0.9 * md[j] + 0.1 * g;
       vd[j] = 0.999 * vd[j] + 0.001 * g * g;
-      const double mh = md[j] / (1 - std::pow(0.9, t)), vh = vd[j] / (1 - std::pow(0.999, t));
+      const double mh = md[j] / (1 - std::pow(0.9, t)),
+                   vh = vd[j] / (1 - std::pow(0.999, t));
       xd[j] -= lr * (mh / (std::sqrt(vh) + 1e-8) + 0.01 * xd[j]);
     }
   }
@@ -60,7 +60,8 @@ TEST(UpdateRulesTest, FrozenVarianceReplacesMomentumAndKeepsV) {
 
 TEST(UpdateRulesTest, LocalMomentum) {
   std::vector<float> out(2);
-  LocalMomentum(0.9f, std::vector<float>{1, -1}, std::vector<float>{10, 10}, absl::MakeSpan(out));
+  LocalMomentum(0.9f, std::vector<float>{1, -1}, std::vector<float>{10, 10},
+                absl::MakeSpan(out));
   EXPECT_EQ(out[0], 0.9f * 1.0f + (1.0f - 0.9f) * 10.0f);
   EXPECT_EQ(out[1], 0.9f * -1.0f + (1.0f - 0.9f) * 10.0f);
 }
@@ -75,7 +76,8 @@ TEST(UpdateRulesTest, LearningRateSchedules) {
   EXPECT_FLOAT_EQ(LearningRate(cosine, 50), 0.055f);
   EXPECT_FLOAT_EQ(LearningRate(cosine, 100), 0.01f);
   EXPECT_FLOAT_EQ(LearningRate(cosine, 500), 0.01f);
-  EXPECT_FALSE(ValidateLrSchedule({LrSchedule::Kind::kCosine, 0.1f, 10, 5}).ok());
+  EXPECT_FALSE(
+      ValidateLrSchedule({LrSchedule::Kind::kCosine, 0.1f, 10, 5}).ok());
   EXPECT_FALSE(ValidateLrSchedule({LrSchedule::Kind::kConstant, -1.0f}).ok());
   EXPECT_FALSE(ValidateAdamHyper({1.0f, 0.999f, 1e-8f, 0}).ok());
 }

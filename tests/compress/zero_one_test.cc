@@ -21,7 +21,8 @@ namespace {
 // local-step interval (local_step_interval, local_step_counter).
 struct DeepSpeedCounters {
   int64_t kappa, freeze, scaler, clipper;
-  int64_t var_interval = 1, var_counter = 0, local_interval = 1, local_counter = 0, s = 0;
+  int64_t var_interval = 1, var_counter = 0, local_interval = 1,
+          local_counter = 0, s = 0;
   int64_t variance_updates = 0;
 
   // Returns {is a variance step, is a sync} of the next step.
@@ -47,7 +48,8 @@ struct DeepSpeedCounters {
   }
 };
 
-SimulatorConfig ZeroOneConfig(int64_t freeze, int64_t kappa, int64_t scaler, int64_t clipper) {
+SimulatorConfig ZeroOneConfig(int64_t freeze, int64_t kappa, int64_t scaler,
+                              int64_t clipper) {
   SimulatorConfig c;
   c.optimizer = OptimizerKind::kZeroOneAdam;
   c.zero_one = {freeze, kappa, scaler, clipper};
@@ -56,9 +58,12 @@ SimulatorConfig ZeroOneConfig(int64_t freeze, int64_t kappa, int64_t scaler, int
 
 TEST(ZeroOneTest, TheScheduleIsDeepSpeedsCounters) {
   for (const auto& [freeze, kappa, scaler, clipper] :
-       std::vector<std::array<int64_t, 4>>{{200, 3, 5, 8}, {100000, 16, 32678, 16}, {50, 1, 1, 3},
+       std::vector<std::array<int64_t, 4>>{{200, 3, 5, 8},
+                                           {100000, 16, 32678, 16},
+                                           {50, 1, 1, 3},
                                            {1, 2, 4, 16}}) {
-    const SimulatorConfig config = ZeroOneConfig(freeze, kappa, scaler, clipper);
+    const SimulatorConfig config =
+        ZeroOneConfig(freeze, kappa, scaler, clipper);
     DeepSpeedCounters ds{kappa, freeze, scaler, clipper};
     const int64_t steps = std::min<int64_t>(freeze + 400, 120000);
     for (int64_t t = 0; t < steps; ++t) {
@@ -74,7 +79,8 @@ TEST(ZeroOneTest, TheScheduleIsDeepSpeedsCounters) {
 }
 
 TEST(ZeroOneTest, PlansFollowThePhases) {
-  SimulatorConfig c = ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
+  SimulatorConfig c =
+      ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
   // Variance steps s = t + 1 = 1, 2, 4, 6, 8; local from t = 10 with
   // interval 1 (t = 10..12), then 2 (t = 13..15: s = 14 and 16 sync), then 4.
   EXPECT_FALSE(PlanStep(c, 0).compressing);
@@ -98,7 +104,8 @@ TEST(ZeroOneTest, PlansFollowThePhases) {
   EXPECT_EQ(IntervalLrSum(c, 15), 1.0f);
   EXPECT_EQ(PlanReply(c, 15).scalars.lr, 1.0f);
   StepHyper hyper{0.25f, 0.0f};
-  EXPECT_EQ(PlanReply(c, 15, &hyper).scalars.lr, 0.25f);  // the pushes carry the sum
+  EXPECT_EQ(PlanReply(c, 15, &hyper).scalars.lr,
+            0.25f);  // the pushes carry the sum
 }
 
 // A variance step after 1-bit steps: m holds the compressed replies'
@@ -107,17 +114,21 @@ TEST(ZeroOneTest, PlansFollowThePhases) {
 // 2.1's bound, as in every other step of the optimizer; bound_update off
 // leaves Adam's step.
 TEST(ZeroOneTest, AVarianceStepIsBoundedLikeTheOneBitSteps) {
-  SimulatorConfig c = ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
+  SimulatorConfig c =
+      ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
   c.bias_correction = false;
   c.adam.weight_decay = 0.0f;
   const float bound = OneBitUpdateBound(c.adam);
   for (bool bounded : {true, false}) {
     c.bound_update = bounded;
-    const ReplyRule rule = PlanReply(c, 3);  // s = 4: a variance step after s = 3's 1-bit step
+    const ReplyRule rule =
+        PlanReply(c, 3);  // s = 4: a variance step after s = 3's 1-bit step
     ASSERT_FALSE(rule.frozen_variance);
     EXPECT_EQ(rule.bounded_variance, bounded);
-    std::vector<float> g = {0.0f, 1e-3f}, x = {0.0f, 0.0f}, m = {1.0f, 1e-3f}, v = {1e-12f, 1.0f};
-    ApplyRule(rule, absl::MakeSpan(g), absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v), {}, {});
+    std::vector<float> g = {0.0f, 1e-3f}, x = {0.0f, 0.0f}, m = {1.0f, 1e-3f},
+                       v = {1e-12f, 1.0f};
+    ApplyRule(rule, absl::MakeSpan(g), absl::MakeSpan(x), absl::MakeSpan(m),
+              absl::MakeSpan(v), {}, {});
     const float lr = rule.scalars.lr;
     if (bounded) {
       EXPECT_EQ(x[0], 0.0f - lr * bound);  // clamped
@@ -126,7 +137,8 @@ TEST(ZeroOneTest, AVarianceStepIsBoundedLikeTheOneBitSteps) {
     }
     // Within Adam's own bound nothing changes.
     const float m1 = c.adam.beta1 * 1e-3f + (1.0f - c.adam.beta1) * 1e-3f;
-    const float v1 = c.adam.beta2 * 1.0f + (1.0f - c.adam.beta2) * (1e-3f * 1e-3f);
+    const float v1 =
+        c.adam.beta2 * 1.0f + (1.0f - c.adam.beta2) * (1e-3f * 1e-3f);
     EXPECT_EQ(x[1], 0.0f - lr * (m1 / (std::sqrt(v1) + c.adam.eps)));
   }
 }
@@ -135,32 +147,44 @@ TEST(ZeroOneTest, AVarianceStepIsBoundedLikeTheOneBitSteps) {
 class Reference {
  public:
   Reference(const SimulatorConfig& c, absl::Span<const float> x0)
-      : c_(c), x_(x0.begin(), x0.end()), m_(x0.size()), v_(x0.size()),
-        wx_(c.workers, x_), wm_(c.workers, m_), wu_(c.workers, std::vector<float>(x0.size())),
-        ds_{c.zero_one.var_update_scaler, c.zero_one.var_freeze_step, c.zero_one.local_step_scaler,
-            c.zero_one.local_step_clipper} {}
+      : c_(c),
+        x_(x0.begin(), x0.end()),
+        m_(x0.size()),
+        v_(x0.size()),
+        wx_(c.workers, x_),
+        wm_(c.workers, m_),
+        wu_(c.workers, std::vector<float>(x0.size())),
+        ds_{c.zero_one.var_update_scaler, c.zero_one.var_freeze_step,
+            c.zero_one.local_step_scaler, c.zero_one.local_step_clipper} {}
 
   void Step(const std::vector<std::vector<float>>& g) {
     const auto [variance, sync] = ds_.Next();
     const int64_t s = ds_.s;
-    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps, wd = c_.adam.weight_decay;
+    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps,
+                wd = c_.adam.weight_decay;
     const float lr = c_.lr.base_lr;
     const float bc1 = static_cast<float>(1.0 - std::pow(double{b1}, double(s)));
-    const float bc2 = static_cast<float>(1.0 - std::pow(double{b2}, double(ds_.variance_updates)));
+    const float bc2 = static_cast<float>(
+        1.0 - std::pow(double{b2}, double(ds_.variance_updates)));
     const float bound = OneBitUpdateBound(c_.adam);
     const size_t n = x_.size();
     const uint32_t workers = c_.workers;
-    const auto average = [&](const std::vector<std::vector<float>>& values, size_t j) {
+    const auto average = [&](const std::vector<std::vector<float>>& values,
+                             size_t j) {
       float sum = 0.0f;
       for (uint32_t i = 0; i < workers; ++i) sum += values[i][j];
       return sum / static_cast<float>(workers);
     };
-    const auto clamp = [&](float r) { return r > bound ? bound : (r < -bound ? -bound : r); };
+    const auto clamp = [&](float r) {
+      return r > bound ? bound : (r < -bound ? -bound : r);
+    };
     if (s <= c_.zero_one.var_freeze_step) {
       std::vector<std::vector<float>> sent = g;
       if (!variance) {  // local momenta, masked where v is 0
         for (uint32_t i = 0; i < workers; ++i) {
-          for (size_t j = 0; j < n; ++j) sent[i][j] = v_[j] == 0.0f ? 0.0f : b1 * m_[j] + (1.0f - b1) * g[i][j];
+          for (size_t j = 0; j < n; ++j)
+            sent[i][j] =
+                v_[j] == 0.0f ? 0.0f : b1 * m_[j] + (1.0f - b1) * g[i][j];
         }
       }
       for (size_t j = 0; j < n; ++j) {
@@ -168,23 +192,29 @@ class Reference {
         if (variance) {
           m_[j] = b1 * m_[j] + (1.0f - b1) * a;
           v_[j] = b2 * v_[j] + (1.0f - b2) * (a * a);
-          x_[j] = x_[j] - lr * (clamp((m_[j] / bc1) / (std::sqrt(v_[j] / bc2) + eps)) + wd * x_[j]);
+          x_[j] = x_[j] -
+                  lr * (clamp((m_[j] / bc1) / (std::sqrt(v_[j] / bc2) + eps)) +
+                        wd * x_[j]);
         } else {
           m_[j] = a;
-          x_[j] = x_[j] - lr * (clamp((a / bc1) / (std::sqrt(v_[j] / bc2) + eps)) + wd * x_[j]);
+          x_[j] =
+              x_[j] - lr * (clamp((a / bc1) / (std::sqrt(v_[j] / bc2) + eps)) +
+                            wd * x_[j]);
         }
       }
       for (uint32_t i = 0; i < workers; ++i) wx_[i] = x_, wm_[i] = m_;
       return;
     }
     if (starts_) {
-      for (uint32_t i = 0; i < workers; ++i) wx_[i] = x_, wm_[i] = m_, wu_[i].assign(n, 0.0f);
+      for (uint32_t i = 0; i < workers; ++i)
+        wx_[i] = x_, wm_[i] = m_, wu_[i].assign(n, 0.0f);
       lr_sum_ = 0.0f;
     }
     for (uint32_t i = 0; i < workers; ++i) {
       for (size_t j = 0; j < n; ++j) {
         wm_[i][j] = b1 * wm_[i][j] + (1.0f - b1) * g[i][j];
-        const float d = clamp(wm_[i][j] / (std::sqrt(v_[j] / bc2) + eps)) + wd * wx_[i][j];
+        const float d =
+            clamp(wm_[i][j] / (std::sqrt(v_[j] / bc2) + eps)) + wd * wx_[i][j];
         wu_[i][j] = wu_[i][j] + lr * d;
         if (!sync) wx_[i][j] = wx_[i][j] - lr * d;
       }
@@ -195,7 +225,10 @@ class Reference {
     std::vector<std::vector<float>> sent(workers, std::vector<float>(n));
     for (uint32_t i = 0; i < workers; ++i) {
       for (size_t j = 0; j < n; ++j) {
-        sent[i][j] = v_[j] == 0.0f ? 0.0f : (wu_[i][j] * (std::sqrt(v_[j] / bc2) + eps)) / lr_sum_;
+        sent[i][j] =
+            v_[j] == 0.0f
+                ? 0.0f
+                : (wu_[i][j] * (std::sqrt(v_[j] / bc2) + eps)) / lr_sum_;
       }
     }
     for (size_t j = 0; j < n; ++j) {
@@ -221,12 +254,14 @@ class Reference {
 };
 
 bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
 }
 
 TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
   constexpr size_t kDim = 700;
-  SimulatorConfig c = ZeroOneConfig(/*freeze=*/30, /*kappa=*/3, /*scaler=*/4, /*clipper=*/4);
+  SimulatorConfig c =
+      ZeroOneConfig(/*freeze=*/30, /*kappa=*/3, /*scaler=*/4, /*clipper=*/4);
   c.workers = 3;
   c.layout = {kDim, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/128};
   c.warmup_codec = c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32, 64};
@@ -236,7 +271,9 @@ TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
   std::vector<float> x0(kDim), a(kDim), target(kDim);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
-  for (size_t j = 0; j < kDim; ++j) x0[j] = uniform(rng), a[j] = 0.5f + 0.5f * uniform(rng), target[j] = uniform(rng);
+  for (size_t j = 0; j < kDim; ++j)
+    x0[j] = uniform(rng), a[j] = 0.5f + 0.5f * uniform(rng),
+    target[j] = uniform(rng);
   auto sim = Simulator::Create(c, x0);
   ASSERT_TRUE(sim.ok()) << sim.status();
   Reference ref(c, x0);
@@ -248,7 +285,9 @@ TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
       std::normal_distribution<float> normal(0.0f, 0.3f);
       const auto x = sim->worker_x(i);
       for (size_t j = 0; j < kDim; ++j) {
-        g[i][j] = j % 7 == 0 ? 0.0f : a[j] * (x[j] - target[j]) + normal(noise);  // j % 7: dead, v = 0
+        g[i][j] = j % 7 == 0 ? 0.0f
+                             : a[j] * (x[j] - target[j]) +
+                                   normal(noise);  // j % 7: dead, v = 0
       }
     }
     std::vector<absl::Span<const float>> views(g.begin(), g.end());
@@ -258,22 +297,27 @@ TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
     ASSERT_TRUE(sim->Step(views).ok());
     ref.Step(g);
     for (uint32_t i = 0; i < c.workers; ++i) {
-      ASSERT_TRUE(SameBits(sim->worker_x(i), ref.x(i))) << "worker " << i << " x at step " << t;
-      ASSERT_TRUE(SameBits(sim->worker_m(i), ref.m(i))) << "worker " << i << " m at step " << t;
+      ASSERT_TRUE(SameBits(sim->worker_x(i), ref.x(i)))
+          << "worker " << i << " x at step " << t;
+      ASSERT_TRUE(SameBits(sim->worker_m(i), ref.m(i)))
+          << "worker " << i << " m at step " << t;
     }
     ASSERT_TRUE(SameBits(sim->v(), ref.v())) << "v at step " << t;
     ASSERT_TRUE(SameBits(sim->x(), ref.shared_x())) << "shared x at step " << t;
     if (plan.local && !plan.exchanges) {
-      EXPECT_FALSE(SameBits(sim->worker_x(0), sim->worker_x(1))) << "workers step on their own";
+      EXPECT_FALSE(SameBits(sim->worker_x(0), sim->worker_x(1)))
+          << "workers step on their own";
     }
   }
   EXPECT_GT(local_steps, 20);
   EXPECT_GT(syncs, 10);
 }
 
-TEST(ZeroOneTest, AWorkerReplicaMatchesTheSimulatorAndRefusesAnIntervalItDidNotStart) {
+TEST(ZeroOneTest,
+     AWorkerReplicaMatchesTheSimulatorAndRefusesAnIntervalItDidNotStart) {
   constexpr size_t kDim = 300;
-  SimulatorConfig c = ZeroOneConfig(/*freeze=*/4, /*kappa=*/1, /*scaler=*/1, /*clipper=*/4);
+  SimulatorConfig c =
+      ZeroOneConfig(/*freeze=*/4, /*kappa=*/1, /*scaler=*/1, /*clipper=*/4);
   c.workers = 1;
   c.layout = {kDim, 1, 64, 128};
   c.warmup_codec = CodecSpec{CodecKind::kFp32, 64};
@@ -289,7 +333,8 @@ TEST(ZeroOneTest, AWorkerReplicaMatchesTheSimulatorAndRefusesAnIntervalItDidNotS
   std::vector<float> g(kDim, 0.5f);
   absl::Status s = replica.LocalStep(9, g);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-  EXPECT_EQ(replica.LocalStep(2, g).code(), absl::StatusCode::kFailedPrecondition);  // not local
+  EXPECT_EQ(replica.LocalStep(2, g).code(),
+            absl::StatusCode::kFailedPrecondition);  // not local
 }
 
 // A CPU worker runs a sync's local step a partition at a time inside its

@@ -38,11 +38,12 @@ class BadInputTest : public ::testing::Test {
  protected:
   void SetUp() override {
     job_ = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
-    layout_ = std::make_unique<compress::Layout>(*compress::Layout::Create(job_.algorithm.layout));
+    layout_ = std::make_unique<compress::Layout>(
+        *compress::Layout::Create(job_.algorithm.layout));
     cluster_ = std::make_unique<testing::Cluster>(kConfig, 1, 2);
     cluster_->StartServers(false);
-    stub_ = v1::ParameterServer::NewStub(
-        grpc::CreateChannel(cluster_->server_address(0), grpc::InsecureChannelCredentials()));
+    stub_ = v1::ParameterServer::NewStub(grpc::CreateChannel(
+        cluster_->server_address(0), grpc::InsecureChannelCredentials()));
     v1::ShardInfo info;
     ASSERT_TRUE(Info(&info, /*wait_for_ready=*/true).ok())
         << testing::ReadFile(cluster_->server_log(0));
@@ -60,7 +61,8 @@ class BadInputTest : public ::testing::Test {
     }
     for (int64_t step = 0; step < 2; ++step) {
       for (const compress::Partition& p : layout_->partitions()) {
-        auto other = std::async(std::launch::async, [&] { return Send(Fp32Push(step, 1, p.id)); });
+        auto other = std::async(std::launch::async,
+                                [&] { return Send(Fp32Push(step, 1, p.id)); });
         const auto mine = Send(Fp32Push(step, 0, p.id));
         ASSERT_TRUE(mine.first.ok()) << mine.first.error_message();
         ASSERT_TRUE(other.get().first.ok());
@@ -68,13 +70,15 @@ class BadInputTest : public ::testing::Test {
     }
     ASSERT_TRUE(Info(&before_).ok());
     ASSERT_EQ(before_.completed_steps(), 2);
-    ASSERT_NE(before_.mirror_checksum(), 0u);  // requested, so the comparisons mean something
+    ASSERT_NE(before_.mirror_checksum(),
+              0u);  // requested, so the comparisons mean something
   }
 
   grpc::Status Info(v1::ShardInfo* info, bool wait_for_ready = false) {
     grpc::ClientContext context;
     context.set_wait_for_ready(wait_for_ready);
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
     v1::ShardInfoRequest request;
     request.set_mirror_checksum(true);
     return stub_->GetShardInfo(&context, request, info);
@@ -82,19 +86,23 @@ class BadInputTest : public ::testing::Test {
 
   std::pair<grpc::Status, v1::PushReply> Send(const v1::PushRequest& request) {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(20));
     v1::PushReply reply;
     grpc::Status status = stub_->Push(&context, request, &reply);
     return {status, reply};
   }
 
-  v1::PushRequest Push(int64_t step, uint32_t rank, uint32_t partition, compress::CodecKind kind,
-                       float value) {
+  v1::PushRequest Push(int64_t step, uint32_t rank, uint32_t partition,
+                       compress::CodecKind kind, float value) {
     const compress::Partition& p = layout_->partitions()[partition];
     compress::CodecSpec spec{kind, job_.algorithm.layout.block_elems};
     const std::vector<float> x(p.range.size(), value);
     std::string payload(compress::PayloadBytes(spec, x.size()), '\0');
-    EXPECT_TRUE(compress::Encode(spec, x, {}, {reinterpret_cast<uint8_t*>(payload.data()), payload.size()}).ok());
+    EXPECT_TRUE(compress::Encode(spec, x, {},
+                                 {reinterpret_cast<uint8_t*>(payload.data()),
+                                  payload.size()})
+                    .ok());
     v1::PushRequest request;
     request.set_step(step);
     request.set_rank(rank);
@@ -105,7 +113,8 @@ class BadInputTest : public ::testing::Test {
     return request;
   }
   v1::PushRequest Fp32Push(int64_t step, uint32_t rank, uint32_t partition) {
-    return Push(step, rank, partition, compress::CodecKind::kFp32, 0.1f * (rank + 1) + step);
+    return Push(step, rank, partition, compress::CodecKind::kFp32,
+                0.1f * (rank + 1) + step);
   }
   v1::PushRequest Sign1Push(uint32_t rank) {
     return Push(2, rank, 0, compress::CodecKind::kSign1, -0.25f);
@@ -117,7 +126,8 @@ class BadInputTest : public ::testing::Test {
                       const std::string& words) {
     const auto [status, reply] = Send(request);
     EXPECT_EQ(status.error_code(), code) << status.error_message();
-    EXPECT_NE(status.error_message().find(words), std::string::npos) << status.error_message();
+    EXPECT_NE(status.error_message().find(words), std::string::npos)
+        << status.error_message();
     v1::ShardInfo after;
     ASSERT_TRUE(Info(&after).ok());
     EXPECT_EQ(after.mirror_checksum(), before_.mirror_checksum());
@@ -140,19 +150,25 @@ TEST_F(BadInputTest, PayloadOfTheWrongLength) {
 // Bytes that are not a PushRequest at all (Push is a raw method on the
 // server, which parses the request itself).
 TEST_F(BadInputTest, BytesThatAreNotAPushRequest) {
-  grpc::GenericStub generic(
-      grpc::CreateChannel(cluster_->server_address(0), grpc::InsecureChannelCredentials()));
-  const std::string garbage = "\x0a\xff\xff\xff\xff\x0f not protobuf";  // a field longer than the message
+  grpc::GenericStub generic(grpc::CreateChannel(
+      cluster_->server_address(0), grpc::InsecureChannelCredentials()));
+  const std::string garbage =
+      "\x0a\xff\xff\xff\xff\x0f not protobuf";  // a field longer than the
+                                                // message
   grpc::Slice slice(garbage);
   grpc::ByteBuffer request(&slice, 1), reply;
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(20));
   std::promise<grpc::Status> done;
-  generic.UnaryCall(&context, "/morse.v1.ParameterServer/Push", grpc::StubOptions(), &request, &reply,
+  generic.UnaryCall(&context, "/morse.v1.ParameterServer/Push",
+                    grpc::StubOptions(), &request, &reply,
                     [&](grpc::Status status) { done.set_value(status); });
   const grpc::Status status = done.get_future().get();
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
-  EXPECT_NE(status.error_message().find("not a PushRequest"), std::string::npos) << status.error_message();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << status.error_message();
+  EXPECT_NE(status.error_message().find("not a PushRequest"), std::string::npos)
+      << status.error_message();
   v1::ShardInfo after;
   ASSERT_TRUE(Info(&after).ok());
   EXPECT_EQ(after.mirror_checksum(), before_.mirror_checksum());
@@ -160,7 +176,8 @@ TEST_F(BadInputTest, BytesThatAreNotAPushRequest) {
 }
 
 TEST_F(BadInputTest, UnknownRank) {
-  ExpectRejected(Sign1Push(7), grpc::StatusCode::INVALID_ARGUMENT, "unknown rank 7");
+  ExpectRejected(Sign1Push(7), grpc::StatusCode::INVALID_ARGUMENT,
+                 "unknown rank 7");
 }
 
 TEST_F(BadInputTest, UnknownPartition) {
@@ -176,7 +193,8 @@ TEST_F(BadInputTest, LayoutFingerprintMismatch) {
 }
 
 TEST_F(BadInputTest, StepFromThePast) {
-  ExpectRejected(Fp32Push(0, 0, 0), grpc::StatusCode::FAILED_PRECONDITION, "stale");
+  ExpectRejected(Fp32Push(0, 0, 0), grpc::StatusCode::FAILED_PRECONDITION,
+                 "stale");
 }
 
 TEST_F(BadInputTest, StepTooFarAhead) {
@@ -188,7 +206,8 @@ TEST_F(BadInputTest, StepTooFarAhead) {
 }
 
 TEST_F(BadInputTest, CodecNotAllowedInThisPhase) {
-  ExpectRejected(Fp32Push(2, 0, 0), grpc::StatusCode::FAILED_PRECONDITION, "not allowed at step 2");
+  ExpectRejected(Fp32Push(2, 0, 0), grpc::StatusCode::FAILED_PRECONDITION,
+                 "not allowed at step 2");
 }
 
 TEST_F(BadInputTest, UnspecifiedCodec) {
@@ -200,8 +219,10 @@ TEST_F(BadInputTest, UnspecifiedCodec) {
 TEST_F(BadInputTest, NonFiniteScale) {
   for (float bad : {NAN, INFINITY}) {
     v1::PushRequest request = Sign1Push(0);
-    std::memcpy(request.mutable_payload()->data() + 4, &bad, 4);  // block 1's scale
-    ExpectRejected(request, grpc::StatusCode::INVALID_ARGUMENT, "scale of block 1");
+    std::memcpy(request.mutable_payload()->data() + 4, &bad,
+                4);  // block 1's scale
+    ExpectRejected(request, grpc::StatusCode::INVALID_ARGUMENT,
+                   "scale of block 1");
   }
 }
 
@@ -221,19 +242,23 @@ TEST_F(BadInputTest, RetriedPushGetsTheSameReply) {
 TEST_F(BadInputTest, ResentWithDifferentBytes) {
   v1::PushRequest request = Fp32Push(1, 0, 0);
   (*request.mutable_payload())[0] ^= 1;
-  ExpectRejected(request, grpc::StatusCode::FAILED_PRECONDITION, "different bytes");
+  ExpectRejected(request, grpc::StatusCode::FAILED_PRECONDITION,
+                 "different bytes");
 }
 
 TEST_F(BadInputTest, AStepMissingAWorkerTimesOutWithAClearError) {
   // Only rank 0 pushes step 2; the recovery timeout is 2 s.
   const absl::Time start = absl::Now();
   const auto [status, reply] = Send(Sign1Push(0));
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << status.error_message();
-  EXPECT_NE(status.error_message().find("rank(s) 1 did not push"), std::string::npos)
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << status.error_message();
+  EXPECT_NE(status.error_message().find("rank(s) 1 did not push"),
+            std::string::npos)
       << status.error_message();
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   // The partial step was dropped: both ranks can now complete it.
-  auto other = std::async(std::launch::async, [&] { return Send(Sign1Push(1)); });
+  auto other =
+      std::async(std::launch::async, [&] { return Send(Sign1Push(1)); });
   EXPECT_TRUE(Send(Sign1Push(0)).first.ok());
   EXPECT_TRUE(other.get().first.ok());
 }

@@ -23,8 +23,10 @@ namespace morse::testing {
 
 namespace {
 
-std::string DaemonPath(const char* env, const std::string& name, const char* built) {
-  if (const char* path = std::getenv(env); path != nullptr && *path != '\0') return path;
+std::string DaemonPath(const char* env, const std::string& name,
+                       const char* built) {
+  if (const char* path = std::getenv(env); path != nullptr && *path != '\0')
+    return path;
   char self[4096];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
   if (n > 0) {
@@ -38,8 +40,12 @@ std::string DaemonPath(const char* env, const std::string& name, const char* bui
 
 }  // namespace
 
-std::string ServerBin() { return DaemonPath("MORSE_SERVER_BIN", "morse-server", MORSE_BUILT_SERVER); }
-std::string WorkerBin() { return DaemonPath("MORSE_WORKER_BIN", "morse-worker", MORSE_BUILT_WORKER); }
+std::string ServerBin() {
+  return DaemonPath("MORSE_SERVER_BIN", "morse-server", MORSE_BUILT_SERVER);
+}
+std::string WorkerBin() {
+  return DaemonPath("MORSE_WORKER_BIN", "morse-worker", MORSE_BUILT_WORKER);
+}
 
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -54,15 +60,19 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-Process::Process(const std::vector<std::string>& argv, const std::string& log_path) {
+Process::Process(const std::vector<std::string>& argv,
+                 const std::string& log_path) {
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&actions, 1, 2);
   std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  for (const std::string& a : argv)
+    args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
-  if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
+  if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0)
+    pid_ = -1;
   posix_spawn_file_actions_destroy(&actions);
 }
 
@@ -85,7 +95,8 @@ bool Process::Wait(absl::Duration timeout, int* exit_code) {
     const pid_t r = waitpid(pid_, &status, WNOHANG);
     if (r == pid_) {
       reaped_ = true;
-      exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      exit_code_ =
+          WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
       *exit_code = exit_code_;
       return true;
     }
@@ -124,11 +135,15 @@ std::string Cluster::servers() const {
   return absl::StrJoin(all, ",");
 }
 
-std::string Cluster::worker_log(int rank) const { return absl::StrCat(dir_, "/worker", rank, ".log"); }
+std::string Cluster::worker_log(int rank) const {
+  return absl::StrCat(dir_, "/worker", rank, ".log");
+}
 std::string Cluster::worker_metrics(int rank) const {
   return absl::StrCat(dir_, "/worker", rank, ".jsonl");
 }
-std::string Cluster::server_log(int shard) const { return absl::StrCat(dir_, "/server", shard, ".log"); }
+std::string Cluster::server_log(int shard) const {
+  return absl::StrCat(dir_, "/server", shard, ".log");
+}
 std::string Cluster::state_log(int shard) const {
   return absl::StrCat(dir_, "/server", shard, ".jsonl");
 }
@@ -149,9 +164,11 @@ std::vector<std::string> WithEnv(
 
 }  // namespace
 
-std::unique_ptr<Process> Cluster::StartServer(int s, bool state_logs, const std::string& log) {
-  std::vector<std::string> argv = {ServerBin(), "--config", config_path(), "--shard",
-                                   std::to_string(s), "--listen", server_address(s)};
+std::unique_ptr<Process> Cluster::StartServer(int s, bool state_logs,
+                                              const std::string& log) {
+  std::vector<std::string> argv = {
+      ServerBin(),       "--config", config_path(),    "--shard",
+      std::to_string(s), "--listen", server_address(s)};
   if (state_logs) argv.push_back("--state_log=" + state_log(s));
   argv.insert(argv.end(), server_security_.begin(), server_security_.end());
   argv.insert(argv.end(), server_args_.begin(), server_args_.end());
@@ -160,7 +177,8 @@ std::unique_ptr<Process> Cluster::StartServer(int s, bool state_logs, const std:
 }
 
 void Cluster::StartServers(bool state_logs) {
-  for (int s = 0; s < shards_; ++s) servers_.push_back(StartServer(s, state_logs, server_log(s)));
+  for (int s = 0; s < shards_; ++s)
+    servers_.push_back(StartServer(s, state_logs, server_log(s)));
 }
 
 void Cluster::KillServer(int shard) {
@@ -170,15 +188,17 @@ void Cluster::KillServer(int shard) {
 }
 
 void Cluster::RestartServer(int shard, bool state_logs) {
-  servers_[shard] = StartServer(shard, state_logs,
-                                absl::StrCat(dir_, "/server", shard, ".restart", ++restarts_, ".log"));
+  servers_[shard] = StartServer(
+      shard, state_logs,
+      absl::StrCat(dir_, "/server", shard, ".restart", ++restarts_, ".log"));
 }
 
-std::unique_ptr<Process> Cluster::StartWorkerProcess(int rank, bool checksums, const std::string& log,
-                                                     const std::string& metrics) {
-  std::vector<std::string> argv = {WorkerBin(), "--config", config_path(), "--rank",
-                                   std::to_string(rank), "--servers", servers(),
-                                   "--metrics", metrics};
+std::unique_ptr<Process> Cluster::StartWorkerProcess(
+    int rank, bool checksums, const std::string& log,
+    const std::string& metrics) {
+  std::vector<std::string> argv = {
+      WorkerBin(), "--config", config_path(), "--rank", std::to_string(rank),
+      "--servers", servers(),  "--metrics",   metrics};
   if (checksums) argv.push_back("--checksums");
   argv.insert(argv.end(), worker_security_.begin(), worker_security_.end());
   argv.insert(argv.end(), worker_args_.begin(), worker_args_.end());
@@ -187,7 +207,8 @@ std::unique_ptr<Process> Cluster::StartWorkerProcess(int rank, bool checksums, c
 }
 
 void Cluster::StartWorker(int rank, bool checksums) {
-  workers_procs_.push_back(StartWorkerProcess(rank, checksums, worker_log(rank), worker_metrics(rank)));
+  workers_procs_.push_back(StartWorkerProcess(rank, checksums, worker_log(rank),
+                                              worker_metrics(rank)));
 }
 
 void Cluster::KillWorker(int rank) {
@@ -198,8 +219,9 @@ void Cluster::KillWorker(int rank) {
 
 void Cluster::RestartWorker(int rank, bool checksums) {
   const int n = ++worker_restarts_[rank];
-  workers_procs_[rank] = StartWorkerProcess(rank, checksums, restarted_worker_log(rank, n),
-                                            restarted_worker_metrics(rank, n));
+  workers_procs_[rank] =
+      StartWorkerProcess(rank, checksums, restarted_worker_log(rank, n),
+                         restarted_worker_metrics(rank, n));
 }
 
 std::string Cluster::restarted_worker_log(int rank, int restart) const {
@@ -235,7 +257,8 @@ bool Cluster::WaitWorkers(absl::Duration timeout, std::string* failure) {
   std::string workers;
   for (size_t r = 0; r < workers_procs_.size(); ++r) {
     int code = -1;
-    const absl::Duration left = std::max(deadline - absl::Now(), absl::Seconds(1));
+    const absl::Duration left =
+        std::max(deadline - absl::Now(), absl::Seconds(1));
     if (!workers_procs_[r]->Wait(left, &code)) {
       absl::StrAppend(&workers, "worker ", r, " did not finish in time\n",
                       Tail(ReadFile(worker_log(r)), 40));
@@ -252,7 +275,8 @@ bool Cluster::WaitWorkers(absl::Duration timeout, std::string* failure) {
   for (size_t s = 0; s < servers_.size(); ++s) {
     int code = -1;
     const bool ended = servers_[s]->Wait(absl::ZeroDuration(), &code);
-    absl::StrAppend(failure, "server ", s, ended ? absl::StrCat(" ended with ", code) : " running",
+    absl::StrAppend(failure, "server ", s,
+                    ended ? absl::StrCat(" ended with ", code) : " running",
                     "; its log:\n", Tail(ReadFile(server_log(s)), 40), "\n");
   }
   absl::StrAppend(failure, workers);
@@ -275,10 +299,12 @@ std::string ReadFile(const std::string& path) {
   return text.str();
 }
 
-std::vector<std::string> JsonField(const std::string& jsonl, const std::string& key) {
+std::vector<std::string> JsonField(const std::string& jsonl,
+                                   const std::string& key) {
   std::vector<std::string> values;
   const std::string needle = "\"" + key + "\":";
-  for (absl::string_view line : absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {
+  for (absl::string_view line :
+       absl::StrSplit(jsonl, '\n', absl::SkipEmpty())) {
     const size_t at = line.find(needle);
     if (at == absl::string_view::npos) continue;
     absl::string_view rest = line.substr(at + needle.size());

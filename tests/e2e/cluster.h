@@ -59,8 +59,12 @@ class Cluster {
   std::string server_address(int shard) const;
 
   // Arguments appended to every server's or worker's command line.
-  void AddServerArgs(std::vector<std::string> args) { server_args_ = std::move(args); }
-  void AddWorkerArgs(std::vector<std::string> args) { worker_args_ = std::move(args); }
+  void AddServerArgs(std::vector<std::string> args) {
+    server_args_ = std::move(args);
+  }
+  void AddWorkerArgs(std::vector<std::string> args) {
+    worker_args_ = std::move(args);
+  }
   // NAME=VALUE settings added to one shard's or one worker's environment
   // (e.g. MORSE_SIMD=scalar), through /usr/bin/env, which execs the daemon.
   void SetServerEnv(int shard, std::vector<std::string> env) {
@@ -70,7 +74,8 @@ class Cluster {
     worker_env_[rank] = std::move(env);
   }
   // Credential flags of the servers and workers (default: --insecure).
-  void SetSecurity(std::vector<std::string> server, std::vector<std::string> worker) {
+  void SetSecurity(std::vector<std::string> server,
+                   std::vector<std::string> worker) {
     server_security_ = std::move(server);
     worker_security_ = std::move(worker);
   }
@@ -105,19 +110,23 @@ class Cluster {
   int shards_, workers_;
   std::vector<int> ports_;
   std::vector<std::string> server_args_, worker_args_;
-  std::vector<std::string> server_security_{"--insecure"}, worker_security_{"--insecure"};
+  std::vector<std::string> server_security_{"--insecure"},
+      worker_security_{"--insecure"};
   std::vector<std::unique_ptr<Process>> servers_, workers_procs_;
   int restarts_ = 0;
   std::map<int, int> worker_restarts_;  // rank -> restarts so far
   std::map<int, std::vector<std::string>> server_env_, worker_env_;
-  std::unique_ptr<Process> StartServer(int shard, bool state_logs, const std::string& log);
-  std::unique_ptr<Process> StartWorkerProcess(int rank, bool checksums, const std::string& log,
+  std::unique_ptr<Process> StartServer(int shard, bool state_logs,
+                                       const std::string& log);
+  std::unique_ptr<Process> StartWorkerProcess(int rank, bool checksums,
+                                              const std::string& log,
                                               const std::string& metrics);
 };
 
 std::string ReadFile(const std::string& path);
 // The string value of "key":"..." or the number of "key":N in each line.
-std::vector<std::string> JsonField(const std::string& jsonl, const std::string& key);
+std::vector<std::string> JsonField(const std::string& jsonl,
+                                   const std::string& key);
 
 }  // namespace morse::testing
 

@@ -25,7 +25,8 @@ constexpr int kSeeds = 5;
 
 double TrainDigits(const std::string& config_name, const std::string& data_dir,
                    int seed) {
-  std::string config = ReadFile(absl::StrCat(MORSE_SOURCE_DIR, "/deploy/configs/", config_name));
+  std::string config =
+      ReadFile(absl::StrCat(MORSE_SOURCE_DIR, "/deploy/configs/", config_name));
   EXPECT_FALSE(config.empty()) << config_name;
   EXPECT_NE(config.find("\nseed: 1\n"), std::string::npos) << config_name;
   config = absl::StrReplaceAll(
@@ -36,7 +37,8 @@ double TrainDigits(const std::string& config_name, const std::string& data_dir,
   cluster.StartWorkers(false);
   std::string failure;
   EXPECT_TRUE(cluster.WaitWorkers(absl::Seconds(300), &failure)) << failure;
-  const auto accuracy = JsonField(ReadFile(cluster.worker_log(0)), "test_accuracy");
+  const auto accuracy =
+      JsonField(ReadFile(cluster.worker_log(0)), "test_accuracy");
   EXPECT_EQ(accuracy.size(), 1u) << ReadFile(cluster.worker_log(0));
   return accuracy.empty() ? 0.0 : std::atof(accuracy[0].c_str());
 }
@@ -47,7 +49,8 @@ TEST(DigitsTest, OneBitAdamIsWithinAPointOfAdam) {
   const std::string prep = absl::StrCat("/usr/bin/python3 ", MORSE_SOURCE_DIR,
                                         "/deploy/data/digits.py ", data_dir);
   ASSERT_EQ(std::system(prep.c_str()), 0)
-      << "could not write the digits data set (needs python3-sklearn; tests/run.sh installs it)";
+      << "could not write the digits data set (needs python3-sklearn; "
+         "tests/run.sh installs it)";
   // Points below Adam, per seed: positive when Morse is behind.
   std::string onebit_gaps, lamb_gaps;
   for (int seed = 1; seed <= kSeeds; ++seed) {

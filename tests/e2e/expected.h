@@ -12,7 +12,7 @@
 namespace morse::testing {
 
 struct Expected {
-  std::vector<std::string> model;                // per step, all of x, m, v
+  std::vector<std::string> model;  // per step, all of x, m, v
   // [rank][step]: each worker's own x, m, v (model except after
   // zero_one_adam's local steps, where each worker moves on its own).
   std::vector<std::vector<std::string>> worker;
@@ -29,7 +29,8 @@ Expected Simulate(const proto::JobSpec& job);
 // A shard's state log (morse-server --state_log: a line per exchanged step,
 // no replays) has exactly `expected`'s steps and mirror checksums of shard
 // `shard`.
-void ExpectStateLogMatches(const std::string& state_log, const Expected& expected, uint32_t shard);
+void ExpectStateLogMatches(const std::string& state_log,
+                           const Expected& expected, uint32_t shard);
 
 }  // namespace morse::testing
 

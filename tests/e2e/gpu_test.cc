@@ -3,8 +3,8 @@
 // 1 on the CPU, 2 shards, 1-bit Adam across the freeze step (with bias
 // correction and the zero-variance mask: the synthetic workload has dead
 // elements). With the synthetic workload both workers and both server
-// mirrors must be bit-identical to the simulator after every step; with the mlp (cuBLAS)
-// the GPU gradient must match the CPU's to rounding and both workers'
+// mirrors must be bit-identical to the simulator after every step; with the mlp
+// (cuBLAS) the GPU gradient must match the CPU's to rounding and both workers'
 // models must stay identical. These skip, saying why, without a GPU; the
 // --device checks at the end run everywhere.
 #include <cmath>
@@ -32,21 +32,24 @@ using testing::ReadFile;
 // `train_rows` and `test_rows` points of the same `classes` Gaussian blobs
 // in `features` dimensions, as CSVs with the label first (dir/train.csv,
 // dir/test.csv). Both sets come from one draw of the centers.
-void WriteBlobs(const std::string& dir, int train_rows, int test_rows, int features,
-                int classes, uint32_t seed) {
+void WriteBlobs(const std::string& dir, int train_rows, int test_rows,
+                int features, int classes, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> noise(0.0f, 0.6f);
-  std::vector<std::vector<float>> centers(classes, std::vector<float>(features));
+  std::vector<std::vector<float>> centers(classes,
+                                          std::vector<float>(features));
   for (auto& c : centers) {
     for (float& v : c) v = noise(rng) * 2.0f;
   }
-  for (const auto& [name, rows] : {std::pair<const char*, int>{"/train.csv", train_rows},
-                                   std::pair<const char*, int>{"/test.csv", test_rows}}) {
+  for (const auto& [name, rows] :
+       {std::pair<const char*, int>{"/train.csv", train_rows},
+        std::pair<const char*, int>{"/test.csv", test_rows}}) {
     std::ofstream out(dir + name);
     for (int r = 0; r < rows; ++r) {
       const int label = r % classes;
       out << label;
-      for (int f = 0; f < features; ++f) out << "," << centers[label][f] + noise(rng);
+      for (int f = 0; f < features; ++f)
+        out << "," << centers[label][f] + noise(rng);
       out << "\n";
     }
   }
@@ -72,8 +75,10 @@ std::string MlpConfig(const std::string& dir, int workers, int steps) {
   return absl::StrCat(R"(
     shards: 2
     mlp {
-      train_path: ")", dir, R"(/train.csv"
-      test_path: ")", dir, R"(/test.csv"
+      train_path: ")",
+                      dir, R"(/train.csv"
+      test_path: ")",
+                      dir, R"(/test.csv"
       features: 20
       classes: 4
       hidden: 48
@@ -87,15 +92,22 @@ std::string MlpConfig(const std::string& dir, int workers, int steps) {
     block_elems: 256
     partition_elems: 1024
     seed: 5
-    workers: )", workers, "\n    steps: ", steps, "\n");
+    workers: )",
+                      workers, "\n    steps: ", steps, "\n");
 }
 
 // The mixed jobs' common part: 2 workers and 2 shards on the synthetic
 // model (300007 elements, every 11th dead: v = 0, masked); `rest` adds the
 // optimizer, its settings and the steps, `synthetic` more workload fields.
-std::string MixedJob(const std::string& rest, const std::string& synthetic = "") {
-  return absl::StrCat("workers: 2\nshards: 2\nsynthetic { dim: 300007 noise: 0.3 dead_every: 11 ", synthetic,
-                      " }\nlr { lr: 0.01 }\nblock_elems: 256\npartition_elems: 65536\nseed: 3\n", rest);
+std::string MixedJob(const std::string& rest,
+                     const std::string& synthetic = "") {
+  return absl::StrCat(
+      "workers: 2\nshards: 2\nsynthetic { dim: 300007 noise: 0.3 dead_every: "
+      "11 ",
+      synthetic,
+      " }\nlr { lr: 0.01 }\nblock_elems: 256\npartition_elems: 65536\nseed: "
+      "3\n",
+      rest);
 }
 
 // Rank 0 on the GPU and rank 1 on the CPU, 2 shards: both workers and both
@@ -111,21 +123,25 @@ void ExpectMixedJobBitIdentical(const std::string& config) {
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
     ASSERT_EQ(got.size(), expected.worker[r].size()) << "worker " << r;
     for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.worker[r][t]) << (r == 0 ? "GPU" : "CPU") << " worker differs at step " << t;
+      ASSERT_EQ(got[t], expected.worker[r][t])
+          << (r == 0 ? "GPU" : "CPU") << " worker differs at step " << t;
     }
   }
   for (int s = 0; s < 2; ++s) {
-    const auto got = JsonField(ReadFile(cluster.state_log(s)), "mirror_checksum");
+    const auto got =
+        JsonField(ReadFile(cluster.state_log(s)), "mirror_checksum");
     ASSERT_EQ(got.size(), expected.shard[s].size());
     for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.shard[s][t]) << "shard " << s << " differs at step " << t;
+      ASSERT_EQ(got[t], expected.shard[s][t])
+          << "shard " << s << " differs at step " << t;
     }
   }
 }
 
 TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
   auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
   ExpectMixedJobBitIdentical(MixedJob(R"(
     optimizer: "onebit_adam"
     adam { eps: 1e-4 }
@@ -141,9 +157,12 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
 // every step clips.
 TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
   auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
-  const std::string clipped = "adam { eps: 1e-4 }\nclip_grad_norm: 0.5\nsteps: 20\n";
-  ExpectMixedJobBitIdentical(MixedJob(clipped + "optimizer: \"onebit_adam\"\nfreeze_step: 8\n"));
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
+  const std::string clipped =
+      "adam { eps: 1e-4 }\nclip_grad_norm: 0.5\nsteps: 20\n";
+  ExpectMixedJobBitIdentical(
+      MixedJob(clipped + "optimizer: \"onebit_adam\"\nfreeze_step: 8\n"));
   ExpectMixedJobBitIdentical(MixedJob(clipped + R"(
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 6 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
@@ -155,7 +174,8 @@ TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
 // growing intervals (the anchor, u and the learning-rate sum on the device).
 TEST(GpuTest, ZeroOneAdamOnTheGpuStaysBitIdenticalThroughEveryPhase) {
   auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
   ExpectMixedJobBitIdentical(MixedJob(R"(
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 12 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 4 }
@@ -168,22 +188,26 @@ TEST(GpuTest, ZeroOneAdamOnTheGpuStaysBitIdenticalThroughEveryPhase) {
 // that cross partitions and shards, the layer sums from the GPU's segments.
 TEST(GpuTest, OneBitLambOnTheGpuStaysBitIdenticalAcrossTheFreeze) {
   auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
   ExpectMixedJobBitIdentical(MixedJob(R"(
     optimizer: "onebit_lamb"
     adam { eps: 1e-4 weight_decay: 0.01 }
     freeze_step: 10
     steps: 30
-  )", "layer_elems: 70000"));
+  )",
+                                      "layer_elems: 70000"));
 }
 
 TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
   auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
   char pattern[] = "/tmp/morse-gpu-mlp-XXXXXX";
   const std::string dir = mkdtemp(pattern);
   WriteBlobs(dir, 500, 100, 20, 4, 1);
-  auto job = proto::ParseJobConfig(MlpConfig(dir, 1, 20), proto::ConfigFormat::kText);
+  auto job =
+      proto::ParseJobConfig(MlpConfig(dir, 1, 20), proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   // Two copies of the workload draw the same batches.
   auto cpu = worker::MakeWorkload(*job, 0);
@@ -195,9 +219,12 @@ TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
   compress::Replica replica(job->algorithm, {0, dim});
   (*cpu)->Initialize(replica.x());
   // Off the biases' exact zeros, so that the ReLUs see both signs.
-  for (size_t j = 0; j < dim; ++j) replica.x()[j] += 0.01f * std::sin(0.37f * j);
-  compress::ErrorFeedback error(job->algorithm.worker_feedback, dim, job->algorithm.layout.block_elems);
-  auto engine = worker::CreateEngine("cuda", {&job->algorithm, &*layout, &replica, &error});
+  for (size_t j = 0; j < dim; ++j)
+    replica.x()[j] += 0.01f * std::sin(0.37f * j);
+  compress::ErrorFeedback error(job->algorithm.worker_feedback, dim,
+                                job->algorithm.layout.block_elems);
+  auto engine = worker::CreateEngine(
+      "cuda", {&job->algorithm, &*layout, &replica, &error});
   ASSERT_TRUE(engine.ok()) << engine.status();
   std::vector<float> gpu_grad(dim), cpu_grad(dim);
   ASSERT_TRUE((*engine)->Load(replica, error).ok());
@@ -206,9 +233,11 @@ TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
     auto gpu_loss = (*engine)->Gradient(step);
     ASSERT_TRUE(gpu_loss.ok()) << gpu_loss.status();
     ASSERT_TRUE((*engine)->ReadGradient(absl::MakeSpan(gpu_grad)).ok());
-    auto cpu_loss = (*cpu)->Gradient(step, replica.x(), absl::MakeSpan(cpu_grad));
+    auto cpu_loss =
+        (*cpu)->Gradient(step, replica.x(), absl::MakeSpan(cpu_grad));
     ASSERT_TRUE(cpu_loss.ok());
-    EXPECT_NEAR(*gpu_loss, *cpu_loss, 1e-5 * std::fabs(*cpu_loss)) << "step " << step;
+    EXPECT_NEAR(*gpu_loss, *cpu_loss, 1e-5 * std::fabs(*cpu_loss))
+        << "step " << step;
     float largest = 0;
     for (float g : cpu_grad) largest = std::max(largest, std::fabs(g));
     ASSERT_GT(largest, 0.0f);
@@ -222,7 +251,8 @@ TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
 
 TEST(GpuTest, MixedMlpJobKeepsBothReplicasIdentical) {
   auto device = kernels::DeviceDescription();
-  if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
   char pattern[] = "/tmp/morse-gpu-mlp-XXXXXX";
   const std::string dir = mkdtemp(pattern);
   WriteBlobs(dir, 800, 200, 20, 4, 1);
@@ -262,7 +292,8 @@ TEST(DeviceFlagTest, AutoFallsBackAndCudaRefusesWithoutAGpu) {
     ASSERT_TRUE(cluster.WaitWorkers(absl::Seconds(60), &failure)) << failure;
     cluster.StopServers();
     const std::string log = ReadFile(cluster.worker_log(0));
-    EXPECT_NE(log.find(have_gpu ? "gradient on " : "training on the CPU ("), std::string::npos)
+    EXPECT_NE(log.find(have_gpu ? "gradient on " : "training on the CPU ("),
+              std::string::npos)
         << log;
     const auto used = JsonField(log, "device");
     ASSERT_FALSE(used.empty()) << log;
@@ -292,7 +323,8 @@ TEST(DeviceFlagTest, AutoFallsBackAndCudaRefusesWithoutAGpu) {
     std::string failure;
     ASSERT_FALSE(cluster.WaitWorkers(absl::Seconds(60), &failure));
     cluster.StopServers();
-    EXPECT_NE(failure.find("use auto, cpu or cuda"), std::string::npos) << failure;
+    EXPECT_NE(failure.find("use auto, cpu or cuda"), std::string::npos)
+        << failure;
   }
 }
 

@@ -34,7 +34,8 @@ size_t Lines(const std::string& path) {
 }
 
 // Waits up to `timeout` until the file at `path` has `lines` lines.
-bool WaitForLines(const std::string& path, size_t lines, absl::Duration timeout) {
+bool WaitForLines(const std::string& path, size_t lines,
+                  absl::Duration timeout) {
   const absl::Time deadline = absl::Now() + timeout;
   while (absl::Now() < deadline) {
     if (Lines(path) >= lines) return true;
@@ -75,7 +76,8 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
   cluster.StartWorkers(/*checksums=*/true);
   // Shard 1 dies in warmup (fp32 pushes), shard 0 in the compression phase.
   for (const auto& [shard, at] : {std::pair<int, size_t>{1, 14}, {0, 77}}) {
-    ASSERT_TRUE(WaitForSteps(cluster, shard, at)) << "shard " << shard << " never reached step " << at;
+    ASSERT_TRUE(WaitForSteps(cluster, shard, at))
+        << "shard " << shard << " never reached step " << at;
     cluster.KillServer(shard);
     absl::SleepFor(absl::Seconds(1));
     cluster.RestartServer(shard, /*state_logs=*/true);
@@ -87,10 +89,13 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
     ASSERT_EQ(got.size(), expected.model.size()) << "worker " << r;
     for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.model[t]) << "worker " << r << " differs at step " << t;
+      ASSERT_EQ(got[t], expected.model[t])
+          << "worker " << r << " differs at step " << t;
     }
     const std::string log = ReadFile(cluster.worker_log(r));
-    EXPECT_NE(log.find("restarted from its checkpoint at step"), std::string::npos) << log;
+    EXPECT_NE(log.find("restarted from its checkpoint at step"),
+              std::string::npos)
+        << log;
   }
   // Each shard's state log has a line per completed step, and the replayed
   // steps again. While a shard replays, each partition catches up on its
@@ -113,18 +118,26 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
       int64_t step = -1;
       ASSERT_TRUE(absl::SimpleAtoi(steps[i], &step));
       ASSERT_LT(step, static_cast<int64_t>(expected.shard[s].size()));
-      if (step <= previous) replay_end = previous + 1;  // the restarted process's first line
+      if (step <= previous)
+        replay_end = previous + 1;  // the restarted process's first line
       const bool replaying = step <= replay_end;
       previous = step;
       const bool equal = sums[i] == expected.shard[s][step];
       matched[step] = matched[step] || equal;
-      if (!replaying) EXPECT_TRUE(equal) << "shard " << s << " step " << step << " (line " << i << ")";
+      if (!replaying)
+        EXPECT_TRUE(equal) << "shard " << s << " step " << step << " (line "
+                           << i << ")";
     }
-    EXPECT_EQ(sums.back(), expected.shard[s].back()) << "shard " << s << "'s final mirror";
-    EXPECT_EQ(matched.size(), expected.shard[s].size()) << "shard " << s << " missed steps";
+    EXPECT_EQ(sums.back(), expected.shard[s].back())
+        << "shard " << s << "'s final mirror";
+    EXPECT_EQ(matched.size(), expected.shard[s].size())
+        << "shard " << s << " missed steps";
   }
-  std::printf("%zu steps, both shards killed and restarted: workers and mirrors identical to the "
-              "simulator\n", expected.model.size());
+  std::printf(
+      "%zu steps, both shards killed and restarted: workers and mirrors "
+      "identical to the "
+      "simulator\n",
+      expected.model.size());
 }
 
 // Worker loss is a pause too (DESIGN 4, issue 14): each worker killed with
@@ -137,7 +150,8 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
 // so are the shards' mirrors. `config` has 2 workers, 2 shards and
 // checkpoints; rank 1 dies at a step in [first, first + 6), rank 0 in
 // [second, second + 16).
-void ExpectEveryWorkerSurvivesAKill(const std::string& config, int first, int second) {
+void ExpectEveryWorkerSurvivesAKill(const std::string& config, int first,
+                                    int second) {
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const testing::Expected expected = testing::Simulate(*job);
@@ -148,25 +162,31 @@ void ExpectEveryWorkerSurvivesAKill(const std::string& config, int first, int se
   std::mt19937 random(std::random_device{}());
   const int first_at = first + static_cast<int>(random() % 6);
   const int second_at = second + static_cast<int>(random() % 16);
-  for (const auto& [rank, at] : {std::pair<int, int>{1, first_at}, {0, second_at}}) {
+  for (const auto& [rank, at] :
+       {std::pair<int, int>{1, first_at}, {0, second_at}}) {
     // The worker's metrics file has a line per step it completed.
-    ASSERT_TRUE(WaitForLines(cluster.worker_metrics(rank), at, absl::Seconds(60)))
-        << "worker " << rank << ":\n" << ReadFile(cluster.worker_log(rank)) << "restarted worker 1:\n"
-        << ReadFile(cluster.restarted_worker_log(1, 1)) << "server 0:\n" << ReadFile(cluster.server_log(0));
+    ASSERT_TRUE(
+        WaitForLines(cluster.worker_metrics(rank), at, absl::Seconds(60)))
+        << "worker " << rank << ":\n"
+        << ReadFile(cluster.worker_log(rank)) << "restarted worker 1:\n"
+        << ReadFile(cluster.restarted_worker_log(1, 1)) << "server 0:\n"
+        << ReadFile(cluster.server_log(0));
     cluster.KillWorker(rank);
     absl::SleepFor(absl::Seconds(1));
     cluster.RestartWorker(rank, /*checksums=*/true);
   }
   std::string failure;
   ASSERT_TRUE(cluster.WaitWorkers(absl::Seconds(180), &failure))
-      << failure << ReadFile(cluster.restarted_worker_log(0, 1)) << ReadFile(cluster.restarted_worker_log(1, 1));
+      << failure << ReadFile(cluster.restarted_worker_log(0, 1))
+      << ReadFile(cluster.restarted_worker_log(1, 1));
   cluster.StopServers();
   for (int r = 0; r < 2; ++r) {
     // The killed process's lines, then the restarted one's (from its
     // checkpoint's step): every line equal to the simulator at its step,
     // and every step covered.
     std::vector<bool> seen(expected.worker[r].size(), false);
-    for (const std::string& path : {cluster.worker_metrics(r), cluster.restarted_worker_metrics(r, 1)}) {
+    for (const std::string& path :
+         {cluster.worker_metrics(r), cluster.restarted_worker_metrics(r, 1)}) {
       const std::string text = ReadFile(path);
       const auto steps = JsonField(text, "step");
       const auto sums = JsonField(text, "checksum");
@@ -175,21 +195,29 @@ void ExpectEveryWorkerSurvivesAKill(const std::string& config, int first, int se
         int64_t step = -1;
         ASSERT_TRUE(absl::SimpleAtoi(steps[i], &step));
         ASSERT_LT(step, static_cast<int64_t>(expected.worker[r].size()));
-        EXPECT_EQ(sums[i], expected.worker[r][step]) << path << " step " << step;
+        EXPECT_EQ(sums[i], expected.worker[r][step])
+            << path << " step " << step;
         seen[step] = true;
       }
     }
-    EXPECT_EQ(std::count(seen.begin(), seen.end(), false), 0) << "worker " << r << " missed steps";
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), false), 0)
+        << "worker " << r << " missed steps";
     const std::string log = ReadFile(cluster.restarted_worker_log(r, 1));
-    EXPECT_NE(log.find(absl::StrCat("from ", cluster.dir(), "/worker-", r, ".ckpt")), std::string::npos) << log;
+    EXPECT_NE(
+        log.find(absl::StrCat("from ", cluster.dir(), "/worker-", r, ".ckpt")),
+        std::string::npos)
+        << log;
     EXPECT_EQ(log.find("from zero"), std::string::npos) << log;
   }
   for (uint32_t s = 0; s < 2; ++s) {
-    ASSERT_NO_FATAL_FAILURE(testing::ExpectStateLogMatches(ReadFile(cluster.state_log(s)), expected, s));
+    ASSERT_NO_FATAL_FAILURE(testing::ExpectStateLogMatches(
+        ReadFile(cluster.state_log(s)), expected, s));
   }
-  std::printf("%zu steps, worker 1 killed at step %d and worker 0 at step %d, both restarted: every "
-              "step identical to the simulator\n",
-              expected.worker[0].size(), first_at, second_at);
+  std::printf(
+      "%zu steps, worker 1 killed at step %d and worker 0 at step %d, both "
+      "restarted: every "
+      "step identical to the simulator\n",
+      expected.worker[0].size(), first_at, second_at);
 }
 
 constexpr char kWorkerKillJob[] = R"(
@@ -212,7 +240,8 @@ TEST(RecoveryTest, EveryWorkerKilledAndRestartedTheRunStaysIdentical) {
     optimizer: "onebit_adam"
     freeze_step: 20
     steps: 140
-  )"), 13, 63);
+  )"),
+                                 13, 63);
 }
 
 // 0/1 Adam: killed in its variance phase and among local steps and syncs
@@ -223,7 +252,8 @@ TEST(RecoveryTest, ZeroOneAdamWorkersKilledAndRestartedStayIdentical) {
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 12 var_update_scaler: 4 local_step_scaler: 8 local_step_clipper: 4 }
     steps: 120
-  )"), 12, 40);
+  )"),
+                                 12, 40);
 }
 
 // 1-bit LAMB: its fresh variance, layer state and the commit the next
@@ -234,7 +264,8 @@ TEST(RecoveryTest, OneBitLambWorkersKilledAndRestartedStayIdentical) {
     optimizer: "onebit_lamb"
     freeze_step: 20
     steps: 120
-  )"), 13, 50);
+  )"),
+                                 13, 50);
 }
 
 // A worker stalled (SIGSTOP) for longer than the step timeout and its
@@ -272,11 +303,14 @@ TEST(RecoveryTest, AWorkerStalledPastTheStepTimeoutDoesNotEndTheJob) {
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
     ASSERT_EQ(got.size(), expected.model.size()) << "worker " << r;
     for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.model[t]) << "worker " << r << " differs at step " << t;
+      ASSERT_EQ(got[t], expected.model[t])
+          << "worker " << r << " differs at step " << t;
     }
   }
   const std::string server = ReadFile(cluster.server_log(0));
-  EXPECT_NE(server.find("for rank(s) 1; it fails after 60 s"), std::string::npos) << server;
+  EXPECT_NE(server.find("for rank(s) 1; it fails after 60 s"),
+            std::string::npos)
+      << server;
 }
 
 }  // namespace

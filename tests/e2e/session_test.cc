@@ -27,13 +27,16 @@ TEST(SessionTest, AFailedStepIsNotRetried) {
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   testing::Cluster cluster(config, 1, 0);
   cluster.StartServers(false);
-  auto session = worker::Session::Connect(job, 0, {cluster.server_address(0)}, proto::Insecure());
+  auto session = worker::Session::Connect(job, 0, {cluster.server_address(0)},
+                                          proto::Insecure());
   ASSERT_TRUE(session.ok()) << session.status();
   ASSERT_TRUE((*session)->Start(false).ok());
   std::vector<float> grad(1000, 0.5f);
   const absl::Status first = (*session)->Step(grad);
   EXPECT_EQ(first.code(), absl::StatusCode::kDeadlineExceeded) << first;
-  EXPECT_NE(first.message().find("rank(s) 1 did not push"), absl::string_view::npos) << first;
+  EXPECT_NE(first.message().find("rank(s) 1 did not push"),
+            absl::string_view::npos)
+      << first;
   const absl::Status again = (*session)->Step(grad);
   EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
   EXPECT_NE(again.message().find("--resume"), absl::string_view::npos) << again;

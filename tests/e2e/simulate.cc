@@ -9,7 +9,8 @@ namespace morse::testing {
 
 Expected Simulate(const proto::JobSpec& job) {
   const uint64_t dim = job.algorithm.layout.dim;
-  auto sim = compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
+  auto sim =
+      compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
   EXPECT_TRUE(sim.ok()) << sim.status();
   std::vector<worker::SyntheticWorkload> workloads;
   for (uint32_t r = 0; r < job.workers(); ++r) workloads.emplace_back(job, r);
@@ -20,22 +21,27 @@ Expected Simulate(const proto::JobSpec& job) {
   const auto hex = [](uint64_t v) { return absl::StrFormat("%016x", v); };
   for (int64_t step = 0; step < job.steps; ++step) {
     for (uint32_t r = 0; r < job.workers(); ++r) {
-      EXPECT_TRUE(workloads[r].Gradient(step, sim->worker_x(r), absl::MakeSpan(grads[r])).ok());
+      EXPECT_TRUE(
+          workloads[r]
+              .Gradient(step, sim->worker_x(r), absl::MakeSpan(grads[r]))
+              .ok());
     }
     std::vector<absl::Span<const float>> views(grads.begin(), grads.end());
     EXPECT_TRUE(sim->Step(views).ok());
-    expected.model.push_back(hex(compress::StateChecksum({sim->x(), sim->m(), sim->v()})));
+    expected.model.push_back(
+        hex(compress::StateChecksum({sim->x(), sim->m(), sim->v()})));
     for (uint32_t r = 0; r < job.workers(); ++r) {
-      expected.worker[r].push_back(
-          hex(compress::StateChecksum({sim->worker_x(r), sim->worker_m(r), sim->v()})));
+      expected.worker[r].push_back(hex(compress::StateChecksum(
+          {sim->worker_x(r), sim->worker_m(r), sim->v()})));
     }
     if (!compress::PlanStep(job.algorithm, step).exchanges) continue;
     expected.exchanged_steps.push_back(step);
     for (uint32_t s = 0; s < job.shards(); ++s) {
       const compress::Range r = sim->layout().shard_range(s);
-      expected.shard[s].push_back(hex(compress::StateChecksum(
-          {sim->x().subspan(r.begin, r.size()), sim->m().subspan(r.begin, r.size()),
-           sim->v().subspan(r.begin, r.size())})));
+      expected.shard[s].push_back(
+          hex(compress::StateChecksum({sim->x().subspan(r.begin, r.size()),
+                                       sim->m().subspan(r.begin, r.size()),
+                                       sim->v().subspan(r.begin, r.size())})));
     }
   }
   return expected;

@@ -19,9 +19,9 @@ namespace morse {
 namespace {
 
 using testing::Cluster;
+using testing::Expected;
 using testing::JsonField;
 using testing::ReadFile;
-using testing::Expected;
 using testing::Simulate;
 
 // The CPU kernel table (MORSE_SIMD) each shard and each worker is forced to;
@@ -63,11 +63,13 @@ void ExpectBitIdentical(const std::string& config,
     const auto got = JsonField(ReadFile(cluster.worker_metrics(r)), "checksum");
     ASSERT_EQ(got.size(), expected.worker[r].size()) << "worker " << r;
     for (size_t t = 0; t < got.size(); ++t) {
-      ASSERT_EQ(got[t], expected.worker[r][t]) << "worker " << r << " differs at step " << t;
+      ASSERT_EQ(got[t], expected.worker[r][t])
+          << "worker " << r << " differs at step " << t;
     }
   }
   for (uint32_t s = 0; s < job->shards(); ++s) {
-    ASSERT_NO_FATAL_FAILURE(testing::ExpectStateLogMatches(ReadFile(cluster.state_log(s)), expected, s));
+    ASSERT_NO_FATAL_FAILURE(testing::ExpectStateLogMatches(
+        ReadFile(cluster.state_log(s)), expected, s));
   }
   // The forced tables did run (the summary's "kernels", the server's first
   // line).
@@ -82,9 +84,12 @@ void ExpectBitIdentical(const std::string& config,
               std::string::npos)
         << "shard " << s << ": " << log.substr(0, 2000);
   }
-  std::printf("%zu steps (%zu exchanged): %u workers and %u server mirrors bit-identical to the "
-              "simulator\n",
-              expected.model.size(), expected.exchanged_steps.size(), job->workers(), job->shards());
+  std::printf(
+      "%zu steps (%zu exchanged): %u workers and %u server mirrors "
+      "bit-identical to the "
+      "simulator\n",
+      expected.model.size(), expected.exchanged_steps.size(), job->workers(),
+      job->shards());
 }
 
 // D = 20011: 79 blocks of 256 -> shards of 40 and 39 blocks, 3 partitions of
@@ -120,14 +125,16 @@ TEST(TrainingTest, ComputePoolsOfOneTwoOrEightThreadsMatchTheSimulator) {
     ExpectBitIdentical(config + R"(
       optimizer: "onebit_adam"
       freeze_step: 5
-    )", {"--compute_threads", threads});
+    )",
+                       {"--compute_threads", threads});
   }
 }
 
 // Dead elements (v = 0 at the freeze): the zero-variance mask and bias
 // correction (both on by default) on workers, mirrors and recompression; and
 // both off, DeepSpeed's OnebitAdam.
-TEST(TrainingTest, OneBitAdamWithDeadUnitsMatchesTheSimulatorWithAndWithoutItsOptions) {
+TEST(TrainingTest,
+     OneBitAdamWithDeadUnitsMatchesTheSimulatorWithAndWithoutItsOptions) {
   std::string config(kCommon);
   config.replace(config.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 }");
   ExpectBitIdentical(config + R"(
@@ -156,7 +163,8 @@ TEST(TrainingTest, ZeroOneAdamAcrossEveryPhaseMatchesTheSimulator) {
     zero_one_adam { var_freeze_step: 8 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
   )";
   ExpectBitIdentical(config + "adam { weight_decay: 0.01 }\n");
-  ExpectBitIdentical(config + "adam { bias_correction: false }\nclip_grad_norm: 0.5\n");
+  ExpectBitIdentical(config +
+                     "adam { bias_correction: false }\nclip_grad_norm: 0.5\n");
 }
 
 // 1-bit LAMB (docs/design.md 2.8) across the freeze: layers of 3000
@@ -166,7 +174,8 @@ TEST(TrainingTest, ZeroOneAdamAcrossEveryPhaseMatchesTheSimulator) {
 // and with other coefficient bounds.
 TEST(TrainingTest, OneBitLambAcrossTheFreezeMatchesTheSimulator) {
   std::string config(kCommon);
-  config.replace(config.find("noise: 0.2 }"), 12, "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
+  config.replace(config.find("noise: 0.2 }"), 12,
+                 "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
   config += R"(
     optimizer: "onebit_lamb"
     freeze_step: 5
@@ -174,8 +183,10 @@ TEST(TrainingTest, OneBitLambAcrossTheFreezeMatchesTheSimulator) {
   // The layers matter: one layer of the whole model trains differently.
   std::string one_layer = config;
   one_layer.replace(one_layer.find(" layer_elems: 3000"), 18, "");
-  const auto layered = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
-  const auto whole = proto::ParseJobConfig(one_layer, proto::ConfigFormat::kText);
+  const auto layered =
+      proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  const auto whole =
+      proto::ParseJobConfig(one_layer, proto::ConfigFormat::kText);
   ASSERT_TRUE(layered.ok() && whole.ok()) << layered.status() << whole.status();
   ASSERT_EQ(layered->algorithm.layers.size(), 7u);
   EXPECT_NE(Simulate(*layered).model.back(), Simulate(*whole).model.back());
@@ -215,10 +226,13 @@ TEST(TrainingTest, ClippingMatchesTheSimulator) {
   )";
   for (const std::string& config : {onebit, loco}) {
     const std::string clipped = config + "clip_grad_norm: 0.5\n";
-    const auto with = proto::ParseJobConfig(clipped, proto::ConfigFormat::kText);
-    const auto without = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+    const auto with =
+        proto::ParseJobConfig(clipped, proto::ConfigFormat::kText);
+    const auto without =
+        proto::ParseJobConfig(config, proto::ConfigFormat::kText);
     ASSERT_TRUE(with.ok() && without.ok()) << with.status();
-    EXPECT_NE(Simulate(*with).model.back(), Simulate(*without).model.back());  // it clips
+    EXPECT_NE(Simulate(*with).model.back(),
+              Simulate(*without).model.back());  // it clips
     ExpectBitIdentical(clipped);
   }
 }

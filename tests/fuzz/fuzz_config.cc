@@ -13,6 +13,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)morse::proto::ParseJobConfigProto(text);
   // Overrides are merged over a base: arbitrary bytes on either side.
   const size_t half = size / 2;
-  (void)morse::proto::ParseJobConfigWithOverrides(text.substr(0, half), text.substr(half));
+  (void)morse::proto::ParseJobConfigWithOverrides(text.substr(0, half),
+                                                  text.substr(half));
   return 0;
 }

@@ -31,12 +31,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   spec.topk_ratio = 0.1;
   spec.rounding = (data[2] & 4) ? morse::compress::Rounding::kStochastic
                                 : morse::compress::Rounding::kNearestEven;
-  spec.scale = (data[2] & 8) ? morse::compress::ScaleKind::kL1 : morse::compress::ScaleKind::kL2;
+  spec.scale = (data[2] & 8) ? morse::compress::ScaleKind::kL1
+                             : morse::compress::ScaleKind::kL2;
   const absl::Span<const uint8_t> payload(data + 3, size - 3);
   const bool valid = morse::compress::ValidatePayload(spec, payload, n).ok();
 
   std::vector<float> out(n, 7.0f);
-  const bool decoded = morse::compress::Decode(spec, payload, absl::MakeSpan(out)).ok();
+  const bool decoded =
+      morse::compress::Decode(spec, payload, absl::MakeSpan(out)).ok();
   Require(decoded == valid);
   if (!decoded) {
     for (float f : out) Require(f == 7.0f);  // refused: untouched
@@ -44,13 +46,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   std::vector<float> average(n, 7.0f);
   const std::vector<absl::Span<const uint8_t>> two = {payload, payload};
-  const bool averaged = morse::compress::DecodeAverage(spec, two, absl::MakeSpan(average)).ok();
+  const bool averaged =
+      morse::compress::DecodeAverage(spec, two, absl::MakeSpan(average)).ok();
   Require(averaged == valid);
   if (averaged) {
     // The average of two equal payloads is the payload, bit for bit, where
     // doubling does not overflow.
     for (size_t j = 0; j < n; ++j) {
-      if (std::abs(out[j]) < 1e30f) Require(std::memcmp(&average[j], &out[j], 4) == 0 || out[j] == 0.0f);
+      if (std::abs(out[j]) < 1e30f)
+        Require(std::memcmp(&average[j], &out[j], 4) == 0 || out[j] == 0.0f);
     }
   } else {
     for (float f : average) Require(f == 7.0f);

@@ -44,52 +44,72 @@ struct InProcessCluster::Shard {
 class InProcessCluster::ClusterTransport final : public worker::Transport {
  public:
   explicit ClusterTransport(InProcessCluster* cluster) : cluster_(cluster) {
-    for (uint32_t s = 0; s < cluster->job_.shards(); ++s) addresses_.push_back(absl::StrCat("inproc:", s));
+    for (uint32_t s = 0; s < cluster->job_.shards(); ++s)
+      addresses_.push_back(absl::StrCat("inproc:", s));
   }
 
-  uint32_t shards() const override { return static_cast<uint32_t>(addresses_.size()); }
-  const std::string& address(uint32_t shard) const override { return addresses_[shard]; }
+  uint32_t shards() const override {
+    return static_cast<uint32_t>(addresses_.size());
+  }
+  const std::string& address(uint32_t shard) const override {
+    return addresses_[shard];
+  }
 
-  void Join(uint32_t shard, const v1::JoinRequest& request, v1::JoinReply* reply,
-            const worker::CallOptions& options, Done done) override {
-    Sync(shard, options, std::move(done), [&request, reply](server::ShardHandler& h) {
-      return h.Join(request, reply);
-    });
-  }
-  void InitPartition(uint32_t shard, const v1::InitPartitionRequest& request, v1::InitPartitionReply* reply,
-                     const worker::CallOptions& options, Done done) override {
-    Sync(shard, options, std::move(done), [&request, reply](server::ShardHandler& h) {
-      return h.InitPartition(request, reply);
-    });
-  }
-  void FetchPartition(uint32_t shard, const v1::FetchPartitionRequest& request, v1::PartitionState* reply,
-                      const worker::CallOptions& options, Done done) override {
-    Sync(shard, options, std::move(done), [&request, reply](server::ShardHandler& h) {
-      return h.FetchPartition(request, reply);
-    });
-  }
-  void RestorePartition(uint32_t shard, const v1::PartitionState& request, v1::RestorePartitionReply*,
-                        const worker::CallOptions& options, Done done) override {
+  void Join(uint32_t shard, const v1::JoinRequest& request,
+            v1::JoinReply* reply, const worker::CallOptions& options,
+            Done done) override {
     Sync(shard, options, std::move(done),
-         [&request](server::ShardHandler& h) { return h.RestorePartition(request); });
+         [&request, reply](server::ShardHandler& h) {
+           return h.Join(request, reply);
+         });
+  }
+  void InitPartition(uint32_t shard, const v1::InitPartitionRequest& request,
+                     v1::InitPartitionReply* reply,
+                     const worker::CallOptions& options, Done done) override {
+    Sync(shard, options, std::move(done),
+         [&request, reply](server::ShardHandler& h) {
+           return h.InitPartition(request, reply);
+         });
+  }
+  void FetchPartition(uint32_t shard, const v1::FetchPartitionRequest& request,
+                      v1::PartitionState* reply,
+                      const worker::CallOptions& options, Done done) override {
+    Sync(shard, options, std::move(done),
+         [&request, reply](server::ShardHandler& h) {
+           return h.FetchPartition(request, reply);
+         });
+  }
+  void RestorePartition(uint32_t shard, const v1::PartitionState& request,
+                        v1::RestorePartitionReply*,
+                        const worker::CallOptions& options,
+                        Done done) override {
+    Sync(shard, options, std::move(done), [&request](server::ShardHandler& h) {
+      return h.RestorePartition(request);
+    });
   }
   void Abort(uint32_t shard, const v1::AbortRequest& request, v1::AbortReply*,
              const worker::CallOptions& options, Done done) override {
-    Sync(shard, options, std::move(done), [&request](server::ShardHandler& h) { return h.Abort(request); });
+    Sync(shard, options, std::move(done),
+         [&request](server::ShardHandler& h) { return h.Abort(request); });
   }
-  void Commit(uint32_t shard, const v1::CommitRequest& request, v1::CommitReply*,
-              const worker::CallOptions& options, Done done) override {
-    Sync(shard, options, std::move(done), [&request](server::ShardHandler& h) { return h.Commit(request); });
+  void Commit(uint32_t shard, const v1::CommitRequest& request,
+              v1::CommitReply*, const worker::CallOptions& options,
+              Done done) override {
+    Sync(shard, options, std::move(done),
+         [&request](server::ShardHandler& h) { return h.Commit(request); });
   }
-  void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request, v1::ShardInfo* reply,
-                    const worker::CallOptions& options, Done done) override {
-    Sync(shard, options, std::move(done), [&request, reply](server::ShardHandler& h) {
-      return h.GetShardInfo(request, reply);
-    });
+  void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request,
+                    v1::ShardInfo* reply, const worker::CallOptions& options,
+                    Done done) override {
+    Sync(shard, options, std::move(done),
+         [&request, reply](server::ShardHandler& h) {
+           return h.GetShardInfo(request, reply);
+         });
   }
 
-  void Push(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
-            const worker::CallOptions& options, Done done) override {
+  void Push(uint32_t shard, const v1::PushRequest& request,
+            v1::PushReply* reply, const worker::CallOptions& options,
+            Done done) override {
     std::shared_ptr<Shard> target = cluster_->Get(shard);
     if (target == nullptr) return Deliver(std::move(done), Refused(shard));
     auto pending = std::make_shared<PendingPush>();
@@ -98,18 +118,23 @@ class InProcessCluster::ClusterTransport final : public worker::Transport {
     {
       MutexLock lock(&target->mu);
       if (target->pending.size() >= 64) {
-        std::erase_if(target->pending, [](const auto& weak) { return weak.expired(); });
+        std::erase_if(target->pending,
+                      [](const auto& weak) { return weak.expired(); });
       }
       target->pending.push_back(pending);
     }
     InProcessCluster* cluster = cluster_;
-    cluster->timer_.After(absl::Seconds(options.timeout_seconds), [cluster, pending] {
-      cluster->Finish(pending, absl::DeadlineExceededError("Deadline Exceeded"));
-    });
+    cluster->timer_.After(
+        absl::Seconds(options.timeout_seconds), [cluster, pending] {
+          cluster->Finish(pending,
+                          absl::DeadlineExceededError("Deadline Exceeded"));
+        });
     v1::PushRequest copy = request;  // the shard's own, as off a socket
-    target->handler->Push(copy, [cluster, pending](absl::StatusOr<std::shared_ptr<const server::Reply>> result) {
-      cluster->Finish(pending, std::move(result));
-    });
+    target->handler->Push(
+        copy, [cluster, pending](
+                  absl::StatusOr<std::shared_ptr<const server::Reply>> result) {
+          cluster->Finish(pending, std::move(result));
+        });
   }
 
  private:
@@ -117,21 +142,25 @@ class InProcessCluster::ClusterTransport final : public worker::Transport {
   // killed shard refuses, or with wait_for_ready is tried again until the
   // deadline.
   template <typename Call>
-  void Sync(uint32_t shard, const worker::CallOptions& options, Done done, Call call,
-            absl::Time deadline = absl::InfiniteFuture()) {
-    if (deadline == absl::InfiniteFuture()) deadline = absl::Now() + absl::Seconds(options.timeout_seconds);
+  void Sync(uint32_t shard, const worker::CallOptions& options, Done done,
+            Call call, absl::Time deadline = absl::InfiniteFuture()) {
+    if (deadline == absl::InfiniteFuture())
+      deadline = absl::Now() + absl::Seconds(options.timeout_seconds);
     std::shared_ptr<Shard> target = cluster_->Get(shard);
     if (target == nullptr) {
       const absl::Duration poll = absl::Milliseconds(20);
       if (options.wait_for_ready && absl::Now() + poll < deadline) {
-        cluster_->timer_.After(poll, [this, shard, options, done = std::move(done), call, deadline]() mutable {
-          Sync(shard, options, std::move(done), call, deadline);
-        });
+        cluster_->timer_.After(
+            poll, [this, shard, options, done = std::move(done), call,
+                   deadline]() mutable {
+              Sync(shard, options, std::move(done), call, deadline);
+            });
         return;
       }
-      return Deliver(std::move(done), options.wait_for_ready
-                                          ? absl::DeadlineExceededError("Deadline Exceeded")
-                                          : Refused(shard));
+      return Deliver(std::move(done),
+                     options.wait_for_ready
+                         ? absl::DeadlineExceededError("Deadline Exceeded")
+                         : Refused(shard));
     }
     absl::Status status = call(*target->handler);
     target.reset();
@@ -139,20 +168,24 @@ class InProcessCluster::ClusterTransport final : public worker::Transport {
   }
 
   absl::Status Refused(uint32_t shard) const {
-    return absl::UnavailableError(absl::StrCat(addresses_[shard], ": connection refused (the shard is down)"));
+    return absl::UnavailableError(absl::StrCat(
+        addresses_[shard], ": connection refused (the shard is down)"));
   }
 
   void Deliver(Done done, absl::Status status) {
     cluster_->delivery_.Schedule(
-        [done = std::move(done), status = std::move(status)]() mutable { done(std::move(status)); });
+        [done = std::move(done), status = std::move(status)]() mutable {
+          done(std::move(status));
+        });
   }
 
   InProcessCluster* cluster_;
   std::vector<std::string> addresses_;
 };
 
-void InProcessCluster::Finish(const std::shared_ptr<PendingPush>& pending,
-                              absl::StatusOr<std::shared_ptr<const server::Reply>> result) {
+void InProcessCluster::Finish(
+    const std::shared_ptr<PendingPush>& pending,
+    absl::StatusOr<std::shared_ptr<const server::Reply>> result) {
   delivery_.Schedule([pending, result = std::move(result)]() mutable {
     if (!pending->Claim()) return;
     if (result.ok()) server::ShardHandler::ToMessage(**result, pending->reply);
@@ -161,10 +194,13 @@ void InProcessCluster::Finish(const std::shared_ptr<PendingPush>& pending,
   });
 }
 
-absl::StatusOr<std::unique_ptr<InProcessCluster>> InProcessCluster::Create(const proto::JobSpec& job,
-                                                                           Options options) {
-  if (!job.sized()) return absl::InvalidArgumentError("the in-process cluster needs a sized job");
-  std::unique_ptr<InProcessCluster> cluster(new InProcessCluster(job, std::move(options)));
+absl::StatusOr<std::unique_ptr<InProcessCluster>> InProcessCluster::Create(
+    const proto::JobSpec& job, Options options) {
+  if (!job.sized())
+    return absl::InvalidArgumentError(
+        "the in-process cluster needs a sized job");
+  std::unique_ptr<InProcessCluster> cluster(
+      new InProcessCluster(job, std::move(options)));
   for (uint32_t s = 0; s < job.shards(); ++s) {
     auto shard = cluster->Start(s);
     if (!shard.ok()) return shard.status();
@@ -176,7 +212,10 @@ absl::StatusOr<std::unique_ptr<InProcessCluster>> InProcessCluster::Create(const
 }
 
 InProcessCluster::InProcessCluster(const proto::JobSpec& job, Options options)
-    : job_(job), options_(std::move(options)), shards_(job.shards()), delivery_(std::max(1, options_.delivery_threads)) {}
+    : job_(job),
+      options_(std::move(options)),
+      shards_(job.shards()),
+      delivery_(std::max(1, options_.delivery_threads)) {}
 
 InProcessCluster::~InProcessCluster() {
   stopping_ = true;
@@ -184,12 +223,14 @@ InProcessCluster::~InProcessCluster() {
   for (uint32_t s = 0; s < job_.shards(); ++s) Kill(s);
 }
 
-absl::StatusOr<std::shared_ptr<InProcessCluster::Shard>> InProcessCluster::Start(uint32_t s) {
+absl::StatusOr<std::shared_ptr<InProcessCluster::Shard>>
+InProcessCluster::Start(uint32_t s) {
   auto shard = std::make_shared<Shard>();
   server::ShardRuntime::Options runtime;
   runtime.shard = s;
   if (!options_.checkpoint_dir.empty()) {
-    runtime.checkpoint_path = absl::StrCat(options_.checkpoint_dir, "/shard-", s, ".ckpt");
+    runtime.checkpoint_path =
+        absl::StrCat(options_.checkpoint_dir, "/shard-", s, ".ckpt");
   }
   runtime.log = [this](const std::string& line) {
     MutexLock lock(&mu_);
@@ -198,7 +239,10 @@ absl::StatusOr<std::shared_ptr<InProcessCluster::Shard>> InProcessCluster::Start
   shard->runtime = std::make_unique<server::ShardRuntime>(std::move(runtime));
   server::ShardRuntime* r = shard->runtime.get();
   auto host = server::ShardHost::Create(
-      job_, s, [r](const proto::JobSpec& job, server::ShardCore& core) { return r->OnConfigured(job, core); },
+      job_, s,
+      [r](const proto::JobSpec& job, server::ShardCore& core) {
+        return r->OnConfigured(job, core);
+      },
       0, options_.compute_threads);
   if (!host.ok()) return host.status();
   shard->host = *std::move(host);
@@ -210,7 +254,8 @@ std::unique_ptr<worker::Transport> InProcessCluster::Connect() {
   return std::make_unique<ClusterTransport>(this);
 }
 
-std::shared_ptr<InProcessCluster::Shard> InProcessCluster::Get(uint32_t shard) const {
+std::shared_ptr<InProcessCluster::Shard> InProcessCluster::Get(
+    uint32_t shard) const {
   MutexLock lock(&mu_);
   return shards_[shard];
 }
@@ -230,7 +275,8 @@ void InProcessCluster::Kill(uint32_t shard) {
   }
   for (const auto& weak : pending) {
     if (auto p = weak.lock()) {
-      Finish(p, absl::UnavailableError(absl::StrCat("inproc:", shard, ": connection reset (the shard died)")));
+      Finish(p, absl::UnavailableError(absl::StrCat(
+                    "inproc:", shard, ": connection reset (the shard died)")));
     }
   }
   // Calls inside it (on other threads) return soon; the last reference
@@ -241,7 +287,8 @@ void InProcessCluster::Kill(uint32_t shard) {
 
 absl::Status InProcessCluster::Restart(uint32_t shard) {
   if (Get(shard) != nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " is running"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", shard, " is running"));
   }
   auto started = Start(shard);
   if (!started.ok()) return started.status();
@@ -253,7 +300,8 @@ absl::Status InProcessCluster::Restart(uint32_t shard) {
 absl::StatusOr<uint64_t> InProcessCluster::MirrorChecksum(uint32_t shard) {
   std::shared_ptr<Shard> s = Get(shard);
   if (s == nullptr || s->host->core() == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " is down"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", shard, " is down"));
   }
   return s->host->core()->MirrorChecksum();
 }
@@ -261,7 +309,8 @@ absl::StatusOr<uint64_t> InProcessCluster::MirrorChecksum(uint32_t shard) {
 absl::StatusOr<int64_t> InProcessCluster::CompletedSteps(uint32_t shard) {
   std::shared_ptr<Shard> s = Get(shard);
   if (s == nullptr || s->host->core() == nullptr) {
-    return absl::FailedPreconditionError(absl::StrCat("shard ", shard, " is down"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("shard ", shard, " is down"));
   }
   return s->host->core()->Status().completed_steps;
 }
@@ -276,7 +325,8 @@ void InProcessCluster::Tick() {
     for (uint32_t s = 0; s < job_.shards(); ++s) {
       std::shared_ptr<Shard> shard = Get(s);
       if (shard == nullptr) continue;
-      if (server::ShardCore* core = shard->host->core()) shard->runtime->Tick(*core, absl::Now());
+      if (server::ShardCore* core = shard->host->core())
+        shard->runtime->Tick(*core, absl::Now());
     }
     absl::SleepFor(absl::Milliseconds(50));
   }

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "compress/sync.h"
 #include "compress/compute_pool.h"
+#include "compress/sync.h"
 #include "proto/job_config.h"
 #include "server/handler.h"
 #include "server/shard_host.h"
@@ -46,13 +46,13 @@ class InProcessCluster {
     // Where shard-<s>.ckpt go (the job's checkpoint.every_steps); empty: no
     // checkpoints, and Restart starts a shard with no state.
     std::string checkpoint_dir;
-    int compute_threads = 0;    // each shard core's pool (ShardCore::Create)
-    int delivery_threads = 2;   // threads that run the calls' callbacks
+    int compute_threads = 0;   // each shard core's pool (ShardCore::Create)
+    int delivery_threads = 2;  // threads that run the calls' callbacks
   };
 
   // Starts every shard (a sized job: the synthetic or mlp workload, or dim).
-  static absl::StatusOr<std::unique_ptr<InProcessCluster>> Create(const proto::JobSpec& job,
-                                                                  Options options);
+  static absl::StatusOr<std::unique_ptr<InProcessCluster>> Create(
+      const proto::JobSpec& job, Options options);
   ~InProcessCluster();
   InProcessCluster(const InProcessCluster&) = delete;
   InProcessCluster& operator=(const InProcessCluster&) = delete;
@@ -97,10 +97,11 @@ class InProcessCluster {
   mutable Mutex mu_;
   std::vector<std::shared_ptr<Shard>> shards_ ABSL_GUARDED_BY(mu_);
   std::vector<std::string> log_ ABSL_GUARDED_BY(mu_);
-  compress::ComputePool delivery_;    // calls' callbacks; destroyed after the timer
-  worker::Timer timer_;               // calls' deadlines
+  compress::ComputePool
+      delivery_;         // calls' callbacks; destroyed after the timer
+  worker::Timer timer_;  // calls' deadlines
   std::atomic<bool> stopping_{false};
-  std::thread ticker_;                // ShardRuntime::Tick, as morse-server's expiry thread
+  std::thread ticker_;  // ShardRuntime::Tick, as morse-server's expiry thread
 };
 
 }  // namespace morse::inproc

@@ -36,23 +36,37 @@ struct Scheme {
 // short; with two shards 3 + 3).
 constexpr Scheme kSchemes[] = {
     {"onebit_adam_sign1", R"(optimizer: "onebit_adam" freeze_step: 3)"},
-    {"adam_int4", R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
+    {"adam_int4",
+     R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
     {"zero_one_adam", R"(optimizer: "zero_one_adam"
        zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
     // Rank 0 commits every step's layer coefficients (Commit, faults too).
     {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
 };
 
-enum class Faults { kNone, kLossy, kDuplicatesAndReordering, kDrops, kShardKilled, kWorkerKilled };
+enum class Faults {
+  kNone,
+  kLossy,
+  kDuplicatesAndReordering,
+  kDrops,
+  kShardKilled,
+  kWorkerKilled
+};
 
 const char* Name(Faults f) {
   switch (f) {
-    case Faults::kNone: return "none";
-    case Faults::kLossy: return "lossy";
-    case Faults::kDuplicatesAndReordering: return "duplicates_reordering";
-    case Faults::kDrops: return "drops";
-    case Faults::kShardKilled: return "shard_killed";
-    case Faults::kWorkerKilled: return "worker_killed";
+    case Faults::kNone:
+      return "none";
+    case Faults::kLossy:
+      return "lossy";
+    case Faults::kDuplicatesAndReordering:
+      return "duplicates_reordering";
+    case Faults::kDrops:
+      return "drops";
+    case Faults::kShardKilled:
+      return "shard_killed";
+    case Faults::kWorkerKilled:
+      return "worker_killed";
   }
   return "?";
 }
@@ -90,7 +104,8 @@ int WorkerVictim(int64_t step, uint32_t workers) {
   return -1;
 }
 
-using Param = std::tuple<Faults, uint32_t /*workers*/, uint32_t /*shards*/, Scheme>;
+using Param =
+    std::tuple<Faults, uint32_t /*workers*/, uint32_t /*shards*/, Scheme>;
 
 class FaultSweepTest : public ::testing::TestWithParam<Param> {};
 
@@ -98,7 +113,8 @@ std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
 TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   const auto [faults, workers, shards, scheme] = GetParam();
-  const std::string config = absl::StrCat(R"(
+  const std::string config =
+      absl::StrCat(R"(
     synthetic { dim: 5003 noise: 0.2 }
     lr { lr: 0.01 }
     steps: 14
@@ -108,13 +124,15 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
     window: 3
     timeouts { connect_seconds: 20 step_seconds: 30 rpc_seconds: 1 recovery_seconds: 60 }
     checkpoint { every_steps: 2 }
-    workers: )", workers, " shards: ", shards, " ", scheme.config);
+    workers: )",
+                   workers, " shards: ", shards, " ", scheme.config);
   auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const testing::Expected expected = testing::Simulate(*job);
   const std::string dir = MakeTempDir("morse-inproc");
   ASSERT_NE(dir, "");
-  auto cluster = InProcessCluster::Create(*job, {dir, /*compute_threads=*/1, /*delivery_threads=*/2});
+  auto cluster = InProcessCluster::Create(
+      *job, {dir, /*compute_threads=*/1, /*delivery_threads=*/2});
   ASSERT_TRUE(cluster.ok()) << cluster.status();
 
   std::vector<std::string> failures(workers);
@@ -150,22 +168,27 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
       options.rejoin = true;
       options.log = [](const std::string&) {};
       FaultyTransport* faulty = nullptr;
-      const auto create = [&]() -> absl::StatusOr<std::unique_ptr<worker::Trainer>> {
-        auto transport = std::make_unique<FaultyTransport>((*cluster)->Connect(), PlanFor(faults, r));
+      const auto create =
+          [&]() -> absl::StatusOr<std::unique_ptr<worker::Trainer>> {
+        auto transport = std::make_unique<FaultyTransport>(
+            (*cluster)->Connect(), PlanFor(faults, r));
         faulty = transport.get();
         return worker::Trainer::Create(*job, options, std::move(transport));
       };
       int64_t killed_before = -1;  // the last kill's step
       auto trainer = create();
-      if (!trainer.ok()) return fail(absl::StrCat("start: ", trainer.status().ToString()));
+      if (!trainer.ok())
+        return fail(absl::StrCat("start: ", trainer.status().ToString()));
       while (!(*trainer)->done()) {
         const int64_t step = (*trainer)->next_step();
         if (faults == Faults::kShardKilled) {
           int due = 0;
           for (int64_t at : kill_at) due += step >= at + 2 ? 1 : 0;
-          while (kills.load() < due && !failed.load()) absl::SleepFor(absl::Milliseconds(1));
+          while (kills.load() < due && !failed.load())
+            absl::SleepFor(absl::Milliseconds(1));
         }
-        if (faults == Faults::kWorkerKilled && static_cast<int>(r) == WorkerVictim(step, workers) &&
+        if (faults == Faults::kWorkerKilled &&
+            static_cast<int>(r) == WorkerVictim(step, workers) &&
             step > killed_before) {
           killed_before = step;
           injected[r] += faulty->injected();
@@ -173,18 +196,24 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
           ++kills;
           absl::SleepFor(absl::Milliseconds(20));
           trainer = create();
-          if (!trainer.ok()) return fail(absl::StrCat("rejoin before step ", step, ": ", trainer.status().ToString()));
+          if (!trainer.ok())
+            return fail(absl::StrCat("rejoin before step ", step, ": ",
+                                     trainer.status().ToString()));
           // From its checkpoint of two steps before: it runs step - 1 again,
           // the shards answering with the reply they kept, and its state
           // after it is checked against the simulator's again.
           if ((*trainer)->first_step() != step - 1) {
-            return fail(absl::StrCat("rejoined at step ", (*trainer)->first_step(), ", not ", step - 1));
+            return fail(absl::StrCat("rejoined at step ",
+                                     (*trainer)->first_step(), ", not ",
+                                     step - 1));
           }
           sums[r].resize(step - 1);
           continue;
         }
         auto record = (*trainer)->Step();
-        if (!record.ok()) return fail(absl::StrCat("step ", step, ": ", record.status().ToString()));
+        if (!record.ok())
+          return fail(
+              absl::StrCat("step ", step, ": ", record.status().ToString()));
         sums[r].push_back(Hex(*record->checksum));
       }
       injected[r] += faulty->injected();
@@ -214,14 +243,17 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   for (std::thread& t : threads) t.join();
   const auto shard_log = [&] {
     std::string all;
-    for (const std::string& line : (*cluster)->log()) absl::StrAppend(&all, line, "\n");
+    for (const std::string& line : (*cluster)->log())
+      absl::StrAppend(&all, line, "\n");
     return all;
   };
   for (uint32_t r = 0; r < workers; ++r) {
-    ASSERT_EQ(failures[r], "") << "worker " << r << "; the shards said:\n" << shard_log();
+    ASSERT_EQ(failures[r], "") << "worker " << r << "; the shards said:\n"
+                               << shard_log();
     ASSERT_EQ(sums[r].size(), expected.worker[r].size()) << "worker " << r;
     for (size_t t = 0; t < sums[r].size(); ++t) {
-      ASSERT_EQ(sums[r][t], expected.worker[r][t]) << "worker " << r << " differs at step " << t;
+      ASSERT_EQ(sums[r][t], expected.worker[r][t])
+          << "worker " << r << " differs at step " << t;
     }
   }
   for (uint32_t s = 0; s < shards; ++s) {
@@ -231,27 +263,37 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
   }
   uint64_t total = 0;
   for (uint64_t n : injected) total += n;
-  if (faults != Faults::kNone && faults != Faults::kShardKilled && faults != Faults::kWorkerKilled) {
-    EXPECT_GT(total, 0u) << "the plan injected nothing: the test would prove nothing";
+  if (faults != Faults::kNone && faults != Faults::kShardKilled &&
+      faults != Faults::kWorkerKilled) {
+    EXPECT_GT(total, 0u)
+        << "the plan injected nothing: the test would prove nothing";
   }
   if (faults == Faults::kShardKilled || faults == Faults::kWorkerKilled) {
-    EXPECT_EQ(kills.load(), 2) << "the run ended before both kills: the test would prove little";
+    EXPECT_EQ(kills.load(), 2)
+        << "the run ended before both kills: the test would prove little";
     total = kills;
   }
-  std::printf("%s, %u workers, %u shards, %s: %zu steps bit-identical to the simulator; %llu faults "
-              "injected\n",
-              Name(faults), workers, shards, scheme.name, expected.model.size(),
-              static_cast<unsigned long long>(total));
+  std::printf(
+      "%s, %u workers, %u shards, %s: %zu steps bit-identical to the "
+      "simulator; %llu faults "
+      "injected\n",
+      Name(faults), workers, shards, scheme.name, expected.model.size(),
+      static_cast<unsigned long long>(total));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Sweep, FaultSweepTest,
-    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy, Faults::kDuplicatesAndReordering,
-                                         Faults::kDrops, Faults::kShardKilled, Faults::kWorkerKilled),
-                       ::testing::Values(1u, 3u), ::testing::Values(1u, 2u), ::testing::ValuesIn(kSchemes)),
+    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
+                                         Faults::kDuplicatesAndReordering,
+                                         Faults::kDrops, Faults::kShardKilled,
+                                         Faults::kWorkerKilled),
+                       ::testing::Values(1u, 3u), ::testing::Values(1u, 2u),
+                       ::testing::ValuesIn(kSchemes)),
     [](const ::testing::TestParamInfo<Param>& info) {
-      return absl::StrCat(Name(std::get<0>(info.param)), "_", std::get<1>(info.param), "workers_",
-                          std::get<2>(info.param), "shards_", std::get<3>(info.param).name);
+      return absl::StrCat(Name(std::get<0>(info.param)), "_",
+                          std::get<1>(info.param), "workers_",
+                          std::get<2>(info.param), "shards_",
+                          std::get<3>(info.param).name);
     });
 
 }  // namespace

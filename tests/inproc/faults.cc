@@ -5,11 +5,15 @@
 namespace morse::inproc {
 
 std::string FaultPlan::ToString() const {
-  return absl::StrFormat("refuse %.2f, lose reply %.2f, duplicate %.2f, drop %.2f, delay up to %s, seed %d",
-                         refuse, lose_reply, duplicate, drop, absl::FormatDuration(max_delay), seed);
+  return absl::StrFormat(
+      "refuse %.2f, lose reply %.2f, duplicate %.2f, drop %.2f, delay up to "
+      "%s, seed %d",
+      refuse, lose_reply, duplicate, drop, absl::FormatDuration(max_delay),
+      seed);
 }
 
-FaultyTransport::FaultyTransport(std::unique_ptr<worker::Transport> inner, FaultPlan plan)
+FaultyTransport::FaultyTransport(std::unique_ptr<worker::Transport> inner,
+                                 FaultPlan plan)
     : inner_(std::move(inner)), plan_(plan), random_(plan.seed) {}
 
 FaultyTransport::~FaultyTransport() {
@@ -23,8 +27,10 @@ FaultyTransport::Fault FaultyTransport::Draw(absl::Duration* delay) {
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   *delay = plan_.max_delay * uniform(random_);
   double u = uniform(random_);
-  for (auto [rate, fault] : {std::pair{plan_.refuse, Fault::kRefuse}, {plan_.lose_reply, Fault::kLoseReply},
-                             {plan_.duplicate, Fault::kDuplicate}, {plan_.drop, Fault::kDrop}}) {
+  for (auto [rate, fault] : {std::pair{plan_.refuse, Fault::kRefuse},
+                             {plan_.lose_reply, Fault::kLoseReply},
+                             {plan_.duplicate, Fault::kDuplicate},
+                             {plan_.drop, Fault::kDrop}}) {
     if (u < rate) return fault;
     u -= rate;
   }
@@ -32,20 +38,25 @@ FaultyTransport::Fault FaultyTransport::Draw(absl::Duration* delay) {
 }
 
 template <typename Request, typename Reply>
-void FaultyTransport::Inject(Call<Request, Reply> call, uint32_t shard, const Request& request, Reply* reply,
+void FaultyTransport::Inject(Call<Request, Reply> call, uint32_t shard,
+                             const Request& request, Reply* reply,
                              const worker::CallOptions& options, Done done) {
   absl::Duration delay;
   const Fault fault = Draw(&delay);
   if (fault != Fault::kNone) ++injected_;
-  if (delay <= absl::ZeroDuration()) return Send(call, shard, request, reply, options, std::move(done), fault);
-  timer_.After(delay, [this, call, shard, &request, reply, options, done = std::move(done), fault]() mutable {
+  if (delay <= absl::ZeroDuration())
+    return Send(call, shard, request, reply, options, std::move(done), fault);
+  timer_.After(delay, [this, call, shard, &request, reply, options,
+                       done = std::move(done), fault]() mutable {
     Send(call, shard, request, reply, options, std::move(done), fault);
   });
 }
 
 template <typename Request, typename Reply>
-void FaultyTransport::Send(Call<Request, Reply> call, uint32_t shard, const Request& request, Reply* reply,
-                           const worker::CallOptions& options, Done done, Fault fault) {
+void FaultyTransport::Send(Call<Request, Reply> call, uint32_t shard,
+                           const Request& request, Reply* reply,
+                           const worker::CallOptions& options, Done done,
+                           Fault fault) {
   worker::Transport& inner = *inner_;
   switch (fault) {
     case Fault::kNone:
@@ -54,19 +65,24 @@ void FaultyTransport::Send(Call<Request, Reply> call, uint32_t shard, const Requ
       return done(absl::UnavailableError("injected: connection refused"));
     case Fault::kDrop:
       timer_.After(absl::Seconds(options.timeout_seconds),
-                   [done = std::move(done)]() mutable { done(absl::DeadlineExceededError("injected: dropped")); });
+                   [done = std::move(done)]() mutable {
+                     done(absl::DeadlineExceededError("injected: dropped"));
+                   });
       return;
     case Fault::kLoseReply: {
       auto lost = std::make_shared<Reply>();
-      return (inner.*call)(shard, request, lost.get(), options, [lost, done = std::move(done)](absl::Status) mutable {
-        done(absl::UnavailableError("injected: the reply was lost"));
-      });
+      return (inner.*call)(
+          shard, request, lost.get(), options,
+          [lost, done = std::move(done)](absl::Status) mutable {
+            done(absl::UnavailableError("injected: the reply was lost"));
+          });
     }
     case Fault::kDuplicate: {
       auto copy = std::make_shared<Request>(request);
       auto twin = std::make_shared<Reply>();
       ++duplicates_;
-      (inner.*call)(shard, *copy, twin.get(), options, [this, copy, twin](absl::Status) { --duplicates_; });
+      (inner.*call)(shard, *copy, twin.get(), options,
+                    [this, copy, twin](absl::Status) { --duplicates_; });
       return (inner.*call)(shard, request, reply, options, std::move(done));
     }
   }

@@ -3,7 +3,6 @@
 // lines, the metrics file, checkpoints), its summary, and what it refuses.
 #include "worker/trainer.h"
 
-
 #include <fstream>
 #include <string>
 #include <vector>
@@ -61,19 +60,24 @@ TEST(TrainerTest, RunsOneStepAtATimeLikeTheSimulatorAndReportsEach) {
     EXPECT_EQ(record->step, step);
     EXPECT_EQ(record->phase, step < 2 ? "warmup" : "compression");
     ASSERT_TRUE(record->checksum.has_value());
-    EXPECT_EQ(absl::StrFormat("%016x", *record->checksum), expected.worker[0][step]) << "step " << step;
+    EXPECT_EQ(absl::StrFormat("%016x", *record->checksum),
+              expected.worker[0][step])
+        << "step " << step;
     EXPECT_GT(record->traffic.payload_up, 0u);
   }
   EXPECT_TRUE((*trainer)->done());
   auto extra = (*trainer)->Step();
-  EXPECT_EQ(extra.status().code(), absl::StatusCode::kFailedPrecondition) << extra.status();
+  EXPECT_EQ(extra.status().code(), absl::StatusCode::kFailedPrecondition)
+      << extra.status();
 
   auto summary = (*trainer)->Summary();
   ASSERT_TRUE(summary.ok()) << summary.status();
   EXPECT_EQ(summary->steps, job.steps);
   EXPECT_EQ(summary->exchanges, job.steps);
-  EXPECT_EQ(absl::StrFormat("%016x", summary->final_checksum), expected.worker[0].back());
-  EXPECT_EQ(summary->wire_sent_bytes, 0u) << "no sockets in process: nothing counted";
+  EXPECT_EQ(absl::StrFormat("%016x", summary->final_checksum),
+            expected.worker[0].back());
+  EXPECT_EQ(summary->wire_sent_bytes, 0u)
+      << "no sockets in process: nothing counted";
 
   // The freeze's line and the progress lines (steps 3 and 6) went to the
   // options' log; a metrics line per step; this worker's checkpoint.
@@ -81,7 +85,8 @@ TEST(TrainerTest, RunsOneStepAtATimeLikeTheSimulatorAndReportsEach) {
   bool freeze = false;
   for (const std::string& line : lines) {
     freeze = freeze || line.find("v frozen at step 2") != std::string::npos;
-    progress += line.find("step ") != std::string::npos && line.find("frozen") == std::string::npos;
+    progress += line.find("step ") != std::string::npos &&
+                line.find("frozen") == std::string::npos;
   }
   EXPECT_TRUE(freeze) << "no freeze line";
   EXPECT_EQ(progress, 2) << absl::StrCat(lines.size(), " lines");
@@ -111,15 +116,16 @@ TEST(TrainerTest, FetchLeavesZeroMomentsOutOfTheMessage) {
   worker::CallOptions call;
   call.timeout_seconds = 5;
   v1::ShardInfo info;
-  ASSERT_TRUE(worker::Wait(&worker::Transport::GetShardInfo, *transport, 0, v1::ShardInfoRequest(),
-                           &info, call).ok());
+  ASSERT_TRUE(worker::Wait(&worker::Transport::GetShardInfo, *transport, 0,
+                           v1::ShardInfoRequest(), &info, call)
+                  .ok());
   v1::FetchPartitionRequest fetch;
   fetch.set_partition(0);
   fetch.set_layout_fingerprint(info.layout_fingerprint());
   const auto state = [&]() {
     v1::PartitionState reply;
-    const absl::Status status =
-        worker::Wait(&worker::Transport::FetchPartition, *transport, 0, fetch, &reply, call);
+    const absl::Status status = worker::Wait(
+        &worker::Transport::FetchPartition, *transport, 0, fetch, &reply, call);
     EXPECT_TRUE(status.ok()) << status;
     return reply;
   };
@@ -147,10 +153,12 @@ TEST(TrainerTest, FetchLeavesZeroMomentsOutOfTheMessage) {
   contradicts.set_layout_fingerprint(info.layout_fingerprint());
   contradicts.set_m_zero(true);
   v1::RestorePartitionReply restored;
-  const absl::Status refused = worker::Wait(&worker::Transport::RestorePartition, *transport, 0,
-                                            contradicts, &restored, call);
+  const absl::Status refused =
+      worker::Wait(&worker::Transport::RestorePartition, *transport, 0,
+                   contradicts, &restored, call);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
-  EXPECT_NE(refused.message().find("m_zero is set but m holds 4096 bytes"), std::string::npos)
+  EXPECT_NE(refused.message().find("m_zero is set but m holds 4096 bytes"),
+            std::string::npos)
       << refused;
 }
 
@@ -162,8 +170,10 @@ TEST(TrainerTest, RefusesAnUnknownDeviceBeforeJoining) {
   options.device = "tpu";
   options.security.insecure = true;
   auto trainer = worker::Trainer::Create(job, options, (*cluster)->Connect());
-  EXPECT_EQ(trainer.status().code(), absl::StatusCode::kInvalidArgument) << trainer.status();
-  EXPECT_NE(trainer.status().message().find("--device tpu"), std::string::npos) << trainer.status();
+  EXPECT_EQ(trainer.status().code(), absl::StatusCode::kInvalidArgument)
+      << trainer.status();
+  EXPECT_NE(trainer.status().message().find("--device tpu"), std::string::npos)
+      << trainer.status();
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 // (worker/mlp_backprop.h): element-wise ones and column sums exactly, the
 // softmax and the cuBLAS products to rounding.
 // Skips, saying why, when there is no GPU.
+#include "compress/kernels.h"
+
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -17,7 +19,6 @@
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
-#include "compress/kernels.h"
 #include "compress/lamb.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
@@ -75,13 +76,14 @@ kernels::DeviceBuffer Poisoned(size_t bytes) {
 }
 
 // Index and values of the first difference, or "" when the bytes are equal.
-std::string FirstDifference(const void* a, const void* b, size_t bytes, size_t unit) {
+std::string FirstDifference(const void* a, const void* b, size_t bytes,
+                            size_t unit) {
   const auto* x = static_cast<const uint8_t*>(a);
   const auto* y = static_cast<const uint8_t*>(b);
   for (size_t i = 0; i < bytes; ++i) {
     if (x[i] != y[i]) {
-      return absl::StrCat("first difference at element ", i / unit, " (byte ", i, "): ",
-                          int{x[i]}, " vs ", int{y[i]});
+      return absl::StrCat("first difference at element ", i / unit, " (byte ",
+                          i, "): ", int{x[i]}, " vs ", int{y[i]});
     }
   }
   return "";
@@ -91,7 +93,8 @@ class KernelsTest : public ::testing::Test {
  protected:
   void SetUp() override {
     auto device = kernels::DeviceDescription();
-    if (!device.ok()) GTEST_SKIP() << "no GPU here: " << device.status().message();
+    if (!device.ok())
+      GTEST_SKIP() << "no GPU here: " << device.status().message();
     auto ctx = kernels::Context::Create();
     ASSERT_TRUE(ctx.ok()) << ctx.status();
     ctx_ = *std::move(ctx);
@@ -100,10 +103,12 @@ class KernelsTest : public ::testing::Test {
   // Encodes x (+ e) on both sides and compares payload and error. The
   // device arrays start `offset` floats into their allocations (1: not
   // 16-byte aligned, which the vectorized kernels must leave to others).
-  void CheckEncode(const CodecSpec& spec, FeedbackArgs fb, size_t n, uint64_t seed, size_t offset = 0) {
-    SCOPED_TRACE(absl::StrCat(compress::CodecName(spec.kind), " n=", n, " offset=", offset, " block=",
-                              spec.block_elems, " feedback=", static_cast<int>(fb.kind),
-                              " stochastic=", spec.rounding == compress::Rounding::kStochastic));
+  void CheckEncode(const CodecSpec& spec, FeedbackArgs fb, size_t n,
+                   uint64_t seed, size_t offset = 0) {
+    SCOPED_TRACE(absl::StrCat(
+        compress::CodecName(spec.kind), " n=", n, " offset=", offset,
+        " block=", spec.block_elems, " feedback=", static_cast<int>(fb.kind),
+        " stochastic=", spec.rounding == compress::Rounding::kStochastic));
     const std::vector<float> x = RandomValues(n, seed, 3.0f);
     std::vector<float> e = RandomValues(n, seed + 1, 0.5f);
     const bool feedback = fb.kind != FeedbackKind::kNone;
@@ -112,8 +117,10 @@ class KernelsTest : public ::testing::Test {
 
     std::vector<uint8_t> cpu_payload(bytes);
     std::vector<float> cpu_e = e;
-    ASSERT_TRUE(compress::EncodeWithError(spec, x, feedback ? absl::MakeSpan(cpu_e) : absl::Span<float>(),
-                                          fb, key, absl::MakeSpan(cpu_payload))
+    ASSERT_TRUE(compress::EncodeWithError(
+                    spec, x,
+                    feedback ? absl::MakeSpan(cpu_e) : absl::Span<float>(), fb,
+                    key, absl::MakeSpan(cpu_payload))
                     .ok());
 
     std::vector<float> padded_x(offset, 0.0f), padded_e(offset, 0.0f);
@@ -121,29 +128,45 @@ class KernelsTest : public ::testing::Test {
     padded_e.insert(padded_e.end(), e.begin(), e.end());
     kernels::DeviceBuffer dx = Upload(padded_x), de_all = Upload(padded_e);
     kernels::DeviceBuffer payload = Poisoned(bytes);
-    ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>() + offset,
-                                         feedback ? de_all.as<float>() + offset : nullptr, n, fb, key,
-                                         payload.as<uint8_t>())
+    ASSERT_TRUE(kernels::EncodeWithError(
+                    *ctx_, spec, dx.as<float>() + offset,
+                    feedback ? de_all.as<float>() + offset : nullptr, n, fb,
+                    key, payload.as<uint8_t>())
                     .ok());
     const auto gpu_payload = Download<uint8_t>(payload, bytes);
-    EXPECT_EQ(FirstDifference(gpu_payload.data(), cpu_payload.data(), bytes, 1), "") << "payload";
+    EXPECT_EQ(FirstDifference(gpu_payload.data(), cpu_payload.data(), bytes, 1),
+              "")
+        << "payload";
     const auto gpu_e_all = Download<float>(de_all, n + offset);
     const float* gpu_e = gpu_e_all.data() + offset;
-    EXPECT_EQ(FirstDifference(gpu_e, cpu_e.data(), 4 * n, 4), "") << "error buffer";
+    EXPECT_EQ(FirstDifference(gpu_e, cpu_e.data(), 4 * n, 4), "")
+        << "error buffer";
 
     // Decode of the CPU's payload into a poisoned output.
     std::vector<float> cpu_out(n);
-    ASSERT_TRUE(compress::Decode(spec, cpu_payload, absl::MakeSpan(cpu_out)).ok());
+    ASSERT_TRUE(
+        compress::Decode(spec, cpu_payload, absl::MakeSpan(cpu_out)).ok());
     kernels::DeviceBuffer in = Upload(cpu_payload);
     kernels::DeviceBuffer out = Poisoned(4 * (n + offset));
-    ASSERT_TRUE(kernels::Decode(*ctx_, spec, in.as<uint8_t>(), n, out.as<float>() + offset).ok());
+    ASSERT_TRUE(kernels::Decode(*ctx_, spec, in.as<uint8_t>(), n,
+                                out.as<float>() + offset)
+                    .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
     const auto gpu_out = Download<float>(out, n + offset);
-    EXPECT_EQ(FirstDifference(gpu_out.data() + offset, cpu_out.data(), 4 * n, 4), "") << "decode";
+    EXPECT_EQ(
+        FirstDifference(gpu_out.data() + offset, cpu_out.data(), 4 * n, 4), "")
+        << "decode";
   }
 
   std::vector<size_t> Sizes(uint32_t block) {
-    return {0, 1, 7, block - 1, block, block + 1, 3 * size_t{block} + 5, 17 * size_t{block} + 9};
+    return {0,
+            1,
+            7,
+            block - 1,
+            block,
+            block + 1,
+            3 * size_t{block} + 5,
+            17 * size_t{block} + 9};
   }
 
   std::unique_ptr<kernels::Context> ctx_;
@@ -156,8 +179,10 @@ TEST_F(KernelsTest, DeviceIsDescribed) {
 }
 
 TEST_F(KernelsTest, Sign1EncodeAndDecodeMatchTheCpu) {
-  for (compress::ScaleKind scale : {compress::ScaleKind::kL2, compress::ScaleKind::kL1}) {
-    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1.0f}, FeedbackArgs{FeedbackKind::kEf, 1.0f},
+  for (compress::ScaleKind scale :
+       {compress::ScaleKind::kL2, compress::ScaleKind::kL1}) {
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1.0f},
+                            FeedbackArgs{FeedbackKind::kEf, 1.0f},
                             FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
       CodecSpec spec;
       spec.kind = CodecKind::kSign1;
@@ -172,38 +197,47 @@ TEST_F(KernelsTest, Sign1EncodeAndDecodeMatchTheCpu) {
 // int4): arrays that are not 16-byte aligned, and blocks too large to stage
 // in shared memory.
 TEST_F(KernelsTest, UnalignedArraysAndLargeBlocksMatchTheCpu) {
-  for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
+  for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f},
+                          FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
     CodecSpec spec;
     spec.kind = CodecKind::kSign1;
     spec.block_elems = 256;
-    for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 5 + n, /*offset=*/1);
+    for (size_t n : Sizes(spec.block_elems))
+      CheckEncode(spec, fb, n, 5 + n, /*offset=*/1);
     spec.block_elems = 16384;  // 64 KiB of u, 128 KiB with EMA's e
-    for (size_t n : {size_t{16383}, size_t{16384} * 3 + 17}) CheckEncode(spec, fb, n, 3 + n);
+    for (size_t n : {size_t{16383}, size_t{16384} * 3 + 17})
+      CheckEncode(spec, fb, n, 3 + n);
   }
   // The same for int8 and int4 (stochastic rounding too).
   for (CodecKind kind : {CodecKind::kInt8, CodecKind::kInt4}) {
-    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f},
+                            FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
       CodecSpec spec;
       spec.kind = kind;
       spec.rounding = compress::Rounding::kStochastic;
       spec.block_elems = 256;
-      for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 7 + n, /*offset=*/1);
+      for (size_t n : Sizes(spec.block_elems))
+        CheckEncode(spec, fb, n, 7 + n, /*offset=*/1);
       spec.block_elems = 16384;
-      for (size_t n : {size_t{16383}, size_t{16384} * 2 + 9}) CheckEncode(spec, fb, n, 5 + n);
+      for (size_t n : {size_t{16383}, size_t{16384} * 2 + 9})
+        CheckEncode(spec, fb, n, 5 + n);
     }
   }
 }
 
 TEST_F(KernelsTest, IntEncodeAndDecodeMatchTheCpu) {
   for (CodecKind kind : {CodecKind::kInt8, CodecKind::kInt4}) {
-    for (compress::Rounding rounding : {compress::Rounding::kNearestEven, compress::Rounding::kStochastic}) {
-      for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1.0f}, FeedbackArgs{FeedbackKind::kEf, 1.0f},
+    for (compress::Rounding rounding :
+         {compress::Rounding::kNearestEven, compress::Rounding::kStochastic}) {
+      for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1.0f},
+                              FeedbackArgs{FeedbackKind::kEf, 1.0f},
                               FeedbackArgs{FeedbackKind::kEma, 0.25f}}) {
         CodecSpec spec;
         spec.kind = kind;
         spec.block_elems = 64;
         spec.rounding = rounding;
-        for (size_t n : Sizes(spec.block_elems)) CheckEncode(spec, fb, n, 29 + n);
+        for (size_t n : Sizes(spec.block_elems))
+          CheckEncode(spec, fb, n, 29 + n);
       }
     }
   }
@@ -211,11 +245,13 @@ TEST_F(KernelsTest, IntEncodeAndDecodeMatchTheCpu) {
 
 TEST_F(KernelsTest, HalfAndBfloat16MatchTheCpu) {
   for (CodecKind kind : {CodecKind::kFp16, CodecKind::kBf16}) {
-    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1.0f}, FeedbackArgs{FeedbackKind::kEf, 1.0f},
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1.0f},
+                            FeedbackArgs{FeedbackKind::kEf, 1.0f},
                             FeedbackArgs{FeedbackKind::kEma, 0.5f}}) {
       CodecSpec spec;
       spec.kind = kind;
-      for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{100003}}) CheckEncode(spec, fb, n, 5 + n);
+      for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{100003}})
+        CheckEncode(spec, fb, n, 5 + n);
     }
   }
   // Special values: overflow to infinity, subnormals, NaN, signed zeros.
@@ -223,23 +259,34 @@ TEST_F(KernelsTest, HalfAndBfloat16MatchTheCpu) {
   spec.kind = CodecKind::kFp16;
   for (CodecKind kind : {CodecKind::kFp16, CodecKind::kBf16}) {
     spec.kind = kind;
-    const std::vector<float> specials = {0.0f, -0.0f, 65504.0f, 65520.0f, 1e-7f, -3e-8f, 6.1e-5f,
-                                         std::numeric_limits<float>::infinity(),
-                                         std::numeric_limits<float>::quiet_NaN(), 3.4e38f};
+    const std::vector<float> specials = {
+        0.0f,
+        -0.0f,
+        65504.0f,
+        65520.0f,
+        1e-7f,
+        -3e-8f,
+        6.1e-5f,
+        std::numeric_limits<float>::infinity(),
+        std::numeric_limits<float>::quiet_NaN(),
+        3.4e38f};
     std::vector<uint8_t> cpu(2 * specials.size());
     ASSERT_TRUE(compress::Encode(spec, specials, {}, absl::MakeSpan(cpu)).ok());
     kernels::DeviceBuffer dx = Upload(specials);
     kernels::DeviceBuffer payload = Poisoned(cpu.size());
-    ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>(), nullptr, specials.size(), {}, {},
+    ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>(), nullptr,
+                                         specials.size(), {}, {},
                                          payload.as<uint8_t>())
                     .ok());
     const auto gpu = Download<uint8_t>(payload, cpu.size());
-    EXPECT_EQ(FirstDifference(gpu.data(), cpu.data(), cpu.size(), 2), "") << compress::CodecName(kind);
+    EXPECT_EQ(FirstDifference(gpu.data(), cpu.data(), cpu.size(), 2), "")
+        << compress::CodecName(kind);
   }
 }
 
 TEST_F(KernelsTest, SixtyFourMebibytesMatchTheCpu) {
-  const size_t n = (size_t{64} << 20) / 4 + 3;  // 64 MiB of floats and a partial block
+  const size_t n =
+      (size_t{64} << 20) / 4 + 3;  // 64 MiB of floats and a partial block
   CodecSpec spec;
   spec.kind = CodecKind::kSign1;
   spec.block_elems = 2048;
@@ -261,30 +308,46 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
   s.max_ratio = 3.1622777f;
   for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000003}}) {
     SCOPED_TRACE(n);
-    const std::vector<float> g = RandomValues(n, 1, 1.0f), x0 = RandomValues(n, 2, 1.0f),
+    const std::vector<float> g = RandomValues(n, 1, 1.0f),
+                             x0 = RandomValues(n, 2, 1.0f),
                              m0 = RandomValues(n, 3, 0.1f);
     std::vector<float> v0 = RandomValues(n, 4, 0.01f);
     for (float& v : v0) v = v * v;
     // Adam.
     std::vector<float> x = x0, m = m0, v = v0;
     cpu.adam_update(s, g.data(), x.data(), m.data(), v.data(), n);
-    kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), dv = Upload(v0);
-    ASSERT_TRUE(kernels::AdamUpdate(*ctx_, s, dg.as<float>(), dx.as<float>(), dm.as<float>(),
-                                    dv.as<float>(), n).ok());
+    kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0),
+                          dv = Upload(v0);
+    ASSERT_TRUE(kernels::AdamUpdate(*ctx_, s, dg.as<float>(), dx.as<float>(),
+                                    dm.as<float>(), dv.as<float>(), n)
+                    .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(dx, n).data(), x.data(), 4 * n, 4), "") << "adam x";
-    EXPECT_EQ(FirstDifference(Download<float>(dm, n).data(), m.data(), 4 * n, 4), "") << "adam m";
-    EXPECT_EQ(FirstDifference(Download<float>(dv, n).data(), v.data(), 4 * n, 4), "") << "adam v";
-    // Frozen (1-bit Adam compression phase), plain and fused with a sign1 decode.
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dx, n).data(), x.data(), 4 * n, 4), "")
+        << "adam x";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dm, n).data(), m.data(), 4 * n, 4), "")
+        << "adam m";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dv, n).data(), v.data(), 4 * n, 4), "")
+        << "adam v";
+    // Frozen (1-bit Adam compression phase), plain and fused with a sign1
+    // decode.
     x = x0;
     m = m0;
     cpu.frozen_update(s, g.data(), x.data(), m.data(), v0.data(), n);
     kernels::DeviceBuffer fx = Upload(x0), fm = Upload(m0), fv = Upload(v0);
-    ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/false, dg.as<float>(), fx.as<float>(),
-                                      fm.as<float>(), fv.as<float>(), n).ok());
+    ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/false, dg.as<float>(),
+                                      fx.as<float>(), fm.as<float>(),
+                                      fv.as<float>(), n)
+                    .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(fx, n).data(), x.data(), 4 * n, 4), "") << "frozen x";
-    EXPECT_EQ(FirstDifference(Download<float>(fm, n).data(), m.data(), 4 * n, 4), "") << "frozen m";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(fx, n).data(), x.data(), 4 * n, 4), "")
+        << "frozen x";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(fm, n).data(), m.data(), 4 * n, 4), "")
+        << "frozen m";
 
     CodecSpec spec;
     spec.kind = CodecKind::kSign1;
@@ -296,45 +359,64 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     x = x0;
     m = m0;
     cpu.frozen_update(s, c.data(), x.data(), m.data(), v0.data(), n);
-    kernels::DeviceBuffer dreply = Upload(reply), rx = Upload(x0), rm = Poisoned(4 * n);
-    ASSERT_TRUE(kernels::DecodeFrozenUpdate(*ctx_, spec, dreply.as<uint8_t>(), n, s, /*mask=*/false,
-                                            rx.as<float>(), rm.as<float>(), fv.as<float>()).ok());
+    kernels::DeviceBuffer dreply = Upload(reply), rx = Upload(x0),
+                          rm = Poisoned(4 * n);
+    ASSERT_TRUE(kernels::DecodeFrozenUpdate(
+                    *ctx_, spec, dreply.as<uint8_t>(), n, s, /*mask=*/false,
+                    rx.as<float>(), rm.as<float>(), fv.as<float>())
+                    .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(rx, n).data(), x.data(), 4 * n, 4), "") << "fused x";
-    EXPECT_EQ(FirstDifference(Download<float>(rm, n).data(), m.data(), 4 * n, 4), "") << "fused m";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(rx, n).data(), x.data(), 4 * n, 4), "")
+        << "fused x";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(rm, n).data(), m.data(), 4 * n, 4), "")
+        << "fused m";
     // Local momentum.
     std::vector<float> out(n);
     cpu.momentum(0.9f, m0.data(), g.data(), out.data(), n);
     kernels::DeviceBuffer dm0 = Upload(m0), dout = Poisoned(4 * n);
-    ASSERT_TRUE(kernels::Momentum(*ctx_, 0.9f, dm0.as<float>(), dg.as<float>(), dout.as<float>(), n).ok());
+    ASSERT_TRUE(kernels::Momentum(*ctx_, 0.9f, dm0.as<float>(), dg.as<float>(),
+                                  dout.as<float>(), n)
+                    .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(dout, n).data(), out.data(), 4 * n, 4), "") << "momentum";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dout, n).data(), out.data(), 4 * n, 4),
+        "")
+        << "momentum";
   }
 }
 
 // Gradient clipping (design.md 2.6): the sum of squares in the CPU's
 // segment order, byte for byte, and the scale.
 TEST_F(KernelsTest, ClippingMatchesTheCpu) {
-  for (size_t n : {size_t{0}, size_t{1}, size_t{255}, size_t{257}, size_t{1000003}}) {
+  for (size_t n :
+       {size_t{0}, size_t{1}, size_t{255}, size_t{257}, size_t{1000003}}) {
     SCOPED_TRACE(n);
     const std::vector<float> g = RandomValues(n, 9, 3.0f);
     const double cpu = compress::GradientSumOfSquares(g);
-    const size_t segments = std::max<size_t>(1, (n + compress::kSumSegment - 1) / compress::kSumSegment);
+    const size_t segments = std::max<size_t>(
+        1, (n + compress::kSumSegment - 1) / compress::kSumSegment);
     auto sums = kernels::DeviceBuffer::Allocate(8 * segments);
     auto host = kernels::PinnedBuffer::Allocate(8 * segments);
     ASSERT_TRUE(sums.ok() && host.ok());
     kernels::DeviceBuffer dg = Upload(g);
-    auto gpu = kernels::SumOfSquares(*ctx_, dg.as<float>(), n, sums->as<double>(),
-                                     reinterpret_cast<double*>(host->data()));
+    auto gpu =
+        kernels::SumOfSquares(*ctx_, dg.as<float>(), n, sums->as<double>(),
+                              reinterpret_cast<double*>(host->data()));
     ASSERT_TRUE(gpu.ok()) << gpu.status();
     EXPECT_EQ(std::memcmp(&*gpu, &cpu, 8), 0) << *gpu << " vs " << cpu;
     const float k = compress::ClipScale(cpu, 0.5f);
     std::vector<float> scaled(n);
     for (size_t j = 0; j < n; ++j) scaled[j] = g[j] * k;
     kernels::DeviceBuffer out = Poisoned(4 * n);
-    ASSERT_TRUE(kernels::Scale(*ctx_, k, dg.as<float>(), out.as<float>(), n).ok());
+    ASSERT_TRUE(
+        kernels::Scale(*ctx_, k, dg.as<float>(), out.as<float>(), n).ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(out, n).data(), scaled.data(), 4 * n, 4), "") << "scaled";
+    EXPECT_EQ(FirstDifference(Download<float>(out, n).data(), scaled.data(),
+                              4 * n, 4),
+              "")
+        << "scaled";
   }
 }
 
@@ -351,19 +433,29 @@ TEST_F(KernelsTest, ZeroOneAdamMatchesTheCpu) {
   s.max_ratio = 3.1622777f;
   for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{1000003}}) {
     SCOPED_TRACE(n);
-    const std::vector<float> g = RandomValues(n, 1, 1.0f), x0 = RandomValues(n, 2, 1.0f),
-                             m0 = RandomValues(n, 3, 0.1f), u0 = RandomValues(n, 5, 0.1f);
+    const std::vector<float> g = RandomValues(n, 1, 1.0f),
+                             x0 = RandomValues(n, 2, 1.0f),
+                             m0 = RandomValues(n, 3, 0.1f),
+                             u0 = RandomValues(n, 5, 0.1f);
     std::vector<float> v0 = RandomValues(n, 4, 0.01f);
     for (size_t j = 0; j < n; ++j) v0[j] = j % 13 == 0 ? 0.0f : v0[j] * v0[j];
-    const auto same = [&](const kernels::DeviceBuffer& d, const std::vector<float>& cpu, const char* what) {
-      EXPECT_EQ(FirstDifference(Download<float>(d, n).data(), cpu.data(), 4 * n, 4), "") << what;
+    const auto same = [&](const kernels::DeviceBuffer& d,
+                          const std::vector<float>& cpu, const char* what) {
+      EXPECT_EQ(
+          FirstDifference(Download<float>(d, n).data(), cpu.data(), 4 * n, 4),
+          "")
+          << what;
     };
     {  // variance step
       std::vector<float> x = x0, m = m0, v = v0;
-      compress::ZeroOneVarianceStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v));
-      kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), dv = Upload(v0);
-      ASSERT_TRUE(kernels::ZeroOneVarianceUpdate(*ctx_, s, dg.as<float>(), dx.as<float>(), dm.as<float>(),
-                                                 dv.as<float>(), n).ok());
+      compress::ZeroOneVarianceStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m),
+                                    absl::MakeSpan(v));
+      kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0),
+                            dv = Upload(v0);
+      ASSERT_TRUE(kernels::ZeroOneVarianceUpdate(*ctx_, s, dg.as<float>(),
+                                                 dx.as<float>(), dm.as<float>(),
+                                                 dv.as<float>(), n)
+                      .ok());
       ASSERT_TRUE(ctx_->Synchronize().ok());
       same(dx, x, "variance x");
       same(dm, m, "variance m");
@@ -371,10 +463,14 @@ TEST_F(KernelsTest, ZeroOneAdamMatchesTheCpu) {
     }
     for (bool write_x : {true, false}) {  // local step
       std::vector<float> x = x0, m = m0, u = u0;
-      compress::ZeroOneLocalStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(u), v0, write_x);
-      kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), du = Upload(u0), dv = Upload(v0);
-      ASSERT_TRUE(kernels::ZeroOneLocalStep(*ctx_, s, dg.as<float>(), dx.as<float>(), dm.as<float>(),
-                                            du.as<float>(), dv.as<float>(), n, write_x).ok());
+      compress::ZeroOneLocalStep(s, g, absl::MakeSpan(x), absl::MakeSpan(m),
+                                 absl::MakeSpan(u), v0, write_x);
+      kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0),
+                            du = Upload(u0), dv = Upload(v0);
+      ASSERT_TRUE(kernels::ZeroOneLocalStep(
+                      *ctx_, s, dg.as<float>(), dx.as<float>(), dm.as<float>(),
+                      du.as<float>(), dv.as<float>(), n, write_x)
+                      .ok());
       ASSERT_TRUE(ctx_->Synchronize().ok());
       same(dx, x, "local x");
       same(dm, m, "local m");
@@ -383,23 +479,30 @@ TEST_F(KernelsTest, ZeroOneAdamMatchesTheCpu) {
     for (float lr_sum : {0.0f, 0.03f}) {  // sync message
       std::vector<float> out(n);
       compress::ZeroOneSyncMessage(s, lr_sum, u0, m0, v0, absl::MakeSpan(out));
-      kernels::DeviceBuffer du = Upload(u0), dm = Upload(m0), dv = Upload(v0), dout = Poisoned(4 * n);
-      ASSERT_TRUE(kernels::ZeroOneSyncMessage(*ctx_, s, lr_sum, du.as<float>(), dm.as<float>(), dv.as<float>(),
-                                              dout.as<float>(), n).ok());
+      kernels::DeviceBuffer du = Upload(u0), dm = Upload(m0), dv = Upload(v0),
+                            dout = Poisoned(4 * n);
+      ASSERT_TRUE(kernels::ZeroOneSyncMessage(*ctx_, s, lr_sum, du.as<float>(),
+                                              dm.as<float>(), dv.as<float>(),
+                                              dout.as<float>(), n)
+                      .ok());
       ASSERT_TRUE(ctx_->Synchronize().ok());
       same(dout, out, "sync message");
     }
-    for (bool mask : {false, true}) {  // sync update, from an anchor and in place
+    for (bool mask :
+         {false, true}) {  // sync update, from an anchor and in place
       for (bool in_place : {false, true}) {
         std::vector<float> w = g, x = x0, m = m0;
         const std::vector<float> anchor = in_place ? x0 : u0;
         if (mask) compress::SelectByVariance(v0, absl::MakeSpan(w));
-        compress::ZeroOneSyncStep(s, w, anchor, absl::MakeSpan(x), absl::MakeSpan(m), v0);
-        kernels::DeviceBuffer dw = Upload(g), da = Upload(anchor), dx = Upload(x0), dm = Upload(m0),
-                              dv = Upload(v0);
-        ASSERT_TRUE(kernels::ZeroOneSyncUpdate(*ctx_, s, mask, dw.as<float>(),
-                                               in_place ? dx.as<float>() : da.as<float>(), dx.as<float>(),
-                                               dm.as<float>(), dv.as<float>(), n).ok());
+        compress::ZeroOneSyncStep(s, w, anchor, absl::MakeSpan(x),
+                                  absl::MakeSpan(m), v0);
+        kernels::DeviceBuffer dw = Upload(g), da = Upload(anchor),
+                              dx = Upload(x0), dm = Upload(m0), dv = Upload(v0);
+        ASSERT_TRUE(kernels::ZeroOneSyncUpdate(
+                        *ctx_, s, mask, dw.as<float>(),
+                        in_place ? dx.as<float>() : da.as<float>(),
+                        dx.as<float>(), dm.as<float>(), dv.as<float>(), n)
+                        .ok());
         ASSERT_TRUE(ctx_->Synchronize().ok());
         same(dx, x, "sync x");
         same(dm, m, "sync m");
@@ -415,18 +518,22 @@ TEST_F(KernelsTest, ZeroOneAdamMatchesTheCpu) {
 TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
   compress::SimulatorConfig c;
   c.optimizer = compress::OptimizerKind::kOneBitLamb;
-  c.layout = {300007, /*shards=*/2, /*block_elems=*/256, /*partition_elems=*/65536};
+  c.layout = {300007, /*shards=*/2, /*block_elems=*/256,
+              /*partition_elems=*/65536};
   c.layers = {10, 1000, 200000, 99, 98898};
   c.freeze_step = 4;
   c.adam.weight_decay = 0.01f;
   auto layout = compress::Layout::Create(c.layout);
   ASSERT_TRUE(layout.ok()) << layout.status();
   const size_t n = c.layout.dim;
-  const std::vector<compress::LambPiece> pieces = compress::LambPieces(c, *layout, {0, n});
+  const std::vector<compress::LambPiece> pieces =
+      compress::LambPieces(c, *layout, {0, n});
   auto segments = kernels::LambSegments::Create(pieces, c.layers.size());
   ASSERT_TRUE(segments.ok()) << segments.status();
-  const std::vector<float> g = RandomValues(n, 1, 1.0f), x0 = RandomValues(n, 2, 1.0f),
-                           m0 = RandomValues(n, 3, 0.1f), vf0 = RandomValues(n, 6, 0.01f);
+  const std::vector<float> g = RandomValues(n, 1, 1.0f),
+                           x0 = RandomValues(n, 2, 1.0f),
+                           m0 = RandomValues(n, 3, 0.1f),
+                           vf0 = RandomValues(n, 6, 0.01f);
   std::vector<float> v0 = RandomValues(n, 4, 0.01f), vf_sq(n);
   for (size_t j = 0; j < n; ++j) {
     v0[j] = j % 13 == 0 ? 0.0f : v0[j] * v0[j];
@@ -438,32 +545,53 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
     const compress::ReplyRule rule = compress::PlanReply(c, step);
     ASSERT_TRUE(rule.lamb);
     std::vector<float> decoded = g, x = x0, m = m0, v = v0, vf = vf_sq;
-    compress::ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x), absl::MakeSpan(m), absl::MakeSpan(v),
-                        {}, absl::MakeSpan(vf));
-    kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0), dv = Upload(v0), dvf = Upload(vf_sq);
-    ASSERT_TRUE(kernels::LambMoments(*ctx_, rule, dg.as<float>(), dm.as<float>(), dv.as<float>(),
-                                     dvf.as<float>(), n).ok());
+    compress::ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x),
+                        absl::MakeSpan(m), absl::MakeSpan(v), {},
+                        absl::MakeSpan(vf));
+    kernels::DeviceBuffer dg = Upload(g), dx = Upload(x0), dm = Upload(m0),
+                          dv = Upload(v0), dvf = Upload(vf_sq);
+    ASSERT_TRUE(kernels::LambMoments(*ctx_, rule, dg.as<float>(),
+                                     dm.as<float>(), dv.as<float>(),
+                                     dvf.as<float>(), n)
+                    .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(dm, n).data(), m.data(), 4 * n, 4), "") << "m";
-    EXPECT_EQ(FirstDifference(Download<float>(dv, n).data(), v.data(), 4 * n, 4), "") << "v";
-    EXPECT_EQ(FirstDifference(Download<float>(dvf, n).data(), vf.data(), 4 * n, 4), "") << "v'";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dm, n).data(), m.data(), 4 * n, 4), "")
+        << "m";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dv, n).data(), v.data(), 4 * n, 4), "")
+        << "v";
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dvf, n).data(), vf.data(), 4 * n, 4),
+        "")
+        << "v'";
     // The totals: the CPU's, from the GPU's segments.
-    const std::vector<double> totals = compress::LambTotals(c, *layout, rule, {0, n}, x, m, v, vf);
-    auto sums = segments->Sums(*ctx_, rule, dx.as<float>(), dm.as<float>(), dv.as<float>(), dvf.as<float>());
+    const std::vector<double> totals =
+        compress::LambTotals(c, *layout, rule, {0, n}, x, m, v, vf);
+    auto sums = segments->Sums(*ctx_, rule, dx.as<float>(), dm.as<float>(),
+                               dv.as<float>(), dvf.as<float>());
     ASSERT_TRUE(sums.ok()) << sums.status();
-    const std::vector<double> gpu_totals = compress::LambTotalsOfSegments(c, pieces, *sums);
+    const std::vector<double> gpu_totals =
+        compress::LambTotalsOfSegments(c, pieces, *sums);
     ASSERT_EQ(gpu_totals.size(), totals.size());
     for (size_t i = 0; i < totals.size(); ++i) {
-      EXPECT_EQ(std::memcmp(&gpu_totals[i], &totals[i], 8), 0) << "total " << i << ": " << gpu_totals[i]
-                                                               << " vs " << totals[i];
+      EXPECT_EQ(std::memcmp(&gpu_totals[i], &totals[i], 8), 0)
+          << "total " << i << ": " << gpu_totals[i] << " vs " << totals[i];
     }
     // The x update with the commit's steps.
     std::vector<compress::LambLayerState> state(c.layers.size());
-    const std::vector<double> commit = compress::LambCommit(c, rule, totals, state);
-    compress::LambUpdateX(c, rule, commit, {0, n}, 0, n, absl::MakeSpan(x), m, v);
-    ASSERT_TRUE(segments->UpdateX(*ctx_, rule, compress::LambLayerSteps(rule, commit), dx.as<float>(),
-                                  dm.as<float>(), dv.as<float>()).ok());
-    EXPECT_EQ(FirstDifference(Download<float>(dx, n).data(), x.data(), 4 * n, 4), "") << "x";
+    const std::vector<double> commit =
+        compress::LambCommit(c, rule, totals, state);
+    compress::LambUpdateX(c, rule, commit, {0, n}, 0, n, absl::MakeSpan(x), m,
+                          v);
+    ASSERT_TRUE(segments
+                    ->UpdateX(*ctx_, rule,
+                              compress::LambLayerSteps(rule, commit),
+                              dx.as<float>(), dm.as<float>(), dv.as<float>())
+                    .ok());
+    EXPECT_EQ(
+        FirstDifference(Download<float>(dx, n).data(), x.data(), 4 * n, 4), "")
+        << "x";
   }
 }
 
@@ -480,11 +608,15 @@ TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
   s.weight_decay = 0.01f;
   s.bias_correction1 = 0.5f;
   s.bias_correction2 = 0.25f;
-  // Block 16384 with EMA stages too much for shared memory: the half-warp kernel.
-  for (const auto& [block, offset] : {std::pair<uint32_t, size_t>{256, 0}, {256, 1}, {16384, 0}}) {
+  // Block 16384 with EMA stages too much for shared memory: the half-warp
+  // kernel.
+  for (const auto& [block, offset] :
+       {std::pair<uint32_t, size_t>{256, 0}, {256, 1}, {16384, 0}}) {
     spec.block_elems = block;
-    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f}, FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
-      for (size_t n : {size_t{7}, size_t{256}, 3 * size_t{256} + 5, size_t{100003}}) {
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kEf, 1.0f},
+                            FeedbackArgs{FeedbackKind::kEma, 0.3f}}) {
+      for (size_t n :
+           {size_t{7}, size_t{256}, 3 * size_t{256} + 5, size_t{100003}}) {
         SCOPED_TRACE(absl::StrCat("n=", n, " block=", block, " offset=", offset,
                                   " feedback=", static_cast<int>(fb.kind)));
         const std::vector<float> x = RandomValues(n, 5 + n, 2.0f);
@@ -492,14 +624,18 @@ TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
         std::vector<float> v = RandomValues(n, 7 + n, 0.1f);
         for (size_t j = 0; j < n; ++j) {
           v[j] = v[j] * v[j];
-          if (j % 7 == 3 || (j >= 256 && j < 512)) v[j] = 0.0f;  // scattered, and one whole block
+          if (j % 7 == 3 || (j >= 256 && j < 512))
+            v[j] = 0.0f;  // scattered, and one whole block
         }
         const compress::RoundingKey key{1, 2, 3, 0};
         std::vector<uint8_t> cpu_payload(compress::PayloadBytes(spec, n));
-        compress::ErrorFeedback cpu_error({fb.kind, fb.beta, compress::ErrorStorage::kFp32}, n,
-                                          spec.block_elems);
+        compress::ErrorFeedback cpu_error(
+            {fb.kind, fb.beta, compress::ErrorStorage::kFp32}, n,
+            spec.block_elems);
         ASSERT_TRUE(cpu_error.Restore(e).ok());
-        ASSERT_TRUE(cpu_error.Compress(spec, 0, x, key, absl::MakeSpan(cpu_payload), v).ok());
+        ASSERT_TRUE(
+            cpu_error.Compress(spec, 0, x, key, absl::MakeSpan(cpu_payload), v)
+                .ok());
         std::vector<float> cpu_e(n);
         cpu_error.Read(0, absl::MakeSpan(cpu_e));
 
@@ -509,42 +645,66 @@ TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
         pv.insert(pv.end(), v.begin(), v.end());
         kernels::DeviceBuffer dx = Upload(px), de = Upload(pe), dv = Upload(pv);
         kernels::DeviceBuffer payload = Poisoned(cpu_payload.size());
-        ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dx.as<float>() + offset, de.as<float>() + offset, n,
-                                             fb, key, payload.as<uint8_t>(), dv.as<float>() + offset)
+        ASSERT_TRUE(kernels::EncodeWithError(
+                        *ctx_, spec, dx.as<float>() + offset,
+                        de.as<float>() + offset, n, fb, key,
+                        payload.as<uint8_t>(), dv.as<float>() + offset)
                         .ok());
-        EXPECT_EQ(FirstDifference(Download<uint8_t>(payload, cpu_payload.size()).data(), cpu_payload.data(),
-                                  cpu_payload.size(), 1),
+        EXPECT_EQ(FirstDifference(
+                      Download<uint8_t>(payload, cpu_payload.size()).data(),
+                      cpu_payload.data(), cpu_payload.size(), 1),
                   "")
             << "payload";
         const auto gpu_e = Download<float>(de, n + offset);
-        EXPECT_EQ(FirstDifference(gpu_e.data() + offset, cpu_e.data(), 4 * n, 4), "") << "error";
+        EXPECT_EQ(
+            FirstDifference(gpu_e.data() + offset, cpu_e.data(), 4 * n, 4), "")
+            << "error";
 
         // The update from this payload as a reply.
         std::vector<float> c(n);
-        ASSERT_TRUE(compress::Decode(spec, cpu_payload, absl::MakeSpan(c)).ok());
+        ASSERT_TRUE(
+            compress::Decode(spec, cpu_payload, absl::MakeSpan(c)).ok());
         compress::SelectByVariance(v, absl::MakeSpan(c));
         std::vector<float> cx = x, cm(n);
-        compress::ScalarKernels().frozen_update(s, c.data(), cx.data(), cm.data(), v.data(), n);
-        kernels::DeviceBuffer reply = Upload(cpu_payload), rx = Upload(px), rm = Poisoned(4 * (n + offset));
-        ASSERT_TRUE(kernels::DecodeFrozenUpdate(*ctx_, spec, reply.as<uint8_t>(), n, s, /*mask=*/true,
-                                                rx.as<float>() + offset, rm.as<float>() + offset,
-                                                dv.as<float>() + offset)
+        compress::ScalarKernels().frozen_update(s, c.data(), cx.data(),
+                                                cm.data(), v.data(), n);
+        kernels::DeviceBuffer reply = Upload(cpu_payload), rx = Upload(px),
+                              rm = Poisoned(4 * (n + offset));
+        ASSERT_TRUE(kernels::DecodeFrozenUpdate(
+                        *ctx_, spec, reply.as<uint8_t>(), n, s, /*mask=*/true,
+                        rx.as<float>() + offset, rm.as<float>() + offset,
+                        dv.as<float>() + offset)
                         .ok());
         ASSERT_TRUE(ctx_->Synchronize().ok());
-        EXPECT_EQ(FirstDifference(Download<float>(rx, n + offset).data() + offset, cx.data(), 4 * n, 4), "")
+        EXPECT_EQ(
+            FirstDifference(Download<float>(rx, n + offset).data() + offset,
+                            cx.data(), 4 * n, 4),
+            "")
             << "fused x";
-        EXPECT_EQ(FirstDifference(Download<float>(rm, n + offset).data() + offset, cm.data(), 4 * n, 4), "")
+        EXPECT_EQ(
+            FirstDifference(Download<float>(rm, n + offset).data() + offset,
+                            cm.data(), 4 * n, 4),
+            "")
             << "fused m";
         // The unfused update from decoded values (other codecs' replies).
         std::vector<float> raw(n);
-        ASSERT_TRUE(compress::Decode(spec, cpu_payload, absl::MakeSpan(raw)).ok());
-        kernels::DeviceBuffer draw = Upload(raw), ux = Upload(x), um = Poisoned(4 * n), uv = Upload(v);
-        ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/true, draw.as<float>(), ux.as<float>(),
+        ASSERT_TRUE(
+            compress::Decode(spec, cpu_payload, absl::MakeSpan(raw)).ok());
+        kernels::DeviceBuffer draw = Upload(raw), ux = Upload(x),
+                              um = Poisoned(4 * n), uv = Upload(v);
+        ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/true,
+                                          draw.as<float>(), ux.as<float>(),
                                           um.as<float>(), uv.as<float>(), n)
                         .ok());
         ASSERT_TRUE(ctx_->Synchronize().ok());
-        EXPECT_EQ(FirstDifference(Download<float>(ux, n).data(), cx.data(), 4 * n, 4), "") << "x";
-        EXPECT_EQ(FirstDifference(Download<float>(um, n).data(), cm.data(), 4 * n, 4), "") << "m";
+        EXPECT_EQ(
+            FirstDifference(Download<float>(ux, n).data(), cx.data(), 4 * n, 4),
+            "")
+            << "x";
+        EXPECT_EQ(
+            FirstDifference(Download<float>(um, n).data(), cm.data(), 4 * n, 4),
+            "")
+            << "m";
       }
     }
   }
@@ -552,10 +712,11 @@ TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
   CodecSpec int4;
   int4.kind = CodecKind::kInt4;
   int4.block_elems = 256;
-  kernels::DeviceBuffer x = Upload(std::vector<float>(16, 1.0f)), v = Upload(std::vector<float>(16, 0.0f));
+  kernels::DeviceBuffer x = Upload(std::vector<float>(16, 1.0f)),
+                        v = Upload(std::vector<float>(16, 0.0f));
   kernels::DeviceBuffer out = Poisoned(compress::PayloadBytes(int4, 16));
-  EXPECT_EQ(kernels::EncodeWithError(*ctx_, int4, x.as<float>(), nullptr, 16, {}, {}, out.as<uint8_t>(),
-                                     v.as<float>())
+  EXPECT_EQ(kernels::EncodeWithError(*ctx_, int4, x.as<float>(), nullptr, 16,
+                                     {}, {}, out.as<uint8_t>(), v.as<float>())
                 .code(),
             absl::StatusCode::kUnimplemented);
 }
@@ -583,24 +744,29 @@ TEST_F(KernelsTest, MomentumFusedIntoTheEncodeMatchesTheCpu) {
   const float beta1 = 0.9f;
   for (const Case& c : cases) {
     for (size_t n : {size_t{7}, size_t{1000}, size_t{16384} * 2 + 5}) {
-      SCOPED_TRACE(absl::StrCat("codec ", compress::CodecName(c.kind), " block ", c.block, " offset ",
-                                c.offset, " mask ", c.mask, " n ", n));
+      SCOPED_TRACE(absl::StrCat("codec ", compress::CodecName(c.kind),
+                                " block ", c.block, " offset ", c.offset,
+                                " mask ", c.mask, " n ", n));
       CodecSpec spec;
       spec.kind = c.kind;
       spec.block_elems = c.block;
-      const std::vector<float> g = RandomValues(n, 40 + n, 1.0f), m = RandomValues(n, 41 + n, 0.5f);
+      const std::vector<float> g = RandomValues(n, 40 + n, 1.0f),
+                               m = RandomValues(n, 41 + n, 0.5f);
       const std::vector<float> e = RandomValues(n, 42 + n, 0.2f);
       std::vector<float> v = RandomValues(n, 43 + n, 0.1f);
       for (size_t j = 0; j < n; ++j) v[j] = j % 5 == 1 ? 0.0f : v[j] * v[j];
       const compress::RoundingKey key{3, 4, 5, 0};
       std::vector<float> local(n);
       compress::LocalMomentum(beta1, m, g, absl::MakeSpan(local));
-      compress::ErrorFeedback cpu_error({c.fb.kind, c.fb.beta, compress::ErrorStorage::kFp32}, n, c.block);
+      compress::ErrorFeedback cpu_error(
+          {c.fb.kind, c.fb.beta, compress::ErrorStorage::kFp32}, n, c.block);
       ASSERT_TRUE(cpu_error.Restore(e).ok());
       std::vector<uint8_t> cpu_payload(compress::PayloadBytes(spec, n));
       ASSERT_TRUE(cpu_error
-                      .Compress(spec, 0, local, key, absl::MakeSpan(cpu_payload),
-                                c.mask ? absl::MakeConstSpan(v) : absl::Span<const float>())
+                      .Compress(spec, 0, local, key,
+                                absl::MakeSpan(cpu_payload),
+                                c.mask ? absl::MakeConstSpan(v)
+                                       : absl::Span<const float>())
                       .ok());
       std::vector<float> cpu_e(n);
       cpu_error.Read(0, absl::MakeSpan(cpu_e));
@@ -610,20 +776,26 @@ TEST_F(KernelsTest, MomentumFusedIntoTheEncodeMatchesTheCpu) {
         out.insert(out.end(), a.begin(), a.end());
         return out;
       };
-      kernels::DeviceBuffer dg = Upload(padded(g)), dm = Upload(padded(m)), de = Upload(padded(e)),
-                            dv = Upload(padded(v)), scratch = Poisoned(4 * (n + c.offset));
+      kernels::DeviceBuffer dg = Upload(padded(g)), dm = Upload(padded(m)),
+                            de = Upload(padded(e)), dv = Upload(padded(v)),
+                            scratch = Poisoned(4 * (n + c.offset));
       kernels::DeviceBuffer payload = Poisoned(cpu_payload.size());
-      ASSERT_TRUE(kernels::EncodeWithError(*ctx_, spec, dg.as<float>() + c.offset, de.as<float>() + c.offset,
-                                           n, c.fb, key, payload.as<uint8_t>(),
-                                           c.mask ? dv.as<float>() + c.offset : nullptr,
-                                           dm.as<float>() + c.offset, beta1, scratch.as<float>() + c.offset)
-                      .ok());
-      EXPECT_EQ(FirstDifference(Download<uint8_t>(payload, cpu_payload.size()).data(), cpu_payload.data(),
-                                cpu_payload.size(), 1),
-                "")
+      ASSERT_TRUE(
+          kernels::EncodeWithError(
+              *ctx_, spec, dg.as<float>() + c.offset, de.as<float>() + c.offset,
+              n, c.fb, key, payload.as<uint8_t>(),
+              c.mask ? dv.as<float>() + c.offset : nullptr,
+              dm.as<float>() + c.offset, beta1, scratch.as<float>() + c.offset)
+              .ok());
+      EXPECT_EQ(
+          FirstDifference(Download<uint8_t>(payload, cpu_payload.size()).data(),
+                          cpu_payload.data(), cpu_payload.size(), 1),
+          "")
           << "payload";
       const auto gpu_e = Download<float>(de, n + c.offset);
-      EXPECT_EQ(FirstDifference(gpu_e.data() + c.offset, cpu_e.data(), 4 * n, 4), "") << "error";
+      EXPECT_EQ(
+          FirstDifference(gpu_e.data() + c.offset, cpu_e.data(), 4 * n, 4), "")
+          << "error";
     }
   }
 }
@@ -631,7 +803,8 @@ TEST_F(KernelsTest, MomentumFusedIntoTheEncodeMatchesTheCpu) {
 TEST_F(KernelsTest, SyntheticGradientMatchesTheCpuFormula) {
   // worker/synthetic_workload.cc: grad = a*(x - t) + noise*(2u - 1).
   const size_t n = 100003;
-  const std::vector<float> a = RandomValues(n, 1, 1.0f), t = RandomValues(n, 2, 1.0f),
+  const std::vector<float> a = RandomValues(n, 1, 1.0f),
+                           t = RandomValues(n, 2, 1.0f),
                            x = RandomValues(n, 3, 1.0f);
   std::vector<float> expected(n);
   compress::FillDraws({42, 17, 3, 0}, expected.data(), n);
@@ -641,35 +814,47 @@ TEST_F(KernelsTest, SyntheticGradientMatchesTheCpuFormula) {
     expected[j] = a[j] * d + 0.25f * (2.0f * expected[j] - 1.0f);
     loss += 0.5 * double{a[j]} * double{d} * double{d};
   }
-  kernels::DeviceBuffer da = Upload(a), dt = Upload(t), dx = Upload(x), grad = Poisoned(4 * n);
-  auto got = kernels::SyntheticGradient(*ctx_, 42, 17, 3, 0.25f, da.as<float>(), dt.as<float>(),
-                                        dx.as<float>(), grad.as<float>(), n);
+  kernels::DeviceBuffer da = Upload(a), dt = Upload(t), dx = Upload(x),
+                        grad = Poisoned(4 * n);
+  auto got = kernels::SyntheticGradient(*ctx_, 42, 17, 3, 0.25f, da.as<float>(),
+                                        dt.as<float>(), dx.as<float>(),
+                                        grad.as<float>(), n);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_NEAR(*got, loss / n, 1e-9 * std::abs(loss / n));
-  EXPECT_EQ(FirstDifference(Download<float>(grad, n).data(), expected.data(), 4 * n, 4), "");
+  EXPECT_EQ(FirstDifference(Download<float>(grad, n).data(), expected.data(),
+                            4 * n, 4),
+            "");
   // Dead elements (synthetic { dead_every }): +0 there, the rest unchanged.
   for (size_t j = 0; j < n; j += 3) expected[j] = 0.0f;
   kernels::DeviceBuffer dead = Poisoned(4 * n);
-  ASSERT_TRUE(kernels::SyntheticGradient(*ctx_, 42, 17, 3, 0.25f, da.as<float>(), dt.as<float>(),
-                                         dx.as<float>(), dead.as<float>(), n, /*dead_every=*/3)
+  ASSERT_TRUE(kernels::SyntheticGradient(
+                  *ctx_, 42, 17, 3, 0.25f, da.as<float>(), dt.as<float>(),
+                  dx.as<float>(), dead.as<float>(), n, /*dead_every=*/3)
                   .ok());
-  EXPECT_EQ(FirstDifference(Download<float>(dead, n).data(), expected.data(), 4 * n, 4), "") << "dead";
+  EXPECT_EQ(FirstDifference(Download<float>(dead, n).data(), expected.data(),
+                            4 * n, 4),
+            "")
+      << "dead";
 }
 
 TEST_F(KernelsTest, NonFiniteInputIsRefusedLikeTheCpu) {
   std::vector<float> x = RandomValues(1000, 3, 1.0f);
   x[517] = std::numeric_limits<float>::infinity();
   kernels::DeviceBuffer dx = Upload(x);
-  for (CodecKind kind : {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4}) {
+  for (CodecKind kind :
+       {CodecKind::kSign1, CodecKind::kInt8, CodecKind::kInt4}) {
     CodecSpec spec;
     spec.kind = kind;
     spec.block_elems = 128;
-    kernels::DeviceBuffer payload = Poisoned(compress::PayloadBytes(spec, x.size()));
-    const absl::Status s = kernels::EncodeWithError(*ctx_, spec, dx.as<float>(), nullptr, x.size(), {}, {},
-                                                    payload.as<uint8_t>());
+    kernels::DeviceBuffer payload =
+        Poisoned(compress::PayloadBytes(spec, x.size()));
+    const absl::Status s =
+        kernels::EncodeWithError(*ctx_, spec, dx.as<float>(), nullptr, x.size(),
+                                 {}, {}, payload.as<uint8_t>());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     std::vector<uint8_t> cpu(compress::PayloadBytes(spec, x.size()));
-    EXPECT_EQ(compress::Encode(spec, x, {}, absl::MakeSpan(cpu)).message(), s.message());
+    EXPECT_EQ(compress::Encode(spec, x, {}, absl::MakeSpan(cpu)).message(),
+              s.message());
   }
   // Encoding again after the error works: the flag and the stream are clean.
   CodecSpec spec;
@@ -677,9 +862,11 @@ TEST_F(KernelsTest, NonFiniteInputIsRefusedLikeTheCpu) {
   spec.block_elems = 128;
   x[517] = 1.0f;
   kernels::DeviceBuffer clean = Upload(x);
-  kernels::DeviceBuffer payload = Poisoned(compress::PayloadBytes(spec, x.size()));
-  EXPECT_TRUE(kernels::EncodeWithError(*ctx_, spec, clean.as<float>(), nullptr, x.size(), {}, {},
-                                       payload.as<uint8_t>()).ok());
+  kernels::DeviceBuffer payload =
+      Poisoned(compress::PayloadBytes(spec, x.size()));
+  EXPECT_TRUE(kernels::EncodeWithError(*ctx_, spec, clean.as<float>(), nullptr,
+                                       x.size(), {}, {}, payload.as<uint8_t>())
+                  .ok());
 }
 
 TEST_F(KernelsTest, TopkAndMisalignedPayloadsAreRefused) {
@@ -687,10 +874,14 @@ TEST_F(KernelsTest, TopkAndMisalignedPayloadsAreRefused) {
   spec.kind = CodecKind::kTopK;
   spec.block_elems = 16;
   kernels::DeviceBuffer payload = Poisoned(64);
-  EXPECT_EQ(kernels::Decode(*ctx_, spec, payload.as<uint8_t>(), 4, payload.as<float>()).code(),
+  EXPECT_EQ(kernels::Decode(*ctx_, spec, payload.as<uint8_t>(), 4,
+                            payload.as<float>())
+                .code(),
             absl::StatusCode::kUnimplemented);
   spec.kind = CodecKind::kSign1;
-  EXPECT_EQ(kernels::Decode(*ctx_, spec, payload.as<uint8_t>() + 1, 4, payload.as<float>()).code(),
+  EXPECT_EQ(kernels::Decode(*ctx_, spec, payload.as<uint8_t>() + 1, 4,
+                            payload.as<float>())
+                .code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -698,11 +889,12 @@ TEST_F(KernelsTest, MlpOperationsMatchTheCpu) {
   worker::HostMlpOps host;
   const int rows = 37, cols = 13;
   const size_t n = static_cast<size_t>(rows) * cols;
-  const auto compare_exact = [&](const kernels::DeviceBuffer& got, const std::vector<float>& want,
+  const auto compare_exact = [&](const kernels::DeviceBuffer& got,
+                                 const std::vector<float>& want,
                                  const char* what) {
     ASSERT_TRUE(ctx_->Synchronize().ok());
-    EXPECT_EQ(FirstDifference(Download<float>(got, want.size()).data(), want.data(),
-                              4 * want.size(), 4),
+    EXPECT_EQ(FirstDifference(Download<float>(got, want.size()).data(),
+                              want.data(), 4 * want.size(), 4),
               "")
         << what;
   };
@@ -711,7 +903,9 @@ TEST_F(KernelsTest, MlpOperationsMatchTheCpu) {
     std::vector<float> want(n);
     ASSERT_TRUE(host.BroadcastRows(bias.data(), rows, cols, want.data()).ok());
     kernels::DeviceBuffer dbias = Upload(bias), out = Poisoned(4 * n);
-    ASSERT_TRUE(kernels::BroadcastRows(*ctx_, dbias.as<float>(), rows, cols, out.as<float>()).ok());
+    ASSERT_TRUE(kernels::BroadcastRows(*ctx_, dbias.as<float>(), rows, cols,
+                                       out.as<float>())
+                    .ok());
     compare_exact(out, want, "broadcast rows");
   }
   {
@@ -725,7 +919,8 @@ TEST_F(KernelsTest, MlpOperationsMatchTheCpu) {
     std::vector<float> want_da = da;
     ASSERT_TRUE(host.ReluBackward(want.data(), want_da.data(), n).ok());
     kernels::DeviceBuffer dda = Upload(da);
-    ASSERT_TRUE(kernels::ReluBackward(*ctx_, dz.as<float>(), dda.as<float>(), n).ok());
+    ASSERT_TRUE(
+        kernels::ReluBackward(*ctx_, dz.as<float>(), dda.as<float>(), n).ok());
     compare_exact(dda, want_da, "relu backward");
   }
   {
@@ -733,26 +928,31 @@ TEST_F(KernelsTest, MlpOperationsMatchTheCpu) {
     std::vector<float> want(cols);
     ASSERT_TRUE(host.ColumnSums(in.data(), rows, cols, want.data()).ok());
     kernels::DeviceBuffer din = Upload(in), out = Poisoned(4 * cols);
-    ASSERT_TRUE(kernels::ColumnSums(*ctx_, din.as<float>(), rows, cols, out.as<float>()).ok());
+    ASSERT_TRUE(
+        kernels::ColumnSums(*ctx_, din.as<float>(), rows, cols, out.as<float>())
+            .ok());
     compare_exact(out, want, "column sums");
   }
   {
     const std::vector<float> logits = RandomValues(n, 5, 4.0f);
     std::vector<uint32_t> labels(rows);
-    for (int r = 0; r < rows; ++r) labels[r] = static_cast<uint32_t>((r * 7) % cols);
+    for (int r = 0; r < rows; ++r)
+      labels[r] = static_cast<uint32_t>((r * 7) % cols);
     std::vector<float> want(n);
-    auto want_loss = host.SoftmaxCrossEntropy(logits.data(), labels.data(), rows, cols, want.data());
+    auto want_loss = host.SoftmaxCrossEntropy(logits.data(), labels.data(),
+                                              rows, cols, want.data());
     ASSERT_TRUE(want_loss.ok());
     kernels::DeviceBuffer dlogits = Upload(logits), dlabels = Upload(labels),
                           out = Poisoned(4 * n), row_loss = Poisoned(8 * rows);
-    auto got_loss = kernels::SoftmaxCrossEntropy(*ctx_, dlogits.as<float>(),
-                                                 dlabels.as<uint32_t>(), rows, cols,
-                                                 out.as<float>(), row_loss.as<double>());
+    auto got_loss = kernels::SoftmaxCrossEntropy(
+        *ctx_, dlogits.as<float>(), dlabels.as<uint32_t>(), rows, cols,
+        out.as<float>(), row_loss.as<double>());
     ASSERT_TRUE(got_loss.ok()) << got_loss.status();
     EXPECT_NEAR(*got_loss, *want_loss, 1e-12 * std::abs(*want_loss));
     const auto got = Download<float>(out, n);
     for (size_t j = 0; j < n; ++j) {
-      ASSERT_NEAR(got[j], want[j], 1e-9f + 1e-6f * std::abs(want[j])) << "softmax dz " << j;
+      ASSERT_NEAR(got[j], want[j], 1e-9f + 1e-6f * std::abs(want[j]))
+          << "softmax dz " << j;
     }
   }
   // The three products of worker/mlp_backprop.cc's passes (column-major).
@@ -764,28 +964,32 @@ TEST_F(KernelsTest, MlpOperationsMatchTheCpu) {
     int m, n, k, lda, ldb, ldc;
     float beta;
   };
-  for (const Product& p : {Product{false, false, out_width, rows, in_width, out_width, in_width,
-                                   out_width, 1.0f},  // forward
-                           Product{false, true, out_width, in_width, rows, out_width, in_width,
-                                   out_width, 0.0f},  // weight gradient
-                           Product{true, false, in_width, rows, out_width, out_width, out_width,
-                                   in_width, 0.0f}}) {  // input gradient
+  for (const Product& p :
+       {Product{false, false, out_width, rows, in_width, out_width, in_width,
+                out_width, 1.0f},  // forward
+        Product{false, true, out_width, in_width, rows, out_width, in_width,
+                out_width, 0.0f},  // weight gradient
+        Product{true, false, in_width, rows, out_width, out_width, out_width,
+                in_width, 0.0f}}) {  // input gradient
     SCOPED_TRACE(absl::StrCat("trans_a=", p.ta, " trans_b=", p.tb));
     const size_t a_size = static_cast<size_t>(p.lda) * (p.ta ? p.m : p.k);
     const size_t b_size = static_cast<size_t>(p.ldb) * (p.tb ? p.k : p.n);
     const size_t c_size = static_cast<size_t>(p.ldc) * p.n;
-    const std::vector<float> a = RandomValues(a_size, 6, 1.0f), b = RandomValues(b_size, 7, 1.0f);
+    const std::vector<float> a = RandomValues(a_size, 6, 1.0f),
+                             b = RandomValues(b_size, 7, 1.0f);
     std::vector<float> want = RandomValues(c_size, 8, 1.0f);
     kernels::DeviceBuffer da = Upload(a), db = Upload(b), dc = Upload(want);
-    ASSERT_TRUE(host.Gemm(p.ta, p.tb, p.m, p.n, p.k, a.data(), p.lda, b.data(), p.ldb, p.beta,
-                          want.data(), p.ldc)
+    ASSERT_TRUE(host.Gemm(p.ta, p.tb, p.m, p.n, p.k, a.data(), p.lda, b.data(),
+                          p.ldb, p.beta, want.data(), p.ldc)
                     .ok());
-    ASSERT_TRUE((*blas)->Gemm(p.ta, p.tb, p.m, p.n, p.k, da.as<float>(), p.lda, db.as<float>(),
-                              p.ldb, p.beta, dc.as<float>(), p.ldc)
+    ASSERT_TRUE((*blas)
+                    ->Gemm(p.ta, p.tb, p.m, p.n, p.k, da.as<float>(), p.lda,
+                           db.as<float>(), p.ldb, p.beta, dc.as<float>(), p.ldc)
                     .ok());
     ASSERT_TRUE(ctx_->Synchronize().ok());
     const auto got = Download<float>(dc, c_size);
-    for (size_t j = 0; j < c_size; ++j) ASSERT_NEAR(got[j], want[j], 1e-3f) << "element " << j;
+    for (size_t j = 0; j < c_size; ++j)
+      ASSERT_NEAR(got[j], want[j], 1e-3f) << "element " << j;
   }
 }
 

@@ -43,20 +43,25 @@ TEST_F(CheckpointFileTest, RoundTrip) {
   EXPECT_EQ(reader->header().step, 40);
   EXPECT_EQ(*reader->Floats("x", 3), (std::vector<float>{1.5f, -2.0f, 0.0f}));
   EXPECT_EQ(*reader->Ints("steps", 2), (std::vector<int64_t>{40, 40}));
-  EXPECT_EQ(reader->Floats("x", 4).status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_EQ(reader->Floats("y", 3).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(reader->Floats("x", 4).status().code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(reader->Floats("y", 3).status().code(),
+            absl::StatusCode::kDataLoss);
   EXPECT_EQ(reader->Ints("x", 3).status().code(), absl::StatusCode::kDataLoss);
 }
 
 TEST_F(CheckpointFileTest, MissingTruncatedAndModifiedFiles) {
-  EXPECT_EQ(CheckpointReader::Open(path_).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(CheckpointReader::Open(path_).status().code(),
+            absl::StatusCode::kNotFound);
   CheckpointWriter writer({"worker", 0, 1, 2, 3});
   writer.AddFloats("e", std::vector<float>(100, 0.25f));
   ASSERT_TRUE(writer.Write(path_).ok());
   const std::string good = Bytes();
   for (size_t cut : {size_t{0}, size_t{5}, good.size() / 2, good.size() - 1}) {
     Overwrite(good.substr(0, cut));
-    EXPECT_EQ(CheckpointReader::Open(path_).status().code(), absl::StatusCode::kDataLoss) << cut;
+    EXPECT_EQ(CheckpointReader::Open(path_).status().code(),
+              absl::StatusCode::kDataLoss)
+        << cut;
   }
   for (size_t at : {size_t{9}, size_t{30}, good.size() / 2, good.size() - 3}) {
     std::string bad = good;

@@ -1,7 +1,6 @@
 #include "proto/job_config.h"
 
 #include "absl/strings/str_cat.h"
-
 #include "gtest/gtest.h"
 
 namespace morse::proto {
@@ -26,7 +25,8 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
   EXPECT_EQ(a.warmup_codec.kind, compress::CodecKind::kFp32);
   EXPECT_EQ(a.worker_feedback.kind, compress::FeedbackKind::kEf);
   EXPECT_EQ(a.server_feedback.kind, compress::FeedbackKind::kEf);
-  EXPECT_TRUE(a.bias_correction);     // DESIGN 2.1: on by default for onebit_adam too
+  EXPECT_TRUE(
+      a.bias_correction);  // DESIGN 2.1: on by default for onebit_adam too
   EXPECT_TRUE(a.mask_zero_variance);
   EXPECT_TRUE(a.bound_update);
   EXPECT_EQ(a.layout.block_elems, 2048u);
@@ -36,17 +36,21 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
 }
 
 TEST(JobConfigTest, AdamDefaultsAndJson) {
-  auto job = ParseJobConfig(R"({"workers": 2, "shards": 1, "mlp": {"trainPath": "t.csv",
+  auto job = ParseJobConfig(
+      R"({"workers": 2, "shards": 1, "mlp": {"trainPath": "t.csv",
       "features": 64, "classes": 10, "hidden": [32, 16]}, "optimizer": "adam",
       "lr": {"lr": 0.01}, "steps": 10, "upCodec": {"codec": "int4"},
       "workerFeedback": {"mode": "ema", "beta": 0.5}})",
-                            ConfigFormat::kJson);
+      ConfigFormat::kJson);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_TRUE(job->algorithm.bias_correction);
   EXPECT_EQ(job->algorithm.up_codec.kind, compress::CodecKind::kInt4);
-  EXPECT_EQ(job->algorithm.down_codec.kind, compress::CodecKind::kInt4);  // follows up
-  EXPECT_EQ(job->algorithm.server_feedback.kind, compress::FeedbackKind::kEma);  // follows worker
-  EXPECT_EQ(job->algorithm.layout.dim, 64u * 32 + 32 + 32 * 16 + 16 + 16 * 10 + 10);
+  EXPECT_EQ(job->algorithm.down_codec.kind,
+            compress::CodecKind::kInt4);  // follows up
+  EXPECT_EQ(job->algorithm.server_feedback.kind,
+            compress::FeedbackKind::kEma);  // follows worker
+  EXPECT_EQ(job->algorithm.layout.dim,
+            64u * 32 + 32 + 32 * 16 + 16 + 16 * 10 + 10);
 }
 
 TEST(JobConfigTest, ErrorsNameTheField) {
@@ -54,32 +58,47 @@ TEST(JobConfigTest, ErrorsNameTheField) {
     const char* text;
     const char* field;
   } cases[] = {
-      {"workers: 0 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1", "workers"},
+      {"workers: 0 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1",
+       "workers"},
       {"workers: 1 shards: 1 lr { lr: 1 } steps: 1", "workload"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 0 } steps: 1", "lr"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"sgd\"",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 0 } steps: 1",
+       "lr"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"sgd\"",
        "optimizer"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 up_codec { codec: \"int3\" }",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "up_codec { codec: \"int3\" }",
        "up_codec"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 warmup_codec { codec: \"sign1\" }",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "warmup_codec { codec: \"sign1\" }",
        "job"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 block_elems: 24",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "block_elems: 24",
        "block_elems"},
-      {"workers: 1 shards: 9 synthetic { dim: 10 } lr { lr: 1 } steps: 1", "shards"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 5 freeze_step: 9",
+      {"workers: 1 shards: 9 synthetic { dim: 10 } lr { lr: 1 } steps: 1",
+       "shards"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 5 "
+       "freeze_step: 9",
        "freeze_step"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ema\" beta: 2 }",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "worker_feedback { mode: \"ema\" beta: 2 }",
        "worker_feedback"},
-      {"workers: 1 shards: 1 mlp { train_path: \"x\" } lr { lr: 1 } steps: 1", "mlp.features"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"adam\" mask_zero_variance: true",
+      {"workers: 1 shards: 1 mlp { train_path: \"x\" } lr { lr: 1 } steps: 1",
+       "mlp.features"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"adam\" mask_zero_variance: true",
        "mask_zero_variance"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 optimizer: \"adam\" bound_update: true",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"adam\" bound_update: true",
        "bound_update"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ef\" beta: 0.5 }",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "worker_feedback { mode: \"ef\" beta: 0.5 }",
        "worker_feedback"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 worker_feedback { mode: \"ema\" beta: 0 }",
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "worker_feedback { mode: \"ema\" beta: 0 }",
        "worker_feedback"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 layer_elems: 5 } lr { lr: 1 } steps: 1",
+      {"workers: 1 shards: 1 synthetic { dim: 10 layer_elems: 5 } lr { lr: 1 } "
+       "steps: 1",
        "synthetic.layer_elems"},
       {"workers: 1 bogus: 3", "bogus"},
   };
@@ -94,8 +113,10 @@ TEST(JobConfigTest, ErrorsNameTheField) {
 
 TEST(JobConfigTest, OneBitOptionsCanBeTurnedOff) {
   auto job = ParseJobConfig(
-      "workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 4 freeze_step: 2 "
-      "adam { bias_correction: false } mask_zero_variance: false bound_update: false",
+      "workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 4 "
+      "freeze_step: 2 "
+      "adam { bias_correction: false } mask_zero_variance: false bound_update: "
+      "false",
       ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_FALSE(job->algorithm.bias_correction);
@@ -105,7 +126,8 @@ TEST(JobConfigTest, OneBitOptionsCanBeTurnedOff) {
 
 TEST(JobConfigTest, EmaWithoutBetaIsHalf) {
   auto job = ParseJobConfig(
-      "workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 4 optimizer: \"adam\" "
+      "workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 4 "
+      "optimizer: \"adam\" "
       "up_codec { codec: \"int4\" } worker_feedback { mode: \"ema\" }",
       ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
@@ -118,10 +140,12 @@ TEST(JobConfigTest, EmaWithoutBetaIsHalf) {
 // replay_steps steps: fp32 in 1-bit Adam's warmup, then 1 bit.
 TEST(JobConfigTest, StateBytesCountWhatIsKeptForReplay) {
   const auto job = [](const std::string& checkpoint, int freeze = 10) {
-    auto parsed = ParseJobConfig(absl::StrCat("workers: 2 shards: 1 synthetic { dim: 4194304 } lr { lr: 1 } "
-                                              "steps: 100 optimizer: \"onebit_adam\" freeze_step: ", freeze,
-                                              " ", checkpoint),
-                                 ConfigFormat::kText);
+    auto parsed = ParseJobConfig(
+        absl::StrCat(
+            "workers: 2 shards: 1 synthetic { dim: 4194304 } lr { lr: 1 } "
+            "steps: 100 optimizer: \"onebit_adam\" freeze_step: ",
+            freeze, " ", checkpoint),
+        ConfigFormat::kText);
     EXPECT_TRUE(parsed.ok()) << parsed.status();
     return *parsed;
   };
@@ -132,12 +156,15 @@ TEST(JobConfigTest, StateBytesCountWhatIsKeptForReplay) {
   const uint64_t worker_extra = WorkerStateBytes(kept) - WorkerStateBytes(none);
   EXPECT_GE(worker_extra, fp32_steps);
   EXPECT_LE(worker_extra, fp32_steps * 11 / 10);
-  const uint64_t shard_extra = ShardStateBytes(kept, dim) - ShardStateBytes(none, dim);
+  const uint64_t shard_extra =
+      ShardStateBytes(kept, dim) - ShardStateBytes(none, dim);
   EXPECT_GE(shard_extra, fp32_steps);
   EXPECT_LE(shard_extra, fp32_steps * 11 / 10);
   // A warmup of 2 steps: 2 fp32 steps and 8 of 1 bit are kept at most.
-  const JobSpec short_warmup = job("checkpoint { every_steps: 9 }", 2), short_none = job("", 2);
-  const uint64_t short_extra = WorkerStateBytes(short_warmup) - WorkerStateBytes(short_none);
+  const JobSpec short_warmup = job("checkpoint { every_steps: 9 }", 2),
+                short_none = job("", 2);
+  const uint64_t short_extra =
+      WorkerStateBytes(short_warmup) - WorkerStateBytes(short_none);
   EXPECT_GE(short_extra, 2 * 4 * dim + 8 * dim / 8);
   EXPECT_LE(short_extra, (2 * 4 * dim + 8 * dim / 8) * 11 / 10);
   // An absurd retention saturates instead of wrapping round.
@@ -145,7 +172,9 @@ TEST(JobConfigTest, StateBytesCountWhatIsKeptForReplay) {
   absurd.replay_steps = 4000000000u;
   absurd.algorithm.layout.dim = uint64_t{1} << 62;
   EXPECT_EQ(WorkerStateBytes(absurd), UINT64_MAX);
-  EXPECT_FALSE(CheckFitsInMemory(WorkerStateBytes(absurd), "worker", uint64_t{1} << 40).ok());
+  EXPECT_FALSE(
+      CheckFitsInMemory(WorkerStateBytes(absurd), "worker", uint64_t{1} << 40)
+          .ok());
 }
 
 TEST(JobConfigTest, MissingFileIsNotFound) {
@@ -165,17 +194,25 @@ namespace {
 // onebit_lamb's FetchPartition (x, m, v, v' and the layers' state) of the
 // largest partition (16 bytes an element); gRPC must allow them.
 TEST(WireTest, MessageLimitHoldsAFetchedPartition) {
-  for (const char* layout : {"partition_elems: 262144", "partition_elems: 1048576",
-                             "block_elems: 16 partition_elems: 64"}) {
-    for (const char* optimizer : {"} ", "layer_elems: 100 } optimizer: \"onebit_lamb\" "}) {
-      auto job = ParseJobConfig(absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 ", optimizer,
-                                             "lr { lr: 0.1 } steps: 1 freeze_step: 1 ", layout),
-                                ConfigFormat::kText);
+  for (const char* layout :
+       {"partition_elems: 262144", "partition_elems: 1048576",
+        "block_elems: 16 partition_elems: 64"}) {
+    for (const char* optimizer :
+         {"} ", "layer_elems: 100 } optimizer: \"onebit_lamb\" "}) {
+      auto job = ParseJobConfig(
+          absl::StrCat("workers: 1 shards: 1 synthetic { dim: 5000000 ",
+                       optimizer, "lr { lr: 0.1 } steps: 1 freeze_step: 1 ",
+                       layout),
+          ConfigFormat::kText);
       ASSERT_TRUE(job.ok()) << job.status();
-      const uint64_t largest = std::min<uint64_t>(job->algorithm.layout.partition_elems,
-                                                  job->algorithm.layout.dim);
-      const uint64_t layers = job->algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 50000 : 0;
-      EXPECT_GE(static_cast<uint64_t>(MaxMessageBytes(*job)), 16 * largest + 24 * layers + 1024)
+      const uint64_t largest = std::min<uint64_t>(
+          job->algorithm.layout.partition_elems, job->algorithm.layout.dim);
+      const uint64_t layers =
+          job->algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
+              ? 50000
+              : 0;
+      EXPECT_GE(static_cast<uint64_t>(MaxMessageBytes(*job)),
+                16 * largest + 24 * layers + 1024)
           << layout << optimizer;
     }
   }

@@ -29,7 +29,8 @@ std::string BioText(BIO* bio) {
 
 // A self-signed P-256 certificate valid from now + not_before to now +
 // not_after (seconds), and its key, as PEM.
-std::pair<std::string, std::string> SelfSigned(long not_before, long not_after) {
+std::pair<std::string, std::string> SelfSigned(long not_before,
+                                               long not_after) {
   EVP_PKEY* key = EVP_EC_gen("P-256");
   X509* cert = X509_new();
   X509_set_version(cert, 2);
@@ -38,8 +39,9 @@ std::pair<std::string, std::string> SelfSigned(long not_before, long not_after) 
   X509_gmtime_adj(X509_getm_notAfter(cert), not_after);
   X509_set_pubkey(cert, key);
   X509_NAME* name = X509_get_subject_name(cert);
-  X509_NAME_add_entry_by_txt(name, "CN", MBSTRING_ASC,
-                             reinterpret_cast<const unsigned char*>("morse-test"), -1, -1, 0);
+  X509_NAME_add_entry_by_txt(
+      name, "CN", MBSTRING_ASC,
+      reinterpret_cast<const unsigned char*>("morse-test"), -1, -1, 0);
   X509_set_issuer_name(cert, name);
   X509_sign(cert, key, EVP_sha256());
   BIO* cert_bio = BIO_new(BIO_s_mem());
@@ -99,20 +101,23 @@ TEST_F(SecurityOptionsTest, KeyOfAnotherCertificateIsRefused) {
   Pair("server", -60, 86400);
   Pair("other", -60, 86400);
   ExpectRefused(ValidateServerSecurity(Server("server.pem", "other.key")),
-                "--tls_key: " + dir_ + "/other.key is not the key of the certificate in " +
-                    dir_ + "/server.pem");
+                "--tls_key: " + dir_ +
+                    "/other.key is not the key of the certificate in " + dir_ +
+                    "/server.pem");
   // A worker's client certificate likewise.
   SecurityOptions client;
   client.tls_ca = dir_ + "/server.pem";
   client.tls_cert = dir_ + "/other.pem";
   client.tls_key = dir_ + "/server.key";
-  ExpectRefused(ValidateClientSecurity(client), "is not the key of the certificate");
+  ExpectRefused(ValidateClientSecurity(client),
+                "is not the key of the certificate");
 }
 
 TEST_F(SecurityOptionsTest, ExpiredAndNotYetValidCertificatesAreRefused) {
   Pair("expired", -2 * 86400, -86400);
-  ExpectRefused(ValidateServerSecurity(Server("expired.pem", "expired.key")),
-                "--tls_cert: the certificate in " + dir_ + "/expired.pem expired on ");
+  ExpectRefused(
+      ValidateServerSecurity(Server("expired.pem", "expired.key")),
+      "--tls_cert: the certificate in " + dir_ + "/expired.pem expired on ");
   Pair("future", 86400, 2 * 86400);
   ExpectRefused(ValidateServerSecurity(Server("future.pem", "future.key")),
                 "is not valid before");
@@ -134,12 +139,16 @@ TEST_F(SecurityOptionsTest, ExpiredAndNotYetValidCertificatesAreRefused) {
 
 TEST_F(SecurityOptionsTest, FilesThatOnlyLookLikePemAreRefused) {
   Pair("server", -60, 86400);
-  Write("bad.pem", "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
-  Write("bad.key", "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
-  ExpectRefused(ValidateServerSecurity(Server("bad.pem", "server.key")),
-                "--tls_cert: " + dir_ + "/bad.pem: cannot parse the certificate");
-  ExpectRefused(ValidateServerSecurity(Server("server.pem", "bad.key")),
-                "--tls_key: " + dir_ + "/bad.key: cannot parse the private key");
+  Write("bad.pem",
+        "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+  Write("bad.key",
+        "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n");
+  ExpectRefused(
+      ValidateServerSecurity(Server("bad.pem", "server.key")),
+      "--tls_cert: " + dir_ + "/bad.pem: cannot parse the certificate");
+  ExpectRefused(
+      ValidateServerSecurity(Server("server.pem", "bad.key")),
+      "--tls_key: " + dir_ + "/bad.key: cannot parse the private key");
 }
 
 }  // namespace

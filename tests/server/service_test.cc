@@ -20,14 +20,17 @@ std::string Flatten(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;
   EXPECT_TRUE(buffer.Dump(&slices).ok());
   std::string bytes;
-  for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  for (const grpc::Slice& s : slices)
+    bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
   return bytes;
 }
 
 v1::PushReply Parse(const grpc::ByteBuffer& buffer) {
   grpc::ByteBuffer copy(buffer);
   v1::PushReply parsed;
-  EXPECT_TRUE((grpc::GenericDeserialize<grpc::ProtoBufferReader, v1::PushReply>(&copy, &parsed).ok()));
+  EXPECT_TRUE((grpc::GenericDeserialize<grpc::ProtoBufferReader, v1::PushReply>(
+                   &copy, &parsed)
+                   .ok()));
   return parsed;
 }
 
@@ -38,7 +41,8 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
     reply->partition = 70000;
     reply->codec = compress::CodecKind::kSign1;
     reply->payload = std::string(300000, '\0');
-    for (size_t i = 0; i < reply->payload.size(); ++i) reply->payload[i] = static_cast<char>(i * 31);
+    for (size_t i = 0; i < reply->payload.size(); ++i)
+      reply->payload[i] = static_cast<char>(i * 31);
     if (extras) {
       reply->buffers = "rank 0's buffers";
       reply->grad_sum_of_squares = 0.1 + 1e-17;
@@ -53,12 +57,14 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
       expected.set_grad_sum_of_squares(*reply->grad_sum_of_squares);
     }
     const grpc::ByteBuffer wire = SerializePushReply(reply);
-    EXPECT_EQ(Flatten(wire), expected.SerializeAsString()) << "extras " << extras;
+    EXPECT_EQ(Flatten(wire), expected.SerializeAsString())
+        << "extras " << extras;
     // The in-process transport's copy of the reply (tests/inproc) is the
     // same message.
     v1::PushReply message;
     ShardHandler::ToMessage(*reply, &message);
-    EXPECT_EQ(message.SerializeAsString(), expected.SerializeAsString()) << "extras " << extras;
+    EXPECT_EQ(message.SerializeAsString(), expected.SerializeAsString())
+        << "extras " << extras;
     const v1::PushReply parsed = Parse(wire);
     EXPECT_EQ(parsed.step(), reply->step);
     EXPECT_EQ(parsed.partition(), reply->partition);
@@ -81,11 +87,13 @@ TEST(SerializePushReplyTest, SendsThePayloadItselfAndKeepsItAlive) {
   std::unique_ptr<grpc::ByteBuffer> wire;
   {
     auto first = std::make_unique<grpc::ByteBuffer>(SerializePushReply(reply));
-    wire = std::make_unique<grpc::ByteBuffer>(SerializePushReply(reply));  // a second worker's
+    wire = std::make_unique<grpc::ByteBuffer>(
+        SerializePushReply(reply));  // a second worker's
     std::vector<grpc::Slice> slices;
     ASSERT_TRUE(first->Dump(&slices).ok());
     bool shared = false;
-    for (const grpc::Slice& s : slices) shared |= reinterpret_cast<const char*>(s.begin()) == payload;
+    for (const grpc::Slice& s : slices)
+      shared |= reinterpret_cast<const char*>(s.begin()) == payload;
     EXPECT_TRUE(shared) << "the payload was copied";
   }
   reply.reset();

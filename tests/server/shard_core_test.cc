@@ -36,22 +36,27 @@ constexpr char kConfig[] = R"(
 // `shard`.
 void InitializeAll(ShardCore& core, uint32_t shard = 1) {
   for (const auto& p : core.layout().shard_partitions(shard)) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    const std::vector<float> x0 =
+        compress::testing::VariedData(p.range.size(), p.id);
     ASSERT_TRUE(core.InitPartition(0, p.id, core.layout().fingerprint(),
-                                   {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                                   {reinterpret_cast<const char*>(x0.data()),
+                                    4 * x0.size()})
                     .ok());
   }
 }
 
 // Rank `rank`'s push of `step` to partition p: varied values of its own,
 // encoded with `codec`.
-PushArgs EncodedPush(uint64_t fingerprint, compress::CodecSpec codec, int64_t step, uint32_t rank,
+PushArgs EncodedPush(uint64_t fingerprint, compress::CodecSpec codec,
+                     int64_t step, uint32_t rank,
                      const compress::Partition& p) {
-  const std::vector<float> x = compress::testing::VariedData(p.range.size(), 100 * step + rank);
+  const std::vector<float> x =
+      compress::testing::VariedData(p.range.size(), 100 * step + rank);
   PushArgs args{step, rank, p.id, fingerprint, codec.kind, {}, std::nullopt};
   args.payload.resize(compress::PayloadBytes(codec, x.size()));
   EXPECT_TRUE(compress::Encode(codec, x, {},
-                               {reinterpret_cast<uint8_t*>(args.payload.data()), args.payload.size()})
+                               {reinterpret_cast<uint8_t*>(args.payload.data()),
+                                args.payload.size()})
                   .ok());
   return args;
 }
@@ -64,22 +69,28 @@ class ShardCoreTest : public ::testing::Test {
     InitializeAll(*core_);
   }
   uint64_t fingerprint() const { return core_->layout().fingerprint(); }
-  const compress::Partition& first() const { return core_->layout().shard_partitions(1)[0]; }
+  const compress::Partition& first() const {
+    return core_->layout().shard_partitions(1)[0];
+  }
 
   PushArgs Args(int64_t step, uint32_t rank, const compress::Partition& p) {
-    return EncodedPush(fingerprint(), compress::PlanStep(job_.algorithm, step).up, step, rank, p);
+    return EncodedPush(fingerprint(),
+                       compress::PlanStep(job_.algorithm, step).up, step, rank,
+                       p);
   }
 
   // Pushes and returns the status so far ("pending" while the step waits),
   // capturing the reply if one came. The callback owns what it writes to, as
   // it may run long after this returns.
-  absl::Status Push(PushArgs args, std::shared_ptr<const Reply>* reply = nullptr) {
+  absl::Status Push(PushArgs args,
+                    std::shared_ptr<const Reply>* reply = nullptr) {
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
     auto got = std::make_shared<std::shared_ptr<const Reply>>();
-    core_->Push(std::move(args), [status, got](absl::StatusOr<std::shared_ptr<const Reply>> r) {
-      *status = r.status();
-      if (r.ok()) *got = *r;
-    });
+    core_->Push(std::move(args),
+                [status, got](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+                  *status = r.status();
+                  if (r.ok()) *got = *r;
+                });
     if (reply != nullptr) *reply = *got;
     return *status;
   }
@@ -116,7 +127,8 @@ TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
   for (int64_t t = 0; t < kSteps; ++t) {
     for (const compress::Partition& p : partitions) {
       std::shared_ptr<const Reply> reply;
-      for (uint32_t r = 0; r < 3; ++r) ASSERT_EQ(Push(Args(t, r, p), &reply).ok(), r == 2);
+      for (uint32_t r = 0; r < 3; ++r)
+        ASSERT_EQ(Push(Args(t, r, p), &reply).ok(), r == 2);
       expected.push_back(reply->payload);
     }
   }
@@ -134,7 +146,8 @@ TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
       for (size_t i = 0; i < partitions.size(); ++i) {
         for (uint32_t r = 0; r < 3; ++r) {
           pooled->Push(Args(t, r, partitions[i]),
-                       [&, slot = first_reply + i, r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
+                       [&, slot = first_reply + i,
+                        r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
                          MutexLock lock(&mu);
                          ASSERT_TRUE(reply.ok()) << reply.status();
                          if (r == 0) got[slot] = (*reply)->payload;
@@ -147,7 +160,8 @@ TEST_F(ShardCoreTest, AComputePoolOfAnySizeGivesTheInlineCoresBits) {
         const size_t* answered;
         size_t want;
       } wait{&answered, 3 * (first_reply + partitions.size())};
-      mu.Await(absl::Condition(+[](Wait* w) { return *w->answered == w->want; }, &wait));
+      mu.Await(absl::Condition(
+          +[](Wait* w) { return *w->answered == w->want; }, &wait));
     }
     EXPECT_EQ(got, expected);
     EXPECT_EQ(pooled->Status().completed_steps, kSteps);
@@ -159,10 +173,11 @@ TEST_F(ShardCoreTest, EveryWorkerGetsTheSameReplyAndRetriesToo) {
   std::vector<std::shared_ptr<const Reply>> got(3);
   std::vector<absl::Status> status(3, absl::UnknownError("none"));
   for (uint32_t r = 0; r < 3; ++r) {
-    core_->Push(Args(0, r, first()), [&, r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
-      status[r] = reply.status();
-      if (reply.ok()) got[r] = *reply;
-    });
+    core_->Push(Args(0, r, first()),
+                [&, r](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
+                  status[r] = reply.status();
+                  if (reply.ok()) got[r] = *reply;
+                });
   }
   for (uint32_t r = 0; r < 3; ++r) {
     ASSERT_TRUE(status[r].ok()) << status[r];
@@ -190,7 +205,9 @@ TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
     core_ = *ShardCore::Create(job_, 1);
     ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
     for (int64_t step : {0, 1}) {
-      for (uint32_t r = 0; r < 3; ++r) ASSERT_NE(Push(Args(step, r, first())).code(), absl::StatusCode::kInternal);
+      for (uint32_t r = 0; r < 3; ++r)
+        ASSERT_NE(Push(Args(step, r, first())).code(),
+                  absl::StatusCode::kInternal);
     }
     const double error_before = core_->ServerErrorNorm();
     ASSERT_GT(error_before, 0.0);
@@ -202,7 +219,9 @@ TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
       last = Push(std::move(huge));
     }
     EXPECT_EQ(last.code(), absl::StatusCode::kInternal) << last;
-    EXPECT_NE(last.message().find("recompression failed"), absl::string_view::npos) << last;
+    EXPECT_NE(last.message().find("recompression failed"),
+              absl::string_view::npos)
+        << last;
     EXPECT_EQ(core_->ServerErrorNorm(), error_before);
 
     // The same step again with sane pushes: a fresh shard's reply.
@@ -239,17 +258,21 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   PushArgs bad = Args(0, 0, first());
   bad.hyper = compress::StepHyper{-1.0f, 0.0f};
   EXPECT_EQ(Push(bad).code(), absl::StatusCode::kInvalidArgument);
-  bad.hyper = compress::StepHyper{std::numeric_limits<float>::quiet_NaN(), 0.0f};
+  bad.hyper =
+      compress::StepHyper{std::numeric_limits<float>::quiet_NaN(), 0.0f};
   EXPECT_EQ(Push(bad).code(), absl::StatusCode::kInvalidArgument);
 
   PushArgs a = Args(0, 0, first());
   a.hyper = hyper;
-  EXPECT_EQ(Push(a).code(), absl::StatusCode::kUnknown);  // waits for the others
+  EXPECT_EQ(Push(a).code(),
+            absl::StatusCode::kUnknown);  // waits for the others
   PushArgs other = Args(0, 1, first());
   other.hyper = compress::StepHyper{0.25f, 0.01f};
   const absl::Status refused = Push(other);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
-  EXPECT_NE(refused.message().find("same learning rate"), absl::string_view::npos) << refused;
+  EXPECT_NE(refused.message().find("same learning rate"),
+            absl::string_view::npos)
+      << refused;
   PushArgs none = Args(0, 1, first());  // the schedule, against rank 0's values
   EXPECT_EQ(Push(none).code(), absl::StatusCode::kFailedPrecondition);
   for (uint32_t r = 1; r < 3; ++r) {
@@ -261,7 +284,8 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   // schedule's lr instead: its mirror differs.
   auto plain = *ShardCore::Create(job_, 1);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*plain));
-  for (uint32_t r = 0; r < 3; ++r) plain->Push(Args(0, r, first()), [](auto) {});
+  for (uint32_t r = 0; r < 3; ++r)
+    plain->Push(Args(0, r, first()), [](auto) {});
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
@@ -281,14 +305,17 @@ TEST_F(ShardCoreTest, TheShardAnswersFirstAndReadersSeeTheWholeStep) {
   absl::Status saved = absl::UnknownError("callback not run");
   PartitionSnapshot inside;
   uint64_t checksum_inside = 0;
-  core_->Push(Args(0, 2, partitions.back()), [&](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
-    ASSERT_TRUE(reply.ok()) << reply.status();
-    saved = core_->SaveCheckpoint(path);
-    inside = *core_->FetchPartition(partitions.back().id, fingerprint());
-    checksum_inside = core_->MirrorChecksum();
-  });
+  core_->Push(Args(0, 2, partitions.back()),
+              [&](absl::StatusOr<std::shared_ptr<const Reply>> reply) {
+                ASSERT_TRUE(reply.ok()) << reply.status();
+                saved = core_->SaveCheckpoint(path);
+                inside =
+                    *core_->FetchPartition(partitions.back().id, fingerprint());
+                checksum_inside = core_->MirrorChecksum();
+              });
   ASSERT_TRUE(saved.ok()) << saved;
-  const PartitionSnapshot after = *core_->FetchPartition(partitions.back().id, fingerprint());
+  const PartitionSnapshot after =
+      *core_->FetchPartition(partitions.back().id, fingerprint());
   EXPECT_EQ(inside.completed_steps, 1);
   EXPECT_EQ(inside.x, after.x);
   EXPECT_EQ(inside.m, after.m);
@@ -304,10 +331,12 @@ TEST_F(ShardCoreTest, TheShardAnswersFirstAndReadersSeeTheWholeStep) {
 
 TEST_F(ShardCoreTest, OnlyTheLastCompletedStepIsKept) {
   for (int64_t step = 0; step < 3; ++step) {
-    for (uint32_t r = 0; r < 3; ++r) core_->Push(Args(step, r, first()), [](auto) {});
+    for (uint32_t r = 0; r < 3; ++r)
+      core_->Push(Args(step, r, first()), [](auto) {});
   }
   EXPECT_TRUE(Push(Args(2, 0, first())).ok());
-  EXPECT_EQ(Push(Args(1, 0, first())).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Push(Args(1, 0, first())).code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // With checkpoint.replay_steps = K the shard keeps the replies of its last
@@ -315,19 +344,22 @@ TEST_F(ShardCoreTest, OnlyTheLastCompletedStepIsKept) {
 // each step's reply again if it pushes the same bytes, and a clear refusal
 // for other bytes or a step no longer kept. Nothing changes either way.
 TEST_F(ShardCoreTest, TheLastReplayStepsRepliesAreKeptForRestartedWorkers) {
-  job_ = *proto::ParseJobConfig(std::string(kConfig) + "checkpoint { every_steps: 2 }",
-                                proto::ConfigFormat::kText);
+  job_ = *proto::ParseJobConfig(
+      std::string(kConfig) + "checkpoint { every_steps: 2 }",
+      proto::ConfigFormat::kText);
   ASSERT_EQ(job_.replay_steps, 3u);
   core_ = *ShardCore::Create(job_, 1);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
   std::vector<std::shared_ptr<const Reply>> replies;
   for (int64_t step = 0; step < 6; ++step) {
     std::shared_ptr<const Reply> reply;
-    for (uint32_t r = 0; r < 3; ++r) ASSERT_EQ(Push(Args(step, r, first()), &reply).ok(), r == 2);
+    for (uint32_t r = 0; r < 3; ++r)
+      ASSERT_EQ(Push(Args(step, r, first()), &reply).ok(), r == 2);
     replies.push_back(reply);
   }
   const uint64_t mirror = core_->MirrorChecksum();
-  for (int64_t step : {3, 4, 5}) {  // steps 3 and 4 from the history, 5 the last
+  for (int64_t step :
+       {3, 4, 5}) {  // steps 3 and 4 from the history, 5 the last
     for (uint32_t r = 0; r < 3; ++r) {
       std::shared_ptr<const Reply> again;
       ASSERT_TRUE(Push(Args(step, r, first()), &again).ok()) << step;
@@ -338,41 +370,54 @@ TEST_F(ShardCoreTest, TheLastReplayStepsRepliesAreKeptForRestartedWorkers) {
   other.payload[0] ^= 1;
   const absl::Status changed = Push(std::move(other));
   EXPECT_EQ(changed.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(changed.message().find("with other bytes than it pushed then"), std::string::npos) << changed;
+  EXPECT_NE(changed.message().find("with other bytes than it pushed then"),
+            std::string::npos)
+      << changed;
   const absl::Status gone = Push(Args(2, 1, first()));
   EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(gone.message().find("keeps the replies of steps 3 on"), std::string::npos) << gone;
+  EXPECT_NE(gone.message().find("keeps the replies of steps 3 on"),
+            std::string::npos)
+      << gone;
   EXPECT_EQ(core_->MirrorChecksum(), mirror);
-  EXPECT_EQ(core_->Status().completed_steps, 0);  // the other partitions never stepped
+  EXPECT_EQ(core_->Status().completed_steps,
+            0);  // the other partitions never stepped
   // The next step goes on as before.
-  for (uint32_t r = 0; r < 3; ++r) EXPECT_EQ(Push(Args(6, r, first())).ok(), r == 2);
+  for (uint32_t r = 0; r < 3; ++r)
+    EXPECT_EQ(Push(Args(6, r, first())).ok(), r == 2);
 }
 
 TEST_F(ShardCoreTest, InitializationRules) {
   auto fresh = *ShardCore::Create(job_, 0);
   const auto& p = fresh->layout().shard_partitions(0)[0];
   const std::vector<float> x0(p.range.size(), 1.0f);
-  const absl::string_view bytes(reinterpret_cast<const char*>(x0.data()), 4 * x0.size());
+  const absl::string_view bytes(reinterpret_cast<const char*>(x0.data()),
+                                4 * x0.size());
   // Pushes wait for initial values.
   absl::Status status;
   fresh->Push(Args(0, 0, p), [&](auto r) { status = r.status(); });
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable);
   EXPECT_EQ(fresh->InitPartition(1, p.id, fingerprint(), bytes).code(),
             absl::StatusCode::kFailedPrecondition);  // only rank 0
-  EXPECT_EQ(fresh->InitPartition(0, p.id, fingerprint(), bytes.substr(4)).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      fresh->InitPartition(0, p.id, fingerprint(), bytes.substr(4)).code(),
+      absl::StatusCode::kInvalidArgument);
   std::vector<float> nan = x0;
   nan[3] = NAN;
-  EXPECT_EQ(fresh->InitPartition(0, p.id, fingerprint(),
-                                 {reinterpret_cast<const char*>(nan.data()), bytes.size()})
+  EXPECT_EQ(fresh
+                ->InitPartition(
+                    0, p.id, fingerprint(),
+                    {reinterpret_cast<const char*>(nan.data()), bytes.size()})
                 .code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(fresh->InitPartition(0, p.id, fingerprint(), bytes).ok());
-  EXPECT_TRUE(fresh->InitPartition(0, p.id, fingerprint(), bytes).ok());  // idempotent
+  EXPECT_TRUE(
+      fresh->InitPartition(0, p.id, fingerprint(), bytes).ok());  // idempotent
   std::vector<float> other = x0;
   other[0] = 2.0f;
-  EXPECT_EQ(fresh->InitPartition(0, p.id, fingerprint(),
-                                 {reinterpret_cast<const char*>(other.data()), bytes.size()})
+  EXPECT_EQ(fresh
+                ->InitPartition(
+                    0, p.id, fingerprint(),
+                    {reinterpret_cast<const char*>(other.data()), bytes.size()})
                 .code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(fresh->Status().partitions_initialized, 1u);
@@ -380,10 +425,12 @@ TEST_F(ShardCoreTest, InitializationRules) {
 
 TEST_F(ShardCoreTest, TheObserverSeesEveryStepOnceInOrder) {
   std::vector<int64_t> seen;
-  core_->SetStepObserver([&](int64_t step, const ShardCore&) { seen.push_back(step); });
+  core_->SetStepObserver(
+      [&](int64_t step, const ShardCore&) { seen.push_back(step); });
   for (int64_t step = 0; step < 3; ++step) {
     for (const auto& p : core_->layout().shard_partitions(1)) {
-      for (uint32_t r = 0; r < 3; ++r) core_->Push(Args(step, r, p), [](auto) {});
+      for (uint32_t r = 0; r < 3; ++r)
+        core_->Push(Args(step, r, p), [](auto) {});
     }
   }
   EXPECT_EQ(seen, (std::vector<int64_t>{0, 1, 2}));
@@ -398,16 +445,20 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
   EXPECT_TRUE(status.ok());
   // Past the step timeout the step is only reported as stalled...
   EXPECT_FALSE(core_->Stalled(absl::Now()).has_value());
-  const absl::Time late = absl::Now() + absl::Seconds(job_.step_timeout_seconds + 1);
+  const absl::Time late =
+      absl::Now() + absl::Seconds(job_.step_timeout_seconds + 1);
   const std::optional<std::string> stalled = core_->Stalled(late);
   ASSERT_TRUE(stalled.has_value());
   EXPECT_NE(stalled->find("for rank(s) 1, 2"), std::string::npos) << *stalled;
   core_->ExpireWaiting(late);
   EXPECT_TRUE(status.ok());
   // ...and fails past the recovery timeout.
-  core_->ExpireWaiting(absl::Now() + absl::Seconds(job_.recovery_timeout_seconds + 1));
+  core_->ExpireWaiting(absl::Now() +
+                       absl::Seconds(job_.recovery_timeout_seconds + 1));
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_NE(status.message().find("rank(s) 1, 2 did not push"), absl::string_view::npos) << status;
+  EXPECT_NE(status.message().find("rank(s) 1, 2 did not push"),
+            absl::string_view::npos)
+      << status;
   EXPECT_EQ(core_->MirrorChecksum(), before);
 }
 
@@ -417,25 +468,34 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
 // Join clears the abort the same step completes as if nothing happened.
 TEST_F(ShardCoreTest, AnAbortFailsTheStepForEveryWorkerAndChangesNothing) {
   std::shared_ptr<const Reply> step0;
-  for (uint32_t r = 0; r < 3; ++r) ASSERT_TRUE(Push(Args(0, r, first()), &step0).ok() || r < 2);
+  for (uint32_t r = 0; r < 3; ++r)
+    ASSERT_TRUE(Push(Args(0, r, first()), &step0).ok() || r < 2);
   ASSERT_NE(step0, nullptr);
   const uint64_t before = core_->MirrorChecksum();
   absl::Status waiting;
   core_->Push(Args(1, 0, first()), [&](auto r) { waiting = r.status(); });
   EXPECT_TRUE(waiting.ok());  // not called yet
-  EXPECT_EQ(core_->Abort(7, 1, fingerprint(), "x").code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core_->Abort(2, 1, fingerprint() + 1, "x").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_->Abort(7, 1, fingerprint(), "x").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Abort(2, 1, fingerprint() + 1, "x").code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_FALSE(core_->aborted().has_value());
-  ASSERT_TRUE(core_->Abort(2, 1, fingerprint(), "sign1: a block scale is not finite").ok());
+  ASSERT_TRUE(
+      core_->Abort(2, 1, fingerprint(), "sign1: a block scale is not finite")
+          .ok());
   EXPECT_EQ(waiting.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(waiting.message(), "rank 2 stopped the job at step 1: sign1: a block scale is not finite");
-  ASSERT_TRUE(core_->Abort(0, 1, fingerprint(), "a second reason").ok());  // the first wins
+  EXPECT_EQ(
+      waiting.message(),
+      "rank 2 stopped the job at step 1: sign1: a block scale is not finite");
+  ASSERT_TRUE(core_->Abort(0, 1, fingerprint(), "a second reason")
+                  .ok());  // the first wins
   EXPECT_EQ(*core_->aborted(), waiting.message());
   const absl::Status later = Push(Args(1, 1, first()));
   EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(later.message(), waiting.message());
   std::shared_ptr<const Reply> retry;
-  ASSERT_TRUE(Push(Args(0, 1, first()), &retry).ok());  // step 0 is before the abort
+  ASSERT_TRUE(
+      Push(Args(0, 1, first()), &retry).ok());  // step 0 is before the abort
   EXPECT_EQ(retry->payload, step0->payload);
   EXPECT_EQ(core_->MirrorChecksum(), before);
 
@@ -456,9 +516,11 @@ TEST_F(ShardCoreTest, AnAbortFailsTheStepForEveryWorkerAndChangesNothing) {
 // whole model's total arrives (Commit, or the next step's pushes), scaled by
 // the clip factor, and until then the step observer waits and checkpoints
 // and fetches are refused. Bad totals change nothing.
-TEST_F(ShardCoreTest, AClippedStepWaitsForTheWholeModelsNormBeforeTheMirrorMoves) {
+TEST_F(ShardCoreTest,
+       AClippedStepWaitsForTheWholeModelsNormBeforeTheMirrorMoves) {
   std::string config(kConfig);
-  config.replace(config.find("freeze_step: 1"), 14, "freeze_step: 3 clip_grad_norm: 0.5");
+  config.replace(config.find("freeze_step: 1"), 14,
+                 "freeze_step: 3 clip_grad_norm: 0.5");
   job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   ASSERT_EQ(job_.algorithm.clip_grad_norm, 0.5f);
   core_ = *ShardCore::Create(job_, 1);
@@ -466,19 +528,25 @@ TEST_F(ShardCoreTest, AClippedStepWaitsForTheWholeModelsNormBeforeTheMirrorMoves
   const compress::Range range = core_->layout().shard_range(1);
   compress::Replica expected(job_.algorithm, range);
   for (const auto& p : parts) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core_->InitPartition(0, p.id, fingerprint(),
-                                     {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+    const std::vector<float> x0 =
+        compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core_
+                    ->InitPartition(0, p.id, fingerprint(),
+                                    {reinterpret_cast<const char*>(x0.data()),
+                                     4 * x0.size()})
                     .ok());
-    std::copy(x0.begin(), x0.end(), expected.x().begin() + (p.range.begin - range.begin));
+    std::copy(x0.begin(), x0.end(),
+              expected.x().begin() + (p.range.begin - range.begin));
   }
   std::vector<int64_t> seen;
-  core_->SetStepObserver([&](int64_t step, const ShardCore&) { seen.push_back(step); });
+  core_->SetStepObserver(
+      [&](int64_t step, const ShardCore&) { seen.push_back(step); });
   // One step of every partition; `previous` rides on the pushes. Returns
   // the whole model's sum of squares (this shard's plus 3.0 for the other
   // shard's partitions) and the largest partition's own.
   std::vector<std::shared_ptr<const Reply>> replies(parts.size());
-  const auto step = [&](int64_t t, std::optional<double> previous, double* largest) {
+  const auto step = [&](int64_t t, std::optional<double> previous,
+                        double* largest) {
     double total = 0;
     *largest = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -497,29 +565,41 @@ TEST_F(ShardCoreTest, AClippedStepWaitsForTheWholeModelsNormBeforeTheMirrorMoves
   const auto apply = [&](int64_t t, double total) {
     for (size_t i = 0; i < parts.size(); ++i) {
       const std::string& payload = replies[i]->payload;
-      ASSERT_TRUE(expected
-                      .ApplyReply(t, parts[i].range.begin, parts[i].range.size(),
-                                  {reinterpret_cast<const uint8_t*>(payload.data()), payload.size()},
-                                  nullptr, compress::ClipScale(total, 0.5f))
-                      .ok());
+      ASSERT_TRUE(
+          expected
+              .ApplyReply(t, parts[i].range.begin, parts[i].range.size(),
+                          {reinterpret_cast<const uint8_t*>(payload.data()),
+                           payload.size()},
+                          nullptr, compress::ClipScale(total, 0.5f))
+              .ok());
     }
   };
   double largest = 0;
   const double total0 = step(0, std::nullopt, &largest);
-  ASSERT_LT(compress::ClipScale(total0, 0.5f), 0.5f);  // the clip does something
+  ASSERT_LT(compress::ClipScale(total0, 0.5f),
+            0.5f);  // the clip does something
   EXPECT_TRUE(seen.empty());
-  EXPECT_EQ(core_->Snapshot().status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_->Snapshot().status().code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(core_->FetchPartition(first().id, fingerprint()).status().code(),
             absl::StatusCode::kUnavailable);
   const uint64_t before = core_->MirrorChecksum();
-  EXPECT_EQ(Push(Args(1, 0, first())).code(), absl::StatusCode::kFailedPrecondition);  // no norm
-  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), -1).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), std::numeric_limits<double>::quiet_NaN()).code(),
+  EXPECT_EQ(Push(Args(1, 0, first())).code(),
+            absl::StatusCode::kFailedPrecondition);  // no norm
+  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), -1).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core_->Commit(7, 0, fingerprint(), total0).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core_->Commit(0, 1, fingerprint(), total0).code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), largest / 2).code(),
-            absl::StatusCode::kFailedPrecondition);  // less than one partition's own
+  EXPECT_EQ(core_
+                ->Commit(0, 0, fingerprint(),
+                         std::numeric_limits<double>::quiet_NaN())
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Commit(7, 0, fingerprint(), total0).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Commit(0, 1, fingerprint(), total0).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(
+      core_->Commit(0, 0, fingerprint(), largest / 2).code(),
+      absl::StatusCode::kFailedPrecondition);  // less than one partition's own
   EXPECT_EQ(core_->MirrorChecksum(), before);
   EXPECT_TRUE(seen.empty());
 
@@ -527,13 +607,15 @@ TEST_F(ShardCoreTest, AClippedStepWaitsForTheWholeModelsNormBeforeTheMirrorMoves
   EXPECT_EQ(seen, std::vector<int64_t>{0});
   apply(0, total0);
   EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
-  EXPECT_TRUE(core_->Commit(1, 0, fingerprint(), total0).ok());  // another rank's, the same
+  EXPECT_TRUE(core_->Commit(1, 0, fingerprint(), total0)
+                  .ok());  // another rank's, the same
   EXPECT_EQ(core_->Commit(1, 0, fingerprint(), 2 * total0).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(core_->Snapshot().ok());
   PushArgs wrong = Args(1, 0, first());
   wrong.previous_grad_sum_of_squares = 2 * total0;
-  EXPECT_EQ(Push(std::move(wrong)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Push(std::move(wrong)).code(),
+            absl::StatusCode::kFailedPrecondition);
 
   // Step 1 without a Commit: step 2's pushes bring its norm.
   const double total1 = step(1, total0, &largest);
@@ -597,7 +679,8 @@ TEST_F(ShardCoreTest, ModuleBuffersGoFromRankZeroToEveryWorker) {
 // same reply as the shard that never died.
 TEST_F(ShardCoreTest, ARestoredShardAnswersRetriesAndAsksForAReplay) {
   const std::string path = ::testing::TempDir() + "/restored_shard.ckpt";
-  std::vector<std::shared_ptr<const Reply>> step1(core_->layout().shard_partitions(1).size());
+  std::vector<std::shared_ptr<const Reply>> step1(
+      core_->layout().shard_partitions(1).size());
   for (int64_t step : {0, 1}) {
     for (size_t i = 0; i < step1.size(); ++i) {
       for (uint32_t r = 0; r < 3; ++r) {
@@ -617,7 +700,12 @@ TEST_F(ShardCoreTest, ARestoredShardAnswersRetriesAndAsksForAReplay) {
   ASSERT_TRUE(Push(Args(1, 2, first()), &retried).ok());
   ASSERT_NE(retried, nullptr);
   EXPECT_EQ(retried->payload, step1[0]->payload);
-  EXPECT_EQ(Push([&] { PushArgs a = Args(1, 2, first()); a.payload[0] ^= 1; return a; }()).code(),
+  EXPECT_EQ(Push([&] {
+              PushArgs a = Args(1, 2, first());
+              a.payload[0] ^= 1;
+              return a;
+            }())
+                .code(),
             absl::StatusCode::kFailedPrecondition);
 
   const absl::Status ahead = Push(Args(3, 0, first()));
@@ -639,12 +727,13 @@ TEST_F(ShardCoreTest, CheckpointsAreWrittenOnTheirOwnThread) {
   std::vector<int64_t> written;
   Mutex mu;
   {
-    CheckpointThread thread(path, [&](const absl::Status& s, int64_t step, const std::string& why) {
-      EXPECT_TRUE(s.ok()) << s;
-      EXPECT_EQ(why, "periodic");
-      MutexLock lock(&mu);
-      written.push_back(step);
-    });
+    CheckpointThread thread(
+        path, [&](const absl::Status& s, int64_t step, const std::string& why) {
+          EXPECT_TRUE(s.ok()) << s;
+          EXPECT_EQ(why, "periodic");
+          MutexLock lock(&mu);
+          written.push_back(step);
+        });
     for (int64_t step : {0, 1, 2}) {
       for (const auto& p : core_->layout().shard_partitions(1)) {
         for (uint32_t r = 0; r < 3; ++r) Push(Args(step, r, p));
@@ -683,19 +772,27 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
     partition_elems: 64
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
-  )", proto::ConfigFormat::kText);
+  )",
+                                                    proto::ConfigFormat::kText);
   // Variance steps 0 and 1; syncs at 2 and 3, then every 4th (s = 8, 12).
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
   const uint64_t fingerprint = core->layout().fingerprint();
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));  // the only shard
-  const auto args = [&](int64_t step, uint32_t rank, const compress::Partition& p,
-                        compress::CodecSpec codec) { return EncodedPush(fingerprint, codec, step, rank, p); };
+  const auto args = [&](int64_t step, uint32_t rank,
+                        const compress::Partition& p,
+                        compress::CodecSpec codec) {
+    return EncodedPush(fingerprint, codec, step, rank, p);
+  };
   const auto push = [&](PushArgs a) {
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
-    core->Push(std::move(a), [status](absl::StatusOr<std::shared_ptr<const Reply>> r) { *status = r.status(); });
+    core->Push(std::move(a),
+               [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+                 *status = r.status();
+               });
     return *status;
   };
-  const compress::CodecSpec fp32 = job.algorithm.warmup_codec, sign1 = job.algorithm.up_codec;
+  const compress::CodecSpec fp32 = job.algorithm.warmup_codec,
+                            sign1 = job.algorithm.up_codec;
   const compress::Partition& first = core->layout().partitions()[0];
   // Step 0 updates v: full precision only.
   uint64_t checksum = core->MirrorChecksum();
@@ -707,7 +804,8 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
   for (int64_t step = 0; step < 4; ++step) {
     for (const auto& p : core->layout().partitions()) {
       for (uint32_t rank = 0; rank < 2; ++rank) {
-        const compress::CodecSpec codec = compress::PlanStep(job.algorithm, step).up;
+        const compress::CodecSpec codec =
+            compress::PlanStep(job.algorithm, step).up;
         const absl::Status s = push(args(step, rank, p, codec));
         ASSERT_EQ(s.ok(), rank == 1) << "step " << step << ": " << s;
       }
@@ -721,12 +819,14 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
     const absl::Status local = push(args(step, 0, first, sign1));
     EXPECT_EQ(local.code(), absl::StatusCode::kFailedPrecondition) << local;
     EXPECT_NE(local.message().find("local step"), std::string::npos) << local;
-    EXPECT_NE(local.message().find("accepts step 7"), std::string::npos) << local;
+    EXPECT_NE(local.message().find("accepts step 7"), std::string::npos)
+        << local;
   }
   const absl::Status ahead = push(args(11, 0, first, sign1));
   EXPECT_EQ(ahead.code(), absl::StatusCode::kAborted) << ahead;
   EXPECT_EQ(ahead.GetPayload(kNextStepPayload).value_or(absl::Cord()), "7");
-  EXPECT_EQ(push(args(7, 0, first, fp32)).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(push(args(7, 0, first, fp32)).code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(core->Status().pushes_accepted, accepted);
   EXPECT_EQ(core->MirrorChecksum(), checksum);
   EXPECT_EQ(core->Status().completed_steps, 4);
@@ -752,27 +852,34 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
     partition_elems: 64
     optimizer: "onebit_lamb"
     freeze_step: 2
-  )", proto::ConfigFormat::kText);
+  )",
+                                                    proto::ConfigFormat::kText);
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
   const uint64_t fingerprint = core->layout().fingerprint();
   const uint64_t dim = job.algorithm.layout.dim;
   compress::Replica worker(job.algorithm, {0, dim});
   for (const auto& p : core->layout().partitions()) {
-    const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
+    const std::vector<float> x0 =
+        compress::testing::VariedData(p.range.size(), p.id);
     std::copy(x0.begin(), x0.end(), worker.x().begin() + p.range.begin);
     ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
-                                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                                    {reinterpret_cast<const char*>(x0.data()),
+                                     4 * x0.size()})
                     .ok());
   }
-  const auto push = [&](int64_t step, uint32_t rank, const compress::Partition& p,
-                        std::vector<double> commit, std::shared_ptr<const Reply>* reply = nullptr) {
-    PushArgs a = EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up, step, rank, p);
+  const auto push = [&](int64_t step, uint32_t rank,
+                        const compress::Partition& p,
+                        std::vector<double> commit,
+                        std::shared_ptr<const Reply>* reply = nullptr) {
+    PushArgs a = EncodedPush(
+        fingerprint, compress::PlanStep(job.algorithm, step).up, step, rank, p);
     a.previous_lamb_commit = std::move(commit);
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
-    core->Push(std::move(a), [status, reply](absl::StatusOr<std::shared_ptr<const Reply>> r) {
-      *status = r.status();
-      if (r.ok() && reply != nullptr) *reply = *r;
-    });
+    core->Push(std::move(a),
+               [status, reply](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+                 *status = r.status();
+                 if (r.ok() && reply != nullptr) *reply = *r;
+               });
     return *status;
   };
   const auto parts = core->layout().partitions();
@@ -782,37 +889,51 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
     std::shared_ptr<const Reply> reply;
     ASSERT_EQ(push(0, 0, p, {}).message(), "pending");
     ASSERT_TRUE(push(0, 1, p, {}, &reply).ok());
-    ASSERT_TRUE(worker.ApplyReply(0, p.range.begin, p.range.size(),
-                                  {reinterpret_cast<const uint8_t*>(reply->payload.data()), reply->payload.size()})
+    ASSERT_TRUE(worker
+                    .ApplyReply(0, p.range.begin, p.range.size(),
+                                {reinterpret_cast<const uint8_t*>(
+                                     reply->payload.data()),
+                                 reply->payload.size()})
                     .ok());
   }
   const std::vector<double> commit = *worker.LambStep(0);
   ASSERT_EQ(commit.size(), 3u * 3);  // layers of 90, 90 and 20
   // Without its commit, the mirror cannot be read and step 1 is refused.
-  EXPECT_EQ(core->FetchPartition(parts[0].id, fingerprint).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(core->FetchPartition(parts[0].id, fingerprint).status().code(),
+            absl::StatusCode::kUnavailable);
   absl::Status missing = push(1, 0, parts[0], {});
   EXPECT_EQ(missing.code(), absl::StatusCode::kFailedPrecondition) << missing;
-  EXPECT_NE(missing.message().find("previous_lamb_commit"), std::string::npos) << missing;
+  EXPECT_NE(missing.message().find("previous_lamb_commit"), std::string::npos)
+      << missing;
   std::vector<double> bad = commit;
   bad[0] = std::nan("");
-  EXPECT_EQ(push(1, 0, parts[0], bad).code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core->CommitLamb(0, 0, fingerprint, {1.0, 1.0}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(push(1, 0, parts[0], bad).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core->CommitLamb(0, 0, fingerprint, {1.0, 1.0}).code(),
+            absl::StatusCode::kInvalidArgument);
   // A commit of a step not completed yet (the shard restarted behind it)
   // says how many steps the shard has completed.
   const absl::Status ahead = core->CommitLamb(0, 1, fingerprint, commit);
   EXPECT_EQ(ahead.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(ahead.GetPayload(kNextStepPayload).value_or(absl::Cord("none")), absl::Cord("1")) << ahead;
-  EXPECT_EQ(core->Commit(0, 0, fingerprint, 1.0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ahead.GetPayload(kNextStepPayload).value_or(absl::Cord("none")),
+            absl::Cord("1"))
+      << ahead;
+  EXPECT_EQ(core->Commit(0, 0, fingerprint, 1.0).code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(core->Status().pushes_accepted, 2u * parts.size());
   // Rank 0's Commit applies it; the mirror is the worker's replica.
   ASSERT_TRUE(core->CommitLamb(0, 0, fingerprint, commit).ok());
   std::vector<double> other = commit;
   other[0] = 0.5;
-  EXPECT_EQ(push(1, 1, parts[0], other).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(push(1, 1, parts[0], other).code(),
+            absl::StatusCode::kFailedPrecondition);
   for (const auto& p : parts) {
     const PartitionSnapshot s = *core->FetchPartition(p.id, fingerprint);
-    EXPECT_TRUE(std::equal(s.x.begin(), s.x.end(), worker.x().begin() + p.range.begin)) << p.id;
-    EXPECT_TRUE(std::equal(s.v_fresh.begin(), s.v_fresh.end(), worker.v_fresh().begin() + p.range.begin));
+    EXPECT_TRUE(
+        std::equal(s.x.begin(), s.x.end(), worker.x().begin() + p.range.begin))
+        << p.id;
+    EXPECT_TRUE(std::equal(s.v_fresh.begin(), s.v_fresh.end(),
+                           worker.v_fresh().begin() + p.range.begin));
     EXPECT_EQ(s.lamb_layers.size(), 6u);
   }
   // The pushes of step 1 may carry the same commit again.
@@ -828,34 +949,45 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   const auto layers = [&](const compress::Partition& p) {
     return core->FetchPartition(p.id, fingerprint)->lamb_layers;
   };
-  EXPECT_EQ(layers(parts[0]), compress::FlattenLambLayers(compress::LambStateOf(later)));
+  EXPECT_EQ(layers(parts[0]),
+            compress::FlattenLambLayers(compress::LambStateOf(later)));
   for (size_t i = 1; i < parts.size(); ++i) {
-    EXPECT_EQ(layers(parts[i]), compress::FlattenLambLayers(compress::LambStateOf(commit))) << i;
+    EXPECT_EQ(layers(parts[i]),
+              compress::FlattenLambLayers(compress::LambStateOf(commit)))
+        << i;
   }
   // A saved run (load_state_dict) restores v' and the layers' state with
   // x, m, v and the server error into a fresh shard, which then reports
   // what this one did; without them it is refused and nothing changes.
   std::unique_ptr<ShardCore> fresh = *ShardCore::Create(job, 0);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh, 0));
-  const PartitionSnapshot before = *fresh->FetchPartition(parts[1].id, fingerprint, true);
-  PartitionSnapshot saved = *core->FetchPartition(parts[1].id, fingerprint, /*with_server_error=*/true);
+  const PartitionSnapshot before =
+      *fresh->FetchPartition(parts[1].id, fingerprint, true);
+  PartitionSnapshot saved = *core->FetchPartition(parts[1].id, fingerprint,
+                                                  /*with_server_error=*/true);
   ASSERT_EQ(saved.v_fresh.size(), parts[1].range.size());
   PartitionSnapshot partial = saved;
   partial.v_fresh.clear();
-  const absl::Status refused = fresh->RestorePartition(0, parts[1].id, fingerprint, partial);
+  const absl::Status refused =
+      fresh->RestorePartition(0, parts[1].id, fingerprint, partial);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
-  EXPECT_NE(refused.message().find("onebit_lamb needs"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("onebit_lamb needs"), std::string::npos)
+      << refused;
   partial = saved;
   partial.lamb_layers[0] = std::nanf("");
-  EXPECT_EQ(fresh->RestorePartition(0, parts[1].id, fingerprint, partial).code(),
-            absl::StatusCode::kInvalidArgument);
-  const PartitionSnapshot unchanged = *fresh->FetchPartition(parts[1].id, fingerprint, true);
+  EXPECT_EQ(
+      fresh->RestorePartition(0, parts[1].id, fingerprint, partial).code(),
+      absl::StatusCode::kInvalidArgument);
+  const PartitionSnapshot unchanged =
+      *fresh->FetchPartition(parts[1].id, fingerprint, true);
   EXPECT_EQ(unchanged.x, before.x);
   EXPECT_EQ(unchanged.v_fresh, before.v_fresh);
   EXPECT_EQ(unchanged.lamb_layers, before.lamb_layers);
-  const absl::Status restore = fresh->RestorePartition(0, parts[1].id, fingerprint, saved);
+  const absl::Status restore =
+      fresh->RestorePartition(0, parts[1].id, fingerprint, saved);
   ASSERT_TRUE(restore.ok()) << restore;
-  const PartitionSnapshot restored = *fresh->FetchPartition(parts[1].id, fingerprint, true);
+  const PartitionSnapshot restored =
+      *fresh->FetchPartition(parts[1].id, fingerprint, true);
   EXPECT_EQ(restored.completed_steps, saved.completed_steps);
   EXPECT_EQ(restored.x, saved.x);
   EXPECT_EQ(restored.m, saved.m);
@@ -864,13 +996,18 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   EXPECT_EQ(restored.v_fresh, saved.v_fresh);
   EXPECT_EQ(restored.lamb_layers, saved.lamb_layers);
   // Another optimizer has no v' or layer state to take.
-  std::unique_ptr<ShardCore> adam = *ShardCore::Create(*proto::ParseJobConfig(R"(
+  std::unique_ptr<ShardCore> adam =
+      *ShardCore::Create(*proto::ParseJobConfig(R"(
     workers: 2 shards: 1 synthetic { dim: 200 } lr { lr: 0.01 } steps: 20 block_elems: 16
-    partition_elems: 64 optimizer: "adam")", proto::ConfigFormat::kText), 0);
+    partition_elems: 64 optimizer: "adam")",
+                                                proto::ConfigFormat::kText),
+                         0);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*adam, 0));
-  const absl::Status foreign = adam->RestorePartition(0, parts[1].id, adam->layout().fingerprint(), saved);
+  const absl::Status foreign = adam->RestorePartition(
+      0, parts[1].id, adam->layout().fingerprint(), saved);
   EXPECT_EQ(foreign.code(), absl::StatusCode::kInvalidArgument) << foreign;
-  EXPECT_NE(foreign.message().find("only onebit_lamb"), std::string::npos) << foreign;
+  EXPECT_NE(foreign.message().find("only onebit_lamb"), std::string::npos)
+      << foreign;
 }
 
 // A server applies onebit_lamb commits from its RPC threads, each under its
@@ -888,7 +1025,8 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
     partition_elems: 64
     optimizer: "onebit_lamb"
     freeze_step: 4
-  )", proto::ConfigFormat::kText);
+  )",
+                                                    proto::ConfigFormat::kText);
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
   const uint64_t fingerprint = core->layout().fingerprint();
   const auto parts = core->layout().partitions();
@@ -899,7 +1037,8 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
   const size_t layers = compress::LayerCount(job.algorithm);
   const auto commit_of = [layers](int64_t step) {
     std::vector<double> c(compress::kLambCommit * layers, 1.0);
-    for (size_t l = 0; l < layers; ++l) c[compress::kLambCommit * l + 2] = static_cast<double>(step);
+    for (size_t l = 0; l < layers; ++l)
+      c[compress::kLambCommit * l + 2] = static_cast<double>(step);
     return c;
   };
   constexpr int64_t kSteps = 300;
@@ -909,49 +1048,66 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
     threads.emplace_back([&, i] {
       const compress::Partition& p = parts[i];
       for (int64_t step = 0; step < kSteps && failures[i].ok(); ++step) {
-        PushArgs a = EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up, step, 0, p);
+        PushArgs a =
+            EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up,
+                        step, 0, p);
         if (step > 0) a.previous_lamb_commit = commit_of(step - 1);
-        core->Push(std::move(a), [&failures, i](absl::StatusOr<std::shared_ptr<const Reply>> r) {
-          if (!r.ok()) failures[i] = r.status();
-        });
+        core->Push(
+            std::move(a),
+            [&failures, i](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+              if (!r.ok()) failures[i] = r.status();
+            });
       }
     });
   }
   for (auto& t : threads) t.join();
-  for (size_t i = 0; i < parts.size(); ++i) ASSERT_TRUE(failures[i].ok()) << i << ": " << failures[i];
-  ASSERT_TRUE(core->CommitLamb(0, kSteps - 1, fingerprint, commit_of(kSteps - 1)).ok());
+  for (size_t i = 0; i < parts.size(); ++i)
+    ASSERT_TRUE(failures[i].ok()) << i << ": " << failures[i];
+  ASSERT_TRUE(
+      core->CommitLamb(0, kSteps - 1, fingerprint, commit_of(kSteps - 1)).ok());
   for (const auto& p : parts) {
     auto snapshot = core->FetchPartition(p.id, fingerprint);
     ASSERT_TRUE(snapshot.ok()) << snapshot.status();
     EXPECT_EQ(snapshot->completed_steps, kSteps);
     EXPECT_EQ(snapshot->lamb_layers,
-              compress::FlattenLambLayers(compress::LambStateOf(commit_of(kSteps - 1))));
+              compress::FlattenLambLayers(
+                  compress::LambStateOf(commit_of(kSteps - 1))));
   }
 }
 
 TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
   auto job = *proto::ParseJobConfig(kConfig, proto::ConfigFormat::kText);
   // x, m, v and an fp32 error: 16 bytes per element of shard 1.
-  const uint64_t bytes = 16 * compress::Layout::Create(job.algorithm.layout)->shard_range(1).size();
+  const uint64_t bytes =
+      16 *
+      compress::Layout::Create(job.algorithm.layout)->shard_range(1).size();
   EXPECT_TRUE(ShardCore::Create(job, 1, bytes).ok());
   auto tight = ShardCore::Create(job, 1, bytes - 1);
   EXPECT_EQ(tight.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(tight.status().message().find("GiB of state"), absl::string_view::npos) << tight.status();
+  EXPECT_NE(tight.status().message().find("GiB of state"),
+            absl::string_view::npos)
+      << tight.status();
 
-  auto base = *proto::ParseJobConfig("workers: 2 shards: 1 external {} lr { lr: 0.01 } steps: 5 freeze_step: 1",
-                                     proto::ConfigFormat::kText);
+  auto base = *proto::ParseJobConfig(
+      "workers: 2 shards: 1 external {} lr { lr: 0.01 } steps: 5 freeze_step: "
+      "1",
+      proto::ConfigFormat::kText);
   auto host = ShardHost::Create(base, 0, nullptr, /*max_model_elems=*/1000);
   ASSERT_TRUE(host.ok()) << host.status();
   auto big = *proto::ParseJobConfig(
-      "workers: 2 shards: 1 external { dim: 1001 } lr { lr: 0.01 } steps: 5 freeze_step: 1",
+      "workers: 2 shards: 1 external { dim: 1001 } lr { lr: 0.01 } steps: 5 "
+      "freeze_step: 1",
       proto::ConfigFormat::kText);
   const absl::Status refused = (*host)->Join(0, big);
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
-  EXPECT_NE(refused.message().find("--max_model_elems"), absl::string_view::npos) << refused;
+  EXPECT_NE(refused.message().find("--max_model_elems"),
+            absl::string_view::npos)
+      << refused;
   EXPECT_EQ((*host)->core(), nullptr);
   EXPECT_EQ((*host)->workers_joined(), 0u);
   auto fits = *proto::ParseJobConfig(
-      "workers: 2 shards: 1 external { dim: 1000 } lr { lr: 0.01 } steps: 5 freeze_step: 1",
+      "workers: 2 shards: 1 external { dim: 1000 } lr { lr: 0.01 } steps: 5 "
+      "freeze_step: 1",
       proto::ConfigFormat::kText);
   EXPECT_TRUE((*host)->Join(0, fits).ok());
   EXPECT_NE((*host)->core(), nullptr);

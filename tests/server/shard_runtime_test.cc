@@ -54,10 +54,13 @@ class ShardRuntimeTest : public ::testing::Test {
     EXPECT_TRUE(runtime.OnConfigured(job_, *core).ok());
     if (init) {
       for (const auto& p : core->layout().shard_partitions(0)) {
-        const std::vector<float> x0 = compress::testing::VariedData(p.range.size(), p.id);
-        EXPECT_TRUE(core->InitPartition(0, p.id, core->layout().fingerprint(),
-                                        {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
-                        .ok());
+        const std::vector<float> x0 =
+            compress::testing::VariedData(p.range.size(), p.id);
+        EXPECT_TRUE(
+            core->InitPartition(
+                    0, p.id, core->layout().fingerprint(),
+                    {reinterpret_cast<const char*>(x0.data()), 4 * x0.size()})
+                .ok());
       }
     }
     return core;
@@ -65,17 +68,23 @@ class ShardRuntimeTest : public ::testing::Test {
   // Both workers push every partition of `step`.
   void Step(ShardCore& core, int64_t step) {
     for (const auto& p : core.layout().shard_partitions(0)) {
-      for (uint32_t rank = 0; rank < 2; ++rank) core.Push(Args(core, step, rank, p), [](auto) {});
+      for (uint32_t rank = 0; rank < 2; ++rank)
+        core.Push(Args(core, step, rank, p), [](auto) {});
     }
   }
-  PushArgs Args(const ShardCore& core, int64_t step, uint32_t rank, const compress::Partition& p) {
+  PushArgs Args(const ShardCore& core, int64_t step, uint32_t rank,
+                const compress::Partition& p) {
     const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
-    const std::vector<float> g = compress::testing::VariedData(p.range.size(), 10 * step + rank);
-    PushArgs args{step, rank, p.id, core.layout().fingerprint(), plan.up.kind, {}, std::nullopt};
+    const std::vector<float> g =
+        compress::testing::VariedData(p.range.size(), 10 * step + rank);
+    PushArgs args{step,         rank, p.id,        core.layout().fingerprint(),
+                  plan.up.kind, {},   std::nullopt};
     args.payload.resize(compress::PayloadBytes(plan.up, g.size()));
-    EXPECT_TRUE(compress::Encode(plan.up, g, {},
-                                 {reinterpret_cast<uint8_t*>(args.payload.data()), args.payload.size()})
-                    .ok());
+    EXPECT_TRUE(
+        compress::Encode(plan.up, g, {},
+                         {reinterpret_cast<uint8_t*>(args.payload.data()),
+                          args.payload.size()})
+            .ok());
     return args;
   }
   bool Logged(const std::string& words) {
@@ -100,22 +109,25 @@ TEST_F(ShardRuntimeTest, CheckpointsEveryKStepsAndAtShutdownAndResumes) {
   runtime->FlushCheckpoints();
   auto periodic = proto::CheckpointReader::Open(dir_ + "/shard-0.ckpt");
   ASSERT_TRUE(periodic.ok()) << periodic.status();
-  EXPECT_EQ(periodic->header().step, 2);  // written after step 1 (every 2 steps)
+  EXPECT_EQ(periodic->header().step,
+            2);  // written after step 1 (every 2 steps)
   EXPECT_TRUE(Logged("checkpoint of step 2 written")) << lines_.size();
-  EXPECT_TRUE(Logged("step 1 completed"));   // log_every 2
+  EXPECT_TRUE(Logged("step 1 completed"));  // log_every 2
   EXPECT_FALSE(Logged("step 2 completed"));
   // One state-log line per step, with the mirror checksum.
   std::istringstream lines(state_log.str());
   int count = 0;
   for (std::string line; std::getline(lines, line); ++count) {
-    EXPECT_NE(line.find("\"step\":" + std::to_string(count)), std::string::npos) << line;
+    EXPECT_NE(line.find("\"step\":" + std::to_string(count)), std::string::npos)
+        << line;
     EXPECT_NE(line.find("mirror_checksum"), std::string::npos);
   }
   EXPECT_EQ(count, 3);
   const uint64_t before = core->MirrorChecksum();
   runtime->Shutdown(core.get());
   EXPECT_TRUE(Logged("stopped after 3 steps; 18 pushes accepted, 0 rejected"));
-  EXPECT_EQ(proto::CheckpointReader::Open(dir_ + "/shard-0.ckpt")->header().step, 3);
+  EXPECT_EQ(
+      proto::CheckpointReader::Open(dir_ + "/shard-0.ckpt")->header().step, 3);
 
   // A new process: the shard resumes from the shutdown checkpoint.
   lines_.clear();
@@ -132,7 +144,8 @@ TEST_F(ShardRuntimeTest, ACorruptCheckpointStopsTheShardSayingWhatToDo) {
   auto core = *ShardCore::Create(job_, 0);
   const absl::Status s = runtime->OnConfigured(job_, *core);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(s.message().find("move the file away"), absl::string_view::npos) << s;
+  EXPECT_NE(s.message().find("move the file away"), absl::string_view::npos)
+      << s;
 }
 
 TEST_F(ShardRuntimeTest, StalledStepsAreReportedThenExpired) {
@@ -147,7 +160,8 @@ TEST_F(ShardRuntimeTest, StalledStepsAreReportedThenExpired) {
   runtime->Tick(*core, now + absl::Seconds(2));  // past step_seconds: reported
   EXPECT_TRUE(Logged("for rank(s) 1"));
   EXPECT_EQ(waiting.code(), absl::StatusCode::kUnknown);  // still waiting
-  runtime->Tick(*core, now + absl::Seconds(4));  // past recovery_seconds: failed
+  runtime->Tick(*core,
+                now + absl::Seconds(4));  // past recovery_seconds: failed
   EXPECT_EQ(waiting.code(), absl::StatusCode::kDeadlineExceeded) << waiting;
   // The expired step left nothing behind: the shutdown checkpoint is step 0's.
   runtime->Shutdown(core.get());

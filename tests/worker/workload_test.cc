@@ -1,13 +1,14 @@
 // The built-in workloads: the MLP's backpropagated gradient against finite
 // differences, CSV and libsvm giving the same model, data errors with file
-// and line, and the synthetic workload's determinism and formula, whole or in ranges.
+// and line, and the synthetic workload's determinism and formula, whole or in
+// ranges.
 #include "worker/workload.h"
 
 #include <cmath>
-#include <cstring>
-#include <iterator>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -43,12 +44,16 @@ class WorkloadTest : public ::testing::Test {
   }
   void TearDown() override { std::system(("rm -rf " + dir_).c_str()); }
 
-  proto::JobSpec Job(const std::string& file, const std::string& format, int batch_size = 40) {
+  proto::JobSpec Job(const std::string& file, const std::string& format,
+                     int batch_size = 40) {
     auto job = proto::ParseJobConfig(
-        absl::StrCat("workers: 1 shards: 1 lr { lr: 0.01 } steps: 10 freeze_step: 1 block_elems: 16 "
-                     "partition_elems: 16 mlp { train_path: \"", dir_, "/", file,
-                     "\" format: \"", format, "\" features: 5 classes: 3 hidden: 4 hidden: 3 "
-                     "batch_size: ", batch_size, " }"),
+        absl::StrCat("workers: 1 shards: 1 lr { lr: 0.01 } steps: 10 "
+                     "freeze_step: 1 block_elems: 16 "
+                     "partition_elems: 16 mlp { train_path: \"",
+                     dir_, "/", file, "\" format: \"", format,
+                     "\" features: 5 classes: 3 hidden: 4 hidden: 3 "
+                     "batch_size: ",
+                     batch_size, " }"),
         proto::ConfigFormat::kText);
     EXPECT_TRUE(job.ok()) << job.status();
     return *job;
@@ -67,7 +72,8 @@ TEST_F(WorkloadTest, MlpGradientMatchesFiniteDifferences) {
   std::mt19937 rng(9);
   std::uniform_real_distribution<float> jitter(-0.1f, 0.1f);
   for (float& v : x) v += jitter(rng);
-  // batch_size = all 40 rows, so every call sees the same batch (in another order).
+  // batch_size = all 40 rows, so every call sees the same batch (in another
+  // order).
   ASSERT_TRUE((*workload)->Gradient(0, x, absl::MakeSpan(g)).ok());
   int checked = 0;
   for (size_t j = 0; j < x.size(); j += 3) {
@@ -78,7 +84,8 @@ TEST_F(WorkloadTest, MlpGradientMatchesFiniteDifferences) {
     const double lp = *(*workload)->Gradient(0, plus, absl::MakeSpan(unused));
     const double lm = *(*workload)->Gradient(0, minus, absl::MakeSpan(unused));
     const double numeric = (lp - lm) / (2 * h);
-    ASSERT_NEAR(g[j], numeric, 2e-3 + 2e-2 * std::fabs(numeric)) << "parameter " << j;
+    ASSERT_NEAR(g[j], numeric, 2e-3 + 2e-2 * std::fabs(numeric))
+        << "parameter " << j;
     ++checked;
   }
   EXPECT_GT(checked, 10);
@@ -88,7 +95,8 @@ TEST_F(WorkloadTest, MlpGradientMatchesFiniteDifferences) {
 // resumed or restarted at step s (or replaying from its checkpoint) trains
 // on what an uninterrupted one does at s, across passes over the data.
 TEST_F(WorkloadTest, MlpBatchesAreAFunctionOfTheStep) {
-  const proto::JobSpec job = Job("d.csv", "csv", /*batch_size=*/7);  // 40 rows: passes end mid-batch
+  const proto::JobSpec job =
+      Job("d.csv", "csv", /*batch_size=*/7);  // 40 rows: passes end mid-batch
   auto straight = MakeWorkload(job, 0);
   auto jumping = MakeWorkload(job, 0);
   ASSERT_TRUE(straight.ok() && jumping.ok());
@@ -136,13 +144,15 @@ TEST_F(WorkloadTest, DataErrorsNameTheFileAndLine) {
            {"missing.csv", "csv", "cannot read data file"}}) {
     auto w = MakeWorkload(Job(file, format), 0);
     ASSERT_FALSE(w.ok()) << file;
-    EXPECT_NE(w.status().message().find(words), absl::string_view::npos) << w.status();
+    EXPECT_NE(w.status().message().find(words), absl::string_view::npos)
+        << w.status();
   }
 }
 
 TEST(SyntheticWorkloadTest, GradientsDependOnStepAndRankOnly) {
   auto job = *proto::ParseJobConfig(
-      "workers: 2 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 3 freeze_step: 1",
+      "workers: 2 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 3 "
+      "freeze_step: 1",
       proto::ConfigFormat::kText);
   SyntheticWorkload a(job, 0), b(job, 0), other(job, 1);
   std::vector<float> x(1000, 0.5f), ga(1000), gb(1000), go(1000);
@@ -157,7 +167,8 @@ TEST(SyntheticWorkloadTest, GradientsDependOnStepAndRankOnly) {
 
 TEST(SyntheticWorkloadTest, GradientIsItsFormulaWholeOrInRanges) {
   auto job = *proto::ParseJobConfig(
-      "workers: 4 shards: 1 synthetic { dim: 10007 noise: 0.3 dead_every: 7 } lr { lr: 0.1 } steps: 3 "
+      "workers: 4 shards: 1 synthetic { dim: 10007 noise: 0.3 dead_every: 7 } "
+      "lr { lr: 0.1 } steps: 3 "
       "freeze_step: 1 seed: 11",
       proto::ConfigFormat::kText);
   SyntheticWorkload w(job, 3);
@@ -173,7 +184,8 @@ TEST(SyntheticWorkloadTest, GradientIsItsFormulaWholeOrInRanges) {
     const float d = x[j] - t[j];
     const float u = compress::StochasticDraw({11, 5, 3, 0}, j);
     const float g = j % 7 == 0 ? 0.0f : a[j] * d + 0.3f * (2.0f * u - 1.0f);
-    ASSERT_EQ(std::memcmp(&g, &whole[j], 4), 0) << "element " << j << ": " << g << " vs " << whole[j];
+    ASSERT_EQ(std::memcmp(&g, &whole[j], 4), 0)
+        << "element " << j << ": " << g << " vs " << whole[j];
     reference_loss += 0.5 * double{a[j]} * double{d} * double{d};
   }
   EXPECT_NEAR(*loss, reference_loss / n, 1e-12 * std::abs(reference_loss / n));
@@ -181,13 +193,16 @@ TEST(SyntheticWorkloadTest, GradientIsItsFormulaWholeOrInRanges) {
   double lanes[4] = {0, 0, 0, 0};
   const uint64_t cuts[] = {0, 1, 6, 1030, 5003, 5003, n};
   for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
-    ASSERT_TRUE(w.GradientRange(5, x, absl::MakeSpan(pieces), cuts[c], cuts[c + 1], lanes).ok());
+    ASSERT_TRUE(w.GradientRange(5, x, absl::MakeSpan(pieces), cuts[c],
+                                cuts[c + 1], lanes)
+                    .ok());
   }
   EXPECT_EQ(std::memcmp(pieces.data(), whole.data(), 4 * n), 0);
   EXPECT_EQ((lanes[0] + lanes[1] + (lanes[2] + lanes[3])) / n, *loss);
   // Ranges outside the model are refused.
-  EXPECT_EQ(w.GradientRange(5, x, absl::MakeSpan(pieces), 5, n + 1, lanes).code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      w.GradientRange(5, x, absl::MakeSpan(pieces), 5, n + 1, lanes).code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(w.GradientRange(5, x, absl::MakeSpan(pieces), 9, 8, lanes).code(),
             absl::StatusCode::kInvalidArgument);
 }

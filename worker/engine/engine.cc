@@ -9,20 +9,27 @@
 namespace morse::worker {
 
 absl::StatusOr<double> Engine::Gradient(int64_t step) {
-  if (hook_ == nullptr) return absl::FailedPreconditionError("no workload was set (SetWorkload)");
+  if (hook_ == nullptr)
+    return absl::FailedPreconditionError("no workload was set (SetWorkload)");
   return hook_->Gradient(step, x(), grad());
 }
 
-absl::Status GradientHook::GradientRange(int64_t, const float*, float*, uint64_t, uint64_t, double[4]) {
+absl::Status GradientHook::GradientRange(int64_t, const float*, float*,
+                                         uint64_t, uint64_t, double[4]) {
   return absl::UnimplementedError("this gradient is computed whole");
 }
 
-bool Engine::ComputesGradientRanges() const { return hook_ != nullptr && hook_->ComputesRanges(); }
+bool Engine::ComputesGradientRanges() const {
+  return hook_ != nullptr && hook_->ComputesRanges();
+}
 
-absl::Status Engine::GradientRange(int64_t step, uint64_t begin, uint64_t end, double loss_lanes[4]) {
-  if (hook_ == nullptr) return absl::FailedPreconditionError("no workload was set (SetWorkload)");
+absl::Status Engine::GradientRange(int64_t step, uint64_t begin, uint64_t end,
+                                   double loss_lanes[4]) {
+  if (hook_ == nullptr)
+    return absl::FailedPreconditionError("no workload was set (SetWorkload)");
   if (begin > end || end > x_dim()) {
-    return absl::InvalidArgumentError(absl::StrCat("gradient range [", begin, ", ", end, ") of ", x_dim()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("gradient range [", begin, ", ", end, ") of ", x_dim()));
   }
   return hook_->GradientRange(step, x(), grad(), begin, end, loss_lanes);
 }
@@ -36,7 +43,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& kind,
                                                      DeviceArrays arrays) {
   if (kind == "cpu") {
     if (arrays.x != nullptr || arrays.grad != nullptr) {
-      return absl::InvalidArgumentError("the cpu engine takes no device arrays");
+      return absl::InvalidArgumentError(
+          "the cpu engine takes no device arrays");
     }
     return host::CreateEngine(state);
   }
@@ -47,7 +55,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& kind,
     return DescribeCuda().status();
 #endif
   }
-  return absl::InvalidArgumentError(absl::StrCat("no engine '", kind, "' (cpu or cuda)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("no engine '", kind, "' (cpu or cuda)"));
 }
 
 absl::StatusOr<std::string> DescribeCuda() {
@@ -55,7 +64,8 @@ absl::StatusOr<std::string> DescribeCuda() {
   return cuda::Describe();
 #else
   return absl::FailedPreconditionError(
-      "this build has no CUDA kernels (nvcc was not found, or -DMORSE_ENABLE_CUDA=OFF)");
+      "this build has no CUDA kernels (nvcc was not found, or "
+      "-DMORSE_ENABLE_CUDA=OFF)");
 #endif
 }
 

@@ -55,10 +55,10 @@ class DeviceServices {
   // its CPU formula): grad = a*(x - t) + noise*(2u - 1), u its Philox draw of
   // (seed, step, rank), and +0 where j % dead_every == 0 (0: nowhere);
   // returns the mean loss.
-  virtual absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step, uint32_t rank,
-                                                   float noise, uint32_t dead_every, const float* a,
-                                                   const float* t, const float* x, float* grad,
-                                                   size_t n) = 0;
+  virtual absl::StatusOr<double> SyntheticGradient(
+      uint64_t seed, int64_t step, uint32_t rank, float noise,
+      uint32_t dead_every, const float* a, const float* t, const float* x,
+      float* grad, size_t n) = 0;
 };
 
 // A workload's gradient computed where an engine keeps its model: x and grad
@@ -66,15 +66,18 @@ class DeviceServices {
 class GradientHook {
  public:
   virtual ~GradientHook() = default;
-  virtual absl::StatusOr<double> Gradient(int64_t step, const float* x, float* grad) = 0;
+  virtual absl::StatusOr<double> Gradient(int64_t step, const float* x,
+                                          float* grad) = 0;
   // Hooks of element-wise gradients (Workload::ComputesRanges) also compute
   // grad[begin, end), adding element j's loss term to loss_lanes[j % 4].
   virtual bool ComputesRanges() const { return false; }
-  virtual absl::Status GradientRange(int64_t step, const float* x, float* grad, uint64_t begin,
-                                     uint64_t end, double loss_lanes[4]);
+  virtual absl::Status GradientRange(int64_t step, const float* x, float* grad,
+                                     uint64_t begin, uint64_t end,
+                                     double loss_lanes[4]);
   // The mean loss of lanes filled over all n elements.
   static double MeanLoss(const double loss_lanes[4], uint64_t n) {
-    return (loss_lanes[0] + loss_lanes[1] + (loss_lanes[2] + loss_lanes[3])) / static_cast<double>(n);
+    return (loss_lanes[0] + loss_lanes[1] + (loss_lanes[2] + loss_lanes[3])) /
+           static_cast<double>(n);
   }
 };
 
@@ -100,21 +103,25 @@ class Engine {
   // The session's host replica and error buffer are the reference copies:
   // Load brings them into the engine, Store writes the engine's state back
   // (both nothing on the host, whose state they are).
-  virtual absl::Status Load(const compress::Replica& replica, const compress::ErrorFeedback& error) = 0;
-  virtual absl::Status Store(compress::Replica& replica, compress::ErrorFeedback& error) = 0;
+  virtual absl::Status Load(const compress::Replica& replica,
+                            const compress::ErrorFeedback& error) = 0;
+  virtual absl::Status Store(compress::Replica& replica,
+                             compress::ErrorFeedback& error) = 0;
 
   // Where the step's gradient comes from: the workload's hook (SetWorkload,
   // then Gradient each step), or the caller's memory: a host array for the
   // host engine (SetHostGradient, kept alive for the step), the device array
   // given at creation for a GPU engine.
-  absl::Status SetWorkload(Workload& workload);  // defined in worker/workload.cc
+  absl::Status SetWorkload(
+      Workload& workload);  // defined in worker/workload.cc
   absl::StatusOr<double> Gradient(int64_t step);
   // The gradient a range at a time, where the hook can (GradientHook::
   // ComputesRanges): the trainer pushes each partition as soon as its range
   // is computed. GradientRangeLoss is the mean loss of lanes filled by
   // ranges covering every element.
   bool ComputesGradientRanges() const;
-  absl::Status GradientRange(int64_t step, uint64_t begin, uint64_t end, double loss_lanes[4]);
+  absl::Status GradientRange(int64_t step, uint64_t begin, uint64_t end,
+                             double loss_lanes[4]);
   double GradientRangeLoss(const double loss_lanes[4]);
   virtual absl::Status SetHostGradient(absl::Span<const float> grad) = 0;
   // Device -> host copy of the gradient the next Encode reads (tests).
@@ -127,8 +134,10 @@ class Engine {
   // The push payload of partition `p` for `step` from worker `rank` (the
   // sender's rule, compress::PlanSend), from the gradient scaled by
   // `grad_scale` (the worker's own clip factor, compress::ClipsLocally).
-  virtual absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
-                              std::string* payload, float grad_scale = 1.0f) = 0;
+  virtual absl::Status Encode(int64_t step, uint32_t rank,
+                              const compress::Partition& p,
+                              std::string* payload,
+                              float grad_scale = 1.0f) = 0;
   // Applies the reply of partition `p` for `step` (compress::PlanReply, with
   // the step's `hyper` when the workers set one, and the averaged
   // gradient's clip factor `grad_scale`); INVALID_ARGUMENT, nothing

@@ -49,7 +49,8 @@ namespace {
 thread_local std::string last_error;
 
 int Fail(const absl::Status& s) {
-  last_error = absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message());
+  last_error =
+      absl::StrCat(absl::StatusCodeToString(s.code()), ": ", s.message());
   return static_cast<int>(s.code());
 }
 
@@ -62,31 +63,37 @@ int Guard(F&& f) {
   try {
     return Done(f());
   } catch (const std::exception& e) {
-    return Fail(absl::InternalError(absl::StrCat("unexpected exception: ", e.what())));
+    return Fail(
+        absl::InternalError(absl::StrCat("unexpected exception: ", e.what())));
   }
 }
 
 absl::Status NotNull(const void* p, const char* what) {
-  if (p == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, " is null"));
+  if (p == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(what, " is null"));
   return absl::OkStatus();
 }
 
 absl::StatusOr<morse::proto::SecurityOptions> ParseSecurity(const char* text) {
   morse::proto::SecurityOptions o;
   if (text == nullptr) return o;
-  for (absl::string_view line : absl::StrSplit(text, '\n', absl::SkipWhitespace())) {
+  for (absl::string_view line :
+       absl::StrSplit(text, '\n', absl::SkipWhitespace())) {
     const size_t eq = line.find('=');
     if (eq == absl::string_view::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("security option '", line, "' is not key=value"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("security option '", line, "' is not key=value"));
     }
-    const absl::string_view key = absl::StripAsciiWhitespace(line.substr(0, eq));
+    const absl::string_view key =
+        absl::StripAsciiWhitespace(line.substr(0, eq));
     const std::string value(absl::StripAsciiWhitespace(line.substr(eq + 1)));
     if (key == "insecure") {
       o.insecure = value == "1" || value == "true" || value == "True";
     } else if (key == "refresh_seconds") {
-      if (!absl::SimpleAtoi(value, &o.refresh_seconds) || o.refresh_seconds <= 0) {
-        return absl::InvalidArgumentError(absl::StrCat("refresh_seconds must be a positive integer, not '",
-                                                       value, "'"));
+      if (!absl::SimpleAtoi(value, &o.refresh_seconds) ||
+          o.refresh_seconds <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "refresh_seconds must be a positive integer, not '", value, "'"));
       }
     } else if (key == "tls_ca") {
       o.tls_ca = value;
@@ -99,13 +106,16 @@ absl::StatusOr<morse::proto::SecurityOptions> ParseSecurity(const char* text) {
     } else if (key == "token_file") {
       o.token_file = value;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("unknown security option '", key, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown security option '", key, "'"));
     }
   }
   return o;
 }
 
-absl::Status CheckSession(morse_session* s) { return NotNull(s, "the session"); }
+absl::Status CheckSession(morse_session* s) {
+  return NotNull(s, "the session");
+}
 
 }  // namespace
 
@@ -115,7 +125,9 @@ int morse_capi_version(void) { return MORSE_CAPI_VERSION; }
 
 // Before any gRPC object of this library exists (see TuneGrpcForReconnects;
 // a process that initialized gRPC earlier keeps its own setting).
-__attribute__((constructor)) static void MorseTuneGrpc() { morse::proto::TuneGrpcForReconnects(); }
+__attribute__((constructor)) static void MorseTuneGrpc() {
+  morse::proto::TuneGrpcForReconnects();
+}
 
 const char* morse_last_error(void) { return last_error.c_str(); }
 
@@ -132,19 +144,22 @@ int morse_cuda_device(char* buf, uint64_t size) {
   });
 }
 
-int morse_session_create(const char* base, const char* overrides, uint32_t rank, const char* servers,
-                         float* x, uint64_t dim, const char* security, morse_session** out) {
+int morse_session_create(const char* base, const char* overrides, uint32_t rank,
+                         const char* servers, float* x, uint64_t dim,
+                         const char* security, morse_session** out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
     if (absl::Status s = NotNull(x, "x"); !s.ok()) return s;
     if (absl::Status s = NotNull(servers, "servers"); !s.ok()) return s;
-    auto job = morse::proto::ParseJobConfigWithOverrides(base ? base : "", overrides ? overrides : "");
+    auto job = morse::proto::ParseJobConfigWithOverrides(
+        base ? base : "", overrides ? overrides : "");
     if (!job.ok()) return job.status();
     auto options = ParseSecurity(security);
     if (!options.ok()) return options.status();
-    std::vector<std::string> addresses = absl::StrSplit(servers, ',', absl::SkipEmpty());
-    auto session = morse::worker::Session::Connect(*job, rank, std::move(addresses), *options,
-                                                   absl::MakeSpan(x, dim));
+    std::vector<std::string> addresses =
+        absl::StrSplit(servers, ',', absl::SkipEmpty());
+    auto session = morse::worker::Session::Connect(
+        *job, rank, std::move(addresses), *options, absl::MakeSpan(x, dim));
     if (!session.ok()) return session.status();
     *out = new morse_session{*std::move(session), dim};
     return absl::OkStatus();
@@ -153,7 +168,8 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
 
 void morse_session_destroy(morse_session* s) { delete s; }
 
-int morse_session_start(morse_session* s, int resume, const char* checkpoint, int64_t* first_step) {
+int morse_session_start(morse_session* s, int resume, const char* checkpoint,
+                        int64_t* first_step) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     auto step = s->session->Start(resume != 0, checkpoint ? checkpoint : "");
@@ -170,11 +186,13 @@ int morse_session_wait_all_joined(morse_session* s) {
   });
 }
 
-int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device) {
+int morse_session_use_cuda(morse_session* s, float* x_device,
+                           float* grad_device) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (absl::Status st = NotNull(x_device, "x_device"); !st.ok()) return st;
-    if (absl::Status st = NotNull(grad_device, "grad_device"); !st.ok()) return st;
+    if (absl::Status st = NotNull(grad_device, "grad_device"); !st.ok())
+      return st;
     if (s->session->engine().kind() != "cpu") {
       return absl::FailedPreconditionError("the session already uses a GPU");
     }
@@ -182,25 +200,30 @@ int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device
   });
 }
 
-int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weight_decay) {
+int morse_session_set_step_hyper(morse_session* s, int set, float lr,
+                                 float weight_decay) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (set == 0) return s->session->SetStepHyper(std::nullopt);
-    return s->session->SetStepHyper(morse::compress::StepHyper{lr, weight_decay});
+    return s->session->SetStepHyper(
+        morse::compress::StepHyper{lr, weight_decay});
   });
 }
 
-int morse_session_set_buffers(morse_session* s, const void* data, uint64_t size) {
+int morse_session_set_buffers(morse_session* s, const void* data,
+                              uint64_t size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (size > 0) {
       if (absl::Status st = NotNull(data, "data"); !st.ok()) return st;
     }
     if (size > morse::proto::kMaxBufferBytes) {
-      return absl::InvalidArgumentError(absl::StrCat("module buffers of ", size, " bytes; at most ",
-                                                     morse::proto::kMaxBufferBytes));
+      return absl::InvalidArgumentError(
+          absl::StrCat("module buffers of ", size, " bytes; at most ",
+                       morse::proto::kMaxBufferBytes));
     }
-    s->session->SetStepBuffers(std::string(static_cast<const char*>(data), size));
+    s->session->SetStepBuffers(
+        std::string(static_cast<const char*>(data), size));
     return absl::OkStatus();
   });
 }
@@ -213,7 +236,8 @@ int morse_session_set_defer_apply(morse_session* s, int defer) {
   });
 }
 
-int morse_session_received_buffers(morse_session* s, void* out, uint64_t capacity, uint64_t* size) {
+int morse_session_received_buffers(morse_session* s, void* out,
+                                   uint64_t capacity, uint64_t* size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (absl::Status st = NotNull(size, "size"); !st.ok()) return st;
@@ -249,13 +273,16 @@ int morse_session_send_partition(morse_session* s, uint32_t partition) {
   });
 }
 
-int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition, void* stream) {
+int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition,
+                                           void* stream) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (s->session->engine().kind() == "cpu") {
-      return absl::FailedPreconditionError("the session keeps its model on the host (morse_session_use_cuda)");
+      return absl::FailedPreconditionError(
+          "the session keeps its model on the host (morse_session_use_cuda)");
     }
-    if (absl::Status st = s->session->engine().WaitFor(stream); !st.ok()) return st;
+    if (absl::Status st = s->session->engine().WaitFor(stream); !st.ok())
+      return st;
     return s->session->SendPartition(partition);
   });
 }
@@ -266,20 +293,23 @@ int morse_session_finish(morse_session* s, morse_step_traffic* traffic) {
     morse::worker::StepTraffic t;
     absl::Status st = s->session->Finish(&t);
     if (traffic != nullptr) {
-      *traffic = {t.payload_up, t.payload_down, t.encode_seconds, t.apply_seconds,
-                  static_cast<uint64_t>(t.retries)};
+      *traffic = {t.payload_up, t.payload_down, t.encode_seconds,
+                  t.apply_seconds, static_cast<uint64_t>(t.retries)};
     }
     return st;
   });
 }
 
-int morse_session_partitions(morse_session* s, uint64_t* ranges, uint64_t capacity, uint64_t* count) {
+int morse_session_partitions(morse_session* s, uint64_t* ranges,
+                             uint64_t capacity, uint64_t* count) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     const auto& partitions = s->session->layout().partitions();
     if (count != nullptr) *count = partitions.size();
-    if (capacity > 0 && ranges == nullptr) return absl::InvalidArgumentError("ranges is null");
-    for (uint64_t i = 0; i < std::min<uint64_t>(capacity, partitions.size()); ++i) {
+    if (capacity > 0 && ranges == nullptr)
+      return absl::InvalidArgumentError("ranges is null");
+    for (uint64_t i = 0; i < std::min<uint64_t>(capacity, partitions.size());
+         ++i) {
       ranges[2 * i] = partitions[i].range.begin;
       ranges[2 * i + 1] = partitions[i].range.end;
     }
@@ -287,7 +317,9 @@ int morse_session_partitions(morse_session* s, uint64_t* ranges, uint64_t capaci
   });
 }
 
-int64_t morse_session_step(morse_session* s) { return s == nullptr ? -1 : s->session->step(); }
+int64_t morse_session_step(morse_session* s) {
+  return s == nullptr ? -1 : s->session->step();
+}
 
 int morse_session_checksum(morse_session* s, uint64_t* checksum) {
   return Guard([&]() -> absl::Status {
@@ -299,11 +331,13 @@ int morse_session_checksum(morse_session* s, uint64_t* checksum) {
   });
 }
 
-int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v, float* error) {
+int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v,
+                            float* error) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    for (const void* p : {static_cast<const void*>(step), static_cast<const void*>(m),
-                          static_cast<const void*>(v), static_cast<const void*>(error)}) {
+    for (const void* p :
+         {static_cast<const void*>(step), static_cast<const void*>(m),
+          static_cast<const void*>(v), static_cast<const void*>(error)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
     }
     if (absl::Status st = s->session->SyncHost(); !st.ok()) return st;
@@ -316,47 +350,59 @@ int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v,
   });
 }
 
-int morse_session_set_state(morse_session* s, int64_t step, const float* m, const float* v,
-                            const float* error, const float* server_error) {
+int morse_session_set_state(morse_session* s, int64_t step, const float* m,
+                            const float* v, const float* error,
+                            const float* server_error) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    for (const void* p : {static_cast<const void*>(m), static_cast<const void*>(v),
-                          static_cast<const void*>(error)}) {
+    for (const void* p :
+         {static_cast<const void*>(m), static_cast<const void*>(v),
+          static_cast<const void*>(error)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
     }
     return s->session->Restore(
         step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
         absl::MakeConstSpan(error, s->dim),
-        server_error == nullptr ? absl::Span<const float>() : absl::MakeConstSpan(server_error, s->dim));
+        server_error == nullptr ? absl::Span<const float>()
+                                : absl::MakeConstSpan(server_error, s->dim));
   });
 }
 
-int morse_session_get_lamb_state(morse_session* s, float* v_fresh, float* layers, uint64_t* layer_values,
+int morse_session_get_lamb_state(morse_session* s, float* v_fresh,
+                                 float* layers, uint64_t* layer_values,
                                  double* commit, uint64_t* commit_values) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    if (absl::Status st = NotNull(layer_values, "layer_values"); !st.ok()) return st;
-    if (absl::Status st = NotNull(commit_values, "commit_values"); !st.ok()) return st;
+    if (absl::Status st = NotNull(layer_values, "layer_values"); !st.ok())
+      return st;
+    if (absl::Status st = NotNull(commit_values, "commit_values"); !st.ok())
+      return st;
     auto state = s->session->SavedLamb();
     if (!state.ok()) return state.status();
     *layer_values = state->layers.size();
     *commit_values = state->commit.size();
-    if (v_fresh != nullptr) std::copy(state->v_fresh.begin(), state->v_fresh.end(), v_fresh);
-    if (layers != nullptr) std::copy(state->layers.begin(), state->layers.end(), layers);
-    if (commit != nullptr) std::copy(state->commit.begin(), state->commit.end(), commit);
+    if (v_fresh != nullptr)
+      std::copy(state->v_fresh.begin(), state->v_fresh.end(), v_fresh);
+    if (layers != nullptr)
+      std::copy(state->layers.begin(), state->layers.end(), layers);
+    if (commit != nullptr)
+      std::copy(state->commit.begin(), state->commit.end(), commit);
     return absl::OkStatus();
   });
 }
 
-int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m, const float* v,
-                                 const float* error, const float* server_error, const float* v_fresh,
-                                 const float* layers, uint64_t layer_values, const double* commit,
+int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m,
+                                 const float* v, const float* error,
+                                 const float* server_error,
+                                 const float* v_fresh, const float* layers,
+                                 uint64_t layer_values, const double* commit,
                                  uint64_t commit_values) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    for (const void* p : {static_cast<const void*>(m), static_cast<const void*>(v),
-                          static_cast<const void*>(error), static_cast<const void*>(v_fresh),
-                          static_cast<const void*>(layers)}) {
+    for (const void* p :
+         {static_cast<const void*>(m), static_cast<const void*>(v),
+          static_cast<const void*>(error), static_cast<const void*>(v_fresh),
+          static_cast<const void*>(layers)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
     }
     if (commit_values > 0) {
@@ -369,7 +415,9 @@ int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m,
     return s->session->Restore(
         step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
         absl::MakeConstSpan(error, s->dim),
-        server_error == nullptr ? absl::Span<const float>() : absl::MakeConstSpan(server_error, s->dim), &lamb);
+        server_error == nullptr ? absl::Span<const float>()
+                                : absl::MakeConstSpan(server_error, s->dim),
+        &lamb);
   });
 }
 
@@ -390,29 +438,36 @@ int morse_session_save_checkpoint(morse_session* s, const char* path) {
   });
 }
 
-int morse_simulator_create(const char* base, const char* overrides, const float* x0, uint64_t dim,
+int morse_simulator_create(const char* base, const char* overrides,
+                           const float* x0, uint64_t dim,
                            morse_simulator** out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
     if (absl::Status st = NotNull(x0, "x0"); !st.ok()) return st;
-    auto job = morse::proto::ParseJobConfigWithOverrides(base ? base : "", overrides ? overrides : "");
+    auto job = morse::proto::ParseJobConfigWithOverrides(
+        base ? base : "", overrides ? overrides : "");
     if (!job.ok()) return job.status();
-    auto simulator = morse::compress::Simulator::Create(job->algorithm, absl::MakeConstSpan(x0, dim));
+    auto simulator = morse::compress::Simulator::Create(
+        job->algorithm, absl::MakeConstSpan(x0, dim));
     if (!simulator.ok()) return simulator.status();
-    *out = new morse_simulator{std::make_unique<morse::compress::Simulator>(*std::move(simulator)), dim};
+    *out = new morse_simulator{
+        std::make_unique<morse::compress::Simulator>(*std::move(simulator)),
+        dim};
     return absl::OkStatus();
   });
 }
 
 void morse_simulator_destroy(morse_simulator* sim) { delete sim; }
 
-int morse_simulator_step(morse_simulator* sim, const float* const* gradients, uint32_t workers, uint64_t dim) {
+int morse_simulator_step(morse_simulator* sim, const float* const* gradients,
+                         uint32_t workers, uint64_t dim) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
     if (absl::Status st = NotNull(gradients, "gradients"); !st.ok()) return st;
     std::vector<absl::Span<const float>> views;
     for (uint32_t w = 0; w < workers; ++w) {
-      if (absl::Status st = NotNull(gradients[w], "a gradient"); !st.ok()) return st;
+      if (absl::Status st = NotNull(gradients[w], "a gradient"); !st.ok())
+        return st;
       views.push_back(absl::MakeConstSpan(gradients[w], dim));
     }
     return sim->simulator->Step(views);
@@ -429,15 +484,18 @@ int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum) {
   });
 }
 
-int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank, uint64_t* checksum) {
+int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank,
+                                    uint64_t* checksum) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
     if (absl::Status st = NotNull(checksum, "checksum"); !st.ok()) return st;
     const auto& s = *sim->simulator;
     if (rank >= s.worker_count()) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " of ", s.worker_count(), " workers"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, " of ", s.worker_count(), " workers"));
     }
-    *checksum = morse::compress::StateChecksum({s.worker_x(rank), s.worker_m(rank), s.v()});
+    *checksum = morse::compress::StateChecksum(
+        {s.worker_x(rank), s.worker_m(rank), s.v()});
     return absl::OkStatus();
   });
 }
@@ -446,7 +504,9 @@ int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
     if (absl::Status st = NotNull(x, "x"); !st.ok()) return st;
-    if (dim != sim->dim) return absl::InvalidArgumentError(absl::StrCat("x has ", dim, " floats, not ", sim->dim));
+    if (dim != sim->dim)
+      return absl::InvalidArgumentError(
+          absl::StrCat("x has ", dim, " floats, not ", sim->dim));
     std::copy(sim->simulator->x().begin(), sim->simulator->x().end(), x);
     return absl::OkStatus();
   });
@@ -454,7 +514,8 @@ int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim) {
 
 // ---------------------------------------------------------------- pipeline
 
-int morse_link_listen(const char* address, const char* security, morse_link** out) {
+int morse_link_listen(const char* address, const char* security,
+                      morse_link** out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
     if (absl::Status s = NotNull(address, "address"); !s.ok()) return s;
@@ -467,14 +528,15 @@ int morse_link_listen(const char* address, const char* security, morse_link** ou
   });
 }
 
-int morse_link_connect(const char* address, const char* security, double timeout_seconds,
-                       morse_link** out) {
+int morse_link_connect(const char* address, const char* security,
+                       double timeout_seconds, morse_link** out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
     if (absl::Status s = NotNull(address, "address"); !s.ok()) return s;
     auto options = ParseSecurity(security);
     if (!options.ok()) return options.status();
-    auto link = morse::worker::StageLink::Connect(address, *options, absl::Seconds(timeout_seconds));
+    auto link = morse::worker::StageLink::Connect(
+        address, *options, absl::Seconds(timeout_seconds));
     if (!link.ok()) return link.status();
     *out = new morse_link{*std::move(link), {}};
     return absl::OkStatus();
@@ -484,7 +546,8 @@ int morse_link_connect(const char* address, const char* security, double timeout
 int morse_link_address(morse_link* link, char* buf, uint64_t size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
-    if (buf == nullptr || size == 0) return absl::InvalidArgumentError("buf has no room");
+    if (buf == nullptr || size == 0)
+      return absl::InvalidArgumentError("buf has no room");
     const std::string& a = link->link->address();
     const size_t n = std::min<size_t>(a.size(), size - 1);
     std::memcpy(buf, a.data(), n);
@@ -500,25 +563,30 @@ int morse_link_accept(morse_link* link, double timeout_seconds) {
   });
 }
 
-int morse_link_send(morse_link* link, uint32_t kind, const char* meta, const void* payload,
-                    uint64_t payload_size, const void* extra, uint64_t extra_size, const char* error) {
+int morse_link_send(morse_link* link, uint32_t kind, const char* meta,
+                    const void* payload, uint64_t payload_size,
+                    const void* extra, uint64_t extra_size, const char* error) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
-    if ((payload == nullptr && payload_size != 0) || (extra == nullptr && extra_size != 0)) {
+    if ((payload == nullptr && payload_size != 0) ||
+        (extra == nullptr && extra_size != 0)) {
       return absl::InvalidArgumentError("a null buffer with a non-zero size");
     }
     morse::worker::StageFrame frame;
     frame.kind = kind;
     if (meta != nullptr) frame.meta = meta;
-    if (payload_size != 0) frame.payload.assign(static_cast<const char*>(payload), payload_size);
-    if (extra_size != 0) frame.extra.assign(static_cast<const char*>(extra), extra_size);
+    if (payload_size != 0)
+      frame.payload.assign(static_cast<const char*>(payload), payload_size);
+    if (extra_size != 0)
+      frame.extra.assign(static_cast<const char*>(extra), extra_size);
     if (error != nullptr) frame.error = error;
     return link->link->Send(frame);
   });
 }
 
-int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind, uint64_t* meta_size,
-                       uint64_t* payload_size, uint64_t* extra_size, uint64_t* error_size) {
+int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind,
+                       uint64_t* meta_size, uint64_t* payload_size,
+                       uint64_t* extra_size, uint64_t* error_size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
     auto frame = link->link->Receive(absl::Seconds(timeout_seconds));
@@ -533,22 +601,27 @@ int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind,
   });
 }
 
-int morse_link_frame(morse_link* link, void* meta, void* payload, void* extra, void* error) {
+int morse_link_frame(morse_link* link, void* meta, void* payload, void* extra,
+                     void* error) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
     const morse::worker::StageFrame& f = link->received;
-    const std::pair<void*, const std::string*> parts[] = {
-        {meta, &f.meta}, {payload, &f.payload}, {extra, &f.extra}, {error, &f.error}};
+    const std::pair<void*, const std::string*> parts[] = {{meta, &f.meta},
+                                                          {payload, &f.payload},
+                                                          {extra, &f.extra},
+                                                          {error, &f.error}};
     for (const auto& [to, from] : parts) {
       if (from->empty()) continue;
-      if (to == nullptr) return absl::InvalidArgumentError("a null buffer for a non-empty part");
+      if (to == nullptr)
+        return absl::InvalidArgumentError("a null buffer for a non-empty part");
       std::memcpy(to, from->data(), from->size());
     }
     return absl::OkStatus();
   });
 }
 
-int morse_link_traffic(morse_link* link, uint64_t* bytes_sent, uint64_t* bytes_received) {
+int morse_link_traffic(morse_link* link, uint64_t* bytes_sent,
+                       uint64_t* bytes_received) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(link, "the link"); !s.ok()) return s;
     if (bytes_sent) *bytes_sent = link->link->bytes_sent();
@@ -565,7 +638,8 @@ int morse_boundary_create(const char* spec, morse_boundary** out) {
     if (absl::Status s = NotNull(spec, "spec"); !s.ok()) return s;
     auto parsed = morse::compress::ParseBoundarySpec(spec);
     if (!parsed.ok()) return parsed.status();
-    *out = new morse_boundary{std::make_unique<morse::compress::BoundaryCodec>(*parsed), {}};
+    *out = new morse_boundary{
+        std::make_unique<morse::compress::BoundaryCodec>(*parsed), {}};
     return absl::OkStatus();
   });
 }
@@ -581,24 +655,30 @@ morse::compress::CodecSpec InferenceCodec(const morse_boundary* b, int mode) {
 }
 
 absl::Status CheckMode(int mode) {
-  if (mode < 0 || mode > 2) return absl::InvalidArgumentError(absl::StrCat("mode ", mode, " is not 0, 1 or 2"));
+  if (mode < 0 || mode > 2)
+    return absl::InvalidArgumentError(
+        absl::StrCat("mode ", mode, " is not 0, 1 or 2"));
   return absl::OkStatus();
 }
 
 }  // namespace
 
-int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n, uint64_t rows,
-                          const int64_t* samples, uint32_t slot, int mode, uint64_t* size) {
+int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n,
+                          uint64_t rows, const int64_t* samples, uint32_t slot,
+                          int mode, uint64_t* size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
     if (absl::Status s = CheckMode(mode); !s.ok()) return s;
     if (x == nullptr && n != 0) return absl::InvalidArgumentError("x is null");
     absl::Status s =
-        mode == 0 ? b->codec->Encode(absl::MakeConstSpan(x, n), rows,
-                                     samples ? absl::MakeConstSpan(samples, rows) : absl::Span<const int64_t>(),
-                                     slot, &b->payload)
-                  : morse::compress::BoundaryCodec::EncodeStateless(InferenceCodec(b, mode),
-                                                                    absl::MakeConstSpan(x, n), &b->payload);
+        mode == 0
+            ? b->codec->Encode(absl::MakeConstSpan(x, n), rows,
+                               samples ? absl::MakeConstSpan(samples, rows)
+                                       : absl::Span<const int64_t>(),
+                               slot, &b->payload)
+            : morse::compress::BoundaryCodec::EncodeStateless(
+                  InferenceCodec(b, mode), absl::MakeConstSpan(x, n),
+                  &b->payload);
     if (!s.ok()) return s;
     if (size) *size = b->payload.size();
     return absl::OkStatus();
@@ -608,16 +688,20 @@ int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n, uint64_
 int morse_boundary_payload(morse_boundary* b, void* out, uint64_t capacity) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
-    if (capacity < b->payload.size() || (out == nullptr && !b->payload.empty())) {
-      return absl::InvalidArgumentError(absl::StrCat("the payload needs ", b->payload.size(), " bytes"));
+    if (capacity < b->payload.size() ||
+        (out == nullptr && !b->payload.empty())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the payload needs ", b->payload.size(), " bytes"));
     }
-    if (!b->payload.empty()) std::memcpy(out, b->payload.data(), b->payload.size());
+    if (!b->payload.empty())
+      std::memcpy(out, b->payload.data(), b->payload.size());
     return absl::OkStatus();
   });
 }
 
-int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size, uint64_t rows,
-                          const int64_t* samples, int mode, float* out, uint64_t n) {
+int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size,
+                          uint64_t rows, const int64_t* samples, int mode,
+                          float* out, uint64_t n) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
     if (absl::Status s = CheckMode(mode); !s.ok()) return s;
@@ -626,16 +710,18 @@ int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size,
     }
     const absl::string_view bytes(static_cast<const char*>(payload), size);
     if (mode != 0) {
-      return morse::compress::BoundaryCodec::DecodeStateless(InferenceCodec(b, mode), bytes,
-                                                             absl::MakeSpan(out, n));
+      return morse::compress::BoundaryCodec::DecodeStateless(
+          InferenceCodec(b, mode), bytes, absl::MakeSpan(out, n));
     }
     return b->codec->Decode(bytes, rows,
-                            samples ? absl::MakeConstSpan(samples, rows) : absl::Span<const int64_t>(),
+                            samples ? absl::MakeConstSpan(samples, rows)
+                                    : absl::Span<const int64_t>(),
                             absl::MakeSpan(out, n));
   });
 }
 
-int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity, uint64_t* size) {
+int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity,
+                        uint64_t* size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
     const std::string state = b->codec->SaveState();
@@ -650,8 +736,10 @@ int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity, uint64_
 int morse_boundary_load(morse_boundary* b, const void* state, uint64_t size) {
   return Guard([&]() -> absl::Status {
     if (absl::Status s = NotNull(b, "the boundary"); !s.ok()) return s;
-    if (state == nullptr && size != 0) return absl::InvalidArgumentError("state is null");
-    return b->codec->LoadState(absl::string_view(static_cast<const char*>(state), size));
+    if (state == nullptr && size != 0)
+      return absl::InvalidArgumentError("state is null");
+    return b->codec->LoadState(
+        absl::string_view(static_cast<const char*>(state), size));
   });
 }
 

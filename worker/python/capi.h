@@ -48,21 +48,24 @@ int morse_cuda_device(char* buf, uint64_t size);
  * security: "key=value" lines with the worker's flag names (tls_ca,
  * tls_cert, tls_key, tls_server_name, token_file, insecure=1,
  * refresh_seconds=N). */
-int morse_session_create(const char* base, const char* overrides, uint32_t rank, const char* servers,
-                         float* x, uint64_t dim, const char* security, morse_session** out);
+int morse_session_create(const char* base, const char* overrides, uint32_t rank,
+                         const char* servers, float* x, uint64_t dim,
+                         const char* security, morse_session** out);
 void morse_session_destroy(morse_session* s);
 
 /* Rank 0 uploads x, the others receive it (resume = 0), or x, m, v come from
  * the shards (resume = 1; the error buffer from checkpoint if it matches).
  * *first_step: the step training continues from. */
-int morse_session_start(morse_session* s, int resume, const char* checkpoint, int64_t* first_step);
+int morse_session_start(morse_session* s, int resume, const char* checkpoint,
+                        int64_t* first_step);
 int morse_session_wait_all_joined(morse_session* s);
 
 /* Moves the model to the GPU: from now on x, m, v and the error buffer live
  * there, x in the caller's device array x_device and the gradient read from
  * grad_device (dim floats each, on the current device). The host x given at
  * create is copied into x_device. Then steps use morse_session_begin_device. */
-int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device);
+int morse_session_use_cuda(morse_session* s, float* x_device,
+                           float* grad_device);
 
 /* A step in pieces: begin (grad: dim host floats, kept alive until finish),
  * send each partition whose gradient is complete, finish (sends the rest,
@@ -73,27 +76,32 @@ int morse_session_use_cuda(morse_session* s, float* x_device, float* grad_device
 /* The learning rate and weight decay of the steps that begin from now on
  * (set = 1; PyTorch's param_groups), sent with every push and applied by
  * every replica; set = 0: the job's schedule again. */
-int morse_session_set_step_hyper(morse_session* s, int set, float lr, float weight_decay);
+int morse_session_set_step_hyper(morse_session* s, int set, float lr,
+                                 float weight_decay);
 
 /* Rank 0: `size` bytes of module buffers sent with the next step's push of
  * partition 0 (at most 64 MiB). After a step, every worker reads what came
  * back with partition 0's reply: *size is set to its length, and up to
  * `capacity` bytes are copied to `out` (pass capacity 0 to ask the size). */
-int morse_session_set_buffers(morse_session* s, const void* data, uint64_t size);
+int morse_session_set_buffers(morse_session* s, const void* data,
+                              uint64_t size);
 /* defer != 0: replies are kept and applied when the step finishes, so the
  * parameters change only then (Session::SetDeferApply). */
 int morse_session_set_defer_apply(morse_session* s, int defer);
-int morse_session_received_buffers(morse_session* s, void* out, uint64_t capacity, uint64_t* size);
+int morse_session_received_buffers(morse_session* s, void* out,
+                                   uint64_t capacity, uint64_t* size);
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);
 int morse_session_send_partition(morse_session* s, uint32_t partition);
-int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition, void* stream);
+int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition,
+                                           void* stream);
 int morse_session_finish(morse_session* s, morse_step_traffic* traffic);
 
 /* The partitions as [begin, end) pairs: ranges gets 2 * capacity values;
  * *count is the number of partitions (call with capacity 0 to ask). */
-int morse_session_partitions(morse_session* s, uint64_t* ranges, uint64_t capacity, uint64_t* count);
+int morse_session_partitions(morse_session* s, uint64_t* ranges,
+                             uint64_t capacity, uint64_t* count);
 int64_t morse_session_step(morse_session* s);
 /* FNV checksum of x, m, v (equal on every worker after every step). */
 int morse_session_checksum(morse_session* s, uint64_t* checksum);
@@ -101,34 +109,42 @@ int morse_session_checksum(morse_session* s, uint64_t* checksum);
    set_state also brings the shards to the saved run (Session::Restore):
    server_error (dim floats, or NULL) is what morse_session_server_error
    gave on rank 0 when the run was saved. */
-int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v, float* error);
-int morse_session_set_state(morse_session* s, int64_t step, const float* m, const float* v,
-                            const float* error, const float* server_error);
+int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v,
+                            float* error);
+int morse_session_set_state(morse_session* s, int64_t step, const float* m,
+                            const float* v, const float* error,
+                            const float* server_error);
 /* onebit_lamb's state beyond m and v (state_dict, design.md 2.8): v' (dim
    floats), every layer's state (*layer_values floats: 2 per layer) and the
    last step's commit (*commit_values doubles: 3 per layer, or 0 before the
    first step). With NULL arrays only the counts are written. */
-int morse_session_get_lamb_state(morse_session* s, float* v_fresh, float* layers, uint64_t* layer_values,
+int morse_session_get_lamb_state(morse_session* s, float* v_fresh,
+                                 float* layers, uint64_t* layer_values,
                                  double* commit, uint64_t* commit_values);
 /* set_state for a onebit_lamb job, with that state (set_state refuses one). */
-int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m, const float* v,
-                                 const float* error, const float* server_error, const float* v_fresh,
-                                 const float* layers, uint64_t layer_values, const double* commit,
+int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m,
+                                 const float* v, const float* error,
+                                 const float* server_error,
+                                 const float* v_fresh, const float* layers,
+                                 uint64_t layer_values, const double* commit,
                                  uint64_t commit_values);
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
 int morse_session_save_checkpoint(morse_session* s, const char* path);
 
 /* The single-process simulator (compress/simulator.h): the oracle. */
-int morse_simulator_create(const char* base, const char* overrides, const float* x0, uint64_t dim,
+int morse_simulator_create(const char* base, const char* overrides,
+                           const float* x0, uint64_t dim,
                            morse_simulator** out);
 void morse_simulator_destroy(morse_simulator* sim);
 /* One step from `workers` gradients of dim floats each. */
-int morse_simulator_step(morse_simulator* sim, const float* const* gradients, uint32_t workers, uint64_t dim);
+int morse_simulator_step(morse_simulator* sim, const float* const* gradients,
+                         uint32_t workers, uint64_t dim);
 int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
 /* Worker `rank`'s own x, m, v (differs from the shared state only after
    zero_one_adam's local steps). */
-int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank, uint64_t* checksum);
+int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank,
+                                    uint64_t* checksum);
 int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
 
 /* Pipeline stages (worker/stage_link.h, compress/boundary.h). */
@@ -137,26 +153,31 @@ int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
  * port 0 picks one) for the earlier stage; security as for a server
  * ("key=value" lines: tls_cert, tls_key, tls_ca, token_file, insecure=1).
  * The address with its real port: morse_link_address. */
-int morse_link_listen(const char* address, const char* security, morse_link** out);
+int morse_link_listen(const char* address, const char* security,
+                      morse_link** out);
 /* The earlier stage's end: connects to address within timeout_seconds;
  * security as for a worker. */
-int morse_link_connect(const char* address, const char* security, double timeout_seconds,
-                       morse_link** out);
+int morse_link_connect(const char* address, const char* security,
+                       double timeout_seconds, morse_link** out);
 int morse_link_address(morse_link* link, char* buf, uint64_t size);
 /* Listening end: waits for the earlier stage's stream. */
 int morse_link_accept(morse_link* link, double timeout_seconds);
 /* Sends one frame (kind: 0 hello, 1 forward, 2 backward, 3 error, 4 end);
  * meta and error are NUL-terminated, payload and extra any bytes. */
-int morse_link_send(morse_link* link, uint32_t kind, const char* meta, const void* payload,
-                    uint64_t payload_size, const void* extra, uint64_t extra_size, const char* error);
+int morse_link_send(morse_link* link, uint32_t kind, const char* meta,
+                    const void* payload, uint64_t payload_size,
+                    const void* extra, uint64_t extra_size, const char* error);
 /* Waits for the next frame and keeps it; its kind and the sizes of its
  * parts come back here, the parts through morse_link_frame (buffers of at
  * least those sizes; meta and error are not NUL-terminated).
  * UNAVAILABLE when the peer is gone, DEADLINE_EXCEEDED after the timeout. */
-int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind, uint64_t* meta_size,
-                       uint64_t* payload_size, uint64_t* extra_size, uint64_t* error_size);
-int morse_link_frame(morse_link* link, void* meta, void* payload, void* extra, void* error);
-int morse_link_traffic(morse_link* link, uint64_t* bytes_sent, uint64_t* bytes_received);
+int morse_link_receive(morse_link* link, double timeout_seconds, uint32_t* kind,
+                       uint64_t* meta_size, uint64_t* payload_size,
+                       uint64_t* extra_size, uint64_t* error_size);
+int morse_link_frame(morse_link* link, void* meta, void* payload, void* extra,
+                     void* error);
+int morse_link_traffic(morse_link* link, uint64_t* bytes_sent,
+                       uint64_t* bytes_received);
 /* Closes the stream and frees the link. */
 void morse_link_destroy(morse_link* link);
 
@@ -169,15 +190,18 @@ void morse_boundary_destroy(morse_boundary* b);
  * gets its length, morse_boundary_payload copies it out. mode 0: training
  * (feedback state used and updated), 1: inference with the codec and no
  * state, 2: inference in fp32. */
-int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n, uint64_t rows,
-                          const int64_t* samples, uint32_t slot, int mode, uint64_t* size);
+int morse_boundary_encode(morse_boundary* b, const float* x, uint64_t n,
+                          uint64_t rows, const int64_t* samples, uint32_t slot,
+                          int mode, uint64_t* size);
 int morse_boundary_payload(morse_boundary* b, void* out, uint64_t capacity);
 /* Decodes a payload of the same mode into n floats at out. */
-int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size, uint64_t rows,
-                          const int64_t* samples, int mode, float* out, uint64_t n);
+int morse_boundary_decode(morse_boundary* b, const void* payload, uint64_t size,
+                          uint64_t rows, const int64_t* samples, int mode,
+                          float* out, uint64_t n);
 /* The state (ef buffers, AQ-SGD buffers): *size its length; up to capacity
  * bytes copied to out (capacity 0 asks the size). */
-int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity, uint64_t* size);
+int morse_boundary_save(morse_boundary* b, void* out, uint64_t capacity,
+                        uint64_t* size);
 int morse_boundary_load(morse_boundary* b, const void* state, uint64_t size);
 /* AQ-SGD: how many samples have buffers. */
 int morse_boundary_samples_seen(morse_boundary* b, uint64_t* count);

@@ -46,32 +46,42 @@ class Transport {
   virtual uint32_t shards() const = 0;
   virtual const std::string& address(uint32_t shard) const = 0;
 
-  virtual void Join(uint32_t shard, const v1::JoinRequest& request, v1::JoinReply* reply,
-                    const CallOptions& options, Done done) = 0;
-  virtual void InitPartition(uint32_t shard, const v1::InitPartitionRequest& request,
-                             v1::InitPartitionReply* reply, const CallOptions& options, Done done) = 0;
-  virtual void Push(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
-                    const CallOptions& options, Done done) = 0;
-  virtual void FetchPartition(uint32_t shard, const v1::FetchPartitionRequest& request,
-                              v1::PartitionState* reply, const CallOptions& options, Done done) = 0;
-  virtual void RestorePartition(uint32_t shard, const v1::PartitionState& request,
-                                v1::RestorePartitionReply* reply, const CallOptions& options,
-                                Done done) = 0;
-  virtual void Abort(uint32_t shard, const v1::AbortRequest& request, v1::AbortReply* reply,
-                     const CallOptions& options, Done done) = 0;
-  virtual void Commit(uint32_t shard, const v1::CommitRequest& request, v1::CommitReply* reply,
-                      const CallOptions& options, Done done) = 0;
-  virtual void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request, v1::ShardInfo* reply,
-                            const CallOptions& options, Done done) = 0;
+  virtual void Join(uint32_t shard, const v1::JoinRequest& request,
+                    v1::JoinReply* reply, const CallOptions& options,
+                    Done done) = 0;
+  virtual void InitPartition(uint32_t shard,
+                             const v1::InitPartitionRequest& request,
+                             v1::InitPartitionReply* reply,
+                             const CallOptions& options, Done done) = 0;
+  virtual void Push(uint32_t shard, const v1::PushRequest& request,
+                    v1::PushReply* reply, const CallOptions& options,
+                    Done done) = 0;
+  virtual void FetchPartition(uint32_t shard,
+                              const v1::FetchPartitionRequest& request,
+                              v1::PartitionState* reply,
+                              const CallOptions& options, Done done) = 0;
+  virtual void RestorePartition(uint32_t shard,
+                                const v1::PartitionState& request,
+                                v1::RestorePartitionReply* reply,
+                                const CallOptions& options, Done done) = 0;
+  virtual void Abort(uint32_t shard, const v1::AbortRequest& request,
+                     v1::AbortReply* reply, const CallOptions& options,
+                     Done done) = 0;
+  virtual void Commit(uint32_t shard, const v1::CommitRequest& request,
+                      v1::CommitReply* reply, const CallOptions& options,
+                      Done done) = 0;
+  virtual void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request,
+                            v1::ShardInfo* reply, const CallOptions& options,
+                            Done done) = 0;
 };
 
 // One call made synchronously: Wait(&Transport::Join, transport, shard,
 // request, &reply, options) returns its status.
 template <typename Request, typename Reply>
-absl::Status Wait(void (Transport::*call)(uint32_t, const Request&, Reply*, const CallOptions&,
-                                          Transport::Done),
-                  Transport& transport, uint32_t shard, const Request& request, Reply* reply,
-                  const CallOptions& options) {
+absl::Status Wait(void (Transport::*call)(uint32_t, const Request&, Reply*,
+                                          const CallOptions&, Transport::Done),
+                  Transport& transport, uint32_t shard, const Request& request,
+                  Reply* reply, const CallOptions& options) {
   Notification finished;
   absl::Status result;
   (transport.*call)(shard, request, reply, options, [&](absl::Status status) {

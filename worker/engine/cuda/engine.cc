@@ -44,7 +44,8 @@ class DeviceMlpOps final : public MlpOps {
                                              const uint32_t* labels, int rows,
                                              int classes, float* dz) override {
     if (row_loss_.bytes() < 8 * static_cast<size_t>(rows)) {
-      auto buffer = kernels::DeviceBuffer::Allocate(8 * static_cast<size_t>(rows));
+      auto buffer =
+          kernels::DeviceBuffer::Allocate(8 * static_cast<size_t>(rows));
       if (!buffer.ok()) return buffer.status();
       row_loss_ = *std::move(buffer);
     }
@@ -68,7 +69,8 @@ bool OnGpu(compress::CodecKind kind) {
 
 class CudaEngine final : public Engine, public DeviceServices {
  public:
-  CudaEngine(const EngineState& state, std::string description, DeviceArrays arrays)
+  CudaEngine(const EngineState& state, std::string description,
+             DeviceArrays arrays)
       : config_(*state.config),
         layout_(*state.layout),
         description_(std::move(description)),
@@ -109,8 +111,10 @@ class CudaEngine final : public Engine, public DeviceServices {
       *b = *std::move(allocated);
     }
     if (config_.clip_grad_norm > 0.0f) {
-      const size_t bytes = sizeof(double) * std::max<size_t>(1, (dim + compress::kSumSegment - 1) /
-                                                                    compress::kSumSegment);
+      const size_t bytes =
+          sizeof(double) *
+          std::max<size_t>(
+              1, (dim + compress::kSumSegment - 1) / compress::kSumSegment);
       auto sums = kernels::DeviceBuffer::Allocate(bytes);
       if (!sums.ok()) return sums.status();
       square_sums_ = *std::move(sums);
@@ -133,7 +137,8 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (absl::Status s = v_fresh_.Fill(0); !s.ok()) return s;
       pieces_ = compress::LambPieces(config_, layout_, {0, dim});
       lamb_layers_.resize(compress::LayerCount(config_));
-      auto segments = kernels::LambSegments::Create(pieces_, lamb_layers_.size());
+      auto segments =
+          kernels::LambSegments::Create(pieces_, lamb_layers_.size());
       if (!segments.ok()) return segments.status();
       lamb_segments_ = *std::move(segments);
     }
@@ -151,54 +156,82 @@ class CudaEngine final : public Engine, public DeviceServices {
   const std::string& description() const override { return description_; }
   DeviceServices* device() override { return this; }
 
-  absl::Status Load(const compress::Replica& replica, const compress::ErrorFeedback& error) override {
+  absl::Status Load(const compress::Replica& replica,
+                    const compress::ErrorFeedback& error) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const size_t bytes = 4 * config_.layout.dim;
     std::vector<float> e(config_.layout.dim);
     error.Read(0, absl::MakeSpan(e));
-    if (absl::Status s = kernels::CopyToDevice(x_ptr_, replica.x().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok()) return s;
+    if (absl::Status s =
+            kernels::CopyToDevice(x_ptr_, replica.x().data(), bytes);
+        !s.ok())
+      return s;
+    if (absl::Status s = m_.Upload(replica.m().data(), bytes); !s.ok())
+      return s;
+    if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok())
+      return s;
     if (absl::Status s = e_.Upload(e.data(), bytes); !s.ok()) return s;
     if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
-      const compress::Replica::LocalInterval interval = replica.local_interval();
+      const compress::Replica::LocalInterval interval =
+          replica.local_interval();
       has_interval_ = !interval.anchor.empty();
       if (has_interval_) {
-        if (absl::Status s = anchor_.Upload(interval.anchor.data(), bytes); !s.ok()) return s;
-        if (absl::Status s = u_.Upload(interval.u.data(), bytes); !s.ok()) return s;
+        if (absl::Status s = anchor_.Upload(interval.anchor.data(), bytes);
+            !s.ok())
+          return s;
+        if (absl::Status s = u_.Upload(interval.u.data(), bytes); !s.ok())
+          return s;
       }
       lr_sum_ = interval.lr_sum;
       local_step_ = interval.last_step;
     }
     if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
-      if (absl::Status s = v_fresh_.Upload(replica.v_fresh().data(), bytes); !s.ok()) return s;
-      lamb_layers_.assign(replica.lamb_layers().begin(), replica.lamb_layers().end());
+      if (absl::Status s = v_fresh_.Upload(replica.v_fresh().data(), bytes);
+          !s.ok())
+        return s;
+      lamb_layers_.assign(replica.lamb_layers().begin(),
+                          replica.lamb_layers().end());
     }
     return absl::OkStatus();
   }
 
-  absl::Status Store(compress::Replica& replica, compress::ErrorFeedback& error) override {
+  absl::Status Store(compress::Replica& replica,
+                     compress::ErrorFeedback& error) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const size_t bytes = 4 * config_.layout.dim;
     std::vector<float> e(config_.layout.dim);
-    if (absl::Status s = kernels::CopyToHost(replica.x().data(), x_ptr_, bytes); !s.ok()) return s;
-    if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes); !s.ok()) return s;
-    if (absl::Status s = v_.Download(replica.mutable_v().data(), bytes); !s.ok()) return s;
+    if (absl::Status s = kernels::CopyToHost(replica.x().data(), x_ptr_, bytes);
+        !s.ok())
+      return s;
+    if (absl::Status s = m_.Download(replica.mutable_m().data(), bytes);
+        !s.ok())
+      return s;
+    if (absl::Status s = v_.Download(replica.mutable_v().data(), bytes);
+        !s.ok())
+      return s;
     if (absl::Status s = e_.Download(e.data(), bytes); !s.ok()) return s;
     if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
       compress::Replica::LocalInterval interval;
       if (has_interval_) {
         interval.anchor.resize(config_.layout.dim);
         interval.u.resize(config_.layout.dim);
-        if (absl::Status s = anchor_.Download(interval.anchor.data(), bytes); !s.ok()) return s;
-        if (absl::Status s = u_.Download(interval.u.data(), bytes); !s.ok()) return s;
+        if (absl::Status s = anchor_.Download(interval.anchor.data(), bytes);
+            !s.ok())
+          return s;
+        if (absl::Status s = u_.Download(interval.u.data(), bytes); !s.ok())
+          return s;
       }
       interval.lr_sum = lr_sum_;
       interval.last_step = local_step_;
-      if (absl::Status s = replica.RestoreLocalInterval(std::move(interval)); !s.ok()) return s;
+      if (absl::Status s = replica.RestoreLocalInterval(std::move(interval));
+          !s.ok())
+        return s;
     }
     if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
-      if (absl::Status s = v_fresh_.Download(replica.mutable_v_fresh().data(), bytes); !s.ok()) return s;
+      if (absl::Status s =
+              v_fresh_.Download(replica.mutable_v_fresh().data(), bytes);
+          !s.ok())
+        return s;
       replica.set_lamb_layers(lamb_layers_);
     }
     return error.Restore(e);
@@ -206,7 +239,8 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   absl::Status SetHostGradient(absl::Span<const float>) override {
     return absl::FailedPreconditionError(
-        "this engine keeps the model on the GPU: its gradient is a device array "
+        "this engine keeps the model on the GPU: its gradient is a device "
+        "array "
         "(a workload's hook, or the one given at creation)");
   }
 
@@ -227,8 +261,8 @@ class CudaEngine final : public Engine, public DeviceServices {
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
                       std::string* payload, float grad_scale) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const compress::SendRule rule =
-        compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
+    const compress::SendRule rule = compress::PlanSend(
+        config_, step, compress::Direction::kUp, rank, p.range.begin);
     const uint64_t begin = p.range.begin, n = p.range.size();
     const size_t bytes = compress::PayloadBytes(rule.codec, n);
     const float* input = grad_ptr_ + begin;
@@ -236,12 +270,14 @@ class CudaEngine final : public Engine, public DeviceServices {
       // zero_one_adam's sync: the message is the interval's update
       // (compress::Replica::SyncMessage), formed in scratch.
       if (local_step_ != step) {
-        return absl::FailedPreconditionError(absl::StrCat("the sync of step ", step, " before its local step"));
+        return absl::FailedPreconditionError(
+            absl::StrCat("the sync of step ", step, " before its local step"));
       }
       float* message = scratch_.as<float>() + begin;
-      if (absl::Status s = kernels::ZeroOneSyncMessage(*send_, compress::LocalStepScalars(config_, step, nullptr),
-                                                       lr_sum_, u_.as<float>() + begin, m_.as<float>() + begin,
-                                                       v_.as<float>() + begin, message, n);
+      if (absl::Status s = kernels::ZeroOneSyncMessage(
+              *send_, compress::LocalStepScalars(config_, step, nullptr),
+              lr_sum_, u_.as<float>() + begin, m_.as<float>() + begin,
+              v_.as<float>() + begin, message, n);
           !s.ok()) {
         return s;
       }
@@ -250,30 +286,38 @@ class CudaEngine final : public Engine, public DeviceServices {
       // The worker's own clip factor (compress::ClipsLocally): the local
       // momentum of k*g, k*g formed in scratch first as the CPU does.
       if (!rule.local_momentum) {
-        return absl::FailedPreconditionError("a worker scales its own gradient only in the compression phase");
+        return absl::FailedPreconditionError(
+            "a worker scales its own gradient only in the compression phase");
       }
       float* scaled = scratch_.as<float>() + begin;
-      if (absl::Status s = kernels::Scale(*send_, grad_scale, input, scaled, n); !s.ok()) return s;
+      if (absl::Status s = kernels::Scale(*send_, grad_scale, input, scaled, n);
+          !s.ok())
+        return s;
       input = scaled;
     }
     // The local momentum is formed inside the encode (fused for sign1).
-    const float* momentum_m = rule.local_momentum ? m_.as<float>() + begin : nullptr;
+    const float* momentum_m =
+        rule.local_momentum ? m_.as<float>() + begin : nullptr;
     float* scratch = scratch_.as<float>() + begin;
     compress::FeedbackArgs fb;
     float* error = nullptr;
-    if (rule.feedback && config_.worker_feedback.kind != compress::FeedbackKind::kNone) {
+    if (rule.feedback &&
+        config_.worker_feedback.kind != compress::FeedbackKind::kNone) {
       fb = {config_.worker_feedback.kind, config_.worker_feedback.beta};
       error = e_.as<float>() + begin;
     }
     // The zero-variance mask reads v where it lives (fused into sign1).
     const float* mask_v = rule.mask ? v_.as<float>() + begin : nullptr;
-    if (absl::Status s = kernels::EncodeWithError(*send_, rule.codec, input, error, n, fb, rule.key,
-                                                  send_payload_.as<uint8_t>(), mask_v, momentum_m,
-                                                  rule.beta1, scratch);
+    if (absl::Status s =
+            kernels::EncodeWithError(*send_, rule.codec, input, error, n, fb,
+                                     rule.key, send_payload_.as<uint8_t>(),
+                                     mask_v, momentum_m, rule.beta1, scratch);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = send_->CopyToHost(send_host_.data(), send_payload_.data(), bytes); !s.ok()) {
+    if (absl::Status s =
+            send_->CopyToHost(send_host_.data(), send_payload_.data(), bytes);
+        !s.ok()) {
       return s;
     }
     if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
@@ -281,15 +325,21 @@ class CudaEngine final : public Engine, public DeviceServices {
     return absl::OkStatus();
   }
 
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper, float grad_scale) override {
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
+                          absl::Span<const uint8_t> reply,
+                          const compress::StepHyper* hyper,
+                          float grad_scale) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper, grad_scale);
+    const compress::ReplyRule rule =
+        compress::PlanReply(config_, step, hyper, grad_scale);
     const uint64_t begin = p.range.begin, n = p.range.size();
-    if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n); !s.ok()) return s;
+    if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n);
+        !s.ok())
+      return s;
     MutexLock lock(&apply_mu_);
     std::copy(reply.begin(), reply.end(), reply_host_.data());
-    if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(), reply_host_.data(), reply.size());
+    if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(),
+                                              reply_host_.data(), reply.size());
         !s.ok()) {
       return s;
     }
@@ -300,25 +350,30 @@ class CudaEngine final : public Engine, public DeviceServices {
     absl::Status s;
     if (rule.frozen_variance && !rule.lamb && rule.grad_scale == 1.0f &&
         rule.codec.kind == compress::CodecKind::kSign1) {
-      s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n, rule.scalars, rule.mask, x, m,
-                                      v);
+      s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n,
+                                      rule.scalars, rule.mask, x, m, v);
     } else {
       // compress::ApplyRule's cases, on the decoded reply.
       float* decoded = apply_scratch_.as<float>() + begin;
       s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
-      if (s.ok() && rule.grad_scale != 1.0f) {  // the averaged gradient's clip factor
+      if (s.ok() &&
+          rule.grad_scale != 1.0f) {  // the averaged gradient's clip factor
         s = kernels::Scale(*apply_, rule.grad_scale, decoded, decoded, n);
       }
       if (!s.ok()) {
       } else if (rule.lamb) {
-        s = kernels::LambMoments(*apply_, rule, decoded, m, v, v_fresh_.as<float>() + begin, n);
+        s = kernels::LambMoments(*apply_, rule, decoded, m, v,
+                                 v_fresh_.as<float>() + begin, n);
       } else if (rule.sync) {
         const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
-        s = kernels::ZeroOneSyncUpdate(*apply_, rule.scalars, rule.mask, decoded, anchor, x, m, v, n);
+        s = kernels::ZeroOneSyncUpdate(*apply_, rule.scalars, rule.mask,
+                                       decoded, anchor, x, m, v, n);
       } else if (rule.frozen_variance) {
-        s = kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x, m, v, n);
+        s = kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x,
+                                  m, v, n);
       } else if (rule.bounded_variance) {
-        s = kernels::ZeroOneVarianceUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
+        s = kernels::ZeroOneVarianceUpdate(*apply_, rule.scalars, decoded, x, m,
+                                           v, n);
       } else {
         s = kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
       }
@@ -330,8 +385,9 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   absl::StatusOr<double> GradientSumOfSquares() override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    return kernels::SumOfSquares(*send_, grad_ptr_, config_.layout.dim, square_sums_.as<double>(),
-                                 reinterpret_cast<double*>(square_sums_host_.data()));
+    return kernels::SumOfSquares(
+        *send_, grad_ptr_, config_.layout.dim, square_sums_.as<double>(),
+        reinterpret_cast<double*>(square_sums_host_.data()));
   }
 
   // compress::Replica::LocalStep on the device: the anchor, the
@@ -341,30 +397,35 @@ class CudaEngine final : public Engine, public DeviceServices {
                                   float grad_scale,
                                   compress::ComputePool*) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const absl::StatusOr<bool> starts = compress::BeginLocalStep(config_, step, local_step_);
+    const absl::StatusOr<bool> starts =
+        compress::BeginLocalStep(config_, step, local_step_);
     if (!starts.ok()) return starts.status();
     const size_t bytes = 4 * config_.layout.dim;
     if (*starts) {
       // x is final: every reply's update was synchronized. Both ahead of
       // the step's kernel on the same stream.
-      if (absl::Status s = send_->Copy(anchor_.data(), x_ptr_, bytes); !s.ok()) return s;
+      if (absl::Status s = send_->Copy(anchor_.data(), x_ptr_, bytes); !s.ok())
+        return s;
       if (absl::Status s = send_->Fill(u_.data(), 0, bytes); !s.ok()) return s;
       has_interval_ = true;
       lr_sum_ = 0.0f;
     }
-    const compress::AdamScalars scalars = compress::LocalStepScalars(config_, step, hyper);
+    const compress::AdamScalars scalars =
+        compress::LocalStepScalars(config_, step, hyper);
     const bool exchanges = compress::PlanStep(config_, step).exchanges;
     const float* g = grad_ptr_;
     if (grad_scale != 1.0f) {  // the worker's own clip factor
-      if (absl::Status s = kernels::Scale(*send_, grad_scale, g, scratch_.as<float>(), config_.layout.dim);
+      if (absl::Status s = kernels::Scale(
+              *send_, grad_scale, g, scratch_.as<float>(), config_.layout.dim);
           !s.ok()) {
         return s;
       }
       g = scratch_.as<float>();
     }
-    if (absl::Status s = kernels::ZeroOneLocalStep(*send_, scalars, g, x_ptr_, m_.as<float>(),
-                                                   u_.as<float>(), v_.as<float>(), config_.layout.dim,
-                                                   /*write_x=*/!exchanges);
+    if (absl::Status s = kernels::ZeroOneLocalStep(
+            *send_, scalars, g, x_ptr_, m_.as<float>(), u_.as<float>(),
+            v_.as<float>(), config_.layout.dim,
+            /*write_x=*/!exchanges);
         !s.ok()) {
       return s;
     }
@@ -387,13 +448,18 @@ class CudaEngine final : public Engine, public DeviceServices {
     const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
     MutexLock lock(&apply_mu_);
     absl::StatusOr<absl::Span<const double>> sums =
-        lamb_segments_.Sums(*apply_, rule, x_ptr_, m_.as<float>(), v_.as<float>(), v_fresh_.as<float>());
+        lamb_segments_.Sums(*apply_, rule, x_ptr_, m_.as<float>(),
+                            v_.as<float>(), v_fresh_.as<float>());
     if (!sums.ok()) return sums.status();
-    const std::vector<double> totals = compress::LambTotalsOfSegments(config_, pieces_, *sums);
-    std::vector<double> commit = compress::LambCommit(config_, rule, totals, lamb_layers_);
-    if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok()) return s;
-    if (absl::Status s = lamb_segments_.UpdateX(*apply_, rule, compress::LambLayerSteps(rule, commit), x_ptr_,
-                                                m_.as<float>(), v_.as<float>());
+    const std::vector<double> totals =
+        compress::LambTotalsOfSegments(config_, pieces_, *sums);
+    std::vector<double> commit =
+        compress::LambCommit(config_, rule, totals, lamb_layers_);
+    if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok())
+      return s;
+    if (absl::Status s = lamb_segments_.UpdateX(
+            *apply_, rule, compress::LambLayerSteps(rule, commit), x_ptr_,
+            m_.as<float>(), v_.as<float>());
         !s.ok()) {
       return s;
     }
@@ -416,11 +482,14 @@ class CudaEngine final : public Engine, public DeviceServices {
     return send_->CopyToDevice(device, host, bytes);
   }
   MlpOps& mlp_ops() override { return *mlp_ops_; }
-  absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step, uint32_t rank, float noise,
-                                           uint32_t dead_every, const float* a, const float* t,
-                                           const float* x, float* grad, size_t n) override {
+  absl::StatusOr<double> SyntheticGradient(uint64_t seed, int64_t step,
+                                           uint32_t rank, float noise,
+                                           uint32_t dead_every, const float* a,
+                                           const float* t, const float* x,
+                                           float* grad, size_t n) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    return kernels::SyntheticGradient(*send_, seed, step, rank, noise, a, t, x, grad, n, dead_every);
+    return kernels::SyntheticGradient(*send_, seed, step, rank, noise, a, t, x,
+                                      grad, n, dead_every);
   }
 
  protected:
@@ -468,29 +537,36 @@ class CudaEngine final : public Engine, public DeviceServices {
 
 absl::StatusOr<std::string> Describe() { return kernels::DeviceDescription(); }
 
-absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, DeviceArrays arrays) {
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
+                                                     DeviceArrays arrays) {
   auto device = Describe();
   if (!device.ok()) return device.status();
   const compress::SimulatorConfig& config = *state.config;
   if (config.worker_feedback.storage != compress::ErrorStorage::kFp32) {
     return absl::UnimplementedError(
-        "the GPU path keeps the error buffer in fp32 (worker_feedback storage int8)");
+        "the GPU path keeps the error buffer in fp32 (worker_feedback storage "
+        "int8)");
   }
-  for (const compress::CodecSpec* spec : {&config.warmup_codec, &config.up_codec, &config.down_codec}) {
+  for (const compress::CodecSpec* spec :
+       {&config.warmup_codec, &config.up_codec, &config.down_codec}) {
     if (!OnGpu(spec->kind)) {
-      return absl::UnimplementedError(absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
+      return absl::UnimplementedError(
+          absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
     }
   }
-  if (config.optimizer != compress::OptimizerKind::kAdam && config.mask_zero_variance &&
+  if (config.optimizer != compress::OptimizerKind::kAdam &&
+      config.mask_zero_variance &&
       config.up_codec.kind != compress::CodecKind::kSign1) {
     return absl::UnimplementedError(absl::StrCat(
         "the zero-variance mask is fused into sign1 only on the GPU; up_codec ",
-        compress::CodecName(config.up_codec.kind), " with mask_zero_variance trains on the CPU"));
+        compress::CodecName(config.up_codec.kind),
+        " with mask_zero_variance trains on the CPU"));
   }
   if (config.optimizer == compress::OptimizerKind::kAdam &&
       config.up_codec.kind == compress::CodecKind::kFp32 &&
       config.worker_feedback.kind != compress::FeedbackKind::kNone) {
-    return absl::UnimplementedError("fp32 with error feedback has no GPU kernel");
+    return absl::UnimplementedError(
+        "fp32 with error feedback has no GPU kernel");
   }
   auto engine = std::make_unique<CudaEngine>(state, *device, arrays);
   if (absl::Status s = engine->Init(); !s.ok()) return s;

@@ -18,7 +18,8 @@
 
 namespace morse::worker::cuda {
 
-absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state, DeviceArrays arrays);
+absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
+                                                     DeviceArrays arrays);
 // "NVIDIA H100 80GB HBM3 (sm_90, 79 GiB)" for the calling thread's device,
 // or FAILED_PRECONDITION saying why there is none.
 absl::StatusOr<std::string> Describe();

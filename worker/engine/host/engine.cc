@@ -26,21 +26,26 @@ class HostEngine final : public Engine {
   DeviceServices* device() override { return nullptr; }
 
   // The state is the session's: nothing to move.
-  absl::Status Load(const compress::Replica&, const compress::ErrorFeedback&) override {
+  absl::Status Load(const compress::Replica&,
+                    const compress::ErrorFeedback&) override {
     return absl::OkStatus();
   }
-  absl::Status Store(compress::Replica&, compress::ErrorFeedback&) override { return absl::OkStatus(); }
+  absl::Status Store(compress::Replica&, compress::ErrorFeedback&) override {
+    return absl::OkStatus();
+  }
 
   absl::Status SetHostGradient(absl::Span<const float> grad) override {
     if (grad.size() != config_.layout.dim) {
       return absl::InvalidArgumentError(
-          absl::StrCat("gradient of ", grad.size(), " elements for ", config_.layout.dim, " parameters"));
+          absl::StrCat("gradient of ", grad.size(), " elements for ",
+                       config_.layout.dim, " parameters"));
     }
     grad_ = grad;
     return absl::OkStatus();
   }
   absl::Status ReadGradient(absl::Span<float> grad) override {
-    if (grad.size() != grad_.size()) return absl::InvalidArgumentError("the gradient has dim floats");
+    if (grad.size() != grad_.size())
+      return absl::InvalidArgumentError("the gradient has dim floats");
     std::copy(grad_.begin(), grad_.end(), grad.begin());
     return absl::OkStatus();
   }
@@ -48,8 +53,8 @@ class HostEngine final : public Engine {
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
                       std::string* payload, float grad_scale) override {
-    const compress::SendRule rule =
-        compress::PlanSend(config_, step, compress::Direction::kUp, rank, p.range.begin);
+    const compress::SendRule rule = compress::PlanSend(
+        config_, step, compress::Direction::kUp, rank, p.range.begin);
     const uint64_t n = p.range.size();
     // zero_one_adam's sync begun by BeginSyncLocalStep: this partition's
     // part of the local step first.
@@ -62,11 +67,14 @@ class HostEngine final : public Engine {
     }
     payload->resize(compress::PayloadBytes(rule.codec, n));
     return compress::EncodeWorkerMessage(rule, replica_, error_, p.range.begin,
-                                         grad_.subspan(p.range.begin, n), grad_scale, AsBytes(payload));
+                                         grad_.subspan(p.range.begin, n),
+                                         grad_scale, AsBytes(payload));
   }
 
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p, absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper, float grad_scale) override {
+  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
+                          absl::Span<const uint8_t> reply,
+                          const compress::StepHyper* hyper,
+                          float grad_scale) override {
     absl::Status applied = replica_.ApplyReply(
         step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
     if (applied.ok() && !lamb_segments_.empty()) {
@@ -82,7 +90,8 @@ class HostEngine final : public Engine {
                                   const compress::StepHyper* hyper,
                                   float grad_scale,
                                   compress::ComputePool* pool) override {
-    if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
+    if (grad_.size() != config_.layout.dim)
+      return absl::FailedPreconditionError("no gradient set");
     if (absl::Status s =
             replica_.LocalStep(step, grad_, hyper, grad_scale, pool);
         !s.ok())
@@ -110,7 +119,8 @@ class HostEngine final : public Engine {
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override {
-    if (grad_.size() != config_.layout.dim) return absl::FailedPreconditionError("no gradient set");
+    if (grad_.size() != config_.layout.dim)
+      return absl::FailedPreconditionError("no gradient set");
     return compress::GradientSumOfSquares(grad_);
   }
 
@@ -122,7 +132,8 @@ class HostEngine final : public Engine {
     // Called for every gradient range while the pool encodes the ranges
     // before: only the first call writes (the others only read).
     if (own_grad_.size() != config_.layout.dim) {
-      own_grad_.resize(config_.layout.dim);  // only engines that run hooks pay for it
+      own_grad_.resize(
+          config_.layout.dim);  // only engines that run hooks pay for it
     }
     if (grad_.data() != own_grad_.data()) grad_ = own_grad_;
     return own_grad_.data();
@@ -142,7 +153,8 @@ class HostEngine final : public Engine {
     std::vector<double> values;
   };
   std::vector<LambSegments> lamb_segments_;
-  absl::Span<const float> grad_;  // what Encode reads: own_grad_ or the caller's
+  absl::Span<const float>
+      grad_;  // what Encode reads: own_grad_ or the caller's
 };
 
 }  // namespace

@@ -16,11 +16,12 @@ absl::StatusOr<std::unique_ptr<GrpcTransport>> GrpcTransport::Create(
         " shards; pass one host:port per shard, in shard order"));
   }
   if (rank >= job.workers()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rank ", rank, " is outside the job's ", job.workers(), " workers"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
   proto::SecurityOptions own = security;
-  own.token_file = proto::TokenPathForRank(security.token_file, rank);  // token-{rank}
+  own.token_file =
+      proto::TokenPathForRank(security.token_file, rank);  // token-{rank}
   if (absl::Status s = proto::ValidateClientSecurity(own); !s.ok()) return s;
   auto tokens = proto::TokenFile::FromOptions(own);
   if (!tokens.ok()) return tokens.status();
@@ -28,37 +29,46 @@ absl::StatusOr<std::unique_ptr<GrpcTransport>> GrpcTransport::Create(
       new GrpcTransport(job, std::move(servers), security, *std::move(tokens)));
 }
 
-GrpcTransport::GrpcTransport(const proto::JobSpec& job, std::vector<std::string> servers,
+GrpcTransport::GrpcTransport(const proto::JobSpec& job,
+                             std::vector<std::string> servers,
                              const proto::SecurityOptions& security,
                              std::unique_ptr<proto::TokenFile> tokens)
     : servers_(std::move(servers)), tokens_(std::move(tokens)) {
-  const std::shared_ptr<grpc::ChannelCredentials> credentials = proto::MakeChannelCredentials(security);
+  const std::shared_ptr<grpc::ChannelCredentials> credentials =
+      proto::MakeChannelCredentials(security);
   for (const std::string& address : servers_) {
     auto& shard_stubs = stubs_.emplace_back();
-    for (uint32_t c = 0; c < std::max<uint32_t>(job.channels_per_shard, 1); ++c) {
-      grpc::ChannelArguments args = proto::ChannelArgs(job, static_cast<int>(c));
+    for (uint32_t c = 0; c < std::max<uint32_t>(job.channels_per_shard, 1);
+         ++c) {
+      grpc::ChannelArguments args =
+          proto::ChannelArgs(job, static_cast<int>(c));
       proto::AddChannelSecurityArgs(security, &args);
-      shard_stubs.push_back(
-          v1::ParameterServer::NewStub(grpc::CreateCustomChannel(address, credentials, args)));
+      shard_stubs.push_back(v1::ParameterServer::NewStub(
+          grpc::CreateCustomChannel(address, credentials, args)));
     }
   }
 }
 
 template <typename Request, typename Reply, typename Method>
-void GrpcTransport::Start(uint32_t shard, Method method, const Request& request, Reply* reply,
-                          const CallOptions& options, Done done) {
+void GrpcTransport::Start(uint32_t shard, Method method, const Request& request,
+                          Reply* reply, const CallOptions& options, Done done) {
   auto* context = new grpc::ClientContext;
   context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::microseconds(static_cast<int64_t>(options.timeout_seconds * 1e6)));
+                        std::chrono::microseconds(static_cast<int64_t>(
+                            options.timeout_seconds * 1e6)));
   if (options.wait_for_ready) context->set_wait_for_ready(true);
   if (tokens_ != nullptr) {
-    context->AddMetadata(proto::kAuthorizationKey, absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
+    context->AddMetadata(
+        proto::kAuthorizationKey,
+        absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
   }
   auto& channels = stubs_[shard];
-  v1::ParameterServer::Stub::async_interface* stub = channels[options.lane % channels.size()]->async();
+  v1::ParameterServer::Stub::async_interface* stub =
+      channels[options.lane % channels.size()]->async();
   (stub->*method)(context, &request, reply,
                   [context, done = std::move(done)](grpc::Status status) {
-                    absl::Status outcome = proto::FromGrpc(status, context->GetServerTrailingMetadata());
+                    absl::Status outcome = proto::FromGrpc(
+                        status, context->GetServerTrailingMetadata());
                     delete context;
                     done(std::move(outcome));
                   });
@@ -68,62 +78,82 @@ void GrpcTransport::Start(uint32_t shard, Method method, const Request& request,
 // forms); these name the callback one.
 template <typename Request, typename Reply>
 using AsyncMethod = void (v1::ParameterServer::Stub::async_interface::*)(
-    grpc::ClientContext*, const Request*, Reply*, std::function<void(grpc::Status)>);
+    grpc::ClientContext*, const Request*, Reply*,
+    std::function<void(grpc::Status)>);
 
-void GrpcTransport::Join(uint32_t shard, const v1::JoinRequest& request, v1::JoinReply* reply,
-                         const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::JoinRequest, v1::JoinReply>(
-                   &v1::ParameterServer::Stub::async_interface::Join),
+void GrpcTransport::Join(uint32_t shard, const v1::JoinRequest& request,
+                         v1::JoinReply* reply, const CallOptions& options,
+                         Done done) {
+  Start(shard,
+        AsyncMethod<v1::JoinRequest, v1::JoinReply>(
+            &v1::ParameterServer::Stub::async_interface::Join),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::InitPartition(uint32_t shard, const v1::InitPartitionRequest& request,
-                                  v1::InitPartitionReply* reply, const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::InitPartitionRequest, v1::InitPartitionReply>(
-                   &v1::ParameterServer::Stub::async_interface::InitPartition),
+void GrpcTransport::InitPartition(uint32_t shard,
+                                  const v1::InitPartitionRequest& request,
+                                  v1::InitPartitionReply* reply,
+                                  const CallOptions& options, Done done) {
+  Start(shard,
+        AsyncMethod<v1::InitPartitionRequest, v1::InitPartitionReply>(
+            &v1::ParameterServer::Stub::async_interface::InitPartition),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::Push(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
-                         const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::PushRequest, v1::PushReply>(
-                   &v1::ParameterServer::Stub::async_interface::Push),
+void GrpcTransport::Push(uint32_t shard, const v1::PushRequest& request,
+                         v1::PushReply* reply, const CallOptions& options,
+                         Done done) {
+  Start(shard,
+        AsyncMethod<v1::PushRequest, v1::PushReply>(
+            &v1::ParameterServer::Stub::async_interface::Push),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::FetchPartition(uint32_t shard, const v1::FetchPartitionRequest& request,
-                                   v1::PartitionState* reply, const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::FetchPartitionRequest, v1::PartitionState>(
-                   &v1::ParameterServer::Stub::async_interface::FetchPartition),
+void GrpcTransport::FetchPartition(uint32_t shard,
+                                   const v1::FetchPartitionRequest& request,
+                                   v1::PartitionState* reply,
+                                   const CallOptions& options, Done done) {
+  Start(shard,
+        AsyncMethod<v1::FetchPartitionRequest, v1::PartitionState>(
+            &v1::ParameterServer::Stub::async_interface::FetchPartition),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::RestorePartition(uint32_t shard, const v1::PartitionState& request,
-                                     v1::RestorePartitionReply* reply, const CallOptions& options,
-                                     Done done) {
-  Start(shard, AsyncMethod<v1::PartitionState, v1::RestorePartitionReply>(
-                   &v1::ParameterServer::Stub::async_interface::RestorePartition),
+void GrpcTransport::RestorePartition(uint32_t shard,
+                                     const v1::PartitionState& request,
+                                     v1::RestorePartitionReply* reply,
+                                     const CallOptions& options, Done done) {
+  Start(shard,
+        AsyncMethod<v1::PartitionState, v1::RestorePartitionReply>(
+            &v1::ParameterServer::Stub::async_interface::RestorePartition),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::Abort(uint32_t shard, const v1::AbortRequest& request, v1::AbortReply* reply,
-                          const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::AbortRequest, v1::AbortReply>(
-                   &v1::ParameterServer::Stub::async_interface::Abort),
+void GrpcTransport::Abort(uint32_t shard, const v1::AbortRequest& request,
+                          v1::AbortReply* reply, const CallOptions& options,
+                          Done done) {
+  Start(shard,
+        AsyncMethod<v1::AbortRequest, v1::AbortReply>(
+            &v1::ParameterServer::Stub::async_interface::Abort),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::Commit(uint32_t shard, const v1::CommitRequest& request, v1::CommitReply* reply,
-                           const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::CommitRequest, v1::CommitReply>(
-                   &v1::ParameterServer::Stub::async_interface::Commit),
+void GrpcTransport::Commit(uint32_t shard, const v1::CommitRequest& request,
+                           v1::CommitReply* reply, const CallOptions& options,
+                           Done done) {
+  Start(shard,
+        AsyncMethod<v1::CommitRequest, v1::CommitReply>(
+            &v1::ParameterServer::Stub::async_interface::Commit),
         request, reply, options, std::move(done));
 }
 
-void GrpcTransport::GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request,
-                                 v1::ShardInfo* reply, const CallOptions& options, Done done) {
-  Start(shard, AsyncMethod<v1::ShardInfoRequest, v1::ShardInfo>(
-                   &v1::ParameterServer::Stub::async_interface::GetShardInfo),
+void GrpcTransport::GetShardInfo(uint32_t shard,
+                                 const v1::ShardInfoRequest& request,
+                                 v1::ShardInfo* reply,
+                                 const CallOptions& options, Done done) {
+  Start(shard,
+        AsyncMethod<v1::ShardInfoRequest, v1::ShardInfo>(
+            &v1::ParameterServer::Stub::async_interface::GetShardInfo),
         request, reply, options, std::move(done));
 }
 

@@ -25,39 +25,51 @@ class GrpcTransport final : public Transport {
   // that is not one per shard, a rank outside the job, or credentials that
   // break the policy of proto/security.h or the token file cannot be read;
   // connects lazily.
-  static absl::StatusOr<std::unique_ptr<GrpcTransport>> Create(const proto::JobSpec& job,
-                                                               std::vector<std::string> servers,
-                                                               uint32_t rank,
-                                                               const proto::SecurityOptions& security);
+  static absl::StatusOr<std::unique_ptr<GrpcTransport>> Create(
+      const proto::JobSpec& job, std::vector<std::string> servers,
+      uint32_t rank, const proto::SecurityOptions& security);
 
-  uint32_t shards() const override { return static_cast<uint32_t>(servers_.size()); }
-  const std::string& address(uint32_t shard) const override { return servers_[shard]; }
+  uint32_t shards() const override {
+    return static_cast<uint32_t>(servers_.size());
+  }
+  const std::string& address(uint32_t shard) const override {
+    return servers_[shard];
+  }
 
-  void Join(uint32_t shard, const v1::JoinRequest& request, v1::JoinReply* reply,
-            const CallOptions& options, Done done) override;
+  void Join(uint32_t shard, const v1::JoinRequest& request,
+            v1::JoinReply* reply, const CallOptions& options,
+            Done done) override;
   void InitPartition(uint32_t shard, const v1::InitPartitionRequest& request,
-                     v1::InitPartitionReply* reply, const CallOptions& options, Done done) override;
-  void Push(uint32_t shard, const v1::PushRequest& request, v1::PushReply* reply,
-            const CallOptions& options, Done done) override;
-  void FetchPartition(uint32_t shard, const v1::FetchPartitionRequest& request, v1::PartitionState* reply,
-                      const CallOptions& options, Done done) override;
+                     v1::InitPartitionReply* reply, const CallOptions& options,
+                     Done done) override;
+  void Push(uint32_t shard, const v1::PushRequest& request,
+            v1::PushReply* reply, const CallOptions& options,
+            Done done) override;
+  void FetchPartition(uint32_t shard, const v1::FetchPartitionRequest& request,
+                      v1::PartitionState* reply, const CallOptions& options,
+                      Done done) override;
   void RestorePartition(uint32_t shard, const v1::PartitionState& request,
-                        v1::RestorePartitionReply* reply, const CallOptions& options, Done done) override;
-  void Abort(uint32_t shard, const v1::AbortRequest& request, v1::AbortReply* reply,
-             const CallOptions& options, Done done) override;
-  void Commit(uint32_t shard, const v1::CommitRequest& request, v1::CommitReply* reply,
-              const CallOptions& options, Done done) override;
-  void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request, v1::ShardInfo* reply,
-                    const CallOptions& options, Done done) override;
+                        v1::RestorePartitionReply* reply,
+                        const CallOptions& options, Done done) override;
+  void Abort(uint32_t shard, const v1::AbortRequest& request,
+             v1::AbortReply* reply, const CallOptions& options,
+             Done done) override;
+  void Commit(uint32_t shard, const v1::CommitRequest& request,
+              v1::CommitReply* reply, const CallOptions& options,
+              Done done) override;
+  void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request,
+                    v1::ShardInfo* reply, const CallOptions& options,
+                    Done done) override;
 
  private:
   GrpcTransport(const proto::JobSpec& job, std::vector<std::string> servers,
-                const proto::SecurityOptions& security, std::unique_ptr<proto::TokenFile> tokens);
+                const proto::SecurityOptions& security,
+                std::unique_ptr<proto::TokenFile> tokens);
   // Starts `method` of shard s's stub for `lane` with a fresh context (the
   // deadline, the token) that lives until `done` has run.
   template <typename Request, typename Reply, typename Method>
-  void Start(uint32_t shard, Method method, const Request& request, Reply* reply,
-             const CallOptions& options, Done done);
+  void Start(uint32_t shard, Method method, const Request& request,
+             Reply* reply, const CallOptions& options, Done done);
 
   std::vector<std::string> servers_;
   std::unique_ptr<proto::TokenFile> tokens_;
