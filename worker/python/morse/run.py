@@ -316,9 +316,14 @@ def main(argv=None):
                 member = _rendezvous.Member(args.rdzv, args.node_rank, args.nnodes, args.nproc_per_node,
                                             base, args.servers, args.rdzv_timeout)
                 base = member.job["config"]
-        except _rendezvous.RendezvousError as e:
+        except (_rendezvous.RendezvousError, KeyboardInterrupt) as e:
             if store:
+                if isinstance(e, KeyboardInterrupt):
+                    store.abort(f"node 0 was interrupted before the job started")
                 store.close()
+            if isinstance(e, KeyboardInterrupt):
+                sys.stderr.write(f"{node}: interrupted while waiting for the other nodes\n")
+                sys.exit(130)
             raise SystemExit(f"{node}: {e}")
     with open(config_path, "w") as f:
         f.write(base)
