@@ -140,12 +140,15 @@ class Store:
             problem = self._check(hello)
             if problem is None:
                 self._peers[hello["join"]] = conn
-            elif self._problem is None:
-                self._problem = problem
-            self._cond.notify_all()
+                self._cond.notify_all()
         if problem is not None:
+            # The refused node hears why before node 0 may give up and exit.
             self._tell(conn, {"error": problem})
             conn.close()
+            with self._cond:
+                if self._problem is None:
+                    self._problem = problem
+                self._cond.notify_all()
             return
         node = hello["join"]
         conn.settimeout(None)
