@@ -25,9 +25,26 @@ if ! /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https:/
        "Python tests do not run against torch 2.x here (they still run against Debian's torch 1.13)"
   exit 77
 fi
+# The install needs about 5 GB (and pip's cache as much again).
+mkdir -p "$(dirname "$venv")"
+free_kb="$(df -Pk "$(dirname "$venv")" | awk 'NR == 2 {print $4}')"
+if [ "${free_kb:-0}" -lt $((10 * 1024 * 1024)) ]; then
+  echo "torch2-venv: SKIPPED: $((free_kb / 1024)) MB free beside $venv, and torch 2.x from PyPI" \
+       "needs about 10 GB to install; the Python tests still run against Debian's torch 1.13"
+  exit 77
+fi
 rm -rf "$venv"
 /usr/bin/python3 -m venv "$venv"
 echo "torch2-venv: installing ${pins[*]} from PyPI into $venv"
-"$venv/bin/pip" install --quiet --disable-pip-version-check "${pins[@]}"
+if ! "$venv/bin/pip" install --quiet --disable-pip-version-check "${pins[@]}"; then
+  rm -rf "$venv"
+  # A registry that went away mid-install is the host's network, not Morse.
+  if ! /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/torch/', timeout=20)" 2>/dev/null; then
+    echo "torch2-venv: SKIPPED: PyPI stopped answering during the install"
+    exit 77
+  fi
+  echo "torch2-venv: pip could not install ${pins[*]} (above)" >&2
+  exit 1
+fi
 "$venv/bin/python" -c "import torch, numpy; print('torch2-venv: torch', torch.__version__, 'numpy', numpy.__version__)"
 echo "${pins[*]}" >"$stamp"
