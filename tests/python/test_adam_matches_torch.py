@@ -43,10 +43,12 @@ def worker(mode):
     rank = int(os.environ["MORSE_RANK"])
     # Rank 0 pushes from the backward pass, rank 1 at step(): the same bits.
     # "accumulate": each rank's batch in two backward() calls of half the
-    # rows, rank 0 with accumulation_steps=2 and torch 2's
-    # model.zero_grad(set_to_none=True).
+    # rows; rank 0 overlaps with no accumulation argument (the first step
+    # teaches it 2) and torch 2's model.zero_grad(set_to_none=True), rank 1
+    # passes accumulation_steps=2.
     opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32,
-                           overlap=rank == 0 and not own_clip, accumulation_steps=2 if accumulate else 1,
+                           overlap=rank == 0 and not own_clip,
+                           accumulation_steps=2 if accumulate and rank == 1 else None,
                            clip_grad_norm=0.2 if clip else None)
     world = int(os.environ["MORSE_WORLD_SIZE"])
     reference = Model()
@@ -80,6 +82,9 @@ def worker(mode):
             if own_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
         opt.step()
+        if accumulate:
+            check(opt.accumulation_steps == 2, f"rank {rank}: accumulation_steps {opt.accumulation_steps} "
+                                               "after a step of two backward() calls")
         grads = []
         for r in range(world):
             reference.zero_grad()
@@ -105,7 +110,8 @@ def worker(mode):
     if clip:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
-            "accumulate": "accumulating two backward() calls, zero_grad(set_to_none=True)",
+            "accumulate": "accumulating two backward() calls, rank 0 with no argument and "
+                          "zero_grad(set_to_none=True)",
             "clip": f"clip_grad_norm=0.2, which clipped {clipped} steps",
             "clip_own": f"clip_grad_norm_ on each rank's gradient with overlap=False, "
                         f"{clipped} clipped"}.get(mode, "constant")

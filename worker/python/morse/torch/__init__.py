@@ -22,9 +22,10 @@ hold bit-identical models.
 With overlap=True (the default), a hook on each parameter's gradient
 accumulator pushes a partition as soon as every gradient in it is ready, so
 communication overlaps the rest of the backward pass, as DDP's buckets do.
-For gradient accumulation pass accumulation_steps (backward() calls per
-step); gradients edited after they were pushed raise MorseError (see
-docs/python.md).
+Gradient accumulation needs no argument: the first step (which pushes at
+step()) counts the backward() calls per step, and later steps push at the
+last of as many (or pass accumulation_steps); gradients edited after they
+were pushed raise MorseError (see docs/python.md).
 """
 import contextlib
 import hashlib
@@ -91,7 +92,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  bound_update,
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
-                 accumulation_steps=1, missing_grads="raise", broadcast_buffers=True, buffers=None,
+                 accumulation_steps=None, missing_grads="raise", broadcast_buffers=True, buffers=None,
                  apply_at_step=True, clip_grad_norm=None, zero_one=None, lamb=None):
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
@@ -271,9 +272,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # models, but the parameters then change under backward()).
         if overlap and apply_at_step:
             self._session.set_defer_apply(True)
-        if accumulation_steps < 1:
+        if accumulation_steps is not None and accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps}: at least 1")
-        self._accumulation = accumulation_steps
+        # None: learnt from the first step, which pushes at step() and so can
+        # count the backward() calls that reach each parameter.
+        self._accumulation = accumulation_steps or 1
+        self._learns_accumulation = accumulation_steps is None
+        self._learned_accumulation = False
         self._missing_grads = missing_grads
         self._counts = [0] * len(self._params)  # backward() passes that reached each parameter
         self._grad_version = None  # the flat gradient's version at the last push
@@ -297,8 +302,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def rank(self):
         return self._rank
 
+    @property
+    def accumulation_steps(self):
+        """backward() calls per step: as given, or as the first step had them."""
+        return self._accumulation
+
     def _gradient_ready(self, i):
         if not self._joined:
+            self._counts[i] += 1  # counted to learn the accumulation
             return  # the first step waits for every worker, then sends all
         self._counts[i] += 1
         if self._counts[i] < self._accumulation:
@@ -306,7 +317,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._counts[i] > self._accumulation:
             raise MorseError(
                 f"FAILED_PRECONDITION: backward() reached {self._names[i]} {self._counts[i]} times "
-                f"in this step, with accumulation_steps={self._accumulation}: its gradient was "
+                f"in this step, with accumulation_steps={self._accumulation}"
+                f"{' (as many as in the first step)' if self._learned_accumulation else ''}: its gradient was "
                 "already pushed. For gradient accumulation pass accumulation_steps=<backward() "
                 "calls per step>; for a backward() that is not for the optimizer, call zero_grad() "
                 "and step() first, or build the optimizer with overlap=False")
@@ -492,6 +504,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             with self._explained():
                 self.last_step = self._session.finish()
+        if self._learns_accumulation and any(self._counts):
+            self._accumulation = max(self._counts)
+            self._learns_accumulation, self._learned_accumulation = False, True
         self._counts = [0] * len(self._params)
         if self._buffers:
             self._take_buffers()
@@ -655,7 +670,7 @@ class OneBitAdam(_MorseOptimizer):
                  freeze_step=100, *, bias_correction=True, mask_zero_variance=True, bound_update=True,
                  config=None,
                  rank=None, world_size=None, servers=None,
-                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 overlap=True, accumulation_steps=None, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
                  broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         if freeze_step < 1:
@@ -686,7 +701,7 @@ class Adam(_MorseOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
                  codec="fp32", down_codec=None, feedback="none", feedback_beta=None,
                  bias_correction=True, config=None, rank=None, world_size=None, servers=None,
-                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 overlap=True, accumulation_steps=None, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
                  broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
@@ -725,7 +740,7 @@ class ZeroOneAdam(_MorseOptimizer):
                  max_grad_norm=0.0, cuda_aware=False, comm_backend_name=None,
                  mask_zero_variance=True, bound_update=True, config=None,
                  rank=None, world_size=None, servers=None,
-                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 overlap=True, accumulation_steps=None, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
                  broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
@@ -781,7 +796,7 @@ class OneBitLamb(_MorseOptimizer):
                  comm_backend_name=None, coeff_beta=0.9, factor_max=4.0, factor_min=0.5,
                  factor_threshold=0.1, *, mask_zero_variance=True, bound_update=True, config=None,
                  rank=None, world_size=None, servers=None,
-                 overlap=True, accumulation_steps=1, schedule="constant", steps=0,
+                 overlap=True, accumulation_steps=None, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
                  broadcast_buffers=True, buffers=None, apply_at_step=True):
         del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
