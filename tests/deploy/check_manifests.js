@@ -253,17 +253,20 @@ function checkPythonFile(w, inPod) {
   }
   return true;
 }
+// A container arg as it runs here: $(VAR) from env, and a --flag=PATH
+// inside a mounted volume pointed at the local copy.
+function localArg(w, env, arg) {
+  const out = arg.replace(/\$\((\w+)\)/g, (_, v) => (v in env ? env[v] : `$(${v})`));
+  const eq = out.indexOf("=");
+  const local = eq < 0 ? null : resolveIn(w, out.slice(eq + 1));
+  return local ? out.slice(0, eq + 1) + local : out;
+}
 // morse-run for one node: its own --check-config with the pod's args (the
 // mounted files found here, the node rank filled in), then the script.
 function checkLauncher(w, env) {
   const c = w.spec.template.spec.containers[0];
   const split = c.args.indexOf("--");
-  const own = (split < 0 ? c.args : c.args.slice(0, split)).map((a) => {
-    const out = a.replace(/\$\((\w+)\)/g, (_, v) => (v in env ? env[v] : `$(${v})`));
-    const eq = out.indexOf("=");
-    const local = eq < 0 ? null : resolveIn(w, out.slice(eq + 1));
-    return local ? out.slice(0, eq + 1) + local : out;
-  });
+  const own = (split < 0 ? c.args : c.args.slice(0, split)).map((a) => localArg(w, env, a));
   const command = split < 0 ? [] : c.args.slice(split + 1);
   const r = spawnSync("/usr/bin/python3", ["-m", "morse.run", ...own, "--check-config", "--", ...command],
                       { encoding: "utf8", timeout: 30000,
@@ -277,9 +280,8 @@ function checkLauncher(w, env) {
 function checkScript(w) {
   const c = w.spec.template.spec.containers[0];
   const env = envOf(c);
-  const resolve = (p) => resolveIn(w, p);
   for (const k of ["MORSE_CONFIG", "MORSE_TLS_CA", "MORSE_TLS_CERT", "MORSE_TLS_KEY", "MORSE_TOKEN_FILE"]) {
-    const local = env[k] && resolve(env[k]);
+    const local = env[k] && resolveIn(w, env[k]);
     if (!local || !fs.existsSync(local)) fail(`${name(w)}: ${k}=${env[k]} is not a mounted file`);
   }
   if (!checkPythonFile(w, c.command[1])) return;
@@ -291,20 +293,7 @@ function checkConfig(w, env) {
   if (isScript(c)) return checkScript(w);
   const binaries = { "morse-server": "server/morse-server", "morse-worker": "worker/morse-worker" };
   const binary = path.join(binDir, binaries[path.basename(c.command[0])] || c.command[0]);
-  const local = (arg) => {
-    let out = arg.replace(/\$\((\w+)\)/g, (_, v) => (v in env ? env[v] : `$(${v})`));
-    // The longest mount path that prefixes the flag's value, replaced once.
-    const eq = out.indexOf("=");
-    if (eq < 0) return out;
-    let best = null;
-    for (const [key, dir] of Object.entries(mounts)) {
-      const [owner, mountPath] = key.split(":");
-      if (owner === w.metadata.name && out.startsWith(`${mountPath}/`, eq + 1) &&
-          (!best || mountPath.length > best[0].length)) best = [mountPath, dir];
-    }
-    return best ? out.slice(0, eq + 1) + best[1] + out.slice(eq + 1 + best[0].length) : out;
-  };
-  const args = (c.args || []).map(local).concat(["--check_config"]);
+  const args = (c.args || []).map((a) => localArg(w, env, a)).concat(["--check_config"]);
   const r = spawnSync(binary, args, { encoding: "utf8", timeout: 30000 });
   const text = `${r.stdout || ""}${r.stderr || ""}`.trim();
   if (r.status !== 0) fail(`${name(w)} ${JSON.stringify(env)}: ${path.basename(binary)} --check_config exited ${r.status}: ${text}`);

@@ -16,11 +16,14 @@ venv="${1:?usage: torch2-venv.sh VENV}"
 # scikit-learn: the examples' digits (bundled with it, no download).
 pins=(torch==2.11.0 numpy==2.1.3 scikit-learn==1.5.2 scipy==1.14.1)
 stamp="$venv/morse-pins"
+pypi_answers() {
+  /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/torch/', timeout=20)" 2>/dev/null
+}
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "${pins[*]}" ] && "$venv/bin/python" -c "import torch" 2>/dev/null; then
   echo "torch2-venv: $venv has ${pins[*]} already"
   exit 0
 fi
-if ! /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/torch/', timeout=20)" 2>/dev/null; then
+if ! pypi_answers; then
   echo "torch2-venv: SKIPPED: PyPI (https://pypi.org) is not reachable from this host, so the" \
        "Python tests do not run against torch 2.x here (they still run against Debian's torch 1.13)"
   exit 77
@@ -39,7 +42,7 @@ echo "torch2-venv: installing ${pins[*]} from PyPI into $venv"
 if ! "$venv/bin/pip" install --quiet --disable-pip-version-check "${pins[@]}"; then
   rm -rf "$venv"
   # A registry that went away mid-install is the host's network, not Morse.
-  if ! /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/torch/', timeout=20)" 2>/dev/null; then
+  if ! pypi_answers; then
     echo "torch2-venv: SKIPPED: PyPI stopped answering during the install"
     exit 77
   fi
