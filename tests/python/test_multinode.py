@@ -9,8 +9,9 @@ machine:
 2. Bad topology fails fast on every node with a clear error: nodes that
    disagree on --nproc-per-node, a node that never comes (--rdzv-timeout),
    no node 0 at all.
-3. A rank that fails on node 1 stops node 0 too, and both exit with its code,
-   node 0 naming the rank and its error.
+3. A rank that fails on node 1 stops node 0 too (the other ranks would sleep
+   900 s; the nodes must end within 300), and both exit with its code, node 0
+   naming the rank and its error.
 4. torchrun's environment as it is: `torch.distributed.run --standalone
    --nproc_per_node 2` with MORSE_SERVERS set (no MORSE_RANK or
    MORSE_WORLD_SIZE) trains against shards started apart, every rank
@@ -44,7 +45,7 @@ def worker(out, mode):
             time.sleep(1)
             print("MorseError: rank 3 stops on purpose")
             sys.exit(7)
-        time.sleep(60)  # stopped by morse-run long before this ends
+        time.sleep(900)  # stopped by morse-run: nodes() waits 300 s at most
         return
     import morse.torch
     torch.manual_seed(3)
@@ -70,7 +71,7 @@ def nodes(nnodes, nproc, out, mode, extra=(), per_node=None, timeout=240):
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
         time.sleep(0.2)
-    results = []
+    results = []  # a node that does not end by `timeout` raises TimeoutExpired: a hang fails
     for p in procs:
         text, _ = p.communicate(timeout=timeout)
         results.append((p.returncode, text))
@@ -117,13 +118,12 @@ def bad_topology():
               f"node {node} does not say what disagrees")
     # A node that never comes: node 0 gives up at --rdzv-timeout.
     port = free_port()
-    t = time.time()
     alone = subprocess.run([RUN, "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
                             "--rdzv", f"127.0.0.1:{port}", "--rdzv-timeout", "3", "--",
                             sys.executable, __file__, "--worker", "-", "env"],
                            capture_output=True, text=True, timeout=60)
     print(alone.stderr)
-    check(alone.returncode != 0 and "node 1 of 2 did not join" in alone.stderr and time.time() - t < 30,
+    check(alone.returncode != 0 and "node 1 of 2 did not join" in alone.stderr,
           "node 0 alone does not fail with a clear error at the timeout")
     orphan = subprocess.run([RUN, "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
                              "--rdzv", f"127.0.0.1:{port}", "--rdzv-timeout", "3", "--",
@@ -136,14 +136,12 @@ def bad_topology():
 
 
 def rank_failure_stops_every_node():
-    t = time.time()
-    results = nodes(2, 2, "-", "fail", extra=("--servers", "1"), timeout=60)
+    results = nodes(2, 2, "-", "fail", extra=("--servers", "1"), timeout=300)
     for node, (code, text) in enumerate(results):
         print(text)
         check(code == 7, f"node {node} exited with {code}, not the failed rank's 7")
     check("node 1 ended with 7: rank 3 exited with 7: MorseError: rank 3 stops on purpose" in results[0][1],
           "node 0 does not name the failed rank and its error")
-    check(time.time() - t < 40, "the other ranks were not stopped")
     print("PASS: a rank failing on node 1 stops both nodes with its exit code")
 
 

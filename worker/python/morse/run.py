@@ -200,6 +200,10 @@ def _parse(argv):
     args.world = args.nnodes * args.nproc_per_node
     if args.nnodes > 1 and not args.rdzv:
         parser.error("--nnodes > 1 needs --rdzv HOST:PORT, node 0's address and a free port there")
+    if args.nnodes == 1 and args.rdzv:
+        parser.error("--rdzv joins nodes: give --nnodes (more than 1) with it, or leave it out on one host")
+    if args.tls_dir and args.insecure:
+        parser.error("--tls-dir and --insecure: give one (TLS, or plaintext on a private network)")
     if args.nnodes > 1 and args.stages > 1:
         parser.error("--stages runs on one host: --nnodes > 1 with --stages is not supported")
     if args.rdzv_timeout <= 0:
