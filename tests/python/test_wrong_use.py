@@ -180,26 +180,57 @@ def main():
         torch.nn.Linear(3, 2).parameters(), missing_grads="skip", **args))
 
     # Gradients edited after the backward pass pushed them, and a backward()
-    # more than accumulation_steps: refused, not silently ignored.
+    # more than accumulation_steps: refused, not silently ignored. "clip":
+    # the first step left them alone; "noop then clip": the first step's
+    # edit kept every bit (so the pushes are kept to compare); "first clip":
+    # the first step (which pushes at step()) would use each rank's clipped
+    # gradient, not DDP's clipped average.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
-    for what, expected in (("clip", "the gradients changed after the backward pass pushed them"),
+    changed = "the gradients changed after the backward pass"
+    for what, expected in (("clip", changed), ("noop then clip", changed),
+                           ("first clip", "DDP edits the averaged gradient"),
                            ("again", "times in this step, with accumulation_steps=1")):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
             opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
                                    servers=[address], config=base)
-            model(torch.ones(4, 3)).sum().backward()
-            opt.step()  # the first step pushes at step()
-            opt.zero_grad()
 
             def misuse():
                 model(torch.ones(4, 3)).sum().backward()
-                if what == "clip":
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-                else:
+                if what == "again":
                     model(torch.ones(4, 3)).sum().backward()
+                elif what != "clip" or opt.step_index > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
                 opt.step()
+            if what != "first clip":
+                model(torch.ones(4, 3)).sum().backward()  # the first step pushes at step()
+                if what == "noop then clip":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                opt.step()
+                opt.zero_grad()
             expect(MorseError, expected, misuse)
+
+    # Edits after backward() that leave every bit as it was (clip_grad_norm_
+    # below max_norm; Hugging Face Trainer logs the norm so every step) are
+    # no edits: the run is bit-identical to one without them (issue 41).
+    sums = {}
+    for noop in (False, True):
+        with server(base) as address:
+            torch.manual_seed(1)
+            model = torch.nn.Linear(3, 2)
+            opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                                   config=base)
+            for step in range(4):
+                opt.zero_grad()
+                model(torch.full((4, 3), float(step + 1))).pow(2).sum().backward()
+                if noop:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                    check(float(norm) > 0, "clip_grad_norm_ returns the norm")
+                    model.weight.grad.mul_(1.0)
+                opt.step()
+            sums[noop] = opt.checksum()
+    check(sums[True] == sums[False], "clip_grad_norm_ that did not clip changed the run")
+    print("PASS: edits after backward() that keep every bit run bit-identical to none")
 
     # Morse's own schedule and a changed param_groups entry: refused.
     with server(base) as address:

@@ -192,12 +192,14 @@ class Store:
             self.abort(problem)
             raise RendezvousError(problem)
 
-    def publish(self, servers, world_size):
+    def publish(self, servers, world_size, master_port):
         with self._cond:
             self._published = True
             peers = dict(self._peers)
+        job = {"servers": servers, "config": self._config, "world_size": world_size,
+               "master_port": master_port}
         for conn in peers.values():
-            self._tell(conn, {"job": {"servers": servers, "config": self._config, "world_size": world_size}})
+            self._tell(conn, {"job": job})
 
     def abort(self, why, code=1):
         """Tells every joined node to stop (or not to start), with why."""

@@ -102,12 +102,14 @@ def _check_interpreter(command, env):
             f"morse-run: name the Python that has torch (e.g. -- /usr/bin/python3 train.py)")
 
 
-def _free_ports(count):
-    """Loopback ports nothing listens on now (the stages bind them next)."""
+def _free_ports(count, host="127.0.0.1"):
+    """Ports on `host` nothing listens on now (the stages, or rank 0's
+    torch.distributed store, bind them next)."""
     sockets, ports = [], []
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(count):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind((host, 0))
         sockets.append(sock)
         ports.append(sock.getsockname()[1])
     for sock in sockets:
@@ -405,8 +407,16 @@ def main(argv=None):
         addresses = member.job["servers"]
     else:
         addresses = args.external
+    # torch.distributed's env:// rendezvous (MASTER_ADDR, MASTER_PORT), as
+    # torchrun sets it: Hugging Face Trainer and Accelerate start a gloo
+    # process group for their own bookkeeping (Morse exchanges the
+    # gradients). Rank 0 listens there, on node 0. Given ones are kept.
+    if member:
+        master_port = member.job["master_port"]
+    else:
+        master_port = _free_ports(1, args.host)[0]
     if store:
-        store.publish(addresses, args.world)
+        store.publish(addresses, args.world, master_port)
 
     # MORSE_* for morse.torch, and torch.distributed's names (RANK,
     # WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) for samplers and
@@ -415,6 +425,8 @@ def main(argv=None):
     env = dict(os.environ, MORSE_WORLD_SIZE=str(args.world), MORSE_CONFIG=config_path,
                WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(args.node_rank),
                MORSE_NODE_RANK=str(args.node_rank), MORSE_NNODES=str(args.nnodes))
+    env.setdefault("MASTER_ADDR", args.host)
+    env.setdefault("MASTER_PORT", str(master_port))
     if args.tls_dir:
         env.update(MORSE_TLS_CA=os.path.join(args.tls_dir, "ca.pem"),
                    MORSE_TLS_CERT=os.path.join(args.tls_dir, "client.pem"),

@@ -282,6 +282,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._missing_grads = missing_grads
         self._counts = [0] * len(self._params)  # backward() passes that reached each parameter
         self._grad_version = None  # the flat gradient's version at the last push
+        # The gradients as backward() left them (the first step) or as they
+        # were pushed (later steps, once the first showed edits after
+        # backward(): Trainer's norm logging calls clip_grad_norm_ every
+        # step). An edit that leaves every bit as it was is no edit.
+        self._snapshot = torch.empty_like(self._flat_grad) if overlap else None
+        self._snapshot_versions = [None] * len(self._params)
         self._hooks = []
         if overlap:
             for i, p in enumerate(self._params):
@@ -290,6 +296,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._hooks.append((accumulator, accumulator.register_hook(
                         lambda *unused, i=i: self._gradient_ready(i))))
         self.last_step = {}
+        # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
+        # kept aside (rank, step) until this rank's own is loaded.
+        self._finds_own_state = False
+        self._awaiting_own_state = None
+        # Tells this optimizer's own state_dict() of the current step apart
+        # (load_state_dict of it restores nothing).
+        self._nonce = os.urandom(8).hex()
 
     def add_param_group(self, param_group):
         if hasattr(self, "_session"):
@@ -310,6 +323,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _gradient_ready(self, i):
         if not self._joined:
             self._counts[i] += 1  # counted to learn the accumulation
+            p, (lo, hi) = self._params[i], self._ranges[i]
+            self._snapshot[lo:hi].copy_(p.grad.reshape(-1))
+            self._snapshot_versions[i] = (p.grad, p.grad._version)
             return  # the first step waits for every worker, then sends all
         self._counts[i] += 1
         if self._counts[i] < self._accumulation:
@@ -330,7 +346,33 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._pending[q] -= 1
             if self._pending[q] == 0:
                 self._send(q)
+                if self._snapshot is not None:
+                    b, e = self._partitions[q]
+                    self._snapshot[b:e].copy_(self._flat_grad[b:e])
         self._grad_version = self._flat_grad._version
+
+    def _edited_after_backward_first(self):
+        """The first step: whether any .grad changed after backward() left it
+        (the hooks kept a copy). Keeps the copy for the next steps' pushes
+        if something touched .grad at all; else frees it."""
+        touched, changed = False, False
+        for p, seen, (lo, hi) in zip(self._params, self._snapshot_versions, self._ranges):
+            if seen is None:
+                continue  # backward() did not reach it: pushed at step()
+            if p.grad is not seen[0] or p.grad._version != seen[1]:
+                touched = True
+                now = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(self._snapshot[lo:hi])
+                changed = changed or not _same_bits(now, self._snapshot[lo:hi])
+        self._snapshot_versions = None
+        if not touched:
+            self._snapshot = None  # nothing edits the gradients after backward()
+        return changed
+
+    def _edited_after_backward(self):
+        """Whether the bits of any partition pushed during backward() differ
+        from what was pushed."""
+        return any(not _same_bits(self._flat_grad[b:e], self._snapshot[b:e])
+                   for q, (b, e) in enumerate(self._partitions) if self._pending[q] == 0)
 
     def _attach_grad(self, i):
         # model.zero_grad(set_to_none=True) (torch 2's default) lets backward()
@@ -477,17 +519,31 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._joined:
+        if self._awaiting_own_state is not None:
+            rank, step = self._awaiting_own_state
+            raise MorseError(
+                f"FAILED_PRECONDITION: this rank (rank {self._rank}) was given rank {rank}'s "
+                f"optimizer state of step {step} and not yet its own: its worker error buffer is "
+                "its own, and another's would change the run. Load this rank's state_dict (saved "
+                f"by this rank) with load_state_dict before step(); under Hugging Face Trainer, "
+                "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
+        first = not self._joined
+        if first:
             self._session.wait_all_joined()
             self._joined = True
         # Gradients edited after the backward pass pushed them (clipping,
-        # scaling, zeroing, another backward) bump the flat gradient's version.
+        # scaling, zeroing, another backward) bump the flat gradient's version;
+        # with a snapshot, only changed bits count (see _edited_after_backward).
         edited = self._pending is not None and self._flat_grad._version != self._grad_version
+        if first and self._snapshot is not None:
+            edited = self._edited_after_backward_first()
         # A parameter whose .grad is None got no gradient in this step
         # (zero_grad(set_to_none=True) and a backward() that did not reach it):
         # torch.optim skips it; Morse updates every element every step.
         missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
         self._restore_views()
+        if edited and not first and self._snapshot is not None:
+            edited = self._edited_after_backward()
         changed = None
         if self._pending is None:
             self._begin()
@@ -511,13 +567,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._buffers:
             self._take_buffers()
         if edited:
+            used = ("each rank's gradient as edited (the first step pushes at step()), which "
+                    "is not what DDP does: DDP edits the averaged gradient" if first else
+                    "the gradients as backward() left them")
             raise MorseError(
-                "FAILED_PRECONDITION: the gradients changed after the backward pass pushed them "
-                "(clip_grad_norm_, editing or zeroing .grad, or another backward()); this step used "
-                "the gradients as backward() left them. With overlap=True each partition is pushed "
-                "as soon as its gradients are ready: to clip by the global norm, build the "
-                "optimizer with clip_grad_norm=max_norm instead of calling clip_grad_norm_; make "
-                "other changes in a gradient hook, or build the optimizer with overlap=False "
+                "FAILED_PRECONDITION: the gradients changed after the backward pass "
+                f"(clip_grad_norm_ that clipped, editing or zeroing .grad, or another backward()) "
+                f"in step {self.step_index - 1}; this step used {used}. With overlap=True each "
+                "partition is pushed as soon as its gradients are ready, and a change that leaves "
+                "every bit as it was (a clip_grad_norm_ below max_norm, Hugging Face Trainer's "
+                "norm logging) is fine. To clip by the global norm, build the optimizer with "
+                "clip_grad_norm=max_norm instead of calling clip_grad_norm_ (with Hugging Face "
+                "Trainer, morse.torch.hf.MorseCallback does this for max_grad_norm); make other "
+                "changes in a gradient hook, or build the optimizer with overlap=False "
                 "(clip_grad_norm_ then clips each rank's own gradient, not the average)")
         if missing and self._missing_grads == "raise":
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -574,7 +636,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(self._params)))
         device = self._flat.device
-        state = {"step": step, "rank": self._rank,
+        state = {"step": step, "rank": self._rank, "taken": f"{self._nonce}:{self.step_index}",
                  "exp_avg": torch.from_numpy(m).to(device),
                  "exp_avg_sq": torch.from_numpy(v).to(device),
                  "worker_error": torch.from_numpy(error).to(device)}
@@ -589,11 +651,29 @@ class _MorseOptimizer(torch.optim.Optimizer):
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         return {"state": state, "param_groups": [group]}
 
+    def _is_current(self, state):
+        """Whether `state` is what state_dict() gives now, bit for bit."""
+        if state.get("taken") != f"{self._nonce}:{self.step_index}" or self._awaiting_own_state:
+            return False
+        now = self.state_dict()["state"]
+        for key, value in now.items():
+            if key == "server_error":
+                continue  # the shards' part: restored only against fresh shards
+            if torch.is_tensor(value):
+                saved = state.get(key)
+                if not torch.is_tensor(saved) or saved.shape != value.shape or not torch.equal(
+                        saved.detach().cpu(), value.detach().cpu()):
+                    return False
+            elif state.get(key) != value:
+                return False
+        return True
+
     def load_state_dict(self, state_dict):
         """Restores a run saved with state_dict(), before the first step():
-        build the model, load its weights, build the optimizer, then call
-        this on every rank with that rank's saved state (rank 0's must hold
-        server_error). Against fresh shards, rank 0 restores them (x from the
+        build the model, load its weights (before this call; before the
+        optimizer is built, or after it as Trainer does), build the
+        optimizer, then call this on every rank with that rank's saved state
+        (rank 0's must hold server_error). Against fresh shards, rank 0 restores them (x from the
         model, m, v, the server error and the step) and the other ranks wait
         for it; against shards that already hold that step (they survived,
         or resumed from their own checkpoints) nothing is sent. A state saved
@@ -602,16 +682,33 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the run."""
         state = state_dict["state"]
         dim = self._flat.numel()
+        if self._is_current(state):
+            # This optimizer's own state_dict() of this very step, given back
+            # (Accelerate's optimizer wrapper does that when it is built, to
+            # move it to the device): nothing to restore, and the shards may
+            # be ahead of it already (rank 0 resumed them).
+            return
         for key in ("exp_avg", "exp_avg_sq", "worker_error"):
             if key not in state or state[key].numel() != dim:
                 raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
         saved_rank = state.get("rank", self._rank)
         if saved_rank != self._rank and bool(state["worker_error"].abs().max() > 0):
+            if self._finds_own_state:
+                # Hugging Face Trainer loads rank 0's file on every rank:
+                # morse.torch.hf.MorseCallback loads this rank's own before
+                # the first step (step() refuses to run without it).
+                self._awaiting_own_state = (saved_rank, int(state["step"]))
+                return
             raise ValueError(
                 f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its worker error "
                 f"buffer is rank {saved_rank}'s own, and loading it here would change the run. Save "
                 "every rank's optimizer.state_dict() (e.g. to f'opt-{rank}.pt') and load each "
                 "rank's own")
+        if self._awaiting_own_state is not None and int(state["step"]) != self._awaiting_own_state[1]:
+            raise ValueError(
+                f"this state_dict is of step {int(state['step'])}, but the checkpoint being resumed "
+                f"(rank {self._awaiting_own_state[0]}'s state) is of step "
+                f"{self._awaiting_own_state[1]}: load this rank's state of the same checkpoint")
         if "server_error" in state and state["server_error"].numel() != dim:
             raise ValueError(f"state_dict['state']['server_error'] must hold {dim} values")
         group = state_dict.get("param_groups", [{}])[0]
@@ -638,10 +735,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 state["lamb_commit"].detach().to("cpu", torch.float64).contiguous().numpy())
         else:
             self._session.set_state(int(state["step"]), *moments, server_error)
+        self._awaiting_own_state = None
+        # The run restored is the model's weights as they are now (loaded
+        # before this call, e.g. by Trainer after the optimizer was built)
+        # with this state: later in-place changes are refused again.
+        self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         for key in ("lr", "weight_decay"):
             if key in group:
                 self.param_groups[0][key] = group[key]
+
+
+def _same_bits(a, b):
+    """Whether two float32 tensors hold the same bits (-0.0 is not +0.0)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 def _as_list(value):

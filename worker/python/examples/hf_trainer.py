@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Train a tiny GPT-2 with Hugging Face Trainer and a Morse optimizer.
+
+    morse-run --servers 2 --workers 2 -- python3 worker/python/examples/hf_trainer.py
+
+(python3: one with torch 2.x, transformers and accelerate, e.g. the venv
+tests/python/torch2-venv.sh makes.) The model is built from a config (no
+downloads) and learns sequences that follow x[t+1] = (5*x[t] + b) mod 64,
+b one of 4 values drawn per sequence. The Morse-specific lines are the optimizer and
+the callback (see morse/torch/hf.py):
+
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=..., clip_grad_norm=args.max_grad_norm)
+    Trainer(..., optimizers=(opt, None), callbacks=[MorseCallback()])
+
+--optimizer ddp trains the same run with Trainer's own AdamW under DDP (the
+baseline; run it under morse-run or torchrun). Rank 0 prints the loss of
+every step (the average over ranks, as Trainer logs it) and writes them to
+--losses; every rank prints a checksum of its parameters at the end.
+"""
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+VOCAB = 64
+
+
+class Sequences(torch.utils.data.Dataset):
+    """`count` sequences of `length` tokens: x[t+1] = (5*x[t] + b) mod VOCAB,
+    b one of 4 values per sequence (a bigram model reaches ln 4 = 1.39; the
+    context tells b apart)."""
+
+    def __init__(self, count=512, length=24, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        a = 5
+        b = torch.tensor([1, 7, 13, 29])[torch.randint(0, 4, (count,), generator=g)]
+        x = [torch.randint(0, VOCAB, (count,), generator=g)]
+        for _ in range(length - 1):
+            x.append((a * x[-1] + b) % VOCAB)
+        self.tokens = torch.stack(x, 1)
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
+
+
+class Losses(TrainerCallback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = float(logs["loss"])
+
+
+def parameters_checksum(model):
+    flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizer", default="onebit_adam", choices=["onebit_adam", "adam", "ddp"],
+                        help="morse.torch.OneBitAdam, morse.torch.Adam (fp32 Adam through the "
+                             "shards), or Trainer's AdamW under DDP (default: onebit_adam)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    parser.add_argument("--freeze-step", type=int, default=15,
+                        help="OneBitAdam's fp32 warmup steps (default: 15)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="Trainer's gradient_accumulation_steps (default: 1)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="Trainer's max_grad_norm, 0 for none (default: 1.0, Trainer's)")
+    parser.add_argument("--output-dir", default="hf-trainer-out", help="checkpoints (default: hf-trainer-out)")
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
+    parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
+    a = parser.parse_args()
+
+    args = TrainingArguments(
+        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch,
+        gradient_accumulation_steps=a.accumulation, learning_rate=a.lr, lr_scheduler_type="linear",
+        warmup_steps=max(1, a.steps // 10), max_grad_norm=a.max_grad_norm, logging_steps=1,
+        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
+        report_to=[], use_cpu=not torch.cuda.is_available(), seed=a.seed, data_seed=a.seed,
+        disable_tqdm=True, dataloader_drop_last=True)
+    torch.manual_seed(a.seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).to(args.device)
+    losses = Losses()
+    callbacks = [losses]
+    optimizers = (None, None)
+    if a.optimizer != "ddp":
+        import morse.torch
+        from morse.torch.hf import MorseCallback
+        if a.optimizer == "onebit_adam":
+            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step,
+                                         clip_grad_norm=a.max_grad_norm or None)
+        else:
+            opt = morse.torch.Adam(model.parameters(), lr=a.lr, clip_grad_norm=a.max_grad_norm or None)
+        optimizers = (opt, None)
+        callbacks.append(MorseCallback())
+    trainer = Trainer(model=model, args=args, train_dataset=Sequences(seed=a.seed),
+                      optimizers=optimizers, callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
+
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        steps = sorted(losses.losses)
+        print("losses: " + " ".join(f"{s}:{losses.losses[s]:.4f}" for s in steps), flush=True)
+        if steps:
+            print(f"loss {losses.losses[steps[0]]:.4f} at step {steps[0]}, "
+                  f"{losses.losses[steps[-1]]:.4f} at step {steps[-1]}", flush=True)
+        if a.losses:
+            with open(a.losses, "w") as f:
+                json.dump({str(s): v for s, v in losses.losses.items()}, f)
+    print(f"rank {rank}: parameters checksum {parameters_checksum(model)}", flush=True)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

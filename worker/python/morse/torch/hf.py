@@ -1,0 +1,188 @@
+"""Morse optimizers under Hugging Face Trainer and Accelerate.
+
+Trainer: pass the optimizer and MorseCallback, and nothing else changes:
+
+    model = AutoModelForCausalLM.from_config(config).to(args.device)
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=args.learning_rate,
+                                 clip_grad_norm=args.max_grad_norm)
+    trainer = Trainer(model=model, args=args, train_dataset=...,
+                      optimizers=(opt, None), callbacks=[MorseCallback()])
+
+Accelerate: prepare through morse.torch.hf.prepare instead of
+accelerator.prepare:
+
+    model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
+
+Under `morse-run` (which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+as torchrun does) both stacks see a distributed job, start a gloo process
+group for their own bookkeeping, shard the data by rank and would wrap the
+model in DistributedDataParallel. Morse averages the gradients itself, so
+the model is kept out of DDP (else every gradient would be all-reduced
+twice). The callback also
+
+- moves Trainer's clipping into the optimizer: Trainer clips each rank's
+  gradient after backward() (max_grad_norm, 1.0 by default), where DDP
+  clips the averaged one; the optimizer's clip_grad_norm (which must equal
+  max_grad_norm) clips the averaged gradient inside the step (each rank's
+  own in a compression phase, design.md 2.6), and Trainer's is turned off;
+- saves every rank's optimizer state beside each checkpoint
+  (checkpoint-N/morse-rank-R.pt: its worker error buffer is its own), and on
+  resume loads this rank's own where Trainer loads rank 0's optimizer.pt
+  on every rank, so a resumed run is bit-identical to an uninterrupted one.
+
+transformers and accelerate are imported on first use; the versions tested
+are pinned in tests/python/torch2-venv.sh.
+"""
+import os
+
+import torch
+
+from . import _MorseOptimizer
+
+__all__ = ["MorseCallback", "prepare", "keep_out_of_ddp"]
+
+RANK_STATE = "morse-rank-{rank}.pt"
+
+
+def _morse_optimizer(optimizer):
+    """The Morse optimizer inside Accelerate's wrapper, or None."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, _MorseOptimizer) and seen < 8:
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return optimizer if isinstance(optimizer, _MorseOptimizer) else None
+
+
+def _attach_model(model, opt):
+    """Makes sure the optimizer trains this model's parameters in place.
+    Trainer moves the model to args.device, and on the CPU that is a copy
+    (torch copies a tensor on "cpu" to "cpu:0"): a parameter copied with
+    every bit kept is pointed back into the optimizer's flat buffer; any
+    other change is refused."""
+    ids = {id(p) for p in model.parameters()}
+    if not any(id(p) in ids for p in opt._params):
+        raise ValueError("the Morse optimizer was not built from this model's parameters")
+    with torch.no_grad():
+        for name, p, (lo, hi) in zip(opt._names, opt._params, opt._ranges):
+            view = opt._flat[lo:hi]
+            if p.data_ptr() == view.data_ptr():
+                continue
+            if (p.device.type != view.device.type or p.dtype != view.dtype or p.numel() != hi - lo
+                    or not torch.equal(p.detach().reshape(-1).view(torch.int32), view.view(torch.int32))):
+                raise ValueError(
+                    f"{name} no longer lives in the Morse optimizer's flat buffer (it is on "
+                    f"{p.device}, the optimizer's on {opt._flat.device}): the model was moved, cast "
+                    "or reloaded after the optimizer was built. Move the model to its device "
+                    "(model.to(args.device)) and load its weights first, then build the optimizer")
+            p.data = view.view_as(p)
+            p.grad = opt._flat_grad[lo:hi].view_as(p)
+    # Pointing .data back is not an in-place change of the parameter.
+    opt._x_versions = [p._version for p in opt._params]
+
+
+def keep_out_of_ddp(model):
+    """Marks `model` so that Accelerate's prepare() leaves it as it is:
+    no DistributedDataParallel wrapper (Morse averages the gradients), no
+    device move, no autocast. Returns it."""
+    model._is_accelerate_prepared = True
+    return model
+
+
+def prepare(accelerator, *objects):
+    """accelerator.prepare(*objects) for a job whose optimizer is a Morse
+    one: the models among `objects` stay out of DDP (keep_out_of_ddp) and
+    must already be on their device; the rest (the optimizer, data loaders
+    sharded by rank, schedulers) is prepared as Accelerate does."""
+    opts = [o for o in objects if _morse_optimizer(o) is not None]
+    if len(opts) != 1:
+        raise ValueError(f"morse.torch.hf.prepare needs exactly one Morse optimizer among the "
+                         f"objects; got {len(opts)}")
+    if str(getattr(accelerator, "mixed_precision", "no")) != "no":
+        raise ValueError(f"mixed_precision={accelerator.mixed_precision!r}: Morse trains float32 "
+                         "parameters, and autocast would not reach a model kept out of DDP; use "
+                         "mixed_precision='no'")
+    opt = _morse_optimizer(opts[0])
+    for o in objects:
+        if isinstance(o, torch.nn.Module):
+            _attach_model(o, opt)
+            keep_out_of_ddp(o)
+    return accelerator.prepare(*objects)
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+    return TrainerCallback
+
+
+class MorseCallback(_callback_base()):
+    """A Trainer callback for a Morse optimizer (see the module's doc)."""
+
+    def __init__(self):
+        self.opt = None
+
+    def _optimizer(self, optimizer):
+        opt = _morse_optimizer(optimizer)
+        if opt is None:
+            raise ValueError("MorseCallback needs a Morse optimizer: Trainer(..., "
+                             "optimizers=(morse.torch.OneBitAdam(model.parameters(), ...), None), "
+                             "callbacks=[MorseCallback()])")
+        self.opt = opt
+        return opt
+
+    def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        opt = self._optimizer(optimizer)
+        if model is not None:
+            _attach_model(model, opt)
+            keep_out_of_ddp(model)
+        if getattr(args, "fp16", False) or getattr(args, "bf16", False):
+            raise ValueError("fp16/bf16 Trainer runs autocast the model; Morse trains float32 "
+                             "parameters and its model stays out of Accelerate's wrappers: train "
+                             "in float32 (fp16=False, bf16=False)")
+        max_norm = float(getattr(args, "max_grad_norm", 0) or 0)
+        if max_norm > 0:
+            if opt.clip_grad_norm is None or float(opt.clip_grad_norm) != max_norm:
+                raise ValueError(
+                    f"Trainer clips by max_grad_norm={max_norm:g} after backward(), each rank its own "
+                    "gradient, where DDP clips the averaged one. Morse clips the averaged gradient "
+                    "inside the step: build the optimizer with clip_grad_norm=args.max_grad_norm "
+                    f"(it has {opt.clip_grad_norm}), or pass max_grad_norm=0 to TrainingArguments "
+                    "to train unclipped")
+            # Morse clips; Trainer's clip_grad_norm_(params, inf) for its
+            # grad_norm log then leaves every bit as it was.
+            args.max_grad_norm = 0.0
+        opt._finds_own_state = True
+        return control
+
+    def on_save(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._optimizer(optimizer or self.opt)
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, RANK_STATE.format(rank=opt.rank))
+        torch.save(opt.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return control
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._optimizer(optimizer or self.opt)
+        if opt._awaiting_own_state is None:
+            return control
+        # Trainer loaded rank 0's optimizer.pt here: find this rank's own.
+        name = RANK_STATE.format(rank=opt.rank)
+        places = []
+        resume = getattr(args, "resume_from_checkpoint", None)
+        if isinstance(resume, str) and resume:
+            places.append(resume)
+        places.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        for folder in places:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                opt.load_state_dict(torch.load(path, map_location=opt._flat.device, weights_only=True))
+                return control
+        rank, step = opt._awaiting_own_state
+        raise FileNotFoundError(
+            f"resuming rank {opt.rank} at global step {state.global_step}: Trainer loaded rank "
+            f"{rank}'s optimizer state (optimizer step {step}), and this rank's own, {name}, is in "
+            f"none of {places}. MorseCallback writes it into each checkpoint folder on every rank: "
+            "resume from a checkpoint saved with MorseCallback (pass its folder as "
+            "TrainingArguments(resume_from_checkpoint=...) if it is not under output_dir), or "
+            "copy the morse-rank-*.pt files of that checkpoint beside its optimizer.pt")
