@@ -21,6 +21,7 @@ machine:
    its per-node command once per node here: 2 nodes x 2 ranks over TLS
    (--tls-dir from deploy/make-certs.sh), bit-identical to the simulator."""
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -40,6 +41,13 @@ def worker(out, mode):
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MORSE_RANK",
                  "MORSE_WORLD_SIZE", "MORSE_NODE_RANK", "MORSE_NNODES")
         print("ENV " + " ".join(f"{k}={os.environ.get(k)}" for k in names))
+        # MASTER_ADDR/MASTER_PORT: one gloo process group across the nodes.
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        total = torch.tensor([float(os.environ["RANK"])])
+        dist.all_reduce(total)
+        print(f"GLOO SUM {int(total.item())} MASTER {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+        dist.destroy_process_group()
     if mode == "fail":
         if os.environ["RANK"] == "3":
             time.sleep(1)
@@ -103,6 +111,9 @@ def two_nodes_are_one_job():
             check(fields[key] == value, f"rank {r}: {key}={fields[key]}, not {value}")
     check("[server 0]" in results[0][1] and "[server" not in results[1][1],
           "node 0 starts the shards, node 1 none")
+    masters = set(re.findall(r"GLOO SUM 6 MASTER (\S+)", results[0][1] + results[1][1]))
+    check(len(re.findall(r"GLOO SUM 6 MASTER", results[0][1] + results[1][1])) == 4 and len(masters) == 1,
+          f"the 4 ranks form one gloo group through MASTER_ADDR/MASTER_PORT ({masters})")
     check_ranks_match_simulator(out, 4, STEPS)
     print(f"PASS: 2 nodes x 2 ranks: torchrun's variables, {STEPS} OneBitAdam steps bit-identical "
           "to the simulator with N = 4")

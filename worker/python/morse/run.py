@@ -7,7 +7,9 @@
 
 Starts S morse-server shards on free loopback ports and N copies of the
 command with MORSE_RANK, MORSE_WORLD_SIZE, MORSE_SERVERS and MORSE_CONFIG in
-their environment (morse.torch's optimizers read them). Output is streamed
+their environment (morse.torch's optimizers read them), with torchrun's
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+(for scripts, samplers and stacks that start a gloo group). Output is streamed
 with [rank i] / [server s] prefixes. Ctrl-C, or any copy exiting non-zero,
 stops everything; the exit code is then non-zero (the failing copy's, or 130).
 A server that dies is restarted on its address from its last checkpoint when

@@ -93,7 +93,8 @@ def prepare(accelerator, *objects):
     one: the models among `objects` stay out of DDP (keep_out_of_ddp) and
     must already be on their device; the rest (the optimizer, data loaders
     sharded by rank, schedulers) is prepared as Accelerate does."""
-    opts = [o for o in objects if _morse_optimizer(o) is not None]
+    opts = [o for o in objects
+            if isinstance(o, torch.optim.Optimizer) and _morse_optimizer(o) is not None]
     if len(opts) != 1:
         raise ValueError(f"morse.torch.hf.prepare needs exactly one Morse optimizer among the "
                          f"objects; got {len(opts)}")

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Train a tiny GPT-2 in an Accelerate loop with a Morse optimizer.
+
+    morse-run --servers 2 --workers 2 -- python3 worker/python/examples/accelerate_loop.py
+
+(python3: one with torch 2.x, transformers and accelerate, e.g. the venv
+tests/python/torch2-venv.sh makes.) The loop is Accelerate's own
+(accumulate, backward, step); the model and data are hf_trainer.py's. The
+Morse-specific lines are the optimizer, built with the clip (clip_grad_norm:
+Morse clips the averaged gradient inside the step, so the loop does not
+call clip_grad_norm_), and the prepare call:
+
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=..., clip_grad_norm=1.0)
+    model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
+
+--optimizer ddp runs the same loop with torch.optim.AdamW under DDP and
+accelerator.clip_grad_norm_ (the baseline). Rank 0 prints the loss of every
+step (averaged over ranks) and writes them to --losses.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+from accelerate import Accelerator
+from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_trainer import VOCAB, Sequences, parameters_checksum  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--optimizer", default="onebit_adam", choices=["onebit_adam", "adam", "ddp"],
+                        help="morse.torch.OneBitAdam, morse.torch.Adam, or torch.optim.AdamW under "
+                             "DDP (default: onebit_adam)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
+    parser.add_argument("--freeze-step", type=int, default=15,
+                        help="OneBitAdam's fp32 warmup steps (default: 15)")
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="Accelerator's gradient_accumulation_steps (default: 1)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="clip the averaged gradient's norm to this, 0 for none (default: 1.0)")
+    parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
+    a = parser.parse_args()
+
+    accelerator = Accelerator(gradient_accumulation_steps=a.accumulation,
+                              cpu=not torch.cuda.is_available())
+    torch.manual_seed(a.seed)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).to(accelerator.device)
+    loader = torch.utils.data.DataLoader(Sequences(seed=a.seed), batch_size=a.batch, shuffle=True,
+                                         drop_last=True, generator=torch.Generator().manual_seed(a.seed))
+    clip = a.max_grad_norm or None
+    if a.optimizer == "ddp":
+        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+    else:
+        import morse.torch
+        import morse.torch.hf
+        if a.optimizer == "onebit_adam":
+            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step,
+                                         clip_grad_norm=clip)
+        else:
+            opt = morse.torch.Adam(model.parameters(), lr=a.lr, clip_grad_norm=clip)
+    # Stepped once per optimizer step below (Accelerate's prepared scheduler
+    # would step it once per process).
+    sched = get_linear_schedule_with_warmup(opt, max(1, a.steps // 10), a.steps)
+    if a.optimizer == "ddp":
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    else:
+        model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
+
+    losses, step, total = {}, 0, torch.zeros((), device=accelerator.device)
+    model.train()
+    while step < a.steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(**{"input_ids": batch["input_ids"], "labels": batch["labels"]}).loss
+                total += loss.detach() / a.accumulation
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and clip and a.optimizer == "ddp":
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+            if accelerator.sync_gradients:
+                sched.step()
+                step += 1
+                losses[step] = accelerator.gather(total).mean().item()
+                total.zero_()
+                if step == a.steps:
+                    break
+
+    if accelerator.is_main_process:
+        print("losses: " + " ".join(f"{s}:{v:.4f}" for s, v in sorted(losses.items())), flush=True)
+        print(f"loss {losses[1]:.4f} at step 1, {losses[a.steps]:.4f} at step {a.steps}", flush=True)
+        if a.losses:
+            with open(a.losses, "w") as f:
+                json.dump({str(s): v for s, v in losses.items()}, f)
+    print(f"rank {accelerator.process_index}: parameters checksum "
+          f"{parameters_checksum(accelerator.unwrap_model(model))}", flush=True)
+    if a.optimizer != "ddp":
+        print(f"rank {accelerator.process_index}: Morse step {morse.torch.hf._morse_optimizer(opt).step_index}", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
