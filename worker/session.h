@@ -119,6 +119,11 @@ class Session {
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }
+  // The sum of squares of the last step's averaged gradient, over the whole
+  // model, when that step clipped it (compress::ClipsAverage); else none.
+  std::optional<double> grad_sum_of_squares() const {
+    return previous_grad_sum_of_squares_;
+  }
   const proto::JobSpec& job() const { return job_; }
   const compress::Layout& layout() const { return layout_; }
   compress::Replica& replica() { return replica_; }

@@ -101,6 +101,10 @@ def worker(mode):
         if clip:  # torch's clip on the global batch's gradient
             norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.2).item()
             clipped += norm > 0.2
+            # last_step's grad_norm: the averaged gradient's, as torch's.
+            got = opt.last_step.get("grad_norm")
+            check(got is not None and abs(got - norm) <= 1e-5 * norm,
+                  f"rank {opt.rank} step {step}: last_step grad_norm {got}, torch's {norm}")
         ref_opt.step()
         for sched in schedulers:
             sched.step()

@@ -321,6 +321,19 @@ int64_t morse_session_step(morse_session* s) {
   return s == nullptr ? -1 : s->session->step();
 }
 
+int morse_session_grad_sum_of_squares(morse_session* s, double* value,
+                                      int* present) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(value, "value"); !st.ok()) return st;
+    if (absl::Status st = NotNull(present, "present"); !st.ok()) return st;
+    std::optional<double> sum = s->session->grad_sum_of_squares();
+    *present = sum.has_value() ? 1 : 0;
+    *value = sum.value_or(0.0);
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_checksum(morse_session* s, uint64_t* checksum) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

@@ -103,6 +103,10 @@ int morse_session_finish(morse_session* s, morse_step_traffic* traffic);
 int morse_session_partitions(morse_session* s, uint64_t* ranges,
                              uint64_t capacity, uint64_t* count);
 int64_t morse_session_step(morse_session* s);
+/* The sum of squares of the last step's averaged gradient when that step
+   clipped it (clip_grad_norm): *present 1 and *value; else *present 0. */
+int morse_session_grad_sum_of_squares(morse_session* s, double* value,
+                                      int* present);
 /* FNV checksum of x, m, v (equal on every worker after every step). */
 int morse_session_checksum(morse_session* s, uint64_t* checksum);
 /* The optimizer state into/from dim host floats each (state_dict).

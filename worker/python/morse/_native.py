@@ -70,6 +70,7 @@ def _load():
         "morse_session_partitions": ([P, ctypes.POINTER(U64), U64, ctypes.POINTER(U64)], I),
         "morse_session_step": ([P], I64),
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
+        "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
         "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
         "morse_session_set_state": ([P, I64, P, P, P, P], I),
         "morse_session_get_lamb_state": ([P, P, P, ctypes.POINTER(U64), P, ctypes.POINTER(U64)], I),
@@ -247,6 +248,14 @@ class Session:
     @property
     def step_index(self):
         return _lib.morse_session_step(self._handle)
+
+    def grad_sum_of_squares(self):
+        """The last step's averaged gradient's sum of squares, if it clipped
+        that gradient; else None."""
+        value, present = ctypes.c_double(), ctypes.c_int()
+        _check(_lib.morse_session_grad_sum_of_squares(self._handle, ctypes.byref(value),
+                                                       ctypes.byref(present)))
+        return value.value if present.value else None
 
     def checksum(self):
         value = ctypes.c_uint64()

@@ -29,6 +29,7 @@ were pushed raise MorseError (see docs/python.md).
 """
 import contextlib
 import hashlib
+import math
 import os
 
 import torch
@@ -560,6 +561,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             with self._explained():
                 self.last_step = self._session.finish()
+        # The averaged gradient's norm before clipping, when the step clipped
+        # it (what DDP's clip_grad_norm_ returns).
+        sum_of_squares = self._session.grad_sum_of_squares()
+        if sum_of_squares is not None:
+            self.last_step["grad_norm"] = math.sqrt(sum_of_squares)
         if self._learns_accumulation and any(self._counts):
             self._accumulation = max(self._counts)
             self._learns_accumulation, self._learned_accumulation = False, True
