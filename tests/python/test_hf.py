@@ -13,7 +13,9 @@ way:
   bit-identical to the uninterrupted run: the same losses and parameters;
   with a rank's state missing, that rank says which file it looked for;
 - Trainer's clipping without the optimizer's clip_grad_norm is refused
-  with what to do.
+  with what to do;
+- Trainer's torch_compile (aot_eager) compiles the model in place and
+  trains bit-identically to eager.
 
 Needs transformers and accelerate: under Debian's python3 (torch 1.13, no
 transformers) this test is skipped, saying so; its torch2_ twin runs it in
@@ -119,8 +121,17 @@ def main():
     for script in ("hf_trainer.py", "accelerate_loop.py"):
         fp32 = ["--steps", "12", "--accumulation", "2", "--max-grad-norm", "1.0"]
         ddp, _, _ = run(script, "--optimizer", "ddp", *fp32)
-        adam, _, _ = run(script, "--optimizer", "adam", *fp32)
+        adam, adam_sum, _ = run(script, "--optimizer", "adam", *fp32)
         close_to_ddp(f"{script} Adam", ddp, adam, 1e-5)
+        if script == "hf_trainer.py":
+            # Trainer's torch_compile: compiled in place (Accelerate would
+            # compile only a model it wraps), the same bits as eager with
+            # aot_eager (test_torch_compile).
+            compiled, compiled_sum, log = run(script, "--optimizer", "adam", *fp32, "--compile", "aot_eager")
+            check(log.count("(compiled in place)") == RANKS, "every rank's model was compiled")
+            check(compiled == adam and compiled_sum == adam_sum,
+                  "Trainer with torch_compile (aot_eager) differs from eager")
+            print("ok: Trainer's torch_compile=True (aot_eager) compiles in place, bit-identical to eager")
         onebit = ["--steps", "40", "--freeze-step", "10"]
         ddp, _, _ = run(script, "--optimizer", "ddp", *onebit)
         one, _, _ = run(script, "--optimizer", "onebit_adam", *onebit)

@@ -81,6 +81,9 @@ def main():
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
     parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="Trainer's torch_compile with this backend (inductor, aot_eager; "
+                             "default: not compiled)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
     a = parser.parse_args()
 
@@ -90,7 +93,8 @@ def main():
         warmup_steps=max(1, a.steps // 10), max_grad_norm=a.max_grad_norm, logging_steps=1,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=a.seed, data_seed=a.seed,
-        disable_tqdm=True, dataloader_drop_last=True)
+        disable_tqdm=True, dataloader_drop_last=True,
+        torch_compile=bool(a.compile), torch_compile_backend=a.compile)
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -122,7 +126,9 @@ def main():
         if a.losses:
             with open(a.losses, "w") as f:
                 json.dump({str(s): v for s, v in losses.losses.items()}, f)
-    print(f"rank {rank}: parameters checksum {parameters_checksum(model)}", flush=True)
+    compiled = getattr(model, "_compiled_call_impl", None) is not None  # model.compile() in place
+    print(f"rank {rank}: parameters checksum {parameters_checksum(model)}"
+          f"{' (compiled in place)' if compiled else ''}", flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -83,7 +83,16 @@ def _attach_model(model, opt):
 def keep_out_of_ddp(model):
     """Marks `model` so that Accelerate's prepare() leaves it as it is:
     no DistributedDataParallel wrapper (Morse averages the gradients), no
-    device move, no autocast. Returns it."""
+    device move, no autocast, no torch.compile (compiled here in place
+    instead, when Accelerate is set to compile: Trainer's torch_compile,
+    Accelerator(dynamo_backend=...)). Returns it."""
+    from accelerate.state import AcceleratorState, is_initialized
+    from accelerate.utils import DynamoBackend
+    # The Accelerator's settings (Trainer has made its own by now).
+    plugin = getattr(AcceleratorState(), "dynamo_plugin", None) if is_initialized() else None
+    compiled = getattr(model, "_compiled_call_impl", None) is not None
+    if plugin is not None and plugin.backend != DynamoBackend.NO and not compiled:
+        model.compile(**plugin.to_kwargs())  # in place: the parameters stay Morse's
     model._is_accelerate_prepared = True
     return model
 
