@@ -27,25 +27,12 @@ from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer import VOCAB, Sequences, parameters_checksum  # noqa: E402
+from hf_trainer import VOCAB, Sequences, common_arguments, parameters_checksum  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--optimizer", default="onebit_adam", choices=["onebit_adam", "adam", "ddp"],
-                        help="morse.torch.OneBitAdam, morse.torch.Adam, or torch.optim.AdamW under "
-                             "DDP (default: onebit_adam)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
-    parser.add_argument("--freeze-step", type=int, default=15,
-                        help="OneBitAdam's fp32 warmup steps (default: 15)")
-    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
-    parser.add_argument("--accumulation", type=int, default=1,
-                        help="Accelerator's gradient_accumulation_steps (default: 1)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0,
-                        help="clip the averaged gradient's norm to this, 0 for none (default: 1.0)")
-    parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
+    common_arguments(parser, "Accelerator")
     a = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=a.accumulation,

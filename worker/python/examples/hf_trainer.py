@@ -63,28 +63,34 @@ def parameters_checksum(model):
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_arguments(parser, stack):
+    """The flags hf_trainer.py and accelerate_loop.py share; `stack` (Trainer,
+    Accelerator) is whose DDP and gradient accumulation they mean."""
     parser.add_argument("--optimizer", default="onebit_adam", choices=["onebit_adam", "adam", "ddp"],
                         help="morse.torch.OneBitAdam, morse.torch.Adam (fp32 Adam through the "
-                             "shards), or Trainer's AdamW under DDP (default: onebit_adam)")
+                             f"shards), or AdamW under {stack}'s DDP (default: onebit_adam)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
     parser.add_argument("--freeze-step", type=int, default=15,
                         help="OneBitAdam's fp32 warmup steps (default: 15)")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
     parser.add_argument("--accumulation", type=int, default=1,
-                        help="Trainer's gradient_accumulation_steps (default: 1)")
+                        help=f"{stack}'s gradient_accumulation_steps (default: 1)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
-                        help="Trainer's max_grad_norm, 0 for none (default: 1.0, Trainer's)")
+                        help="clip the averaged gradient's norm to this, 0 for none (default: 1.0)")
+    parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_arguments(parser, "Trainer")
     parser.add_argument("--output-dir", default="hf-trainer-out", help="checkpoints (default: hf-trainer-out)")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
-    parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
     parser.add_argument("--compile", metavar="BACKEND",
                         help="Trainer's torch_compile with this backend (inductor, aot_eager; "
                              "default: not compiled)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
     a = parser.parse_args()
 
     args = TrainingArguments(
