@@ -13,8 +13,10 @@ carries no secrets (credentials are files on each node), but it is meant
 for the job's private network, as torchrun's store is.
 
   node i -> node 0   {"version": 1, "join": i, "nnodes": M, "nproc_per_node": L,
-                      "host": name, "config": text, "servers": spec}
-  node 0 -> node i   {"job": {"servers": [...], "config": text, "world_size": M * L}}
+                      "host": name, "config": text, "servers": spec,
+                      "aggregation": bool}
+  node 0 -> node i   {"job": {"servers": [...], "config": text, "world_size": M * L,
+                              "master_port": port}}
                      or {"error": why} (and the connection closes)
   node i -> node 0   {"exit": code, "why": line}      when its ranks have ended
   node 0 -> node i   {"stop": why, "code": code}      when the job ends elsewhere
@@ -64,10 +66,11 @@ class Store:
     """Node 0's side: accepts the other nodes' joins, checks that they agree
     with this node, hands them the job, and collects how each one ends."""
 
-    def __init__(self, address, nnodes, nproc_per_node, config, servers, timeout):
+    def __init__(self, address, nnodes, nproc_per_node, config, servers, timeout, aggregation=False):
         self._address = address
         self._host, port = split_address(address)
         self._nnodes, self._nproc = nnodes, nproc_per_node
+        self._aggregation = aggregation
         self._config, self._servers = config, servers
         self._timeout = timeout
         self._cond = threading.Condition()
@@ -111,6 +114,9 @@ class Store:
         if hello.get("nproc_per_node") != self._nproc:
             return (f"{who} has --nproc-per-node {hello.get('nproc_per_node')}, node 0 {self._nproc}: "
                     f"every node must give the same")
+        if bool(hello.get("aggregation")) != self._aggregation:
+            return (f"{who} has {'' if hello.get('aggregation') else 'no '}--node-aggregation, node 0 "
+                    f"{'has' if self._aggregation else 'not'}: every node must give the same")
         if not isinstance(node, int) or not 0 < node < self._nnodes:
             return f"{who}: --node-rank must be 1 to {self._nnodes - 1} on the nodes that join node 0"
         if node in self._peers:
@@ -232,7 +238,8 @@ class Member:
     """A node other than node 0: joins node 0's store and learns the job;
     then hears whether node 0 stops it, and reports how its ranks ended."""
 
-    def __init__(self, address, node_rank, nnodes, nproc_per_node, config, servers, timeout):
+    def __init__(self, address, node_rank, nnodes, nproc_per_node, config, servers, timeout,
+                 aggregation=False):
         self._address = address
         host, port = split_address(address)
         deadline = time.time() + timeout
@@ -248,7 +255,7 @@ class Member:
                 time.sleep(0.5)
         _send(self._conn, {"version": VERSION, "join": node_rank, "nnodes": nnodes,
                            "nproc_per_node": nproc_per_node, "host": socket.gethostname(),
-                           "config": config, "servers": servers})
+                           "config": config, "servers": servers, "aggregation": aggregation})
         # Node 0 answers once every node has joined (its timeout) and its
         # shards are up (their start).
         self._conn.settimeout(timeout + 60)

@@ -78,8 +78,8 @@ def _base_config(path, workers, shards):
     for field, value in (("workers", workers), ("shards", shards)):
         m = re.search(rf"^\s*{field}\s*:\s*(\d+)", text, re.M)
         if m and int(m.group(1)) != value:
-            flag = ("the job's ranks (--workers, or --nnodes x --nproc-per-node) are" if field == "workers"
-                    else "--servers gives")
+            flag = ("the job's Morse workers (--workers, or --nnodes x --nproc-per-node; --nnodes "
+                    "with --node-aggregation) are" if field == "workers" else "--servers gives")
             raise SystemExit(f"morse-run: {path} sets {field}: {m.group(1)} but {flag} {value}")
         if not m:
             text += f"\n{field}: {value}\n"
@@ -165,6 +165,11 @@ def _parse(argv):
     parser.add_argument("--rdzv-timeout", type=float, default=300,
                         help="seconds to wait for every node to join (default 300); a node missing "
                              "by then fails the job on every node that came")
+    parser.add_argument("--node-aggregation", action="store_true",
+                        help="one Morse worker per node: each step the node's ranks average their "
+                             "gradients on local rank 0, which pushes for the node (the shards see "
+                             "--nnodes workers, and only it holds the optimizer state) and sends the "
+                             "new parameters back (morse.torch; gloo inside the node)")
     parser.add_argument("--stages", type=int, default=1,
                         help="pipeline stages (morse.torch.pipeline; default 1: data parallel only; "
                              "one host only)")
@@ -210,6 +215,10 @@ def _parse(argv):
         parser.error("--tls-dir and --insecure: give one (TLS, or plaintext on a private network)")
     if args.nnodes > 1 and args.stages > 1:
         parser.error("--stages runs on one host: --nnodes > 1 with --stages is not supported")
+    if args.node_aggregation and args.stages > 1:
+        parser.error("--node-aggregation with --stages is not supported")
+    # The shards' workers: the nodes with --node-aggregation, else the ranks.
+    args.morse_workers = args.nnodes if args.node_aggregation else args.world
     if args.rdzv_timeout <= 0:
         parser.error("--rdzv-timeout must be positive")
     if re.fullmatch(r"\d+", args.servers):
@@ -248,7 +257,7 @@ def _parse(argv):
 def _check_only(args, command, server_bin, starts_servers, node):
     """--check-config: what main() would check before starting anything,
     and the plan, printed."""
-    base = _base_config(args.config, args.world, args.shards)
+    base = _base_config(args.config, args.morse_workers, args.shards)
     if args.token_file and not os.access(args.token_file, os.R_OK):
         raise SystemExit(f"{node}: cannot read --token-file {args.token_file}")
     first = args.node_rank * args.nproc_per_node
@@ -260,6 +269,7 @@ def _check_only(args, command, server_bin, starts_servers, node):
         shards = f"{args.shards}, started by node 0"
     print(f"{node}: ok: node {args.node_rank} of {args.nnodes}, ranks {first}..{first + args.nproc_per_node - 1} "
           f"of {args.world}; shards: {shards}; "
+          + (f"node aggregation ({args.nnodes} Morse workers); " if args.node_aggregation else "")
           + (f"rendezvous {args.rdzv} (timeout {args.rdzv_timeout:g} s); " if args.nnodes > 1 else "")
           + ("TLS from " + args.tls_dir if args.tls_dir else "plaintext") + "; config "
           + (args.config or "(counts only)") + f" ({len(base.splitlines())} lines); command: "
@@ -288,7 +298,7 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix="morse-run-")
     config_path = os.path.join(workdir, "job.textproto")
     try:
-        base = _base_config(args.config, args.world, args.shards)
+        base = _base_config(args.config, args.morse_workers, args.shards)
     except SystemExit:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -317,12 +327,12 @@ def main(argv=None):
                 sys.stderr.write(f"{node}: waiting for {args.nnodes - 1} more node(s) at {args.rdzv} "
                                  f"(up to {args.rdzv_timeout:g} s)\n")
                 store = _rendezvous.Store(args.rdzv, args.nnodes, args.nproc_per_node, base,
-                                          args.servers, args.rdzv_timeout)
+                                          args.servers, args.rdzv_timeout, args.node_aggregation)
                 store.wait_for_nodes()
             else:
                 sys.stderr.write(f"{node}: joining the rendezvous at {args.rdzv}\n")
                 member = _rendezvous.Member(args.rdzv, args.node_rank, args.nnodes, args.nproc_per_node,
-                                            base, args.servers, args.rdzv_timeout)
+                                            base, args.servers, args.rdzv_timeout, args.node_aggregation)
                 base = member.job["config"]
         except (_rendezvous.RendezvousError, KeyboardInterrupt) as e:
             if store:
@@ -427,6 +437,10 @@ def main(argv=None):
     env = dict(os.environ, MORSE_WORLD_SIZE=str(args.world), MORSE_CONFIG=config_path,
                WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(args.node_rank),
                MORSE_NODE_RANK=str(args.node_rank), MORSE_NNODES=str(args.nnodes))
+    if args.node_aggregation:
+        env["MORSE_NODE_AGGREGATION"] = "1"
+    else:
+        env.pop("MORSE_NODE_AGGREGATION", None)
     env.setdefault("MASTER_ADDR", args.host)
     env.setdefault("MASTER_PORT", str(master_port))
     if args.tls_dir:

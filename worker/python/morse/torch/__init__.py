@@ -156,6 +156,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
+        # morse-run --node-aggregation: one Morse worker per node (node.py).
+        self._node = None
+        worker, workers = self._rank, world
+        if os.environ.get("MORSE_NODE_AGGREGATION") == "1":
+            from .node import NodeGroup
+            local_size = _env("LOCAL_WORLD_SIZE", None, int)
+            nnodes = _env("MORSE_NNODES", None, int)
+            if world != local_size * nnodes:
+                raise MorseError(f"INVALID_ARGUMENT: node aggregation with {world} ranks, but "
+                                 f"{nnodes} nodes of {local_size}")
+            self._node = NodeGroup(self._rank, _env("LOCAL_RANK", None, int), local_size,
+                                   _env("MORSE_NODE_RANK", None, int, torchrun="GROUP_RANK"), nnodes)
+            worker, workers = self._node.node, nnodes
+            overlap = False  # the node's gradients are averaged at step()
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         config = config if config is not None else os.environ.get("MORSE_CONFIG")
@@ -164,7 +178,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             with open(config) as f:
                 base = f.read()
         else:
-            base = f"workers: {world}\nshards: {len(servers)}\nexternal {{}}\n"
+            base = f"workers: {workers}\nshards: {len(servers)}\nexternal {{}}\n"
         fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
         adam = [f"beta1: {betas[0]!r}", f"beta2: {betas[1]!r}", f"eps: {eps!r}",
                 f"weight_decay: {weight_decay!r}"]
@@ -245,10 +259,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # a GPU a host tensor that carries rank 0's values until use_cuda
         # moves the model into the device tensors.
         host_x = self._flat.cpu() if self._cuda else self._flat
-        self._session = _native.Session(base, self.job_overrides, self._rank, servers,
-                                        host_x.numpy(), _security(security))
-        self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
-        if self._cuda:
+        self._session = None  # a node's other ranks have none (node.py)
+        if self._node is None or self._node.is_leader:
+            self._session = _native.Session(base, self.job_overrides, worker, servers,
+                                            host_x.numpy(), _security(security))
+            self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+        if self._node is not None:
+            self._node.share(host_x)  # the node takes its leader's values
+            if self._cuda:
+                with torch.no_grad():
+                    self._flat.copy_(host_x)
+        if self._cuda and self._session is not None:
             self._device = device
             with torch.cuda.device(device):
                 torch.cuda.current_stream(device).synchronize()  # the copies into _flat are done
@@ -259,7 +280,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # (load_state_dict, copy_, clamp_ on a parameter) bumps that
         # parameter's counter.
         self._x_versions = [p._version for p in self._params]
-        self._partitions = self._session.partitions()
+        self._partitions = self._session.partitions() if self._session is not None else []
         # Which partitions each parameter touches, and how many parameters
         # each partition waits for.
         self._touches = [[q for q, (b, e) in enumerate(self._partitions) if b < hi and e > lo]
@@ -304,6 +325,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Tells this optimizer's own state_dict() of the current step apart
         # (load_state_dict of it restores nothing).
         self._nonce = os.urandom(8).hex()
+        self._node_first_step = 0  # a node's other rank: the step it started from
 
     def add_param_group(self, param_group):
         if hasattr(self, "_session"):
@@ -427,6 +449,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "broadcast_buffers setting")
         if self._rank == 0:
             return
+        self._unpack_buffers(got)
+
+    def _unpack_buffers(self, got):
         data, at = bytearray(got), 0
         with torch.no_grad():
             for _, t in self._buffers:
@@ -528,6 +553,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "its own, and another's would change the run. Load this rank's state_dict (saved "
                 f"by this rank) with load_state_dict before step(); under Hugging Face Trainer, "
                 "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
+        if self._node is not None:
+            self._node_step()
+        else:
+            self._worker_step()
+        return loss
+
+    def _worker_step(self):
+        """The step as one Morse worker (every rank, or a node's leader)."""
         first = not self._joined
         if first:
             self._session.wait_all_joined()
@@ -587,6 +620,54 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "Trainer, morse.torch.hf.MorseCallback does this for max_grad_norm); make other "
                 "changes in a gradient hook, or build the optimizer with overlap=False "
                 "(clip_grad_norm_ then clips each rank's own gradient, not the average)")
+        self._check_missing(missing)
+        if changed is not None:
+            raise MorseError(
+                f"FAILED_PRECONDITION: lr/weight_decay changed to {changed} between backward() and "
+                f"step(); this step was already pushed, and applied, with {self._sent_hyper}. Change "
+                "them before backward() (schedulers step after optimizer.step()) or build the "
+                "optimizer with overlap=False")
+        if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
+            self._report_freeze()
+
+    def _node_step(self):
+        """The step of a rank in a node of several (node.py): the leader
+        steps for the node with the average of its ranks' gradients, and
+        every rank takes the leader's parameters (and module buffers)."""
+        node = self._node
+        missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
+        self._restore_views()
+        average, hypers = node.average(self._flat_grad, self._group_hyper())
+        error = None
+        if node.is_leader:
+            failure = None
+            if len(set(hypers)) > 1:
+                failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
+                           f"(lr, weight_decay): {hypers} (local ranks in order); every rank must "
+                           "use the same")
+                error = MorseError(failure)
+            else:
+                self._flat_grad.copy_(average)
+                try:
+                    self._worker_step()
+                except Exception as e:  # the node hears it before this rank raises it
+                    error, failure = e, f"{type(e).__name__}: {e}"
+            checksum = self._session.checksum() if failure is None else None
+            buffers = self._pack_buffers() if self._buffers and failure is None else None
+            node.finish(failure, checksum, buffers)
+        else:
+            failure, _, buffers = node.finish()
+            if failure is not None:
+                error = MorseError(f"{failure}\n  (the step of this node's leader, rank "
+                                   f"{node.leader}; this rank is rank {self._rank})")
+        node.share(self._flat)
+        if buffers is not None and not node.is_leader:
+            self._unpack_buffers(buffers)
+        if error is not None:
+            raise error
+        self._check_missing(missing)
+
+    def _check_missing(self, missing):
         if missing and self._missing_grads == "raise":
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise MorseError(
@@ -597,15 +678,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "(requires_grad=False) before building the optimizer, or pass "
                 "missing_grads='zero' to accept zero gradients (what torch does with "
                 "zero_grad(set_to_none=False) once they have had one)")
-        if changed is not None:
-            raise MorseError(
-                f"FAILED_PRECONDITION: lr/weight_decay changed to {changed} between backward() and "
-                f"step(); this step was already pushed, and applied, with {self._sent_hyper}. Change "
-                "them before backward() (schedulers step after optimizer.step()) or build the "
-                "optimizer with overlap=False")
-        if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
-            self._report_freeze()
-        return loss
 
     def _report_freeze(self):
         # v is frozen from here on: which parameters hold elements with v = 0.
@@ -623,11 +695,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     @property
     def step_index(self):
-        """Steps completed by this worker."""
+        """Steps completed by this worker (a node's rank: by its node)."""
+        if self._session is None:
+            return self._node.steps + self._node_first_step
         return self._session.step_index
 
     def checksum(self):
-        """A checksum of this worker's x, m and v (equal on every worker)."""
+        """A checksum of this worker's x, m and v (equal on every worker; a
+        node's rank: its leader's after the last step)."""
+        if self._session is None:
+            return self._node.checksum
         return self._session.checksum()
 
     def state_dict(self):
@@ -637,10 +714,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         as lamb_commit); on rank 0 also the shards' error buffers
         (server_error), so that rank 0's state_dict and each rank's own
         restore the whole run with load_state_dict in a fresh job (exactly:
-        the continued run is bit-identical to an uninterrupted one)."""
-        step, m, v, error = self._session.get_state()
+        the continued run is bit-identical to an uninterrupted one). A
+        node's rank other than its leader (node aggregation) holds no
+        optimizer state: its state_dict has the step alone."""
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(self._params)))
+        if self._session is None:
+            return {"state": {"step": self.step_index, "rank": self._rank, "node_member": True},
+                    "param_groups": [group]}
+        step, m, v, error = self._session.get_state()
         device = self._flat.device
         state = {"step": step, "rank": self._rank, "taken": f"{self._nonce}:{self.step_index}",
                  "exp_avg": torch.from_numpy(m).to(device),
@@ -688,6 +770,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the run."""
         state = state_dict["state"]
         dim = self._flat.numel()
+        if self._session is None:
+            # A node's other rank: its leader restores the node's worker; the
+            # parameters come from the model's weights, as on the leader.
+            self._node_first_step = int(state.get("step", 0)) - self._node.steps
+            group = state_dict.get("param_groups", [{}])[0]
+            for key in ("lr", "weight_decay"):
+                if key in group:
+                    self.param_groups[0][key] = group[key]
+            return
         if self._is_current(state):
             # This optimizer's own state_dict() of this very step, given back
             # (Accelerate's optimizer wrapper does that when it is built, to
