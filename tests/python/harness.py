@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import sys
 
 
@@ -91,6 +92,29 @@ def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
         os.remove(f)
     os.rmdir(out)
     return together
+
+
+def nodes(script, nnodes, nproc, out, mode, extra=(), per_node=None, timeout=240):
+    """Starts one morse-run per node on this machine (node 0 last, as
+    happens on real clusters), each running `script --worker out mode`;
+    waits for all; returns [(exit code, output)] by node. `extra`: more
+    morse-run flags, the same on every node, or a list of them by node."""
+    port = free_port()
+    procs = []
+    for node in reversed(range(nnodes)):
+        flags = extra[node] if extra and isinstance(extra[0], (list, tuple)) else extra
+        command = [os.environ["MORSE_RUN"], "--nnodes", str(nnodes), "--node-rank", str(node),
+                   "--nproc-per-node", str(per_node[node] if per_node else nproc),
+                   "--rdzv", f"127.0.0.1:{port}", *flags,
+                   "--", sys.executable, script, "--worker", out, mode]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+        time.sleep(0.2)
+    results = []  # a node that does not end by `timeout` raises TimeoutExpired: a hang fails
+    for p in procs:
+        text, _ = p.communicate(timeout=timeout)
+        results.append((p.returncode, text))
+    return list(reversed(results))
 
 
 def free_port():

@@ -31,6 +31,7 @@ import time
 import torch
 
 from harness import check, check_ranks_match_simulator, free_port, server, train_recorded  # noqa: E402
+from harness import nodes as harness_nodes  # noqa: E402
 
 STEPS = 8
 RUN = os.environ.get("MORSE_RUN")
@@ -66,24 +67,8 @@ def worker(out, mode):
     train_recorded(opt, model, out, STEPS, features=10, classes=4)
 
 
-def nodes(nnodes, nproc, out, mode, extra=(), per_node=None, timeout=240):
-    """Starts one morse-run per node (node 0 last, as happens on real
-    clusters), waits for all; returns [(exit code, output)] by node."""
-    port = free_port()
-    procs = []
-    for node in reversed(range(nnodes)):
-        command = [RUN, "--nnodes", str(nnodes), "--node-rank", str(node),
-                   "--nproc-per-node", str(per_node[node] if per_node else nproc),
-                   "--rdzv", f"127.0.0.1:{port}", *extra,
-                   "--", sys.executable, __file__, "--worker", out, mode]
-        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-        time.sleep(0.2)
-    results = []  # a node that does not end by `timeout` raises TimeoutExpired: a hang fails
-    for p in procs:
-        text, _ = p.communicate(timeout=timeout)
-        results.append((p.returncode, text))
-    return list(reversed(results))
+def nodes(nnodes, nproc, out, mode, **kwargs):
+    return harness_nodes(__file__, nnodes, nproc, out, mode, **kwargs)
 
 
 def env_of(text):

@@ -642,8 +642,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if node.is_leader:
             failure = None
             if len(set(hypers)) > 1:
+                shown = ", ".join(f"({lr:.7g}, {wd:.7g})" for lr, wd in hypers)
                 failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
-                           f"(lr, weight_decay): {hypers} (local ranks in order); every rank must "
+                           f"(lr, weight_decay): {shown} (local ranks in order); every rank must "
                            "use the same")
                 error = MorseError(failure)
             else:

@@ -1,0 +1,158 @@
+"""Node-local aggregation (morse-run --node-aggregation; issue 37, part 1,
+first cut): one Morse worker per node.
+
+1. 2 nodes x 2 ranks (two morse-run invocations on this machine, as on two
+   hosts), for each of the four optimizers: the shards see 2 workers, not
+   4; each node's leader pushes the average of its ranks' gradients (equal,
+   bit for bit, to (g0 + g1) / 2 formed here from what each rank computed);
+   after every step every rank of a node holds its leader's parameters, and
+   the leaders hold what the simulator with N = 2 fed those averages holds
+   (and each other's bits, except zero_one_adam's local steps).
+2. One host, 3 ranks in one node: one worker, the average in local-rank
+   order ((g0 + g1) + g2) / 3, the simulator with N = 1.
+3. Ranks of a node that set different learning rates: every rank of the
+   node fails naming the values; nodes that disagree on --node-aggregation
+   fail the rendezvous saying so."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy
+import torch
+
+from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
+
+STEPS = 8
+
+
+def build(name, params, lr):
+    import morse.torch
+    common = dict(block_elems=16, partition_elems=64)
+    if name == "Adam":
+        return morse.torch.Adam(params, lr=lr, **common)
+    if name == "OneBitAdam":
+        return morse.torch.OneBitAdam(params, lr=lr, freeze_step=3, **common)
+    if name == "ZeroOneAdam":
+        return morse.torch.ZeroOneAdam(params, lr=lr, var_freeze_step=3, var_update_scaler=1,
+                                       local_step_scaler=2, local_step_clipper=4, **common)
+    if name == "OneBitLamb":
+        return morse.torch.OneBitLamb(params, lr=lr, freeze_step=3, **common)
+    raise ValueError(name)
+
+
+def worker(out, mode):
+    name, _, variant = mode.partition(":")
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    node = int(os.environ["MORSE_NODE_RANK"])
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    lr = 0.02 if variant == "lr" and rank == 1 else 0.01
+    opt = build(name, model.parameters(), lr)
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            json.dump({"base": f.read(), "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        numpy.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    checksums, params = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        numpy.save(f"{out}/own-{rank}-{step}.npy", mine.numpy())
+        opt.step()
+        if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
+            numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.numpy())
+        checksums.append(opt.checksum())
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
+    if local == 0:
+        json.dump(checksums, open(f"{out}/checksums-{node}.json", "w"))
+    json.dump(params, open(f"{out}/params-{rank}.json", "w"))
+    print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
+
+
+def check_node_averages(out, nnodes, local_size):
+    """Each leader pushed ((g0 + g1) + ...) / L of its node's own gradients."""
+    for node in range(nnodes):
+        for step in range(STEPS):
+            own = [numpy.load(f"{out}/own-{node * local_size + r}-{step}.npy") for r in range(local_size)]
+            total = own[0].copy()
+            for g in own[1:]:
+                total += g
+            total /= numpy.float32(local_size)
+            pushed = numpy.load(f"{out}/grad-{node}-{step}.npy")
+            check(pushed.tobytes() == total.tobytes(), f"node {node} step {step}: the pushed gradient "
+                  "is not the node's average in local-rank order")
+
+
+def check_nodes_share(out, nnodes, local_size, nodes_may_differ):
+    params = [json.load(open(f"{out}/params-{r}.json")) for r in range(nnodes * local_size)]
+    for r, p in enumerate(params):
+        leader = (r // local_size) * local_size
+        check(p == params[leader], f"rank {r} differs from its node's leader (rank {leader})")
+        check(nodes_may_differ or p == params[0], f"rank {r} differs from rank 0")
+
+
+def two_nodes(name):
+    out = tempfile.mkdtemp(prefix=f"morse-aggregate-{name}-")
+    results = nodes(__file__, 2, 2, out, name, extra=("--servers", "2", "--node-aggregation"))
+    for node, (code, text) in enumerate(results):
+        if code != 0:
+            print(text[-4000:])
+        check(code == 0, f"{name}: node {node} exited with {code}")
+    banner = re.findall(r"shard \d/2 of job '\S+': model size from the workers, (\d+) workers", results[0][1])
+    check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")
+    may_differ = name == "ZeroOneAdam"
+    check_node_averages(out, 2, 2)
+    check_nodes_share(out, 2, 2, may_differ)
+    check_ranks_match_simulator(out, 2, STEPS, ranks_may_differ=may_differ)
+    print(f"PASS: {name}: 2 nodes x 2 ranks with node aggregation: one worker per node, the node "
+          f"average pushed, every rank on its leader's bits, the simulator with N = 2 for {STEPS} steps")
+
+
+def one_node_of_three():
+    out = tempfile.mkdtemp(prefix="morse-aggregate-one-")
+    command = [os.environ["MORSE_RUN"], "--servers", "1", "--workers", "3", "--node-aggregation",
+               "--", sys.executable, __file__, "--worker", out, "OneBitAdam"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    if result.returncode != 0:
+        print(result.stdout[-4000:])
+    check(result.returncode == 0, "3 ranks in one node failed")
+    check_node_averages(out, 1, 3)
+    check_nodes_share(out, 1, 3, False)
+    check_ranks_match_simulator(out, 1, STEPS)
+    print("PASS: one node of 3 ranks: one worker, ((g0 + g1) + g2) / 3 pushed, every rank on its bits")
+
+
+def wrong_use():
+    command = [os.environ["MORSE_RUN"], "--servers", "1", "--workers", "2", "--node-aggregation",
+               "--", sys.executable, __file__, "--worker", tempfile.mkdtemp(), "Adam:lr"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    print(result.stdout[-3000:])
+    check(result.returncode != 0, "ranks of a node with different learning rates should fail")
+    for rank in (0, 1):
+        check(re.search(rf"\[rank {rank}\].*set different \(lr, weight_decay\)", result.stdout),
+              f"rank {rank} names the disagreement")
+    results = nodes(__file__, 2, 1, "-", "Adam", extra=[("--node-aggregation",), ()], timeout=120)
+    for node, (code, text) in enumerate(results):
+        print(text[-1500:])
+        check(code != 0 and "--node-aggregation" in text and "every node must give the same" in text,
+              f"node {node}: the disagreement on --node-aggregation is named")
+    print("PASS: different learning rates in a node and a disagreement on --node-aggregation fail, "
+          "saying so")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(*sys.argv[-2:])
+        sys.exit(0)
+    for name in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):
+        two_nodes(name)
+    one_node_of_three()
+    wrong_use()
