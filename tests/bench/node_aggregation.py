@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Node aggregation against one worker per rank, on this machine.
+
+    tests/bench/node_aggregation.py [--nodes 2] [--local 2] [--dim 1000000] [--steps 12]
+
+Runs the same OneBitAdam job (an MLP of about --dim parameters, past its
+freeze, so the pushes are 1-bit) as --nodes morse-run invocations of --local
+ranks each (as on --nodes hosts), once flat (every rank a Morse worker) and
+once with --node-aggregation, and prints per node and step: the payload
+bytes the node's ranks push to the shards, that over one worker's payload,
+the optimizer state each rank holds per parameter (m, v, the error buffer),
+and the median step time. Everything runs on one host over loopback, so the
+times say what aggregation costs in CPU (the gather and broadcast inside the
+node), not what it saves on a real link; the bytes are what a node's link
+would carry."""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+
+def worker(out, dim, steps):
+    import torch
+    import morse.torch
+    rank = int(os.environ["RANK"])
+    hidden = max(8, dim // 256)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(128, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 128))
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    times, up = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(32, 128, generator=g)
+        start = time.perf_counter()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        up.append(opt.last_step.get("bytes_up", 0))
+    params = sum(p.numel() for p in model.parameters())
+    state = 0 if opt._session is None else 12  # m, v and the error buffer, float32
+    json.dump({"times": times[3:], "up": up[3:], "params": params, "state": state},
+              open(f"{out}/rank-{rank}.json", "w"))
+
+
+def run(nodes, local, dim, steps, aggregate):
+    from harness import nodes as start_nodes
+    out = tempfile.mkdtemp(prefix="morse-bench-aggregation-")
+    extra = ("--servers", "2") + (("--node-aggregation",) if aggregate else ())
+    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps}"
+    results = start_nodes(__file__, nodes, local, out, "bench", extra=extra, timeout=600)
+    for node, (code, text) in enumerate(results):
+        if code != 0:
+            print(text[-3000:])
+            raise SystemExit(f"node {node} failed")
+    ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(nodes * local)]
+    per_node = [sum(statistics.median(r["up"]) for r in ranks[n * local:(n + 1) * local])
+                for n in range(nodes)]
+    return ranks, per_node
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2, help="morse-run invocations (default 2)")
+    parser.add_argument("--local", type=int, default=2, help="ranks per node (default 2)")
+    parser.add_argument("--dim", type=int, default=1000000, help="about this many parameters (default 1M)")
+    parser.add_argument("--steps", type=int, default=12, help="steps; the first 3 are not timed (default 12)")
+    a = parser.parse_args()
+    os.environ.setdefault("MORSE_RUN", os.path.join(HERE, "..", "..", "build", "bin", "morse-run"))
+    rows = []
+    for aggregate in (False, True):
+        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, aggregate)
+        one = max(statistics.median(r["up"]) for r in ranks)  # one worker's payload
+        rows.append(("node aggregation" if aggregate else "flat (a worker per rank)",
+                     statistics.median(per_node), statistics.median(per_node) / one,
+                     max(r["state"] for r in ranks), min(r["state"] for r in ranks),
+                     statistics.median(t for r in ranks for t in r["times"]) * 1e3, ranks[0]["params"]))
+    print(f"{a.nodes} nodes x {a.local} ranks, OneBitAdam compression phase, "
+          f"{rows[0][6]:,} parameters, 2 shards, loopback")
+    print(f"{'layout':26} {'bytes up/node/step':>18} {'/ one worker':>12} {'state B/param (max, min rank)':>30} "
+          f"{'step ms':>8}")
+    for name, up, ratio, most, least, ms, _ in rows:
+        print(f"{name:26} {up:18,.0f} {ratio:12.2f} {f'{most}, {least}':>30} {ms:8.1f}")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        out = sys.argv[sys.argv.index("--worker") + 1]
+        worker(out, *(int(v) for v in os.environ["MORSE_BENCH_ARGS"].split()))
+        sys.exit(0)
+    main()
