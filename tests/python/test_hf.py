@@ -10,7 +10,8 @@ way:
 - 1-bit (OneBitAdam): within the convergence margin of DDP's loss;
 - a Trainer run resumed from its own checkpoint (rank 0's optimizer.pt
   loaded on every rank, MorseCallback finding each rank's own state) is
-  bit-identical to the uninterrupted run: the same losses and parameters;
+  bit-identical to the uninterrupted run: the same losses and parameters
+  (also with morse-run --node-aggregation);
   with a rank's state missing, that rank says which file it looked for;
 - Trainer's clipping without the optimizer's clip_grad_norm is refused
   with what to do;
@@ -35,12 +36,13 @@ EXAMPLES = os.path.join(HERE, "..", "..", "worker", "python", "examples")
 RANKS, SHARDS = 2, 2
 
 
-def run(script, *args, expect_ok=True):
-    """morse-run --servers 2 --workers 2 -- python script args; returns
-    (losses by step, the parameters' checksum on every rank, output)."""
+def run(script, *args, expect_ok=True, launcher=()):
+    """morse-run --servers 2 --workers 2 [launcher flags] -- python script
+    args; returns (losses by step, the parameters' checksum on every rank,
+    output)."""
     out = tempfile.mkdtemp(prefix="morse-hf-")
     losses = os.path.join(out, "losses.json")
-    command = [os.environ["MORSE_RUN"], "--servers", str(SHARDS), "--workers", str(RANKS), "--",
+    command = [os.environ["MORSE_RUN"], "--servers", str(SHARDS), "--workers", str(RANKS), *launcher, "--",
                sys.executable, os.path.join(EXAMPLES, script), "--losses", losses, *args]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=500)
@@ -152,6 +154,15 @@ def main():
     check(all(resumed[s] == whole[s] for s in resumed), "the resumed run's losses equal the whole run's")
     check(resumed_sum == whole_sum, f"the resumed run's parameters ({resumed_sum}) equal the whole "
           f"run's ({whole_sum})")
+    # The same with one Morse worker for the two ranks (--node-aggregation):
+    # rank 1 holds no optimizer state, its file only the step.
+    one = ("--node-aggregation",)
+    whole, whole_sum, _ = run("hf_trainer.py", *common, "--output-dir", f"{out}/agg-whole", launcher=one)
+    shutil.copytree(f"{out}/agg-whole/checkpoint-6", f"{out}/agg-resumed/checkpoint-6")
+    resumed, resumed_sum, _ = run("hf_trainer.py", *common, "--resume", "--output-dir",
+                                  f"{out}/agg-resumed", launcher=one)
+    check(all(resumed[s] == whole[s] for s in resumed) and resumed_sum == whole_sum,
+          "with --node-aggregation the resumed run differs from the whole run")
     os.remove(f"{out}/lost/checkpoint-6/morse-rank-1.pt")
     _, _, log = run("hf_trainer.py", *common, "--resume", "--output-dir", f"{out}/lost", expect_ok=False)
     check("this rank's own, morse-rank-1.pt, is in none of" in log, "rank 1 names the state it lacks")

@@ -8,6 +8,8 @@ first cut): one Morse worker per node.
    after every step every rank of a node holds its leader's parameters, and
    the leaders hold what the simulator with N = 2 fed those averages holds
    (and each other's bits, except zero_one_adam's local steps).
+   On a GPU host, also OneBitAdam on CUDA tensors (skipped, saying so,
+   without a GPU).
 2. One host, 3 ranks in one node: one worker, the average in local-rank
    order ((g0 + g1) + g2) / 3, the simulator with N = 1.
 3. Ranks of a node that set different learning rates: every rank of the
@@ -48,26 +50,27 @@ def worker(out, mode):
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     node = int(os.environ["MORSE_NODE_RANK"])
     torch.manual_seed(5)
-    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    device = torch.device("cuda" if variant == "cuda" else "cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).to(device)
     lr = 0.02 if variant == "lr" and rank == 1 else 0.01
     opt = build(name, model.parameters(), lr)
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             json.dump({"base": f.read(), "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        numpy.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+        numpy.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
     checksums, params = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        x, y = torch.randn(8, 10, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
-        numpy.save(f"{out}/own-{rank}-{step}.npy", mine.numpy())
+        numpy.save(f"{out}/own-{rank}-{step}.npy", mine.cpu().numpy())
         opt.step()
         if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
-            numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.numpy())
+            numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
     if local == 0:
         json.dump(checksums, open(f"{out}/checksums-{node}.json", "w"))
@@ -97,9 +100,10 @@ def check_nodes_share(out, nnodes, local_size, nodes_may_differ):
         check(nodes_may_differ or p == params[0], f"rank {r} differs from rank 0")
 
 
-def two_nodes(name):
+def two_nodes(name, variant=""):
     out = tempfile.mkdtemp(prefix=f"morse-aggregate-{name}-")
-    results = nodes(__file__, 2, 2, out, name, extra=("--servers", "2", "--node-aggregation"))
+    mode = f"{name}:{variant}" if variant else name
+    results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
     for node, (code, text) in enumerate(results):
         if code != 0:
             print(text[-4000:])
@@ -110,7 +114,8 @@ def two_nodes(name):
     check_node_averages(out, 2, 2)
     check_nodes_share(out, 2, 2, may_differ)
     check_ranks_match_simulator(out, 2, STEPS, ranks_may_differ=may_differ)
-    print(f"PASS: {name}: 2 nodes x 2 ranks with node aggregation: one worker per node, the node "
+    print(f"PASS: {name}{' on CUDA tensors' if variant else ''}: 2 nodes x 2 ranks with node "
+          "aggregation: one worker per node, the node "
           f"average pushed, every rank on its leader's bits, the simulator with N = 2 for {STEPS} steps")
 
 
@@ -154,5 +159,12 @@ if __name__ == "__main__":
         sys.exit(0)
     for name in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):
         two_nodes(name)
+    # CUDA tensors (the 4 ranks sharing this host's GPU; staged through the
+    # host inside each node): where there is a GPU.
+    if torch.cuda.is_available():
+        two_nodes("OneBitAdam", "cuda")
+    else:
+        print("SKIPPED (this part only): CUDA tensors with node aggregation; no GPU here "
+              f"(torch {torch.__version__}: torch.cuda.is_available() is False)")
     one_node_of_three()
     wrong_use()
