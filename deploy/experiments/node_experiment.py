@@ -1,0 +1,122 @@
+#!/usr/bin/python3
+"""One push per node on emulated nodes (morse-run --node-aggregation; issue 37).
+
+    sudo deploy/experiments/node_experiment.py [--nodes 2] [--local 2] [--dim 4000000]
+                                               [--rate 1] [--steps 12] [--out DIR]
+
+A VirtualCluster (experiment.py: network namespaces on a bridge, each host's
+link shaped to --rate Gbit/s both ways, addresses from 198.18.0.0/15, all
+removed on exit) of 1 + --nodes hosts: host 0 runs 2 morse-server shards,
+hosts 1..M are the nodes, each running one `morse-run --nnodes M
+--node-rank i --nproc-per-node L --rdzv ... --servers ...` of L ranks of
+tests/bench/node_aggregation.py's OneBitAdam MLP (about --dim parameters,
+measured past its freeze). Each layout runs once: flat (every rank a Morse
+worker) and --node-aggregation. Prints, per layout: the bytes node 1's
+link sent per step (from its interface counters),
+that over one worker's payload, the median step, and the DESIGN 7 floor of
+the exchange for the shards' worker count (the first 3 steps, the fp32
+warmup among them, are left out of all of it). Writes DIR/results.json if
+--out is given. Needs root."""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, HERE)
+from experiment import VirtualCluster, floor_seconds, stop, wait_all  # noqa: E402
+
+
+def run_layout(vc, args, aggregate, work):
+    nodes, local = args.nodes, args.local
+    workers = nodes if aggregate else nodes * local
+    config = os.path.join(work, f"job-{workers}.textproto")
+    with open(config, "w") as f:
+        f.write(f"workers: {workers}\nshards: 2\nexternal {{}}\n"
+                "timeouts { connect_seconds: 60 step_seconds: 300 rpc_seconds: 600 }\n")
+    out = tempfile.mkdtemp(prefix="node-experiment-", dir=work)
+    logs = [open(os.path.join(out, f"server{s}.log"), "w") for s in range(2)]
+    servers = [vc.popen(0, [f"{args.build}/server/morse-server", "--config", config, "--shard", str(s),
+                            "--insecure", "--listen", f"{vc.address(0)}:{7000 + s}"], logs[s])
+               for s in range(2)]
+    procs = []
+    try:
+        time.sleep(0.5)
+        addresses = f"{vc.address(0)}:7000,{vc.address(0)}:7001"
+        for n in reversed(range(nodes)):
+            log = open(os.path.join(out, f"node{n}.log"), "w")
+            argv = [f"PYTHONPATH={args.build}/python", f"MORSE_BENCH_ARGS={args.dim} {args.steps}",
+                    f"{args.build}/bin/morse-run", "--nnodes", str(nodes), "--node-rank", str(n),
+                    "--nproc-per-node", str(local), "--servers", addresses, "--config", config,
+                    "--insecure"]
+            if nodes > 1:
+                argv += ["--rdzv", f"{vc.address(1)}:29400"]
+            if aggregate:
+                argv.append("--node-aggregation")
+            argv += ["--", sys.executable, os.path.join(ROOT, "tests", "bench", "node_aggregation.py"),
+                     "--worker", out, "bench"]
+            procs.append(vc.popen(1 + n, argv, log))
+            time.sleep(0.3)
+        # From the end of the untimed steps (the fp32 warmup's and the
+        # start's traffic are not a 1-bit step's).
+        link, first = (2, local) if nodes > 1 else (1, 0)
+        deadline = time.time() + 900
+        while not os.path.exists(f"{out}/measuring-{first}") and time.time() < deadline:
+            if any(proc.poll() not in (None, 0) for proc in procs):
+                break
+            time.sleep(0.01)
+        before = vc.tx_rx(link)
+        codes = wait_all(procs, 900)
+        after = vc.tx_rx(link)
+    finally:
+        stop(procs + servers)
+    if any(c != 0 for c in codes):
+        tail = open(os.path.join(out, "node0.log")).read()[-1500:]
+        raise SystemExit(f"{'aggregated' if aggregate else 'flat'} run failed ({codes}):\n{tail}")
+    ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(nodes * local)]
+    payload = max(statistics.median(r["up"]) for r in ranks)  # one worker's, per step
+    # Node 1's link (node 0's when alone): its upload over the timed steps:
+    # the pushes and their framing.
+    sent = (after[0] - before[0]) / (args.steps - 3)
+    step = statistics.median(t for r in ranks for t in r["times"])
+    floor = floor_seconds(payload, workers, 2, args.rate)
+    return {"layout": "node aggregation" if aggregate else "flat", "workers": workers,
+            "link_bytes_per_step": sent, "one_worker_payload": payload, "ratio": sent / payload,
+            "step_median_s": step, "floor_s": floor, "params": ranks[0]["params"]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--local", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--dim", type=int, default=4000000, help="about this many parameters (default 4M)")
+    p.add_argument("--rate", type=float, default=1.0, help="each link's rate, Gbit/s (default 1)")
+    p.add_argument("--steps", type=int, default=12, help="steps; the first 3 are not timed (default 12)")
+    p.add_argument("--build", default=os.path.join(ROOT, "build"), help="the build folder (default build/)")
+    p.add_argument("--out", help="write results.json here")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("needs root (network namespaces)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="node-experiment-") as work:
+        with VirtualCluster(1 + args.nodes, args.rate) as vc:
+            for aggregate in (False, True):
+                rows.append(run_layout(vc, args, aggregate, work))
+    print(f"{args.nodes} nodes x {args.local} ranks, {rows[0]['params']:,} parameters, OneBitAdam "
+          f"compression phase, 2 shards on their own host, {args.rate:g} Gbit/s links")
+    print(f"{'layout':18} {'workers':>7} {'node link B/step':>16} {'/ one worker':>12} {'step s':>8} "
+          f"{'floor s':>8} {'step/floor':>10}")
+    for r in rows:
+        print(f"{r['layout']:18} {r['workers']:7} {r['link_bytes_per_step']:16,.0f} {r['ratio']:12.3f} "
+              f"{r['step_median_s']:8.3f} {r['floor_s']:8.4f} {r['step_median_s'] / r['floor_s']:10.1f}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        json.dump(rows, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
