@@ -349,6 +349,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             p, (lo, hi) = self._params[i], self._ranges[i]
             self._snapshot[lo:hi].copy_(p.grad.reshape(-1))
             self._snapshot_versions[i] = (p.grad, p.grad._version)
+            # The views of the flat gradient share its version: the last
+            # hook's is theirs as backward() left them.
+            self._snapshot_flat_version = self._flat_grad._version
             return  # the first step waits for every worker, then sends all
         self._counts[i] += 1
         if self._counts[i] < self._accumulation:
@@ -382,7 +385,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         for p, seen, (lo, hi) in zip(self._params, self._snapshot_versions, self._ranges):
             if seen is None:
                 continue  # backward() did not reach it: pushed at step()
-            if p.grad is not seen[0] or p.grad._version != seen[1]:
+            if p.grad is not None and p.grad._base is self._flat_grad:
+                moved = self._flat_grad._version != self._snapshot_flat_version
+            else:
+                moved = p.grad._version != seen[1] if p.grad is not None else True
+            if p.grad is not seen[0] or moved:
                 touched = True
                 now = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(self._snapshot[lo:hi])
                 changed = changed or not _same_bits(now, self._snapshot[lo:hi])
