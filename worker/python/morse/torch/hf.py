@@ -30,8 +30,9 @@ twice). The callback also
   resume loads this rank's own where Trainer loads rank 0's optimizer.pt
   on every rank, so a resumed run is bit-identical to an uninterrupted one.
 
-transformers and accelerate are imported on first use; the versions tested
-are pinned in tests/python/torch2-venv.sh.
+Importing this module imports transformers (the callback's base class);
+accelerate is imported where it is used. The versions tested are pinned in
+tests/python/torch2-venv.sh.
 """
 import os
 
@@ -63,7 +64,7 @@ def _attach_model(model, opt):
     if not any(id(p) in ids for p in opt._params):
         raise ValueError("the Morse optimizer was not built from this model's parameters")
     with torch.no_grad():
-        for name, p, (lo, hi) in zip(opt._names, opt._params, opt._ranges):
+        for i, (name, p, (lo, hi)) in enumerate(zip(opt._names, opt._params, opt._ranges)):
             view = opt._flat[lo:hi]
             if p.data_ptr() == view.data_ptr():
                 continue
@@ -76,8 +77,9 @@ def _attach_model(model, opt):
                     "(model.to(args.device)) and load its weights first, then build the optimizer")
             p.data = view.view_as(p)
             p.grad = opt._flat_grad[lo:hi].view_as(p)
-    # Pointing .data back is not an in-place change of the parameter.
-    opt._x_versions = [p._version for p in opt._params]
+            # Pointing .data back is not an in-place change of the parameter
+            # (the others keep their versions: a change before still counts).
+            opt._x_versions[i] = p._version
 
 
 def keep_out_of_ddp(model):
