@@ -157,7 +157,10 @@ if (job) {
   if (launcher) {
     const nproc = Number(flagOf(c, "nproc-per-node"));
     if (flagOf(c, "servers") !== expected) fail(`morse-run --servers=${flagOf(c, "servers")} != ${expected}`);
-    if (pods * nproc !== workers) fail(`morse-run --nnodes ${pods} x --nproc-per-node ${nproc} != config workers ${workers}`);
+    // --node-aggregation: one Morse worker per node (pod).
+    const aggregated = (c.args || []).includes("--node-aggregation");
+    if (aggregated && pods !== workers) fail(`morse-run --node-aggregation with --nnodes ${pods} != config workers ${workers}`);
+    if (!aggregated && pods * nproc !== workers) fail(`morse-run --nnodes ${pods} x --nproc-per-node ${nproc} != config workers ${workers}`);
     if (flagOf(c, "node-rank") !== "$(JOB_COMPLETION_INDEX)") fail(`morse-run --node-rank is not $(JOB_COMPLETION_INDEX)`);
     const gpus = (c.resources.limits || {})["nvidia.com/gpu"];
     if (gpus !== undefined && Number(gpus) !== nproc) fail(`${gpus} nvidia.com/gpu per pod but --nproc-per-node ${nproc}`);
