@@ -13,8 +13,10 @@ way:
   bit-identical to the uninterrupted run: the same losses and parameters
   (also with morse-run --node-aggregation);
   with a rank's state missing, that rank says which file it looked for;
-- Trainer's clipping without the optimizer's clip_grad_norm is refused
-  with what to do;
+- Trainer's clipping (and accelerator.clip_grad_norm_) without the
+  optimizer's clip_grad_norm is refused with what to do; the fp32 runs
+  keep Trainer's max_grad_norm and the loop's accelerator.clip_grad_norm_
+  (moved into the optimizer);
 - Trainer's torch_compile (aot_eager) compiles the model in place and
   trains bit-identically to eager.
 
@@ -107,7 +109,26 @@ def wrong_use():
         Trainer(model=model, args=args, optimizers=(opt, None), callbacks=[MorseCallback()])
         for p, (lo, _) in zip(opt._params, opt._ranges):
             check(p.data_ptr() == opt._flat[lo:].data_ptr(), "the parameters live in the flat buffer")
-    print("PASS: Trainer's clipping without clip_grad_norm refused; parameters re-attached")
+        # Accelerate: clip_grad_norm_ on the Morse optimizer's parameters
+        # leaves them to the optimizer, which must clip by that max_norm.
+        from accelerate import Accelerator
+        import morse.torch.hf
+        accelerator = Accelerator(cpu=True)
+        model, opt = morse.torch.hf.prepare(accelerator, model, opt)
+        model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)).loss.backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))
+        check(float(norm) > 0, "clip_grad_norm_(inf) returns the norm")
+        try:
+            accelerator.clip_grad_norm_(model.parameters(), 1e-6)
+            check(False, "accelerator.clip_grad_norm_ with an unclipped Morse optimizer was accepted")
+        except ValueError as e:
+            check("clip_grad_norm=1e-06" in str(e), f"the message says what to pass: {e}")
+            print(f"ok: ValueError: {e}")
+        check(all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters())),
+              "accelerator.clip_grad_norm_ left the gradients as they were")
+    print("PASS: Trainer's and Accelerate's clipping without clip_grad_norm refused; parameters "
+          "re-attached; accelerator.clip_grad_norm_ leaves the gradients to the optimizer")
 
 
 def main():

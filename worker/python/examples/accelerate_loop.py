@@ -6,15 +6,16 @@
 (python3: one with torch 2.x, transformers and accelerate, e.g. the venv
 tests/python/torch2-venv.sh makes.) The loop is Accelerate's own
 (accumulate, backward, step); the model and data are hf_trainer.py's. The
-Morse-specific lines are the optimizer, built with the clip (clip_grad_norm:
-Morse clips the averaged gradient inside the step, so the loop does not
-call clip_grad_norm_), and the prepare call:
+Morse-specific lines are the optimizer, built with the loop's clip
+(clip_grad_norm: Morse clips the averaged gradient inside the step, and
+accelerator.clip_grad_norm_ leaves the gradients to it), and the prepare
+call:
 
     opt = morse.torch.OneBitAdam(model.parameters(), lr=..., clip_grad_norm=1.0)
     model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
 
---optimizer ddp runs the same loop with torch.optim.AdamW under DDP and
-accelerator.clip_grad_norm_ (the baseline). Rank 0 prints the loss of every
+--optimizer ddp runs the same loop with torch.optim.AdamW under DDP (the
+baseline). Rank 0 prints the loss of every
 step (averaged over ranks) and writes them to --losses.
 """
 import argparse
@@ -70,7 +71,9 @@ def main():
                 loss = model(**{"input_ids": batch["input_ids"], "labels": batch["labels"]}).loss
                 total += loss.detach() / a.accumulation
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and clip and a.optimizer == "ddp":
+                if accelerator.sync_gradients and clip:
+                    # Under Morse this leaves the gradients to the optimizer,
+                    # which clips their average in step() (clip_grad_norm).
                     accelerator.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()

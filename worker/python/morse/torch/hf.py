@@ -9,7 +9,9 @@ Trainer: pass the optimizer and MorseCallback, and nothing else changes:
                       optimizers=(opt, None), callbacks=[MorseCallback()])
 
 Accelerate: prepare through morse.torch.hf.prepare instead of
-accelerator.prepare:
+accelerator.prepare (and build the optimizer with the loop's clip_grad_norm_
+max_norm, if it clips; accelerator.clip_grad_norm_ then leaves the
+gradients to the optimizer):
 
     model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
 
@@ -118,7 +120,42 @@ def prepare(accelerator, *objects):
         if isinstance(o, torch.nn.Module):
             _attach_model(o, opt)
             keep_out_of_ddp(o)
+    _route_clipping(accelerator, opt)
     return accelerator.prepare(*objects)
+
+
+def _route_clipping(accelerator, opt):
+    """accelerator.clip_grad_norm_ on the Morse optimizer's parameters
+    leaves the gradients alone: the optimizer clips the averaged gradient
+    inside step() (its clip_grad_norm, which must be the max_norm asked
+    for), where DDP's would be clipped here. It returns this rank's own
+    gradient's norm (the average's is in opt.last_step["grad_norm"] after
+    step()). Other parameters are clipped as Accelerate does."""
+    original = accelerator.clip_grad_norm_
+    ours = {id(p) for p in opt._params}
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        mine = [p for p in parameters if id(p) in ours]
+        if not mine:
+            return original(parameters, max_norm, norm_type)
+        if len(mine) != len([p for p in parameters if p.requires_grad]):
+            raise ValueError("accelerator.clip_grad_norm_ over the Morse optimizer's parameters and "
+                             "others at once: clip them apart")
+        grads = [p.grad for p in mine if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type)
+                                                     for g in grads]), norm_type)
+        if float(max_norm) == float("inf"):
+            return norm  # nothing to clip: the norm alone, as for logging
+        if float(norm_type) != 2.0 or opt.clip_grad_norm is None or float(opt.clip_grad_norm) != float(max_norm):
+            raise ValueError(
+                f"accelerator.clip_grad_norm_(..., max_norm={max_norm}, norm_type={norm_type}) on a "
+                "Morse optimizer's parameters: Morse clips the averaged gradient by its L2 norm "
+                "inside step(), as DDP's clip after backward() does; build the optimizer with "
+                f"clip_grad_norm={max_norm} (it has {opt.clip_grad_norm})")
+        return norm
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
 def _callback_base():
