@@ -111,7 +111,13 @@ def _free_ports(count, host="127.0.0.1"):
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     for _ in range(count):
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, 0))
+        except OSError:
+            # HOST is how the other nodes reach this one and may not be an
+            # address of this machine (a name behind NAT), as for the
+            # rendezvous (rendezvous.Store._listen): free on every address.
+            sock.bind(("", 0))
         sockets.append(sock)
         ports.append(sock.getsockname()[1])
     for sock in sockets:

@@ -725,6 +725,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the continued run is bit-identical to an uninterrupted one). A
         node's rank other than its leader (node aggregation) holds no
         optimizer state: its state_dict has the step alone."""
+        return self._state_dict(server_error=True)
+
+    def _state_dict(self, server_error):
         group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
         group["params"] = list(range(len(self._params)))
         if self._session is None:
@@ -743,7 +746,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             state["exp_avg_sq_fresh"] = torch.from_numpy(v_fresh).to(device)
             state["lamb_layers"] = torch.from_numpy(layers)
             state["lamb_commit"] = torch.from_numpy(commit)
-        if self._rank == 0:
+        if self._rank == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         return {"state": state, "param_groups": [group]}
 
@@ -751,10 +754,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         """Whether `state` is what state_dict() gives now, bit for bit."""
         if state.get("taken") != f"{self._nonce}:{self.step_index}" or self._awaiting_own_state:
             return False
-        now = self.state_dict()["state"]
+        # The shards' part (server_error) is left out: it is restored only
+        # against fresh shards, and fetching it is a pull of the whole model.
+        now = self._state_dict(server_error=False)["state"]
         for key, value in now.items():
-            if key == "server_error":
-                continue  # the shards' part: restored only against fresh shards
             if torch.is_tensor(value):
                 saved = state.get(key)
                 if not torch.is_tensor(saved) or saved.shape != value.shape or not torch.equal(
