@@ -49,6 +49,21 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const compress::RoundingKey& key, uint8_t* payload,
                              const float* mask_v, const float* momentum_m,
                              float beta1, float* scratch) {
+  if (absl::Status s = EnqueueEncodeWithError(
+          ctx, spec, x, error, n, fb, key, payload, ctx.device_flag(),
+          ctx.host_flag(), mask_v, momentum_m, beta1, scratch);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
+  return EncodeFlagStatus(spec, *ctx.host_flag());
+}
+
+absl::Status EnqueueEncodeWithError(
+    Context& ctx, const compress::CodecSpec& spec, const float* x, float* error,
+    size_t n, compress::FeedbackArgs fb, const compress::RoundingKey& key,
+    uint8_t* payload, int* device_flag, int* host_flag, const float* mask_v,
+    const float* momentum_m, float beta1, float* scratch) {
   if (absl::Status s = CheckSpec(spec, payload); !s.ok()) return s;
   if (momentum_m != nullptr && scratch == nullptr && n > 0) {
     return absl::InvalidArgumentError(
@@ -84,13 +99,15 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
         MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
             payload, x, 4 * n, cudaMemcpyDeviceToDevice, stream));
       }
-      return ctx.Synchronize();
+      *host_flag = 0;  // no scales to check
+      return absl::OkStatus();
     case CodecKind::kFp16:
     case CodecKind::kBf16:
       MORSE_CUDA_RETURN_IF_ERROR(launch::Float16Encode(
           spec.kind == CodecKind::kBf16, x, error, n, feedback, fb.beta,
           reinterpret_cast<uint16_t*>(payload), stream));
-      return ctx.Synchronize();
+      *host_flag = 0;
+      return absl::OkStatus();
     default:
       break;
   }
@@ -98,34 +115,34 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
   float* scales = reinterpret_cast<float*>(payload);
   uint8_t* data = payload + 4 * blocks;
   MORSE_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(ctx.device_flag(), 0, sizeof(int), stream));
+      cudaMemsetAsync(device_flag, 0, sizeof(int), stream));
   if (spec.kind == CodecKind::kSign1) {
     MORSE_CUDA_RETURN_IF_ERROR(launch::Sign1Encode(
         x, error, n, spec.block_elems, spec.scale == compress::ScaleKind::kL1,
-        feedback, fb.beta, mask_v, scales, data, ctx.device_flag(), stream,
+        feedback, fb.beta, mask_v, scales, data, device_flag, stream,
         {momentum_m, beta1, scratch}));
   } else {
     MORSE_CUDA_RETURN_IF_ERROR(launch::IntEncode(
         spec.kind == CodecKind::kInt8 ? 8 : 4, x, error, n, spec.block_elems,
         feedback, fb.beta, spec.rounding == compress::Rounding::kStochastic,
         key.seed, key.step, key.rank, key.first_index, scales, data,
-        ctx.device_flag(), stream));
+        device_flag, stream));
   }
-  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(ctx.host_flag(), ctx.device_flag(),
-                                             sizeof(int),
-                                             cudaMemcpyDeviceToHost, stream));
-  if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
-  if (*ctx.host_flag() != 0) {
-    if (spec.kind == CodecKind::kSign1) {
-      return absl::InvalidArgumentError(
-          "sign1: a block scale is not finite (the input holds Inf or NaN, or "
-          "its squares overflow fp32)");
-    }
-    return absl::InvalidArgumentError(absl::StrCat(
-        compress::CodecName(spec.kind),
-        ": the input holds Inf or NaN, so a block scale would not be finite"));
-  }
+  MORSE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+      host_flag, device_flag, sizeof(int), cudaMemcpyDeviceToHost, stream));
   return absl::OkStatus();
+}
+
+absl::Status EncodeFlagStatus(const compress::CodecSpec& spec, int host_flag) {
+  if (host_flag == 0) return absl::OkStatus();
+  if (spec.kind == CodecKind::kSign1) {
+    return absl::InvalidArgumentError(
+        "sign1: a block scale is not finite (the input holds Inf or NaN, or "
+        "its squares overflow fp32)");
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      compress::CodecName(spec.kind),
+      ": the input holds Inf or NaN, so a block scale would not be finite"));
 }
 
 absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,

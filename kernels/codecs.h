@@ -46,6 +46,18 @@ absl::Status EncodeWithError(Context& ctx, const compress::CodecSpec& spec,
                              const float* momentum_m = nullptr,
                              float beta1 = 0.0f, float* scratch = nullptr);
 
+// EncodeWithError enqueued only, for many partitions in flight: the
+// non-finite-scale flag goes to `device_flag` (one device int) and then to
+// `host_flag` (pinned) on the stream. Once the stream has reached this
+// point, EncodeFlagStatus(spec, *host_flag) is what EncodeWithError returns.
+absl::Status EnqueueEncodeWithError(
+    Context& ctx, const compress::CodecSpec& spec, const float* x, float* error,
+    size_t n, compress::FeedbackArgs fb, const compress::RoundingKey& key,
+    uint8_t* payload, int* device_flag, int* host_flag,
+    const float* mask_v = nullptr, const float* momentum_m = nullptr,
+    float beta1 = 0.0f, float* scratch = nullptr);
+absl::Status EncodeFlagStatus(const compress::CodecSpec& spec, int host_flag);
+
 // compress::Decode into out (n floats). Asynchronous.
 absl::Status Decode(Context& ctx, const compress::CodecSpec& spec,
                     const uint8_t* payload, size_t n, float* out);

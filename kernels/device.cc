@@ -188,4 +188,30 @@ absl::Status Context::Synchronize() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<Event> Event::Create() {
+  cudaEvent_t event;
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  Event out;
+  out.event_.reset(event);
+  return out;
+}
+
+void Event::Destroy::operator()(void* event) const {
+  cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+
+absl::Status Event::Record(const Context& ctx) {
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaEventRecord(static_cast<cudaEvent_t>(event_.get()),
+                      static_cast<cudaStream_t>(ctx.stream())));
+  return absl::OkStatus();
+}
+
+absl::Status Event::Synchronize() const {
+  MORSE_CUDA_RETURN_IF_ERROR(
+      cudaEventSynchronize(static_cast<cudaEvent_t>(event_.get())));
+  return absl::OkStatus();
+}
+
 }  // namespace morse::kernels

@@ -74,6 +74,22 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
+// A CUDA event (no timing): Record marks the work enqueued on a context so
+// far; Synchronize blocks the calling thread, on any thread, until the
+// device has done it. Movable.
+class Event {
+ public:
+  static absl::StatusOr<Event> Create();
+  absl::Status Record(const class Context& ctx);
+  absl::Status Synchronize() const;
+
+ private:
+  struct Destroy {
+    void operator()(void* event) const;
+  };
+  std::unique_ptr<void, Destroy> event_;
+};
+
 // A CUDA stream, a flag for kernels that report bad input and a double for
 // kernels that sum (the synthetic loss). One thread uses a context at a time.
 class Context {

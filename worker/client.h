@@ -324,6 +324,12 @@ class PushClient {
   // The compute pool (null without one), for the session's own passes over
   // the model between exchanges.
   compress::ComputePool* pool() const { return pool_.get(); }
+  // Starts a compute pool of `threads` if the client has none (between
+  // steps only).
+  void EnsurePool(int threads) {
+    if (pool_ == nullptr)
+      pool_ = std::make_unique<compress::ComputePool>(threads);
+  }
 };
 
 }  // namespace morse::worker

@@ -10,6 +10,14 @@
 #include "worker/transport/grpc/transport.h"
 
 namespace morse::worker {
+namespace {
+
+// Threads that wait for a device engine's encodes (and apply replies) when
+// the session was made without a compute pool (morse.torch's ranks).
+constexpr int kDeviceCompletionThreads = 4;
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Session>> Session::Connect(
     const proto::JobSpec& job, uint32_t rank, std::vector<std::string> servers,
     const proto::SecurityOptions& security, absl::Span<float> x,
@@ -203,6 +211,9 @@ absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
   if (!engine.ok()) return engine.status();
   if (absl::Status s = (*engine)->Load(replica_, error_); !s.ok()) return s;
   engine_ = *std::move(engine);
+  // A device engine's encodes finish on the compute pool (StartEncode), so
+  // the thread that queues the gradient's work never waits for the device.
+  if (engine_->kind() != "cpu") client_->EnsurePool(kDeviceCompletionThreads);
   return absl::OkStatus();
 }
 
@@ -256,19 +267,24 @@ void Session::StartExchange() {
       [this, step, hyper = step_hyper_, deferred = deferred_](
           const compress::Partition& p, const std::string& reply,
           std::optional<double> sum_of_squares) {
-        if (deferred !=
-            nullptr) {  // each partition's slot is written by one reply only
-          (*deferred)[p.id] = DeferredReply{reply, sum_of_squares};
-          return absl::OkStatus();
-        }
         const absl::Span<const uint8_t> bytes(
             reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
+        if (deferred !=
+            nullptr) {  // each partition's slot is written by one reply only
+          // A GPU engine takes the bytes to the device now, off the step's
+          // end; the host keeps them here.
+          const absl::Status staged = engine_->StageReply(step, p, bytes);
+          if (!staged.ok() && !absl::IsUnimplemented(staged)) return staged;
+          (*deferred)[p.id] = DeferredReply{staged.ok() ? std::string() : reply,
+                                            sum_of_squares, staged.ok()};
+          return absl::OkStatus();
+        }
         return engine_->ApplyReply(step, p, bytes,
                                    hyper.has_value() ? &*hyper : nullptr);
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_lamb_commit_},
-      /*parallel_encode=*/engine_->kind() == "cpu");
+      /*parallel_encode=*/true);
   buffers_.clear();
 }
 
@@ -306,13 +322,18 @@ absl::Status Session::SendPartition(uint32_t partition) {
   // Clipping this worker's own gradient needs all of it: Finish sends.
   if (clips_locally_ && !local_scale_.has_value()) return absl::OkStatus();
   sent_[partition] = true;
-  const float scale = local_scale_.value_or(1.0f);
+  const compress::Partition& p = layout_.partitions()[partition];
+  // A GPU engine enqueues the encode here, behind the gradient's work, and
+  // the exchange waits for it on the compute pool; the host engine encodes
+  // there.
+  absl::StatusOr<Engine::PendingEncode> pending =
+      engine_->StartEncode(step_, rank_, p, local_scale_.value_or(1.0f));
+  if (!pending.ok()) return Fail(pending.status());
   absl::Status sent =
-      exchange_->Send(layout_.partitions()[partition],
-                      [this, step = step_, scale](const compress::Partition& p,
-                                                  std::string* payload) {
-                        return engine_->Encode(step, rank_, p, payload, scale);
-                      });
+      exchange_->Send(p, [pending = *std::move(pending)](
+                             const compress::Partition&, std::string* payload) {
+        return pending(payload);
+      });
   if (!sent.ok()) return Fail(sent);
   return absl::OkStatus();
 }
@@ -398,9 +419,11 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       const absl::Span<const uint8_t> bytes(
           reinterpret_cast<const uint8_t*>(reply.payload.data()),
           reply.payload.size());
-      if (absl::Status s = engine_->ApplyReply(
-              step_, p, bytes,
-              step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale);
+      const compress::StepHyper* hyper =
+          step_hyper_.has_value() ? &*step_hyper_ : nullptr;
+      if (absl::Status s =
+              reply.staged ? engine_->ApplyStagedReply(step_, p, hyper, scale)
+                           : engine_->ApplyReply(step_, p, bytes, hyper, scale);
           !s.ok()) {
         return Fail(
             absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ",
@@ -408,6 +431,10 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       }
     }
     deferred_.reset();
+  }
+  if (absl::Status s = engine_->FinishApplies(); !s.ok()) {
+    return Fail(absl::Status(s.code(),
+                             absl::StrCat("step ", step_, ": ", s.message())));
   }
   previous_grad_sum_of_squares_ = sum_of_squares;
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {

@@ -198,8 +198,9 @@ class Session {
   // clips the averaged gradient, which needs every reply's norm first), by
   // partition, with the shard's sum of squares of each.
   struct DeferredReply {
-    std::string payload;
+    std::string payload;  // empty when staged
     std::optional<double> grad_sum_of_squares;
+    bool staged = false;  // in the engine (Engine::StageReply)
   };
   std::shared_ptr<std::vector<std::optional<DeferredReply>>> deferred_;
   // Gradient clipping (compress::ClipsAverage / ClipsLocally) of the step

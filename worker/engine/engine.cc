@@ -38,6 +38,15 @@ double Engine::GradientRangeLoss(const double loss_lanes[4]) {
   return GradientHook::MeanLoss(loss_lanes, x_dim());
 }
 
+absl::StatusOr<Engine::PendingEncode> Engine::StartEncode(
+    int64_t step, uint32_t rank, const compress::Partition& p,
+    float grad_scale) {
+  return PendingEncode(
+      [this, step, rank, &p, grad_scale](std::string* payload) {
+        return Encode(step, rank, p, payload, grad_scale);
+      });
+}
+
 absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const std::string& kind,
                                                      const EngineState& state,
                                                      DeviceArrays arrays) {

@@ -23,6 +23,7 @@
 #ifndef MORSE_WORKER_ENGINE_ENGINE_H_
 #define MORSE_WORKER_ENGINE_ENGINE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -138,6 +139,17 @@ class Engine {
                               const compress::Partition& p,
                               std::string* payload,
                               float grad_scale = 1.0f) = 0;
+  // Encode in two halves, for an engine whose device works behind the host:
+  // StartEncode enqueues partition p's encode (of the gradient as the work
+  // enqueued so far leaves it; see WaitFor) and returns at once, and the
+  // function it returns waits for that work and writes the payload (once,
+  // on any thread). Partitions may be in flight together; the next step's
+  // StartEncode of a partition comes after FinishApplies. The host engine
+  // does the whole Encode in the returned function.
+  using PendingEncode = std::function<absl::Status(std::string* payload)>;
+  virtual absl::StatusOr<PendingEncode> StartEncode(
+      int64_t step, uint32_t rank, const compress::Partition& p,
+      float grad_scale = 1.0f);
   // Applies the reply of partition `p` for `step` (compress::PlanReply, with
   // the step's `hyper` when the workers set one, and the averaged
   // gradient's clip factor `grad_scale`); INVALID_ARGUMENT, nothing
@@ -146,6 +158,25 @@ class Engine {
                                   absl::Span<const uint8_t> reply,
                                   const compress::StepHyper* hyper = nullptr,
                                   float grad_scale = 1.0f) = 0;
+  // A reply kept for the end of the step (Session::SetDeferApply) taken
+  // ahead into the engine's own memory as it lands (a GPU engine copies it
+  // to the device; x, m and v unchanged), then applied by ApplyStagedReply
+  // with what ApplyReply takes. INVALID_ARGUMENT for a malformed reply;
+  // UNIMPLEMENTED where the engine keeps no replies (the host's: the
+  // session keeps the bytes and calls ApplyReply).
+  virtual absl::Status StageReply(int64_t, const compress::Partition&,
+                                  absl::Span<const uint8_t>) {
+    return absl::UnimplementedError("replies are applied from the host");
+  }
+  virtual absl::Status ApplyStagedReply(int64_t, const compress::Partition&,
+                                        const compress::StepHyper* = nullptr,
+                                        float = 1.0f) {
+    return absl::UnimplementedError("replies are applied from the host");
+  }
+  // Returns once every reply applied so far has changed the parameters (a
+  // GPU engine's ApplyReply only enqueues its work); the session calls it
+  // at the end of each step, before anything reads x.
+  virtual absl::Status FinishApplies() { return absl::OkStatus(); }
   // zero_one_adam's local step of `step` from the whole gradient
   // (compress::Replica::LocalStep; before a sync step's Encode). Returns
   // the learning rates of the interval's local steps so far, summed (what a

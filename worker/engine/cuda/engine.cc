@@ -81,14 +81,6 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (!device.ok()) return device.status();
     device_ = *device;
     const size_t dim = config_.layout.dim;
-    size_t max_payload = 0;
-    for (const compress::Partition& p : layout_.partitions()) {
-      for (const compress::CodecSpec* spec :
-           {&config_.warmup_codec, &config_.up_codec, &config_.down_codec}) {
-        max_payload = std::max(max_payload,
-                               compress::PayloadBytes(*spec, p.range.size()));
-      }
-    }
     for (kernels::DeviceBuffer* b :
          {&x_, &m_, &v_, &e_, &grad_, &scratch_, &apply_scratch_}) {
       const bool external = (b == &x_ && arrays_.x != nullptr) ||
@@ -100,15 +92,34 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     x_ptr_ = arrays_.x != nullptr ? arrays_.x : x_.as<float>();
     grad_ptr_ = arrays_.grad != nullptr ? arrays_.grad : grad_.as<float>();
-    for (kernels::DeviceBuffer* b : {&send_payload_, &reply_payload_}) {
-      auto allocated = kernels::DeviceBuffer::Allocate(max_payload);
-      if (!allocated.ok()) return allocated.status();
-      *b = *std::move(allocated);
+    // One staging slot per partition, so that every partition can be in
+    // flight at once: its encode's payload and then its reply, on the device
+    // and pinned on the host (a partition's reply lands after its push has
+    // left), and its encode's flag.
+    size_t total = 0;
+    for (const compress::Partition& p : layout_.partitions()) {
+      size_t bytes = 0;
+      for (const compress::CodecSpec* spec :
+           {&config_.warmup_codec, &config_.up_codec, &config_.down_codec}) {
+        bytes = std::max(bytes, compress::PayloadBytes(*spec, p.range.size()));
+      }
+      auto encoded = kernels::Event::Create();
+      if (!encoded.ok()) return encoded.status();
+      slots_.push_back(Slot{total, *std::move(encoded), 0});
+      total += (bytes + 255) / 256 * 256;
     }
-    for (kernels::PinnedBuffer* b : {&send_host_, &reply_host_}) {
-      auto allocated = kernels::PinnedBuffer::Allocate(max_payload);
+    const size_t flag_bytes = sizeof(int) * std::max<size_t>(1, slots_.size());
+    for (auto [buffer, bytes] :
+         {std::pair{&payloads_, total}, std::pair{&flags_, flag_bytes}}) {
+      auto allocated = kernels::DeviceBuffer::Allocate(bytes);
       if (!allocated.ok()) return allocated.status();
-      *b = *std::move(allocated);
+      *buffer = *std::move(allocated);
+    }
+    for (auto [buffer, bytes] : {std::pair{&payloads_host_, total},
+                                 std::pair{&flags_host_, flag_bytes}}) {
+      auto allocated = kernels::PinnedBuffer::Allocate(bytes);
+      if (!allocated.ok()) return allocated.status();
+      *buffer = *std::move(allocated);
     }
     if (config_.clip_grad_norm > 0.0f) {
       const size_t bytes =
@@ -197,7 +208,7 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   absl::Status Store(compress::Replica& replica,
                      compress::ErrorFeedback& error) override {
-    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    if (absl::Status s = FinishApplies(); !s.ok()) return s;
     const size_t bytes = 4 * config_.layout.dim;
     std::vector<float> e(config_.layout.dim);
     if (absl::Status s = kernels::CopyToHost(replica.x().data(), x_ptr_, bytes);
@@ -260,6 +271,17 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
                       std::string* payload, float grad_scale) override {
+    absl::StatusOr<PendingEncode> pending =
+        StartEncode(step, rank, p, grad_scale);
+    if (!pending.ok()) return pending.status();
+    return (*pending)(payload);
+  }
+
+  // The encode, its flag and the payload's copy to the host enqueued on the
+  // send stream, then an event; the returned function waits for the event.
+  absl::StatusOr<PendingEncode> StartEncode(int64_t step, uint32_t rank,
+                                            const compress::Partition& p,
+                                            float grad_scale) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::SendRule rule = compress::PlanSend(
         config_, step, compress::Direction::kUp, rank, p.range.begin);
@@ -308,45 +330,83 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     // The zero-variance mask reads v where it lives (fused into sign1).
     const float* mask_v = rule.mask ? v_.as<float>() + begin : nullptr;
-    if (absl::Status s =
-            kernels::EncodeWithError(*send_, rule.codec, input, error, n, fb,
-                                     rule.key, send_payload_.as<uint8_t>(),
-                                     mask_v, momentum_m, rule.beta1, scratch);
+    Slot& slot = slots_[p.id];
+    uint8_t* device_payload = payloads_.as<uint8_t>() + slot.offset;
+    if (absl::Status s = kernels::EnqueueEncodeWithError(
+            *send_, rule.codec, input, error, n, fb, rule.key, device_payload,
+            flags_.as<int>() + p.id, host_flag(p.id), mask_v, momentum_m,
+            rule.beta1, scratch);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s =
-            send_->CopyToHost(send_host_.data(), send_payload_.data(), bytes);
+    if (absl::Status s = send_->CopyToHost(payloads_host_.data() + slot.offset,
+                                           device_payload, bytes);
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
-    payload->assign(reinterpret_cast<const char*>(send_host_.data()), bytes);
-    return absl::OkStatus();
+    if (absl::Status s = slot.encoded.Record(*send_); !s.ok()) return s;
+    return PendingEncode([this, id = p.id, bytes,
+                          codec = rule.codec](std::string* payload) {
+      if (absl::Status s = OnDevice(); !s.ok()) return s;
+      const Slot& slot = slots_[id];
+      if (absl::Status s = slot.encoded.Synchronize(); !s.ok()) return s;
+      if (absl::Status s = kernels::EncodeFlagStatus(codec, *host_flag(id));
+          !s.ok()) {
+        return s;
+      }
+      payload->assign(
+          reinterpret_cast<const char*>(payloads_host_.data() + slot.offset),
+          bytes);
+      return absl::OkStatus();
+    });
   }
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p,
                           absl::Span<const uint8_t> reply,
                           const compress::StepHyper* hyper,
                           float grad_scale) override {
+    if (absl::Status s = StageReply(step, p, reply); !s.ok()) return s;
+    return ApplyStagedReply(step, p, hyper, grad_scale);
+  }
+
+  // The reply into the partition's own slot (its push has left: no other
+  // reply or encode uses the slot until FinishApplies), then to the device
+  // on the apply stream.
+  absl::Status StageReply(int64_t step, const compress::Partition& p,
+                          absl::Span<const uint8_t> reply) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const compress::CodecSpec codec = compress::PlanReply(config_, step).codec;
+    if (absl::Status s =
+            compress::ValidatePayload(codec, reply, p.range.size());
+        !s.ok())
+      return s;
+    Slot& slot = slots_[p.id];
+    uint8_t* host = payloads_host_.data() + slot.offset;
+    std::copy(reply.begin(), reply.end(), host);
+    MutexLock lock(&apply_mu_);
+    slot.staged = reply.size();
+    return apply_->CopyToDevice(payloads_.as<uint8_t>() + slot.offset, host,
+                                reply.size());
+  }
+
+  absl::Status ApplyStagedReply(int64_t step, const compress::Partition& p,
+                                const compress::StepHyper* hyper,
+                                float grad_scale) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::ReplyRule rule =
         compress::PlanReply(config_, step, hyper, grad_scale);
     const uint64_t begin = p.range.begin, n = p.range.size();
-    if (absl::Status s = compress::ValidatePayload(rule.codec, reply, n);
-        !s.ok())
-      return s;
+    Slot& slot = slots_[p.id];
     MutexLock lock(&apply_mu_);
-    std::copy(reply.begin(), reply.end(), reply_host_.data());
-    if (absl::Status s = apply_->CopyToDevice(reply_payload_.data(),
-                                              reply_host_.data(), reply.size());
-        !s.ok()) {
-      return s;
+    if (slot.staged != compress::PayloadBytes(rule.codec, n)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", p.id, " has no staged reply of step ", step));
     }
+    slot.staged = 0;
+    const uint8_t* payload = payloads_.as<uint8_t>() + slot.offset;
     float* x = x_ptr_ + begin;
     float* m = m_.as<float>() + begin;
     float* v = v_.as<float>() + begin;
-    const uint8_t* payload = reply_payload_.as<uint8_t>();
     absl::Status s;
     if (rule.frozen_variance && !rule.lamb && rule.grad_scale == 1.0f &&
         rule.codec.kind == compress::CodecKind::kSign1) {
@@ -378,8 +438,11 @@ class CudaEngine final : public Engine, public DeviceServices {
         s = kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
       }
     }
-    if (!s.ok()) return s;
-    // The pinned and device staging buffers are reused by the next reply.
+    return s;  // enqueued; FinishApplies waits for it
+  }
+
+  absl::Status FinishApplies() override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
     return apply_->Synchronize();
   }
 
@@ -522,8 +585,20 @@ class CudaEngine final : public Engine, public DeviceServices {
   std::vector<compress::LambLayerState> lamb_layers_;
   float* x_ptr_ = nullptr;     // x_ or the caller's
   float* grad_ptr_ = nullptr;  // grad_ or the caller's
-  kernels::DeviceBuffer send_payload_, reply_payload_;
-  kernels::PinnedBuffer send_host_, reply_host_;
+  // A partition's staging: its bytes at `offset` in payloads_ and
+  // payloads_host_, its flag at its index in flags_ and flags_host_, and
+  // the event after its encode's copy to the host.
+  struct Slot {
+    size_t offset;
+    kernels::Event encoded;
+    size_t staged = 0;  // bytes of a staged reply (apply_mu_)
+  };
+  int* host_flag(uint32_t id) const {
+    return reinterpret_cast<int*>(flags_host_.data()) + id;
+  }
+  std::vector<Slot> slots_;
+  kernels::DeviceBuffer payloads_, flags_;
+  kernels::PinnedBuffer payloads_host_, flags_host_;
   // clip_grad_norm: the gradient's segment sums of squares.
   kernels::DeviceBuffer square_sums_;
   kernels::PinnedBuffer square_sums_host_;
