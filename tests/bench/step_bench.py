@@ -9,9 +9,11 @@ script as the ranks' command, times --steps steps after --skip untimed ones
 (each step's clock stops after a device synchronize), and prints one JSON
 line per mode and phase ({"bench": "step", ...}): the median step over the
 steps (the slowest rank's median), its parts (forward + backward, then
-optimizer.step() after the gradient is ready; for Morse, the encode and
-apply seconds the session reports) and the ratios to torch-alone and to
-each peer measured in the same run. Modes:
+optimizer.step() after the gradient is ready; for Morse, the time
+backward()'s hooks spend handing partitions to Morse (send_ms) and the
+encode and apply seconds the session reports) and the ratios to
+torch-alone and to each peer measured in the same run. Every rank starts
+its timed steps together (ranks sharing a GPU time-slice it). Modes:
 
   torch          torch.optim.Adam on each rank's own gradient, no
                  communication (the compute the others are compared with)
@@ -32,8 +34,9 @@ The ranks share the host's cores (torch.set_num_threads(cores / ranks)) and,
 on CUDA, GPU r % count. Models: --model gpt134m (12 layers, d 768, vocab
 32000, seq 256, batch 8: issue 35's GPU model), gpt21m (4 layers, d 512,
 vocab 8192, seq 128, batch 8: its CPU model), tiny (for CI); or --layers,
---d-model, --vocab, --seq, --batch. --trace-dir keeps each Morse rank's
-MORSE_TRACE file there where the build writes one.
+--d-model, --vocab, --seq, --batch. --window sets the job's partitions in
+flight per worker. --trace-dir sets MORSE_TRACE for the Morse ranks (for
+builds that write a step trace; this one does not yet).
 """
 import argparse
 import json
@@ -217,6 +220,23 @@ def rank_main(a):
                                           **kwargs)
         else:
             opt = morse.torch.OneBitLamb(model, lr=lr, freeze_step=freeze, **kwargs)
+    send_seconds = [0.0]
+    if a.mode in MORSE:
+        # The time backward()'s hooks spend handing partitions to Morse.
+        send = opt._send
+
+        def timed_send(q):
+            start = time.perf_counter()
+            try:
+                send(q)
+            finally:
+                send_seconds[0] += time.perf_counter() - start
+
+        opt._send = timed_send
+    if a.mode == "torch" and world > 1:
+        # Ranks sharing a device time-slice it only if they run together.
+        import torch.distributed as dist
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -227,6 +247,9 @@ def rank_main(a):
 
     rows = []
     for step in range(total):
+        if dist is not None and step == a.skip:
+            dist.barrier()
+        send_seconds[0] = 0.0
         sync()
         start = time.perf_counter()
         opt.zero_grad()
@@ -240,7 +263,7 @@ def rank_main(a):
         end = time.perf_counter()
         last = getattr(opt, "last_step", None) or {}
         rows.append({"step": step, "step_s": end - start, "fwd_bwd_s": ready - start,
-                     "opt_s": end - ready, "encode_s": last.get("encode_seconds", 0.0),
+                     "opt_s": end - ready, "send_s": send_seconds[0], "encode_s": last.get("encode_seconds", 0.0),
                      "apply_s": last.get("apply_seconds", 0.0), "bytes_up": last.get("bytes_up", 0),
                      "loss": float(loss)})
     if a.mode in ("onebit_adam", "onebit_lamb", "onebit_peer"):
@@ -249,7 +272,7 @@ def rank_main(a):
         phases = {"all": rows[a.skip:]}
     for phase, timed in phases.items():
         out = {"rank": rank, "mode": a.mode, "phase": phase, "params": params, "steps": len(timed)}
-        for key in ("step_s", "fwd_bwd_s", "opt_s", "encode_s", "apply_s"):
+        for key in ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s"):
             out[key] = statistics.median(r[key] for r in timed)
         out["bytes_up"] = statistics.median(r["bytes_up"] for r in timed)
         out["loss"] = timed[-1]["loss"]
@@ -283,7 +306,14 @@ def run_mode(a, mode, shape):
     if a.trace_dir and mode in MORSE:
         os.makedirs(a.trace_dir, exist_ok=True)
         env["MORSE_TRACE"] = os.path.join(a.trace_dir, f"{mode}-rank{{rank}}.json")
-    command = morse_run_command() + ["--servers", str(a.shards), "--workers", str(a.ranks), "--"] + args
+    config = []
+    if a.window:
+        path = os.path.join(tempfile.mkdtemp(prefix="morse-step-bench-"), "job.textproto")
+        with open(path, "w") as f:
+            f.write(f"window: {a.window}\n")
+        config = ["--config", path]
+    command = (morse_run_command() + ["--servers", str(a.shards), "--workers", str(a.ranks)] + config
+               + ["--"] + args)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=a.timeout)
@@ -303,7 +333,7 @@ def summarize(lines):
     out = {}
     for line in lines:
         phase = out.setdefault(line["phase"], dict(line))
-        for key in ("step_s", "fwd_bwd_s", "opt_s", "encode_s", "apply_s"):
+        for key in ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s"):
             phase[key] = max(phase[key], line[key])
     for phase in out.values():
         phase.pop("rank", None)
@@ -326,6 +356,8 @@ def main():
     p.add_argument("--skip", type=int, default=3, help="untimed steps before each phase (default 3)")
     p.add_argument("--partition-elems", type=int, default=0,
                    help="Morse partition size in elements (default: the job's)")
+    p.add_argument("--window", type=int, default=0,
+                   help="partitions in flight per Morse worker (JobConfig window; default the job's, 32)")
     p.add_argument("--trace-dir", help="where Morse ranks write their MORSE_TRACE files")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per mode (default 1800)")
     p.add_argument("--rank-mode", choices=MODES, dest="mode", help=argparse.SUPPRESS)
@@ -371,7 +403,7 @@ def main():
                         r[f"ratio_to_{peer}"] = round(r["step_s"] / theirs["step_s"], 3)
     for mode in modes:
         for phase, r in results[mode].items():
-            for key in ("step_s", "fwd_bwd_s", "opt_s", "encode_s", "apply_s"):
+            for key in ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s"):
                 r[key.replace("_s", "_ms")] = round(1000 * r.pop(key), 2)
             print(json.dumps({k: r[k] for k in ["bench", "mode", "phase"] + sorted(
                 set(r) - {"bench", "mode", "phase"})}), flush=True)
