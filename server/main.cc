@@ -20,6 +20,7 @@
 #include "boost/asio/signal_set.hpp"
 #include "compress/compute_pool.h"
 #include "compress/kernels.h"
+#include "compress/trace.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -75,6 +76,10 @@ ABSL_FLAG(int, compute_threads, 0,
           "off gRPC's threads (docs/design.md 7). 0: one per core this process "
           "may run on. "
           "Replies are bit-identical whatever the count.");
+ABSL_FLAG(std::string, trace, "",
+          "Write a step timeline of this shard (Chrome trace-event JSON, for "
+          "Perfetto or chrome://tracing) to this file when it exits; off when "
+          "empty (docs/operations.md).");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -142,6 +147,13 @@ int main(int argc, char** argv) {
                 "TLS",
                 security.tls_ca.empty() ? "" : " with client certificates",
                 security.token_file.empty() ? "" : ", bearer token");
+  if (const std::string trace = absl::GetFlag(FLAGS_trace);
+      !trace.empty() && !absl::GetFlag(FLAGS_check_config)) {
+    if (absl::Status s = trace::Start(trace, absl::StrCat("shard ", shard));
+        !s.ok()) {
+      return Fail(kExitConfig, absl::StrCat("--trace: ", s.message()));
+    }
+  }
   if (absl::GetFlag(FLAGS_check_config)) {
     std::unique_ptr<server::ShardCore> core;
     if (job->sized()) {

@@ -13,6 +13,7 @@
 #include "compress/check.h"
 #include "compress/lamb.h"
 #include "compress/scratch.h"
+#include "compress/trace.h"
 #include "proto/checkpoint_file.h"
 
 namespace morse::server {
@@ -210,6 +211,7 @@ absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition,
 }
 
 void ShardCore::Push(PushArgs args, ReplyCallback done) {
+  trace::Scope traced("push", args.step, args.partition);
   const auto reject = [&](absl::Status status) {
     {
       MutexLock progress(&progress_mu_);
@@ -467,11 +469,14 @@ void ShardCore::Answer(PartitionState& p, Completion c) {
   // arrives (Commit), which the mirror needs.
   const bool ok = c.failure.ok();
   if (ok && !c.awaiting_commit) NoteStepCompleted(c.reply->step);
-  for (auto& [rank, callback] : c.waiters) {
-    if (ok) {
-      callback(c.reply);
-    } else {
-      callback(c.failure);
+  {
+    trace::Scope traced("reply", ok ? c.reply->step : -1, p.partition.id);
+    for (auto& [rank, callback] : c.waiters) {
+      if (ok) {
+        callback(c.reply);
+      } else {
+        callback(c.failure);
+      }
     }
   }
   if (ok) {
@@ -549,6 +554,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   const std::optional<compress::StepHyper> hyper = p.hyper;
   const uint64_t n = part.range.size();
   const int64_t step = NextExchange(p);
+  trace::Scope traced("sum and recompress", step, part.id);
   const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
   std::vector<absl::Span<const uint8_t>> views;
   for (const auto& push : p.pushes) {
@@ -614,6 +620,7 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   if (!p.mirror_pending || p.awaiting_commit) return;
   p.mirror_pending = false;
   const Reply& r = *p.last_reply;
+  trace::Scope traced("mirror", r.step, p.partition.id);
   const absl::Status s = mirror_.ApplyReply(
       r.step, p.partition.range.begin, p.partition.range.size(),
       {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "compress/lamb.h"
 #include "compress/sync.h"
+#include "compress/trace.h"
 #include "proto/wire.h"
 #include "worker/transport/grpc/transport.h"
 
@@ -326,6 +327,7 @@ struct StepExchange::Call {
   const compress::Partition* partition = nullptr;
   absl::Time first_failure = absl::InfiniteFuture();  // of the current outage
   int attempt = 0;
+  int64_t issued_us = -1;  // the trace's clock, when tracing
   // A replay: this call re-sends a retained push whose reply must hash to
   // `expected_hash`; `then` is the refused push to send once caught up, or
   // null for ReplayCompleted's re-sends, which go on through `replay_last`.
@@ -362,6 +364,7 @@ StepExchange::~StepExchange() {
 
 void StepExchange::Issue(std::unique_ptr<Call> call) {
   ++call->attempt;
+  if (trace::Enabled()) call->issued_us = trace::NowMicros();
   // The completion owns the call and destroys it before it signals the
   // step: once Finish() returns, nothing of this step is left in flight.
   Call* raw = call.release();
@@ -630,6 +633,11 @@ void StepExchange::Deliver(std::unique_ptr<Call> done,
                            const absl::Status& status) {
   absl::Status result = status;
   const absl::Time start = absl::Now();
+  if (done->issued_us >= 0 && !done->replay) {
+    // From the push leaving to its reply being here: the wire both ways
+    // and the shard's wait for every worker.
+    trace::Complete("round trip", done->issued_us, step_, done->partition->id);
+  }
   if (result.ok()) {
     result =
         apply_(*done->partition, done->reply.payload(),

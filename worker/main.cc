@@ -13,6 +13,7 @@
 #include "absl/flags/flag.h"
 #include "absl/strings/str_split.h"
 #include "compress/compute_pool.h"
+#include "compress/trace.h"
 #include "proto/flags.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
@@ -67,6 +68,10 @@ ABSL_FLAG(int, compute_threads, 0,
           "7). 0: one per "
           "core this process may run on. The results are bit-identical "
           "whatever the count.");
+ABSL_FLAG(std::string, trace, "",
+          "Write a step timeline of this worker (Chrome trace-event JSON, for "
+          "Perfetto or chrome://tracing) to this file when it exits; off when "
+          "empty (docs/operations.md).");
 ABSL_FLAG(bool, check_config, false,
           "Parse the flags and config, print a summary, and exit.");
 
@@ -157,6 +162,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "morse-worker: %s\n",
                  std::string(s.message()).c_str());
     return 2;
+  }
+  if (const std::string trace = absl::GetFlag(FLAGS_trace);
+      !trace.empty() && !absl::GetFlag(FLAGS_check_config)) {
+    if (absl::Status s = trace::Start(trace, absl::StrCat("rank ", rank));
+        !s.ok()) {
+      std::fprintf(stderr, "morse-worker: --trace: %s\n",
+                   std::string(s.message()).c_str());
+      return 2;
+    }
   }
   if (absl::GetFlag(FLAGS_check_config)) {
     if (absl::Status s = proto::CheckFitsInMemory(

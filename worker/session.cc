@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/lamb.h"
+#include "compress/trace.h"
 #include "proto/checkpoint_file.h"
 #include "worker/engine/host/engine.h"
 #include "worker/transport/grpc/transport.h"
@@ -228,6 +229,7 @@ absl::Status Session::BeginStep() {
   }
   if (InStep())
     return absl::FailedPreconditionError("a step is already in progress");
+  trace_step_start_ = trace::Enabled() ? trace::NowMicros() : -1;
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   step_hyper_ = hyper_;
@@ -273,12 +275,15 @@ void Session::StartExchange() {
             nullptr) {  // each partition's slot is written by one reply only
           // A GPU engine takes the bytes to the device now, off the step's
           // end; the host keeps them here.
+          trace::Scope traced("receive", step, p.id);
           const absl::Status staged = engine_->StageReply(step, p, bytes);
           if (!staged.ok() && !absl::IsUnimplemented(staged)) return staged;
           (*deferred)[p.id] = DeferredReply{staged.ok() ? std::string() : reply,
                                             sum_of_squares, staged.ok()};
           return absl::OkStatus();
         }
+        trace::Instant("receive", step, p.id);
+        trace::Scope traced("apply", step, p.id);
         return engine_->ApplyReply(step, p, bytes,
                                    hyper.has_value() ? &*hyper : nullptr);
       },
@@ -289,6 +294,7 @@ void Session::StartExchange() {
 }
 
 absl::Status Session::LocalStep() {
+  trace::Scope traced("local step", step_);
   local_pending_ = false;
   float scale = 1.0f;
   if (clips_locally_) {
@@ -323,15 +329,18 @@ absl::Status Session::SendPartition(uint32_t partition) {
   if (clips_locally_ && !local_scale_.has_value()) return absl::OkStatus();
   sent_[partition] = true;
   const compress::Partition& p = layout_.partitions()[partition];
+  trace::Instant("ready", step_, partition);  // its gradient is complete
   // A GPU engine enqueues the encode here, behind the gradient's work, and
   // the exchange waits for it on the compute pool; the host engine encodes
   // there.
   absl::StatusOr<Engine::PendingEncode> pending =
       engine_->StartEncode(step_, rank_, p, local_scale_.value_or(1.0f));
   if (!pending.ok()) return Fail(pending.status());
-  absl::Status sent =
-      exchange_->Send(p, [pending = *std::move(pending)](
-                             const compress::Partition&, std::string* payload) {
+  absl::Status sent = exchange_->Send(
+      p, [pending = *std::move(pending), step = step_](
+             const compress::Partition& p, std::string* payload) {
+        // On a GPU: the wait for the device's encode and copy to the host.
+        trace::Scope traced("encode", step, p.id);
         return pending(payload);
       });
   if (!sent.ok()) return Fail(sent);
@@ -380,7 +389,11 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   }
   for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p)
     status = SendPartition(p);
-  absl::Status finished = exchange_->Finish(traffic);
+  absl::Status finished;
+  {
+    trace::Scope traced("wait for replies", step_);
+    finished = exchange_->Finish(traffic);
+  }
   received_buffers_ = exchange_->TakeReceivedBuffers();
   exchange_.reset();
   if (!status.ok())
@@ -421,6 +434,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
           reply.payload.size());
       const compress::StepHyper* hyper =
           step_hyper_.has_value() ? &*step_hyper_ : nullptr;
+      trace::Scope traced("apply", step_, p.id);
       if (absl::Status s =
               reply.staged ? engine_->ApplyStagedReply(step_, p, hyper, scale)
                            : engine_->ApplyReply(step_, p, bytes, hyper, scale);
@@ -432,13 +446,20 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     }
     deferred_.reset();
   }
-  if (absl::Status s = engine_->FinishApplies(); !s.ok()) {
-    return Fail(absl::Status(s.code(),
-                             absl::StrCat("step ", step_, ": ", s.message())));
+  absl::Status synced;
+  {
+    trace::Scope traced(engine_->kind() == "cpu" ? nullptr : "device sync",
+                        step_);
+    synced = engine_->FinishApplies();
+  }
+  if (!synced.ok()) {
+    return Fail(absl::Status(
+        synced.code(), absl::StrCat("step ", step_, ": ", synced.message())));
   }
   previous_grad_sum_of_squares_ = sum_of_squares;
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     // x moves by each layer's coefficient, from sums over the whole model.
+    trace::Scope traced("lamb step", step_);
     absl::StatusOr<std::vector<double>> commit = engine_->LambStep(
         step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr,
         client_->pool());
@@ -465,6 +486,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
           s.code(), absl::StrCat("step ", step_, ": ", s.message())));
     }
   }
+  if (trace_step_start_ >= 0) trace::Complete("step", trace_step_start_, step_);
   ++step_;
   return absl::OkStatus();
 }

@@ -220,6 +220,7 @@ class Session {
   std::unique_ptr<StepExchange> exchange_;
   std::unique_ptr<Engine> engine_;  // replaced between steps only
   absl::Status failed_;  // the error that ended training, if a step failed
+  int64_t trace_step_start_ = -1;  // the step's start on the trace's clock
 };
 
 }  // namespace morse::worker

@@ -305,7 +305,7 @@ def run_mode(a, mode, shape):
     env.setdefault("PYTHONUNBUFFERED", "1")
     if a.trace_dir and mode in MORSE:
         os.makedirs(a.trace_dir, exist_ok=True)
-        env["MORSE_TRACE"] = os.path.join(a.trace_dir, f"{mode}-rank{{rank}}.json")
+        env["MORSE_TRACE"] = os.path.join(a.trace_dir, f"{mode}-{{rank}}.json")
     config = []
     if a.window:
         path = os.path.join(tempfile.mkdtemp(prefix="morse-step-bench-"), "job.textproto")

@@ -4,6 +4,7 @@
 #include "worker/python/capi.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "compress/boundary.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
+#include "compress/trace.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
 #include "proto/wire.h"
@@ -161,6 +163,18 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
     auto session = morse::worker::Session::Connect(
         *job, rank, std::move(addresses), *options, absl::MakeSpan(x, dim));
     if (!session.ok()) return session.status();
+    // MORSE_TRACE=FILE ("{rank}" becomes the rank): this process's step
+    // timeline, written at exit.
+    if (const char* trace = std::getenv("MORSE_TRACE");
+        trace != nullptr && *trace != '\0' && !morse::trace::Enabled()) {
+      if (absl::Status s = morse::trace::Start(
+              morse::trace::ExpandPath(trace, std::to_string(rank)),
+              absl::StrCat("rank ", rank));
+          !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("MORSE_TRACE: ", s.message()));
+      }
+    }
     *out = new morse_session{*std::move(session), dim};
     return absl::OkStatus();
   });

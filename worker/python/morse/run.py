@@ -400,7 +400,11 @@ def main(argv=None):
         stage, shard = divmod(i, args.shards)
         p = subprocess.Popen([server_bin, "--config", config_path, "--shard", str(shard),
                               "--listen", listen] + security + checkpoint_args(stage) +
-                             (["--token_file", args.token_file] if args.token_file else []),
+                             (["--token_file", args.token_file] if args.token_file else []) +
+                             # MORSE_TRACE: the shards' timelines beside the ranks'.
+                             (["--trace", os.environ["MORSE_TRACE"].replace(
+                                 "{rank}", server_name(i).replace(" ", "-"))]
+                              if os.environ.get("MORSE_TRACE") else []),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
         marker = {"event": threading.Event()}
