@@ -357,9 +357,46 @@ std::string StepExchange::TakeReceivedBuffers() {
 }
 
 StepExchange::~StepExchange() {
-  MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](uint32_t* n) { return *n == 0; }, &in_flight_));
+  {
+    MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](StepExchange* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return self->in_flight_ == 0 && self->queue_.empty();
+        },
+        this));
+    closing_ = true;
+  }
+  if (sender_.joinable()) sender_.join();
+}
+
+void StepExchange::SendQueued() {
+  for (;;) {
+    Queued next;
+    {
+      MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(
+          +[](StepExchange* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return self->closing_ ||
+                   (!self->queue_.empty() &&
+                    (self->in_flight_ < self->client_->job_.window ||
+                     !self->error_.ok()));
+          },
+          this));
+      if (queue_.empty()) return;  // closing
+      if (!error_.ok()) {          // the step failed: nothing more is sent
+        queue_.clear();
+        continue;
+      }
+      next = std::move(queue_.front());
+      queue_.pop_front();
+      ++in_flight_;
+      sent_[next.call->partition->id] = true;
+    }
+    client_->pool_->Schedule([this, call = std::move(next.call),
+                              encode = std::move(next.encode)]() mutable {
+      (void)EncodeAndIssue(std::move(call), encode, /*inline_call=*/false);
+    });
+  }
 }
 
 void StepExchange::Issue(std::unique_ptr<Call> call) {
@@ -687,21 +724,6 @@ void StepExchange::Deliver(std::unique_ptr<Call> done,
 
 absl::Status StepExchange::Send(const compress::Partition& partition,
                                 const Encode& encode) {
-  struct Slot {
-    StepExchange* self;
-    uint32_t window;
-  } slot{this, client_->job_.window};
-  {
-    MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](Slot* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return s->self->in_flight_ < s->window || !s->self->error_.ok();
-        },
-        &slot));
-    if (!error_.ok()) return error_;
-    ++in_flight_;
-    sent_[partition.id] = true;
-  }
   auto call = std::make_unique<Call>();
   call->partition = &partition;
   call->request.set_step(step_);
@@ -723,12 +745,29 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
         *extras_.previous_grad_sum_of_squares);
   }
   if (client_->pool_ != nullptr && parallel_encode_) {
-    // The caller goes on (computing the next partitions' gradient) while a
-    // pool thread encodes and pushes this one; an error shows in Finish.
-    client_->pool_->Schedule([this, call = std::move(call), encode]() mutable {
-      (void)EncodeAndIssue(std::move(call), encode, /*inline_call=*/false);
-    });
+    // The caller goes on (computing the next partitions' gradient) while
+    // the sender waits for a slot and a pool thread encodes and pushes this
+    // one; an error shows in Finish.
+    MutexLock lock(&mu_);
+    if (!error_.ok()) return error_;
+    queue_.push_back({std::move(call), encode});
+    if (!sender_.joinable()) sender_ = std::thread([this] { SendQueued(); });
     return absl::OkStatus();
+  }
+  struct Slot {
+    StepExchange* self;
+    uint32_t window;
+  } slot{this, client_->job_.window};
+  {
+    MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](Slot* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          return s->self->in_flight_ < s->window || !s->self->error_.ok();
+        },
+        &slot));
+    if (!error_.ok()) return error_;
+    ++in_flight_;
+    sent_[partition.id] = true;
   }
   return EncodeAndIssue(std::move(call), encode, /*inline_call=*/true);
 }
@@ -758,7 +797,10 @@ absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call,
 absl::Status StepExchange::Finish(StepTraffic* traffic) {
   MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
-      +[](uint32_t* n) { return *n == 0; }, &in_flight_));
+      +[](StepExchange* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return self->in_flight_ == 0 && self->queue_.empty();
+      },
+      this));
   if (traffic != nullptr) *traffic = traffic_;
   return error_;
 }

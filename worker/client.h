@@ -22,11 +22,13 @@
 #define MORSE_WORKER_CLIENT_H_
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,10 +72,11 @@ struct StepExtras {
 
 // One step's exchange, sent partition by partition: Send waits for a slot
 // in the window, then encodes the partition and pushes it, on the calling
-// thread or (parallel_encode, with the client's compute pool) on the pool
-// while the caller goes on; its reply is applied when it lands, on the pool
-// if the client has one, else on a gRPC thread. Finish waits for every sent
-// partition. Sends must come from one thread; the destructor waits for
+// thread, or (parallel_encode, with the client's compute pool) queues it
+// and goes on while the exchange's sender thread waits for the slot and a
+// pool thread encodes and pushes it; its reply is applied when it lands, on the
+// pool if the client has one, else on a gRPC thread. Finish waits for every
+// sent partition. Sends must come from one thread; the destructor waits for
 // anything in flight.
 class StepExchange {
  public:
@@ -177,6 +180,19 @@ class StepExchange {
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   StepTraffic traffic_ ABSL_GUARDED_BY(mu_);
+  // With the compute pool (parallel_encode), Send queues the partition and
+  // the sender thread waits for its slot in the window and hands it to the
+  // pool, so that the caller (the training thread; backward()'s hooks on a
+  // GPU) never waits for replies. Started by the first queued Send, ended
+  // by the destructor once nothing is queued or in flight.
+  struct Queued {
+    std::unique_ptr<Call> call;
+    Encode encode;
+  };
+  void SendQueued();
+  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread sender_;
 };
 
 class PushClient {
