@@ -151,7 +151,8 @@ absl::Status Encode(const CodecSpec& spec, absl::Span<const float> u,
 absl::Status EncodeWithError(const CodecSpec& spec, absl::Span<const float> x,
                              absl::Span<float> error, FeedbackArgs fb,
                              const RoundingKey& key,
-                             absl::Span<uint8_t> payload) {
+                             absl::Span<uint8_t> payload,
+                             absl::Span<const float> mask_v) {
   if (absl::Status s = ValidateCodecSpec(spec); !s.ok()) return s;
   if (absl::Status s = CheckLength(spec, payload.size(), x.size()); !s.ok())
     return s;
@@ -162,6 +163,18 @@ absl::Status EncodeWithError(const CodecSpec& spec, absl::Span<const float> x,
     return absl::InvalidArgumentError(
         absl::StrCat("error buffer of ", error.size(), " elements for ",
                      x.size(), " inputs"));
+  }
+  if (!mask_v.empty()) {
+    if (spec.kind != CodecKind::kSign1) {
+      return absl::UnimplementedError(
+          absl::StrCat("the zero-variance mask is fused into sign1 only, not ",
+                       CodecName(spec.kind)));
+    }
+    if (mask_v.size() != x.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a mask of ", mask_v.size(), " values for ", x.size(), " inputs"));
+    }
+    return EncodeSign1(spec, x, error, fb, payload, mask_v.data());
   }
   return VisitPart(spec.kind, [&](auto part) {
     return decltype(part)::Encode(spec, x, error, fb, key, payload);

@@ -107,11 +107,14 @@ absl::Status Encode(const CodecSpec& spec, absl::Span<const float> u,
 
 // Encodes u = x + error and updates error per fb; `error` must be x.size()
 // long, or empty with FeedbackKind::kNone. Used by ErrorFeedback; sign1 and
-// the integer codecs do it in one fused pass.
+// the integer codecs do it in one fused pass. mask_v (sign1 only; x.size()
+// floats): ErrorFeedback's zero-variance mask in the same pass: where it is
+// exactly 0, u is +0 and error is left +0.
 absl::Status EncodeWithError(const CodecSpec& spec, absl::Span<const float> x,
                              absl::Span<float> error, FeedbackArgs fb,
                              const RoundingKey& key,
-                             absl::Span<uint8_t> payload);
+                             absl::Span<uint8_t> payload,
+                             absl::Span<const float> mask_v = {});
 
 // Checks that `payload` is a well-formed encoding of n elements: the exact
 // length, finite scales, topk indices strictly ascending and below n.

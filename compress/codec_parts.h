@@ -39,6 +39,12 @@ MORSE_CODEC_PART(TopKCodec);   // topk
 
 #undef MORSE_CODEC_PART
 
+// SignCodec::Encode with the zero-variance mask fused (mask_v: x.size()
+// floats, or null; KernelTable::sign1_encode).
+absl::Status EncodeSign1(const CodecSpec& spec, absl::Span<const float> x,
+                         absl::Span<float> error, FeedbackArgs fb,
+                         absl::Span<uint8_t> payload, const float* mask_v);
+
 // The scales (copied out: payload bytes carry no alignment or type) and the
 // packed data of payloads of a scaled codec (sign1, int8, int4), for kernels.
 struct ScaledPayloads {

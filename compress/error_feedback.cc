@@ -49,6 +49,20 @@ absl::Status ErrorFeedback::Compress(const CodecSpec& codec, size_t offset,
       return absl::InvalidArgumentError(absl::StrCat(
           "a mask of ", mask_v.size(), " values for ", x.size(), " elements"));
     }
+    // sign1 masks in its encode pass (where the error is fp32 or none),
+    // whether or not any element is masked: no pass looks for zeros first.
+    // Other codecs and int8-stored errors encode masked copies.
+    if (codec.kind == CodecKind::kSign1 &&
+        (spec_.kind == FeedbackKind::kNone ||
+         spec_.storage == ErrorStorage::kFp32)) {
+      const FeedbackArgs fb{spec_.kind, spec_.beta};
+      return EncodeWithError(
+          codec, x,
+          spec_.kind == FeedbackKind::kNone
+              ? absl::Span<float>()
+              : absl::MakeSpan(fp32_).subspan(offset, x.size()),
+          fb, key, payload, mask_v);
+    }
     if (std::find(mask_v.begin(), mask_v.end(), 0.0f) != mask_v.end()) {
       return CompressMasked(codec, offset, x, key, payload, mask_v);
     }

@@ -58,10 +58,13 @@ struct KernelTable {
   // sign1 of x (+ e): writes ceil(n/block) scales and ceil(n/8) bytes of bits
   // (the last byte's unused bits zero) and updates e per fb. e may be null
   // only with kNone. Returns false if a scale is not finite; the blocks before
-  // the failing one have then been written.
+  // the failing one have then been written. mask_v (n floats, or null): the
+  // zero-variance mask (ErrorFeedback::Compress), fused: where mask_v is
+  // exactly 0, u = x + e is +0 and e is left +0, the bits of masking copies
+  // of x and e first.
   bool (*sign1_encode)(const float* x, float* e, size_t n, size_t block,
                        ScaleKind scale, FeedbackArgs fb, float* scales,
-                       uint8_t* bits);
+                       uint8_t* bits, const float* mask_v);
   void (*sign1_decode)(const float* scales, const uint8_t* bits, size_t n,
                        size_t block, float* out);
   // out = (sum_i decode(i)) / count, sum from +0 in i order.
@@ -83,9 +86,10 @@ struct KernelTable {
   // x = x - lr*((m/bc1) / (sqrt(v/bc2) + eps) + wd*x).
   void (*adam_update)(const AdamScalars& s, const float* g, float* x, float* m,
                       float* v, size_t n);
-  // 1-bit Adam compression phase: m = c; x = x - lr*(m/(sqrt(v)+eps) + wd*x).
+  // 1-bit Adam compression phase: m = c; x = x - lr*(m/(sqrt(v)+eps) + wd*x),
+  // with c +0 where v is exactly 0 when `mask` (the zero-variance mask).
   void (*frozen_update)(const AdamScalars& s, const float* c, float* x,
-                        float* m, const float* v, size_t n);
+                        float* m, const float* v, size_t n, bool mask);
   // out = b1*m + (1-b1)*g (a worker's local momentum in 1-bit Adam).
   void (*momentum)(float beta1, const float* m, const float* g, float* out,
                    size_t n);

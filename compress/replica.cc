@@ -333,10 +333,12 @@ void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded,
     LambMoments(rule, decoded, m, v, v_fresh);
     return;
   }
+  if (rule.frozen_variance) {  // the mask in the same pass
+    FrozenVarianceStep(rule.scalars, decoded, x, m, v, rule.mask);
+    return;
+  }
   if (rule.mask) SelectByVariance(v, decoded);
-  if (rule.frozen_variance) {
-    FrozenVarianceStep(rule.scalars, decoded, x, m, v);
-  } else if (rule.bounded_variance) {
+  if (rule.bounded_variance) {
     ZeroOneVarianceStep(rule.scalars, decoded, x, m, v);
   } else {
     AdamStep(rule.scalars, decoded, x, m, v);

@@ -13,12 +13,18 @@ absl::Status SignCodec::Encode(const CodecSpec& spec, absl::Span<const float> x,
                                absl::Span<float> error, FeedbackArgs fb,
                                const RoundingKey&,
                                absl::Span<uint8_t> payload) {
+  return EncodeSign1(spec, x, error, fb, payload, /*mask_v=*/nullptr);
+}
+
+absl::Status EncodeSign1(const CodecSpec& spec, absl::Span<const float> x,
+                         absl::Span<float> error, FeedbackArgs fb,
+                         absl::Span<uint8_t> payload, const float* mask_v) {
   const size_t blocks = BlockCount(spec, x.size());
   std::vector<float> scales(blocks);
   if (!ActiveKernels().sign1_encode(
           x.data(), error.empty() ? nullptr : error.data(), x.size(),
           spec.block_elems, spec.scale, fb, scales.data(),
-          payload.data() + 4 * blocks)) {
+          payload.data() + 4 * blocks, mask_v)) {
     return absl::InvalidArgumentError(
         "sign1: a block scale is not finite (the input holds Inf or NaN, or "
         "its squares overflow fp32)");

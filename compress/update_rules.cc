@@ -92,11 +92,11 @@ void AdamStep(const AdamScalars& s, absl::Span<const float> g,
 
 void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
                         absl::Span<float> x, absl::Span<float> m,
-                        absl::Span<const float> v) {
+                        absl::Span<const float> v, bool mask) {
   MORSE_CHECK(c.size() == x.size() && x.size() == m.size() &&
               m.size() == v.size());
   ActiveKernels().frozen_update(s, c.data(), x.data(), m.data(), v.data(),
-                                x.size());
+                                x.size(), mask);
 }
 
 void LocalMomentum(float beta1, absl::Span<const float> m,

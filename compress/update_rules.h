@@ -56,9 +56,11 @@ void AdamStep(const AdamScalars& s, absl::Span<const float> g,
 
 // 1-bit Adam compression phase (2.1): m = c (the decoded server reply), v
 // frozen, then x.
+// With `mask`, c is taken as +0 where v is exactly 0 (the zero-variance
+// mask, in the same pass).
 void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
                         absl::Span<float> x, absl::Span<float> m,
-                        absl::Span<const float> v);
+                        absl::Span<const float> v, bool mask = false);
 
 // A worker's local momentum in the compression phase: out = b1*m + (1-b1)*g.
 void LocalMomentum(float beta1, absl::Span<const float> m,

@@ -13,33 +13,46 @@ namespace {
 
 using simd::MinSize;
 
+// x (+ e) at j, +0 where the mask (if any) is exactly 0.
+float Input(const float* x, const float* e, const float* m, size_t j) {
+  const float u = e ? x[j] + e[j] : x[j];
+  return m != nullptr && m[j] == 0.0f ? 0.0f : u;
+}
+
 // Sum over one block of u^2 (l2) or |u| (l1), in the 16-lane order.
-float BlockSum(const float* x, const float* e, size_t len, ScaleKind scale) {
+float BlockSum(const float* x, const float* e, const float* m, size_t len,
+               ScaleKind scale) {
   float lanes[16] = {};
   for (size_t j = 0; j < len; ++j) {
-    const float u = e ? x[j] + e[j] : x[j];
+    const float u = Input(x, e, m, j);
     lanes[j % 16] += scale == ScaleKind::kL2 ? u * u : std::fabs(u);
   }
   return simd::ReduceLanes16(lanes);
 }
 
 bool Sign1Encode(const float* x, float* e, size_t n, size_t block,
-                 ScaleKind scale, FeedbackArgs fb, float* scales,
-                 uint8_t* bits) {
+                 ScaleKind scale, FeedbackArgs fb, float* scales, uint8_t* bits,
+                 const float* mask_v) {
   if (fb.kind == FeedbackKind::kNone) e = nullptr;
   for (size_t start = 0, b = 0; start < n; start += block, ++b) {
     const size_t len = MinSize(block, n - start);
     const float* xb = x + start;
     float* eb = e ? e + start : nullptr;
-    const float s = simd::Sign1Scale(BlockSum(xb, eb, len, scale), len, scale);
+    const float* mb = mask_v ? mask_v + start : nullptr;
+    const float s =
+        simd::Sign1Scale(BlockSum(xb, eb, mb, len, scale), len, scale);
     if (!simd::IsFiniteScale(s)) return false;
     scales[b] = s;
     std::memset(bits + start / 8, 0, (len + 7) / 8);
     for (size_t j = 0; j < len; ++j) {
-      const float u = eb ? xb[j] + eb[j] : xb[j];
+      const float u = Input(xb, eb, mb, j);
       const bool negative = std::signbit(u);
       if (negative) bits[(start + j) / 8] |= uint8_t(1u << ((start + j) % 8));
-      if (eb) eb[j] = simd::NextError(fb, eb[j], u, negative ? -s : s);
+      if (eb) {
+        eb[j] = mb != nullptr && mb[j] == 0.0f
+                    ? 0.0f
+                    : simd::NextError(fb, eb[j], u, negative ? -s : s);
+      }
     }
   }
   return true;
@@ -132,9 +145,11 @@ void AdamUpdate(const AdamScalars& s, const float* g, float* x, float* m,
 }
 
 void FrozenUpdate(const AdamScalars& s, const float* c, float* x, float* m,
-                  const float* v, size_t n) {
-  for (size_t i = 0; i < n; ++i)
-    simd::FrozenElement(s, c[i], &x[i], &m[i], v[i]);
+                  const float* v, size_t n, bool mask) {
+  for (size_t i = 0; i < n; ++i) {
+    simd::FrozenElement(s, simd::MaskedByVariance(mask, v[i], c[i]), &x[i],
+                        &m[i], v[i]);
+  }
 }
 
 void Momentum(float beta1, const float* m, const float* g, float* out,

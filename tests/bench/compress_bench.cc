@@ -128,7 +128,8 @@ void BM_Sign1EncodeEf(benchmark::State& state, const KernelTable* table) {
   const double bytes = 12.0 * kElems + 4.0 * scales.size() + bits.size();
   Measure(state, bytes, kElems, [&] {
     table->sign1_encode(x.data(), e.data(), kElems, kBlock, ScaleKind::kL2,
-                        {FeedbackKind::kEf, 1}, scales.data(), bits.data());
+                        {FeedbackKind::kEf, 1}, scales.data(), bits.data(),
+                        nullptr);
   });
 }
 
@@ -351,13 +352,20 @@ SimulatorConfig PhaseConfig() {
 constexpr int64_t kPhaseStep = 3;  // in the compression phase
 double PayloadPerElem() { return 1.0 / 8 + 4.0 / kBlock; }
 
-// masked: every 1009th element has v = 0 (dead units), so every chunk
-// takes the mask's path; else no element is masked.
+// mode 1: every 1009th element has v = 0 (dead units), so every chunk has
+// masked elements; mode 0: no element is masked; mode 2: the mask is off
+// (mask_zero_variance false), the cost the default is held to.
+SimulatorConfig PhaseConfigOf(int mode) {
+  SimulatorConfig c = PhaseConfig();
+  c.mask_zero_variance = mode != 2;
+  return c;
+}
 struct PhaseState {
-  explicit PhaseState(bool masked)
-      : config(PhaseConfig()),
+  explicit PhaseState(int mode)
+      : config(PhaseConfigOf(mode)),
         replica(config, {0, kElems}),
         error(config.worker_feedback, kElems, kBlock) {
+    const bool masked = mode == 1;
     const std::vector<float> m = RandomVector(kElems, 11),
                              v = RandomVector(kElems, 12);
     for (size_t j = 0; j < kElems; ++j) {
@@ -374,7 +382,7 @@ struct PhaseState {
 // A worker's message: local momentum, error feedback, mask, scales and
 // signs (EncodeWorkerMessage). Reads g, m, e, v; writes e and the payload.
 void BM_PhaseWorkerEncode(benchmark::State& state) {
-  PhaseState p(state.range(0) != 0);
+  PhaseState p(static_cast<int>(state.range(0)));
   const std::vector<float> g = RandomVector(kElems, 13);
   const SendRule rule = PlanSend(p.config, kPhaseStep, Direction::kUp, 0, 0);
   std::vector<uint8_t> payload(PayloadBytes(rule.codec, kElems));
@@ -391,7 +399,7 @@ void BM_PhaseWorkerEncode(benchmark::State& state) {
 // worker's decode+update, and the same call is a shard's mirror update.
 // Reads the payload, x, m, v; writes x and m.
 void BM_PhaseApplyReply(benchmark::State& state) {
-  PhaseState p(state.range(0) != 0);
+  PhaseState p(static_cast<int>(state.range(0)));
   const SendRule rule = PlanSend(p.config, kPhaseStep, Direction::kDown, 2, 0);
   std::vector<uint8_t> reply(PayloadBytes(rule.codec, kElems));
   if (!Encode(rule.codec, RandomVector(kElems, 14), {}, absl::MakeSpan(reply))
@@ -408,7 +416,7 @@ void BM_PhaseApplyReply(benchmark::State& state) {
 // reply. Gelem/s over threads is the shard's rate; per_core divides it.
 void BM_PhaseShardReply(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
-  PhaseState p(state.range(1) != 0);
+  PhaseState p(static_cast<int>(state.range(1)));
   ErrorFeedback server(p.config.server_feedback, kElems, kBlock);
   const SendRule up = PlanSend(p.config, kPhaseStep, Direction::kUp, 0, 0);
   const SendRule down = PlanSend(p.config, kPhaseStep, Direction::kDown, 2, 0);
@@ -431,7 +439,9 @@ void BM_PhaseShardReply(benchmark::State& state) {
     const std::vector<absl::Span<const uint8_t>> views(pushes[t].begin(),
                                                        pushes[t].end());
     if (!EncodeShardReply(down, up.codec, views, server, begin, n,
-                          p.replica.v().subspan(begin, n),
+                          p.config.mask_zero_variance
+                              ? p.replica.v().subspan(begin, n)
+                              : absl::Span<const float>(),
                           absl::MakeSpan(replies[t]))
              .ok()) {
       std::abort();
@@ -520,20 +530,24 @@ void RegisterAll() {
         ("average4/" + std::string(CodecName(kind))).c_str(), BM_DecodeAverage4,
         kind));
   }
-  // Arg masked (0/1); shard_reply: threads, masked.
+  // Arg: the mask's mode (PhaseState: 0 none masked, 1 some, 2 off);
+  // shard_reply: threads, mode.
   common(
       benchmark::RegisterBenchmark("phase/worker_encode", BM_PhaseWorkerEncode)
           ->Arg(0)
-          ->Arg(1));
+          ->Arg(1)
+          ->Arg(2));
   common(benchmark::RegisterBenchmark("phase/apply_reply", BM_PhaseApplyReply)
              ->Arg(0)
-             ->Arg(1));
+             ->Arg(1)
+             ->Arg(2));
   const int cores =
       static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int threads : std::set<int>{1, 2, cores}) {  // 1, 2 and all cores
     common(benchmark::RegisterBenchmark("phase/shard_reply", BM_PhaseShardReply)
                ->Args({threads, 0})
-               ->Args({threads, 1}));
+               ->Args({threads, 1})
+               ->Args({threads, 2}));
   }
   common(benchmark::RegisterBenchmark("adam_step", BM_AdamStep));
   common(benchmark::RegisterBenchmark("frozen_variance_step",

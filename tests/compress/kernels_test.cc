@@ -4,6 +4,7 @@
 // with a message.
 #include "compress/kernels.h"
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -37,30 +38,90 @@ class KernelsTest : public ::testing::TestWithParam<std::string> {
   const KernelTable* fast_ = nullptr;
 };
 
+// The zero-variance mask of n elements: 0 (both signs) at every third
+// element and through a whole 40-element stretch, NaN (not 0: kept) at
+// some, else positive.
+std::vector<float> MaskOf(size_t n) {
+  std::vector<float> v = VariedData(n, 7);
+  for (size_t j = 0; j < n; ++j) {
+    v[j] = std::fabs(v[j]) + 1e-3f;
+    if (j % 3 == 0) v[j] = j % 2 ? -0.0f : 0.0f;
+    if (j % 11 == 5) v[j] = NAN;
+    if (j >= 300 && j < 340) v[j] = 0.0f;
+  }
+  return v;
+}
+
 TEST_P(KernelsTest, Sign1EncodeMatchesTheReference) {
   for (size_t n : kSizes) {
-    for (ScaleKind scale : {ScaleKind::kL2, ScaleKind::kL1}) {
-      for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1},
-                              FeedbackArgs{FeedbackKind::kEf, 1},
-                              FeedbackArgs{FeedbackKind::kEma, 0.25f}}) {
-        const std::vector<float> x = VariedData(n, 1);
-        std::vector<float> e_ref = VariedData(n, 2), e_fast = e_ref;
-        const size_t blocks = (n + kBlock - 1) / kBlock;
-        std::vector<float> s_ref(blocks), s_fast(blocks, -1);
-        std::vector<uint8_t> b_ref((n + 7) / 8, 0xAA),
-            b_fast((n + 7) / 8, 0x55);
-        ASSERT_TRUE(ref_.sign1_encode(x.data(), e_ref.data(), n, kBlock, scale,
-                                      fb, s_ref.data(), b_ref.data()));
-        ASSERT_TRUE(fast_->sign1_encode(x.data(), e_fast.data(), n, kBlock,
-                                        scale, fb, s_fast.data(),
-                                        b_fast.data()));
-        const std::string where = "n=" + std::to_string(n) +
-                                  " scale=" + std::to_string(int(scale)) +
-                                  " fb=" + std::to_string(int(fb.kind));
-        EXPECT_EQ(FirstBitDifference(s_fast, s_ref), -1) << where;
-        EXPECT_EQ(b_fast, b_ref) << where;
-        EXPECT_EQ(FirstBitDifference(e_fast, e_ref), -1) << where;
+    const std::vector<float> mask = MaskOf(n);
+    for (const float* m : {static_cast<const float*>(nullptr), mask.data()}) {
+      for (ScaleKind scale : {ScaleKind::kL2, ScaleKind::kL1}) {
+        for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1},
+                                FeedbackArgs{FeedbackKind::kEf, 1},
+                                FeedbackArgs{FeedbackKind::kEma, 0.25f}}) {
+          const std::vector<float> x = VariedData(n, 1);
+          std::vector<float> e_ref = VariedData(n, 2), e_fast = e_ref;
+          const size_t blocks = (n + kBlock - 1) / kBlock;
+          std::vector<float> s_ref(blocks), s_fast(blocks, -1);
+          std::vector<uint8_t> b_ref((n + 7) / 8, 0xAA),
+              b_fast((n + 7) / 8, 0x55);
+          ASSERT_TRUE(ref_.sign1_encode(x.data(), e_ref.data(), n, kBlock,
+                                        scale, fb, s_ref.data(), b_ref.data(),
+                                        m));
+          ASSERT_TRUE(fast_->sign1_encode(x.data(), e_fast.data(), n, kBlock,
+                                          scale, fb, s_fast.data(),
+                                          b_fast.data(), m));
+          const std::string where = "n=" + std::to_string(n) +
+                                    " scale=" + std::to_string(int(scale)) +
+                                    " fb=" + std::to_string(int(fb.kind)) +
+                                    (m != nullptr ? " masked" : "");
+          EXPECT_EQ(FirstBitDifference(s_fast, s_ref), -1) << where;
+          EXPECT_EQ(b_fast, b_ref) << where;
+          EXPECT_EQ(FirstBitDifference(e_fast, e_ref), -1) << where;
+        }
       }
+    }
+  }
+}
+
+// The fused mask gives the bits of encoding masked copies (what
+// ErrorFeedback did before, and still does for other codecs): x and e +0
+// where v is exactly 0, and the error +0 there after.
+TEST(ScalarKernelsTest, TheFusedMaskEqualsMaskingCopies) {
+  const KernelTable& k = ScalarKernels();
+  for (size_t n : kSizes) {
+    const std::vector<float> mask = MaskOf(n);
+    for (FeedbackArgs fb : {FeedbackArgs{FeedbackKind::kNone, 1},
+                            FeedbackArgs{FeedbackKind::kEf, 1},
+                            FeedbackArgs{FeedbackKind::kEma, 0.25f}}) {
+      const std::vector<float> x = VariedData(n, 1);
+      std::vector<float> e_fused = VariedData(n, 2);
+      std::vector<float> x_copy = x, e_copy = e_fused;
+      for (size_t j = 0; j < n; ++j) {
+        if (mask[j] != 0.0f) continue;
+        x_copy[j] = 0.0f;
+        if (fb.kind != FeedbackKind::kNone) e_copy[j] = 0.0f;  // else unused
+      }
+      const size_t blocks = (n + kBlock - 1) / kBlock;
+      std::vector<float> s_fused(blocks), s_copy(blocks);
+      std::vector<uint8_t> b_fused((n + 7) / 8), b_copy((n + 7) / 8);
+      ASSERT_TRUE(k.sign1_encode(x.data(), e_fused.data(), n, kBlock,
+                                 ScaleKind::kL2, fb, s_fused.data(),
+                                 b_fused.data(), mask.data()));
+      ASSERT_TRUE(k.sign1_encode(x_copy.data(), e_copy.data(), n, kBlock,
+                                 ScaleKind::kL2, fb, s_copy.data(),
+                                 b_copy.data(), nullptr));
+      if (fb.kind != FeedbackKind::kNone) {
+        for (size_t j = 0; j < n; ++j) {
+          if (mask[j] == 0.0f) e_copy[j] = 0.0f;
+        }
+      }
+      const std::string where =
+          "n=" + std::to_string(n) + " fb=" + std::to_string(int(fb.kind));
+      EXPECT_EQ(FirstBitDifference(s_fused, s_copy), -1) << where;
+      EXPECT_EQ(b_fused, b_copy) << where;
+      EXPECT_EQ(FirstBitDifference(e_fused, e_copy), -1) << where;
     }
   }
 }
@@ -123,7 +184,7 @@ TEST_P(KernelsTest, Sign1DecodeAndAverageMatchTheReference) {
       bits[i].resize((n + 7) / 8);
       ASSERT_TRUE(ref_.sign1_encode(x.data(), nullptr, n, kBlock,
                                     ScaleKind::kL2, {}, scales[i].data(),
-                                    bits[i].data()));
+                                    bits[i].data(), nullptr));
     }
     std::vector<float> y_ref(n), y_fast(n, 42);
     ref_.sign1_decode(scales[0].data(), bits[0].data(), n, kBlock,
@@ -168,11 +229,20 @@ TEST_P(KernelsTest, UpdateRulesMatchTheReference) {
       EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << n;
       EXPECT_EQ(FirstBitDifference(v_fast, v_ref), -1) << n;
       ref_.frozen_update(s, g.data(), x_ref.data(), m_ref.data(), v_ref.data(),
-                         n);
+                         n, /*mask=*/false);
       fast_->frozen_update(s, g.data(), x_fast.data(), m_fast.data(),
-                           v_fast.data(), n);
+                           v_fast.data(), n, /*mask=*/false);
       EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << n;
       EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << n;
+      // With the zero-variance mask, where some v are exactly 0.
+      std::vector<float> v_masked = MaskOf(n);
+      for (float& v : v_masked) v = std::isnan(v) ? 1.0f : v;
+      ref_.frozen_update(s, g.data(), x_ref.data(), m_ref.data(),
+                         v_masked.data(), n, /*mask=*/true);
+      fast_->frozen_update(s, g.data(), x_fast.data(), m_fast.data(),
+                           v_masked.data(), n, /*mask=*/true);
+      EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << n << " masked";
+      EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << n << " masked";
       std::vector<float> o_ref(n), o_fast(n, 42);
       ref_.momentum(0.9f, m_ref.data(), g.data(), o_ref.data(), n);
       fast_->momentum(0.9f, m_ref.data(), g.data(), o_fast.data(), n);
@@ -343,7 +413,7 @@ TEST_P(KernelsTest, NonFiniteInputFailsLikeTheReference) {
   std::vector<uint8_t> out(100);
   EXPECT_FALSE(fast_->sign1_encode(x.data(), nullptr, 100, kBlock,
                                    ScaleKind::kL2, {}, scales.data(),
-                                   out.data()));
+                                   out.data(), nullptr));
   EXPECT_FALSE(fast_->int_encode(8, x.data(), nullptr, 100, kBlock, {}, nullptr,
                                  scales.data(), out.data()));
 }

@@ -335,7 +335,8 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     // decode.
     x = x0;
     m = m0;
-    cpu.frozen_update(s, g.data(), x.data(), m.data(), v0.data(), n);
+    cpu.frozen_update(s, g.data(), x.data(), m.data(), v0.data(), n,
+                      /*mask=*/false);
     kernels::DeviceBuffer fx = Upload(x0), fm = Upload(m0), fv = Upload(v0);
     ASSERT_TRUE(kernels::FrozenUpdate(*ctx_, s, /*mask=*/false, dg.as<float>(),
                                       fx.as<float>(), fm.as<float>(),
@@ -358,7 +359,8 @@ TEST_F(KernelsTest, UpdatesMatchTheCpu) {
     ASSERT_TRUE(compress::Decode(spec, reply, absl::MakeSpan(c)).ok());
     x = x0;
     m = m0;
-    cpu.frozen_update(s, c.data(), x.data(), m.data(), v0.data(), n);
+    cpu.frozen_update(s, c.data(), x.data(), m.data(), v0.data(), n,
+                      /*mask=*/false);
     kernels::DeviceBuffer dreply = Upload(reply), rx = Upload(x0),
                           rm = Poisoned(4 * n);
     ASSERT_TRUE(kernels::DecodeFrozenUpdate(
@@ -667,7 +669,8 @@ TEST_F(KernelsTest, ZeroVarianceMaskMatchesTheCpu) {
         compress::SelectByVariance(v, absl::MakeSpan(c));
         std::vector<float> cx = x, cm(n);
         compress::ScalarKernels().frozen_update(s, c.data(), cx.data(),
-                                                cm.data(), v.data(), n);
+                                                cm.data(), v.data(), n,
+                                                /*mask=*/false);
         kernels::DeviceBuffer reply = Upload(cpu_payload), rx = Upload(px),
                               rm = Poisoned(4 * (n + offset));
         ASSERT_TRUE(kernels::DecodeFrozenUpdate(
