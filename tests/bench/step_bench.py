@@ -35,8 +35,9 @@ on CUDA, GPU r % count. Models: --model gpt134m (12 layers, d 768, vocab
 32000, seq 256, batch 8: issue 35's GPU model), gpt21m (4 layers, d 512,
 vocab 8192, seq 128, batch 8: its CPU model), tiny (for CI); or --layers,
 --d-model, --vocab, --seq, --batch. --window sets the job's partitions in
-flight per worker. --trace-dir sets MORSE_TRACE for the Morse ranks (for
-builds that write a step trace; this one does not yet).
+flight per worker. --trace-dir DIR: each Morse mode's ranks and shards
+write their step timelines there (MORSE_TRACE; MODE-RANK.json and
+MODE-server-S.json; tests/bench/trace_summary.py reads them).
 """
 import argparse
 import json
@@ -358,7 +359,8 @@ def main():
                    help="Morse partition size in elements (default: the job's)")
     p.add_argument("--window", type=int, default=0,
                    help="partitions in flight per Morse worker (JobConfig window; default the job's, 32)")
-    p.add_argument("--trace-dir", help="where Morse ranks write their MORSE_TRACE files")
+    p.add_argument("--trace-dir", help="where each Morse mode's ranks and shards write their step "
+                   "timelines (MORSE_TRACE)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per mode (default 1800)")
     p.add_argument("--rank-mode", choices=MODES, dest="mode", help=argparse.SUPPRESS)
     a = p.parse_args()
