@@ -96,6 +96,18 @@ def main():
         check_rank(os.path.join(out, f"trace-{rank}.json"), partitions)
     for shard in range(2):
         check_shard(os.path.join(out, f"trace-server-{shard}.json"))
+    # trace_summary.py reads them: a median per step for every phase.
+    summary = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                           "..", "bench", "trace_summary.py"),
+                              os.path.join(out, "trace-0.json"),
+                              os.path.join(out, "trace-server-0.json"), "--skip", "1"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    check(summary.returncode == 0, f"trace_summary.py failed:\n{summary.stdout}")
+    rows = [json.loads(line) for line in summary.stdout.splitlines() if line.startswith("{")]
+    check([r["process"] for r in rows] == ["rank 0", "shard 0"] and
+          RANK_PHASES - {"ready", "receive"} <= set(rows[0]["phases_ms"]) and
+          SHARD_PHASES <= set(rows[1]["phases_ms"]),
+          f"trace_summary.py's lines: {rows}")
     print(f"PASS every rank's and shard's trace holds every phase of {STEPS} steps, "
           f"{partitions} partitions; the ranks equal the simulator")
 

@@ -150,7 +150,9 @@ def _parse(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Everything after -- is the command each rank runs. Across hosts:\n"
                "  morse-run --nnodes M --node-rank i --nproc-per-node L --rdzv HOST:PORT "
-               "--servers S -- CMD\non every node (node 0 at HOST); see docs/python.md.")
+               "--servers S -- CMD\non every node (node 0 at HOST); see docs/python.md.\n"
+               "With MORSE_TRACE=DIR/trace-{rank}.json in the environment every rank and shard\n"
+               "writes its step timeline there (Chrome trace-event JSON; docs/operations.md).")
     parser.add_argument("--servers", default="1",
                         help="server shards to start (default 1; per stage with --stages; across nodes, "
                              "node 0 starts them), or the HOST:PORT,... of shards already running")
