@@ -359,15 +359,17 @@ std::string StepExchange::TakeReceivedBuffers() {
 StepExchange::~StepExchange() {
   {
     MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](StepExchange* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return self->in_flight_ == 0 && self->queue_.empty();
-        },
-        this));
+    mu_.Await(absl::Condition(this, &StepExchange::Idle));
     closing_ = true;
   }
   if (sender_.joinable()) sender_.join();
 }
+
+bool StepExchange::CanSend() const {
+  return in_flight_ < client_->job_.window || !error_.ok();
+}
+
+bool StepExchange::Idle() const { return in_flight_ == 0 && queue_.empty(); }
 
 void StepExchange::SendQueued() {
   for (;;) {
@@ -376,10 +378,7 @@ void StepExchange::SendQueued() {
       MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](StepExchange* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return self->closing_ ||
-                   (!self->queue_.empty() &&
-                    (self->in_flight_ < self->client_->job_.window ||
-                     !self->error_.ok()));
+            return self->closing_ || (!self->queue_.empty() && self->CanSend());
           },
           this));
       if (queue_.empty()) return;  // closing
@@ -754,17 +753,9 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
     if (!sender_.joinable()) sender_ = std::thread([this] { SendQueued(); });
     return absl::OkStatus();
   }
-  struct Slot {
-    StepExchange* self;
-    uint32_t window;
-  } slot{this, client_->job_.window};
   {
     MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(
-        +[](Slot* s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-          return s->self->in_flight_ < s->window || !s->self->error_.ok();
-        },
-        &slot));
+    mu_.Await(absl::Condition(this, &StepExchange::CanSend));
     if (!error_.ok()) return error_;
     ++in_flight_;
     sent_[partition.id] = true;
@@ -796,11 +787,7 @@ absl::Status StepExchange::EncodeAndIssue(std::unique_ptr<Call> call,
 
 absl::Status StepExchange::Finish(StepTraffic* traffic) {
   MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](StepExchange* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-        return self->in_flight_ == 0 && self->queue_.empty();
-      },
-      this));
+  mu_.Await(absl::Condition(this, &StepExchange::Idle));
   if (traffic != nullptr) *traffic = traffic_;
   return error_;
 }

@@ -190,6 +190,10 @@ class StepExchange {
     Encode encode;
   };
   void SendQueued();
+  // Await conditions: a slot in the window is free (or the step failed,
+  // and nothing more is sent); nothing is queued or in flight.
+  bool CanSend() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   std::thread sender_;

@@ -57,6 +57,7 @@ MODES = ("torch", "onebit_adam", "adam", "zero_one_adam", "onebit_lamb", "ddp", 
          "onebit_peer")
 PEERS = ("ddp", "ddp_nccl", "onebit_peer")
 MORSE = ("onebit_adam", "adam", "zero_one_adam", "onebit_lamb")
+TIMES = ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s")  # per step, seconds
 
 
 def gpt(torch, layers, d_model, vocab, seq):
@@ -273,7 +274,7 @@ def rank_main(a):
         phases = {"all": rows[a.skip:]}
     for phase, timed in phases.items():
         out = {"rank": rank, "mode": a.mode, "phase": phase, "params": params, "steps": len(timed)}
-        for key in ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s"):
+        for key in TIMES:
             out[key] = statistics.median(r[key] for r in timed)
         out["bytes_up"] = statistics.median(r["bytes_up"] for r in timed)
         out["loss"] = timed[-1]["loss"]
@@ -334,7 +335,7 @@ def summarize(lines):
     out = {}
     for line in lines:
         phase = out.setdefault(line["phase"], dict(line))
-        for key in ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s"):
+        for key in TIMES:
             phase[key] = max(phase[key], line[key])
     for phase in out.values():
         phase.pop("rank", None)
@@ -405,7 +406,7 @@ def main():
                         r[f"ratio_to_{peer}"] = round(r["step_s"] / theirs["step_s"], 3)
     for mode in modes:
         for phase, r in results[mode].items():
-            for key in ("step_s", "fwd_bwd_s", "opt_s", "send_s", "encode_s", "apply_s"):
+            for key in TIMES:
                 r[key.replace("_s", "_ms")] = round(1000 * r.pop(key), 2)
             print(json.dumps({k: r[k] for k in ["bench", "mode", "phase"] + sorted(
                 set(r) - {"bench", "mode", "phase"})}), flush=True)
