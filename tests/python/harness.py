@@ -107,8 +107,10 @@ def nodes(script, nnodes, nproc, out, mode, extra=(), per_node=None, timeout=240
                    "--nproc-per-node", str(per_node[node] if per_node else nproc),
                    "--rdzv", f"127.0.0.1:{port}", *flags,
                    "--", sys.executable, script, "--worker", out, mode]
+        # A rank that dies of a signal prints where every thread was.
+        env = dict(os.environ, PYTHONFAULTHANDLER="1")
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+                                      text=True, env=env))
         time.sleep(0.2)
     results = []  # a node that does not end by `timeout` raises TimeoutExpired: a hang fails
     for p in procs:

@@ -104,9 +104,10 @@ def two_nodes(name, variant=""):
     out = tempfile.mkdtemp(prefix=f"morse-aggregate-{name}-")
     mode = f"{name}:{variant}" if variant else name
     results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
-    for node, (code, text) in enumerate(results):
+    for node, (code, text) in enumerate(results):  # every failing node's output before the verdict
         if code != 0:
-            print(text[-4000:])
+            print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
+    for node, (code, text) in enumerate(results):
         check(code == 0, f"{name}: node {node} exited with {code}")
     banner = re.findall(r"shard \d/2 of job '\S+': model size from the workers, (\d+) workers", results[0][1])
     check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")

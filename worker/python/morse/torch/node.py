@@ -12,9 +12,16 @@ only the leader holds m, v and the error buffers. Every rank of the node
 ends each step with the leader's bits, and the job is bit-identical to the
 simulator with N = nodes fed the nodes' averaged gradients.
 """
+import atexit
+
 import torch
 
 from .._native import MorseError
+
+
+def _destroy_process_group(dist):
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class NodeGroup:
@@ -33,6 +40,9 @@ class NodeGroup:
         if not dist.is_initialized():
             # env://: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (morse-run).
             dist.init_process_group("gloo")
+            # Ours to tear down, while the interpreter still runs: torch 1.13
+            # can abort a process whose gloo groups are left to exit().
+            atexit.register(_destroy_process_group, dist)
         if dist.get_rank() != rank or dist.get_world_size() != local_size * nnodes:
             raise MorseError(
                 f"FAILED_PRECONDITION: torch.distributed has rank {dist.get_rank()} of "
