@@ -143,6 +143,18 @@ size_t PayloadBytes(const CodecSpec& spec, size_t n) {
   return 0;
 }
 
+size_t ElementBytes(CodecKind kind) {
+  switch (kind) {
+    case CodecKind::kFp32:
+      return 4;
+    case CodecKind::kFp16:
+    case CodecKind::kBf16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
 absl::Status Encode(const CodecSpec& spec, absl::Span<const float> u,
                     const RoundingKey& key, absl::Span<uint8_t> payload) {
   return EncodeWithError(spec, u, {}, FeedbackArgs{}, key, payload);

@@ -98,6 +98,11 @@ size_t TopKCount(double ratio, size_t n);
 // Exact payload size in bytes of n elements. Requires a valid spec.
 size_t PayloadBytes(const CodecSpec& spec, size_t n);
 
+// Bytes per element of the codecs that encode each element on its own
+// (fp32, fp16, bf16: elements [a, b) are bytes [w*a, w*b) of the payload,
+// encoded, decoded and averaged alike in any piece); 0 for the others.
+size_t ElementBytes(CodecKind kind);
+
 // Encodes u into payload, which must be exactly PayloadBytes(spec, u.size())
 // long. `key` is used only by stochastic rounding. Returns INVALID_ARGUMENT if
 // the size is wrong or a scale (or a topk input) is not finite; the payload

@@ -483,6 +483,28 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
     }
     return absl::OkStatus();
   }
+  if (const size_t width = ElementBytes(rule.codec.kind); width > 0) {
+    // fp32/fp16/bf16 (the warmup): the same, a piece at a time.
+    if (absl::Status s = ValidatePayload(rule.codec, reply, n); !s.ok())
+      return s;
+    constexpr uint64_t kPiece = 16384;
+    const absl::Span<float> decoded =
+        Scratch(ScratchSlot::kReplyDecoded, std::min(kPiece, n));
+    for (uint64_t at = 0; at < n; at += kPiece) {
+      const uint64_t len = std::min(kPiece, n - at);
+      if (absl::Status s =
+              Decode(rule.codec, reply.subspan(width * at, width * len),
+                     decoded.first(len));
+          !s.ok()) {
+        return s;
+      }
+      ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
+                absl::MakeSpan(m_).subspan(offset + at, len),
+                absl::MakeSpan(v_).subspan(offset + at, len), anchor(at, len),
+                fresh(at, len));
+    }
+    return absl::OkStatus();
+  }
   const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
   if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
   ApplyRule(rule, decoded, x_.subspan(offset, n),
@@ -564,6 +586,44 @@ absl::Status EncodeShardReply(
        offset + n == error.size()) &&  // RestoreRange's alignment
       error.spec().kind != FeedbackKind::kNone &&
       error.spec().storage == ErrorStorage::kFp32;
+  const size_t up_width = ElementBytes(up.kind);
+  const size_t down_width = ElementBytes(rule.codec.kind);
+  if (!rule.feedback && up_width > 0 && down_width > 0) {
+    // fp32/fp16/bf16 both ways, no error (the warmup): a piece of the average
+    // at a time, encoded while it is in cache; every element as in the
+    // whole-partition average and encode.
+    if (payload.size() != PayloadBytes(rule.codec, n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a reply of ", payload.size(), " bytes for ", n, " elements"));
+    }
+    for (const auto& push : pushes) {
+      if (push.size() != PayloadBytes(up, n)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a push of ", push.size(), " bytes for ", n, " elements"));
+      }
+    }
+    constexpr uint64_t kPiece = 16384;
+    const absl::Span<float> average =
+        Scratch(ScratchSlot::kShardAverage, std::min(kPiece, n));
+    thread_local std::vector<absl::Span<const uint8_t>> views;
+    views.resize(pushes.size());
+    for (uint64_t at = 0; at < n; at += kPiece) {
+      const uint64_t len = std::min(kPiece, n - at);
+      for (size_t i = 0; i < pushes.size(); ++i)
+        views[i] = pushes[i].subspan(up_width * at, up_width * len);
+      const absl::Span<float> u = average.first(len);
+      if (absl::Status s = DecodeAverage(up, views, u); !s.ok()) return s;
+      RoundingKey key = rule.key;
+      key.first_index += at;
+      if (absl::Status s =
+              Encode(rule.codec, u, key,
+                     payload.subspan(down_width * at, down_width * len));
+          !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
+  }
   if (!chunked) {
     const absl::Span<float> average = Scratch(ScratchSlot::kShardAverage, n);
     if (absl::Status s = DecodeAverage(up, pushes, average); !s.ok()) return s;

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "compress/bytes_hash.h"
 #include "compress/check.h"
 #include "compress/lamb.h"
 #include "compress/scratch.h"
@@ -22,7 +23,10 @@ using compress::CodecName;
 
 struct ShardCore::PartitionState {
   explicit PartitionState(const compress::Partition& p, uint32_t workers)
-      : partition(p), pushes(workers), last_hashes(workers, 0) {}
+      : partition(p),
+        pushes(workers),
+        push_hashes(workers, 0),
+        last_hashes(workers, 0) {}
 
   const compress::Partition partition;
   Mutex mu;
@@ -30,6 +34,7 @@ struct ShardCore::PartitionState {
   int64_t next_step ABSL_GUARDED_BY(mu) = 0;  // steps completed
   // The pending step next_step:
   std::vector<std::optional<std::string>> pushes ABSL_GUARDED_BY(mu);
+  std::vector<uint64_t> push_hashes ABSL_GUARDED_BY(mu);  // HashBytes(push)
   uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
   absl::Time first_arrival ABSL_GUARDED_BY(mu);
   // The step's lr and weight decay as the first push carried them (every
@@ -62,14 +67,14 @@ struct ShardCore::PartitionState {
   // but partitions apply them from different threads and may be a step
   // apart, and a snapshot of one partition holds the state of its step.
   std::vector<compress::LambLayerState> lamb_layers ABSL_GUARDED_BY(mu);
-  std::vector<size_t> last_hashes ABSL_GUARDED_BY(mu);
+  std::vector<uint64_t> last_hashes ABSL_GUARDED_BY(mu);
   // The completed steps before the last one, oldest first, each with its
   // reply and the hashes of the pushes it answered: a restarted worker
   // replays from its checkpoint's step and gets these replies again
   // (checkpoint.replay_steps in all, the last one included).
   struct Answered {
     std::shared_ptr<const Reply> reply;
-    std::vector<size_t> hashes;
+    std::vector<uint64_t> hashes;
   };
   std::deque<Answered> history ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
@@ -87,9 +92,8 @@ struct ShardCore::PartitionState {
 
 namespace {
 
-size_t HashBytes(absl::string_view bytes) {
-  return std::hash<std::string_view>{}(
-      std::string_view(bytes.data(), bytes.size()));
+uint64_t HashBytes(absl::string_view bytes) {
+  return compress::BytesHash(bytes);
 }
 
 }  // namespace
@@ -243,6 +247,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   }
   PartitionState& p = *partitions_[args.partition -
                                    layout_.shard_partitions(shard_).front().id];
+  // On this push's thread while its bytes are in cache, outside the lock.
+  const uint64_t hash = HashBytes(args.payload);
   std::shared_ptr<const Reply> reply;  // a retry's
   Completion completion;               // the step this push completed, inline
   bool schedule = false;               // ... or on the pool
@@ -264,7 +270,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
                          " was completed before this server restarted from its "
                          "checkpoint; its reply is gone")));
       }
-      if (HashBytes(args.payload) != p.last_hashes[args.rank]) {
+      if (hash != p.last_hashes[args.rank]) {
         return reject(absl::FailedPreconditionError(absl::StrCat(
             "rank ", args.rank, " re-sent step ", args.step, " of partition ",
             args.partition, " with different bytes")));
@@ -294,7 +300,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
                          absl::Cord(absl::StrCat(NextExchange(p))));
         return reject(std::move(stale));
       }
-      if (HashBytes(args.payload) != answered->hashes[args.rank]) {
+      if (hash != answered->hashes[args.rank]) {
         return reject(absl::FailedPreconditionError(
             absl::StrCat("rank ", args.rank, " replayed step ", args.step,
                          " of partition ", args.partition,
@@ -403,6 +409,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
           p.hyper_rank = args.rank;
         }
         slot = std::move(args.payload);
+        p.push_hashes[args.rank] = hash;
         if (args.rank == 0) p.buffers = std::move(args.buffers);
         ++p.arrived;
       }
@@ -587,9 +594,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
     if (status.ok())
       reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
   }
-  std::vector<size_t> hashes(p.pushes.size());
-  for (size_t r = 0; r < p.pushes.size(); ++r)
-    hashes[r] = HashBytes(*p.pushes[r]);
+  std::vector<uint64_t> hashes = p.push_hashes;
   p.ClearPending();
   if (!status.ok()) {
     return absl::InternalError(
@@ -939,11 +944,12 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
     reply_meta.push_back(
         has ? static_cast<int64_t>(p->last_reply->payload.size()) : 0);
     if (has) replies += p->last_reply->payload;
-    for (size_t h : p->last_hashes) hashes.push_back(static_cast<int64_t>(h));
+    for (uint64_t h : p->last_hashes) hashes.push_back(static_cast<int64_t>(h));
   }
   writer.AddInts("last_reply_meta", reply_meta);
   writer.AddBytes("last_replies", replies);
-  writer.AddInts("last_hashes", hashes);
+  // compress::BytesHash's; "last_hashes" (files before it) held std::hash's.
+  writer.AddInts("push_hashes", hashes);
   return writer;
 }
 
@@ -988,19 +994,21 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
   }
-  // The last step's replies (absent in files from before they were kept:
-  // then a retry of that step is refused, as it was).
+  // The last step's replies and the hashes of the pushes they answered:
+  // absent in files from before they were kept, and left out of files whose
+  // hashes are std::hash's ("last_hashes", before "push_hashes"); then a
+  // retry of that step is refused, as it was.
   const size_t parts = partitions_.size();
   std::vector<std::shared_ptr<const Reply>> last(parts);
   std::vector<int64_t> hashes;
   auto replies = reader->Bytes("last_replies");
   if (!replies.ok() && replies.status().code() != absl::StatusCode::kNotFound)
     return replies.status();
-  if (replies.ok()) {
+  if (replies.ok() && reader->Has("push_hashes")) {
     auto meta = reader->Ints("last_reply_meta", 2 * parts);
     if (!meta.ok()) return meta.status();
     auto read_hashes =
-        reader->Ints("last_hashes", uint64_t{parts} * job_.workers());
+        reader->Ints("push_hashes", uint64_t{parts} * job_.workers());
     if (!read_hashes.ok()) return read_hashes.status();
     hashes = *std::move(read_hashes);
     size_t at = 0;
@@ -1050,7 +1058,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->last_reply = last[i];
     p->history.clear();
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
-      p->last_hashes[r] = static_cast<size_t>(hashes[i * job_.workers() + r]);
+      p->last_hashes[r] = static_cast<uint64_t>(hashes[i * job_.workers() + r]);
     }
   }
   MutexLock progress(&progress_mu_);

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "compress/bytes_hash.h"
 #include "compress/lamb.h"
 #include "compress/sync.h"
 #include "compress/trace.h"
@@ -333,7 +334,7 @@ struct StepExchange::Call {
   // null for ReplayCompleted's re-sends, which go on through `replay_last`.
   bool replay = false;
   std::unique_ptr<Call> then;
-  size_t expected_hash = 0;
+  uint64_t expected_hash = 0;
   int64_t replay_last = -1;
 };
 
@@ -623,8 +624,8 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
       return;
     }
     absl::Status result = status;
-    if (result.ok() && std::hash<std::string>{}(done->reply.payload()) !=
-                           done->expected_hash) {
+    if (result.ok() &&
+        compress::BytesHash(done->reply.payload()) != done->expected_hash) {
       result = absl::InternalError(
           absl::StrCat("step ", done->request.step(),
                        " replayed on the restarted shard gave another reply "
@@ -689,7 +690,7 @@ void StepExchange::Deliver(std::unique_ptr<Call> done,
                             : std::string();
   if (result.ok() && client_->job_.replay_steps > 0) {
     client_->Retain(std::move(done->request),
-                    std::hash<std::string>{}(done->reply.payload()));
+                    compress::BytesHash(done->reply.payload()));
   }
   done.reset();
   int64_t restarted_from = -1;
@@ -792,7 +793,7 @@ absl::Status StepExchange::Finish(StepTraffic* traffic) {
   return error_;
 }
 
-void PushClient::Retain(v1::PushRequest request, size_t reply_hash) {
+void PushClient::Retain(v1::PushRequest request, uint64_t reply_hash) {
   const int64_t step = request.step();
   const uint32_t partition = request.partition();
   MutexLock lock(&retained_mu_);

@@ -301,11 +301,11 @@ class PushClient {
                             const StartCall& start);
   struct Retained {
     v1::PushRequest request;
-    size_t reply_hash = 0;
+    uint64_t reply_hash = 0;
   };
   // Keeps a completed push (its request, moved) and its reply's hash, and
   // drops pushes older than replay_steps before `request.step()`.
-  void Retain(v1::PushRequest request, size_t reply_hash);
+  void Retain(v1::PushRequest request, uint64_t reply_hash);
   // A copy of the retained push of (step, partition), if any.
   std::optional<Retained> Find(int64_t step, uint32_t partition) const;
   // Fetches every partition's x, m, v (into `model`, if given) and server

@@ -417,5 +417,77 @@ TEST(OneBitOptionsTest, AChunkedShardReplyHasTheBitsOfAWholeOne) {
   EXPECT_GT(blocks, 2 * 32768 / 64 + 3);
 }
 
+// The warmup's fp32 (or fp16, bf16) exchange a piece at a time: the shard's
+// average encoded while in cache (EncodeShardReply) and a reply applied
+// while in cache (Replica::ApplyReply) have the bits of the whole-partition
+// average, encode, decode and update, over several pieces and a short last
+// one starting inside the shard's buffer; a push of the wrong length is
+// refused with nothing written.
+TEST(OneBitOptionsTest, AWarmupExchangeInPiecesHasTheBitsOfAWholeOne) {
+  const uint64_t dim = 3 * 16384 + 1000, offset = 640;
+  for (CodecKind kind : {CodecKind::kFp32, CodecKind::kBf16}) {
+    SimulatorConfig c = OneBitConfig();
+    c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
+    c.warmup_codec = CodecSpec{kind};
+    const int64_t step = 1;
+    const SendRule up = PlanSend(c, step, Direction::kUp, 0, 0);
+    const SendRule down = PlanSend(c, step, Direction::kDown, c.workers, 0);
+    ASSERT_TRUE(!down.feedback && down.codec.kind == kind);
+    std::vector<std::vector<uint8_t>> pushes(
+        c.workers, std::vector<uint8_t>(PayloadBytes(up.codec, dim)));
+    for (uint32_t i = 0; i < c.workers; ++i) {
+      std::vector<float> g(dim);
+      for (uint64_t j = 0; j < dim; ++j)
+        g[j] = j % 97 == 0 ? -0.0f
+                           : std::sin(0.31f * static_cast<float>(j) + 0.9f * i);
+      ASSERT_TRUE(Encode(up.codec, g, {}, absl::MakeSpan(pushes[i])).ok());
+    }
+    std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
+    std::vector<float> average(dim);
+    ASSERT_TRUE(DecodeAverage(up.codec, views, absl::MakeSpan(average)).ok());
+    std::vector<uint8_t> whole(PayloadBytes(down.codec, dim)),
+        pieces(whole.size(), 0xCD);
+    ASSERT_TRUE(Encode(down.codec, average, {}, absl::MakeSpan(whole)).ok());
+    ErrorFeedback error(c.server_feedback, offset + dim, 64);
+    ASSERT_TRUE(EncodeShardReply(down, up.codec, views, error, offset, dim, {},
+                                 absl::MakeSpan(pieces))
+                    .ok());
+    ASSERT_EQ(whole, pieces) << CodecName(kind);
+    std::vector<uint8_t> short_push(pushes[1].begin(), pushes[1].end() - 1);
+    views[1] = short_push;
+    std::vector<uint8_t> untouched(pieces.size(), 0xCD);
+    EXPECT_EQ(EncodeShardReply(down, up.codec, views, error, offset, dim, {},
+                               absl::MakeSpan(untouched))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(untouched, std::vector<uint8_t>(pieces.size(), 0xCD));
+    // The reply applied in pieces against the whole decode and update.
+    Replica replica(c, {0, dim});
+    std::vector<float> x(dim), m(dim), v(dim);
+    for (uint64_t j = 0; j < dim; ++j) {
+      x[j] = replica.x()[j] = std::cos(0.3f * static_cast<float>(j));
+      m[j] = replica.mutable_m()[j] =
+          0.1f * std::sin(0.7f * static_cast<float>(j));
+      v[j] = replica.mutable_v()[j] = 1e-4f * static_cast<float>(1 + j % 5);
+    }
+    const ReplyRule rule = PlanReply(c, step);
+    ASSERT_TRUE(replica.ApplyReply(step, 0, dim, whole).ok());
+    std::vector<float> decoded(dim);
+    ASSERT_TRUE(Decode(rule.codec, whole, absl::MakeSpan(decoded)).ok());
+    ApplyRule(rule, absl::MakeSpan(decoded), absl::MakeSpan(x),
+              absl::MakeSpan(m), absl::MakeSpan(v));
+    EXPECT_EQ(std::memcmp(replica.x().data(), x.data(), 4 * dim), 0);
+    EXPECT_EQ(std::memcmp(replica.m().data(), m.data(), 4 * dim), 0);
+    EXPECT_EQ(std::memcmp(replica.v().data(), v.data(), 4 * dim), 0);
+    const uint64_t before = replica.Checksum();
+    EXPECT_EQ(replica
+                  .ApplyReply(step, 0, dim,
+                              absl::MakeSpan(whole).first(whole.size() - 1))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(replica.Checksum(), before);
+  }
+}
+
 }  // namespace
 }  // namespace morse::compress

@@ -20,8 +20,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   auto reader = morse::proto::CheckpointReader::Open(path);
   if (!reader.ok()) return 0;
-  for (const char* name : {"x", "m", "v", "server_error", "worker_error",
-                           "last_reply_meta", "last_hashes", "last_replies"}) {
+  for (const char* name :
+       {"x", "m", "v", "server_error", "worker_error", "last_reply_meta",
+        "push_hashes", "last_hashes", "last_replies"}) {
     for (uint64_t count :
          {uint64_t{0}, uint64_t{1}, uint64_t{16}, uint64_t{1} << 40}) {
       (void)reader->Floats(name, count);

@@ -5,11 +5,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <thread>
 #include <vector>
 
+#include "compress/fnv.h"
 #include "compress/lamb.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
@@ -717,6 +720,31 @@ TEST_F(ShardCoreTest, ARestoredShardAnswersRetriesAndAsksForAReplay) {
   for (uint32_t r = 0; r < 3; ++r) Push(Args(2, r, first()), &replayed);
   ASSERT_NE(replayed, nullptr);
   EXPECT_EQ(replayed->payload, step2->payload);
+
+  // A file from before push_hashes (its hashes were std::hash's, under
+  // "last_hashes"): restored without the last replies, so the retry is
+  // refused as for files from before they were kept, never compared.
+  std::string file;
+  {
+    std::ifstream in(path, std::ios::binary);
+    file.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const size_t at = file.find("push_hashes");
+  ASSERT_NE(at, std::string::npos);
+  file.replace(at, 11, "last_hashes");
+  compress::Fnv64 checksum;
+  checksum.MixWords(file.data(), file.size() - 8);
+  const uint64_t sum = checksum.value();
+  for (int b = 0; b < 8; ++b)
+    file[file.size() - 8 + b] = static_cast<char>(sum >> (8 * b));
+  { std::ofstream(path, std::ios::binary) << file; }
+  auto old = *ShardCore::Create(job_, 1);
+  ASSERT_TRUE(old->RestoreCheckpoint(path).ok());
+  std::swap(core_, old);
+  const absl::Status gone = Push(Args(1, 2, first()));
+  EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition) << gone;
+  EXPECT_NE(gone.message().find("its reply is gone"), absl::string_view::npos)
+      << gone;
 }
 
 // Periodic checkpoints are written off the step's thread: snapshots go to
