@@ -51,6 +51,17 @@ void ComputePool::Schedule(absl::AnyInvocable<void() &&> task) {
   std::move(task)();  // the pool is being destroyed: run it here, never drop it
 }
 
+void ComputePool::ScheduleBackground(absl::AnyInvocable<void() &&> task) {
+  {
+    MutexLock lock(&mu_);
+    if (!stopping_) {
+      background_.push_back(std::move(task));
+      return;
+    }
+  }
+  std::move(task)();
+}
+
 void ComputePool::ParallelFor(size_t n, absl::FunctionRef<void(size_t)> fn) {
   std::atomic<size_t> next{0};
   const auto take = [&] {
@@ -80,12 +91,15 @@ void ComputePool::Run() {
       MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
           +[](ComputePool* pool) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return pool->stopping_ || !pool->tasks_.empty();
+            return pool->stopping_ || !pool->tasks_.empty() ||
+                   !pool->background_.empty();
           },
           this));
-      if (tasks_.empty()) return;  // stopping, and nothing left to run
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+      std::deque<absl::AnyInvocable<void()&&>>& queue =
+          tasks_.empty() ? background_ : tasks_;
+      if (queue.empty()) return;  // stopping, and nothing left to run
+      task = std::move(queue.front());
+      queue.pop_front();
     }
     std::move(task)();
   }

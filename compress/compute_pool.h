@@ -3,7 +3,8 @@
 // application of its replies) so that it uses the host's cores instead of
 // gRPC's callback threads or the caller's (docs/design.md 7).
 //
-// Tasks start in the order they were scheduled, on whichever thread is free;
+// Tasks start in the order they were scheduled (background tasks after
+// every waiting foreground one), on whichever thread is free;
 // callers that need an order between two tasks must enforce it themselves
 // (the data path's tasks touch disjoint partitions, so results do not depend
 // on the thread count). The destructor runs every task already scheduled,
@@ -40,6 +41,11 @@ class ComputePool {
   ComputePool& operator=(const ComputePool&) = delete;
 
   void Schedule(absl::AnyInvocable<void() &&> task);
+  // A task that may wait: it starts only when no task of Schedule's is
+  // waiting (a shard's mirror update, which whatever reads the mirror
+  // brings up to date itself, behind the replies workers wait for). Run by
+  // the destructor like the others.
+  void ScheduleBackground(absl::AnyInvocable<void() &&> task);
   // Runs fn(i) for every i in [0, n), on the pool's threads and the
   // caller's, and returns once every call has returned. The caller takes
   // indices too, so the loop finishes even when the pool is busy with other
@@ -52,6 +58,7 @@ class ComputePool {
 
   Mutex mu_;
   std::deque<absl::AnyInvocable<void() &&>> tasks_ ABSL_GUARDED_BY(mu_);
+  std::deque<absl::AnyInvocable<void() &&>> background_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;
 };

@@ -486,10 +486,7 @@ void ShardCore::Answer(PartitionState& p, Completion c) {
       }
     }
   }
-  if (ok) {
-    MutexLock lock(&p.mu);
-    ApplyMirror(p);
-  }
+  if (ok) MirrorSoon(p);
 }
 
 int64_t ShardCore::NextExchange(const PartitionState& p) const {
@@ -748,7 +745,10 @@ void ShardCore::MirrorSoon(PartitionState& p) {
   if (pool_ == nullptr) {
     apply();
   } else {
-    pool_->Schedule(apply);
+    // Behind the sums and replies workers wait for; whatever reads the
+    // mirror first (the partition's next step, a checkpoint, a fetch, the
+    // observer) applies it itself, and then this finds nothing to do.
+    pool_->ScheduleBackground(apply);
   }
 }
 

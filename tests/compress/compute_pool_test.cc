@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -110,6 +111,46 @@ TEST(ComputePoolTest, TheFlagIsOneToATousandTwentyFourOrZeroForTheDefault) {
     EXPECT_NE(threads.status().message().find("--compute_threads"),
               std::string::npos);
   }
+}
+
+// A background task starts only when no foreground task waits: with the one
+// thread busy, a background task scheduled before two foreground ones runs
+// after both; and the destructor runs background tasks too.
+TEST(ComputePoolTest, BackgroundTasksWaitBehindForegroundOnes) {
+  Mutex mu;
+  std::vector<std::string> order;
+  Notification release;
+  {
+    ComputePool pool(1);
+    Notification started;
+    pool.Schedule([&] {
+      started.Notify();
+      release.WaitForNotification();
+      MutexLock lock(&mu);
+      order.push_back("first");
+    });
+    started.WaitForNotification();  // the thread is busy from here
+    pool.ScheduleBackground([&] {
+      MutexLock lock(&mu);
+      order.push_back("background");
+    });
+    for (const char* name : {"second", "third"}) {
+      pool.Schedule([&, name] {
+        MutexLock lock(&mu);
+        order.push_back(name);
+      });
+    }
+    release.Notify();
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"first", "second", "third",
+                                             "background"}));
+  std::atomic<int> ran{0};
+  {
+    ComputePool pool(2);
+    for (int i = 0; i < 100; ++i)
+      pool.ScheduleBackground([&ran] { ran.fetch_add(1); });
+  }
+  EXPECT_EQ(ran.load(), 100);
 }
 
 }  // namespace
