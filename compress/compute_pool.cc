@@ -32,12 +32,16 @@ ComputePool::ComputePool(int threads) {
   for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
 }
 
-ComputePool::~ComputePool() {
+ComputePool::~ComputePool() { Stop(); }
+
+void ComputePool::Stop() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
   }
-  for (std::thread& t : threads_) t.join();
+  for (std::thread& t : threads_) {
+    if (t.joinable()) t.join();
+  }
 }
 
 void ComputePool::Schedule(absl::AnyInvocable<void() &&> task) {

@@ -36,7 +36,7 @@ class ComputePool {
 
   // `threads` >= 1.
   explicit ComputePool(int threads);
-  ~ComputePool();
+  ~ComputePool();  // Stop()
   ComputePool(const ComputePool&) = delete;
   ComputePool& operator=(const ComputePool&) = delete;
 
@@ -46,6 +46,11 @@ class ComputePool {
   // brings up to date itself, behind the replies workers wait for). Run by
   // the destructor like the others.
   void ScheduleBackground(absl::AnyInvocable<void() &&> task);
+  // Runs every task already scheduled and joins the threads; from then on a
+  // task scheduled runs on the caller's thread. For an owner whose tasks
+  // still reach the pool through it while it stops (the destructor calls
+  // it too). Not from a task of this pool; idempotent.
+  void Stop();
   // Runs fn(i) for every i in [0, n), on the pool's threads and the
   // caller's, and returns once every call has returned. The caller takes
   // indices too, so the loop finishes even when the pool is busy with other

@@ -148,7 +148,9 @@ ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
 }
 
 ShardCore::~ShardCore() {
-  pool_.reset();  // completes what is scheduled while the partitions exist
+  // Completes what is scheduled while the partitions exist. Stop, not
+  // reset: the tasks it runs read pool_ (MirrorSoon) meanwhile.
+  if (pool_ != nullptr) pool_->Stop();
 }
 
 absl::Status ShardCore::CheckCommon(uint32_t rank, uint32_t partition,

@@ -153,5 +153,25 @@ TEST(ComputePoolTest, BackgroundTasksWaitBehindForegroundOnes) {
   EXPECT_EQ(ran.load(), 100);
 }
 
+// Stop runs what is scheduled, including what those tasks schedule, and
+// joins; afterwards a task runs on the caller's thread at once; the
+// destructor then has nothing left to do.
+TEST(ComputePoolTest, StopRunsEverythingAndThenRunsTasksInline) {
+  std::atomic<int> ran{0};
+  ComputePool pool(2);
+  for (int i = 0; i < 50; ++i) {
+    pool.Schedule([&] {
+      ran.fetch_add(1);
+      pool.ScheduleBackground([&ran] { ran.fetch_add(1); });
+    });
+  }
+  pool.Stop();
+  EXPECT_EQ(ran.load(), 100);
+  std::thread::id where;
+  pool.Schedule([&where] { where = std::this_thread::get_id(); });
+  EXPECT_EQ(where, std::this_thread::get_id());
+  pool.Stop();  // idempotent
+}
+
 }  // namespace
 }  // namespace morse::compress
