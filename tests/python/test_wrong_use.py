@@ -144,6 +144,28 @@ def main():
                                      servers=[address], config=base)
         expect(MorseError, "only 1 of 2 workers joined", opt.step)
 
+    # The session's batched send (what backward()'s hooks call): outside a
+    # step, an unknown partition, or a CUDA stream for a host session are
+    # refused with their canonical codes, and the step still works after.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    with server(base) as address:
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=base, overlap=False)
+        session = opt._session
+        expect(MorseError, "FAILED_PRECONDITION: no step in progress",
+               lambda: session.send_partitions([0]))
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+        session.begin(opt._flat_grad.numpy())
+        expect(MorseError, "INVALID_ARGUMENT: no partition 7", lambda: session.send_partitions([7]))
+        expect(MorseError, "FAILED_PRECONDITION: the session keeps its model on the host",
+               lambda: session.send_partitions([0], stream=1))
+        session.send_partitions([])  # nothing to send is no error
+        session.send_partitions([0])
+        session.finish()
+        check(opt.step_index == 2, f"the step after the refusals completed: {opt.step_index}")
+
     # A non-finite gradient: the error names the parameter, the step and
     # phase, and what to try.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")

@@ -280,24 +280,25 @@ int morse_session_begin_device(morse_session* s) {
   });
 }
 
-int morse_session_send_partition(morse_session* s, uint32_t partition) {
+int morse_session_send_partitions(morse_session* s, const uint32_t* partitions,
+                                  uint32_t count, void* stream) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    return s->session->SendPartition(partition);
-  });
-}
-
-int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition,
-                                           void* stream) {
-  return Guard([&]() -> absl::Status {
-    if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    if (s->session->engine().kind() == "cpu") {
-      return absl::FailedPreconditionError(
-          "the session keeps its model on the host (morse_session_use_cuda)");
+    if (count > 0 && partitions == nullptr)
+      return absl::InvalidArgumentError("no partition array");
+    if (stream != nullptr) {
+      if (s->session->engine().kind() == "cpu") {
+        return absl::FailedPreconditionError(
+            "the session keeps its model on the host (morse_session_use_cuda)");
+      }
+      if (absl::Status st = s->session->engine().WaitFor(stream); !st.ok())
+        return st;
     }
-    if (absl::Status st = s->session->engine().WaitFor(stream); !st.ok())
-      return st;
-    return s->session->SendPartition(partition);
+    for (uint32_t i = 0; i < count; ++i) {
+      if (absl::Status st = s->session->SendPartition(partitions[i]); !st.ok())
+        return st;
+    }
+    return absl::OkStatus();
   });
 }
 

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 3
+#define MORSE_CAPI_VERSION 4
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -93,9 +93,12 @@ int morse_session_received_buffers(morse_session* s, void* out,
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);
-int morse_session_send_partition(morse_session* s, uint32_t partition);
-int morse_session_send_partition_on_stream(morse_session* s, uint32_t partition,
-                                           void* stream);
+/* Pushes the `count` partitions in order (Session::SendPartition). stream:
+ * NULL, or a CUDA stream (a device session's) whose queued work their
+ * encodes wait for, waited for once. One call for what one backward() hook
+ * completes. */
+int morse_session_send_partitions(morse_session* s, const uint32_t* partitions,
+                                  uint32_t count, void* stream);
 int morse_session_finish(morse_session* s, morse_step_traffic* traffic);
 
 /* The partitions as [begin, end) pairs: ranges gets 2 * capacity values;

@@ -64,8 +64,7 @@ def _load():
         "morse_session_received_buffers": ([P, P, U64, ctypes.POINTER(U64)], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
-        "morse_session_send_partition": ([P, U32], I),
-        "morse_session_send_partition_on_stream": ([P, U32, P], I),
+        "morse_session_send_partitions": ([P, ctypes.POINTER(U32), U32, P], I),
         "morse_session_finish": ([P, ctypes.POINTER(_Traffic)], I),
         "morse_session_partitions": ([P, ctypes.POINTER(U64), U64, ctypes.POINTER(U64)], I),
         "morse_session_step": ([P], I64),
@@ -104,9 +103,9 @@ def _load():
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
-    if lib.morse_capi_version() != 3:
+    if lib.morse_capi_version() != 4:
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 3")
+                         "this package needs 4")
     _lib = lib
     return lib
 
@@ -218,11 +217,11 @@ class Session:
     def begin_device(self):
         _check(_lib.morse_session_begin_device(self._handle))
 
-    def send_partition(self, partition, stream=None):
-        if stream is None:
-            _check(_lib.morse_session_send_partition(self._handle, partition))
-        else:
-            _check(_lib.morse_session_send_partition_on_stream(self._handle, partition, stream))
+    def send_partitions(self, partitions, stream=None):
+        """The partitions in order, in one call (stream: a CUDA stream
+        handle whose queued work the encodes wait for, or None)."""
+        ids = (ctypes.c_uint32 * len(partitions))(*partitions)
+        _check(_lib.morse_session_send_partitions(self._handle, ids, len(partitions), stream))
 
     def finish(self):
         traffic = _Traffic()

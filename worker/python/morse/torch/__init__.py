@@ -368,13 +368,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._pending is None:
             self._begin()
             self._pending = list(self._waiting_for)
+        ready = []
         for q in self._touches[i]:
             self._pending[q] -= 1
             if self._pending[q] == 0:
-                self._send(q)
-                if self._snapshot is not None:
-                    b, e = self._partitions[q]
-                    self._snapshot[b:e].copy_(self._flat_grad[b:e])
+                ready.append(q)
+        self._send(ready)
+        if self._snapshot is not None:
+            for q in ready:
+                b, e = self._partitions[q]
+                self._snapshot[b:e].copy_(self._flat_grad[b:e])
         self._grad_version = self._flat_grad._version
 
     def _edited_after_backward_first(self):
@@ -509,16 +512,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
                   + "; a loss that is already Inf or NaN (check it before step())")
         return MorseError(f"{error}\n  at step {step} ({phase}): {where}\n  {advice}")
 
-    def _send(self, q):
+    def _send(self, partitions):
+        """Pushes the partitions (ids, in order) in one call."""
+        if not partitions:
+            return
         if self._cuda:
-            # The encode waits for the gradient work queued on the stream
+            # The encodes wait for the gradient work queued on the stream
             # that produced it; the host does not block.
             with torch.cuda.device(self._device):
                 with self._explained():
-                    self._session.send_partition(q, torch.cuda.current_stream(self._device).cuda_stream)
+                    self._session.send_partitions(
+                        partitions, torch.cuda.current_stream(self._device).cuda_stream)
         else:
             with self._explained():
-                self._session.send_partition(q)
+                self._session.send_partitions(partitions)
 
     def _restore_views(self):
         # Someone may have replaced a .grad (set_to_none, or an assignment);
@@ -591,9 +598,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         elif self._follow_groups and self._group_hyper() != self._sent_hyper:
             changed = self._group_hyper()  # the overlap hooks pushed at backward() time
         if self._cuda:
-            for q in range(len(self._partitions)):
-                if self._pending is None or self._pending[q] > 0:
-                    self._send(q)
+            self._send([q for q in range(len(self._partitions))
+                        if self._pending is None or self._pending[q] > 0])
         self._pending = None
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
