@@ -34,7 +34,7 @@ struct ShardCore::PartitionState {
   int64_t next_step ABSL_GUARDED_BY(mu) = 0;  // steps completed
   // The pending step next_step:
   std::vector<std::optional<std::string>> pushes ABSL_GUARDED_BY(mu);
-  std::vector<uint64_t> push_hashes ABSL_GUARDED_BY(mu);  // HashBytes(push)
+  std::vector<uint64_t> push_hashes ABSL_GUARDED_BY(mu);  // BytesHash of each
   uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
   absl::Time first_arrival ABSL_GUARDED_BY(mu);
   // The step's lr and weight decay as the first push carried them (every
@@ -89,14 +89,6 @@ struct ShardCore::PartitionState {
     buffers.clear();
   }
 };
-
-namespace {
-
-uint64_t HashBytes(absl::string_view bytes) {
-  return compress::BytesHash(bytes);
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(
     const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit,
@@ -250,7 +242,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   PartitionState& p = *partitions_[args.partition -
                                    layout_.shard_partitions(shard_).front().id];
   // On this push's thread while its bytes are in cache, outside the lock.
-  const uint64_t hash = HashBytes(args.payload);
+  const uint64_t hash = compress::BytesHash(args.payload);
   std::shared_ptr<const Reply> reply;  // a retry's
   Completion completion;               // the step this push completed, inline
   bool schedule = false;               // ... or on the pool
