@@ -94,6 +94,9 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   if (request.has_previous_grad_sum_of_squares()) {
     args.previous_grad_sum_of_squares = request.previous_grad_sum_of_squares();
   }
+  if (request.has_previous_clip_max_norm())
+    args.previous_clip_max_norm = request.previous_clip_max_norm();
+  args.workers_clip = request.workers_clip();
   (*core)->Push(std::move(args), std::move(done));
 }
 
@@ -185,6 +188,10 @@ absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
   absl::StatusOr<ShardCore*> core = Core();
   if (!core.ok()) return core.status();
   if (request.lamb_commit_size() > 0) {
+    if (request.has_clip_max_norm()) {
+      return absl::InvalidArgumentError(
+          "a commit holds layer coefficients or a clip's max_norm, not both");
+    }
     return (*core)->CommitLamb(
         request.rank(), request.step(), request.layout_fingerprint(),
         std::vector<double>(request.lamb_commit().begin(),
@@ -192,7 +199,10 @@ absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
   }
   return (*core)->Commit(request.rank(), request.step(),
                          request.layout_fingerprint(),
-                         request.grad_sum_of_squares());
+                         request.grad_sum_of_squares(),
+                         request.has_clip_max_norm()
+                             ? std::optional<float>(request.clip_max_norm())
+                             : std::nullopt);
 }
 
 absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request,

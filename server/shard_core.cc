@@ -59,6 +59,11 @@ struct ShardCore::PartitionState {
   bool awaiting_commit ABSL_GUARDED_BY(mu) = false;
   std::optional<double> committed_norm
       ABSL_GUARDED_BY(mu);  // the sum of squares
+  std::optional<float> committed_max_norm ABSL_GUARDED_BY(mu);
+  // The pushes of the step in flight said workers_clip (the first one's
+  // word; the others must agree), and those of the last completed step.
+  bool workers_clip ABSL_GUARDED_BY(mu) = false;
+  bool last_workers_clip ABSL_GUARDED_BY(mu) = false;
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
   // onebit_lamb: every layer's state after the partition's last applied
@@ -86,6 +91,7 @@ struct ShardCore::PartitionState {
     arrived = 0;
     completing = false;
     hyper.reset();
+    workers_clip = false;
     buffers.clear();
   }
 };
@@ -353,6 +359,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       };
       bool commits = false;
       StepCommit carried{args.previous_grad_sum_of_squares,
+                         args.previous_clip_max_norm,
                          std::move(args.previous_lamb_commit)};
       if (carried.grad_sum_of_squares.has_value() || !carried.lamb.empty()) {
         if (absl::Status s =
@@ -376,6 +383,20 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
                       "has not arrived: rank ",
                       args.rank, "'s push of step ", args.step,
                       " must carry it (previous_grad_sum_of_squares)")));
+      }
+      if (p.arrived > 0 && p.workers_clip != args.workers_clip) {
+        return reject(absl::FailedPreconditionError(absl::StrCat(
+            "rank ", args.rank, "'s push of step ", args.step, " says the ",
+            "workers ", args.workers_clip ? "clip" : "do not clip",
+            " its averaged gradient (clip_grad_norm_ after backward()), rank ",
+            p.hyper_rank, "'s says they ", p.workers_clip ? "do" : "do not",
+            "; every worker must call clip_grad_norm_ alike")));
+      }
+      if (args.workers_clip && job_.algorithm.clip_grad_norm > 0) {
+        return reject(absl::InvalidArgumentError(absl::StrCat(
+            "rank ", args.rank, " clips step ", args.step,
+            " by a max_norm of its own, but the job clips by clip_grad_norm ",
+            job_.algorithm.clip_grad_norm)));
       }
       if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
         return reject(absl::FailedPreconditionError(
@@ -401,6 +422,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
           p.first_arrival = absl::Now();
           p.hyper = args.hyper;
           p.hyper_rank = args.rank;
+          p.workers_clip = args.workers_clip;
         }
         slot = std::move(args.payload);
         p.push_hashes[args.rank] = hash;
@@ -575,7 +597,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
       rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
   absl::Status status = compress::EncodeShardReply(
       rule, plan.up, views, server_error_, offset, n, mask_v, payload);
-  const bool clips = compress::ClipsAverage(job_.algorithm, step);
+  const bool clips =
+      compress::ClipsAverage(job_.algorithm, step) || p.workers_clip;
   if (status.ok() && clips) {
     // The norm every replica computes from the decoded reply, not from the
     // average (a lossy codec changes it).
@@ -586,6 +609,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
       reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
   }
   std::vector<uint64_t> hashes = p.push_hashes;
+  const bool workers_clip = p.workers_clip;
   p.ClearPending();
   if (!status.ok()) {
     return absl::InternalError(
@@ -607,6 +631,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   p.awaiting_commit =
       clips || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
   p.committed_norm.reset();
+  p.committed_max_norm.reset();
+  p.last_workers_clip = workers_clip;
   p.committed_lamb.clear();
   p.mirror_scale = 1.0f;
   return std::shared_ptr<const Reply>(std::move(reply));
@@ -643,7 +669,8 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
   const char* what =
       lamb ? "onebit_lamb's layer coefficients" : "the gradient norm";
   if (lamb) {
-    if (commit.grad_sum_of_squares.has_value()) {
+    if (commit.grad_sum_of_squares.has_value() ||
+        commit.clip_max_norm.has_value()) {
       return absl::InvalidArgumentError(
           "a commit holds a gradient norm or layer coefficients, not both");
     }
@@ -665,6 +692,12 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", rank, ": the gradient's sum of squares ", total,
                        " must be finite and not negative"));
+    }
+    if (commit.clip_max_norm.has_value() &&
+        !(std::isfinite(*commit.clip_max_norm) && *commit.clip_max_norm >= 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, ": the clip's max_norm ", *commit.clip_max_norm,
+          " must be finite and not negative"));
     }
   }
   if (step >= p.next_step) {
@@ -689,12 +722,21 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
     return absl::OkStatus();
   }
   const double total = *commit.grad_sum_of_squares;
-  if (!compress::ClipsAverage(job_.algorithm, step)) {
+  if (!compress::ClipsAverage(job_.algorithm, step) && !p.last_workers_clip) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " sent a gradient norm for step ", step,
         ", which does not clip the averaged gradient (clip_grad_norm ",
         job_.algorithm.clip_grad_norm, ", ",
-        compress::PhaseName(job_.algorithm, step), " phase)"));
+        compress::PhaseName(job_.algorithm, step),
+        " phase, and its pushes did not say workers_clip)"));
+  }
+  if (p.last_workers_clip != commit.clip_max_norm.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", rank, "'s commit of step ", step,
+        p.last_workers_clip ? " has no max_norm, which the step's pushes "
+                              "said the workers would choose (workers_clip)"
+                            : " has a max_norm, but the job's clip_grad_norm "
+                              "clips that step"));
   }
   if (p.committed_norm.has_value()) {
     if (std::memcmp(&*p.committed_norm, &total, sizeof(double)) != 0) {
@@ -703,6 +745,14 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
                        " as the gradient's sum of squares at step ", step,
                        " but ", *p.committed_norm,
                        " was sent before; every worker adds the same replies"));
+    }
+    if (p.committed_max_norm.has_value() &&
+        std::memcmp(&*p.committed_max_norm, &*commit.clip_max_norm,
+                    sizeof(float)) != 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank, " clipped step ", step, " by max_norm ",
+                       *commit.clip_max_norm, " but ", *p.committed_max_norm,
+                       " was sent before; every worker must clip alike"));
     }
     return absl::OkStatus();
   }
@@ -723,8 +773,10 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
 void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
   if (commit.grad_sum_of_squares.has_value()) {
     p.committed_norm = *commit.grad_sum_of_squares;
-    p.mirror_scale = compress::ClipScale(*commit.grad_sum_of_squares,
-                                         job_.algorithm.clip_grad_norm);
+    p.committed_max_norm = commit.clip_max_norm;
+    p.mirror_scale = compress::ClipScale(
+        *commit.grad_sum_of_squares,
+        commit.clip_max_norm.value_or(job_.algorithm.clip_grad_norm));
   } else {
     p.committed_lamb = commit.lamb;
   }
@@ -747,8 +799,10 @@ void ShardCore::MirrorSoon(PartitionState& p) {
 }
 
 absl::Status ShardCore::Commit(uint32_t rank, int64_t step,
-                               uint64_t layout_fingerprint, double total) {
-  return CommitStep(rank, step, layout_fingerprint, StepCommit{total, {}});
+                               uint64_t layout_fingerprint, double total,
+                               std::optional<float> clip_max_norm) {
+  return CommitStep(rank, step, layout_fingerprint,
+                    StepCommit{total, clip_max_norm, {}});
 }
 
 absl::Status ShardCore::CommitLamb(uint32_t rank, int64_t step,
@@ -757,7 +811,7 @@ absl::Status ShardCore::CommitLamb(uint32_t rank, int64_t step,
   if (commit.empty())
     return absl::InvalidArgumentError("an empty onebit_lamb commit");
   return CommitStep(rank, step, layout_fingerprint,
-                    StepCommit{std::nullopt, std::move(commit)});
+                    StepCommit{std::nullopt, std::nullopt, std::move(commit)});
 }
 
 absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step,
@@ -1047,6 +1101,8 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->mirror_pending = false;
     p->awaiting_commit = false;
     p->committed_norm.reset();
+    p->committed_max_norm.reset();
+    p->last_workers_clip = false;
     p->committed_lamb.clear();
     if (!lamb_layers.empty()) p->lamb_layers = lamb_layers;
     p->last_reply = last[i];
@@ -1190,6 +1246,8 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   p.mirror_pending = false;
   p.awaiting_commit = false;
   p.committed_norm.reset();
+  p.committed_max_norm.reset();
+  p.last_workers_clip = false;
   p.committed_lamb.clear();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);

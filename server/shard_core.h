@@ -58,8 +58,13 @@ struct PushArgs {
   // The previous step's sum of squares of the averaged gradient over the
   // whole model, when that step clipped it (Commit).
   std::optional<double> previous_grad_sum_of_squares;
+  // The previous step's max_norm, when the workers chose it (workers_clip).
+  std::optional<float> previous_clip_max_norm;
   // onebit_lamb: the previous step's commit (CommitLamb).
   std::vector<double> previous_lamb_commit;
+  // The workers clip this step's averaged gradient by a max_norm they
+  // commit after it (morse.proto PushRequest.workers_clip).
+  bool workers_clip = false;
 };
 
 // What the workers commit after a step whose mirror update needs the whole
@@ -67,6 +72,8 @@ struct PushArgs {
 // onebit_lamb's per-layer coefficients and state (compress/lamb.h).
 struct StepCommit {
   std::optional<double> grad_sum_of_squares;
+  // With it, in a step whose pushes said workers_clip: their max_norm.
+  std::optional<float> clip_max_norm;
   std::vector<double> lamb;
 };
 
@@ -162,7 +169,9 @@ class ShardCore {
   absl::Status Abort(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                      absl::string_view reason);
   // Gradient clipping: the sum of squares over the whole model of step
-  // `step`'s averaged gradient (compress::ClipsAverage), which the mirror
+  // `step`'s averaged gradient (compress::ClipsAverage, or a step whose
+  // pushes said workers_clip: then with the workers' `clip_max_norm`, which
+  // such a step needs and no other takes), which the mirror
   // needs before it can apply that step; until then checkpoints and
   // FetchPartition wait (FAILED_PRECONDITION / UNAVAILABLE) and the step
   // observer is not called. Every push of the next step carries it too.
@@ -170,10 +179,11 @@ class ShardCore {
   // does not clip, or a total that differs from the one already committed
   // or is below a partition's own (a step not completed yet: with
   // kNextStepPayload, the steps completed); INVALID_ARGUMENT for a negative
-  // or non-finite total. Nothing changes on any error; the same commit
-  // again is OK.
+  // or non-finite total or max_norm. Nothing changes on any error; the same
+  // commit again is OK.
   absl::Status Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
-                      double grad_sum_of_squares);
+                      double grad_sum_of_squares,
+                      std::optional<float> clip_max_norm = std::nullopt);
   // onebit_lamb's commit of step `step` (compress::Replica::LambStep: each
   // layer's coefficient and state after the step), which the mirror needs
   // to move x; as Commit otherwise (every step of onebit_lamb waits for

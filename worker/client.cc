@@ -740,6 +740,10 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
   }
   for (double value : extras_.previous_lamb_commit)
     call->request.add_previous_lamb_commit(value);
+  if (extras_.previous_clip_max_norm.has_value()) {
+    call->request.set_previous_clip_max_norm(*extras_.previous_clip_max_norm);
+  }
+  call->request.set_workers_clip(extras_.workers_clip);
   if (extras_.previous_grad_sum_of_squares.has_value()) {
     call->request.set_previous_grad_sum_of_squares(
         *extras_.previous_grad_sum_of_squares);
@@ -920,22 +924,25 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
       });
 }
 
-absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares) {
-  return SendCommit(step, grad_sum_of_squares, {});
+absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares,
+                                std::optional<float> clip_max_norm) {
+  return SendCommit(step, grad_sum_of_squares, clip_max_norm, {});
 }
 
 absl::Status PushClient::CommitLamb(int64_t step,
                                     absl::Span<const double> commit) {
-  return SendCommit(step, 0.0, commit);
+  return SendCommit(step, 0.0, std::nullopt, commit);
 }
 
 absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
+                                    std::optional<float> clip_max_norm,
                                     absl::Span<const double> lamb) {
   v1::CommitRequest request;
   request.set_rank(rank_);
   request.set_step(step);
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_grad_sum_of_squares(grad_sum_of_squares);
+  if (clip_max_norm.has_value()) request.set_clip_max_norm(*clip_max_norm);
   for (double value : lamb) request.add_lamb_commit(value);
   const char* what = lamb.empty() ? "committing the gradient norm to"
                                   : "committing the layer coefficients to";

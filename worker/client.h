@@ -66,8 +66,13 @@ struct StepExtras {
   // The previous step's sum of squares of the averaged gradient, when that
   // step clipped it (morse.proto Commit).
   std::optional<double> previous_grad_sum_of_squares;
+  // With it, when the workers chose that step's max_norm.
+  std::optional<float> previous_clip_max_norm;
   // onebit_lamb: the previous step's commit (morse.proto CommitRequest).
   std::vector<double> previous_lamb_commit;
+  // The workers clip this step's averaged gradient by a max_norm they
+  // commit after it (morse.proto PushRequest.workers_clip).
+  bool workers_clip = false;
 };
 
 // One step's exchange, sent partition by partition: Send waits for a slot
@@ -268,8 +273,10 @@ class PushClient {
   absl::Status Abort(int64_t step, const std::string& reason);
 
   // Sends step `step`'s sum of squares of the averaged gradient to every
-  // shard (ShardCore::Commit) and waits for them all.
-  absl::Status Commit(int64_t step, double grad_sum_of_squares);
+  // shard (ShardCore::Commit) and waits for them all; with the workers'
+  // max_norm when the step's pushes said workers_clip.
+  absl::Status Commit(int64_t step, double grad_sum_of_squares,
+                      std::optional<float> clip_max_norm = std::nullopt);
   // onebit_lamb: step `step`'s layer coefficients and state
   // (compress::Replica::LambStep; ShardCore::CommitLamb), likewise.
   absl::Status CommitLamb(int64_t step, absl::Span<const double> commit);
@@ -286,6 +293,7 @@ class PushClient {
  private:
   friend class StepExchange;
   absl::Status SendCommit(int64_t step, double grad_sum_of_squares,
+                          std::optional<float> clip_max_norm,
                           absl::Span<const double> lamb);
   using StartCall = std::function<void(
       uint32_t shard, const CallOptions& options, Transport::Done done)>;

@@ -233,8 +233,18 @@ absl::Status Session::BeginStep() {
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);
   step_hyper_ = hyper_;
-  clips_average_ = compress::ClipsAverage(job_.algorithm, step_);
-  clips_locally_ = compress::ClipsLocally(job_.algorithm, step_);
+  // The workers' own max_norm (SetStepClipping): the average's clip in a
+  // step that has one, each worker's own gradient's in a compressing step
+  // (as clip_grad_norm does).
+  workers_clip_ = clip_at_step_;
+  max_norm_ = job_.algorithm.clip_grad_norm;
+  clipped_ = false;
+  waited_.reset();
+  waited_traffic_ = StepTraffic{};
+  clips_average_ = compress::ClipsAverage(job_.algorithm, step_) ||
+                   (workers_clip_ && !plan_.compressing);
+  clips_locally_ = compress::ClipsLocally(job_.algorithm, step_) ||
+                   (workers_clip_ && plan_.compressing);
   local_scale_.reset();
   deferred_.reset();
   // zero_one_adam's local phase: a local step that does not sync, or whose
@@ -288,7 +298,8 @@ void Session::StartExchange() {
                                    hyper.has_value() ? &*hyper : nullptr);
       },
       StepExtras{step_hyper_, std::move(buffers_),
-                 previous_grad_sum_of_squares_, previous_lamb_commit_},
+                 previous_grad_sum_of_squares_, previous_clip_max_norm_,
+                 previous_lamb_commit_, workers_clip_ && clips_average_},
       /*parallel_encode=*/true);
   buffers_.clear();
 }
@@ -297,10 +308,10 @@ absl::Status Session::LocalStep() {
   trace::Scope traced("local step", step_);
   local_pending_ = false;
   float scale = 1.0f;
-  if (clips_locally_) {
+  if (clips_locally_ && max_norm_ > 0) {
     absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
     if (!sum_of_squares.ok()) return sum_of_squares.status();
-    scale = compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
+    scale = compress::ClipScale(*sum_of_squares, max_norm_);
   }
   const absl::StatusOr<float> lr_sum = engine_->LocalStep(
       step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale,
@@ -347,6 +358,106 @@ absl::Status Session::SendPartition(uint32_t partition) {
   return absl::OkStatus();
 }
 
+absl::Status Session::SetStepClipping(bool on) {
+  if (on && job_.algorithm.clip_grad_norm > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the job clips every step by its clip_grad_norm ",
+        job_.algorithm.clip_grad_norm, "; the workers cannot choose another"));
+  }
+  clip_at_step_ = on;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Session::ClipAt(float max_norm) {
+  if (!InStep())
+    return absl::FailedPreconditionError("no step in progress (call Begin)");
+  if (!failed_.ok()) return failed_;
+  if (!workers_clip_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step_,
+                     " began without the workers' clipping (SetStepClipping)"));
+  }
+  if (clipped_) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("step ", step_, " was clipped already"));
+  }
+  if (!(std::isfinite(max_norm) && max_norm >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_norm ", max_norm, ": finite and not negative (0: no clip)"));
+  }
+  clipped_ = true;
+  max_norm_ = max_norm;
+  if (clips_locally_) {
+    // This worker's own gradient (a compressing step): its pushes waited
+    // for this; a zero_one_adam local step waits for Finish.
+    absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
+    if (!sum_of_squares.ok()) return Fail(sum_of_squares.status());
+    if (!local_pending_) {
+      local_scale_ = compress::ClipScale(*sum_of_squares, max_norm_);
+      for (uint32_t p = 0; p < sent_.size(); ++p) {
+        if (absl::Status s = SendPartition(p); !s.ok()) return s;
+      }
+    }
+    return *sum_of_squares;
+  }
+  // The averaged gradient: every reply's norm.
+  if (absl::Status s = SendAndWait(); !s.ok()) return s;
+  absl::StatusOr<std::optional<double>> sum = RepliesSumOfSquares();
+  if (!sum.ok()) return Fail(sum.status());
+  return sum->value_or(0.0);
+}
+
+absl::Status Session::SendAndWait() {
+  if (waited_.has_value()) return *waited_;
+  absl::Status status;
+  if (clips_locally_ && !local_scale_.has_value()) {
+    absl::StatusOr<double> sum_of_squares =
+        max_norm_ > 0 ? engine_->GradientSumOfSquares()
+                      : absl::StatusOr<double>(0.0);
+    if (sum_of_squares.ok()) {
+      local_scale_ = compress::ClipScale(*sum_of_squares, max_norm_);
+    } else {
+      status = sum_of_squares.status();
+    }
+  }
+  for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p)
+    status = SendPartition(p);
+  absl::Status finished;
+  {
+    trace::Scope traced("wait for replies", step_);
+    finished = exchange_->Finish(&waited_traffic_);
+  }
+  if (!status.ok()) {
+    finished = Fail(status);  // this worker's own failure comes first
+  } else if (!finished.ok()) {
+    finished =
+        Fail(absl::Status(finished.code(), absl::StrCat("step ", step_, ": ",
+                                                        finished.message())));
+  }
+  waited_ = finished;
+  return finished;
+}
+
+absl::StatusOr<std::optional<double>> Session::RepliesSumOfSquares() const {
+  std::optional<double> sum_of_squares;
+  for (const compress::Partition& p : layout_.partitions()) {
+    const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
+    if (!reply.has_value()) {
+      return absl::InternalError(
+          absl::StrCat("step ", step_, ": no reply for partition ", p.id));
+    }
+    if (!clips_average_) continue;
+    if (!reply->grad_sum_of_squares.has_value()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step_, ": the reply of partition ", p.id,
+                       " has no gradient norm; is its "
+                       "server older than this worker?"));
+    }
+    sum_of_squares = sum_of_squares.value_or(0.0) + *reply->grad_sum_of_squares;
+  }
+  return sum_of_squares;
+}
+
 absl::Status Session::Fail(absl::Status status) {
   if (!failed_.ok()) return status;  // the job was stopped at the first failure
   failed_ = status;
@@ -377,56 +488,20 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       return absl::OkStatus();
     }
   }
-  absl::Status status;
-  if (clips_locally_ && !local_scale_.has_value()) {
-    absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
-    if (sum_of_squares.ok()) {
-      local_scale_ =
-          compress::ClipScale(*sum_of_squares, job_.algorithm.clip_grad_norm);
-    } else {
-      status = sum_of_squares.status();
-    }
-  }
-  for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p)
-    status = SendPartition(p);
-  absl::Status finished;
-  {
-    trace::Scope traced("wait for replies", step_);
-    finished = exchange_->Finish(traffic);
-  }
+  absl::Status finished = SendAndWait();
+  StepTraffic waited_traffic = waited_traffic_;
   received_buffers_ = exchange_->TakeReceivedBuffers();
   exchange_.reset();
-  if (!status.ok())
-    return Fail(status);  // this worker's own failure comes first
-  if (!finished.ok()) {
-    return Fail(
-        absl::Status(finished.code(),
-                     absl::StrCat("step ", step_, ": ", finished.message())));
-  }
+  if (traffic != nullptr) *traffic = waited_traffic;
+  if (!finished.ok()) return finished;
   std::optional<double> sum_of_squares;
   if (deferred_ != nullptr) {
-    for (const compress::Partition& p : layout_.partitions()) {
-      const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
-      if (!reply.has_value()) {
-        return Fail(absl::InternalError(
-            absl::StrCat("step ", step_, ": no reply for partition ", p.id)));
-      }
-      if (clips_average_) {
-        if (!reply->grad_sum_of_squares.has_value()) {
-          return Fail(absl::FailedPreconditionError(
-              absl::StrCat("step ", step_, ": the reply of partition ", p.id,
-                           " has no gradient norm; is its "
-                           "server older than this worker?")));
-        }
-        sum_of_squares =
-            sum_of_squares.value_or(0.0) + *reply->grad_sum_of_squares;
-      }
-    }
+    absl::StatusOr<std::optional<double>> sum = RepliesSumOfSquares();
+    if (!sum.ok()) return Fail(sum.status());
+    sum_of_squares = *sum;
     // The averaged gradient's clip factor needs every partition's norm.
-    const float scale = clips_average_
-                            ? compress::ClipScale(*sum_of_squares,
-                                                  job_.algorithm.clip_grad_norm)
-                            : 1.0f;
+    const float scale =
+        clips_average_ ? compress::ClipScale(*sum_of_squares, max_norm_) : 1.0f;
     for (const compress::Partition& p : layout_.partitions()) {
       const DeferredReply& reply = *(*deferred_)[p.id];
       const absl::Span<const uint8_t> bytes(
@@ -457,6 +532,9 @@ absl::Status Session::Finish(StepTraffic* traffic) {
         synced.code(), absl::StrCat("step ", step_, ": ", synced.message())));
   }
   previous_grad_sum_of_squares_ = sum_of_squares;
+  const bool chose_max_norm = workers_clip_ && sum_of_squares.has_value();
+  previous_clip_max_norm_ =
+      chose_max_norm ? std::optional<float>(max_norm_) : std::nullopt;
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     // x moves by each layer's coefficient, from sums over the whole model.
     trace::Scope traced("lamb step", step_);
@@ -481,7 +559,9 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   if (sum_of_squares.has_value() && rank_ == 0) {
     // The shards' mirrors apply the step once they have the norm; the next
     // step's pushes carry it as well, so only rank 0 waits for this.
-    if (absl::Status s = client_->Commit(step_, *sum_of_squares); !s.ok()) {
+    if (absl::Status s =
+            client_->Commit(step_, *sum_of_squares, previous_clip_max_norm_);
+        !s.ok()) {
       return Fail(absl::Status(
           s.code(), absl::StrCat("step ", step_, ": ", s.message())));
     }
@@ -538,6 +618,8 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
     writer.AddInts("previous_grad_sum_of_squares",
                    DoubleBits({&*previous_grad_sum_of_squares_, 1}));
   }
+  if (previous_clip_max_norm_.has_value())
+    writer.AddFloats("previous_clip_max_norm", {&*previous_clip_max_norm_, 1});
   if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
     writer.AddFloats("v_fresh", replica_.v_fresh());
     writer.AddFloats("lamb_layers",
@@ -573,6 +655,13 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     auto bits = reader.Ints("previous_grad_sum_of_squares", 1);
     if (!bits.ok()) return bits.status();
     norm = BitsDouble(*bits)[0];
+  }
+  std::optional<float> max_norm;
+  if (reader.Has("previous_clip_max_norm")) {
+    std::vector<float> value;
+    if (absl::Status s = floats("previous_clip_max_norm", 1, &value); !s.ok())
+      return s;
+    max_norm = value[0];
   }
   std::vector<double> lamb_commit;
   const bool lamb =
@@ -622,6 +711,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     previous_lamb_commit_ = std::move(lamb_commit);
   }
   previous_grad_sum_of_squares_ = norm;
+  previous_clip_max_norm_ = max_norm;
   return absl::OkStatus();
 }
 
@@ -775,6 +865,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
   }
   step_ = step;
   previous_grad_sum_of_squares_.reset();
+  previous_clip_max_norm_.reset();
   return engine_->Load(replica_, error_);
 }
 

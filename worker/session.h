@@ -91,6 +91,22 @@ class Session {
   // torch). The same bits either way.
   void SetDeferApply(bool defer) { defer_apply_ = defer; }
   const std::string& received_buffers() const { return received_buffers_; }
+  // The workers clip the steps that begin from now on by a max_norm chosen
+  // after their backward pass (morse.torch's clip_grad_norm_; design.md
+  // 2.6): ClipAt before Finish, or none (max_norm 0). Where the step has
+  // an averaged gradient its pushes say so and the shards send its norm;
+  // in a compressing step each worker clips its own gradient, so its
+  // pushes wait for ClipAt or Finish. FAILED_PRECONDITION in a job with
+  // clip_grad_norm.
+  absl::Status SetStepClipping(bool on);
+  // Clips the step in flight (begun with SetStepClipping(true)) by
+  // `max_norm` (0: no clip) and returns the sum of squares it is clipped
+  // by: of the averaged gradient, sending what is left and waiting for
+  // every reply (DDP's clip_grad_norm_ after its all-reduce), or of this
+  // worker's own gradient in a compressing step, then sending. Once a
+  // step; FAILED_PRECONDITION otherwise, INVALID_ARGUMENT for a negative
+  // or non-finite max_norm.
+  absl::StatusOr<double> ClipAt(float max_norm);
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
@@ -176,6 +192,12 @@ class Session {
   // interval's state. An error, nothing changed, for a malformed one.
   absl::Status RestoreWholeState(const proto::CheckpointReader& reader,
                                  int64_t whole_step);
+  // Sends what is left of the step in flight and waits for its replies,
+  // once (ClipAt and Finish); the outcome, after Fail.
+  absl::Status SendAndWait();
+  // The sum of the deferred replies' norms when the step clips the
+  // averaged gradient (none otherwise); an error for a missing one.
+  absl::StatusOr<std::optional<double>> RepliesSumOfSquares() const;
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);
@@ -208,9 +230,19 @@ class Session {
   bool clips_average_ = false;
   bool clips_locally_ = false;
   std::optional<float> local_scale_;
+  // SetStepClipping's, for steps to come; the step in flight's (its max_norm,
+  // the job's clip_grad_norm unless ClipAt set one, and whether it did).
+  bool clip_at_step_ = false;
+  bool workers_clip_ = false;
+  float max_norm_ = 0.0f;
+  bool clipped_ = false;
+  // SendAndWait's outcome and traffic, once it ran in the step in flight.
+  std::optional<absl::Status> waited_;
+  StepTraffic waited_traffic_;
   // The last step's sum of squares of the averaged gradient, if it clipped:
   // sent with the next step's pushes (morse.proto Commit).
   std::optional<double> previous_grad_sum_of_squares_;
+  std::optional<float> previous_clip_max_norm_;  // when the workers chose it
   // onebit_lamb: the last step's commit, likewise.
   std::vector<double> previous_lamb_commit_;
   std::vector<bool> sent_;

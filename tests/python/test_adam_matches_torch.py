@@ -7,9 +7,10 @@ partitions. Then the same with torch's LambdaLR and StepLR schedulers and a
 weight-decay change in param_groups mid-run, which Morse reads at every step
 (against torch.optim.AdamW: Morse's weight decay is decoupled). And with
 clip_grad_norm against torch.nn.utils.clip_grad_norm_ on the averaged
-gradient; and clip_grad_norm_ on each rank's gradient with overlap=False
-against torch averaging the per-rank clipped gradients (what that idiom
-means under data parallelism)."""
+gradient; and the script's own torch.nn.utils.clip_grad_norm_ after
+backward() (rank 0 overlapping and accumulating two backward() calls with
+no argument, rank 1 with overlap=False), which clips the averaged gradient
+and returns its norm, as under DDP."""
 import os
 import sys
 
@@ -37,7 +38,8 @@ def data(rank, step):
 def worker(mode):
     import morse.torch
     schedules, accumulate, clip = mode == "schedules", mode == "accumulate", mode == "clip"
-    own_clip = mode == "clip_own"  # clip_grad_norm_ on each rank's gradient, overlap=False
+    # The script's own clip_grad_norm_ after backward(), as under DDP.
+    clip_after = mode == "clip_after"
     torch.manual_seed(1)
     model = Model()
     rank = int(os.environ["MORSE_RANK"])
@@ -47,7 +49,7 @@ def worker(mode):
     # teaches it 2) and torch 2's model.zero_grad(set_to_none=True), rank 1
     # passes accumulation_steps=2.
     opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32,
-                           overlap=rank == 0 and not own_clip,
+                           overlap=rank == 0,
                            accumulation_steps=2 if accumulate and rank == 1 else None,
                            clip_grad_norm=0.2 if clip else None)
     world = int(os.environ["MORSE_WORLD_SIZE"])
@@ -69,7 +71,7 @@ def worker(mode):
             for o in (opt, ref_opt):  # a manual change of the weight decay
                 o.param_groups[0]["weight_decay"] = 0.05
         x, y = data(opt.rank, step)
-        if accumulate:
+        if accumulate or (clip_after and rank == 0):
             if rank == 0:
                 model.zero_grad(set_to_none=True)
             else:
@@ -79,8 +81,8 @@ def worker(mode):
         else:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-            if own_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        if clip_after:
+            returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2).item()
         opt.step()
         if accumulate:
             check(opt.accumulation_steps == 2, f"rank {rank}: accumulation_steps {opt.accumulation_steps} "
@@ -90,35 +92,37 @@ def worker(mode):
             reference.zero_grad()
             xr, yr = data(r, step)
             torch.nn.functional.cross_entropy(reference(xr), yr).backward()
-            if own_clip:
-                clipped += torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.2).item() > 0.2
             grads.append([p.grad.clone() for p in reference.parameters()])
         for p, *gs in zip(reference.parameters(), *grads):
             total = torch.zeros_like(p)
             for g in gs:
                 total += g
             p.grad = total / world
-        if clip:  # torch's clip on the global batch's gradient
-            norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.2).item()
+        if clip or clip_after:  # torch's clip on the global batch's gradient
+            norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), 0.2).item()
             clipped += norm > 0.2
             # last_step's grad_norm: the averaged gradient's, as torch's.
             got = opt.last_step.get("grad_norm")
             check(got is not None and abs(got - norm) <= 1e-5 * norm,
                   f"rank {opt.rank} step {step}: last_step grad_norm {got}, torch's {norm}")
+            if clip_after:  # what clip_grad_norm_ returned: DDP's, the average's
+                check(abs(returned - norm) <= 1e-5 * norm,
+                      f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
+                      f"torch's on the global batch {norm}")
         ref_opt.step()
         for sched in schedulers:
             sched.step()
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
-    if clip:
+    if clip or clip_after:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
             "accumulate": "accumulating two backward() calls, rank 0 with no argument and "
                           "zero_grad(set_to_none=True)",
             "clip": f"clip_grad_norm=0.2, which clipped {clipped} steps",
-            "clip_own": f"clip_grad_norm_ on each rank's gradient with overlap=False, "
-                        f"{clipped} clipped"}.get(mode, "constant")
+            "clip_after": f"clip_grad_norm_(params, 0.2) after backward(), which clipped "
+                          f"{clipped} steps"}.get(mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
@@ -126,7 +130,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_own"):
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -202,15 +202,15 @@ def main():
         torch.nn.Linear(3, 2).parameters(), missing_grads="skip", **args))
 
     # Gradients edited after the backward pass pushed them, and a backward()
-    # more than accumulation_steps: refused, not silently ignored. "clip":
-    # the first step left them alone; "noop then clip": the first step's
-    # edit kept every bit (so the pushes are kept to compare); "first clip":
-    # the first step (which pushes at step()) would use each rank's clipped
-    # gradient, not DDP's clipped average.
+    # more than accumulation_steps: refused, not silently ignored. "edit":
+    # .grad scaled after backward(); "edit after clip": after the first
+    # step's clip_grad_norm_, which pushed them; "late clip": the first
+    # clip_grad_norm_ after a step without one, whose pushes had left
+    # unclipped during backward() (clip_grad_norm_ clips from the step after).
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
-    changed = "the gradients changed after the backward pass"
-    for what, expected in (("clip", changed), ("noop then clip", changed),
-                           ("first clip", "DDP edits the averaged gradient"),
+    changed = "the gradients changed after they were pushed"
+    for what, expected in (("edit", changed), ("edit after clip", changed),
+                           ("late clip", "before Morse knew that the script clips"),
                            ("again", "times in this step, with accumulation_steps=1")):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
@@ -221,16 +221,47 @@ def main():
                 model(torch.ones(4, 3)).sum().backward()
                 if what == "again":
                     model(torch.ones(4, 3)).sum().backward()
-                elif what != "clip" or opt.step_index > 0:
+                elif what == "late clip":
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                else:
+                    if what == "edit after clip":
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                    model.weight.grad.mul_(0.5)
                 opt.step()
-            if what != "first clip":
+            if what != "edit after clip":
                 model(torch.ones(4, 3)).sum().backward()  # the first step pushes at step()
-                if what == "noop then clip":
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
                 opt.step()
                 opt.zero_grad()
             expect(MorseError, expected, misuse)
+
+    # clip_grad_norm_ over part of the parameters, with another norm, or
+    # twice in a step: refused (Morse clips the whole averaged gradient by
+    # its L2 norm, once).
+    for what, error, expected in (
+            ("part", ValueError, "over 1 of the Morse optimizer's 2 trainable parameters"),
+            ("norm_type", ValueError, "norm_type=1"),
+            ("twice", MorseError, "clip_grad_norm_ twice in step 0")):
+        with server(base) as address:
+            model = torch.nn.Linear(3, 2)
+            opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                                   config=base)
+            model(torch.ones(4, 3)).sum().backward()
+
+            def clip():
+                if what == "part":
+                    torch.nn.utils.clip_grad_norm_([model.weight], 1.0)
+                elif what == "norm_type":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            expect(error, expected, clip)
+    # Other tensors still go to torch's own clip_grad_norm_.
+    other = torch.nn.Parameter(torch.ones(4))
+    other.grad = torch.full((4,), 2.0)
+    check(abs(float(torch.nn.utils.clip_grad_norm_([other], 1.0)) - 4.0) < 1e-6
+          and abs(float(other.grad.norm()) - 1.0) < 1e-5, "torch's clip on other tensors")
+    print("PASS: clip_grad_norm_ misuse refused; other tensors clipped by torch")
 
     # Edits after backward() that leave every bit as it was (clip_grad_norm_
     # below max_norm; Hugging Face Trainer logs the norm so every step) are

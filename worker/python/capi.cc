@@ -250,6 +250,26 @@ int morse_session_set_defer_apply(morse_session* s, int defer) {
   });
 }
 
+int morse_session_set_step_clipping(morse_session* s, int on) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    return s->session->SetStepClipping(on != 0);
+  });
+}
+
+int morse_session_clip(morse_session* s, float max_norm,
+                       double* sum_of_squares) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(sum_of_squares, "sum_of_squares"); !st.ok())
+      return st;
+    absl::StatusOr<double> sum = s->session->ClipAt(max_norm);
+    if (!sum.ok()) return sum.status();
+    *sum_of_squares = *sum;
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_received_buffers(morse_session* s, void* out,
                                    uint64_t capacity, uint64_t* size) {
   return Guard([&]() -> absl::Status {

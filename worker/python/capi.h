@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 4
+#define MORSE_CAPI_VERSION 5
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -90,6 +90,17 @@ int morse_session_set_buffers(morse_session* s, const void* data,
 int morse_session_set_defer_apply(morse_session* s, int defer);
 int morse_session_received_buffers(morse_session* s, void* out,
                                    uint64_t capacity, uint64_t* size);
+/* on != 0: the steps that begin from now on are clipped by a max_norm the
+ * caller gives after its backward pass, with morse_session_clip before
+ * finish (none: not clipped) (Session::SetStepClipping; morse.torch's
+ * clip_grad_norm_). FAILED_PRECONDITION in a job with clip_grad_norm. */
+int morse_session_set_step_clipping(morse_session* s, int on);
+/* Clips the step in flight by max_norm (0: no clip), once
+ * (Session::ClipAt): *sum_of_squares is what it clips by, the averaged
+ * gradient's once every reply is in, or in a compressing step this
+ * worker's own gradient's (its pushes leave now). */
+int morse_session_clip(morse_session* s, float max_norm,
+                       double* sum_of_squares);
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);

@@ -61,6 +61,8 @@ def _load():
         "morse_session_set_step_hyper": ([P, I, ctypes.c_float, ctypes.c_float], I),
         "morse_session_set_buffers": ([P, P, U64], I),
         "morse_session_set_defer_apply": ([P, I], I),
+        "morse_session_set_step_clipping": ([P, I], I),
+        "morse_session_clip": ([P, ctypes.c_float, ctypes.POINTER(ctypes.c_double)], I),
         "morse_session_received_buffers": ([P, P, U64, ctypes.POINTER(U64)], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
@@ -100,12 +102,13 @@ def _load():
         "morse_boundary_load": ([P, P, U64], I),
         "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
+    lib.morse_capi_version.argtypes, lib.morse_capi_version.restype = [], I
+    if lib.morse_capi_version() != 5:  # before a newer function is missing
+        raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
+                         "this package needs 5")
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
-    if lib.morse_capi_version() != 4:
-        raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 4")
     _lib = lib
     return lib
 
@@ -201,6 +204,19 @@ class Session:
     def set_defer_apply(self, defer):
         """Apply replies when the step finishes (True) or as they arrive."""
         _check(_lib.morse_session_set_defer_apply(self._handle, 1 if defer else 0))
+
+    def set_step_clipping(self, on):
+        """The steps that begin from now on are clipped by clip(max_norm)
+        before finish, or not at all."""
+        _check(_lib.morse_session_set_step_clipping(self._handle, 1 if on else 0))
+
+    def clip(self, max_norm):
+        """Clips the step in flight; returns the sum of squares it clips by
+        (the averaged gradient's, waiting for every reply; in a compressing
+        step this worker's own)."""
+        value = ctypes.c_double()
+        _check(_lib.morse_session_clip(self._handle, max_norm, ctypes.byref(value)))
+        return value.value
 
     def received_buffers(self):
         """The module buffers (bytes) that came with the last step's reply."""

@@ -26,11 +26,15 @@ Gradient accumulation needs no argument: the first step (which pushes at
 step()) counts the backward() calls per step, and later steps push at the
 last of as many (or pass accumulation_steps); gradients edited after they
 were pushed raise MorseError (see docs/python.md).
+`torch.nn.utils.clip_grad_norm_` after backward() clips the averaged
+gradient, as under DDP: while a Morse optimizer exists, morse.torch's
+clip_grad_norm_ stands in for torch's (see clip_grad_norm_ below).
 """
 import contextlib
 import hashlib
 import math
 import os
+import weakref
 
 import torch
 
@@ -67,6 +71,48 @@ def _env(name, value, cast=str, torchrun=None):
     raise MorseError(
         f"FAILED_PRECONDITION: {name} is not set; run the script under morse-run (or torchrun "
         f"with MORSE_SERVERS set) or pass rank=, world_size= and servers= to the optimizer")
+
+
+# The Morse optimizers alive, for clip_grad_norm_ to find its parameters'.
+_OPTIMIZERS = weakref.WeakSet()
+_TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_, as DDP gives it for a Morse
+    optimizer's parameters: the L2 norm of the averaged gradient, which the
+    optimizer's step() then clips by max_norm (the same clip factor as
+    torch's, min(1, max_norm / (norm + 1e-6))). Building a Morse optimizer
+    puts this in place of torch.nn.utils.clip_grad_norm_, so scripts call it
+    as they always have; other parameters go to torch's own.
+
+    Unlike DDP, .grad keeps this rank's own gradient (Morse averages in the
+    exchange, not in .grad) and is left as it is: the clip is applied in
+    step(). The call waits for the exchange (every reply), as DDP's waits
+    for its all-reduce. Where the step has no averaged gradient (OneBitAdam's
+    and OneBitLamb's compression phase, ZeroOneAdam's local steps) the rule
+    is DeepSpeed's: each rank clips its own gradient, and the call returns
+    that rank's own norm; from the first call on, those steps push once the
+    clip is known instead of during backward(). Call it once per step, on
+    every rank alike, over all of the optimizer's parameters."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    for opt in list(_OPTIMIZERS):
+        owned = opt._owned(parameters)
+        if owned is None:
+            continue
+        return opt._clip_grad_norm(max_norm, norm_type, error_if_nonfinite, owned)
+    extra = {} if foreach is None else {"foreach": foreach}
+    return _TORCH_CLIP_GRAD_NORM(parameters, max_norm, norm_type=norm_type,
+                                 error_if_nonfinite=error_if_nonfinite, **extra)
+
+
+def _install_clip_grad_norm():
+    """Puts clip_grad_norm_ where scripts look for torch's (once)."""
+    import torch.nn.utils.clip_grad as clip_module
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+    clip_module.clip_grad_norm_ = clip_grad_norm_
 
 
 _SECURITY_ENV = {"tls_ca": "MORSE_TLS_CA", "tls_cert": "MORSE_TLS_CERT", "tls_key": "MORSE_TLS_KEY",
@@ -318,6 +364,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._hooks.append((accumulator, accumulator.register_hook(
                         lambda *unused, i=i: self._gradient_ready(i))))
         self.last_step = {}
+        # clip_grad_norm_ after backward() (the module's function): seen in
+        # this run (its steps then begin with the workers' clipping), and
+        # in the step in flight (the pushes' state then).
+        self._clips = False
+        self._clipped = False
+        self._pushed = None
+        _OPTIMIZERS.add(self)
+        _install_clip_grad_norm()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
         # kept aside (rank, step) until this rank's own is loaded.
         self._finds_own_state = False
@@ -380,10 +434,44 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._snapshot[b:e].copy_(self._flat_grad[b:e])
         self._grad_version = self._flat_grad._version
 
-    def _edited_after_backward_first(self):
+    def _push_now(self, at_clip=False):
+        """Pushes what backward() has not (everything, in the first step or
+        with overlap=False): the step's gradients are final, at step() or
+        at clip_grad_norm_ (at_clip). Keeps what step() checks in
+        self._pushed."""
+        first = not self._joined
+        if first:
+            self._session.wait_all_joined()
+            self._joined = True
+        # Gradients edited after the backward pass pushed them (clipping,
+        # scaling, zeroing, another backward) bump the flat gradient's version;
+        # with a snapshot, only changed bits count (see _edited_after_backward).
+        edited = self._pending is not None and self._flat_grad._version != self._grad_version
+        if first and self._snapshot is not None:
+            edited = self._edited_after_backward_first(free=not at_clip)
+        # A parameter whose .grad is None got no gradient in this step
+        # (zero_grad(set_to_none=True) and a backward() that did not reach it):
+        # torch.optim skips it; Morse updates every element every step.
+        missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
+        self._restore_views()
+        if edited and not first and self._snapshot is not None:
+            edited = self._edited_after_backward()
+        if self._pending is None:
+            self._begin()
+        if self._cuda:
+            self._send([q for q in range(len(self._partitions))
+                        if self._pending is None or self._pending[q] > 0])
+        self._pending = [0] * len(self._partitions)  # every partition is on its way
+        # Pushed before step() (by clip_grad_norm_): step() compares with
+        # what left.
+        pushed = (self._flat_grad._version, self._flat_grad.clone()) if at_clip else None
+        self._pushed = (first, edited, missing, pushed)
+
+    def _edited_after_backward_first(self, free=True):
         """The first step: whether any .grad changed after backward() left it
         (the hooks kept a copy). Keeps the copy for the next steps' pushes
-        if something touched .grad at all; else frees it."""
+        if something touched .grad at all; else frees it (`free`; pushed by
+        clip_grad_norm_, step() decides, seeing what came after)."""
         touched, changed = False, False
         for p, seen, (lo, hi) in zip(self._params, self._snapshot_versions, self._ranges):
             if seen is None:
@@ -397,7 +485,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 now = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(self._snapshot[lo:hi])
                 changed = changed or not _same_bits(now, self._snapshot[lo:hi])
         self._snapshot_versions = None
-        if not touched:
+        self._snapshot_touched = touched
+        if not touched and free:
             self._snapshot = None  # nothing edits the gradients after backward()
         return changed
 
@@ -440,6 +529,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                              f"({self._initial_hyper}); use either Morse's schedule or torch's "
                              "(with the default schedule='constant')")
         with self._explained():
+            if self.clip_grad_norm is None:
+                self._session.set_step_clipping(self._clips)
             if self._cuda:
                 self._session.begin_device()
             else:
@@ -573,40 +664,107 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._worker_step()
         return loss
 
+    def _owned(self, parameters):
+        """For clip_grad_norm_: None if none of `parameters` is this
+        optimizer's (or it leaves clipping to torch); else how many of its
+        trainable parameters they are. ValueError for a mix."""
+        if self._node is not None:
+            return None  # a node averages at step(): torch clips each rank's own
+        mine = {id(p) for p in self._params}
+        ours = [p for p in parameters if id(p) in mine]
+        if not ours:
+            return None
+        if self.clip_grad_norm is not None:
+            return None  # the optimizer clips (clip_grad_norm=); torch's as before
+        if self._lamb:
+            raise ValueError("clip_grad_norm_ on a OneBitLamb's parameters: 1-bit LAMB does not "
+                             "clip (nor does DeepSpeed's OnebitLamb); its layer-wise trust ratio "
+                             "bounds each step")
+        others = [p for p in parameters if id(p) not in mine and p.grad is not None]
+        if others:
+            raise ValueError("clip_grad_norm_ over a Morse optimizer's parameters and others at "
+                             "once: clip them apart (Morse clips the averaged gradient of all of "
+                             "its own)")
+        if len({id(p) for p in ours}) != len(self._params):
+            raise ValueError(f"clip_grad_norm_ over {len(ours)} of the Morse optimizer's "
+                             f"{len(self._params)} trainable parameters: Morse clips the averaged "
+                             "gradient of all of them at once; pass them all (model.parameters())")
+        return len(ours)
+
+    def _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite, owned):
+        """clip_grad_norm_ on this optimizer's parameters (see the module's)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(..., norm_type={norm_type}) on a Morse optimizer's "
+                             "parameters: Morse clips the averaged gradient by its L2 norm "
+                             "(norm_type=2)")
+        max_norm = float(max_norm)
+        if not max_norm > 0:
+            raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
+                             "parameters: a positive max_norm (inf for the norm alone)")
+        if self._clipped:
+            raise MorseError(f"FAILED_PRECONDITION: clip_grad_norm_ twice in step {self.step_index} "
+                             "on a Morse optimizer's parameters; call it once per step")
+        # inf: the norm alone (Trainer's logging); Morse's clip factor is 1.
+        limit = 0.0 if math.isinf(max_norm) else max_norm
+        self._clips = True
+        if self._pending is None:
+            self._push_now(at_clip=True)  # nothing pushed yet: the first step, overlap=False
+        try:
+            with self._device_context(), self._explained():
+                sum_of_squares = self._session.clip(limit)
+        except MorseError as error:
+            if "began without the workers' clipping" not in str(error):
+                raise
+            raise MorseError(
+                f"FAILED_PRECONDITION: clip_grad_norm_ in step {self.step_index}, the first since "
+                "the optimizer was built or resumed after its first step: this step's gradients "
+                "were pushed during backward() before Morse knew that the script clips, so it "
+                "runs unclipped; from the next step on, clip_grad_norm_ clips as under DDP. "
+                "Call clip_grad_norm_ from the first step on (or build the optimizer with "
+                "clip_grad_norm=max_norm)") from None
+        self._clipped = True
+        norm = math.sqrt(sum_of_squares)
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"The total norm of order 2.0 for gradients from {owned} parameters "
+                               "is non-finite, so it cannot be clipped. To disable this error and "
+                               "scale the gradients by the non-finite norm anyway, set "
+                               "`error_if_nonfinite=False`")
+        return torch.tensor(norm, dtype=torch.float32, device=self._flat.device)
+
+    def _device_context(self):
+        return torch.cuda.device(self._device) if self._cuda else contextlib.nullcontext()
+
     def _worker_step(self):
         """The step as one Morse worker (every rank, or a node's leader)."""
-        first = not self._joined
-        if first:
-            self._session.wait_all_joined()
-            self._joined = True
-        # Gradients edited after the backward pass pushed them (clipping,
-        # scaling, zeroing, another backward) bump the flat gradient's version;
-        # with a snapshot, only changed bits count (see _edited_after_backward).
-        edited = self._pending is not None and self._flat_grad._version != self._grad_version
-        if first and self._snapshot is not None:
-            edited = self._edited_after_backward_first()
-        # A parameter whose .grad is None got no gradient in this step
-        # (zero_grad(set_to_none=True) and a backward() that did not reach it):
-        # torch.optim skips it; Morse updates every element every step.
-        missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
-        self._restore_views()
-        if edited and not first and self._snapshot is not None:
-            edited = self._edited_after_backward()
+        if self._pushed is None:
+            self._push_now()
+        first, edited, missing, pushed = self._pushed
+        self._pushed = None
+        if pushed is not None:
+            touched = (self._flat_grad._version != pushed[0]
+                       or any(p.grad is None or p.grad.data_ptr() != self._flat_grad[lo:hi].data_ptr()
+                              for p, (lo, hi) in zip(self._params, self._ranges)))
+            if touched:
+                # Touched after clip_grad_norm_ pushed them: changed bits count.
+                self._restore_views()
+                edited = edited or not _same_bits(self._flat_grad, pushed[1])
+            elif first and self._snapshot is not None and not self._snapshot_touched:
+                self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
-        if self._pending is None:
-            self._begin()
-        elif self._follow_groups and self._group_hyper() != self._sent_hyper:
-            changed = self._group_hyper()  # the overlap hooks pushed at backward() time
-        if self._cuda:
-            self._send([q for q in range(len(self._partitions))
-                        if self._pending is None or self._pending[q] > 0])
+        if self._follow_groups and self._sent_hyper is not None and self._group_hyper() != self._sent_hyper:
+            changed = self._group_hyper()  # the pushes carried the old values
         self._pending = None
+        self._clipped = False
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
         else:
             with self._explained():
                 self.last_step = self._session.finish()
+        # Gradients edited after the backward pass pushed them (clipping,
+        # scaling, zeroing, another backward) bump the flat gradient's version;
+        # with a snapshot, only changed bits count (see _edited_after_backward).
+        # (A step pushed by clip_grad_norm_ checks what changed since then.)
         # The averaged gradient's norm before clipping, when the step clipped
         # it (what DDP's clip_grad_norm_ returns).
         sum_of_squares = self._session.grad_sum_of_squares()
@@ -619,20 +777,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._buffers:
             self._take_buffers()
         if edited:
-            used = ("each rank's gradient as edited (the first step pushes at step()), which "
-                    "is not what DDP does: DDP edits the averaged gradient" if first else
+            used = ("the gradients as they were at clip_grad_norm_, which pushed them"
+                    if pushed is not None else
+                    "each rank's gradient as edited (the first step pushes at step()), which is "
+                    "not what DDP does: DDP edits the averaged gradient" if first else
                     "the gradients as backward() left them")
             raise MorseError(
-                "FAILED_PRECONDITION: the gradients changed after the backward pass "
-                f"(clip_grad_norm_ that clipped, editing or zeroing .grad, or another backward()) "
-                f"in step {self.step_index - 1}; this step used {used}. With overlap=True each "
-                "partition is pushed as soon as its gradients are ready, and a change that leaves "
-                "every bit as it was (a clip_grad_norm_ below max_norm, Hugging Face Trainer's "
-                "norm logging) is fine. To clip by the global norm, build the optimizer with "
-                "clip_grad_norm=max_norm instead of calling clip_grad_norm_ (with Hugging Face "
-                "Trainer, morse.torch.hf.MorseCallback does this for max_grad_norm); make other "
-                "changes in a gradient hook, or build the optimizer with overlap=False "
-                "(clip_grad_norm_ then clips each rank's own gradient, not the average)")
+                "FAILED_PRECONDITION: the gradients changed after they were pushed (editing, "
+                f"scaling or zeroing .grad, or another backward()) in step {self.step_index - 1}; "
+                f"this step used {used}. With overlap=True each partition is pushed as soon as "
+                "its gradients are ready. torch.nn.utils.clip_grad_norm_ is no edit (it clips the "
+                "averaged gradient in step(), as under DDP), nor is a change that leaves every "
+                "bit as it was; make other changes in a gradient hook, or build the optimizer "
+                "with overlap=False")
         self._check_missing(missing)
         if changed is not None:
             raise MorseError(
