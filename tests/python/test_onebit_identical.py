@@ -6,7 +6,11 @@ stays where it was). Even ranks
 overlap pushes with the backward pass, odd ranks do not: the bytes, and so
 the results, are the same. state_dict()/load_state_dict() round-trip the
 optimizer state, error buffers included. Then all of it again with
-clip_grad_norm, which clips every step."""
+clip_grad_norm, which clips every step; and with the script's own
+torch.nn.utils.clip_grad_norm_ after backward() instead, which must give
+the bits of clip_grad_norm (the simulator runs with it): the averaged
+gradient clipped in warmup, each rank's own after the freeze."""
+import json
 import os
 import sys
 import tempfile
@@ -20,6 +24,8 @@ STEPS = 12
 
 def worker(out, clip):
     import morse.torch
+    script = clip.startswith("script")  # the script calls clip_grad_norm_
+    clip = clip[len("script"):] if script else clip
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
     # A parameter the loss never uses: its v stays 0, so the zero-variance
@@ -29,9 +35,15 @@ def worker(out, clip):
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank % 2 == 0,
                                  missing_grads="zero",  # the unused parameter (torch 2 zero_grad sets None)
-                                 clip_grad_norm=float(clip) if clip != "none" else None)
+                                 clip_grad_norm=float(clip) if clip != "none" and not script else None)
     def clips(step, flat):  # this rank's own gradient is clipped after the freeze
         check(flat.norm().item() > 2 * float(clip), f"step {step}: the clip would not act")
+        if script:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(clip)).item()
+            # the averaged gradient's norm in warmup, this rank's own after
+            own = flat.norm().item()
+            check((abs(norm - own) <= 1e-5 * own) == (step >= 4),
+                  f"step {step}: clip_grad_norm_ returned {norm}, this rank's own norm {own}")
 
     checksums = train_recorded(opt, model, out, STEPS, features=10, classes=4,
                                on_gradient=clips if clip != "none" else None)
@@ -57,11 +69,17 @@ if __name__ == "__main__":
         sys.exit(0)
     # Then with clip_grad_norm small enough to clip every step: the averaged
     # gradient in warmup, each rank's own after the freeze.
-    for clip in ("none", "0.05"):
+    for clip in ("none", "0.05", "script0.05"):
         out = tempfile.mkdtemp(prefix="morse-onebit-")
         code, log = morse_run(__file__, 4, 2, out, clip)
         print(log)
         check(code == 0, f"the job failed (clip_grad_norm {clip})")
+        if clip.startswith("script"):  # the simulator clips as clip_grad_norm does
+            with open(f"{out}/job.json") as f:
+                job = json.load(f)
+            job["overrides"] += f"\nclip_grad_norm: {clip[len('script'):]}"
+            with open(f"{out}/job.json", "w") as f:
+                json.dump(job, f)
         check_ranks_match_simulator(out, 4, STEPS)
         print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator "
               f"(clip_grad_norm {clip})")

@@ -4,7 +4,12 @@ them, then local steps (each rank moves on its own) and syncs (all ranks
 equal again). After every step each rank's x, m, v must equal the
 single-process simulator's state of that rank, fed the gradients the ranks
 computed. Even ranks overlap pushes with backward(), odd ranks do not.
-DeepSpeed's parameter names are taken; unsupported ones are refused."""
+DeepSpeed's parameter names are taken; unsupported ones are refused. Then
+again with the script's torch.nn.utils.clip_grad_norm_ after backward(),
+which must give the bits of the optimizer's clip_grad_norm (the simulator
+runs with it): the averaged gradient in variance steps, each rank's own in
+1-bit and local steps."""
+import json
 import os
 import sys
 import tempfile
@@ -18,7 +23,10 @@ RANKS = 3
 SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
 
 
-def worker(out):
+CLIP = 0.05
+
+
+def worker(out, mode):
     import morse.torch
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
@@ -35,7 +43,12 @@ def worker(out):
     opt = morse.torch.ZeroOneAdam(model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE,
                                   cuda_aware=False, comm_backend_name="nccl", block_elems=16,
                                   partition_elems=64, overlap=rank % 2 == 0)
-    train_recorded(opt, model, out, STEPS, features=10, classes=4)
+    clip = None
+    if mode == "clip":
+        def clip(step, flat):
+            check(flat.norm().item() > 2 * CLIP, f"step {step}: the clip would not act")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip)
     # The last step (s = 18, interval 4) is local: the shards hold the sync
     # of s = 16, so rank 0 cannot save the whole run here.
     if rank == 0:
@@ -49,15 +62,22 @@ def worker(out):
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[-1])
+        worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    out = tempfile.mkdtemp(prefix="morse-zero-one-")
-    code, log = morse_run(__file__, RANKS, 2, out)
-    print(log)
-    check(code == 0, "the job failed")
-    together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
-    apart = STEPS - together
-    check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
-    check(together >= 8, f"only {together} steps where the ranks agreed")
-    print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's; "
-          f"{apart} local steps apart, {together} steps equal")
+    for mode in ("plain", "clip"):
+        out = tempfile.mkdtemp(prefix="morse-zero-one-")
+        code, log = morse_run(__file__, RANKS, 2, out, mode)
+        print(log)
+        check(code == 0, f"the job failed ({mode})")
+        if mode == "clip":  # the simulator clips as clip_grad_norm does
+            with open(f"{out}/job.json") as f:
+                job = json.load(f)
+            job["overrides"] += f"\nclip_grad_norm: {CLIP!r}"
+            with open(f"{out}/job.json", "w") as f:
+                json.dump(job, f)
+        together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
+        apart = STEPS - together
+        check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
+        check(together >= 8, f"only {together} steps where the ranks agreed")
+        print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's "
+              f"({mode}); {apart} local steps apart, {together} steps equal")
