@@ -635,6 +635,125 @@ TEST_F(ShardCoreTest,
   EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
 }
 
+// The workers' own clip (morse.torch's clip_grad_norm_ after backward(), in
+// a job without clip_grad_norm): a step whose pushes say workers_clip sends
+// each reply's sum of squares and its mirror waits for a commit carrying the
+// workers' max_norm, then applies the step scaled by ClipScale(total,
+// max_norm). Pushes that disagree, commits without (or with a bad, or
+// another) max_norm, a max_norm for a step that did not say so and
+// workers_clip in a job that clips by clip_grad_norm are refused.
+TEST_F(ShardCoreTest, TheWorkersMaxNormComesWithTheirCommit) {
+  std::string config(kConfig);
+  config.replace(config.find("freeze_step: 1"), 14, "freeze_step: 3");
+  job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  const auto parts = core_->layout().shard_partitions(1);
+  const compress::Range range = core_->layout().shard_range(1);
+  compress::Replica expected(job_.algorithm, range);
+  for (const auto& p : parts) {
+    const std::vector<float> x0 =
+        compress::testing::VariedData(p.range.size(), p.id);
+    ASSERT_TRUE(core_
+                    ->InitPartition(0, p.id, fingerprint(),
+                                    {reinterpret_cast<const char*>(x0.data()),
+                                     4 * x0.size()})
+                    .ok());
+    std::copy(x0.begin(), x0.end(),
+              expected.x().begin() + (p.range.begin - range.begin));
+  }
+  std::vector<std::shared_ptr<const Reply>> replies(parts.size());
+  // Step t of every partition with workers_clip `clip`; returns the whole
+  // model's sum of squares (this shard's plus 3.0 for the other's).
+  const auto step = [&](int64_t t, bool clip,
+                        std::optional<float> previous_max_norm,
+                        std::optional<double> previous_total) {
+    double total = 3.0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      for (uint32_t r = 0; r < 3; ++r) {
+        PushArgs args = Args(t, r, parts[i]);
+        args.workers_clip = clip;
+        args.previous_clip_max_norm = previous_max_norm;
+        args.previous_grad_sum_of_squares = previous_total;
+        const absl::Status s = Push(std::move(args), &replies[i]);
+        EXPECT_EQ(s.ok(), r == 2) << s;
+      }
+      EXPECT_EQ(replies[i]->grad_sum_of_squares.has_value(), clip);
+      total += replies[i]->grad_sum_of_squares.value_or(0.0);
+    }
+    return total;
+  };
+  const auto apply = [&](int64_t t, float scale) {
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const std::string& payload = replies[i]->payload;
+      ASSERT_TRUE(
+          expected
+              .ApplyReply(t, parts[i].range.begin, parts[i].range.size(),
+                          {reinterpret_cast<const uint8_t*>(payload.data()),
+                           payload.size()},
+                          nullptr, scale)
+              .ok());
+    }
+  };
+  // Ranks that disagree on workers_clip.
+  PushArgs first_push = Args(0, 0, first());
+  first_push.workers_clip = true;
+  EXPECT_EQ(Push(std::move(first_push)).message(), "pending");
+  EXPECT_EQ(Push(Args(0, 1, first())).code(),
+            absl::StatusCode::kFailedPrecondition);
+  const double total0 = step(0, true, std::nullopt, std::nullopt);
+  ASSERT_LT(compress::ClipScale(total0, 0.3f), 1.0f);  // the clip acts
+  const uint64_t before = core_->MirrorChecksum();
+  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), total0).code(),
+            absl::StatusCode::kInvalidArgument);  // no max_norm
+  EXPECT_EQ(core_
+                ->Commit(0, 0, fingerprint(), total0,
+                         std::numeric_limits<float>::quiet_NaN())
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->Commit(0, 0, fingerprint(), total0, -1.0f).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+  ASSERT_TRUE(core_->Commit(0, 0, fingerprint(), total0, 0.3f).ok());
+  apply(0, compress::ClipScale(total0, 0.3f));
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+  EXPECT_TRUE(core_->Commit(1, 0, fingerprint(), total0, 0.3f).ok());
+  EXPECT_EQ(core_->Commit(1, 0, fingerprint(), total0, 0.4f).code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  // A step that does not say workers_clip takes no max_norm and no norm.
+  step(1, false, 0.3f, total0);
+  EXPECT_EQ(core_->Commit(0, 1, fingerprint(), total0, 0.3f).code(),
+            absl::StatusCode::kFailedPrecondition);
+  apply(1, 1.0f);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+
+  // Step 2's commit (max_norm 0: not clipped) rides on step 3's pushes.
+  const double total2 = step(2, true, std::nullopt, std::nullopt);
+  PushArgs carried = Args(3, 0, first());
+  carried.previous_grad_sum_of_squares = total2;
+  EXPECT_EQ(Push(std::move(carried)).code(),
+            absl::StatusCode::kInvalidArgument);  // without its max_norm
+  carried = Args(3, 0, first());
+  carried.previous_grad_sum_of_squares = total2;
+  carried.previous_clip_max_norm = 0.0f;
+  EXPECT_EQ(Push(std::move(carried)).message(), "pending");
+  apply(2, 1.0f);
+  const std::vector<float> x =
+      core_->FetchPartition(first().id, fingerprint())->x;
+  EXPECT_TRUE(std::equal(x.begin(), x.end(), expected.x().begin()));
+
+  // A job that clips by clip_grad_norm takes no workers' max_norm.
+  config.replace(config.find("freeze_step: 3"), 14,
+                 "freeze_step: 3 clip_grad_norm: 0.5");
+  job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  InitializeAll(*core_);
+  PushArgs refused = Args(0, 0, first());
+  refused.workers_clip = true;
+  EXPECT_EQ(Push(std::move(refused)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 // Rank 0's module buffers ride on its push of partition 0 and come back in
 // that partition's reply to every worker; any other rank or partition
 // sending them is refused, and the shard is unchanged.
