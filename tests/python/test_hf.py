@@ -13,10 +13,11 @@ way:
   bit-identical to the uninterrupted run: the same losses and parameters
   (also with morse-run --node-aggregation);
   with a rank's state missing, that rank says which file it looked for;
-- Trainer's clipping (and accelerator.clip_grad_norm_) without the
-  optimizer's clip_grad_norm is refused with what to do; the fp32 runs
-  keep Trainer's max_grad_norm and the loop's accelerator.clip_grad_norm_
-  (moved into the optimizer);
+- the fp32 runs clip with Trainer's max_grad_norm and the loop's
+  accelerator.clip_grad_norm_, which clip the averaged gradient as under
+  DDP (morse.torch.clip_grad_norm_); Trainer's clipping (and
+  accelerator.clip_grad_norm_) by another max_norm than the optimizer's
+  own clip_grad_norm is refused with what to do;
 - Trainer's torch_compile (aot_eager) compiles the model in place and
   trains bit-identically to eager.
 
@@ -80,8 +81,11 @@ def converges_like_ddp(name, ddp, morse):
 
 
 def wrong_use():
-    """Trainer clipping by max_grad_norm with an optimizer that does not
-    clip: refused at Trainer(...), naming the fix."""
+    """Trainer and Accelerate clipping by one max_norm and the optimizer by
+    another clip_grad_norm: refused at Trainer(...) and at the clip, naming
+    the fix. Without the optimizer's clip_grad_norm, accelerator.clip_grad_norm_
+    returns the (here one rank's) averaged gradient's norm and leaves .grad
+    as it was (the step clips)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     import morse.torch
@@ -90,45 +94,58 @@ def wrong_use():
     config = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
     config.write("workers: 1\nshards: 1\nexternal {}\n")
     config.close()
+    gpt = GPT2Config(vocab_size=16, n_positions=8, n_embd=16, n_layer=1, n_head=2)
     with server(config.name) as address:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+        model = GPT2LMHeadModel(gpt)
         opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
-                               config=config.name)
+                               config=config.name, clip_grad_norm=0.5)
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True,
                                  max_grad_norm=1.0)
         try:
             Trainer(model=model, args=args, optimizers=(opt, None), callbacks=[MorseCallback()])
-            check(False, "Trainer with max_grad_norm=1.0 and an unclipped Morse optimizer was accepted")
+            check(False, "Trainer with max_grad_norm=1.0 and clip_grad_norm=0.5 was accepted")
         except ValueError as e:
-            check("clip_grad_norm=args.max_grad_norm" in str(e), f"the message says what to do: {e}")
+            check("clip by one or the other" in str(e), f"the message says what to do: {e}")
             print(f"ok: ValueError: {e}")
+        from accelerate import Accelerator
+        import morse.torch.hf
+        accelerator = Accelerator(cpu=True)
+        model, opt = morse.torch.hf.prepare(accelerator, model, opt)
+        model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)).loss.backward()
+        try:
+            accelerator.clip_grad_norm_(model.parameters(), 1e-6)
+            check(False, "accelerator.clip_grad_norm_ by another max_norm than clip_grad_norm was "
+                  "accepted")
+        except ValueError as e:
+            check("clip by one or the other" in str(e), f"the message says what to do: {e}")
+            print(f"ok: ValueError: {e}")
+    with server(config.name) as address:
+        model = GPT2LMHeadModel(gpt)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=config.name)
         # Trainer's device move copies the CPU parameters ("cpu" -> "cpu:0"):
         # MorseCallback points them back into the optimizer's buffer.
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True,
-                                 max_grad_norm=0.0)
+                                 max_grad_norm=1.0)
         Trainer(model=model, args=args, optimizers=(opt, None), callbacks=[MorseCallback()])
         for p, (lo, _) in zip(opt._params, opt._ranges):
             check(p.data_ptr() == opt._flat[lo:].data_ptr(), "the parameters live in the flat buffer")
-        # Accelerate: clip_grad_norm_ on the Morse optimizer's parameters
-        # leaves them to the optimizer, which must clip by that max_norm.
         from accelerate import Accelerator
         import morse.torch.hf
         accelerator = Accelerator(cpu=True)
         model, opt = morse.torch.hf.prepare(accelerator, model, opt)
         model(torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 4, dtype=torch.long)).loss.backward()
         before = [p.grad.clone() for p in model.parameters()]
-        norm = accelerator.clip_grad_norm_(model.parameters(), float("inf"))
-        check(float(norm) > 0, "clip_grad_norm_(inf) returns the norm")
-        try:
-            accelerator.clip_grad_norm_(model.parameters(), 1e-6)
-            check(False, "accelerator.clip_grad_norm_ with an unclipped Morse optimizer was accepted")
-        except ValueError as e:
-            check("clip_grad_norm=1e-06" in str(e), f"the message says what to pass: {e}")
-            print(f"ok: ValueError: {e}")
+        own = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in before]))
+        norm = accelerator.clip_grad_norm_(model.parameters(), 1e-6)
+        check(abs(float(norm) - float(own)) <= 1e-5 * float(own),
+              f"accelerator.clip_grad_norm_ returned {float(norm)}, the gradient's norm is {float(own)}")
         check(all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters())),
               "accelerator.clip_grad_norm_ left the gradients as they were")
-    print("PASS: Trainer's and Accelerate's clipping without clip_grad_norm refused; parameters "
-          "re-attached; accelerator.clip_grad_norm_ leaves the gradients to the optimizer")
+        opt.step()
+    print("PASS: Trainer's and Accelerate's clipping against the optimizer's clip_grad_norm "
+          "refused; parameters re-attached; accelerator.clip_grad_norm_ returns the norm and the "
+          "step clips")
 
 
 def main():

@@ -6,13 +6,13 @@
 (python3: one with torch 2.x, transformers and accelerate, e.g. the venv
 tests/python/torch2-venv.sh makes.) The loop is Accelerate's own
 (accumulate, backward, step); the model and data are hf_trainer.py's. The
-Morse-specific lines are the optimizer, built with the loop's clip
-(clip_grad_norm: Morse clips the averaged gradient inside the step, and
-accelerator.clip_grad_norm_ leaves the gradients to it), and the prepare
-call:
+Morse-specific lines are the optimizer and the prepare call:
 
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=..., clip_grad_norm=1.0)
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=...)
     model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
+
+The loop's accelerator.clip_grad_norm_ clips the averaged gradient, as
+under DDP (morse.torch.clip_grad_norm_).
 
 --optimizer ddp runs the same loop with torch.optim.AdamW under DDP (the
 baseline). Rank 0 prints the loss of every
@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer import VOCAB, Sequences, common_arguments, parameters_checksum  # noqa: E402
+from hf_trainer import VOCAB, Sequences, common_arguments, leave_process_group, parameters_checksum  # noqa: E402
 
 
 def main():
@@ -44,17 +44,15 @@ def main():
     model = GPT2LMHeadModel(config).to(accelerator.device)
     loader = torch.utils.data.DataLoader(Sequences(seed=a.seed), batch_size=a.batch, shuffle=True,
                                          drop_last=True, generator=torch.Generator().manual_seed(a.seed))
-    clip = a.max_grad_norm or None
     if a.optimizer == "ddp":
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     else:
         import morse.torch
         import morse.torch.hf
         if a.optimizer == "onebit_adam":
-            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step,
-                                         clip_grad_norm=clip)
+            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
         else:
-            opt = morse.torch.Adam(model.parameters(), lr=a.lr, clip_grad_norm=clip)
+            opt = morse.torch.Adam(model.parameters(), lr=a.lr)
     # Stepped once per optimizer step below (Accelerate's prepared scheduler
     # would step it once per process).
     sched = get_linear_schedule_with_warmup(opt, max(1, a.steps // 10), a.steps)
@@ -71,10 +69,10 @@ def main():
                 loss = model(**{"input_ids": batch["input_ids"], "labels": batch["labels"]}).loss
                 total += loss.detach() / a.accumulation
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and clip:
-                    # Under Morse this leaves the gradients to the optimizer,
-                    # which clips their average in step() (clip_grad_norm).
-                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                if accelerator.sync_gradients and a.max_grad_norm:
+                    # Under DDP and under Morse alike: the averaged gradient's
+                    # norm (Morse clips the average in step()).
+                    accelerator.clip_grad_norm_(model.parameters(), a.max_grad_norm)
                 opt.step()
                 opt.zero_grad()
             if accelerator.sync_gradients:
@@ -96,6 +94,8 @@ def main():
     if a.optimizer != "ddp":
         print(f"rank {accelerator.process_index}: Morse step {morse.torch.hf._morse_optimizer(opt).step_index}", flush=True)
     accelerator.end_training()
+    del model, opt, loader, accelerator
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ downloads) and learns sequences that follow x[t+1] = (5*x[t] + b) mod 64,
 b one of 4 values drawn per sequence. The Morse-specific lines are the optimizer and
 the callback (see morse/torch/hf.py):
 
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=..., clip_grad_norm=args.max_grad_norm)
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=...)
     Trainer(..., optimizers=(opt, None), callbacks=[MorseCallback()])
+
+Trainer's max_grad_norm clips the averaged gradient, as under DDP
+(morse.torch.clip_grad_norm_).
 
 --optimizer ddp trains the same run with Trainer's own AdamW under DDP (the
 baseline; run it under morse-run or torchrun). Rank 0 prints the loss of
@@ -56,6 +59,24 @@ class Losses(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses[state.global_step] = float(logs["loss"])
+
+
+def leave_process_group():
+    """Ends the stacks' gloo process group before the interpreter does.
+
+    torch's ProcessGroupGloo destructor joins its worker threads while
+    holding the GIL, and a worker thread still freeing its last collective
+    needs the GIL: left to interpreter exit (DDP's reducer keeps the group
+    alive), this deadlocks now and then. So the group goes while Python
+    runs, after a pause that lets the threads finish (the caller drops what
+    holds it first: the Trainer, a DDP-wrapped model)."""
+    import gc
+    import time
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    time.sleep(0.2)  # the GIL is free: the worker threads drop their work
+    gc.collect()
+    torch.distributed.destroy_process_group()
 
 
 def parameters_checksum(model):
@@ -112,10 +133,9 @@ def main():
         import morse.torch
         from morse.torch.hf import MorseCallback
         if a.optimizer == "onebit_adam":
-            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step,
-                                         clip_grad_norm=a.max_grad_norm or None)
+            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
         else:
-            opt = morse.torch.Adam(model.parameters(), lr=a.lr, clip_grad_norm=a.max_grad_norm or None)
+            opt = morse.torch.Adam(model.parameters(), lr=a.lr)
         optimizers = (opt, None)
         callbacks.append(MorseCallback())
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(seed=a.seed),
@@ -135,8 +155,8 @@ def main():
     compiled = getattr(model, "_compiled_call_impl", None) is not None  # model.compile() in place
     print(f"rank {rank}: parameters checksum {parameters_checksum(model)}"
           f"{' (compiled in place)' if compiled else ''}", flush=True)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    del trainer, model
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -3,17 +3,21 @@
 Trainer: pass the optimizer and MorseCallback, and nothing else changes:
 
     model = AutoModelForCausalLM.from_config(config).to(args.device)
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=args.learning_rate,
-                                 clip_grad_norm=args.max_grad_norm)
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=args.learning_rate)
     trainer = Trainer(model=model, args=args, train_dataset=...,
                       optimizers=(opt, None), callbacks=[MorseCallback()])
 
 Accelerate: prepare through morse.torch.hf.prepare instead of
-accelerator.prepare (and build the optimizer with the loop's clip_grad_norm_
-max_norm, if it clips; accelerator.clip_grad_norm_ then leaves the
-gradients to the optimizer):
+accelerator.prepare:
 
     model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
+
+Clipping needs nothing more: Trainer's max_grad_norm and the loop's
+accelerator.clip_grad_norm_ end in torch.nn.utils.clip_grad_norm_, which a
+Morse optimizer's parameters take to morse.torch.clip_grad_norm_: it
+returns the averaged gradient's norm and the step clips the average, as
+DDP's clip after backward() does (each rank's own gradient in a
+compression phase, design.md 2.6).
 
 Under `morse-run` (which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 as torchrun does) both stacks see a distributed job, start a gloo process
@@ -22,11 +26,9 @@ model in DistributedDataParallel. Morse averages the gradients itself, so
 the model is kept out of DDP (else every gradient would be all-reduced
 twice). The callback also
 
-- moves Trainer's clipping into the optimizer: Trainer clips each rank's
-  gradient after backward() (max_grad_norm, 1.0 by default), where DDP
-  clips the averaged one; the optimizer's clip_grad_norm (which must equal
-  max_grad_norm) clips the averaged gradient inside the step (each rank's
-  own in a compression phase, design.md 2.6), and Trainer's is turned off;
+- turns Trainer's clipping off when the optimizer clips by its own
+  clip_grad_norm (which must then equal max_grad_norm), so that the step
+  is not clipped twice;
 - saves every rank's optimizer state beside each checkpoint
   (checkpoint-N/morse-rank-R.pt: its worker error buffer is its own), and on
   resume loads this rank's own where Trainer loads rank 0's optimizer.pt
@@ -125,12 +127,14 @@ def prepare(accelerator, *objects):
 
 
 def _route_clipping(accelerator, opt):
-    """accelerator.clip_grad_norm_ on the Morse optimizer's parameters
-    leaves the gradients alone: the optimizer clips the averaged gradient
-    inside step() (its clip_grad_norm, which must be the max_norm asked
-    for), where DDP's would be clipped here. It returns this rank's own
-    gradient's norm (the average's is in opt.last_step["grad_norm"] after
-    step()). Other parameters are clipped as Accelerate does."""
+    """accelerator.clip_grad_norm_ on the Morse optimizer's parameters: as
+    torch.nn.utils.clip_grad_norm_ (morse.torch.clip_grad_norm_, the
+    averaged gradient's, clipped in step()); for an optimizer built with
+    clip_grad_norm, which clips inside step() already, it leaves the
+    gradients alone and returns this rank's own gradient's norm (the
+    average's is in opt.last_step["grad_norm"] after step()), and must be
+    asked for that max_norm. Other parameters are clipped as Accelerate
+    does."""
     original = accelerator.clip_grad_norm_
     ours = {id(p) for p in opt._params}
 
@@ -142,17 +146,20 @@ def _route_clipping(accelerator, opt):
         if len(mine) != len([p for p in parameters if p.requires_grad]):
             raise ValueError("accelerator.clip_grad_norm_ over the Morse optimizer's parameters and "
                              "others at once: clip them apart")
+        if opt.clip_grad_norm is None:
+            return torch.nn.utils.clip_grad_norm_(mine, max_norm, norm_type=norm_type)
         grads = [p.grad for p in mine if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type)
                                                      for g in grads]), norm_type)
         if float(max_norm) == float("inf"):
             return norm  # nothing to clip: the norm alone, as for logging
-        if float(norm_type) != 2.0 or opt.clip_grad_norm is None or float(opt.clip_grad_norm) != float(max_norm):
+        if float(norm_type) != 2.0 or float(opt.clip_grad_norm) != float(max_norm):
             raise ValueError(
                 f"accelerator.clip_grad_norm_(..., max_norm={max_norm}, norm_type={norm_type}) on a "
-                "Morse optimizer's parameters: Morse clips the averaged gradient by its L2 norm "
-                "inside step(), as DDP's clip after backward() does; build the optimizer with "
-                f"clip_grad_norm={max_norm} (it has {opt.clip_grad_norm})")
+                f"Morse optimizer that clips by its own clip_grad_norm={opt.clip_grad_norm} (the "
+                "averaged gradient's L2 norm, inside step()): clip by one or the other (build the "
+                "optimizer without clip_grad_norm, and accelerator.clip_grad_norm_ clips the "
+                "averaged gradient as under DDP)")
         return norm
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
@@ -188,17 +195,17 @@ class MorseCallback(_callback_base()):
                              "parameters and its model stays out of Accelerate's wrappers: train "
                              "in float32 (fp16=False, bf16=False)")
         max_norm = float(getattr(args, "max_grad_norm", 0) or 0)
-        if max_norm > 0:
-            if opt.clip_grad_norm is None or float(opt.clip_grad_norm) != max_norm:
+        if max_norm > 0 and opt.clip_grad_norm is not None:
+            # Trainer's clip ends in morse.torch.clip_grad_norm_ (the averaged
+            # gradient's, as under DDP); an optimizer that clips by its own
+            # clip_grad_norm would clip the step twice.
+            if float(opt.clip_grad_norm) != max_norm:
                 raise ValueError(
-                    f"Trainer clips by max_grad_norm={max_norm:g} after backward(), each rank its own "
-                    "gradient, where DDP clips the averaged one. Morse clips the averaged gradient "
-                    "inside the step: build the optimizer with clip_grad_norm=args.max_grad_norm "
-                    f"(it has {opt.clip_grad_norm}), or pass max_grad_norm=0 to TrainingArguments "
-                    "to train unclipped")
-            # Morse clips; Trainer's clip_grad_norm_(params, inf) for its
-            # grad_norm log then leaves every bit as it was.
-            args.max_grad_norm = 0.0
+                    f"Trainer clips by max_grad_norm={max_norm:g} and the Morse optimizer by its "
+                    f"own clip_grad_norm={opt.clip_grad_norm}: clip by one or the other (build the "
+                    "optimizer without clip_grad_norm, and Trainer's clip_grad_norm_ clips the "
+                    "averaged gradient as under DDP)")
+            args.max_grad_norm = 0.0  # the optimizer clips
         opt._finds_own_state = True
         return control
 
