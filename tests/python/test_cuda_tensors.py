@@ -2,7 +2,9 @@
 and 1 with their model on the GPU (rank 0 overlapping pushes with the
 backward pass, rank 1 not), rank 2 on the CPU, with bias correction and the
 zero-variance mask (a parameter no loss uses), for each of OneBitAdam
-(across the freeze), OneBitAdam with clip_grad_norm, ZeroOneAdam (variance,
+(across the freeze), OneBitAdam with clip_grad_norm, OneBitAdam with the
+script's clip_grad_norm_ after backward() (the bits of clip_grad_norm: the
+simulator runs with it), ZeroOneAdam (variance,
 1-bit, local and sync steps) and OneBitLamb (across the freeze). After
 every step each rank holds the x, m, v of the single-process simulator fed
 the gradients the workers computed (all three the same bits, except
@@ -24,7 +26,8 @@ SKIP = 77
 # Variance steps, 1-bit steps, then local intervals of 1, 2 and 4 steps; step
 # 12 ends with a sync, so state_dict() may save the whole run there.
 ZERO_ONE_SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
-OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "ZeroOneAdam", "OneBitLamb")
+OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "OneBitAdam+script clip", "ZeroOneAdam", "OneBitLamb")
+CLIP = 0.05
 
 
 def worker(out):
@@ -41,7 +44,9 @@ def worker(out):
     if name == "ZeroOneAdam":
         opt = morse.torch.ZeroOneAdam(model.parameters(), **ZERO_ONE_SCHEDULE, **common)
     elif name == "OneBitAdam+clip":  # the averaged gradient, then each rank's own
-        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, clip_grad_norm=0.05, **common)
+        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, clip_grad_norm=CLIP, **common)
+    elif name == "OneBitAdam+script clip":  # clip_grad_norm_ below: the same bits
+        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, **common)
     else:
         opt = getattr(morse.torch, name)(model.parameters(), freeze_step=4, **common)
     if rank == 0:
@@ -59,6 +64,8 @@ def worker(out):
         np.save(f"{out}/grad-{rank}-{step}.npy",
                 torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                            for p in model.parameters()]).cpu().numpy())
+        if name == "OneBitAdam+script clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         checksums.append(opt.checksum())
         check(all(p.device.type == device.type for p in model.parameters()),
@@ -91,6 +98,12 @@ if __name__ == "__main__":
         code, log = morse_run(__file__, 3, 2, out)
         print(log)
         check(code == 0, f"the {name} job failed")
+        if name == "OneBitAdam+script clip":  # the simulator clips as clip_grad_norm does
+            with open(f"{out}/job.json") as f:
+                job = json.load(f)
+            job["overrides"] += f"\nclip_grad_norm: {CLIP!r}"
+            with open(f"{out}/job.json", "w") as f:
+                json.dump(job, f)
         # zero_one_adam's ranks differ between syncs (their own local steps).
         check_ranks_match_simulator(out, 3, STEPS, ranks_may_differ=name == "ZeroOneAdam")
         print(f"PASS {name}: {STEPS} steps, 2 GPU + 1 CPU workers bit-identical to the simulator")
