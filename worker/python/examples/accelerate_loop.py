@@ -93,9 +93,8 @@ def main():
           f"{parameters_checksum(accelerator.unwrap_model(model))}", flush=True)
     if a.optimizer != "ddp":
         print(f"rank {accelerator.process_index}: Morse step {morse.torch.hf._morse_optimizer(opt).step_index}", flush=True)
+    leave_process_group()  # before end_training, which would leave it at once
     accelerator.end_training()
-    del model, opt, loader, accelerator
-    leave_process_group()
 
 
 if __name__ == "__main__":

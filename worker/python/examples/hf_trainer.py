@@ -68,8 +68,8 @@ def leave_process_group():
     holding the GIL, and a worker thread still freeing its last collective
     needs the GIL: left to interpreter exit (DDP's reducer keeps the group
     alive), this deadlocks now and then. So the group goes while Python
-    runs, after a pause that lets the threads finish (the caller drops what
-    holds it first: the Trainer, a DDP-wrapped model)."""
+    runs, after a pause that lets the threads finish their last work; no
+    collective may follow."""
     import gc
     import time
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
