@@ -1,0 +1,48 @@
+"""What clipping costs a morse.torch step with overlap: a 4M-parameter MLP,
+2 ranks, 16 steps, the median of steps 4..15 printed by rank 0, for
+
+  none    no clipping;
+  script  torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3) after
+          backward() (it waits for the exchange where the step averages;
+          in a compression phase the pushes wait for it);
+  option  the optimizer's clip_grad_norm=1e-3 (no call in the script).
+
+max_norm 1e-3 clips every step. OPTIMIZER=adam (fp32, every step averages)
+or onebit (freeze_step 2: steps 4..15 are the compression phase).
+
+    OPTIMIZER=adam build/bin/morse-run --servers 1 --workers 2 -- python3 tests/bench/clip_cost.py script
+"""
+import os
+import sys
+import time
+
+import torch
+
+import morse.torch
+
+mode = sys.argv[-1]
+if mode not in ("none", "script", "option"):
+    sys.exit(f"usage: clip_cost.py none|script|option, not {mode!r}")
+name = os.environ.get("OPTIMIZER", "adam")
+rank = int(os.environ["MORSE_RANK"])
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 1024))
+clip = 1e-3 if mode == "option" else None
+if name == "onebit":
+    opt = morse.torch.OneBitAdam(model, freeze_step=2, clip_grad_norm=clip)
+else:
+    opt = morse.torch.Adam(model, clip_grad_norm=clip)
+x = torch.randn(16, 1024)
+times = []
+for step in range(16):
+    start = time.time()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    if mode == "script":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    opt.step()
+    times.append(time.time() - start)
+if rank == 0:
+    t = sorted(times[4:])
+    print(f"RESULT {name} {mode}: median step {t[len(t) // 2] * 1000:.1f} ms", flush=True)
