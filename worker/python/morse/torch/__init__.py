@@ -73,8 +73,9 @@ def _env(name, value, cast=str, torchrun=None):
         f"with MORSE_SERVERS set) or pass rank=, world_size= and servers= to the optimizer")
 
 
-# The Morse optimizers alive, for clip_grad_norm_ to find its parameters'.
-_OPTIMIZERS = weakref.WeakSet()
+# The Morse optimizers built, oldest first (weak references), for
+# clip_grad_norm_ to find its parameters' (the newest one that has them).
+_OPTIMIZERS = []
 _TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 
 
@@ -90,16 +91,20 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     exchange, not in .grad) and is left as it is: the clip is applied in
     step(). The call waits for the exchange (every reply), as DDP's waits
     for its all-reduce. Where the step has no averaged gradient (OneBitAdam's
-    and OneBitLamb's compression phase, ZeroOneAdam's local steps) the rule
+    compression phase, ZeroOneAdam's 1-bit and local steps) the rule
     is DeepSpeed's: each rank clips its own gradient, and the call returns
     that rank's own norm; from the first call on, those steps push once the
     clip is known instead of during backward(). Call it once per step, on
-    every rank alike, over all of the optimizer's parameters."""
+    every rank alike, over all of the optimizer's parameters (OneBitLamb
+    does not clip). Under morse-run --node-aggregation this is torch's own,
+    on each rank's gradient."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
-    for opt in list(_OPTIMIZERS):
-        owned = opt._owned(parameters)
+    _OPTIMIZERS[:] = [ref for ref in _OPTIMIZERS if ref() is not None]
+    for ref in reversed(_OPTIMIZERS):
+        opt = ref()
+        owned = opt._owned(parameters) if opt is not None else None
         if owned is None:
             continue
         return opt._clip_grad_norm(max_norm, norm_type, error_if_nonfinite, owned)
@@ -370,7 +375,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._clips = False
         self._clipped = False
         self._pushed = None
-        _OPTIMIZERS.add(self)
+        _OPTIMIZERS.append(weakref.ref(self))
         _install_clip_grad_norm()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
         # kept aside (rank, step) until this rank's own is loaded.
@@ -761,10 +766,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             with self._explained():
                 self.last_step = self._session.finish()
-        # Gradients edited after the backward pass pushed them (clipping,
-        # scaling, zeroing, another backward) bump the flat gradient's version;
-        # with a snapshot, only changed bits count (see _edited_after_backward).
-        # (A step pushed by clip_grad_norm_ checks what changed since then.)
         # The averaged gradient's norm before clipping, when the step clipped
         # it (what DDP's clip_grad_norm_ returns).
         sum_of_squares = self._session.grad_sum_of_squares()
