@@ -65,6 +65,17 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     return checksums
 
 
+def clip_in_job(out, max_norm):
+    """Adds clip_grad_norm: max_norm to the job train_recorded wrote to
+    `out`, for the simulator: the script's clip_grad_norm_(..., max_norm)
+    after backward() must give the bits of that setting."""
+    with open(f"{out}/job.json") as f:
+        job = json.load(f)
+    job["overrides"] += f"\nclip_grad_norm: {max_norm!r}"
+    with open(f"{out}/job.json", "w") as f:
+        json.dump(job, f)
+
+
 def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
     """The job wrote checksums-<rank>.json (one checksum per step), job.json
     (base config and overrides), x0.npy and grad-<rank>-<step>.npy to `out`

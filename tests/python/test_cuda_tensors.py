@@ -19,7 +19,7 @@ import tempfile
 import numpy as np
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, clip_in_job, morse_run  # noqa: E402
 
 STEPS = 12
 SKIP = 77
@@ -99,11 +99,7 @@ if __name__ == "__main__":
         print(log)
         check(code == 0, f"the {name} job failed")
         if name == "OneBitAdam+script clip":  # the simulator clips as clip_grad_norm does
-            with open(f"{out}/job.json") as f:
-                job = json.load(f)
-            job["overrides"] += f"\nclip_grad_norm: {CLIP!r}"
-            with open(f"{out}/job.json", "w") as f:
-                json.dump(job, f)
+            clip_in_job(out, CLIP)
         # zero_one_adam's ranks differ between syncs (their own local steps).
         check_ranks_match_simulator(out, 3, STEPS, ranks_may_differ=name == "ZeroOneAdam")
         print(f"PASS {name}: {STEPS} steps, 2 GPU + 1 CPU workers bit-identical to the simulator")

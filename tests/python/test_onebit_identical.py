@@ -10,14 +10,13 @@ clip_grad_norm, which clips every step; and with the script's own
 torch.nn.utils.clip_grad_norm_ after backward() instead, which must give
 the bits of clip_grad_norm (the simulator runs with it): the averaged
 gradient clipped in warmup, each rank's own after the freeze."""
-import json
 import os
 import sys
 import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
+from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, train_recorded  # noqa: E402
 
 STEPS = 12
 
@@ -75,11 +74,7 @@ if __name__ == "__main__":
         print(log)
         check(code == 0, f"the job failed (clip_grad_norm {clip})")
         if clip.startswith("script"):  # the simulator clips as clip_grad_norm does
-            with open(f"{out}/job.json") as f:
-                job = json.load(f)
-            job["overrides"] += f"\nclip_grad_norm: {clip[len('script'):]}"
-            with open(f"{out}/job.json", "w") as f:
-                json.dump(job, f)
+            clip_in_job(out, float(clip[len("script"):]))
         check_ranks_match_simulator(out, 4, STEPS)
         print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator "
               f"(clip_grad_norm {clip})")

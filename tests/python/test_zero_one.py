@@ -9,14 +9,13 @@ again with the script's torch.nn.utils.clip_grad_norm_ after backward(),
 which must give the bits of the optimizer's clip_grad_norm (the simulator
 runs with it): the averaged gradient in variance steps, each rank's own in
 1-bit and local steps."""
-import json
 import os
 import sys
 import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
+from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, train_recorded  # noqa: E402
 
 STEPS = 18
 RANKS = 3
@@ -70,11 +69,7 @@ if __name__ == "__main__":
         print(log)
         check(code == 0, f"the job failed ({mode})")
         if mode == "clip":  # the simulator clips as clip_grad_norm does
-            with open(f"{out}/job.json") as f:
-                job = json.load(f)
-            job["overrides"] += f"\nclip_grad_norm: {CLIP!r}"
-            with open(f"{out}/job.json", "w") as f:
-                json.dump(job, f)
+            clip_in_job(out, CLIP)
         together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
         apart = STEPS - together
         check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")

@@ -48,6 +48,22 @@ void InitializeAll(ShardCore& core, uint32_t shard = 1) {
   }
 }
 
+// InitializeAll's values as a replica of `shard`'s range, for a test to
+// apply the replies to.
+compress::Replica InitialReplica(const ShardCore& core,
+                                 const compress::SimulatorConfig& config,
+                                 uint32_t shard = 1) {
+  const compress::Range range = core.layout().shard_range(shard);
+  compress::Replica replica(config, range);
+  for (const auto& p : core.layout().shard_partitions(shard)) {
+    const std::vector<float> x0 =
+        compress::testing::VariedData(p.range.size(), p.id);
+    std::copy(x0.begin(), x0.end(),
+              replica.x().begin() + (p.range.begin - range.begin));
+  }
+  return replica;
+}
+
 // Rank `rank`'s push of `step` to partition p: varied values of its own,
 // encoded with `codec`.
 PushArgs EncodedPush(uint64_t fingerprint, compress::CodecSpec codec,
@@ -528,19 +544,8 @@ TEST_F(ShardCoreTest,
   ASSERT_EQ(job_.algorithm.clip_grad_norm, 0.5f);
   core_ = *ShardCore::Create(job_, 1);
   const auto parts = core_->layout().shard_partitions(1);
-  const compress::Range range = core_->layout().shard_range(1);
-  compress::Replica expected(job_.algorithm, range);
-  for (const auto& p : parts) {
-    const std::vector<float> x0 =
-        compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core_
-                    ->InitPartition(0, p.id, fingerprint(),
-                                    {reinterpret_cast<const char*>(x0.data()),
-                                     4 * x0.size()})
-                    .ok());
-    std::copy(x0.begin(), x0.end(),
-              expected.x().begin() + (p.range.begin - range.begin));
-  }
+  InitializeAll(*core_);
+  compress::Replica expected = InitialReplica(*core_, job_.algorithm);
   std::vector<int64_t> seen;
   core_->SetStepObserver(
       [&](int64_t step, const ShardCore&) { seen.push_back(step); });
@@ -648,19 +653,8 @@ TEST_F(ShardCoreTest, TheWorkersMaxNormComesWithTheirCommit) {
   job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   core_ = *ShardCore::Create(job_, 1);
   const auto parts = core_->layout().shard_partitions(1);
-  const compress::Range range = core_->layout().shard_range(1);
-  compress::Replica expected(job_.algorithm, range);
-  for (const auto& p : parts) {
-    const std::vector<float> x0 =
-        compress::testing::VariedData(p.range.size(), p.id);
-    ASSERT_TRUE(core_
-                    ->InitPartition(0, p.id, fingerprint(),
-                                    {reinterpret_cast<const char*>(x0.data()),
-                                     4 * x0.size()})
-                    .ok());
-    std::copy(x0.begin(), x0.end(),
-              expected.x().begin() + (p.range.begin - range.begin));
-  }
+  InitializeAll(*core_);
+  compress::Replica expected = InitialReplica(*core_, job_.algorithm);
   std::vector<std::shared_ptr<const Reply>> replies(parts.size());
   // Step t of every partition with workers_clip `clip`; returns the whole
   // model's sum of squares (this shard's plus 3.0 for the other's).
