@@ -10,7 +10,11 @@ clip_grad_norm against torch.nn.utils.clip_grad_norm_ on the averaged
 gradient; and the script's own torch.nn.utils.clip_grad_norm_ after
 backward() (rank 0 overlapping and accumulating two backward() calls with
 no argument, rank 1 with overlap=False), which clips the averaged gradient
-and returns its norm, as under DDP."""
+and returns its norm, as under DDP; and .grad edited after backward() (a
+row zeroed, everything halved, then clip_grad_norm_), which under DDP edits
+the averaged gradient: linear edits give the same result on each rank's
+gradient before the average, which Morse pushes at step() once the first
+step showed the edits."""
 import os
 import sys
 
@@ -40,6 +44,8 @@ def worker(mode):
     schedules, accumulate, clip = mode == "schedules", mode == "accumulate", mode == "clip"
     # The script's own clip_grad_norm_ after backward(), as under DDP.
     clip_after = mode == "clip_after"
+    edit = mode == "edit"  # .grad edited after backward(), then clipped
+    limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
     model = Model()
     rank = int(os.environ["MORSE_RANK"])
@@ -81,8 +87,13 @@ def worker(mode):
         else:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
-        if clip_after:
-            returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2).item()
+        if edit:
+            with torch.no_grad():
+                model.a.weight.grad[0].zero_()
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
+        if clip_after or edit:
+            returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
         opt.step()
         if accumulate:
             check(opt.accumulation_steps == 2, f"rank {rank}: accumulation_steps {opt.accumulation_steps} "
@@ -98,14 +109,19 @@ def worker(mode):
             for g in gs:
                 total += g
             p.grad = total / world
-        if clip or clip_after:  # torch's clip on the global batch's gradient
-            norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), 0.2).item()
-            clipped += norm > 0.2
+        if edit:  # DDP edits the averaged gradient
+            with torch.no_grad():
+                reference.a.weight.grad[0].zero_()
+                for p in reference.parameters():
+                    p.grad.mul_(0.5)
+        if clip or clip_after or edit:  # torch's clip on the global batch's gradient
+            norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), limit).item()
+            clipped += norm > limit
             # last_step's grad_norm: the averaged gradient's, as torch's.
             got = opt.last_step.get("grad_norm")
             check(got is not None and abs(got - norm) <= 1e-5 * norm,
                   f"rank {opt.rank} step {step}: last_step grad_norm {got}, torch's {norm}")
-            if clip_after:  # what clip_grad_norm_ returned: DDP's, the average's
+            if clip_after or edit:  # what clip_grad_norm_ returned: DDP's, the average's
                 check(abs(returned - norm) <= 1e-5 * norm,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
                       f"torch's on the global batch {norm}")
@@ -115,14 +131,16 @@ def worker(mode):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
-    if clip or clip_after:
+    if clip or clip_after or edit:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
             "accumulate": "accumulating two backward() calls, rank 0 with no argument and "
                           "zero_grad(set_to_none=True)",
             "clip": f"clip_grad_norm=0.2, which clipped {clipped} steps",
             "clip_after": f"clip_grad_norm_(params, 0.2) after backward(), which clipped "
-                          f"{clipped} steps"}.get(mode, "constant")
+                          f"{clipped} steps",
+            "edit": f".grad edited after backward(), then clip_grad_norm_, which clipped "
+                    f"{clipped} steps"}.get(mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
@@ -130,7 +148,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after"):
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -203,13 +203,16 @@ def main():
 
     # Gradients edited after the backward pass pushed them, and a backward()
     # more than accumulation_steps: refused, not silently ignored. "edit":
-    # .grad scaled after backward(); "edit after clip": after the first
-    # step's clip_grad_norm_, which pushed them; "late clip": the first
+    # .grad scaled after backward() from the second step on (a first step
+    # that edits makes every step push at step(): test_adam_matches_torch's
+    # "edit"); "edit after clip": after the first step's clip_grad_norm_,
+    # which pushed them; "late clip": the first
     # clip_grad_norm_ after a step without one, whose pushes had left
     # unclipped during backward() (clip_grad_norm_ clips from the step after).
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
     changed = "the gradients changed after they were pushed"
-    for what, expected in (("edit", changed), ("edit after clip", changed),
+    for what, expected in (("edit", "this script first edited later"),
+                           ("edit after clip", "changed after clip_grad_norm_ pushed them"),
                            ("late clip", "before Morse knew that the script clips"),
                            ("again", "times in this step, with accumulation_steps=1")):
         with server(base) as address:

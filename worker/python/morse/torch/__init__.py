@@ -375,6 +375,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._clips = False
         self._clipped = False
         self._pushed = None
+        # The first step showed .grad edited between backward() and step():
+        # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
+        self._holds_pushes = False
         _OPTIMIZERS.append(weakref.ref(self))
         _install_clip_grad_norm()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
@@ -403,6 +406,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return self._accumulation
 
     def _gradient_ready(self, i):
+        if self._holds_pushes:
+            self._counts[i] += 1  # the script edits .grad: step() pushes
+            return
         if not self._joined:
             self._counts[i] += 1  # counted to learn the accumulation
             p, (lo, hi) = self._params[i], self._ranges[i]
@@ -745,6 +751,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._push_now()
         first, edited, missing, pushed = self._pushed
         self._pushed = None
+        late = False  # edited after clip_grad_norm_ pushed them
         if pushed is not None:
             touched = (self._flat_grad._version != pushed[0]
                        or any(p.grad is None or p.grad.data_ptr() != self._flat_grad[lo:hi].data_ptr()
@@ -752,7 +759,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if touched:
                 # Touched after clip_grad_norm_ pushed them: changed bits count.
                 self._restore_views()
-                edited = edited or not _same_bits(self._flat_grad, pushed[1])
+                late = not _same_bits(self._flat_grad, pushed[1])
             elif first and self._snapshot is not None and not self._snapshot_touched:
                 self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
@@ -777,20 +784,29 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._counts = [0] * len(self._params)
         if self._buffers:
             self._take_buffers()
+        if first and edited and self._overlap:
+            # The first step pushed at step(), edits included: the script
+            # edits .grad after backward(), so later steps push at step() too.
+            self._holds_pushes = True
+            self._snapshot = None
+            edited = False
+        if late:
+            raise MorseError(
+                "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
+                f"(editing, scaling or zeroing .grad) in step {self.step_index - 1}, which used "
+                "them as they were at clip_grad_norm_; edit .grad before clip_grad_norm_, as "
+                "under DDP its clip factor is of the gradient it sees")
         if edited:
-            used = ("the gradients as they were at clip_grad_norm_, which pushed them"
-                    if pushed is not None else
-                    "each rank's gradient as edited (the first step pushes at step()), which is "
-                    "not what DDP does: DDP edits the averaged gradient" if first else
-                    "the gradients as backward() left them")
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after they were pushed (editing, "
-                f"scaling or zeroing .grad, or another backward()) in step {self.step_index - 1}; "
-                f"this step used {used}. With overlap=True each partition is pushed as soon as "
-                "its gradients are ready. torch.nn.utils.clip_grad_norm_ is no edit (it clips the "
-                "averaged gradient in step(), as under DDP), nor is a change that leaves every "
-                "bit as it was; make other changes in a gradient hook, or build the optimizer "
-                "with overlap=False")
+                f"scaling or zeroing .grad, or another backward()) in step {self.step_index - 1}, "
+                "which used them as backward() left them. With overlap=True each partition is "
+                "pushed as soon as its gradients are ready, unless the first step showed .grad "
+                "edited between backward() and step() (then every step pushes at step()); this "
+                "script first edited later. torch.nn.utils.clip_grad_norm_ is no edit (it clips "
+                "the averaged gradient in step(), as under DDP), nor is a change that leaves "
+                "every bit as it was; edit from the first step on, in a gradient hook, or build "
+                "the optimizer with overlap=False")
         self._check_missing(missing)
         if changed is not None:
             raise MorseError(
