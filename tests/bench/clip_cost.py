@@ -1,11 +1,12 @@
-"""What clipping costs a morse.torch step with overlap: a 4M-parameter MLP,
+"""What clipping (and editing .grad) costs a morse.torch step with overlap: a 4M-parameter MLP,
 2 ranks, 16 steps, the median of steps 4..15 printed by rank 0, for
 
   none    no clipping;
   script  torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3) after
           backward() (it waits for the exchange where the step averages;
           in a compression phase the pushes wait for it);
-  option  the optimizer's clip_grad_norm=1e-3 (no call in the script).
+  option  the optimizer's clip_grad_norm=1e-3 (no call in the script);
+  edit    .grad halved after backward() (the pushes then wait for step()).
 
 max_norm 1e-3 clips every step. OPTIMIZER=adam (fp32, every step averages)
 or onebit (freeze_step 2: steps 4..15 are the compression phase).
@@ -21,8 +22,8 @@ import torch
 import morse.torch
 
 mode = sys.argv[-1]
-if mode not in ("none", "script", "option"):
-    sys.exit(f"usage: clip_cost.py none|script|option, not {mode!r}")
+if mode not in ("none", "script", "option", "edit"):
+    sys.exit(f"usage: clip_cost.py none|script|option|edit, not {mode!r}")
 name = os.environ.get("OPTIMIZER", "adam")
 rank = int(os.environ["MORSE_RANK"])
 torch.manual_seed(0)
@@ -41,6 +42,10 @@ for step in range(16):
     model(x).square().mean().backward()
     if mode == "script":
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    elif mode == "edit":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad.mul_(0.5)
     opt.step()
     times.append(time.time() - start)
 if rank == 0:
