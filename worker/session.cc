@@ -239,6 +239,7 @@ absl::Status Session::BeginStep() {
   workers_clip_ = clip_at_step_;
   max_norm_ = job_.algorithm.clip_grad_norm;
   clipped_ = false;
+  own_sum_of_squares_.reset();
   waited_.reset();
   waited_traffic_ = StepTraffic{};
   clips_average_ = compress::ClipsAverage(job_.algorithm, step_) ||
@@ -308,10 +309,10 @@ absl::Status Session::LocalStep() {
   trace::Scope traced("local step", step_);
   local_pending_ = false;
   float scale = 1.0f;
-  if (clips_locally_ && max_norm_ > 0) {
-    absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
-    if (!sum_of_squares.ok()) return sum_of_squares.status();
-    scale = compress::ClipScale(*sum_of_squares, max_norm_);
+  if (clips_locally_) {
+    absl::StatusOr<float> own = OwnClipScale();
+    if (!own.ok()) return own.status();
+    scale = *own;
   }
   const absl::StatusOr<float> lr_sum = engine_->LocalStep(
       step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale,
@@ -390,7 +391,7 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
   if (clips_locally_) {
     // This worker's own gradient (a compressing step): its pushes waited
     // for this; a zero_one_adam local step waits for Finish.
-    absl::StatusOr<double> sum_of_squares = engine_->GradientSumOfSquares();
+    absl::StatusOr<double> sum_of_squares = OwnSumOfSquares();
     if (!sum_of_squares.ok()) return Fail(sum_of_squares.status());
     if (!local_pending_) {
       local_scale_ = compress::ClipScale(*sum_of_squares, max_norm_);
@@ -407,17 +408,31 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
   return sum->value_or(0.0);
 }
 
+absl::StatusOr<double> Session::OwnSumOfSquares() {
+  if (!own_sum_of_squares_.has_value()) {
+    absl::StatusOr<double> sum = engine_->GradientSumOfSquares();
+    if (!sum.ok()) return sum.status();
+    own_sum_of_squares_ = *sum;
+  }
+  return *own_sum_of_squares_;
+}
+
+absl::StatusOr<float> Session::OwnClipScale() {
+  if (max_norm_ <= 0) return 1.0f;  // no pass over the gradient
+  absl::StatusOr<double> sum = OwnSumOfSquares();
+  if (!sum.ok()) return sum.status();
+  return compress::ClipScale(*sum, max_norm_);
+}
+
 absl::Status Session::SendAndWait() {
   if (waited_.has_value()) return *waited_;
   absl::Status status;
   if (clips_locally_ && !local_scale_.has_value()) {
-    absl::StatusOr<double> sum_of_squares =
-        max_norm_ > 0 ? engine_->GradientSumOfSquares()
-                      : absl::StatusOr<double>(0.0);
-    if (sum_of_squares.ok()) {
-      local_scale_ = compress::ClipScale(*sum_of_squares, max_norm_);
+    absl::StatusOr<float> own = OwnClipScale();
+    if (own.ok()) {
+      local_scale_ = *own;
     } else {
-      status = sum_of_squares.status();
+      status = own.status();
     }
   }
   for (uint32_t p = 0; p < sent_.size() && status.ok(); ++p)

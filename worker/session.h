@@ -192,6 +192,11 @@ class Session {
   // interval's state. An error, nothing changed, for a malformed one.
   absl::Status RestoreWholeState(const proto::CheckpointReader& reader,
                                  int64_t whole_step);
+  // This worker's own gradient's sum of squares in the step in flight
+  // (computed once), and its clip factor by max_norm_ (1 for 0, without
+  // that pass): a compressing step's clip (ClipsLocally, ClipAt).
+  absl::StatusOr<double> OwnSumOfSquares();
+  absl::StatusOr<float> OwnClipScale();
   // Sends what is left of the step in flight and waits for its replies,
   // once (ClipAt and Finish); the outcome, after Fail.
   absl::Status SendAndWait();
@@ -236,6 +241,7 @@ class Session {
   bool workers_clip_ = false;
   float max_norm_ = 0.0f;
   bool clipped_ = false;
+  std::optional<double> own_sum_of_squares_;  // OwnSumOfSquares
   // SendAndWait's outcome and traffic, once it ran in the step in flight.
   std::optional<absl::Status> waited_;
   StepTraffic waited_traffic_;

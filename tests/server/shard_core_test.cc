@@ -64,6 +64,24 @@ compress::Replica InitialReplica(const ShardCore& core,
   return replica;
 }
 
+// Applies step `step`'s replies of `parts` (in order) to `replica`, scaled
+// by the step's clip factor, as a shard's mirror does.
+void ApplyReplies(compress::Replica& replica, int64_t step,
+                  absl::Span<const compress::Partition> parts,
+                  const std::vector<std::shared_ptr<const Reply>>& replies,
+                  float scale) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string& payload = replies[i]->payload;
+    ASSERT_TRUE(
+        replica
+            .ApplyReply(step, parts[i].range.begin, parts[i].range.size(),
+                        {reinterpret_cast<const uint8_t*>(payload.data()),
+                         payload.size()},
+                        nullptr, scale)
+            .ok());
+  }
+}
+
 // Rank `rank`'s push of `step` to partition p: varied values of its own,
 // encoded with `codec`.
 PushArgs EncodedPush(uint64_t fingerprint, compress::CodecSpec codec,
@@ -571,16 +589,7 @@ TEST_F(ShardCoreTest,
     return total + 3.0;
   };
   const auto apply = [&](int64_t t, double total) {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const std::string& payload = replies[i]->payload;
-      ASSERT_TRUE(
-          expected
-              .ApplyReply(t, parts[i].range.begin, parts[i].range.size(),
-                          {reinterpret_cast<const uint8_t*>(payload.data()),
-                           payload.size()},
-                          nullptr, compress::ClipScale(total, 0.5f))
-              .ok());
-    }
+    ApplyReplies(expected, t, parts, replies, compress::ClipScale(total, 0.5f));
   };
   double largest = 0;
   const double total0 = step(0, std::nullopt, &largest);
@@ -677,16 +686,7 @@ TEST_F(ShardCoreTest, TheWorkersMaxNormComesWithTheirCommit) {
     return total;
   };
   const auto apply = [&](int64_t t, float scale) {
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const std::string& payload = replies[i]->payload;
-      ASSERT_TRUE(
-          expected
-              .ApplyReply(t, parts[i].range.begin, parts[i].range.size(),
-                          {reinterpret_cast<const uint8_t*>(payload.data()),
-                           payload.size()},
-                          nullptr, scale)
-              .ok());
-    }
+    ApplyReplies(expected, t, parts, replies, scale);
   };
   // Ranks that disagree on workers_clip.
   PushArgs first_push = Args(0, 0, first());
