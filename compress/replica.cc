@@ -12,6 +12,7 @@
 #include "compress/fnv.h"
 #include "compress/kernels.h"
 #include "compress/lamb.h"
+#include "compress/optimizer.h"
 #include "compress/scratch.h"
 #include "compress/simd/element_ops.h"
 
@@ -58,167 +59,7 @@ absl::Span<const float> ScaledGradient(absl::Span<const float> g,
   return scaled;
 }
 
-// zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
-// updated n_v times.
-float ZeroOneVarianceCorrection(const SimulatorConfig& config, int64_t step) {
-  return MakeAdamScalars(config.adam, 0.0f,
-                         ZeroOneAt(config, step).variance_updates, true)
-      .bias_correction2;
-}
-
 }  // namespace
-
-namespace {
-
-// The variance schedule (design.md 2.7) at 1-based step s <= F: phase k
-// updates v at kappa steps spaced 2^k apart, starting at the first multiple
-// of 2^k after the previous phase's last update. Returns the updates at
-// steps <= s; *at_s: whether s is one.
-int64_t VarianceUpdates(int64_t kappa, int64_t s, bool* at_s) {
-  *at_s = false;
-  int64_t end = 0, count = 0;
-  for (int k = 0; k < 62; ++k) {
-    const int64_t interval = int64_t{1} << k;
-    const int64_t first = (end / interval + 1) * interval;
-    if (s < first) return count;
-    const int64_t span = kappa - 1;
-    const int64_t last =
-        span > (std::numeric_limits<int64_t>::max() - first) / interval
-            ? std::numeric_limits<int64_t>::max()
-            : first + span * interval;
-    if (s <= last) {
-      *at_s = (s - first) % interval == 0;
-      return count + (s - first) / interval + 1;
-    }
-    count += kappa;
-    end = last;
-  }
-  return count;
-}
-
-}  // namespace
-
-ZeroOneStep ZeroOneAt(const SimulatorConfig& config, int64_t step) {
-  const ZeroOneSpec& z = config.zero_one;
-  ZeroOneStep at;
-  const int64_t s = step + 1;
-  if (s <= z.var_freeze_step) {
-    at.variance_updates = VarianceUpdates(z.var_update_scaler, s, &at.variance);
-    return at;
-  }
-  bool unused;
-  at.variance_updates =
-      VarianceUpdates(z.var_update_scaler, z.var_freeze_step, &unused);
-  at.local = true;
-  const int64_t doublings = (s - z.var_freeze_step - 1) / z.local_step_scaler;
-  at.interval = doublings >= 62
-                    ? z.local_step_clipper
-                    : std::min(z.local_step_clipper, int64_t{1} << doublings);
-  at.exchanges = s % at.interval == 0;
-  return at;
-}
-
-StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
-  StepPlan plan;
-  if (config.optimizer == OptimizerKind::kZeroOneAdam) {
-    const ZeroOneStep z = ZeroOneAt(config, step);
-    if (z.variance) {
-      plan.up = plan.down = config.warmup_codec;
-      return plan;
-    }
-    plan.local = z.local;
-    plan.exchanges = z.exchanges;
-  } else if ((config.optimizer == OptimizerKind::kOneBitAdam ||
-              config.optimizer == OptimizerKind::kOneBitLamb) &&
-             step < config.freeze_step) {
-    plan.up = plan.down = config.warmup_codec;
-    return plan;
-  }
-  plan.compressing = config.optimizer != OptimizerKind::kAdam;
-  plan.feedback = true;
-  plan.up = config.up_codec;
-  plan.down = config.down_codec;
-  return plan;
-}
-
-const char* PhaseName(const SimulatorConfig& config, int64_t step) {
-  if (config.optimizer == OptimizerKind::kAdam) return "adam";
-  const StepPlan plan = PlanStep(config, step);
-  if (config.optimizer == OptimizerKind::kZeroOneAdam) {
-    if (plan.local) return plan.exchanges ? "sync" : "local";
-    return plan.compressing ? "compression" : "variance";
-  }
-  return plan.compressing ? "compression" : "warmup";
-}
-
-int64_t NextExchange(const SimulatorConfig& config, int64_t step) {
-  if (config.optimizer != OptimizerKind::kZeroOneAdam) return step;
-  while (!ZeroOneAt(config, step).exchanges)
-    ++step;  // at most local_step_clipper - 1 steps
-  return step;
-}
-
-bool StartsInterval(const SimulatorConfig& config, int64_t step) {
-  if (config.optimizer != OptimizerKind::kZeroOneAdam ||
-      !ZeroOneAt(config, step).local)
-    return false;
-  return step == config.zero_one.var_freeze_step ||
-         ZeroOneAt(config, step - 1).exchanges;
-}
-
-absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step,
-                                    int64_t last_step) {
-  if (!PlanStep(config, step).local) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step, " is not in zero_one_adam's local phase"));
-  }
-  if (StartsInterval(config, step)) return true;
-  if (last_step != step - 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step,
-                     " is in the middle of a zero_one_adam local interval that "
-                     "this worker did not "
-                     "start; it can resume only at the step after a sync"));
-  }
-  return false;
-}
-
-float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
-  int64_t first = step;
-  while (!StartsInterval(config, first)) --first;
-  float sum = 0.0f;
-  for (int64_t t = first; t <= step; ++t) sum += LearningRate(config.lr, t);
-  return sum;
-}
-
-AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step,
-                             const StepHyper* hyper) {
-  AdamHyper adam = config.adam;
-  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
-  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  AdamScalars s =
-      MakeAdamScalars(adam, lr, step + 1, /*bias_correction=*/false);
-  if (config.bias_correction)
-    s.bias_correction2 = ZeroOneVarianceCorrection(config, step);
-  if (config.bound_update) s.max_ratio = OneBitUpdateBound(config.adam);
-  return s;
-}
-
-SendRule PlanSend(const SimulatorConfig& config, int64_t step,
-                  Direction direction, uint32_t sender, uint64_t first_index) {
-  const StepPlan plan = PlanStep(config, step);
-  SendRule rule;
-  rule.codec = direction == Direction::kUp ? plan.up : plan.down;
-  rule.local_momentum =
-      direction == Direction::kUp && plan.compressing && !plan.local;
-  rule.accumulated = direction == Direction::kUp && plan.local;
-  rule.step = step;
-  rule.beta1 = config.adam.beta1;
-  rule.feedback = plan.feedback;
-  rule.mask = plan.compressing && config.mask_zero_variance;
-  rule.key = SenderKey(config, step, sender, first_index);
-  return rule;
-}
 
 absl::Status ValidateStepHyper(const StepHyper& hyper) {
   if (!(hyper.lr >= 0.0f) || !std::isfinite(hyper.lr) ||
@@ -228,14 +69,6 @@ absl::Status ValidateStepHyper(const StepHyper& hyper) {
                      " must be finite and not negative"));
   }
   return absl::OkStatus();
-}
-
-bool ClipsAverage(const SimulatorConfig& config, int64_t step) {
-  return config.clip_grad_norm > 0.0f && !PlanStep(config, step).compressing;
-}
-
-bool ClipsLocally(const SimulatorConfig& config, int64_t step) {
-  return config.clip_grad_norm > 0.0f && PlanStep(config, step).compressing;
 }
 
 double SegmentSumOfSquares(const float* values, uint64_t n) {
@@ -261,54 +94,6 @@ float ClipScale(double sum_of_squares, float max_norm) {
   const double coefficient =
       static_cast<double>(max_norm) / (std::sqrt(sum_of_squares) + 1e-6);
   return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
-}
-
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
-                    const StepHyper* hyper, float grad_scale) {
-  const StepPlan plan = PlanStep(config, step);
-  ReplyRule rule;
-  rule.grad_scale = grad_scale;
-  rule.codec = plan.down;
-  rule.frozen_variance = plan.compressing && !plan.local;
-  rule.sync = plan.local;
-  rule.mask = plan.compressing && config.mask_zero_variance;
-  if (plan.local) {
-    // The sync: the interval's learning-rate sum (the workers' pushes carry
-    // it as their lr when they set one), v̂ as in the local steps.
-    rule.scalars = LocalStepScalars(config, step, hyper);
-    rule.scalars.lr =
-        hyper != nullptr ? hyper->lr : IntervalLrSum(config, step);
-    return rule;
-  }
-  AdamHyper adam = config.adam;
-  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
-  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
-  if (config.optimizer == OptimizerKind::kOneBitLamb) {
-    rule.lamb = true;
-    rule.fresh_correction2 = rule.scalars.bias_correction2;
-    rule.copy_fresh = step + 1 == config.freeze_step;
-  }
-  if (config.optimizer == OptimizerKind::kZeroOneAdam &&
-      config.bias_correction) {
-    rule.scalars.bias_correction2 = ZeroOneVarianceCorrection(config, step);
-  } else if (plan.compressing && config.bias_correction) {
-    // v and its correction freeze together: 1 - b2^T_w.
-    rule.scalars.bias_correction2 =
-        MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true)
-            .bias_correction2;
-  }
-  if (plan.compressing && config.bound_update) {
-    rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
-  }
-  if (config.optimizer == OptimizerKind::kZeroOneAdam && !plan.compressing &&
-      config.bound_update) {
-    // A variance step's m comes from the 1-bit steps before it, not from
-    // gradients alone as Adam's does: bounded like them (design.md 2.7).
-    rule.bounded_variance = true;
-    rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
-  }
-  return rule;
 }
 
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
@@ -394,21 +179,7 @@ uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
   mix(c.bound_update);
   if (c.clip_grad_norm > 0.0f)
     mix_float(c.clip_grad_norm);  // absent before clipping existed
-  if (c.optimizer == OptimizerKind::kZeroOneAdam) {
-    mix(static_cast<uint64_t>(c.zero_one.var_freeze_step));
-    mix(static_cast<uint64_t>(c.zero_one.var_update_scaler));
-    mix(static_cast<uint64_t>(c.zero_one.local_step_scaler));
-    mix(static_cast<uint64_t>(c.zero_one.local_step_clipper));
-  }
-  if (c.optimizer == OptimizerKind::kOneBitLamb) {
-    for (float f :
-         {c.lamb.max_coeff, c.lamb.min_coeff, c.lamb.coeff_beta,
-          c.lamb.factor_max, c.lamb.factor_min, c.lamb.factor_threshold}) {
-      mix_float(f);
-    }
-    mix(c.layers.size());
-    for (uint64_t size : c.layers) mix(size);
-  }
+  OptimizerOf(c).Fingerprint(c, hash);
   mix(c.seed);
   return hash.value();
 }

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/lamb.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 
 namespace morse::compress {
@@ -23,24 +24,8 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
                        c.layout.block_elems, ")"));
     }
   }
-  const CodecKind warmup = c.warmup_codec.kind;
-  const bool onebit = c.optimizer == OptimizerKind::kOneBitAdam ||
-                      c.optimizer == OptimizerKind::kOneBitLamb;
-  if (onebit && warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 &&
-      warmup != CodecKind::kBf16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the warmup codec of onebit_adam and onebit_lamb must be "
-                     "fp32, fp16 or bf16, got ",
-                     CodecName(warmup)));
-  }
   if (c.freeze_step < 0)
     return absl::InvalidArgumentError("freeze_step must be >= 0");
-  if (onebit && c.freeze_step < 1) {
-    return absl::InvalidArgumentError(
-        "freeze_step must be at least 1 for onebit_adam and onebit_lamb (with "
-        "no warmup there is no "
-        "variance to freeze)");
-  }
   if (!c.layers.empty()) {
     uint64_t sum = 0;
     for (uint64_t size : c.layers) {
@@ -57,56 +42,7 @@ absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
                        c.layout.dim, " elements"));
     }
   }
-  if (c.optimizer == OptimizerKind::kOneBitLamb) {
-    const LambSpec& l = c.lamb;
-    const auto finite = [](float f) { return std::isfinite(f); };
-    if (!(l.min_coeff > 0.0f) || !(l.max_coeff >= l.min_coeff) ||
-        !finite(l.max_coeff)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "onebit_lamb needs 0 < min_coeff <= max_coeff (finite), got ",
-          l.min_coeff, ", ", l.max_coeff));
-    }
-    if (!(l.coeff_beta >= 0.0f && l.coeff_beta < 1.0f)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "onebit_lamb.coeff_beta must be in [0, 1), got ", l.coeff_beta));
-    }
-    if (!(l.factor_min > 0.0f) || !(l.factor_max >= l.factor_min) ||
-        !finite(l.factor_max)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "onebit_lamb needs 0 < factor_min <= factor_max (finite), got ",
-          l.factor_min, ", ", l.factor_max));
-    }
-    if (!(l.factor_threshold >= 0.0f && l.factor_threshold < 1.0f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("onebit_lamb.factor_threshold must be in [0, 1), got ",
-                       l.factor_threshold));
-    }
-    if (c.clip_grad_norm != 0.0f) {
-      return absl::InvalidArgumentError(
-          "clip_grad_norm is not supported with onebit_lamb (leave it 0)");
-    }
-  }
-  if (c.optimizer == OptimizerKind::kZeroOneAdam) {
-    const ZeroOneSpec& z = c.zero_one;
-    constexpr int64_t kMax = int64_t{1} << 40;
-    for (const auto& [name, value] :
-         {std::pair<const char*, int64_t>{"var_freeze_step", z.var_freeze_step},
-          {"var_update_scaler", z.var_update_scaler},
-          {"local_step_scaler", z.local_step_scaler},
-          {"local_step_clipper", z.local_step_clipper}}) {
-      if (value < 1 || value > kMax) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "zero_one_adam.", name, " must be in [1, 2^40], got ", value));
-      }
-    }
-    if (warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 &&
-        warmup != CodecKind::kBf16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("zero_one_adam's variance steps use warmup_codec, which "
-                       "must be fp32, fp16 or bf16, got ",
-                       CodecName(warmup)));
-    }
-  }
+  if (absl::Status s = OptimizerOf(c).Validate(c); !s.ok()) return s;
   for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
     if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
   }

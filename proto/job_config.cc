@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "compress/codec.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
@@ -175,21 +176,13 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
                      "set synthetic { ... }, mlp { ... } or external { ... }");
   }
 
-  if (c.optimizer().empty() || c.optimizer() == "onebit_adam") {
-    a.optimizer = compress::OptimizerKind::kOneBitAdam;
-  } else if (c.optimizer() == "adam") {
-    a.optimizer = compress::OptimizerKind::kAdam;
-  } else if (c.optimizer() == "zero_one_adam") {
-    a.optimizer = compress::OptimizerKind::kZeroOneAdam;
-  } else if (c.optimizer() == "onebit_lamb") {
-    a.optimizer = compress::OptimizerKind::kOneBitLamb;
-  } else {
-    return Invalid(
-        "optimizer",
-        absl::StrCat(
-            "'", c.optimizer(),
-            "' is not onebit_adam, adam, zero_one_adam or onebit_lamb"));
+  const compress::Optimizer* optimizer = compress::FindOptimizer(
+      c.optimizer().empty() ? "onebit_adam" : c.optimizer());
+  if (optimizer == nullptr) {
+    return Invalid("optimizer", absl::StrCat("'", c.optimizer(), "' is not ",
+                                             compress::OptimizerNames()));
   }
+  a.optimizer = optimizer->kind();
   if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {
     const v1::OneBitLambConfig& l = c.onebit_lamb();
     if (l.has_max_coeff()) a.lamb.max_coeff = l.max_coeff();
@@ -209,7 +202,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   }
   // onebit_adam and zero_one_adam compress with error feedback by default
   // and have a frozen v to mask and bound.
-  const bool onebit = a.optimizer != compress::OptimizerKind::kAdam;
+  const bool onebit = optimizer->FreezesVariance();
   const bool zero_one = a.optimizer == compress::OptimizerKind::kZeroOneAdam;
   if (zero_one) {
     const v1::ZeroOneAdamConfig& z = c.zero_one_adam();
@@ -329,8 +322,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   // A server's base config for an external model leaves the optimizer to
   // the workers' Join.
   const bool base_only = external && job.external.dim == 0;
-  const bool freezes = a.optimizer == compress::OptimizerKind::kOneBitAdam ||
-                       a.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const bool freezes = optimizer->HasFreezeStep();
   if (freezes && base_only && a.freeze_step == 0) a.freeze_step = 1;
   if (freezes &&
       (a.freeze_step < 1 || (c.steps() > 0 && a.freeze_step > c.steps()))) {
@@ -549,20 +541,16 @@ uint64_t KeptPayloadBytes(const JobSpec& job, uint64_t elems, bool up) {
 }  // namespace
 
 uint64_t WorkerStateBytes(const JobSpec& job) {
-  // x, m, v and the gradient (and onebit_lamb's v').
-  const uint64_t lamb =
-      job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
-  const uint64_t per =
-      4 * 4 + lamb + ErrorBytesPerElement(job.algorithm.worker_feedback);
+  // x, m, v, the gradient and the optimizer's own arrays (onebit_lamb's v').
+  const uint64_t per = 4 * 4 + compress::StateBytesPerElement(job.algorithm) +
+                       ErrorBytesPerElement(job.algorithm.worker_feedback);
   return Plus(Times(job.algorithm.layout.dim, per),
               KeptPayloadBytes(job, job.algorithm.layout.dim, /*up=*/true));
 }
 
 uint64_t ShardStateBytes(const JobSpec& job, uint64_t shard_elems) {
-  const uint64_t lamb =
-      job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb ? 4 : 0;
-  const uint64_t per =
-      3 * 4 + lamb + ErrorBytesPerElement(job.algorithm.server_feedback);
+  const uint64_t per = 3 * 4 + compress::StateBytesPerElement(job.algorithm) +
+                       ErrorBytesPerElement(job.algorithm.server_feedback);
   return Plus(Times(shard_elems, per),
               KeptPayloadBytes(job, shard_elems, /*up=*/false));
 }

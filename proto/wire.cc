@@ -6,6 +6,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "compress/optimizer.h"
 
 namespace morse::proto {
 
@@ -59,13 +60,14 @@ int MaxMessageBytes(const JobSpec& job) {
           : job.algorithm.layout.partition_elems;  // the size comes later
   // The largest messages are RestorePartition's x, m, v and server error,
   // and onebit_lamb's FetchPartition (x, m, v, v'): 16 bytes a value, plus
-  // onebit_lamb's layer state (2 floats a layer) or commit (3 doubles a
-  // layer, with every push); pushes are at most 8 bytes a value (topk at
-  // ratio 1).
-  const uint64_t layers =
-      job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb
-          ? 24 * std::max<uint64_t>(1, job.algorithm.layers.size())
-          : 0;
+  // the optimizer's arrays that are not per element (onebit_lamb's layer
+  // state, 2 floats a layer) or its commit (3 doubles a layer, with every
+  // push); pushes are at most 8 bytes a value (topk at ratio 1).
+  const compress::Optimizer& optimizer = compress::OptimizerOf(job.algorithm);
+  uint64_t layers = 8 * optimizer.CommitDoubles(job.algorithm);
+  for (const compress::StateArray& array : optimizer.State(job.algorithm)) {
+    if (!array.per_element) layers = std::max(layers, 4 * array.floats);
+  }
   return static_cast<int>(
       std::min<uint64_t>(16 * largest + layers + (1 << 20), INT32_MAX));
 }

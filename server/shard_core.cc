@@ -13,6 +13,7 @@
 #include "compress/bytes_hash.h"
 #include "compress/check.h"
 #include "compress/lamb.h"
+#include "compress/optimizer.h"
 #include "compress/scratch.h"
 #include "compress/trace.h"
 #include "proto/checkpoint_file.h"
@@ -138,7 +139,7 @@ ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
                     job.algorithm.layout.block_elems) {
   for (const compress::Partition& p : layout_.shard_partitions(shard)) {
     partitions_.push_back(std::make_unique<PartitionState>(p, job.workers()));
-    if (job.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    if (compress::CommitsLayers(job.algorithm)) {
       partitions_.back()->lamb_layers.resize(
           compress::LayerCount(job.algorithm));
     }
@@ -369,8 +370,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
         }
       } else if (p.awaiting_commit) {
         return reject(absl::FailedPreconditionError(
-            p.committed_lamb.empty() && job_.algorithm.optimizer ==
-                                            compress::OptimizerKind::kOneBitLamb
+            p.committed_lamb.empty() && compress::CommitsLayers(job_.algorithm)
                 ? absl::StrCat(
                       "step ", args.step - 1, " of partition ", args.partition,
                       " waits for onebit_lamb's layer coefficients: rank ",
@@ -628,8 +628,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   // before anything reads the mirror.
   p.mirror_pending = true;
   p.mirror_hyper = hyper;
-  p.awaiting_commit =
-      clips || job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  p.awaiting_commit = clips || compress::CommitsLayers(job_.algorithm);
   p.committed_norm.reset();
   p.committed_max_norm.reset();
   p.last_workers_clip = workers_clip;
@@ -674,7 +673,7 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
       return absl::InvalidArgumentError(
           "a commit holds a gradient norm or layer coefficients, not both");
     }
-    if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) {
+    if (!compress::CommitsLayers(job_.algorithm)) {
       return absl::FailedPreconditionError(
           absl::StrCat("rank ", rank,
                        " sent layer coefficients (onebit_lamb) for a job whose "
@@ -975,7 +974,7 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   std::vector<float> error(range_.size());
   server_error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("server_error", error);
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+  if (compress::CommitsLayers(job_.algorithm)) {
     // onebit_lamb's fresh variance and every layer's state (design.md 2.8).
     writer.AddFloats("v_fresh", mirror_.v_fresh());
     // Every partition is at `step` and holds the same state.
@@ -1030,7 +1029,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     return absl::DataLossError(absl::StrCat(path, ": negative step"));
   std::vector<float> v_fresh;
   std::vector<compress::LambLayerState> lamb_layers;
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+  if (compress::CommitsLayers(job_.algorithm)) {
     auto fresh = reader->Floats("v_fresh", n);
     if (!fresh.ok()) return fresh.status();
     auto layers =
@@ -1146,7 +1145,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
                     mirror_.m().begin() + offset + n);
   snapshot.v.assign(mirror_.v().begin() + offset,
                     mirror_.v().begin() + offset + n);
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+  if (compress::CommitsLayers(job_.algorithm)) {
     snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset,
                             mirror_.v_fresh().begin() + offset + n);
     snapshot.lamb_layers = compress::FlattenLambLayers(p.lamb_layers);
@@ -1177,8 +1176,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
     return absl::InvalidArgumentError("negative step");
   // onebit_lamb: v' of the partition and every layer's state (design.md
   // 2.8), as FetchPartition gives them; no other optimizer has them.
-  const bool lamb =
-      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const bool lamb = compress::CommitsLayers(job_.algorithm);
   const size_t layer_floats =
       lamb ? 2 * compress::LayerCount(job_.algorithm) : 0;
   if (state.v_fresh.size() != (lamb ? n : 0) ||

@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "compress/bytes_hash.h"
 #include "compress/lamb.h"
+#include "compress/optimizer.h"
 #include "compress/sync.h"
 #include "compress/trace.h"
 #include "proto/wire.h"
@@ -214,8 +215,7 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
                                    transport_->address(p.shard)));
     }
     const size_t bytes = 4 * p.range.size();
-    const bool lamb =
-        job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+    const bool lamb = compress::CommitsLayers(job_.algorithm);
     // An array flagged zero is left out of the message (all +0.0).
     const auto sized = [bytes](const std::string& array, bool zero) {
       return array.size() == (zero ? 0 : bytes);

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/lamb.h"
+#include "compress/optimizer.h"
 #include "compress/trace.h"
 #include "proto/checkpoint_file.h"
 #include "worker/engine/host/engine.h"
@@ -550,7 +551,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   const bool chose_max_norm = workers_clip_ && sum_of_squares.has_value();
   previous_clip_max_norm_ =
       chose_max_norm ? std::optional<float>(max_norm_) : std::nullopt;
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+  if (compress::CommitsLayers(job_.algorithm)) {
     // x moves by each layer's coefficient, from sums over the whole model.
     trace::Scope traced("lamb step", step_);
     absl::StatusOr<std::vector<double>> commit = engine_->LambStep(
@@ -635,7 +636,7 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   }
   if (previous_clip_max_norm_.has_value())
     writer.AddFloats("previous_clip_max_norm", {&*previous_clip_max_norm_, 1});
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb) {
+  if (compress::CommitsLayers(job_.algorithm)) {
     writer.AddFloats("v_fresh", replica_.v_fresh());
     writer.AddFloats("lamb_layers",
                      compress::FlattenLambLayers(replica_.lamb_layers()));
@@ -679,8 +680,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     max_norm = value[0];
   }
   std::vector<double> lamb_commit;
-  const bool lamb =
-      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const bool lamb = compress::CommitsLayers(job_.algorithm);
   if (lamb) {
     if (absl::Status s = floats("v_fresh", dim, &v_fresh); !s.ok()) return s;
     if (absl::Status s =
@@ -731,8 +731,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
 }
 
 absl::Status Session::CheckLambState(const LambState* lamb) const {
-  const bool is_lamb =
-      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitLamb;
+  const bool is_lamb = compress::CommitsLayers(job_.algorithm);
   if (!is_lamb) {
     return lamb == nullptr
                ? absl::OkStatus()
@@ -768,7 +767,7 @@ absl::Status Session::CheckLambState(const LambState* lamb) const {
 }
 
 absl::StatusOr<Session::LambState> Session::SavedLamb() {
-  if (job_.algorithm.optimizer != compress::OptimizerKind::kOneBitLamb) {
+  if (!compress::CommitsLayers(job_.algorithm)) {
     return absl::FailedPreconditionError("only onebit_lamb has a lamb state");
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");

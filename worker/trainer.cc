@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "compress/error_feedback.h"
 #include "compress/kernels.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "prometheus/registry.h"
 #include "proto/checkpoint_file.h"
@@ -219,7 +220,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   compress::Replica& replica = session_->replica();
   const absl::Time step_start = absl::Now();
   if (step == job_.algorithm.freeze_step &&
-      job_.algorithm.optimizer == compress::OptimizerKind::kOneBitAdam) {
+      compress::OptimizerOf(job_.algorithm).HasFreezeStep()) {
     // v is frozen from here on: say how much the zero-variance mask holds.
     if (absl::Status s = session_->SyncHost(); !s.ok()) return s;
     const auto v = replica.v();

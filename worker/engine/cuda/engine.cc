@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "compress/optimizer.h"
 #include "compress/sync.h"
 #include "compress/update_rules.h"
 #include "kernels/codecs.h"
@@ -134,14 +135,14 @@ class CudaEngine final : public Engine, public DeviceServices {
       square_sums_host_ = *std::move(host);
     }
     if (absl::Status s = e_.Fill(0); !s.ok()) return s;
-    if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+    if (compress::StepsLocally(config_)) {
       for (kernels::DeviceBuffer* b : {&anchor_, &u_}) {
         auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
         if (!allocated.ok()) return allocated.status();
         *b = *std::move(allocated);
       }
     }
-    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    if (compress::CommitsLayers(config_)) {
       auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
       if (!allocated.ok()) return allocated.status();
       v_fresh_ = *std::move(allocated);
@@ -182,7 +183,7 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok())
       return s;
     if (absl::Status s = e_.Upload(e.data(), bytes); !s.ok()) return s;
-    if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+    if (compress::StepsLocally(config_)) {
       const compress::Replica::LocalInterval interval =
           replica.local_interval();
       has_interval_ = !interval.anchor.empty();
@@ -196,7 +197,7 @@ class CudaEngine final : public Engine, public DeviceServices {
       lr_sum_ = interval.lr_sum;
       local_step_ = interval.last_step;
     }
-    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    if (compress::CommitsLayers(config_)) {
       if (absl::Status s = v_fresh_.Upload(replica.v_fresh().data(), bytes);
           !s.ok())
         return s;
@@ -221,7 +222,7 @@ class CudaEngine final : public Engine, public DeviceServices {
         !s.ok())
       return s;
     if (absl::Status s = e_.Download(e.data(), bytes); !s.ok()) return s;
-    if (config_.optimizer == compress::OptimizerKind::kZeroOneAdam) {
+    if (compress::StepsLocally(config_)) {
       compress::Replica::LocalInterval interval;
       if (has_interval_) {
         interval.anchor.resize(config_.layout.dim);
@@ -238,7 +239,7 @@ class CudaEngine final : public Engine, public DeviceServices {
           !s.ok())
         return s;
     }
-    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    if (compress::CommitsLayers(config_)) {
       if (absl::Status s =
               v_fresh_.Download(replica.mutable_v_fresh().data(), bytes);
           !s.ok())
@@ -504,7 +505,7 @@ class CudaEngine final : public Engine, public DeviceServices {
   absl::StatusOr<std::vector<double>> LambStep(
       int64_t step, const compress::StepHyper* hyper,
       compress::ComputePool*) override {
-    if (config_.optimizer != compress::OptimizerKind::kOneBitLamb) {
+    if (!compress::CommitsLayers(config_)) {
       return absl::FailedPreconditionError("LambStep is for onebit_lamb");
     }
     if (absl::Status s = OnDevice(); !s.ok()) return s;
@@ -629,16 +630,15 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
           absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
     }
   }
-  if (config.optimizer != compress::OptimizerKind::kAdam &&
-      config.mask_zero_variance &&
+  const bool freezes = compress::OptimizerOf(config).FreezesVariance();
+  if (freezes && config.mask_zero_variance &&
       config.up_codec.kind != compress::CodecKind::kSign1) {
     return absl::UnimplementedError(absl::StrCat(
         "the zero-variance mask is fused into sign1 only on the GPU; up_codec ",
         compress::CodecName(config.up_codec.kind),
         " with mask_zero_variance trains on the CPU"));
   }
-  if (config.optimizer == compress::OptimizerKind::kAdam &&
-      config.up_codec.kind == compress::CodecKind::kFp32 &&
+  if (!freezes && config.up_codec.kind == compress::CodecKind::kFp32 &&
       config.worker_feedback.kind != compress::FeedbackKind::kNone) {
     return absl::UnimplementedError(
         "fp32 with error feedback has no GPU kernel");

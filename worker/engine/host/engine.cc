@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "compress/optimizer.h"
 
 namespace morse::worker::host {
 namespace {
@@ -16,7 +17,7 @@ class HostEngine final : public Engine {
  public:
   explicit HostEngine(const EngineState& state)
       : config_(*state.config), replica_(*state.replica), error_(*state.error) {
-    if (config_.optimizer == compress::OptimizerKind::kOneBitLamb) {
+    if (compress::CommitsLayers(config_)) {
       lamb_segments_.resize(state.layout->partitions().size());
     }
   }

@@ -1,0 +1,132 @@
+// The optimizer seam: each algorithm Morse trains with is one class in
+// compress/optimizers/, and everything that differs between optimizers is
+// asked of it here, never decided by a branch on OptimizerKind elsewhere.
+//
+// An optimizer says what each step does (its plan: codecs, compression,
+// local steps, exchanges), how a reply becomes an update (its part of the
+// reply rule), which settings of SimulatorConfig are its own (validation,
+// fingerprint), which state it keeps beyond x, m, v and the error buffers
+// (named arrays, as checkpoints name them), and what the workers commit to
+// the shards after a step. The element loops it names live in
+// update_rules, lamb and the kernel tables, written once for every
+// replica. design.md 2.9 says how to add one, step by step.
+#ifndef MORSE_COMPRESS_OPTIMIZER_H_
+#define MORSE_COMPRESS_OPTIMIZER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "compress/fnv.h"
+#include "compress/simulator.h"
+#include "compress/step_plan.h"
+
+namespace morse::compress {
+
+// A state array an optimizer keeps beyond x, m, v and the error buffers,
+// on every replica (workers and the shards' mirrors). Its name is the key
+// of checkpoints and state dicts.
+struct StateArray {
+  std::string name;
+  // One float per element of the replica's range (v'), or `floats` floats
+  // whatever the range (per-layer state).
+  bool per_element = true;
+  uint64_t floats = 0;  // when not per element
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+
+  // JobConfig's `optimizer` value ("onebit_adam", "adam", ...).
+  virtual absl::string_view name() const = 0;
+  virtual OptimizerKind kind() const = 0;
+
+  // OK or INVALID_ARGUMENT naming the field: this optimizer's own settings
+  // in `config`; ValidateSimulatorConfig has checked the common ones.
+  virtual absl::Status Validate(const SimulatorConfig& /*config*/) const {
+    return absl::OkStatus();
+  }
+  // Mixes its own settings into AlgorithmFingerprint (none by default).
+  virtual void Fingerprint(const SimulatorConfig& /*config*/,
+                           Fnv64& /*hash*/) const {}
+
+  // What step `step` (0-based) does.
+  virtual StepPlan Plan(const SimulatorConfig& config, int64_t step) const = 0;
+  // A plan of its in words, for logs, traces and errors ("warmup", ...).
+  virtual const char* Phase(const StepPlan& plan) const = 0;
+  // The first step >= `step` at which the workers push.
+  virtual int64_t NextExchange(const SimulatorConfig& /*config*/,
+                               int64_t step) const {
+    return step;
+  }
+  // Completes the reply rule of a step that exchanges: PlanReply has set
+  // the codec, the masks, the clip factor and Adam's scalars at the step's
+  // learning rate and weight decay with t' = step + 1.
+  virtual void PlanReply(const SimulatorConfig& /*config*/, int64_t /*step*/,
+                         const StepPlan& /*plan*/, const StepHyper* /*hyper*/,
+                         ReplyRule& /*rule*/) const {}
+
+  // Whether the job's freeze_step is this optimizer's (the last warmup step
+  // is freeze_step - 1, so it is at least 1).
+  virtual bool HasFreezeStep() const { return false; }
+  // Whether some steps update with a frozen v, so that mask_zero_variance
+  // and bound_update mean something.
+  virtual bool FreezesVariance() const { return true; }
+
+  // Whether workers step on their own between exchanges (zero_one_adam's
+  // local phase), keeping an anchor and an accumulated update.
+  virtual bool StepsLocally() const { return false; }
+
+  // Its state beyond x, m, v and the error buffers.
+  virtual std::vector<StateArray> State(
+      const SimulatorConfig& /*config*/) const {
+    return {};
+  }
+  // How many doubles the workers commit to the shards after each step,
+  // before the shards' mirrors can move x (0: none; the commit then holds
+  // the clip's norm only, when the step clips the average).
+  virtual uint64_t CommitDoubles(const SimulatorConfig& /*config*/) const {
+    return 0;
+  }
+};
+
+// The optimizer of `config` (config.optimizer).
+const Optimizer& OptimizerOf(const SimulatorConfig& config);
+const Optimizer& OptimizerOf(OptimizerKind kind);
+// The optimizer JobConfig calls `name`, or nullptr.
+const Optimizer* FindOptimizer(absl::string_view name);
+// Every optimizer's name, for errors: "onebit_adam, adam, zero_one_adam or
+// onebit_lamb".
+std::string OptimizerNames();
+
+// Whether the workers commit values after every step
+// (Optimizer::CommitDoubles > 0: onebit_lamb's layer coefficients, with
+// its fresh variance and layer state).
+bool CommitsLayers(const SimulatorConfig& config);
+// Whether the optimizer takes local steps (Optimizer::StepsLocally).
+bool StepsLocally(const SimulatorConfig& config);
+
+// The state arrays' bytes per element of a replica (4 per per-element
+// array).
+uint64_t StateBytesPerElement(const SimulatorConfig& config);
+
+// For the optimizers' PlanReply: the frozen-variance phase's corrections
+// and bound (1-bit Adam's compression phase, DESIGN 2.1): v̂ = v/(1 -
+// b2^T_w) with bias correction, and |update| <= OneBitUpdateBound when
+// bound_update is on.
+void FrozenVarianceScalars(const SimulatorConfig& config, ReplyRule& rule);
+// 1-bit Adam's schedule, which 1-bit LAMB shares: warmup_codec without
+// error feedback before freeze_step, the up and down codecs with it from
+// then on (compressing). ValidateFreezeStep checks what it needs: a warmup
+// codec of fp32, fp16 or bf16 and freeze_step >= 1; `name` is the
+// optimizer's.
+StepPlan FreezeStepPlan(const SimulatorConfig& config, int64_t step);
+absl::Status ValidateFreezeStep(const SimulatorConfig& config,
+                                absl::string_view name);
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_OPTIMIZER_H_

@@ -1,0 +1,113 @@
+// onebit_lamb: 1-bit LAMB (Li et al. 2021, "1-bit LAMB: Communication
+// Efficient Large-Scale Large-Batch Training with LAMB's Convergence
+// Speed"), design.md 2.8, with DeepSpeed's OnebitLamb names. The exchange
+// is 1-bit Adam's (onebit_adam.cc: fp32 warmup before freeze_step, then
+// compressed momentum with error feedback on both sides); what LAMB adds
+// happens on every replica after the replies. A reply moves m, v and the
+// fresh variance v' (LambMoments); then each layer l moves by its own
+// coefficient from sums over the whole layer:
+//   warmup:      coeff_l = clamp(||x_l|| / ||u_l||, min_coeff, max_coeff),
+//                coeff_freeze_l = coeff_beta * coeff_freeze_l
+//                                 + (1 - coeff_beta) * coeff_l;
+//   compression: coeff_l = coeff_freeze_l * factor_l, factor_l from v' and
+//                clamped to [factor_min, factor_max] and to within
+//                factor_threshold of the last;
+//   x_l = x_l - lr * coeff_l * u_l (LambUpdateX).
+// A worker computes the layers' commit; the shards' mirrors receive it
+// (CommitDoubles) before they move x.
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "compress/lamb.h"
+#include "compress/optimizer.h"
+
+namespace morse::compress {
+namespace {
+
+class OneBitLamb final : public Optimizer {
+ public:
+  absl::string_view name() const override { return "onebit_lamb"; }
+  OptimizerKind kind() const override { return OptimizerKind::kOneBitLamb; }
+
+  absl::Status Validate(const SimulatorConfig& c) const override {
+    if (absl::Status s = ValidateFreezeStep(c, name()); !s.ok()) return s;
+    const LambSpec& l = c.lamb;
+    const auto finite = [](float f) { return std::isfinite(f); };
+    if (!(l.min_coeff > 0.0f) || !(l.max_coeff >= l.min_coeff) ||
+        !finite(l.max_coeff)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb needs 0 < min_coeff <= max_coeff (finite), got ",
+          l.min_coeff, ", ", l.max_coeff));
+    }
+    if (!(l.coeff_beta >= 0.0f && l.coeff_beta < 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb.coeff_beta must be in [0, 1), got ", l.coeff_beta));
+    }
+    if (!(l.factor_min > 0.0f) || !(l.factor_max >= l.factor_min) ||
+        !finite(l.factor_max)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb needs 0 < factor_min <= factor_max (finite), got ",
+          l.factor_min, ", ", l.factor_max));
+    }
+    if (!(l.factor_threshold >= 0.0f && l.factor_threshold < 1.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("onebit_lamb.factor_threshold must be in [0, 1), got ",
+                       l.factor_threshold));
+    }
+    if (c.clip_grad_norm != 0.0f) {
+      return absl::InvalidArgumentError(
+          "clip_grad_norm is not supported with onebit_lamb (leave it 0)");
+    }
+    return absl::OkStatus();
+  }
+
+  void Fingerprint(const SimulatorConfig& c, Fnv64& hash) const override {
+    for (float f :
+         {c.lamb.max_coeff, c.lamb.min_coeff, c.lamb.coeff_beta,
+          c.lamb.factor_max, c.lamb.factor_min, c.lamb.factor_threshold}) {
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      hash.MixInt(bits);
+    }
+    hash.MixInt(c.layers.size());
+    for (uint64_t size : c.layers) hash.MixInt(size);
+  }
+
+  StepPlan Plan(const SimulatorConfig& c, int64_t step) const override {
+    return FreezeStepPlan(c, step);
+  }
+
+  const char* Phase(const StepPlan& plan) const override {
+    return plan.compressing ? "compression" : "warmup";
+  }
+
+  void PlanReply(const SimulatorConfig& c, int64_t step, const StepPlan& plan,
+                 const StepHyper*, ReplyRule& rule) const override {
+    rule.lamb = true;
+    rule.fresh_correction2 = rule.scalars.bias_correction2;
+    rule.copy_fresh = step + 1 == c.freeze_step;
+    if (plan.compressing) FrozenVarianceScalars(c, rule);
+  }
+
+  bool HasFreezeStep() const override { return true; }
+
+  // v' over the replica's range; each layer's coeff_freeze and last_factor
+  // (FlattenLambLayers' order).
+  std::vector<StateArray> State(const SimulatorConfig& c) const override {
+    return {{"v_fresh", true, 0}, {"lamb_layers", false, 2 * LayerCount(c)}};
+  }
+
+  uint64_t CommitDoubles(const SimulatorConfig& c) const override {
+    return kLambCommit * LayerCount(c);
+  }
+};
+
+}  // namespace
+
+const Optimizer& OneBitLambOptimizer() {
+  static const OneBitLamb* const optimizer = new OneBitLamb;
+  return *optimizer;
+}
+
+}  // namespace morse::compress

@@ -1,0 +1,60 @@
+#include "compress/step_plan.h"
+
+#include "compress/optimizer.h"
+
+namespace morse::compress {
+
+StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
+  return OptimizerOf(config).Plan(config, step);
+}
+
+const char* PhaseName(const SimulatorConfig& config, int64_t step) {
+  return OptimizerOf(config).Phase(PlanStep(config, step));
+}
+
+int64_t NextExchange(const SimulatorConfig& config, int64_t step) {
+  return OptimizerOf(config).NextExchange(config, step);
+}
+
+SendRule PlanSend(const SimulatorConfig& config, int64_t step,
+                  Direction direction, uint32_t sender, uint64_t first_index) {
+  const StepPlan plan = PlanStep(config, step);
+  SendRule rule;
+  rule.codec = direction == Direction::kUp ? plan.up : plan.down;
+  rule.local_momentum =
+      direction == Direction::kUp && plan.compressing && !plan.local;
+  rule.accumulated = direction == Direction::kUp && plan.local;
+  rule.step = step;
+  rule.beta1 = config.adam.beta1;
+  rule.feedback = plan.feedback;
+  rule.mask = plan.compressing && config.mask_zero_variance;
+  rule.key = SenderKey(config, step, sender, first_index);
+  return rule;
+}
+
+bool ClipsAverage(const SimulatorConfig& config, int64_t step) {
+  return config.clip_grad_norm > 0.0f && !PlanStep(config, step).compressing;
+}
+
+bool ClipsLocally(const SimulatorConfig& config, int64_t step) {
+  return config.clip_grad_norm > 0.0f && PlanStep(config, step).compressing;
+}
+
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
+                    const StepHyper* hyper, float grad_scale) {
+  const StepPlan plan = PlanStep(config, step);
+  ReplyRule rule;
+  rule.grad_scale = grad_scale;
+  rule.codec = plan.down;
+  rule.frozen_variance = plan.compressing && !plan.local;
+  rule.sync = plan.local;
+  rule.mask = plan.compressing && config.mask_zero_variance;
+  AdamHyper adam = config.adam;
+  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
+  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
+  rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
+  OptimizerOf(config).PlanReply(config, step, plan, hyper, rule);
+  return rule;
+}
+
+}  // namespace morse::compress

@@ -1,0 +1,104 @@
+// The step plan: what step t of a job does, in both directions, for every
+// optimizer. Each optimizer (compress/optimizer.h) decides its own part;
+// these functions are the one place every sender and replica reads it:
+// CPU and GPU workers, shards, their mirrors and the simulator.
+#ifndef MORSE_COMPRESS_STEP_PLAN_H_
+#define MORSE_COMPRESS_STEP_PLAN_H_
+
+#include <cstdint>
+
+#include "compress/codec.h"
+#include "compress/simulator.h"
+#include "compress/update_rules.h"
+
+namespace morse::compress {
+
+// What step t of a job sends in each direction.
+struct StepPlan {
+  bool compressing = false;  // frozen v: 1-bit Adam after the freeze step, 0/1
+                             // Adam between v's updates
+  bool feedback = false;     // error feedback on (never in 1-bit warmup)
+  // zero_one_adam's local phase (design.md 2.7): workers step on their own
+  // and push only at syncs (`exchanges`), the mean of their updates.
+  bool local = false;
+  bool exchanges = true;  // false: a local step, nothing is sent
+  CodecSpec up;
+  CodecSpec down;
+};
+StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
+// The phase of `step` in words, for logs and errors: "adam"; onebit_adam's
+// "warmup" or "compression"; zero_one_adam's "variance", "compression",
+// "local" or "sync".
+const char* PhaseName(const SimulatorConfig& config, int64_t step);
+// The first step >= `step` at which the workers push (`step` itself except
+// between zero_one_adam's syncs).
+int64_t NextExchange(const SimulatorConfig& config, int64_t step);
+
+// The sender's rule (DESIGN 2.1-2.4) for the partition starting at global
+// element `first_index` in step `step`: what a worker pushes (`up`) or a
+// shard replies (`down`; sender = workers + shard, as SenderKey). The one
+// place every sender reads it: CPU and GPU workers, shards, the simulator.
+struct SendRule {
+  CodecSpec codec;
+  // Send the local momentum b1*m + (1-b1)*g instead of g (1-bit Adam's
+  // compression phase; workers only).
+  bool local_momentum = false;
+  float beta1 = 0;
+  // Send the sync message of zero_one_adam's local phase
+  // (Replica::SyncMessage; workers only).
+  bool accumulated = false;
+  int64_t step = 0;
+  // Encode through the sender's error buffer (ErrorFeedback::Compress);
+  // off in 1-bit Adam's warmup.
+  bool feedback = false;
+  // DESIGN 2.1's zero-variance mask: elements whose v is exactly 0 send +0
+  // and keep +0 error (ErrorFeedback::Compress's mask_v).
+  bool mask = false;
+  RoundingKey key;
+};
+enum class Direction { kUp, kDown };
+SendRule PlanSend(const SimulatorConfig& config, int64_t step,
+                  Direction direction, uint32_t sender, uint64_t first_index);
+
+// The reply's rule: how every replica (worker CPU and GPU, shard mirror,
+// simulator) turns step `step`'s decoded reply into an update of x, m, v.
+struct ReplyRule {
+  CodecSpec codec;               // the reply's encoding
+  bool frozen_variance = false;  // FrozenVarianceStep; else AdamStep, or
+  // zero_one_adam's variance step with its bounded ratio (ZeroOneVarianceStep)
+  bool bounded_variance = false;
+  // zero_one_adam's sync (ZeroOneSyncStep, scalars.lr the interval's
+  // learning-rate sum); the others are off.
+  bool sync = false;
+  // The zero-variance mask: decoded values where v is exactly 0 become +0.
+  bool mask = false;
+  // Bias correction 1 - b1^t' and 1 - b2^t' (1 - b2^T_w once frozen), or 1.
+  AdamScalars scalars;
+  // The clip factor of the averaged gradient (ClipScale), applied to the
+  // decoded values before the update; 1: unclipped (the same bits as no
+  // clipping at all).
+  float grad_scale = 1.0f;
+  // onebit_lamb (compress/lamb.h): the reply moves m, v and the fresh
+  // variance v' only (LambMoments); x follows the step's commit
+  // (LambUpdateX). frozen_variance says which phase; v' is corrected by
+  // 1 - b2^t' (fresh_correction2), and copied from v at the last warmup
+  // step (copy_fresh).
+  bool lamb = false;
+  float fresh_correction2 = 1.0f;
+  bool copy_fresh = false;
+};
+ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
+                    const StepHyper* hyper = nullptr, float grad_scale = 1.0f);
+
+// Gradient clipping (SimulatorConfig::clip_grad_norm). Step `step` clips
+// the averaged gradient: every replica needs the sum over all partitions of
+// GradientSumOfSquares of each decoded reply (in partition order; a shard
+// sends its partitions' with their replies) before it applies any of them.
+bool ClipsAverage(const SimulatorConfig& config, int64_t step);
+// Step `step` clips each worker's own gradient (onebit_adam's compression
+// phase): the worker needs its whole gradient before it sends anything.
+bool ClipsLocally(const SimulatorConfig& config, int64_t step);
+
+}  // namespace morse::compress
+
+#endif  // MORSE_COMPRESS_STEP_PLAN_H_
