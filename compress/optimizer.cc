@@ -59,6 +59,38 @@ bool StepsLocally(const SimulatorConfig& config) {
   return OptimizerOf(config).StepsLocally();
 }
 
+absl::Status CheckState(const SimulatorConfig& config, uint64_t elements,
+                        absl::Span<const NamedState> state,
+                        absl::string_view what) {
+  const Optimizer& optimizer = OptimizerOf(config);
+  const std::vector<StateArray> arrays = optimizer.State(config);
+  const auto names = [](const auto& list) {
+    std::string out;
+    for (const auto& a : list)
+      absl::StrAppend(&out, out.empty() ? "" : ", ", a.name);
+    return out.empty() ? std::string("none") : out;
+  };
+  if (state.size() != arrays.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has the optimizer arrays [", names(state), "]; ",
+                     optimizer.name(), " keeps [", names(arrays), "]"));
+  }
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const uint64_t want = arrays[i].per_element ? elements : arrays[i].floats;
+    if (state[i].name != arrays[i].name) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " has the optimizer arrays [", names(state), "]; ",
+                       optimizer.name(), " keeps [", names(arrays), "]"));
+    }
+    if (state[i].values.size() != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " has ", state[i].values.size(), " values of ",
+                       state[i].name, "; ", optimizer.name(), " needs ", want));
+    }
+  }
+  return optimizer.ValidateState(state, what);
+}
+
 uint64_t StateBytesPerElement(const SimulatorConfig& config) {
   uint64_t bytes = 0;
   for (const StateArray& array : OptimizerOf(config).State(config)) {

@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "compress/fnv.h"
 #include "compress/simulator.h"
 #include "compress/step_plan.h"
@@ -34,6 +35,13 @@ struct StateArray {
   // whatever the range (per-layer state).
   bool per_element = true;
   uint64_t floats = 0;  // when not per element
+};
+
+// A state array's values, as checkpoints, FetchPartition and
+// RestorePartition carry them.
+struct NamedState {
+  std::string name;
+  std::vector<float> values;
 };
 
 class Optimizer {
@@ -85,6 +93,28 @@ class Optimizer {
       const SimulatorConfig& /*config*/) const {
     return {};
   }
+  // The starting values of one of its arrays that is not per element (per
+  // element arrays start at +0).
+  virtual std::vector<float> InitialState(const SimulatorConfig& /*config*/,
+                                          const StateArray& array) const {
+    return std::vector<float>(array.floats, 0.0f);
+  }
+  // Its arrays that are not per element, in State()'s order, after the step
+  // whose commit is `commit` (CommitDoubles values, validated): what a
+  // shard's partition keeps once it has applied the commit.
+  virtual std::vector<std::vector<float>> StateAfterCommit(
+      const SimulatorConfig& /*config*/,
+      absl::Span<const double> /*commit*/) const {
+    return {};
+  }
+  // OK or INVALID_ARGUMENT: values of its arrays (every one of State(), in
+  // order and sized) that no replica could hold, from a peer or a saved run;
+  // `what` starts the message ("the saved state of partition 3").
+  virtual absl::Status ValidateState(absl::Span<const NamedState> /*state*/,
+                                     absl::string_view /*what*/) const {
+    return absl::OkStatus();
+  }
+
   // How many doubles the workers commit to the shards after each step,
   // before the shards' mirrors can move x (0: none; the commit then holds
   // the clip's norm only, when the step clips the average).
@@ -108,6 +138,14 @@ std::string OptimizerNames();
 bool CommitsLayers(const SimulatorConfig& config);
 // Whether the optimizer takes local steps (Optimizer::StepsLocally).
 bool StepsLocally(const SimulatorConfig& config);
+
+// OK or INVALID_ARGUMENT: `state` holds every array of the optimizer's
+// State(), in order, each of its length (`elements` for per-element
+// arrays), with values it accepts (ValidateState); `what` starts the
+// message.
+absl::Status CheckState(const SimulatorConfig& config, uint64_t elements,
+                        absl::Span<const NamedState> state,
+                        absl::string_view what);
 
 // The state arrays' bytes per element of a replica (4 per per-element
 // array).

@@ -584,6 +584,43 @@ void Replica::SyncMessage(int64_t step, uint64_t begin,
                      absl::MakeConstSpan(v_).subspan(at, out.size()), out);
 }
 
+std::vector<NamedState> Replica::SaveState(uint64_t begin, uint64_t n) const {
+  MORSE_CHECK(begin >= range_.begin && begin + n <= range_.end);
+  std::vector<NamedState> state;
+  for (const StateArray& array : OptimizerOf(config_).State(config_)) {
+    NamedState& saved = state.emplace_back();
+    saved.name = array.name;
+    if (array.name == "v_fresh") {
+      const auto first = v_fresh_.begin() + (begin - range_.begin);
+      saved.values.assign(first, first + n);
+    } else {
+      MORSE_CHECK(array.name == "lamb_layers");
+      saved.values = FlattenLambLayers(lamb_layers_);
+    }
+  }
+  return state;
+}
+
+absl::Status Replica::RestoreState(uint64_t begin, uint64_t n,
+                                   absl::Span<const NamedState> state) {
+  if (begin < range_.begin || begin + n > range_.end) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "state range [", begin, ", ", begin + n, ") is outside the replica"));
+  }
+  if (absl::Status s = CheckState(config_, n, state, "the state"); !s.ok())
+    return s;
+  for (const NamedState& array : state) {
+    if (array.name == "v_fresh") {
+      std::copy(array.values.begin(), array.values.end(),
+                v_fresh_.begin() + (begin - range_.begin));
+    } else {
+      MORSE_CHECK(array.name == "lamb_layers");
+      lamb_layers_ = UnflattenLambLayers(array.values);
+    }
+  }
+  return absl::OkStatus();
+}
+
 void Replica::InitLamb() {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) return;
   v_fresh_.assign(range_.size(), 0.0f);

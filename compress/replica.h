@@ -19,6 +19,7 @@
 #include "compress/halving_sum.h"
 #include "compress/lamb.h"
 #include "compress/layout.h"
+#include "compress/optimizer.h"
 #include "compress/optimizers/zero_one_adam.h"
 #include "compress/simulator.h"
 #include "compress/step_plan.h"
@@ -207,6 +208,15 @@ class Replica {
   void set_lamb_layers(std::vector<LambLayerState> layers) {
     lamb_layers_ = std::move(layers);
   }
+
+  // The optimizer's own state (Optimizer::State) over [begin, begin + n)
+  // of the range: per-element arrays sliced to it, the others whole. The
+  // one place that maps its arrays' names to this replica's storage.
+  std::vector<NamedState> SaveState(uint64_t begin, uint64_t n) const;
+  // Sets SaveState's form back: INVALID_ARGUMENT, nothing changed, unless
+  // the range is inside the replica and CheckState accepts `state`.
+  absl::Status RestoreState(uint64_t begin, uint64_t n,
+                            absl::Span<const NamedState> state);
 
   uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
 

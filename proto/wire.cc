@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
@@ -70,6 +71,57 @@ int MaxMessageBytes(const JobSpec& job) {
   }
   return static_cast<int>(
       std::min<uint64_t>(16 * largest + layers + (1 << 20), INT32_MAX));
+}
+
+void SetNamedArrays(absl::Span<const compress::NamedState> arrays,
+                    google::protobuf::RepeatedPtrField<v1::NamedArray>* out) {
+  for (const compress::NamedState& array : arrays) {
+    v1::NamedArray* named = out->Add();
+    named->set_name(array.name);
+    const bool zero =
+        !array.values.empty() &&
+        std::all_of(array.values.begin(), array.values.end(), [](float f) {
+          uint32_t bits;
+          std::memcpy(&bits, &f, 4);
+          return bits == 0;
+        });
+    if (zero) {
+      named->set_zeros(array.values.size());
+    } else {
+      named->set_values(array.values.data(), 4 * array.values.size());
+    }
+  }
+}
+
+absl::StatusOr<std::vector<compress::NamedState>> NamedArrays(
+    const google::protobuf::RepeatedPtrField<v1::NamedArray>& arrays) {
+  std::vector<compress::NamedState> out;
+  for (const v1::NamedArray& named : arrays) {
+    compress::NamedState& array = out.emplace_back();
+    array.name = named.name();
+    const std::string& bytes = named.values();
+    if (named.zeros() > 0) {
+      if (!bytes.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(named.name(), ": ", named.zeros(), " zeros and ",
+                         bytes.size(), " bytes of values"));
+      }
+      if (named.zeros() > (uint64_t{1} << 40)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            named.name(), ": ", named.zeros(), " zeros is too many"));
+      }
+      array.values.assign(named.zeros(), 0.0f);
+      continue;
+    }
+    if (bytes.size() % 4 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(named.name(), ": ", bytes.size(),
+                       " bytes is not a whole number of fp32"));
+    }
+    array.values.resize(bytes.size() / 4);
+    std::memcpy(array.values.data(), bytes.data(), bytes.size());
+  }
+  return out;
 }
 
 grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "compress/codec.h"
+#include "compress/optimizer.h"
 #include "grpcpp/grpcpp.h"
 #include "proto/job_config.h"
 #include "proto/morse.pb.h"
@@ -23,6 +24,15 @@ absl::StatusOr<compress::CodecKind> FromWire(v1::Codec codec);
 // The largest message either side may send or receive: x, m and v of the
 // largest partition (FetchPartition) plus room for the framing.
 int MaxMessageBytes(const JobSpec& job);
+
+// An optimizer's own arrays (compress::Optimizer::State) on the wire, in
+// order; an array of +0.0 bits only travels as its length (NamedArray's
+// zeros). NamedArrays: INVALID_ARGUMENT for values that are not whole fp32
+// or a zero array that holds bytes.
+void SetNamedArrays(absl::Span<const compress::NamedState> arrays,
+                    google::protobuf::RepeatedPtrField<v1::NamedArray>* out);
+absl::StatusOr<std::vector<compress::NamedState>> NamedArrays(
+    const google::protobuf::RepeatedPtrField<v1::NamedArray>& arrays);
 
 // Channel arguments for a worker's connection to a shard. `channel_index`
 // makes each of a shard's channels a separate TCP connection.

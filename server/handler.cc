@@ -122,15 +122,12 @@ absl::Status ShardHandler::FetchPartition(
   reply->set_completed_steps(snapshot->completed_steps);
   if (!request.skip_model()) {
     reply->set_x(Bytes(snapshot->x));
-    bool m_zero = false, v_zero = false, v_fresh_zero = false;
+    bool m_zero = false, v_zero = false;
     SetArray(snapshot->m, reply->mutable_m(), &m_zero);
     SetArray(snapshot->v, reply->mutable_v(), &v_zero);
-    SetArray(snapshot->v_fresh, reply->mutable_v_fresh(), &v_fresh_zero);
     reply->set_m_zero(m_zero);
     reply->set_v_zero(v_zero);
-    reply->set_v_fresh_zero(v_fresh_zero);
-    reply->mutable_lamb_layers()->Assign(snapshot->lamb_layers.begin(),
-                                         snapshot->lamb_layers.end());
+    proto::SetNamedArrays(snapshot->state, reply->mutable_state());
   }
   if (request.server_error())
     reply->set_server_error(Bytes(snapshot->server_error));
@@ -169,10 +166,11 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
   array(request.m(), request.m_zero(), "m", &state.m);
   array(request.v(), request.v_zero(), "v", &state.v);
   floats(request.server_error(), "server_error", &state.server_error);
-  array(request.v_fresh(), request.v_fresh_zero(), "v_fresh", &state.v_fresh);
-  state.lamb_layers.assign(request.lamb_layers().begin(),
-                           request.lamb_layers().end());
   if (!status.ok()) return status;
+  absl::StatusOr<std::vector<compress::NamedState>> arrays =
+      proto::NamedArrays(request.state());
+  if (!arrays.ok()) return arrays.status();
+  state.state = *std::move(arrays);
   return (*core)->RestorePartition(request.rank(), request.partition(),
                                    request.layout_fingerprint(), state);
 }

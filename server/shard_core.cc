@@ -67,12 +67,13 @@ struct ShardCore::PartitionState {
   bool last_workers_clip ABSL_GUARDED_BY(mu) = false;
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
-  // onebit_lamb: every layer's state after the partition's last applied
-  // commit (compress::LambStateOf). Each partition keeps its own: the
+  // The optimizer's arrays that are not per element (onebit_lamb's layer
+  // state), in State()'s order, after the partition's last applied commit
+  // (Optimizer::StateAfterCommit). Each partition keeps its own: the
   // commits are the whole model's, the same for every partition of a step,
   // but partitions apply them from different threads and may be a step
   // apart, and a snapshot of one partition holds the state of its step.
-  std::vector<compress::LambLayerState> lamb_layers ABSL_GUARDED_BY(mu);
+  std::vector<std::vector<float>> whole_state ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> last_hashes ABSL_GUARDED_BY(mu);
   // The completed steps before the last one, oldest first, each with its
   // reply and the hashes of the pushes it answered: a restarted worker
@@ -128,6 +129,23 @@ absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(
   return core;
 }
 
+namespace {
+
+// The values of the optimizer's arrays that are not per element, in
+// State()'s order, from a whole state (CheckState'd).
+std::vector<std::vector<float>> WholeArrays(
+    const proto::JobSpec& job, absl::Span<const compress::NamedState> state) {
+  const std::vector<compress::StateArray> arrays =
+      compress::OptimizerOf(job.algorithm).State(job.algorithm);
+  std::vector<std::vector<float>> whole;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    if (!arrays[i].per_element) whole.push_back(state[i].values);
+  }
+  return whole;
+}
+
+}  // namespace
+
 ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
                      compress::Layout layout)
     : job_(job),
@@ -139,9 +157,11 @@ ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
                     job.algorithm.layout.block_elems) {
   for (const compress::Partition& p : layout_.shard_partitions(shard)) {
     partitions_.push_back(std::make_unique<PartitionState>(p, job.workers()));
-    if (compress::CommitsLayers(job.algorithm)) {
-      partitions_.back()->lamb_layers.resize(
-          compress::LayerCount(job.algorithm));
+    const compress::Optimizer& optimizer = compress::OptimizerOf(job.algorithm);
+    for (const compress::StateArray& array : optimizer.State(job.algorithm)) {
+      if (array.per_element) continue;
+      partitions_.back()->whole_state.push_back(
+          optimizer.InitialState(job.algorithm, array));
     }
   }
 }
@@ -656,7 +676,8 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
                         p.partition.range.size(), p.committed_lamb,
                         p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr)
                     .ok());
-    p.lamb_layers = compress::LambStateOf(p.committed_lamb);
+    p.whole_state = compress::OptimizerOf(job_.algorithm)
+                        .StateAfterCommit(job_.algorithm, p.committed_lamb);
   }
 }
 
@@ -974,12 +995,12 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   std::vector<float> error(range_.size());
   server_error_.Read(0, absl::MakeSpan(error));
   writer.AddFloats("server_error", error);
-  if (compress::CommitsLayers(job_.algorithm)) {
-    // onebit_lamb's fresh variance and every layer's state (design.md 2.8).
-    writer.AddFloats("v_fresh", mirror_.v_fresh());
-    // Every partition is at `step` and holds the same state.
-    writer.AddFloats("lamb_layers", compress::FlattenLambLayers(
-                                        partitions_.front()->lamb_layers));
+  // The optimizer's own arrays (onebit_lamb's v' and layer state); every
+  // partition is at `step` and holds the same arrays that are not per
+  // element.
+  for (const compress::NamedState& array :
+       StateOf(*partitions_.front(), range_.begin, range_.size())) {
+    writer.AddFloats(array.name, array.values);
   }
   // The last completed step's replies and push hashes, so that a worker
   // whose reply was lost when the shard died can still get it by retrying.
@@ -1027,16 +1048,17 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   }
   if (h.step < 0)
     return absl::DataLossError(absl::StrCat(path, ": negative step"));
-  std::vector<float> v_fresh;
-  std::vector<compress::LambLayerState> lamb_layers;
-  if (compress::CommitsLayers(job_.algorithm)) {
-    auto fresh = reader->Floats("v_fresh", n);
-    if (!fresh.ok()) return fresh.status();
-    auto layers =
-        reader->Floats("lamb_layers", 2 * compress::LayerCount(job_.algorithm));
-    if (!layers.ok()) return layers.status();
-    v_fresh = *std::move(fresh);
-    lamb_layers = compress::UnflattenLambLayers(*layers);
+  std::vector<compress::NamedState> state;
+  for (const compress::StateArray& array :
+       compress::OptimizerOf(job_.algorithm).State(job_.algorithm)) {
+    auto values =
+        reader->Floats(array.name, array.per_element ? n : array.floats);
+    if (!values.ok()) return values.status();
+    state.push_back({array.name, *std::move(values)});
+  }
+  if (absl::Status s = compress::CheckState(job_.algorithm, n, state, path);
+      !s.ok()) {
+    return absl::DataLossError(s.message());
   }
   if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
     return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
@@ -1089,9 +1111,8 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   std::copy(x->begin(), x->end(), mirror_.x().begin());
   std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
   std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
-  if (!v_fresh.empty())
-    std::copy(v_fresh.begin(), v_fresh.end(),
-              mirror_.mutable_v_fresh().begin());
+  MORSE_CHECK(mirror_.RestoreState(range_.begin, n, state).ok());
+  const std::vector<std::vector<float>> whole = WholeArrays(job_, state);
   for (size_t i = 0; i < parts; ++i) {
     PartitionState* p = partitions_[i].get();
     MutexLock lock(&p->mu);
@@ -1103,7 +1124,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->committed_max_norm.reset();
     p->last_workers_clip = false;
     p->committed_lamb.clear();
-    if (!lamb_layers.empty()) p->lamb_layers = lamb_layers;
+    p->whole_state = whole;
     p->last_reply = last[i];
     p->history.clear();
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
@@ -1114,6 +1135,19 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   initialized_ = static_cast<uint32_t>(partitions_.size());
   observed_step_ = h.step - 1;
   return absl::OkStatus();
+}
+
+std::vector<compress::NamedState> ShardCore::StateOf(const PartitionState& p,
+                                                     uint64_t begin,
+                                                     uint64_t n) const {
+  std::vector<compress::NamedState> state = mirror_.SaveState(begin, n);
+  const std::vector<compress::StateArray> arrays =
+      compress::OptimizerOf(job_.algorithm).State(job_.algorithm);
+  size_t whole = 0;
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    if (!arrays[i].per_element) state[i].values = p.whole_state[whole++];
+  }
+  return state;
 }
 
 absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
@@ -1145,11 +1179,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
                     mirror_.m().begin() + offset + n);
   snapshot.v.assign(mirror_.v().begin() + offset,
                     mirror_.v().begin() + offset + n);
-  if (compress::CommitsLayers(job_.algorithm)) {
-    snapshot.v_fresh.assign(mirror_.v_fresh().begin() + offset,
-                            mirror_.v_fresh().begin() + offset + n);
-    snapshot.lamb_layers = compress::FlattenLambLayers(p.lamb_layers);
-  }
+  snapshot.state = StateOf(p, p.partition.range.begin, n);
   if (with_server_error) {
     // The error buffer changes only when a step completes, so it is the one
     // of completed_steps even while pushes of the next step wait.
@@ -1174,22 +1204,10 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
                  n = p.partition.range.size();
   if (state.completed_steps < 0)
     return absl::InvalidArgumentError("negative step");
-  // onebit_lamb: v' of the partition and every layer's state (design.md
-  // 2.8), as FetchPartition gives them; no other optimizer has them.
-  const bool lamb = compress::CommitsLayers(job_.algorithm);
-  const size_t layer_floats =
-      lamb ? 2 * compress::LayerCount(job_.algorithm) : 0;
-  if (state.v_fresh.size() != (lamb ? n : 0) ||
-      state.lamb_layers.size() != layer_floats) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "partition ", partition, ": the saved state has v' of ",
-        state.v_fresh.size(), " values and layer state of ",
-        state.lamb_layers.size(), "; ",
-        lamb ? absl::StrCat("onebit_lamb needs ", n, " and ", layer_floats)
-             : std::string("only onebit_lamb has them")));
-  }
-  if (absl::Status s = compress::ValidateSavedLamb(
-          state.v_fresh, state.lamb_layers,
+  // The optimizer's own arrays (onebit_lamb's v' and layer state, design.md
+  // 2.8), as FetchPartition gives them.
+  if (absl::Status s = compress::CheckState(
+          job_.algorithm, n, state.state,
           absl::StrCat("the saved state of partition ", partition));
       !s.ok()) {
     return s;
@@ -1234,11 +1252,9 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
             mirror_.mutable_m().begin() + offset);
   std::copy(state.v.begin(), state.v.end(),
             mirror_.mutable_v().begin() + offset);
-  if (lamb) {
-    std::copy(state.v_fresh.begin(), state.v_fresh.end(),
-              mirror_.mutable_v_fresh().begin() + offset);
-    p.lamb_layers = compress::UnflattenLambLayers(state.lamb_layers);
-  }
+  MORSE_CHECK(
+      mirror_.RestoreState(p.partition.range.begin, n, state.state).ok());
+  p.whole_state = WholeArrays(job_, state.state);
   p.next_step = state.completed_steps;
   p.restored = true;
   p.mirror_pending = false;

@@ -98,9 +98,10 @@ struct PartitionSnapshot {
   int64_t completed_steps = 0;
   std::vector<float> x, m, v;
   std::vector<float> server_error;  // only when asked for (saving a whole run)
-  // onebit_lamb: v' of the partition, and coeff_freeze, last_factor of
-  // every layer.
-  std::vector<float> v_fresh, lamb_layers;
+  // The optimizer's own arrays (compress::Optimizer::State, in order):
+  // onebit_lamb's v' of the partition and coeff_freeze, last_factor of
+  // every layer; none for the others.
+  std::vector<compress::NamedState> state;
 };
 
 using ReplyCallback =
@@ -265,6 +266,12 @@ class ShardCore {
   // Applies the partition's last reply to the mirror if that is still to do
   // and possible (not waiting for the step's gradient norm).
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // The optimizer's own arrays of [begin, begin + n) (a partition of p's,
+  // or the whole shard for p any partition at the same step): the
+  // per-element ones from the mirror, the others p's.
+  std::vector<compress::NamedState> StateOf(const PartitionState& p,
+                                            uint64_t begin, uint64_t n) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Checks a commit of step `step` against partition p; Commit's errors.
   // `*applies`: p was waiting for it.
   absl::Status CheckCommit(const PartitionState& p, uint32_t rank, int64_t step,

@@ -215,20 +215,32 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
                                    transport_->address(p.shard)));
     }
     const size_t bytes = 4 * p.range.size();
-    const bool lamb = compress::CommitsLayers(job_.algorithm);
     // An array flagged zero is left out of the message (all +0.0).
     const auto sized = [bytes](const std::string& array, bool zero) {
       return array.size() == (zero ? 0 : bytes);
     };
     if ((model.has_value() &&
          (state.x().size() != bytes || !sized(state.m(), state.m_zero()) ||
-          !sized(state.v(), state.v_zero()) ||
-          (lamb && (!sized(state.v_fresh(), state.v_fresh_zero()) ||
-                    static_cast<size_t>(state.lamb_layers_size()) !=
-                        2 * model->replica->lamb_layers().size())))) ||
+          !sized(state.v(), state.v_zero()))) ||
         (!server_error.empty() && state.server_error().size() != bytes)) {
       return absl::InternalError(
           absl::StrCat("partition ", p.id, " came back with the wrong size"));
+    }
+    // The optimizer's own arrays (onebit_lamb's v' and layer state).
+    std::vector<compress::NamedState> own;
+    if (model.has_value()) {
+      absl::StatusOr<std::vector<compress::NamedState>> arrays =
+          proto::NamedArrays(state.state());
+      absl::Status checked = arrays.status();
+      if (checked.ok()) {
+        checked = compress::CheckState(job_.algorithm, p.range.size(), *arrays,
+                                       absl::StrCat("partition ", p.id));
+      }
+      if (!checked.ok()) {
+        return absl::InternalError(absl::StrCat(
+            "partition ", p.id, " came back wrong: ", checked.message()));
+      }
+      own = *std::move(arrays);
     }
     if (step >= 0 && state.completed_steps() != step) {
       return absl::FailedPreconditionError(
@@ -249,12 +261,10 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
       std::memcpy(r.x().data() + p.range.begin, state.x().data(), bytes);
       copy(state.m(), state.m_zero(), r.mutable_m().data());
       copy(state.v(), state.v_zero(), r.mutable_v().data());
-      if (lamb) {
-        copy(state.v_fresh(), state.v_fresh_zero(), r.mutable_v_fresh().data());
-        // Every shard holds them all.
-        r.set_lamb_layers(compress::UnflattenLambLayers(absl::MakeConstSpan(
-            state.lamb_layers().data(), state.lamb_layers_size())));
-      }
+      // Every shard holds the arrays that are not per element whole.
+      if (absl::Status s = r.RestoreState(p.range.begin, p.range.size(), own);
+          !s.ok())
+        return s;
     }
     if (!server_error.empty()) {
       std::memcpy(server_error.data() + p.range.begin,
@@ -264,12 +274,17 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
   return step;
 }
 
-absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
-                                      absl::Span<const float> m,
-                                      absl::Span<const float> v,
-                                      absl::Span<const float> server_error,
-                                      absl::Span<const float> v_fresh,
-                                      absl::Span<const float> lamb_layers) {
+absl::Status PushClient::RestoreModel(
+    int64_t step, absl::Span<const float> x, absl::Span<const float> m,
+    absl::Span<const float> v, absl::Span<const float> server_error,
+    absl::Span<const compress::NamedState> own) {
+  const std::vector<compress::StateArray> arrays =
+      compress::OptimizerOf(job_.algorithm).State(job_.algorithm);
+  if (own.size() != arrays.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the saved state has ", own.size(), " of the ", arrays.size(),
+        " arrays ", compress::OptimizerOf(job_.algorithm).name(), " keeps"));
+  }
   for (const compress::Partition& p : layout_.partitions()) {
     v1::PartitionState request;
     request.set_rank(rank_);
@@ -285,9 +300,18 @@ absl::Status PushClient::RestoreModel(int64_t step, absl::Span<const float> x,
     request.set_m(bytes(m));
     request.set_v(bytes(v));
     request.set_server_error(bytes(server_error));
-    if (!v_fresh.empty()) request.set_v_fresh(bytes(v_fresh));
-    request.mutable_lamb_layers()->Assign(lamb_layers.begin(),
-                                          lamb_layers.end());
+    std::vector<compress::NamedState> part;
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      compress::NamedState& array = part.emplace_back();
+      array.name = own[i].name;
+      if (arrays[i].per_element) {
+        array.values.assign(own[i].values.begin() + p.range.begin,
+                            own[i].values.begin() + p.range.end);
+      } else {
+        array.values = own[i].values;
+      }
+    }
+    proto::SetNamedArrays(part, request.mutable_state());
     v1::RestorePartitionReply reply;
     const absl::Status status =
         Wait(&Transport::RestorePartition, *transport_, p.shard, request,

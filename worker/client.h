@@ -242,10 +242,10 @@ class PushClient {
   // Waits until every shard has all its initial parameters.
   absl::Status WaitInitialized();
 
-  // Downloads the shards' mirror of x, m and v (and onebit_lamb's v' and
-  // layer state) into the replica of the whole model and
-  // returns the steps completed, which must be the same on every partition
-  // (FAILED_PRECONDITION otherwise).
+  // Downloads the shards' mirror of x, m and v (and the optimizer's own
+  // arrays: onebit_lamb's v' and layer state) into the replica of the whole
+  // model and returns the steps completed, which must be the same on every
+  // partition (FAILED_PRECONDITION otherwise).
   absl::StatusOr<int64_t> FetchModel(compress::Replica& replica);
 
   // The shards' error buffers (dim floats) after the steps they have
@@ -254,14 +254,15 @@ class PushClient {
   absl::StatusOr<int64_t> FetchServerError(absl::Span<float> server_error);
 
   // Rank 0: restores a saved run on every shard before the first step
-  // (ShardCore::RestorePartition), partition by partition; onebit_lamb's
-  // v' (dim floats) and layer state (the same for every partition) too.
+  // (ShardCore::RestorePartition), partition by partition, with the
+  // optimizer's own arrays (compress::Optimizer::State, in order; per
+  // element ones over the whole model, the others the same for every
+  // partition: onebit_lamb's v' and layer state).
   absl::Status RestoreModel(int64_t step, absl::Span<const float> x,
                             absl::Span<const float> m,
                             absl::Span<const float> v,
                             absl::Span<const float> server_error,
-                            absl::Span<const float> v_fresh = {},
-                            absl::Span<const float> lamb_layers = {});
+                            absl::Span<const compress::NamedState> own = {});
 
   // The steps every partition of every shard has completed (the least).
   absl::StatusOr<int64_t> CompletedSteps();

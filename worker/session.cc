@@ -636,12 +636,13 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   }
   if (previous_clip_max_norm_.has_value())
     writer.AddFloats("previous_clip_max_norm", {&*previous_clip_max_norm_, 1});
-  if (compress::CommitsLayers(job_.algorithm)) {
-    writer.AddFloats("v_fresh", replica_.v_fresh());
-    writer.AddFloats("lamb_layers",
-                     compress::FlattenLambLayers(replica_.lamb_layers()));
-    writer.AddInts("previous_lamb_commit", DoubleBits(previous_lamb_commit_));
+  // The optimizer's own arrays (onebit_lamb's v' and layer state).
+  for (const compress::NamedState& array :
+       replica_.SaveState(0, job_.algorithm.layout.dim)) {
+    writer.AddFloats(array.name, array.values);
   }
+  if (compress::CommitsLayers(job_.algorithm))
+    writer.AddInts("previous_lamb_commit", DoubleBits(previous_lamb_commit_));
   if (whole_step != step) {  // inside a zero_one_adam local interval
     const compress::Replica::LocalInterval interval = replica_.local_interval();
     writer.AddFloats("anchor", interval.anchor);
@@ -661,7 +662,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     if (values.ok()) *out = *std::move(values);
     return values.status();
   };
-  std::vector<float> x, m, v, error, v_fresh, layers;
+  std::vector<float> x, m, v, error;
   for (auto [name, out] :
        {std::pair{"x", &x}, {"m", &m}, {"v", &v}, {"worker_error", &error}}) {
     if (absl::Status s = floats(name, dim, out); !s.ok()) return s;
@@ -679,14 +680,25 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
       return s;
     max_norm = value[0];
   }
+  std::vector<compress::NamedState> own;
+  for (const compress::StateArray& array :
+       compress::OptimizerOf(job_.algorithm).State(job_.algorithm)) {
+    compress::NamedState& read = own.emplace_back();
+    read.name = array.name;
+    if (absl::Status s =
+            floats(array.name.c_str(), array.per_element ? dim : array.floats,
+                   &read.values);
+        !s.ok())
+      return s;
+  }
+  if (absl::Status s =
+          compress::CheckState(job_.algorithm, dim, own, reader.path());
+      !s.ok()) {
+    return absl::DataLossError(s.message());
+  }
   std::vector<double> lamb_commit;
   const bool lamb = compress::CommitsLayers(job_.algorithm);
   if (lamb) {
-    if (absl::Status s = floats("v_fresh", dim, &v_fresh); !s.ok()) return s;
-    if (absl::Status s =
-            floats("lamb_layers", 2 * replica_.lamb_layers().size(), &layers);
-        !s.ok())
-      return s;
     if (!reader.Has("previous_lamb_commit")) {
       return absl::DataLossError(
           absl::StrCat(reader.path(), " has no previous_lamb_commit"));
@@ -719,12 +731,8 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   std::copy(x.begin(), x.end(), replica_.x().begin());
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
-  if (lamb) {
-    std::copy(v_fresh.begin(), v_fresh.end(),
-              replica_.mutable_v_fresh().begin());
-    replica_.set_lamb_layers(compress::UnflattenLambLayers(layers));
-    previous_lamb_commit_ = std::move(lamb_commit);
-  }
+  if (absl::Status s = replica_.RestoreState(0, dim, own); !s.ok()) return s;
+  if (lamb) previous_lamb_commit_ = std::move(lamb_commit);
   previous_grad_sum_of_squares_ = norm;
   previous_clip_max_norm_ = max_norm;
   return absl::OkStatus();
@@ -764,6 +772,11 @@ absl::Status Session::CheckLambState(const LambState* lamb) const {
   if (!lamb->commit.empty())
     return compress::ValidateLambCommit(job_.algorithm, lamb->commit);
   return absl::OkStatus();
+}
+
+std::vector<compress::NamedState> Session::OwnState(const LambState* lamb) {
+  if (lamb == nullptr) return {};
+  return {{"v_fresh", lamb->v_fresh}, {"lamb_layers", lamb->layers}};
 }
 
 absl::StatusOr<Session::LambState> Session::SavedLamb() {
@@ -837,12 +850,8 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
                          "error buffers) and load it on rank 0"));
       }
       if (absl::Status s = SyncHost(); !s.ok()) return s;
-      if (absl::Status s = client_->RestoreModel(
-              step, replica_.x(), m, v, server_error,
-              lamb != nullptr ? absl::MakeConstSpan(lamb->v_fresh)
-                              : absl::Span<const float>(),
-              lamb != nullptr ? absl::MakeConstSpan(lamb->layers)
-                              : absl::Span<const float>());
+      if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v,
+                                                 server_error, OwnState(lamb));
           !s.ok()) {
         return s;
       }
@@ -869,10 +878,11 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
   if (absl::Status s = error_.Restore(error); !s.ok()) return s;
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
+  if (absl::Status s =
+          replica_.RestoreState(0, job_.algorithm.layout.dim, OwnState(lamb));
+      !s.ok())
+    return s;
   if (lamb != nullptr) {
-    std::copy(lamb->v_fresh.begin(), lamb->v_fresh.end(),
-              replica_.mutable_v_fresh().begin());
-    replica_.set_lamb_layers(compress::UnflattenLambLayers(lamb->layers));
     previous_lamb_commit_ = lamb->commit;
   } else {
     previous_lamb_commit_.clear();

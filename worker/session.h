@@ -186,6 +186,9 @@ class Session {
   // INVALID_ARGUMENT unless `lamb` is given exactly when the job is
   // onebit_lamb, with its arrays' sizes and finite values.
   absl::Status CheckLambState(const LambState* lamb) const;
+  // The optimizer's own arrays (compress::Optimizer::State) of a LambState
+  // given through the C ABI; none for nullptr.
+  static std::vector<compress::NamedState> OwnState(const LambState* lamb);
   // Loads this worker's whole state at `whole_step` (the checkpoint's
   // "whole_step") from a checkpoint that has it: x, m, v, the error buffer,
   // what the next pushes carry, onebit_lamb's and a zero_one_adam local

@@ -98,6 +98,21 @@ class OneBitLamb final : public Optimizer {
     return {{"v_fresh", true, 0}, {"lamb_layers", false, 2 * LayerCount(c)}};
   }
 
+  std::vector<float> InitialState(const SimulatorConfig& c,
+                                  const StateArray&) const override {
+    return FlattenLambLayers(std::vector<LambLayerState>(LayerCount(c)));
+  }
+
+  std::vector<std::vector<float>> StateAfterCommit(
+      const SimulatorConfig&, absl::Span<const double> commit) const override {
+    return {FlattenLambLayers(LambStateOf(commit))};
+  }
+
+  absl::Status ValidateState(absl::Span<const NamedState> state,
+                             absl::string_view what) const override {
+    return ValidateSavedLamb(state[0].values, state[1].values, what);
+  }
+
   uint64_t CommitDoubles(const SimulatorConfig& c) const override {
     return kLambCommit * LayerCount(c);
   }
