@@ -115,6 +115,14 @@ class Optimizer {
     return absl::OkStatus();
   }
 
+  // OK or INVALID_ARGUMENT: a commit of CommitDoubles values that no
+  // worker could send (from a peer or a saved run).
+  virtual absl::Status ValidateCommit(
+      const SimulatorConfig& /*config*/,
+      absl::Span<const double> /*commit*/) const {
+    return absl::OkStatus();
+  }
+
   // How many doubles the workers commit to the shards after each step,
   // before the shards' mirrors can move x (0: none; the commit then holds
   // the clip's norm only, when the step clips the average).

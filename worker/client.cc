@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -243,10 +244,12 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
       own = *std::move(arrays);
     }
     if (step >= 0 && state.completed_steps() != step) {
-      return absl::FailedPreconditionError(
+      absl::Status mixed = absl::FailedPreconditionError(
           absl::StrCat("partition ", p.id, " has completed ",
                        state.completed_steps(), " steps, others ", step,
                        "; restart the servers from their checkpoints"));
+      mixed.SetPayload(kMixedStepsKey, absl::Cord("1"));
+      return mixed;
     }
     step = state.completed_steps();
     if (model.has_value()) {

@@ -247,6 +247,10 @@ class PushClient {
   // model and returns the steps completed, which must be the same on every
   // partition (FAILED_PRECONDITION otherwise).
   absl::StatusOr<int64_t> FetchModel(compress::Replica& replica);
+  // The payload FetchModel's and FetchServerError's FAILED_PRECONDITION
+  // carries when partitions are at different steps (a restore of a saved
+  // run still going partition by partition, or shards restarted apart).
+  static constexpr char kMixedStepsKey[] = "morse-mixed-steps";
 
   // The shards' error buffers (dim floats) after the steps they have
   // completed, which it returns (the same on every partition, else

@@ -93,7 +93,18 @@ absl::StatusOr<int64_t> Session::Start(bool resume,
     }
     if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
     if (rank_ != 0) {
-      auto step = client_->FetchModel(replica_);
+      // Rank 0 may already be restoring a saved run (load_state_dict)
+      // partition by partition: wait for the partitions to agree, as its
+      // Restore waits for the shards (up to the connect timeout).
+      const absl::Time deadline =
+          absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+      absl::StatusOr<int64_t> step = client_->FetchModel(replica_);
+      while (!step.ok() &&
+             step.status().GetPayload(PushClient::kMixedStepsKey).has_value() &&
+             absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(50));
+        step = client_->FetchModel(replica_);
+      }
       if (!step.ok()) return step.status();
       step_ = *step;
     }
@@ -738,56 +749,37 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   return absl::OkStatus();
 }
 
-absl::Status Session::CheckLambState(const LambState* lamb) const {
-  const bool is_lamb = compress::CommitsLayers(job_.algorithm);
-  if (!is_lamb) {
-    return lamb == nullptr
-               ? absl::OkStatus()
-               : absl::InvalidArgumentError(
-                     "onebit_lamb state given for another optimizer");
-  }
-  if (lamb == nullptr) {
-    return absl::InvalidArgumentError(
-        "a onebit_lamb state needs its fresh variance v', layer state and last "
-        "commit (state_dict() of "
-        "OneBitLamb saves them)");
-  }
-  const size_t layers = replica_.lamb_layers().size();
-  if (lamb->v_fresh.size() != job_.algorithm.layout.dim ||
-      lamb->layers.size() != 2 * layers ||
-      (!lamb->commit.empty() &&
-       lamb->commit.size() != compress::kLambCommit * layers)) {
+absl::Status Session::CheckOwnState(const OwnState* own) const {
+  const compress::Optimizer& optimizer = compress::OptimizerOf(job_.algorithm);
+  const uint64_t commit_values = optimizer.CommitDoubles(job_.algorithm);
+  if (own == nullptr) {
+    if (optimizer.State(job_.algorithm).empty() && commit_values == 0)
+      return absl::OkStatus();
     return absl::InvalidArgumentError(absl::StrCat(
-        "onebit_lamb state: v' of ", lamb->v_fresh.size(), " values (needs ",
-        job_.algorithm.layout.dim, "), layer state of ", lamb->layers.size(),
-        " (needs ", 2 * layers, " for ", layers, " layers), commit of ",
-        lamb->commit.size(), " (needs 0 or ", compress::kLambCommit * layers,
-        ")"));
+        "a ", optimizer.name(),
+        " state needs its own arrays and last commit (the optimizer's "
+        "state_dict() saves them)"));
   }
-  if (absl::Status s = compress::ValidateSavedLamb(lamb->v_fresh, lamb->layers,
-                                                   "onebit_lamb state");
+  if (absl::Status s = compress::CheckState(
+          job_.algorithm, job_.algorithm.layout.dim, own->arrays,
+          absl::StrCat(optimizer.name(), " state"));
       !s.ok()) {
     return s;
   }
-  if (!lamb->commit.empty())
-    return compress::ValidateLambCommit(job_.algorithm, lamb->commit);
-  return absl::OkStatus();
-}
-
-std::vector<compress::NamedState> Session::OwnState(const LambState* lamb) {
-  if (lamb == nullptr) return {};
-  return {{"v_fresh", lamb->v_fresh}, {"lamb_layers", lamb->layers}};
-}
-
-absl::StatusOr<Session::LambState> Session::SavedLamb() {
-  if (!compress::CommitsLayers(job_.algorithm)) {
-    return absl::FailedPreconditionError("only onebit_lamb has a lamb state");
+  if (own->commit.empty()) return absl::OkStatus();
+  if (own->commit.size() != commit_values) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        optimizer.name(), " state: a commit of ", own->commit.size(),
+        " values (needs 0 or ", commit_values, ")"));
   }
+  return optimizer.ValidateCommit(job_.algorithm, own->commit);
+}
+
+absl::StatusOr<Session::OwnState> Session::SavedOwn() {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (absl::Status s = SyncHost(); !s.ok()) return s;
-  LambState state;
-  state.v_fresh.assign(replica_.v_fresh().begin(), replica_.v_fresh().end());
-  state.layers = compress::FlattenLambLayers(replica_.lamb_layers());
+  OwnState state;
+  state.arrays = replica_.SaveState(0, job_.algorithm.layout.dim);
   state.commit = previous_lamb_commit_;
   return state;
 }
@@ -819,7 +811,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
                               absl::Span<const float> v,
                               absl::Span<const float> error,
                               absl::Span<const float> server_error,
-                              const LambState* lamb) {
+                              const OwnState* own) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (step < 0 || m.size() != dim || v.size() != dim ||
       (!server_error.empty() && server_error.size() != dim)) {
@@ -829,7 +821,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
                      dim, " elements"));
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
-  if (absl::Status s = CheckLambState(lamb); !s.ok()) return s;
+  if (absl::Status s = CheckOwnState(own); !s.ok()) return s;
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
   if (*held != step) {
@@ -850,8 +842,10 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
                          "error buffers) and load it on rank 0"));
       }
       if (absl::Status s = SyncHost(); !s.ok()) return s;
-      if (absl::Status s = client_->RestoreModel(step, replica_.x(), m, v,
-                                                 server_error, OwnState(lamb));
+      if (absl::Status s = client_->RestoreModel(
+              step, replica_.x(), m, v, server_error,
+              own != nullptr ? absl::MakeConstSpan(own->arrays)
+                             : absl::Span<const compress::NamedState>());
           !s.ok()) {
         return s;
       }
@@ -878,12 +872,12 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
   if (absl::Status s = error_.Restore(error); !s.ok()) return s;
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
-  if (absl::Status s =
-          replica_.RestoreState(0, job_.algorithm.layout.dim, OwnState(lamb));
-      !s.ok())
-    return s;
-  if (lamb != nullptr) {
-    previous_lamb_commit_ = lamb->commit;
+  if (own != nullptr) {
+    if (absl::Status s =
+            replica_.RestoreState(0, job_.algorithm.layout.dim, own->arrays);
+        !s.ok())
+      return s;
+    previous_lamb_commit_ = own->commit;
   } else {
     previous_lamb_commit_.clear();
   }

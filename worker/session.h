@@ -153,21 +153,21 @@ class Session {
   // x, m, v, and every other rank waits (up to the connect timeout) until
   // they hold the step. FAILED_PRECONDITION, saying what to do, otherwise
   // (shards at another step; rank 0 without the server error).
-  // onebit_lamb's state beyond m and v (design.md 2.8), which Restore
-  // needs too: v' (dim floats), every layer's coeff_freeze and last_factor
-  // (2 per layer), and the last step's commit that the next pushes carry
-  // (kLambCommit doubles per layer; none before the first step).
-  struct LambState {
-    std::vector<float> v_fresh, layers;
+  // The optimizer's own state beyond m and v, which Restore needs too when
+  // it has any: its arrays (compress::Optimizer::State, in order;
+  // onebit_lamb's v' and layer state, design.md 2.8) and the last step's
+  // commit that the next pushes carry (CommitDoubles values; none before
+  // the first step).
+  struct OwnState {
+    std::vector<compress::NamedState> arrays;
     std::vector<double> commit;
   };
   absl::Status Restore(int64_t step, absl::Span<const float> m,
                        absl::Span<const float> v, absl::Span<const float> error,
                        absl::Span<const float> server_error = {},
-                       const LambState* lamb = nullptr);
-  // This worker's LambState (state_dict), between steps;
-  // FAILED_PRECONDITION for other optimizers.
-  absl::StatusOr<LambState> SavedLamb();
+                       const OwnState* own = nullptr);
+  // This worker's OwnState (state_dict), between steps.
+  absl::StatusOr<OwnState> SavedOwn();
   // The shards' error buffers over the whole model after this worker's
   // last step (state_dict on rank 0), between this worker's steps.
   absl::Status ServerError(absl::Span<float> out);
@@ -183,12 +183,10 @@ class Session {
   // LocalStep), then its exchange if it syncs.
   absl::Status LocalStep();
   bool InStep() const { return exchange_ != nullptr || local_pending_; }
-  // INVALID_ARGUMENT unless `lamb` is given exactly when the job is
-  // onebit_lamb, with its arrays' sizes and finite values.
-  absl::Status CheckLambState(const LambState* lamb) const;
-  // The optimizer's own arrays (compress::Optimizer::State) of a LambState
-  // given through the C ABI; none for nullptr.
-  static std::vector<compress::NamedState> OwnState(const LambState* lamb);
+  // INVALID_ARGUMENT unless `own` is given exactly when the optimizer keeps
+  // state of its own, with every array (compress::CheckState) and a commit
+  // of its size or none.
+  absl::Status CheckOwnState(const OwnState* own) const;
   // Loads this worker's whole state at `whole_step` (the checkpoint's
   // "whole_step") from a checkpoint that has it: x, m, v, the error buffer,
   // what the next pushes carry, onebit_lamb's and a zero_one_adam local

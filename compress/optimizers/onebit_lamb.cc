@@ -113,6 +113,11 @@ class OneBitLamb final : public Optimizer {
     return ValidateSavedLamb(state[0].values, state[1].values, what);
   }
 
+  absl::Status ValidateCommit(const SimulatorConfig& c,
+                              absl::Span<const double> commit) const override {
+    return ValidateLambCommit(c, commit);
+  }
+
   uint64_t CommitDoubles(const SimulatorConfig& c) const override {
     return kLambCommit * LayerCount(c);
   }

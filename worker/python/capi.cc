@@ -16,6 +16,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "compress/boundary.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/trace.h"
@@ -29,6 +30,9 @@
 struct morse_session {
   std::unique_ptr<morse::worker::Session> session;
   uint64_t dim = 0;
+  // The optimizer's own arrays (compress::Optimizer::State): their names
+  // live here for morse_session_state_array.
+  std::vector<morse::compress::StateArray> arrays;
 };
 
 struct morse_simulator {
@@ -175,7 +179,11 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
             absl::StrCat("MORSE_TRACE: ", s.message()));
       }
     }
-    *out = new morse_session{*std::move(session), dim};
+    const morse::compress::SimulatorConfig& algorithm =
+        (*session)->job().algorithm;
+    *out = new morse_session{
+        *std::move(session), dim,
+        morse::compress::OptimizerOf(algorithm).State(algorithm)};
     return absl::OkStatus();
   });
 }
@@ -416,56 +424,105 @@ int morse_session_set_state(morse_session* s, int64_t step, const float* m,
   });
 }
 
-int morse_session_get_lamb_state(morse_session* s, float* v_fresh,
-                                 float* layers, uint64_t* layer_values,
-                                 double* commit, uint64_t* commit_values) {
+int morse_session_state_arrays(morse_session* s, uint32_t* count) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    if (absl::Status st = NotNull(layer_values, "layer_values"); !st.ok())
-      return st;
+    if (absl::Status st = NotNull(count, "count"); !st.ok()) return st;
+    *count = static_cast<uint32_t>(s->arrays.size());
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
+                              uint64_t* values, int* per_element) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    for (const void* p :
+         {static_cast<const void*>(name), static_cast<const void*>(values),
+          static_cast<const void*>(per_element)}) {
+      if (absl::Status st = NotNull(p, "an output"); !st.ok()) return st;
+    }
+    if (i >= s->arrays.size()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("state array ", i, " of ", s->arrays.size()));
+    }
+    const morse::compress::StateArray& array = s->arrays[i];
+    *name = array.name.c_str();
+    *values = array.per_element ? s->dim : array.floats;
+    *per_element = array.per_element ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_get_state_array(morse_session* s, uint32_t i, float* out) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
+    if (i >= s->arrays.size()) {
+      return absl::OutOfRangeError(
+          absl::StrCat("state array ", i, " of ", s->arrays.size()));
+    }
+    auto state = s->session->SavedOwn();
+    if (!state.ok()) return state.status();
+    const std::vector<float>& values = state->arrays[i].values;
+    std::copy(values.begin(), values.end(), out);
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_get_commit(morse_session* s, double* commit,
+                             uint64_t* commit_values) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (absl::Status st = NotNull(commit_values, "commit_values"); !st.ok())
       return st;
-    auto state = s->session->SavedLamb();
+    auto state = s->session->SavedOwn();
     if (!state.ok()) return state.status();
-    *layer_values = state->layers.size();
     *commit_values = state->commit.size();
-    if (v_fresh != nullptr)
-      std::copy(state->v_fresh.begin(), state->v_fresh.end(), v_fresh);
-    if (layers != nullptr)
-      std::copy(state->layers.begin(), state->layers.end(), layers);
     if (commit != nullptr)
       std::copy(state->commit.begin(), state->commit.end(), commit);
     return absl::OkStatus();
   });
 }
 
-int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m,
-                                 const float* v, const float* error,
-                                 const float* server_error,
-                                 const float* v_fresh, const float* layers,
-                                 uint64_t layer_values, const double* commit,
-                                 uint64_t commit_values) {
+int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
+                                const float* v, const float* error,
+                                const float* server_error,
+                                const float* const* arrays, uint32_t count,
+                                const double* commit, uint64_t commit_values) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     for (const void* p :
          {static_cast<const void*>(m), static_cast<const void*>(v),
-          static_cast<const void*>(error), static_cast<const void*>(v_fresh),
-          static_cast<const void*>(layers)}) {
+          static_cast<const void*>(error)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
+    }
+    if (count != s->arrays.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(count, " state arrays given; the optimizer keeps ",
+                       s->arrays.size()));
+    }
+    if (count > 0) {
+      if (absl::Status st = NotNull(arrays, "arrays"); !st.ok()) return st;
     }
     if (commit_values > 0) {
       if (absl::Status st = NotNull(commit, "commit"); !st.ok()) return st;
     }
-    morse::worker::Session::LambState lamb;
-    lamb.v_fresh.assign(v_fresh, v_fresh + s->dim);
-    lamb.layers.assign(layers, layers + layer_values);
-    if (commit_values > 0) lamb.commit.assign(commit, commit + commit_values);
+    morse::worker::Session::OwnState own;
+    for (uint32_t i = 0; i < count; ++i) {
+      if (absl::Status st = NotNull(arrays[i], "a state array"); !st.ok())
+        return st;
+      const morse::compress::StateArray& array = s->arrays[i];
+      const uint64_t n = array.per_element ? s->dim : array.floats;
+      own.arrays.push_back({array.name, {arrays[i], arrays[i] + n}});
+    }
+    if (commit_values > 0) own.commit.assign(commit, commit + commit_values);
     return s->session->Restore(
         step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
         absl::MakeConstSpan(error, s->dim),
         server_error == nullptr ? absl::Span<const float>()
                                 : absl::MakeConstSpan(server_error, s->dim),
-        &lamb);
+        &own);
   });
 }
 

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 5
+#define MORSE_CAPI_VERSION 6
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -132,20 +132,29 @@ int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v,
 int morse_session_set_state(morse_session* s, int64_t step, const float* m,
                             const float* v, const float* error,
                             const float* server_error);
-/* onebit_lamb's state beyond m and v (state_dict, design.md 2.8): v' (dim
-   floats), every layer's state (*layer_values floats: 2 per layer) and the
-   last step's commit (*commit_values doubles: 3 per layer, or 0 before the
-   first step). With NULL arrays only the counts are written. */
-int morse_session_get_lamb_state(morse_session* s, float* v_fresh,
-                                 float* layers, uint64_t* layer_values,
-                                 double* commit, uint64_t* commit_values);
-/* set_state for a onebit_lamb job, with that state (set_state refuses one). */
-int morse_session_set_lamb_state(morse_session* s, int64_t step, const float* m,
-                                 const float* v, const float* error,
-                                 const float* server_error,
-                                 const float* v_fresh, const float* layers,
-                                 uint64_t layer_values, const double* commit,
-                                 uint64_t commit_values);
+/* The optimizer's own state beyond m and v (state_dict; design.md 5, the
+   optimizer seam): *count arrays; array i is named *name (valid while the
+   session lives), holds *values floats and has *per_element 1 when that is
+   one value per parameter (dim). onebit_lamb: "v_fresh" (v'),
+   "lamb_layers" (2 per layer); the others: none. */
+int morse_session_state_arrays(morse_session* s, uint32_t* count);
+int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
+                              uint64_t* values, int* per_element);
+/* Between steps: array i's values, and the last step's commit
+   (*commit_values doubles: onebit_lamb's layer coefficients, 3 per layer;
+   0 before the first step and for optimizers without one; with NULL commit
+   only the count is written). */
+int morse_session_get_state_array(morse_session* s, uint32_t i, float* out);
+int morse_session_get_commit(morse_session* s, double* commit,
+                             uint64_t* commit_values);
+/* set_state for an optimizer with state of its own (set_state refuses
+   one): arrays[i] holds array i, `count` of them in order, and the last
+   step's commit (commit_values doubles, or 0). */
+int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
+                                const float* v, const float* error,
+                                const float* server_error,
+                                const float* const* arrays, uint32_t count,
+                                const double* commit, uint64_t commit_values);
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
 int morse_session_save_checkpoint(morse_session* s, const char* path);

@@ -74,8 +74,11 @@ def _load():
         "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
         "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
         "morse_session_set_state": ([P, I64, P, P, P, P], I),
-        "morse_session_get_lamb_state": ([P, P, P, ctypes.POINTER(U64), P, ctypes.POINTER(U64)], I),
-        "morse_session_set_lamb_state": ([P, I64, P, P, P, P, P, P, U64, P, U64], I),
+        "morse_session_state_arrays": ([P, ctypes.POINTER(U32)], I),
+        "morse_session_state_array": ([P, U32, ctypes.POINTER(S), ctypes.POINTER(U64), ctypes.POINTER(I)], I),
+        "morse_session_get_state_array": ([P, U32, P], I),
+        "morse_session_get_commit": ([P, P, ctypes.POINTER(U64)], I),
+        "morse_session_set_own_state": ([P, I64, P, P, P, P, P, U32, P, U64], I),
         "morse_session_server_error": ([P, P], I),
         "morse_session_save_checkpoint": ([P, S], I),
         "morse_simulator_create": ([S, S, P, U64, ctypes.POINTER(P)], I),
@@ -103,9 +106,9 @@ def _load():
         "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
     lib.morse_capi_version.argtypes, lib.morse_capi_version.restype = [], I
-    if lib.morse_capi_version() != 5:  # before a newer function is missing
+    if lib.morse_capi_version() != 6:  # before a newer function is missing
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 5")
+                         "this package needs 6")
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
@@ -294,33 +297,57 @@ class Session:
             _float32_array(error, "error"),
             None if server_error is None else _float32_array(server_error, "server_error")))
 
-    def get_lamb_state(self):
-        """onebit_lamb's v', layer state (2 floats per layer) and last commit
-        (3 doubles per layer, or none before the first step)."""
-        import numpy as np
-        layer_values, commit_values = ctypes.c_uint64(), ctypes.c_uint64()
-        _check(_lib.morse_session_get_lamb_state(self._handle, None, None, ctypes.byref(layer_values), None,
-                                                 ctypes.byref(commit_values)))
-        v_fresh = np.empty(self._dim, dtype=np.float32)
-        layers = np.empty(layer_values.value, dtype=np.float32)
-        commit = np.empty(commit_values.value, dtype=np.float64)
-        _check(_lib.morse_session_get_lamb_state(self._handle, v_fresh.ctypes.data, layers.ctypes.data,
-                                                 ctypes.byref(layer_values), commit.ctypes.data,
-                                                 ctypes.byref(commit_values)))
-        return v_fresh, layers, commit
+    def state_arrays(self):
+        """The optimizer's own arrays beyond m and v, in order: (name, values,
+        per_element) each (OneBitLamb: v_fresh, lamb_layers; the others: none)."""
+        count = ctypes.c_uint32()
+        _check(_lib.morse_session_state_arrays(self._handle, ctypes.byref(count)))
+        arrays = []
+        for i in range(count.value):
+            name, values, per_element = ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_int()
+            _check(_lib.morse_session_state_array(self._handle, i, ctypes.byref(name),
+                                                  ctypes.byref(values), ctypes.byref(per_element)))
+            arrays.append((name.value.decode(), values.value, bool(per_element.value)))
+        return arrays
 
-    def set_lamb_state(self, step, m, v, error, server_error, v_fresh, layers, commit):
+    def get_own_state(self):
+        """The optimizer's own arrays ({name: float32 array}, in order) and the
+        last step's commit (float64; empty before the first step and for
+        optimizers without one), between steps."""
         import numpy as np
-        for name, a in (("m", m), ("v", v), ("error", error), ("server_error", server_error),
-                        ("v_fresh", v_fresh)):
+        arrays = {}
+        for i, (name, values, _) in enumerate(self.state_arrays()):
+            out = np.empty(values, dtype=np.float32)
+            _check(_lib.morse_session_get_state_array(self._handle, i, out.ctypes.data))
+            arrays[name] = out
+        commit_values = ctypes.c_uint64()
+        _check(_lib.morse_session_get_commit(self._handle, None, ctypes.byref(commit_values)))
+        commit = np.empty(commit_values.value, dtype=np.float64)
+        _check(_lib.morse_session_get_commit(self._handle, commit.ctypes.data,
+                                             ctypes.byref(commit_values)))
+        return arrays, commit
+
+    def set_own_state(self, step, m, v, error, server_error, arrays, commit):
+        """set_state with the optimizer's own arrays (a list in state_arrays'
+        order) and its last commit."""
+        import numpy as np
+        for name, a in (("m", m), ("v", v), ("error", error), ("server_error", server_error)):
             if a is not None and a.size != self._dim:
                 raise ValueError(f"{name} must hold {self._dim} values")
+        expected = self.state_arrays()
+        if len(arrays) != len(expected):
+            raise ValueError(f"{len(arrays)} state arrays given, the optimizer keeps {len(expected)}")
+        for (name, values, _), a in zip(expected, arrays):
+            if a.size != values:
+                raise ValueError(f"{name} must hold {values} values")
+        pointers = (ctypes.c_void_p * max(1, len(arrays)))(
+            *[_float32_array(a, name) for (name, _, _), a in zip(expected, arrays)])
         commit = np.ascontiguousarray(commit, dtype=np.float64)
-        _check(_lib.morse_session_set_lamb_state(
+        _check(_lib.morse_session_set_own_state(
             self._handle, step, _float32_array(m, "m"), _float32_array(v, "v"),
             _float32_array(error, "error"),
             None if server_error is None else _float32_array(server_error, "server_error"),
-            _float32_array(v_fresh, "v_fresh"), _float32_array(layers, "layers"), layers.size,
+            pointers if arrays else None, len(arrays),
             commit.ctypes.data if commit.size else None, commit.size))
 
     def server_error(self):

@@ -138,6 +138,14 @@ def _security(security):
     return out
 
 
+
+# state_dict's keys of the optimizers' own arrays (Morse's names, design.md
+# 5's optimizer seam): torch's spelling where torch has one.
+_STATE_DICT_KEYS = {"v_fresh": "exp_avg_sq_fresh"}
+# The key of the last step's commit, for the optimizers that commit.
+_COMMIT_KEYS = {"onebit_lamb": "lamb_commit"}
+
+
 class _MorseOptimizer(torch.optim.Optimizer):
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
                  codec, down_codec, feedback, feedback_beta, bias_correction, mask_zero_variance,
@@ -261,6 +269,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._sent_hyper = None
         self._freeze_step = freeze_step if optimizer in ("onebit_adam", "onebit_lamb") else None
         self._lamb = optimizer == "onebit_lamb"
+        self._commit_key = _COMMIT_KEYS.get(optimizer, "commit")
         self._mask_zero_variance = mask_zero_variance
         if optimizer in ("onebit_adam", "onebit_lamb"):
             lines.append(f"freeze_step: {freeze_step}")
@@ -919,13 +928,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  "exp_avg": torch.from_numpy(m).to(device),
                  "exp_avg_sq": torch.from_numpy(v).to(device),
                  "worker_error": torch.from_numpy(error).to(device)}
-        if self._lamb:
-            # 1-bit LAMB's own state: v' (the fresh variance), each layer's
-            # coefficient state and the last step's commit (design.md 2.8).
-            v_fresh, layers, commit = self._session.get_lamb_state()
-            state["exp_avg_sq_fresh"] = torch.from_numpy(v_fresh).to(device)
-            state["lamb_layers"] = torch.from_numpy(layers)
-            state["lamb_commit"] = torch.from_numpy(commit)
+        # The optimizer's own state (1-bit LAMB: v', each layer's coefficient
+        # state and the last step's commit, design.md 2.8): per-parameter
+        # arrays on the parameters' device, the others on the CPU.
+        own = self._session.state_arrays()
+        if own:
+            arrays, commit = self._session.get_own_state()
+            for name, _, per_element in own:
+                value = torch.from_numpy(arrays[name])
+                state[_STATE_DICT_KEYS.get(name, name)] = value.to(device) if per_element else value
+            state[self._commit_key] = torch.from_numpy(commit)
         if self._rank == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         return {"state": state, "param_groups": [group]}
@@ -1010,17 +1022,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
         server_error = host(state["server_error"]) if "server_error" in state else None
         moments = [host(state[k]) for k in ("exp_avg", "exp_avg_sq", "worker_error")]
-        if self._lamb:
-            missing = [k for k in ("exp_avg_sq_fresh", "lamb_layers", "lamb_commit") if k not in state]
+        own = self._session.state_arrays()
+        if own:
+            keys = [_STATE_DICT_KEYS.get(name, name) for name, _, _ in own]
+            missing = [k for k in keys + [self._commit_key] if k not in state]
             if missing:
-                raise ValueError(f"this state_dict has no {', '.join(missing)}: a OneBitLamb state "
-                                 "is saved by OneBitLamb.state_dict()")
-            if state["exp_avg_sq_fresh"].numel() != dim:
-                raise ValueError(f"state_dict['state']['exp_avg_sq_fresh'] must hold {dim} values")
-            self._session.set_lamb_state(
-                int(state["step"]), *moments, server_error, host(state["exp_avg_sq_fresh"]),
-                host(state["lamb_layers"]),
-                state["lamb_commit"].detach().to("cpu", torch.float64).contiguous().numpy())
+                kind = type(self).__name__
+                raise ValueError(f"this state_dict has no {', '.join(missing)}: a {kind} state "
+                                 f"is saved by {kind}.state_dict()")
+            for (_, values, _), key in zip(own, keys):
+                if state[key].numel() != values:
+                    raise ValueError(f"state_dict['state']['{key}'] must hold {values} values")
+            self._session.set_own_state(
+                int(state["step"]), *moments, server_error, [host(state[k]) for k in keys],
+                state[self._commit_key].detach().to("cpu", torch.float64).contiguous().numpy())
         else:
             self._session.set_state(int(state["step"]), *moments, server_error)
         self._awaiting_own_state = None
