@@ -17,86 +17,11 @@
 #include "compress/scratch.h"
 #include "compress/trace.h"
 #include "proto/checkpoint_file.h"
+#include "server/partition_state.h"
 
 namespace morse::server {
 
 using compress::CodecName;
-
-struct ShardCore::PartitionState {
-  explicit PartitionState(const compress::Partition& p, uint32_t workers)
-      : partition(p),
-        pushes(workers),
-        push_hashes(workers, 0),
-        last_hashes(workers, 0) {}
-
-  const compress::Partition partition;
-  Mutex mu;
-  bool initialized ABSL_GUARDED_BY(mu) = false;
-  int64_t next_step ABSL_GUARDED_BY(mu) = 0;  // steps completed
-  // The pending step next_step:
-  std::vector<std::optional<std::string>> pushes ABSL_GUARDED_BY(mu);
-  std::vector<uint64_t> push_hashes ABSL_GUARDED_BY(mu);  // BytesHash of each
-  uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
-  absl::Time first_arrival ABSL_GUARDED_BY(mu);
-  // The step's lr and weight decay as the first push carried them (every
-  // other push must carry the same), and that push's rank.
-  std::optional<compress::StepHyper> hyper ABSL_GUARDED_BY(mu);
-  uint32_t hyper_rank ABSL_GUARDED_BY(mu) = 0;
-  std::string buffers ABSL_GUARDED_BY(mu);  // rank 0's, for the reply
-  std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
-  // Every push is in and the step's completion is scheduled on the pool.
-  bool completing ABSL_GUARDED_BY(mu) = false;
-  // The last completed step, next_step - 1:
-  std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
-  // Its mirror update, when not applied yet: replies go out first, and the
-  // mirror catches up right after, or when something reads it first
-  // (ApplyMirror).
-  bool mirror_pending ABSL_GUARDED_BY(mu) = false;
-  std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
-  // Gradient clipping of the last completed step (compress::ClipsAverage):
-  // the mirror waits for the whole model's sum of squares (Commit), then
-  // applies the step scaled by its clip factor. onebit_lamb: every step's
-  // mirror waits for the layers' coefficients (CommitLamb).
-  bool awaiting_commit ABSL_GUARDED_BY(mu) = false;
-  std::optional<double> committed_norm
-      ABSL_GUARDED_BY(mu);  // the sum of squares
-  std::optional<float> committed_max_norm ABSL_GUARDED_BY(mu);
-  // The pushes of the step in flight said workers_clip (the first one's
-  // word; the others must agree), and those of the last completed step.
-  bool workers_clip ABSL_GUARDED_BY(mu) = false;
-  bool last_workers_clip ABSL_GUARDED_BY(mu) = false;
-  float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
-  std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
-  // The optimizer's arrays that are not per element (onebit_lamb's layer
-  // state), in State()'s order, after the partition's last applied commit
-  // (Optimizer::StateAfterCommit). Each partition keeps its own: the
-  // commits are the whole model's, the same for every partition of a step,
-  // but partitions apply them from different threads and may be a step
-  // apart, and a snapshot of one partition holds the state of its step.
-  std::vector<std::vector<float>> whole_state ABSL_GUARDED_BY(mu);
-  std::vector<uint64_t> last_hashes ABSL_GUARDED_BY(mu);
-  // The completed steps before the last one, oldest first, each with its
-  // reply and the hashes of the pushes it answered: a restarted worker
-  // replays from its checkpoint's step and gets these replies again
-  // (checkpoint.replay_steps in all, the last one included).
-  struct Answered {
-    std::shared_ptr<const Reply> reply;
-    std::vector<uint64_t> hashes;
-  };
-  std::deque<Answered> history ABSL_GUARDED_BY(mu);
-  // Restored by RestorePartition and not stepped since: may be restored again.
-  bool restored ABSL_GUARDED_BY(mu) = false;
-
-  // Forgets the pending step's pushes (completed, expired or aborted).
-  void ClearPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    for (auto& push : pushes) push.reset();
-    arrived = 0;
-    completing = false;
-    hyper.reset();
-    workers_clip = false;
-    buffers.clear();
-  }
-};
 
 absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(
     const proto::JobSpec& job, uint32_t shard, uint64_t memory_limit,
@@ -129,10 +54,6 @@ absl::StatusOr<std::unique_ptr<ShardCore>> ShardCore::Create(
   return core;
 }
 
-namespace {
-
-// The values of the optimizer's arrays that are not per element, in
-// State()'s order, from a whole state (CheckState'd).
 std::vector<std::vector<float>> WholeArrays(
     const proto::JobSpec& job, absl::Span<const compress::NamedState> state) {
   const std::vector<compress::StateArray> arrays =
@@ -143,8 +64,6 @@ std::vector<std::vector<float>> WholeArrays(
   }
   return whole;
 }
-
-}  // namespace
 
 ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
                      compress::Layout layout)
@@ -235,6 +154,216 @@ absl::Status ShardCore::InitPartition(uint32_t rank, uint32_t partition,
   return absl::OkStatus();
 }
 
+absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
+  if (absl::Status s =
+          CheckCommon(args.rank, args.partition, args.layout_fingerprint);
+      !s.ok()) {
+    return s;
+  }
+  if (args.step < 0) return absl::InvalidArgumentError("negative step");
+  if (!args.buffers.empty() && (args.rank != 0 || args.partition != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", args.rank, " sent module buffers with partition ",
+        args.partition, "; only rank 0 sends them, with partition 0"));
+  }
+  if (args.buffers.size() > proto::kMaxBufferBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("module buffers of ", args.buffers.size(),
+                     " bytes; at most ", proto::kMaxBufferBytes));
+  }
+  if (args.hyper.has_value()) {
+    if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", args.rank, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
+    const PartitionState& p, const PushArgs& args, uint64_t hash) const {
+  if (args.step == p.next_step - 1) {  // a retry of the completed step
+    if (p.last_reply == nullptr) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", args.step, " of partition ", args.partition,
+                       " was completed before this server restarted from its "
+                       "checkpoint; its reply is gone"));
+    }
+    if (hash != p.last_hashes[args.rank]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", args.rank, " re-sent step ", args.step, " of partition ",
+          args.partition, " with different bytes"));
+    }
+    return p.last_reply;
+  }
+  // A restarted worker replaying from its checkpoint (DESIGN 4): the reply
+  // it had, if its push is the one it sent then.
+  const auto answered = std::find_if(p.history.begin(), p.history.end(),
+                                     [&](const PartitionState::Answered& a) {
+                                       return a.reply->step == args.step;
+                                     });
+  if (answered == p.history.end()) {
+    absl::Status stale = absl::FailedPreconditionError(absl::StrCat(
+        "step ", args.step, " of partition ", args.partition,
+        " is stale; the partition has completed ", p.next_step,
+        " steps and accepts step ", p.next_step,
+        p.history.empty()
+            ? std::string()
+            : absl::StrCat(
+                  " (it keeps the replies of steps ",
+                  p.history.front().reply->step,
+                  " on for restarted workers: checkpoint.replay_steps)")));
+    // A worker replaying to help a restarted shard learns it is past that.
+    stale.SetPayload(kNextStepPayload,
+                     absl::Cord(absl::StrCat(NextExchange(p))));
+    return stale;
+  }
+  if (hash != answered->hashes[args.rank]) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", args.rank, " replayed step ", args.step,
+                     " of partition ", args.partition,
+                     " with other bytes than it pushed then: its "
+                     "checkpoint, data or command line differ "
+                     "from the run's"));
+  }
+  return answered->reply;
+}
+
+absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
+                                         PushArgs& args, StepCommit* carried,
+                                         bool* commits) const {
+  if (args.step < NextExchange(p)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", args.step,
+        " is a local step of zero_one_adam (docs/design.md 2.7): workers do "
+        "not push; partition ",
+        args.partition, " accepts step ", NextExchange(p), " next"));
+  }
+  if (args.step > NextExchange(p)) {
+    // A shard restored from its checkpoint is behind its workers: they
+    // replay their retained pushes from the step it accepts on (DESIGN 4).
+    const int64_t accepts = NextExchange(p);
+    absl::Status behind = absl::AbortedError(
+        absl::StrCat("step ", args.step, " of partition ", args.partition,
+                     " is too far ahead; the partition has completed ",
+                     p.next_step, " steps and accepts step ", accepts));
+    behind.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(accepts)));
+    return behind;
+  }
+  const compress::StepPlan plan = compress::PlanStep(job_.algorithm, args.step);
+  if (args.codec != plan.up.kind) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "codec ", CodecName(args.codec), " is not allowed at step ", args.step,
+        " (", compress::PhaseName(job_.algorithm, args.step),
+        " phase); expected ", CodecName(plan.up.kind)));
+  }
+  const uint64_t n = p.partition.range.size();
+  if (absl::Status s = compress::ValidatePayload(
+          plan.up,
+          {reinterpret_cast<const uint8_t*>(args.payload.data()),
+           args.payload.size()},
+          n);
+      !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", args.rank, " partition ", args.partition,
+                     " step ", args.step, ": ", s.message()));
+  }
+  const auto same = [](const std::optional<compress::StepHyper>& a,
+                       const std::optional<compress::StepHyper>& b) {
+    return a.has_value() == b.has_value() &&
+           (!a.has_value() ||
+            (std::memcmp(&a->lr, &b->lr, 4) == 0 &&
+             std::memcmp(&a->weight_decay, &b->weight_decay, 4) == 0));
+  };
+  const auto describe = [](const std::optional<compress::StepHyper>& h) {
+    return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ",
+                                        h->weight_decay)
+                         : std::string("the job's schedule");
+  };
+  *commits = false;
+  *carried =
+      StepCommit{args.previous_grad_sum_of_squares, args.previous_clip_max_norm,
+                 std::move(args.previous_lamb_commit)};
+  if (carried->grad_sum_of_squares.has_value() || !carried->lamb.empty()) {
+    if (absl::Status s =
+            CheckCommit(p, args.rank, args.step - 1, *carried, commits);
+        !s.ok()) {
+      return s;
+    }
+  } else if (p.awaiting_commit) {
+    return absl::FailedPreconditionError(
+        p.committed_lamb.empty() && compress::CommitsLayers(job_.algorithm)
+            ? absl::StrCat("step ", args.step - 1, " of partition ",
+                           args.partition,
+                           " waits for onebit_lamb's layer coefficients: rank ",
+                           args.rank, "'s push of step ", args.step,
+                           " must carry them (previous_lamb_commit)")
+            : absl::StrCat(
+                  "step ", args.step - 1, " of partition ", args.partition,
+                  " clipped the averaged gradient (clip_grad_norm) and its "
+                  "sum of squares "
+                  "has not arrived: rank ",
+                  args.rank, "'s push of step ", args.step,
+                  " must carry it (previous_grad_sum_of_squares)"));
+  }
+  if (p.arrived > 0 && p.workers_clip != args.workers_clip) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", args.rank, "'s push of step ", args.step, " says the ",
+        "workers ", args.workers_clip ? "clip" : "do not clip",
+        " its averaged gradient (clip_grad_norm_ after backward()), rank ",
+        p.hyper_rank, "'s says they ", p.workers_clip ? "do" : "do not",
+        "; every worker must call clip_grad_norm_ alike"));
+  }
+  if (args.workers_clip && job_.algorithm.clip_grad_norm > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rank ", args.rank, " clips step ", args.step,
+        " by a max_norm of its own, but the job clips by clip_grad_norm ",
+        job_.algorithm.clip_grad_norm));
+  }
+  if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", args.rank, " asks for ", describe(args.hyper), " at step ",
+        args.step, " but rank ", p.hyper_rank, " asked for ", describe(p.hyper),
+        "; every worker must use the same learning rate and "
+        "weight decay each step"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
+                                   uint64_t hash, ReplyCallback& done,
+                                   Completion* completion, bool* schedule) {
+  std::optional<std::string>& slot = p.pushes[args.rank];
+  if (slot.has_value()) {
+    if (*slot != args.payload) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", args.rank, " re-sent step ", args.step, " of partition ",
+          args.partition, " with different bytes"));
+    }
+  } else {
+    if (p.arrived == 0) {
+      p.first_arrival = absl::Now();
+      p.hyper = args.hyper;
+      p.hyper_rank = args.rank;
+      p.workers_clip = args.workers_clip;
+    }
+    slot = std::move(args.payload);
+    p.push_hashes[args.rank] = hash;
+    if (args.rank == 0) p.buffers = std::move(args.buffers);
+    ++p.arrived;
+  }
+  p.waiters.emplace_back(args.rank, std::move(done));
+  if (p.arrived == job_.workers() && !p.completing) {
+    if (pool_ == nullptr) {
+      *completion = CompleteLocked(p);
+    } else {
+      p.completing = true;  // a retry arriving meanwhile only waits
+      *schedule = true;
+    }
+  }
+  return absl::OkStatus();
+}
+
 void ShardCore::Push(PushArgs args, ReplyCallback done) {
   trace::Scope traced("push", args.step, args.partition);
   const auto reject = [&](absl::Status status) {
@@ -244,28 +373,7 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
     done(std::move(status));
   };
-  if (absl::Status s =
-          CheckCommon(args.rank, args.partition, args.layout_fingerprint);
-      !s.ok()) {
-    return reject(s);
-  }
-  if (args.step < 0) return reject(absl::InvalidArgumentError("negative step"));
-  if (!args.buffers.empty() && (args.rank != 0 || args.partition != 0)) {
-    return reject(absl::InvalidArgumentError(absl::StrCat(
-        "rank ", args.rank, " sent module buffers with partition ",
-        args.partition, "; only rank 0 sends them, with partition 0")));
-  }
-  if (args.buffers.size() > proto::kMaxBufferBytes) {
-    return reject(absl::InvalidArgumentError(
-        absl::StrCat("module buffers of ", args.buffers.size(),
-                     " bytes; at most ", proto::kMaxBufferBytes)));
-  }
-  if (args.hyper.has_value()) {
-    if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
-      return reject(absl::InvalidArgumentError(
-          absl::StrCat("rank ", args.rank, ": ", s.message())));
-    }
-  }
+  if (absl::Status s = CheckPushArgs(args); !s.ok()) return reject(s);
   PartitionState& p = *partitions_[args.partition -
                                    layout_.shard_partitions(shard_).front().id];
   // On this push's thread while its bytes are in cache, outside the lock.
@@ -284,179 +392,26 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
     if (std::optional<absl::Status> stopped = AbortFor(args.step))
       return reject(*stopped);
-    if (args.step == p.next_step - 1) {  // a retry of the completed step
-      if (p.last_reply == nullptr) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("step ", args.step, " of partition ", args.partition,
-                         " was completed before this server restarted from its "
-                         "checkpoint; its reply is gone")));
-      }
-      if (hash != p.last_hashes[args.rank]) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "rank ", args.rank, " re-sent step ", args.step, " of partition ",
-            args.partition, " with different bytes")));
-      }
-      reply = p.last_reply;
-    } else if (args.step < p.next_step) {
-      // A restarted worker replaying from its checkpoint (DESIGN 4): the
-      // reply it had, if its push is the one it sent then.
-      const auto answered =
-          std::find_if(p.history.begin(), p.history.end(),
-                       [&](const PartitionState::Answered& a) {
-                         return a.reply->step == args.step;
-                       });
-      if (answered == p.history.end()) {
-        absl::Status stale = absl::FailedPreconditionError(absl::StrCat(
-            "step ", args.step, " of partition ", args.partition,
-            " is stale; the partition has completed ", p.next_step,
-            " steps and accepts step ", p.next_step,
-            p.history.empty()
-                ? std::string()
-                : absl::StrCat(
-                      " (it keeps the replies of steps ",
-                      p.history.front().reply->step,
-                      " on for restarted workers: checkpoint.replay_steps)")));
-        // A worker replaying to help a restarted shard learns it is past that.
-        stale.SetPayload(kNextStepPayload,
-                         absl::Cord(absl::StrCat(NextExchange(p))));
-        return reject(std::move(stale));
-      }
-      if (hash != answered->hashes[args.rank]) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("rank ", args.rank, " replayed step ", args.step,
-                         " of partition ", args.partition,
-                         " with other bytes than it pushed then: its "
-                         "checkpoint, data or command line differ "
-                         "from the run's")));
-      }
-      reply = answered->reply;
-    } else if (args.step < NextExchange(p)) {
-      return reject(absl::FailedPreconditionError(absl::StrCat(
-          "step ", args.step,
-          " is a local step of zero_one_adam (docs/design.md 2.7): workers do "
-          "not push; partition ",
-          args.partition, " accepts step ", NextExchange(p), " next")));
-    } else if (args.step > NextExchange(p)) {
-      // A shard restored from its checkpoint is behind its workers: they
-      // replay their retained pushes from the step it accepts on (DESIGN 4).
-      const int64_t accepts = NextExchange(p);
-      absl::Status behind = absl::AbortedError(
-          absl::StrCat("step ", args.step, " of partition ", args.partition,
-                       " is too far ahead; the partition has completed ",
-                       p.next_step, " steps and accepts step ", accepts));
-      behind.SetPayload(kNextStepPayload, absl::Cord(absl::StrCat(accepts)));
-      return reject(std::move(behind));
-    } else {
-      const compress::StepPlan plan =
-          compress::PlanStep(job_.algorithm, args.step);
-      if (args.codec != plan.up.kind) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "codec ", CodecName(args.codec), " is not allowed at step ",
-            args.step, " (", compress::PhaseName(job_.algorithm, args.step),
-            " phase); expected ", CodecName(plan.up.kind))));
-      }
-      const uint64_t n = p.partition.range.size();
-      if (absl::Status s = compress::ValidatePayload(
-              plan.up,
-              {reinterpret_cast<const uint8_t*>(args.payload.data()),
-               args.payload.size()},
-              n);
-          !s.ok()) {
-        return reject(absl::InvalidArgumentError(
-            absl::StrCat("rank ", args.rank, " partition ", args.partition,
-                         " step ", args.step, ": ", s.message())));
-      }
-      const auto same = [](const std::optional<compress::StepHyper>& a,
-                           const std::optional<compress::StepHyper>& b) {
-        return a.has_value() == b.has_value() &&
-               (!a.has_value() ||
-                (std::memcmp(&a->lr, &b->lr, 4) == 0 &&
-                 std::memcmp(&a->weight_decay, &b->weight_decay, 4) == 0));
-      };
-      const auto describe = [](const std::optional<compress::StepHyper>& h) {
-        return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ",
-                                            h->weight_decay)
-                             : std::string("the job's schedule");
-      };
+    if (args.step < p.next_step) {  // a completed step: the reply it had
+      absl::StatusOr<std::shared_ptr<const Reply>> kept =
+          KeptReply(p, args, hash);
+      if (!kept.ok()) return reject(kept.status());
+      reply = *std::move(kept);
+    } else {  // the step in flight
+      StepCommit carried;
       bool commits = false;
-      StepCommit carried{args.previous_grad_sum_of_squares,
-                         args.previous_clip_max_norm,
-                         std::move(args.previous_lamb_commit)};
-      if (carried.grad_sum_of_squares.has_value() || !carried.lamb.empty()) {
-        if (absl::Status s =
-                CheckCommit(p, args.rank, args.step - 1, carried, &commits);
-            !s.ok()) {
-          return reject(s);
-        }
-      } else if (p.awaiting_commit) {
-        return reject(absl::FailedPreconditionError(
-            p.committed_lamb.empty() && compress::CommitsLayers(job_.algorithm)
-                ? absl::StrCat(
-                      "step ", args.step - 1, " of partition ", args.partition,
-                      " waits for onebit_lamb's layer coefficients: rank ",
-                      args.rank, "'s push of step ", args.step,
-                      " must carry them (previous_lamb_commit)")
-                : absl::StrCat(
-                      "step ", args.step - 1, " of partition ", args.partition,
-                      " clipped the averaged gradient (clip_grad_norm) and its "
-                      "sum of squares "
-                      "has not arrived: rank ",
-                      args.rank, "'s push of step ", args.step,
-                      " must carry it (previous_grad_sum_of_squares)")));
-      }
-      if (p.arrived > 0 && p.workers_clip != args.workers_clip) {
-        return reject(absl::FailedPreconditionError(absl::StrCat(
-            "rank ", args.rank, "'s push of step ", args.step, " says the ",
-            "workers ", args.workers_clip ? "clip" : "do not clip",
-            " its averaged gradient (clip_grad_norm_ after backward()), rank ",
-            p.hyper_rank, "'s says they ", p.workers_clip ? "do" : "do not",
-            "; every worker must call clip_grad_norm_ alike")));
-      }
-      if (args.workers_clip && job_.algorithm.clip_grad_norm > 0) {
-        return reject(absl::InvalidArgumentError(absl::StrCat(
-            "rank ", args.rank, " clips step ", args.step,
-            " by a max_norm of its own, but the job clips by clip_grad_norm ",
-            job_.algorithm.clip_grad_norm)));
-      }
-      if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
-        return reject(absl::FailedPreconditionError(
-            absl::StrCat("rank ", args.rank, " asks for ", describe(args.hyper),
-                         " at step ", args.step, " but rank ", p.hyper_rank,
-                         " asked for ", describe(p.hyper),
-                         "; every worker must use the same learning rate and "
-                         "weight decay each step")));
+      if (absl::Status s = CheckCurrentPush(p, args, &carried, &commits);
+          !s.ok()) {
+        return reject(s);
       }
       if (commits) {
         ApplyCommit(p, carried);
         completed_norm = args.step - 1;
       }
-      std::optional<std::string>& slot = p.pushes[args.rank];
-      if (slot.has_value()) {
-        if (*slot != args.payload) {
-          return reject(absl::FailedPreconditionError(absl::StrCat(
-              "rank ", args.rank, " re-sent step ", args.step, " of partition ",
-              args.partition, " with different bytes")));
-        }
-      } else {
-        if (p.arrived == 0) {
-          p.first_arrival = absl::Now();
-          p.hyper = args.hyper;
-          p.hyper_rank = args.rank;
-          p.workers_clip = args.workers_clip;
-        }
-        slot = std::move(args.payload);
-        p.push_hashes[args.rank] = hash;
-        if (args.rank == 0) p.buffers = std::move(args.buffers);
-        ++p.arrived;
-      }
-      p.waiters.emplace_back(args.rank, std::move(done));
-      if (p.arrived == job_.workers() && !p.completing) {
-        if (pool_ == nullptr) {
-          completion = CompleteLocked(p);
-        } else {
-          p.completing = true;  // a retry arriving meanwhile only waits
-          schedule = true;
-        }
+      if (absl::Status s =
+              AcceptPush(p, args, hash, done, &completion, &schedule);
+          !s.ok()) {
+        return reject(s);
       }
     }
   }
@@ -954,187 +909,6 @@ void ShardCore::ExpireWaiting(absl::Time now) {
     }
     for (auto& [rank, callback] : waiters) callback(status);
   }
-}
-
-absl::Status ShardCore::SaveCheckpoint(const std::string& path) const {
-  auto snapshot = Snapshot();
-  if (!snapshot.ok()) return snapshot.status();
-  return snapshot->Write(path);
-}
-
-absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
-  // Lock every partition (in order) so the state is one step's, with every
-  // completed step's mirror update applied.
-  std::vector<std::unique_ptr<MutexLock>> locks;
-  for (const auto& p : partitions_) {
-    locks.push_back(std::make_unique<MutexLock>(&p->mu));
-    ApplyMirror(*p);
-  }
-  const int64_t step = partitions_.front()->next_step;
-  for (const auto& p : partitions_) {
-    if (!p->initialized)
-      return absl::FailedPreconditionError("the shard has no parameters yet");
-    if (p->awaiting_commit) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step ", p->next_step - 1,
-          " waits for the workers' commit (clip_grad_norm's gradient norm "
-          "or onebit_lamb's layer coefficients)"));
-    }
-    if (p->next_step != step) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "the shard is in the middle of step ", std::min(step, p->next_step),
-          " (partitions at different steps)"));
-    }
-  }
-  proto::CheckpointWriter writer(
-      {"shard", shard_, layout_.fingerprint(),
-       compress::AlgorithmFingerprint(job_.algorithm), step});
-  writer.AddFloats("x", mirror_.x());
-  writer.AddFloats("m", mirror_.m());
-  writer.AddFloats("v", mirror_.v());
-  std::vector<float> error(range_.size());
-  server_error_.Read(0, absl::MakeSpan(error));
-  writer.AddFloats("server_error", error);
-  // The optimizer's own arrays (onebit_lamb's v' and layer state); every
-  // partition is at `step` and holds the same arrays that are not per
-  // element.
-  for (const compress::NamedState& array :
-       StateOf(*partitions_.front(), range_.begin, range_.size())) {
-    writer.AddFloats(array.name, array.values);
-  }
-  // The last completed step's replies and push hashes, so that a worker
-  // whose reply was lost when the shard died can still get it by retrying.
-  std::string replies;
-  std::vector<int64_t> reply_meta, hashes;
-  for (const auto& p : partitions_) {
-    const bool has = p->last_reply != nullptr && step > 0;
-    reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->codec) : -1);
-    reply_meta.push_back(
-        has ? static_cast<int64_t>(p->last_reply->payload.size()) : 0);
-    if (has) replies += p->last_reply->payload;
-    for (uint64_t h : p->last_hashes) hashes.push_back(static_cast<int64_t>(h));
-  }
-  writer.AddInts("last_reply_meta", reply_meta);
-  writer.AddBytes("last_replies", replies);
-  // compress::BytesHash's; "last_hashes" (files before it) held std::hash's.
-  writer.AddInts("push_hashes", hashes);
-  return writer;
-}
-
-absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
-  auto reader = proto::CheckpointReader::Open(path);
-  if (!reader.ok()) return reader.status();
-  const proto::CheckpointHeader& h = reader->header();
-  if (h.kind != "shard" || h.index != shard_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(path, " is the checkpoint of ", h.kind, " ", h.index,
-                     ", not of shard ", shard_));
-  }
-  if (h.layout_fingerprint != layout_.fingerprint() ||
-      h.algorithm_fingerprint !=
-          compress::AlgorithmFingerprint(job_.algorithm)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, " was written by a job with a different ",
-        h.layout_fingerprint != layout_.fingerprint() ? "layout" : "algorithm",
-        " (workers, optimizer, hyper-parameters, codecs, feedback or seed)"));
-  }
-  const uint64_t n = range_.size();
-  auto x = reader->Floats("x", n);
-  auto m = reader->Floats("m", n);
-  auto v = reader->Floats("v", n);
-  auto e = reader->Floats("server_error", n);
-  for (const auto* a : {&x, &m, &v, &e}) {
-    if (!a->ok()) return a->status();
-  }
-  if (h.step < 0)
-    return absl::DataLossError(absl::StrCat(path, ": negative step"));
-  std::vector<compress::NamedState> state;
-  for (const compress::StateArray& array :
-       compress::OptimizerOf(job_.algorithm).State(job_.algorithm)) {
-    auto values =
-        reader->Floats(array.name, array.per_element ? n : array.floats);
-    if (!values.ok()) return values.status();
-    state.push_back({array.name, *std::move(values)});
-  }
-  if (absl::Status s = compress::CheckState(job_.algorithm, n, state, path);
-      !s.ok()) {
-    return absl::DataLossError(s.message());
-  }
-  if (absl::Status s = server_error_.Restore(*e); !s.ok()) {
-    return absl::DataLossError(absl::StrCat(path, ": ", s.message()));
-  }
-  // The last step's replies and the hashes of the pushes they answered:
-  // absent in files from before they were kept, and left out of files whose
-  // hashes are std::hash's ("last_hashes", before "push_hashes"); then a
-  // retry of that step is refused, as it was.
-  const size_t parts = partitions_.size();
-  std::vector<std::shared_ptr<const Reply>> last(parts);
-  std::vector<int64_t> hashes;
-  auto replies = reader->Bytes("last_replies");
-  if (!replies.ok() && replies.status().code() != absl::StatusCode::kNotFound)
-    return replies.status();
-  if (replies.ok() && reader->Has("push_hashes")) {
-    auto meta = reader->Ints("last_reply_meta", 2 * parts);
-    if (!meta.ok()) return meta.status();
-    auto read_hashes =
-        reader->Ints("push_hashes", uint64_t{parts} * job_.workers());
-    if (!read_hashes.ok()) return read_hashes.status();
-    hashes = *std::move(read_hashes);
-    size_t at = 0;
-    for (size_t i = 0; i < parts; ++i) {
-      const int64_t codec = (*meta)[2 * i], bytes = (*meta)[2 * i + 1];
-      if (codec < 0) continue;
-      if (bytes < 0 || static_cast<uint64_t>(bytes) > replies->size() - at ||
-          h.step < 1) {
-        return absl::DataLossError(
-            absl::StrCat(path, ": bad last reply of partition ", i));
-      }
-      auto reply = std::make_shared<Reply>();
-      reply->step = h.step - 1;
-      reply->partition = partitions_[i]->partition.id;
-      reply->codec = static_cast<compress::CodecKind>(codec);
-      reply->payload = replies->substr(at, bytes);
-      at += bytes;
-      if (reply->codec !=
-              compress::PlanStep(job_.algorithm, reply->step).down.kind ||
-          reply->payload.size() !=
-              compress::PayloadBytes(
-                  compress::PlanStep(job_.algorithm, reply->step).down,
-                  partitions_[i]->partition.range.size())) {
-        return absl::DataLossError(
-            absl::StrCat(path, ": the last reply of partition ", i,
-                         " does not fit the job"));
-      }
-      last[i] = std::move(reply);
-    }
-  }
-  std::copy(x->begin(), x->end(), mirror_.x().begin());
-  std::copy(m->begin(), m->end(), mirror_.mutable_m().begin());
-  std::copy(v->begin(), v->end(), mirror_.mutable_v().begin());
-  MORSE_CHECK(mirror_.RestoreState(range_.begin, n, state).ok());
-  const std::vector<std::vector<float>> whole = WholeArrays(job_, state);
-  for (size_t i = 0; i < parts; ++i) {
-    PartitionState* p = partitions_[i].get();
-    MutexLock lock(&p->mu);
-    p->initialized = true;
-    p->next_step = h.step;
-    p->mirror_pending = false;
-    p->awaiting_commit = false;
-    p->committed_norm.reset();
-    p->committed_max_norm.reset();
-    p->last_workers_clip = false;
-    p->committed_lamb.clear();
-    p->whole_state = whole;
-    p->last_reply = last[i];
-    p->history.clear();
-    for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
-      p->last_hashes[r] = static_cast<uint64_t>(hashes[i * job_.workers() + r]);
-    }
-  }
-  MutexLock progress(&progress_mu_);
-  initialized_ = static_cast<uint32_t>(partitions_.size());
-  observed_step_ = h.step - 1;
-  return absl::OkStatus();
 }
 
 std::vector<compress::NamedState> ShardCore::StateOf(const PartitionState& p,

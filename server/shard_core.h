@@ -257,6 +257,23 @@ class ShardCore {
     bool awaiting_commit = false;  // the step waits for its commit (Commit)
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
   };
+  // Push, in the order it runs: the arguments alone (before any lock);
+  // for a completed step, the reply it had (a retry, or a restarted
+  // worker's replay); for the step in flight, everything the push must
+  // agree with (its commit of the step before taken out of args into
+  // *carried, *commits when that completes it), then the push kept and
+  // the step completed when it is the last one (inline into *completion, or
+  // *schedule on the pool). AcceptPush moves `done` only when it succeeds.
+  absl::Status CheckPushArgs(const PushArgs& args) const;
+  absl::StatusOr<std::shared_ptr<const Reply>> KeptReply(
+      const PartitionState& p, const PushArgs& args, uint64_t hash) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  absl::Status CheckCurrentPush(const PartitionState& p, PushArgs& args,
+                                StepCommit* carried, bool* commits) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  absl::Status AcceptPush(PartitionState& p, PushArgs& args, uint64_t hash,
+                          ReplyCallback& done, Completion* completion,
+                          bool* schedule) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   Completion CompleteLocked(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // The pool's task for a partition whose pushes are all in.
