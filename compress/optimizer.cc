@@ -99,6 +99,40 @@ uint64_t StateBytesPerElement(const SimulatorConfig& config) {
   return bytes;
 }
 
+AdamScalars StepScalars(const SimulatorConfig& config, int64_t step,
+                        const StepHyper* hyper, bool bias_correction) {
+  AdamHyper adam = config.adam;
+  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
+  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
+  return MakeAdamScalars(adam, lr, step + 1, bias_correction);
+}
+
+StepPlan FullPrecisionPlan(const SimulatorConfig& config) {
+  StepPlan plan;
+  plan.up = plan.down = config.warmup_codec;
+  return plan;
+}
+
+StepPlan CompressedPlan(const SimulatorConfig& config) {
+  StepPlan plan;
+  plan.compressing = true;
+  plan.feedback = true;
+  plan.up = config.up_codec;
+  plan.down = config.down_codec;
+  return plan;
+}
+
+absl::Status ValidateWarmupCodec(const SimulatorConfig& config,
+                                 absl::string_view what) {
+  const CodecKind warmup = config.warmup_codec.kind;
+  if (warmup == CodecKind::kFp32 || warmup == CodecKind::kFp16 ||
+      warmup == CodecKind::kBf16) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, " must be fp32, fp16 or bf16, got ", CodecName(warmup)));
+}
+
 void FrozenVarianceScalars(const SimulatorConfig& config, ReplyRule& rule) {
   if (config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.

@@ -164,6 +164,19 @@ uint64_t StateBytesPerElement(const SimulatorConfig& config);
 // b2^T_w) with bias correction, and |update| <= OneBitUpdateBound when
 // bound_update is on.
 void FrozenVarianceScalars(const SimulatorConfig& config, ReplyRule& rule);
+// Adam's scalars of step `step` (t' = step + 1) at the workers' lr and
+// weight decay (`hyper`) or the job's schedule and weight decay.
+AdamScalars StepScalars(const SimulatorConfig& config, int64_t step,
+                        const StepHyper* hyper, bool bias_correction);
+// The two kinds of step every optimizer's schedule is made of: full
+// precision in warmup_codec both ways without error feedback, or
+// compressed (frozen v) in the up and down codecs through error feedback.
+StepPlan FullPrecisionPlan(const SimulatorConfig& config);
+StepPlan CompressedPlan(const SimulatorConfig& config);
+// OK or INVALID_ARGUMENT unless warmup_codec is fp32, fp16 or bf16; `what`
+// names what uses it ("the warmup codec of onebit_adam").
+absl::Status ValidateWarmupCodec(const SimulatorConfig& config,
+                                 absl::string_view what);
 // 1-bit Adam's schedule, which 1-bit LAMB shares: warmup_codec without
 // error feedback before freeze_step, the up and down codecs with it from
 // then on (compressing). ValidateFreezeStep checks what it needs: a warmup

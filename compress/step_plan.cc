@@ -49,10 +49,7 @@ ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
   rule.frozen_variance = plan.compressing && !plan.local;
   rule.sync = plan.local;
   rule.mask = plan.compressing && config.mask_zero_variance;
-  AdamHyper adam = config.adam;
-  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
-  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  rule.scalars = MakeAdamScalars(adam, lr, step + 1, config.bias_correction);
+  rule.scalars = StepScalars(config, step, hyper, config.bias_correction);
   OptimizerOf(config).PlanReply(config, step, plan, hyper, rule);
   return rule;
 }

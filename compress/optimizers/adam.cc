@@ -18,10 +18,10 @@ class Adam final : public Optimizer {
   OptimizerKind kind() const override { return OptimizerKind::kAdam; }
 
   StepPlan Plan(const SimulatorConfig& c, int64_t) const override {
-    StepPlan plan;
-    plan.feedback = true;
-    plan.up = c.up_codec;
-    plan.down = c.down_codec;
+    // Every step exchanges the job's codecs through error feedback, and v
+    // is never frozen.
+    StepPlan plan = CompressedPlan(c);
+    plan.compressing = false;
     return plan;
   }
 

@@ -15,12 +15,10 @@ namespace morse::compress {
 
 absl::Status ValidateFreezeStep(const SimulatorConfig& c,
                                 absl::string_view name) {
-  const CodecKind warmup = c.warmup_codec.kind;
-  if (warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 &&
-      warmup != CodecKind::kBf16) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the warmup codec of ", name,
-                     " must be fp32, fp16 or bf16, got ", CodecName(warmup)));
+  if (absl::Status s =
+          ValidateWarmupCodec(c, absl::StrCat("the warmup codec of ", name));
+      !s.ok()) {
+    return s;
   }
   if (c.freeze_step < 1) {
     return absl::InvalidArgumentError(
@@ -31,16 +29,7 @@ absl::Status ValidateFreezeStep(const SimulatorConfig& c,
 }
 
 StepPlan FreezeStepPlan(const SimulatorConfig& c, int64_t step) {
-  StepPlan plan;
-  if (step < c.freeze_step) {
-    plan.up = plan.down = c.warmup_codec;
-    return plan;
-  }
-  plan.compressing = true;
-  plan.feedback = true;
-  plan.up = c.up_codec;
-  plan.down = c.down_codec;
-  return plan;
+  return step < c.freeze_step ? FullPrecisionPlan(c) : CompressedPlan(c);
 }
 
 namespace {

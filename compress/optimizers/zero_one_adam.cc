@@ -112,11 +112,7 @@ float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
 
 AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step,
                              const StepHyper* hyper) {
-  AdamHyper adam = config.adam;
-  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
-  const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  AdamScalars s =
-      MakeAdamScalars(adam, lr, step + 1, /*bias_correction=*/false);
+  AdamScalars s = StepScalars(config, step, hyper, /*bias_correction=*/false);
   if (config.bias_correction)
     s.bias_correction2 = ZeroOneVarianceCorrection(config, step);
   if (config.bound_update) s.max_ratio = OneBitUpdateBound(config.adam);
@@ -143,15 +139,8 @@ class ZeroOneAdam final : public Optimizer {
             "zero_one_adam.", name, " must be in [1, 2^40], got ", value));
       }
     }
-    const CodecKind warmup = c.warmup_codec.kind;
-    if (warmup != CodecKind::kFp32 && warmup != CodecKind::kFp16 &&
-        warmup != CodecKind::kBf16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("zero_one_adam's variance steps use warmup_codec, which "
-                       "must be fp32, fp16 or bf16, got ",
-                       CodecName(warmup)));
-    }
-    return absl::OkStatus();
+    return ValidateWarmupCodec(
+        c, "zero_one_adam's variance steps use warmup_codec, which");
   }
 
   void Fingerprint(const SimulatorConfig& c, Fnv64& hash) const override {
@@ -162,18 +151,11 @@ class ZeroOneAdam final : public Optimizer {
   }
 
   StepPlan Plan(const SimulatorConfig& c, int64_t step) const override {
-    StepPlan plan;
     const ZeroOneStep z = ZeroOneAt(c, step);
-    if (z.variance) {
-      plan.up = plan.down = c.warmup_codec;
-      return plan;
-    }
+    if (z.variance) return FullPrecisionPlan(c);
+    StepPlan plan = CompressedPlan(c);
     plan.local = z.local;
     plan.exchanges = z.exchanges;
-    plan.compressing = true;
-    plan.feedback = true;
-    plan.up = c.up_codec;
-    plan.down = c.down_codec;
     return plan;
   }
 
