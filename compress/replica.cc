@@ -683,8 +683,8 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   // x moves element by element: partitions in parallel give the same bits.
   const auto& partitions = layout->partitions();
   const auto update = [&](size_t i) {
-    MORSE_CHECK(ApplyLambCommit(step, partitions[i].range.begin,
-                                partitions[i].range.size(), commit, hyper)
+    MORSE_CHECK(ApplyCommit(step, partitions[i].range.begin,
+                            partitions[i].range.size(), commit, hyper)
                     .ok());
   };
   if (pool != nullptr && pool->threads() > 1) {
@@ -696,9 +696,9 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   return commit;
 }
 
-absl::Status Replica::ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n,
-                                      absl::Span<const double> commit,
-                                      const StepHyper* hyper) {
+absl::Status Replica::ApplyCommit(int64_t step, uint64_t begin, uint64_t n,
+                                  absl::Span<const double> commit,
+                                  const StepHyper* hyper) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
     return absl::FailedPreconditionError(
         "a onebit_lamb commit for another optimizer");

@@ -193,15 +193,17 @@ class Replica {
   // reply has been applied.
   std::vector<double> LambSegments(int64_t step, Range partition,
                                    const StepHyper* hyper = nullptr) const;
-  // A shard's mirror: applies the commit of `step` (from the workers) to x
-  // over [begin, begin + n) and nothing else, so that partitions may apply
-  // their commits at once from different threads. The layers' state after
-  // the commit (LambStateOf) is the caller's to keep: LambStep keeps it
-  // here, a shard keeps it with each partition. INVALID_ARGUMENT, nothing
-  // changed, for a malformed commit or range.
-  absl::Status ApplyLambCommit(int64_t step, uint64_t begin, uint64_t n,
-                               absl::Span<const double> commit,
-                               const StepHyper* hyper = nullptr);
+  // A shard's mirror: applies the optimizer's commit of `step` (from the
+  // workers; onebit_lamb's layer coefficients move x) over [begin, begin +
+  // n) and nothing else, so that partitions may apply their commits at
+  // once from different threads. The optimizer's arrays that are not per
+  // element after the commit (Optimizer::StateAfterCommit) are the caller's
+  // to keep: LambStep keeps them here, a shard keeps them with each
+  // partition. INVALID_ARGUMENT, nothing changed, for a malformed commit or
+  // range.
+  absl::Status ApplyCommit(int64_t step, uint64_t begin, uint64_t n,
+                           absl::Span<const double> commit,
+                           const StepHyper* hyper = nullptr);
   absl::Span<const float> v_fresh() const { return v_fresh_; }
   absl::Span<float> mutable_v_fresh() { return absl::MakeSpan(v_fresh_); }
   absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }

@@ -89,8 +89,8 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   args.buffers = request.buffers();
   if (request.has_lr())
     args.hyper = compress::StepHyper{request.lr(), request.weight_decay()};
-  args.previous_lamb_commit.assign(request.previous_lamb_commit().begin(),
-                                   request.previous_lamb_commit().end());
+  args.previous_commit.assign(request.previous_commit().begin(),
+                              request.previous_commit().end());
   if (request.has_previous_grad_sum_of_squares()) {
     args.previous_grad_sum_of_squares = request.previous_grad_sum_of_squares();
   }
@@ -185,15 +185,15 @@ absl::Status ShardHandler::Abort(const v1::AbortRequest& request) {
 absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
   absl::StatusOr<ShardCore*> core = Core();
   if (!core.ok()) return core.status();
-  if (request.lamb_commit_size() > 0) {
+  if (request.commit_values_size() > 0) {
     if (request.has_clip_max_norm()) {
       return absl::InvalidArgumentError(
           "a commit holds layer coefficients or a clip's max_norm, not both");
     }
-    return (*core)->CommitLamb(
+    return (*core)->CommitValues(
         request.rank(), request.step(), request.layout_fingerprint(),
-        std::vector<double>(request.lamb_commit().begin(),
-                            request.lamb_commit().end()));
+        std::vector<double>(request.commit_values().begin(),
+                            request.commit_values().end()));
   }
   return (*core)->Commit(request.rank(), request.step(),
                          request.layout_fingerprint(),

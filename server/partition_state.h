@@ -53,7 +53,7 @@ struct ShardCore::PartitionState {
   // Gradient clipping of the last completed step (compress::ClipsAverage):
   // the mirror waits for the whole model's sum of squares (Commit), then
   // applies the step scaled by its clip factor. onebit_lamb: every step's
-  // mirror waits for the layers' coefficients (CommitLamb).
+  // mirror waits for the layers' coefficients (CommitValues).
   bool awaiting_commit ABSL_GUARDED_BY(mu) = false;
   std::optional<double> committed_norm
       ABSL_GUARDED_BY(mu);  // the sum of squares
@@ -63,7 +63,7 @@ struct ShardCore::PartitionState {
   bool workers_clip ABSL_GUARDED_BY(mu) = false;
   bool last_workers_clip ABSL_GUARDED_BY(mu) = false;
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
-  std::vector<double> committed_lamb ABSL_GUARDED_BY(mu);
+  std::vector<double> committed_values ABSL_GUARDED_BY(mu);
   // The optimizer's arrays that are not per element (onebit_lamb's layer
   // state), in State()'s order, after the partition's last applied commit
   // (Optimizer::StateAfterCommit). Each partition keeps its own: the

@@ -36,7 +36,7 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
       return absl::FailedPreconditionError(absl::StrCat(
           "step ", p->next_step - 1,
           " waits for the workers' commit (clip_grad_norm's gradient norm "
-          "or onebit_lamb's layer coefficients)"));
+          "or the optimizer's commit)"));
     }
     if (p->next_step != step) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -181,7 +181,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->committed_norm.reset();
     p->committed_max_norm.reset();
     p->last_workers_clip = false;
-    p->committed_lamb.clear();
+    p->committed_values.clear();
     p->whole_state = whole;
     p->last_reply = last[i];
     p->history.clear();

@@ -12,7 +12,6 @@
 #include "absl/strings/str_join.h"
 #include "compress/bytes_hash.h"
 #include "compress/check.h"
-#include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/scratch.h"
 #include "compress/trace.h"
@@ -283,8 +282,8 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
   *commits = false;
   *carried =
       StepCommit{args.previous_grad_sum_of_squares, args.previous_clip_max_norm,
-                 std::move(args.previous_lamb_commit)};
-  if (carried->grad_sum_of_squares.has_value() || !carried->lamb.empty()) {
+                 std::move(args.previous_commit)};
+  if (carried->grad_sum_of_squares.has_value() || !carried->values.empty()) {
     if (absl::Status s =
             CheckCommit(p, args.rank, args.step - 1, *carried, commits);
         !s.ok()) {
@@ -292,12 +291,12 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
     }
   } else if (p.awaiting_commit) {
     return absl::FailedPreconditionError(
-        p.committed_lamb.empty() && compress::CommitsLayers(job_.algorithm)
+        p.committed_values.empty() && compress::CommitsLayers(job_.algorithm)
             ? absl::StrCat("step ", args.step - 1, " of partition ",
-                           args.partition,
-                           " waits for onebit_lamb's layer coefficients: rank ",
-                           args.rank, "'s push of step ", args.step,
-                           " must carry them (previous_lamb_commit)")
+                           args.partition, " waits for ",
+                           compress::OptimizerOf(job_.algorithm).name(),
+                           "'s commit: rank ", args.rank, "'s push of step ",
+                           args.step, " must carry it (previous_commit)")
             : absl::StrCat(
                   "step ", args.step - 1, " of partition ", args.partition,
                   " clipped the averaged gradient (clip_grad_norm) and its "
@@ -607,7 +606,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   p.committed_norm.reset();
   p.committed_max_norm.reset();
   p.last_workers_clip = workers_clip;
-  p.committed_lamb.clear();
+  p.committed_values.clear();
   p.mirror_scale = 1.0f;
   return std::shared_ptr<const Reply>(std::move(reply));
 }
@@ -624,15 +623,15 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   // The payload is this shard's own encoding of finite values: decoding it
   // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
   MORSE_CHECK(s.ok());
-  if (!p.committed_lamb.empty()) {  // checked when it arrived (CheckCommit)
+  if (!p.committed_values.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_
-                    .ApplyLambCommit(
+                    .ApplyCommit(
                         r.step, p.partition.range.begin,
-                        p.partition.range.size(), p.committed_lamb,
+                        p.partition.range.size(), p.committed_values,
                         p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr)
                     .ok());
     p.whole_state = compress::OptimizerOf(job_.algorithm)
-                        .StateAfterCommit(job_.algorithm, p.committed_lamb);
+                        .StateAfterCommit(job_.algorithm, p.committed_values);
   }
 }
 
@@ -640,23 +639,30 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
                                     int64_t step, const StepCommit& commit,
                                     bool* applies) const {
   *applies = false;
-  const bool lamb = !commit.lamb.empty();
-  const char* what =
-      lamb ? "onebit_lamb's layer coefficients" : "the gradient norm";
-  if (lamb) {
+  const compress::Optimizer& optimizer = compress::OptimizerOf(job_.algorithm);
+  const bool values = !commit.values.empty();
+  const std::string what = values ? absl::StrCat(optimizer.name(), "'s commit")
+                                  : "the gradient norm";
+  if (values) {
     if (commit.grad_sum_of_squares.has_value() ||
         commit.clip_max_norm.has_value()) {
       return absl::InvalidArgumentError(
-          "a commit holds a gradient norm or layer coefficients, not both");
+          "a commit holds a gradient norm or the optimizer's values, not both");
     }
-    if (!compress::CommitsLayers(job_.algorithm)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", rank,
-                       " sent layer coefficients (onebit_lamb) for a job whose "
-                       "optimizer is not onebit_lamb"));
+    const uint64_t expected = optimizer.CommitDoubles(job_.algorithm);
+    if (expected == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " sent a commit of ", commit.values.size(),
+          " values for a job whose optimizer (", optimizer.name(),
+          ") commits none"));
+    }
+    if (commit.values.size() != expected) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": a commit of ", commit.values.size(),
+                       " values; ", optimizer.name(), " commits ", expected));
     }
     if (absl::Status s =
-            compress::ValidateLambCommit(job_.algorithm, commit.lamb);
+            optimizer.ValidateCommit(job_.algorithm, commit.values);
         !s.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", rank, ": ", s.message()));
@@ -681,14 +687,15 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
         p.partition.id, " has completed ", p.next_step, " steps"));
   }
   if (step < p.next_step - 1) return absl::OkStatus();  // applied long ago
-  if (lamb) {
-    if (!p.committed_lamb.empty()) {
-      if (p.committed_lamb.size() != commit.lamb.size() ||
-          std::memcmp(p.committed_lamb.data(), commit.lamb.data(),
-                      8 * commit.lamb.size()) != 0) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "rank ", rank, " sent other layer coefficients for step ", step,
-            " than were sent before; every worker computes the same ones"));
+  if (values) {
+    if (!p.committed_values.empty()) {
+      if (p.committed_values.size() != commit.values.size() ||
+          std::memcmp(p.committed_values.data(), commit.values.data(),
+                      8 * commit.values.size()) != 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("rank ", rank, " sent another commit for step ", step,
+                         " than was sent before (", optimizer.name(),
+                         "); every worker computes the same one"));
       }
       return absl::OkStatus();
     }
@@ -753,7 +760,7 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
         *commit.grad_sum_of_squares,
         commit.clip_max_norm.value_or(job_.algorithm.clip_grad_norm));
   } else {
-    p.committed_lamb = commit.lamb;
+    p.committed_values = commit.values;
   }
   p.awaiting_commit = false;
 }
@@ -780,11 +787,10 @@ absl::Status ShardCore::Commit(uint32_t rank, int64_t step,
                     StepCommit{total, clip_max_norm, {}});
 }
 
-absl::Status ShardCore::CommitLamb(uint32_t rank, int64_t step,
-                                   uint64_t layout_fingerprint,
-                                   std::vector<double> commit) {
-  if (commit.empty())
-    return absl::InvalidArgumentError("an empty onebit_lamb commit");
+absl::Status ShardCore::CommitValues(uint32_t rank, int64_t step,
+                                     uint64_t layout_fingerprint,
+                                     std::vector<double> commit) {
+  if (commit.empty()) return absl::InvalidArgumentError("an empty commit");
   return CommitStep(rank, step, layout_fingerprint,
                     StepCommit{std::nullopt, std::nullopt, std::move(commit)});
 }
@@ -940,8 +946,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
     return absl::UnavailableError(
         absl::StrCat("step ", p.next_step - 1, " of partition ", partition,
                      " waits for the workers' commit (clip_grad_norm's "
-                     "gradient norm or onebit_lamb's layer "
-                     "coefficients); try again"));
+                     "gradient norm or the optimizer's commit); try again"));
   }
   const uint64_t offset = p.partition.range.begin - range_.begin,
                  n = p.partition.range.size();
@@ -1036,7 +1041,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   p.committed_norm.reset();
   p.committed_max_norm.reset();
   p.last_workers_clip = false;
-  p.committed_lamb.clear();
+  p.committed_values.clear();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
   p.history.clear();

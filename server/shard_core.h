@@ -60,21 +60,22 @@ struct PushArgs {
   std::optional<double> previous_grad_sum_of_squares;
   // The previous step's max_norm, when the workers chose it (workers_clip).
   std::optional<float> previous_clip_max_norm;
-  // onebit_lamb: the previous step's commit (CommitLamb).
-  std::vector<double> previous_lamb_commit;
+  // onebit_lamb: the previous step's commit (CommitValues).
+  std::vector<double> previous_commit;
   // The workers clip this step's averaged gradient by a max_norm they
   // commit after it (morse.proto PushRequest.workers_clip).
   bool workers_clip = false;
 };
 
 // What the workers commit after a step whose mirror update needs the whole
-// model: the averaged gradient's sum of squares (clip_grad_norm), or
-// onebit_lamb's per-layer coefficients and state (compress/lamb.h).
+// model: the averaged gradient's sum of squares (clip_grad_norm), or the
+// optimizer's commit (compress::Optimizer::CommitDoubles values:
+// onebit_lamb's per-layer coefficients and state, compress/lamb.h).
 struct StepCommit {
   std::optional<double> grad_sum_of_squares;
   // With it, in a step whose pushes said workers_clip: their max_norm.
   std::optional<float> clip_max_norm;
-  std::vector<double> lamb;
+  std::vector<double> values;
 };
 
 // The absl::Status payload of an ABORTED push that is ahead of its
@@ -189,9 +190,9 @@ class ShardCore {
   // layer's coefficient and state after the step), which the mirror needs
   // to move x; as Commit otherwise (every step of onebit_lamb waits for
   // one). INVALID_ARGUMENT for a malformed commit.
-  absl::Status CommitLamb(uint32_t rank, int64_t step,
-                          uint64_t layout_fingerprint,
-                          std::vector<double> commit);
+  absl::Status CommitValues(uint32_t rank, int64_t step,
+                            uint64_t layout_fingerprint,
+                            std::vector<double> commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
   // The abort's message, if the job is stopped.

@@ -459,8 +459,8 @@ absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares,
   return SendCommit(step, grad_sum_of_squares, clip_max_norm, {});
 }
 
-absl::Status PushClient::CommitLamb(int64_t step,
-                                    absl::Span<const double> commit) {
+absl::Status PushClient::CommitValues(int64_t step,
+                                      absl::Span<const double> commit) {
   return SendCommit(step, 0.0, std::nullopt, commit);
 }
 
@@ -473,7 +473,7 @@ absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
   request.set_layout_fingerprint(layout_.fingerprint());
   request.set_grad_sum_of_squares(grad_sum_of_squares);
   if (clip_max_norm.has_value()) request.set_clip_max_norm(*clip_max_norm);
-  for (double value : lamb) request.add_lamb_commit(value);
+  for (double value : lamb) request.add_commit_values(value);
   const char* what = lamb.empty() ? "committing the gradient norm to"
                                   : "committing the layer coefficients to";
   // A shard takes the same commit again, so one whose outcome is unknown

@@ -125,8 +125,8 @@ class PushClient {
   absl::Status Commit(int64_t step, double grad_sum_of_squares,
                       std::optional<float> clip_max_norm = std::nullopt);
   // onebit_lamb: step `step`'s layer coefficients and state
-  // (compress::Replica::LambStep; ShardCore::CommitLamb), likewise.
-  absl::Status CommitLamb(int64_t step, absl::Span<const double> commit);
+  // (compress::Replica::LambStep; ShardCore::CommitValues), likewise.
+  absl::Status CommitValues(int64_t step, absl::Span<const double> commit);
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();

@@ -312,7 +312,7 @@ void Session::StartExchange() {
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
-                 previous_lamb_commit_, workers_clip_ && clips_average_},
+                 previous_commit_, workers_clip_ && clips_average_},
       /*parallel_encode=*/true);
   buffers_.clear();
 }
@@ -563,9 +563,10 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   previous_clip_max_norm_ =
       chose_max_norm ? std::optional<float>(max_norm_) : std::nullopt;
   if (compress::CommitsLayers(job_.algorithm)) {
-    // x moves by each layer's coefficient, from sums over the whole model.
-    trace::Scope traced("lamb step", step_);
-    absl::StatusOr<std::vector<double>> commit = engine_->LambStep(
+    // The optimizer's step from sums over the whole model (onebit_lamb: x
+    // moves by each layer's coefficient), and its commit.
+    trace::Scope traced("commit step", step_);
+    absl::StatusOr<std::vector<double>> commit = engine_->CommitStep(
         step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr,
         client_->pool());
     if (!commit.ok()) {
@@ -573,10 +574,10 @@ absl::Status Session::Finish(StepTraffic* traffic) {
           commit.status().code(),
           absl::StrCat("step ", step_, ": ", commit.status().message())));
     }
-    previous_lamb_commit_ = *std::move(commit);
+    previous_commit_ = *std::move(commit);
     // The shards' mirrors need it to move x; the next pushes carry it too.
     if (rank_ == 0) {
-      if (absl::Status s = client_->CommitLamb(step_, previous_lamb_commit_);
+      if (absl::Status s = client_->CommitValues(step_, previous_commit_);
           !s.ok()) {
         return Fail(absl::Status(
             s.code(), absl::StrCat("step ", step_, ": ", s.message())));
@@ -653,7 +654,7 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
     writer.AddFloats(array.name, array.values);
   }
   if (compress::CommitsLayers(job_.algorithm))
-    writer.AddInts("previous_lamb_commit", DoubleBits(previous_lamb_commit_));
+    writer.AddInts("previous_lamb_commit", DoubleBits(previous_commit_));
   if (whole_step != step) {  // inside a zero_one_adam local interval
     const compress::Replica::LocalInterval interval = replica_.local_interval();
     writer.AddFloats("anchor", interval.anchor);
@@ -712,7 +713,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   if (lamb) {
     if (!reader.Has("previous_lamb_commit")) {
       return absl::DataLossError(
-          absl::StrCat(reader.path(), " has no previous_lamb_commit"));
+          absl::StrCat(reader.path(), " has no previous_commit"));
     }
     auto bits = reader.Ints("previous_lamb_commit",
                             reader.Count("previous_lamb_commit"));
@@ -743,7 +744,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   if (absl::Status s = replica_.RestoreState(0, dim, own); !s.ok()) return s;
-  if (lamb) previous_lamb_commit_ = std::move(lamb_commit);
+  if (lamb) previous_commit_ = std::move(lamb_commit);
   previous_grad_sum_of_squares_ = norm;
   previous_clip_max_norm_ = max_norm;
   return absl::OkStatus();
@@ -780,7 +781,7 @@ absl::StatusOr<Session::OwnState> Session::SavedOwn() {
   if (absl::Status s = SyncHost(); !s.ok()) return s;
   OwnState state;
   state.arrays = replica_.SaveState(0, job_.algorithm.layout.dim);
-  state.commit = previous_lamb_commit_;
+  state.commit = previous_commit_;
   return state;
 }
 
@@ -877,9 +878,9 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
             replica_.RestoreState(0, job_.algorithm.layout.dim, own->arrays);
         !s.ok())
       return s;
-    previous_lamb_commit_ = own->commit;
+    previous_commit_ = own->commit;
   } else {
-    previous_lamb_commit_.clear();
+    previous_commit_.clear();
   }
   step_ = step;
   previous_grad_sum_of_squares_.reset();

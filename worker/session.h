@@ -251,7 +251,7 @@ class Session {
   std::optional<double> previous_grad_sum_of_squares_;
   std::optional<float> previous_clip_max_norm_;  // when the workers chose it
   // onebit_lamb: the last step's commit, likewise.
-  std::vector<double> previous_lamb_commit_;
+  std::vector<double> previous_commit_;
   std::vector<bool> sent_;
   // zero_one_adam's local phase: the step in flight waits for Finish to
   // take its local step (and only then exchanges, if it syncs).

@@ -429,8 +429,8 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
   if (partition.id == 0 && !extras_.buffers.empty()) {
     call->request.set_buffers(std::move(extras_.buffers));
   }
-  for (double value : extras_.previous_lamb_commit)
-    call->request.add_previous_lamb_commit(value);
+  for (double value : extras_.previous_commit)
+    call->request.add_previous_commit(value);
   if (extras_.previous_clip_max_norm.has_value()) {
     call->request.set_previous_clip_max_norm(*extras_.previous_clip_max_norm);
   }

@@ -49,7 +49,7 @@ struct StepExtras {
   // With it, when the workers chose that step's max_norm.
   std::optional<float> previous_clip_max_norm;
   // onebit_lamb: the previous step's commit (morse.proto CommitRequest).
-  std::vector<double> previous_lamb_commit;
+  std::vector<double> previous_commit;
   // The workers clip this step's averaged gradient by a max_norm they
   // commit after it (morse.proto PushRequest.workers_clip).
   bool workers_clip = false;

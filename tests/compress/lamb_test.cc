@@ -389,10 +389,9 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
         worker.LambStep(t, nullptr, segments, t % 3 == 2 ? &pool : nullptr);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
-      ASSERT_TRUE(
-          mirrors[p.shard]
-              .ApplyLambCommit(t, p.range.begin, p.range.size(), *commit)
-              .ok());
+      ASSERT_TRUE(mirrors[p.shard]
+                      .ApplyCommit(t, p.range.begin, p.range.size(), *commit)
+                      .ok());
     }
     std::vector<absl::Span<const float>> views{g};
     ASSERT_TRUE(sim->Step(views).ok());
@@ -418,13 +417,13 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   const std::vector<float> before(mirrors[0].x().begin(), mirrors[0].x().end());
   std::vector<double> bad(kLambCommit * c.layers.size(), 1.0);
   bad[4] = -1.0;
-  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(),
+  EXPECT_EQ(mirrors[0].ApplyCommit(24, 0, 128, bad).code(),
             absl::StatusCode::kInvalidArgument);
   bad[4] = 0.1;  // not a float
-  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(),
+  EXPECT_EQ(mirrors[0].ApplyCommit(24, 0, 128, bad).code(),
             absl::StatusCode::kInvalidArgument);
   bad.pop_back();
-  EXPECT_EQ(mirrors[0].ApplyLambCommit(24, 0, 128, bad).code(),
+  EXPECT_EQ(mirrors[0].ApplyCommit(24, 0, 128, bad).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(mirrors[0].x(), before));
   EXPECT_EQ(mirrors[0].LambStep(24).status().code(),

@@ -1031,7 +1031,7 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
                         std::shared_ptr<const Reply>* reply = nullptr) {
     PushArgs a = EncodedPush(
         fingerprint, compress::PlanStep(job.algorithm, step).up, step, rank, p);
-    a.previous_lamb_commit = std::move(commit);
+    a.previous_commit = std::move(commit);
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
     core->Push(std::move(a),
                [status, reply](absl::StatusOr<std::shared_ptr<const Reply>> r) {
@@ -1061,17 +1061,17 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
             absl::StatusCode::kUnavailable);
   absl::Status missing = push(1, 0, parts[0], {});
   EXPECT_EQ(missing.code(), absl::StatusCode::kFailedPrecondition) << missing;
-  EXPECT_NE(missing.message().find("previous_lamb_commit"), std::string::npos)
+  EXPECT_NE(missing.message().find("previous_commit"), std::string::npos)
       << missing;
   std::vector<double> bad = commit;
   bad[0] = std::nan("");
   EXPECT_EQ(push(1, 0, parts[0], bad).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(core->CommitLamb(0, 0, fingerprint, {1.0, 1.0}).code(),
+  EXPECT_EQ(core->CommitValues(0, 0, fingerprint, {1.0, 1.0}).code(),
             absl::StatusCode::kInvalidArgument);
   // A commit of a step not completed yet (the shard restarted behind it)
   // says how many steps the shard has completed.
-  const absl::Status ahead = core->CommitLamb(0, 1, fingerprint, commit);
+  const absl::Status ahead = core->CommitValues(0, 1, fingerprint, commit);
   EXPECT_EQ(ahead.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(ahead.GetPayload(kNextStepPayload).value_or(absl::Cord("none")),
             absl::Cord("1"))
@@ -1080,7 +1080,7 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(core->Status().pushes_accepted, 2u * parts.size());
   // Rank 0's Commit applies it; the mirror is the worker's replica.
-  ASSERT_TRUE(core->CommitLamb(0, 0, fingerprint, commit).ok());
+  ASSERT_TRUE(core->CommitValues(0, 0, fingerprint, commit).ok());
   std::vector<double> other = commit;
   other[0] = 0.5;
   EXPECT_EQ(push(1, 1, parts[0], other).code(),
@@ -1217,7 +1217,7 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
         PushArgs a =
             EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up,
                         step, 0, p);
-        if (step > 0) a.previous_lamb_commit = commit_of(step - 1);
+        if (step > 0) a.previous_commit = commit_of(step - 1);
         core->Push(
             std::move(a),
             [&failures, i](absl::StatusOr<std::shared_ptr<const Reply>> r) {
@@ -1230,7 +1230,8 @@ TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
   for (size_t i = 0; i < parts.size(); ++i)
     ASSERT_TRUE(failures[i].ok()) << i << ": " << failures[i];
   ASSERT_TRUE(
-      core->CommitLamb(0, kSteps - 1, fingerprint, commit_of(kSteps - 1)).ok());
+      core->CommitValues(0, kSteps - 1, fingerprint, commit_of(kSteps - 1))
+          .ok());
   for (const auto& p : parts) {
     auto snapshot = core->FetchPartition(p.id, fingerprint);
     ASSERT_TRUE(snapshot.ok()) << snapshot.status();

@@ -181,7 +181,7 @@ class Engine {
   // (compress::Replica::LocalStep; before a sync step's Encode). Returns
   // the learning rates of the interval's local steps so far, summed (what a
   // sync's pushes carry as their lr when the workers set the lr).
-  // `pool` as for LambStep.
+  // `pool` as for CommitStep.
   virtual absl::StatusOr<float> LocalStep(int64_t step,
                                           const compress::StepHyper* hyper,
                                           float grad_scale,
@@ -194,12 +194,13 @@ class Engine {
                                                    const compress::StepHyper*) {
     return absl::UnimplementedError("a local step by partition");
   }
-  // onebit_lamb's second half of `step`, once every reply is applied: the
-  // step's commit from the whole model, applied to x, returned for the
-  // shards (compress::Replica::LambStep). `pool` (may be null): the
+  // The optimizer's step after every reply of `step` is applied, for an
+  // optimizer that commits (compress::Optimizer::CommitDoubles): its
+  // commit from the whole model, applied to x, returned for the shards
+  // (onebit_lamb: compress::Replica::LambStep). `pool` (may be null): the
   // worker's compute pool, idle by then, for a CPU engine's whole-model
   // passes.
-  virtual absl::StatusOr<std::vector<double>> LambStep(
+  virtual absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, const compress::StepHyper* hyper,
       compress::ComputePool* pool) = 0;
   // compress::GradientSumOfSquares of the whole gradient the next Encode

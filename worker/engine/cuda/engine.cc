@@ -502,11 +502,11 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   // compress::Replica::LambStep on the device: the segments' sums come to
   // the host, which forms the totals and the commit exactly as the CPU does.
-  absl::StatusOr<std::vector<double>> LambStep(
+  absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, const compress::StepHyper* hyper,
       compress::ComputePool*) override {
     if (!compress::CommitsLayers(config_)) {
-      return absl::FailedPreconditionError("LambStep is for onebit_lamb");
+      return absl::FailedPreconditionError("CommitStep is for onebit_lamb");
     }
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);

@@ -79,7 +79,7 @@ class HostEngine final : public Engine {
     absl::Status applied = replica_.ApplyReply(
         step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
     if (applied.ok() && !lamb_segments_.empty()) {
-      // The partition's share of LambStep's statistics, while this pool
+      // The partition's share of CommitStep's statistics, while this pool
       // thread has it and other replies are still on the way.
       lamb_segments_[p.id] = {step,
                               replica_.LambSegments(step, p.range, hyper)};
@@ -105,7 +105,7 @@ class HostEngine final : public Engine {
     return replica_.BeginSyncLocalStep(step, hyper);
   }
 
-  absl::StatusOr<std::vector<double>> LambStep(
+  absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, const compress::StepHyper* hyper,
       compress::ComputePool* pool) override {
     std::vector<std::vector<double>> segments(lamb_segments_.size());
