@@ -27,14 +27,14 @@ size_t LayerOf(absl::Span<const uint64_t> bounds, uint64_t at) {
 
 }  // namespace
 
-std::vector<uint64_t> LayerBounds(const SimulatorConfig& config) {
+std::vector<uint64_t> LayerBounds(const AlgorithmConfig& config) {
   std::vector<uint64_t> bounds{0};
   for (uint64_t size : config.layers) bounds.push_back(bounds.back() + size);
   if (config.layers.empty()) bounds.push_back(config.layout.dim);
   return bounds;
 }
 
-size_t LayerCount(const SimulatorConfig& config) {
+size_t LayerCount(const AlgorithmConfig& config) {
   return std::max<size_t>(1, config.layers.size());
 }
 
@@ -48,7 +48,7 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded,
                                v_fresh.data(), m.size());
 }
 
-std::vector<LambPiece> LambPiecesOf(const SimulatorConfig& config,
+std::vector<LambPiece> LambPiecesOf(const AlgorithmConfig& config,
                                     Range partition) {
   const std::vector<uint64_t> bounds = LayerBounds(config);
   std::vector<LambPiece> pieces;
@@ -61,7 +61,7 @@ std::vector<LambPiece> LambPiecesOf(const SimulatorConfig& config,
   return pieces;
 }
 
-std::vector<LambPiece> LambPieces(const SimulatorConfig& config,
+std::vector<LambPiece> LambPieces(const AlgorithmConfig& config,
                                   const Layout& layout, Range range) {
   std::vector<LambPiece> pieces;
   for (const Partition& p : layout.partitions()) {
@@ -101,7 +101,7 @@ void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m,
   ActiveKernels().lamb_segment_sums(ScalarsOf(rule), x, m, v, v_fresh, n, out);
 }
 
-std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config,
+std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
                                          absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments) {
   std::vector<double> totals(kLambStats * LayerCount(config), 0.0);
@@ -124,7 +124,7 @@ std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config,
   return totals;
 }
 
-std::vector<double> LambTotals(const SimulatorConfig& config,
+std::vector<double> LambTotals(const AlgorithmConfig& config,
                                const Layout& layout, const ReplyRule& rule,
                                Range range, absl::Span<const float> x,
                                absl::Span<const float> m,
@@ -135,7 +135,7 @@ std::vector<double> LambTotals(const SimulatorConfig& config,
       config, pieces, LambSegmentsOf(rule, pieces, range, x, m, v, v_fresh));
 }
 
-std::vector<double> LambCommit(const SimulatorConfig& config,
+std::vector<double> LambCommit(const AlgorithmConfig& config,
                                const ReplyRule& rule,
                                absl::Span<const double> totals,
                                absl::Span<const LambLayerState> state) {
@@ -184,7 +184,7 @@ std::vector<double> LambCommit(const SimulatorConfig& config,
   return commit;
 }
 
-absl::Status ValidateLambCommit(const SimulatorConfig& config,
+absl::Status ValidateLambCommit(const AlgorithmConfig& config,
                                 absl::Span<const double> commit) {
   const size_t layers = LayerCount(config);
   if (commit.size() != kLambCommit * layers) {
@@ -258,7 +258,7 @@ std::vector<float> LambLayerSteps(const ReplyRule& rule,
   return steps;
 }
 
-void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule,
+void LambUpdateX(const AlgorithmConfig& config, const ReplyRule& rule,
                  absl::Span<const double> commit, Range range, uint64_t begin,
                  uint64_t n, absl::Span<float> x, absl::Span<const float> m,
                  absl::Span<const float> v) {

@@ -25,9 +25,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "compress/algorithm.h"
 #include "compress/halving_sum.h"
 #include "compress/layout.h"
-#include "compress/simulator.h"
 
 namespace morse::compress {
 
@@ -39,9 +39,9 @@ inline constexpr int kLambStats = 3;
 inline constexpr int kLambCommit = 3;
 
 // The first element of every layer, then D (config.layers, or one layer).
-std::vector<uint64_t> LayerBounds(const SimulatorConfig& config);
+std::vector<uint64_t> LayerBounds(const AlgorithmConfig& config);
 // How many layers: config.layers.size(), or 1.
-size_t LayerCount(const SimulatorConfig& config);
+size_t LayerCount(const AlgorithmConfig& config);
 
 // The moments of a lamb reply rule (PlanReply) from the decoded values
 // (masked first when the rule masks: +0 where v is 0): warmup, m = b1*m +
@@ -62,7 +62,7 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded,
 // piece's start, the last one shorter) in order; a segment adds its terms
 // by a fixed tree (LambSegmentSums). A CUDA CTA per segment gives the same
 // bits.
-std::vector<double> LambTotals(const SimulatorConfig& config,
+std::vector<double> LambTotals(const AlgorithmConfig& config,
                                const Layout& layout, const ReplyRule& rule,
                                Range range, absl::Span<const float> x,
                                absl::Span<const float> m,
@@ -81,10 +81,10 @@ struct LambPiece {
 };
 // The pieces of the partitions of `layout` inside `range`, in partition
 // order, then element order.
-std::vector<LambPiece> LambPieces(const SimulatorConfig& config,
+std::vector<LambPiece> LambPieces(const AlgorithmConfig& config,
                                   const Layout& layout, Range range);
 // The pieces of one partition's range: the range cut at the layer bounds.
-std::vector<LambPiece> LambPiecesOf(const SimulatorConfig& config,
+std::vector<LambPiece> LambPiecesOf(const AlgorithmConfig& config,
                                     Range partition);
 // The statistics of every segment of `pieces`, in order (kLambStats values
 // each, LambSegmentSums); the arrays hold `held`, which holds the pieces.
@@ -104,19 +104,19 @@ void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m,
 // The totals from every piece's segments (kLambStats values each, pieces in
 // the order of LambPieces): each piece's segments added in order from 0,
 // then the piece added to its layer's total.
-std::vector<double> LambTotalsOfSegments(const SimulatorConfig& config,
+std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
                                          absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments);
 
 // The step's commit from its totals and the layers' state before the step.
-std::vector<double> LambCommit(const SimulatorConfig& config,
+std::vector<double> LambCommit(const AlgorithmConfig& config,
                                const ReplyRule& rule,
                                absl::Span<const double> totals,
                                absl::Span<const LambLayerState> state);
 
 // INVALID_ARGUMENT unless `commit` has kLambCommit values per layer, each
 // a finite float that is not negative.
-absl::Status ValidateLambCommit(const SimulatorConfig& config,
+absl::Status ValidateLambCommit(const AlgorithmConfig& config,
                                 absl::Span<const double> commit);
 
 // INVALID_ARGUMENT unless a saved run's v' (of any part of the model) is
@@ -141,7 +141,7 @@ std::vector<float> LambLayerSteps(const ReplyRule& rule,
 
 // x = x - (lr * c_l) * u over global elements [begin, begin + n), arrays
 // holding `range`.
-void LambUpdateX(const SimulatorConfig& config, const ReplyRule& rule,
+void LambUpdateX(const AlgorithmConfig& config, const ReplyRule& rule,
                  absl::Span<const double> commit, Range range, uint64_t begin,
                  uint64_t n, absl::Span<float> x, absl::Span<const float> m,
                  absl::Span<const float> v);

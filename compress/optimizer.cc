@@ -30,7 +30,7 @@ const Optimizer& OptimizerOf(OptimizerKind kind) {
   return optimizer;
 }
 
-const Optimizer& OptimizerOf(const SimulatorConfig& config) {
+const Optimizer& OptimizerOf(const AlgorithmConfig& config) {
   return OptimizerOf(config.optimizer);
 }
 
@@ -51,15 +51,15 @@ std::string OptimizerNames() {
   return names;
 }
 
-bool CommitsLayers(const SimulatorConfig& config) {
+bool CommitsLayers(const AlgorithmConfig& config) {
   return OptimizerOf(config).CommitDoubles(config) > 0;
 }
 
-bool StepsLocally(const SimulatorConfig& config) {
+bool StepsLocally(const AlgorithmConfig& config) {
   return OptimizerOf(config).StepsLocally();
 }
 
-absl::Status CheckState(const SimulatorConfig& config, uint64_t elements,
+absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
                         absl::Span<const NamedState> state,
                         absl::string_view what) {
   const Optimizer& optimizer = OptimizerOf(config);
@@ -91,7 +91,7 @@ absl::Status CheckState(const SimulatorConfig& config, uint64_t elements,
   return optimizer.ValidateState(state, what);
 }
 
-uint64_t StateBytesPerElement(const SimulatorConfig& config) {
+uint64_t StateBytesPerElement(const AlgorithmConfig& config) {
   uint64_t bytes = 0;
   for (const StateArray& array : OptimizerOf(config).State(config)) {
     if (array.per_element) bytes += 4;
@@ -99,7 +99,7 @@ uint64_t StateBytesPerElement(const SimulatorConfig& config) {
   return bytes;
 }
 
-AdamScalars StepScalars(const SimulatorConfig& config, int64_t step,
+AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
                         const StepHyper* hyper, bool bias_correction) {
   AdamHyper adam = config.adam;
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
@@ -107,13 +107,13 @@ AdamScalars StepScalars(const SimulatorConfig& config, int64_t step,
   return MakeAdamScalars(adam, lr, step + 1, bias_correction);
 }
 
-StepPlan FullPrecisionPlan(const SimulatorConfig& config) {
+StepPlan FullPrecisionPlan(const AlgorithmConfig& config) {
   StepPlan plan;
   plan.up = plan.down = config.warmup_codec;
   return plan;
 }
 
-StepPlan CompressedPlan(const SimulatorConfig& config) {
+StepPlan CompressedPlan(const AlgorithmConfig& config) {
   StepPlan plan;
   plan.compressing = true;
   plan.feedback = true;
@@ -122,7 +122,7 @@ StepPlan CompressedPlan(const SimulatorConfig& config) {
   return plan;
 }
 
-absl::Status ValidateWarmupCodec(const SimulatorConfig& config,
+absl::Status ValidateWarmupCodec(const AlgorithmConfig& config,
                                  absl::string_view what) {
   const CodecKind warmup = config.warmup_codec.kind;
   if (warmup == CodecKind::kFp32 || warmup == CodecKind::kFp16 ||
@@ -133,7 +133,7 @@ absl::Status ValidateWarmupCodec(const SimulatorConfig& config,
       what, " must be fp32, fp16 or bf16, got ", CodecName(warmup)));
 }
 
-void FrozenVarianceScalars(const SimulatorConfig& config, ReplyRule& rule) {
+void FrozenVarianceScalars(const AlgorithmConfig& config, ReplyRule& rule) {
   if (config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
     rule.scalars.bias_correction2 =

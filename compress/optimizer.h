@@ -4,7 +4,7 @@
 //
 // An optimizer says what each step does (its plan: codecs, compression,
 // local steps, exchanges), how a reply becomes an update (its part of the
-// reply rule), which settings of SimulatorConfig are its own (validation,
+// reply rule), which settings of AlgorithmConfig are its own (validation,
 // fingerprint), which state it keeps beyond x, m, v and the error buffers
 // (named arrays, as checkpoints name them), and what the workers commit to
 // the shards after a step. The element loops it names live in
@@ -20,8 +20,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "compress/algorithm.h"
 #include "compress/fnv.h"
-#include "compress/simulator.h"
 #include "compress/step_plan.h"
 
 namespace morse::compress {
@@ -53,27 +53,27 @@ class Optimizer {
   virtual OptimizerKind kind() const = 0;
 
   // OK or INVALID_ARGUMENT naming the field: this optimizer's own settings
-  // in `config`; ValidateSimulatorConfig has checked the common ones.
-  virtual absl::Status Validate(const SimulatorConfig& /*config*/) const {
+  // in `config`; ValidateAlgorithmConfig has checked the common ones.
+  virtual absl::Status Validate(const AlgorithmConfig& /*config*/) const {
     return absl::OkStatus();
   }
   // Mixes its own settings into AlgorithmFingerprint (none by default).
-  virtual void Fingerprint(const SimulatorConfig& /*config*/,
+  virtual void Fingerprint(const AlgorithmConfig& /*config*/,
                            Fnv64& /*hash*/) const {}
 
   // What step `step` (0-based) does.
-  virtual StepPlan Plan(const SimulatorConfig& config, int64_t step) const = 0;
+  virtual StepPlan Plan(const AlgorithmConfig& config, int64_t step) const = 0;
   // A plan of its in words, for logs, traces and errors ("warmup", ...).
   virtual const char* Phase(const StepPlan& plan) const = 0;
   // The first step >= `step` at which the workers push.
-  virtual int64_t NextExchange(const SimulatorConfig& /*config*/,
+  virtual int64_t NextExchange(const AlgorithmConfig& /*config*/,
                                int64_t step) const {
     return step;
   }
   // Completes the reply rule of a step that exchanges: PlanReply has set
   // the codec, the masks, the clip factor and Adam's scalars at the step's
   // learning rate and weight decay with t' = step + 1.
-  virtual void PlanReply(const SimulatorConfig& /*config*/, int64_t /*step*/,
+  virtual void PlanReply(const AlgorithmConfig& /*config*/, int64_t /*step*/,
                          const StepPlan& /*plan*/, const StepHyper* /*hyper*/,
                          ReplyRule& /*rule*/) const {}
 
@@ -90,12 +90,12 @@ class Optimizer {
 
   // Its state beyond x, m, v and the error buffers.
   virtual std::vector<StateArray> State(
-      const SimulatorConfig& /*config*/) const {
+      const AlgorithmConfig& /*config*/) const {
     return {};
   }
   // The starting values of one of its arrays that is not per element (per
   // element arrays start at +0).
-  virtual std::vector<float> InitialState(const SimulatorConfig& /*config*/,
+  virtual std::vector<float> InitialState(const AlgorithmConfig& /*config*/,
                                           const StateArray& array) const {
     return std::vector<float>(array.floats, 0.0f);
   }
@@ -103,7 +103,7 @@ class Optimizer {
   // whose commit is `commit` (CommitDoubles values, validated): what a
   // shard's partition keeps once it has applied the commit.
   virtual std::vector<std::vector<float>> StateAfterCommit(
-      const SimulatorConfig& /*config*/,
+      const AlgorithmConfig& /*config*/,
       absl::Span<const double> /*commit*/) const {
     return {};
   }
@@ -118,7 +118,7 @@ class Optimizer {
   // OK or INVALID_ARGUMENT: a commit of CommitDoubles values that no
   // worker could send (from a peer or a saved run).
   virtual absl::Status ValidateCommit(
-      const SimulatorConfig& /*config*/,
+      const AlgorithmConfig& /*config*/,
       absl::Span<const double> /*commit*/) const {
     return absl::OkStatus();
   }
@@ -126,13 +126,13 @@ class Optimizer {
   // How many doubles the workers commit to the shards after each step,
   // before the shards' mirrors can move x (0: none; the commit then holds
   // the clip's norm only, when the step clips the average).
-  virtual uint64_t CommitDoubles(const SimulatorConfig& /*config*/) const {
+  virtual uint64_t CommitDoubles(const AlgorithmConfig& /*config*/) const {
     return 0;
   }
 };
 
 // The optimizer of `config` (config.optimizer).
-const Optimizer& OptimizerOf(const SimulatorConfig& config);
+const Optimizer& OptimizerOf(const AlgorithmConfig& config);
 const Optimizer& OptimizerOf(OptimizerKind kind);
 // The optimizer JobConfig calls `name`, or nullptr.
 const Optimizer* FindOptimizer(absl::string_view name);
@@ -143,47 +143,47 @@ std::string OptimizerNames();
 // Whether the workers commit values after every step
 // (Optimizer::CommitDoubles > 0: onebit_lamb's layer coefficients, with
 // its fresh variance and layer state).
-bool CommitsLayers(const SimulatorConfig& config);
+bool CommitsLayers(const AlgorithmConfig& config);
 // Whether the optimizer takes local steps (Optimizer::StepsLocally).
-bool StepsLocally(const SimulatorConfig& config);
+bool StepsLocally(const AlgorithmConfig& config);
 
 // OK or INVALID_ARGUMENT: `state` holds every array of the optimizer's
 // State(), in order, each of its length (`elements` for per-element
 // arrays), with values it accepts (ValidateState); `what` starts the
 // message.
-absl::Status CheckState(const SimulatorConfig& config, uint64_t elements,
+absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
                         absl::Span<const NamedState> state,
                         absl::string_view what);
 
 // The state arrays' bytes per element of a replica (4 per per-element
 // array).
-uint64_t StateBytesPerElement(const SimulatorConfig& config);
+uint64_t StateBytesPerElement(const AlgorithmConfig& config);
 
 // For the optimizers' PlanReply: the frozen-variance phase's corrections
 // and bound (1-bit Adam's compression phase, DESIGN 2.1): v̂ = v/(1 -
 // b2^T_w) with bias correction, and |update| <= OneBitUpdateBound when
 // bound_update is on.
-void FrozenVarianceScalars(const SimulatorConfig& config, ReplyRule& rule);
+void FrozenVarianceScalars(const AlgorithmConfig& config, ReplyRule& rule);
 // Adam's scalars of step `step` (t' = step + 1) at the workers' lr and
 // weight decay (`hyper`) or the job's schedule and weight decay.
-AdamScalars StepScalars(const SimulatorConfig& config, int64_t step,
+AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
                         const StepHyper* hyper, bool bias_correction);
 // The two kinds of step every optimizer's schedule is made of: full
 // precision in warmup_codec both ways without error feedback, or
 // compressed (frozen v) in the up and down codecs through error feedback.
-StepPlan FullPrecisionPlan(const SimulatorConfig& config);
-StepPlan CompressedPlan(const SimulatorConfig& config);
+StepPlan FullPrecisionPlan(const AlgorithmConfig& config);
+StepPlan CompressedPlan(const AlgorithmConfig& config);
 // OK or INVALID_ARGUMENT unless warmup_codec is fp32, fp16 or bf16; `what`
 // names what uses it ("the warmup codec of onebit_adam").
-absl::Status ValidateWarmupCodec(const SimulatorConfig& config,
+absl::Status ValidateWarmupCodec(const AlgorithmConfig& config,
                                  absl::string_view what);
 // 1-bit Adam's schedule, which 1-bit LAMB shares: warmup_codec without
 // error feedback before freeze_step, the up and down codecs with it from
 // then on (compressing). ValidateFreezeStep checks what it needs: a warmup
 // codec of fp32, fp16 or bf16 and freeze_step >= 1; `name` is the
 // optimizer's.
-StepPlan FreezeStepPlan(const SimulatorConfig& config, int64_t step);
-absl::Status ValidateFreezeStep(const SimulatorConfig& config,
+StepPlan FreezeStepPlan(const AlgorithmConfig& config, int64_t step);
+absl::Status ValidateFreezeStep(const AlgorithmConfig& config,
                                 absl::string_view name);
 
 }  // namespace morse::compress

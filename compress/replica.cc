@@ -61,41 +61,6 @@ absl::Span<const float> ScaledGradient(absl::Span<const float> g,
 
 }  // namespace
 
-absl::Status ValidateStepHyper(const StepHyper& hyper) {
-  if (!(hyper.lr >= 0.0f) || !std::isfinite(hyper.lr) ||
-      !(hyper.weight_decay >= 0.0f) || !std::isfinite(hyper.weight_decay)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("lr ", hyper.lr, " and weight_decay ", hyper.weight_decay,
-                     " must be finite and not negative"));
-  }
-  return absl::OkStatus();
-}
-
-double SegmentSumOfSquares(const float* values, uint64_t n) {
-  MORSE_CHECK(n <= kSumSegment);
-  double t[kSumSegment];
-  for (uint64_t j = 0; j < kSumSegment; ++j)
-    t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
-  return HalvingSum(t);
-}
-
-double GradientSumOfSquares(absl::Span<const float> values) {
-  double sum = 0.0;
-  for (uint64_t at = 0; at < values.size(); at += kSumSegment) {
-    sum += SegmentSumOfSquares(
-        values.data() + at,
-        std::min<uint64_t>(kSumSegment, values.size() - at));
-  }
-  return sum;
-}
-
-float ClipScale(double sum_of_squares, float max_norm) {
-  if (!(max_norm > 0.0f)) return 1.0f;
-  const double coefficient =
-      static_cast<double>(max_norm) / (std::sqrt(sum_of_squares) + 1e-6);
-  return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
-}
-
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
   MORSE_CHECK(v.size() == values.size());
   for (size_t j = 0; j < v.size(); ++j)
@@ -137,54 +102,7 @@ uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays) {
   return hash.value();
 }
 
-uint64_t AlgorithmFingerprint(const SimulatorConfig& c) {
-  Fnv64 hash;
-  const auto mix = [&](uint64_t value) { hash.MixInt(value); };
-  const auto mix_float = [&](float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    mix(bits);
-  };
-  const auto mix_codec = [&](const CodecSpec& codec) {
-    mix(static_cast<uint64_t>(codec.kind));
-    mix(codec.block_elems);
-    mix(static_cast<uint64_t>(codec.scale));
-    mix(static_cast<uint64_t>(codec.rounding));
-    uint64_t ratio;
-    std::memcpy(&ratio, &codec.topk_ratio, 8);
-    mix(ratio);
-  };
-  const auto mix_feedback = [&](const FeedbackSpec& fb) {
-    mix(static_cast<uint64_t>(fb.kind));
-    mix_float(fb.beta);
-    mix(static_cast<uint64_t>(fb.storage));
-  };
-  mix(1);  // format version
-  mix(static_cast<uint64_t>(c.optimizer));
-  mix(c.workers);
-  mix(c.layout.dim);
-  mix(c.layout.shards);
-  mix(c.layout.block_elems);
-  mix(c.layout.partition_elems);
-  for (float f : {c.adam.beta1, c.adam.beta2, c.adam.eps, c.adam.weight_decay})
-    mix_float(f);
-  mix(static_cast<uint64_t>(c.freeze_step));
-  mix_codec(c.warmup_codec);
-  mix_codec(c.up_codec);
-  mix_codec(c.down_codec);
-  mix_feedback(c.worker_feedback);
-  mix_feedback(c.server_feedback);
-  mix(c.bias_correction);
-  mix(c.mask_zero_variance);
-  mix(c.bound_update);
-  if (c.clip_grad_norm > 0.0f)
-    mix_float(c.clip_grad_norm);  // absent before clipping existed
-  OptimizerOf(c).Fingerprint(c, hash);
-  mix(c.seed);
-  return hash.value();
-}
-
-Replica::Replica(const SimulatorConfig& config, Range range)
+Replica::Replica(const AlgorithmConfig& config, Range range)
     : config_(config),
       range_(range),
       owned_x_(range.size(), 0.0f),
@@ -194,7 +112,7 @@ Replica::Replica(const SimulatorConfig& config, Range range)
   InitLamb();
 }
 
-Replica::Replica(const SimulatorConfig& config, Range range,
+Replica::Replica(const AlgorithmConfig& config, Range range,
                  absl::Span<float> external_x)
     : config_(config),
       range_(range),

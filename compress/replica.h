@@ -15,31 +15,20 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "compress/algorithm.h"
+#include "compress/clipping.h"
 #include "compress/error_feedback.h"
 #include "compress/halving_sum.h"
 #include "compress/lamb.h"
 #include "compress/layout.h"
 #include "compress/optimizer.h"
 #include "compress/optimizers/zero_one_adam.h"
-#include "compress/simulator.h"
 #include "compress/step_plan.h"
 
 namespace morse::compress {
 
 class ComputePool;
 
-// The sum of squares of `values` in double, in one fixed order that a GPU
-// can follow (design.md 2.6): segments of kSumSegment elements added in
-// order from 0, each segment's squares (+0 past its end) added by halving,
-// t[i] = t[i] + t[i + h] for i < h, h = kSumSegment/2, ..., 1
-// (compress/halving_sum.h). Every replica, shard and engine gets the same
-// bits.
-double GradientSumOfSquares(absl::Span<const float> values);
-// One segment's sum (n <= kSumSegment), as above.
-double SegmentSumOfSquares(const float* values, uint64_t n);
-// torch's clip_grad_norm_ factor: min(1, max_norm / (sqrt(sum_of_squares) +
-// 1e-6)) in float; 1 when max_norm is 0.
-float ClipScale(double sum_of_squares, float max_norm);
 // The update of a ReplyRule on host arrays of decoded.size() elements
 // (decoded is scratch: it may be masked in place). `anchor`: x at the last
 // sync for a sync rule (empty: x itself, a shard's mirror).
@@ -53,12 +42,6 @@ void SelectByVariance(absl::Span<const float> v, absl::Span<float> values);
 // A 64-bit checksum of float arrays' bits, in order (FNV-1a over 8-byte
 // words, then the tail). For comparing replicas, never for security.
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays);
-
-// A fingerprint of everything in `config` that must not change when a job
-// resumes from a checkpoint: workers, layout, optimizer, Adam
-// hyper-parameters, freeze step, codecs, feedback and seed. The learning-rate
-// schedule is left out, so a resumed job may train for more steps.
-uint64_t AlgorithmFingerprint(const SimulatorConfig& config);
 
 class Replica;
 
@@ -93,10 +76,10 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
 class Replica {
  public:
   // Zero x, m, v over `range`.
-  Replica(const SimulatorConfig& config, Range range);
+  Replica(const AlgorithmConfig& config, Range range);
   // x lives in memory the caller owns (range.size() floats, kept alive and
   // not resized while the replica exists), such as a PyTorch flat tensor.
-  Replica(const SimulatorConfig& config, Range range,
+  Replica(const AlgorithmConfig& config, Range range,
           absl::Span<float> external_x);
   Replica(const Replica&) = delete;  // x may point into this object
   Replica& operator=(const Replica&) = delete;
@@ -223,7 +206,7 @@ class Replica {
   uint64_t Checksum() const { return StateChecksum({x_, m_, v_}); }
 
  private:
-  SimulatorConfig config_;
+  AlgorithmConfig config_;
   Range range_;
   std::vector<float> owned_x_, m_, v_;
   absl::Span<float> x_;

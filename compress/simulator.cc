@@ -9,60 +9,9 @@
 
 namespace morse::compress {
 
-absl::Status ValidateSimulatorConfig(const SimulatorConfig& c) {
-  if (c.workers == 0)
-    return absl::InvalidArgumentError("workers must be positive");
-  if (absl::Status s = Layout::Create(c.layout).status(); !s.ok()) return s;
-  if (absl::Status s = ValidateAdamHyper(c.adam); !s.ok()) return s;
-  if (absl::Status s = ValidateLrSchedule(c.lr); !s.ok()) return s;
-  for (const CodecSpec* codec : {&c.warmup_codec, &c.up_codec, &c.down_codec}) {
-    if (absl::Status s = ValidateCodecSpec(*codec); !s.ok()) return s;
-    if (codec->block_elems != c.layout.block_elems) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("codec block_elems (", codec->block_elems,
-                       ") must equal the layout's block_elems (",
-                       c.layout.block_elems, ")"));
-    }
-  }
-  if (c.freeze_step < 0)
-    return absl::InvalidArgumentError("freeze_step must be >= 0");
-  if (!c.layers.empty()) {
-    uint64_t sum = 0;
-    for (uint64_t size : c.layers) {
-      if (size == 0 || size > c.layout.dim) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layer sizes must be in [1, dim], got ", size));
-      }
-      sum += size;
-      if (sum > c.layout.dim) break;
-    }
-    if (sum != c.layout.dim) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the layers' sizes must add up to the model's ",
-                       c.layout.dim, " elements"));
-    }
-  }
-  if (absl::Status s = OptimizerOf(c).Validate(c); !s.ok()) return s;
-  for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
-    if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
-  }
-  if (!(c.clip_grad_norm >= 0.0f) || !std::isfinite(c.clip_grad_norm)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "clip_grad_norm must be finite and not negative (0: no clipping), got ",
-        c.clip_grad_norm));
-  }
-  return absl::OkStatus();
-}
-
-RoundingKey SenderKey(const SimulatorConfig& config, int64_t step,
-                      uint32_t sender_rank, uint64_t first_index) {
-  return RoundingKey{config.seed, static_cast<uint64_t>(step), sender_rank,
-                     first_index};
-}
-
-absl::StatusOr<Simulator> Simulator::Create(const SimulatorConfig& config,
+absl::StatusOr<Simulator> Simulator::Create(const AlgorithmConfig& config,
                                             absl::Span<const float> x0) {
-  if (absl::Status s = ValidateSimulatorConfig(config); !s.ok()) return s;
+  if (absl::Status s = ValidateAlgorithmConfig(config); !s.ok()) return s;
   if (x0.size() != config.layout.dim) {
     return absl::InvalidArgumentError(absl::StrCat(
         "x0 has ", x0.size(), " elements, the layout ", config.layout.dim));
@@ -72,7 +21,7 @@ absl::StatusOr<Simulator> Simulator::Create(const SimulatorConfig& config,
   return Simulator(config, *std::move(layout), x0);
 }
 
-Simulator::Simulator(const SimulatorConfig& config, Layout layout,
+Simulator::Simulator(const AlgorithmConfig& config, Layout layout,
                      absl::Span<const float> x0)
     : config_(config),
       layout_(std::move(layout)),

@@ -4,19 +4,19 @@
 
 namespace morse::compress {
 
-StepPlan PlanStep(const SimulatorConfig& config, int64_t step) {
+StepPlan PlanStep(const AlgorithmConfig& config, int64_t step) {
   return OptimizerOf(config).Plan(config, step);
 }
 
-const char* PhaseName(const SimulatorConfig& config, int64_t step) {
+const char* PhaseName(const AlgorithmConfig& config, int64_t step) {
   return OptimizerOf(config).Phase(PlanStep(config, step));
 }
 
-int64_t NextExchange(const SimulatorConfig& config, int64_t step) {
+int64_t NextExchange(const AlgorithmConfig& config, int64_t step) {
   return OptimizerOf(config).NextExchange(config, step);
 }
 
-SendRule PlanSend(const SimulatorConfig& config, int64_t step,
+SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
                   Direction direction, uint32_t sender, uint64_t first_index) {
   const StepPlan plan = PlanStep(config, step);
   SendRule rule;
@@ -32,15 +32,15 @@ SendRule PlanSend(const SimulatorConfig& config, int64_t step,
   return rule;
 }
 
-bool ClipsAverage(const SimulatorConfig& config, int64_t step) {
+bool ClipsAverage(const AlgorithmConfig& config, int64_t step) {
   return config.clip_grad_norm > 0.0f && !PlanStep(config, step).compressing;
 }
 
-bool ClipsLocally(const SimulatorConfig& config, int64_t step) {
+bool ClipsLocally(const AlgorithmConfig& config, int64_t step) {
   return config.clip_grad_norm > 0.0f && PlanStep(config, step).compressing;
 }
 
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
+ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
                     const StepHyper* hyper, float grad_scale) {
   const StepPlan plan = PlanStep(config, step);
   ReplyRule rule;

@@ -7,8 +7,8 @@
 
 #include <cstdint>
 
+#include "compress/algorithm.h"
 #include "compress/codec.h"
-#include "compress/simulator.h"
 #include "compress/update_rules.h"
 
 namespace morse::compress {
@@ -25,14 +25,14 @@ struct StepPlan {
   CodecSpec up;
   CodecSpec down;
 };
-StepPlan PlanStep(const SimulatorConfig& config, int64_t step);
+StepPlan PlanStep(const AlgorithmConfig& config, int64_t step);
 // The phase of `step` in words, for logs and errors: "adam"; onebit_adam's
 // "warmup" or "compression"; zero_one_adam's "variance", "compression",
 // "local" or "sync".
-const char* PhaseName(const SimulatorConfig& config, int64_t step);
+const char* PhaseName(const AlgorithmConfig& config, int64_t step);
 // The first step >= `step` at which the workers push (`step` itself except
 // between zero_one_adam's syncs).
-int64_t NextExchange(const SimulatorConfig& config, int64_t step);
+int64_t NextExchange(const AlgorithmConfig& config, int64_t step);
 
 // The sender's rule (DESIGN 2.1-2.4) for the partition starting at global
 // element `first_index` in step `step`: what a worker pushes (`up`) or a
@@ -57,7 +57,7 @@ struct SendRule {
   RoundingKey key;
 };
 enum class Direction { kUp, kDown };
-SendRule PlanSend(const SimulatorConfig& config, int64_t step,
+SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
                   Direction direction, uint32_t sender, uint64_t first_index);
 
 // The reply's rule: how every replica (worker CPU and GPU, shard mirror,
@@ -87,17 +87,17 @@ struct ReplyRule {
   float fresh_correction2 = 1.0f;
   bool copy_fresh = false;
 };
-ReplyRule PlanReply(const SimulatorConfig& config, int64_t step,
+ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
                     const StepHyper* hyper = nullptr, float grad_scale = 1.0f);
 
-// Gradient clipping (SimulatorConfig::clip_grad_norm). Step `step` clips
+// Gradient clipping (AlgorithmConfig::clip_grad_norm). Step `step` clips
 // the averaged gradient: every replica needs the sum over all partitions of
 // GradientSumOfSquares of each decoded reply (in partition order; a shard
 // sends its partitions' with their replies) before it applies any of them.
-bool ClipsAverage(const SimulatorConfig& config, int64_t step);
+bool ClipsAverage(const AlgorithmConfig& config, int64_t step);
 // Step `step` clips each worker's own gradient (onebit_adam's compression
 // phase): the worker needs its whole gradient before it sends anything.
-bool ClipsLocally(const SimulatorConfig& config, int64_t step);
+bool ClipsLocally(const AlgorithmConfig& config, int64_t step);
 
 }  // namespace morse::compress
 

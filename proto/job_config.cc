@@ -94,7 +94,7 @@ absl::StatusOr<FeedbackSpec> ToFeedback(const v1::FeedbackConfig& f,
 absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   JobSpec job;
   job.name = c.name().empty() ? "morse" : c.name();
-  compress::SimulatorConfig& a = job.algorithm;
+  compress::AlgorithmConfig& a = job.algorithm;
   if (c.workers() == 0 || c.workers() > kMaxWorkers) {
     return Invalid("workers", absl::StrCat(c.workers(), " is not in [1, ",
                                            kMaxWorkers, "]"));
@@ -312,11 +312,11 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (!sfb.ok()) return sfb.status();
   a.server_feedback = *sfb;
   a.seed = c.seed();
-  compress::SimulatorConfig checked = a;
+  compress::AlgorithmConfig checked = a;
   checked.layout = probe;
   // freeze_step gets its own message below, after the other fields' errors.
   checked.freeze_step = std::max<int64_t>(checked.freeze_step, 1);
-  if (absl::Status s = compress::ValidateSimulatorConfig(checked); !s.ok()) {
+  if (absl::Status s = compress::ValidateAlgorithmConfig(checked); !s.ok()) {
     return Invalid("job", s.message());
   }
   // A server's base config for an external model leaves the optimizer to

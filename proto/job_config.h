@@ -52,7 +52,7 @@ struct JobSpec {
   std::string name;
   // Workers, layout, optimizer, schedule, codecs, feedback, seed: everything
   // DESIGN section 2 needs, in the form the simulator takes.
-  compress::SimulatorConfig algorithm;
+  compress::AlgorithmConfig algorithm;
   int64_t steps = 0;
   WorkloadKind workload = WorkloadKind::kSynthetic;
   SyntheticSpec synthetic;

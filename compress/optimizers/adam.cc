@@ -17,7 +17,7 @@ class Adam final : public Optimizer {
   absl::string_view name() const override { return "adam"; }
   OptimizerKind kind() const override { return OptimizerKind::kAdam; }
 
-  StepPlan Plan(const SimulatorConfig& c, int64_t) const override {
+  StepPlan Plan(const AlgorithmConfig& c, int64_t) const override {
     // Every step exchanges the job's codecs through error feedback, and v
     // is never frozen.
     StepPlan plan = CompressedPlan(c);

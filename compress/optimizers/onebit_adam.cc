@@ -13,7 +13,7 @@
 
 namespace morse::compress {
 
-absl::Status ValidateFreezeStep(const SimulatorConfig& c,
+absl::Status ValidateFreezeStep(const AlgorithmConfig& c,
                                 absl::string_view name) {
   if (absl::Status s =
           ValidateWarmupCodec(c, absl::StrCat("the warmup codec of ", name));
@@ -28,7 +28,7 @@ absl::Status ValidateFreezeStep(const SimulatorConfig& c,
   return absl::OkStatus();
 }
 
-StepPlan FreezeStepPlan(const SimulatorConfig& c, int64_t step) {
+StepPlan FreezeStepPlan(const AlgorithmConfig& c, int64_t step) {
   return step < c.freeze_step ? FullPrecisionPlan(c) : CompressedPlan(c);
 }
 
@@ -39,11 +39,11 @@ class OneBitAdam final : public Optimizer {
   absl::string_view name() const override { return "onebit_adam"; }
   OptimizerKind kind() const override { return OptimizerKind::kOneBitAdam; }
 
-  absl::Status Validate(const SimulatorConfig& c) const override {
+  absl::Status Validate(const AlgorithmConfig& c) const override {
     return ValidateFreezeStep(c, name());
   }
 
-  StepPlan Plan(const SimulatorConfig& c, int64_t step) const override {
+  StepPlan Plan(const AlgorithmConfig& c, int64_t step) const override {
     return FreezeStepPlan(c, step);
   }
 
@@ -51,7 +51,7 @@ class OneBitAdam final : public Optimizer {
     return plan.compressing ? "compression" : "warmup";
   }
 
-  void PlanReply(const SimulatorConfig& c, int64_t, const StepPlan& plan,
+  void PlanReply(const AlgorithmConfig& c, int64_t, const StepPlan& plan,
                  const StepHyper*, ReplyRule& rule) const override {
     if (plan.compressing) FrozenVarianceScalars(c, rule);
   }

@@ -30,7 +30,7 @@ class OneBitLamb final : public Optimizer {
   absl::string_view name() const override { return "onebit_lamb"; }
   OptimizerKind kind() const override { return OptimizerKind::kOneBitLamb; }
 
-  absl::Status Validate(const SimulatorConfig& c) const override {
+  absl::Status Validate(const AlgorithmConfig& c) const override {
     if (absl::Status s = ValidateFreezeStep(c, name()); !s.ok()) return s;
     const LambSpec& l = c.lamb;
     const auto finite = [](float f) { return std::isfinite(f); };
@@ -62,7 +62,7 @@ class OneBitLamb final : public Optimizer {
     return absl::OkStatus();
   }
 
-  void Fingerprint(const SimulatorConfig& c, Fnv64& hash) const override {
+  void Fingerprint(const AlgorithmConfig& c, Fnv64& hash) const override {
     for (float f :
          {c.lamb.max_coeff, c.lamb.min_coeff, c.lamb.coeff_beta,
           c.lamb.factor_max, c.lamb.factor_min, c.lamb.factor_threshold}) {
@@ -74,7 +74,7 @@ class OneBitLamb final : public Optimizer {
     for (uint64_t size : c.layers) hash.MixInt(size);
   }
 
-  StepPlan Plan(const SimulatorConfig& c, int64_t step) const override {
+  StepPlan Plan(const AlgorithmConfig& c, int64_t step) const override {
     return FreezeStepPlan(c, step);
   }
 
@@ -82,7 +82,7 @@ class OneBitLamb final : public Optimizer {
     return plan.compressing ? "compression" : "warmup";
   }
 
-  void PlanReply(const SimulatorConfig& c, int64_t step, const StepPlan& plan,
+  void PlanReply(const AlgorithmConfig& c, int64_t step, const StepPlan& plan,
                  const StepHyper*, ReplyRule& rule) const override {
     rule.lamb = true;
     rule.fresh_correction2 = rule.scalars.bias_correction2;
@@ -94,17 +94,17 @@ class OneBitLamb final : public Optimizer {
 
   // v' over the replica's range; each layer's coeff_freeze and last_factor
   // (FlattenLambLayers' order).
-  std::vector<StateArray> State(const SimulatorConfig& c) const override {
+  std::vector<StateArray> State(const AlgorithmConfig& c) const override {
     return {{"v_fresh", true, 0}, {"lamb_layers", false, 2 * LayerCount(c)}};
   }
 
-  std::vector<float> InitialState(const SimulatorConfig& c,
+  std::vector<float> InitialState(const AlgorithmConfig& c,
                                   const StateArray&) const override {
     return FlattenLambLayers(std::vector<LambLayerState>(LayerCount(c)));
   }
 
   std::vector<std::vector<float>> StateAfterCommit(
-      const SimulatorConfig&, absl::Span<const double> commit) const override {
+      const AlgorithmConfig&, absl::Span<const double> commit) const override {
     return {FlattenLambLayers(LambStateOf(commit))};
   }
 
@@ -113,12 +113,12 @@ class OneBitLamb final : public Optimizer {
     return ValidateSavedLamb(state[0].values, state[1].values, what);
   }
 
-  absl::Status ValidateCommit(const SimulatorConfig& c,
+  absl::Status ValidateCommit(const AlgorithmConfig& c,
                               absl::Span<const double> commit) const override {
     return ValidateLambCommit(c, commit);
   }
 
-  uint64_t CommitDoubles(const SimulatorConfig& c) const override {
+  uint64_t CommitDoubles(const AlgorithmConfig& c) const override {
     return kLambCommit * LayerCount(c);
   }
 };

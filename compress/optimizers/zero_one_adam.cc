@@ -22,7 +22,7 @@ namespace {
 
 // zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
 // updated n_v times.
-float ZeroOneVarianceCorrection(const SimulatorConfig& config, int64_t step) {
+float ZeroOneVarianceCorrection(const AlgorithmConfig& config, int64_t step) {
   return MakeAdamScalars(config.adam, 0.0f,
                          ZeroOneAt(config, step).variance_updates, true)
       .bias_correction2;
@@ -56,7 +56,7 @@ int64_t VarianceUpdates(int64_t kappa, int64_t s, bool* at_s) {
 
 }  // namespace
 
-ZeroOneStep ZeroOneAt(const SimulatorConfig& config, int64_t step) {
+ZeroOneStep ZeroOneAt(const AlgorithmConfig& config, int64_t step) {
   const ZeroOneSpec& z = config.zero_one;
   ZeroOneStep at;
   const int64_t s = step + 1;
@@ -76,7 +76,7 @@ ZeroOneStep ZeroOneAt(const SimulatorConfig& config, int64_t step) {
   return at;
 }
 
-bool StartsInterval(const SimulatorConfig& config, int64_t step) {
+bool StartsInterval(const AlgorithmConfig& config, int64_t step) {
   if (config.optimizer != OptimizerKind::kZeroOneAdam ||
       !ZeroOneAt(config, step).local) {
     return false;
@@ -85,7 +85,7 @@ bool StartsInterval(const SimulatorConfig& config, int64_t step) {
          ZeroOneAt(config, step - 1).exchanges;
 }
 
-absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step,
+absl::StatusOr<bool> BeginLocalStep(const AlgorithmConfig& config, int64_t step,
                                     int64_t last_step) {
   if (!PlanStep(config, step).local) {
     return absl::FailedPreconditionError(
@@ -102,7 +102,7 @@ absl::StatusOr<bool> BeginLocalStep(const SimulatorConfig& config, int64_t step,
   return false;
 }
 
-float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
+float IntervalLrSum(const AlgorithmConfig& config, int64_t step) {
   int64_t first = step;
   while (!StartsInterval(config, first)) --first;
   float sum = 0.0f;
@@ -110,7 +110,7 @@ float IntervalLrSum(const SimulatorConfig& config, int64_t step) {
   return sum;
 }
 
-AdamScalars LocalStepScalars(const SimulatorConfig& config, int64_t step,
+AdamScalars LocalStepScalars(const AlgorithmConfig& config, int64_t step,
                              const StepHyper* hyper) {
   AdamScalars s = StepScalars(config, step, hyper, /*bias_correction=*/false);
   if (config.bias_correction)
@@ -126,7 +126,7 @@ class ZeroOneAdam final : public Optimizer {
   absl::string_view name() const override { return "zero_one_adam"; }
   OptimizerKind kind() const override { return OptimizerKind::kZeroOneAdam; }
 
-  absl::Status Validate(const SimulatorConfig& c) const override {
+  absl::Status Validate(const AlgorithmConfig& c) const override {
     const ZeroOneSpec& z = c.zero_one;
     constexpr int64_t kMax = int64_t{1} << 40;
     for (const auto& [name, value] :
@@ -143,14 +143,14 @@ class ZeroOneAdam final : public Optimizer {
         c, "zero_one_adam's variance steps use warmup_codec, which");
   }
 
-  void Fingerprint(const SimulatorConfig& c, Fnv64& hash) const override {
+  void Fingerprint(const AlgorithmConfig& c, Fnv64& hash) const override {
     hash.MixInt(static_cast<uint64_t>(c.zero_one.var_freeze_step));
     hash.MixInt(static_cast<uint64_t>(c.zero_one.var_update_scaler));
     hash.MixInt(static_cast<uint64_t>(c.zero_one.local_step_scaler));
     hash.MixInt(static_cast<uint64_t>(c.zero_one.local_step_clipper));
   }
 
-  StepPlan Plan(const SimulatorConfig& c, int64_t step) const override {
+  StepPlan Plan(const AlgorithmConfig& c, int64_t step) const override {
     const ZeroOneStep z = ZeroOneAt(c, step);
     if (z.variance) return FullPrecisionPlan(c);
     StepPlan plan = CompressedPlan(c);
@@ -164,7 +164,7 @@ class ZeroOneAdam final : public Optimizer {
     return plan.compressing ? "compression" : "variance";
   }
 
-  int64_t NextExchange(const SimulatorConfig& c, int64_t step) const override {
+  int64_t NextExchange(const AlgorithmConfig& c, int64_t step) const override {
     while (!ZeroOneAt(c, step).exchanges)
       ++step;  // at most local_step_clipper - 1 steps
     return step;
@@ -172,7 +172,7 @@ class ZeroOneAdam final : public Optimizer {
 
   bool StepsLocally() const override { return true; }
 
-  void PlanReply(const SimulatorConfig& c, int64_t step, const StepPlan& plan,
+  void PlanReply(const AlgorithmConfig& c, int64_t step, const StepPlan& plan,
                  const StepHyper* hyper, ReplyRule& rule) const override {
     if (plan.local) {
       // The sync: the interval's learning-rate sum (the workers' pushes

@@ -341,8 +341,8 @@ void BM_LambMomentsMasked(benchmark::State& state) {
 // default) and a few masked elements. Bytes are the least each phase must
 // move per element (payloads at 1/8 byte an element plus their scales);
 // what a phase moves beyond that shows as a lower vs_triad.
-SimulatorConfig PhaseConfig() {
-  SimulatorConfig c;
+AlgorithmConfig PhaseConfig() {
+  AlgorithmConfig c;
   c.optimizer = OptimizerKind::kOneBitAdam;
   c.workers = 2;
   c.layout = {kElems, 1, kBlock, kElems};
@@ -355,8 +355,8 @@ double PayloadPerElem() { return 1.0 / 8 + 4.0 / kBlock; }
 // mode 1: every 1009th element has v = 0 (dead units), so every chunk has
 // masked elements; mode 0: no element is masked; mode 2: the mask is off
 // (mask_zero_variance false), the cost the default is held to.
-SimulatorConfig PhaseConfigOf(int mode) {
-  SimulatorConfig c = PhaseConfig();
+AlgorithmConfig PhaseConfigOf(int mode) {
+  AlgorithmConfig c = PhaseConfig();
   c.mask_zero_variance = mode != 2;
   return c;
 }
@@ -374,7 +374,7 @@ struct PhaseState {
           masked && j % 1009 == 0 ? 0.0f : 1e-4f + 1e-4f * std::fabs(v[j]);
     }
   }
-  SimulatorConfig config;
+  AlgorithmConfig config;
   Replica replica;
   ErrorFeedback error;
 };

@@ -39,7 +39,7 @@ uint64_t PushBytes(const Layout& layout, const CodecSpec& codec) {
 }
 
 Result Run(const Options& o, OptimizerKind optimizer) {
-  SimulatorConfig c;
+  AlgorithmConfig c;
   c.optimizer = optimizer;
   c.workers = o.workers;
   c.layout = {o.dim, o.shards, kDefaultBlockElems, 1u << 18};

@@ -30,7 +30,7 @@ bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
 // piece's segments of 256 in order, each segment by halving.
 class Reference {
  public:
-  Reference(const SimulatorConfig& c, absl::Span<const float> x0,
+  Reference(const AlgorithmConfig& c, absl::Span<const float> x0,
             const Layout& layout)
       : c_(c),
         layout_(layout),
@@ -166,7 +166,7 @@ class Reference {
   const std::vector<float>& coefficients() const { return coefficients_; }
 
  private:
-  SimulatorConfig c_;
+  AlgorithmConfig c_;
   const Layout& layout_;
   std::vector<float> x_, m_, v_, vf_;
   std::vector<uint64_t> bounds_;
@@ -174,8 +174,8 @@ class Reference {
   int64_t s_ = 0;
 };
 
-SimulatorConfig LambConfig() {
-  SimulatorConfig c;
+AlgorithmConfig LambConfig() {
+  AlgorithmConfig c;
   c.optimizer = OptimizerKind::kOneBitLamb;
   c.workers = 3;
   c.layout = {1000, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/128};
@@ -191,7 +191,7 @@ SimulatorConfig LambConfig() {
   return c;
 }
 
-void RunAgainstReference(const SimulatorConfig& c, int64_t steps) {
+void RunAgainstReference(const AlgorithmConfig& c, int64_t steps) {
   const size_t dim = c.layout.dim;
   std::vector<float> x0(dim), a(dim), target(dim);
   std::mt19937 rng(11);
@@ -255,7 +255,7 @@ TEST(LambTest, TheSimulatorIsTheAlgorithmWrittenOut) {
 }
 
 TEST(LambTest, WithWeightDecayAndDeepSpeedsUncorrectedMoments) {
-  SimulatorConfig c = LambConfig();
+  AlgorithmConfig c = LambConfig();
   c.adam.weight_decay = 0.01f;
   c.bias_correction = false;
   c.lamb.factor_threshold = 0.05f;
@@ -266,7 +266,7 @@ TEST(LambTest, WithWeightDecayAndDeepSpeedsUncorrectedMoments) {
 // Partitions of 640 elements: the 600-element layer lies in pieces of
 // several 256-element segments, whose order of summation design.md 2.8 fixes.
 TEST(LambTest, PiecesLongerThanASegment) {
-  SimulatorConfig c = LambConfig();
+  AlgorithmConfig c = LambConfig();
   c.layout.partition_elems = 640;
   auto layout = Layout::Create(c.layout);
   ASSERT_TRUE(layout.ok());
@@ -280,41 +280,41 @@ TEST(LambTest, PiecesLongerThanASegment) {
 }
 
 TEST(LambTest, LayersDefaultToOneAndMustCoverTheModel) {
-  SimulatorConfig c = LambConfig();
+  AlgorithmConfig c = LambConfig();
   c.layers.clear();
   EXPECT_EQ(LayerBounds(c), (std::vector<uint64_t>{0, 1000}));
   c.layers = {500, 400};
-  EXPECT_EQ(ValidateSimulatorConfig(c).code(),
+  EXPECT_EQ(ValidateAlgorithmConfig(c).code(),
             absl::StatusCode::kInvalidArgument);
   c.layers = {500, 0, 500};
-  EXPECT_EQ(ValidateSimulatorConfig(c).code(),
+  EXPECT_EQ(ValidateAlgorithmConfig(c).code(),
             absl::StatusCode::kInvalidArgument);
   c.layers = {1000};
-  EXPECT_TRUE(ValidateSimulatorConfig(c).ok());
+  EXPECT_TRUE(ValidateAlgorithmConfig(c).ok());
 }
 
 TEST(LambTest, BadSpecsAreRefused) {
   const auto refused = [](auto edit) {
-    SimulatorConfig c = LambConfig();
+    AlgorithmConfig c = LambConfig();
     edit(c);
-    return ValidateSimulatorConfig(c).code() ==
+    return ValidateAlgorithmConfig(c).code() ==
            absl::StatusCode::kInvalidArgument;
   };
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.min_coeff = 0; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.max_coeff = 0.001f; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.coeff_beta = 1.0f; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_min = 0; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.factor_max = 0.1f; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.min_coeff = 0; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.max_coeff = 0.001f; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.coeff_beta = 1.0f; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.factor_min = 0; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.factor_max = 0.1f; }));
   EXPECT_TRUE(
-      refused([](SimulatorConfig& c) { c.lamb.factor_threshold = -0.1f; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.lamb.max_coeff = INFINITY; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.clip_grad_norm = 1.0f; }));
-  EXPECT_TRUE(refused([](SimulatorConfig& c) { c.freeze_step = 0; }));
+      refused([](AlgorithmConfig& c) { c.lamb.factor_threshold = -0.1f; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.max_coeff = INFINITY; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.clip_grad_norm = 1.0f; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.freeze_step = 0; }));
 }
 
 TEST(LambTest, ItsPlansAreOneBitAdamsExchange) {
-  const SimulatorConfig c = LambConfig();
-  SimulatorConfig adam = c;
+  const AlgorithmConfig c = LambConfig();
+  AlgorithmConfig adam = c;
   adam.optimizer = OptimizerKind::kOneBitAdam;
   for (int64_t t : {0, 11, 12, 30}) {
     EXPECT_EQ(PlanStep(c, t).compressing, PlanStep(adam, t).compressing) << t;
@@ -324,7 +324,7 @@ TEST(LambTest, ItsPlansAreOneBitAdamsExchange) {
     EXPECT_EQ(PlanReply(c, t).copy_fresh, t == 11);
   }
   EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(adam));
-  SimulatorConfig other = c;
+  AlgorithmConfig other = c;
   other.layers = {10, 250, 600, 70, 70};
   EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(other));
 }
@@ -332,7 +332,7 @@ TEST(LambTest, ItsPlansAreOneBitAdamsExchange) {
 TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   // A worker replica applies every reply then its own commit; each shard's
   // mirror applies its partitions' replies and then the worker's commit.
-  SimulatorConfig c = LambConfig();
+  AlgorithmConfig c = LambConfig();
   c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32, 64};
   c.workers = 1;
   const size_t dim = c.layout.dim;

@@ -20,8 +20,8 @@ namespace {
 constexpr uint64_t kDim = 1007;
 constexpr int kSteps = 12;
 
-SimulatorConfig OneBitConfig() {
-  SimulatorConfig c;
+AlgorithmConfig OneBitConfig() {
+  AlgorithmConfig c;
   c.optimizer = OptimizerKind::kOneBitAdam;
   c.workers = 3;
   c.layout = {kDim, 2, 64, 256};
@@ -55,7 +55,7 @@ std::vector<float> X0() {
 // Runs kSteps steps of gradients(workers, step); calls `after(step, sim)`
 // after each.
 template <class F, class G = decltype(&Gradients)>
-void RunSteps(const SimulatorConfig& c, F after, G gradients = &Gradients) {
+void RunSteps(const AlgorithmConfig& c, F after, G gradients = &Gradients) {
   auto sim = Simulator::Create(c, X0());
   ASSERT_TRUE(sim.ok()) << sim.status();
   for (int step = 0; step < kSteps; ++step) {
@@ -84,14 +84,14 @@ TEST(OneBitOptionsTest, OffReproducesTheEarlierBits) {
       0x30f5f132b29962fdull, 0x51d479e17cb8e4f0ull, 0x72632fab745a3bbcull,
       0xc72fad67152a2818ull, 0x5d2c12a516421433ull, 0x5c9913661b4a57cfull,
       0x07c82e4b6d6d8d0aull, 0xed1f047a893b50ceull, 0x00200b41b73e57faull};
-  SimulatorConfig c = OneBitConfig();
+  AlgorithmConfig c = OneBitConfig();
   c.bias_correction = false;
   c.mask_zero_variance = false;
   c.bound_update = false;
   RunSteps(c, [&](int step, const Simulator& sim) {
     EXPECT_EQ(Checksum(sim), onebit[step]) << "step " << step;
   });
-  SimulatorConfig a = OneBitConfig();
+  AlgorithmConfig a = OneBitConfig();
   a.optimizer = OptimizerKind::kAdam;
   a.bias_correction = true;
   a.mask_zero_variance = false;
@@ -104,7 +104,7 @@ TEST(OneBitOptionsTest, OffReproducesTheEarlierBits) {
 }
 
 TEST(OneBitOptionsTest, TheMaskKeepsZeroVarianceElementsStillAtTheDefaultEps) {
-  SimulatorConfig c = OneBitConfig();  // both options on, eps 1e-8
+  AlgorithmConfig c = OneBitConfig();  // both options on, eps 1e-8
   ASSERT_TRUE(c.bias_correction && c.mask_zero_variance);
   std::vector<float> x_at_freeze;
   RunSteps(c, [&](int step, const Simulator& sim) {
@@ -152,7 +152,7 @@ std::vector<std::vector<float>> TinyGradients(uint32_t workers, int step) {
 }
 
 TEST(OneBitOptionsTest, TheBoundHoldsTinyVarianceElementsToAdamsLargestStep) {
-  SimulatorConfig c = OneBitConfig();  // every option on, eps 1e-8
+  AlgorithmConfig c = OneBitConfig();  // every option on, eps 1e-8
   ASSERT_TRUE(c.bound_update);
   const float bound = OneBitUpdateBound(c.adam);
   // From the fp32 betas, in double: 3.16300 (0.9f and 0.999f are not 0.9,
@@ -220,7 +220,7 @@ TEST(OneBitOptionsTest, TheBoundClampsOnlyRatiosBeyondIt) {
 }
 
 TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
-  SimulatorConfig c = OneBitConfig();
+  AlgorithmConfig c = OneBitConfig();
   c.freeze_step = 10;
   const auto expected = [&](double beta, int64_t t) {
     return static_cast<float>(1.0 - std::pow(beta, t));
@@ -251,7 +251,7 @@ TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
 }
 
 TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
-  SimulatorConfig c = OneBitConfig();
+  AlgorithmConfig c = OneBitConfig();
   c.freeze_step = 0;
   const auto sim = Simulator::Create(c, X0());
   EXPECT_EQ(sim.status().code(), absl::StatusCode::kInvalidArgument);
@@ -267,7 +267,7 @@ TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
 TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
   const uint64_t dim =
       3 * 32768 + 1000;  // three full chunks and a part, last block short
-  SimulatorConfig c = OneBitConfig();
+  AlgorithmConfig c = OneBitConfig();
   c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
   c.workers = 1;
   Replica replica(c, {0, dim});
@@ -313,7 +313,7 @@ TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
 // over several chunks and a short last block.
 TEST(OneBitOptionsTest, AChunkedReplyUpdateHasTheBitsOfAWholeOne) {
   const uint64_t dim = 3 * 32768 + 1000;
-  SimulatorConfig c = OneBitConfig();
+  AlgorithmConfig c = OneBitConfig();
   c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
   Replica chunked(c, {0, dim});
   std::vector<float> x(dim), m(dim), v(dim), u(dim);
@@ -358,7 +358,7 @@ TEST(OneBitOptionsTest, AChunkedShardReplyHasTheBitsOfAWholeOne) {
   const uint64_t dim = 3 * 32768 + 1000;
   const uint64_t offset =
       640;  // the partition starts inside the shard's buffer
-  SimulatorConfig c = OneBitConfig();
+  AlgorithmConfig c = OneBitConfig();
   c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
   const int64_t step = c.freeze_step + 1;
   const SendRule up = PlanSend(c, step, Direction::kUp, 0, 0);
@@ -426,7 +426,7 @@ TEST(OneBitOptionsTest, AChunkedShardReplyHasTheBitsOfAWholeOne) {
 TEST(OneBitOptionsTest, AWarmupExchangeInPiecesHasTheBitsOfAWholeOne) {
   const uint64_t dim = 3 * 16384 + 1000, offset = 640;
   for (CodecKind kind : {CodecKind::kFp32, CodecKind::kBf16}) {
-    SimulatorConfig c = OneBitConfig();
+    AlgorithmConfig c = OneBitConfig();
     c.layout = {dim, 1, 64, dim / 64 * 64 + 64};
     c.warmup_codec = CodecSpec{kind};
     const int64_t step = 1;

@@ -12,8 +12,8 @@
 namespace morse::compress {
 namespace {
 
-SimulatorConfig Config(OptimizerKind kind) {
-  SimulatorConfig c;
+AlgorithmConfig Config(OptimizerKind kind) {
+  AlgorithmConfig c;
   c.optimizer = kind;
   c.workers = 2;
   c.layout.dim = 1000;
@@ -58,7 +58,7 @@ TEST(OptimizerTest, FingerprintsAreThoseOfEarlierCheckpoints) {
 }
 
 TEST(OptimizerTest, StateIsCheckedByNameSizeAndValue) {
-  const SimulatorConfig lamb = Config(OptimizerKind::kOneBitLamb);
+  const AlgorithmConfig lamb = Config(OptimizerKind::kOneBitLamb);
   const std::vector<StateArray> arrays = OptimizerOf(lamb).State(lamb);
   ASSERT_EQ(arrays.size(), 2u);
   EXPECT_EQ(arrays[0].name, "v_fresh");
@@ -99,7 +99,7 @@ TEST(OptimizerTest, StateIsCheckedByNameSizeAndValue) {
   // The others keep no state of their own and commit nothing.
   for (OptimizerKind kind : {OptimizerKind::kOneBitAdam, OptimizerKind::kAdam,
                              OptimizerKind::kZeroOneAdam}) {
-    const SimulatorConfig c = Config(kind);
+    const AlgorithmConfig c = Config(kind);
     EXPECT_TRUE(OptimizerOf(c).State(c).empty());
     EXPECT_FALSE(CommitsLayers(c));
     EXPECT_TRUE(CheckState(c, 256, {}, "partition 0").ok());
@@ -110,16 +110,16 @@ TEST(OptimizerTest, StateIsCheckedByNameSizeAndValue) {
 }
 
 TEST(OptimizerTest, PhasesFollowEachOptimizersSchedule) {
-  const SimulatorConfig onebit = Config(OptimizerKind::kOneBitAdam);
+  const AlgorithmConfig onebit = Config(OptimizerKind::kOneBitAdam);
   EXPECT_STREQ(PhaseName(onebit, 2), "warmup");
   EXPECT_STREQ(PhaseName(onebit, 3), "compression");
   EXPECT_FALSE(PlanStep(onebit, 2).feedback);
   EXPECT_TRUE(PlanStep(onebit, 3).compressing);
-  const SimulatorConfig adam = Config(OptimizerKind::kAdam);
+  const AlgorithmConfig adam = Config(OptimizerKind::kAdam);
   EXPECT_STREQ(PhaseName(adam, 5), "adam");
   EXPECT_FALSE(PlanStep(adam, 5).compressing);
   EXPECT_TRUE(PlanStep(adam, 5).feedback);
-  SimulatorConfig zero_one = Config(OptimizerKind::kZeroOneAdam);
+  AlgorithmConfig zero_one = Config(OptimizerKind::kZeroOneAdam);
   zero_one.zero_one.var_freeze_step = 4;
   zero_one.zero_one.var_update_scaler = 2;
   zero_one.zero_one.local_step_scaler = 1;

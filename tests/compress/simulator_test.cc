@@ -57,9 +57,9 @@ absl::Status Step(Simulator& sim, const std::vector<std::vector<float>>& g) {
   return sim.Step(views);
 }
 
-SimulatorConfig BaseConfig(OptimizerKind optimizer, uint32_t workers,
+AlgorithmConfig BaseConfig(OptimizerKind optimizer, uint32_t workers,
                            uint64_t dim) {
-  SimulatorConfig c;
+  AlgorithmConfig c;
   c.optimizer = optimizer;
   c.workers = workers;
   c.layout = {dim, 2, 256, 1024};
@@ -71,7 +71,7 @@ SimulatorConfig BaseConfig(OptimizerKind optimizer, uint32_t workers,
 
 TEST(SimulatorTest, Fp32AdamWithoutFeedbackIsExactSynchronousAdam) {
   const uint64_t dim = 3001;  // odd: last block and partition are short
-  SimulatorConfig c = BaseConfig(OptimizerKind::kAdam, 3, dim);
+  AlgorithmConfig c = BaseConfig(OptimizerKind::kAdam, 3, dim);
   c.up_codec.kind = c.down_codec.kind = CodecKind::kFp32;
   c.worker_feedback.kind = c.server_feedback.kind = FeedbackKind::kNone;
   c.adam = {0.9f, 0.999f, 1e-8f, 0.001f};
@@ -110,7 +110,7 @@ TEST(SimulatorTest, Fp32AdamWithoutFeedbackIsExactSynchronousAdam) {
 // being the sum of the partitions' sums of squares (what the shards send).
 TEST(SimulatorTest, ClippingScalesTheAveragedGradientByItsGlobalNorm) {
   const uint64_t dim = 3001;
-  SimulatorConfig c = BaseConfig(OptimizerKind::kAdam, 3, dim);
+  AlgorithmConfig c = BaseConfig(OptimizerKind::kAdam, 3, dim);
   c.up_codec.kind = c.down_codec.kind = CodecKind::kFp32;
   c.worker_feedback.kind = c.server_feedback.kind = FeedbackKind::kNone;
   c.lr = {LrSchedule::Kind::kConstant, 0.01f, 5};
@@ -160,10 +160,10 @@ TEST(SimulatorTest, ClippingScalesTheAveragedGradientByItsGlobalNorm) {
 TEST(SimulatorTest,
      OneBitAdamClipsTheAverageInWarmupAndEachWorkersOwnGradientAfter) {
   const uint64_t dim = 3001;
-  SimulatorConfig plain = BaseConfig(OptimizerKind::kOneBitAdam, 1, dim);
+  AlgorithmConfig plain = BaseConfig(OptimizerKind::kOneBitAdam, 1, dim);
   plain.lr = {LrSchedule::Kind::kConstant, 0.01f, 5};
   plain.freeze_step = 3;
-  SimulatorConfig clipped = plain, huge = plain;
+  AlgorithmConfig clipped = plain, huge = plain;
   clipped.clip_grad_norm = 1.5f;
   huge.clip_grad_norm = 1e30f;
   std::vector<float> x0 = testing::VariedData(dim, 2);
@@ -192,7 +192,7 @@ struct TrainResult {
   double initial_loss = 0, final_loss = 0;
 };
 
-TrainResult Train(const SimulatorConfig& c, int steps) {
+TrainResult Train(const AlgorithmConfig& c, int steps) {
   NoisyQuadratic problem(c.layout.dim, c.workers, 0.5f, 3);
   std::vector<float> x0(c.layout.dim, 0.0f);
   auto sim = Simulator::Create(c, x0);
@@ -207,11 +207,11 @@ TrainResult Train(const SimulatorConfig& c, int steps) {
 TEST(SimulatorTest, OneBitAdamReachesAdamsLossOnANoisyQuadratic) {
   const uint64_t dim = 4000;
   const int steps = 1000;
-  SimulatorConfig adam = BaseConfig(OptimizerKind::kAdam, 4, dim);
+  AlgorithmConfig adam = BaseConfig(OptimizerKind::kAdam, 4, dim);
   adam.up_codec.kind = adam.down_codec.kind = CodecKind::kFp32;
   adam.worker_feedback.kind = adam.server_feedback.kind = FeedbackKind::kNone;
   adam.lr = {LrSchedule::Kind::kCosine, 0.02f, 0, steps, 0.0f};
-  SimulatorConfig onebit = BaseConfig(OptimizerKind::kOneBitAdam, 4, dim);
+  AlgorithmConfig onebit = BaseConfig(OptimizerKind::kOneBitAdam, 4, dim);
   onebit.lr = adam.lr;
   onebit.freeze_step = steps / 5;
   const TrainResult a = Train(adam, steps), b = Train(onebit, steps);
@@ -226,7 +226,7 @@ TEST(SimulatorTest, OneBitAdamReachesAdamsLossOnANoisyQuadratic) {
 
 TEST(SimulatorTest, OneBitAdamFreezesVAndSetsMomentumToTheServersSigns) {
   const uint64_t dim = 1500;
-  SimulatorConfig c = BaseConfig(OptimizerKind::kOneBitAdam, 2, dim);
+  AlgorithmConfig c = BaseConfig(OptimizerKind::kOneBitAdam, 2, dim);
   c.lr = {LrSchedule::Kind::kConstant, 0.01f};
   c.freeze_step = 3;
   NoisyQuadratic problem(dim, 2, 0.1f, 5);
@@ -250,7 +250,7 @@ TEST(SimulatorTest, OneBitAdamFreezesVAndSetsMomentumToTheServersSigns) {
 }
 
 TEST(SimulatorTest, SameInputsGiveTheSameBits) {
-  SimulatorConfig c = BaseConfig(OptimizerKind::kAdam, 3, 2000);
+  AlgorithmConfig c = BaseConfig(OptimizerKind::kAdam, 3, 2000);
   c.up_codec.kind = c.down_codec.kind = CodecKind::kInt4;
   c.up_codec.rounding = Rounding::kStochastic;
   c.worker_feedback = c.server_feedback = {FeedbackKind::kEma, 0.5f};
@@ -268,7 +268,7 @@ TEST(SimulatorTest, SameInputsGiveTheSameBits) {
 }
 
 TEST(SimulatorTest, BadConfigsAndInputsAreRejected) {
-  SimulatorConfig c = BaseConfig(OptimizerKind::kOneBitAdam, 2, 1000);
+  AlgorithmConfig c = BaseConfig(OptimizerKind::kOneBitAdam, 2, 1000);
   c.warmup_codec.kind = CodecKind::kSign1;
   EXPECT_EQ(Simulator::Create(c, std::vector<float>(1000)).status().code(),
             absl::StatusCode::kInvalidArgument);

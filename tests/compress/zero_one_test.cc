@@ -48,9 +48,9 @@ struct DeepSpeedCounters {
   }
 };
 
-SimulatorConfig ZeroOneConfig(int64_t freeze, int64_t kappa, int64_t scaler,
+AlgorithmConfig ZeroOneConfig(int64_t freeze, int64_t kappa, int64_t scaler,
                               int64_t clipper) {
-  SimulatorConfig c;
+  AlgorithmConfig c;
   c.optimizer = OptimizerKind::kZeroOneAdam;
   c.zero_one = {freeze, kappa, scaler, clipper};
   return c;
@@ -62,7 +62,7 @@ TEST(ZeroOneTest, TheScheduleIsDeepSpeedsCounters) {
                                            {100000, 16, 32678, 16},
                                            {50, 1, 1, 3},
                                            {1, 2, 4, 16}}) {
-    const SimulatorConfig config =
+    const AlgorithmConfig config =
         ZeroOneConfig(freeze, kappa, scaler, clipper);
     DeepSpeedCounters ds{kappa, freeze, scaler, clipper};
     const int64_t steps = std::min<int64_t>(freeze + 400, 120000);
@@ -79,7 +79,7 @@ TEST(ZeroOneTest, TheScheduleIsDeepSpeedsCounters) {
 }
 
 TEST(ZeroOneTest, PlansFollowThePhases) {
-  SimulatorConfig c =
+  AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
   // Variance steps s = t + 1 = 1, 2, 4, 6, 8; local from t = 10 with
   // interval 1 (t = 10..12), then 2 (t = 13..15: s = 14 and 16 sync), then 4.
@@ -114,7 +114,7 @@ TEST(ZeroOneTest, PlansFollowThePhases) {
 // 2.1's bound, as in every other step of the optimizer; bound_update off
 // leaves Adam's step.
 TEST(ZeroOneTest, AVarianceStepIsBoundedLikeTheOneBitSteps) {
-  SimulatorConfig c =
+  AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
   c.bias_correction = false;
   c.adam.weight_decay = 0.0f;
@@ -146,7 +146,7 @@ TEST(ZeroOneTest, AVarianceStepIsBoundedLikeTheOneBitSteps) {
 // The algorithm of design.md 2.7 written out with lossless messages.
 class Reference {
  public:
-  Reference(const SimulatorConfig& c, absl::Span<const float> x0)
+  Reference(const AlgorithmConfig& c, absl::Span<const float> x0)
       : c_(c),
         x_(x0.begin(), x0.end()),
         m_(x0.size()),
@@ -245,7 +245,7 @@ class Reference {
   const std::vector<float>& shared_x() const { return x_; }
 
  private:
-  SimulatorConfig c_;
+  AlgorithmConfig c_;
   std::vector<float> x_, m_, v_;
   std::vector<std::vector<float>> wx_, wm_, wu_;
   DeepSpeedCounters ds_;
@@ -260,7 +260,7 @@ bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
 
 TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
   constexpr size_t kDim = 700;
-  SimulatorConfig c =
+  AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/30, /*kappa=*/3, /*scaler=*/4, /*clipper=*/4);
   c.workers = 3;
   c.layout = {kDim, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/128};
@@ -316,7 +316,7 @@ TEST(ZeroOneTest, TheSimulatorIsTheAlgorithmWrittenOut) {
 TEST(ZeroOneTest,
      AWorkerReplicaMatchesTheSimulatorAndRefusesAnIntervalItDidNotStart) {
   constexpr size_t kDim = 300;
-  SimulatorConfig c =
+  AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/4, /*kappa=*/1, /*scaler=*/1, /*clipper=*/4);
   c.workers = 1;
   c.layout = {kDim, 1, 64, 128};
@@ -343,7 +343,7 @@ TEST(ZeroOneTest,
 // that does not sync, or a range without a begun step, changes nothing.
 TEST(ZeroOneTest, ASyncsLocalStepByRangeGivesLocalStepsValues) {
   constexpr size_t kDim = 300;
-  SimulatorConfig c =
+  AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/4, /*kappa=*/1, /*scaler=*/1, /*clipper=*/4);
   c.workers = 1;
   c.layout = {kDim, 1, 64, 128};

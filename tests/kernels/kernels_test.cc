@@ -518,7 +518,7 @@ TEST_F(KernelsTest, ZeroOneAdamMatchesTheCpu) {
 // then the layer totals from the GPU's segments and the x update, over
 // layers that cross partitions and pieces of many segments.
 TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
-  compress::SimulatorConfig c;
+  compress::AlgorithmConfig c;
   c.optimizer = compress::OptimizerKind::kOneBitLamb;
   c.layout = {300007, /*shards=*/2, /*block_elems=*/256,
               /*partition_elems=*/65536};

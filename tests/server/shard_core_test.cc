@@ -68,7 +68,7 @@ void InitializeAll(ShardCore& core, uint32_t shard = 1) {
 // InitializeAll's values as a replica of `shard`'s range, for a test to
 // apply the replies to.
 compress::Replica InitialReplica(const ShardCore& core,
-                                 const compress::SimulatorConfig& config,
+                                 const compress::AlgorithmConfig& config,
                                  uint32_t shard = 1) {
   const compress::Range range = core.layout().shard_range(shard);
   compress::Replica replica(config, range);

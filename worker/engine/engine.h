@@ -222,7 +222,7 @@ class Engine {
 // session's host replica and error buffer (the host engine's own state; a
 // GPU engine's copy source and destination).
 struct EngineState {
-  const compress::SimulatorConfig* config = nullptr;
+  const compress::AlgorithmConfig* config = nullptr;
   const compress::Layout* layout = nullptr;
   compress::Replica* replica = nullptr;
   compress::ErrorFeedback* error = nullptr;

@@ -179,7 +179,7 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
             absl::StrCat("MORSE_TRACE: ", s.message()));
       }
     }
-    const morse::compress::SimulatorConfig& algorithm =
+    const morse::compress::AlgorithmConfig& algorithm =
         (*session)->job().algorithm;
     *out = new morse_session{
         *std::move(session), dim,

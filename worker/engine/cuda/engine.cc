@@ -567,7 +567,7 @@ class CudaEngine final : public Engine, public DeviceServices {
   absl::Status OnDevice() const { return kernels::SetDevice(device_); }
 
   static inline const std::string kName = "cuda";
-  compress::SimulatorConfig config_;
+  compress::AlgorithmConfig config_;
   compress::Layout layout_;
   std::string description_;
   DeviceArrays arrays_;
@@ -617,7 +617,7 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
                                                      DeviceArrays arrays) {
   auto device = Describe();
   if (!device.ok()) return device.status();
-  const compress::SimulatorConfig& config = *state.config;
+  const compress::AlgorithmConfig& config = *state.config;
   if (config.worker_feedback.storage != compress::ErrorStorage::kFp32) {
     return absl::UnimplementedError(
         "the GPU path keeps the error buffer in fp32 (worker_feedback storage "

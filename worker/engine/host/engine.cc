@@ -143,7 +143,7 @@ class HostEngine final : public Engine {
 
  private:
   static inline const std::string kName = "cpu";
-  const compress::SimulatorConfig& config_;
+  const compress::AlgorithmConfig& config_;
   compress::Replica& replica_;
   compress::ErrorFeedback& error_;
   std::vector<float> own_grad_;  // the hook's output

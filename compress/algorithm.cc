@@ -1,0 +1,120 @@
+#include "compress/algorithm.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "compress/fnv.h"
+#include "compress/optimizer.h"
+
+namespace morse::compress {
+
+absl::Status ValidateStepHyper(const StepHyper& hyper) {
+  if (!(hyper.lr >= 0.0f) || !std::isfinite(hyper.lr) ||
+      !(hyper.weight_decay >= 0.0f) || !std::isfinite(hyper.weight_decay)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lr ", hyper.lr, " and weight_decay ", hyper.weight_decay,
+                     " must be finite and not negative"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& c) {
+  if (c.workers == 0)
+    return absl::InvalidArgumentError("workers must be positive");
+  if (absl::Status s = Layout::Create(c.layout).status(); !s.ok()) return s;
+  if (absl::Status s = ValidateAdamHyper(c.adam); !s.ok()) return s;
+  if (absl::Status s = ValidateLrSchedule(c.lr); !s.ok()) return s;
+  for (const CodecSpec* codec : {&c.warmup_codec, &c.up_codec, &c.down_codec}) {
+    if (absl::Status s = ValidateCodecSpec(*codec); !s.ok()) return s;
+    if (codec->block_elems != c.layout.block_elems) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("codec block_elems (", codec->block_elems,
+                       ") must equal the layout's block_elems (",
+                       c.layout.block_elems, ")"));
+    }
+  }
+  if (c.freeze_step < 0)
+    return absl::InvalidArgumentError("freeze_step must be >= 0");
+  if (!c.layers.empty()) {
+    uint64_t sum = 0;
+    for (uint64_t size : c.layers) {
+      if (size == 0 || size > c.layout.dim) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer sizes must be in [1, dim], got ", size));
+      }
+      sum += size;
+      if (sum > c.layout.dim) break;
+    }
+    if (sum != c.layout.dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the layers' sizes must add up to the model's ",
+                       c.layout.dim, " elements"));
+    }
+  }
+  if (absl::Status s = OptimizerOf(c).Validate(c); !s.ok()) return s;
+  for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
+    if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
+  }
+  if (!(c.clip_grad_norm >= 0.0f) || !std::isfinite(c.clip_grad_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "clip_grad_norm must be finite and not negative (0: no clipping), got ",
+        c.clip_grad_norm));
+  }
+  return absl::OkStatus();
+}
+
+RoundingKey SenderKey(const AlgorithmConfig& config, int64_t step,
+                      uint32_t sender_rank, uint64_t first_index) {
+  return RoundingKey{config.seed, static_cast<uint64_t>(step), sender_rank,
+                     first_index};
+}
+
+uint64_t AlgorithmFingerprint(const AlgorithmConfig& c) {
+  Fnv64 hash;
+  const auto mix = [&](uint64_t value) { hash.MixInt(value); };
+  const auto mix_float = [&](float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    mix(bits);
+  };
+  const auto mix_codec = [&](const CodecSpec& codec) {
+    mix(static_cast<uint64_t>(codec.kind));
+    mix(codec.block_elems);
+    mix(static_cast<uint64_t>(codec.scale));
+    mix(static_cast<uint64_t>(codec.rounding));
+    uint64_t ratio;
+    std::memcpy(&ratio, &codec.topk_ratio, 8);
+    mix(ratio);
+  };
+  const auto mix_feedback = [&](const FeedbackSpec& fb) {
+    mix(static_cast<uint64_t>(fb.kind));
+    mix_float(fb.beta);
+    mix(static_cast<uint64_t>(fb.storage));
+  };
+  mix(1);  // format version
+  mix(static_cast<uint64_t>(c.optimizer));
+  mix(c.workers);
+  mix(c.layout.dim);
+  mix(c.layout.shards);
+  mix(c.layout.block_elems);
+  mix(c.layout.partition_elems);
+  for (float f : {c.adam.beta1, c.adam.beta2, c.adam.eps, c.adam.weight_decay})
+    mix_float(f);
+  mix(static_cast<uint64_t>(c.freeze_step));
+  mix_codec(c.warmup_codec);
+  mix_codec(c.up_codec);
+  mix_codec(c.down_codec);
+  mix_feedback(c.worker_feedback);
+  mix_feedback(c.server_feedback);
+  mix(c.bias_correction);
+  mix(c.mask_zero_variance);
+  mix(c.bound_update);
+  if (c.clip_grad_norm > 0.0f)
+    mix_float(c.clip_grad_norm);  // absent before clipping existed
+  OptimizerOf(c).Fingerprint(c, hash);
+  mix(c.seed);
+  return hash.value();
+}
+
+}  // namespace morse::compress
