@@ -70,18 +70,16 @@ absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
       absl::StrAppend(&out, out.empty() ? "" : ", ", a.name);
     return out.empty() ? std::string("none") : out;
   };
-  if (state.size() != arrays.size()) {
+  bool same_names = state.size() == arrays.size();
+  for (size_t i = 0; same_names && i < arrays.size(); ++i)
+    same_names = state[i].name == arrays[i].name;
+  if (!same_names) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " has the optimizer arrays [", names(state), "]; ",
                      optimizer.name(), " keeps [", names(arrays), "]"));
   }
   for (size_t i = 0; i < arrays.size(); ++i) {
     const uint64_t want = arrays[i].per_element ? elements : arrays[i].floats;
-    if (state[i].name != arrays[i].name) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(what, " has the optimizer arrays [", names(state), "]; ",
-                       optimizer.name(), " keeps [", names(arrays), "]"));
-    }
     if (state[i].values.size() != want) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, " has ", state[i].values.size(), " values of ",

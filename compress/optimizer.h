@@ -9,7 +9,8 @@
 // (named arrays, as checkpoints name them), and what the workers commit to
 // the shards after a step. The element loops it names live in
 // update_rules, lamb and the kernel tables, written once for every
-// replica. design.md 2.9 says how to add one, step by step.
+// replica. design.md 5 ("The optimizer seam") says how to add one, step by
+// step.
 #ifndef MORSE_COMPRESS_OPTIMIZER_H_
 #define MORSE_COMPRESS_OPTIMIZER_H_
 

@@ -73,14 +73,17 @@ ShardCore::ShardCore(const proto::JobSpec& job, uint32_t shard,
       mirror_(job.algorithm, range_),
       server_error_(job.algorithm.server_feedback, range_.size(),
                     job.algorithm.layout.block_elems) {
+  // The optimizer's arrays that are not per element, as every partition
+  // starts with them.
+  const compress::Optimizer& optimizer = compress::OptimizerOf(job.algorithm);
+  std::vector<std::vector<float>> initial;
+  for (const compress::StateArray& array : optimizer.State(job.algorithm)) {
+    if (!array.per_element)
+      initial.push_back(optimizer.InitialState(job.algorithm, array));
+  }
   for (const compress::Partition& p : layout_.shard_partitions(shard)) {
     partitions_.push_back(std::make_unique<PartitionState>(p, job.workers()));
-    const compress::Optimizer& optimizer = compress::OptimizerOf(job.algorithm);
-    for (const compress::StateArray& array : optimizer.State(job.algorithm)) {
-      if (array.per_element) continue;
-      partitions_.back()->whole_state.push_back(
-          optimizer.InitialState(job.algorithm, array));
-    }
+    partitions_.back()->whole_state = initial;
   }
 }
 

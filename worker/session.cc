@@ -708,17 +708,18 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
       !s.ok()) {
     return absl::DataLossError(s.message());
   }
-  std::vector<double> lamb_commit;
-  const bool lamb = compress::CommitsLayers(job_.algorithm);
-  if (lamb) {
+  // The optimizer's last commit, under the key it had before the seam.
+  std::vector<double> commit;
+  const bool commits = compress::CommitsLayers(job_.algorithm);
+  if (commits) {
     if (!reader.Has("previous_lamb_commit")) {
       return absl::DataLossError(
-          absl::StrCat(reader.path(), " has no previous_commit"));
+          absl::StrCat(reader.path(), " has no previous_lamb_commit"));
     }
     auto bits = reader.Ints("previous_lamb_commit",
                             reader.Count("previous_lamb_commit"));
     if (!bits.ok()) return bits.status();
-    lamb_commit = BitsDouble(*bits);
+    commit = BitsDouble(*bits);
   }
   std::optional<compress::Replica::LocalInterval> interval;
   if (whole_step != reader.header().step) {
@@ -744,7 +745,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   std::copy(m.begin(), m.end(), replica_.mutable_m().begin());
   std::copy(v.begin(), v.end(), replica_.mutable_v().begin());
   if (absl::Status s = replica_.RestoreState(0, dim, own); !s.ok()) return s;
-  if (lamb) previous_commit_ = std::move(lamb_commit);
+  if (commits) previous_commit_ = std::move(commit);
   previous_grad_sum_of_squares_ = norm;
   previous_clip_max_norm_ = max_norm;
   return absl::OkStatus();

@@ -33,6 +33,7 @@ struct morse_session {
   // The optimizer's own arrays (compress::Optimizer::State): their names
   // live here for morse_session_state_array.
   std::vector<morse::compress::StateArray> arrays;
+  uint64_t commit_values = 0;  // Optimizer::CommitDoubles
 };
 
 struct morse_simulator {
@@ -181,9 +182,11 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
     }
     const morse::compress::AlgorithmConfig& algorithm =
         (*session)->job().algorithm;
-    *out = new morse_session{
-        *std::move(session), dim,
-        morse::compress::OptimizerOf(algorithm).State(algorithm)};
+    const morse::compress::Optimizer& optimizer =
+        morse::compress::OptimizerOf(algorithm);
+    *out =
+        new morse_session{*std::move(session), dim, optimizer.State(algorithm),
+                          optimizer.CommitDoubles(algorithm)};
     return absl::OkStatus();
   });
 }
@@ -424,11 +427,15 @@ int morse_session_set_state(morse_session* s, int64_t step, const float* m,
   });
 }
 
-int morse_session_state_arrays(morse_session* s, uint32_t* count) {
+int morse_session_state_arrays(morse_session* s, uint32_t* count,
+                               uint64_t* commit_values) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (absl::Status st = NotNull(count, "count"); !st.ok()) return st;
+    if (absl::Status st = NotNull(commit_values, "commit_values"); !st.ok())
+      return st;
     *count = static_cast<uint32_t>(s->arrays.size());
+    *commit_values = s->commit_values;
     return absl::OkStatus();
   });
 }
@@ -454,33 +461,34 @@ int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
   });
 }
 
-int morse_session_get_state_array(morse_session* s, uint32_t i, float* out) {
-  return Guard([&]() -> absl::Status {
-    if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
-    if (i >= s->arrays.size()) {
-      return absl::OutOfRangeError(
-          absl::StrCat("state array ", i, " of ", s->arrays.size()));
-    }
-    auto state = s->session->SavedOwn();
-    if (!state.ok()) return state.status();
-    const std::vector<float>& values = state->arrays[i].values;
-    std::copy(values.begin(), values.end(), out);
-    return absl::OkStatus();
-  });
-}
-
-int morse_session_get_commit(morse_session* s, double* commit,
-                             uint64_t* commit_values) {
+int morse_session_get_own_state(morse_session* s, float* const* arrays,
+                                uint32_t count, double* commit,
+                                uint64_t* commit_values) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (absl::Status st = NotNull(commit_values, "commit_values"); !st.ok())
       return st;
+    if (count != s->arrays.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(count, " state arrays asked for; the optimizer keeps ",
+                       s->arrays.size()));
+    }
+    if (count > 0) {
+      if (absl::Status st = NotNull(arrays, "arrays"); !st.ok()) return st;
+    }
+    if (s->commit_values > 0) {
+      if (absl::Status st = NotNull(commit, "commit"); !st.ok()) return st;
+    }
     auto state = s->session->SavedOwn();
     if (!state.ok()) return state.status();
+    for (uint32_t i = 0; i < count; ++i) {
+      if (absl::Status st = NotNull(arrays[i], "a state array"); !st.ok())
+        return st;
+      const std::vector<float>& values = state->arrays[i].values;
+      std::copy(values.begin(), values.end(), arrays[i]);
+    }
     *commit_values = state->commit.size();
-    if (commit != nullptr)
-      std::copy(state->commit.begin(), state->commit.end(), commit);
+    std::copy(state->commit.begin(), state->commit.end(), commit);
     return absl::OkStatus();
   });
 }

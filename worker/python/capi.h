@@ -136,17 +136,20 @@ int morse_session_set_state(morse_session* s, int64_t step, const float* m,
    optimizer seam): *count arrays; array i is named *name (valid while the
    session lives), holds *values floats and has *per_element 1 when that is
    one value per parameter (dim). onebit_lamb: "v_fresh" (v'),
-   "lamb_layers" (2 per layer); the others: none. */
-int morse_session_state_arrays(morse_session* s, uint32_t* count);
+   "lamb_layers" (2 per layer); the others: none. *commit_values: how many
+   doubles its commit holds (onebit_lamb's layer coefficients, 3 per layer;
+   0: it commits nothing). */
+int morse_session_state_arrays(morse_session* s, uint32_t* count,
+                               uint64_t* commit_values);
 int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
                               uint64_t* values, int* per_element);
-/* Between steps: array i's values, and the last step's commit
-   (*commit_values doubles: onebit_lamb's layer coefficients, 3 per layer;
-   0 before the first step and for optimizers without one; with NULL commit
-   only the count is written). */
-int morse_session_get_state_array(morse_session* s, uint32_t i, float* out);
-int morse_session_get_commit(morse_session* s, double* commit,
-                             uint64_t* commit_values);
+/* Between steps, in one pass over the session's state: arrays[i] receives
+   array i (`count` of them, in order), `commit` (room for the
+   commit_values state_arrays gave) the last step's commit, and
+   *commit_values how many it holds (0 before the first step). */
+int morse_session_get_own_state(morse_session* s, float* const* arrays,
+                                uint32_t count, double* commit,
+                                uint64_t* commit_values);
 /* set_state for an optimizer with state of its own (set_state refuses
    one): arrays[i] holds array i, `count` of them in order, and the last
    step's commit (commit_values doubles, or 0). */

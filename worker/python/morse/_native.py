@@ -74,10 +74,9 @@ def _load():
         "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
         "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
         "morse_session_set_state": ([P, I64, P, P, P, P], I),
-        "morse_session_state_arrays": ([P, ctypes.POINTER(U32)], I),
+        "morse_session_state_arrays": ([P, ctypes.POINTER(U32), ctypes.POINTER(U64)], I),
         "morse_session_state_array": ([P, U32, ctypes.POINTER(S), ctypes.POINTER(U64), ctypes.POINTER(I)], I),
-        "morse_session_get_state_array": ([P, U32, P], I),
-        "morse_session_get_commit": ([P, P, ctypes.POINTER(U64)], I),
+        "morse_session_get_own_state": ([P, P, U32, P, ctypes.POINTER(U64)], I),
         "morse_session_set_own_state": ([P, I64, P, P, P, P, P, U32, P, U64], I),
         "morse_session_server_error": ([P, P], I),
         "morse_session_save_checkpoint": ([P, S], I),
@@ -169,6 +168,7 @@ class Session:
         self._x = x
         self._dim = x.size
         self._grad = None
+        self._state_arrays, self._commit_values = None, 0  # state_arrays()
         handle = ctypes.c_void_p()
         _check(lib.morse_session_create(base_config.encode(), overrides.encode(), rank,
                                         ",".join(servers).encode(),
@@ -299,33 +299,36 @@ class Session:
 
     def state_arrays(self):
         """The optimizer's own arrays beyond m and v, in order: (name, values,
-        per_element) each (OneBitLamb: v_fresh, lamb_layers; the others: none)."""
-        count = ctypes.c_uint32()
-        _check(_lib.morse_session_state_arrays(self._handle, ctypes.byref(count)))
-        arrays = []
-        for i in range(count.value):
-            name, values, per_element = ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_int()
-            _check(_lib.morse_session_state_array(self._handle, i, ctypes.byref(name),
-                                                  ctypes.byref(values), ctypes.byref(per_element)))
-            arrays.append((name.value.decode(), values.value, bool(per_element.value)))
-        return arrays
+        per_element) each (OneBitLamb: v_fresh, lamb_layers; the others: none).
+        Fixed for the session, so asked once."""
+        if self._state_arrays is None:
+            count, commit_values = ctypes.c_uint32(), ctypes.c_uint64()
+            _check(_lib.morse_session_state_arrays(self._handle, ctypes.byref(count),
+                                                   ctypes.byref(commit_values)))
+            arrays = []
+            for i in range(count.value):
+                name, values, per_element = ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_int()
+                _check(_lib.morse_session_state_array(self._handle, i, ctypes.byref(name),
+                                                      ctypes.byref(values), ctypes.byref(per_element)))
+                arrays.append((name.value.decode(), values.value, bool(per_element.value)))
+            self._state_arrays, self._commit_values = arrays, commit_values.value
+        return self._state_arrays
 
     def get_own_state(self):
         """The optimizer's own arrays ({name: float32 array}, in order) and the
         last step's commit (float64; empty before the first step and for
-        optimizers without one), between steps."""
+        optimizers without one), between steps, in one pass over the state."""
         import numpy as np
-        arrays = {}
-        for i, (name, values, _) in enumerate(self.state_arrays()):
-            out = np.empty(values, dtype=np.float32)
-            _check(_lib.morse_session_get_state_array(self._handle, i, out.ctypes.data))
-            arrays[name] = out
+        expected = self.state_arrays()
+        arrays = {name: np.empty(values, dtype=np.float32) for name, values, _ in expected}
+        pointers = (ctypes.c_void_p * max(1, len(expected)))(
+            *[arrays[name].ctypes.data for name, _, _ in expected])
+        commit = np.empty(self._commit_values, dtype=np.float64)
         commit_values = ctypes.c_uint64()
-        _check(_lib.morse_session_get_commit(self._handle, None, ctypes.byref(commit_values)))
-        commit = np.empty(commit_values.value, dtype=np.float64)
-        _check(_lib.morse_session_get_commit(self._handle, commit.ctypes.data,
-                                             ctypes.byref(commit_values)))
-        return arrays, commit
+        _check(_lib.morse_session_get_own_state(
+            self._handle, pointers if expected else None, len(expected),
+            commit.ctypes.data if commit.size else None, ctypes.byref(commit_values)))
+        return arrays, commit[:commit_values.value]
 
     def set_own_state(self, step, m, v, error, server_error, arrays, commit):
         """set_state with the optimizer's own arrays (a list in state_arrays'
