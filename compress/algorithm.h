@@ -29,7 +29,8 @@ enum class OptimizerKind : uint8_t {
   kOneBitAdam,
   kAdam,
   kZeroOneAdam,
-  kOneBitLamb
+  kOneBitLamb,
+  kDiloco
 };
 
 // zero_one_adam's schedule (design.md 2.7; DeepSpeed's ZeroOneAdam names and
@@ -61,6 +62,18 @@ struct LambSpec {
   float factor_max = 4.0f;
   float factor_min = 0.5f;
   float factor_threshold = 0.1f;
+};
+
+// diloco's outer optimizer (design.md 2.11; the DiLoCo paper's names and
+// defaults). Each worker runs sync_every inner steps of its own optimizer,
+// then pushes its pseudo-gradient x_outer - x_local; every replica applies
+// SGD with (Nesterov) momentum to the average: m = mu*m + d; x -= lr *
+// (nesterov ? d + mu*m : m).
+struct DilocoSpec {
+  int64_t sync_every = 500;     // H: inner steps per outer step, at least 1
+  float outer_lr = 0.7f;        // positive and finite
+  float outer_momentum = 0.9f;  // in [0, 1)
+  bool nesterov = true;
 };
 
 // A onebit_lamb layer's state, the same on every replica (compress/lamb.h).
@@ -106,6 +119,7 @@ struct AlgorithmConfig {
   float clip_grad_norm = 0;
   ZeroOneSpec zero_one;  // zero_one_adam only
   LambSpec lamb;         // onebit_lamb only
+  DilocoSpec diloco;     // diloco only
   // The model's layers (parameter tensors) as element counts in order,
   // summing to layout.dim; empty: one layer of the whole model. Only
   // onebit_lamb reads them (its coefficients are per layer).

@@ -11,6 +11,7 @@ const Optimizer& OneBitAdamOptimizer();
 const Optimizer& AdamOptimizer();
 const Optimizer& ZeroOneAdamOptimizer();
 const Optimizer& OneBitLambOptimizer();
+const Optimizer& DilocoOptimizer();
 
 namespace {
 
@@ -18,7 +19,7 @@ namespace {
 const std::vector<const Optimizer*>& Optimizers() {
   static const auto* const all = new std::vector<const Optimizer*>{
       &OneBitAdamOptimizer(), &AdamOptimizer(), &ZeroOneAdamOptimizer(),
-      &OneBitLambOptimizer()};
+      &OneBitLambOptimizer(), &DilocoOptimizer()};
   return *all;
 }
 

@@ -89,6 +89,10 @@ class Optimizer {
   // local phase), keeping an anchor and an accumulated update.
   virtual bool StepsLocally() const { return false; }
 
+  // Whether the CUDA engine implements its reply rule (else a GPU worker
+  // refuses the job, and --device auto trains on the CPU, saying why).
+  virtual bool HasGpuKernels() const { return true; }
+
   // Its state beyond x, m, v and the error buffers.
   virtual std::vector<StateArray> State(
       const AlgorithmConfig& /*config*/) const {
@@ -137,8 +141,8 @@ const Optimizer& OptimizerOf(const AlgorithmConfig& config);
 const Optimizer& OptimizerOf(OptimizerKind kind);
 // The optimizer JobConfig calls `name`, or nullptr.
 const Optimizer* FindOptimizer(absl::string_view name);
-// Every optimizer's name, for errors: "onebit_adam, adam, zero_one_adam or
-// onebit_lamb".
+// Every optimizer's name, for errors: "onebit_adam, adam, zero_one_adam,
+// onebit_lamb or diloco".
 std::string OptimizerNames();
 
 // Whether the workers commit values after every step

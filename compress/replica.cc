@@ -73,6 +73,10 @@ void ApplyRule(const ReplyRule& rule, absl::Span<float> decoded,
   if (rule.grad_scale != 1.0f) {
     for (float& g : decoded) g *= rule.grad_scale;
   }
+  if (rule.outer) {
+    OuterStep(rule.outer_scalars, decoded, x, m);
+    return;
+  }
   if (rule.sync) {  // the mask in the same pass
     ZeroOneSyncStep(rule.scalars, decoded,
                     anchor.empty() ? absl::Span<const float>(x) : anchor, x, m,

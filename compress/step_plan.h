@@ -86,6 +86,10 @@ struct ReplyRule {
   bool lamb = false;
   float fresh_correction2 = 1.0f;
   bool copy_fresh = false;
+  // diloco: the reply is the averaged pseudo-gradient, and x and m (the
+  // outer momentum) take the outer step (OuterStep); v is not used.
+  bool outer = false;
+  OuterScalars outer_scalars;
 };
 ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
                     const StepHyper* hyper = nullptr, float grad_scale = 1.0f);

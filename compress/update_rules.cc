@@ -105,6 +105,16 @@ void LocalMomentum(float beta1, absl::Span<const float> m,
   ActiveKernels().momentum(beta1, m.data(), g.data(), out.data(), out.size());
 }
 
+void OuterStep(const OuterScalars& s, absl::Span<const float> d,
+               absl::Span<float> x, absl::Span<float> m) {
+  MORSE_CHECK(d.size() == x.size() && x.size() == m.size());
+  for (size_t j = 0; j < d.size(); ++j) {
+    const float mj = s.momentum * m[j] + d[j];
+    m[j] = mj;
+    x[j] = x[j] - s.lr * (s.nesterov ? d[j] + s.momentum * mj : mj);
+  }
+}
+
 void ZeroOneVarianceStep(const AdamScalars& s, absl::Span<const float> g,
                          absl::Span<float> x, absl::Span<float> m,
                          absl::Span<float> v) {

@@ -66,6 +66,19 @@ void FrozenVarianceStep(const AdamScalars& s, absl::Span<const float> c,
 void LocalMomentum(float beta1, absl::Span<const float> m,
                    absl::Span<const float> g, absl::Span<float> out);
 
+// diloco's outer step (design.md 2.11): SGD with momentum on the averaged
+// pseudo-gradient d (the decoded reply), in this fp32 order:
+//   m = momentum*m + d;  x = x - lr*(nesterov ? d + momentum*m : m).
+// A plain loop: it runs once per sync_every inner steps. With momentum 0
+// and lr 1 it sets x to x - d, the average of the workers' models.
+struct OuterScalars {
+  float lr = 0.7f;
+  float momentum = 0.9f;
+  bool nesterov = true;
+};
+void OuterStep(const OuterScalars& s, absl::Span<const float> d,
+               absl::Span<float> x, absl::Span<float> m);
+
 // zero_one_adam (design.md 2.7): simd/element_ops.h's ZeroOne*Element in
 // one fixed fp32 order, through ActiveKernels() (the variance step is a plain
 // loop: it runs only before the freeze).

@@ -224,6 +224,22 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
                    "is set but the optimizer is not zero_one_adam");
   }
 
+  if (a.optimizer == compress::OptimizerKind::kDiloco) {
+    const v1::DilocoConfig& d = c.diloco();
+    if (d.has_sync_every()) a.diloco.sync_every = d.sync_every();
+    if (d.has_outer_lr()) a.diloco.outer_lr = d.outer_lr();
+    if (d.has_outer_momentum()) a.diloco.outer_momentum = d.outer_momentum();
+    if (d.has_nesterov()) a.diloco.nesterov = d.nesterov();
+    if (!external) {
+      return Invalid("optimizer",
+                     "diloco trains external models (morse.torch.DiLoCo, whose "
+                     "inner optimizer is the script's); the built-in "
+                     "workloads have no inner optimizer yet");
+    }
+  } else if (c.has_diloco()) {
+    return Invalid("diloco", "is set but the optimizer is not diloco");
+  }
+
   const v1::AdamConfig& adam = c.adam();
   if (adam.has_beta1()) a.adam.beta1 = adam.beta1();
   if (adam.has_beta2()) a.adam.beta2 = adam.beta2();

@@ -3,6 +3,8 @@
 // algorithm fingerprints that checkpoints carry unchanged by the seam.
 #include "compress/optimizer.h"
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -22,7 +24,10 @@ AlgorithmConfig Config(OptimizerKind kind) {
   c.layout.partition_elems = 256;
   c.freeze_step = 3;
   c.layers = {600, 400};
-  c.clip_grad_norm = kind == OptimizerKind::kOneBitLamb ? 0.0f : 1.5f;
+  c.clip_grad_norm =
+      kind == OptimizerKind::kOneBitLamb || kind == OptimizerKind::kDiloco
+          ? 0.0f
+          : 1.5f;
   c.seed = 7;
   return c;
 }
@@ -30,7 +35,8 @@ AlgorithmConfig Config(OptimizerKind kind) {
 TEST(OptimizerTest, EveryOptimizerIsFoundByItsName) {
   for (OptimizerKind kind :
        {OptimizerKind::kOneBitAdam, OptimizerKind::kAdam,
-        OptimizerKind::kZeroOneAdam, OptimizerKind::kOneBitLamb}) {
+        OptimizerKind::kZeroOneAdam, OptimizerKind::kOneBitLamb,
+        OptimizerKind::kDiloco}) {
     const Optimizer& optimizer = OptimizerOf(kind);
     EXPECT_EQ(optimizer.kind(), kind);
     const Optimizer* found = FindOptimizer(optimizer.name());
@@ -40,7 +46,7 @@ TEST(OptimizerTest, EveryOptimizerIsFoundByItsName) {
   }
   EXPECT_EQ(FindOptimizer("lamb"), nullptr);
   EXPECT_EQ(OptimizerNames(),
-            "onebit_adam, adam, zero_one_adam or onebit_lamb");
+            "onebit_adam, adam, zero_one_adam, onebit_lamb or diloco");
 }
 
 // Checkpoints (shards' and workers') carry AlgorithmFingerprint and are
@@ -132,6 +138,78 @@ TEST(OptimizerTest, PhasesFollowEachOptimizersSchedule) {
   EXPECT_FALSE(PlanStep(zero_one, 6).exchanges);
   EXPECT_EQ(NextExchange(zero_one, 5), 5);
   EXPECT_EQ(NextExchange(zero_one, 6), 7);  // s = 8 syncs
+}
+
+TEST(OptimizerTest, DilocoRefusesWhatItCannotRun) {
+  const Optimizer& diloco = OptimizerOf(OptimizerKind::kDiloco);
+  EXPECT_FALSE(diloco.HasGpuKernels());
+  EXPECT_FALSE(diloco.FreezesVariance());
+  const auto refused = [&](void (*edit)(AlgorithmConfig&), const char* what) {
+    AlgorithmConfig c = Config(OptimizerKind::kDiloco);
+    edit(c);
+    const absl::Status s = diloco.Validate(c);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(s.message().find(what), absl::string_view::npos) << s;
+  };
+  refused([](AlgorithmConfig& c) { c.diloco.sync_every = 0; }, "sync_every");
+  refused([](AlgorithmConfig& c) { c.diloco.outer_lr = 0; }, "outer_lr");
+  refused([](AlgorithmConfig& c) { c.diloco.outer_lr = NAN; }, "outer_lr");
+  refused([](AlgorithmConfig& c) { c.diloco.outer_momentum = 1; },
+          "outer_momentum");
+  refused([](AlgorithmConfig& c) { c.diloco.outer_momentum = -0.5f; },
+          "outer_momentum");
+  refused([](AlgorithmConfig& c) { c.clip_grad_norm = 1; }, "clip_grad_norm");
+  // Each outer setting is part of the job's fingerprint.
+  const AlgorithmConfig base = Config(OptimizerKind::kDiloco);
+  for (void (*edit)(AlgorithmConfig&) :
+       {+[](AlgorithmConfig& c) { c.diloco.sync_every = 7; },
+        +[](AlgorithmConfig& c) { c.diloco.outer_lr = 0.5f; },
+        +[](AlgorithmConfig& c) { c.diloco.outer_momentum = 0.5f; },
+        +[](AlgorithmConfig& c) { c.diloco.nesterov = false; }}) {
+    AlgorithmConfig c = base;
+    edit(c);
+    EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(base));
+  }
+}
+
+// Every step of diloco is an outer step: the reply (the averaged
+// pseudo-gradient d) moves x and the outer momentum m by SGD with Nesterov
+// momentum, m = mu*m + d, x -= lr * (d + mu*m), or plain momentum, x -= lr *
+// m; v is untouched.
+TEST(OptimizerTest, DilocoTakesAnOuterStepOnTheReply) {
+  for (const bool nesterov : {true, false}) {
+    AlgorithmConfig c = Config(OptimizerKind::kDiloco);
+    c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32};
+    c.diloco = {/*sync_every=*/4, /*outer_lr=*/0.7f, /*outer_momentum=*/0.9f,
+                nesterov};
+    EXPECT_STREQ(PhaseName(c, 3), "outer");
+    EXPECT_TRUE(PlanStep(c, 3).exchanges);
+    EXPECT_FALSE(PlanStep(c, 3).compressing);
+    const uint64_t n = 64;
+    Replica replica(c, Range{0, n});
+    std::vector<float> x(n);
+    for (uint64_t j = 0; j < n; ++j) x[j] = 0.25f * static_cast<float>(j);
+    std::copy(x.begin(), x.end(), replica.x().begin());
+    std::vector<float> m(n, 0.0f);
+    for (int64_t step = 0; step < 3; ++step) {
+      std::vector<float> d(n);
+      for (uint64_t j = 0; j < n; ++j)
+        d[j] = 0.01f * static_cast<float>((j * 7 + step * 3) % 11) - 0.05f;
+      std::vector<uint8_t> reply(4 * n);
+      ASSERT_TRUE(
+          Encode(c.down_codec, d, RoundingKey{}, absl::MakeSpan(reply)).ok());
+      ASSERT_TRUE(replica.ApplyReply(step, 0, n, reply).ok());
+      for (uint64_t j = 0; j < n; ++j) {
+        m[j] = 0.9f * m[j] + d[j];
+        x[j] = x[j] - 0.7f * (nesterov ? d[j] + 0.9f * m[j] : m[j]);
+      }
+      for (uint64_t j = 0; j < n; ++j) {
+        ASSERT_EQ(replica.x()[j], x[j]) << "step " << step << " element " << j;
+        ASSERT_EQ(replica.m()[j], m[j]) << "step " << step << " element " << j;
+        ASSERT_EQ(replica.v()[j], 0.0f);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -100,6 +100,18 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 synthetic { dim: 10 layer_elems: 5 } lr { lr: 1 } "
        "steps: 1",
        "synthetic.layer_elems"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"diloco\"",
+       "diloco trains external models"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "diloco { sync_every: 4 }",
+       "diloco"},
+      {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"diloco\" diloco { outer_momentum: 1 }",
+       "outer_momentum"},
+      {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"diloco\" clip_grad_norm: 1",
+       "clip_grad_norm"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
@@ -109,6 +121,34 @@ TEST(JobConfigTest, ErrorsNameTheField) {
     EXPECT_NE(job.status().message().find(c.field), absl::string_view::npos)
         << c.text << " -> " << job.status();
   }
+}
+
+TEST(JobConfigTest, DilocoDefaultsAreThePapers) {
+  auto job = ParseJobConfig(
+      "workers: 2 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
+      "optimizer: \"diloco\"",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const compress::AlgorithmConfig& a = job->algorithm;
+  EXPECT_EQ(a.optimizer, compress::OptimizerKind::kDiloco);
+  EXPECT_EQ(a.diloco.sync_every, 500);
+  EXPECT_EQ(a.diloco.outer_lr, 0.7f);
+  EXPECT_EQ(a.diloco.outer_momentum, 0.9f);
+  EXPECT_TRUE(a.diloco.nesterov);
+  EXPECT_EQ(a.up_codec.kind, compress::CodecKind::kFp32);
+  EXPECT_EQ(a.worker_feedback.kind, compress::FeedbackKind::kNone);
+  job = ParseJobConfig(
+      "workers: 2 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
+      "optimizer: \"diloco\" diloco { sync_every: 100 outer_lr: 1 "
+      "outer_momentum: 0 nesterov: false } up_codec { codec: \"int4\" } "
+      "worker_feedback { mode: \"ef\" }",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->algorithm.diloco.sync_every, 100);
+  EXPECT_EQ(job->algorithm.diloco.outer_lr, 1.0f);
+  EXPECT_EQ(job->algorithm.diloco.outer_momentum, 0.0f);
+  EXPECT_FALSE(job->algorithm.diloco.nesterov);
+  EXPECT_EQ(job->algorithm.up_codec.kind, compress::CodecKind::kInt4);
 }
 
 TEST(JobConfigTest, OneBitOptionsCanBeTurnedOff) {

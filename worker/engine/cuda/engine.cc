@@ -630,7 +630,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
           absl::StrCat(compress::CodecName(spec->kind), " has no GPU kernel"));
     }
   }
-  const bool freezes = compress::OptimizerOf(config).FreezesVariance();
+  const compress::Optimizer& optimizer = compress::OptimizerOf(config);
+  if (!optimizer.HasGpuKernels()) {
+    return absl::UnimplementedError(absl::StrCat(
+        optimizer.name(), " has no GPU kernels; it trains on the CPU"));
+  }
+  const bool freezes = optimizer.FreezesVariance();
   if (freezes && config.mask_zero_variance &&
       config.up_codec.kind != compress::CodecKind::kSign1) {
     return absl::UnimplementedError(absl::StrCat(

@@ -2,7 +2,8 @@
 
 `OneBitAdam` (DESIGN 2.1), `Adam` (2.2, any codec and error feedback;
 LoCo is codec="int4", feedback="ema") and `ZeroOneAdam` (2.7, 0/1 Adam)
-are `torch.optim.Optimizer`s. On
+are `torch.optim.Optimizer`s; `DiLoCo` (2.11, diloco.py) wraps any of
+torch's as its inner optimizer. On
 construction the optimizer joins the job: rank, world size and server
 addresses come from the environment `morse-run` sets (MORSE_RANK,
 MORSE_WORLD_SIZE, MORSE_SERVERS, MORSE_CONFIG; torchrun's RANK and
@@ -41,7 +42,7 @@ import torch
 from .. import _native
 from .._native import MorseError
 
-__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "MorseError"]
+__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError"]
 
 
 def _zero_grad_default():
@@ -1249,3 +1250,6 @@ class OneBitLamb(_MorseOptimizer):
                          security=security, accumulation_steps=accumulation_steps,
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
                          buffers=buffers, apply_at_step=apply_at_step, lamb=lamb)
+
+
+from .diloco import DiLoCo  # noqa: E402 (uses the helpers above)

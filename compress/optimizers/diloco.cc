@@ -1,0 +1,86 @@
+// diloco: DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication
+// Training of Language Models"), design.md 2.11, with its outer optimizer on
+// the shards. Each worker i runs H = sync_every steps of its own inner
+// optimizer (any torch optimizer in morse.torch.DiLoCo) from x, then pushes
+// its pseudo-gradient; one Morse step is one outer step:
+//   worker i pushes C_up(d_i + e_i), d_i = x - x_i (its model after H inner
+//   steps); a shard averages in rank order and replies C_down(avg + e_s);
+//   every replica then runs, on the decoded average d,
+//   m = mu*m + d,  x = x - lr_out * (nesterov ? d + mu*m : m),
+// and the workers restart their inner steps from the new x. m is the outer
+// momentum; v is not used. The paper's defaults: lr_out 0.7, mu 0.9,
+// Nesterov, H = 500. With fp32 both ways, mu = 0 and lr_out = 1, x becomes
+// the average of the workers' models (federated averaging).
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "compress/optimizer.h"
+
+namespace morse::compress {
+namespace {
+
+class Diloco final : public Optimizer {
+ public:
+  absl::string_view name() const override { return "diloco"; }
+  OptimizerKind kind() const override { return OptimizerKind::kDiloco; }
+
+  absl::Status Validate(const AlgorithmConfig& c) const override {
+    const DilocoSpec& d = c.diloco;
+    if (d.sync_every < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.sync_every must be at least 1, got ", d.sync_every));
+    }
+    if (!(d.outer_lr > 0.0f) || !std::isfinite(d.outer_lr)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.outer_lr must be positive and finite, got ", d.outer_lr));
+    }
+    if (!(d.outer_momentum >= 0.0f && d.outer_momentum < 1.0f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.outer_momentum must be in [0, 1), got ", d.outer_momentum));
+    }
+    if (c.clip_grad_norm != 0.0f) {
+      return absl::InvalidArgumentError(
+          "clip_grad_norm is not diloco's: the outer step does not clip the "
+          "pseudo-gradient; clip in the inner optimizer's steps");
+    }
+    return absl::OkStatus();
+  }
+
+  void Fingerprint(const AlgorithmConfig& c, Fnv64& hash) const override {
+    hash.MixInt(static_cast<uint64_t>(c.diloco.sync_every));
+    hash.MixWords(&c.diloco.outer_lr, sizeof(float));
+    hash.MixWords(&c.diloco.outer_momentum, sizeof(float));
+    hash.MixInt(c.diloco.nesterov ? 1 : 0);
+  }
+
+  StepPlan Plan(const AlgorithmConfig& c, int64_t) const override {
+    // Every outer step exchanges the job's codecs through error feedback.
+    StepPlan plan = CompressedPlan(c);
+    plan.compressing = false;
+    return plan;
+  }
+
+  const char* Phase(const StepPlan&) const override { return "outer"; }
+
+  void PlanReply(const AlgorithmConfig& c, int64_t, const StepPlan&,
+                 const StepHyper*, ReplyRule& rule) const override {
+    rule.outer = true;
+    rule.outer_scalars = {c.diloco.outer_lr, c.diloco.outer_momentum,
+                          c.diloco.nesterov};
+  }
+
+  // Nothing is frozen: no mask, no bound.
+  bool FreezesVariance() const override { return false; }
+  // OuterStep has no CUDA kernel yet: a GPU worker keeps the outer state on
+  // the host (morse.torch.DiLoCo does so for any model).
+  bool HasGpuKernels() const override { return false; }
+};
+
+}  // namespace
+
+const Optimizer& DilocoOptimizer() {
+  static const Diloco* const optimizer = new Diloco;
+  return *optimizer;
+}
+
+}  // namespace morse::compress

@@ -1,0 +1,146 @@
+"""morse.torch.DiLoCo (docs/design.md 2.11) across 3 ranks and 2 shards: each
+rank takes sync_every inner AdamW steps on its own data, then syncs. After
+every sync each rank's outer parameters and momentum must be the
+single-process simulator's, fed the pseudo-gradients the ranks pushed, and
+every rank's model must be the outer parameters; the outer parameters must
+follow torch.optim.SGD(nesterov=True) on the ranks' average pseudo-gradient
+(within float rounding of the average). Run with fp32 both ways and with
+int8 and error feedback on both sides. Bad arguments are refused before
+the job is joined."""
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+
+RANKS = 3
+SYNC_EVERY = 3
+SYNCS = 4
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.9
+SAVE_AT = 7  # inner steps: two syncs and one step of the third interval
+
+
+def worker(out, codec, phase):
+    """phase: "full" trains every step; "save" stops in the middle of the
+    third interval and saves each rank's state; "resume" continues from
+    it in a fresh job."""
+    import numpy as np
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    torch.manual_seed(3 + rank)  # rank 0's initial values must become everyone's
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    if phase == "full":
+        other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        for bad, kind in ((dict(sync_every=0), ValueError), (dict(outer_momentum=1.0), ValueError),
+                          (dict(outer_lr=-1.0), ValueError), (dict(inner_optimizer=other), ValueError),
+                          (dict(inner_optimizer="adamw"), TypeError)):
+            args = dict(inner_optimizer=inner, world_size=RANKS, servers=["unused:1"])
+            args.update(bad)
+            try:
+                morse.torch.DiLoCo(model, **args)
+                check(False, f"{bad} was accepted")
+            except kind as e:
+                print(f"refused {bad}: {e}")
+    opt = morse.torch.DiLoCo(model, inner, sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
+                             outer_momentum=OUTER_MOMENTUM, codec=codec, block_elems=16,
+                             partition_elems=64)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    check(torch.equal(flat, opt.outer_parameters()), "the model does not start from x_outer")
+    first = 0
+    if phase == "resume":
+        state = torch.load(f"{out}/state-{rank}.pt")
+        if rank == 1:  # another rank's state is refused, and nothing changes
+            try:
+                opt.load_state_dict(torch.load(f"{out}/state-0.pt"))
+                check(False, "rank 0's state was accepted on rank 1")
+            except ValueError as e:
+                print(f"refused rank 0's state on rank 1: {e}")
+        opt.load_state_dict(state)
+        first = opt.inner_steps
+        check(first == SAVE_AT, f"resumed at inner step {first}")
+    elif rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", flat.numpy())
+    checksums = []
+    for step in range(first, SYNC_EVERY * SYNCS):
+        if phase == "save" and step == SAVE_AT:
+            torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
+            return
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if (step + 1) % SYNC_EVERY:
+            continue
+        outer = (step + 1) // SYNC_EVERY - 1
+        check(opt.step_index == outer + 1, f"after {step + 1} steps: outer step {opt.step_index}")
+        np.save(f"{out}/grad-{rank}-{outer}.npy", opt._grad.numpy())
+        np.save(f"{out}/outer-{rank}-{outer}.npy", opt.outer_parameters().numpy())
+        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        check(torch.equal(local, opt.outer_parameters()),
+              f"sync {outer}: the model is not the outer parameters")
+        checksums.append(opt.checksum())
+    json.dump(checksums, open(f"{out}/checksums-{rank}{'-resumed' if phase == 'resume' else ''}.json",
+                              "w"))
+
+
+def check_outer_steps(out):
+    """The outer parameters follow torch's SGD with Nesterov momentum on the
+    average of the ranks' pseudo-gradients (fp32: up to the rounding of the
+    shards' average)."""
+    import numpy as np
+    x = torch.nn.Parameter(torch.from_numpy(np.load(f"{out}/x0.npy")))
+    sgd = torch.optim.SGD([x], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    worst = 0.0
+    for outer in range(SYNCS):
+        deltas = [torch.from_numpy(np.load(f"{out}/grad-{r}-{outer}.npy")) for r in range(RANKS)]
+        x.grad = torch.stack(deltas).double().mean(0).float()
+        sgd.step()
+        got = torch.from_numpy(np.load(f"{out}/outer-0-{outer}.npy"))
+        worst = max(worst, (got - x.detach()).abs().max().item())
+    check(worst < 1e-5, f"the outer parameters are {worst} from torch's Nesterov SGD")
+    print(f"outer parameters within {worst:.2e} of torch.optim.SGD(nesterov=True)")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(*sys.argv[-3:])
+        sys.exit(0)
+    for codec in ("fp32", "int8"):
+        out = tempfile.mkdtemp(prefix="morse-diloco-")
+        code, log = morse_run(__file__, RANKS, 2, out, codec, "full")
+        print(log)
+        check(code == 0, f"the job failed ({codec})")
+        if codec == "fp32":
+            check_outer_steps(out)
+        else:
+            # Saved in the middle of an interval and resumed in a fresh job
+            # (fresh shards): the same bits as the run never stopped.
+            whole = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
+            saved = tempfile.mkdtemp(prefix="morse-diloco-resume-")
+            for phase in ("save", "resume"):
+                code, log = morse_run(__file__, RANKS, 2, saved, codec, phase)
+                print(log)
+                check(code == 0, f"the {phase} job failed ({codec})")
+            for r in range(RANKS):
+                resumed = json.load(open(f"{saved}/checksums-{r}-resumed.json"))
+                done = SAVE_AT // SYNC_EVERY
+                check(resumed == whole[r][done:],
+                      f"rank {r} resumed: {resumed}, uninterrupted: {whole[r][done:]}")
+            shutil.rmtree(saved)
+            print(f"PASS: resumed at inner step {SAVE_AT} in a fresh job, the same bits")
+        for r in range(RANKS):
+            for outer in range(SYNCS):
+                os.remove(f"{out}/outer-{r}-{outer}.npy")
+        check_ranks_match_simulator(out, RANKS, SYNCS)
+        print(f"PASS: {SYNCS} syncs of {SYNC_EVERY} inner steps, {RANKS} ranks bit-identical to "
+              f"each other and to the simulator ({codec})")

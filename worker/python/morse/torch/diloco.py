@@ -1,0 +1,262 @@
+"""DiLoCo (Douillard et al. 2023) through a Morse job: the outer optimizer
+runs on the shards (docs/design.md 2.11).
+
+Each rank trains its own copy of the model with any torch optimizer (the
+inner optimizer) for `sync_every` steps, then pushes its pseudo-gradient,
+the outer parameters minus its own, through the job's codec (fp32 by
+default; bf16, fp16, int8, int4 or sign1 with error feedback). The shards
+average the ranks' pseudo-gradients, compress the average back (with their
+own error feedback) and every replica, the ranks and the shards' mirrors,
+takes one outer step of SGD with Nesterov momentum on it; each rank then
+restarts its inner steps from the new outer parameters. The outer
+parameters and momentum stay on the host, whatever device the model is on:
+a sync costs one copy of the model each way, once per sync_every steps.
+"""
+import copy
+import hashlib
+import os
+
+import torch
+
+from .. import _native
+from . import MorseError, _env, _security
+
+
+def _float(name, value):
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={value!r}: a number") from None
+    if value != value or abs(value) == float("inf"):
+        raise ValueError(f"{name}={value!r}: a finite number")
+    return value
+
+
+class DiLoCo:
+    """Wraps `inner_optimizer` (built over `params`, a model or its
+    parameters) so that every `sync_every` calls of step() end with an outer
+    step through the Morse job that morse-run (or rank=, world_size=,
+    servers=) names:
+
+        inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+        opt = morse.torch.DiLoCo(model, inner, sync_every=500)
+        for batch in data:
+            opt.zero_grad()
+            loss(model, batch).backward()
+            opt.step()
+
+    outer_lr (0.7), outer_momentum (0.9) and nesterov (True) are the
+    paper's defaults; outer_momentum=0 and outer_lr=1 average the ranks'
+    models (federated averaging). Learning-rate schedulers take the inner
+    optimizer. Rank 0's initial parameters become every rank's. Every rank
+    holds bit-identical outer parameters after each sync, as do the shards'
+    mirrors and the simulator fed the same pseudo-gradients.
+
+    state_dict() holds the inner optimizer's state, this rank's parameters,
+    the outer parameters, the outer momentum, this rank's worker error
+    buffer and, on rank 0, the shards' error buffers: save every rank's,
+    and load each into a fresh job to continue the run exactly."""
+
+    def __init__(self, params, inner_optimizer, *, sync_every=500, outer_lr=0.7,
+                 outer_momentum=0.9, nesterov=True, codec="fp32", down_codec=None,
+                 feedback=None, feedback_beta=None, steps=0, config=None, rank=None,
+                 world_size=None, servers=None, block_elems=None, partition_elems=None,
+                 security=None):
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(f"inner_optimizer is a {type(inner_optimizer).__name__}; DiLoCo wraps "
+                            "a torch.optim.Optimizer over the model's parameters")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every={sync_every!r}: a whole number of inner steps, at least 1")
+        outer_lr = _float("outer_lr", outer_lr)
+        outer_momentum = _float("outer_momentum", outer_momentum)
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr={outer_lr!r}: positive")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum={outer_momentum!r}: in [0, 1)")
+        if isinstance(params, torch.nn.Module):
+            params = params.parameters()
+        params = [p[1] if isinstance(p, tuple) else p for p in params]
+        self._params = [p for p in params if p.requires_grad]
+        if not self._params:
+            raise ValueError("DiLoCo got no trainable parameters")
+        inner = {id(p) for group in inner_optimizer.param_groups for p in group["params"]}
+        for i, p in enumerate(self._params):
+            if id(p) not in inner:
+                raise ValueError(f"parameter {i} {tuple(p.shape)} is not the inner optimizer's; "
+                                 "build the inner optimizer over the same parameters")
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {i} ({tuple(p.shape)}) is {p.dtype}; Morse trains "
+                                "float32 parameters")
+        self.inner = inner_optimizer
+        self.sync_every = sync_every
+        if feedback is None:
+            feedback = "none" if codec in ("fp32", "fp16", "bf16") else "ef"
+        if feedback_beta is not None and feedback != "ema":
+            raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
+                             f"feedback={feedback!r} has none")
+        self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
+        world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
+        servers = _env("MORSE_SERVERS", servers)
+        if isinstance(servers, str):
+            servers = [s for s in servers.split(",") if s]
+        config = config if config is not None else os.environ.get("MORSE_CONFIG")
+        if config:
+            with open(config) as f:
+                base = f.read()
+        else:
+            base = f"workers: {world}\nshards: {len(servers)}\nexternal {{}}\n"
+        shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in self._params)
+        dim = sum(p.numel() for p in self._params)
+        fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
+        beta = f" beta: {float(feedback_beta)!r}" if feedback_beta is not None else ""
+        lines = [
+            f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" }}',
+            'optimizer: "diloco"',
+            f"diloco {{ sync_every: {sync_every} outer_lr: {outer_lr!r} "
+            f"outer_momentum: {outer_momentum!r} nesterov: {'true' if nesterov else 'false'} }}",
+            f"lr {{ lr: {outer_lr!r} }}",
+            f"steps: {steps}",
+            f'up_codec {{ codec: "{codec}" }}',
+            f'down_codec {{ codec: "{down_codec or codec}" }}',
+            f'worker_feedback {{ mode: "{feedback}"{beta} }}',
+            f'server_feedback {{ mode: "{feedback}"{beta} }}',
+        ]
+        if block_elems:
+            lines.append(f"block_elems: {block_elems}")
+        if partition_elems:
+            lines.append(f"partition_elems: {partition_elems}")
+        self.job_overrides = "\n".join(lines)
+        # The outer parameters and the pseudo-gradient, on the host.
+        self._ranges, offset = [], 0
+        for p in self._params:
+            self._ranges.append((offset, offset + p.numel()))
+            offset += p.numel()
+        self._x = self._local()
+        self._grad = torch.zeros(dim, dtype=torch.float32)
+        self._session = _native.Session(base, self.job_overrides, self._rank, servers,
+                                        self._x.numpy(), _security(security))
+        self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+        self._to_params()
+        self._inner_steps = 0
+        self.last_sync = {}
+
+    def _local(self):
+        """This rank's parameters, flat, on the host (a copy)."""
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32)
+                              for p in self._params])
+
+    @torch.no_grad()
+    def _to_params(self):
+        for p, (lo, hi) in zip(self._params, self._ranges):
+            p.copy_(self._x[lo:hi].view_as(p))
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def rank(self):
+        return self._rank
+
+    @property
+    def inner_steps(self):
+        """Inner steps taken (step() calls) since the start of the run."""
+        return self._inner_steps
+
+    @property
+    def step_index(self):
+        """Outer steps (syncs) the job has taken."""
+        return self._session.step_index
+
+    def zero_grad(self, set_to_none=None):
+        if set_to_none is None:
+            self.inner.zero_grad()
+        else:
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """The inner optimizer's step; every sync_every-th also syncs: pushes
+        this rank's pseudo-gradient, waits for the outer step and sets the
+        parameters to the new outer parameters."""
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self._inner_steps += 1
+        if self._inner_steps % self.sync_every == 0:
+            self.sync()
+        return loss
+
+    @torch.no_grad()
+    def sync(self):
+        """An outer step now (step() calls it every sync_every steps)."""
+        torch.sub(self._x, self._local(), out=self._grad)
+        self.last_sync = self._session.step(self._grad.numpy())
+        self._to_params()
+
+    def outer_parameters(self):
+        """A copy of the outer parameters (flat, on the host)."""
+        return self._x.clone()
+
+    def checksum(self):
+        """A checksum of the outer parameters and momentum (equal on every
+        rank after each sync)."""
+        return self._session.checksum()
+
+    def state_dict(self):
+        step, m, _, error = self._session.get_state()
+        outer = {"step": step, "rank": self._rank, "params": self._x.clone(),
+                 "momentum": torch.from_numpy(m), "worker_error": torch.from_numpy(error)}
+        if self._rank == 0:
+            outer["server_error"] = torch.from_numpy(self._session.server_error())
+        return {"inner": self.inner.state_dict(), "inner_steps": self._inner_steps,
+                "sync_every": self.sync_every, "params": self._local(), "outer": outer}
+
+    def load_state_dict(self, state_dict):
+        """Restores a run saved with state_dict() before the first step(), on
+        every rank with its own state (rank 0's holds the shards' error
+        buffers): against fresh shards rank 0 restores them and the others
+        wait for it. The parameters become this rank's saved ones (between
+        syncs they differ from the outer parameters)."""
+        outer = state_dict["outer"]
+        dim = self._x.numel()
+        for key in ("params", "momentum", "worker_error"):
+            if key not in outer or outer[key].numel() != dim:
+                raise ValueError(f"state_dict['outer']['{key}'] must hold {dim} values")
+        if "params" not in state_dict or state_dict["params"].numel() != dim:
+            raise ValueError(f"state_dict['params'] must hold {dim} values")
+        if state_dict.get("sync_every") != self.sync_every:
+            raise ValueError(f"this state_dict was saved with sync_every="
+                             f"{state_dict.get('sync_every')!r}, this optimizer has "
+                             f"{self.sync_every}; build it with the saved value")
+        saved_rank = outer.get("rank", self._rank)
+        if saved_rank != self._rank and bool(outer["worker_error"].abs().max() > 0):
+            raise ValueError(f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: "
+                             "its worker error buffer is that rank's own; load each rank's own")
+        if "server_error" in outer and outer["server_error"].numel() != dim:
+            raise ValueError(f"state_dict['outer']['server_error'] must hold {dim} values")
+
+        def host(t):
+            return t.detach().to("cpu", torch.float32).contiguous().numpy()
+        inner_steps = int(state_dict["inner_steps"])
+        step = int(outer["step"])
+        if step != inner_steps // self.sync_every:
+            raise ValueError(f"this state_dict has {inner_steps} inner steps but {step} outer "
+                             f"ones, which sync_every={self.sync_every} does not give")
+        # The inner optimizer's state first (torch checks it), put back if
+        # the session refuses the rest: nothing changes on an error.
+        saved_inner = copy.deepcopy(self.inner.state_dict())
+        self.inner.load_state_dict(state_dict["inner"])
+        saved_x = self._x.clone()
+        self._x.copy_(outer["params"].detach().reshape(-1))
+        server_error = host(outer["server_error"]) if "server_error" in outer else None
+        try:
+            self._session.set_state(step, host(outer["momentum"]), torch.zeros(dim).numpy(),
+                                    host(outer["worker_error"]), server_error)
+        except (MorseError, ValueError):
+            self._x.copy_(saved_x)
+            self.inner.load_state_dict(saved_inner)
+            raise
+        self._inner_steps = inner_steps
+        with torch.no_grad():
+            local = state_dict["params"].detach().reshape(-1).to("cpu", torch.float32)
+            for p, (lo, hi) in zip(self._params, self._ranges):
+                p.copy_(local[lo:hi].view_as(p))
