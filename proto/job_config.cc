@@ -230,12 +230,6 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     if (d.has_outer_lr()) a.diloco.outer_lr = d.outer_lr();
     if (d.has_outer_momentum()) a.diloco.outer_momentum = d.outer_momentum();
     if (d.has_nesterov()) a.diloco.nesterov = d.nesterov();
-    if (!external) {
-      return Invalid("optimizer",
-                     "diloco trains external models (morse.torch.DiLoCo, whose "
-                     "inner optimizer is the script's); the built-in "
-                     "workloads have no inner optimizer yet");
-    }
   } else if (c.has_diloco()) {
     return Invalid("diloco", "is set but the optimizer is not diloco");
   }

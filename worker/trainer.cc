@@ -186,6 +186,18 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   auto first = session_->Start(resume, checkpoint_);
   if (!first.ok()) return first.status();
   first_step_ = next_step_ = *first;
+  const compress::AlgorithmConfig& algorithm = job_.algorithm;
+  if (algorithm.optimizer == compress::OptimizerKind::kDiloco) {
+    if (first_step_ > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "diloco: worker ", options_.rank, " would rejoin at outer step ",
+          first_step_,
+          " without its inner Adam state, which morse-worker keeps in memory "
+          "only; restart the whole job from the shards' checkpoint instead"));
+    }
+    inner_ = std::make_unique<InnerAdam>(algorithm, dim);
+    pseudo_gradient_.assign(dim, 0.0f);
+  }
   auto chosen = ChooseEngine(options_, *workload_, *session_);
   if (!chosen.ok()) return chosen.status();
   if (!chosen->empty()) Log(*chosen);
@@ -202,8 +214,9 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   summary_.device = session_->engine().description();
   report_ = std::make_unique<StepReport>(StepReport::Options{
       options_.rank, job_.steps, first_step_, job_.log_every,
-      static_cast<double>(workload_->samples_per_step()), metrics_.get(),
-      options_.log});
+      static_cast<double>(workload_->samples_per_step()) *
+          (inner_ != nullptr ? algorithm.diloco.sync_every : 1),
+      metrics_.get(), options_.log});
   const TcpCounters tcp = ReadTcp();
   tcp_sent_start_ = tcp.sent;
   tcp_received_start_ = tcp.received;
@@ -238,7 +251,17 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   record.step = step;
   const TcpCounters tcp_before = ReadTcp();
   absl::StatusOr<double> loss;
-  if (engine.ComputesGradientRanges()) {
+  if (inner_ != nullptr) {
+    // diloco: this worker's inner steps from the outer parameters, then the
+    // outer step with their pseudo-gradient.
+    loss = inner_->Run(step, *workload_, replica.x(),
+                       absl::MakeSpan(pseudo_gradient_));
+    if (!loss.ok()) return loss.status();
+    record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    if (absl::Status s = session_->Step(pseudo_gradient_, &record.traffic);
+        !s.ok())
+      return s;
+  } else if (engine.ComputesGradientRanges()) {
     // Each partition is pushed as soon as its gradient is computed, so the
     // exchange overlaps the rest of the gradient.
     if (absl::Status s = session_->BeginFromEngine(); !s.ok()) return s;

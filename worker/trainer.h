@@ -17,6 +17,7 @@
 #include "proto/http_endpoint.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
+#include "worker/inner_adam.h"
 #include "worker/session.h"
 #include "worker/step_report.h"
 #include "worker/transport/transport.h"
@@ -141,6 +142,9 @@ class Trainer {
   std::atomic<bool> ready_{false};  // /readyz; outlives http_
   std::unique_ptr<proto::HttpEndpoint> http_;
   std::unique_ptr<Session> session_;
+  // diloco: the inner steps of each outer step, and their pseudo-gradient.
+  std::unique_ptr<InnerAdam> inner_;
+  std::vector<float> pseudo_gradient_;
   std::string checkpoint_;                  // this worker's; empty: none
   std::unique_ptr<std::ofstream> metrics_;  // --metrics
   std::unique_ptr<StepReport> report_;

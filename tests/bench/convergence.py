@@ -13,8 +13,14 @@ local-step interval doubling every 10% up to 4), all at default settings
 (eps 1e-8, bias correction, the zero-variance mask), on identical global
 batches from identical initial weights. OneBitLamb (at 3x the Adam lr,
 freeze at 50%) is compared with LAMB written here in torch at the same lr
-(the "gap to ref" column names which). It prints held-out loss and
-accuracy and the relative gap of the held-out loss to the reference.
+(the "gap to ref" column names which). DiLoCo runs as diloco-H-CODEC
+(e.g. diloco-10-fp32, diloco-50-int4, diloco-10-sign1): torch.optim.Adam at
+the model's lr as the inner optimizer on each rank's half of the batch, H
+inner steps per outer step, the pseudo-gradient in CODEC (error feedback
+for int8, int4 and sign1), the paper's outer optimizer (lr 0.7, Nesterov
+momentum 0.9). It prints held-out loss and accuracy, the relative gap of
+the held-out loss to the reference, and the bytes each worker pushed per
+step (payload, averaged over the run).
 
 --max-gap G exits 1 when the seeds' paired gaps put a Morse optimizer above
 G by more than the noise they measure in the same run explains
@@ -24,7 +30,8 @@ checks run 3-6 seeds and the 2% claims over many seeds are in
 docs/convergence.md.
 
     tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
-                               [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb]
+                               [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb,
+                                             diloco-H-CODEC]
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
                                [--lamb-freeze F] [--block-elems N] [--seeds N]
                                [--json FILE] [--max-gap 0.02]
@@ -259,19 +266,32 @@ def worker(task, optimizer):
         opt = morse.torch.OneBitLamb(model.named_parameters(), lr=lamb_lr_scale() * lr,
                                      freeze_step=max(1, int(task.steps * freeze)),
                                      block_elems=block_elems)
+    elif optimizer.startswith("diloco-"):
+        _, every, codec = optimizer.split("-")
+        inner = torch.optim.Adam(model.parameters(), lr=lr)
+        opt = morse.torch.DiLoCo(model, inner, sync_every=int(every), codec=codec,
+                                 block_elems=block_elems)
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5, block_elems=block_elems)
     else:
         opt = morse.torch.Adam(model.parameters(), lr=lr, block_elems=block_elems)
+    pushed = 0
     for step in range(task.steps):
         opt.zero_grad()
         x, y = task.batch(rank, step)
         task.loss(model, x, y).backward()
+        syncs = getattr(opt, "step_index", None)
         opt.step()
+        if isinstance(opt, morse.torch.DiLoCo):
+            if opt.step_index != syncs:
+                pushed += opt.last_sync["bytes_up"]
+        else:
+            pushed += opt.last_step.get("bytes_up", 0)
     if rank == 0:
         loss, acc = task.evaluate(model)
-        print("RESULT " + json.dumps({"loss": loss, "accuracy": acc}), flush=True)
+        print("RESULT " + json.dumps({"loss": loss, "accuracy": acc,
+                                      "bytes_per_step": pushed / task.steps}), flush=True)
 
 
 def morse(task, optimizer, morse_run):
@@ -284,7 +304,7 @@ def morse(task, optimizer, morse_run):
     if result.returncode != 0 or not lines:
         return None, result.stdout[-2000:]
     r = json.loads(lines[-1].split("RESULT ", 1)[1])
-    return (r["loss"], r["accuracy"]), ""
+    return (r["loss"], r["accuracy"], r["bytes_per_step"]), ""
 
 
 OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam", "onebit_lamb")
@@ -292,6 +312,13 @@ OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam", "onebit_lamb")
 REFERENCE = {"onebit_lamb": "lamb"}
 # What runs without --optimizers (and in ctest's --max-gap check).
 DEFAULT_OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam")
+
+
+def is_diloco(name):
+    """Whether `name` is diloco-H-CODEC."""
+    parts = name.split("-")
+    return (len(parts) == 3 and parts[0] == "diloco" and parts[1].isdigit() and int(parts[1]) >= 1
+            and parts[2] in ("fp32", "fp16", "bf16", "int8", "int4", "sign1"))
 
 
 def main():
@@ -355,8 +382,9 @@ def main():
     optimizers = args.optimizers.split(",")
     for bad in [m for m in models if m not in ("cnn", "gru", "attention")]:
         parser.error(f"unknown model {bad!r}: cnn, gru or attention")
-    for bad in [o for o in optimizers if o not in OPTIMIZERS]:
-        parser.error(f"unknown optimizer {bad!r}: one of {', '.join(OPTIMIZERS)}")
+    for bad in [o for o in optimizers if o not in OPTIMIZERS and not is_diloco(o)]:
+        parser.error(f"unknown optimizer {bad!r}: one of {', '.join(OPTIMIZERS)}, or "
+                     "diloco-H-CODEC (H >= 1; CODEC fp32, fp16, bf16, int8, int4 or sign1)")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.steps < 1:
@@ -368,7 +396,8 @@ def main():
     seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
     print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds)")
-    print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to ref':>12} {'s':>6}")
+    print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to ref':>12} "
+          f"{'B/step':>9} {'s':>6}")
     for name in models:
         start = time.time()
         refs = {}
@@ -380,7 +409,7 @@ def main():
             spread = float(np.std([l for l, _ in ref]) / ref_loss) if len(seeds) > 1 else None
             note = f"seed spread {100 * spread:.1f}%" if spread is not None else ""
             label = "torch LAMB" if kind == "lamb" else "torch.optim.Adam"
-            print(f"{name:10} {label:18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} "
+            print(f"{name:10} {label:18} {ref_loss:13.4f} {ref_acc:9.4f} {'':>12} {'':>9} "
                   f"{time.time() - start:6.1f}  {note}", flush=True)
             rows.append({"model": name, "optimizer": f"torch_{kind}", "loss": ref_loss, "accuracy": ref_acc,
                          "seed_losses": [l for l, _ in ref], "seed_spread": spread})
@@ -399,12 +428,13 @@ def main():
                 failed = True
                 rows.append({"model": name, "optimizer": optimizer, "failed": True})
                 continue
-            loss = float(np.mean([l for l, _ in results]))
-            acc = float(np.mean([a for _, a in results]))
+            loss = float(np.mean([l for l, _, _ in results]))
+            acc = float(np.mean([a for _, a, _ in results]))
+            pushed = float(np.mean([b for _, _, b in results]))
             gap = (loss - ref_loss) / ref_loss
             # Paired by seed (same weights, same batches): the standard error
             # of the per-seed gaps says how much of `gap` the seeds explain.
-            paired = [(l - r[0]) / r[0] for (l, _), r in zip(results, ref)]
+            paired = [(l - r[0]) / r[0] for (l, _, _), r in zip(results, ref)]
             se = float(np.std(paired, ddof=1) / np.sqrt(len(paired))) if len(paired) > 1 else None
             note = f"paired gap {100 * np.mean(paired):+.1f}% +- {100 * se:.1f}% (se)" if se is not None else ""
             if args.max_gap is not None:
@@ -412,10 +442,10 @@ def main():
                 note = verdict.describe()
                 failed = failed or not verdict.ok
             print(f"{name:10} {optimizer:18} {loss:13.4f} {acc:9.4f} {100 * gap:+11.2f}% "
-                  f"{time.time() - start:6.1f}  {note}", flush=True)
+                  f"{pushed:9.0f} {time.time() - start:6.1f}  {note}", flush=True)
             rows.append({"model": name, "optimizer": optimizer, "loss": loss, "accuracy": acc,
                          "gap": gap, "paired_gaps": paired, "paired_gap_se": se,
-                         "seed_losses": [l for l, _ in results]})
+                         "bytes_per_step": pushed, "seed_losses": [l for l, _, _ in results]})
             if args.max_gap is not None:
                 rows[-1].update(limit=verdict.limit, ok=verdict.ok)
     if args.json:

@@ -1,6 +1,9 @@
+#include <algorithm>
+
 #include "absl/strings/str_format.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
+#include "compress/update_rules.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/expected.h"
 #include "worker/workload.h"
@@ -19,12 +22,41 @@ Expected Simulate(const proto::JobSpec& job) {
   expected.shard.resize(job.shards());
   expected.worker.resize(job.workers());
   const auto hex = [](uint64_t v) { return absl::StrFormat("%016x", v); };
+  // diloco (design.md 2.11): each worker's inner Adam, written out here.
+  const compress::AlgorithmConfig& a = job.algorithm;
+  const bool diloco = a.optimizer == compress::OptimizerKind::kDiloco;
+  std::vector<std::vector<float>> inner_m(job.workers(), grads[0]),
+      inner_v(inner_m), local(inner_m), inner_grad(inner_m);
+  compress::LrSchedule inner_lr = a.lr;
+  inner_lr.total_steps *= a.diloco.sync_every;
   for (int64_t step = 0; step < job.steps; ++step) {
     for (uint32_t r = 0; r < job.workers(); ++r) {
-      EXPECT_TRUE(
-          workloads[r]
-              .Gradient(step, sim->worker_x(r), absl::MakeSpan(grads[r]))
-              .ok());
+      if (!diloco) {
+        EXPECT_TRUE(
+            workloads[r]
+                .Gradient(step, sim->worker_x(r), absl::MakeSpan(grads[r]))
+                .ok());
+        continue;
+      }
+      if (step == 0) {
+        std::fill(inner_m[r].begin(), inner_m[r].end(), 0.0f);
+        std::fill(inner_v[r].begin(), inner_v[r].end(), 0.0f);
+      }
+      std::copy(sim->x().begin(), sim->x().end(), local[r].begin());
+      for (int64_t h = 0; h < a.diloco.sync_every; ++h) {
+        const int64_t t = step * a.diloco.sync_every + h;
+        EXPECT_TRUE(workloads[r]
+                        .Gradient(t, local[r], absl::MakeSpan(inner_grad[r]))
+                        .ok());
+        compress::AdamStep(compress::MakeAdamScalars(
+                               a.adam, compress::LearningRate(inner_lr, t),
+                               t + 1, a.bias_correction),
+                           inner_grad[r], absl::MakeSpan(local[r]),
+                           absl::MakeSpan(inner_m[r]),
+                           absl::MakeSpan(inner_v[r]));
+      }
+      for (uint64_t j = 0; j < dim; ++j)
+        grads[r][j] = sim->x()[j] - local[r][j];
     }
     std::vector<absl::Span<const float>> views(grads.begin(), grads.end());
     EXPECT_TRUE(sim->Step(views).ok());

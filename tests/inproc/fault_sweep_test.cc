@@ -281,6 +281,12 @@ TEST_P(FaultSweepTest, EveryWorkerAndShardMatchesTheSimulator) {
       static_cast<unsigned long long>(total));
 }
 
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  return absl::StrCat(
+      Name(std::get<0>(info.param)), "_", std::get<1>(info.param), "workers_",
+      std::get<2>(info.param), "shards_", std::get<3>(info.param).name);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Sweep, FaultSweepTest,
     ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
@@ -289,12 +295,24 @@ INSTANTIATE_TEST_SUITE_P(
                                          Faults::kWorkerKilled),
                        ::testing::Values(1u, 3u), ::testing::Values(1u, 2u),
                        ::testing::ValuesIn(kSchemes)),
-    [](const ::testing::TestParamInfo<Param>& info) {
-      return absl::StrCat(Name(std::get<0>(info.param)), "_",
-                          std::get<1>(info.param), "workers_",
-                          std::get<2>(info.param), "shards_",
-                          std::get<3>(info.param).name);
-    });
+    ParamName);
+
+// diloco: 4 inner Adam steps per outer step, the pseudo-gradient in int8
+// with error feedback both ways. No worker kills: morse-worker keeps the
+// inner Adam state in memory only, so a worker does not rejoin mid-run
+// (TrainerTest.DilocoStepsAreTheSimulatorsAndARejoinIsRefused).
+constexpr Scheme kDiloco[] = {
+    {"diloco_int8", R"(optimizer: "diloco" diloco { sync_every: 4 }
+       up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
+};
+INSTANTIATE_TEST_SUITE_P(
+    Diloco, FaultSweepTest,
+    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
+                                         Faults::kDuplicatesAndReordering,
+                                         Faults::kDrops, Faults::kShardKilled),
+                       ::testing::Values(1u, 3u), ::testing::Values(1u, 2u),
+                       ::testing::ValuesIn(kDiloco)),
+    ParamName);
 
 }  // namespace
 }  // namespace morse::inproc

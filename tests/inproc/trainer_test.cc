@@ -162,6 +162,53 @@ TEST(TrainerTest, FetchLeavesZeroMomentsOutOfTheMessage) {
       << refused;
 }
 
+// diloco (design.md 2.11) with the built-in workload: each Step() is one
+// outer step of 3 inner Adam steps, whose pseudo-gradient goes out in int4
+// with error feedback; the worker's outer parameters and momentum are the
+// simulator's after every one, and each step reports the inner steps'
+// samples. A worker restarted mid-run would have lost its inner Adam
+// state, so its rejoin is refused, saying so.
+TEST(TrainerTest, DilocoStepsAreTheSimulatorsAndARejoinIsRefused) {
+  auto job = proto::ParseJobConfig(R"(
+    workers: 1 shards: 2
+    synthetic { dim: 3000 noise: 0.1 }
+    lr { lr: 0.01 }
+    steps: 5
+    block_elems: 256
+    partition_elems: 1024
+    optimizer: "diloco" diloco { sync_every: 3 outer_lr: 0.8 }
+    up_codec { codec: "int4" } worker_feedback { mode: "ef" }
+    timeouts { connect_seconds: 10 step_seconds: 10 rpc_seconds: 2 })",
+                                   proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto cluster = InProcessCluster::Create(*job, {});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  worker::TrainerOptions options;
+  options.checksums = true;
+  options.security.insecure = true;
+  options.log = [](const std::string&) {};
+  auto trainer = worker::Trainer::Create(*job, options, (*cluster)->Connect());
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  const testing::Expected expected = testing::Simulate(*job);
+  for (int64_t step = 0; step < 3; ++step) {
+    auto record = (*trainer)->Step();
+    ASSERT_TRUE(record.ok()) << record.status();
+    EXPECT_EQ(record->phase, "outer");
+    EXPECT_EQ(absl::StrFormat("%016x", *record->checksum),
+              expected.worker[0][step])
+        << "step " << step;
+    EXPECT_GT(record->traffic.payload_up, 0u);
+  }
+  trainer->reset();
+  options.rejoin = true;
+  auto again = worker::Trainer::Create(*job, options, (*cluster)->Connect());
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(again.status().message().find("inner Adam state"),
+            absl::string_view::npos)
+      << again.status();
+}
+
 TEST(TrainerTest, RefusesAnUnknownDeviceBeforeJoining) {
   const proto::JobSpec job = Job();
   auto cluster = InProcessCluster::Create(job, {});

@@ -101,9 +101,6 @@ TEST(JobConfigTest, ErrorsNameTheField) {
        "steps: 1",
        "synthetic.layer_elems"},
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
-       "optimizer: \"diloco\"",
-       "diloco trains external models"},
-      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
        "diloco { sync_every: 4 }",
        "diloco"},
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "

@@ -1,0 +1,40 @@
+// InnerAdam: diloco's inner optimizer for morse-worker's built-in workloads
+// (design.md 2.11). Each outer step, the worker trains its own copy of the
+// model from the outer parameters with sync_every steps of Adam (the job's
+// adam settings and lr schedule, counted in inner steps), then hands the
+// session its pseudo-gradient x_outer - x_local. m and v are this worker's
+// own and carry over from one outer step to the next, as DiLoCo's inner
+// optimizer state does; they live in memory only.
+#ifndef MORSE_WORKER_INNER_ADAM_H_
+#define MORSE_WORKER_INNER_ADAM_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "compress/algorithm.h"
+#include "worker/workload.h"
+
+namespace morse::worker {
+
+class InnerAdam {
+ public:
+  InnerAdam(const compress::AlgorithmConfig& config, uint64_t dim);
+
+  // Outer step `step`'s inner steps (step * sync_every + h for h < sync_every,
+  // the workload's step numbers) from `outer`; writes x_outer - x_local to
+  // `pseudo_gradient` and returns the inner steps' mean loss.
+  absl::StatusOr<double> Run(int64_t step, Workload& workload,
+                             absl::Span<const float> outer,
+                             absl::Span<float> pseudo_gradient);
+
+ private:
+  compress::AlgorithmConfig config_;
+  compress::LrSchedule schedule_;  // over inner steps
+  std::vector<float> x_, m_, v_, grad_;
+};
+
+}  // namespace morse::worker
+
+#endif  // MORSE_WORKER_INNER_ADAM_H_
