@@ -4,9 +4,11 @@ every sync each rank's outer parameters and momentum must be the
 single-process simulator's, fed the pseudo-gradients the ranks pushed, and
 every rank's model must be the outer parameters; the outer parameters must
 follow torch.optim.SGD(nesterov=True) on the ranks' average pseudo-gradient
-(within float rounding of the average). Run with fp32 both ways and with
-int8 and error feedback on both sides. Bad arguments are refused before
-the job is joined."""
+(within float rounding of the average). Run with fp32 both ways (and an lr
+scheduler on the inner optimizer) and with int8 and error feedback on both
+sides (and a resume mid-interval in a fresh job); the inner steps clip
+with torch's clip_grad_norm_. Bad arguments, a Morse optimizer as the inner
+one among them, are refused before the job is joined."""
 import json
 import os
 import shutil
@@ -39,14 +41,16 @@ def worker(out, codec, phase):
         other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
         for bad, kind in ((dict(sync_every=0), ValueError), (dict(outer_momentum=1.0), ValueError),
                           (dict(outer_lr=-1.0), ValueError), (dict(inner_optimizer=other), ValueError),
-                          (dict(inner_optimizer="adamw"), TypeError)):
+                          (dict(inner_optimizer="adamw"), TypeError),
+                          # A Morse optimizer (not built: it would join the job).
+                          (dict(inner_optimizer=object.__new__(morse.torch.Adam)), ValueError)):
             args = dict(inner_optimizer=inner, world_size=RANKS, servers=["unused:1"])
             args.update(bad)
             try:
                 morse.torch.DiLoCo(model, **args)
                 check(False, f"{bad} was accepted")
             except kind as e:
-                print(f"refused {bad}: {e}")
+                print(f"refused {sorted(bad)}: {e}")
     opt = morse.torch.DiLoCo(model, inner, sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
                              outer_momentum=OUTER_MOMENTUM, codec=codec, block_elems=16,
                              partition_elems=64)
@@ -69,6 +73,10 @@ def worker(out, codec, phase):
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy", flat.numpy())
+    # The inner steps are the script's own: torch's clipping of this rank's
+    # gradient, and (without the resume, which would need its state) an lr
+    # schedule on the inner optimizer.
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, 4, 0.5) if codec == "fp32" else None
     checksums = []
     for step in range(first, SYNC_EVERY * SYNCS):
         if phase == "save" and step == SAVE_AT:
@@ -78,7 +86,10 @@ def worker(out, codec, phase):
         x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
         if (step + 1) % SYNC_EVERY:
             continue
         outer = (step + 1) // SYNC_EVERY - 1

@@ -19,7 +19,7 @@ import os
 import torch
 
 from .. import _native
-from . import MorseError, _env, _security
+from . import MorseError, _env, _MorseOptimizer, _security
 
 
 def _float(name, value):
@@ -65,6 +65,10 @@ class DiLoCo:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer is a {type(inner_optimizer).__name__}; DiLoCo wraps "
                             "a torch.optim.Optimizer over the model's parameters")
+        if isinstance(inner_optimizer, _MorseOptimizer):
+            raise ValueError(f"inner_optimizer is a Morse {type(inner_optimizer).__name__}, which "
+                             "exchanges every step itself; DiLoCo's inner steps are each rank's "
+                             "own: give it a torch optimizer (e.g. torch.optim.AdamW)")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r}: a whole number of inner steps, at least 1")
         outer_lr = _float("outer_lr", outer_lr)
