@@ -43,36 +43,6 @@ void SelectByVariance(absl::Span<const float> v, absl::Span<float> values);
 // words, then the tail). For comparing replicas, never for security.
 uint64_t StateChecksum(std::initializer_list<absl::Span<const float>> arrays);
 
-class Replica;
-
-// A shard's reply for `n` elements at `offset` in its error buffer (PlanSend
-// of the down direction): the average of the workers' `pushes` (codec `up`,
-// validated, in rank order) encoded with `rule`'s codec, through `error`
-// when the rule has feedback, masked where mask_v is 0. On any error the
-// error buffer is exactly as it was (DESIGN 4). With sign1 both ways and
-// an fp32 error buffer the average is formed and recompressed a cache-sized
-// chunk of blocks at a time, so it never goes to memory; the bits are those
-// of averaging the whole partition first (tests/compress). The shards and
-// the simulator both call this.
-absl::Status EncodeShardReply(
-    const SendRule& rule, const CodecSpec& up,
-    absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
-    uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
-    absl::Span<uint8_t> payload);
-
-// A worker's message for [begin, begin + g.size()) of step `rule` (PlanSend
-// of the up direction): the local momentum of g (scaled by `grad_scale`,
-// ClipsLocally) when the rule says so, through `error` when it has
-// feedback, masked where v is 0 when it masks, encoded into `payload`
-// (PayloadBytes of the range). With sign1 (block-local) and local momentum,
-// the momentum is formed and encoded a cache-sized chunk of blocks at a
-// time, so it never goes to memory: one pass over g, m and e instead of
-// two. The bits are those of forming it whole first (tests/compress).
-absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
-                                 ErrorFeedback& error, uint64_t begin,
-                                 absl::Span<const float> g, float grad_scale,
-                                 absl::Span<uint8_t> payload);
-
 class Replica {
  public:
   // Zero x, m, v over `range`.

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/lamb.h"
+#include "compress/messages.h"
 #include "compress/optimizer.h"
 #include "compress/replica.h"
 

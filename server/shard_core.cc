@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "compress/bytes_hash.h"
 #include "compress/check.h"
+#include "compress/messages.h"
 #include "compress/optimizer.h"
 #include "compress/scratch.h"
 #include "compress/trace.h"

@@ -20,6 +20,7 @@ TARGET_ONEBIT_OVER_PEER = 1.0  # Morse's 1-bit exchange below DeepSpeed's compre
 TARGET_OTHERS_COMM_OVER_FLOOR = 1.3
 TARGET_LAMB_STEP_OVER_ONEBIT = 1.1
 TARGET_ZERO_ONE_STEP_OVER_ONEBIT = 1.0  # its mean step below onebit's median
+TARGET_DILOCO_STEP_OVER_COMPUTE = 1.1  # issue 39: within 1.1x of the step without communication
 
 
 def _num(value):
@@ -35,7 +36,8 @@ def load(path):
         for r in csv.DictReader(f):
             for k in ("rate_gbit", "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s",
                       "comm_rank0_median_s", "comm_round_median_s",
-                      "payload_bytes_per_step", "wire_bytes_per_step", "rounds_per_step", "floor_s",
+                      "payload_bytes_per_step", "wire_bytes_per_step", "rounds_per_step",
+                      "step_over_compute", "floor_s",
                       "ceiling_up_gbps", "ceiling_down_gbps"):
                 r[k] = _num(r.get(k))
             for k in ("dim", "workers", "shards", "steps_measured"):
@@ -114,6 +116,17 @@ def targets(rows):
                 out.append(("zero_one, 1 Gbit/s, D=25M: p75 step / onebit's median step", "<= 1.0", p75,
                             p75 <= 1.0))
     for r in rows:
+        if (r["scheme"] == "diloco" and r["rate_gbit"] == 1 and r["dim"] == 25_000_000
+                and r["status"] == "ok" and r.get("step_over_compute")):
+            out.append(("diloco, 1 Gbit/s, D=25M: mean step / its inner steps' compute (the step "
+                        "without communication)", f"<= {TARGET_DILOCO_STEP_OVER_COMPUTE}",
+                        r["step_over_compute"], r["step_over_compute"] <= TARGET_DILOCO_STEP_OVER_COMPUTE))
+            base = onebit.get((r["rate_gbit"], r["dim"], r["workers"], r["shards"]))
+            if base is not None and base["payload_bytes_per_step"] and r["payload_bytes_per_step"]:
+                fewer = base["payload_bytes_per_step"] / r["payload_bytes_per_step"]
+                out.append(("diloco, 1 Gbit/s, D=25M: onebit's payload per step / diloco's (per inner "
+                            "step)", ">= 3", fewer, fewer >= 3))
+    for r in rows:
         if r["scheme"] == "fp32" and r["kind"] == "morse" and r["status"] == "ok":
             out.append((f"fp32 goodput / netprobe ceiling, {_fmt(r['rate_gbit'])} Gbit/s, D={r['dim']:,}",
                         f">= {TARGET_GOODPUT}", r["goodput_over_ceiling"],
@@ -191,7 +204,8 @@ def write(csv_path, out_dir, meta=None):
         lines.append("| (no run covers a target: the full sweep includes 1 Gbit/s and D = 25M) | | | |")
     lines += ["", "## Runs", "",
               "zero_one's step, comm and payload are means over whole local intervals (local steps "
-              "send nothing); rounds/step is the share of steps that exchange (1 for every other "
+              "send nothing); diloco's are per inner step (an outer step divided by its inner "
+              "steps); rounds/step is the share of steps that exchange (1 for every other "
               "scheme). comm s is, per step, the least any worker (or any rank of the 1-bit peer) "
               "waited for the exchange: the worker whose gradient was ready last waits for the "
               "exchange alone, the others also for it (skew, not communication); rank 0's own "

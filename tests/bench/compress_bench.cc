@@ -30,6 +30,7 @@
 #include "compress/halving_sum.h"
 #include "compress/kernels.h"
 #include "compress/lamb.h"
+#include "compress/messages.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/update_rules.h"

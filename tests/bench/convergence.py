@@ -18,7 +18,7 @@ freeze at 50%) is compared with LAMB written here in torch at the same lr
 the model's lr as the inner optimizer on each rank's half of the batch, H
 inner steps per outer step, the pseudo-gradient in CODEC (error feedback
 for int8, int4 and sign1), the paper's outer optimizer (lr 0.7, Nesterov
-momentum 0.9). It prints held-out loss and accuracy, the relative gap of
+momentum 0.9; --diloco-outer sets others). It prints held-out loss and accuracy, the relative gap of
 the held-out loss to the reference, and the bytes each worker pushed per
 step (payload, averaged over the run).
 
@@ -33,7 +33,8 @@ docs/convergence.md.
                                [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb,
                                              diloco-H-CODEC]
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
-                               [--lamb-freeze F] [--block-elems N] [--seeds N]
+                               [--lamb-freeze F] [--diloco-outer LR,MOMENTUM]
+                               [--block-elems N] [--seeds N]
                                [--json FILE] [--max-gap 0.02]
 
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
@@ -269,7 +270,10 @@ def worker(task, optimizer):
     elif optimizer.startswith("diloco-"):
         _, every, codec = optimizer.split("-")
         inner = torch.optim.Adam(model.parameters(), lr=lr)
+        outer_lr, outer_momentum = (float(v) for v in
+                                    os.environ.get("MORSE_DILOCO_OUTER", "0.7,0.9").split(","))
         opt = morse.torch.DiLoCo(model, inner, sync_every=int(every), codec=codec,
+                                 outer_lr=outer_lr, outer_momentum=outer_momentum,
                                  block_elems=block_elems)
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
@@ -349,6 +353,9 @@ def main():
                              f"model's Adam lr (default {LAMB_LR_SCALE})")
     parser.add_argument("--lamb-freeze", type=float, default=LAMB_FREEZE, metavar="F",
                         help=f"onebit_lamb: freeze_step as a fraction of --steps (default {LAMB_FREEZE})")
+    parser.add_argument("--diloco-outer", metavar="LR,MOMENTUM", default="0.7,0.9",
+                        help="diloco-H-CODEC: the outer optimizer's lr and Nesterov momentum "
+                             "(default 0.7,0.9, the DiLoCo paper's; 1,0 averages the models)")
     parser.add_argument("--block-elems", type=int, default=0, metavar="N",
                         help="the Morse optimizers' block_elems (elements per codec scale; a positive "
                              "multiple of 16; default: Morse's default)")
@@ -367,6 +374,12 @@ def main():
             raise ValueError
     except ValueError:
         parser.error("--zero-one-schedule needs F,S,C[,K] with 0 < F, S <= 1, C >= 1 and K >= 1")
+    try:
+        outer_lr, outer_momentum = (float(v) for v in args.diloco_outer.split(","))
+        if not (outer_lr > 0 and 0 <= outer_momentum < 1):
+            raise ValueError
+    except ValueError:
+        parser.error("--diloco-outer needs LR,MOMENTUM with LR > 0 and MOMENTUM in [0, 1)")
     if args.block_elems < 0 or args.block_elems % 16:
         parser.error("--block-elems must be a positive multiple of 16")
     if not args.worker:
@@ -374,6 +387,7 @@ def main():
         os.environ["MORSE_ZERO_ONE_SCHEDULE"] = args.zero_one_schedule
         os.environ["MORSE_LAMB_LR_SCALE"] = repr(args.lamb_lr_scale)
         os.environ["MORSE_LAMB_FREEZE"] = repr(args.lamb_freeze)
+        os.environ["MORSE_DILOCO_OUTER"] = args.diloco_outer
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])

@@ -9,6 +9,7 @@
 
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
+#include "compress/messages.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/update_rules.h"

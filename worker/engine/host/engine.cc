@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "compress/messages.h"
 #include "compress/optimizer.h"
 
 namespace morse::worker::host {
