@@ -19,22 +19,16 @@ namespace morse::worker {
 absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(
     const proto::JobSpec& job, const compress::Layout& layout,
     std::vector<std::string> servers, uint32_t rank,
-    const proto::SecurityOptions& security, int compute_threads) {
+    const proto::SecurityOptions& security) {
   auto transport =
       GrpcTransport::Create(job, std::move(servers), rank, security);
   if (!transport.ok()) return transport.status();
-  return Create(job, layout, *std::move(transport), rank, compute_threads,
-                !security.insecure);
+  return Create(job, layout, *std::move(transport), rank, !security.insecure);
 }
 
 absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(
     const proto::JobSpec& job, const compress::Layout& layout,
-    std::unique_ptr<Transport> transport, uint32_t rank, int compute_threads,
-    bool tls) {
-  if (compute_threads < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "compute threads: ", compute_threads, "; at least 0 (0: none)"));
-  }
+    std::unique_ptr<Transport> transport, uint32_t rank, bool tls) {
   if (transport->shards() != job.shards()) {
     return absl::InvalidArgumentError(
         absl::StrCat("a transport to ", transport->shards(),
@@ -44,11 +38,8 @@ absl::StatusOr<std::unique_ptr<PushClient>> PushClient::Create(
     return absl::InvalidArgumentError(absl::StrCat(
         "rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
-  std::unique_ptr<PushClient> client(
+  return std::unique_ptr<PushClient>(
       new PushClient(job, layout, std::move(transport), rank, tls));
-  if (compute_threads > 0)
-    client->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
-  return client;
 }
 
 PushClient::PushClient(const proto::JobSpec& job,

@@ -33,7 +33,6 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "compress/compute_pool.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
 #include "compress/sync.h"
@@ -50,19 +49,16 @@ class PushClient {
  public:
   // `servers[s]` is shard s's host:port. Creates channels with the
   // credentials of `security` (INVALID_ARGUMENT if they break the policy of
-  // proto/security.h); connects lazily. compute_threads > 0: a compute pool
-  // of that many threads encodes and applies the steps' partitions
-  // (StepExchange); 0: none.
+  // proto/security.h); connects lazily.
   static absl::StatusOr<std::unique_ptr<PushClient>> Create(
       const proto::JobSpec& job, const compress::Layout& layout,
       std::vector<std::string> servers, uint32_t rank,
-      const proto::SecurityOptions& security, int compute_threads = 0);
+      const proto::SecurityOptions& security);
   // The same over any transport (tests: tests/inproc); `tls` only words
   // the connect timeout's error.
   static absl::StatusOr<std::unique_ptr<PushClient>> Create(
       const proto::JobSpec& job, const compress::Layout& layout,
-      std::unique_ptr<Transport> transport, uint32_t rank,
-      int compute_threads = 0, bool tls = false);
+      std::unique_ptr<Transport> transport, uint32_t rank, bool tls = false);
 
   // Waits, retrying with backoff up to the connect timeout, until every shard
   // answers and has this job's layout. FAILED_PRECONDITION on a layout or
@@ -191,20 +187,6 @@ class PushClient {
   std::map<std::pair<int64_t, uint32_t>, Retained> retained_
       ABSL_GUARDED_BY(retained_mu_);
   std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);
-  // With compute_threads > 0 (Create): encodes (StepExchange's
-  // parallel_encode) and applies replies; destroyed first.
-  std::unique_ptr<compress::ComputePool> pool_;
-
- public:
-  // The compute pool (null without one), for the session's own passes over
-  // the model between exchanges.
-  compress::ComputePool* pool() const { return pool_.get(); }
-  // Starts a compute pool of `threads` if the client has none (between
-  // steps only).
-  void EnsurePool(int threads) {
-    if (pool_ == nullptr)
-      pool_ = std::make_unique<compress::ComputePool>(threads);
-  }
 };
 
 }  // namespace morse::worker

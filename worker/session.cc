@@ -49,12 +49,18 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Connect(
       !s.ok()) {
     return s;
   }
-  auto client = PushClient::Create(job, *layout, std::move(transport), rank,
-                                   compute_threads, tls);
+  if (compute_threads < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compute threads: ", compute_threads, "; at least 0 (0: none)"));
+  }
+  auto client =
+      PushClient::Create(job, *layout, std::move(transport), rank, tls);
   if (!client.ok()) return client.status();
   std::unique_ptr<Session> session(
       new Session(job, rank, *std::move(layout), x));
   session->client_ = *std::move(client);
+  if (compute_threads > 0)
+    session->pool_ = std::make_unique<compress::ComputePool>(compute_threads);
   if (absl::Status s = session->client_->WaitForShards(); !s.ok()) return s;
   if (absl::Status s = session->client_->Join(); !s.ok()) return s;
   return session;
@@ -226,7 +232,8 @@ absl::Status Session::MoveTo(const std::string& kind, DeviceArrays arrays) {
   engine_ = *std::move(engine);
   // A device engine's encodes finish on the compute pool (StartEncode), so
   // the thread that queues the gradient's work never waits for the device.
-  if (engine_->kind() != "cpu") client_->EnsurePool(kDeviceCompletionThreads);
+  if (engine_->kind() != "cpu" && pool_ == nullptr)
+    pool_ = std::make_unique<compress::ComputePool>(kDeviceCompletionThreads);
   return absl::OkStatus();
 }
 
@@ -287,7 +294,7 @@ void Session::StartExchange() {
         layout_.partitions().size());
   }
   exchange_ = std::make_unique<StepExchange>(
-      client_.get(), step, plan_.up.kind,
+      client_.get(), pool_.get(), step, plan_.up.kind,
       // The step keeps its own copy of the hyper-parameters it was begun with.
       [this, step, hyper = step_hyper_, deferred = deferred_](
           const compress::Partition& p, const std::string& reply,
@@ -328,7 +335,7 @@ absl::Status Session::LocalStep() {
   }
   const absl::StatusOr<float> lr_sum = engine_->LocalStep(
       step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale,
-      client_->pool());
+      pool_.get());
   if (!lr_sum.ok()) return lr_sum.status();
   // A sync's message is the interval's update, not the gradient.
   clips_locally_ = false;
@@ -567,8 +574,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     // moves by each layer's coefficient), and its commit.
     trace::Scope traced("commit step", step_);
     absl::StatusOr<std::vector<double>> commit = engine_->CommitStep(
-        step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr,
-        client_->pool());
+        step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, pool_.get());
     if (!commit.ok()) {
       return Fail(absl::Status(
           commit.status().code(),

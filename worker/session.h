@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
 #include "compress/replica.h"
 #include "proto/checkpoint_file.h"
@@ -32,8 +33,10 @@ class Session {
   // connect timeout) and joins the job. `x` is where the parameters live
   // (job.algorithm.layout.dim floats, owned by the caller); empty: the
   // session owns them. compute_threads > 0: partitions are encoded (on the
-  // CPU) and replies applied on a compute pool of that many threads
-  // (PushClient::Create); 0: on the driving thread and gRPC's.
+  // CPU) and replies applied on the session's compute pool of that many
+  // threads, which also runs the optimizer's passes over the model between
+  // exchanges; 0: on the driving thread and gRPC's. INVALID_ARGUMENT if
+  // negative.
   static absl::StatusOr<std::unique_ptr<Session>> Connect(
       const proto::JobSpec& job, uint32_t rank,
       std::vector<std::string> servers, const proto::SecurityOptions& security,
@@ -214,6 +217,11 @@ class Session {
   compress::Replica replica_;
   compress::ErrorFeedback error_;
   std::unique_ptr<PushClient> client_;
+  // The compute pool (Connect's compute_threads; a device engine's
+  // completions start one): the exchange's encodes and reply applies and
+  // the optimizer's passes over the model between exchanges. Destroyed
+  // after the exchange and the engine that use it, before the client.
+  std::unique_ptr<compress::ComputePool> pool_;
   int64_t step_ = 0;
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;

@@ -29,10 +29,11 @@ struct StepExchange::Call {
   int64_t replay_last = -1;
 };
 
-StepExchange::StepExchange(PushClient* client, int64_t step,
-                           compress::CodecKind up, Apply apply,
+StepExchange::StepExchange(PushClient* client, compress::ComputePool* pool,
+                           int64_t step, compress::CodecKind up, Apply apply,
                            StepExtras extras, bool parallel_encode)
     : client_(client),
+      pool_(pool),
       step_(step),
       wire_codec_(proto::ToWire(up)),
       parallel_encode_(parallel_encode),
@@ -83,8 +84,8 @@ void StepExchange::SendQueued() {
       ++in_flight_;
       sent_[next.call->partition->id] = true;
     }
-    client_->pool_->Schedule([this, call = std::move(next.call),
-                              encode = std::move(next.encode)]() mutable {
+    pool_->Schedule([this, call = std::move(next.call),
+                     encode = std::move(next.encode)]() mutable {
       (void)EncodeAndIssue(std::move(call), encode, /*inline_call=*/false);
     });
   }
@@ -346,10 +347,10 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
       Fail(*done->partition, s);
     return;
   }
-  if (client_->pool_ != nullptr) {
+  if (pool_ != nullptr) {
     // Decoding and applying the reply is the worker's work of the step:
     // on the compute pool, off gRPC's thread.
-    client_->pool_->Schedule([this, done = std::move(done), status]() mutable {
+    pool_->Schedule([this, done = std::move(done), status]() mutable {
       Deliver(std::move(done), status);
     });
     return;
@@ -439,7 +440,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
     call->request.set_previous_grad_sum_of_squares(
         *extras_.previous_grad_sum_of_squares);
   }
-  if (client_->pool_ != nullptr && parallel_encode_) {
+  if (pool_ != nullptr && parallel_encode_) {
     // The caller goes on (computing the next partitions' gradient) while
     // the sender waits for a slot and a pool thread encodes and pushes this
     // one; an error shows in Finish.

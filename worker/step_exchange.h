@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "compress/codec.h"
+#include "compress/compute_pool.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
 #include "compress/sync.h"
@@ -57,10 +58,10 @@ struct StepExtras {
 
 // One step's exchange, sent partition by partition: Send waits for a slot
 // in the window, then encodes the partition and pushes it, on the calling
-// thread, or (parallel_encode, with the client's compute pool) queues it
+// thread, or (parallel_encode, with the session's compute pool) queues it
 // and goes on while the exchange's sender thread waits for the slot and a
-// pool thread encodes and pushes it; its reply is applied when it lands, on the
-// pool if the client has one, else on a gRPC thread. Finish waits for every
+// pool thread encodes and pushes it; its reply is applied when it lands, on
+// the pool if there is one, else on a gRPC thread. Finish waits for every
 // sent partition. Sends must come from one thread; the destructor waits for
 // anything in flight.
 class StepExchange {
@@ -73,10 +74,11 @@ class StepExchange {
       const compress::Partition&, const std::string& reply,
       std::optional<double> grad_sum_of_squares)>;
 
-  // parallel_encode: `encode` may run on the compute pool, concurrently
+  // `pool` (null: none) encodes and applies partitions; it outlives the
+  // exchange. parallel_encode: `encode` may run on the pool, concurrently
   // for different partitions (the host engine; not a GPU's).
-  StepExchange(PushClient* client, int64_t step, compress::CodecKind up,
-               Apply apply, StepExtras extras = {},
+  StepExchange(PushClient* client, compress::ComputePool* pool, int64_t step,
+               compress::CodecKind up, Apply apply, StepExtras extras = {},
                bool parallel_encode = false);
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
@@ -143,6 +145,7 @@ class StepExchange {
   void Fail(const compress::Partition& partition, absl::Status status);
 
   PushClient* client_;
+  compress::ComputePool* const pool_;
   const int64_t step_;
   const int wire_codec_;
   const bool parallel_encode_;

@@ -4,7 +4,8 @@ single-process simulator fed the gradients the workers computed, with
 bias correction and the zero-variance mask on (a parameter no loss uses
 stays where it was). Even ranks
 overlap pushes with the backward pass, odd ranks do not: the bytes, and so
-the results, are the same. state_dict()/load_state_dict() round-trip the
+the results, are the same; so do ranks 1 and 2 with a compute pool
+(MORSE_COMPUTE_THREADS) and the others without. state_dict()/load_state_dict() round-trip the
 optimizer state, error buffers included. Then all of it again with
 clip_grad_norm, which clips every step; and with the script's own
 torch.nn.utils.clip_grad_norm_ after backward() instead, which must give
@@ -31,6 +32,9 @@ def worker(out, clip):
     # mask (on by default) has elements to mask after the freeze.
     model.unused = torch.nn.Parameter(torch.full((7,), 0.5))
     rank = int(os.environ["MORSE_RANK"])
+    # Ranks 1 and 2 encode and apply on a compute pool of their session
+    # (MORSE_COMPUTE_THREADS), the others on their own threads: the same bits.
+    os.environ["MORSE_COMPUTE_THREADS"] = "2" if rank in (1, 2) else "0"
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank % 2 == 0,
                                  missing_grads="zero",  # the unused parameter (torch 2 zero_grad sets None)

@@ -165,8 +165,20 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
     if (!options.ok()) return options.status();
     std::vector<std::string> addresses =
         absl::StrSplit(servers, ',', absl::SkipEmpty());
+    // MORSE_COMPUTE_THREADS: the session's compute pool (encodes, reply
+    // applies and the optimizer's passes on the CPU; 0 or unset: none).
+    int compute_threads = 0;
+    if (const char* threads = std::getenv("MORSE_COMPUTE_THREADS");
+        threads != nullptr && *threads != '\0' &&
+        !(absl::SimpleAtoi(threads, &compute_threads) && compute_threads >= 0 &&
+          compute_threads <= 1024)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MORSE_COMPUTE_THREADS=", threads,
+                       ": a number of threads in [0, 1024]"));
+    }
     auto session = morse::worker::Session::Connect(
-        *job, rank, std::move(addresses), *options, absl::MakeSpan(x, dim));
+        *job, rank, std::move(addresses), *options, absl::MakeSpan(x, dim),
+        compute_threads);
     if (!session.ok()) return session.status();
     // MORSE_TRACE=FILE ("{rank}" becomes the rank): this process's step
     // timeline, written at exit.
