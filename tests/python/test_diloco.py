@@ -8,7 +8,8 @@ follow torch.optim.SGD(nesterov=True) on the ranks' average pseudo-gradient
 scheduler on the inner optimizer) and with int8 and error feedback on both
 sides (and a resume mid-interval in a fresh job); the inner steps clip
 with torch's clip_grad_norm_. Bad arguments, a Morse optimizer as the inner
-one among them, are refused before the job is joined."""
+one among them, are refused before the job is joined, and so is
+morse-run --node-aggregation."""
 import json
 import os
 import shutil
@@ -25,6 +26,18 @@ SYNCS = 4
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 SAVE_AT = 7  # inner steps: two syncs and one step of the third interval
+
+
+def node_aggregation():
+    """Under morse-run --node-aggregation DiLoCo refuses, saying so."""
+    import morse.torch
+    model = torch.nn.Linear(4, 2)
+    try:
+        morse.torch.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        check(False, "DiLoCo was built under --node-aggregation")
+    except morse.torch.MorseError as e:
+        check("node-aggregation" in str(e), f"unclear error: {e}")
+        print(f"REFUSED {e}")
 
 
 def worker(out, codec, phase):
@@ -123,9 +136,19 @@ def check_outer_steps(out):
 
 
 if __name__ == "__main__":
+    if "--node-aggregation-worker" in sys.argv:
+        node_aggregation()
+        sys.exit(0)
     if "--worker" in sys.argv:
         worker(*sys.argv[-3:])
         sys.exit(0)
+    import subprocess
+    run = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--nnodes", "1",
+                          "--nproc-per-node", "2", "--node-aggregation", "--", sys.executable,
+                          __file__, "--node-aggregation-worker"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=120)
+    check(run.returncode == 0 and run.stdout.count("REFUSED") == 2,
+          f"under --node-aggregation: {run.stdout}")
     for codec in ("fp32", "int8"):
         out = tempfile.mkdtemp(prefix="morse-diloco-")
         code, log = morse_run(__file__, RANKS, 2, out, codec, "full")

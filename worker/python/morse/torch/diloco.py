@@ -98,6 +98,10 @@ class DiLoCo:
         if feedback_beta is not None and feedback != "ema":
             raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
                              f"feedback={feedback!r} has none")
+        if os.environ.get("MORSE_NODE_AGGREGATION") == "1":
+            raise MorseError("FAILED_PRECONDITION: DiLoCo does not aggregate a node's ranks into "
+                             "one worker (morse-run --node-aggregation); every rank is a worker "
+                             "of its own: run without --node-aggregation")
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
