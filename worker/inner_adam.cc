@@ -2,8 +2,10 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "compress/check.h"
 #include "compress/update_rules.h"
+#include "proto/checkpoint_file.h"
 
 namespace morse::worker {
 
@@ -38,6 +40,48 @@ absl::StatusOr<double> InnerAdam::Run(int64_t step, Workload& workload,
   }
   for (size_t j = 0; j < x_.size(); ++j) pseudo_gradient[j] = outer[j] - x_[j];
   return loss / static_cast<double>(every);
+}
+
+absl::Status InnerAdam::Save(const std::string& path, int64_t step,
+                             uint32_t rank, uint64_t layout_fingerprint,
+                             uint64_t algorithm_fingerprint) const {
+  proto::CheckpointWriter writer(
+      {"diloco_inner", rank, layout_fingerprint, algorithm_fingerprint, step});
+  writer.AddFloats("inner_m", m_);
+  writer.AddFloats("inner_v", v_);
+  return writer.Write(path);
+}
+
+absl::Status InnerAdam::Load(const std::string& path, int64_t step,
+                             uint32_t rank, uint64_t layout_fingerprint,
+                             uint64_t algorithm_fingerprint) {
+  auto reader = proto::CheckpointReader::Open(path);
+  if (absl::IsNotFound(reader.status())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("diloco: no inner Adam state at ", path));
+  }
+  if (!reader.ok()) return reader.status();
+  const proto::CheckpointHeader& h = reader->header();
+  if (h.kind != "diloco_inner" || h.index != rank ||
+      h.layout_fingerprint != layout_fingerprint ||
+      h.algorithm_fingerprint != algorithm_fingerprint) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("diloco: ", path, " is not worker ", rank,
+                     "'s inner Adam state of this job (", h.kind, " of worker ",
+                     h.index, ")"));
+  }
+  if (h.step != step) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("diloco: ", path, " holds the inner Adam state after ",
+                     h.step, " outer steps; the worker starts at ", step));
+  }
+  auto m = reader->Floats("inner_m", m_.size());
+  if (!m.ok()) return m.status();
+  auto v = reader->Floats("inner_v", v_.size());
+  if (!v.ok()) return v.status();
+  m_ = *std::move(m);
+  v_ = *std::move(v);
+  return absl::OkStatus();
 }
 
 }  // namespace morse::worker

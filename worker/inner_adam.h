@@ -4,11 +4,13 @@
 // adam settings and lr schedule, counted in inner steps), then hands the
 // session its pseudo-gradient x_outer - x_local. m and v are this worker's
 // own and carry over from one outer step to the next, as DiLoCo's inner
-// optimizer state does; they live in memory only.
+// optimizer state does. Save/Load keep them beside the worker's checkpoint,
+// so that a restarted worker continues the run exactly.
 #ifndef MORSE_WORKER_INNER_ADAM_H_
 #define MORSE_WORKER_INNER_ADAM_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -28,6 +30,18 @@ class InnerAdam {
   absl::StatusOr<double> Run(int64_t step, Workload& workload,
                              absl::Span<const float> outer,
                              absl::Span<float> pseudo_gradient);
+
+  // m and v after `step` outer steps to `path` (atomically), for worker
+  // `rank` of the job whose layout and algorithm have these fingerprints.
+  absl::Status Save(const std::string& path, int64_t step, uint32_t rank,
+                    uint64_t layout_fingerprint,
+                    uint64_t algorithm_fingerprint) const;
+  // m and v of `step` from such a file; FAILED_PRECONDITION, saying why
+  // and changing nothing, when it is missing or of another step, worker
+  // or job; DATA_LOSS when it is corrupt.
+  absl::Status Load(const std::string& path, int64_t step, uint32_t rank,
+                    uint64_t layout_fingerprint,
+                    uint64_t algorithm_fingerprint);
 
  private:
   compress::AlgorithmConfig config_;

@@ -188,15 +188,28 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   first_step_ = next_step_ = *first;
   const compress::AlgorithmConfig& algorithm = job_.algorithm;
   if (algorithm.optimizer == compress::OptimizerKind::kDiloco) {
-    if (first_step_ > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "diloco: worker ", options_.rank, " would rejoin at outer step ",
-          first_step_,
-          " without its inner Adam state, which morse-worker keeps in memory "
-          "only; restart the whole job from the shards' checkpoint instead"));
-    }
     inner_ = std::make_unique<InnerAdam>(algorithm, dim);
     pseudo_gradient_.assign(dim, 0.0f);
+    if (first_step_ > 0) {
+      // Rejoining: the inner Adam state saved with this worker's checkpoint
+      // of the step it starts at, or no exact continuation.
+      const absl::Status loaded =
+          checkpoint_.empty()
+              ? absl::FailedPreconditionError("diloco: no checkpoint dir")
+              : inner_->Load(InnerPath(), first_step_, options_.rank,
+                             session_->layout().fingerprint(),
+                             compress::AlgorithmFingerprint(algorithm));
+      if (!loaded.ok()) {
+        return absl::Status(
+            loaded.code(),
+            absl::StrCat(
+                "worker ", options_.rank, " would rejoin at outer step ",
+                first_step_, " without its inner Adam state (",
+                loaded.message(),
+                "); it continues exactly only from its own checkpoint, so "
+                "restart the whole job from the shards' checkpoint instead"));
+      }
+    }
   }
   auto chosen = ChooseEngine(options_, *workload_, *session_);
   if (!chosen.ok()) return chosen.status();
@@ -329,7 +342,14 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   // checkpoint has written every step before it.
   report_->Record(record);
   if (checkpoint_due) {
-    if (absl::Status s = session_->SaveCheckpoint(checkpoint_); !s.ok()) {
+    absl::Status s = session_->SaveCheckpoint(checkpoint_);
+    if (s.ok() && inner_ != nullptr) {
+      // diloco: the inner Adam state of the same step, beside it.
+      s = inner_->Save(InnerPath(), next_step_, options_.rank,
+                       session_->layout().fingerprint(),
+                       compress::AlgorithmFingerprint(job_.algorithm));
+    }
+    if (!s.ok()) {
       std::fprintf(stderr, "worker %u: checkpoint not written: %s\n",
                    options_.rank, std::string(s.message()).c_str());
     }

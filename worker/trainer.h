@@ -134,6 +134,8 @@ class Trainer {
   };
   TcpCounters ReadTcp() const;
   void Log(const std::string& line) const;
+  // diloco: where the inner Adam state is saved beside the checkpoint.
+  std::string InnerPath() const { return checkpoint_ + ".inner"; }
 
   const proto::JobSpec job_;
   const TrainerOptions options_;

@@ -298,9 +298,9 @@ INSTANTIATE_TEST_SUITE_P(
     ParamName);
 
 // diloco: 4 inner Adam steps per outer step, the pseudo-gradient in int8
-// with error feedback both ways. No worker kills: morse-worker keeps the
-// inner Adam state in memory only, so a worker does not rejoin mid-run
-// (TrainerTest.DilocoStepsAreTheSimulatorsAndARejoinIsRefused).
+// with error feedback both ways. A killed worker rejoins from its
+// checkpoint and the inner Adam state saved beside it (without that state
+// it is refused: TrainerTest.DilocoStepsAreTheSimulatorsAndARejoinIsRefused).
 constexpr Scheme kDiloco[] = {
     {"diloco_int8", R"(optimizer: "diloco" diloco { sync_every: 4 }
        up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
@@ -309,7 +309,8 @@ INSTANTIATE_TEST_SUITE_P(
     Diloco, FaultSweepTest,
     ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
                                          Faults::kDuplicatesAndReordering,
-                                         Faults::kDrops, Faults::kShardKilled),
+                                         Faults::kDrops, Faults::kShardKilled,
+                                         Faults::kWorkerKilled),
                        ::testing::Values(1u, 3u), ::testing::Values(1u, 2u),
                        ::testing::ValuesIn(kDiloco)),
     ParamName);

@@ -166,8 +166,8 @@ TEST(TrainerTest, FetchLeavesZeroMomentsOutOfTheMessage) {
 // outer step of 3 inner Adam steps, whose pseudo-gradient goes out in int4
 // with error feedback; the worker's outer parameters and momentum are the
 // simulator's after every one, and each step reports the inner steps'
-// samples. A worker restarted mid-run would have lost its inner Adam
-// state, so its rejoin is refused, saying so.
+// samples. A worker restarted mid-run without its checkpoint (and the inner
+// Adam state saved beside it) is refused, saying so.
 TEST(TrainerTest, DilocoStepsAreTheSimulatorsAndARejoinIsRefused) {
   auto job = proto::ParseJobConfig(R"(
     workers: 1 shards: 2
