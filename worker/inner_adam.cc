@@ -20,26 +20,66 @@ InnerAdam::InnerAdam(const compress::AlgorithmConfig& config, uint64_t dim)
   schedule_.total_steps *= config.diloco.sync_every;
 }
 
+compress::AdamScalars InnerAdam::Scalars(int64_t inner) const {
+  return compress::MakeAdamScalars(config_.adam,
+                                   compress::LearningRate(schedule_, inner),
+                                   inner + 1, config_.bias_correction);
+}
+
 absl::StatusOr<double> InnerAdam::Run(int64_t step, Workload& workload,
                                       absl::Span<const float> outer,
                                       absl::Span<float> pseudo_gradient) {
-  MORSE_CHECK(outer.size() == x_.size() && pseudo_gradient.size() == x_.size());
+  MORSE_CHECK(pseudo_gradient.size() == x_.size());
+  auto loss = RunAllButLast(step, workload, outer);
+  if (!loss.ok()) return loss.status();
+  const int64_t last = (step + 1) * config_.diloco.sync_every - 1;
+  auto l = workload.Gradient(last, x_, absl::MakeSpan(grad_));
+  if (!l.ok()) return l.status();
+  compress::AdamStep(Scalars(last), grad_, absl::MakeSpan(x_),
+                     absl::MakeSpan(m_), absl::MakeSpan(v_));
+  for (size_t j = 0; j < x_.size(); ++j) pseudo_gradient[j] = outer[j] - x_[j];
+  return (*loss + *l) / static_cast<double>(config_.diloco.sync_every);
+}
+
+absl::StatusOr<double> InnerAdam::RunAllButLast(int64_t step,
+                                                Workload& workload,
+                                                absl::Span<const float> outer) {
+  MORSE_CHECK(outer.size() == x_.size());
   std::copy(outer.begin(), outer.end(), x_.begin());
   const int64_t every = config_.diloco.sync_every;
   double loss = 0;
-  for (int64_t h = 0; h < every; ++h) {
+  for (int64_t h = 0; h + 1 < every; ++h) {
     const int64_t inner = step * every + h;
     auto l = workload.Gradient(inner, x_, absl::MakeSpan(grad_));
     if (!l.ok()) return l.status();
     loss += *l;
-    const compress::AdamScalars s = compress::MakeAdamScalars(
-        config_.adam, compress::LearningRate(schedule_, inner), inner + 1,
-        config_.bias_correction);
-    compress::AdamStep(s, grad_, absl::MakeSpan(x_), absl::MakeSpan(m_),
-                       absl::MakeSpan(v_));
+    compress::AdamStep(Scalars(inner), grad_, absl::MakeSpan(x_),
+                       absl::MakeSpan(m_), absl::MakeSpan(v_));
   }
-  for (size_t j = 0; j < x_.size(); ++j) pseudo_gradient[j] = outer[j] - x_[j];
-  return loss / static_cast<double>(every);
+  return loss;
+}
+
+absl::Status InnerAdam::LastStepRange(int64_t step, Workload& workload,
+                                      absl::Span<const float> outer,
+                                      absl::Span<float> pseudo_gradient,
+                                      uint64_t begin, uint64_t end,
+                                      double loss_lanes[4]) {
+  MORSE_CHECK(begin <= end && end <= x_.size() && outer.size() == x_.size() &&
+              pseudo_gradient.size() == x_.size());
+  const int64_t last = (step + 1) * config_.diloco.sync_every - 1;
+  if (absl::Status s = workload.GradientRange(last, x_, absl::MakeSpan(grad_),
+                                              begin, end, loss_lanes);
+      !s.ok()) {
+    return s;
+  }
+  const size_t n = end - begin;
+  compress::AdamStep(Scalars(last),
+                     absl::MakeConstSpan(grad_).subspan(begin, n),
+                     absl::MakeSpan(x_).subspan(begin, n),
+                     absl::MakeSpan(m_).subspan(begin, n),
+                     absl::MakeSpan(v_).subspan(begin, n));
+  for (uint64_t j = begin; j < end; ++j) pseudo_gradient[j] = outer[j] - x_[j];
+  return absl::OkStatus();
 }
 
 absl::Status InnerAdam::Save(const std::string& path, int64_t step,

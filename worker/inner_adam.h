@@ -30,6 +30,18 @@ class InnerAdam {
   absl::StatusOr<double> Run(int64_t step, Workload& workload,
                              absl::Span<const float> outer,
                              absl::Span<float> pseudo_gradient);
+  // The same in two parts, for workloads that compute ranges
+  // (Workload::ComputesRanges): every inner step but the last (returns
+  // their summed loss), then the last one range at a time, in increasing
+  // order, each once. A range's pseudo-gradient is final once LastStepRange
+  // returns, so it can be pushed while the rest is computed; the bits are
+  // Run's. `outer` must not change in a range before its LastStepRange.
+  absl::StatusOr<double> RunAllButLast(int64_t step, Workload& workload,
+                                       absl::Span<const float> outer);
+  absl::Status LastStepRange(int64_t step, Workload& workload,
+                             absl::Span<const float> outer,
+                             absl::Span<float> pseudo_gradient, uint64_t begin,
+                             uint64_t end, double loss_lanes[4]);
 
   // m and v after `step` outer steps to `path` (atomically), for worker
   // `rank` of the job whose layout and algorithm have these fingerprints.
@@ -44,6 +56,9 @@ class InnerAdam {
                     uint64_t algorithm_fingerprint);
 
  private:
+  // Adam's scalars of inner step `inner` (0-based, over the whole run).
+  compress::AdamScalars Scalars(int64_t inner) const;
+
   compress::AlgorithmConfig config_;
   compress::LrSchedule schedule_;  // over inner steps
   std::vector<float> x_, m_, v_, grad_;

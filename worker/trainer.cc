@@ -264,9 +264,32 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   record.step = step;
   const TcpCounters tcp_before = ReadTcp();
   absl::StatusOr<double> loss;
-  if (inner_ != nullptr) {
-    // diloco: this worker's inner steps from the outer parameters, then the
-    // outer step with their pseudo-gradient.
+  if (inner_ != nullptr && workload_->ComputesRanges()) {
+    // diloco: this worker's inner steps from the outer parameters, the last
+    // a partition at a time, each partition's pseudo-gradient pushed as
+    // soon as it is final, so the exchange overlaps the last inner step.
+    // (A partition's x changes only with its reply, after its push.)
+    const absl::Span<const float> outer = replica.x();
+    auto earlier = inner_->RunAllButLast(step, *workload_, outer);
+    if (!earlier.ok()) return earlier.status();
+    record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    if (absl::Status s = session_->Begin(pseudo_gradient_); !s.ok()) return s;
+    double lanes[4] = {0, 0, 0, 0};
+    for (const compress::Partition& p : session_->layout().partitions()) {
+      const absl::Time start = absl::Now();
+      if (absl::Status s = inner_->LastStepRange(
+              step, *workload_, outer, absl::MakeSpan(pseudo_gradient_),
+              p.range.begin, p.range.end, lanes);
+          !s.ok())
+        return s;
+      record.compute_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+      if (absl::Status s = session_->SendPartition(p.id); !s.ok()) return s;
+    }
+    loss = (*earlier + GradientHook::MeanLoss(lanes, pseudo_gradient_.size())) /
+           static_cast<double>(job_.algorithm.diloco.sync_every);
+    if (absl::Status s = session_->Finish(&record.traffic); !s.ok()) return s;
+  } else if (inner_ != nullptr) {
+    // diloco, with a workload that computes its gradient whole.
     loss = inner_->Run(step, *workload_, replica.x(),
                        absl::MakeSpan(pseudo_gradient_));
     if (!loss.ok()) return loss.status();
