@@ -88,6 +88,12 @@ class Optimizer {
   // Whether workers step on their own between exchanges (zero_one_adam's
   // local phase), keeping an anchor and an accumulated update.
   virtual bool StepsLocally() const { return false; }
+  // The inner steps each worker takes per job step with an optimizer of its
+  // own, whose result it pushes (diloco's sync_every); 0: none, a step's
+  // push is its gradient.
+  virtual int64_t InnerSteps(const AlgorithmConfig& /*config*/) const {
+    return 0;
+  }
 
   // Whether the CUDA engine implements its reply rule (else a GPU worker
   // refuses the job, and --device auto trains on the CPU, saying why).

@@ -24,6 +24,9 @@ class InnerAdam {
  public:
   InnerAdam(const compress::AlgorithmConfig& config, uint64_t dim);
 
+  // Inner steps per outer step (sync_every).
+  int64_t steps() const { return config_.diloco.sync_every; }
+
   // Outer step `step`'s inner steps (step * sync_every + h for h < sync_every,
   // the workload's step numbers) from `outer`; writes x_outer - x_local to
   // `pseudo_gradient` and returns the inner steps' mean loss.

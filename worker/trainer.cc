@@ -187,7 +187,9 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   if (!first.ok()) return first.status();
   first_step_ = next_step_ = *first;
   const compress::AlgorithmConfig& algorithm = job_.algorithm;
-  if (algorithm.optimizer == compress::OptimizerKind::kDiloco) {
+  const int64_t inner_steps =
+      compress::OptimizerOf(algorithm).InnerSteps(algorithm);
+  if (inner_steps > 0) {  // diloco
     inner_ = std::make_unique<InnerAdam>(algorithm, dim);
     pseudo_gradient_.assign(dim, 0.0f);
     if (first_step_ > 0) {
@@ -228,7 +230,7 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   report_ = std::make_unique<StepReport>(StepReport::Options{
       options_.rank, job_.steps, first_step_, job_.log_every,
       static_cast<double>(workload_->samples_per_step()) *
-          (inner_ != nullptr ? algorithm.diloco.sync_every : 1),
+          std::max<int64_t>(inner_steps, 1),
       metrics_.get(), options_.log});
   const TcpCounters tcp = ReadTcp();
   tcp_sent_start_ = tcp.sent;
@@ -286,7 +288,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
       if (absl::Status s = session_->SendPartition(p.id); !s.ok()) return s;
     }
     loss = (*earlier + GradientHook::MeanLoss(lanes, pseudo_gradient_.size())) /
-           static_cast<double>(job_.algorithm.diloco.sync_every);
+           static_cast<double>(inner_->steps());
     if (absl::Status s = session_->Finish(&record.traffic); !s.ok()) return s;
   } else if (inner_ != nullptr) {
     // diloco, with a workload that computes its gradient whole.

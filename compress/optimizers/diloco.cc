@@ -69,6 +69,10 @@ class Diloco final : public Optimizer {
                           c.diloco.nesterov};
   }
 
+  int64_t InnerSteps(const AlgorithmConfig& c) const override {
+    return c.diloco.sync_every;
+  }
+
   // Nothing is frozen: no mask, no bound.
   bool FreezesVariance() const override { return false; }
   // OuterStep has no CUDA kernel yet: a GPU worker keeps the outer state on

@@ -143,6 +143,10 @@ TEST(OptimizerTest, PhasesFollowEachOptimizersSchedule) {
 TEST(OptimizerTest, DilocoRefusesWhatItCannotRun) {
   const Optimizer& diloco = OptimizerOf(OptimizerKind::kDiloco);
   EXPECT_FALSE(diloco.HasGpuKernels());
+  EXPECT_EQ(diloco.InnerSteps(Config(OptimizerKind::kDiloco)), 500);
+  EXPECT_EQ(OptimizerOf(OptimizerKind::kAdam)
+                .InnerSteps(Config(OptimizerKind::kAdam)),
+            0);
   EXPECT_FALSE(diloco.FreezesVariance());
   const auto refused = [&](void (*edit)(AlgorithmConfig&), const char* what) {
     AlgorithmConfig c = Config(OptimizerKind::kDiloco);
