@@ -121,6 +121,12 @@ StepPlan CompressedPlan(const AlgorithmConfig& config) {
   return plan;
 }
 
+StepPlan UnfrozenPlan(const AlgorithmConfig& config) {
+  StepPlan plan = CompressedPlan(config);
+  plan.compressing = false;
+  return plan;
+}
+
 absl::Status ValidateWarmupCodec(const AlgorithmConfig& config,
                                  absl::string_view what) {
   const CodecKind warmup = config.warmup_codec.kind;

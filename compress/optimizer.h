@@ -184,6 +184,9 @@ AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
 // compressed (frozen v) in the up and down codecs through error feedback.
 StepPlan FullPrecisionPlan(const AlgorithmConfig& config);
 StepPlan CompressedPlan(const AlgorithmConfig& config);
+// adam's and diloco's every step: the up and down codecs through error
+// feedback, with a v that is never frozen.
+StepPlan UnfrozenPlan(const AlgorithmConfig& config);
 // OK or INVALID_ARGUMENT unless warmup_codec is fp32, fp16 or bf16; `what`
 // names what uses it ("the warmup codec of onebit_adam").
 absl::Status ValidateWarmupCodec(const AlgorithmConfig& config,

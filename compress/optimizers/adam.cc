@@ -18,11 +18,7 @@ class Adam final : public Optimizer {
   OptimizerKind kind() const override { return OptimizerKind::kAdam; }
 
   StepPlan Plan(const AlgorithmConfig& c, int64_t) const override {
-    // Every step exchanges the job's codecs through error feedback, and v
-    // is never frozen.
-    StepPlan plan = CompressedPlan(c);
-    plan.compressing = false;
-    return plan;
+    return UnfrozenPlan(c);
   }
 
   const char* Phase(const StepPlan&) const override { return "adam"; }

@@ -54,10 +54,7 @@ class Diloco final : public Optimizer {
   }
 
   StepPlan Plan(const AlgorithmConfig& c, int64_t) const override {
-    // Every outer step exchanges the job's codecs through error feedback.
-    StepPlan plan = CompressedPlan(c);
-    plan.compressing = false;
-    return plan;
+    return UnfrozenPlan(c);  // every outer step exchanges
   }
 
   const char* Phase(const StepPlan&) const override { return "outer"; }

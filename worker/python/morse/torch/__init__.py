@@ -121,6 +121,40 @@ def _install_clip_grad_norm():
     clip_module.clip_grad_norm_ = clip_grad_norm_
 
 
+def _base_config(config, workers, servers):
+    """The job's base config: the file `config` (or MORSE_CONFIG) names, else
+    one for `workers` workers and the shards `servers` lists."""
+    config = config if config is not None else os.environ.get("MORSE_CONFIG")
+    if config:
+        with open(config) as f:
+            return f.read()
+    return f"workers: {workers}\nshards: {len(servers)}\nexternal {{}}\n"
+
+
+def _external_model(params, layers=False):
+    """(dim, the JobConfig line) of the model the parameters `params` make,
+    with each tensor a layer when `layers` (onebit_lamb's coefficients)."""
+    shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in params)
+    dim = sum(p.numel() for p in params)
+    fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
+    extra = " ".join(f"layers: {p.numel()}" for p in params) if layers else ""
+    return dim, (f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" '
+                 f'{extra} }}')
+
+
+def _codec_lines(codec, down_codec, feedback, feedback_beta):
+    """The JobConfig lines of the codecs both ways and the error feedback of
+    both sides; ValueError for a feedback_beta that feedback does not use."""
+    if feedback_beta is not None and feedback != "ema":
+        raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
+                         f"feedback={feedback!r} has none")
+    beta = f" beta: {float(feedback_beta)!r}" if feedback_beta is not None else ""
+    return [f'up_codec {{ codec: "{codec}" }}',
+            f'down_codec {{ codec: "{down_codec or codec}" }}',
+            f'worker_feedback {{ mode: "{feedback}"{beta} }}',
+            f'server_feedback {{ mode: "{feedback}"{beta} }}']
+
+
 _SECURITY_ENV = {"tls_ca": "MORSE_TLS_CA", "tls_cert": "MORSE_TLS_CERT", "tls_key": "MORSE_TLS_KEY",
                  "tls_server_name": "MORSE_TLS_SERVER_NAME", "token_file": "MORSE_TOKEN_FILE"}
 
@@ -211,8 +245,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameters on {device}: Morse trains CPU and CUDA tensors")
         self._cuda = device.type == "cuda"
-        shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in self._params)
-        dim = sum(p.numel() for p in self._params)
+        # The parameter tensors are onebit_lamb's layers.
+        dim, external = _external_model(self._params, layers=True)
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
@@ -232,34 +266,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
             overlap = False  # the node's gradients are averaged at step()
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
-        config = config if config is not None else os.environ.get("MORSE_CONFIG")
-        base = ""
-        if config:
-            with open(config) as f:
-                base = f.read()
-        else:
-            base = f"workers: {workers}\nshards: {len(servers)}\nexternal {{}}\n"
-        fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
+        base = _base_config(config, workers, servers)
         adam = [f"beta1: {betas[0]!r}", f"beta2: {betas[1]!r}", f"eps: {eps!r}",
                 f"weight_decay: {weight_decay!r}"]
         adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
-        if feedback_beta is not None and feedback != "ema":
-            raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
-                             f"feedback={feedback!r} has none")
-        beta = f" beta: {float(feedback_beta)!r}" if feedback_beta is not None else ""
-        # The parameter tensors are onebit_lamb's layers.
-        layers = " ".join(f"layers: {p.numel()}" for p in self._params)
         lines = [
-            f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" {layers} }}',
+            external,
             f'optimizer: "{optimizer}"',
             "adam { " + " ".join(adam) + " }",
             f'lr {{ schedule: "{schedule}" lr: {lr!r} }}',
             f"steps: {steps}",
-            f'up_codec {{ codec: "{codec}" }}',
-            f'down_codec {{ codec: "{down_codec or codec}" }}',
-            f'worker_feedback {{ mode: "{feedback}"{beta} }}',
-            f'server_feedback {{ mode: "{feedback}"{beta} }}',
-        ]
+        ] + _codec_lines(codec, down_codec, feedback, feedback_beta)
         # With the constant schedule (the default) the steps follow
         # param_groups[0]'s lr and weight_decay, read at every step, so torch's
         # schedulers and manual changes work; with schedule="cosine" the job's

@@ -13,13 +13,13 @@ parameters and momentum stay on the host, whatever device the model is on:
 a sync costs one copy of the model each way, once per sync_every steps.
 """
 import copy
-import hashlib
 import os
 
 import torch
 
 from .. import _native
-from . import MorseError, _env, _MorseOptimizer, _security
+from . import (MorseError, _base_config, _codec_lines, _env, _external_model, _MorseOptimizer,
+               _security)
 
 
 def _float(name, value):
@@ -95,9 +95,7 @@ class DiLoCo:
         self.sync_every = sync_every
         if feedback is None:
             feedback = "none" if codec in ("fp32", "fp16", "bf16") else "ef"
-        if feedback_beta is not None and feedback != "ema":
-            raise ValueError(f"feedback_beta={feedback_beta!r} is the weight of feedback='ema'; "
-                             f"feedback={feedback!r} has none")
+        codecs = _codec_lines(codec, down_codec, feedback, feedback_beta)
         if os.environ.get("MORSE_NODE_AGGREGATION") == "1":
             raise MorseError("FAILED_PRECONDITION: DiLoCo does not aggregate a node's ranks into "
                              "one worker (morse-run --node-aggregation); every rank is a worker "
@@ -107,28 +105,16 @@ class DiLoCo:
         servers = _env("MORSE_SERVERS", servers)
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
-        config = config if config is not None else os.environ.get("MORSE_CONFIG")
-        if config:
-            with open(config) as f:
-                base = f.read()
-        else:
-            base = f"workers: {world}\nshards: {len(servers)}\nexternal {{}}\n"
-        shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in self._params)
-        dim = sum(p.numel() for p in self._params)
-        fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
-        beta = f" beta: {float(feedback_beta)!r}" if feedback_beta is not None else ""
+        base = _base_config(config, world, servers)
+        dim, external = _external_model(self._params)
         lines = [
-            f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" }}',
+            external,
             'optimizer: "diloco"',
             f"diloco {{ sync_every: {sync_every} outer_lr: {outer_lr!r} "
             f"outer_momentum: {outer_momentum!r} nesterov: {'true' if nesterov else 'false'} }}",
             f"lr {{ lr: {outer_lr!r} }}",
             f"steps: {steps}",
-            f'up_codec {{ codec: "{codec}" }}',
-            f'down_codec {{ codec: "{down_codec or codec}" }}',
-            f'worker_feedback {{ mode: "{feedback}"{beta} }}',
-            f'server_feedback {{ mode: "{feedback}"{beta} }}',
-        ]
+        ] + codecs
         if block_elems:
             lines.append(f"block_elems: {block_elems}")
         if partition_elems:
