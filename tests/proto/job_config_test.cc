@@ -109,6 +109,12 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
        "optimizer: \"diloco\" clip_grad_norm: 1",
        "clip_grad_norm"},
+      {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"diloco\" freeze_step: 1",
+       "freeze_step"},
+      {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"diloco\" warmup_codec { codec: \"bf16\" }",
+       "warmup_codec"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
