@@ -39,6 +39,11 @@ WorkerMetrics::WorkerMetrics(std::shared_ptr<prometheus::Registry> registry,
                  .Help("Payload bytes pushed (direction=up) and received "
                        "(down), by codec")
                  .Register(*registry_)),
+      wire_(prometheus::BuildCounter()
+                .Name("morse_worker_wire_bytes_total")
+                .Help("TCP bytes this worker's sockets sent (direction=up, "
+                      "acknowledged) and received (down), across reconnects")
+                .Register(*registry_)),
       step_seconds_(prometheus::BuildHistogram()
                         .Name("morse_worker_step_seconds")
                         .Help("Step duration")
@@ -73,6 +78,10 @@ void WorkerMetrics::Step(const StepRecord& r) {
             {"direction", "down"},
             {"codec", std::string(compress::CodecName(r.down))}})
       .Increment(static_cast<double>(r.traffic.payload_down));
+  wire_.Add({{"rank", rank_}, {"direction", "up"}})
+      .Increment(static_cast<double>(r.wire_up));
+  wire_.Add({{"rank", rank_}, {"direction", "down"}})
+      .Increment(static_cast<double>(r.wire_down));
   step_seconds_.Observe(r.step_seconds);
   comm_seconds_.Observe(r.comm_seconds);
   loss_.Set(r.loss);

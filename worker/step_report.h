@@ -38,7 +38,8 @@ struct StepRecord {
   double loss = 0;
   double step_seconds = 0, compute_seconds = 0, comm_seconds = 0;
   StepTraffic traffic;
-  uint64_t wire_up = 0, wire_down = 0;  // TCP bytes during the exchange
+  // TCP bytes sent and received during the step (worker/wire_counter.h)
+  uint64_t wire_up = 0, wire_down = 0;
   std::optional<uint64_t> checksum;     // of x, m, v (--checksums)
 };
 
@@ -56,6 +57,7 @@ class WorkerMetrics {
   std::string rank_;
   prometheus::Counter& steps_;
   prometheus::Family<prometheus::Counter>& bytes_;
+  prometheus::Family<prometheus::Counter>& wire_;
   prometheus::Histogram& step_seconds_;
   prometheus::Histogram& comm_seconds_;
   prometheus::Gauge& loss_;

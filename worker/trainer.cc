@@ -1,11 +1,5 @@
 #include "worker/trainer.h"
 
-#include <dirent.h>
-#include <linux/tcp.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -90,7 +84,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
                                          options.security);
   if (!transport.ok()) return transport.status();
   std::unique_ptr<Trainer> trainer(new Trainer(job, options));
-  trainer->count_tcp_ = true;
+  trainer->count_wire_ = true;
   if (absl::Status s = trainer->Begin(*std::move(transport)); !s.ok()) return s;
   return trainer;
 }
@@ -103,26 +97,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(
   return trainer;
 }
 
-// Bytes this process's TCP sockets have sent (acknowledged by the peer) and
-// received, summed over the sockets open now (Linux TCP_INFO): what went over
-// the wire, framing and all, as opposed to payload bytes.
-Trainer::TcpCounters Trainer::ReadTcp() const {
-  TcpCounters c;
-  if (!count_tcp_) return c;
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return c;
-  while (dirent* entry = readdir(dir)) {
-    const int fd = std::atoi(entry->d_name);
-    struct stat st;
-    if (fd <= 2 || fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    tcp_info info{};
-    socklen_t len = sizeof info;
-    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) continue;
-    c.sent += info.tcpi_bytes_acked;
-    c.received += info.tcpi_bytes_received;
-  }
-  closedir(dir);
-  return c;
+WireCounter::Bytes Trainer::ReadTcp() {
+  return wire_ != nullptr ? wire_->Read() : WireCounter::Bytes{};
 }
 
 Trainer::Trainer(const proto::JobSpec& job, const TrainerOptions& options)
@@ -232,9 +208,9 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
       static_cast<double>(workload_->samples_per_step()) *
           std::max<int64_t>(inner_steps, 1),
       metrics_.get(), options_.log});
-  const TcpCounters tcp = ReadTcp();
-  tcp_sent_start_ = tcp.sent;
-  tcp_received_start_ = tcp.received;
+  // Counted from here: the bytes of joining and fetching the model are not
+  // the training's.
+  if (count_wire_) wire_ = std::make_unique<WireCounter>();
   train_start_ = absl::Now();
   return absl::OkStatus();
 }
@@ -264,7 +240,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   }
   StepRecord record;
   record.step = step;
-  const TcpCounters tcp_before = ReadTcp();
+  const WireCounter::Bytes tcp_before = ReadTcp();
   absl::StatusOr<double> loss;
   if (inner_ != nullptr && workload_->ComputesRanges()) {
     // diloco: this worker's inner steps from the outer parameters, the last
@@ -334,7 +310,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     if (absl::Status s = session_->SyncHost(); !s.ok()) return s;
   }
   const compress::StepPlan& plan = session_->plan();
-  const TcpCounters tcp_after = ReadTcp();
+  const WireCounter::Bytes tcp_after = ReadTcp();
   record.phase = compress::PhaseName(job_.algorithm, step);
   record.up = plan.up.kind;
   record.down = plan.down.kind;
@@ -385,9 +361,9 @@ absl::StatusOr<StepRecord> Trainer::Step() {
 absl::StatusOr<TrainingSummary> Trainer::Summary() {
   TrainingSummary summary = summary_;
   summary.wall_seconds = absl::ToDoubleSeconds(absl::Now() - train_start_);
-  const TcpCounters tcp_end = ReadTcp();
-  summary.wire_sent_bytes = tcp_end.sent - tcp_sent_start_;
-  summary.wire_received_bytes = tcp_end.received - tcp_received_start_;
+  const WireCounter::Bytes tcp_end = ReadTcp();
+  summary.wire_sent_bytes = tcp_end.sent;
+  summary.wire_received_bytes = tcp_end.received;
   summary.steps = next_step_ - first_step_;
   if (absl::Status s = session_->SyncHost(); !s.ok()) return s;
   summary.test_accuracy = workload_->TestAccuracy(session_->replica().x());

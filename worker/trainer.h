@@ -21,6 +21,7 @@
 #include "worker/session.h"
 #include "worker/step_report.h"
 #include "worker/transport/transport.h"
+#include "worker/wire_counter.h"
 #include "worker/workload.h"
 
 namespace morse::worker {
@@ -127,12 +128,10 @@ class Trainer {
  private:
   Trainer(const proto::JobSpec& job, const TrainerOptions& options);
   absl::Status Begin(std::unique_ptr<Transport> transport);
-  // This process's TCP byte counters (over gRPC only: another transport has
-  // no sockets, and the process's other threads open and close files).
-  struct TcpCounters {
-    uint64_t sent = 0, received = 0;
-  };
-  TcpCounters ReadTcp() const;
+  // This process's TCP bytes since the run began, across reconnects (over
+  // gRPC only: another transport has no sockets, and the process's other
+  // threads open and close files).
+  WireCounter::Bytes ReadTcp();
   void Log(const std::string& line) const;
   // diloco: where the inner Adam state is saved beside the checkpoint.
   std::string InnerPath() const { return checkpoint_ + ".inner"; }
@@ -151,10 +150,10 @@ class Trainer {
   std::unique_ptr<std::ofstream> metrics_;  // --metrics
   std::unique_ptr<StepReport> report_;
   TrainingSummary summary_;
-  uint64_t tcp_sent_start_ = 0, tcp_received_start_ = 0;
+  bool count_wire_ = false;            // over gRPC
+  std::unique_ptr<WireCounter> wire_;  // from the first step; null: none
   absl::Time train_start_;
   int64_t first_step_ = 0, next_step_ = 0;
-  bool count_tcp_ = false;
 };
 
 // Trainer::Create(job, options), then Run().

@@ -144,6 +144,12 @@ TEST(MetricsTest, AWorkerServesItsMetricsWhileItTrains) {
   EXPECT_GT(
       Value(metrics, "morse_worker_payload_bytes_total", "direction=\"up\""), 0)
       << metrics;
+  EXPECT_GT(Value(metrics, "morse_worker_wire_bytes_total", "direction=\"up\""),
+            0)
+      << metrics;
+  EXPECT_GT(
+      Value(metrics, "morse_worker_wire_bytes_total", "direction=\"down\""), 0)
+      << metrics;
   EXPECT_NE(metrics.find("morse_worker_communication_seconds_count"),
             std::string::npos);
   EXPECT_NE(metrics.find("morse_worker_loss{"), std::string::npos);

@@ -96,6 +96,28 @@ TEST(RecoveryTest, EveryShardKilledAndRestartedTheRunStaysIdentical) {
     EXPECT_NE(log.find("restarted from its checkpoint at step"),
               std::string::npos)
         << log;
+    // The summary's TCP bytes span both reconnects (issue 40: they were
+    // differences of sums over the sockets open at two moments, and
+    // wrapped): the payload, framing and replays added; at most one
+    // step's bytes of each dropped connection missed.
+    for (const auto& [wire_key, payload_key] :
+         {std::pair<const char*, const char*>{"wire_sent_bytes",
+                                              "payload_up_bytes"},
+          {"wire_received_bytes", "payload_down_bytes"}}) {
+      const auto wire = JsonField(log, wire_key);
+      const auto payload = JsonField(log, payload_key);
+      ASSERT_EQ(wire.size(), 1u) << log;
+      ASSERT_EQ(payload.size(), 1u) << log;
+      double wire_bytes = 0, payload_bytes = 0;
+      ASSERT_TRUE(absl::SimpleAtod(wire[0], &wire_bytes));
+      ASSERT_TRUE(absl::SimpleAtod(payload[0], &payload_bytes));
+      EXPECT_GT(wire_bytes, 0.9 * payload_bytes)
+          << "worker " << r << " " << wire_key;
+      EXPECT_LT(wire_bytes, 3 * payload_bytes + 16e6)
+          << "worker " << r << " " << wire_key;
+      std::printf("worker %u: %s %.0f, %.3f x %s\n", r, wire_key, wire_bytes,
+                  wire_bytes / payload_bytes, payload_key);
+    }
   }
   // Each shard's state log has a line per completed step, and the replayed
   // steps again. While a shard replays, each partition catches up on its

@@ -96,6 +96,14 @@ TEST(WorkerMetricsTest, EveryStepUpdatesTheSeries) {
                       "direction=\"down\",rank=\"3\"} 2000"),
             std::string::npos)
       << text;
+  EXPECT_NE(text.find("morse_worker_wire_bytes_total{direction=\"up\","
+                      "rank=\"3\"} 2200"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("morse_worker_wire_bytes_total{direction=\"down\","
+                      "rank=\"3\"} 0"),
+            std::string::npos)
+      << text;
   EXPECT_NE(text.find("morse_worker_loss{rank=\"3\"} 1.5"), std::string::npos)
       << text;
   EXPECT_NE(text.find("morse_worker_error_buffer_norm{rank=\"3\"} 0.75"),
