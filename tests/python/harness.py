@@ -11,10 +11,11 @@ import time
 import sys
 
 
-def morse_run(script, workers, servers, *args, config=None, timeout=300):
+def morse_run(script, workers, servers, *args, config=None, timeout=300, extra=()):
     command = [os.environ["MORSE_RUN"], "--servers", str(servers), "--workers", str(workers)]
     if config:
         command += ["--config", config]
+    command += list(extra)
     command += ["--", sys.executable, script, "--worker", *args]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             timeout=timeout, text=True)

@@ -563,6 +563,16 @@ int morse_session_save_checkpoint(morse_session* s, const char* path) {
   });
 }
 
+int morse_session_checkpoint_every(morse_session* s, uint32_t* every_steps) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(every_steps, "every_steps"); !st.ok())
+      return st;
+    *every_steps = s->session->job().checkpoint_every_steps;
+    return absl::OkStatus();
+  });
+}
+
 int morse_simulator_create(const char* base, const char* overrides,
                            const float* x0, uint64_t dim,
                            morse_simulator** out) {

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 6
+#define MORSE_CAPI_VERSION 7
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -161,6 +161,10 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
 int morse_session_save_checkpoint(morse_session* s, const char* path);
+/* The job's checkpoint.every_steps (0: the job does not checkpoint): a rank
+   that may be restarted saves its checkpoint after each step whose count
+   is a multiple of it. */
+int morse_session_checkpoint_every(morse_session* s, uint32_t* every_steps);
 
 /* The single-process simulator (compress/simulator.h): the oracle. */
 int morse_simulator_create(const char* base, const char* overrides,

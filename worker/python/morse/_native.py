@@ -80,6 +80,7 @@ def _load():
         "morse_session_set_own_state": ([P, I64, P, P, P, P, P, U32, P, U64], I),
         "morse_session_server_error": ([P, P], I),
         "morse_session_save_checkpoint": ([P, S], I),
+        "morse_session_checkpoint_every": ([P, ctypes.POINTER(U32)], I),
         "morse_simulator_create": ([S, S, P, U64, ctypes.POINTER(P)], I),
         "morse_simulator_destroy": ([P], None),
         "morse_simulator_step": ([P, ctypes.POINTER(P), U32, U64], I),
@@ -105,9 +106,9 @@ def _load():
         "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
     lib.morse_capi_version.argtypes, lib.morse_capi_version.restype = [], I
-    if lib.morse_capi_version() != 6:  # before a newer function is missing
+    if lib.morse_capi_version() != 7:  # before a newer function is missing
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 6")
+                         "this package needs 7")
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
@@ -361,6 +362,12 @@ class Session:
 
     def save_checkpoint(self, path):
         _check(_lib.morse_session_save_checkpoint(self._handle, path.encode()))
+
+    def checkpoint_every(self):
+        """The job's checkpoint.every_steps (0: none)."""
+        every = ctypes.c_uint32()
+        _check(_lib.morse_session_checkpoint_every(self._handle, ctypes.byref(every)))
+        return every.value
 
 
 class Simulator:

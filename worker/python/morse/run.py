@@ -196,6 +196,13 @@ def _parse(argv):
                              "node would start, and exit (0 if all is well) without starting anything")
     parser.add_argument("--server-bin", default=None,
                         help="morse-server to run (default: the one next to this package)")
+    parser.add_argument("--rank-restarts", type=int, default=0,
+                        help="how many times in all to restart a rank that exits with an error or is "
+                             "killed, alone, while the others wait for it (default 0: a failing rank "
+                             "stops the job). Needs checkpoint { every_steps: N } in --config: each "
+                             "rank then saves its state every N steps and, restarted, rejoins from "
+                             "it (MORSE_REJOIN=1, MORSE_RESTART_COUNT) and replays the steps since; "
+                             "the script must go on from opt.step_index with the same batches")
     parser.add_argument("--restarts", type=int, default=3,
                         help="how many times to restart a server that dies, from its checkpoint, "
                              "when the job checkpoints (default 3; 0: a dead server ends the job)")
@@ -243,6 +250,14 @@ def _parse(argv):
         parser.error("--workers (--nproc-per-node), --servers and --stages must be at least 1")
     if args.restarts < 0:
         parser.error("--restarts must be at least 0")
+    if args.rank_restarts < 0:
+        parser.error("--rank-restarts must be at least 0")
+    if args.rank_restarts and args.stages > 1:
+        parser.error("--rank-restarts with --stages is not supported (a pipeline's stages wait on "
+                     "each other's activations)")
+    if args.rank_restarts and args.node_aggregation:
+        parser.error("--rank-restarts with --node-aggregation is not supported (a node's state is "
+                     "its leader's)")
     if args.tls_dir:
         # The ranks' side always; the shards' only where this node starts them.
         needed = ["ca.pem", "client.pem", "client.key"]
@@ -312,6 +327,11 @@ def main(argv=None):
         raise
     every = re.search(r"every_steps\s*:\s*(\d+)", base)
     checkpointing = bool(every and int(every.group(1)) > 0)
+    if args.rank_restarts and not checkpointing:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise SystemExit("morse-run: --rank-restarts needs checkpoint { every_steps: N } in --config: "
+                         "a restarted rank rejoins from its last checkpoint, and the shards keep "
+                         "the replies of the steps since")
     # Checkpoints go to the config's checkpoint.dir, or else beside the config;
     # with stages, to a folder per stage inside it (shards of different
     # stages have the same indices).
@@ -464,6 +484,12 @@ def main(argv=None):
         env["MORSE_INSECURE"] = "1"
     if args.token_file:
         env["MORSE_TOKEN_FILE"] = os.path.abspath(args.token_file)
+    env.pop("MORSE_REJOIN", None)
+    env.pop("MORSE_RESTART_COUNT", None)
+    if args.rank_restarts:
+        # Each rank's checkpoint beside the shards' (morse.torch saves it
+        # every checkpoint.every_steps steps).
+        env["MORSE_CHECKPOINT_DIR"] = configured_dir.group(1) if configured_dir else workdir
     package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     problem = _check_interpreter(command, env)
@@ -472,7 +498,17 @@ def main(argv=None):
     # Worker w is replica r of stage s: w = s * L + r. Stage s > 0 listens
     # on listen_ports[(s - 1) * L + r] for replica r of stage s - 1.
     listen_ports = _free_ports((args.stages - 1) * L)
-    workers, errors, names = [], [], []
+    workers, errors, names, envs = [], [], [], []
+
+    def start_rank(w, own):
+        p = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        procs.append(p)
+        t = threading.Thread(target=_stream, args=(p.stdout, f"[{names[w]}] ", sys.stdout, None, errors[w]),
+                             daemon=True)
+        t.start()
+        threads.append(t)
+        return p
+
     for w in range(args.stages * L):
         stage, local = divmod(w, L)
         r = args.node_rank * L + local
@@ -485,17 +521,13 @@ def main(argv=None):
             if stage < args.stages - 1:
                 own["MORSE_STAGE_NEXT"] = f"127.0.0.1:{listen_ports[stage * L + local]}"
         names.append(f"stage {stage} rank {r}" if staged else f"rank {r}")
-        p = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        procs.append(p)
-        workers.append(p)
         errors.append([])
-        t = threading.Thread(target=_stream, args=(p.stdout, f"[{names[w]}] ", sys.stdout, None, errors[w]),
-                             daemon=True)
-        t.start()
-        threads.append(t)
+        envs.append(own)
+        workers.append(start_rank(w, own))
 
     status, why = 0, ""
-    restarts = 0
+    restarts = rank_restarts = 0
+    restarted = [0] * len(workers)  # each rank's restarts (MORSE_RESTART_COUNT)
     remaining = set(range(len(workers)))
     others = set(range(1, args.nnodes)) if store else set()
     while remaining or others:
@@ -525,6 +557,17 @@ def main(argv=None):
         for r in sorted(remaining):
             code = workers[r].poll()
             if code is None:
+                continue
+            if code != 0 and rank_restarts < args.rank_restarts:
+                # Alone, from its checkpoint; the others wait for it (up to
+                # the job's timeouts.recovery_seconds).
+                rank_restarts += 1
+                restarted[r] += 1
+                sys.stderr.write(f"{node}: {names[r]} exited with {code}; restarting it "
+                                 f"({rank_restarts} of --rank-restarts {args.rank_restarts}); it "
+                                 f"rejoins from its checkpoint and the other ranks wait for it\n")
+                workers[r] = start_rank(r, dict(envs[r], MORSE_REJOIN="1",
+                                                MORSE_RESTART_COUNT=str(restarted[r])))
                 continue
             remaining.discard(r)
             if code != 0:

@@ -338,10 +338,34 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # moves the model into the device tensors.
         host_x = self._flat.cpu() if self._cuda else self._flat
         self._session = None  # a node's other ranks have none (node.py)
+        # A rank that morse-run (--rank-restarts) may restart saves its whole
+        # state every checkpoint.every_steps steps to MORSE_CHECKPOINT_DIR, and
+        # restarted (MORSE_REJOIN=1) starts from that checkpoint.
+        self._checkpoint, self._checkpoint_every = None, 0
+        rejoin = os.environ.get("MORSE_REJOIN") == "1"
+        checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
+        if (rejoin or checkpoint_dir) and self._node is not None:
+            raise MorseError("FAILED_PRECONDITION: a rank of morse-run --node-aggregation cannot be "
+                             "restarted on its own (MORSE_REJOIN, MORSE_CHECKPOINT_DIR): its node's "
+                             "state is its leader's; run without --rank-restarts")
         if self._node is None or self._node.is_leader:
             self._session = _native.Session(base, self.job_overrides, worker, servers,
                                             host_x.numpy(), _security(security))
-            self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+            if checkpoint_dir:
+                self._checkpoint_every = self._session.checkpoint_every()
+                if not self._checkpoint_every:
+                    raise MorseError("FAILED_PRECONDITION: MORSE_CHECKPOINT_DIR is set but the job "
+                                     "does not checkpoint: add checkpoint { every_steps: N } to "
+                                     "the config (morse-run --config)")
+                self._checkpoint = os.path.join(checkpoint_dir, f"worker-{worker}.ckpt")
+            if rejoin:
+                # The model, moments and error buffer of the checkpoint's step
+                # (none: the shards' model and a zero error buffer); the
+                # script goes on from step_index, and the steps the shards
+                # completed since are replayed with the replies they kept.
+                self._session.start(True, self._checkpoint or "")
+            else:
+                self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
         if self._node is not None:
             self._node.share(host_x)  # the node takes its leader's values
             if self._cuda:
@@ -800,6 +824,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             with self._explained():
                 self.last_step = self._session.finish()
+        if self._checkpoint and self.step_index % self._checkpoint_every == 0:
+            self._session.save_checkpoint(self._checkpoint)
         # The averaged gradient's norm before clipping, when the step clipped
         # it (what DDP's clip_grad_norm_ returns).
         sum_of_squares = self._session.grad_sum_of_squares()

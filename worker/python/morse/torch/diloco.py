@@ -100,6 +100,11 @@ class DiLoCo:
             raise MorseError("FAILED_PRECONDITION: DiLoCo does not aggregate a node's ranks into "
                              "one worker (morse-run --node-aggregation); every rank is a worker "
                              "of its own: run without --node-aggregation")
+        if os.environ.get("MORSE_REJOIN") == "1" or os.environ.get("MORSE_CHECKPOINT_DIR"):
+            raise MorseError("UNIMPLEMENTED: a DiLoCo rank cannot be restarted on its own yet "
+                             "(MORSE_REJOIN, MORSE_CHECKPOINT_DIR: morse-run --rank-restarts); its "
+                             "inner optimizer's state is not in Morse's checkpoint. Save every "
+                             "rank's state_dict() and resume the whole job with load_state_dict")
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)

@@ -1,0 +1,137 @@
+"""A morse.torch rank killed mid-run is restarted alone and ends where an
+undisturbed run would (issue 40). morse-run --rank-restarts 1 runs 2 ranks
+and 2 shards of a job that checkpoints every 4 steps; each rank saves its
+whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... Two runs:
+- rank 1 kills itself with SIGKILL in step 14, after backward() has pushed
+  that step's gradients (overlap) and before step(): restarted, it starts
+  from its checkpoint of step 12 and replays steps 12..14 (the shards
+  completed step 14 with the push that left);
+- rank 0 (which uploaded the initial model) kills itself in step 9 before
+  backward(): it replays step 8.
+morse-run restarts the rank with MORSE_REJOIN=1; the script goes on from
+opt.step_index with the same batches, the shards answer the replayed steps
+with the replies they kept (each replayed push checked against the one that
+left), and the other rank, which waited, goes on with it. After every step,
+in either life, both ranks hold the bits the simulator gives for the
+undisturbed run."""
+import glob
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+
+from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+
+STEPS = 20
+
+
+def worker(out, kill_rank, kill_in, after_backward):
+    import numpy as np
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    rank = int(os.environ["MORSE_RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=5, block_elems=16,
+                                 partition_elems=64)
+    first = opt.step_index
+    print(f"life {life} starts at step {first}", flush=True)
+    if rank == 0 and life == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    for step in range(first, STEPS):
+        # The batch of a step is a function of the step: a replay sees it again.
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        dies = rank == kill_rank and life == 0 and step == kill_in
+        if dies and not after_backward:
+            print(f"killing myself in step {step}, before backward()", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        np.save(f"{out}/grad-{rank}-{step}-{life}.npy", flat.numpy())
+        if dies:
+            # Once the other rank has finished this step, every push of this
+            # one has reached the shards (they may still be on their way when
+            # backward() returns).
+            other = f"{out}/checksum-{1 - rank}-{step}-0"
+            for _ in range(3000):
+                if os.path.exists(other):
+                    break
+                time.sleep(0.01)
+            print(f"killing myself in step {step}, its gradients pushed", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.step()
+        with open(f"{out}/checksum-{rank}-{step}-{life}.tmp", "w") as f:
+            f.write(opt.checksum())
+        os.rename(f"{out}/checksum-{rank}-{step}-{life}.tmp", f"{out}/checksum-{rank}-{step}-{life}")
+
+
+def run(kill_rank, kill_in, after_backward, checkpoint, replayed):
+    import numpy as np
+    out = tempfile.mkdtemp(prefix="morse-rank-restart-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+    code, log = morse_run(__file__, 2, 2, out, str(kill_rank), str(kill_in),
+                          str(int(after_backward)), config=config,
+                          extra=["--rank-restarts", "1"])
+    print(log)
+    os.remove(config)
+    check(code == 0, "the job failed")
+    check(f"[rank {kill_rank}] killing myself in step {kill_in}" in log,
+          f"rank {kill_rank} was not killed")
+    check(f"rank {kill_rank} exited with -9; restarting it (1 of --rank-restarts 1)" in log,
+          f"morse-run did not restart rank {kill_rank}")
+    check(f"[rank {kill_rank}] life 1 starts at step {checkpoint}" in log,
+          "the restarted rank did not start at its checkpoint")
+    check(f"replaying steps {checkpoint}..{replayed}" in log,
+          f"the restarted rank did not replay steps {checkpoint}..{replayed}")
+    # Each step's gradient and checksum as the lives that ran it saw them:
+    # a replayed step must give the same bits in both.
+    for r in range(2):
+        checksums = []
+        for step in range(STEPS):
+            lives = sorted(glob.glob(f"{out}/checksum-{r}-{step}-*"))
+            check(lives, f"rank {r} has no checksum of step {step}")
+            values = {open(p).read() for p in lives}
+            check(len(values) == 1, f"rank {r} step {step}: its lives differ: {values}")
+            grads = sorted(glob.glob(f"{out}/grad-{r}-{step}-*.npy"))
+            first = np.load(grads[0])
+            for g in grads[1:]:
+                check(np.array_equal(first, np.load(g)), f"rank {r} step {step}: gradients differ")
+            np.save(f"{out}/grad-{r}-{step}.npy", first)
+            checksums.append(values.pop())
+        json.dump(checksums, open(f"{out}/checksums-{r}.json", "w"))
+    for f in glob.glob(f"{out}/grad-*-*-*.npy") + glob.glob(f"{out}/checksum-*"):
+        os.remove(f)
+    check_ranks_match_simulator(out, 2, STEPS)
+    print(f"PASS: rank {kill_rank} killed in step {kill_in} and restarted from its checkpoint of "
+          f"step {checkpoint}; {STEPS} steps, both ranks bit-identical to each other and to the "
+          "simulator")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-4], int(sys.argv[-3]), int(sys.argv[-2]), sys.argv[-1] == "1")
+        sys.exit(0)
+    # What --rank-restarts refuses, before starting anything.
+    import subprocess
+    for flags, why in ((["--rank-restarts", "1"], "needs checkpoint { every_steps: N }"),
+                       (["--rank-restarts", "1", "--node-aggregation"], "not supported"),
+                       (["--rank-restarts", "-1"], "at least 0")):
+        result = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--workers", "2"] +
+                                flags + ["--", sys.executable, "-c", "pass"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=60)
+        check(result.returncode != 0 and why in result.stdout,
+              f"morse-run {' '.join(flags)}: exit {result.returncode}, {result.stdout!r}")
+    run(kill_rank=1, kill_in=14, after_backward=True, checkpoint=12, replayed=14)
+    run(kill_rank=0, kill_in=9, after_backward=False, checkpoint=8, replayed=8)
