@@ -192,8 +192,12 @@ def netprobe(vc, bin_dir, a, b, streams=2):
 
 
 def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, window=8,
-              channels=2, compute_threads=0):
-    """One Morse job; returns a result row (without the link fields)."""
+              channels=2, compute_threads=0, trace=None, rate=None):
+    """One Morse job; returns a result row (without the link fields). With
+    `trace` (a folder) every daemon writes its step timeline there."""
+    def traced(name):
+        return (["--trace", os.path.join(trace, f"{scheme}-{rate}g-{dim}-{name}.json")]
+                if trace else [])
     config = os.path.join(work, f"{scheme}-{dim}.textproto")
     with open(config, "w") as f:
         f.write(f"""name: "{scheme}" workers: {workers} shards: {shards}
@@ -216,7 +220,8 @@ log_every: 1000
             servers.append(vc.popen(server_host(s), [f"{bin_dir}/server/morse-server", "--config", config,
                                                      "--shard", str(s), "--insecure", "--listen",
                                                      f"{vc.address(server_host(s))}:7000",
-                                                     "--compute_threads", str(compute_threads)], log))
+                                                     "--compute_threads", str(compute_threads)]
+                                           + traced(f"server-{s}"), log))
         time.sleep(0.5)
         addresses = ",".join(f"{vc.address(server_host(s))}:7000" for s in range(shards))
         before = vc.tx_rx(worker_host(0))
@@ -225,7 +230,8 @@ log_every: 1000
             procs.append(vc.popen(worker_host(r), [f"{bin_dir}/worker/morse-worker", "--config", config,
                                                    "--rank", str(r), "--servers", addresses, "--insecure", "--metrics",
                                                    os.path.join(work, f"{scheme}-worker{r}.jsonl"),
-                                                   "--compute_threads", str(compute_threads)], log))
+                                                   "--compute_threads", str(compute_threads)]
+                                         + traced(f"rank-{r}"), log))
         codes = wait_all(procs, 60 + steps * (dim * 4 * 8 / (vc.rate * 1e9) * 6
                                               + 5 * INNER_STEPS.get(scheme, 1)))
         after = vc.tx_rx(worker_host(0))
@@ -359,6 +365,10 @@ def main():
     p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
     p.add_argument("--jitter", type=float, default=0.0, help="netem jitter, ms")
     p.add_argument("--loss", type=float, default=0.0, help="netem loss, percent")
+    p.add_argument("--trace", metavar="DIR",
+                   help="every Morse daemon writes its step timeline (--trace) to DIR, one file per "
+                        "scheme, rate, D and daemon: tests/bench/trace_summary.py DIR/SCHEME-*.json "
+                        "says where each step's time goes")
     p.add_argument("--build", default=os.environ.get("MORSE_BUILD_DIR", os.path.join(ROOT, "build")))
     a = p.parse_args()
     if os.geteuid() != 0:
@@ -367,6 +377,9 @@ def main():
         a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], [1], [1], 4
         a.schemes, a.peers = ["fp32", "onebit"], ["ddp_fp32"]
     os.makedirs(a.out, exist_ok=True)
+    if a.trace:
+        a.trace = os.path.abspath(a.trace)
+        os.makedirs(a.trace, exist_ok=True)
     work = tempfile.mkdtemp(prefix="morse-exp-")
     signal.signal(signal.SIGTERM, lambda *x: sys.exit(143))  # unwinds through the cluster's __exit__
     hosts = max(max(a.workers), max(a.shards)) if a.colocate else max(a.workers) + max(a.shards)
@@ -394,7 +407,7 @@ def main():
                             if kind == "morse":
                                 row.update(morse_run(vc, a.build, scheme, dim, workers, shards, a.steps,
                                                      a.colocate, work, a.window, a.channels,
-                                                     a.compute_threads))
+                                                     a.compute_threads, a.trace, rate))
                             else:
                                 row["workers"] = max(2, workers)
                                 row.update(ddp_run(vc, scheme, dim, max(2, workers), a.steps, work))
