@@ -40,7 +40,7 @@ struct StepRecord {
   StepTraffic traffic;
   // TCP bytes sent and received during the step (worker/wire_counter.h)
   uint64_t wire_up = 0, wire_down = 0;
-  std::optional<uint64_t> checksum;     // of x, m, v (--checksums)
+  std::optional<uint64_t> checksum;  // of x, m, v (--checksums)
 };
 
 class WorkerMetrics {
