@@ -64,17 +64,6 @@ def worker(out, codec, phase):
                 check(False, f"{bad} was accepted")
             except kind as e:
                 print(f"refused {sorted(bad)}: {e}")
-        # A restartable rank (morse-run --rank-restarts): its inner
-        # optimizer's state would not be in the checkpoint.
-        for variable in ("MORSE_REJOIN", "MORSE_CHECKPOINT_DIR"):
-            os.environ[variable] = "1"
-            try:
-                morse.torch.DiLoCo(model, inner, world_size=RANKS, servers=["unused:1"])
-                check(False, f"{variable} was accepted")
-            except morse.torch.MorseError as e:
-                check("rank-restarts" in str(e), f"unclear error: {e}")
-                print(f"refused {variable}: {e}")
-            del os.environ[variable]
     opt = morse.torch.DiLoCo(model, inner, sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
                              outer_momentum=OUTER_MOMENTUM, codec=codec, block_elems=16,
                              partition_elems=64)

@@ -15,6 +15,7 @@ left), and the other rank, which waited, goes on with it. After every step,
 in either life, both ranks hold the bits the simulator gives for the
 undisturbed run."""
 import glob
+import shutil
 import json
 import os
 import signal
@@ -74,6 +75,77 @@ def worker(out, kill_rank, kill_in, after_backward):
         os.rename(f"{out}/checksum-{rank}-{step}-{life}.tmp", f"{out}/checksum-{rank}-{step}-{life}")
 
 
+def diloco_worker(out, kill_rank, kill_in):
+    """DiLoCo: H = 2 inner AdamW steps per sync, int8 pseudo-gradients with
+    error feedback; checkpoints every 4 syncs (8 inner steps). Writes the
+    outer checksum after each sync."""
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    rank = int(os.environ["MORSE_RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = morse.torch.DiLoCo(model, inner, sync_every=2, codec="int8", block_elems=16,
+                             partition_elems=64)
+    first = opt.inner_steps
+    print(f"life {life} starts at inner step {first}", flush=True)
+    for step in range(first, 2 * STEPS):
+        if rank == kill_rank and life == 0 and step == kill_in:
+            print(f"killing myself in inner step {step}, before backward()", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        if opt.inner_steps % 2 == 0:
+            name = f"{out}/checksum-{rank}-{opt.step_index}-{life}"
+            with open(name + ".tmp", "w") as f:
+                f.write(opt.checksum())
+            os.rename(name + ".tmp", name)
+
+
+def diloco_outer_checksums(out, ranks):
+    """Each rank's outer checksum after every sync, its lives agreeing."""
+    result = []
+    for r in range(ranks):
+        sums = []
+        for sync in range(1, STEPS + 1):
+            values = {open(p).read() for p in glob.glob(f"{out}/checksum-{r}-{sync}-*")}
+            check(len(values) == 1, f"rank {r} sync {sync}: {values or 'no checksum'}")
+            sums.append(values.pop())
+        result.append(sums)
+    return result
+
+
+def run_diloco():
+    """DiLoCo's rank 1 killed in the middle of an interval (inner step 19,
+    after sync 9, whose checkpoint is sync 8's) and restarted: every sync's
+    outer parameters and momentum on both ranks equal an undisturbed run's."""
+    outs = []
+    for kill in (True, False):
+        out = tempfile.mkdtemp(prefix="morse-rank-restart-diloco-")
+        config = os.path.join(out, "base.textproto")
+        with open(config, "w") as f:
+            f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+        code, log = morse_run(__file__, 2, 2, out, "diloco", "1" if kill else "-1", "19",
+                              config=config, extra=["--rank-restarts", "1"])
+        print(log)
+        check(code == 0, "the DiLoCo job failed")
+        if kill:
+            check("[rank 1] killing myself in inner step 19" in log, "rank 1 was not killed")
+            check("[rank 1] life 1 starts at inner step 16" in log,
+                  "the restarted DiLoCo rank did not start at its checkpoint of sync 8")
+            check("replaying steps 8..8" in log, "the restarted rank did not replay sync 8")
+        outs.append(diloco_outer_checksums(out, 2))
+        shutil.rmtree(out)
+    check(outs[0][0] == outs[0][1], "the DiLoCo ranks differ")
+    check(outs[0] == outs[1], f"the restarted DiLoCo run differs from the undisturbed one: "
+                              f"{outs[0][0]} vs {outs[1][0]}")
+    print(f"PASS: DiLoCo rank 1 killed in inner step 19 and restarted from sync 8; {STEPS} syncs "
+          "bit-identical to the undisturbed run on both ranks")
+
+
 def run(kill_rank, kill_in, after_backward, checkpoint, replayed):
     import numpy as np
     out = tempfile.mkdtemp(prefix="morse-rank-restart-")
@@ -120,7 +192,10 @@ def run(kill_rank, kill_in, after_backward, checkpoint, replayed):
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[-4], int(sys.argv[-3]), int(sys.argv[-2]), sys.argv[-1] == "1")
+        if sys.argv[-3] == "diloco":  # --worker OUT diloco KILL_RANK KILL_IN
+            diloco_worker(sys.argv[-4], int(sys.argv[-2]), int(sys.argv[-1]))
+        else:
+            worker(sys.argv[-4], int(sys.argv[-3]), int(sys.argv[-2]), sys.argv[-1] == "1")
         sys.exit(0)
     # What --rank-restarts refuses, before starting anything.
     import subprocess
@@ -135,3 +210,4 @@ if __name__ == "__main__":
               f"morse-run {' '.join(flags)}: exit {result.returncode}, {result.stdout!r}")
     run(kill_rank=1, kill_in=14, after_backward=True, checkpoint=12, replayed=14)
     run(kill_rank=0, kill_in=9, after_backward=False, checkpoint=8, replayed=8)
+    run_diloco()

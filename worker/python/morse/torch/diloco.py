@@ -100,11 +100,6 @@ class DiLoCo:
             raise MorseError("FAILED_PRECONDITION: DiLoCo does not aggregate a node's ranks into "
                              "one worker (morse-run --node-aggregation); every rank is a worker "
                              "of its own: run without --node-aggregation")
-        if os.environ.get("MORSE_REJOIN") == "1" or os.environ.get("MORSE_CHECKPOINT_DIR"):
-            raise MorseError("UNIMPLEMENTED: a DiLoCo rank cannot be restarted on its own yet "
-                             "(MORSE_REJOIN, MORSE_CHECKPOINT_DIR: morse-run --rank-restarts); its "
-                             "inner optimizer's state is not in Morse's checkpoint. Save every "
-                             "rank's state_dict() and resume the whole job with load_state_dict")
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
@@ -134,10 +129,64 @@ class DiLoCo:
         self._grad = torch.zeros(dim, dtype=torch.float32)
         self._session = _native.Session(base, self.job_overrides, self._rank, servers,
                                         self._x.numpy(), _security(security))
-        self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
-        self._to_params()
+        # A rank that morse-run --rank-restarts may restart saves the session's
+        # whole state every checkpoint.every_steps syncs to MORSE_CHECKPOINT_DIR,
+        # with the inner optimizer's state beside it, and restarted
+        # (MORSE_REJOIN=1) starts from both.
+        self._checkpoint, self._checkpoint_every = None, 0
+        checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
+        if checkpoint_dir:
+            self._checkpoint_every = self._session.checkpoint_every()
+            if not self._checkpoint_every:
+                raise MorseError("FAILED_PRECONDITION: MORSE_CHECKPOINT_DIR is set but the job "
+                                 "does not checkpoint: add checkpoint { every_steps: N } to the "
+                                 "config (morse-run --config)")
+            self._checkpoint = os.path.join(checkpoint_dir, f"worker-{self._rank}.ckpt")
         self._inner_steps = 0
+        if os.environ.get("MORSE_REJOIN") == "1":
+            self._rejoin()
+        else:
+            self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+        self._to_params()
         self.last_sync = {}
+
+    def _inner_path(self):
+        return self._checkpoint + ".inner"
+
+    def _rejoin(self):
+        """Starts from this rank's checkpoint (the outer parameters, momentum
+        and error buffer of a sync) and the inner optimizer's state saved
+        beside it; the steps the shards completed since are replayed with the
+        replies they kept. Without a checkpoint: the shards' outer
+        parameters, zero error buffer and a fresh inner optimizer."""
+        path = self._checkpoint or ""
+        has_inner = bool(path) and os.path.exists(self._inner_path())
+        step = self._session.start(True, path if has_inner else "")
+        if has_inner:
+            saved = torch.load(self._inner_path())
+            if saved.get("step") != step or saved.get("rank") != self._rank:
+                # The session's checkpoint was written and the inner state's
+                # was not (killed between the two): the run cannot continue
+                # exactly from either.
+                raise MorseError(
+                    f"FAILED_PRECONDITION: {self._inner_path()} holds rank {saved.get('rank')}'s "
+                    f"inner optimizer state of sync {saved.get('step')}, but this rank starts at "
+                    f"sync {step}; resume the whole job from every rank's state_dict()")
+            self.inner.load_state_dict(saved["inner"])
+        else:
+            print(f"morse: rank {self._rank} rejoins at sync {step} without a checkpoint: the "
+                  "shards' outer parameters, a zero error buffer and a fresh inner optimizer",
+                  flush=True)
+        self._inner_steps = step * self.sync_every
+
+    def _save_checkpoint(self):
+        """The inner optimizer's state beside the session's checkpoint, both
+        of this sync (the inner one renamed into place last)."""
+        step = self._session.step_index
+        torch.save({"step": step, "rank": self._rank, "inner": self.inner.state_dict()},
+                   self._inner_path() + ".tmp")
+        self._session.save_checkpoint(self._checkpoint)
+        os.replace(self._inner_path() + ".tmp", self._inner_path())
 
     def _local(self):
         """This rank's parameters, flat, on the host (a copy)."""
@@ -190,6 +239,8 @@ class DiLoCo:
         torch.sub(self._x, self._local(), out=self._grad)
         self.last_sync = self._session.step(self._grad.numpy())
         self._to_params()
+        if self._checkpoint and self._session.step_index % self._checkpoint_every == 0:
+            self._save_checkpoint()
 
     def outer_parameters(self):
         """A copy of the outer parameters (flat, on the host)."""
