@@ -12,6 +12,9 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 (for scripts, samplers and stacks that start a gloo group). Output is streamed
 with [rank i] / [server s] prefixes. Ctrl-C, or any copy exiting non-zero,
 stops everything; the exit code is then non-zero (the failing copy's, or 130).
+With --rank-restarts R (and checkpoints), a copy that fails or is killed is
+started again alone with MORSE_REJOIN=1, up to R times in all: it rejoins
+from its last checkpoint while the others wait.
 A server that dies is restarted on its address from its last checkpoint when
 the job checkpoints (checkpoint { every_steps: N } in --config; the workers
 wait for it and replay what it lost), up to --restarts times; otherwise it
@@ -202,7 +205,8 @@ def _parse(argv):
                              "stops the job). Needs checkpoint { every_steps: N } in --config: each "
                              "rank then saves its state every N steps and, restarted, rejoins from "
                              "it (MORSE_REJOIN=1, MORSE_RESTART_COUNT) and replays the steps since; "
-                             "the script must go on from opt.step_index with the same batches")
+                             "the script must go on from opt.step_index (DiLoCo: opt.inner_steps) with "
+                             "the same batches")
     parser.add_argument("--restarts", type=int, default=3,
                         help="how many times to restart a server that dies, from its checkpoint, "
                              "when the job checkpoints (default 3; 0: a dead server ends the job)")
