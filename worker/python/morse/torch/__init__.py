@@ -343,6 +343,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # restarted (MORSE_REJOIN=1) starts from that checkpoint.
         self._checkpoint, self._checkpoint_every = None, 0
         rejoin = os.environ.get("MORSE_REJOIN") == "1"
+        self._rejoined = rejoin
         checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
         if (rejoin or checkpoint_dir) and self._node is not None:
             raise MorseError("FAILED_PRECONDITION: a rank of morse-run --node-aggregation cannot be "
@@ -503,7 +504,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._pushed."""
         first = not self._joined
         if first:
-            self._session.wait_all_joined()
+            # A fresh job waits for every rank before its first push; a
+            # restarted rank joins a running one (a shard restarted since
+            # counts only the ranks that joined it again).
+            if not self._rejoined:
+                self._session.wait_all_joined()
             self._joined = True
         # Gradients edited after the backward pass pushed them (clipping,
         # scaling, zeroing, another backward) bump the flat gradient's version;

@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""A fault campaign as a benchmark (issue 40): a morse.torch job under
+morse-run that loses ranks and shards to SIGKILL while it trains, and ends
+where an undisturbed run of the same job ends, bit for bit.
+
+    deploy/experiments/fault_campaign.py [--workers 4] [--shards 2] [--steps 1000]
+        [--kill-every 50] [--shard-kills 2] [--seed 1] [--out DIR]
+
+Runs the job twice with `morse-run --rank-restarts --restarts` and
+checkpoints every --checkpoint-every steps: once undisturbed, once with a
+random rank killed about every --kill-every steps (morse-run restarts it; it
+rejoins from its checkpoint and replays the steps since) and --shard-kills
+shards killed at random points (morse-run restarts them from their
+checkpoints; the ranks wait and replay what they lost). Faults are spaced so
+that each one's recovery is over before the next (a rank killed right after a
+shard's restart could find no replies to replay: docs/operations.md). The
+training script is a 2-layer MLP with OneBitAdam (freeze at step 20) whose
+batches are a function of the step, so the replayed steps see the same data.
+
+Prints, per fault, the step it hit, the step the rank restarted from (what
+it replayed) and the seconds from the kill to the restarted rank's first new
+step; then the final loss and checksum of both runs and whether they are
+identical. Exit status 0 only if the disturbed run finished by itself and
+equals the undisturbed one. Needs a build (MORSE_RUN or --build).
+"""
+import argparse
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def rank_script(out, steps):
+    """The training script every rank runs: writes its step to
+    out/progress-<rank> after each step and its result at the end."""
+    return f"""
+import os, torch, morse.torch
+torch.manual_seed(7)
+model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
+rank = int(os.environ["MORSE_RANK"])
+opt = morse.torch.OneBitAdam(model.parameters(), lr=3e-3, freeze_step=20, partition_elems=4096,
+                             block_elems=256)
+teacher = torch.Generator().manual_seed(99)
+w = torch.randn(32, 10, generator=teacher)
+loss = torch.tensor(0.0)
+for step in range(opt.step_index, {steps}):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(64, 32, generator=g)
+    y = (x @ w).argmax(1)
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    with open("{out}/progress-%d.tmp" % rank, "w") as f:
+        f.write(str(step + 1))
+    os.replace("{out}/progress-%d.tmp" % rank, "{out}/progress-%d" % rank)
+print("RESULT rank %d loss %.6f checksum %s" % (rank, loss.item(), opt.checksum()), flush=True)
+"""
+
+
+def progress(out, workers):
+    """The step every rank has reached (the slowest one's)."""
+    steps = []
+    for r in range(workers):
+        try:
+            with open(f"{out}/progress-{r}") as f:
+                steps.append(int(f.read() or 0))
+        except (OSError, ValueError):
+            steps.append(0)
+    return min(steps)
+
+
+def children(parent, kind):
+    """pid -> rank (kind "rank") or shard ("shard") of morse-run `parent`'s
+    ranks or shards."""
+    found = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            if kind == "shard":
+                if argv and argv[0].endswith(b"morse-server") and b"--shard" in argv:
+                    found[int(pid)] = int(argv[argv.index(b"--shard") + 1])
+            else:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                env = dict(e.split(b"=", 1) for e in environ if b"=" in e)
+                if b"MORSE_RANK" in env:
+                    found[int(pid)] = int(env[b"MORSE_RANK"])
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def run(args, faults):
+    """One job; returns (exit code, output lines, results, fault records)."""
+    out = tempfile.mkdtemp(prefix="morse-campaign-")
+    script = os.path.join(out, "train.py")
+    with open(script, "w") as f:
+        f.write(rank_script(out, args.steps))
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write(f"checkpoint {{ every_steps: {args.checkpoint_every} }}\n"
+                "timeouts { recovery_seconds: 120 }\n")
+    morse_run = os.environ.get("MORSE_RUN", os.path.join(args.build, "bin", "morse-run"))
+    command = [morse_run, "--servers", str(args.shards), "--workers", str(args.workers),
+               "--config", config, "--rank-restarts", str(args.steps), "--restarts",
+               str(args.shard_kills + 1), "--", args.python, script]
+    env = dict(os.environ, PYTHONPATH=os.path.join(args.build, "python"))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    lines, arrived = [], []  # morse-run's output, and when each line came
+
+    def read():
+        for line in iter(proc.stdout.readline, ""):
+            arrived.append(time.time())
+            lines.append(line)
+            if args.verbose:
+                sys.stdout.write(line)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    records = []
+    plan = list(faults)
+    while proc.poll() is None:
+        time.sleep(0.05)
+        if not plan:
+            continue
+        at, kind = plan[0]
+        if progress(out, args.workers) < at:
+            continue
+        plan.pop(0)
+        targets = children(proc.pid, kind)
+        if not targets:
+            continue
+        pid = random.choice(sorted(targets))
+        who = targets[pid]
+        killed_at = time.time()
+        os.kill(pid, signal.SIGKILL)
+        records.append({"kind": kind, "who": who, "step": progress(out, args.workers),
+                        "killed_at": killed_at, "seen": len(lines)})
+    reader.join(timeout=10)
+    code = proc.wait()
+    results = {}
+    for line in lines:
+        m = re.search(r"RESULT rank (\d+) loss (\S+) checksum (\S+)", line)
+        if m:
+            results[int(m.group(1))] = (float(m.group(2)), m.group(3))
+    for record in records:
+        # The restarted rank's rejoin line, and its first step after it.
+        if record["kind"] == "rank":
+            # "rejoining at step 30 ...; the shards have completed 32 steps",
+            # or "resuming at step 910" when they had not gone on.
+            pattern = re.compile(rf"\[rank {record['who']}\] worker {record['who']}: "
+                                 r"(?:rejoining|resuming) at step (\d+)(?:.*completed (\d+) steps)?")
+            for i in range(record["seen"], len(lines)):
+                m = pattern.search(lines[i])
+                if m:
+                    record["from"] = int(m.group(1))
+                    record["completed"] = int(m.group(2) or m.group(1))
+                    record["rejoin_seconds"] = arrived[i] - record["killed_at"]
+                    break
+        else:
+            pattern = re.compile(r"restarted from its checkpoint at step (\d+); replaying steps "
+                                 r"\d+\.\.(\d+)")
+            for i in range(record["seen"], len(lines)):
+                m = pattern.search(lines[i])
+                if m:
+                    record["from"], record["completed"] = int(m.group(1)), int(m.group(2)) + 1
+                    record["rejoin_seconds"] = arrived[i] - record["killed_at"]
+                    break
+    shutil.rmtree(out, ignore_errors=True)
+    return code, lines, results, records
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--workers", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--shards", type=int, default=2, help="server shards (default 2)")
+    p.add_argument("--steps", type=int, default=1000, help="training steps (default 1000)")
+    p.add_argument("--kill-every", type=int, default=50,
+                   help="steps between rank kills, on average (default 50)")
+    p.add_argument("--shard-kills", type=int, default=2, help="shards killed (default 2)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="checkpoint.every_steps (default 10)")
+    p.add_argument("--seed", type=int, default=1, help="where the faults fall (default 1)")
+    p.add_argument("--verbose", action="store_true", help="show morse-run's output as it comes")
+    p.add_argument("--python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3")
+                   else sys.executable,
+                   help="the Python with torch that runs the ranks (default /usr/bin/python3)")
+    p.add_argument("--build", default=os.environ.get("MORSE_BUILD_DIR", os.path.join(ROOT, "build")))
+    args = p.parse_args()
+    if args.workers < 2 or args.shards < 1 or args.steps < 4 * args.checkpoint_every:
+        p.error("needs --workers >= 2, --shards >= 1 and --steps >= 4 x --checkpoint-every")
+    random.seed(args.seed)
+    # Faults at least 3 checkpoint intervals apart (each recovery over before
+    # the next), a rank kill about every --kill-every steps, shard kills at
+    # random among them.
+    gap = max(3 * args.checkpoint_every, 1)
+    faults, step = [], gap
+    while step < args.steps - gap:
+        faults.append([step, "rank"])
+        step += max(gap, int(random.expovariate(1.0 / args.kill_every)) + gap // 2)
+    for index in random.sample(range(len(faults)), min(args.shard_kills, len(faults))):
+        faults[index][1] = "shard"
+    faults = [tuple(f) for f in faults]
+
+    started = time.time()
+    code, clean_lines, undisturbed, _ = run(args, [])
+    clean_seconds = time.time() - started
+    if code != 0 or len(undisturbed) != args.workers:
+        sys.stdout.write("".join(clean_lines[-30:]))
+        sys.exit(f"fault_campaign: the undisturbed run failed (exit {code})")
+    started = time.time()
+    code, lines, disturbed, records = run(args, faults)
+    faulty_seconds = time.time() - started
+    print(f"{args.workers} ranks, {args.shards} shards, {args.steps} steps, checkpoints every "
+          f"{args.checkpoint_every}; {len(records)} faults")
+    print("| fault | at step | restarted from | steps replayed | seconds to resume |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in records:
+        replayed = r["completed"] - r["from"] if "completed" in r else "?"
+        seconds = f"{r['rejoin_seconds']:.1f}" if "rejoin_seconds" in r else "?"
+        print(f"| {r['kind']} {r['who']} | {r['step']} | {r.get('from', '?')} | {replayed} | "
+              f"{seconds} |")
+    same = disturbed == undisturbed and len(disturbed) == args.workers
+    loss = undisturbed[0][0]
+    print(f"undisturbed: {clean_seconds:.1f} s, loss {loss:.6f}, checksum {undisturbed[0][1]}")
+    if disturbed:
+        print(f"with faults: {faulty_seconds:.1f} s, loss {disturbed.get(0, (float('nan'),))[0]:.6f}, "
+              f"checksum {disturbed.get(0, (0, '?'))[1]}; exit {code}")
+    print("IDENTICAL: every rank's final loss and checksum equal the undisturbed run's" if same and
+          code == 0 else "DIFFERENT or unfinished: see the log above")
+    if not (same and code == 0):
+        sys.stdout.write("".join(lines[-40:]))
+    return 0 if same and code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
