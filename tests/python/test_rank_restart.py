@@ -7,7 +7,10 @@ whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... Two runs:
   from its checkpoint of step 12 and replays steps 12..14 (the shards
   completed step 14 with the push that left);
 - rank 0 (which uploaded the initial model) kills itself in step 9 before
-  backward(): it replays step 8.
+  backward(): it replays step 8;
+- shard 1 is killed after step 5 (morse-run restarts it from step 4's
+  checkpoint), then rank 1 in step 14 before backward();
+- a DiLoCo rank is killed in the middle of an interval.
 morse-run restarts the rank with MORSE_REJOIN=1; the script goes on from
 opt.step_index with the same batches, the shards answer the replayed steps
 with the replies they kept (each replayed push checked against the one that
@@ -30,7 +33,23 @@ from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
 STEPS = 20
 
 
-def worker(out, kill_rank, kill_in, after_backward):
+def shard_pid(config, shard):
+    """The morse-server of this job's shard (its command line names the
+    job's own config file)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if (argv and argv[0].endswith(b"morse-server") and config.encode() in argv
+                and b"--shard" in argv and argv[argv.index(b"--shard") + 1] == str(shard).encode()):
+            return int(pid)
+    return None
+
+
+def worker(out, kill_rank, kill_in, after_backward, kill_shard_after=-1):
     import numpy as np
     import morse.torch
     torch.manual_seed(3)
@@ -70,6 +89,11 @@ def worker(out, kill_rank, kill_in, after_backward):
             print(f"killing myself in step {step}, its gradients pushed", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
+        if rank != kill_rank and life == 0 and step == kill_shard_after:
+            # A shard lost before the rank: restarted from its checkpoint,
+            # it counts only the ranks that join it again.
+            os.kill(shard_pid(os.environ["MORSE_CONFIG"], 1), signal.SIGKILL)
+            print(f"killed shard 1 after step {step}", flush=True)
         with open(f"{out}/checksum-{rank}-{step}-{life}.tmp", "w") as f:
             f.write(opt.checksum())
         os.rename(f"{out}/checksum-{rank}-{step}-{life}.tmp", f"{out}/checksum-{rank}-{step}-{life}")
@@ -146,20 +170,23 @@ def run_diloco():
           "bit-identical to the undisturbed run on both ranks")
 
 
-def run(kill_rank, kill_in, after_backward, checkpoint, replayed):
+def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_after=-1):
     import numpy as np
     out = tempfile.mkdtemp(prefix="morse-rank-restart-")
     config = os.path.join(out, "base.textproto")
     with open(config, "w") as f:
         f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
-    code, log = morse_run(__file__, 2, 2, out, str(kill_rank), str(kill_in),
-                          str(int(after_backward)), config=config,
+    code, log = morse_run(__file__, 2, 2, out, str(kill_shard_after), str(kill_rank),
+                          str(kill_in), str(int(after_backward)), config=config,
                           extra=["--rank-restarts", "1"])
     print(log)
     os.remove(config)
     check(code == 0, "the job failed")
     check(f"[rank {kill_rank}] killing myself in step {kill_in}" in log,
           f"rank {kill_rank} was not killed")
+    if kill_shard_after >= 0:
+        check(f"killed shard 1 after step {kill_shard_after}" in log and "restarting it on" in log,
+              "shard 1 was not killed and restarted")
     check(f"rank {kill_rank} exited with -9; restarting it (1 of --rank-restarts 1)" in log,
           f"morse-run did not restart rank {kill_rank}")
     check(f"[rank {kill_rank}] life 1 starts at step {checkpoint}" in log,
@@ -195,7 +222,9 @@ if __name__ == "__main__":
         if sys.argv[-3] == "diloco":  # --worker OUT diloco KILL_RANK KILL_IN
             diloco_worker(sys.argv[-4], int(sys.argv[-2]), int(sys.argv[-1]))
         else:
-            worker(sys.argv[-4], int(sys.argv[-3]), int(sys.argv[-2]), sys.argv[-1] == "1")
+            # --worker OUT KILL_SHARD_AFTER KILL_RANK KILL_IN AFTER_BACKWARD
+            worker(sys.argv[-5], int(sys.argv[-3]), int(sys.argv[-2]), sys.argv[-1] == "1",
+                   int(sys.argv[-4]))
         sys.exit(0)
     # What --rank-restarts refuses, before starting anything.
     import subprocess
@@ -210,4 +239,9 @@ if __name__ == "__main__":
               f"morse-run {' '.join(flags)}: exit {result.returncode}, {result.stdout!r}")
     run(kill_rank=1, kill_in=14, after_backward=True, checkpoint=12, replayed=14)
     run(kill_rank=0, kill_in=9, after_backward=False, checkpoint=8, replayed=8)
+    # Shard 1 killed after step 5 and restarted (from step 4), then rank 1
+    # in step 14: a rank restarted after a shard's restart joins the running
+    # job without waiting for every rank to have joined that shard again.
+    run(kill_rank=1, kill_in=14, after_backward=False, checkpoint=12, replayed=13,
+        kill_shard_after=5)
     run_diloco()
