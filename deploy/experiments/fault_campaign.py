@@ -171,16 +171,149 @@ def run(args, faults):
                     record["completed"] = int(m.group(2) or m.group(1))
                     record["rejoin_seconds"] = arrived[i] - record["killed_at"]
                     break
-        else:
-            pattern = re.compile(r"restarted from its checkpoint at step (\d+); replaying steps "
-                                 r"\d+\.\.(\d+)")
+        else:  # the restarted shard's own line; the ranks had reached record["step"]
+            pattern = re.compile(rf"shard {record['who']}: resumed from \S+ at step (\d+)")
             for i in range(record["seen"], len(lines)):
                 m = pattern.search(lines[i])
                 if m:
-                    record["from"], record["completed"] = int(m.group(1)), int(m.group(2)) + 1
+                    record["from"] = int(m.group(1))
+                    record["completed"] = max(record["from"], record["step"])
                     record["rejoin_seconds"] = arrived[i] - record["killed_at"]
                     break
     shutil.rmtree(out, ignore_errors=True)
+    return code, lines, results, records
+
+
+def free_ports(n):
+    import socket
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def run_workers(args, faults):
+    """The same campaign over morse-worker's synthetic workload (1-bit Adam,
+    its freeze at step 20), this script supervising: every killed daemon is
+    started again with its command line (workers with --rejoin), as systemd
+    or Kubernetes would. Returns what run() does."""
+    out = tempfile.mkdtemp(prefix="morse-campaign-")
+    config = os.path.join(out, "job.textproto")
+    with open(config, "w") as f:
+        f.write(f"""workers: {args.workers}
+shards: {args.shards}
+synthetic {{ dim: 200003 noise: 0.2 }}
+optimizer: "onebit_adam"
+freeze_step: 20
+lr {{ lr: 0.01 }}
+steps: {args.steps}
+block_elems: 256
+partition_elems: 16384
+seed: 7
+log_every: 100
+timeouts {{ step_seconds: 30 recovery_seconds: 120 }}
+checkpoint {{ every_steps: {args.checkpoint_every} }}
+""")
+    ports = free_ports(args.shards)
+    servers = ",".join(f"127.0.0.1:{p}" for p in ports)
+    bin_dir = args.build
+    commands = {("shard", s): [f"{bin_dir}/server/morse-server", "--config", config, "--shard", str(s),
+                               "--listen", f"127.0.0.1:{ports[s]}", "--insecure",
+                               "--checkpoint_dir", out] for s in range(args.shards)}
+    for r in range(args.workers):
+        commands[("rank", r)] = [f"{bin_dir}/worker/morse-worker", "--config", config, "--rank",
+                                 str(r), "--servers", servers, "--insecure", "--checkpoint_dir",
+                                 out, "--rejoin", "--metrics", f"{out}/metrics-{r}.jsonl"]
+    lines, arrived = [], []
+    lock = threading.Lock()
+    procs, readers = {}, []
+
+    def start(key):
+        p = subprocess.Popen(commands[key], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+        procs[key] = p
+
+        def read():
+            for line in iter(p.stdout.readline, ""):
+                with lock:
+                    arrived.append(time.time())
+                    lines.append(f"[{key[0]} {key[1]}] {line}")
+                if args.verbose:
+                    sys.stdout.write(f"[{key[0]} {key[1]}] {line}")
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        readers.append(t)
+
+    def worker_progress():
+        steps = []
+        for r in range(args.workers):
+            try:
+                with open(f"{out}/metrics-{r}.jsonl") as f:
+                    steps.append(max([int(m) + 1 for m in re.findall(r'"step":(\d+)', f.read())] or [0]))
+            except OSError:
+                steps.append(0)
+        return min(steps)
+
+    for s in range(args.shards):
+        start(("shard", s))
+    time.sleep(0.5)
+    for r in range(args.workers):
+        start(("rank", r))
+    records, plan = [], list(faults)
+    deadline = time.time() + 1800
+    while any(procs[("rank", r)].poll() is None for r in range(args.workers)):
+        time.sleep(0.05)
+        if time.time() > deadline:
+            break
+        for key, p in list(procs.items()):
+            if key in ("done",):
+                continue
+        if not plan or worker_progress() < plan[0][0]:
+            continue
+        at, kind = plan.pop(0)
+        who = random.randrange(args.workers if kind == "rank" else args.shards)
+        key = (kind, who)
+        with lock:
+            seen = len(lines)
+        killed_at = time.time()
+        procs[key].kill()
+        procs[key].wait()
+        records.append({"kind": kind, "who": who, "step": worker_progress(),
+                        "killed_at": killed_at, "seen": seen})
+        time.sleep(1.0)  # the supervisor's restart delay
+        start(key)
+    codes = [procs[("rank", r)].wait(timeout=60) for r in range(args.workers)]
+    for s in range(args.shards):
+        procs[("shard", s)].terminate()
+        procs[("shard", s)].wait(timeout=30)
+    for t in readers:
+        t.join(timeout=5)
+    results = {}
+    for line in lines:
+        m = re.search(r'^\[rank (\d+)\] \{"rank":\d+.*"final_loss":([^,]+),.*"checksum":"([0-9a-f]+)"',
+                      line)
+        if m:
+            results[int(m.group(1))] = (float(m.group(2)), m.group(3))
+    for record in records:
+        if record["kind"] == "rank":
+            pattern = re.compile(rf"^\[rank {record['who']}\] worker {record['who']}: "
+                                 r"(?:rejoining|resuming) at step (\d+)(?:.*completed (\d+) steps)?")
+        else:  # the restarted shard's own line; the workers had reached record["step"]
+            pattern = re.compile(rf"shard {record['who']}: resumed from \S+ at step (\d+)")
+        for i in range(record["seen"], len(lines)):
+            m = pattern.search(lines[i])
+            if m:
+                record["from"] = int(m.group(1))
+                completed = m.group(2) if record["kind"] == "rank" else None
+                record["completed"] = int(completed) if completed else max(
+                    record["from"], record["step"] if record["kind"] == "shard" else 0)
+                record["rejoin_seconds"] = arrived[i] - record["killed_at"]
+                break
+    shutil.rmtree(out, ignore_errors=True)
+    code = 0 if all(c == 0 for c in codes) else next(c for c in codes if c != 0)
     return code, lines, results, records
 
 
@@ -197,6 +330,9 @@ def main():
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="checkpoint.every_steps (default 10)")
     p.add_argument("--seed", type=int, default=1, help="where the faults fall (default 1)")
+    p.add_argument("--workload", choices=("torch", "worker"), default="torch",
+                   help="torch: a morse.torch script under morse-run (default); worker: "
+                        "morse-worker's synthetic workload (D = 200,003), supervised by this script")
     p.add_argument("--verbose", action="store_true", help="show morse-run's output as it comes")
     p.add_argument("--python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3")
                    else sys.executable,
@@ -219,13 +355,14 @@ def main():
     faults = [tuple(f) for f in faults]
 
     started = time.time()
-    code, clean_lines, undisturbed, _ = run(args, [])
+    job = run if args.workload == "torch" else run_workers
+    code, clean_lines, undisturbed, _ = job(args, [])
     clean_seconds = time.time() - started
     if code != 0 or len(undisturbed) != args.workers:
         sys.stdout.write("".join(clean_lines[-30:]))
         sys.exit(f"fault_campaign: the undisturbed run failed (exit {code})")
     started = time.time()
-    code, lines, disturbed, records = run(args, faults)
+    code, lines, disturbed, records = job(args, faults)
     faulty_seconds = time.time() - started
     print(f"{args.workers} ranks, {args.shards} shards, {args.steps} steps, checkpoints every "
           f"{args.checkpoint_every}; {len(records)} faults")
