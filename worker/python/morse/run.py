@@ -281,12 +281,25 @@ def _parse(argv):
     return args, command
 
 
+_RANK_RESTARTS_NEED = ("--rank-restarts needs checkpoint { every_steps: N } in --config: a "
+                       "restarted rank rejoins from its last checkpoint, and the shards keep the "
+                       "replies of the steps since")
+
+
+def _checkpoints(base):
+    """Whether the job config text checkpoints (checkpoint.every_steps > 0)."""
+    every = re.search(r"every_steps\s*:\s*(\d+)", base)
+    return bool(every and int(every.group(1)) > 0)
+
+
 def _check_only(args, command, server_bin, starts_servers, node):
     """--check-config: what main() would check before starting anything,
     and the plan, printed."""
     base = _base_config(args.config, args.morse_workers, args.shards)
     if args.token_file and not os.access(args.token_file, os.R_OK):
         raise SystemExit(f"{node}: cannot read --token-file {args.token_file}")
+    if args.rank_restarts and not _checkpoints(base):
+        raise SystemExit(f"{node}: {_RANK_RESTARTS_NEED}")
     first = args.node_rank * args.nproc_per_node
     if starts_servers:
         shards = f"{args.stages * args.shards} started here on {args.host} ({server_bin})"
@@ -329,13 +342,10 @@ def main(argv=None):
     except SystemExit:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
-    every = re.search(r"every_steps\s*:\s*(\d+)", base)
-    checkpointing = bool(every and int(every.group(1)) > 0)
+    checkpointing = _checkpoints(base)
     if args.rank_restarts and not checkpointing:
         shutil.rmtree(workdir, ignore_errors=True)
-        raise SystemExit("morse-run: --rank-restarts needs checkpoint { every_steps: N } in --config: "
-                         "a restarted rank rejoins from its last checkpoint, and the shards keep "
-                         "the replies of the steps since")
+        raise SystemExit(f"morse-run: {_RANK_RESTARTS_NEED}")
     # Checkpoints go to the config's checkpoint.dir, or else beside the config;
     # with stages, to a folder per stage inside it (shards of different
     # stages have the same indices).
