@@ -104,6 +104,32 @@ def children(parent, kind):
     return found
 
 
+def note_recoveries(records, lines, arrived):
+    """Adds to each fault record what its restarted process said: the step
+    it restarted from ("from"), the step the job had completed
+    ("completed"), and the seconds from the kill to that line. `lines` are
+    the job's output, each prefixed "[rank r] " or "[... shard s] ...",
+    `arrived` when each came."""
+    for record in records:
+        if record["kind"] == "rank":
+            # "rejoining at step 30 ...; the shards have completed 32 steps",
+            # or "resuming at step 910" when they had not gone on.
+            pattern = re.compile(rf"^\[rank {record['who']}\] worker {record['who']}: "
+                                 r"(?:rejoining|resuming) at step (\d+)(?:.*completed (\d+) steps)?")
+        else:  # the restarted shard's own line; the ranks had reached record["step"]
+            pattern = re.compile(rf"shard {record['who']}: resumed from \S+ at step (\d+)")
+        for i in range(record["seen"], len(lines)):
+            m = pattern.search(lines[i])
+            if m:
+                record["from"] = int(m.group(1))
+                if record["kind"] == "rank":
+                    record["completed"] = int(m.group(2) or m.group(1))
+                else:
+                    record["completed"] = max(record["from"], record["step"])
+                record["rejoin_seconds"] = arrived[i] - record["killed_at"]
+                break
+
+
 def run(args, faults):
     """One job; returns (exit code, output lines, results, fault records)."""
     out = tempfile.mkdtemp(prefix="morse-campaign-")
@@ -157,29 +183,7 @@ def run(args, faults):
         m = re.search(r"RESULT rank (\d+) loss (\S+) checksum (\S+)", line)
         if m:
             results[int(m.group(1))] = (float(m.group(2)), m.group(3))
-    for record in records:
-        # The restarted rank's rejoin line, and its first step after it.
-        if record["kind"] == "rank":
-            # "rejoining at step 30 ...; the shards have completed 32 steps",
-            # or "resuming at step 910" when they had not gone on.
-            pattern = re.compile(rf"\[rank {record['who']}\] worker {record['who']}: "
-                                 r"(?:rejoining|resuming) at step (\d+)(?:.*completed (\d+) steps)?")
-            for i in range(record["seen"], len(lines)):
-                m = pattern.search(lines[i])
-                if m:
-                    record["from"] = int(m.group(1))
-                    record["completed"] = int(m.group(2) or m.group(1))
-                    record["rejoin_seconds"] = arrived[i] - record["killed_at"]
-                    break
-        else:  # the restarted shard's own line; the ranks had reached record["step"]
-            pattern = re.compile(rf"shard {record['who']}: resumed from \S+ at step (\d+)")
-            for i in range(record["seen"], len(lines)):
-                m = pattern.search(lines[i])
-                if m:
-                    record["from"] = int(m.group(1))
-                    record["completed"] = max(record["from"], record["step"])
-                    record["rejoin_seconds"] = arrived[i] - record["killed_at"]
-                    break
+    note_recoveries(records, lines, arrived)
     shutil.rmtree(out, ignore_errors=True)
     return code, lines, results, records
 
@@ -268,9 +272,6 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
         time.sleep(0.05)
         if time.time() > deadline:
             break
-        for key, p in list(procs.items()):
-            if key in ("done",):
-                continue
         if not plan or worker_progress() < plan[0][0]:
             continue
         at, kind = plan.pop(0)
@@ -297,21 +298,7 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
                       line)
         if m:
             results[int(m.group(1))] = (float(m.group(2)), m.group(3))
-    for record in records:
-        if record["kind"] == "rank":
-            pattern = re.compile(rf"^\[rank {record['who']}\] worker {record['who']}: "
-                                 r"(?:rejoining|resuming) at step (\d+)(?:.*completed (\d+) steps)?")
-        else:  # the restarted shard's own line; the workers had reached record["step"]
-            pattern = re.compile(rf"shard {record['who']}: resumed from \S+ at step (\d+)")
-        for i in range(record["seen"], len(lines)):
-            m = pattern.search(lines[i])
-            if m:
-                record["from"] = int(m.group(1))
-                completed = m.group(2) if record["kind"] == "rank" else None
-                record["completed"] = int(completed) if completed else max(
-                    record["from"], record["step"] if record["kind"] == "shard" else 0)
-                record["rejoin_seconds"] = arrived[i] - record["killed_at"]
-                break
+    note_recoveries(records, lines, arrived)
     shutil.rmtree(out, ignore_errors=True)
     code = 0 if all(c == 0 for c in codes) else next(c for c in codes if c != 0)
     return code, lines, results, records

@@ -22,6 +22,22 @@ def morse_run(script, workers, servers, *args, config=None, timeout=300, extra=(
     return result.returncode, result.stdout
 
 
+def shard_pid(config, shard):
+    """The morse-server of this job's shard (its command line names the
+    job's own config file, so no other job's server matches)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if (argv and argv[0].endswith(b"morse-server") and config.encode() in argv
+                and b"--shard" in argv and argv[argv.index(b"--shard") + 1] == str(shard).encode()):
+            return int(pid)
+    return None
+
+
 def check(condition, message):
     if not condition:
         print("FAIL:", message)

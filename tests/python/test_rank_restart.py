@@ -28,25 +28,9 @@ import time
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, morse_run, shard_pid  # noqa: E402
 
 STEPS = 20
-
-
-def shard_pid(config, shard):
-    """The morse-server of this job's shard (its command line names the
-    job's own config file)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if (argv and argv[0].endswith(b"morse-server") and config.encode() in argv
-                and b"--shard" in argv and argv[argv.index(b"--shard") + 1] == str(shard).encode()):
-            return int(pid)
-    return None
 
 
 def worker(out, kill_rank, kill_in, after_backward, kill_shard_after=-1):

@@ -12,26 +12,11 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
+from harness import (check, check_ranks_match_simulator, morse_run, shard_pid,  # noqa: E402
+                     train_recorded)
 
 STEPS = 20
 KILL_AFTER = 9
-
-
-def shard_pid(config, shard):
-    """The morse-server of this job's shard (its command line names the
-    job's own config file, so no other job's server matches)."""
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if (argv and argv[0].endswith(b"morse-server") and config.encode() in argv
-                and b"--shard" in argv and argv[argv.index(b"--shard") + 1] == str(shard).encode()):
-            return int(pid)
-    return None
 
 
 def worker(out):

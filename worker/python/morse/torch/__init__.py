@@ -131,6 +131,21 @@ def _base_config(config, workers, servers):
     return f"workers: {workers}\nshards: {len(servers)}\nexternal {{}}\n"
 
 
+def _rank_checkpoint(session, worker):
+    """This rank's checkpoint path and the job's checkpoint.every_steps when
+    MORSE_CHECKPOINT_DIR is set (morse-run --rank-restarts), else (None, 0);
+    MorseError if the job does not checkpoint."""
+    checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
+    if not checkpoint_dir:
+        return None, 0
+    every = session.checkpoint_every()
+    if not every:
+        raise MorseError("FAILED_PRECONDITION: MORSE_CHECKPOINT_DIR is set but the job does not "
+                         "checkpoint: add checkpoint { every_steps: N } to the config (morse-run "
+                         "--config)")
+    return os.path.join(checkpoint_dir, f"worker-{worker}.ckpt"), every
+
+
 def _external_model(params, layers=False):
     """(dim, the JobConfig line) of the model the parameters `params` make,
     with each tensor a layer when `layers` (onebit_lamb's coefficients)."""
@@ -344,21 +359,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._checkpoint, self._checkpoint_every = None, 0
         rejoin = os.environ.get("MORSE_REJOIN") == "1"
         self._rejoined = rejoin
-        checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
-        if (rejoin or checkpoint_dir) and self._node is not None:
+        if (rejoin or os.environ.get("MORSE_CHECKPOINT_DIR")) and self._node is not None:
             raise MorseError("FAILED_PRECONDITION: a rank of morse-run --node-aggregation cannot be "
                              "restarted on its own (MORSE_REJOIN, MORSE_CHECKPOINT_DIR): its node's "
                              "state is its leader's; run without --rank-restarts")
         if self._node is None or self._node.is_leader:
             self._session = _native.Session(base, self.job_overrides, worker, servers,
                                             host_x.numpy(), _security(security))
-            if checkpoint_dir:
-                self._checkpoint_every = self._session.checkpoint_every()
-                if not self._checkpoint_every:
-                    raise MorseError("FAILED_PRECONDITION: MORSE_CHECKPOINT_DIR is set but the job "
-                                     "does not checkpoint: add checkpoint { every_steps: N } to "
-                                     "the config (morse-run --config)")
-                self._checkpoint = os.path.join(checkpoint_dir, f"worker-{worker}.ckpt")
+            self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, worker)
             if rejoin:
                 # The model, moments and error buffer of the checkpoint's step
                 # (none: the shards' model and a zero error buffer); the

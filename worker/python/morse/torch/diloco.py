@@ -19,7 +19,7 @@ import torch
 
 from .. import _native
 from . import (MorseError, _base_config, _codec_lines, _env, _external_model, _MorseOptimizer,
-               _security)
+               _rank_checkpoint, _security)
 
 
 def _float(name, value):
@@ -133,15 +133,7 @@ class DiLoCo:
         # whole state every checkpoint.every_steps syncs to MORSE_CHECKPOINT_DIR,
         # with the inner optimizer's state beside it, and restarted
         # (MORSE_REJOIN=1) starts from both.
-        self._checkpoint, self._checkpoint_every = None, 0
-        checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
-        if checkpoint_dir:
-            self._checkpoint_every = self._session.checkpoint_every()
-            if not self._checkpoint_every:
-                raise MorseError("FAILED_PRECONDITION: MORSE_CHECKPOINT_DIR is set but the job "
-                                 "does not checkpoint: add checkpoint { every_steps: N } to the "
-                                 "config (morse-run --config)")
-            self._checkpoint = os.path.join(checkpoint_dir, f"worker-{self._rank}.ckpt")
+        self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, self._rank)
         self._inner_steps = 0
         if os.environ.get("MORSE_REJOIN") == "1":
             self._rejoin()
