@@ -41,6 +41,11 @@ struct Partition {
   Range range;  // global element indices
 };
 
+// The ranks whose pushes a step's average leaves out (membership,
+// design.md 4.3), by partition id, each list ascending; a partition past the
+// end or with an empty list: every worker is in.
+using Absent = std::vector<std::vector<uint32_t>>;
+
 class Layout {
  public:
   // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, or block and

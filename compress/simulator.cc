@@ -1,5 +1,6 @@
 #include "compress/simulator.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -50,7 +51,7 @@ bool Simulator::compressing() const {
 
 absl::Status Simulator::RoundTrip(
     const Partition& p, absl::Span<const absl::Span<const float>> gradients,
-    std::vector<float>& reply) {
+    absl::Span<const uint32_t> absent, std::vector<float>& reply) {
   const size_t n = p.range.size();
   // Workers: what each sends for this partition (the sender's rule), encoded.
   SendRule up;
@@ -84,8 +85,13 @@ absl::Status Simulator::RoundTrip(
             : Encode(up.codec, part, up.key, absl::MakeSpan(pushes[i]));
     if (!s.ok()) return s;
   }
-  // Shard: average in rank order, recompress with its own error.
-  std::vector<absl::Span<const uint8_t>> views(pushes.begin(), pushes.end());
+  // Shard: average the members' in rank order, recompress with its own
+  // error.
+  std::vector<absl::Span<const uint8_t>> views;
+  for (uint32_t i = 0; i < config_.workers; ++i) {
+    if (!std::binary_search(absent.begin(), absent.end(), i))
+      views.emplace_back(pushes[i]);
+  }
   const SendRule down = PlanSend(config_, step_, Direction::kDown,
                                  config_.workers + p.shard, p.range.begin);
   std::vector<uint8_t> payload(PayloadBytes(down.codec, n));
@@ -106,8 +112,24 @@ absl::Status Simulator::RoundTrip(
 }
 
 absl::Status Simulator::Step(
-    absl::Span<const absl::Span<const float>> gradients,
-    const StepHyper* hyper) {
+    absl::Span<const absl::Span<const float>> gradients, const StepHyper* hyper,
+    const Absent& absent) {
+  if (absent.size() > layout_.partitions().size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("absent ranks for ", absent.size(),
+                     " partitions; there are ", layout_.partitions().size()));
+  }
+  for (size_t p = 0; p < absent.size(); ++p) {
+    const std::vector<uint32_t>& out = absent[p];
+    if (!std::is_sorted(out.begin(), out.end()) ||
+        std::adjacent_find(out.begin(), out.end()) != out.end() ||
+        (!out.empty() && out.back() >= config_.workers) ||
+        out.size() >= config_.workers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the absent ranks of partition ", p,
+          " are not distinct ranks in ascending order with one left in"));
+    }
+  }
   if (gradients.size() != config_.workers) {
     return absl::InvalidArgumentError(absl::StrCat(
         gradients.size(), " gradients for ", config_.workers, " workers"));
@@ -170,7 +192,10 @@ absl::Status Simulator::Step(
   // Every partition's round trip reads m before any update of this step.
   std::vector<std::vector<float>> replies(layout_.partitions().size());
   for (const Partition& p : layout_.partitions()) {
-    if (absl::Status s = RoundTrip(p, gradients, replies[p.id]); !s.ok())
+    const absl::Span<const uint32_t> out =
+        p.id < absent.size() ? absl::MakeConstSpan(absent[p.id])
+                             : absl::Span<const uint32_t>();
+    if (absl::Status s = RoundTrip(p, gradients, out, replies[p.id]); !s.ok())
       return s;
   }
   // The averaged gradient's clip factor: each shard's sum of squares of

@@ -34,9 +34,13 @@ class Simulator {
   // INVALID_ARGUMENT on wrong sizes or a non-finite encode; state is then
   // undefined for an encode failure and unchanged for a size error.
   // `hyper`: this step's learning rate and weight decay set by the workers
-  // (as pushes carry them), instead of the schedule.
+  // (as pushes carry them), instead of the schedule. `absent`: the workers
+  // each partition's average leaves out (their messages are formed, and
+  // their error buffers move, as a late worker's do); INVALID_ARGUMENT,
+  // state unchanged, for a rank out of range or a partition with none in.
   absl::Status Step(absl::Span<const absl::Span<const float>> gradients,
-                    const StepHyper* hyper = nullptr);
+                    const StepHyper* hyper = nullptr,
+                    const Absent& absent = {});
 
   int64_t step() const { return step_; }  // steps completed
   bool compressing() const;               // is the next step compressed?
@@ -70,6 +74,7 @@ class Simulator {
   // reply (what every worker receives) in `reply`.
   absl::Status RoundTrip(const Partition& p,
                          absl::Span<const absl::Span<const float>> gradients,
+                         absl::Span<const uint32_t> absent,
                          std::vector<float>& reply);
 
   AlgorithmConfig config_;

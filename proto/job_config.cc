@@ -108,6 +108,12 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     return Invalid("steps", "must be positive");
   a.workers = c.workers();
   job.steps = c.steps();
+  job.min_workers = c.has_min_workers() ? c.min_workers() : c.workers();
+  if (job.min_workers == 0 || job.min_workers > c.workers()) {
+    return Invalid("min_workers",
+                   absl::StrCat(job.min_workers,
+                                " is not in [1, workers = ", c.workers(), "]"));
+  }
 
   switch (c.workload_case()) {
     case v1::JobConfig::kSynthetic:
@@ -369,6 +375,16 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
           absl::StrCat(seconds, " is not a finite number of seconds in (0, ",
                        kMaxTimeoutSeconds, "] (a week)"));
     }
+  }
+  if (job.elastic() &&
+      job.step_timeout_seconds >= job.recovery_timeout_seconds) {
+    return Invalid(
+        "timeouts.step_seconds",
+        absl::StrCat(job.step_timeout_seconds,
+                     " s: with min_workers below workers a step completes "
+                     "without its missing workers after step_seconds, which "
+                     "must be less than recovery_seconds (",
+                     job.recovery_timeout_seconds, " s)"));
   }
   if (c.has_channels_per_shard())
     job.channels_per_shard = c.channels_per_shard();

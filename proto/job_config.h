@@ -70,11 +70,16 @@ struct JobSpec {
   uint32_t checkpoint_every_steps = 0;
   std::string checkpoint_dir;
   uint32_t replay_steps = 0;  // pushes a worker retains (steps)
+  // The fewest workers a step completes with (JobConfig.min_workers;
+  // design.md 4.3); workers() when the config leaves it out.
+  uint32_t min_workers = 1;
 
   uint32_t workers() const { return algorithm.workers; }
   // False for an external model whose size the workers have not sent yet.
   bool sized() const { return algorithm.layout.dim > 0; }
   uint32_t shards() const { return algorithm.layout.shards; }
+  // Missing workers leave a step's membership instead of failing it.
+  bool elastic() const { return min_workers < workers(); }
 };
 
 enum class ConfigFormat : uint8_t { kText, kJson };

@@ -108,6 +108,7 @@ void ShardHandler::ToMessage(const Reply& reply, v1::PushReply* message) {
   if (!reply.buffers.empty()) message->set_buffers(reply.buffers);
   if (reply.grad_sum_of_squares.has_value())
     message->set_grad_sum_of_squares(*reply.grad_sum_of_squares);
+  for (uint32_t rank : reply.absent) message->add_absent(rank);
 }
 
 absl::Status ShardHandler::FetchPartition(

@@ -49,7 +49,19 @@ ServerMetrics::ServerMetrics(std::shared_ptr<prometheus::Registry> registry,
               .Help(
                   "Calls refused with UNAUTHENTICATED (missing or wrong token)")
               .Register(*registry_)
-              .Add({{"shard", shard_}})) {}
+              .Add({{"shard", shard_}})),
+      members_(prometheus::BuildGauge()
+                   .Name("morse_server_members")
+                   .Help("Workers in every partition's membership (a step "
+                         "completes without the others; min_workers)")
+                   .Register(*registry_)
+                   .Add({{"shard", shard_}})),
+      dropped_(prometheus::BuildCounter()
+                   .Name("morse_server_workers_dropped_total")
+                   .Help("Times a partition's step completed without a "
+                         "worker (min_workers)")
+                   .Register(*registry_)
+                   .Add({{"shard", shard_}})) {}
 
 void ServerMetrics::Push(absl::StatusCode code, compress::CodecKind codec,
                          size_t bytes_in, size_t bytes_out) {
@@ -62,6 +74,12 @@ void ServerMetrics::Push(absl::StatusCode code, compress::CodecKind codec,
     sent_.Add({{"shard", shard_}, {"codec", name}})
         .Increment(static_cast<double>(bytes_out));
   }
+}
+
+void ServerMetrics::SetMembership(uint32_t members, uint64_t dropped_total) {
+  members_.Set(members);
+  const double more = static_cast<double>(dropped_total) - dropped_.Value();
+  if (more > 0) dropped_.Increment(more);
 }
 
 void ServerMetrics::StepCompleted(double seconds) {

@@ -8,8 +8,13 @@
 //   morse_server_step_seconds                  time between step completions
 //   morse_server_workers_joined                workers that joined
 //   morse_server_error_buffer_norm             L2 norm of the shard's error
-//   buffer morse_server_unauthenticated_calls_total   calls refused for a
-//   missing or wrong token
+//                                              buffer
+//   morse_server_unauthenticated_calls_total   calls refused for a missing or
+//                                              wrong token
+//   morse_server_members                       workers in every partition's
+//                                              membership (design.md 4.3)
+//   morse_server_workers_dropped_total         times a step completed without
+//                                              a worker (min_workers)
 // Thread-safe (prometheus-cpp metrics are).
 #ifndef MORSE_SERVER_METRICS_H_
 #define MORSE_SERVER_METRICS_H_
@@ -37,6 +42,9 @@ class ServerMetrics {
   void SetWorkersJoined(uint32_t n) { workers_joined_.Set(n); }
   void SetErrorNorm(double norm) { error_norm_.Set(norm); }
   void Unauthenticated() { unauthenticated_.Increment(); }
+  // The membership after ShardCore::ExpireWaiting: members now, and the
+  // workers dropped so far (a total; the counter follows it).
+  void SetMembership(uint32_t members, uint64_t dropped_total);
   const std::shared_ptr<prometheus::Registry>& registry() const {
     return registry_;
   }
@@ -52,6 +60,8 @@ class ServerMetrics {
   prometheus::Gauge& workers_joined_;
   prometheus::Gauge& error_norm_;
   prometheus::Counter& unauthenticated_;
+  prometheus::Gauge& members_;
+  prometheus::Counter& dropped_;
 };
 
 }  // namespace morse::server

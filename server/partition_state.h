@@ -24,6 +24,8 @@ struct ShardCore::PartitionState {
       : partition(p),
         pushes(workers),
         push_hashes(workers, 0),
+        live(workers, true),
+        live_count(workers),
         last_hashes(workers, 0) {}
 
   const compress::Partition partition;
@@ -35,6 +37,12 @@ struct ShardCore::PartitionState {
   std::vector<uint64_t> push_hashes ABSL_GUARDED_BY(mu);  // BytesHash of each
   uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
   absl::Time first_arrival ABSL_GUARDED_BY(mu);
+  // The membership (design.md 4.3): the ranks whose pushes a step waits
+  // for. Every rank at first; an elastic job's ExpireWaiting takes out the
+  // ones a step completed without, and a push of the step in flight puts
+  // its rank back.
+  std::vector<bool> live ABSL_GUARDED_BY(mu);
+  uint32_t live_count ABSL_GUARDED_BY(mu);
   // The step's lr and weight decay as the first push carried them (every
   // other push must carry the same), and that push's rank.
   std::optional<compress::StepHyper> hyper ABSL_GUARDED_BY(mu);
@@ -73,7 +81,8 @@ struct ShardCore::PartitionState {
   std::vector<std::vector<float>> whole_state ABSL_GUARDED_BY(mu);
   std::vector<uint64_t> last_hashes ABSL_GUARDED_BY(mu);
   // The completed steps before the last one, oldest first, each with its
-  // reply and the hashes of the pushes it answered: a restarted worker
+  // reply and the hashes of the pushes it answered (none for the ranks it
+  // left out, Reply::absent): a restarted worker
   // replays from its checkpoint's step and gets these replies again
   // (checkpoint.replay_steps in all, the last one included).
   struct Answered {

@@ -57,7 +57,7 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
 grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
   // morse.proto's PushReply: step = 1, partition = 2, codec = 3 (varints),
   // payload = 4, buffers = 5 (length-delimited), grad_sum_of_squares = 6
-  // (fixed64).
+  // (fixed64), absent = 7 (packed varints).
   using google::protobuf::io::CodedOutputStream;
   using google::protobuf::io::StringOutputStream;
   // Tags: field number << 3 | wire type (0 varint, 1 fixed64, 2
@@ -93,6 +93,14 @@ grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
       std::memcpy(&bits, &*reply->grad_sum_of_squares, sizeof bits);
       out.WriteTag(tag(6, 1));
       out.WriteLittleEndian64(bits);
+    }
+    if (!reply->absent.empty()) {  // packed
+      size_t size = 0;
+      for (uint32_t rank : reply->absent)
+        size += CodedOutputStream::VarintSize32(rank);
+      out.WriteTag(tag(7, 2));
+      out.WriteVarint64(size);
+      for (uint32_t rank : reply->absent) out.WriteVarint32(rank);
     }
   }
   std::vector<grpc::Slice> slices;

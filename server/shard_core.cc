@@ -183,6 +183,16 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// The step completed without this rank (membership, design.md 4.3): its
+// push came late or not at all, and any bytes get the reply.
+bool LeftOut(const Reply& reply, uint32_t rank) {
+  return std::binary_search(reply.absent.begin(), reply.absent.end(), rank);
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
     const PartitionState& p, const PushArgs& args, uint64_t hash) const {
   if (args.step == p.next_step - 1) {  // a retry of the completed step
@@ -192,7 +202,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
                        " was completed before this server restarted from its "
                        "checkpoint; its reply is gone"));
     }
-    if (hash != p.last_hashes[args.rank]) {
+    if (!LeftOut(*p.last_reply, args.rank) &&
+        hash != p.last_hashes[args.rank]) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", args.rank, " re-sent step ", args.step, " of partition ",
           args.partition, " with different bytes"));
@@ -221,7 +232,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
                      absl::Cord(absl::StrCat(NextExchange(p))));
     return stale;
   }
-  if (hash != answered->hashes[args.rank]) {
+  if (!LeftOut(*answered->reply, args.rank) &&
+      hash != answered->hashes[args.rank]) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", args.rank, " replayed step ", args.step,
                      " of partition ", args.partition,
@@ -344,6 +356,10 @@ absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
           args.partition, " with different bytes"));
     }
   } else {
+    if (!p.live[args.rank]) {  // back in the membership (design.md 4.3)
+      p.live[args.rank] = true;
+      ++p.live_count;
+    }
     if (p.arrived == 0) {
       p.first_arrival = absl::Now();
       p.hyper = args.hyper;
@@ -356,7 +372,7 @@ absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
     ++p.arrived;
   }
   p.waiters.emplace_back(args.rank, std::move(done));
-  if (p.arrived == job_.workers() && !p.completing) {
+  if (p.arrived == p.live_count && !p.completing) {
     if (pool_ == nullptr) {
       *completion = CompleteLocked(p);
     } else {
@@ -456,7 +472,7 @@ void ShardCore::CompleteOnPool(PartitionState& p) {
     // have cleared it (ClearPending), and then this task has nothing to do.
     if (!p.completing) return;
     p.completing = false;
-    MORSE_CHECK(p.arrived == job_.workers());  // only ClearPending lowers it
+    MORSE_CHECK(p.arrived == p.live_count);  // only ClearPending lowers it
     completion = CompleteLocked(p);
   }
   Answer(p, std::move(completion));
@@ -554,12 +570,18 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   const int64_t step = NextExchange(p);
   trace::Scope traced("sum and recompress", step, part.id);
   const compress::StepPlan plan = compress::PlanStep(job_.algorithm, step);
+  // The members' pushes in rank order; the average is over them.
   std::vector<absl::Span<const uint8_t>> views;
-  for (const auto& push : p.pushes) {
+  auto reply = std::make_shared<Reply>();
+  for (uint32_t r = 0; r < p.pushes.size(); ++r) {
+    const std::optional<std::string>& push = p.pushes[r];
+    if (!push.has_value()) {
+      reply->absent.push_back(r);
+      continue;
+    }
     views.emplace_back(reinterpret_cast<const uint8_t*>(push->data()),
                        push->size());
   }
-  auto reply = std::make_shared<Reply>();
   reply->step = step;
   reply->partition = part.id;
   reply->codec = plan.down.kind;
@@ -868,6 +890,14 @@ void ShardCore::NoteStepCompleted(int64_t step) {
   }
 }
 
+std::vector<uint32_t> ShardCore::Missing(const PartitionState& p) const {
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < p.pushes.size(); ++r) {
+    if (p.live[r] && !p.pushes[r].has_value()) missing.push_back(r);
+  }
+  return missing;
+}
+
 std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
   const absl::Duration patience = absl::Seconds(job_.step_timeout_seconds);
   std::optional<std::string> oldest;
@@ -878,47 +908,76 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
     if (p.arrived == 0 || now - p.first_arrival < patience) continue;
     if (oldest.has_value() && now - p.first_arrival <= longest) continue;
     longest = now - p.first_arrival;
-    std::vector<uint32_t> missing;
-    for (uint32_t r = 0; r < p.pushes.size(); ++r) {
-      if (!p.pushes[r].has_value()) missing.push_back(r);
-    }
     oldest = absl::StrCat(
         "step ", NextExchange(p), " of partition ", p.partition.id,
         " has waited ",
         absl::FormatDuration(absl::Trunc(longest, absl::Seconds(1))),
-        " for rank(s) ", absl::StrJoin(missing, ", "), "; it fails after ",
-        job_.recovery_timeout_seconds, " s (timeouts.recovery_seconds)");
+        " for rank(s) ", absl::StrJoin(Missing(p), ", "),
+        job_.elastic()
+            ? absl::StrCat("; ", p.arrived, " pushed, fewer than min_workers (",
+                           job_.min_workers, ")")
+            : "",
+        "; it fails after ", job_.recovery_timeout_seconds,
+        " s (timeouts.recovery_seconds)");
   }
   return oldest;
 }
 
-void ShardCore::ExpireWaiting(absl::Time now) {
+std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
   const absl::Duration timeout = absl::Seconds(job_.recovery_timeout_seconds);
+  const absl::Duration patience = absl::Seconds(job_.step_timeout_seconds);
+  std::vector<std::string> changes;
   for (auto& state : partitions_) {
     PartitionState& p = *state;
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
     absl::Status status;
+    std::optional<Completion> completion;
     {
       MutexLock lock(&p.mu);
       // A partition with every push in is being completed, not waiting.
-      if (p.arrived == 0 || p.completing || now - p.first_arrival < timeout)
-        continue;
-      std::vector<uint32_t> missing;
-      for (uint32_t r = 0; r < p.pushes.size(); ++r) {
-        if (!p.pushes[r].has_value()) missing.push_back(r);
+      if (p.arrived == 0 || p.completing) continue;
+      const absl::Duration waited = now - p.first_arrival;
+      const std::vector<uint32_t> missing = Missing(p);
+      if (job_.elastic() && waited >= patience &&
+          p.arrived >= job_.min_workers) {
+        // The step completes with the pushes it has; the missing ranks
+        // leave the partition's membership until they push again.
+        for (uint32_t r : missing) p.live[r] = false;
+        p.live_count -= static_cast<uint32_t>(missing.size());
+        changes.push_back(absl::StrCat(
+            "step ", NextExchange(p), " of partition ", p.partition.id,
+            " completed without rank(s) ", absl::StrJoin(missing, ", "),
+            " after ", job_.step_timeout_seconds,
+            " s (timeouts.step_seconds): ", p.arrived, " of ", job_.workers(),
+            " workers pushed (min_workers ", job_.min_workers,
+            "); the missing leave the membership until they push again"));
+        {
+          MutexLock progress(&progress_mu_);
+          dropped_ += missing.size();
+        }
+        completion = CompleteLocked(p);
+      } else if (waited >= timeout) {
+        status = absl::DeadlineExceededError(absl::StrCat(
+            "step ", NextExchange(p), " of partition ", p.partition.id,
+            " timed out after ", job_.recovery_timeout_seconds,
+            " s (timeouts.recovery_seconds): rank(s) ",
+            absl::StrJoin(missing, ", "), " did not push",
+            job_.elastic()
+                ? absl::StrCat(", and the ", p.arrived,
+                               " that did are fewer than min_workers (",
+                               job_.min_workers, ")")
+                : "",
+            "; is a worker down?"));
+        // The shard gave up on the step: the workers must not retry it.
+        status.SetPayload(proto::kStepExpiredKey, absl::Cord("1"));
+        p.ClearPending();
+        waiters.swap(p.waiters);
       }
-      status = absl::DeadlineExceededError(absl::StrCat(
-          "step ", NextExchange(p), " of partition ", p.partition.id,
-          " timed out after ", job_.recovery_timeout_seconds,
-          " s (timeouts.recovery_seconds): rank(s) ",
-          absl::StrJoin(missing, ", "), " did not push; is a worker down?"));
-      // The shard gave up on the step: the workers must not retry it.
-      status.SetPayload(proto::kStepExpiredKey, absl::Cord("1"));
-      p.ClearPending();
-      waiters.swap(p.waiters);
     }
+    if (completion.has_value()) Answer(p, *std::move(completion));
     for (auto& [rank, callback] : waiters) callback(status);
   }
+  return changes;
 }
 
 std::vector<compress::NamedState> ShardCore::StateOf(const PartitionState& p,
@@ -1082,7 +1141,18 @@ ShardStatus ShardCore::Status() const {
   }
   s.completed_steps = completed;
   s.replies_kept_from = kept_from;
+  std::vector<bool> out(job_.workers(), false);
+  for (const auto& state : partitions_) {
+    MutexLock lock(&state->mu);
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      if (!state->live[r]) out[r] = true;
+    }
+  }
+  for (uint32_t r = 0; r < job_.workers(); ++r) {
+    if (out[r]) s.out.push_back(r);
+  }
   MutexLock progress(&progress_mu_);
+  s.workers_dropped = dropped_;
   s.partitions_initialized = initialized_;
   s.pushes_accepted = accepted_;
   s.pushes_rejected = rejected_;

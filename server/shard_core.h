@@ -92,6 +92,8 @@ struct Reply {
   // When the step clips the averaged gradient: this partition's sum of
   // squares of the decoded reply (compress::GradientSumOfSquares).
   std::optional<double> grad_sum_of_squares;
+  // The ranks the average left out (membership, design.md 4.3), ascending.
+  std::vector<uint32_t> absent;
 };
 
 // One partition's mirror, for workers that (re)join (DESIGN 4).
@@ -121,6 +123,10 @@ struct ShardStatus {
   int64_t replies_kept_from = 0;
   uint64_t pushes_accepted = 0;
   uint64_t pushes_rejected = 0;
+  // Ranks out of the membership of some partition (design.md 4.3),
+  // ascending, and how many times a step completed without a worker.
+  std::vector<uint32_t> out;
+  uint64_t workers_dropped = 0;
 };
 
 class ShardCore {
@@ -159,8 +165,12 @@ class ShardCore {
 
   // Fails the waiting pushes of every partition whose oldest push for the
   // current step is older than the recovery timeout (a stalled or restarting
-  // worker gets that long); those pushes are dropped.
-  void ExpireWaiting(absl::Time now);
+  // worker gets that long); those pushes are dropped. In an elastic job
+  // (min_workers below workers; design.md 4.3) a partition that has waited
+  // step_seconds with at least min_workers pushes completes with them
+  // instead, the missing ranks leaving its membership until they push
+  // again. Returns a line for each such change, for the shard's log.
+  std::vector<std::string> ExpireWaiting(absl::Time now);
 
   // Rank `rank` stops the job at `step` (its step failed, `reason` says
   // why): every waiting push, and every later push of `step` or after, fails
@@ -248,6 +258,9 @@ class ShardCore {
 
   absl::Status CheckCommon(uint32_t rank, uint32_t partition,
                            uint64_t fingerprint) const;
+  // The ranks of p's membership whose push of the step in flight is missing.
+  std::vector<uint32_t> Missing(const PartitionState& p) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // Runs under the partition's lock once all N pushes are in.
   absl::StatusOr<std::shared_ptr<const Reply>> Complete(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
@@ -338,6 +351,7 @@ class ShardCore {
       ABSL_GUARDED_BY(progress_mu_);  // step -> partitions
   uint64_t accepted_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t rejected_ ABSL_GUARDED_BY(progress_mu_) = 0;
+  uint64_t dropped_ ABSL_GUARDED_BY(progress_mu_) = 0;
 
   // Completes partitions when compute_threads > 0 (Create); destroyed
   // first, so what it runs finds the partitions alive.

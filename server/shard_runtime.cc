@@ -135,7 +135,15 @@ void ShardRuntime::Tick(ShardCore& core, absl::Time now) {
       last_stall_notice_ = now;
     }
   }
-  core.ExpireWaiting(now);
+  const std::vector<std::string> changes = core.ExpireWaiting(now);
+  for (const std::string& change : changes)
+    Log(absl::StrFormat("morse-server shard %u: %s", options_.shard, change));
+  MutexLock lock(&mu_);
+  if (metrics_ != nullptr) {
+    const ShardStatus s = core.Status();
+    metrics_->SetMembership(s.workers - static_cast<uint32_t>(s.out.size()),
+                            s.workers_dropped);
+  }
 }
 
 void ShardRuntime::Shutdown(const ShardCore* core) {

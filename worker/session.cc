@@ -1,9 +1,11 @@
 #include "worker/session.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/trace.h"
@@ -507,6 +509,38 @@ absl::Status Session::Fail(absl::Status status) {
   return status;
 }
 
+void Session::NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent) {
+  absent_.clear();
+  std::vector<uint32_t> own;  // partitions that left this worker out
+  for (auto& [partition, ranks] : absent) {
+    if (std::binary_search(ranks.begin(), ranks.end(), rank_))
+      own.push_back(partition);
+    absent_.resize(partition + 1);
+    absent_[partition] = std::move(ranks);
+  }
+  if (!own.empty()) {
+    std::fprintf(stderr,
+                 "worker %u: step %lld completed without this worker's push of "
+                 "partition(s) %s (it came after timeouts.step_seconds; "
+                 "min_workers): this worker applies the step as every other "
+                 "does\n",
+                 rank_, static_cast<long long>(step_),
+                 absl::StrJoin(own, ", ").c_str());
+  }
+}
+
+std::vector<uint32_t> Session::members() const {
+  std::vector<bool> in(job_.workers(), true);
+  for (const std::vector<uint32_t>& ranks : absent_) {
+    for (uint32_t r : ranks) in[r] = false;
+  }
+  std::vector<uint32_t> members;
+  for (uint32_t r = 0; r < job_.workers(); ++r) {
+    if (in[r]) members.push_back(r);
+  }
+  return members;
+}
+
 absl::Status Session::Finish(StepTraffic* traffic) {
   if (!InStep())
     return absl::FailedPreconditionError("no step in progress (call Begin)");
@@ -518,6 +552,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     if (exchange_ == nullptr) {  // a local step: nothing to send
       if (traffic != nullptr) *traffic = StepTraffic{};
       received_buffers_.clear();
+      absent_.clear();
       ++step_;
       return absl::OkStatus();
     }
@@ -525,6 +560,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   absl::Status finished = SendAndWait();
   StepTraffic waited_traffic = waited_traffic_;
   received_buffers_ = exchange_->TakeReceivedBuffers();
+  NoteAbsent(exchange_->TakeAbsent());
   exchange_.reset();
   if (traffic != nullptr) *traffic = waited_traffic;
   if (!finished.ok()) return finished;

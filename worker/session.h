@@ -10,6 +10,7 @@
 #ifndef MORSE_WORKER_SESSION_H_
 #define MORSE_WORKER_SESSION_H_
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -94,6 +95,13 @@ class Session {
   // torch). The same bits either way.
   void SetDeferApply(bool defer) { defer_apply_ = defer; }
   const std::string& received_buffers() const { return received_buffers_; }
+  // The ranks each partition's average of the last step left out
+  // (membership, design.md 4.3: a worker late by timeouts.step_seconds in a
+  // job with min_workers below workers), by partition id; empty when every
+  // worker was in, and after a step that exchanged nothing.
+  const compress::Absent& absent() const { return absent_; }
+  // The ranks in every partition's average of the last step.
+  std::vector<uint32_t> members() const;
   // The workers clip the steps that begin from now on by a max_norm chosen
   // after their backward pass (morse.torch's clip_grad_norm_; design.md
   // 2.6): ClipAt before Finish, or none (max_norm 0). Where the step has
@@ -210,6 +218,9 @@ class Session {
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);
+  // Keeps the step's absent ranks (absent()), saying so when this worker's
+  // own push was left out.
+  void NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent);
 
   proto::JobSpec job_;
   uint32_t rank_;
@@ -228,6 +239,7 @@ class Session {
   std::optional<compress::StepHyper> hyper_;
   std::string buffers_;           // rank 0: sent with the next step
   std::string received_buffers_;  // from the last step's reply of partition 0
+  compress::Absent absent_;       // of the last step's replies
   bool defer_apply_ = false;
   std::optional<compress::StepHyper> step_hyper_;  // the step in flight's
   // The step's replies kept for Finish when deferred (or when the step

@@ -49,6 +49,11 @@ std::string StepExchange::TakeReceivedBuffers() {
   return std::move(received_buffers_);
 }
 
+std::map<uint32_t, std::vector<uint32_t>> StepExchange::TakeAbsent() {
+  MutexLock lock(&mu_);
+  return std::move(absent_);
+}
+
 StepExchange::~StepExchange() {
   {
     MutexLock lock(&mu_);
@@ -380,6 +385,8 @@ void StepExchange::Deliver(std::unique_ptr<Call> done,
   std::string buffers = partition->id == 0
                             ? std::move(*done->reply.mutable_buffers())
                             : std::string();
+  std::vector<uint32_t> absent(done->reply.absent().begin(),
+                               done->reply.absent().end());
   if (result.ok() && client_->job_.replay_steps > 0) {
     client_->Retain(std::move(done->request),
                     compress::BytesHash(done->reply.payload()));
@@ -410,6 +417,8 @@ void StepExchange::Deliver(std::unique_ptr<Call> done,
   }
   traffic_.payload_down += bytes_down;
   if (result.ok() && partition->id == 0) received_buffers_ = std::move(buffers);
+  if (result.ok() && !absent.empty())
+    absent_[partition->id] = std::move(absent);
   traffic_.apply_seconds += apply_seconds;
   --in_flight_;
 }

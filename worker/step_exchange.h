@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -89,6 +90,9 @@ class StepExchange {
   absl::Status Finish(StepTraffic* traffic);
   // The module buffers that came with partition 0's reply (empty if none).
   std::string TakeReceivedBuffers();
+  // The ranks each partition's reply left out of its average (membership,
+  // design.md 4.3), for the partitions whose replies left some out.
+  std::map<uint32_t, std::vector<uint32_t>> TakeAbsent();
 
  private:
   struct Call;
@@ -153,6 +157,7 @@ class StepExchange {
   StepExtras extras_;  // buffers are moved into partition 0's push
   Mutex mu_;
   std::string received_buffers_ ABSL_GUARDED_BY(mu_);
+  std::map<uint32_t, std::vector<uint32_t>> absent_ ABSL_GUARDED_BY(mu_);
   absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   bool replay_noticed_ ABSL_GUARDED_BY(mu_) = false;
   // Per shard: the step it restarted from during this exchange (-1: none).

@@ -5,6 +5,7 @@
 #include <ostream>
 
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 
 namespace morse::worker {
@@ -104,6 +105,8 @@ void StepReport::Record(const StepRecord& r) {
     if (r.checksum.has_value())
       *options_.jsonl << absl::StrFormat(",\"checksum\":\"%016x\"",
                                          *r.checksum);
+    if (!r.absent.empty())
+      *options_.jsonl << ",\"absent\":[" << absl::StrJoin(r.absent, ",") << "]";
     // Flushed: a worker killed later keeps its lines so far.
     *options_.jsonl << "}\n" << std::flush;
   }

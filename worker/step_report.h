@@ -20,6 +20,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "compress/codec.h"
 #include "prometheus/counter.h"
@@ -41,6 +42,9 @@ struct StepRecord {
   // TCP bytes sent and received during the step (worker/wire_counter.h)
   uint64_t wire_up = 0, wire_down = 0;
   std::optional<uint64_t> checksum;  // of x, m, v (--checksums)
+  // The ranks some partition's average of the step left out (membership,
+  // design.md 4.3), ascending; empty when every worker was in.
+  std::vector<uint32_t> absent;
 };
 
 class WorkerMetrics {

@@ -4,9 +4,12 @@
 #ifndef MORSE_TESTS_E2E_EXPECTED_H_
 #define MORSE_TESTS_E2E_EXPECTED_H_
 
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "compress/simulator.h"
 #include "proto/job_config.h"
 
 namespace morse::testing {
@@ -23,8 +26,11 @@ struct Expected {
 };
 
 // Runs the simulator on the synthetic workload's gradients and records the
-// checksums a worker and each shard should report after every step.
-Expected Simulate(const proto::JobSpec& job);
+// checksums a worker and each shard should report after every step;
+// `absent`: the membership log, the ranks each step's partitions left out
+// (design.md 4.3), as the replies said.
+Expected Simulate(const proto::JobSpec& job,
+                  const std::map<int64_t, compress::Absent>& absent = {});
 
 // A shard's state log (morse-server --state_log: a line per exchanged step,
 // no replays) has exactly `expected`'s steps and mirror checksums of shard

@@ -115,6 +115,18 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
        "optimizer: \"diloco\" warmup_codec { codec: \"bf16\" }",
        "warmup_codec"},
+      {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
+       "freeze_step: 1 "
+       "min_workers: 3",
+       "min_workers"},
+      {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
+       "freeze_step: 1 "
+       "min_workers: 0",
+       "min_workers"},
+      {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
+       "freeze_step: 1 "
+       "min_workers: 1 timeouts { step_seconds: 9 recovery_seconds: 9 }",
+       "timeouts.step_seconds"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
@@ -124,6 +136,24 @@ TEST(JobConfigTest, ErrorsNameTheField) {
     EXPECT_NE(job.status().message().find(c.field), absl::string_view::npos)
         << c.text << " -> " << job.status();
   }
+}
+
+TEST(JobConfigTest, MinWorkersDefaultsToWorkers) {
+  auto job = ParseJobConfig(
+      "workers: 3 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+      "optimizer: \"adam\"",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->min_workers, 3u);
+  EXPECT_FALSE(job->elastic());
+  job = ParseJobConfig(
+      "workers: 3 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+      "optimizer: \"adam\" "
+      "min_workers: 2",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->min_workers, 2u);
+  EXPECT_TRUE(job->elastic());
 }
 
 TEST(JobConfigTest, DilocoDefaultsAreThePapers) {

@@ -46,6 +46,7 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
     if (extras) {
       reply->buffers = "rank 0's buffers";
       reply->grad_sum_of_squares = 0.1 + 1e-17;
+      reply->absent = {1, 200, 70000};  // varints of 1, 2 and 3 bytes
     }
     v1::PushReply expected;
     expected.set_step(reply->step);
@@ -55,6 +56,7 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
     if (extras) {
       expected.set_buffers(reply->buffers);
       expected.set_grad_sum_of_squares(*reply->grad_sum_of_squares);
+      for (uint32_t rank : reply->absent) expected.add_absent(rank);
     }
     const grpc::ByteBuffer wire = SerializePushReply(reply);
     EXPECT_EQ(Flatten(wire), expected.SerializeAsString())
@@ -72,6 +74,9 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
     EXPECT_EQ(parsed.payload(), reply->payload);
     EXPECT_EQ(parsed.buffers(), reply->buffers);
     EXPECT_EQ(parsed.has_grad_sum_of_squares(), extras);
+    EXPECT_EQ(
+        std::vector<uint32_t>(parsed.absent().begin(), parsed.absent().end()),
+        reply->absent);
     if (extras) {
       const double got = parsed.grad_sum_of_squares();
       EXPECT_EQ(std::memcmp(&*reply->grad_sum_of_squares, &got, 8), 0);

@@ -12,8 +12,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "compress/fnv.h"
 #include "compress/lamb.h"
+#include "compress/messages.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
@@ -514,6 +516,114 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
             absl::string_view::npos)
       << status;
   EXPECT_EQ(core_->MirrorChecksum(), before);
+}
+
+// An elastic job (min_workers 2 of 3; design.md 4.3): a step that has
+// waited step_seconds completes with the pushes it has, averaged over them
+// alone; the missing rank leaves the membership (the next step does not
+// wait for it), its late push gets the step's reply whatever its bytes, and
+// a push of the step in flight brings it back. Below min_workers the step
+// fails at the recovery timeout, naming the missing and min_workers.
+TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
+  auto job = proto::ParseJobConfig(
+      absl::StrCat(kConfig,
+                   "min_workers: 2 timeouts { step_seconds: 1 "
+                   "recovery_seconds: 5 }"),
+      proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto core = *ShardCore::Create(*job, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core));
+  const compress::Partition& p = core->layout().shard_partitions(1)[0];
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto args = [&](int64_t step, uint32_t rank) {
+    return EncodedPush(fingerprint, compress::PlanStep(job->algorithm, step).up,
+                       step, rank, p);
+  };
+  std::vector<absl::StatusOr<std::shared_ptr<const Reply>>> got(
+      3, absl::UnknownError("pending"));
+  const auto push = [&](int64_t step, uint32_t rank) {
+    got[rank] = absl::UnknownError("pending");
+    core->Push(args(step, rank), [&got, rank](auto r) { got[rank] = r; });
+  };
+  // Step 0: ranks 0 and 1 push; rank 2 does not.
+  push(0, 0);
+  push(0, 1);
+  EXPECT_TRUE(core->ExpireWaiting(absl::Now()).empty());  // not yet
+  const std::vector<std::string> changes =
+      core->ExpireWaiting(absl::Now() + absl::Seconds(2));
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_NE(changes[0].find("completed without rank(s) 2"), std::string::npos)
+      << changes[0];
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  ASSERT_TRUE(got[1].ok()) << got[1].status();
+  EXPECT_EQ(*got[0], *got[1]);
+  EXPECT_EQ((*got[0])->absent, std::vector<uint32_t>{2});
+  // The average is over the two pushes that came: the shard's rule on them.
+  {
+    const compress::StepPlan plan = compress::PlanStep(job->algorithm, 0);
+    const compress::SendRule down =
+        compress::PlanSend(job->algorithm, 0, compress::Direction::kDown,
+                           job->workers() + 1, p.range.begin);
+    std::vector<PushArgs> pushes = {args(0, 0), args(0, 1)};
+    std::vector<absl::Span<const uint8_t>> views;
+    for (const PushArgs& a : pushes) {
+      views.emplace_back(reinterpret_cast<const uint8_t*>(a.payload.data()),
+                         a.payload.size());
+    }
+    compress::ErrorFeedback error(job->algorithm.server_feedback,
+                                  core->layout().shard_range(1).size(),
+                                  job->algorithm.layout.block_elems);
+    std::vector<uint8_t> expected(
+        compress::PayloadBytes(down.codec, p.range.size()));
+    ASSERT_TRUE(compress::EncodeShardReply(
+                    down, plan.up, views, error,
+                    p.range.begin - core->layout().shard_range(1).begin,
+                    p.range.size(), {}, absl::MakeSpan(expected))
+                    .ok());
+    EXPECT_EQ((*got[0])->payload,
+              std::string(expected.begin(), expected.end()));
+  }
+  ShardStatus status = core->Status();
+  EXPECT_EQ(status.out, std::vector<uint32_t>{2});
+  EXPECT_EQ(status.workers_dropped, 1u);
+  // Rank 2's late push of step 0, bytes of its own: the same reply.
+  push(0, 2);
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_EQ(*got[2], *got[0]);
+  // Step 1 completes with ranks 0 and 1 alone, without waiting.
+  push(1, 0);
+  EXPECT_FALSE(got[0].ok());
+  push(1, 1);
+  ASSERT_TRUE(got[1].ok()) << got[1].status();
+  EXPECT_EQ((*got[1])->absent, std::vector<uint32_t>{2});
+  // Step 2: rank 2 pushes first and is waited for again.
+  push(2, 2);
+  push(2, 0);
+  EXPECT_FALSE(got[0].ok());
+  push(2, 1);
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_TRUE((*got[2])->absent.empty());
+  EXPECT_TRUE(core->Status().out.empty());
+  // Step 3 with one push, fewer than min_workers: only the recovery
+  // timeout ends it, as a failure.
+  push(3, 0);
+  EXPECT_TRUE(core->ExpireWaiting(absl::Now() + absl::Seconds(2)).empty());
+  EXPECT_FALSE(got[0].ok());
+  EXPECT_EQ(got[0].status().code(), absl::StatusCode::kUnknown);  // pending
+  const std::optional<std::string> stalled =
+      core->Stalled(absl::Now() + absl::Seconds(2));
+  ASSERT_TRUE(stalled.has_value());
+  EXPECT_NE(stalled->find("fewer than min_workers (2)"), std::string::npos)
+      << *stalled;
+  const uint64_t before = core->MirrorChecksum();
+  EXPECT_TRUE(core->ExpireWaiting(absl::Now() + absl::Seconds(6)).empty());
+  EXPECT_EQ(got[0].status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(got[0].status().message().find(
+                "rank(s) 1, 2 did not push, and the 1 that did are fewer "
+                "than min_workers (2)"),
+            absl::string_view::npos)
+      << got[0].status();
+  EXPECT_EQ(core->MirrorChecksum(), before);
 }
 
 // A worker whose step failed stops the job: the pushes waiting for it and
