@@ -39,8 +39,8 @@ struct ShardCore::PartitionState {
   absl::Time first_arrival ABSL_GUARDED_BY(mu);
   // The membership (design.md 4.3): the ranks whose pushes a step waits
   // for. Every rank at first; an elastic job's ExpireWaiting takes out the
-  // ones a step completed without, and a push of the step in flight puts
-  // its rank back.
+  // ones a step completed without, and any push of theirs puts them back
+  // (one of a completed step: the step in flight then waits for them).
   std::vector<bool> live ABSL_GUARDED_BY(mu);
   uint32_t live_count ABSL_GUARDED_BY(mu);
   // The step's lr and weight decay as the first push carried them (every

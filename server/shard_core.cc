@@ -226,7 +226,13 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
             : absl::StrCat(
                   " (it keeps the replies of steps ",
                   p.history.front().reply->step,
-                  " on for restarted workers: checkpoint.replay_steps)")));
+                  " on for restarted workers: checkpoint.replay_steps)"),
+        p.live[args.rank]
+            ? std::string()
+            : absl::StrCat("; rank ", args.rank,
+                           " was left out of the membership (min_workers) and "
+                           "is too far behind to catch up: restart it from "
+                           "its checkpoint (morse-worker --rejoin)")));
     // A worker replaying to help a restarted shard learns it is past that.
     stale.SetPayload(kNextStepPayload,
                      absl::Cord(absl::StrCat(NextExchange(p))));
@@ -416,6 +422,13 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
           KeptReply(p, args, hash);
       if (!kept.ok()) return reject(kept.status());
       reply = *std::move(kept);
+      if (!p.live[args.rank] && !p.completing) {
+        // A worker catching up (late, or rejoined and replaying): the step
+        // in flight waits for it, up to step_seconds, so that it can join
+        // again rather than trail a job that never waits (design.md 4.3).
+        p.live[args.rank] = true;
+        ++p.live_count;
+      }
     } else {  // the step in flight
       StepCommit carried;
       bool commits = false;

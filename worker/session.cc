@@ -618,7 +618,10 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     }
     previous_commit_ = *std::move(commit);
     // The shards' mirrors need it to move x; the next pushes carry it too.
-    if (rank_ == 0) {
+    // Rank 0 sends it, or in an elastic job every rank (the same commit
+    // again is OK): rank 0 may have left, and the job's last step has no
+    // next pushes.
+    if (rank_ == 0 || job_.elastic()) {
       if (absl::Status s = client_->CommitValues(step_, previous_commit_);
           !s.ok()) {
         return Fail(absl::Status(
@@ -626,9 +629,10 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       }
     }
   }
-  if (sum_of_squares.has_value() && rank_ == 0) {
+  if (sum_of_squares.has_value() && (rank_ == 0 || job_.elastic())) {
     // The shards' mirrors apply the step once they have the norm; the next
-    // step's pushes carry it as well, so only rank 0 waits for this.
+    // step's pushes carry it as well, so only rank 0 waits for this (every
+    // rank in an elastic job, as for the commit above).
     if (absl::Status s =
             client_->Commit(step_, *sum_of_squares, previous_clip_max_norm_);
         !s.ok()) {

@@ -521,14 +521,14 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
 // An elastic job (min_workers 2 of 3; design.md 4.3): a step that has
 // waited step_seconds completes with the pushes it has, averaged over them
 // alone; the missing rank leaves the membership (the next step does not
-// wait for it), its late push gets the step's reply whatever its bytes, and
-// a push of the step in flight brings it back. Below min_workers the step
-// fails at the recovery timeout, naming the missing and min_workers.
+// wait for it), its late pushes get their steps' replies whatever its
+// bytes, and bring it back: the step in flight waits for it. Below min_workers
+// the step fails at the recovery timeout, naming the missing and min_workers.
 TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   auto job = proto::ParseJobConfig(
       absl::StrCat(kConfig,
                    "min_workers: 2 timeouts { step_seconds: 1 "
-                   "recovery_seconds: 5 }"),
+                   "recovery_seconds: 5 } checkpoint { replay_steps: 4 }"),
       proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   auto core = *ShardCore::Create(*job, 1);
@@ -558,6 +558,7 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   ASSERT_TRUE(got[1].ok()) << got[1].status();
   EXPECT_EQ(*got[0], *got[1]);
   EXPECT_EQ((*got[0])->absent, std::vector<uint32_t>{2});
+  const std::shared_ptr<const Reply> step0 = *got[0];
   // The average is over the two pushes that came: the shard's rule on them.
   {
     const compress::StepPlan plan = compress::PlanStep(job->algorithm, 0);
@@ -586,21 +587,25 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   ShardStatus status = core->Status();
   EXPECT_EQ(status.out, std::vector<uint32_t>{2});
   EXPECT_EQ(status.workers_dropped, 1u);
-  // Rank 2's late push of step 0, bytes of its own: the same reply.
-  push(0, 2);
-  ASSERT_TRUE(got[2].ok()) << got[2].status();
-  EXPECT_EQ(*got[2], *got[0]);
   // Step 1 completes with ranks 0 and 1 alone, without waiting.
   push(1, 0);
   EXPECT_FALSE(got[0].ok());
   push(1, 1);
   ASSERT_TRUE(got[1].ok()) << got[1].status();
   EXPECT_EQ((*got[1])->absent, std::vector<uint32_t>{2});
-  // Step 2: rank 2 pushes first and is waited for again.
-  push(2, 2);
+  const std::shared_ptr<const Reply> step1 = *got[1];
+  // Rank 2 catches up, its pushes late: the replies of those steps,
+  // whatever its bytes; and from then on the step in flight waits for it.
+  push(0, 2);
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_EQ(*got[2], step0);
+  push(1, 2);
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_EQ(*got[2], step1);
   push(2, 0);
-  EXPECT_FALSE(got[0].ok());
   push(2, 1);
+  EXPECT_FALSE(got[1].ok());
+  push(2, 2);
   ASSERT_TRUE(got[2].ok()) << got[2].status();
   EXPECT_TRUE((*got[2])->absent.empty());
   EXPECT_TRUE(core->Status().out.empty());

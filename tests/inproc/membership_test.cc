@@ -1,0 +1,274 @@
+// Membership (design.md 4.3) in one process: an elastic job (min_workers
+// below workers) over the in-process cluster, each worker a Trainer on its
+// own thread. One worker is killed between steps; the shards complete its
+// steps without it after timeouts.step_seconds, and the others go on. It
+// either never comes back or rejoins from its checkpoint later, replaying
+// the steps it missed from the replies the shards kept (the ones that left
+// it out answer whatever it pushes) and joining the membership again with
+// its next push. Every worker's x, m, v after every step, and every shard's
+// mirror at the end, must be the simulator's fed the membership log the
+// replies carried (the ranks each partition's average left out, per step),
+// for every optimizer. And a job that falls below min_workers fails with an
+// error that names the missing ranks.
+
+#include <atomic>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+#include "proto/job_config.h"
+#include "tests/e2e/expected.h"
+#include "tests/inproc/cluster.h"
+#include "worker/trainer.h"
+
+namespace morse::inproc {
+namespace {
+
+struct Scheme {
+  const char* name;
+  const char* config;
+};
+
+// D = 5003 in 1024-element partitions (five; with two shards 3 + 2).
+constexpr Scheme kSchemes[] = {
+    {"onebit_adam_sign1", R"(optimizer: "onebit_adam" freeze_step: 3)"},
+    {"adam_int4",
+     R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
+    {"zero_one_adam", R"(optimizer: "zero_one_adam"
+       zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
+    // Every rank of an elastic job commits the layers' coefficients: rank 0
+    // may be the one missing.
+    {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
+    {"diloco_int8", R"(optimizer: "diloco" diloco { sync_every: 2 }
+       up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
+};
+
+constexpr int64_t kSteps = 16;
+constexpr int64_t kLeaves = 5;   // the victim is killed before this step
+constexpr int64_t kReturns = 9;  // ... and rejoins once the others reach it
+
+using Param = std::tuple<bool /*returns*/, uint32_t /*workers*/,
+                         uint32_t /*shards*/, Scheme>;
+
+class MembershipTest : public ::testing::TestWithParam<Param> {};
+
+std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
+
+proto::JobSpec Job(uint32_t workers, uint32_t shards, const char* scheme,
+                   const std::string& extra = "") {
+  const std::string config =
+      absl::StrCat(R"(
+    synthetic { dim: 5003 noise: 0.2 }
+    lr { lr: 0.01 }
+    block_elems: 256
+    partition_elems: 1024
+    seed: 11
+    window: 3
+    checkpoint { every_steps: 2 replay_steps: 16 }
+    steps: )",
+                   kSteps, " workers: ", workers, " shards: ", shards, " ",
+                   scheme, " ", extra);
+  auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  EXPECT_TRUE(job.ok()) << job.status();
+  return *job;
+}
+
+worker::TrainerOptions Options(uint32_t rank, const std::string& dir) {
+  worker::TrainerOptions options;
+  options.rank = rank;
+  options.checksums = true;
+  options.checkpoint_dir = dir;
+  options.security.insecure = true;
+  options.rejoin = true;
+  options.log = [](const std::string&) {};
+  return options;
+}
+
+TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
+  const auto [returns, workers, shards, scheme] = GetParam();
+  const proto::JobSpec job =
+      Job(workers, shards, scheme.config,
+          absl::StrCat("min_workers: ", workers - 1,
+                       " timeouts { connect_seconds: 20 step_seconds: 0.3 "
+                       "rpc_seconds: 5 recovery_seconds: 60 }"));
+  // Rank 0 (module buffers, commits) never comes back; the last rank does.
+  const uint32_t victim = returns ? workers - 1 : 0;
+  const std::string dir = MakeTempDir("morse-membership");
+  ASSERT_NE(dir, "");
+  auto cluster = InProcessCluster::Create(job, {dir, 1, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+
+  Mutex mu;
+  std::vector<std::string> failures(workers);
+  std::vector<std::vector<std::string>> sums(workers);
+  // The membership log, as each worker's replies said: step -> absent.
+  std::vector<std::map<int64_t, compress::Absent>> logs(workers);
+  std::atomic<int64_t> slowest_other{0};  // steps done by the others (min)
+  std::vector<std::atomic<int64_t>> done(workers);
+  std::atomic<bool> rejoined{false}, failed{false};
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < workers; ++r) {
+    threads.emplace_back([&, r] {
+      const auto fail = [&](std::string what) {
+        failures[r] = std::move(what);
+        failed = true;
+      };
+      const auto create = [&] {
+        return worker::Trainer::Create(job, Options(r, dir),
+                                       (*cluster)->Connect());
+      };
+      auto trainer = create();
+      if (!trainer.ok())
+        return fail(absl::StrCat("start: ", trainer.status().ToString()));
+      bool killed = false;
+      while (!(*trainer)->done()) {
+        const int64_t step = (*trainer)->next_step();
+        if (r == victim && step == kLeaves && !killed) {
+          killed = true;
+          trainer->reset();  // as kill -9; its checkpoint (step 4) stays
+          if (!returns) return;
+          // Away while the others run steps without it.
+          while (slowest_other.load() < kReturns && !failed.load())
+            absl::SleepFor(absl::Milliseconds(2));
+          trainer = create();
+          rejoined = true;
+          if (!trainer.ok())
+            return fail(absl::StrCat("rejoin: ", trainer.status().ToString()));
+          sums[r].resize((*trainer)->first_step());
+          continue;
+        }
+        if (r != victim && returns && step == kReturns + 1) {
+          // The others wait here until the victim is back, so that it
+          // rejoins a job still running.
+          while (!rejoined.load() && !failed.load())
+            absl::SleepFor(absl::Milliseconds(2));
+        }
+        auto record = (*trainer)->Step();
+        if (!record.ok())
+          return fail(
+              absl::StrCat("step ", step, ": ", record.status().ToString()));
+        sums[r].push_back(Hex(*record->checksum));
+        const compress::Absent& absent = (*trainer)->session().absent();
+        if (!absent.empty()) logs[r][step] = absent;
+        done[r] = step + 1;
+        int64_t least = kSteps;
+        for (uint32_t o = 0; o < workers; ++o) {
+          if (o != victim) least = std::min(least, done[o].load());
+        }
+        slowest_other = least;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const auto shard_log = [&] { return absl::StrJoin((*cluster)->log(), "\n"); };
+  for (uint32_t r = 0; r < workers; ++r)
+    ASSERT_EQ(failures[r], "") << "worker " << r << "; shards:\n"
+                               << shard_log();
+  // Every worker saw the same membership for the steps it ran.
+  std::map<int64_t, compress::Absent> log;
+  for (uint32_t r = 0; r < workers; ++r) {
+    for (const auto& [step, absent] : logs[r]) {
+      auto [it, inserted] = log.emplace(step, absent);
+      EXPECT_EQ(it->second, absent) << "rank " << r << " step " << step;
+    }
+  }
+  // The victim left at least one step out, and the others went on.
+  ASSERT_FALSE(log.empty()) << "no step completed without the victim; shards:\n"
+                            << shard_log();
+  if (returns) {
+    // Back, it caught up and the steps waited for it again.
+    int64_t full = 0;
+    for (int64_t t = kReturns; t < kSteps; ++t) full += log.count(t) == 0;
+    EXPECT_GT(full, 0) << "the victim never joined a step after it returned";
+  }
+  for (const auto& [step, absent] : log) {
+    for (const std::vector<uint32_t>& ranks : absent) {
+      for (uint32_t rank : ranks)
+        EXPECT_EQ(rank, victim) << "step " << step << " left out rank " << rank;
+    }
+  }
+  const testing::Expected expected = testing::Simulate(job, log);
+  for (uint32_t r = 0; r < workers; ++r) {
+    const size_t steps = (r == victim && !returns) ? kLeaves : kSteps;
+    ASSERT_EQ(sums[r].size(), steps) << "worker " << r;
+    for (size_t t = 0; t < steps; ++t) {
+      ASSERT_EQ(sums[r][t], expected.worker[r][t])
+          << "worker " << r << " differs at step " << t;
+    }
+  }
+  for (uint32_t s = 0; s < shards; ++s) {
+    auto mirror = (*cluster)->MirrorChecksum(s);
+    ASSERT_TRUE(mirror.ok()) << mirror.status();
+    EXPECT_EQ(Hex(*mirror), expected.shard[s].back()) << "shard " << s;
+  }
+  std::printf(
+      "%s, %u workers, %u shards, rank %u %s: %zu steps left it out, every "
+      "worker and shard bit-identical to the simulator given that log\n",
+      scheme.name, workers, shards, victim,
+      returns ? "left and rejoined" : "left for good", log.size());
+}
+
+std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
+  return absl::StrCat(std::get<0>(info.param) ? "returns" : "leaves", "_",
+                      std::get<1>(info.param), "workers_",
+                      std::get<2>(info.param), "shards_",
+                      std::get<3>(info.param).name);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MembershipTest,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(2u, 3u),
+                                            ::testing::Values(1u, 2u),
+                                            ::testing::ValuesIn(kSchemes)),
+                         ParamName);
+
+// Three workers, min_workers 2: two are killed, and the step the last one
+// pushes fails at the recovery timeout, naming the missing ranks.
+TEST(MembershipFloorTest, BelowMinWorkersTheJobFailsNamingTheMissing) {
+  const proto::JobSpec job =
+      Job(3, 1, kSchemes[0].config,
+          "min_workers: 2 timeouts { connect_seconds: 20 step_seconds: 0.3 "
+          "rpc_seconds: 5 recovery_seconds: 1.5 }");
+  const std::string dir = MakeTempDir("morse-membership");
+  ASSERT_NE(dir, "");
+  auto cluster = InProcessCluster::Create(job, {dir, 1, 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  std::vector<absl::Status> last(3);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      auto trainer =
+          worker::Trainer::Create(job, Options(r, dir), (*cluster)->Connect());
+      if (!trainer.ok()) {
+        last[r] = trainer.status();
+        return;
+      }
+      while (!(*trainer)->done()) {
+        if (r > 0 && (*trainer)->next_step() == 3) return;  // killed
+        auto record = (*trainer)->Step();
+        if (!record.ok()) {
+          last[r] = record.status();
+          return;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_TRUE(last[1].ok()) << last[1];
+  EXPECT_TRUE(last[2].ok()) << last[2];
+  EXPECT_EQ(last[0].code(), absl::StatusCode::kDeadlineExceeded) << last[0];
+  EXPECT_NE(last[0].message().find(
+                "rank(s) 1, 2 did not push, and the 1 that did are fewer "
+                "than min_workers (2)"),
+            absl::string_view::npos)
+      << last[0];
+}
+
+}  // namespace
+}  // namespace morse::inproc
