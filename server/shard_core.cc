@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <optional>
 #include <string_view>
 
@@ -939,7 +940,9 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
 std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
   const absl::Duration timeout = absl::Seconds(job_.recovery_timeout_seconds);
   const absl::Duration patience = absl::Seconds(job_.step_timeout_seconds);
-  std::vector<std::string> changes;
+  // (step, ranks left out) -> the partitions: one line for each.
+  std::map<std::pair<int64_t, std::vector<uint32_t>>, std::vector<uint32_t>>
+      dropped;
   for (auto& state : partitions_) {
     PartitionState& p = *state;
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
@@ -957,13 +960,7 @@ std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
         // leave the partition's membership until they push again.
         for (uint32_t r : missing) p.live[r] = false;
         p.live_count -= static_cast<uint32_t>(missing.size());
-        changes.push_back(absl::StrCat(
-            "step ", NextExchange(p), " of partition ", p.partition.id,
-            " completed without rank(s) ", absl::StrJoin(missing, ", "),
-            " after ", job_.step_timeout_seconds,
-            " s (timeouts.step_seconds): ", p.arrived, " of ", job_.workers(),
-            " workers pushed (min_workers ", job_.min_workers,
-            "); the missing leave the membership until they push again"));
+        dropped[{NextExchange(p), missing}].push_back(p.partition.id);
         {
           MutexLock progress(&progress_mu_);
           dropped_ += missing.size();
@@ -989,6 +986,20 @@ std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
     }
     if (completion.has_value()) Answer(p, *std::move(completion));
     for (auto& [rank, callback] : waiters) callback(status);
+  }
+  std::vector<std::string> changes;
+  for (const auto& [what, parts] : dropped) {
+    const auto& [step, missing] = what;
+    changes.push_back(absl::StrCat(
+        "step ", step, " completed without rank(s) ",
+        absl::StrJoin(missing, ", "), " in ",
+        parts.size() == 1
+            ? absl::StrCat("partition ", parts[0])
+            : absl::StrCat(parts.size(), " partitions (", parts.front(), "..",
+                           parts.back(), ")"),
+        " after ", job_.step_timeout_seconds,
+        " s (timeouts.step_seconds; min_workers ", job_.min_workers,
+        "): the missing leave the membership until they push again"));
   }
   return changes;
 }

@@ -521,9 +521,9 @@ void Session::NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent) {
   if (!own.empty()) {
     std::fprintf(stderr,
                  "worker %u: step %lld completed without this worker's push of "
-                 "partition(s) %s (it came after timeouts.step_seconds; "
-                 "min_workers): this worker applies the step as every other "
-                 "does\n",
+                 "partition(s) %s (late by timeouts.step_seconds, or replayed "
+                 "after a restart; min_workers): this worker applies the step "
+                 "as every other does\n",
                  rank_, static_cast<long long>(step_),
                  absl::StrJoin(own, ", ").c_str());
   }

@@ -552,7 +552,8 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   const std::vector<std::string> changes =
       core->ExpireWaiting(absl::Now() + absl::Seconds(2));
   ASSERT_EQ(changes.size(), 1u);
-  EXPECT_NE(changes[0].find("completed without rank(s) 2"), std::string::npos)
+  EXPECT_NE(changes[0].find("step 0 completed without rank(s) 2 in partition"),
+            std::string::npos)
       << changes[0];
   ASSERT_TRUE(got[0].ok()) << got[0].status();
   ASSERT_TRUE(got[1].ok()) << got[1].status();

@@ -573,6 +573,22 @@ int morse_session_checkpoint_every(morse_session* s, uint32_t* every_steps) {
   });
 }
 
+int morse_session_members(morse_session* s, uint32_t* ranks, uint32_t capacity,
+                          uint32_t* count) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(count, "count"); !st.ok()) return st;
+    if (capacity > 0) {
+      if (absl::Status st = NotNull(ranks, "ranks"); !st.ok()) return st;
+    }
+    const std::vector<uint32_t> members = s->session->members();
+    *count = static_cast<uint32_t>(members.size());
+    for (uint32_t i = 0; i < members.size() && i < capacity; ++i)
+      ranks[i] = members[i];
+    return absl::OkStatus();
+  });
+}
+
 int morse_simulator_create(const char* base, const char* overrides,
                            const float* x0, uint64_t dim,
                            morse_simulator** out) {
@@ -596,7 +612,17 @@ void morse_simulator_destroy(morse_simulator* sim) { delete sim; }
 
 int morse_simulator_step(morse_simulator* sim, const float* const* gradients,
                          uint32_t workers, uint64_t dim) {
+  return morse_simulator_step_without(sim, gradients, workers, dim, nullptr, 0);
+}
+
+int morse_simulator_step_without(morse_simulator* sim,
+                                 const float* const* gradients,
+                                 uint32_t workers, uint64_t dim,
+                                 const uint32_t* absent, uint32_t count) {
   return Guard([&]() -> absl::Status {
+    if (count > 0) {
+      if (absl::Status st = NotNull(absent, "absent"); !st.ok()) return st;
+    }
     if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
     if (absl::Status st = NotNull(gradients, "gradients"); !st.ok()) return st;
     std::vector<absl::Span<const float>> views;
@@ -605,7 +631,12 @@ int morse_simulator_step(morse_simulator* sim, const float* const* gradients,
         return st;
       views.push_back(absl::MakeConstSpan(gradients[w], dim));
     }
-    return sim->simulator->Step(views);
+    morse::compress::Absent left_out;
+    if (count > 0) {
+      left_out.assign(sim->simulator->layout().partitions().size(),
+                      std::vector<uint32_t>(absent, absent + count));
+    }
+    return sim->simulator->Step(views, nullptr, left_out);
   });
 }
 

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 7
+#define MORSE_CAPI_VERSION 8
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -165,6 +165,12 @@ int morse_session_save_checkpoint(morse_session* s, const char* path);
    that may be restarted saves its checkpoint after each step whose count
    is a multiple of it. */
 int morse_session_checkpoint_every(morse_session* s, uint32_t* every_steps);
+/* The ranks in every partition's average of the last step (membership,
+   docs/design.md 4.3; all of them before the first step and in a job
+   without min_workers), ascending: *count of them, the first `capacity`
+   written to `ranks`. */
+int morse_session_members(morse_session* s, uint32_t* ranks, uint32_t capacity,
+                          uint32_t* count);
 
 /* The single-process simulator (compress/simulator.h): the oracle. */
 int morse_simulator_create(const char* base, const char* overrides,
@@ -174,6 +180,12 @@ void morse_simulator_destroy(morse_simulator* sim);
 /* One step from `workers` gradients of dim floats each. */
 int morse_simulator_step(morse_simulator* sim, const float* const* gradients,
                          uint32_t workers, uint64_t dim);
+/* The same, with `count` ranks (ascending) left out of every partition's
+   average (membership, docs/design.md 4.3). */
+int morse_simulator_step_without(morse_simulator* sim,
+                                 const float* const* gradients,
+                                 uint32_t workers, uint64_t dim,
+                                 const uint32_t* absent, uint32_t count);
 int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
 /* Worker `rank`'s own x, m, v (differs from the shared state only after
    zero_one_adam's local steps). */

@@ -81,9 +81,12 @@ def _load():
         "morse_session_server_error": ([P, P], I),
         "morse_session_save_checkpoint": ([P, S], I),
         "morse_session_checkpoint_every": ([P, ctypes.POINTER(U32)], I),
+        "morse_session_members": ([P, ctypes.POINTER(U32), U32, ctypes.POINTER(U32)], I),
         "morse_simulator_create": ([S, S, P, U64, ctypes.POINTER(P)], I),
         "morse_simulator_destroy": ([P], None),
         "morse_simulator_step": ([P, ctypes.POINTER(P), U32, U64], I),
+        "morse_simulator_step_without": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32],
+                                         I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
         "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
@@ -106,9 +109,9 @@ def _load():
         "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
     lib.morse_capi_version.argtypes, lib.morse_capi_version.restype = [], I
-    if lib.morse_capi_version() != 7:  # before a newer function is missing
+    if lib.morse_capi_version() != 8:  # before a newer function is missing
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 7")
+                         "this package needs 8")
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
@@ -363,6 +366,14 @@ class Session:
     def save_checkpoint(self, path):
         _check(_lib.morse_session_save_checkpoint(self._handle, path.encode()))
 
+    def members(self):
+        """The ranks in every partition's average of the last step."""
+        count = ctypes.c_uint32()
+        _check(_lib.morse_session_members(self._handle, None, 0, ctypes.byref(count)))
+        ranks = (ctypes.c_uint32 * max(count.value, 1))()
+        _check(_lib.morse_session_members(self._handle, ranks, count.value, ctypes.byref(count)))
+        return list(ranks[:count.value])
+
     def checkpoint_every(self):
         """The job's checkpoint.every_steps (0: none)."""
         every = ctypes.c_uint32()
@@ -387,13 +398,16 @@ class Simulator:
             _lib.morse_simulator_destroy(self._handle)
             self._handle = None
 
-    def step(self, gradients):
+    def step(self, gradients, absent=()):
+        """One step; `absent`: ranks every partition's average leaves out."""
         for g in gradients:
             if g.size != self._dim:
                 raise ValueError(f"each gradient must hold {self._dim} values")
         pointers = (ctypes.c_void_p * len(gradients))(
             *(_float32_array(g, "gradient") for g in gradients))
-        _check(_lib.morse_simulator_step(self._handle, pointers, len(gradients), self._dim))
+        out = (ctypes.c_uint32 * max(len(absent), 1))(*sorted(absent))
+        _check(_lib.morse_simulator_step_without(self._handle, pointers, len(gradients),
+                                                 self._dim, out, len(absent)))
 
     def checksum(self):
         value = ctypes.c_uint64()

@@ -73,16 +73,21 @@ def _stream(pipe, prefix, sink, marker=None, errors=None, lines=None):
         marker["event"].set()
 
 
-def _base_config(path, workers, shards):
+def _base_config(path, workers, shards, min_workers=None):
     text = ""
     if path:
         with open(path) as f:
             text = f.read()
-    for field, value in (("workers", workers), ("shards", shards)):
+    fields = [("workers", workers), ("shards", shards)]
+    if min_workers is not None:
+        fields.append(("min_workers", min_workers))
+    for field, value in fields:
         m = re.search(rf"^\s*{field}\s*:\s*(\d+)", text, re.M)
         if m and int(m.group(1)) != value:
-            flag = ("the job's Morse workers (--workers, or --nnodes x --nproc-per-node; --nnodes "
-                    "with --node-aggregation) are" if field == "workers" else "--servers gives")
+            flag = {"workers": "the job's Morse workers (--workers, or --nnodes x --nproc-per-node; "
+                               "--nnodes with --node-aggregation) are",
+                    "shards": "--servers gives",
+                    "min_workers": "--min-workers is"}[field]
             raise SystemExit(f"morse-run: {path} sets {field}: {m.group(1)} but {flag} {value}")
         if not m:
             text += f"\n{field}: {value}\n"
@@ -207,6 +212,13 @@ def _parse(argv):
                              "it (MORSE_REJOIN=1, MORSE_RESTART_COUNT) and replays the steps since; "
                              "the script must go on from opt.step_index (DiLoCo: opt.inner_steps) with "
                              "the same batches")
+    parser.add_argument("--min-workers", type=int, default=None, metavar="M",
+                        help="an elastic job (docs/python.md, \"Elastic jobs\"): a rank that dies "
+                             "(and is not restarted) does not stop the job, and the shards complete "
+                             "each step without a rank missing past timeouts.step_seconds as long as "
+                             "M ranks pushed; fewer than M fails the step after "
+                             "timeouts.recovery_seconds. Sets min_workers in the job config "
+                             "(default: the config's, or every rank)")
     parser.add_argument("--restarts", type=int, default=3,
                         help="how many times to restart a server that dies, from its checkpoint, "
                              "when the job checkpoints (default 3; 0: a dead server ends the job)")
@@ -262,6 +274,12 @@ def _parse(argv):
     if args.rank_restarts and args.node_aggregation:
         parser.error("--rank-restarts with --node-aggregation is not supported (a node's state is "
                      "its leader's)")
+    if args.min_workers is not None:
+        if args.stages > 1 or args.node_aggregation:
+            parser.error("--min-workers with --stages or --node-aggregation is not supported")
+        if not 1 <= args.min_workers <= args.morse_workers:
+            parser.error(f"--min-workers {args.min_workers}: give 1 to the job's "
+                         f"{args.morse_workers} workers")
     if args.tls_dir:
         # The ranks' side always; the shards' only where this node starts them.
         needed = ["ca.pem", "client.pem", "client.key"]
@@ -281,6 +299,12 @@ def _parse(argv):
     return args, command
 
 
+def _min_workers(base, workers):
+    """The job's min_workers (docs/design.md 4.3): the config's, or all."""
+    m = re.search(r"^\s*min_workers\s*:\s*(\d+)", base, re.M)
+    return int(m.group(1)) if m else workers
+
+
 _RANK_RESTARTS_NEED = ("--rank-restarts needs checkpoint { every_steps: N } in --config: a "
                        "restarted rank rejoins from its last checkpoint, and the shards keep the "
                        "replies of the steps since")
@@ -295,7 +319,7 @@ def _checkpoints(base):
 def _check_only(args, command, server_bin, starts_servers, node):
     """--check-config: what main() would check before starting anything,
     and the plan, printed."""
-    base = _base_config(args.config, args.morse_workers, args.shards)
+    base = _base_config(args.config, args.morse_workers, args.shards, args.min_workers)
     if args.token_file and not os.access(args.token_file, os.R_OK):
         raise SystemExit(f"{node}: cannot read --token-file {args.token_file}")
     if args.rank_restarts and not _checkpoints(base):
@@ -338,7 +362,7 @@ def main(argv=None):
     workdir = tempfile.mkdtemp(prefix="morse-run-")
     config_path = os.path.join(workdir, "job.textproto")
     try:
-        base = _base_config(args.config, args.morse_workers, args.shards)
+        base = _base_config(args.config, args.morse_workers, args.shards, args.min_workers)
     except SystemExit:
         shutil.rmtree(workdir, ignore_errors=True)
         raise
@@ -543,6 +567,8 @@ def main(argv=None):
     restarts = rank_restarts = 0
     restarted = [0] * len(workers)  # each rank's restarts (MORSE_RESTART_COUNT)
     remaining = set(range(len(workers)))
+    min_workers = _min_workers(base, args.morse_workers)
+    lost = []  # ranks an elastic job went on without
     others = set(range(1, args.nnodes)) if store else set()
     while remaining or others:
         # A server that dies is restarted from its checkpoint if the job has
@@ -579,11 +605,21 @@ def main(argv=None):
                 restarted[r] += 1
                 sys.stderr.write(f"{node}: {names[r]} exited with {code}; restarting it "
                                  f"({rank_restarts} of --rank-restarts {args.rank_restarts}); it "
-                                 f"rejoins from its checkpoint and the other ranks wait for it\n")
+                                 f"rejoins from its checkpoint and the other ranks "
+                                 + ("wait for it\n" if min_workers == args.morse_workers else
+                                    "go on, until it catches up (min_workers)\n"))
                 workers[r] = start_rank(r, dict(envs[r], MORSE_REJOIN="1",
                                                 MORSE_RESTART_COUNT=str(restarted[r])))
                 continue
             remaining.discard(r)
+            if code != 0 and min_workers < args.morse_workers:
+                # An elastic job goes on: the shards complete its steps
+                # without this rank, and fail them if fewer than
+                # min_workers are left.
+                lost.append(r)
+                sys.stderr.write(f"{node}: {names[r]} exited with {code}; the job goes on without "
+                                 f"it (min_workers {min_workers} of {args.morse_workers})\n")
+                continue
             if code != 0:
                 time.sleep(0.2)  # the rank's last lines
                 first = next((e for e in errors[r] if "MorseError" in e), errors[r][-1] if errors[r] else "")
@@ -620,6 +656,8 @@ def main(argv=None):
     stop_all()
     for t in threads:
         t.join(timeout=2)
+    if not status and lost:
+        sys.stderr.write(f"{node}: the job finished without {', '.join(names[r] for r in lost)}\n")
     return status
 
 

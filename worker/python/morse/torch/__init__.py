@@ -954,6 +954,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return self._node.steps + self._node_first_step
         return self._session.step_index
 
+    def membership(self):
+        """The ranks whose gradients the last step averaged, ascending: every
+        rank, except in an elastic job (min_workers, morse-run --min-workers)
+        after a step that completed without some (docs/python.md, "Elastic
+        jobs"). A sampler that splits the data among the ranks left can use it."""
+        if self._session is None:
+            raise RuntimeError("membership() is not available with --node-aggregation")
+        return self._session.members()
+
     def checksum(self):
         """A checksum of this worker's x, m and v (equal on every worker; a
         node's rank: its leader's after the last step)."""

@@ -209,6 +209,12 @@ class DiLoCo:
         """Outer steps (syncs) the job has taken."""
         return self._session.step_index
 
+    def membership(self):
+        """The ranks whose pseudo-gradients the last sync averaged (all of
+        them except after a sync of an elastic job that completed without
+        some; min_workers)."""
+        return self._session.members()
+
     def zero_grad(self, set_to_none=None):
         if set_to_none is None:
             self.inner.zero_grad()

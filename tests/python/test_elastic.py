@@ -1,0 +1,153 @@
+"""An elastic morse.torch job (min_workers below workers; issue 40,
+docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
+2 shards of OneBitAdam with timeouts.step_seconds 1.
+- Rank 2 kills itself (SIGKILL) before backward() of step 6 and is not
+  restarted: morse-run goes on without it, the shards complete step 6 and
+  every later one without rank 2 after waiting a second, and ranks 0 and 1
+  finish. Their opt.membership() says [0, 1, 2] through step 5 and [0, 1]
+  from step 6, and after every step both hold the bits the simulator gives
+  when fed their gradients with rank 2 left out of those steps.
+- With --rank-restarts 1 and checkpoints every 4 steps, rank 2 is restarted,
+  rejoins from its checkpoint of step 4, catches up on the replies the
+  shards kept and joins the membership again: all three ranks end with the
+  same bits, rank 2 back in the last steps' membership.
+- --min-workers out of range or with --node-aggregation is refused."""
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from harness import check, morse_run  # noqa: E402
+
+STEPS = 16
+KILLED = 6
+
+
+def worker(out, pace):
+    import numpy as np
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    rank = int(os.environ["MORSE_RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3, block_elems=16,
+                                 partition_elems=64)
+    first = opt.step_index
+    print(f"life {life} starts at step {first}", flush=True)
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    for step in range(first, STEPS):
+        if rank == 2 and life == 0 and step == KILLED:
+            print(f"killing myself in step {step}, before backward()", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
+        opt.step()
+        record = {"checksum": opt.checksum(), "members": opt.membership()}
+        with open(f"{out}/step-{rank}-{step}.tmp", "w") as f:
+            json.dump(record, f)
+        os.rename(f"{out}/step-{rank}-{step}.tmp", f"{out}/step-{rank}-{step}.json")
+        time.sleep(pace)  # the others' pace, while a restarted rank catches up
+
+
+def records(out, rank):
+    return [json.load(open(f"{out}/step-{rank}-{s}.json")) if os.path.exists(f"{out}/step-{rank}-{s}.json")
+            else None for s in range(STEPS)]
+
+
+def run_leaves():
+    import numpy as np
+    from morse import _native
+    out = tempfile.mkdtemp(prefix="morse-elastic-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("timeouts { step_seconds: 1 recovery_seconds: 60 }\n")
+    code, log = morse_run(__file__, 3, 2, out, "0", config=config, extra=["--min-workers", "2"])
+    print(log)
+    check(code == 0, "the elastic job failed")
+    check("[rank 2] killing myself in step 6" in log, "rank 2 was not killed")
+    check("rank 2 exited with -9; the job goes on without it (min_workers 2 of 3)" in log,
+          "morse-run did not go on without rank 2")
+    check("the job finished without rank 2" in log, "morse-run did not say the job lost rank 2")
+    check("step 6 completed without rank(s) 2 in 5 partitions" in log, "no shard said it completed a step without rank 2")
+    ranks = [records(out, r) for r in range(2)]
+    for r in range(2):
+        for s in range(STEPS):
+            want = [0, 1, 2] if s < KILLED else [0, 1]
+            check(ranks[r][s] is not None, f"rank {r} did not finish step {s}")
+            check(ranks[r][s]["members"] == want,
+                  f"rank {r} step {s}: membership {ranks[r][s]['members']}, expected {want}")
+            check(ranks[r][s]["checksum"] == ranks[0][s]["checksum"], f"rank {r} differs at step {s}")
+    # The simulator fed the same gradients (rank 2's after it died: any;
+    # its message is formed and left out), rank 2 left out from step 6.
+    job = json.load(open(f"{out}/job.json"))
+    sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
+    dim = np.load(f"{out}/x0.npy").size
+    for s in range(STEPS):
+        grads = [np.load(f"{out}/grad-{r}-{s}.npy") if os.path.exists(f"{out}/grad-{r}-{s}.npy")
+                 else np.zeros(dim, np.float32) for r in range(3)]
+        sim.step(grads, absent=[2] if s >= KILLED else [])
+        for r in range(2):
+            check(sim.worker_checksum(r) == ranks[r][s]["checksum"],
+                  f"step {s}: rank {r} {ranks[r][s]['checksum']}, simulator {sim.worker_checksum(r)}")
+    shutil.rmtree(out)
+    print(f"PASS: rank 2 killed in step {KILLED} for good; ranks 0 and 1 finished {STEPS} steps "
+          "without it, bit-identical to the simulator given that membership")
+
+
+def run_returns():
+    out = tempfile.mkdtemp(prefix="morse-elastic-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 4 replay_steps: 16 }\n"
+                "timeouts { step_seconds: 1 recovery_seconds: 60 }\n")
+    code, log = morse_run(__file__, 3, 2, out, "0.4", config=config,
+                          extra=["--min-workers", "2", "--rank-restarts", "1"])
+    print(log)
+    check(code == 0, "the elastic job failed")
+    check("rank 2 exited with -9; restarting it (1 of --rank-restarts 1)" in log,
+          "morse-run did not restart rank 2")
+    check("[rank 2] life 1 starts at step 4" in log, "rank 2 did not rejoin from its checkpoint")
+    ranks = [records(out, r) for r in range(3)]
+    for s in range(STEPS):
+        for r in range(3):
+            check(ranks[r][s] is not None, f"rank {r} did not finish step {s}")
+            check(ranks[r][s]["checksum"] == ranks[0][s]["checksum"], f"rank {r} differs at step {s}")
+    left_out = [s for s in range(STEPS) if ranks[0][s]["members"] != [0, 1, 2]]
+    check(left_out and left_out[0] == KILLED, f"steps without rank 2: {left_out}")
+    check(ranks[0][STEPS - 1]["members"] == [0, 1, 2],
+          f"rank 2 did not join again: the last step's membership {ranks[0][STEPS - 1]['members']}")
+    shutil.rmtree(out)
+    print(f"PASS: rank 2 killed in step {KILLED}, restarted from step 4; steps {left_out} went on "
+          f"without it, it caught up and joined again; all three ranks identical after {STEPS} steps")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-2], float(sys.argv[-1]))  # --worker OUT PACE
+        sys.exit(0)
+    for flags, why in ((["--min-workers", "4"], "give 1 to the job's 3 workers"),
+                       (["--min-workers", "0"], "give 1 to the job's 3 workers"),
+                       (["--min-workers", "2", "--node-aggregation", "--nnodes", "1"], "not supported")):
+        result = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--workers", "3"] +
+                                flags + ["--", sys.executable, "-c", "pass"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=60)
+        check(result.returncode != 0 and why in result.stdout,
+              f"morse-run {' '.join(flags)}: exit {result.returncode}, {result.stdout!r}")
+    run_leaves()
+    run_returns()
