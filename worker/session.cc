@@ -102,17 +102,8 @@ absl::StatusOr<int64_t> Session::Start(bool resume,
     if (absl::Status s = client_->WaitInitialized(); !s.ok()) return s;
     if (rank_ != 0) {
       // Rank 0 may already be restoring a saved run (load_state_dict)
-      // partition by partition: wait for the partitions to agree, as its
-      // Restore waits for the shards (up to the connect timeout).
-      const absl::Time deadline =
-          absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
-      absl::StatusOr<int64_t> step = client_->FetchModel(replica_);
-      while (!step.ok() &&
-             step.status().GetPayload(PushClient::kMixedStepsKey).has_value() &&
-             absl::Now() < deadline) {
-        absl::SleepFor(absl::Milliseconds(50));
-        step = client_->FetchModel(replica_);
-      }
+      // partition by partition.
+      absl::StatusOr<int64_t> step = FetchSteadyModel();
       if (!step.ok()) return step.status();
       step_ = *step;
     }
@@ -177,7 +168,9 @@ absl::StatusOr<int64_t> Session::Start(bool resume,
       return step_;
     }
   }
-  auto step = client_->FetchModel(replica_);
+  // A running job's partitions may be a step apart (an elastic job goes
+  // on while this worker joins).
+  absl::StatusOr<int64_t> step = FetchSteadyModel();
   if (!step.ok()) return step.status();
   step_ = *step;
   // At step 0 the error buffer is zero in every run: nothing is lost.
@@ -200,6 +193,19 @@ absl::StatusOr<int64_t> Session::Start(bool resume,
       "%s\n",
       rank_, static_cast<long long>(step_), restored.c_str());
   return step_;
+}
+
+absl::StatusOr<int64_t> Session::FetchSteadyModel() {
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  absl::StatusOr<int64_t> step = client_->FetchModel(replica_);
+  while (!step.ok() &&
+         step.status().GetPayload(PushClient::kMixedStepsKey).has_value() &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(50));
+    step = client_->FetchModel(replica_);
+  }
+  return step;
 }
 
 absl::Status Session::Begin(absl::Span<const float> grad) {

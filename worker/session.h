@@ -218,6 +218,9 @@ class Session {
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too.
   absl::Status Fail(absl::Status status);
+  // The shards' model into replica_ once every partition is at the same
+  // step (retried up to the connect timeout): the step.
+  absl::StatusOr<int64_t> FetchSteadyModel();
   // Keeps the step's absent ranks (absent()), saying so when this worker's
   // own push was left out.
   void NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent);

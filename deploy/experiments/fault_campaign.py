@@ -17,6 +17,17 @@ shard's restart could find no replies to replay: docs/operations.md). The
 training script is a 2-layer MLP with OneBitAdam (freeze at step 20) whose
 batches are a function of the step, so the replayed steps see the same data.
 
+With --min-workers M (the worker workload) the job is elastic (min_workers
+M, timeouts.step_seconds 2): the shards complete a step without a rank
+missing past 2 s, and the others go on. Half the rank kills are then
+restarted a second later as before; the other half stay away for
+--away-steps steps, their checkpoints deleted, and come back as new nodes
+would: joining from the shards' model with a fresh error buffer. Those runs
+differ from the undisturbed one (other workers averaged other steps), so the
+check is then that the job finishes by itself with every rank's final loss
+within 1% of the undisturbed run's; the table adds the steps each fault's
+rank was left out of.
+
 Prints, per fault, the step it hit, the step the rank restarted from (what
 it replayed) and the seconds from the kill to the restarted rank's first new
 step; then the final loss and checksum of both runs and whether they are
@@ -130,6 +141,31 @@ def note_recoveries(records, lines, arrived):
                 break
 
 
+def note_left_out(records, lines):
+    """Adds to each rank fault the steps the shards completed without that
+    rank after it ("left_out"): for a rank away, from the step it missed to
+    the one it joined at; for one restarted at once, the steps of the
+    shards' lines "step T completed without rank(s) R" up to its next
+    fault (none when it was back within timeouts.step_seconds)."""
+    left = {}
+    for line in lines:
+        m = re.search(r"step (\d+) completed without rank\(s\) ([\d, ]+) in", line)
+        if m:
+            for rank in m.group(2).split(", "):
+                left.setdefault(int(rank), set()).add(int(m.group(1)))
+    for i, record in enumerate(records):
+        if record["kind"] != "rank":
+            continue
+        until = next((r["step"] for r in records[i + 1:] if r["kind"] == "rank"
+                      and r["who"] == record["who"]), float("inf"))
+        if record.get("away") and "from" in record:
+            # Not in any step from the one it missed to the one it joined at.
+            record["left_out"] = max(record["from"] - record["step"], 0)
+        else:
+            record["left_out"] = len([s for s in left.get(record["who"], ())
+                                      if record["step"] - 1 <= s < until])
+
+
 def run(args, faults):
     """One job; returns (exit code, output lines, results, fault records)."""
     out = tempfile.mkdtemp(prefix="morse-campaign-")
@@ -221,6 +257,12 @@ log_every: 100
 timeouts {{ step_seconds: 30 recovery_seconds: 120 }}
 checkpoint {{ every_steps: {args.checkpoint_every} }}
 """)
+    if args.min_workers:
+        with open(config, "a") as f:
+            f.write(f"min_workers: {args.min_workers}\n")
+        text = open(config).read().replace("step_seconds: 30", "step_seconds: 2")
+        with open(config, "w") as f:
+            f.write(text)
     ports = free_ports(args.shards)
     servers = ",".join(f"127.0.0.1:{p}" for p in ports)
     bin_dir = args.build
@@ -251,15 +293,20 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
         t.start()
         readers.append(t)
 
-    def worker_progress():
+    def worker_progress(ranks=None):
         steps = []
-        for r in range(args.workers):
+        for r in ranks if ranks is not None else range(args.workers):
             try:
                 with open(f"{out}/metrics-{r}.jsonl") as f:
                     steps.append(max([int(m) + 1 for m in re.findall(r'"step":(\d+)', f.read())] or [0]))
             except OSError:
                 steps.append(0)
-        return min(steps)
+        return min(steps) if steps else 0
+
+    def leader_progress():
+        # The slowest rank's step, leaving out the ones away (an elastic
+        # job goes on without them).
+        return worker_progress([r for r in range(args.workers) if r not in away])
 
     for s in range(args.shards):
         start(("shard", s))
@@ -267,23 +314,37 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
     for r in range(args.workers):
         start(("rank", r))
     records, plan = [], list(faults)
+    away = {}  # rank -> the step at which it comes back
     deadline = time.time() + 1800
-    while any(procs[("rank", r)].poll() is None for r in range(args.workers)):
+    while any(procs[("rank", r)].poll() is None for r in range(args.workers)) or away:
         time.sleep(0.05)
         if time.time() > deadline:
             break
-        if not plan or worker_progress() < plan[0][0]:
+        for r, back in list(away.items()):
+            if leader_progress() >= back or all(procs[("rank", o)].poll() is not None
+                                               for o in range(args.workers) if o not in away):
+                del away[r]
+                start(("rank", r))  # a new node: no checkpoint, the shards' model
+        if not plan or leader_progress() < plan[0][0]:
             continue
         at, kind = plan.pop(0)
-        who = random.randrange(args.workers if kind == "rank" else args.shards)
-        key = (kind, who)
+        candidates = ([r for r in range(args.workers) if r not in away] if kind.startswith("rank")
+                      else range(args.shards))
+        who = random.choice(list(candidates))
+        key = ("rank" if kind.startswith("rank") else "shard", who)
         with lock:
             seen = len(lines)
         killed_at = time.time()
         procs[key].kill()
         procs[key].wait()
-        records.append({"kind": kind, "who": who, "step": worker_progress(),
-                        "killed_at": killed_at, "seen": seen})
+        records.append({"kind": key[0], "who": who, "step": leader_progress(),
+                        "killed_at": killed_at, "seen": seen, "away": kind == "rank-away"})
+        if kind == "rank-away":
+            for f in os.listdir(out):  # its checkpoints: it comes back as a new node
+                if f.startswith(f"worker-{who}."):
+                    os.remove(os.path.join(out, f))
+            away[who] = leader_progress() + args.away_steps
+            continue
         time.sleep(1.0)  # the supervisor's restart delay
         start(key)
     codes = [procs[("rank", r)].wait(timeout=60) for r in range(args.workers)]
@@ -299,6 +360,20 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
         if m:
             results[int(m.group(1))] = (float(m.group(2)), m.group(3))
     note_recoveries(records, lines, arrived)
+    note_left_out(records, lines)
+    # The mean loss over the last tenth of the steps, every rank's lines
+    # (one step's loss is one batch's; this is steadier).
+    tail = []
+    for r in range(args.workers):
+        try:
+            with open(f"{out}/metrics-{r}.jsonl") as f:
+                for line in f:
+                    m = re.search(r'"step":(\d+),.*"loss":([^,]+),', line)
+                    if m and int(m.group(1)) >= args.steps - max(args.steps // 10, 1):
+                        tail.append(float(m.group(2)))
+        except OSError:
+            pass
+    results["tail_loss"] = sum(tail) / len(tail) if tail else float("nan")
     shutil.rmtree(out, ignore_errors=True)
     code = 0 if all(c == 0 for c in codes) else next(c for c in codes if c != 0)
     return code, lines, results, records
@@ -320,6 +395,11 @@ def main():
     p.add_argument("--workload", choices=("torch", "worker"), default="torch",
                    help="torch: a morse.torch script under morse-run (default); worker: "
                         "morse-worker's synthetic workload (D = 200,003), supervised by this script")
+    p.add_argument("--min-workers", type=int, default=0, metavar="M",
+                   help="an elastic job (min_workers M; --workload worker): half the rank kills "
+                        "stay away for --away-steps steps and come back as new nodes")
+    p.add_argument("--away-steps", type=int, default=100,
+                   help="steps a rank killed in an elastic job stays away (default 100)")
     p.add_argument("--verbose", action="store_true", help="show morse-run's output as it comes")
     p.add_argument("--python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3")
                    else sys.executable,
@@ -328,6 +408,9 @@ def main():
     args = p.parse_args()
     if args.workers < 2 or args.shards < 1 or args.steps < 4 * args.checkpoint_every:
         p.error("needs --workers >= 2, --shards >= 1 and --steps >= 4 x --checkpoint-every")
+    if args.min_workers and (args.workload != "worker" or
+                             not 1 <= args.min_workers < args.workers):
+        p.error("--min-workers needs --workload worker and a value in [1, --workers)")
     random.seed(args.seed)
     # Faults at least 3 checkpoint intervals apart (each recovery over before
     # the next), a rank kill about every --kill-every steps, shard kills at
@@ -339,13 +422,17 @@ def main():
         step += max(gap, int(random.expovariate(1.0 / args.kill_every)) + gap // 2)
     for index in random.sample(range(len(faults)), min(args.shard_kills, len(faults))):
         faults[index][1] = "shard"
+    if args.min_workers:  # every other rank kill stays away
+        ranks = [f for f in faults if f[1] == "rank"]
+        for f in ranks[1::2]:
+            f[1] = "rank-away"
     faults = [tuple(f) for f in faults]
 
     started = time.time()
     job = run if args.workload == "torch" else run_workers
     code, clean_lines, undisturbed, _ = job(args, [])
     clean_seconds = time.time() - started
-    if code != 0 or len(undisturbed) != args.workers:
+    if code != 0 or len([r for r in undisturbed if r != "tail_loss"]) != args.workers:
         sys.stdout.write("".join(clean_lines[-30:]))
         sys.exit(f"fault_campaign: the undisturbed run failed (exit {code})")
     started = time.time()
@@ -353,13 +440,36 @@ def main():
     faulty_seconds = time.time() - started
     print(f"{args.workers} ranks, {args.shards} shards, {args.steps} steps, checkpoints every "
           f"{args.checkpoint_every}; {len(records)} faults")
-    print("| fault | at step | restarted from | steps replayed | seconds to resume |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| fault | at step | restarted from | steps replayed | seconds to resume |"
+          + (" steps left out |" if args.min_workers else ""))
+    print("| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if args.min_workers else ""))
     for r in records:
         replayed = r["completed"] - r["from"] if "completed" in r else "?"
         seconds = f"{r['rejoin_seconds']:.1f}" if "rejoin_seconds" in r else "?"
-        print(f"| {r['kind']} {r['who']} | {r['step']} | {r.get('from', '?')} | {replayed} | "
-              f"{seconds} |")
+        kind = f"{r['kind']} {r['who']}" + (" (away)" if r.get("away") else "")
+        print(f"| {kind} | {r['step']} | {r.get('from', '?')} | {replayed} | {seconds} |"
+              + (f" {r.get('left_out', '-')} |" if args.min_workers else ""))
+    if args.min_workers:
+        # Other steps averaged other workers: the same job, not the same
+        # bits. Every rank that trained to the end holds the same model.
+        finals = {v[1] for r, v in disturbed.items() if r != "tail_loss"}
+        clean, elastic = undisturbed["tail_loss"], disturbed.get("tail_loss", float("nan"))
+        ratio = elastic / clean
+        left_out = [r for r in records if r.get("away")]
+        ok = (code == 0 and len(finals) == 1 and all(r.get("left_out", 0) > 0 for r in left_out))
+        print(f"undisturbed: {clean_seconds:.1f} s, mean loss of the last {max(args.steps // 10, 1)} "
+              f"steps {clean:.6g}")
+        print(f"elastic, with faults: {faulty_seconds:.1f} s, exit {code}; mean loss of the last "
+              f"steps {elastic:.6g} ({ratio:.4f} x the undisturbed run's); the ranks at the end "
+              f"hold {'one model' if len(finals) == 1 else f'{len(finals)} different models'}")
+        print("FINISHED: the job ran to the end by itself, the ranks away were left out and came "
+              "back, every rank ends with the same model" if ok else
+              "FAILED: see the log above")
+        if not ok:
+            sys.stdout.write("".join(lines[-40:]))
+        return 0 if ok else 1
+    undisturbed.pop("tail_loss", None)
+    disturbed.pop("tail_loss", None)
     same = disturbed == undisturbed and len(disturbed) == args.workers
     loss = undisturbed[0][0]
     print(f"undisturbed: {clean_seconds:.1f} s, loss {loss:.6f}, checksum {undisturbed[0][1]}")
