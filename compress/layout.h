@@ -42,8 +42,8 @@ struct Partition {
 };
 
 // The ranks whose pushes a step's average leaves out (membership,
-// design.md 4.3), by partition id, each list ascending; a partition past the
-// end or with an empty list: every worker is in.
+// design.md 4, "Membership"), by partition id, each list ascending; a partition
+// past the end or with an empty list: every worker is in.
 using Absent = std::vector<std::vector<uint32_t>>;
 
 class Layout {

@@ -71,7 +71,7 @@ struct JobSpec {
   std::string checkpoint_dir;
   uint32_t replay_steps = 0;  // pushes a worker retains (steps)
   // The fewest workers a step completes with (JobConfig.min_workers;
-  // design.md 4.3); workers() when the config leaves it out.
+  // design.md 4, "Membership"); workers() when the config leaves it out.
   uint32_t min_workers = 1;
 
   uint32_t workers() const { return algorithm.workers; }

@@ -12,7 +12,8 @@
 //   morse_server_unauthenticated_calls_total   calls refused for a missing or
 //                                              wrong token
 //   morse_server_members                       workers in every partition's
-//                                              membership (design.md 4.3)
+//                                              membership (design.md 4,
+//                                              "Membership")
 //   morse_server_workers_dropped_total         times a step completed without
 //                                              a worker (min_workers)
 // Thread-safe (prometheus-cpp metrics are).

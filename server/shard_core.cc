@@ -175,6 +175,18 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
         absl::StrCat("module buffers of ", args.buffers.size(),
                      " bytes; at most ", proto::kMaxBufferBytes));
   }
+  if (args.replay_absent.has_value()) {
+    const std::vector<uint32_t>& absent = *args.replay_absent;
+    if (!std::is_sorted(absent.begin(), absent.end()) ||
+        std::adjacent_find(absent.begin(), absent.end()) != absent.end() ||
+        (!absent.empty() && absent.back() >= job_.workers()) ||
+        absent.size() >= job_.workers()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", args.rank,
+                       "'s replayed push: replay_absent is not distinct "
+                       "ranks of the job, ascending, with one left in"));
+    }
+  }
   if (args.hyper.has_value()) {
     if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
       return absl::InvalidArgumentError(
@@ -186,8 +198,8 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
 
 namespace {
 
-// The step completed without this rank (membership, design.md 4.3): its
-// push came late or not at all, and any bytes get the reply.
+// The step completed without this rank (membership, design.md 4, "Membership"):
+// its push came late or not at all, and any bytes get the reply.
 bool LeftOut(const Reply& reply, uint32_t rank) {
   return std::binary_search(reply.absent.begin(), reply.absent.end(), rank);
 }
@@ -355,15 +367,34 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
 absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
                                    uint64_t hash, ReplyCallback& done,
                                    Completion* completion, bool* schedule) {
+  if (args.replay_absent.has_value()) {
+    // A re-send after this shard restarted: the step had this membership
+    // (design.md 4, "Membership"), and gets it again, so that its reply
+    // is the one the workers applied.
+    uint32_t live = 0;
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      p.live[r] = !std::binary_search(args.replay_absent->begin(),
+                                      args.replay_absent->end(), r);
+      if (!p.live[r] && p.pushes[r].has_value()) {  // it counts no more
+        p.pushes[r].reset();
+        --p.arrived;
+      }
+      live += p.live[r] ? 1 : 0;
+    }
+    p.live_count = live;
+  }
   std::optional<std::string>& slot = p.pushes[args.rank];
-  if (slot.has_value()) {
+  if (args.replay_absent.has_value() && !p.live[args.rank]) {
+    // Left out of the step then: it gets the reply, and adds nothing.
+  } else if (slot.has_value()) {
     if (*slot != args.payload) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", args.rank, " re-sent step ", args.step, " of partition ",
           args.partition, " with different bytes"));
     }
   } else {
-    if (!p.live[args.rank]) {  // back in the membership (design.md 4.3)
+    if (!p.live[args.rank]) {  // back in the membership (design.md 4,
+                               // "Membership")
       p.live[args.rank] = true;
       ++p.live_count;
     }
@@ -379,7 +410,7 @@ absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
     ++p.arrived;
   }
   p.waiters.emplace_back(args.rank, std::move(done));
-  if (p.arrived == p.live_count && !p.completing) {
+  if (p.arrived > 0 && p.arrived == p.live_count && !p.completing) {
     if (pool_ == nullptr) {
       *completion = CompleteLocked(p);
     } else {
@@ -426,7 +457,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       if (!p.live[args.rank] && !p.completing) {
         // A worker catching up (late, or rejoined and replaying): the step
         // in flight waits for it, up to step_seconds, so that it can join
-        // again rather than trail a job that never waits (design.md 4.3).
+        // again rather than trail a job that never waits (design.md 4,
+        // "Membership").
         p.live[args.rank] = true;
         ++p.live_count;
       }
@@ -920,6 +952,9 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
     PartitionState& p = *state;
     MutexLock lock(&p.mu);
     if (p.arrived == 0 || now - p.first_arrival < patience) continue;
+    // An elastic job's step with min_workers pushes is not stalled: it
+    // completes without the others (ExpireWaiting).
+    if (job_.elastic() && p.arrived >= job_.min_workers) continue;
     if (oldest.has_value() && now - p.first_arrival <= longest) continue;
     longest = now - p.first_arrival;
     oldest = absl::StrCat(

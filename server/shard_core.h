@@ -65,6 +65,10 @@ struct PushArgs {
   // The workers clip this step's averaged gradient by a max_norm they
   // commit after it (morse.proto PushRequest.workers_clip).
   bool workers_clip = false;
+  // A worker's re-send to this shard after it restarted: the ranks the
+  // step's reply left out then (PushRequest.replay_absent), ascending; the
+  // step is recomputed with that membership.
+  std::optional<std::vector<uint32_t>> replay_absent;
 };
 
 // What the workers commit after a step whose mirror update needs the whole
@@ -92,7 +96,8 @@ struct Reply {
   // When the step clips the averaged gradient: this partition's sum of
   // squares of the decoded reply (compress::GradientSumOfSquares).
   std::optional<double> grad_sum_of_squares;
-  // The ranks the average left out (membership, design.md 4.3), ascending.
+  // The ranks the average left out (membership, design.md 4, "Membership"),
+  // ascending.
   std::vector<uint32_t> absent;
 };
 
@@ -123,7 +128,7 @@ struct ShardStatus {
   int64_t replies_kept_from = 0;
   uint64_t pushes_accepted = 0;
   uint64_t pushes_rejected = 0;
-  // Ranks out of the membership of some partition (design.md 4.3),
+  // Ranks out of the membership of some partition (design.md 4, "Membership"),
   // ascending, and how many times a step completed without a worker.
   std::vector<uint32_t> out;
   uint64_t workers_dropped = 0;
@@ -166,8 +171,8 @@ class ShardCore {
   // Fails the waiting pushes of every partition whose oldest push for the
   // current step is older than the recovery timeout (a stalled or restarting
   // worker gets that long); those pushes are dropped. In an elastic job
-  // (min_workers below workers; design.md 4.3) a partition that has waited
-  // step_seconds with at least min_workers pushes completes with them
+  // (min_workers below workers; design.md 4, "Membership") a partition that has
+  // waited step_seconds with at least min_workers pushes completes with them
   // instead, the missing ranks leaving its membership until they push
   // again. Returns a line for each such change, for the shard's log.
   std::vector<std::string> ExpireWaiting(absl::Time now);

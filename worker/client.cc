@@ -322,11 +322,17 @@ void PushClient::Retain(v1::PushRequest request, uint64_t reply_hash) {
   const int64_t step = request.step();
   const uint32_t partition = request.partition();
   MutexLock lock(&retained_mu_);
+  first_retained_ = std::min(first_retained_, step);
   retained_[{step, partition}] = Retained{std::move(request), reply_hash};
   const int64_t oldest = step - static_cast<int64_t>(job_.replay_steps);
   while (!retained_.empty() && retained_.begin()->first.first <= oldest) {
     retained_.erase(retained_.begin());
   }
+}
+
+bool PushClient::JoinedAfter(int64_t step) const {
+  MutexLock lock(&retained_mu_);
+  return step < first_retained_;
 }
 
 std::optional<PushClient::Retained> PushClient::Find(int64_t step,

@@ -159,6 +159,9 @@ class PushClient {
   void Retain(v1::PushRequest request, uint64_t reply_hash);
   // A copy of the retained push of (step, partition), if any.
   std::optional<Retained> Find(int64_t step, uint32_t partition) const;
+  // This process completed no push of `step` or before: it joined the job
+  // after it (an elastic job's new or restarted worker).
+  bool JoinedAfter(int64_t step) const;
   // Fetches every partition's x, m, v (into `model`, if given) and server
   // error (into `server_error`, if not empty); returns the steps completed,
   // which must be the same on every partition (FAILED_PRECONDITION otherwise).
@@ -187,6 +190,8 @@ class PushClient {
   std::map<std::pair<int64_t, uint32_t>, Retained> retained_
       ABSL_GUARDED_BY(retained_mu_);
   std::vector<bool> rejoining_ ABSL_GUARDED_BY(retained_mu_);
+  // The first step whose push this process retained (INT64_MAX: none yet).
+  int64_t first_retained_ ABSL_GUARDED_BY(retained_mu_) = INT64_MAX;
 };
 
 }  // namespace morse::worker

@@ -96,9 +96,10 @@ class Session {
   void SetDeferApply(bool defer) { defer_apply_ = defer; }
   const std::string& received_buffers() const { return received_buffers_; }
   // The ranks each partition's average of the last step left out
-  // (membership, design.md 4.3: a worker late by timeouts.step_seconds in a
-  // job with min_workers below workers), by partition id; empty when every
-  // worker was in, and after a step that exchanged nothing.
+  // (membership, design.md 4, "Membership": a worker late by
+  // timeouts.step_seconds in a job with min_workers below workers), by
+  // partition id; empty when every worker was in, and after a step that
+  // exchanged nothing.
   const compress::Absent& absent() const { return absent_; }
   // The ranks in every partition's average of the last step.
   std::vector<uint32_t> members() const;

@@ -298,6 +298,24 @@ void StepExchange::OnDone(Call* raw, const absl::Status& status) {
                                  " s (timeouts.recovery_seconds = ", recovery,
                                  "): ", status.message())));
   }
+  if (status.code() == absl::StatusCode::kAborted) {
+    const std::optional<int64_t> next = proto::NextStep(status);
+    if (next.has_value() && *next < done->request.step() &&
+        client_->job_.elastic() && !done->replay &&
+        client_->JoinedAfter(*next)) {
+      // An elastic job's shard restarted from before this worker joined
+      // (design.md 4, "Membership"): the others' re-sends say those steps
+      // went without it. Push again once the shard has caught up with
+      // them, for up to recovery_seconds.
+      if (done->first_failure == absl::InfiniteFuture())
+        done->first_failure = absl::Now();
+      if (Since(done->first_failure) < client_->job_.recovery_timeout_seconds) {
+        ++done->attempt;
+        RetryLater(std::move(done));
+        return;
+      }
+    }
+  }
   done->first_failure = absl::InfiniteFuture();
   if (status.code() == absl::StatusCode::kAborted) {
     const std::optional<int64_t> next = proto::NextStep(status);
@@ -388,6 +406,9 @@ void StepExchange::Deliver(std::unique_ptr<Call> done,
   std::vector<uint32_t> absent(done->reply.absent().begin(),
                                done->reply.absent().end());
   if (result.ok() && client_->job_.replay_steps > 0) {
+    // Re-sent only to a shard that restarted: with the step's membership.
+    done->request.set_replayed(true);
+    for (uint32_t rank : absent) done->request.add_replay_absent(rank);
     client_->Retain(std::move(done->request),
                     compress::BytesHash(done->reply.payload()));
   }

@@ -91,7 +91,7 @@ class StepExchange {
   // The module buffers that came with partition 0's reply (empty if none).
   std::string TakeReceivedBuffers();
   // The ranks each partition's reply left out of its average (membership,
-  // design.md 4.3), for the partitions whose replies left some out.
+  // design.md 4, "Membership"), for the partitions whose replies left some out.
   std::map<uint32_t, std::vector<uint32_t>> TakeAbsent();
 
  private:

@@ -43,7 +43,7 @@ struct StepRecord {
   uint64_t wire_up = 0, wire_down = 0;
   std::optional<uint64_t> checksum;  // of x, m, v (--checksums)
   // The ranks some partition's average of the step left out (membership,
-  // design.md 4.3), ascending; empty when every worker was in.
+  // design.md 4, "Membership"), ascending; empty when every worker was in.
   std::vector<uint32_t> absent;
 };
 

@@ -28,7 +28,7 @@ struct Expected {
 // Runs the simulator on the synthetic workload's gradients and records the
 // checksums a worker and each shard should report after every step;
 // `absent`: the membership log, the ranks each step's partitions left out
-// (design.md 4.3), as the replies said.
+// (design.md 4, "Membership"), as the replies said.
 Expected Simulate(const proto::JobSpec& job,
                   const std::map<int64_t, compress::Absent>& absent = {});
 

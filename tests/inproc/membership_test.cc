@@ -1,10 +1,10 @@
-// Membership (design.md 4.3) in one process: an elastic job (min_workers
-// below workers) over the in-process cluster, each worker a Trainer on its
-// own thread. One worker is killed between steps; the shards complete its
-// steps without it after timeouts.step_seconds, and the others go on. It
-// either never comes back or rejoins from its checkpoint later, replaying
-// the steps it missed from the replies the shards kept (the ones that left
-// it out answer whatever it pushes) and joining the membership again with
+// Membership (design.md 4, "Membership") in one process: an elastic job
+// (min_workers below workers) over the in-process cluster, each worker a
+// Trainer on its own thread. One worker is killed between steps; the shards
+// complete its steps without it after timeouts.step_seconds, and the others go
+// on. It either never comes back or rejoins from its checkpoint later,
+// replaying the steps it missed from the replies the shards kept (the ones that
+// left it out answer whatever it pushes) and joining the membership again with
 // its next push. Every worker's x, m, v after every step, and every shard's
 // mirror at the end, must be the simulator's fed the membership log the
 // replies carried (the ranks each partition's average left out, per step),
@@ -70,7 +70,6 @@ proto::JobSpec Job(uint32_t workers, uint32_t shards, const char* scheme,
     partition_elems: 1024
     seed: 11
     window: 3
-    checkpoint { every_steps: 2 replay_steps: 16 }
     steps: )",
                    kSteps, " workers: ", workers, " shards: ", shards, " ",
                    scheme, " ", extra);
@@ -90,13 +89,22 @@ worker::TrainerOptions Options(uint32_t rank, const std::string& dir) {
   return options;
 }
 
-TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
-  const auto [returns, workers, shards, scheme] = GetParam();
+// kill_shard: checkpoints every 4 steps; shard 0 is killed once it has
+// completed kShardKilled steps and restarted from its checkpoint of step 8,
+// the victim (back from its checkpoint of step 4) having pushed step 8 late
+// and been left out of it: the re-sent pushes carry each step's membership,
+// so the restarted shard leaves out whom it left out before.
+constexpr int64_t kShardKilled = 11;
+
+void RunMembership(bool returns, uint32_t workers, uint32_t shards,
+                   const Scheme& scheme, bool kill_shard) {
   const proto::JobSpec job =
       Job(workers, shards, scheme.config,
           absl::StrCat("min_workers: ", workers - 1,
                        " timeouts { connect_seconds: 20 step_seconds: 0.3 "
-                       "rpc_seconds: 5 recovery_seconds: 60 }"));
+                       "rpc_seconds: 5 recovery_seconds: 60 }",
+                       " checkpoint { every_steps: ", kill_shard ? 4 : 2,
+                       " replay_steps: 16 }"));
   // Rank 0 (module buffers, commits) never comes back; the last rank does.
   const uint32_t victim = returns ? workers - 1 : 0;
   const std::string dir = MakeTempDir("morse-membership");
@@ -111,7 +119,7 @@ TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
   std::vector<std::map<int64_t, compress::Absent>> logs(workers);
   std::atomic<int64_t> slowest_other{0};  // steps done by the others (min)
   std::vector<std::atomic<int64_t>> done(workers);
-  std::atomic<bool> rejoined{false}, failed{false};
+  std::atomic<bool> rejoined{false}, failed{false}, shard_killed{false};
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < workers; ++r) {
     threads.emplace_back([&, r] {
@@ -149,6 +157,10 @@ TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
           while (!rejoined.load() && !failed.load())
             absl::SleepFor(absl::Milliseconds(2));
         }
+        if (kill_shard && step == kShardKilled + 2) {
+          while (!shard_killed.load() && !failed.load())
+            absl::SleepFor(absl::Milliseconds(2));
+        }
         auto record = (*trainer)->Step();
         if (!record.ok())
           return fail(
@@ -164,6 +176,20 @@ TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
         slowest_other = least;
       }
     });
+  }
+  if (kill_shard) {
+    bool reached = false;
+    while (!reached && !failed.load()) {
+      auto done = (*cluster)->CompletedSteps(0);
+      reached = done.ok() && *done >= kShardKilled;
+      if (!reached) absl::SleepFor(absl::Milliseconds(1));
+    }
+    if (reached) {
+      (*cluster)->Kill(0);
+      absl::SleepFor(absl::Milliseconds(30));
+      EXPECT_TRUE((*cluster)->Restart(0).ok());
+    }
+    shard_killed = true;
   }
   for (std::thread& t : threads) t.join();
   const auto shard_log = [&] { return absl::StrJoin((*cluster)->log(), "\n"); };
@@ -207,12 +233,37 @@ TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
     ASSERT_TRUE(mirror.ok()) << mirror.status();
     EXPECT_EQ(Hex(*mirror), expected.shard[s].back()) << "shard " << s;
   }
+  if (kill_shard) {
+    bool resumed = false;
+    for (const std::string& line : (*cluster)->log())
+      resumed |= line.find("resumed from") != std::string::npos;
+    EXPECT_TRUE(resumed) << "shard 0 was not restarted from its checkpoint:\n"
+                         << shard_log();
+  }
   std::printf(
-      "%s, %u workers, %u shards, rank %u %s: %zu steps left it out, every "
+      "%s, %u workers, %u shards, rank %u %s%s: %zu steps left it out, every "
       "worker and shard bit-identical to the simulator given that log\n",
       scheme.name, workers, shards, victim,
-      returns ? "left and rejoined" : "left for good", log.size());
+      returns ? "left and rejoined" : "left for good",
+      kill_shard ? ", shard 0 killed and restarted" : "", log.size());
 }
+
+TEST_P(MembershipTest, EveryWorkerAndShardMatchesTheSimulatorGivenTheLog) {
+  const auto [returns, workers, shards, scheme] = GetParam();
+  RunMembership(returns, workers, shards, scheme, /*kill_shard=*/false);
+}
+
+class MembershipShardKilledTest : public ::testing::TestWithParam<Scheme> {};
+
+TEST_P(MembershipShardKilledTest, ReplaysKeepEachStepsMembership) {
+  RunMembership(/*returns=*/true, 3, 2, GetParam(), /*kill_shard=*/true);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MembershipShardKilledTest,
+                         ::testing::ValuesIn(kSchemes),
+                         [](const ::testing::TestParamInfo<Scheme>& info) {
+                           return std::string(info.param.name);
+                         });
 
 std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
   return absl::StrCat(std::get<0>(info.param) ? "returns" : "leaves", "_",
@@ -231,10 +282,10 @@ INSTANTIATE_TEST_SUITE_P(Sweep, MembershipTest,
 // Three workers, min_workers 2: two are killed, and the step the last one
 // pushes fails at the recovery timeout, naming the missing ranks.
 TEST(MembershipFloorTest, BelowMinWorkersTheJobFailsNamingTheMissing) {
-  const proto::JobSpec job =
-      Job(3, 1, kSchemes[0].config,
-          "min_workers: 2 timeouts { connect_seconds: 20 step_seconds: 0.3 "
-          "rpc_seconds: 5 recovery_seconds: 1.5 }");
+  const proto::JobSpec job = Job(
+      3, 1, kSchemes[0].config,
+      "min_workers: 2 timeouts { connect_seconds: 20 step_seconds: 0.3 "
+      "rpc_seconds: 5 recovery_seconds: 1.5 } checkpoint { every_steps: 2 }");
   const std::string dir = MakeTempDir("morse-membership");
   ASSERT_NE(dir, "");
   auto cluster = InProcessCluster::Create(job, {dir, 1, 2});

@@ -518,8 +518,8 @@ TEST_F(ShardCoreTest, ExpiredStepsFailTheirWaitersAndLeaveTheShardAlone) {
   EXPECT_EQ(core_->MirrorChecksum(), before);
 }
 
-// An elastic job (min_workers 2 of 3; design.md 4.3): a step that has
-// waited step_seconds completes with the pushes it has, averaged over them
+// An elastic job (min_workers 2 of 3; design.md 4, "Membership"): a step that
+// has waited step_seconds completes with the pushes it has, averaged over them
 // alone; the missing rank leaves the membership (the next step does not
 // wait for it), its late pushes get their steps' replies whatever its
 // bytes, and bring it back: the step in flight waits for it. Below min_workers
@@ -584,6 +584,33 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
                     .ok());
     EXPECT_EQ((*got[0])->payload,
               std::string(expected.begin(), expected.end()));
+  }
+  {
+    // The same step re-sent to a shard restarted from before it (DESIGN 4),
+    // each push with the membership its reply had: the step completes
+    // without rank 2 at once, rank 2's own re-send counts for nothing, and
+    // the reply is the one the workers applied.
+    auto restarted = *ShardCore::Create(*job, 1);
+    ASSERT_NO_FATAL_FAILURE(InitializeAll(*restarted));
+    std::vector<absl::StatusOr<std::shared_ptr<const Reply>>> again(
+        3, absl::UnknownError("pending"));
+    for (uint32_t rank : {2u, 0u, 1u}) {
+      PushArgs replay = args(0, rank);
+      replay.replay_absent = std::vector<uint32_t>{2};
+      restarted->Push(std::move(replay),
+                      [&again, rank](auto r) { again[rank] = r; });
+      EXPECT_EQ(again[0].ok(), rank == 1u);
+    }
+    for (uint32_t rank = 0; rank < 3; ++rank) {
+      ASSERT_TRUE(again[rank].ok()) << rank << ": " << again[rank].status();
+      EXPECT_EQ((*again[rank])->payload, step0->payload);
+      EXPECT_EQ((*again[rank])->absent, std::vector<uint32_t>{2});
+    }
+    PushArgs bad = args(1, 0);
+    bad.replay_absent = std::vector<uint32_t>{2, 1};  // not ascending
+    absl::Status refused;
+    restarted->Push(std::move(bad), [&](auto r) { refused = r.status(); });
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
   }
   ShardStatus status = core->Status();
   EXPECT_EQ(status.out, std::vector<uint32_t>{2});

@@ -166,8 +166,8 @@ int morse_session_save_checkpoint(morse_session* s, const char* path);
    is a multiple of it. */
 int morse_session_checkpoint_every(morse_session* s, uint32_t* every_steps);
 /* The ranks in every partition's average of the last step (membership,
-   docs/design.md 4.3; all of them before the first step and in a job
-   without min_workers), ascending: *count of them, the first `capacity`
+   docs/design.md 4, "Membership"; all of them before the first step and in a
+   job without min_workers), ascending: *count of them, the first `capacity`
    written to `ranks`. */
 int morse_session_members(morse_session* s, uint32_t* ranks, uint32_t capacity,
                           uint32_t* count);
@@ -181,7 +181,7 @@ void morse_simulator_destroy(morse_simulator* sim);
 int morse_simulator_step(morse_simulator* sim, const float* const* gradients,
                          uint32_t workers, uint64_t dim);
 /* The same, with `count` ranks (ascending) left out of every partition's
-   average (membership, docs/design.md 4.3). */
+   average (membership, docs/design.md 4, "Membership"). */
 int morse_simulator_step_without(morse_simulator* sim,
                                  const float* const* gradients,
                                  uint32_t workers, uint64_t dim,

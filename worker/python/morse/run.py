@@ -300,7 +300,7 @@ def _parse(argv):
 
 
 def _min_workers(base, workers):
-    """The job's min_workers (docs/design.md 4.3): the config's, or all."""
+    """The job's min_workers (docs/design.md 4, "Membership"): the config's, or all."""
     m = re.search(r"^\s*min_workers\s*:\s*(\d+)", base, re.M)
     return int(m.group(1)) if m else workers
 
