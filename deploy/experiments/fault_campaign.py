@@ -26,7 +26,8 @@ would: joining from the shards' model with a fresh error buffer. Those runs
 differ from the undisturbed one (other workers averaged other steps), so the
 check is then that the job finishes by itself with every rank's final loss
 within 1% of the undisturbed run's; the table adds the steps each fault's
-rank was left out of.
+rank was left out of, and a rank away's seconds to resume count from its
+new start.
 
 Prints, per fault, the step it hit, the step the rank restarted from (what
 it replayed) and the seconds from the kill to the restarted rank's first new
@@ -325,6 +326,12 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
             if leader_progress() >= back or all(procs[("rank", o)].poll() is not None
                                                for o in range(args.workers) if o not in away):
                 del away[r]
+                for record in reversed(records):  # seconds to resume: from this start
+                    if record["kind"] == "rank" and record["who"] == r and record.get("away"):
+                        record["killed_at"] = time.time()
+                        with lock:
+                            record["seen"] = len(lines)
+                        break
                 start(("rank", r))  # a new node: no checkpoint, the shards' model
         # Each fault at least a gap after the last one's step, whatever the
         # plan said: one rank's return can hold the progress back until two
