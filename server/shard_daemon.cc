@@ -26,17 +26,22 @@ absl::Status ConfigError(const absl::Status& status) {
 
 std::string ShardDaemon::Describe(const proto::JobSpec& job, uint32_t shard,
                                   const ShardCore* core) {
+  // An elastic job's steps complete with min_workers of them.
+  const std::string elastic =
+      job.elastic() ? absl::StrFormat(" (elastic: at least %u, min_workers)",
+                                      job.min_workers)
+                    : "";
   if (core == nullptr) {
     return absl::StrFormat(
-        "shard %d/%u of job '%s': model size from the workers, %u workers",
-        shard, job.shards(), job.name, job.workers());
+        "shard %d/%u of job '%s': model size from the workers, %u workers%s",
+        shard, job.shards(), job.name, job.workers(), elastic);
   }
   const ShardStatus s = core->Status();
   return absl::StrFormat(
       "shard %d/%u of job '%s': elements [%u, %u) in %u partitions, %u "
-      "workers, layout %x",
+      "workers%s, layout %x",
       shard, job.shards(), job.name, s.range.begin, s.range.end, s.partitions,
-      job.workers(), s.layout_fingerprint);
+      job.workers(), elastic, s.layout_fingerprint);
 }
 
 std::string ShardDaemon::SecuritySummary(
