@@ -138,9 +138,15 @@ void ShardRuntime::Tick(ShardCore& core, absl::Time now) {
   const std::vector<std::string> changes = core.ExpireWaiting(now);
   for (const std::string& change : changes)
     Log(absl::StrFormat("morse-server shard %u: %s", options_.shard, change));
+  // The membership gauge, read before taking mu_ again: the partitions'
+  // locks are never taken inside it.
+  {
+    MutexLock lock(&mu_);
+    if (metrics_ == nullptr) return;
+  }
+  const ShardStatus s = core.Status();
   MutexLock lock(&mu_);
   if (metrics_ != nullptr) {
-    const ShardStatus s = core.Status();
     metrics_->SetMembership(s.workers - static_cast<uint32_t>(s.out.size()),
                             s.workers_dropped);
   }
