@@ -97,6 +97,10 @@ TEST(MetricsTest, CountersMoveAndTheFormatIsPrometheus) {
       << metrics;
   EXPECT_EQ(Value(metrics, "morse_server_steps_total", "shard=\"0\""), 6);
   EXPECT_EQ(Value(metrics, "morse_server_workers_joined", "shard=\"0\""), 2);
+  // Every worker in every step's membership (the job is not elastic).
+  EXPECT_EQ(Value(metrics, "morse_server_members", "shard=\"0\""), 2);
+  EXPECT_EQ(Value(metrics, "morse_server_workers_dropped_total", "shard=\"0\""),
+            0);
   EXPECT_GT(
       Value(metrics, "morse_server_received_bytes_total", "codec=\"sign1\""),
       0);
