@@ -89,8 +89,9 @@ worker::TrainerOptions Options(uint32_t rank, const std::string& dir) {
   return options;
 }
 
-// kill_shard: checkpoints every 4 steps; shard 0 is killed once it has
-// completed kShardKilled steps and restarted from its checkpoint of step 8,
+// kill_shard: checkpoints every 4 steps; shard 0 is killed once the others
+// have done kShardKilled steps (they wait there) and the victim is past
+// step 8, and restarted from its checkpoint of step 8,
 // the victim (back from its checkpoint of step 4) having pushed step 8 late
 // and been left out of it: the re-sent pushes carry each step's membership,
 // so the restarted shard leaves out whom it left out before.
@@ -157,7 +158,9 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
           while (!rejoined.load() && !failed.load())
             absl::SleepFor(absl::Milliseconds(2));
         }
-        if (kill_shard && step == kShardKilled + 2) {
+        if (kill_shard && r != victim && step == kShardKilled) {
+          // The shard's newest checkpoint stays that of step 8 until it is
+          // killed.
           while (!shard_killed.load() && !failed.load())
             absl::SleepFor(absl::Milliseconds(2));
         }
@@ -178,10 +181,16 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
     });
   }
   if (kill_shard) {
+    // Once the victim is past step 8 (a restored shard keeps no older
+    // replies for it to replay: a worker and a shard lost together) and
+    // the others wait before step 11.
+    // (zero_one_adam's shards count only the steps that exchanged.)
     bool reached = false;
     while (!reached && !failed.load()) {
-      auto done = (*cluster)->CompletedSteps(0);
-      reached = done.ok() && *done >= kShardKilled;
+      reached = done[victim].load() >= 9;
+      for (uint32_t o = 0; o < workers; ++o) {
+        if (o != victim) reached &= done[o].load() >= kShardKilled;
+      }
       if (!reached) absl::SleepFor(absl::Milliseconds(1));
     }
     if (reached) {

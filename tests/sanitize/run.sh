@@ -9,7 +9,8 @@
 #                                               run threads without gRPC (the
 #                                               compute pool, the shard, its
 #                                               runtime) and the in-process
-#                                               fault sweep (default build/tsan)
+#                                               fault sweep and membership
+#                                               tests (default build/tsan)
 #
 # ctest runs them as `sanitize_unit_tests` and `tsan_tests` (label sanitize).
 # Under TSan, locks are compress/sync.h's std::mutex-based ones (Debian's
@@ -27,7 +28,7 @@ jobs="${MORSE_JOBS:-$(nproc)}"
 if [ "$mode" = thread ]; then
   build="${1:-$root/build/tsan}"
   sanitizers=thread
-  pattern='^tests/(compress/compress_(compute_pool|lamb|simulator)|server/server_shard_(core|runtime)|inproc/inproc_(fault_sweep|trainer))_test'
+  pattern='^tests/(compress/compress_(compute_pool|lamb|simulator)|server/server_shard_(core|runtime)|inproc/inproc_(fault_sweep|trainer|membership))_test'
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1"
 else
   build="${1:-$root/build/sanitize}"
