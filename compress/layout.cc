@@ -74,4 +74,10 @@ absl::Span<const Partition> Layout::shard_partitions(uint32_t shard) const {
                first_partition_[shard + 1] - first_partition_[shard]);
 }
 
+bool ValidAbsent(const std::vector<uint32_t>& ranks, uint32_t workers) {
+  return std::is_sorted(ranks.begin(), ranks.end()) &&
+         std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end() &&
+         (ranks.empty() || ranks.back() < workers) && ranks.size() < workers;
+}
+
 }  // namespace morse::compress

@@ -46,6 +46,10 @@ struct Partition {
 // past the end or with an empty list: every worker is in.
 using Absent = std::vector<std::vector<uint32_t>>;
 
+// One partition's absent ranks are distinct ranks of `workers`, ascending,
+// with at least one rank left in.
+bool ValidAbsent(const std::vector<uint32_t>& ranks, uint32_t workers);
+
 class Layout {
  public:
   // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, or block and

@@ -120,11 +120,7 @@ absl::Status Simulator::Step(
                      " partitions; there are ", layout_.partitions().size()));
   }
   for (size_t p = 0; p < absent.size(); ++p) {
-    const std::vector<uint32_t>& out = absent[p];
-    if (!std::is_sorted(out.begin(), out.end()) ||
-        std::adjacent_find(out.begin(), out.end()) != out.end() ||
-        (!out.empty() && out.back() >= config_.workers) ||
-        out.size() >= config_.workers) {
+    if (!ValidAbsent(absent[p], config_.workers)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "the absent ranks of partition ", p,
           " are not distinct ranks in ascending order with one left in"));

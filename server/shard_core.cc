@@ -176,11 +176,7 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
                      " bytes; at most ", proto::kMaxBufferBytes));
   }
   if (args.replay_absent.has_value()) {
-    const std::vector<uint32_t>& absent = *args.replay_absent;
-    if (!std::is_sorted(absent.begin(), absent.end()) ||
-        std::adjacent_find(absent.begin(), absent.end()) != absent.end() ||
-        (!absent.empty() && absent.back() >= job_.workers()) ||
-        absent.size() >= job_.workers()) {
+    if (!compress::ValidAbsent(*args.replay_absent, job_.workers())) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", args.rank,
                        "'s replayed push: replay_absent is not distinct "
@@ -1190,8 +1186,12 @@ ShardStatus ShardCore::Status() const {
   s.workers = job_.workers();
   s.partitions = static_cast<uint32_t>(partitions_.size());
   int64_t completed = INT64_MAX, kept_from = 0;
+  std::vector<bool> out(job_.workers(), false);  // of some membership
   for (const auto& state : partitions_) {
     MutexLock lock(&state->mu);
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      if (!state->live[r]) out[r] = true;
+    }
     completed = std::min(completed, state->next_step);
     kept_from = std::max(
         kept_from, !state->history.empty() ? state->history.front().reply->step
@@ -1200,13 +1200,6 @@ ShardStatus ShardCore::Status() const {
   }
   s.completed_steps = completed;
   s.replies_kept_from = kept_from;
-  std::vector<bool> out(job_.workers(), false);
-  for (const auto& state : partitions_) {
-    MutexLock lock(&state->mu);
-    for (uint32_t r = 0; r < job_.workers(); ++r) {
-      if (!state->live[r]) out[r] = true;
-    }
-  }
   for (uint32_t r = 0; r < job_.workers(); ++r) {
     if (out[r]) s.out.push_back(r);
   }

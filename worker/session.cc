@@ -535,16 +535,16 @@ void Session::NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent) {
   }
 }
 
-std::vector<uint32_t> Session::members() const {
+std::vector<uint32_t> Session::RanksWhere(bool member) const {
   std::vector<bool> in(job_.workers(), true);
   for (const std::vector<uint32_t>& ranks : absent_) {
     for (uint32_t r : ranks) in[r] = false;
   }
-  std::vector<uint32_t> members;
+  std::vector<uint32_t> ranks;
   for (uint32_t r = 0; r < job_.workers(); ++r) {
-    if (in[r]) members.push_back(r);
+    if (in[r] == member) ranks.push_back(r);
   }
-  return members;
+  return ranks;
 }
 
 absl::Status Session::Finish(StepTraffic* traffic) {

@@ -101,8 +101,10 @@ class Session {
   // partition id; empty when every worker was in, and after a step that
   // exchanged nothing.
   const compress::Absent& absent() const { return absent_; }
-  // The ranks in every partition's average of the last step.
-  std::vector<uint32_t> members() const;
+  // The ranks in every partition's average of the last step, and the
+  // others (left out of some partition's).
+  std::vector<uint32_t> members() const { return RanksWhere(true); }
+  std::vector<uint32_t> left_out() const { return RanksWhere(false); }
   // The workers clip the steps that begin from now on by a max_norm chosen
   // after their backward pass (morse.torch's clip_grad_norm_; design.md
   // 2.6): ClipAt before Finish, or none (max_norm 0). Where the step has
@@ -225,6 +227,9 @@ class Session {
   // Keeps the step's absent ranks (absent()), saying so when this worker's
   // own push was left out.
   void NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent);
+  // The ranks in every partition's average of the last step (member), or
+  // the others.
+  std::vector<uint32_t> RanksWhere(bool member) const;
 
   proto::JobSpec job_;
   uint32_t rank_;

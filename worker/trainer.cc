@@ -323,11 +323,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   record.wire_up = tcp_after.sent - tcp_before.sent;
   record.wire_down = tcp_after.received - tcp_before.received;
   if (options_.checksums) record.checksum = replica.Checksum();
-  std::vector<bool> in(job_.workers(), false);
-  for (uint32_t r : session_->members()) in[r] = true;
-  for (uint32_t r = 0; r < job_.workers(); ++r) {
-    if (!in[r]) record.absent.push_back(r);
-  }
+  record.absent = session_->left_out();
   if (prometheus_metrics_ != nullptr) {
     prometheus_metrics_->Step(record);
     if (norm_due)

@@ -22,27 +22,11 @@
 #include "tests/e2e/expected.h"
 #include "tests/inproc/cluster.h"
 #include "tests/inproc/faults.h"
+#include "tests/inproc/schemes.h"
 #include "worker/trainer.h"
 
 namespace morse::inproc {
 namespace {
-
-struct Scheme {
-  const char* name;
-  const char* config;
-};
-
-// D = 5003: 20 blocks of 256, 1024-element partitions (five, the last
-// short; with two shards 3 + 3).
-constexpr Scheme kSchemes[] = {
-    {"onebit_adam_sign1", R"(optimizer: "onebit_adam" freeze_step: 3)"},
-    {"adam_int4",
-     R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
-    {"zero_one_adam", R"(optimizer: "zero_one_adam"
-       zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
-    // Rank 0 commits every step's layer coefficients (Commit, faults too).
-    {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
-};
 
 enum class Faults {
   kNone,

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <string>
 #include <thread>
@@ -25,29 +26,19 @@
 #include "proto/job_config.h"
 #include "tests/e2e/expected.h"
 #include "tests/inproc/cluster.h"
+#include "tests/inproc/schemes.h"
 #include "worker/trainer.h"
 
 namespace morse::inproc {
 namespace {
 
-struct Scheme {
-  const char* name;
-  const char* config;
-};
-
-// D = 5003 in 1024-element partitions (five; with two shards 3 + 2).
-constexpr Scheme kSchemes[] = {
-    {"onebit_adam_sign1", R"(optimizer: "onebit_adam" freeze_step: 3)"},
-    {"adam_int4",
-     R"(optimizer: "adam" up_codec { codec: "int4" } down_codec { codec: "int8" })"},
-    {"zero_one_adam", R"(optimizer: "zero_one_adam"
-       zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
-    // Every rank of an elastic job commits the layers' coefficients: rank 0
-    // may be the one missing.
-    {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
-    {"diloco_int8", R"(optimizer: "diloco" diloco { sync_every: 2 }
-       up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
-};
+// The sweeps' schemes (schemes.h), and diloco with 2 inner steps a sync.
+const std::vector<Scheme> kAllSchemes = [] {
+  std::vector<Scheme> all(std::begin(kSchemes), std::end(kSchemes));
+  all.push_back({"diloco_int8", R"(optimizer: "diloco" diloco { sync_every: 2 }
+       up_codec { codec: "int8" } worker_feedback { mode: "ef" })"});
+  return all;
+}();
 
 constexpr int64_t kSteps = 16;
 constexpr int64_t kLeaves = 5;   // the victim is killed before this step
@@ -269,7 +260,7 @@ TEST_P(MembershipShardKilledTest, ReplaysKeepEachStepsMembership) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, MembershipShardKilledTest,
-                         ::testing::ValuesIn(kSchemes),
+                         ::testing::ValuesIn(kAllSchemes),
                          [](const ::testing::TestParamInfo<Scheme>& info) {
                            return std::string(info.param.name);
                          });
@@ -285,7 +276,7 @@ INSTANTIATE_TEST_SUITE_P(Sweep, MembershipTest,
                          ::testing::Combine(::testing::Bool(),
                                             ::testing::Values(2u, 3u),
                                             ::testing::Values(1u, 2u),
-                                            ::testing::ValuesIn(kSchemes)),
+                                            ::testing::ValuesIn(kAllSchemes)),
                          ParamName);
 
 // Three workers, min_workers 2: two are killed, and the step the last one
