@@ -17,9 +17,11 @@ shard's restart could find no replies to replay: docs/operations.md). The
 training script is a 2-layer MLP with OneBitAdam (freeze at step 20) whose
 batches are a function of the step, so the replayed steps see the same data.
 
-With --min-workers M (the worker workload) the job is elastic (min_workers
-M, timeouts.step_seconds 2): the shards complete a step without a rank
-missing past 2 s, and the others go on. Half the rank kills are then
+With --min-workers M the job is elastic (min_workers M,
+timeouts.step_seconds 2), and this script supervises every daemon and rank
+itself, as systemd or Kubernetes would (for --workload torch, the ranks are
+started with the environment morse-run gives them): the shards complete a
+step without a rank missing past 2 s, and the others go on. Half the rank kills are then
 restarted a second later as before; the other half stay away for
 --away-steps steps, their checkpoints deleted, and come back as new nodes
 would: joining from the shards' model with a fresh error buffer. Those runs
@@ -50,11 +52,12 @@ import time
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def rank_script(out, steps):
+def rank_script(out, steps, pace=0.0):
     """The training script every rank runs: writes its step to
-    out/progress-<rank> after each step and its result at the end."""
+    out/progress-<rank> after each step and its result at the end; each
+    step takes at least `pace` seconds (a bigger model's compute)."""
     return f"""
-import os, torch, morse.torch
+import os, time, torch, morse.torch
 torch.manual_seed(7)
 model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 10))
 rank = int(os.environ["MORSE_RANK"])
@@ -64,16 +67,20 @@ teacher = torch.Generator().manual_seed(99)
 w = torch.randn(32, 10, generator=teacher)
 loss = torch.tensor(0.0)
 for step in range(opt.step_index, {steps}):
+    start = time.monotonic()
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(64, 32, generator=g)
     y = (x @ w).argmax(1)
     opt.zero_grad()
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
+    time.sleep(max(0.0, {pace} - (time.monotonic() - start)))
     opt.step()
     with open("{out}/progress-%d.tmp" % rank, "w") as f:
         f.write(str(step + 1))
     os.replace("{out}/progress-%d.tmp" % rank, "{out}/progress-%d" % rank)
+    with open("{out}/metrics-%d.jsonl" % rank, "a") as f:
+        f.write('{{"step":%d,"loss":%r,"members":%s}}\\n' % (step, loss.item(), opt.membership()))
 print("RESULT rank %d loss %.6f checksum %s" % (rank, loss.item(), opt.checksum()), flush=True)
 """
 
@@ -159,8 +166,10 @@ def note_left_out(records, lines):
             continue
         until = next((r["step"] for r in records[i + 1:] if r["kind"] == "rank"
                       and r["who"] == record["who"]), float("inf"))
-        if record.get("away") and "from" in record:
-            # Not in any step from the one it missed to the one it joined at.
+        if "from" in record and (record.get("away") or record["from"] > record["step"]):
+            # Not in any step from the one it missed to the one it joined
+            # at (a rank that came back to find its checkpoint's step gone
+            # from the shards' kept replies joins from their model).
             record["left_out"] = max(record["from"] - record["step"], 0)
         else:
             record["left_out"] = len([s for s in left.get(record["who"], ())
@@ -172,7 +181,7 @@ def run(args, faults):
     out = tempfile.mkdtemp(prefix="morse-campaign-")
     script = os.path.join(out, "train.py")
     with open(script, "w") as f:
-        f.write(rank_script(out, args.steps))
+        f.write(rank_script(out, args.steps, args.pace))
     config = os.path.join(out, "base.textproto")
     with open(config, "w") as f:
         f.write(f"checkpoint {{ every_steps: {args.checkpoint_every} }}\n"
@@ -236,17 +245,25 @@ def free_ports(n):
     return ports
 
 
-def run_workers(args, faults):
-    """The same campaign over morse-worker's synthetic workload (1-bit Adam,
-    its freeze at step 20), this script supervising: every killed daemon is
-    started again with its command line (workers with --rejoin), as systemd
-    or Kubernetes would. Returns what run() does."""
+def run_supervised(args, faults):
+    """The campaign with this script supervising every daemon and rank, as
+    systemd or Kubernetes would: a killed one is started again with its
+    command line (ranks rejoining from their checkpoints), and a rank away
+    comes back later as a new node. The ranks are morse-worker's synthetic
+    workload (--workload worker: 1-bit Adam, its freeze at step 20) or the
+    morse.torch script of run() (--workload torch), started with the
+    environment morse-run gives its ranks. Returns what run() does."""
     out = tempfile.mkdtemp(prefix="morse-campaign-")
     config = os.path.join(out, "job.textproto")
+    torch_ranks = args.workload == "torch"
     with open(config, "w") as f:
         f.write(f"""workers: {args.workers}
 shards: {args.shards}
-synthetic {{ dim: 200003 noise: 0.2 }}
+timeouts {{ step_seconds: 30 recovery_seconds: 120 }}
+checkpoint {{ every_steps: {args.checkpoint_every} }}
+""")
+        # The torch script's first push describes its model (external).
+        f.write("external {}\n" if torch_ranks else f"""synthetic {{ dim: 200003 noise: 0.2 }}
 optimizer: "onebit_adam"
 freeze_step: 20
 lr {{ lr: 0.01 }}
@@ -255,8 +272,6 @@ block_elems: 256
 partition_elems: 16384
 seed: 7
 log_every: 100
-timeouts {{ step_seconds: 30 recovery_seconds: 120 }}
-checkpoint {{ every_steps: {args.checkpoint_every} }}
 """)
     if args.min_workers:
         with open(config, "a") as f:
@@ -270,17 +285,33 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
     commands = {("shard", s): [f"{bin_dir}/server/morse-server", "--config", config, "--shard", str(s),
                                "--listen", f"127.0.0.1:{ports[s]}", "--insecure",
                                "--checkpoint_dir", out] for s in range(args.shards)}
+    envs = {}
+    if torch_ranks:
+        script = os.path.join(out, "train.py")
+        with open(script, "w") as f:
+            f.write(rank_script(out, args.steps, args.pace))
     for r in range(args.workers):
-        commands[("rank", r)] = [f"{bin_dir}/worker/morse-worker", "--config", config, "--rank",
-                                 str(r), "--servers", servers, "--insecure", "--checkpoint_dir",
-                                 out, "--rejoin", "--metrics", f"{out}/metrics-{r}.jsonl"]
+        if torch_ranks:
+            # What morse-run sets for its ranks (MORSE_REJOIN on restarts).
+            commands[("rank", r)] = [args.python, script]
+            envs[("rank", r)] = dict(os.environ, PYTHONPATH=os.path.join(args.build, "python"),
+                                     MORSE_RANK=str(r), MORSE_WORLD_SIZE=str(args.workers),
+                                     MORSE_CONFIG=config, MORSE_SERVERS=servers, MORSE_INSECURE="1",
+                                     MORSE_CHECKPOINT_DIR=out)
+        else:
+            commands[("rank", r)] = [f"{bin_dir}/worker/morse-worker", "--config", config, "--rank",
+                                     str(r), "--servers", servers, "--insecure", "--checkpoint_dir",
+                                     out, "--rejoin", "--metrics", f"{out}/metrics-{r}.jsonl"]
     lines, arrived = [], []
     lock = threading.Lock()
     procs, readers = {}, []
 
-    def start(key):
+    def start(key, again=False):
+        env = envs.get(key)
+        if env is not None and again:
+            env = dict(env, MORSE_REJOIN="1")
         p = subprocess.Popen(commands[key], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True)
+                             text=True, env=env)
         procs[key] = p
 
         def read():
@@ -332,7 +363,7 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
                         with lock:
                             record["seen"] = len(lines)
                         break
-                start(("rank", r))  # a new node: no checkpoint, the shards' model
+                start(("rank", r), again=True)  # a new node: no checkpoint, the shards' model
         # Each fault at least a gap after the last one's step, whatever the
         # plan said: one rank's return can hold the progress back until two
         # faults are due at once (a shard and a worker lost together are
@@ -359,7 +390,7 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
             away[who] = leader_progress() + args.away_steps
             continue
         time.sleep(1.0)  # the supervisor's restart delay
-        start(key)
+        start(key, again=True)
     codes = [procs[("rank", r)].wait(timeout=60) for r in range(args.workers)]
     for s in range(args.shards):
         procs[("shard", s)].terminate()
@@ -368,8 +399,10 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
         t.join(timeout=5)
     results = {}
     for line in lines:
-        m = re.search(r'^\[rank (\d+)\] \{"rank":\d+.*"final_loss":([^,]+),.*"checksum":"([0-9a-f]+)"',
-                      line)
+        m = (re.search(r"^\[rank (\d+)\] RESULT rank \d+ loss (\S+) checksum (\S+)", line)
+             if torch_ranks else
+             re.search(r'^\[rank (\d+)\] \{"rank":\d+.*"final_loss":([^,]+),.*"checksum":"([0-9a-f]+)"',
+                       line))
         if m:
             results[int(m.group(1))] = (float(m.group(2)), m.group(3))
     note_recoveries(records, lines, arrived)
@@ -381,7 +414,7 @@ checkpoint {{ every_steps: {args.checkpoint_every} }}
         try:
             with open(f"{out}/metrics-{r}.jsonl") as f:
                 for line in f:
-                    m = re.search(r'"step":(\d+),.*"loss":([^,]+),', line)
+                    m = re.search(r'"step":(\d+),.*"loss":([^,}]+)[,}]', line)
                     if m and int(m.group(1)) >= args.steps - max(args.steps // 10, 1):
                         tail.append(float(m.group(2)))
         except OSError:
@@ -409,10 +442,13 @@ def main():
                    help="torch: a morse.torch script under morse-run (default); worker: "
                         "morse-worker's synthetic workload (D = 200,003), supervised by this script")
     p.add_argument("--min-workers", type=int, default=0, metavar="M",
-                   help="an elastic job (min_workers M; --workload worker): half the rank kills "
-                        "stay away for --away-steps steps and come back as new nodes")
+                   help="an elastic job (min_workers M), this script supervising the ranks: half "
+                        "the rank kills stay away for --away-steps steps and come back as new nodes")
     p.add_argument("--away-steps", type=int, default=100,
                    help="steps a rank killed in an elastic job stays away (default 100)")
+    p.add_argument("--pace", type=float, default=0.0, metavar="SECONDS",
+                   help="--workload torch: each step's compute takes at least this long, as a "
+                        "bigger model's would (default 0: the MLP's own, about 1 ms)")
     p.add_argument("--verbose", action="store_true", help="show morse-run's output as it comes")
     p.add_argument("--python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3")
                    else sys.executable,
@@ -421,9 +457,8 @@ def main():
     args = p.parse_args()
     if args.workers < 2 or args.shards < 1 or args.steps < 4 * args.checkpoint_every:
         p.error("needs --workers >= 2, --shards >= 1 and --steps >= 4 x --checkpoint-every")
-    if args.min_workers and (args.workload != "worker" or
-                             not 1 <= args.min_workers < args.workers):
-        p.error("--min-workers needs --workload worker and a value in [1, --workers)")
+    if args.min_workers and not 1 <= args.min_workers < args.workers:
+        p.error("--min-workers needs a value in [1, --workers)")
     random.seed(args.seed)
     # Faults at least 3 checkpoint intervals apart (each recovery over before
     # the next), a rank kill about every --kill-every steps, shard kills at
@@ -442,7 +477,7 @@ def main():
     faults = [tuple(f) for f in faults]
 
     started = time.time()
-    job = run if args.workload == "torch" else run_workers
+    job = run if args.workload == "torch" and not args.min_workers else run_supervised
     code, clean_lines, undisturbed, _ = job(args, [])
     clean_seconds = time.time() - started
     if code != 0 or len([r for r in undisturbed if r != "tail_loss"]) != args.workers:
