@@ -386,6 +386,23 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
                      "must be less than recovery_seconds (",
                      job.recovery_timeout_seconds, " s)"));
   }
+  if (t.has_straggler_seconds()) {
+    const double grace = t.straggler_seconds();
+    if (!job.elastic()) {
+      return Invalid("timeouts.straggler_seconds",
+                     "needs min_workers below workers: a step completes "
+                     "without its stragglers once min_workers have pushed");
+    }
+    if (!std::isfinite(grace) || !(grace > 0) ||
+        grace >= job.step_timeout_seconds) {
+      return Invalid("timeouts.straggler_seconds",
+                     absl::StrCat(grace,
+                                  " is not a number of seconds in (0, "
+                                  "timeouts.step_seconds = ",
+                                  job.step_timeout_seconds, ")"));
+    }
+    job.straggler_timeout_seconds = grace;
+  }
   if (c.has_channels_per_shard())
     job.channels_per_shard = c.channels_per_shard();
   if (c.has_window()) job.window = c.window();

@@ -64,6 +64,9 @@ struct JobSpec {
   double step_timeout_seconds = 60;
   double rpc_timeout_seconds = 120;
   double recovery_timeout_seconds = 300;
+  // An elastic job's grace after min_workers pushes (timeouts.
+  // straggler_seconds; design.md 4, "Stragglers"); 0: none.
+  double straggler_timeout_seconds = 0;
   uint32_t channels_per_shard = 2;
   uint32_t window = 32;
   uint32_t log_every = 10;

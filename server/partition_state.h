@@ -37,6 +37,9 @@ struct ShardCore::PartitionState {
   std::vector<uint64_t> push_hashes ABSL_GUARDED_BY(mu);  // BytesHash of each
   uint32_t arrived ABSL_GUARDED_BY(mu) = 0;
   absl::Time first_arrival ABSL_GUARDED_BY(mu);
+  // When arrived reached min_workers (timeouts.straggler_seconds count from
+  // there).
+  absl::Time quorum_arrival ABSL_GUARDED_BY(mu);
   // The membership (design.md 4, "Membership"): the ranks whose pushes a step
   // waits for. Every rank at first; an elastic job's ExpireWaiting takes out
   // the ones a step completed without, and any push of theirs puts them back

@@ -404,6 +404,14 @@ absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
     p.push_hashes[args.rank] = hash;
     if (args.rank == 0) p.buffers = std::move(args.buffers);
     ++p.arrived;
+    if (p.arrived == job_.min_workers && job_.straggler_timeout_seconds > 0) {
+      // The others get straggler_seconds more (design.md 4, "Stragglers").
+      p.quorum_arrival = absl::Now();
+      if (p.arrived < p.live_count && wakeup_) {
+        wakeup_(p.quorum_arrival +
+                absl::Seconds(job_.straggler_timeout_seconds));
+      }
+    }
   }
   p.waiters.emplace_back(args.rank, std::move(done));
   if (p.arrived > 0 && p.arrived == p.live_count && !p.completing) {
@@ -968,9 +976,23 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
   return oldest;
 }
 
+absl::Time ShardCore::NextDeadline() const {
+  absl::Time next = absl::InfiniteFuture();
+  if (job_.straggler_timeout_seconds <= 0) return next;
+  const absl::Duration grace = absl::Seconds(job_.straggler_timeout_seconds);
+  for (const auto& state : partitions_) {
+    PartitionState& p = *state;
+    MutexLock lock(&p.mu);
+    if (p.arrived >= job_.min_workers && !p.completing)
+      next = std::min(next, p.quorum_arrival + grace);
+  }
+  return next;
+}
+
 std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
   const absl::Duration timeout = absl::Seconds(job_.recovery_timeout_seconds);
   const absl::Duration patience = absl::Seconds(job_.step_timeout_seconds);
+  const absl::Duration grace = absl::Seconds(job_.straggler_timeout_seconds);
   // (step, ranks left out) -> the partitions: one line for each.
   std::map<std::pair<int64_t, std::vector<uint32_t>>, std::vector<uint32_t>>
       dropped;
@@ -985,17 +1007,23 @@ std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
       if (p.arrived == 0 || p.completing) continue;
       const absl::Duration waited = now - p.first_arrival;
       const std::vector<uint32_t> missing = Missing(p);
-      if (job_.elastic() && waited >= patience &&
-          p.arrived >= job_.min_workers) {
+      // Stragglers: straggler_seconds since the min_workers-th push.
+      const bool straggling = job_.straggler_timeout_seconds > 0 &&
+                              p.arrived >= job_.min_workers &&
+                              now - p.quorum_arrival >= grace;
+      if (job_.elastic() && p.arrived >= job_.min_workers &&
+          (waited >= patience || straggling)) {
         // The step completes with the pushes it has; the missing ranks
         // leave the partition's membership until they push again.
         for (uint32_t r : missing) p.live[r] = false;
         p.live_count -= static_cast<uint32_t>(missing.size());
-        dropped[{NextExchange(p), missing}].push_back(p.partition.id);
         {
           MutexLock progress(&progress_mu_);
           dropped_ += missing.size();
+          if (waited < patience) ++straggler_steps_;
         }
+        if (waited >= patience)
+          dropped[{NextExchange(p), missing}].push_back(p.partition.id);
         completion = CompleteLocked(p);
       } else if (waited >= timeout) {
         status = absl::DeadlineExceededError(absl::StrCat(
@@ -1205,6 +1233,7 @@ ShardStatus ShardCore::Status() const {
   }
   MutexLock progress(&progress_mu_);
   s.workers_dropped = dropped_;
+  s.straggler_steps = straggler_steps_;
   s.partitions_initialized = initialized_;
   s.pushes_accepted = accepted_;
   s.pushes_rejected = rejected_;

@@ -132,6 +132,9 @@ struct ShardStatus {
   // ascending, and how many times a step completed without a worker.
   std::vector<uint32_t> out;
   uint64_t workers_dropped = 0;
+  // Partition steps completed without stragglers (timeouts.straggler_seconds;
+  // design.md 4, "Stragglers"), counted in workers_dropped too.
+  uint64_t straggler_steps = 0;
 };
 
 class ShardCore {
@@ -164,6 +167,15 @@ class ShardCore {
   // before Push returns), or with an error.
   void Push(PushArgs args, ReplyCallback done);
 
+  // Called, under a partition's lock, when that partition's step gets a
+  // straggler deadline (timeouts.straggler_seconds after its min_workers-th
+  // push): the caller should run ExpireWaiting then.
+  using Wakeup = std::function<void(absl::Time deadline)>;
+  void SetWakeup(Wakeup wakeup) { wakeup_ = std::move(wakeup); }
+  // The earliest straggler deadline of a step in flight (InfiniteFuture if
+  // none): when ExpireWaiting would next complete one.
+  absl::Time NextDeadline() const;
+
   // The longest wait for missing pushes beyond the step timeout, described
   // (step, partition, how long, which ranks), for progress lines.
   std::optional<std::string> Stalled(absl::Time now) const;
@@ -174,7 +186,9 @@ class ShardCore {
   // (min_workers below workers; design.md 4, "Membership") a partition that has
   // waited step_seconds with at least min_workers pushes completes with them
   // instead, the missing ranks leaving its membership until they push
-  // again. Returns a line for each such change, for the shard's log.
+  // again; so does one that has waited straggler_seconds since its
+  // min_workers-th push. Returns a line for each change of the first kind,
+  // for the shard's log (stragglers are counted: ShardStatus).
   std::vector<std::string> ExpireWaiting(absl::Time now);
 
   // Rank `rank` stops the job at `step` (its step failed, `reason` says
@@ -212,6 +226,8 @@ class ShardCore {
   void ClearAbort();
   // The abort's message, if the job is stopped.
   std::optional<std::string> aborted() const;
+
+  const proto::JobSpec& job() const { return job_; }
 
   void SetStepObserver(StepObserver observer) {
     observer_ = std::move(observer);
@@ -343,6 +359,7 @@ class ShardCore {
   compress::ErrorFeedback server_error_;
   std::vector<std::unique_ptr<PartitionState>> partitions_;
   StepObserver observer_;
+  Wakeup wakeup_;
 
   // Taken inside a partition's lock, never around one.
   mutable Mutex abort_mu_;
@@ -357,6 +374,7 @@ class ShardCore {
   uint64_t accepted_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t rejected_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t dropped_ ABSL_GUARDED_BY(progress_mu_) = 0;
+  uint64_t straggler_steps_ ABSL_GUARDED_BY(progress_mu_) = 0;
 
   // Completes partitions when compute_threads > 0 (Create); destroyed
   // first, so what it runs finds the partitions alive.

@@ -165,8 +165,9 @@ absl::Status ShardDaemon::Serve() {
   std::fflush(stdout);
   expirer_ = std::thread([this] {
     while (!stopping_.load()) {
-      if (ShardCore* core = host_->core()) runtime_->Tick(*core, absl::Now());
-      absl::SleepFor(absl::Milliseconds(200));
+      ShardCore* core = host_->core();
+      if (core != nullptr) runtime_->Tick(*core, absl::Now());
+      runtime_->AwaitTick(core, absl::Milliseconds(200));
     }
   });
   return absl::OkStatus();

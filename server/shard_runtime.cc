@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 
 namespace morse::server {
 
@@ -81,6 +82,10 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job,
       [this, every, log_every, slack](int64_t step, const ShardCore& c) {
         StepCompleted(step, c, every, log_every, slack);
       });
+  core.SetWakeup([this](absl::Time deadline) {
+    MutexLock lock(&wake_mu_);
+    wake_at_ = std::min(wake_at_, deadline);
+  });
   return absl::OkStatus();
 }
 
@@ -138,6 +143,27 @@ void ShardRuntime::Tick(ShardCore& core, absl::Time now) {
   const std::vector<std::string> changes = core.ExpireWaiting(now);
   for (const std::string& change : changes)
     Log(absl::StrFormat("morse-server shard %u: %s", options_.shard, change));
+  const proto::JobSpec& job = core.job();
+  if (job.straggler_timeout_seconds > 0 &&
+      now - last_straggler_note_ >= absl::Seconds(10)) {
+    // A slow worker is left out of many steps: one line now and then.
+    const ShardStatus s = core.Status();
+    if (s.straggler_steps > straggler_steps_noted_) {
+      Log(absl::StrFormat(
+          "morse-server shard %u: %d partition steps completed without their "
+          "stragglers in the last %s (timeouts.straggler_seconds %g after "
+          "min_workers %u pushes); out of the membership now: %s",
+          options_.shard, s.straggler_steps - straggler_steps_noted_,
+          absl::FormatDuration(
+              absl::Trunc(now - last_straggler_note_, absl::Seconds(1))),
+          job.straggler_timeout_seconds, job.min_workers,
+          s.out.empty()
+              ? "none"
+              : absl::StrCat("rank(s) ", absl::StrJoin(s.out, ", "))));
+    }
+    straggler_steps_noted_ = s.straggler_steps;
+    last_straggler_note_ = now;
+  }
   // The membership gauge, read before taking mu_ again: the partitions'
   // locks are never taken inside it.
   {
@@ -150,6 +176,23 @@ void ShardRuntime::Tick(ShardCore& core, absl::Time now) {
     metrics_->SetMembership(s.workers - static_cast<uint32_t>(s.out.size()),
                             s.workers_dropped);
   }
+}
+
+void ShardRuntime::AwaitTick(const ShardCore* core, absl::Duration longest) {
+  absl::Time due = absl::Now() + longest;
+  if (core != nullptr) due = std::min(due, core->NextDeadline());
+  MutexLock lock(&wake_mu_);
+  struct Wait {
+    const absl::Time& wake_at;
+    absl::Time due;
+  } wait{wake_at_, due};
+  wake_mu_.AwaitWithDeadline(absl::Condition(
+                                 +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                   return w->wake_at < w->due;
+                                 },
+                                 &wait),
+                             due);
+  wake_at_ = absl::InfiniteFuture();
 }
 
 void ShardRuntime::Shutdown(const ShardCore* core) {

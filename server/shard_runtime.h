@@ -51,8 +51,14 @@ class ShardRuntime {
   absl::Status OnConfigured(const proto::JobSpec& job, ShardCore& core);
 
   // One pass of the expiry loop at `now`: a line naming the ranks a stalled
-  // step waits for (at most every 5 s), then ShardCore::ExpireWaiting.
+  // step waits for (at most every 5 s), then ShardCore::ExpireWaiting, and
+  // with stragglers a line counting the steps completed without them (at
+  // most every 10 s).
   void Tick(ShardCore& core, absl::Time now);
+  // The expiry loop's wait before the next Tick: at most `longest`, less
+  // until `core`'s next straggler deadline (ShardCore::NextDeadline, or one
+  // that a push sets meanwhile). `core` may be null.
+  void AwaitTick(const ShardCore* core, absl::Duration longest);
 
   // At shutdown: a checkpoint of the shard if it is between steps (written
   // before this returns) and the summary line. `core` may be null (no
@@ -77,6 +83,14 @@ class ShardRuntime {
   // must still hold every push since (checkpoint.replay_steps).
   int64_t durable_steps_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_stall_notice_ = absl::InfinitePast();  // the expiry thread's
+  // Stragglers (timeouts.straggler_seconds): the expiry thread's last line
+  // about them, and the count it gave.
+  absl::Time last_straggler_note_ = absl::Now();
+  uint64_t straggler_steps_noted_ = 0;
+  // The soonest deadline a push set since the expiry loop last woke
+  // (ShardCore::SetWakeup).
+  Mutex wake_mu_;
+  absl::Time wake_at_ ABSL_GUARDED_BY(wake_mu_) = absl::InfiniteFuture();
   // Last, so that it is destroyed first: its thread finishes the checkpoint
   // in hand and calls back into mu_ and durable_steps_ before they go (a
   // race ThreadSanitizer found when it was declared before them).

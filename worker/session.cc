@@ -503,6 +503,9 @@ absl::StatusOr<std::optional<double>> Session::RepliesSumOfSquares() const {
 absl::Status Session::Fail(absl::Status status) {
   if (!failed_.ok()) return status;  // the job was stopped at the first failure
   failed_ = status;
+  // In an elastic job this worker's failure is its own: the shards complete
+  // the steps without it (min_workers), and it may come back (--rejoin).
+  if (job_.elastic()) return status;
   // The other workers would wait for this one's pushes until the recovery
   // timeout: stop the job on the shards, so they fail now with the reason.
   if (absl::Status s = client_->Abort(step_, std::string(status.message()));
@@ -524,15 +527,29 @@ void Session::NoteAbsent(std::map<uint32_t, std::vector<uint32_t>> absent) {
     absent_.resize(partition + 1);
     absent_[partition] = std::move(ranks);
   }
-  if (!own.empty()) {
+  if (!own.empty() && left_out_from_ < 0) {
     std::fprintf(stderr,
                  "worker %u: step %lld completed without this worker's push of "
-                 "partition(s) %s (late by timeouts.step_seconds, or replayed "
-                 "after a restart; min_workers): this worker applies the step "
-                 "as every other does\n",
+                 "partition(s) %s (late by timeouts.step_seconds or "
+                 "straggler_seconds, or replayed after a restart; "
+                 "min_workers): this worker applies the step as every other "
+                 "does, and says when a step has it again\n",
                  rank_, static_cast<long long>(step_),
                  absl::StrJoin(own, ", ").c_str());
+    left_out_from_ = step_;
+  } else if (own.empty() && left_out_from_ >= 0) {
+    std::fprintf(
+        stderr,
+        "worker %u: step %lld has this worker's pushes again, after %lld "
+        "step(s) without (%lld..%lld)\n",
+        rank_, static_cast<long long>(step_),
+        static_cast<long long>(left_out_steps_),
+        static_cast<long long>(left_out_from_),
+        static_cast<long long>(step_ - 1));
+    left_out_from_ = -1;
+    left_out_steps_ = 0;
   }
+  if (!own.empty()) ++left_out_steps_;
 }
 
 std::vector<uint32_t> Session::RanksWhere(bool member) const {

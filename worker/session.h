@@ -219,7 +219,8 @@ class Session {
   // averaged gradient (none otherwise); an error for a missing one.
   absl::StatusOr<std::optional<double>> RepliesSumOfSquares() const;
   // Records the failure of the step in flight and stops the job on the
-  // shards (PushClient::Abort) so every other worker fails with it too.
+  // shards (PushClient::Abort) so every other worker fails with it too;
+  // not in an elastic job, which goes on without this worker.
   absl::Status Fail(absl::Status status);
   // The shards' model into replica_ once every partition is at the same
   // step (retried up to the connect timeout): the step.
@@ -249,6 +250,10 @@ class Session {
   std::string buffers_;           // rank 0: sent with the next step
   std::string received_buffers_;  // from the last step's reply of partition 0
   compress::Absent absent_;       // of the last step's replies
+  // The run of steps that left this worker out, told when it begins and
+  // when it ends (a straggler may be left out of many in a row).
+  int64_t left_out_from_ = -1;
+  int64_t left_out_steps_ = 0;
   bool defer_apply_ = false;
   std::optional<compress::StepHyper> step_hyper_;  // the step in flight's
   // The step's replies kept for Finish when deferred (or when the step

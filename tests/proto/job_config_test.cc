@@ -127,6 +127,16 @@ TEST(JobConfigTest, ErrorsNameTheField) {
        "freeze_step: 1 "
        "min_workers: 1 timeouts { step_seconds: 9 recovery_seconds: 9 }",
        "timeouts.step_seconds"},
+      {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
+       "freeze_step: 1 timeouts { straggler_seconds: 0.1 }",
+       "timeouts.straggler_seconds"},  // not elastic
+      {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
+       "freeze_step: 1 min_workers: 1 "
+       "timeouts { step_seconds: 1 straggler_seconds: 1 }",
+       "timeouts.straggler_seconds"},  // not below step_seconds
+      {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
+       "freeze_step: 1 min_workers: 1 timeouts { straggler_seconds: -0.5 }",
+       "timeouts.straggler_seconds"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {

@@ -659,6 +659,72 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   EXPECT_EQ(core->MirrorChecksum(), before);
 }
 
+// Stragglers (design.md 4, "Stragglers"): with timeouts.straggler_seconds a
+// step that has min_workers pushes waits that much longer for the others,
+// counted from the min_workers-th push, not step_seconds; the late rank
+// gets its step's reply and is back in the membership.
+TEST(ElasticShardTest, StragglersAreLeftOutStragglerSecondsAfterMinWorkers) {
+  auto job = proto::ParseJobConfig(
+      absl::StrCat(kConfig,
+                   "min_workers: 2 timeouts { step_seconds: 30 "
+                   "straggler_seconds: 0.5 recovery_seconds: 60 } "
+                   "checkpoint { replay_steps: 4 }"),
+      proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto core = *ShardCore::Create(*job, 1);
+  std::vector<absl::Time> wakeups;
+  core->SetWakeup([&](absl::Time t) { wakeups.push_back(t); });
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core));
+  const compress::Partition& p = core->layout().shard_partitions(1)[0];
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto args = [&](int64_t step, uint32_t rank) {
+    return EncodedPush(fingerprint, compress::PlanStep(job->algorithm, step).up,
+                       step, rank, p);
+  };
+  std::vector<absl::StatusOr<std::shared_ptr<const Reply>>> got(
+      3, absl::UnknownError("pending"));
+  const auto push = [&](int64_t step, uint32_t rank) {
+    got[rank] = absl::UnknownError("pending");
+    core->Push(args(step, rank), [&got, rank](auto r) { got[rank] = r; });
+  };
+  EXPECT_EQ(core->NextDeadline(), absl::InfiniteFuture());
+  push(0, 0);
+  EXPECT_TRUE(wakeups.empty());  // one push: below min_workers
+  const absl::Time before = absl::Now();
+  push(0, 1);
+  const absl::Time after = absl::Now();
+  // The partition got its deadline from its second push.
+  ASSERT_EQ(wakeups.size(), 1u);
+  EXPECT_GE(wakeups[0], before + absl::Milliseconds(500));
+  EXPECT_LE(wakeups[0], after + absl::Milliseconds(500));
+  EXPECT_LE(core->NextDeadline(), wakeups[0]);
+  EXPECT_NE(core->NextDeadline(), absl::InfiniteFuture());
+  EXPECT_TRUE(core->ExpireWaiting(after).empty());
+  EXPECT_FALSE(got[0].ok());  // within the grace
+  // Past it, and long before step_seconds: completed without rank 2, with
+  // no line of its own (stragglers are counted).
+  EXPECT_TRUE(core->ExpireWaiting(after + absl::Seconds(1)).empty());
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  EXPECT_EQ((*got[0])->absent, std::vector<uint32_t>{2});
+  ShardStatus status = core->Status();
+  EXPECT_EQ(status.out, std::vector<uint32_t>{2});
+  EXPECT_EQ(status.straggler_steps, 1u);
+  EXPECT_EQ(status.workers_dropped, 1u);
+  EXPECT_EQ(core->NextDeadline(), absl::InfiniteFuture());
+  // The straggler's push: its step's reply, and back in the membership;
+  // step 1 then waits for it.
+  push(0, 2);
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_EQ(*got[2], *got[0]);
+  EXPECT_TRUE(core->Status().out.empty());
+  push(1, 0);
+  push(1, 1);
+  push(1, 2);
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_TRUE((*got[2])->absent.empty());
+  EXPECT_EQ(core->Status().straggler_steps, 1u);
+}
+
 // A worker whose step failed stops the job: the pushes waiting for it and
 // every later push of that step fail at once with its reason, the mirror is
 // untouched, a retry of an earlier step still gets its reply, and after a
