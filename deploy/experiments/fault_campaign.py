@@ -81,7 +81,13 @@ for step in range(opt.step_index, {steps}):
     os.replace("{out}/progress-%d.tmp" % rank, "{out}/progress-%d" % rank)
     with open("{out}/metrics-%d.jsonl" % rank, "a") as f:
         f.write('{{"step":%d,"loss":%r,"members":%s}}\\n' % (step, loss.item(), opt.membership()))
-print("RESULT rank %d loss %.6f checksum %s" % (rank, loss.item(), opt.checksum()), flush=True)
+# The model's loss on 4,096 held-out samples (the same for every run).
+held = torch.Generator().manual_seed(12345)
+x = torch.randn(4096, 32, generator=held)
+with torch.no_grad():
+    held_out = torch.nn.functional.cross_entropy(model(x), (x @ w).argmax(1)).item()
+print("RESULT rank %d loss %.6f checksum %s held_out %.6f" % (rank, loss.item(), opt.checksum(),
+                                                             held_out), flush=True)
 """
 
 
@@ -399,12 +405,15 @@ log_every: 100
         t.join(timeout=5)
     results = {}
     for line in lines:
-        m = (re.search(r"^\[rank (\d+)\] RESULT rank \d+ loss (\S+) checksum (\S+)", line)
+        m = (re.search(r"^\[rank (\d+)\] RESULT rank \d+ loss (\S+) checksum (\S+) held_out (\S+)",
+                       line)
              if torch_ranks else
              re.search(r'^\[rank (\d+)\] \{"rank":\d+.*"final_loss":([^,]+),.*"checksum":"([0-9a-f]+)"',
                        line))
         if m:
             results[int(m.group(1))] = (float(m.group(2)), m.group(3))
+            if torch_ranks:
+                results["held_out"] = float(m.group(4))
     note_recoveries(records, lines, arrived)
     note_left_out(records, lines)
     # The mean loss over the last tenth of the steps, every rank's lines
@@ -480,7 +489,7 @@ def main():
     job = run if args.workload == "torch" and not args.min_workers else run_supervised
     code, clean_lines, undisturbed, _ = job(args, [])
     clean_seconds = time.time() - started
-    if code != 0 or len([r for r in undisturbed if r != "tail_loss"]) != args.workers:
+    if code != 0 or len([r for r in undisturbed if isinstance(r, int)]) != args.workers:
         sys.stdout.write("".join(clean_lines[-30:]))
         sys.exit(f"fault_campaign: the undisturbed run failed (exit {code})")
     started = time.time()
@@ -500,7 +509,7 @@ def main():
     if args.min_workers:
         # Other steps averaged other workers: the same job, not the same
         # bits. Every rank that trained to the end holds the same model.
-        finals = {v[1] for r, v in disturbed.items() if r != "tail_loss"}
+        finals = {v[1] for r, v in disturbed.items() if r not in ("tail_loss", "held_out")}
         clean, elastic = undisturbed["tail_loss"], disturbed.get("tail_loss", float("nan"))
         ratio = elastic / clean
         left_out = [r for r in records if r.get("away")]
@@ -510,14 +519,20 @@ def main():
         print(f"elastic, with faults: {faulty_seconds:.1f} s, exit {code}; mean loss of the last "
               f"steps {elastic:.6g} ({ratio:.4f} x the undisturbed run's); the ranks at the end "
               f"hold {'one model' if len(finals) == 1 else f'{len(finals)} different models'}")
+        if "held_out" in undisturbed:
+            # The final model itself, on samples no rank trained on.
+            held = disturbed.get("held_out", float("nan")) / undisturbed["held_out"]
+            print(f"held-out loss of the final model: {disturbed.get('held_out', float('nan')):.6g} "
+                  f"against {undisturbed['held_out']:.6g} undisturbed ({held:.4f} x)")
         print("FINISHED: the job ran to the end by itself, the ranks away were left out and came "
               "back, every rank ends with the same model" if ok else
               "FAILED: see the log above")
         if not ok:
             sys.stdout.write("".join(lines[-40:]))
         return 0 if ok else 1
-    undisturbed.pop("tail_loss", None)
-    disturbed.pop("tail_loss", None)
+    for key in ("tail_loss", "held_out"):
+        undisturbed.pop(key, None)
+        disturbed.pop(key, None)
     same = disturbed == undisturbed and len(disturbed) == args.workers
     loss = undisturbed[0][0]
     print(f"undisturbed: {clean_seconds:.1f} s, loss {loss:.6f}, checksum {undisturbed[0][1]}")
