@@ -4,6 +4,7 @@
 #ifndef MORSE_SERVER_PARTITION_STATE_H_
 #define MORSE_SERVER_PARTITION_STATE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -106,6 +107,12 @@ struct ShardCore::PartitionState {
     buffers.clear();
   }
 };
+
+// The step completed without this rank (membership, design.md 4, "Membership"):
+// its push came late or not at all, and any bytes get the reply.
+inline bool LeftOut(const Reply& reply, uint32_t rank) {
+  return std::binary_search(reply.absent.begin(), reply.absent.end(), rank);
+}
 
 // The values of the optimizer's arrays that are not per element, in
 // State()'s order, from a whole state (CheckState'd).

@@ -62,8 +62,11 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   }
   // The last completed step's replies and push hashes, so that a worker
   // whose reply was lost when the shard died can still get it by retrying.
+  // With each partition's membership (design.md 4, "Membership"): 1 for a
+  // rank in it, and 1 for a rank the last reply left out, partition by
+  // partition.
   std::string replies;
-  std::vector<int64_t> reply_meta, hashes;
+  std::vector<int64_t> reply_meta, hashes, members, left_out;
   for (const auto& p : partitions_) {
     const bool has = p->last_reply != nullptr && step > 0;
     reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->codec) : -1);
@@ -71,11 +74,17 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
         has ? static_cast<int64_t>(p->last_reply->payload.size()) : 0);
     if (has) replies += p->last_reply->payload;
     for (uint64_t h : p->last_hashes) hashes.push_back(static_cast<int64_t>(h));
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      members.push_back(p->live[r] ? 1 : 0);
+      left_out.push_back(has && LeftOut(*p->last_reply, r) ? 1 : 0);
+    }
   }
   writer.AddInts("last_reply_meta", reply_meta);
   writer.AddBytes("last_replies", replies);
   // compress::BytesHash's; "last_hashes" (files before it) held std::hash's.
   writer.AddInts("push_hashes", hashes);
+  writer.AddInts("members", members);
+  writer.AddInts("last_reply_absent", left_out);
   return writer;
 }
 
@@ -126,8 +135,28 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   // hashes are std::hash's ("last_hashes", before "push_hashes"); then a
   // retry of that step is refused, as it was.
   const size_t parts = partitions_.size();
+  const uint64_t cells = uint64_t{parts} * job_.workers();
   std::vector<std::shared_ptr<const Reply>> last(parts);
   std::vector<int64_t> hashes;
+  // The memberships: every rank in when the file has none (before them).
+  std::vector<int64_t> members(cells, 1), left_out(cells, 0);
+  for (auto [name, into] : {std::pair{"members", &members},
+                            std::pair{"last_reply_absent", &left_out}}) {
+    if (!reader->Has(name)) continue;
+    auto read = reader->Ints(name, cells);
+    if (!read.ok()) return read.status();
+    *into = *std::move(read);
+  }
+  for (size_t i = 0; i < parts; ++i) {
+    int64_t in = 0;
+    for (uint32_t r = 0; r < job_.workers(); ++r)
+      in += members[i * job_.workers() + r] != 0;
+    if (in < job_.min_workers) {
+      return absl::DataLossError(absl::StrCat(
+          path, ": partition ", i, "'s membership has ", in,
+          " rank(s), fewer than min_workers (", job_.min_workers, ")"));
+    }
+  }
   auto replies = reader->Bytes("last_replies");
   if (!replies.ok() && replies.status().code() != absl::StatusCode::kNotFound)
     return replies.status();
@@ -153,6 +182,9 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
       reply->codec = static_cast<compress::CodecKind>(codec);
       reply->payload = replies->substr(at, bytes);
       at += bytes;
+      for (uint32_t r = 0; r < job_.workers(); ++r) {
+        if (left_out[i * job_.workers() + r] != 0) reply->absent.push_back(r);
+      }
       if (reply->codec !=
               compress::PlanStep(job_.algorithm, reply->step).down.kind ||
           reply->payload.size() !=
@@ -185,6 +217,11 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->whole_state = whole;
     p->last_reply = last[i];
     p->history.clear();
+    p->live_count = 0;
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      p->live[r] = members[i * job_.workers() + r] != 0;
+      p->live_count += p->live[r] ? 1 : 0;
+    }
     for (uint32_t r = 0; r < job_.workers() && !hashes.empty(); ++r) {
       p->last_hashes[r] = static_cast<uint64_t>(hashes[i * job_.workers() + r]);
     }

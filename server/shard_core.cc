@@ -192,16 +192,6 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
   return absl::OkStatus();
 }
 
-namespace {
-
-// The step completed without this rank (membership, design.md 4, "Membership"):
-// its push came late or not at all, and any bytes get the reply.
-bool LeftOut(const Reply& reply, uint32_t rank) {
-  return std::binary_search(reply.absent.begin(), reply.absent.end(), rank);
-}
-
-}  // namespace
-
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
     const PartitionState& p, const PushArgs& args, uint64_t hash) const {
   if (args.step == p.next_step - 1) {  // a retry of the completed step

@@ -725,6 +725,62 @@ TEST(ElasticShardTest, StragglersAreLeftOutStragglerSecondsAfterMinWorkers) {
   EXPECT_EQ(core->Status().straggler_steps, 1u);
 }
 
+// The memberships are in the shard's checkpoints (design.md 4,
+// "Membership"): a shard restored from one still leaves out the ranks it had
+// left out, so its next step does not wait step_seconds for a rank that is
+// gone, and a retry of the last step gets the reply with its absent ranks.
+TEST(ElasticShardTest, CheckpointsKeepTheMemberships) {
+  auto job = proto::ParseJobConfig(
+      absl::StrCat(kConfig,
+                   "min_workers: 2 timeouts { step_seconds: 1 "
+                   "recovery_seconds: 5 }"),
+      proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto core = *ShardCore::Create(*job, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core));
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto partitions = core->layout().shard_partitions(1);
+  const auto push =
+      [&](ShardCore& c, int64_t step, uint32_t rank,
+          std::vector<absl::StatusOr<std::shared_ptr<const Reply>>>* got) {
+        for (size_t i = 0; i < partitions.size(); ++i) {
+          (*got)[i] = absl::UnknownError("pending");
+          c.Push(EncodedPush(fingerprint,
+                             compress::PlanStep(job->algorithm, step).up, step,
+                             rank, partitions[i]),
+                 [got, i](auto r) { (*got)[i] = r; });
+        }
+      };
+  std::vector<absl::StatusOr<std::shared_ptr<const Reply>>> got(
+      partitions.size(), absl::UnknownError("pending"));
+  push(*core, 0, 0, &got);
+  push(*core, 0, 1, &got);
+  core->ExpireWaiting(absl::Now() + absl::Seconds(2));
+  for (const auto& reply : got) {
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ((*reply)->absent, std::vector<uint32_t>{2});
+  }
+  const std::string path = ::testing::TempDir() + "/memberships.ckpt";
+  ASSERT_TRUE(core->SaveCheckpoint(path).ok());
+  auto restored = *ShardCore::Create(*job, 1);
+  ASSERT_TRUE(restored->RestoreCheckpoint(path).ok());
+  EXPECT_EQ(restored->Status().out, std::vector<uint32_t>{2});
+  // A retry of step 0: the reply, still without rank 2.
+  push(*restored, 0, 1, &got);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].ok()) << got[i].status();
+    EXPECT_EQ((*got[i])->absent, std::vector<uint32_t>{2});
+  }
+  // Step 1 completes with ranks 0 and 1 alone, without waiting.
+  push(*restored, 1, 0, &got);
+  push(*restored, 1, 1, &got);
+  for (const auto& reply : got) {
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ((*reply)->absent, std::vector<uint32_t>{2});
+  }
+  EXPECT_EQ(restored->Status().completed_steps, 2);
+}
+
 // A worker whose step failed stops the job: the pushes waiting for it and
 // every later push of that step fail at once with its reason, the mirror is
 // untouched, a retry of an earlier step still gets its reply, and after a
