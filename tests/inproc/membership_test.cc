@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <iterator>
 #include <map>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,8 +43,11 @@ const std::vector<Scheme> kAllSchemes = [] {
 }();
 
 constexpr int64_t kSteps = 16;
-constexpr int64_t kLeaves = 5;   // the victim is killed before this step
-constexpr int64_t kReturns = 9;  // ... and rejoins once the others reach it
+// The shard-killed cases' victim is killed before step kLeaves and rejoins
+// once the others reach kReturns; the others' victims, and where they leave
+// and return, are drawn for each case (Plan).
+constexpr int64_t kLeaves = 5;
+constexpr int64_t kReturns = 9;
 
 using Param = std::tuple<bool /*returns*/, uint32_t /*workers*/,
                          uint32_t /*shards*/, Scheme>;
@@ -89,8 +93,37 @@ worker::TrainerOptions Options(uint32_t rank, const std::string& dir) {
 // so the restarted shard leaves out whom it left out before.
 constexpr int64_t kShardKilled = 11;
 
+// Who leaves, before which step, and once the others reach which step it
+// rejoins: drawn from the case's parameters, so a case is the same on every
+// run. A worker gone for good is rank 0 (module buffers, commits); one that
+// returns any rank, leaving after its checkpoint of step 2 (a worker with
+// no checkpoint would join from the shards' model with a fresh error buffer,
+// which the simulator does not replay).
+struct Plan {
+  uint32_t victim;
+  int64_t leaves, returns;
+};
+
+Plan PlanFor(bool returns, uint32_t workers, uint32_t shards,
+             const Scheme& scheme, bool kill_shard) {
+  if (kill_shard) return {workers - 1, kLeaves, kReturns};
+  const std::string name =
+      absl::StrCat(returns, "/", workers, "/", shards, "/", scheme.name);
+  std::seed_seq seed(name.begin(), name.end());
+  std::mt19937 rng(seed);
+  const auto draw = [&rng](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  Plan plan;
+  plan.victim = returns ? static_cast<uint32_t>(draw(0, workers - 1)) : 0;
+  plan.leaves = draw(3, 8);
+  plan.returns = plan.leaves + draw(2, 5);
+  return plan;
+}
+
 void RunMembership(bool returns, uint32_t workers, uint32_t shards,
                    const Scheme& scheme, bool kill_shard) {
+  const Plan plan = PlanFor(returns, workers, shards, scheme, kill_shard);
   const proto::JobSpec job =
       Job(workers, shards, scheme.config,
           absl::StrCat("min_workers: ", workers - 1,
@@ -98,8 +131,7 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
                        "rpc_seconds: 5 recovery_seconds: 60 }",
                        " checkpoint { every_steps: ", kill_shard ? 4 : 2,
                        " replay_steps: 16 }"));
-  // Rank 0 (module buffers, commits) never comes back; the last rank does.
-  const uint32_t victim = returns ? workers - 1 : 0;
+  const uint32_t victim = plan.victim;
   const std::string dir = MakeTempDir("morse-membership");
   ASSERT_NE(dir, "");
   auto cluster = InProcessCluster::Create(job, {dir, 1, 2});
@@ -130,12 +162,12 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
       bool killed = false;
       while (!(*trainer)->done()) {
         const int64_t step = (*trainer)->next_step();
-        if (r == victim && step == kLeaves && !killed) {
+        if (r == victim && step == plan.leaves && !killed) {
           killed = true;
           trainer->reset();  // as kill -9; its checkpoint (step 4) stays
           if (!returns) return;
           // Away while the others run steps without it.
-          while (slowest_other.load() < kReturns && !failed.load())
+          while (slowest_other.load() < plan.returns && !failed.load())
             absl::SleepFor(absl::Milliseconds(2));
           trainer = create();
           rejoined = true;
@@ -144,7 +176,7 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
           sums[r].resize((*trainer)->first_step());
           continue;
         }
-        if (r != victim && returns && step == kReturns + 1) {
+        if (r != victim && returns && step == plan.returns + 1) {
           // The others wait here until the victim is back, so that it
           // rejoins a job still running.
           while (!rejoined.load() && !failed.load())
@@ -211,7 +243,7 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
   if (returns) {
     // Back, it caught up and the steps waited for it again.
     int64_t full = 0;
-    for (int64_t t = kReturns; t < kSteps; ++t) full += log.count(t) == 0;
+    for (int64_t t = plan.returns; t < kSteps; ++t) full += log.count(t) == 0;
     EXPECT_GT(full, 0) << "the victim never joined a step after it returned";
   }
   for (const auto& [step, absent] : log) {
@@ -222,7 +254,7 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
   }
   const testing::Expected expected = testing::Simulate(job, log);
   for (uint32_t r = 0; r < workers; ++r) {
-    const size_t steps = (r == victim && !returns) ? kLeaves : kSteps;
+    const size_t steps = (r == victim && !returns) ? plan.leaves : kSteps;
     ASSERT_EQ(sums[r].size(), steps) << "worker " << r;
     for (size_t t = 0; t < steps; ++t) {
       ASSERT_EQ(sums[r][t], expected.worker[r][t])
@@ -245,7 +277,11 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
       "%s, %u workers, %u shards, rank %u %s%s: %zu steps left it out, every "
       "worker and shard bit-identical to the simulator given that log\n",
       scheme.name, workers, shards, victim,
-      returns ? "left and rejoined" : "left for good",
+      returns ? absl::StrFormat("left before step %d and rejoined at %d",
+                                plan.leaves, plan.returns)
+                    .c_str()
+              : absl::StrFormat("left for good before step %d", plan.leaves)
+                    .c_str(),
       kill_shard ? ", shard 0 killed and restarted" : "", log.size());
 }
 
@@ -275,8 +311,8 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
 
 INSTANTIATE_TEST_SUITE_P(Sweep, MembershipTest,
                          ::testing::Combine(::testing::Bool(),
-                                            ::testing::Values(2u, 3u),
-                                            ::testing::Values(1u, 2u),
+                                            ::testing::Values(2u, 3u, 4u),
+                                            ::testing::Values(1u, 2u, 3u),
                                             ::testing::ValuesIn(kAllSchemes)),
                          ParamName);
 
