@@ -230,8 +230,10 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
             ? std::string()
             : absl::StrCat("; rank ", args.rank,
                            " was left out of the membership (min_workers) and "
-                           "is too far behind to catch up: restart it from "
-                           "its checkpoint (morse-worker --rejoin)")));
+                           "is too far behind to catch up: restart it "
+                           "(morse-worker --rejoin, a morse.torch rank under "
+                           "morse-run --rank-restarts); it joins from its "
+                           "checkpoint, or the shards' model, at their step")));
     // A worker replaying to help a restarted shard learns it is past that.
     stale.SetPayload(kNextStepPayload,
                      absl::Cord(absl::StrCat(NextExchange(p))));
