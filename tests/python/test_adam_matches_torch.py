@@ -14,7 +14,10 @@ and returns its norm, as under DDP; and .grad edited after backward() (a
 row zeroed, everything halved, then clip_grad_norm_), which under DDP edits
 the averaged gradient: linear edits give the same result on each rank's
 gradient before the average, which Morse pushes at step() once the first
-step showed the edits."""
+step showed the edits. And DDP's no_sync() idiom: a step's batch in 1, 2 or
+4 backward() calls, all but the last inside opt.no_sync() (every fifth
+step all of them, so that step() pushes), rank 0 overlapping."""
+import contextlib
 import os
 import sys
 
@@ -77,7 +80,17 @@ def worker(mode):
             for o in (opt, ref_opt):  # a manual change of the weight decay
                 o.param_groups[0]["weight_decay"] = 0.05
         x, y = data(opt.rank, step)
-        if accumulate or (clip_after and rank == 0):
+        if mode == "no_sync":
+            # k backward() calls of 16/k rows each, as DDP scripts do with
+            # model.no_sync() around all but the last.
+            k = (1, 2, 4)[step % 3]
+            opt.zero_grad()
+            for j in range(k):
+                part = slice(j * 16 // k, (j + 1) * 16 // k)
+                last = j == k - 1 and step % 5 != 4
+                with (contextlib.nullcontext() if last else opt.no_sync()):
+                    (torch.nn.functional.cross_entropy(model(x[part]), y[part]) / k).backward()
+        elif accumulate or (clip_after and rank == 0):
             if rank == 0:
                 model.zero_grad(set_to_none=True)
             else:
@@ -140,7 +153,9 @@ def worker(mode):
             "clip_after": f"clip_grad_norm_(params, 0.2) after backward(), which clipped "
                           f"{clipped} steps",
             "edit": f".grad edited after backward(), then clip_grad_norm_, which clipped "
-                    f"{clipped} steps"}.get(mode, "constant")
+                    f"{clipped} steps",
+            "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()"
+            }.get(mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
@@ -148,7 +163,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit"):
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit", "no_sync"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -214,15 +214,19 @@ def main():
     for what, expected in (("edit", "this script first edited later"),
                            ("edit after clip", "changed after clip_grad_norm_ pushed them"),
                            ("late clip", "before Morse knew that the script clips"),
-                           ("again", "times in this step, with accumulation_steps=1")):
+                           ("again", "times in this step, with accumulation_steps=1"),
+                           ("again after no_sync", "a second backward() outside no_sync()")):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
             opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
                                    servers=[address], config=base)
 
             def misuse():
+                if what == "again after no_sync":
+                    with opt.no_sync():
+                        model(torch.ones(4, 3)).sum().backward()
                 model(torch.ones(4, 3)).sum().backward()
-                if what == "again":
+                if what.startswith("again"):
                     model(torch.ones(4, 3)).sum().backward()
                 elif what == "late clip":
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)

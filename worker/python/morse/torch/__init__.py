@@ -414,6 +414,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._learned_accumulation = False
         self._missing_grads = missing_grads
         self._counts = [0] * len(self._params)  # backward() passes that reached each parameter
+        # no_sync(): inside it, backward() only accumulates; a step that used
+        # it pushes each parameter at the first backward() outside it.
+        self._in_no_sync = False
+        self._no_sync_step = False
+        self._synced = [False] * len(self._params)
         self._grad_version = None  # the flat gradient's version at the last push
         # The gradients as backward() left them (the first step) or as they
         # were pushed (later steps, once the first showed edits after
@@ -465,7 +470,24 @@ class _MorseOptimizer(torch.optim.Optimizer):
         """backward() calls per step: as given, or as the first step had them."""
         return self._accumulation
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's `model.no_sync()` idiom for gradient accumulation: the
+        backward() calls inside accumulate into .grad and push nothing; the
+        next backward() outside pushes each parameter as its gradient is
+        final, however many calls the step had (no accumulation_steps
+        needed); a step whose backward() calls were all inside pushes at
+        step()."""
+        previous = self._in_no_sync
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = previous
+
     def _gradient_ready(self, i):
+        if self._in_no_sync:
+            self._no_sync_step = True
         if self._holds_pushes:
             self._counts[i] += 1  # the script edits .grad: step() pushes
             return
@@ -478,17 +500,30 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # hook's is theirs as backward() left them.
             self._snapshot_flat_version = self._flat_grad._version
             return  # the first step waits for every worker, then sends all
-        self._counts[i] += 1
-        if self._counts[i] < self._accumulation:
+        if self._no_sync_step:
+            if self._in_no_sync:
+                return  # accumulating: the backward() after no_sync() pushes
+            if self._synced[i]:
+                raise MorseError(
+                    f"FAILED_PRECONDITION: a second backward() outside no_sync() reached "
+                    f"{self._names[i]} in step {self.step_index}: its gradient was already pushed "
+                    "by the first. Run every backward() but the step's last inside "
+                    "opt.no_sync()")
+            self._synced[i] = True
+        else:
+            self._counts[i] += 1
+        if not self._no_sync_step and self._counts[i] < self._accumulation:
             return  # gradient accumulation: push at the last backward()
-        if self._counts[i] > self._accumulation:
+        if not self._no_sync_step and self._counts[i] > self._accumulation:
             raise MorseError(
                 f"FAILED_PRECONDITION: backward() reached {self._names[i]} {self._counts[i]} times "
                 f"in this step, with accumulation_steps={self._accumulation}"
                 f"{' (as many as in the first step)' if self._learned_accumulation else ''}: its gradient was "
-                "already pushed. For gradient accumulation pass accumulation_steps=<backward() "
-                "calls per step>; for a backward() that is not for the optimizer, call zero_grad() "
-                "and step() first, or build the optimizer with overlap=False")
+                "already pushed. For gradient accumulation run every backward() but the step's "
+                "last inside opt.no_sync() (DDP's idiom: any count per step), or pass "
+                "accumulation_steps=<backward() calls per step>; for a backward() that is not for "
+                "the optimizer, call zero_grad() and step() first, or build the optimizer with "
+                "overlap=False")
         self._attach_grad(i)
         if self._pending is None:
             self._begin()
@@ -844,10 +879,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         sum_of_squares = self._session.grad_sum_of_squares()
         if sum_of_squares is not None:
             self.last_step["grad_norm"] = math.sqrt(sum_of_squares)
-        if self._learns_accumulation and any(self._counts):
+        if self._learns_accumulation and any(self._counts) and not self._no_sync_step:
             self._accumulation = max(self._counts)
             self._learns_accumulation, self._learned_accumulation = False, True
         self._counts = [0] * len(self._params)
+        self._no_sync_step = False
+        self._synced = [False] * len(self._params)
         if self._buffers:
             self._take_buffers()
         if first and edited and self._overlap:
