@@ -9,8 +9,9 @@ docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
   when fed their gradients with rank 2 left out of those steps.
 - With --rank-restarts 1 and checkpoints every 4 steps, rank 2 is restarted,
   rejoins from its checkpoint of step 4, catches up on the replies the
-  shards kept and joins the membership again: all three ranks end with the
-  same bits, rank 2 back in the last steps' membership.
+  shards kept and joins the membership again (the others wait before step
+  13 until it has caught up, however slow its start): all three ranks end
+  with the same bits, rank 2 back in the last steps' membership.
 - --min-workers out of range or with --node-aggregation is refused."""
 import glob
 import json
@@ -47,6 +48,13 @@ def worker(out, pace):
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
     for step in range(first, STEPS):
+        if pace and rank != 2 and step == STEPS - 3:
+            # Rank 2, restarting (a Python and torch start, slow on a loaded
+            # host) and replaying, must find the job still running: wait
+            # here until it has caught up with the step before.
+            deadline = time.time() + 120
+            while not os.path.exists(f"{out}/step-2-{step - 1}.json") and time.time() < deadline:
+                time.sleep(0.05)
         if rank == 2 and life == 0 and step == KILLED:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
