@@ -56,6 +56,17 @@ class MembershipTest : public ::testing::TestWithParam<Param> {};
 
 std::string Hex(uint64_t v) { return absl::StrFormat("%016x", v); }
 
+// Whether step `step` of the membership log left `rank` out of a partition.
+bool LeftOutOf(const std::map<int64_t, compress::Absent>& log, int64_t step,
+               uint32_t rank) {
+  const auto it = log.find(step);
+  if (it == log.end()) return false;
+  for (const std::vector<uint32_t>& ranks : it->second) {
+    if (std::find(ranks.begin(), ranks.end(), rank) != ranks.end()) return true;
+  }
+  return false;
+}
+
 proto::JobSpec Job(uint32_t workers, uint32_t shards, const char* scheme,
                    const std::string& extra = "") {
   const std::string config =
@@ -255,14 +266,8 @@ void RunMembership(bool returns, uint32_t workers, uint32_t shards,
   EXPECT_GT(without, 0) << "no step completed without the victim; shards:\n"
                         << shard_log();
   if (returns) {
-    for (int64_t t = plan.returns; t < kSteps; ++t) {
-      bool out = false;
-      if (log.count(t)) {
-        for (const std::vector<uint32_t>& ranks : log.at(t))
-          out |= std::find(ranks.begin(), ranks.end(), victim) != ranks.end();
-      }
-      with_after_return += !out;
-    }
+    for (int64_t t = plan.returns; t < kSteps; ++t)
+      with_after_return += !LeftOutOf(log, t, victim);
     EXPECT_GT(with_after_return, 0)
         << "the victim never joined a step after it returned";
   }
@@ -410,20 +415,10 @@ TEST_P(StragglerTest, ASlowRankIsLeftOutAndCatchesUp) {
   // more than the grace on a loaded host: the log says whom).
   ASSERT_EQ(log.count(kStraggles), 1u)
       << "step " << kStraggles << " waited for the straggler";
-  bool victim_out = false;
-  for (const std::vector<uint32_t>& ranks : log.at(kStraggles)) {
-    victim_out |= std::find(ranks.begin(), ranks.end(), kVictim) != ranks.end();
-  }
-  EXPECT_TRUE(victim_out);
+  EXPECT_TRUE(LeftOutOf(log, kStraggles, kVictim));
   int64_t with_victim = 0;
-  for (int64_t t = kReturns + 1; t < kSteps; ++t) {
-    bool out = false;
-    if (log.count(t)) {
-      for (const std::vector<uint32_t>& ranks : log.at(t))
-        out |= std::find(ranks.begin(), ranks.end(), kVictim) != ranks.end();
-    }
-    with_victim += !out;
-  }
+  for (int64_t t = kReturns + 1; t < kSteps; ++t)
+    with_victim += !LeftOutOf(log, t, kVictim);
   EXPECT_GT(with_victim, 0) << "no step after the straggler caught up had it";
   const testing::Expected expected = testing::Simulate(job, log);
   for (uint32_t r = 0; r < kWorkers; ++r) {
