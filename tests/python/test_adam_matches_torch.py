@@ -20,6 +20,7 @@ step all of them, so that step() pushes), rank 0 overlapping."""
 import contextlib
 import os
 import sys
+import warnings
 
 import torch
 
@@ -42,8 +43,37 @@ def data(rank, step):
     return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
 
 
+SURPRISE = 6  # the "late_*" modes' first step of the new idiom
+
+
+def adopt(opt, reference, ref_opt):
+    """Gives the torch reference Morse's parameters and Adam moments."""
+    _, m, v, _ = opt._session.get_state()
+    m, v = torch.from_numpy(m), torch.from_numpy(v)
+    with torch.no_grad():
+        for p, q, (lo, hi) in zip(reference.parameters(), opt._params, opt._ranges):
+            p.copy_(q)
+            state = ref_opt.state[p]
+            state["exp_avg"].copy_(m[lo:hi].view_as(p))
+            state["exp_avg_sq"].copy_(v[lo:hi].view_as(p))
+
+
 def worker(mode):
     import morse.torch
+    if mode.startswith(("late_", "early_")):
+        # "early_lr": the lr set between backward() and step() from step 0 on.
+        early = mode.startswith("early_")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            worker_late(mode.split("_", 1)[1], 0 if early else SURPRISE)
+        said = [str(w.message) for w in caught if str(w.message).startswith("morse:")]
+        if early:
+            check(not said, f"no warning: {said}")
+            return
+        check(len(said) == 1 and f"in step {SURPRISE} " in said[0],
+              f"one warning naming step {SURPRISE}: {said}")
+        print(f"warned: {said[0][:160]}...")
+        return
     schedules, accumulate, clip = mode == "schedules", mode == "accumulate", mode == "clip"
     # The script's own clip_grad_norm_ after backward(), as under DDP.
     clip_after = mode == "clip_after"
@@ -159,13 +189,97 @@ def worker(mode):
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
 
+def worker_late(kind, start):
+    """A script that begins, in step SURPRISE, to do after backward() what
+    the first steps did not ("edit": .grad edited; "clip": clip_grad_norm_;
+    "lr": lr set between backward() and step(); "again": two backward()
+    calls where the first steps had one; "again_no_sync": a second
+    backward() outside no_sync()), and goes on doing it. That step used the
+    gradients as they were pushed; every other step equals torch on the
+    global batch (the reference adopts Morse's state after that step). With
+    start 0 every step equals torch's, and nothing is said."""
+    import morse.torch
+    torch.manual_seed(1)
+    model = Model()
+    rank = int(os.environ["MORSE_RANK"])
+    world = int(os.environ["MORSE_WORLD_SIZE"])
+    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32)
+    reference = Model()
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
+    worst = 0.0
+
+    def loss(m, x, y, rows):
+        return torch.nn.functional.cross_entropy(m(x[rows]), y[rows]) * (rows.stop - rows.start) / 16
+
+    for step in range(16):
+        late = step >= start
+        x, y = data(rank, step)
+        opt.zero_grad()
+        if kind == "again" and late:
+            loss(model, x, y, slice(0, 8)).backward()
+            loss(model, x, y, slice(8, 16)).backward()
+        elif kind == "again_no_sync":
+            with opt.no_sync():
+                loss(model, x, y, slice(0, 8)).backward()
+            if late:
+                loss(model, x, y, slice(8, 12)).backward()
+                loss(model, x, y, slice(12, 16)).backward()
+            else:
+                loss(model, x, y, slice(8, 16)).backward()
+        else:
+            loss(model, x, y, slice(0, 16)).backward()
+        lr = 0.01 * 0.8 ** max(0, step - start + 1) if kind == "lr" else 0.01
+        if late and kind == "edit":
+            with torch.no_grad():
+                model.a.weight.grad[0].zero_()
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
+        if late and kind == "clip":
+            returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        reference.zero_grad()
+        grads = []
+        for r in range(world):
+            xr, yr = data(r, step)
+            reference.zero_grad()
+            torch.nn.functional.cross_entropy(reference(xr), yr).backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])
+        for p, *gs in zip(reference.parameters(), *grads):
+            p.grad = sum(gs) / world
+        with torch.no_grad():
+            if late and kind == "edit":
+                reference.a.weight.grad[0].zero_()
+                for p in reference.parameters():
+                    p.grad.mul_(0.5)
+        if late and kind == "clip":
+            norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), 0.1).item()
+            if step > start:  # DDP's: the averaged gradient's norm
+                check(abs(returned - norm) <= 1e-5 * norm,
+                      f"rank {rank} step {step}: clip_grad_norm_ returned {returned}, torch's {norm}")
+        ref_opt.param_groups[0]["lr"] = lr
+        ref_opt.step()
+        if start and step == start:
+            adopt(opt, reference, ref_opt)  # this step had the pushed gradients
+            continue
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        worst = max(worst, diff)
+        check(diff <= 1e-5, f"rank {rank} step {step} ({kind}): max |morse - torch| = {diff}")
+    print(f"rank {rank}: 16 steps, '{kind}' from step {start} on, largest difference from "
+          f"torch.optim.Adam {worst:.2e}" + (f" outside step {start}" if start else ""))
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit", "no_sync"):
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit", "no_sync",
+                 "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")
         check(out.count("largest difference from torch.optim.Adam") == 2, "both ranks report")
+        if mode.startswith("late_"):
+            check(out.count("warned: morse: in step") == 2, "both ranks warned")
     print("PASS")

@@ -25,8 +25,11 @@ accumulator pushes a partition as soon as every gradient in it is ready, so
 communication overlaps the rest of the backward pass, as DDP's buckets do.
 Gradient accumulation needs no argument: the first step (which pushes at
 step()) counts the backward() calls per step, and later steps push at the
-last of as many (or pass accumulation_steps); gradients edited after they
-were pushed raise MorseError (see docs/python.md).
+last of as many (or pass accumulation_steps, or use opt.no_sync()). A
+script that edits .grad, or changes lr, between backward() and step() from
+its first step on gets every step pushed at step(); one that begins such a
+thing in a later step gets a warning for that step, whose pushes had left,
+and DDP's result from the next (see docs/python.md, "Torch idioms").
 `torch.nn.utils.clip_grad_norm_` after backward() clips the averaged
 gradient, as under DDP: while a Morse optimizer exists, morse.torch's
 clip_grad_norm_ stands in for torch's (see clip_grad_norm_ below).
@@ -35,6 +38,7 @@ import contextlib
 import hashlib
 import math
 import os
+import warnings
 import weakref
 
 import torch
@@ -443,6 +447,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # The first step showed .grad edited between backward() and step():
         # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
         self._holds_pushes = False
+        # What the step in flight did after its pushes had left (another
+        # backward(), an edit of .grad, a first clip_grad_norm_, an lr
+        # change): see _surprised.
+        self._surprise = None
+        self._first_hyper = None  # lr and weight_decay at the first step's backward()
         _OPTIMIZERS.append(weakref.ref(self))
         _install_clip_grad_norm()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
@@ -499,31 +508,28 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # The views of the flat gradient share its version: the last
             # hook's is theirs as backward() left them.
             self._snapshot_flat_version = self._flat_grad._version
+            if self._first_hyper is None:
+                self._first_hyper = self._group_hyper()  # as the hooks would push them
             return  # the first step waits for every worker, then sends all
         if self._no_sync_step:
             if self._in_no_sync:
                 return  # accumulating: the backward() after no_sync() pushes
             if self._synced[i]:
-                raise MorseError(
-                    f"FAILED_PRECONDITION: a second backward() outside no_sync() reached "
-                    f"{self._names[i]} in step {self.step_index}: its gradient was already pushed "
-                    "by the first. Run every backward() but the step's last inside "
-                    "opt.no_sync()")
+                self._surprised(f"a second backward() outside no_sync() reached {self._names[i]} "
+                                "after the first had pushed its gradient")
+                return
             self._synced[i] = True
         else:
             self._counts[i] += 1
         if not self._no_sync_step and self._counts[i] < self._accumulation:
             return  # gradient accumulation: push at the last backward()
         if not self._no_sync_step and self._counts[i] > self._accumulation:
-            raise MorseError(
-                f"FAILED_PRECONDITION: backward() reached {self._names[i]} {self._counts[i]} times "
-                f"in this step, with accumulation_steps={self._accumulation}"
-                f"{' (as many as in the first step)' if self._learned_accumulation else ''}: its gradient was "
-                "already pushed. For gradient accumulation run every backward() but the step's "
-                "last inside opt.no_sync() (DDP's idiom: any count per step), or pass "
-                "accumulation_steps=<backward() calls per step>; for a backward() that is not for "
-                "the optimizer, call zero_grad() and step() first, or build the optimizer with "
-                "overlap=False")
+            self._surprised(
+                f"backward() reached {self._names[i]} {self._counts[i]} times, with "
+                f"accumulation_steps={self._accumulation}"
+                f"{' (as many as in the first step)' if self._learned_accumulation else ''}, "
+                "after the last of those had pushed its gradient")
+            return
         self._attach_grad(i)
         if self._pending is None:
             self._begin()
@@ -605,6 +611,32 @@ class _MorseOptimizer(torch.optim.Optimizer):
         from what was pushed."""
         return any(not _same_bits(self._flat_grad[b:e], self._snapshot[b:e])
                    for q, (b, e) in enumerate(self._partitions) if self._pending[q] == 0)
+
+    def _surprised(self, what, holds=True):
+        """The step in flight did something after its pushes had left
+        (overlap): the step goes on with what was pushed, and step() adapts
+        (_adapt). The first such thing in a step is the one reported."""
+        if self._surprise is None:
+            self._surprise = (what, holds)
+
+    def _adapt(self, what, holds):
+        """DDP's rule for what the script did after the step's pushes had
+        left cannot hold for that step: say so, and (`holds`) push at step()
+        from the next step on, as overlap=False, where every idiom gives
+        DDP's result."""
+        step = self.step_index - 1
+        after = (f"from step {step + 1} on every step pushes at step() (as overlap=False), which "
+                 "gives DDP's result for any edit, any number of backward() calls and a change "
+                 "of lr before step(); doing it from the first step on (the first step pushes at "
+                 "step() and decides), opt.no_sync() or accumulation_steps= keep the overlap"
+                 if holds else f"it clips as under DDP from step {step + 1} on; call it from the "
+                 "first step on (or pass clip_grad_norm=) to clip every step")
+        warnings.warn(f"morse: in step {step} {what}. With overlap=True each partition is pushed "
+                      "during backward() once its gradients are ready, so that step used the "
+                      f"gradients as they were pushed; {after}", RuntimeWarning, stacklevel=3)
+        if holds:
+            self._holds_pushes = True
+            self._snapshot = None
 
     def _attach_grad(self, i):
         # model.zero_grad(set_to_none=True) (torch 2's default) lets backward()
@@ -825,13 +857,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         except MorseError as error:
             if "began without the workers' clipping" not in str(error):
                 raise
-            raise MorseError(
-                f"FAILED_PRECONDITION: clip_grad_norm_ in step {self.step_index}, the first since "
-                "the optimizer was built or resumed after its first step: this step's gradients "
-                "were pushed during backward() before Morse knew that the script clips, so it "
-                "runs unclipped; from the next step on, clip_grad_norm_ clips as under DDP. "
-                "Call clip_grad_norm_ from the first step on (or build the optimizer with "
-                "clip_grad_norm=max_norm)") from None
+            # Its pushes left unclipped during backward(): the step runs
+            # unclipped, and the call returns this rank's own norm.
+            self._surprised("clip_grad_norm_ was called for the first time, after the step's "
+                            "gradients had been pushed unclipped during backward(): the step ran "
+                            "unclipped, and the call returned this rank's own gradient's norm",
+                            holds=False)
+            sum_of_squares = float(self._flat_grad.double().pow(2).sum())
         self._clipped = True
         norm = math.sqrt(sum_of_squares)
         if error_if_nonfinite and not math.isfinite(norm):
@@ -887,9 +919,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._synced = [False] * len(self._params)
         if self._buffers:
             self._take_buffers()
-        if first and edited and self._overlap:
-            # The first step pushed at step(), edits included: the script
-            # edits .grad after backward(), so later steps push at step() too.
+        moved = self._first_hyper is not None and self._first_hyper != self._group_hyper()
+        if first and (edited or moved) and self._overlap:
+            # The first step pushed at step(), edits (or lr changes) included:
+            # the script makes them after backward(), so later steps push at
+            # step() too.
             self._holds_pushes = True
             self._snapshot = None
             edited = False
@@ -900,23 +934,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "them as they were at clip_grad_norm_; edit .grad before clip_grad_norm_, as "
                 "under DDP its clip factor is of the gradient it sees")
         if edited:
-            raise MorseError(
-                "FAILED_PRECONDITION: the gradients changed after they were pushed (editing, "
-                f"scaling or zeroing .grad, or another backward()) in step {self.step_index - 1}, "
-                "which used them as backward() left them. With overlap=True each partition is "
-                "pushed as soon as its gradients are ready, unless the first step showed .grad "
-                "edited between backward() and step() (then every step pushes at step()); this "
-                "script first edited later. torch.nn.utils.clip_grad_norm_ is no edit (it clips "
-                "the averaged gradient in step(), as under DDP), nor is a change that leaves "
-                "every bit as it was; edit from the first step on, in a gradient hook, or build "
-                "the optimizer with overlap=False")
-        self._check_missing(missing)
+            self._surprised("the gradients changed after backward() had pushed them (editing, "
+                            "scaling or zeroing .grad)")
         if changed is not None:
-            raise MorseError(
-                f"FAILED_PRECONDITION: lr/weight_decay changed to {changed} between backward() and "
-                f"step(); this step was already pushed, and applied, with {self._sent_hyper}. Change "
-                "them before backward() (schedulers step after optimizer.step()) or build the "
-                "optimizer with overlap=False")
+            self._surprised(f"lr/weight_decay changed to {changed} between backward() and step(), "
+                            f"after the pushes had left with {self._sent_hyper}; the step used those")
+        surprise, self._surprise = self._surprise, None
+        if surprise is not None:
+            self._adapt(*surprise)
+        self._check_missing(missing)
         if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
             self._report_freeze()
 
