@@ -74,6 +74,10 @@ struct DilocoSpec {
   float outer_lr = 0.7f;        // positive and finite
   float outer_momentum = 0.9f;  // in [0, 1)
   bool nesterov = true;
+  // Streaming DiLoCo (Douillard et al. 2025): F fragments, partition q in
+  // fragment q mod F; step t syncs fragment t mod F alone, every
+  // sync_every / F inner steps (F divides sync_every and the partitions).
+  int64_t fragments = 1;
 };
 
 // A onebit_lamb layer's state, the same on every replica (compress/lamb.h).

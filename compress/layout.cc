@@ -12,6 +12,27 @@ constexpr uint64_t kLayoutVersion = 1;
 
 }  // namespace
 
+uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element) {
+  const uint64_t blocks = (spec.dim + spec.block_elems - 1) / spec.block_elems;
+  const uint64_t per_shard = blocks / spec.shards;
+  const uint64_t longer = blocks % spec.shards;
+  uint64_t index = 0, block = 0;
+  for (uint32_t s = 0; s < spec.shards; ++s) {
+    const uint64_t begin = block * spec.block_elems;
+    block += per_shard + (s < longer ? 1 : 0);
+    const uint64_t end = std::min(spec.dim, block * spec.block_elems);
+    if (element < end || s + 1 == spec.shards)
+      return static_cast<uint32_t>(index +
+                                   (element - begin) / spec.partition_elems);
+    index += (end - begin + spec.partition_elems - 1) / spec.partition_elems;
+  }
+  return static_cast<uint32_t>(index);
+}
+
+uint32_t PartitionCount(const LayoutSpec& spec) {
+  return PartitionIndexAt(spec, spec.dim - 1) + 1;
+}
+
 absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
   if (spec.dim == 0)
     return absl::InvalidArgumentError("layout: dim must be positive");

@@ -50,6 +50,12 @@ using Absent = std::vector<std::vector<uint32_t>>;
 // with at least one rank left in.
 bool ValidAbsent(const std::vector<uint32_t>& ranks, uint32_t workers);
 
+// The index of the partition that starts at or holds element `element` of
+// a valid spec, and the number of partitions, by arithmetic (O(S), no
+// Layout built): streaming diloco's fragment of a partition.
+uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element);
+uint32_t PartitionCount(const LayoutSpec& spec);
+
 class Layout {
  public:
   // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, or block and

@@ -12,11 +12,25 @@
 
 namespace morse::compress {
 
+namespace {
+
+// An idle partition's payload (SendRule::idle): nothing.
+absl::Status EmptyPayload(absl::Span<uint8_t> payload) {
+  if (!payload.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a payload of ", payload.size(), " bytes for an idle partition"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
                                  ErrorFeedback& error, uint64_t begin,
                                  absl::Span<const float> g, float grad_scale,
                                  absl::Span<uint8_t> payload) {
   const uint64_t n = g.size();
+  if (rule.idle) return EmptyPayload(payload);
   const auto mask = [&](uint64_t at, uint64_t len) {
     return rule.mask ? replica.v().subspan(at - replica.range().begin, len)
                      : absl::Span<const float>();
@@ -76,6 +90,15 @@ absl::Status EncodeShardReply(
     absl::Span<const absl::Span<const uint8_t>> pushes, ErrorFeedback& error,
     uint64_t offset, uint64_t n, absl::Span<const float> mask_v,
     absl::Span<uint8_t> payload) {
+  if (rule.idle) {
+    for (const auto& push : pushes) {
+      if (!push.empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a push of ", push.size(), " bytes for an idle partition"));
+      }
+    }
+    return EmptyPayload(payload);
+  }
   const uint64_t block = rule.codec.block_elems;
   const bool chunked =
       rule.feedback && rule.codec.kind == CodecKind::kSign1 &&

@@ -71,6 +71,13 @@ class Optimizer {
                                int64_t step) const {
     return step;
   }
+  // Whether the partition starting at `first_index` sits step `step` out
+  // (streaming diloco's fragments not due): its pushes and reply are empty
+  // and nothing of it changes anywhere (design.md 2.11).
+  virtual bool Idle(const AlgorithmConfig& /*config*/, int64_t /*step*/,
+                    uint64_t /*first_index*/) const {
+    return false;
+  }
   // Completes the reply rule of a step that exchanges: PlanReply has set
   // the codec, the masks, the clip factor and Adam's scalars at the step's
   // learning rate and weight decay with t' = step + 1.

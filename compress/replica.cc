@@ -106,6 +106,13 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
         range_.begin, ", ", range_.end, ")"));
   }
+  if (Idle(config_, step, begin)) {  // nothing of it changes
+    if (!reply.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a reply of ", reply.size(), " bytes for idle partition at ", begin));
+    }
+    return absl::OkStatus();
+  }
   const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
   const size_t offset = begin - range_.begin;
   // A worker's sync starts from x at the last sync; a mirror's x is that.

@@ -53,6 +53,10 @@ absl::Status Simulator::RoundTrip(
     const Partition& p, absl::Span<const absl::Span<const float>> gradients,
     absl::Span<const uint32_t> absent, std::vector<float>& reply) {
   const size_t n = p.range.size();
+  if (Idle(config_, step_, p.range.begin)) {  // sits this step out
+    reply.clear();
+    return absl::OkStatus();
+  }
   // Workers: what each sends for this partition (the sender's rule), encoded.
   SendRule up;
   std::vector<std::vector<uint8_t>> pushes(config_.workers);
@@ -206,6 +210,7 @@ absl::Status Simulator::Step(
   const ReplyRule rule = PlanReply(config_, step_, hyper, grad_scale);
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
+    if (Idle(config_, step_, begin)) continue;
     ApplyRule(rule, absl::MakeSpan(replies[p.id]),
               absl::MakeSpan(x_).subspan(begin, n),
               absl::MakeSpan(m_).subspan(begin, n),

@@ -16,6 +16,14 @@ int64_t NextExchange(const AlgorithmConfig& config, int64_t step) {
   return OptimizerOf(config).NextExchange(config, step);
 }
 
+bool Idle(const AlgorithmConfig& config, int64_t step, uint64_t first_index) {
+  return OptimizerOf(config).Idle(config, step, first_index);
+}
+
+size_t SendBytes(const SendRule& rule, uint64_t n) {
+  return rule.idle ? 0 : PayloadBytes(rule.codec, n);
+}
+
 SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
                   Direction direction, uint32_t sender, uint64_t first_index) {
   const StepPlan plan = PlanStep(config, step);
@@ -29,6 +37,7 @@ SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
   rule.feedback = plan.feedback;
   rule.mask = plan.compressing && config.mask_zero_variance;
   rule.key = SenderKey(config, step, sender, first_index);
+  rule.idle = Idle(config, step, first_index);
   return rule;
 }
 

@@ -34,6 +34,11 @@ const char* PhaseName(const AlgorithmConfig& config, int64_t step);
 // between zero_one_adam's syncs).
 int64_t NextExchange(const AlgorithmConfig& config, int64_t step);
 
+// Whether the partition starting at `first_index` sits step `step` out
+// (Optimizer::Idle): every sender sends it empty, and every replica leaves
+// it as it is.
+bool Idle(const AlgorithmConfig& config, int64_t step, uint64_t first_index);
+
 // The sender's rule (DESIGN 2.1-2.4) for the partition starting at global
 // element `first_index` in step `step`: what a worker pushes (`up`) or a
 // shard replies (`down`; sender = workers + shard, as SenderKey). The one
@@ -54,8 +59,12 @@ struct SendRule {
   // DESIGN 2.1's zero-variance mask: elements whose v is exactly 0 send +0
   // and keep +0 error (ErrorFeedback::Compress's mask_v).
   bool mask = false;
+  // Nothing to send: an idle partition's payload is empty (Idle).
+  bool idle = false;
   RoundingKey key;
 };
+// The payload bytes of `n` elements under `rule`: 0 when idle.
+size_t SendBytes(const SendRule& rule, uint64_t n);
 enum class Direction { kUp, kDown };
 SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
                   Direction direction, uint32_t sender, uint64_t first_index);

@@ -188,8 +188,11 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
       if (reply->codec !=
               compress::PlanStep(job_.algorithm, reply->step).down.kind ||
           reply->payload.size() !=
-              compress::PayloadBytes(
-                  compress::PlanStep(job_.algorithm, reply->step).down,
+              compress::SendBytes(
+                  compress::PlanSend(job_.algorithm, reply->step,
+                                     compress::Direction::kDown,
+                                     job_.workers() + shard_,
+                                     partitions_[i]->partition.range.begin),
                   partitions_[i]->partition.range.size())) {
         return absl::DataLossError(
             absl::StrCat(path, ": the last reply of partition ", i,

@@ -280,11 +280,20 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
         " phase); expected ", CodecName(plan.up.kind)));
   }
   const uint64_t n = p.partition.range.size();
-  if (absl::Status s = compress::ValidatePayload(
-          plan.up,
-          {reinterpret_cast<const uint8_t*>(args.payload.data()),
-           args.payload.size()},
-          n);
+  const bool idle =
+      compress::Idle(job_.algorithm, args.step, p.partition.range.begin);
+  if (absl::Status s =
+          idle ? (args.payload.empty()
+                      ? absl::OkStatus()
+                      : absl::InvalidArgumentError(absl::StrCat(
+                            args.payload.size(),
+                            " bytes for a partition that sits this step out "
+                            "(diloco.fragments): expected none")))
+               : compress::ValidatePayload(
+                     plan.up,
+                     {reinterpret_cast<const uint8_t*>(args.payload.data()),
+                      args.payload.size()},
+                     n);
       !s.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", args.rank, " partition ", args.partition,
@@ -628,12 +637,12 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   reply->partition = part.id;
   reply->codec = plan.down.kind;
   reply->buffers = std::move(p.buffers);
-  reply->payload.resize(compress::PayloadBytes(plan.down, n));
-  auto payload = absl::MakeSpan(
-      reinterpret_cast<uint8_t*>(reply->payload.data()), reply->payload.size());
   const compress::SendRule rule =
       compress::PlanSend(job_.algorithm, step, compress::Direction::kDown,
                          job_.workers() + shard_, part.range.begin);
+  reply->payload.resize(compress::SendBytes(rule, n));
+  auto payload = absl::MakeSpan(
+      reinterpret_cast<uint8_t*>(reply->payload.data()), reply->payload.size());
   const uint64_t offset = part.range.begin - range_.begin;
   const absl::Span<const float> mask_v =
       rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();

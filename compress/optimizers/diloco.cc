@@ -11,9 +11,17 @@
 // momentum; v is not used. The paper's defaults: lr_out 0.7, mu 0.9,
 // Nesterov, H = 500. With fp32 both ways, mu = 0 and lr_out = 1, x becomes
 // the average of the workers' models (federated averaging).
+//
+// Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with
+// overlapping communication"): with F = fragments > 1, partition q belongs
+// to fragment q mod F (strided, so every shard carries a share of every
+// step), and step t syncs fragment t mod F alone, every H/F inner steps; the
+// other partitions are idle in that step (empty pushes and replies, nothing
+// changes). Each fragment thus syncs every H inner steps, F steps apart.
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "compress/layout.h"
 #include "compress/optimizer.h"
 
 namespace morse::compress {
@@ -38,6 +46,21 @@ class Diloco final : public Optimizer {
       return absl::InvalidArgumentError(absl::StrCat(
           "diloco.outer_momentum must be in [0, 1), got ", d.outer_momentum));
     }
+    if (d.fragments < 1 || d.sync_every % d.fragments != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.fragments must be at least 1 and divide sync_every (",
+          d.sync_every, "), got ", d.fragments));
+    }
+    if (d.fragments > 1) {
+      const uint32_t partitions = PartitionCount(c.layout);
+      if (partitions % d.fragments != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "diloco.fragments (", d.fragments,
+            ") must divide the layout's partitions (", partitions,
+            "); choose partition_elems or the fragment count so that it "
+            "does"));
+      }
+    }
     if (c.clip_grad_norm != 0.0f) {
       return absl::InvalidArgumentError(
           "clip_grad_norm is not diloco's: the outer step does not clip the "
@@ -51,6 +74,9 @@ class Diloco final : public Optimizer {
     hash.MixWords(&c.diloco.outer_lr, sizeof(float));
     hash.MixWords(&c.diloco.outer_momentum, sizeof(float));
     hash.MixInt(c.diloco.nesterov ? 1 : 0);
+    // One fragment mixes nothing: the fingerprints of earlier jobs hold.
+    if (c.diloco.fragments > 1)
+      hash.MixInt(static_cast<uint64_t>(c.diloco.fragments));
   }
 
   StepPlan Plan(const AlgorithmConfig& c, int64_t) const override {
@@ -67,7 +93,15 @@ class Diloco final : public Optimizer {
   }
 
   int64_t InnerSteps(const AlgorithmConfig& c) const override {
-    return c.diloco.sync_every;
+    return c.diloco.sync_every / c.diloco.fragments;
+  }
+
+  bool Idle(const AlgorithmConfig& c, int64_t step,
+            uint64_t first_index) const override {
+    const int64_t fragments = c.diloco.fragments;
+    if (fragments <= 1) return false;
+    return PartitionIndexAt(c.layout, first_index) % fragments !=
+           step % fragments;
   }
 
   // Nothing is frozen: no mask, no bound.

@@ -8,7 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "compress/layout.h"
 #include "compress/replica.h"
+#include "compress/simulator.h"
+#include "compress/step_plan.h"
 #include "gtest/gtest.h"
 
 namespace morse::compress {
@@ -212,6 +215,105 @@ TEST(OptimizerTest, DilocoTakesAnOuterStepOnTheReply) {
         ASSERT_EQ(replica.m()[j], m[j]) << "step " << step << " element " << j;
         ASSERT_EQ(replica.v()[j], 0.0f);
       }
+    }
+  }
+}
+
+// Streaming DiLoCo: with F fragments, step t syncs the partitions q with
+// q mod F == t mod F; the others' pushes and replies are empty and nothing
+// of them moves. The simulator (what every replica reproduces) against the
+// algorithm written out, over two rounds of both fragments.
+// A diloco config that validates: every codec in the layout's blocks.
+AlgorithmConfig StreamingConfig() {
+  AlgorithmConfig c = Config(OptimizerKind::kDiloco);
+  c.up_codec = c.down_codec = c.warmup_codec = CodecSpec{CodecKind::kFp32, 16};
+  c.layers.clear();
+  return c;
+}
+
+TEST(OptimizerTest, StreamingDilocoSyncsOneFragmentAStep) {
+  AlgorithmConfig c = StreamingConfig();
+  c.diloco = {/*sync_every=*/4, /*outer_lr=*/0.7f, /*outer_momentum=*/0.9f,
+              /*nesterov=*/true, /*fragments=*/2};
+  ASSERT_TRUE(ValidateAlgorithmConfig(c).ok()) << ValidateAlgorithmConfig(c);
+  EXPECT_EQ(OptimizerOf(c).InnerSteps(c), 2);
+  auto layout = Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok());
+  ASSERT_EQ(layout->partitions().size(), 4u);
+  for (const Partition& p : layout->partitions()) {
+    for (int64_t step = 0; step < 4; ++step) {
+      EXPECT_EQ(Idle(c, step, p.range.begin), p.id % 2 != step % 2);
+      const SendRule up = PlanSend(c, step, Direction::kUp, 0, p.range.begin);
+      EXPECT_EQ(SendBytes(up, p.range.size()),
+                p.id % 2 == step % 2 ? 4 * p.range.size() : 0u);
+    }
+  }
+  const uint64_t n = c.layout.dim;
+  std::vector<float> x0(n);
+  for (uint64_t j = 0; j < n; ++j) x0[j] = 0.001f * static_cast<float>(j);
+  auto sim = Simulator::Create(c, x0);
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  std::vector<float> x = x0, m(n, 0.0f);
+  for (int64_t step = 0; step < 4; ++step) {
+    // Both workers push the same d, so the average is d exactly.
+    std::vector<float> d(n);
+    for (uint64_t j = 0; j < n; ++j)
+      d[j] = 0.01f * static_cast<float>((j * 7 + step * 3) % 11) - 0.05f;
+    const std::vector<absl::Span<const float>> pushed = {d, d};
+    ASSERT_TRUE(sim->Step(pushed).ok());
+    for (const Partition& p : layout->partitions()) {
+      if (p.id % 2 != step % 2) continue;
+      for (uint64_t j = p.range.begin; j < p.range.end; ++j) {
+        m[j] = 0.9f * m[j] + d[j];
+        x[j] = x[j] - 0.7f * (d[j] + 0.9f * m[j]);
+      }
+    }
+    for (uint64_t j = 0; j < n; ++j) {
+      ASSERT_EQ(sim->x()[j], x[j]) << "step " << step << " element " << j;
+      ASSERT_EQ(sim->m()[j], m[j]) << "step " << step << " element " << j;
+    }
+  }
+  // A replica refuses bytes for a partition that sits the step out.
+  Replica replica(c, Range{0, 256});
+  std::vector<uint8_t> bytes(4 * 256);
+  EXPECT_FALSE(replica.ApplyReply(1, 0, 256, bytes).ok());
+  EXPECT_TRUE(replica.ApplyReply(1, 0, 256, {}).ok());
+}
+
+TEST(OptimizerTest, StreamingDilocoFragmentsMustDivideStepsAndPartitions) {
+  AlgorithmConfig c = StreamingConfig();
+  c.diloco.sync_every = 6;
+  c.diloco.fragments = 4;  // does not divide 6
+  EXPECT_NE(ValidateAlgorithmConfig(c).message().find("divide sync_every"),
+            std::string::npos);
+  c.diloco.sync_every = 6;
+  c.diloco.fragments = 3;  // divides 6, not the 4 partitions
+  EXPECT_NE(ValidateAlgorithmConfig(c).message().find("partitions (4)"),
+            std::string::npos);
+  c.diloco.fragments = 0;
+  EXPECT_FALSE(ValidateAlgorithmConfig(c).ok());
+  c.diloco.fragments = 2;
+  EXPECT_TRUE(ValidateAlgorithmConfig(c).ok());
+  // One fragment is plain DiLoCo, with its fingerprint.
+  AlgorithmConfig one = c;
+  one.diloco.fragments = 1;
+  AlgorithmConfig plain = c;
+  EXPECT_NE(AlgorithmFingerprint(one), AlgorithmFingerprint(plain));
+  plain.diloco = DilocoSpec{};
+  plain.diloco.sync_every = 6;
+  EXPECT_EQ(AlgorithmFingerprint(one), AlgorithmFingerprint(plain));
+}
+
+TEST(LayoutTest, PartitionIndexAtMatchesTheLayout) {
+  for (const LayoutSpec spec :
+       {LayoutSpec{1000, 2, 16, 256}, LayoutSpec{1000, 3, 16, 64},
+        LayoutSpec{17, 1, 16, 16}, LayoutSpec{5000, 7, 32, 96}}) {
+    auto layout = Layout::Create(spec);
+    ASSERT_TRUE(layout.ok());
+    EXPECT_EQ(PartitionCount(spec), layout->partitions().size());
+    for (const Partition& p : layout->partitions()) {
+      EXPECT_EQ(PartitionIndexAt(spec, p.range.begin), p.id);
+      EXPECT_EQ(PartitionIndexAt(spec, p.range.end - 1), p.id);
     }
   }
 }

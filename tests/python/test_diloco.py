@@ -117,6 +117,93 @@ def worker(out, codec, phase):
                               "w"))
 
 
+STREAM_SYNC_EVERY = 4  # each fragment syncs every 4 inner steps
+FRAGMENTS = 2  # of the 6 partitions: a sync every 2 inner steps
+STREAM_SYNCS = 6  # three rounds of both fragments
+STREAM_SAVE_AT = 7  # inner steps: three syncs applied, a fourth fragment's run half done
+
+
+def streaming_worker(out, overlap, phase):
+    """Streaming DiLoCo: fragments=2, overlap_steps 0 or 1 (mixing 0.5).
+    After each sync the synced fragment's parameters are the outer ones
+    (or the mix of local and outer), the other fragment's kept their local
+    progress; phases as worker()'s."""
+    import numpy as np
+    import morse.torch
+    overlap = int(overlap)
+    rank = int(os.environ["MORSE_RANK"])
+    torch.manual_seed(3 + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    args = dict(sync_every=STREAM_SYNC_EVERY, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                codec="int4", block_elems=16, partition_elems=64)
+    if phase == "full" and rank == 0 and not overlap:
+        for bad, words in ((dict(fragments=3), "dividing sync_every=4"),
+                           (dict(fragments=2, overlap_steps=2), "overlap_steps=2: in [0, 2)"),
+                           (dict(fragments=2, mixing=1.0), "mixing=1.0"),
+                           # 4 divides sync_every but not the 6 partitions.
+                           (dict(sync_every=8, fragments=4), "must divide the layout's partitions (6)")):
+            try:
+                morse.torch.DiLoCo(model, inner, world_size=RANKS, servers=["unused:1"],
+                                   **{**args, **bad})
+                check(False, f"{bad} was accepted")
+            except (ValueError, morse.torch.MorseError) as e:
+                check(words in str(e), f"{bad}: {e}")
+                print(f"refused {bad}: {e}")
+    opt = morse.torch.DiLoCo(model, inner, fragments=FRAGMENTS, overlap_steps=overlap, **args)
+    partitions = opt._partitions
+    check(len(partitions) == 6, f"{len(partitions)} partitions")
+    first = 0
+    if phase == "resume":
+        opt.load_state_dict(torch.load(f"{out}/state-{rank}.pt"))
+        first = opt.inner_steps
+        check(first == STREAM_SAVE_AT, f"resumed at inner step {first}")
+    elif rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", opt.outer_parameters().numpy())
+    # The parameters the merge mixes with the outer ones (after the inner
+    # step that applies the sync).
+    seen = {}
+    merge = opt._merge
+
+    def spy(step):
+        seen["local"] = opt._local()
+        merge(step)
+    opt._merge = spy
+    checksums = []
+    period = STREAM_SYNC_EVERY // FRAGMENTS
+    for step in range(first, period * STREAM_SYNCS + overlap):
+        if phase == "save" and step == STREAM_SAVE_AT:
+            torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
+            return
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        done = opt.step_index
+        opt.step()
+        if opt.step_index == done:
+            continue
+        outer = done
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        x_outer = opt.outer_parameters()
+        local = seen["local"]
+        for q, (b, e) in enumerate(partitions):
+            if q % FRAGMENTS != outer % FRAGMENTS:
+                check(torch.equal(after[b:e], local[b:e]),
+                      f"sync {outer}: partition {q}, not synced, lost its local progress")
+                continue
+            want = x_outer[b:e] if not overlap else 0.5 * local[b:e] + 0.5 * x_outer[b:e]
+            check(torch.equal(after[b:e], want),
+                  f"sync {outer}: partition {q} is not the {'mix' if overlap else 'outer'}")
+        np.save(f"{out}/grad-{rank}-{outer}.npy", opt._grad.numpy())
+        checksums.append(opt.checksum())
+    json.dump(checksums, open(f"{out}/checksums-{rank}{'-resumed' if phase == 'resume' else ''}.json",
+                              "w"))
+
+
 def check_outer_steps(out):
     """The outer parameters follow torch's SGD with Nesterov momentum on the
     average of the ranks' pseudo-gradients (fp32: up to the rounding of the
@@ -140,7 +227,10 @@ if __name__ == "__main__":
         node_aggregation()
         sys.exit(0)
     if "--worker" in sys.argv:
-        worker(*sys.argv[-3:])
+        if sys.argv[-2] in ("0", "1"):  # streaming: out, overlap, phase
+            streaming_worker(*sys.argv[-3:])
+        else:
+            worker(*sys.argv[-3:])
         sys.exit(0)
     import subprocess
     run = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--nnodes", "1",
@@ -178,3 +268,26 @@ if __name__ == "__main__":
         check_ranks_match_simulator(out, RANKS, SYNCS)
         print(f"PASS: {SYNCS} syncs of {SYNC_EVERY} inner steps, {RANKS} ranks bit-identical to "
               f"each other and to the simulator ({codec})")
+    for overlap in ("0", "1"):
+        # Streaming: 6 syncs of alternating fragments, int4 with feedback;
+        # saved with the second fragment half-way and resumed in a fresh job.
+        out = tempfile.mkdtemp(prefix="morse-streaming-")
+        code, log = morse_run(__file__, RANKS, 2, out, overlap, "full")
+        print(log)
+        check(code == 0, f"the streaming job failed (overlap_steps {overlap})")
+        whole = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
+        saved = tempfile.mkdtemp(prefix="morse-streaming-resume-")
+        for phase in ("save", "resume"):
+            code, log = morse_run(__file__, RANKS, 2, saved, overlap, phase)
+            print(log)
+            check(code == 0, f"the streaming {phase} job failed (overlap_steps {overlap})")
+        done = STREAM_SAVE_AT // (STREAM_SYNC_EVERY // FRAGMENTS)
+        for r in range(RANKS):
+            resumed = json.load(open(f"{saved}/checksums-{r}-resumed.json"))
+            check(resumed == whole[r][done:],
+                  f"rank {r} resumed: {resumed}, uninterrupted: {whole[r][done:]}")
+        shutil.rmtree(saved)
+        check_ranks_match_simulator(out, RANKS, STREAM_SYNCS)
+        print(f"PASS: streaming DiLoCo, {FRAGMENTS} fragments, overlap_steps {overlap}: "
+              f"{STREAM_SYNCS} syncs bit-identical across {RANKS} ranks and to the simulator, "
+              f"resumed mid-fragment with the same bits")

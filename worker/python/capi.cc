@@ -19,6 +19,7 @@
 #include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
+#include "compress/step_plan.h"
 #include "compress/trace.h"
 #include "proto/job_config.h"
 #include "proto/security.h"
@@ -371,6 +372,24 @@ int morse_session_partitions(morse_session* s, uint64_t* ranges,
       ranges[2 * i] = partitions[i].range.begin;
       ranges[2 * i + 1] = partitions[i].range.end;
     }
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_idle(morse_session* s, int64_t step, uint32_t partition,
+                       int* idle) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    const auto& partitions = s->session->layout().partitions();
+    if (partition >= partitions.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("partition ", partition, " of ", partitions.size()));
+    }
+    if (idle == nullptr) return absl::InvalidArgumentError("idle is null");
+    *idle = morse::compress::Idle(s->session->job().algorithm, step,
+                                  partitions[partition].range.begin)
+                ? 1
+                : 0;
     return absl::OkStatus();
   });
 }

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 8
+#define MORSE_CAPI_VERSION 9
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -116,6 +116,10 @@ int morse_session_finish(morse_session* s, morse_step_traffic* traffic);
  * *count is the number of partitions (call with capacity 0 to ask). */
 int morse_session_partitions(morse_session* s, uint64_t* ranges,
                              uint64_t capacity, uint64_t* count);
+/* Whether partition `partition` sits step `step` out (*idle 1: streaming
+ * diloco's fragments not due, compress::Idle), else *idle 0. */
+int morse_session_idle(morse_session* s, int64_t step, uint32_t partition,
+                       int* idle);
 int64_t morse_session_step(morse_session* s);
 /* The sum of squares of the last step's averaged gradient when that step
    clipped it (clip_grad_norm): *present 1 and *value; else *present 0. */

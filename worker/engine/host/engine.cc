@@ -67,7 +67,7 @@ class HostEngine final : public Engine {
         return s;
       }
     }
-    payload->resize(compress::PayloadBytes(rule.codec, n));
+    payload->resize(compress::SendBytes(rule, n));
     return compress::EncodeWorkerMessage(rule, replica_, error_, p.range.begin,
                                          grad_.subspan(p.range.begin, n),
                                          grad_scale, AsBytes(payload));

@@ -69,6 +69,7 @@ def _load():
         "morse_session_send_partitions": ([P, ctypes.POINTER(U32), U32, P], I),
         "morse_session_finish": ([P, ctypes.POINTER(_Traffic)], I),
         "morse_session_partitions": ([P, ctypes.POINTER(U64), U64, ctypes.POINTER(U64)], I),
+        "morse_session_idle": ([P, ctypes.c_int64, ctypes.c_uint32, ctypes.POINTER(I)], I),
         "morse_session_step": ([P], I64),
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
@@ -109,7 +110,7 @@ def _load():
         "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
     lib.morse_capi_version.argtypes, lib.morse_capi_version.restype = [], I
-    if lib.morse_capi_version() != 8:  # before a newer function is missing
+    if lib.morse_capi_version() != 9:  # before a newer function is missing
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
                          "this package needs 8")
     for name, (args, result) in sigs.items():
@@ -266,6 +267,13 @@ class Session:
         ranges = (ctypes.c_uint64 * (2 * count.value))()
         _check(_lib.morse_session_partitions(self._handle, ranges, count.value, ctypes.byref(count)))
         return [(ranges[2 * i], ranges[2 * i + 1]) for i in range(count.value)]
+
+    def idle(self, step, partition):
+        """Whether `partition` sits `step` out (streaming diloco's fragments
+        not due)."""
+        idle = ctypes.c_int()
+        _check(_lib.morse_session_idle(self._handle, step, partition, ctypes.byref(idle)))
+        return bool(idle.value)
 
     @property
     def step_index(self):

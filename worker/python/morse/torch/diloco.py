@@ -11,6 +11,15 @@ takes one outer step of SGD with Nesterov momentum on it; each rank then
 restarts its inner steps from the new outer parameters. The outer
 parameters and momentum stay on the host, whatever device the model is on:
 a sync costs one copy of the model each way, once per sync_every steps.
+
+Streaming DiLoCo (Douillard et al. 2025): with fragments=F the shards'
+partitions form F strided fragments (partition q in fragment q mod F), and
+every sync_every / F inner steps one fragment syncs, in turn; each fragment
+thus syncs every sync_every steps, and the traffic is spread evenly instead
+of in bursts. With overlap_steps=tau the sync's exchange runs while tau more
+inner steps do, and the fragment's parameters then become
+mixing * local + (1 - mixing) * outer (mixing 0.5 by default with an
+overlap, 0, the outer parameters, without).
 """
 import copy
 import os
@@ -47,7 +56,11 @@ class DiLoCo:
 
     outer_lr (0.7), outer_momentum (0.9) and nesterov (True) are the
     paper's defaults; outer_momentum=0 and outer_lr=1 average the ranks'
-    models (federated averaging). Learning-rate schedulers take the inner
+    models (federated averaging). fragments=F (dividing sync_every and the
+    job's partitions) syncs one of F fragments every sync_every / F steps
+    (Streaming DiLoCo); overlap_steps=tau (less than sync_every / F) applies
+    each sync tau inner steps after it began, mixing the fragment's local
+    parameters with the new outer ones by `mixing`. Learning-rate schedulers take the inner
     optimizer. Rank 0's initial parameters become every rank's. Every rank
     holds bit-identical outer parameters after each sync, as do the shards'
     mirrors and the simulator fed the same pseudo-gradients.
@@ -58,7 +71,8 @@ class DiLoCo:
     and load each into a fresh job to continue the run exactly."""
 
     def __init__(self, params, inner_optimizer, *, sync_every=500, outer_lr=0.7,
-                 outer_momentum=0.9, nesterov=True, codec="fp32", down_codec=None,
+                 outer_momentum=0.9, nesterov=True, fragments=1, overlap_steps=0, mixing=None,
+                 codec="fp32", down_codec=None,
                  feedback=None, feedback_beta=None, steps=0, config=None, rank=None,
                  world_size=None, servers=None, block_elems=None, partition_elems=None,
                  security=None):
@@ -71,6 +85,21 @@ class DiLoCo:
                              "own: give it a torch optimizer (e.g. torch.optim.AdamW)")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r}: a whole number of inner steps, at least 1")
+        for name, value in (("fragments", fragments), ("overlap_steps", overlap_steps)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r}: a whole number")
+        if fragments < 1 or sync_every % fragments:
+            raise ValueError(f"fragments={fragments}: at least 1, and dividing "
+                             f"sync_every={sync_every} (each fragment syncs every sync_every "
+                             "steps, one every sync_every / fragments)")
+        period = sync_every // fragments
+        if not 0 <= overlap_steps < period:
+            raise ValueError(f"overlap_steps={overlap_steps}: in [0, {period}) (a sync must be "
+                             f"applied before the next begins, sync_every / fragments = {period} "
+                             "steps later)")
+        mixing = (0.5 if overlap_steps else 0.0) if mixing is None else _float("mixing", mixing)
+        if not 0 <= mixing < 1:
+            raise ValueError(f"mixing={mixing!r}: in [0, 1)")
         outer_lr = _float("outer_lr", outer_lr)
         outer_momentum = _float("outer_momentum", outer_momentum)
         if not outer_lr > 0:
@@ -93,6 +122,9 @@ class DiLoCo:
                                 "float32 parameters")
         self.inner = inner_optimizer
         self.sync_every = sync_every
+        self.fragments, self.overlap_steps, self.mixing = fragments, overlap_steps, mixing
+        self._period = period  # inner steps between two syncs
+        self._in_flight = None  # (the sync's step, the inner step that applies it)
         if feedback is None:
             feedback = "none" if codec in ("fp32", "fp16", "bf16") else "ef"
         codecs = _codec_lines(codec, down_codec, feedback, feedback_beta)
@@ -111,7 +143,8 @@ class DiLoCo:
             external,
             'optimizer: "diloco"',
             f"diloco {{ sync_every: {sync_every} outer_lr: {outer_lr!r} "
-            f"outer_momentum: {outer_momentum!r} nesterov: {'true' if nesterov else 'false'} }}",
+            f"outer_momentum: {outer_momentum!r} nesterov: {'true' if nesterov else 'false'}"
+            + (f" fragments: {fragments}" if fragments > 1 else "") + " }",
             f"lr {{ lr: {outer_lr!r} }}",
             f"steps: {steps}",
         ] + codecs
@@ -135,11 +168,12 @@ class DiLoCo:
         # (MORSE_REJOIN=1) starts from both.
         self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, self._rank)
         self._inner_steps = 0
+        self._partitions = self._session.partitions()
         if os.environ.get("MORSE_REJOIN") == "1":
             self._rejoin()
         else:
             self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
-        self._to_params()
+            self._to_params()
         self.last_sync = {}
 
     def _inner_path(self):
@@ -169,13 +203,23 @@ class DiLoCo:
             print(f"morse: rank {self._rank} rejoins at sync {step} without a checkpoint: the "
                   "shards' outer parameters, a zero error buffer and a fresh inner optimizer",
                   flush=True)
-        self._inner_steps = step * self.sync_every
+        self._inner_steps = step * self._period
+        if has_inner:
+            # Its own parameters (fragments not yet synced keep their local
+            # progress) and step count (an overlapped sync is saved when it
+            # is applied).
+            self._inner_steps = saved.get("inner_steps", self._inner_steps)
+            if "params" in saved:
+                self._set_local(saved["params"])
+                return
+        self._to_params()
 
     def _save_checkpoint(self):
         """The inner optimizer's state beside the session's checkpoint, both
         of this sync (the inner one renamed into place last)."""
         step = self._session.step_index
-        torch.save({"step": step, "rank": self._rank, "inner": self.inner.state_dict()},
+        torch.save({"step": step, "rank": self._rank, "inner": self.inner.state_dict(),
+                    "inner_steps": self._inner_steps, "params": self._local()},
                    self._inner_path() + ".tmp")
         self._session.save_checkpoint(self._checkpoint)
         os.replace(self._inner_path() + ".tmp", self._inner_path())
@@ -188,8 +232,12 @@ class DiLoCo:
 
     @torch.no_grad()
     def _to_params(self):
+        self._set_local(self._x)
+
+    @torch.no_grad()
+    def _set_local(self, flat):
         for p, (lo, hi) in zip(self._params, self._ranges):
-            p.copy_(self._x[lo:hi].view_as(p))
+            p.copy_(flat[lo:hi].view_as(p))
 
     @property
     def param_groups(self):
@@ -227,16 +275,58 @@ class DiLoCo:
         parameters to the new outer parameters."""
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self._inner_steps += 1
-        if self._inner_steps % self.sync_every == 0:
+        if self._in_flight is not None and self._inner_steps == self._in_flight[1]:
+            self._apply()
+        if self._inner_steps % self._period == 0:
             self.sync()
         return loss
 
     @torch.no_grad()
     def sync(self):
-        """An outer step now (step() calls it every sync_every steps)."""
+        """An outer step now (step() calls it every sync_every / fragments
+        steps): pushes this rank's pseudo-gradient (of the fragment due),
+        and, without overlap_steps, waits for the outer step and sets the
+        parameters (the fragment's) to the new outer parameters."""
+        if self._in_flight is not None:
+            raise MorseError(f"FAILED_PRECONDITION: the sync begun for outer step "
+                             f"{self._in_flight[0]} is applied at inner step "
+                             f"{self._in_flight[1]}; sync() cannot begin another before")
+        step = self._session.step_index
         torch.sub(self._x, self._local(), out=self._grad)
-        self.last_sync = self._session.step(self._grad.numpy())
-        self._to_params()
+        if not self.overlap_steps:
+            self.last_sync = self._session.step(self._grad.numpy())
+            self._merge(step)
+            return
+        # The exchange runs while the next overlap_steps inner steps do.
+        self._session.begin(self._grad.numpy())
+        self._session.send_partitions(list(range(len(self._partitions))))
+        self._in_flight = (step, self._inner_steps + self.overlap_steps)
+
+    @torch.no_grad()
+    def _apply(self):
+        """The sync in flight (overlap_steps): its outer step, then the merge."""
+        step, _ = self._in_flight
+        self._in_flight = None
+        self.last_sync = self._session.finish()
+        self._merge(step)
+
+    @torch.no_grad()
+    def _merge(self, step):
+        """After outer step `step`: the synced partitions' parameters become
+        the outer ones (mixing 0) or mixing * local + (1 - mixing) * outer;
+        the other fragments' keep their local progress."""
+        if self.fragments == 1 and self.mixing == 0:
+            self._to_params()
+        else:
+            local = self._local()
+            for q, (b, e) in enumerate(self._partitions):
+                if self._session.idle(step, q):
+                    continue
+                if self.mixing == 0:
+                    local[b:e] = self._x[b:e]
+                else:
+                    local[b:e] = self.mixing * local[b:e] + (1 - self.mixing) * self._x[b:e]
+            self._set_local(local)
         if self._checkpoint and self._session.step_index % self._checkpoint_every == 0:
             self._save_checkpoint()
 
@@ -250,13 +340,20 @@ class DiLoCo:
         return self._session.checksum()
 
     def state_dict(self):
+        if self._in_flight is not None:
+            raise MorseError(
+                f"FAILED_PRECONDITION: a sync is in flight (outer step {self._in_flight[0]}, applied "
+                f"at inner step {self._in_flight[1]}; now {self._inner_steps}): call state_dict() "
+                f"after it is applied, when inner_steps % {self._period} is at least "
+                f"overlap_steps={self.overlap_steps}")
         step, m, _, error = self._session.get_state()
         outer = {"step": step, "rank": self._rank, "params": self._x.clone(),
                  "momentum": torch.from_numpy(m), "worker_error": torch.from_numpy(error)}
         if self._rank == 0:
             outer["server_error"] = torch.from_numpy(self._session.server_error())
         return {"inner": self.inner.state_dict(), "inner_steps": self._inner_steps,
-                "sync_every": self.sync_every, "params": self._local(), "outer": outer}
+                "sync_every": self.sync_every, "fragments": self.fragments,
+                "overlap_steps": self.overlap_steps, "params": self._local(), "outer": outer}
 
     def load_state_dict(self, state_dict):
         """Restores a run saved with state_dict() before the first step(), on
@@ -275,6 +372,10 @@ class DiLoCo:
             raise ValueError(f"this state_dict was saved with sync_every="
                              f"{state_dict.get('sync_every')!r}, this optimizer has "
                              f"{self.sync_every}; build it with the saved value")
+        for key, mine in (("fragments", self.fragments), ("overlap_steps", self.overlap_steps)):
+            if state_dict.get(key, 1 if key == "fragments" else 0) != mine:
+                raise ValueError(f"this state_dict was saved with {key}={state_dict.get(key)!r}, "
+                                 f"this optimizer has {mine}; build it with the saved value")
         saved_rank = outer.get("rank", self._rank)
         if saved_rank != self._rank and bool(outer["worker_error"].abs().max() > 0):
             raise ValueError(f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: "
@@ -286,9 +387,10 @@ class DiLoCo:
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
         inner_steps = int(state_dict["inner_steps"])
         step = int(outer["step"])
-        if step != inner_steps // self.sync_every:
+        if step != inner_steps // self._period:
             raise ValueError(f"this state_dict has {inner_steps} inner steps but {step} outer "
-                             f"ones, which sync_every={self.sync_every} does not give")
+                             f"ones, which sync_every={self.sync_every} and "
+                             f"fragments={self.fragments} do not give")
         # The inner optimizer's state first (torch checks it), put back if
         # the session refuses the rest: nothing changes on an error.
         saved_inner = copy.deepcopy(self.inner.state_dict())
