@@ -68,6 +68,8 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Connect(
   return session;
 }
 
+Session::~Session() { exchange_.reset(); }
+
 Session::Session(const proto::JobSpec& job, uint32_t rank,
                  compress::Layout layout, absl::Span<float> x)
     : job_(job),

@@ -47,6 +47,10 @@ class Session {
       const proto::JobSpec& job, uint32_t rank,
       std::unique_ptr<Transport> transport, absl::Span<float> x = {},
       int compute_threads = 0, bool tls = false);
+  // A step still in flight (begun and never finished: a script that ends
+  // with a DiLoCo sync overlapped) is waited for first: its encodes and
+  // replies use the engine.
+  ~Session();
 
   // Starts training. Fresh: rank 0 uploads x as the initial parameters and
   // every other rank replaces its x with them, so all start equal. Resume:

@@ -18,7 +18,10 @@ freeze at 50%) is compared with LAMB written here in torch at the same lr
 the model's lr as the inner optimizer on each rank's half of the batch, H
 inner steps per outer step, the pseudo-gradient in CODEC (error feedback
 for int8, int4 and sign1), the paper's outer optimizer (lr 0.7, Nesterov
-momentum 0.9; --diloco-outer sets others). It prints held-out loss and accuracy, the relative gap of
+momentum 0.9; --diloco-outer sets others). Streaming DiLoCo runs as
+diloco-H-CODEC-sF (F fragments, one synced every H/F steps) or
+diloco-H-CODEC-sF-oT (each sync applied T inner steps later, mixing 0.5),
+with partitions small enough that F divides their count. It prints held-out loss and accuracy, the relative gap of
 the held-out loss to the reference, and the bytes each worker pushed per
 step (payload, averaged over the run).
 
@@ -31,7 +34,7 @@ docs/convergence.md.
 
     tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
                                [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb,
-                                             diloco-H-CODEC]
+                                             diloco-H-CODEC[-sF[-oT]]]
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
                                [--lamb-freeze F] [--diloco-outer LR,MOMENTUM]
                                [--block-elems N] [--seeds N]
@@ -268,13 +271,21 @@ def worker(task, optimizer):
                                      freeze_step=max(1, int(task.steps * freeze)),
                                      block_elems=block_elems)
     elif optimizer.startswith("diloco-"):
-        _, every, codec = optimizer.split("-")
+        every, codec, fragments, overlap = diloco_spec(optimizer)
         inner = torch.optim.Adam(model.parameters(), lr=lr)
         outer_lr, outer_momentum = (float(v) for v in
                                     os.environ.get("MORSE_DILOCO_OUTER", "0.7,0.9").split(","))
-        opt = morse.torch.DiLoCo(model, inner, sync_every=int(every), codec=codec,
+        streaming = {}
+        if fragments > 1:
+            # The largest partitions whose count F divides (one shard).
+            dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            block = block_elems or 2048
+            size = next(block * m for m in range(-(-dim // (block * fragments)), 0, -1)
+                        if -(-dim // (block * m)) % fragments == 0)
+            streaming = dict(fragments=fragments, overlap_steps=overlap, partition_elems=size)
+        opt = morse.torch.DiLoCo(model, inner, sync_every=every, codec=codec,
                                  outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                 block_elems=block_elems)
+                                 block_elems=block_elems, **streaming)
     elif optimizer == "loco":
         opt = morse.torch.Adam(model.parameters(), lr=lr, codec="int4", feedback="ema",
                                feedback_beta=0.5, block_elems=block_elems)
@@ -318,11 +329,29 @@ REFERENCE = {"onebit_lamb": "lamb"}
 DEFAULT_OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam")
 
 
-def is_diloco(name):
-    """Whether `name` is diloco-H-CODEC."""
+def diloco_spec(name):
+    """(H, CODEC, F, T) of diloco-H-CODEC[-sF[-oT]], or None."""
     parts = name.split("-")
-    return (len(parts) == 3 and parts[0] == "diloco" and parts[1].isdigit() and int(parts[1]) >= 1
-            and parts[2] in ("fp32", "fp16", "bf16", "int8", "int4", "sign1"))
+    if not (3 <= len(parts) <= 5 and parts[0] == "diloco" and parts[1].isdigit()
+            and int(parts[1]) >= 1 and parts[2] in ("fp32", "fp16", "bf16", "int8", "int4", "sign1")):
+        return None
+    fragments, overlap = 1, 0
+    if len(parts) >= 4:
+        if parts[3][:1] != "s" or not parts[3][1:].isdigit() or int(parts[3][1:]) < 1:
+            return None
+        fragments = int(parts[3][1:])
+    if len(parts) == 5:
+        if parts[4][:1] != "o" or not parts[4][1:].isdigit():
+            return None
+        overlap = int(parts[4][1:])
+    if int(parts[1]) % fragments or overlap >= int(parts[1]) // fragments:
+        return None
+    return int(parts[1]), parts[2], fragments, overlap
+
+
+def is_diloco(name):
+    """Whether `name` is diloco-H-CODEC[-sF[-oT]]."""
+    return diloco_spec(name) is not None
 
 
 def main():
@@ -398,7 +427,8 @@ def main():
         parser.error(f"unknown model {bad!r}: cnn, gru or attention")
     for bad in [o for o in optimizers if o not in OPTIMIZERS and not is_diloco(o)]:
         parser.error(f"unknown optimizer {bad!r}: one of {', '.join(OPTIMIZERS)}, or "
-                     "diloco-H-CODEC (H >= 1; CODEC fp32, fp16, bf16, int8, int4 or sign1)")
+                     "diloco-H-CODEC[-sF[-oT]] (H >= 1; CODEC fp32, fp16, bf16, int8, int4 or sign1; "
+                     "F fragments dividing H; T < H/F overlap steps)")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.steps < 1:
