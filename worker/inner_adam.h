@@ -6,6 +6,11 @@
 // own and carry over from one outer step to the next, as DiLoCo's inner
 // optimizer state does. Save/Load keep them beside the worker's checkpoint,
 // so that a restarted worker continues the run exactly.
+//
+// Streaming DiLoCo (diloco.fragments F > 1): an outer step is sync_every / F
+// inner steps, and only the partitions the previous step synced start again
+// from the outer parameters; the others keep this worker's progress, which
+// Save/Load then keep too.
 #ifndef MORSE_WORKER_INNER_ADAM_H_
 #define MORSE_WORKER_INNER_ADAM_H_
 
@@ -16,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "compress/algorithm.h"
+#include "compress/layout.h"
 #include "worker/workload.h"
 
 namespace morse::worker {
@@ -24,11 +30,14 @@ class InnerAdam {
  public:
   InnerAdam(const compress::AlgorithmConfig& config, uint64_t dim);
 
-  // Inner steps per outer step (sync_every).
-  int64_t steps() const { return config_.diloco.sync_every; }
+  // Inner steps per outer step (sync_every / fragments).
+  int64_t steps() const {
+    return config_.diloco.sync_every / config_.diloco.fragments;
+  }
 
-  // Outer step `step`'s inner steps (step * sync_every + h for h < sync_every,
-  // the workload's step numbers) from `outer`; writes x_outer - x_local to
+  // Outer step `step`'s inner steps (step * steps() + h for h < steps(), the
+  // workload's step numbers) from `outer` (the partitions step - 1 synced;
+  // all of it at step 0 and without fragments); writes x_outer - x_local to
   // `pseudo_gradient` and returns the inner steps' mean loss.
   absl::StatusOr<double> Run(int64_t step, Workload& workload,
                              absl::Span<const float> outer,
@@ -62,7 +71,11 @@ class InnerAdam {
   // Adam's scalars of inner step `inner` (0-based, over the whole run).
   compress::AdamScalars Scalars(int64_t inner) const;
 
+  // x_ of the partitions that outer step `step` starts from `outer`.
+  void StartFrom(int64_t step, absl::Span<const float> outer);
+
   compress::AlgorithmConfig config_;
+  compress::Layout layout_;
   compress::LrSchedule schedule_;  // over inner steps
   std::vector<float> x_, m_, v_, grad_;
 };

@@ -159,15 +159,6 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
     if (!held.ok()) return held.status();
     resume = options_.rank != 0 || *held;
   }
-  if (job_.algorithm.diloco.fragments > 1) {
-    // Its inner Adam restarts the whole model from the outer parameters at
-    // every step; streaming needs each fragment's local progress kept.
-    return absl::UnimplementedError(absl::StrCat(
-        "diloco.fragments ", job_.algorithm.diloco.fragments,
-        ": streaming DiLoCo runs in morse.torch.DiLoCo(fragments=...); "
-        "morse-worker's built-in workloads sync the whole model (fragments "
-        "1)"));
-  }
   auto first = session_->Start(resume, checkpoint_);
   if (!first.ok()) return first.status();
   first_step_ = next_step_ = *first;

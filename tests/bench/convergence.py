@@ -2,7 +2,10 @@
 """Convergence of Morse's optimizers against torch.optim.Adam on models nobody
 tuned for (issue 13): a ReLU CNN on the UCI digits (Debian's python3-sklearn),
 a character-level GRU language model and a one-layer causal transformer on
-the license texts every Debian system ships (/usr/share/common-licenses).
+the license texts every Debian system ships (/usr/share/common-licenses),
+and "gpt": a GPT-like model (two pre-norm blocks of causal attention and
+MLP, width 128, 4 heads, context 64, 0.4M parameters) on the same texts,
+for a token budget (steps x workers x 16 sequences x 64 tokens).
 
 Each model trains with torch.optim.Adam in one process on the global batch
 (the union of every rank's batch: exactly synchronous data-parallel Adam),
@@ -32,7 +35,7 @@ with the host's CPU as much as with another seed (issue 34), so ctest's
 checks run 3-6 seeds and the 2% claims over many seeds are in
 docs/convergence.md.
 
-    tests/bench/convergence.py [--steps N] [--models cnn,gru,attention]
+    tests/bench/convergence.py [--steps N] [--models cnn,gru,attention,gpt] [--workers N]
                                [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb,
                                              diloco-H-CODEC[-sF[-oT]]]
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
@@ -52,7 +55,8 @@ import time
 import numpy as np
 import torch
 
-WORKERS = 2
+# Workers per run (--workers; the torch reference's global batch is theirs).
+WORKERS = int(os.environ.get("MORSE_CONVERGENCE_WORKERS", "2"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 import seeds as seed_check  # noqa: E402  (tests/python/seeds.py: the pass/fail rule)
@@ -101,6 +105,8 @@ class Task:
                 torch.nn.Linear(64, 10))
         if self.name == "gru":
             return CharModel(self.vocab, "gru")
+        if self.name == "gpt":
+            return Gpt(self.vocab)
         return CharModel(self.vocab, "attention")
 
     def batch(self, rank, step):
@@ -162,7 +168,32 @@ class CharModel(torch.nn.Module):
         return self.head(h)
 
 
-LR = {"cnn": 2e-3, "gru": 3e-3, "attention": 1e-3}
+class Gpt(torch.nn.Module):
+    """GPT-like: token and position embeddings, pre-norm blocks of causal
+    self-attention and a 4x MLP (GELU), a final LayerNorm and a linear head."""
+
+    def __init__(self, vocab, width=128, heads=4, layers=2, context=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.position = torch.nn.Parameter(torch.randn(context, width) * 0.02)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                             activation="gelu", batch_first=True,
+                                             norm_first=True)
+            for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        h = self.embed(x) + self.position[:t]
+        for block in self.blocks:
+            h = block(h, src_mask=mask)
+        return self.head(self.norm(h))
+
+
+LR = {"cnn": 2e-3, "gru": 3e-3, "attention": 1e-3, "gpt": 1e-3}
 # LAMB moves each layer by about lr * ||x|| a step, not lr per element as
 # Adam does: LAMB and OneBitLamb run at this multiple of the model's Adam lr
 # (LAMB's best of 1x, 3x, 10x on the cnn and the gru; docs/convergence.md).
@@ -355,10 +386,14 @@ def is_diloco(name):
 
 
 def main():
+    global WORKERS
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
     parser.add_argument("--models", default="cnn,gru,attention",
-                        help="any of cnn, gru, attention (default: all three)")
+                        help="any of cnn, gru, attention, gpt (default: the first three)")
+    parser.add_argument("--workers", type=int, default=WORKERS,
+                        help=f"workers per Morse run (default {WORKERS}); the torch reference "
+                             "trains on their union")
     parser.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                         help="any of " + ", ".join(OPTIMIZERS) + " (default: " +
                              ",".join(DEFAULT_OPTIMIZERS) + ")")
@@ -411,7 +446,11 @@ def main():
         parser.error("--diloco-outer needs LR,MOMENTUM with LR > 0 and MOMENTUM in [0, 1)")
     if args.block_elems < 0 or args.block_elems % 16:
         parser.error("--block-elems must be a positive multiple of 16")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     if not args.worker:
+        WORKERS = args.workers
+        os.environ["MORSE_CONVERGENCE_WORKERS"] = str(args.workers)
         os.environ["MORSE_BLOCK_ELEMS"] = str(args.block_elems)
         os.environ["MORSE_ZERO_ONE_SCHEDULE"] = args.zero_one_schedule
         os.environ["MORSE_LAMB_LR_SCALE"] = repr(args.lamb_lr_scale)
@@ -423,8 +462,8 @@ def main():
         return 0
     models = args.models.split(",")
     optimizers = args.optimizers.split(",")
-    for bad in [m for m in models if m not in ("cnn", "gru", "attention")]:
-        parser.error(f"unknown model {bad!r}: cnn, gru or attention")
+    for bad in [m for m in models if m not in ("cnn", "gru", "attention", "gpt")]:
+        parser.error(f"unknown model {bad!r}: cnn, gru, attention or gpt")
     for bad in [o for o in optimizers if o not in OPTIMIZERS and not is_diloco(o)]:
         parser.error(f"unknown optimizer {bad!r}: one of {', '.join(OPTIMIZERS)}, or "
                      "diloco-H-CODEC[-sF[-oT]] (H >= 1; CODEC fp32, fp16, bf16, int8, int4 or sign1; "

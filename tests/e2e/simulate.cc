@@ -3,6 +3,7 @@
 #include "absl/strings/str_format.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
+#include "compress/step_plan.h"
 #include "compress/update_rules.h"
 #include "gtest/gtest.h"
 #include "tests/e2e/expected.h"
@@ -29,7 +30,11 @@ Expected Simulate(const proto::JobSpec& job,
   std::vector<std::vector<float>> inner_m(job.workers(), grads[0]),
       inner_v(inner_m), local(inner_m), inner_grad(inner_m);
   compress::LrSchedule inner_lr = a.lr;
-  inner_lr.total_steps *= a.diloco.sync_every;
+  // Streaming (fragments F > 1): sync_every / F inner steps per outer step,
+  // and only what the last step synced starts again from x.
+  const int64_t period = a.diloco.sync_every / a.diloco.fragments;
+  inner_lr.total_steps *= period;
+  const compress::Layout layout = *compress::Layout::Create(a.layout);
   for (int64_t step = 0; step < job.steps; ++step) {
     for (uint32_t r = 0; r < job.workers(); ++r) {
       if (!diloco) {
@@ -43,9 +48,14 @@ Expected Simulate(const proto::JobSpec& job,
         std::fill(inner_m[r].begin(), inner_m[r].end(), 0.0f);
         std::fill(inner_v[r].begin(), inner_v[r].end(), 0.0f);
       }
-      std::copy(sim->x().begin(), sim->x().end(), local[r].begin());
-      for (int64_t h = 0; h < a.diloco.sync_every; ++h) {
-        const int64_t t = step * a.diloco.sync_every + h;
+      for (const compress::Partition& p : layout.partitions()) {
+        if (step > 0 && compress::Idle(a, step - 1, p.range.begin)) continue;
+        std::copy(sim->x().begin() + p.range.begin,
+                  sim->x().begin() + p.range.end,
+                  local[r].begin() + p.range.begin);
+      }
+      for (int64_t h = 0; h < period; ++h) {
+        const int64_t t = step * period + h;
         EXPECT_TRUE(workloads[r]
                         .Gradient(t, local[r], absl::MakeSpan(inner_grad[r]))
                         .ok());

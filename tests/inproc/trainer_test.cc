@@ -209,6 +209,59 @@ TEST(TrainerTest, DilocoStepsAreTheSimulatorsAndARejoinIsRefused) {
       << again.status();
 }
 
+// Streaming DiLoCo (design.md 2.11) with the built-in workload: 2 fragments
+// of the 6 partitions, 2 inner Adam steps per outer step, each step syncing
+// one fragment while the other keeps the worker's progress; the worker is
+// the simulator's after every step. Killed after step 4 and rejoined from
+// its checkpoint of step 4 (with the inner Adam state and its own
+// parameters beside it), it goes on with the same bits.
+TEST(TrainerTest, StreamingDilocoStepsAreTheSimulatorsAcrossARejoin) {
+  auto job = proto::ParseJobConfig(R"(
+    workers: 1 shards: 2
+    synthetic { dim: 3000 noise: 0.1 }
+    lr { lr: 0.01 }
+    steps: 7
+    block_elems: 256
+    partition_elems: 512
+    optimizer: "diloco" diloco { sync_every: 4 fragments: 2 outer_lr: 0.8 }
+    up_codec { codec: "int4" } worker_feedback { mode: "ef" }
+    checkpoint { every_steps: 2 }
+    timeouts { connect_seconds: 10 step_seconds: 10 rpc_seconds: 2 })",
+                                   proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const std::string dir = MakeTempDir("morse-streaming");
+  ASSERT_NE(dir, "");
+  auto cluster = InProcessCluster::Create(*job, {dir});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  worker::TrainerOptions options;
+  options.checksums = true;
+  options.security.insecure = true;
+  options.checkpoint_dir = dir;
+  options.log = [](const std::string&) {};
+  const testing::Expected expected = testing::Simulate(*job);
+  auto trainer = worker::Trainer::Create(*job, options, (*cluster)->Connect());
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  for (int64_t step = 0; step < 5; ++step) {
+    auto record = (*trainer)->Step();
+    ASSERT_TRUE(record.ok()) << record.status();
+    EXPECT_EQ(absl::StrFormat("%016x", *record->checksum),
+              expected.worker[0][step])
+        << "step " << step;
+  }
+  trainer->reset();
+  options.rejoin = true;
+  auto again = worker::Trainer::Create(*job, options, (*cluster)->Connect());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ((*again)->first_step(), 4);
+  while (!(*again)->done()) {
+    auto record = (*again)->Step();
+    ASSERT_TRUE(record.ok()) << record.status();
+    EXPECT_EQ(absl::StrFormat("%016x", *record->checksum),
+              expected.worker[0][record->step])
+        << "step " << record->step << " after the rejoin";
+  }
+}
+
 TEST(TrainerTest, RefusesAnUnknownDeviceBeforeJoining) {
   const proto::JobSpec job = Job();
   auto cluster = InProcessCluster::Create(job, {});
