@@ -54,9 +54,13 @@ SCHEMES = {
     # outer step; the report gives it per inner step (INNER_STEPS).
     "diloco": 'optimizer: "diloco" diloco { sync_every: 10 } up_codec { codec: "int4" } '
               'worker_feedback { mode: "ef" }',
+    # Streaming DiLoCo: the same, in 2 fragments (half the partitions each),
+    # one synced every 5 inner steps. D must give an even partition count.
+    "diloco_streaming": 'optimizer: "diloco" diloco { sync_every: 10 fragments: 2 } '
+                        'up_codec { codec: "int4" } worker_feedback { mode: "ef" }',
 }
 LAYER_ELEMS = {"onebit_lamb": 1 << 20}
-INNER_STEPS = {"diloco": 10}
+INNER_STEPS = {"diloco": 10, "diloco_streaming": 5}
 PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
          # exchange users would otherwise pick for 1-bit Adam.
