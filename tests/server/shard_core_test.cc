@@ -155,6 +155,65 @@ class ShardCoreTest : public ::testing::Test {
   std::unique_ptr<ShardCore> core_;
 };
 
+// Streaming DiLoCo (design.md 2.11): in step 0 of 2 fragments, shard 1's
+// partitions 3 and 5 sit the step out and partition 4 syncs. An idle
+// partition takes empty pushes only (bytes are INVALID_ARGUMENT and change
+// nothing), replies with nothing, and its mirror stays as it was; the due
+// one averages and replies as ever.
+TEST(StreamingDilocoShardTest, AnIdlePartitionTakesEmptyPushesAndStaysAsItWas) {
+  auto job = proto::ParseJobConfig(R"(
+    workers: 3 shards: 2
+    synthetic { dim: 300 }
+    lr { lr: 0.01 }
+    steps: 10
+    block_elems: 16
+    partition_elems: 64
+    optimizer: "diloco" diloco { sync_every: 2 fragments: 2 }
+    up_codec { codec: "fp32" } down_codec { codec: "fp32" })",
+                                   proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto core = ShardCore::Create(*job, 1);
+  ASSERT_TRUE(core.ok()) << core.status();
+  InitializeAll(**core);
+  const auto parts = (*core)->layout().shard_partitions(1);
+  ASSERT_EQ(parts.size(), 3u);
+  ASSERT_EQ(parts[0].id, 3u);
+  const uint64_t fingerprint = (*core)->layout().fingerprint();
+  const auto before = (*core)->FetchPartition(3, fingerprint);
+  ASSERT_TRUE(before.ok()) << before.status();
+  const auto push = [&](PushArgs args) {
+    auto got = std::make_shared<absl::StatusOr<std::shared_ptr<const Reply>>>(
+        absl::UnknownError("pending"));
+    (*core)->Push(std::move(args), [got](auto r) { *got = std::move(r); });
+    return got;
+  };
+  const compress::CodecSpec fp32 = compress::PlanStep(job->algorithm, 0).up;
+  auto refused = push(EncodedPush(fingerprint, fp32, 0, 0, parts[0]));
+  EXPECT_EQ(refused->status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused->status().message().find("sits this step out"),
+            std::string::npos)
+      << refused->status();
+  std::vector<std::shared_ptr<absl::StatusOr<std::shared_ptr<const Reply>>>>
+      idle, due;
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs empty = EncodedPush(fingerprint, fp32, 0, r, parts[0]);
+    empty.payload.clear();
+    idle.push_back(push(std::move(empty)));
+    due.push_back(push(EncodedPush(fingerprint, fp32, 0, r, parts[1])));
+  }
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(idle[r]->ok()) << idle[r]->status();
+    EXPECT_TRUE((**idle[r])->payload.empty());
+    ASSERT_TRUE(due[r]->ok()) << due[r]->status();
+    EXPECT_EQ((**due[r])->payload.size(), 4 * parts[1].range.size());
+  }
+  const auto after = (*core)->FetchPartition(3, fingerprint);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->completed_steps, 1);
+  EXPECT_EQ(after->x, before->x);
+  EXPECT_EQ(after->m, before->m);
+}
+
 TEST_F(ShardCoreTest, ArrivalOrderDoesNotChangeTheReply) {
   std::vector<std::string> replies;
   std::vector<uint32_t> order = {0, 1, 2};
