@@ -299,5 +299,24 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::ValuesIn(kDiloco)),
     ParamName);
 
+// Streaming DiLoCo (design.md 2.11): 3 fragments of the 6 partitions two
+// shards give this layout, one synced per step, 2 inner Adam steps apart;
+// a rejoining worker also restores its own values of the fragments not
+// synced (inner_x).
+constexpr Scheme kStreaming[] = {
+    {"diloco_streaming", R"(optimizer: "diloco"
+       diloco { sync_every: 6 fragments: 3 }
+       up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
+};
+INSTANTIATE_TEST_SUITE_P(
+    Streaming, FaultSweepTest,
+    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
+                                         Faults::kDuplicatesAndReordering,
+                                         Faults::kDrops, Faults::kShardKilled,
+                                         Faults::kWorkerKilled),
+                       ::testing::Values(1u, 3u), ::testing::Values(2u),
+                       ::testing::ValuesIn(kStreaming)),
+    ParamName);
+
 }  // namespace
 }  // namespace morse::inproc
