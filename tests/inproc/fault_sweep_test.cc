@@ -271,15 +271,16 @@ std::string ParamName(const ::testing::TestParamInfo<Param>& info) {
       std::get<2>(info.param), "shards_", std::get<3>(info.param).name);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Sweep, FaultSweepTest,
-    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
-                                         Faults::kDuplicatesAndReordering,
-                                         Faults::kDrops, Faults::kShardKilled,
-                                         Faults::kWorkerKilled),
-                       ::testing::Values(1u, 3u), ::testing::Values(1u, 2u),
-                       ::testing::ValuesIn(kSchemes)),
-    ParamName);
+// Every fault each suite below is swept over.
+constexpr Faults kEveryFault[] = {
+    Faults::kNone,  Faults::kLossy,       Faults::kDuplicatesAndReordering,
+    Faults::kDrops, Faults::kShardKilled, Faults::kWorkerKilled};
+INSTANTIATE_TEST_SUITE_P(Sweep, FaultSweepTest,
+                         ::testing::Combine(::testing::ValuesIn(kEveryFault),
+                                            ::testing::Values(1u, 3u),
+                                            ::testing::Values(1u, 2u),
+                                            ::testing::ValuesIn(kSchemes)),
+                         ParamName);
 
 // diloco: 4 inner Adam steps per outer step, the pseudo-gradient in int8
 // with error feedback both ways. A killed worker rejoins from its
@@ -289,15 +290,12 @@ constexpr Scheme kDiloco[] = {
     {"diloco_int8", R"(optimizer: "diloco" diloco { sync_every: 4 }
        up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
 };
-INSTANTIATE_TEST_SUITE_P(
-    Diloco, FaultSweepTest,
-    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
-                                         Faults::kDuplicatesAndReordering,
-                                         Faults::kDrops, Faults::kShardKilled,
-                                         Faults::kWorkerKilled),
-                       ::testing::Values(1u, 3u), ::testing::Values(1u, 2u),
-                       ::testing::ValuesIn(kDiloco)),
-    ParamName);
+INSTANTIATE_TEST_SUITE_P(Diloco, FaultSweepTest,
+                         ::testing::Combine(::testing::ValuesIn(kEveryFault),
+                                            ::testing::Values(1u, 3u),
+                                            ::testing::Values(1u, 2u),
+                                            ::testing::ValuesIn(kDiloco)),
+                         ParamName);
 
 // Streaming DiLoCo (design.md 2.11): 3 fragments of the 6 partitions two
 // shards give this layout, one synced per step, 2 inner Adam steps apart;
@@ -308,15 +306,12 @@ constexpr Scheme kStreaming[] = {
        diloco { sync_every: 6 fragments: 3 }
        up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
 };
-INSTANTIATE_TEST_SUITE_P(
-    Streaming, FaultSweepTest,
-    ::testing::Combine(::testing::Values(Faults::kNone, Faults::kLossy,
-                                         Faults::kDuplicatesAndReordering,
-                                         Faults::kDrops, Faults::kShardKilled,
-                                         Faults::kWorkerKilled),
-                       ::testing::Values(1u, 3u), ::testing::Values(2u),
-                       ::testing::ValuesIn(kStreaming)),
-    ParamName);
+INSTANTIATE_TEST_SUITE_P(Streaming, FaultSweepTest,
+                         ::testing::Combine(::testing::ValuesIn(kEveryFault),
+                                            ::testing::Values(1u, 3u),
+                                            ::testing::Values(2u),
+                                            ::testing::ValuesIn(kStreaming)),
+                         ParamName);
 
 }  // namespace
 }  // namespace morse::inproc

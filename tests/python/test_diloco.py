@@ -28,6 +28,14 @@ OUTER_MOMENTUM = 0.9
 SAVE_AT = 7  # inner steps: two syncs and one step of the third interval
 
 
+def backward(model, step, rank):
+    """Rank's batch of inner step `step` (a function of both), its loss's
+    backward()."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+
+
 def node_aggregation():
     """Under morse-run --node-aggregation DiLoCo refuses, saying so."""
     import morse.torch
@@ -95,10 +103,8 @@ def worker(out, codec, phase):
         if phase == "save" and step == SAVE_AT:
             torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
             return
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        backward(model, step, rank)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         if scheduler is not None:
@@ -178,10 +184,8 @@ def streaming_worker(out, overlap, phase):
         if phase == "save" and step == STREAM_SAVE_AT:
             torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
             return
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        backward(model, step, rank)
         done = opt.step_index
         opt.step()
         if opt.step_index == done:
@@ -222,6 +226,23 @@ def check_outer_steps(out):
     print(f"outer parameters within {worst:.2e} of torch.optim.SGD(nesterov=True)")
 
 
+def check_resumed(out, arg, done, what):
+    """Saves in the middle of a run and resumes in a fresh job (fresh
+    shards): each rank's checksums from sync `done` on must be those of the
+    run in `out` that never stopped."""
+    whole = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
+    saved = tempfile.mkdtemp(prefix="morse-diloco-resume-")
+    for phase in ("save", "resume"):
+        code, log = morse_run(__file__, RANKS, 2, saved, arg, phase)
+        print(log)
+        check(code == 0, f"the {phase} job failed ({what})")
+    for r in range(RANKS):
+        resumed = json.load(open(f"{saved}/checksums-{r}-resumed.json"))
+        check(resumed == whole[r][done:],
+              f"rank {r} resumed: {resumed}, uninterrupted: {whole[r][done:]}")
+    shutil.rmtree(saved)
+
+
 if __name__ == "__main__":
     if "--node-aggregation-worker" in sys.argv:
         node_aggregation()
@@ -247,20 +268,8 @@ if __name__ == "__main__":
         if codec == "fp32":
             check_outer_steps(out)
         else:
-            # Saved in the middle of an interval and resumed in a fresh job
-            # (fresh shards): the same bits as the run never stopped.
-            whole = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
-            saved = tempfile.mkdtemp(prefix="morse-diloco-resume-")
-            for phase in ("save", "resume"):
-                code, log = morse_run(__file__, RANKS, 2, saved, codec, phase)
-                print(log)
-                check(code == 0, f"the {phase} job failed ({codec})")
-            for r in range(RANKS):
-                resumed = json.load(open(f"{saved}/checksums-{r}-resumed.json"))
-                done = SAVE_AT // SYNC_EVERY
-                check(resumed == whole[r][done:],
-                      f"rank {r} resumed: {resumed}, uninterrupted: {whole[r][done:]}")
-            shutil.rmtree(saved)
+            # Saved in the middle of an interval.
+            check_resumed(out, codec, SAVE_AT // SYNC_EVERY, codec)
             print(f"PASS: resumed at inner step {SAVE_AT} in a fresh job, the same bits")
         for r in range(RANKS):
             for outer in range(SYNCS):
@@ -275,18 +284,8 @@ if __name__ == "__main__":
         code, log = morse_run(__file__, RANKS, 2, out, overlap, "full")
         print(log)
         check(code == 0, f"the streaming job failed (overlap_steps {overlap})")
-        whole = [json.load(open(f"{out}/checksums-{r}.json")) for r in range(RANKS)]
-        saved = tempfile.mkdtemp(prefix="morse-streaming-resume-")
-        for phase in ("save", "resume"):
-            code, log = morse_run(__file__, RANKS, 2, saved, overlap, phase)
-            print(log)
-            check(code == 0, f"the streaming {phase} job failed (overlap_steps {overlap})")
-        done = STREAM_SAVE_AT // (STREAM_SYNC_EVERY // FRAGMENTS)
-        for r in range(RANKS):
-            resumed = json.load(open(f"{saved}/checksums-{r}-resumed.json"))
-            check(resumed == whole[r][done:],
-                  f"rank {r} resumed: {resumed}, uninterrupted: {whole[r][done:]}")
-        shutil.rmtree(saved)
+        check_resumed(out, overlap, STREAM_SAVE_AT // (STREAM_SYNC_EVERY // FRAGMENTS),
+                      f"streaming, overlap_steps {overlap}")
         check_ranks_match_simulator(out, RANKS, STREAM_SYNCS)
         print(f"PASS: streaming DiLoCo, {FRAGMENTS} fragments, overlap_steps {overlap}: "
               f"{STREAM_SYNCS} syncs bit-identical across {RANKS} ranks and to the simulator, "
