@@ -330,13 +330,17 @@ int morse_session_send_partitions(morse_session* s, const uint32_t* partitions,
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     if (count > 0 && partitions == nullptr)
       return absl::InvalidArgumentError("no partition array");
-    if (stream != nullptr) {
-      if (s->session->engine().kind() == "cpu") {
+    // A device session always waits: NULL is the legacy default stream,
+    // PyTorch's default stream's handle (skipping it let the encodes read
+    // gradients backward() had not finished writing).
+    if (s->session->engine().kind() == "cpu") {
+      if (stream != nullptr) {
         return absl::FailedPreconditionError(
             "the session keeps its model on the host (morse_session_use_cuda)");
       }
-      if (absl::Status st = s->session->engine().WaitFor(stream); !st.ok())
-        return st;
+    } else if (absl::Status st = s->session->engine().WaitFor(stream);
+               !st.ok()) {
+      return st;
     }
     for (uint32_t i = 0; i < count; ++i) {
       if (absl::Status st = s->session->SendPartition(partitions[i]); !st.ok())

@@ -105,9 +105,11 @@ int morse_session_clip(morse_session* s, float max_norm,
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);
 /* Pushes the `count` partitions in order (Session::SendPartition). stream:
- * NULL, or a CUDA stream (a device session's) whose queued work their
- * encodes wait for, waited for once. One call for what one backward() hook
- * completes. */
+ * in a device session, the CUDA stream whose queued work their encodes (and
+ * any later work of the session on the gradient) wait for, waited for once;
+ * NULL there is the legacy default stream (PyTorch's default stream). A
+ * host session takes NULL only. One call for what one backward() hook
+ * completes; count 0 only waits for the stream. */
 int morse_session_send_partitions(morse_session* s, const uint32_t* partitions,
                                   uint32_t count, void* stream);
 int morse_session_finish(morse_session* s, morse_step_traffic* traffic);

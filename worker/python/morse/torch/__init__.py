@@ -539,7 +539,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._pending[q] -= 1
             if self._pending[q] == 0:
                 ready.append(q)
-        self._send(ready)
+        if ready:
+            self._send(ready)
         if self._snapshot is not None:
             for q in ready:
                 b, e = self._partitions[q]
@@ -746,12 +747,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return MorseError(f"{error}\n  at step {step} ({phase}): {where}\n  {advice}")
 
     def _send(self, partitions):
-        """Pushes the partitions (ids, in order) in one call."""
-        if not partitions:
+        """Pushes the partitions (ids, in order) in one call. On CUDA the
+        session's work on the gradient from now on (these encodes, a clip's
+        norm) waits for the work queued so far on PyTorch's current stream,
+        without blocking the host; an empty list only waits."""
+        if not partitions and not self._cuda:
             return
         if self._cuda:
-            # The encodes wait for the gradient work queued on the stream
-            # that produced it; the host does not block.
             with torch.cuda.device(self._device):
                 with self._explained():
                     self._session.send_partitions(
@@ -851,6 +853,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._clips = True
         if self._pending is None:
             self._push_now(at_clip=True)  # nothing pushed yet: the first step, overlap=False
+        if self._cuda:
+            self._send([])  # the norm reads the gradient: after torch's work on it
         try:
             with self._device_context(), self._explained():
                 sum_of_squares = self._session.clip(limit)
