@@ -17,6 +17,7 @@
 #include "compress/trace.h"
 #include "proto/flags.h"
 #include "proto/job_config.h"
+#include "proto/process_memory.h"
 #include "proto/security.h"
 #include "proto/security_flags.h"
 #include "server/shard_core.h"
@@ -84,6 +85,7 @@ int Fail(int code, const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  morse::proto::KeepLargeBuffersMapped();
   morse::proto::ParseFlags(
       argc, argv,
       "one shard of a Morse parameter server.\n"

@@ -16,6 +16,7 @@
 #include "compress/trace.h"
 #include "proto/flags.h"
 #include "proto/job_config.h"
+#include "proto/process_memory.h"
 #include "proto/security.h"
 #include "proto/security_flags.h"
 #include "proto/wire.h"
@@ -99,6 +100,7 @@ int ExitCode(const absl::Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  morse::proto::KeepLargeBuffersMapped();
   morse::proto::TuneGrpcForReconnects();
   morse::proto::ParseFlags(
       argc, argv,

@@ -8,6 +8,9 @@
 //
 // Usage: shard_pool_bench [--dim=N] [--partition=N] [--threads=N]
 //                         [--steps=N] [--optimizer=adam|onebit_adam]
+//                         [--malloc=daemon|default]
+// --malloc=daemon (the default) sets malloc up as morse-server does
+// (proto::KeepLargeBuffersMapped); default leaves glibc's own settings.
 // Prints one JSON line per step after the first, then their medians.
 #include <algorithm>
 #include <atomic>
@@ -23,6 +26,7 @@
 #include "compress/replica.h"
 #include "compress/sync.h"
 #include "proto/job_config.h"
+#include "proto/process_memory.h"
 #include "server/shard_core.h"
 
 namespace {
@@ -47,7 +51,7 @@ int main(int argc, char** argv) {
   using morse::server::ShardCore;
   uint64_t dim = 16 << 20, partition = 1 << 20;
   int threads = 2, steps = 6;
-  std::string optimizer = "adam", value;
+  std::string optimizer = "adam", malloc_mode = "daemon", value;
   for (int i = 1; i < argc; ++i) {
     if (Flag(argv[i], "--dim", &value)) {
       dim = std::strtoull(value.c_str(), nullptr, 10);
@@ -59,14 +63,19 @@ int main(int argc, char** argv) {
       steps = std::atoi(value.c_str());
     } else if (Flag(argv[i], "--optimizer", &value)) {
       optimizer = value;
+    } else if (Flag(argv[i], "--malloc", &value) &&
+               (value == "daemon" || value == "default")) {
+      malloc_mode = value;
     } else {
       std::fprintf(stderr,
                    "usage: shard_pool_bench [--dim=N] [--partition=N] "
-                   "[--threads=N] [--steps=N] [--optimizer=adam|onebit_adam]\n"
-                   "  (defaults 16777216, 1048576, 2, 6, adam)\n");
+                   "[--threads=N] [--steps=N] [--optimizer=adam|onebit_adam] "
+                   "[--malloc=daemon|default]\n"
+                   "  (defaults 16777216, 1048576, 2, 6, adam, daemon)\n");
       return std::strcmp(argv[i], "--help") == 0 ? 0 : 2;
     }
   }
+  if (malloc_mode == "daemon") morse::proto::KeepLargeBuffersMapped();
   if (threads < 1 || steps < 2 || partition == 0 || dim < partition) {
     std::fprintf(stderr,
                  "shard_pool_bench: threads >= 1, steps >= 2, "

@@ -119,6 +119,14 @@ def main():
         torch.nn.Linear(3, 2).parameters(), rank=0, world_size=1,
         servers=[f"127.0.0.1:{free_port()}"], config=quick))
     check(time.time() - start < 15, "the connect timeout was not honoured")
+    # A MORSE_MALLOC that is neither daemon nor default: refused before anything connects.
+    os.environ["MORSE_MALLOC"] = "huge"
+    try:
+        expect(MorseError, "MORSE_MALLOC=huge: daemon (the default) or default",
+               lambda: morse.torch.OneBitAdam(torch.nn.Linear(3, 2).parameters(), rank=0, world_size=1,
+                                              servers=[f"127.0.0.1:{free_port()}"], config=quick))
+    finally:
+        del os.environ["MORSE_MALLOC"]
 
     # step() while rank 1 never joins.
     base = config_file("workers: 2\nshards: 1\nexternal {}\ntimeouts { connect_seconds: 2 }\n")

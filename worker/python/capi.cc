@@ -22,6 +22,7 @@
 #include "compress/step_plan.h"
 #include "compress/trace.h"
 #include "proto/job_config.h"
+#include "proto/process_memory.h"
 #include "proto/security.h"
 #include "proto/wire.h"
 #include "worker/engine/engine.h"
@@ -176,6 +177,19 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
       return absl::InvalidArgumentError(
           absl::StrCat("MORSE_COMPUTE_THREADS=", threads,
                        ": a number of threads in [0, 1024]"));
+    }
+    // MORSE_MALLOC: "daemon" (or unset) sets malloc up as the daemons do
+    // (a session's 4 MiB payloads stay mapped between steps), "default"
+    // leaves glibc's settings; once per process, at its first session.
+    const char* malloc_mode = std::getenv("MORSE_MALLOC");
+    const std::string mode = malloc_mode != nullptr ? malloc_mode : "";
+    if (!mode.empty() && mode != "daemon" && mode != "default") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "MORSE_MALLOC=", mode, ": daemon (the default) or default"));
+    }
+    if (mode != "default") {
+      static const bool kept = morse::proto::KeepLargeBuffersMapped();
+      (void)kept;
     }
     auto session = morse::worker::Session::Connect(
         *job, rank, std::move(addresses), *options, absl::MakeSpan(x, dim),

@@ -9,6 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
+_CAPI_VERSION = 9  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -110,9 +111,9 @@ def _load():
         "morse_boundary_samples_seen": ([P, ctypes.POINTER(U64)], I),
     }
     lib.morse_capi_version.argtypes, lib.morse_capi_version.restype = [], I
-    if lib.morse_capi_version() != 9:  # before a newer function is missing
+    if lib.morse_capi_version() != _CAPI_VERSION:  # before a newer function is missing
         raise MorseError(f"FAILED_PRECONDITION: {path} has C ABI version {lib.morse_capi_version()}, "
-                         "this package needs 8")
+                         f"this package needs {_CAPI_VERSION}")
     for name, (args, result) in sigs.items():
         f = getattr(lib, name)
         f.argtypes, f.restype = args, result
