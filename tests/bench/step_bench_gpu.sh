@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# Issue 35's GPU measurements in one go, for a GPU host lent for minutes:
-# unpacks a bundle (deploy/bundle.sh) and runs tests/bench/step_bench.py on
-# the 134M GPT-like model, one rank on the GPU and two sharing it (no MPS:
-# they time-slice), then 1-bit Adam with a window of 512 partitions and with
-# 4M-element partitions. JSON lines go to stdout and to $OUT (default
-# /tmp/step-bench) as one-rank.jsonl, window.jsonl, two-ranks.jsonl and
-# partitions.jsonl; the one-rank modes' step timelines to $OUT/trace
-# (tests/bench/trace_summary.py reads them).
+# Issue 35's GPU checks in one go, for a GPU host lent for minutes (about
+# 6 minutes on an H200): unpacks a bundle (deploy/bundle.sh), runs the GPU
+# tests first (kernels_kernels_test, e2e_gpu_test, test_cuda_tensors.py: on
+# 2026-11-27 the last one caught two bugs the others did not), then
+# tests/bench/step_bench.py on the 134M GPT-like model: one rank on the GPU
+# (torch-alone, OneBitAdam by phase, Adam, with step timelines), OneBitAdam
+# with a window of every partition, and two ranks sharing the GPU (no MPS:
+# they time-slice) against DDP over gloo. Lines go to stdout and to $OUT
+# (default /tmp/step-bench): tests.txt, one-rank.jsonl, window.jsonl,
+# two-ranks.jsonl, and trace.tgz (the one-rank timelines;
+# tests/bench/trace_summary.py reads them). Each part has its own time limit,
+# so one that hangs does not take the others' time.
 #
 # Usage: tests/bench/step_bench_gpu.sh [BUNDLE.tar.gz|.tar.xz] [--quick]
-#   (default out/morse-bundle.tar.gz; --quick: 4 timed steps instead of 8)
+#   (default out/morse-bundle.tar.gz; --quick: 4 timed steps instead of 6)
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bundle="${1:-out/morse-bundle.tar.gz}"
-steps=8
+steps=6
 [ "${2:-}" = "--quick" ] && steps=4
 out="${OUT:-/tmp/step-bench}"
 mkdir -p "$out"
@@ -21,15 +25,29 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 tar -xf "$bundle" -C "$work" || exit 1
 export PYTHONPATH="$work/morse/python" MORSE_RUN="$work/morse/bin/morse-run" PYTHONUNBUFFERED=1
+t0=$(date +%s)
+stamp() { echo "## $(($(date +%s) - t0)) s: $*"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'
-nproc
-bench=(python3 "$here/step_bench.py" --model gpt134m --device cuda --shards 2 --steps "$steps" --skip 2)
+echo "$(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p')"
 status=0
-"${bench[@]}" --ranks 1 --modes torch,onebit_adam,adam,ddp_nccl --trace-dir "$out/trace" | tee "$out/one-rank.jsonl" || status=1
-# The window of every partition (the trace showed the default 32 holding the
-# last partitions back): against the line above.
-"${bench[@]}" --ranks 1 --modes onebit_adam --window 512 | tee "$out/window.jsonl" || status=1
-"${bench[@]}" --ranks 2 --modes torch,onebit_adam,adam,ddp,onebit_peer | tee "$out/two-ranks.jsonl" || status=1
-"${bench[@]}" --ranks 1 --modes onebit_adam --partition-elems 4194304 | tee "$out/partitions.jsonl" || status=1
+stamp "GPU tests"
+{
+  timeout 120 "$work/morse/tests/run-tests.sh" gpu --gtest_brief=1 2>&1 ||
+    echo "FAILED: run-tests.sh gpu"
+  (cd "$work/morse/tests/python" && timeout 240 python3 test_cuda_tensors.py 2>&1) ||
+    echo "FAILED: test_cuda_tensors.py"
+} | grep -E "PASS|FAIL|tests from|all passed|failed|^GPU|^SKIP" | tee "$out/tests.txt"
+grep -q "FAIL" "$out/tests.txt" && status=1
+bench=(python3 "$here/step_bench.py" --model gpt134m --device cuda --shards 2 --steps "$steps" --skip 2)
+stamp "one rank"
+timeout 200 "${bench[@]}" --ranks 1 --modes torch,onebit_adam,adam --trace-dir "$work/trace" 2>&1 | grep '^{' | tee "$out/one-rank.jsonl" || status=1
+tar -czf "$out/trace.tgz" -C "$work" trace
+# The window of every partition (the trace showed the default 32 holding
+# the last partitions back): against the line above.
+stamp "one rank, --window 512"
+timeout 100 "${bench[@]}" --ranks 1 --modes onebit_adam --window 512 2>&1 | grep '^{' | tee "$out/window.jsonl" || status=1
+stamp "two ranks"
+timeout 200 "${bench[@]}" --ranks 2 --modes torch,onebit_adam,adam,ddp 2>&1 | grep '^{' | tee "$out/two-ranks.jsonl" || status=1
+stamp done
 exit $status
