@@ -7,8 +7,9 @@
 // page fault and the kernel's zeroing for every 4 KiB of each, every step:
 // about a tenth of a shard's fp32 reply burst (tests/bench/shard_pool_bench,
 // docs/benchmarks.md). The daemons call this first: buffers up to 32 MiB
-// come from malloc's heaps and stay mapped between steps. libmorse does not
-// (the process is the user's).
+// come from malloc's heaps and stay mapped between steps. libmorse calls it
+// at a process's first session unless MORSE_MALLOC=default (the process is
+// the user's; docs/python.md).
 // Header-only, like flags.h.
 #ifndef MORSE_PROTO_PROCESS_MEMORY_H_
 #define MORSE_PROTO_PROCESS_MEMORY_H_

@@ -122,9 +122,9 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (!allocated.ok()) return allocated.status();
       *buffer = *std::move(allocated);
     }
+    // The clip's sums, also without clip_grad_norm: a script's
+    // clip_grad_norm_ clips a step too (Session::SetStepClipping).
     {
-      // Also without clip_grad_norm: a script's clip_grad_norm_ clips a step
-      // (Session::SetStepClipping).
       const size_t bytes =
           sizeof(double) *
           std::max<size_t>(
