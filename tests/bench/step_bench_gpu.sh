@@ -6,11 +6,11 @@
 # tests/bench/step_bench.py on the 134M GPT-like model: one rank on the GPU
 # (torch-alone, OneBitAdam by phase, Adam, with step timelines), OneBitAdam
 # and Adam with a window of every partition, and two ranks sharing the GPU
-# (no MPS: they time-slice) against DDP over gloo. Lines go to stdout and to $OUT
-# (default /tmp/step-bench): tests.txt, one-rank.jsonl, window.jsonl,
+# (no MPS: they time-slice) against DDP over gloo. Lines go to stdout and to
+# $OUT (default /tmp/step-bench): tests.txt, one-rank.jsonl, window.jsonl,
 # two-ranks.jsonl, and trace.tgz (the one-rank timelines;
-# tests/bench/trace_summary.py reads them). Each part has its own time limit,
-# so one that hangs does not take the others' time.
+# tests/bench/trace_summary.py reads them). Each part has its own time
+# limit, so one that hangs does not take the others' time.
 #
 # Usage: tests/bench/step_bench_gpu.sh [BUNDLE.tar.gz|.tar.xz] [--quick]
 #   (default out/morse-bundle.tar.gz; --quick: 4 timed steps instead of 6)

@@ -853,8 +853,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._clips = True
         if self._pending is None:
             self._push_now(at_clip=True)  # nothing pushed yet: the first step, overlap=False
-        if self._cuda:
-            self._send([])  # the norm reads the gradient: after torch's work on it
+        elif self._cuda:
+            self._send([])  # the norm reads the gradient: after torch's work on it (_push_now waits too)
         try:
             with self._device_context(), self._explained():
                 sum_of_squares = self._session.clip(limit)
