@@ -135,6 +135,7 @@ class PushClient {
 
  private:
   friend class StepExchange;
+  friend class ShardRecovery;
   absl::Status SendCommit(int64_t step, double grad_sum_of_squares,
                           std::optional<float> clip_max_norm,
                           absl::Span<const double> lamb);
@@ -183,7 +184,7 @@ class PushClient {
   std::unique_ptr<Transport> transport_;
   uint32_t rank_;
   bool tls_;
-  // Retries' backoff (StepExchange::RetryLater); destroyed before the
+  // Retries' backoff (ShardRecovery::RetryLater); destroyed before the
   // transport.
   Timer timer_;
   mutable Mutex retained_mu_;

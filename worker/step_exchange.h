@@ -1,8 +1,9 @@
 // StepExchange: one step's pipelined exchange with every shard (DESIGN 1):
 // partitions encoded and pushed through a window, replies applied as they
-// land, pushes retried on UNAVAILABLE, and a restarted shard's replay
-// (DESIGN 4) from the pushes its PushClient retains. client.h says how it
-// fits with the client's other calls.
+// land. What is not simply answered (an unreachable shard, one restarted
+// from its checkpoint: DESIGN 4) is its ShardRecovery's (shard_recovery.h),
+// which it calls as each push leaves and as each answer lands. client.h
+// says how it fits with the client's other calls.
 #ifndef MORSE_WORKER_STEP_EXCHANGE_H_
 #define MORSE_WORKER_STEP_EXCHANGE_H_
 
@@ -24,6 +25,7 @@
 #include "compress/layout.h"
 #include "compress/simulator.h"
 #include "compress/sync.h"
+#include "worker/shard_recovery.h"
 
 namespace morse::worker {
 
@@ -63,9 +65,9 @@ struct StepExtras {
 // and goes on while the exchange's sender thread waits for the slot and a
 // pool thread encodes and pushes it; its reply is applied when it lands, on
 // the pool if there is one, else on a gRPC thread. Finish waits for every
-// sent partition. Sends must come from one thread; the destructor waits for
-// anything in flight.
-class StepExchange {
+// sent partition and for recovery's re-sends. Sends must come from one
+// thread; the destructor waits for anything in flight.
+class StepExchange final : private ExchangeSide {
  public:
   using Encode = std::function<absl::Status(const compress::Partition&,
                                             std::string* payload)>;
@@ -95,58 +97,16 @@ class StepExchange {
   std::map<uint32_t, std::vector<uint32_t>> TakeAbsent();
 
  private:
-  struct Call;
-  void Issue(std::unique_ptr<Call> call);
-  void OnDone(Call* raw, const absl::Status& status);
+  // ExchangeSide: what its recovery calls.
+  void Issue(std::unique_ptr<PushCall> call) override;
+  void Fail(const compress::Partition& partition, absl::Status status,
+            bool ends_call) override;
+  void OnDone(PushCall* raw, const absl::Status& status);
   // A reply (or final error) of this step's own push: applies it and
   // counts the partition done.
-  void Deliver(std::unique_ptr<Call> done, const absl::Status& status);
-  absl::Status EncodeAndIssue(std::unique_ptr<Call> call, const Encode& encode,
-                              bool inline_call);
-  void RetryLater(std::unique_ptr<Call> call);
-  // Starts re-sending retained pushes of `call`'s partition from step
-  // `from` on, then `call` itself; an error if they are not retained.
-  absl::Status StartReplay(std::unique_ptr<Call> call, int64_t from);
-  // A replay of this worker's retained push of `partition` at `step`;
-  // FAILED_PRECONDITION, saying why, when it is no longer retained.
-  absl::StatusOr<std::unique_ptr<Call>> RetainedPush(
-      const compress::Partition& partition, int64_t step);
-  // A partition whose reply of this step came from a shard that has since
-  // restarted from its checkpoint at step `from`: its retained pushes of
-  // [from, step_] are re-sent (replies checked, not applied), because the
-  // restarted shard needs them to answer the workers still waiting for
-  // that reply. Called with the partition counted in in_flight_.
-  void ReplayCompleted(const compress::Partition& partition, int64_t from,
-                       int64_t last);
-  // Replays to `shard`, restarted (or perhaps restarted) from a checkpoint
-  // at step `from`, what it may need of this worker (NoteRestart).
-  //
-  // Called with `from` = this step when a push of this step to `shard` goes
-  // unanswered (unreachable, or past its deadline): the shard may have
-  // restarted from a checkpoint of this step and lost replies it had sent,
-  // and then it waits for this worker's pushes of the partitions this
-  // worker already has, while this worker waits for the others'. A shard
-  // that did not restart answers the re-sent pushes from the reply it
-  // keeps (checked, not applied); the cost is that every partition of that
-  // shard this step is sent twice from then on.
-  void CatchUp(uint32_t shard, int64_t from);
-  // Also on an unanswered push: asks every shard how far it is. One behind
-  // this worker's step restarted from a checkpoint, and this worker may be
-  // the one it waits for while this worker's window is held by pushes to
-  // other shards that wait for workers stuck on it: CatchUp at once.
-  void ProbeShards();
-  // Marks the restart of `shard` at `from` and returns what to replay, each
-  // now counted in in_flight_: the partitions this step already completed
-  // there (through this step), and, when `from` is earlier than this step,
-  // those this step has not sent yet (through the step before; the shard
-  // may need them to answer the pushes that hold the window).
-  struct Resend {
-    const compress::Partition* partition;
-    int64_t last;  // replay [from, last]
-  };
-  std::vector<Resend> NoteRestart(uint32_t shard, int64_t from)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Fail(const compress::Partition& partition, absl::Status status);
+  void Deliver(std::unique_ptr<PushCall> done, const absl::Status& status);
+  absl::Status EncodeAndIssue(std::unique_ptr<PushCall> call,
+                              const Encode& encode, bool inline_call);
 
   PushClient* client_;
   compress::ComputePool* const pool_;
@@ -158,18 +118,6 @@ class StepExchange {
   Mutex mu_;
   std::string received_buffers_ ABSL_GUARDED_BY(mu_);
   std::map<uint32_t, std::vector<uint32_t>> absent_ ABSL_GUARDED_BY(mu_);
-  absl::Time last_notice_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
-  bool replay_noticed_ ABSL_GUARDED_BY(mu_) = false;
-  // Per shard: the step it restarted from during this exchange (-1: none).
-  std::vector<int64_t> restarted_from_ ABSL_GUARDED_BY(mu_);
-  // Partitions whose reply came without a replay, and those caught up with
-  // their shard's restart (replayed, or re-sent by ReplayCompleted).
-  std::vector<const compress::Partition*> completed_ ABSL_GUARDED_BY(mu_);
-  std::vector<bool> caught_up_ ABSL_GUARDED_BY(mu_);
-  // Partitions whose push of this step has been sent; those replayed
-  // before it was (NoteRestart).
-  std::vector<bool> sent_ ABSL_GUARDED_BY(mu_);
-  std::vector<bool> replayed_ahead_ ABSL_GUARDED_BY(mu_);
   uint32_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status error_ ABSL_GUARDED_BY(mu_);
   StepTraffic traffic_ ABSL_GUARDED_BY(mu_);
@@ -179,7 +127,7 @@ class StepExchange {
   // GPU) never waits for replies. Started by the first queued Send, ended
   // by the destructor once nothing is queued or in flight.
   struct Queued {
-    std::unique_ptr<Call> call;
+    std::unique_ptr<PushCall> call;
     Encode encode;
   };
   void SendQueued();
@@ -190,6 +138,8 @@ class StepExchange {
   std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
   bool closing_ ABSL_GUARDED_BY(mu_) = false;
   std::thread sender_;
+  // Declared last: destroyed first, once its calls have ended.
+  ShardRecovery recovery_;
 };
 
 }  // namespace morse::worker
