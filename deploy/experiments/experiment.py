@@ -196,7 +196,7 @@ def netprobe(vc, bin_dir, a, b, streams=2):
 
 
 def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, window=8,
-              channels=2, compute_threads=0, trace=None, rate=None):
+              channels=2, compute_threads=0, trace=None, rate=None, partition_elems=262144):
     """One Morse job; returns a result row (without the link fields). With
     `trace` (a folder) every daemon writes its step timeline there."""
     def traced(name):
@@ -212,7 +212,7 @@ steps: {steps}
 timeouts {{ connect_seconds: 30 step_seconds: 300 rpc_seconds: 600 }}
 channels_per_shard: {channels}
 window: {window}
-partition_elems: 262144
+partition_elems: {partition_elems}
 log_every: 1000
 """)
     server_host = lambda s: s
@@ -364,6 +364,8 @@ def main():
     p.add_argument("--colocate", action="store_true", help="servers share hosts with workers")
     p.add_argument("--window", type=int, default=64, help="partitions each worker keeps in flight")
     p.add_argument("--channels", type=int, default=4, help="TCP connections per worker and shard")
+    p.add_argument("--partition-elems", type=int, default=262144,
+                   help="elements per partition (default 262144; a positive multiple of the block size, 2048)")
     p.add_argument("--compute-threads", type=int, default=0,
                    help="every daemon's --compute_threads (0: one per core, the daemons' default)")
     p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
@@ -377,6 +379,8 @@ def main():
     a = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("experiment.py: needs root for ip netns and tc; run it with sudo")
+    if a.partition_elems < 2048 or a.partition_elems % 2048:
+        p.error("--partition-elems must be a positive multiple of 2048 (block_elems)")
     if a.quick:
         a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], [1], [1], 4
         a.schemes, a.peers = ["fp32", "onebit"], ["ddp_fp32"]
@@ -411,7 +415,8 @@ def main():
                             if kind == "morse":
                                 row.update(morse_run(vc, a.build, scheme, dim, workers, shards, a.steps,
                                                      a.colocate, work, a.window, a.channels,
-                                                     a.compute_threads, a.trace, rate))
+                                                     a.compute_threads, a.trace, rate,
+                                                     a.partition_elems))
                             else:
                                 row["workers"] = max(2, workers)
                                 row.update(ddp_run(vc, scheme, dim, max(2, workers), a.steps, work))
@@ -429,7 +434,7 @@ def main():
     report.write(os.path.join(a.out, "results.csv"), a.out, {
         "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),
         "seconds": round(time.time() - started), "netem": [a.delay, a.jitter, a.loss],
-        "colocate": a.colocate, "window": a.window})
+        "colocate": a.colocate, "window": a.window, "partition_elems": a.partition_elems})
     print(f"results: {a.out}/results.csv, report: {a.out}/report.md ({time.time() - started:.0f} s)")
 
 
