@@ -45,9 +45,14 @@ void ShardRecovery::Done() {
   --pending_;
 }
 
+void ShardRecovery::Fail(const compress::Partition& partition,
+                         absl::Status status, bool exchange_owns) {
+  exchange_->Fail(partition, std::move(status), exchange_owns);
+  if (!exchange_owns) Done();
+}
+
 void ShardRecovery::Fail(const PushCall& call, absl::Status status) {
-  exchange_->Fail(*call.partition, std::move(status), call.exchange_owns);
-  if (!call.exchange_owns) Done();
+  Fail(*call.partition, std::move(status), call.exchange_owns);
 }
 
 void ShardRecovery::RetryLater(std::unique_ptr<PushCall> call) {
@@ -177,10 +182,7 @@ void ShardRecovery::ReplayCompleted(const compress::Partition& partition,
                                     int64_t from, int64_t last) {
   absl::StatusOr<std::unique_ptr<PushCall>> replay =
       RetainedPush(partition, from);
-  if (!replay.ok()) {
-    exchange_->Fail(partition, replay.status(), /*ends_call=*/false);
-    return Done();
-  }
+  if (!replay.ok()) return Fail(partition, replay.status(), false);
   (*replay)->replay_last = last;
   (*replay)->exchange_owns = false;
   exchange_->Issue(*std::move(replay));
@@ -256,10 +258,8 @@ std::unique_ptr<PushCall> ShardRecovery::OnAnswer(
     if (next.has_value() && *next < done->request.step()) {
       const compress::Partition* partition = done->partition;
       const bool exchange_owns = done->exchange_owns;
-      if (absl::Status s = StartReplay(std::move(done), *next); !s.ok()) {
-        exchange_->Fail(*partition, s, exchange_owns);
-        if (!exchange_owns) Done();
-      }
+      if (absl::Status s = StartReplay(std::move(done), *next); !s.ok())
+        Fail(*partition, s, exchange_owns);
       return nullptr;
     }
   }
@@ -307,10 +307,8 @@ void ShardRecovery::OnReplayAnswer(std::unique_ptr<PushCall> done,
   std::unique_ptr<PushCall> then = std::move(done->then);
   if (next == then->request.step()) return exchange_->Issue(std::move(then));
   const bool exchange_owns = then->exchange_owns;
-  if (absl::Status s = StartReplay(std::move(then), next); !s.ok()) {
-    exchange_->Fail(*done->partition, s, exchange_owns);
-    if (!exchange_owns) Done();
-  }
+  if (absl::Status s = StartReplay(std::move(then), next); !s.ok())
+    Fail(*done->partition, s, exchange_owns);
 }
 
 void ShardRecovery::Applied(const compress::Partition& partition,

@@ -104,7 +104,10 @@ class ShardRecovery {
 
  private:
   void RetryLater(std::unique_ptr<PushCall> call);
-  // Ends `call` with an error: the exchange's push, or one of recovery's.
+  // Ends a call of `partition` with an error: the exchange's push
+  // (`exchange_owns`), or one of recovery's.
+  void Fail(const compress::Partition& partition, absl::Status status,
+            bool exchange_owns);
   void Fail(const PushCall& call, absl::Status status);
   // One of recovery's calls ended.
   void Done();
