@@ -97,6 +97,7 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   if (request.has_previous_clip_max_norm())
     args.previous_clip_max_norm = request.previous_clip_max_norm();
   args.workers_clip = request.workers_clip();
+  if (request.has_x_hash()) args.x_hash = request.x_hash();
   if (request.replayed()) {
     args.replay_absent.emplace(request.replay_absent().begin(),
                                request.replay_absent().end());

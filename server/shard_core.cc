@@ -351,6 +351,21 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
         " by a max_norm of its own, but the job clips by clip_grad_norm ",
         job_.algorithm.clip_grad_norm));
   }
+  if (args.x_hash.has_value() && args.step == 0 && p.next_step == 0) {
+    // Before the first step the mirror's x is the job's initial model:
+    // rank 0's, or what it restored (a model loaded after the optimizer
+    // was built, morse.torch's reload).
+    const uint64_t offset = p.partition.range.begin - range_.begin;
+    if (compress::BytesHash(mirror_.x().data() + offset,
+                            p.partition.range.size() * sizeof(float)) !=
+        *args.x_hash) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", args.rank, "'s parameters in partition ", args.partition,
+          " are not the job's at step 0 (rank 0's): every rank must load "
+          "the same weights, and load them on every rank if one does after "
+          "building the optimizer"));
+    }
+  }
   if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", args.rank, " asks for ", describe(args.hyper), " at step ",

@@ -69,6 +69,9 @@ struct PushArgs {
   // step's reply left out then (PushRequest.replay_absent), ascending; the
   // step is recomputed with that membership.
   std::optional<std::vector<uint32_t>> replay_absent;
+  // Step 0: the hash of the worker's x over the partition
+  // (PushRequest.x_hash), checked against the mirror's before any step.
+  std::optional<uint64_t> x_hash;
 };
 
 // What the workers commit after a step whose mirror update needs the whole

@@ -329,7 +329,9 @@ void Session::StartExchange() {
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
-                 previous_commit_, workers_clip_ && clips_average_},
+                 previous_commit_, workers_clip_ && clips_average_,
+                 step == 0 ? absl::Span<const float>(replica_.x())
+                           : absl::Span<const float>()},
       /*parallel_encode=*/true);
   buffers_.clear();
 }
@@ -855,6 +857,64 @@ absl::StatusOr<Session::OwnState> Session::SavedOwn() {
   state.arrays = replica_.SaveState(0, job_.algorithm.layout.dim);
   state.commit = previous_commit_;
   return state;
+}
+
+absl::Status Session::ReloadModel() {
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  auto held = client_->CompletedSteps();
+  if (!held.ok()) return held.status();
+  if (step_ != 0 || *held != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("the job has trained (this worker is at step ", step_,
+                     ", the shards hold step ", *held,
+                     "): weights are replaced before the first step only"));
+  }
+  // From here a failure leaves the ranks with different models: it stops
+  // the job, so the others learn why at once instead of waiting for this
+  // rank's pushes.
+  if (absl::Status s = SyncHost(); !s.ok()) return Fail(s);
+  const uint64_t dim = job_.algorithm.layout.dim;
+  if (rank_ == 0) {
+    const std::vector<float> server_error(dim, 0.0f);
+    absl::Status s =
+        client_->RestoreModel(0, replica_.x(), replica_.m(), replica_.v(),
+                              server_error, replica_.SaveState(0, dim));
+    if (absl::IsFailedPrecondition(s)) {
+      s = absl::FailedPreconditionError(absl::StrCat(
+          s.message(),
+          " (another rank pushed step 0 from the weights its optimizer was "
+          "built with: when weights are loaded after building the "
+          "optimizer, load them on every rank)"));
+    }
+    return s.ok() ? s : Fail(s);
+  }
+  compress::Replica shards(job_.algorithm, compress::Range{0, dim});
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  for (;;) {
+    // Partitions at different steps: rank 0's restore is half done.
+    auto steps = client_->FetchModel(shards);
+    if (!steps.ok() && !absl::IsFailedPrecondition(steps.status()))
+      return Fail(steps.status());
+    if (steps.ok() && *steps != 0) {
+      return Fail(absl::FailedPreconditionError(
+          absl::StrCat("the shards completed step 0 while rank ", rank_,
+                       " waited for rank 0 to load the same weights")));
+    }
+    if (steps.ok() && std::memcmp(shards.x().data(), replica_.x().data(),
+                                  dim * sizeof(float)) == 0) {
+      return absl::OkStatus();
+    }
+    if (absl::Now() > deadline) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank_,
+          " changed its weights after building the optimizer, but within ",
+          job_.connect_timeout_seconds,
+          " s (timeouts.connect_seconds) rank 0 did not give the shards the "
+          "same ones: load the same weights on every rank")));
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
 }
 
 absl::Status Session::ServerError(absl::Span<float> out) {

@@ -186,6 +186,16 @@ class Session {
                        const OwnState* own = nullptr);
   // This worker's OwnState (state_dict), between steps.
   absl::StatusOr<OwnState> SavedOwn();
+  // Before the job's first step, the model as the caller changed it since
+  // the session started (morse.torch: weights loaded after the optimizer
+  // was built) becomes the job's: rank 0 restores the shards with its x
+  // (the rest of the state as it is: zero at step 0); every other rank
+  // waits, up to the connect timeout, until the shards hold the same x as
+  // its own. Its pushes of step 0 then carry x's hash (PushRequest.x_hash),
+  // so a rank that changed nothing while rank 0 did, or the reverse, fails
+  // that step with FAILED_PRECONDITION. FAILED_PRECONDITION, nothing
+  // changed, after the first step or in one.
+  absl::Status ReloadModel();
   // The shards' error buffers over the whole model after this worker's
   // last step (state_dict on rank 0), between this worker's steps.
   absl::Status ServerError(absl::Span<float> out);

@@ -1,6 +1,7 @@
 #include "worker/step_exchange.h"
 
 #include "absl/strings/str_cat.h"
+#include "compress/bytes_hash.h"
 #include "compress/sync.h"
 #include "compress/trace.h"
 #include "proto/wire.h"
@@ -181,6 +182,11 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
     call->request.set_previous_clip_max_norm(*extras_.previous_clip_max_norm);
   }
   call->request.set_workers_clip(extras_.workers_clip);
+  if (!extras_.x.empty()) {
+    call->request.set_x_hash(
+        compress::BytesHash(extras_.x.data() + partition.range.begin,
+                            partition.range.size() * sizeof(float)));
+  }
   if (extras_.previous_grad_sum_of_squares.has_value()) {
     call->request.set_previous_grad_sum_of_squares(
         *extras_.previous_grad_sum_of_squares);

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "compress/codec.h"
 #include "compress/compute_pool.h"
 #include "compress/layout.h"
@@ -57,6 +58,9 @@ struct StepExtras {
   // The workers clip this step's averaged gradient by a max_norm they
   // commit after it (morse.proto PushRequest.workers_clip).
   bool workers_clip = false;
+  // Step 0: the worker's x over the whole model, each partition's hash of
+  // which its push carries (PushRequest.x_hash); empty at later steps.
+  absl::Span<const float> x;
 };
 
 // One step's exchange, sent partition by partition: Send waits for a slot

@@ -98,9 +98,12 @@ def main():
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
     expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
-    expect(ValueError, "single parameter group", lambda: morse.torch.Adam(
+    expect(ValueError, "param_groups[1] has lr 0.1, param_groups[0] 0.001", lambda: morse.torch.Adam(
         [{"params": [torch.nn.Parameter(torch.zeros(3))]},
          {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], **args))
+    expect(ValueError, "param_groups[1] has weight_decay 0.0, param_groups[0] 0.1", lambda: morse.torch.Adam(
+        [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1},
+         {"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}], **args))
     expect(ValueError, "feedback='ef' has none", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), feedback="ef", feedback_beta=0.5, **args))
     for bad in (-1.0, 0, float("nan"), float("inf"), "big"):

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "compress/bytes_hash.h"
 #include "compress/fnv.h"
 #include "compress/lamb.h"
 #include "compress/messages.h"
@@ -407,6 +408,39 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
 // Replies go out before the mirror applies them; whatever reads the mirror
 // in between (a checkpoint, FetchPartition, a checksum, here from inside the
 // last reply's callback) sees the whole step.
+// Step 0's pushes carry the hash of the worker's x over the partition
+// (PushRequest.x_hash): one from another model is FAILED_PRECONDITION and
+// changes nothing; the job's model (InitializeAll's) is taken; later steps
+// carry none.
+TEST_F(ShardCoreTest, AStepZeroPushFromAnotherModelIsRefused) {
+  const compress::Partition& p = first();
+  const std::vector<float> x0 =
+      compress::testing::VariedData(p.range.size(), p.id);
+  const uint64_t job_hash =
+      compress::BytesHash(x0.data(), x0.size() * sizeof(float));
+  PushArgs other = Args(0, 1, p);
+  other.x_hash = job_hash ^ 1;
+  const absl::Status refused = Push(std::move(other));
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("rank 1's parameters in partition"),
+            std::string::npos)
+      << refused;
+  EXPECT_NE(refused.message().find("load them on every rank"),
+            std::string::npos)
+      << refused;
+  std::vector<std::shared_ptr<const Reply>> got(3);
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    PushArgs args = Args(0, rank, p);
+    args.x_hash = job_hash;
+    const absl::Status s = Push(std::move(args), &got[rank]);
+    EXPECT_EQ(s.ok(), rank == 2) << s;  // rank 1's refused push never counted
+  }
+  ASSERT_NE(got[2], nullptr);
+  const auto after = core_->FetchPartition(p.id, fingerprint());
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->completed_steps, 1);
+}
+
 TEST_F(ShardCoreTest, TheShardAnswersFirstAndReadersSeeTheWholeStep) {
   const auto& partitions = core_->layout().shard_partitions(1);
   ASSERT_GE(partitions.size(), 2u);

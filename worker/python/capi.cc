@@ -583,6 +583,13 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
   });
 }
 
+int morse_session_reload_model(morse_session* s) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    return s->session->ReloadModel();
+  });
+}
+
 int morse_session_server_error(morse_session* s, float* out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 9
+#define MORSE_CAPI_VERSION 10
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -166,6 +166,10 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
                                 const double* commit, uint64_t commit_values);
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
+/* Before the first step: the parameters as the caller changed them since
+   start become the job's (Session::ReloadModel: rank 0 restores the shards,
+   the other ranks wait until the shards hold their x). */
+int morse_session_reload_model(morse_session* s);
 int morse_session_save_checkpoint(morse_session* s, const char* path);
 /* The job's checkpoint.every_steps (0: the job does not checkpoint): a rank
    that may be restarted saves its checkpoint after each step whose count

@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 9  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 10  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -81,6 +81,7 @@ def _load():
         "morse_session_get_own_state": ([P, P, U32, P, ctypes.POINTER(U64)], I),
         "morse_session_set_own_state": ([P, I64, P, P, P, P, P, U32, P, U64], I),
         "morse_session_server_error": ([P, P], I),
+        "morse_session_reload_model": ([P], I),
         "morse_session_save_checkpoint": ([P, S], I),
         "morse_session_checkpoint_every": ([P, ctypes.POINTER(U32)], I),
         "morse_session_members": ([P, ctypes.POINTER(U32), U32, ctypes.POINTER(U32)], I),
@@ -371,6 +372,12 @@ class Session:
         out = np.empty(self._dim, dtype=np.float32)
         _check(_lib.morse_session_server_error(self._handle, out.ctypes.data))
         return out
+
+    def reload_model(self):
+        """Before the first step: the parameters as changed since start
+        become the job's (rank 0 restores the shards; the others wait until
+        the shards hold their values)."""
+        _check(_lib.morse_session_reload_model(self._handle))
 
     def save_checkpoint(self, path):
         _check(_lib.morse_session_save_checkpoint(self._handle, path.encode()))

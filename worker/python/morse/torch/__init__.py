@@ -240,9 +240,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
             names = [n for n, _ in params]
             params = [p for _, p in params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        if len(self.param_groups) != 1:
-            raise ValueError("Morse optimizers take a single parameter group")
-        every = list(self.param_groups[0]["params"])
+        # Several groups (torch's list of dicts) train as one: every replica
+        # and shard applies one lr, weight_decay, betas and eps to the flat
+        # buffer, so the groups must agree on them.
+        for i in range(1, len(self.param_groups)):
+            for key in ("lr", "betas", "eps", "weight_decay"):
+                self._check_group(i, key)
+        every = [p for group in self.param_groups for p in group["params"]]
         every_name = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(every)]
         # Frozen parameters (requires_grad=False) stay out of the flat buffer:
         # Morse never touches them, as torch.optim never updates them.
@@ -652,14 +656,47 @@ class _MorseOptimizer(torch.optim.Optimizer):
         group = self.param_groups[0]
         return float(group["lr"]), float(group["weight_decay"])
 
+    def _check_group(self, i, key, after_step=None):
+        """ValueError unless param_groups[i][key] is param_groups[0]'s."""
+        mine, first = self.param_groups[i][key], self.param_groups[0][key]
+        if _as_list(mine) == _as_list(first):
+            return
+        when = "" if after_step is None else f" (step {after_step} used param_groups[0]'s)"
+        raise ValueError(
+            f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: a Morse "
+            f"optimizer applies one {key} to the whole model (its parameters are one flat buffer "
+            "on every rank and shard), so every group must have the same; merge the groups, or "
+            "give them the same values (e.g. weight_decay on every parameter)")
+
+    def _check_groups(self, after_step=None):
+        for i in range(1, len(self.param_groups)):
+            for key in ("lr", "weight_decay"):
+                self._check_group(i, key, after_step)
+
     def _begin(self):
         changed = [n for n, p, v in zip(self._names, self._params, self._x_versions) if p._version != v]
-        if changed:
+        if changed and self._session.step_index == 0 and self._node is None:
+            # Weights loaded after the optimizer was built, before the first
+            # step (a fine-tuning script's order): they become the job's.
+            # Rank 0 gives them to the shards, every other rank that loaded
+            # them waits until the shards hold the same; the pushes of step
+            # 0 carry each partition's hash, so a rank that did not load
+            # them when rank 0 did (or the reverse) fails the step, saying so.
+            with self._explained():
+                self._session.reload_model()
+            self._x_versions = [p._version for p in self._params]
+        elif changed:
+            step = self.step_index
+            when = (f"after step {step - 1}" if step > 0 else
+                    "since the optimizer was built (a rank of morse-run --node-aggregation takes "
+                    "its node's weights when the optimizer is built)")
             raise MorseError(
-                f"FAILED_PRECONDITION: {', '.join(changed)} changed outside the optimizer since it was "
-                "built (model.load_state_dict(), copy_(), or another in-place change); the servers "
-                "still hold the old values and Morse will not overwrite yours silently. Load weights "
-                "before building the optimizer, or restore a whole run with opt.load_state_dict()")
+                f"FAILED_PRECONDITION: {', '.join(changed)} changed outside the optimizer {when} "
+                "(model.load_state_dict(), copy_(), or another in-place change); the servers "
+                "still hold the old values and Morse will not overwrite yours silently. Load "
+                "weights before the first step() (with --node-aggregation: before building the "
+                "optimizer), or restore a whole run with opt.load_state_dict()")
+        self._check_groups()
         if self._buffers and self._rank == 0:
             self._session.set_buffers(self._pack_buffers())
         lr, weight_decay = self._group_hyper()
@@ -806,6 +843,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._node_step()
         else:
             self._worker_step()
+        # A group's lr or weight_decay set apart from the others after this
+        # step's pushes left (between backward() and step()).
+        self._check_groups(after_step=self.step_index - 1)
         return loss
 
     def _owned(self, parameters):
@@ -1049,12 +1089,33 @@ class _MorseOptimizer(torch.optim.Optimizer):
         optimizer state: its state_dict has the step alone."""
         return self._state_dict(server_error=True)
 
+    def _saved_groups(self):
+        """param_groups as torch saves them: each group's settings and its
+        trained parameters' indices, counted across the groups."""
+        groups, index = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            count = sum(1 for p in group["params"] if p.requires_grad)
+            saved["params"] = list(range(index, index + count))
+            index += count
+            groups.append(saved)
+        return groups
+
+    def _load_groups(self, state_dict):
+        """lr and weight_decay of the saved groups back into param_groups
+        (one saved group sets every group)."""
+        saved = state_dict.get("param_groups", [{}])
+        for i, group in enumerate(self.param_groups):
+            source = saved[i] if len(saved) == len(self.param_groups) else saved[0]
+            for key in ("lr", "weight_decay"):
+                if key in source:
+                    group[key] = source[key]
+
     def _state_dict(self, server_error):
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self._params)))
+        groups = self._saved_groups()
         if self._session is None:
             return {"state": {"step": self.step_index, "rank": self._rank, "node_member": True},
-                    "param_groups": [group]}
+                    "param_groups": groups}
         step, m, v, error = self._session.get_state()
         device = self._flat.device
         state = {"step": step, "rank": self._rank, "taken": f"{self._nonce}:{self.step_index}",
@@ -1073,7 +1134,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             state[self._commit_key] = torch.from_numpy(commit)
         if self._rank == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
-        return {"state": state, "param_groups": [group]}
+        return {"state": state, "param_groups": groups}
 
     def _is_current(self, state):
         """Whether `state` is what state_dict() gives now, bit for bit."""
@@ -1110,10 +1171,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # A node's other rank: its leader restores the node's worker; the
             # parameters come from the model's weights, as on the leader.
             self._node_first_step = int(state.get("step", 0)) - self._node.steps
-            group = state_dict.get("param_groups", [{}])[0]
-            for key in ("lr", "weight_decay"):
-                if key in group:
-                    self.param_groups[0][key] = group[key]
+            self._load_groups(state_dict)
             return
         if self._is_current(state):
             # This optimizer's own state_dict() of this very step, given back
@@ -1177,9 +1235,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # with this state: later in-place changes are refused again.
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
-        for key in ("lr", "weight_decay"):
-            if key in group:
-                self.param_groups[0][key] = group[key]
+        self._load_groups(state_dict)
 
 
 def _same_bits(a, b):

@@ -1,0 +1,121 @@
+"""How scripts set up a model and its optimizer (issue 41). Weights loaded
+into the model after the optimizer was built: before the first step they
+become the job's, bit for bit as if they had been loaded before building
+it; a rank that loads them when rank 0 does not (or the reverse) fails the
+job at step 0 with a message saying to load them on every rank, and a
+change after a step is still refused. Several parameter groups with the
+same lr and weight_decay train bit for bit as one; a group set apart later
+is refused, naming the step."""
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from harness import check, morse_run  # noqa: E402
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def worker(out, mode):
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    pretrained = build(7).state_dict()
+    model = build(3 + rank)  # each rank its own start: the job takes rank 0's
+    if mode == "before" or mode.startswith("groups"):
+        model.load_state_dict(pretrained)
+    params = model.parameters()
+    if mode.startswith("groups"):  # the layers in groups of their own, alike
+        params = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+    opt = morse.torch.OneBitAdam(params, lr=0.01, weight_decay=0.01, freeze_step=2,
+                                 block_elems=16, partition_elems=32)
+    # Every rank has its optimizer (a copy of the job's model) before any
+    # loads weights: a rank built later would copy the weights rank 0 gave.
+    open(f"{out}/built-{rank}", "w").close()
+    while not all(os.path.exists(f"{out}/built-{r}") for r in range(2)):
+        time.sleep(0.05)
+    if mode == "after" or mode.startswith(f"rank{rank}_only"):
+        model.load_state_dict(pretrained)
+    # rank0_only: rank 0 gives the shards its weights before rank 1 pushes
+    # (whose push the shards then refuse); rank0_only_slow: after (rank 0's
+    # restore is refused).
+    if (mode, rank) in (("rank0_only", 1), ("rank0_only_slow", 0)):
+        time.sleep(2)
+    error = ""
+    try:
+        for step in range(6):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+            opt.step()
+            if mode == "late" and step == 2:
+                model.load_state_dict(pretrained)
+            if mode == "groups_apart" and step == 2:
+                opt.param_groups[1]["lr"] = 0.02
+    except (morse.torch.MorseError, ValueError) as e:
+        error = str(e)
+    bits = [p.detach().reshape(-1).view(torch.int32).tolist() for p in model.parameters()]
+    json.dump({"error": error, "bits": bits}, open(f"{out}/rank-{rank}.json", "w"))
+
+
+def run(mode, config=None):
+    out = tempfile.mkdtemp(prefix=f"morse-load-{mode}-")
+    code, log = morse_run(__file__, 2, 2, mode, out, config=config, timeout=240)
+    print(log[-3000:])
+    ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(2)]
+    return code, ranks
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1], sys.argv[-2])
+        sys.exit(0)
+    code, before = run("before")
+    check(code == 0 and not before[0]["error"] and not before[1]["error"],
+          f"loading before building failed: {before}")
+    code, after = run("after")
+    check(code == 0, "the job with weights loaded after building failed")
+    for r in range(2):
+        check(not after[r]["error"], f"rank {r}: {after[r]['error']}")
+        check(after[r]["bits"] == before[r]["bits"],
+              f"rank {r}: weights loaded after building the optimizer train differently from "
+              "the same weights loaded before")
+    check(after[0]["bits"] == after[1]["bits"], "the ranks differ")
+    print("ok: weights loaded after building the optimizer, before the first step, train bit for "
+          "bit as if loaded before building it (OneBitAdam, 2 ranks, 2 shards, warmup and "
+          "compression)")
+
+    config = os.path.join(tempfile.mkdtemp(prefix="morse-load-config-"), "job.textproto")
+    with open(config, "w") as f:
+        f.write("timeouts { connect_seconds: 5 }\n")
+    for mode in ("rank0_only", "rank0_only_slow", "rank1_only"):
+        code, ranks = run(mode, config)
+        errors = [got["error"] for got in ranks]
+        check(all(errors), f"{mode}: every rank must fail: {errors}")
+        check(any("load" in e and "every rank" in e for e in errors),
+              f"{mode}: no error says to load the weights on every rank: {errors}")
+        print(f"ok: {mode}: the job stopped at step 0, saying to load the weights on every rank")
+
+    code, late = run("late")
+    for r in range(2):
+        check("changed outside the optimizer after step 2" in late[r]["error"],
+              f"rank {r}: a change after a step was not refused: {late[r]['error']!r}")
+    print("ok: weights changed after a step are still refused, naming the step")
+
+    code, groups = run("groups")
+    check(code == 0, "the job with two parameter groups failed")
+    for r in range(2):
+        check(not groups[r]["error"], f"rank {r}: {groups[r]['error']}")
+        check(groups[r]["bits"] == before[r]["bits"],
+              f"rank {r}: two parameter groups with the same settings train differently from one")
+    code, apart = run("groups_apart")
+    for r in range(2):
+        check("param_groups[1] has lr 0.02, param_groups[0] 0.01" in apart[r]["error"],
+              f"rank {r}: a group's own lr was not refused: {apart[r]['error']!r}")
+    print("ok: two parameter groups alike train bit for bit as one; one set apart is refused")
+    print("PASS")
