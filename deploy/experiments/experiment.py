@@ -81,9 +81,10 @@ class VirtualCluster:
     """Hosts 0..n-1 as namespaces on one shaped bridge. A context manager:
     everything is deleted on exit, whatever happened."""
 
-    def __init__(self, hosts, rate_gbit, delay_ms=0.0, jitter_ms=0.0, loss_pct=0.0):
+    def __init__(self, hosts, rate_gbit, delay_ms=0.0, jitter_ms=0.0, loss_pct=0.0, queue_ms=200.0):
         self.tag = f"mx{random.randrange(16 ** 4):04x}"
         self.hosts, self.rate, self.netem = hosts, rate_gbit, (delay_ms, jitter_ms, loss_pct)
+        self.queue_ms = queue_ms
         self.switch = f"{self.tag}sw"
         self.created = []
 
@@ -108,7 +109,7 @@ class VirtualCluster:
             sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *netem)
             parent = ["parent", "1:"]
         sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:",
-           "tbf", "rate", rate, "burst", str(burst), "latency", "200ms")
+           "tbf", "rate", rate, "burst", str(burst), "latency", f"{self.queue_ms:g}ms")
 
     def __enter__(self):
         try:
@@ -371,6 +372,9 @@ def main():
     p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
     p.add_argument("--jitter", type=float, default=0.0, help="netem jitter, ms")
     p.add_argument("--loss", type=float, default=0.0, help="netem loss, percent")
+    p.add_argument("--queue-ms", type=float, default=200.0,
+                   help="the shaped link's FIFO in ms of data at its rate (tbf latency; default "
+                        "200, a deep buffer; a switch port's is a few ms)")
     p.add_argument("--trace", metavar="DIR",
                    help="every Morse daemon writes its step timeline (--trace) to DIR, one file per "
                         "scheme, rate, D and daemon: tests/bench/trace_summary.py DIR/SCHEME-*.json "
@@ -379,6 +383,8 @@ def main():
     a = p.parse_args()
     if os.geteuid() != 0:
         sys.exit("experiment.py: needs root for ip netns and tc; run it with sudo")
+    if not a.queue_ms > 0:
+        p.error("--queue-ms must be positive")
     if a.partition_elems < 2048 or a.partition_elems % 2048:
         p.error("--partition-elems must be a positive multiple of 2048 (block_elems)")
     if a.quick:
@@ -398,7 +404,7 @@ def main():
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         for rate in a.rates:
-            with VirtualCluster(hosts, rate, a.delay, a.jitter, a.loss) as vc:
+            with VirtualCluster(hosts, rate, a.delay, a.jitter, a.loss, a.queue_ms) as vc:
                 probe = netprobe(vc, a.build, 0, 1)
                 print(f"== {rate} Gbit/s: netprobe {probe['up_gbps']:.3f} up, {probe['down_gbps']:.3f} down",
                       flush=True)
@@ -434,7 +440,8 @@ def main():
     report.write(os.path.join(a.out, "results.csv"), a.out, {
         "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),
         "seconds": round(time.time() - started), "netem": [a.delay, a.jitter, a.loss],
-        "colocate": a.colocate, "window": a.window, "partition_elems": a.partition_elems})
+        "colocate": a.colocate, "window": a.window, "partition_elems": a.partition_elems,
+        "queue_ms": a.queue_ms})
     print(f"results: {a.out}/results.csv, report: {a.out}/report.md ({time.time() - started:.0f} s)")
 
 
