@@ -5,7 +5,8 @@ it; a rank that loads them when rank 0 does not (or the reverse) fails the
 job at step 0 with a message saying to load them on every rank, and a
 change after a step is still refused. Several parameter groups with the
 same lr and weight_decay train bit for bit as one; a group set apart later
-is refused, naming the step."""
+is refused, naming the step. Where a GPU is, the first case runs on CUDA
+tensors too (skipped without one, saying so)."""
 import json
 import os
 import sys
@@ -27,6 +28,9 @@ def worker(out, mode):
     rank = int(os.environ["MORSE_RANK"])
     pretrained = build(7).state_dict()
     model = build(3 + rank)  # each rank its own start: the job takes rank 0's
+    if mode.endswith("_cuda"):
+        model = model.cuda()
+        mode = mode[:-len("_cuda")]
     if mode == "before" or mode.startswith("groups"):
         model.load_state_dict(pretrained)
     params = model.parameters()
@@ -51,7 +55,8 @@ def worker(out, mode):
         for step in range(6):
             opt.zero_grad()
             g = torch.Generator().manual_seed(10 * step + rank)
-            model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+            x = torch.randn(4, 6, generator=g).to(model[0].weight.device)
+            model(x).pow(2).mean().backward()
             opt.step()
             if mode == "late" and step == 2:
                 model.load_state_dict(pretrained)
@@ -59,7 +64,7 @@ def worker(out, mode):
                 opt.param_groups[1]["lr"] = 0.02
     except (morse.torch.MorseError, ValueError) as e:
         error = str(e)
-    bits = [p.detach().reshape(-1).view(torch.int32).tolist() for p in model.parameters()]
+    bits = [p.detach().cpu().reshape(-1).view(torch.int32).tolist() for p in model.parameters()]
     json.dump({"error": error, "bits": bits}, open(f"{out}/rank-{rank}.json", "w"))
 
 
@@ -89,6 +94,17 @@ if __name__ == "__main__":
     print("ok: weights loaded after building the optimizer, before the first step, train bit for "
           "bit as if loaded before building it (OneBitAdam, 2 ranks, 2 shards, warmup and "
           "compression)")
+
+    if torch.cuda.is_available():
+        _, before_cuda = run("before_cuda")
+        code, after_cuda = run("after_cuda")
+        check(code == 0 and all(not got["error"] for got in before_cuda + after_cuda),
+              f"CUDA: {before_cuda[0]['error']} {after_cuda[0]['error']}")
+        check([got["bits"] for got in after_cuda] == [got["bits"] for got in before_cuda],
+              "CUDA: weights loaded after building the optimizer train differently")
+        print("ok: the same on CUDA tensors")
+    else:
+        print("SKIPPED part: no GPU, the CUDA tensors' case did not run")
 
     config = os.path.join(tempfile.mkdtemp(prefix="morse-load-config-"), "job.textproto")
     with open(config, "w") as f:

@@ -682,7 +682,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # them waits until the shards hold the same; the pushes of step
             # 0 carry each partition's hash, so a rank that did not load
             # them when rank 0 did (or the reverse) fails the step, saying so.
-            with self._explained():
+            with self._device_context(), self._explained():
+                if self._cuda:  # the copies into the parameters are done
+                    torch.cuda.current_stream(self._device).synchronize()
                 self._session.reload_model()
             self._x_versions = [p._version for p in self._params]
         elif changed:
