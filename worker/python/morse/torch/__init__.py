@@ -243,9 +243,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Several groups (torch's list of dicts) train as one: every replica
         # and shard applies one lr, weight_decay, betas and eps to the flat
         # buffer, so the groups must agree on them.
-        for i in range(1, len(self.param_groups)):
-            for key in ("lr", "betas", "eps", "weight_decay"):
-                self._check_group(i, key)
+        self._check_groups()
         every = [p for group in self.param_groups for p in group["params"]]
         every_name = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(every)]
         # Frozen parameters (requires_grad=False) stay out of the flat buffer:
@@ -669,8 +667,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             "give them the same values (e.g. weight_decay on every parameter)")
 
     def _check_groups(self, after_step=None):
+        """ValueError unless every group has param_groups[0]'s settings (at
+        construction and every step: a change to betas or eps in one group
+        would otherwise be ignored)."""
         for i in range(1, len(self.param_groups)):
-            for key in ("lr", "weight_decay"):
+            for key in ("lr", "betas", "eps", "weight_decay"):
                 self._check_group(i, key, after_step)
 
     def _begin(self):
