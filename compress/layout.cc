@@ -10,6 +10,27 @@ namespace {
 
 constexpr uint64_t kLayoutVersion = 1;
 
+// Cuts shard range `r` at each of spec.cuts inside it and each piece into
+// runs of partition_elems, calling fn(run, segment) for them in order until
+// fn returns false.
+template <class Fn>
+void CutShard(const LayoutSpec& spec, Range r, Fn fn) {
+  auto cut = std::upper_bound(spec.cuts.begin(), spec.cuts.end(), r.begin);
+  uint32_t segment = static_cast<uint32_t>(cut - spec.cuts.begin());
+  for (uint64_t begin = r.begin; begin < r.end;) {
+    const uint64_t end = cut != spec.cuts.end() && *cut < r.end ? *cut : r.end;
+    for (uint64_t at = begin; at < end; at += spec.partition_elems) {
+      if (!fn(Range{at, std::min(end, at + spec.partition_elems)}, segment))
+        return;
+    }
+    begin = end;
+    if (cut != spec.cuts.end() && *cut == end) {
+      ++cut;
+      ++segment;
+    }
+  }
+}
+
 }  // namespace
 
 uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element) {
@@ -21,10 +42,22 @@ uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element) {
     const uint64_t begin = block * spec.block_elems;
     block += per_shard + (s < longer ? 1 : 0);
     const uint64_t end = std::min(spec.dim, block * spec.block_elems);
-    if (element < end || s + 1 == spec.shards)
-      return static_cast<uint32_t>(index +
-                                   (element - begin) / spec.partition_elems);
-    index += (end - begin + spec.partition_elems - 1) / spec.partition_elems;
+    const bool holds = element < end || s + 1 == spec.shards;
+    if (spec.cuts.empty()) {
+      if (holds) {
+        return static_cast<uint32_t>(index +
+                                     (element - begin) / spec.partition_elems);
+      }
+      index += (end - begin + spec.partition_elems - 1) / spec.partition_elems;
+      continue;
+    }
+    // With cuts, the shard's runs are counted one by one.
+    CutShard(spec, Range{begin, end}, [&](const Range& run, uint32_t) {
+      if (holds && element < run.end) return false;
+      ++index;
+      return true;
+    });
+    if (holds) return static_cast<uint32_t>(index);
   }
   return static_cast<uint32_t>(index);
 }
@@ -50,6 +83,18 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
                      ") must be a positive multiple of block_elems (",
                      spec.block_elems, ")"));
   }
+  for (size_t i = 0; i < spec.cuts.size(); ++i) {
+    if (spec.cuts[i] == 0 || spec.cuts[i] >= spec.dim ||
+        spec.cuts[i] % spec.block_elems != 0 ||
+        (i > 0 && spec.cuts[i] <= spec.cuts[i - 1])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layout: cut ", i, " at element ", spec.cuts[i],
+                       " is not ascending inside (0, ", spec.dim,
+                       ") on a block of ", spec.block_elems,
+                       " elements (pad each parameter group to whole "
+                       "blocks)"));
+    }
+  }
   Layout layout;
   layout.spec_ = spec;
   layout.block_count_ = (spec.dim + spec.block_elems - 1) / spec.block_elems;
@@ -70,12 +115,11 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
     layout.shards_.push_back(range);
     layout.first_partition_.push_back(
         static_cast<uint32_t>(layout.partitions_.size()));
-    for (uint64_t begin = range.begin; begin < range.end;
-         begin += spec.partition_elems) {
+    CutShard(spec, range, [&](const Range& run, uint32_t segment) {
       layout.partitions_.push_back(Partition{
-          static_cast<uint32_t>(layout.partitions_.size()), s,
-          Range{begin, std::min(range.end, begin + spec.partition_elems)}});
-    }
+          static_cast<uint32_t>(layout.partitions_.size()), s, run, segment});
+      return true;
+    });
   }
   layout.first_partition_.push_back(
       static_cast<uint32_t>(layout.partitions_.size()));
@@ -84,6 +128,10 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
        {kLayoutVersion, spec.dim, uint64_t{spec.shards},
         uint64_t{spec.block_elems}, uint64_t{spec.partition_elems}}) {
     hash.MixInt(v);
+  }
+  if (!spec.cuts.empty()) {  // a layout without cuts keeps its fingerprint
+    hash.MixInt(spec.cuts.size());
+    for (uint64_t cut : spec.cuts) hash.MixInt(cut);
   }
   layout.fingerprint_ = hash.value();
   return layout;

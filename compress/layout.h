@@ -6,9 +6,13 @@
 //   blocks      ceil(D/B) blocks of B elements (the last may be shorter)
 //   shards      blocks dealt in contiguous runs, the first (blocks mod S)
 //               shards one block longer; shard s owns [begin_s, end_s)
-//   partitions  each shard range cut from its start into runs of
-//               partition_elems (the last may be shorter); ids are global, in
-//               order of position
+//   segments    the model's parameter groups, each trained with its own lr
+//               and weight_decay: `cuts` are the blocks' starts where one
+//               ends and the next begins (none: one segment)
+//   partitions  each shard range cut from its start, and at each cut inside
+//               it, into runs of partition_elems (a run's last may be
+//               shorter), so that no partition straddles a segment; ids are
+//               global, in order of position
 //
 // Immutable after Create; safe to share between threads.
 #ifndef MORSE_COMPRESS_LAYOUT_H_
@@ -27,6 +31,9 @@ struct LayoutSpec {
   uint32_t shards = 1;                  // S
   uint32_t block_elems = 2048;          // B, a positive multiple of 16
   uint32_t partition_elems = 1u << 20;  // a positive multiple of B
+  // Where segments end: ascending element indices in (0, D), multiples of
+  // B (the error buffers keep per-block state); empty for one segment.
+  std::vector<uint64_t> cuts;
 };
 
 struct Range {
@@ -38,7 +45,8 @@ struct Range {
 struct Partition {
   uint32_t id = 0;
   uint32_t shard = 0;
-  Range range;  // global element indices
+  Range range;           // global element indices
+  uint32_t segment = 0;  // the segment that holds it (0 without cuts)
 };
 
 // The ranks whose pushes a step's average leaves out (membership,
@@ -58,18 +66,23 @@ uint32_t PartitionCount(const LayoutSpec& spec);
 
 class Layout {
  public:
-  // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, or block and
-  // partition sizes that break the rules above.
+  // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, block and
+  // partition sizes that break the rules above, or cuts out of order, off
+  // a block or outside (0, D).
   static absl::StatusOr<Layout> Create(const LayoutSpec& spec);
 
   const LayoutSpec& spec() const { return spec_; }
   uint64_t block_count() const { return block_count_; }
   const Range& shard_range(uint32_t shard) const { return shards_[shard]; }
   absl::Span<const Partition> partitions() const { return partitions_; }
+  uint32_t segment_count() const {
+    return static_cast<uint32_t>(spec_.cuts.size()) + 1;
+  }
   // The partitions of one shard, in order.
   absl::Span<const Partition> shard_partitions(uint32_t shard) const;
-  // 64-bit FNV-1a over a version tag and the four spec fields, little-endian:
-  // equal specs give equal fingerprints on every platform.
+  // 64-bit FNV-1a over a version tag and the four spec fields, then the
+  // cuts when there are any, little-endian: equal specs give equal
+  // fingerprints on every platform.
   uint64_t fingerprint() const { return fingerprint_; }
 
  private:

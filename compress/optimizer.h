@@ -102,6 +102,13 @@ class Optimizer {
     return 0;
   }
 
+  // Whether a step's lr and weight_decay may differ from partition to
+  // partition (parameter groups: the layout's segments, each push carrying
+  // its own): only where every use of them is a partition's reply rule,
+  // not a pass over the whole model (a commit, a local step's lr sum, an
+  // outer step).
+  virtual bool HyperByPartition() const { return false; }
+
   // Whether the CUDA engine implements its reply rule (else a GPU worker
   // refuses the job, and --device auto trains on the CPU, saying why).
   virtual bool HasGpuKernels() const { return true; }

@@ -176,6 +176,29 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       }
       a.layers.assign(c.external().layers().begin(),
                       c.external().layers().end());
+      if (c.external().groups_size() > static_cast<int>(kMaxLayers)) {
+        return Invalid("external.groups",
+                       absl::StrCat("more than ", kMaxLayers, " groups"));
+      }
+      if (c.external().groups_size() > 1) {
+        uint64_t end = 0;
+        for (uint64_t size : c.external().groups()) {
+          if (size == 0 || size > job.external.dim - end) {
+            return Invalid(
+                "external.groups",
+                absl::StrCat("group sizes must be positive and add up to "
+                             "dim (",
+                             job.external.dim, ")"));
+          }
+          end += size;
+          if (end < job.external.dim) a.layout.cuts.push_back(end);
+        }
+        if (end != job.external.dim) {
+          return Invalid("external.groups",
+                         absl::StrCat("group sizes add up to ", end,
+                                      ", not dim (", job.external.dim, ")"));
+        }
+      }
       break;
     default:
       return Invalid("workload",
@@ -187,6 +210,14 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (optimizer == nullptr) {
     return Invalid("optimizer", absl::StrCat("'", c.optimizer(), "' is not ",
                                              compress::OptimizerNames()));
+  }
+  if (!a.layout.cuts.empty() && !optimizer->HyperByPartition()) {
+    return Invalid(
+        "external.groups",
+        absl::StrCat(optimizer->name(),
+                     " applies one lr and weight_decay to the whole model; "
+                     "parameter groups with their own are for adam and "
+                     "onebit_adam"));
   }
   a.optimizer = optimizer->kind();
   if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {
@@ -307,7 +338,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (probe.dim == 0)
     probe.dim = uint64_t{probe.block_elems} * probe.shards;  // size comes later
   if (absl::Status s = compress::Layout::Create(probe).status(); !s.ok()) {
-    return Invalid("block_elems/partition_elems/shards", s.message());
+    return Invalid(probe.cuts.empty() ? "block_elems/partition_elems/shards"
+                                      : "block_elems/partition_elems/shards/"
+                                        "external.groups",
+                   s.message());
   }
 
   auto warmup =

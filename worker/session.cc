@@ -219,11 +219,18 @@ absl::Status Session::Begin(absl::Span<const float> grad) {
 
 absl::Status Session::BeginFromEngine() { return BeginStep(); }
 
-absl::Status Session::SetStepHyper(std::optional<compress::StepHyper> hyper) {
-  if (hyper.has_value()) {
-    if (absl::Status s = compress::ValidateStepHyper(*hyper); !s.ok()) return s;
+absl::Status Session::SetStepHyper(std::vector<compress::StepHyper> hypers) {
+  if (hypers.size() > 1 && hypers.size() != layout_.segment_count()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        hypers.size(), " learning rates and weight decays for a model of ",
+        layout_.segment_count(),
+        " parameter groups (the job's external.groups): give one, or one "
+        "per group"));
   }
-  hyper_ = hyper;
+  for (const compress::StepHyper& hyper : hypers) {
+    if (absl::Status s = compress::ValidateStepHyper(hyper); !s.ok()) return s;
+  }
+  hyper_ = std::move(hypers);
   return absl::OkStatus();
 }
 
@@ -286,11 +293,11 @@ absl::Status Session::BeginStep() {
     // runs its part of the local step (as 1-bit Adam's momentum), so the
     // pushes need not wait for the whole gradient. Where the engine cannot,
     // or the step cannot start here, Finish does it whole as below.
-    const absl::StatusOr<float> lr_sum = engine_->BeginSyncLocalStep(
-        step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr);
+    const absl::StatusOr<float> lr_sum =
+        engine_->BeginSyncLocalStep(step_, WholeModelHyper());
     if (lr_sum.ok()) {
       local_pending_ = false;
-      if (step_hyper_.has_value()) step_hyper_->lr = *lr_sum;
+      if (!step_hyper_.empty()) step_hyper_[0].lr = *lr_sum;
     }
   }
   if (!local_pending_) StartExchange();
@@ -324,8 +331,7 @@ void Session::StartExchange() {
         }
         trace::Instant("receive", step, p.id);
         trace::Scope traced("apply", step, p.id);
-        return engine_->ApplyReply(step, p, bytes,
-                                   hyper.has_value() ? &*hyper : nullptr);
+        return engine_->ApplyReply(step, p, bytes, HyperOf(hyper, p));
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
@@ -345,9 +351,8 @@ absl::Status Session::LocalStep() {
     if (!own.ok()) return own.status();
     scale = *own;
   }
-  const absl::StatusOr<float> lr_sum = engine_->LocalStep(
-      step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, scale,
-      pool_.get());
+  const absl::StatusOr<float> lr_sum =
+      engine_->LocalStep(step_, WholeModelHyper(), scale, pool_.get());
   if (!lr_sum.ok()) return lr_sum.status();
   // A sync's message is the interval's update, not the gradient.
   clips_locally_ = false;
@@ -355,7 +360,7 @@ absl::Status Session::LocalStep() {
   if (!plan_.exchanges) return absl::OkStatus();
   // Every replica needs the interval's learning-rate sum for the sync; the
   // pushes carry it when the workers set the lr (compress::PlanReply).
-  if (step_hyper_.has_value()) step_hyper_->lr = *lr_sum;
+  if (!step_hyper_.empty()) step_hyper_[0].lr = *lr_sum;
   StartExchange();
   return absl::OkStatus();
 }
@@ -604,8 +609,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       const absl::Span<const uint8_t> bytes(
           reinterpret_cast<const uint8_t*>(reply.payload.data()),
           reply.payload.size());
-      const compress::StepHyper* hyper =
-          step_hyper_.has_value() ? &*step_hyper_ : nullptr;
+      const compress::StepHyper* hyper = HyperOf(step_hyper_, p);
       trace::Scope traced("apply", step_, p.id);
       if (absl::Status s =
               reply.staged ? engine_->ApplyStagedReply(step_, p, hyper, scale)
@@ -636,8 +640,8 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     // The optimizer's step from sums over the whole model (onebit_lamb: x
     // moves by each layer's coefficient), and its commit.
     trace::Scope traced("commit step", step_);
-    absl::StatusOr<std::vector<double>> commit = engine_->CommitStep(
-        step_, step_hyper_.has_value() ? &*step_hyper_ : nullptr, pool_.get());
+    absl::StatusOr<std::vector<double>> commit =
+        engine_->CommitStep(step_, WholeModelHyper(), pool_.get());
     if (!commit.ok()) {
       return Fail(absl::Status(
           commit.status().code(),

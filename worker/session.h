@@ -85,9 +85,11 @@ class Session {
   absl::Status Begin(absl::Span<const float> grad);
   // The learning rate and weight decay of the steps that begin from now on
   // (PyTorch's param_groups), sent with every push and applied by every
-  // replica and mirror; nullopt: the job's schedule. INVALID_ARGUMENT for
-  // negative or non-finite values.
-  absl::Status SetStepHyper(std::optional<compress::StepHyper> hyper);
+  // replica and mirror: one for the whole model, or one per segment of the
+  // layout (the job's external.groups), each push carrying its partition's;
+  // empty: the job's schedule. INVALID_ARGUMENT for negative or non-finite
+  // values or another count.
+  absl::Status SetStepHyper(std::vector<compress::StepHyper> hypers);
   // Rank 0's module buffers for the steps that begin from now on, sent with
   // partition 0's push; every worker finds them in received_buffers()
   // after Finish (empty when rank 0 sent none).
@@ -260,7 +262,7 @@ class Session {
   int64_t step_ = 0;
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
-  std::optional<compress::StepHyper> hyper_;
+  std::vector<compress::StepHyper> hyper_;  // see SetStepHyper
   std::string buffers_;           // rank 0: sent with the next step
   std::string received_buffers_;  // from the last step's reply of partition 0
   compress::Absent absent_;       // of the last step's replies
@@ -269,7 +271,13 @@ class Session {
   int64_t left_out_from_ = -1;
   int64_t left_out_steps_ = 0;
   bool defer_apply_ = false;
-  std::optional<compress::StepHyper> step_hyper_;  // the step in flight's
+  std::vector<compress::StepHyper> step_hyper_;  // the step in flight's
+  // Its one lr and weight_decay (or null), for an optimizer's pass over the
+  // whole model (local steps, commits): the job refuses parameter groups of
+  // their own there (compress::Optimizer::HyperByPartition).
+  const compress::StepHyper* WholeModelHyper() const {
+    return step_hyper_.empty() ? nullptr : &step_hyper_[0];
+  }
   // The step's replies kept for Finish when deferred (or when the step
   // clips the averaged gradient, which needs every reply's norm first), by
   // partition, with the shard's sum of squares of each.

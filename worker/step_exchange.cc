@@ -169,9 +169,10 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
   call->request.set_partition(partition.id);
   call->request.set_layout_fingerprint(client_->layout_.fingerprint());
   call->request.set_codec(static_cast<v1::Codec>(wire_codec_));
-  if (extras_.hyper.has_value()) {
-    call->request.set_lr(extras_.hyper->lr);
-    call->request.set_weight_decay(extras_.hyper->weight_decay);
+  if (const compress::StepHyper* hyper = HyperOf(extras_.hyper, partition);
+      hyper != nullptr) {
+    call->request.set_lr(hyper->lr);
+    call->request.set_weight_decay(hyper->weight_decay);
   }
   if (partition.id == 0 && !extras_.buffers.empty()) {
     call->request.set_buffers(std::move(extras_.buffers));

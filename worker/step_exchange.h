@@ -41,10 +41,21 @@ struct StepTraffic {
 
 class PushClient;
 
+// Partition `p`'s learning rate and weight decay among a step's `hypers`
+// (one for the whole model, or one per segment of the layout), or null
+// where the job's schedule sets them.
+inline const compress::StepHyper* HyperOf(
+    const std::vector<compress::StepHyper>& hypers,
+    const compress::Partition& p) {
+  if (hypers.empty()) return nullptr;
+  return &hypers[hypers.size() == 1 ? 0 : p.segment];
+}
+
 // What every push of a step carries besides its payload.
 struct StepExtras {
-  // The step's learning rate and weight decay (absent: the job's schedule).
-  std::optional<compress::StepHyper> hyper;
+  // The step's learning rate and weight decay (Session::SetStepHyper: one,
+  // one per segment of the layout, or none for the job's schedule).
+  std::vector<compress::StepHyper> hyper;
   // Rank 0's module buffers, sent with its push of partition 0
   // (morse.proto); the reply's are in received_buffers() after Finish.
   std::string buffers;

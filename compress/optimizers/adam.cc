@@ -25,6 +25,9 @@ class Adam final : public Optimizer {
 
   // v is never frozen: nothing to mask or bound.
   bool FreezesVariance() const override { return false; }
+
+  // Every use of lr and weight_decay is a partition's reply rule.
+  bool HyperByPartition() const override { return true; }
 };
 
 }  // namespace

@@ -57,6 +57,9 @@ class OneBitAdam final : public Optimizer {
   }
 
   bool HasFreezeStep() const override { return true; }
+
+  // Every use of lr and weight_decay is a partition's reply rule.
+  bool HyperByPartition() const override { return true; }
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <set>
 #include <tuple>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -81,6 +82,48 @@ TEST(LayoutTest, BadSpecsAreRejected) {
                          LayoutSpec{100, 8, 16, 16} /* 7 blocks, 8 shards */}) {
     EXPECT_EQ(Layout::Create(bad).status().code(),
               absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST(LayoutTest, CutsEndPartitionsAndNumberTheSegments) {
+  // D = 1000, 2 shards of 512 and 488 elements (16-element blocks), runs of
+  // 128; parameter groups end at 304, 320, 496 and 704: segment 3 spans the
+  // shards' boundary, which ends a partition too.
+  const LayoutSpec spec{1000, 2, 16, 128, {304, 320, 496, 704}};
+  auto layout = Layout::Create(spec);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  EXPECT_EQ(layout->segment_count(), 5u);
+  std::vector<std::tuple<uint64_t, uint64_t, uint32_t>> got;
+  for (const Partition& p : layout->partitions())
+    got.emplace_back(p.range.begin, p.range.end, p.segment);
+  const std::vector<std::tuple<uint64_t, uint64_t, uint32_t>> want = {
+      {0, 128, 0},   {128, 256, 0}, {256, 304, 0}, {304, 320, 1},
+      {320, 448, 2}, {448, 496, 2}, {496, 512, 3}, {512, 640, 3},
+      {640, 704, 3}, {704, 832, 4}, {832, 960, 4}, {960, 1000, 4}};
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(layout->shard_partitions(1).front().range.begin, 512u);
+  EXPECT_EQ(PartitionCount(spec), want.size());
+  for (const Partition& p : layout->partitions()) {
+    EXPECT_EQ(PartitionIndexAt(spec, p.range.begin), p.id);
+    EXPECT_EQ(PartitionIndexAt(spec, p.range.end - 1), p.id);
+  }
+  // Cuts change the fingerprint; none leaves it as it was.
+  LayoutSpec plain = spec;
+  plain.cuts.clear();
+  EXPECT_NE(layout->fingerprint(), Layout::Create(plain)->fingerprint());
+  LayoutSpec fewer = spec;
+  fewer.cuts.pop_back();
+  EXPECT_NE(layout->fingerprint(), Layout::Create(fewer)->fingerprint());
+  EXPECT_EQ(Layout::Create(plain)->segment_count(), 1u);
+}
+
+TEST(LayoutTest, CutsOutOfOrderOffABlockOrOutsideTheModelAreRejected) {
+  for (const std::vector<uint64_t>& cuts : std::vector<std::vector<uint64_t>>{
+           {0}, {1008}, {5008}, {304, 304}, {400, 304}, {301}}) {
+    const absl::StatusOr<Layout> layout =
+        Layout::Create(LayoutSpec{1000, 2, 16, 128, cuts});
+    EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(layout.status().message().find("cut"), std::string::npos);
   }
 }
 

@@ -305,7 +305,7 @@ TEST(OptimizerTest, StreamingDilocoFragmentsMustDivideStepsAndPartitions) {
 }
 
 TEST(LayoutTest, PartitionIndexAtMatchesTheLayout) {
-  for (const LayoutSpec spec :
+  for (const LayoutSpec& spec :
        {LayoutSpec{1000, 2, 16, 256}, LayoutSpec{1000, 3, 16, 64},
         LayoutSpec{17, 1, 16, 16}, LayoutSpec{5000, 7, 32, 96}}) {
     auto layout = Layout::Create(spec);

@@ -106,6 +106,21 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
        "optimizer: \"diloco\" diloco { outer_momentum: 1 }",
        "outer_momentum"},
+      // Parameter groups: sizes that add up to dim, on blocks, for the
+      // optimizers that read lr and weight_decay per partition.
+      {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 16 } "
+       "lr { lr: 1 } steps: 1 optimizer: \"adam\" block_elems: 16",
+       "external.groups"},
+      {"workers: 1 shards: 1 external { dim: 64 groups: 64 groups: 0 } "
+       "lr { lr: 1 } steps: 1 optimizer: \"adam\" block_elems: 16",
+       "external.groups"},
+      {"workers: 1 shards: 1 external { dim: 64 groups: 24 groups: 40 } "
+       "lr { lr: 1 } steps: 1 optimizer: \"adam\" block_elems: 16",
+       "external.groups"},
+      {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 32 } "
+       "lr { lr: 1 } steps: 2 freeze_step: 1 optimizer: \"onebit_lamb\" "
+       "block_elems: 16",
+       "external.groups"},
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
        "optimizer: \"diloco\" clip_grad_norm: 1",
        "clip_grad_norm"},
@@ -164,6 +179,23 @@ TEST(JobConfigTest, MinWorkersDefaultsToWorkers) {
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->min_workers, 2u);
   EXPECT_TRUE(job->elastic());
+}
+
+TEST(JobConfigTest, ParameterGroupsCutTheLayout) {
+  auto job = ParseJobConfig(
+      "workers: 2 shards: 2 external { dim: 100 groups: 32 groups: 16 "
+      "groups: 52 } lr { lr: 1 } steps: 1 optimizer: \"onebit_adam\" "
+      "freeze_step: 1 block_elems: 16 partition_elems: 32",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->algorithm.layout.cuts, (std::vector<uint64_t>{32, 48}));
+  // One group is no cut at all.
+  job = ParseJobConfig(
+      "workers: 2 shards: 2 external { dim: 100 groups: 100 } lr { lr: 1 } "
+      "steps: 1 optimizer: \"adam\" block_elems: 16",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_TRUE(job->algorithm.layout.cuts.empty());
 }
 
 TEST(JobConfigTest, DilocoDefaultsAreThePapers) {

@@ -16,7 +16,10 @@ the averaged gradient: linear edits give the same result on each rank's
 gradient before the average, which Morse pushes at step() once the first
 step showed the edits. And DDP's no_sync() idiom: a step's batch in 1, 2 or
 4 backward() calls, all but the last inside opt.no_sync() (every fifth
-step all of them, so that step() pushes), rank 0 overlapping."""
+step all of them, so that step() pushes), rank 0 overlapping. And two
+parameter groups with their own lr and weight_decay (Hugging Face's
+decay / no-decay split, with a per-group LambdaLR and a group's lr changed
+mid-run), against torch.optim.AdamW with the same groups."""
 import contextlib
 import os
 import sys
@@ -87,7 +90,15 @@ def worker(mode):
     # rows; rank 0 overlaps with no accumulation argument (the first step
     # teaches it 2) and torch 2's model.zero_grad(set_to_none=True), rank 1
     # passes accumulation_steps=2.
-    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32,
+    groups = mode == "groups"
+    # "groups": the biases do not decay and learn faster, the rest decays
+    # (the split Hugging Face's Trainer makes): 8 elements padded to a
+    # block of 16, then 69, so shard 0 holds both groups.
+    split = lambda m: [  # noqa: E731
+        {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0, "lr": 0.02},
+        {"params": [m.a.weight, m.b.weight, m.t], "weight_decay": 0.1}]
+    opt = morse.torch.Adam(split(model) if groups else model.parameters(), lr=0.01,
+                           block_elems=16, partition_elems=32,
                            overlap=rank == 0,
                            accumulation_steps=2 if accumulate and rank == 1 else None,
                            clip_grad_norm=0.2 if clip else None)
@@ -95,8 +106,13 @@ def worker(mode):
     reference = Model()
     reference.load_state_dict(model.state_dict())  # rank 0's values, which everyone now has
     # Morse's weight decay is decoupled, as AdamW's (identical to Adam at 0).
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(split(reference) if groups else reference.parameters(), lr=0.01,
+                                weight_decay=0.0)
     schedulers = []
+    if groups:
+        for o in (opt, ref_opt):  # each group its own schedule
+            schedulers.append(torch.optim.lr_scheduler.LambdaLR(
+                o, [lambda t: min(1.0, (t + 1) / 4), lambda t: 0.9 ** t]))
     if schedules:
         # Linear warmup over 4 steps, then halving every 6, on both sides.
         for o in (opt, ref_opt):
@@ -109,6 +125,9 @@ def worker(mode):
         if schedules and step == 10:
             for o in (opt, ref_opt):  # a manual change of the weight decay
                 o.param_groups[0]["weight_decay"] = 0.05
+        if groups and step == 10:
+            for o in (opt, ref_opt):  # one group's weight decay changed
+                o.param_groups[1]["weight_decay"] = 0.05
         x, y = data(opt.rank, step)
         if mode == "no_sync":
             # k backward() calls of 16/k rows each, as DDP scripts do with
@@ -184,7 +203,8 @@ def worker(mode):
                           f"{clipped} steps",
             "edit": f".grad edited after backward(), then clip_grad_norm_, which clipped "
                     f"{clipped} steps",
-            "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()"
+            "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
+            "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
             }.get(mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
@@ -275,7 +295,7 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit", "no_sync",
-                 "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr"):
+                 "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -5,7 +5,10 @@ it; a rank that loads them when rank 0 does not (or the reverse) fails the
 job at step 0 with a message saying to load them on every rank, and a
 change after a step is still refused. Several parameter groups with the
 same lr and weight_decay train bit for bit as one; a group set apart later
-is refused, naming the step. Where a GPU is, the first case runs on CUDA
+is refused, naming the step. Groups built with their own lr and
+weight_decay train apart: one with lr 0 stays bit for bit as loaded while
+the other trains, through OneBitAdam's warmup and compression, and the
+shard's mirror equals every rank's model after every step. Where a GPU is, the first case runs on CUDA
 tensors too (skipped without one, saying so)."""
 import json
 import os
@@ -15,6 +18,7 @@ import time
 
 import torch
 
+import morse.run
 from harness import check, morse_run  # noqa: E402
 
 
@@ -36,8 +40,12 @@ def worker(out, mode):
     params = model.parameters()
     if mode.startswith("groups"):  # the layers in groups of their own, alike
         params = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+    if mode == "groups_own":  # the first layer frozen by its group's settings
+        params[0].update(lr=0.0, weight_decay=0.0)
+    # groups_own: 32-element blocks pad the first group's 112 elements to 128.
     opt = morse.torch.OneBitAdam(params, lr=0.01, weight_decay=0.01, freeze_step=2,
-                                 block_elems=16, partition_elems=32)
+                                 block_elems=32 if mode == "groups_own" else 16,
+                                 partition_elems=32)
     # Every rank has its optimizer (a copy of the job's model) before any
     # loads weights: a rank built later would copy the weights rank 0 gave.
     open(f"{out}/built-{rank}", "w").close()
@@ -51,6 +59,7 @@ def worker(out, mode):
     if (mode, rank) in (("rank0_only", 1), ("rank0_only_slow", 0)):
         time.sleep(2)
     error = ""
+    checksums = []
     try:
         for step in range(6):
             opt.zero_grad()
@@ -58,6 +67,7 @@ def worker(out, mode):
             x = torch.randn(4, 6, generator=g).to(model[0].weight.device)
             model(x).pow(2).mean().backward()
             opt.step()
+            checksums.append(opt.checksum())
             if mode == "late" and step == 2:
                 model.load_state_dict(pretrained)
             if mode == "groups_apart" and step == 2:
@@ -65,12 +75,13 @@ def worker(out, mode):
     except (morse.torch.MorseError, ValueError) as e:
         error = str(e)
     bits = [p.detach().cpu().reshape(-1).view(torch.int32).tolist() for p in model.parameters()]
-    json.dump({"error": error, "bits": bits}, open(f"{out}/rank-{rank}.json", "w"))
+    json.dump({"error": error, "bits": bits, "checksums": checksums},
+              open(f"{out}/rank-{rank}.json", "w"))
 
 
-def run(mode, config=None):
-    out = tempfile.mkdtemp(prefix=f"morse-load-{mode}-")
-    code, log = morse_run(__file__, 2, 2, mode, out, config=config, timeout=240)
+def run(mode, config=None, servers=2, extra=(), out=None):
+    out = out or tempfile.mkdtemp(prefix=f"morse-load-{mode}-")
+    code, log = morse_run(__file__, 2, servers, mode, out, config=config, timeout=240, extra=extra)
     print(log[-3000:])
     ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(2)]
     return code, ranks
@@ -134,4 +145,26 @@ if __name__ == "__main__":
         check("param_groups[1] has lr 0.02, param_groups[0] 0.01" in apart[r]["error"],
               f"rank {r}: a group's own lr was not refused: {apart[r]['error']!r}")
     print("ok: two parameter groups alike train bit for bit as one; one set apart is refused")
+
+    # Groups built apart, on one shard whose mirror logs its checksum after
+    # every step (a morse-server wrapper adds --state_log).
+    out = tempfile.mkdtemp(prefix="morse-load-groups_own-")
+    wrapper = os.path.join(out, "morse-server")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\nexec "{morse.run._find_server()}" "$@" '
+                f'--state_log="{out}/state.jsonl"\n')
+    os.chmod(wrapper, 0o755)
+    code, own = run("groups_own", servers=1, extra=["--server-bin", wrapper], out=out)
+    check(code == 0 and not own[0]["error"] and not own[1]["error"],
+          f"groups with their own lr and weight_decay failed: {own[0]['error']} {own[1]['error']}")
+    pretrained = [p.reshape(-1).view(torch.int32).tolist() for p in build(7).state_dict().values()]
+    check(own[0]["bits"][:2] == pretrained[:2],
+          "the group with lr 0 and weight_decay 0 moved")
+    check(own[0]["bits"][2:] != pretrained[2:], "the other group did not train")
+    check(own[0]["bits"] == own[1]["bits"], "the ranks differ")
+    mirror = [json.loads(line)["mirror_checksum"] for line in open(f"{out}/state.jsonl")]
+    check(len(mirror) == 6 and own[0]["checksums"] == mirror == own[1]["checksums"],
+          f"the shard's mirror is not the workers' model: {mirror} vs {own[0]['checksums']}")
+    print("ok: groups built with their own lr and weight_decay train apart (OneBitAdam, a group "
+          "with lr 0 unchanged), the shard's mirror equal to the workers after all 6 steps")
     print("PASS")

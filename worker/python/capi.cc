@@ -153,6 +153,18 @@ int morse_cuda_device(char* buf, uint64_t size) {
   });
 }
 
+int morse_job_block_elems(const char* base, const char* overrides,
+                          uint32_t* out) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status s = NotNull(out, "out"); !s.ok()) return s;
+    auto job = morse::proto::ParseJobConfigWithOverrides(
+        base ? base : "", overrides ? overrides : "");
+    if (!job.ok()) return job.status();
+    *out = job->algorithm.layout.block_elems;
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_create(const char* base, const char* overrides, uint32_t rank,
                          const char* servers, float* x, uint64_t dim,
                          const char* security, morse_session** out) {
@@ -252,13 +264,19 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
   });
 }
 
-int morse_session_set_step_hyper(morse_session* s, int set, float lr,
-                                 float weight_decay) {
+int morse_session_set_step_hyper(morse_session* s, uint32_t count,
+                                 const float* lr, const float* weight_decay) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    if (set == 0) return s->session->SetStepHyper(std::nullopt);
-    return s->session->SetStepHyper(
-        morse::compress::StepHyper{lr, weight_decay});
+    std::vector<morse::compress::StepHyper> hypers;
+    if (count > 0) {
+      if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
+      if (absl::Status st = NotNull(weight_decay, "weight_decay"); !st.ok())
+        return st;
+      for (uint32_t i = 0; i < count; ++i)
+        hypers.push_back(morse::compress::StepHyper{lr[i], weight_decay[i]});
+    }
+    return s->session->SetStepHyper(std::move(hypers));
   });
 }
 

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 10
+#define MORSE_CAPI_VERSION 11
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -41,6 +41,13 @@ const char* morse_last_error(void);
  * buf (NUL-terminated, truncated to size). FAILED_PRECONDITION with the
  * reason when there is none or the library was built without CUDA. */
 int morse_cuda_device(char* buf, uint64_t size);
+
+/* The block_elems of the job that base and overrides (as for
+ * morse_session_create) make, into *out: where parameter groups trained
+ * apart must start (their sizes padded to whole blocks; external.groups).
+ * INVALID_ARGUMENT as morse_session_create for a bad config. */
+int morse_job_block_elems(const char* base, const char* overrides,
+                          uint32_t* out);
 
 /* Joins a job. base: a JobConfig in text format (may be empty); overrides:
  * more fields, applied after it; servers: "host:port,host:port"; x: dim host
@@ -73,11 +80,13 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
  * send_partition_on_stream: the partition's encode waits for the work
  * already queued on `stream` (a cudaStream_t; 0 is the legacy default
  * stream), so the gradient it reads is complete. */
-/* The learning rate and weight decay of the steps that begin from now on
- * (set = 1; PyTorch's param_groups), sent with every push and applied by
- * every replica; set = 0: the job's schedule again. */
-int morse_session_set_step_hyper(morse_session* s, int set, float lr,
-                                 float weight_decay);
+/* The learning rates and weight decays of the steps that begin from now on
+ * (PyTorch's param_groups), sent with every push and applied by every
+ * replica: `count` of each, 1 for the whole model or one per parameter
+ * group of the job's external.groups; count = 0: the job's schedule
+ * again. */
+int morse_session_set_step_hyper(morse_session* s, uint32_t count,
+                                 const float* lr, const float* weight_decay);
 
 /* Rank 0: `size` bytes of module buffers sent with the next step's push of
  * partition 0 (at most 64 MiB). After a step, every worker reads what came

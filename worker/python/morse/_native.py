@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 10  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 11  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -59,7 +59,8 @@ def _load():
         "morse_session_start": ([P, I, S, ctypes.POINTER(I64)], I),
         "morse_session_wait_all_joined": ([P], I),
         "morse_session_use_cuda": ([P, P, P], I),
-        "morse_session_set_step_hyper": ([P, I, ctypes.c_float, ctypes.c_float], I),
+        "morse_session_set_step_hyper": ([P, U32, FP, FP], I),
+        "morse_job_block_elems": ([S, S, ctypes.POINTER(U32)], I),
         "morse_session_set_buffers": ([P, P, U64], I),
         "morse_session_set_defer_apply": ([P, I], I),
         "morse_session_set_step_clipping": ([P, I], I),
@@ -155,6 +156,15 @@ _SECURITY_KEYS = ("tls_ca", "tls_cert", "tls_key", "tls_server_name", "token_fil
                   "refresh_seconds")
 
 
+def job_block_elems(base_config, overrides):
+    """The block_elems of the job the config and its overrides make (as a
+    Session would read them): where parameter groups trained apart start."""
+    out = ctypes.c_uint32()
+    _check(_load().morse_job_block_elems(base_config.encode(), overrides.encode(),
+                                         ctypes.byref(out)))
+    return out.value
+
+
 def _security_text(security):
     lines = []
     for key, value in security.items():
@@ -201,11 +211,19 @@ class Session:
         _check(_lib.morse_session_use_cuda(self._handle, x_device_ptr, grad_device_ptr))
 
     def set_step_hyper(self, lr=None, weight_decay=None):
-        """This and later steps' lr and weight decay (None: the job's schedule)."""
+        """This and later steps' lr and weight decay: numbers for the whole
+        model, or sequences of one per parameter group (the job's
+        external.groups); None: the job's schedule."""
         if lr is None:
-            _check(_lib.morse_session_set_step_hyper(self._handle, 0, 0.0, 0.0))
-        else:
-            _check(_lib.morse_session_set_step_hyper(self._handle, 1, lr, weight_decay))
+            _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None))
+            return
+        lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr]
+        decays = list(weight_decay) if isinstance(weight_decay, (list, tuple)) else [weight_decay]
+        if len(lrs) != len(decays):
+            raise ValueError(f"{len(lrs)} lr values but {len(decays)} weight_decay values")
+        count = len(lrs)
+        _check(_lib.morse_session_set_step_hyper(self._handle, count, (ctypes.c_float * count)(*lrs),
+                                                 (ctypes.c_float * count)(*decays)))
 
     def set_buffers(self, data):
         """Rank 0: module buffers (bytes) sent with the next step."""

@@ -36,6 +36,7 @@ clip_grad_norm_ stands in for torch's (see clip_grad_norm_ below).
 """
 import contextlib
 import hashlib
+import itertools
 import math
 import os
 import warnings
@@ -150,13 +151,17 @@ def _rank_checkpoint(session, worker):
     return os.path.join(checkpoint_dir, f"worker-{worker}.ckpt"), every
 
 
-def _external_model(params, layers=False):
+def _external_model(params, layers=False, groups=()):
     """(dim, the JobConfig line) of the model the parameters `params` make,
-    with each tensor a layer when `layers` (onebit_lamb's coefficients)."""
+    with each tensor a layer when `layers` (onebit_lamb's coefficients), and
+    `groups` the element counts of parameter groups trained with their own
+    lr and weight_decay, padding included (none: one group)."""
     shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in params)
-    dim = sum(p.numel() for p in params)
+    dim = sum(groups) if len(groups) > 1 else sum(p.numel() for p in params)
     fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
     extra = " ".join(f"layers: {p.numel()}" for p in params) if layers else ""
+    if len(groups) > 1:
+        extra += "".join(f" groups: {n}" for n in groups)
     return dim, (f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" '
                  f'{extra} }}')
 
@@ -240,9 +245,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
             names = [n for n, _ in params]
             params = [p for _, p in params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # Several groups (torch's list of dicts) train as one: every replica
-        # and shard applies one lr, weight_decay, betas and eps to the flat
-        # buffer, so the groups must agree on them.
+        # Several groups (torch's list of dicts) share betas and eps (one
+        # update rule). Groups built with their own lr or weight_decay train
+        # apart: each is a segment of the flat buffer that no partition
+        # straddles, and each push carries its group's values (adam and
+        # onebit_adam; the job refuses the others). Groups that agree when
+        # built train as one, and must go on agreeing.
+        first = self.param_groups[0]
+        self._groups_apart = any(_hyper_of(g) != _hyper_of(first) for g in self.param_groups)
         self._check_groups()
         every = [p for group in self.param_groups for p in group["params"]]
         every_name = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(every)]
@@ -266,8 +276,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameters on {device}: Morse trains CPU and CUDA tensors")
         self._cuda = device.type == "cuda"
-        # The parameter tensors are onebit_lamb's layers.
-        dim, external = _external_model(self._params, layers=True)
+        # The groups that train apart (those with parameters to train), as
+        # segments of the flat buffer in order.
+        counts = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        self._segments = ([i for i, n in enumerate(counts) if n > 0] if self._groups_apart
+                          else [0])
+        if self._groups_apart and schedule != "constant":
+            raise ValueError(f"param_groups with their own lr or weight_decay follow torch's values "
+                             f"at every step; schedule={schedule!r} sets one lr for the whole model. "
+                             "Use torch's schedulers (with the default schedule='constant')")
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
@@ -292,7 +309,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 f"weight_decay: {weight_decay!r}"]
         adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
         lines = [
-            external,
+            None,  # the model, below
             f'optimizer: "{optimizer}"',
             "adam { " + " ".join(adam) + " }",
             f'lr {{ schedule: "{schedule}" lr: {lr!r} }}',
@@ -304,7 +321,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # schedule rules and param_groups' lr must stay as given.
         self._follow_groups = schedule == "constant"
         self._schedule = schedule
-        self._initial_hyper = (float(lr), float(weight_decay))
+        self._initial_hyper = self._group_hyper()
         self._sent_hyper = None
         self._freeze_step = freeze_step if optimizer in ("onebit_adam", "onebit_lamb") else None
         self._lamb = optimizer == "onebit_lamb"
@@ -338,16 +355,31 @@ class _MorseOptimizer(torch.optim.Optimizer):
             lines.append(f"block_elems: {block_elems}")
         if partition_elems:
             lines.append(f"partition_elems: {partition_elems}")
+        # Groups trained apart are segments of the flat buffer that start on
+        # a block (the error buffers keep per-block state): each but the
+        # last is padded to whole blocks with elements no parameter uses
+        # (zero, with a zero gradient). The parameter tensors are
+        # onebit_lamb's layers (which trains one group).
+        sizes = [counts[i] for i in self._segments]
+        if len(sizes) > 1:
+            block = _native.job_block_elems(base, "\n".join(["external { }"] + lines[1:]))
+            sizes = [-(-n // block) * block for n in sizes[:-1]] + sizes[-1:]
+        dim, lines[0] = _external_model(self._params, layers=len(sizes) == 1, groups=sizes)
         self.job_overrides = "\n".join(lines)
 
         # One flat tensor for the parameters and one for their gradients, on
         # the parameters' device.
-        self._flat = torch.empty(dim, dtype=torch.float32, device=device)
+        self._flat = torch.zeros(dim, dtype=torch.float32, device=device)
         self._flat_grad = torch.zeros(dim, dtype=torch.float32, device=device)
         self._ranges = []
-        offset = 0
+        starts = dict(zip(self._segments, itertools.accumulate([0] + sizes[:-1])))
+        group_of = [i for i, g in enumerate(self.param_groups) for p in g["params"]
+                    if p.requires_grad]
+        offset, group = 0, self._segments[0]
         with torch.no_grad():
-            for p in self._params:
+            for p, g in zip(self._params, group_of):
+                if self._groups_apart and g != group:
+                    offset, group = starts[g], g  # the next group's segment
                 n = p.numel()
                 self._flat[offset:offset + n].copy_(p.reshape(-1))
                 p.data = self._flat[offset:offset + n].view_as(p)
@@ -651,8 +683,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             p.grad = view.view_as(p)
 
     def _group_hyper(self):
-        group = self.param_groups[0]
-        return float(group["lr"]), float(group["weight_decay"])
+        """(lr, weight_decay) of each segment of the flat buffer: of every
+        group with parameters to train when the groups train apart, else
+        param_groups[0]'s alone."""
+        return tuple(_hyper_of(self.param_groups[i]) for i in self._segments)
 
     def _check_group(self, i, key, after_step=None):
         """ValueError unless param_groups[i][key] is param_groups[0]'s."""
@@ -660,18 +694,26 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if _as_list(mine) == _as_list(first):
             return
         when = "" if after_step is None else f" (step {after_step} used param_groups[0]'s)"
+        if key in ("lr", "weight_decay"):
+            raise ValueError(
+                f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: the "
+                "groups had the same lr and weight_decay when the optimizer was built, so they "
+                "train as one segment of the flat buffer and must go on agreeing; give them "
+                "different values when building it (Adam and OneBitAdam then train each group "
+                "with its own, step by step) or the same values now")
         raise ValueError(
             f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: a Morse "
-            f"optimizer applies one {key} to the whole model (its parameters are one flat buffer "
-            "on every rank and shard), so every group must have the same; merge the groups, or "
-            "give them the same values (e.g. weight_decay on every parameter)")
+            f"optimizer applies one {key} to the whole model (one update rule on every rank and "
+            "shard), so every group must have the same")
 
     def _check_groups(self, after_step=None):
-        """ValueError unless every group has param_groups[0]'s settings (at
-        construction and every step: a change to betas or eps in one group
-        would otherwise be ignored)."""
+        """ValueError unless every group has param_groups[0]'s betas and eps,
+        and its lr and weight_decay unless the groups train apart (at
+        construction and every step: a change in one group would otherwise
+        be ignored)."""
+        keys = ("betas", "eps") if self._groups_apart else ("lr", "betas", "eps", "weight_decay")
         for i in range(1, len(self.param_groups)):
-            for key in ("lr", "betas", "eps", "weight_decay"):
+            for key in keys:
                 self._check_group(i, key, after_step)
 
     def _begin(self):
@@ -702,15 +744,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._check_groups()
         if self._buffers and self._rank == 0:
             self._session.set_buffers(self._pack_buffers())
-        lr, weight_decay = self._group_hyper()
+        hyper = self._group_hyper()
         if self._follow_groups:
-            self._session.set_step_hyper(lr, weight_decay)
-            self._sent_hyper = (lr, weight_decay)
-        elif (lr, weight_decay) != self._initial_hyper:
+            self._session.set_step_hyper([lr for lr, _ in hyper], [wd for _, wd in hyper])
+            self._sent_hyper = hyper
+        elif hyper != self._initial_hyper:
+            (lr, weight_decay), = hyper
             raise ValueError(f"param_groups[0] has lr {lr} and weight_decay {weight_decay}, but with "
                              f"schedule={self._schedule!r} the job's schedule sets them as built "
-                             f"({self._initial_hyper}); use either Morse's schedule or torch's "
-                             "(with the default schedule='constant')")
+                             f"({_shown_hyper(self._initial_hyper)}); use either Morse's schedule "
+                             "or torch's (with the default schedule='constant')")
         with self._explained():
             if self.clip_grad_norm is None:
                 self._session.set_step_clipping(self._clips)
@@ -984,8 +1027,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._surprised("the gradients changed after backward() had pushed them (editing, "
                             "scaling or zeroing .grad)")
         if changed is not None:
-            self._surprised(f"lr/weight_decay changed to {changed} between backward() and step(), "
-                            f"after the pushes had left with {self._sent_hyper}; the step used those")
+            self._surprised(f"lr/weight_decay changed to {_shown_hyper(changed)} between backward() "
+                            f"and step(), after the pushes had left with "
+                            f"{_shown_hyper(self._sent_hyper)}; the step used those")
         surprise, self._surprise = self._surprise, None
         if surprise is not None:
             self._adapt(*surprise)
@@ -1005,7 +1049,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if node.is_leader:
             failure = None
             if len(set(hypers)) > 1:
-                shown = ", ".join(f"({lr:.7g}, {wd:.7g})" for lr, wd in hypers)
+                shown = ", ".join(_shown_hyper(h) for h in hypers)
                 failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
                            f"(lr, weight_decay): {shown} (local ranks in order); every rank must "
                            "use the same")
@@ -1051,7 +1095,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         total = sum(c for _, _, c in counts)
         what = ("masked (mask_zero_variance)" if self._mask_zero_variance
                 else "NOT masked: they get +-scale/eps updates (mask_zero_variance=False)")
-        print(f"morse: v frozen at step {self._freeze_step}; {total} of {v.size} elements have "
+        trained = sum(p.numel() for p in self._params)  # without groups' padding
+        print(f"morse: v frozen at step {self._freeze_step}; {total} of {trained} elements have "
               f"v = 0 and are {what}", flush=True)
         for i, p, c in counts:
             if c:
@@ -1239,6 +1284,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+
+def _hyper_of(group):
+    """A param group's (lr, weight_decay) as floats (torch 2 allows a tensor lr)."""
+    return float(group["lr"]), float(group["weight_decay"])
+
+
+def _shown_hyper(hyper):
+    """(lr, weight_decay) pairs, one per segment, in words."""
+    shown = ", ".join(f"({lr:.7g}, {wd:.7g})" for lr, wd in hyper)
+    return shown if len(hyper) == 1 else f"[{shown}] (one per parameter group)"
 
 
 def _same_bits(a, b):

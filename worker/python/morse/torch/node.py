@@ -72,20 +72,24 @@ class NodeGroup:
                 flat.copy_(host)
 
     def average(self, flat_grad, hyper):
-        """Sends this rank's gradient and (lr, weight_decay) to the leader;
-        on the leader returns the node's average (host) and every rank's
-        hyper-parameters, elsewhere (None, None)."""
+        """Sends this rank's gradient and (lr, weight_decay) pairs (one per
+        parameter group trained apart) to the leader; on the leader returns
+        the node's average (host) and every rank's pairs, elsewhere (None,
+        None)."""
+        values = [v for pair in hyper for v in pair]
+        k = len(values)
         mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
-                          torch.tensor(hyper, dtype=torch.float32)])
+                          torch.tensor(values, dtype=torch.float32)])
         parts = [torch.empty_like(mine) for _ in range(self.size)] if self.is_leader else None
         self.dist.gather(mine, gather_list=parts, dst=self.leader, group=self.group)
         if not self.is_leader:
             return None, None
-        total = parts[0][:-2].clone()
+        total = parts[0][:-k].clone()
         for part in parts[1:]:
-            total += part[:-2]  # in local-rank order, so every run sums alike
+            total += part[:-k]  # in local-rank order, so every run sums alike
         total /= self.size
-        return total, [tuple(p[-2:].tolist()) for p in parts]
+        pairs = [p[-k:].tolist() for p in parts]
+        return total, [tuple(zip(v[0::2], v[1::2])) for v in pairs]
 
     def finish(self, failure=None, checksum=None, buffers=None):
         """The leader's outcome of the step to the node: (failure, checksum,
