@@ -263,7 +263,7 @@ class Session {
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
   std::vector<compress::StepHyper> hyper_;  // see SetStepHyper
-  std::string buffers_;           // rank 0: sent with the next step
+  std::string buffers_;                     // rank 0: sent with the next step
   std::string received_buffers_;  // from the last step's reply of partition 0
   compress::Absent absent_;       // of the last step's replies
   // The run of steps that left this worker out, told when it begins and
