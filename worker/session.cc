@@ -921,6 +921,17 @@ absl::Status Session::ReloadModel() {
   }
 }
 
+absl::StatusOr<bool> Session::HoldsShardsModel() {
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  const uint64_t dim = job_.algorithm.layout.dim;
+  compress::Replica shards(job_.algorithm, compress::Range{0, dim});
+  absl::StatusOr<int64_t> steps = client_->FetchModel(shards);
+  if (!steps.ok()) return steps.status();
+  return *steps == step_ && std::memcmp(shards.x().data(), replica_.x().data(),
+                                        dim * sizeof(float)) == 0;
+}
+
 absl::Status Session::ServerError(absl::Span<float> out) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (out.size() != dim) {

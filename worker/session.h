@@ -198,6 +198,14 @@ class Session {
   // that step with FAILED_PRECONDITION. FAILED_PRECONDITION, nothing
   // changed, after the first step or in one.
   absl::Status ReloadModel();
+  // Whether the shards hold this worker's x (after SyncHost) at the step it
+  // is at, between steps: morse.torch asks when parameters were written
+  // after a step, to tell a write that left every bit as the step left it
+  // (evaluation weights swapped in and back) from a change. Downloads the
+  // shards' model (x, m, v); false where they are at another step (an
+  // elastic job that went on without this worker, zero_one_adam's local
+  // steps).
+  absl::StatusOr<bool> HoldsShardsModel();
   // The shards' error buffers over the whole model after this worker's
   // last step (state_dict on rank 0), between this worker's steps.
   absl::Status ServerError(absl::Span<float> out);

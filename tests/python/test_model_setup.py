@@ -3,7 +3,8 @@ into the model after the optimizer was built: before the first step they
 become the job's, bit for bit as if they had been loaded before building
 it; a rank that loads them when rank 0 does not (or the reverse) fails the
 job at step 0 with a message saying to load them on every rank, and a
-change after a step is still refused. Several parameter groups with the
+change after a step is still refused, while weights swapped out (an
+evaluation's) and restored bit for bit after a step train on unchanged. Several parameter groups with the
 same lr and weight_decay train bit for bit as one; a group set apart later
 is refused, naming the step. Groups built with their own lr and
 weight_decay train apart: one with lr 0 stays bit for bit as loaded while
@@ -35,7 +36,7 @@ def worker(out, mode):
     if mode.endswith("_cuda"):
         model = model.cuda()
         mode = mode[:-len("_cuda")]
-    if mode == "before" or mode.startswith("groups"):
+    if mode in ("before", "swap") or mode.startswith("groups"):
         model.load_state_dict(pretrained)
     params = model.parameters()
     if mode.startswith("groups"):  # the layers in groups of their own, alike
@@ -68,6 +69,14 @@ def worker(out, mode):
             model(x).pow(2).mean().backward()
             opt.step()
             checksums.append(opt.checksum())
+            if mode == "swap" and step == 2:
+                # Other weights swapped in for an evaluation and restored,
+                # as EMA helpers do (store, copy_to, restore).
+                kept = {k: v.clone() for k, v in model.state_dict().items()}
+                model.load_state_dict(build(11).state_dict())
+                with torch.no_grad():
+                    model(torch.ones(1, 6).to(model[0].weight.device))
+                model.load_state_dict(kept)
             if mode == "late" and step == 2:
                 model.load_state_dict(pretrained)
             if mode == "groups_apart" and step == 2:
@@ -127,6 +136,13 @@ if __name__ == "__main__":
         check(any("load" in e and "every rank" in e for e in errors),
               f"{mode}: no error says to load the weights on every rank: {errors}")
         print(f"ok: {mode}: the job stopped at step 0, saying to load the weights on every rank")
+
+    code, swap = run("swap")
+    check(code == 0 and not swap[0]["error"] and not swap[1]["error"],
+          f"weights swapped out and restored after a step: {swap[0]['error']} {swap[1]['error']}")
+    check([got["bits"] for got in swap] == [got["bits"] for got in before],
+          "weights swapped out and restored after a step train differently")
+    print("ok: weights swapped out and restored bit for bit after a step train on unchanged")
 
     code, late = run("late")
     for r in range(2):

@@ -608,6 +608,17 @@ int morse_session_reload_model(morse_session* s) {
   });
 }
 
+int morse_session_holds_shards_model(morse_session* s, int* holds) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(holds, "holds"); !st.ok()) return st;
+    absl::StatusOr<bool> same = s->session->HoldsShardsModel();
+    if (!same.ok()) return same.status();
+    *holds = *same ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_server_error(morse_session* s, float* out) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

@@ -179,6 +179,9 @@ int morse_session_server_error(morse_session* s, float* out);
    start become the job's (Session::ReloadModel: rank 0 restores the shards,
    the other ranks wait until the shards hold their x). */
 int morse_session_reload_model(morse_session* s);
+/* *holds = 1 when the shards hold this worker's parameters at its step
+ * (Session::HoldsShardsModel: downloads the shards' model), else 0. */
+int morse_session_holds_shards_model(morse_session* s, int* holds);
 int morse_session_save_checkpoint(morse_session* s, const char* path);
 /* The job's checkpoint.every_steps (0: the job does not checkpoint): a rank
    that may be restarted saves its checkpoint after each step whose count

@@ -83,6 +83,7 @@ def _load():
         "morse_session_set_own_state": ([P, I64, P, P, P, P, P, U32, P, U64], I),
         "morse_session_server_error": ([P, P], I),
         "morse_session_reload_model": ([P], I),
+        "morse_session_holds_shards_model": ([P, ctypes.POINTER(I)], I),
         "morse_session_save_checkpoint": ([P, S], I),
         "morse_session_checkpoint_every": ([P, ctypes.POINTER(U32)], I),
         "morse_session_members": ([P, ctypes.POINTER(U32), U32, ctypes.POINTER(U32)], I),
@@ -396,6 +397,13 @@ class Session:
         become the job's (rank 0 restores the shards; the others wait until
         the shards hold their values)."""
         _check(_lib.morse_session_reload_model(self._handle))
+
+    def holds_shards_model(self):
+        """Whether the shards hold these parameters at this worker's step
+        (downloads the shards' model)."""
+        holds = ctypes.c_int()
+        _check(_lib.morse_session_holds_shards_model(self._handle, ctypes.byref(holds)))
+        return bool(holds.value)
 
     def save_checkpoint(self, path):
         _check(_lib.morse_session_save_checkpoint(self._handle, path.encode()))

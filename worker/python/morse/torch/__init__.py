@@ -730,6 +730,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     torch.cuda.current_stream(self._device).synchronize()
                 self._session.reload_model()
             self._x_versions = [p._version for p in self._params]
+        elif changed and self._node is None and self._holds_shards_model():
+            # Written and written back with the bits the step left (weights
+            # swapped in for an evaluation and restored, as EMA helpers do):
+            # the shards hold this model, nothing changed.
+            self._x_versions = [p._version for p in self._params]
         elif changed:
             step = self.step_index
             when = (f"after step {step - 1}" if step > 0 else
@@ -738,7 +743,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise MorseError(
                 f"FAILED_PRECONDITION: {', '.join(changed)} changed outside the optimizer {when} "
                 "(model.load_state_dict(), copy_(), or another in-place change); the servers "
-                "still hold the old values and Morse will not overwrite yours silently. Load "
+                "still hold the old values and Morse will not overwrite yours silently (weights "
+                "swapped out and restored bit for bit before the next step() are fine). Load "
                 "weights before the first step() (with --node-aggregation: before building the "
                 "optimizer), or restore a whole run with opt.load_state_dict()")
         self._check_groups()
@@ -761,6 +767,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._session.begin_device()
             else:
                 self._session.begin(self._flat_grad.numpy())
+
+    def _holds_shards_model(self):
+        """Whether the shards hold these parameters (the step after a write
+        to them: downloads the shards' model once)."""
+        with self._device_context(), self._explained():
+            if self._cuda:  # torch's writes to the parameters are done
+                torch.cuda.current_stream(self._device).synchronize()
+            return self._session.holds_shards_model()
 
     def _pack_buffers(self):
         return b"".join(t.detach().cpu().contiguous().numpy().tobytes() for _, t in self._buffers)
