@@ -926,7 +926,19 @@ absl::StatusOr<bool> Session::HoldsShardsModel() {
   if (absl::Status s = SyncHost(); !s.ok()) return s;
   const uint64_t dim = job_.algorithm.layout.dim;
   compress::Replica shards(job_.algorithm, compress::Range{0, dim});
+  // A step waiting for rank 0's commit (clipping, onebit_lamb) answers
+  // UNAVAILABLE until it arrives, partitions between steps
+  // FAILED_PRECONDITION: asked again, up to the connect timeout.
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   absl::StatusOr<int64_t> steps = client_->FetchModel(shards);
+  while (!steps.ok() &&
+         (absl::IsUnavailable(steps.status()) ||
+          absl::IsFailedPrecondition(steps.status())) &&
+         absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(100));
+    steps = client_->FetchModel(shards);
+  }
   if (!steps.ok()) return steps.status();
   return *steps == step_ && std::memcmp(shards.x().data(), replica_.x().data(),
                                         dim * sizeof(float)) == 0;

@@ -202,9 +202,10 @@ class Session {
   // is at, between steps: morse.torch asks when parameters were written
   // after a step, to tell a write that left every bit as the step left it
   // (evaluation weights swapped in and back) from a change. Downloads the
-  // shards' model (x, m, v); false where they are at another step (an
-  // elastic job that went on without this worker, zero_one_adam's local
-  // steps).
+  // shards' model (x, m, v), asked again while a step waits for its commit
+  // or partitions are between steps (up to timeouts.connect_seconds);
+  // false where they are at another step (an elastic job that went on
+  // without this worker, zero_one_adam's local steps).
   absl::StatusOr<bool> HoldsShardsModel();
   // The shards' error buffers over the whole model after this worker's
   // last step (state_dict on rank 0), between this worker's steps.

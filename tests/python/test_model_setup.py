@@ -36,7 +36,7 @@ def worker(out, mode):
     if mode.endswith("_cuda"):
         model = model.cuda()
         mode = mode[:-len("_cuda")]
-    if mode in ("before", "swap") or mode.startswith("groups"):
+    if mode in ("before", "swap", "clip", "swap_clip") or mode.startswith("groups"):
         model.load_state_dict(pretrained)
     params = model.parameters()
     if mode.startswith("groups"):  # the layers in groups of their own, alike
@@ -67,9 +67,11 @@ def worker(out, mode):
             g = torch.Generator().manual_seed(10 * step + rank)
             x = torch.randn(4, 6, generator=g).to(model[0].weight.device)
             model(x).pow(2).mean().backward()
+            if mode.endswith("clip"):  # each step waits for rank 0's commit of the norm
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             opt.step()
             checksums.append(opt.checksum())
-            if mode == "swap" and step == 2:
+            if mode.startswith("swap") and step == 2:
                 # Other weights swapped in for an evaluation and restored,
                 # as EMA helpers do (store, copy_to, restore).
                 kept = {k: v.clone() for k, v in model.state_dict().items()}
@@ -142,7 +144,14 @@ if __name__ == "__main__":
           f"weights swapped out and restored after a step: {swap[0]['error']} {swap[1]['error']}")
     check([got["bits"] for got in swap] == [got["bits"] for got in before],
           "weights swapped out and restored after a step train differently")
-    print("ok: weights swapped out and restored bit for bit after a step train on unchanged")
+    _, clip = run("clip")
+    code, swap_clip = run("swap_clip")
+    check(code == 0 and all(not got["error"] for got in clip + swap_clip),
+          f"with clip_grad_norm_: {clip[0]['error']} {swap_clip[0]['error']}")
+    check([got["bits"] for got in swap_clip] == [got["bits"] for got in clip],
+          "with clip_grad_norm_, weights swapped out and restored train differently")
+    print("ok: weights swapped out and restored bit for bit after a step train on unchanged, "
+          "also in steps that clip (whose shards wait for rank 0's commit)")
 
     code, late = run("late")
     for r in range(2):
