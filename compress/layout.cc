@@ -66,6 +66,21 @@ uint32_t PartitionCount(const LayoutSpec& spec) {
   return PartitionIndexAt(spec, spec.dim - 1) + 1;
 }
 
+uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
+                               uint32_t block_elems) {
+  const uint64_t b = std::max<uint32_t>(block_elems, 1);
+  auto whole_blocks = [b](uint64_t n) { return (n + b - 1) / b * b; };
+  const uint64_t lo = whole_blocks(kMinDefaultPartitionElems);
+  const uint64_t hi = whole_blocks(kMaxDefaultPartitionElems);
+  if (dim == 0 || shards == 0) return static_cast<uint32_t>(hi);
+  const uint64_t blocks = (dim + b - 1) / b;
+  const uint64_t largest_shard = (blocks + shards - 1) / shards * b;
+  const uint64_t wanted =
+      whole_blocks((largest_shard + kDefaultPartitionsPerShard - 1) /
+                   kDefaultPartitionsPerShard);
+  return static_cast<uint32_t>(std::clamp(wanted, lo, hi));
+}
+
 absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
   if (spec.dim == 0)
     return absl::InvalidArgumentError("layout: dim must be positive");

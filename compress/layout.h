@@ -64,6 +64,18 @@ bool ValidAbsent(const std::vector<uint32_t>& ranks, uint32_t workers);
 uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element);
 uint32_t PartitionCount(const LayoutSpec& spec);
 
+// The partition size a job gets when its config does not choose one: about
+// kDefaultPartitionsPerShard partitions in the largest shard, so that a
+// small model's uploads and replies overlap (design.md 3), but never below
+// kMinDefaultPartitionElems (per-push costs) nor above
+// kMaxDefaultPartitionElems (message size, staging memory); a multiple of
+// `block_elems`. With `dim` 0 (not known yet) the largest it can be.
+inline constexpr uint32_t kDefaultPartitionsPerShard = 8;
+inline constexpr uint32_t kMinDefaultPartitionElems = 1u << 16;
+inline constexpr uint32_t kMaxDefaultPartitionElems = 1u << 20;
+uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
+                               uint32_t block_elems);
+
 class Layout {
  public:
   // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, block and

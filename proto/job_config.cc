@@ -332,8 +332,13 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
   a.layout.shards = c.shards();
   a.layout.block_elems = block;
+  // Unset: chosen from the model's size (DESIGN 3); a server's base config
+  // for an external model, whose size comes with the first Join, takes the
+  // largest that choice can be.
   a.layout.partition_elems =
-      c.has_partition_elems() ? c.partition_elems() : (1u << 20);
+      c.has_partition_elems()
+          ? c.partition_elems()
+          : compress::DefaultPartitionElems(a.layout.dim, c.shards(), block);
   compress::LayoutSpec probe = a.layout;
   if (probe.dim == 0)
     probe.dim = uint64_t{probe.block_elems} * probe.shards;  // size comes later

@@ -102,8 +102,12 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
           compress::AlgorithmFingerprint(job_.algorithm)) {
     return absl::FailedPreconditionError(absl::StrCat(
         path, " was written by a job with a different ",
-        h.layout_fingerprint != layout_.fingerprint() ? "layout" : "algorithm",
-        " (workers, optimizer, hyper-parameters, codecs, feedback or seed)"));
+        h.layout_fingerprint != layout_.fingerprint()
+            ? "layout (dim, shards, block_elems, partition_elems or parameter "
+              "groups; an unset partition_elems follows the model's size, "
+              "docs/config.md: set the one the checkpoint's job had)"
+            : "algorithm (workers, optimizer, hyper-parameters, codecs, "
+              "feedback or seed)"));
   }
   const uint64_t n = range_.size();
   auto x = reader->Floats("x", n);

@@ -213,7 +213,7 @@ steps: {steps}
 timeouts {{ connect_seconds: 30 step_seconds: 300 rpc_seconds: 600 }}
 channels_per_shard: {channels}
 window: {window}
-partition_elems: {partition_elems}
+{f"partition_elems: {partition_elems}" if partition_elems else ""}
 log_every: 1000
 """)
     server_host = lambda s: s
@@ -366,7 +366,8 @@ def main():
     p.add_argument("--window", type=int, default=64, help="partitions each worker keeps in flight")
     p.add_argument("--channels", type=int, default=4, help="TCP connections per worker and shard")
     p.add_argument("--partition-elems", type=int, default=262144,
-                   help="elements per partition (default 262144; a positive multiple of the block size, 2048)")
+                   help="elements per partition (default 262144; a positive multiple of the block size, "
+                        "2048; 0: the job's own default, chosen from the model's size)")
     p.add_argument("--compute-threads", type=int, default=0,
                    help="every daemon's --compute_threads (0: one per core, the daemons' default)")
     p.add_argument("--delay", type=float, default=0.0, help="netem delay per link, ms")
@@ -385,8 +386,9 @@ def main():
         sys.exit("experiment.py: needs root for ip netns and tc; run it with sudo")
     if not a.queue_ms > 0:
         p.error("--queue-ms must be positive")
-    if a.partition_elems < 2048 or a.partition_elems % 2048:
-        p.error("--partition-elems must be a positive multiple of 2048 (block_elems)")
+    if a.partition_elems < 0 or a.partition_elems % 2048:
+        p.error("--partition-elems must be 0 (the job's default) or a positive multiple of 2048 "
+                "(block_elems)")
     if a.quick:
         a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], [1], [1], 4
         a.schemes, a.peers = ["fp32", "onebit"], ["ddp_fp32"]

@@ -191,7 +191,8 @@ def write(csv_path, out_dir, meta=None):
         lines += [f"Command: `{meta.get('command', '')}` ({meta.get('seconds', '?')} s). "
                   f"netem delay/jitter/loss: {meta.get('netem')}; servers co-located with workers: "
                   f"{meta.get('colocate')}; window (partitions in flight per worker): "
-                  f"{meta.get('window', 8)}; partition_elems: {meta.get('partition_elems', 262144)}; "
+                  f"{meta.get('window', 8)}; partition_elems: "
+                  f"{meta.get('partition_elems', 262144) or 'the job default (from D and S)'}; "
                   f"link queue: {meta.get('queue_ms', 200):g} ms.", ""]
     lines += ["Every figure is from this run: the ceiling is morse-netprobe on the same links "
               "(2 TCP streams, both directions at once); the floor is DESIGN 7's "

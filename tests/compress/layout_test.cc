@@ -127,5 +127,42 @@ TEST(LayoutTest, CutsOutOfOrderOffABlockOrOutsideTheModelAreRejected) {
   }
 }
 
+// A job that leaves partition_elems unset gets about eight partitions in its
+// largest shard, within [64Ki, 1Mi] elements, on whole blocks.
+TEST(LayoutTest, TheDefaultPartitionSizeGivesSmallModelsSeveralPerShard) {
+  struct Case {
+    uint64_t dim;
+    uint32_t shards, block;
+    uint32_t want;
+  };
+  for (const Case& c : std::vector<Case>{
+           {1'000'000, 2, 2048, 65536},       // 245 blocks: 8 of 64Ki
+           {10'000'000, 2, 2048, 626'688},    // 2442 blocks: 8 of 306
+           {25'000'000, 2, 2048, 1u << 20},   // capped: 12 per shard
+           {134'000'000, 4, 2048, 1u << 20},  // capped
+           {50'000, 1, 2048, 65536},          // floor: one partition
+           {4'000'000, 3, 3008, 168'448},     // 444 blocks: 8 of 56
+           {1'000'000, 2, 3008, 66'176},      // the floor on whole blocks
+           {0, 2, 2048, 1u << 20},            // size not known: the largest
+           {0, 2, 3008, 1'049'792}}) {
+    const uint32_t p = DefaultPartitionElems(c.dim, c.shards, c.block);
+    EXPECT_EQ(p, c.want) << c.dim << " " << c.shards << " " << c.block;
+    EXPECT_EQ(p % c.block, 0u);
+    if (c.dim == 0) continue;
+    const LayoutSpec spec{c.dim, c.shards, c.block, p, {}};
+    const absl::StatusOr<Layout> layout = Layout::Create(spec);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    size_t most = 0;
+    for (uint32_t s = 0; s < c.shards; ++s)
+      most = std::max(most, layout->shard_partitions(s).size());
+    if (p < kMinDefaultPartitionElems + c.block)
+      EXPECT_LE(most, kDefaultPartitionsPerShard) << c.dim;
+    else if (p > kMaxDefaultPartitionElems - c.block)
+      EXPECT_GE(most, kDefaultPartitionsPerShard) << c.dim;
+    else
+      EXPECT_EQ(most, kDefaultPartitionsPerShard) << c.dim;
+  }
+}
+
 }  // namespace
 }  // namespace morse::compress

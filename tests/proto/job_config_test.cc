@@ -30,9 +30,31 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
   EXPECT_TRUE(a.mask_zero_variance);
   EXPECT_TRUE(a.bound_update);
   EXPECT_EQ(a.layout.block_elems, 2048u);
-  EXPECT_EQ(a.layout.partition_elems, 1u << 20);
+  // 50,000 elements a shard: the smallest default partition.
+  EXPECT_EQ(a.layout.partition_elems, 65536u);
   EXPECT_FLOAT_EQ(a.adam.beta1, 0.9f);
   EXPECT_EQ(job->channels_per_shard, 2u);
+}
+
+// Unset, partition_elems follows the model's size (compress::
+// DefaultPartitionElems); set, it is kept; a server's base config for an
+// external model, whose size comes later, takes the largest default.
+TEST(JobConfigTest, ThePartitionSizeFollowsTheModelUnlessSet) {
+  auto sized = [](const std::string& text) {
+    auto job = ParseJobConfig(text, ConfigFormat::kText);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return job.ok() ? job->algorithm.layout.partition_elems : 0u;
+  };
+  const std::string head =
+      "workers: 2 shards: 2 steps: 10 lr { lr: 0.01 } optimizer: \"adam\" ";
+  EXPECT_EQ(sized(head + "synthetic { dim: 1000000 }"), 65536u);
+  EXPECT_EQ(sized(head + "synthetic { dim: 10000000 }"), 626688u);
+  EXPECT_EQ(sized(head + "synthetic { dim: 25000000 }"), 1u << 20);
+  EXPECT_EQ(sized(head + "synthetic { dim: 25000000 } partition_elems: 4096"),
+            4096u);
+  EXPECT_EQ(sized(head + "external { dim: 10000000 }"), 626688u);
+  EXPECT_EQ(sized(head + "external {}"), 1u << 20);
+  EXPECT_EQ(sized(head + "external {} block_elems: 3008"), 1049792u);
 }
 
 TEST(JobConfigTest, AdamDefaultsAndJson) {
