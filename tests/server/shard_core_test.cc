@@ -1163,6 +1163,28 @@ TEST_F(ShardCoreTest, ModuleBuffersGoFromRankZeroToEveryWorker) {
   EXPECT_TRUE(next->buffers.empty());
 }
 
+// A checkpoint of another layout (here another partition_elems, which an
+// unset config now picks from the model's size) or of another algorithm is
+// refused, naming what differs, and leaves the shard as it was.
+TEST_F(ShardCoreTest, ACheckpointOfAnotherLayoutOrAlgorithmIsRefused) {
+  const std::string path = ::testing::TempDir() + "/other_layout.ckpt";
+  ASSERT_TRUE(core_->SaveCheckpoint(path).ok());
+  proto::JobSpec other_layout = job_;
+  other_layout.algorithm.layout.partition_elems = 32;
+  proto::JobSpec other_algorithm = job_;
+  other_algorithm.algorithm.adam.beta2 = 0.99f;
+  for (const auto& [job, names] :
+       std::vector<std::pair<proto::JobSpec, std::string>>{
+           {other_layout, "partition_elems"}, {other_algorithm, "optimizer"}}) {
+    auto restored = *ShardCore::Create(job, 1);
+    const absl::Status status = restored->RestoreCheckpoint(path);
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+    EXPECT_NE(status.message().find(names), std::string::npos) << status;
+    EXPECT_EQ(restored->Status().partitions_initialized, 0u);
+    EXPECT_EQ(restored->Status().completed_steps, 0);
+  }
+}
+
 // A shard restored from its checkpoint after step 1 (DESIGN 4, shard
 // recovery): a retry of step 1 gets the reply the shard gave before it died
 // (the checkpoint keeps the last replies and push hashes), a push of step 3
