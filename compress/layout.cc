@@ -10,6 +10,12 @@ namespace {
 
 constexpr uint64_t kLayoutVersion = 1;
 
+// The blocks dealt to shard s of `shards`: the first (blocks mod S) shards
+// hold one more than the rest, so shard 0 is the longest.
+uint64_t BlocksOfShard(uint64_t blocks, uint32_t shards, uint32_t s) {
+  return blocks / shards + (s < blocks % shards ? 1 : 0);
+}
+
 // Cuts shard range `r` at each of spec.cuts inside it and each piece into
 // runs of partition_elems, calling fn(run, segment) for them in order until
 // fn returns false.
@@ -35,12 +41,10 @@ void CutShard(const LayoutSpec& spec, Range r, Fn fn) {
 
 uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element) {
   const uint64_t blocks = (spec.dim + spec.block_elems - 1) / spec.block_elems;
-  const uint64_t per_shard = blocks / spec.shards;
-  const uint64_t longer = blocks % spec.shards;
   uint64_t index = 0, block = 0;
   for (uint32_t s = 0; s < spec.shards; ++s) {
     const uint64_t begin = block * spec.block_elems;
-    block += per_shard + (s < longer ? 1 : 0);
+    block += BlocksOfShard(blocks, spec.shards, s);
     const uint64_t end = std::min(spec.dim, block * spec.block_elems);
     const bool holds = element < end || s + 1 == spec.shards;
     if (spec.cuts.empty()) {
@@ -73,8 +77,8 @@ uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
   const uint64_t lo = whole_blocks(kMinDefaultPartitionElems);
   const uint64_t hi = whole_blocks(kMaxDefaultPartitionElems);
   if (dim == 0 || shards == 0) return static_cast<uint32_t>(hi);
-  const uint64_t blocks = (dim + b - 1) / b;
-  const uint64_t largest_shard = (blocks + shards - 1) / shards * b;
+  const uint64_t largest_shard =
+      BlocksOfShard((dim + b - 1) / b, shards, 0) * b;
   const uint64_t wanted =
       whole_blocks((largest_shard + kDefaultPartitionsPerShard - 1) /
                    kDefaultPartitionsPerShard);
@@ -119,11 +123,9 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
                      layout.block_count_, " blocks of ", spec.block_elems,
                      " elements; every shard needs a block"));
   }
-  const uint64_t per_shard = layout.block_count_ / spec.shards;
-  const uint64_t longer = layout.block_count_ % spec.shards;
   uint64_t block = 0;
   for (uint32_t s = 0; s < spec.shards; ++s) {
-    const uint64_t blocks = per_shard + (s < longer ? 1 : 0);
+    const uint64_t blocks = BlocksOfShard(layout.block_count_, spec.shards, s);
     Range range{block * spec.block_elems,
                 std::min(spec.dim, (block + blocks) * spec.block_elems)};
     block += blocks;
