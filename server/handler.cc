@@ -191,22 +191,17 @@ absl::Status ShardHandler::Abort(const v1::AbortRequest& request) {
 absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
   absl::StatusOr<ShardCore*> core = Core();
   if (!core.ok()) return core.status();
-  if (request.commit_values_size() > 0) {
-    if (request.has_clip_max_norm()) {
-      return absl::InvalidArgumentError(
-          "a commit holds layer coefficients or a clip's max_norm, not both");
-    }
-    return (*core)->CommitValues(
-        request.rank(), request.step(), request.layout_fingerprint(),
-        std::vector<double>(request.commit_values().begin(),
-                            request.commit_values().end()));
-  }
-  return (*core)->Commit(request.rank(), request.step(),
-                         request.layout_fingerprint(),
-                         request.grad_sum_of_squares(),
-                         request.has_clip_max_norm()
-                             ? std::optional<float>(request.clip_max_norm())
-                             : std::nullopt);
+  StepCommit commit;
+  commit.values.assign(request.commit_values().begin(),
+                       request.commit_values().end());
+  // A commit without values holds a norm, 0 when the field is absent (as
+  // before it was optional); with values, only one that is present.
+  if (request.has_grad_sum_of_squares() || commit.values.empty())
+    commit.grad_sum_of_squares = request.grad_sum_of_squares();
+  if (request.has_clip_max_norm())
+    commit.clip_max_norm = request.clip_max_norm();
+  return (*core)->CommitStep(request.rank(), request.step(),
+                             request.layout_fingerprint(), commit);
 }
 
 absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request,

@@ -733,14 +733,17 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
   *applies = false;
   const compress::Optimizer& optimizer = compress::OptimizerOf(job_.algorithm);
   const bool values = !commit.values.empty();
+  const bool norm = commit.grad_sum_of_squares.has_value();
   const std::string what = values ? absl::StrCat(optimizer.name(), "'s commit")
                                   : "the gradient norm";
+  if (!values && !norm) return absl::InvalidArgumentError("an empty commit");
+  if (commit.clip_max_norm.has_value() && !norm) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank,
+                     ": a commit with a clip's max_norm needs the gradient's "
+                     "sum of squares"));
+  }
   if (values) {
-    if (commit.grad_sum_of_squares.has_value() ||
-        commit.clip_max_norm.has_value()) {
-      return absl::InvalidArgumentError(
-          "a commit holds a gradient norm or the optimizer's values, not both");
-    }
     const uint64_t expected = optimizer.CommitDoubles(job_.algorithm);
     if (expected == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -759,7 +762,8 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", rank, ": ", s.message()));
     }
-  } else {
+  }
+  if (norm) {
     const double total = *commit.grad_sum_of_squares;
     if (!std::isfinite(total) || total < 0) {
       return absl::InvalidArgumentError(
@@ -779,24 +783,12 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
         p.partition.id, " has completed ", p.next_step, " steps"));
   }
   if (step < p.next_step - 1) return absl::OkStatus();  // applied long ago
-  if (values) {
-    if (!p.committed_values.empty()) {
-      if (p.committed_values.size() != commit.values.size() ||
-          std::memcmp(p.committed_values.data(), commit.values.data(),
-                      8 * commit.values.size()) != 0) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("rank ", rank, " sent another commit for step ", step,
-                         " than was sent before (", optimizer.name(),
-                         "); every worker computes the same one"));
-      }
-      return absl::OkStatus();
-    }
-    if (!p.awaiting_commit) return absl::OkStatus();  // restored past it
-    *applies = true;
-    return absl::OkStatus();
-  }
-  const double total = *commit.grad_sum_of_squares;
-  if (!compress::ClipsAverage(job_.algorithm, step) && !p.last_workers_clip) {
+  // What the step waits for: the optimizer's commit (every step of one that
+  // commits) and, when it clipped the averaged gradient, its norm; both in
+  // one commit when it needs both (design.md 2.6).
+  const bool needs_norm =
+      compress::ClipsAverage(job_.algorithm, step) || p.last_workers_clip;
+  if (norm && !needs_norm) {
     return absl::FailedPreconditionError(absl::StrCat(
         "rank ", rank, " sent a gradient norm for step ", step,
         ", which does not clip the averaged gradient (clip_grad_norm ",
@@ -804,7 +796,19 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
         compress::PhaseName(job_.algorithm, step),
         " phase, and its pushes did not say workers_clip)"));
   }
-  if (p.last_workers_clip != commit.clip_max_norm.has_value()) {
+  if (needs_norm && !norm) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, "'s commit of step ", step,
+        " has no gradient norm: the step clipped the averaged gradient, and "
+        "its commit carries the sum of squares with ",
+        optimizer.name(), "'s values"));
+  }
+  if (values != (optimizer.CommitDoubles(job_.algorithm) > 0)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, "'s commit of step ", step, " has no ",
+                     optimizer.name(), " values: its mirror moves x by them"));
+  }
+  if (norm && p.last_workers_clip != commit.clip_max_norm.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rank ", rank, "'s commit of step ", step,
         p.last_workers_clip ? " has no max_norm, which the step's pushes "
@@ -812,7 +816,18 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
                             : " has a max_norm, but the job's clip_grad_norm "
                               "clips that step"));
   }
-  if (p.committed_norm.has_value()) {
+  // The same commit again is OK; another one is refused.
+  if (values && !p.committed_values.empty() &&
+      (p.committed_values.size() != commit.values.size() ||
+       std::memcmp(p.committed_values.data(), commit.values.data(),
+                   8 * commit.values.size()) != 0)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank, " sent another commit for step ", step,
+                     " than was sent before (", optimizer.name(),
+                     "); every worker computes the same one"));
+  }
+  if (norm && p.committed_norm.has_value()) {
+    const double total = *commit.grad_sum_of_squares;
     if (std::memcmp(&*p.committed_norm, &total, sizeof(double)) != 0) {
       return absl::FailedPreconditionError(
           absl::StrCat("rank ", rank, " sent ", total,
@@ -828,15 +843,14 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
                        *commit.clip_max_norm, " but ", *p.committed_max_norm,
                        " was sent before; every worker must clip alike"));
     }
-    return absl::OkStatus();
   }
-  if (!p.awaiting_commit) return absl::OkStatus();  // restored past it
+  if (!p.awaiting_commit) return absl::OkStatus();  // applied, or restored past
   const std::optional<double> own = p.last_reply != nullptr
                                         ? p.last_reply->grad_sum_of_squares
                                         : std::nullopt;
-  if (own.has_value() && total < *own) {
+  if (norm && own.has_value() && *commit.grad_sum_of_squares < *own) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " sent ", total,
+        "rank ", rank, " sent ", *commit.grad_sum_of_squares,
         " as the gradient's sum of squares at step ", step,
         ", less than partition ", p.partition.id, "'s own ", *own));
   }
@@ -851,9 +865,8 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
     p.mirror_scale = compress::ClipScale(
         *commit.grad_sum_of_squares,
         commit.clip_max_norm.value_or(job_.algorithm.clip_grad_norm));
-  } else {
-    p.committed_values = commit.values;
   }
+  p.committed_values = commit.values;
   p.awaiting_commit = false;
 }
 

@@ -225,6 +225,13 @@ class ShardCore {
   absl::Status CommitValues(uint32_t rank, int64_t step,
                             uint64_t layout_fingerprint,
                             std::vector<double> commit);
+  // Either, or both in one commit: a step of an optimizer that commits
+  // values whose averaged gradient was clipped (onebit_lamb's warmup with
+  // clip_grad_norm) needs both, and is refused (FAILED_PRECONDITION) with
+  // one alone. Commit and CommitValues are this with one part.
+  absl::Status CommitStep(uint32_t rank, int64_t step,
+                          uint64_t layout_fingerprint,
+                          const StepCommit& commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
   // The abort's message, if the job is stopped.
@@ -339,9 +346,6 @@ class ShardCore {
   // commit completed the step need not wait for the mirror's update: all
   // that reads the mirror applies it first.
   void MirrorSoon(PartitionState& p) ABSL_LOCKS_EXCLUDED(p.mu);
-  absl::Status CommitStep(uint32_t rank, int64_t step,
-                          uint64_t layout_fingerprint,
-                          const StepCommit& commit);
   void FlushMirrors() const;  // ApplyMirror on every partition
   // The step p accepts pushes of: its next step, or zero_one_adam's next
   // sync after local steps.

@@ -451,28 +451,20 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
       });
 }
 
-absl::Status PushClient::Commit(int64_t step, double grad_sum_of_squares,
-                                std::optional<float> clip_max_norm) {
-  return SendCommit(step, grad_sum_of_squares, clip_max_norm, {});
-}
-
-absl::Status PushClient::CommitValues(int64_t step,
-                                      absl::Span<const double> commit) {
-  return SendCommit(step, 0.0, std::nullopt, commit);
-}
-
-absl::Status PushClient::SendCommit(int64_t step, double grad_sum_of_squares,
-                                    std::optional<float> clip_max_norm,
-                                    absl::Span<const double> lamb) {
+absl::Status PushClient::Commit(int64_t step,
+                                std::optional<double> grad_sum_of_squares,
+                                std::optional<float> clip_max_norm,
+                                absl::Span<const double> values) {
   v1::CommitRequest request;
   request.set_rank(rank_);
   request.set_step(step);
   request.set_layout_fingerprint(layout_.fingerprint());
-  request.set_grad_sum_of_squares(grad_sum_of_squares);
+  if (grad_sum_of_squares.has_value())
+    request.set_grad_sum_of_squares(*grad_sum_of_squares);
   if (clip_max_norm.has_value()) request.set_clip_max_norm(*clip_max_norm);
-  for (double value : lamb) request.add_commit_values(value);
-  const char* what = lamb.empty() ? "committing the gradient norm to"
-                                  : "committing the layer coefficients to";
+  for (double value : values) request.add_commit_values(value);
+  const char* what = values.empty() ? "committing the gradient norm to"
+                                    : "committing the layer coefficients to";
   // A shard takes the same commit again, so one whose outcome is unknown
   // (refused, reply lost, deadline passed) is sent again, up to the
   // recovery timeout. A shard that restarted from a checkpoint before

@@ -115,14 +115,15 @@ class PushClient {
   // returns the first failure.
   absl::Status Abort(int64_t step, const std::string& reason);
 
-  // Sends step `step`'s sum of squares of the averaged gradient to every
-  // shard (ShardCore::Commit) and waits for them all; with the workers'
-  // max_norm when the step's pushes said workers_clip.
-  absl::Status Commit(int64_t step, double grad_sum_of_squares,
-                      std::optional<float> clip_max_norm = std::nullopt);
-  // onebit_lamb: step `step`'s layer coefficients and state
-  // (compress::Replica::LambStep; ShardCore::CommitValues), likewise.
-  absl::Status CommitValues(int64_t step, absl::Span<const double> commit);
+  // Sends step `step`'s commit to every shard (ShardCore::CommitStep) and
+  // waits for them all: the averaged gradient's sum of squares when the
+  // step clipped it (with the workers' max_norm when its pushes said
+  // workers_clip), the optimizer's values when it commits (onebit_lamb:
+  // compress::Replica::LambStep's layer coefficients and state), both in
+  // one commit when the step has both.
+  absl::Status Commit(int64_t step, std::optional<double> grad_sum_of_squares,
+                      std::optional<float> clip_max_norm,
+                      absl::Span<const double> values);
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
@@ -136,9 +137,6 @@ class PushClient {
  private:
   friend class StepExchange;
   friend class ShardRecovery;
-  absl::Status SendCommit(int64_t step, double grad_sum_of_squares,
-                          std::optional<float> clip_max_norm,
-                          absl::Span<const double> lamb);
   using StartCall = std::function<void(
       uint32_t shard, const CallOptions& options, Transport::Done done)>;
   // Starts one call on every shard whose `pending` is true (all, if empty)

@@ -636,7 +636,8 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   const bool chose_max_norm = workers_clip_ && sum_of_squares.has_value();
   previous_clip_max_norm_ =
       chose_max_norm ? std::optional<float>(max_norm_) : std::nullopt;
-  if (compress::CommitsLayers(job_.algorithm)) {
+  const bool commits = compress::CommitsLayers(job_.algorithm);
+  if (commits) {
     // The optimizer's step from sums over the whole model (onebit_lamb: x
     // moves by each layer's coefficient), and its commit.
     trace::Scope traced("commit step", step_);
@@ -648,24 +649,18 @@ absl::Status Session::Finish(StepTraffic* traffic) {
           absl::StrCat("step ", step_, ": ", commit.status().message())));
     }
     previous_commit_ = *std::move(commit);
-    // The shards' mirrors need it to move x; the next pushes carry it too.
-    // Rank 0 sends it, or in an elastic job every rank (the same commit
-    // again is OK): rank 0 may have left, and the job's last step has no
-    // next pushes.
-    if (rank_ == 0 || job_.elastic()) {
-      if (absl::Status s = client_->CommitValues(step_, previous_commit_);
-          !s.ok()) {
-        return Fail(absl::Status(
-            s.code(), absl::StrCat("step ", step_, ": ", s.message())));
-      }
-    }
   }
-  if (sum_of_squares.has_value() && (rank_ == 0 || job_.elastic())) {
-    // The shards' mirrors apply the step once they have the norm; the next
-    // step's pushes carry it as well, so only rank 0 waits for this (every
-    // rank in an elastic job, as for the commit above).
+  if ((commits || sum_of_squares.has_value()) &&
+      (rank_ == 0 || job_.elastic())) {
+    // The shards' mirrors apply the step once they have its commit (the
+    // averaged gradient's norm, the optimizer's values, or both in one);
+    // the next step's pushes carry it as well, so only rank 0 waits for
+    // this, or in an elastic job every rank (the same commit again is OK):
+    // rank 0 may have left, and the job's last step has no next pushes.
     if (absl::Status s =
-            client_->Commit(step_, *sum_of_squares, previous_clip_max_norm_);
+            client_->Commit(step_, sum_of_squares, previous_clip_max_norm_,
+                            commits ? absl::MakeConstSpan(previous_commit_)
+                                    : absl::Span<const double>());
         !s.ok()) {
       return Fail(absl::Status(
           s.code(), absl::StrCat("step ", step_, ": ", s.message())));

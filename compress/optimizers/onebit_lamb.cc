@@ -55,10 +55,6 @@ class OneBitLamb final : public Optimizer {
           absl::StrCat("onebit_lamb.factor_threshold must be in [0, 1), got ",
                        l.factor_threshold));
     }
-    if (c.clip_grad_norm != 0.0f) {
-      return absl::InvalidArgumentError(
-          "clip_grad_norm is not supported with onebit_lamb (leave it 0)");
-    }
     return absl::OkStatus();
   }
 

@@ -308,7 +308,7 @@ TEST(LambTest, BadSpecsAreRefused) {
   EXPECT_TRUE(
       refused([](AlgorithmConfig& c) { c.lamb.factor_threshold = -0.1f; }));
   EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.lamb.max_coeff = INFINITY; }));
-  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.clip_grad_norm = 1.0f; }));
+  EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.clip_grad_norm = -1.0f; }));
   EXPECT_TRUE(refused([](AlgorithmConfig& c) { c.freeze_step = 0; }));
 }
 

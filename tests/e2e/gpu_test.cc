@@ -153,8 +153,9 @@ TEST(GpuTest, CpuAndGpuWorkersStayBitIdenticalAcrossTheFreeze) {
 // Gradient clipping (design.md 2.6) on a GPU worker: the averaged gradient
 // clipped in the warmup (the shards' norms, the replies scaled on the GPU),
 // the worker's own gradient after the freeze (its norm summed on the GPU);
-// then 0/1 Adam's local steps clipped too. The norms are far above 0.5, so
-// every step clips.
+// then 0/1 Adam's local steps clipped too, and 1-bit LAMB (its warmup's
+// commit carries the norm with the layers' values). The norms are far
+// above 0.5, so every step clips.
 TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
   auto device = kernels::DeviceDescription();
   if (!device.ok())
@@ -167,6 +168,9 @@ TEST(GpuTest, ClippingOnTheGpuStaysBitIdentical) {
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 6 var_update_scaler: 2 local_step_scaler: 3 local_step_clipper: 4 }
   )"));
+  ExpectMixedJobBitIdentical(
+      MixedJob(clipped + "optimizer: \"onebit_lamb\"\nfreeze_step: 8\n",
+               "layer_elems: 70000"));
 }
 
 // zero_one_adam (design.md 2.7) through every phase on a GPU worker:

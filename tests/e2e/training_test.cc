@@ -224,7 +224,16 @@ TEST(TrainingTest, ClippingMatchesTheSimulator) {
     worker_feedback { mode: "ema" beta: 0.5 }
     server_feedback { mode: "ema" beta: 0.5 }
   )";
-  for (const std::string& config : {onebit, loco}) {
+  std::string lamb(kCommon);
+  lamb.replace(lamb.find("noise: 0.2 }"), 12,
+               "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
+  lamb += R"(
+    optimizer: "onebit_lamb"
+    freeze_step: 5
+    adam { weight_decay: 0.01 }
+  )";
+  for (const std::string& config : {onebit, loco, lamb}) {
+    SCOPED_TRACE(config);
     const std::string clipped = config + "clip_grad_norm: 0.5\n";
     const auto with =
         proto::ParseJobConfig(clipped, proto::ConfigFormat::kText);

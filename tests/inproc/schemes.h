@@ -18,8 +18,11 @@ inline constexpr Scheme kSchemes[] = {
     {"zero_one_adam", R"(optimizer: "zero_one_adam"
        zero_one_adam { var_freeze_step: 4 var_update_scaler: 2 local_step_scaler: 4 local_step_clipper: 2 })"},
     // Rank 0 commits every step's layer coefficients (Commit; every rank in
-    // an elastic job, where rank 0 may be the one missing).
-    {"onebit_lamb", R"(optimizer: "onebit_lamb" freeze_step: 3)"},
+    // an elastic job, where rank 0 may be the one missing). Clipped: the
+    // warmup's commits carry the averaged gradient's norm with them (the
+    // norm is far above 0.5).
+    {"onebit_lamb",
+     R"(optimizer: "onebit_lamb" freeze_step: 3 clip_grad_norm: 0.5)"},
 };
 
 }  // namespace morse::inproc

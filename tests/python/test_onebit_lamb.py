@@ -5,7 +5,11 @@ every step every rank's x, m, v must equal the single-process simulator's
 fed the gradients the ranks computed. Even ranks overlap pushes with
 backward(), odd ranks do not. DeepSpeed's parameter names are taken;
 unsupported ones are refused with clear errors; state_dict() holds 1-bit
-LAMB's own state."""
+LAMB's own state. Then again with the script's
+torch.nn.utils.clip_grad_norm_ after backward(), which must give the bits
+of clip_grad_norm (the simulator runs with it): the averaged gradient in
+the warmup (rank 0's commit carries the norm with the layers' values),
+each rank's own after the freeze."""
 import json
 import os
 import sys
@@ -13,13 +17,14 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run, train_recorded  # noqa: E402
+from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, train_recorded  # noqa: E402
 
 STEPS = 14
 RANKS = 3
+CLIP = 0.05
 
 
-def worker(out):
+def worker(out, mode):
     import morse.torch
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
@@ -38,7 +43,12 @@ def worker(out):
                                  factor_min=0.5, factor_threshold=0.1, cuda_aware=False,
                                  comm_backend_name="nccl", block_elems=16, partition_elems=64,
                                  overlap=rank % 2 == 0)
-    train_recorded(opt, model, out, STEPS, features=10, classes=4)
+    clip = None
+    if mode == "clip":
+        def clip(step, flat):
+            check(flat.norm().item() > 2 * CLIP, f"step {step}: the clip would not act")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip)
     # state_dict() carries 1-bit LAMB's own state (test_resume.py resumes it).
     state = opt.state_dict()["state"]
     layers = len(list(model.parameters()))
@@ -49,14 +59,18 @@ def worker(out):
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[-1])
+        worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    out = tempfile.mkdtemp(prefix="morse-lamb-")
-    code, log = morse_run(__file__, RANKS, 2, out)
-    print(log)
-    check(code == 0, "the job failed")
-    overrides = json.load(open(f"{out}/job.json"))["overrides"]
-    check("layers: 200 layers: 20 layers: 80 layers: 4" in overrides,
-          f"the tensors are not the layers: {overrides}")
-    check_ranks_match_simulator(out, RANKS, STEPS)
-    print(f"PASS: {STEPS} steps across the freeze, {RANKS} ranks bit-identical to the simulator")
+    for mode in ("plain", "clip"):
+        out = tempfile.mkdtemp(prefix="morse-lamb-")
+        code, log = morse_run(__file__, RANKS, 2, out, mode)
+        print(log)
+        check(code == 0, f"the job failed ({mode})")
+        overrides = json.load(open(f"{out}/job.json"))["overrides"]
+        check("layers: 200 layers: 20 layers: 80 layers: 4" in overrides,
+              f"the tensors are not the layers: {overrides}")
+        if mode == "clip":  # the simulator clips as clip_grad_norm does
+            clip_in_job(out, CLIP)
+        check_ranks_match_simulator(out, RANKS, STEPS)
+        print(f"PASS: {STEPS} steps across the freeze, {RANKS} ranks bit-identical to the "
+              f"simulator ({mode})")

@@ -1560,6 +1560,102 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
 // partition's lock only: partitions pushing at once from their own threads
 // must not share anything unguarded (the sanitizers' run of this test found
 // a double free when they shared the layers' state).
+// onebit_lamb with clip_grad_norm (design.md 2.6): a warmup step clips the
+// averaged gradient, so its commit carries the norm with the layers'
+// values, in one; either alone is refused and changes nothing, and the
+// whole one moves the mirror as the worker's replica moved.
+TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
+  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+    workers: 2
+    shards: 1
+    synthetic { dim: 200 layer_elems: 90 }
+    lr { lr: 0.01 }
+    steps: 20
+    block_elems: 16
+    partition_elems: 64
+    optimizer: "onebit_lamb"
+    freeze_step: 2
+    clip_grad_norm: 0.01
+  )",
+                                                    proto::ConfigFormat::kText);
+  std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const uint64_t dim = job.algorithm.layout.dim;
+  compress::Replica worker(job.algorithm, {0, dim});
+  const auto parts = core->layout().partitions();
+  for (const auto& p : parts) {
+    const std::vector<float> x0 =
+        compress::testing::VariedData(p.range.size(), p.id);
+    std::copy(x0.begin(), x0.end(), worker.x().begin() + p.range.begin);
+    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
+                                    {reinterpret_cast<const char*>(x0.data()),
+                                     4 * x0.size()})
+                    .ok());
+  }
+  std::vector<std::shared_ptr<const Reply>> replies(parts.size());
+  double total = 0;
+  for (const auto& p : parts) {
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      PushArgs a = EncodedPush(
+          fingerprint, compress::PlanStep(job.algorithm, 0).up, 0, rank, p);
+      core->Push(
+          std::move(a),
+          [&, id = p.id](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+            ASSERT_TRUE(r.ok()) << r.status();
+            replies[id] = *r;
+          });
+    }
+    ASSERT_NE(replies[p.id], nullptr);
+    ASSERT_TRUE(replies[p.id]->grad_sum_of_squares.has_value());
+    total += *replies[p.id]->grad_sum_of_squares;
+  }
+  const float scale = compress::ClipScale(total, job.algorithm.clip_grad_norm);
+  ASSERT_LT(scale, 1.0f);  // it clips
+  for (const auto& p : parts) {
+    ASSERT_TRUE(worker
+                    .ApplyReply(0, p.range.begin, p.range.size(),
+                                {reinterpret_cast<const uint8_t*>(
+                                     replies[p.id]->payload.data()),
+                                 replies[p.id]->payload.size()},
+                                nullptr, scale)
+                    .ok());
+  }
+  const std::vector<double> commit = *worker.LambStep(0);
+  const uint64_t checksum = core->MirrorChecksum();
+  const absl::Status values_alone =
+      core->CommitValues(0, 0, fingerprint, commit);
+  EXPECT_EQ(values_alone.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(values_alone.message().find("no gradient norm"), std::string::npos)
+      << values_alone;
+  const absl::Status norm_alone = core->Commit(0, 0, fingerprint, total);
+  EXPECT_EQ(norm_alone.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(norm_alone.message().find("onebit_lamb values"), std::string::npos)
+      << norm_alone;
+  EXPECT_EQ(core->FetchPartition(parts[0].id, fingerprint).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(core->MirrorChecksum(), checksum);
+  ASSERT_TRUE(core->CommitStep(0, 0, fingerprint,
+                               StepCommit{total, std::nullopt, commit})
+                  .ok());
+  // The same again is OK; another norm is refused.
+  EXPECT_TRUE(core->CommitStep(1, 0, fingerprint,
+                               StepCommit{total, std::nullopt, commit})
+                  .ok());
+  EXPECT_EQ(core->CommitStep(1, 0, fingerprint,
+                             StepCommit{2 * total, std::nullopt, commit})
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  for (const auto& p : parts) {
+    const PartitionSnapshot s = *core->FetchPartition(p.id, fingerprint);
+    EXPECT_TRUE(
+        std::equal(s.x.begin(), s.x.end(), worker.x().begin() + p.range.begin))
+        << p.id;
+    EXPECT_TRUE(
+        std::equal(s.m.begin(), s.m.end(), worker.m().begin() + p.range.begin))
+        << p.id;
+  }
+}
+
 TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {
   const proto::JobSpec job = *proto::ParseJobConfig(R"(
     workers: 1

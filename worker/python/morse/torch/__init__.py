@@ -101,9 +101,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     is DeepSpeed's: each rank clips its own gradient, and the call returns
     that rank's own norm; from the first call on, those steps push once the
     clip is known instead of during backward(). Call it once per step, on
-    every rank alike, over all of the optimizer's parameters (OneBitLamb
-    does not clip). Under morse-run --node-aggregation this is torch's own,
-    on each rank's gradient."""
+    every rank alike, over all of the optimizer's parameters. Under
+    morse-run --node-aggregation this is torch's own, on each rank's
+    gradient."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
@@ -920,10 +920,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return None
         if self.clip_grad_norm is not None:
             return None  # the optimizer clips (clip_grad_norm=); torch's as before
-        if self._lamb:
-            raise ValueError("clip_grad_norm_ on a OneBitLamb's parameters: 1-bit LAMB does not "
-                             "clip (nor does DeepSpeed's OnebitLamb); its layer-wise trust ratio "
-                             "bounds each step")
         others = [p for p in parameters if id(p) not in mine and p.grad is not None]
         if others:
             raise ValueError("clip_grad_norm_ over a Morse optimizer's parameters and others at "
@@ -1457,10 +1453,13 @@ class OneBitLamb(_MorseOptimizer):
     state_dict() carries v', the layers' state and the last commit.
 
     DeepSpeed's cuda_aware and comm_backend_name are accepted and ignored;
-    amsgrad and eps_inside_sqrt must stay False and max_grad_norm 0 (as in
-    DeepSpeed's OnebitLamb, which does not clip). bias_correction (default
-    True) corrects m and v; False is DeepSpeed's update. mask_zero_variance
-    and bound_update are OneBitAdam's, after the freeze."""
+    amsgrad and eps_inside_sqrt must stay False and max_grad_norm 0 (DeepSpeed's
+    OnebitLamb ignores it). Clip with clip_grad_norm= or the script's
+    torch.nn.utils.clip_grad_norm_ after backward(), as OneBitAdam: the
+    averaged gradient in the warmup, each rank's own after the freeze
+    (docs/design.md 2.6). bias_correction (default True) corrects m and v;
+    False is DeepSpeed's update. mask_zero_variance and bound_update are
+    OneBitAdam's, after the freeze."""
 
     def __init__(self, params, lr=1e-3, freeze_step=100000, bias_correction=True,
                  betas=(0.9, 0.999), eps=1e-8, eps_inside_sqrt=False, weight_decay=0.0,
@@ -1470,7 +1469,7 @@ class OneBitLamb(_MorseOptimizer):
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=None, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None, apply_at_step=True):
+                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
         if amsgrad:
             raise ValueError("1-bit LAMB does not support the AMSGrad variant (amsgrad=True)")
@@ -1478,8 +1477,8 @@ class OneBitLamb(_MorseOptimizer):
             raise ValueError("eps_inside_sqrt=True is not supported: Morse adds eps outside the "
                              "square root, as torch.optim.Adam")
         if max_grad_norm:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}: 1-bit LAMB does not clip (nor does "
-                             "DeepSpeed's OnebitLamb)")
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: DeepSpeed's OnebitLamb ignores it; "
+                             "clip with clip_grad_norm=")
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step!r}: OneBitLamb needs at least one warmup step")
         lamb = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
@@ -1510,7 +1509,8 @@ class OneBitLamb(_MorseOptimizer):
                          block_elems=block_elems, partition_elems=partition_elems,
                          security=security, accumulation_steps=accumulation_steps,
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
-                         buffers=buffers, apply_at_step=apply_at_step, lamb=lamb)
+                         buffers=buffers, apply_at_step=apply_at_step,
+                         clip_grad_norm=clip_grad_norm, lamb=lamb)
 
 
 from .diloco import DiLoCo  # noqa: E402 (uses the helpers above)
