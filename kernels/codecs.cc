@@ -298,7 +298,8 @@ launch::LambArgs LambArgsOf(const compress::ReplyRule& rule) {
 absl::Status CheckLamb(const compress::ReplyRule& rule) {
   if (!rule.lamb || rule.grad_scale != 1.0f) {
     return absl::InvalidArgumentError(
-        "a onebit_lamb kernel for another rule, or a clipped one");
+        "a onebit_lamb kernel for another rule, or one with a clip factor "
+        "(scale the decoded reply first: Scale)");
   }
   return absl::OkStatus();
 }

@@ -5,7 +5,8 @@ zero-variance mask (a parameter no loss uses), for each of OneBitAdam
 (across the freeze), OneBitAdam with clip_grad_norm, OneBitAdam with the
 script's clip_grad_norm_ after backward() (the bits of clip_grad_norm: the
 simulator runs with it), ZeroOneAdam (variance,
-1-bit, local and sync steps) and OneBitLamb (across the freeze). After
+1-bit, local and sync steps) and OneBitLamb (across the freeze, and again
+with the script's clip_grad_norm_). After
 every step each rank holds the x, m, v of the single-process simulator fed
 the gradients the workers computed (all three the same bits, except
 between zero_one_adam's syncs); the GPU ranks' parameters stay CUDA
@@ -26,7 +27,8 @@ SKIP = 77
 # Variance steps, 1-bit steps, then local intervals of 1, 2 and 4 steps; step
 # 12 ends with a sync, so state_dict() may save the whole run there.
 ZERO_ONE_SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
-OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "OneBitAdam+script clip", "ZeroOneAdam", "OneBitLamb")
+OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "OneBitAdam+script clip", "ZeroOneAdam", "OneBitLamb",
+              "OneBitLamb+script clip")
 CLIP = 0.05
 
 
@@ -45,8 +47,8 @@ def worker(out):
         opt = morse.torch.ZeroOneAdam(model.parameters(), **ZERO_ONE_SCHEDULE, **common)
     elif name == "OneBitAdam+clip":  # the averaged gradient, then each rank's own
         opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, clip_grad_norm=CLIP, **common)
-    elif name == "OneBitAdam+script clip":  # clip_grad_norm_ below: the same bits
-        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, **common)
+    elif name.endswith("+script clip"):  # clip_grad_norm_ below: the same bits
+        opt = getattr(morse.torch, name.split("+")[0])(model.parameters(), freeze_step=4, **common)
     else:
         opt = getattr(morse.torch, name)(model.parameters(), freeze_step=4, **common)
     if rank == 0:
@@ -64,7 +66,7 @@ def worker(out):
         np.save(f"{out}/grad-{rank}-{step}.npy",
                 torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                            for p in model.parameters()]).cpu().numpy())
-        if name == "OneBitAdam+script clip":
+        if name.endswith("+script clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         checksums.append(opt.checksum())
@@ -102,7 +104,7 @@ if __name__ == "__main__":
         print(log)
         try:
             check(code == 0, f"the {name} job failed")
-            if name == "OneBitAdam+script clip":  # the simulator clips as clip_grad_norm does
+            if name.endswith("+script clip"):  # the simulator clips as clip_grad_norm does
                 clip_in_job(out, CLIP)
             # zero_one_adam's ranks differ between syncs (their own local steps).
             check_ranks_match_simulator(out, 3, STEPS, ranks_may_differ=name == "ZeroOneAdam")

@@ -425,7 +425,9 @@ class CudaEngine final : public Engine, public DeviceServices {
       }
       if (!s.ok()) {
       } else if (rule.lamb) {
-        s = kernels::LambMoments(*apply_, rule, decoded, m, v,
+        compress::ReplyRule moments = rule;
+        moments.grad_scale = 1.0f;  // the decoded values are scaled above
+        s = kernels::LambMoments(*apply_, moments, decoded, m, v,
                                  v_fresh_.as<float>() + begin, n);
       } else if (rule.sync) {
         const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
