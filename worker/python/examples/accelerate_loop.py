@@ -28,7 +28,8 @@ from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer import VOCAB, Sequences, common_arguments, leave_process_group, parameters_checksum  # noqa: E402
+from hf_trainer import (VOCAB, Sequences, common_arguments, leave_process_group, morse_optimizer,  # noqa: E402
+                        parameters_checksum)
 
 
 def main():
@@ -47,12 +48,8 @@ def main():
     if a.optimizer == "ddp":
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     else:
-        import morse.torch
         import morse.torch.hf
-        if a.optimizer == "onebit_adam":
-            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
-        else:
-            opt = morse.torch.Adam(model.parameters(), lr=a.lr)
+        opt = morse_optimizer(a, model)
     # Stepped once per optimizer step below (Accelerate's prepared scheduler
     # would step it once per process).
     sched = get_linear_schedule_with_warmup(opt, max(1, a.steps // 10), a.steps)

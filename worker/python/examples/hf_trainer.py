@@ -87,12 +87,14 @@ def parameters_checksum(model):
 def common_arguments(parser, stack):
     """The flags hf_trainer.py and accelerate_loop.py share; `stack` (Trainer,
     Accelerator) is whose DDP and gradient accumulation they mean."""
-    parser.add_argument("--optimizer", default="onebit_adam", choices=["onebit_adam", "adam", "ddp"],
-                        help="morse.torch.OneBitAdam, morse.torch.Adam (fp32 Adam through the "
-                             f"shards), or AdamW under {stack}'s DDP (default: onebit_adam)")
+    parser.add_argument("--optimizer", default="onebit_adam",
+                        choices=["onebit_adam", "onebit_lamb", "adam", "ddp"],
+                        help="morse.torch.OneBitAdam, morse.torch.OneBitLamb (each tensor a layer), "
+                             "morse.torch.Adam (fp32 Adam through the shards), or AdamW under "
+                             f"{stack}'s DDP (default: onebit_adam)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
     parser.add_argument("--freeze-step", type=int, default=15,
-                        help="OneBitAdam's fp32 warmup steps (default: 15)")
+                        help="OneBitAdam's and OneBitLamb's warmup steps (default: 15)")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
     parser.add_argument("--accumulation", type=int, default=1,
@@ -101,6 +103,16 @@ def common_arguments(parser, stack):
                         help="clip the averaged gradient's norm to this, 0 for none (default: 1.0)")
     parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
+
+
+def morse_optimizer(a, model):
+    """The Morse optimizer that --optimizer names (not ddp)."""
+    import morse.torch
+    if a.optimizer == "onebit_adam":
+        return morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
+    if a.optimizer == "onebit_lamb":
+        return morse.torch.OneBitLamb(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
+    return morse.torch.Adam(model.parameters(), lr=a.lr)
 
 
 def main():
@@ -130,13 +142,8 @@ def main():
     callbacks = [losses]
     optimizers = (None, None)
     if a.optimizer != "ddp":
-        import morse.torch
         from morse.torch.hf import MorseCallback
-        if a.optimizer == "onebit_adam":
-            opt = morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
-        else:
-            opt = morse.torch.Adam(model.parameters(), lr=a.lr)
-        optimizers = (opt, None)
+        optimizers = (morse_optimizer(a, model), None)
         callbacks.append(MorseCallback())
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(seed=a.seed),
                       optimizers=optimizers, callbacks=callbacks)
