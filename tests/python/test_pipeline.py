@@ -36,11 +36,20 @@ from morse._native import MorseError  # noqa: E402
 from morse.torch import pipeline  # noqa: E402
 
 
+# torch's intra-op threads change how a matmul adds up (torch 2.x splits
+# its reductions by thread): the copies morse-run starts and the reference
+# in this process run with one each, so that "bit for bit" compares the
+# same arithmetic (morse-run would otherwise give each copy its share of
+# the cores, and this process keeps all of them).
+THREADS = 1
+torch.set_num_threads(THREADS)
+
+
 def run_staged(stages, workers, *args, timeout=300):
     command = [os.environ["MORSE_RUN"], "--stages", str(stages), "--workers", str(workers), "--",
                sys.executable, EXAMPLE, *args]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=timeout)
+                            timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS=str(THREADS)))
     results = {}
     for line in result.stdout.splitlines():
         if line.startswith("[stage ") and "] {" in line:
