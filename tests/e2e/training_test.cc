@@ -167,19 +167,22 @@ TEST(TrainingTest, ZeroOneAdamAcrossEveryPhaseMatchesTheSimulator) {
                      "adam { bias_correction: false }\nclip_grad_norm: 0.5\n");
 }
 
+// kCommon with dead units and 1-bit LAMB's layers of 3000 elements (which
+// cross partitions and both shards), frozen at step 5.
+std::string LayeredLamb() {
+  std::string config(kCommon);
+  config.replace(config.find("noise: 0.2 }"), 12,
+                 "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
+  return config + "optimizer: \"onebit_lamb\"\nfreeze_step: 5\n";
+}
+
 // 1-bit LAMB (docs/design.md 2.8) across the freeze: layers of 3000
 // elements cross partitions and both shards, so every mirror moves x only
 // with the coefficients the workers commit (rank 0's Commit, or the next
 // pushes). With dead units and weight decay; then without bias correction
 // and with other coefficient bounds.
 TEST(TrainingTest, OneBitLambAcrossTheFreezeMatchesTheSimulator) {
-  std::string config(kCommon);
-  config.replace(config.find("noise: 0.2 }"), 12,
-                 "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
-  config += R"(
-    optimizer: "onebit_lamb"
-    freeze_step: 5
-  )";
+  const std::string config = LayeredLamb();
   // The layers matter: one layer of the whole model trains differently.
   std::string one_layer = config;
   one_layer.replace(one_layer.find(" layer_elems: 3000"), 18, "");
@@ -224,14 +227,7 @@ TEST(TrainingTest, ClippingMatchesTheSimulator) {
     worker_feedback { mode: "ema" beta: 0.5 }
     server_feedback { mode: "ema" beta: 0.5 }
   )";
-  std::string lamb(kCommon);
-  lamb.replace(lamb.find("noise: 0.2 }"), 12,
-               "noise: 0.2 dead_every: 7 layer_elems: 3000 }");
-  lamb += R"(
-    optimizer: "onebit_lamb"
-    freeze_step: 5
-    adam { weight_decay: 0.01 }
-  )";
+  const std::string lamb = LayeredLamb() + "adam { weight_decay: 0.01 }\n";
   for (const std::string& config : {onebit, loco, lamb}) {
     SCOPED_TRACE(config);
     const std::string clipped = config + "clip_grad_norm: 0.5\n";

@@ -82,6 +82,19 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     return checksums
 
 
+def clip_each_step(model, max_norm):
+    """train_recorded's on_gradient for a script that calls
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) after
+    every backward(); each step's gradient norm must be above 2 * max_norm,
+    so that the clip acts."""
+    import torch
+
+    def clip(step, flat):
+        check(flat.norm().item() > 2 * max_norm, f"step {step}: the clip would not act")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return clip
+
+
 def clip_in_job(out, max_norm):
     """Adds clip_grad_norm: max_norm to the job train_recorded wrote to
     `out`, for the simulator: the script's clip_grad_norm_(..., max_norm)

@@ -17,7 +17,8 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, train_recorded  # noqa: E402
+from harness import (check, check_ranks_match_simulator, clip_each_step, clip_in_job,  # noqa: E402
+                     morse_run, train_recorded)
 
 STEPS = 14
 RANKS = 3
@@ -43,11 +44,7 @@ def worker(out, mode):
                                  factor_min=0.5, factor_threshold=0.1, cuda_aware=False,
                                  comm_backend_name="nccl", block_elems=16, partition_elems=64,
                                  overlap=rank % 2 == 0)
-    clip = None
-    if mode == "clip":
-        def clip(step, flat):
-            check(flat.norm().item() > 2 * CLIP, f"step {step}: the clip would not act")
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    clip = clip_each_step(model, CLIP) if mode == "clip" else None
     train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip)
     # state_dict() carries 1-bit LAMB's own state (test_resume.py resumes it).
     state = opt.state_dict()["state"]

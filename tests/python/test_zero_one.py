@@ -15,7 +15,8 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, train_recorded  # noqa: E402
+from harness import (check, check_ranks_match_simulator, clip_each_step, clip_in_job,  # noqa: E402
+                     morse_run, train_recorded)
 
 STEPS = 18
 RANKS = 3
@@ -42,11 +43,7 @@ def worker(out, mode):
     opt = morse.torch.ZeroOneAdam(model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE,
                                   cuda_aware=False, comm_backend_name="nccl", block_elems=16,
                                   partition_elems=64, overlap=rank % 2 == 0)
-    clip = None
-    if mode == "clip":
-        def clip(step, flat):
-            check(flat.norm().item() > 2 * CLIP, f"step {step}: the clip would not act")
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    clip = clip_each_step(model, CLIP) if mode == "clip" else None
     train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip)
     # The last step (s = 18, interval 4) is local: the shards hold the sync
     # of s = 16, so rank 0 cannot save the whole run here.

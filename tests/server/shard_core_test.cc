@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/bytes_hash.h"
+#include "compress/check.h"
 #include "compress/fnv.h"
 #include "compress/lamb.h"
 #include "compress/messages.h"
@@ -1373,14 +1374,12 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
   EXPECT_EQ(push(args(7, 1, first, sign1)), absl::OkStatus());
 }
 
-// onebit_lamb (docs/design.md 2.8): each step's mirror update waits for the
-// workers' layer commit. A push of the next step without it, a malformed
-// one, one that differs from the commit already taken, or one for a step
-// the shard has not completed is refused and changes nothing; the right
-// one (from Commit or from the pushes) moves the mirror as a worker's
-// replica moves.
-TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
-  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+// The onebit_lamb shard of the LambShardTests (2 workers, 1 shard, layers
+// of 90 elements across 64-element partitions), `extra` JobConfig fields
+// added, its partitions initialized with VariedData, and `worker`'s replica
+// of the whole model holding the same x.
+proto::JobSpec LambShardJob(const std::string& extra = "") {
+  return *proto::ParseJobConfig(R"(
     workers: 2
     shards: 1
     synthetic { dim: 200 layer_elems: 90 }
@@ -1390,21 +1389,36 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
     partition_elems: 64
     optimizer: "onebit_lamb"
     freeze_step: 2
-  )",
-                                                    proto::ConfigFormat::kText);
+  )" + extra,
+                                proto::ConfigFormat::kText);
+}
+
+std::unique_ptr<ShardCore> InitializedLambShard(const proto::JobSpec& job,
+                                                compress::Replica& worker) {
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
-  const uint64_t fingerprint = core->layout().fingerprint();
-  const uint64_t dim = job.algorithm.layout.dim;
-  compress::Replica worker(job.algorithm, {0, dim});
   for (const auto& p : core->layout().partitions()) {
     const std::vector<float> x0 =
         compress::testing::VariedData(p.range.size(), p.id);
     std::copy(x0.begin(), x0.end(), worker.x().begin() + p.range.begin);
-    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
+    MORSE_CHECK(core->InitPartition(0, p.id, core->layout().fingerprint(),
                                     {reinterpret_cast<const char*>(x0.data()),
                                      4 * x0.size()})
                     .ok());
   }
+  return core;
+}
+
+// onebit_lamb (docs/design.md 2.8): each step's mirror update waits for the
+// workers' layer commit. A push of the next step without it, a malformed
+// one, one that differs from the commit already taken, or one for a step
+// the shard has not completed is refused and changes nothing; the right
+// one (from Commit or from the pushes) moves the mirror as a worker's
+// replica moves.
+TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
+  const proto::JobSpec job = LambShardJob();
+  compress::Replica worker(job.algorithm, {0, job.algorithm.layout.dim});
+  std::unique_ptr<ShardCore> core = InitializedLambShard(job, worker);
+  const uint64_t fingerprint = core->layout().fingerprint();
   const auto push = [&](int64_t step, uint32_t rank,
                         const compress::Partition& p,
                         std::vector<double> commit,
@@ -1565,33 +1579,11 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
 // values, in one; either alone is refused and changes nothing, and the
 // whole one moves the mirror as the worker's replica moved.
 TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
-  const proto::JobSpec job = *proto::ParseJobConfig(R"(
-    workers: 2
-    shards: 1
-    synthetic { dim: 200 layer_elems: 90 }
-    lr { lr: 0.01 }
-    steps: 20
-    block_elems: 16
-    partition_elems: 64
-    optimizer: "onebit_lamb"
-    freeze_step: 2
-    clip_grad_norm: 0.01
-  )",
-                                                    proto::ConfigFormat::kText);
-  std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
+  const proto::JobSpec job = LambShardJob("clip_grad_norm: 0.01\n");
+  compress::Replica worker(job.algorithm, {0, job.algorithm.layout.dim});
+  std::unique_ptr<ShardCore> core = InitializedLambShard(job, worker);
   const uint64_t fingerprint = core->layout().fingerprint();
-  const uint64_t dim = job.algorithm.layout.dim;
-  compress::Replica worker(job.algorithm, {0, dim});
   const auto parts = core->layout().partitions();
-  for (const auto& p : parts) {
-    const std::vector<float> x0 =
-        compress::testing::VariedData(p.range.size(), p.id);
-    std::copy(x0.begin(), x0.end(), worker.x().begin() + p.range.begin);
-    ASSERT_TRUE(core->InitPartition(0, p.id, fingerprint,
-                                    {reinterpret_cast<const char*>(x0.data()),
-                                     4 * x0.size()})
-                    .ok());
-  }
   std::vector<std::shared_ptr<const Reply>> replies(parts.size());
   double total = 0;
   for (const auto& p : parts) {
