@@ -8,6 +8,7 @@
 #include "compress/check.h"
 #include "compress/kernels.h"
 #include "compress/replica.h"
+#include "compress/step_plan.h"
 
 namespace morse::compress {
 namespace {
@@ -125,25 +126,60 @@ std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
 }
 
 std::vector<double> LambTotals(const AlgorithmConfig& config,
-                               const Layout& layout, const ReplyRule& rule,
-                               Range range, absl::Span<const float> x,
+                               const Layout& layout,
+                               absl::Span<const ReplyRule> rules, Range range,
+                               absl::Span<const float> x,
                                absl::Span<const float> m,
                                absl::Span<const float> v,
                                absl::Span<const float> v_fresh) {
-  const std::vector<LambPiece> pieces = LambPieces(config, layout, range);
-  return LambTotalsOfSegments(
-      config, pieces, LambSegmentsOf(rule, pieces, range, x, m, v, v_fresh));
+  std::vector<LambPiece> pieces;
+  std::vector<double> segments;
+  for (const Partition& p : layout.partitions()) {
+    if (p.range.begin < range.begin || p.range.end > range.end) continue;
+    const std::vector<LambPiece> of = LambPiecesOf(config, p.range);
+    const std::vector<double> sums =
+        LambSegmentsOf(RuleOf(rules, p.segment), of, range, x, m, v, v_fresh);
+    pieces.insert(pieces.end(), of.begin(), of.end());
+    segments.insert(segments.end(), sums.begin(), sums.end());
+  }
+  return LambTotalsOfSegments(config, pieces, segments);
+}
+
+absl::StatusOr<std::vector<uint32_t>> LayerSegments(
+    const AlgorithmConfig& config) {
+  const std::vector<uint64_t> bounds = LayerBounds(config);
+  const std::vector<uint64_t>& cuts = config.layout.cuts;
+  for (uint64_t cut : cuts) {
+    const size_t l = LayerOf(bounds, cut);
+    if (bounds[l] != cut) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "onebit_lamb's parameter groups (external.groups) must each start "
+          "on a layer; the group at element ",
+          cut, " starts inside layer ", l, " [", bounds[l], ", ", bounds[l + 1],
+          ")"));
+    }
+  }
+  std::vector<uint32_t> segments;
+  for (size_t l = 0; l + 1 < bounds.size(); ++l) {
+    segments.push_back(static_cast<uint32_t>(
+        std::upper_bound(cuts.begin(), cuts.end(), bounds[l]) - cuts.begin()));
+  }
+  return segments;
 }
 
 std::vector<double> LambCommit(const AlgorithmConfig& config,
-                               const ReplyRule& rule,
+                               absl::Span<const ReplyRule> rules,
                                absl::Span<const double> totals,
                                absl::Span<const LambLayerState> state) {
   const LambSpec& spec = config.lamb;
   const size_t layers = state.size();
   MORSE_CHECK(totals.size() == kLambStats * layers);
+  // Validated with the config (OneBitLamb::Validate).
+  const absl::StatusOr<std::vector<uint32_t>> segment = LayerSegments(config);
+  MORSE_CHECK(segment.ok() && segment->size() == layers);
   std::vector<double> commit(kLambCommit * layers);
   for (size_t l = 0; l < layers; ++l) {
+    const ReplyRule& rule = RuleOf(rules, (*segment)[l]);
     const double* t = &totals[kLambStats * l];
     float coefficient = 1.0f;
     LambLayerState next = state[l];

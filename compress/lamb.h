@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "compress/algorithm.h"
@@ -51,10 +52,11 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded,
                  absl::Span<float> m, absl::Span<float> v,
                  absl::Span<float> v_fresh);
 
-// The per-layer statistics of the step of `rule` over the partitions of
-// `layout` that lie in `range` (all of them for a worker), in partition
-// order; the arrays hold `range`. Warmup: [sum x^2, sum u^2, 0];
-// compression: [sum u^2, sum p^2, max d/d'] (design.md 2.8).
+// The per-layer statistics of the step of `rules` (PlanReplies: one for
+// the model, or one per segment, each partition taking its segment's) over
+// the partitions of `layout` that lie in `range` (all of them for a
+// worker), in partition order; the arrays hold `range`. Warmup: [sum x^2,
+// sum u^2, 0]; compression: [sum u^2, sum p^2, max d/d'] (design.md 2.8).
 //
 // The order of the sums is part of the algorithm, and one a GPU can follow:
 // a layer's total adds its pieces (the part of it in one partition) in
@@ -63,8 +65,9 @@ void LambMoments(const ReplyRule& rule, absl::Span<const float> decoded,
 // by a fixed tree (LambSegmentSums). A CUDA CTA per segment gives the same
 // bits.
 std::vector<double> LambTotals(const AlgorithmConfig& config,
-                               const Layout& layout, const ReplyRule& rule,
-                               Range range, absl::Span<const float> x,
+                               const Layout& layout,
+                               absl::Span<const ReplyRule> rules, Range range,
+                               absl::Span<const float> x,
                                absl::Span<const float> m,
                                absl::Span<const float> v,
                                absl::Span<const float> v_fresh);
@@ -108,11 +111,18 @@ std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
                                          absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments);
 
-// The step's commit from its totals and the layers' state before the step.
+// The step's commit from its totals and the layers' state before the step;
+// each layer takes the rule of its segment among `rules` (PlanReplies).
 std::vector<double> LambCommit(const AlgorithmConfig& config,
-                               const ReplyRule& rule,
+                               absl::Span<const ReplyRule> rules,
                                absl::Span<const double> totals,
                                absl::Span<const LambLayerState> state);
+
+// The segment of the layout (parameter group) that holds each layer.
+// INVALID_ARGUMENT unless every segment starts on a layer (a layer in two
+// groups would take two learning rates).
+absl::StatusOr<std::vector<uint32_t>> LayerSegments(
+    const AlgorithmConfig& config);
 
 // INVALID_ARGUMENT unless `commit` has kLambCommit values per layer, each
 // a finite float that is not negative.

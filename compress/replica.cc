@@ -364,7 +364,7 @@ std::vector<double> Replica::LambSegments(int64_t step, Range partition,
 }
 
 absl::StatusOr<std::vector<double>> Replica::LambStep(
-    int64_t step, const StepHyper* hyper,
+    int64_t step, absl::Span<const StepHyper> hypers,
     absl::Span<const std::vector<double>> partition_segments,
     ComputePool* pool) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
@@ -382,7 +382,12 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
         "segment statistics of ", partition_segments.size(),
         " partitions for a layout of ", layout->partitions().size()));
   }
-  const ReplyRule rule = PlanReply(config_, step, hyper);
+  if (hypers.size() > 1 && hypers.size() != layout->segment_count()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(hypers.size(), " learning rates for a model of ",
+                     layout->segment_count(), " parameter groups"));
+  }
+  const std::vector<ReplyRule> rules = PlanReplies(config_, step, hypers);
   // Each partition's segments in partition order: the order LambTotals sums.
   std::vector<LambPiece> pieces;
   std::vector<double> segments;
@@ -395,7 +400,8 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
         !partition_segments.empty() && !partition_segments[p.id].empty();
     const std::vector<double> computed =
         given ? std::vector<double>()
-              : LambSegmentsOf(rule, of, range_, x_, m_, v_, v_fresh_);
+              : LambSegmentsOf(RuleOf(rules, p.segment), of, range_, x_, m_, v_,
+                               v_fresh_);
     const std::vector<double>& these =
         given ? partition_segments[p.id] : computed;
     if (these.size() != kLambStats * count) {
@@ -407,13 +413,14 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   }
   const std::vector<double> totals =
       LambTotalsOfSegments(config_, pieces, segments);
-  std::vector<double> commit = LambCommit(config_, rule, totals, lamb_layers_);
+  std::vector<double> commit = LambCommit(config_, rules, totals, lamb_layers_);
   if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
   // x moves element by element: partitions in parallel give the same bits.
   const auto& partitions = layout->partitions();
   const auto update = [&](size_t i) {
     MORSE_CHECK(ApplyCommit(step, partitions[i].range.begin,
-                            partitions[i].range.size(), commit, hyper)
+                            partitions[i].range.size(), commit,
+                            HyperOf(hypers, partitions[i].segment))
                     .ok());
   };
   if (pool != nullptr && pool->threads() > 1) {

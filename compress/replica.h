@@ -130,7 +130,9 @@ class Replica {
   // variance v'; x follows the step's commit. A worker, holding the whole
   // model, forms the commit itself once every reply of `step` is applied,
   // applies it, and returns it for the shards; FAILED_PRECONDITION for a
-  // replica of part of the model.
+  // replica of part of the model. `hypers`: the step's learning rates and
+  // weight decays as the workers set them (HyperOf: none, one, or one per
+  // segment; INVALID_ARGUMENT, nothing changed, for another count).
   //
   // `partition_segments`, if not empty, holds per partition (by id) the
   // statistics of its segments at this step (LambSegments), or nothing for
@@ -138,7 +140,7 @@ class Replica {
   // the thread that applied it, instead of in one pass after the last.
   // `pool` (may be null) moves x over the partitions in parallel.
   absl::StatusOr<std::vector<double>> LambStep(
-      int64_t step, const StepHyper* hyper = nullptr,
+      int64_t step, absl::Span<const StepHyper> hypers = {},
       absl::Span<const std::vector<double>> partition_segments = {},
       ComputePool* pool = nullptr);
   // The statistics of the segments of `partition` (a range of the model)

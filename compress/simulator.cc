@@ -116,8 +116,8 @@ absl::Status Simulator::RoundTrip(
 }
 
 absl::Status Simulator::Step(
-    absl::Span<const absl::Span<const float>> gradients, const StepHyper* hyper,
-    const Absent& absent) {
+    absl::Span<const absl::Span<const float>> gradients,
+    absl::Span<const StepHyper> hypers, const Absent& absent) {
   if (absent.size() > layout_.partitions().size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("absent ranks for ", absent.size(),
@@ -158,9 +158,17 @@ absl::Status Simulator::Step(
     }
   }
   gradients = views;
-  if (hyper != nullptr) {
-    if (absl::Status s = ValidateStepHyper(*hyper); !s.ok()) return s;
+  if (hypers.size() > 1 && (hypers.size() != layout_.segment_count() ||
+                            !OptimizerOf(config_).HyperByPartition())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(hypers.size(), " learning rates for a model of ",
+                     layout_.segment_count(), " parameter groups trained by ",
+                     OptimizerOf(config_).name()));
   }
+  for (const StepHyper& hyper : hypers) {
+    if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;
+  }
+  const StepHyper* hyper = HyperOf(hypers, 0);  // a pass over the whole model
   // zero_one_adam's local phase (design.md 2.7): every worker steps on its
   // own; only a sync exchanges anything.
   const StepPlan plan = PlanStep(config_, step_);
@@ -186,7 +194,7 @@ absl::Status Simulator::Step(
     }
     if (hyper != nullptr) {  // what the workers' sync pushes carry as their lr
       sync_hyper = StepHyper{lr_sum_, hyper->weight_decay};
-      hyper = &sync_hyper;
+      hypers = absl::MakeConstSpan(&sync_hyper, 1);
     }
   }
   // Every partition's round trip reads m before any update of this step.
@@ -207,10 +215,12 @@ absl::Status Simulator::Step(
       sum_of_squares += GradientSumOfSquares(replies[p.id]);
     grad_scale = ClipScale(sum_of_squares, config_.clip_grad_norm);
   }
-  const ReplyRule rule = PlanReply(config_, step_, hyper, grad_scale);
+  const std::vector<ReplyRule> rules =
+      PlanReplies(config_, step_, hypers, grad_scale);
   for (const Partition& p : layout_.partitions()) {
     const size_t begin = p.range.begin, n = p.range.size();
     if (Idle(config_, step_, begin)) continue;
+    const ReplyRule& rule = RuleOf(rules, p.segment);
     ApplyRule(rule, absl::MakeSpan(replies[p.id]),
               absl::MakeSpan(x_).subspan(begin, n),
               absl::MakeSpan(m_).subspan(begin, n),
@@ -218,15 +228,17 @@ absl::Status Simulator::Step(
               rule.lamb ? absl::MakeSpan(v_fresh_).subspan(begin, n)
                         : absl::Span<float>());
   }
-  if (rule.lamb) {  // x moves by each layer's coefficient, from sums over the
-                    // whole layer
+  if (rules[0].lamb) {  // x moves by each layer's coefficient, from sums
+                        // over the whole layer
     const Range all{0, x_.size()};
     const std::vector<double> totals =
-        LambTotals(config_, layout_, rule, all, x_, m_, v_, v_fresh_);
+        LambTotals(config_, layout_, rules, all, x_, m_, v_, v_fresh_);
     const std::vector<double> commit =
-        LambCommit(config_, rule, totals, lamb_layers_);
-    LambUpdateX(config_, rule, commit, all, 0, x_.size(), absl::MakeSpan(x_),
-                m_, v_);
+        LambCommit(config_, rules, totals, lamb_layers_);
+    for (const Partition& p : layout_.partitions()) {
+      LambUpdateX(config_, RuleOf(rules, p.segment), commit, all, p.range.begin,
+                  p.range.size(), absl::MakeSpan(x_), m_, v_);
+    }
     lamb_layers_ = LambStateOf(commit);
   }
   diverged_ = false;

@@ -33,13 +33,15 @@ class Simulator {
   // Runs one step. gradients[i] is worker i's gradient (size D).
   // INVALID_ARGUMENT on wrong sizes or a non-finite encode; state is then
   // undefined for an encode failure and unchanged for a size error.
-  // `hyper`: this step's learning rate and weight decay set by the workers
-  // (as pushes carry them), instead of the schedule. `absent`: the workers
+  // `hypers`: this step's learning rates and weight decays set by the
+  // workers (as pushes carry them), instead of the schedule: one for the
+  // model, or one per segment of the layout (parameter groups; HyperOf).
+  // `absent`: the workers
   // each partition's average leaves out (their messages are formed, and
   // their error buffers move, as a late worker's do); INVALID_ARGUMENT,
   // state unchanged, for a rank out of range or a partition with none in.
   absl::Status Step(absl::Span<const absl::Span<const float>> gradients,
-                    const StepHyper* hyper = nullptr,
+                    absl::Span<const StepHyper> hypers = {},
                     const Absent& absent = {});
 
   int64_t step() const { return step_; }  // steps completed

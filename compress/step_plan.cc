@@ -1,5 +1,7 @@
 #include "compress/step_plan.h"
 
+#include <algorithm>
+
 #include "compress/optimizer.h"
 
 namespace morse::compress {
@@ -61,6 +63,20 @@ ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
   rule.scalars = StepScalars(config, step, hyper, config.bias_correction);
   OptimizerOf(config).PlanReply(config, step, plan, hyper, rule);
   return rule;
+}
+
+const StepHyper* HyperOf(absl::Span<const StepHyper> hypers, uint32_t segment) {
+  if (hypers.empty()) return nullptr;
+  return &hypers[hypers.size() == 1 ? 0 : segment];
+}
+
+std::vector<ReplyRule> PlanReplies(const AlgorithmConfig& config, int64_t step,
+                                   absl::Span<const StepHyper> hypers,
+                                   float grad_scale) {
+  std::vector<ReplyRule> rules;
+  for (uint32_t s = 0; s < std::max<size_t>(1, hypers.size()); ++s)
+    rules.push_back(PlanReply(config, step, HyperOf(hypers, s), grad_scale));
+  return rules;
 }
 
 }  // namespace morse::compress

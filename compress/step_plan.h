@@ -6,7 +6,9 @@
 #define MORSE_COMPRESS_STEP_PLAN_H_
 
 #include <cstdint>
+#include <vector>
 
+#include "absl/types/span.h"
 #include "compress/algorithm.h"
 #include "compress/codec.h"
 #include "compress/update_rules.h"
@@ -102,6 +104,22 @@ struct ReplyRule {
 };
 ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
                     const StepHyper* hyper = nullptr, float grad_scale = 1.0f);
+
+// A step's learning rates and weight decays as the workers set them
+// (Session::SetStepHyper): none (the job's schedule), one for the whole
+// model, or one per segment of the layout (parameter groups,
+// Optimizer::HyperByPartition). Segment `segment`'s, or null for none.
+const StepHyper* HyperOf(absl::Span<const StepHyper> hypers, uint32_t segment);
+// PlanReply of every segment of the layout under `hypers` (as HyperOf):
+// one rule for the whole model when there are fewer than two hypers, else
+// one per segment. RuleOf picks segment `segment`'s among them.
+std::vector<ReplyRule> PlanReplies(const AlgorithmConfig& config, int64_t step,
+                                   absl::Span<const StepHyper> hypers,
+                                   float grad_scale = 1.0f);
+inline const ReplyRule& RuleOf(absl::Span<const ReplyRule> rules,
+                               uint32_t segment) {
+  return rules[rules.size() == 1 ? 0 : segment];
+}
 
 // Gradient clipping (AlgorithmConfig::clip_grad_norm). Step `step` clips
 // the averaged gradient: every replica needs the sum over all partitions of

@@ -216,8 +216,8 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
         "external.groups",
         absl::StrCat(optimizer->name(),
                      " applies one lr and weight_decay to the whole model; "
-                     "parameter groups with their own are for adam and "
-                     "onebit_adam"));
+                     "parameter groups with their own are for adam, "
+                     "onebit_adam and onebit_lamb"));
   }
   a.optimizer = optimizer->kind();
   if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {

@@ -642,7 +642,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     // moves by each layer's coefficient), and its commit.
     trace::Scope traced("commit step", step_);
     absl::StatusOr<std::vector<double>> commit =
-        engine_->CommitStep(step_, WholeModelHyper(), pool_.get());
+        engine_->CommitStep(step_, step_hyper_, pool_.get());
     if (!commit.ok()) {
       return Fail(absl::Status(
           commit.status().code(),

@@ -282,8 +282,8 @@ class Session {
   bool defer_apply_ = false;
   std::vector<compress::StepHyper> step_hyper_;  // the step in flight's
   // Its one lr and weight_decay (or null), for an optimizer's pass over the
-  // whole model (local steps, commits): the job refuses parameter groups of
-  // their own there (compress::Optimizer::HyperByPartition).
+  // whole model (zero_one_adam's local steps): the job refuses parameter
+  // groups of their own there (compress::Optimizer::HyperByPartition).
   const compress::StepHyper* WholeModelHyper() const {
     return step_hyper_.empty() ? nullptr : &step_hyper_[0];
   }

@@ -25,6 +25,7 @@
 #include "compress/compute_pool.h"
 #include "compress/layout.h"
 #include "compress/simulator.h"
+#include "compress/step_plan.h"
 #include "compress/sync.h"
 #include "worker/shard_recovery.h"
 
@@ -47,8 +48,7 @@ class PushClient;
 inline const compress::StepHyper* HyperOf(
     const std::vector<compress::StepHyper>& hypers,
     const compress::Partition& p) {
-  if (hypers.empty()) return nullptr;
-  return &hypers[hypers.size() == 1 ? 0 : p.segment];
+  return compress::HyperOf(hypers, p.segment);
 }
 
 // What every push of a step carries besides its payload.

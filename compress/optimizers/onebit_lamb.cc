@@ -55,7 +55,7 @@ class OneBitLamb final : public Optimizer {
           absl::StrCat("onebit_lamb.factor_threshold must be in [0, 1), got ",
                        l.factor_threshold));
     }
-    return absl::OkStatus();
+    return LayerSegments(c).status();
   }
 
   void Fingerprint(const AlgorithmConfig& c, Fnv64& hash) const override {
@@ -87,6 +87,10 @@ class OneBitLamb final : public Optimizer {
   }
 
   bool HasFreezeStep() const override { return true; }
+  // Parameter groups: every element's direction and every layer's step take
+  // its group's lr and weight_decay, and a layer's coefficient its group's
+  // weight_decay (LambCommit); groups start on layers (LayerSegments).
+  bool HyperByPartition() const override { return true; }
 
   // v' over the replica's range; each layer's coeff_freeze and last_factor
   // (FlattenLambLayers' order).

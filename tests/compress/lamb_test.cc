@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -44,11 +46,24 @@ class Reference {
     last_.assign(c.layers.size(), 1.0f);
   }
 
-  void Step(const std::vector<std::vector<float>>& g) {
+  // `hypers`: each parameter group's lr and weight decay this step (one per
+  // segment of the layout), or none for the job's.
+  void Step(const std::vector<std::vector<float>>& g,
+            const std::vector<StepHyper>& hypers = {}) {
     ++s_;
-    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps,
-                wd = c_.adam.weight_decay;
-    const float lr = c_.lr.base_lr;
+    const float b1 = c_.adam.beta1, b2 = c_.adam.beta2, eps = c_.adam.eps;
+    // Element j's group.
+    const auto group = [&](uint64_t j) {
+      return std::upper_bound(c_.layout.cuts.begin(), c_.layout.cuts.end(), j) -
+             c_.layout.cuts.begin();
+    };
+    const auto lr_of = [&](uint64_t j) {
+      return hypers.empty() ? c_.lr.base_lr : hypers[group(j)].lr;
+    };
+    const auto wd_of = [&](uint64_t j) {
+      return hypers.empty() ? c_.adam.weight_decay
+                            : hypers[group(j)].weight_decay;
+    };
     const auto correction = [&](float beta, int64_t t) {
       return c_.bias_correction
                  ? static_cast<float>(1.0 - std::pow(double{beta}, double(t)))
@@ -96,7 +111,7 @@ class Reference {
         p[j] = std::clamp(p[j], -bound, bound);
         ratio[j] = d / (std::sqrt(vf_[j] / bc2_fresh) + eps);
       }
-      u[j] = p[j] + wd * x_[j];
+      u[j] = p[j] + wd_of(j) * x_[j];
     }
     // Coefficients, layer by layer.
     coefficients_.assign(c_.layers.size(), 0.0f);
@@ -138,7 +153,7 @@ class Reference {
         }
       } else {
         double factor = most;
-        if (wd > 0) {
+        if (wd_of(bounds_[l]) > 0) {
           const double share =
               s1 > 0 ? std::min(1.0, std::sqrt(s2) / std::sqrt(s1)) : 1.0;
           factor = factor * share + (1.0 - share);
@@ -153,7 +168,7 @@ class Reference {
       }
       coefficients_[l] = coefficient;
       for (uint64_t j = bounds_[l]; j < bounds_[l + 1]; ++j)
-        x_[j] = x_[j] - (lr * coefficient) * u[j];
+        x_[j] = x_[j] - (lr_of(j) * coefficient) * u[j];
     }
   }
 
@@ -191,7 +206,11 @@ AlgorithmConfig LambConfig() {
   return c;
 }
 
-void RunAgainstReference(const AlgorithmConfig& c, int64_t steps) {
+// `hypers_at(t)`: the groups' lr and weight decay at step t (none: the
+// job's).
+void RunAgainstReference(
+    const AlgorithmConfig& c, int64_t steps,
+    std::function<std::vector<StepHyper>(int64_t)> hypers_at = nullptr) {
   const size_t dim = c.layout.dim;
   std::vector<float> x0(dim), a(dim), target(dim);
   std::mt19937 rng(11);
@@ -223,8 +242,10 @@ void RunAgainstReference(const AlgorithmConfig& c, int64_t steps) {
       }
     }
     std::vector<absl::Span<const float>> views(g.begin(), g.end());
-    ASSERT_TRUE(sim->Step(views).ok());
-    ref.Step(g);
+    const std::vector<StepHyper> hypers =
+        hypers_at ? hypers_at(t) : std::vector<StepHyper>();
+    ASSERT_TRUE(sim->Step(views, hypers).ok());
+    ref.Step(g, hypers);
     ASSERT_TRUE(SameBits(sim->x(), ref.x())) << "x at step " << t;
     ASSERT_TRUE(SameBits(sim->m(), ref.m())) << "m at step " << t;
     ASSERT_TRUE(SameBits(sim->v(), ref.v())) << "v at step " << t;
@@ -279,6 +300,65 @@ TEST(LambTest, PiecesLongerThanASegment) {
   RunAgainstReference(c, 30);
 }
 
+// Parameter groups with their own lr and weight decay (design.md 3's
+// segments): the first of two layers and a padding layer (zeros no
+// parameter uses, as morse.torch pads a group to whole blocks), a group of
+// one layer that crosses partitions and shards, and a group of two layers.
+AlgorithmConfig GroupedLambConfig() {
+  AlgorithmConfig c = LambConfig();
+  c.layers = {10, 236, 10, 640, 64, 40};
+  c.layout.cuts = {256, 896};
+  c.adam.weight_decay = 0.01f;
+  return c;
+}
+
+// Each group's lr and weight decay, changing every step; the middle group
+// without weight decay, the last at a tenth of the first's lr.
+std::vector<StepHyper> GroupHypers(int64_t t) {
+  const float lr = 0.01f * (1.0f - 0.01f * static_cast<float>(t));
+  return {{lr, 0.01f}, {2.0f * lr, 0.0f}, {0.1f * lr, 0.05f}};
+}
+
+TEST(LambTest, GroupsTrainWithTheirOwnLrAndWeightDecay) {
+  const AlgorithmConfig c = GroupedLambConfig();
+  ASSERT_TRUE(ValidateAlgorithmConfig(c).ok());
+  EXPECT_TRUE(OptimizerOf(c).HyperByPartition());
+  EXPECT_EQ(*LayerSegments(c), (std::vector<uint32_t>{0, 0, 0, 1, 2, 2}));
+  RunAgainstReference(c, 40, GroupHypers);
+  // The groups' values matter: the same steps with the job's one lr and
+  // weight decay end elsewhere.
+  const size_t dim = c.layout.dim;
+  std::vector<float> x0(dim);
+  for (size_t j = 0; j < dim; ++j) x0[j] = j < 246 ? std::sin(0.1f * j) : 0.5f;
+  auto grouped = Simulator::Create(c, x0), plain = Simulator::Create(c, x0);
+  ASSERT_TRUE(grouped.ok() && plain.ok());
+  for (int64_t t = 0; t < 16; ++t) {
+    std::vector<float> g(dim);
+    for (size_t j = 0; j < dim; ++j) g[j] = std::cos(0.01f * j * (t + 1));
+    std::vector<absl::Span<const float>> views(c.workers, g);
+    ASSERT_TRUE(grouped->Step(views, GroupHypers(t)).ok());
+    ASSERT_TRUE(plain->Step(views).ok());
+  }
+  for (size_t j : {0, 300, 950}) EXPECT_NE(grouped->x()[j], plain->x()[j]) << j;
+  // A count of hypers that is neither one nor one per group is refused.
+  std::vector<absl::Span<const float>> views(c.workers,
+                                             absl::Span<const float>(x0));
+  EXPECT_EQ(grouped->Step(views, {{0.01f, 0.0f}, {0.01f, 0.0f}}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(LambTest, AGroupMustStartOnALayer) {
+  AlgorithmConfig c = GroupedLambConfig();
+  c.layers = {10, 250, 640, 64, 36};  // the cut at 256 is inside [10, 260)
+  const absl::Status s = ValidateAlgorithmConfig(c);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("starts inside layer 1"), absl::string_view::npos)
+      << s;
+  c.layers.clear();  // one layer: every group inside it
+  EXPECT_EQ(ValidateAlgorithmConfig(c).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(LambTest, LayersDefaultToOneAndMustCoverTheModel) {
   AlgorithmConfig c = LambConfig();
   c.layers.clear();
@@ -329,10 +409,17 @@ TEST(LambTest, ItsPlansAreOneBitAdamsExchange) {
   EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(other));
 }
 
-TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
-  // A worker replica applies every reply then its own commit; each shard's
-  // mirror applies its partitions' replies and then the worker's commit.
-  AlgorithmConfig c = LambConfig();
+// A worker replica applies every reply then its own commit; each shard's
+// mirror applies its partitions' replies and then the worker's commit, each
+// partition with its group's lr and weight decay (`hypers_at`, as pushes
+// carry them). Leaves the replicas of the last step.
+struct Replicas {
+  Replica worker;
+  std::vector<Replica> mirrors;
+};
+void RunWorkerAndMirrors(
+    AlgorithmConfig c, std::optional<Replicas>& out,
+    std::function<std::vector<StepHyper>(int64_t)> hypers_at = nullptr) {
   c.up_codec = c.down_codec = CodecSpec{CodecKind::kFp32, 64};
   c.workers = 1;
   const size_t dim = c.layout.dim;
@@ -353,6 +440,8 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   }
   ComputePool pool(2);
   for (int64_t t = 0; t < 24; ++t) {
+    const std::vector<StepHyper> hypers =
+        hypers_at ? hypers_at(t) : std::vector<StepHyper>();
     std::vector<float> g(dim);
     for (size_t j = 0; j < dim; ++j)
       g[j] = std::cos(0.01f * j * (t + 1)) + sim->x()[j];
@@ -369,10 +458,12 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
         reinterpret_cast<const uint8_t*>(message.data()), 4 * dim);
     for (const Partition& p : layout->partitions()) {
       const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
+      const StepHyper* hyper = HyperOf(hypers, p.segment);
       ASSERT_TRUE(
-          worker.ApplyReply(t, p.range.begin, p.range.size(), part).ok());
+          worker.ApplyReply(t, p.range.begin, p.range.size(), part, hyper)
+              .ok());
       ASSERT_TRUE(mirrors[p.shard]
-                      .ApplyReply(t, p.range.begin, p.range.size(), part)
+                      .ApplyReply(t, p.range.begin, p.range.size(), part, hyper)
                       .ok());
     }
     // On odd steps as a worker's engine does it: the segments of some
@@ -381,20 +472,24 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
     if (t % 2 == 1) {
       segments.resize(layout->partitions().size());
       for (const Partition& p : layout->partitions()) {
-        if (p.id % 2 == 0) segments[p.id] = worker.LambSegments(t, p.range);
+        if (p.id % 2 == 0) {
+          segments[p.id] =
+              worker.LambSegments(t, p.range, HyperOf(hypers, p.segment));
+        }
       }
     }
     // Every third step moves x over the partitions on a pool.
     auto commit =
-        worker.LambStep(t, nullptr, segments, t % 3 == 2 ? &pool : nullptr);
+        worker.LambStep(t, hypers, segments, t % 3 == 2 ? &pool : nullptr);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
       ASSERT_TRUE(mirrors[p.shard]
-                      .ApplyCommit(t, p.range.begin, p.range.size(), *commit)
+                      .ApplyCommit(t, p.range.begin, p.range.size(), *commit,
+                                   HyperOf(hypers, p.segment))
                       .ok());
     }
     std::vector<absl::Span<const float>> views{g};
-    ASSERT_TRUE(sim->Step(views).ok());
+    ASSERT_TRUE(sim->Step(views, hypers).ok());
     ASSERT_TRUE(SameBits(worker.x(), sim->x())) << "worker x at step " << t;
     ASSERT_TRUE(SameBits(worker.v_fresh(), sim->v_fresh()))
         << "worker v' at step " << t;
@@ -413,6 +508,18 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
     ASSERT_EQ(worker.lamb_layers()[2].last_factor,
               sim->lamb_layers()[2].last_factor);
   }
+  out.emplace(Replicas{std::move(worker), std::move(mirrors)});
+}
+
+TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
+  const AlgorithmConfig c = LambConfig();
+  std::optional<Replicas> replicas;
+  RunWorkerAndMirrors(c, replicas);
+  ASSERT_TRUE(replicas.has_value());
+  Replica& worker = replicas->worker;
+  std::vector<Replica>& mirrors = replicas->mirrors;
+  auto layout = Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok());
   // A malformed commit changes nothing.
   const std::vector<float> before(mirrors[0].x().begin(), mirrors[0].x().end());
   std::vector<double> bad(kLambCommit * c.layers.size(), 1.0);
@@ -432,13 +539,25 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   // nothing either.
   const std::vector<float> worker_before(worker.x().begin(), worker.x().end());
   std::vector<std::vector<double>> wrong(layout->partitions().size() + 1);
-  EXPECT_EQ(worker.LambStep(24, nullptr, wrong).status().code(),
+  EXPECT_EQ(worker.LambStep(24, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
   wrong.pop_back();
   wrong[1] = {1.0};  // never 3 per segment
-  EXPECT_EQ(worker.LambStep(24, nullptr, wrong).status().code(),
+  EXPECT_EQ(worker.LambStep(24, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(worker.x(), worker_before));
+}
+
+TEST(LambTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
+  std::optional<Replicas> replicas;
+  RunWorkerAndMirrors(GroupedLambConfig(), replicas, GroupHypers);
+  ASSERT_TRUE(replicas.has_value());
+  // Two hypers for three groups change nothing.
+  Replica& worker = replicas->worker;
+  const std::vector<float> before(worker.x().begin(), worker.x().end());
+  EXPECT_EQ(worker.LambStep(24, {{0.01f, 0.0f}, {0.01f, 0.0f}}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(SameBits(worker.x(), before));
 }
 
 }  // namespace

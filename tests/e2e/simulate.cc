@@ -72,7 +72,7 @@ Expected Simulate(const proto::JobSpec& job,
     std::vector<absl::Span<const float>> views(grads.begin(), grads.end());
     const auto out = absent.find(step);
     const absl::Status stepped = sim->Step(
-        views, nullptr, out != absent.end() ? out->second : compress::Absent());
+        views, {}, out != absent.end() ? out->second : compress::Absent());
     EXPECT_TRUE(stepped.ok()) << stepped;
     expected.model.push_back(
         hex(compress::StateChecksum({sim->x(), sim->m(), sim->v()})));

@@ -569,7 +569,7 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
         << "v'";
     // The totals: the CPU's, from the GPU's segments.
     const std::vector<double> totals =
-        compress::LambTotals(c, *layout, rule, {0, n}, x, m, v, vf);
+        compress::LambTotals(c, *layout, {rule}, {0, n}, x, m, v, vf);
     auto sums = segments->Sums(*ctx_, rule, dx.as<float>(), dm.as<float>(),
                                dv.as<float>(), dvf.as<float>());
     ASSERT_TRUE(sums.ok()) << sums.status();
@@ -583,7 +583,7 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
     // The x update with the commit's steps.
     std::vector<compress::LambLayerState> state(c.layers.size());
     const std::vector<double> commit =
-        compress::LambCommit(c, rule, totals, state);
+        compress::LambCommit(c, {rule}, totals, state);
     compress::LambUpdateX(c, rule, commit, {0, n}, 0, n, absl::MakeSpan(x), m,
                           v);
     ASSERT_TRUE(segments

@@ -140,8 +140,17 @@ TEST(JobConfigTest, ErrorsNameTheField) {
        "lr { lr: 1 } steps: 1 optimizer: \"adam\" block_elems: 16",
        "external.groups"},
       {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 32 } "
+       "lr { lr: 1 } steps: 2 optimizer: \"zero_one_adam\" "
+       "block_elems: 16",
+       "external.groups"},
+      // onebit_lamb's groups start on layers (one lr per layer).
+      {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 32 } "
        "lr { lr: 1 } steps: 2 freeze_step: 1 optimizer: \"onebit_lamb\" "
        "block_elems: 16",
+       "external.groups"},
+      {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 32 "
+       "layers: 40 layers: 24 } lr { lr: 1 } steps: 2 freeze_step: 1 "
+       "optimizer: \"onebit_lamb\" block_elems: 16",
        "external.groups"},
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
        "optimizer: \"diloco\" clip_grad_norm: 1",
@@ -218,6 +227,14 @@ TEST(JobConfigTest, ParameterGroupsCutTheLayout) {
       ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_TRUE(job->algorithm.layout.cuts.empty());
+  // onebit_lamb's groups of whole layers.
+  job = ParseJobConfig(
+      "workers: 2 shards: 2 external { dim: 100 groups: 32 groups: 68 "
+      "layers: 20 layers: 12 layers: 68 } lr { lr: 1 } steps: 2 "
+      "freeze_step: 1 optimizer: \"onebit_lamb\" block_elems: 16",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->algorithm.layout.cuts, (std::vector<uint64_t>{32}));
 }
 
 TEST(JobConfigTest, DilocoDefaultsAreThePapers) {

@@ -51,17 +51,33 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     check_ranks_match_simulator reads: rank 0 the job (job.json: base config
     and overrides) and x0.npy, every rank grad-<rank>-<step>.npy and
     checksums-<rank>.json. on_gradient(step, flat) sees each step's
-    gradient before step(), on_step(step) runs after it. Returns the
-    checksums."""
+    gradient before step(), on_step(step) runs after it. With parameter
+    groups trained apart, x0 and the gradients are laid out as the
+    optimizer's flat buffer (groups in order, padding zero) and rank 0 also
+    writes each step's groups' (lr, weight_decay) to hypers.json. Returns
+    the checksums."""
     import numpy as np
     import torch
     rank = int(os.environ["MORSE_RANK"])
+    grouped = getattr(opt, "_groups_apart", False)
+
+    def flat_of(tensors):
+        if not grouped:
+            return torch.cat([t.reshape(-1) for t in tensors])
+        # The flat buffer's layout: each parameter's range in it.
+        where = {id(p): r for p, r in zip(opt._params, opt._ranges)}
+        flat = torch.zeros(opt._flat.numel())
+        for p, t in zip(model.parameters(), tensors):
+            begin, end = where[id(p)]
+            flat[begin:end] = t.reshape(-1)
+        return flat
+
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    checksums = []
+        np.save(f"{out}/x0.npy", flat_of([p.detach() for p in model.parameters()]).numpy())
+    checksums, hypers = [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, features, generator=g), torch.randint(0, classes, (8,), generator=g)
@@ -69,16 +85,20 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
         torch.nn.functional.cross_entropy(model(x), y).backward()
         # A parameter the loss did not reach has no .grad once torch 2's
         # zero_grad sets it to None; missing_grads="zero" trains it on zeros.
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                          for p in model.parameters()])
+        flat = flat_of([p.grad if p.grad is not None else torch.zeros_like(p)
+                        for p in model.parameters()])
         np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
         if on_gradient is not None:
             on_gradient(step, flat)
+        if grouped:
+            hypers.append(opt._group_hyper())
         opt.step()
         checksums.append(opt.checksum())
         if on_step is not None:
             on_step(step)
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    if grouped and rank == 0:
+        json.dump(hypers, open(f"{out}/hypers.json", "w"))
     return checksums
 
 
@@ -122,9 +142,12 @@ def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
             check(checksums[r] == checksums[0], f"rank {r} differs from rank 0: {checksums[r]} vs {checksums[0]}")
     job = json.load(open(f"{out}/job.json"))
     sim = _native.Simulator(job["base"], job["overrides"], np.load(f"{out}/x0.npy"))
+    hypers = (json.load(open(f"{out}/hypers.json")) if os.path.exists(f"{out}/hypers.json")
+              else [()] * steps)
     together = 0
     for step in range(steps):
-        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(ranks)])
+        sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(ranks)],
+                 hypers=hypers[step])
         for r in range(ranks):
             check(sim.worker_checksum(r) == checksums[r][step],
                   f"step {step}: rank {r} {checksums[r][step]}, simulator {sim.worker_checksum(r)}")

@@ -9,7 +9,11 @@ LAMB's own state. Then again with the script's
 torch.nn.utils.clip_grad_norm_ after backward(), which must give the bits
 of clip_grad_norm (the simulator runs with it): the averaged gradient in
 the warmup (rank 0's commit carries the norm with the layers' values),
-each rank's own after the freeze."""
+each rank's own after the freeze. Then with Hugging Face Trainer's
+parameter groups (weights with weight decay, biases without and here at
+twice the lr, each group on its own LambdaLR) and the clip: each group's
+padding is a layer of its own, and the simulator steps with each step's
+group values."""
 import json
 import os
 import sys
@@ -38,17 +42,28 @@ def worker(out, mode):
             check(False, f"{bad} was accepted")
         except ValueError as e:
             print(f"refused {bad}: {e}")
+    params = model.parameters()
+    if mode == "groups":  # Trainer's split: no weight decay for biases
+        params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+                  {"params": [p for p in model.parameters() if p.dim() == 1],
+                   "weight_decay": 0.0, "lr": 0.02}]
     # A DeepSpeed OnebitLamb config's params move over as they are.
-    opt = morse.torch.OneBitLamb(model.parameters(), lr=0.01, freeze_step=6, weight_decay=0.01,
+    opt = morse.torch.OneBitLamb(params, lr=0.01, freeze_step=6, weight_decay=0.01,
                                  max_coeff=0.3, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
                                  factor_min=0.5, factor_threshold=0.1, cuda_aware=False,
                                  comm_backend_name="nccl", block_elems=16, partition_elems=64,
                                  overlap=rank % 2 == 0)
-    clip = clip_each_step(model, CLIP) if mode == "clip" else None
-    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip)
+    on_step = None
+    if mode == "groups":
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            opt, [lambda t: 1.0 - 0.05 * t, lambda t: 1.0 / (1 + t)])
+        on_step = lambda step: schedule.step()  # noqa: E731
+    clip = clip_each_step(model, CLIP) if mode in ("clip", "groups") else None
+    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip,
+                   on_step=on_step)
     # state_dict() carries 1-bit LAMB's own state (test_resume.py resumes it).
     state = opt.state_dict()["state"]
-    layers = len(list(model.parameters()))
+    layers = len(list(model.parameters())) + (mode == "groups")  # and the padding
     check(state["lamb_layers"].numel() == 2 * layers and state["lamb_commit"].numel() == 3 * layers
           and state["exp_avg_sq_fresh"].numel() == state["exp_avg"].numel(),
           f"OneBitLamb's state_dict: {[(k, v.numel()) for k, v in state.items() if hasattr(v, 'numel')]}")
@@ -58,15 +73,22 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    for mode in ("plain", "clip"):
+    for mode in ("plain", "clip", "groups"):
         out = tempfile.mkdtemp(prefix="morse-lamb-")
         code, log = morse_run(__file__, RANKS, 2, out, mode)
         print(log)
         check(code == 0, f"the job failed ({mode})")
         overrides = json.load(open(f"{out}/job.json"))["overrides"]
-        check("layers: 200 layers: 20 layers: 80 layers: 4" in overrides,
-              f"the tensors are not the layers: {overrides}")
-        if mode == "clip":  # the simulator clips as clip_grad_norm does
+        # The groups: the weights (280 elements, padded to 18 blocks of 16),
+        # then the biases.
+        layers = ("layers: 200 layers: 80 layers: 8 layers: 20 layers: 4 groups: 288 groups: 24"
+                  if mode == "groups" else "layers: 200 layers: 20 layers: 80 layers: 4")
+        check(layers in overrides, f"the tensors are not the layers: {overrides}")
+        if mode == "groups":
+            hypers = json.load(open(f"{out}/hypers.json"))
+            check(hypers[1][0] != hypers[1][1] and hypers[1][0][0] != hypers[0][0][0],
+                  f"the groups' lr and weight_decay: {hypers}")
+        if mode in ("clip", "groups"):  # the simulator clips as clip_grad_norm does
             clip_in_job(out, CLIP)
         check_ranks_match_simulator(out, RANKS, STEPS)
         print(f"PASS: {STEPS} steps across the freeze, {RANKS} ranks bit-identical to the "

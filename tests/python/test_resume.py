@@ -3,8 +3,9 @@
 model.load_state_dict + opt.load_state_dict continues bit-identically to
 the run that never stopped (OneBitAdam and OneBitLamb, each across the
 freeze, 2 workers, 2 shards; OneBitLamb's state_dict carries v', the
-layers' state and the last commit; and OneBitAdam with two parameter groups
-of their own lr and weight_decay, the first padded to whole blocks). Also: another rank's state is refused, and rank 0's state without
+layers' state and the last commit; and OneBitAdam and OneBitLamb with two
+parameter groups of their own lr and weight_decay, the first padded to
+whole blocks). Also: another rank's state is refused, and rank 0's state without
 the shards' error buffer is refused against fresh shards."""
 import json
 import os
@@ -47,9 +48,10 @@ def optimizer(model):
     import morse.torch
     name = os.environ.get("RESUME_OPTIMIZER", "OneBitAdam")
     params = model.parameters()
-    if name == "OneBitAdamGroups":  # 56 elements padded to 64, then 27
-        name, params = "OneBitAdam", [{"params": model[0].parameters(), "weight_decay": 0.01},
-                                      {"params": model[2].parameters(), "lr": 0.02}]
+    if name.endswith("Groups"):  # 56 elements padded to 64, then 27
+        name, params = name[:-len("Groups")], [
+            {"params": model[0].parameters(), "weight_decay": 0.01},
+            {"params": model[2].parameters(), "lr": 0.02}]
     return getattr(morse.torch, name)(params, lr=0.01, freeze_step=2, block_elems=16,
                                       partition_elems=32)
 
@@ -100,7 +102,7 @@ def main():
     out = tempfile.mkdtemp()
     os.environ["RESUME_DIR"] = out
     # OneBitAdam's files serve no_server_state below.
-    for name in ("OneBitLamb", "OneBitAdamGroups", "OneBitAdam"):
+    for name in ("OneBitLamb", "OneBitLambGroups", "OneBitAdamGroups", "OneBitAdam"):
         os.environ["RESUME_OPTIMIZER"] = name
         for mode in ("through", "resumed"):
             code, text = morse_run(__file__, 2, 2, mode, timeout=180)

@@ -197,11 +197,12 @@ class Engine {
   // The optimizer's step after every reply of `step` is applied, for an
   // optimizer that commits (compress::Optimizer::CommitDoubles): its
   // commit from the whole model, applied to x, returned for the shards
-  // (onebit_lamb: compress::Replica::LambStep). `pool` (may be null): the
-  // worker's compute pool, idle by then, for a CPU engine's whole-model
-  // passes.
+  // (onebit_lamb: compress::Replica::LambStep). `hypers`: the step's, as
+  // Session::SetStepHyper took them (none, one, or one per segment).
+  // `pool` (may be null): the worker's compute pool, idle by then, for a
+  // CPU engine's whole-model passes.
   virtual absl::StatusOr<std::vector<double>> CommitStep(
-      int64_t step, const compress::StepHyper* hyper,
+      int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool* pool) = 0;
   // compress::GradientSumOfSquares of the whole gradient the next Encode
   // reads (gradient clipping); FAILED_PRECONDITION where the engine cannot.

@@ -692,7 +692,25 @@ int morse_simulator_step_without(morse_simulator* sim,
                                  const float* const* gradients,
                                  uint32_t workers, uint64_t dim,
                                  const uint32_t* absent, uint32_t count) {
+  return morse_simulator_step_hyper(sim, gradients, workers, dim, absent, count,
+                                    nullptr, nullptr, 0);
+}
+
+int morse_simulator_step_hyper(morse_simulator* sim,
+                               const float* const* gradients, uint32_t workers,
+                               uint64_t dim, const uint32_t* absent,
+                               uint32_t count, const float* lr,
+                               const float* weight_decay, uint32_t hypers) {
   return Guard([&]() -> absl::Status {
+    std::vector<morse::compress::StepHyper> step_hypers;
+    if (hypers > 0) {
+      if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
+      if (absl::Status st = NotNull(weight_decay, "weight_decay"); !st.ok())
+        return st;
+      for (uint32_t i = 0; i < hypers; ++i)
+        step_hypers.push_back(
+            morse::compress::StepHyper{lr[i], weight_decay[i]});
+    }
     if (count > 0) {
       if (absl::Status st = NotNull(absent, "absent"); !st.ok()) return st;
     }
@@ -709,7 +727,7 @@ int morse_simulator_step_without(morse_simulator* sim,
       left_out.assign(sim->simulator->layout().partitions().size(),
                       std::vector<uint32_t>(absent, absent + count));
     }
-    return sim->simulator->Step(views, nullptr, left_out);
+    return sim->simulator->Step(views, step_hypers, left_out);
   });
 }
 

@@ -208,6 +208,14 @@ int morse_simulator_step_without(morse_simulator* sim,
                                  const float* const* gradients,
                                  uint32_t workers, uint64_t dim,
                                  const uint32_t* absent, uint32_t count);
+/* The same, with the step's learning rates and weight decays as the
+   workers set them (morse_session_set_step_hyper): `hypers` of each, one
+   for the model or one per parameter group (0: the job's schedule). */
+int morse_simulator_step_hyper(morse_simulator* sim,
+                               const float* const* gradients, uint32_t workers,
+                               uint64_t dim, const uint32_t* absent,
+                               uint32_t count, const float* lr,
+                               const float* weight_decay, uint32_t hypers);
 int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
 /* Worker `rank`'s own x, m, v (differs from the shared state only after
    zero_one_adam's local steps). */

@@ -507,13 +507,18 @@ class CudaEngine final : public Engine, public DeviceServices {
   // compress::Replica::LambStep on the device: the segments' sums come to
   // the host, which forms the totals and the commit exactly as the CPU does.
   absl::StatusOr<std::vector<double>> CommitStep(
-      int64_t step, const compress::StepHyper* hyper,
+      int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool*) override {
     if (!compress::CommitsLayers(config_)) {
       return absl::FailedPreconditionError("CommitStep is for onebit_lamb");
     }
+    if (hypers.size() > 1) {  // CreateEngine refuses parameter groups
+      return absl::FailedPreconditionError(
+          "onebit_lamb's layer sums on the GPU take one lr and weight_decay");
+    }
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const compress::ReplyRule rule = compress::PlanReply(config_, step, hyper);
+    const compress::ReplyRule rule =
+        compress::PlanReply(config_, step, compress::HyperOf(hypers, 0));
     MutexLock lock(&apply_mu_);
     absl::StatusOr<absl::Span<const double>> sums =
         lamb_segments_.Sums(*apply_, rule, x_ptr_, m_.as<float>(),
@@ -522,7 +527,7 @@ class CudaEngine final : public Engine, public DeviceServices {
     const std::vector<double> totals =
         compress::LambTotalsOfSegments(config_, pieces_, *sums);
     std::vector<double> commit =
-        compress::LambCommit(config_, rule, totals, lamb_layers_);
+        compress::LambCommit(config_, {rule}, totals, lamb_layers_);
     if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok())
       return s;
     if (absl::Status s = lamb_segments_.UpdateX(
@@ -638,6 +643,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
   if (!optimizer.HasGpuKernels()) {
     return absl::UnimplementedError(absl::StrCat(
         optimizer.name(), " has no GPU kernels; it trains on the CPU"));
+  }
+  if (compress::CommitsLayers(config) && !config.layout.cuts.empty()) {
+    return absl::UnimplementedError(
+        "onebit_lamb with parameter groups of their own lr and weight_decay "
+        "(external.groups) has no GPU kernels (the layer sums take one of "
+        "each); it trains on the CPU");
   }
   const bool freezes = optimizer.FreezesVariance();
   if (freezes && config.mask_zero_variance &&

@@ -107,7 +107,7 @@ class HostEngine final : public Engine {
   }
 
   absl::StatusOr<std::vector<double>> CommitStep(
-      int64_t step, const compress::StepHyper* hyper,
+      int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool* pool) override {
     std::vector<std::vector<double>> segments(lamb_segments_.size());
     for (size_t i = 0; i < segments.size(); ++i) {
@@ -117,7 +117,7 @@ class HostEngine final : public Engine {
         segments[i] = std::move(lamb_segments_[i].values);
       lamb_segments_[i] = {};
     }
-    return replica_.LambStep(step, hyper, segments, pool);
+    return replica_.LambStep(step, hypers, segments, pool);
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override {

@@ -29,7 +29,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_w
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hf_trainer import (VOCAB, Sequences, common_arguments, leave_process_group, morse_optimizer,  # noqa: E402
-                        parameters_checksum)
+                        parameter_groups, parameters_checksum)
 
 
 def main():
@@ -46,7 +46,8 @@ def main():
     loader = torch.utils.data.DataLoader(Sequences(seed=a.seed), batch_size=a.batch, shuffle=True,
                                          drop_last=True, generator=torch.Generator().manual_seed(a.seed))
     if a.optimizer == "ddp":
-        opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
+        params = parameter_groups(model, a.weight_decay) if a.weight_decay else model.parameters()
+        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
     else:
         import morse.torch.hf
         opt = morse_optimizer(a, model)

@@ -12,6 +12,9 @@ the callback (see morse/torch/hf.py):
     opt = morse.torch.OneBitAdam(model.parameters(), lr=...)
     Trainer(..., optimizers=(opt, None), callbacks=[MorseCallback()])
 
+With --weight-decay the optimizer gets Trainer's two parameter groups
+(decay, and biases and norms without), each group its own weight_decay.
+
 Trainer's max_grad_norm clips the averaged gradient, as under DDP
 (morse.torch.clip_grad_norm_).
 
@@ -101,18 +104,33 @@ def common_arguments(parser, stack):
                         help=f"{stack}'s gradient_accumulation_steps (default: 1)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0,
                         help="clip the averaged gradient's norm to this, 0 for none (default: 1.0)")
+    parser.add_argument("--weight-decay", type=float, default=0.0,
+                        help="decoupled weight decay of every parameter but biases and norms, "
+                             "in a group apart as Trainer builds it (default: 0.0)")
     parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
 
 
+def parameter_groups(model, weight_decay):
+    """Trainer's optimizer groups for `weight_decay`: every parameter but
+    biases and norms decays, the others do not (Trainer's own split:
+    get_decay_parameter_names reads nothing of the Trainer)."""
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
 def morse_optimizer(a, model):
-    """The Morse optimizer that --optimizer names (not ddp)."""
+    """The Morse optimizer that --optimizer names (not ddp), with Trainer's
+    decay / no-decay groups when --weight-decay is set."""
     import morse.torch
+    params = parameter_groups(model, a.weight_decay) if a.weight_decay else model.parameters()
     if a.optimizer == "onebit_adam":
-        return morse.torch.OneBitAdam(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
+        return morse.torch.OneBitAdam(params, lr=a.lr, freeze_step=a.freeze_step)
     if a.optimizer == "onebit_lamb":
-        return morse.torch.OneBitLamb(model.parameters(), lr=a.lr, freeze_step=a.freeze_step)
-    return morse.torch.Adam(model.parameters(), lr=a.lr)
+        return morse.torch.OneBitLamb(params, lr=a.lr, freeze_step=a.freeze_step)
+    return morse.torch.Adam(params, lr=a.lr)
 
 
 def main():
@@ -132,7 +150,7 @@ def main():
         warmup_steps=max(1, a.steps // 10), max_grad_norm=a.max_grad_norm, logging_steps=1,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=a.seed, data_seed=a.seed,
-        disable_tqdm=True, dataloader_drop_last=True,
+        disable_tqdm=True, dataloader_drop_last=True, weight_decay=a.weight_decay,
         torch_compile=bool(a.compile), torch_compile_backend=a.compile)
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,

@@ -92,6 +92,8 @@ def _load():
         "morse_simulator_step": ([P, ctypes.POINTER(P), U32, U64], I),
         "morse_simulator_step_without": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32],
                                          I),
+        "morse_simulator_step_hyper": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32,
+                                        FP, FP, U32], I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
         "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
@@ -440,16 +442,22 @@ class Simulator:
             _lib.morse_simulator_destroy(self._handle)
             self._handle = None
 
-    def step(self, gradients, absent=()):
-        """One step; `absent`: ranks every partition's average leaves out."""
+    def step(self, gradients, absent=(), hypers=()):
+        """One step; `absent`: ranks every partition's average leaves out;
+        `hypers`: the step's (lr, weight_decay) as the workers set them, one
+        for the model or one per parameter group (none: the job's
+        schedule)."""
         for g in gradients:
             if g.size != self._dim:
                 raise ValueError(f"each gradient must hold {self._dim} values")
         pointers = (ctypes.c_void_p * len(gradients))(
             *(_float32_array(g, "gradient") for g in gradients))
         out = (ctypes.c_uint32 * max(len(absent), 1))(*sorted(absent))
-        _check(_lib.morse_simulator_step_without(self._handle, pointers, len(gradients),
-                                                 self._dim, out, len(absent)))
+        count = len(hypers)
+        lrs = (ctypes.c_float * max(count, 1))(*(float(h[0]) for h in hypers))
+        decays = (ctypes.c_float * max(count, 1))(*(float(h[1]) for h in hypers))
+        _check(_lib.morse_simulator_step_hyper(self._handle, pointers, len(gradients), self._dim,
+                                               out, len(absent), lrs, decays, count))
 
     def checksum(self):
         value = ctypes.c_uint64()

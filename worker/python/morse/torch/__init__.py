@@ -151,15 +151,16 @@ def _rank_checkpoint(session, worker):
     return os.path.join(checkpoint_dir, f"worker-{worker}.ckpt"), every
 
 
-def _external_model(params, layers=False, groups=()):
-    """(dim, the JobConfig line) of the model the parameters `params` make,
-    with each tensor a layer when `layers` (onebit_lamb's coefficients), and
-    `groups` the element counts of parameter groups trained with their own
-    lr and weight_decay, padding included (none: one group)."""
+def _external_model(params, layers=(), groups=()):
+    """(dim, the JobConfig line) of the model the parameters `params` make:
+    `layers` the element counts of onebit_lamb's layers in order (each
+    tensor, and each group's padding; none: not sent), `groups` those of
+    parameter groups trained with their own lr and weight_decay, padding
+    included (none: one group)."""
     shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in params)
     dim = sum(groups) if len(groups) > 1 else sum(p.numel() for p in params)
     fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
-    extra = " ".join(f"layers: {p.numel()}" for p in params) if layers else ""
+    extra = " ".join(f"layers: {n}" for n in layers)
     if len(groups) > 1:
         extra += "".join(f" groups: {n}" for n in groups)
     return dim, (f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" '
@@ -359,12 +360,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # a block (the error buffers keep per-block state): each but the
         # last is padded to whole blocks with elements no parameter uses
         # (zero, with a zero gradient). The parameter tensors are
-        # onebit_lamb's layers (which trains one group).
+        # onebit_lamb's layers, and each group's padding one more (its
+        # sums are zero: it moves no other layer's coefficient).
         sizes = [counts[i] for i in self._segments]
         if len(sizes) > 1:
             block = _native.job_block_elems(base, "\n".join(["external { }"] + lines[1:]))
             sizes = [-(-n // block) * block for n in sizes[:-1]] + sizes[-1:]
-        dim, lines[0] = _external_model(self._params, layers=len(sizes) == 1, groups=sizes)
+        layers = []
+        for i, size in zip(self._segments, sizes):
+            group = [p.numel() for p in self.param_groups[i]["params"] if p.requires_grad]
+            layers += group + ([size - sum(group)] if size > sum(group) else [])
+        if not self._groups_apart:
+            layers = [p.numel() for p in self._params]
+        dim, lines[0] = _external_model(self._params, layers=layers, groups=sizes)
         self.job_overrides = "\n".join(lines)
 
         # One flat tensor for the parameters and one for their gradients, on
