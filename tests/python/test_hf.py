@@ -8,6 +8,9 @@ way:
   every step's loss (averaged over the ranks) equals DDP's to float
   rounding, under Trainer and under Accelerate;
 - 1-bit (OneBitAdam): within the convergence margin of DDP's loss;
+- with Trainer's weight decay (a decay and a no-decay group): fp32 Adam
+  equals DDP's losses to float rounding, and OneBitLamb converges like
+  DDP;
 - a Trainer run resumed from its own checkpoint (rank 0's optimizer.pt
   loaded on every rank, MorseCallback finding each rank's own state) is
   bit-identical to the uninterrupted run: the same losses and parameters
@@ -177,6 +180,18 @@ def main():
         one, _, _ = run(script, "--optimizer", "onebit_adam", *onebit)
         converges_like_ddp(f"{script} OneBitAdam", ddp, one)
         print(f"PASS: {script}: fp32 Adam equals DDP's losses; OneBitAdam converges like DDP")
+    # Trainer's weight decay: its AdamW under DDP decays every parameter but
+    # biases and norms (two groups); the example gives a Morse optimizer the
+    # same two groups. fp32 Adam equals DDP's losses; OneBitLamb (the BERT
+    # recipe, at LAMB's larger lr) converges like DDP.
+    decay = ["--weight-decay", "0.01"]
+    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *fp32, *decay)
+    adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *fp32, *decay)
+    close_to_ddp("hf_trainer.py Adam with weight-decay groups", ddp, adam, 1e-5)
+    longer = ["--steps", "60", "--freeze-step", "15"]  # LAMB starts slower, then passes AdamW
+    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *longer, *decay)
+    lamb, _, _ = run("hf_trainer.py", "--optimizer", "onebit_lamb", "--lr", "0.1", *longer, *decay)
+    converges_like_ddp("hf_trainer.py OneBitLamb with weight-decay groups", ddp, lamb)
 
     # Resume: checkpoints at steps 6 and 12 of a OneBitAdam run frozen at 4
     # (the worker error buffers matter); a fresh job resumes from step 6.
