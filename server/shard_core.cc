@@ -803,7 +803,7 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
         "its commit carries the sum of squares with ",
         optimizer.name(), "'s values"));
   }
-  if (values != (optimizer.CommitDoubles(job_.algorithm) > 0)) {
+  if (!values && optimizer.CommitDoubles(job_.algorithm) > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", rank, "'s commit of step ", step, " has no ",
                      optimizer.name(), " values: its mirror moves x by them"));

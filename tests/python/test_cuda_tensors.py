@@ -10,8 +10,10 @@ with the script's clip_grad_norm_). After
 every step each rank holds the x, m, v of the single-process simulator fed
 the gradients the workers computed (all three the same bits, except
 between zero_one_adam's syncs); the GPU ranks' parameters stay CUDA
-tensors; state_dict()/load_state_dict() round trip on the GPU. Exits 77
-(skipped, saying why) without a GPU."""
+tensors; state_dict()/load_state_dict() round trip on the GPU. OneBitLamb
+with parameter groups of their own lr and weight_decay on CUDA tensors is
+refused at construction (UNIMPLEMENTED: the GPU's layer sums take one of
+each). Exits 77 (skipped, saying why) without a GPU."""
 import json
 import os
 import sys
@@ -20,7 +22,7 @@ import tempfile
 import numpy as np
 import torch
 
-from harness import check, check_ranks_match_simulator, clip_in_job, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, server  # noqa: E402
 
 STEPS = 12
 SKIP = 77
@@ -85,6 +87,27 @@ def worker(out):
     check(opt.checksum() == checksums[-1], "loading the saved state restores it")
 
 
+def lamb_groups_refused():
+    """OneBitLamb's groups on CUDA tensors: MorseError UNIMPLEMENTED at
+    construction, naming the groups; True if so."""
+    import morse.torch
+    os.environ["MORSE_INSECURE"] = "1"  # the shard below listens on loopback in plaintext
+    config = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
+    config.write("workers: 1\nshards: 1\nexternal {}\n")
+    config.close()
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).cuda()
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}]
+    with server(config.name) as address:
+        try:
+            morse.torch.OneBitLamb(groups, rank=0, world_size=1, servers=[address], config=config.name,
+                                   block_elems=16)
+        except morse.MorseError as e:
+            print(f"OneBitLamb groups on CUDA tensors: {e}")
+            return "UNIMPLEMENTED" in str(e) and "external.groups" in str(e)
+    return False
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
@@ -97,6 +120,11 @@ if __name__ == "__main__":
     # Every case runs, whatever failed before it (a lent GPU's minutes are
     # few): each prints PASS or FAIL, and the exit code says whether any failed.
     failed = []
+    if lamb_groups_refused():
+        print("PASS OneBitLamb+groups: refused on CUDA tensors, saying why")
+    else:
+        print("FAIL OneBitLamb+groups: not refused with UNIMPLEMENTED on CUDA tensors")
+        failed.append("OneBitLamb+groups")
     for name in OPTIMIZERS:
         os.environ["CUDA_OPTIMIZER"] = name
         out = tempfile.mkdtemp(prefix="morse-cuda-")
