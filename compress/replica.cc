@@ -382,10 +382,9 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
         "segment statistics of ", partition_segments.size(),
         " partitions for a layout of ", layout->partitions().size()));
   }
-  if (hypers.size() > 1 && hypers.size() != layout->segment_count()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(hypers.size(), " learning rates for a model of ",
-                     layout->segment_count(), " parameter groups"));
+  if (absl::Status s = CheckHyperCount(hypers, layout->segment_count());
+      !s.ok()) {
+    return s;
   }
   const std::vector<ReplyRule> rules = PlanReplies(config_, step, hypers);
   // Each partition's segments in partition order: the order LambTotals sums.

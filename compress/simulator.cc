@@ -158,12 +158,14 @@ absl::Status Simulator::Step(
     }
   }
   gradients = views;
-  if (hypers.size() > 1 && (hypers.size() != layout_.segment_count() ||
-                            !OptimizerOf(config_).HyperByPartition())) {
+  if (absl::Status s = CheckHyperCount(hypers, layout_.segment_count());
+      !s.ok()) {
+    return s;
+  }
+  if (hypers.size() > 1 && !OptimizerOf(config_).HyperByPartition()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(hypers.size(), " learning rates for a model of ",
-                     layout_.segment_count(), " parameter groups trained by ",
-                     OptimizerOf(config_).name()));
+        absl::StrCat(OptimizerOf(config_).name(),
+                     " applies one lr and weight_decay to the whole model"));
   }
   for (const StepHyper& hyper : hypers) {
     if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/str_cat.h"
 #include "compress/optimizer.h"
 
 namespace morse::compress {
@@ -68,6 +69,16 @@ ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
 const StepHyper* HyperOf(absl::Span<const StepHyper> hypers, uint32_t segment) {
   if (hypers.empty()) return nullptr;
   return &hypers[hypers.size() == 1 ? 0 : segment];
+}
+
+absl::Status CheckHyperCount(absl::Span<const StepHyper> hypers,
+                             uint32_t segments) {
+  if (hypers.size() <= 1 || hypers.size() == segments) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      hypers.size(), " learning rates and weight decays for a model of ",
+      segments,
+      " parameter groups (the job's external.groups): give one, or one per "
+      "group"));
 }
 
 std::vector<ReplyRule> PlanReplies(const AlgorithmConfig& config, int64_t step,

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "compress/algorithm.h"
 #include "compress/codec.h"
@@ -110,6 +111,10 @@ ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
 // model, or one per segment of the layout (parameter groups,
 // Optimizer::HyperByPartition). Segment `segment`'s, or null for none.
 const StepHyper* HyperOf(absl::Span<const StepHyper> hypers, uint32_t segment);
+// OK, or INVALID_ARGUMENT naming both counts, unless `hypers` are none, one,
+// or one per segment of a layout of `segments` (as HyperOf reads them).
+absl::Status CheckHyperCount(absl::Span<const StepHyper> hypers,
+                             uint32_t segments);
 // PlanReply of every segment of the layout under `hypers` (as HyperOf):
 // one rule for the whole model when there are fewer than two hypers, else
 // one per segment. RuleOf picks segment `segment`'s among them.

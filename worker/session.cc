@@ -220,12 +220,10 @@ absl::Status Session::Begin(absl::Span<const float> grad) {
 absl::Status Session::BeginFromEngine() { return BeginStep(); }
 
 absl::Status Session::SetStepHyper(std::vector<compress::StepHyper> hypers) {
-  if (hypers.size() > 1 && hypers.size() != layout_.segment_count()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        hypers.size(), " learning rates and weight decays for a model of ",
-        layout_.segment_count(),
-        " parameter groups (the job's external.groups): give one, or one "
-        "per group"));
+  if (absl::Status s =
+          compress::CheckHyperCount(hypers, layout_.segment_count());
+      !s.ok()) {
+    return s;
   }
   for (const compress::StepHyper& hyper : hypers) {
     if (absl::Status s = compress::ValidateStepHyper(hyper); !s.ok()) return s;

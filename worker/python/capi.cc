@@ -126,6 +126,20 @@ absl::Status CheckSession(morse_session* s) {
   return NotNull(s, "the session");
 }
 
+// `count` learning rates and weight decays from the caller's arrays (none
+// for 0).
+absl::StatusOr<std::vector<morse::compress::StepHyper>> StepHypers(
+    uint32_t count, const float* lr, const float* weight_decay) {
+  std::vector<morse::compress::StepHyper> hypers;
+  if (count == 0) return hypers;
+  if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
+  if (absl::Status st = NotNull(weight_decay, "weight_decay"); !st.ok())
+    return st;
+  for (uint32_t i = 0; i < count; ++i)
+    hypers.push_back(morse::compress::StepHyper{lr[i], weight_decay[i]});
+  return hypers;
+}
+
 }  // namespace
 
 extern "C" {
@@ -268,15 +282,9 @@ int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* lr, const float* weight_decay) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    std::vector<morse::compress::StepHyper> hypers;
-    if (count > 0) {
-      if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
-      if (absl::Status st = NotNull(weight_decay, "weight_decay"); !st.ok())
-        return st;
-      for (uint32_t i = 0; i < count; ++i)
-        hypers.push_back(morse::compress::StepHyper{lr[i], weight_decay[i]});
-    }
-    return s->session->SetStepHyper(std::move(hypers));
+    auto hypers = StepHypers(count, lr, weight_decay);
+    if (!hypers.ok()) return hypers.status();
+    return s->session->SetStepHyper(*std::move(hypers));
   });
 }
 
@@ -702,15 +710,8 @@ int morse_simulator_step_hyper(morse_simulator* sim,
                                uint32_t count, const float* lr,
                                const float* weight_decay, uint32_t hypers) {
   return Guard([&]() -> absl::Status {
-    std::vector<morse::compress::StepHyper> step_hypers;
-    if (hypers > 0) {
-      if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
-      if (absl::Status st = NotNull(weight_decay, "weight_decay"); !st.ok())
-        return st;
-      for (uint32_t i = 0; i < hypers; ++i)
-        step_hypers.push_back(
-            morse::compress::StepHyper{lr[i], weight_decay[i]});
-    }
+    auto step_hypers = StepHypers(hypers, lr, weight_decay);
+    if (!step_hypers.ok()) return step_hypers.status();
     if (count > 0) {
       if (absl::Status st = NotNull(absent, "absent"); !st.ok()) return st;
     }
@@ -727,7 +728,7 @@ int morse_simulator_step_hyper(morse_simulator* sim,
       left_out.assign(sim->simulator->layout().partitions().size(),
                       std::vector<uint32_t>(absent, absent + count));
     }
-    return sim->simulator->Step(views, step_hypers, left_out);
+    return sim->simulator->Step(views, *step_hypers, left_out);
   });
 }
 
