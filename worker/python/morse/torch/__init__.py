@@ -360,18 +360,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # a block (the error buffers keep per-block state): each but the
         # last is padded to whole blocks with elements no parameter uses
         # (zero, with a zero gradient). The parameter tensors are
-        # onebit_lamb's layers, and each group's padding one more (its
-        # sums are zero: it moves no other layer's coefficient).
+        # onebit_lamb's layers, and each group's padding one more (so that
+        # no real layer's sums see it).
         sizes = [counts[i] for i in self._segments]
+        layers = [p.numel() for p in self._params]
         if len(sizes) > 1:
             block = _native.job_block_elems(base, "\n".join(["external { }"] + lines[1:]))
             sizes = [-(-n // block) * block for n in sizes[:-1]] + sizes[-1:]
-        layers = []
-        for i, size in zip(self._segments, sizes):
-            group = [p.numel() for p in self.param_groups[i]["params"] if p.requires_grad]
-            layers += group + ([size - sum(group)] if size > sum(group) else [])
-        if not self._groups_apart:
-            layers = [p.numel() for p in self._params]
+            layers = []
+            for i, size in zip(self._segments, sizes):
+                group = [p.numel() for p in self.param_groups[i]["params"] if p.requires_grad]
+                layers += group + ([size - sum(group)] if size > sum(group) else [])
         dim, lines[0] = _external_model(self._params, layers=layers, groups=sizes)
         self.job_overrides = "\n".join(lines)
 
