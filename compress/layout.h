@@ -64,6 +64,12 @@ bool ValidAbsent(const std::vector<uint32_t>& ranks, uint32_t workers);
 uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element);
 uint32_t PartitionCount(const LayoutSpec& spec);
 
+// Segment `segment`'s elements (segment < cuts.size() + 1) of a valid spec.
+inline Range SegmentRange(const LayoutSpec& spec, uint32_t segment) {
+  return Range{segment == 0 ? 0 : spec.cuts[segment - 1],
+               segment < spec.cuts.size() ? spec.cuts[segment] : spec.dim};
+}
+
 // The partition size a job gets when its config does not choose one: about
 // kDefaultPartitionsPerShard partitions in the largest shard, so that a
 // small model's uploads and replies overlap (design.md 3), but never below

@@ -105,8 +105,9 @@ class Optimizer {
   // Whether a step's lr and weight_decay may differ from partition to
   // partition (parameter groups: the layout's segments, each push carrying
   // its own): only where every use of them is a partition's reply rule or
-  // can take each segment's (onebit_lamb's commit, per layer), not one
-  // value for the whole model (a local step's lr sum, an outer step).
+  // can take each segment's (onebit_lamb's commit, per layer; zero_one_adam's
+  // local steps and lr sums, per segment), not one value for the whole model
+  // (diloco's outer step).
   virtual bool HyperByPartition() const { return false; }
 
   // Whether the CUDA engine implements its reply rule (else a GPU worker

@@ -83,7 +83,8 @@ Replica::Replica(const AlgorithmConfig& config, Range range)
       owned_x_(range.size(), 0.0f),
       m_(range.size(), 0.0f),
       v_(range.size(), 0.0f),
-      x_(absl::MakeSpan(owned_x_)) {
+      x_(absl::MakeSpan(owned_x_)),
+      lr_sums_(config.layout.cuts.size() + 1, 0.0f) {
   InitLamb();
 }
 
@@ -93,7 +94,8 @@ Replica::Replica(const AlgorithmConfig& config, Range range,
       range_(range),
       m_(range.size(), 0.0f),
       v_(range.size(), 0.0f),
-      x_(external_x) {
+      x_(external_x),
+      lr_sums_(config.layout.cuts.size() + 1, 0.0f) {
   MORSE_CHECK(external_x.size() == range.size());
   InitLamb();
 }
@@ -193,8 +195,8 @@ void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g,
 }
 
 absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
-                                const StepHyper* hyper, float grad_scale,
-                                ComputePool* pool) {
+                                absl::Span<const StepHyper> hypers,
+                                float grad_scale, ComputePool* pool) {
   const absl::StatusOr<bool> starts =
       BeginLocalStep(config_, step, local_step_);
   if (!starts.ok()) return starts.status();
@@ -203,7 +205,9 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
         absl::StrCat("a local step needs the whole model's gradient (",
                      range_.size(), " elements), got ", g.size()));
   }
-  const LocalPass pass = StartLocalStep(step, *starts, hyper);
+  if (absl::Status s = CheckHyperCount(hypers, lr_sums_.size()); !s.ok())
+    return s;
+  const LocalPass pass = StartLocalStep(step, *starts, hypers);
   by_range_ = LocalPass{};  // this step's loop runs here
   g = ScaledGradient(g, grad_scale);
   // Element by element: chunks in parallel give the same bits.
@@ -218,22 +222,30 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
   } else {
     for (size_t i = 0; i < chunks; ++i) chunk(i);
   }
-  lr_sum_ += pass.scalars.lr;
   local_step_ = step;
   return absl::OkStatus();
 }
 
 void Replica::RunLocalPass(const LocalPass& pass, size_t at,
                            absl::Span<const float> g) {
-  const size_t n = g.size();
-  ZeroOneLocalStep(
-      pass.scalars, g, x_.subspan(at, n), absl::MakeSpan(m_).subspan(at, n),
-      absl::MakeSpan(u_).subspan(at, n), absl::MakeConstSpan(v_).subspan(at, n),
-      pass.write_x, pass.fresh);
+  // Each segment's elements with its own lr and weight_decay.
+  const size_t end = at + g.size();
+  for (uint32_t k = 0; k < pass.scalars.size(); ++k) {
+    const Range segment = SegmentRange(config_.layout, k);
+    const size_t begin = std::max<size_t>(at, segment.begin);
+    const size_t stop = std::min<size_t>(end, segment.end);
+    if (begin >= stop) continue;
+    const size_t n = stop - begin;
+    ZeroOneLocalStep(pass.scalars[k], g.subspan(begin - at, n),
+                     x_.subspan(begin, n), absl::MakeSpan(m_).subspan(begin, n),
+                     absl::MakeSpan(u_).subspan(begin, n),
+                     absl::MakeConstSpan(v_).subspan(begin, n), pass.write_x,
+                     pass.fresh);
+  }
 }
 
 Replica::LocalPass Replica::StartLocalStep(int64_t step, bool starts,
-                                           const StepHyper* hyper) {
+                                           absl::Span<const StepHyper> hypers) {
   const StepPlan plan = PlanStep(config_, step);
   if (starts) {
     // An interval of one step leaves x alone until its sync, which then
@@ -244,15 +256,18 @@ Replica::LocalPass Replica::StartLocalStep(int64_t step, bool starts,
       anchor_.assign(x_.begin(), x_.end());
     }
     u_.resize(range_.size());  // read as +0 by the interval's first step
-    lr_sum_ = 0.0f;
+    std::fill(lr_sums_.begin(), lr_sums_.end(), 0.0f);
   }
-  return LocalPass{step, LocalStepScalars(config_, step, hyper),
-                   /*fresh=*/starts,
-                   /*write_x=*/!plan.exchanges};
+  LocalPass pass{step, {}, /*fresh=*/starts, /*write_x=*/!plan.exchanges};
+  for (uint32_t k = 0; k < lr_sums_.size(); ++k) {
+    pass.scalars.push_back(LocalStepScalars(config_, step, HyperOf(hypers, k)));
+    lr_sums_[k] += pass.scalars.back().lr;
+  }
+  return pass;
 }
 
-absl::StatusOr<float> Replica::BeginSyncLocalStep(int64_t step,
-                                                  const StepHyper* hyper) {
+absl::Status Replica::BeginSyncLocalStep(int64_t step,
+                                         absl::Span<const StepHyper> hypers) {
   const absl::StatusOr<bool> starts =
       BeginLocalStep(config_, step, local_step_);
   if (!starts.ok()) return starts.status();
@@ -264,10 +279,11 @@ absl::StatusOr<float> Replica::BeginSyncLocalStep(int64_t step,
     return absl::FailedPreconditionError(
         absl::StrCat("step ", step, " does not sync"));
   }
-  by_range_ = StartLocalStep(step, *starts, hyper);
-  lr_sum_ += by_range_.scalars.lr;
+  if (absl::Status s = CheckHyperCount(hypers, lr_sums_.size()); !s.ok())
+    return s;
+  by_range_ = StartLocalStep(step, *starts, hypers);
   local_step_ = step;
-  return lr_sum_;
+  return absl::OkStatus();
 }
 
 absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
@@ -293,10 +309,15 @@ absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
         "a local interval of ", interval.anchor.size(), " and ",
         interval.u.size(), " elements for a replica of ", range_.size()));
   }
+  if (interval.lr_sums.size() != lr_sums_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a local interval with ", interval.lr_sums.size(),
+        " learning-rate sums for a model of ", lr_sums_.size(), " segments"));
+  }
   by_range_ = LocalPass{};
   anchor_ = std::move(interval.anchor);
   u_ = std::move(interval.u);
-  lr_sum_ = interval.lr_sum;
+  lr_sums_ = std::move(interval.lr_sums);
   local_step_ = interval.last_step;
   return absl::OkStatus();
 }
@@ -305,12 +326,20 @@ void Replica::SyncMessage(int64_t step, uint64_t begin,
                           absl::Span<float> out) const {
   MORSE_CHECK(local_step_ == step && begin >= range_.begin &&
               begin + out.size() <= range_.end);
-  const size_t at = begin - range_.begin;
   const AdamScalars s = LocalStepScalars(config_, step, nullptr);
-  ZeroOneSyncMessage(s, lr_sum_,
-                     absl::MakeConstSpan(u_).subspan(at, out.size()),
-                     absl::MakeConstSpan(m_).subspan(at, out.size()),
-                     absl::MakeConstSpan(v_).subspan(at, out.size()), out);
+  const uint64_t end = begin + out.size();
+  for (uint32_t k = 0; k < lr_sums_.size(); ++k) {
+    const Range segment = SegmentRange(config_.layout, k);
+    const uint64_t from = std::max(begin, segment.begin);
+    const uint64_t to = std::min(end, segment.end);
+    if (from >= to) continue;
+    const size_t at = from - range_.begin;
+    const size_t n = to - from;
+    ZeroOneSyncMessage(s, lr_sums_[k], absl::MakeConstSpan(u_).subspan(at, n),
+                       absl::MakeConstSpan(m_).subspan(at, n),
+                       absl::MakeConstSpan(v_).subspan(at, n),
+                       out.subspan(from - begin, n));
+  }
 }
 
 std::vector<NamedState> Replica::SaveState(uint64_t begin, uint64_t n) const {

@@ -80,50 +80,57 @@ class Replica {
 
   // zero_one_adam's local phase (design.md 2.7), on a worker's whole
   // replica: the local step of `step` from gradient g (scaled by
-  // grad_scale), which moves x only when the step does not sync.
-  // FAILED_PRECONDITION outside the local phase, or in the middle of an
-  // interval this replica did not start (state from a sync is needed).
+  // grad_scale), which moves x only when the step does not sync. `hypers`:
+  // the step's learning rates and weight decays as the workers set them
+  // (HyperOf: none, one, or one per segment; each segment steps with its
+  // own). FAILED_PRECONDITION outside the local phase, or in the middle of
+  // an interval this replica did not start (state from a sync is needed);
+  // INVALID_ARGUMENT for another count of hypers. Nothing changes on error.
   // `pool` (may be null) runs the element loop over chunks in parallel.
   absl::Status LocalStep(int64_t step, absl::Span<const float> g,
-                         const StepHyper* hyper = nullptr,
+                         absl::Span<const StepHyper> hypers = {},
                          float grad_scale = 1.0f, ComputePool* pool = nullptr);
   // The local step of a sync step, run a range at a time (a CPU worker's
   // encode of each partition, which then overlaps the gradient and the
   // other pushes, as 1-bit Adam's momentum does): BeginSyncLocalStep does
-  // LocalStep's bookkeeping and returns the interval's learning-rate sum
-  // with this step's; LocalStepRange then runs the element loop over one
-  // range of the gradient, each range once, before its SyncMessage. The
-  // same values as LocalStep. BeginSyncLocalStep changes nothing on error:
-  // FAILED_PRECONDITION as LocalStep, or for a step that does not sync.
-  absl::StatusOr<float> BeginSyncLocalStep(int64_t step,
-                                           const StepHyper* hyper = nullptr);
+  // LocalStep's bookkeeping, after which lr_sums() holds the interval's
+  // sums with this step's; LocalStepRange then runs the element loop over
+  // one range of the gradient, each range once, before its SyncMessage.
+  // The same values as LocalStep. BeginSyncLocalStep changes nothing on
+  // error: as LocalStep, or FAILED_PRECONDITION for a step that does not
+  // sync.
+  absl::Status BeginSyncLocalStep(int64_t step,
+                                  absl::Span<const StepHyper> hypers = {});
   bool local_step_by_range(int64_t step) const {
     return by_range_.step == step;
   }
   absl::Status LocalStepRange(int64_t step, uint64_t begin,
                               absl::Span<const float> g);
   // The sync message of [begin, begin + out.size()) at sync step `step`
-  // (ZeroOneSyncMessage), after LocalStep of that step.
+  // (ZeroOneSyncMessage, each segment's elements with its own sum), after
+  // LocalStep of that step.
   void SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const;
-  // The learning rates of this interval's local steps so far, summed (what
-  // a sync's push carries as its lr when the workers set the lr).
-  float lr_sum() const { return lr_sum_; }
+  // The learning rates of this interval's local steps so far, summed, one
+  // per segment of the layout (equal without groups of their own): what a
+  // sync's pushes of each segment carry as their lr when the workers set
+  // the lr.
+  absl::Span<const float> lr_sums() const { return lr_sums_; }
   // The local interval in progress, for a worker's checkpoint: x at its
-  // start (anchor), the update accumulated since (u), the learning-rate sum
-  // and the last local step (-1: none; anchor and u empty before the local
-  // phase and for an interval of one step, which leaves x alone until its
-  // sync).
+  // start (anchor), the update accumulated since (u), the learning-rate
+  // sums and the last local step (-1: none; anchor and u empty before the
+  // local phase and for an interval of one step, which leaves x alone until
+  // its sync).
   struct LocalInterval {
     std::vector<float> anchor, u;
-    float lr_sum = 0;
+    std::vector<float> lr_sums;  // one per segment
     int64_t last_step = -1;
   };
   LocalInterval local_interval() const {
-    if (anchor_.empty()) return {{}, {}, lr_sum_, local_step_};
-    return {anchor_, u_, lr_sum_, local_step_};
+    if (anchor_.empty()) return {{}, {}, lr_sums_, local_step_};
+    return {anchor_, u_, lr_sums_, local_step_};
   }
   // INVALID_ARGUMENT, nothing changed, unless anchor and u are both empty or
-  // both of the replica's size.
+  // both of the replica's size, and there is one sum per segment.
   absl::Status RestoreLocalInterval(LocalInterval interval);
 
   // onebit_lamb (compress/lamb.h): ApplyReply moves m, v and the fresh
@@ -183,18 +190,20 @@ class Replica {
   std::vector<float> owned_x_, m_, v_;
   absl::Span<float> x_;
   // zero_one_adam's local phase on a worker: x at the last sync, the
-  // update accumulated since (u), and the interval's learning-rate sum.
+  // update accumulated since (u), and the interval's learning-rate sum of
+  // each segment.
   std::vector<float> anchor_, u_;
-  float lr_sum_ = 0;
+  std::vector<float> lr_sums_;
   int64_t local_step_ = -1;  // the last step LocalStep ran
   // The elementwise part of a local step (LocalStep's, or one begun by
   // BeginSyncLocalStep for `step`, whose ranges are still to run).
   struct LocalPass {
     int64_t step = -1;
-    AdamScalars scalars;
+    std::vector<AdamScalars> scalars;  // one per segment
     bool fresh = false, write_x = false;
   };
-  LocalPass StartLocalStep(int64_t step, bool starts, const StepHyper* hyper);
+  LocalPass StartLocalStep(int64_t step, bool starts,
+                           absl::Span<const StepHyper> hypers);
   // The pass's element loop over gradient g for elements [at, at + g.size())
   // of this replica.
   void RunLocalPass(const LocalPass& pass, size_t at,

@@ -67,7 +67,8 @@ absl::Status Simulator::RoundTrip(
     if (up.accumulated) {  // zero_one_adam's sync: the worker's interval, not
                            // its gradient
       const Local& local = locals_[i];
-      ZeroOneSyncMessage(LocalStepScalars(config_, step_, nullptr), lr_sum_,
+      ZeroOneSyncMessage(LocalStepScalars(config_, step_, nullptr),
+                         lr_sums_[p.segment],
                          absl::MakeConstSpan(local.u).subspan(p.range.begin, n),
                          absl::MakeConstSpan(local.m).subspan(p.range.begin, n),
                          absl::MakeConstSpan(v_).subspan(p.range.begin, n),
@@ -170,34 +171,43 @@ absl::Status Simulator::Step(
   for (const StepHyper& hyper : hypers) {
     if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;
   }
-  const StepHyper* hyper = HyperOf(hypers, 0);  // a pass over the whole model
   // zero_one_adam's local phase (design.md 2.7): every worker steps on its
-  // own; only a sync exchanges anything.
+  // own, each segment with its own lr and weight_decay; only a sync
+  // exchanges anything.
   const StepPlan plan = PlanStep(config_, step_);
-  StepHyper sync_hyper;
+  std::vector<StepHyper> sync_hypers;
   if (plan.local) {
+    const uint32_t segments = layout_.segment_count();
     if (StartsInterval(config_, step_)) {
       locals_.assign(config_.workers,
                      Local{x_, m_, std::vector<float>(x_.size(), 0.0f)});
-      lr_sum_ = 0.0f;
+      lr_sums_.assign(segments, 0.0f);
     }
-    const AdamScalars s = LocalStepScalars(config_, step_, hyper);
-    for (uint32_t i = 0; i < config_.workers; ++i) {
-      Local& local = locals_[i];
-      ZeroOneLocalStep(s, gradients[i], absl::MakeSpan(local.x),
-                       absl::MakeSpan(local.m), absl::MakeSpan(local.u), v_,
-                       /*write_x=*/!plan.exchanges);
+    for (uint32_t k = 0; k < segments; ++k) {
+      const AdamScalars s =
+          LocalStepScalars(config_, step_, HyperOf(hypers, k));
+      const Range r = SegmentRange(layout_.spec(), k);
+      for (uint32_t i = 0; i < config_.workers; ++i) {
+        Local& local = locals_[i];
+        const auto part = [&](std::vector<float>& a) {
+          return absl::MakeSpan(a).subspan(r.begin, r.size());
+        };
+        ZeroOneLocalStep(s, gradients[i].subspan(r.begin, r.size()),
+                         part(local.x), part(local.m), part(local.u),
+                         absl::MakeConstSpan(v_).subspan(r.begin, r.size()),
+                         /*write_x=*/!plan.exchanges);
+      }
+      lr_sums_[k] += s.lr;
     }
-    lr_sum_ += s.lr;
     if (!plan.exchanges) {
       diverged_ = true;
       ++step_;
       return absl::OkStatus();
     }
-    if (hyper != nullptr) {  // what the workers' sync pushes carry as their lr
-      sync_hyper = StepHyper{lr_sum_, hyper->weight_decay};
-      hypers = absl::MakeConstSpan(&sync_hyper, 1);
-    }
+    // What the workers' sync pushes carry as their lr: each segment's sum.
+    for (size_t k = 0; k < hypers.size(); ++k)
+      sync_hypers.push_back(StepHyper{lr_sums_[k], hypers[k].weight_decay});
+    hypers = sync_hypers;
   }
   // Every partition's round trip reads m before any update of this step.
   std::vector<std::vector<float>> replies(layout_.partitions().size());

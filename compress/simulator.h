@@ -87,13 +87,13 @@ class Simulator {
   std::vector<ErrorFeedback> server_errors_;
   // zero_one_adam's local phase: each worker's x, m and accumulated update
   // u since the last sync (x_ is the anchor), the interval's learning-rate
-  // sum, and whether the workers have left x_, m_ (a local step since the
-  // last exchange).
+  // sum of each segment, and whether the workers have left x_, m_ (a local step
+  // since the last exchange).
   struct Local {
     std::vector<float> x, m, u;
   };
   std::vector<Local> locals_;
-  float lr_sum_ = 0;
+  std::vector<float> lr_sums_;
   bool diverged_ = false;
   std::vector<float> v_fresh_;
   std::vector<LambLayerState> lamb_layers_;

@@ -217,7 +217,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
         absl::StrCat(optimizer->name(),
                      " applies one lr and weight_decay to the whole model; "
                      "parameter groups with their own are for adam, "
-                     "onebit_adam and onebit_lamb"));
+                     "onebit_adam, zero_one_adam and onebit_lamb"));
   }
   a.optimizer = optimizer->kind();
   if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {

@@ -291,11 +291,11 @@ absl::Status Session::BeginStep() {
     // runs its part of the local step (as 1-bit Adam's momentum), so the
     // pushes need not wait for the whole gradient. Where the engine cannot,
     // or the step cannot start here, Finish does it whole as below.
-    const absl::StatusOr<float> lr_sum =
-        engine_->BeginSyncLocalStep(step_, WholeModelHyper());
-    if (lr_sum.ok()) {
+    const absl::StatusOr<std::vector<float>> lr_sums =
+        engine_->BeginSyncLocalStep(step_, step_hyper_);
+    if (lr_sums.ok()) {
       local_pending_ = false;
-      if (!step_hyper_.empty()) step_hyper_[0].lr = *lr_sum;
+      SetSyncLr(*lr_sums);
     }
   }
   if (!local_pending_) StartExchange();
@@ -349,18 +349,24 @@ absl::Status Session::LocalStep() {
     if (!own.ok()) return own.status();
     scale = *own;
   }
-  const absl::StatusOr<float> lr_sum =
-      engine_->LocalStep(step_, WholeModelHyper(), scale, pool_.get());
-  if (!lr_sum.ok()) return lr_sum.status();
+  const absl::StatusOr<std::vector<float>> lr_sums =
+      engine_->LocalStep(step_, step_hyper_, scale, pool_.get());
+  if (!lr_sums.ok()) return lr_sums.status();
   // A sync's message is the interval's update, not the gradient.
   clips_locally_ = false;
   local_scale_ = 1.0f;
   if (!plan_.exchanges) return absl::OkStatus();
-  // Every replica needs the interval's learning-rate sum for the sync; the
-  // pushes carry it when the workers set the lr (compress::PlanReply).
-  if (!step_hyper_.empty()) step_hyper_[0].lr = *lr_sum;
+  SetSyncLr(*lr_sums);
   StartExchange();
   return absl::OkStatus();
+}
+
+void Session::SetSyncLr(absl::Span<const float> lr_sums) {
+  // Every replica needs the interval's learning-rate sums for the sync; the
+  // pushes carry each segment's as their lr when the workers set the lr
+  // (compress::PlanReply).
+  for (size_t k = 0; k < step_hyper_.size(); ++k)
+    step_hyper_[k].lr = lr_sums[k];
 }
 
 absl::Status Session::SendPartition(uint32_t partition) {
@@ -729,7 +735,7 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
     const compress::Replica::LocalInterval interval = replica_.local_interval();
     writer.AddFloats("anchor", interval.anchor);
     writer.AddFloats("u", interval.u);
-    writer.AddFloats("lr_sum", {&interval.lr_sum, 1});
+    writer.AddFloats("lr_sum", interval.lr_sums);  // one per segment
     writer.AddInts("last_local_step", {&interval.last_step, 1});
   }
   return writer.Write(path);
@@ -797,9 +803,10 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     if (absl::Status s = floats("anchor", dim, &interval->anchor); !s.ok())
       return s;
     if (absl::Status s = floats("u", dim, &interval->u); !s.ok()) return s;
-    std::vector<float> lr_sum;
-    if (absl::Status s = floats("lr_sum", 1, &lr_sum); !s.ok()) return s;
-    interval->lr_sum = lr_sum[0];
+    if (absl::Status s =
+            floats("lr_sum", layout_.segment_count(), &interval->lr_sums);
+        !s.ok())
+      return s;
     auto last = reader.Ints("last_local_step", 1);
     if (!last.ok()) return last.status();
     interval->last_step = (*last)[0];

@@ -281,12 +281,8 @@ class Session {
   int64_t left_out_steps_ = 0;
   bool defer_apply_ = false;
   std::vector<compress::StepHyper> step_hyper_;  // the step in flight's
-  // Its one lr and weight_decay (or null), for an optimizer's pass over the
-  // whole model (zero_one_adam's local steps): the job refuses parameter
-  // groups of their own there (compress::Optimizer::HyperByPartition).
-  const compress::StepHyper* WholeModelHyper() const {
-    return step_hyper_.empty() ? nullptr : &step_hyper_[0];
-  }
+  // zero_one_adam's sync: each segment's lr becomes its interval's sum.
+  void SetSyncLr(absl::Span<const float> lr_sums);
   // The step's replies kept for Finish when deferred (or when the step
   // clips the averaged gradient, which needs every reply's norm first), by
   // partition, with the shard's sum of squares of each.

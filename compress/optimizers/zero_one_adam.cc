@@ -171,13 +171,16 @@ class ZeroOneAdam final : public Optimizer {
   }
 
   bool StepsLocally() const override { return true; }
+  // Parameter groups: each segment's local steps take its own lr and
+  // weight_decay, and its sync its own interval's sum (Replica::LocalStep).
+  bool HyperByPartition() const override { return true; }
 
   void PlanReply(const AlgorithmConfig& c, int64_t step, const StepPlan& plan,
                  const StepHyper* hyper, ReplyRule& rule) const override {
     if (plan.local) {
       // The sync: the interval's learning-rate sum (the workers' pushes
-      // carry it as their lr when they set one), v-hat as in the local
-      // steps.
+      // carry their segment's as their lr when they set one), v-hat as in
+      // the local steps.
       rule.scalars = LocalStepScalars(c, step, hyper);
       rule.scalars.lr = hyper != nullptr ? hyper->lr : IntervalLrSum(c, step);
       return;

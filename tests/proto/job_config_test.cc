@@ -139,9 +139,9 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 external { dim: 64 groups: 24 groups: 40 } "
        "lr { lr: 1 } steps: 1 optimizer: \"adam\" block_elems: 16",
        "external.groups"},
+      // diloco's outer step takes one lr for the whole model.
       {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 32 } "
-       "lr { lr: 1 } steps: 2 optimizer: \"zero_one_adam\" "
-       "block_elems: 16",
+       "lr { lr: 1 } steps: 2 optimizer: \"diloco\" block_elems: 16",
        "external.groups"},
       // onebit_lamb's groups start on layers (one lr per layer).
       {"workers: 1 shards: 1 external { dim: 64 groups: 32 groups: 32 } "
@@ -232,6 +232,13 @@ TEST(JobConfigTest, ParameterGroupsCutTheLayout) {
       "workers: 2 shards: 2 external { dim: 100 groups: 32 groups: 68 "
       "layers: 20 layers: 12 layers: 68 } lr { lr: 1 } steps: 2 "
       "freeze_step: 1 optimizer: \"onebit_lamb\" block_elems: 16",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->algorithm.layout.cuts, (std::vector<uint64_t>{32}));
+  // zero_one_adam's: each group's local steps and lr sum its own.
+  job = ParseJobConfig(
+      "workers: 2 shards: 2 external { dim: 100 groups: 32 groups: 68 } "
+      "lr { lr: 1 } steps: 2 optimizer: \"zero_one_adam\" block_elems: 16",
       ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->algorithm.layout.cuts, (std::vector<uint64_t>{32}));

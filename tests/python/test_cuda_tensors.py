@@ -87,9 +87,10 @@ def worker(out):
     check(opt.checksum() == checksums[-1], "loading the saved state restores it")
 
 
-def lamb_groups_refused():
-    """OneBitLamb's groups on CUDA tensors: MorseError UNIMPLEMENTED at
-    construction, naming the groups; True if so."""
+def groups_refused(name):
+    """Parameter groups of their own with morse.torch.<name> (OneBitLamb,
+    ZeroOneAdam) on CUDA tensors: MorseError UNIMPLEMENTED at construction,
+    naming the groups; True if so."""
     import morse.torch
     os.environ["MORSE_INSECURE"] = "1"  # the shard below listens on loopback in plaintext
     config = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
@@ -100,10 +101,10 @@ def lamb_groups_refused():
               {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}]
     with server(config.name) as address:
         try:
-            morse.torch.OneBitLamb(groups, rank=0, world_size=1, servers=[address], config=config.name,
-                                   block_elems=16)
+            getattr(morse.torch, name)(groups, rank=0, world_size=1, servers=[address],
+                                       config=config.name, block_elems=16)
         except morse.MorseError as e:
-            print(f"OneBitLamb groups on CUDA tensors: {e}")
+            print(f"{name} groups on CUDA tensors: {e}")
             return "UNIMPLEMENTED" in str(e) and "external.groups" in str(e)
     return False
 
@@ -120,11 +121,12 @@ if __name__ == "__main__":
     # Every case runs, whatever failed before it (a lent GPU's minutes are
     # few): each prints PASS or FAIL, and the exit code says whether any failed.
     failed = []
-    if lamb_groups_refused():
-        print("PASS OneBitLamb+groups: refused on CUDA tensors, saying why")
-    else:
-        print("FAIL OneBitLamb+groups: not refused with UNIMPLEMENTED on CUDA tensors")
-        failed.append("OneBitLamb+groups")
+    for grouped in ("OneBitLamb", "ZeroOneAdam"):
+        if groups_refused(grouped):
+            print(f"PASS {grouped}+groups: refused on CUDA tensors, saying why")
+        else:
+            print(f"FAIL {grouped}+groups: not refused with UNIMPLEMENTED on CUDA tensors")
+            failed.append(f"{grouped}+groups")
     for name in OPTIMIZERS:
         os.environ["CUDA_OPTIMIZER"] = name
         out = tempfile.mkdtemp(prefix="morse-cuda-")

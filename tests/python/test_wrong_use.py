@@ -98,12 +98,8 @@ def main():
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
     expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
-    # Parameter groups with their own lr or weight_decay: Adam, OneBitAdam and
-    # OneBitLamb only; betas and eps are one for the whole model.
-    expect(MorseError, "applies one lr and weight_decay to the whole model",
-           lambda: morse.torch.ZeroOneAdam(
-               [{"params": [torch.nn.Parameter(torch.zeros(3))]},
-                {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}], **args))
+    # Parameter groups with their own lr or weight_decay: betas and eps are
+    # one for the whole model.
     expect(ValueError, "param_groups[1] has betas (0.8, 0.999), param_groups[0] (0.9, 0.999)",
            lambda: morse.torch.Adam(
                [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1},

@@ -5,10 +5,14 @@ equal again). After every step each rank's x, m, v must equal the
 single-process simulator's state of that rank, fed the gradients the ranks
 computed. Even ranks overlap pushes with backward(), odd ranks do not.
 DeepSpeed's parameter names are taken; unsupported ones are refused. Then
-again with the script's torch.nn.utils.clip_grad_norm_ after backward(),
-which must give the bits of the optimizer's clip_grad_norm (the simulator
-runs with it): the averaged gradient in variance steps, each rank's own in
-1-bit and local steps."""
+again with Trainer's two parameter groups (weights with weight decay,
+biases without and at twice the lr, both following a LambdaLR schedule of
+their own: each group's local steps and interval lr sum are its own) and
+the script's torch.nn.utils.clip_grad_norm_ after backward(), which must
+give the bits of the optimizer's clip_grad_norm (the simulator runs with
+it): the averaged gradient in variance steps, each rank's own in 1-bit and
+local steps."""
+import json
 import os
 import sys
 import tempfile
@@ -38,13 +42,24 @@ def worker(out, mode):
             check(False, f"{bad} was accepted")
         except ValueError as e:
             print(f"refused {bad}: {e}")
+    params = model.parameters()
+    if mode == "groups":  # Trainer's split: no weight decay for biases
+        params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
+                  {"params": [p for p in model.parameters() if p.dim() == 1],
+                   "weight_decay": 0.0, "lr": 0.02}]
     # A DeepSpeed config's params move over as they are (cuda_aware and
     # comm_backend_name are accepted and ignored).
-    opt = morse.torch.ZeroOneAdam(model.parameters(), lr=0.01, weight_decay=0.01, **SCHEDULE,
+    opt = morse.torch.ZeroOneAdam(params, lr=0.01, weight_decay=0.01, **SCHEDULE,
                                   cuda_aware=False, comm_backend_name="nccl", block_elems=16,
                                   partition_elems=64, overlap=rank % 2 == 0)
-    clip = clip_each_step(model, CLIP) if mode == "clip" else None
-    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip)
+    on_step = None
+    if mode == "groups":
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            opt, [lambda t: 1.0 - 0.03 * t, lambda t: 1.0 / (1 + t)])
+        on_step = lambda step: schedule.step()  # noqa: E731
+    clip = clip_each_step(model, CLIP) if mode == "groups" else None
+    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip,
+                   on_step=on_step)
     # The last step (s = 18, interval 4) is local: the shards hold the sync
     # of s = 16, so rank 0 cannot save the whole run here.
     if rank == 0:
@@ -60,12 +75,17 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    for mode in ("plain", "clip"):
+    for mode in ("plain", "groups"):
         out = tempfile.mkdtemp(prefix="morse-zero-one-")
         code, log = morse_run(__file__, RANKS, 2, out, mode)
         print(log)
         check(code == 0, f"the job failed ({mode})")
-        if mode == "clip":  # the simulator clips as clip_grad_norm does
+        if mode == "groups":  # the simulator clips as clip_grad_norm does
+            overrides = json.load(open(f"{out}/job.json"))["overrides"]
+            check("groups: 288 groups: 24" in overrides, f"the groups: {overrides}")
+            hypers = json.load(open(f"{out}/hypers.json"))
+            check(hypers[1][0] != hypers[1][1] and hypers[1][0][0] != hypers[0][0][0],
+                  f"the groups' lr and weight_decay: {hypers}")
             clip_in_job(out, CLIP)
         together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
         apart = STEPS - together

@@ -178,20 +178,20 @@ class Engine {
   // at the end of each step, before anything reads x.
   virtual absl::Status FinishApplies() { return absl::OkStatus(); }
   // zero_one_adam's local step of `step` from the whole gradient
-  // (compress::Replica::LocalStep; before a sync step's Encode). Returns
-  // the learning rates of the interval's local steps so far, summed (what a
-  // sync's pushes carry as their lr when the workers set the lr).
-  // `pool` as for CommitStep.
-  virtual absl::StatusOr<float> LocalStep(int64_t step,
-                                          const compress::StepHyper* hyper,
-                                          float grad_scale,
-                                          compress::ComputePool* pool) = 0;
+  // (compress::Replica::LocalStep; before a sync step's Encode), with the
+  // step's `hypers` as Session::SetStepHyper took them (none, one, or one
+  // per segment). Returns the learning rates of the interval's local steps
+  // so far, summed, one per segment (what a sync's pushes carry as their
+  // lr when the workers set the lr). `pool` as for CommitStep.
+  virtual absl::StatusOr<std::vector<float>> LocalStep(
+      int64_t step, absl::Span<const compress::StepHyper> hypers,
+      float grad_scale, compress::ComputePool* pool) = 0;
   // A sync step's local step run partition by partition inside Encode
   // (compress::Replica::BeginSyncLocalStep), instead of LocalStep before the
   // first push; returns what LocalStep would. UNIMPLEMENTED where the engine
   // does not (then LocalStep); other errors change nothing.
-  virtual absl::StatusOr<float> BeginSyncLocalStep(int64_t,
-                                                   const compress::StepHyper*) {
+  virtual absl::StatusOr<std::vector<float>> BeginSyncLocalStep(
+      int64_t, absl::Span<const compress::StepHyper>) {
     return absl::UnimplementedError("a local step by partition");
   }
   // The optimizer's step after every reply of `step` is applied, for an

@@ -196,7 +196,7 @@ class CudaEngine final : public Engine, public DeviceServices {
         if (absl::Status s = u_.Upload(interval.u.data(), bytes); !s.ok())
           return s;
       }
-      lr_sum_ = interval.lr_sum;
+      lr_sum_ = interval.lr_sums.front();  // one segment (CreateCudaEngine)
       local_step_ = interval.last_step;
     }
     if (compress::CommitsLayers(config_)) {
@@ -235,7 +235,7 @@ class CudaEngine final : public Engine, public DeviceServices {
         if (absl::Status s = u_.Download(interval.u.data(), bytes); !s.ok())
           return s;
       }
-      interval.lr_sum = lr_sum_;
+      interval.lr_sums.assign(1, lr_sum_);
       interval.last_step = local_step_;
       if (absl::Status s = replica.RestoreLocalInterval(std::move(interval));
           !s.ok())
@@ -459,11 +459,17 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   // compress::Replica::LocalStep on the device: the anchor, the
-  // accumulated update u and the learning-rate sum live here.
-  absl::StatusOr<float> LocalStep(int64_t step,
-                                  const compress::StepHyper* hyper,
-                                  float grad_scale,
-                                  compress::ComputePool*) override {
+  // accumulated update u and the learning-rate sum live here (one: the
+  // engine refuses parameter groups of their own, so `hypers` holds at
+  // most one).
+  absl::StatusOr<std::vector<float>> LocalStep(
+      int64_t step, absl::Span<const compress::StepHyper> hypers,
+      float grad_scale, compress::ComputePool*) override {
+    if (hypers.size() > 1) {
+      return absl::InvalidArgumentError(
+          "zero_one_adam's local steps on the GPU take one lr and "
+          "weight_decay for the whole model");
+    }
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const absl::StatusOr<bool> starts =
         compress::BeginLocalStep(config_, step, local_step_);
@@ -479,7 +485,7 @@ class CudaEngine final : public Engine, public DeviceServices {
       lr_sum_ = 0.0f;
     }
     const compress::AdamScalars scalars =
-        compress::LocalStepScalars(config_, step, hyper);
+        compress::LocalStepScalars(config_, step, compress::HyperOf(hypers, 0));
     const bool exchanges = compress::PlanStep(config_, step).exchanges;
     const float* g = grad_ptr_;
     if (grad_scale != 1.0f) {  // the worker's own clip factor
@@ -501,7 +507,7 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
     lr_sum_ += scalars.lr;
     local_step_ = step;
-    return lr_sum_;
+    return std::vector<float>{lr_sum_};
   }
 
   // compress::Replica::LambStep on the device: the segments' sums come to
@@ -644,11 +650,14 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
     return absl::UnimplementedError(absl::StrCat(
         optimizer.name(), " has no GPU kernels; it trains on the CPU"));
   }
-  if (compress::CommitsLayers(config) && !config.layout.cuts.empty()) {
-    return absl::UnimplementedError(
-        "onebit_lamb with parameter groups of their own lr and weight_decay "
-        "(external.groups) has no GPU kernels (the layer sums take one of "
-        "each); it trains on the CPU");
+  if (!config.layout.cuts.empty() &&
+      (compress::CommitsLayers(config) || optimizer.StepsLocally())) {
+    return absl::UnimplementedError(absl::StrCat(
+        optimizer.name(),
+        " with parameter groups of their own lr and weight_decay "
+        "(external.groups) has no GPU kernels (",
+        compress::CommitsLayers(config) ? "the layer sums" : "the local steps",
+        " take one of each); it trains on the CPU"));
   }
   const bool freezes = optimizer.FreezesVariance();
   if (freezes && config.mask_zero_variance &&

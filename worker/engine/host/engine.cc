@@ -88,22 +88,25 @@ class HostEngine final : public Engine {
     return applied;
   }
 
-  absl::StatusOr<float> LocalStep(int64_t step,
-                                  const compress::StepHyper* hyper,
-                                  float grad_scale,
-                                  compress::ComputePool* pool) override {
+  absl::StatusOr<std::vector<float>> LocalStep(
+      int64_t step, absl::Span<const compress::StepHyper> hypers,
+      float grad_scale, compress::ComputePool* pool) override {
     if (grad_.size() != config_.layout.dim)
       return absl::FailedPreconditionError("no gradient set");
     if (absl::Status s =
-            replica_.LocalStep(step, grad_, hyper, grad_scale, pool);
+            replica_.LocalStep(step, grad_, hypers, grad_scale, pool);
         !s.ok())
       return s;
-    return replica_.lr_sum();
+    const absl::Span<const float> sums = replica_.lr_sums();
+    return std::vector<float>(sums.begin(), sums.end());
   }
 
-  absl::StatusOr<float> BeginSyncLocalStep(
-      int64_t step, const compress::StepHyper* hyper) override {
-    return replica_.BeginSyncLocalStep(step, hyper);
+  absl::StatusOr<std::vector<float>> BeginSyncLocalStep(
+      int64_t step, absl::Span<const compress::StepHyper> hypers) override {
+    if (absl::Status s = replica_.BeginSyncLocalStep(step, hypers); !s.ok())
+      return s;
+    const absl::Span<const float> sums = replica_.lr_sums();
+    return std::vector<float>(sums.begin(), sums.end());
   }
 
   absl::StatusOr<std::vector<double>> CommitStep(
