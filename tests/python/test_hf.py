@@ -183,7 +183,7 @@ def main():
     # Trainer's weight decay: its AdamW under DDP decays every parameter but
     # biases and norms (two groups); the example gives a Morse optimizer the
     # same two groups. fp32 Adam equals DDP's losses; OneBitLamb (the BERT
-    # recipe, at LAMB's larger lr) converges like DDP.
+    # recipe, at LAMB's larger lr) and ZeroOneAdam converge like DDP.
     decay = ["--weight-decay", "0.01"]
     ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *fp32, *decay)
     adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *fp32, *decay)
@@ -192,6 +192,10 @@ def main():
     ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *longer, *decay)
     lamb, _, _ = run("hf_trainer.py", "--optimizer", "onebit_lamb", "--lr", "0.1", *longer, *decay)
     converges_like_ddp("hf_trainer.py OneBitLamb with weight-decay groups", ddp, lamb)
+    # ZeroOneAdam with the same groups (each its own local steps and lr sum;
+    # DeepSpeed's defaults sync every step after the freeze here).
+    zero_one, _, _ = run("hf_trainer.py", "--optimizer", "zero_one_adam", *longer, *decay)
+    converges_like_ddp("hf_trainer.py ZeroOneAdam with weight-decay groups", ddp, zero_one)
 
     # Resume: checkpoints at steps 6 and 12 of a OneBitAdam run frozen at 4
     # (the worker error buffers matter); a fresh job resumes from step 6.

@@ -91,13 +91,15 @@ def common_arguments(parser, stack):
     """The flags hf_trainer.py and accelerate_loop.py share; `stack` (Trainer,
     Accelerator) is whose DDP and gradient accumulation they mean."""
     parser.add_argument("--optimizer", default="onebit_adam",
-                        choices=["onebit_adam", "onebit_lamb", "adam", "ddp"],
+                        choices=["onebit_adam", "onebit_lamb", "zero_one_adam", "adam", "ddp"],
                         help="morse.torch.OneBitAdam, morse.torch.OneBitLamb (each tensor a layer), "
+                             "morse.torch.ZeroOneAdam (DeepSpeed's defaults but the freeze), "
                              "morse.torch.Adam (fp32 Adam through the shards), or AdamW under "
                              f"{stack}'s DDP (default: onebit_adam)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
     parser.add_argument("--freeze-step", type=int, default=15,
-                        help="OneBitAdam's and OneBitLamb's warmup steps (default: 15)")
+                        help="OneBitAdam's and OneBitLamb's warmup steps, ZeroOneAdam's "
+                             "var_freeze_step (default: 15)")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
     parser.add_argument("--accumulation", type=int, default=1,
@@ -130,6 +132,8 @@ def morse_optimizer(a, model):
         return morse.torch.OneBitAdam(params, lr=a.lr, freeze_step=a.freeze_step)
     if a.optimizer == "onebit_lamb":
         return morse.torch.OneBitLamb(params, lr=a.lr, freeze_step=a.freeze_step)
+    if a.optimizer == "zero_one_adam":
+        return morse.torch.ZeroOneAdam(params, lr=a.lr, var_freeze_step=a.freeze_step)
     return morse.torch.Adam(params, lr=a.lr)
 
 
