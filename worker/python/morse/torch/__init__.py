@@ -706,8 +706,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: the "
                 "groups had the same lr and weight_decay when the optimizer was built, so they "
                 "train as one segment of the flat buffer and must go on agreeing; give them "
-                "different values when building it (Adam, OneBitAdam and OneBitLamb then train "
-                "each group with its own, step by step) or the same values now")
+                "different values when building it (Adam, OneBitAdam, ZeroOneAdam and OneBitLamb "
+                "then train each group with its own, step by step) or the same values now")
         raise ValueError(
             f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: a Morse "
             f"optimizer applies one {key} to the whole model (one update rule on every rank and "
