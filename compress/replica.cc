@@ -226,22 +226,36 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Calls fn(segment, part) for each segment's part of `range` that is not
+// empty, in order: a local step's pass or sync message over a range, each
+// segment's elements with its own values.
+template <typename Fn>
+void ForEachSegmentPart(const LayoutSpec& spec, Range range, Fn&& fn) {
+  for (uint32_t k = 0; k <= spec.cuts.size(); ++k) {
+    const Range segment = SegmentRange(spec, k);
+    const Range part{std::max(range.begin, segment.begin),
+                     std::min(range.end, segment.end)};
+    if (part.begin < part.end) fn(k, part);
+  }
+}
+
+}  // namespace
+
 void Replica::RunLocalPass(const LocalPass& pass, size_t at,
                            absl::Span<const float> g) {
   // Each segment's elements with its own lr and weight_decay.
-  const size_t end = at + g.size();
-  for (uint32_t k = 0; k < pass.scalars.size(); ++k) {
-    const Range segment = SegmentRange(config_.layout, k);
-    const size_t begin = std::max<size_t>(at, segment.begin);
-    const size_t stop = std::min<size_t>(end, segment.end);
-    if (begin >= stop) continue;
-    const size_t n = stop - begin;
-    ZeroOneLocalStep(pass.scalars[k], g.subspan(begin - at, n),
-                     x_.subspan(begin, n), absl::MakeSpan(m_).subspan(begin, n),
-                     absl::MakeSpan(u_).subspan(begin, n),
-                     absl::MakeConstSpan(v_).subspan(begin, n), pass.write_x,
-                     pass.fresh);
-  }
+  ForEachSegmentPart(
+      config_.layout, Range{at, at + g.size()}, [&](uint32_t k, Range part) {
+        const size_t n = part.size();
+        ZeroOneLocalStep(pass.scalars[k], g.subspan(part.begin - at, n),
+                         x_.subspan(part.begin, n),
+                         absl::MakeSpan(m_).subspan(part.begin, n),
+                         absl::MakeSpan(u_).subspan(part.begin, n),
+                         absl::MakeConstSpan(v_).subspan(part.begin, n),
+                         pass.write_x, pass.fresh);
+      });
 }
 
 Replica::LocalPass Replica::StartLocalStep(int64_t step, bool starts,
@@ -327,19 +341,17 @@ void Replica::SyncMessage(int64_t step, uint64_t begin,
   MORSE_CHECK(local_step_ == step && begin >= range_.begin &&
               begin + out.size() <= range_.end);
   const AdamScalars s = LocalStepScalars(config_, step, nullptr);
-  const uint64_t end = begin + out.size();
-  for (uint32_t k = 0; k < lr_sums_.size(); ++k) {
-    const Range segment = SegmentRange(config_.layout, k);
-    const uint64_t from = std::max(begin, segment.begin);
-    const uint64_t to = std::min(end, segment.end);
-    if (from >= to) continue;
-    const size_t at = from - range_.begin;
-    const size_t n = to - from;
-    ZeroOneSyncMessage(s, lr_sums_[k], absl::MakeConstSpan(u_).subspan(at, n),
-                       absl::MakeConstSpan(m_).subspan(at, n),
-                       absl::MakeConstSpan(v_).subspan(at, n),
-                       out.subspan(from - begin, n));
-  }
+  // Each segment's elements with its own learning-rate sum.
+  ForEachSegmentPart(
+      config_.layout, Range{begin, begin + out.size()},
+      [&](uint32_t k, Range part) {
+        const size_t at = part.begin - range_.begin, n = part.size();
+        ZeroOneSyncMessage(s, lr_sums_[k],
+                           absl::MakeConstSpan(u_).subspan(at, n),
+                           absl::MakeConstSpan(m_).subspan(at, n),
+                           absl::MakeConstSpan(v_).subspan(at, n),
+                           out.subspan(part.begin - begin, n));
+      });
 }
 
 std::vector<NamedState> Replica::SaveState(uint64_t begin, uint64_t n) const {
