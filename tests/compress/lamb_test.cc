@@ -18,14 +18,13 @@
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
+#include "tests/compress/test_util.h"
 
 namespace morse::compress {
 namespace {
 
-bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
-}
+using testing::Replicas;
+using testing::SameBits;
 
 // design.md 2.8 written out: one worker loop per message, one pass per
 // formula, layer sums over each layer's pieces in partition order, each
@@ -413,10 +412,6 @@ TEST(LambTest, ItsPlansAreOneBitAdamsExchange) {
 // mirror applies its partitions' replies and then the worker's commit, each
 // partition with its group's lr and weight decay (`hypers_at`, as pushes
 // carry them). Leaves the replicas of the last step.
-struct Replicas {
-  Replica worker;
-  std::vector<Replica> mirrors;
-};
 void RunWorkerAndMirrors(
     AlgorithmConfig c, std::optional<Replicas>& out,
     std::function<std::vector<StepHyper>(int64_t)> hypers_at = nullptr) {
@@ -429,15 +424,9 @@ void RunWorkerAndMirrors(
   for (size_t j = 0; j < dim; ++j) x0[j] = std::sin(0.1f * j);
   auto sim = Simulator::Create(c, x0);
   ASSERT_TRUE(sim.ok());
-  Replica worker(c, {0, dim});
-  std::copy(x0.begin(), x0.end(), worker.x().begin());
-  std::vector<Replica> mirrors;
-  for (uint32_t s = 0; s < c.layout.shards; ++s) {
-    mirrors.emplace_back(c, layout->shard_range(s));
-    const Range r = layout->shard_range(s);
-    std::copy(x0.begin() + r.begin, x0.begin() + r.end,
-              mirrors.back().x().begin());
-  }
+  Replicas replicas = testing::ReplicasFrom(c, *layout, x0);
+  Replica& worker = replicas.worker;
+  std::vector<Replica>& mirrors = replicas.mirrors;
   ComputePool pool(2);
   for (int64_t t = 0; t < 24; ++t) {
     const std::vector<StepHyper> hypers =
@@ -454,18 +443,9 @@ void RunWorkerAndMirrors(
     } else {
       message = g;
     }
-    const absl::Span<const uint8_t> bytes(
-        reinterpret_cast<const uint8_t*>(message.data()), 4 * dim);
-    for (const Partition& p : layout->partitions()) {
-      const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
-      const StepHyper* hyper = HyperOf(hypers, p.segment);
-      ASSERT_TRUE(
-          worker.ApplyReply(t, p.range.begin, p.range.size(), part, hyper)
-              .ok());
-      ASSERT_TRUE(mirrors[p.shard]
-                      .ApplyReply(t, p.range.begin, p.range.size(), part, hyper)
-                      .ok());
-    }
+    ASSERT_TRUE(
+        testing::ApplyToWorkerAndMirrors(replicas, *layout, t, message, hypers)
+            .ok());
     // On odd steps as a worker's engine does it: the segments of some
     // partitions taken as their replies landed, the others left to LambStep.
     std::vector<std::vector<double>> segments;
@@ -508,7 +488,7 @@ void RunWorkerAndMirrors(
     ASSERT_EQ(worker.lamb_layers()[2].last_factor,
               sim->lamb_layers()[2].last_factor);
   }
-  out.emplace(Replicas{std::move(worker), std::move(mirrors)});
+  out.emplace(std::move(replicas));
 }
 
 TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {

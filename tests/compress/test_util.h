@@ -1,15 +1,20 @@
-// Helpers shared by the compress/ tests: seeded data with varied magnitudes
-// and bit-exact comparisons.
+// Helpers shared by the compress/ tests: seeded data with varied magnitudes,
+// bit-exact comparisons, and a worker's replica with the shards' mirrors.
 #ifndef MORSE_TESTS_COMPRESS_TEST_UTIL_H_
 #define MORSE_TESTS_COMPRESS_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "compress/layout.h"
+#include "compress/replica.h"
+#include "compress/step_plan.h"
 
 namespace morse::compress::testing {
 
@@ -56,6 +61,46 @@ inline float BitsFloatForTest(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
   return f;
+}
+
+// A worker's replica of the whole model and one mirror per shard, each
+// starting from x0.
+struct Replicas {
+  Replica worker;
+  std::vector<Replica> mirrors;
+};
+inline Replicas ReplicasFrom(const AlgorithmConfig& c, const Layout& layout,
+                             absl::Span<const float> x0) {
+  Replicas replicas{Replica(c, {0, c.layout.dim}), {}};
+  std::copy(x0.begin(), x0.end(), replicas.worker.x().begin());
+  for (uint32_t s = 0; s < c.layout.shards; ++s) {
+    const Range r = layout.shard_range(s);
+    Replica& mirror = replicas.mirrors.emplace_back(c, r);
+    std::copy(x0.begin() + r.begin, x0.begin() + r.end, mirror.x().begin());
+  }
+  return replicas;
+}
+
+// The reply of step `step` as one worker with fp32 both ways gets it (the
+// reply is its message), applied by the worker and by each partition's
+// shard mirror, each partition with its segment's values of `hypers`.
+inline absl::Status ApplyToWorkerAndMirrors(
+    Replicas& replicas, const Layout& layout, int64_t step,
+    absl::Span<const float> message, absl::Span<const StepHyper> hypers) {
+  const absl::Span<const uint8_t> bytes(
+      reinterpret_cast<const uint8_t*>(message.data()), 4 * message.size());
+  for (const Partition& p : layout.partitions()) {
+    const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
+    const StepHyper* hyper = HyperOf(hypers, p.segment);
+    for (Replica* r : {&replicas.worker, &replicas.mirrors[p.shard]}) {
+      if (absl::Status s =
+              r->ApplyReply(step, p.range.begin, p.range.size(), part, hyper);
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace morse::compress::testing

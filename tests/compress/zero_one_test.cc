@@ -15,6 +15,7 @@
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
+#include "tests/compress/test_util.h"
 
 namespace morse::compress {
 namespace {
@@ -275,10 +276,7 @@ class Reference {
   bool starts_ = true;
 };
 
-bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
-  return a.size() == b.size() &&
-         std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
-}
+using testing::SameBits;
 
 AlgorithmConfig WrittenOutConfig() {
   AlgorithmConfig c =
@@ -431,15 +429,9 @@ TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   for (size_t j = 0; j < dim; ++j) x0[j] = std::sin(0.1f * j);
   auto sim = Simulator::Create(c, x0);
   ASSERT_TRUE(sim.ok());
-  Replica worker(c, {0, dim});
-  std::copy(x0.begin(), x0.end(), worker.x().begin());
-  std::vector<Replica> mirrors;
-  for (uint32_t s = 0; s < c.layout.shards; ++s) {
-    const Range r = layout->shard_range(s);
-    mirrors.emplace_back(c, r);
-    std::copy(x0.begin() + r.begin, x0.begin() + r.end,
-              mirrors.back().x().begin());
-  }
+  testing::Replicas replicas = testing::ReplicasFrom(c, *layout, x0);
+  Replica& worker = replicas.worker;
+  const std::vector<Replica>& mirrors = replicas.mirrors;
   ComputePool pool(2);
   int64_t local_steps = 0, syncs = 0;
   for (int64_t t = 0; t < 30; ++t) {
@@ -481,19 +473,9 @@ TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
       for (size_t j = 0; j < dim; ++j)
         message[j] =
             worker.v()[j] == 0.0f && plan.compressing ? 0.0f : message[j];
-      const absl::Span<const uint8_t> bytes(
-          reinterpret_cast<const uint8_t*>(message.data()), 4 * dim);
-      for (const Partition& p : layout->partitions()) {
-        const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
-        const StepHyper* hyper = HyperOf(pushed, p.segment);
-        ASSERT_TRUE(
-            worker.ApplyReply(t, p.range.begin, p.range.size(), part, hyper)
-                .ok());
-        ASSERT_TRUE(
-            mirrors[p.shard]
-                .ApplyReply(t, p.range.begin, p.range.size(), part, hyper)
-                .ok());
-      }
+      ASSERT_TRUE(testing::ApplyToWorkerAndMirrors(replicas, *layout, t,
+                                                   message, pushed)
+                      .ok());
     }
     std::vector<absl::Span<const float>> views{g};
     ASSERT_TRUE(sim->Step(views, hypers).ok());
