@@ -44,6 +44,22 @@ def check(condition, message):
         sys.exit(1)
 
 
+def flat_layout(opt, model, tensors):
+    """One tensor per parameter of `model` (its weights or gradients) as the
+    simulator takes them: concatenated, or, with parameter groups trained
+    apart, laid out as the optimizer's flat buffer (groups in order, padding
+    zero)."""
+    import torch
+    if not getattr(opt, "_groups_apart", False):
+        return torch.cat([t.reshape(-1) for t in tensors])
+    where = {id(p): r for p, r in zip(opt._params, opt._ranges)}
+    flat = torch.zeros(opt._flat.numel())
+    for p, t in zip(model.parameters(), tensors):
+        begin, end = where[id(p)]
+        flat[begin:end] = t.reshape(-1)
+    return flat
+
+
 def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, on_step=None):
     """This rank (MORSE_RANK) trains `model` with `opt` for `steps` steps of
     cross-entropy on 8 random samples of `features` inputs and `classes`
@@ -62,15 +78,7 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     grouped = getattr(opt, "_groups_apart", False)
 
     def flat_of(tensors):
-        if not grouped:
-            return torch.cat([t.reshape(-1) for t in tensors])
-        # The flat buffer's layout: each parameter's range in it.
-        where = {id(p): r for p, r in zip(opt._params, opt._ranges)}
-        flat = torch.zeros(opt._flat.numel())
-        for p, t in zip(model.parameters(), tensors):
-            begin, end = where[id(p)]
-            flat[begin:end] = t.reshape(-1)
-        return flat
+        return flat_layout(opt, model, tensors)
 
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
