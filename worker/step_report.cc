@@ -105,6 +105,9 @@ void StepReport::Record(const StepRecord& r) {
     if (r.checksum.has_value())
       *options_.jsonl << absl::StrFormat(",\"checksum\":\"%016x\"",
                                          *r.checksum);
+    if (r.inner_step_seconds > 0)
+      *options_.jsonl << absl::StrFormat(",\"inner_step_seconds\":%.6f",
+                                         r.inner_step_seconds);
     if (!r.absent.empty())
       *options_.jsonl << ",\"absent\":[" << absl::StrJoin(r.absent, ",") << "]";
     // Flushed: a worker killed later keeps its lines so far.

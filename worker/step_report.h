@@ -38,6 +38,10 @@ struct StepRecord {
                       down = compress::CodecKind::kFp32;
   double loss = 0;
   double step_seconds = 0, compute_seconds = 0, comm_seconds = 0;
+  // diloco: an inner step's seconds where it ran alone (the first H - 1 of
+  // the step's inner steps; the last shares the host with the exchange);
+  // 0 when not measured.
+  double inner_step_seconds = 0;
   StepTraffic traffic;
   // TCP bytes sent and received during the step (worker/wire_counter.h)
   uint64_t wire_up = 0, wire_down = 0;

@@ -251,6 +251,10 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     auto earlier = inner_->RunAllButLast(step, *workload_, outer);
     if (!earlier.ok()) return earlier.status();
     record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    if (inner_->steps() > 1) {
+      record.inner_step_seconds =
+          record.compute_seconds / static_cast<double>(inner_->steps() - 1);
+    }
     if (absl::Status s = session_->Begin(pseudo_gradient_); !s.ok()) return s;
     double lanes[4] = {0, 0, 0, 0};
     for (const compress::Partition& p : session_->layout().partitions()) {
@@ -272,6 +276,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
                        absl::MakeSpan(pseudo_gradient_));
     if (!loss.ok()) return loss.status();
     record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    record.inner_step_seconds =
+        record.compute_seconds / static_cast<double>(inner_->steps());
     if (absl::Status s = session_->Step(pseudo_gradient_, &record.traffic);
         !s.ok())
       return s;

@@ -279,9 +279,13 @@ log_every: 1000
     # whose local steps count their own update as waiting.
     rounds = [c for c, r in zip(comm, measured) if r["phase"] != "local"]
     # diloco: a row is an outer step of `inner` inner steps; per step means
-    # per inner step, and the step is also set against its own compute (the
-    # inner steps: the step without communication).
+    # per inner step, and the step is also set against the step without
+    # communication: `inner` inner steps as long as those that ran alone
+    # (inner_step_seconds; the last inner step shares the host with the
+    # exchange, which stretches it where shards and workers share cores).
     inner = INNER_STEPS.get(scheme, 1)
+    alone = [inner * r["inner_step_seconds"] if "inner_step_seconds" in r else r["compute_seconds"]
+             for r in measured]
     return {"steps_measured": len(measured), "step_median_s": center(steps_s) / inner,
             "step_p25_s": q[0] / inner, "step_p75_s": q[2] / inner,
             "comm_median_s": center(comm) / inner,
@@ -290,8 +294,7 @@ log_every: 1000
             "payload_bytes_per_step": center(r["bytes_up"] for r in measured) / inner,
             "wire_bytes_per_step": overhead * center(r["bytes_up"] for r in measured) / inner,
             "rounds_per_step": sum(r["phase"] not in ("local",) for r in measured) / len(measured) / inner,
-            "step_over_compute": (sum(r["step_seconds"] for r in measured)
-                                  / sum(r["compute_seconds"] for r in measured)),
+            "step_over_compute": sum(r["step_seconds"] for r in measured) / sum(alone),
             "status": "ok"}
 
 

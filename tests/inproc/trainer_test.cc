@@ -198,6 +198,10 @@ TEST(TrainerTest, DilocoStepsAreTheSimulatorsAndARejoinIsRefused) {
               expected.worker[0][step])
         << "step " << step;
     EXPECT_GT(record->traffic.payload_up, 0u);
+    // The first 2 of the 3 inner steps ran alone; the last shares its time
+    // with the exchange and is not in inner_step_seconds.
+    EXPECT_GT(record->inner_step_seconds, 0.0);
+    EXPECT_LE(2 * record->inner_step_seconds, record->compute_seconds);
   }
   trainer->reset();
   options.rejoin = true;

@@ -35,8 +35,11 @@ TEST(StepReportTest, AJsonLinePerStepAndAProgressLinePerInterval) {
   StepReport report({7, /*steps=*/5, /*first_step=*/0, /*log_every=*/2,
                      /*samples_per_step=*/32, &jsonl,
                      [&](const std::string& l) { lines.push_back(l); }});
-  for (int64_t step = 0; step < 5; ++step)
-    report.Record(Record(step, step + 1.0));
+  for (int64_t step = 0; step < 5; ++step) {
+    StepRecord r = Record(step, step + 1.0);
+    if (step == 1) r.inner_step_seconds = 0.25;  // diloco's, when measured
+    report.Record(r);
+  }
   std::istringstream in(jsonl.str());
   std::vector<std::string> json;
   for (std::string l; std::getline(in, l);) json.push_back(l);
@@ -51,6 +54,9 @@ TEST(StepReportTest, AJsonLinePerStepAndAProgressLinePerInterval) {
             std::string::npos)
       << json[3];
   EXPECT_EQ(json[2].find("checksum"), std::string::npos);
+  EXPECT_NE(json[1].find(",\"inner_step_seconds\":0.250000"), std::string::npos)
+      << json[1];
+  EXPECT_EQ(json[0].find("inner_step_seconds"), std::string::npos);
   // Intervals [0,1], [2,3] and the last step alone: mean losses 1.5, 3.5, 5.
   ASSERT_EQ(lines.size(), 3u);
   EXPECT_NE(lines[0].find("worker 7: step 2/5 warmup      loss 1.5000 | 64 "
