@@ -77,14 +77,11 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     rank = int(os.environ["MORSE_RANK"])
     grouped = getattr(opt, "_groups_apart", False)
 
-    def flat_of(tensors):
-        return flat_layout(opt, model, tensors)
-
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        np.save(f"{out}/x0.npy", flat_of([p.detach() for p in model.parameters()]).numpy())
+        np.save(f"{out}/x0.npy", flat_layout(opt, model, [p.detach() for p in model.parameters()]).numpy())
     checksums, hypers = [], []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -93,8 +90,8 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
         torch.nn.functional.cross_entropy(model(x), y).backward()
         # A parameter the loss did not reach has no .grad once torch 2's
         # zero_grad sets it to None; missing_grads="zero" trains it on zeros.
-        flat = flat_of([p.grad if p.grad is not None else torch.zeros_like(p)
-                        for p in model.parameters()])
+        flat = flat_layout(opt, model, [p.grad if p.grad is not None else torch.zeros_like(p)
+                                        for p in model.parameters()])
         np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
         if on_gradient is not None:
             on_gradient(step, flat)
