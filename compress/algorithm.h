@@ -78,6 +78,13 @@ struct DilocoSpec {
   // fragment q mod F; step t syncs fragment t mod F alone, every
   // sync_every / F inner steps (F divides sync_every and the partitions).
   int64_t fragments = 1;
+  // Overlap (Streaming DiLoCo's tau): a worker applies outer step t's reply
+  // overlap_steps inner steps into step t + 1, the exchange running
+  // meanwhile, in [0, sync_every / fragments). A synced partition's own
+  // parameters then become mixing * local + (1 - mixing) * outer
+  // (MergeOuter, compress/optimizers/diloco.h); mixing in [0, 1).
+  int64_t overlap_steps = 0;
+  float mixing = 0.0f;
 };
 
 // A onebit_lamb layer's state, the same on every replica (compress/lamb.h).

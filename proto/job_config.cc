@@ -268,6 +268,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     if (d.has_outer_momentum()) a.diloco.outer_momentum = d.outer_momentum();
     if (d.has_nesterov()) a.diloco.nesterov = d.nesterov();
     if (d.has_fragments()) a.diloco.fragments = d.fragments();
+    if (d.has_overlap_steps()) a.diloco.overlap_steps = d.overlap_steps();
+    a.diloco.mixing = d.has_mixing()
+                          ? d.mixing()
+                          : (a.diloco.overlap_steps > 0 ? 0.5f : 0.0f);
     if (c.freeze_step() != 0 || c.has_warmup_codec()) {
       return Invalid(c.freeze_step() != 0 ? "freeze_step" : "warmup_codec",
                      "is onebit_adam's; diloco has no warmup (every step is "

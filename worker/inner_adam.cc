@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
-#include "compress/step_plan.h"
+#include "compress/optimizers/diloco.h"
 #include "compress/update_rules.h"
 #include "proto/checkpoint_file.h"
 
@@ -22,16 +22,9 @@ InnerAdam::InnerAdam(const compress::AlgorithmConfig& config, uint64_t dim)
   schedule_.total_steps *= steps();
 }
 
-void InnerAdam::StartFrom(int64_t step, absl::Span<const float> outer) {
-  if (step == 0 || config_.diloco.fragments <= 1) {
-    std::copy(outer.begin(), outer.end(), x_.begin());
-    return;
-  }
-  for (const compress::Partition& p : layout_.partitions()) {
-    if (compress::Idle(config_, step - 1, p.range.begin)) continue;
-    std::copy(outer.begin() + p.range.begin, outer.begin() + p.range.end,
-              x_.begin() + p.range.begin);
-  }
+bool InnerAdam::CarriesLocal() const {
+  const compress::DilocoSpec& d = config_.diloco;
+  return d.fragments > 1 || d.overlap_steps > 0 || d.mixing != 0.0f;
 }
 
 compress::AdamScalars InnerAdam::Scalars(int64_t inner) const {
@@ -40,37 +33,48 @@ compress::AdamScalars InnerAdam::Scalars(int64_t inner) const {
                                    inner + 1, config_.bias_correction);
 }
 
-absl::StatusOr<double> InnerAdam::Run(int64_t step, Workload& workload,
-                                      absl::Span<const float> outer,
-                                      absl::Span<float> pseudo_gradient) {
-  MORSE_CHECK(pseudo_gradient.size() == x_.size());
-  auto loss = RunAllButLast(step, workload, outer);
-  if (!loss.ok()) return loss.status();
-  const int64_t last = (step + 1) * steps() - 1;
-  auto l = workload.Gradient(last, x_, absl::MakeSpan(grad_));
-  if (!l.ok()) return l.status();
-  compress::AdamStep(Scalars(last), grad_, absl::MakeSpan(x_),
-                     absl::MakeSpan(m_), absl::MakeSpan(v_));
-  for (size_t j = 0; j < x_.size(); ++j) pseudo_gradient[j] = outer[j] - x_[j];
-  return (*loss + *l) / static_cast<double>(steps());
-}
-
-absl::StatusOr<double> InnerAdam::RunAllButLast(int64_t step,
-                                                Workload& workload,
-                                                absl::Span<const float> outer) {
-  MORSE_CHECK(outer.size() == x_.size());
-  StartFrom(step, outer);
+absl::StatusOr<double> InnerAdam::Steps(int64_t step, int64_t begin,
+                                        int64_t end, Workload& workload,
+                                        absl::Span<const float> outer) {
   const int64_t every = steps();
+  MORSE_CHECK(outer.size() == x_.size() && 0 <= begin && begin <= end &&
+              end <= every && taken_ == step * every + begin);
+  const int64_t merge_at = step == 0 ? 0 : config_.diloco.overlap_steps;
   double loss = 0;
-  for (int64_t h = 0; h + 1 < every; ++h) {
+  for (int64_t h = begin; h < end; ++h) {
+    if (h == merge_at)
+      compress::MergeOuter(config_, layout_, step - 1, outer,
+                           absl::MakeSpan(x_));
     const int64_t inner = step * every + h;
     auto l = workload.Gradient(inner, x_, absl::MakeSpan(grad_));
     if (!l.ok()) return l.status();
     loss += *l;
     compress::AdamStep(Scalars(inner), grad_, absl::MakeSpan(x_),
                        absl::MakeSpan(m_), absl::MakeSpan(v_));
+    ++taken_;
   }
   return loss;
+}
+
+void InnerAdam::PseudoGradient(absl::Span<const float> outer,
+                               absl::Span<float> pseudo_gradient) const {
+  MORSE_CHECK(outer.size() == x_.size() && pseudo_gradient.size() == x_.size());
+  for (size_t j = 0; j < x_.size(); ++j) pseudo_gradient[j] = outer[j] - x_[j];
+}
+
+absl::StatusOr<double> InnerAdam::Run(int64_t step, Workload& workload,
+                                      absl::Span<const float> outer,
+                                      absl::Span<float> pseudo_gradient) {
+  auto loss = Steps(step, 0, steps(), workload, outer);
+  if (!loss.ok()) return loss.status();
+  PseudoGradient(outer, pseudo_gradient);
+  return *loss / static_cast<double>(steps());
+}
+
+absl::StatusOr<double> InnerAdam::RunAllButLast(int64_t step,
+                                                Workload& workload,
+                                                absl::Span<const float> outer) {
+  return Steps(step, 0, steps() - 1, workload, outer);
 }
 
 absl::Status InnerAdam::LastStepRange(int64_t step, Workload& workload,
@@ -81,6 +85,10 @@ absl::Status InnerAdam::LastStepRange(int64_t step, Workload& workload,
   MORSE_CHECK(begin <= end && end <= x_.size() && outer.size() == x_.size() &&
               pseudo_gradient.size() == x_.size());
   const int64_t last = (step + 1) * steps() - 1;
+  MORSE_CHECK(taken_ == last);
+  // With one inner step per outer step (no overlap then), the merge first.
+  if (steps() == 1 && begin == 0)
+    compress::MergeOuter(config_, layout_, step - 1, outer, absl::MakeSpan(x_));
   if (absl::Status s = workload.GradientRange(last, x_, absl::MakeSpan(grad_),
                                               begin, end, loss_lanes);
       !s.ok()) {
@@ -93,6 +101,7 @@ absl::Status InnerAdam::LastStepRange(int64_t step, Workload& workload,
                      absl::MakeSpan(m_).subspan(begin, n),
                      absl::MakeSpan(v_).subspan(begin, n));
   for (uint64_t j = begin; j < end; ++j) pseudo_gradient[j] = outer[j] - x_[j];
+  if (end == x_.size()) ++taken_;  // the last range
   return absl::OkStatus();
 }
 
@@ -103,8 +112,10 @@ absl::Status InnerAdam::Save(const std::string& path, int64_t step,
       {"diloco_inner", rank, layout_fingerprint, algorithm_fingerprint, step});
   writer.AddFloats("inner_m", m_);
   writer.AddFloats("inner_v", v_);
-  // Streaming: the partitions not synced keep this worker's own values.
-  if (config_.diloco.fragments > 1) writer.AddFloats("inner_x", x_);
+  // Streaming, an overlap or mixing: this worker's own values.
+  if (CarriesLocal()) writer.AddFloats("inner_x", x_);
+  // An overlap: whether the first overlap_steps of `step` are taken.
+  if (config_.diloco.overlap_steps > 0) writer.AddInts("inner_taken", {taken_});
   return writer.Write(path);
 }
 
@@ -135,11 +146,27 @@ absl::Status InnerAdam::Load(const std::string& path, int64_t step,
   if (!m.ok()) return m.status();
   auto v = reader->Floats("inner_v", v_.size());
   if (!v.ok()) return v.status();
-  if (config_.diloco.fragments > 1) {
-    auto x = reader->Floats("inner_x", x_.size());
-    if (!x.ok()) return x.status();
-    x_ = *std::move(x);
+  std::vector<float> x;
+  if (CarriesLocal()) {
+    auto saved = reader->Floats("inner_x", x_.size());
+    if (!saved.ok()) return saved.status();
+    x = *std::move(saved);
   }
+  int64_t taken = step * steps();
+  if (config_.diloco.overlap_steps > 0) {
+    auto saved = reader->Ints("inner_taken", 1);
+    if (!saved.ok()) return saved.status();
+    if ((*saved)[0] != taken &&
+        (*saved)[0] != taken + config_.diloco.overlap_steps) {
+      return absl::DataLossError(absl::StrCat(
+          "diloco: ", path, " says ", (*saved)[0],
+          " inner steps were taken after ", step, " outer steps of ", steps(),
+          "; expected ", taken, " or ", taken + config_.diloco.overlap_steps));
+    }
+    taken = (*saved)[0];
+  }
+  if (!x.empty()) x_ = std::move(x);
+  taken_ = taken;
   m_ = *std::move(m);
   v_ = *std::move(v);
   return absl::OkStatus();

@@ -11,6 +11,12 @@
 // inner steps, and only the partitions the previous step synced start again
 // from the outer parameters; the others keep this worker's progress, which
 // Save/Load then keep too.
+//
+// Overlap (diloco.overlap_steps tau > 0): the worker takes the first tau
+// inner steps of outer step t + 1 while step t's exchange runs, and merges
+// step t's outer parameters into its own only then (compress::MergeOuter,
+// by diloco.mixing), so Save/Load keep its parameters and the count of
+// inner steps taken as well.
 #ifndef MORSE_WORKER_INNER_ADAM_H_
 #define MORSE_WORKER_INNER_ADAM_H_
 
@@ -35,10 +41,25 @@ class InnerAdam {
     return config_.diloco.sync_every / config_.diloco.fragments;
   }
 
-  // Outer step `step`'s inner steps (step * steps() + h for h < steps(), the
-  // workload's step numbers) from `outer` (the partitions step - 1 synced;
-  // all of it at step 0 and without fragments); writes x_outer - x_local to
-  // `pseudo_gradient` and returns the inner steps' mean loss.
+  // Inner steps taken over the whole run.
+  int64_t taken() const { return taken_; }
+
+  // Outer step `step`'s inner steps h in [begin, end) (the workload's step
+  // numbers step * steps() + h), continuing from taken() == step * steps() +
+  // begin; returns their summed loss. Before h = 0 of step 0 this worker's
+  // parameters become `outer`; before h = diloco.overlap_steps of a later
+  // step they merge step - 1's outer parameters `outer`
+  // (compress::MergeOuter), which is the only time `outer` is read.
+  absl::StatusOr<double> Steps(int64_t step, int64_t begin, int64_t end,
+                               Workload& workload,
+                               absl::Span<const float> outer);
+  // x_outer - x_local to `pseudo_gradient`.
+  void PseudoGradient(absl::Span<const float> outer,
+                      absl::Span<float> pseudo_gradient) const;
+
+  // All of outer step `step`'s inner steps (without overlap) from `outer`;
+  // writes x_outer - x_local to `pseudo_gradient` and returns the inner
+  // steps' mean loss.
   absl::StatusOr<double> Run(int64_t step, Workload& workload,
                              absl::Span<const float> outer,
                              absl::Span<float> pseudo_gradient);
@@ -71,13 +92,15 @@ class InnerAdam {
   // Adam's scalars of inner step `inner` (0-based, over the whole run).
   compress::AdamScalars Scalars(int64_t inner) const;
 
-  // x_ of the partitions that outer step `step` starts from `outer`.
-  void StartFrom(int64_t step, absl::Span<const float> outer);
+  // Whether this worker's own parameters outlive a sync (fragments not
+  // synced, an overlap, mixing), so that Save/Load keep them.
+  bool CarriesLocal() const;
 
   compress::AlgorithmConfig config_;
   compress::Layout layout_;
   compress::LrSchedule schedule_;  // over inner steps
   std::vector<float> x_, m_, v_, grad_;
+  int64_t taken_ = 0;
 };
 
 }  // namespace morse::worker

@@ -155,6 +155,8 @@ class Session {
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }
+  // Whether a step has begun and not finished.
+  bool step_in_flight() const { return InStep(); }
   // The sum of squares of the last step's averaged gradient, over the whole
   // model, when that step clipped it (compress::ClipsAverage); else none.
   std::optional<double> grad_sum_of_squares() const {

@@ -242,7 +242,39 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   record.step = step;
   const WireCounter::Bytes tcp_before = ReadTcp();
   absl::StatusOr<double> loss;
-  if (inner_ != nullptr && workload_->ComputesRanges()) {
+  if (inner_ != nullptr && job_.algorithm.diloco.overlap_steps > 0) {
+    // diloco with an overlap: the rest of this step's inner steps (the
+    // first overlap_steps ran during the last step's exchange, except in
+    // the run's first step), then this step's exchange, during which the
+    // next step's first overlap_steps run; its reply is merged in the next
+    // step (InnerAdam::Steps).
+    const int64_t every = inner_->steps();
+    const int64_t overlap = job_.algorithm.diloco.overlap_steps;
+    const int64_t begin = inner_->taken() - step * every;
+    auto alone = inner_->Steps(step, begin, every, *workload_, replica.x());
+    if (!alone.ok()) return alone.status();
+    record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
+    record.inner_step_seconds =
+        record.compute_seconds / static_cast<double>(every - begin);
+    inner_->PseudoGradient(replica.x(), absl::MakeSpan(pseudo_gradient_));
+    if (absl::Status s = session_->Begin(pseudo_gradient_); !s.ok()) return s;
+    for (const compress::Partition& p : session_->layout().partitions()) {
+      if (absl::Status s = session_->SendPartition(p.id); !s.ok()) return s;
+    }
+    double sum = *alone;
+    int64_t ran = every - begin;
+    if (step + 1 < job_.steps) {
+      // replica.x() changes as replies land; these steps do not read it.
+      const absl::Time start = absl::Now();
+      auto next = inner_->Steps(step + 1, 0, overlap, *workload_, replica.x());
+      if (!next.ok()) return next.status();
+      record.compute_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+      sum += *next;
+      ran += overlap;
+    }
+    loss = sum / static_cast<double>(ran);
+    if (absl::Status s = session_->Finish(&record.traffic); !s.ok()) return s;
+  } else if (inner_ != nullptr && workload_->ComputesRanges()) {
     // diloco: this worker's inner steps from the outer parameters, the last
     // a partition at a time, each partition's pseudo-gradient pushed as
     // soon as it is final, so the exchange overlaps the last inner step.

@@ -18,11 +18,23 @@
 // step), and step t syncs fragment t mod F alone, every H/F inner steps; the
 // other partitions are idle in that step (empty pushes and replies, nothing
 // changes). Each fragment thus syncs every H inner steps, F steps apart.
+//
+// Overlap (the 2025 paper's tau; overlap_steps): a worker begins outer step
+// t's exchange and takes the first tau inner steps of step t + 1 before it
+// waits for the reply; then its synced partitions merge the new outer
+// parameters with its own by `mixing` (MergeOuter, diloco.h). Neither
+// changes the shards' rule: a worker's pseudo-gradient is always taken
+// against the outer parameters of the step before.
+#include "compress/optimizers/diloco.h"
+
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "compress/check.h"
 #include "compress/layout.h"
 #include "compress/optimizer.h"
+#include "compress/step_plan.h"
 
 namespace morse::compress {
 namespace {
@@ -61,6 +73,19 @@ class Diloco final : public Optimizer {
             "does"));
       }
     }
+    const int64_t period = d.sync_every / d.fragments;
+    if (d.overlap_steps < 0 || d.overlap_steps >= period) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.overlap_steps must be in [0, sync_every / fragments = ",
+          period,
+          ") (a reply is applied before the next exchange begins), "
+          "got ",
+          d.overlap_steps));
+    }
+    if (!(d.mixing >= 0.0f && d.mixing < 1.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("diloco.mixing must be in [0, 1), got ", d.mixing));
+    }
     if (c.clip_grad_norm != 0.0f) {
       return absl::InvalidArgumentError(
           "clip_grad_norm is not diloco's: the outer step does not clip the "
@@ -77,6 +102,12 @@ class Diloco final : public Optimizer {
     // One fragment mixes nothing: the fingerprints of earlier jobs hold.
     if (c.diloco.fragments > 1)
       hash.MixInt(static_cast<uint64_t>(c.diloco.fragments));
+    // The workers' own rule: every worker must apply the same one. Zero
+    // mixes nothing, as above.
+    if (c.diloco.overlap_steps != 0 || c.diloco.mixing != 0.0f) {
+      hash.MixInt(static_cast<uint64_t>(c.diloco.overlap_steps));
+      hash.MixWords(&c.diloco.mixing, sizeof(float));
+    }
   }
 
   StepPlan Plan(const AlgorithmConfig& c, int64_t) const override {
@@ -112,6 +143,29 @@ class Diloco final : public Optimizer {
 };
 
 }  // namespace
+
+void MergeOuter(const AlgorithmConfig& config, const Layout& layout,
+                int64_t step, absl::Span<const float> outer,
+                absl::Span<float> local) {
+  MORSE_CHECK(outer.size() == local.size() &&
+              outer.size() == layout.spec().dim);
+  if (step < 0) {
+    std::copy(outer.begin(), outer.end(), local.begin());
+    return;
+  }
+  const float mixing = config.diloco.mixing;
+  const float rest = 1.0f - mixing;
+  for (const Partition& p : layout.partitions()) {
+    if (Idle(config, step, p.range.begin)) continue;
+    if (mixing == 0.0f) {
+      std::copy(outer.begin() + p.range.begin, outer.begin() + p.range.end,
+                local.begin() + p.range.begin);
+      continue;
+    }
+    for (uint64_t j = p.range.begin; j < p.range.end; ++j)
+      local[j] = mixing * local[j] + rest * outer[j];
+  }
+}
 
 const Optimizer& DilocoOptimizer() {
   static const Diloco* const optimizer = new Diloco;

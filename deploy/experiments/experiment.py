@@ -58,9 +58,13 @@ SCHEMES = {
     # one synced every 5 inner steps. D must give an even partition count.
     "diloco_streaming": 'optimizer: "diloco" diloco { sync_every: 10 fragments: 2 } '
                         'up_codec { codec: "int4" } worker_feedback { mode: "ef" }',
+    # diloco with an overlap: each exchange runs during the next outer step's
+    # first 2 inner steps, its reply mixed in (mixing 0.5) after them.
+    "diloco_overlap": 'optimizer: "diloco" diloco { sync_every: 10 overlap_steps: 2 } '
+                      'up_codec { codec: "int4" } worker_feedback { mode: "ef" }',
 }
 LAYER_ELEMS = {"onebit_lamb": 1 << 20}
-INNER_STEPS = {"diloco": 10, "diloco_streaming": 5}
+INNER_STEPS = {"diloco": 10, "diloco_streaming": 5, "diloco_overlap": 10}
 PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
          # exchange users would otherwise pick for 1-bit Adam.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "compress/layout.h"
+#include "compress/optimizers/diloco.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/step_plan.h"
@@ -302,6 +303,77 @@ TEST(OptimizerTest, StreamingDilocoFragmentsMustDivideStepsAndPartitions) {
   plain.diloco = DilocoSpec{};
   plain.diloco.sync_every = 6;
   EXPECT_EQ(AlgorithmFingerprint(one), AlgorithmFingerprint(plain));
+}
+
+// diloco's merge of an outer step's reply into a worker's own parameters
+// (MergeOuter, design.md 2.11), against the rule written out: the partitions
+// the step synced become the outer ones (mixing 0) or mixing * local +
+// (1 - mixing) * outer; the idle fragment's stay; before step 0 all of them
+// take the outer ones.
+TEST(OptimizerTest, MergeOuterMixesTheSyncedPartitions) {
+  AlgorithmConfig c = StreamingConfig();
+  c.diloco.sync_every = 4;
+  c.diloco.fragments = 2;
+  auto layout = Layout::Create(c.layout);
+  ASSERT_TRUE(layout.ok());
+  const uint64_t n = c.layout.dim;
+  std::vector<float> outer(n), mine(n);
+  for (uint64_t j = 0; j < n; ++j) {
+    outer[j] = 0.37f * static_cast<float>(j % 13) - 1.1f;
+    mine[j] = 0.011f * static_cast<float>(j) + 0.3f;
+  }
+  for (const float mixing : {0.0f, 0.5f, 0.3f}) {
+    c.diloco.mixing = mixing;
+    for (const int64_t step : {int64_t{-1}, int64_t{4}, int64_t{5}}) {
+      std::vector<float> local = mine;
+      MergeOuter(c, *layout, step, outer, absl::MakeSpan(local));
+      const float rest = 1.0f - mixing;
+      for (const Partition& p : layout->partitions()) {
+        const bool synced = step < 0 || p.id % 2 == step % 2;
+        for (uint64_t j = p.range.begin; j < p.range.end; ++j) {
+          const float want = !synced       ? mine[j]
+                             : step < 0    ? outer[j]
+                             : mixing == 0 ? outer[j]
+                                           : mixing * mine[j] + rest * outer[j];
+          ASSERT_EQ(local[j], want)
+              << "mixing " << mixing << " step " << step << " element " << j;
+        }
+      }
+    }
+  }
+}
+
+// overlap_steps and mixing: a reply is applied before the next exchange
+// begins, and a mix is a convex one; zero leaves the fingerprint of a job
+// without them.
+TEST(OptimizerTest, DilocoOverlapAndMixingAreChecked) {
+  AlgorithmConfig c = StreamingConfig();
+  c.diloco.sync_every = 6;
+  c.diloco.fragments = 2;  // 3 inner steps per outer step
+  const uint64_t plain = AlgorithmFingerprint(c);
+  c.diloco.overlap_steps = 3;
+  EXPECT_NE(ValidateAlgorithmConfig(c).message().find(
+                "overlap_steps must be in [0, sync_every / fragments = 3)"),
+            std::string::npos)
+      << ValidateAlgorithmConfig(c);
+  c.diloco.overlap_steps = -1;
+  EXPECT_FALSE(ValidateAlgorithmConfig(c).ok());
+  c.diloco.overlap_steps = 2;
+  EXPECT_TRUE(ValidateAlgorithmConfig(c).ok()) << ValidateAlgorithmConfig(c);
+  const uint64_t overlapped = AlgorithmFingerprint(c);
+  EXPECT_NE(overlapped, plain);
+  for (const float bad : {1.0f, -0.1f, std::nanf("")}) {
+    c.diloco.mixing = bad;
+    EXPECT_NE(ValidateAlgorithmConfig(c).message().find("mixing must be in"),
+              std::string::npos)
+        << bad;
+  }
+  c.diloco.mixing = 0.5f;
+  EXPECT_TRUE(ValidateAlgorithmConfig(c).ok());
+  EXPECT_NE(AlgorithmFingerprint(c), overlapped);
+  c.diloco.overlap_steps = 0;
+  c.diloco.mixing = 0.0f;
+  EXPECT_EQ(AlgorithmFingerprint(c), plain);
 }
 
 TEST(LayoutTest, PartitionIndexAtMatchesTheLayout) {

@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_format.h"
+#include "compress/optimizers/diloco.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/step_plan.h"
@@ -48,13 +49,14 @@ Expected Simulate(const proto::JobSpec& job,
         std::fill(inner_m[r].begin(), inner_m[r].end(), 0.0f);
         std::fill(inner_v[r].begin(), inner_v[r].end(), 0.0f);
       }
-      for (const compress::Partition& p : layout.partitions()) {
-        if (step > 0 && compress::Idle(a, step - 1, p.range.begin)) continue;
-        std::copy(sim->x().begin() + p.range.begin,
-                  sim->x().begin() + p.range.end,
-                  local[r].begin() + p.range.begin);
-      }
       for (int64_t h = 0; h < period; ++h) {
+        // The outer parameters of the step before, merged before inner
+        // step overlap_steps (compress::MergeOuter: the synced partitions
+        // become them, or a mix by diloco.mixing); all of x before the
+        // first.
+        if (h == (step == 0 ? 0 : a.diloco.overlap_steps))
+          compress::MergeOuter(a, layout, step - 1, sim->x(),
+                               absl::MakeSpan(local[r]));
         const int64_t t = step * period + h;
         EXPECT_TRUE(workloads[r]
                         .Gradient(t, local[r], absl::MakeSpan(inner_grad[r]))

@@ -313,5 +313,20 @@ INSTANTIATE_TEST_SUITE_P(Streaming, FaultSweepTest,
                                             ::testing::ValuesIn(kStreaming)),
                          ParamName);
 
+// The overlap (design.md 2.11): each exchange runs during the next step's
+// first inner step, its reply mixed in after it; a rejoining worker also
+// restores whether that step was taken (inner_taken).
+constexpr Scheme kOverlap[] = {
+    {"diloco_overlap", R"(optimizer: "diloco"
+       diloco { sync_every: 6 fragments: 3 overlap_steps: 1 mixing: 0.25 }
+       up_codec { codec: "int8" } worker_feedback { mode: "ef" })"},
+};
+INSTANTIATE_TEST_SUITE_P(Overlap, FaultSweepTest,
+                         ::testing::Combine(::testing::ValuesIn(kEveryFault),
+                                            ::testing::Values(3u),
+                                            ::testing::Values(2u),
+                                            ::testing::ValuesIn(kOverlap)),
+                         ParamName);
+
 }  // namespace
 }  // namespace morse::inproc

@@ -215,22 +215,28 @@ TEST(TrainerTest, DilocoStepsAreTheSimulatorsAndARejoinIsRefused) {
 
 // Streaming DiLoCo (design.md 2.11) with the built-in workload: 2 fragments
 // of the 6 partitions, 2 inner Adam steps per outer step, each step syncing
-// one fragment while the other keeps the worker's progress; the worker is
-// the simulator's after every step. Killed after step 4 and rejoined from
-// its checkpoint of step 4 (with the inner Adam state and its own
-// parameters beside it), it goes on with the same bits.
-TEST(TrainerTest, StreamingDilocoStepsAreTheSimulatorsAcrossARejoin) {
-  auto job = proto::ParseJobConfig(R"(
+// one fragment while the other keeps the worker's progress; and the
+// overlap, where an exchange runs during the next step's first inner step
+// and its reply is merged by `mixing` after it, with fragments and without.
+// The worker is the simulator's after every step. Killed after step 4 and
+// rejoined from its checkpoint of step 4 (with the inner Adam state, its
+// own parameters and, with the overlap, the inner steps taken beside it),
+// it goes on with the same bits.
+class StreamingDilocoTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(StreamingDilocoTest, StepsAreTheSimulatorsAcrossARejoin) {
+  auto job = proto::ParseJobConfig(absl::StrCat(R"(
     workers: 1 shards: 2
     synthetic { dim: 3000 noise: 0.1 }
     lr { lr: 0.01 }
     steps: 7
     block_elems: 256
     partition_elems: 512
-    optimizer: "diloco" diloco { sync_every: 4 fragments: 2 outer_lr: 0.8 }
+    optimizer: "diloco"
     up_codec { codec: "int4" } worker_feedback { mode: "ef" }
     checkpoint { every_steps: 2 }
     timeouts { connect_seconds: 10 step_seconds: 10 rpc_seconds: 2 })",
+                                                GetParam()),
                                    proto::ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   const std::string dir = MakeTempDir("morse-streaming");
@@ -265,6 +271,14 @@ TEST(TrainerTest, StreamingDilocoStepsAreTheSimulatorsAcrossARejoin) {
         << "step " << record->step << " after the rejoin";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Diloco, StreamingDilocoTest,
+    ::testing::Values(
+        "diloco { sync_every: 4 fragments: 2 outer_lr: 0.8 }",
+        "diloco { sync_every: 4 fragments: 2 overlap_steps: 1 outer_lr: 0.8 }",
+        "diloco { sync_every: 3 overlap_steps: 2 mixing: 0.25 outer_lr: 0.8 "
+        "}"));
 
 TEST(TrainerTest, RefusesAnUnknownDeviceBeforeJoining) {
   const proto::JobSpec job = Job();

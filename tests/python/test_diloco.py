@@ -159,6 +159,19 @@ def streaming_worker(out, overlap, phase):
     opt = morse.torch.DiLoCo(model, inner, fragments=FRAGMENTS, overlap_steps=overlap, **args)
     partitions = opt._partitions
     check(len(partitions) == 6, f"{len(partitions)} partitions")
+    if phase == "full" and rank == 0 and not overlap:
+        # The merge (compress::MergeOuter through the C ABI) refuses a wrong
+        # size and a step not completed, leaving the parameters as they are.
+        local = opt._local().numpy()
+        for bad, step, words in ((np.zeros(5, np.float32), 0, "local holds 5 values"),
+                                 (local, 0, "outer step 0 has not completed")):
+            kept = bad.copy()
+            try:
+                opt._session.merge_outer(step, bad)
+                check(False, f"merge_outer({step}, {bad.size} values) was accepted")
+            except morse.torch.MorseError as e:
+                check(words in str(e), f"merge_outer: {e}")
+                check(np.array_equal(bad, kept), "a refused merge changed the parameters")
     first = 0
     if phase == "resume":
         opt.load_state_dict(torch.load(f"{out}/state-{rank}.pt"))

@@ -17,6 +17,7 @@
 #include "absl/strings/strip.h"
 #include "compress/boundary.h"
 #include "compress/optimizer.h"
+#include "compress/optimizers/diloco.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/step_plan.h"
@@ -434,6 +435,40 @@ int morse_session_idle(morse_session* s, int64_t step, uint32_t partition,
                                   partitions[partition].range.begin)
                 ? 1
                 : 0;
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
+                              uint64_t dim) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(local, "local"); !st.ok()) return st;
+    const morse::compress::AlgorithmConfig& algorithm =
+        s->session->job().algorithm;
+    if (algorithm.optimizer != morse::compress::OptimizerKind::kDiloco) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("merge_outer is diloco's; this job's optimizer is ",
+                       morse::compress::OptimizerOf(algorithm).name()));
+    }
+    if (dim != s->session->layout().spec().dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("local holds ", dim, " values, the model ",
+                       s->session->layout().spec().dim));
+    }
+    if (step >= s->session->step()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "outer step ", step, " has not completed (the session is at step ",
+          s->session->step(), ")"));
+    }
+    if (s->session->step_in_flight()) {
+      return absl::FailedPreconditionError(
+          "a step is in progress: merge after finish()");
+    }
+    if (absl::Status st = s->session->SyncHost(); !st.ok()) return st;
+    morse::compress::MergeOuter(algorithm, s->session->layout(), step,
+                                s->session->replica().x(),
+                                absl::MakeSpan(local, dim));
     return absl::OkStatus();
   });
 }

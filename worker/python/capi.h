@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 11
+#define MORSE_CAPI_VERSION 12
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -131,6 +131,13 @@ int morse_session_partitions(morse_session* s, uint64_t* ranges,
  * diloco's fragments not due, compress::Idle), else *idle 0. */
 int morse_session_idle(morse_session* s, int64_t step, uint32_t partition,
                        int* idle);
+/* diloco: after outer step `step` completed (not while one is in flight),
+ * merges the session's outer parameters into `local` (dim values, this
+ * rank's own parameters) by compress::MergeOuter: the partitions `step`
+ * synced become the outer ones, or mixing * local + (1 - mixing) * outer by
+ * the job's diloco.mixing; the others are left. */
+int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
+                              uint64_t dim);
 int64_t morse_session_step(morse_session* s);
 /* The sum of squares of the last step's averaged gradient when that step
    clipped it (clip_grad_norm): *present 1 and *value; else *present 0. */

@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 11  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 12  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -72,6 +72,7 @@ def _load():
         "morse_session_finish": ([P, ctypes.POINTER(_Traffic)], I),
         "morse_session_partitions": ([P, ctypes.POINTER(U64), U64, ctypes.POINTER(U64)], I),
         "morse_session_idle": ([P, ctypes.c_int64, ctypes.c_uint32, ctypes.POINTER(I)], I),
+        "morse_session_merge_outer": ([P, I64, P, U64], I),
         "morse_session_step": ([P], I64),
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
@@ -297,6 +298,14 @@ class Session:
         idle = ctypes.c_int()
         _check(_lib.morse_session_idle(self._handle, step, partition, ctypes.byref(idle)))
         return bool(idle.value)
+
+    def merge_outer(self, step, local):
+        """diloco: merges the outer parameters after `step` into `local` (a
+        float32 numpy array of the model's size, this rank's parameters)
+        by the job's rule (compress::MergeOuter: the partitions `step`
+        synced become the outer ones, or a mix by diloco.mixing)."""
+        _check(_lib.morse_session_merge_outer(
+            self._handle, step, _float32_array(local, "local", writable=True), local.size))
 
     @property
     def step_index(self):

@@ -144,7 +144,9 @@ class DiLoCo:
             'optimizer: "diloco"',
             f"diloco {{ sync_every: {sync_every} outer_lr: {outer_lr!r} "
             f"outer_momentum: {outer_momentum!r} nesterov: {'true' if nesterov else 'false'}"
-            + (f" fragments: {fragments}" if fragments > 1 else "") + " }",
+            + (f" fragments: {fragments}" if fragments > 1 else "")
+            + (f" overlap_steps: {overlap_steps}" if overlap_steps else "")
+            + f" mixing: {mixing!r} }}",
             f"lr {{ lr: {outer_lr!r} }}",
             f"steps: {steps}",
         ] + codecs
@@ -315,18 +317,9 @@ class DiLoCo:
         """After outer step `step`: the synced partitions' parameters become
         the outer ones (mixing 0) or mixing * local + (1 - mixing) * outer;
         the other fragments' keep their local progress."""
-        if self.fragments == 1 and self.mixing == 0:
-            self._to_params()
-        else:
-            local = self._local()
-            for q, (b, e) in enumerate(self._partitions):
-                if self._session.idle(step, q):
-                    continue
-                if self.mixing == 0:
-                    local[b:e] = self._x[b:e]
-                else:
-                    local[b:e] = self.mixing * local[b:e] + (1 - self.mixing) * self._x[b:e]
-            self._set_local(local)
+        local = self._local()
+        self._session.merge_outer(step, local.numpy())  # the job's rule, written once
+        self._set_local(local)
         if self._checkpoint and self._session.step_index % self._checkpoint_every == 0:
             self._save_checkpoint()
 
