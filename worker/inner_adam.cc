@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "compress/check.h"
 #include "compress/optimizers/diloco.h"
 #include "compress/update_rules.h"
@@ -41,10 +42,14 @@ absl::StatusOr<double> InnerAdam::Steps(int64_t step, int64_t begin,
               end <= every && taken_ == step * every + begin);
   const int64_t merge_at = step == 0 ? 0 : config_.diloco.overlap_steps;
   double loss = 0;
+  merge_seconds_ = 0;
   for (int64_t h = begin; h < end; ++h) {
-    if (h == merge_at)
+    if (h == merge_at) {
+      const absl::Time start = absl::Now();
       compress::MergeOuter(config_, layout_, step - 1, outer,
                            absl::MakeSpan(x_));
+      merge_seconds_ = absl::ToDoubleSeconds(absl::Now() - start);
+    }
     const int64_t inner = step * every + h;
     auto l = workload.Gradient(inner, x_, absl::MakeSpan(grad_));
     if (!l.ok()) return l.status();

@@ -53,6 +53,9 @@ class InnerAdam {
   absl::StatusOr<double> Steps(int64_t step, int64_t begin, int64_t end,
                                Workload& workload,
                                absl::Span<const float> outer);
+  // Seconds the last Steps call spent merging the outer parameters (not an
+  // inner step's time: StepRecord.inner_step_seconds leaves it out).
+  double merge_seconds() const { return merge_seconds_; }
   // x_outer - x_local to `pseudo_gradient`.
   void PseudoGradient(absl::Span<const float> outer,
                       absl::Span<float> pseudo_gradient) const;
@@ -101,6 +104,7 @@ class InnerAdam {
   compress::LrSchedule schedule_;  // over inner steps
   std::vector<float> x_, m_, v_, grad_;
   int64_t taken_ = 0;
+  double merge_seconds_ = 0;
 };
 
 }  // namespace morse::worker

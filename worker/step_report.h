@@ -39,8 +39,9 @@ struct StepRecord {
   double loss = 0;
   double step_seconds = 0, compute_seconds = 0, comm_seconds = 0;
   // diloco: an inner step's seconds where it ran alone (the first H - 1 of
-  // the step's inner steps; the last shares the host with the exchange);
-  // 0 when not measured.
+  // the step's inner steps, the last sharing the host with the exchange;
+  // with overlap_steps tau, the H - tau after the reply), without the merge
+  // of the outer parameters; 0 when not measured.
   double inner_step_seconds = 0;
   StepTraffic traffic;
   // TCP bytes sent and received during the step (worker/wire_counter.h)

@@ -255,7 +255,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     if (!alone.ok()) return alone.status();
     record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     record.inner_step_seconds =
-        record.compute_seconds / static_cast<double>(every - begin);
+        (record.compute_seconds - inner_->merge_seconds()) /
+        static_cast<double>(every - begin);
     inner_->PseudoGradient(replica.x(), absl::MakeSpan(pseudo_gradient_));
     if (absl::Status s = session_->Begin(pseudo_gradient_); !s.ok()) return s;
     for (const compress::Partition& p : session_->layout().partitions()) {
@@ -285,7 +286,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     if (inner_->steps() > 1) {
       record.inner_step_seconds =
-          record.compute_seconds / static_cast<double>(inner_->steps() - 1);
+          (record.compute_seconds - inner_->merge_seconds()) /
+          static_cast<double>(inner_->steps() - 1);
     }
     if (absl::Status s = session_->Begin(pseudo_gradient_); !s.ok()) return s;
     double lanes[4] = {0, 0, 0, 0};
@@ -309,7 +311,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     if (!loss.ok()) return loss.status();
     record.compute_seconds = absl::ToDoubleSeconds(absl::Now() - step_start);
     record.inner_step_seconds =
-        record.compute_seconds / static_cast<double>(inner_->steps());
+        (record.compute_seconds - inner_->merge_seconds()) /
+        static_cast<double>(inner_->steps());
     if (absl::Status s = session_->Step(pseudo_gradient_, &record.traffic);
         !s.ok())
       return s;

@@ -387,6 +387,8 @@ def main():
                    help="every Morse daemon writes its step timeline (--trace) to DIR, one file per "
                         "scheme, rate, D and daemon: tests/bench/trace_summary.py DIR/SCHEME-*.json "
                         "says where each step's time goes")
+    p.add_argument("--sync-every", type=int, metavar="H",
+                   help="the diloco schemes' sync_every (default 10): inner steps per outer step")
     p.add_argument("--build", default=os.environ.get("MORSE_BUILD_DIR", os.path.join(ROOT, "build")))
     a = p.parse_args()
     if os.geteuid() != 0:
@@ -396,6 +398,14 @@ def main():
     if a.partition_elems < 0 or a.partition_elems % 2048:
         p.error("--partition-elems must be 0 (the job's default) or a positive multiple of 2048 "
                 "(block_elems)")
+    if a.sync_every is not None:
+        for name in INNER_STEPS:
+            fragments = 2 if name == "diloco_streaming" else 1
+            if name in a.schemes and (a.sync_every < 3 or a.sync_every % fragments):
+                p.error(f"--sync-every {a.sync_every}: {name} needs at least 3 (diloco_overlap "
+                        f"overlaps 2 inner steps) and a multiple of its {fragments} fragment(s)")
+            SCHEMES[name] = SCHEMES[name].replace("sync_every: 10", f"sync_every: {a.sync_every}")
+            INNER_STEPS[name] = a.sync_every // fragments
     if a.quick:
         a.rates, a.dims, a.workers, a.shards, a.steps = [1], [1_000_000], [1], [1], 4
         a.schemes, a.peers = ["fp32", "onebit"], ["ddp_fp32"]

@@ -172,6 +172,7 @@ def streaming_worker(out, overlap, phase):
             except morse.torch.MorseError as e:
                 check(words in str(e), f"merge_outer: {e}")
                 check(np.array_equal(bad, kept), "a refused merge changed the parameters")
+                print(f"refused merge_outer({step}, {bad.size} values): {e}")
     first = 0
     if phase == "resume":
         opt.load_state_dict(torch.load(f"{out}/state-{rank}.pt"))
