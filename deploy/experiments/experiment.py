@@ -69,7 +69,7 @@ PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
          # exchange users would otherwise pick for 1-bit Adam.
          "onebit_allreduce": None}
-FIELDS = ["kind", "scheme", "rate_gbit", "dim", "workers", "shards", "steps_measured",
+FIELDS = ["kind", "scheme", "inner_steps", "rate_gbit", "dim", "workers", "shards", "steps_measured",
           "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s", "comm_rank0_median_s",
           "comm_round_median_s", "payload_bytes_per_step",
           "wire_bytes_per_step", "rounds_per_step", "step_over_compute", "floor_s", "ceiling_up_gbps",
@@ -290,7 +290,8 @@ log_every: 1000
     inner = INNER_STEPS.get(scheme, 1)
     alone = [inner * r["inner_step_seconds"] if "inner_step_seconds" in r else r["compute_seconds"]
              for r in measured]
-    return {"steps_measured": len(measured), "step_median_s": center(steps_s) / inner,
+    return {"inner_steps": inner if scheme in INNER_STEPS else "",
+            "steps_measured": len(measured), "step_median_s": center(steps_s) / inner,
             "step_p25_s": q[0] / inner, "step_p75_s": q[2] / inner,
             "comm_median_s": center(comm) / inner,
             "comm_rank0_median_s": center(r["comm_seconds"] for r in measured) / inner,
