@@ -306,7 +306,7 @@ def worker(task, optimizer):
         inner = torch.optim.Adam(model.parameters(), lr=lr)
         outer_lr, outer_momentum = (float(v) for v in
                                     os.environ.get("MORSE_DILOCO_OUTER", "0.7,0.9").split(","))
-        streaming = {}
+        streaming = dict(overlap_steps=overlap)
         if fragments > 1:
             # The largest partitions whose count F divides (one shard).
             dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
