@@ -334,6 +334,13 @@ def worker(task, optimizer):
                 pushed += opt.last_sync["bytes_up"]
         else:
             pushed += opt.last_step.get("bytes_up", 0)
+    if isinstance(opt, morse.torch.DiLoCo):
+        # With overlap_steps the last sync is still in flight: the model
+        # evaluated holds it, as it would without the overlap.
+        syncs = opt.step_index
+        opt.flush()
+        if opt.step_index != syncs:
+            pushed += opt.last_sync["bytes_up"]
     if rank == 0:
         loss, acc = task.evaluate(model)
         print("RESULT " + json.dumps({"loss": loss, "accuracy": acc,

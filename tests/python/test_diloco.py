@@ -194,14 +194,24 @@ def streaming_worker(out, overlap, phase):
     opt._merge = spy
     checksums = []
     period = STREAM_SYNC_EVERY // FRAGMENTS
-    for step in range(first, period * STREAM_SYNCS + overlap):
-        if phase == "save" and step == STREAM_SAVE_AT:
-            torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
-            return
-        opt.zero_grad()
-        backward(model, step, rank)
+    # With the overlap, the last sync is still in flight after the last
+    # step(): flush() applies it (a step later than step() would have).
+    for step in range(first, period * STREAM_SYNCS + 1):
         done = opt.step_index
-        opt.step()
+        if step == period * STREAM_SYNCS:
+            if not overlap:
+                break
+            opt.flush()
+            check(opt.step_index == done + 1, "flush() did not apply the last sync")
+            opt.flush()  # nothing in flight: nothing happens
+            check(opt.step_index == done + 1, "a second flush() took a step")
+        else:
+            if phase == "save" and step == STREAM_SAVE_AT:
+                torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
+                return
+            opt.zero_grad()
+            backward(model, step, rank)
+            opt.step()
         if opt.step_index == done:
             continue
         outer = done

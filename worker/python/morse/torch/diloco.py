@@ -304,6 +304,15 @@ class DiLoCo:
         self._session.send_partitions(list(range(len(self._partitions))))
         self._in_flight = (step, self._inner_steps + self.overlap_steps)
 
+    def flush(self):
+        """Applies the sync in flight (overlap_steps) now: waits for its
+        outer step and merges it into the parameters, as step() does
+        overlap_steps inner steps after the sync began. Call it after the
+        last step() so that the model holds the last sync; nothing happens
+        when no sync is in flight."""
+        if self._in_flight is not None:
+            self._apply()
+
     @torch.no_grad()
     def _apply(self):
         """The sync in flight (overlap_steps): its outer step, then the merge."""
