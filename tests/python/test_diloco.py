@@ -164,6 +164,7 @@ def streaming_worker(out, overlap, phase):
         # size and a step not completed, leaving the parameters as they are.
         local = opt._local().numpy()
         for bad, step, words in ((np.zeros(5, np.float32), 0, "local holds 5 values"),
+                                 (local, -1, "step -1: an outer step"),
                                  (local, 0, "outer step 0 has not completed")):
             kept = bad.copy()
             try:

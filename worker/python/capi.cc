@@ -456,6 +456,10 @@ int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
           absl::StrCat("local holds ", dim, " values, the model ",
                        s->session->layout().spec().dim));
     }
+    if (step < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", step, ": an outer step, at least 0"));
+    }
     if (step >= s->session->step()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "outer step ", step, " has not completed (the session is at step ",

@@ -131,8 +131,8 @@ int morse_session_partitions(morse_session* s, uint64_t* ranges,
  * diloco's fragments not due, compress::Idle), else *idle 0. */
 int morse_session_idle(morse_session* s, int64_t step, uint32_t partition,
                        int* idle);
-/* diloco: after outer step `step` completed (not while one is in flight),
- * merges the session's outer parameters into `local` (dim values, this
+/* diloco: after outer step `step` (>= 0) completed (not while one is in
+ * flight), merges the session's outer parameters into `local` (dim values, this
  * rank's own parameters) by compress::MergeOuter: the partitions `step`
  * synced become the outer ones, or mixing * local + (1 - mixing) * outer by
  * the job's diloco.mixing; the others are left. */
