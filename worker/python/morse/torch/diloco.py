@@ -60,7 +60,8 @@ class DiLoCo:
     job's partitions) syncs one of F fragments every sync_every / F steps
     (Streaming DiLoCo); overlap_steps=tau (less than sync_every / F) applies
     each sync tau inner steps after it began, mixing the fragment's local
-    parameters with the new outer ones by `mixing`. Learning-rate schedulers take the inner
+    parameters with the new outer ones by `mixing` (flush() after the last
+    step() applies the sync still in flight). Learning-rate schedulers take the inner
     optimizer. Rank 0's initial parameters become every rank's. Every rank
     holds bit-identical outer parameters after each sync, as do the shards'
     mirrors and the simulator fed the same pseudo-gradients.
