@@ -402,9 +402,10 @@ def main():
     if a.sync_every is not None:
         for name in INNER_STEPS:
             fragments = 2 if name == "diloco_streaming" else 1
-            if name in a.schemes and (a.sync_every < 3 or a.sync_every % fragments):
-                p.error(f"--sync-every {a.sync_every}: {name} needs at least 3 (diloco_overlap "
-                        f"overlaps 2 inner steps) and a multiple of its {fragments} fragment(s)")
+            least = 3 if name == "diloco_overlap" else fragments  # it overlaps 2 inner steps
+            if name in a.schemes and (a.sync_every < least or a.sync_every % fragments):
+                p.error(f"--sync-every {a.sync_every}: {name} needs at least {least} and a "
+                        f"multiple of its {fragments} fragment(s)")
             SCHEMES[name] = SCHEMES[name].replace("sync_every: 10", f"sync_every: {a.sync_every}")
             INNER_STEPS[name] = a.sync_every // fragments
     if a.quick:
