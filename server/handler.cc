@@ -169,6 +169,19 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
     out->assign(state.x.size(), 0.0f);
   };
   floats(request.x(), "x", &state.x);
+  if (request.replace_x()) {
+    if (!status.ok()) return status;
+    if (!request.m().empty() || !request.v().empty() ||
+        !request.server_error().empty() || request.m_zero() ||
+        request.v_zero() || request.state_size() > 0) {
+      return absl::InvalidArgumentError(
+          "replace_x carries x alone: m, v, server_error and state must be "
+          "empty");
+    }
+    return (*core)->ReplaceX(request.rank(), request.partition(),
+                             request.layout_fingerprint(),
+                             request.completed_steps(), state.x);
+  }
   array(request.m(), request.m_zero(), "m", &state.m);
   array(request.v(), request.v_zero(), "v", &state.v);
   floats(request.server_error(), "server_error", &state.server_error);

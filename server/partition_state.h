@@ -96,6 +96,9 @@ struct ShardCore::PartitionState {
   std::deque<Answered> history ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
   bool restored ABSL_GUARDED_BY(mu) = false;
+  // The step whose pushes must carry the hash of x: x was replaced before
+  // it (ShardCore::ReplaceX); -1 for none.
+  int64_t x_replaced_step ABSL_GUARDED_BY(mu) = -1;
 
   // Forgets the pending step's pushes (completed, expired or aborted).
   void ClearPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {

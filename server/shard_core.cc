@@ -351,19 +351,43 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
         " by a max_norm of its own, but the job clips by clip_grad_norm ",
         job_.algorithm.clip_grad_norm));
   }
-  if (args.x_hash.has_value() && args.step == 0 && p.next_step == 0) {
+  // At the step after rank 0 replaced x (ReplaceX) every push must show
+  // the model it was computed from.
+  const bool replaced =
+      p.x_replaced_step == args.step && p.next_step == args.step;
+  if (replaced && !args.x_hash.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank 0 changed the weights after step ", args.step - 1,
+        " and rank ", args.rank,
+        " did not (its push of partition ", args.partition, " at step ",
+        args.step,
+        " was computed from the old ones): change the weights the same way "
+        "on every rank"));
+  }
+  if (args.x_hash.has_value() &&
+      ((args.step == 0 && p.next_step == 0) || replaced)) {
     // Before the first step the mirror's x is the job's initial model:
     // rank 0's, or what it restored (a model loaded after the optimizer
-    // was built, morse.torch's reload).
+    // was built, morse.torch's reload); after a ReplaceX, rank 0's new x.
     const uint64_t offset = p.partition.range.begin - range_.begin;
     if (compress::BytesHash(mirror_.x().data() + offset,
                             p.partition.range.size() * sizeof(float)) !=
         *args.x_hash) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", args.rank, "'s parameters in partition ", args.partition,
-          " are not the job's at step 0 (rank 0's): every rank must load "
-          "the same weights, and load them on every rank if one does after "
-          "building the optimizer"));
+      return absl::FailedPreconditionError(
+          args.step == 0
+              ? absl::StrCat("rank ", args.rank, "'s parameters in partition ",
+                             args.partition,
+                             " are not the job's at step 0 (rank 0's): every "
+                             "rank must load the same weights, and load them "
+                             "on every rank if one does after building the "
+                             "optimizer")
+              : absl::StrCat("rank ", args.rank, "'s parameters in partition ",
+                             args.partition, " at step ", args.step,
+                             " are not the ones rank 0 changed them to after "
+                             "step ",
+                             args.step - 1,
+                             ": change the weights the same way on every "
+                             "rank"));
     }
   }
   if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
@@ -1211,6 +1235,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   p.whole_state = WholeArrays(job_, state.state);
   p.next_step = state.completed_steps;
   p.restored = true;
+  p.x_replaced_step = -1;
   p.mirror_pending = false;
   p.awaiting_commit = false;
   p.committed_norm.reset();
@@ -1223,6 +1248,82 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   MutexLock progress(&progress_mu_);
   observed_step_ = state.completed_steps - 1;
   completions_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
+                                 uint64_t layout_fingerprint, int64_t step,
+                                 absl::Span<const float> x) {
+  if (absl::Status s = CheckCommon(rank, partition, layout_fingerprint);
+      !s.ok())
+    return s;
+  if (rank != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "only rank 0 gives the shards changed weights, not rank ", rank));
+  }
+  if (job_.elastic()) {
+    return absl::FailedPreconditionError(
+        "weights cannot change after a step in an elastic job (min_workers "
+        "below workers): rank 0 may be out of a step's membership");
+  }
+  PartitionState& p =
+      *partitions_[partition - layout_.shard_partitions(shard_).front().id];
+  const uint64_t offset = p.partition.range.begin - range_.begin,
+                 n = p.partition.range.size();
+  if (x.size() != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "partition ", partition, " has ", n, " elements, not ", x.size()));
+  }
+  for (float f : x) {
+    if (!std::isfinite(f)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the new weights of partition ", partition, " hold Inf or NaN"));
+    }
+  }
+  bool all = false;
+  {
+    MutexLock lock(&p.mu);
+    if (!p.initialized) {
+      return absl::UnavailableError(
+          absl::StrCat("partition ", partition, " has no parameters yet"));
+    }
+    if (p.awaiting_commit) {
+      return absl::UnavailableError(absl::StrCat(
+          "partition ", partition, " waits for step ", p.next_step - 1,
+          "'s commit"));
+    }
+    ApplyMirror(p);
+    float* mirror = mirror_.x().data() + offset;
+    if (p.x_replaced_step == step &&
+        std::memcmp(mirror, x.data(), n * sizeof(float)) == 0) {
+      return absl::OkStatus();  // again (rank 0 restarted and replaying)
+    }
+    if (step != p.next_step || step != NextExchange(p)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", partition, " has completed ", p.next_step,
+          " steps and pushes step ", NextExchange(p),
+          " next; weights change between two steps, the second one "
+          "exchanging (rank 0 asked before step ",
+          step, ")"));
+    }
+    if (p.arrived > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", p.hyper_rank, " pushed step ", step, " of partition ",
+          partition,
+          " from the weights before the change: change the weights the same "
+          "way on every rank, before its step()"));
+    }
+    std::copy(x.begin(), x.end(), mirror);
+    p.x_replaced_step = step;
+    MutexLock progress(&progress_mu_);
+    if (replaced_step_ != step) {
+      replaced_step_ = step;
+      replaced_.clear();
+    }
+    replaced_.insert(partition);
+    all = replaced_.size() == partitions_.size();
+  }
+  if (all && replace_observer_) replace_observer_(step, *this);
   return absl::OkStatus();
 }
 

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -69,8 +70,8 @@ struct PushArgs {
   // step's reply left out then (PushRequest.replay_absent), ascending; the
   // step is recomputed with that membership.
   std::optional<std::vector<uint32_t>> replay_absent;
-  // Step 0: the hash of the worker's x over the partition
-  // (PushRequest.x_hash), checked against the mirror's before any step.
+  // Step 0, and the step after a ReplaceX: the hash of the worker's x over
+  // the partition (PushRequest.x_hash), checked against the mirror's.
   std::optional<uint64_t> x_hash;
 };
 
@@ -272,6 +273,27 @@ class ShardCore {
   absl::Status RestorePartition(uint32_t rank, uint32_t partition,
                                 uint64_t layout_fingerprint,
                                 const PartitionSnapshot& state);
+  // Rank 0 replaces one partition's x between two steps of a job that has
+  // trained (weights changed after a step: design.md 4): `step` must be
+  // the partition's next one, with no push of it arrived yet; the rest of
+  // its state (m, v, error buffers, kept replies) is kept. The pushes of
+  // `step` must then carry the hash of this x (PushRequest.x_hash), so a
+  // rank that did not change its weights the same way fails that step.
+  // The same x again is OK and changes nothing (rank 0 restarted and
+  // replaying). FAILED_PRECONDITION for another rank, another step, a push
+  // of `step` already in or an elastic job; UNAVAILABLE while the last
+  // step waits for its commit; INVALID_ARGUMENT for a wrong size or
+  // non-finite values; nothing changes on any error. Once every partition
+  // of the shard holds its new x, the replace observer runs (the runtime
+  // writes a checkpoint at once, so a restart cannot replay around it).
+  absl::Status ReplaceX(uint32_t rank, uint32_t partition,
+                        uint64_t layout_fingerprint, int64_t step,
+                        absl::Span<const float> x);
+  using ReplaceObserver =
+      std::function<void(int64_t step, const ShardCore& core)>;
+  void SetReplaceObserver(ReplaceObserver observer) {
+    replace_observer_ = std::move(observer);
+  }
 
   // Cheap: counters and per-partition progress (the mirror checksum is
   // MirrorChecksum(), a pass over the shard).
@@ -366,6 +388,7 @@ class ShardCore {
   compress::ErrorFeedback server_error_;
   std::vector<std::unique_ptr<PartitionState>> partitions_;
   StepObserver observer_;
+  ReplaceObserver replace_observer_;
   Wakeup wakeup_;
 
   // Taken inside a partition's lock, never around one.
@@ -382,6 +405,9 @@ class ShardCore {
   uint64_t rejected_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t dropped_ ABSL_GUARDED_BY(progress_mu_) = 0;
   uint64_t straggler_steps_ ABSL_GUARDED_BY(progress_mu_) = 0;
+  // The partitions whose x was replaced before step replaced_step_.
+  int64_t replaced_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
+  std::set<uint32_t> replaced_ ABSL_GUARDED_BY(progress_mu_);
 
   // Completes partitions when compute_threads > 0 (Create); destroyed
   // first, so what it runs finds the partitions alive.

@@ -82,6 +82,14 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job,
       [this, every, log_every, slack](int64_t step, const ShardCore& c) {
         StepCompleted(step, c, every, log_every, slack);
       });
+  // Weights changed after a step (ShardCore::ReplaceX) are on disk before
+  // rank 0 learns they are in: a restart from an older checkpoint would
+  // replay the steps between without the change (design.md 4).
+  core.SetReplaceObserver([this](int64_t step, const ShardCore& c) {
+    if (checkpoints_ == nullptr) return;
+    SaveCheckpoint(c, absl::StrCat("weights changed before step ", step).c_str());
+    checkpoints_->Flush();
+  });
   core.SetWakeup([this](absl::Time deadline) {
     MutexLock lock(&wake_mu_);
     wake_at_ = std::min(wake_at_, deadline);

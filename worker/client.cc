@@ -296,6 +296,38 @@ absl::Status PushClient::RestoreModel(
   return absl::OkStatus();
 }
 
+absl::Status PushClient::ReplaceX(int64_t step, absl::Span<const float> x) {
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  for (const compress::Partition& p : layout_.partitions()) {
+    v1::PartitionState request;
+    request.set_rank(rank_);
+    request.set_partition(p.id);
+    request.set_layout_fingerprint(layout_.fingerprint());
+    request.set_completed_steps(step);
+    request.set_replace_x(true);
+    request.set_x(reinterpret_cast<const char*>(x.data() + p.range.begin),
+                  4 * p.range.size());
+    for (;;) {
+      v1::RestorePartitionReply reply;
+      const absl::Status status =
+          Wait(&Transport::RestorePartition, *transport_, p.shard, request,
+               &reply, Options(job_.rpc_timeout_seconds, p.id));
+      if (status.ok()) break;
+      // The partition's last step waits for its commit (rank 0's own, on
+      // its way): ask again.
+      if (absl::IsUnavailable(status) && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(20));
+        continue;
+      }
+      return RpcError(status, absl::StrCat("changing the weights of partition ",
+                                           p.id, " on ",
+                                           transport_->address(p.shard)));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<int64_t> PushClient::CompletedSteps() {
   auto infos = ShardInfos();
   if (!infos.ok()) return infos.status();

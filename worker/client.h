@@ -106,6 +106,12 @@ class PushClient {
                             absl::Span<const float> server_error,
                             absl::Span<const compress::NamedState> own = {});
 
+  // Rank 0: gives every shard the model's changed x between steps, before
+  // step `step` (ShardCore::ReplaceX), partition by partition. A partition
+  // still waiting for its last step's commit is asked again, up to
+  // timeouts.connect_seconds.
+  absl::Status ReplaceX(int64_t step, absl::Span<const float> x);
+
   // The steps every partition of every shard has completed (the least).
   absl::StatusOr<int64_t> CompletedSteps();
 

@@ -334,8 +334,9 @@ void Session::StartExchange() {
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
                  previous_commit_, workers_clip_ && clips_average_,
-                 step == 0 ? absl::Span<const float>(replica_.x())
-                           : absl::Span<const float>()},
+                 step == 0 || step == x_hash_step_
+                     ? absl::Span<const float>(replica_.x())
+                     : absl::Span<const float>()},
       /*parallel_encode=*/true);
   buffers_.clear();
 }
@@ -867,17 +868,29 @@ absl::Status Session::ReloadModel() {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
-  if (step_ != 0 || *held != 0) {
+  if (*held > step_) {
+    // A rank restarted from its checkpoint and replaying steps the shards
+    // have completed: they changed the weights then; this rank's replayed
+    // pushes are checked against the ones it made (their hashes).
+    return absl::OkStatus();
+  }
+  if (*held < step_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the shards hold step ", *held, " and this worker is at step ", step_,
+        " (zero_one_adam's local steps do not reach them): weights change "
+        "after a step that exchanged, before one that exchanges"));
+  }
+  if (step_ > 0 && job_.elastic()) {
     return absl::FailedPreconditionError(
-        absl::StrCat("the job has trained (this worker is at step ", step_,
-                     ", the shards hold step ", *held,
-                     "): weights are replaced before the first step only"));
+        "weights cannot change after a step in an elastic job (min_workers "
+        "below workers): rank 0 may be out of a step's membership");
   }
   // From here a failure leaves the ranks with different models: it stops
   // the job, so the others learn why at once instead of waiting for this
   // rank's pushes.
   if (absl::Status s = SyncHost(); !s.ok()) return Fail(s);
   const uint64_t dim = job_.algorithm.layout.dim;
+  if (step_ > 0) return ReplaceModel();
   if (rank_ == 0) {
     const std::vector<float> server_error(dim, 0.0f);
     absl::Status s =
@@ -916,6 +929,47 @@ absl::Status Session::ReloadModel() {
           job_.connect_timeout_seconds,
           " s (timeouts.connect_seconds) rank 0 did not give the shards the "
           "same ones: load the same weights on every rank")));
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+absl::Status Session::ReplaceModel() {
+  const uint64_t dim = job_.algorithm.layout.dim;
+  if (rank_ == 0) {
+    absl::Status s = client_->ReplaceX(step_, replica_.x());
+    if (absl::IsFailedPrecondition(s)) {
+      s = absl::FailedPreconditionError(absl::StrCat(
+          s.message(), " (rank 0 changed its weights after step ", step_ - 1,
+          ")"));
+    }
+    if (!s.ok()) return Fail(s);
+    x_hash_step_ = step_;
+    return s;
+  }
+  compress::Replica shards(job_.algorithm, compress::Range{0, dim});
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  for (;;) {
+    // UNAVAILABLE: a partition waits for its commit; FAILED_PRECONDITION:
+    // partitions between steps.
+    auto steps = client_->FetchModel(shards);
+    if (!steps.ok() && !absl::IsFailedPrecondition(steps.status()) &&
+        !absl::IsUnavailable(steps.status())) {
+      return Fail(steps.status());
+    }
+    if (steps.ok() && *steps == step_ &&
+        std::memcmp(shards.x().data(), replica_.x().data(),
+                    dim * sizeof(float)) == 0) {
+      x_hash_step_ = step_;
+      return absl::OkStatus();
+    }
+    if (absl::Now() > deadline) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank_, " changed its weights after step ", step_ - 1,
+          ", but within ", job_.connect_timeout_seconds,
+          " s (timeouts.connect_seconds) rank 0 did not give the shards the "
+          "same ones: change the weights the same way on every rank")));
     }
     absl::SleepFor(absl::Milliseconds(100));
   }

@@ -190,15 +190,21 @@ class Session {
                        const OwnState* own = nullptr);
   // This worker's OwnState (state_dict), between steps.
   absl::StatusOr<OwnState> SavedOwn();
-  // Before the job's first step, the model as the caller changed it since
-  // the session started (morse.torch: weights loaded after the optimizer
-  // was built) becomes the job's: rank 0 restores the shards with its x
-  // (the rest of the state as it is: zero at step 0); every other rank
-  // waits, up to the connect timeout, until the shards hold the same x as
-  // its own. Its pushes of step 0 then carry x's hash (PushRequest.x_hash),
-  // so a rank that changed nothing while rank 0 did, or the reverse, fails
-  // that step with FAILED_PRECONDITION. FAILED_PRECONDITION, nothing
-  // changed, after the first step or in one.
+  // Between steps, the model as the caller changed it (morse.torch:
+  // weights loaded after the optimizer was built, or changed after a step:
+  // a clamp_, a load_state_dict) becomes the job's. Before the first step
+  // rank 0 restores the shards with its x (the rest of the state as it
+  // is: zero at step 0); after a step it replaces their x alone
+  // (PushClient::ReplaceX; m, v and the error buffers go on). Every other
+  // rank waits, up to the connect timeout, until the shards hold the same
+  // x as its own. Its pushes of the next step then carry x's hash
+  // (PushRequest.x_hash), so a rank that changed nothing while rank 0 did,
+  // or the reverse, fails that step with FAILED_PRECONDITION. A rank
+  // behind the shards (restarted, replaying) changes nothing there: the
+  // hashes of its replayed pushes check its model (design.md 4).
+  // FAILED_PRECONDITION, nothing changed, in a step, in an elastic job
+  // after the first step, or where the shards are at an earlier step
+  // (zero_one_adam's local interval).
   absl::Status ReloadModel();
   // Whether the shards hold this worker's x (after SyncHost) at the step it
   // is at, between steps: morse.torch asks when parameters were written
@@ -249,6 +255,8 @@ class Session {
   // shards (PushClient::Abort) so every other worker fails with it too;
   // not in an elastic job, which goes on without this worker.
   absl::Status Fail(absl::Status status);
+  // ReloadModel after the first step, the host's x current.
+  absl::Status ReplaceModel();
   // The shards' model into replica_ once every partition is at the same
   // step (retried up to the connect timeout): the step.
   absl::StatusOr<int64_t> FetchSteadyModel();
@@ -271,6 +279,9 @@ class Session {
   // after the exchange and the engine that use it, before the client.
   std::unique_ptr<compress::ComputePool> pool_;
   int64_t step_ = 0;
+  // The step whose pushes carry x's hash (PushRequest.x_hash): 0, or the
+  // step after weights were changed (ReloadModel).
+  int64_t x_hash_step_ = 0;
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
   std::vector<compress::StepHyper> hyper_;  // see SetStepHyper

@@ -120,7 +120,7 @@ def worker(mode):
             schedulers.append(warm)
             schedulers.append(torch.optim.lr_scheduler.StepLR(o, step_size=6, gamma=0.5))
     worst = 0.0
-    clipped = 0
+    clipped = clamped = 0
     for step in range(20):
         if schedules and step == 10:
             for o in (opt, ref_opt):  # a manual change of the weight decay
@@ -190,11 +190,23 @@ def worker(mode):
         ref_opt.step()
         for sched in schedulers:
             sched.step()
+        if mode == "weights":
+            # Weights changed after a step, as DDP scripts do: a WGAN critic's
+            # clamp_ after every step, and halved weights loaded at step 10.
+            with torch.no_grad():
+                clamped += sum(int((p.abs() > 0.2).sum()) for p in model.parameters())
+                for m_ in (model, reference):
+                    if step == 10:
+                        m_.load_state_dict({k: v * 0.5 for k, v in m_.state_dict().items()})
+                    for p in m_.parameters():
+                        p.clamp_(-0.2, 0.2)
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
     if clip or clip_after or edit:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
+    if mode == "weights":
+        check(clamped > 0, "the clamp never acted")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
             "accumulate": "accumulating two backward() calls, rank 0 with no argument and "
                           "zero_grad(set_to_none=True)",
@@ -205,6 +217,8 @@ def worker(mode):
                     f"{clipped} steps",
             "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
             "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
+            "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
+                       "halved weights loaded after step 10",
             }.get(mode, "constant")
     print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
 
@@ -295,7 +309,8 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit", "no_sync",
-                 "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups"):
+                 "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
+                 "weights"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -2,9 +2,13 @@
 into the model after the optimizer was built: before the first step they
 become the job's, bit for bit as if they had been loaded before building
 it; a rank that loads them when rank 0 does not (or the reverse) fails the
-job at step 0 with a message saying to load them on every rank, and a
-change after a step is still refused, while weights swapped out (an
-evaluation's) and restored bit for bit after a step train on unchanged. Several parameter groups with the
+job at step 0 with a message saying to load them on every rank. Weights
+changed after a step (a load_state_dict, a WGAN-style clamp_ after every
+step), on every rank alike, become the job's: the shard's mirror equals
+every rank's model after every step, also in steps that clip; a change on
+one rank only stops the job, saying to change them on every rank. Weights
+swapped out (an evaluation's) and restored bit for bit after a step train
+on unchanged. Several parameter groups with the
 same lr and weight_decay train bit for bit as one; a group set apart later
 is refused, naming the step. Groups built with their own lr and
 weight_decay train apart: one with lr 0 stays bit for bit as loaded while
@@ -79,8 +83,12 @@ def worker(out, mode):
                 with torch.no_grad():
                     model(torch.ones(1, 6).to(model[0].weight.device))
                 model.load_state_dict(kept)
-            if mode == "late" and step == 2:
+            if mode in ("late", "late_clip", f"late_rank{rank}_only") and step == 2:
                 model.load_state_dict(pretrained)
+            if mode == "late_clamp":  # a WGAN critic's weight clipping
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.clamp_(-0.1, 0.1)
             if mode == "groups_apart" and step == 2:
                 opt.param_groups[1]["lr"] = 0.02
     except (morse.torch.MorseError, ValueError) as e:
@@ -96,6 +104,22 @@ def run(mode, config=None, servers=2, extra=(), out=None):
     print(log[-3000:])
     ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(2)]
     return code, ranks
+
+
+def run_logged(mode, config=None):
+    """run() on one shard whose mirror logs its checksum after every step (a
+    morse-server wrapper adds --state_log); also returns those checksums."""
+    out = tempfile.mkdtemp(prefix=f"morse-load-{mode}-")
+    wrapper = os.path.join(out, "morse-server")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\nexec "{morse.run._find_server()}" "$@" '
+                f'--state_log="{out}/state.jsonl"\n')
+    os.chmod(wrapper, 0o755)
+    code, ranks = run(mode, config, servers=1, extra=["--server-bin", wrapper], out=out)
+    path = f"{out}/state.jsonl"
+    mirror = ([json.loads(line)["mirror_checksum"] for line in open(path)]
+              if os.path.exists(path) else [])
+    return code, ranks, mirror
 
 
 if __name__ == "__main__":
@@ -153,11 +177,25 @@ if __name__ == "__main__":
     print("ok: weights swapped out and restored bit for bit after a step train on unchanged, "
           "also in steps that clip (whose shards wait for rank 0's commit)")
 
-    code, late = run("late")
-    for r in range(2):
-        check("changed outside the optimizer after step 2" in late[r]["error"],
-              f"rank {r}: a change after a step was not refused: {late[r]['error']!r}")
-    print("ok: weights changed after a step are still refused, naming the step")
+    for mode in ("late", "late_clip", "late_clamp"):
+        code, late, mirror = run_logged(mode)
+        check(code == 0 and not late[0]["error"] and not late[1]["error"],
+              f"{mode}: weights changed after a step: {late[0]['error']} {late[1]['error']}")
+        check(late[0]["bits"] == late[1]["bits"], f"{mode}: the ranks differ")
+        check(len(mirror) == 6 and late[0]["checksums"] == mirror == late[1]["checksums"],
+              f"{mode}: the shard's mirror is not the workers' model: {mirror} vs "
+              f"{late[0]['checksums']}")
+    print("ok: weights changed after a step on every rank (a load_state_dict after step 2, with "
+          "and without clip_grad_norm_, and a clamp_ after every step) become the job's: the "
+          "shard's mirror equals every rank's model after all 6 steps")
+    for mode in ("late_rank0_only", "late_rank1_only"):
+        code, ranks, _ = run_logged(mode, config)
+        errors = [got["error"] for got in ranks]
+        check(all(errors), f"{mode}: every rank must fail: {errors}")
+        check(any("same way on every rank" in e for e in errors),
+              f"{mode}: no error says to change the weights on every rank: {errors}")
+        print(f"ok: {mode}: the job stopped at step 3, saying to change the weights the same way "
+              "on every rank")
 
     code, groups = run("groups")
     check(code == 0, "the job with two parameter groups failed")
@@ -172,14 +210,8 @@ if __name__ == "__main__":
     print("ok: two parameter groups alike train bit for bit as one; one set apart is refused")
 
     # Groups built apart, on one shard whose mirror logs its checksum after
-    # every step (a morse-server wrapper adds --state_log).
-    out = tempfile.mkdtemp(prefix="morse-load-groups_own-")
-    wrapper = os.path.join(out, "morse-server")
-    with open(wrapper, "w") as f:
-        f.write(f'#!/bin/sh\nexec "{morse.run._find_server()}" "$@" '
-                f'--state_log="{out}/state.jsonl"\n')
-    os.chmod(wrapper, 0o755)
-    code, own = run("groups_own", servers=1, extra=["--server-bin", wrapper], out=out)
+    # every step.
+    code, own, mirror = run_logged("groups_own")
     check(code == 0 and not own[0]["error"] and not own[1]["error"],
           f"groups with their own lr and weight_decay failed: {own[0]['error']} {own[1]['error']}")
     pretrained = [p.reshape(-1).view(torch.int32).tolist() for p in build(7).state_dict().values()]
@@ -187,7 +219,6 @@ if __name__ == "__main__":
           "the group with lr 0 and weight_decay 0 moved")
     check(own[0]["bits"][2:] != pretrained[2:], "the other group did not train")
     check(own[0]["bits"] == own[1]["bits"], "the ranks differ")
-    mirror = [json.loads(line)["mirror_checksum"] for line in open(f"{out}/state.jsonl")]
     check(len(mirror) == 6 and own[0]["checksums"] == mirror == own[1]["checksums"],
           f"the shard's mirror is not the workers' model: {mirror} vs {own[0]['checksums']}")
     print("ok: groups built with their own lr and weight_decay train apart (OneBitAdam, a group "

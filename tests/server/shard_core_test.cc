@@ -4,6 +4,7 @@
 #include "server/shard_core.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -440,6 +441,102 @@ TEST_F(ShardCoreTest, AStepZeroPushFromAnotherModelIsRefused) {
   const auto after = core_->FetchPartition(p.id, fingerprint());
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->completed_steps, 1);
+}
+
+// Weights changed after a step (ReplaceX, design.md 4): rank 0 replaces a
+// partition's x alone between two steps; m and v go on; the next step's
+// pushes must carry the new x's hash; anything else is refused and
+// changes nothing; once every partition of the shard is replaced the
+// replace observer runs (the runtime's checkpoint).
+TEST_F(ShardCoreTest, WeightsChangedAfterAStepReplaceXAloneAndAreChecked) {
+  const compress::Partition& p = first();
+  const uint64_t n = p.range.size();
+  for (uint32_t rank = 0; rank < 3; ++rank)
+    ASSERT_EQ(Push(Args(0, rank, p)).ok(), rank == 2);  // the last answers
+  const PartitionSnapshot before = *core_->FetchPartition(p.id, fingerprint());
+  ASSERT_EQ(before.completed_steps, 1);
+  std::vector<float> changed = before.x;
+  for (float& f : changed) f = std::min(std::max(f, -0.01f), 0.01f);
+  ASSERT_NE(changed, before.x);
+  int64_t observed = -1;
+  int observations = 0;
+  core_->SetReplaceObserver([&](int64_t step, const ShardCore&) {
+    observed = step;
+    ++observations;
+  });
+
+  const auto code = [&](uint32_t rank, int64_t step,
+                        absl::Span<const float> x) {
+    return core_->ReplaceX(rank, p.id, fingerprint(), step, x).code();
+  };
+  EXPECT_EQ(code(1, 1, changed), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(code(0, 0, changed), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(code(0, 2, changed), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(code(0, 1, absl::MakeSpan(changed).subspan(1)),
+            absl::StatusCode::kInvalidArgument);
+  std::vector<float> nan = changed;
+  nan[n / 2] = std::nanf("");
+  EXPECT_EQ(code(0, 1, nan), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->FetchPartition(p.id, fingerprint())->x, before.x)
+      << "a refused replacement changed x";
+
+  ASSERT_TRUE(core_->ReplaceX(0, p.id, fingerprint(), 1, changed).ok());
+  EXPECT_TRUE(core_->ReplaceX(0, p.id, fingerprint(), 1, changed).ok())
+      << "the same x again (rank 0 replaying)";
+  const PartitionSnapshot after = *core_->FetchPartition(p.id, fingerprint());
+  EXPECT_EQ(after.completed_steps, 1);
+  EXPECT_EQ(after.x, changed);
+  EXPECT_EQ(after.m, before.m);
+  EXPECT_EQ(after.v, before.v);
+  EXPECT_EQ(observations, 0) << "the shard's other partitions are not in";
+
+  // Step 1: a push without the hash, or of another x, is refused.
+  const uint64_t hash = compress::BytesHash(changed.data(), n * sizeof(float));
+  const absl::Status unchanged = Push(Args(1, 1, p));
+  EXPECT_EQ(unchanged.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(unchanged.message().find("rank 1 did not"), std::string::npos)
+      << unchanged;
+  PushArgs other = Args(1, 2, p);
+  other.x_hash = compress::BytesHash(before.x.data(), n * sizeof(float));
+  const absl::Status differs = Push(std::move(other));
+  EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(differs.message().find("same way on every rank"),
+            std::string::npos)
+      << differs;
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    PushArgs args = Args(1, rank, p);
+    args.x_hash = hash;
+    const absl::Status s = Push(std::move(args));
+    EXPECT_EQ(s.ok(), rank == 2) << s;
+  }
+  EXPECT_EQ(core_->FetchPartition(p.id, fingerprint())->completed_steps, 2);
+
+  // Step 2: a push of it is in before rank 0's replacement.
+  core_->Push(Args(2, 1, p), [](auto) {});
+  const absl::Status late = core_->ReplaceX(0, p.id, fingerprint(), 2, changed);
+  EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(late.message().find("rank 1 pushed step 2"), std::string::npos)
+      << late;
+
+  // Every partition of the shard replaced at one step: the observer, once.
+  auto fresh = *ShardCore::Create(job_, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh));
+  fresh->SetReplaceObserver([&](int64_t step, const ShardCore&) {
+    observed = step;
+    ++observations;
+  });
+  const auto& all = fresh->layout().shard_partitions(1);
+  for (const compress::Partition& q : all) {
+    for (uint32_t rank = 0; rank < 3; ++rank)
+      fresh->Push(Args(0, rank, q), [](auto) {});
+  }
+  for (const compress::Partition& q : all) {
+    EXPECT_EQ(observations, 0);
+    const std::vector<float> x(q.range.size(), 0.5f);
+    ASSERT_TRUE(fresh->ReplaceX(0, q.id, fingerprint(), 1, x).ok());
+  }
+  EXPECT_EQ(observations, 1);
+  EXPECT_EQ(observed, 1);
 }
 
 TEST_F(ShardCoreTest, TheShardAnswersFirstAndReadersSeeTheWholeStep) {

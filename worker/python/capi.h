@@ -182,8 +182,9 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
                                 const double* commit, uint64_t commit_values);
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
-/* Before the first step: the parameters as the caller changed them since
-   start become the job's (Session::ReloadModel: rank 0 restores the shards,
+/* Between steps: the parameters as the caller changed them (since start,
+   or since the last step) become the job's (Session::ReloadModel: rank 0
+   restores the shards before the first step, replaces their x after one;
    the other ranks wait until the shards hold their x). */
 int morse_session_reload_model(morse_session* s);
 /* *holds = 1 when the shards hold this worker's parameters at its step

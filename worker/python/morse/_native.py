@@ -404,9 +404,9 @@ class Session:
         return out
 
     def reload_model(self):
-        """Before the first step: the parameters as changed since start
-        become the job's (rank 0 restores the shards; the others wait until
-        the shards hold their values)."""
+        """Between steps: the parameters as changed since start, or since
+        the last step, become the job's (rank 0 gives them to the shards;
+        the others wait until the shards hold their values)."""
         _check(_lib.morse_session_reload_model(self._handle))
 
     def holds_shards_model(self):

@@ -742,6 +742,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # swapped in for an evaluation and restored, as EMA helpers do):
             # the shards hold this model, nothing changed.
             self._x_versions = [p._version for p in self._params]
+        elif changed and self._node is None:
+            # Changed after a step (a clamp_, a max_norm embedding's renorm,
+            # load_state_dict(best)), as DDP allows: the changed weights
+            # become the job's, the optimizer's state going on. Rank 0
+            # gives the shards its x; the others wait until they hold the
+            # same; the next pushes carry each partition's hash, so a rank
+            # that changed its weights otherwise stops the job, saying so.
+            with self._device_context(), self._explained():
+                if self._cuda:
+                    torch.cuda.current_stream(self._device).synchronize()
+                self._session.reload_model()
+            self._x_versions = [p._version for p in self._params]
         elif changed:
             step = self.step_index
             when = (f"after step {step - 1}" if step > 0 else
@@ -749,11 +761,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "its node's weights when the optimizer is built)")
             raise MorseError(
                 f"FAILED_PRECONDITION: {', '.join(changed)} changed outside the optimizer {when} "
-                "(model.load_state_dict(), copy_(), or another in-place change); the servers "
-                "still hold the old values and Morse will not overwrite yours silently (weights "
-                "swapped out and restored bit for bit before the next step() are fine). Load "
-                "weights before the first step() (with --node-aggregation: before building the "
-                "optimizer), or restore a whole run with opt.load_state_dict()")
+                "(model.load_state_dict(), copy_(), or another in-place change); with "
+                "--node-aggregation the servers keep the old values and Morse will not "
+                "overwrite yours silently (weights swapped out and restored bit for bit before "
+                "the next step() are fine). Load weights before building the optimizer, or "
+                "restore a whole run with opt.load_state_dict()")
         self._check_groups()
         if self._buffers and self._rank == 0:
             self._session.set_buffers(self._pack_buffers())
