@@ -994,8 +994,14 @@ absl::StatusOr<bool> Session::HoldsShardsModel() {
     steps = client_->FetchModel(shards);
   }
   if (!steps.ok()) return steps.status();
-  return *steps == step_ && std::memcmp(shards.x().data(), replica_.x().data(),
-                                        dim * sizeof(float)) == 0;
+  const bool holds =
+      *steps == step_ && std::memcmp(shards.x().data(), replica_.x().data(),
+                                     dim * sizeof(float)) == 0;
+  // The shards may hold this x because rank 0 has just given it to them
+  // (ReloadModel: the same change on every rank): the pushes of this step
+  // must then show it (PushRequest.x_hash), as a changing rank's do.
+  if (holds) x_hash_step_ = step_;
+  return holds;
 }
 
 absl::Status Session::ServerError(absl::Span<float> out) {

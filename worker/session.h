@@ -213,7 +213,9 @@ class Session {
   // shards' model (x, m, v), asked again while a step waits for its commit
   // or partitions are between steps (up to timeouts.connect_seconds);
   // false where they are at another step (an elastic job that went on
-  // without this worker, zero_one_adam's local steps).
+  // without this worker, zero_one_adam's local steps). When true, the
+  // next step's pushes carry x's hash: rank 0 may have just given the
+  // shards this x, changed the same way on every rank (ReloadModel).
   absl::StatusOr<bool> HoldsShardsModel();
   // The shards' error buffers over the whole model after this worker's
   // last step (state_dict on rank 0), between this worker's steps.
