@@ -357,10 +357,9 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
       p.x_replaced_step == args.step && p.next_step == args.step;
   if (replaced && !args.x_hash.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank 0 changed the weights after step ", args.step - 1,
-        " and rank ", args.rank,
-        " did not (its push of partition ", args.partition, " at step ",
-        args.step,
+        "rank 0 changed the weights after step ", args.step - 1, " and rank ",
+        args.rank, " did not (its push of partition ", args.partition,
+        " at step ", args.step,
         " was computed from the old ones): change the weights the same way "
         "on every rank"));
   }
@@ -1288,9 +1287,9 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
           absl::StrCat("partition ", partition, " has no parameters yet"));
     }
     if (p.awaiting_commit) {
-      return absl::UnavailableError(absl::StrCat(
-          "partition ", partition, " waits for step ", p.next_step - 1,
-          "'s commit"));
+      return absl::UnavailableError(absl::StrCat("partition ", partition,
+                                                 " waits for step ",
+                                                 p.next_step - 1, "'s commit"));
     }
     ApplyMirror(p);
     float* mirror = mirror_.x().data() + offset;

@@ -87,7 +87,8 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job,
   // replay the steps between without the change (design.md 4).
   core.SetReplaceObserver([this](int64_t step, const ShardCore& c) {
     if (checkpoints_ == nullptr) return;
-    SaveCheckpoint(c, absl::StrCat("weights changed before step ", step).c_str());
+    SaveCheckpoint(c,
+                   absl::StrCat("weights changed before step ", step).c_str());
     checkpoints_->Flush();
   });
   core.SetWakeup([this](absl::Time deadline) {

@@ -320,9 +320,9 @@ absl::Status PushClient::ReplaceX(int64_t step, absl::Span<const float> x) {
         absl::SleepFor(absl::Milliseconds(20));
         continue;
       }
-      return RpcError(status, absl::StrCat("changing the weights of partition ",
-                                           p.id, " on ",
-                                           transport_->address(p.shard)));
+      return RpcError(status,
+                      absl::StrCat("changing the weights of partition ", p.id,
+                                   " on ", transport_->address(p.shard)));
     }
   }
   return absl::OkStatus();

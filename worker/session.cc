@@ -939,9 +939,9 @@ absl::Status Session::ReplaceModel() {
   if (rank_ == 0) {
     absl::Status s = client_->ReplaceX(step_, replica_.x());
     if (absl::IsFailedPrecondition(s)) {
-      s = absl::FailedPreconditionError(absl::StrCat(
-          s.message(), " (rank 0 changed its weights after step ", step_ - 1,
-          ")"));
+      s = absl::FailedPreconditionError(
+          absl::StrCat(s.message(), " (rank 0 changed its weights after step ",
+                       step_ - 1, ")"));
     }
     if (!s.ok()) return Fail(s);
     x_hash_step_ = step_;

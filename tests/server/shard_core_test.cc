@@ -500,8 +500,7 @@ TEST_F(ShardCoreTest, WeightsChangedAfterAStepReplaceXAloneAndAreChecked) {
   other.x_hash = compress::BytesHash(before.x.data(), n * sizeof(float));
   const absl::Status differs = Push(std::move(other));
   EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(differs.message().find("same way on every rank"),
-            std::string::npos)
+  EXPECT_NE(differs.message().find("same way on every rank"), std::string::npos)
       << differs;
   for (uint32_t rank = 0; rank < 3; ++rank) {
     PushArgs args = Args(1, rank, p);
