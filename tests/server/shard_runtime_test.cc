@@ -138,6 +138,36 @@ TEST_F(ShardRuntimeTest, CheckpointsEveryKStepsAndAtShutdownAndResumes) {
   EXPECT_EQ(resumed->MirrorChecksum(), before);
 }
 
+// Weights changed after a step (ShardCore::ReplaceX, design.md 4): once
+// every partition holds its new x, the checkpoint is on disk, before rank 0
+// hears back, so a restart never replays the steps before without it.
+TEST_F(ShardRuntimeTest, WeightsChangedAfterAStepAreCheckpointedAtOnce) {
+  auto runtime = MakeRuntime();
+  auto core = MakeCore(*runtime);
+  Step(*core, 0);  // every_steps 2: no periodic checkpoint yet
+  runtime->FlushCheckpoints();
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/shard-0.ckpt"));
+  const auto& partitions = core->layout().shard_partitions(0);
+  for (const auto& p : partitions) {
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/shard-0.ckpt"));
+    const std::vector<float> x(p.range.size(), 0.25f * (p.id + 1));
+    ASSERT_TRUE(
+        core->ReplaceX(0, p.id, core->layout().fingerprint(), 1, x).ok());
+  }
+  EXPECT_TRUE(Logged("checkpoint of step 1 written")) << lines_.size();
+  EXPECT_TRUE(Logged("weights changed before step 1"));
+  const uint64_t changed = core->MirrorChecksum();
+  auto again = MakeRuntime();
+  auto resumed = MakeCore(*again, /*init=*/false);
+  EXPECT_EQ(resumed->Status().completed_steps, 1);
+  EXPECT_EQ(resumed->MirrorChecksum(), changed);
+  const auto fetched =
+      resumed->FetchPartition(partitions[0].id, core->layout().fingerprint());
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->x, std::vector<float>(partitions[0].range.size(), 0.25f *
+                                               (partitions[0].id + 1)));
+}
+
 TEST_F(ShardRuntimeTest, ACorruptCheckpointStopsTheShardSayingWhatToDo) {
   { std::ofstream(dir_ + "/shard-0.ckpt") << "not a checkpoint"; }
   auto runtime = MakeRuntime();
