@@ -258,6 +258,23 @@ absl::Status Simulator::Step(
   return absl::OkStatus();
 }
 
+absl::Status Simulator::ReplaceX(absl::Span<const float> x) {
+  if (x.size() != x_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("x has ", x.size(), " elements, not ", x_.size()));
+  }
+  for (float f : x) {
+    if (!std::isfinite(f))
+      return absl::InvalidArgumentError("the new x holds Inf or NaN");
+  }
+  if (diverged_) {
+    return absl::FailedPreconditionError(
+        "the workers are inside a zero_one_adam local interval");
+  }
+  std::copy(x.begin(), x.end(), x_.begin());
+  return absl::OkStatus();
+}
+
 absl::Span<const float> Simulator::worker_x(uint32_t rank) const {
   return diverged_ ? absl::MakeConstSpan(locals_[rank].x)
                    : absl::MakeConstSpan(x_);

@@ -44,6 +44,12 @@ class Simulator {
                     absl::Span<const StepHyper> hypers = {},
                     const Absent& absent = {});
 
+  // Weights changed between steps (design.md 4, "Weights changed after a
+  // step"): every replica's x becomes `x`, the rest of the state kept.
+  // INVALID_ARGUMENT, nothing changed, for a wrong size or non-finite
+  // values; FAILED_PRECONDITION inside a zero_one_adam local interval.
+  absl::Status ReplaceX(absl::Span<const float> x);
+
   int64_t step() const { return step_; }  // steps completed
   bool compressing() const;               // is the next step compressed?
   const Layout& layout() const { return layout_; }

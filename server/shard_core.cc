@@ -1297,6 +1297,15 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
         std::memcmp(mirror, x.data(), n * sizeof(float)) == 0) {
       return absl::OkStatus();  // again (rank 0 restarted and replaying)
     }
+    if (step > p.next_step && NextExchange(p) == p.next_step) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", partition, " has completed ", p.next_step,
+          " steps, not ", step,
+          ": its shard restarted from an older checkpoint after step ",
+          step - 1,
+          ", and the steps between cannot be replayed before the weights "
+          "change; restart the job from its checkpoints"));
+    }
     if (step != p.next_step || step != NextExchange(p)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "partition ", partition, " has completed ", p.next_step,

@@ -3,15 +3,20 @@
 // and a retried step is refused rather than applying replies twice.
 #include "worker/session.h"
 
+#include <algorithm>
+#include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "compress/layout.h"
+#include "compress/simulator.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
+#include "tests/compress/test_util.h"
 #include "tests/e2e/cluster.h"
 #include "worker/transport/grpc/transport.h"
 
@@ -125,6 +130,81 @@ TEST(SessionTest, ARankStartingWhileRankZeroRestoresWaitsForIt) {
   ASSERT_TRUE(started.ok()) << started.status();
   EXPECT_EQ(*started, 3);
   for (float x : rank1->replica().x()) ASSERT_EQ(x, 0.25f);
+}
+
+// Weights changed after a step on every rank (design.md 4, "Weights changed
+// after a step"): both ranks clamp x after step 2 (in the warmup) and halve
+// it after step 4 (compressing); ReloadModel gives the shards rank 0's x
+// and rank 1 waits until they hold its own. After every step both ranks'
+// x equal the simulator's fed the same gradients and changes, bit for bit.
+TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
+  const std::string config = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 1000 }
+    lr { lr: 0.01 }
+    steps: 8
+    freeze_step: 3
+    block_elems: 16
+    partition_elems: 256
+    timeouts { connect_seconds: 20 }
+  )";
+  auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  testing::Cluster cluster(config, 2, 0);
+  cluster.StartServers(false);
+  const std::vector<std::string> servers = {cluster.server_address(0),
+                                            cluster.server_address(1)};
+  std::vector<std::unique_ptr<worker::Session>> ranks(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto session = worker::Session::Connect(job, r, servers, proto::Insecure());
+    ASSERT_TRUE(session.ok()) << session.status();
+    ranks[r] = *std::move(session);
+  }
+  // Both at once: each waits for the other to join.
+  const auto both = [&](auto&& f) {
+    absl::Status status[2];
+    std::thread other([&] { status[1] = f(*ranks[1], 1); });
+    status[0] = f(*ranks[0], 0);
+    other.join();
+    return std::make_pair(status[0], status[1]);
+  };
+  auto started = both(
+      [](worker::Session& s, uint32_t) { return s.Start(false).status(); });
+  ASSERT_TRUE(started.first.ok()) << started.first;
+  ASSERT_TRUE(started.second.ok()) << started.second;
+  auto sim =
+      compress::Simulator::Create(job.algorithm, ranks[0]->replica().x());
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  for (int64_t step = 0; step < 8; ++step) {
+    std::vector<std::vector<float>> grads;
+    for (uint32_t r = 0; r < 2; ++r)
+      grads.push_back(compress::testing::VariedData(1000, 10 * step + r));
+    auto stepped =
+        both([&](worker::Session& s, uint32_t r) { return s.Step(grads[r]); });
+    ASSERT_TRUE(stepped.first.ok()) << stepped.first;
+    ASSERT_TRUE(stepped.second.ok()) << stepped.second;
+    const std::vector<absl::Span<const float>> spans = {grads[0], grads[1]};
+    ASSERT_TRUE(sim->Step(spans).ok());
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto x = ranks[r]->replica().x();
+      ASSERT_TRUE(std::equal(x.begin(), x.end(), sim->worker_x(r).begin()))
+          << "rank " << r << " after step " << step;
+    }
+    if (step != 2 && step != 4) continue;
+    std::vector<float> changed(ranks[0]->replica().x().begin(),
+                               ranks[0]->replica().x().end());
+    const std::vector<float> before = changed;
+    for (float& f : changed)
+      f = step == 2 ? std::min(std::max(f, -0.02f), 0.02f) : 0.5f * f;
+    ASSERT_NE(changed, before) << "the change after step " << step;
+    ASSERT_TRUE(sim->ReplaceX(changed).ok());
+    auto reloaded = both([&](worker::Session& s, uint32_t) {
+      std::copy(changed.begin(), changed.end(), s.replica().x().begin());
+      return s.ReloadModel();
+    });
+    ASSERT_TRUE(reloaded.first.ok()) << reloaded.first;
+    ASSERT_TRUE(reloaded.second.ok()) << reloaded.second;
+  }
 }
 
 }  // namespace

@@ -134,8 +134,9 @@ def clip_in_job(out, max_norm):
 def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
     """The job wrote checksums-<rank>.json (one checksum per step), job.json
     (base config and overrides), x0.npy and grad-<rank>-<step>.npy to `out`
-    (train_recorded): after every step every rank must hold the bits the
-    simulator fed the same gradients gives that rank, and, unless
+    (train_recorded), and x-<step>.npy where the weights were changed
+    before that step: after every step every rank must hold the bits the
+    simulator fed the same gradients (and changes) gives that rank, and, unless
     `ranks_may_differ` (zero_one_adam's local steps), rank 0's bits.
     Returns the number of steps after which all ranks agreed; removes
     `out`."""
@@ -151,6 +152,8 @@ def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
               else [()] * steps)
     together = 0
     for step in range(steps):
+        if os.path.exists(f"{out}/x-{step}.npy"):
+            sim.replace_x(np.load(f"{out}/x-{step}.npy"))
         sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(ranks)],
                  hypers=hypers[step])
         for r in range(ranks):

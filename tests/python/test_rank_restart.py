@@ -13,7 +13,12 @@ whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... The runs:
 - a ZeroOneAdam rank with two parameter groups (each its own lr, changed
   every step) is killed in a local step and resumes from a checkpoint
   taken in the middle of a local interval (every 5 steps);
-- a DiLoCo rank is killed in the middle of an interval.
+- a DiLoCo rank is killed in the middle of an interval;
+- a OneBitAdam job whose script clamps the weights after every step from
+  step 2 on (halving them after step 10) has rank 1 killed in step 14 after
+  backward(): its checkpoint of step 12 holds the clamp made after step 11,
+  the replayed steps' changes are the shards' already, and from step 15 on
+  the weights change on both ranks again.
 morse-run restarts the rank with MORSE_REJOIN=1; the script goes on from
 opt.step_index with the same batches, the shards answer the replayed steps
 with the replies they kept (each replayed push checked against the one that
@@ -97,6 +102,15 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
             print(f"killing myself in step {step}, its gradients pushed", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
+        if mode == "clamp" and step >= 2:
+            # Weights changed after a step, as a WGAN critic's are.
+            with torch.no_grad():
+                for p in model.parameters():
+                    if step == 10:
+                        p.mul_(0.5)
+                    p.clamp_(-0.12, 0.12)
+            np.save(f"{out}/x-{rank}-{step + 1}-{life}.npy",
+                    flat_layout(opt, model, [p.detach() for p in model.parameters()]).numpy())
         if rank != kill_rank and life == 0 and step == kill_shard_after:
             # A shard lost before the rank: restarted from its checkpoint,
             # it counts only the ranks that join it again.
@@ -218,19 +232,30 @@ def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_aft
             np.save(f"{out}/grad-{r}-{step}.npy", first)
             checksums.append(values.pop())
         json.dump(checksums, open(f"{out}/checksums-{r}.json", "w"))
+    for step in range(STEPS):  # the weights as changed before a step, alike in every rank's lives
+        changes = sorted(glob.glob(f"{out}/x-*-{step}-*.npy"))
+        if changes:
+            first = np.load(changes[0])
+            for c in changes[1:]:
+                check(np.array_equal(first, np.load(c)), f"step {step}: changed weights differ")
+            np.save(f"{out}/x-{step}.npy", first)
+    if mode == "clamp":
+        check(len(glob.glob(f"{out}/x-?.npy") + glob.glob(f"{out}/x-??.npy")) == STEPS - 3,
+              "the weights were not changed after every step from step 2 on")
     if mode == "zero_one":  # each step's groups' (lr, weight_decay), as rank 0 stepped them
         json.dump([json.load(open(min(glob.glob(f"{out}/hyper-{step}-*.json"))))
                    for step in range(STEPS)], open(f"{out}/hypers.json", "w"))
     for f in (glob.glob(f"{out}/grad-*-*-*.npy") + glob.glob(f"{out}/checksum-*") +
-              glob.glob(f"{out}/hyper-*")):
+              glob.glob(f"{out}/hyper-*") + glob.glob(f"{out}/x-*-*-*.npy")):
         os.remove(f)
     together = check_ranks_match_simulator(out, 2, STEPS, ranks_may_differ=mode == "zero_one")
     if mode == "zero_one":
         check(together < STEPS, "the ranks never stepped apart: no local step was tested")
     print(f"PASS ({mode}): rank {kill_rank} killed in step {kill_in} and restarted from its "
           f"checkpoint of step {checkpoint}; {STEPS} steps, "
-          f"{'both ranks' if mode == 'onebit' else 'each rank'} bit-identical "
-          f"{'to each other and ' if mode == 'onebit' else ''}to the simulator")
+          f"{'each rank' if mode == 'zero_one' else 'both ranks'} bit-identical "
+          f"{'' if mode == 'zero_one' else 'to each other and '}to the simulator"
+          f"{' (the weights clamped after every step)' if mode == 'clamp' else ''}")
 
 
 if __name__ == "__main__":
@@ -272,4 +297,5 @@ if __name__ == "__main__":
     # 19's sync, where rank 0 waits for it.
     run(kill_rank=1, kill_in=17, after_backward=True, checkpoint=15, replayed=15,
         mode="zero_one", every=5)
+    run(kill_rank=1, kill_in=14, after_backward=True, checkpoint=12, replayed=14, mode="clamp")
     run_diloco()

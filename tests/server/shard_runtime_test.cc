@@ -164,8 +164,8 @@ TEST_F(ShardRuntimeTest, WeightsChangedAfterAStepAreCheckpointedAtOnce) {
   const auto fetched =
       resumed->FetchPartition(partitions[0].id, core->layout().fingerprint());
   ASSERT_TRUE(fetched.ok()) << fetched.status();
-  EXPECT_EQ(fetched->x, std::vector<float>(partitions[0].range.size(), 0.25f *
-                                               (partitions[0].id + 1)));
+  EXPECT_EQ(fetched->x, std::vector<float>(partitions[0].range.size(),
+                                           0.25f * (partitions[0].id + 1)));
 }
 
 TEST_F(ShardRuntimeTest, ACorruptCheckpointStopsTheShardSayingWhatToDo) {

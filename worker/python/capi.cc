@@ -809,6 +809,15 @@ int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim) {
   });
 }
 
+int morse_simulator_replace_x(morse_simulator* sim, const float* x,
+                              uint64_t dim) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
+    if (absl::Status st = NotNull(x, "x"); !st.ok()) return st;
+    return sim->simulator->ReplaceX(absl::MakeConstSpan(x, dim));
+  });
+}
+
 // ---------------------------------------------------------------- pipeline
 
 int morse_link_listen(const char* address, const char* security,

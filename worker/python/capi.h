@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 12
+#define MORSE_CAPI_VERSION 13
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -230,6 +230,10 @@ int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
 int morse_simulator_worker_checksum(morse_simulator* sim, uint32_t rank,
                                     uint64_t* checksum);
 int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
+/* Weights changed between steps: every replica's x becomes x (dim floats),
+   the rest of the state kept (Simulator::ReplaceX). */
+int morse_simulator_replace_x(morse_simulator* sim, const float* x,
+                              uint64_t dim);
 
 /* Pipeline stages (worker/stage_link.h, compress/boundary.h). */
 

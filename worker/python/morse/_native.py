@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 12  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 13  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -97,6 +97,7 @@ def _load():
                                         FP, FP, U32], I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
+        "morse_simulator_replace_x": ([P, FP, U64], I),
         "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
         "morse_link_listen": ([S, S, ctypes.POINTER(P)], I),
         "morse_link_connect": ([S, S, ctypes.c_double, ctypes.POINTER(P)], I),
@@ -486,6 +487,12 @@ class Simulator:
         _check(_lib.morse_simulator_x(self._handle, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                                       self._dim))
         return out
+
+    def replace_x(self, x):
+        """Weights changed between steps: every replica's x becomes `x`."""
+        x = _float32_array(x, "x")
+        _check(_lib.morse_simulator_replace_x(
+            self._handle, x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), x.size))
 
 
 class Link:

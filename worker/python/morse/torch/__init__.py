@@ -753,6 +753,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 if self._cuda:
                     torch.cuda.current_stream(self._device).synchronize()
                 self._session.reload_model()
+                if self._checkpoint and self.step_index % self._checkpoint_every == 0:
+                    # This step's checkpoint, written as the last step
+                    # ended, predates the change: a restart from it would
+                    # not make the change again (the script made it after
+                    # that step).
+                    self._session.save_checkpoint(self._checkpoint)
             self._x_versions = [p._version for p in self._params]
         elif changed:
             step = self.step_index
