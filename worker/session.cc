@@ -866,6 +866,13 @@ absl::StatusOr<Session::OwnState> Session::SavedOwn() {
 
 absl::Status Session::ReloadModel() {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  if (step_ > 0 && !compress::PlanStep(job_.algorithm, step_).exchanges) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step_,
+        " is a local step of zero_one_adam (design.md 2.7): the shards hold "
+        "the last sync's model, so weights change only before a step that "
+        "exchanges (in the variance and 1-bit phases, every step)"));
+  }
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
   if (*held > step_) {

@@ -48,9 +48,15 @@ def worker(out, mode):
     if mode == "groups_own":  # the first layer frozen by its group's settings
         params[0].update(lr=0.0, weight_decay=0.0)
     # groups_own: 32-element blocks pad the first group's 112 elements to 128.
-    opt = morse.torch.OneBitAdam(params, lr=0.01, weight_decay=0.01, freeze_step=2,
-                                 block_elems=32 if mode == "groups_own" else 16,
-                                 partition_elems=32)
+    if mode == "late_zero_one":
+        # Steps 0-1 update v, 2 and 3 sync, 4 is local (design.md 2.7).
+        opt = morse.torch.ZeroOneAdam(params, lr=0.01, var_freeze_step=2, var_update_scaler=1,
+                                      local_step_scaler=1, local_step_clipper=4, block_elems=16,
+                                      partition_elems=32)
+    else:
+        opt = morse.torch.OneBitAdam(params, lr=0.01, weight_decay=0.01, freeze_step=2,
+                                     block_elems=32 if mode == "groups_own" else 16,
+                                     partition_elems=32)
     # Every rank has its optimizer (a copy of the job's model) before any
     # loads weights: a rank built later would copy the weights rank 0 gave.
     open(f"{out}/built-{rank}", "w").close()
@@ -83,6 +89,11 @@ def worker(out, mode):
                 with torch.no_grad():
                     model(torch.ones(1, 6).to(model[0].weight.device))
                 model.load_state_dict(kept)
+            if mode == "late_zero_one" and step in (1, 3):
+                # Before step 2 (a sync): the job's; before step 4 (local): refused.
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
             if mode in ("late", "late_slow", "late_clip", f"late_rank{rank}_only") and step == 2:
                 model.load_state_dict(pretrained)
                 if mode == "late_slow" and rank == 1:
@@ -193,6 +204,14 @@ if __name__ == "__main__":
           "and without clip_grad_norm_, rank 1 late or not, and a clamp_ after every step) "
           "become the job's: the "
           "shard's mirror equals every rank's model after all 6 steps")
+    code, zero_one, mirror = run_logged("late_zero_one")
+    for r in range(2):
+        check("step 4 is a local step of zero_one_adam" in zero_one[r]["error"]
+              and zero_one[r]["checksums"] == mirror and len(mirror) == 4,
+              f"rank {r}: weights changed before a local step: {zero_one[r]['error']!r} after "
+              f"{zero_one[r]['checksums']} (the shard's {mirror})")
+    print("ok: ZeroOneAdam: weights changed before a sync step become the job's, before a local "
+          "step they are refused, saying why")
     for mode in ("late_rank0_only", "late_rank1_only"):
         code, ranks, _ = run_logged(mode, config)
         errors = [got["error"] for got in ranks]

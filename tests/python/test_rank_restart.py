@@ -102,6 +102,15 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
             print(f"killing myself in step {step}, its gradients pushed", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         opt.step()
+        if rank != kill_rank and life == 0 and step == kill_shard_after:
+            # A shard lost before the rank: restarted from its checkpoint,
+            # it counts only the ranks that join it again.
+            os.kill(shard_pid(os.environ["MORSE_CONFIG"], 1), signal.SIGKILL)
+            print(f"killed shard 1 after step {step}", flush=True)
+        with open(f"{out}/checksum-{rank}-{step}-{life}.tmp", "w") as f:
+            f.write(opt.checksum())
+        os.rename(f"{out}/checksum-{rank}-{step}-{life}.tmp", f"{out}/checksum-{rank}-{step}-{life}")
+        # After the step's checksum (the simulator's, before the change).
         if mode == "clamp" and step >= 2:
             # Weights changed after a step, as a WGAN critic's are.
             with torch.no_grad():
@@ -111,14 +120,6 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
                     p.clamp_(-0.12, 0.12)
             np.save(f"{out}/x-{rank}-{step + 1}-{life}.npy",
                     flat_layout(opt, model, [p.detach() for p in model.parameters()]).numpy())
-        if rank != kill_rank and life == 0 and step == kill_shard_after:
-            # A shard lost before the rank: restarted from its checkpoint,
-            # it counts only the ranks that join it again.
-            os.kill(shard_pid(os.environ["MORSE_CONFIG"], 1), signal.SIGKILL)
-            print(f"killed shard 1 after step {step}", flush=True)
-        with open(f"{out}/checksum-{rank}-{step}-{life}.tmp", "w") as f:
-            f.write(opt.checksum())
-        os.rename(f"{out}/checksum-{rank}-{step}-{life}.tmp", f"{out}/checksum-{rank}-{step}-{life}")
 
 
 def diloco_worker(out, kill_rank, kill_in):
