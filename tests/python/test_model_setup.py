@@ -13,8 +13,10 @@ same lr and weight_decay train bit for bit as one; a group set apart later
 is refused, naming the step. Groups built with their own lr and
 weight_decay train apart: one with lr 0 stays bit for bit as loaded while
 the other trains, through OneBitAdam's warmup and compression, and the
-shard's mirror equals every rank's model after every step. Where a GPU is, the first case runs on CUDA
-tensors too (skipped without one, saying so)."""
+shard's mirror equals every rank's model after every step. ZeroOneAdam
+takes a change before a step that syncs and refuses one before a local
+step. Where a GPU is, the first case and a change after a step run on
+CUDA tensors too (skipped without one, saying so)."""
 import json
 import os
 import sys
@@ -163,7 +165,12 @@ if __name__ == "__main__":
               f"CUDA: {before_cuda[0]['error']} {after_cuda[0]['error']}")
         check([got["bits"] for got in after_cuda] == [got["bits"] for got in before_cuda],
               "CUDA: weights loaded after building the optimizer train differently")
-        print("ok: the same on CUDA tensors")
+        code, late_cuda, mirror = run_logged("late_cuda")
+        check(code == 0 and all(not got["error"] for got in late_cuda)
+              and late_cuda[0]["checksums"] == mirror == late_cuda[1]["checksums"],
+              f"CUDA: weights changed after a step: {late_cuda[0]['error']} "
+              f"{late_cuda[0]['checksums']} vs the shard's {mirror}")
+        print("ok: the same on CUDA tensors, and weights changed after a step there")
     else:
         print("SKIPPED part: no GPU, the CUDA tensors' case did not run")
 

@@ -14,8 +14,9 @@ whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... The runs:
   every step) is killed in a local step and resumes from a checkpoint
   taken in the middle of a local interval (every 5 steps);
 - a DiLoCo rank is killed in the middle of an interval;
-- a OneBitAdam job whose script clamps the weights after every step from
-  step 2 on (halving them after step 10) has rank 1 killed in step 14 after
+- a OneBitAdam job whose script changes the weights after every step from
+  step 2 on (scaled by 0.98, by 0.5 after step 10, and clamped) has rank 1
+  killed in step 14 after
   backward(): its checkpoint of step 12 holds the clamp made after step 11,
   the replayed steps' changes are the shards' already, and from step 15 on
   the weights change on both ranks again.
@@ -114,9 +115,8 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
         if mode == "clamp" and step >= 2:
             # Weights changed after a step, as a WGAN critic's are.
             with torch.no_grad():
-                for p in model.parameters():
-                    if step == 10:
-                        p.mul_(0.5)
+                for p in model.parameters():  # a real change every step
+                    p.mul_(0.5 if step == 10 else 0.98)
                     p.clamp_(-0.12, 0.12)
             np.save(f"{out}/x-{rank}-{step + 1}-{life}.npy",
                     flat_layout(opt, model, [p.detach() for p in model.parameters()]).numpy())
@@ -256,7 +256,7 @@ def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_aft
           f"checkpoint of step {checkpoint}; {STEPS} steps, "
           f"{'each rank' if mode == 'zero_one' else 'both ranks'} bit-identical "
           f"{'' if mode == 'zero_one' else 'to each other and '}to the simulator"
-          f"{' (the weights clamped after every step)' if mode == 'clamp' else ''}")
+          f"{' (the weights changed after every step)' if mode == 'clamp' else ''}")
 
 
 if __name__ == "__main__":

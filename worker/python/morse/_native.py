@@ -97,7 +97,7 @@ def _load():
                                         FP, FP, U32], I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
-        "morse_simulator_replace_x": ([P, FP, U64], I),
+        "morse_simulator_replace_x": ([P, P, U64], I),
         "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
         "morse_link_listen": ([S, S, ctypes.POINTER(P)], I),
         "morse_link_connect": ([S, S, ctypes.c_double, ctypes.POINTER(P)], I),
@@ -490,9 +490,7 @@ class Simulator:
 
     def replace_x(self, x):
         """Weights changed between steps: every replica's x becomes `x`."""
-        x = _float32_array(x, "x")
-        _check(_lib.morse_simulator_replace_x(
-            self._handle, x.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), x.size))
+        _check(_lib.morse_simulator_replace_x(self._handle, _float32_array(x, "x"), x.size))
 
 
 class Link:
