@@ -957,6 +957,9 @@ absl::Status Session::ReplaceModel() {
   compress::Replica shards(job_.algorithm, compress::Range{0, dim});
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
+  // Rank 0's upload is usually in within a few download times: ask again
+  // soon, then less often.
+  absl::Duration pause = absl::Milliseconds(5);
   for (;;) {
     // UNAVAILABLE: a partition waits for its commit; FAILED_PRECONDITION:
     // partitions between steps.
@@ -978,7 +981,8 @@ absl::Status Session::ReplaceModel() {
           " s (timeouts.connect_seconds) rank 0 did not give the shards the "
           "same ones: change the weights the same way on every rank")));
     }
-    absl::SleepFor(absl::Milliseconds(100));
+    absl::SleepFor(pause);
+    pause = std::min(2 * pause, absl::Milliseconds(100));
   }
 }
 
