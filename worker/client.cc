@@ -246,6 +246,19 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
   return step;
 }
 
+v1::PartitionState PushClient::RestoreRequest(const compress::Partition& p,
+                                              int64_t step,
+                                              absl::Span<const float> x) const {
+  v1::PartitionState request;
+  request.set_rank(rank_);
+  request.set_partition(p.id);
+  request.set_layout_fingerprint(layout_.fingerprint());
+  request.set_completed_steps(step);
+  request.set_x(reinterpret_cast<const char*>(x.data() + p.range.begin),
+                4 * p.range.size());
+  return request;
+}
+
 absl::Status PushClient::RestoreModel(
     int64_t step, absl::Span<const float> x, absl::Span<const float> m,
     absl::Span<const float> v, absl::Span<const float> server_error,
@@ -258,17 +271,12 @@ absl::Status PushClient::RestoreModel(
         " arrays ", compress::OptimizerOf(job_.algorithm).name(), " keeps"));
   }
   for (const compress::Partition& p : layout_.partitions()) {
-    v1::PartitionState request;
-    request.set_rank(rank_);
-    request.set_partition(p.id);
-    request.set_layout_fingerprint(layout_.fingerprint());
-    request.set_completed_steps(step);
+    v1::PartitionState request = RestoreRequest(p, step, x);
     const auto bytes = [&p](absl::Span<const float> a) {
       return std::string(
           reinterpret_cast<const char*>(a.data() + p.range.begin),
           4 * p.range.size());
     };
-    request.set_x(bytes(x));
     request.set_m(bytes(m));
     request.set_v(bytes(v));
     request.set_server_error(bytes(server_error));
@@ -300,14 +308,8 @@ absl::Status PushClient::ReplaceX(int64_t step, absl::Span<const float> x) {
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   for (const compress::Partition& p : layout_.partitions()) {
-    v1::PartitionState request;
-    request.set_rank(rank_);
-    request.set_partition(p.id);
-    request.set_layout_fingerprint(layout_.fingerprint());
-    request.set_completed_steps(step);
+    v1::PartitionState request = RestoreRequest(p, step, x);
     request.set_replace_x(true);
-    request.set_x(reinterpret_cast<const char*>(x.data() + p.range.begin),
-                  4 * p.range.size());
     for (;;) {
       v1::RestorePartitionReply reply;
       const absl::Status status =

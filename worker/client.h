@@ -141,6 +141,10 @@ class PushClient {
   size_t retained_pushes() const;
 
  private:
+  // A RestorePartition request of partition p at `step` from this rank,
+  // with p's part of x (RestoreModel adds the rest, ReplaceX its flag).
+  v1::PartitionState RestoreRequest(const compress::Partition& p, int64_t step,
+                                    absl::Span<const float> x) const;
   friend class StepExchange;
   friend class ShardRecovery;
   using StartCall = std::function<void(
