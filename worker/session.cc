@@ -912,37 +912,10 @@ absl::Status Session::ReloadModel() {
     }
     return s.ok() ? s : Fail(s);
   }
-  compress::Replica shards(job_.algorithm, compress::Range{0, dim});
-  const absl::Time deadline =
-      absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
-  for (;;) {
-    // Partitions at different steps: rank 0's restore is half done.
-    auto steps = client_->FetchModel(shards);
-    if (!steps.ok() && !absl::IsFailedPrecondition(steps.status()))
-      return Fail(steps.status());
-    if (steps.ok() && *steps != 0) {
-      return Fail(absl::FailedPreconditionError(
-          absl::StrCat("the shards completed step 0 while rank ", rank_,
-                       " waited for rank 0 to load the same weights")));
-    }
-    if (steps.ok() && std::memcmp(shards.x().data(), replica_.x().data(),
-                                  dim * sizeof(float)) == 0) {
-      return absl::OkStatus();
-    }
-    if (absl::Now() > deadline) {
-      return Fail(absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank_,
-          " changed its weights after building the optimizer, but within ",
-          job_.connect_timeout_seconds,
-          " s (timeouts.connect_seconds) rank 0 did not give the shards the "
-          "same ones: load the same weights on every rank")));
-    }
-    absl::SleepFor(absl::Milliseconds(100));
-  }
+  return AwaitShardsX();
 }
 
 absl::Status Session::ReplaceModel() {
-  const uint64_t dim = job_.algorithm.layout.dim;
   if (rank_ == 0) {
     absl::Status s = client_->ReplaceX(step_, replica_.x());
     if (absl::IsFailedPrecondition(s)) {
@@ -954,6 +927,11 @@ absl::Status Session::ReplaceModel() {
     x_hash_step_ = step_;
     return s;
   }
+  return AwaitShardsX();
+}
+
+absl::Status Session::AwaitShardsX() {
+  const uint64_t dim = job_.algorithm.layout.dim;
   compress::Replica shards(job_.algorithm, compress::Range{0, dim});
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
@@ -961,12 +939,18 @@ absl::Status Session::ReplaceModel() {
   // soon, then less often.
   absl::Duration pause = absl::Milliseconds(5);
   for (;;) {
-    // UNAVAILABLE: a partition waits for its commit; FAILED_PRECONDITION:
-    // partitions between steps.
+    // FAILED_PRECONDITION: partitions at different steps (rank 0's restore
+    // half done); after a step also UNAVAILABLE: a partition waits for its
+    // commit (before the first step nothing does).
     auto steps = client_->FetchModel(shards);
     if (!steps.ok() && !absl::IsFailedPrecondition(steps.status()) &&
-        !absl::IsUnavailable(steps.status())) {
+        !(step_ > 0 && absl::IsUnavailable(steps.status()))) {
       return Fail(steps.status());
+    }
+    if (steps.ok() && *steps > step_) {
+      return Fail(absl::FailedPreconditionError(absl::StrCat(
+          "the shards completed step ", step_, " while rank ", rank_,
+          " waited for rank 0 to give them the same weights")));
     }
     if (steps.ok() && *steps == step_ &&
         std::memcmp(shards.x().data(), replica_.x().data(),
@@ -976,10 +960,14 @@ absl::Status Session::ReplaceModel() {
     }
     if (absl::Now() > deadline) {
       return Fail(absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank_, " changed its weights after step ", step_ - 1,
+          "rank ", rank_, " changed its weights ",
+          step_ == 0 ? "after building the optimizer"
+                     : absl::StrCat("after step ", step_ - 1),
           ", but within ", job_.connect_timeout_seconds,
           " s (timeouts.connect_seconds) rank 0 did not give the shards the "
-          "same ones: change the weights the same way on every rank")));
+          "same ones: ",
+          step_ == 0 ? "load the same weights on every rank"
+                     : "change the weights the same way on every rank")));
     }
     absl::SleepFor(pause);
     pause = std::min(2 * pause, absl::Milliseconds(100));

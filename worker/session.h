@@ -259,6 +259,10 @@ class Session {
   absl::Status Fail(absl::Status status);
   // ReloadModel after the first step, the host's x current.
   absl::Status ReplaceModel();
+  // ReloadModel on a rank but 0: waits, up to the connect timeout, until
+  // the shards hold this worker's x at its step (rank 0 gives it them);
+  // the step's pushes then carry x's hash. Stops the job otherwise.
+  absl::Status AwaitShardsX();
   // The shards' model into replica_ once every partition is at the same
   // step (retried up to the connect timeout): the step.
   absl::StatusOr<int64_t> FetchSteadyModel();
