@@ -9,8 +9,9 @@ every rank's model after every step, also in steps that clip; a change on
 one rank only stops the job, saying to change them on every rank. Weights
 swapped out (an evaluation's) and restored bit for bit after a step train
 on unchanged. Several parameter groups with the
-same lr and weight_decay train bit for bit as one; a group set apart later
-is refused, naming the step. Groups built with their own lr and
+same lr and weight_decay train bit for bit as one (when the first group is
+whole blocks); a group set apart later trains with its own values from then
+on, as the same values in groups built apart. Groups built with their own lr and
 weight_decay train apart: one with lr 0 stays bit for bit as loaded while
 the other trains, through OneBitAdam's warmup and compression, and the
 shard's mirror equals every rank's model after every step. ZeroOneAdam
@@ -49,6 +50,8 @@ def worker(out, mode):
         params = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
     if mode == "groups_own":  # the first layer frozen by its group's settings
         params[0].update(lr=0.0, weight_decay=0.0)
+    if mode == "groups_built_apart":  # groups_apart's values, the groups apart when built
+        params[1].update(lr=0.02)
     # groups_own: 32-element blocks pad the first group's 112 elements to 128.
     if mode == "late_zero_one":
         # Steps 0-1 update v, 2 and 3 sync, 4 is local (design.md 2.7).
@@ -75,6 +78,8 @@ def worker(out, mode):
     checksums = []
     try:
         for step in range(6):
+            if mode == "groups_built_apart":
+                opt.param_groups[1]["lr"] = 0.01 if step <= 2 else 0.02
             opt.zero_grad()
             g = torch.Generator().manual_seed(10 * step + rank)
             x = torch.randn(4, 6, generator=g).to(model[0].weight.device)
@@ -232,13 +237,31 @@ if __name__ == "__main__":
     check(code == 0, "the job with two parameter groups failed")
     for r in range(2):
         check(not groups[r]["error"], f"rank {r}: {groups[r]['error']}")
+        # The first group's 112 elements are 7 whole blocks: its segment
+        # needs no padding, and the blocks are one group's.
         check(groups[r]["bits"] == before[r]["bits"],
               f"rank {r}: two parameter groups with the same settings train differently from one")
-    code, apart = run("groups_apart")
-    for r in range(2):
-        check("param_groups[1] has lr 0.02, param_groups[0] 0.01" in apart[r]["error"],
-              f"rank {r}: a group's own lr was not refused: {apart[r]['error']!r}")
-    print("ok: two parameter groups alike train bit for bit as one; one set apart is refused")
+    # Alike when built, group 1's lr set apart after step 2 (a scheduler's
+    # lambda per group): as torch, each group trains with its own from step
+    # 3 on, bit for bit as the same values in groups built apart.
+    code, apart, mirror = run_logged("groups_apart")
+    check(code == 0 and not apart[0]["error"] and not apart[1]["error"],
+          f"a group set apart after the optimizer was built: {apart[0]['error']} "
+          f"{apart[1]['error']}")
+    check(apart[0]["bits"] == apart[1]["bits"], "groups_apart: the ranks differ")
+    check(len(mirror) == 6 and apart[0]["checksums"] == mirror == apart[1]["checksums"],
+          f"groups_apart: the shard's mirror is not the workers' model: {mirror} vs "
+          f"{apart[0]['checksums']}")
+    code, built_apart = run("groups_built_apart")
+    check(code == 0 and not built_apart[0]["error"],
+          f"groups built apart: {built_apart[0]['error']}")
+    check([got["bits"] for got in apart] == [got["bits"] for got in built_apart],
+          "a group set apart after building trains differently from groups built apart with the "
+          "same values at every step")
+    check(apart[0]["bits"] != groups[0]["bits"], "the lr set apart changed nothing")
+    print("ok: two parameter groups alike train bit for bit as one; one set apart after step 2 "
+          "trains with its own lr from step 3 (the mirror equal to every rank), bit for bit as "
+          "groups built apart with the same values")
 
     # Groups built apart, on one shard whose mirror logs its checksum after
     # every step.

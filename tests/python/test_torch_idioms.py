@@ -1,6 +1,7 @@
 """torch idioms under morse-run (issue 19, first part): the launcher sets
 torch.distributed's variables, frozen parameters (requires_grad=False) stay
-bit-unchanged, add_param_group is refused with a message, weights changed
+bit-unchanged (one thawed later is refused after each step, naming it:
+torch.optim would train it), add_param_group is refused with a message, weights changed
 behind the optimizer's back after a step (on every rank) become the job's,
 and morse-run says which Python it found when that one cannot import
 morse."""
@@ -36,6 +37,21 @@ def worker(out):
         refused = ""
     except ValueError as e:
         refused = str(e)
+    # A frozen layer thawed (torch.optim would now train it): refused after
+    # the step, naming it, every time until it is frozen again.
+    model[0].weight.requires_grad_(True)
+    thawed = []
+    for step in range(2):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(50 + step + rank)
+        model(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+        try:
+            opt.step()
+            thawed.append("")
+        except morse.torch.MorseError as e:
+            thawed.append(str(e))
+    model[0].weight.requires_grad_(False)
+    model[0].weight.grad = None
     # Weights changed behind the optimizer's back, on every rank, become the
     # job's (with overlap, at the backward pass's first push).
     with torch.no_grad():
@@ -49,7 +65,7 @@ def worker(out):
     except morse.torch.MorseError as e:
         changed = str(e)
     json.dump({"changed": changed, "env": env, "frozen_unchanged": torch.equal(model[0].weight, frozen),
-               "add_param_group": refused, "checksum": opt.checksum(),
+               "add_param_group": refused, "thawed": thawed, "checksum": opt.checksum(),
                "step": opt.step_index},
               open(f"{out}/rank-{rank}.json", "w"))
 
@@ -69,12 +85,17 @@ if __name__ == "__main__":
         check(got["frozen_unchanged"], f"rank {r}: a requires_grad=False parameter moved")
         check("add_param_group is not supported" in got["add_param_group"],
               f"rank {r}: add_param_group was not refused: {got['add_param_group']!r}")
+        check(len(got["thawed"]) == 2 and all(
+            "parameter 0 (8, 6) had requires_grad=False when the optimizer was built and got a "
+            "gradient "
+            f"in step {6 + i}" in e for i, e in enumerate(got["thawed"])),
+            f"rank {r}: a thawed parameter was not refused at each step: {got['thawed']!r}")
     check(ranks[0]["checksum"] == ranks[1]["checksum"], "the ranks differ")
     for r, got in enumerate(ranks):
-        check(not got["changed"] and got["step"] == 7,
+        check(not got["changed"] and got["step"] == 9,
               f"rank {r}: a step after a weight changed on every rank: {got['changed']!r}")
     print("ok: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set; frozen parameters unchanged; "
-          "add_param_group refused; weights changed behind the optimizer on every rank train on")
+          "a thawed one and add_param_group refused; weights changed behind the optimizer on every rank train on")
 
     # A python3 on PATH that cannot import morse: morse-run names it.
     bin_dir = tempfile.mkdtemp(prefix="morse-fakepy-")

@@ -277,6 +277,18 @@ def main():
         opt.param_groups[0]["weight_decay"] = 0.1
         model(torch.ones(4, 3)).sum().backward()
         expect(ValueError, "the job's schedule sets them", opt.step)
+    # ... and two groups built alike, one set apart: with Morse's schedule
+    # they train as one segment (with torch's, test_model_setup's
+    # groups_apart trains them apart).
+    with server(base) as address:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        opt = morse.torch.Adam([{"params": model[0].parameters()}, {"params": model[1].parameters()}],
+                               rank=0, world_size=1, servers=[address], config=base,
+                               schedule="cosine", steps=10)
+        opt.param_groups[1]["lr"] = 0.5
+        model(torch.ones(4, 3)).sum().backward()
+        expect(ValueError, "with schedule='cosine' (one lr for the whole model) they train as one "
+               "segment", opt.step)
 
     # Ranks that set different learning rates.
     code, out = morse_run(__file__, 2, 1, "lr", timeout=120)

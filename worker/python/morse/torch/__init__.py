@@ -246,21 +246,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
             names = [n for n, _ in params]
             params = [p for _, p in params]
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # Several groups (torch's list of dicts) share betas and eps (one
-        # update rule). Groups built with their own lr or weight_decay train
-        # apart: each is a segment of the flat buffer that no partition
-        # straddles, and each push carries its group's values (adam and
-        # onebit_adam; the job refuses the others). Groups that agree when
-        # built train as one, and must go on agreeing.
-        first = self.param_groups[0]
-        self._groups_apart = any(_hyper_of(g) != _hyper_of(first) for g in self.param_groups)
-        self._check_groups()
         every = [p for group in self.param_groups for p in group["params"]]
         every_name = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(every)]
         # Frozen parameters (requires_grad=False) stay out of the flat buffer:
         # Morse never touches them, as torch.optim never updates them.
         self._params = [p for p in every if p.requires_grad]
         self._names = [n for n, p in zip(every_name, every) if p.requires_grad]
+        self._left_out = [(n, p) for n, p in zip(every_name, every) if not p.requires_grad]
         if not self._params:
             raise ValueError("every parameter has requires_grad=False; there is nothing to train")
         for i, p in enumerate(self._params):
@@ -277,9 +269,25 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameters on {device}: Morse trains CPU and CUDA tensors")
         self._cuda = device.type == "cuda"
-        # The groups that train apart (those with parameters to train), as
-        # segments of the flat buffer in order.
+        # Several groups (torch's list of dicts) share betas and eps (one
+        # update rule). Each group with parameters to train is a segment of
+        # the flat buffer that no partition straddles, and each push carries
+        # its group's lr and weight_decay, read at every step: groups built
+        # with their own values train apart, and groups that agree when
+        # built may be set apart later (a scheduler's lambda per group), as
+        # in torch. Groups that agree stay one segment only where they could
+        # not train apart anyway: with schedule="cosine" (one lr for the
+        # model) and for OneBitLamb and ZeroOneAdam on CUDA tensors (the
+        # GPU's layer sums and local steps take one lr and weight_decay);
+        # there they must go on agreeing.
         counts = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        first = self.param_groups[0]
+        differ = any(_hyper_of(g) != _hyper_of(first) for g in self.param_groups)
+        may_differ = (schedule == "constant"
+                      and not (self._cuda and optimizer in ("onebit_lamb", "zero_one_adam")))
+        self._groups_apart = differ or (may_differ and sum(n > 0 for n in counts) > 1)
+        self._schedule = schedule
+        self._check_groups()
         self._segments = ([i for i, n in enumerate(counts) if n > 0] if self._groups_apart
                           else [0])
         if self._groups_apart and schedule != "constant":
@@ -321,7 +329,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # schedulers and manual changes work; with schedule="cosine" the job's
         # schedule rules and param_groups' lr must stay as given.
         self._follow_groups = schedule == "constant"
-        self._schedule = schedule
         self._initial_hyper = self._group_hyper()
         self._sent_hyper = None
         self._freeze_step = freeze_step if optimizer in ("onebit_adam", "onebit_lamb") else None
@@ -704,14 +711,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if key in ("lr", "weight_decay"):
             raise ValueError(
                 f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: the "
-                "groups had the same lr and weight_decay when the optimizer was built, so they "
-                "train as one segment of the flat buffer and must go on agreeing; give them "
-                "different values when building it (Adam, OneBitAdam, ZeroOneAdam and OneBitLamb "
-                "then train each group with its own, step by step) or the same values now")
+                "groups had the same lr and weight_decay when the optimizer was built, and "
+                f"{self._why_one_segment()} they train as one segment of the flat buffer, so they "
+                "must go on agreeing; give them different values when building it or the same "
+                "values now")
         raise ValueError(
             f"param_groups[{i}] has {key} {mine!r}, param_groups[0] {first!r}{when}: a Morse "
             f"optimizer applies one {key} to the whole model (one update rule on every rank and "
             "shard), so every group must have the same")
+
+    def _why_one_segment(self):
+        """Why groups that agreed when built train as one (for messages)."""
+        if self._schedule != "constant":
+            return f"with schedule={self._schedule!r} (one lr for the whole model)"
+        return ("on CUDA tensors (the GPU's layer sums and local steps of OneBitLamb and "
+                "ZeroOneAdam take one lr and weight_decay)")
 
     def _check_groups(self, after_step=None):
         """ValueError unless every group has param_groups[0]'s betas and eps,
@@ -931,7 +945,25 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # A group's lr or weight_decay set apart from the others after this
         # step's pushes left (between backward() and step()).
         self._check_groups(after_step=self.step_index - 1)
+        self._check_thawed()
         return loss
+
+    def _check_thawed(self):
+        """MorseError if a parameter frozen when the optimizer was built
+        (left out of the flat buffer) has a gradient now: torch.optim would
+        train it, and Morse cannot."""
+        thawed = [n for n, p in self._left_out if p.requires_grad and p.grad is not None]
+        if not thawed:
+            return
+        shown = ", ".join(thawed[:5]) + (f" and {len(thawed) - 5} more" if len(thawed) > 5 else "")
+        raise MorseError(
+            f"FAILED_PRECONDITION: {shown} had requires_grad=False when the optimizer was built "
+            f"and got a gradient in step {self.step_index - 1}, which trained the other "
+            "parameters alone; torch.optim would have trained it too, but Morse left it out of "
+            "the flat buffer the shards hold (fixed when the job starts). To thaw parameters "
+            "later, build the optimizer with them trainable, in a parameter group of their own "
+            "with lr=0 and weight_decay=0 (they stay bit for bit as they are), and raise its lr "
+            "when they thaw")
 
     def _owned(self, parameters):
         """For clip_grad_norm_: None if none of `parameters` is this
