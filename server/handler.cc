@@ -122,7 +122,9 @@ absl::Status ShardHandler::FetchPartition(
   if (!core.ok()) return core.status();
   auto snapshot =
       (*core)->FetchPartition(request.partition(), request.layout_fingerprint(),
-                              request.server_error());
+                              {.model = !request.skip_model(),
+                               .server_error = request.server_error(),
+                               .x_hash = request.x_hash()});
   if (!snapshot.ok()) return snapshot.status();
   reply->set_partition(request.partition());
   reply->set_completed_steps(snapshot->completed_steps);
@@ -137,6 +139,7 @@ absl::Status ShardHandler::FetchPartition(
   }
   if (request.server_error())
     reply->set_server_error(Bytes(snapshot->server_error));
+  if (request.x_hash()) reply->set_x_hash(snapshot->x_hash);
   return absl::OkStatus();
 }
 

@@ -1129,7 +1129,7 @@ std::vector<compress::NamedState> ShardCore::StateOf(const PartitionState& p,
 }
 
 absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
-    uint32_t partition, uint64_t fingerprint, bool with_server_error) const {
+    uint32_t partition, uint64_t fingerprint, FetchWhat what) const {
   if (absl::Status s = CheckCommon(0, partition, fingerprint); !s.ok())
     return s;
   PartitionState& p =
@@ -1150,14 +1150,20 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
                  n = p.partition.range.size();
   PartitionSnapshot snapshot;
   snapshot.completed_steps = p.next_step;
-  snapshot.x.assign(mirror_.x().begin() + offset,
-                    mirror_.x().begin() + offset + n);
-  snapshot.m.assign(mirror_.m().begin() + offset,
-                    mirror_.m().begin() + offset + n);
-  snapshot.v.assign(mirror_.v().begin() + offset,
-                    mirror_.v().begin() + offset + n);
-  snapshot.state = StateOf(p, p.partition.range.begin, n);
-  if (with_server_error) {
+  if (what.model) {
+    snapshot.x.assign(mirror_.x().begin() + offset,
+                      mirror_.x().begin() + offset + n);
+    snapshot.m.assign(mirror_.m().begin() + offset,
+                      mirror_.m().begin() + offset + n);
+    snapshot.v.assign(mirror_.v().begin() + offset,
+                      mirror_.v().begin() + offset + n);
+    snapshot.state = StateOf(p, p.partition.range.begin, n);
+  }
+  if (what.x_hash) {
+    snapshot.x_hash =
+        compress::BytesHash(mirror_.x().data() + offset, n * sizeof(float));
+  }
+  if (what.server_error) {
     // The error buffer changes only when a step completes, so it is the one
     // of completed_steps even while pushes of the next step wait.
     snapshot.server_error.resize(n);

@@ -110,10 +110,18 @@ struct PartitionSnapshot {
   int64_t completed_steps = 0;
   std::vector<float> x, m, v;
   std::vector<float> server_error;  // only when asked for (saving a whole run)
+  uint64_t x_hash = 0;  // only when asked for: compress::BytesHash of x
   // The optimizer's own arrays (compress::Optimizer::State, in order):
   // onebit_lamb's v' of the partition and coeff_freeze, last_factor of
   // every layer; none for the others.
   std::vector<compress::NamedState> state;
+};
+
+// What ShardCore::FetchPartition copies out of a partition's mirror.
+struct FetchWhat {
+  bool model = true;          // x, m, v and the optimizer's own arrays
+  bool server_error = false;  // the shard's error buffer
+  bool x_hash = false;        // compress::BytesHash of x (PushRequest.x_hash's)
 };
 
 using ReplyCallback =
@@ -260,14 +268,14 @@ class ShardCore {
   absl::Status RestoreCheckpoint(const std::string& path);
   // The mirror of one partition; INVALID_ARGUMENT or FAILED_PRECONDITION as
   // for pushes, UNAVAILABLE before initialization.
-  absl::StatusOr<PartitionSnapshot> FetchPartition(
-      uint32_t partition, uint64_t layout_fingerprint,
-      bool with_server_error = false) const;
+  absl::StatusOr<PartitionSnapshot> FetchPartition(uint32_t partition,
+                                                   uint64_t layout_fingerprint,
+                                                   FetchWhat what = {}) const;
   // Rank 0 restores one partition of a saved run (morse.torch's
   // load_state_dict) before the job's first step: x, m, v, the server
   // error and the steps completed (onebit_lamb: also v' and the layers'
-  // state), as FetchPartition(with_server_error) gave them. Allowed while no
-  // push of the partition has arrived since it was initialized or last
+  // state), as FetchPartition({.server_error = true}) gave them. Allowed while
+  // no push of the partition has arrived since it was initialized or last
   // restored; FAILED_PRECONDITION once training has moved on, INVALID_ARGUMENT
   // for wrong sizes or non-finite values, and nothing changes on any error.
   absl::Status RestorePartition(uint32_t rank, uint32_t partition,

@@ -7,6 +7,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "compress/bytes_hash.h"
 #include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/sync.h"
@@ -166,15 +167,32 @@ absl::StatusOr<int64_t> PushClient::FetchServerError(
   return Fetch(std::nullopt, server_error);
 }
 
+absl::StatusOr<PushClient::ShardsX> PushClient::CompareX(
+    absl::Span<const float> x) {
+  if (x.size() != layout_.spec().dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "x has ", x.size(), " elements, the model ", layout_.spec().dim));
+  }
+  ShardsX shards;
+  absl::StatusOr<int64_t> steps = Fetch(std::nullopt, {}, x, &shards.same);
+  if (!steps.ok()) return steps.status();
+  shards.completed_steps = *steps;
+  return shards;
+}
+
 absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
-                                          absl::Span<float> server_error) {
+                                          absl::Span<float> server_error,
+                                          absl::Span<const float> compare_x,
+                                          bool* same) {
   int64_t step = -1;
+  if (same != nullptr) *same = true;
   for (const compress::Partition& p : layout_.partitions()) {
     v1::FetchPartitionRequest request;
     request.set_partition(p.id);
     request.set_layout_fingerprint(layout_.fingerprint());
     request.set_skip_model(!model.has_value());
     request.set_server_error(!server_error.empty());
+    request.set_x_hash(!compare_x.empty());
     v1::PartitionState state;
     const absl::Status status =
         Wait(&Transport::FetchPartition, *transport_, p.shard, request, &state,
@@ -195,6 +213,18 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
         (!server_error.empty() && state.server_error().size() != bytes)) {
       return absl::InternalError(
           absl::StrCat("partition ", p.id, " came back with the wrong size"));
+    }
+    if (!compare_x.empty()) {
+      if (!state.has_x_hash()) {
+        return absl::InternalError(absl::StrCat(
+            "partition ", p.id, " came back without its x hash (",
+            transport_->address(p.shard), " runs an older morse-server)"));
+      }
+      if (state.x_hash() !=
+          compress::BytesHash(compare_x.data() + p.range.begin,
+                              p.range.size() * sizeof(float))) {
+        *same = false;
+      }
     }
     // The optimizer's own arrays (onebit_lamb's v' and layer state).
     std::vector<compress::NamedState> own;

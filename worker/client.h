@@ -85,6 +85,15 @@ class PushClient {
   // model and returns the steps completed, which must be the same on every
   // partition (FAILED_PRECONDITION otherwise).
   absl::StatusOr<int64_t> FetchModel(compress::Replica& replica);
+  // Whether the shards hold `x` (dim floats) as their model's x, asking
+  // each partition for its hash (PushRequest.x_hash's) instead of its
+  // arrays, and the steps they completed (the same on every partition,
+  // else FAILED_PRECONDITION as FetchModel's).
+  struct ShardsX {
+    int64_t completed_steps = 0;
+    bool same = false;
+  };
+  absl::StatusOr<ShardsX> CompareX(absl::Span<const float> x);
   // The payload FetchModel's and FetchServerError's FAILED_PRECONDITION
   // carries when partitions are at different steps (a restore of a saved
   // run still going partition by partition, or shards restarted apart).
@@ -172,13 +181,17 @@ class PushClient {
   // after it (an elastic job's new or restarted worker).
   bool JoinedAfter(int64_t step) const;
   // Fetches every partition's x, m, v (into `model`, if given) and server
-  // error (into `server_error`, if not empty); returns the steps completed,
-  // which must be the same on every partition (FAILED_PRECONDITION otherwise).
+  // error (into `server_error`, if not empty), and compares its x's hash
+  // with `compare_x`'s (if not empty; *same is whether every partition's
+  // matched); returns the steps completed, which must be the same on every
+  // partition (FAILED_PRECONDITION otherwise).
   struct ModelArrays {
     compress::Replica* replica;  // of the whole model
   };
   absl::StatusOr<int64_t> Fetch(std::optional<ModelArrays> model,
-                                absl::Span<float> server_error);
+                                absl::Span<float> server_error,
+                                absl::Span<const float> compare_x = {},
+                                bool* same = nullptr);
   // Sends this worker's Join to `shard` in the background (once at a time):
   // for an external job's shard that restarted without its model.
   void Rejoin(uint32_t shard);

@@ -931,8 +931,6 @@ absl::Status Session::ReplaceModel() {
 }
 
 absl::Status Session::AwaitShardsX() {
-  const uint64_t dim = job_.algorithm.layout.dim;
-  compress::Replica shards(job_.algorithm, compress::Range{0, dim});
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   // Rank 0's upload is usually in within a few download times: ask again
@@ -941,20 +939,19 @@ absl::Status Session::AwaitShardsX() {
   for (;;) {
     // FAILED_PRECONDITION: partitions at different steps (rank 0's restore
     // half done); after a step also UNAVAILABLE: a partition waits for its
-    // commit (before the first step nothing does).
-    auto steps = client_->FetchModel(shards);
-    if (!steps.ok() && !absl::IsFailedPrecondition(steps.status()) &&
-        !(step_ > 0 && absl::IsUnavailable(steps.status()))) {
-      return Fail(steps.status());
+    // commit (before the first step nothing does). Only the partitions'
+    // hashes of x cross the wire.
+    auto shards = client_->CompareX(replica_.x());
+    if (!shards.ok() && !absl::IsFailedPrecondition(shards.status()) &&
+        !(step_ > 0 && absl::IsUnavailable(shards.status()))) {
+      return Fail(shards.status());
     }
-    if (steps.ok() && *steps > step_) {
+    if (shards.ok() && shards->completed_steps > step_) {
       return Fail(absl::FailedPreconditionError(absl::StrCat(
           "the shards completed step ", step_, " while rank ", rank_,
           " waited for rank 0 to give them the same weights")));
     }
-    if (steps.ok() && *steps == step_ &&
-        std::memcmp(shards.x().data(), replica_.x().data(),
-                    dim * sizeof(float)) == 0) {
+    if (shards.ok() && shards->completed_steps == step_ && shards->same) {
       x_hash_step_ = step_;
       return absl::OkStatus();
     }
@@ -977,25 +974,25 @@ absl::Status Session::AwaitShardsX() {
 absl::StatusOr<bool> Session::HoldsShardsModel() {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (absl::Status s = SyncHost(); !s.ok()) return s;
-  const uint64_t dim = job_.algorithm.layout.dim;
-  compress::Replica shards(job_.algorithm, compress::Range{0, dim});
   // A step waiting for rank 0's commit (clipping, onebit_lamb) answers
   // UNAVAILABLE until it arrives, partitions between steps
-  // FAILED_PRECONDITION: asked again, up to the connect timeout.
+  // FAILED_PRECONDITION: asked again, up to the connect timeout. Only the
+  // partitions' hashes of x cross the wire (PushRequest.x_hash's, which
+  // the pushes then carry: the check relies on them either way).
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
-  absl::StatusOr<int64_t> steps = client_->FetchModel(shards);
-  while (!steps.ok() &&
-         (absl::IsUnavailable(steps.status()) ||
-          absl::IsFailedPrecondition(steps.status())) &&
+  absl::Duration pause = absl::Milliseconds(5);
+  auto shards = client_->CompareX(replica_.x());
+  while (!shards.ok() &&
+         (absl::IsUnavailable(shards.status()) ||
+          absl::IsFailedPrecondition(shards.status())) &&
          absl::Now() < deadline) {
-    absl::SleepFor(absl::Milliseconds(100));
-    steps = client_->FetchModel(shards);
+    absl::SleepFor(pause);
+    pause = std::min(2 * pause, absl::Milliseconds(100));
+    shards = client_->CompareX(replica_.x());
   }
-  if (!steps.ok()) return steps.status();
-  const bool holds =
-      *steps == step_ && std::memcmp(shards.x().data(), replica_.x().data(),
-                                     dim * sizeof(float)) == 0;
+  if (!shards.ok()) return shards.status();
+  const bool holds = shards->completed_steps == step_ && shards->same;
   // The shards may hold this x because rank 0 has just given it to them
   // (ReloadModel: the same change on every rank): the pushes of this step
   // must then show it (PushRequest.x_hash), as a changing rank's do.

@@ -209,8 +209,9 @@ class Session {
   // Whether the shards hold this worker's x (after SyncHost) at the step it
   // is at, between steps: morse.torch asks when parameters were written
   // after a step, to tell a write that left every bit as the step left it
-  // (evaluation weights swapped in and back) from a change. Downloads the
-  // shards' model (x, m, v), asked again while a step waits for its commit
+  // (evaluation weights swapped in and back) from a change. Compares each
+  // partition's hash of x with the shards' (PushClient::CompareX: the
+  // model stays on the shards), asked again while a step waits for its commit
   // or partitions are between steps (up to timeouts.connect_seconds);
   // false where they are at another step (an elastic job that went on
   // without this worker, zero_one_adam's local steps). When true, the

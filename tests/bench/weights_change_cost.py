@@ -5,12 +5,13 @@ the first:
 
   plain    no change;
   swapped  other weights swapped in after every step and restored bit for
-           bit (an evaluation's EMA weights): the next step downloads the
-           shards' model once to tell;
+           bit (an evaluation's EMA weights): the next step compares each
+           partition's hash of x with the shards' to tell;
   changed  every weight scaled by 0.999 after every step (a WGAN critic's
-           clamp_ changes some; this changes all): the download, then rank
+           clamp_ changes some; this changes all): the hashes, then rank
            0 uploads the model and each shard writes its checkpoint (when
-           it has a checkpoint path) before the step goes on.
+           it has a checkpoint path) before the step goes on, while rank 1
+           asks for the shards' hashes until they hold the change.
 
 OPTIMIZER=adam (fp32) or onebit (freeze_step 2: the compression phase).
 

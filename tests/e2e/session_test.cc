@@ -136,7 +136,8 @@ TEST(SessionTest, ARankStartingWhileRankZeroRestoresWaitsForIt) {
 // after a step"): both ranks clamp x after step 2 (in the warmup) and halve
 // it after step 4 (compressing); ReloadModel gives the shards rank 0's x
 // and rank 1 waits until they hold its own. After every step both ranks'
-// x equal the simulator's fed the same gradients and changes, bit for bit.
+// x equal the simulator's fed the same gradients and changes, bit for bit;
+// HoldsShardsModel tells the shards' x from a changed one (by hashes).
 TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
   const std::string config = R"(
     workers: 2
@@ -191,6 +192,13 @@ TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
           << "rank " << r << " after step " << step;
     }
     if (step != 2 && step != 4) continue;
+    // Between steps every rank holds the shards' model (their hashes of x
+    // match: the model stays on the shards).
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto holds = ranks[r]->HoldsShardsModel();
+      ASSERT_TRUE(holds.ok()) << holds.status();
+      EXPECT_TRUE(*holds) << "rank " << r << " after step " << step;
+    }
     std::vector<float> changed(ranks[0]->replica().x().begin(),
                                ranks[0]->replica().x().end());
     const std::vector<float> before = changed;
@@ -198,12 +206,22 @@ TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
       f = step == 2 ? std::min(std::max(f, -0.02f), 0.02f) : 0.5f * f;
     ASSERT_NE(changed, before) << "the change after step " << step;
     ASSERT_TRUE(sim->ReplaceX(changed).ok());
-    auto reloaded = both([&](worker::Session& s, uint32_t) {
-      std::copy(changed.begin(), changed.end(), s.replica().x().begin());
-      return s.ReloadModel();
-    });
+    for (auto& rank : ranks)
+      std::copy(changed.begin(), changed.end(), rank->replica().x().begin());
+    // Changed, and not yet given to the shards.
+    auto holds = ranks[1]->HoldsShardsModel();
+    ASSERT_TRUE(holds.ok()) << holds.status();
+    EXPECT_FALSE(*holds) << "after the change after step " << step;
+    auto reloaded =
+        both([&](worker::Session& s, uint32_t) { return s.ReloadModel(); });
     ASSERT_TRUE(reloaded.first.ok()) << reloaded.first;
     ASSERT_TRUE(reloaded.second.ok()) << reloaded.second;
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto given = ranks[r]->HoldsShardsModel();
+      ASSERT_TRUE(given.ok()) << given.status();
+      EXPECT_TRUE(*given) << "rank " << r
+                          << " after the shards took the change";
+    }
   }
 }
 

@@ -489,9 +489,15 @@ TEST_F(ShardCoreTest, WeightsChangedAfterAStepReplaceXAloneAndAreChecked) {
   EXPECT_EQ(after.m, before.m);
   EXPECT_EQ(after.v, before.v);
   EXPECT_EQ(observations, 0) << "the shard's other partitions are not in";
+  // A worker asking whether the shards hold its x gets x's hash alone.
+  const uint64_t hash = compress::BytesHash(changed.data(), n * sizeof(float));
+  const PartitionSnapshot hashed = *core_->FetchPartition(
+      p.id, fingerprint(), {.model = false, .x_hash = true});
+  EXPECT_EQ(hashed.completed_steps, 1);
+  EXPECT_EQ(hashed.x_hash, hash);
+  EXPECT_TRUE(hashed.x.empty() && hashed.m.empty() && hashed.v.empty());
 
   // Step 1: a push without the hash, or of another x, is refused.
-  const uint64_t hash = compress::BytesHash(changed.data(), n * sizeof(float));
   const absl::Status unchanged = Push(Args(1, 1, p));
   EXPECT_EQ(unchanged.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(unchanged.message().find("rank 1 did not"), std::string::npos)
@@ -1611,9 +1617,9 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   std::unique_ptr<ShardCore> fresh = *ShardCore::Create(job, 0);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh, 0));
   const PartitionSnapshot before =
-      *fresh->FetchPartition(parts[1].id, fingerprint, true);
-  PartitionSnapshot saved = *core->FetchPartition(parts[1].id, fingerprint,
-                                                  /*with_server_error=*/true);
+      *fresh->FetchPartition(parts[1].id, fingerprint, {.server_error = true});
+  PartitionSnapshot saved =
+      *core->FetchPartition(parts[1].id, fingerprint, {.server_error = true});
   ASSERT_EQ(Own(saved, "v_fresh").size(), parts[1].range.size());
   PartitionSnapshot partial = saved;
   Own(partial, "v_fresh").clear();
@@ -1635,7 +1641,7 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
       fresh->RestorePartition(0, parts[1].id, fingerprint, partial).code(),
       absl::StatusCode::kInvalidArgument);
   const PartitionSnapshot unchanged =
-      *fresh->FetchPartition(parts[1].id, fingerprint, true);
+      *fresh->FetchPartition(parts[1].id, fingerprint, {.server_error = true});
   EXPECT_EQ(unchanged.x, before.x);
   EXPECT_EQ(Own(unchanged, "v_fresh"), Own(before, "v_fresh"));
   EXPECT_EQ(Own(unchanged, "lamb_layers"), Own(before, "lamb_layers"));
@@ -1643,7 +1649,7 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
       fresh->RestorePartition(0, parts[1].id, fingerprint, saved);
   ASSERT_TRUE(restore.ok()) << restore;
   const PartitionSnapshot restored =
-      *fresh->FetchPartition(parts[1].id, fingerprint, true);
+      *fresh->FetchPartition(parts[1].id, fingerprint, {.server_error = true});
   EXPECT_EQ(restored.completed_steps, saved.completed_steps);
   EXPECT_EQ(restored.x, saved.x);
   EXPECT_EQ(restored.m, saved.m);
