@@ -12,7 +12,12 @@ first cut): one Morse worker per node.
    without a GPU).
 2. One host, 3 ranks in one node: one worker, the average in local-rank
    order ((g0 + g1) + g2) / 3, the simulator with N = 1.
-3. Ranks of a node that set different learning rates: every rank of the
+3. Weights loaded after building the optimizer, before the first step,
+   and weights changed after every step on every rank (a WGAN critic's
+   clamp_): the job's, the leaders bit-identical to the simulator fed the
+   same changes and the shards' model theirs; changed on one rank of a node only: every rank of the node
+   fails, saying to change them the same way on every rank.
+4. Ranks of a node that set different learning rates: every rank of the
    node fails naming the values; nodes that disagree on --node-aggregation
    fail the rendezvous saying so."""
 import json
@@ -54,6 +59,10 @@ def worker(out, mode):
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).to(device)
     lr = 0.02 if variant == "lr" and rank == 1 else 0.01
     opt = build(name, model.parameters(), lr)
+    if variant == "load":  # weights loaded after building the optimizer, on every rank
+        torch.manual_seed(9)
+        model.load_state_dict(torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(),
+                                                  torch.nn.Linear(20, 4)).state_dict())
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             json.dump({"base": f.read(), "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
@@ -72,8 +81,20 @@ def worker(out, mode):
         checksums.append(opt.checksum())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
+        # A WGAN critic's weight clipping after a step, on every rank (or on
+        # one rank only, clamp_one: the node refuses it).
+        if (variant == "clamp" and step < STEPS - 1) or (variant == "clamp_one" and rank == 1
+                                                          and step == 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.15, 0.15)
+            if rank == 0:
+                numpy.save(f"{out}/x-{step + 1}.npy",
+                           torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
     if local == 0:
         json.dump(checksums, open(f"{out}/checksums-{node}.json", "w"))
+        # The shards' model is the leader's (their hashes of x).
+        json.dump(opt._holds_shards_model(), open(f"{out}/holds-{node}.json", "w"))
     json.dump(params, open(f"{out}/params-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
 
@@ -114,8 +135,13 @@ def two_nodes(name, variant=""):
     may_differ = name == "ZeroOneAdam"
     check_node_averages(out, 2, 2)
     check_nodes_share(out, 2, 2, may_differ)
+    for node in range(2):  # zero_one_adam's shards hold the last sync's model
+        check(may_differ or json.load(open(f"{out}/holds-{node}.json")),
+              f"{name}: the shards' model is not node {node}'s leader's")
     check_ranks_match_simulator(out, 2, STEPS, ranks_may_differ=may_differ)
-    print(f"PASS: {name}{' on CUDA tensors' if variant else ''}: 2 nodes x 2 ranks with node "
+    what = {"cuda": " on CUDA tensors", "clamp": ", clamped after every step",
+            "load": ", weights loaded after building it"}.get(variant, "")
+    print(f"PASS: {name}{what}: 2 nodes x 2 ranks with node "
           "aggregation: one worker per node, the node "
           f"average pushed, every rank on its leader's bits, the simulator with N = 2 for {STEPS} steps")
 
@@ -145,13 +171,22 @@ def wrong_use():
     for rank in (0, 1):
         check(re.search(rf"\[rank {rank}\].*set different \(lr, weight_decay\)", result.stdout),
               f"rank {rank} names the disagreement")
+    command[-1] = "OneBitAdam:clamp_one"
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    print(result.stdout[-3000:])
+    check(result.returncode != 0, "a node whose rank 1 alone changed its weights should fail")
+    for rank in (0, 1):
+        check(re.search(rf"\[rank {rank}\].*local ranks \[1\] of node 0 hold other parameters than "
+                        r"its leader after step 2 .*same way on every rank", result.stdout),
+              f"rank {rank} names the rank that changed its weights alone")
     results = nodes(__file__, 2, 1, "-", "Adam", extra=[("--node-aggregation",), ()], timeout=120)
     for node, (code, text) in enumerate(results):
         print(text[-1500:])
         check(code != 0 and "--node-aggregation" in text and "every node must give the same" in text,
               f"node {node}: the disagreement on --node-aggregation is named")
-    print("PASS: different learning rates in a node and a disagreement on --node-aggregation fail, "
-          "saying so")
+    print("PASS: different learning rates in a node, weights changed on one of its ranks only and "
+          "a disagreement on --node-aggregation fail, saying so")
 
 
 if __name__ == "__main__":
@@ -160,6 +195,8 @@ if __name__ == "__main__":
         sys.exit(0)
     for name in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):
         two_nodes(name)
+    two_nodes("OneBitAdam", "clamp")
+    two_nodes("Adam", "load")
     # CUDA tensors (the 4 ranks sharing this host's GPU; staged through the
     # host inside each node): where there is a GPU.
     if torch.cuda.is_available():

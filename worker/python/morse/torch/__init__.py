@@ -739,7 +739,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _begin(self):
         changed = [n for n, p, v in zip(self._names, self._params, self._x_versions) if p._version != v]
-        if changed and self._session.step_index == 0 and self._node is None:
+        # A node's leader gets here for the node (_node_step checked that
+        # its ranks hold the same parameters).
+        if changed and self._session.step_index == 0:
             # Weights loaded after the optimizer was built, before the first
             # step (a fine-tuning script's order): they become the job's.
             # Rank 0 gives them to the shards, every other rank that loaded
@@ -751,12 +753,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     torch.cuda.current_stream(self._device).synchronize()
                 self._session.reload_model()
             self._x_versions = [p._version for p in self._params]
-        elif changed and self._node is None and self._holds_shards_model():
+        elif changed and self._holds_shards_model():
             # Written and written back with the bits the step left (weights
             # swapped in for an evaluation and restored, as EMA helpers do):
             # the shards hold this model, nothing changed.
             self._x_versions = [p._version for p in self._params]
-        elif changed and self._node is None:
+        elif changed:
             # Changed after a step (a clamp_, a max_norm embedding's renorm,
             # load_state_dict(best)), as DDP allows: the changed weights
             # become the job's, the optimizer's state going on. Rank 0
@@ -774,18 +776,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     # that step).
                     self._session.save_checkpoint(self._checkpoint)
             self._x_versions = [p._version for p in self._params]
-        elif changed:
-            step = self.step_index
-            when = (f"after step {step - 1}" if step > 0 else
-                    "since the optimizer was built (a rank of morse-run --node-aggregation takes "
-                    "its node's weights when the optimizer is built)")
-            raise MorseError(
-                f"FAILED_PRECONDITION: {', '.join(changed)} changed outside the optimizer {when} "
-                "(model.load_state_dict(), copy_(), or another in-place change); with "
-                "--node-aggregation the servers keep the old values and Morse will not "
-                "overwrite yours silently (weights swapped out and restored bit for bit before "
-                "the next step() are fine). Load weights before building the optimizer, or "
-                "restore a whole run with opt.load_state_dict()")
         self._check_groups()
         if self._buffers and self._rank == 0:
             self._session.set_buffers(self._pack_buffers())
@@ -809,7 +799,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _holds_shards_model(self):
         """Whether the shards hold these parameters (the step after a write
-        to them: downloads the shards' model once)."""
+        to them: compares each partition's hash of x with the shards')."""
         with self._device_context(), self._explained():
             if self._cuda:  # torch's writes to the parameters are done
                 torch.cuda.current_stream(self._device).synchronize()
@@ -1111,7 +1101,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         node = self._node
         missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
         self._restore_views()
-        average, hypers = node.average(self._flat_grad, self._group_hyper())
+        # Parameters written since the last step (a clamp_, a
+        # load_state_dict): each rank tells its leader their hash.
+        written = any(p._version != v for p, v in zip(self._params, self._x_versions))
+        average, hypers, digests = node.average(self._flat_grad, self._group_hyper(),
+                                                _digest(self._flat) if written else None)
+        if not node.is_leader:
+            # The leader's step decides; this rank takes the leader's
+            # parameters when it ends.
+            self._x_versions = [p._version for p in self._params]
         error = None
         if node.is_leader:
             failure = None
@@ -1120,6 +1118,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
                            f"(lr, weight_decay): {shown} (local ranks in order); every rank must "
                            "use the same")
+                error = MorseError(failure)
+            elif (failure := self._node_weights_differ(digests)) is not None:
                 error = MorseError(failure)
             else:
                 self._flat_grad.copy_(average)
@@ -1141,6 +1141,29 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         self._check_missing(missing)
+
+    def _node_weights_differ(self, digests):
+        """On a node's leader, given each local rank's digest of the
+        parameters it wrote since the last step (None: untouched, so the
+        node's parameters of the last step): a failure message unless every
+        rank holds the leader's parameters. The leader's step then makes a
+        change the job's as any worker's (_begin)."""
+        if all(d is None for d in digests):
+            return None
+        mine = _digest(self._flat)
+        differ = [r for r, d in enumerate(digests) if d is not None and d != mine]
+        if not differ and any(d is None for d in digests) and digests[0] is not None:
+            # Some ranks kept the last step's parameters, the leader wrote
+            # its own: the same only if it wrote back the same bits.
+            with self._device_context(), self._explained():
+                if not self._holds_shards_model():
+                    differ = [r for r, d in enumerate(digests) if d is None]
+        if not differ:
+            return None
+        return (f"FAILED_PRECONDITION: local ranks {differ} of node {self._node.node} hold "
+                f"other parameters than its leader after step {self.step_index - 1} (written "
+                "on some ranks only, or differently): change the weights the same way on every "
+                "rank")
 
     def _check_missing(self, missing):
         if missing and self._missing_grads == "raise":
@@ -1351,6 +1374,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+
+def _digest(flat):
+    """A 64-bit hash of a flat parameter tensor's bits (the same in every
+    process, unlike hash())."""
+    host = flat.detach().cpu().contiguous().numpy()
+    return int.from_bytes(hashlib.blake2b(memoryview(host).cast("B"), digest_size=8).digest(),
+                          "little")
 
 
 def _hyper_of(group):

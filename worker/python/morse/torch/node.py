@@ -71,25 +71,35 @@ class NodeGroup:
             with torch.no_grad():
                 flat.copy_(host)
 
-    def average(self, flat_grad, hyper):
-        """Sends this rank's gradient and (lr, weight_decay) pairs (one per
-        parameter group trained apart) to the leader; on the leader returns
-        the node's average (host) and every rank's pairs, elsewhere (None,
+    def average(self, flat_grad, hyper, digest=None):
+        """Sends this rank's gradient, (lr, weight_decay) pairs (one per
+        parameter group trained apart) and `digest` (a 64-bit hash of its
+        parameters where it changed them since the last step, else None) to
+        the leader; on the leader returns the node's average (host), every
+        rank's pairs and every rank's digest, elsewhere (None, None,
         None)."""
         values = [v for pair in hyper for v in pair]
+        # The digest as a flag and four 16-bit pieces, each exact in fp32.
+        values += [0.0] * 5 if digest is None else [1.0] + [
+            float((digest >> shift) & 0xFFFF) for shift in (0, 16, 32, 48)]
         k = len(values)
         mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
                           torch.tensor(values, dtype=torch.float32)])
         parts = [torch.empty_like(mine) for _ in range(self.size)] if self.is_leader else None
         self.dist.gather(mine, gather_list=parts, dst=self.leader, group=self.group)
         if not self.is_leader:
-            return None, None
+            return None, None, None
         total = parts[0][:-k].clone()
         for part in parts[1:]:
             total += part[:-k]  # in local-rank order, so every run sums alike
         total /= self.size
-        pairs = [p[-k:].tolist() for p in parts]
-        return total, [tuple(zip(v[0::2], v[1::2])) for v in pairs]
+        pairs, digests = [], []
+        for part in parts:
+            v = [float(f) for f in part[-k:].tolist()]
+            pairs.append(tuple(zip(v[0:k - 5:2], v[1:k - 5:2])))
+            digests.append(None if v[k - 5] == 0 else
+                           sum(int(piece) << shift for piece, shift in zip(v[k - 4:], (0, 16, 32, 48))))
+        return total, pairs, digests
 
     def finish(self, failure=None, checksum=None, buffers=None):
         """The leader's outcome of the step to the node: (failure, checksum,
