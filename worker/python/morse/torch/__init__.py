@@ -1106,10 +1106,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         written = any(p._version != v for p, v in zip(self._params, self._x_versions))
         average, hypers, digests = node.average(self._flat_grad, self._group_hyper(),
                                                 _digest(self._flat) if written else None)
-        if not node.is_leader:
-            # The leader's step decides; this rank takes the leader's
-            # parameters when it ends.
-            self._x_versions = [p._version for p in self._params]
         error = None
         if node.is_leader:
             failure = None
@@ -1136,6 +1132,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 error = MorseError(f"{failure}\n  (the step of this node's leader, rank "
                                    f"{node.leader}; this rank is rank {self._rank})")
         node.share(self._flat)
+        if not node.is_leader:
+            # The leader's step decided on what this rank wrote; it holds
+            # the leader's parameters now (the copy bumps their versions).
+            self._x_versions = [p._version for p in self._params]
         if buffers is not None and not node.is_leader:
             self._unpack_buffers(buffers)
         if error is not None:
