@@ -16,7 +16,8 @@ first cut): one Morse worker per node.
    and weights changed after every step on every rank (a WGAN critic's
    clamp_): the job's, the leaders bit-identical to the simulator fed the
    same changes and the shards' model theirs; changed on one rank of a node only: every rank of the node
-   fails, saying to change them the same way on every rank.
+   fails, saying to change them the same way on every rank (clamp_one; load_one
+   before the first step).
 4. Ranks of a node that set different learning rates: every rank of the
    node fails naming the values; nodes that disagree on --node-aggregation
    fail the rendezvous saying so."""
@@ -59,7 +60,9 @@ def worker(out, mode):
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).to(device)
     lr = 0.02 if variant == "lr" and rank == 1 else 0.01
     opt = build(name, model.parameters(), lr)
-    if variant == "load":  # weights loaded after building the optimizer, on every rank
+    if variant == "load" or (variant == "load_one" and rank == 1):
+        # Weights loaded after building the optimizer, on every rank (or on
+        # one only, load_one: the node refuses it).
         torch.manual_seed(9)
         model.load_state_dict(torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(),
                                                   torch.nn.Linear(20, 4)).state_dict())
@@ -171,15 +174,17 @@ def wrong_use():
     for rank in (0, 1):
         check(re.search(rf"\[rank {rank}\].*set different \(lr, weight_decay\)", result.stdout),
               f"rank {rank} names the disagreement")
-    command[-1] = "OneBitAdam:clamp_one"
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=240)
-    print(result.stdout[-3000:])
-    check(result.returncode != 0, "a node whose rank 1 alone changed its weights should fail")
-    for rank in (0, 1):
-        check(re.search(rf"\[rank {rank}\].*local ranks \[1\] of node 0 hold other parameters than "
-                        r"its leader after step 2 .*same way on every rank", result.stdout),
-              f"rank {rank} names the rank that changed its weights alone")
+    for variant, when in (("clamp_one", "after step 2"), ("load_one", "before the first step")):
+        command[-1] = f"OneBitAdam:{variant}"
+        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, timeout=240)
+        print(result.stdout[-3000:])
+        check(result.returncode != 0, f"{variant}: a node whose rank 1 alone changed its weights "
+              "should fail")
+        for rank in (0, 1):
+            check(re.search(rf"\[rank {rank}\].*local ranks \[1\] of node 0 hold other parameters "
+                            rf"than its leader {when} .*same way on every rank", result.stdout),
+                  f"{variant}: rank {rank} names the rank that changed its weights alone")
     results = nodes(__file__, 2, 1, "-", "Adam", extra=[("--node-aggregation",), ()], timeout=120)
     for node, (code, text) in enumerate(results):
         print(text[-1500:])

@@ -1160,10 +1160,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     differ = [r for r, d in enumerate(digests) if d is None]
         if not differ:
             return None
+        step = self.step_index
+        when = f"after step {step - 1}" if step > 0 else "before the first step"
         return (f"FAILED_PRECONDITION: local ranks {differ} of node {self._node.node} hold "
-                f"other parameters than its leader after step {self.step_index - 1} (written "
-                "on some ranks only, or differently): change the weights the same way on every "
-                "rank")
+                f"other parameters than its leader {when} (written on some ranks only, or "
+                "differently): change (or load) the weights the same way on every rank")
 
     def _check_missing(self, missing):
         if missing and self._missing_grads == "raise":
