@@ -15,9 +15,9 @@ first cut): one Morse worker per node.
 3. Weights loaded after building the optimizer, before the first step,
    and weights changed after every step on every rank (a WGAN critic's
    clamp_): the job's, the leaders bit-identical to the simulator fed the
-   same changes and the shards' model theirs; changed on one rank of a node only: every rank of the node
-   fails, saying to change them the same way on every rank (clamp_one; load_one
-   before the first step).
+   same changes and the shards' model theirs; changed on one rank of a
+   node only: every rank of the node fails, saying to change them the
+   same way on every rank (clamp_one; load_one before the first step).
 4. Ranks of a node that set different learning rates: every rank of the
    node fails naming the values; nodes that disagree on --node-aggregation
    fail the rendezvous saying so."""
