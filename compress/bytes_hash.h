@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 
 namespace morse::compress {
 
@@ -48,6 +49,13 @@ inline uint64_t BytesHash(const void* data, size_t n) {
 
 inline uint64_t BytesHash(absl::string_view bytes) {
   return BytesHash(bytes.data(), bytes.size());
+}
+
+// The hash of a partition's parameters (PushRequest.x_hash,
+// PartitionState.x_hash): what a worker and a shard compare to tell
+// whether they hold the same x.
+inline uint64_t XHash(absl::Span<const float> x) {
+  return BytesHash(x.data(), x.size() * sizeof(float));
 }
 
 }  // namespace morse::compress

@@ -369,9 +369,8 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
     // rank 0's, or what it restored (a model loaded after the optimizer
     // was built, morse.torch's reload); after a ReplaceX, rank 0's new x.
     const uint64_t offset = p.partition.range.begin - range_.begin;
-    if (compress::BytesHash(mirror_.x().data() + offset,
-                            p.partition.range.size() * sizeof(float)) !=
-        *args.x_hash) {
+    if (compress::XHash(mirror_.x().subspan(
+            offset, p.partition.range.size())) != *args.x_hash) {
       return absl::FailedPreconditionError(
           args.step == 0
               ? absl::StrCat("rank ", args.rank, "'s parameters in partition ",
@@ -1160,8 +1159,7 @@ absl::StatusOr<PartitionSnapshot> ShardCore::FetchPartition(
     snapshot.state = StateOf(p, p.partition.range.begin, n);
   }
   if (what.x_hash) {
-    snapshot.x_hash =
-        compress::BytesHash(mirror_.x().data() + offset, n * sizeof(float));
+    snapshot.x_hash = compress::XHash(mirror_.x().subspan(offset, n));
   }
   if (what.server_error) {
     // The error buffer changes only when a step completes, so it is the one

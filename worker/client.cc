@@ -221,8 +221,7 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
             transport_->address(p.shard), " runs an older morse-server)"));
       }
       if (state.x_hash() !=
-          compress::BytesHash(compare_x.data() + p.range.begin,
-                              p.range.size() * sizeof(float))) {
+          compress::XHash(compare_x.subspan(p.range.begin, p.range.size()))) {
         *same = false;
       }
     }

@@ -184,9 +184,8 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
   }
   call->request.set_workers_clip(extras_.workers_clip);
   if (!extras_.x.empty()) {
-    call->request.set_x_hash(
-        compress::BytesHash(extras_.x.data() + partition.range.begin,
-                            partition.range.size() * sizeof(float)));
+    call->request.set_x_hash(compress::XHash(
+        extras_.x.subspan(partition.range.begin, partition.range.size())));
   }
   if (extras_.previous_grad_sum_of_squares.has_value()) {
     call->request.set_previous_grad_sum_of_squares(
