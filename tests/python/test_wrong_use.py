@@ -25,6 +25,15 @@ def expect(exception, words, build):
     check(False, f"no {exception.__name__} ({words})")
 
 
+def _raised(call):
+    """The exception call() raises (None if none)."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 (the test looks at any)
+        return e
+    return None
+
+
 def config_file(text):
     f = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
     f.write(text)
@@ -289,6 +298,59 @@ def main():
         model(torch.ones(4, 3)).sum().backward()
         expect(ValueError, "with schedule='cosine' (one lr for the whole model) they train as one "
                "segment", opt.step)
+
+    # betas and eps given by the only group (in place of the arguments) are
+    # the job's: bit for bit as the same values given as arguments.
+    sums = {}
+    for how in ("group", "args", "default"):
+        with server(base) as address:
+            torch.manual_seed(1)
+            model = torch.nn.Linear(3, 2)
+            rule = dict(betas=(0.8, 0.99), eps=1e-4)
+            params = [dict(params=model.parameters(), **rule)] if how == "group" else model.parameters()
+            opt = morse.torch.Adam(params, rank=0, world_size=1, servers=[address], config=base,
+                                   **(rule if how == "args" else {}))
+            for step in range(4):
+                opt.zero_grad()
+                model(torch.full((4, 3), float(step + 1))).pow(2).sum().backward()
+                opt.step()
+            sums[how] = opt.checksum()
+    check(sums["group"] == sums["args"], "the group's own betas and eps were not the job's")
+    check(sums["group"] != sums["default"], "betas and eps changed nothing")
+    print("PASS: a group's own betas and eps are the job's")
+    # betas changed after the optimizer was built: the job's stay, so the
+    # change is refused, never ignored. OneCycleLR cycles betas[0] by
+    # default; with cycle_momentum=False it trains, its lr followed.
+    for cycle in (True, False):
+        with server(base) as address:
+            model = torch.nn.Linear(3, 2)
+            opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                                   config=base)
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10,
+                                                        cycle_momentum=cycle)
+            model(torch.ones(4, 3)).sum().backward()
+            if cycle:
+                expect(ValueError, "but the optimizer was built with (0.9, 0.999): a Morse "
+                       "optimizer's betas and eps are the job's update rule", opt.step)
+                check("needs cycle_momentum=False" in str(_raised(opt.step)),
+                      "the refusal names OneCycleLR's cycle_momentum=False")
+                continue
+            lrs = []
+            for step in range(3):
+                if step:
+                    opt.zero_grad()
+                    model(torch.ones(4, 3)).sum().backward()
+                lrs.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+            check(len(set(lrs)) == 3, f"OneCycleLR's lr did not move: {lrs}")
+            # A manual change of eps after a step: refused as the next step
+            # begins (with overlap, in the backward() that pushes).
+            opt.param_groups[0]["eps"] = 1e-3
+            opt.zero_grad()
+            expect(ValueError, "param_groups[0] has eps 0.001, but the optimizer was built with 1e-08",
+                   lambda: model(torch.ones(4, 3)).sum().backward())
+    print("PASS: changed betas and eps are refused, OneCycleLR(cycle_momentum=False) trains")
 
     # Ranks that set different learning rates.
     code, out = morse_run(__file__, 2, 1, "lr", timeout=120)

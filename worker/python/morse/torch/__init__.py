@@ -314,7 +314,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         base = _base_config(config, workers, servers)
-        adam = [f"beta1: {betas[0]!r}", f"beta2: {betas[1]!r}", f"eps: {eps!r}",
+        # The job's betas and eps are param_groups[0]'s (a group may give its
+        # own, in place of the arguments'), fixed from here on: every rank
+        # and shard applies them (_check_update_rule).
+        betas, eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+        self._update_rule = (_as_list(betas), _as_list(eps))
+        adam = [f"beta1: {float(betas[0])!r}", f"beta2: {float(betas[1])!r}", f"eps: {float(eps)!r}",
                 f"weight_decay: {weight_decay!r}"]
         adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
         lines = [
@@ -727,11 +732,32 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return ("on CUDA tensors (the GPU's layer sums and local steps of OneBitLamb and "
                 "ZeroOneAdam take one lr and weight_decay)")
 
+    def _check_update_rule(self, after_step=None):
+        """ValueError if param_groups[0]'s betas or eps differ from the
+        job's (a scheduler that cycles them, a manual change): the shards and
+        every rank apply the values the optimizer was built with, so a
+        change would otherwise be ignored."""
+        for key, built in zip(("betas", "eps"), self._update_rule):
+            now = self.param_groups[0][key]
+            if _as_list(now) == built:
+                continue
+            shown = tuple(built) if key == "betas" else built[0]
+            when = "" if after_step is None else f" (step {after_step} used {shown})"
+            raise ValueError(
+                f"param_groups[0] has {key} {_shown_value(now)}, but the optimizer was built with "
+                f"{shown}{when}: a Morse optimizer's betas and eps are the job's update rule, "
+                "fixed when it starts on every rank and shard. A scheduler that cycles the "
+                "momentum (OneCycleLR and CyclicLR, whose cycle_momentum=True is the default) "
+                "needs cycle_momentum=False; otherwise build the optimizer with the values you "
+                "want")
+
     def _check_groups(self, after_step=None):
-        """ValueError unless every group has param_groups[0]'s betas and eps,
-        and its lr and weight_decay unless the groups train apart (at
-        construction and every step: a change in one group would otherwise
-        be ignored)."""
+        """ValueError unless param_groups[0] has the job's betas and eps,
+        every group has param_groups[0]'s, and its lr and weight_decay
+        unless the groups train apart (at construction and every step: a
+        change in one group would otherwise be ignored)."""
+        if hasattr(self, "_update_rule"):
+            self._check_update_rule(after_step)
         keys = ("betas", "eps") if self._groups_apart else ("lr", "betas", "eps", "weight_decay")
         for i in range(1, len(self.param_groups)):
             for key in keys:
@@ -1402,8 +1428,16 @@ def _same_bits(a, b):
 
 
 def _as_list(value):
-    """betas (a tuple) or eps (a number) as a list, for comparing."""
-    return list(value) if isinstance(value, (tuple, list)) else [value]
+    """betas (a tuple) or eps (a number) as a list of floats, for comparing
+    (torch 2 allows tensors)."""
+    return [float(v) for v in value] if isinstance(value, (tuple, list)) else [float(value)]
+
+
+def _shown_value(value):
+    """betas or eps in words, as floats."""
+    if isinstance(value, (tuple, list)):
+        return repr(tuple(float(v) for v in value))
+    return repr(float(value))
 
 
 class OneBitAdam(_MorseOptimizer):
