@@ -419,14 +419,18 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
         absl::StrCat("step ", step_,
                      " began without the workers' clipping (SetStepClipping)"));
   }
-  if (clipped_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("step ", step_, " was clipped already"));
+  if (clipped_ && clips_locally_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step_,
+        " was clipped already, and a compressing step clips each worker's own "
+        "gradient, whose pushes left at that clip"));
   }
   if (!(std::isfinite(max_norm) && max_norm >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_norm ", max_norm, ": finite and not negative (0: no clip)"));
   }
+  // On the averaged gradient, another call replaces the max_norm: nothing
+  // has used it before Finish.
   clipped_ = true;
   max_norm_ = max_norm;
   if (clips_locally_) {

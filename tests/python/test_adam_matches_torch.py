@@ -61,6 +61,10 @@ def adopt(opt, reference, ref_opt):
             state["exp_avg_sq"].copy_(v[lo:hi].view_as(p))
 
 
+# clip_twice's max_norms, in the order a step calls clip_grad_norm_ with them.
+TWICE = (float("inf"), 0.25, 0.15, 0.3)
+
+
 def worker(mode):
     import morse.torch
     if mode.startswith(("late_", "early_")):
@@ -80,6 +84,9 @@ def worker(mode):
     schedules, accumulate, clip = mode == "schedules", mode == "accumulate", mode == "clip"
     # The script's own clip_grad_norm_ after backward(), as under DDP.
     clip_after = mode == "clip_after"
+    # clip_grad_norm_ three times a step (the norm logged with inf, then two
+    # clips), each as torch's on the gradient the earlier ones clipped.
+    clip_twice = mode == "clip_twice"
     edit = mode == "edit"  # .grad edited after backward(), then clipped
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
@@ -139,7 +146,7 @@ def worker(mode):
                 last = j == k - 1 and step % 5 != 4
                 with (contextlib.nullcontext() if last else opt.no_sync()):
                     (torch.nn.functional.cross_entropy(model(x[part]), y[part]) / k).backward()
-        elif accumulate or (clip_after and rank == 0):
+        elif accumulate or ((clip_after or clip_twice) and rank == 0):
             if rank == 0:
                 model.zero_grad(set_to_none=True)
             else:
@@ -156,6 +163,8 @@ def worker(mode):
                     p.grad.mul_(0.5)
         if clip_after or edit:
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
+        if clip_twice:
+            returned = [torch.nn.utils.clip_grad_norm_(model.parameters(), m).item() for m in TWICE]
         opt.step()
         if accumulate:
             check(opt.accumulation_steps == 2, f"rank {rank}: accumulation_steps {opt.accumulation_steps} "
@@ -187,6 +196,13 @@ def worker(mode):
                 check(abs(returned - norm) <= 1e-5 * norm,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
                       f"torch's on the global batch {norm}")
+        if clip_twice:
+            norms = [morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), m).item() for m in TWICE]
+            clipped += norms[0] > TWICE[1]  # both clips act
+            for i, (got, want) in enumerate(zip(returned, norms)):
+                check(abs(got - want) <= 1e-5 * want,
+                      f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
+                      f"torch's {want}")
         ref_opt.step()
         for sched in schedulers:
             sched.step()
@@ -205,6 +221,8 @@ def worker(mode):
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
     if clip or clip_after or edit:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
+    if clip_twice:
+        check(clipped >= 5, f"both clips acted in only {clipped} of 20 steps")
     if mode == "weights":
         check(clamped > 0, "the clamp never acted")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
@@ -215,6 +233,8 @@ def worker(mode):
                           f"{clipped} steps",
             "edit": f".grad edited after backward(), then clip_grad_norm_, which clipped "
                     f"{clipped} steps",
+            "clip_twice": f"clip_grad_norm_ with max_norm {TWICE} in turn after backward(), the "
+                          f"first two finite ones clipping in {clipped} steps",
             "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
             "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
             "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
@@ -308,7 +328,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "edit", "no_sync",
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "edit", "no_sync",
                  "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights"):
         code, out = morse_run(__file__, 2, 2, mode)

@@ -104,10 +104,10 @@ int morse_session_received_buffers(morse_session* s, void* out,
  * finish (none: not clipped) (Session::SetStepClipping; morse.torch's
  * clip_grad_norm_). FAILED_PRECONDITION in a job with clip_grad_norm. */
 int morse_session_set_step_clipping(morse_session* s, int on);
-/* Clips the step in flight by max_norm (0: no clip), once
- * (Session::ClipAt): *sum_of_squares is what it clips by, the averaged
- * gradient's once every reply is in, or in a compressing step this
- * worker's own gradient's (its pushes leave now). */
+/* Clips the step in flight by max_norm (0: no clip) (Session::ClipAt):
+ * *sum_of_squares is what it clips by, the averaged gradient's once every
+ * reply is in (again: the last max_norm counts), or in a compressing step
+ * this worker's own gradient's (its pushes leave now; once). */
 int morse_session_clip(morse_session* s, float max_norm,
                        double* sum_of_squares);
 

@@ -100,8 +100,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     compression phase, ZeroOneAdam's 1-bit and local steps) the rule
     is DeepSpeed's: each rank clips its own gradient, and the call returns
     that rank's own norm; from the first call on, those steps push once the
-    clip is known instead of during backward(). Call it once per step, on
-    every rank alike, over all of the optimizer's parameters. Under
+    clip is known instead of during backward(). Call it on every rank
+    alike, over all of the optimizer's parameters; several calls in a step
+    compose as torch's (each returns the norm of the gradient the earlier
+    ones clipped), except that in a compressing step, whose pushes left at
+    the first call, a later one may not clip more. Under
     morse-run --node-aggregation this is torch's own, on each rank's
     gradient."""
     if isinstance(parameters, torch.Tensor):
@@ -1015,8 +1018,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
                              "parameters: a positive max_norm (inf for the norm alone)")
         if self._clipped:
-            raise MorseError(f"FAILED_PRECONDITION: clip_grad_norm_ twice in step {self.step_index} "
-                             "on a Morse optimizer's parameters; call it once per step")
+            return self._clip_again(max_norm, error_if_nonfinite, owned)
         # inf: the norm alone (Trainer's logging); Morse's clip factor is 1.
         limit = 0.0 if math.isinf(max_norm) else max_norm
         self._clips = True
@@ -1037,8 +1039,43 @@ class _MorseOptimizer(torch.optim.Optimizer):
                             "unclipped, and the call returned this rank's own gradient's norm",
                             holds=False)
             sum_of_squares = float(self._flat_grad.double().pow(2).sum())
-        self._clipped = True
+            limit = None  # nothing clips this step
         norm = math.sqrt(sum_of_squares)
+        # The clip so far: the norm it saw and the factor it applies, which
+        # a later call in the step composes with (_clip_again).
+        self._clipped = (norm, _clip_factor(norm, limit or 0.0), limit)
+        return self._norm_tensor(norm, error_if_nonfinite, owned)
+
+    def _clip_again(self, max_norm, error_if_nonfinite, owned):
+        """Another clip_grad_norm_ in the step, as torch's on the gradient
+        the earlier ones clipped: it returns that gradient's norm, and the
+        step clips by the product of the factors (one max_norm for the
+        shards, which clip the averaged gradient once)."""
+        norm, factor, limit = self._clipped
+        seen = norm * factor
+        more = 1.0 if math.isinf(max_norm) or limit is None else _clip_factor(seen, max_norm)
+        if more < 1.0:
+            # The one max_norm whose factor on the first norm is the
+            # product: this call's own where nothing clipped before.
+            combined = max_norm if factor == 1.0 else factor * more * (norm + 1e-6)
+            try:
+                with self._device_context(), self._explained():
+                    self._session.clip(combined)
+            except MorseError as error:
+                if "was clipped already" not in str(error):
+                    raise
+                raise MorseError(
+                    f"FAILED_PRECONDITION: clip_grad_norm_ clipped again in step "
+                    f"{self.step_index}, a compressing step (OneBitAdam and OneBitLamb after "
+                    "freeze_step, ZeroOneAdam's 1-bit steps), where each rank clips its own "
+                    "gradient and its pushes left at the step's first clip_grad_norm_: clip once "
+                    "per step there (calls with max_norm=inf, or that do not clip, are fine)"
+                ) from None
+            self._clipped = (norm, factor * more, combined)
+        return self._norm_tensor(seen, error_if_nonfinite, owned)
+
+    def _norm_tensor(self, norm, error_if_nonfinite, owned):
+        """clip_grad_norm_'s return value, as torch's."""
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"The total norm of order 2.0 for gradients from {owned} parameters "
                                "is non-finite, so it cannot be clipped. To disable this error and "
@@ -1425,6 +1462,14 @@ def _shown_hyper(hyper):
 def _same_bits(a, b):
     """Whether two float32 tensors hold the same bits (-0.0 is not +0.0)."""
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _clip_factor(norm, max_norm):
+    """torch's clip_grad_norm_ factor, min(1, max_norm / (norm + 1e-6)); 1
+    for max_norm 0 (no clip) or inf."""
+    if not 0.0 < max_norm < math.inf:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def _as_list(value):
