@@ -16,6 +16,50 @@ absl::Status ValidateStepHyper(const StepHyper& hyper) {
         absl::StrCat("lr ", hyper.lr, " and weight_decay ", hyper.weight_decay,
                      " must be finite and not negative"));
   }
+  if (hyper.moments.has_value()) {
+    const StepMoments& m = *hyper.moments;
+    return ValidateAdamHyper(AdamHyper{m.beta1, m.beta2, m.eps, 0.0f});
+  }
+  return absl::OkStatus();
+}
+
+bool SameStepHyper(const std::optional<StepHyper>& a,
+                   const std::optional<StepHyper>& b) {
+  const auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  const auto same = [&](float x, float y) { return bits(x) == bits(y); };
+  if (a.has_value() != b.has_value()) return false;
+  if (!a.has_value()) return true;
+  if (!same(a->lr, b->lr) || !same(a->weight_decay, b->weight_decay))
+    return false;
+  if (a->moments.has_value() != b->moments.has_value()) return false;
+  return !a->moments.has_value() ||
+         (same(a->moments->beta1, b->moments->beta1) &&
+          same(a->moments->beta2, b->moments->beta2) &&
+          same(a->moments->eps, b->moments->eps));
+}
+
+std::string DescribeStepHyper(const std::optional<StepHyper>& hyper) {
+  if (!hyper.has_value()) return "the job's schedule";
+  std::string out =
+      absl::StrCat("lr ", hyper->lr, " and weight_decay ", hyper->weight_decay);
+  if (hyper->moments.has_value()) {
+    absl::StrAppend(&out, " with betas (", hyper->moments->beta1, ", ",
+                    hyper->moments->beta2, ") and eps ", hyper->moments->eps);
+  }
+  return out;
+}
+
+absl::Status CheckStepHyper(const AlgorithmConfig& config,
+                            const StepHyper& hyper) {
+  if (hyper.moments.has_value() && config.optimizer != OptimizerKind::kAdam) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "betas and eps set for a step of ", OptimizerOf(config).name(),
+        ", which applies the job's (adam only takes them step by step)"));
+  }
   return absl::OkStatus();
 }
 

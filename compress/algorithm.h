@@ -6,6 +6,8 @@
 #define MORSE_COMPRESS_ALGORITHM_H_
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -16,14 +18,37 @@
 
 namespace morse::compress {
 
+// A step's betas and eps set by the workers instead of the job's adam
+// section (PyTorch's param_groups under a scheduler that cycles the
+// momentum, as OneCycleLR does): `adam` only (CheckStepHyper), whose
+// update takes them, bias corrections included, from its scalars.
+struct StepMoments {
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+};
+
 // A step's learning rate and weight decay set by the workers (PyTorch's
 // param_groups, carried in every push) instead of the job's schedule and
-// adam.weight_decay. Both finite and not negative (ValidateStepHyper).
+// adam.weight_decay, and its betas and eps where they set those too. lr
+// and weight_decay finite and not negative, the moments as the job's
+// adam section (ValidateStepHyper).
 struct StepHyper {
+  StepHyper() = default;
+  StepHyper(float lr, float weight_decay,
+            std::optional<StepMoments> moments = std::nullopt)
+      : lr(lr), weight_decay(weight_decay), moments(moments) {}
+
   float lr = 0;
   float weight_decay = 0;
+  std::optional<StepMoments> moments;
 };
 absl::Status ValidateStepHyper(const StepHyper& hyper);
+// The same bits (what every worker's push of a partition and step must
+// carry), and in words for messages.
+bool SameStepHyper(const std::optional<StepHyper>& a,
+                   const std::optional<StepHyper>& b);
+std::string DescribeStepHyper(const std::optional<StepHyper>& hyper);
 
 enum class OptimizerKind : uint8_t {
   kOneBitAdam,
@@ -140,6 +165,10 @@ struct AlgorithmConfig {
 
 // OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
 absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
+// INVALID_ARGUMENT when `hyper` sets betas and eps for an optimizer other
+// than adam (the others' momentum and frozen variance take the job's).
+absl::Status CheckStepHyper(const AlgorithmConfig& config,
+                            const StepHyper& hyper);
 
 // The stochastic-rounding key of a sender: workers are ranks 0..N-1, shard s
 // sends as rank N + s.

@@ -102,6 +102,13 @@ AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
                         const StepHyper* hyper, bool bias_correction) {
   AdamHyper adam = config.adam;
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
+  if (hyper != nullptr && hyper->moments.has_value()) {
+    // adam's alone (CheckStepHyper): its bias corrections too, as torch's
+    // Adam takes each step's betas.
+    adam.beta1 = hyper->moments->beta1;
+    adam.beta2 = hyper->moments->beta2;
+    adam.eps = hyper->moments->eps;
+  }
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
   return MakeAdamScalars(adam, lr, step + 1, bias_correction);
 }

@@ -87,8 +87,19 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   // of copying them (1 MiB per partition in fp32 phases).
   args.payload.swap(*request.mutable_payload());
   args.buffers = request.buffers();
+  const int moments =
+      request.has_beta1() + request.has_beta2() + request.has_eps();
+  if (moments != 0 && (moments != 3 || !request.has_lr())) {
+    return done(absl::InvalidArgumentError(
+        "a push sets beta1, beta2 and eps together, with lr and weight_decay, "
+        "or none of them"));
+  }
   if (request.has_lr())
     args.hyper = compress::StepHyper{request.lr(), request.weight_decay()};
+  if (moments != 0) {
+    args.hyper->moments =
+        compress::StepMoments{request.beta1(), request.beta2(), request.eps()};
+  }
   args.previous_commit.assign(request.previous_commit().begin(),
                               request.previous_commit().end());
   if (request.has_previous_grad_sum_of_squares()) {

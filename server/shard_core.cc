@@ -184,7 +184,9 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
     }
   }
   if (args.hyper.has_value()) {
-    if (absl::Status s = compress::ValidateStepHyper(*args.hyper); !s.ok()) {
+    absl::Status s = compress::ValidateStepHyper(*args.hyper);
+    if (s.ok()) s = compress::CheckStepHyper(job_.algorithm, *args.hyper);
+    if (!s.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", args.rank, ": ", s.message()));
     }
@@ -299,18 +301,8 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
         absl::StrCat("rank ", args.rank, " partition ", args.partition,
                      " step ", args.step, ": ", s.message()));
   }
-  const auto same = [](const std::optional<compress::StepHyper>& a,
-                       const std::optional<compress::StepHyper>& b) {
-    return a.has_value() == b.has_value() &&
-           (!a.has_value() ||
-            (std::memcmp(&a->lr, &b->lr, 4) == 0 &&
-             std::memcmp(&a->weight_decay, &b->weight_decay, 4) == 0));
-  };
-  const auto describe = [](const std::optional<compress::StepHyper>& h) {
-    return h.has_value() ? absl::StrCat("lr ", h->lr, " and weight_decay ",
-                                        h->weight_decay)
-                         : std::string("the job's schedule");
-  };
+  const auto& same = compress::SameStepHyper;
+  const auto& describe = compress::DescribeStepHyper;
   *commits = false;
   *carried =
       StepCommit{args.previous_grad_sum_of_squares, args.previous_clip_max_norm,

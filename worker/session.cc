@@ -227,6 +227,10 @@ absl::Status Session::SetStepHyper(std::vector<compress::StepHyper> hypers) {
   }
   for (const compress::StepHyper& hyper : hypers) {
     if (absl::Status s = compress::ValidateStepHyper(hyper); !s.ok()) return s;
+    if (absl::Status s = compress::CheckStepHyper(job_.algorithm, hyper);
+        !s.ok()) {
+      return s;
+    }
   }
   hyper_ = std::move(hypers);
   return absl::OkStatus();

@@ -173,6 +173,11 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
       hyper != nullptr) {
     call->request.set_lr(hyper->lr);
     call->request.set_weight_decay(hyper->weight_decay);
+    if (hyper->moments.has_value()) {
+      call->request.set_beta1(hyper->moments->beta1);
+      call->request.set_beta2(hyper->moments->beta2);
+      call->request.set_eps(hyper->moments->eps);
+    }
   }
   if (partition.id == 0 && !extras_.buffers.empty()) {
     call->request.set_buffers(std::move(extras_.buffers));

@@ -120,6 +120,12 @@ def worker(mode):
         for o in (opt, ref_opt):  # each group its own schedule
             schedulers.append(torch.optim.lr_scheduler.LambdaLR(
                 o, [lambda t: min(1.0, (t + 1) / 4), lambda t: 0.9 ** t]))
+    if mode == "one_cycle":
+        # OneCycleLR as users build it: lr up and down, and betas[0] cycled
+        # the other way (cycle_momentum=True, its default).
+        for o in (opt, ref_opt):
+            schedulers.append(torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.02, total_steps=20))
+    betas_seen = set()
     if schedules:
         # Linear warmup over 4 steps, then halving every 6, on both sides.
         for o in (opt, ref_opt):
@@ -203,6 +209,7 @@ def worker(mode):
                 check(abs(got - want) <= 1e-5 * want,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
                       f"torch's {want}")
+        betas_seen.add(tuple(opt.param_groups[0]["betas"]))
         ref_opt.step()
         for sched in schedulers:
             sched.step()
@@ -225,6 +232,8 @@ def worker(mode):
         check(clipped >= 5, f"both clips acted in only {clipped} of 20 steps")
     if mode == "weights":
         check(clamped > 0, "the clamp never acted")
+    if mode == "one_cycle":
+        check(len(betas_seen) >= 15, f"OneCycleLR moved betas in only {len(betas_seen)} steps")
     what = {"schedules": "with LambdaLR, StepLR and a weight-decay change",
             "accumulate": "accumulating two backward() calls, rank 0 with no argument and "
                           "zero_grad(set_to_none=True)",
@@ -235,6 +244,7 @@ def worker(mode):
                     f"{clipped} steps",
             "clip_twice": f"clip_grad_norm_ with max_norm {TWICE} in turn after backward(), the "
                           f"first two finite ones clipping in {clipped} steps",
+            "one_cycle": f"OneCycleLR cycling lr and betas[0] ({len(betas_seen)} betas)",
             "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
             "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
             "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
@@ -330,7 +340,7 @@ if __name__ == "__main__":
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "edit", "no_sync",
                  "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
-                 "weights"):
+                 "weights", "one_cycle"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -6,6 +6,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -336,20 +337,22 @@ def main():
     check(sums["group"] == sums["args"], "the group's own betas and eps were not the job's")
     check(sums["group"] != sums["default"], "betas and eps changed nothing")
     print("PASS: a group's own betas and eps are the job's")
-    # betas changed after the optimizer was built: the job's stay, so the
-    # change is refused, never ignored. OneCycleLR cycles betas[0] by
-    # default; with cycle_momentum=False it trains, its lr followed.
+    # betas changed after the optimizer was built: Adam follows them
+    # (test_adam_matches_torch's one_cycle), the others apply the job's, so
+    # there the change is refused, never ignored. OneCycleLR cycles
+    # betas[0] by default; with cycle_momentum=False it trains, its lr
+    # followed.
     for cycle in (True, False):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
-            opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
-                                   config=base)
+            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=2, rank=0, world_size=1,
+                                         servers=[address], config=base)
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10,
                                                         cycle_momentum=cycle)
             model(torch.ones(4, 3)).sum().backward()
             if cycle:
-                expect(ValueError, "but the optimizer was built with (0.9, 0.999): a Morse "
-                       "optimizer's betas and eps are the job's update rule", opt.step)
+                expect(ValueError, "but the optimizer was built with (0.9, 0.999): OneBitAdam's "
+                       "betas and eps are the job's update rule", opt.step)
                 check("needs cycle_momentum=False" in str(_raised(opt.step)),
                       "the refusal names OneCycleLR's cycle_momentum=False")
                 continue
@@ -369,6 +372,24 @@ def main():
             expect(ValueError, "param_groups[0] has eps 0.001, but the optimizer was built with 1e-08",
                    lambda: model(torch.ones(4, 3)).sum().backward())
     print("PASS: changed betas and eps are refused, OneCycleLR(cycle_momentum=False) trains")
+    # Adam follows betas, read as the step begins: one changed after the
+    # pushes left (between backward() and step()) applies from the next
+    # step, with a warning naming what the step used, as for lr.
+    with server(base) as address:
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=base)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.ones(4, 3)).sum().backward()
+                if step == 1:
+                    opt.param_groups[0]["betas"] = (0.5, 0.999)
+                opt.step()
+        said = [str(w.message) for w in caught if "betas/eps changed" in str(w.message)]
+        check(len(said) == 1 and "in step 1 " in said[0],
+              f"one warning of the late betas, naming step 1: {said}")
 
     # Ranks that set different learning rates.
     code, out = morse_run(__file__, 2, 1, "lr", timeout=120)

@@ -407,6 +407,61 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
+// Betas and eps set by the workers (a scheduler that cycles the momentum):
+// adam's alone, so a push that carries them for another optimizer is
+// refused; for adam every push of a partition and step must carry the same,
+// bad values are refused, and the mirror applies them.
+TEST_F(ShardCoreTest, StepMomentsAreAdamsAndMustAgree) {
+  const compress::StepHyper hyper{0.5f, 0.01f,
+                                  compress::StepMoments{0.8f, 0.99f, 1e-6f}};
+  PushArgs onebit = Args(0, 0, first());
+  onebit.hyper = hyper;
+  const absl::Status not_adam = Push(onebit);
+  EXPECT_EQ(not_adam.code(), absl::StatusCode::kInvalidArgument) << not_adam;
+  EXPECT_NE(not_adam.message().find("adam only"), absl::string_view::npos)
+      << not_adam;
+
+  job_ = *proto::ParseJobConfig(R"(
+    workers: 3 shards: 2 synthetic { dim: 300 } lr { lr: 0.01 } steps: 10
+    optimizer: "adam" block_elems: 16 partition_elems: 64
+  )",
+                                proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
+  PushArgs bad = Args(0, 0, first());
+  bad.hyper = hyper;
+  bad.hyper->moments->beta1 = 1.0f;
+  EXPECT_EQ(Push(bad).code(), absl::StatusCode::kInvalidArgument);
+  PushArgs a = Args(0, 0, first());
+  a.hyper = hyper;
+  EXPECT_EQ(Push(a).code(), absl::StatusCode::kUnknown);  // waits
+  PushArgs other = Args(0, 1, first());
+  other.hyper = hyper;
+  other.hyper->moments->eps = 1e-5f;
+  const absl::Status refused = Push(other);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("betas (0.8, 0.99) and eps 1e-06"),
+            absl::string_view::npos)
+      << refused;
+  PushArgs without = Args(0, 1, first());  // the job's betas and eps
+  without.hyper = compress::StepHyper{0.5f, 0.01f};
+  EXPECT_EQ(Push(without).code(), absl::StatusCode::kFailedPrecondition);
+  for (uint32_t r = 1; r < 3; ++r) {
+    PushArgs same = Args(0, r, first());
+    same.hyper = hyper;
+    EXPECT_EQ(Push(same).ok(), r == 2);
+  }
+  // The same pushes with the job's betas and eps: another mirror.
+  auto plain = *ShardCore::Create(job_, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*plain));
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs push = Args(0, r, first());
+    push.hyper = compress::StepHyper{0.5f, 0.01f};
+    plain->Push(std::move(push), [](auto) {});
+  }
+  EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
+}
+
 // Replies go out before the mirror applies them; whatever reads the mirror
 // in between (a checkpoint, FetchPartition, a checksum, here from inside the
 // last reply's callback) sees the whole step.

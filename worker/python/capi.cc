@@ -280,11 +280,22 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
 }
 
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
-                                 const float* lr, const float* weight_decay) {
+                                 const float* lr, const float* weight_decay,
+                                 const float* moments) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     auto hypers = StepHypers(count, lr, weight_decay);
     if (!hypers.ok()) return hypers.status();
+    if (moments != nullptr) {
+      if (count == 0) {
+        return absl::InvalidArgumentError(
+            "betas and eps without lr and weight_decay");
+      }
+      for (morse::compress::StepHyper& hyper : *hypers) {
+        hyper.moments =
+            morse::compress::StepMoments{moments[0], moments[1], moments[2]};
+      }
+    }
     return s->session->SetStepHyper(*std::move(hypers));
   });
 }

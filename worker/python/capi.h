@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 13
+#define MORSE_CAPI_VERSION 14
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -84,9 +84,12 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
  * (PyTorch's param_groups), sent with every push and applied by every
  * replica: `count` of each, 1 for the whole model or one per parameter
  * group of the job's external.groups; count = 0: the job's schedule
- * again. */
+ * again. `moments`: NULL for the job's betas and eps, or beta1, beta2 and
+ * eps for these steps (adam only: a scheduler that cycles the momentum),
+ * the same for every group. */
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
-                                 const float* lr, const float* weight_decay);
+                                 const float* lr, const float* weight_decay,
+                                 const float* moments);
 
 /* Rank 0: `size` bytes of module buffers sent with the next step's push of
  * partition 0 (at most 64 MiB). After a step, every worker reads what came

@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 13  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 14  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -59,7 +59,7 @@ def _load():
         "morse_session_start": ([P, I, S, ctypes.POINTER(I64)], I),
         "morse_session_wait_all_joined": ([P], I),
         "morse_session_use_cuda": ([P, P, P], I),
-        "morse_session_set_step_hyper": ([P, U32, FP, FP], I),
+        "morse_session_set_step_hyper": ([P, U32, FP, FP, FP], I),
         "morse_job_block_elems": ([S, S, ctypes.POINTER(U32)], I),
         "morse_session_set_buffers": ([P, P, U64], I),
         "morse_session_set_defer_apply": ([P, I], I),
@@ -215,20 +215,23 @@ class Session:
     def use_cuda(self, x_device_ptr, grad_device_ptr):
         _check(_lib.morse_session_use_cuda(self._handle, x_device_ptr, grad_device_ptr))
 
-    def set_step_hyper(self, lr=None, weight_decay=None):
+    def set_step_hyper(self, lr=None, weight_decay=None, moments=None):
         """This and later steps' lr and weight decay: numbers for the whole
         model, or sequences of one per parameter group (the job's
-        external.groups); None: the job's schedule."""
+        external.groups); None: the job's schedule. moments: None for the
+        job's betas and eps, or (beta1, beta2, eps) for every group (adam
+        only)."""
         if lr is None:
-            _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None))
+            _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None, None))
             return
         lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr]
         decays = list(weight_decay) if isinstance(weight_decay, (list, tuple)) else [weight_decay]
         if len(lrs) != len(decays):
             raise ValueError(f"{len(lrs)} lr values but {len(decays)} weight_decay values")
         count = len(lrs)
+        rule = None if moments is None else (ctypes.c_float * 3)(*moments)
         _check(_lib.morse_session_set_step_hyper(self._handle, count, (ctypes.c_float * count)(*lrs),
-                                                 (ctypes.c_float * count)(*decays)))
+                                                 (ctypes.c_float * count)(*decays), rule))
 
     def set_buffers(self, data):
         """Rank 0: module buffers (bytes) sent with the next step."""

@@ -337,8 +337,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # schedulers and manual changes work; with schedule="cosine" the job's
         # schedule rules and param_groups' lr must stay as given.
         self._follow_groups = schedule == "constant"
+        # Adam follows param_groups' betas and eps too (a scheduler that
+        # cycles the momentum); the others' update rules take the job's.
+        self._follows_moments = self._follow_groups and optimizer == "adam"
         self._initial_hyper = self._group_hyper()
         self._sent_hyper = None
+        self._sent_moments = None
         self._freeze_step = freeze_step if optimizer in ("onebit_adam", "onebit_lamb") else None
         self._lamb = optimizer == "onebit_lamb"
         self._commit_key = _COMMIT_KEYS.get(optimizer, "commit")
@@ -735,11 +739,22 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return ("on CUDA tensors (the GPU's layer sums and local steps of OneBitLamb and "
                 "ZeroOneAdam take one lr and weight_decay)")
 
+    def _step_moments(self):
+        """(beta1, beta2, eps) of param_groups[0] where they differ from
+        the job's (Adam follows them), else None."""
+        betas, eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+        if (_as_list(betas), _as_list(eps)) == self._update_rule:
+            return None
+        return float(betas[0]), float(betas[1]), float(eps)
+
     def _check_update_rule(self, after_step=None):
         """ValueError if param_groups[0]'s betas or eps differ from the
-        job's (a scheduler that cycles them, a manual change): the shards and
-        every rank apply the values the optimizer was built with, so a
-        change would otherwise be ignored."""
+        job's (a scheduler that cycles them, a manual change) where the
+        optimizer cannot follow them (all but Adam, or with Morse's own
+        schedule): the shards and every rank apply the values the optimizer
+        was built with, so a change would otherwise be ignored."""
+        if getattr(self, "_follows_moments", False):
+            return
         for key, built in zip(("betas", "eps"), self._update_rule):
             now = self.param_groups[0][key]
             if _as_list(now) == built:
@@ -748,11 +763,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             when = "" if after_step is None else f" (step {after_step} used {shown})"
             raise ValueError(
                 f"param_groups[0] has {key} {_shown_value(now)}, but the optimizer was built with "
-                f"{shown}{when}: a Morse optimizer's betas and eps are the job's update rule, "
-                "fixed when it starts on every rank and shard. A scheduler that cycles the "
+                f"{shown}{when}: {type(self).__name__}'s betas and eps are the job's update rule, "
+                "fixed when it starts on every rank and shard (morse.torch.Adam follows them "
+                "step by step, with torch's schedulers). A scheduler that cycles the "
                 "momentum (OneCycleLR and CyclicLR, whose cycle_momentum=True is the default) "
-                "needs cycle_momentum=False; otherwise build the optimizer with the values you "
-                "want")
+                "needs cycle_momentum=False here; otherwise build the optimizer with the values "
+                "you want")
 
     def _check_groups(self, after_step=None):
         """ValueError unless param_groups[0] has the job's betas and eps,
@@ -810,8 +826,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._session.set_buffers(self._pack_buffers())
         hyper = self._group_hyper()
         if self._follow_groups:
-            self._session.set_step_hyper([lr for lr, _ in hyper], [wd for _, wd in hyper])
-            self._sent_hyper = hyper
+            moments = self._step_moments() if self._follows_moments else None
+            self._session.set_step_hyper([lr for lr, _ in hyper], [wd for _, wd in hyper], moments)
+            self._sent_hyper, self._sent_moments = hyper, moments
         elif hyper != self._initial_hyper:
             (lr, weight_decay), = hyper
             raise ValueError(f"param_groups[0] has lr {lr} and weight_decay {weight_decay}, but with "
@@ -1106,6 +1123,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         changed = None
         if self._follow_groups and self._sent_hyper is not None and self._group_hyper() != self._sent_hyper:
             changed = self._group_hyper()  # the pushes carried the old values
+        moments_moved = (self._follows_moments and self._sent_hyper is not None
+                         and self._step_moments() != self._sent_moments)
         self._pending = None
         self._clipped = False
         if self._cuda:
@@ -1150,6 +1169,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._surprised(f"lr/weight_decay changed to {_shown_hyper(changed)} between backward() "
                             f"and step(), after the pushes had left with "
                             f"{_shown_hyper(self._sent_hyper)}; the step used those")
+        if moments_moved:
+            self._surprised("betas/eps changed between backward() and step(), after the pushes had "
+                            f"left with {self._sent_moments or 'the ones the optimizer was built with'}"
+                            "; the step used those")
         surprise, self._surprise = self._surprise, None
         if surprise is not None:
             self._adapt(*surprise)
@@ -1405,7 +1428,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if "server_error" in state and state["server_error"].numel() != dim:
             raise ValueError(f"state_dict['state']['server_error'] must hold {dim} values")
         group = state_dict.get("param_groups", [{}])[0]
-        for key in ("betas", "eps"):
+        for key in () if self._follows_moments else ("betas", "eps"):
             if key in group and _as_list(group[key]) != _as_list(self.param_groups[0][key]):
                 raise ValueError(f"the saved {key} {group[key]} differ from this optimizer's "
                                  f"{self.param_groups[0][key]}; build the optimizer with the saved "
