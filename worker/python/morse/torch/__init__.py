@@ -1190,16 +1190,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Parameters written since the last step (a clamp_, a
         # load_state_dict): each rank tells its leader their hash.
         written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-        average, hypers, digests = node.average(self._flat_grad, self._group_hyper(),
+        # betas and eps ride along as two more pairs: the leader's are the
+        # node's (Adam follows them), so every rank's must agree.
+        betas, eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
+        rule = ((float(betas[0]), float(betas[1])), (float(eps), 0.0))
+        average, hypers, digests = node.average(self._flat_grad, self._group_hyper() + rule,
                                                 _digest(self._flat) if written else None)
         error = None
         if node.is_leader:
             failure = None
             if len(set(hypers)) > 1:
-                shown = ", ".join(_shown_hyper(h) for h in hypers)
+                shown = ", ".join(_shown_hyper(h[:-2]) + f" with betas {h[-2]} and eps {h[-1][0]:.7g}"
+                                  for h in hypers)
                 failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
-                           f"(lr, weight_decay): {shown} (local ranks in order); every rank must "
-                           "use the same")
+                           f"(lr, weight_decay), betas or eps: {shown} (local ranks in order); "
+                           "every rank must use the same")
                 error = MorseError(failure)
             elif (failure := self._node_weights_differ(digests)) is not None:
                 error = MorseError(failure)
