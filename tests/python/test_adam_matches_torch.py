@@ -97,12 +97,15 @@ def worker(mode):
     # rows; rank 0 overlaps with no accumulation argument (the first step
     # teaches it 2) and torch 2's model.zero_grad(set_to_none=True), rank 1
     # passes accumulation_steps=2.
-    groups = mode == "groups"
+    groups = mode in ("groups", "group_betas")
     # "groups": the biases do not decay and learn faster, the rest decays
     # (the split Hugging Face's Trainer makes): 8 elements padded to a
     # block of 16, then 69, so shard 0 holds both groups.
+    # "group_betas": the same groups, the biases with their own betas and
+    # eps as well (Adam follows each group's).
+    own = {"betas": (0.8, 0.99), "eps": 1e-4} if mode == "group_betas" else {}
     split = lambda m: [  # noqa: E731
-        {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0, "lr": 0.02},
+        {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0, "lr": 0.02, **own},
         {"params": [m.a.weight, m.b.weight, m.t], "weight_decay": 0.1}]
     opt = morse.torch.Adam(split(model) if groups else model.parameters(), lr=0.01,
                            block_elems=16, partition_elems=32,
@@ -247,6 +250,8 @@ def worker(mode):
             "one_cycle": f"OneCycleLR cycling lr and betas[0] ({len(betas_seen)} betas)",
             "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
             "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
+            "group_betas": "two parameter groups with their own lr, weight_decay, LambdaLR, betas "
+                           "and eps",
             "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
                        "halved weights loaded after step 10",
             }.get(mode, "constant")
@@ -340,7 +345,7 @@ if __name__ == "__main__":
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "edit", "no_sync",
                  "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
-                 "weights", "one_cycle"):
+                 "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")

@@ -109,9 +109,10 @@ def main():
     expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
     # Parameter groups with their own lr or weight_decay: betas and eps are
-    # one for the whole model.
+    # one for the whole model (but Adam's: test_adam_matches_torch's
+    # group_betas).
     expect(ValueError, "param_groups[1] has betas (0.8, 0.999), param_groups[0] (0.9, 0.999)",
-           lambda: morse.torch.Adam(
+           lambda: morse.torch.OneBitAdam(
                [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1},
                 {"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.999)}], **args))
     expect(ValueError, "schedule='cosine' sets one lr", lambda: morse.torch.OneBitAdam(

@@ -291,9 +291,9 @@ int morse_session_set_step_hyper(morse_session* s, uint32_t count,
         return absl::InvalidArgumentError(
             "betas and eps without lr and weight_decay");
       }
-      for (morse::compress::StepHyper& hyper : *hypers) {
-        hyper.moments =
-            morse::compress::StepMoments{moments[0], moments[1], moments[2]};
+      for (uint32_t i = 0; i < count; ++i) {
+        (*hypers)[i].moments = morse::compress::StepMoments{
+            moments[3 * i], moments[3 * i + 1], moments[3 * i + 2]};
       }
     }
     return s->session->SetStepHyper(*std::move(hypers));

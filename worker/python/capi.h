@@ -84,9 +84,9 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
  * (PyTorch's param_groups), sent with every push and applied by every
  * replica: `count` of each, 1 for the whole model or one per parameter
  * group of the job's external.groups; count = 0: the job's schedule
- * again. `moments`: NULL for the job's betas and eps, or beta1, beta2 and
- * eps for these steps (adam only: a scheduler that cycles the momentum),
- * the same for every group. */
+ * again. `moments`: NULL for the job's betas and eps, or 3 * count floats,
+ * each group's beta1, beta2 and eps for these steps in turn (adam only:
+ * groups with their own, a scheduler that cycles the momentum). */
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* lr, const float* weight_decay,
                                  const float* moments);

@@ -219,7 +219,7 @@ class Session:
         """This and later steps' lr and weight decay: numbers for the whole
         model, or sequences of one per parameter group (the job's
         external.groups); None: the job's schedule. moments: None for the
-        job's betas and eps, or (beta1, beta2, eps) for every group (adam
+        job's betas and eps, or one (beta1, beta2, eps) per lr value (adam
         only)."""
         if lr is None:
             _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None, None))
@@ -229,7 +229,10 @@ class Session:
         if len(lrs) != len(decays):
             raise ValueError(f"{len(lrs)} lr values but {len(decays)} weight_decay values")
         count = len(lrs)
-        rule = None if moments is None else (ctypes.c_float * 3)(*moments)
+        if moments is not None and len(moments) != count:
+            raise ValueError(f"{len(moments)} (beta1, beta2, eps) for {count} lr values")
+        rule = None if moments is None else (ctypes.c_float * (3 * count))(
+            *(float(v) for triple in moments for v in triple))
         _check(_lib.morse_session_set_step_hyper(self._handle, count, (ctypes.c_float * count)(*lrs),
                                                  (ctypes.c_float * count)(*decays), rule))
 

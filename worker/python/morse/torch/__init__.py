@@ -290,6 +290,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                       and not (self._cuda and optimizer in ("onebit_lamb", "zero_one_adam")))
         self._groups_apart = differ or (may_differ and sum(n > 0 for n in counts) > 1)
         self._schedule = schedule
+        # Adam follows param_groups' betas and eps too, each group its own
+        # (a scheduler that cycles the momentum); the others' update rules
+        # take the job's, one for the model.
+        self._follows_moments = schedule == "constant" and optimizer == "adam"
         self._check_groups()
         self._segments = ([i for i, n in enumerate(counts) if n > 0] if self._groups_apart
                           else [0])
@@ -337,9 +341,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # schedulers and manual changes work; with schedule="cosine" the job's
         # schedule rules and param_groups' lr must stay as given.
         self._follow_groups = schedule == "constant"
-        # Adam follows param_groups' betas and eps too (a scheduler that
-        # cycles the momentum); the others' update rules take the job's.
-        self._follows_moments = self._follow_groups and optimizer == "adam"
         self._initial_hyper = self._group_hyper()
         self._sent_hyper = None
         self._sent_moments = None
@@ -740,12 +741,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "ZeroOneAdam take one lr and weight_decay)")
 
     def _step_moments(self):
-        """(beta1, beta2, eps) of param_groups[0] where they differ from
-        the job's (Adam follows them), else None."""
-        betas, eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
-        if (_as_list(betas), _as_list(eps)) == self._update_rule:
-            return None
-        return float(betas[0]), float(betas[1]), float(eps)
+        """Each segment's (beta1, beta2, eps) where any differs from the
+        job's (Adam follows them), else None."""
+        rules = tuple(_moments_of(self.param_groups[i]) for i in self._segments)
+        job = (*self._update_rule[0], *self._update_rule[1])
+        return None if all(rule == job for rule in rules) else rules
 
     def _check_update_rule(self, after_step=None):
         """ValueError if param_groups[0]'s betas or eps differ from the
@@ -777,7 +777,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         change in one group would otherwise be ignored)."""
         if hasattr(self, "_update_rule"):
             self._check_update_rule(after_step)
-        keys = ("betas", "eps") if self._groups_apart else ("lr", "betas", "eps", "weight_decay")
+        # Groups trained apart with Adam take their own betas and eps too.
+        moments = () if self._groups_apart and self._follows_moments else ("betas", "eps")
+        keys = moments if self._groups_apart else ("lr", "weight_decay") + moments
         for i in range(1, len(self.param_groups)):
             for key in keys:
                 self._check_group(i, key, after_step)
@@ -1190,18 +1192,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Parameters written since the last step (a clamp_, a
         # load_state_dict): each rank tells its leader their hash.
         written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-        # betas and eps ride along as two more pairs: the leader's are the
-        # node's (Adam follows them), so every rank's must agree.
-        betas, eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
-        rule = ((float(betas[0]), float(betas[1])), (float(eps), 0.0))
-        average, hypers, digests = node.average(self._flat_grad, self._group_hyper() + rule,
+        # Each group's betas and eps ride along as two more pairs: the
+        # leader's are the node's (Adam follows them), so every rank's must
+        # agree.
+        hyper = self._group_hyper()
+        rules = tuple(_moments_of(self.param_groups[i]) for i in self._segments)
+        pairs = hyper + tuple(p for b1, b2, eps in rules for p in ((b1, b2), (eps, 0.0)))
+        average, hypers, digests = node.average(self._flat_grad, pairs,
                                                 _digest(self._flat) if written else None)
         error = None
         if node.is_leader:
             failure = None
             if len(set(hypers)) > 1:
-                shown = ", ".join(_shown_hyper(h[:-2]) + f" with betas {h[-2]} and eps {h[-1][0]:.7g}"
-                                  for h in hypers)
+                n = len(hyper)
+                shown = ", ".join(f"{_shown_hyper(h[:n])} with (beta1, beta2), (eps, 0) "
+                                  f"{h[n:]}" for h in hypers)
                 failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
                            f"(lr, weight_decay), betas or eps: {shown} (local ranks in order); "
                            "every rank must use the same")
@@ -1504,6 +1509,12 @@ def _as_list(value):
     """betas (a tuple) or eps (a number) as a list of floats, for comparing
     (torch 2 allows tensors)."""
     return [float(v) for v in value] if isinstance(value, (tuple, list)) else [float(value)]
+
+
+def _moments_of(group):
+    """A param group's (beta1, beta2, eps) as floats."""
+    betas = group["betas"]
+    return float(betas[0]), float(betas[1]), float(group["eps"])
 
 
 def _shown_value(value):
