@@ -1205,8 +1205,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             failure = None
             if len(set(hypers)) > 1:
                 n = len(hyper)
-                shown = ", ".join(f"{_shown_hyper(h[:n])} with (beta1, beta2), (eps, 0) "
-                                  f"{h[n:]}" for h in hypers)
+                shown = ", ".join(
+                    f"{_shown_hyper(h[:n])} with betas and eps "
+                    + ", ".join(f"({a:.7g}, {b:.7g})" for a, b in h[n:]) for h in hypers)
                 failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
                            f"(lr, weight_decay), betas or eps: {shown} (local ranks in order); "
                            "every rank must use the same")
