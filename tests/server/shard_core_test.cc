@@ -141,6 +141,20 @@ class ShardCoreTest : public ::testing::Test {
   // Pushes and returns the status so far ("pending" while the step waits),
   // capturing the reply if one came. The callback owns what it writes to, as
   // it may run long after this returns.
+  // Another shard of job_ (shard 1) that took step 0's pushes of every
+  // rank on the first partition, each carrying `hyper`.
+  std::unique_ptr<ShardCore> StepZeroWith(
+      const std::optional<compress::StepHyper>& hyper) {
+    auto core = *ShardCore::Create(job_, 1);
+    InitializeAll(*core);
+    for (uint32_t r = 0; r < job_.algorithm.workers; ++r) {
+      PushArgs push = Args(0, r, first());
+      push.hyper = hyper;
+      core->Push(std::move(push), [](auto) {});
+    }
+    return core;
+  }
+
   absl::Status Push(PushArgs args,
                     std::shared_ptr<const Reply>* reply = nullptr) {
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
@@ -400,10 +414,8 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   }
   // A second shard that saw the same pushes without the values applies the
   // schedule's lr instead: its mirror differs.
-  auto plain = *ShardCore::Create(job_, 1);
-  ASSERT_NO_FATAL_FAILURE(InitializeAll(*plain));
-  for (uint32_t r = 0; r < 3; ++r)
-    plain->Push(Args(0, r, first()), [](auto) {});
+  std::unique_ptr<ShardCore> plain;
+  ASSERT_NO_FATAL_FAILURE(plain = StepZeroWith(std::nullopt));
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
@@ -452,13 +464,9 @@ TEST_F(ShardCoreTest, StepMomentsAreAdamsAndMustAgree) {
     EXPECT_EQ(Push(same).ok(), r == 2);
   }
   // The same pushes with the job's betas and eps: another mirror.
-  auto plain = *ShardCore::Create(job_, 1);
-  ASSERT_NO_FATAL_FAILURE(InitializeAll(*plain));
-  for (uint32_t r = 0; r < 3; ++r) {
-    PushArgs push = Args(0, r, first());
-    push.hyper = compress::StepHyper{0.5f, 0.01f};
-    plain->Push(std::move(push), [](auto) {});
-  }
+  std::unique_ptr<ShardCore> plain;
+  ASSERT_NO_FATAL_FAILURE(plain =
+                              StepZeroWith(compress::StepHyper{0.5f, 0.01f}));
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
