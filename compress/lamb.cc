@@ -167,11 +167,49 @@ absl::StatusOr<std::vector<uint32_t>> LayerSegments(
   return segments;
 }
 
+void LambLayerCommit(const LambSpec& spec, const ReplyRule& rule,
+                     const double t[kLambStats], LambLayerState next,
+                     double out[kLambCommit]) {
+  float coefficient = 1.0f;
+  if (!rule.frozen_variance) {
+    // LAMB: the trust ratio ||x|| / ||u||, clamped; 1 where either is 0.
+    if (t[0] > 0 && t[1] > 0) {
+      const double r =
+          std::clamp(std::sqrt(t[0]) / std::sqrt(t[1]), double{spec.min_coeff},
+                     double{spec.max_coeff});
+      coefficient = static_cast<float>(r);
+      next.coeff_freeze =
+          static_cast<float>(double{spec.coeff_beta} * next.coeff_freeze +
+                             (1.0 - double{spec.coeff_beta}) * coefficient);
+    }
+  } else {
+    // 1-bit LAMB: how much larger the frozen denominator is than the fresh
+    // one, at most; with weight decay, weighed by the share of the update
+    // that is not decay.
+    double factor = t[2];
+    if (rule.scalars.weight_decay > 0.0f) {
+      const double share =
+          t[0] > 0 ? std::min(1.0, std::sqrt(t[1]) / std::sqrt(t[0])) : 1.0;
+      factor = factor * share + (1.0 - share);
+    }
+    factor =
+        std::clamp(factor, double{spec.factor_min}, double{spec.factor_max});
+    const double last = next.last_factor;
+    factor = std::clamp(factor, last * (1.0 - double{spec.factor_threshold}),
+                        last * (1.0 + double{spec.factor_threshold}));
+    next.last_factor = static_cast<float>(factor);
+    coefficient =
+        static_cast<float>(double{next.coeff_freeze} * next.last_factor);
+  }
+  out[0] = coefficient;
+  out[1] = next.coeff_freeze;
+  out[2] = next.last_factor;
+}
+
 std::vector<double> LambCommit(const AlgorithmConfig& config,
                                absl::Span<const ReplyRule> rules,
                                absl::Span<const double> totals,
                                absl::Span<const LambLayerState> state) {
-  const LambSpec& spec = config.lamb;
   const size_t layers = state.size();
   MORSE_CHECK(totals.size() == kLambStats * layers);
   // Validated with the config (OneBitLamb::Validate).
@@ -179,43 +217,9 @@ std::vector<double> LambCommit(const AlgorithmConfig& config,
   MORSE_CHECK(segment.ok() && segment->size() == layers);
   std::vector<double> commit(kLambCommit * layers);
   for (size_t l = 0; l < layers; ++l) {
-    const ReplyRule& rule = RuleOf(rules, (*segment)[l]);
-    const double* t = &totals[kLambStats * l];
-    float coefficient = 1.0f;
-    LambLayerState next = state[l];
-    if (!rule.frozen_variance) {
-      // LAMB: the trust ratio ||x|| / ||u||, clamped; 1 where either is 0.
-      if (t[0] > 0 && t[1] > 0) {
-        const double r =
-            std::clamp(std::sqrt(t[0]) / std::sqrt(t[1]),
-                       double{spec.min_coeff}, double{spec.max_coeff});
-        coefficient = static_cast<float>(r);
-        next.coeff_freeze =
-            static_cast<float>(double{spec.coeff_beta} * next.coeff_freeze +
-                               (1.0 - double{spec.coeff_beta}) * coefficient);
-      }
-    } else {
-      // 1-bit LAMB: how much larger the frozen denominator is than the
-      // fresh one, at most; with weight decay, weighed by the share of the
-      // update that is not decay.
-      double factor = t[2];
-      if (rule.scalars.weight_decay > 0.0f) {
-        const double share =
-            t[0] > 0 ? std::min(1.0, std::sqrt(t[1]) / std::sqrt(t[0])) : 1.0;
-        factor = factor * share + (1.0 - share);
-      }
-      factor =
-          std::clamp(factor, double{spec.factor_min}, double{spec.factor_max});
-      const double last = next.last_factor;
-      factor = std::clamp(factor, last * (1.0 - double{spec.factor_threshold}),
-                          last * (1.0 + double{spec.factor_threshold}));
-      next.last_factor = static_cast<float>(factor);
-      coefficient =
-          static_cast<float>(double{next.coeff_freeze} * next.last_factor);
-    }
-    commit[kLambCommit * l] = coefficient;
-    commit[kLambCommit * l + 1] = next.coeff_freeze;
-    commit[kLambCommit * l + 2] = next.last_factor;
+    LambLayerCommit(config.lamb, RuleOf(rules, (*segment)[l]),
+                    &totals[kLambStats * l], state[l],
+                    &commit[kLambCommit * l]);
   }
   return commit;
 }
@@ -229,13 +233,26 @@ absl::Status ValidateLambCommit(const AlgorithmConfig& config,
                      " values for each of the model's ", layers,
                      " layers, got ", commit.size()));
   }
-  for (size_t i = 0; i < commit.size(); ++i) {
-    const double value = commit[i];
+  for (size_t l = 0; l < layers; ++l) {
+    if (absl::Status s = ValidateLambLayerCommit(
+            l, commit.subspan(kLambCommit * l, kLambCommit));
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLambLayerCommit(size_t layer,
+                                     absl::Span<const double> values) {
+  MORSE_CHECK(values.size() == kLambCommit);
+  for (size_t k = 0; k < values.size(); ++k) {
+    const double value = values[k];
     if (!std::isfinite(value) || value < 0 ||
         static_cast<double>(static_cast<float>(value)) != value) {
       return absl::InvalidArgumentError(
-          absl::StrCat("onebit_lamb commit value ", i, " (", value,
-                       ") must be a finite float, not negative"));
+          absl::StrCat("onebit_lamb commit value ", kLambCommit * layer + k,
+                       " (", value, ") must be a finite float, not negative"));
     }
   }
   return absl::OkStatus();

@@ -117,6 +117,11 @@ std::vector<double> LambCommit(const AlgorithmConfig& config,
                                absl::Span<const ReplyRule> rules,
                                absl::Span<const double> totals,
                                absl::Span<const LambLayerState> state);
+// One layer's part of LambCommit (kLambCommit values) from its kLambStats
+// totals, its state before the step and its segment's rule.
+void LambLayerCommit(const LambSpec& spec, const ReplyRule& rule,
+                     const double totals[kLambStats], LambLayerState state,
+                     double out[kLambCommit]);
 
 // The segment of the layout (parameter group) that holds each layer.
 // INVALID_ARGUMENT unless every segment starts on a layer (a layer in two
@@ -128,6 +133,9 @@ absl::StatusOr<std::vector<uint32_t>> LayerSegments(
 // a finite float that is not negative.
 absl::Status ValidateLambCommit(const AlgorithmConfig& config,
                                 absl::Span<const double> commit);
+// The same for layer `layer`'s kLambCommit values alone.
+absl::Status ValidateLambLayerCommit(size_t layer,
+                                     absl::Span<const double> values);
 
 // INVALID_ARGUMENT unless a saved run's v' (of any part of the model) is
 // finite and not negative and its flattened layer state (FlattenLambLayers)

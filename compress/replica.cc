@@ -30,6 +30,58 @@ absl::Span<const float> ScaledGradient(absl::Span<const float> g,
   return scaled;
 }
 
+// The statistics of a partition's LAMB segments, in LambSegmentsOf's order,
+// computed behind an update that moves through the partition: Through(end)
+// adds every segment that ends at or before global element `end`.
+class SegmentsBehind {
+ public:
+  // `out` may be null: then nothing is computed.
+  SegmentsBehind(const AlgorithmConfig& config, const ReplyRule& rule,
+                 Range partition, Range held, absl::Span<const float> x,
+                 absl::Span<const float> m, absl::Span<const float> v,
+                 absl::Span<const float> v_fresh, std::vector<double>* out)
+      : rule_(rule),
+        held_(held),
+        x_(x),
+        m_(m),
+        v_(v),
+        v_fresh_(v_fresh),
+        out_(out) {
+    if (out_ == nullptr) return;
+    out_->clear();
+    pieces_ = LambPiecesOf(config, partition);
+    if (!pieces_.empty()) at_ = pieces_[0].begin;
+  }
+
+  void Through(uint64_t end) {
+    if (out_ == nullptr) return;
+    for (; next_ < pieces_.size();) {
+      const LambPiece& piece = pieces_[next_];
+      const uint64_t stop = std::min(at_ + kLambSegment, piece.end);
+      if (stop > end) return;
+      const size_t j = at_ - held_.begin;
+      double sums[kLambStats];
+      LambSegmentSums(rule_, &x_[j], &m_[j], &v_[j], &v_fresh_[j], stop - at_,
+                      sums);
+      out_->insert(out_->end(), sums, sums + kLambStats);
+      at_ = stop;
+      if (at_ == piece.end && ++next_ < pieces_.size())
+        at_ = pieces_[next_].begin;
+    }
+  }
+
+  bool done() const { return out_ == nullptr || next_ == pieces_.size(); }
+
+ private:
+  const ReplyRule& rule_;
+  const Range held_;
+  const absl::Span<const float> x_, m_, v_, v_fresh_;
+  std::vector<double>* const out_;
+  std::vector<LambPiece> pieces_;
+  size_t next_ = 0;  // the piece of the next segment
+  uint64_t at_ = 0;  // where the next segment starts
+};
+
 }  // namespace
 
 void SelectByVariance(absl::Span<const float> v, absl::Span<float> values) {
@@ -102,7 +154,8 @@ Replica::Replica(const AlgorithmConfig& config, Range range,
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                  absl::Span<const uint8_t> reply,
-                                 const StepHyper* hyper, float grad_scale) {
+                                 const StepHyper* hyper, float grad_scale,
+                                 std::vector<double>* lamb_segments) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
@@ -117,6 +170,11 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   }
   const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
   const size_t offset = begin - range_.begin;
+  MORSE_CHECK(lamb_segments == nullptr || rule.lamb);
+  // grad_scale scales the decoded values alone: the rule's scalars are
+  // LambSegments' own.
+  SegmentsBehind segments(config_, rule, {begin, begin + n}, range_, x_, m_, v_,
+                          v_fresh_, lamb_segments);
   // A worker's sync starts from x at the last sync; a mirror's x is that.
   const auto anchor = [&](uint64_t at, uint64_t len) {
     return rule.sync && !anchor_.empty()
@@ -153,7 +211,9 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                 absl::MakeSpan(m_).subspan(offset + at, len),
                 absl::MakeSpan(v_).subspan(offset + at, len), anchor(at, len),
                 fresh(at, len));
+      segments.Through(begin + at + len);
     }
+    MORSE_CHECK(segments.done());
     return absl::OkStatus();
   }
   if (const size_t width = ElementBytes(rule.codec.kind); width > 0) {
@@ -175,7 +235,9 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                 absl::MakeSpan(m_).subspan(offset + at, len),
                 absl::MakeSpan(v_).subspan(offset + at, len), anchor(at, len),
                 fresh(at, len));
+      segments.Through(begin + at + len);
     }
+    MORSE_CHECK(segments.done());
     return absl::OkStatus();
   }
   const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
@@ -183,6 +245,8 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   ApplyRule(rule, decoded, x_.subspan(offset, n),
             absl::MakeSpan(m_).subspan(offset, n),
             absl::MakeSpan(v_).subspan(offset, n), anchor(0, n), fresh(0, n));
+  segments.Through(begin + n);
+  MORSE_CHECK(segments.done());
   return absl::OkStatus();
 }
 
@@ -406,10 +470,14 @@ std::vector<double> Replica::LambSegments(int64_t step, Range partition,
 
 absl::StatusOr<std::vector<double>> Replica::LambStep(
     int64_t step, absl::Span<const StepHyper> hypers,
-    absl::Span<const std::vector<double>> partition_segments,
-    ComputePool* pool) {
+    absl::Span<const std::vector<double>> partition_segments, ComputePool* pool,
+    const std::vector<bool>& moved) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
     return absl::FailedPreconditionError("LambStep is for onebit_lamb");
+  }
+  if (!moved.empty() && moved.size() != LayerCount(config_)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "moved flags for ", moved.size(), " layers of ", LayerCount(config_)));
   }
   if (range_.begin != 0 || range_.end != config_.layout.dim) {
     return absl::FailedPreconditionError(
@@ -438,6 +506,14 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
     for (const LambPiece& piece : of) count += piece.segments();
     const bool given =
         !partition_segments.empty() && !partition_segments[p.id].empty();
+    for (const LambPiece& piece : of) {
+      // Its x has moved: statistics from now would be another step's.
+      if (!given && !moved.empty() && moved[piece.layer]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("partition ", p.id, " holds moved layer ", piece.layer,
+                         " but has no statistics"));
+      }
+    }
     const std::vector<double> computed =
         given ? std::vector<double>()
               : LambSegmentsOf(RuleOf(rules, p.segment), of, range_, x_, m_, v_,
@@ -456,12 +532,17 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   std::vector<double> commit = LambCommit(config_, rules, totals, lamb_layers_);
   if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
   // x moves element by element: partitions in parallel give the same bits.
+  // The layers MoveLambLayer moved are left out.
   const auto& partitions = layout->partitions();
   const auto update = [&](size_t i) {
-    MORSE_CHECK(ApplyCommit(step, partitions[i].range.begin,
-                            partitions[i].range.size(), commit,
-                            HyperOf(hypers, partitions[i].segment))
-                    .ok());
+    const Partition& p = partitions[i];
+    const ReplyRule rule = PlanReply(config_, step, HyperOf(hypers, p.segment));
+    for (const LambPiece& piece : LambPiecesOf(config_, p.range)) {
+      if (moved.empty() || !moved[piece.layer]) {
+        LambUpdateX(config_, rule, commit, range_, piece.begin,
+                    piece.end - piece.begin, x_, m_, v_);
+      }
+    }
   };
   if (pool != nullptr && pool->threads() > 1) {
     pool->ParallelFor(partitions.size(), update);
@@ -470,6 +551,54 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   }
   lamb_layers_ = LambStateOf(commit);
   return commit;
+}
+
+absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
+                                    const StepHyper* hyper,
+                                    absl::Span<const double> segments) {
+  if (config_.optimizer != OptimizerKind::kOneBitLamb || range_.begin != 0 ||
+      range_.end != config_.layout.dim) {
+    return absl::FailedPreconditionError(
+        "MoveLambLayer is for a onebit_lamb worker's whole replica");
+  }
+  if (layer >= LayerCount(config_)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " of ", LayerCount(config_)));
+  }
+  absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
+  if (!layout.ok()) return layout.status();
+  // The layer's pieces in partition order, as LambTotals adds them.
+  std::vector<LambPiece> pieces;
+  uint64_t count = 0;
+  for (const LambPiece& piece :
+       LambPieces(config_, *layout, {0, config_.layout.dim})) {
+    if (piece.layer != layer) continue;
+    pieces.push_back(piece);
+    count += piece.segments();
+  }
+  if (segments.size() != kLambStats * count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " has ", count, " segments, got ",
+                     segments.size(), " statistics"));
+  }
+  const ReplyRule rule = PlanReply(config_, step, hyper);
+  const std::vector<double> totals =
+      LambTotalsOfSegments(config_, pieces, segments);
+  // A commit with this layer's values alone (LambUpdateX reads no other's).
+  std::vector<double> commit(kLambCommit * LayerCount(config_), 0.0);
+  double* mine = &commit[kLambCommit * layer];
+  LambLayerCommit(config_.lamb, rule, &totals[kLambStats * layer],
+                  lamb_layers_[layer], mine);
+  if (absl::Status s = ValidateLambLayerCommit(
+          layer, absl::MakeConstSpan(mine, kLambCommit));
+      !s.ok()) {
+    return s;
+  }
+  for (const LambPiece& piece : pieces) {
+    LambUpdateX(config_, rule, commit, range_, piece.begin,
+                piece.end - piece.begin, x_, m_, v_);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Replica::ApplyCommit(int64_t step, uint64_t begin, uint64_t n,

@@ -68,10 +68,15 @@ class Replica {
   // and applies the update. INVALID_ARGUMENT (nothing changed) if the
   // payload is malformed or the range is outside the replica.
   // `grad_scale`: the step's clip factor (ClipScale), when it clips.
+  // `lamb_segments` (onebit_lamb, a partition's range): also sets it to
+  // what LambSegments gives after the update, each segment computed as
+  // soon as the piece of the reply that holds it is applied, while its
+  // elements are still in cache (the same bits: one pass instead of two).
   absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                           absl::Span<const uint8_t> reply,
                           const StepHyper* hyper = nullptr,
-                          float grad_scale = 1.0f);
+                          float grad_scale = 1.0f,
+                          std::vector<double>* lamb_segments = nullptr);
 
   // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()),
   // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1.
@@ -146,10 +151,23 @@ class Replica {
   // those to compute here: a worker computes them as each reply lands, on
   // the thread that applied it, instead of in one pass after the last.
   // `pool` (may be null) moves x over the partitions in parallel.
+  //
+  // `moved` (empty, or one flag per layer): the layers MoveLambLayer has
+  // moved already at this step, whose x LambStep leaves alone (their
+  // commit is the same either way).
   absl::StatusOr<std::vector<double>> LambStep(
       int64_t step, absl::Span<const StepHyper> hypers = {},
       absl::Span<const std::vector<double>> partition_segments = {},
-      ComputePool* pool = nullptr);
+      ComputePool* pool = nullptr, const std::vector<bool>& moved = {});
+  // LambStep's part for one layer, on a worker, as soon as every piece of
+  // `layer` has its statistics (so before the step's last reply lands):
+  // the layer's coefficient from `segments`, its pieces' statistics (each
+  // piece's segments, pieces in partition order, as LambSegments gives
+  // them), moves x over the layer with `hyper` (its group's). The same bits
+  // as LambStep. The layer state stays as it was until LambStep.
+  // INVALID_ARGUMENT, nothing changed, for a wrong count of statistics.
+  absl::Status MoveLambLayer(int64_t step, size_t layer, const StepHyper* hyper,
+                             absl::Span<const double> segments);
   // The statistics of the segments of `partition` (a range of the model)
   // for the step of `step` (compress/lamb.h's LambSegmentsOf), once its
   // reply has been applied.

@@ -308,6 +308,7 @@ absl::Status Session::BeginStep() {
 
 void Session::StartExchange() {
   const int64_t step = step_;
+  engine_->BeginReplies(step);
   if (defer_apply_ || clips_average_) {
     deferred_ = std::make_shared<std::vector<std::optional<DeferredReply>>>(
         layout_.partitions().size());

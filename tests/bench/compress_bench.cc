@@ -412,6 +412,53 @@ void BM_PhaseApplyReply(benchmark::State& state) {
   state.SetLabel(ActiveKernels().name);
 }
 
+// 1-bit LAMB's reply on a worker, partition by partition (262144 elements,
+// layers of 2^20), as the host engine applies them: the moments from the
+// decoded reply and the statistics of the partition's segments. Arg 0:
+// ApplyReply, then LambSegments over the partition (a second pass); 1: the
+// statistics in ApplyReply's pass (its lamb_segments). Reads the payload,
+// x, m, v, v'; writes m and v'.
+void BM_PhaseLambApplyReply(benchmark::State& state) {
+  constexpr uint64_t kPartition = 262144;
+  AlgorithmConfig c;
+  c.optimizer = OptimizerKind::kOneBitLamb;
+  c.workers = 2;
+  c.layout = {kElems, 1, kBlock, kPartition};
+  c.layers.assign(kElems >> 20, uint64_t{1} << 20);
+  c.freeze_step = 1;
+  Replica replica(c, {0, kElems});
+  const std::vector<float> x = RandomVector(kElems, 31),
+                           m = RandomVector(kElems, 32),
+                           v = RandomVector(kElems, 33);
+  for (size_t j = 0; j < kElems; ++j) {
+    replica.x()[j] = x[j];
+    replica.mutable_m()[j] = 0.1f * m[j];
+    replica.mutable_v()[j] = 1e-4f + 1e-4f * std::fabs(v[j]);
+    replica.mutable_v_fresh()[j] = replica.v()[j];
+  }
+  const SendRule rule = PlanSend(c, kPhaseStep, Direction::kDown, 2, 0);
+  std::vector<uint8_t> reply(PayloadBytes(rule.codec, kPartition));
+  if (!Encode(rule.codec, RandomVector(kPartition, 34), {},
+              absl::MakeSpan(reply))
+           .ok())
+    std::abort();
+  const bool fused = state.range(0) == 1;
+  std::vector<double> segments;
+  Measure(state, (20.0 + PayloadPerElem()) * kElems, kElems, [&] {
+    for (uint64_t at = 0; at < kElems; at += kPartition) {
+      if (!replica
+               .ApplyReply(kPhaseStep, at, kPartition, reply, nullptr, 1.0f,
+                           fused ? &segments : nullptr)
+               .ok())
+        std::abort();
+      if (!fused)
+        segments = replica.LambSegments(kPhaseStep, {at, at + kPartition});
+      benchmark::DoNotOptimize(segments.data());
+    }
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
 // A shard's reply to N = 2 pushes over `threads` threads, each on its own
 // partition (EncodeShardReply): reads the pushes, e and v; writes e and the
 // reply. Gelem/s over threads is the shard's rate; per_core divides it.
@@ -542,6 +589,10 @@ void RegisterAll() {
              ->Arg(0)
              ->Arg(1)
              ->Arg(2));
+  common(benchmark::RegisterBenchmark("phase/lamb_apply_reply",
+                                      BM_PhaseLambApplyReply)
+             ->Arg(0)
+             ->Arg(1));
   const int cores =
       static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int threads : std::set<int>{1, 2, cores}) {  // 1, 2 and all cores

@@ -443,24 +443,54 @@ void RunWorkerAndMirrors(
     } else {
       message = g;
     }
+    // On odd steps as a worker's engine does it: the segments of each
+    // partition from the pass that applies its reply (the bits of
+    // LambSegments after it); some taken, the others left to LambStep.
+    std::vector<std::vector<double>> applied;
     ASSERT_TRUE(
-        testing::ApplyToWorkerAndMirrors(replicas, *layout, t, message, hypers)
+        testing::ApplyToWorkerAndMirrors(replicas, *layout, t, message, hypers,
+                                         t % 2 == 1 ? &applied : nullptr)
             .ok());
-    // On odd steps as a worker's engine does it: the segments of some
-    // partitions taken as their replies landed, the others left to LambStep.
     std::vector<std::vector<double>> segments;
     if (t % 2 == 1) {
       segments.resize(layout->partitions().size());
       for (const Partition& p : layout->partitions()) {
-        if (p.id % 2 == 0) {
-          segments[p.id] =
-              worker.LambSegments(t, p.range, HyperOf(hypers, p.segment));
-        }
+        const std::vector<double> after =
+            worker.LambSegments(t, p.range, HyperOf(hypers, p.segment));
+        ASSERT_EQ(applied[p.id].size(), after.size()) << p.id;
+        ASSERT_EQ(
+            std::memcmp(applied[p.id].data(), after.data(), 8 * after.size()),
+            0)
+            << "partition " << p.id << " step " << t;
+        if (p.id % 2 == 0 || t % 4 == 3) segments[p.id] = applied[p.id];
       }
     }
+    // Every fourth step, as the engine does when a layer's last piece lands:
+    // layers 0, 2 and the last move first (MoveLambLayer), LambStep the rest.
+    std::vector<bool> moved;
+    if (t % 4 == 3) {
+      moved.assign(c.layers.size(), false);
+      for (size_t l : {size_t{0}, size_t{2}, c.layers.size() - 1}) {
+        std::vector<LambPiece> pieces;
+        for (const LambPiece& piece : LambPieces(c, *layout, {0, dim}))
+          if (piece.layer == l) pieces.push_back(piece);
+        const StepHyper* hyper = HyperOf(hypers, LayerSegments(c).value()[l]);
+        const std::vector<double> layer_segments =
+            LambSegmentsOf(PlanReply(c, t, hyper), pieces, {0, dim}, worker.x(),
+                           worker.m(), worker.v(), worker.v_fresh());
+        ASSERT_TRUE(worker.MoveLambLayer(t, l, hyper, layer_segments).ok());
+        moved[l] = true;
+      }
+      // Statistics of a moved layer cannot be taken from x now.
+      std::vector<std::vector<double>> missing = segments;
+      missing[0].clear();
+      EXPECT_EQ(
+          worker.LambStep(t, hypers, missing, nullptr, moved).status().code(),
+          absl::StatusCode::kInvalidArgument);
+    }
     // Every third step moves x over the partitions on a pool.
-    auto commit =
-        worker.LambStep(t, hypers, segments, t % 3 == 2 ? &pool : nullptr);
+    auto commit = worker.LambStep(t, hypers, segments,
+                                  t % 3 == 2 ? &pool : nullptr, moved);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
       ASSERT_TRUE(mirrors[p.shard]

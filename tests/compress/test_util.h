@@ -84,17 +84,26 @@ inline Replicas ReplicasFrom(const AlgorithmConfig& c, const Layout& layout,
 // The reply of step `step` as one worker with fp32 both ways gets it (the
 // reply is its message), applied by the worker and by each partition's
 // shard mirror, each partition with its segment's values of `hypers`.
+// `worker_segments` (onebit_lamb; null for none): set to the statistics of
+// each partition's segments that the worker's ApplyReply gives.
 inline absl::Status ApplyToWorkerAndMirrors(
     Replicas& replicas, const Layout& layout, int64_t step,
-    absl::Span<const float> message, absl::Span<const StepHyper> hypers) {
+    absl::Span<const float> message, absl::Span<const StepHyper> hypers,
+    std::vector<std::vector<double>>* worker_segments = nullptr) {
+  if (worker_segments != nullptr)
+    worker_segments->assign(layout.partitions().size(), {});
   const absl::Span<const uint8_t> bytes(
       reinterpret_cast<const uint8_t*>(message.data()), 4 * message.size());
   for (const Partition& p : layout.partitions()) {
     const auto part = bytes.subspan(4 * p.range.begin, 4 * p.range.size());
     const StepHyper* hyper = HyperOf(hypers, p.segment);
     for (Replica* r : {&replicas.worker, &replicas.mirrors[p.shard]}) {
-      if (absl::Status s =
-              r->ApplyReply(step, p.range.begin, p.range.size(), part, hyper);
+      std::vector<double>* segments =
+          r == &replicas.worker && worker_segments != nullptr
+              ? &(*worker_segments)[p.id]
+              : nullptr;
+      if (absl::Status s = r->ApplyReply(step, p.range.begin, p.range.size(),
+                                         part, hyper, 1.0f, segments);
           !s.ok()) {
         return s;
       }

@@ -173,6 +173,9 @@ class Engine {
                                         float = 1.0f) {
     return absl::UnimplementedError("replies are applied from the host");
   }
+  // The session begins the exchange of `step` (each attempt at it): what
+  // the engine kept of an earlier attempt's replies no longer counts.
+  virtual void BeginReplies(int64_t /*step*/) {}
   // Returns once every reply applied so far has changed the parameters (a
   // GPU engine's ApplyReply only enqueues its work); the session calls it
   // at the end of each step, before anything reads x.

@@ -4,8 +4,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
+#include "compress/lamb.h"
 #include "compress/messages.h"
 #include "compress/optimizer.h"
+#include "compress/sync.h"
 
 namespace morse::worker::host {
 namespace {
@@ -20,6 +22,21 @@ class HostEngine final : public Engine {
       : config_(*state.config), replica_(*state.replica), error_(*state.error) {
     if (compress::CommitsLayers(config_)) {
       lamb_segments_.resize(state.layout->partitions().size());
+      // Which partitions hold each layer, in order, and each partition's
+      // layers (a piece each).
+      const size_t layers = compress::LayerCount(config_);
+      partitions_.assign(state.layout->partitions().begin(),
+                         state.layout->partitions().end());
+      layer_partitions_.resize(layers);
+      partition_layers_.resize(partitions_.size());
+      for (const compress::Partition& p : state.layout->partitions()) {
+        for (const compress::LambPiece& piece :
+             compress::LambPiecesOf(config_, p.range)) {
+          layer_partitions_[piece.layer].push_back(p.id);
+          partition_layers_[p.id].push_back(piece.layer);
+        }
+      }
+      BeginReplies(-1);
     }
   }
 
@@ -77,15 +94,27 @@ class HostEngine final : public Engine {
                           absl::Span<const uint8_t> reply,
                           const compress::StepHyper* hyper,
                           float grad_scale) override {
+    // onebit_lamb: the partition's share of CommitStep's statistics too,
+    // in the same pass, while other replies are still on the way.
+    std::vector<double> segments;
     absl::Status applied = replica_.ApplyReply(
-        step, p.range.begin, p.range.size(), reply, hyper, grad_scale);
+        step, p.range.begin, p.range.size(), reply, hyper, grad_scale,
+        lamb_segments_.empty() ? nullptr : &segments);
     if (applied.ok() && !lamb_segments_.empty()) {
-      // The partition's share of CommitStep's statistics, while this pool
-      // thread has it and other replies are still on the way.
-      lamb_segments_[p.id] = {step,
-                              replica_.LambSegments(step, p.range, hyper)};
+      lamb_segments_[p.id] = {step, std::move(segments)};
+      MoveCompleteLayers(step, p, hyper);
     }
     return applied;
+  }
+
+  void BeginReplies(int64_t step) override {
+    if (lamb_segments_.empty()) return;
+    MutexLock lock(&layers_mu_);
+    layers_step_ = step;
+    pieces_missing_.clear();
+    for (const std::vector<uint32_t>& holders : layer_partitions_)
+      pieces_missing_.push_back(holders.size());
+    moved_.assign(layer_partitions_.size(), false);
   }
 
   absl::StatusOr<std::vector<float>> LocalStep(
@@ -120,7 +149,15 @@ class HostEngine final : public Engine {
         segments[i] = std::move(lamb_segments_[i].values);
       lamb_segments_[i] = {};
     }
-    return replica_.LambStep(step, hypers, segments, pool);
+    std::vector<bool> moved;
+    {
+      MutexLock lock(&layers_mu_);
+      if (layers_step_ == step) moved = moved_;
+    }
+    absl::StatusOr<std::vector<double>> commit =
+        replica_.LambStep(step, hypers, segments, pool, moved);
+    BeginReplies(-1);
+    return commit;
   }
 
   absl::StatusOr<double> GradientSumOfSquares() override {
@@ -158,6 +195,56 @@ class HostEngine final : public Engine {
     std::vector<double> values;
   };
   std::vector<LambSegments> lamb_segments_;
+
+  // onebit_lamb: moves x over each layer of partition `p` whose pieces all
+  // have their statistics at `step` (compress::Replica::MoveLambLayer), on
+  // this thread, while other replies are on the way: CommitStep then moves
+  // the others alone. A layer that cannot move here is left to CommitStep,
+  // which says why.
+  void MoveCompleteLayers(int64_t step, const compress::Partition& p,
+                          const compress::StepHyper* hyper) {
+    std::vector<uint32_t> complete;
+    {
+      MutexLock lock(&layers_mu_);
+      if (layers_step_ != step) return;
+      for (uint32_t layer : partition_layers_[p.id]) {
+        if (--pieces_missing_[layer] == 0) complete.push_back(layer);
+      }
+    }
+    for (uint32_t layer : complete) {
+      // Written before their partitions counted (under the lock above).
+      std::vector<double> segments;
+      bool all = true;
+      for (uint32_t id : layer_partitions_[layer]) {
+        const LambSegments& held = lamb_segments_[id];
+        all = all && held.step == step;
+        if (!all) break;
+        // The partition's segments, piece by piece: this layer's alone.
+        size_t at = 0;
+        for (const compress::LambPiece& piece :
+             compress::LambPiecesOf(config_, partitions_[id].range)) {
+          const size_t count = compress::kLambStats * piece.segments();
+          if (piece.layer == layer) {
+            segments.insert(segments.end(), held.values.begin() + at,
+                            held.values.begin() + at + count);
+          }
+          at += count;
+        }
+      }
+      if (!all || !replica_.MoveLambLayer(step, layer, hyper, segments).ok())
+        continue;
+      MutexLock lock(&layers_mu_);
+      if (layers_step_ == step) moved_[layer] = true;
+    }
+  }
+
+  std::vector<compress::Partition> partitions_;
+  std::vector<std::vector<uint32_t>> layer_partitions_;
+  std::vector<std::vector<uint32_t>> partition_layers_;
+  Mutex layers_mu_;
+  int64_t layers_step_ ABSL_GUARDED_BY(layers_mu_) = -1;
+  std::vector<size_t> pieces_missing_ ABSL_GUARDED_BY(layers_mu_);
+  std::vector<bool> moved_ ABSL_GUARDED_BY(layers_mu_);
   absl::Span<const float>
       grad_;  // what Encode reads: own_grad_ or the caller's
 };
