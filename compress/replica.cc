@@ -567,14 +567,19 @@ absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
   }
   absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
   if (!layout.ok()) return layout.status();
-  // The layer's pieces in partition order, as LambTotals adds them.
+  // The layer's pieces in partition order, as LambTotals adds them, from
+  // the partitions it overlaps alone (called once per layer and step).
+  const std::vector<uint64_t> bounds = LayerBounds(config_);
   std::vector<LambPiece> pieces;
   uint64_t count = 0;
-  for (const LambPiece& piece :
-       LambPieces(config_, *layout, {0, config_.layout.dim})) {
-    if (piece.layer != layer) continue;
-    pieces.push_back(piece);
-    count += piece.segments();
+  for (const Partition& p : layout->partitions()) {
+    if (p.range.end <= bounds[layer] || p.range.begin >= bounds[layer + 1])
+      continue;
+    for (const LambPiece& piece : LambPiecesOf(config_, p.range)) {
+      if (piece.layer != layer) continue;
+      pieces.push_back(piece);
+      count += piece.segments();
+    }
   }
   if (segments.size() != kLambStats * count) {
     return absl::InvalidArgumentError(
