@@ -40,7 +40,7 @@ docs/convergence.md.
                                              diloco-H-CODEC[-sF[-oT]]]
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
                                [--lamb-freeze F] [--diloco-outer LR,MOMENTUM]
-                               [--block-elems N] [--seeds N]
+                               [--block-elems N] [--seeds N] [--corpus licenses|python]
                                [--json FILE] [--max-gap 0.02]
 
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
@@ -82,6 +82,32 @@ def license_text():
     return ids[:split], ids[split:], len(chars)
 
 
+def python_text():
+    """The Python standard library's sources as this interpreter's Debian
+    package ships them (every .py outside test directories and
+    site-packages, in sorted order; 11 MB for Debian 12's Python 3.11),
+    byte by byte: a corpus a token budget of a few million does not pass
+    over twice. The held-out part is the last 10%."""
+    import sysconfig
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for top, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idle_test", "site-packages",
+                                                     "dist-packages", "__pycache__"))
+        files += [os.path.join(top, n) for n in sorted(names) if n.endswith(".py")]
+    data = b"".join(open(f, "rb").read() for f in files)
+    values, ids = np.unique(np.frombuffer(data, dtype=np.uint8), return_inverse=True)
+    ids = torch.from_numpy(ids.astype(np.int64))
+    split = int(0.9 * len(ids))
+    return ids[:split], ids[split:], len(values)
+
+
+# The text models' corpora (--corpus).
+CORPORA = {"licenses": license_text, "python": python_text}
+# Held-out sequences evaluated at most (the python corpus's 10% is 17,000).
+HELD_OUT_SEQUENCES = 2048
+
+
 class Task:
     """A model, its data and its batches: batch(rank, step) is rank's part of
     the global batch of `step`, the same in every process."""
@@ -92,7 +118,8 @@ class Task:
             self.train_x, self.train_y, self.test_x, self.test_y = digits()
             self.per_rank = 32
         else:
-            self.train, self.test, self.vocab = license_text()
+            corpus = os.environ.get("MORSE_CONVERGENCE_CORPUS", "licenses")
+            self.train, self.test, self.vocab = CORPORA[corpus]()
             self.seq, self.per_rank = 64, 16
 
     def model(self):
@@ -135,11 +162,25 @@ class Task:
             acc = (out.argmax(1) == self.test_y).float().mean().item()
         else:
             n = (len(self.test) - 1) // self.seq
-            x = self.test[:n * self.seq].reshape(n, self.seq)
-            y = self.test[1:n * self.seq + 1].reshape(n, self.seq)
-            out = model(x)
-            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).item()
-            acc = (out.argmax(-1) == y).float().mean().item()
+            if n <= HELD_OUT_SEQUENCES:  # the licenses: all at once
+                x = self.test[:n * self.seq].reshape(n, self.seq)
+                y = self.test[1:n * self.seq + 1].reshape(n, self.seq)
+                out = model(x)
+                loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]),
+                                                         y.reshape(-1)).item()
+                acc = (out.argmax(-1) == y).float().mean().item()
+            else:  # the first HELD_OUT_SEQUENCES, 256 at a time
+                n, total, right = HELD_OUT_SEQUENCES, 0.0, 0
+                for at in range(0, n, 256):
+                    rows = min(256, n - at)
+                    lo = at * self.seq
+                    x = self.test[lo:lo + rows * self.seq].reshape(rows, self.seq)
+                    y = self.test[lo + 1:lo + rows * self.seq + 1].reshape(rows, self.seq)
+                    out = model(x)
+                    total += torch.nn.functional.cross_entropy(
+                        out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum").item()
+                    right += int((out.argmax(-1) == y).sum())
+                loss, acc = total / (n * self.seq), right / (n * self.seq)
         model.train()
         return loss, acc
 
@@ -398,6 +439,11 @@ def main():
     parser.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
     parser.add_argument("--models", default="cnn,gru,attention",
                         help="any of cnn, gru, attention, gpt (default: the first three)")
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="licenses",
+                        help="the text models' corpus: licenses (/usr/share/common-licenses, "
+                             "273K characters, the default) or python (the Python standard "
+                             "library's sources, 11 MB of bytes, for token budgets the licenses "
+                             "would repeat)")
     parser.add_argument("--workers", type=int, default=WORKERS,
                         help=f"workers per Morse run (default {WORKERS}); the torch reference "
                              "trains on their union")
@@ -463,6 +509,7 @@ def main():
         os.environ["MORSE_LAMB_LR_SCALE"] = repr(args.lamb_lr_scale)
         os.environ["MORSE_LAMB_FREEZE"] = repr(args.lamb_freeze)
         os.environ["MORSE_DILOCO_OUTER"] = args.diloco_outer
+        os.environ["MORSE_CONVERGENCE_CORPUS"] = args.corpus
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])
@@ -485,7 +532,8 @@ def main():
     morse_run = os.environ.get("MORSE_RUN") or os.path.join(HERE, "..", "..", "build", "bin", "morse-run")
     seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
-    print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds)")
+    print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds), "
+          f"text corpus {args.corpus}")
     print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to ref':>12} "
           f"{'B/step':>9} {'s':>6}")
     for name in models:
