@@ -46,6 +46,7 @@ docs/convergence.md.
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
 """
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -104,6 +105,14 @@ def python_text():
 
 # The text models' corpora (--corpus).
 CORPORA = {"licenses": license_text, "python": python_text}
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_text(name):
+    """CORPORA[name]() read once per process (every seed's and optimizer's
+    Task shares it; nothing writes to its tensors)."""
+    return CORPORA[name]()
+
 # Held-out sequences evaluated at most (the python corpus's 10% is 17,000).
 HELD_OUT_SEQUENCES = 2048
 
@@ -119,7 +128,7 @@ class Task:
             self.per_rank = 32
         else:
             corpus = os.environ.get("MORSE_CONVERGENCE_CORPUS", "licenses")
-            self.train, self.test, self.vocab = CORPORA[corpus]()
+            self.train, self.test, self.vocab = corpus_text(corpus)
             self.seq, self.per_rank = 64, 16
 
     def model(self):
