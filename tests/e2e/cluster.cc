@@ -8,14 +8,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 
 extern char** environ;
 
@@ -48,16 +51,29 @@ std::string WorkerBin() {
 }
 
 int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
+  // The kernel may hand the same ephemeral port to two binds in a row once
+  // the first socket is closed (CI saw a shard's --listen and its
+  // --metrics_listen get one port), so a port goes out once per process.
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* given = new absl::flat_hash_set<int>();
+  absl::MutexLock lock(&mu);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    socklen_t len = sizeof addr;
+    const bool bound =
+        fd >= 0 &&
+        bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+    if (fd >= 0) close(fd);
+    if (bound && given->insert(ntohs(addr.sin_port)).second)
+      return ntohs(addr.sin_port);
+  }
+  std::fprintf(stderr, "FreePort: no new free port on 127.0.0.1\n");
+  std::abort();
 }
 
 Process::Process(const std::vector<std::string>& argv,

@@ -17,7 +17,8 @@
 
 namespace morse::testing {
 
-// A port on 127.0.0.1 that was free a moment ago.
+// A port on 127.0.0.1 that was free a moment ago, and that no earlier call
+// in this process returned.
 int FreePort();
 
 // The daemons the tests run: $MORSE_SERVER_BIN / $MORSE_WORKER_BIN if set;

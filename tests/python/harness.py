@@ -191,10 +191,20 @@ def nodes(script, nnodes, nproc, out, mode, extra=(), per_node=None, timeout=240
     return list(reversed(results))
 
 
+_given_ports = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that was free a moment ago and that no earlier
+    call in this process returned (the kernel may give a closed socket's
+    port to the next bind)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _given_ports:
+            _given_ports.add(port)
+            return port
 
 
 @contextlib.contextmanager
