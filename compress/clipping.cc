@@ -33,4 +33,33 @@ float ClipScale(double sum_of_squares, float max_norm) {
   return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
 }
 
+OtherNorms GradientOtherNorms(absl::Span<const float> values) {
+  // kNormLanes running sums and maxima, element i in lane i % kNormLanes:
+  // one fixed order, without one long chain of dependent additions.
+  double sums[kNormLanes] = {};
+  float largest[kNormLanes] = {};
+  const uint64_t n = values.size();
+  uint64_t i = 0;
+  for (; i + kNormLanes <= n; i += kNormLanes) {
+    for (uint64_t j = 0; j < kNormLanes; ++j) {
+      const float a = std::fabs(values[i + j]);
+      sums[j] += a;
+      largest[j] = std::max(largest[j], a);
+    }
+  }
+  for (uint64_t j = 0; i < n; ++i, ++j) {
+    const float a = std::fabs(values[i]);
+    sums[j] += a;
+    largest[j] = std::max(largest[j], a);
+  }
+  OtherNorms norms;
+  for (uint64_t j = 0; j < kNormLanes; ++j) {
+    norms.sum_abs += sums[j];
+    norms.max_abs = std::max(norms.max_abs, largest[j]);
+  }
+  // A NaN makes its lane's sum NaN; std::max may have dropped it.
+  if (std::isnan(norms.sum_abs)) norms.max_abs = std::nanf("");
+  return norms;
+}
+
 }  // namespace morse::compress

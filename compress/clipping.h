@@ -1,7 +1,8 @@
 // Gradient clipping by the global L2 norm (design.md 2.6): the sum of
 // squares in the one order every replica, shard and engine follows, and
-// torch's clip factor. Which steps clip what: compress/step_plan.h's
-// ClipsAverage and ClipsLocally.
+// torch's clip factor; the norms of order 1 and infinity a worker's own clip
+// may take of the averaged gradient. Which steps clip what:
+// compress/step_plan.h's ClipsAverage and ClipsLocally.
 #ifndef MORSE_COMPRESS_CLIPPING_H_
 #define MORSE_COMPRESS_CLIPPING_H_
 
@@ -23,6 +24,18 @@ double SegmentSumOfSquares(const float* values, uint64_t n);
 // torch's clip_grad_norm_ factor: min(1, max_norm / (sqrt(sum_of_squares) +
 // 1e-6)) in float; 1 when max_norm is 0.
 float ClipScale(double sum_of_squares, float max_norm);
+
+// The norms of order 1 and infinity of `values` (torch's clip_grad_norm_
+// with norm_type 1 and inf), which a worker's own clip takes of the averaged
+// gradient (design.md 2.6): the sum of |v| in double, in one fixed order
+// (element i added to lane i % kNormLanes in index order, then the lanes in
+// order), and the largest |v|; both NaN when a value is NaN (as torch's).
+inline constexpr uint64_t kNormLanes = 8;
+struct OtherNorms {
+  double sum_abs = 0.0;
+  float max_abs = 0.0f;
+};
+OtherNorms GradientOtherNorms(absl::Span<const float> values);
 
 }  // namespace morse::compress
 

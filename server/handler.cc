@@ -124,6 +124,10 @@ void ShardHandler::ToMessage(const Reply& reply, v1::PushReply* message) {
   if (!reply.buffers.empty()) message->set_buffers(reply.buffers);
   if (reply.grad_sum_of_squares.has_value())
     message->set_grad_sum_of_squares(*reply.grad_sum_of_squares);
+  if (reply.grad_other_norms.has_value()) {
+    message->set_grad_sum_abs(reply.grad_other_norms->sum_abs);
+    message->set_grad_max_abs(reply.grad_other_norms->max_abs);
+  }
   for (uint32_t rank : reply.absent) message->add_absent(rank);
 }
 

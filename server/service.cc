@@ -57,11 +57,12 @@ grpc::ServerUnaryReactor* ParameterServerService::InitPartition(
 grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
   // morse.proto's PushReply: step = 1, partition = 2, codec = 3 (varints),
   // payload = 4, buffers = 5 (length-delimited), grad_sum_of_squares = 6
-  // (fixed64), absent = 7 (packed varints).
+  // (fixed64), absent = 7 (packed varints), grad_sum_abs = 8 (fixed64),
+  // grad_max_abs = 9 (fixed32).
   using google::protobuf::io::CodedOutputStream;
   using google::protobuf::io::StringOutputStream;
   // Tags: field number << 3 | wire type (0 varint, 1 fixed64, 2
-  // length-delimited).
+  // length-delimited, 5 fixed32).
   constexpr auto tag = [](uint32_t field, uint32_t type) {
     return field << 3 | type;
   };
@@ -101,6 +102,18 @@ grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
       out.WriteTag(tag(7, 2));
       out.WriteVarint64(size);
       for (uint32_t rank : reply->absent) out.WriteVarint32(rank);
+    }
+    if (reply->grad_other_norms.has_value()) {
+      uint64_t sum_bits = 0;
+      std::memcpy(&sum_bits, &reply->grad_other_norms->sum_abs,
+                  sizeof sum_bits);
+      out.WriteTag(tag(8, 1));
+      out.WriteLittleEndian64(sum_bits);
+      uint32_t max_bits = 0;
+      std::memcpy(&max_bits, &reply->grad_other_norms->max_abs,
+                  sizeof max_bits);
+      out.WriteTag(tag(9, 5));
+      out.WriteLittleEndian32(max_bits);
     }
   }
   std::vector<grpc::Slice> slices;

@@ -685,8 +685,11 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
     const absl::Span<float> average =
         compress::Scratch(compress::ScratchSlot::kShardAverage, n);
     status = compress::Decode(rule.codec, payload, average);
-    if (status.ok())
+    if (status.ok()) {
       reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
+      if (p.workers_clip)
+        reply->grad_other_norms = compress::GradientOtherNorms(average);
+    }
   }
   std::vector<uint64_t> hashes = p.push_hashes;
   const bool workers_clip = p.workers_clip;

@@ -35,6 +35,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "compress/clipping.h"
 #include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
 #include "compress/layout.h"
@@ -100,6 +101,10 @@ struct Reply {
   // When the step clips the averaged gradient: this partition's sum of
   // squares of the decoded reply (compress::GradientSumOfSquares).
   std::optional<double> grad_sum_of_squares;
+  // When the workers clip (their pushes said workers_clip): the decoded
+  // reply's norms of order 1 and infinity too (compress::GradientOtherNorms),
+  // for a worker's clip_grad_norm_ with norm_type 1 or inf.
+  std::optional<compress::OtherNorms> grad_other_norms;
   // The ranks the average left out (membership, design.md 4, "Membership"),
   // ascending.
   std::vector<uint32_t> absent;

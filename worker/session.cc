@@ -1,6 +1,7 @@
 #include "worker/session.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -318,7 +319,7 @@ void Session::StartExchange() {
       // The step keeps its own copy of the hyper-parameters it was begun with.
       [this, step, hyper = step_hyper_, deferred = deferred_](
           const compress::Partition& p, const std::string& reply,
-          std::optional<double> sum_of_squares) {
+          ReplyNorms norms) {
         const absl::Span<const uint8_t> bytes(
             reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         if (deferred !=
@@ -329,7 +330,7 @@ void Session::StartExchange() {
           const absl::Status staged = engine_->StageReply(step, p, bytes);
           if (!staged.ok() && !absl::IsUnimplemented(staged)) return staged;
           (*deferred)[p.id] = DeferredReply{staged.ok() ? std::string() : reply,
-                                            sum_of_squares, staged.ok()};
+                                            norms, staged.ok()};
           return absl::OkStatus();
         }
         trace::Instant("receive", step, p.id);
@@ -512,15 +513,56 @@ absl::StatusOr<std::optional<double>> Session::RepliesSumOfSquares() const {
           absl::StrCat("step ", step_, ": no reply for partition ", p.id));
     }
     if (!clips_average_) continue;
-    if (!reply->grad_sum_of_squares.has_value()) {
+    if (!reply->norms.sum_of_squares.has_value()) {
       return absl::FailedPreconditionError(
           absl::StrCat("step ", step_, ": the reply of partition ", p.id,
                        " has no gradient norm; is its "
                        "server older than this worker?"));
     }
-    sum_of_squares = sum_of_squares.value_or(0.0) + *reply->grad_sum_of_squares;
+    sum_of_squares =
+        sum_of_squares.value_or(0.0) + *reply->norms.sum_of_squares;
   }
   return sum_of_squares;
+}
+
+absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
+  const bool l1 = norm_type == 1.0, l2 = norm_type == 2.0,
+             linf = std::isinf(norm_type) && norm_type > 0;
+  if (!(l1 || l2 || linf)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("norm_type ", norm_type, ": 1, 2 or inf"));
+  }
+  if (!InStep() || !clipped_ || !clips_average_ || clips_locally_ ||
+      !waited_.has_value() || !waited_->ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step_,
+        ": no averaged gradient to take the norm of (after ClipAt, in a step "
+        "that averages)"));
+  }
+  double sum = 0.0;
+  float largest = 0.0f;
+  for (const compress::Partition& p : layout_.partitions()) {
+    const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
+    const ReplyNorms* norms = reply.has_value() ? &reply->norms : nullptr;
+    if (norms == nullptr || !norms->sum_of_squares.has_value() ||
+        (!l2 && !norms->other.has_value())) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", step_, ": the reply of partition ", p.id,
+                       " has no gradient norm of order ", norm_type,
+                       "; is its server older than this worker?"));
+    }
+    if (l2) {
+      sum += *norms->sum_of_squares;
+    } else if (l1) {
+      sum += norms->other->sum_abs;
+    } else if (std::isnan(norms->other->max_abs) || std::isnan(largest)) {
+      largest = std::nanf("");
+    } else {
+      largest = std::max(largest, norms->other->max_abs);
+    }
+  }
+  if (l2) return std::sqrt(sum);
+  return l1 ? sum : static_cast<double>(largest);
 }
 
 absl::Status Session::Fail(absl::Status status) {

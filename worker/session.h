@@ -130,6 +130,17 @@ class Session {
   // (FAILED_PRECONDITION). INVALID_ARGUMENT for a negative or non-finite
   // max_norm.
   absl::StatusOr<double> ClipAt(float max_norm);
+  // Whether the step in flight clips each worker's own gradient (a
+  // compressing step, compress::ClipsLocally) rather than the average.
+  bool clips_locally() const { return InStep() && clips_locally_; }
+  // The averaged gradient's norm of order `norm_type` (1, 2 or infinity)
+  // over the whole model, from the shards' norms of every reply, once ClipAt
+  // has waited for them in a step that averages: what DDP's clip_grad_norm_
+  // returns with that norm_type. morse.torch clips by another norm with the
+  // max_norm whose L2 factor is that norm's (design.md 2.6).
+  // FAILED_PRECONDITION before ClipAt, in a compressing step, or where a
+  // shard sent no such norm; INVALID_ARGUMENT for another norm_type.
+  absl::StatusOr<double> AverageNorm(double norm_type) const;
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
@@ -311,7 +322,7 @@ class Session {
   // partition, with the shard's sum of squares of each.
   struct DeferredReply {
     std::string payload;  // empty when staged
-    std::optional<double> grad_sum_of_squares;
+    ReplyNorms norms;
     bool staged = false;  // in the engine (Engine::StageReply)
   };
   std::shared_ptr<std::vector<std::optional<DeferredReply>>> deferred_;

@@ -125,11 +125,14 @@ void StepExchange::Deliver(std::unique_ptr<PushCall> done,
     trace::Complete("round trip", done->issued_us, step_, done->partition->id);
   }
   if (result.ok()) {
-    result =
-        apply_(*done->partition, done->reply.payload(),
-               done->reply.has_grad_sum_of_squares()
-                   ? std::optional<double>(done->reply.grad_sum_of_squares())
-                   : std::nullopt);
+    ReplyNorms norms;
+    if (done->reply.has_grad_sum_of_squares())
+      norms.sum_of_squares = done->reply.grad_sum_of_squares();
+    if (done->reply.has_grad_sum_abs() && done->reply.has_grad_max_abs()) {
+      norms.other = compress::OtherNorms{done->reply.grad_sum_abs(),
+                                         done->reply.grad_max_abs()};
+    }
+    result = apply_(*done->partition, done->reply.payload(), norms);
   }
   const double apply_seconds = Since(start);
   const compress::Partition* partition = done->partition;

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "compress/clipping.h"
 #include "compress/codec.h"
 #include "compress/compute_pool.h"
 #include "compress/layout.h"
@@ -82,15 +83,21 @@ struct StepExtras {
 // the pool if there is one, else on a gRPC thread. Finish waits for every
 // sent partition and for recovery's re-sends. Sends must come from one
 // thread; the destructor waits for anything in flight.
+// A shard's norms of a reply's decoded values (morse.proto PushReply), when
+// the step clips the averaged gradient (compress::ClipsAverage, design.md
+// 2.6): its sum of squares, and its norms of order 1 and infinity when the
+// workers clip (a script's clip_grad_norm_ may take those).
+struct ReplyNorms {
+  std::optional<double> sum_of_squares;
+  std::optional<compress::OtherNorms> other;
+};
+
 class StepExchange final : private ExchangeSide {
  public:
   using Encode = std::function<absl::Status(const compress::Partition&,
                                             std::string* payload)>;
-  // `grad_sum_of_squares`: the shard's, when the step clips the averaged
-  // gradient (compress::ClipsAverage).
   using Apply = std::function<absl::Status(
-      const compress::Partition&, const std::string& reply,
-      std::optional<double> grad_sum_of_squares)>;
+      const compress::Partition&, const std::string& reply, ReplyNorms norms)>;
 
   // `pool` (null: none) encodes and applies partitions; it outlives the
   // exchange. parallel_encode: `encode` may run on the pool, concurrently

@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "compress/clipping.h"
 #include "compress/replica.h"
 #include "gtest/gtest.h"
 #include "tests/compress/test_util.h"
@@ -202,6 +203,26 @@ TrainResult Train(const AlgorithmConfig& c, int steps) {
     EXPECT_TRUE(Step(*sim, problem.Gradients(sim->x())).ok());
   r.final_loss = problem.Loss(sim->x());
   return r;
+}
+
+// The norms of order 1 and infinity a worker's clip_grad_norm_ may take of
+// the averaged gradient (design.md 2.6), as torch's vector_norm.
+TEST(ClippingTest, OtherNormsAreTheSumAndTheLargestMagnitude) {
+  const std::vector<float> values = {0.5f, -3.25f, 0.0f, 2.0f, -0.125f};
+  const OtherNorms norms = GradientOtherNorms(values);
+  EXPECT_EQ(norms.sum_abs, 5.875);
+  EXPECT_EQ(norms.max_abs, 3.25f);
+  EXPECT_EQ(GradientOtherNorms({}).sum_abs, 0.0);
+  EXPECT_EQ(GradientOtherNorms({}).max_abs, 0.0f);
+  // A NaN anywhere makes both NaN (std::max alone would drop one first).
+  const std::vector<float> nan_first = {std::nanf(""), 1.0f};
+  const std::vector<float> nan_last = {1.0f, std::nanf("")};
+  for (const auto* v : {&nan_first, &nan_last}) {
+    EXPECT_TRUE(std::isnan(GradientOtherNorms(*v).max_abs));
+    EXPECT_TRUE(std::isnan(GradientOtherNorms(*v).sum_abs));
+  }
+  const std::vector<float> infinite = {1.0f, -INFINITY};
+  EXPECT_EQ(GradientOtherNorms(infinite).max_abs, INFINITY);
 }
 
 TEST(SimulatorTest, OneBitAdamReachesAdamsLossOnANoisyQuadratic) {

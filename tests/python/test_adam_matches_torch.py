@@ -10,7 +10,8 @@ clip_grad_norm against torch.nn.utils.clip_grad_norm_ on the averaged
 gradient; and the script's own torch.nn.utils.clip_grad_norm_ after
 backward() (rank 0 overlapping and accumulating two backward() calls with
 no argument, rank 1 with overlap=False), which clips the averaged gradient
-and returns its norm, as under DDP; and .grad edited after backward() (a
+and returns its norm, as under DDP, several times a step and with
+norm_type inf and 1 too; and .grad edited after backward() (a
 row zeroed, everything halved, then clip_grad_norm_), which under DDP edits
 the averaged gradient: linear edits give the same result on each rank's
 gradient before the average, which Morse pushes at step() once the first
@@ -61,8 +62,11 @@ def adopt(opt, reference, ref_opt):
             state["exp_avg_sq"].copy_(v[lo:hi].view_as(p))
 
 
-# clip_twice's max_norms, in the order a step calls clip_grad_norm_ with them.
-TWICE = (float("inf"), 0.25, 0.15, 0.3)
+# clip_twice's max_norms, in the order a step calls clip_grad_norm_ with them
+# (norm_type 2); clip_orders's (max_norm, norm_type) pairs: the largest
+# element logged, then clips by the largest element, the L1 and the L2 norm.
+TWICE = tuple((m, 2.0) for m in (float("inf"), 0.25, 0.15, 0.3))
+ORDERS = ((float("inf"), float("inf")), (0.08, float("inf")), (1.5, 1.0), (0.15, 2.0))
 
 
 def worker(mode):
@@ -86,7 +90,8 @@ def worker(mode):
     clip_after = mode == "clip_after"
     # clip_grad_norm_ three times a step (the norm logged with inf, then two
     # clips), each as torch's on the gradient the earlier ones clipped.
-    clip_twice = mode == "clip_twice"
+    clip_twice = mode in ("clip_twice", "clip_orders")
+    calls = ORDERS if mode == "clip_orders" else TWICE
     edit = mode == "edit"  # .grad edited after backward(), then clipped
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
@@ -173,7 +178,8 @@ def worker(mode):
         if clip_after or edit:
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
         if clip_twice:
-            returned = [torch.nn.utils.clip_grad_norm_(model.parameters(), m).item() for m in TWICE]
+            returned = [torch.nn.utils.clip_grad_norm_(model.parameters(), m, norm_type=o).item()
+                        for m, o in calls]
         opt.step()
         if accumulate:
             check(opt.accumulation_steps == 2, f"rank {rank}: accumulation_steps {opt.accumulation_steps} "
@@ -206,8 +212,10 @@ def worker(mode):
                       f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
                       f"torch's on the global batch {norm}")
         if clip_twice:
-            norms = [morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), m).item() for m in TWICE]
-            clipped += norms[0] > TWICE[1]  # both clips act
+            norms = [morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), m, norm_type=o).item()
+                     for m, o in calls]
+            # the first finite one and a later one both clip
+            clipped += norms[1] > calls[1][0] and any(n > m for n, (m, _) in zip(norms[2:], calls[2:]))
             for i, (got, want) in enumerate(zip(returned, norms)):
                 check(abs(got - want) <= 1e-5 * want,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
@@ -245,8 +253,11 @@ def worker(mode):
                           f"{clipped} steps",
             "edit": f".grad edited after backward(), then clip_grad_norm_, which clipped "
                     f"{clipped} steps",
-            "clip_twice": f"clip_grad_norm_ with max_norm {TWICE} in turn after backward(), the "
-                          f"first two finite ones clipping in {clipped} steps",
+            "clip_twice": f"clip_grad_norm_ with max_norm {[m for m, _ in TWICE]} in turn after "
+                          f"backward(), the first two finite ones clipping in {clipped} steps",
+            "clip_orders": f"clip_grad_norm_ with (max_norm, norm_type) {ORDERS} in turn after "
+                           f"backward(), the first finite one and a later one clipping in {clipped} "
+                           "steps",
             "one_cycle": f"OneCycleLR cycling lr and betas[0] ({len(betas_seen)} betas)",
             "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
             "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
@@ -343,7 +354,8 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "edit", "no_sync",
+    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
+                 "edit", "no_sync",
                  "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)

@@ -229,12 +229,12 @@ def main():
             opt.step()
         expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
 
-    # clip_grad_norm_ over part of the parameters or with another norm:
-    # refused (Morse clips the whole averaged gradient by its L2 norm).
-    # Several calls in a step compose on the averaged gradient
-    # (test_adam_matches_torch's clip_twice); in a compressing step, where
-    # the first call's pushes left clipped by this rank's own norm, a later
-    # one that clips is refused.
+    # clip_grad_norm_ over part of the parameters, or with a norm other than
+    # 1, 2 and inf: refused (Morse clips the whole averaged gradient). Several
+    # calls in a step compose on the averaged gradient (test_adam_matches_torch's
+    # clip_twice and clip_orders); in a compressing step, where the first
+    # call's pushes left clipped by this rank's own norm, a later one that
+    # clips is refused, and a norm of another order is this rank's own.
     with server(base) as address:
         torch.manual_seed(0)
         model = torch.nn.Linear(3, 2)
@@ -252,11 +252,17 @@ def main():
                 continue
             check(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > 0,
                   "a call that does not clip is fine in a compressing step")
+            for order in (1.0, float("inf")):
+                own = float(torch.linalg.vector_norm(
+                    torch.cat([p.grad.flatten() for p in model.parameters()]), order))
+                got = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=order))
+                check(abs(got - own) <= 1e-6 * own,
+                      f"norm_type={order} in a compressing step: {got}, this rank's own {own}")
             expect(MorseError, "clip_grad_norm_ clipped again in step 1, a compressing step",
                    lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
     for what, error, expected in (
             ("part", ValueError, "over 1 of the Morse optimizer's 2 trainable parameters"),
-            ("norm_type", ValueError, "norm_type=1")):
+            ("norm_type", ValueError, "norm_type=3")):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
             opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
@@ -267,7 +273,7 @@ def main():
                 if what == "part":
                     torch.nn.utils.clip_grad_norm_([model.weight], 1.0)
                 else:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=3)
             expect(error, expected, clip)
     # Other tensors still go to torch's own clip_grad_norm_.
     other = torch.nn.Parameter(torch.ones(4))

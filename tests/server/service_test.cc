@@ -47,6 +47,7 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
       reply->buffers = "rank 0's buffers";
       reply->grad_sum_of_squares = 0.1 + 1e-17;
       reply->absent = {1, 200, 70000};  // varints of 1, 2 and 3 bytes
+      reply->grad_other_norms = compress::OtherNorms{0.3 + 1e-16, 0.7f};
     }
     v1::PushReply expected;
     expected.set_step(reply->step);
@@ -57,6 +58,8 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
       expected.set_buffers(reply->buffers);
       expected.set_grad_sum_of_squares(*reply->grad_sum_of_squares);
       for (uint32_t rank : reply->absent) expected.add_absent(rank);
+      expected.set_grad_sum_abs(reply->grad_other_norms->sum_abs);
+      expected.set_grad_max_abs(reply->grad_other_norms->max_abs);
     }
     const grpc::ByteBuffer wire = SerializePushReply(reply);
     EXPECT_EQ(Flatten(wire), expected.SerializeAsString())
@@ -80,6 +83,8 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
     if (extras) {
       const double got = parsed.grad_sum_of_squares();
       EXPECT_EQ(std::memcmp(&*reply->grad_sum_of_squares, &got, 8), 0);
+      EXPECT_EQ(parsed.grad_sum_abs(), reply->grad_other_norms->sum_abs);
+      EXPECT_EQ(parsed.grad_max_abs(), reply->grad_other_norms->max_abs);
     }
   }
 }

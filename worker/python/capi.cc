@@ -346,6 +346,27 @@ int morse_session_clip(morse_session* s, float max_norm,
   });
 }
 
+int morse_session_clips_locally(morse_session* s, int* locally) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(locally, "locally"); !st.ok()) return st;
+    *locally = s->session->clips_locally() ? 1 : 0;
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_average_norm(morse_session* s, double norm_type,
+                               double* norm) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(norm, "norm"); !st.ok()) return st;
+    absl::StatusOr<double> got = s->session->AverageNorm(norm_type);
+    if (!got.ok()) return got.status();
+    *norm = *got;
+    return absl::OkStatus();
+  });
+}
+
 int morse_session_received_buffers(morse_session* s, void* out,
                                    uint64_t capacity, uint64_t* size) {
   return Guard([&]() -> absl::Status {

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 14
+#define MORSE_CAPI_VERSION 15
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -113,6 +113,14 @@ int morse_session_set_step_clipping(morse_session* s, int on);
  * this worker's own gradient's (its pushes leave now; once). */
 int morse_session_clip(morse_session* s, float max_norm,
                        double* sum_of_squares);
+/* *locally = 1 when the step in flight clips this worker's own gradient (a
+ * compressing step), else 0 (Session::clips_locally). */
+int morse_session_clips_locally(morse_session* s, int* locally);
+/* The averaged gradient's norm of order norm_type (1, 2 or inf) once
+ * morse_session_clip has waited for every reply in a step that averages
+ * (Session::AverageNorm). */
+int morse_session_average_norm(morse_session* s, double norm_type,
+                               double* norm);
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);

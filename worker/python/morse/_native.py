@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 14  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 15  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -65,6 +65,8 @@ def _load():
         "morse_session_set_defer_apply": ([P, I], I),
         "morse_session_set_step_clipping": ([P, I], I),
         "morse_session_clip": ([P, ctypes.c_float, ctypes.POINTER(ctypes.c_double)], I),
+        "morse_session_clips_locally": ([P, ctypes.POINTER(I)], I),
+        "morse_session_average_norm": ([P, ctypes.c_double, ctypes.POINTER(ctypes.c_double)], I),
         "morse_session_received_buffers": ([P, P, U64, ctypes.POINTER(U64)], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
@@ -255,6 +257,21 @@ class Session:
         step this worker's own)."""
         value = ctypes.c_double()
         _check(_lib.morse_session_clip(self._handle, max_norm, ctypes.byref(value)))
+        return value.value
+
+    def clips_locally(self):
+        """Whether the step in flight clips this worker's own gradient (a
+        compressing step) rather than the averaged one."""
+        value = ctypes.c_int()
+        _check(_lib.morse_session_clips_locally(self._handle, ctypes.byref(value)))
+        return bool(value.value)
+
+    def average_norm(self, norm_type):
+        """The averaged gradient's norm of order norm_type (1, 2 or inf),
+        after clip() waited for every reply in a step that averages."""
+        value = ctypes.c_double()
+        _check(_lib.morse_session_average_norm(self._handle, float(norm_type),
+                                               ctypes.byref(value)))
         return value.value
 
     def received_buffers(self):

@@ -87,9 +87,10 @@ _TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """torch.nn.utils.clip_grad_norm_, as DDP gives it for a Morse
-    optimizer's parameters: the L2 norm of the averaged gradient, which the
-    optimizer's step() then clips by max_norm (the same clip factor as
-    torch's, min(1, max_norm / (norm + 1e-6))). Building a Morse optimizer
+    optimizer's parameters: the norm of the averaged gradient (of order
+    norm_type: 2, inf or 1), which the optimizer's step() then clips by
+    max_norm (the same clip factor as torch's, min(1, max_norm / (norm +
+    1e-6))). Building a Morse optimizer
     puts this in place of torch.nn.utils.clip_grad_norm_, so scripts call it
     as they always have; other parameters go to torch's own.
 
@@ -1028,16 +1029,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite, owned):
         """clip_grad_norm_ on this optimizer's parameters (see the module's)."""
-        if float(norm_type) != 2.0:
+        order = float(norm_type)
+        if order not in (1.0, 2.0, math.inf):
             raise ValueError(f"clip_grad_norm_(..., norm_type={norm_type}) on a Morse optimizer's "
-                             "parameters: Morse clips the averaged gradient by its L2 norm "
-                             "(norm_type=2)")
+                             "parameters: Morse takes the averaged gradient's norm of order 1, 2 "
+                             "or inf")
         max_norm = float(max_norm)
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
                              "parameters: a positive max_norm (inf for the norm alone)")
         if self._clipped:
-            return self._clip_again(max_norm, error_if_nonfinite, owned)
+            return self._clip_again(max_norm, order, error_if_nonfinite, owned)
         # inf: the norm alone (Trainer's logging); Morse's clip factor is 1.
         limit = 0.0 if math.isinf(max_norm) else max_norm
         self._clips = True
@@ -1045,9 +1047,28 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._push_now(at_clip=True)  # nothing pushed yet: the first step, overlap=False
         elif self._cuda:
             self._send([])  # the norm reads the gradient: after torch's work on it (_push_now waits too)
+        own = False  # the norms are of this rank's own gradient, not the average's
         try:
             with self._device_context(), self._explained():
-                sum_of_squares = self._session.clip(limit)
+                if order == 2.0:
+                    sum_of_squares = self._session.clip(limit)
+                    own = self._session.clips_locally()
+                    norms = self._step_norms(sum_of_squares, own)
+                elif self._session.clips_locally():
+                    # This rank's own gradient (a compressing step): the
+                    # shards clip by L2 norms, so the max_norm whose L2
+                    # factor is this norm's, as the shards' mirrors apply it.
+                    own = True
+                    norms = self._step_norms(None, own)
+                    factor = _clip_factor(norms(order), limit)
+                    self._session.clip(self._l2_max_norm(norms, order, factor, limit))
+                else:
+                    # The averaged gradient: every reply's norms, then the
+                    # L2 max_norm with this norm's factor.
+                    norms = self._step_norms(self._session.clip(0.0), own)
+                    factor = _clip_factor(norms(order), limit)
+                    if factor < 1.0:
+                        self._session.clip(self._l2_max_norm(norms, order, factor, limit))
         except MorseError as error:
             if "began without the workers' clipping" not in str(error):
                 raise
@@ -1057,26 +1078,61 @@ class _MorseOptimizer(torch.optim.Optimizer):
                             "gradients had been pushed unclipped during backward(): the step ran "
                             "unclipped, and the call returned this rank's own gradient's norm",
                             holds=False)
-            sum_of_squares = float(self._flat_grad.double().pow(2).sum())
+            norms = self._step_norms(None, True)
             limit = None  # nothing clips this step
-        norm = math.sqrt(sum_of_squares)
-        # The clip so far: the norm it saw and the factor it applies, which
-        # a later call in the step composes with (_clip_again).
-        self._clipped = (norm, _clip_factor(norm, limit or 0.0), limit)
-        return self._norm_tensor(norm, error_if_nonfinite, owned)
+        norm = norms(order)
+        # The clip so far: the step's norms, the factor it applies and the
+        # L2 max_norm that gives it, which a later call in the step composes
+        # with (_clip_again).
+        factor = _clip_factor(norm, limit or 0.0)
+        self._clipped = (norms, factor, limit)
+        return self._norm_tensor(norm, order, error_if_nonfinite, owned)
 
-    def _clip_again(self, max_norm, error_if_nonfinite, owned):
+    def _step_norms(self, sum_of_squares, own):
+        """The norms of the step's gradient before any clip, by order: the
+        averaged gradient's (the shards' norms of every reply), or with
+        `own` this rank's (a compressing step's clip). sum_of_squares: the
+        L2 one's square, as the session clips by it."""
+        cache = {} if sum_of_squares is None else {2.0: math.sqrt(sum_of_squares)}
+
+        def norm_of(order):
+            if order not in cache:
+                if own:
+                    cache[order] = float(torch.linalg.vector_norm(self._flat_grad.double(), order))
+                else:
+                    with self._device_context(), self._explained():
+                        cache[order] = self._session.average_norm(order)
+            return cache[order]
+        return norm_of
+
+    @staticmethod
+    def _l2_max_norm(norms, order, factor, limit):
+        """The max_norm the session clips by (on the L2 norm, as every
+        replica and mirror does, design.md 2.6) for `factor`: 0 for none, the
+        call's own for an L2 clip, and for a clip of another order the L2
+        max_norm with its factor (where that norm is not finite, the call's,
+        which scales by 0 as torch's does when both are infinite)."""
+        if factor >= 1.0:
+            return 0.0
+        if order == 2.0 or not math.isfinite(norms(order)):
+            return limit
+        return factor * (norms(2.0) + 1e-6)
+
+    def _clip_again(self, max_norm, order, error_if_nonfinite, owned):
         """Another clip_grad_norm_ in the step, as torch's on the gradient
         the earlier ones clipped: it returns that gradient's norm, and the
-        step clips by the product of the factors (one max_norm for the
+        step clips by the product of the factors (one L2 max_norm for the
         shards, which clip the averaged gradient once)."""
-        norm, factor, limit = self._clipped
-        seen = norm * factor
+        norms, factor, limit = self._clipped
+        seen = norms(order) * factor
         more = 1.0 if math.isinf(max_norm) or limit is None else _clip_factor(seen, max_norm)
         if more < 1.0:
-            # The one max_norm whose factor on the first norm is the
+            # The one max_norm whose factor on the first L2 norm is the
             # product: this call's own where nothing clipped before.
-            combined = max_norm if factor == 1.0 else factor * more * (norm + 1e-6)
+            if factor == 1.0 and order == 2.0:
+                combined = max_norm
+            else:
+                combined = factor * more * (norms(2.0) + 1e-6)
             try:
                 with self._device_context(), self._explained():
                     self._session.clip(combined)
@@ -1090,15 +1146,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "gradient and its pushes left at the step's first clip_grad_norm_: clip once "
                     "per step there (calls with max_norm=inf, or that do not clip, are fine)"
                 ) from None
-            self._clipped = (norm, factor * more, combined)
-        return self._norm_tensor(seen, error_if_nonfinite, owned)
+            self._clipped = (norms, factor * more, combined)
+        return self._norm_tensor(seen, order, error_if_nonfinite, owned)
 
-    def _norm_tensor(self, norm, error_if_nonfinite, owned):
+    def _norm_tensor(self, norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_'s return value, as torch's."""
         if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"The total norm of order 2.0 for gradients from {owned} parameters "
-                               "is non-finite, so it cannot be clipped. To disable this error and "
-                               "scale the gradients by the non-finite norm anyway, set "
+            raise RuntimeError(f"The total norm of order {order} for gradients from {owned} "
+                               "parameters is non-finite, so it cannot be clipped. To disable this "
+                               "error and scale the gradients by the non-finite norm anyway, set "
                                "`error_if_nonfinite=False`")
         return torch.tensor(norm, dtype=torch.float32, device=self._flat.device)
 
