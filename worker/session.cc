@@ -425,31 +425,18 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
         absl::StrCat("step ", step_,
                      " began without the workers' clipping (SetStepClipping)"));
   }
-  if (clipped_ && clips_locally_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step_,
-        " was clipped already, and a compressing step clips each worker's own "
-        "gradient, whose pushes left at that clip"));
-  }
   if (!(std::isfinite(max_norm) && max_norm >= 0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_norm ", max_norm, ": finite and not negative (0: no clip)"));
   }
-  // On the averaged gradient, another call replaces the max_norm: nothing
-  // has used it before Finish.
+  // Another call replaces the max_norm: nothing has used it before Finish.
   clipped_ = true;
   max_norm_ = max_norm;
   if (clips_locally_) {
-    // This worker's own gradient (a compressing step): its pushes waited
-    // for this; a zero_one_adam local step waits for Finish.
+    // This worker's own gradient (a compressing step): its pushes wait for
+    // Finish, which clips by the last max_norm (SendAndWait, LocalStep).
     absl::StatusOr<double> sum_of_squares = OwnSumOfSquares();
     if (!sum_of_squares.ok()) return Fail(sum_of_squares.status());
-    if (!local_pending_) {
-      local_scale_ = compress::ClipScale(*sum_of_squares, max_norm_);
-      for (uint32_t p = 0; p < sent_.size(); ++p) {
-        if (absl::Status s = SendPartition(p); !s.ok()) return s;
-      }
-    }
     return *sum_of_squares;
   }
   // The averaged gradient: every reply's norm.

@@ -123,12 +123,10 @@ class Session {
   // `max_norm` (0: no clip) and returns the sum of squares it is clipped
   // by: of the averaged gradient, sending what is left and waiting for
   // every reply (DDP's clip_grad_norm_ after its all-reduce), or of this
-  // worker's own gradient in a compressing step, then sending. On the
-  // averaged gradient it may be called again before Finish, and the last
-  // max_norm is the one the step clips by (morse.torch composes several
-  // clip_grad_norm_ calls into one); in a compressing step once
-  // (FAILED_PRECONDITION). INVALID_ARGUMENT for a negative or non-finite
-  // max_norm.
+  // worker's own gradient in a compressing step, whose pushes then leave at
+  // Finish. It may be called again before Finish, and the last max_norm is
+  // the one the step clips by (morse.torch composes several clip_grad_norm_
+  // calls into one). INVALID_ARGUMENT for a negative or non-finite max_norm.
   absl::StatusOr<double> ClipAt(float max_norm);
   // Whether the step in flight clips each worker's own gradient (a
   // compressing step, compress::ClipsLocally) rather than the average.

@@ -100,12 +100,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     for its all-reduce. Where the step has no averaged gradient (OneBitAdam's
     compression phase, ZeroOneAdam's 1-bit and local steps) the rule
     is DeepSpeed's: each rank clips its own gradient, and the call returns
-    that rank's own norm; from the first call on, those steps push once the
-    clip is known instead of during backward(). Call it on every rank
-    alike, over all of the optimizer's parameters; several calls in a step
-    compose as torch's (each returns the norm of the gradient the earlier
-    ones clipped), except that in a compressing step, whose pushes left at
-    the first call, a later one may not clip more. Under
+    that rank's own norm; from the first call on, those steps push at
+    step(), once the clip is known, instead of during backward(). Call it on
+    every rank alike, over all of the optimizer's parameters; several calls
+    in a step compose as torch's (each returns the norm of the gradient the
+    earlier ones clipped). Under
     morse-run --node-aggregation this is torch's own, on each rank's
     gradient."""
     if isinstance(parameters, torch.Tensor):
@@ -1133,19 +1132,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 combined = max_norm
             else:
                 combined = factor * more * (norms(2.0) + 1e-6)
-            try:
-                with self._device_context(), self._explained():
-                    self._session.clip(combined)
-            except MorseError as error:
-                if "was clipped already" not in str(error):
-                    raise
-                raise MorseError(
-                    f"FAILED_PRECONDITION: clip_grad_norm_ clipped again in step "
-                    f"{self.step_index}, a compressing step (OneBitAdam and OneBitLamb after "
-                    "freeze_step, ZeroOneAdam's 1-bit steps), where each rank clips its own "
-                    "gradient and its pushes left at the step's first clip_grad_norm_: clip once "
-                    "per step there (calls with max_norm=inf, or that do not clip, are fine)"
-                ) from None
+            with self._device_context(), self._explained():
+                self._session.clip(combined)
             self._clipped = (norms, factor * more, combined)
         return self._norm_tensor(seen, order, error_if_nonfinite, owned)
 
