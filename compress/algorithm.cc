@@ -55,10 +55,12 @@ std::string DescribeStepHyper(const std::optional<StepHyper>& hyper) {
 
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper) {
-  if (hyper.moments.has_value() && config.optimizer != OptimizerKind::kAdam) {
+  if (hyper.moments.has_value() && config.optimizer != OptimizerKind::kAdam &&
+      config.optimizer != OptimizerKind::kOneBitAdam) {
     return absl::InvalidArgumentError(absl::StrCat(
         "betas and eps set for a step of ", OptimizerOf(config).name(),
-        ", which applies the job's (adam only takes them step by step)"));
+        ", which applies the job's (adam and onebit_adam alone take them step "
+        "by step)"));
   }
   return absl::OkStatus();
 }

@@ -20,8 +20,10 @@ namespace morse::compress {
 
 // A step's betas and eps set by the workers instead of the job's adam
 // section (PyTorch's param_groups under a scheduler that cycles the
-// momentum, as OneCycleLR does): `adam` only (CheckStepHyper), whose
-// update takes them, bias corrections included, from its scalars.
+// momentum, as OneCycleLR does): `adam` and `onebit_adam` only
+// (CheckStepHyper), whose updates take them, bias corrections included,
+// from their scalars (onebit_adam's local momentum, frozen-variance
+// correction and bound too: design.md 2.1).
 struct StepMoments {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
@@ -166,7 +168,7 @@ struct AlgorithmConfig {
 // OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
 absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
 // INVALID_ARGUMENT when `hyper` sets betas and eps for an optimizer other
-// than adam (the others' momentum and frozen variance take the job's).
+// than adam and onebit_adam (the others' take the job's).
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper);
 

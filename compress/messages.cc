@@ -53,7 +53,7 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
   const uint64_t block = rule.codec.block_elems;
   if (rule.codec.kind != CodecKind::kSign1 || !rule.feedback || block == 0) {
     const absl::Span<float> local = Scratch(ScratchSlot::kLocalMomentum, n);
-    replica.LocalMomentum(begin, g, local, grad_scale);
+    replica.LocalMomentum(rule.beta1, begin, g, local, grad_scale);
     return rule.feedback ? error.Compress(rule.codec, begin, local, rule.key,
                                           payload, mask(begin, n))
                          : Encode(rule.codec, local, rule.key, payload);
@@ -72,7 +72,8 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
   for (uint64_t at = 0; at < n; at += chunk) {
     const uint64_t len = std::min(chunk, n - at);
     const absl::Span<float> u = local.first(len);
-    replica.LocalMomentum(begin + at, g.subspan(at, len), u, grad_scale);
+    replica.LocalMomentum(rule.beta1, begin + at, g.subspan(at, len), u,
+                          grad_scale);
     part.resize(PayloadBytes(rule.codec, len));
     if (absl::Status s =
             error.Compress(rule.codec, begin + at, u, rule.key,

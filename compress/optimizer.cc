@@ -98,17 +98,22 @@ uint64_t StateBytesPerElement(const AlgorithmConfig& config) {
   return bytes;
 }
 
-AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
-                        const StepHyper* hyper, bool bias_correction) {
+AdamHyper StepAdamHyper(const AlgorithmConfig& config, const StepHyper* hyper) {
   AdamHyper adam = config.adam;
-  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   if (hyper != nullptr && hyper->moments.has_value()) {
-    // adam's alone (CheckStepHyper): its bias corrections too, as torch's
-    // Adam takes each step's betas.
     adam.beta1 = hyper->moments->beta1;
     adam.beta2 = hyper->moments->beta2;
     adam.eps = hyper->moments->eps;
   }
+  return adam;
+}
+
+AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
+                        const StepHyper* hyper, bool bias_correction) {
+  // The step's betas: its bias corrections too, as torch's Adam takes each
+  // step's betas.
+  AdamHyper adam = StepAdamHyper(config, hyper);
+  if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
   return MakeAdamScalars(adam, lr, step + 1, bias_correction);
 }
@@ -145,15 +150,15 @@ absl::Status ValidateWarmupCodec(const AlgorithmConfig& config,
       what, " must be fp32, fp16 or bf16, got ", CodecName(warmup)));
 }
 
-void FrozenVarianceScalars(const AlgorithmConfig& config, ReplyRule& rule) {
+void FrozenVarianceScalars(const AlgorithmConfig& config,
+                           const StepHyper* hyper, ReplyRule& rule) {
+  const AdamHyper adam = StepAdamHyper(config, hyper);
   if (config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
     rule.scalars.bias_correction2 =
-        MakeAdamScalars(config.adam, 0.0f, config.freeze_step, true)
-            .bias_correction2;
+        MakeAdamScalars(adam, 0.0f, config.freeze_step, true).bias_correction2;
   }
-  if (config.bound_update)
-    rule.scalars.max_ratio = OneBitUpdateBound(config.adam);
+  if (config.bound_update) rule.scalars.max_ratio = OneBitUpdateBound(adam);
 }
 
 }  // namespace morse::compress

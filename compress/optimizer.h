@@ -189,7 +189,12 @@ uint64_t StateBytesPerElement(const AlgorithmConfig& config);
 // and bound (1-bit Adam's compression phase, DESIGN 2.1): v̂ = v/(1 -
 // b2^T_w) with bias correction, and |update| <= OneBitUpdateBound when
 // bound_update is on.
-void FrozenVarianceScalars(const AlgorithmConfig& config, ReplyRule& rule);
+// The step's betas and eps (`hyper`'s where it sets them) govern both.
+void FrozenVarianceScalars(const AlgorithmConfig& config,
+                           const StepHyper* hyper, ReplyRule& rule);
+// The job's adam section with the step's betas and eps where `hyper` sets
+// them (CheckStepHyper: adam and onebit_adam).
+AdamHyper StepAdamHyper(const AlgorithmConfig& config, const StepHyper* hyper);
 // Adam's scalars of step `step` (t' = step + 1) at the workers' lr and
 // weight decay (`hyper`) or the job's schedule and weight decay.
 AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,

@@ -250,12 +250,13 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   return absl::OkStatus();
 }
 
-void Replica::LocalMomentum(uint64_t begin, absl::Span<const float> g,
-                            absl::Span<float> out, float grad_scale) const {
+void Replica::LocalMomentum(float beta1, uint64_t begin,
+                            absl::Span<const float> g, absl::Span<float> out,
+                            float grad_scale) const {
   g = ScaledGradient(g, grad_scale);
   compress::LocalMomentum(
-      config_.adam.beta1,
-      absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g, out);
+      beta1, absl::MakeConstSpan(m_).subspan(begin - range_.begin, g.size()), g,
+      out);
 }
 
 absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,

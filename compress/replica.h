@@ -79,8 +79,10 @@ class Replica {
                           std::vector<double>* lamb_segments = nullptr);
 
   // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()),
-  // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1.
-  void LocalMomentum(uint64_t begin, absl::Span<const float> g,
+  // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1; b1
+  // is the step's (SendRule::beta1: the job's, or the workers' for the
+  // partition).
+  void LocalMomentum(float beta1, uint64_t begin, absl::Span<const float> g,
                      absl::Span<float> out, float grad_scale = 1.0f) const;
 
   // zero_one_adam's local phase (design.md 2.7), on a worker's whole

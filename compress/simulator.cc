@@ -51,7 +51,8 @@ bool Simulator::compressing() const {
 
 absl::Status Simulator::RoundTrip(
     const Partition& p, absl::Span<const absl::Span<const float>> gradients,
-    absl::Span<const uint32_t> absent, std::vector<float>& reply) {
+    absl::Span<const uint32_t> absent, const StepHyper* hyper,
+    std::vector<float>& reply) {
   const size_t n = p.range.size();
   if (Idle(config_, step_, p.range.begin)) {  // sits this step out
     reply.clear();
@@ -62,7 +63,7 @@ absl::Status Simulator::RoundTrip(
   std::vector<std::vector<uint8_t>> pushes(config_.workers);
   std::vector<float> message(n);
   for (uint32_t i = 0; i < config_.workers; ++i) {
-    up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin);
+    up = PlanSend(config_, step_, Direction::kUp, i, p.range.begin, hyper);
     absl::Span<const float> part = gradients[i].subspan(p.range.begin, n);
     if (up.accumulated) {  // zero_one_adam's sync: the worker's interval, not
                            // its gradient
@@ -215,8 +216,11 @@ absl::Status Simulator::Step(
     const absl::Span<const uint32_t> out =
         p.id < absent.size() ? absl::MakeConstSpan(absent[p.id])
                              : absl::Span<const uint32_t>();
-    if (absl::Status s = RoundTrip(p, gradients, out, replies[p.id]); !s.ok())
+    if (absl::Status s = RoundTrip(p, gradients, out,
+                                   HyperOf(hypers, p.segment), replies[p.id]);
+        !s.ok()) {
       return s;
+    }
   }
   // The averaged gradient's clip factor: each shard's sum of squares of
   // its partitions' decoded replies, added in partition order.

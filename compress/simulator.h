@@ -79,11 +79,12 @@ class Simulator {
 
   // One partition's round trip from the workers' gradients, through the
   // sender's rule (compress/replica.h) on both sides; returns the decoded
-  // reply (what every worker receives) in `reply`.
+  // reply (what every worker receives) in `reply`. `hyper`: the
+  // partition's, as its pushes carry it.
   absl::Status RoundTrip(const Partition& p,
                          absl::Span<const absl::Span<const float>> gradients,
                          absl::Span<const uint32_t> absent,
-                         std::vector<float>& reply);
+                         const StepHyper* hyper, std::vector<float>& reply);
 
   AlgorithmConfig config_;
   Layout layout_;

@@ -28,7 +28,8 @@ size_t SendBytes(const SendRule& rule, uint64_t n) {
 }
 
 SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
-                  Direction direction, uint32_t sender, uint64_t first_index) {
+                  Direction direction, uint32_t sender, uint64_t first_index,
+                  const StepHyper* hyper) {
   const StepPlan plan = PlanStep(config, step);
   SendRule rule;
   rule.codec = direction == Direction::kUp ? plan.up : plan.down;
@@ -36,7 +37,7 @@ SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
       direction == Direction::kUp && plan.compressing && !plan.local;
   rule.accumulated = direction == Direction::kUp && plan.local;
   rule.step = step;
-  rule.beta1 = config.adam.beta1;
+  rule.beta1 = StepAdamHyper(config, hyper).beta1;
   rule.feedback = plan.feedback;
   rule.mask = plan.compressing && config.mask_zero_variance;
   rule.key = SenderKey(config, step, sender, first_index);

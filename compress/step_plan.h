@@ -69,8 +69,11 @@ struct SendRule {
 // The payload bytes of `n` elements under `rule`: 0 when idle.
 size_t SendBytes(const SendRule& rule, uint64_t n);
 enum class Direction { kUp, kDown };
+// `hyper`: the partition's StepHyper, whose beta1 (where it sets the
+// moments) is the local momentum's.
 SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
-                  Direction direction, uint32_t sender, uint64_t first_index);
+                  Direction direction, uint32_t sender, uint64_t first_index,
+                  const StepHyper* hyper = nullptr);
 
 // The reply's rule: how every replica (worker CPU and GPU, shard mirror,
 // simulator) turns step `step`'s decoded reply into an update of x, m, v.

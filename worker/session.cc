@@ -392,8 +392,8 @@ absl::Status Session::SendPartition(uint32_t partition) {
   // A GPU engine enqueues the encode here, behind the gradient's work, and
   // the exchange waits for it on the compute pool; the host engine encodes
   // there.
-  absl::StatusOr<Engine::PendingEncode> pending =
-      engine_->StartEncode(step_, rank_, p, local_scale_.value_or(1.0f));
+  absl::StatusOr<Engine::PendingEncode> pending = engine_->StartEncode(
+      step_, rank_, p, local_scale_.value_or(1.0f), HyperOf(step_hyper_, p));
   if (!pending.ok()) return Fail(pending.status());
   absl::Status sent = exchange_->Send(
       p, [pending = *std::move(pending), step = step_](

@@ -52,8 +52,8 @@ class OneBitAdam final : public Optimizer {
   }
 
   void PlanReply(const AlgorithmConfig& c, int64_t, const StepPlan& plan,
-                 const StepHyper*, ReplyRule& rule) const override {
-    if (plan.compressing) FrozenVarianceScalars(c, rule);
+                 const StepHyper* hyper, ReplyRule& rule) const override {
+    if (plan.compressing) FrozenVarianceScalars(c, hyper, rule);
   }
 
   bool HasFreezeStep() const override { return true; }

@@ -79,11 +79,11 @@ class OneBitLamb final : public Optimizer {
   }
 
   void PlanReply(const AlgorithmConfig& c, int64_t step, const StepPlan& plan,
-                 const StepHyper*, ReplyRule& rule) const override {
+                 const StepHyper* hyper, ReplyRule& rule) const override {
     rule.lamb = true;
     rule.fresh_correction2 = rule.scalars.bias_correction2;
     rule.copy_fresh = step + 1 == c.freeze_step;
-    if (plan.compressing) FrozenVarianceScalars(c, rule);
+    if (plan.compressing) FrozenVarianceScalars(c, hyper, rule);
   }
 
   bool HasFreezeStep() const override { return true; }

@@ -437,7 +437,7 @@ void RunWorkerAndMirrors(
     // One worker with fp32 both ways: the reply is its message.
     std::vector<float> message(dim);
     if (PlanStep(c, t).compressing) {
-      worker.LocalMomentum(0, g, absl::MakeSpan(message));
+      worker.LocalMomentum(c.adam.beta1, 0, g, absl::MakeSpan(message));
       for (size_t j = 0; j < dim; ++j)
         message[j] = worker.v()[j] == 0.0f ? 0.0f : message[j];
     } else {

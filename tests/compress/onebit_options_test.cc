@@ -220,6 +220,51 @@ TEST(OneBitOptionsTest, TheBoundClampsOnlyRatiosBeyondIt) {
   EXPECT_TRUE(std::isnan(x_bound[5]));
 }
 
+// The workers' betas and eps (StepHyper moments: a scheduler that cycles
+// the momentum, groups with their own) govern onebit_adam's step in both
+// phases (design.md 2.1): the local momentum's b1, the bias corrections,
+// and from the freeze on v's frozen correction and the bound.
+TEST(OneBitOptionsTest, TheWorkersBetasGovernEveryPhase) {
+  AlgorithmConfig c = OneBitConfig();
+  c.freeze_step = 10;
+  const StepHyper hyper{0.02f, 0.0f, StepMoments{0.8f, 0.99f, 1e-6f}};
+  ASSERT_TRUE(CheckStepHyper(c, hyper).ok());
+  AdamHyper own = c.adam;
+  own.beta1 = 0.8f;
+  own.beta2 = 0.99f;
+  own.eps = 1e-6f;
+  for (int64_t step : {3, 10, 11}) {
+    const bool frozen = step >= c.freeze_step;
+    const SendRule send = PlanSend(c, step, Direction::kUp, 0, 0, &hyper);
+    EXPECT_EQ(send.local_momentum, frozen);
+    EXPECT_EQ(send.beta1, 0.8f);
+    EXPECT_EQ(PlanSend(c, step, Direction::kUp, 0, 0).beta1, c.adam.beta1);
+    const ReplyRule rule = PlanReply(c, step, &hyper);
+    const AdamScalars want = MakeAdamScalars(own, 0.02f, step + 1, true);
+    EXPECT_EQ(rule.scalars.beta1, 0.8f);
+    EXPECT_EQ(rule.scalars.eps, 1e-6f);
+    EXPECT_EQ(rule.scalars.bias_correction1, want.bias_correction1) << step;
+    EXPECT_EQ(
+        rule.scalars.bias_correction2,
+        frozen
+            ? MakeAdamScalars(own, 0.0f, c.freeze_step, true).bias_correction2
+            : want.bias_correction2)
+        << step;
+    EXPECT_EQ(rule.scalars.max_ratio,
+              frozen ? OneBitUpdateBound(own)
+                     : std::numeric_limits<float>::infinity());
+  }
+  // Each of them differs from the job's, so the checks above could fail.
+  EXPECT_NE(OneBitUpdateBound(own), OneBitUpdateBound(c.adam));
+  EXPECT_NE(
+      MakeAdamScalars(own, 0.0f, c.freeze_step, true).bias_correction2,
+      MakeAdamScalars(c.adam, 0.0f, c.freeze_step, true).bias_correction2);
+  // zero_one_adam and onebit_lamb take the job's: refused there.
+  c.optimizer = OptimizerKind::kZeroOneAdam;
+  EXPECT_EQ(CheckStepHyper(c, hyper).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
   AlgorithmConfig c = OneBitConfig();
   c.freeze_step = 10;
@@ -290,7 +335,7 @@ TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
     for (int round = 0; round < 2;
          ++round) {  // the second round reads the errors of the first
       std::vector<float> local(dim);
-      replica.LocalMomentum(0, g, absl::MakeSpan(local), scale);
+      replica.LocalMomentum(rule.beta1, 0, g, absl::MakeSpan(local), scale);
       ASSERT_TRUE(whole_error
                       .Compress(rule.codec, 0, local, rule.key,
                                 absl::MakeSpan(whole), replica.v())

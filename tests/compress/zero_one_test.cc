@@ -465,7 +465,7 @@ TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
           pushed[k].lr = worker.lr_sums()[k];
       }
     } else if (plan.compressing) {
-      worker.LocalMomentum(0, g, absl::MakeSpan(message));
+      worker.LocalMomentum(c.adam.beta1, 0, g, absl::MakeSpan(message));
     } else {
       message = g;
     }

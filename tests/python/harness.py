@@ -60,7 +60,8 @@ def flat_layout(opt, model, tensors):
     return flat
 
 
-def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, on_step=None):
+def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, on_step=None,
+                   record_hypers=False):
     """This rank (MORSE_RANK) trains `model` with `opt` for `steps` steps of
     cross-entropy on 8 random samples of `features` inputs and `classes`
     labels, drawn from seed 100 * step + rank, and writes to `out` what
@@ -70,8 +71,10 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     gradient before step(), on_step(step) runs after it. With parameter
     groups trained apart, x0 and the gradients are laid out as the
     optimizer's flat buffer (groups in order, padding zero) and rank 0 also
-    writes each step's groups' (lr, weight_decay) to hypers.json. Returns
-    the checksums."""
+    writes each step's groups' (lr, weight_decay) to hypers.json; with
+    record_hypers, what each step sent instead, betas and eps included
+    where it sent them (a scheduler that changes lr or betas). Returns the
+    checksums."""
     import numpy as np
     import torch
     rank = int(os.environ["MORSE_RANK"])
@@ -95,14 +98,17 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
         np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
         if on_gradient is not None:
             on_gradient(step, flat)
-        if grouped:
+        if grouped and not record_hypers:
             hypers.append(opt._group_hyper())
         opt.step()
+        if record_hypers:  # what the step's pushes carried
+            moments = opt._sent_moments or [()] * len(opt._sent_hyper)
+            hypers.append([(*h, *m) for h, m in zip(opt._sent_hyper, moments)])
         checksums.append(opt.checksum())
         if on_step is not None:
             on_step(step)
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
-    if grouped and rank == 0:
+    if (grouped or record_hypers) and rank == 0:
         json.dump(hypers, open(f"{out}/hypers.json", "w"))
     return checksums
 

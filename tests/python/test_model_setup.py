@@ -13,8 +13,9 @@ same lr and weight_decay train bit for bit as one (when the first group is
 whole blocks); a group set apart later trains with its own values from then
 on, as the same values in groups built apart. Groups built with their own lr and
 weight_decay train apart: one with lr 0 stays bit for bit as loaded while
-the other trains, through OneBitAdam's warmup and compression, and the
-shard's mirror equals every rank's model after every step. ZeroOneAdam
+the other trains with its own betas and eps (beta1 changed every step),
+through OneBitAdam's warmup and compression, and the shard's mirror equals
+every rank's model after every step. ZeroOneAdam
 takes a change before a step that syncs and refuses one before a local
 step. Where a GPU is, the first case and a change after a step run on
 CUDA tensors too (skipped without one, saying so)."""
@@ -50,6 +51,7 @@ def worker(out, mode):
         params = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
     if mode == "groups_own":  # the first layer frozen by its group's settings
         params[0].update(lr=0.0, weight_decay=0.0)
+        params[1].update(betas=(0.85, 0.99), eps=1e-6)  # and the other's own betas and eps
     if mode == "groups_built_apart":  # groups_apart's values, the groups apart when built
         params[1].update(lr=0.02)
     # groups_own: 32-element blocks pad the first group's 112 elements to 128.
@@ -80,6 +82,8 @@ def worker(out, mode):
         for step in range(6):
             if mode == "groups_built_apart":
                 opt.param_groups[1]["lr"] = 0.01 if step <= 2 else 0.02
+            if mode == "groups_own":  # its beta1 changed every step (OneCycleLR's way)
+                opt.param_groups[1]["betas"] = (0.85 - 0.01 * step, 0.99)
             opt.zero_grad()
             g = torch.Generator().manual_seed(10 * step + rank)
             x = torch.randn(4, 6, generator=g).to(model[0].weight.device)
@@ -276,5 +280,6 @@ if __name__ == "__main__":
     check(len(mirror) == 6 and own[0]["checksums"] == mirror == own[1]["checksums"],
           f"the shard's mirror is not the workers' model: {mirror} vs {own[0]['checksums']}")
     print("ok: groups built with their own lr and weight_decay train apart (OneBitAdam, a group "
-          "with lr 0 unchanged), the shard's mirror equal to the workers after all 6 steps")
+          "with lr 0 unchanged, the other with its own betas and eps, beta1 changed every step), "
+          "the shard's mirror equal to the workers after all 6 steps")
     print("PASS")

@@ -10,7 +10,10 @@ optimizer state, error buffers included. Then all of it again with
 clip_grad_norm, which clips every step; and with the script's own
 torch.nn.utils.clip_grad_norm_ after backward() instead, which must give
 the bits of clip_grad_norm (the simulator runs with it): the averaged
-gradient clipped in warmup, each rank's own after the freeze."""
+gradient clipped in warmup, each rank's own after the freeze. And under
+torch's OneCycleLR, which cycles lr and betas[0] every step, with two
+parameter groups of their own beta2: the simulator stepped with the lr,
+betas and eps each step's pushes carried."""
 import os
 import sys
 import tempfile
@@ -24,6 +27,12 @@ STEPS = 12
 
 def worker(out, clip):
     import morse.torch
+    # OneCycleLR as users build it: lr up and down, betas[0] the other way
+    # (cycle_momentum=True, its default), which OneBitAdam follows step by
+    # step and group by group, in warmup and compression alike (design.md
+    # 2.1).
+    one_cycle = clip == "one_cycle"
+    clip = "none" if one_cycle else clip
     script = clip.startswith("script")  # the script calls clip_grad_norm_
     clip = clip[len("script"):] if script else clip
     torch.manual_seed(2)
@@ -35,7 +44,12 @@ def worker(out, clip):
     # Ranks 1 and 2 encode and apply on a compute pool of their session
     # (MORSE_COMPUTE_THREADS), the others on their own threads: the same bits.
     os.environ["MORSE_COMPUTE_THREADS"] = "2" if rank in (1, 2) else "0"
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=4, block_elems=16,
+    # "one_cycle": two groups, the first layer's with its own beta2, so
+    # every step's pushes carry each group's betas.
+    params = ([{"params": model[0].parameters(), "betas": (0.9, 0.99)},
+               {"params": [*model[2].parameters(), model.unused]}]
+              if one_cycle else model.parameters())
+    opt = morse.torch.OneBitAdam(params, lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank % 2 == 0,
                                  missing_grads="zero",  # the unused parameter (torch 2 zero_grad sets None)
                                  clip_grad_norm=float(clip) if clip != "none" and not script else None)
@@ -48,8 +62,19 @@ def worker(out, clip):
             check((abs(norm - own) <= 1e-5 * own) == (step >= 4),
                   f"step {step}: clip_grad_norm_ returned {norm}, this rank's own norm {own}")
 
+    betas = []
+    on_step = None
+    if one_cycle:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=STEPS)
+
+        def on_step(step):
+            betas.append(opt.param_groups[0]["betas"][0])
+            sched.step()
     checksums = train_recorded(opt, model, out, STEPS, features=10, classes=4,
-                               on_gradient=clips if clip != "none" else None)
+                               on_gradient=clips if clip != "none" else None, on_step=on_step,
+                               record_hypers=one_cycle)
+    if one_cycle:
+        check(len(set(betas)) >= STEPS - 2, f"OneCycleLR moved betas[0] in too few steps: {betas}")
     check(torch.equal(model.unused.detach(), torch.full((7,), 0.5)), "a parameter with v = 0 moved")
     # state_dict round trip: the error buffer is in it, a changed state
     # changes the replica, and loading the saved state restores it exactly.
@@ -72,7 +97,7 @@ if __name__ == "__main__":
         sys.exit(0)
     # Then with clip_grad_norm small enough to clip every step: the averaged
     # gradient in warmup, each rank's own after the freeze.
-    for clip in ("none", "0.05", "script0.05"):
+    for clip in ("none", "0.05", "script0.05", "one_cycle"):
         out = tempfile.mkdtemp(prefix="morse-onebit-")
         code, log = morse_run(__file__, 4, 2, out, clip)
         print(log)
@@ -81,4 +106,5 @@ if __name__ == "__main__":
             clip_in_job(out, float(clip[len("script"):]))
         check_ranks_match_simulator(out, 4, STEPS)
         print(f"PASS: {STEPS} steps, 4 workers bit-identical to each other and to the simulator "
-              f"(clip_grad_norm {clip})")
+              + ("(OneCycleLR cycling lr and betas[0])" if clip == "one_cycle"
+                 else f"(clip_grad_norm {clip})"))

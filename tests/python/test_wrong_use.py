@@ -109,10 +109,10 @@ def main():
     expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
     # Parameter groups with their own lr or weight_decay: betas and eps are
-    # one for the whole model (but Adam's: test_adam_matches_torch's
-    # group_betas).
+    # one for the whole model (but Adam's and OneBitAdam's:
+    # test_adam_matches_torch's group_betas, test_onebit_identical's).
     expect(ValueError, "param_groups[1] has betas (0.8, 0.999), param_groups[0] (0.9, 0.999)",
-           lambda: morse.torch.OneBitAdam(
+           lambda: morse.torch.ZeroOneAdam(
                [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1},
                 {"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.999)}], **args))
     expect(ValueError, "schedule='cosine' sets one lr", lambda: morse.torch.OneBitAdam(
@@ -367,21 +367,21 @@ def main():
     check(sums["group"] == sums["args"], "the group's own betas and eps were not the job's")
     check(sums["group"] != sums["default"], "betas and eps changed nothing")
     print("PASS: a group's own betas and eps are the job's")
-    # betas changed after the optimizer was built: Adam follows them
-    # (test_adam_matches_torch's one_cycle), the others apply the job's, so
-    # there the change is refused, never ignored. OneCycleLR cycles
-    # betas[0] by default; with cycle_momentum=False it trains, its lr
-    # followed.
+    # betas changed after the optimizer was built: Adam and OneBitAdam
+    # follow them (test_adam_matches_torch's one_cycle, test_onebit_identical's),
+    # the others apply the job's, so there the change is refused, never
+    # ignored. OneCycleLR cycles betas[0] by default; with
+    # cycle_momentum=False it trains, its lr followed.
     for cycle in (True, False):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
-            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=2, rank=0, world_size=1,
-                                         servers=[address], config=base)
+            opt = morse.torch.ZeroOneAdam(model.parameters(), rank=0, world_size=1,
+                                          servers=[address], config=base)
             sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10,
                                                         cycle_momentum=cycle)
             model(torch.ones(4, 3)).sum().backward()
             if cycle:
-                expect(ValueError, "but the optimizer was built with (0.9, 0.999): OneBitAdam's "
+                expect(ValueError, "but the optimizer was built with (0.9, 0.999): ZeroOneAdam's "
                        "betas and eps are the job's update rule", opt.step)
                 check("needs cycle_momentum=False" in str(_raised(opt.step)),
                       "the refusal names OneCycleLR's cycle_momentum=False")

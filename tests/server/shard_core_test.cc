@@ -420,17 +420,28 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
 }
 
 // Betas and eps set by the workers (a scheduler that cycles the momentum):
-// adam's alone, so a push that carries them for another optimizer is
-// refused; for adam every push of a partition and step must carry the same,
-// bad values are refused, and the mirror applies them.
+// adam's and onebit_adam's alone, so a push that carries them for another
+// optimizer is refused; for adam every push of a partition and step must
+// carry the same, bad values are refused, and the mirror applies them.
 TEST_F(ShardCoreTest, StepMomentsAreAdamsAndMustAgree) {
   const compress::StepHyper hyper{0.5f, 0.01f,
                                   compress::StepMoments{0.8f, 0.99f, 1e-6f}};
   PushArgs onebit = Args(0, 0, first());
   onebit.hyper = hyper;
-  const absl::Status not_adam = Push(onebit);
+  EXPECT_EQ(Push(onebit).code(), absl::StatusCode::kUnknown);  // waits
+  job_ = *proto::ParseJobConfig(R"(
+    workers: 3 shards: 2 synthetic { dim: 300 } lr { lr: 0.01 } steps: 10
+    optimizer: "onebit_lamb" freeze_step: 2 block_elems: 16 partition_elems: 64
+  )",
+                                proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
+  PushArgs lamb = Args(0, 0, first());
+  lamb.hyper = hyper;
+  const absl::Status not_adam = Push(lamb);
   EXPECT_EQ(not_adam.code(), absl::StatusCode::kInvalidArgument) << not_adam;
-  EXPECT_NE(not_adam.message().find("adam only"), absl::string_view::npos)
+  EXPECT_NE(not_adam.message().find("adam and onebit_adam alone"),
+            absl::string_view::npos)
       << not_adam;
 
   job_ = *proto::ParseJobConfig(R"(

@@ -39,11 +39,14 @@ double Engine::GradientRangeLoss(const double loss_lanes[4]) {
 }
 
 absl::StatusOr<Engine::PendingEncode> Engine::StartEncode(
-    int64_t step, uint32_t rank, const compress::Partition& p,
-    float grad_scale) {
+    int64_t step, uint32_t rank, const compress::Partition& p, float grad_scale,
+    const compress::StepHyper* hyper) {
+  std::optional<compress::StepHyper> own;
+  if (hyper != nullptr) own = *hyper;
   return PendingEncode(
-      [this, step, rank, &p, grad_scale](std::string* payload) {
-        return Encode(step, rank, p, payload, grad_scale);
+      [this, step, rank, &p, grad_scale, own](std::string* payload) {
+        return Encode(step, rank, p, payload, grad_scale,
+                      own.has_value() ? &*own : nullptr);
       });
 }
 

@@ -25,6 +25,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -133,12 +134,13 @@ class Engine {
   // blocking the host; nothing on the host.
   virtual absl::Status WaitFor(void* stream) = 0;
   // The push payload of partition `p` for `step` from worker `rank` (the
-  // sender's rule, compress::PlanSend), from the gradient scaled by
-  // `grad_scale` (the worker's own clip factor, compress::ClipsLocally).
+  // sender's rule, compress::PlanSend, with the partition's `hyper` when the
+  // workers set one), from the gradient scaled by `grad_scale` (the
+  // worker's own clip factor, compress::ClipsLocally).
   virtual absl::Status Encode(int64_t step, uint32_t rank,
                               const compress::Partition& p,
-                              std::string* payload,
-                              float grad_scale = 1.0f) = 0;
+                              std::string* payload, float grad_scale = 1.0f,
+                              const compress::StepHyper* hyper = nullptr) = 0;
   // Encode in two halves, for an engine whose device works behind the host:
   // StartEncode enqueues partition p's encode (of the gradient as the work
   // enqueued so far leaves it; see WaitFor) and returns at once, and the
@@ -147,9 +149,10 @@ class Engine {
   // StartEncode of a partition comes after FinishApplies. The host engine
   // does the whole Encode in the returned function.
   using PendingEncode = std::function<absl::Status(std::string* payload)>;
+  // `hyper` is copied: it need not outlive the call.
   virtual absl::StatusOr<PendingEncode> StartEncode(
       int64_t step, uint32_t rank, const compress::Partition& p,
-      float grad_scale = 1.0f);
+      float grad_scale = 1.0f, const compress::StepHyper* hyper = nullptr);
   // Applies the reply of partition `p` for `step` (compress::PlanReply, with
   // the step's `hyper` when the workers set one, and the averaged
   // gradient's clip factor `grad_scale`); INVALID_ARGUMENT, nothing

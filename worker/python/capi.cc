@@ -129,15 +129,26 @@ absl::Status CheckSession(morse_session* s) {
 
 // `count` learning rates and weight decays from the caller's arrays (none
 // for 0).
+// `moments`: null, or 3 * count floats (each one's beta1, beta2, eps).
 absl::StatusOr<std::vector<morse::compress::StepHyper>> StepHypers(
-    uint32_t count, const float* lr, const float* weight_decay) {
+    uint32_t count, const float* lr, const float* weight_decay,
+    const float* moments) {
   std::vector<morse::compress::StepHyper> hypers;
+  if (count == 0 && moments != nullptr) {
+    return absl::InvalidArgumentError(
+        "betas and eps without lr and weight_decay");
+  }
   if (count == 0) return hypers;
   if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
   if (absl::Status st = NotNull(weight_decay, "weight_decay"); !st.ok())
     return st;
-  for (uint32_t i = 0; i < count; ++i)
+  for (uint32_t i = 0; i < count; ++i) {
     hypers.push_back(morse::compress::StepHyper{lr[i], weight_decay[i]});
+    if (moments != nullptr) {
+      hypers.back().moments = morse::compress::StepMoments{
+          moments[3 * i], moments[3 * i + 1], moments[3 * i + 2]};
+    }
+  }
   return hypers;
 }
 
@@ -284,18 +295,8 @@ int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* moments) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    auto hypers = StepHypers(count, lr, weight_decay);
+    auto hypers = StepHypers(count, lr, weight_decay, moments);
     if (!hypers.ok()) return hypers.status();
-    if (moments != nullptr) {
-      if (count == 0) {
-        return absl::InvalidArgumentError(
-            "betas and eps without lr and weight_decay");
-      }
-      for (uint32_t i = 0; i < count; ++i) {
-        (*hypers)[i].moments = morse::compress::StepMoments{
-            moments[3 * i], moments[3 * i + 1], moments[3 * i + 2]};
-      }
-    }
     return s->session->SetStepHyper(*std::move(hypers));
   });
 }
@@ -772,16 +773,17 @@ int morse_simulator_step_without(morse_simulator* sim,
                                  uint32_t workers, uint64_t dim,
                                  const uint32_t* absent, uint32_t count) {
   return morse_simulator_step_hyper(sim, gradients, workers, dim, absent, count,
-                                    nullptr, nullptr, 0);
+                                    nullptr, nullptr, 0, nullptr);
 }
 
 int morse_simulator_step_hyper(morse_simulator* sim,
                                const float* const* gradients, uint32_t workers,
                                uint64_t dim, const uint32_t* absent,
                                uint32_t count, const float* lr,
-                               const float* weight_decay, uint32_t hypers) {
+                               const float* weight_decay, uint32_t hypers,
+                               const float* moments) {
   return Guard([&]() -> absl::Status {
-    auto step_hypers = StepHypers(hypers, lr, weight_decay);
+    auto step_hypers = StepHypers(hypers, lr, weight_decay, moments);
     if (!step_hypers.ok()) return step_hypers.status();
     if (count > 0) {
       if (absl::Status st = NotNull(absent, "absent"); !st.ok()) return st;

@@ -85,8 +85,9 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
  * replica: `count` of each, 1 for the whole model or one per parameter
  * group of the job's external.groups; count = 0: the job's schedule
  * again. `moments`: NULL for the job's betas and eps, or 3 * count floats,
- * each group's beta1, beta2 and eps for these steps in turn (adam only:
- * groups with their own, a scheduler that cycles the momentum). */
+ * each group's beta1, beta2 and eps for these steps in turn (adam and
+ * onebit_adam only: groups with their own, a scheduler that cycles the
+ * momentum). */
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* lr, const float* weight_decay,
                                  const float* moments);
@@ -229,12 +230,14 @@ int morse_simulator_step_without(morse_simulator* sim,
                                  const uint32_t* absent, uint32_t count);
 /* The same, with the step's learning rates and weight decays as the
    workers set them (morse_session_set_step_hyper): `hypers` of each, one
-   for the model or one per parameter group (0: the job's schedule). */
+   for the model or one per parameter group (0: the job's schedule), and
+   `moments` NULL or their betas and eps (3 * hypers floats). */
 int morse_simulator_step_hyper(morse_simulator* sim,
                                const float* const* gradients, uint32_t workers,
                                uint64_t dim, const uint32_t* absent,
                                uint32_t count, const float* lr,
-                               const float* weight_decay, uint32_t hypers);
+                               const float* weight_decay, uint32_t hypers,
+                               const float* moments);
 int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
 /* Worker `rank`'s own x, m, v (differs from the shared state only after
    zero_one_adam's local steps). */

@@ -273,21 +273,24 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
-                      std::string* payload, float grad_scale) override {
+                      std::string* payload, float grad_scale,
+                      const compress::StepHyper* hyper) override {
     absl::StatusOr<PendingEncode> pending =
-        StartEncode(step, rank, p, grad_scale);
+        StartEncode(step, rank, p, grad_scale, hyper);
     if (!pending.ok()) return pending.status();
     return (*pending)(payload);
   }
 
   // The encode, its flag and the payload's copy to the host enqueued on the
   // send stream, then an event; the returned function waits for the event.
-  absl::StatusOr<PendingEncode> StartEncode(int64_t step, uint32_t rank,
-                                            const compress::Partition& p,
-                                            float grad_scale) override {
+  // The rule (hyper's beta1 included) is planned here, on the caller's
+  // thread: nothing reads `hyper` later.
+  absl::StatusOr<PendingEncode> StartEncode(
+      int64_t step, uint32_t rank, const compress::Partition& p,
+      float grad_scale, const compress::StepHyper* hyper) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::SendRule rule = compress::PlanSend(
-        config_, step, compress::Direction::kUp, rank, p.range.begin);
+        config_, step, compress::Direction::kUp, rank, p.range.begin, hyper);
     const uint64_t begin = p.range.begin, n = p.range.size();
     const size_t bytes = compress::PayloadBytes(rule.codec, n);
     const float* input = grad_ptr_ + begin;

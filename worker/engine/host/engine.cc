@@ -71,9 +71,10 @@ class HostEngine final : public Engine {
   absl::Status WaitFor(void*) override { return absl::OkStatus(); }
 
   absl::Status Encode(int64_t step, uint32_t rank, const compress::Partition& p,
-                      std::string* payload, float grad_scale) override {
+                      std::string* payload, float grad_scale,
+                      const compress::StepHyper* hyper) override {
     const compress::SendRule rule = compress::PlanSend(
-        config_, step, compress::Direction::kUp, rank, p.range.begin);
+        config_, step, compress::Direction::kUp, rank, p.range.begin, hyper);
     const uint64_t n = p.range.size();
     // zero_one_adam's sync begun by BeginSyncLocalStep: this partition's
     // part of the local step first.

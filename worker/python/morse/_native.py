@@ -96,7 +96,7 @@ def _load():
         "morse_simulator_step_without": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32],
                                          I),
         "morse_simulator_step_hyper": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32,
-                                        FP, FP, U32], I),
+                                        FP, FP, U32, FP], I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
         "morse_simulator_replace_x": ([P, P, U64], I),
@@ -222,7 +222,7 @@ class Session:
         model, or sequences of one per parameter group (the job's
         external.groups); None: the job's schedule. moments: None for the
         job's betas and eps, or one (beta1, beta2, eps) per lr value (adam
-        only)."""
+        and onebit_adam only)."""
         if lr is None:
             _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None, None))
             return
@@ -479,7 +479,8 @@ class Simulator:
         """One step; `absent`: ranks every partition's average leaves out;
         `hypers`: the step's (lr, weight_decay) as the workers set them, one
         for the model or one per parameter group (none: the job's
-        schedule)."""
+        schedule), each with beta1, beta2 and eps after them where the
+        workers set those too (all or none)."""
         for g in gradients:
             if g.size != self._dim:
                 raise ValueError(f"each gradient must hold {self._dim} values")
@@ -489,8 +490,13 @@ class Simulator:
         count = len(hypers)
         lrs = (ctypes.c_float * max(count, 1))(*(float(h[0]) for h in hypers))
         decays = (ctypes.c_float * max(count, 1))(*(float(h[1]) for h in hypers))
+        if len({len(h) for h in hypers}) > 1 or any(len(h) not in (2, 5) for h in hypers):
+            raise ValueError("each hyper is (lr, weight_decay) or (lr, weight_decay, beta1, beta2, "
+                             "eps), all alike")
+        moments = (None if not hypers or len(hypers[0]) == 2
+                   else (ctypes.c_float * (3 * count))(*(float(v) for h in hypers for v in h[2:])))
         _check(_lib.morse_simulator_step_hyper(self._handle, pointers, len(gradients), self._dim,
-                                               out, len(absent), lrs, decays, count))
+                                               out, len(absent), lrs, decays, count, moments))
 
     def checksum(self):
         value = ctypes.c_uint64()

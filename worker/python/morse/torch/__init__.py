@@ -290,10 +290,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                       and not (self._cuda and optimizer in ("onebit_lamb", "zero_one_adam")))
         self._groups_apart = differ or (may_differ and sum(n > 0 for n in counts) > 1)
         self._schedule = schedule
-        # Adam follows param_groups' betas and eps too, each group its own
-        # (a scheduler that cycles the momentum); the others' update rules
-        # take the job's, one for the model.
-        self._follows_moments = schedule == "constant" and optimizer == "adam"
+        # Adam and OneBitAdam follow param_groups' betas and eps too, each
+        # group its own (a scheduler that cycles the momentum); the others'
+        # update rules take the job's, one for the model.
+        self._follows_moments = schedule == "constant" and optimizer in ("adam", "onebit_adam")
         self._check_groups()
         self._segments = ([i for i, n in enumerate(counts) if n > 0] if self._groups_apart
                           else [0])
@@ -742,7 +742,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _step_moments(self):
         """Each segment's (beta1, beta2, eps) where any differs from the
-        job's (Adam follows them), else None."""
+        job's (Adam and OneBitAdam follow them), else None."""
         rules = tuple(_moments_of(self.param_groups[i]) for i in self._segments)
         job = (*self._update_rule[0], *self._update_rule[1])
         return None if all(rule == job for rule in rules) else rules
@@ -764,8 +764,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"param_groups[0] has {key} {_shown_value(now)}, but the optimizer was built with "
                 f"{shown}{when}: {type(self).__name__}'s betas and eps are the job's update rule, "
-                "fixed when it starts on every rank and shard (morse.torch.Adam follows them "
-                "step by step, with torch's schedulers). A scheduler that cycles the "
+                "fixed when it starts on every rank and shard (morse.torch.Adam and OneBitAdam "
+                "follow them step by step, with torch's schedulers). A scheduler that cycles the "
                 "momentum (OneCycleLR and CyclicLR, whose cycle_momentum=True is the default) "
                 "needs cycle_momentum=False here; otherwise build the optimizer with the values "
                 "you want")
