@@ -55,12 +55,12 @@ std::string DescribeStepHyper(const std::optional<StepHyper>& hyper) {
 
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper) {
-  if (hyper.moments.has_value() && config.optimizer != OptimizerKind::kAdam &&
-      config.optimizer != OptimizerKind::kOneBitAdam) {
+  const Optimizer& optimizer = OptimizerOf(config);
+  if (hyper.moments.has_value() && !optimizer.FollowsStepMoments()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "betas and eps set for a step of ", OptimizerOf(config).name(),
-        ", which applies the job's (adam and onebit_adam alone take them step "
-        "by step)"));
+        "betas and eps set for a step of ", optimizer.name(),
+        ", which applies the job's (adam, onebit_adam, zero_one_adam and "
+        "onebit_lamb take them step by step)"));
   }
   return absl::OkStatus();
 }

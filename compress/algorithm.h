@@ -20,10 +20,11 @@ namespace morse::compress {
 
 // A step's betas and eps set by the workers instead of the job's adam
 // section (PyTorch's param_groups under a scheduler that cycles the
-// momentum, as OneCycleLR does): `adam` and `onebit_adam` only
+// momentum, as OneCycleLR does): every optimizer but `diloco`
 // (CheckStepHyper), whose updates take them, bias corrections included,
-// from their scalars (onebit_adam's local momentum, frozen-variance
-// correction and bound too: design.md 2.1).
+// from their scalars (the local momentum, frozen-variance correction and
+// bound too: design.md 2.1; zero_one_adam's v correction, local steps and
+// sync message: 2.7; onebit_lamb's fresh variance and layer sums: 2.8).
 struct StepMoments {
   float beta1 = 0.9f;
   float beta2 = 0.999f;
@@ -167,8 +168,8 @@ struct AlgorithmConfig {
 
 // OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
 absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
-// INVALID_ARGUMENT when `hyper` sets betas and eps for an optimizer other
-// than adam and onebit_adam (the others' take the job's).
+// INVALID_ARGUMENT when `hyper` sets betas and eps for an optimizer that
+// applies the job's (Optimizer::FollowsStepMoments: diloco).
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper);
 

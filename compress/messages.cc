@@ -37,7 +37,7 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
   };
   if (rule.accumulated) {  // zero_one_adam's sync: the gradient is already in u
     const absl::Span<float> message = Scratch(ScratchSlot::kLocalMomentum, n);
-    replica.SyncMessage(rule.step, begin, message);
+    replica.SyncMessage(rule.step, rule.sync, begin, message);
     return error.Compress(rule.codec, begin, message, rule.key, payload,
                           mask(begin, n));
   }

@@ -109,6 +109,12 @@ class Optimizer {
   // local steps and lr sums, per segment), not one value for the whole model
   // (diloco's outer step).
   virtual bool HyperByPartition() const { return false; }
+  // Whether a step's pushes may carry betas and eps of their own (StepHyper
+  // moments: a scheduler that cycles the momentum, groups with their own),
+  // which every use of them then takes: only where each use is the
+  // partition's reply rule, PlanSend's rule or LocalStepScalars, all of
+  // which read StepAdamHyper (CheckStepHyper refuses them elsewhere).
+  virtual bool FollowsStepMoments() const { return false; }
 
   // Whether the CUDA engine implements its reply rule (else a GPU worker
   // refuses the job, and --device auto trains on the CPU, saying why).
@@ -193,7 +199,7 @@ uint64_t StateBytesPerElement(const AlgorithmConfig& config);
 void FrozenVarianceScalars(const AlgorithmConfig& config,
                            const StepHyper* hyper, ReplyRule& rule);
 // The job's adam section with the step's betas and eps where `hyper` sets
-// them (CheckStepHyper: adam and onebit_adam).
+// them (CheckStepHyper: Optimizer::FollowsStepMoments).
 AdamHyper StepAdamHyper(const AlgorithmConfig& config, const StepHyper* hyper);
 // Adam's scalars of step `step` (t' = step + 1) at the workers' lr and
 // weight decay (`hyper`) or the job's schedule and weight decay.

@@ -401,11 +401,10 @@ absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
   return absl::OkStatus();
 }
 
-void Replica::SyncMessage(int64_t step, uint64_t begin,
+void Replica::SyncMessage(int64_t step, const AdamScalars& s, uint64_t begin,
                           absl::Span<float> out) const {
   MORSE_CHECK(local_step_ == step && begin >= range_.begin &&
               begin + out.size() <= range_.end);
-  const AdamScalars s = LocalStepScalars(config_, step, nullptr);
   // Each segment's elements with its own learning-rate sum.
   ForEachSegmentPart(
       config_.layout, Range{begin, begin + out.size()},

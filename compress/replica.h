@@ -114,9 +114,11 @@ class Replica {
   absl::Status LocalStepRange(int64_t step, uint64_t begin,
                               absl::Span<const float> g);
   // The sync message of [begin, begin + out.size()) at sync step `step`
-  // (ZeroOneSyncMessage, each segment's elements with its own sum), after
-  // LocalStep of that step.
-  void SyncMessage(int64_t step, uint64_t begin, absl::Span<float> out) const;
+  // (ZeroOneSyncMessage with `s`, the rule's LocalStepScalars at the
+  // partition's betas and eps, each segment's elements with its own sum),
+  // after LocalStep of that step.
+  void SyncMessage(int64_t step, const AdamScalars& s, uint64_t begin,
+                   absl::Span<float> out) const;
   // The learning rates of this interval's local steps so far, summed, one
   // per segment of the layout (equal without groups of their own): what a
   // sync's pushes of each segment carry as their lr when the workers set

@@ -68,8 +68,7 @@ absl::Status Simulator::RoundTrip(
     if (up.accumulated) {  // zero_one_adam's sync: the worker's interval, not
                            // its gradient
       const Local& local = locals_[i];
-      ZeroOneSyncMessage(LocalStepScalars(config_, step_, nullptr),
-                         lr_sums_[p.segment],
+      ZeroOneSyncMessage(up.sync, lr_sums_[p.segment],
                          absl::MakeConstSpan(local.u).subspan(p.range.begin, n),
                          absl::MakeConstSpan(local.m).subspan(p.range.begin, n),
                          absl::MakeConstSpan(v_).subspan(p.range.begin, n),
@@ -205,9 +204,12 @@ absl::Status Simulator::Step(
       ++step_;
       return absl::OkStatus();
     }
-    // What the workers' sync pushes carry as their lr: each segment's sum.
-    for (size_t k = 0; k < hypers.size(); ++k)
-      sync_hypers.push_back(StepHyper{lr_sums_[k], hypers[k].weight_decay});
+    // What the workers' sync pushes carry as their lr: each segment's sum
+    // (with its step's betas and eps).
+    for (size_t k = 0; k < hypers.size(); ++k) {
+      sync_hypers.push_back(hypers[k]);
+      sync_hypers.back().lr = lr_sums_[k];
+    }
     hypers = sync_hypers;
   }
   // Every partition's round trip reads m before any update of this step.

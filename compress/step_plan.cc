@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/optimizer.h"
+#include "compress/optimizers/zero_one_adam.h"
 
 namespace morse::compress {
 
@@ -38,6 +39,7 @@ SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
   rule.accumulated = direction == Direction::kUp && plan.local;
   rule.step = step;
   rule.beta1 = StepAdamHyper(config, hyper).beta1;
+  if (rule.accumulated) rule.sync = LocalStepScalars(config, step, hyper);
   rule.feedback = plan.feedback;
   rule.mask = plan.compressing && config.mask_zero_variance;
   rule.key = SenderKey(config, step, sender, first_index);

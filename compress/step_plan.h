@@ -53,9 +53,11 @@ struct SendRule {
   bool local_momentum = false;
   float beta1 = 0;
   // Send the sync message of zero_one_adam's local phase
-  // (Replica::SyncMessage; workers only).
+  // (Replica::SyncMessage; workers only), formed with `sync`: eps and v's
+  // correction at the step's betas and eps (LocalStepScalars).
   bool accumulated = false;
   int64_t step = 0;
+  AdamScalars sync;
   // Encode through the sender's error buffer (ErrorFeedback::Compress);
   // off in 1-bit Adam's warmup.
   bool feedback = false;

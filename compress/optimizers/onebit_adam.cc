@@ -60,6 +60,9 @@ class OneBitAdam final : public Optimizer {
 
   // Every use of lr and weight_decay is a partition's reply rule.
   bool HyperByPartition() const override { return true; }
+  // Its moments, bias corrections, local momentum (PlanSend), frozen-variance
+  // correction and bound take the step's betas and eps (design.md 2.1, 2.2).
+  bool FollowsStepMoments() const override { return true; }
 };
 
 }  // namespace

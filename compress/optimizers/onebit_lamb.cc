@@ -91,6 +91,9 @@ class OneBitLamb final : public Optimizer {
   // its group's lr and weight_decay, and a layer's coefficient its group's
   // weight_decay (LambCommit); groups start on layers (LayerSegments).
   bool HyperByPartition() const override { return true; }
+  // 1-bit Adam's exchange with the step's betas and eps, and LAMB's moments,
+  // fresh variance and layer sums from the same reply rules (design.md 2.8).
+  bool FollowsStepMoments() const override { return true; }
 
   // v' over the replica's range; each layer's coeff_freeze and last_factor
   // (FlattenLambLayers' order).

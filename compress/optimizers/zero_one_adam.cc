@@ -21,9 +21,11 @@ namespace morse::compress {
 namespace {
 
 // zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
-// updated n_v times.
-float ZeroOneVarianceCorrection(const AlgorithmConfig& config, int64_t step) {
-  return MakeAdamScalars(config.adam, 0.0f,
+// updated n_v times, b2 the step's (`hyper`'s where the workers set it, as
+// torch's Adam corrects by the step's betas).
+float ZeroOneVarianceCorrection(const AlgorithmConfig& config, int64_t step,
+                                const StepHyper* hyper) {
+  return MakeAdamScalars(StepAdamHyper(config, hyper), 0.0f,
                          ZeroOneAt(config, step).variance_updates, true)
       .bias_correction2;
 }
@@ -114,8 +116,9 @@ AdamScalars LocalStepScalars(const AlgorithmConfig& config, int64_t step,
                              const StepHyper* hyper) {
   AdamScalars s = StepScalars(config, step, hyper, /*bias_correction=*/false);
   if (config.bias_correction)
-    s.bias_correction2 = ZeroOneVarianceCorrection(config, step);
-  if (config.bound_update) s.max_ratio = OneBitUpdateBound(config.adam);
+    s.bias_correction2 = ZeroOneVarianceCorrection(config, step, hyper);
+  if (config.bound_update)
+    s.max_ratio = OneBitUpdateBound(StepAdamHyper(config, hyper));
   return s;
 }
 
@@ -174,6 +177,9 @@ class ZeroOneAdam final : public Optimizer {
   // Parameter groups: each segment's local steps take its own lr and
   // weight_decay, and its sync its own interval's sum (Replica::LocalStep).
   bool HyperByPartition() const override { return true; }
+  // Every phase takes the step's betas and eps: its reply rules, local
+  // momentum, local steps and sync message (design.md 2.7).
+  bool FollowsStepMoments() const override { return true; }
 
   void PlanReply(const AlgorithmConfig& c, int64_t step, const StepPlan& plan,
                  const StepHyper* hyper, ReplyRule& rule) const override {
@@ -186,9 +192,9 @@ class ZeroOneAdam final : public Optimizer {
       return;
     }
     if (c.bias_correction)
-      rule.scalars.bias_correction2 = ZeroOneVarianceCorrection(c, step);
+      rule.scalars.bias_correction2 = ZeroOneVarianceCorrection(c, step, hyper);
     if (!c.bound_update) return;
-    rule.scalars.max_ratio = OneBitUpdateBound(c.adam);
+    rule.scalars.max_ratio = OneBitUpdateBound(StepAdamHyper(c, hyper));
     // A variance step's m comes from the 1-bit steps before it, not from
     // gradients alone as Adam's does: bounded like them (design.md 2.7).
     if (!plan.compressing) rule.bounded_variance = true;

@@ -221,46 +221,59 @@ TEST(OneBitOptionsTest, TheBoundClampsOnlyRatiosBeyondIt) {
 }
 
 // The workers' betas and eps (StepHyper moments: a scheduler that cycles
-// the momentum, groups with their own) govern onebit_adam's step in both
-// phases (design.md 2.1): the local momentum's b1, the bias corrections,
-// and from the freeze on v's frozen correction and the bound.
+// the momentum, groups with their own) govern onebit_adam's and
+// onebit_lamb's step in both phases (design.md 2.1, 2.8): the local
+// momentum's b1, the bias corrections, onebit_lamb's fresh variance
+// correction, and from the freeze on v's frozen correction and the bound.
 TEST(OneBitOptionsTest, TheWorkersBetasGovernEveryPhase) {
   AlgorithmConfig c = OneBitConfig();
   c.freeze_step = 10;
   const StepHyper hyper{0.02f, 0.0f, StepMoments{0.8f, 0.99f, 1e-6f}};
-  ASSERT_TRUE(CheckStepHyper(c, hyper).ok());
   AdamHyper own = c.adam;
   own.beta1 = 0.8f;
   own.beta2 = 0.99f;
   own.eps = 1e-6f;
-  for (int64_t step : {3, 10, 11}) {
-    const bool frozen = step >= c.freeze_step;
-    const SendRule send = PlanSend(c, step, Direction::kUp, 0, 0, &hyper);
-    EXPECT_EQ(send.local_momentum, frozen);
-    EXPECT_EQ(send.beta1, 0.8f);
-    EXPECT_EQ(PlanSend(c, step, Direction::kUp, 0, 0).beta1, c.adam.beta1);
-    const ReplyRule rule = PlanReply(c, step, &hyper);
-    const AdamScalars want = MakeAdamScalars(own, 0.02f, step + 1, true);
-    EXPECT_EQ(rule.scalars.beta1, 0.8f);
-    EXPECT_EQ(rule.scalars.eps, 1e-6f);
-    EXPECT_EQ(rule.scalars.bias_correction1, want.bias_correction1) << step;
-    EXPECT_EQ(
-        rule.scalars.bias_correction2,
-        frozen
-            ? MakeAdamScalars(own, 0.0f, c.freeze_step, true).bias_correction2
-            : want.bias_correction2)
-        << step;
-    EXPECT_EQ(rule.scalars.max_ratio,
-              frozen ? OneBitUpdateBound(own)
-                     : std::numeric_limits<float>::infinity());
+  for (OptimizerKind kind :
+       {OptimizerKind::kOneBitAdam, OptimizerKind::kOneBitLamb}) {
+    c.optimizer = kind;
+    ASSERT_TRUE(CheckStepHyper(c, hyper).ok());
+    for (int64_t step : {3, 9, 10, 11}) {
+      const bool frozen = step >= c.freeze_step;
+      const SendRule send = PlanSend(c, step, Direction::kUp, 0, 0, &hyper);
+      EXPECT_EQ(send.local_momentum, frozen);
+      EXPECT_EQ(send.beta1, 0.8f);
+      EXPECT_EQ(PlanSend(c, step, Direction::kUp, 0, 0).beta1, c.adam.beta1);
+      const ReplyRule rule = PlanReply(c, step, &hyper);
+      const AdamScalars want = MakeAdamScalars(own, 0.02f, step + 1, true);
+      EXPECT_EQ(rule.scalars.beta1, 0.8f);
+      EXPECT_EQ(rule.scalars.beta2, 0.99f);
+      EXPECT_EQ(rule.scalars.eps, 1e-6f);
+      EXPECT_EQ(rule.scalars.bias_correction1, want.bias_correction1) << step;
+      EXPECT_EQ(
+          rule.scalars.bias_correction2,
+          frozen
+              ? MakeAdamScalars(own, 0.0f, c.freeze_step, true).bias_correction2
+              : want.bias_correction2)
+          << step;
+      EXPECT_EQ(rule.scalars.max_ratio,
+                frozen ? OneBitUpdateBound(own)
+                       : std::numeric_limits<float>::infinity());
+      if (kind == OptimizerKind::kOneBitLamb) {
+        EXPECT_TRUE(rule.lamb);
+        EXPECT_EQ(rule.fresh_correction2, want.bias_correction2) << step;
+      }
+    }
   }
   // Each of them differs from the job's, so the checks above could fail.
   EXPECT_NE(OneBitUpdateBound(own), OneBitUpdateBound(c.adam));
   EXPECT_NE(
       MakeAdamScalars(own, 0.0f, c.freeze_step, true).bias_correction2,
       MakeAdamScalars(c.adam, 0.0f, c.freeze_step, true).bias_correction2);
-  // zero_one_adam and onebit_lamb take the job's: refused there.
-  c.optimizer = OptimizerKind::kZeroOneAdam;
+  EXPECT_NE(MakeAdamScalars(own, 0.0f, 4, true).bias_correction2,
+            MakeAdamScalars(c.adam, 0.0f, 4, true).bias_correction2);
+  // diloco's inner steps take the job's: refused there (zero_one_adam:
+  // ZeroOneTest.TheWorkersBetasGovernEveryPhase).
+  c.optimizer = OptimizerKind::kDiloco;
   EXPECT_EQ(CheckStepHyper(c, hyper).code(),
             absl::StatusCode::kInvalidArgument);
 }

@@ -82,6 +82,60 @@ TEST(ZeroOneTest, TheScheduleIsDeepSpeedsCounters) {
   }
 }
 
+// The workers' betas and eps (StepHyper moments: a scheduler that cycles
+// the momentum, groups with their own) govern every phase of zero_one_adam
+// (design.md 2.7): a variance step's Adam, a 1-bit step's local momentum,
+// v's correction 1 - b2^n_v and the bound, a local step's scalars and a
+// sync's message.
+TEST(ZeroOneTest, TheWorkersBetasGovernEveryPhase) {
+  AlgorithmConfig c =
+      ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
+  const StepHyper hyper{0.02f, 0.0f, StepMoments{0.8f, 0.99f, 1e-6f}};
+  ASSERT_TRUE(CheckStepHyper(c, hyper).ok());
+  AdamHyper own = c.adam;
+  own.beta1 = 0.8f;
+  own.beta2 = 0.99f;
+  own.eps = 1e-6f;
+  // 0: variance, 2: 1-bit, 11: local, 10: sync.
+  for (int64_t step : {0, 2, 11, 10}) {
+    const StepPlan plan = PlanStep(c, step);
+    const float correction =
+        MakeAdamScalars(own, 0.0f, ZeroOneAt(c, step).variance_updates, true)
+            .bias_correction2;
+    ASSERT_NE(
+        correction,
+        MakeAdamScalars(c.adam, 0.0f, ZeroOneAt(c, step).variance_updates, true)
+            .bias_correction2);
+    const SendRule send = PlanSend(c, step, Direction::kUp, 0, 0, &hyper);
+    EXPECT_EQ(send.beta1, 0.8f) << step;
+    if (plan.local) {
+      const AdamScalars local = LocalStepScalars(c, step, &hyper);
+      EXPECT_EQ(local.beta1, 0.8f);
+      EXPECT_EQ(local.beta2, 0.99f);
+      EXPECT_EQ(local.eps, 1e-6f);
+      EXPECT_EQ(local.bias_correction2, correction) << step;
+      EXPECT_EQ(local.max_ratio, OneBitUpdateBound(own));
+      EXPECT_EQ(send.accumulated, plan.exchanges);
+      if (plan.exchanges) {
+        EXPECT_EQ(send.sync.eps, 1e-6f);
+        EXPECT_EQ(send.sync.bias_correction2, correction);
+      }
+      if (!plan.exchanges) continue;
+    }
+    const ReplyRule rule = PlanReply(c, step, &hyper);
+    EXPECT_EQ(rule.scalars.beta1, 0.8f) << step;
+    EXPECT_EQ(rule.scalars.beta2, 0.99f) << step;
+    EXPECT_EQ(rule.scalars.eps, 1e-6f) << step;
+    EXPECT_EQ(rule.scalars.bias_correction2, correction) << step;
+    EXPECT_EQ(rule.scalars.max_ratio, OneBitUpdateBound(own)) << step;
+  }
+  EXPECT_NE(OneBitUpdateBound(own), OneBitUpdateBound(c.adam));
+  // diloco takes the job's: refused there.
+  c.optimizer = OptimizerKind::kDiloco;
+  EXPECT_EQ(CheckStepHyper(c, hyper).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ZeroOneTest, PlansFollowThePhases) {
   AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/10, /*kappa=*/2, /*scaler=*/3, /*clipper=*/4);
@@ -412,8 +466,10 @@ TEST(ZeroOneTest,
 // SyncMessage and ApplyReply) and the shards' mirrors (ApplyReply of each
 // partition with its group's push values: at a sync, the group's interval
 // lr sum) give the simulator's bits with three parameter groups, through
-// variance, compression, local and sync steps. One worker with fp32 both
-// ways: the reply is its message.
+// variance, compression, local and sync steps; two of the groups with
+// betas and eps of their own, the first's beta1 changed every step (a
+// scheduler that cycles the momentum). One worker with fp32 both ways: the
+// reply is its message.
 TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   AlgorithmConfig c =
       ZeroOneConfig(/*freeze=*/6, /*kappa=*/2, /*scaler=*/2, /*clipper=*/4);
@@ -436,8 +492,11 @@ TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   int64_t local_steps = 0, syncs = 0;
   for (int64_t t = 0; t < 30; ++t) {
     const float scale = 1.0f + 0.2f * std::sin(0.7f * static_cast<float>(t));
+    const float beta1 = 0.85f + 0.004f * static_cast<float>(t % 7);
     std::vector<StepHyper> hypers{
-        {0.01f * scale, 0.01f}, {0.02f * scale, 0.0f}, {0.004f, 0.05f}};
+        {0.01f * scale, 0.01f, StepMoments{beta1, 0.99f, 1e-6f}},
+        {0.02f * scale, 0.0f, StepMoments{0.9f, 0.999f, 1e-8f}},
+        {0.004f, 0.05f, StepMoments{0.8f, 0.98f, 1e-7f}}};
     std::vector<float> g(dim);
     for (size_t j = 0; j < dim; ++j)
       g[j] = j % 7 == 0 ? 0.0f : std::cos(0.01f * j * (t + 1)) + worker.x()[j];
@@ -460,12 +519,25 @@ TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
       }
       ++(plan.exchanges ? syncs : local_steps);
       if (plan.exchanges) {
-        worker.SyncMessage(t, 0, absl::MakeSpan(message));
+        // Each partition's with its group's eps and v correction.
+        for (const Partition& p : layout->partitions()) {
+          const SendRule up = PlanSend(c, t, Direction::kUp, 0, p.range.begin,
+                                       &hypers[p.segment]);
+          ASSERT_TRUE(up.accumulated);
+          worker.SyncMessage(
+              t, up.sync, p.range.begin,
+              absl::MakeSpan(message).subspan(p.range.begin, p.range.size()));
+        }
         for (size_t k = 0; k < pushed.size(); ++k)
           pushed[k].lr = worker.lr_sums()[k];
       }
     } else if (plan.compressing) {
-      worker.LocalMomentum(c.adam.beta1, 0, g, absl::MakeSpan(message));
+      for (const Partition& p : layout->partitions()) {
+        worker.LocalMomentum(
+            hypers[p.segment].moments->beta1, p.range.begin,
+            absl::MakeConstSpan(g).subspan(p.range.begin, p.range.size()),
+            absl::MakeSpan(message).subspan(p.range.begin, p.range.size()));
+      }
     } else {
       message = g;
     }
@@ -565,8 +637,9 @@ TEST(ZeroOneTest, ASyncsLocalStepByRangeGivesLocalStepsValues) {
       ASSERT_TRUE(by_range.LocalStepRange(t, 128, gs.subspan(128)).ok());
       ASSERT_TRUE(by_range.LocalStepRange(t, 0, gs.first(128)).ok());
       std::vector<float> a(kDim), b(kDim);
-      whole.SyncMessage(t, 0, absl::MakeSpan(a));
-      by_range.SyncMessage(t, 0, absl::MakeSpan(b));
+      const AdamScalars s = LocalStepScalars(c, t, nullptr);
+      whole.SyncMessage(t, s, 0, absl::MakeSpan(a));
+      by_range.SyncMessage(t, s, 0, absl::MakeSpan(b));
       EXPECT_TRUE(SameBits(a, b)) << "message at step " << t;
     }
     ASSERT_TRUE(SameBits(whole.x(), by_range.x())) << "x at step " << t;

@@ -13,7 +13,11 @@ each rank's own after the freeze. Then with Hugging Face Trainer's
 parameter groups (weights with weight decay, biases without and here at
 twice the lr, each group on its own LambdaLR) and the clip: each group's
 padding is a layer of its own, and the simulator steps with each step's
-group values."""
+group values. And under torch's OneCycleLR, which cycles lr and betas[0]
+every step, with the same two groups, each with its own beta2 or eps: the
+simulator stepped with the lr, betas and eps each step's pushes carried
+(the warmup's moments, the local momentum, the fresh variance and the
+frozen correction take them: design.md 2.8)."""
 import json
 import os
 import sys
@@ -47,6 +51,9 @@ def worker(out, mode):
         params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
                   {"params": [p for p in model.parameters() if p.dim() == 1],
                    "weight_decay": 0.0, "lr": 0.02}]
+    if mode == "one_cycle":  # each group its own beta2 or eps
+        params = [{"params": [p for p in model.parameters() if p.dim() > 1], "betas": (0.9, 0.99)},
+                  {"params": [p for p in model.parameters() if p.dim() == 1], "eps": 1e-6}]
     # A DeepSpeed OnebitLamb config's params move over as they are.
     opt = morse.torch.OneBitLamb(params, lr=0.01, freeze_step=6, weight_decay=0.01,
                                  max_coeff=0.3, min_coeff=0.01, coeff_beta=0.9, factor_max=4.0,
@@ -58,12 +65,21 @@ def worker(out, mode):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             opt, [lambda t: 1.0 - 0.05 * t, lambda t: 1.0 / (1 + t)])
         on_step = lambda step: schedule.step()  # noqa: E731
+    betas = []
+    if mode == "one_cycle":  # lr up and down, betas[0] the other way
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=STEPS)
+
+        def on_step(step):
+            betas.append(opt.param_groups[0]["betas"][0])
+            sched.step()
     clip = clip_each_step(model, CLIP) if mode in ("clip", "groups") else None
     train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip,
-                   on_step=on_step)
+                   on_step=on_step, record_hypers=mode == "one_cycle")
+    if mode == "one_cycle":
+        check(len(set(betas)) >= STEPS - 2, f"OneCycleLR moved betas[0] in too few steps: {betas}")
     # state_dict() carries 1-bit LAMB's own state (test_resume.py resumes it).
     state = opt.state_dict()["state"]
-    layers = len(list(model.parameters())) + (mode == "groups")  # and the padding
+    layers = len(list(model.parameters())) + (mode in ("groups", "one_cycle"))  # and the padding
     check(state["lamb_layers"].numel() == 2 * layers and state["lamb_commit"].numel() == 3 * layers
           and state["exp_avg_sq_fresh"].numel() == state["exp_avg"].numel(),
           f"OneBitLamb's state_dict: {[(k, v.numel()) for k, v in state.items() if hasattr(v, 'numel')]}")
@@ -73,7 +89,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    for mode in ("plain", "clip", "groups"):
+    for mode in ("plain", "clip", "groups", "one_cycle"):
         out = tempfile.mkdtemp(prefix="morse-lamb-")
         code, log = morse_run(__file__, RANKS, 2, out, mode)
         print(log)
@@ -82,7 +98,7 @@ if __name__ == "__main__":
         # The groups: the weights (280 elements, padded to 18 blocks of 16),
         # then the biases.
         layers = ("layers: 200 layers: 80 layers: 8 layers: 20 layers: 4 groups: 288 groups: 24"
-                  if mode == "groups" else "layers: 200 layers: 20 layers: 80 layers: 4")
+                  if mode in ("groups", "one_cycle") else "layers: 200 layers: 20 layers: 80 layers: 4")
         check(layers in overrides, f"the tensors are not the layers: {overrides}")
         if mode == "groups":
             hypers = json.load(open(f"{out}/hypers.json"))
@@ -90,6 +106,12 @@ if __name__ == "__main__":
                   f"the groups' lr and weight_decay: {hypers}")
         if mode in ("clip", "groups"):  # the simulator clips as clip_grad_norm does
             clip_in_job(out, CLIP)
+        if mode == "one_cycle":  # what the pushes carried: each group's lr, wd, betas, eps
+            hypers = json.load(open(f"{out}/hypers.json"))
+            check(all(len(h) == 2 and len(h[0]) == 5 for h in hypers)
+                  and hypers[3][0][3] == 0.99 and hypers[3][1][4] == 1e-6
+                  and len({h[0][2] for h in hypers}) >= STEPS - 2,
+                  f"the pushes' betas and eps: {hypers}")
         check_ranks_match_simulator(out, RANKS, STEPS)
         print(f"PASS: {STEPS} steps across the freeze, {RANKS} ranks bit-identical to the "
               f"simulator ({mode})")

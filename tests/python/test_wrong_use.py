@@ -108,13 +108,15 @@ def main():
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
     expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
-    # Parameter groups with their own lr or weight_decay: betas and eps are
-    # one for the whole model (but Adam's and OneBitAdam's:
-    # test_adam_matches_torch's group_betas, test_onebit_identical's).
+    # Parameter groups with betas and eps of their own train apart
+    # (test_adam_matches_torch's group_betas, test_onebit_identical's,
+    # test_zero_one's, test_onebit_lamb's), but with schedule="cosine",
+    # whose groups are one segment with one update rule.
     expect(ValueError, "param_groups[1] has betas (0.8, 0.999), param_groups[0] (0.9, 0.999)",
-           lambda: morse.torch.ZeroOneAdam(
-               [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1},
-                {"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.999)}], **args))
+           lambda: morse.torch.OneBitLamb(
+               [{"params": [torch.nn.Parameter(torch.zeros(3))]},
+                {"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (0.8, 0.999)}],
+               schedule="cosine", steps=10, **args))
     expect(ValueError, "schedule='cosine' sets one lr", lambda: morse.torch.OneBitAdam(
         [{"params": [torch.nn.Parameter(torch.zeros(3))], "weight_decay": 0.1},
          {"params": [torch.nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}],
@@ -367,41 +369,29 @@ def main():
     check(sums["group"] == sums["args"], "the group's own betas and eps were not the job's")
     check(sums["group"] != sums["default"], "betas and eps changed nothing")
     print("PASS: a group's own betas and eps are the job's")
-    # betas changed after the optimizer was built: Adam and OneBitAdam
-    # follow them (test_adam_matches_torch's one_cycle, test_onebit_identical's),
-    # the others apply the job's, so there the change is refused, never
-    # ignored. OneCycleLR cycles betas[0] by default; with
-    # cycle_momentum=False it trains, its lr followed.
-    for cycle in (True, False):
-        with server(base) as address:
-            model = torch.nn.Linear(3, 2)
-            opt = morse.torch.ZeroOneAdam(model.parameters(), rank=0, world_size=1,
-                                          servers=[address], config=base)
-            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10,
-                                                        cycle_momentum=cycle)
-            model(torch.ones(4, 3)).sum().backward()
-            if cycle:
-                expect(ValueError, "but the optimizer was built with (0.9, 0.999): ZeroOneAdam's "
-                       "betas and eps are the job's update rule", opt.step)
-                check("needs cycle_momentum=False" in str(_raised(opt.step)),
-                      "the refusal names OneCycleLR's cycle_momentum=False")
-                continue
-            lrs = []
-            for step in range(3):
-                if step:
-                    opt.zero_grad()
-                    model(torch.ones(4, 3)).sum().backward()
-                lrs.append(opt.param_groups[0]["lr"])
-                opt.step()
-                sched.step()
-            check(len(set(lrs)) == 3, f"OneCycleLR's lr did not move: {lrs}")
-            # A manual change of eps after a step: refused as the next step
-            # begins (with overlap, in the backward() that pushes).
-            opt.param_groups[0]["eps"] = 1e-3
-            opt.zero_grad()
-            expect(ValueError, "param_groups[0] has eps 0.001, but the optimizer was built with 1e-08",
-                   lambda: model(torch.ones(4, 3)).sum().backward())
-    print("PASS: changed betas and eps are refused, OneCycleLR(cycle_momentum=False) trains")
+    # betas changed after the optimizer was built: every optimizer follows
+    # them (test_adam_matches_torch's one_cycle, test_onebit_identical's,
+    # test_zero_one's, test_onebit_lamb's), but with Morse's own schedule,
+    # which applies the job's, so there the change is refused, never
+    # ignored: as the step begins, and with overlap in the backward() that
+    # pushes.
+    with server(base) as address:
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.OneBitLamb(model.parameters(), rank=0, world_size=1, schedule="cosine",
+                                     steps=10, freeze_step=5, servers=[address], config=base)
+        model(torch.ones(4, 3)).sum().backward()
+        opt.param_groups[0]["betas"] = (0.85, 0.999)
+        expect(ValueError, "but the optimizer was built with (0.9, 0.999): with schedule='cosine', "
+               "OneBitLamb's betas and eps are the job's update rule", opt.step)
+        check("needs schedule='constant'" in str(_raised(opt.step)),
+              "the refusal names schedule='constant'")
+        opt.param_groups[0]["betas"] = (0.9, 0.999)
+        opt.step()
+        opt.param_groups[0]["eps"] = 1e-3
+        opt.zero_grad()
+        expect(ValueError, "param_groups[0] has eps 0.001, but the optimizer was built with 1e-08",
+               lambda: model(torch.ones(4, 3)).sum().backward())
+    print("PASS: changed betas and eps are refused with schedule='cosine'")
     # Adam follows betas, read as the step begins: one changed after the
     # pushes left (between backward() and step()) applies from the next
     # step, with a warning naming what the step used, as for lr.

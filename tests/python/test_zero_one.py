@@ -11,7 +11,10 @@ their own: each group's local steps and interval lr sum are its own) and
 the script's torch.nn.utils.clip_grad_norm_ after backward(), which must
 give the bits of the optimizer's clip_grad_norm (the simulator runs with
 it): the averaged gradient in variance steps, each rank's own in 1-bit and
-local steps."""
+local steps. And under torch's OneCycleLR, which cycles lr and betas[0]
+every step, with two groups of their own beta2 and eps: the simulator
+stepped with the lr, betas and eps each step's pushes carried (every phase
+takes them: design.md 2.7)."""
 import json
 import os
 import sys
@@ -47,6 +50,9 @@ def worker(out, mode):
         params = [{"params": [p for p in model.parameters() if p.dim() > 1]},
                   {"params": [p for p in model.parameters() if p.dim() == 1],
                    "weight_decay": 0.0, "lr": 0.02}]
+    if mode == "one_cycle":  # each group its own beta2 and eps
+        params = [{"params": [p for p in model.parameters() if p.dim() > 1], "betas": (0.9, 0.99)},
+                  {"params": [p for p in model.parameters() if p.dim() == 1], "eps": 1e-6}]
     # A DeepSpeed config's params move over as they are (cuda_aware and
     # comm_backend_name are accepted and ignored).
     opt = morse.torch.ZeroOneAdam(params, lr=0.01, weight_decay=0.01, **SCHEDULE,
@@ -57,9 +63,18 @@ def worker(out, mode):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             opt, [lambda t: 1.0 - 0.03 * t, lambda t: 1.0 / (1 + t)])
         on_step = lambda step: schedule.step()  # noqa: E731
+    betas = []
+    if mode == "one_cycle":  # lr up and down, betas[0] the other way
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=STEPS)
+
+        def on_step(step):
+            betas.append(opt.param_groups[0]["betas"][0])
+            sched.step()
     clip = clip_each_step(model, CLIP) if mode == "groups" else None
     train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip,
-                   on_step=on_step)
+                   on_step=on_step, record_hypers=mode == "one_cycle")
+    if mode == "one_cycle":
+        check(len(set(betas)) >= STEPS - 2, f"OneCycleLR moved betas[0] in too few steps: {betas}")
     # The last step (s = 18, interval 4) is local: the shards hold the sync
     # of s = 16, so rank 0 cannot save the whole run here.
     if rank == 0:
@@ -75,7 +90,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    for mode in ("plain", "groups"):
+    for mode in ("plain", "groups", "one_cycle"):
         out = tempfile.mkdtemp(prefix="morse-zero-one-")
         code, log = morse_run(__file__, RANKS, 2, out, mode)
         print(log)
@@ -87,9 +102,16 @@ if __name__ == "__main__":
             check(hypers[1][0] != hypers[1][1] and hypers[1][0][0] != hypers[0][0][0],
                   f"the groups' lr and weight_decay: {hypers}")
             clip_in_job(out, CLIP)
+        if mode == "one_cycle":  # what the pushes carried: each group's lr, wd, betas, eps
+            hypers = json.load(open(f"{out}/hypers.json"))
+            check(all(len(h) == 2 and len(h[0]) == 5 for h in hypers)
+                  and hypers[3][0][3] == 0.99 and hypers[3][1][4] == 1e-6
+                  and len({h[0][2] for h in hypers}) >= STEPS - 2,
+                  f"the pushes' betas and eps: {hypers}")
         together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
         apart = STEPS - together
         check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
         check(together >= 8, f"only {together} steps where the ranks agreed")
         print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's "
               f"({mode}); {apart} local steps apart, {together} steps equal")
+    print("PASS: under OneCycleLR each group's lr, betas and eps followed step by step")

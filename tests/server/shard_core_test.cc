@@ -420,9 +420,9 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
 }
 
 // Betas and eps set by the workers (a scheduler that cycles the momentum):
-// adam's and onebit_adam's alone, so a push that carries them for another
-// optimizer is refused; for adam every push of a partition and step must
-// carry the same, bad values are refused, and the mirror applies them.
+// every optimizer's but diloco's, so a push that carries them there is
+// refused; for adam every push of a partition and step must carry the
+// same, bad values are refused, and the mirror applies them.
 TEST_F(ShardCoreTest, StepMomentsAreAdamsAndMustAgree) {
   const compress::StepHyper hyper{0.5f, 0.01f,
                                   compress::StepMoments{0.8f, 0.99f, 1e-6f}};
@@ -443,11 +443,18 @@ TEST_F(ShardCoreTest, StepMomentsAreAdamsAndMustAgree) {
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   PushArgs lamb = Args(0, 0, first());
   lamb.hyper = hyper;
-  const absl::Status not_adam = Push(lamb);
-  EXPECT_EQ(not_adam.code(), absl::StatusCode::kInvalidArgument) << not_adam;
-  EXPECT_NE(not_adam.message().find("adam and onebit_adam alone"),
-            absl::string_view::npos)
-      << not_adam;
+  EXPECT_EQ(Push(lamb).code(), absl::StatusCode::kUnknown);  // waits
+  restart_as(R"(optimizer: "diloco" diloco { sync_every: 2 })");
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  PushArgs diloco = Args(0, 0, first());
+  diloco.hyper = hyper;
+  const absl::Status refused_here = Push(diloco);
+  EXPECT_EQ(refused_here.code(), absl::StatusCode::kInvalidArgument)
+      << refused_here;
+  EXPECT_NE(
+      refused_here.message().find("betas and eps set for a step of diloco"),
+      absl::string_view::npos)
+      << refused_here;
 
   restart_as(R"(optimizer: "adam")");
   ASSERT_FALSE(::testing::Test::HasFatalFailure());

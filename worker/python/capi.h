@@ -85,8 +85,8 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
  * replica: `count` of each, 1 for the whole model or one per parameter
  * group of the job's external.groups; count = 0: the job's schedule
  * again. `moments`: NULL for the job's betas and eps, or 3 * count floats,
- * each group's beta1, beta2 and eps for these steps in turn (adam and
- * onebit_adam only: groups with their own, a scheduler that cycles the
+ * each group's beta1, beta2 and eps for these steps in turn (every
+ * optimizer but diloco: groups with their own, a scheduler that cycles the
  * momentum). */
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* lr, const float* weight_decay,

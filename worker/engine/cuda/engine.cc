@@ -303,9 +303,8 @@ class CudaEngine final : public Engine, public DeviceServices {
       }
       float* message = scratch_.as<float>() + begin;
       if (absl::Status s = kernels::ZeroOneSyncMessage(
-              *send_, compress::LocalStepScalars(config_, step, nullptr),
-              lr_sum_, u_.as<float>() + begin, m_.as<float>() + begin,
-              v_.as<float>() + begin, message, n);
+              *send_, rule.sync, lr_sum_, u_.as<float>() + begin,
+              m_.as<float>() + begin, v_.as<float>() + begin, message, n);
           !s.ok()) {
         return s;
       }

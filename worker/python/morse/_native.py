@@ -221,8 +221,8 @@ class Session:
         """This and later steps' lr and weight decay: numbers for the whole
         model, or sequences of one per parameter group (the job's
         external.groups); None: the job's schedule. moments: None for the
-        job's betas and eps, or one (beta1, beta2, eps) per lr value (adam
-        and onebit_adam only)."""
+        job's betas and eps, or one (beta1, beta2, eps) per lr value (every
+        optimizer but diloco)."""
         if lr is None:
             _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None, None))
             return

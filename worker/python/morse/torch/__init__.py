@@ -290,10 +290,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                       and not (self._cuda and optimizer in ("onebit_lamb", "zero_one_adam")))
         self._groups_apart = differ or (may_differ and sum(n > 0 for n in counts) > 1)
         self._schedule = schedule
-        # Adam and OneBitAdam follow param_groups' betas and eps too, each
-        # group its own (a scheduler that cycles the momentum); the others'
-        # update rules take the job's, one for the model.
-        self._follows_moments = schedule == "constant" and optimizer in ("adam", "onebit_adam")
+        # Every optimizer follows param_groups' betas and eps too, each group
+        # its own (a scheduler that cycles the momentum), except under
+        # Morse's own schedule, which takes the job's, one for the model.
+        self._follows_moments = schedule == "constant"
         self._check_groups()
         self._segments = ([i for i, n in enumerate(counts) if n > 0] if self._groups_apart
                           else [0])
@@ -742,7 +742,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _step_moments(self):
         """Each segment's (beta1, beta2, eps) where any differs from the
-        job's (Adam and OneBitAdam follow them), else None."""
+        job's (followed with schedule='constant'), else None."""
         rules = tuple(_moments_of(self.param_groups[i]) for i in self._segments)
         job = (*self._update_rule[0], *self._update_rule[1])
         return None if all(rule == job for rule in rules) else rules
@@ -750,9 +750,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _check_update_rule(self, after_step=None):
         """ValueError if param_groups[0]'s betas or eps differ from the
         job's (a scheduler that cycles them, a manual change) where the
-        optimizer cannot follow them (all but Adam, or with Morse's own
-        schedule): the shards and every rank apply the values the optimizer
-        was built with, so a change would otherwise be ignored."""
+        optimizer cannot follow them (with Morse's own schedule): the shards
+        and every rank apply the values the optimizer was built with, so a
+        change would otherwise be ignored."""
         if getattr(self, "_follows_moments", False):
             return
         for key, built in zip(("betas", "eps"), self._update_rule):
@@ -763,12 +763,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             when = "" if after_step is None else f" (step {after_step} used {shown})"
             raise ValueError(
                 f"param_groups[0] has {key} {_shown_value(now)}, but the optimizer was built with "
-                f"{shown}{when}: {type(self).__name__}'s betas and eps are the job's update rule, "
-                "fixed when it starts on every rank and shard (morse.torch.Adam and OneBitAdam "
-                "follow them step by step, with torch's schedulers). A scheduler that cycles the "
-                "momentum (OneCycleLR and CyclicLR, whose cycle_momentum=True is the default) "
-                "needs cycle_momentum=False here; otherwise build the optimizer with the values "
-                "you want")
+                f"{shown}{when}: with schedule={self._schedule!r}, {type(self).__name__}'s betas "
+                "and eps are the job's update rule, fixed when it starts on every rank and shard "
+                "(with the default schedule='constant' they are followed step by step, as torch's "
+                "schedulers set them). A scheduler that cycles the momentum (OneCycleLR and "
+                "CyclicLR, whose cycle_momentum=True is the default) needs schedule='constant'; "
+                "otherwise build the optimizer with the values you want")
 
     def _check_groups(self, after_step=None):
         """ValueError unless param_groups[0] has the job's betas and eps,
