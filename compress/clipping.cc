@@ -11,8 +11,16 @@ namespace morse::compress {
 double SegmentSumOfSquares(const float* values, uint64_t n) {
   MORSE_CHECK(n <= kSumSegment);
   double t[kSumSegment];
-  for (uint64_t j = 0; j < kSumSegment; ++j)
-    t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
+  // The squares, +0 past the end. A whole segment's loop has a constant
+  // count, which the compiler vectorizes at -O2 (a loop of n it leaves
+  // scalar): the same bits, one square per element either way.
+  if (n == kSumSegment) {
+    for (uint64_t j = 0; j < kSumSegment; ++j)
+      t[j] = static_cast<double>(values[j]) * values[j];
+  } else {
+    for (uint64_t j = 0; j < kSumSegment; ++j)
+      t[j] = j < n ? static_cast<double>(values[j]) * values[j] : 0.0;
+  }
   return HalvingSum(t);
 }
 
@@ -33,32 +41,67 @@ float ClipScale(double sum_of_squares, float max_norm) {
   return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
 }
 
-OtherNorms GradientOtherNorms(absl::Span<const float> values) {
-  // kNormLanes running sums and maxima, element i in lane i % kNormLanes:
-  // one fixed order, without one long chain of dependent additions.
-  double sums[kNormLanes] = {};
-  float largest[kNormLanes] = {};
-  const uint64_t n = values.size();
-  uint64_t i = 0;
-  for (; i + kNormLanes <= n; i += kNormLanes) {
-    for (uint64_t j = 0; j < kNormLanes; ++j) {
-      const float a = std::fabs(values[i + j]);
-      sums[j] += a;
-      largest[j] = std::max(largest[j], a);
+namespace {
+
+// kNormLanes running sums and maxima of |v|, element i in lane i %
+// kNormLanes: one fixed order, without one long chain of dependent
+// additions. Add takes the values in index order, each run but the last a
+// multiple of kNormLanes long, so the lanes see the same elements however
+// the values are cut.
+class NormLanes {
+ public:
+  void Add(const float* values, uint64_t n) {
+    uint64_t i = 0;
+    for (; i + kNormLanes <= n; i += kNormLanes) {
+      for (uint64_t j = 0; j < kNormLanes; ++j) {
+        const float a = std::fabs(values[i + j]);
+        sums_[j] += a;
+        largest_[j] = std::max(largest_[j], a);
+      }
+    }
+    for (uint64_t j = 0; i < n; ++i, ++j) {
+      const float a = std::fabs(values[i]);
+      sums_[j] += a;
+      largest_[j] = std::max(largest_[j], a);
     }
   }
-  for (uint64_t j = 0; i < n; ++i, ++j) {
-    const float a = std::fabs(values[i]);
-    sums[j] += a;
-    largest[j] = std::max(largest[j], a);
+
+  OtherNorms Finish() const {
+    OtherNorms norms;
+    for (uint64_t j = 0; j < kNormLanes; ++j) {
+      norms.sum_abs += sums_[j];
+      norms.max_abs = std::max(norms.max_abs, largest_[j]);
+    }
+    // A NaN makes its lane's sum NaN; std::max may have dropped it.
+    if (std::isnan(norms.sum_abs)) norms.max_abs = std::nanf("");
+    return norms;
   }
-  OtherNorms norms;
-  for (uint64_t j = 0; j < kNormLanes; ++j) {
-    norms.sum_abs += sums[j];
-    norms.max_abs = std::max(norms.max_abs, largest[j]);
+
+ private:
+  double sums_[kNormLanes] = {};
+  float largest_[kNormLanes] = {};
+};
+static_assert(kSumSegment % kNormLanes == 0,
+              "AllGradientNorms feeds the lanes a segment at a time");
+
+}  // namespace
+
+OtherNorms GradientOtherNorms(absl::Span<const float> values) {
+  NormLanes lanes;
+  lanes.Add(values.data(), values.size());
+  return lanes.Finish();
+}
+
+GradientNorms AllGradientNorms(absl::Span<const float> values) {
+  // A segment at a time, while it is in cache: its squares, then its |v|.
+  GradientNorms norms;
+  NormLanes lanes;
+  for (uint64_t at = 0; at < values.size(); at += kSumSegment) {
+    const uint64_t n = std::min<uint64_t>(kSumSegment, values.size() - at);
+    norms.sum_of_squares += SegmentSumOfSquares(values.data() + at, n);
+    lanes.Add(values.data() + at, n);
   }
-  // A NaN makes its lane's sum NaN; std::max may have dropped it.
-  if (std::isnan(norms.sum_abs)) norms.max_abs = std::nanf("");
+  norms.other = lanes.Finish();
   return norms;
 }
 

@@ -37,6 +37,14 @@ struct OtherNorms {
 };
 OtherNorms GradientOtherNorms(absl::Span<const float> values);
 
+// GradientSumOfSquares and GradientOtherNorms of `values` in one pass (a
+// shard's decoded reply when the workers clip), with the same bits as each.
+struct GradientNorms {
+  double sum_of_squares = 0.0;
+  OtherNorms other;
+};
+GradientNorms AllGradientNorms(absl::Span<const float> values);
+
 }  // namespace morse::compress
 
 #endif  // MORSE_COMPRESS_CLIPPING_H_

@@ -685,10 +685,12 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
     const absl::Span<float> average =
         compress::Scratch(compress::ScratchSlot::kShardAverage, n);
     status = compress::Decode(rule.codec, payload, average);
-    if (status.ok()) {
+    if (status.ok() && p.workers_clip) {  // every order in one pass
+      const compress::GradientNorms norms = compress::AllGradientNorms(average);
+      reply->grad_sum_of_squares = norms.sum_of_squares;
+      reply->grad_other_norms = norms.other;
+    } else if (status.ok()) {
       reply->grad_sum_of_squares = compress::GradientSumOfSquares(average);
-      if (p.workers_clip)
-        reply->grad_other_norms = compress::GradientOtherNorms(average);
     }
   }
   std::vector<uint64_t> hashes = p.push_hashes;

@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "compress/clipping.h"
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
 #include "compress/halving_sum.h"
@@ -539,6 +540,34 @@ void BM_PhaseShardReply(benchmark::State& state) {
   state.SetLabel(ActiveKernels().name);
 }
 
+// The norms a shard takes of each decoded reply when the step clips
+// (design.md 2.6), partition by partition (2^18 elements, in cache as they
+// are after the decode): arg 0 the sum of squares alone (a step that clips
+// the average), 1 the sum of squares then the norms of order 1 and
+// infinity in a second pass (the workers clip), 2 all of them in one pass
+// (AllGradientNorms). Reads each element once per pass.
+void BM_ClipReplyNorms(benchmark::State& state) {
+  constexpr size_t kPartition = size_t{1} << 18;
+  const std::vector<float> values = RandomVector(kElems, 21);
+  const int how = static_cast<int>(state.range(0));
+  double sink = 0.0;
+  Measure(state, 4.0 * kElems, kElems, [&] {
+    for (size_t at = 0; at < kElems; at += kPartition) {
+      const absl::Span<const float> part =
+          absl::MakeConstSpan(values).subspan(at, kPartition);
+      if (how == 0) {
+        sink += GradientSumOfSquares(part);
+      } else if (how == 1) {
+        sink += GradientSumOfSquares(part) + GradientOtherNorms(part).sum_abs;
+      } else {
+        const GradientNorms all = AllGradientNorms(part);
+        sink += all.sum_of_squares + all.other.sum_abs;
+      }
+    }
+  });
+  benchmark::DoNotOptimize(sink);
+}
+
 void RegisterAll() {
   const std::pair<const char*, const KernelTable*> tables[] = {
       {"scalar", &ScalarKernels()},
@@ -612,6 +641,10 @@ void RegisterAll() {
       benchmark::RegisterBenchmark("zero_one/sync_step", BM_ZeroOneSyncStep));
   common(benchmark::RegisterBenchmark("lamb/moments_masked",
                                       BM_LambMomentsMasked));
+  common(benchmark::RegisterBenchmark("clip/reply_norms", BM_ClipReplyNorms)
+             ->Arg(0)
+             ->Arg(1)
+             ->Arg(2));
 }
 
 }  // namespace

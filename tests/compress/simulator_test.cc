@@ -225,6 +225,29 @@ TEST(ClippingTest, OtherNormsAreTheSumAndTheLargestMagnitude) {
   EXPECT_EQ(GradientOtherNorms(infinite).max_abs, INFINITY);
 }
 
+// A shard takes every order in one pass (AllGradientNorms): the same bits
+// as GradientSumOfSquares and GradientOtherNorms, at lengths that end
+// inside a segment and inside a lane, with values whose sums depend on the
+// order they are added in.
+TEST(ClippingTest, AllNormsInOnePassAreEachNormsBits) {
+  std::mt19937 rng(7);
+  std::lognormal_distribution<float> magnitude(0.0f, 4.0f);
+  for (uint64_t n : {0, 1, 7, 8, 255, 256, 257, 1000, 4099}) {
+    std::vector<float> values(n);
+    for (float& v : values) v = (rng() % 2 ? 1.0f : -1.0f) * magnitude(rng);
+    const GradientNorms all = AllGradientNorms(values);
+    const OtherNorms other = GradientOtherNorms(values);
+    EXPECT_EQ(all.sum_of_squares, GradientSumOfSquares(values)) << n;
+    EXPECT_EQ(all.other.sum_abs, other.sum_abs) << n;
+    EXPECT_EQ(all.other.max_abs, other.max_abs) << n;
+    if (n > 8) {  // and a NaN still makes both NaN
+      values[n / 2] = std::nanf("");
+      EXPECT_TRUE(std::isnan(AllGradientNorms(values).other.max_abs)) << n;
+      EXPECT_TRUE(std::isnan(AllGradientNorms(values).sum_of_squares)) << n;
+    }
+  }
+}
+
 TEST(SimulatorTest, OneBitAdamReachesAdamsLossOnANoisyQuadratic) {
   const uint64_t dim = 4000;
   const int steps = 1000;
