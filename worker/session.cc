@@ -491,25 +491,47 @@ absl::Status Session::SendAndWait() {
   return finished;
 }
 
-absl::StatusOr<std::optional<double>> Session::RepliesSumOfSquares() const {
-  std::optional<double> sum_of_squares;
+absl::StatusOr<compress::GradientNorms> Session::RepliesNorms(
+    bool others) const {
+  compress::GradientNorms total;
   for (const compress::Partition& p : layout_.partitions()) {
     const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
     if (!reply.has_value()) {
       return absl::InternalError(
           absl::StrCat("step ", step_, ": no reply for partition ", p.id));
     }
-    if (!clips_average_) continue;
-    if (!reply->norms.sum_of_squares.has_value()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", step_, ": the reply of partition ", p.id,
-                       " has no gradient norm; is its "
-                       "server older than this worker?"));
+    const ReplyNorms& norms = reply->norms;
+    if (!norms.sum_of_squares.has_value() ||
+        (others && !norms.other.has_value())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", step_, ": the reply of partition ", p.id,
+          " has no gradient norm", others ? " of order 1 or infinity" : "",
+          "; is its server older than this worker?"));
     }
-    sum_of_squares =
-        sum_of_squares.value_or(0.0) + *reply->norms.sum_of_squares;
+    total.sum_of_squares += *norms.sum_of_squares;
+    if (!others) continue;
+    total.other.sum_abs += norms.other->sum_abs;
+    const float largest = norms.other->max_abs;
+    total.other.max_abs = std::isnan(largest) || std::isnan(total.other.max_abs)
+                              ? std::nanf("")
+                              : std::max(total.other.max_abs, largest);
   }
-  return sum_of_squares;
+  return total;
+}
+
+absl::StatusOr<std::optional<double>> Session::RepliesSumOfSquares() const {
+  if (!clips_average_) {
+    for (const compress::Partition& p : layout_.partitions()) {
+      if (!(*deferred_)[p.id].has_value()) {
+        return absl::InternalError(
+            absl::StrCat("step ", step_, ": no reply for partition ", p.id));
+      }
+    }
+    return std::nullopt;
+  }
+  absl::StatusOr<compress::GradientNorms> norms = RepliesNorms(false);
+  if (!norms.ok()) return norms.status();
+  return norms->sum_of_squares;
 }
 
 absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
@@ -526,30 +548,10 @@ absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
         ": no averaged gradient to take the norm of (after ClipAt, in a step "
         "that averages)"));
   }
-  double sum = 0.0;
-  float largest = 0.0f;
-  for (const compress::Partition& p : layout_.partitions()) {
-    const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
-    const ReplyNorms* norms = reply.has_value() ? &reply->norms : nullptr;
-    if (norms == nullptr || !norms->sum_of_squares.has_value() ||
-        (!l2 && !norms->other.has_value())) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", step_, ": the reply of partition ", p.id,
-                       " has no gradient norm of order ", norm_type,
-                       "; is its server older than this worker?"));
-    }
-    if (l2) {
-      sum += *norms->sum_of_squares;
-    } else if (l1) {
-      sum += norms->other->sum_abs;
-    } else if (std::isnan(norms->other->max_abs) || std::isnan(largest)) {
-      largest = std::nanf("");
-    } else {
-      largest = std::max(largest, norms->other->max_abs);
-    }
-  }
-  if (l2) return std::sqrt(sum);
-  return l1 ? sum : static_cast<double>(largest);
+  absl::StatusOr<compress::GradientNorms> norms = RepliesNorms(!l2);
+  if (!norms.ok()) return norms.status();
+  if (l2) return std::sqrt(norms->sum_of_squares);
+  return l1 ? norms->other.sum_abs : static_cast<double>(norms->other.max_abs);
 }
 
 absl::Status Session::Fail(absl::Status status) {

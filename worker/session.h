@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "compress/clipping.h"
 #include "compress/compute_pool.h"
 #include "compress/error_feedback.h"
 #include "compress/replica.h"
@@ -266,6 +267,11 @@ class Session {
   // The sum of the deferred replies' norms when the step clips the
   // averaged gradient (none otherwise); an error for a missing one.
   absl::StatusOr<std::optional<double>> RepliesSumOfSquares() const;
+  // The deferred replies' norms added in partition order, the largest |g|
+  // the largest of theirs (NaN if any is): the sum of squares, and the
+  // norms of order 1 and infinity too when `others`. INTERNAL for a missing
+  // reply, FAILED_PRECONDITION for a missing norm.
+  absl::StatusOr<compress::GradientNorms> RepliesNorms(bool others) const;
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too;
   // not in an elastic job, which goes on without this worker.
