@@ -41,13 +41,14 @@ docs/convergence.md.
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
                                [--lamb-freeze F] [--diloco-outer LR,MOMENTUM]
                                [--block-elems N] [--seeds N] [--corpus licenses|python]
-                               [--json FILE] [--max-gap 0.02]
+                               [--lr-schedule constant|cosine] [--json FILE] [--max-gap 0.02]
 
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
 """
 import argparse
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -296,6 +297,29 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(u, alpha=-group["lr"] * coeff)
 
 
+def lr_factor(step, steps):
+    """The lr's multiple at `step` of `steps` under MORSE_LR_SCHEDULE (set from
+    --lr-schedule): 1 for "constant"; for "cosine" a linear warmup over the
+    first 5% of the steps, then a cosine decay to 10% of the peak at the
+    last step, as GPT-style runs schedule it."""
+    if os.environ.get("MORSE_LR_SCHEDULE", "constant") == "constant":
+        return 1.0
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return (step + 1) / warmup
+    done = (step - warmup) / max(1, steps - 1 - warmup)
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
+
+
+def scheduled(opt, steps):
+    """A LambdaLR over `opt` following lr_factor, or None for a constant lr.
+    The torch reference and every Morse optimizer (DiLoCo: its inner one) take
+    the same schedule, stepped after each step()."""
+    if os.environ.get("MORSE_LR_SCHEDULE", "constant") == "constant":
+        return None
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, steps))
+
+
 def torch_reference(task, optimizer="adam"):
     """torch.optim.Adam (or the LAMB above) in one process on the global batch."""
     model = task.model()
@@ -303,6 +327,7 @@ def torch_reference(task, optimizer="adam"):
         opt = Lamb(model.parameters(), lr=lamb_lr_scale() * LR[task.name])
     else:
         opt = torch.optim.Adam(model.parameters(), lr=LR[task.name])
+    schedule = scheduled(opt, task.steps)
     for step in range(task.steps):
         opt.zero_grad()
         parts = [task.batch(r, step) for r in range(WORKERS)]
@@ -310,6 +335,8 @@ def torch_reference(task, optimizer="adam"):
         loss = sum(task.loss(model, x, y) for x, y in parts) / WORKERS
         loss.backward()
         opt.step()
+        if schedule:
+            schedule.step()
     return task.evaluate(model)
 
 
@@ -372,6 +399,7 @@ def worker(task, optimizer):
                                feedback_beta=0.5, block_elems=block_elems)
     else:
         opt = morse.torch.Adam(model.parameters(), lr=lr, block_elems=block_elems)
+    schedule = scheduled(inner if isinstance(opt, morse.torch.DiLoCo) else opt, task.steps)
     pushed = 0
     for step in range(task.steps):
         opt.zero_grad()
@@ -379,6 +407,8 @@ def worker(task, optimizer):
         task.loss(model, x, y).backward()
         syncs = getattr(opt, "step_index", None)
         opt.step()
+        if schedule:
+            schedule.step()
         if isinstance(opt, morse.torch.DiLoCo):
             if opt.step_index != syncs:
                 pushed += opt.last_sync["bytes_up"]
@@ -482,6 +512,10 @@ def main():
     parser.add_argument("--diloco-outer", metavar="LR,MOMENTUM", default="0.7,0.9",
                         help="diloco-H-CODEC: the outer optimizer's lr and Nesterov momentum "
                              "(default 0.7,0.9, the DiLoCo paper's; 1,0 averages the models)")
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                        help="every optimizer's lr over the run (DiLoCo's inner one): constant "
+                             "(default), or cosine: a linear warmup over the first 5%% of the "
+                             "steps, then a cosine decay to 10%% of the peak")
     parser.add_argument("--block-elems", type=int, default=0, metavar="N",
                         help="the Morse optimizers' block_elems (elements per codec scale; a positive "
                              "multiple of 16; default: Morse's default)")
@@ -519,6 +553,7 @@ def main():
         os.environ["MORSE_LAMB_FREEZE"] = repr(args.lamb_freeze)
         os.environ["MORSE_DILOCO_OUTER"] = args.diloco_outer
         os.environ["MORSE_CONVERGENCE_CORPUS"] = args.corpus
+        os.environ["MORSE_LR_SCHEDULE"] = args.lr_schedule
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])
@@ -542,7 +577,7 @@ def main():
     seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
     print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds), "
-          f"text corpus {args.corpus}")
+          f"text corpus {args.corpus}, lr {args.lr_schedule}")
     print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to ref':>12} "
           f"{'B/step':>9} {'s':>6}")
     for name in models:
