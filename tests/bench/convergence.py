@@ -5,7 +5,7 @@ a character-level GRU language model and a one-layer causal transformer on
 the license texts every Debian system ships (/usr/share/common-licenses),
 and "gpt": a GPT-like model (two pre-norm blocks of causal attention and
 MLP, width 128, 4 heads, context 64, 0.4M parameters) on the same texts,
-for a token budget (steps x workers x 16 sequences x 64 tokens).
+for a token budget (steps x workers x --per-rank sequences, 16 by default, x 64 tokens).
 
 Each model trains with torch.optim.Adam in one process on the global batch
 (the union of every rank's batch: exactly synchronous data-parallel Adam),
@@ -41,7 +41,7 @@ docs/convergence.md.
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
                                [--lamb-freeze F] [--diloco-outer LR,MOMENTUM]
                                [--block-elems N] [--seeds N] [--corpus licenses|python]
-                               [--lr-schedule constant|cosine] [--json FILE] [--max-gap 0.02]
+                               [--per-rank B] [--lr-scale K] [--lr-schedule constant|cosine] [--json FILE] [--max-gap 0.02]
 
 MORSE_RUN names morse-run (default: build/bin/morse-run beside this tree).
 """
@@ -130,7 +130,7 @@ class Task:
         else:
             corpus = os.environ.get("MORSE_CONVERGENCE_CORPUS", "licenses")
             self.train, self.test, self.vocab = corpus_text(corpus)
-            self.seq, self.per_rank = 64, 16
+            self.seq, self.per_rank = 64, int(os.environ.get("MORSE_PER_RANK", "16"))
 
     def model(self):
         torch.manual_seed(self.seed)
@@ -297,6 +297,12 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(u, alpha=-group["lr"] * coeff)
 
 
+def model_lr(task):
+    """The model's Adam lr times MORSE_LR_SCALE (--lr-scale), for every
+    optimizer and reference alike."""
+    return LR[task.name] * float(os.environ.get("MORSE_LR_SCALE", "1"))
+
+
 def lr_factor(step, steps):
     """The lr's multiple at `step` of `steps` under MORSE_LR_SCHEDULE (set from
     --lr-schedule): 1 for "constant"; for "cosine" a linear warmup over the
@@ -324,9 +330,9 @@ def torch_reference(task, optimizer="adam"):
     """torch.optim.Adam (or the LAMB above) in one process on the global batch."""
     model = task.model()
     if optimizer == "lamb":
-        opt = Lamb(model.parameters(), lr=lamb_lr_scale() * LR[task.name])
+        opt = Lamb(model.parameters(), lr=lamb_lr_scale() * model_lr(task))
     else:
-        opt = torch.optim.Adam(model.parameters(), lr=LR[task.name])
+        opt = torch.optim.Adam(model.parameters(), lr=model_lr(task))
     schedule = scheduled(opt, task.steps)
     for step in range(task.steps):
         opt.zero_grad()
@@ -356,7 +362,7 @@ def worker(task, optimizer):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
     model = task.model()
-    lr = LR[task.name]
+    lr = model_lr(task)
     block_elems = int(os.environ.get("MORSE_BLOCK_ELEMS", "0")) or None
     if optimizer == "onebit_adam":
         opt = morse.torch.OneBitAdam(model.named_parameters(), lr=lr, freeze_step=max(1, task.steps // 5),
@@ -512,6 +518,12 @@ def main():
     parser.add_argument("--diloco-outer", metavar="LR,MOMENTUM", default="0.7,0.9",
                         help="diloco-H-CODEC: the outer optimizer's lr and Nesterov momentum "
                              "(default 0.7,0.9, the DiLoCo paper's; 1,0 averages the models)")
+    parser.add_argument("--per-rank", type=int, default=16, metavar="B",
+                        help="the text models' sequences per rank per step (default 16; the "
+                             "token budget is steps x workers x B x 64)")
+    parser.add_argument("--lr-scale", type=float, default=1.0, metavar="K",
+                        help="every optimizer's and reference's lr as K times the model's "
+                             "(default 1)")
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
                         help="every optimizer's lr over the run (DiLoCo's inner one): constant "
                              "(default), or cosine: a linear warmup over the first 5%% of the "
@@ -540,6 +552,10 @@ def main():
             raise ValueError
     except ValueError:
         parser.error("--diloco-outer needs LR,MOMENTUM with LR > 0 and MOMENTUM in [0, 1)")
+    if args.per_rank < 1:
+        parser.error("--per-rank must be at least 1")
+    if not args.lr_scale > 0:
+        parser.error("--lr-scale must be positive")
     if args.block_elems < 0 or args.block_elems % 16:
         parser.error("--block-elems must be a positive multiple of 16")
     if args.workers < 1:
@@ -554,6 +570,8 @@ def main():
         os.environ["MORSE_DILOCO_OUTER"] = args.diloco_outer
         os.environ["MORSE_CONVERGENCE_CORPUS"] = args.corpus
         os.environ["MORSE_LR_SCHEDULE"] = args.lr_schedule
+        os.environ["MORSE_LR_SCALE"] = repr(args.lr_scale)
+        os.environ["MORSE_PER_RANK"] = str(args.per_rank)
     torch.set_num_threads(1)
     if args.worker:
         worker(Task(args.worker[0], args.steps, args.seed), args.worker[1])
@@ -577,7 +595,7 @@ def main():
     seeds = list(range(1, args.seeds + 1))
     rows, failed = [], False
     print(f"{args.steps} steps, {WORKERS} workers, seeds {seeds[0]}..{seeds[-1]} (means over seeds), "
-          f"text corpus {args.corpus}, lr {args.lr_schedule}")
+          f"text corpus {args.corpus}, {args.per_rank} sequences a rank, lr {args.lr_scale:g}x {args.lr_schedule}")
     print(f"{'model':10} {'optimizer':18} {'held-out loss':>13} {'accuracy':>9} {'gap to ref':>12} "
           f"{'B/step':>9} {'s':>6}")
     for name in models:
