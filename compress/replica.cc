@@ -175,15 +175,20 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   // LambSegments' own.
   SegmentsBehind segments(config_, rule, {begin, begin + n}, range_, x_, m_, v_,
                           v_fresh_, lamb_segments);
-  // A worker's sync starts from x at the last sync; a mirror's x is that.
-  const auto anchor = [&](uint64_t at, uint64_t len) {
-    return rule.sync && !anchor_.empty()
-               ? absl::MakeConstSpan(anchor_).subspan(offset + at, len)
-               : absl::Span<const float>();
-  };
-  const auto fresh = [&](uint64_t at, uint64_t len) {
-    return rule.lamb ? absl::MakeSpan(v_fresh_).subspan(offset + at, len)
-                     : absl::Span<float>();
+  // Applies the decoded values of [begin + at, begin + at + len), then takes
+  // the statistics of the segments that piece completes. A worker's sync
+  // starts from x at the last sync (the anchor); a mirror's x is that.
+  const auto apply = [&](uint64_t at, absl::Span<float> decoded) {
+    const uint64_t len = decoded.size();
+    ApplyRule(rule, decoded, x_.subspan(offset + at, len),
+              absl::MakeSpan(m_).subspan(offset + at, len),
+              absl::MakeSpan(v_).subspan(offset + at, len),
+              rule.sync && !anchor_.empty()
+                  ? absl::MakeConstSpan(anchor_).subspan(offset + at, len)
+                  : absl::Span<const float>(),
+              rule.lamb ? absl::MakeSpan(v_fresh_).subspan(offset + at, len)
+                        : absl::Span<float>());
+    segments.Through(begin + at + len);
   };
   const uint64_t block = rule.codec.block_elems;
   if (rule.codec.kind == CodecKind::kSign1 && block > 0) {
@@ -207,16 +212,9 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
       ActiveKernels().sign1_decode(scales.data(),
                                    reply.data() + 4 * blocks + at / 8, len,
                                    block, decoded.data());
-      ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
-                absl::MakeSpan(m_).subspan(offset + at, len),
-                absl::MakeSpan(v_).subspan(offset + at, len), anchor(at, len),
-                fresh(at, len));
-      segments.Through(begin + at + len);
+      apply(at, decoded.first(len));
     }
-    MORSE_CHECK(segments.done());
-    return absl::OkStatus();
-  }
-  if (const size_t width = ElementBytes(rule.codec.kind); width > 0) {
+  } else if (const size_t width = ElementBytes(rule.codec.kind); width > 0) {
     // fp32/fp16/bf16 (the warmup): the same, a piece at a time.
     if (absl::Status s = ValidatePayload(rule.codec, reply, n); !s.ok())
       return s;
@@ -231,21 +229,13 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
           !s.ok()) {
         return s;
       }
-      ApplyRule(rule, decoded.first(len), x_.subspan(offset + at, len),
-                absl::MakeSpan(m_).subspan(offset + at, len),
-                absl::MakeSpan(v_).subspan(offset + at, len), anchor(at, len),
-                fresh(at, len));
-      segments.Through(begin + at + len);
+      apply(at, decoded.first(len));
     }
-    MORSE_CHECK(segments.done());
-    return absl::OkStatus();
+  } else {
+    const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
+    if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
+    apply(0, decoded);
   }
-  const absl::Span<float> decoded = Scratch(ScratchSlot::kReplyDecoded, n);
-  if (absl::Status s = Decode(rule.codec, reply, decoded); !s.ok()) return s;
-  ApplyRule(rule, decoded, x_.subspan(offset, n),
-            absl::MakeSpan(m_).subspan(offset, n),
-            absl::MakeSpan(v_).subspan(offset, n), anchor(0, n), fresh(0, n));
-  segments.Through(begin + n);
   MORSE_CHECK(segments.done());
   return absl::OkStatus();
 }
