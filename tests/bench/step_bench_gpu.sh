@@ -2,7 +2,7 @@
 # Issue 35's GPU checks in one go, for a GPU host lent for minutes (about
 # 7 minutes on an H200): unpacks a bundle (deploy/bundle.sh), runs the GPU
 # tests first (kernels_kernels_test, e2e_gpu_test, test_cuda_tensors.py: on
-# 2026-11-27 the last one caught two bugs the others did not), then
+# 2026-11-27 it caught two bugs the others did not; test_diloco.py), then
 # tests/bench/step_bench.py on the 134M GPT-like model: one rank on the GPU
 # (torch-alone, OneBitAdam by phase, Adam, with step timelines), OneBitAdam
 # and Adam with a window of every partition, and two ranks sharing the GPU
@@ -37,6 +37,9 @@ stamp "GPU tests"
     echo "FAILED: run-tests.sh gpu"
   (cd "$work/morse/tests/python" && timeout 240 python3 test_cuda_tensors.py 2>&1) ||
     echo "FAILED: test_cuda_tensors.py"
+  # DiLoCo with two ranks' models on the GPU (never run on one before 2026-12-02).
+  (cd "$work/morse/tests/python" && timeout 120 python3 test_diloco.py 2>&1) ||
+    echo "FAILED: test_diloco.py"
 } | grep -E "PASS|FAIL|tests from|all passed|failed|^GPU|^SKIP" | tee "$out/tests.txt"
 grep -q "FAIL" "$out/tests.txt" && status=1
 bench=(python3 "$here/step_bench.py" --model gpt134m --device cuda --shards 2 --steps "$steps" --skip 2)

@@ -7,7 +7,11 @@ follow torch.optim.SGD(nesterov=True) on the ranks' average pseudo-gradient
 (within float rounding of the average). Run with fp32 both ways (and an lr
 scheduler on the inner optimizer) and with int8 and error feedback on both
 sides (and a resume mid-interval in a fresh job); the inner steps clip
-with torch's clip_grad_norm_. Bad arguments, a Morse optimizer as the inner
+with torch's clip_grad_norm_. Where torch sees a GPU, the int8 run again
+with ranks 0 and 1's models on it (rank 2's on the CPU): the outer state
+stays on the host, the models stay CUDA tensors, and every rank and the
+simulator hold the same bits (without a GPU that run is skipped, saying
+so). Bad arguments, a Morse optimizer as the inner
 one among them, are refused before the job is joined, and so is
 morse-run --node-aggregation."""
 import json
@@ -28,12 +32,12 @@ OUTER_MOMENTUM = 0.9
 SAVE_AT = 7  # inner steps: two syncs and one step of the third interval
 
 
-def backward(model, step, rank):
+def backward(model, step, rank, device="cpu"):
     """Rank's batch of inner step `step` (a function of both), its loss's
     backward()."""
     g = torch.Generator().manual_seed(100 * step + rank)
     x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
-    torch.nn.functional.cross_entropy(model(x), y).backward()
+    torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
 
 
 def node_aggregation():
@@ -51,12 +55,16 @@ def node_aggregation():
 def worker(out, codec, phase):
     """phase: "full" trains every step; "save" stops in the middle of the
     third interval and saves each rank's state; "resume" continues from
-    it in a fresh job."""
+    it in a fresh job. codec CODEC@cuda puts ranks 0 and 1's models on the
+    GPU."""
     import numpy as np
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
+    codec, _, where = codec.partition("@")
+    device = torch.device("cuda" if where == "cuda" and rank < 2 else "cpu")
     torch.manual_seed(3 + rank)  # rank 0's initial values must become everyone's
-    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(),
+                                torch.nn.Linear(20, 4)).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     if phase == "full":
         other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
@@ -75,7 +83,7 @@ def worker(out, codec, phase):
     opt = morse.torch.DiLoCo(model, inner, sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
                              outer_momentum=OUTER_MOMENTUM, codec=codec, block_elems=16,
                              partition_elems=64)
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     check(torch.equal(flat, opt.outer_parameters()), "the model does not start from x_outer")
     first = 0
     if phase == "resume":
@@ -104,7 +112,7 @@ def worker(out, codec, phase):
             torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
             return
         opt.zero_grad()
-        backward(model, step, rank)
+        backward(model, step, rank, device)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         if scheduler is not None:
@@ -115,7 +123,9 @@ def worker(out, codec, phase):
         check(opt.step_index == outer + 1, f"after {step + 1} steps: outer step {opt.step_index}")
         np.save(f"{out}/grad-{rank}-{outer}.npy", opt._grad.numpy())
         np.save(f"{out}/outer-{rank}-{outer}.npy", opt.outer_parameters().numpy())
-        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        check(all(p.device.type == device.type for p in model.parameters()),
+              f"sync {outer}: the parameters left {device}")
+        local = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         check(torch.equal(local, opt.outer_parameters()),
               f"sync {outer}: the model is not the outer parameters")
         checksums.append(opt.checksum())
@@ -285,14 +295,19 @@ if __name__ == "__main__":
                          stderr=subprocess.STDOUT, text=True, timeout=120)
     check(run.returncode == 0 and run.stdout.count("REFUSED") == 2,
           f"under --node-aggregation: {run.stdout}")
-    for codec in ("fp32", "int8"):
+    codecs = ["fp32", "int8"]
+    if torch.cuda.is_available():
+        codecs.append("int8@cuda")
+    else:
+        print("SKIPPED: DiLoCo with models on the GPU (torch sees no GPU); the CPU runs below")
+    for codec in codecs:
         out = tempfile.mkdtemp(prefix="morse-diloco-")
         code, log = morse_run(__file__, RANKS, 2, out, codec, "full")
         print(log)
         check(code == 0, f"the job failed ({codec})")
         if codec == "fp32":
             check_outer_steps(out)
-        else:
+        elif codec == "int8":
             # Saved in the middle of an interval.
             check_resumed(out, codec, SAVE_AT // SYNC_EVERY, codec)
             print(f"PASS: resumed at inner step {SAVE_AT} in a fresh job, the same bits")
