@@ -126,6 +126,36 @@ def clip_each_step(model, max_norm):
     return clip
 
 
+def one_cycle(opt, steps):
+    """train_recorded's on_step for a script under torch's OneCycleLR as
+    users build it (lr up and down, betas[0] the other way: its default
+    cycle_momentum), and a function to call after training that checks
+    betas[0] took a new value in all but 2 of the steps."""
+    import torch
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=steps)
+    betas = []
+
+    def on_step(step):
+        betas.append(opt.param_groups[0]["betas"][0])
+        sched.step()
+
+    def check_moved():
+        check(len(set(betas)) >= steps - 2, f"OneCycleLR moved betas[0] in too few steps: {betas}")
+    return on_step, check_moved
+
+
+def check_one_cycle_hypers(out, steps):
+    """What the pushes of a job under one_cycle() carried (hypers.json): each
+    of two groups' lr, weight_decay, betas and eps, the first group's beta2
+    0.99, the second's eps 1e-6, and betas[0] changing every step but 2."""
+    with open(f"{out}/hypers.json") as f:
+        hypers = json.load(f)
+    check(all(len(h) == 2 and len(h[0]) == 5 for h in hypers)
+          and hypers[3][0][3] == 0.99 and hypers[3][1][4] == 1e-6
+          and len({h[0][2] for h in hypers}) >= steps - 2,
+          f"the pushes' betas and eps: {hypers}")
+
+
 def clip_in_job(out, max_norm):
     """Adds clip_grad_norm: max_norm to the job train_recorded wrote to
     `out`, for the simulator: the script's clip_grad_norm_(..., max_norm)

@@ -20,7 +20,8 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, train_recorded  # noqa: E402
+from harness import (check, check_ranks_match_simulator, clip_in_job, morse_run, one_cycle,  # noqa: E402
+                     train_recorded)
 
 STEPS = 12
 
@@ -31,8 +32,8 @@ def worker(out, clip):
     # (cycle_momentum=True, its default), which OneBitAdam follows step by
     # step and group by group, in warmup and compression alike (design.md
     # 2.1).
-    one_cycle = clip == "one_cycle"
-    clip = "none" if one_cycle else clip
+    cycling = clip == "one_cycle"
+    clip = "none" if cycling else clip
     script = clip.startswith("script")  # the script calls clip_grad_norm_
     clip = clip[len("script"):] if script else clip
     torch.manual_seed(2)
@@ -48,7 +49,7 @@ def worker(out, clip):
     # every step's pushes carry each group's betas.
     params = ([{"params": model[0].parameters(), "betas": (0.9, 0.99)},
                {"params": [*model[2].parameters(), model.unused]}]
-              if one_cycle else model.parameters())
+              if cycling else model.parameters())
     opt = morse.torch.OneBitAdam(params, lr=0.01, freeze_step=4, block_elems=16,
                                  partition_elems=64, overlap=rank % 2 == 0,
                                  missing_grads="zero",  # the unused parameter (torch 2 zero_grad sets None)
@@ -62,19 +63,14 @@ def worker(out, clip):
             check((abs(norm - own) <= 1e-5 * own) == (step >= 4),
                   f"step {step}: clip_grad_norm_ returned {norm}, this rank's own norm {own}")
 
-    betas = []
     on_step = None
-    if one_cycle:
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=STEPS)
-
-        def on_step(step):
-            betas.append(opt.param_groups[0]["betas"][0])
-            sched.step()
+    if cycling:
+        on_step, check_moved = one_cycle(opt, STEPS)
     checksums = train_recorded(opt, model, out, STEPS, features=10, classes=4,
                                on_gradient=clips if clip != "none" else None, on_step=on_step,
-                               record_hypers=one_cycle)
-    if one_cycle:
-        check(len(set(betas)) >= STEPS - 2, f"OneCycleLR moved betas[0] in too few steps: {betas}")
+                               record_hypers=cycling)
+    if cycling:
+        check_moved()
     check(torch.equal(model.unused.detach(), torch.full((7,), 0.5)), "a parameter with v = 0 moved")
     # state_dict round trip: the error buffer is in it, a changed state
     # changes the replica, and loading the saved state restores it exactly.
