@@ -182,6 +182,15 @@ def note_left_out(records, lines):
                                       if record["step"] - 1 <= s < until])
 
 
+def failure_log(lines):
+    """What to show of a job that failed: every rank's lines (their
+    errors, rejoins and tracebacks; the last 200), then the job's last 20
+    lines (the shards' progress)."""
+    ranks = [line for line in lines if re.match(r"^\[(?:rank|worker) ", line)][-200:]
+    return "".join(["--- the ranks' output:\n"] + ranks + ["--- the job's last lines:\n"]
+                   + lines[-20:])
+
+
 def run(args, faults):
     """One job; returns (exit code, output lines, results, fault records)."""
     out = tempfile.mkdtemp(prefix="morse-campaign-")
@@ -353,12 +362,33 @@ log_every: 100
         start(("rank", r))
     records, plan = [], list(faults)
     away = {}  # rank -> the step at which it comes back
+    failures = {}  # rank -> its exits with an error that were restarted
     last_fault = -args.gap
     deadline = time.time() + 1800
-    while any(procs[("rank", r)].poll() is None for r in range(args.workers)) or away:
+
+    def failed():
+        # Ranks that exited with an error on their own (not killed here: a
+        # killed one is started again at once) and that a supervisor would
+        # restart (systemd's Restart=on-failure, morse-run --rank-restarts):
+        # e.g. a rank back from its checkpoint that the job left behind
+        # while it started ("too far behind to catch up: restart it").
+        return [r for r in range(args.workers) if r not in away
+                and procs[("rank", r)].poll() not in (None, 0)
+                and failures.get(r, 0) < (args.failure_restarts if faults else 0)]
+
+    while (any(procs[("rank", r)].poll() is None for r in range(args.workers)) or away
+           or failed()):
         time.sleep(0.05)
         if time.time() > deadline:
             break
+        for r in failed():
+            failures[r] = failures.get(r, 0) + 1
+            with lock:
+                seen = len(lines)
+            records.append({"kind": "rank", "who": r, "step": worker_progress([r]),
+                            "killed_at": time.time(), "seen": seen,
+                            "exited": procs[("rank", r)].returncode})
+            start(("rank", r), again=True)
         for r, back in list(away.items()):
             if leader_progress() >= back or all(procs[("rank", o)].poll() is not None
                                                for o in range(args.workers) if o not in away):
@@ -466,6 +496,9 @@ def main():
     p.add_argument("--pace", type=float, default=0.0, metavar="SECONDS",
                    help="--workload torch: each step's compute takes at least this long, as a "
                         "bigger model's would (default 0: the MLP's own, about 1 ms)")
+    p.add_argument("--failure-restarts", type=int, default=2,
+                   help="with --min-workers, times a rank that exits with an error on its own is "
+                        "restarted, as a supervisor would (default 2)")
     p.add_argument("--verbose", action="store_true", help="show morse-run's output as it comes")
     p.add_argument("--python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3")
                    else sys.executable,
@@ -489,7 +522,7 @@ def main():
         faults[index][1] = "shard"
     if args.min_workers:  # every other rank kill stays away
         ranks = [f for f in faults if f[1] == "rank"]
-        for f in ranks[1::2]:
+        for f in ranks[1::2] or ranks[:1]:  # at least one, where there is a rank kill
             f[1] = "rank-away"
     faults = [tuple(f) for f in faults]
 
@@ -511,7 +544,8 @@ def main():
     for r in records:
         replayed = r["completed"] - r["from"] if "completed" in r else "?"
         seconds = f"{r['rejoin_seconds']:.1f}" if "rejoin_seconds" in r else "?"
-        kind = f"{r['kind']} {r['who']}" + (" (away)" if r.get("away") else "")
+        kind = f"{r['kind']} {r['who']}" + (" (away)" if r.get("away") else "") + (
+            f" (exited {r['exited']}, restarted)" if "exited" in r else "")
         print(f"| {kind} | {r['step']} | {r.get('from', '?')} | {replayed} | {seconds} |"
               + (f" {r.get('left_out', '-')} |" if args.min_workers else ""))
     if args.min_workers:
@@ -537,7 +571,7 @@ def main():
               "back, every rank ends with the same model" if ok else
               "FAILED: see the log above")
         if not ok:
-            sys.stdout.write("".join(lines[-40:]))
+            sys.stdout.write(failure_log(lines))
         return 0 if ok else 1
     for key in ("tail_loss", "held_out"):
         undisturbed.pop(key, None)
@@ -551,7 +585,7 @@ def main():
     print("IDENTICAL: every rank's final loss and checksum equal the undisturbed run's" if same and
           code == 0 else "DIFFERENT or unfinished: see the log above")
     if not (same and code == 0):
-        sys.stdout.write("".join(lines[-40:]))
+        sys.stdout.write(failure_log(lines))
     return 0 if same and code == 0 else 1
 
 
