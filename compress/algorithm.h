@@ -113,6 +113,12 @@ struct DilocoSpec {
   // (MergeOuter, compress/optimizers/diloco.h); mixing in [0, 1).
   int64_t overlap_steps = 0;
   float mixing = 0.0f;
+  // A synchronous warmup: the first warmup_steps outer steps come after
+  // warmup_sync_every inner steps each (1: every inner step syncs, close to
+  // synchronous training while the model moves fastest), the later ones
+  // after sync_every / fragments (InnerStepsBefore, diloco.h). 0: none.
+  int64_t warmup_steps = 0;
+  int64_t warmup_sync_every = 1;  // at least 1; above overlap_steps
 };
 
 // A onebit_lamb layer's state, the same on every replica (compress/lamb.h).

@@ -96,8 +96,9 @@ class Optimizer {
   // local phase), keeping an anchor and an accumulated update.
   virtual bool StepsLocally() const { return false; }
   // The inner steps each worker takes per job step with an optimizer of its
-  // own, whose result it pushes (diloco's sync_every); 0: none, a step's
-  // push is its gradient.
+  // own, whose result it pushes (diloco's sync_every / fragments, after any
+  // warmup: InnerStepsBefore, optimizers/diloco.h); 0: none, a step's push
+  // is its gradient.
   virtual int64_t InnerSteps(const AlgorithmConfig& /*config*/) const {
     return 0;
   }

@@ -269,6 +269,9 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     if (d.has_nesterov()) a.diloco.nesterov = d.nesterov();
     if (d.has_fragments()) a.diloco.fragments = d.fragments();
     if (d.has_overlap_steps()) a.diloco.overlap_steps = d.overlap_steps();
+    if (d.has_warmup_steps()) a.diloco.warmup_steps = d.warmup_steps();
+    if (d.has_warmup_sync_every())
+      a.diloco.warmup_sync_every = d.warmup_sync_every();
     a.diloco.mixing = d.has_mixing()
                           ? d.mixing()
                           : (a.diloco.overlap_steps > 0 ? 0.5f : 0.0f);

@@ -121,6 +121,14 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", options_.device, ": use auto, cpu or cuda"));
   }
+  if (job_.algorithm.optimizer == compress::OptimizerKind::kDiloco &&
+      job_.algorithm.diloco.warmup_steps > 0) {
+    // InnerAdam takes the same count every outer step.
+    return absl::UnimplementedError(absl::StrCat(
+        "diloco.warmup_steps (", job_.algorithm.diloco.warmup_steps,
+        ") is morse.torch.DiLoCo's for now: morse-worker's inner Adam takes "
+        "sync_every / fragments steps every outer step; leave it unset"));
+  }
   auto workload = MakeWorkload(job_, options_.rank);
   if (!workload.ok()) return workload.status();
   workload_ = *std::move(workload);

@@ -19,6 +19,11 @@
 // other partitions are idle in that step (empty pushes and replies, nothing
 // changes). Each fragment thus syncs every H inner steps, F steps apart.
 //
+// Warmup (warmup_steps K, warmup_sync_every h): the first K outer steps
+// come after h inner steps each (h = 1: every inner step syncs, close to
+// synchronous training while the model moves fastest), the later ones after
+// H / F. Only the workers count inner steps: the shards' rule is unchanged.
+//
 // Overlap (the 2025 paper's tau; overlap_steps): a worker begins outer step
 // t's exchange and takes the first tau inner steps of step t + 1 before it
 // waits for the reply; then its synced partitions merge the new outer
@@ -82,6 +87,19 @@ class Diloco final : public Optimizer {
           "got ",
           d.overlap_steps));
     }
+    if (d.warmup_steps < 0 || d.warmup_sync_every < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.warmup_steps must be at least 0 and warmup_sync_every at "
+          "least 1, got ",
+          d.warmup_steps, " and ", d.warmup_sync_every));
+    }
+    if (d.warmup_steps > 0 && d.overlap_steps >= d.warmup_sync_every) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "diloco.overlap_steps (", d.overlap_steps,
+          ") must be below warmup_sync_every (", d.warmup_sync_every,
+          ") with warmup_steps: a reply is applied before the next exchange "
+          "begins"));
+    }
     if (!(d.mixing >= 0.0f && d.mixing < 1.0f)) {
       return absl::InvalidArgumentError(
           absl::StrCat("diloco.mixing must be in [0, 1), got ", d.mixing));
@@ -107,6 +125,10 @@ class Diloco final : public Optimizer {
     if (c.diloco.overlap_steps != 0 || c.diloco.mixing != 0.0f) {
       hash.MixInt(static_cast<uint64_t>(c.diloco.overlap_steps));
       hash.MixWords(&c.diloco.mixing, sizeof(float));
+    }
+    if (c.diloco.warmup_steps != 0) {  // none mixes nothing, as above
+      hash.MixInt(static_cast<uint64_t>(c.diloco.warmup_steps));
+      hash.MixInt(static_cast<uint64_t>(c.diloco.warmup_sync_every));
     }
   }
 
@@ -165,6 +187,13 @@ void MergeOuter(const AlgorithmConfig& config, const Layout& layout,
     for (uint64_t j = p.range.begin; j < p.range.end; ++j)
       local[j] = mixing * local[j] + rest * outer[j];
   }
+}
+
+int64_t InnerStepsBefore(const AlgorithmConfig& config, int64_t step) {
+  const DilocoSpec& d = config.diloco;
+  const int64_t warmup = std::min(step, d.warmup_steps);
+  return warmup * d.warmup_sync_every +
+         (step - warmup) * (d.sync_every / d.fragments);
 }
 
 const Optimizer& DilocoOptimizer() {

@@ -23,6 +23,12 @@ void MergeOuter(const AlgorithmConfig& config, const Layout& layout,
                 int64_t step, absl::Span<const float> outer,
                 absl::Span<float> local);
 
+// The inner steps a worker takes before outer step `step` (>= 0) begins:
+// warmup_sync_every for each of the first warmup_steps outer steps, then
+// sync_every / fragments for each later one. Outer step t thus syncs after
+// InnerStepsBefore(t + 1) inner steps.
+int64_t InnerStepsBefore(const AlgorithmConfig& config, int64_t step);
+
 }  // namespace morse::compress
 
 #endif  // MORSE_COMPRESS_OPTIMIZERS_DILOCO_H_

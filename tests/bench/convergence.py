@@ -24,7 +24,9 @@ for int8, int4 and sign1), the paper's outer optimizer (lr 0.7, Nesterov
 momentum 0.9; --diloco-outer sets others). Streaming DiLoCo runs as
 diloco-H-CODEC-sF (F fragments, one synced every H/F steps) or
 diloco-H-CODEC-sF-oT (each sync applied T inner steps later, mixing 0.5),
-with partitions small enough that F divides their count. It prints held-out loss and accuracy, the relative gap of
+with partitions small enough that F divides their count. A -wK suffix
+(diloco-20-int4-w40) syncs after each of the first K inner steps before
+the intervals begin (DiLoCo's warmup_steps). It prints held-out loss and accuracy, the relative gap of
 the held-out loss to the reference, and the bytes each worker pushed per
 step (payload, averaged over the run).
 
@@ -37,7 +39,7 @@ docs/convergence.md.
 
     tests/bench/convergence.py [--steps N] [--models cnn,gru,attention,gpt] [--workers N]
                                [--optimizers adam,onebit_adam,loco,zero_one_adam,onebit_lamb,
-                                             diloco-H-CODEC[-sF[-oT]]]
+                                             diloco-H-CODEC[-sF[-oT]][-wK]]
                                [--zero-one-schedule F,S,C[,K]] [--lamb-lr-scale K]
                                [--lamb-freeze F] [--diloco-outer LR,MOMENTUM]
                                [--block-elems N] [--seeds N] [--corpus licenses|python]
@@ -385,18 +387,19 @@ def worker(task, optimizer):
                                      freeze_step=max(1, int(task.steps * freeze)),
                                      block_elems=block_elems)
     elif optimizer.startswith("diloco-"):
-        every, codec, fragments, overlap = diloco_spec(optimizer)
+        every, codec, fragments, overlap, warmup = diloco_spec(optimizer)
         inner = torch.optim.Adam(model.parameters(), lr=lr)
         outer_lr, outer_momentum = (float(v) for v in
                                     os.environ.get("MORSE_DILOCO_OUTER", "0.7,0.9").split(","))
-        streaming = dict(overlap_steps=overlap)
+        streaming = dict(overlap_steps=overlap, warmup_steps=warmup)
         if fragments > 1:
             # The largest partitions whose count F divides (one shard).
             dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
             block = block_elems or 2048
             size = next(block * m for m in range(-(-dim // (block * fragments)), 0, -1)
                         if -(-dim // (block * m)) % fragments == 0)
-            streaming = dict(fragments=fragments, overlap_steps=overlap, partition_elems=size)
+            streaming = dict(fragments=fragments, overlap_steps=overlap, warmup_steps=warmup,
+                             partition_elems=size)
         opt = morse.torch.DiLoCo(model, inner, sync_every=every, codec=codec,
                                  outer_lr=outer_lr, outer_momentum=outer_momentum,
                                  block_elems=block_elems, **streaming)
@@ -454,27 +457,32 @@ DEFAULT_OPTIMIZERS = ("adam", "onebit_adam", "loco", "zero_one_adam")
 
 
 def diloco_spec(name):
-    """(H, CODEC, F, T) of diloco-H-CODEC[-sF[-oT]], or None."""
+    """(H, CODEC, F, T, K) of diloco-H-CODEC[-sF[-oT]][-wK], or None."""
     parts = name.split("-")
-    if not (3 <= len(parts) <= 5 and parts[0] == "diloco" and parts[1].isdigit()
+    if not (3 <= len(parts) <= 6 and parts[0] == "diloco" and parts[1].isdigit()
             and int(parts[1]) >= 1 and parts[2] in ("fp32", "fp16", "bf16", "int8", "int4", "sign1")):
         return None
-    fragments, overlap = 1, 0
-    if len(parts) >= 4:
-        if parts[3][:1] != "s" or not parts[3][1:].isdigit() or int(parts[3][1:]) < 1:
+    # The optional suffixes in this order: sF, oT (after sF), wK.
+    found = {"s": 1, "o": 0, "w": 0}
+    order = "sow"
+    for part in parts[3:]:
+        key, value = part[:1], part[1:]
+        if key not in order or not value.isdigit():
             return None
-        fragments = int(parts[3][1:])
-    if len(parts) == 5:
-        if parts[4][:1] != "o" or not parts[4][1:].isdigit():
+        if key == "o" and len(parts) >= 4 and parts[3][:1] != "s":
             return None
-        overlap = int(parts[4][1:])
-    if int(parts[1]) % fragments or overlap >= int(parts[1]) // fragments:
+        order = order[order.index(key) + 1:]
+        found[key] = int(value)
+    fragments, overlap, warmup = found["s"], found["o"], found["w"]
+    if fragments < 1 or int(parts[1]) % fragments or overlap >= int(parts[1]) // fragments:
         return None
-    return int(parts[1]), parts[2], fragments, overlap
+    if warmup and overlap:  # the warmup's syncs are one inner step apart
+        return None
+    return int(parts[1]), parts[2], fragments, overlap, warmup
 
 
 def is_diloco(name):
-    """Whether `name` is diloco-H-CODEC[-sF[-oT]]."""
+    """Whether `name` is diloco-H-CODEC[-sF[-oT]][-wK]."""
     return diloco_spec(name) is not None
 
 
@@ -582,8 +590,9 @@ def main():
         parser.error(f"unknown model {bad!r}: cnn, gru, attention or gpt")
     for bad in [o for o in optimizers if o not in OPTIMIZERS and not is_diloco(o)]:
         parser.error(f"unknown optimizer {bad!r}: one of {', '.join(OPTIMIZERS)}, or "
-                     "diloco-H-CODEC[-sF[-oT]] (H >= 1; CODEC fp32, fp16, bf16, int8, int4 or sign1; "
-                     "F fragments dividing H; T < H/F overlap steps)")
+                     "diloco-H-CODEC[-sF[-oT]][-wK] (H >= 1; CODEC fp32, fp16, bf16, int8, int4 or "
+                     "sign1; F fragments dividing H; T < H/F overlap steps; K warmup syncs, one "
+                     "inner step each, without T)")
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
     if args.steps < 1:

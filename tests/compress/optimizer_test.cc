@@ -167,13 +167,29 @@ TEST(OptimizerTest, DilocoRefusesWhatItCannotRun) {
   refused([](AlgorithmConfig& c) { c.diloco.outer_momentum = -0.5f; },
           "outer_momentum");
   refused([](AlgorithmConfig& c) { c.clip_grad_norm = 1; }, "clip_grad_norm");
+  refused([](AlgorithmConfig& c) { c.diloco.warmup_steps = -1; },
+          "warmup_steps");
+  refused([](AlgorithmConfig& c) { c.diloco.warmup_sync_every = 0; },
+          "warmup_sync_every");
+  refused(
+      [](AlgorithmConfig& c) {  // the warmup's syncs one inner step apart
+        c.diloco.sync_every = 4;
+        c.diloco.overlap_steps = 1;
+        c.diloco.warmup_steps = 3;
+      },
+      "below warmup_sync_every");
   // Each outer setting is part of the job's fingerprint.
   const AlgorithmConfig base = Config(OptimizerKind::kDiloco);
   for (void (*edit)(AlgorithmConfig&) :
        {+[](AlgorithmConfig& c) { c.diloco.sync_every = 7; },
         +[](AlgorithmConfig& c) { c.diloco.outer_lr = 0.5f; },
         +[](AlgorithmConfig& c) { c.diloco.outer_momentum = 0.5f; },
-        +[](AlgorithmConfig& c) { c.diloco.nesterov = false; }}) {
+        +[](AlgorithmConfig& c) { c.diloco.nesterov = false; },
+        +[](AlgorithmConfig& c) { c.diloco.warmup_steps = 10; },
+        +[](AlgorithmConfig& c) {
+          c.diloco.warmup_steps = 10;
+          c.diloco.warmup_sync_every = 2;
+        }}) {
     AlgorithmConfig c = base;
     edit(c);
     EXPECT_NE(AlgorithmFingerprint(c), AlgorithmFingerprint(base));
@@ -230,6 +246,29 @@ AlgorithmConfig StreamingConfig() {
   c.up_codec = c.down_codec = c.warmup_codec = CodecSpec{CodecKind::kFp32, 16};
   c.layers.clear();
   return c;
+}
+
+// The inner steps before each outer step: the warmup's count for the first
+// warmup_steps outer steps, then sync_every / fragments each (the schedule
+// written out).
+TEST(OptimizerTest, DilocoWarmupSyncsSoonerThenEveryInterval) {
+  AlgorithmConfig c = StreamingConfig();
+  c.diloco.sync_every = 6;
+  EXPECT_EQ(InnerStepsBefore(c, 0), 0);
+  EXPECT_EQ(InnerStepsBefore(c, 3), 18);  // no warmup: every 6
+  c.diloco.warmup_steps = 3;
+  ASSERT_TRUE(ValidateAlgorithmConfig(c).ok()) << ValidateAlgorithmConfig(c);
+  const std::vector<int64_t> want = {0, 1, 2, 3, 9, 15};
+  for (int64_t t = 0; t < static_cast<int64_t>(want.size()); ++t)
+    EXPECT_EQ(InnerStepsBefore(c, t), want[t]) << "outer step " << t;
+  c.diloco.warmup_sync_every = 2;
+  c.diloco.fragments = 2;  // after the warmup, one fragment every 3
+  c.diloco.overlap_steps = 1;
+  ASSERT_TRUE(ValidateAlgorithmConfig(c).ok()) << ValidateAlgorithmConfig(c);
+  const std::vector<int64_t> streaming = {0, 2, 4, 6, 9, 12};
+  for (int64_t t = 0; t < static_cast<int64_t>(streaming.size()); ++t)
+    EXPECT_EQ(InnerStepsBefore(c, t), streaming[t]) << "outer step " << t;
+  EXPECT_EQ(OptimizerOf(c).InnerSteps(c), 3);  // the steady interval
 }
 
 TEST(OptimizerTest, StreamingDilocoSyncsOneFragmentAStep) {

@@ -294,5 +294,29 @@ TEST(TrainerTest, RefusesAnUnknownDeviceBeforeJoining) {
       << trainer.status();
 }
 
+// diloco's synchronous warmup is morse.torch.DiLoCo's for now: morse-worker
+// refuses it before joining, saying so.
+TEST(TrainerTest, RefusesADilocoWarmupBeforeJoining) {
+  auto job = proto::ParseJobConfig(R"(
+    workers: 1 shards: 1
+    synthetic { dim: 3000 noise: 0.1 }
+    lr { lr: 0.01 }
+    steps: 5
+    optimizer: "diloco" diloco { sync_every: 3 warmup_steps: 2 })",
+                                   proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto cluster = InProcessCluster::Create(*job, {});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  worker::TrainerOptions options;
+  options.security.insecure = true;
+  options.log = [](const std::string&) {};
+  auto trainer = worker::Trainer::Create(*job, options, (*cluster)->Connect());
+  EXPECT_EQ(trainer.status().code(), absl::StatusCode::kUnimplemented)
+      << trainer.status();
+  EXPECT_NE(trainer.status().message().find("morse.torch.DiLoCo"),
+            std::string::npos)
+      << trainer.status();
+}
+
 }  // namespace
 }  // namespace morse::inproc

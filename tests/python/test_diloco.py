@@ -5,8 +5,10 @@ single-process simulator's, fed the pseudo-gradients the ranks pushed, and
 every rank's model must be the outer parameters; the outer parameters must
 follow torch.optim.SGD(nesterov=True) on the ranks' average pseudo-gradient
 (within float rounding of the average). Run with fp32 both ways (and an lr
-scheduler on the inner optimizer) and with int8 and error feedback on both
-sides (and a resume mid-interval in a fresh job); the inner steps clip
+scheduler on the inner optimizer), with int8 and error feedback on both
+sides (and a resume mid-interval in a fresh job), and the same with a
+synchronous warmup (warmup_steps: each sync at the inner step the schedule
+written out here says, resumed mid-interval too); the inner steps clip
 with torch's clip_grad_norm_. Where torch sees a GPU, the int8 run again
 with ranks 0 and 1's models on it (rank 2's on the CPU): the outer state
 stays on the host, the models stay CUDA tensors, and every rank and the
@@ -30,6 +32,11 @@ SYNCS = 4
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 SAVE_AT = 7  # inner steps: two syncs and one step of the third interval
+# int8+warmup: the first WARMUP outer steps after one inner step each, then
+# every SYNC_EVERY: syncs after inner steps 1, 2, 5, 8 and 11 of the 12 (the
+# schedule written out), SAVE_AT two steps into the fourth interval.
+WARMUP = 2
+WARMUP_SYNCS_AT = [1, 2, 5, 8, 11]
 
 
 def backward(model, step, rank, device="cpu"):
@@ -53,13 +60,16 @@ def node_aggregation():
 
 
 def worker(out, codec, phase):
-    """phase: "full" trains every step; "save" stops in the middle of the
-    third interval and saves each rank's state; "resume" continues from
+    """phase: "full" trains every step; "save" stops in the middle of an
+    interval (SAVE_AT) and saves each rank's state; "resume" continues from
     it in a fresh job. codec CODEC@cuda puts ranks 0 and 1's models on the
-    GPU."""
+    GPU; CODEC+warmup syncs after each of the first WARMUP inner steps."""
     import numpy as np
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
+    codec, _, warmup = codec.partition("+")
+    warmup = dict(warmup_steps=WARMUP) if warmup == "warmup" else {}
+    syncs_at = WARMUP_SYNCS_AT if warmup else [SYNC_EVERY * (k + 1) for k in range(SYNCS)]
     codec, _, where = codec.partition("@")
     device = torch.device("cuda" if where == "cuda" and rank < 2 else "cpu")
     torch.manual_seed(3 + rank)  # rank 0's initial values must become everyone's
@@ -71,6 +81,10 @@ def worker(out, codec, phase):
         for bad, kind in ((dict(sync_every=0), ValueError), (dict(outer_momentum=1.0), ValueError),
                           (dict(outer_lr=-1.0), ValueError), (dict(inner_optimizer=other), ValueError),
                           (dict(inner_optimizer="adamw"), TypeError),
+                          (dict(warmup_steps=-1), ValueError),
+                          (dict(warmup_steps=2, warmup_sync_every=0), ValueError),
+                          # The warmup's syncs are one inner step apart.
+                          (dict(warmup_steps=2, overlap_steps=1), ValueError),
                           # A Morse optimizer (not built: it would join the job).
                           (dict(inner_optimizer=object.__new__(morse.torch.Adam)), ValueError)):
             args = dict(inner_optimizer=inner, world_size=RANKS, servers=["unused:1"])
@@ -82,7 +96,7 @@ def worker(out, codec, phase):
                 print(f"refused {sorted(bad)}: {e}")
     opt = morse.torch.DiLoCo(model, inner, sync_every=SYNC_EVERY, outer_lr=OUTER_LR,
                              outer_momentum=OUTER_MOMENTUM, codec=codec, block_elems=16,
-                             partition_elems=64)
+                             partition_elems=64, **warmup)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     check(torch.equal(flat, opt.outer_parameters()), "the model does not start from x_outer")
     first = 0
@@ -117,10 +131,12 @@ def worker(out, codec, phase):
         opt.step()
         if scheduler is not None:
             scheduler.step()
-        if (step + 1) % SYNC_EVERY:
+        synced = len([s for s in syncs_at if s <= step + 1])
+        check(opt.step_index == synced, f"after {step + 1} inner steps: outer step "
+              f"{opt.step_index}, the schedule {syncs_at} has {synced}")
+        if step + 1 not in syncs_at:
             continue
-        outer = (step + 1) // SYNC_EVERY - 1
-        check(opt.step_index == outer + 1, f"after {step + 1} steps: outer step {opt.step_index}")
+        outer = synced - 1
         np.save(f"{out}/grad-{rank}-{outer}.npy", opt._grad.numpy())
         np.save(f"{out}/outer-{rank}-{outer}.npy", opt.outer_parameters().numpy())
         check(all(p.device.type == device.type for p in model.parameters()),
@@ -295,7 +311,7 @@ if __name__ == "__main__":
                          stderr=subprocess.STDOUT, text=True, timeout=120)
     check(run.returncode == 0 and run.stdout.count("REFUSED") == 2,
           f"under --node-aggregation: {run.stdout}")
-    codecs = ["fp32", "int8"]
+    codecs = ["fp32", "int8", "int8+warmup"]
     if torch.cuda.is_available():
         codecs.append("int8@cuda")
     else:
@@ -307,16 +323,20 @@ if __name__ == "__main__":
         check(code == 0, f"the job failed ({codec})")
         if codec == "fp32":
             check_outer_steps(out)
-        elif codec == "int8":
+        elif codec in ("int8", "int8+warmup"):
             # Saved in the middle of an interval.
-            check_resumed(out, codec, SAVE_AT // SYNC_EVERY, codec)
-            print(f"PASS: resumed at inner step {SAVE_AT} in a fresh job, the same bits")
+            schedule = (WARMUP_SYNCS_AT if "warmup" in codec
+                        else [SYNC_EVERY * (k + 1) for k in range(SYNCS)])
+            check_resumed(out, codec, len([s for s in schedule if s <= SAVE_AT]), codec)
+            print(f"PASS: resumed at inner step {SAVE_AT} in a fresh job, the same bits ({codec})")
+        syncs = len(WARMUP_SYNCS_AT) if "warmup" in codec else SYNCS
         for r in range(RANKS):
-            for outer in range(SYNCS):
+            for outer in range(syncs):
                 os.remove(f"{out}/outer-{r}-{outer}.npy")
-        check_ranks_match_simulator(out, RANKS, SYNCS)
-        print(f"PASS: {SYNCS} syncs of {SYNC_EVERY} inner steps, {RANKS} ranks bit-identical to "
-              f"each other and to the simulator ({codec})")
+        check_ranks_match_simulator(out, RANKS, syncs)
+        warmed = f"{WARMUP} of one inner step, then " if "warmup" in codec else ""
+        print(f"PASS: {syncs} syncs ({warmed}{SYNC_EVERY} inner steps each), {RANKS} ranks "
+              f"bit-identical to each other and to the simulator ({codec})")
     for overlap in ("0", "1"):
         # Streaming: 6 syncs of alternating fragments, int4 with feedback;
         # saved with the second fragment half-way and resumed in a fresh job.

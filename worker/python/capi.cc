@@ -510,6 +510,28 @@ int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
   });
 }
 
+int morse_session_inner_steps_before(morse_session* s, int64_t step,
+                                     int64_t* inner_steps) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(inner_steps, "inner_steps"); !st.ok())
+      return st;
+    const morse::compress::AlgorithmConfig& algorithm =
+        s->session->job().algorithm;
+    if (algorithm.optimizer != morse::compress::OptimizerKind::kDiloco) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "inner_steps_before is diloco's; this job's optimizer is ",
+          morse::compress::OptimizerOf(algorithm).name()));
+    }
+    if (step < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", step, ": an outer step, at least 0"));
+    }
+    *inner_steps = morse::compress::InnerStepsBefore(algorithm, step);
+    return absl::OkStatus();
+  });
+}
+
 int64_t morse_session_step(morse_session* s) {
   return s == nullptr ? -1 : s->session->step();
 }

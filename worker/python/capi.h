@@ -150,6 +150,11 @@ int morse_session_idle(morse_session* s, int64_t step, uint32_t partition,
  * the job's diloco.mixing; the others are left. */
 int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
                               uint64_t dim);
+/* diloco: the inner steps a worker takes before outer step `step` (>= 0)
+ * begins, by compress::InnerStepsBefore (the job's warmup, then
+ * sync_every / fragments each). */
+int morse_session_inner_steps_before(morse_session* s, int64_t step,
+                                     int64_t* inner_steps);
 int64_t morse_session_step(morse_session* s);
 /* The sum of squares of the last step's averaged gradient when that step
    clipped it (clip_grad_norm): *present 1 and *value; else *present 0. */

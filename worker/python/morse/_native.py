@@ -75,6 +75,7 @@ def _load():
         "morse_session_partitions": ([P, ctypes.POINTER(U64), U64, ctypes.POINTER(U64)], I),
         "morse_session_idle": ([P, ctypes.c_int64, ctypes.c_uint32, ctypes.POINTER(I)], I),
         "morse_session_merge_outer": ([P, I64, P, U64], I),
+        "morse_session_inner_steps_before": ([P, I64, ctypes.POINTER(I64)], I),
         "morse_session_step": ([P], I64),
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
@@ -330,6 +331,14 @@ class Session:
         synced become the outer ones, or a mix by diloco.mixing)."""
         _check(_lib.morse_session_merge_outer(
             self._handle, step, _float32_array(local, "local", writable=True), local.size))
+
+    def inner_steps_before(self, step):
+        """diloco: the inner steps a worker takes before outer step `step`
+        begins (compress::InnerStepsBefore: the job's warmup, then
+        sync_every / fragments each)."""
+        inner = ctypes.c_int64()
+        _check(_lib.morse_session_inner_steps_before(self._handle, step, ctypes.byref(inner)))
+        return inner.value
 
     @property
     def step_index(self):

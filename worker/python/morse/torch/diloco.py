@@ -61,8 +61,10 @@ class DiLoCo:
     (Streaming DiLoCo); overlap_steps=tau (less than sync_every / F) applies
     each sync tau inner steps after it began, mixing the fragment's local
     parameters with the new outer ones by `mixing` (flush() after the last
-    step() applies the sync still in flight). Learning-rate schedulers take the inner
-    optimizer. Rank 0's initial parameters become every rank's. Every rank
+    step() applies the sync still in flight). warmup_steps=K makes the
+    first K syncs come after warmup_sync_every (1) inner steps each, then
+    every sync_every / fragments (a synchronous start: design.md 2.11).
+    Learning-rate schedulers take the inner optimizer. Rank 0's initial parameters become every rank's. Every rank
     holds bit-identical outer parameters after each sync, as do the shards'
     mirrors and the simulator fed the same pseudo-gradients.
 
@@ -73,7 +75,7 @@ class DiLoCo:
 
     def __init__(self, params, inner_optimizer, *, sync_every=500, outer_lr=0.7,
                  outer_momentum=0.9, nesterov=True, fragments=1, overlap_steps=0, mixing=None,
-                 codec="fp32", down_codec=None,
+                 warmup_steps=0, warmup_sync_every=1, codec="fp32", down_codec=None,
                  feedback=None, feedback_beta=None, steps=0, config=None, rank=None,
                  world_size=None, servers=None, block_elems=None, partition_elems=None,
                  security=None):
@@ -86,7 +88,9 @@ class DiLoCo:
                              "own: give it a torch optimizer (e.g. torch.optim.AdamW)")
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every={sync_every!r}: a whole number of inner steps, at least 1")
-        for name, value in (("fragments", fragments), ("overlap_steps", overlap_steps)):
+        for name, value in (("fragments", fragments), ("overlap_steps", overlap_steps),
+                            ("warmup_steps", warmup_steps),
+                            ("warmup_sync_every", warmup_sync_every)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name}={value!r}: a whole number")
         if fragments < 1 or sync_every % fragments:
@@ -98,6 +102,13 @@ class DiLoCo:
             raise ValueError(f"overlap_steps={overlap_steps}: in [0, {period}) (a sync must be "
                              f"applied before the next begins, sync_every / fragments = {period} "
                              "steps later)")
+        if warmup_steps < 0 or warmup_sync_every < 1:
+            raise ValueError(f"warmup_steps={warmup_steps}, warmup_sync_every={warmup_sync_every}: "
+                             "at least 0 outer steps of at least 1 inner step each")
+        if warmup_steps and overlap_steps >= warmup_sync_every:
+            raise ValueError(f"overlap_steps={overlap_steps}: below warmup_sync_every="
+                             f"{warmup_sync_every} with warmup_steps (a sync must be applied "
+                             "before the next begins)")
         mixing = (0.5 if overlap_steps else 0.0) if mixing is None else _float("mixing", mixing)
         if not 0 <= mixing < 1:
             raise ValueError(f"mixing={mixing!r}: in [0, 1)")
@@ -124,7 +135,7 @@ class DiLoCo:
         self.inner = inner_optimizer
         self.sync_every = sync_every
         self.fragments, self.overlap_steps, self.mixing = fragments, overlap_steps, mixing
-        self._period = period  # inner steps between two syncs
+        self.warmup_steps, self.warmup_sync_every = warmup_steps, warmup_sync_every
         self._in_flight = None  # (the sync's step, the inner step that applies it)
         if feedback is None:
             feedback = "none" if codec in ("fp32", "fp16", "bf16") else "ef"
@@ -147,6 +158,8 @@ class DiLoCo:
             f"outer_momentum: {outer_momentum!r} nesterov: {'true' if nesterov else 'false'}"
             + (f" fragments: {fragments}" if fragments > 1 else "")
             + (f" overlap_steps: {overlap_steps}" if overlap_steps else "")
+            + (f" warmup_steps: {warmup_steps} warmup_sync_every: {warmup_sync_every}"
+               if warmup_steps else "")
             + f" mixing: {mixing!r} }}",
             f"lr {{ lr: {outer_lr!r} }}",
             f"steps: {steps}",
@@ -171,6 +184,7 @@ class DiLoCo:
         # (MORSE_REJOIN=1) starts from both.
         self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, self._rank)
         self._inner_steps = 0
+        self._due = 1  # the outer step whose sync is due next (by inner steps)
         self._partitions = self._session.partitions()
         if os.environ.get("MORSE_REJOIN") == "1":
             self._rejoin()
@@ -206,7 +220,8 @@ class DiLoCo:
             print(f"morse: rank {self._rank} rejoins at sync {step} without a checkpoint: the "
                   "shards' outer parameters, a zero error buffer and a fresh inner optimizer",
                   flush=True)
-        self._inner_steps = step * self._period
+        self._inner_steps = self._session.inner_steps_before(step)
+        self._due = step + 1
         if has_inner:
             # Its own parameters (fragments not yet synced keep their local
             # progress) and step count (an overlapped sync is saved when it
@@ -280,7 +295,13 @@ class DiLoCo:
         self._inner_steps += 1
         if self._in_flight is not None and self._inner_steps == self._in_flight[1]:
             self._apply()
-        if self._inner_steps % self._period == 0:
+        # The job's schedule by inner steps (compress::InnerStepsBefore: the
+        # warmup's, then every sync_every / fragments); a sync() called
+        # outside it does not move it.
+        while self._session.inner_steps_before(self._due) < self._inner_steps:
+            self._due += 1
+        if self._session.inner_steps_before(self._due) == self._inner_steps:
+            self._due += 1
             self.sync()
         return loss
 
@@ -347,8 +368,8 @@ class DiLoCo:
             raise MorseError(
                 f"FAILED_PRECONDITION: a sync is in flight (outer step {self._in_flight[0]}, applied "
                 f"at inner step {self._in_flight[1]}; now {self._inner_steps}): call state_dict() "
-                f"after it is applied, when inner_steps % {self._period} is at least "
-                f"overlap_steps={self.overlap_steps}")
+                f"after it is applied, overlap_steps={self.overlap_steps} inner steps after a "
+                "sync begins")
         step, m, _, error = self._session.get_state()
         outer = {"step": step, "rank": self._rank, "params": self._x.clone(),
                  "momentum": torch.from_numpy(m), "worker_error": torch.from_numpy(error)}
@@ -356,7 +377,9 @@ class DiLoCo:
             outer["server_error"] = torch.from_numpy(self._session.server_error())
         return {"inner": self.inner.state_dict(), "inner_steps": self._inner_steps,
                 "sync_every": self.sync_every, "fragments": self.fragments,
-                "overlap_steps": self.overlap_steps, "params": self._local(), "outer": outer}
+                "overlap_steps": self.overlap_steps, "warmup_steps": self.warmup_steps,
+                "warmup_sync_every": self.warmup_sync_every, "params": self._local(),
+                "outer": outer}
 
     def load_state_dict(self, state_dict):
         """Restores a run saved with state_dict() before the first step(), on
@@ -375,8 +398,11 @@ class DiLoCo:
             raise ValueError(f"this state_dict was saved with sync_every="
                              f"{state_dict.get('sync_every')!r}, this optimizer has "
                              f"{self.sync_every}; build it with the saved value")
-        for key, mine in (("fragments", self.fragments), ("overlap_steps", self.overlap_steps)):
-            if state_dict.get(key, 1 if key == "fragments" else 0) != mine:
+        for key, mine, default in (("fragments", self.fragments, 1),
+                                   ("overlap_steps", self.overlap_steps, 0),
+                                   ("warmup_steps", self.warmup_steps, 0),
+                                   ("warmup_sync_every", self.warmup_sync_every, 1)):
+            if state_dict.get(key, default) != mine:
                 raise ValueError(f"this state_dict was saved with {key}={state_dict.get(key)!r}, "
                                  f"this optimizer has {mine}; build it with the saved value")
         saved_rank = outer.get("rank", self._rank)
@@ -390,10 +416,12 @@ class DiLoCo:
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
         inner_steps = int(state_dict["inner_steps"])
         step = int(outer["step"])
-        if step != inner_steps // self._period:
+        if step < 0 or not (self._session.inner_steps_before(step) <= inner_steps
+                            < self._session.inner_steps_before(step + 1)):
             raise ValueError(f"this state_dict has {inner_steps} inner steps but {step} outer "
-                             f"ones, which sync_every={self.sync_every} and "
-                             f"fragments={self.fragments} do not give")
+                             f"ones, which sync_every={self.sync_every}, "
+                             f"fragments={self.fragments} and warmup_steps={self.warmup_steps} "
+                             "do not give")
         # The inner optimizer's state first (torch checks it), put back if
         # the session refuses the rest: nothing changes on an error.
         saved_inner = copy.deepcopy(self.inner.state_dict())
@@ -409,6 +437,7 @@ class DiLoCo:
             self.inner.load_state_dict(saved_inner)
             raise
         self._inner_steps = inner_steps
+        self._due = step + 1
         with torch.no_grad():
             local = state_dict["params"].detach().reshape(-1).to("cpu", torch.float32)
             for p, (lo, hi) in zip(self._params, self._ranges):
