@@ -64,9 +64,10 @@ class DiLoCo:
     step() applies the sync still in flight). warmup_steps=K makes the
     first K syncs come after warmup_sync_every (1) inner steps each, then
     every sync_every / fragments (a synchronous start: design.md 2.11).
-    Learning-rate schedulers take the inner optimizer. Rank 0's initial parameters become every rank's. Every rank
-    holds bit-identical outer parameters after each sync, as do the shards'
-    mirrors and the simulator fed the same pseudo-gradients.
+    Learning-rate schedulers take the inner optimizer. Rank 0's initial
+    parameters become every rank's. Every rank holds bit-identical outer
+    parameters after each sync, as do the shards' mirrors and the simulator
+    fed the same pseudo-gradients.
 
     state_dict() holds the inner optimizer's state, this rank's parameters,
     the outer parameters, the outer momentum, this rank's worker error
@@ -297,9 +298,9 @@ class DiLoCo:
             self._apply()
         # The job's schedule by inner steps (compress::InnerStepsBefore: the
         # warmup's, then every sync_every / fragments); a sync() called
-        # outside it does not move it.
-        while self._session.inner_steps_before(self._due) < self._inner_steps:
-            self._due += 1
+        # outside it does not move it. Each outer step takes at least one
+        # inner step, and start, rejoin and load_state_dict set _due to the
+        # step after the one the inner steps are in, so it is never passed.
         if self._session.inner_steps_before(self._due) == self._inner_steps:
             self._due += 1
             self.sync()
