@@ -105,7 +105,13 @@ void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m,
 std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
                                          absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments) {
-  std::vector<double> totals(kLambStats * LayerCount(config), 0.0);
+  return LambTotalsOfPieces(config, pieces, LambPieceSums(pieces, segments));
+}
+
+std::vector<double> LambPieceSums(absl::Span<const LambPiece> pieces,
+                                  absl::Span<const double> segments) {
+  std::vector<double> sums;
+  sums.reserve(kLambStats * pieces.size());
   size_t k = 0;
   for (const LambPiece& piece : pieces) {
     double a = 0, b = 0, most = 0;
@@ -116,12 +122,25 @@ std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
       b += seg[1];
       most = seg[2] > most ? seg[2] : most;
     }
-    double* total = &totals[kLambStats * piece.layer];
-    total[0] += a;
-    total[1] += b;
-    total[2] = most > total[2] ? most : total[2];
+    static_assert(kLambStats == 3);
+    sums.insert(sums.end(), {a, b, most});
   }
   MORSE_CHECK(kLambStats * k == segments.size());
+  return sums;
+}
+
+std::vector<double> LambTotalsOfPieces(const AlgorithmConfig& config,
+                                       absl::Span<const LambPiece> pieces,
+                                       absl::Span<const double> piece_sums) {
+  MORSE_CHECK(piece_sums.size() == kLambStats * pieces.size());
+  std::vector<double> totals(kLambStats * LayerCount(config), 0.0);
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const double* piece = &piece_sums[kLambStats * k];
+    double* total = &totals[kLambStats * pieces[k].layer];
+    total[0] += piece[0];
+    total[1] += piece[1];
+    total[2] = piece[2] > total[2] ? piece[2] : total[2];
+  }
   return totals;
 }
 

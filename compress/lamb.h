@@ -106,10 +106,21 @@ void LambSegmentSums(const ReplyRule& rule, const float* x, const float* m,
                      double out[kLambStats]);
 // The totals from every piece's segments (kLambStats values each, pieces in
 // the order of LambPieces): each piece's segments added in order from 0,
-// then the piece added to its layer's total.
+// then the piece added to its layer's total. The two halves below.
 std::vector<double> LambTotalsOfSegments(const AlgorithmConfig& config,
                                          absl::Span<const LambPiece> pieces,
                                          absl::Span<const double> segments);
+// Each piece's statistics (kLambStats values a piece, in the order of
+// `pieces`) from its segments': the sums added in order from 0, the
+// maximum taken from 0. A shard sends these with each reply (PushReply
+// `lamb_pieces`), computed on its mirror, so that workers add them alone.
+std::vector<double> LambPieceSums(absl::Span<const LambPiece> pieces,
+                                  absl::Span<const double> segments);
+// The totals from every piece's statistics (LambPieceSums, pieces in the
+// order of LambPieces), each piece added to its layer's total in order.
+std::vector<double> LambTotalsOfPieces(const AlgorithmConfig& config,
+                                       absl::Span<const LambPiece> pieces,
+                                       absl::Span<const double> piece_sums);
 
 // The step's commit from its totals and the layers' state before the step;
 // each layer takes the rule of its segment among `rules` (PlanReplies).

@@ -460,7 +460,7 @@ std::vector<double> Replica::LambSegments(int64_t step, Range partition,
 
 absl::StatusOr<std::vector<double>> Replica::LambStep(
     int64_t step, absl::Span<const StepHyper> hypers,
-    absl::Span<const std::vector<double>> partition_segments, ComputePool* pool,
+    absl::Span<const std::vector<double>> partition_pieces, ComputePool* pool,
     const std::vector<bool>& moved) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb) {
     return absl::FailedPreconditionError("LambStep is for onebit_lamb");
@@ -475,10 +475,10 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   }
   absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
   if (!layout.ok()) return layout.status();
-  if (!partition_segments.empty() &&
-      partition_segments.size() != layout->partitions().size()) {
+  if (!partition_pieces.empty() &&
+      partition_pieces.size() != layout->partitions().size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "segment statistics of ", partition_segments.size(),
+        "piece statistics of ", partition_pieces.size(),
         " partitions for a layout of ", layout->partitions().size()));
   }
   if (absl::Status s = CheckHyperCount(hypers, layout->segment_count());
@@ -486,16 +486,14 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
     return s;
   }
   const std::vector<ReplyRule> rules = PlanReplies(config_, step, hypers);
-  // Each partition's segments in partition order: the order LambTotals sums.
+  // Each partition's pieces in partition order: the order LambTotals sums.
   std::vector<LambPiece> pieces;
-  std::vector<double> segments;
+  std::vector<double> sums;
   for (const Partition& p : layout->partitions()) {
     const std::vector<LambPiece> of = LambPiecesOf(config_, p.range);
     pieces.insert(pieces.end(), of.begin(), of.end());
-    uint64_t count = 0;
-    for (const LambPiece& piece : of) count += piece.segments();
     const bool given =
-        !partition_segments.empty() && !partition_segments[p.id].empty();
+        !partition_pieces.empty() && !partition_pieces[p.id].empty();
     for (const LambPiece& piece : of) {
       // Its x has moved: statistics from now would be another step's.
       if (!given && !moved.empty() && moved[piece.layer]) {
@@ -506,19 +504,18 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
     }
     const std::vector<double> computed =
         given ? std::vector<double>()
-              : LambSegmentsOf(RuleOf(rules, p.segment), of, range_, x_, m_, v_,
-                               v_fresh_);
+              : LambPieceSums(of, LambSegmentsOf(RuleOf(rules, p.segment), of,
+                                                 range_, x_, m_, v_, v_fresh_));
     const std::vector<double>& these =
-        given ? partition_segments[p.id] : computed;
-    if (these.size() != kLambStats * count) {
+        given ? partition_pieces[p.id] : computed;
+    if (these.size() != kLambStats * of.size()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("partition ", p.id, " has ", count, " segments, got ",
+          absl::StrCat("partition ", p.id, " has ", of.size(), " pieces, got ",
                        these.size(), " statistics"));
     }
-    segments.insert(segments.end(), these.begin(), these.end());
+    sums.insert(sums.end(), these.begin(), these.end());
   }
-  const std::vector<double> totals =
-      LambTotalsOfSegments(config_, pieces, segments);
+  const std::vector<double> totals = LambTotalsOfPieces(config_, pieces, sums);
   std::vector<double> commit = LambCommit(config_, rules, totals, lamb_layers_);
   if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
   // x moves element by element: partitions in parallel give the same bits.
@@ -545,7 +542,7 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
 
 absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
                                     const StepHyper* hyper,
-                                    absl::Span<const double> segments) {
+                                    absl::Span<const double> piece_sums) {
   if (config_.optimizer != OptimizerKind::kOneBitLamb || range_.begin != 0 ||
       range_.end != config_.layout.dim) {
     return absl::FailedPreconditionError(
@@ -561,24 +558,22 @@ absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
   // the partitions it overlaps alone (called once per layer and step).
   const std::vector<uint64_t> bounds = LayerBounds(config_);
   std::vector<LambPiece> pieces;
-  uint64_t count = 0;
   for (const Partition& p : layout->partitions()) {
     if (p.range.end <= bounds[layer] || p.range.begin >= bounds[layer + 1])
       continue;
     for (const LambPiece& piece : LambPiecesOf(config_, p.range)) {
       if (piece.layer != layer) continue;
       pieces.push_back(piece);
-      count += piece.segments();
     }
   }
-  if (segments.size() != kLambStats * count) {
+  if (piece_sums.size() != kLambStats * pieces.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " has ", count, " segments, got ",
-                     segments.size(), " statistics"));
+        absl::StrCat("layer ", layer, " has ", pieces.size(), " pieces, got ",
+                     piece_sums.size(), " statistics"));
   }
   const ReplyRule rule = PlanReply(config_, step, hyper);
   const std::vector<double> totals =
-      LambTotalsOfSegments(config_, pieces, segments);
+      LambTotalsOfPieces(config_, pieces, piece_sums);
   // A commit with this layer's values alone (LambUpdateX reads no other's).
   std::vector<double> commit(kLambCommit * LayerCount(config_), 0.0);
   double* mine = &commit[kLambCommit * layer];

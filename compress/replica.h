@@ -150,10 +150,11 @@ class Replica {
   // weight decays as the workers set them (HyperOf: none, one, or one per
   // segment; INVALID_ARGUMENT, nothing changed, for another count).
   //
-  // `partition_segments`, if not empty, holds per partition (by id) the
-  // statistics of its segments at this step (LambSegments), or nothing for
-  // those to compute here: a worker computes them as each reply lands, on
-  // the thread that applied it, instead of in one pass after the last.
+  // `partition_pieces`, if not empty, holds per partition (by id) the
+  // statistics of its pieces at this step (LambPieceSums of its
+  // LambSegments), or nothing for those to compute here: a worker takes
+  // them from each reply (its shard's, PushReply `lamb_pieces`) or computes
+  // them as each reply lands, instead of in one pass after the last.
   // `pool` (may be null) moves x over the partitions in parallel.
   //
   // `moved` (empty, or one flag per layer): the layers MoveLambLayer has
@@ -161,17 +162,17 @@ class Replica {
   // commit is the same either way).
   absl::StatusOr<std::vector<double>> LambStep(
       int64_t step, absl::Span<const StepHyper> hypers = {},
-      absl::Span<const std::vector<double>> partition_segments = {},
+      absl::Span<const std::vector<double>> partition_pieces = {},
       ComputePool* pool = nullptr, const std::vector<bool>& moved = {});
   // LambStep's part for one layer, on a worker, as soon as every piece of
   // `layer` has its statistics (so before the step's last reply lands):
-  // the layer's coefficient from `segments`, its pieces' statistics (each
-  // piece's segments, pieces in partition order, as LambSegments gives
-  // them), moves x over the layer with `hyper` (its group's). The same bits
-  // as LambStep. The layer state stays as it was until LambStep.
-  // INVALID_ARGUMENT, nothing changed, for a wrong count of statistics.
+  // the layer's coefficient from `pieces`, its pieces' statistics
+  // (LambPieceSums, pieces in partition order), moves x over the layer with
+  // `hyper` (its group's). The same bits as LambStep. The layer state stays
+  // as it was until LambStep. INVALID_ARGUMENT, nothing changed, for a
+  // wrong count of statistics.
   absl::Status MoveLambLayer(int64_t step, size_t layer, const StepHyper* hyper,
-                             absl::Span<const double> segments);
+                             absl::Span<const double> pieces);
   // The statistics of the segments of `partition` (a range of the model)
   // for the step of `step` (compress/lamb.h's LambSegmentsOf), once its
   // reply has been applied.

@@ -61,6 +61,9 @@ struct ShardCore::PartitionState {
   // mirror catches up right after, or when something reads it first
   // (ApplyMirror).
   bool mirror_pending ABSL_GUARDED_BY(mu) = false;
+  // onebit_lamb: the mirror took that reply's moments as it went out (for
+  // its layer statistics, Reply::lamb_pieces); the commit moves x alone.
+  bool mirror_moments_applied ABSL_GUARDED_BY(mu) = false;
   std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
   // Gradient clipping of the last completed step (compress::ClipsAverage):
   // the mirror waits for the whole model's sum of squares (Commit), then

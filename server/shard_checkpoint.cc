@@ -216,6 +216,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->initialized = true;
     p->next_step = h.step;
     p->mirror_pending = false;
+    p->mirror_moments_applied = false;
     p->awaiting_commit = false;
     p->committed_norm.reset();
     p->committed_max_norm.reset();

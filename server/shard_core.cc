@@ -13,6 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "compress/bytes_hash.h"
 #include "compress/check.h"
+#include "compress/lamb.h"
 #include "compress/messages.h"
 #include "compress/optimizer.h"
 #include "compress/scratch.h"
@@ -701,6 +702,27 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
         absl::StrCat("partition ", part.id, " step ", step,
                      ": recompression failed: ", status.message()));
   }
+  // onebit_lamb: the mirror takes the reply's moments now (x moves with
+  // the workers' commit) and sends the layer statistics of the
+  // partition's pieces with the reply, the same bits every worker would
+  // take from its own replica (design.md 2.8). A step that clips the
+  // average scales its moments by a factor the commit brings: the workers
+  // take those themselves.
+  const bool lamb_pieces = compress::CommitsLayers(job_.algorithm) && !clips;
+  if (lamb_pieces) {
+    trace::Scope moments("mirror", step, part.id);
+    std::vector<double> segments;
+    MORSE_CHECK(
+        mirror_
+            .ApplyReply(
+                step, part.range.begin, n,
+                {reinterpret_cast<const uint8_t*>(reply->payload.data()),
+                 reply->payload.size()},
+                hyper.has_value() ? &*hyper : nullptr, 1.0f, &segments)
+            .ok());
+    reply->lamb_pieces = compress::LambPieceSums(
+        compress::LambPiecesOf(job_.algorithm, part.range), segments);
+  }
   if (p.last_reply != nullptr && job_.replay_steps > 1) {
     p.history.push_back({std::move(p.last_reply), p.last_hashes});
     while (p.history.size() > job_.replay_steps - 1) p.history.pop_front();
@@ -712,6 +734,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   // The mirror applies this reply after the workers have it (Push), or
   // before anything reads the mirror.
   p.mirror_pending = true;
+  p.mirror_moments_applied = lamb_pieces;
   p.mirror_hyper = hyper;
   p.awaiting_commit = clips || compress::CommitsLayers(job_.algorithm);
   p.committed_norm.reset();
@@ -727,13 +750,18 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   p.mirror_pending = false;
   const Reply& r = *p.last_reply;
   trace::Scope traced("mirror", r.step, p.partition.id);
-  const absl::Status s = mirror_.ApplyReply(
-      r.step, p.partition.range.begin, p.partition.range.size(),
-      {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
-      p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr, p.mirror_scale);
-  // The payload is this shard's own encoding of finite values: decoding it
-  // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
-  MORSE_CHECK(s.ok());
+  if (!p.mirror_moments_applied) {
+    const absl::Status s = mirror_.ApplyReply(
+        r.step, p.partition.range.begin, p.partition.range.size(),
+        {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
+        p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr,
+        p.mirror_scale);
+    // The payload is this shard's own encoding of finite values: decoding
+    // it cannot fail. If it ever did, the mirror would be wrong: stop
+    // loudly.
+    MORSE_CHECK(s.ok());
+  }
+  p.mirror_moments_applied = false;
   if (!p.committed_values.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_
                     .ApplyCommit(
@@ -1237,6 +1265,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   p.restored = true;
   p.x_replaced_step = -1;
   p.mirror_pending = false;
+  p.mirror_moments_applied = false;
   p.awaiting_commit = false;
   p.committed_norm.reset();
   p.committed_max_norm.reset();

@@ -105,6 +105,10 @@ struct Reply {
   // reply's norms of order 1 and infinity too (compress::GradientOtherNorms),
   // for a worker's clip_grad_norm_ with norm_type 1 or inf.
   std::optional<compress::OtherNorms> grad_other_norms;
+  // onebit_lamb, when the step does not clip the average: the layer
+  // statistics of the partition's pieces after this reply, from the mirror
+  // (compress::LambPieceSums), which the workers then need not take.
+  std::vector<double> lamb_pieces;
   // The ranks the average left out (membership, design.md 4, "Membership"),
   // ascending.
   std::vector<uint32_t> absent;

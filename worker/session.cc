@@ -319,7 +319,7 @@ void Session::StartExchange() {
       // The step keeps its own copy of the hyper-parameters it was begun with.
       [this, step, hyper = step_hyper_, deferred = deferred_](
           const compress::Partition& p, const std::string& reply,
-          ReplyNorms norms) {
+          ReplyExtras extras) {
         const absl::Span<const uint8_t> bytes(
             reinterpret_cast<const uint8_t*>(reply.data()), reply.size());
         if (deferred !=
@@ -330,12 +330,13 @@ void Session::StartExchange() {
           const absl::Status staged = engine_->StageReply(step, p, bytes);
           if (!staged.ok() && !absl::IsUnimplemented(staged)) return staged;
           (*deferred)[p.id] = DeferredReply{staged.ok() ? std::string() : reply,
-                                            norms, staged.ok()};
+                                            std::move(extras), staged.ok()};
           return absl::OkStatus();
         }
         trace::Instant("receive", step, p.id);
         trace::Scope traced("apply", step, p.id);
-        return engine_->ApplyReply(step, p, bytes, HyperOf(hyper, p));
+        return engine_->ApplyReply(step, p, bytes, HyperOf(hyper, p), 1.0f,
+                                   extras.lamb_pieces);
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
@@ -500,7 +501,7 @@ absl::StatusOr<compress::GradientNorms> Session::RepliesNorms(
       return absl::InternalError(
           absl::StrCat("step ", step_, ": no reply for partition ", p.id));
     }
-    const ReplyNorms& norms = reply->norms;
+    const ReplyExtras& norms = reply->extras;
     if (!norms.sum_of_squares.has_value() ||
         (others && !norms.other.has_value())) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -658,7 +659,8 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       trace::Scope traced("apply", step_, p.id);
       if (absl::Status s =
               reply.staged ? engine_->ApplyStagedReply(step_, p, hyper, scale)
-                           : engine_->ApplyReply(step_, p, bytes, hyper, scale);
+                           : engine_->ApplyReply(step_, p, bytes, hyper, scale,
+                                                 reply.extras.lamb_pieces);
           !s.ok()) {
         return Fail(
             absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ",

@@ -326,7 +326,7 @@ class Session {
   // partition, with the shard's sum of squares of each.
   struct DeferredReply {
     std::string payload;  // empty when staged
-    ReplyNorms norms;
+    ReplyExtras extras;
     bool staged = false;  // in the engine (Engine::StageReply)
   };
   std::shared_ptr<std::vector<std::optional<DeferredReply>>> deferred_;

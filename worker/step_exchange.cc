@@ -125,14 +125,16 @@ void StepExchange::Deliver(std::unique_ptr<PushCall> done,
     trace::Complete("round trip", done->issued_us, step_, done->partition->id);
   }
   if (result.ok()) {
-    ReplyNorms norms;
+    ReplyExtras extras;
     if (done->reply.has_grad_sum_of_squares())
-      norms.sum_of_squares = done->reply.grad_sum_of_squares();
+      extras.sum_of_squares = done->reply.grad_sum_of_squares();
     if (done->reply.has_grad_sum_abs() && done->reply.has_grad_max_abs()) {
-      norms.other = compress::OtherNorms{done->reply.grad_sum_abs(),
-                                         done->reply.grad_max_abs()};
+      extras.other = compress::OtherNorms{done->reply.grad_sum_abs(),
+                                          done->reply.grad_max_abs()};
     }
-    result = apply_(*done->partition, done->reply.payload(), norms);
+    extras.lamb_pieces.assign(done->reply.lamb_pieces().begin(),
+                              done->reply.lamb_pieces().end());
+    result = apply_(*done->partition, done->reply.payload(), std::move(extras));
   }
   const double apply_seconds = Since(start);
   const compress::Partition* partition = done->partition;

@@ -83,21 +83,25 @@ struct StepExtras {
 // the pool if there is one, else on a gRPC thread. Finish waits for every
 // sent partition and for recovery's re-sends. Sends must come from one
 // thread; the destructor waits for anything in flight.
-// A shard's norms of a reply's decoded values (morse.proto PushReply), when
-// the step clips the averaged gradient (compress::ClipsAverage, design.md
-// 2.6): its sum of squares, and its norms of order 1 and infinity when the
-// workers clip (a script's clip_grad_norm_ may take those).
-struct ReplyNorms {
+// What a shard sends beside a reply's payload (morse.proto PushReply): the
+// norms of its decoded values when the step clips the averaged gradient
+// (compress::ClipsAverage, design.md 2.6): its sum of squares, and its
+// norms of order 1 and infinity when the workers clip (a script's
+// clip_grad_norm_ may take those); and onebit_lamb's layer statistics of
+// the partition's pieces, taken on the shard's mirror (design.md 2.8).
+struct ReplyExtras {
   std::optional<double> sum_of_squares;
   std::optional<compress::OtherNorms> other;
+  std::vector<double> lamb_pieces;
 };
 
 class StepExchange final : private ExchangeSide {
  public:
   using Encode = std::function<absl::Status(const compress::Partition&,
                                             std::string* payload)>;
-  using Apply = std::function<absl::Status(
-      const compress::Partition&, const std::string& reply, ReplyNorms norms)>;
+  using Apply =
+      std::function<absl::Status(const compress::Partition&,
+                                 const std::string& reply, ReplyExtras extras)>;
 
   // `pool` (null: none) encodes and applies partitions; it outlives the
   // exchange. parallel_encode: `encode` may run on the pool, concurrently

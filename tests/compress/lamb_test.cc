@@ -192,7 +192,8 @@ AlgorithmConfig LambConfig() {
   AlgorithmConfig c;
   c.optimizer = OptimizerKind::kOneBitLamb;
   c.workers = 3;
-  c.layout = {1000, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/128};
+  // Partitions of 1.5 segments: pieces of one and of two segments.
+  c.layout = {1000, /*shards=*/2, /*block_elems=*/64, /*partition_elems=*/384};
   // Layers of very different sizes; the 600-element one crosses partitions
   // and both shards.
   c.layers = {10, 250, 600, 64, 76};
@@ -445,15 +446,17 @@ void RunWorkerAndMirrors(
     }
     // On odd steps as a worker's engine does it: the segments of each
     // partition from the pass that applies its reply (the bits of
-    // LambSegments after it); some taken, the others left to LambStep.
+    // LambSegments after it), their pieces' sums (LambPieceSums, what a
+    // shard sends with the reply) taken for some, the others left to
+    // LambStep.
     std::vector<std::vector<double>> applied;
     ASSERT_TRUE(
         testing::ApplyToWorkerAndMirrors(replicas, *layout, t, message, hypers,
                                          t % 2 == 1 ? &applied : nullptr)
             .ok());
-    std::vector<std::vector<double>> segments;
+    std::vector<std::vector<double>> pieces;
     if (t % 2 == 1) {
-      segments.resize(layout->partitions().size());
+      pieces.resize(layout->partitions().size());
       for (const Partition& p : layout->partitions()) {
         const std::vector<double> after =
             worker.LambSegments(t, p.range, HyperOf(hypers, p.segment));
@@ -462,7 +465,8 @@ void RunWorkerAndMirrors(
             std::memcmp(applied[p.id].data(), after.data(), 8 * after.size()),
             0)
             << "partition " << p.id << " step " << t;
-        if (p.id % 2 == 0 || t % 4 == 3) segments[p.id] = applied[p.id];
+        if (p.id % 2 == 0 || t % 4 == 3)
+          pieces[p.id] = LambPieceSums(LambPiecesOf(c, p.range), applied[p.id]);
       }
     }
     // Every fourth step, as the engine does when a layer's last piece lands:
@@ -471,26 +475,26 @@ void RunWorkerAndMirrors(
     if (t % 4 == 3) {
       moved.assign(c.layers.size(), false);
       for (size_t l : {size_t{0}, size_t{2}, c.layers.size() - 1}) {
-        std::vector<LambPiece> pieces;
+        std::vector<LambPiece> of;
         for (const LambPiece& piece : LambPieces(c, *layout, {0, dim}))
-          if (piece.layer == l) pieces.push_back(piece);
+          if (piece.layer == l) of.push_back(piece);
         const StepHyper* hyper = HyperOf(hypers, LayerSegments(c).value()[l]);
-        const std::vector<double> layer_segments =
-            LambSegmentsOf(PlanReply(c, t, hyper), pieces, {0, dim}, worker.x(),
-                           worker.m(), worker.v(), worker.v_fresh());
-        ASSERT_TRUE(worker.MoveLambLayer(t, l, hyper, layer_segments).ok());
+        const std::vector<double> layer_pieces = LambPieceSums(
+            of, LambSegmentsOf(PlanReply(c, t, hyper), of, {0, dim}, worker.x(),
+                               worker.m(), worker.v(), worker.v_fresh()));
+        ASSERT_TRUE(worker.MoveLambLayer(t, l, hyper, layer_pieces).ok());
         moved[l] = true;
       }
       // Statistics of a moved layer cannot be taken from x now.
-      std::vector<std::vector<double>> missing = segments;
+      std::vector<std::vector<double>> missing = pieces;
       missing[0].clear();
       EXPECT_EQ(
           worker.LambStep(t, hypers, missing, nullptr, moved).status().code(),
           absl::StatusCode::kInvalidArgument);
     }
     // Every third step moves x over the partitions on a pool.
-    auto commit = worker.LambStep(t, hypers, segments,
-                                  t % 3 == 2 ? &pool : nullptr, moved);
+    auto commit =
+        worker.LambStep(t, hypers, pieces, t % 3 == 2 ? &pool : nullptr, moved);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
       ASSERT_TRUE(mirrors[p.shard]
@@ -545,14 +549,14 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   EXPECT_TRUE(SameBits(mirrors[0].x(), before));
   EXPECT_EQ(mirrors[0].LambStep(24).status().code(),
             absl::StatusCode::kFailedPrecondition);
-  // Segment statistics for another layout, or of the wrong length, change
+  // Piece statistics for another layout, or of the wrong length, change
   // nothing either.
   const std::vector<float> worker_before(worker.x().begin(), worker.x().end());
   std::vector<std::vector<double>> wrong(layout->partitions().size() + 1);
   EXPECT_EQ(worker.LambStep(24, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
   wrong.pop_back();
-  wrong[1] = {1.0};  // never 3 per segment
+  wrong[1] = {1.0};  // never 3 per piece
   EXPECT_EQ(worker.LambStep(24, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(worker.x(), worker_before));

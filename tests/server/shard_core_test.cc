@@ -1782,6 +1782,8 @@ TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
     }
     ASSERT_NE(replies[p.id], nullptr);
     ASSERT_TRUE(replies[p.id]->grad_sum_of_squares.has_value());
+    // Its moments wait for the clip factor: no layer statistics.
+    EXPECT_TRUE(replies[p.id]->lamb_pieces.empty());
     total += *replies[p.id]->grad_sum_of_squares;
   }
   const float scale = compress::ClipScale(total, job.algorithm.clip_grad_norm);
@@ -1829,6 +1831,94 @@ TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
         std::equal(s.m.begin(), s.m.end(), worker.m().begin() + p.range.begin))
         << p.id;
   }
+}
+
+// A reply of a step that does not clip the average carries the layer
+// statistics of its partition's pieces, taken on the mirror as the reply
+// went out (design.md 2.8): bit for bit what a worker's replica gives after
+// applying the reply, through the warmup and the compression phase, and a
+// commit from them alone moves the mirror as the worker's replica moves.
+TEST(LambShardTest, RepliesCarryTheLayerStatisticsAWorkerWouldTake) {
+  // Partitions of 4 segments and layers across them: pieces of 1 to 4
+  // segments.
+  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+    workers: 2
+    shards: 1
+    synthetic { dim: 2000 layer_elems: 900 }
+    lr { lr: 0.01 }
+    steps: 20
+    block_elems: 16
+    partition_elems: 1024
+    optimizer: "onebit_lamb"
+    freeze_step: 2
+  )",
+                                                    proto::ConfigFormat::kText);
+  compress::Replica worker(job.algorithm, {0, job.algorithm.layout.dim});
+  std::unique_ptr<ShardCore> core = InitializedLambShard(job, worker);
+  // A second replica that takes its statistics itself.
+  compress::Replica own(job.algorithm, {0, job.algorithm.layout.dim});
+  std::copy(worker.x().begin(), worker.x().end(), own.x().begin());
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto parts = core->layout().partitions();
+  std::vector<double> commit;
+  for (int64_t step = 0; step < 4; ++step) {  // freeze_step 2
+    std::vector<std::vector<double>> pieces(parts.size());
+    for (const auto& p : parts) {
+      std::shared_ptr<const Reply> reply;
+      for (uint32_t rank = 0; rank < 2; ++rank) {
+        PushArgs a =
+            EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up,
+                        step, rank, p);
+        a.previous_commit = commit;
+        core->Push(std::move(a),
+                   [&](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+                     ASSERT_TRUE(r.ok()) << r.status();
+                     reply = *r;
+                   });
+      }
+      ASSERT_NE(reply, nullptr) << step << " " << p.id;
+      const absl::Span<const uint8_t> bytes(
+          reinterpret_cast<const uint8_t*>(reply->payload.data()),
+          reply->payload.size());
+      ASSERT_TRUE(
+          worker.ApplyReply(step, p.range.begin, p.range.size(), bytes).ok());
+      ASSERT_TRUE(
+          own.ApplyReply(step, p.range.begin, p.range.size(), bytes).ok());
+      const std::vector<compress::LambPiece> of =
+          compress::LambPiecesOf(job.algorithm, p.range);
+      const std::vector<double> expected =
+          compress::LambPieceSums(of, worker.LambSegments(step, p.range));
+      ASSERT_EQ(reply->lamb_pieces.size(), compress::kLambStats * of.size());
+      EXPECT_EQ(0, std::memcmp(reply->lamb_pieces.data(), expected.data(),
+                               expected.size() * sizeof(double)))
+          << "step " << step << " partition " << p.id;
+      // A statistic that is not zero (the sums of squares of each piece).
+      EXPECT_GT(reply->lamb_pieces[0], 0.0);
+      pieces[p.id] = reply->lamb_pieces;
+    }
+    // The worker's commit from the shard's statistics alone is the one
+    // from its own.
+    commit = *worker.LambStep(step, {}, pieces);
+    EXPECT_EQ(*own.LambStep(step), commit) << step;
+    EXPECT_TRUE(
+        std::equal(worker.x().begin(), worker.x().end(), own.x().begin()))
+        << step;
+    ASSERT_TRUE(core->CommitValues(0, step, fingerprint, commit).ok());
+    for (const auto& p : parts) {
+      const PartitionSnapshot s = *core->FetchPartition(p.id, fingerprint);
+      EXPECT_TRUE(std::equal(s.x.begin(), s.x.end(),
+                             worker.x().begin() + p.range.begin))
+          << step << " " << p.id;
+      EXPECT_TRUE(std::equal(s.m.begin(), s.m.end(),
+                             worker.m().begin() + p.range.begin))
+          << step << " " << p.id;
+    }
+  }
+  // Statistics of another count are refused (nothing moves).
+  std::vector<std::vector<double>> wrong(parts.size());
+  wrong[0] = {1.0};
+  EXPECT_EQ(worker.LambStep(4, {}, wrong).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(LambShardTest, PartitionsApplyTheirCommitsFromTheirOwnThreads) {

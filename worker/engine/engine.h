@@ -156,11 +156,15 @@ class Engine {
   // Applies the reply of partition `p` for `step` (compress::PlanReply, with
   // the step's `hyper` when the workers set one, and the averaged
   // gradient's clip factor `grad_scale`); INVALID_ARGUMENT, nothing
-  // changed, for a malformed reply.
-  virtual absl::Status ApplyReply(int64_t step, const compress::Partition& p,
-                                  absl::Span<const uint8_t> reply,
-                                  const compress::StepHyper* hyper = nullptr,
-                                  float grad_scale = 1.0f) = 0;
+  // changed, for a malformed reply. `lamb_pieces` (onebit_lamb, may be
+  // empty): the layer statistics of the partition's pieces at this step as
+  // its shard took them on its mirror (compress::LambPieceSums; PushReply
+  // `lamb_pieces`), which an engine may use instead of its own.
+  virtual absl::Status ApplyReply(
+      int64_t step, const compress::Partition& p,
+      absl::Span<const uint8_t> reply,
+      const compress::StepHyper* hyper = nullptr, float grad_scale = 1.0f,
+      absl::Span<const double> lamb_pieces = {}) = 0;
   // A reply kept for the end of the step (Session::SetDeferApply) taken
   // ahead into the engine's own memory as it lands (a GPU engine copies it
   // to the device; x, m and v unchanged), then applied by ApplyStagedReply

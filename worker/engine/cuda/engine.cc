@@ -366,10 +366,12 @@ class CudaEngine final : public Engine, public DeviceServices {
     });
   }
 
+  // The shard's layer statistics (lamb_pieces) are left: the device sums
+  // its own segments in CommitStep, the same bits.
   absl::Status ApplyReply(int64_t step, const compress::Partition& p,
                           absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper,
-                          float grad_scale) override {
+                          const compress::StepHyper* hyper, float grad_scale,
+                          absl::Span<const double> /*lamb_pieces*/) override {
     if (absl::Status s = StageReply(step, p, reply); !s.ok()) return s;
     return ApplyStagedReply(step, p, hyper, grad_scale);
   }

@@ -21,17 +21,16 @@ class HostEngine final : public Engine {
   explicit HostEngine(const EngineState& state)
       : config_(*state.config), replica_(*state.replica), error_(*state.error) {
     if (compress::CommitsLayers(config_)) {
-      lamb_segments_.resize(state.layout->partitions().size());
+      lamb_pieces_.resize(state.layout->partitions().size());
       // Which partitions hold each layer, in order, and each partition's
       // layers (a piece each).
       const size_t layers = compress::LayerCount(config_);
-      partitions_.assign(state.layout->partitions().begin(),
-                         state.layout->partitions().end());
       layer_partitions_.resize(layers);
-      partition_layers_.resize(partitions_.size());
+      partition_layers_.resize(state.layout->partitions().size());
+      partition_pieces_.resize(state.layout->partitions().size());
       for (const compress::Partition& p : state.layout->partitions()) {
-        for (const compress::LambPiece& piece :
-             compress::LambPiecesOf(config_, p.range)) {
+        partition_pieces_[p.id] = compress::LambPiecesOf(config_, p.range);
+        for (const compress::LambPiece& piece : partition_pieces_[p.id]) {
           layer_partitions_[piece.layer].push_back(p.id);
           partition_layers_[p.id].push_back(piece.layer);
         }
@@ -93,23 +92,43 @@ class HostEngine final : public Engine {
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p,
                           absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper,
-                          float grad_scale) override {
-    // onebit_lamb: the partition's share of CommitStep's statistics too,
-    // in the same pass, while other replies are still on the way.
-    std::vector<double> segments;
-    absl::Status applied = replica_.ApplyReply(
-        step, p.range.begin, p.range.size(), reply, hyper, grad_scale,
-        lamb_segments_.empty() ? nullptr : &segments);
-    if (applied.ok() && !lamb_segments_.empty()) {
-      lamb_segments_[p.id] = {step, std::move(segments)};
-      MoveCompleteLayers(step, p, hyper);
+                          const compress::StepHyper* hyper, float grad_scale,
+                          absl::Span<const double> lamb_pieces) override {
+    if (lamb_pieces_.empty()) {
+      return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply,
+                                 hyper, grad_scale);
     }
+    // onebit_lamb: the partition's share of CommitStep's statistics, from
+    // its shard (which took them on its mirror), or else computed in the
+    // same pass as the reply's moments, while other replies are on the way.
+    const std::vector<compress::LambPiece>& pieces = partition_pieces_[p.id];
+    const bool given = !lamb_pieces.empty();
+    if (given && lamb_pieces.size() != compress::kLambStats * pieces.size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the reply of partition ", p.id, " carries ", lamb_pieces.size(),
+          " layer statistics for ", pieces.size(), " pieces (",
+          compress::kLambStats, " each)"));
+    }
+    if (given && grad_scale != 1.0f) {  // a shard sends none when it clips
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the reply of partition ", p.id,
+          " carries layer statistics for a step that clips the average"));
+    }
+    std::vector<double> segments;
+    absl::Status applied =
+        replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper,
+                            grad_scale, given ? nullptr : &segments);
+    if (!applied.ok()) return applied;
+    lamb_pieces_[p.id] = {
+        step, given
+                  ? std::vector<double>(lamb_pieces.begin(), lamb_pieces.end())
+                  : compress::LambPieceSums(pieces, segments)};
+    MoveCompleteLayers(step, p, hyper);
     return applied;
   }
 
   void BeginReplies(int64_t step) override {
-    if (lamb_segments_.empty()) return;
+    if (lamb_pieces_.empty()) return;
     MutexLock lock(&layers_mu_);
     layers_step_ = step;
     pieces_missing_.clear();
@@ -142,13 +161,13 @@ class HostEngine final : public Engine {
   absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool* pool) override {
-    std::vector<std::vector<double>> segments(lamb_segments_.size());
-    for (size_t i = 0; i < segments.size(); ++i) {
+    std::vector<std::vector<double>> pieces(lamb_pieces_.size());
+    for (size_t i = 0; i < pieces.size(); ++i) {
       // Statistics of another step (a reply not applied here) are computed
       // again.
-      if (lamb_segments_[i].step == step)
-        segments[i] = std::move(lamb_segments_[i].values);
-      lamb_segments_[i] = {};
+      if (lamb_pieces_[i].step == step)
+        pieces[i] = std::move(lamb_pieces_[i].values);
+      lamb_pieces_[i] = {};
     }
     std::vector<bool> moved;
     {
@@ -156,7 +175,7 @@ class HostEngine final : public Engine {
       if (layers_step_ == step) moved = moved_;
     }
     absl::StatusOr<std::vector<double>> commit =
-        replica_.LambStep(step, hypers, segments, pool, moved);
+        replica_.LambStep(step, hypers, pieces, pool, moved);
     BeginReplies(-1);
     return commit;
   }
@@ -189,13 +208,13 @@ class HostEngine final : public Engine {
   compress::Replica& replica_;
   compress::ErrorFeedback& error_;
   std::vector<float> own_grad_;  // the hook's output
-  // onebit_lamb: per partition, the statistics of its segments computed by
-  // ApplyReply (each slot written by its partition's reply only).
-  struct LambSegments {
+  // onebit_lamb: per partition, the statistics of its pieces that
+  // ApplyReply took (each slot written by its partition's reply only).
+  struct LambPieces {
     int64_t step = -1;
-    std::vector<double> values;
+    std::vector<double> values;  // LambPieceSums of partition_pieces_
   };
-  std::vector<LambSegments> lamb_segments_;
+  std::vector<LambPieces> lamb_pieces_;
 
   // onebit_lamb: moves x over each layer of partition `p` whose pieces all
   // have their statistics at `step` (compress::Replica::MoveLambLayer), on
@@ -214,32 +233,28 @@ class HostEngine final : public Engine {
     }
     for (uint32_t layer : complete) {
       // Written before their partitions counted (under the lock above).
-      std::vector<double> segments;
+      std::vector<double> sums;
       bool all = true;
       for (uint32_t id : layer_partitions_[layer]) {
-        const LambSegments& held = lamb_segments_[id];
+        const LambPieces& held = lamb_pieces_[id];
         all = all && held.step == step;
         if (!all) break;
-        // The partition's segments, piece by piece: this layer's alone.
-        size_t at = 0;
-        for (const compress::LambPiece& piece :
-             compress::LambPiecesOf(config_, partitions_[id].range)) {
-          const size_t count = compress::kLambStats * piece.segments();
-          if (piece.layer == layer) {
-            segments.insert(segments.end(), held.values.begin() + at,
-                            held.values.begin() + at + count);
-          }
-          at += count;
+        // The partition's pieces: this layer's alone.
+        const std::vector<compress::LambPiece>& pieces = partition_pieces_[id];
+        for (size_t k = 0; k < pieces.size(); ++k) {
+          if (pieces[k].layer != layer) continue;
+          const auto first = held.values.begin() + compress::kLambStats * k;
+          sums.insert(sums.end(), first, first + compress::kLambStats);
         }
       }
-      if (!all || !replica_.MoveLambLayer(step, layer, hyper, segments).ok())
+      if (!all || !replica_.MoveLambLayer(step, layer, hyper, sums).ok())
         continue;
       MutexLock lock(&layers_mu_);
       if (layers_step_ == step) moved_[layer] = true;
     }
   }
 
-  std::vector<compress::Partition> partitions_;
+  std::vector<std::vector<compress::LambPiece>> partition_pieces_;
   std::vector<std::vector<uint32_t>> layer_partitions_;
   std::vector<std::vector<uint32_t>> partition_layers_;
   Mutex layers_mu_;
