@@ -712,14 +712,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   if (lamb_pieces) {
     trace::Scope moments("mirror", step, part.id);
     std::vector<double> segments;
-    MORSE_CHECK(
-        mirror_
-            .ApplyReply(
-                step, part.range.begin, n,
-                {reinterpret_cast<const uint8_t*>(reply->payload.data()),
-                 reply->payload.size()},
-                hyper.has_value() ? &*hyper : nullptr, 1.0f, &segments)
-            .ok());
+    ApplyOwnReply(*reply, part, hyper, 1.0f, &segments);
     reply->lamb_pieces = compress::LambPieceSums(
         compress::LambPiecesOf(job_.algorithm, part.range), segments);
   }
@@ -745,22 +738,26 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   return std::shared_ptr<const Reply>(std::move(reply));
 }
 
+void ShardCore::ApplyOwnReply(const Reply& r, const compress::Partition& part,
+                              const std::optional<compress::StepHyper>& hyper,
+                              float scale,
+                              std::vector<double>* lamb_segments) const {
+  const absl::Status s = mirror_.ApplyReply(
+      r.step, part.range.begin, part.range.size(),
+      {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
+      hyper.has_value() ? &*hyper : nullptr, scale, lamb_segments);
+  // The payload is this shard's own encoding of finite values: decoding it
+  // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
+  MORSE_CHECK(s.ok());
+}
+
 void ShardCore::ApplyMirror(PartitionState& p) const {
   if (!p.mirror_pending || p.awaiting_commit) return;
   p.mirror_pending = false;
   const Reply& r = *p.last_reply;
   trace::Scope traced("mirror", r.step, p.partition.id);
-  if (!p.mirror_moments_applied) {
-    const absl::Status s = mirror_.ApplyReply(
-        r.step, p.partition.range.begin, p.partition.range.size(),
-        {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
-        p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr,
-        p.mirror_scale);
-    // The payload is this shard's own encoding of finite values: decoding
-    // it cannot fail. If it ever did, the mirror would be wrong: stop
-    // loudly.
-    MORSE_CHECK(s.ok());
-  }
+  if (!p.mirror_moments_applied)
+    ApplyOwnReply(r, p.partition, p.mirror_hyper, p.mirror_scale);
   p.mirror_moments_applied = false;
   if (!p.committed_values.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_

@@ -367,6 +367,13 @@ class ShardCore {
   // Applies the partition's last reply to the mirror if that is still to do
   // and possible (not waiting for the step's gradient norm).
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // The mirror takes reply `r` of partition `part`, this shard's own
+  // (compress::Replica::ApplyReply with the step's `hyper` and clip factor
+  // `scale`; `lamb_segments` as there), under the partition's lock.
+  void ApplyOwnReply(const Reply& r, const compress::Partition& part,
+                     const std::optional<compress::StepHyper>& hyper,
+                     float scale,
+                     std::vector<double>* lamb_segments = nullptr) const;
   // The optimizer's own arrays of [begin, begin + n) (a partition of p's,
   // or the whole shard for p any partition at the same step): the
   // per-element ones from the mirror, the others p's.

@@ -22,18 +22,14 @@ class HostEngine final : public Engine {
       : config_(*state.config), replica_(*state.replica), error_(*state.error) {
     if (compress::CommitsLayers(config_)) {
       lamb_pieces_.resize(state.layout->partitions().size());
-      // Which partitions hold each layer, in order, and each partition's
-      // layers (a piece each).
-      const size_t layers = compress::LayerCount(config_);
-      layer_partitions_.resize(layers);
-      partition_layers_.resize(state.layout->partitions().size());
+      // Each partition's pieces (a layer each), and which partitions hold
+      // each layer, in order.
+      layer_partitions_.resize(compress::LayerCount(config_));
       partition_pieces_.resize(state.layout->partitions().size());
       for (const compress::Partition& p : state.layout->partitions()) {
         partition_pieces_[p.id] = compress::LambPiecesOf(config_, p.range);
-        for (const compress::LambPiece& piece : partition_pieces_[p.id]) {
+        for (const compress::LambPiece& piece : partition_pieces_[p.id])
           layer_partitions_[piece.layer].push_back(p.id);
-          partition_layers_[p.id].push_back(piece.layer);
-        }
       }
       BeginReplies(-1);
     }
@@ -227,8 +223,9 @@ class HostEngine final : public Engine {
     {
       MutexLock lock(&layers_mu_);
       if (layers_step_ != step) return;
-      for (uint32_t layer : partition_layers_[p.id]) {
-        if (--pieces_missing_[layer] == 0) complete.push_back(layer);
+      for (const compress::LambPiece& piece : partition_pieces_[p.id]) {
+        if (--pieces_missing_[piece.layer] == 0)
+          complete.push_back(piece.layer);
       }
     }
     for (uint32_t layer : complete) {
@@ -256,7 +253,6 @@ class HostEngine final : public Engine {
 
   std::vector<std::vector<compress::LambPiece>> partition_pieces_;
   std::vector<std::vector<uint32_t>> layer_partitions_;
-  std::vector<std::vector<uint32_t>> partition_layers_;
   Mutex layers_mu_;
   int64_t layers_step_ ABSL_GUARDED_BY(layers_mu_) = -1;
   std::vector<size_t> pieces_missing_ ABSL_GUARDED_BY(layers_mu_);
