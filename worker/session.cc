@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "compress/codec.h"
 #include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/trace.h"
@@ -553,6 +554,49 @@ absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
   if (!norms.ok()) return norms.status();
   if (l2) return std::sqrt(norms->sum_of_squares);
   return l1 ? norms->other.sum_abs : static_cast<double>(norms->other.max_abs);
+}
+
+absl::Status Session::AverageGradient(absl::Span<float> out) const {
+  if (out.size() != job_.algorithm.layout.dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an averaged gradient of ", job_.algorithm.layout.dim,
+                     " floats, not ", out.size()));
+  }
+  if (!InStep() || !clipped_ || !clips_average_ || clips_locally_ ||
+      !waited_.has_value() || !waited_->ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step_,
+        ": no averaged gradient (after ClipAt, in a step that averages)"));
+  }
+  for (const compress::Partition& p : layout_.partitions()) {
+    const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
+    if (!reply.has_value()) {
+      return absl::InternalError(
+          absl::StrCat("step ", step_, ": no reply for partition ", p.id));
+    }
+    if (reply->staged) {
+      return absl::UnimplementedError(absl::StrCat(
+          "step ", step_, ": the replies wait on the ", engine_->kind(),
+          " engine; the averaged gradient is read on the host alone"));
+    }
+    const absl::Span<float> part = out.subspan(p.range.begin, p.range.size());
+    if (reply->payload.empty()) {  // an idle partition: nothing averaged
+      std::fill(part.begin(), part.end(), 0.0f);
+      continue;
+    }
+    const compress::ReplyRule rule =
+        compress::PlanReply(job_.algorithm, step_, HyperOf(step_hyper_, p));
+    if (absl::Status s = compress::Decode(
+            rule.codec,
+            absl::MakeConstSpan(
+                reinterpret_cast<const uint8_t*>(reply->payload.data()),
+                reply->payload.size()),
+            part);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Session::Fail(absl::Status status) {

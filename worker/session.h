@@ -140,6 +140,12 @@ class Session {
   // FAILED_PRECONDITION before ClipAt, in a compressing step, or where a
   // shard sent no such norm; INVALID_ARGUMENT for another norm_type.
   absl::StatusOr<double> AverageNorm(double norm_type) const;
+  // The averaged gradient itself (dim floats, the replies' decoded values,
+  // before any clip), under the same conditions as AverageNorm: what
+  // morse.torch takes a norm of another order of (torch's clip_grad_norm_
+  // with norm_type 3, 0.5, ...). UNIMPLEMENTED where the replies wait on a
+  // GPU; INVALID_ARGUMENT for another size.
+  absl::Status AverageGradient(absl::Span<float> out) const;
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 

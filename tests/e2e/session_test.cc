@@ -4,12 +4,14 @@
 #include "worker/session.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "compress/layout.h"
@@ -221,6 +223,106 @@ TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
       ASSERT_TRUE(given.ok()) << given.status();
       EXPECT_TRUE(*given) << "rank " << r
                           << " after the shards took the change";
+    }
+  }
+}
+
+// A step whose workers clip the averaged gradient (morse.torch's
+// clip_grad_norm_): after ClipAt, AverageGradient gives the replies' decoded
+// values, the mean of the two ranks' gradients (fp32, exact here), whose
+// norms are AverageNorm's; before ClipAt, with the wrong size, or in a
+// compressing step it says why, and the step goes on.
+TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
+  const std::string config = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 1000 }
+    lr { lr: 0.01 }
+    steps: 4
+    freeze_step: 1
+    block_elems: 16
+    partition_elems: 256
+    timeouts { connect_seconds: 20 }
+  )";
+  auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  testing::Cluster cluster(config, 2, 0);
+  cluster.StartServers(false);
+  const std::vector<std::string> servers = {cluster.server_address(0),
+                                            cluster.server_address(1)};
+  std::vector<std::unique_ptr<worker::Session>> ranks(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto session = worker::Session::Connect(job, r, servers, proto::Insecure());
+    ASSERT_TRUE(session.ok()) << session.status();
+    ranks[r] = *std::move(session);
+  }
+  const auto both = [&](auto&& f) {
+    absl::Status status[2];
+    std::thread other([&] { status[1] = f(*ranks[1], 1); });
+    status[0] = f(*ranks[0], 0);
+    other.join();
+    return std::make_pair(status[0], status[1]);
+  };
+  auto started = both(
+      [](worker::Session& s, uint32_t) { return s.Start(false).status(); });
+  ASSERT_TRUE(started.first.ok()) << started.first;
+  ASSERT_TRUE(started.second.ok()) << started.second;
+  // Powers of two: their mean is exact in fp32.
+  std::vector<std::vector<float>> grads(2, std::vector<float>(1000));
+  for (size_t i = 0; i < 1000; ++i) {
+    grads[0][i] = static_cast<float>(i % 7) * 0.25f;
+    grads[1][i] = -static_cast<float>(i % 5) * 0.5f;
+  }
+  std::vector<float> want(1000);
+  for (size_t i = 0; i < 1000; ++i) want[i] = (grads[0][i] + grads[1][i]) / 2;
+  std::vector<float> got[2] = {std::vector<float>(1000),
+                               std::vector<float>(1000)};
+  // Step 0 averages (the warmup); step 1 compresses.
+  for (int64_t step = 0; step < 2; ++step) {
+    auto stepped = both([&](worker::Session& s, uint32_t r) -> absl::Status {
+      if (absl::Status st = s.SetStepClipping(true); !st.ok()) return st;
+      if (absl::Status st = s.Begin(grads[r]); !st.ok()) return st;
+      const absl::Status early = s.AverageGradient(absl::MakeSpan(got[r]));
+      if (early.code() != absl::StatusCode::kFailedPrecondition) {
+        return absl::InternalError(
+            absl::StrCat("before ClipAt: ", early.ToString()));
+      }
+      absl::StatusOr<double> sum = s.ClipAt(0.0f);
+      if (!sum.ok()) return sum.status();
+      const absl::Status read = s.AverageGradient(absl::MakeSpan(got[r]));
+      if (step == 1) {
+        if (read.code() != absl::StatusCode::kFailedPrecondition) {
+          return absl::InternalError(
+              absl::StrCat("a compressing step: ", read.ToString()));
+        }
+      } else {
+        if (!read.ok()) return read;
+        const absl::Status wrong =
+            s.AverageGradient(absl::MakeSpan(got[r]).first(999));
+        if (wrong.code() != absl::StatusCode::kInvalidArgument) {
+          return absl::InternalError(
+              absl::StrCat("999 floats: ", wrong.ToString()));
+        }
+        absl::StatusOr<double> l1 = s.AverageNorm(1.0);
+        if (!l1.ok()) return l1.status();
+        double sum_abs = 0.0, sum_squares = 0.0;
+        for (float g : got[r]) {
+          sum_abs += std::abs(g);
+          sum_squares += static_cast<double>(g) * g;
+        }
+        if (std::abs(*l1 - sum_abs) > 1e-9 * sum_abs ||
+            std::abs(*sum - sum_squares) > 1e-9 * sum_squares) {
+          return absl::InternalError(
+              absl::StrCat("norms ", *l1, " and ", *sum, " against ", sum_abs,
+                           " and ", sum_squares, " of the averaged gradient"));
+        }
+      }
+      return s.Finish();
+    });
+    ASSERT_TRUE(stepped.first.ok()) << "step " << step << ": " << stepped.first;
+    ASSERT_TRUE(stepped.second.ok())
+        << "step " << step << ": " << stepped.second;
+    if (step == 0) {
+      for (uint32_t r = 0; r < 2; ++r) EXPECT_EQ(got[r], want) << "rank " << r;
     }
   }
 }

@@ -11,7 +11,8 @@ gradient; and the script's own torch.nn.utils.clip_grad_norm_ after
 backward() (rank 0 overlapping and accumulating two backward() calls with
 no argument, rank 1 with overlap=False), which clips the averaged gradient
 and returns its norm, as under DDP, several times a step and with
-norm_type inf and 1 too; and .grad edited after backward() (a
+norm_type inf and 1 too, and 3 and 0.5 (of the averaged gradient itself, which
+the shards send no norm of); and .grad edited after backward() (a
 row zeroed, everything halved, then clip_grad_norm_), which under DDP edits
 the averaged gradient: linear edits give the same result on each rank's
 gradient before the average, which Morse pushes at step() once the first
@@ -67,6 +68,9 @@ def adopt(opt, reference, ref_opt):
 # element logged, then clips by the largest element, the L1 and the L2 norm.
 TWICE = tuple((m, 2.0) for m in (float("inf"), 0.25, 0.15, 0.3))
 ORDERS = ((float("inf"), float("inf")), (0.08, float("inf")), (1.5, 1.0), (0.15, 2.0))
+# clip_p's: norms of orders the shards send none of (the averaged gradient's,
+# taken by the worker), the largest logged, then clips by each.
+ORDERS_P = ((float("inf"), 3.0), (0.06, 3.0), (4.0, 0.5), (0.15, 2.0))
 
 
 def worker(mode):
@@ -90,8 +94,8 @@ def worker(mode):
     clip_after = mode == "clip_after"
     # clip_grad_norm_ three times a step (the norm logged with inf, then two
     # clips), each as torch's on the gradient the earlier ones clipped.
-    clip_twice = mode in ("clip_twice", "clip_orders")
-    calls = ORDERS if mode == "clip_orders" else TWICE
+    clip_twice = mode in ("clip_twice", "clip_orders", "clip_p")
+    calls = {"clip_orders": ORDERS, "clip_p": ORDERS_P}.get(mode, TWICE)
     edit = mode == "edit"  # .grad edited after backward(), then clipped
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
@@ -258,6 +262,9 @@ def worker(mode):
             "clip_orders": f"clip_grad_norm_ with (max_norm, norm_type) {ORDERS} in turn after "
                            f"backward(), the first finite one and a later one clipping in {clipped} "
                            "steps",
+            "clip_p": f"clip_grad_norm_ with (max_norm, norm_type) {ORDERS_P} in turn after "
+                      f"backward(), the first finite one and a later one clipping in {clipped} "
+                      "steps",
             "one_cycle": f"OneCycleLR cycling lr and betas[0] ({len(betas_seen)} betas)",
             "no_sync": "1, 2 or 4 backward() calls a step, all but the last in opt.no_sync()",
             "groups": "two parameter groups with their own lr, weight_decay and LambdaLR",
@@ -355,7 +362,7 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "edit", "no_sync",
+                 "clip_p", "edit", "no_sync",
                  "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)

@@ -368,6 +368,14 @@ int morse_session_average_norm(morse_session* s, double norm_type,
   });
 }
 
+int morse_session_average_gradient(morse_session* s, float* out, uint64_t dim) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
+    return s->session->AverageGradient(absl::MakeSpan(out, dim));
+  });
+}
+
 int morse_session_received_buffers(morse_session* s, void* out,
                                    uint64_t capacity, uint64_t* size) {
   return Guard([&]() -> absl::Status {

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 15
+#define MORSE_CAPI_VERSION 16
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -122,6 +122,10 @@ int morse_session_clips_locally(morse_session* s, int* locally);
  * (Session::AverageNorm). */
 int morse_session_average_norm(morse_session* s, double norm_type,
                                double* norm);
+/* The averaged gradient itself (dim floats, the replies' decoded values)
+ * under the same conditions, host replies only (Session::AverageGradient):
+ * for a norm of another order. */
+int morse_session_average_gradient(morse_session* s, float* out, uint64_t dim);
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);

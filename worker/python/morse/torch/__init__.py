@@ -88,7 +88,7 @@ _TORCH_CLIP_GRAD_NORM = torch.nn.utils.clip_grad_norm_
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """torch.nn.utils.clip_grad_norm_, as DDP gives it for a Morse
     optimizer's parameters: the norm of the averaged gradient (of order
-    norm_type: 2, inf or 1), which the optimizer's step() then clips by
+    norm_type, any that torch takes), which the optimizer's step() then clips by
     max_norm (the same clip factor as torch's, min(1, max_norm / (norm +
     1e-6))). Building a Morse optimizer
     puts this in place of torch.nn.utils.clip_grad_norm_, so scripts call it
@@ -1029,10 +1029,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite, owned):
         """clip_grad_norm_ on this optimizer's parameters (see the module's)."""
         order = float(norm_type)
-        if order not in (1.0, 2.0, math.inf):
-            raise ValueError(f"clip_grad_norm_(..., norm_type={norm_type}) on a Morse optimizer's "
-                             "parameters: Morse takes the averaged gradient's norm of order 1, 2 "
-                             "or inf")
         max_norm = float(max_norm)
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
@@ -1093,16 +1089,42 @@ class _MorseOptimizer(torch.optim.Optimizer):
         `own` this rank's (a compressing step's clip). sum_of_squares: the
         L2 one's square, as the session clips by it."""
         cache = {} if sum_of_squares is None else {2.0: math.sqrt(sum_of_squares)}
+        average = []  # the averaged gradient, fetched once for other orders
 
         def norm_of(order):
             if order not in cache:
-                if own:
+                if own and order in (1.0, 2.0, math.inf):
                     cache[order] = float(torch.linalg.vector_norm(self._flat_grad.double(), order))
-                else:
+                elif own:
+                    cache[order] = self._norm_by_parameter(self._flat_grad, order)
+                elif order in (1.0, 2.0, math.inf):
                     with self._device_context(), self._explained():
                         cache[order] = self._session.average_norm(order)
+                else:
+                    # Another order (3, 0.5, ...): of the averaged gradient
+                    # itself, which the shards send no norm of.
+                    if not average:
+                        if self._cuda:
+                            raise MorseError(
+                                f"UNIMPLEMENTED: clip_grad_norm_(..., norm_type={order}) on CUDA "
+                                "tensors in a step that averages: the shards send the averaged "
+                                "gradient's norms of order 2, 1 and inf, and its replies wait on "
+                                "the GPU, where Morse takes no other; use one of those orders")
+                        average.append(torch.empty(self._flat_grad.numel(), dtype=torch.float32))
+                        with self._explained():
+                            self._session.average_gradient(average[0])
+                    cache[order] = self._norm_by_parameter(average[0], order)
             return cache[order]
         return norm_of
+
+    def _norm_by_parameter(self, flat, order):
+        """torch's clip_grad_norm_ of order `order` over the views of `flat`
+        at this optimizer's parameters: each parameter's norm, then the norm
+        of those (in double)."""
+        norms = [torch.linalg.vector_norm(flat[lo:hi].double(), order) for lo, hi in self._ranges]
+        if not norms:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(norms), order))
 
     @staticmethod
     def _l2_max_norm(norms, order, factor, limit):
