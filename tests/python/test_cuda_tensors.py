@@ -13,7 +13,8 @@ between zero_one_adam's syncs); the GPU ranks' parameters stay CUDA
 tensors; state_dict()/load_state_dict() round trip on the GPU. OneBitLamb
 with parameter groups of their own lr and weight_decay on CUDA tensors is
 refused at construction (UNIMPLEMENTED: the GPU's layer sums take one of
-each). Exits 77 (skipped, saying why) without a GPU."""
+each), and clip_grad_norm_ with norm_type 3 in a step that averages too
+(the replies wait on the GPU). Exits 77 (skipped, saying why) without a GPU."""
 import json
 import os
 import sys
@@ -109,6 +110,28 @@ def groups_refused(name):
     return False
 
 
+def norm_type_refused():
+    """clip_grad_norm_ with a norm_type the shards send no norm of (3) over
+    morse.torch.Adam's CUDA parameters, in a step that averages: MorseError
+    UNIMPLEMENTED naming the order (the replies wait on the GPU); True if so."""
+    import morse.torch
+    os.environ["MORSE_INSECURE"] = "1"
+    config = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
+    config.write("workers: 1\nshards: 1\nexternal {}\n")
+    config.close()
+    model = torch.nn.Linear(10, 4).cuda()
+    with server(config.name) as address:
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=config.name, block_elems=16)
+        model(torch.ones(2, 10, device="cuda")).sum().backward()
+        try:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=3)
+        except morse.MorseError as e:
+            print(f"norm_type=3 on CUDA tensors (rank {opt.rank}): {e}")
+            return "UNIMPLEMENTED" in str(e) and "norm_type=3" in str(e)
+    return False
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
@@ -127,6 +150,11 @@ if __name__ == "__main__":
         else:
             print(f"FAIL {grouped}+groups: not refused with UNIMPLEMENTED on CUDA tensors")
             failed.append(f"{grouped}+groups")
+    if norm_type_refused():
+        print("PASS norm_type=3: refused on CUDA tensors in a step that averages, saying why")
+    else:
+        print("FAIL norm_type=3: not refused with UNIMPLEMENTED on CUDA tensors")
+        failed.append("norm_type=3")
     for name in OPTIMIZERS:
         os.environ["CUDA_OPTIMIZER"] = name
         out = tempfile.mkdtemp(prefix="morse-cuda-")
