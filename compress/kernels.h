@@ -119,6 +119,14 @@ struct KernelTable {
   void (*zero_one_sync_message)(const AdamScalars& s, float lr_sum,
                                 const float* u, const float* v, float* out,
                                 size_t n);
+  // A sync step's local step (x read, not written) and its sync message in
+  // one pass: zero_one_local_step with write_x false, then
+  // zero_one_sync_message(sync, lr_sum, u, v, out), the same bits.
+  void (*zero_one_sync_local_step)(const AdamScalars& s,
+                                   const AdamScalars& sync, float lr_sum,
+                                   const float* g, const float* x, float* m,
+                                   float* u, const float* v, size_t n,
+                                   bool fresh, float* out);
   void (*zero_one_sync_step)(const AdamScalars& s, bool mask, const float* w,
                              const float* anchor, float* x, float* m,
                              const float* v, size_t n);

@@ -28,7 +28,8 @@ absl::Status EmptyPayload(absl::Span<uint8_t> payload) {
 absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
                                  ErrorFeedback& error, uint64_t begin,
                                  absl::Span<const float> g, float grad_scale,
-                                 absl::Span<uint8_t> payload) {
+                                 absl::Span<uint8_t> payload,
+                                 absl::Span<const float> sync_message) {
   const uint64_t n = g.size();
   if (rule.idle) return EmptyPayload(payload);
   const auto mask = [&](uint64_t at, uint64_t len) {
@@ -36,6 +37,14 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
                      : absl::Span<const float>();
   };
   if (rule.accumulated) {  // zero_one_adam's sync: the gradient is already in u
+    if (!sync_message.empty()) {
+      if (sync_message.size() != n) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "a sync message of ", sync_message.size(), " floats for ", n));
+      }
+      return error.Compress(rule.codec, begin, sync_message, rule.key, payload,
+                            mask(begin, n));
+    }
     const absl::Span<float> message = Scratch(ScratchSlot::kLocalMomentum, n);
     replica.SyncMessage(rule.step, rule.sync, begin, message);
     return error.Compress(rule.codec, begin, message, rule.key, payload,

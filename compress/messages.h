@@ -39,10 +39,14 @@ absl::Status EncodeShardReply(
 // the momentum is formed and encoded a cache-sized chunk of blocks at a
 // time, so it never goes to memory: one pass over g, m and e instead of
 // two. The bits are those of forming it whole first (tests/compress).
+// zero_one_adam's sync (rule.accumulated) encodes `sync_message` where the
+// caller already has it (Replica::LocalStepRange with the rule's sync
+// scalars), else the replica's SyncMessage.
 absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
                                  ErrorFeedback& error, uint64_t begin,
                                  absl::Span<const float> g, float grad_scale,
-                                 absl::Span<uint8_t> payload);
+                                 absl::Span<uint8_t> payload,
+                                 absl::Span<const float> sync_message = {});
 
 }  // namespace morse::compress
 

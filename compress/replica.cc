@@ -299,11 +299,24 @@ void ForEachSegmentPart(const LayoutSpec& spec, Range range, Fn&& fn) {
 }  // namespace
 
 void Replica::RunLocalPass(const LocalPass& pass, size_t at,
-                           absl::Span<const float> g) {
-  // Each segment's elements with its own lr and weight_decay.
+                           absl::Span<const float> g, const AdamScalars* sync,
+                           absl::Span<float> message) {
+  MORSE_CHECK(sync == nullptr || (!pass.write_x && message.size() == g.size()));
+  // Each segment's elements with its own lr and weight_decay (and its own
+  // learning-rate sum in the message).
   ForEachSegmentPart(
       config_.layout, Range{at, at + g.size()}, [&](uint32_t k, Range part) {
         const size_t n = part.size();
+        if (sync != nullptr) {
+          ZeroOneSyncLocalStep(pass.scalars[k], *sync, lr_sums_[k],
+                               g.subspan(part.begin - at, n),
+                               absl::MakeConstSpan(x_).subspan(part.begin, n),
+                               absl::MakeSpan(m_).subspan(part.begin, n),
+                               absl::MakeSpan(u_).subspan(part.begin, n),
+                               absl::MakeConstSpan(v_).subspan(part.begin, n),
+                               pass.fresh, message.subspan(part.begin - at, n));
+          return;
+        }
         ZeroOneLocalStep(pass.scalars[k], g.subspan(part.begin - at, n),
                          x_.subspan(part.begin, n),
                          absl::MakeSpan(m_).subspan(part.begin, n),
@@ -356,7 +369,9 @@ absl::Status Replica::BeginSyncLocalStep(int64_t step,
 }
 
 absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
-                                     absl::Span<const float> g) {
+                                     absl::Span<const float> g,
+                                     const AdamScalars* sync,
+                                     absl::Span<float> message) {
   if (by_range_.step != step) {
     return absl::FailedPreconditionError(
         absl::StrCat("no local step of step ", step, " begun by range"));
@@ -367,7 +382,12 @@ absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
                                                    ", ", begin + g.size(),
                                                    ") is outside the replica"));
   }
-  RunLocalPass(by_range_, begin - range_.begin, g);
+  if (sync != nullptr && message.size() != g.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a sync message of ", message.size(), " floats for ",
+                     g.size(), " elements"));
+  }
+  RunLocalPass(by_range_, begin - range_.begin, g, sync, message);
   return absl::OkStatus();
 }
 

@@ -111,8 +111,13 @@ class Replica {
   bool local_step_by_range(int64_t step) const {
     return by_range_.step == step;
   }
+  // With `sync` (the rule's scalars SyncMessage takes), the range's sync
+  // message goes into `message` (g.size() floats) in the same pass: the
+  // values of SyncMessage after it, without reading u and v again.
   absl::Status LocalStepRange(int64_t step, uint64_t begin,
-                              absl::Span<const float> g);
+                              absl::Span<const float> g,
+                              const AdamScalars* sync = nullptr,
+                              absl::Span<float> message = {});
   // The sync message of [begin, begin + out.size()) at sync step `step`
   // (ZeroOneSyncMessage with `s`, the rule's LocalStepScalars at the
   // partition's betas and eps, each segment's elements with its own sum),
@@ -229,8 +234,11 @@ class Replica {
                            absl::Span<const StepHyper> hypers);
   // The pass's element loop over gradient g for elements [at, at + g.size())
   // of this replica.
-  void RunLocalPass(const LocalPass& pass, size_t at,
-                    absl::Span<const float> g);
+  // With `sync`, a sync step's pass (write_x false) that also writes the
+  // sync message of those elements into `message`.
+  void RunLocalPass(const LocalPass& pass, size_t at, absl::Span<const float> g,
+                    const AdamScalars* sync = nullptr,
+                    absl::Span<float> message = {});
   LocalPass by_range_;
   // onebit_lamb: v' over the range, and every layer's state.
   std::vector<float> v_fresh_;

@@ -22,7 +22,8 @@ enum class ScratchSlot : int {
   kReplyDecoded,    // Replica::ApplyReply
   kLocalScaled,     // a worker's gradient scaled by its clip factor
                     // (LocalMomentum, LocalStep)
-  kLocalMomentum,   // EncodeWorkerMessage: one chunk's local momentum
+  kLocalMomentum,   // EncodeWorkerMessage: one chunk's local momentum, or
+                    // a sync message (the host engine's, passed in)
   kShardAverage,    // EncodeShardReply: the average being recompressed (and
                     // server::ShardCore: the decoded reply, for its norm)
   kEncodeInput,     // EncodeViaDecode: u = x + e

@@ -103,6 +103,14 @@ void ZeroOneLocalStep(const AdamScalars& s, absl::Span<const float> g,
 void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum,
                         absl::Span<const float> u, absl::Span<const float> m,
                         absl::Span<const float> v, absl::Span<float> out);
+// A sync step's local step (x read, not written) and then its sync message
+// with `sync`'s scalars, in one pass: ZeroOneLocalStep(write_x false) and
+// ZeroOneSyncMessage(sync, lr_sum, u, m, v, out), the same bits.
+void ZeroOneSyncLocalStep(const AdamScalars& s, const AdamScalars& sync,
+                          float lr_sum, absl::Span<const float> g,
+                          absl::Span<const float> x, absl::Span<float> m,
+                          absl::Span<float> u, absl::Span<const float> v,
+                          bool fresh, absl::Span<float> out);
 // Every replica's sync update from the decoded reply w, with s.lr the
 // interval's learning-rate sum: x = anchor - lr_sum * bound(w / (sqrt(v/bc2)
 // + eps)); m = w, w first masked (+0 where v is 0) when `mask`. `anchor` (x

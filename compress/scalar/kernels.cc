@@ -198,6 +198,18 @@ void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum, const float* u,
     out[i] = simd::ZeroOneMessageElement(s, lr_sum, u[i], v[i]);
 }
 
+void ZeroOneSyncLocalStep(const AdamScalars& s, const AdamScalars& sync,
+                          float lr_sum, const float* g, const float* x,
+                          float* m, float* u, const float* v, size_t n,
+                          bool fresh, float* out) {
+  for (size_t i = 0; i < n; ++i) {
+    float xi = x[i];  // read alone: write_x is false
+    simd::ZeroOneLocalElement(s, g[i], &xi, &m[i], fresh ? 0.0f : u[i], &u[i],
+                              v[i], /*write_x=*/false);
+    out[i] = simd::ZeroOneMessageElement(sync, lr_sum, u[i], v[i]);
+  }
+}
+
 void ZeroOneSyncStep(const AdamScalars& s, bool mask, const float* w,
                      const float* anchor, float* x, float* m, const float* v,
                      size_t n) {
@@ -209,11 +221,15 @@ void ZeroOneSyncStep(const AdamScalars& s, bool mask, const float* w,
 
 const KernelTable& ScalarKernels() {
   static constexpr KernelTable kTable = {
-      "scalar",     Sign1Encode,      Sign1Decode,        Sign1Average,
-      IntEncode,    IntDecode,        IntAverage,         AdamUpdate,
-      FrozenUpdate, Momentum,         LambSegmentSums,    LambUpdateX,
-      LambMoments,  ZeroOneLocalStep, ZeroOneSyncMessage, ZeroOneSyncStep,
-      FillDraws,
+      "scalar",           Sign1Encode,
+      Sign1Decode,        Sign1Average,
+      IntEncode,          IntDecode,
+      IntAverage,         AdamUpdate,
+      FrozenUpdate,       Momentum,
+      LambSegmentSums,    LambUpdateX,
+      LambMoments,        ZeroOneLocalStep,
+      ZeroOneSyncMessage, ZeroOneSyncLocalStep,
+      ZeroOneSyncStep,    FillDraws,
   };
   return kTable;
 }

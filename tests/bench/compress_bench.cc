@@ -310,6 +310,23 @@ void BM_ZeroOneSyncMessage(benchmark::State& state) {
   state.SetLabel(ActiveKernels().name);
 }
 
+// A sync step's local step and its message (the host engine's encode of
+// a sync, compress::ZeroOneSyncLocalStep): reads g, x, m, u, v; writes m, u
+// and the message (28 bytes). Against local_step (x not written: 28) plus
+// sync_message (12), the two passes it replaces.
+void BM_ZeroOneSyncLocalStep(benchmark::State& state) {
+  const std::vector<float> g = RandomVector(kElems, 18),
+                           x = RandomVector(kElems, 19);
+  std::vector<float> m(kElems, 0.0f), u(kElems, 0.0f), v(kElems, 1.0f),
+      out(kElems);
+  const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
+  Measure(state, 28.0 * kElems, kElems, [&] {
+    ZeroOneSyncLocalStep(s, s, 4e-3f, g, x, absl::MakeSpan(m),
+                         absl::MakeSpan(u), v, false, absl::MakeSpan(out));
+  });
+  state.SetLabel(ActiveKernels().name);
+}
+
 void BM_ZeroOneSyncStep(benchmark::State& state) {
   const std::vector<float> w = RandomVector(kElems, 22);
   std::vector<float> x = RandomVector(kElems, 23), m(kElems, 0.0f);
@@ -637,6 +654,8 @@ void RegisterAll() {
       benchmark::RegisterBenchmark("zero_one/local_step", BM_ZeroOneLocalStep));
   common(benchmark::RegisterBenchmark("zero_one/sync_message",
                                       BM_ZeroOneSyncMessage));
+  common(benchmark::RegisterBenchmark("zero_one/sync_local_step",
+                                      BM_ZeroOneSyncLocalStep));
   common(
       benchmark::RegisterBenchmark("zero_one/sync_step", BM_ZeroOneSyncStep));
   common(benchmark::RegisterBenchmark("lamb/moments_masked",

@@ -358,6 +358,32 @@ TEST_P(KernelsTest, ZeroOneLoopsMatchTheReference) {
     fast_->zero_one_sync_message(s, 7e-3f, u0.data(), v.data(), out_fast.data(),
                                  n);
     EXPECT_EQ(FirstBitDifference(out_fast, out_ref), -1) << "n=" << n;
+    // A sync step's local step and message in one pass: the bits of the two
+    // passes (the message with scalars of its own, here another eps).
+    AdamScalars sync = s;
+    sync.eps = 3e-7f;
+    for (bool fresh : {false, true}) {
+      const std::string where = "n=" + std::to_string(n) +
+                                (fresh ? " fresh" : "") + " sync local step";
+      std::vector<float> x_two = x0, m_two = m0, u_two = u0, msg_two(n, -1);
+      ref_.zero_one_local_step(s, g.data(), x_two.data(), m_two.data(),
+                               u_two.data(), v.data(), n, fresh, false);
+      ref_.zero_one_sync_message(sync, 7e-3f, u_two.data(), v.data(),
+                                 msg_two.data(), n);
+      for (const KernelTable* table : {&ref_, fast_}) {
+        std::vector<float> m_one = m0, u_one = u0, msg_one(n, -2);
+        table->zero_one_sync_local_step(s, sync, 7e-3f, g.data(), x0.data(),
+                                        m_one.data(), u_one.data(), v.data(), n,
+                                        fresh, msg_one.data());
+        EXPECT_EQ(FirstBitDifference(m_one, m_two), -1)
+            << where << " m " << table->name;
+        EXPECT_EQ(FirstBitDifference(u_one, u_two), -1)
+            << where << " u " << table->name;
+        EXPECT_EQ(FirstBitDifference(msg_one, msg_two), -1)
+            << where << " message " << table->name;
+      }
+      EXPECT_EQ(FirstBitDifference(x_two, x0), -1) << where << " x unwritten";
+    }
     for (bool mask : {false, true}) {
       for (bool own_anchor : {false, true}) {
         const std::string where = "n=" + std::to_string(n) +

@@ -7,6 +7,7 @@
 #include "compress/lamb.h"
 #include "compress/messages.h"
 #include "compress/optimizer.h"
+#include "compress/scratch.h"
 #include "compress/sync.h"
 
 namespace morse::worker::host {
@@ -72,10 +73,15 @@ class HostEngine final : public Engine {
         config_, step, compress::Direction::kUp, rank, p.range.begin, hyper);
     const uint64_t n = p.range.size();
     // zero_one_adam's sync begun by BeginSyncLocalStep: this partition's
-    // part of the local step first.
+    // part of the local step first, its sync message in the same pass.
+    absl::Span<float> message;
     if (replica_.local_step_by_range(step)) {
+      if (rule.accumulated && !rule.idle) {
+        message = compress::Scratch(compress::ScratchSlot::kLocalMomentum, n);
+      }
       if (absl::Status s = replica_.LocalStepRange(
-              step, p.range.begin, grad_.subspan(p.range.begin, n));
+              step, p.range.begin, grad_.subspan(p.range.begin, n),
+              message.empty() ? nullptr : &rule.sync, message);
           !s.ok()) {
         return s;
       }
@@ -83,7 +89,7 @@ class HostEngine final : public Engine {
     payload->resize(compress::SendBytes(rule, n));
     return compress::EncodeWorkerMessage(rule, replica_, error_, p.range.begin,
                                          grad_.subspan(p.range.begin, n),
-                                         grad_scale, AsBytes(payload));
+                                         grad_scale, AsBytes(payload), message);
   }
 
   absl::Status ApplyReply(int64_t step, const compress::Partition& p,
