@@ -359,12 +359,15 @@ TEST_P(KernelsTest, ZeroOneLoopsMatchTheReference) {
                                  n);
     EXPECT_EQ(FirstBitDifference(out_fast, out_ref), -1) << "n=" << n;
     // A sync step's local step and message in one pass: the bits of the two
-    // passes (the message with scalars of its own, here another eps).
-    AdamScalars sync = s;
-    sync.eps = 3e-7f;
-    for (bool fresh : {false, true}) {
-      const std::string where = "n=" + std::to_string(n) +
-                                (fresh ? " fresh" : "") + " sync local step";
+    // passes, with the message's scalars the local step's (one denominator
+    // for both) or its own (here another eps).
+    for (int round = 0; round < 4; ++round) {
+      const bool fresh = round % 2 == 1, own_eps = round >= 2;
+      AdamScalars sync = s;
+      if (own_eps) sync.eps = 3e-7f;
+      const std::string where =
+          "n=" + std::to_string(n) + (fresh ? " fresh" : "") +
+          (own_eps ? " own eps" : "") + " sync local step";
       std::vector<float> x_two = x0, m_two = m0, u_two = u0, msg_two(n, -1);
       ref_.zero_one_local_step(s, g.data(), x_two.data(), m_two.data(),
                                u_two.data(), v.data(), n, fresh, false);
