@@ -25,6 +25,46 @@
 namespace morse {
 namespace {
 
+// A job of two ranks on two real shards, both sessions started.
+class TwoRanks {
+ public:
+  TwoRanks(const std::string& config, const proto::JobSpec& job)
+      : job_(job), cluster_(config, 2, 0) {}
+
+  void Start() {
+    cluster_.StartServers(false);
+    const std::vector<std::string> servers = {cluster_.server_address(0),
+                                              cluster_.server_address(1)};
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto session =
+          worker::Session::Connect(job_, r, servers, proto::Insecure());
+      ASSERT_TRUE(session.ok()) << session.status();
+      ranks.push_back(*std::move(session));
+    }
+    auto started = Both(
+        [](worker::Session& s, uint32_t) { return s.Start(false).status(); });
+    ASSERT_TRUE(started.first.ok()) << started.first;
+    ASSERT_TRUE(started.second.ok()) << started.second;
+  }
+
+  // f(session, rank) on both ranks at once (each may wait for the other),
+  // and their outcomes.
+  template <typename F>
+  std::pair<absl::Status, absl::Status> Both(F&& f) {
+    absl::Status status[2];
+    std::thread other([&] { status[1] = f(*ranks[1], 1); });
+    status[0] = f(*ranks[0], 0);
+    other.join();
+    return {status[0], status[1]};
+  }
+
+  std::vector<std::unique_ptr<worker::Session>> ranks;
+
+ private:
+  proto::JobSpec job_;
+  testing::Cluster cluster_;
+};
+
 TEST(SessionTest, AFailedStepIsNotRetried) {
   const std::string config = R"(
     workers: 2
@@ -153,28 +193,10 @@ TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
     timeouts { connect_seconds: 20 }
   )";
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
-  testing::Cluster cluster(config, 2, 0);
-  cluster.StartServers(false);
-  const std::vector<std::string> servers = {cluster.server_address(0),
-                                            cluster.server_address(1)};
-  std::vector<std::unique_ptr<worker::Session>> ranks(2);
-  for (uint32_t r = 0; r < 2; ++r) {
-    auto session = worker::Session::Connect(job, r, servers, proto::Insecure());
-    ASSERT_TRUE(session.ok()) << session.status();
-    ranks[r] = *std::move(session);
-  }
-  // Both at once: each waits for the other to join.
-  const auto both = [&](auto&& f) {
-    absl::Status status[2];
-    std::thread other([&] { status[1] = f(*ranks[1], 1); });
-    status[0] = f(*ranks[0], 0);
-    other.join();
-    return std::make_pair(status[0], status[1]);
-  };
-  auto started = both(
-      [](worker::Session& s, uint32_t) { return s.Start(false).status(); });
-  ASSERT_TRUE(started.first.ok()) << started.first;
-  ASSERT_TRUE(started.second.ok()) << started.second;
+  TwoRanks two(config, job);
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  std::vector<std::unique_ptr<worker::Session>>& ranks = two.ranks;
+  const auto both = [&](auto&& f) { return two.Both(f); };
   auto sim =
       compress::Simulator::Create(job.algorithm, ranks[0]->replica().x());
   ASSERT_TRUE(sim.ok()) << sim.status();
@@ -245,27 +267,10 @@ TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
     timeouts { connect_seconds: 20 }
   )";
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
-  testing::Cluster cluster(config, 2, 0);
-  cluster.StartServers(false);
-  const std::vector<std::string> servers = {cluster.server_address(0),
-                                            cluster.server_address(1)};
-  std::vector<std::unique_ptr<worker::Session>> ranks(2);
-  for (uint32_t r = 0; r < 2; ++r) {
-    auto session = worker::Session::Connect(job, r, servers, proto::Insecure());
-    ASSERT_TRUE(session.ok()) << session.status();
-    ranks[r] = *std::move(session);
-  }
-  const auto both = [&](auto&& f) {
-    absl::Status status[2];
-    std::thread other([&] { status[1] = f(*ranks[1], 1); });
-    status[0] = f(*ranks[0], 0);
-    other.join();
-    return std::make_pair(status[0], status[1]);
-  };
-  auto started = both(
-      [](worker::Session& s, uint32_t) { return s.Start(false).status(); });
-  ASSERT_TRUE(started.first.ok()) << started.first;
-  ASSERT_TRUE(started.second.ok()) << started.second;
+  TwoRanks two(config, job);
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  std::vector<std::unique_ptr<worker::Session>>& ranks = two.ranks;
+  const auto both = [&](auto&& f) { return two.Both(f); };
   // Powers of two: their mean is exact in fp32.
   std::vector<std::vector<float>> grads(2, std::vector<float>(1000));
   for (size_t i = 0; i < 1000; ++i) {
