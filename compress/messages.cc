@@ -37,16 +37,15 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
                      : absl::Span<const float>();
   };
   if (rule.accumulated) {  // zero_one_adam's sync: the gradient is already in u
-    if (!sync_message.empty()) {
-      if (sync_message.size() != n) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "a sync message of ", sync_message.size(), " floats for ", n));
-      }
-      return error.Compress(rule.codec, begin, sync_message, rule.key, payload,
-                            mask(begin, n));
+    absl::Span<const float> message = sync_message;
+    if (message.empty()) {
+      const absl::Span<float> formed = Scratch(ScratchSlot::kLocalMomentum, n);
+      replica.SyncMessage(rule.step, rule.sync, begin, formed);
+      message = formed;
+    } else if (message.size() != n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a sync message of ", message.size(), " floats for ", n));
     }
-    const absl::Span<float> message = Scratch(ScratchSlot::kLocalMomentum, n);
-    replica.SyncMessage(rule.step, rule.sync, begin, message);
     return error.Compress(rule.codec, begin, message, rule.key, payload,
                           mask(begin, n));
   }

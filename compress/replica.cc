@@ -310,7 +310,7 @@ void Replica::RunLocalPass(const LocalPass& pass, size_t at,
         if (sync != nullptr) {
           ZeroOneSyncLocalStep(pass.scalars[k], *sync, lr_sums_[k],
                                g.subspan(part.begin - at, n),
-                               absl::MakeConstSpan(x_).subspan(part.begin, n),
+                               x_.subspan(part.begin, n),
                                absl::MakeSpan(m_).subspan(part.begin, n),
                                absl::MakeSpan(u_).subspan(part.begin, n),
                                absl::MakeConstSpan(v_).subspan(part.begin, n),

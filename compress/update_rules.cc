@@ -159,19 +159,15 @@ void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum,
 
 void ZeroOneSyncLocalStep(const AdamScalars& s, const AdamScalars& sync,
                           float lr_sum, absl::Span<const float> g,
-                          absl::Span<const float> x, absl::Span<float> m,
+                          absl::Span<float> x, absl::Span<float> m,
                           absl::Span<float> u, absl::Span<const float> v,
                           bool fresh, absl::Span<float> out) {
   MORSE_CHECK(g.size() == x.size() && x.size() == m.size() &&
               m.size() == u.size() && u.size() == v.size() &&
               v.size() == out.size());
-  if (lr_sum == 0.0f) {  // the message is m: after the local step
-    for (size_t j = 0; j < g.size(); ++j) {
-      float xj = x[j];
-      simd::ZeroOneLocalElement(s, g[j], &xj, &m[j], fresh ? 0.0f : u[j], &u[j],
-                                v[j], /*write_x=*/false);
-    }
-    std::copy(m.begin(), m.end(), out.begin());
+  if (lr_sum == 0.0f) {  // the message is m after the step: the two passes
+    ZeroOneLocalStep(s, g, x, m, u, v, /*write_x=*/false, fresh);
+    ZeroOneSyncMessage(sync, lr_sum, u, m, v, out);
     return;
   }
   ActiveKernels().zero_one_sync_local_step(s, sync, lr_sum, g.data(), x.data(),

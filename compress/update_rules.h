@@ -108,7 +108,7 @@ void ZeroOneSyncMessage(const AdamScalars& s, float lr_sum,
 // ZeroOneSyncMessage(sync, lr_sum, u, m, v, out), the same bits.
 void ZeroOneSyncLocalStep(const AdamScalars& s, const AdamScalars& sync,
                           float lr_sum, absl::Span<const float> g,
-                          absl::Span<const float> x, absl::Span<float> m,
+                          absl::Span<float> x, absl::Span<float> m,
                           absl::Span<float> u, absl::Span<const float> v,
                           bool fresh, absl::Span<float> out);
 // Every replica's sync update from the decoded reply w, with s.lr the

@@ -536,13 +536,7 @@ absl::StatusOr<std::optional<double>> Session::RepliesSumOfSquares() const {
   return norms->sum_of_squares;
 }
 
-absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
-  const bool l1 = norm_type == 1.0, l2 = norm_type == 2.0,
-             linf = std::isinf(norm_type) && norm_type > 0;
-  if (!(l1 || l2 || linf)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("norm_type ", norm_type, ": 1, 2 or inf"));
-  }
+absl::Status Session::HoldsAverage() const {
   if (!InStep() || !clipped_ || !clips_average_ || clips_locally_ ||
       !waited_.has_value() || !waited_->ok()) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -550,6 +544,17 @@ absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
         ": no averaged gradient to take the norm of (after ClipAt, in a step "
         "that averages)"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> Session::AverageNorm(double norm_type) const {
+  const bool l1 = norm_type == 1.0, l2 = norm_type == 2.0,
+             linf = std::isinf(norm_type) && norm_type > 0;
+  if (!(l1 || l2 || linf)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("norm_type ", norm_type, ": 1, 2 or inf"));
+  }
+  if (absl::Status s = HoldsAverage(); !s.ok()) return s;
   absl::StatusOr<compress::GradientNorms> norms = RepliesNorms(!l2);
   if (!norms.ok()) return norms.status();
   if (l2) return std::sqrt(norms->sum_of_squares);
@@ -562,12 +567,7 @@ absl::Status Session::AverageGradient(absl::Span<float> out) const {
         absl::StrCat("an averaged gradient of ", job_.algorithm.layout.dim,
                      " floats, not ", out.size()));
   }
-  if (!InStep() || !clipped_ || !clips_average_ || clips_locally_ ||
-      !waited_.has_value() || !waited_->ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "step ", step_,
-        ": no averaged gradient (after ClipAt, in a step that averages)"));
-  }
+  if (absl::Status s = HoldsAverage(); !s.ok()) return s;
   for (const compress::Partition& p : layout_.partitions()) {
     const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
     if (!reply.has_value()) {

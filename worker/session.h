@@ -278,6 +278,10 @@ class Session {
   // norms of order 1 and infinity too when `others`. INTERNAL for a missing
   // reply, FAILED_PRECONDITION for a missing norm.
   absl::StatusOr<compress::GradientNorms> RepliesNorms(bool others) const;
+  // FAILED_PRECONDITION unless the step in flight holds every reply of an
+  // averaged gradient (AverageNorm, AverageGradient: after ClipAt, in a
+  // step that averages).
+  absl::Status HoldsAverage() const;
   // Records the failure of the step in flight and stops the job on the
   // shards (PushClient::Abort) so every other worker fails with it too;
   // not in an elastic job, which goes on without this worker.

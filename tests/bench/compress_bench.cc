@@ -315,13 +315,12 @@ void BM_ZeroOneSyncMessage(benchmark::State& state) {
 // and the message (28 bytes). Against local_step (x not written: 28) plus
 // sync_message (12), the two passes it replaces.
 void BM_ZeroOneSyncLocalStep(benchmark::State& state) {
-  const std::vector<float> g = RandomVector(kElems, 18),
-                           x = RandomVector(kElems, 19);
-  std::vector<float> m(kElems, 0.0f), u(kElems, 0.0f), v(kElems, 1.0f),
-      out(kElems);
+  const std::vector<float> g = RandomVector(kElems, 18);
+  std::vector<float> x = RandomVector(kElems, 19), m(kElems, 0.0f),
+                     u(kElems, 0.0f), v(kElems, 1.0f), out(kElems);
   const AdamScalars s = MakeAdamScalars({}, 1e-3f, 10, false);
   Measure(state, 28.0 * kElems, kElems, [&] {
-    ZeroOneSyncLocalStep(s, s, 4e-3f, g, x, absl::MakeSpan(m),
+    ZeroOneSyncLocalStep(s, s, 4e-3f, g, absl::MakeSpan(x), absl::MakeSpan(m),
                          absl::MakeSpan(u), v, false, absl::MakeSpan(out));
   });
   state.SetLabel(ActiveKernels().name);

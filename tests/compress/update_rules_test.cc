@@ -82,5 +82,38 @@ TEST(UpdateRulesTest, LearningRateSchedules) {
   EXPECT_FALSE(ValidateAdamHyper({1.0f, 0.999f, 1e-8f, 0}).ok());
 }
 
+// A sync step's local step and message in one pass gives the two passes'
+// bits, with an interval's lr sum and with a sum of 0 (every step at lr 0:
+// the message is m).
+TEST(UpdateRulesTest, ASyncLocalStepInOnePassIsTheTwoPasses) {
+  const size_t n = 37;
+  AdamScalars s;
+  s.lr = 2e-3f;
+  s.weight_decay = 0.01f;
+  s.bias_correction1 = 0.271f;
+  s.bias_correction2 = 0.00299f;
+  s.max_ratio = 0.75f;
+  const std::vector<float> g = testing::VariedData(n, 1),
+                           x0 = testing::VariedData(n, 2),
+                           m0 = testing::VariedData(n, 3),
+                           u0 = testing::VariedData(n, 4);
+  std::vector<float> v = testing::VariedData(n, 5);
+  for (float& e : v) e = e * e;
+  for (float lr_sum : {6e-3f, 0.0f}) {
+    std::vector<float> x_two = x0, m_two = m0, u_two = u0, out_two(n);
+    ZeroOneLocalStep(s, g, absl::MakeSpan(x_two), absl::MakeSpan(m_two),
+                     absl::MakeSpan(u_two), v, /*write_x=*/false);
+    ZeroOneSyncMessage(s, lr_sum, u_two, m_two, v, absl::MakeSpan(out_two));
+    std::vector<float> x_one = x0, m_one = m0, u_one = u0, out_one(n);
+    ZeroOneSyncLocalStep(s, s, lr_sum, g, absl::MakeSpan(x_one),
+                         absl::MakeSpan(m_one), absl::MakeSpan(u_one), v,
+                         /*fresh=*/false, absl::MakeSpan(out_one));
+    EXPECT_EQ(x_one, x0) << "lr_sum " << lr_sum;
+    EXPECT_EQ(m_one, m_two) << "lr_sum " << lr_sum;
+    EXPECT_EQ(u_one, u_two) << "lr_sum " << lr_sum;
+    EXPECT_EQ(out_one, out_two) << "lr_sum " << lr_sum;
+  }
+}
+
 }  // namespace
 }  // namespace morse::compress
