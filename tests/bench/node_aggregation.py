@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""Node aggregation against one worker per rank, on this machine.
+"""Node aggregation (leader and sharded) against one worker per rank, on
+this machine.
 
     tests/bench/node_aggregation.py [--nodes 2] [--local 2] [--dim 1000000] [--steps 12]
 
 Runs the same OneBitAdam job (an MLP of about --dim parameters, past its
 freeze, so the pushes are 1-bit) as --nodes morse-run invocations of --local
-ranks each (as on --nodes hosts), once flat (every rank a Morse worker) and
-once with --node-aggregation, and prints per node and step: the payload
-bytes the node's ranks push to the shards, that over one worker's payload,
-the optimizer state each rank holds per parameter (m, v, the error buffer),
-and the median step time. Everything runs on one host over loopback, so the
+ranks each (as on --nodes hosts), flat (every rank a Morse worker), with
+--node-aggregation (the leader steps for the node) and with
+--node-aggregation=sharded (local rank k steps slice k), and prints per
+node and step: the payload bytes the node's ranks push to the shards, that
+over one worker's payload, the optimizer state each rank holds per
+parameter of the model (m, v, the error buffer: 12 bytes where one rank
+holds it all), and the median step time. Everything runs on one host over loopback, so the
 times say what aggregation costs in CPU (the gather and broadcast inside the
 node), not what it saves on a real link; the bytes are what a node's link
 would carry."""
@@ -47,7 +50,10 @@ def worker(out, dim, steps):
         if step == 2:  # the untimed steps are over (node_experiment.py reads the links from here)
             open(f"{out}/measuring-{rank}", "w").close()
     params = sum(p.numel() for p in model.parameters())
-    state = 0 if opt._session is None else 12  # m, v and the error buffer, float32
+    state = 0.0
+    if opt._session is not None:  # m, v and the error buffer, float32: of its slice where sharded
+        held = opt.state_dict()["state"]
+        state = 4 * sum(held[k].numel() for k in ("exp_avg", "exp_avg_sq", "worker_error")) / params
     json.dump({"times": times[3:], "up": up[3:], "params": params, "state": state},
               open(f"{out}/rank-{rank}.json", "w"))
 
@@ -55,7 +61,7 @@ def worker(out, dim, steps):
 def run(nodes, local, dim, steps, aggregate):
     from harness import nodes as start_nodes
     out = tempfile.mkdtemp(prefix="morse-bench-aggregation-")
-    extra = ("--servers", "2") + (("--node-aggregation",) if aggregate else ())
+    extra = ("--servers", "2") + ((f"--node-aggregation={aggregate}",) if aggregate else ())
     os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps}"
     results = start_nodes(__file__, nodes, local, out, "bench", extra=extra, timeout=600)
     for node, (code, text) in enumerate(results):
@@ -77,19 +83,21 @@ def main():
     a = parser.parse_args()
     os.environ.setdefault("MORSE_RUN", os.path.join(HERE, "..", "..", "build", "bin", "morse-run"))
     rows = []
-    for aggregate in (False, True):
+    one = None
+    for aggregate in (None, "leader", "sharded"):
         ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, aggregate)
-        one = max(statistics.median(r["up"]) for r in ranks)  # one worker's payload
-        rows.append(("node aggregation" if aggregate else "flat (a worker per rank)",
+        if one is None:
+            one = max(statistics.median(r["up"]) for r in ranks)  # one worker's payload (flat)
+        rows.append((f"--node-aggregation={aggregate}" if aggregate else "flat (a worker per rank)",
                      statistics.median(per_node), statistics.median(per_node) / one,
                      max(r["state"] for r in ranks), min(r["state"] for r in ranks),
                      statistics.median(t for r in ranks for t in r["times"]) * 1e3, ranks[0]["params"]))
     print(f"{a.nodes} nodes x {a.local} ranks, OneBitAdam compression phase, "
           f"{rows[0][6]:,} parameters, 2 shards, loopback")
-    print(f"{'layout':26} {'bytes up/node/step':>18} {'/ one worker':>12} {'state B/param (max, min rank)':>30} "
+    print(f"{'layout':29} {'bytes up/node/step':>18} {'/ one worker':>12} {'state B/param (max, min rank)':>30} "
           f"{'step ms':>8}")
     for name, up, ratio, most, least, ms, _ in rows:
-        print(f"{name:26} {up:18,.0f} {ratio:12.2f} {f'{most}, {least}':>30} {ms:8.1f}")
+        print(f"{name:29} {up:18,.0f} {ratio:12.2f} {f'{most:.2f}, {least:.2f}':>30} {ms:8.1f}")
 
 
 if __name__ == "__main__":

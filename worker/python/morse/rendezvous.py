@@ -14,7 +14,7 @@ for the job's private network, as torchrun's store is.
 
   node i -> node 0   {"version": 1, "join": i, "nnodes": M, "nproc_per_node": L,
                       "host": name, "config": text, "servers": spec,
-                      "aggregation": bool}
+                      "aggregation": false | "leader" | "sharded"}
   node 0 -> node i   {"job": {"servers": [...], "config": text, "world_size": M * L,
                               "master_port": port}}
                      or {"error": why} (and the connection closes)
@@ -62,6 +62,13 @@ class _Lines:
             return {"garbled": raw[:80].decode(errors="replace")}
 
 
+def _aggregation(value):
+    """A node's --node-aggregation (False, "leader" or "sharded"), in words."""
+    if not value:
+        return "no --node-aggregation"
+    return "--node-aggregation" if value == "leader" else f"--node-aggregation={value}"
+
+
 class Store:
     """Node 0's side: accepts the other nodes' joins, checks that they agree
     with this node, hands them the job, and collects how each one ends."""
@@ -70,7 +77,7 @@ class Store:
         self._address = address
         self._host, port = split_address(address)
         self._nnodes, self._nproc = nnodes, nproc_per_node
-        self._aggregation = aggregation
+        self._aggregation = aggregation or False
         self._config, self._servers = config, servers
         self._timeout = timeout
         self._cond = threading.Condition()
@@ -114,9 +121,9 @@ class Store:
         if hello.get("nproc_per_node") != self._nproc:
             return (f"{who} has --nproc-per-node {hello.get('nproc_per_node')}, node 0 {self._nproc}: "
                     f"every node must give the same")
-        if bool(hello.get("aggregation")) != self._aggregation:
-            return (f"{who} has {'' if hello.get('aggregation') else 'no '}--node-aggregation, node 0 "
-                    f"{'has' if self._aggregation else 'not'}: every node must give the same")
+        if (hello.get("aggregation") or False) != self._aggregation:
+            return (f"{who} has {_aggregation(hello.get('aggregation'))}, node 0 "
+                    f"{_aggregation(self._aggregation)}: every node must give the same")
         if not isinstance(node, int) or not 0 < node < self._nnodes:
             return f"{who}: --node-rank must be 1 to {self._nnodes - 1} on the nodes that join node 0"
         if node in self._peers:

@@ -181,11 +181,17 @@ def _parse(argv):
     parser.add_argument("--rdzv-timeout", type=float, default=300,
                         help="seconds to wait for every node to join (default 300); a node missing "
                              "by then fails the job on every node that came")
-    parser.add_argument("--node-aggregation", action="store_true",
-                        help="one Morse worker per node: each step the node's ranks average their "
+    parser.add_argument("--node-aggregation", nargs="?", const="leader", default=None,
+                        choices=("leader", "sharded"),
+                        help="one Morse worker per node (morse.torch; gloo inside the node). "
+                             "leader (the default): each step the node's ranks average their "
                              "gradients on local rank 0, which pushes for the node (the shards see "
                              "--nnodes workers, and only it holds the optimizer state) and sends the "
-                             "new parameters back (morse.torch; gloo inside the node)")
+                             "new parameters back. sharded: the parameters are cut into "
+                             "--nproc-per-node slices of whole parameters, each its own Morse job "
+                             "with its own --servers shards; local rank k averages, steps and "
+                             "holds the optimizer state of slice k alone and sends the node its "
+                             "parameters")
     parser.add_argument("--stages", type=int, default=1,
                         help="pipeline stages (morse.torch.pipeline; default 1: data parallel only; "
                              "one host only)")
@@ -250,6 +256,10 @@ def _parse(argv):
         parser.error("--node-aggregation with --stages is not supported")
     # The shards' workers: the nodes with --node-aggregation, else the ranks.
     args.morse_workers = args.nnodes if args.node_aggregation else args.world
+    # The Morse jobs this run is made of, each with its own shards: the
+    # stages, the slices of a sharded node, or one.
+    args.jobs = (args.stages if args.stages > 1 else
+                 args.nproc_per_node if args.node_aggregation == "sharded" else 1)
     if args.rdzv_timeout <= 0:
         parser.error("--rdzv-timeout must be positive")
     if re.fullmatch(r"\d+", args.servers):
@@ -261,7 +271,11 @@ def _parse(argv):
             parser.error(f"--servers {args.servers!r}: a shard count, or HOST:PORT,... of running shards")
         if args.stages > 1:
             parser.error("--stages starts its shards itself: give --servers as a count")
-        args.shards = len(args.external)
+        if len(args.external) % args.jobs:
+            parser.error(f"--node-aggregation=sharded: --servers lists {len(args.external)} shards, "
+                         f"which do not split into the {args.jobs} slices' jobs (one per local "
+                         "rank, each with the same number of shards; list them slice by slice)")
+        args.shards = len(args.external) // args.jobs
     if args.nproc_per_node < 1 or args.shards < 1 or args.stages < 1:
         parser.error("--workers (--nproc-per-node), --servers and --stages must be at least 1")
     if args.restarts < 0:
@@ -326,14 +340,16 @@ def _check_only(args, command, server_bin, starts_servers, node):
         raise SystemExit(f"{node}: {_RANK_RESTARTS_NEED}")
     first = args.node_rank * args.nproc_per_node
     if starts_servers:
-        shards = f"{args.stages * args.shards} started here on {args.host} ({server_bin})"
+        shards = f"{args.jobs * args.shards} started here on {args.host} ({server_bin})"
     elif args.external:
         shards = ",".join(args.external) + " (running)"
     else:
-        shards = f"{args.shards}, started by node 0"
+        shards = f"{args.jobs * args.shards}, started by node 0"
     print(f"{node}: ok: node {args.node_rank} of {args.nnodes}, ranks {first}..{first + args.nproc_per_node - 1} "
           f"of {args.world}; shards: {shards}; "
-          + (f"node aggregation ({args.nnodes} Morse workers); " if args.node_aggregation else "")
+          + (f"node aggregation ({args.nnodes} Morse workers"
+             + (f"; {args.jobs} slices, each with {args.shards} shards" if args.jobs > 1 and
+                args.stages == 1 else "") + "); " if args.node_aggregation else "")
           + (f"rendezvous {args.rdzv} (timeout {args.rdzv_timeout:g} s); " if args.nnodes > 1 else "")
           + ("TLS from " + args.tls_dir if args.tls_dir else "plaintext") + "; config "
           + (args.config or "(counts only)") + f" ({len(base.splitlines())} lines); command: "
@@ -371,16 +387,17 @@ def main(argv=None):
         shutil.rmtree(workdir, ignore_errors=True)
         raise SystemExit(f"morse-run: {_RANK_RESTARTS_NEED}")
     # Checkpoints go to the config's checkpoint.dir, or else beside the config;
-    # with stages, to a folder per stage inside it (shards of different
-    # stages have the same indices).
+    # with stages (or a sharded node's slices), to a folder per stage (slice)
+    # inside it (shards of different jobs have the same indices).
     configured_dir = re.search(r"^\s*dir\s*:\s*\"([^\"]*)\"", base, re.M)
+    job_kind = "stage" if args.stages > 1 else "slice"
 
-    def checkpoint_args(stage):
+    def checkpoint_args(job):
         if not checkpointing:
             return []
-        if args.stages == 1:
+        if args.jobs == 1:
             return [] if configured_dir else ["--checkpoint_dir", workdir]
-        folder = os.path.join(configured_dir.group(1) if configured_dir else workdir, f"stage-{stage}")
+        folder = os.path.join(configured_dir.group(1) if configured_dir else workdir, f"{job_kind}-{job}")
         os.makedirs(folder, exist_ok=True)
         return ["--checkpoint_dir", folder]
 
@@ -445,7 +462,7 @@ def main(argv=None):
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    # Servers are listed stage by stage: index stage * S + shard.
+    # Servers are listed job by job (stage or slice): index job * S + shard.
     addresses, servers, server_lines = [], [], []
     staged = args.stages > 1
     security = (["--tls_ca", os.path.join(args.tls_dir, "ca.pem"),
@@ -453,8 +470,8 @@ def main(argv=None):
                  "--tls_key", os.path.join(args.tls_dir, "server.key")] if args.tls_dir else ["--insecure"])
 
     def server_name(i):
-        stage, shard = divmod(i, args.shards)
-        return f"stage {stage} server {shard}" if staged else f"server {shard}"
+        job, shard = divmod(i, args.shards)
+        return f"{job_kind} {job} server {shard}" if args.jobs > 1 else f"server {shard}"
 
     def start_server(i, listen):
         stage, shard = divmod(i, args.shards)
@@ -480,7 +497,7 @@ def main(argv=None):
 
     if starts_servers:
         listen = f"[{args.host}]:0" if ":" in args.host else f"{args.host}:0"
-        for i in range(args.stages * args.shards):
+        for i in range(args.jobs * args.shards):
             p, address, lines = start_server(i, listen)
             servers.append(p)
             addresses.append(address)
@@ -508,7 +525,7 @@ def main(argv=None):
                WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(L), GROUP_RANK=str(args.node_rank),
                MORSE_NODE_RANK=str(args.node_rank), MORSE_NNODES=str(args.nnodes))
     if args.node_aggregation:
-        env["MORSE_NODE_AGGREGATION"] = "1"
+        env["MORSE_NODE_AGGREGATION"] = "1" if args.node_aggregation == "leader" else "sharded"
     else:
         env.pop("MORSE_NODE_AGGREGATION", None)
     env.setdefault("MASTER_ADDR", args.host)
@@ -561,8 +578,9 @@ def main(argv=None):
     for w in range(args.stages * L):
         stage, local = divmod(w, L)
         r = args.node_rank * L + local
+        job = stage if staged else local if args.jobs > 1 else 0  # its stage's, or its slice's
         own = dict(env, MORSE_RANK=str(r), RANK=str(r), LOCAL_RANK=str(local),
-                   MORSE_SERVERS=",".join(addresses[stage * args.shards:(stage + 1) * args.shards]))
+                   MORSE_SERVERS=",".join(addresses[job * args.shards:(job + 1) * args.shards]))
         if staged:
             own.update(MORSE_STAGE=str(stage), MORSE_STAGES=str(args.stages), MORSE_JOB=workdir)
             if stage > 0:

@@ -268,6 +268,46 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if p.device != self._params[0].device:
                 raise ValueError(f"parameter {i} is on {p.device}, parameter 0 on "
                                  f"{self._params[0].device}; Morse trains parameters on one device")
+        self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
+        world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
+        servers = _env("MORSE_SERVERS", servers)
+        # morse-run --node-aggregation: one Morse worker per node (node.py);
+        # =sharded: this rank trains its slice of the parameters alone.
+        self._node = None
+        self._others = []  # sharded: the trained parameters of the other slices
+        self._slices = None  # sharded: [(first, end)] of every slice in self._node_params
+        worker, workers = self._rank, world
+        aggregation = os.environ.get("MORSE_NODE_AGGREGATION")
+        if aggregation:
+            from .node import NodeGroup, slices
+            if aggregation not in ("1", "sharded"):
+                raise MorseError(f"INVALID_ARGUMENT: MORSE_NODE_AGGREGATION={aggregation!r}: 1 "
+                                 "(the leader steps for the node) or sharded (morse-run sets it)")
+            local_size = _env("LOCAL_WORLD_SIZE", None, int)
+            nnodes = _env("MORSE_NNODES", None, int)
+            if world != local_size * nnodes:
+                raise MorseError(f"INVALID_ARGUMENT: node aggregation with {world} ranks, but "
+                                 f"{nnodes} nodes of {local_size}")
+            self._node = NodeGroup(self._rank, _env("LOCAL_RANK", None, int), local_size,
+                                   _env("MORSE_NODE_RANK", None, int, torchrun="GROUP_RANK"), nnodes)
+            worker, workers = self._node.node, nnodes
+            overlap = False  # the node's gradients are averaged at step()
+            if aggregation == "sharded":
+                if clip_grad_norm is not None:
+                    raise ValueError(
+                        "clip_grad_norm= with --node-aggregation=sharded: each slice's job would "
+                        "clip by its own slice's norm, not the model's; call "
+                        "torch.nn.utils.clip_grad_norm_ before step() instead (each rank clips "
+                        "its own gradient before the node averages them)")
+                starts = slices([p.numel() for p in self._params], local_size)
+                self._slices = list(zip(starts[:-1], starts[1:]))
+                self._node_params, self._node_names = self._params, self._names
+                first, end = self._slices[self._node.local_rank]
+                self._params, self._names = self._params[first:end], self._names[first:end]
+                mine = {id(p) for p in self._params}
+                self._others = [p for p in self._node_params if id(p) not in mine]
+        self._worker = worker
+        trained = {id(p) for p in self._params}
         device = self._params[0].device
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameters on {device}: Morse trains CPU and CUDA tensors")
@@ -283,7 +323,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # model) and for OneBitLamb and ZeroOneAdam on CUDA tensors (the
         # GPU's layer sums and local steps take one lr and weight_decay);
         # there they must go on agreeing.
-        counts = [sum(p.numel() for p in g["params"] if p.requires_grad) for g in self.param_groups]
+        counts = [sum(p.numel() for p in g["params"] if id(p) in trained) for g in self.param_groups]
         first = self.param_groups[0]
         differ = any(_hyper_of(g) != _hyper_of(first) for g in self.param_groups)
         may_differ = (schedule == "constant"
@@ -301,23 +341,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise ValueError(f"param_groups with their own lr or weight_decay follow torch's values "
                              f"at every step; schedule={schedule!r} sets one lr for the whole model. "
                              "Use torch's schedulers (with the default schedule='constant')")
-        self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
-        world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
-        servers = _env("MORSE_SERVERS", servers)
-        # morse-run --node-aggregation: one Morse worker per node (node.py).
-        self._node = None
-        worker, workers = self._rank, world
-        if os.environ.get("MORSE_NODE_AGGREGATION") == "1":
-            from .node import NodeGroup
-            local_size = _env("LOCAL_WORLD_SIZE", None, int)
-            nnodes = _env("MORSE_NNODES", None, int)
-            if world != local_size * nnodes:
-                raise MorseError(f"INVALID_ARGUMENT: node aggregation with {world} ranks, but "
-                                 f"{nnodes} nodes of {local_size}")
-            self._node = NodeGroup(self._rank, _env("LOCAL_RANK", None, int), local_size,
-                                   _env("MORSE_NODE_RANK", None, int, torchrun="GROUP_RANK"), nnodes)
-            worker, workers = self._node.node, nnodes
-            overlap = False  # the node's gradients are averaged at step()
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
         base = _base_config(config, workers, servers)
@@ -389,7 +412,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             sizes = [-(-n // block) * block for n in sizes[:-1]] + sizes[-1:]
             layers = []
             for i, size in zip(self._segments, sizes):
-                group = [p.numel() for p in self.param_groups[i]["params"] if p.requires_grad]
+                group = [p.numel() for p in self.param_groups[i]["params"] if id(p) in trained]
                 layers += group + ([size - sum(group)] if size > sum(group) else [])
         dim, lines[0] = _external_model(self._params, layers=layers, groups=sizes)
         self.job_overrides = "\n".join(lines)
@@ -401,7 +424,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._ranges = []
         starts = dict(zip(self._segments, itertools.accumulate([0] + sizes[:-1])))
         group_of = [i for i, g in enumerate(self.param_groups) for p in g["params"]
-                    if p.requires_grad]
+                    if id(p) in trained]
         offset, group = 0, self._segments[0]
         with torch.no_grad():
             for p, g in zip(self._params, group_of):
@@ -428,7 +451,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise MorseError("FAILED_PRECONDITION: a rank of morse-run --node-aggregation cannot be "
                              "restarted on its own (MORSE_REJOIN, MORSE_CHECKPOINT_DIR): its node's "
                              "state is its leader's; run without --rank-restarts")
-        if self._node is None or self._node.is_leader:
+        # Module buffers go through slice 0's job (sharded node) and its
+        # owners share them with their nodes.
+        self._session_buffers = bool(self._buffers) and (self._slices is None
+                                                         or self._node.local_rank == 0)
+        if self._node is None or self._node.is_leader or self._slices is not None:
             self._session = _native.Session(base, self.job_overrides, worker, servers,
                                             host_x.numpy(), _security(security))
             self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, worker)
@@ -440,7 +467,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._session.start(True, self._checkpoint or "")
             else:
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
-        if self._node is not None:
+        if self._slices is not None:
+            if self._cuda:
+                with torch.no_grad():
+                    self._flat.copy_(host_x)  # the slice's job's values
+            self._share_slices()  # and every rank takes the other slices'
+        elif self._node is not None:
             self._node.share(host_x)  # the node takes its leader's values
             if self._cuda:
                 with torch.no_grad():
@@ -824,7 +856,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._session.save_checkpoint(self._checkpoint)
             self._x_versions = [p._version for p in self._params]
         self._check_groups()
-        if self._buffers and self._rank == 0:
+        if self._session_buffers and self._rank == 0:
             self._session.set_buffers(self._pack_buffers())
         hyper = self._group_hyper()
         if self._follow_groups:
@@ -961,6 +993,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if set_to_none:
             for p in self._params:
                 p.grad = None
+        for p in self._others:  # a sharded node's other slices: as torch.optim
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_().requires_grad_(False)
+                p.grad.zero_()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -976,7 +1014,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "its own, and another's would change the run. Load this rank's state_dict (saved "
                 f"by this rank) with load_state_dict before step(); under Hugging Face Trainer, "
                 "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
-        if self._node is not None:
+        if self._slices is not None:
+            self._slice_step()
+        elif self._node is not None:
             self._node_step()
         else:
             self._worker_step()
@@ -1214,7 +1254,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._counts = [0] * len(self._params)
         self._no_sync_step = False
         self._synced = [False] * len(self._params)
-        if self._buffers:
+        if self._session_buffers:
             self._take_buffers()
         moved = self._first_hyper is not None and self._first_hyper != self._group_hyper()
         if first and (edited or moved) and self._overlap:
@@ -1245,7 +1285,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if surprise is not None:
             self._adapt(*surprise)
         self._check_missing(missing)
-        if self._freeze_step is not None and self.step_index == self._freeze_step and self._rank == 0:
+        if self._freeze_step is not None and self.step_index == self._freeze_step and self._worker == 0:
             self._report_freeze()
 
     def _node_step(self):
@@ -1258,27 +1298,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Parameters written since the last step (a clamp_, a
         # load_state_dict): each rank tells its leader their hash.
         written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-        # Each group's betas and eps ride along as two more pairs: the
-        # leader's are the node's (Adam follows them), so every rank's must
-        # agree.
-        hyper = self._group_hyper()
-        rules = tuple(_moments_of(self.param_groups[i]) for i in self._segments)
-        pairs = hyper + tuple(p for b1, b2, eps in rules for p in ((b1, b2), (eps, 0.0)))
-        average, hypers, digests = node.average(self._flat_grad, pairs,
-                                                _digest(self._flat) if written else None)
+        average, hypers, digests = node.average(self._flat_grad, self._node_pairs(),
+                                                _digest_of(self._params) if written else None)
         error = None
         if node.is_leader:
-            failure = None
-            if len(set(hypers)) > 1:
-                n = len(hyper)
-                shown = ", ".join(
-                    f"{_shown_hyper(h[:n])} with betas and eps "
-                    + ", ".join(f"({a:.7g}, {b:.7g})" for a, b in h[n:]) for h in hypers)
-                failure = (f"FAILED_PRECONDITION: the ranks of node {node.node} set different "
-                           f"(lr, weight_decay), betas or eps: {shown} (local ranks in order); "
-                           "every rank must use the same")
-                error = MorseError(failure)
-            elif (failure := self._node_weights_differ(digests)) is not None:
+            failure = self._node_disagrees(hypers, digests)
+            if failure is not None:
                 error = MorseError(failure)
             else:
                 self._flat_grad.copy_(average)
@@ -1305,6 +1330,93 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise error
         self._check_missing(missing)
 
+    def _node_pairs(self):
+        """What a node's ranks must agree on each step, as (a, b) pairs:
+        every group's (lr, weight_decay), then its (beta1, beta2) and
+        (eps, 0)."""
+        hyper = tuple(_hyper_of(g) for g in self.param_groups)
+        rules = tuple(_moments_of(g) for g in self.param_groups)
+        return hyper + tuple(p for b1, b2, eps in rules for p in ((b1, b2), (eps, 0.0)))
+
+    def _node_disagrees(self, hypers, digests):
+        """On the rank that steps for the node (or its slice), given every
+        local rank's pairs (_node_pairs) and digests: a failure message if
+        they set different values or hold different parameters, else None."""
+        if len(set(hypers)) > 1:
+            n = len(self.param_groups)
+            shown = ", ".join(
+                f"{_shown_hyper(h[:n])} with betas and eps "
+                + ", ".join(f"({a:.7g}, {b:.7g})" for a, b in h[n:]) for h in hypers)
+            return (f"FAILED_PRECONDITION: the ranks of node {self._node.node} set different "
+                    f"(lr, weight_decay), betas or eps: {shown} (local ranks in order); "
+                    "every rank must use the same")
+        return self._node_weights_differ(digests)
+
+    def _slice_step(self):
+        """The step of a rank of a sharded node (node.py): each slice's
+        gradients are averaged on its owner, each owner steps its slice as
+        its node's worker in the slice's job, and every rank takes every
+        slice's new parameters (and local rank 0's module buffers)."""
+        node = self._node
+        missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
+        self._restore_views()
+        pairs = self._node_pairs()
+        mine = node.local_rank
+        for k, (first, end) in enumerate(self._slices):
+            params = self._node_params[first:end]
+            if k == mine:
+                grads = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
+                written = any(p._version != v for p, v in zip(self._params, self._x_versions))
+            else:
+                grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                                   .detach().reshape(-1) for p in params])
+                written = any(p._version != self._other_versions[id(p)] for p in params)
+            got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
+            if k == mine:
+                average, hypers, digests = got
+        error = None
+        failure = self._node_disagrees(hypers, digests)
+        if failure is not None:
+            error = MorseError(failure)
+        else:
+            at = 0
+            for lo, hi in self._ranges:
+                self._flat_grad[lo:hi].copy_(average[at:at + hi - lo])
+                at += hi - lo
+            try:
+                self._worker_step()
+            except Exception as e:  # the node hears it before this rank raises it
+                error, failure = e, f"{type(e).__name__}: {e}"
+        checksum = self._session.checksum() if failure is None else None
+        buffers = self._pack_buffers() if self._session_buffers and failure is None else None
+        outcomes = node.finish_all(failure, checksum, buffers)
+        for k, (failed, _, _) in enumerate(outcomes):
+            if error is None and failed is not None:
+                error = MorseError(f"{failed}\n  (the step of slice {k}'s owner, rank "
+                                   f"{node.node * node.size + k}; this rank is rank {self._rank})")
+        self._share_slices()
+        if mine != 0 and outcomes[0][2] is not None:
+            self._unpack_buffers(outcomes[0][2])
+        if error is not None:
+            raise error
+        self._check_missing(missing)
+
+    def _share_slices(self):
+        """A sharded node: every rank takes each slice's parameters from
+        the slice's owner."""
+        node = self._node
+        for k, (first, end) in enumerate(self._slices):
+            params = self._node_params[first:end]
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            node.share(flat, owner=k)
+            if k != node.local_rank:
+                at = 0
+                with torch.no_grad():
+                    for p in params:
+                        p.copy_(flat[at:at + p.numel()].view_as(p))
+                        at += p.numel()
+        self._other_versions = {id(p): p._version for p in self._others}
+
     def _node_weights_differ(self, digests):
         """On a node's leader, given each local rank's digest of the
         parameters it wrote since the last step (None: untouched, so the
@@ -1313,9 +1425,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         change the job's as any worker's (_begin)."""
         if all(d is None for d in digests):
             return None
-        mine = _digest(self._flat)
+        mine = _digest_of(self._params)
         differ = [r for r, d in enumerate(digests) if d is not None and d != mine]
-        if not differ and any(d is None for d in digests) and digests[0] is not None:
+        own = digests[self._node.local_rank]
+        if not differ and any(d is None for d in digests) and own is not None:
             # Some ranks kept the last step's parameters, the leader wrote
             # its own: the same only if it wrote back the same bits.
             with self._device_context(), self._explained():
@@ -1325,8 +1438,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return None
         step = self.step_index
         when = f"after step {step - 1}" if step > 0 else "before the first step"
+        k = self._node.local_rank
+        than = "than its leader" if self._slices is None else f"of slice {k} than local rank {k}, which steps it,"
         return (f"FAILED_PRECONDITION: local ranks {differ} of node {self._node.node} hold "
-                f"other parameters than its leader {when} (written on some ranks only, or "
+                f"other parameters {than} {when} (written on some ranks only, or "
                 "differently): change (or load) the weights the same way on every rank")
 
     def _check_missing(self, missing):
@@ -1344,13 +1459,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _report_freeze(self):
         # v is frozen from here on: which parameters hold elements with v = 0.
         _, _, v, _ = self._session.get_state()
-        counts = [(i, p, int((v[lo:hi] == 0).sum())) for i, (p, (lo, hi))
+        first = 0 if self._slices is None else self._slices[self._node.local_rank][0]
+        counts = [(first + i, p, int((v[lo:hi] == 0).sum())) for i, (p, (lo, hi))
                   in enumerate(zip(self._params, self._ranges))]
         total = sum(c for _, _, c in counts)
         what = ("masked (mask_zero_variance)" if self._mask_zero_variance
                 else "NOT masked: they get +-scale/eps updates (mask_zero_variance=False)")
         trained = sum(p.numel() for p in self._params)  # without groups' padding
-        print(f"morse: v frozen at step {self._freeze_step}; {total} of {trained} elements have "
+        where = "" if self._slices is None else f" (slice {self._node.local_rank}'s parameters)"
+        print(f"morse: v frozen at step {self._freeze_step}; {total} of {trained} elements{where} have "
               f"v = 0 and are {what}", flush=True)
         for i, p, c in counts:
             if c:
@@ -1434,7 +1551,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 value = torch.from_numpy(arrays[name])
                 state[_STATE_DICT_KEYS.get(name, name)] = value.to(device) if per_element else value
             state[self._commit_key] = torch.from_numpy(commit)
-        if self._rank == 0 and server_error:
+        if self._slices is not None:
+            state["node_slice"] = [self._node.local_rank, len(self._slices)]
+        if self._worker == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         return {"state": state, "param_groups": groups}
 
@@ -1481,6 +1600,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # move it to the device): nothing to restore, and the shards may
             # be ahead of it already (rank 0 resumed them).
             return
+        mine = None if self._slices is None else [self._node.local_rank, len(self._slices)]
+        if list(state.get("node_slice") or []) != list(mine or []):
+            saved = state.get("node_slice")
+            raise ValueError(
+                f"this state_dict holds {f'slice {saved[0]} of {saved[1]}' if saved else 'the whole model'}"
+                f"'s optimizer state, this rank trains "
+                f"{f'slice {mine[0]} of {mine[1]}' if mine else 'the whole model'} "
+                "(--node-aggregation=sharded: each local rank holds its slice's state): load "
+                "each rank's own state_dict, saved under the same morse-run flags")
         for key in ("exp_avg", "exp_avg_sq", "worker_error"):
             if key not in state or state[key].numel() != dim:
                 raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
@@ -1540,10 +1668,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._load_groups(state_dict)
 
 
-def _digest(flat):
-    """A 64-bit hash of a flat parameter tensor's bits (the same in every
-    process, unlike hash())."""
-    host = flat.detach().cpu().contiguous().numpy()
+def _digest_of(params):
+    """A 64-bit hash of the parameters' bits, one after another (the same
+    in every process, unlike hash())."""
+    host = torch.cat([p.detach().reshape(-1) for p in params]).cpu().numpy()
     return int.from_bytes(hashlib.blake2b(memoryview(host).cast("B"), digest_size=8).digest(),
                           "little")
 

@@ -1,5 +1,5 @@
 """Node-local aggregation: one Morse worker per node (morse-run
---node-aggregation; issue 37, part 1, first cut).
+--node-aggregation; issue 37, part 1).
 
 The L ranks of a node form a local group (gloo, through torch.distributed;
 tensors on a GPU are staged through the host). Each step every rank sends
@@ -11,6 +11,17 @@ partition, so the node's link carries one worker's payload instead of L;
 only the leader holds m, v and the error buffers. Every rank of the node
 ends each step with the leader's bits, and the job is bit-identical to the
 simulator with N = nodes fed the nodes' averaged gradients.
+
+With --node-aggregation=sharded the node's optimizer state is sharded over
+its ranks instead (ZeRO stage 1 inside the node): the trained parameters
+are cut into L slices of whole parameters (`slices`), and local rank k
+owns slice k. Each slice is a Morse job of its own, with its own shards,
+whose N = nodes workers are the nodes' local ranks k. Each step every rank
+sends each slice's gradients to its owner (a reduce to the owner, summed in
+local-rank order), each owner steps its slice as its node's worker, and
+each broadcasts its slice's new parameters to the node. A rank holds m, v
+and the error buffers of its slice alone, and every slice's job is
+bit-identical to the simulator with N = nodes over that slice.
 """
 import atexit
 
@@ -61,23 +72,23 @@ class NodeGroup:
         self.checksum = None  # the leader's, after the last step
         self.steps = 0
 
-    def share(self, flat):
-        """Every rank of the node takes the leader's `flat` values."""
+    def share(self, flat, owner=0):
+        """Every rank of the node takes local rank `owner`'s `flat` values."""
         host = flat.detach().cpu() if flat.is_cuda else flat.detach()
         if not host.is_contiguous():
             host = host.contiguous()
-        self.dist.broadcast(host, src=self.leader, group=self.group)
+        self.dist.broadcast(host, src=self.node * self.size + owner, group=self.group)
         if host.data_ptr() != flat.data_ptr():
             with torch.no_grad():
                 flat.copy_(host)
 
-    def average(self, flat_grad, hyper, digest=None):
+    def average(self, flat_grad, hyper, digest=None, owner=0):
         """Sends this rank's gradient, (lr, weight_decay) pairs (one per
-        parameter group trained apart) and `digest` (a 64-bit hash of its
-        parameters where it changed them since the last step, else None) to
-        the leader; on the leader returns the node's average (host), every
-        rank's pairs and every rank's digest, elsewhere (None, None,
-        None)."""
+        parameter group) and `digest` (a 64-bit hash of its parameters
+        where it changed them since the last step, else None) to local rank
+        `owner` (the leader, or a slice's owner); there returns the node's
+        average (host), every rank's pairs and every rank's digest,
+        elsewhere (None, None, None)."""
         values = [v for pair in hyper for v in pair]
         # The digest as a flag and four 16-bit pieces, each exact in fp32.
         values += [0.0] * 5 if digest is None else [1.0] + [
@@ -85,9 +96,10 @@ class NodeGroup:
         k = len(values)
         mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
                           torch.tensor(values, dtype=torch.float32)])
-        parts = [torch.empty_like(mine) for _ in range(self.size)] if self.is_leader else None
-        self.dist.gather(mine, gather_list=parts, dst=self.leader, group=self.group)
-        if not self.is_leader:
+        owns = self.local_rank == owner
+        parts = [torch.empty_like(mine) for _ in range(self.size)] if owns else None
+        self.dist.gather(mine, gather_list=parts, dst=self.node * self.size + owner, group=self.group)
+        if not owns:
             return None, None, None
         total = parts[0][:-k].clone()
         for part in parts[1:]:
@@ -109,3 +121,34 @@ class NodeGroup:
         self.steps += 1
         self.checksum = message[0][1]
         return message[0]
+
+    def finish_all(self, failure=None, checksum=None, buffers=None):
+        """Every rank's outcome of the step to every rank of the node (each
+        owner stepped its slice): [(failure, checksum, buffers)] by local
+        rank."""
+        outcomes = [None] * self.size
+        self.dist.all_gather_object(outcomes, (failure, checksum, buffers), group=self.group)
+        self.steps += 1
+        return outcomes
+
+
+def slices(sizes, count):
+    """Cuts parameters of `sizes` elements (in order) into `count` runs of
+    whole parameters, each at least one, as even in elements as may be: the
+    cut after slice k falls on the parameter boundary nearest k+1 count-ths
+    of the total. Returns the index of each slice's first parameter, and
+    len(sizes) at the end."""
+    if len(sizes) < count:
+        raise MorseError(f"INVALID_ARGUMENT: --node-aggregation=sharded cuts the trained "
+                         f"parameters into {count} slices of whole parameters, one per local "
+                         f"rank, but there are {len(sizes)}: use fewer ranks per node, or "
+                         "--node-aggregation (the leader holds the state)")
+    total, ends = sum(sizes), [0]
+    running = [0]
+    for n in sizes:
+        running.append(running[-1] + n)
+    for k in range(1, count):
+        target = total * k / count
+        lo, hi = ends[-1] + 1, len(sizes) - (count - k)
+        ends.append(min(range(lo, hi + 1), key=lambda i: (abs(running[i] - target), i)))
+    return ends + [len(sizes)]

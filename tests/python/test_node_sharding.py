@@ -1,0 +1,282 @@
+"""A node's optimizer state sharded over its ranks (morse-run
+--node-aggregation=sharded; issue 37, part 1).
+
+1. 2 nodes x 2 ranks (two morse-run invocations on this machine, as on two
+   hosts), for each of the four optimizers: the parameters are cut into 2
+   slices of whole parameters, each its own Morse job with its own 2 shards
+   that see 2 workers (one per node); local rank k pushes, for slice k
+   alone, the average of its node's gradients (equal, bit for bit, to
+   (g0 + g1) / 2 of that slice formed here from what each rank computed)
+   and holds that slice's m, v and error buffer alone (a state_dict of the
+   slice's size); after every step every rank of a node holds the same
+   parameters, and each slice's workers hold what the simulator with N = 2
+   fed those averages holds over that slice.
+2. Weights clamped after every step on every rank: the same, with the
+   simulator fed the changes; clamped on one rank only: every rank of the
+   node fails, naming it.
+3. One host, 3 ranks in one node: 3 slices, ((g0 + g1) + g2) / 3 each.
+4. Resume: each rank's state_dict after 4 steps loaded into a fresh job
+   (fresh shards) that runs 4 more steps gives the bits of an
+   uninterrupted run of 8; a rank given another slice's state is refused.
+5. Wrong use: clip_grad_norm= with a sharded node is refused, saying to
+   call clip_grad_norm_ instead; --servers listing shards that do not split
+   into the slices is refused; nodes that disagree on the mode fail the
+   rendezvous."""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy
+import torch
+
+from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
+from test_node_aggregation import build  # noqa: E402
+
+STEPS = 8
+
+
+def model_of(seed=5):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def worker(out, mode):
+    name, _, variant = mode.partition(":")
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    node = int(os.environ["MORSE_NODE_RANK"])
+    model = model_of()
+    if variant == "clip":
+        build_clipped(model)
+        return
+    opt = build(name, model.parameters(), 0.01)
+    first, end = opt._slices[local]
+    sizes = [p.numel() for p in model.parameters()]
+    lo, hi = sum(sizes[:first]), sum(sizes[:end])
+    d = f"{out}/slice-{local}"
+    os.makedirs(d, exist_ok=True)
+    steps = range(STEPS)
+    if variant.startswith("resume"):
+        # resume_first: steps 0-3, then each rank saves its state; resume:
+        # a fresh job loads it (resume_other: rank 0 loads rank 1's) and
+        # runs steps 4-7.
+        steps = range(4) if variant == "resume_first" else range(4, STEPS)
+        if variant != "resume_first":
+            saved = torch.load(f"{out}/state-{1 - rank if variant == 'resume_other' and rank < 2 else rank}.pt")
+            model.load_state_dict(saved["model"])
+            try:
+                opt.load_state_dict(saved["optimizer"])
+            except ValueError as e:
+                print(f"rank {rank}: refused: {e}", flush=True)
+                raise SystemExit(3)
+    if node == 0 and not variant.startswith("resume"):
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            json.dump({"base": f.read(), "overrides": opt.job_overrides}, open(f"{d}/job.json", "w"))
+        numpy.save(f"{d}/x0.npy", opt._flat.numpy())
+    json.dump([lo, hi], open(f"{out}/range-{local}.json", "w"))
+    checksums, params = [], []
+    for step in steps:
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        numpy.save(f"{out}/own-{rank}-{step}.npy",
+                   torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+        opt.step()
+        numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.numpy())
+        checksums.append(opt.checksum())
+        f = flat(model)
+        params.append(f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
+        if (variant == "clamp" and step < STEPS - 1) or (variant == "clamp_one" and rank == 1
+                                                          and step == 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.15, 0.15)
+            if node == 0:
+                numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.numpy())
+    if variant == "resume_first":
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{out}/state-{rank}.pt")
+    json.dump(checksums, open(f"{d}/checksums-{node}.json", "w"))
+    json.dump(params, open(f"{out}/params-{rank}-{variant or 'plain'}.json", "w"))
+    state = opt.state_dict()["state"]
+    json.dump({"held": [int(state[k].numel()) for k in ("exp_avg", "exp_avg_sq", "worker_error")],
+               "slice": hi - lo, "model": sum(sizes), "server_error": "server_error" in state},
+              open(f"{out}/held-{rank}.json", "w"))
+    print(f"rank {rank} (node {node}, local {local}): done, slice {local} = elements {lo}..{hi}, "
+          f"step_index {opt.step_index}")
+
+
+def build_clipped(model):
+    import morse.torch
+    try:
+        morse.torch.OneBitAdam(model.parameters(), lr=0.01, clip_grad_norm=1.0)
+    except ValueError as e:
+        print(f"refused: {e}", flush=True)
+        raise SystemExit(3)
+    raise SystemExit(0)
+
+
+def check_slices(out, nnodes, local_size, steps=range(STEPS)):
+    """Each slice's owner pushed ((g0 + g1) + ...) / L of its node's own
+    gradients of that slice, and held that slice's state alone."""
+    for k in range(local_size):
+        lo, hi = json.load(open(f"{out}/range-{k}.json"))
+        for node in range(nnodes):
+            for step in steps:
+                own = [numpy.load(f"{out}/own-{node * local_size + r}-{step}.npy")[lo:hi]
+                       for r in range(local_size)]
+                total = own[0].copy()
+                for g in own[1:]:
+                    total += g
+                total /= numpy.float32(local_size)
+                pushed = numpy.load(f"{out}/slice-{k}/grad-{node}-{step}.npy")
+                check(pushed.tobytes() == total.tobytes(), f"slice {k} node {node} step {step}: the "
+                      "pushed gradient is not the node's average of the slice in local-rank order")
+            held = json.load(open(f"{out}/held-{node * local_size + k}.json"))
+            check(held["held"] == [hi - lo] * 3 and held["slice"] < held["model"],
+                  f"slice {k} node {node}: the rank holds {held['held']} values of m, v and the "
+                  f"error buffer, its slice has {hi - lo} of the model's {held['model']}")
+            check(held["server_error"] == (node == 0),
+                  f"slice {k} node {node}: server_error in the state_dict of its job's worker 0 alone")
+
+
+def check_nodes_share(out, nnodes, local_size, variant, may_differ):
+    params = [json.load(open(f"{out}/params-{r}-{variant}.json")) for r in range(nnodes * local_size)]
+    for r, p in enumerate(params):
+        first = (r // local_size) * local_size
+        check(p == params[first], f"rank {r} differs from local rank 0 of its node (rank {first})")
+        check(may_differ or p == params[0], f"rank {r} differs from rank 0")
+
+
+def run_nodes(out, mode, nnodes=2, nproc=2, extra=()):
+    results = nodes(__file__, nnodes, nproc, out, mode,
+                    extra=("--servers", "2", "--node-aggregation=sharded", *extra))
+    for node, (code, text) in enumerate(results):  # every failing node's output before the verdict
+        if code != 0:
+            print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
+    return results
+
+
+def two_nodes(name, variant=""):
+    out = tempfile.mkdtemp(prefix=f"morse-sharded-{name}-")
+    results = run_nodes(out, f"{name}:{variant}" if variant else name)
+    for node, (code, _) in enumerate(results):
+        check(code == 0, f"{name}: node {node} exited with {code}")
+    text = results[0][1]
+    banner = re.findall(r"shard \d/2 of job '\S+': model size from the workers, (\d+) workers", text)
+    check(len(banner) == 4 and set(banner) == {"2"},
+          f"{name}: 2 slices x 2 shards, each seeing 2 workers (one per node): {banner}")
+    check(re.search(r"\[slice 1 server 1\]", text), f"{name}: the shards are named by slice")
+    may_differ = name == "ZeroOneAdam"
+    check_slices(out, 2, 2)
+    check_nodes_share(out, 2, 2, variant or "plain", may_differ)
+    for k in range(2):
+        check_ranks_match_simulator(f"{out}/slice-{k}", 2, STEPS, ranks_may_differ=may_differ)
+    what = {"clamp": ", clamped after every step"}.get(variant, "")
+    print(f"PASS: {name}{what}: 2 nodes x 2 ranks, state sharded in 2 slices: one worker per node "
+          "in each slice's job, the node's average of each slice pushed by its owner, which holds "
+          f"that slice's state alone; every rank on the same bits; each slice the simulator with "
+          f"N = 2 for {STEPS} steps")
+
+
+def one_node_of_three():
+    out = tempfile.mkdtemp(prefix="morse-sharded-one-")
+    command = [os.environ["MORSE_RUN"], "--servers", "1", "--workers", "3",
+               "--node-aggregation=sharded", "--", sys.executable, __file__, "--worker", out,
+               "OneBitAdam"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    if result.returncode != 0:
+        print(result.stdout[-4000:])
+    check(result.returncode == 0, "3 ranks in one node failed")
+    check_slices(out, 1, 3)
+    check_nodes_share(out, 1, 3, "plain", False)
+    for k in range(3):
+        check_ranks_match_simulator(f"{out}/slice-{k}", 1, STEPS)
+    print("PASS: one node of 3 ranks: 3 slices, ((g0 + g1) + g2) / 3 of each pushed by its owner")
+
+
+def resume():
+    whole = tempfile.mkdtemp(prefix="morse-sharded-whole-")
+    check(all(code == 0 for code, _ in run_nodes(whole, "OneBitAdam")), "the whole run failed")
+    out = tempfile.mkdtemp(prefix="morse-sharded-resume-")
+    check(all(code == 0 for code, _ in run_nodes(out, "OneBitAdam:resume_first")), "steps 0-3 failed")
+    check(all(code == 0 for code, _ in run_nodes(out, "OneBitAdam:resume")), "steps 4-7 failed")
+    for r in range(4):
+        first = json.load(open(f"{out}/params-{r}-resume_first.json"))
+        then = json.load(open(f"{out}/params-{r}-resume.json"))
+        check(first + then == json.load(open(f"{whole}/params-{r}-plain.json")),
+              f"rank {r}: the resumed run differs from the uninterrupted one")
+    results = run_nodes(out, "OneBitAdam:resume_other")
+    text = results[0][1]
+    check(results[0][0] != 0 and re.search(r"refused: this state_dict holds slice 1 of 2's "
+                                           r"optimizer state, this rank trains slice 0 of 2", text),
+          "rank 0 given rank 1's state is refused, naming both slices")
+    print("PASS: each rank's state_dict after 4 steps, loaded into a fresh job, gives the bits of "
+          "an uninterrupted run of 8; another slice's state is refused")
+
+
+def wrong_use():
+    out = tempfile.mkdtemp(prefix="morse-sharded-wrong-")
+    results = run_nodes(out, "OneBitAdam:clamp_one")
+    for node in (0,):
+        code, text = results[node]
+        check(code != 0, "a node whose rank 1 alone clamped its weights should fail")
+        for rank in (0, 1):
+            # Each slice's owner compares the ranks' copies of its slice:
+            # slice 0's finds rank 1's changed, slice 1's rank 0's unchanged.
+            check(re.search(rf"\[rank {rank}\].*local ranks \[{1 - rank}\] of node 0 hold other "
+                            rf"parameters of slice {rank} than local rank {rank}, which steps it, "
+                            r"after step 2 .*same way on every rank", text),
+                  f"rank {rank} names the rank whose copy of its slice differs")
+    command = [os.environ["MORSE_RUN"], "--servers", "1", "--workers", "2",
+               "--node-aggregation=sharded", "--", sys.executable, __file__, "--worker", out,
+               "OneBitAdam:clip"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    print(result.stdout[-1500:])
+    check(result.returncode != 0 and "refused: clip_grad_norm= with --node-aggregation=sharded"
+          in result.stdout and "clip_grad_norm_" in result.stdout, "clip_grad_norm= is refused")
+    command[2:3] = ["127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=60)
+    print(result.stdout[-800:])
+    check(result.returncode == 2 and "do not split into the 2 slices" in result.stdout,
+          "3 listed shards for 2 slices are refused")
+    results = nodes(__file__, 2, 1, "-", "Adam",
+                    extra=[("--node-aggregation=sharded",), ("--node-aggregation",)], timeout=120)
+    for node, (code, text) in enumerate(results):
+        print(text[-1000:])
+        check(code != 0 and "--node-aggregation=sharded" in text and "every node must give the same"
+              in text, f"node {node}: the disagreement on the mode is named")
+    print("PASS: weights changed on one rank only, clip_grad_norm=, shards that do not split into "
+          "the slices and nodes that disagree on the mode fail, saying so")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(*sys.argv[-2:])
+        sys.exit(0)
+    modes = sys.argv[1:] or ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "three",
+                             "resume", "wrong"]
+    for mode in modes:
+        if mode == "clamp":
+            two_nodes("OneBitAdam", "clamp")
+        elif mode == "three":
+            one_node_of_three()
+        elif mode == "resume":
+            resume()
+        elif mode == "wrong":
+            wrong_use()
+        else:
+            two_nodes(mode)
