@@ -2,7 +2,7 @@
 """One push per node on emulated nodes (morse-run --node-aggregation; issue 37).
 
     sudo deploy/experiments/node_experiment.py [--nodes 2] [--local 2] [--dim 4000000]
-                                               [--rate 1] [--steps 12] [--out DIR]
+                                               [--rate 1] [--steps 12] [--pairs 1] [--out DIR]
 
 A VirtualCluster (experiment.py: network namespaces on a bridge, each host's
 link shaped to --rate Gbit/s both ways, addresses from 198.18.0.0/15, all
@@ -11,9 +11,11 @@ hosts 1..M are the nodes, each running one `morse-run --nnodes M
 --node-rank i --nproc-per-node L --rdzv ... --servers ...` of L ranks of
 tests/bench/node_aggregation.py's OneBitAdam MLP (about --dim parameters,
 measured past its freeze). Each layout runs once: flat (every rank a Morse
-worker) and --node-aggregation. Prints, per layout: the bytes node 1's
+worker), --node-aggregation (the leader steps for the node) and
+--node-aggregation=sharded (local rank k steps slice k, each slice a job
+with its own 2 shards on host 0). Prints, per layout: the bytes node 1's
 link sent per step (from its interface counters),
-that over one worker's payload, the median step, and the DESIGN 7 floor of
+that over one worker's payload (the flat run's), the median step, and the DESIGN 7 floor of
 the exchange for the shards' worker count (the first 3 steps, the fp32
 warmup among them, are left out of all of it). Writes DIR/results.json if
 --out is given. Needs root."""
@@ -31,32 +33,35 @@ sys.path.insert(0, HERE)
 from experiment import VirtualCluster, floor_seconds, stop, wait_all  # noqa: E402
 
 
-def run_layout(vc, args, aggregate, work):
+def run_layout(vc, args, aggregate, work, flat_payload=None):
+    """One layout: aggregate None (flat), "leader" or "sharded"."""
     nodes, local = args.nodes, args.local
     workers = nodes if aggregate else nodes * local
+    jobs = local if aggregate == "sharded" else 1  # each slice its own 2 shards
     config = os.path.join(work, f"job-{workers}.textproto")
     with open(config, "w") as f:
         f.write(f"workers: {workers}\nshards: 2\nexternal {{}}\n"
                 "timeouts { connect_seconds: 60 step_seconds: 300 rpc_seconds: 600 }\n")
     out = tempfile.mkdtemp(prefix="node-experiment-", dir=work)
-    logs = [open(os.path.join(out, f"server{s}.log"), "w") for s in range(2)]
-    servers = [vc.popen(0, [f"{args.build}/server/morse-server", "--config", config, "--shard", str(s),
+    logs = [open(os.path.join(out, f"server{s}.log"), "w") for s in range(2 * jobs)]
+    servers = [vc.popen(0, [f"{args.build}/server/morse-server", "--config", config, "--shard", str(s % 2),
                             "--insecure", "--listen", f"{vc.address(0)}:{7000 + s}"], logs[s])
-               for s in range(2)]
+               for s in range(2 * jobs)]
     procs = []
     try:
         time.sleep(0.5)
-        addresses = f"{vc.address(0)}:7000,{vc.address(0)}:7001"
+        addresses = ",".join(f"{vc.address(0)}:{7000 + s}" for s in range(2 * jobs))
         for n in reversed(range(nodes)):
             log = open(os.path.join(out, f"node{n}.log"), "w")
-            argv = [f"PYTHONPATH={args.build}/python", f"MORSE_BENCH_ARGS={args.dim} {args.steps}",
+            argv = [f"PYTHONPATH={args.build}/python",
+                    f"MORSE_BENCH_ARGS={args.dim} {args.steps} {args.pairs}",
                     f"{args.build}/bin/morse-run", "--nnodes", str(nodes), "--node-rank", str(n),
                     "--nproc-per-node", str(local), "--servers", addresses, "--config", config,
                     "--insecure"]
             if nodes > 1:
                 argv += ["--rdzv", f"{vc.address(1)}:29400"]
             if aggregate:
-                argv.append("--node-aggregation")
+                argv.append(f"--node-aggregation={aggregate}")
             argv += ["--", sys.executable, os.path.join(ROOT, "tests", "bench", "node_aggregation.py"),
                      "--worker", out, "bench"]
             procs.append(vc.popen(1 + n, argv, log))
@@ -76,15 +81,17 @@ def run_layout(vc, args, aggregate, work):
         stop(procs + servers)
     if any(c != 0 for c in codes):
         tail = open(os.path.join(out, "node0.log")).read()[-1500:]
-        raise SystemExit(f"{'aggregated' if aggregate else 'flat'} run failed ({codes}):\n{tail}")
+        raise SystemExit(f"{aggregate or 'flat'} run failed ({codes}):\n{tail}")
     ranks = [json.load(open(f"{out}/rank-{r}.json")) for r in range(nodes * local)]
-    payload = max(statistics.median(r["up"]) for r in ranks)  # one worker's, per step
+    # One worker's payload per step: of the whole model (a sharded rank's
+    # is its slice's; the flat run's is the reference).
+    payload = flat_payload or max(statistics.median(r["up"]) for r in ranks)
     # Node 1's link (node 0's when alone): its upload over the timed steps:
     # the pushes and their framing.
     sent = (after[0] - before[0]) / (args.steps - 3)
     step = statistics.median(t for r in ranks for t in r["times"])
     floor = floor_seconds(payload, workers, 2, args.rate)
-    return {"layout": "node aggregation" if aggregate else "flat", "workers": workers,
+    return {"layout": f"node aggregation={aggregate}" if aggregate else "flat", "workers": workers,
             "link_bytes_per_step": sent, "one_worker_payload": payload, "ratio": sent / payload,
             "step_median_s": step, "floor_s": floor, "params": ranks[0]["params"]}
 
@@ -96,6 +103,9 @@ def main():
     p.add_argument("--dim", type=int, default=4000000, help="about this many parameters (default 4M)")
     p.add_argument("--rate", type=float, default=1.0, help="each link's rate, Gbit/s (default 1)")
     p.add_argument("--steps", type=int, default=12, help="steps; the first 3 are not timed (default 12)")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="pairs of layers in the MLP (default 1; the sharded layout's L slices are "
+                        "whole parameters: give 2 for L = 4)")
     p.add_argument("--build", default=os.path.join(ROOT, "build"), help="the build folder (default build/)")
     p.add_argument("--out", help="write results.json here")
     args = p.parse_args()
@@ -104,14 +114,15 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory(prefix="node-experiment-") as work:
         with VirtualCluster(1 + args.nodes, args.rate) as vc:
-            for aggregate in (False, True):
-                rows.append(run_layout(vc, args, aggregate, work))
+            for aggregate in (None, "leader", "sharded"):
+                rows.append(run_layout(vc, args, aggregate, work,
+                                       rows[0]["one_worker_payload"] if rows else None))
     print(f"{args.nodes} nodes x {args.local} ranks, {rows[0]['params']:,} parameters, OneBitAdam "
           f"compression phase, 2 shards on their own host, {args.rate:g} Gbit/s links")
-    print(f"{'layout':18} {'workers':>7} {'node link B/step':>16} {'/ one worker':>12} {'step s':>8} "
+    print(f"{'layout':26} {'workers':>7} {'node link B/step':>16} {'/ one worker':>12} {'step s':>8} "
           f"{'floor s':>8} {'step/floor':>10}")
     for r in rows:
-        print(f"{r['layout']:18} {r['workers']:7} {r['link_bytes_per_step']:16,.0f} {r['ratio']:12.3f} "
+        print(f"{r['layout']:26} {r['workers']:7} {r['link_bytes_per_step']:16,.0f} {r['ratio']:12.3f} "
               f"{r['step_median_s']:8.3f} {r['floor_s']:8.4f} {r['step_median_s'] / r['floor_s']:10.1f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -2,9 +2,10 @@
 """Node aggregation (leader and sharded) against one worker per rank, on
 this machine.
 
-    tests/bench/node_aggregation.py [--nodes 2] [--local 2] [--dim 1000000] [--steps 12]
+    tests/bench/node_aggregation.py [--nodes 2] [--local 2] [--dim 1000000] [--steps 12] [--pairs 1]
 
-Runs the same OneBitAdam job (an MLP of about --dim parameters, past its
+Runs the same OneBitAdam job (an MLP of about --dim parameters in --pairs
+pairs of layers 128 -> h -> 128, past its
 freeze, so the pushes are 1-bit) as --nodes morse-run invocations of --local
 ranks each (as on --nodes hosts), flat (every rank a Morse worker), with
 --node-aggregation (the leader steps for the node) and with
@@ -29,13 +30,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 
-def worker(out, dim, steps):
+def worker(out, dim, steps, pairs):
     import torch
     import morse.torch
     rank = int(os.environ["RANK"])
-    hidden = max(8, dim // 256)
+    hidden = max(8, dim // (256 * pairs))
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(128, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 128))
+    # More pairs give more parameters of similar size for a sharded node's
+    # slices (whole parameters) to balance.
+    model = torch.nn.Sequential(*[layer for _ in range(pairs) for layer in (
+        torch.nn.Linear(128, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 128))])
     opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
     times, up = [], []
     for step in range(steps):
@@ -58,11 +62,11 @@ def worker(out, dim, steps):
               open(f"{out}/rank-{rank}.json", "w"))
 
 
-def run(nodes, local, dim, steps, aggregate):
+def run(nodes, local, dim, steps, pairs, aggregate):
     from harness import nodes as start_nodes
     out = tempfile.mkdtemp(prefix="morse-bench-aggregation-")
     extra = ("--servers", "2") + ((f"--node-aggregation={aggregate}",) if aggregate else ())
-    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps}"
+    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps} {pairs}"
     results = start_nodes(__file__, nodes, local, out, "bench", extra=extra, timeout=600)
     for node, (code, text) in enumerate(results):
         if code != 0:
@@ -80,12 +84,15 @@ def main():
     parser.add_argument("--local", type=int, default=2, help="ranks per node (default 2)")
     parser.add_argument("--dim", type=int, default=1000000, help="about this many parameters (default 1M)")
     parser.add_argument("--steps", type=int, default=12, help="steps; the first 3 are not timed (default 12)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="pairs of layers (default 1: 4 parameters); a sharded node's L slices "
+                             "need at least L parameters, and balance better with more")
     a = parser.parse_args()
     os.environ.setdefault("MORSE_RUN", os.path.join(HERE, "..", "..", "build", "bin", "morse-run"))
     rows = []
     one = None
     for aggregate in (None, "leader", "sharded"):
-        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, aggregate)
+        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, a.pairs, aggregate)
         if one is None:
             one = max(statistics.median(r["up"]) for r in ranks)  # one worker's payload (flat)
         rows.append((f"--node-aggregation={aggregate}" if aggregate else "flat (a worker per rank)",
@@ -93,7 +100,8 @@ def main():
                      max(r["state"] for r in ranks), min(r["state"] for r in ranks),
                      statistics.median(t for r in ranks for t in r["times"]) * 1e3, ranks[0]["params"]))
     print(f"{a.nodes} nodes x {a.local} ranks, OneBitAdam compression phase, "
-          f"{rows[0][6]:,} parameters, 2 shards, loopback")
+          f"{rows[0][6]:,} parameters in {4 * a.pairs} tensors, 2 shards (per slice where "
+          "sharded), loopback")
     print(f"{'layout':29} {'bytes up/node/step':>18} {'/ one worker':>12} {'state B/param (max, min rank)':>30} "
           f"{'step ms':>8}")
     for name, up, ratio, most, least, ms, _ in rows:

@@ -10,7 +10,9 @@
    and holds that slice's m, v and error buffer alone (a state_dict of the
    slice's size); after every step every rank of a node holds the same
    parameters, and each slice's workers hold what the simulator with N = 2
-   fed those averages holds over that slice.
+   fed those averages holds over that slice. fp32 Adam (element by
+   element) gives the bits of the same run with the leader holding the
+   state.
 2. Weights clamped after every step on every rank: the same, with the
    simulator fed the changes; clamped on one rank only: every rank of the
    node fails, naming it.
@@ -61,6 +63,16 @@ def worker(out, mode):
         build_clipped(model)
         return
     opt = build(name, model.parameters(), 0.01)
+    if variant == "leader":  # the same run, the leader holding the node's state
+        params = []
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            params.append(flat(model).numpy().tobytes().hex())
+        json.dump(params, open(f"{out}/params-{rank}-leader.json", "w"))
+        return
     first, end = opt._slices[local]
     sizes = [p.numel() for p in model.parameters()]
     lo, hi = sum(sizes[:first]), sum(sizes[:end])
@@ -96,7 +108,8 @@ def worker(out, mode):
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.numpy())
         checksums.append(opt.checksum())
         f = flat(model)
-        params.append(f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
+        params.append(f.numpy().tobytes().hex() if variant == "full" else
+                      f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
         if (variant == "clamp" and step < STEPS - 1) or (variant == "clamp_one" and rank == 1
                                                           and step == 2):
             with torch.no_grad():
@@ -158,9 +171,9 @@ def check_nodes_share(out, nnodes, local_size, variant, may_differ):
         check(may_differ or p == params[0], f"rank {r} differs from rank 0")
 
 
-def run_nodes(out, mode, nnodes=2, nproc=2, extra=()):
+def run_nodes(out, mode, nnodes=2, nproc=2, how="sharded"):
     results = nodes(__file__, nnodes, nproc, out, mode,
-                    extra=("--servers", "2", "--node-aggregation=sharded", *extra))
+                    extra=("--servers", "2", f"--node-aggregation={how}"))
     for node, (code, text) in enumerate(results):  # every failing node's output before the verdict
         if code != 0:
             print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
@@ -187,6 +200,19 @@ def two_nodes(name, variant=""):
           "in each slice's job, the node's average of each slice pushed by its owner, which holds "
           f"that slice's state alone; every rank on the same bits; each slice the simulator with "
           f"N = 2 for {STEPS} steps")
+
+
+def adam_as_the_leader():
+    """fp32 Adam is element by element: sharding the state changes no bit."""
+    out = tempfile.mkdtemp(prefix="morse-sharded-adam-")
+    check(all(code == 0 for code, _ in run_nodes(out, "Adam:leader", how="leader")), "leader failed")
+    check(all(code == 0 for code, _ in run_nodes(out, "Adam:full")), "sharded failed")
+    for r in range(4):
+        leader = json.load(open(f"{out}/params-{r}-leader.json"))
+        sharded = json.load(open(f"{out}/params-{r}-full.json"))
+        check(leader == sharded, f"rank {r}: Adam sharded differs from Adam with the leader")
+    print(f"PASS: Adam (fp32) with the state sharded gives the leader's bits on every rank for "
+          f"{STEPS} steps")
 
 
 def one_node_of_three():
@@ -267,11 +293,13 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(*sys.argv[-2:])
         sys.exit(0)
-    modes = sys.argv[1:] or ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "three",
+    modes = sys.argv[1:] or ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "leader", "three",
                              "resume", "wrong"]
     for mode in modes:
         if mode == "clamp":
             two_nodes("OneBitAdam", "clamp")
+        elif mode == "leader":
+            adam_as_the_leader()
         elif mode == "three":
             one_node_of_three()
         elif mode == "resume":

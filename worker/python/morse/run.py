@@ -31,6 +31,13 @@ replica r of stage s - 1) and MORSE_STAGE_NEXT (where replica r of stage s
 connects to stage s + 1) in their environment; output lines are prefixed
 [stage s rank r]. Checkpoints go to a folder per stage (stage-<s>/).
 
+With --node-aggregation each node is one Morse worker (the shards see
+--nnodes workers): its ranks average their gradients over gloo and local
+rank 0 steps for the node; with --node-aggregation=sharded the parameters
+are cut into --nproc-per-node slices, each its own job with its own S
+shards (output [slice k server s]; checkpoints in slice-<k>/), and local
+rank k steps slice k and holds its optimizer state alone.
+
 Across nodes, the same command runs on every node with its own --node-rank
 (torchrun's flags). Node 0 listens on --rdzv HOST:PORT (HOST: its address as
 the others reach it) until all M nodes have joined and agree on M, L,
@@ -162,8 +169,9 @@ def _parse(argv):
                "With MORSE_TRACE=DIR/trace-{rank}.json in the environment every rank and shard\n"
                "writes its step timeline there (Chrome trace-event JSON; docs/operations.md).")
     parser.add_argument("--servers", default="1",
-                        help="server shards to start (default 1; per stage with --stages; across nodes, "
-                             "node 0 starts them), or the HOST:PORT,... of shards already running")
+                        help="server shards to start (default 1; per stage with --stages, per slice "
+                             "with --node-aggregation=sharded; across nodes, node 0 starts them), or "
+                             "the HOST:PORT,... of shards already running (slice by slice where sharded)")
     parser.add_argument("--workers", type=int, default=None,
                         help="ranks on this host (copies of the command; per stage with --stages); "
                              "with --nnodes, the job's ranks, which must be nnodes x nproc-per-node")

@@ -456,8 +456,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._session_buffers = bool(self._buffers) and (self._slices is None
                                                          or self._node.local_rank == 0)
         if self._node is None or self._node.is_leader or self._slices is not None:
-            self._session = _native.Session(base, self.job_overrides, worker, servers,
-                                            host_x.numpy(), _security(security))
+            try:
+                self._session = _native.Session(base, self.job_overrides, worker, servers,
+                                                host_x.numpy(), _security(security))
+            except MorseError as e:
+                if self._slices is None or "every shard needs a block" not in str(e):
+                    raise
+                k = self._node.local_rank
+                first, end = self._slices[k]
+                raise MorseError(
+                    f"{e}\n  (--node-aggregation=sharded: slice {k} is parameters {first}..{end - 1} "
+                    f"({', '.join(self._names[:3])}{', ...' if end - first > 3 else ''}), "
+                    f"{sum(p.numel() for p in self._params)} elements, too few for its "
+                    f"{len(servers)} shards; slices are whole parameters, so give fewer --servers "
+                    "or fewer ranks per node, or use --node-aggregation (the leader steps for the "
+                    "node)") from None
             self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, worker)
             if rejoin:
                 # The model, moments and error buffer of the checkpoint's step
