@@ -15,7 +15,10 @@ worker), --node-aggregation (the leader steps for the node) and
 --node-aggregation=sharded (local rank k steps slice k, each slice a job
 with its own 2 shards on host 0). Prints, per layout: the bytes node 1's
 link sent per step (from its interface counters),
-that over one worker's payload (the flat run's), the median step, and the DESIGN 7 floor of
+that over one worker's payload (the flat run's), the median step, node
+1's Morse step (a leader's, or its slowest slice owner's: encode, the
+exchange and apply; flat, a rank's wait at step() for what backward()
+pushed), and the DESIGN 7 floor of
 the exchange for the shards' worker count (the first 3 steps, the fp32
 warmup among them, are left out of all of it). Writes DIR/results.json if
 --out is given. Needs root."""
@@ -91,9 +94,16 @@ def run_layout(vc, args, aggregate, work, flat_payload=None):
     sent = (after[0] - before[0]) / (args.steps - 3)
     step = statistics.median(t for r in ranks for t in r["times"])
     floor = floor_seconds(payload, workers, 2, args.rate)
+    # The exchange of node 1 (node 0 alone) per step: its Morse step (a
+    # leader's, or the slowest of its slice owners', which run side by
+    # side), encode, the link and apply; flat, the rank's wait at step().
+    node = 1 if nodes > 1 else 0
+    timed = [r["exchange"] for r in ranks[node * local:(node + 1) * local] if r["exchange"]]
+    exchange = statistics.median(max(s) for s in zip(*timed))
     return {"layout": f"node aggregation={aggregate}" if aggregate else "flat", "workers": workers,
             "link_bytes_per_step": sent, "one_worker_payload": payload, "ratio": sent / payload,
-            "step_median_s": step, "floor_s": floor, "params": ranks[0]["params"]}
+            "step_median_s": step, "floor_s": floor, "exchange_median_s": exchange,
+            "params": ranks[0]["params"]}
 
 
 def main():
@@ -120,10 +130,11 @@ def main():
     print(f"{args.nodes} nodes x {args.local} ranks, {rows[0]['params']:,} parameters, OneBitAdam "
           f"compression phase, 2 shards on their own host, {args.rate:g} Gbit/s links")
     print(f"{'layout':26} {'workers':>7} {'node link B/step':>16} {'/ one worker':>12} {'step s':>8} "
-          f"{'floor s':>8} {'step/floor':>10}")
+          f"{'exchange s':>10} {'floor s':>8} {'exchange/floor':>14}")
     for r in rows:
         print(f"{r['layout']:26} {r['workers']:7} {r['link_bytes_per_step']:16,.0f} {r['ratio']:12.3f} "
-              f"{r['step_median_s']:8.3f} {r['floor_s']:8.4f} {r['step_median_s'] / r['floor_s']:10.1f}")
+              f"{r['step_median_s']:8.3f} {r['exchange_median_s']:10.3f} {r['floor_s']:8.4f} "
+              f"{r['exchange_median_s'] / r['floor_s']:14.2f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         json.dump(rows, open(os.path.join(args.out, "results.json"), "w"), indent=1)

@@ -41,7 +41,18 @@ def worker(out, dim, steps, pairs):
     model = torch.nn.Sequential(*[layer for _ in range(pairs) for layer in (
         torch.nn.Linear(128, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 128))])
     opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
-    times, up = [], []
+    times, up, exchange = [], [], []
+    if opt._session is not None:
+        # The Morse step of this rank's worker (a leader's, a slice owner's;
+        # with node aggregation the pushes leave in it): encode, exchange
+        # and apply, what node_experiment.py sets against the link's floor.
+        morse_step = opt._worker_step
+
+        def timed_step():
+            start = time.perf_counter()
+            morse_step()
+            exchange.append(time.perf_counter() - start)
+        opt._worker_step = timed_step
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x = torch.randn(32, 128, generator=g)
@@ -58,7 +69,8 @@ def worker(out, dim, steps, pairs):
     if opt._session is not None:  # m, v and the error buffer, float32: of its slice where sharded
         held = opt.state_dict()["state"]
         state = 4 * sum(held[k].numel() for k in ("exp_avg", "exp_avg_sq", "worker_error")) / params
-    json.dump({"times": times[3:], "up": up[3:], "params": params, "state": state},
+    json.dump({"times": times[3:], "up": up[3:], "params": params, "state": state,
+               "exchange": exchange[3:]},
               open(f"{out}/rank-{rank}.json", "w"))
 
 

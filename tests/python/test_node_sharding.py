@@ -20,13 +20,16 @@
 4. Resume: each rank's state_dict after 4 steps loaded into a fresh job
    (fresh shards) that runs 4 more steps gives the bits of an
    uninterrupted run of 8; a rank given another slice's state is refused.
-5. Wrong use: clip_grad_norm= with a sharded node is refused, saying to
-   call clip_grad_norm_ instead; --servers listing shards that do not split
-   into the slices is refused; nodes that disagree on the mode fail the
-   rendezvous."""
+5. A local rank killed at step 3 stops both nodes, naming it (no hang).
+   Wrong use: clip_grad_norm= with a sharded node is refused, saying to
+   call clip_grad_norm_ instead; a slice too small for its shards, and more
+   local ranks than parameters, are refused naming the slice; --servers
+   listing shards that do not split into the slices is refused; nodes that
+   disagree on the mode fail the rendezvous."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,6 +102,8 @@ def worker(out, mode):
     json.dump([lo, hi], open(f"{out}/range-{local}.json", "w"))
     checksums, params = [], []
     for step in steps:
+        if variant == "kill" and rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)  # a local rank dies in the middle of the run
         x, y = batch(step, rank)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -265,6 +270,14 @@ def wrong_use():
                             rf"parameters of slice {rank} than local rank {rank}, which steps it, "
                             r"after step 2 .*same way on every rank", text),
                   f"rank {rank} names the rank whose copy of its slice differs")
+    # A local rank killed at step 3: every rank of both nodes stops, the
+    # dead one named, within the test's timeout (no hang in the node's
+    # collectives or the other node's exchange).
+    results = run_nodes(out, "OneBitAdam:kill")
+    check(results[0][0] != 0 and re.search(r"rank 1 exited with -9", results[0][1]),
+          "node 0 names its killed rank")
+    check(results[1][0] != 0 and re.search(r"the job stopped: node 0: rank 1 exited with -9",
+                                           results[1][1]), "node 1 stops, naming node 0's killed rank")
     command = [os.environ["MORSE_RUN"], "--servers", "1", "--workers", "2",
                "--node-aggregation=sharded", "--", sys.executable, __file__, "--worker", out,
                "OneBitAdam:clip"]
@@ -273,6 +286,19 @@ def wrong_use():
     print(result.stdout[-1500:])
     check(result.returncode != 0 and "refused: clip_grad_norm= with --node-aggregation=sharded"
           in result.stdout and "clip_grad_norm_" in result.stdout, "clip_grad_norm= is refused")
+    # 4 ranks: the 4 parameters are the 4 slices, and the last (4
+    # elements) cannot feed 2 shards; 5 ranks: fewer parameters than slices.
+    for ranks, said in (("4", r"slice 3 is parameters 3\.\.3 \(parameter 3 \(4,\)\), 4 elements, "
+                               r"too few for its 2 shards"),
+                        ("5", r"cuts the trained parameters into 5 slices of whole parameters, one "
+                              r"per local rank, but there are 4")):
+        small = [os.environ["MORSE_RUN"], "--servers", "2", "--workers", ranks,
+                 "--node-aggregation=sharded", "--", sys.executable, __file__, "--worker", out,
+                 "OneBitAdam"]
+        result = subprocess.run(small, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                timeout=240)
+        check(result.returncode != 0 and re.search(said, result.stdout),
+              f"{ranks} ranks: the slice that cannot be is named:\n{result.stdout[-2000:]}")
     command[2:3] = ["127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"]
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             timeout=60)
@@ -285,8 +311,10 @@ def wrong_use():
         print(text[-1000:])
         check(code != 0 and "--node-aggregation=sharded" in text and "every node must give the same"
               in text, f"node {node}: the disagreement on the mode is named")
-    print("PASS: weights changed on one rank only, clip_grad_norm=, shards that do not split into "
-          "the slices and nodes that disagree on the mode fail, saying so")
+    print("PASS: a killed local rank stops both nodes, naming it; weights changed on one rank "
+          "only, clip_grad_norm=, a slice too small for its "
+          "shards, more ranks than parameters, shards that do not split into the slices and nodes "
+          "that disagree on the mode fail, saying so")
 
 
 if __name__ == "__main__":
