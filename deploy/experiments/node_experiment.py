@@ -99,10 +99,14 @@ def run_layout(vc, args, aggregate, work, flat_payload=None):
     # side), encode, the link and apply; flat, the rank's wait at step().
     node = 1 if nodes > 1 else 0
     timed = [r["exchange"] for r in ranks[node * local:(node + 1) * local] if r["exchange"]]
-    exchange = statistics.median(max(s) for s in zip(*timed))
+    slowest = [max(s) for s in zip(*timed)]  # (seconds, encode, apply) of the slowest owner
+    exchange = statistics.median(s[0] for s in slowest)
+    encode = statistics.median(s[1] for s in slowest)
+    apply = statistics.median(s[2] for s in slowest)
     return {"layout": f"node aggregation={aggregate}" if aggregate else "flat", "workers": workers,
             "link_bytes_per_step": sent, "one_worker_payload": payload, "ratio": sent / payload,
             "step_median_s": step, "floor_s": floor, "exchange_median_s": exchange,
+            "encode_median_s": encode, "apply_median_s": apply,
             "params": ranks[0]["params"]}
 
 
@@ -130,10 +134,11 @@ def main():
     print(f"{args.nodes} nodes x {args.local} ranks, {rows[0]['params']:,} parameters, OneBitAdam "
           f"compression phase, 2 shards on their own host, {args.rate:g} Gbit/s links")
     print(f"{'layout':26} {'workers':>7} {'node link B/step':>16} {'/ one worker':>12} {'step s':>8} "
-          f"{'exchange s':>10} {'floor s':>8} {'exchange/floor':>14}")
+          f"{'exchange s':>10} {'encode s':>8} {'apply s':>8} {'floor s':>8} {'exchange/floor':>14}")
     for r in rows:
         print(f"{r['layout']:26} {r['workers']:7} {r['link_bytes_per_step']:16,.0f} {r['ratio']:12.3f} "
-              f"{r['step_median_s']:8.3f} {r['exchange_median_s']:10.3f} {r['floor_s']:8.4f} "
+              f"{r['step_median_s']:8.3f} {r['exchange_median_s']:10.3f} {r['encode_median_s']:8.3f} "
+              f"{r['apply_median_s']:8.3f} {r['floor_s']:8.4f} "
               f"{r['exchange_median_s'] / r['floor_s']:14.2f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

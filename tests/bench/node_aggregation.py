@@ -51,7 +51,8 @@ def worker(out, dim, steps, pairs):
         def timed_step():
             start = time.perf_counter()
             morse_step()
-            exchange.append(time.perf_counter() - start)
+            exchange.append((time.perf_counter() - start, opt.last_step.get("encode_seconds", 0.0),
+                             opt.last_step.get("apply_seconds", 0.0)))
         opt._worker_step = timed_step
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
