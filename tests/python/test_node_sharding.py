@@ -20,12 +20,20 @@
 4. Resume: each rank's state_dict after 4 steps loaded into a fresh job
    (fresh shards) that runs 4 more steps gives the bits of an
    uninterrupted run of 8; a rank given another slice's state is refused.
-5. A local rank killed at step 3 stops both nodes, naming it (no hang).
+5. With --rank-restarts and checkpoints every 2 steps, a rank killed in
+   step 5 restarts its node: sharded, the owner of slice 1 as its Morse
+   step begins while slice 0's owner finishes step 5 and writes step 6's
+   checkpoint, the node rejoining at step 4 (the latest step both slices
+   have); with the leader, the leader. Every rank's parameters after every
+   step, in either life, are the undisturbed run's bits.
+6. A local rank killed at step 3 without restarts stops both nodes, naming
+   it (no hang).
    Wrong use: clip_grad_norm= with a sharded node is refused, saying to
    call clip_grad_norm_ instead; a slice too small for its shards, and more
    local ranks than parameters, are refused naming the slice; --servers
    listing shards that do not split into the slices is refused; nodes that
    disagree on the mode fail the rendezvous."""
+import glob
 import json
 import os
 import re
@@ -61,6 +69,9 @@ def worker(out, mode):
     name, _, variant = mode.partition(":")
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     node = int(os.environ["MORSE_NODE_RANK"])
+    if variant in ("kill", "steps"):
+        restart_worker(out, name, variant)
+        return
     model = model_of()
     if variant == "clip":
         build_clipped(model)
@@ -134,6 +145,37 @@ def worker(out, mode):
           f"step_index {opt.step_index}")
 
 
+def restart_worker(out, name, variant):
+    """variant "kill": a rank kills itself as its step 5 begins its Morse
+    step (a sharded node: rank 1, the owner of slice 1, after the node's
+    gathers, while rank 0 steps slice 0; the leader's node: rank 0, the
+    leader) in its first life; "steps": undisturbed. Each life records its
+    parameters after every step; the script goes on from opt.step_index."""
+    import morse.torch  # noqa: F401
+    rank = int(os.environ["RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    model = model_of()
+    opt = build(name, model.parameters(), 0.01)
+    sharded = os.environ["MORSE_NODE_AGGREGATION"] == "sharded"
+    if variant == "kill" and life == 0 and rank == (1 if sharded else 0):
+        morse_step = opt._worker_step
+
+        def dying():
+            if opt._session.step_index == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            morse_step()
+        opt._worker_step = dying
+    record = {}
+    print(f"rank {rank} life {life}: from step {opt.step_index}", flush=True)
+    for step in range(opt.step_index, STEPS):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        record[step] = flat(model).numpy().tobytes().hex()
+        json.dump(record, open(f"{out}/life-{rank}-{variant}-{life}.json", "w"))
+
+
 def build_clipped(model):
     import morse.torch
     try:
@@ -176,9 +218,9 @@ def check_nodes_share(out, nnodes, local_size, variant, may_differ):
         check(may_differ or p == params[0], f"rank {r} differs from rank 0")
 
 
-def run_nodes(out, mode, nnodes=2, nproc=2, how="sharded"):
+def run_nodes(out, mode, nnodes=2, nproc=2, how="sharded", extra=()):
     results = nodes(__file__, nnodes, nproc, out, mode,
-                    extra=("--servers", "2", f"--node-aggregation={how}"))
+                    extra=("--servers", "2", f"--node-aggregation={how}", *extra))
     for node, (code, text) in enumerate(results):  # every failing node's output before the verdict
         if code != 0:
             print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
@@ -218,6 +260,40 @@ def adam_as_the_leader():
         check(leader == sharded, f"rank {r}: Adam sharded differs from Adam with the leader")
     print(f"PASS: Adam (fp32) with the state sharded gives the leader's bits on every rank for "
           f"{STEPS} steps")
+
+
+def restart(how):
+    """A rank killed in step 5 of a job that checkpoints every 2 steps:
+    morse-run --rank-restarts restarts its node's ranks, which rejoin from
+    their checkpoints (a sharded node: the latest step every slice has,
+    step 4, though slice 0's owner had written step 6's) and replay; every
+    rank's parameters after every step, in either life, are the
+    undisturbed run's bits."""
+    out = tempfile.mkdtemp(prefix=f"morse-node-restart-{how}-")
+    config = os.path.join(out, "job.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 2 }\n")
+    extra = ("--config", config, "--rank-restarts", "1")
+    for variant in ("steps", "kill"):
+        results = run_nodes(out, f"OneBitAdam:{variant}", how=how, extra=extra)
+        for node, (code, _) in enumerate(results):
+            check(code == 0, f"{how} {variant}: node {node} exited with {code}")
+    text = results[0][1]
+    killed = 1 if how == "sharded" else 0
+    check(re.search(rf"rank {killed} exited with -9; restarting this node's 2 ranks", text),
+          f"{how}: node 0 restarts its 2 ranks: {text[-3000:]}")
+    check(re.search(r"rank 1 life 1: from step 4", text), f"{how}: the node rejoins at step 4")
+    for r in range(4):
+        whole = json.load(open(f"{out}/life-{r}-steps-0.json"))
+        check(sorted(map(int, whole)) == list(range(STEPS)), f"rank {r}: the undisturbed run")
+        lives = sorted(glob.glob(f"{out}/life-{r}-kill-*.json"))
+        check(len(lives) == (2 if r < 2 else 1), f"rank {r}: {len(lives)} lives")
+        for path in lives:
+            for step, bits in json.load(open(path)).items():
+                check(bits == whole[step], f"{how}: rank {r} step {step} ({path}) differs from the "
+                      "undisturbed run")
+    print(f"PASS: {how}: a rank killed in step 5 restarts its node's ranks, which rejoin at step 4 "
+          f"and end every step on the undisturbed run's bits")
 
 
 def one_node_of_three():
@@ -322,12 +398,14 @@ if __name__ == "__main__":
         worker(*sys.argv[-2:])
         sys.exit(0)
     modes = sys.argv[1:] or ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "leader", "three",
-                             "resume", "wrong"]
+                             "resume", "restart_sharded", "restart_leader", "wrong"]
     for mode in modes:
         if mode == "clamp":
             two_nodes("OneBitAdam", "clamp")
         elif mode == "leader":
             adam_as_the_leader()
+        elif mode.startswith("restart_"):
+            restart(mode[len("restart_"):])
         elif mode == "three":
             one_node_of_three()
         elif mode == "resume":

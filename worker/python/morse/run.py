@@ -225,7 +225,8 @@ def _parse(argv):
                              "rank then saves its state every N steps and, restarted, rejoins from "
                              "it (MORSE_REJOIN=1, MORSE_RESTART_COUNT) and replays the steps since; "
                              "the script must go on from opt.step_index (DiLoCo: opt.inner_steps) with "
-                             "the same batches")
+                             "the same batches. With --node-aggregation a failed rank restarts its "
+                             "whole node (its ranks share the node's group and step)")
     parser.add_argument("--min-workers", type=int, default=None, metavar="M",
                         help="an elastic job (docs/python.md, \"Elastic jobs\"): a rank that dies "
                              "(and is not restarted) does not stop the job, and the shards complete "
@@ -293,9 +294,6 @@ def _parse(argv):
     if args.rank_restarts and args.stages > 1:
         parser.error("--rank-restarts with --stages is not supported (a pipeline's stages wait on "
                      "each other's activations)")
-    if args.rank_restarts and args.node_aggregation:
-        parser.error("--rank-restarts with --node-aggregation is not supported (a node's state is "
-                     "its leader's)")
     if args.min_workers is not None:
         if args.stages > 1 or args.node_aggregation:
             parser.error("--min-workers with --stages or --node-aggregation is not supported")
@@ -534,6 +532,9 @@ def main(argv=None):
                MORSE_NODE_RANK=str(args.node_rank), MORSE_NNODES=str(args.nnodes))
     if args.node_aggregation:
         env["MORSE_NODE_AGGREGATION"] = "1" if args.node_aggregation == "leader" else "sharded"
+        # The node's own gloo group meets at local rank 0's store: a fresh
+        # port for each start of the node (a restarted node forms it anew).
+        env["MORSE_NODE_STORE"] = f"127.0.0.1:{_free_ports(1)[0]}"
     else:
         env.pop("MORSE_NODE_AGGREGATION", None)
     env.setdefault("MASTER_ADDR", args.host)
@@ -635,6 +636,32 @@ def main(argv=None):
             code = workers[r].poll()
             if code is None:
                 continue
+            if code != 0 and rank_restarts < args.rank_restarts and args.node_aggregation:
+                # The node's ranks share its group and its step: they all
+                # start again, from their checkpoints, while the other
+                # nodes wait for the node's worker(s) in the exchange.
+                rank_restarts += 1
+                sys.stderr.write(f"{node}: {names[r]} exited with {code}; restarting this node's "
+                                 f"{L} ranks ({rank_restarts} of --rank-restarts "
+                                 f"{args.rank_restarts}); they rejoin from their checkpoints and "
+                                 "the other nodes wait for them\n")
+                for w in range(len(workers)):
+                    if workers[w].poll() is None:
+                        workers[w].terminate()
+                for w in range(len(workers)):
+                    try:
+                        workers[w].wait(10)
+                    except subprocess.TimeoutExpired:
+                        workers[w].kill()
+                        workers[w].wait()
+                store_at = f"127.0.0.1:{_free_ports(1)[0]}"
+                for w in range(len(workers)):
+                    restarted[w] += 1
+                    envs[w] = dict(envs[w], MORSE_REJOIN="1", MORSE_RESTART_COUNT=str(restarted[w]),
+                                   MORSE_NODE_STORE=store_at)
+                    workers[w] = start_rank(w, envs[w])
+                remaining = set(range(len(workers)))
+                break
             if code != 0 and rank_restarts < args.rank_restarts:
                 # Alone, from its checkpoint; the others wait for it (up to
                 # the job's timeouts.recovery_seconds).

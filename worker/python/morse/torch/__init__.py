@@ -139,8 +139,9 @@ def _base_config(config, workers, servers):
     return f"workers: {workers}\nshards: {len(servers)}\nexternal {{}}\n"
 
 
-def _rank_checkpoint(session, worker):
-    """This rank's checkpoint path and the job's checkpoint.every_steps when
+def _rank_checkpoint(session, worker, name=None):
+    """This rank's checkpoint path (`name`, default worker-<worker>.ckpt, in
+    MORSE_CHECKPOINT_DIR) and the job's checkpoint.every_steps when
     MORSE_CHECKPOINT_DIR is set (morse-run --rank-restarts), else (None, 0);
     MorseError if the job does not checkpoint."""
     checkpoint_dir = os.environ.get("MORSE_CHECKPOINT_DIR")
@@ -151,7 +152,7 @@ def _rank_checkpoint(session, worker):
         raise MorseError("FAILED_PRECONDITION: MORSE_CHECKPOINT_DIR is set but the job does not "
                          "checkpoint: add checkpoint { every_steps: N } to the config (morse-run "
                          "--config)")
-    return os.path.join(checkpoint_dir, f"worker-{worker}.ckpt"), every
+    return os.path.join(checkpoint_dir, name or f"worker-{worker}.ckpt"), every
 
 
 def _external_model(params, layers=(), groups=()):
@@ -441,16 +442,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # moves the model into the device tensors.
         host_x = self._flat.cpu() if self._cuda else self._flat
         self._session = None  # a node's other ranks have none (node.py)
+        self._node_first_step = 0  # a node's other rank: the step it started from
         # A rank that morse-run (--rank-restarts) may restart saves its whole
         # state every checkpoint.every_steps steps to MORSE_CHECKPOINT_DIR, and
         # restarted (MORSE_REJOIN=1) starts from that checkpoint.
         self._checkpoint, self._checkpoint_every = None, 0
         rejoin = os.environ.get("MORSE_REJOIN") == "1"
         self._rejoined = rejoin
-        if (rejoin or os.environ.get("MORSE_CHECKPOINT_DIR")) and self._node is not None:
-            raise MorseError("FAILED_PRECONDITION: a rank of morse-run --node-aggregation cannot be "
-                             "restarted on its own (MORSE_REJOIN, MORSE_CHECKPOINT_DIR): its node's "
-                             "state is its leader's; run without --rank-restarts")
         # Module buffers go through slice 0's job (sharded node) and its
         # owners share them with their nodes.
         self._session_buffers = bool(self._buffers) and (self._slices is None
@@ -471,25 +469,43 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     f"{len(servers)} shards; slices are whole parameters, so give fewer --servers "
                     "or fewer ranks per node, or use --node-aggregation (the leader steps for the "
                     "node)") from None
-            self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, worker)
+            # A sharded node's slices are jobs whose workers share an index
+            # (the node): each keeps its own files, of its last two
+            # checkpoints' steps (<path>.<step>), so that a node restarted
+            # between two ranks' writes finds a step common to all.
+            self._checkpoint, self._checkpoint_every = _rank_checkpoint(
+                self._session, worker,
+                None if self._slices is None else f"slice-{self._node.local_rank}-worker-{worker}.ckpt")
             if rejoin:
                 # The model, moments and error buffer of the checkpoint's step
                 # (none: the shards' model and a zero error buffer); the
                 # script goes on from step_index, and the steps the shards
                 # completed since are replayed with the replies they kept.
-                self._session.start(True, self._checkpoint or "")
+                self._session.start(True, self._rejoin_checkpoint())
             else:
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
         if self._slices is not None:
             if self._cuda:
                 with torch.no_grad():
                     self._flat.copy_(host_x)  # the slice's job's values
+            steps = self._node.objects(self._session.step_index)
+            if len(set(steps)) > 1:
+                raise MorseError(
+                    f"FAILED_PRECONDITION: the slices of node {self._node.node} rejoined at steps "
+                    f"{steps} (local ranks in order): no checkpoint of one step was left to every "
+                    "rank of the node (checkpoint.every_steps), so the node cannot go on from one "
+                    "step; restart the job from its shards' checkpoints")
             self._share_slices()  # and every rank takes the other slices'
         elif self._node is not None:
             self._node.share(host_x)  # the node takes its leader's values
             if self._cuda:
                 with torch.no_grad():
                     self._flat.copy_(host_x)
+            # Its step too (a restarted node's leader resumes where its
+            # checkpoint and the shards' replies take it).
+            first = self._node.objects(self._session.step_index if self._session else None)[0]
+            if self._session is None:
+                self._node_first_step = first
         if self._cuda and self._session is not None:
             self._device = device
             with torch.cuda.device(device):
@@ -567,7 +583,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Tells this optimizer's own state_dict() of the current step apart
         # (load_state_dict of it restores nothing).
         self._nonce = os.urandom(8).hex()
-        self._node_first_step = 0  # a node's other rank: the step it started from
 
     def add_param_group(self, param_group):
         if hasattr(self, "_session"):
@@ -866,7 +881,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     # ended, predates the change: a restart from it would
                     # not make the change again (the script made it after
                     # that step).
-                    self._session.save_checkpoint(self._checkpoint)
+                    self._save_checkpoint()
             self._x_versions = [p._version for p in self._params]
         self._check_groups()
         if self._session_buffers and self._rank == 0:
@@ -1255,7 +1270,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             with self._explained():
                 self.last_step = self._session.finish()
         if self._checkpoint and self.step_index % self._checkpoint_every == 0:
-            self._session.save_checkpoint(self._checkpoint)
+            self._save_checkpoint()
         # The averaged gradient's norm before clipping, when the step clipped
         # it (what DDP's clip_grad_norm_ returns).
         sum_of_squares = self._session.grad_sum_of_squares()
@@ -1342,6 +1357,36 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if error is not None:
             raise error
         self._check_missing(missing)
+
+    def _save_checkpoint(self):
+        """This rank's checkpoint of the step just ended (a sharded node's
+        slice: <path>.<step>, the one before kept)."""
+        if self._slices is None:
+            self._session.save_checkpoint(self._checkpoint)
+            return
+        step = self._session.step_index
+        self._session.save_checkpoint(f"{self._checkpoint}.{step}")
+        for old in self._checkpoint_steps():
+            if old < step - self._checkpoint_every:
+                os.remove(f"{self._checkpoint}.{old}")
+
+    def _checkpoint_steps(self):
+        """The steps of this slice's checkpoint files, ascending."""
+        folder, name = os.path.split(self._checkpoint)
+        return sorted(int(f[len(name) + 1:]) for f in os.listdir(folder or ".")
+                      if f.startswith(name + ".") and f[len(name) + 1:].isdigit())
+
+    def _rejoin_checkpoint(self):
+        """The checkpoint a restarted rank starts from: its own (leader,
+        plain rank), or a sharded node's latest step every slice has one
+        of ("" where none: the shards' model)."""
+        if self._slices is None:
+            return self._checkpoint or ""
+        mine = self._checkpoint_steps() if self._checkpoint else []
+        common = set(mine)
+        for steps in self._node.objects(mine):
+            common &= set(steps)
+        return f"{self._checkpoint}.{max(common)}" if common else ""
 
     def _node_pairs(self):
         """What a node's ranks must agree on each step, as (a, b) pairs:

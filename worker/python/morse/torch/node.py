@@ -23,20 +23,25 @@ each broadcasts its slice's new parameters to the node. A rank holds m, v
 and the error buffers of its slice alone, and every slice's job is
 bit-identical to the simulator with N = nodes over that slice.
 """
-import atexit
+import datetime
+import os
+import pickle
 
 import torch
 
 from .._native import MorseError
 
 
-def _destroy_process_group(dist):
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 class NodeGroup:
-    """This rank's node: its group, its leader, and the step's exchanges."""
+    """This rank's node: its group, its leader, and the step's exchanges.
+
+    The group is the node's own gloo process group (torch's
+    ProcessGroupGloo over a TCPStore that local rank 0 holds at
+    MORSE_NODE_STORE, which morse-run picks for each start of the node),
+    not a subgroup of torch.distributed's world: a node whose ranks are
+    restarted (--rank-restarts) forms it again alone while the other nodes
+    wait in the shards' exchange, and the script's own torch.distributed
+    group, if it makes one, is left to it."""
 
     def __init__(self, rank, local_rank, local_size, node, nnodes):
         import torch.distributed as dist
@@ -48,23 +53,18 @@ class NodeGroup:
                 f"INVALID_ARGUMENT: node aggregation needs ranks laid out node by node (as "
                 f"morse-run does): rank {rank} is local rank {local_rank} of {local_size} on node "
                 f"{node} of {nnodes}")
-        if not dist.is_initialized():
-            # env://: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (morse-run).
-            dist.init_process_group("gloo")
-            # Ours to tear down, while the interpreter still runs: torch 1.13
-            # can abort a process whose gloo groups are left to exit().
-            atexit.register(_destroy_process_group, dist)
-        if dist.get_rank() != rank or dist.get_world_size() != local_size * nnodes:
-            raise MorseError(
-                f"FAILED_PRECONDITION: torch.distributed has rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, Morse rank {rank} of {local_size * nnodes}")
+        address = os.environ.get("MORSE_NODE_STORE", "")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise MorseError(f"FAILED_PRECONDITION: node aggregation needs MORSE_NODE_STORE "
+                             f"(HOST:PORT where local rank 0 holds the node's store; morse-run sets "
+                             f"it), not {address!r}")
+        timeout = datetime.timedelta(seconds=float(os.environ.get("MORSE_NODE_TIMEOUT", "1800")))
+        store = dist.TCPStore(host.strip("[]"), int(port), local_size, local_rank == 0, timeout)
+        self._store = store  # local rank 0's serves the node
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"morse-node-{node}", store), local_rank,
+                                        local_size, timeout)
         self.dist = dist
-        # new_group is collective: every rank makes every node's, in order.
-        for n in range(nnodes):
-            group = dist.new_group(ranks=list(range(n * local_size, (n + 1) * local_size)),
-                                   backend="gloo")
-            if n == node:
-                self.group = group
         self.rank, self.local_rank, self.size = rank, local_rank, local_size
         self.node, self.nnodes = node, nnodes
         self.leader = node * local_size
@@ -72,12 +72,29 @@ class NodeGroup:
         self.checksum = None  # the leader's, after the last step
         self.steps = 0
 
+    def _broadcast(self, tensor, owner):
+        opts = self.dist.BroadcastOptions()
+        opts.rootRank = owner
+        self.pg.broadcast([tensor], opts).wait()
+
+    def objects(self, value):
+        """Every local rank's picklable `value`, by local rank."""
+        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        sizes = [[torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]]
+        self.pg.allgather(sizes, [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        most = max(int(t) for t in sizes[0])
+        padded = torch.zeros(most, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        parts = [[torch.empty(most, dtype=torch.uint8) for _ in range(self.size)]]
+        self.pg.allgather(parts, [padded]).wait()
+        return [pickle.loads(part[:int(n)].numpy().tobytes()) for part, n in zip(parts[0], sizes[0])]
+
     def share(self, flat, owner=0):
         """Every rank of the node takes local rank `owner`'s `flat` values."""
         host = flat.detach().cpu() if flat.is_cuda else flat.detach()
         if not host.is_contiguous():
             host = host.contiguous()
-        self.dist.broadcast(host, src=self.node * self.size + owner, group=self.group)
+        self._broadcast(host, owner)
         if host.data_ptr() != flat.data_ptr():
             with torch.no_grad():
                 flat.copy_(host)
@@ -97,10 +114,13 @@ class NodeGroup:
         mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
                           torch.tensor(values, dtype=torch.float32)])
         owns = self.local_rank == owner
-        parts = [torch.empty_like(mine) for _ in range(self.size)] if owns else None
-        self.dist.gather(mine, gather_list=parts, dst=self.node * self.size + owner, group=self.group)
+        parts = [[torch.empty_like(mine) for _ in range(self.size)]] if owns else []
+        opts = self.dist.GatherOptions()
+        opts.rootRank = owner
+        self.pg.gather(parts, [mine], opts).wait()
         if not owns:
             return None, None, None
+        parts = parts[0]
         total = parts[0][:-k].clone()
         for part in parts[1:]:
             total += part[:-k]  # in local-rank order, so every run sums alike
@@ -116,18 +136,16 @@ class NodeGroup:
     def finish(self, failure=None, checksum=None, buffers=None):
         """The leader's outcome of the step to the node: (failure, checksum,
         buffers) broadcast; returns what the leader sent."""
-        message = [(failure, checksum, buffers)] if self.is_leader else [None]
-        self.dist.broadcast_object_list(message, src=self.leader, group=self.group)
+        outcome = self.objects((failure, checksum, buffers) if self.is_leader else None)[0]
         self.steps += 1
-        self.checksum = message[0][1]
-        return message[0]
+        self.checksum = outcome[1]
+        return outcome
 
     def finish_all(self, failure=None, checksum=None, buffers=None):
         """Every rank's outcome of the step to every rank of the node (each
         owner stepped its slice): [(failure, checksum, buffers)] by local
         rank."""
-        outcomes = [None] * self.size
-        self.dist.all_gather_object(outcomes, (failure, checksum, buffers), group=self.group)
+        outcomes = self.objects((failure, checksum, buffers))
         self.steps += 1
         return outcomes
 
