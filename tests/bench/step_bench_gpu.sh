@@ -37,6 +37,10 @@ stamp "GPU tests"
     echo "FAILED: run-tests.sh gpu"
   (cd "$work/morse/tests/python" && timeout 240 python3 test_cuda_tensors.py 2>&1) ||
     echo "FAILED: test_cuda_tensors.py"
+  # A sharded node's state with CUDA tensors, 2 nodes x 2 ranks sharing the
+  # GPU (never run on one before 2026-12-02).
+  (cd "$work/morse/tests/python" && timeout 180 python3 test_node_sharding.py cuda 2>&1) ||
+    echo "FAILED: test_node_sharding.py cuda"
   # DiLoCo with two ranks' models on the GPU (never run on one before 2026-12-02).
   (cd "$work/morse/tests/python" && timeout 120 python3 test_diloco.py 2>&1) ||
     echo "FAILED: test_diloco.py"

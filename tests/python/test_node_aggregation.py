@@ -102,15 +102,21 @@ def worker(out, mode):
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
 
 
+def node_average(own):
+    """((g0 + g1) + ...) / L in float32, in local-rank order."""
+    total = own[0].copy()
+    for g in own[1:]:
+        total += g
+    total /= numpy.float32(len(own))
+    return total
+
+
 def check_node_averages(out, nnodes, local_size):
     """Each leader pushed ((g0 + g1) + ...) / L of its node's own gradients."""
     for node in range(nnodes):
         for step in range(STEPS):
             own = [numpy.load(f"{out}/own-{node * local_size + r}-{step}.npy") for r in range(local_size)]
-            total = own[0].copy()
-            for g in own[1:]:
-                total += g
-            total /= numpy.float32(local_size)
+            total = node_average(own)
             pushed = numpy.load(f"{out}/grad-{node}-{step}.npy")
             check(pushed.tobytes() == total.tobytes(), f"node {node} step {step}: the pushed gradient "
                   "is not the node's average in local-rank order")

@@ -272,7 +272,7 @@ if __name__ == "__main__":
     import subprocess
     for flags, why in ((["--rank-restarts", "1"], "needs checkpoint { every_steps: N }"),
                        (["--rank-restarts", "1", "--check-config"], "needs checkpoint"),
-                       (["--rank-restarts", "1", "--node-aggregation"], "not supported"),
+                       (["--rank-restarts", "1", "--stages", "2"], "not supported"),
                        (["--rank-restarts", "-1"], "at least 0")):
         result = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--workers", "2"] +
                                 flags + ["--", sys.executable, "-c", "pass"],

@@ -687,8 +687,14 @@ def main(argv=None):
             if code != 0:
                 time.sleep(0.2)  # the rank's last lines
                 first = next((e for e in errors[r] if "MorseError" in e), errors[r][-1] if errors[r] else "")
-                why = f"{names[r]} exited with {code}" + (f": {first}" if first else "")
-                sys.stderr.write(f"{node}: {names[r]} exited with {code}; stopping the job"
+                # Ranks that went too by now (one killed, another failing
+                # for its loss: which went first is not known): all named.
+                also = [f"{names[w]} exited with {workers[w].poll()}" for w in sorted(remaining)
+                        if w != r and workers[w].poll() not in (None, 0)]
+                why = (f"{names[r]} exited with {code}" + (f": {first}" if first else "")
+                       + (f" (and {', '.join(also)})" if also else ""))
+                sys.stderr.write(f"{node}: {names[r]} exited with {code}"
+                                 + (f", {', '.join(also)}" if also else "") + "; stopping the job"
                                  + (f"\n{node}: {names[r]}'s error: {first}" if first else "") + "\n")
                 status = code
                 break

@@ -1330,17 +1330,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                                 _digest_of(self._params) if written else None)
         error = None
         if node.is_leader:
-            failure = self._node_disagrees(hypers, digests)
-            if failure is not None:
-                error = MorseError(failure)
-            else:
-                self._flat_grad.copy_(average)
-                try:
-                    self._worker_step()
-                except Exception as e:  # the node hears it before this rank raises it
-                    error, failure = e, f"{type(e).__name__}: {e}"
-            checksum = self._session.checksum() if failure is None else None
-            buffers = self._pack_buffers() if self._buffers and failure is None else None
+            error, (failure, checksum, buffers) = self._step_for_node(
+                hypers, digests, lambda: self._flat_grad.copy_(average))
             node.finish(failure, checksum, buffers)
         else:
             failure, _, buffers = node.finish()
@@ -1410,6 +1401,26 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "every rank must use the same")
         return self._node_weights_differ(digests)
 
+    def _step_for_node(self, hypers, digests, take):
+        """On the rank that steps for its node (the leader, or a slice's
+        owner), given every local rank's pairs and digests: refuses a step
+        they disagree on, else takes the node's average (`take()`) and steps
+        as the node's worker. Returns (the error this rank raises, or None;
+        (failure, checksum, buffers) for the node)."""
+        error = None
+        failure = self._node_disagrees(hypers, digests)
+        if failure is not None:
+            error = MorseError(failure)
+        else:
+            take()
+            try:
+                self._worker_step()
+            except Exception as e:  # the node hears it before this rank raises it
+                error, failure = e, f"{type(e).__name__}: {e}"
+        checksum = self._session.checksum() if failure is None else None
+        buffers = self._pack_buffers() if self._session_buffers and failure is None else None
+        return error, (failure, checksum, buffers)
+
     def _slice_step(self):
         """The step of a rank of a sharded node (node.py): each slice's
         gradients are averaged on its owner, each owner steps its slice as
@@ -1432,22 +1443,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
             got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
             if k == mine:
                 average, hypers, digests = got
-        error = None
-        failure = self._node_disagrees(hypers, digests)
-        if failure is not None:
-            error = MorseError(failure)
-        else:
+        def take():  # the slice's average into its parameters' gradients
             at = 0
             for lo, hi in self._ranges:
                 self._flat_grad[lo:hi].copy_(average[at:at + hi - lo])
                 at += hi - lo
-            try:
-                self._worker_step()
-            except Exception as e:  # the node hears it before this rank raises it
-                error, failure = e, f"{type(e).__name__}: {e}"
-        checksum = self._session.checksum() if failure is None else None
-        buffers = self._pack_buffers() if self._session_buffers and failure is None else None
-        outcomes = node.finish_all(failure, checksum, buffers)
+        error, outcome = self._step_for_node(hypers, digests, take)
+        outcomes = node.finish_all(*outcome)
         for k, (failed, _, _) in enumerate(outcomes):
             if error is None and failed is not None:
                 error = MorseError(f"{failed}\n  (the step of slice {k}'s owner, rank "

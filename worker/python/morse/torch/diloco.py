@@ -141,7 +141,7 @@ class DiLoCo:
         if feedback is None:
             feedback = "none" if codec in ("fp32", "fp16", "bf16") else "ef"
         codecs = _codec_lines(codec, down_codec, feedback, feedback_beta)
-        if os.environ.get("MORSE_NODE_AGGREGATION") == "1":
+        if os.environ.get("MORSE_NODE_AGGREGATION"):
             raise MorseError("FAILED_PRECONDITION: DiLoCo does not aggregate a node's ranks into "
                              "one worker (morse-run --node-aggregation); every rank is a worker "
                              "of its own: run without --node-aggregation")
