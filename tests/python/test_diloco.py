@@ -14,11 +14,16 @@ with ranks 0 and 1's models on it (rank 2's on the CPU): the outer state
 stays on the host, the models stay CUDA tensors, and every rank and the
 simulator hold the same bits (without a GPU that run is skipped, saying
 so). Bad arguments, a Morse optimizer as the inner
-one among them, are refused before the job is joined, and so is
-morse-run --node-aggregation."""
+one among them, are refused before the job is joined. Under morse-run
+--node-aggregation (2 nodes x 2 ranks) each node is one DiLoCo worker whose
+ranks take their inner steps together on the node's average gradient,
+bit-identical to the simulator with N = 2 (a sync every SYNC_EVERY steps,
+and streaming with an overlap); =sharded is refused."""
+import glob
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -47,16 +52,143 @@ def backward(model, step, rank, device="cpu"):
     torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
 
 
-def node_aggregation():
-    """Under morse-run --node-aggregation DiLoCo refuses, saying so."""
+def node_worker(out, mode):
+    """Under morse-run --node-aggregation (2 nodes x 2 ranks): mode "int8"
+    (a sync every SYNC_EVERY inner steps) or "stream" (int4, FRAGMENTS
+    fragments, overlap_steps 1, flush() at the end). Each rank saves its own
+    gradient and the one its inner step took (the node's average) at every
+    step, and its parameters; each node's leader its pseudo-gradients and
+    checksums. Under =sharded, the refusal."""
+    import numpy as np
     import morse.torch
-    model = torch.nn.Linear(4, 2)
-    try:
-        morse.torch.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        check(False, "DiLoCo was built under --node-aggregation")
-    except morse.torch.MorseError as e:
-        check("node-aggregation" in str(e), f"unclear error: {e}")
-        print(f"REFUSED {e}")
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    node = int(os.environ["MORSE_NODE_RANK"])
+    torch.manual_seed(3 + rank)  # the leader's initial values must become everyone's
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    if os.environ["MORSE_NODE_AGGREGATION"] == "sharded":
+        try:
+            morse.torch.DiLoCo(model, inner)
+            check(False, "DiLoCo was built under --node-aggregation=sharded")
+        except morse.torch.MorseError as e:
+            check("--node-aggregation=sharded" in str(e), f"unclear error: {e}")
+            print(f"REFUSED {e}")
+        return
+    stream = mode == "stream"
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    args = (dict(sync_every=STREAM_SYNC_EVERY, fragments=FRAGMENTS, overlap_steps=1, codec="int4")
+            if stream else dict(sync_every=SYNC_EVERY, codec="int8"))
+    opt = morse.torch.DiLoCo(model, inner, outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                             block_elems=16, partition_elems=64, **args)
+    if rank == 0 and life == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", opt.outer_parameters().numpy())
+    steps = (STREAM_SYNC_EVERY // FRAGMENTS) * STREAM_SYNCS if stream else SYNC_EVERY * SYNCS
+    checksums, params = [], {}
+    for step in range(opt.inner_steps, steps + 1):
+        if mode == "int8kill" and rank == 1 and life == 0 and step == 7:
+            os.kill(os.getpid(), signal.SIGKILL)  # the node restarts (--rank-restarts)
+        done = opt.step_index
+        if step == steps:
+            opt.flush()  # the last sync, in flight with the overlap (on every rank)
+        else:
+            opt.zero_grad()
+            backward(model, step, rank)
+            np.save(f"{out}/own-{rank}-{step}.npy",
+                    torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+            opt.step()
+            np.save(f"{out}/took-{rank}-{step}.npy",
+                    torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+        params[step] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes().hex()
+        json.dump(params, open(f"{out}/params-{rank}-{life}.json", "w"))
+        if opt.step_index == done:
+            continue
+        if local == 0:
+            np.save(f"{out}/grad-{node}-{done}.npy", opt._grad.numpy())
+        checksums.append(opt.checksum())
+    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    print(f"rank {rank}: {steps} inner steps, {opt.step_index} outer")
+
+
+def node_aggregation():
+    """DiLoCo under morse-run --node-aggregation, 2 nodes x 2 ranks: each
+    node's ranks take every inner step with the node's average gradient
+    ((g0 + g1) / 2, bit for bit) and end every step on the same
+    parameters; the nodes' leaders hold what the simulator with N = 2 fed
+    their pseudo-gradients holds, and the other ranks report their
+    leader's checksums. Under =sharded DiLoCo refuses, saying so."""
+    from harness import nodes
+    from test_node_aggregation import node_average
+    import numpy as np
+    for mode in ("int8", "stream"):
+        out = tempfile.mkdtemp(prefix=f"morse-diloco-nodes-{mode}-")
+        results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
+        for node, (code, text) in enumerate(results):
+            if code != 0:
+                print(text[-4000:])
+            check(code == 0, f"{mode}: node {node} exited with {code}")
+        steps = (STREAM_SYNC_EVERY // FRAGMENTS) * STREAM_SYNCS if mode == "stream" else SYNC_EVERY * SYNCS
+        for node in range(2):
+            ranks = (2 * node, 2 * node + 1)
+            for step in range(steps):
+                average = node_average([np.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
+                for r in ranks:
+                    took = np.load(f"{out}/took-{r}-{step}.npy")
+                    check(took.tobytes() == average.tobytes(),
+                          f"{mode}: rank {r}'s inner step {step} did not take its node's average")
+            params = [json.load(open(f"{out}/params-{r}-0.json")) for r in ranks]
+            check(params[0] == params[1], f"{mode}: node {node}'s ranks hold different parameters")
+            check(json.load(open(f"{out}/checksums-{ranks[1]}.json")) ==
+                  json.load(open(f"{out}/checksums-{ranks[0]}.json")),
+                  f"{mode}: rank {ranks[1]} does not report its leader's checksums")
+            os.rename(f"{out}/checksums-{ranks[0]}.json", f"{out}/checksums-leader-{node}.json")
+        for f in os.listdir(out):
+            if f.startswith(("own-", "took-", "params-", "checksums-")) and "leader" not in f:
+                os.remove(f"{out}/{f}")
+        for node in range(2):
+            os.rename(f"{out}/checksums-leader-{node}.json", f"{out}/checksums-{node}.json")
+        syncs = STREAM_SYNCS if mode == "stream" else SYNCS
+        check_ranks_match_simulator(out, 2, syncs)
+        print(f"PASS: DiLoCo ({mode}) under --node-aggregation, 2 nodes x 2 ranks: every inner step "
+              f"on the node's average gradient, each node's ranks on one model, the leaders "
+              f"bit-identical to the simulator with N = 2 for {syncs} syncs")
+    # A non-leader killed in inner step 7 (a sync every 3, checkpoints every
+    # sync): morse-run restarts the node, the leader rejoins from its
+    # checkpoint of sync 2 (inner step 6) with its inner state, the other
+    # rank takes both from it, and every rank's parameters after every
+    # step, in either life, are those of a run without the kill.
+    runs = {}
+    for mode in ("int8", "int8kill"):
+        out = tempfile.mkdtemp(prefix=f"morse-diloco-nodes-{mode}-")
+        config = os.path.join(out, "job.textproto")
+        with open(config, "w") as f:
+            f.write("checkpoint { every_steps: 1 }\n")
+        results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation",
+                                                          "--config", config, "--rank-restarts", "1"))
+        for node, (code, text) in enumerate(results):
+            if code != 0:
+                print(text[-4000:])
+            check(code == 0, f"{mode}: node {node} exited with {code}")
+        runs[mode] = out
+    check("restarting this node's 2 ranks" in results[0][1], "node 0 was not restarted")
+    for r in range(4):
+        whole = json.load(open(f"{runs['int8']}/params-{r}-0.json"))
+        lives = [json.load(open(f)) for f in sorted(glob.glob(f"{runs['int8kill']}/params-{r}-*.json"))]
+        check(len(lives) == (2 if r < 2 else 1), f"rank {r}: {len(lives)} lives")
+        check(lives[-1] and min(map(int, lives[-1])) == (6 if r < 2 else 0),
+              f"rank {r}'s last life began at inner step {min(map(int, lives[-1]))}")
+        for life in lives:
+            for step, bits in life.items():
+                check(bits == whole[step], f"rank {r} inner step {step}: not the undisturbed run's")
+    print("PASS: DiLoCo under --node-aggregation: a rank killed at inner step 7 restarts its node, "
+          "which rejoins at sync 2 (inner step 6) and ends every step on the undisturbed run's bits")
+    results = nodes(__file__, 1 + 1, 1, "-", "int8", extra=("--servers", "1",
+                                                             "--node-aggregation=sharded"))
+    for node, (code, text) in enumerate(results):
+        check(code == 0 and "REFUSED" in text, f"=sharded: node {node}: {text[-2000:]}")
+    print("PASS: DiLoCo under --node-aggregation=sharded is refused, saying to use the leader")
 
 
 def worker(out, codec, phase):
@@ -295,8 +427,8 @@ def check_resumed(out, arg, done, what):
 
 
 if __name__ == "__main__":
-    if "--node-aggregation-worker" in sys.argv:
-        node_aggregation()
+    if "--worker" in sys.argv and os.environ.get("MORSE_NODE_AGGREGATION"):
+        node_worker(*sys.argv[-2:])
         sys.exit(0)
     if "--worker" in sys.argv:
         if sys.argv[-2] in ("0", "1"):  # streaming: out, overlap, phase
@@ -304,13 +436,7 @@ if __name__ == "__main__":
         else:
             worker(*sys.argv[-3:])
         sys.exit(0)
-    import subprocess
-    run = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--nnodes", "1",
-                          "--nproc-per-node", "2", "--node-aggregation", "--", sys.executable,
-                          __file__, "--node-aggregation-worker"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=120)
-    check(run.returncode == 0 and run.stdout.count("REFUSED") == 2,
-          f"under --node-aggregation: {run.stdout}")
+    node_aggregation()
     codecs = ["fp32", "int8", "int8+warmup"]
     if torch.cuda.is_available():
         codecs.append("int8@cuda")

@@ -280,18 +280,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         worker, workers = self._rank, world
         aggregation = os.environ.get("MORSE_NODE_AGGREGATION")
         if aggregation:
-            from .node import NodeGroup, slices
+            from .node import node_of_job, slices
             if aggregation not in ("1", "sharded"):
                 raise MorseError(f"INVALID_ARGUMENT: MORSE_NODE_AGGREGATION={aggregation!r}: 1 "
                                  "(the leader steps for the node) or sharded (morse-run sets it)")
-            local_size = _env("LOCAL_WORLD_SIZE", None, int)
-            nnodes = _env("MORSE_NNODES", None, int)
-            if world != local_size * nnodes:
-                raise MorseError(f"INVALID_ARGUMENT: node aggregation with {world} ranks, but "
-                                 f"{nnodes} nodes of {local_size}")
-            self._node = NodeGroup(self._rank, _env("LOCAL_RANK", None, int), local_size,
-                                   _env("MORSE_NODE_RANK", None, int, torchrun="GROUP_RANK"), nnodes)
-            worker, workers = self._node.node, nnodes
+            self._node = node_of_job(self._rank, world)
+            worker, workers = self._node.node, self._node.nnodes
+            local_size = self._node.size
             overlap = False  # the node's gradients are averaged at step()
             if aggregation == "sharded":
                 if clip_grad_norm is not None:

@@ -141,16 +141,29 @@ class DiLoCo:
         if feedback is None:
             feedback = "none" if codec in ("fp32", "fp16", "bf16") else "ef"
         codecs = _codec_lines(codec, down_codec, feedback, feedback_beta)
-        if os.environ.get("MORSE_NODE_AGGREGATION"):
-            raise MorseError("FAILED_PRECONDITION: DiLoCo does not aggregate a node's ranks into "
-                             "one worker (morse-run --node-aggregation); every rank is a worker "
-                             "of its own: run without --node-aggregation")
+        aggregation = os.environ.get("MORSE_NODE_AGGREGATION")
+        if aggregation == "sharded":
+            raise MorseError("FAILED_PRECONDITION: DiLoCo under --node-aggregation=sharded: a "
+                             "DiLoCo node syncs its one model through its leader; use "
+                             "--node-aggregation (the node's ranks take their inner steps "
+                             "together, as DDP, and the leader syncs for the node)")
         self._rank = _env("MORSE_RANK", rank, int, torchrun="RANK")
         world = _env("MORSE_WORLD_SIZE", world_size, int, torchrun="WORLD_SIZE")
         servers = _env("MORSE_SERVERS", servers)
         if isinstance(servers, str):
             servers = [s for s in servers.split(",") if s]
-        base = _base_config(config, world, servers)
+        # morse-run --node-aggregation: a node is one DiLoCo worker. Its
+        # ranks average their gradients at every inner step (DDP inside the
+        # node, node.py's gather and broadcast), so they hold one model;
+        # the leader syncs it and the node takes the merged parameters.
+        self._node = None
+        worker, workers = self._rank, world
+        if aggregation:
+            from .node import node_of_job
+            self._node = node_of_job(self._rank, world)
+            worker, workers = self._node.node, self._node.nnodes
+        self._worker = worker
+        base = _base_config(config, workers, servers)
         dim, external = _external_model(self._params)
         lines = [
             external,
@@ -177,22 +190,88 @@ class DiLoCo:
             offset += p.numel()
         self._x = self._local()
         self._grad = torch.zeros(dim, dtype=torch.float32)
-        self._session = _native.Session(base, self.job_overrides, self._rank, servers,
-                                        self._x.numpy(), _security(security))
-        # A rank that morse-run --rank-restarts may restart saves the session's
-        # whole state every checkpoint.every_steps syncs to MORSE_CHECKPOINT_DIR,
-        # with the inner optimizer's state beside it, and restarted
-        # (MORSE_REJOIN=1) starts from both.
-        self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, self._rank)
         self._inner_steps = 0
         self._due = 1  # the outer step whose sync is due next (by inner steps)
-        self._partitions = self._session.partitions()
-        if os.environ.get("MORSE_REJOIN") == "1":
-            self._rejoin()
-        else:
-            self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
-            self._to_params()
         self.last_sync = {}
+        self._session = None  # a node's other ranks have none
+        self._led = None  # a node's other rank: (step_index, checksum, members) of the last merge
+        if self._node is None or self._node.is_leader:
+            self._session = _native.Session(base, self.job_overrides, worker, servers,
+                                            self._x.numpy(), _security(security))
+            # A rank that morse-run --rank-restarts may restart saves the
+            # session's whole state every checkpoint.every_steps syncs to
+            # MORSE_CHECKPOINT_DIR, with the inner optimizer's state beside
+            # it, and restarted (MORSE_REJOIN=1) starts from both.
+            self._checkpoint, self._checkpoint_every = _rank_checkpoint(self._session, worker)
+            self._partitions = self._session.partitions()
+            if os.environ.get("MORSE_REJOIN") == "1":
+                self._rejoin()
+            else:
+                self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+                self._to_params()
+        if self._node is not None:
+            self._node_start()
+
+    def _node_start(self):
+        """The node takes its leader's parameters, inner steps and (a
+        restarted node) inner optimizer state."""
+        node = self._node
+        local = self._local()
+        node.share(local)
+        if not node.is_leader:
+            self._set_local(local)
+        rejoin = os.environ.get("MORSE_REJOIN") == "1"
+        state = node.objects((self._inner_steps, self.inner.state_dict() if rejoin else None,
+                              self._leads()) if node.is_leader else None)[0]
+        if not node.is_leader:
+            self._inner_steps, inner, self._led = state
+            if inner is not None:
+                self.inner.load_state_dict(inner)
+
+    def _leads(self):
+        """What a node's other ranks report as theirs: the leader's step,
+        checksum and membership."""
+        return self._session.step_index, self._session.checksum(), self._session.members()
+
+    def _merges_after(self, inner_steps):
+        """On a node's leader: whether the step that brings the inner steps
+        to `inner_steps` merges an outer step into the parameters (applies
+        the sync in flight, or syncs without overlap_steps)."""
+        applies = self._in_flight is not None and inner_steps == self._in_flight[1]
+        syncs = self._session.inner_steps_before(self._due) == inner_steps
+        return applies or (syncs and not self.overlap_steps)
+
+    @torch.no_grad()
+    def _node_average(self):
+        """The node's inner step is one: every rank's gradient goes to the
+        leader, which sums them in local-rank order ((g0 + g1) + ...) / L
+        and sends the average back with whether this step merges, into
+        every rank's .grad (zero where a rank had none). Returns that."""
+        node = self._node
+        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                           .detach().reshape(-1).to("cpu", torch.float32) for p in self._params])
+        average, _, _ = node.average(grads, ())
+        back = torch.empty(grads.numel() + 1)
+        if node.is_leader:
+            back[:-1] = average
+            back[-1] = float(self._merges_after(self._inner_steps + 1))
+        node.share(back)
+        for p, (lo, hi) in zip(self._params, self._ranges):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(back[lo:hi].view_as(p))
+        return bool(back[-1] == 1)
+
+    def _node_merged(self):
+        """After a merge on the leader: every rank of the node takes its
+        parameters (and its step, checksum and membership)."""
+        node = self._node
+        local = self._local()
+        node.share(local)
+        led = node.objects(self._leads() if node.is_leader else None)[0]
+        if not node.is_leader:
+            self._set_local(local)
+            self._led = led
 
     def _inner_path(self):
         return self._checkpoint + ".inner"
@@ -273,14 +352,15 @@ class DiLoCo:
 
     @property
     def step_index(self):
-        """Outer steps (syncs) the job has taken."""
-        return self._session.step_index
+        """Outer steps (syncs) the job has taken (a node's rank: its
+        leader's, as of the last merge)."""
+        return self._led[0] if self._session is None else self._session.step_index
 
     def membership(self):
         """The ranks whose pseudo-gradients the last sync averaged (all of
         them except after a sync of an elastic job that completed without
-        some; min_workers)."""
-        return self._session.members()
+        some; min_workers). Under --node-aggregation: the nodes."""
+        return self._led[2] if self._session is None else self._session.members()
 
     def zero_grad(self, set_to_none=None):
         if set_to_none is None:
@@ -292,8 +372,19 @@ class DiLoCo:
         """The inner optimizer's step; every sync_every-th also syncs: pushes
         this rank's pseudo-gradient, waits for the outer step and sets the
         parameters to the new outer parameters."""
+        merges = False
+        if self._node is not None:
+            if closure is not None:
+                raise ValueError("step(closure) under --node-aggregation: the node averages the "
+                                 "gradients of one backward() before the inner step; call "
+                                 "backward() and then step()")
+            merges = self._node_average()
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self._inner_steps += 1
+        if self._session is None:
+            if merges:
+                self._node_merged()
+            return loss
         if self._in_flight is not None and self._inner_steps == self._in_flight[1]:
             self._apply()
         # The job's schedule by inner steps (compress::InnerStepsBefore: the
@@ -303,7 +394,9 @@ class DiLoCo:
         # step after the one the inner steps are in, so it is never passed.
         if self._session.inner_steps_before(self._due) == self._inner_steps:
             self._due += 1
-            self.sync()
+            self._sync()
+        if merges:
+            self._node_merged()
         return loss
 
     @torch.no_grad()
@@ -312,6 +405,13 @@ class DiLoCo:
         steps): pushes this rank's pseudo-gradient (of the fragment due),
         and, without overlap_steps, waits for the outer step and sets the
         parameters (the fragment's) to the new outer parameters."""
+        if self._node is not None:
+            raise MorseError("FAILED_PRECONDITION: sync() outside step() under "
+                             "--node-aggregation: the node's ranks merge together at the steps "
+                             "the schedule gives")
+        self._sync()
+
+    def _sync(self):
         if self._in_flight is not None:
             raise MorseError(f"FAILED_PRECONDITION: the sync begun for outer step "
                              f"{self._in_flight[0]} is applied at inner step "
@@ -332,7 +432,15 @@ class DiLoCo:
         outer step and merges it into the parameters, as step() does
         overlap_steps inner steps after the sync began. Call it after the
         last step() so that the model holds the last sync; nothing happens
-        when no sync is in flight."""
+        when no sync is in flight. Under --node-aggregation call it on every
+        rank of the node."""
+        if self._node is not None:
+            leader = self._session is not None
+            if self._node.objects(self._in_flight is not None if leader else None)[0]:
+                if leader:
+                    self._apply()
+                self._node_merged()
+            return
         if self._in_flight is not None:
             self._apply()
 
@@ -356,13 +464,18 @@ class DiLoCo:
             self._save_checkpoint()
 
     def outer_parameters(self):
-        """A copy of the outer parameters (flat, on the host)."""
+        """A copy of the outer parameters (flat, on the host; a node's
+        leader holds them)."""
+        if self._session is None:
+            raise MorseError("FAILED_PRECONDITION: under --node-aggregation the outer parameters "
+                             "are the node's leader's (local rank 0); after a sync every rank's "
+                             "model holds them")
         return self._x.clone()
 
     def checksum(self):
         """A checksum of the outer parameters and momentum (equal on every
-        rank after each sync)."""
-        return self._session.checksum()
+        rank after each sync; a node's rank: its leader's)."""
+        return self._led[1] if self._session is None else self._session.checksum()
 
     def state_dict(self):
         if self._in_flight is not None:
@@ -371,10 +484,16 @@ class DiLoCo:
                 f"at inner step {self._in_flight[1]}; now {self._inner_steps}): call state_dict() "
                 f"after it is applied, overlap_steps={self.overlap_steps} inner steps after a "
                 "sync begins")
+        if self._session is None:
+            # A node's other rank: the node's state is its leader's; this
+            # rank's inner state and parameters are the same as its.
+            return {"inner": self.inner.state_dict(), "inner_steps": self._inner_steps,
+                    "sync_every": self.sync_every, "params": self._local(), "outer": None,
+                    "node_member": True}
         step, m, _, error = self._session.get_state()
         outer = {"step": step, "rank": self._rank, "params": self._x.clone(),
                  "momentum": torch.from_numpy(m), "worker_error": torch.from_numpy(error)}
-        if self._rank == 0:
+        if self._worker == 0:
             outer["server_error"] = torch.from_numpy(self._session.server_error())
         return {"inner": self.inner.state_dict(), "inner_steps": self._inner_steps,
                 "sync_every": self.sync_every, "fragments": self.fragments,
@@ -390,6 +509,14 @@ class DiLoCo:
         syncs they differ from the outer parameters)."""
         outer = state_dict["outer"]
         dim = self._x.numel()
+        if self._session is None:
+            # A node's other rank: its leader restores the node's worker.
+            if "params" not in state_dict or state_dict["params"].numel() != dim:
+                raise ValueError(f"state_dict['params'] must hold {dim} values")
+            self.inner.load_state_dict(state_dict["inner"])
+            self._inner_steps = int(state_dict["inner_steps"])
+            self._set_local(state_dict["params"].detach().reshape(-1).to("cpu", torch.float32))
+            return
         for key in ("params", "momentum", "worker_error"):
             if key not in outer or outer[key].numel() != dim:
                 raise ValueError(f"state_dict['outer']['{key}'] must hold {dim} values")

@@ -32,6 +32,20 @@ import torch
 from .._native import MorseError
 
 
+def node_of_job(rank, world):
+    """This rank's NodeGroup under morse-run --node-aggregation, from
+    LOCAL_RANK, LOCAL_WORLD_SIZE, MORSE_NNODES and MORSE_NODE_RANK (or
+    torchrun's GROUP_RANK)."""
+    from . import _env
+    local_size = _env("LOCAL_WORLD_SIZE", None, int)
+    nnodes = _env("MORSE_NNODES", None, int)
+    if world != local_size * nnodes:
+        raise MorseError(f"INVALID_ARGUMENT: node aggregation with {world} ranks, but "
+                         f"{nnodes} nodes of {local_size}")
+    return NodeGroup(rank, _env("LOCAL_RANK", None, int), local_size,
+                     _env("MORSE_NODE_RANK", None, int, torchrun="GROUP_RANK"), nnodes)
+
+
 class NodeGroup:
     """This rank's node: its group, its leader, and the step's exchanges.
 
