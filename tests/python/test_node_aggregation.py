@@ -34,6 +34,7 @@ import torch
 from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
 
 STEPS = 8
+CLIP = 0.05  # clip_grad_norm_'s max_norm in the clip runs: below every step's norm here
 
 
 def build(name, params, lr):
@@ -67,10 +68,14 @@ def worker(out, mode):
         model.load_state_dict(torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(),
                                                   torch.nn.Linear(20, 4)).state_dict())
     if rank == 0:
+        # The script's clip_grad_norm_ is the job's clip_grad_norm for the
+        # simulator (as test_onebit_identical shows for a worker per rank).
+        clip = f"\nclip_grad_norm: {CLIP!r}" if variant == "clip" else ""
         with open(os.environ["MORSE_CONFIG"]) as f:
-            json.dump({"base": f.read(), "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+            json.dump({"base": f.read(), "overrides": opt.job_overrides + clip},
+                      open(f"{out}/job.json", "w"))
         numpy.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
-    checksums, params = [], []
+    checksums, params, norms = [], [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, 10, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device)
@@ -78,6 +83,8 @@ def worker(out, mode):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
         numpy.save(f"{out}/own-{rank}-{step}.npy", mine.cpu().numpy())
+        if variant == "clip":  # every rank, as a DDP script does
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
             numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
@@ -99,6 +106,7 @@ def worker(out, mode):
         # The shards' model is the leader's (their hashes of x).
         json.dump(opt._holds_shards_model(), open(f"{out}/holds-{node}.json", "w"))
     json.dump(params, open(f"{out}/params-{rank}.json", "w"))
+    json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
 
 
@@ -122,6 +130,24 @@ def check_node_averages(out, nnodes, local_size):
                   "is not the node's average in local-rank order")
 
 
+def check_clip_norms(out, nnodes, local_size, freeze):
+    """Every rank's clip_grad_norm_ returned DDP's norm: of the job's
+    averaged gradient (the nodes' averages averaged) before `freeze`, of its
+    node's own after (1-bit Adam's rule), equal on every rank of a node."""
+    norms = [json.load(open(f"{out}/norms-{r}.json")) for r in range(nnodes * local_size)]
+    for step in range(STEPS):
+        nodes_avg = [numpy.load(f"{out}/grad-{n}-{step}.npy").astype(numpy.float64) for n in range(nnodes)]
+        job = sum(nodes_avg) / nnodes
+        for r in range(nnodes * local_size):
+            node = r // local_size
+            want = numpy.linalg.norm(job if step < freeze else nodes_avg[node])
+            check(abs(norms[r][step] - want) <= 1e-5 * want,
+                  f"rank {r} step {step}: clip_grad_norm_ gave {norms[r][step]}, DDP's is {want}")
+            check(norms[r][step] == norms[node * local_size][step],
+                  f"rank {r} step {step}: not its leader's norm")
+            check(norms[r][step] > CLIP, f"step {step}: the clip did not act ({norms[r][step]})")
+
+
 def check_nodes_share(out, nnodes, local_size, nodes_may_differ):
     params = [json.load(open(f"{out}/params-{r}.json")) for r in range(nnodes * local_size)]
     for r, p in enumerate(params):
@@ -143,12 +169,15 @@ def two_nodes(name, variant=""):
     check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")
     may_differ = name == "ZeroOneAdam"
     check_node_averages(out, 2, 2)
+    if variant == "clip":
+        check_clip_norms(out, 2, 2, freeze=3)
     check_nodes_share(out, 2, 2, may_differ)
     for node in range(2):  # zero_one_adam's shards hold the last sync's model
         check(may_differ or json.load(open(f"{out}/holds-{node}.json")),
               f"{name}: the shards' model is not node {node}'s leader's")
     check_ranks_match_simulator(out, 2, STEPS, ranks_may_differ=may_differ)
     what = {"cuda": " on CUDA tensors", "clamp": ", clamped after every step",
+            "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm)",
             "load": ", weights loaded after building it"}.get(variant, "")
     print(f"PASS: {name}{what}: 2 nodes x 2 ranks with node "
           "aggregation: one worker per node, the node "
@@ -207,6 +236,7 @@ if __name__ == "__main__":
     for name in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):
         two_nodes(name)
     two_nodes("OneBitAdam", "clamp")
+    two_nodes("OneBitAdam", "clip")
     two_nodes("Adam", "load")
     # CUDA tensors (the 4 ranks sharing this host's GPU; staged through the
     # host inside each node): where there is a GPU.

@@ -104,9 +104,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     step(), once the clip is known, instead of during backward(). Call it on
     every rank alike, over all of the optimizer's parameters; several calls
     in a step compose as torch's (each returns the norm of the gradient the
-    earlier ones clipped). Under
-    morse-run --node-aggregation this is torch's own, on each rank's
-    gradient."""
+    earlier ones clipped). Under morse-run --node-aggregation every rank of
+    the node calls it: the node's gradient is gathered then, and each rank
+    returns the norm DDP's would (sharded: combined from the slices')."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     parameters = list(parameters)
@@ -287,17 +287,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._node = node_of_job(self._rank, world)
             worker, workers = self._node.node, self._node.nnodes
             local_size = self._node.size
+            self._node_params, self._node_names = self._params, self._names
             overlap = False  # the node's gradients are averaged at step()
             if aggregation == "sharded":
-                if clip_grad_norm is not None:
-                    raise ValueError(
-                        "clip_grad_norm= with --node-aggregation=sharded: each slice's job would "
-                        "clip by its own slice's norm, not the model's; call "
-                        "torch.nn.utils.clip_grad_norm_ before step() instead (each rank clips "
-                        "its own gradient before the node averages them)")
                 starts = slices([p.numel() for p in self._params], local_size)
                 self._slices = list(zip(starts[:-1], starts[1:]))
-                self._node_params, self._node_names = self._params, self._names
                 first, end = self._slices[self._node.local_rank]
                 self._params, self._names = self._params[first:end], self._names[first:end]
                 mine = {id(p) for p in self._params}
@@ -389,7 +383,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if not clip > 0 or clip == float("inf"):
                 raise ValueError(f"clip_grad_norm={clip_grad_norm!r}: a positive, finite max_norm "
                                  "(or None for no clipping)")
-            lines.append(f"clip_grad_norm: {clip!r}")
+            # A sharded node's slices clip by the model's norm, which no
+            # slice's job knows: the node clips each step as
+            # clip_grad_norm_ does (_slice_step), every slice by the
+            # model's factor.
+            if self._slices is None:
+                lines.append(f"clip_grad_norm: {clip!r}")
         self.clip_grad_norm = clip_grad_norm
         if block_elems:
             lines.append(f"block_elems: {block_elems}")
@@ -483,7 +482,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if self._cuda:
                 with torch.no_grad():
                     self._flat.copy_(host_x)  # the slice's job's values
-            steps = self._node.objects(self._session.step_index)
+            # A restarted node's slices resume at one step (a fresh job's
+            # may start where another node's load_state_dict has already
+            # taken the shards: each rank then loads its own state too).
+            steps = self._node.objects(self._session.step_index) if rejoin else [0]
             if len(set(steps)) > 1:
                 raise MorseError(
                     f"FAILED_PRECONDITION: the slices of node {self._node.node} rejoined at steps "
@@ -578,6 +580,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Tells this optimizer's own state_dict() of the current step apart
         # (load_state_dict of it restores nothing).
         self._nonce = os.urandom(8).hex()
+        self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
 
     def add_param_group(self, param_group):
         if hasattr(self, "_session"):
@@ -893,8 +896,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                              f"({_shown_hyper(self._initial_hyper)}); use either Morse's schedule "
                              "or torch's (with the default schedule='constant')")
         with self._explained():
-            if self.clip_grad_norm is None:
-                self._session.set_step_clipping(self._clips)
+            if self.clip_grad_norm is None or self._slices is not None:
+                self._session.set_step_clipping(self._clips or self.clip_grad_norm is not None)
             if self._cuda:
                 self._session.begin_device()
             else:
@@ -1070,9 +1073,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         """For clip_grad_norm_: None if none of `parameters` is this
         optimizer's (or it leaves clipping to torch); else how many of its
         trainable parameters they are. ValueError for a mix."""
-        if self._node is not None:
-            return None  # a node averages at step(): torch clips each rank's own
-        mine = {id(p) for p in self._params}
+        trained = self._params if self._node is None else self._node_params
+        mine = {id(p) for p in trained}
         ours = [p for p in parameters if id(p) in mine]
         if not ours:
             return None
@@ -1083,9 +1085,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise ValueError("clip_grad_norm_ over a Morse optimizer's parameters and others at "
                              "once: clip them apart (Morse clips the averaged gradient of all of "
                              "its own)")
-        if len({id(p) for p in ours}) != len(self._params):
+        if len({id(p) for p in ours}) != len(trained):
             raise ValueError(f"clip_grad_norm_ over {len(ours)} of the Morse optimizer's "
-                             f"{len(self._params)} trainable parameters: Morse clips the averaged "
+                             f"{len(trained)} trainable parameters: Morse clips the averaged "
                              "gradient of all of them at once; pass them all (model.parameters())")
         return len(ours)
 
@@ -1096,6 +1098,91 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
                              "parameters: a positive max_norm (inf for the norm alone)")
+        if self._node is not None:
+            return self._node_clip(max_norm, order, error_if_nonfinite, owned)
+        return self._worker_clip(max_norm, order, error_if_nonfinite, owned)
+
+    def _node_clip(self, max_norm, order, error_if_nonfinite, owned):
+        """clip_grad_norm_ in a node (every rank of it calls it): the node's
+        gradient is gathered (once a step), the leader clips as the node's
+        worker does (_worker_clip) and tells the node the norm; sharded,
+        each owner takes its slice's norms, the node combines them into the
+        model's (each order's norm of the slices' norms, as torch takes the
+        norm of the parameters' norms) and each owner clips its slice by
+        that norm's factor. Every rank returns the norm."""
+        node = self._node
+        if self._gathered is None:
+            self._node_gather(at_clip=True)
+        failure, error, norm = self._gathered[1], None, None
+        if failure is None and self._session is not None:
+            try:
+                if self._slices is None:
+                    norm = float(self._worker_clip(max_norm, order, False, owned))
+                else:
+                    norm = self._slice_norms(order)
+            except Exception as e:  # the node hears it before this rank raises it
+                error, failure = e, f"{type(e).__name__}: {e}"
+        if self._slices is None:
+            failure, norm = node.objects((failure, norm) if node.is_leader else None)[0]
+            failed = [(0, failure)] if failure is not None else []
+        else:
+            outcomes = node.objects((failure, norm))
+            failed = [(k, f) for k, (f, _) in enumerate(outcomes) if f is not None]
+            if not failed:
+                norm = self._combine_slice_norms([n for _, n in outcomes], order, max_norm)
+        if failed:
+            if error is not None:
+                raise error
+            k, failure = failed[0]
+            raise MorseError(f"{failure}\n  (clip_grad_norm_ of local rank {k}, which steps "
+                             f"{'the node' if self._slices is None else f'slice {k}'}; this rank is "
+                             f"rank {self._rank})")
+        return self._norm_tensor(norm, order, error_if_nonfinite, owned)
+
+    def _slice_norms(self, order):
+        """A sharded node's owner, at clip_grad_norm_: its slice's norms of
+        `order` and of order 2 (of the job's averaged gradient, or of the
+        node's own in a compressing step), before any clip this step."""
+        if self._clipped:
+            norms, _, _ = self._clipped
+            return norms(order), norms(2.0)
+        self._clips = True
+        if self._pending is None:
+            self._push_now(at_clip=True)
+        elif self._cuda:
+            self._send([])
+        with self._device_context(), self._explained():
+            own = self._session.clips_locally()
+            norms = self._step_norms(None if own else self._session.clip(0.0), own)
+        self._clipped = (norms, 1.0, None)
+        return norms(order), norms(2.0)
+
+    def _combine_slice_norms(self, norms, order, max_norm):
+        """The model's norm from every slice's (`norms`: (of `order`, of
+        order 2) by slice), and each owner's clip by its factor, composed
+        with the step's earlier clips as torch's: the slices' sessions clip
+        by L2, each by the max_norm that gives its slice that factor."""
+        def combine(values, p):
+            if math.isinf(p):
+                return max(values)
+            if p == 0:
+                return sum(values)
+            return sum(v ** p for v in values) ** (1.0 / p)
+        whole = combine([n for n, _ in norms], order)
+        clipped_norms, factor, _ = self._clipped
+        seen = whole * factor
+        more = 1.0 if math.isinf(max_norm) else _clip_factor(seen, max_norm)
+        if more < 1.0:
+            l2 = norms[self._node.local_rank][1]  # this slice's, before any clip
+            limit = factor * more * (l2 + 1e-6) if math.isfinite(seen) else max_norm
+            with self._device_context(), self._explained():
+                self._session.clip(limit)
+        self._clipped = (clipped_norms, factor * more, None)
+        return seen
+
+    def _worker_clip(self, max_norm, order, error_if_nonfinite, owned):
+        """clip_grad_norm_ as one Morse worker (every rank, or a node's
+        leader for the node)."""
         if self._clipped:
             return self._clip_again(max_norm, order, error_if_nonfinite, owned)
         # inf: the norm alone (Trainer's logging); Morse's clip factor is 1.
@@ -1311,22 +1398,74 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._freeze_step is not None and self.step_index == self._freeze_step and self._worker == 0:
             self._report_freeze()
 
+    def _node_gather(self, at_clip=False):
+        """The step's gradients to the rank that steps for the node (the
+        leader; sharded, each slice's to its owner), once a step: at
+        step(), or at the first clip_grad_norm_ (`at_clip`: this rank then
+        keeps what it sent of the gradients it does not step, to see edits
+        made after the clip). There the ranks' pairs and digests are
+        checked and the average put in the flat gradient. Keeps (missing
+        names, this rank's failure or None, what it sent) in self._gathered."""
+        node = self._node
+        missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
+        self._restore_views()
+        pairs = self._node_pairs()
+        if self._slices is None:
+            # Parameters written since the last step (a clamp_, a
+            # load_state_dict): each rank tells its leader their hash.
+            written = any(p._version != v for p, v in zip(self._params, self._x_versions))
+            average, hypers, digests = node.average(self._flat_grad, pairs,
+                                                    _digest_of(self._params) if written else None)
+            kept = self._params if at_clip and not node.is_leader else []
+            take = lambda: self._flat_grad.copy_(average)  # noqa: E731
+        else:
+            mine = node.local_rank
+            for k, (first, end) in enumerate(self._slices):
+                params = self._node_params[first:end]
+                if k == mine:
+                    grads = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
+                    written = any(p._version != v for p, v in zip(self._params, self._x_versions))
+                else:
+                    grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
+                                       .detach().reshape(-1) for p in params])
+                    written = any(p._version != self._other_versions[id(p)] for p in params)
+                got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
+                if k == mine:
+                    average, hypers, digests = got
+            kept = self._others if at_clip else []
+
+            def take():  # the slice's average into its parameters' gradients
+                at = 0
+                for lo, hi in self._ranges:
+                    self._flat_grad[lo:hi].copy_(average[at:at + hi - lo])
+                    at += hi - lo
+        failure = None
+        if self._session is not None:
+            failure = self._node_disagrees(hypers, digests)
+            if failure is None:
+                take()
+        sent = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in kept]
+        self._gathered = (missing, failure, sent)
+
+    def _edited_since_gathered(self, sent):
+        """The names of the parameters (of those this rank does not step)
+        whose .grad changed since clip_grad_norm_ sent them."""
+        names = {id(p): n for n, p in zip(self._node_names, self._node_params)}
+        return [names[id(p)] for p, g in sent
+                if (p.grad is None) != (g is None) or (g is not None and not _same_bits(p.grad, g))]
+
     def _node_step(self):
         """The step of a rank in a node of several (node.py): the leader
         steps for the node with the average of its ranks' gradients, and
         every rank takes the leader's parameters (and module buffers)."""
         node = self._node
-        missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
-        self._restore_views()
-        # Parameters written since the last step (a clamp_, a
-        # load_state_dict): each rank tells its leader their hash.
-        written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-        average, hypers, digests = node.average(self._flat_grad, self._node_pairs(),
-                                                _digest_of(self._params) if written else None)
+        if self._gathered is None:
+            self._node_gather()
+        missing, failure, sent = self._gathered
+        self._gathered = None
         error = None
         if node.is_leader:
-            error, (failure, checksum, buffers) = self._step_for_node(
-                hypers, digests, lambda: self._flat_grad.copy_(average))
+            error, (failure, checksum, buffers) = self._step_for_node(failure)
             node.finish(failure, checksum, buffers)
         else:
             failure, _, buffers = node.finish()
@@ -1342,7 +1481,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._unpack_buffers(buffers)
         if error is not None:
             raise error
+        self._check_edited_after_clip(sent)
         self._check_missing(missing)
+
+    def _check_edited_after_clip(self, sent):
+        edited = self._edited_since_gathered(sent)
+        if edited:
+            shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
+            raise MorseError(
+                f"FAILED_PRECONDITION: the gradients of {shown} changed after clip_grad_norm_ "
+                f"sent them to the node (editing, scaling or zeroing .grad) in step "
+                f"{self.step_index - 1}, which used them as they were at clip_grad_norm_; edit "
+                ".grad before clip_grad_norm_, as under DDP its clip factor is of the gradient "
+                "it sees")
 
     def _save_checkpoint(self):
         """This rank's checkpoint of the step just ended (a sharded node's
@@ -1396,18 +1547,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "every rank must use the same")
         return self._node_weights_differ(digests)
 
-    def _step_for_node(self, hypers, digests, take):
+    def _step_for_node(self, failure):
         """On the rank that steps for its node (the leader, or a slice's
-        owner), given every local rank's pairs and digests: refuses a step
-        they disagree on, else takes the node's average (`take()`) and steps
-        as the node's worker. Returns (the error this rank raises, or None;
-        (failure, checksum, buffers) for the node)."""
+        owner), the gather's `failure` (the ranks disagree) or None: steps
+        as the node's worker unless there is one. Returns (the error this
+        rank raises, or None; (failure, checksum, buffers) for the node)."""
         error = None
-        failure = self._node_disagrees(hypers, digests)
         if failure is not None:
             error = MorseError(failure)
         else:
-            take()
             try:
                 self._worker_step()
             except Exception as e:  # the node hears it before this rank raises it
@@ -1422,38 +1570,25 @@ class _MorseOptimizer(torch.optim.Optimizer):
         its node's worker in the slice's job, and every rank takes every
         slice's new parameters (and local rank 0's module buffers)."""
         node = self._node
-        missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
-        self._restore_views()
-        pairs = self._node_pairs()
-        mine = node.local_rank
-        for k, (first, end) in enumerate(self._slices):
-            params = self._node_params[first:end]
-            if k == mine:
-                grads = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
-                written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-            else:
-                grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                   .detach().reshape(-1) for p in params])
-                written = any(p._version != self._other_versions[id(p)] for p in params)
-            got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
-            if k == mine:
-                average, hypers, digests = got
-        def take():  # the slice's average into its parameters' gradients
-            at = 0
-            for lo, hi in self._ranges:
-                self._flat_grad[lo:hi].copy_(average[at:at + hi - lo])
-                at += hi - lo
-        error, outcome = self._step_for_node(hypers, digests, take)
+        if self.clip_grad_norm is not None and not self._clipped:
+            # clip_grad_norm=: the model's norm, as clip_grad_norm_ takes it.
+            self._node_clip(float(self.clip_grad_norm), 2.0, False, len(self._node_params))
+        if self._gathered is None:
+            self._node_gather()
+        missing, failure, sent = self._gathered
+        self._gathered = None
+        error, outcome = self._step_for_node(failure)
         outcomes = node.finish_all(*outcome)
         for k, (failed, _, _) in enumerate(outcomes):
             if error is None and failed is not None:
                 error = MorseError(f"{failed}\n  (the step of slice {k}'s owner, rank "
                                    f"{node.node * node.size + k}; this rank is rank {self._rank})")
         self._share_slices()
-        if mine != 0 and outcomes[0][2] is not None:
+        if node.local_rank != 0 and outcomes[0][2] is not None:
             self._unpack_buffers(outcomes[0][2])
         if error is not None:
             raise error
+        self._check_edited_after_clip(sent)
         self._check_missing(missing)
 
     def _share_slices(self):
