@@ -484,6 +484,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     }
     if (std::optional<absl::Status> stopped = AbortFor(args.step))
       return reject(*stopped);
+    if (std::optional<absl::Status> stopping = Stopping())
+      return reject(*stopping);
     if (args.step < p.next_step) {  // a completed step: the reply it had
       absl::StatusOr<std::shared_ptr<const Reply>> kept =
           KeptReply(p, args, hash);
@@ -628,6 +630,31 @@ absl::Status ShardCore::Abort(uint32_t rank, int64_t step,
     for (auto& [unused, callback] : waiters) callback(stopped);
   }
   return absl::OkStatus();
+}
+
+void ShardCore::Stop(const absl::Status& why) {
+  {
+    MutexLock lock(&abort_mu_);
+    stopping_ = why;
+  }
+  // Pushes that arrive from now on see stopping_ under their partition's
+  // lock; those already waiting are answered here.
+  for (auto& part : partitions_) {
+    PartitionState& p = *part;
+    std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
+    {
+      MutexLock lock(&p.mu);
+      if (p.completing) continue;  // answered as it completes
+      waiters.swap(p.waiters);
+      p.ClearPending();
+    }
+    for (auto& [unused, callback] : waiters) callback(why);
+  }
+}
+
+std::optional<absl::Status> ShardCore::Stopping() const {
+  MutexLock lock(&abort_mu_);
+  return stopping_;
 }
 
 void ShardCore::ClearAbort() {

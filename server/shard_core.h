@@ -252,6 +252,12 @@ class ShardCore {
                           const StepCommit& commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
+  // The shard is shutting down (a signal): every waiting push, and every
+  // push from now on, fails with `why` (UNAVAILABLE: the workers retry
+  // against the restarted shard, which takes the step again), so that no
+  // call is left open for the server's shutdown to wait on. The waiting
+  // pushes of the step in flight are dropped, as an expired step's are.
+  void Stop(const absl::Status& why);
   // The abort's message, if the job is stopped.
   std::optional<std::string> aborted() const;
 
@@ -400,6 +406,8 @@ class ShardCore {
   void NoteStepCompleted(int64_t step);
   // The abort that refuses a push of `step`, if any.
   std::optional<absl::Status> AbortFor(int64_t step) const;
+  // Stop's status once the shard is shutting down.
+  std::optional<absl::Status> Stopping() const;
 
   proto::JobSpec job_;
   uint32_t shard_;
@@ -419,6 +427,7 @@ class ShardCore {
   mutable Mutex abort_mu_;
   std::optional<std::pair<int64_t, std::string>> abort_
       ABSL_GUARDED_BY(abort_mu_);  // step, message
+  std::optional<absl::Status> stopping_ ABSL_GUARDED_BY(abort_mu_);  // Stop
 
   mutable Mutex progress_mu_;
   uint32_t initialized_ ABSL_GUARDED_BY(progress_mu_) = 0;

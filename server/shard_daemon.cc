@@ -183,6 +183,14 @@ void ShardDaemon::Run() {
     server_->GetHealthCheckService()->SetServingStatus(false);
     if (health_server_)
       health_server_->GetHealthCheckService()->SetServingStatus(false);
+    // Pushes waiting for other workers would hold the shutdown until their
+    // step ends (or expires): they are answered now, and later ones at once.
+    if (ShardCore* core = host_->core()) {
+      core->Stop(absl::UnavailableError(absl::StrFormat(
+          "shard %d is shutting down (signal %d); a restarted shard takes "
+          "the step again",
+          options_.shard, signal)));
+    }
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::seconds(5));
   });

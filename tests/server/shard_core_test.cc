@@ -1107,6 +1107,28 @@ TEST_F(ShardCoreTest, AnAbortFailsTheStepForEveryWorkerAndChangesNothing) {
   EXPECT_EQ(step1->step, 1);
 }
 
+// A shard shutting down (a signal) answers the pushes waiting for other
+// workers at once, so that the server's shutdown does not wait on them, and
+// refuses later ones; UNAVAILABLE, so that the workers retry against the
+// restarted shard. The mirror is unchanged.
+TEST_F(ShardCoreTest, AStoppingShardAnswersItsWaitingPushesAndLaterOnes) {
+  const uint64_t before = core_->MirrorChecksum();
+  absl::Status waiting;
+  bool answered = false;
+  core_->Push(Args(0, 0, first()), [&](auto r) {
+    waiting = r.status();
+    answered = true;
+  });
+  EXPECT_FALSE(answered);  // waits for ranks 1 and 2
+  core_->Stop(absl::UnavailableError("shard 0 is shutting down (signal 15)"));
+  ASSERT_TRUE(answered);
+  EXPECT_EQ(waiting.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(waiting.message(), "shard 0 is shutting down (signal 15)");
+  for (uint32_t r = 0; r < 3; ++r)
+    EXPECT_EQ(Push(Args(0, r, first())).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+}
+
 // Gradient clipping in warmup (compress::ClipsAverage): each reply carries
 // its partition's sum of squares; the mirror applies the step only once the
 // whole model's total arrives (Commit, or the next step's pushes), scaled by
