@@ -17,6 +17,7 @@
 namespace morse::compress {
 namespace {
 
+using testing::CorrectedAdamScalars;
 using testing::FirstBitDifference;
 using testing::VariedData;
 
@@ -323,12 +324,7 @@ TEST_P(KernelsTest, LambLoopsMatchTheReference) {
 TEST_P(KernelsTest, ZeroOneLoopsMatchTheReference) {
   const size_t lengths[] = {0, 1, 7, 8, 9, 15, 16, 17, 100, 255, 256};
   for (size_t n : lengths) {
-    AdamScalars s;
-    s.lr = 3e-3f;
-    s.weight_decay = 0.01f;
-    s.bias_correction1 = 0.271f;
-    s.bias_correction2 = 0.00299f;
-    s.max_ratio = 0.75f;
+    AdamScalars s = CorrectedAdamScalars(3e-3f);
     const std::vector<float> g = VariedData(n, 40), x0 = VariedData(n, 41),
                              m0 = VariedData(n, 42), u0 = VariedData(n, 43),
                              w = VariedData(n, 44), anchor = VariedData(n, 45);

@@ -36,6 +36,18 @@ inline std::vector<float> VariedData(size_t n, uint32_t seed) {
   return x;
 }
 
+// The scalars of a bias-corrected Adam step early in the run, with
+// bound_update's max_ratio clamping a share of the frozen ratios.
+inline AdamScalars CorrectedAdamScalars(float lr) {
+  AdamScalars s;
+  s.lr = lr;
+  s.weight_decay = 0.01f;
+  s.bias_correction1 = 0.271f;
+  s.bias_correction2 = 0.00299f;
+  s.max_ratio = 0.75f;
+  return s;
+}
+
 inline bool SameBits(absl::Span<const float> a, absl::Span<const float> b) {
   return a.size() == b.size() &&
          (a.empty() || std::memcmp(a.data(), b.data(), 4 * a.size()) == 0);

@@ -87,12 +87,7 @@ TEST(UpdateRulesTest, LearningRateSchedules) {
 // the message is m).
 TEST(UpdateRulesTest, ASyncLocalStepInOnePassIsTheTwoPasses) {
   const size_t n = 37;
-  AdamScalars s;
-  s.lr = 2e-3f;
-  s.weight_decay = 0.01f;
-  s.bias_correction1 = 0.271f;
-  s.bias_correction2 = 0.00299f;
-  s.max_ratio = 0.75f;
+  AdamScalars s = testing::CorrectedAdamScalars(2e-3f);
   const std::vector<float> g = testing::VariedData(n, 1),
                            x0 = testing::VariedData(n, 2),
                            m0 = testing::VariedData(n, 3),

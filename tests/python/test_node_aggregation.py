@@ -91,16 +91,9 @@ def worker(out, mode):
         checksums.append(opt.checksum())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
-        # A WGAN critic's weight clipping after a step, on every rank (or on
-        # one rank only, clamp_one: the node refuses it).
-        if (variant == "clamp" and step < STEPS - 1) or (variant == "clamp_one" and rank == 1
-                                                          and step == 2):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.clamp_(-0.15, 0.15)
-            if rank == 0:
-                numpy.save(f"{out}/x-{step + 1}.npy",
-                           torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
+        if clamp_weights(model, variant, rank, step) and rank == 0:
+            numpy.save(f"{out}/x-{step + 1}.npy",
+                       torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
     if local == 0:
         json.dump(checksums, open(f"{out}/checksums-{node}.json", "w"))
         # The shards' model is the leader's (their hashes of x).
@@ -108,6 +101,19 @@ def worker(out, mode):
     json.dump(params, open(f"{out}/params-{rank}.json", "w"))
     json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
+
+
+def clamp_weights(model, variant, rank, step):
+    """A WGAN critic's weight clipping after step `step`: on every rank
+    (variant clamp, but after the last step), or on rank 1 alone after
+    step 2 (clamp_one: the node refuses it). Whether it clamped."""
+    if not ((variant == "clamp" and step < STEPS - 1)
+            or (variant == "clamp_one" and rank == 1 and step == 2)):
+        return False
+    with torch.no_grad():
+        for p in model.parameters():
+            p.clamp_(-0.15, 0.15)
+    return True
 
 
 def node_average(own):

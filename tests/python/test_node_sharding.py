@@ -51,10 +51,7 @@ import numpy
 import torch
 
 from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
-from test_node_aggregation import build, node_average  # noqa: E402
-
-STEPS = 8
-CLIP = 0.05  # clip_grad_norm_'s max_norm: below every step's norm here
+from test_node_aggregation import CLIP, STEPS, build, clamp_weights, node_average  # noqa: E402
 
 
 def model_of(seed=5):
@@ -140,13 +137,8 @@ def worker(out, mode):
         f = flat(model)
         params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
-        if (variant == "clamp" and step < STEPS - 1) or (variant == "clamp_one" and rank == 1
-                                                          and step == 2):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.clamp_(-0.15, 0.15)
-            if node == 0:
-                numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
+        if clamp_weights(model, variant, rank, step) and node == 0:
+            numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
     if variant == "resume_first":
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{out}/state-{rank}.pt")
     json.dump(checksums, open(f"{d}/checksums-{node}.json", "w"))

@@ -1146,16 +1146,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._clipped:
             norms, _, _ = self._clipped
             return norms(order), norms(2.0)
-        self._clips = True
-        if self._pending is None:
-            self._push_now(at_clip=True)
-        elif self._cuda:
-            self._send([])
+        self._push_for_clip()
         with self._device_context(), self._explained():
             own = self._session.clips_locally()
             norms = self._step_norms(None if own else self._session.clip(0.0), own)
         self._clipped = (norms, 1.0, None)
         return norms(order), norms(2.0)
+
+    def _push_for_clip(self):
+        """A step's first clip: its pushes carry the workers' clipping from
+        now on; what backward() has not pushed goes now."""
+        self._clips = True
+        if self._pending is None:
+            self._push_now(at_clip=True)  # nothing pushed yet: the first step, overlap=False
+        elif self._cuda:
+            self._send([])  # the norm reads the gradient: after torch's work on it (_push_now waits too)
 
     def _combine_slice_norms(self, norms, order, max_norm):
         """The model's norm from every slice's (`norms`: (of `order`, of
@@ -1187,11 +1192,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return self._clip_again(max_norm, order, error_if_nonfinite, owned)
         # inf: the norm alone (Trainer's logging); Morse's clip factor is 1.
         limit = 0.0 if math.isinf(max_norm) else max_norm
-        self._clips = True
-        if self._pending is None:
-            self._push_now(at_clip=True)  # nothing pushed yet: the first step, overlap=False
-        elif self._cuda:
-            self._send([])  # the norm reads the gradient: after torch's work on it (_push_now waits too)
+        self._push_for_clip()
         own = False  # the norms are of this rank's own gradient, not the average's
         try:
             with self._device_context(), self._explained():
@@ -1406,6 +1407,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         made after the clip). There the ranks' pairs and digests are
         checked and the average put in the flat gradient. Keeps (missing
         names, this rank's failure or None, what it sent) in self._gathered."""
+        from .node import flat_grads
         node = self._node
         missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
         self._restore_views()
@@ -1426,8 +1428,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     grads = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
                     written = any(p._version != v for p, v in zip(self._params, self._x_versions))
                 else:
-                    grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                                       .detach().reshape(-1) for p in params])
+                    grads = flat_grads(params)
                     written = any(p._version != self._other_versions[id(p)] for p in params)
                 got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
                 if k == mine:

@@ -32,6 +32,13 @@ import torch
 from .._native import MorseError
 
 
+def flat_grads(params):
+    """The parameters' gradients one after another (zeros where one has
+    none), as a rank sends them to the rank that steps for them."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                      for p in params])
+
+
 def node_of_job(rank, world):
     """This rank's NodeGroup under morse-run --node-aggregation, from
     LOCAL_RANK, LOCAL_WORLD_SIZE, MORSE_NNODES and MORSE_NODE_RANK (or
