@@ -42,6 +42,7 @@ SAVE_AT = 7  # inner steps: two syncs and one step of the third interval
 # schedule written out), SAVE_AT two steps into the fourth interval.
 WARMUP = 2
 WARMUP_SYNCS_AT = [1, 2, 5, 8, 11]
+NODE_CLIP = 0.3  # clip_grad_norm_'s max_norm in the int8clip node run
 
 
 def backward(model, step, rank, device="cpu"):
@@ -86,7 +87,7 @@ def node_worker(out, mode):
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy", opt.outer_parameters().numpy())
     steps = (STREAM_SYNC_EVERY // FRAGMENTS) * STREAM_SYNCS if stream else SYNC_EVERY * SYNCS
-    checksums, params = [], {}
+    checksums, params, norms = [], {}, []
     for step in range(opt.inner_steps, steps + 1):
         if mode == "int8kill" and rank == 1 and life == 0 and step == 7:
             os.kill(os.getpid(), signal.SIGKILL)  # the node restarts (--rank-restarts)
@@ -98,6 +99,8 @@ def node_worker(out, mode):
             backward(model, step, rank)
             np.save(f"{out}/own-{rank}-{step}.npy",
                     torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+            if mode == "int8clip":  # of the node's average, as DDP inside the node
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), NODE_CLIP)))
             opt.step()
             np.save(f"{out}/took-{rank}-{step}.npy",
                     torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
@@ -109,6 +112,7 @@ def node_worker(out, mode):
             np.save(f"{out}/grad-{node}-{done}.npy", opt._grad.numpy())
         checksums.append(opt.checksum())
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
     print(f"rank {rank}: {steps} inner steps, {opt.step_index} outer")
 
 
@@ -122,7 +126,7 @@ def node_aggregation():
     from harness import nodes
     from test_node_aggregation import node_average
     import numpy as np
-    for mode in ("int8", "stream"):
+    for mode in ("int8", "stream", "int8clip"):
         out = tempfile.mkdtemp(prefix=f"morse-diloco-nodes-{mode}-")
         results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
         for node, (code, text) in enumerate(results):
@@ -132,12 +136,25 @@ def node_aggregation():
         steps = (STREAM_SYNC_EVERY // FRAGMENTS) * STREAM_SYNCS if mode == "stream" else SYNC_EVERY * SYNCS
         for node in range(2):
             ranks = (2 * node, 2 * node + 1)
+            norms = [json.load(open(f"{out}/norms-{r}.json")) for r in ranks]
+            check(norms[0] == norms[1], f"{mode}: node {node}'s ranks' clip_grad_norm_ differ")
             for step in range(steps):
                 average = node_average([np.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
+                if mode == "int8clip":
+                    # torch's clip of the node's average (in its own order of
+                    # operations, so to float rounding here).
+                    norm = float(np.linalg.norm(average.astype(np.float64)))
+                    check(abs(norms[0][step] - norm) <= 1e-5 * norm,
+                          f"step {step}: clip_grad_norm_ {norms[0][step]}, the node average's {norm}")
+                    average = average * np.float32(min(1.0, NODE_CLIP / (norm + 1e-6)))
                 for r in ranks:
                     took = np.load(f"{out}/took-{r}-{step}.npy")
-                    check(took.tobytes() == average.tobytes(),
+                    check(took.tobytes() == average.tobytes() if mode != "int8clip" else
+                          np.allclose(took, average, rtol=1e-5, atol=0),
                           f"{mode}: rank {r}'s inner step {step} did not take its node's average")
+            if mode == "int8clip":
+                check(sum(n > NODE_CLIP for n in norms[0]) >= steps // 2,
+                      f"the clip acted in {sum(n > NODE_CLIP for n in norms[0])} steps only")
             params = [json.load(open(f"{out}/params-{r}-0.json")) for r in ranks]
             check(params[0] == params[1], f"{mode}: node {node}'s ranks hold different parameters")
             check(json.load(open(f"{out}/checksums-{ranks[1]}.json")) ==
@@ -145,7 +162,7 @@ def node_aggregation():
                   f"{mode}: rank {ranks[1]} does not report its leader's checksums")
             os.rename(f"{out}/checksums-{ranks[0]}.json", f"{out}/checksums-leader-{node}.json")
         for f in os.listdir(out):
-            if f.startswith(("own-", "took-", "params-", "checksums-")) and "leader" not in f:
+            if f.startswith(("own-", "took-", "params-", "checksums-", "norms-")) and "leader" not in f:
                 os.remove(f"{out}/{f}")
         for node in range(2):
             os.rename(f"{out}/checksums-leader-{node}.json", f"{out}/checksums-{node}.json")

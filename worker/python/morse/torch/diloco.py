@@ -23,6 +23,7 @@ overlap, 0, the outer parameters, without).
 """
 import copy
 import os
+import weakref
 
 import torch
 
@@ -209,8 +210,14 @@ class DiLoCo:
             else:
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
                 self._to_params()
+        self._averaged = None  # a node's step: whether it merges, once averaged (at a clip)
         if self._node is not None:
             self._node_start()
+            # The script's clip_grad_norm_ clips the node's average, as DDP
+            # inside the node would (_clip_grad_norm).
+            from . import _OPTIMIZERS, _install_clip_grad_norm
+            _OPTIMIZERS.append(weakref.ref(self))
+            _install_clip_grad_norm()
 
     def _node_start(self):
         """The node takes its leader's parameters, inner steps and (a
@@ -247,9 +254,9 @@ class DiLoCo:
         leader, which sums them in local-rank order ((g0 + g1) + ...) / L
         and sends the average back with whether this step merges, into
         every rank's .grad (zero where a rank had none). Returns that."""
+        from .node import flat_grads
         node = self._node
-        grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p))
-                           .detach().reshape(-1).to("cpu", torch.float32) for p in self._params])
+        grads = flat_grads(self._params)
         average, _, _ = node.average(grads, ())
         back = torch.empty(grads.numel() + 1)
         if node.is_leader:
@@ -362,6 +369,32 @@ class DiLoCo:
         some; min_workers). Under --node-aggregation: the nodes."""
         return self._led[2] if self._session is None else self._session.members()
 
+    def _owned(self, parameters):
+        """For clip_grad_norm_ (a node's ranks only): None if none of
+        `parameters` is this optimizer's; else how many they are.
+        ValueError for part of them or a mix."""
+        if self._node is None:
+            return None  # each rank's own gradient: torch's clip as it is
+        mine = {id(p) for p in self._params}
+        ours = {id(p) for p in parameters if id(p) in mine}
+        if not ours:
+            return None
+        if len(ours) != len(mine) or any(id(p) not in mine for p in parameters):
+            raise ValueError("clip_grad_norm_ under --node-aggregation with DiLoCo: pass all of "
+                             "the model's trainable parameters and nothing else (the node "
+                             "averages the whole gradient, then clips it as DDP would)")
+        return len(ours)
+
+    def _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite, owned):
+        """clip_grad_norm_ on a node's rank: the node's average gradient
+        first (the step takes it; every rank of the node calls this), then
+        torch's clip of it, the same on every rank, as DDP inside the node."""
+        from . import _TORCH_CLIP_GRAD_NORM
+        if self._averaged is None:
+            self._averaged = self._node_average()
+        return _TORCH_CLIP_GRAD_NORM(self._params, max_norm, norm_type=norm_type,
+                                     error_if_nonfinite=error_if_nonfinite)
+
     def zero_grad(self, set_to_none=None):
         if set_to_none is None:
             self.inner.zero_grad()
@@ -378,7 +411,8 @@ class DiLoCo:
                 raise ValueError("step(closure) under --node-aggregation: the node averages the "
                                  "gradients of one backward() before the inner step; call "
                                  "backward() and then step()")
-            merges = self._node_average()
+            merges = self._node_average() if self._averaged is None else self._averaged
+            self._averaged = None
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self._inner_steps += 1
         if self._session is None:
