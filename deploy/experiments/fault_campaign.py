@@ -249,15 +249,13 @@ def run(args, faults):
     return code, lines, results, records
 
 
-def free_ports(n):
-    import socket
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+def free_ports(n, build):
+    """N free loopback ports, chosen as morse-run (BUILD's) chooses them:
+    below the ephemeral range, where no connection's own port can take one
+    first."""
+    sys.path.insert(0, os.path.join(build, "python"))
+    from morse.run import _free_ports
+    return _free_ports(n)
 
 
 def run_supervised(args, faults):
@@ -294,7 +292,7 @@ log_every: 100
         text = open(config).read().replace("step_seconds: 30", "step_seconds: 2")
         with open(config, "w") as f:
             f.write(text)
-    ports = free_ports(args.shards)
+    ports = free_ports(args.shards, args.build)
     servers = ",".join(f"127.0.0.1:{p}" for p in ports)
     bin_dir = args.build
     commands = {("shard", s): [f"{bin_dir}/server/morse-server", "--config", config, "--shard", str(s),

@@ -76,7 +76,7 @@ min_workers: {min_workers}
 timeouts {{ {timeouts} }}
 checkpoint {{ replay_steps: 64 }}
 """)
-    ports = free_ports(args.shards)
+    ports = free_ports(args.shards, args.build)
     servers = ",".join(f"127.0.0.1:{p}" for p in ports)
     logs = []
 

@@ -8,10 +8,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <sstream>
 
 #include "absl/container/flat_hash_set.h"
@@ -51,18 +53,25 @@ std::string WorkerBin() {
 }
 
 int FreePort() {
-  // The kernel may hand the same ephemeral port to two binds in a row once
-  // the first socket is closed (CI saw a shard's --listen and its
-  // --metrics_listen get one port), so a port goes out once per process.
+  // Drawn below the ephemeral range (net.ipv4.ip_local_port_range), as
+  // morse-run draws its ports: a port from bind(0) lies in that range, where
+  // any process's next outgoing connection may take it before the daemon
+  // binds it. And a port goes out once per process: the same one given to a
+  // shard's --listen and its --metrics_listen failed in CI.
   static absl::Mutex mu(absl::kConstInit);
   static auto* given = new absl::flat_hash_set<int>();
+  static std::mt19937 random(std::random_device{}());
   absl::MutexLock lock(&mu);
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  std::uniform_int_distribution<int> below(std::max(1024, low - 12000),
+                                           std::max(1024, low - 1));
   for (int attempt = 0; attempt < 1000; ++attempt) {
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
+    addr.sin_port = htons(low > 2048 && attempt < 900 ? below(random) : 0);
     socklen_t len = sizeof addr;
     const bool bound =
         fd >= 0 &&

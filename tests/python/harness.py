@@ -231,16 +231,13 @@ _given_ports = set()
 
 
 def free_port():
-    """A port on 127.0.0.1 that was free a moment ago and that no earlier
-    call in this process returned (the kernel may give a closed socket's
-    port to the next bind)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _given_ports:
-            _given_ports.add(port)
-            return port
+    """A port on 127.0.0.1 that was free a moment ago, below the ephemeral
+    range (morse-run's choice), and that no earlier call in this process
+    returned."""
+    from morse.run import _free_ports
+    port = _free_ports(1, taken=_given_ports)[0]
+    _given_ports.add(port)
+    return port
 
 
 @contextlib.contextmanager

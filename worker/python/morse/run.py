@@ -50,7 +50,9 @@ Off loopback the shards need --tls-dir (deploy/make-certs.sh) or --insecure.
 """
 import socket
 import argparse
+import errno
 import os
+import random
 import re
 import shutil
 import signal
@@ -119,20 +121,54 @@ def _check_interpreter(command, env):
             f"morse-run: name the Python that has torch (e.g. -- /usr/bin/python3 train.py)")
 
 
-def _free_ports(count, host="127.0.0.1"):
+def _below_ephemeral():
+    """The ports this host does not hand out to connections and bind(0):
+    those below net.ipv4.ip_local_port_range (Linux's default 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 12000), low) if low > 2048 else range(0)
+
+
+def _free_ports(count, host="127.0.0.1", taken=()):
     """Ports on `host` nothing listens on now (the stages, or rank 0's
-    torch.distributed store, bind them next)."""
+    torch.distributed store, bind them next), none of them in `taken`.
+
+    They are drawn below the ephemeral range where the host has one, so
+    that no connection's own port (gloo's, gRPC's: every outgoing socket
+    takes one) can fill one before its owner binds it; bind(0) would give
+    one from that range, which other processes race for."""
     sockets, ports = [], []
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    candidates = list(_below_ephemeral())
+    random.shuffle(candidates)
     for _ in range(count):
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, 0))
-        except OSError:
-            # HOST is how the other nodes reach this one and may not be an
-            # address of this machine (a name behind NAT), as for the
-            # rendezvous (rendezvous.Store._listen): free on every address.
-            sock.bind(("", 0))
+        while True:
+            port = candidates.pop() if candidates else 0
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                try:
+                    sock.bind((host, port))
+                except OSError as e:
+                    if port and e.errno == errno.EADDRINUSE:
+                        sock.close()
+                        continue
+                    # HOST is how the other nodes reach this one and may not
+                    # be an address of this machine (a name behind NAT), as
+                    # for the rendezvous (rendezvous.Store._listen): free on
+                    # every address.
+                    sock.bind(("", port))
+            except OSError:
+                sock.close()
+                if port:
+                    continue
+                raise
+            if sock.getsockname()[1] in taken:
+                sock.close()
+                continue
+            break
         sockets.append(sock)
         ports.append(sock.getsockname()[1])
     for sock in sockets:
@@ -532,9 +568,11 @@ def main(argv=None):
                MORSE_NODE_RANK=str(args.node_rank), MORSE_NNODES=str(args.nnodes))
     if args.node_aggregation:
         env["MORSE_NODE_AGGREGATION"] = "1" if args.node_aggregation == "leader" else "sharded"
-        # The node's own gloo group meets at local rank 0's store: a fresh
-        # port for each start of the node (a restarted node forms it anew).
-        env["MORSE_NODE_STORE"] = f"127.0.0.1:{_free_ports(1)[0]}"
+        # The node's own gloo group meets in a file store in this run's
+        # folder, a fresh file for each start of the node (a restarted node
+        # forms it anew): a file, not a port, so that nothing else on the
+        # host can take it between morse-run's choice and the ranks' start.
+        env["MORSE_NODE_STORE"] = os.path.join(workdir, "node-store-0")
     else:
         env.pop("MORSE_NODE_AGGREGATION", None)
     env.setdefault("MASTER_ADDR", args.host)
@@ -641,7 +679,12 @@ def main(argv=None):
                 # start again, from their checkpoints, while the other
                 # nodes wait for the node's worker(s) in the exchange.
                 rank_restarts += 1
-                sys.stderr.write(f"{node}: {names[r]} exited with {code}; restarting this node's "
+                # Every rank already gone, by rank (the one that failed first
+                # is not always the first found: its peers may fail on it).
+                gone = ", ".join(f"{names[w]} exited with {workers[w].poll()}"
+                                 for w in range(len(workers))
+                                 if workers[w].poll() not in (None, 0))
+                sys.stderr.write(f"{node}: {gone}; restarting this node's "
                                  f"{L} ranks ({rank_restarts} of --rank-restarts "
                                  f"{args.rank_restarts}); they rejoin from their checkpoints and "
                                  "the other nodes wait for them\n")
@@ -654,7 +697,7 @@ def main(argv=None):
                     except subprocess.TimeoutExpired:
                         workers[w].kill()
                         workers[w].wait()
-                store_at = f"127.0.0.1:{_free_ports(1)[0]}"
+                store_at = os.path.join(workdir, f"node-store-{rank_restarts}")
                 for w in range(len(workers)):
                     restarted[w] += 1
                     envs[w] = dict(envs[w], MORSE_REJOIN="1", MORSE_RESTART_COUNT=str(restarted[w]),

@@ -57,8 +57,8 @@ class NodeGroup:
     """This rank's node: its group, its leader, and the step's exchanges.
 
     The group is the node's own gloo process group (torch's
-    ProcessGroupGloo over a TCPStore that local rank 0 holds at
-    MORSE_NODE_STORE, which morse-run picks for each start of the node),
+    ProcessGroupGloo over a FileStore at MORSE_NODE_STORE, a file in
+    morse-run's folder, new for each start of the node),
     not a subgroup of torch.distributed's world: a node whose ranks are
     restarted (--rank-restarts) forms it again alone while the other nodes
     wait in the shards' exchange, and the script's own torch.distributed
@@ -74,15 +74,15 @@ class NodeGroup:
                 f"INVALID_ARGUMENT: node aggregation needs ranks laid out node by node (as "
                 f"morse-run does): rank {rank} is local rank {local_rank} of {local_size} on node "
                 f"{node} of {nnodes}")
-        address = os.environ.get("MORSE_NODE_STORE", "")
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise MorseError(f"FAILED_PRECONDITION: node aggregation needs MORSE_NODE_STORE "
-                             f"(HOST:PORT where local rank 0 holds the node's store; morse-run sets "
-                             f"it), not {address!r}")
+        path = os.environ.get("MORSE_NODE_STORE", "")
+        if not path:
+            raise MorseError("FAILED_PRECONDITION: node aggregation needs MORSE_NODE_STORE (a file "
+                             "on this host where the node's ranks meet, new for each start of the "
+                             "node; morse-run sets it)")
         timeout = datetime.timedelta(seconds=float(os.environ.get("MORSE_NODE_TIMEOUT", "1800")))
-        store = dist.TCPStore(host.strip("[]"), int(port), local_size, local_rank == 0, timeout)
-        self._store = store  # local rank 0's serves the node
+        store = dist.FileStore(path, local_size)
+        store.set_timeout(timeout)
+        self._store = store
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"morse-node-{node}", store), local_rank,
                                         local_size, timeout)
         self.dist = dist
