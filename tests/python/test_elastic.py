@@ -12,10 +12,20 @@ docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
   shards kept and joins the membership again (the others wait before step
   13 until it has caught up, however slow its start): all three ranks end
   with the same bits, rank 2 back in the last steps' membership.
-- --min-workers out of range or with --node-aggregation is refused."""
+- Under --node-aggregation (leader, and sharded) with --min-workers 1,
+  2 nodes x 2 ranks: rank 3 (node 1's second) kills itself before
+  backward() of step 6; node 1's morse-run stops its other rank and ends
+  saying the node left, and node 0's two ranks finish: opt.membership()
+  is every rank through step 5 and node 0's ranks [0, 1] from step 6, the
+  two ranks hold the same parameters after every step, and (leader) the
+  leader's bits are the simulator's with N = 2 fed the nodes' averages,
+  node 1 left out from step 6.
+- --min-workers out of range (the nodes' count under --node-aggregation)
+  or with --stages is refused."""
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +35,7 @@ import time
 
 import torch
 
-from harness import check, morse_run  # noqa: E402
+from harness import check, morse_run, nodes  # noqa: E402
 
 STEPS = 16
 KILLED = 6
@@ -70,6 +80,86 @@ def worker(out, pace):
             json.dump(record, f)
         os.rename(f"{out}/step-{rank}-{step}.tmp", f"{out}/step-{rank}-{step}.json")
         time.sleep(pace)  # the others' pace, while a restarted rank catches up
+
+
+def node_worker(out, how):
+    """A rank of a 2 x 2 node job (how: leader or sharded); rank 3 dies."""
+    import numpy as np
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    rank = int(os.environ["RANK"])
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3, block_elems=16,
+                                 partition_elems=64)
+    if rank == 0:
+        with open(os.environ["MORSE_CONFIG"]) as f:
+            base = f.read()
+        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
+        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    for step in range(STEPS):
+        if rank == 3 and step == KILLED:
+            print(f"killing myself in step {step}, before backward()", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        np.save(f"{out}/grad-{rank}-{step}.npy",
+                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        record = {"checksum": opt.checksum(), "members": opt.membership(),
+                  "x": flat.numpy().tobytes().hex()}
+        with open(f"{out}/step-{rank}-{step}.json", "w") as f:
+            json.dump(record, f)
+
+
+def run_node_leaves(how):
+    import numpy as np
+    from morse import _native
+    out = tempfile.mkdtemp(prefix=f"morse-elastic-{how}-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("timeouts { step_seconds: 2 recovery_seconds: 60 }\n")
+    aggregation = "--node-aggregation" + ("=sharded" if how == "sharded" else "")
+    results = nodes(__file__, 2, 2, out, f"node:{how}",
+                    extra=("--servers", "2", aggregation, "--min-workers", "1", "--config", config))
+    for node, (code, text) in enumerate(results):
+        print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
+        check(code == 0, f"{how}: node {node} exited with {code}")
+    check(re.search(r"rank 3 exited with -9[^\n]*; this node's 2 ranks leave the job, which goes on "
+                    r"without the node \(min_workers 1 of 2 nodes\)", results[1][1]),
+          f"{how}: node 1 did not say it left")
+    check("the job finished without rank 2, rank 3" in results[1][1],
+          f"{how}: node 1 did not name the ranks it lost")
+    ranks = [records(out, r) for r in range(2)]
+    for s in range(STEPS):
+        want = [0, 1, 2, 3] if s < KILLED else [0, 1]
+        for r in range(2):
+            check(ranks[r][s] is not None, f"{how}: rank {r} did not finish step {s}")
+            check(ranks[r][s]["members"] == want,
+                  f"{how}: rank {r} step {s}: membership {ranks[r][s]['members']}, expected {want}")
+        check(ranks[1][s]["x"] == ranks[0][s]["x"], f"{how}: ranks 0 and 1 differ after step {s}")
+    if how == "leader":
+        # The simulator with N = 2 fed each node's average in local-rank
+        # order, node 1 left out from step 6.
+        job = json.load(open(f"{out}/job.json"))
+        x0 = np.load(f"{out}/x0.npy")
+        sim = _native.Simulator(job["base"], job["overrides"], x0)
+        for s in range(STEPS):
+            grads = []
+            for n in range(2):
+                own = [np.load(f"{out}/grad-{2 * n + k}-{s}.npy")
+                       if os.path.exists(f"{out}/grad-{2 * n + k}-{s}.npy")
+                       else np.zeros(x0.size, np.float32) for k in range(2)]
+                grads.append((own[0] + own[1]) / np.float32(2))
+            sim.step(grads, absent=[1] if s >= KILLED else [])
+            check(sim.worker_checksum(0) == ranks[0][s]["checksum"],
+                  f"step {s}: node 0 {ranks[0][s]['checksum']}, simulator {sim.worker_checksum(0)}")
+    shutil.rmtree(out)
+    print(f"PASS: {how}: rank 3 killed in step {KILLED}; node 1 left with both its ranks and node "
+          f"0 finished {STEPS} steps alone, its ranks on the same bits"
+          + (", the simulator's with node 1 left out" if how == "leader" else ""))
 
 
 def records(out, rank):
@@ -146,16 +236,29 @@ def run_returns():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        worker(sys.argv[-2], float(sys.argv[-1]))  # --worker OUT PACE
+        if sys.argv[-1].startswith("node:"):
+            node_worker(sys.argv[-2], sys.argv[-1][5:])  # --worker OUT node:HOW
+        else:
+            worker(sys.argv[-2], float(sys.argv[-1]))  # --worker OUT PACE
         sys.exit(0)
+    modes = sys.argv[1:] or ["refusals", "leaves", "returns", "leader", "sharded"]
     for flags, why in ((["--min-workers", "4"], "give 1 to the job's 3 workers"),
                        (["--min-workers", "0"], "give 1 to the job's 3 workers"),
-                       (["--min-workers", "2", "--node-aggregation", "--nnodes", "1"], "not supported")):
+                       (["--min-workers", "2", "--node-aggregation"],
+                        "give 1 to the job's 1 workers (one per node with --node-aggregation)"),
+                       (["--min-workers", "2", "--stages", "3"], "not supported")):
+        if "refusals" not in modes:
+            break
         result = subprocess.run([os.environ["MORSE_RUN"], "--servers", "1", "--workers", "3"] +
                                 flags + ["--", sys.executable, "-c", "pass"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 timeout=60)
         check(result.returncode != 0 and why in result.stdout,
               f"morse-run {' '.join(flags)}: exit {result.returncode}, {result.stdout!r}")
-    run_leaves()
-    run_returns()
+    if "leaves" in modes:
+        run_leaves()
+    if "returns" in modes:
+        run_returns()
+    for how in ("leader", "sharded"):
+        if how in modes:
+            run_node_leaves(how)

@@ -269,7 +269,9 @@ def _parse(argv):
                              "each step without a rank missing past timeouts.step_seconds as long as "
                              "M ranks pushed; fewer than M fails the step after "
                              "timeouts.recovery_seconds. Sets min_workers in the job config "
-                             "(default: the config's, or every rank)")
+                             "(default: the config's, or every rank). With --node-aggregation the "
+                             "workers are the nodes: M nodes, and a node whose rank dies leaves "
+                             "with all its ranks")
     parser.add_argument("--restarts", type=int, default=3,
                         help="how many times to restart a server that dies, from its checkpoint, "
                              "when the job checkpoints (default 3; 0: a dead server ends the job)")
@@ -331,11 +333,13 @@ def _parse(argv):
         parser.error("--rank-restarts with --stages is not supported (a pipeline's stages wait on "
                      "each other's activations)")
     if args.min_workers is not None:
-        if args.stages > 1 or args.node_aggregation:
-            parser.error("--min-workers with --stages or --node-aggregation is not supported")
+        if args.stages > 1:
+            parser.error("--min-workers with --stages is not supported")
         if not 1 <= args.min_workers <= args.morse_workers:
             parser.error(f"--min-workers {args.min_workers}: give 1 to the job's "
-                         f"{args.morse_workers} workers")
+                         f"{args.morse_workers} workers"
+                         + (" (one per node with --node-aggregation)" if args.node_aggregation
+                            else ""))
     if args.tls_dir:
         # The ranks' side always; the shards' only where this node starts them.
         needed = ["ca.pem", "client.pem", "client.key"]
@@ -353,6 +357,20 @@ def _parse(argv):
             parser.error(f"the shards would listen on {args.host} in plaintext: pass --tls-dir DIR "
                          f"(deploy/make-certs.sh DIR {args.host}) or, on a private network, --insecure")
     return args, command
+
+
+def _stop_ranks(workers):
+    """Terminates the ranks still running (killed after 10 s) and waits for
+    every one."""
+    for w in workers:
+        if w.poll() is None:
+            w.terminate()
+    for w in workers:
+        try:
+            w.wait(10)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
 
 
 def _min_workers(base, workers):
@@ -687,16 +705,10 @@ def main(argv=None):
                 sys.stderr.write(f"{node}: {gone}; restarting this node's "
                                  f"{L} ranks ({rank_restarts} of --rank-restarts "
                                  f"{args.rank_restarts}); they rejoin from their checkpoints and "
-                                 "the other nodes wait for them\n")
-                for w in range(len(workers)):
-                    if workers[w].poll() is None:
-                        workers[w].terminate()
-                for w in range(len(workers)):
-                    try:
-                        workers[w].wait(10)
-                    except subprocess.TimeoutExpired:
-                        workers[w].kill()
-                        workers[w].wait()
+                                 + ("the other nodes wait for them\n"
+                                    if min_workers == args.morse_workers else
+                                    "the other nodes go on, until it catches up (min_workers)\n"))
+                _stop_ranks(workers)
                 store_at = os.path.join(workdir, f"node-store-{rank_restarts}")
                 for w in range(len(workers)):
                     restarted[w] += 1
@@ -718,6 +730,20 @@ def main(argv=None):
                 workers[r] = start_rank(r, dict(envs[r], MORSE_REJOIN="1",
                                                 MORSE_RESTART_COUNT=str(restarted[r])))
                 continue
+            if code != 0 and min_workers < args.morse_workers and args.node_aggregation:
+                # The node is one worker of the job: it leaves with every
+                # rank (they share its group and its step), and the shards
+                # complete the steps without it.
+                gone = ", ".join(f"{names[w]} exited with {workers[w].poll()}"
+                                 for w in range(len(workers))
+                                 if workers[w].poll() not in (None, 0))
+                _stop_ranks(workers)
+                lost.extend(w for w in sorted(remaining) if w not in lost)
+                remaining.clear()
+                sys.stderr.write(f"{node}: {gone}; this node's {L} ranks leave the job, which "
+                                 f"goes on without the node (min_workers {min_workers} of "
+                                 f"{args.morse_workers} nodes)\n")
+                break
             remaining.discard(r)
             if code != 0 and min_workers < args.morse_workers:
                 # An elastic job goes on: the shards complete its steps

@@ -1466,10 +1466,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._gathered = None
         error = None
         if node.is_leader:
-            error, (failure, checksum, buffers) = self._step_for_node(failure)
-            node.finish(failure, checksum, buffers)
+            error, outcome = self._step_for_node(failure)
+            failure, _, buffers, _ = node.finish(*outcome)
         else:
-            failure, _, buffers = node.finish()
+            failure, _, buffers, _ = node.finish()
             if failure is not None:
                 error = MorseError(f"{failure}\n  (the step of this node's leader, rank "
                                    f"{node.leader}; this rank is rank {self._rank})")
@@ -1552,7 +1552,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         """On the rank that steps for its node (the leader, or a slice's
         owner), the gather's `failure` (the ranks disagree) or None: steps
         as the node's worker unless there is one. Returns (the error this
-        rank raises, or None; (failure, checksum, buffers) for the node)."""
+        rank raises, or None; (failure, checksum, buffers, members) for the node)."""
         error = None
         if failure is not None:
             error = MorseError(failure)
@@ -1563,7 +1563,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 error, failure = e, f"{type(e).__name__}: {e}"
         checksum = self._session.checksum() if failure is None else None
         buffers = self._pack_buffers() if self._session_buffers and failure is None else None
-        return error, (failure, checksum, buffers)
+        members = self._session.members() if failure is None else None
+        return error, (failure, checksum, buffers, members)
 
     def _slice_step(self):
         """The step of a rank of a sharded node (node.py): each slice's
@@ -1580,7 +1581,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._gathered = None
         error, outcome = self._step_for_node(failure)
         outcomes = node.finish_all(*outcome)
-        for k, (failed, _, _) in enumerate(outcomes):
+        for k, (failed, _, _, _) in enumerate(outcomes):
             if error is None and failed is not None:
                 error = MorseError(f"{failed}\n  (the step of slice {k}'s owner, rank "
                                    f"{node.node * node.size + k}; this rank is rank {self._rank})")
@@ -1675,9 +1676,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         """The ranks whose gradients the last step averaged, ascending: every
         rank, except in an elastic job (min_workers, morse-run --min-workers)
         after a step that completed without some (docs/python.md, "Elastic
-        jobs"). A sampler that splits the data among the ranks left can use it."""
-        if self._session is None:
-            raise RuntimeError("membership() is not available with --node-aggregation")
+        jobs"); under --node-aggregation, every rank of the nodes averaged
+        (a node's ranks leave together). A sampler that splits the data
+        among the ranks left can use it."""
+        if self._node is not None:
+            # The shards' workers are the nodes: the ranks of those averaged.
+            return self._node.member_ranks()
         return self._session.members()
 
     def checksum(self):

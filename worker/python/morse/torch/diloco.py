@@ -366,8 +366,13 @@ class DiLoCo:
     def membership(self):
         """The ranks whose pseudo-gradients the last sync averaged (all of
         them except after a sync of an elastic job that completed without
-        some; min_workers). Under --node-aggregation: the nodes."""
-        return self._led[2] if self._session is None else self._session.members()
+        some; min_workers). Under --node-aggregation: every rank of the
+        nodes it averaged."""
+        nodes = self._led[2] if self._session is None else self._session.members()
+        if self._node is None:
+            return nodes
+        self._node.members = nodes
+        return self._node.member_ranks()
 
     def _owned(self, parameters):
         """For clip_grad_norm_ (a node's ranks only): None if none of

@@ -91,23 +91,36 @@ class NodeGroup:
         self.leader = node * local_size
         self.is_leader = local_rank == 0
         self.checksum = None  # the leader's, after the last step
+        self.members = None  # the nodes the last step averaged (None: every node)
         self.steps = 0
+
+    def _wait(self, work):
+        """Waits for one of the group's operations; a rank of the node gone
+        (its connection reset, or the group's timeout) is a MorseError
+        that says so, not gloo's own words alone."""
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise MorseError(f"UNAVAILABLE: node {self.node}'s group lost a rank (local rank "
+                             f"{self.local_rank} of {self.size} here): {e}; the node's ranks share "
+                             "its step, so they stop with it (morse-run restarts the node with "
+                             "--rank-restarts, or an elastic job goes on without it)") from e
 
     def _broadcast(self, tensor, owner):
         opts = self.dist.BroadcastOptions()
         opts.rootRank = owner
-        self.pg.broadcast([tensor], opts).wait()
+        self._wait(self.pg.broadcast([tensor], opts))
 
     def objects(self, value):
         """Every local rank's picklable `value`, by local rank."""
         data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
         sizes = [[torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]]
-        self.pg.allgather(sizes, [torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+        self._wait(self.pg.allgather(sizes, [torch.tensor([data.numel()], dtype=torch.int64)]))
         most = max(int(t) for t in sizes[0])
         padded = torch.zeros(most, dtype=torch.uint8)
         padded[:data.numel()] = data
         parts = [[torch.empty(most, dtype=torch.uint8) for _ in range(self.size)]]
-        self.pg.allgather(parts, [padded]).wait()
+        self._wait(self.pg.allgather(parts, [padded]))
         return [pickle.loads(part[:int(n)].numpy().tobytes()) for part, n in zip(parts[0], sizes[0])]
 
     def share(self, flat, owner=0):
@@ -138,7 +151,7 @@ class NodeGroup:
         parts = [[torch.empty_like(mine) for _ in range(self.size)]] if owns else []
         opts = self.dist.GatherOptions()
         opts.rootRank = owner
-        self.pg.gather(parts, [mine], opts).wait()
+        self._wait(self.pg.gather(parts, [mine], opts))
         if not owns:
             return None, None, None
         parts = parts[0]
@@ -154,21 +167,37 @@ class NodeGroup:
                            sum(int(piece) << shift for piece, shift in zip(v[k - 4:], (0, 16, 32, 48))))
         return total, pairs, digests
 
-    def finish(self, failure=None, checksum=None, buffers=None):
+    def finish(self, failure=None, checksum=None, buffers=None, members=None):
         """The leader's outcome of the step to the node: (failure, checksum,
-        buffers) broadcast; returns what the leader sent."""
-        outcome = self.objects((failure, checksum, buffers) if self.is_leader else None)[0]
+        buffers, members: the nodes the step averaged) broadcast; returns
+        what the leader sent."""
+        outcome = self.objects((failure, checksum, buffers, members) if self.is_leader else None)[0]
         self.steps += 1
         self.checksum = outcome[1]
+        self._learn_members([outcome[3]])
         return outcome
 
-    def finish_all(self, failure=None, checksum=None, buffers=None):
+    def finish_all(self, failure=None, checksum=None, buffers=None, members=None):
         """Every rank's outcome of the step to every rank of the node (each
-        owner stepped its slice): [(failure, checksum, buffers)] by local
-        rank."""
-        outcomes = self.objects((failure, checksum, buffers))
+        owner stepped its slice): [(failure, checksum, buffers, members)]
+        by local rank."""
+        outcomes = self.objects((failure, checksum, buffers, members))
         self.steps += 1
+        self._learn_members([o[3] for o in outcomes])
         return outcomes
+
+    def _learn_members(self, by_job):
+        """The nodes every job of the node (the leader's, or each slice's)
+        averaged in the step: an elastic job's steps may leave nodes out."""
+        known = [set(m) for m in by_job if m is not None]
+        if known:
+            self.members = sorted(set.intersection(*known))
+
+    def member_ranks(self):
+        """The ranks of the nodes the last step averaged (every rank before
+        the first step), ascending."""
+        nodes = range(self.nnodes) if self.members is None else self.members
+        return [n * self.size + k for n in nodes for k in range(self.size)]
 
 
 def slices(sizes, count):
