@@ -20,6 +20,9 @@ docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
   two ranks hold the same parameters after every step, and (leader) the
   leader's bits are the simulator's with N = 2 fed the nodes' averages,
   node 1 left out from step 6.
+  With --rank-restarts 1 too (checkpoints every 4 steps), node 1 restarts
+  from step 4 while node 0 goes on, catches up and is back in the
+  membership: all four ranks on the same bits after every step.
 - --min-workers out of range (the nodes' count under --node-aggregation)
   or with --stages is refused."""
 import glob
@@ -83,21 +86,31 @@ def worker(out, pace):
 
 
 def node_worker(out, how):
-    """A rank of a 2 x 2 node job (how: leader or sharded); rank 3 dies."""
+    """A rank of a 2 x 2 node job (how: leader or sharded, and :returns
+    when node 1 is restarted); rank 3 dies in its first life."""
     import numpy as np
     import morse.torch
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
     rank = int(os.environ["RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3, block_elems=16,
                                  partition_elems=64)
+    first = opt.step_index
+    print(f"life {life} starts at step {first}", flush=True)
     if rank == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    for step in range(STEPS):
-        if rank == 3 and step == KILLED:
+    for step in range(first, STEPS):
+        if how.endswith(":returns") and rank < 2 and step == STEPS - 3:
+            # Node 1, restarting and replaying, must find the job still
+            # running: wait here until it has caught up with the step before.
+            deadline = time.time() + 120
+            while not os.path.exists(f"{out}/step-3-{step - 1}.json") and time.time() < deadline:
+                time.sleep(0.05)
+        if rank == 3 and life == 0 and step == KILLED:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -110,8 +123,44 @@ def node_worker(out, how):
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         record = {"checksum": opt.checksum(), "members": opt.membership(),
                   "x": flat.numpy().tobytes().hex()}
-        with open(f"{out}/step-{rank}-{step}.json", "w") as f:
+        with open(f"{out}/step-{rank}-{step}.tmp", "w") as f:
             json.dump(record, f)
+        os.rename(f"{out}/step-{rank}-{step}.tmp", f"{out}/step-{rank}-{step}.json")
+        if how.endswith(":returns"):
+            time.sleep(0.4)  # the others' pace, while node 1 catches up
+
+
+def run_node_returns(how):
+    out = tempfile.mkdtemp(prefix=f"morse-elastic-{how}-returns-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 4 replay_steps: 16 }\n"
+                "timeouts { step_seconds: 2 recovery_seconds: 60 }\n")
+    aggregation = "--node-aggregation" + ("=sharded" if how == "sharded" else "")
+    results = nodes(__file__, 2, 2, out, f"node:{how}:returns",
+                    extra=("--servers", "2", aggregation, "--min-workers", "1", "--config", config,
+                           "--rank-restarts", "1"))
+    for node, (code, text) in enumerate(results):
+        print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
+        check(code == 0, f"{how}: node {node} exited with {code}")
+    check(re.search(r"rank 3 exited with -9[^\n]*; restarting this node's 2 ranks \(1 of "
+                    r"--rank-restarts 1\); they rejoin from their checkpoints and the other nodes "
+                    r"go on, until it catches up \(min_workers\)", results[1][1]),
+          f"{how}: node 1 did not restart")
+    check("[rank 2] life 1 starts at step 4" in results[1][1], f"{how}: node 1 did not rejoin at step 4")
+    ranks = [records(out, r) for r in range(4)]
+    for s in range(STEPS):
+        for r in range(4):
+            check(ranks[r][s] is not None, f"{how}: rank {r} did not finish step {s}")
+            check(ranks[r][s]["x"] == ranks[0][s]["x"], f"{how}: rank {r} differs at step {s}")
+    left_out = [s for s in range(STEPS) if ranks[0][s]["members"] != [0, 1, 2, 3]]
+    check(left_out and left_out[0] == KILLED, f"{how}: steps without node 1: {left_out}")
+    check(ranks[0][STEPS - 1]["members"] == [0, 1, 2, 3],
+          f"{how}: node 1 did not join again: {ranks[0][STEPS - 1]['members']}")
+    shutil.rmtree(out)
+    print(f"PASS: {how}: rank 3 killed in step {KILLED}, node 1 restarted from step 4; steps "
+          f"{left_out} went on without it, it caught up and joined again; all four ranks on the "
+          f"same bits after every one of {STEPS} steps")
 
 
 def run_node_leaves(how):
@@ -262,3 +311,4 @@ if __name__ == "__main__":
     for how in ("leader", "sharded"):
         if how in modes:
             run_node_leaves(how)
+            run_node_returns(how)
