@@ -115,6 +115,21 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
                                 " is not in [1, workers = ", c.workers(), "]"));
   }
 
+  job.local_ranks = c.local_ranks() == 0 ? 1 : c.local_ranks();
+  if (uint64_t{job.local_ranks} * c.workers() > kMaxWorkers) {
+    return Invalid(
+        "local_ranks",
+        absl::StrCat(job.local_ranks, " local ranks on each of ", c.workers(),
+                     " workers are more than ", kMaxWorkers, " ranks"));
+  }
+  if (job.local_ranks > 1 && external) {
+    return Invalid("local_ranks",
+                   absl::StrCat(job.local_ranks,
+                                " with an external model: the PyTorch binding "
+                                "forms nodes itself (morse-run "
+                                "--node-aggregation)"));
+  }
+
   switch (c.workload_case()) {
     case v1::JobConfig::kSynthetic:
       job.workload = WorkloadKind::kSynthetic;
@@ -636,8 +651,10 @@ uint64_t KeptPayloadBytes(const JobSpec& job, uint64_t elems, bool up) {
 }  // namespace
 
 uint64_t WorkerStateBytes(const JobSpec& job) {
-  // x, m, v, the gradient and the optimizer's own arrays (onebit_lamb's v').
-  const uint64_t per = 4 * 4 + compress::StateBytesPerElement(job.algorithm) +
+  // x, m, v, the gradient and the optimizer's own arrays (onebit_lamb's v');
+  // a node's local ranks past the first add a gradient buffer (NodeWorkload).
+  const uint64_t per = 4 * 4 + (job.local_ranks > 1 ? 4 : 0) +
+                       compress::StateBytesPerElement(job.algorithm) +
                        ErrorBytesPerElement(job.algorithm.worker_feedback);
   return Plus(Times(job.algorithm.layout.dim, per),
               KeptPayloadBytes(job, job.algorithm.layout.dim, /*up=*/true));

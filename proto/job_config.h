@@ -76,6 +76,8 @@ struct JobSpec {
   // The fewest workers a step completes with (JobConfig.min_workers;
   // design.md 4, "Membership"); workers() when the config leaves it out.
   uint32_t min_workers = 1;
+  // Local ranks per worker (JobConfig.local_ranks; a node, NodeWorkload).
+  uint32_t local_ranks = 1;
 
   uint32_t workers() const { return algorithm.workers; }
   // False for an external model whose size the workers have not sent yet.

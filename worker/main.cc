@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "compress/compute_pool.h"
 #include "compress/trace.h"
@@ -184,10 +185,14 @@ int main(int argc, char** argv) {
                    std::string(s.message()).c_str());
       return 2;
     }
+    const std::string node =
+        job->local_ranks > 1
+            ? absl::StrCat(" (a node of ", job->local_ranks, " local ranks)")
+            : "";
     std::printf(
-        "morse-worker: config OK: job '%s', rank %d of %u, %u shards, D = "
+        "morse-worker: config OK: job '%s', rank %d of %u%s, %u shards, D = "
         "%llu, %lld steps, %s\n",
-        job->name.c_str(), rank, job->workers(), job->shards(),
+        job->name.c_str(), rank, job->workers(), node.c_str(), job->shards(),
         static_cast<unsigned long long>(job->algorithm.layout.dim),
         static_cast<long long>(job->steps),
         options.security.insecure ? "plaintext (--insecure)" : "TLS");

@@ -279,22 +279,49 @@ std::optional<double> MlpWorkload::TestAccuracy(
   return static_cast<double>(correct) / static_cast<double>(test_->rows());
 }
 
-absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(
-    const proto::JobSpec& job, uint32_t rank) {
-  if (job.workload == proto::WorkloadKind::kSynthetic) {
-    return std::make_unique<SyntheticWorkload>(job, rank);
-  }
+namespace {
+
+// Data rank `rank` of `ranks`: the mlp's rows r with r mod ranks == rank
+// (and the test set, `with_test`).
+absl::StatusOr<std::unique_ptr<Workload>> MakeMlpWorkload(
+    const proto::JobSpec& job, uint32_t rank, uint32_t ranks, bool with_test) {
   openblas_set_num_threads(1);  // N workers share the host's cores
-  auto train = ReadDataset(job.mlp, job.mlp.train_path, job.workers(), rank);
+  auto train = ReadDataset(job.mlp, job.mlp.train_path, ranks, rank);
   if (!train.ok()) return train.status();
   std::optional<MlpDataset> test;
-  if (!job.mlp.test_path.empty()) {
+  if (with_test && !job.mlp.test_path.empty()) {
     auto t = ReadDataset(job.mlp, job.mlp.test_path, 1, 0);
     if (!t.ok()) return t.status();
     test = *std::move(t);
   }
   return std::make_unique<MlpWorkload>(job, rank, *std::move(train),
                                        std::move(test));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(
+    const proto::JobSpec& job, uint32_t rank) {
+  const uint32_t local = job.local_ranks;
+  if (job.workload == proto::WorkloadKind::kSynthetic) {
+    auto first = std::make_unique<SyntheticWorkload>(job, rank * local);
+    if (local == 1) return first;
+    std::vector<std::unique_ptr<Workload>> ranks;
+    for (uint32_t k = 1; k < local; ++k)
+      ranks.push_back(
+          std::make_unique<SyntheticWorkload>(*first, rank * local + k));
+    ranks.insert(ranks.begin(), std::move(first));
+    return MakeNodeWorkload(std::move(ranks));
+  }
+  if (local == 1) return MakeMlpWorkload(job, rank, job.workers(), true);
+  std::vector<std::unique_ptr<Workload>> ranks;
+  for (uint32_t k = 0; k < local; ++k) {
+    auto own = MakeMlpWorkload(job, rank * local + k, job.workers() * local,
+                               /*with_test=*/k == 0);
+    if (!own.ok()) return own.status();
+    ranks.push_back(*std::move(own));
+  }
+  return MakeNodeWorkload(std::move(ranks));
 }
 
 }  // namespace morse::worker

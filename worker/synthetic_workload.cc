@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "compress/kernels.h"
@@ -50,7 +51,7 @@ absl::StatusOr<std::unique_ptr<GradientHook>> SyntheticWorkload::GradientOn(
   DeviceServices* device = engine.device();
   if (device == nullptr) return Workload::GradientOn(engine);
   const float* arrays[2];
-  const std::vector<float>* sources[2] = {&curvature_, &target_};
+  const std::vector<float>* sources[2] = {curvature_.get(), target_.get()};
   for (int i = 0; i < 2; ++i) {
     auto memory = device->Allocate(4 * dim());
     if (!memory.ok()) return memory.status();
@@ -67,18 +68,29 @@ SyntheticWorkload::SyntheticWorkload(const proto::JobSpec& job, uint32_t rank)
     : seed_(job.algorithm.seed),
       rank_(rank),
       noise_(job.synthetic.noise),
-      dead_every_(job.synthetic.dead_every),
-      curvature_(job.synthetic.dim),
-      target_(job.synthetic.dim) {
+      dead_every_(job.synthetic.dead_every) {
+  const uint64_t n = job.synthetic.dim;
+  auto curvature = std::make_shared<std::vector<float>>(n);
+  auto target = std::make_shared<std::vector<float>>(n);
   compress::FillDraws({seed_, kCurvatureTag, kCurvatureTag, 0},
-                      curvature_.data(), dim());
-  compress::FillDraws({seed_, kTargetTag, kTargetTag, 0}, target_.data(),
-                      dim());
-  for (uint64_t j = 0; j < dim(); ++j) {
-    curvature_[j] = 0.1f + 0.9f * curvature_[j];
-    target_[j] = 2.0f * target_[j] - 1.0f;
+                      curvature->data(), n);
+  compress::FillDraws({seed_, kTargetTag, kTargetTag, 0}, target->data(), n);
+  for (uint64_t j = 0; j < n; ++j) {
+    (*curvature)[j] = 0.1f + 0.9f * (*curvature)[j];
+    (*target)[j] = 2.0f * (*target)[j] - 1.0f;
   }
+  curvature_ = std::move(curvature);
+  target_ = std::move(target);
 }
+
+SyntheticWorkload::SyntheticWorkload(const SyntheticWorkload& same_job,
+                                     uint32_t rank)
+    : seed_(same_job.seed_),
+      rank_(rank),
+      noise_(same_job.noise_),
+      dead_every_(same_job.dead_every_),
+      curvature_(same_job.curvature_),
+      target_(same_job.target_) {}
 
 void SyntheticWorkload::Initialize(absl::Span<float> x) const {
   std::fill(x.begin(), x.end(), 0.0f);
@@ -111,8 +123,8 @@ absl::Status SyntheticWorkload::GradientRange(int64_t step,
                      loss_lanes[3]};
   alignas(64) float draws[kChunk];
   const compress::KernelTable& kernels = compress::ActiveKernels();
-  const float* __restrict a = curvature_.data();
-  const float* __restrict t = target_.data();
+  const float* __restrict a = curvature_->data();
+  const float* __restrict t = target_->data();
   const float* __restrict xs = x.data();
   float* __restrict g = grad.data();
   const float noise = noise_;

@@ -64,8 +64,19 @@ class Workload {
       Engine& engine);
 };
 
+// Worker `rank`'s workload. With job.local_ranks L > 1 the worker is a node
+// of L local ranks (MakeNodeWorkload): local rank k trains as data rank
+// rank * L + k of workers * L (its share of the mlp's rows, its synthetic
+// noise).
 absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(
     const proto::JobSpec& job, uint32_t rank);
+
+// A node's local ranks as one workload (worker/node_workload.cc): the
+// gradient ((g_0 + g_1) + ... + g_{L-1}) / L in float, in local-rank order,
+// as morse.torch's node group averages it; the loss the mean of theirs. On
+// the host only.
+std::unique_ptr<Workload> MakeNodeWorkload(
+    std::vector<std::unique_ptr<Workload>> ranks);
 
 // The mlp workload (worker/mlp_workload.cc), exposed so the GPU path can
 // draw the same batches and run the same passes (worker/mlp_backprop.h).
@@ -125,7 +136,10 @@ class MlpWorkload final : public Workload {
 class SyntheticWorkload final : public Workload {
  public:
   SyntheticWorkload(const proto::JobSpec& job, uint32_t rank);
-  uint64_t dim() const override { return curvature_.size(); }
+  // Another rank's gradient of the same job, sharing a and t (the local
+  // ranks of a node, NodeWorkload).
+  SyntheticWorkload(const SyntheticWorkload& same_job, uint32_t rank);
+  uint64_t dim() const override { return curvature_->size(); }
   void Initialize(absl::Span<float> x) const override;
   absl::StatusOr<double> Gradient(int64_t step, absl::Span<const float> x,
                                   absl::Span<float> grad) override;
@@ -141,8 +155,8 @@ class SyntheticWorkload final : public Workload {
   absl::StatusOr<std::unique_ptr<GradientHook>> GradientOn(
       Engine& engine) override;
   // a and t of the formula (tests).
-  absl::Span<const float> curvature() const { return curvature_; }
-  absl::Span<const float> target() const { return target_; }
+  absl::Span<const float> curvature() const { return *curvature_; }
+  absl::Span<const float> target() const { return *target_; }
 
  private:
   uint64_t seed_;
@@ -150,7 +164,7 @@ class SyntheticWorkload final : public Workload {
   float noise_;
   uint32_t
       dead_every_;  // elements j % dead_every == 0 get no gradient (0: none)
-  std::vector<float> curvature_, target_;
+  std::shared_ptr<const std::vector<float>> curvature_, target_;
 };
 
 }  // namespace morse::worker

@@ -269,7 +269,6 @@ TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
   TwoRanks two(config, job);
   ASSERT_NO_FATAL_FAILURE(two.Start());
-  std::vector<std::unique_ptr<worker::Session>>& ranks = two.ranks;
   const auto both = [&](auto&& f) { return two.Both(f); };
   // Powers of two: their mean is exact in fp32.
   std::vector<std::vector<float>> grads(2, std::vector<float>(1000));

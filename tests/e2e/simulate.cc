@@ -18,8 +18,10 @@ Expected Simulate(const proto::JobSpec& job,
   auto sim =
       compress::Simulator::Create(job.algorithm, std::vector<float>(dim, 0.0f));
   EXPECT_TRUE(sim.ok()) << sim.status();
-  std::vector<worker::SyntheticWorkload> workloads;
-  for (uint32_t r = 0; r < job.workers(); ++r) workloads.emplace_back(job, r);
+  // Each worker's (a node's local ranks with local_ranks > 1).
+  std::vector<std::unique_ptr<worker::Workload>> workloads;
+  for (uint32_t r = 0; r < job.workers(); ++r)
+    workloads.push_back(*worker::MakeWorkload(job, r));
   std::vector<std::vector<float>> grads(job.workers(), std::vector<float>(dim));
   Expected expected;
   expected.shard.resize(job.shards());
@@ -41,7 +43,7 @@ Expected Simulate(const proto::JobSpec& job,
       if (!diloco) {
         EXPECT_TRUE(
             workloads[r]
-                .Gradient(step, sim->worker_x(r), absl::MakeSpan(grads[r]))
+                ->Gradient(step, sim->worker_x(r), absl::MakeSpan(grads[r]))
                 .ok());
         continue;
       }
@@ -59,7 +61,7 @@ Expected Simulate(const proto::JobSpec& job,
                                absl::MakeSpan(local[r]));
         const int64_t t = step * period + h;
         EXPECT_TRUE(workloads[r]
-                        .Gradient(t, local[r], absl::MakeSpan(inner_grad[r]))
+                        ->Gradient(t, local[r], absl::MakeSpan(inner_grad[r]))
                         .ok());
         compress::AdamStep(compress::MakeAdamScalars(
                                a.adam, compress::LearningRate(inner_lr, t),

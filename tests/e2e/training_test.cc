@@ -114,6 +114,27 @@ TEST(TrainingTest, OneBitAdamAcrossTheFreezeStepMatchesTheSimulator) {
   )");
 }
 
+// Nodes (local_ranks 2): 2 morse-worker processes, each a node of 2 local
+// ranks, are the job's 2 workers; both and the shards' mirrors hold the
+// simulator's bits with N = 2 fed each node's average of its local ranks'
+// gradients (the average's rule: workload_test).
+TEST(TrainingTest, NodesOfTwoLocalRanksMatchTheSimulator) {
+  ExpectBitIdentical(R"(
+    workers: 2
+    local_ranks: 2
+    shards: 2
+    synthetic { dim: 20011 noise: 0.2 }
+    lr { lr: 0.01 }
+    steps: 10
+    block_elems: 256
+    partition_elems: 4096
+    seed: 42
+    log_every: 5
+    optimizer: "onebit_adam"
+    freeze_step: 4
+  )");
+}
+
 // The compute pools (--compute_threads) of servers and workers complete,
 // encode and apply partitions in parallel: the same bits with 1, 2 or 8
 // threads (the other tests run with the default, one per core).

@@ -149,6 +149,107 @@ TEST_F(WorkloadTest, DataErrorsNameTheFileAndLine) {
   }
 }
 
+// A node of 2 local ranks (local_ranks 2) on worker 1 of 2: data ranks 2
+// and 3 of 4, each on its own rows; the node's gradient their average, the
+// same floats as two workers of a 4-worker job averaged here.
+TEST_F(WorkloadTest, ANodesLocalRanksTrainOnTheirShareOfTheRows) {
+  const std::string data = "/d.csv";
+  const auto job_of = [&](const std::string& shape) {
+    auto job = proto::ParseJobConfig(
+        absl::StrCat(shape,
+                     " shards: 1 lr { lr: 0.01 } steps: 10 freeze_step: 1 "
+                     "block_elems: 16 partition_elems: 16 mlp { train_path: "
+                     "\"",
+                     dir_, data,
+                     "\" features: 5 classes: 3 hidden: 4 batch_size: 4 }"),
+        proto::ConfigFormat::kText);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return *job;
+  };
+  auto node = MakeWorkload(job_of("workers: 2 local_ranks: 2"), 1);
+  auto two = MakeWorkload(job_of("workers: 4"), 2);
+  auto three = MakeWorkload(job_of("workers: 4"), 3);
+  ASSERT_TRUE(node.ok() && two.ok() && three.ok()) << node.status();
+  EXPECT_EQ((*node)->samples_per_step(), 8u);
+  const size_t n = (*node)->dim();
+  std::vector<float> x(n), got(n), g2(n), g3(n);
+  (*node)->Initialize(absl::MakeSpan(x));
+  for (int64_t step = 0; step < 3; ++step) {
+    auto loss = (*node)->Gradient(step, x, absl::MakeSpan(got));
+    auto l2 = (*two)->Gradient(step, x, absl::MakeSpan(g2));
+    auto l3 = (*three)->Gradient(step, x, absl::MakeSpan(g3));
+    ASSERT_TRUE(loss.ok() && l2.ok() && l3.ok()) << loss.status();
+    for (size_t j = 0; j < n; ++j) {
+      const float want = (g2[j] + g3[j]) / 2.0f;
+      ASSERT_EQ(std::memcmp(&want, &got[j], 4), 0)
+          << "step " << step << " element " << j;
+    }
+    EXPECT_EQ(*loss, (*l2 + *l3) / 2);
+    EXPECT_NE(g2, g3);  // the ranks' rows differ
+  }
+}
+
+// A node of 3 local ranks of the synthetic workload (worker 1 of 2: data
+// ranks 3, 4, 5): ((g3 + g4) + g5) / 3 in float, whole or in ranges.
+TEST(SyntheticWorkloadTest, ANodesGradientIsItsLocalRanksAverageInOrder) {
+  auto job = *proto::ParseJobConfig(
+      "workers: 2 local_ranks: 3 shards: 1 synthetic { dim: 5003 noise: 0.3 "
+      "dead_every: 5 } lr { lr: 0.1 } steps: 3 freeze_step: 1 seed: 4",
+      proto::ConfigFormat::kText);
+  auto node = MakeWorkload(job, 1);
+  ASSERT_TRUE(node.ok()) << node.status();
+  ASSERT_TRUE((*node)->ComputesRanges());
+  const size_t n = 5003;
+  std::vector<float> x(n), whole(n), pieces(n, -7.0f);
+  for (size_t j = 0; j < n; ++j) x[j] = std::cos(0.11 * static_cast<double>(j));
+  auto loss = (*node)->Gradient(2, x, absl::MakeSpan(whole));
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  std::vector<std::vector<float>> own(3, std::vector<float>(n));
+  double rank_loss = 0;
+  for (uint32_t k = 0; k < 3; ++k) {
+    SyntheticWorkload rank(job, 3 + k);
+    auto l = rank.Gradient(2, x, absl::MakeSpan(own[k]));
+    ASSERT_TRUE(l.ok());
+    rank_loss = *l;  // the synthetic loss does not depend on the rank
+  }
+  for (size_t j = 0; j < n; ++j) {
+    const float want = ((own[0][j] + own[1][j]) + own[2][j]) / 3.0f;
+    ASSERT_EQ(std::memcmp(&want, &whole[j], 4), 0) << "element " << j;
+  }
+  EXPECT_NEAR(*loss, rank_loss, 1e-12 * rank_loss);
+  double lanes[4] = {0, 0, 0, 0};
+  const uint64_t cuts[] = {0, 3, 1024, 4999, n};
+  for (size_t c = 0; c + 1 < std::size(cuts); ++c) {
+    ASSERT_TRUE((*node)
+                    ->GradientRange(2, x, absl::MakeSpan(pieces), cuts[c],
+                                    cuts[c + 1], lanes)
+                    .ok());
+  }
+  EXPECT_EQ(std::memcmp(pieces.data(), whole.data(), 4 * n), 0);
+  EXPECT_NEAR((lanes[0] + lanes[1] + (lanes[2] + lanes[3])) / n, *loss,
+              1e-12 * *loss);
+  // A local rank's refusal names it.
+  const absl::Status bad =
+      (*node)->GradientRange(2, x, absl::MakeSpan(pieces), 9, 8, lanes);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("local rank 0 of 3"), std::string::npos)
+      << bad.message();
+}
+
+TEST(SyntheticWorkloadTest, LocalRanksOutOfReachAreRefused) {
+  for (const char* config :
+       {"workers: 2 local_ranks: 40000 shards: 1 synthetic { dim: 10 } "
+        "lr { lr: 0.1 } steps: 3 freeze_step: 1",
+        "workers: 2 local_ranks: 2 shards: 1 external { dim: 10 } "
+        "lr { lr: 0.1 } steps: 3 freeze_step: 1"}) {
+    auto job = proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+    EXPECT_EQ(job.status().code(), absl::StatusCode::kInvalidArgument)
+        << config;
+    EXPECT_NE(job.status().message().find("local_ranks"), std::string::npos)
+        << job.status();
+  }
+}
+
 TEST(SyntheticWorkloadTest, GradientsDependOnStepAndRankOnly) {
   auto job = *proto::ParseJobConfig(
       "workers: 2 shards: 1 synthetic { dim: 1000 } lr { lr: 0.1 } steps: 3 "
