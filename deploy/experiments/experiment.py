@@ -69,7 +69,7 @@ PEERS = {"ddp_fp32": "none", "ddp_fp16": "fp16", "ddp_powersgd": "powersgd",
          # DeepSpeed's 1-bit compressed all-reduce (onebit_peer.py), the
          # exchange users would otherwise pick for 1-bit Adam.
          "onebit_allreduce": None}
-FIELDS = ["kind", "scheme", "inner_steps", "rate_gbit", "dim", "workers", "shards", "steps_measured",
+FIELDS = ["kind", "scheme", "inner_steps", "rate_gbit", "dim", "workers", "local_ranks", "shards", "steps_measured",
           "step_median_s", "step_p25_s", "step_p75_s", "comm_median_s", "comm_rank0_median_s",
           "comm_round_median_s", "payload_bytes_per_step",
           "wire_bytes_per_step", "rounds_per_step", "step_over_compute", "floor_s", "ceiling_up_gbps",
@@ -201,15 +201,18 @@ def netprobe(vc, bin_dir, a, b, streams=2):
 
 
 def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, window=8,
-              channels=2, compute_threads=0, trace=None, rate=None, partition_elems=262144):
+              channels=2, compute_threads=0, trace=None, rate=None, partition_elems=262144,
+              local_ranks=1):
     """One Morse job; returns a result row (without the link fields). With
-    `trace` (a folder) every daemon writes its step timeline there."""
+    `trace` (a folder) every daemon writes its step timeline there; with
+    `local_ranks` L > 1 each worker is a node of L local ranks (one worker,
+    the average of its L ranks' gradients; design.md 2.10)."""
     def traced(name):
         return (["--trace", os.path.join(trace, f"{scheme}-{rate}g-{dim}-{name}.json")]
                 if trace else [])
     config = os.path.join(work, f"{scheme}-{dim}.textproto")
     with open(config, "w") as f:
-        f.write(f"""name: "{scheme}" workers: {workers} shards: {shards}
+        f.write(f"""name: "{scheme}" workers: {workers} shards: {shards} local_ranks: {local_ranks}
 synthetic {{ dim: {dim} noise: 0.1{f" layer_elems: {LAYER_ELEMS[scheme]}" if scheme in LAYER_ELEMS else ""} }}
 lr {{ lr: 0.0001 }}
 steps: {steps}
@@ -242,7 +245,7 @@ log_every: 1000
                                                    "--compute_threads", str(compute_threads)]
                                          + traced(f"rank-{r}"), log))
         codes = wait_all(procs, 60 + steps * (dim * 4 * 8 / (vc.rate * 1e9) * 6
-                                              + 5 * INNER_STEPS.get(scheme, 1)))
+                                              + 5 * INNER_STEPS.get(scheme, 1) * local_ranks))
         after = vc.tx_rx(worker_host(0))
     finally:
         stop(procs + servers)
@@ -367,6 +370,10 @@ def main():
     p.add_argument("--dims", type=int, nargs="+", default=[1_000_000, 25_000_000])
     p.add_argument("--workers", type=int, nargs="+", default=[2], help="N values to sweep")
     p.add_argument("--shards", type=int, nargs="+", default=[2], help="S values to sweep")
+    p.add_argument("--local-ranks", type=int, nargs="+", default=[1], metavar="L",
+                   help="L values to sweep (default 1): each Morse worker a node of L local ranks "
+                        "(local_ranks in the job config: one push per node, its ranks' average); "
+                        "the peers run N x L ranks, a host each")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
@@ -396,6 +403,8 @@ def main():
         sys.exit("experiment.py: needs root for ip netns and tc; run it with sudo")
     if not a.queue_ms > 0:
         p.error("--queue-ms must be positive")
+    if min(a.local_ranks) < 1:
+        p.error("--local-ranks must be at least 1")
     if a.partition_elems < 0 or a.partition_elems % 2048:
         p.error("--partition-elems must be 0 (the job's default) or a positive multiple of 2048 "
                 "(block_elems)")
@@ -417,7 +426,8 @@ def main():
         os.makedirs(a.trace, exist_ok=True)
     work = tempfile.mkdtemp(prefix="morse-exp-")
     signal.signal(signal.SIGTERM, lambda *x: sys.exit(143))  # unwinds through the cluster's __exit__
-    hosts = max(max(a.workers), max(a.shards)) if a.colocate else max(a.workers) + max(a.shards)
+    ranks = max(a.workers) * max(a.local_ranks)  # the peers' ranks, a host each
+    hosts = max(ranks, max(a.shards)) if a.colocate else max(ranks, max(a.workers)) + max(a.shards)
     hosts = max(hosts, 2)
     rows = []
     started = time.time()
@@ -429,24 +439,26 @@ def main():
                 probe = netprobe(vc, a.build, 0, 1)
                 print(f"== {rate} Gbit/s: netprobe {probe['up_gbps']:.3f} up, {probe['down_gbps']:.3f} down",
                       flush=True)
-                shapes = [(dim, n, s) for dim in a.dims for n in a.workers for s in a.shards]
-                for dim, workers, shards in shapes:
+                shapes = [(dim, n, s, l) for dim in a.dims for n in a.workers for s in a.shards
+                          for l in a.local_ranks]
+                for dim, workers, shards, local in shapes:
                     runs = [("morse", s) for s in a.schemes]
                     if shards == a.shards[0]:  # peers have no servers: once per (D, N)
                         runs += [("peer", s) for s in a.peers]
                     for kind, scheme in runs:
                         row = {"kind": kind, "scheme": scheme, "rate_gbit": rate, "dim": dim,
-                               "workers": workers, "shards": shards,
+                               "workers": workers, "local_ranks": local, "shards": shards,
                                "ceiling_up_gbps": probe["up_gbps"], "ceiling_down_gbps": probe["down_gbps"]}
                         try:
                             if kind == "morse":
                                 row.update(morse_run(vc, a.build, scheme, dim, workers, shards, a.steps,
                                                      a.colocate, work, a.window, a.channels,
                                                      a.compute_threads, a.trace, rate,
-                                                     a.partition_elems))
+                                                     a.partition_elems, local))
                             else:
-                                row["workers"] = max(2, workers)
-                                row.update(ddp_run(vc, scheme, dim, max(2, workers), a.steps, work))
+                                # A rank per host: a node's L ranks are L peers.
+                                row["workers"], row["local_ranks"] = max(2, workers * local), 1
+                                row.update(ddp_run(vc, scheme, dim, row["workers"], a.steps, work))
                         except Exception as e:  # a failed run is reported, never dropped
                             row["status"] = f"failed: {e}"
                         payload = row.get("payload_bytes_per_step") or (4 * dim if kind == "peer" else 0)
@@ -456,7 +468,7 @@ def main():
                         writer.writerow({k: row.get(k, "") for k in FIELDS})
                         f.flush()
                         rows.append(row)
-                        print(f"   D={dim:>11,} N={workers} S={shards} {scheme:<14} {row.get('status', '')[:60]:<12} "
+                        print(f"   D={dim:>11,} N={row['workers']}{f'x{local}' if kind == 'morse' and local > 1 else ''} S={shards} {scheme:<14} {row.get('status', '')[:60]:<12} "
                               f"step {row.get('step_median_s', float('nan')):.4f} s", flush=True)
     report.write(os.path.join(a.out, "results.csv"), a.out, {
         "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),

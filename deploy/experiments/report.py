@@ -21,6 +21,9 @@ TARGET_OTHERS_COMM_OVER_FLOOR = 1.3
 TARGET_LAMB_STEP_OVER_ONEBIT = 1.1
 TARGET_ZERO_ONE_STEP_OVER_ONEBIT = 1.0  # its mean step below onebit's median
 TARGET_DILOCO_STEP_OVER_COMPUTE = 1.1  # issue 39: within 1.1x of the step without communication
+# Issue 37: a node of L local ranks (local_ranks) pushes as one worker.
+TARGET_NODE_WIRE = (1.0, 1.05)  # bytes on its link per step / one flat worker's payload
+TARGET_NODE_COMM_OVER_FLOOR = 1.3
 
 
 def _num(value):
@@ -42,6 +45,8 @@ def load(path):
                 r[k] = _num(r.get(k))
             for k in ("dim", "workers", "shards", "steps_measured", "inner_steps"):
                 r[k] = int(float(r[k])) if _num(r.get(k)) is not None else None
+            # Ranks per worker (a node's; results from before the column: 1).
+            r["local_ranks"] = int(float(r["local_ranks"])) if _num(r.get("local_ranks")) else 1
             rows.append(r)
     return rows
 
@@ -66,7 +71,7 @@ def derive(rows):
     peer = {(r["rate_gbit"], r["dim"], r["workers"]): r["comm_median_s"] for r in rows
             if r["scheme"] == "onebit_allreduce" and r["status"] == "ok"}
     for r in rows:
-        p = peer.get((r["rate_gbit"], r["dim"], r["workers"]))
+        p = peer.get((r["rate_gbit"], r["dim"], r["workers"] * r["local_ranks"]))
         r["onebit_over_peer"] = (r["comm_median_s"] / p if r["scheme"] == "onebit" and r["status"] == "ok"
                                  and p and r["comm_median_s"] else None)
     return rows
@@ -76,6 +81,30 @@ def targets(rows):
     """(name, target, measured, met, note) for each target that has data."""
     out = []
     for r in rows:
+        if (r["scheme"] == "onebit" and r["rate_gbit"] == 1 and r["dim"] == 25_000_000
+                and r["status"] == "ok" and r["local_ranks"] > 1):
+            nodes = f"{r['workers']} nodes x {r['local_ranks']} local ranks"
+            # One worker's payload: the flat run's of the same shape where
+            # there is one, else the node's own (one worker's push).
+            flat = next((f for f in rows if f["scheme"] == "onebit" and f["status"] == "ok"
+                         and f["local_ranks"] == 1 and f["kind"] == "morse"
+                         and (f["rate_gbit"], f["dim"], f["workers"], f["shards"])
+                         == (r["rate_gbit"], r["dim"], r["workers"], r["shards"])), r)
+            wire = (r["wire_bytes_per_step"] / flat["payload_bytes_per_step"]
+                    if r["wire_bytes_per_step"] and flat["payload_bytes_per_step"] else None)
+            out.append((f"onebit, 1 Gbit/s, D=25M, {nodes}: bytes on a node's link per step / "
+                        f"one worker's payload ({'the flat run' if flat is not r else 'its own'})",
+                        f"{TARGET_NODE_WIRE[0]}-{TARGET_NODE_WIRE[1]}", wire,
+                        wire is not None and TARGET_NODE_WIRE[0] <= wire <= TARGET_NODE_WIRE[1]))
+            out.append((f"onebit, 1 Gbit/s, D=25M, {nodes}: communication / DESIGN 7 floor for "
+                        "N = nodes", f"<= {TARGET_NODE_COMM_OVER_FLOOR}", r["comm_over_floor"],
+                        r["comm_over_floor"] is not None
+                        and r["comm_over_floor"] <= TARGET_NODE_COMM_OVER_FLOOR))
+            if r["onebit_over_peer"] is not None:
+                out.append((f"onebit, 1 Gbit/s, D=25M, {nodes}: communication / DeepSpeed-style "
+                            f"1-bit all-reduce's over the {r['workers'] * r['local_ranks']} ranks",
+                            "(reported)", r["onebit_over_peer"], True))
+            continue
         if r["scheme"] == "onebit" and r["rate_gbit"] == 1 and r["dim"] == 25_000_000 and r["status"] == "ok":
             out.append(("onebit compression phase, 1 Gbit/s, D=25M: communication / DESIGN 7 floor",
                         f"<= {TARGET_COMM_OVER_FLOOR}", r["comm_over_floor"],
@@ -216,7 +245,8 @@ def write(csv_path, out_dir, meta=None):
               "scheme). comm s is, per step, the least any worker (or any rank of the 1-bit peer) "
               "waited for the exchange: the worker whose gradient was ready last waits for the "
               "exchange alone, the others also for it (skew, not communication); rank 0's own "
-              "wait is beside it.", "",
+              "wait is beside it. N×L: N workers, each a node of L local ranks (local_ranks; "
+              "one push per node).", "",
               "| kind | scheme | Gbit/s | D | N | S | step s (p25–p75) | comm s | rank 0's wait s | "
               "payload B/step | rounds/step | wire/payload | comm/floor | goodput/ceiling | "
               "speedup vs DDP fp32 | status |",
@@ -225,7 +255,8 @@ def write(csv_path, out_dir, meta=None):
     for r in rows:
         spread = (f"{_fmt(r['step_median_s'])} ({_fmt(r['step_p25_s'])}–{_fmt(r['step_p75_s'])})"
                   if r["step_median_s"] else "-")
-        lines.append(f"| {r['kind']} | {r['scheme']} | {_fmt(r['rate_gbit'])} | {r['dim']:,} | {r['workers']} | "
+        n = f"{r['workers']}×{r['local_ranks']}" if r["local_ranks"] > 1 else f"{r['workers']}"
+        lines.append(f"| {r['kind']} | {r['scheme']} | {_fmt(r['rate_gbit'])} | {r['dim']:,} | {n} | "
                      f"{r['shards']} | {spread} | {_fmt(r['comm_median_s'])} | "
                      f"{_fmt(r.get('comm_rank0_median_s'))} | "
                      f"{_fmt(r['payload_bytes_per_step'], 6)} | {_fmt(r.get('rounds_per_step'))} | "
