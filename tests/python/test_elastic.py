@@ -44,13 +44,21 @@ STEPS = 16
 KILLED = 6
 
 
-def worker(out, pace):
+def worker(out, pace, killed=2):
+    """A rank of the job: rank `killed` kills itself in its first life
+    (rank 2 of 3 ranks; rank 3, node 1's second, of 2 nodes x 2). With
+    `pace` > 0 (its restart is tested) the others go at that pace and wait
+    before step STEPS - 3 until it has caught up."""
     import numpy as np
     import morse.torch
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
-    rank = int(os.environ["MORSE_RANK"])
+    rank = int(os.environ["RANK"])
     life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    if life > 0:
+        # Back later than timeouts.step_seconds (at most 2 here), however
+        # fast the restart: the steps go on without it meanwhile.
+        time.sleep(3)
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3, block_elems=16,
                                  partition_elems=64)
     first = opt.step_index
@@ -60,15 +68,16 @@ def worker(out, pace):
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+    # The killed rank (with --node-aggregation its whole node) restarts,
+    # slow on a loaded host, and replays; the others wait for it.
+    size = int(os.environ["LOCAL_WORLD_SIZE"]) if os.environ.get("MORSE_NODE_AGGREGATION") else 1
+    waits = rank // size != killed // size
     for step in range(first, STEPS):
-        if pace and rank != 2 and step == STEPS - 3:
-            # Rank 2, restarting (a Python and torch start, slow on a loaded
-            # host) and replaying, must find the job still running: wait
-            # here until it has caught up with the step before.
+        if pace and waits and step == STEPS - 3:
             deadline = time.time() + 120
-            while not os.path.exists(f"{out}/step-2-{step - 1}.json") and time.time() < deadline:
+            while not os.path.exists(f"{out}/step-{killed}-{step - 1}.json") and time.time() < deadline:
                 time.sleep(0.05)
-        if rank == 2 and life == 0 and step == KILLED:
+        if rank == killed and life == 0 and step == KILLED:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -78,56 +87,13 @@ def worker(out, pace):
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         np.save(f"{out}/grad-{rank}-{step}.npy", flat.numpy())
         opt.step()
-        record = {"checksum": opt.checksum(), "members": opt.membership()}
+        x_now = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        record = {"checksum": opt.checksum(), "members": opt.membership(),
+                  "x": x_now.numpy().tobytes().hex()}
         with open(f"{out}/step-{rank}-{step}.tmp", "w") as f:
             json.dump(record, f)
         os.rename(f"{out}/step-{rank}-{step}.tmp", f"{out}/step-{rank}-{step}.json")
         time.sleep(pace)  # the others' pace, while a restarted rank catches up
-
-
-def node_worker(out, how):
-    """A rank of a 2 x 2 node job (how: leader or sharded, and :returns
-    when node 1 is restarted); rank 3 dies in its first life."""
-    import numpy as np
-    import morse.torch
-    torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
-    rank = int(os.environ["RANK"])
-    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3, block_elems=16,
-                                 partition_elems=64)
-    first = opt.step_index
-    print(f"life {life} starts at step {first}", flush=True)
-    if rank == 0:
-        with open(os.environ["MORSE_CONFIG"]) as f:
-            base = f.read()
-        json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
-        np.save(f"{out}/x0.npy", torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
-    for step in range(first, STEPS):
-        if how.endswith(":returns") and rank < 2 and step == STEPS - 3:
-            # Node 1, restarting and replaying, must find the job still
-            # running: wait here until it has caught up with the step before.
-            deadline = time.time() + 120
-            while not os.path.exists(f"{out}/step-3-{step - 1}.json") and time.time() < deadline:
-                time.sleep(0.05)
-        if rank == 3 and life == 0 and step == KILLED:
-            print(f"killing myself in step {step}, before backward()", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        np.save(f"{out}/grad-{rank}-{step}.npy",
-                torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
-        opt.step()
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        record = {"checksum": opt.checksum(), "members": opt.membership(),
-                  "x": flat.numpy().tobytes().hex()}
-        with open(f"{out}/step-{rank}-{step}.tmp", "w") as f:
-            json.dump(record, f)
-        os.rename(f"{out}/step-{rank}-{step}.tmp", f"{out}/step-{rank}-{step}.json")
-        if how.endswith(":returns"):
-            time.sleep(0.4)  # the others' pace, while node 1 catches up
 
 
 def run_node_returns(how):
@@ -137,7 +103,7 @@ def run_node_returns(how):
         f.write("checkpoint { every_steps: 4 replay_steps: 16 }\n"
                 "timeouts { step_seconds: 2 recovery_seconds: 60 }\n")
     aggregation = "--node-aggregation" + ("=sharded" if how == "sharded" else "")
-    results = nodes(__file__, 2, 2, out, f"node:{how}:returns",
+    results = nodes(__file__, 2, 2, out, "node:0.4",
                     extra=("--servers", "2", aggregation, "--min-workers", "1", "--config", config,
                            "--rank-restarts", "1"))
     for node, (code, text) in enumerate(results):
@@ -171,7 +137,7 @@ def run_node_leaves(how):
     with open(config, "w") as f:
         f.write("timeouts { step_seconds: 2 recovery_seconds: 60 }\n")
     aggregation = "--node-aggregation" + ("=sharded" if how == "sharded" else "")
-    results = nodes(__file__, 2, 2, out, f"node:{how}",
+    results = nodes(__file__, 2, 2, out, "node:0",
                     extra=("--servers", "2", aggregation, "--min-workers", "1", "--config", config))
     for node, (code, text) in enumerate(results):
         print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
@@ -285,8 +251,8 @@ def run_returns():
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
-        if sys.argv[-1].startswith("node:"):
-            node_worker(sys.argv[-2], sys.argv[-1][5:])  # --worker OUT node:HOW
+        if sys.argv[-1].startswith("node:"):  # --worker OUT node:PACE
+            worker(sys.argv[-2], float(sys.argv[-1][5:]), killed=3)
         else:
             worker(sys.argv[-2], float(sys.argv[-1]))  # --worker OUT PACE
         sys.exit(0)
