@@ -755,6 +755,14 @@ def main(argv=None):
                 continue
             if code != 0:
                 time.sleep(0.2)  # the rank's last lines
+                # A rank that failed only because its node's group lost
+                # another rank is named after that one, the cause.
+                for w in sorted(remaining):
+                    if (w != r and workers[w].poll() not in (None, 0)
+                            and any("group lost a rank" in e for e in errors[r])
+                            and not any("group lost a rank" in e for e in errors[w])):
+                        r, code = w, workers[w].poll()
+                        break
                 first = next((e for e in errors[r] if "MorseError" in e), errors[r][-1] if errors[r] else "")
                 # Ranks that went too by now (one killed, another failing
                 # for its loss: which went first is not known): all named.
