@@ -303,24 +303,24 @@ absl::StatusOr<std::unique_ptr<Workload>> MakeMlpWorkload(
 absl::StatusOr<std::unique_ptr<Workload>> MakeWorkload(
     const proto::JobSpec& job, uint32_t rank) {
   const uint32_t local = job.local_ranks;
-  if (job.workload == proto::WorkloadKind::kSynthetic) {
-    auto first = std::make_unique<SyntheticWorkload>(job, rank * local);
-    if (local == 1) return first;
-    std::vector<std::unique_ptr<Workload>> ranks;
-    for (uint32_t k = 1; k < local; ++k)
-      ranks.push_back(
-          std::make_unique<SyntheticWorkload>(*first, rank * local + k));
-    ranks.insert(ranks.begin(), std::move(first));
-    return MakeNodeWorkload(std::move(ranks));
-  }
-  if (local == 1) return MakeMlpWorkload(job, rank, job.workers(), true);
   std::vector<std::unique_ptr<Workload>> ranks;
   for (uint32_t k = 0; k < local; ++k) {
-    auto own = MakeMlpWorkload(job, rank * local + k, job.workers() * local,
+    const uint32_t data_rank = rank * local + k;
+    if (job.workload == proto::WorkloadKind::kSynthetic) {
+      // The node's local ranks share the first one's a and t.
+      ranks.push_back(
+          k == 0 ? std::make_unique<SyntheticWorkload>(job, data_rank)
+                 : std::make_unique<SyntheticWorkload>(
+                       static_cast<const SyntheticWorkload&>(*ranks[0]),
+                       data_rank));
+      continue;
+    }
+    auto own = MakeMlpWorkload(job, data_rank, job.workers() * local,
                                /*with_test=*/k == 0);
     if (!own.ok()) return own.status();
     ranks.push_back(*std::move(own));
   }
+  if (local == 1) return std::move(ranks[0]);
   return MakeNodeWorkload(std::move(ranks));
 }
 

@@ -111,6 +111,9 @@ def node_worker(out, mode):
         if local == 0:
             np.save(f"{out}/grad-{node}-{done}.npy", opt._grad.numpy())
         checksums.append(opt.checksum())
+        # Every sync averaged both nodes: every rank of them, on every rank.
+        world = list(range(int(os.environ["WORLD_SIZE"])))
+        assert opt.membership() == world, f"membership {opt.membership()}, expected {world}"
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
     json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
     print(f"rank {rank}: {steps} inner steps, {opt.step_index} outer")

@@ -369,10 +369,7 @@ class DiLoCo:
         some; min_workers). Under --node-aggregation: every rank of the
         nodes it averaged."""
         nodes = self._led[2] if self._session is None else self._session.members()
-        if self._node is None:
-            return nodes
-        self._node.members = nodes
-        return self._node.member_ranks()
+        return nodes if self._node is None else self._node.member_ranks(nodes)
 
     def _owned(self, parameters):
         """For clip_grad_norm_ (a node's ranks only): None if none of

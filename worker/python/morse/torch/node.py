@@ -193,10 +193,11 @@ class NodeGroup:
         if known:
             self.members = sorted(set.intersection(*known))
 
-    def member_ranks(self):
-        """The ranks of the nodes the last step averaged (every rank before
-        the first step), ascending."""
-        nodes = range(self.nnodes) if self.members is None else self.members
+    def member_ranks(self, nodes=None):
+        """The ranks of `nodes`, by default those the last step averaged
+        (every node before the first step), ascending."""
+        if nodes is None:
+            nodes = range(self.nnodes) if self.members is None else self.members
         return [n * self.size + k for n in nodes for k in range(self.size)]
 
 
