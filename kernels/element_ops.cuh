@@ -63,6 +63,24 @@ __device__ __forceinline__ HalfWarpBlock ThisHalfWarpsBlock(const float* x,
   for (size_t j = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; \
        j < (n); j += static_cast<size_t>(gridDim.x) * blockDim.x)
 
+// The one launcher of the element-wise kernels: op(j) for every j < n, a
+// grid-stride loop of ElementGrid(n) CTAs of kThreads. An operation is a
+// __device__ lambda over its captured pointers and scalars (nvcc
+// --extended-lambda), written once where its launcher is:
+//   return ForEachElement(n, stream, [=] __device__(size_t j) { ... });
+// Nothing is launched for n = 0.
+template <typename Op>
+__global__ void ForEachElementKernel(size_t n, Op op) {
+  MORSE_FOR_EACH_ELEMENT(j, n) { op(j); }
+}
+
+template <typename Op>
+cudaError_t ForEachElement(size_t n, cudaStream_t stream, Op op) {
+  if (n == 0) return cudaSuccess;
+  ForEachElementKernel<<<ElementGrid(n), kThreads, 0, stream>>>(n, op);
+  return cudaGetLastError();
+}
+
 __device__ __forceinline__ float Add(float a, float b) {
   return __fadd_rn(a, b);
 }

@@ -9,29 +9,6 @@ namespace {
 
 using namespace device;
 
-__global__ void Float16EncodeKernel(bool bf16, const float* __restrict__ x,
-                                    float* __restrict__ e, size_t n,
-                                    int feedback, float beta,
-                                    uint16_t* __restrict__ out) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    // With feedback, compress/ encodes u = x + e and decodes it back
-    // (EncodeViaDecode).
-    const float u = e ? Add(x[j], e[j]) : x[j];
-    const uint16_t h = bf16 ? FloatToBfloat16(u) : FloatToHalf(u);
-    out[j] = h;
-    if (e)
-      e[j] = NextError(feedback, beta, e[j], u,
-                       bf16 ? Bfloat16ToFloat(h) : HalfToFloat(h));
-  }
-}
-
-__global__ void Float16DecodeKernel(bool bf16, const uint16_t* __restrict__ in,
-                                    size_t n, float* __restrict__ out) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    out[j] = bf16 ? Bfloat16ToFloat(in[j]) : HalfToFloat(in[j]);
-  }
-}
-
 __global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step,
                                         uint32_t rank, float noise,
                                         const float* __restrict__ a,
@@ -54,43 +31,29 @@ __global__ void SyntheticGradientKernel(uint64_t seed, uint64_t step,
   if ((threadIdx.x & 31) == 0) atomicAdd(loss, partial);
 }
 
-__global__ void AdamKernel(Adam adam, const float* __restrict__ g,
-                           float* __restrict__ x, float* __restrict__ m,
-                           float* __restrict__ v, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) { AdamElement(adam, g[j], &x[j], &m[j], &v[j]); }
-}
-
-__global__ void FrozenKernel(Adam adam, bool mask, const float* __restrict__ c,
-                             float* __restrict__ x, float* __restrict__ m,
-                             const float* __restrict__ v, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    FrozenElement(adam, Masked(mask, v[j], c[j]), &x[j], &m[j], v[j]);
-  }
-}
-
-__global__ void MomentumKernel(float beta1, const float* __restrict__ m,
-                               const float* __restrict__ g,
-                               float* __restrict__ out, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = MomentumElement(beta1, m[j], g[j]); }
-}
-
 }  // namespace
 
 cudaError_t Float16Encode(bool bf16, const float* x, float* e, size_t n,
                           int feedback, float beta, uint16_t* out,
                           cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  Float16EncodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      bf16, x, feedback == kFbNone ? nullptr : e, n, feedback, beta, out);
-  return cudaGetLastError();
+  if (feedback == kFbNone) e = nullptr;
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    // With feedback, compress/ encodes u = x + e and decodes it back
+    // (EncodeViaDecode).
+    const float u = e ? Add(x[j], e[j]) : x[j];
+    const uint16_t h = bf16 ? FloatToBfloat16(u) : FloatToHalf(u);
+    out[j] = h;
+    if (e)
+      e[j] = NextError(feedback, beta, e[j], u,
+                       bf16 ? Bfloat16ToFloat(h) : HalfToFloat(h));
+  });
 }
 
 cudaError_t Float16Decode(bool bf16, const uint16_t* in, size_t n, float* out,
                           cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  Float16DecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(bf16, in, n,
-                                                               out);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    out[j] = bf16 ? Bfloat16ToFloat(in[j]) : HalfToFloat(in[j]);
+  });
 }
 
 cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
@@ -106,25 +69,24 @@ cudaError_t SyntheticGradient(uint64_t seed, uint64_t step, uint32_t rank,
 
 cudaError_t AdamUpdate(AdamArgs adam, const float* g, float* x, float* m,
                        float* v, size_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  AdamKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m, v, n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    AdamElement(adam, g[j], &x[j], &m[j], &v[j]);
+  });
 }
 
 cudaError_t FrozenUpdate(AdamArgs adam, bool mask, const float* c, float* x,
                          float* m, const float* v, size_t n,
                          cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  FrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, mask, c, x, m, v,
-                                                        n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    FrozenElement(adam, Masked(mask, v[j], c[j]), &x[j], &m[j], v[j]);
+  });
 }
 
 cudaError_t Momentum(float beta1, const float* m, const float* g, float* out,
                      size_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  MomentumKernel<<<ElementGrid(n), kThreads, 0, stream>>>(beta1, m, g, out, n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    out[j] = MomentumElement(beta1, m[j], g[j]);
+  });
 }
 
 }  // namespace morse::kernels::launch

@@ -185,21 +185,6 @@ bool Aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-__global__ void IntDecodeKernel(int bits_per_elem,
-                                const float* __restrict__ scales,
-                                const uint8_t* __restrict__ data, size_t n,
-                                uint32_t block, float* __restrict__ out) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    int q;
-    if (bits_per_elem == 8) {
-      q = static_cast<int8_t>(data[j]);
-    } else {
-      q = (((data[j / 2] >> (4 * (j & 1))) & 0xF) ^ 8) - 8;
-    }
-    out[j] = Mul(static_cast<float>(q), scales[j / block]);
-  }
-}
-
 }  // namespace
 
 cudaError_t IntEncode(int bits_per_elem, const float* x, float* e, size_t n,
@@ -236,10 +221,15 @@ cudaError_t IntEncode(int bits_per_elem, const float* x, float* e, size_t n,
 cudaError_t IntDecode(int bits_per_elem, const float* scales,
                       const uint8_t* data, size_t n, uint32_t block, float* out,
                       cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  IntDecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      bits_per_elem, scales, data, n, block, out);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    int q;
+    if (bits_per_elem == 8) {
+      q = static_cast<int8_t>(data[j]);
+    } else {
+      q = (((data[j / 2] >> (4 * (j & 1))) & 0xF) ^ 8) - 8;
+    }
+    out[j] = Mul(static_cast<float>(q), scales[j / block]);
+  });
 }
 
 }  // namespace morse::kernels::launch

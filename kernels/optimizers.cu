@@ -12,92 +12,6 @@ namespace {
 
 using namespace device;
 
-// compress::ZeroOneVarianceStep's element.
-__global__ void ZeroOneVarianceKernel(Adam s, const float* __restrict__ g,
-                                      float* __restrict__ x,
-                                      float* __restrict__ m,
-                                      float* __restrict__ v, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    const float gj = g[j];
-    const float mi = Add(Mul(s.beta1, m[j]), Mul(Sub(1.0f, s.beta1), gj));
-    const float vi =
-        Add(Mul(s.beta2, v[j]), Mul(Sub(1.0f, s.beta2), Mul(gj, gj)));
-    const float m_hat = Div(mi, s.bias_correction1);
-    const float v_hat = Div(vi, s.bias_correction2);
-    const float d =
-        Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio),
-            Mul(s.weight_decay, x[j]));
-    m[j] = mi;
-    v[j] = vi;
-    x[j] = Sub(x[j], Mul(s.lr, d));
-  }
-}
-
-// compress::ZeroOneLocalStep's element.
-__global__ void ZeroOneLocalKernel(Adam s, const float* __restrict__ g,
-                                   float* __restrict__ x, float* __restrict__ m,
-                                   float* __restrict__ u,
-                                   const float* __restrict__ v, size_t n,
-                                   bool write_x) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    const float mi = Add(Mul(s.beta1, m[j]), Mul(Sub(1.0f, s.beta1), g[j]));
-    const float m_hat = Div(mi, s.bias_correction1);
-    const float v_hat = Div(v[j], s.bias_correction2);
-    const float d =
-        Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio),
-            Mul(s.weight_decay, x[j]));
-    m[j] = mi;
-    u[j] = Add(u[j], Mul(s.lr, d));
-    if (write_x) x[j] = Sub(x[j], Mul(s.lr, d));
-  }
-}
-
-// compress::ZeroOneSyncMessage's element (lr_sum != 0).
-__global__ void ZeroOneSyncMessageKernel(Adam s, float lr_sum,
-                                         const float* __restrict__ u,
-                                         const float* __restrict__ v,
-                                         float* __restrict__ out, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    const float a = Add(Sqrt(Div(v[j], s.bias_correction2)), s.eps);
-    out[j] = Div(Mul(u[j], a), lr_sum);
-  }
-}
-
-// compress::ZeroOneSyncStep's element, w masked first (ApplyRule).
-__global__ void ZeroOneSyncKernel(Adam s, bool mask,
-                                  const float* __restrict__ w,
-                                  const float* anchor, float* x,
-                                  float* __restrict__ m,
-                                  const float* __restrict__ v, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    const float wj = Masked(mask, v[j], w[j]);
-    const float a = Add(Sqrt(Div(v[j], s.bias_correction2)), s.eps);
-    x[j] = Sub(anchor[j], Mul(s.lr, BoundRatio(Div(wj, a), s.max_ratio)));
-    m[j] = wj;
-  }
-}
-
-// compress::LambMoments' element, the decoded value masked first.
-__global__ void LambMomentsKernel(LambArgs a, const float* __restrict__ decoded,
-                                  float* __restrict__ m, float* __restrict__ v,
-                                  float* __restrict__ v_fresh, size_t n) {
-  const float b1 = a.adam.beta1, b2 = a.adam.beta2;
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    if (!a.frozen) {
-      const float g = Masked(a.mask, v[j], decoded[j]);
-      const float vi = Add(Mul(b2, v[j]), Mul(Sub(1.0f, b2), Mul(g, g)));
-      m[j] = Add(Mul(b1, m[j]), Mul(Sub(1.0f, b1), g));
-      v[j] = vi;
-      if (a.copy_fresh) v_fresh[j] = vi;
-    } else {
-      const float c = Masked(a.mask, v[j], decoded[j]);
-      const float g = Div(Sub(c, Mul(b1, m[j])), Sub(1.0f, b1));
-      v_fresh[j] = Add(Mul(b2, v_fresh[j]), Mul(Sub(1.0f, b2), Mul(g, g)));
-      m[j] = c;
-    }
-  }
-}
-
 // compress/simd/element_ops.h's LambDirection: u = p + wd*x, p =
 // m̂/(sqrt(v̂)+eps) (bounded when frozen); *ratio = d/d' when frozen.
 __device__ __forceinline__ float UpdateDirection(const LambArgs& a, float x,
@@ -196,12 +110,6 @@ __global__ void __launch_bounds__(kSegment)
   if (threadIdx.x == 0) out[blockIdx.x] = t[0];
 }
 
-// A clip factor applied (compress::ApplyRule's decoded *= k; the worker's
-// own g*k).
-__global__ void ScaleKernel(float k, const float* in, float* out, size_t n) {
-  MORSE_FOR_EACH_ELEMENT(j, n) { out[j] = Mul(in[j], k); }
-}
-
 }  // namespace
 
 cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out,
@@ -212,58 +120,95 @@ cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out,
   return cudaGetLastError();
 }
 
+// A clip factor applied (compress::ApplyRule's decoded *= k; the worker's
+// own g*k).
 cudaError_t Scale(float k, const float* in, float* out, size_t n,
                   cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  ScaleKernel<<<ElementGrid(n), kThreads, 0, stream>>>(k, in, out, n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream,
+                        [=] __device__(size_t j) { out[j] = Mul(in[j], k); });
 }
 
-cudaError_t ZeroOneVarianceUpdate(AdamArgs adam, const float* g, float* x,
+// compress::ZeroOneVarianceStep's element.
+cudaError_t ZeroOneVarianceUpdate(AdamArgs s, const float* g, float* x,
                                   float* m, float* v, size_t n,
                                   cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  ZeroOneVarianceKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m,
-                                                                 v, n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    const float gj = g[j];
+    const float mi = Add(Mul(s.beta1, m[j]), Mul(Sub(1.0f, s.beta1), gj));
+    const float vi =
+        Add(Mul(s.beta2, v[j]), Mul(Sub(1.0f, s.beta2), Mul(gj, gj)));
+    const float m_hat = Div(mi, s.bias_correction1);
+    const float v_hat = Div(vi, s.bias_correction2);
+    const float d =
+        Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio),
+            Mul(s.weight_decay, x[j]));
+    m[j] = mi;
+    v[j] = vi;
+    x[j] = Sub(x[j], Mul(s.lr, d));
+  });
 }
 
-cudaError_t ZeroOneLocalStep(AdamArgs adam, const float* g, float* x, float* m,
+// compress::ZeroOneLocalStep's element.
+cudaError_t ZeroOneLocalStep(AdamArgs s, const float* g, float* x, float* m,
                              float* u, const float* v, size_t n, bool write_x,
                              cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  ZeroOneLocalKernel<<<ElementGrid(n), kThreads, 0, stream>>>(adam, g, x, m, u,
-                                                              v, n, write_x);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    const float mi = Add(Mul(s.beta1, m[j]), Mul(Sub(1.0f, s.beta1), g[j]));
+    const float m_hat = Div(mi, s.bias_correction1);
+    const float v_hat = Div(v[j], s.bias_correction2);
+    const float d =
+        Add(BoundRatio(Div(m_hat, Add(Sqrt(v_hat), s.eps)), s.max_ratio),
+            Mul(s.weight_decay, x[j]));
+    m[j] = mi;
+    u[j] = Add(u[j], Mul(s.lr, d));
+    if (write_x) x[j] = Sub(x[j], Mul(s.lr, d));
+  });
 }
 
-cudaError_t ZeroOneSyncMessage(AdamArgs adam, float lr_sum, const float* u,
+// compress::ZeroOneSyncMessage's element.
+cudaError_t ZeroOneSyncMessage(AdamArgs s, float lr_sum, const float* u,
                                const float* m, const float* v, float* out,
                                size_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (lr_sum == 0.0f) {  // no local step moved: the message is m
     return cudaMemcpyAsync(out, m, 4 * n, cudaMemcpyDeviceToDevice, stream);
   }
-  ZeroOneSyncMessageKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      adam, lr_sum, u, v, out, n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    const float a = Add(Sqrt(Div(v[j], s.bias_correction2)), s.eps);
+    out[j] = Div(Mul(u[j], a), lr_sum);
+  });
 }
 
-cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w,
+// compress::ZeroOneSyncStep's element, w masked first (ApplyRule).
+cudaError_t ZeroOneSyncUpdate(AdamArgs s, bool mask, const float* w,
                               const float* anchor, float* x, float* m,
                               const float* v, size_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  ZeroOneSyncKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      adam, mask, w, anchor, x, m, v, n);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    const float wj = Masked(mask, v[j], w[j]);
+    const float a = Add(Sqrt(Div(v[j], s.bias_correction2)), s.eps);
+    x[j] = Sub(anchor[j], Mul(s.lr, BoundRatio(Div(wj, a), s.max_ratio)));
+    m[j] = wj;
+  });
 }
 
-cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v,
+// compress::LambMoments' element, the decoded value masked first.
+cudaError_t LambMoments(LambArgs a, const float* decoded, float* m, float* v,
                         float* v_fresh, size_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  LambMomentsKernel<<<ElementGrid(n), kThreads, 0, stream>>>(args, decoded, m,
-                                                             v, v_fresh, n);
-  return cudaGetLastError();
+  const float b1 = a.adam.beta1, b2 = a.adam.beta2;
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    if (!a.frozen) {
+      const float g = Masked(a.mask, v[j], decoded[j]);
+      const float vi = Add(Mul(b2, v[j]), Mul(Sub(1.0f, b2), Mul(g, g)));
+      m[j] = Add(Mul(b1, m[j]), Mul(Sub(1.0f, b1), g));
+      v[j] = vi;
+      if (a.copy_fresh) v_fresh[j] = vi;
+    } else {
+      const float c = Masked(a.mask, v[j], decoded[j]);
+      const float g = Div(Sub(c, Mul(b1, m[j])), Sub(1.0f, b1));
+      v_fresh[j] = Add(Mul(b2, v_fresh[j]), Mul(Sub(1.0f, b2), Mul(g, g)));
+      m[j] = c;
+    }
+  });
 }
 
 cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments,

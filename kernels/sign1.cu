@@ -199,72 +199,8 @@ __device__ __forceinline__ float4 DecodeQuad(const float* __restrict__ scales,
                      SignedScale(nibble, 2, s), SignedScale(nibble, 3, s));
 }
 
-__global__ void Sign1DecodeQuadsKernel(const float* __restrict__ scales,
-                                       const uint8_t* __restrict__ bits,
-                                       size_t n, uint32_t block,
-                                       float* __restrict__ out) {
-  MORSE_FOR_EACH_ELEMENT(q, n / 4) {
-    reinterpret_cast<float4*>(out)[q] = DecodeQuad(scales, bits, 4 * q, block);
-  }
-  // The last n % 4 elements.
-  const size_t tail = n - n % 4;
-  if (blockIdx.x == 0 && threadIdx.x < n % 4) {
-    const size_t j = tail + threadIdx.x;
-    out[j] = SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)]);
-  }
-}
-
-__global__ void Sign1DecodeFrozenQuadsKernel(
-    const float* __restrict__ scales, const uint8_t* __restrict__ bits,
-    size_t n, uint32_t block, Adam adam, bool mask, float* __restrict__ x,
-    float* __restrict__ m, const float* __restrict__ v) {
-  MORSE_FOR_EACH_ELEMENT(q, n / 4) {
-    const float4 c = DecodeQuad(scales, bits, 4 * q, block);
-    const float4 vv = reinterpret_cast<const float4*>(v)[q];
-    float4 xv = reinterpret_cast<float4*>(x)[q], mv;
-    FrozenElement(adam, Masked(mask, vv.x, c.x), &xv.x, &mv.x, vv.x);
-    FrozenElement(adam, Masked(mask, vv.y, c.y), &xv.y, &mv.y, vv.y);
-    FrozenElement(adam, Masked(mask, vv.z, c.z), &xv.z, &mv.z, vv.z);
-    FrozenElement(adam, Masked(mask, vv.w, c.w), &xv.w, &mv.w, vv.w);
-    reinterpret_cast<float4*>(x)[q] = xv;
-    reinterpret_cast<float4*>(m)[q] = mv;
-  }
-  const size_t tail = n - n % 4;
-  if (blockIdx.x == 0 && threadIdx.x < n % 4) {
-    const size_t j = tail + threadIdx.x;
-    FrozenElement(
-        adam,
-        Masked(mask, v[j],
-               SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)])),
-        &x[j], &m[j], v[j]);
-  }
-}
-
 bool Aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
-__global__ void Sign1DecodeKernel(const float* __restrict__ scales,
-                                  const uint8_t* __restrict__ bits, size_t n,
-                                  uint32_t block, float* __restrict__ out) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    const float s = scales[j / block];
-    out[j] = (bits[j / 8] >> (j % 8)) & 1 ? -s : s;
-  }
-}
-
-__global__ void Sign1DecodeFrozenKernel(const float* __restrict__ scales,
-                                        const uint8_t* __restrict__ bits,
-                                        size_t n, uint32_t block, Adam adam,
-                                        bool mask, float* __restrict__ x,
-                                        float* __restrict__ m,
-                                        const float* __restrict__ v) {
-  MORSE_FOR_EACH_ELEMENT(j, n) {
-    const float s = scales[j / block];
-    FrozenElement(adam,
-                  Masked(mask, v[j], (bits[j / 8] >> (j % 8)) & 1 ? -s : s),
-                  &x[j], &m[j], v[j]);
-  }
 }
 
 }  // namespace
@@ -309,32 +245,62 @@ cudaError_t Sign1Encode(const float* x, float* e, size_t n, uint32_t block,
   return cudaGetLastError();
 }
 
+// A reply decoded (and, below, applied as the frozen update) a thread per 4
+// elements where the buffers allow 16-byte loads and stores (a warp's stores
+// then cover 512 contiguous bytes; the last quad may be short), else a
+// thread per element.
 cudaError_t Sign1Decode(const float* scales, const uint8_t* bits, size_t n,
                         uint32_t block, float* out, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
   if (block % 4 == 0 && Aligned16(out)) {
-    Sign1DecodeQuadsKernel<<<ElementGrid(n / 4), kThreads, 0, stream>>>(
-        scales, bits, n, block, out);
-    return cudaGetLastError();
+    return ForEachElement((n + 3) / 4, stream, [=] __device__(size_t q) {
+      if (4 * q + 4 <= n) {
+        reinterpret_cast<float4*>(out)[q] =
+            DecodeQuad(scales, bits, 4 * q, block);
+        return;
+      }
+      for (size_t j = 4 * q; j < n; ++j)
+        out[j] = SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)]);
+    });
   }
-  Sign1DecodeKernel<<<ElementGrid(n), kThreads, 0, stream>>>(scales, bits, n,
-                                                             block, out);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    const float s = scales[j / block];
+    out[j] = (bits[j / 8] >> (j % 8)) & 1 ? -s : s;
+  });
 }
 
 cudaError_t Sign1DecodeFrozen(const float* scales, const uint8_t* bits,
                               size_t n, uint32_t block, AdamArgs adam,
                               bool mask, float* x, float* m, const float* v,
                               cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
   if (block % 4 == 0 && Aligned16(x) && Aligned16(m) && Aligned16(v)) {
-    Sign1DecodeFrozenQuadsKernel<<<ElementGrid(n / 4), kThreads, 0, stream>>>(
-        scales, bits, n, block, adam, mask, x, m, v);
-    return cudaGetLastError();
+    return ForEachElement((n + 3) / 4, stream, [=] __device__(size_t q) {
+      if (4 * q + 4 <= n) {
+        const float4 c = DecodeQuad(scales, bits, 4 * q, block);
+        const float4 vv = reinterpret_cast<const float4*>(v)[q];
+        float4 xv = reinterpret_cast<float4*>(x)[q], mv;
+        FrozenElement(adam, Masked(mask, vv.x, c.x), &xv.x, &mv.x, vv.x);
+        FrozenElement(adam, Masked(mask, vv.y, c.y), &xv.y, &mv.y, vv.y);
+        FrozenElement(adam, Masked(mask, vv.z, c.z), &xv.z, &mv.z, vv.z);
+        FrozenElement(adam, Masked(mask, vv.w, c.w), &xv.w, &mv.w, vv.w);
+        reinterpret_cast<float4*>(x)[q] = xv;
+        reinterpret_cast<float4*>(m)[q] = mv;
+        return;
+      }
+      for (size_t j = 4 * q; j < n; ++j) {
+        FrozenElement(
+            adam,
+            Masked(mask, v[j],
+                   SignedScale(bits[j / 8], j % 8, scales[BlockOf(j, block)])),
+            &x[j], &m[j], v[j]);
+      }
+    });
   }
-  Sign1DecodeFrozenKernel<<<ElementGrid(n), kThreads, 0, stream>>>(
-      scales, bits, n, block, adam, mask, x, m, v);
-  return cudaGetLastError();
+  return ForEachElement(n, stream, [=] __device__(size_t j) {
+    const float s = scales[j / block];
+    FrozenElement(adam,
+                  Masked(mask, v[j], (bits[j / 8] >> (j % 8)) & 1 ? -s : s),
+                  &x[j], &m[j], v[j]);
+  });
 }
 
 }  // namespace morse::kernels::launch

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DESIGN 2.5 on the GPU: compiles every kernels/*.cu to PTX for sm_80 and
-# sm_90 as the build does (--fmad=false) and fails if any holds a fused
+# sm_90 as the build does (--fmad=false --extended-lambda) and fails if any holds a fused
 # multiply-add (fma.*), or an approximate division or square root: the
 # element updates must round like compress/. mlp.cu is left out: its
 # softmax calls CUDA's double exp and log, which use fma themselves (so
@@ -18,7 +18,7 @@ for cu in "$src"/kernels/*.cu; do
   fi
   for arch in sm_80 sm_90; do
     ptx="$out/$(basename "$cu" .cu)-$arch.ptx"
-    "$nvcc" -std=c++17 -I"$src" -arch="$arch" --fmad=false -ptx "$cu" -o "$ptx"
+    "$nvcc" -std=c++17 -I"$src" -arch="$arch" --fmad=false --extended-lambda -ptx "$cu" -o "$ptx"
     bad="$(grep -E '\bfma\.|\bmad\.(rn|f32)|div\.(approx|full)|sqrt\.approx|rcp\.approx' "$ptx" || true)"
     if [ -n "$bad" ]; then
       echo "$(basename "$cu") ($arch) has contracted or approximate operations:" >&2
