@@ -468,6 +468,12 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (c.has_channels_per_shard())
     job.channels_per_shard = c.channels_per_shard();
   if (c.has_window()) job.window = c.window();
+  if (c.has_uploads_per_shard()) {
+    if (c.uploads_per_shard() > 1024) {
+      return Invalid("uploads_per_shard", "must be in [0, 1024] (0: no limit)");
+    }
+    job.uploads_per_shard = c.uploads_per_shard();
+  }
   if (c.has_log_every()) job.log_every = c.log_every();
   if (job.channels_per_shard == 0 || job.channels_per_shard > 64) {
     return Invalid("channels_per_shard", "must be in [1, 64]");

@@ -68,6 +68,9 @@ struct JobSpec {
   // straggler_seconds; design.md 4, "Stragglers"); 0: none.
   double straggler_timeout_seconds = 0;
   uint32_t channels_per_shard = 2;
+  // Pushes a worker uploads to one shard at once (JobConfig.
+  // uploads_per_shard); 0: every push in the window at once.
+  uint32_t uploads_per_shard = 1;
   uint32_t window = 32;
   uint32_t log_every = 10;
   uint32_t checkpoint_every_steps = 0;

@@ -146,6 +146,10 @@ grpc::ServerUnaryReactor* ParameterServerService::Push(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* raw_request,
     grpc::ByteBuffer* raw_reply) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  // The push is here: the worker may upload its next one to this shard
+  // (its transport uploads a shard's pushes in turn) while this one waits
+  // for the other workers' pushes of its partition.
+  reactor->StartSendInitialMetadata();
   v1::PushRequest request;
   if (!grpc::GenericDeserialize<grpc::ProtoBufferReader, v1::PushRequest>(
            const_cast<grpc::ByteBuffer*>(raw_request), &request)

@@ -202,7 +202,7 @@ def netprobe(vc, bin_dir, a, b, streams=2):
 
 def morse_run(vc, bin_dir, scheme, dim, workers, shards, steps, colocate, work, window=8,
               channels=2, compute_threads=0, trace=None, rate=None, partition_elems=262144,
-              local_ranks=1):
+              local_ranks=1, uploads_per_shard=None):
     """One Morse job; returns a result row (without the link fields). With
     `trace` (a folder) every daemon writes its step timeline there; with
     `local_ranks` L > 1 each worker is a node of L local ranks (one worker,
@@ -221,6 +221,7 @@ timeouts {{ connect_seconds: 30 step_seconds: 300 rpc_seconds: 600 }}
 channels_per_shard: {channels}
 window: {window}
 {f"partition_elems: {partition_elems}" if partition_elems else ""}
+{f"uploads_per_shard: {uploads_per_shard}" if uploads_per_shard is not None else ""}
 log_every: 1000
 """)
     server_host = lambda s: s
@@ -380,6 +381,9 @@ def main():
     p.add_argument("--colocate", action="store_true", help="servers share hosts with workers")
     p.add_argument("--window", type=int, default=64, help="partitions each worker keeps in flight")
     p.add_argument("--channels", type=int, default=4, help="TCP connections per worker and shard")
+    p.add_argument("--uploads-per-shard", type=int, metavar="U",
+                   help="pushes a worker uploads to one shard at once (JobConfig uploads_per_shard; "
+                        "default: the job's, 1; 0: the whole window at once)")
     p.add_argument("--partition-elems", type=int, default=262144,
                    help="elements per partition (default 262144; a positive multiple of the block size, "
                         "2048; 0: the job's own default, chosen from the model's size)")
@@ -454,7 +458,7 @@ def main():
                                 row.update(morse_run(vc, a.build, scheme, dim, workers, shards, a.steps,
                                                      a.colocate, work, a.window, a.channels,
                                                      a.compute_threads, a.trace, rate,
-                                                     a.partition_elems, local))
+                                                     a.partition_elems, local, a.uploads_per_shard))
                             else:
                                 # A rank per host: a node's L ranks are L peers.
                                 row["workers"], row["local_ranks"] = max(2, workers * local), 1
@@ -474,7 +478,7 @@ def main():
         "command": " ".join(["deploy/experiments/experiment.py"] + sys.argv[1:]),
         "seconds": round(time.time() - started), "netem": [a.delay, a.jitter, a.loss],
         "colocate": a.colocate, "window": a.window, "partition_elems": a.partition_elems,
-        "queue_ms": a.queue_ms})
+        "uploads_per_shard": a.uploads_per_shard, "queue_ms": a.queue_ms})
     print(f"results: {a.out}/results.csv, report: {a.out}/report.md ({time.time() - started:.0f} s)")
 
 

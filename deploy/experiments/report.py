@@ -227,6 +227,7 @@ def write(csv_path, out_dir, meta=None):
                   f"{meta.get('colocate')}; window (partitions in flight per worker): "
                   f"{meta.get('window', 8)}; partition_elems: "
                   f"{meta.get('partition_elems', 262144) or 'the job default (from D and S)'}; "
+                  f"uploads per shard: {meta.get('uploads_per_shard') if meta.get('uploads_per_shard') is not None else 'the job default'}; "
                   f"link queue: {meta.get('queue_ms', 200):g} ms.", ""]
     lines += ["Every figure is from this run: the ceiling is morse-netprobe on the same links "
               "(2 TCP streams, both directions at once); the floor is DESIGN 7's "

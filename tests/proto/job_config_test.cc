@@ -34,6 +34,7 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
   EXPECT_EQ(a.layout.partition_elems, 65536u);
   EXPECT_FLOAT_EQ(a.adam.beta1, 0.9f);
   EXPECT_EQ(job->channels_per_shard, 2u);
+  EXPECT_EQ(job->uploads_per_shard, 1u);
 }
 
 // Unset, partition_elems follows the model's size (compress::
@@ -97,6 +98,9 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
        "block_elems: 24",
        "block_elems"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"adam\" uploads_per_shard: 1025",
+       "uploads_per_shard"},
       {"workers: 1 shards: 9 synthetic { dim: 10 } lr { lr: 1 } steps: 1",
        "shards"},
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 5 "
@@ -192,6 +196,15 @@ TEST(JobConfigTest, ErrorsNameTheField) {
     EXPECT_NE(job.status().message().find(c.field), absl::string_view::npos)
         << c.text << " -> " << job.status();
   }
+}
+
+TEST(JobConfigTest, UploadsPerShardZeroLiftsTheLimit) {
+  auto job = ParseJobConfig(
+      "workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+      "optimizer: \"adam\" uploads_per_shard: 0",
+      ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  EXPECT_EQ(job->uploads_per_shard, 0u);
 }
 
 TEST(JobConfigTest, MinWorkersDefaultsToWorkers) {

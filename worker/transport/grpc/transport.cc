@@ -1,5 +1,6 @@
 #include "worker/transport/grpc/transport.h"
 
+#include <atomic>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -33,7 +34,9 @@ GrpcTransport::GrpcTransport(const proto::JobSpec& job,
                              std::vector<std::string> servers,
                              const proto::SecurityOptions& security,
                              std::unique_ptr<proto::TokenFile> tokens)
-    : servers_(std::move(servers)), tokens_(std::move(tokens)) {
+    : servers_(std::move(servers)),
+      tokens_(std::move(tokens)),
+      uploads_per_shard_(job.uploads_per_shard) {
   const std::shared_ptr<grpc::ChannelCredentials> credentials =
       proto::MakeChannelCredentials(security);
   for (const std::string& address : servers_) {
@@ -46,6 +49,20 @@ GrpcTransport::GrpcTransport(const proto::JobSpec& job,
       shard_stubs.push_back(v1::ParameterServer::NewStub(
           grpc::CreateCustomChannel(address, credentials, args)));
     }
+    uploads_.push_back(std::make_unique<Uploads>());
+  }
+}
+
+GrpcTransport::~GrpcTransport() {
+  // A push frees its place (Uploaded) before its `done` runs, and only then
+  // is it no longer this transport's.
+  for (auto& uploads : uploads_) {
+    MutexLock lock(&uploads->mu);
+    uploads->mu.Await(absl::Condition(
+        +[](Uploads* u) ABSL_EXCLUSIVE_LOCKS_REQUIRED(u->mu) {
+          return u->sending == 0 && u->waiting.empty();
+        },
+        uploads.get()));
   }
 }
 
@@ -100,13 +117,91 @@ void GrpcTransport::InitPartition(uint32_t shard,
         request, reply, options, std::move(done));
 }
 
+// One push: its context lives with it, and it frees its place among the
+// shard's uploads once the shard has it.
+class GrpcTransport::PushCall final : public grpc::ClientUnaryReactor {
+ public:
+  PushCall(GrpcTransport* transport, uint32_t shard, Done done)
+      : transport_(transport), shard_(shard), done_(std::move(done)) {}
+
+  grpc::ClientContext* context() { return &context_; }
+
+  void OnReadInitialMetadataDone(bool /*ok*/) override { Uploaded(); }
+  void OnDone(const grpc::Status& status) override {
+    Uploaded();
+    absl::Status outcome =
+        proto::FromGrpc(status, context_.GetServerTrailingMetadata());
+    Done done = std::move(done_);
+    delete this;
+    done(std::move(outcome));
+  }
+
+ private:
+  void Uploaded() {
+    if (!uploaded_.exchange(true)) transport_->Uploaded(shard_);
+  }
+
+  GrpcTransport* const transport_;
+  const uint32_t shard_;
+  Done done_;
+  grpc::ClientContext context_;
+  std::atomic<bool> uploaded_{false};
+};
+
 void GrpcTransport::Push(uint32_t shard, const v1::PushRequest& request,
                          v1::PushReply* reply, const CallOptions& options,
                          Done done) {
-  Start(shard,
-        AsyncMethod<v1::PushRequest, v1::PushReply>(
-            &v1::ParameterServer::Stub::async_interface::Push),
-        request, reply, options, std::move(done));
+  // The deadline counts from here, waiting for the upload's turn included.
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::microseconds(static_cast<int64_t>(
+                            options.timeout_seconds * 1e6));
+  Uploads& uploads = *uploads_[shard];
+  {
+    MutexLock lock(&uploads.mu);
+    if (uploads_per_shard_ > 0 && uploads.sending >= uploads_per_shard_) {
+      uploads.waiting.push_back([this, shard, &request, reply, options,
+                                 deadline, done = std::move(done)]() mutable {
+        StartPush(shard, request, reply, options, deadline, std::move(done));
+      });
+      return;
+    }
+    ++uploads.sending;
+  }
+  StartPush(shard, request, reply, options, deadline, std::move(done));
+}
+
+void GrpcTransport::StartPush(uint32_t shard, const v1::PushRequest& request,
+                              v1::PushReply* reply, const CallOptions& options,
+                              std::chrono::system_clock::time_point deadline,
+                              Done done) {
+  auto* call = new PushCall(this, shard, std::move(done));
+  grpc::ClientContext* context = call->context();
+  context->set_deadline(deadline);
+  if (options.wait_for_ready) context->set_wait_for_ready(true);
+  if (tokens_ != nullptr) {
+    context->AddMetadata(
+        proto::kAuthorizationKey,
+        absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
+  }
+  auto& channels = stubs_[shard];
+  channels[options.lane % channels.size()]->async()->Push(context, &request,
+                                                          reply, call);
+  call->StartCall();
+}
+
+void GrpcTransport::Uploaded(uint32_t shard) {
+  Uploads& uploads = *uploads_[shard];
+  std::function<void()> next;
+  {
+    MutexLock lock(&uploads.mu);
+    if (uploads.waiting.empty()) {
+      --uploads.sending;
+      return;
+    }
+    next = std::move(uploads.waiting.front());
+    uploads.waiting.pop_front();
+  }
+  next();  // takes the place this push frees
 }
 
 void GrpcTransport::FetchPartition(uint32_t shard,

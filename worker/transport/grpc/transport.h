@@ -7,6 +7,9 @@
 #ifndef MORSE_WORKER_TRANSPORT_GRPC_TRANSPORT_H_
 #define MORSE_WORKER_TRANSPORT_GRPC_TRANSPORT_H_
 
+#include <chrono>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,6 +31,9 @@ class GrpcTransport final : public Transport {
   static absl::StatusOr<std::unique_ptr<GrpcTransport>> Create(
       const proto::JobSpec& job, std::vector<std::string> servers,
       uint32_t rank, const proto::SecurityOptions& security);
+
+  // Waits until every push it was given has ended (each has a deadline).
+  ~GrpcTransport() override;
 
   uint32_t shards() const override {
     return static_cast<uint32_t>(servers_.size());
@@ -71,10 +77,28 @@ class GrpcTransport final : public Transport {
   void Start(uint32_t shard, Method method, const Request& request,
              Reply* reply, const CallOptions& options, Done done);
 
+  // A shard's pushes upload in turn: at most uploads_per_shard_ of them are
+  // on their way to it at once, the rest wait here in the order they came.
+  // A push is on its way until the shard says it has it (its initial
+  // metadata, which the shard sends as a push arrives) or it ends.
+  class PushCall;
+  struct Uploads {
+    Mutex mu;
+    uint32_t sending ABSL_GUARDED_BY(mu) = 0;
+    std::deque<std::function<void()>> waiting ABSL_GUARDED_BY(mu);
+  };
+  void StartPush(uint32_t shard, const v1::PushRequest& request,
+                 v1::PushReply* reply, const CallOptions& options,
+                 std::chrono::system_clock::time_point deadline, Done done);
+  // Push `shard`'s next waiting push, or free its place.
+  void Uploaded(uint32_t shard);
+
   std::vector<std::string> servers_;
   std::unique_ptr<proto::TokenFile> tokens_;
   // stubs_[shard][channel]
   std::vector<std::vector<std::unique_ptr<v1::ParameterServer::Stub>>> stubs_;
+  uint32_t uploads_per_shard_;                     // 0: no limit
+  std::vector<std::unique_ptr<Uploads>> uploads_;  // by shard
 };
 
 }  // namespace morse::worker
