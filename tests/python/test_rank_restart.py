@@ -17,7 +17,9 @@ whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... The runs:
 - a OneBitAdam job whose script changes the weights after every step from
   step 2 on (scaled by 0.98, by 0.5 after step 10, and clamped) has rank 1
   killed in step 14 after
-  backward(): its checkpoint of step 12 holds the clamp made after step 11,
+  backward(): its checkpoint of step 12 holds the clamp made after step 11
+  (rank 1 reaches step 12 a second late, so that rank 0 has given the
+  shards the changed weights by then),
   the replayed steps' changes are the shards' already, and from step 15 on
   the weights change on both ranks again.
 morse-run restarts the rank with MORSE_REJOIN=1; the script goes on from
@@ -82,6 +84,12 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
         dies = rank == kill_rank and life == 0 and step == kill_in
+        if mode == "clamp" and rank == kill_rank and life == 0 and step == 12:
+            # Rank 0 gives the shards the weights changed after step 11
+            # before this rank reaches step 12 (as it may under load): this
+            # rank then finds the shards holding its changed weights, and
+            # its checkpoint of step 12 must still hold the change.
+            time.sleep(1.0)
         if dies and not after_backward:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

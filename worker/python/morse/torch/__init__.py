@@ -859,9 +859,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._session.reload_model()
             self._x_versions = [p._version for p in self._params]
         elif changed and self._holds_shards_model():
-            # Written and written back with the bits the step left (weights
-            # swapped in for an evaluation and restored, as EMA helpers do):
-            # the shards hold this model, nothing changed.
+            # The shards hold this model: written and written back with the
+            # bits the step left (weights swapped in for an evaluation and
+            # restored, as EMA helpers do), or changed alike on every rank
+            # after the step and given to the shards by rank 0 before this
+            # rank got here. Either way this step's checkpoint, written as
+            # the last step ended, must hold it: a restart from it replays
+            # this step's pushes, which are of these weights.
+            if self._checkpoint and self.step_index % self._checkpoint_every == 0:
+                with self._explained():
+                    self._save_checkpoint()
             self._x_versions = [p._version for p in self._params]
         elif changed:
             # Changed after a step (a clamp_, a max_norm embedding's renorm,
