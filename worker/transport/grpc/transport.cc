@@ -66,22 +66,34 @@ GrpcTransport::~GrpcTransport() {
   }
 }
 
-template <typename Request, typename Reply, typename Method>
-void GrpcTransport::Start(uint32_t shard, Method method, const Request& request,
-                          Reply* reply, const CallOptions& options, Done done) {
-  auto* context = new grpc::ClientContext;
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::microseconds(static_cast<int64_t>(
-                            options.timeout_seconds * 1e6)));
+std::chrono::system_clock::time_point GrpcTransport::Deadline(
+    const CallOptions& options) {
+  return std::chrono::system_clock::now() +
+         std::chrono::microseconds(
+             static_cast<int64_t>(options.timeout_seconds * 1e6));
+}
+
+v1::ParameterServer::Stub::async_interface* GrpcTransport::Prepare(
+    grpc::ClientContext* context, uint32_t shard,
+    std::chrono::system_clock::time_point deadline,
+    const CallOptions& options) const {
+  context->set_deadline(deadline);
   if (options.wait_for_ready) context->set_wait_for_ready(true);
   if (tokens_ != nullptr) {
     context->AddMetadata(
         proto::kAuthorizationKey,
         absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
   }
-  auto& channels = stubs_[shard];
+  const auto& channels = stubs_[shard];
+  return channels[options.lane % channels.size()]->async();
+}
+
+template <typename Request, typename Reply, typename Method>
+void GrpcTransport::Start(uint32_t shard, Method method, const Request& request,
+                          Reply* reply, const CallOptions& options, Done done) {
+  auto* context = new grpc::ClientContext;
   v1::ParameterServer::Stub::async_interface* stub =
-      channels[options.lane % channels.size()]->async();
+      Prepare(context, shard, Deadline(options), options);
   (stub->*method)(context, &request, reply,
                   [context, done = std::move(done)](grpc::Status status) {
                     absl::Status outcome = proto::FromGrpc(
@@ -152,9 +164,7 @@ void GrpcTransport::Push(uint32_t shard, const v1::PushRequest& request,
                          v1::PushReply* reply, const CallOptions& options,
                          Done done) {
   // The deadline counts from here, waiting for the upload's turn included.
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::microseconds(static_cast<int64_t>(
-                            options.timeout_seconds * 1e6));
+  const auto deadline = Deadline(options);
   Uploads& uploads = *uploads_[shard];
   {
     MutexLock lock(&uploads.mu);
@@ -175,17 +185,8 @@ void GrpcTransport::StartPush(uint32_t shard, const v1::PushRequest& request,
                               std::chrono::system_clock::time_point deadline,
                               Done done) {
   auto* call = new PushCall(this, shard, std::move(done));
-  grpc::ClientContext* context = call->context();
-  context->set_deadline(deadline);
-  if (options.wait_for_ready) context->set_wait_for_ready(true);
-  if (tokens_ != nullptr) {
-    context->AddMetadata(
-        proto::kAuthorizationKey,
-        absl::StrCat(proto::kBearerPrefix, tokens_->Current()));
-  }
-  auto& channels = stubs_[shard];
-  channels[options.lane % channels.size()]->async()->Push(context, &request,
-                                                          reply, call);
+  Prepare(call->context(), shard, deadline, options)
+      ->Push(call->context(), &request, reply, call);
   call->StartCall();
 }
 

@@ -71,6 +71,15 @@ class GrpcTransport final : public Transport {
   GrpcTransport(const proto::JobSpec& job, std::vector<std::string> servers,
                 const proto::SecurityOptions& security,
                 std::unique_ptr<proto::TokenFile> tokens);
+  // A call's deadline: options.timeout_seconds from now.
+  static std::chrono::system_clock::time_point Deadline(
+      const CallOptions& options);
+  // Sets up `context` (the deadline, wait_for_ready, this rank's token) and
+  // returns the stub of shard s's channel for options.lane.
+  v1::ParameterServer::Stub::async_interface* Prepare(
+      grpc::ClientContext* context, uint32_t shard,
+      std::chrono::system_clock::time_point deadline,
+      const CallOptions& options) const;
   // Starts `method` of shard s's stub for `lane` with a fresh context (the
   // deadline, the token) that lives until `done` has run.
   template <typename Request, typename Reply, typename Method>
