@@ -858,18 +858,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     torch.cuda.current_stream(self._device).synchronize()
                 self._session.reload_model()
             self._x_versions = [p._version for p in self._params]
-        elif changed and self._holds_shards_model():
-            # The shards hold this model: written and written back with the
-            # bits the step left (weights swapped in for an evaluation and
-            # restored, as EMA helpers do), or changed alike on every rank
-            # after the step and given to the shards by rank 0 before this
-            # rank got here. Either way this step's checkpoint, written as
-            # the last step ended, must hold it: a restart from it replays
-            # this step's pushes, which are of these weights.
-            if self._checkpoint and self.step_index % self._checkpoint_every == 0:
-                with self._explained():
-                    self._save_checkpoint()
-            self._x_versions = [p._version for p in self._params]
         elif changed:
             # Changed after a step (a clamp_, a max_norm embedding's renorm,
             # load_state_dict(best)), as DDP allows: the changed weights
@@ -877,15 +865,23 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # gives the shards its x; the others wait until they hold the
             # same; the next pushes carry each partition's hash, so a rank
             # that changed its weights otherwise stops the job, saying so.
+            # Nothing to give where the shards hold this model already:
+            # written back with the bits the step left (weights swapped in
+            # for an evaluation and restored, as EMA helpers do), or changed
+            # alike on every rank and given to them by rank 0 before this
+            # rank got here.
+            holds = self._holds_shards_model()
             with self._device_context(), self._explained():
-                if self._cuda:
-                    torch.cuda.current_stream(self._device).synchronize()
-                self._session.reload_model()
+                if not holds:
+                    if self._cuda:
+                        torch.cuda.current_stream(self._device).synchronize()
+                    self._session.reload_model()
                 if self._checkpoint and self.step_index % self._checkpoint_every == 0:
                     # This step's checkpoint, written as the last step
-                    # ended, predates the change: a restart from it would
-                    # not make the change again (the script made it after
-                    # that step).
+                    # ended, may predate the change: a restart from it
+                    # replays this step's pushes, which are of these
+                    # weights, and would not make the change again (the
+                    # script made it after that step).
                     self._save_checkpoint()
             self._x_versions = [p._version for p in self._params]
         self._check_groups()
