@@ -82,25 +82,91 @@ def _stream(pipe, prefix, sink, marker=None, errors=None, lines=None):
         marker["event"].set()
 
 
+_TEXT_TOKEN = re.compile(r"""\s+|\#[^\n]*|"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|[^\s{}<>\[\]:;,"'\#]+|.""")
+
+
+def _config_fields(text):
+    """What morse-run reads of a JobConfig in text format: {path: [values]}
+    for the scalar fields it sets ("workers", "checkpoint.dir"; strings
+    unquoted), and {path: None} for the messages it opens ("external").
+    Comments, one-line messages and either quote are read as protobuf
+    reads them; the shards parse the whole and report its errors."""
+    tokens = [t for t in _TEXT_TOKEN.findall(text) if t.strip() and not t.startswith("#")]
+    fields, path, i = {}, [], 0
+    while i < len(tokens):
+        t = tokens[i]
+        if t in ("}", ">"):
+            path = path[:-1]
+            i += 1
+            continue
+        if t in (";", ","):
+            i += 1
+            continue
+        name = ".".join(path + [t])
+        i += 1
+        if i < len(tokens) and tokens[i] == ":":
+            i += 1
+        if i < len(tokens) and tokens[i] in ("{", "<"):
+            path.append(t)
+            fields.setdefault(name, None)
+            i += 1
+            continue
+        values = fields.setdefault(name, []) or []
+        items = []
+        if i < len(tokens) and tokens[i] == "[":
+            i += 1
+            while i < len(tokens) and tokens[i] != "]":
+                items.append(tokens[i])
+                i += 1
+            i += 1
+        elif i < len(tokens):
+            items.append(tokens[i])
+            i += 1
+            while i < len(tokens) and tokens[i][:1] in "\"'" and items[-1][:1] in "\"'":
+                items[-1] = items[-1][:-1] + tokens[i][1:]  # "a" "b" is "ab"
+                i += 1
+        for item in items:
+            if item == ",":
+                continue
+            if item[:1] in "\"'":
+                item = re.sub(r"\\(.)", r"\1", item[1:-1])
+            values.append(item)
+        fields[name] = values
+    return fields
+
+
+def _config_int(fields, name):
+    """The last value of an integer field of _config_fields, or None."""
+    values = fields.get(name) or []
+    try:
+        return int(values[-1], 0) if values else None
+    except ValueError:
+        return None
+
+
 def _base_config(path, workers, shards, min_workers=None):
     text = ""
     if path:
-        with open(path) as f:
-            text = f.read()
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise SystemExit(f"morse-run: cannot read --config {path}: {e.strerror}")
+    given = _config_fields(text)
     fields = [("workers", workers), ("shards", shards)]
     if min_workers is not None:
         fields.append(("min_workers", min_workers))
     for field, value in fields:
-        m = re.search(rf"^\s*{field}\s*:\s*(\d+)", text, re.M)
-        if m and int(m.group(1)) != value:
+        set_to = _config_int(given, field)
+        if set_to is not None and set_to != value:
             flag = {"workers": "the job's Morse workers (--workers, or --nnodes x --nproc-per-node; "
                                "--nnodes with --node-aggregation) are",
                     "shards": "--servers gives",
                     "min_workers": "--min-workers is"}[field]
-            raise SystemExit(f"morse-run: {path} sets {field}: {m.group(1)} but {flag} {value}")
-        if not m:
+            raise SystemExit(f"morse-run: {path} sets {field}: {set_to} but {flag} {value}")
+        if field not in given:
             text += f"\n{field}: {value}\n"
-    if not re.search(r"^\s*(external|synthetic|mlp)\s*[:{]", text, re.M):
+    if not any(w in given for w in ("external", "synthetic", "mlp")):
         text += "\nexternal {}\n"
     return text
 
@@ -272,6 +338,11 @@ def _parse(argv):
                              "(default: the config's, or every rank). With --node-aggregation the "
                              "workers are the nodes: M nodes, and a node whose rank dies leaves "
                              "with all its ranks")
+    parser.add_argument("--stop-timeout", type=float, default=120, metavar="SECONDS",
+                        help="how long the shards get to stop when the job ends or is interrupted "
+                             "(each writes its checkpoint as it stops, which takes seconds for a "
+                             "large model) before they are killed (default 120; the ranks get 5 s). "
+                             "A second Ctrl-C kills them at once")
     parser.add_argument("--restarts", type=int, default=3,
                         help="how many times to restart a server that dies, from its checkpoint, "
                              "when the job checkpoints (default 3; 0: a dead server ends the job)")
@@ -327,6 +398,8 @@ def _parse(argv):
         parser.error("--workers (--nproc-per-node), --servers and --stages must be at least 1")
     if args.restarts < 0:
         parser.error("--restarts must be at least 0")
+    if not args.stop_timeout > 0:
+        parser.error(f"--stop-timeout {args.stop_timeout}: give the seconds the shards get to stop, above 0")
     if args.rank_restarts < 0:
         parser.error("--rank-restarts must be at least 0")
     if args.rank_restarts and args.stages > 1:
@@ -375,8 +448,8 @@ def _stop_ranks(workers):
 
 def _min_workers(base, workers):
     """The job's min_workers (docs/design.md 4, "Membership"): the config's, or all."""
-    m = re.search(r"^\s*min_workers\s*:\s*(\d+)", base, re.M)
-    return int(m.group(1)) if m else workers
+    m = _config_int(_config_fields(base), "min_workers")
+    return workers if m is None else m
 
 
 _RANK_RESTARTS_NEED = ("--rank-restarts needs checkpoint { every_steps: N } in --config: a "
@@ -386,8 +459,23 @@ _RANK_RESTARTS_NEED = ("--rank-restarts needs checkpoint { every_steps: N } in -
 
 def _checkpoints(base):
     """Whether the job config text checkpoints (checkpoint.every_steps > 0)."""
-    every = re.search(r"every_steps\s*:\s*(\d+)", base)
-    return bool(every and int(every.group(1)) > 0)
+    every = _config_int(_config_fields(base), "checkpoint.every_steps")
+    return bool(every and every > 0)
+
+
+def _tidy_workdir(workdir, node):
+    """At the end, removes morse-run's folder (the config it wrote, the
+    node's store files) unless the job's checkpoints are in it (checkpoints
+    without checkpoint.dir), which it then names."""
+    try:
+        names = os.listdir(workdir)
+    except OSError:
+        return
+    if any(n != "job.textproto" and not n.startswith("node-store-") for n in names):
+        sys.stderr.write(f"{node}: this job's checkpoints are in {workdir} (checkpoint.dir in "
+                         "--config chooses the folder)\n")
+        return
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _check_only(args, command, server_bin, starts_servers, node):
@@ -449,7 +537,7 @@ def main(argv=None):
     # Checkpoints go to the config's checkpoint.dir, or else beside the config;
     # with stages (or a sharded node's slices), to a folder per stage (slice)
     # inside it (shards of different jobs have the same indices).
-    configured_dir = re.search(r"^\s*dir\s*:\s*\"([^\"]*)\"", base, re.M)
+    configured_dir = (_config_fields(base).get("checkpoint.dir") or [None])[-1]
     job_kind = "stage" if args.stages > 1 else "slice"
 
     def checkpoint_args(job):
@@ -457,7 +545,7 @@ def main(argv=None):
             return []
         if args.jobs == 1:
             return [] if configured_dir else ["--checkpoint_dir", workdir]
-        folder = os.path.join(configured_dir.group(1) if configured_dir else workdir, f"{job_kind}-{job}")
+        folder = os.path.join(configured_dir if configured_dir else workdir, f"{job_kind}-{job}")
         os.makedirs(folder, exist_ok=True)
         return ["--checkpoint_dir", folder]
 
@@ -490,19 +578,55 @@ def main(argv=None):
         f.write(base)
 
     procs, threads = [], []
+    server_procs = set()  # of procs, the shards (restarted ones too)
+    stopping = []
+
+    def kill_all():
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
     def stop_all():
+        """Terminates every process: the ranks get 5 s, the shards
+        --stop-timeout (a shard writes its checkpoint as it stops), then
+        they are killed."""
+        stopping.append(True)
         for p in procs:
             if p.poll() is None:
                 p.terminate()
-        deadline = time.time() + 5
+        started = time.time()
         for p in procs:
+            if p in server_procs:
+                continue
             try:
-                p.wait(max(0.1, deadline - time.time()))
+                p.wait(max(0.1, started + 5 - time.time()))
             except subprocess.TimeoutExpired:
+                p.kill()
+        told = False
+        for p in procs:
+            if p not in server_procs:
+                continue
+            try:
+                p.wait(max(0.1, started + 5 - time.time()))
+                continue
+            except subprocess.TimeoutExpired:
+                pass
+            if not told:
+                sys.stderr.write(f"{node}: waiting for the shards to stop (each writes its "
+                                 f"checkpoint as it stops; killed after --stop-timeout "
+                                 f"{args.stop_timeout:g} s, or at a second Ctrl-C)\n")
+                told = True
+            try:
+                p.wait(max(0.1, started + args.stop_timeout - time.time()))
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(f"{node}: a shard did not stop within --stop-timeout "
+                                 f"{args.stop_timeout:g} s; killing it (its last checkpoint "
+                                 "is the one before)\n")
                 p.kill()
 
     def fail_before_start(why):
         stop_all()
+        _tidy_workdir(workdir, node)
         if member:
             member.report(1, f"node {args.node_rank}: {why}")
         if store:
@@ -511,12 +635,17 @@ def main(argv=None):
         raise SystemExit(f"{node}: {why}")
 
     def on_signal(signum, frame):
+        if stopping:
+            sys.stderr.write(f"{node}: interrupted again, killing every process\n")
+            kill_all()
+            os._exit(130)
         sys.stderr.write(f"{node}: interrupted, stopping every process\n")
         if store:
             store.abort(f"node 0 was interrupted", 130)
         if member:
             member.report(130, f"node {args.node_rank} was interrupted")
         stop_all()
+        _tidy_workdir(workdir, node)
         sys.exit(130)
 
     signal.signal(signal.SIGINT, on_signal)
@@ -544,6 +673,7 @@ def main(argv=None):
                               if os.environ.get("MORSE_TRACE") else []),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(p)
+        server_procs.add(p)
         marker = {"event": threading.Event()}
         lines = []
         t = threading.Thread(target=_stream, args=(p.stdout, f"[{server_name(i)}] ", sys.stdout, marker,
@@ -620,7 +750,7 @@ def main(argv=None):
     if args.rank_restarts:
         # Each rank's checkpoint beside the shards' (morse.torch saves it
         # every checkpoint.every_steps steps).
-        env["MORSE_CHECKPOINT_DIR"] = configured_dir.group(1) if configured_dir else workdir
+        env["MORSE_CHECKPOINT_DIR"] = configured_dir if configured_dir else workdir
     package_root = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
     env["PYTHONPATH"] = package_root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     problem = _check_interpreter(command, env)
@@ -632,7 +762,10 @@ def main(argv=None):
     workers, errors, names, envs = [], [], [], []
 
     def start_rank(w, own):
-        p = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            p = subprocess.Popen(command, env=own, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except OSError as e:
+            fail_before_start(f"cannot run {command[0]}: {e.strerror}")
         procs.append(p)
         t = threading.Thread(target=_stream, args=(p.stdout, f"[{names[w]}] ", sys.stdout, None, errors[w]),
                              daemon=True)
@@ -803,6 +936,7 @@ def main(argv=None):
     stop_all()
     for t in threads:
         t.join(timeout=2)
+    _tidy_workdir(workdir, node)
     if not status and lost:
         sys.stderr.write(f"{node}: the job finished without {', '.join(names[r] for r in lost)}\n")
     return status
