@@ -37,9 +37,9 @@ STEPS = 8
 CLIP = 0.05  # clip_grad_norm_'s max_norm in the clip runs: below every step's norm here
 
 
-def build(name, params, lr):
+def build(name, params, lr, **more):
     import morse.torch
-    common = dict(block_elems=16, partition_elems=64)
+    common = dict(block_elems=16, partition_elems=64, **more)
     if name == "Adam":
         return morse.torch.Adam(params, lr=lr, **common)
     if name == "OneBitAdam":
@@ -60,7 +60,8 @@ def worker(out, mode):
     device = torch.device("cuda" if variant == "cuda" else "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).to(device)
     lr = 0.02 if variant == "lr" and rank == 1 else 0.01
-    opt = build(name, model.parameters(), lr)
+    opt = build(name, model.parameters(), lr,
+                **({"accumulation_steps": 2} if variant == "accum" else {}))
     if variant == "load" or (variant == "load_one" and rank == 1):
         # Weights loaded after building the optimizer, on every rank (or on
         # one only, load_one: the node refuses it).
@@ -81,11 +82,26 @@ def worker(out, mode):
         x, y = torch.randn(8, 10, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        if variant in ("accum", "accum_learned"):  # two backward() calls a step
+            torch.nn.functional.cross_entropy(model(x * 0.5), y).backward()
+        if variant == "scaled":  # an edit after backward() sent the gradients to the node
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
         mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
         numpy.save(f"{out}/own-{rank}-{step}.npy", mine.cpu().numpy())
         if variant == "clip":  # every rank, as a DDP script does
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
+        # The node's buckets (of about partition_elems) left during backward()
+        # (overlap), all of them but where the step edited or accumulated
+        # without saying so; the job's partitions are 64 elements, so several.
+        early, total = opt._buckets_in_backward or (0, 0)
+        if variant not in ("scaled", "accum_learned") or step == 0:
+            check(total >= 2 and early == total,
+                  f"rank {rank} step {step}: {early} of {total} buckets left during backward()")
+        elif step > 0:
+            check(opt._node_buckets is None, f"rank {rank} step {step}: still overlapping")
         if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
             numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
@@ -182,7 +198,18 @@ def two_nodes(name, variant=""):
         check(may_differ or json.load(open(f"{out}/holds-{node}.json")),
               f"{name}: the shards' model is not node {node}'s leader's")
     check_ranks_match_simulator(out, 2, STEPS, ranks_may_differ=may_differ)
+    warned = [len(re.findall(r"changed gradients after backward\(\) had sent them", text))
+              for _, text in results]
+    if variant in ("scaled", "accum_learned"):
+        check(warned == [2, 2], f"{name}: each rank warns once that its node gathers at step() "
+              f"from the edited step on: {warned}")
+    else:
+        check(warned == [0, 0], f"{name}: a node fell back to gathering at step(): {warned}")
     what = {"cuda": " on CUDA tensors", "clamp": ", clamped after every step",
+            "scaled": ", .grad scaled after backward() (the overlap gives way to step())",
+            "accum": ", two backward() a step with accumulation_steps=2 (overlapped)",
+            "accum_learned": ", two backward() a step without accumulation_steps (the overlap "
+                             "gives way to step())",
             "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm)",
             "load": ", weights loaded after building it"}.get(variant, "")
     print(f"PASS: {name}{what}: 2 nodes x 2 ranks with node "
@@ -244,6 +271,9 @@ if __name__ == "__main__":
     two_nodes("OneBitAdam", "clamp")
     two_nodes("OneBitAdam", "clip")
     two_nodes("Adam", "load")
+    two_nodes("Adam", "scaled")
+    two_nodes("OneBitAdam", "accum")
+    two_nodes("OneBitAdam", "accum_learned")
     # CUDA tensors (the 4 ranks sharing this host's GPU; staged through the
     # host inside each node): where there is a GPU.
     if torch.cuda.is_available():

@@ -288,7 +288,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             worker, workers = self._node.node, self._node.nnodes
             local_size = self._node.size
             self._node_params, self._node_names = self._params, self._names
-            overlap = False  # the node's gradients are averaged at step()
+            # The node's gradients are gathered during backward() (bucket by
+            # bucket, _node_bucket_ready) and averaged at step(), where the
+            # leader (or each slice's owner) pushes them.
+            node_overlap, overlap = overlap, False
             if aggregation == "sharded":
                 starts = slices([p.numel() for p in self._params], local_size)
                 self._slices = list(zip(starts[:-1], starts[1:]))
@@ -581,6 +584,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # (load_state_dict of it restores nothing).
         self._nonce = os.urandom(8).hex()
         self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
+        self._node_buckets = None
+        self._buckets_in_backward = None
+        if self._node is not None and node_overlap:
+            self._start_node_buckets(partition_elems or (1 << 20))
 
     def add_param_group(self, param_group):
         if hasattr(self, "_session"):
@@ -1413,36 +1420,48 @@ class _MorseOptimizer(torch.optim.Optimizer):
         from .node import flat_grads
         node = self._node
         missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
+        # With overlap the gradients left in buckets during backward(): only
+        # the pairs and digests go now (an empty gradient beside them).
+        bucketed = self._gather_node_buckets() if self._node_buckets is not None else None
+        nothing = torch.empty(0)
         self._restore_views()
         pairs = self._node_pairs()
+        first = 0 if self._slices is None else self._slices[node.local_rank][0]
         if self._slices is None:
             # Parameters written since the last step (a clamp_, a
             # load_state_dict): each rank tells its leader their hash.
             written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-            average, hypers, digests = node.average(self._flat_grad, pairs,
-                                                    _digest_of(self._params) if written else None)
+            average, hypers, digests = node.average(self._flat_grad if bucketed is None else nothing,
+                                                    pairs, _digest_of(self._params) if written else None)
             kept = self._params if at_clip and not node.is_leader else []
-            take = lambda: self._flat_grad.copy_(average)  # noqa: E731
         else:
             mine = node.local_rank
-            for k, (first, end) in enumerate(self._slices):
-                params = self._node_params[first:end]
-                if k == mine:
+            for k, (start, end) in enumerate(self._slices):
+                params = self._node_params[start:end]
+                if bucketed is not None:
+                    grads = nothing
+                elif k == mine:
                     grads = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
-                    written = any(p._version != v for p, v in zip(self._params, self._x_versions))
                 else:
                     grads = flat_grads(params)
+                if k == mine:
+                    written = any(p._version != v for p, v in zip(self._params, self._x_versions))
+                else:
                     written = any(p._version != self._other_versions[id(p)] for p in params)
                 got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
                 if k == mine:
                     average, hypers, digests = got
             kept = self._others if at_clip else []
 
-            def take():  # the slice's average into its parameters' gradients
-                at = 0
-                for lo, hi in self._ranges:
-                    self._flat_grad[lo:hi].copy_(average[at:at + hi - lo])
-                    at += hi - lo
+        def take():  # the average into the gradients of the parameters this rank steps
+            if bucketed is None and self._slices is None:
+                self._flat_grad.copy_(average)
+                return
+            at = 0
+            for i, (lo, hi) in enumerate(self._ranges):
+                self._flat_grad[lo:hi].copy_(average[at:at + hi - lo] if bucketed is None
+                                             else bucketed[first + i])
+                at += hi - lo
         failure = None
         if self._session is not None:
             failure = self._node_disagrees(hypers, digests)
@@ -1450,6 +1469,98 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 take()
         sent = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in kept]
         self._gathered = (missing, failure, sent)
+
+    def _start_node_buckets(self, elems):
+        """A node's rank with overlap: its gradients leave for the rank that
+        steps for them during backward(), in buckets of whole parameters of
+        about `elems` elements (the job's partition_elems, else 1Mi), each
+        once its parameters' gradients are final, in the same order on every
+        rank of the node (node.buckets); step() averages what arrived."""
+        from .node import buckets
+        sizes = [p.numel() for p in self._node_params]
+        starts = [0, len(sizes)] if self._slices is None else [f for f, _ in self._slices] + [len(sizes)]
+        self._node_buckets = buckets(sizes, starts, elems)
+        self._bucket_of = [0] * len(sizes)
+        for b, (_, members) in enumerate(self._node_buckets):
+            for j in members:
+                self._bucket_of[j] = b
+        self._reset_node_buckets()
+        for j, p in enumerate(self._node_params):
+            if p.requires_grad:
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                self._hooks.append((accumulator, accumulator.register_hook(
+                    lambda *unused, j=j: self._node_bucket_ready(j))))
+
+    def _reset_node_buckets(self):
+        self._bucket_left = [len(m) for _, m in self._node_buckets]
+        self._node_counts = [0] * len(self._node_params)
+        self._next_bucket = 0
+        self._launched = []  # (bucket, what left, in backward(), handle)
+        self._no_sync_step = False
+
+    def _node_bucket_ready(self, j):
+        """backward() finished parameter j's gradient: once every gradient
+        of the next bucket is final (the last backward() of the step, as
+        accumulation_steps or no_sync() say), its gather starts."""
+        if self._node_buckets is None or self._gathered is not None:
+            return
+        if self._in_no_sync:
+            self._no_sync_step = True
+            return
+        self._node_counts[j] += 1
+        if self._node_counts[j] != (1 if self._no_sync_step else self._accumulation):
+            return  # accumulating; a later backward() than that is seen at step()
+        self._bucket_left[self._bucket_of[j]] -= 1
+        while (self._next_bucket < len(self._node_buckets)
+               and self._bucket_left[self._next_bucket] == 0):
+            self._launch_node_bucket(in_backward=True)
+
+    def _launch_node_bucket(self, in_backward):
+        from .node import flat_grads
+        b = self._next_bucket
+        owner, members = self._node_buckets[b]
+        sent = flat_grads([self._node_params[j] for j in members])  # a copy
+        host = sent.cpu() if sent.is_cuda else sent
+        self._launched.append((b, sent, in_backward,
+                               self._node.gather_async(host.float(), owner)))
+        self._next_bucket += 1
+
+    def _gather_node_buckets(self):
+        """At step() (or the first clip_grad_norm_) with buckets: starts the
+        ones backward() did not, and waits for all. Returns {parameter
+        index: its average} for the parameters this rank steps, or None
+        where a rank of the node changed a gradient after its bucket left
+        (edited, scaled, another backward()): every rank then gathers the
+        whole gradient as without overlap, and does from now on."""
+        from .node import flat_grads
+        while self._next_bucket < len(self._node_buckets):
+            self._launch_node_bucket(in_backward=False)
+        edited = any(not _same_bits(flat_grads([self._node_params[j] for j in
+                                                self._node_buckets[b][1]]), sent)
+                     for b, sent, in_backward, _ in self._launched if in_backward)
+        # How many of the step's buckets left during backward() (of all).
+        self._buckets_in_backward = (sum(1 for *_, early, _ in self._launched if early),
+                                     len(self._launched))
+        averages = {}
+        for b, _, _, handle in self._launched:
+            mean = self._node.collect(handle)
+            if mean is not None:
+                at = 0
+                for j in self._node_buckets[b][1]:
+                    n = self._node_params[j].numel()
+                    averages[j] = mean[at:at + n]
+                    at += n
+        self._reset_node_buckets()
+        if self._node.any_of(edited):
+            self._node_buckets = None
+            warnings.warn(f"morse: in step {self.step_index} a rank of node {self._node.node} "
+                          "changed gradients after backward() had sent them to the node (an edit "
+                          "of .grad, another backward()); the step used the gradients as they "
+                          "were at step(), gathered again, and from now on the node gathers them "
+                          "at step() (pass accumulation_steps= or use no_sync() to accumulate "
+                          "with overlap)", RuntimeWarning, stacklevel=4)
+            return None
+        return averages
 
     def _edited_since_gathered(self, sent):
         """The names of the parameters (of those this rank does not step)

@@ -23,6 +23,7 @@ each broadcasts its slice's new parameters to the node. A rank holds m, v
 and the error buffers of its slice alone, and every slice's job is
 bit-identical to the simulator with N = nodes over that slice.
 """
+import atexit
 import datetime
 import os
 import pickle
@@ -86,6 +87,11 @@ class NodeGroup:
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"morse-node-{node}", store), local_rank,
                                         local_size, timeout)
         self.dist = dist
+        # Let go of the group while the interpreter is whole: the gradient
+        # hooks (overlap) keep the optimizer, and with it the group, alive
+        # until the end, where gloo's threads would otherwise be torn down
+        # unjoined (std::terminate).
+        atexit.register(self.close)
         self.rank, self.local_rank, self.size = rank, local_rank, local_size
         self.node, self.nnodes = node, nnodes
         self.leader = node * local_size
@@ -94,6 +100,11 @@ class NodeGroup:
         self.members = None  # the nodes the last step averaged (None: every node)
         self.steps = 0
 
+    def close(self):
+        """Ends this rank's part in the node's group (at exit)."""
+        self.pg = None
+        self._store = None
+
     def _wait(self, work):
         """Waits for one of the group's operations; a rank of the node gone
         (its connection reset, or the group's timeout) is a MorseError
@@ -101,10 +112,13 @@ class NodeGroup:
         try:
             work.wait()
         except RuntimeError as e:
-            raise MorseError(f"UNAVAILABLE: node {self.node}'s group lost a rank (local rank "
-                             f"{self.local_rank} of {self.size} here): {e}; the node's ranks share "
-                             "its step, so they stop with it (morse-run restarts the node with "
-                             "--rank-restarts, or an elastic job goes on without it)") from e
+            self._wait_failed(e)
+
+    def _wait_failed(self, e):
+        raise MorseError(f"UNAVAILABLE: node {self.node}'s group lost a rank (local rank "
+                         f"{self.local_rank} of {self.size} here): {e}; the node's ranks share "
+                         "its step, so they stop with it (morse-run restarts the node with "
+                         "--rank-restarts, or an elastic job goes on without it)") from e
 
     def _broadcast(self, tensor, owner):
         opts = self.dist.BroadcastOptions()
@@ -133,6 +147,42 @@ class NodeGroup:
             with torch.no_grad():
                 flat.copy_(host)
 
+    def _mean(self, parts, end=None):
+        """The node's average of the ranks' `parts` (each [:end]), summed in
+        local-rank order, so that every run sums alike: ((g0 + g1) + ...) / L."""
+        total = parts[0][:end].clone()
+        for part in parts[1:]:
+            total += part[:end]
+        total /= self.size
+        return total
+
+    def gather_async(self, values, owner):
+        """Starts sending `values` (host float32, not written again) to
+        local rank `owner`; collect() waits for it and returns the node's
+        average there (None elsewhere). Every rank of the node starts the
+        same gathers in the same order (a bucket of the step's gradient,
+        during backward(); see _MorseOptimizer._node_bucket_ready)."""
+        owns = self.local_rank == owner
+        parts = [[torch.empty_like(values) for _ in range(self.size)]] if owns else []
+        opts = self.dist.GatherOptions()
+        opts.rootRank = owner
+        try:
+            work = self.pg.gather(parts, [values], opts)
+        except RuntimeError as e:
+            self._wait_failed(e)
+        return work, parts
+
+    def collect(self, handle):
+        work, parts = handle
+        self._wait(work)
+        return self._mean(parts[0]) if parts else None
+
+    def any_of(self, flag):
+        """Whether `flag` holds on any rank of the node (every rank learns it)."""
+        got = [[torch.zeros(1) for _ in range(self.size)]]
+        self._wait(self.pg.allgather(got, [torch.tensor([1.0 if flag else 0.0])]))
+        return any(float(t) != 0 for t in got[0])
+
     def average(self, flat_grad, hyper, digest=None, owner=0):
         """Sends this rank's gradient, (lr, weight_decay) pairs (one per
         parameter group) and `digest` (a 64-bit hash of its parameters
@@ -155,10 +205,7 @@ class NodeGroup:
         if not owns:
             return None, None, None
         parts = parts[0]
-        total = parts[0][:-k].clone()
-        for part in parts[1:]:
-            total += part[:-k]  # in local-rank order, so every run sums alike
-        total /= self.size
+        total = self._mean(parts, -k)
         pairs, digests = [], []
         for part in parts:
             v = [float(f) for f in part[-k:].tolist()]
@@ -199,6 +246,28 @@ class NodeGroup:
         if nodes is None:
             nodes = range(self.nnodes) if self.members is None else self.members
         return [n * self.size + k for n in nodes for k in range(self.size)]
+
+
+def buckets(sizes, starts, elems):
+    """The node's gathers during backward() (a rank's hooks start each
+    once its gradients are final, in this order on every rank): the
+    parameters of `sizes` from the last to the first, as backward()
+    reaches them, in buckets of at least `elems` elements, none across a
+    slice (`starts`: each slice's first parameter and len(sizes) at the
+    end, as slices() gives; [0, len(sizes)] when the leader steps for the
+    whole node). Returns [(slice, [parameter indices])]."""
+    out = []
+    for k in reversed(range(len(starts) - 1)):
+        run, total = [], 0
+        for j in reversed(range(starts[k], starts[k + 1])):
+            run.append(j)
+            total += sizes[j]
+            if total >= elems:
+                out.append((k, run))
+                run, total = [], 0
+        if run:
+            out.append((k, run))
+    return out
 
 
 def slices(sizes, count):
