@@ -3,6 +3,7 @@
 this machine.
 
     tests/bench/node_aggregation.py [--nodes 2] [--local 2] [--dim 1000000] [--steps 12] [--pairs 1]
+        [--no-overlap]
 
 Runs the same OneBitAdam job (an MLP of about --dim parameters in --pairs
 pairs of layers 128 -> h -> 128, past its
@@ -16,7 +17,8 @@ parameter of the model (m, v, the error buffer: 12 bytes where one rank
 holds it all), and the median step time. Everything runs on one host over loopback, so the
 times say what aggregation costs in CPU (the gather and broadcast inside the
 node), not what it saves on a real link; the bytes are what a node's link
-would carry."""
+would carry. --no-overlap builds the optimizers with overlap=False (a
+node then gathers at step(), not during backward())."""
 import argparse
 import json
 import os
@@ -30,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 
-def worker(out, dim, steps, pairs):
+def worker(out, dim, steps, pairs, overlap):
     import torch
     import morse.torch
     rank = int(os.environ["RANK"])
@@ -40,7 +42,7 @@ def worker(out, dim, steps, pairs):
     # slices (whole parameters) to balance.
     model = torch.nn.Sequential(*[layer for _ in range(pairs) for layer in (
         torch.nn.Linear(128, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 128))])
-    opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2, overlap=bool(overlap))
     times, up, exchange = [], [], []
     if opt._session is not None:
         # The Morse step of this rank's worker (a leader's, a slice owner's;
@@ -75,11 +77,11 @@ def worker(out, dim, steps, pairs):
               open(f"{out}/rank-{rank}.json", "w"))
 
 
-def run(nodes, local, dim, steps, pairs, aggregate):
+def run(nodes, local, dim, steps, pairs, aggregate, overlap):
     from harness import nodes as start_nodes
     out = tempfile.mkdtemp(prefix="morse-bench-aggregation-")
     extra = ("--servers", "2") + ((f"--node-aggregation={aggregate}",) if aggregate else ())
-    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps} {pairs}"
+    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps} {pairs} {int(overlap)}"
     results = start_nodes(__file__, nodes, local, out, "bench", extra=extra, timeout=600)
     for node, (code, text) in enumerate(results):
         if code != 0:
@@ -100,12 +102,14 @@ def main():
     parser.add_argument("--pairs", type=int, default=1,
                         help="pairs of layers (default 1: 4 parameters); a sharded node's L slices "
                              "need at least L parameters, and balance better with more")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="overlap=False: the pushes (flat) and the node's gather wait for step()")
     a = parser.parse_args()
     os.environ.setdefault("MORSE_RUN", os.path.join(HERE, "..", "..", "build", "bin", "morse-run"))
     rows = []
     one = None
     for aggregate in (None, "leader", "sharded"):
-        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, a.pairs, aggregate)
+        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, a.pairs, aggregate, not a.no_overlap)
         if one is None:
             one = max(statistics.median(r["up"]) for r in ranks)  # one worker's payload (flat)
         rows.append((f"--node-aggregation={aggregate}" if aggregate else "flat (a worker per rank)",
@@ -114,7 +118,7 @@ def main():
                      statistics.median(t for r in ranks for t in r["times"]) * 1e3, ranks[0]["params"]))
     print(f"{a.nodes} nodes x {a.local} ranks, OneBitAdam compression phase, "
           f"{rows[0][6]:,} parameters in {4 * a.pairs} tensors, 2 shards (per slice where "
-          "sharded), loopback")
+          f"sharded), loopback, overlap {'off' if a.no_overlap else 'on'}")
     print(f"{'layout':29} {'bytes up/node/step':>18} {'/ one worker':>12} {'state B/param (max, min rank)':>30} "
           f"{'step ms':>8}")
     for name, up, ratio, most, least, ms, _ in rows:
