@@ -3,7 +3,7 @@
 this machine.
 
     tests/bench/node_aggregation.py [--nodes 2] [--local 2] [--dim 1000000] [--steps 12] [--pairs 1]
-        [--no-overlap]
+        [--batch 32] [--no-overlap]
 
 Runs the same OneBitAdam job (an MLP of about --dim parameters in --pairs
 pairs of layers 128 -> h -> 128, past its
@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 
-def worker(out, dim, steps, pairs, overlap):
+def worker(out, dim, steps, pairs, overlap, batch):
     import torch
     import morse.torch
     rank = int(os.environ["RANK"])
@@ -58,7 +58,7 @@ def worker(out, dim, steps, pairs, overlap):
         opt._worker_step = timed_step
     for step in range(steps):
         g = torch.Generator().manual_seed(100 * step + rank)
-        x = torch.randn(32, 128, generator=g)
+        x = torch.randn(batch, 128, generator=g)
         start = time.perf_counter()
         opt.zero_grad()
         model(x).pow(2).mean().backward()
@@ -77,11 +77,11 @@ def worker(out, dim, steps, pairs, overlap):
               open(f"{out}/rank-{rank}.json", "w"))
 
 
-def run(nodes, local, dim, steps, pairs, aggregate, overlap):
+def run(nodes, local, dim, steps, pairs, aggregate, overlap, batch):
     from harness import nodes as start_nodes
     out = tempfile.mkdtemp(prefix="morse-bench-aggregation-")
     extra = ("--servers", "2") + ((f"--node-aggregation={aggregate}",) if aggregate else ())
-    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps} {pairs} {int(overlap)}"
+    os.environ["MORSE_BENCH_ARGS"] = f"{dim} {steps} {pairs} {int(overlap)} {batch}"
     results = start_nodes(__file__, nodes, local, out, "bench", extra=extra, timeout=600)
     for node, (code, text) in enumerate(results):
         if code != 0:
@@ -102,6 +102,8 @@ def main():
     parser.add_argument("--pairs", type=int, default=1,
                         help="pairs of layers (default 1: 4 parameters); a sharded node's L slices "
                              "need at least L parameters, and balance better with more")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="examples per rank and step (default 32): more make backward() longer")
     parser.add_argument("--no-overlap", action="store_true",
                         help="overlap=False: the pushes (flat) and the node's gather wait for step()")
     a = parser.parse_args()
@@ -109,7 +111,8 @@ def main():
     rows = []
     one = None
     for aggregate in (None, "leader", "sharded"):
-        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, a.pairs, aggregate, not a.no_overlap)
+        ranks, per_node = run(a.nodes, a.local, a.dim, a.steps, a.pairs, aggregate, not a.no_overlap,
+                              a.batch)
         if one is None:
             one = max(statistics.median(r["up"]) for r in ranks)  # one worker's payload (flat)
         rows.append((f"--node-aggregation={aggregate}" if aggregate else "flat (a worker per rank)",

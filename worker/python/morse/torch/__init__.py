@@ -586,7 +586,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
         self._node_buckets = None
         self._buckets_in_backward = None
-        if self._node is not None and node_overlap:
+        # (Not yet for CUDA tensors: a bucket's copy to the host in the hook
+        # would hold up the device's backward() until it is done; they are
+        # gathered at step(), as before, until this is built and measured
+        # on a GPU with copies that do not wait.)
+        if self._node is not None and node_overlap and not self._cuda:
             self._start_node_buckets(partition_elems or (1 << 20))
 
     def add_param_group(self, param_group):
@@ -1420,37 +1424,52 @@ class _MorseOptimizer(torch.optim.Optimizer):
         from .node import flat_grads
         node = self._node
         missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
-        # With overlap the gradients left in buckets during backward(): only
-        # the pairs and digests go now (an empty gradient beside them).
-        bucketed = self._gather_node_buckets() if self._node_buckets is not None else None
-        nothing = torch.empty(0)
+        # With overlap the gradients left in buckets during backward().
+        bucketed, edited = (self._gather_node_buckets() if self._node_buckets is not None
+                            else (None, False))
         self._restore_views()
         pairs = self._node_pairs()
-        first = 0 if self._slices is None else self._slices[node.local_rank][0]
-        if self._slices is None:
-            # Parameters written since the last step (a clamp_, a
-            # load_state_dict): each rank tells its leader their hash.
-            written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-            average, hypers, digests = node.average(self._flat_grad if bucketed is None else nothing,
-                                                    pairs, _digest_of(self._params) if written else None)
-            kept = self._params if at_clip and not node.is_leader else []
-        else:
-            mine = node.local_rank
-            for k, (start, end) in enumerate(self._slices):
+        mine = 0 if self._slices is None else node.local_rank
+        first = 0 if self._slices is None else self._slices[mine][0]
+        # Parameters written since the last step (a clamp_, a
+        # load_state_dict): each rank tells the rank that steps them their
+        # hash, slice by slice (the leader's: one slice).
+        written_by_slice = []
+        for k, (start, end) in enumerate(self._slices or [(0, len(self._node_params))]):
+            if k == mine:
+                params = self._params
+                written = any(p._version != v for p, v in zip(self._params, self._x_versions))
+            else:
                 params = self._node_params[start:end]
-                if bucketed is not None:
-                    grads = nothing
-                elif k == mine:
-                    grads = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
-                else:
-                    grads = flat_grads(params)
-                if k == mine:
-                    written = any(p._version != v for p, v in zip(self._params, self._x_versions))
-                else:
-                    written = any(p._version != self._other_versions[id(p)] for p in params)
-                got = node.average(grads, pairs, _digest_of(params) if written else None, owner=k)
+                written = any(p._version != self._other_versions[id(p)] for p in params)
+            written_by_slice.append(_digest_of(params) if written else None)
+        if bucketed is not None:
+            # Only the ranks' settings and digests are left to send, and
+            # whether any rank's gradients changed after they left.
+            changed, hypers, by_slice = node.settings(edited, pairs, written_by_slice)
+            digests = by_slice[mine]
+            if changed:
+                bucketed = None
+                self._node_buckets = None
+                warnings.warn(
+                    f"morse: in step {self.step_index} a rank of node {node.node} changed "
+                    "gradients after backward() had sent them to the node (an edit of .grad, "
+                    "another backward()); the step uses them as they are at step(), gathered "
+                    "again, and from now on the node gathers them at step() (pass "
+                    "accumulation_steps= or use no_sync() to accumulate with overlap)",
+                    RuntimeWarning, stacklevel=4)
+        if bucketed is None and self._slices is None:
+            average, hypers, digests = node.average(self._flat_grad, pairs, written_by_slice[0])
+        elif bucketed is None:
+            for k, (start, end) in enumerate(self._slices):
+                grads = (torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges]) if k == mine
+                         else flat_grads(self._node_params[start:end]))
+                got = node.average(grads, pairs, written_by_slice[k], owner=k)
                 if k == mine:
                     average, hypers, digests = got
+        if self._slices is None:
+            kept = self._params if at_clip and not node.is_leader else []
+        else:
             kept = self._others if at_clip else []
 
         def take():  # the average into the gradients of the parameters this rank steps
@@ -1509,7 +1528,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return
         self._node_counts[j] += 1
         if self._node_counts[j] != (1 if self._no_sync_step else self._accumulation):
-            return  # accumulating; a later backward() than that is seen at step()
+            return  # accumulating; a backward() after the bucket left is seen at step()
         self._bucket_left[self._bucket_of[j]] -= 1
         while (self._next_bucket < len(self._node_buckets)
                and self._bucket_left[self._next_bucket] == 0):
@@ -1519,25 +1538,35 @@ class _MorseOptimizer(torch.optim.Optimizer):
         from .node import flat_grads
         b = self._next_bucket
         owner, members = self._node_buckets[b]
-        sent = flat_grads([self._node_params[j] for j in members])  # a copy
-        host = sent.cpu() if sent.is_cuda else sent
-        self._launched.append((b, sent, in_backward,
-                               self._node.gather_async(host.float(), owner)))
+        sent = flat_grads([self._node_params[j] for j in members])  # a copy (host float32)
+        self._launched.append((b, sent, in_backward, self._node.gather_async(sent, owner)))
         self._next_bucket += 1
+
+    def _edited_since_sent(self):
+        """Whether a gradient sent during backward() changed since (an edit
+        of .grad, another backward()), bit for bit: version counters miss
+        edits through .data."""
+        for b, sent, in_backward, _ in self._launched:
+            if not in_backward:
+                continue
+            at = 0
+            for j in self._node_buckets[b][1]:
+                p = self._node_params[j]
+                now = sent[at:at + p.numel()]
+                at += p.numel()
+                if not _same_bits(p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(now),
+                                  now):
+                    return True
+        return False
 
     def _gather_node_buckets(self):
         """At step() (or the first clip_grad_norm_) with buckets: starts the
-        ones backward() did not, and waits for all. Returns {parameter
-        index: its average} for the parameters this rank steps, or None
-        where a rank of the node changed a gradient after its bucket left
-        (edited, scaled, another backward()): every rank then gathers the
-        whole gradient as without overlap, and does from now on."""
-        from .node import flat_grads
+        ones backward() did not and waits for all. Returns ({parameter
+        index: its average} for the parameters this rank steps, whether
+        this rank changed a gradient after its bucket left)."""
         while self._next_bucket < len(self._node_buckets):
             self._launch_node_bucket(in_backward=False)
-        edited = any(not _same_bits(flat_grads([self._node_params[j] for j in
-                                                self._node_buckets[b][1]]), sent)
-                     for b, sent, in_backward, _ in self._launched if in_backward)
+        edited = self._edited_since_sent()
         # How many of the step's buckets left during backward() (of all).
         self._buckets_in_backward = (sum(1 for *_, early, _ in self._launched if early),
                                      len(self._launched))
@@ -1551,16 +1580,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     averages[j] = mean[at:at + n]
                     at += n
         self._reset_node_buckets()
-        if self._node.any_of(edited):
-            self._node_buckets = None
-            warnings.warn(f"morse: in step {self.step_index} a rank of node {self._node.node} "
-                          "changed gradients after backward() had sent them to the node (an edit "
-                          "of .grad, another backward()); the step used the gradients as they "
-                          "were at step(), gathered again, and from now on the node gathers them "
-                          "at step() (pass accumulation_steps= or use no_sync() to accumulate "
-                          "with overlap)", RuntimeWarning, stacklevel=4)
-            return None
-        return averages
+        return averages, edited
 
     def _edited_since_gathered(self, sent):
         """The names of the parameters (of those this rank does not step)

@@ -177,11 +177,25 @@ class NodeGroup:
         self._wait(work)
         return self._mean(parts[0]) if parts else None
 
-    def any_of(self, flag):
-        """Whether `flag` holds on any rank of the node (every rank learns it)."""
-        got = [[torch.zeros(1) for _ in range(self.size)]]
-        self._wait(self.pg.allgather(got, [torch.tensor([1.0 if flag else 0.0])]))
-        return any(float(t) != 0 for t in got[0])
+    def settings(self, edited, hyper, digests):
+        """What average() sends beside the gradient, to every rank at once
+        (one all-gather, after the step's buckets): whether this rank
+        `edited` its gradients after they left, its (a, b) pairs and its
+        digest of each slice's parameters (`digests`, by slice: None where
+        it wrote none). Returns whether any rank edited, every rank's
+        pairs and, by slice, every rank's digest."""
+        values = [1.0 if edited else 0.0] + _packed(hyper, None)[:-5]
+        for digest in digests:
+            values += _packed((), digest)
+        mine = torch.tensor(values, dtype=torch.float32)
+        got = [[torch.empty_like(mine) for _ in range(self.size)]]
+        self._wait(self.pg.allgather(got, [mine]))
+        rows = [[float(f) for f in t.tolist()] for t in got[0]]
+        k = 2 * len(hyper)
+        pairs = [_unpacked(row[1:1 + k] + [0.0] * 5)[0] for row in rows]
+        by_slice = [[_unpacked(row[1 + k + 5 * n:1 + k + 5 * n + 5])[1] for row in rows]
+                    for n in range(len(digests))]
+        return any(row[0] != 0 for row in rows), pairs, by_slice
 
     def average(self, flat_grad, hyper, digest=None, owner=0):
         """Sends this rank's gradient, (lr, weight_decay) pairs (one per
@@ -190,10 +204,7 @@ class NodeGroup:
         `owner` (the leader, or a slice's owner); there returns the node's
         average (host), every rank's pairs and every rank's digest,
         elsewhere (None, None, None)."""
-        values = [v for pair in hyper for v in pair]
-        # The digest as a flag and four 16-bit pieces, each exact in fp32.
-        values += [0.0] * 5 if digest is None else [1.0] + [
-            float((digest >> shift) & 0xFFFF) for shift in (0, 16, 32, 48)]
+        values = _packed(hyper, digest)
         k = len(values)
         mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
                           torch.tensor(values, dtype=torch.float32)])
@@ -208,10 +219,9 @@ class NodeGroup:
         total = self._mean(parts, -k)
         pairs, digests = [], []
         for part in parts:
-            v = [float(f) for f in part[-k:].tolist()]
-            pairs.append(tuple(zip(v[0:k - 5:2], v[1:k - 5:2])))
-            digests.append(None if v[k - 5] == 0 else
-                           sum(int(piece) << shift for piece, shift in zip(v[k - 4:], (0, 16, 32, 48))))
+            pair, digest = _unpacked([float(f) for f in part[-k:].tolist()])
+            pairs.append(pair)
+            digests.append(digest)
         return total, pairs, digests
 
     def finish(self, failure=None, checksum=None, buffers=None, members=None):
@@ -246,6 +256,23 @@ class NodeGroup:
         if nodes is None:
             nodes = range(self.nnodes) if self.members is None else self.members
         return [n * self.size + k for n in nodes for k in range(self.size)]
+
+
+def _packed(hyper, digest):
+    """(a, b) pairs and a digest as float32-exact values: the pairs, then
+    the digest as a flag and four 16-bit pieces."""
+    values = [v for pair in hyper for v in pair]
+    return values + ([0.0] * 5 if digest is None else [1.0] + [
+        float((digest >> shift) & 0xFFFF) for shift in (0, 16, 32, 48)])
+
+
+def _unpacked(v):
+    """_packed's (pairs, digest) from its values."""
+    k = len(v)
+    pairs = tuple(zip(v[0:k - 5:2], v[1:k - 5:2]))
+    digest = None if v[k - 5] == 0 else sum(int(piece) << shift
+                                            for piece, shift in zip(v[k - 4:], (0, 16, 32, 48)))
+    return pairs, digest
 
 
 def buckets(sizes, starts, elems):
