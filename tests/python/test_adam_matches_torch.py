@@ -16,7 +16,8 @@ the shards send no norm of); and .grad edited after backward() (a
 row zeroed, everything halved, then clip_grad_norm_), which under DDP edits
 the averaged gradient: linear edits give the same result on each rank's
 gradient before the average, which Morse pushes at step() once the first
-step showed the edits. And DDP's no_sync() idiom: a step's batch in 1, 2 or
+step showed the edits (also when made through .data, which moves no
+version counter: the first step compares the bits). And DDP's no_sync() idiom: a step's batch in 1, 2 or
 4 backward() calls, all but the last inside opt.no_sync() (every fifth
 step all of them, so that step() pushes), rank 0 overlapping. And two
 parameter groups with their own lr and weight_decay (Hugging Face's
@@ -96,7 +97,7 @@ def worker(mode):
     # clips), each as torch's on the gradient the earlier ones clipped.
     clip_twice = mode in ("clip_twice", "clip_orders", "clip_p")
     calls = {"clip_orders": ORDERS, "clip_p": ORDERS_P}.get(mode, TWICE)
-    edit = mode == "edit"  # .grad edited after backward(), then clipped
+    edit = mode in ("edit", "edit_data")  # .grad edited after backward(), then clipped
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
     model = Model()
@@ -176,9 +177,14 @@ def worker(mode):
             torch.nn.functional.cross_entropy(model(x), y).backward()
         if edit:
             with torch.no_grad():
-                model.a.weight.grad[0].zero_()
-                for p in model.parameters():
-                    p.grad.mul_(0.5)
+                if mode == "edit_data":  # the old idiom, through .data: no version counter moves
+                    model.a.weight.grad.data[0].zero_()
+                    for p in model.parameters():
+                        p.grad.data.mul_(0.5)
+                else:
+                    model.a.weight.grad[0].zero_()
+                    for p in model.parameters():
+                        p.grad.mul_(0.5)
         if clip_after or edit:
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
         if clip_twice:
@@ -257,6 +263,8 @@ def worker(mode):
                           f"{clipped} steps",
             "edit": f".grad edited after backward(), then clip_grad_norm_, which clipped "
                     f"{clipped} steps",
+            "edit_data": f".grad edited through .data after backward(), then clip_grad_norm_, "
+                         f"which clipped {clipped} steps",
             "clip_twice": f"clip_grad_norm_ with max_norm {[m for m, _ in TWICE]} in turn after "
                           f"backward(), the first two finite ones clipping in {clipped} steps",
             "clip_orders": f"clip_grad_norm_ with (max_norm, norm_type) {ORDERS} in turn after "
@@ -362,7 +370,7 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "clip_p", "edit", "no_sync",
+                 "clip_p", "edit", "edit_data", "no_sync",
                  "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)

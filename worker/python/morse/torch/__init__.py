@@ -727,10 +727,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 moved = self._flat_grad._version != self._snapshot_flat_version
             else:
                 moved = p.grad._version != seen[1] if p.grad is not None else True
-            if p.grad is not seen[0] or moved:
+            now = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(self._snapshot[lo:hi])
+            # The bits too: an edit through .data moves no version counter.
+            differs = not _same_bits(now, self._snapshot[lo:hi])
+            if p.grad is not seen[0] or moved or differs:
                 touched = True
-                now = p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(self._snapshot[lo:hi])
-                changed = changed or not _same_bits(now, self._snapshot[lo:hi])
+                changed = changed or differs
         self._snapshot_versions = None
         self._snapshot_touched = touched
         if not touched and free:
