@@ -230,6 +230,17 @@ def main():
             model.weight.grad.mul_(0.5)
             opt.step()
         expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
+    with server(base) as address:  # the same through .data, which moves no version counter
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
+                               servers=[address], config=base)
+
+        def misuse_data():
+            model(torch.ones(4, 3)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            model.weight.grad.data.mul_(0.5)
+            opt.step()
+        expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse_data)
 
     # clip_grad_norm_ over part of the parameters, or with a norm other than
     # 1, 2 and inf: refused (Morse clips the whole averaged gradient). Several

@@ -1350,10 +1350,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                        or any(p.grad is None or p.grad.data_ptr() != self._flat_grad[lo:hi].data_ptr()
                               for p, (lo, hi) in zip(self._params, self._ranges)))
             if touched:
-                # Touched after clip_grad_norm_ pushed them: changed bits count.
                 self._restore_views()
-                late = not _same_bits(self._flat_grad, pushed[1])
-            elif first and self._snapshot is not None and not self._snapshot_touched:
+            # Changed bits count (an edit through .data moves no version counter).
+            late = not _same_bits(self._flat_grad, pushed[1])
+            if not (touched or late) and first and self._snapshot is not None and not self._snapshot_touched:
                 self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
         if self._follow_groups and self._sent_hyper is not None and self._group_hyper() != self._sent_hyper:
