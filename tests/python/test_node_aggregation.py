@@ -20,7 +20,12 @@ first cut): one Morse worker per node.
    same way on every rank (clamp_one; load_one before the first step).
 4. Ranks of a node that set different learning rates: every rank of the
    node fails naming the values; nodes that disagree on --node-aggregation
-   fail the rendezvous saying so."""
+   fail the rendezvous saying so.
+5. The node's values move through shared memory wherever this host has
+   /dev/shm (every rank says which way its node went); `gloo`: one rank of
+   each node without it (a folder that does not exist, MORSE_NODE_SHM=0)
+   takes its whole node through gloo's sockets, node 0 saying why once,
+   with the same bits."""
 import json
 import os
 import re
@@ -60,8 +65,15 @@ def worker(out, mode):
     device = torch.device("cuda" if variant == "cuda" else "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).to(device)
     lr = 0.02 if variant == "lr" and rank == 1 else 0.01
+    if variant == "gloo" and local == 1:
+        # One rank of each node cannot use shared memory (node 0: no such
+        # folder; node 1: MORSE_NODE_SHM=0): its whole node goes through
+        # gloo, and node 0 says why.
+        os.environ["MORSE_NODE_SHM_DIR" if node == 0 else "MORSE_NODE_SHM"] = (
+            "/nonexistent/morse-shm" if node == 0 else "0")
     opt = build(name, model.parameters(), lr,
                 **({"accumulation_steps": 2} if variant == "accum" else {}))
+    json.dump(opt._node._staging is not None, open(f"{out}/shared-{rank}.json", "w"))
     if variant == "load" or (variant == "load_one" and rank == 1):
         # Weights loaded after building the optimizer, on every rank (or on
         # one only, load_one: the node refuses it).
@@ -178,6 +190,21 @@ def check_nodes_share(out, nnodes, local_size, nodes_may_differ):
         check(nodes_may_differ or p == params[0], f"rank {r} differs from rank 0")
 
 
+def shm_usable():
+    """Whether this host gives the node's ranks shared memory (/dev/shm)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir="/dev/shm"):
+            return True
+    except OSError:
+        return False
+
+
+def check_shared(out, ranks, expected, what):
+    shared = [json.load(open(f"{out}/shared-{r}.json")) for r in range(ranks)]
+    check(shared == [expected] * ranks, f"{what}: the nodes' ranks exchange through "
+          f"{'shared memory' if expected else 'gloo'}: {shared}")
+
+
 def two_nodes(name, variant=""):
     out = tempfile.mkdtemp(prefix=f"morse-aggregate-{name}-")
     mode = f"{name}:{variant}" if variant else name
@@ -191,6 +218,11 @@ def two_nodes(name, variant=""):
     check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")
     may_differ = name == "ZeroOneAdam"
     check_node_averages(out, 2, 2)
+    check_shared(out, 4, shm_usable() and variant != "gloo", name)
+    fell_back = [len(re.findall(r"exchanges its gradients through gloo's sockets, not shared memory: "
+                                r"local rank 1 could not map", text)) for _, text in results]
+    check(fell_back == ([1, 0] if variant == "gloo" else [0, 0]) or not shm_usable(),
+          f"{name}: the node a rank of which could not map its region says so once: {fell_back}")
     if variant == "clip":
         check_clip_norms(out, 2, 2, freeze=3)
     check_nodes_share(out, 2, 2, may_differ)
@@ -211,7 +243,9 @@ def two_nodes(name, variant=""):
             "accum_learned": ", two backward() a step without accumulation_steps (the overlap "
                              "gives way to step())",
             "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm)",
-            "load": ", weights loaded after building it"}.get(variant, "")
+            "load": ", weights loaded after building it",
+            "gloo": ", one rank of each node without shared memory (its node through gloo)"}.get(
+                variant, "")
     print(f"PASS: {name}{what}: 2 nodes x 2 ranks with node "
           "aggregation: one worker per node, the node "
           f"average pushed, every rank on its leader's bits, the simulator with N = 2 for {STEPS} steps")
@@ -227,6 +261,7 @@ def one_node_of_three():
         print(result.stdout[-4000:])
     check(result.returncode == 0, "3 ranks in one node failed")
     check_node_averages(out, 1, 3)
+    check_shared(out, 3, shm_usable(), "3 ranks in one node")
     check_nodes_share(out, 1, 3, False)
     check_ranks_match_simulator(out, 1, STEPS)
     print("PASS: one node of 3 ranks: one worker, ((g0 + g1) + g2) / 3 pushed, every rank on its bits")
@@ -274,6 +309,7 @@ if __name__ == "__main__":
     two_nodes("Adam", "scaled")
     two_nodes("OneBitAdam", "accum")
     two_nodes("OneBitAdam", "accum_learned")
+    two_nodes("OneBitLamb", "gloo")
     # CUDA tensors (the 4 ranks sharing this host's GPU; staged through the
     # host inside each node): where there is a GPU.
     if torch.cuda.is_available():

@@ -481,6 +481,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._session.start(True, self._rejoin_checkpoint())
             else:
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
+        if self._node is not None:
+            # The node's gradients and parameters move through shared
+            # memory where the host lets them (node.py): the most a rank
+            # exchanges is its flat buffer or the node's gradient.
+            self._node.use_shared_memory(max(dim, sum(p.numel() for p in self._node_params)))
         if self._slices is not None:
             if self._cuda:
                 with torch.no_grad():
@@ -1466,7 +1471,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             for k, (start, end) in enumerate(self._slices):
                 grads = (torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges]) if k == mine
                          else flat_grads(self._node_params[start:end]))
-                got = node.average(grads, pairs, written_by_slice[k], owner=k)
+                offset = sum(p.numel() for p in self._node_params[:start])
+                got = node.average(grads, pairs, written_by_slice[k], owner=k, offset=offset)
                 if k == mine:
                     average, hypers, digests = got
         if self._slices is None:
@@ -1501,6 +1507,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         sizes = [p.numel() for p in self._node_params]
         starts = [0, len(sizes)] if self._slices is None else [f for f, _ in self._slices] + [len(sizes)]
         self._node_buckets = buckets(sizes, starts, elems)
+        # Where each bucket lies in the node's exchange (its first
+        # parameter's place in the node's gradient), so that the buckets in
+        # flight at once use apart parts of a rank's staging region.
+        self._bucket_offsets = [sum(sizes[:min(members)]) for _, members in self._node_buckets]
         self._bucket_of = [0] * len(sizes)
         for b, (_, members) in enumerate(self._node_buckets):
             for j in members:
@@ -1540,8 +1550,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         from .node import flat_grads
         b = self._next_bucket
         owner, members = self._node_buckets[b]
-        sent = flat_grads([self._node_params[j] for j in members])  # a copy (host float32)
-        self._launched.append((b, sent, in_backward, self._node.gather_async(sent, owner)))
+        params = [self._node_params[j] for j in members]
+        offset = self._bucket_offsets[b]
+        # A copy (host float32), in shared memory where the node has it.
+        sent = flat_grads(params, self._node.staging(offset, sum(p.numel() for p in params)))
+        self._launched.append((b, sent, in_backward, self._node.gather_async(sent, owner, offset)))
         self._next_bucket += 1
 
     def _edited_since_sent(self):

@@ -212,6 +212,9 @@ class DiLoCo:
                 self._to_params()
         self._averaged = None  # a node's step: whether it merges, once averaged (at a clip)
         if self._node is not None:
+            # Through shared memory where the host lets it (node.py): the
+            # node's average comes back with one flag more than the model.
+            self._node.use_shared_memory(max(dim, sum(p.numel() for p in self._params)) + 1)
             self._node_start()
             # The script's clip_grad_norm_ clips the node's average, as DDP
             # inside the node would (_clip_grad_norm).

@@ -27,17 +27,26 @@ import atexit
 import datetime
 import os
 import pickle
+import warnings
 
 import torch
 
 from .._native import MorseError
 
 
-def flat_grads(params):
+def flat_grads(params, out=None):
     """The parameters' gradients one after another (zeros where one has
-    none), as a rank sends them to the rank that steps for them."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                      for p in params])
+    none), as a rank sends them to the rank that steps for them; into
+    `out` (a staging region, NodeGroup.staging) if given."""
+    grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+             for p in params]
+    if out is None:
+        return torch.cat(grads)
+    if len(grads) == 1:
+        out.copy_(grads[0])  # torch.cat(out=) of one tensor copies it too, through a resize check
+    else:
+        torch.cat(grads, out=out)
+    return out
 
 
 def node_of_job(rank, world):
@@ -99,11 +108,103 @@ class NodeGroup:
         self.checksum = None  # the leader's, after the last step
         self.members = None  # the nodes the last step averaged (None: every node)
         self.steps = 0
+        # Shared memory (use_shared_memory): every rank's staging region
+        # (`_staging`, what it sends to an owner) and outgoing region
+        # (`_outgoing`, what it shares as an owner), by local rank; None:
+        # the values go through gloo.
+        self._staging = self._outgoing = None
+        self._capacity = 0
 
     def close(self):
         """Ends this rank's part in the node's group (at exit)."""
         self.pg = None
         self._store = None
+        self._staging = self._outgoing = None
+
+    def use_shared_memory(self, elems):
+        """Moves the node's gradients and parameters through shared memory
+        (/dev/shm) instead of gloo's sockets, for exchanges of up to
+        `elems` float32 values (larger ones, and a node where any rank
+        could not map its regions, use gloo): each rank maps two regions of
+        `elems` floats of its own and every other rank's, and a gloo
+        message of a few bytes says when one holds a rank's values. Every
+        rank of the node calls it, each with the most it will exchange (the
+        node maps the largest). Returns whether the node uses it;
+        MORSE_NODE_SHM=0 on any rank keeps gloo. A rank writes its
+        staging region again only after a collective of the node that
+        follows its owner's read (every step ends with finish(), which the
+        ranks enter after the owners have read; share() ends with a
+        barrier), so a region is never overwritten while being read."""
+        if self.size < 2:
+            return False
+        wishes = self.objects((int(elems), os.environ.get("MORSE_NODE_SHM", "1") != "0"))
+        elems = max(n for n, _ in wishes)
+        if elems < 1 or not all(wanted for _, wanted in wishes):
+            return False
+        folder = os.environ.get("MORSE_NODE_SHM_DIR", "/dev/shm")
+        path = os.path.join(folder, f"morse-node-{self.node}-{self.local_rank}-{os.getpid()}-"
+                                    f"{os.urandom(4).hex()}")
+        created, regions = False, None
+        try:
+            why, mine = None, None
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+                try:
+                    # Reserved now: tmpfs would fault (SIGBUS) on a page it
+                    # cannot give later, where this fails with ENOSPC.
+                    os.posix_fallocate(fd, 0, 8 * elems)
+                finally:
+                    os.close(fd)
+                mine = torch.from_file(path, shared=True, size=2 * elems, dtype=torch.float32)
+                mine.zero_()  # its pages mapped here once, not in the first step
+            except (OSError, RuntimeError) as e:
+                why = f"could not map {8 * elems} bytes in {folder} ({e})"
+            paths = self.objects(path if why is None else None)
+            if all(paths):
+                try:
+                    regions = [mine if k == self.local_rank else
+                               torch.from_file(other, shared=True, size=2 * elems,
+                                               dtype=torch.float32)
+                               for k, other in enumerate(paths)]
+                except (OSError, RuntimeError) as e:
+                    why = f"could not map the other ranks' regions ({e})"
+            # Every rank has mapped every region (or knows why not): the
+            # files can go, the mappings stay.
+            whys = self.objects(why)
+        finally:
+            if created:
+                os.unlink(path)
+        failed = [(k, w) for k, w in enumerate(whys) if w is not None]
+        if failed:
+            if self.local_rank == 0:
+                k, w = failed[0]
+                warnings.warn(f"morse: node {self.node} exchanges its gradients through gloo's "
+                              f"sockets, not shared memory: local rank {k} {w}; give /dev/shm "
+                              "room (docker run --shm-size, an emptyDir of medium Memory on "
+                              "Kubernetes), or set MORSE_NODE_SHM=0 to choose gloo",
+                              RuntimeWarning, stacklevel=3)
+            return False
+        self._staging = [r[:elems] for r in regions]
+        self._outgoing = [r[elems:] for r in regions]
+        self._capacity = elems
+        return True
+
+    def staging(self, offset, n):
+        """Where this rank puts `n` values to send at `offset` of the node's
+        exchange (gather_async, average): its staging region there, or None
+        without shared memory."""
+        if self._staging is None or offset + n > self._capacity:
+            return None
+        return self._staging[self.local_rank][offset:offset + n]
+
+    def _shared_at(self, values, offset):
+        """`values` in this rank's staging region at `offset` (copied there
+        unless staging() gave them), or None where they go through gloo."""
+        region = self.staging(offset, values.numel())
+        if region is not None and region.data_ptr() != values.data_ptr():
+            region.copy_(values.reshape(-1))
+        return region
 
     def _wait(self, work):
         """Waits for one of the group's operations; a rank of the node gone
@@ -139,6 +240,17 @@ class NodeGroup:
 
     def share(self, flat, owner=0):
         """Every rank of the node takes local rank `owner`'s `flat` values."""
+        n = flat.numel()
+        if self._outgoing is not None and n <= self._capacity and flat.is_contiguous():
+            region = self._outgoing[owner][:n]
+            if self.local_rank == owner:
+                region.copy_(flat.detach().reshape(-1))
+            self._broadcast(torch.zeros(1), owner)  # the owner's values are in place
+            if self.local_rank != owner:
+                with torch.no_grad():
+                    flat.view(-1).copy_(region)
+            self._wait(self.pg.barrier())  # every rank has them: the region may change again
+            return
         host = flat.detach().cpu() if flat.is_cuda else flat.detach()
         if not host.is_contiguous():
             host = host.contiguous()
@@ -150,32 +262,45 @@ class NodeGroup:
     def _mean(self, parts, end=None):
         """The node's average of the ranks' `parts` (each [:end]), summed in
         local-rank order, so that every run sums alike: ((g0 + g1) + ...) / L."""
-        total = parts[0][:end].clone()
-        for part in parts[1:]:
+        if len(parts) == 1:
+            total = parts[0][:end].clone()
+        else:
+            total = torch.add(parts[0][:end], parts[1][:end])  # g0 + g1 in one pass, no copy first
+        for part in parts[2:]:
             total += part[:end]
         total /= self.size
         return total
 
-    def gather_async(self, values, owner):
+    def gather_async(self, values, owner, offset=0):
         """Starts sending `values` (host float32, not written again) to
-        local rank `owner`; collect() waits for it and returns the node's
-        average there (None elsewhere). Every rank of the node starts the
-        same gathers in the same order (a bucket of the step's gradient,
-        during backward(); see _MorseOptimizer._node_bucket_ready)."""
+        local rank `owner`, at `offset` of the node's exchange (its place
+        in the staging regions: the gathers in flight at once lie apart);
+        collect() waits for it and returns the node's average there (None
+        elsewhere). Every rank of the node starts the same gathers in the
+        same order (a bucket of the step's gradient, during backward(); see
+        _MorseOptimizer._node_bucket_ready)."""
         owns = self.local_rank == owner
-        parts = [[torch.empty_like(values) for _ in range(self.size)]] if owns else []
+        shared = self._shared_at(values, offset)
+        sent = values if shared is None else torch.zeros(1)  # shared: only "it is there"
+        parts = [[torch.empty_like(sent) for _ in range(self.size)]] if owns else []
         opts = self.dist.GatherOptions()
         opts.rootRank = owner
         try:
-            work = self.pg.gather(parts, [values], opts)
+            work = self.pg.gather(parts, [sent], opts)
         except RuntimeError as e:
             self._wait_failed(e)
-        return work, parts
+        where = None if shared is None else (offset, values.numel())
+        return work, parts, where
 
     def collect(self, handle):
-        work, parts = handle
+        work, parts, where = handle
         self._wait(work)
-        return self._mean(parts[0]) if parts else None
+        if not parts:
+            return None
+        if where is not None:
+            offset, n = where
+            return self._mean([region[offset:offset + n] for region in self._staging])
+        return self._mean(parts[0])
 
     def settings(self, edited, hyper, digests):
         """What average() sends beside the gradient, to every rank at once
@@ -197,17 +322,22 @@ class NodeGroup:
                     for n in range(len(digests))]
         return any(row[0] != 0 for row in rows), pairs, by_slice
 
-    def average(self, flat_grad, hyper, digest=None, owner=0):
+    def average(self, flat_grad, hyper, digest=None, owner=0, offset=0):
         """Sends this rank's gradient, (lr, weight_decay) pairs (one per
         parameter group) and `digest` (a 64-bit hash of its parameters
         where it changed them since the last step, else None) to local rank
-        `owner` (the leader, or a slice's owner); there returns the node's
+        `owner` (the leader, or a slice's owner), the gradient at `offset`
+        of the node's exchange (as gather_async); there returns the node's
         average (host), every rank's pairs and every rank's digest,
         elsewhere (None, None, None)."""
         values = _packed(hyper, digest)
         k = len(values)
-        mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
-                          torch.tensor(values, dtype=torch.float32)])
+        shared = self._shared_at(flat_grad.detach(), offset)
+        if shared is not None:
+            mine = torch.tensor(values, dtype=torch.float32)
+        else:
+            mine = torch.cat([flat_grad.detach().reshape(-1).cpu().float(),
+                              torch.tensor(values, dtype=torch.float32)])
         owns = self.local_rank == owner
         parts = [[torch.empty_like(mine) for _ in range(self.size)]] if owns else []
         opts = self.dist.GatherOptions()
@@ -216,7 +346,11 @@ class NodeGroup:
         if not owns:
             return None, None, None
         parts = parts[0]
-        total = self._mean(parts, -k)
+        if shared is not None:
+            n = flat_grad.numel()
+            total = self._mean([region[offset:offset + n] for region in self._staging])
+        else:
+            total = self._mean(parts, -k)
         pairs, digests = [], []
         for part in parts:
             pair, digest = _unpacked([float(f) for f in part[-k:].tolist()])
