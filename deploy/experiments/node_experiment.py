@@ -2,7 +2,8 @@
 """One push per node on emulated nodes (morse-run --node-aggregation; issue 37).
 
     sudo deploy/experiments/node_experiment.py [--nodes 2] [--local 2] [--dim 4000000]
-                                               [--rate 1] [--steps 12] [--pairs 1] [--out DIR]
+                                               [--rate 1] [--steps 12] [--pairs 1] [--batch 32]
+                                               [--no-overlap] [--layouts flat,leader,sharded] [--out DIR]
 
 A VirtualCluster (experiment.py: network namespaces on a bridge, each host's
 link shaped to --rate Gbit/s both ways, addresses from 198.18.0.0/15, all
@@ -57,7 +58,9 @@ def run_layout(vc, args, aggregate, work, flat_payload=None):
         for n in reversed(range(nodes)):
             log = open(os.path.join(out, f"node{n}.log"), "w")
             argv = [f"PYTHONPATH={args.build}/python",
-                    f"MORSE_BENCH_ARGS={args.dim} {args.steps} {args.pairs}",
+                    # node_aggregation.py's worker: dim, steps, pairs, overlap, batch.
+                    f"MORSE_BENCH_ARGS={args.dim} {args.steps} {args.pairs} {int(not args.no_overlap)} "
+                    f"{args.batch}",
                     f"{args.build}/bin/morse-run", "--nnodes", str(nodes), "--node-rank", str(n),
                     "--nproc-per-node", str(local), "--servers", addresses, "--config", config,
                     "--insecure"]
@@ -120,17 +123,27 @@ def main():
     p.add_argument("--pairs", type=int, default=1,
                    help="pairs of layers in the MLP (default 1; the sharded layout's L slices are "
                         "whole parameters: give 2 for L = 4)")
+    p.add_argument("--batch", type=int, default=32, help="rows per rank and step (default 32)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="optimizers with overlap=False (a node gathers at step(), not during backward())")
+    p.add_argument("--layouts", default="flat,leader,sharded",
+                   help="which layouts to run, comma-separated (default flat,leader,sharded; the "
+                        "bytes ratio is over the flat run's payload where it runs)")
     p.add_argument("--build", default=os.path.join(ROOT, "build"), help="the build folder (default build/)")
     p.add_argument("--out", help="write results.json here")
     args = p.parse_args()
+    layouts = args.layouts.split(",")
+    if not layouts or any(k not in ("flat", "leader", "sharded") for k in layouts):
+        raise SystemExit(f"--layouts {args.layouts!r}: a comma-separated list of flat, leader, sharded")
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces)")
     rows = []
     with tempfile.TemporaryDirectory(prefix="node-experiment-") as work:
         with VirtualCluster(1 + args.nodes, args.rate) as vc:
-            for aggregate in (None, "leader", "sharded"):
-                rows.append(run_layout(vc, args, aggregate, work,
-                                       rows[0]["one_worker_payload"] if rows else None))
+            for layout in layouts:
+                aggregate = None if layout == "flat" else layout
+                flat = rows[0]["one_worker_payload"] if rows and rows[0]["layout"] == "flat" else None
+                rows.append(run_layout(vc, args, aggregate, work, flat))
     print(f"{args.nodes} nodes x {args.local} ranks, {rows[0]['params']:,} parameters, OneBitAdam "
           f"compression phase, 2 shards on their own host, {args.rate:g} Gbit/s links")
     print(f"{'layout':26} {'workers':>7} {'node link B/step':>16} {'/ one worker':>12} {'step s':>8} "
