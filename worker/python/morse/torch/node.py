@@ -42,11 +42,7 @@ def flat_grads(params, out=None):
              for p in params]
     if out is None:
         return torch.cat(grads)
-    if len(grads) == 1:
-        out.copy_(grads[0])  # torch.cat(out=) of one tensor copies it too, through a resize check
-    else:
-        torch.cat(grads, out=out)
-    return out
+    return torch.cat(grads, out=out)
 
 
 def node_of_job(rank, world):
