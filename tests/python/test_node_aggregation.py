@@ -7,7 +7,9 @@ first cut): one Morse worker per node.
    bit for bit, to (g0 + g1) / 2 formed here from what each rank computed);
    after every step every rank of a node holds its leader's parameters, and
    the leaders hold what the simulator with N = 2 fed those averages holds
-   (and each other's bits, except zero_one_adam's local steps).
+   (and each other's bits, except zero_one_adam's local steps). After the
+   first step the leader pushes a partition before the last bucket's
+   average is in.
    On a GPU host, also OneBitAdam on CUDA tensors (skipped, saying so,
    without a GPU).
 2. One host, 3 ranks in one node: one worker, the average in local-rank
@@ -114,6 +116,11 @@ def worker(out, mode):
                   f"rank {rank} step {step}: {early} of {total} buckets left during backward()")
         elif step > 0:
             check(opt._node_buckets is None, f"rank {rank} step {step}: still overlapping")
+        if local == 0 and step > 0 and variant in ("", "clamp", "accum"):
+            # The leader pushed a partition whose parameters' averages were
+            # in before the step's last bucket was.
+            check(opt._pushed_before_last > 0, f"rank {rank} step {step}: the leader pushed "
+                  "nothing before the last bucket's average")
         if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
             numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())

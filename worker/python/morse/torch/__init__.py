@@ -1432,8 +1432,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         node = self._node
         missing = [name for name, p in zip(self._node_names, self._node_params) if p.grad is None]
         # With overlap the gradients left in buckets during backward().
-        bucketed, edited = (self._gather_node_buckets() if self._node_buckets is not None
-                            else (None, False))
+        bucketed = self._node_buckets is not None
+        edited = self._launch_node_buckets() if bucketed else False
         self._restore_views()
         pairs = self._node_pairs()
         mine = 0 if self._slices is None else node.local_rank
@@ -1450,13 +1450,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 params = self._node_params[start:end]
                 written = any(p._version != self._other_versions[id(p)] for p in params)
             written_by_slice.append(_digest_of(params) if written else None)
-        if bucketed is not None:
+        if bucketed:
             # Only the ranks' settings and digests are left to send, and
-            # whether any rank's gradients changed after they left.
+            # whether any rank's gradients changed after they left; the
+            # buckets' averages are taken once these agree.
             changed, hypers, by_slice = node.settings(edited, pairs, written_by_slice)
             digests = by_slice[mine]
             if changed:
-                bucketed = None
+                self._collect_node_buckets(take=False)
+                bucketed = False
                 self._node_buckets = None
                 warnings.warn(
                     f"morse: in step {self.step_index} a rank of node {node.node} changed "
@@ -1465,9 +1467,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "again, and from now on the node gathers them at step() (pass "
                     "accumulation_steps= or use no_sync() to accumulate with overlap)",
                     RuntimeWarning, stacklevel=4)
-        if bucketed is None and self._slices is None:
+        if not bucketed and self._slices is None:
             average, hypers, digests = node.average(self._flat_grad, pairs, written_by_slice[0])
-        elif bucketed is None:
+        elif not bucketed:
             for k, (start, end) in enumerate(self._slices):
                 grads = (torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges]) if k == mine
                          else flat_grads(self._node_params[start:end]))
@@ -1481,19 +1483,25 @@ class _MorseOptimizer(torch.optim.Optimizer):
             kept = self._others if at_clip else []
 
         def take():  # the average into the gradients of the parameters this rank steps
-            if bucketed is None and self._slices is None:
+            if self._slices is None:
                 self._flat_grad.copy_(average)
                 return
             at = 0
-            for i, (lo, hi) in enumerate(self._ranges):
-                self._flat_grad[lo:hi].copy_(average[at:at + hi - lo] if bucketed is None
-                                             else bucketed[first + i])
+            for lo, hi in self._ranges:
+                self._flat_grad[lo:hi].copy_(average[at:at + hi - lo])
                 at += hi - lo
         failure = None
         if self._session is not None:
             failure = self._node_disagrees(hypers, digests)
-            if failure is None:
-                take()
+        if bucketed:
+            # The leader pushes each partition as soon as the buckets have
+            # brought all of its average (after the first step, not for a
+            # clip, which pushes with the step's clipping).
+            self._collect_node_buckets(take=failure is None, push=(
+                self._slices is None and self._session is not None and self._joined
+                and not at_clip))
+        elif failure is None and self._session is not None:
+            take()
         sent = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in kept]
         self._gathered = (missing, failure, sent)
 
@@ -1574,28 +1582,63 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     return True
         return False
 
-    def _gather_node_buckets(self):
+    def _launch_node_buckets(self):
         """At step() (or the first clip_grad_norm_) with buckets: starts the
-        ones backward() did not and waits for all. Returns ({parameter
-        index: its average} for the parameters this rank steps, whether
-        this rank changed a gradient after its bucket left)."""
+        ones backward() did not. Returns whether this rank changed a
+        gradient after its bucket left."""
         while self._next_bucket < len(self._node_buckets):
             self._launch_node_bucket(in_backward=False)
-        edited = self._edited_since_sent()
         # How many of the step's buckets left during backward() (of all).
         self._buckets_in_backward = (sum(1 for *_, early, _ in self._launched if early),
                                      len(self._launched))
-        averages = {}
-        for b, _, _, handle in self._launched:
+        return self._edited_since_sent()
+
+    def _collect_node_buckets(self, take, push=False):
+        """Waits for the step's buckets, in order. With `take`, the rank
+        that steps a bucket's parameters puts their average in its flat
+        gradient; with `push` (the leader, whose settings and digests
+        agreed) it pushes each partition as soon as every parameter it
+        touches has its average, so that the encodes and the first
+        exchanges run while the later buckets arrive and are summed. An
+        error of the session there is kept for _step_for_node, which tells
+        the node before raising it."""
+        first = 0 if self._slices is None else self._slices[self._node.local_rank][0]
+        self._push_error = None
+        push = push and take
+        if push:
+            try:
+                if self._pending is None:
+                    self._begin()
+                    self._pending = list(self._waiting_for)
+            except Exception as e:  # noqa: BLE001 (told to the node at the step)
+                self._push_error, push = e, False
+        # How many partitions left before the last bucket's average was in
+        # (what the pushes gained), for tests and benchmarks.
+        self._pushed_before_last = 0
+        for k, (b, _, _, handle) in enumerate(self._launched):
             mean = self._node.collect(handle)
-            if mean is not None:
-                at = 0
-                for j in self._node_buckets[b][1]:
-                    n = self._node_params[j].numel()
-                    averages[j] = mean[at:at + n]
-                    at += n
+            if mean is None or not take:
+                continue
+            ready, at = [], 0
+            for j in self._node_buckets[b][1]:
+                lo, hi = self._ranges[j - first]
+                self._flat_grad[lo:hi].copy_(mean[at:at + hi - lo])
+                at += hi - lo
+                if push:
+                    for q in self._touches[j - first]:
+                        self._pending[q] -= 1
+                        if self._pending[q] == 0:
+                            ready.append(q)
+            if ready:
+                try:
+                    self._send(sorted(ready))
+                    if k < len(self._launched) - 1:
+                        self._pushed_before_last += len(ready)
+                except Exception as e:  # noqa: BLE001
+                    self._push_error, push = e, False
+        if take:
+            self._grad_version = self._flat_grad._version  # what the pushes read: no edit
         self._reset_node_buckets()
-        return averages, edited
 
     def _edited_since_gathered(self, sent):
         """The names of the parameters (of those this rank does not step)
@@ -1707,6 +1750,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             error = MorseError(failure)
         else:
             try:
+                early, self._push_error = getattr(self, "_push_error", None), None
+                if early is not None:
+                    raise early  # a push at the gather (_collect_node_buckets)
                 self._worker_step()
             except Exception as e:  # the node hears it before this rank raises it
                 error, failure = e, f"{type(e).__name__}: {e}"
