@@ -158,6 +158,66 @@ def main():
     # The session's batched send (what backward()'s hooks call): outside a
     # step, an unknown partition, or a CUDA stream for a host session are
     # refused with their canonical codes, and the step still works after.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    with server(base) as address:
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=base, overlap=False)
+        session = opt._session
+        expect(MorseError, "FAILED_PRECONDITION: no step in progress",
+               lambda: session.send_partitions([0]))
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+        session.begin(opt._flat_grad.numpy())
+        expect(MorseError, "INVALID_ARGUMENT: no partition 7", lambda: session.send_partitions([7]))
+        expect(MorseError, "FAILED_PRECONDITION: the session keeps its model on the host",
+               lambda: session.send_partitions([0], stream=1))
+        session.send_partitions([])  # nothing to send is no error
+        session.send_partitions([0])
+        session.finish()
+        check(opt.step_index == 2, f"the step after the refusals completed: {opt.step_index}")
+
+    # A non-finite gradient: the error names the parameter, the step and
+    # phase, and what to try.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    with server(base) as address:
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+        opt = morse.torch.OneBitAdam(model.named_parameters(), freeze_step=1, rank=0, world_size=1,
+                                     servers=[address], config=base, overlap=False)
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()  # warmup
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        model[1].weight.grad.fill_(float("inf"))
+        expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
+
+    # A parameter that gets no gradient in a step (zero_grad(set_to_none=True)
+    # and a loss that does not use it): torch.optim would skip it, Morse
+    # cannot, so it says so, naming it; missing_grads="zero" accepts it.
+    base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    for overlap in (True, False):
+        for missing in ("raise", "zero"):
+            with server(base) as address:
+                model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "spare": torch.nn.Linear(3, 2)})
+                opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
+                                       servers=[address], config=base, overlap=overlap,
+                                       missing_grads=missing)
+                opt.zero_grad(set_to_none=True)
+                model["used"](torch.ones(4, 3)).sum().backward()
+                if missing == "raise":
+                    expect(MorseError, "spare.weight, spare.bias got no gradient in step 0", opt.step)
+                else:
+                    opt.step()
+                check(model["spare"].weight.grad is not None, "the views are attached again")
+    expect(ValueError, "missing_grads='skip'", lambda: morse.torch.Adam(
+        torch.nn.Linear(3, 2).parameters(), missing_grads="skip", **args))
+
+    # Gradients edited after clip_grad_norm_ pushed them (the first step's,
+    # which pushes at the clip): refused after the step, which used them as
+    # clip_grad_norm_ saw them. DDP's clip factor is of the gradient it saw,
+    # and Morse's needs the exchange, which sends the gradients. (What a
+    # script begins after its pushes left in later steps, Morse adapts to:
+    # test_adam_matches_torch's "late_*" modes.)
     # The same through .data, which moves no version counter: the bits decide.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
     for halve in (lambda g: g.mul_(0.5), lambda g: g.data.mul_(0.5)):
