@@ -288,6 +288,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             worker, workers = self._node.node, self._node.nnodes
             local_size = self._node.size
             self._node_params, self._node_names = self._params, self._names
+            # Each parameter's place in the node's gradient, which is where
+            # its values lie in a rank's staging region (node.py).
+            self._node_offsets = list(itertools.accumulate([0] + [p.numel() for p in self._params]))
             # The node's gradients are gathered during backward() (bucket by
             # bucket, _node_bucket_ready) and averaged at step(), where the
             # leader (or each slice's owner) pushes them.
@@ -590,6 +593,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._nonce = os.urandom(8).hex()
         self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
         self._node_buckets = None
+        self._push_error = None  # a leader's push at the gather failed: raised at its step
+        self._pushed_before_last = 0  # partitions the leader pushed before the last bucket
         self._buckets_in_backward = None
         # (Not yet for CUDA tensors: a bucket's copy to the host in the hook
         # would hold up the device's backward() until it is done; they are
@@ -1471,9 +1476,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             average, hypers, digests = node.average(self._flat_grad, pairs, written_by_slice[0])
         elif not bucketed:
             for k, (start, end) in enumerate(self._slices):
+                offset = self._node_offsets[start]
                 grads = (torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges]) if k == mine
-                         else flat_grads(self._node_params[start:end]))
-                offset = sum(p.numel() for p in self._node_params[:start])
+                         else flat_grads(self._node_params[start:end],
+                                         node.staging(offset, self._node_offsets[end] - offset)))
                 got = node.average(grads, pairs, written_by_slice[k], owner=k, offset=offset)
                 if k == mine:
                     average, hypers, digests = got
@@ -1515,10 +1521,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         sizes = [p.numel() for p in self._node_params]
         starts = [0, len(sizes)] if self._slices is None else [f for f, _ in self._slices] + [len(sizes)]
         self._node_buckets = buckets(sizes, starts, elems)
-        # Where each bucket lies in the node's exchange (its first
-        # parameter's place in the node's gradient), so that the buckets in
-        # flight at once use apart parts of a rank's staging region.
-        self._bucket_offsets = [sum(sizes[:min(members)]) for _, members in self._node_buckets]
         self._bucket_of = [0] * len(sizes)
         for b, (_, members) in enumerate(self._node_buckets):
             for j in members:
@@ -1559,9 +1561,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         b = self._next_bucket
         owner, members = self._node_buckets[b]
         params = [self._node_params[j] for j in members]
-        offset = self._bucket_offsets[b]
-        # A copy (host float32), in shared memory where the node has it.
-        sent = flat_grads(params, self._node.staging(offset, sum(p.numel() for p in params)))
+        # A copy (host float32), in shared memory where the node has it, at
+        # the place of the bucket's first parameter (members run from the
+        # last to the first): the buckets in flight at once lie apart.
+        offset = self._node_offsets[min(members)]
+        sent = flat_grads(params, self._node.staging(offset, self._node_offsets[max(members) + 1] - offset))
         self._launched.append((b, sent, in_backward, self._node.gather_async(sent, owner, offset)))
         self._next_bucket += 1
 
@@ -1750,7 +1754,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             error = MorseError(failure)
         else:
             try:
-                early, self._push_error = getattr(self, "_push_error", None), None
+                early, self._push_error = self._push_error, None
                 if early is not None:
                     raise early  # a push at the gather (_collect_node_buckets)
                 self._worker_step()

@@ -259,7 +259,7 @@ class DiLoCo:
         every rank's .grad (zero where a rank had none). Returns that."""
         from .node import flat_grads
         node = self._node
-        grads = flat_grads(self._params)
+        grads = flat_grads(self._params, node.staging(0, sum(p.numel() for p in self._params)))
         average, _, _ = node.average(grads, ())
         back = torch.empty(grads.numel() + 1)
         if node.is_leader:

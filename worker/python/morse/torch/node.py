@@ -267,6 +267,10 @@ class NodeGroup:
         total /= self.size
         return total
 
+    def _mean_staged(self, offset, n):
+        """The node's average of what every rank staged at `offset`."""
+        return self._mean([region[offset:offset + n] for region in self._staging])
+
     def gather_async(self, values, owner, offset=0):
         """Starts sending `values` (host float32, not written again) to
         local rank `owner`, at `offset` of the node's exchange (its place
@@ -294,8 +298,7 @@ class NodeGroup:
         if not parts:
             return None
         if where is not None:
-            offset, n = where
-            return self._mean([region[offset:offset + n] for region in self._staging])
+            return self._mean_staged(*where)
         return self._mean(parts[0])
 
     def settings(self, edited, hyper, digests):
@@ -343,8 +346,7 @@ class NodeGroup:
             return None, None, None
         parts = parts[0]
         if shared is not None:
-            n = flat_grad.numel()
-            total = self._mean([region[offset:offset + n] for region in self._staging])
+            total = self._mean_staged(offset, flat_grad.numel())
         else:
             total = self._mean(parts, -k)
         pairs, digests = [], []
