@@ -34,10 +34,10 @@ from harness import check, morse_run
 
 
 class Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=5):
         super().__init__()
-        self.a = torch.nn.Linear(6, 5)
-        self.b = torch.nn.Linear(5, 3)
+        self.a = torch.nn.Linear(6, hidden)
+        self.b = torch.nn.Linear(hidden, 3)
         self.t = torch.nn.Parameter(torch.randn(2, 3, 4) * 0.1)
 
     def forward(self, x):
@@ -286,7 +286,9 @@ def worker(mode):
 
 def worker_late(kind, start):
     """A script that begins, in step SURPRISE, to do after backward() what
-    the first steps did not ("edit": .grad edited; "clip": clip_grad_norm_;
+    the first steps did not ("edit": .grad edited; "edit_data": a small
+    parameter's .grad halved through .data, which moves no version counter
+    and shows in the sample of bits the step compares; "clip": clip_grad_norm_;
     "lr": lr set between backward() and step(); "again": two backward()
     calls where the first steps had one; "again_no_sync": a second
     backward() outside no_sync()), and goes on doing it. That step used the
@@ -294,12 +296,18 @@ def worker_late(kind, start):
     global batch (the reference adopts Morse's state after that step). With
     start 0 every step equals torch's, and nothing is said."""
     import morse.torch
+    # "edit_data": 427 elements in one partition a shard, of which the step
+    # compares a sample (one in 3, every parameter's first and last).
+    hidden = 40 if kind == "edit_data" else 5
     torch.manual_seed(1)
-    model = Model()
+    model = Model(hidden)
     rank = int(os.environ["MORSE_RANK"])
     world = int(os.environ["MORSE_WORLD_SIZE"])
-    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=32)
-    reference = Model()
+    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16,
+                           partition_elems=1024 if kind == "edit_data" else 32)
+    check(kind != "edit_data" or opt._sample_index.numel() < 250,
+          f"a sample of {opt._sample_index.numel()} of the 427 elements")
+    reference = Model(hidden)
     reference.load_state_dict(model.state_dict())
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
     worst = 0.0
@@ -330,6 +338,9 @@ def worker_late(kind, start):
                 model.a.weight.grad[0].zero_()
                 for p in model.parameters():
                     p.grad.mul_(0.5)
+        if late and kind == "edit_data":  # through .data: no version counter moves
+            model.b.bias.grad.data.mul_(0.5)  # 3 elements, the first and last in the sample
+            model.a.weight.grad.data[20:].mul_(0.5)
         if late and kind == "clip":
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).item()
         opt.param_groups[0]["lr"] = lr
@@ -348,6 +359,9 @@ def worker_late(kind, start):
                 reference.a.weight.grad[0].zero_()
                 for p in reference.parameters():
                     p.grad.mul_(0.5)
+            if late and kind == "edit_data":
+                reference.b.bias.grad.mul_(0.5)
+                reference.a.weight.grad[20:].mul_(0.5)
         if late and kind == "clip":
             norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), 0.1).item()
             if step > start:  # DDP's: the averaged gradient's norm
@@ -371,7 +385,7 @@ if __name__ == "__main__":
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
                  "clip_p", "edit", "edit_data", "no_sync",
-                 "late_edit", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
+                 "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)

@@ -50,8 +50,9 @@ def run(script, *args, expect_ok=True, launcher=()):
     losses = os.path.join(out, "losses.json")
     command = [os.environ["MORSE_RUN"], "--servers", str(SHARDS), "--workers", str(RANKS), *launcher, "--",
                sys.executable, os.path.join(EXAMPLES, script), "--losses", losses, *args]
+    # In the run's own folder: Trainer makes its output_dir even when it saves nothing.
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=500)
+                            timeout=500, cwd=out)
     if expect_ok and result.returncode != 0:
         print(result.stdout[-6000:])
     check((result.returncode == 0) == expect_ok,

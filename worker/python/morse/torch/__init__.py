@@ -34,6 +34,7 @@ and DDP's result from the next (see docs/python.md, "Torch idioms").
 gradient, as under DDP: while a Morse optimizer exists, morse.torch's
 clip_grad_norm_ stands in for torch's (see clip_grad_norm_ below).
 """
+import bisect
 import contextlib
 import hashlib
 import itertools
@@ -560,6 +561,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # step). An edit that leaves every bit as it was is no edit.
         self._snapshot = torch.empty_like(self._flat_grad) if overlap else None
         self._snapshot_versions = [None] * len(self._params)
+        # Without that copy (the first step showed no edit), a sample of the
+        # bits each partition was pushed with: an edit through .data first
+        # made in a later step moves no version counter (_sampled_edit).
+        self._sample_index, self._sample_bounds = _sample_layout(self._partitions, self._ranges,
+                                                                 self._flat_grad.device)
+        self._samples = (torch.empty(len(self._sample_index), device=self._flat_grad.device)
+                         if overlap else None)
         self._hooks = []
         if overlap:
             for i, p in enumerate(self._params):
@@ -685,6 +693,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             for q in ready:
                 b, e = self._partitions[q]
                 self._snapshot[b:e].copy_(self._flat_grad[b:e])
+        elif self._samples is not None:
+            for q in ready:
+                i0, i1 = self._sample_bounds[q]
+                torch.index_select(self._flat_grad, 0, self._sample_index[i0:i1],
+                                   out=self._samples[i0:i1])
         self._grad_version = self._flat_grad._version
 
     def _push_now(self, at_clip=False):
@@ -713,6 +726,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._restore_views()
         if edited and not first and self._snapshot is not None:
             edited = self._edited_after_backward()
+        elif (not edited and not first and self._snapshot is None and self._samples is not None
+              and self._pending is not None):
+            edited = self._sampled_edit()
         if self._pending is None:
             self._begin()
         if self._cuda:
@@ -754,6 +770,24 @@ class _MorseOptimizer(torch.optim.Optimizer):
         from what was pushed."""
         return any(not _same_bits(self._flat_grad[b:e], self._snapshot[b:e])
                    for q, (b, e) in enumerate(self._partitions) if self._pending[q] == 0)
+
+    def _sampled_edit(self):
+        """Whether the sampled bits of any partition pushed during backward()
+        differ from what was pushed: an edit through .data (p.grad.data.mul_)
+        first made after the first step, which no version counter shows. The
+        sample (_sample_layout) holds every parameter's first and last
+        element and one in 64 of each partition, so any edit of whole
+        parameters shows; a sparse one may not."""
+        if not any(self._pending):  # every partition left during backward(): one comparison
+            return not _same_bits(torch.index_select(self._flat_grad, 0, self._sample_index),
+                                  self._samples)
+        for q, (i0, i1) in enumerate(self._sample_bounds):
+            if self._pending[q] != 0 or i0 == i1:
+                continue  # pushed now, as it is
+            now = torch.index_select(self._flat_grad, 0, self._sample_index[i0:i1])
+            if not _same_bits(now, self._samples[i0:i1]):
+                return True
+        return False
 
     def _surprised(self, what, holds=True):
         """The step in flight did something after its pushes had left
@@ -2079,6 +2113,23 @@ def _shown_hyper(hyper):
     """(lr, weight_decay) pairs, one per segment, in words."""
     shown = ", ".join(f"({lr:.7g}, {wd:.7g})" for lr, wd in hyper)
     return shown if len(hyper) == 1 else f"[{shown}] (one per parameter group)"
+
+
+def _sample_layout(partitions, ranges, device, per_partition=64):
+    """The flat gradient's elements whose bits a step compares with what its
+    pushes read (_sampled_edit): every parameter's first and last element,
+    and one in len/per_partition of each partition. Returns the sorted
+    indices (an int64 tensor on `device`) and each partition's [i0, i1) of
+    them."""
+    chosen = set()
+    for lo, hi in ranges:
+        if hi > lo:
+            chosen.update((lo, hi - 1))
+    for b, e in partitions:
+        chosen.update(range(b, e, max(1, (e - b) // per_partition)))
+    index = sorted(chosen)
+    bounds = [(bisect.bisect_left(index, b), bisect.bisect_left(index, e)) for b, e in partitions]
+    return torch.tensor(index, dtype=torch.int64, device=device), bounds
 
 
 def _same_bits(a, b):
