@@ -1,12 +1,15 @@
 """torch idioms under morse-run (issue 19, first part): the launcher sets
 torch.distributed's variables, frozen parameters (requires_grad=False) stay
 bit-unchanged (one thawed later is refused after each step, naming it:
-torch.optim would train it), add_param_group is refused with a message, weights changed
+torch.optim would train it; DDP, checked here too, leaves it out of its
+averaging, so its ranks train different copies of it), add_param_group is
+refused with a message, weights changed
 behind the optimizer's back after a step (on every rank) become the job's,
 and morse-run says which Python it found when that one cannot import
 morse."""
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -70,10 +73,60 @@ def worker(out):
               open(f"{out}/rank-{rank}.json", "w"))
 
 
+def ddp_thaw(out):
+    """DDP's side of the thawed row (docs/python.md): a parameter frozen when
+    DDP was built and thawed later is left out of its reducer, so its
+    gradient is never averaged and the ranks train different copies of it,
+    silently. Writes this rank's thawed and always-trained weights."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model[0].weight.requires_grad_(False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(6):
+        if step == 3:
+            model[0].weight.requires_grad_(True)
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(10 * step + rank)
+        ddp(torch.randn(4, 6, generator=g)).pow(2).mean().backward()
+        opt.step()
+    json.dump({"thawed": model[0].weight.flatten().tolist(), "trained": model[2].weight.flatten().tolist()},
+              open(f"{out}/ddp-{rank}.json", "w"))
+    dist.destroy_process_group()
+
+
+def check_ddp_thaw():
+    """Runs ddp_thaw on 2 ranks over gloo and checks what docs/python.md says of it."""
+    import socket
+    out = tempfile.mkdtemp(prefix="morse-ddp-thaw-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, __file__, "--ddp-thaw", out], env=dict(env, RANK=str(r)))
+             for r in range(2)]
+    check(all(p.wait(timeout=120) == 0 for p in ranks), "the DDP job failed")
+    got = [json.load(open(f"{out}/ddp-{r}.json")) for r in range(2)]
+    shutil.rmtree(out, ignore_errors=True)
+    check(got[0]["trained"] == got[1]["trained"], "DDP's ranks differ in a parameter it averages")
+    check(got[0]["thawed"] != got[1]["thawed"],
+          f"torch {torch.__version__}: DDP averaged a parameter thawed after it was built; "
+          "docs/python.md says it does not")
+    print(f"ok: under DDP (torch {torch.__version__}) a parameter thawed after DDP was built trains "
+          "a different copy on each rank")
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
+    if "--ddp-thaw" in sys.argv:
+        ddp_thaw(sys.argv[-1])
+        sys.exit(0)
+    check_ddp_thaw()
     out = tempfile.mkdtemp(prefix="morse-idioms-")
     code, log = morse_run(__file__, 2, 1, out)
     print(log)
