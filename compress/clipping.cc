@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "compress/check.h"
 #include "compress/halving_sum.h"
 
@@ -39,6 +41,69 @@ float ClipScale(double sum_of_squares, float max_norm) {
   const double coefficient =
       static_cast<double>(max_norm) / (std::sqrt(sum_of_squares) + 1e-6);
   return coefficient < 1.0 ? static_cast<float>(coefficient) : 1.0f;
+}
+
+absl::Status ValidateClipPieces(absl::Span<const ClipPiece> pieces,
+                                uint64_t dim) {
+  if (pieces.empty()) return absl::OkStatus();
+  uint64_t previous = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const ClipPiece& piece = pieces[i];
+    if (piece.end <= previous || piece.end > dim) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "clip piece ", i, " ends at ", piece.end, ": the ends must rise ",
+          "strictly from 0 to the model's size ", dim));
+    }
+    if (!(piece.scale >= 0.0f && piece.scale <= 1.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("clip piece ", i, "'s scale ", piece.scale,
+                       ": a clip factor in [0, 1]"));
+    }
+    previous = piece.end;
+  }
+  if (previous != dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the clip pieces end at ", previous,
+                     "; the last must end at the model's size ", dim));
+  }
+  return absl::OkStatus();
+}
+
+bool SameClipPieces(absl::Span<const ClipPiece> a,
+                    absl::Span<const ClipPiece> b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].end != b[i].end ||
+        std::memcmp(&a[i].scale, &b[i].scale, sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+ClipPieces ClipPiecesOf(absl::Span<const ClipPiece> pieces, uint64_t begin,
+                        uint64_t end) {
+  ClipPieces out;
+  for (const ClipPiece& piece : pieces) {
+    if (piece.end <= begin) continue;
+    out.push_back({std::min(piece.end, end) - begin, piece.scale});
+    if (piece.end >= end) break;
+  }
+  return out;
+}
+
+void ScaleByPieces(absl::Span<const ClipPiece> pieces, uint64_t at,
+                   absl::Span<float> values) {
+  uint64_t start = 0;  // of the piece
+  const uint64_t stop = at + values.size();
+  for (const ClipPiece& piece : pieces) {
+    const uint64_t lo = std::max(start, at), hi = std::min(piece.end, stop);
+    if (lo < hi && piece.scale != 1.0f) {
+      for (uint64_t j = lo; j < hi; ++j) values[j - at] *= piece.scale;
+    }
+    if (piece.end >= stop) return;
+    start = piece.end;
+  }
 }
 
 namespace {

@@ -7,7 +7,9 @@
 #define MORSE_COMPRESS_CLIPPING_H_
 
 #include <cstdint>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/types/span.h"
 
 namespace morse::compress {
@@ -44,6 +46,36 @@ struct GradientNorms {
   OtherNorms other;
 };
 GradientNorms AllGradientNorms(absl::Span<const float> values);
+
+// A clip of part of the model (design.md 2.6, "Clipping part of the
+// model"): the workers' clip_grad_norm_ over some of the parameters, each
+// clipped by its own factors. The step's clip is then a list of pieces in
+// element order, piece i scaling elements [end of piece i-1 (0 for the
+// first), end) of the decoded average by `scale`; the last piece ends at
+// the model's size.
+struct ClipPiece {
+  uint64_t end = 0;
+  float scale = 1.0f;
+};
+using ClipPieces = std::vector<ClipPiece>;
+
+// OK, or INVALID_ARGUMENT saying what is wrong, unless `pieces` is empty or
+// ends strictly increase to `dim` and every scale is finite, in [0, 1].
+absl::Status ValidateClipPieces(absl::Span<const ClipPiece> pieces,
+                                uint64_t dim);
+// Whether two lists hold the same pieces, scales bit for bit.
+bool SameClipPieces(absl::Span<const ClipPiece> a,
+                    absl::Span<const ClipPiece> b);
+// The pieces over global elements [begin, end), their ends made relative
+// to `begin` (a partition's share of a valid list; empty for empty).
+ClipPieces ClipPiecesOf(absl::Span<const ClipPiece> pieces, uint64_t begin,
+                        uint64_t end);
+// Multiplies values[j] by the scale of the piece that holds element j
+// (pieces relative to values[0], as ClipPiecesOf gives them, covering
+// at least [at, at + values.size())): one float multiplication an
+// element, none where the scale is 1.
+void ScaleByPieces(absl::Span<const ClipPiece> pieces, uint64_t at,
+                   absl::Span<float> values);
 
 }  // namespace morse::compress
 

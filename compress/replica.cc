@@ -155,7 +155,8 @@ Replica::Replica(const AlgorithmConfig& config, Range range,
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                  absl::Span<const uint8_t> reply,
                                  const StepHyper* hyper, float grad_scale,
-                                 std::vector<double>* lamb_segments) {
+                                 std::vector<double>* lamb_segments,
+                                 absl::Span<const ClipPiece> clip_pieces) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
@@ -178,8 +179,10 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   // Applies the decoded values of [begin + at, begin + at + len), then takes
   // the statistics of the segments that piece completes. A worker's sync
   // starts from x at the last sync (the anchor); a mirror's x is that.
+  MORSE_CHECK(clip_pieces.empty() || grad_scale == 1.0f);
   const auto apply = [&](uint64_t at, absl::Span<float> decoded) {
     const uint64_t len = decoded.size();
+    if (!clip_pieces.empty()) ScaleByPieces(clip_pieces, at, decoded);
     ApplyRule(rule, decoded, x_.subspan(offset + at, len),
               absl::MakeSpan(m_).subspan(offset + at, len),
               absl::MakeSpan(v_).subspan(offset + at, len),

@@ -72,11 +72,15 @@ class Replica {
   // what LambSegments gives after the update, each segment computed as
   // soon as the piece of the reply that holds it is applied, while its
   // elements are still in cache (the same bits: one pass instead of two).
+  // `clip_pieces` (a clip of part of the model, relative to `begin`, as
+  // ClipPiecesOf gives them; grad_scale is then 1): the decoded values
+  // scaled by their pieces' factors before the update.
   absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                           absl::Span<const uint8_t> reply,
                           const StepHyper* hyper = nullptr,
                           float grad_scale = 1.0f,
-                          std::vector<double>* lamb_segments = nullptr);
+                          std::vector<double>* lamb_segments = nullptr,
+                          absl::Span<const ClipPiece> clip_pieces = {});
 
   // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()),
   // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1; b1

@@ -12,6 +12,22 @@
 namespace morse::server {
 namespace {
 
+// A clip of part of the model from its wire form (morse.proto
+// CommitRequest.clip_piece_ends): INVALID_ARGUMENT unless there are as many
+// ends as scales. The shard validates the rest (CheckCommit).
+template <typename Ends, typename Scales>
+absl::StatusOr<compress::ClipPieces> ClipPiecesFromWire(const Ends& ends,
+                                                        const Scales& scales) {
+  if (ends.size() != scales.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a clip of ", ends.size(), " piece end(s) and ",
+                     scales.size(), " scale(s); as many of each"));
+  }
+  compress::ClipPieces pieces(ends.size());
+  for (int i = 0; i < ends.size(); ++i) pieces[i] = {ends[i], scales[i]};
+  return pieces;
+}
+
 std::string Bytes(const std::vector<float>& a) {
   return std::string(reinterpret_cast<const char*>(a.data()), 4 * a.size());
 }
@@ -107,6 +123,10 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   }
   if (request.has_previous_clip_max_norm())
     args.previous_clip_max_norm = request.previous_clip_max_norm();
+  absl::StatusOr<compress::ClipPieces> pieces = ClipPiecesFromWire(
+      request.previous_clip_piece_ends(), request.previous_clip_piece_scales());
+  if (!pieces.ok()) return done(pieces.status());
+  args.previous_clip_pieces = *std::move(pieces);
   args.workers_clip = request.workers_clip();
   if (request.has_x_hash()) args.x_hash = request.x_hash();
   if (request.replayed()) {
@@ -232,6 +252,10 @@ absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
     commit.grad_sum_of_squares = request.grad_sum_of_squares();
   if (request.has_clip_max_norm())
     commit.clip_max_norm = request.clip_max_norm();
+  absl::StatusOr<compress::ClipPieces> pieces = ClipPiecesFromWire(
+      request.clip_piece_ends(), request.clip_piece_scales());
+  if (!pieces.ok()) return pieces.status();
+  commit.clip_pieces = *std::move(pieces);
   return (*core)->CommitStep(request.rank(), request.step(),
                              request.layout_fingerprint(), commit);
 }

@@ -305,9 +305,9 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
   const auto& same = compress::SameStepHyper;
   const auto& describe = compress::DescribeStepHyper;
   *commits = false;
-  *carried =
-      StepCommit{args.previous_grad_sum_of_squares, args.previous_clip_max_norm,
-                 std::move(args.previous_commit)};
+  *carried = StepCommit{
+      args.previous_grad_sum_of_squares, args.previous_clip_max_norm,
+      std::move(args.previous_commit), std::move(args.previous_clip_pieces)};
   if (carried->grad_sum_of_squares.has_value() || !carried->values.empty()) {
     if (absl::Status s =
             CheckCommit(p, args.rank, args.step - 1, *carried, commits);
@@ -762,17 +762,20 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   p.last_workers_clip = workers_clip;
   p.committed_values.clear();
   p.mirror_scale = 1.0f;
+  p.committed_pieces.clear();
+  p.mirror_pieces.clear();
   return std::shared_ptr<const Reply>(std::move(reply));
 }
 
-void ShardCore::ApplyOwnReply(const Reply& r, const compress::Partition& part,
-                              const std::optional<compress::StepHyper>& hyper,
-                              float scale,
-                              std::vector<double>* lamb_segments) const {
+void ShardCore::ApplyOwnReply(
+    const Reply& r, const compress::Partition& part,
+    const std::optional<compress::StepHyper>& hyper, float scale,
+    std::vector<double>* lamb_segments,
+    absl::Span<const compress::ClipPiece> clip_pieces) const {
   const absl::Status s = mirror_.ApplyReply(
       r.step, part.range.begin, part.range.size(),
       {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
-      hyper.has_value() ? &*hyper : nullptr, scale, lamb_segments);
+      hyper.has_value() ? &*hyper : nullptr, scale, lamb_segments, clip_pieces);
   // The payload is this shard's own encoding of finite values: decoding it
   // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
   MORSE_CHECK(s.ok());
@@ -784,7 +787,8 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   const Reply& r = *p.last_reply;
   trace::Scope traced("mirror", r.step, p.partition.id);
   if (!p.mirror_moments_applied)
-    ApplyOwnReply(r, p.partition, p.mirror_hyper, p.mirror_scale);
+    ApplyOwnReply(r, p.partition, p.mirror_hyper, p.mirror_scale, nullptr,
+                  p.mirror_pieces);
   p.mirror_moments_applied = false;
   if (!p.committed_values.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_
@@ -846,6 +850,20 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank, ": the clip's max_norm ", *commit.clip_max_norm,
           " must be finite and not negative"));
+    }
+  }
+  if (!commit.clip_pieces.empty()) {
+    if (!norm || commit.clip_max_norm.value_or(1.0f) != 0.0f) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank,
+                       ": a clip of part of the model comes with the "
+                       "gradient's sum of squares and a max_norm of 0"));
+    }
+    if (absl::Status s = compress::ValidateClipPieces(
+            commit.clip_pieces, job_.algorithm.layout.dim);
+        !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": ", s.message()));
     }
   }
   if (step >= p.next_step) {
@@ -914,6 +932,13 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
                        *commit.clip_max_norm, " but ", *p.committed_max_norm,
                        " was sent before; every worker must clip alike"));
     }
+    if (!compress::SameClipPieces(p.committed_pieces, commit.clip_pieces)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, " clipped step ", step, " in ",
+          commit.clip_pieces.size(), " piece(s), another clip than the ",
+          p.committed_pieces.size(),
+          " piece(s) sent before; every worker must clip alike"));
+    }
   }
   if (!p.awaiting_commit) return absl::OkStatus();  // applied, or restored past
   const std::optional<double> own = p.last_reply != nullptr
@@ -936,6 +961,9 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
     p.mirror_scale = compress::ClipScale(
         *commit.grad_sum_of_squares,
         commit.clip_max_norm.value_or(job_.algorithm.clip_grad_norm));
+    p.committed_pieces = commit.clip_pieces;
+    p.mirror_pieces = compress::ClipPiecesOf(
+        commit.clip_pieces, p.partition.range.begin, p.partition.range.end);
   }
   p.committed_values = commit.values;
   p.awaiting_commit = false;
@@ -960,15 +988,16 @@ absl::Status ShardCore::Commit(uint32_t rank, int64_t step,
                                uint64_t layout_fingerprint, double total,
                                std::optional<float> clip_max_norm) {
   return CommitStep(rank, step, layout_fingerprint,
-                    StepCommit{total, clip_max_norm, {}});
+                    StepCommit{total, clip_max_norm, {}, {}});
 }
 
 absl::Status ShardCore::CommitValues(uint32_t rank, int64_t step,
                                      uint64_t layout_fingerprint,
                                      std::vector<double> commit) {
   if (commit.empty()) return absl::InvalidArgumentError("an empty commit");
-  return CommitStep(rank, step, layout_fingerprint,
-                    StepCommit{std::nullopt, std::nullopt, std::move(commit)});
+  return CommitStep(
+      rank, step, layout_fingerprint,
+      StepCommit{std::nullopt, std::nullopt, std::move(commit), {}});
 }
 
 absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step,

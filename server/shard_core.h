@@ -62,6 +62,8 @@ struct PushArgs {
   std::optional<double> previous_grad_sum_of_squares;
   // The previous step's max_norm, when the workers chose it (workers_clip).
   std::optional<float> previous_clip_max_norm;
+  // The previous step's clip of part of the model (StepCommit), if any.
+  compress::ClipPieces previous_clip_pieces;
   // onebit_lamb: the previous step's commit (CommitValues).
   std::vector<double> previous_commit;
   // The workers clip this step's averaged gradient by a max_norm they
@@ -85,6 +87,9 @@ struct StepCommit {
   // With it, in a step whose pushes said workers_clip: their max_norm.
   std::optional<float> clip_max_norm;
   std::vector<double> values;
+  // With a max_norm of 0: the workers' clip of part of the model
+  // (compress::ClipPiece; morse.proto CommitRequest.clip_piece_ends).
+  compress::ClipPieces clip_pieces;
 };
 
 // The absl::Status payload of an ABORTED push that is ahead of its
@@ -375,11 +380,13 @@ class ShardCore {
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // The mirror takes reply `r` of partition `part`, this shard's own
   // (compress::Replica::ApplyReply with the step's `hyper` and clip factor
-  // `scale`; `lamb_segments` as there), under the partition's lock.
-  void ApplyOwnReply(const Reply& r, const compress::Partition& part,
-                     const std::optional<compress::StepHyper>& hyper,
-                     float scale,
-                     std::vector<double>* lamb_segments = nullptr) const;
+  // `scale`; `lamb_segments` and `clip_pieces` as there), under the
+  // partition's lock.
+  void ApplyOwnReply(
+      const Reply& r, const compress::Partition& part,
+      const std::optional<compress::StepHyper>& hyper, float scale,
+      std::vector<double>* lamb_segments = nullptr,
+      absl::Span<const compress::ClipPiece> clip_pieces = {}) const;
   // The optimizer's own arrays of [begin, begin + n) (a partition of p's,
   // or the whole shard for p any partition at the same step): the
   // per-element ones from the mirror, the others p's.

@@ -514,10 +514,10 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
       });
 }
 
-absl::Status PushClient::Commit(int64_t step,
-                                std::optional<double> grad_sum_of_squares,
-                                std::optional<float> clip_max_norm,
-                                absl::Span<const double> values) {
+absl::Status PushClient::Commit(
+    int64_t step, std::optional<double> grad_sum_of_squares,
+    std::optional<float> clip_max_norm, absl::Span<const double> values,
+    absl::Span<const compress::ClipPiece> clip_pieces) {
   v1::CommitRequest request;
   request.set_rank(rank_);
   request.set_step(step);
@@ -526,6 +526,10 @@ absl::Status PushClient::Commit(int64_t step,
     request.set_grad_sum_of_squares(*grad_sum_of_squares);
   if (clip_max_norm.has_value()) request.set_clip_max_norm(*clip_max_norm);
   for (double value : values) request.add_commit_values(value);
+  for (const compress::ClipPiece& piece : clip_pieces) {
+    request.add_clip_piece_ends(piece.end);
+    request.add_clip_piece_scales(piece.scale);
+  }
   const char* what = values.empty() ? "committing the gradient norm to"
                                     : "committing the layer coefficients to";
   // A shard takes the same commit again, so one whose outcome is unknown

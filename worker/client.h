@@ -135,10 +135,12 @@ class PushClient {
   // step clipped it (with the workers' max_norm when its pushes said
   // workers_clip), the optimizer's values when it commits (onebit_lamb:
   // compress::Replica::LambStep's layer coefficients and state), both in
-  // one commit when the step has both.
+  // one commit when the step has both; `clip_pieces`, the workers' clip of
+  // part of the model (with a max_norm of 0), if any.
   absl::Status Commit(int64_t step, std::optional<double> grad_sum_of_squares,
                       std::optional<float> clip_max_norm,
-                      absl::Span<const double> values);
+                      absl::Span<const double> values,
+                      absl::Span<const compress::ClipPiece> clip_pieces = {});
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();

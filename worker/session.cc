@@ -279,6 +279,7 @@ absl::Status Session::BeginStep() {
   workers_clip_ = clip_at_step_;
   max_norm_ = job_.algorithm.clip_grad_norm;
   clipped_ = false;
+  clip_pieces_.clear();
   own_sum_of_squares_.reset();
   waited_.reset();
   waited_traffic_ = StepTraffic{};
@@ -341,7 +342,8 @@ void Session::StartExchange() {
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
-                 previous_commit_, workers_clip_ && clips_average_,
+                 previous_clip_pieces_, previous_commit_,
+                 workers_clip_ && clips_average_,
                  step == 0 || step == x_hash_step_
                      ? absl::Span<const float>(replica_.x())
                      : absl::Span<const float>()},
@@ -431,9 +433,11 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
     return absl::InvalidArgumentError(absl::StrCat(
         "max_norm ", max_norm, ": finite and not negative (0: no clip)"));
   }
-  // Another call replaces the max_norm: nothing has used it before Finish.
+  // Another call replaces the max_norm (and any clip pieces): nothing has
+  // used them before Finish.
   clipped_ = true;
   max_norm_ = max_norm;
+  clip_pieces_.clear();
   if (clips_locally_) {
     // This worker's own gradient (a compressing step): its pushes wait for
     // Finish, which clips by the last max_norm (SendAndWait, LocalStep).
@@ -446,6 +450,18 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
   absl::StatusOr<std::optional<double>> sum = RepliesSumOfSquares();
   if (!sum.ok()) return Fail(sum.status());
   return sum->value_or(0.0);
+}
+
+absl::Status Session::ClipPiecesAt(compress::ClipPieces pieces) {
+  if (absl::Status s = HoldsAverage(); !s.ok()) return s;
+  if (absl::Status s =
+          compress::ValidateClipPieces(pieces, job_.algorithm.layout.dim);
+      !s.ok()) {
+    return s;
+  }
+  max_norm_ = 0.0f;
+  clip_pieces_ = std::move(pieces);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> Session::OwnSumOfSquares() {
@@ -701,10 +717,13 @@ absl::Status Session::Finish(StepTraffic* traffic) {
           reply.payload.size());
       const compress::StepHyper* hyper = HyperOf(step_hyper_, p);
       trace::Scope traced("apply", step_, p.id);
+      const compress::ClipPieces pieces =
+          compress::ClipPiecesOf(clip_pieces_, p.range.begin, p.range.end);
       if (absl::Status s =
-              reply.staged ? engine_->ApplyStagedReply(step_, p, hyper, scale)
-                           : engine_->ApplyReply(step_, p, bytes, hyper, scale,
-                                                 reply.extras.lamb_pieces);
+              reply.staged
+                  ? engine_->ApplyStagedReply(step_, p, hyper, scale, pieces)
+                  : engine_->ApplyReply(step_, p, bytes, hyper, scale,
+                                        reply.extras.lamb_pieces, pieces);
           !s.ok()) {
         return Fail(
             absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ",
@@ -727,6 +746,9 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   const bool chose_max_norm = workers_clip_ && sum_of_squares.has_value();
   previous_clip_max_norm_ =
       chose_max_norm ? std::optional<float>(max_norm_) : std::nullopt;
+  previous_clip_pieces_ =
+      chose_max_norm ? std::move(clip_pieces_) : compress::ClipPieces();
+  clip_pieces_.clear();
   const bool commits = compress::CommitsLayers(job_.algorithm);
   if (commits) {
     // The optimizer's step from sums over the whole model (onebit_lamb: x
@@ -751,7 +773,8 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     if (absl::Status s =
             client_->Commit(step_, sum_of_squares, previous_clip_max_norm_,
                             commits ? absl::MakeConstSpan(previous_commit_)
-                                    : absl::Span<const double>());
+                                    : absl::Span<const double>(),
+                            previous_clip_pieces_);
         !s.ok()) {
       return Fail(absl::Status(
           s.code(), absl::StrCat("step ", step_, ": ", s.message())));
@@ -811,6 +834,16 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   }
   if (previous_clip_max_norm_.has_value())
     writer.AddFloats("previous_clip_max_norm", {&*previous_clip_max_norm_, 1});
+  if (!previous_clip_pieces_.empty()) {
+    std::vector<int64_t> ends;
+    std::vector<float> scales;
+    for (const compress::ClipPiece& piece : previous_clip_pieces_) {
+      ends.push_back(static_cast<int64_t>(piece.end));
+      scales.push_back(piece.scale);
+    }
+    writer.AddInts("previous_clip_piece_ends", ends);
+    writer.AddFloats("previous_clip_piece_scales", scales);
+  }
   // The optimizer's own arrays (onebit_lamb's v' and layer state).
   for (const compress::NamedState& array :
        replica_.SaveState(0, job_.algorithm.layout.dim)) {
@@ -854,6 +887,22 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     if (absl::Status s = floats("previous_clip_max_norm", 1, &value); !s.ok())
       return s;
     max_norm = value[0];
+  }
+  compress::ClipPieces pieces;
+  if (reader.Has("previous_clip_piece_ends")) {
+    const uint64_t count = reader.Count("previous_clip_piece_ends");
+    auto ends = reader.Ints("previous_clip_piece_ends", count);
+    if (!ends.ok()) return ends.status();
+    std::vector<float> scales;
+    if (absl::Status s = floats("previous_clip_piece_scales", count, &scales);
+        !s.ok())
+      return s;
+    for (uint64_t i = 0; i < count; ++i)
+      pieces.push_back({static_cast<uint64_t>((*ends)[i]), scales[i]});
+    if (absl::Status s = compress::ValidateClipPieces(pieces, dim); !s.ok()) {
+      return absl::DataLossError(
+          absl::StrCat(reader.path(), ": ", s.message()));
+    }
   }
   std::vector<compress::NamedState> own;
   for (const compress::StateArray& array :
@@ -912,6 +961,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   if (commits) previous_commit_ = std::move(commit);
   previous_grad_sum_of_squares_ = norm;
   previous_clip_max_norm_ = max_norm;
+  previous_clip_pieces_ = std::move(pieces);
   return absl::OkStatus();
 }
 
@@ -1186,6 +1236,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
   step_ = step;
   previous_grad_sum_of_squares_.reset();
   previous_clip_max_norm_.reset();
+  previous_clip_pieces_.clear();
   return engine_->Load(replica_, error_);
 }
 

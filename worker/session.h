@@ -129,6 +129,15 @@ class Session {
   // the one the step clips by (morse.torch composes several clip_grad_norm_
   // calls into one). INVALID_ARGUMENT for a negative or non-finite max_norm.
   absl::StatusOr<double> ClipAt(float max_norm);
+  // Clips parts of the averaged gradient of the step in flight by factors
+  // of the workers' own (clip_grad_norm_ over some of the parameters;
+  // design.md 2.6): after ClipAt has waited for every reply, in place of
+  // its max_norm (the step's is 0 from here on). Every worker's pieces
+  // must be the same; the commit carries them to the shards' mirrors.
+  // FAILED_PRECONDITION outside such a step (a compressing step clips the
+  // worker's own gradient: scale it before Finish); INVALID_ARGUMENT for
+  // pieces compress::ValidateClipPieces refuses. Empty: none.
+  absl::Status ClipPiecesAt(compress::ClipPieces pieces);
   // Whether the step in flight clips each worker's own gradient (a
   // compressing step, compress::ClipsLocally) rather than the average.
   bool clips_locally() const { return InStep() && clips_locally_; }
@@ -359,6 +368,8 @@ class Session {
   // sent with the next step's pushes (morse.proto Commit).
   std::optional<double> previous_grad_sum_of_squares_;
   std::optional<float> previous_clip_max_norm_;  // when the workers chose it
+  compress::ClipPieces clip_pieces_;             // ClipPiecesAt, this step
+  compress::ClipPieces previous_clip_pieces_;
   // onebit_lamb: the last step's commit, likewise.
   std::vector<double> previous_commit_;
   std::vector<bool> sent_;

@@ -192,6 +192,10 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
   if (extras_.previous_clip_max_norm.has_value()) {
     call->request.set_previous_clip_max_norm(*extras_.previous_clip_max_norm);
   }
+  for (const compress::ClipPiece& piece : extras_.previous_clip_pieces) {
+    call->request.add_previous_clip_piece_ends(piece.end);
+    call->request.add_previous_clip_piece_scales(piece.scale);
+  }
   call->request.set_workers_clip(extras_.workers_clip);
   if (!extras_.x.empty()) {
     call->request.set_x_hash(compress::XHash(

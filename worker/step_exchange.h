@@ -65,6 +65,8 @@ struct StepExtras {
   std::optional<double> previous_grad_sum_of_squares;
   // With it, when the workers chose that step's max_norm.
   std::optional<float> previous_clip_max_norm;
+  // And their clip of part of the model, if any.
+  compress::ClipPieces previous_clip_pieces;
   // onebit_lamb: the previous step's commit (morse.proto CommitRequest).
   std::vector<double> previous_commit;
   // The workers clip this step's averaged gradient by a max_norm they

@@ -207,6 +207,34 @@ TrainResult Train(const AlgorithmConfig& c, int steps) {
 
 // The norms of order 1 and infinity a worker's clip_grad_norm_ may take of
 // the averaged gradient (design.md 2.6), as torch's vector_norm.
+// A clip of part of the model: each element times its piece's scale, a
+// partition's share of the pieces relative to its start, and the lists a
+// shard refuses.
+TEST(ClippingTest, PiecesScaleTheirOwnElements) {
+  const ClipPieces pieces = {{3, 0.5f}, {7, 1.0f}, {10, 0.25f}};
+  EXPECT_TRUE(ValidateClipPieces(pieces, 10).ok());
+  EXPECT_TRUE(ValidateClipPieces({}, 10).ok());
+  EXPECT_FALSE(ValidateClipPieces(pieces, 11).ok());  // short of the model
+  EXPECT_FALSE(ValidateClipPieces({{3, 0.5f}, {3, 1.0f}, {10, 1.0f}}, 10).ok());
+  EXPECT_FALSE(ValidateClipPieces({{0, 0.5f}, {10, 1.0f}}, 10).ok());
+  EXPECT_FALSE(ValidateClipPieces({{10, -0.5f}}, 10).ok());
+  EXPECT_FALSE(ValidateClipPieces({{10, 2.0f}}, 10).ok());
+  const ClipPieces share = ClipPiecesOf(pieces, 2, 8);  // elements 2..7
+  ASSERT_EQ(share.size(), 3u);
+  EXPECT_EQ(share[0].end, 1u);
+  EXPECT_EQ(share[1].end, 5u);
+  EXPECT_EQ(share[2].end, 6u);
+  EXPECT_EQ(share[2].scale, 0.25f);
+  std::vector<float> values(6, 3.0f);  // elements 2..7 again
+  // From element 1 of the share on (global 3): the first piece untouched.
+  ScaleByPieces(share, 1, absl::MakeSpan(values).subspan(1));
+  EXPECT_EQ(values, (std::vector<float>{3.0f, 3.0f, 3.0f, 3.0f, 3.0f, 0.75f}));
+  ScaleByPieces(share, 0, absl::MakeSpan(values).first(1));
+  EXPECT_EQ(values[0], 1.5f);
+  EXPECT_TRUE(SameClipPieces(pieces, pieces));
+  EXPECT_FALSE(SameClipPieces(pieces, share));
+}
+
 TEST(ClippingTest, OtherNormsAreTheSumAndTheLargestMagnitude) {
   const std::vector<float> values = {0.5f, -3.25f, 0.0f, 2.0f, -0.125f};
   const OtherNorms norms = GradientOtherNorms(values);

@@ -290,6 +290,10 @@ TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
         return absl::InternalError(
             absl::StrCat("before ClipAt: ", early.ToString()));
       }
+      // A clip of part of the model takes the averaged gradient too.
+      const compress::ClipPieces half = {{500, 0.5f}, {1000, 1.0f}};
+      if (s.ClipPiecesAt(half).code() != absl::StatusCode::kFailedPrecondition)
+        return absl::InternalError("clip pieces before ClipAt");
       absl::StatusOr<double> sum = s.ClipAt(0.0f);
       if (!sum.ok()) return sum.status();
       const absl::Status read = s.AverageGradient(absl::MakeSpan(got[r]));
@@ -298,7 +302,20 @@ TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
           return absl::InternalError(
               absl::StrCat("a compressing step: ", read.ToString()));
         }
+        if (s.ClipPiecesAt(half).code() !=
+            absl::StatusCode::kFailedPrecondition) {
+          return absl::InternalError("clip pieces in a compressing step");
+        }
       } else {
+        if (s.ClipPiecesAt({{500, 0.5f}}).code() !=
+                absl::StatusCode::kInvalidArgument ||
+            s.ClipPiecesAt({{1000, 2.0f}}).code() !=
+                absl::StatusCode::kInvalidArgument) {
+          return absl::InternalError("malformed clip pieces taken");
+        }
+        // Step 0 ends with these: its commit carries them to the shards,
+        // whose mirrors must take them for step 1's pushes to go on.
+        if (absl::Status st = s.ClipPiecesAt(half); !st.ok()) return st;
         if (!read.ok()) return read;
         const absl::Status wrong =
             s.AverageGradient(absl::MakeSpan(got[r]).first(999));
@@ -329,6 +346,15 @@ TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
       for (uint32_t r = 0; r < 2; ++r) EXPECT_EQ(got[r], want) << "rank " << r;
     }
   }
+  // The shards' mirrors applied step 0's pieces as the workers did.
+  auto held = both([&](worker::Session& s, uint32_t) -> absl::Status {
+    absl::StatusOr<bool> holds = s.HoldsShardsModel();
+    if (!holds.ok()) return holds.status();
+    return *holds ? absl::OkStatus()
+                  : absl::InternalError("the shards' model differs");
+  });
+  EXPECT_TRUE(held.first.ok()) << held.first;
+  EXPECT_TRUE(held.second.ok()) << held.second;
 }
 
 }  // namespace

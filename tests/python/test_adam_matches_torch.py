@@ -12,7 +12,10 @@ backward() (rank 0 overlapping and accumulating two backward() calls with
 no argument, rank 1 with overlap=False), which clips the averaged gradient
 and returns its norm, as under DDP, several times a step and with
 norm_type inf and 1 too, and 3 and 0.5 (of the averaged gradient itself, which
-the shards send no norm of); and .grad edited after backward() (a
+the shards send no norm of), and over part of the parameters mixed with
+clips of the whole (torch's factor per parameter; the shards' mirrors
+checked after every step, as with OneBitAdam, ZeroOneAdam and OneBitLamb
+through their phases); and .grad edited after backward() (a
 row zeroed, everything halved, then clip_grad_norm_), which under DDP edits
 the averaged gradient: linear edits give the same result on each rank's
 gradient before the average, which Morse pushes at step() once the first
@@ -25,6 +28,7 @@ decay / no-decay split, with a per-group LambdaLR and a group's lr changed
 mid-run), against torch.optim.AdamW with the same groups."""
 import contextlib
 import os
+import re
 import sys
 import warnings
 
@@ -72,10 +76,58 @@ ORDERS = ((float("inf"), float("inf")), (0.08, float("inf")), (1.5, 1.0), (0.15,
 # clip_p's: norms of orders the shards send none of (the averaged gradient's,
 # taken by the worker), the largest logged, then clips by each.
 ORDERS_P = ((float("inf"), 3.0), (0.06, 3.0), (4.0, 0.5), (0.15, 2.0))
+# clip_part's: clips of part of the model (max_norm, norm_type, which
+# parameters), composed with clips of the whole as torch's.
+PARTS = ((0.05, 2.0, "a"), (float("inf"), 2.0, "all"), (0.12, 2.0, "all"), (0.02, float("inf"), "t"),
+         (0.1, 3.0, "a.weight b.bias"))
+
+
+def chosen(model, which):
+    """The parameters a PARTS call clips."""
+    if which == "all":
+        return list(model.parameters())
+    if which == "a":
+        return [model.a.weight, model.a.bias]
+    if which == "t":
+        return [model.t]
+    return [model.get_parameter(name) for name in which.split()]
+
+
+def worker_part(kind):
+    """clip_grad_norm_ over the first layer, then the whole model, every
+    step, with OneBitAdam, ZeroOneAdam or OneBitLamb through their warmup
+    and compressing steps: the shards' mirrors hold the workers' x after
+    every step (the averaging steps' clip pieces), the part's clip acts,
+    and both ranks end with the same state."""
+    import morse.torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    kw = {"lr": 1e-3, "partition_elems": 256, "block_elems": 64}
+    opt = {"onebit": lambda: morse.torch.OneBitAdam(model.parameters(), freeze_step=3, **kw),
+           "zero_one": lambda: morse.torch.ZeroOneAdam(model.parameters(), var_freeze_step=3, **kw),
+           "lamb": lambda: morse.torch.OneBitLamb(model.parameters(), freeze_step=3, **kw)}[kind]()
+    rank = int(os.environ["MORSE_RANK"])
+    acted = 0
+    for step in range(10):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        acted += float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), 0.05)) > 0.05
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        opt.step()
+        check(opt._session.holds_shards_model(),
+              f"rank {rank} step {step} ({kind}): the shards' mirrors differ from the workers' x")
+    check(acted >= 5, f"the part's clip acted in only {acted} of 10 steps")
+    print(f"rank {rank}: {kind} with a clip of part of the model, 10 steps, mirrors equal, "
+          f"checksum {opt.checksum()}")
 
 
 def worker(mode):
     import morse.torch
+    if mode.startswith("part_"):
+        worker_part(mode[len("part_"):])
+        return
     if mode.startswith(("late_", "early_")):
         # "early_lr": the lr set between backward() and step() from step 0 on.
         early = mode.startswith("early_")
@@ -95,8 +147,9 @@ def worker(mode):
     clip_after = mode == "clip_after"
     # clip_grad_norm_ three times a step (the norm logged with inf, then two
     # clips), each as torch's on the gradient the earlier ones clipped.
-    clip_twice = mode in ("clip_twice", "clip_orders", "clip_p")
-    calls = {"clip_orders": ORDERS, "clip_p": ORDERS_P}.get(mode, TWICE)
+    clip_twice = mode in ("clip_twice", "clip_orders", "clip_p", "clip_part")
+    calls = PARTS if mode == "clip_part" else [
+        (m, o, "all") for m, o in {"clip_orders": ORDERS, "clip_p": ORDERS_P}.get(mode, TWICE)]
     edit = mode in ("edit", "edit_data")  # .grad edited after backward(), then clipped
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
@@ -188,9 +241,14 @@ def worker(mode):
         if clip_after or edit:
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
         if clip_twice:
-            returned = [torch.nn.utils.clip_grad_norm_(model.parameters(), m, norm_type=o).item()
-                        for m, o in calls]
+            returned = [torch.nn.utils.clip_grad_norm_(chosen(model, w), m, norm_type=o).item()
+                        for m, o, w in calls]
         opt.step()
+        if mode == "clip_part":
+            # The shards' mirrors applied the step's clip pieces too: each
+            # partition's hash of x equal to this rank's.
+            check(opt._session.holds_shards_model(),
+                  f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
         if accumulate:
             check(opt.accumulation_steps == 2, f"rank {rank}: accumulation_steps {opt.accumulation_steps} "
                                                "after a step of two backward() calls")
@@ -222,10 +280,12 @@ def worker(mode):
                       f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
                       f"torch's on the global batch {norm}")
         if clip_twice:
-            norms = [morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), m, norm_type=o).item()
-                     for m, o in calls]
+            norms = [morse.torch._TORCH_CLIP_GRAD_NORM(chosen(reference, w), m, norm_type=o).item()
+                     for m, o, w in calls]
             # the first finite one and a later one both clip
-            clipped += norms[1] > calls[1][0] and any(n > m for n, (m, _) in zip(norms[2:], calls[2:]))
+            first = 0 if mode == "clip_part" else 1
+            clipped += norms[first] > calls[first][0] and any(
+                n > m for n, (m, _, _) in zip(norms[first + 1:], calls[first + 1:]))
             for i, (got, want) in enumerate(zip(returned, norms)):
                 check(abs(got - want) <= 1e-5 * want,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
@@ -265,6 +325,9 @@ def worker(mode):
                     f"{clipped} steps",
             "edit_data": f".grad edited through .data after backward(), then clip_grad_norm_, "
                          f"which clipped {clipped} steps",
+            "clip_part": f"clip_grad_norm_ over part of the parameters and the whole, (max_norm, "
+                         f"norm_type, which) {PARTS} in turn after backward(), the first and a later "
+                         f"one clipping in {clipped} steps",
             "clip_twice": f"clip_grad_norm_ with max_norm {[m for m, _ in TWICE]} in turn after "
                           f"backward(), the first two finite ones clipping in {clipped} steps",
             "clip_orders": f"clip_grad_norm_ with (max_norm, norm_type) {ORDERS} in turn after "
@@ -384,7 +447,7 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "clip_p", "edit", "edit_data", "no_sync",
+                 "clip_p", "clip_part", "edit", "edit_data", "no_sync",
                  "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)
@@ -393,4 +456,10 @@ if __name__ == "__main__":
         check(out.count("largest difference from torch.optim.Adam") == 2, "both ranks report")
         if mode.startswith("late_"):
             check(out.count("warned: morse: in step") == 2, "both ranks warned")
+    for kind in ("onebit", "zero_one", "lamb"):
+        code, out = morse_run(__file__, 2, 2, f"part_{kind}")
+        print(out)
+        check(code == 0, f"the job failed (part_{kind})")
+        sums = set(re.findall(r"mirrors equal, checksum ([0-9a-f]+)", out))
+        check(out.count("mirrors equal") == 2 and len(sums) == 1, f"both ranks alike ({kind})")
     print("PASS")

@@ -233,10 +233,8 @@ def main():
                 opt.step()
             expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
 
-    # clip_grad_norm_ over part of the parameters, or with a norm other than
-    # 1, 2 and inf: refused (Morse clips the whole averaged gradient). Several
-    # calls in a step compose on the averaged gradient (test_adam_matches_torch's
-    # clip_twice and clip_orders), and in a compressing step too, where each
+    # Several calls in a step compose on the averaged gradient
+    # (test_adam_matches_torch's clip_twice and clip_orders), and in a compressing step too, where each
     # rank clips its own gradient and pushes at step(): against one clip by
     # the max_norm with the product of the factors (to float rounding: that
     # max_norm is worked out here from torch's norm), and unlike the first
@@ -289,19 +287,42 @@ def main():
     check(apart > 0 and close <= 1e-3 * apart,
           f"two clips in a compressing step: {close} from one clip by their product, {apart} from "
           "the first alone")
-    with server(base) as address:
-        model = torch.nn.Linear(3, 2)
-        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
-                               config=base)
-        model(torch.ones(4, 3)).sum().backward()
-        expect(ValueError, "over 1 of the Morse optimizer's 2 trainable parameters",
-               lambda: torch.nn.utils.clip_grad_norm_([model.weight], 1.0))
+    # Part of the parameters in a compressing step: this rank's own
+    # gradient of those, clipped in place as torch's own clip_grad_norm_
+    # leaves it (the averaging steps' clip pieces: test_adam_matches_torch's
+    # clip_part), and its pushes take it so: unlike no clip.
+    parts = {}
+    for plan in ("part", "none"):
+        with server(base) as address:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(3, 2)
+            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
+                                         servers=[address], config=base)
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.ones(4, 3)).sum().backward()
+                if step == 0 or plan == "none":
+                    # The norm logged: the steps begin with the workers' clipping.
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                    opt.step()
+                    continue
+                want = [p.grad.clone() for p in model.parameters()]
+                norm = float(want[0].double().norm())
+                want[0] *= torch.tensor(min(1.0, 1e-3 / (norm + 1e-6)), dtype=torch.float32)
+                got = float(torch.nn.utils.clip_grad_norm_([model.weight], 1e-3))
+                check(abs(got - norm) <= 1e-6 * norm, f"a part's norm {got}, torch's {norm}")
+                opt.step()
+                check(all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want)),
+                      "a compressing step's clip of part of the model: .grad is not torch's")
+            parts[plan] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    check(not torch.equal(parts["part"], parts["none"]), "the clip of a part changed nothing")
     # Other tensors still go to torch's own clip_grad_norm_.
     other = torch.nn.Parameter(torch.ones(4))
     other.grad = torch.full((4,), 2.0)
     check(abs(float(torch.nn.utils.clip_grad_norm_([other], 1.0)) - 4.0) < 1e-6
           and abs(float(other.grad.norm()) - 1.0) < 1e-5, "torch's clip on other tensors")
-    print(f"PASS: clip_grad_norm_ misuse refused; two clips in a compressing step {close:.2e} from "
+    print(f"PASS: clip_grad_norm_ misuse refused; a part clipped in a compressing step as torch's; "
+          f"two clips in a compressing step {close:.2e} from "
           f"one by their product, {apart:.2e} from the first alone; other tensors clipped by torch")
 
     # Edits after backward() that leave every bit as it was (clip_grad_norm_

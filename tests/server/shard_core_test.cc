@@ -91,7 +91,8 @@ compress::Replica InitialReplica(const ShardCore& core,
 void ApplyReplies(compress::Replica& replica, int64_t step,
                   absl::Span<const compress::Partition> parts,
                   const std::vector<std::shared_ptr<const Reply>>& replies,
-                  float scale) {
+                  float scale,
+                  absl::Span<const compress::ClipPiece> pieces = {}) {
   for (size_t i = 0; i < parts.size(); ++i) {
     const std::string& payload = replies[i]->payload;
     ASSERT_TRUE(
@@ -99,7 +100,9 @@ void ApplyReplies(compress::Replica& replica, int64_t step,
             .ApplyReply(step, parts[i].range.begin, parts[i].range.size(),
                         {reinterpret_cast<const uint8_t*>(payload.data()),
                          payload.size()},
-                        nullptr, scale)
+                        nullptr, scale, nullptr,
+                        compress::ClipPiecesOf(pieces, parts[i].range.begin,
+                                               parts[i].range.end))
             .ok());
   }
 }
@@ -1619,6 +1622,65 @@ std::unique_ptr<ShardCore> InitializedLambShard(const proto::JobSpec& job,
 // the shard has not completed is refused and changes nothing; the right
 // one (from Commit or from the pushes) moves the mirror as a worker's
 // replica moves.
+// A clip of part of the model (design.md 2.6): the commit's pieces, with
+// S and a max_norm of 0, scale the mirror's decoded average piece by piece;
+// malformed pieces are refused and change nothing, another clip of the
+// same step too.
+TEST_F(ShardCoreTest, AClipOfPartOfTheModelComesAsPieces) {
+  std::string config(kConfig);
+  config.replace(config.find("freeze_step: 1"), 14, "freeze_step: 3");
+  job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  const auto parts = core_->layout().shard_partitions(1);
+  InitializeAll(*core_);
+  compress::Replica expected = InitialReplica(*core_, job_.algorithm);
+  std::vector<std::shared_ptr<const Reply>> replies(parts.size());
+  double total = 3.0;  // the other shard's, and this one's below
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (uint32_t r = 0; r < 3; ++r) {
+      PushArgs args = Args(0, r, parts[i]);
+      args.workers_clip = true;
+      ASSERT_EQ(Push(std::move(args), &replies[i]).ok(), r == 2);
+    }
+    total += *replies[i]->grad_sum_of_squares;
+  }
+  const uint64_t dim = job_.algorithm.layout.dim;
+  const uint64_t mid = parts[0].range.begin + parts[0].range.size() / 2;
+  // Half of the first partition by 0.25, the rest as it is.
+  const compress::ClipPieces pieces = {
+      {mid, 1.0f}, {parts[0].range.end, 0.25f}, {dim, 1.0f}};
+  const auto commit = [&](compress::ClipPieces p, std::optional<float> m) {
+    return core_->CommitStep(0, 0, fingerprint(),
+                             StepCommit{total, m, {}, std::move(p)});
+  };
+  const uint64_t before = core_->MirrorChecksum();
+  EXPECT_EQ(commit(pieces, 0.3f).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(commit(pieces, std::nullopt).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(commit({{mid, 1.0f}, {mid, 0.5f}, {dim, 1.0f}}, 0.0f).code(),
+            absl::StatusCode::kInvalidArgument);  // ends not rising
+  EXPECT_EQ(commit({{mid, 1.0f}, {dim - 1, 0.5f}}, 0.0f).code(),
+            absl::StatusCode::kInvalidArgument);  // short of the model
+  EXPECT_EQ(commit({{mid, 1.5f}, {dim, 1.0f}}, 0.0f).code(),
+            absl::StatusCode::kInvalidArgument);  // not a clip factor
+  EXPECT_EQ(
+      commit({{mid, std::numeric_limits<float>::quiet_NaN()}, {dim, 1.0f}},
+             0.0f)
+          .code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+  ASSERT_TRUE(commit(pieces, 0.0f).ok());
+  ApplyReplies(expected, 0, parts, replies, 1.0f, pieces);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+  compress::Replica unclipped = InitialReplica(*core_, job_.algorithm);
+  ApplyReplies(unclipped, 0, parts, replies, 1.0f);
+  EXPECT_NE(unclipped.Checksum(), expected.Checksum());  // the pieces acted
+  EXPECT_TRUE(commit(pieces, 0.0f).ok());                // the same again
+  EXPECT_EQ(commit({{dim, 1.0f}}, 0.0f).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+}
+
 TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   const proto::JobSpec job = LambShardJob();
   compress::Replica worker(job.algorithm, {0, job.algorithm.layout.dim});
@@ -1834,14 +1896,14 @@ TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
             absl::StatusCode::kUnavailable);
   EXPECT_EQ(core->MirrorChecksum(), checksum);
   ASSERT_TRUE(core->CommitStep(0, 0, fingerprint,
-                               StepCommit{total, std::nullopt, commit})
+                               StepCommit{total, std::nullopt, commit, {}})
                   .ok());
   // The same again is OK; another norm is refused.
   EXPECT_TRUE(core->CommitStep(1, 0, fingerprint,
-                               StepCommit{total, std::nullopt, commit})
+                               StepCommit{total, std::nullopt, commit, {}})
                   .ok());
   EXPECT_EQ(core->CommitStep(1, 0, fingerprint,
-                             StepCommit{2 * total, std::nullopt, commit})
+                             StepCommit{2 * total, std::nullopt, commit, {}})
                 .code(),
             absl::StatusCode::kFailedPrecondition);
   for (const auto& p : parts) {

@@ -160,11 +160,15 @@ class Engine {
   // empty): the layer statistics of the partition's pieces at this step as
   // its shard took them on its mirror (compress::LambPieceSums; PushReply
   // `lamb_pieces`), which an engine may use instead of its own.
+  // `clip_pieces` (a clip of part of the model, grad_scale 1): the
+  // partition's pieces (compress::ClipPiecesOf), each scaling its decoded
+  // values before the update.
   virtual absl::Status ApplyReply(
       int64_t step, const compress::Partition& p,
       absl::Span<const uint8_t> reply,
       const compress::StepHyper* hyper = nullptr, float grad_scale = 1.0f,
-      absl::Span<const double> lamb_pieces = {}) = 0;
+      absl::Span<const double> lamb_pieces = {},
+      absl::Span<const compress::ClipPiece> clip_pieces = {}) = 0;
   // A reply kept for the end of the step (Session::SetDeferApply) taken
   // ahead into the engine's own memory as it lands (a GPU engine copies it
   // to the device; x, m and v unchanged), then applied by ApplyStagedReply
@@ -175,9 +179,10 @@ class Engine {
                                   absl::Span<const uint8_t>) {
     return absl::UnimplementedError("replies are applied from the host");
   }
-  virtual absl::Status ApplyStagedReply(int64_t, const compress::Partition&,
-                                        const compress::StepHyper* = nullptr,
-                                        float = 1.0f) {
+  virtual absl::Status ApplyStagedReply(
+      int64_t, const compress::Partition&, const compress::StepHyper* = nullptr,
+      float = 1.0f,
+      absl::Span<const compress::ClipPiece> /*clip_pieces*/ = {}) {
     return absl::UnimplementedError("replies are applied from the host");
   }
   // The session begins the exchange of `step` (each attempt at it): what

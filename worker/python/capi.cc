@@ -347,6 +347,20 @@ int morse_session_clip(morse_session* s, float max_norm,
   });
 }
 
+int morse_session_clip_pieces(morse_session* s, const uint64_t* ends,
+                              const float* scales, uint64_t n) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (n > 0) {
+      if (absl::Status st = NotNull(ends, "ends"); !st.ok()) return st;
+      if (absl::Status st = NotNull(scales, "scales"); !st.ok()) return st;
+    }
+    morse::compress::ClipPieces pieces(n);
+    for (uint64_t i = 0; i < n; ++i) pieces[i] = {ends[i], scales[i]};
+    return s->session->ClipPiecesAt(std::move(pieces));
+  });
+}
+
 int morse_session_clips_locally(morse_session* s, int* locally) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 16
+#define MORSE_CAPI_VERSION 17
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -114,6 +114,13 @@ int morse_session_set_step_clipping(morse_session* s, int on);
  * this worker's own gradient's (its pushes leave now; once). */
 int morse_session_clip(morse_session* s, float max_norm,
                        double* sum_of_squares);
+/* Clips parts of the averaged gradient of the step in flight, after
+ * morse_session_clip waited for every reply: piece i scales elements
+ * [ends[i-1] (0 for the first), ends[i]) by scales[i]; n pieces, the last
+ * ending at the model's size (Session::ClipPiecesAt; clip_grad_norm_ over
+ * some of the parameters). */
+int morse_session_clip_pieces(morse_session* s, const uint64_t* ends,
+                              const float* scales, uint64_t n);
 /* *locally = 1 when the step in flight clips this worker's own gradient (a
  * compressing step), else 0 (Session::clips_locally). */
 int morse_session_clips_locally(morse_session* s, int* locally);

@@ -368,12 +368,13 @@ class CudaEngine final : public Engine, public DeviceServices {
 
   // The shard's layer statistics (lamb_pieces) are left: the device sums
   // its own segments in CommitStep, the same bits.
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
-                          absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper, float grad_scale,
-                          absl::Span<const double> /*lamb_pieces*/) override {
+  absl::Status ApplyReply(
+      int64_t step, const compress::Partition& p,
+      absl::Span<const uint8_t> reply, const compress::StepHyper* hyper,
+      float grad_scale, absl::Span<const double> /*lamb_pieces*/,
+      absl::Span<const compress::ClipPiece> clip_pieces) override {
     if (absl::Status s = StageReply(step, p, reply); !s.ok()) return s;
-    return ApplyStagedReply(step, p, hyper, grad_scale);
+    return ApplyStagedReply(step, p, hyper, grad_scale, clip_pieces);
   }
 
   // The reply into the partition's own slot (its push has left: no other
@@ -396,9 +397,10 @@ class CudaEngine final : public Engine, public DeviceServices {
                                 reply.size());
   }
 
-  absl::Status ApplyStagedReply(int64_t step, const compress::Partition& p,
-                                const compress::StepHyper* hyper,
-                                float grad_scale) override {
+  absl::Status ApplyStagedReply(
+      int64_t step, const compress::Partition& p,
+      const compress::StepHyper* hyper, float grad_scale,
+      absl::Span<const compress::ClipPiece> clip_pieces) override {
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const compress::ReplyRule rule =
         compress::PlanReply(config_, step, hyper, grad_scale);
@@ -416,7 +418,7 @@ class CudaEngine final : public Engine, public DeviceServices {
     float* v = v_.as<float>() + begin;
     absl::Status s;
     if (rule.frozen_variance && !rule.lamb && rule.grad_scale == 1.0f &&
-        rule.codec.kind == compress::CodecKind::kSign1) {
+        clip_pieces.empty() && rule.codec.kind == compress::CodecKind::kSign1) {
       s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n,
                                       rule.scalars, rule.mask, x, m, v);
     } else {
@@ -426,6 +428,16 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (s.ok() &&
           rule.grad_scale != 1.0f) {  // the averaged gradient's clip factor
         s = kernels::Scale(*apply_, rule.grad_scale, decoded, decoded, n);
+      }
+      // A clip of part of the model: each piece by its own factor (the
+      // same multiplication as compress::ScaleByPieces).
+      uint64_t start = 0;
+      for (const compress::ClipPiece& piece : clip_pieces) {
+        if (s.ok() && piece.scale != 1.0f) {
+          s = kernels::Scale(*apply_, piece.scale, decoded + start,
+                             decoded + start, piece.end - start);
+        }
+        start = piece.end;
       }
       if (!s.ok()) {
       } else if (rule.lamb) {

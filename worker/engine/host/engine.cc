@@ -92,13 +92,14 @@ class HostEngine final : public Engine {
                                          grad_scale, AsBytes(payload), message);
   }
 
-  absl::Status ApplyReply(int64_t step, const compress::Partition& p,
-                          absl::Span<const uint8_t> reply,
-                          const compress::StepHyper* hyper, float grad_scale,
-                          absl::Span<const double> lamb_pieces) override {
+  absl::Status ApplyReply(
+      int64_t step, const compress::Partition& p,
+      absl::Span<const uint8_t> reply, const compress::StepHyper* hyper,
+      float grad_scale, absl::Span<const double> lamb_pieces,
+      absl::Span<const compress::ClipPiece> clip_pieces) override {
     if (lamb_pieces_.empty()) {
       return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply,
-                                 hyper, grad_scale);
+                                 hyper, grad_scale, nullptr, clip_pieces);
     }
     // onebit_lamb: the partition's share of CommitStep's statistics, from
     // its shard (which took them on its mirror), or else computed in the
@@ -111,15 +112,16 @@ class HostEngine final : public Engine {
           " layer statistics for ", pieces.size(), " pieces (",
           compress::kLambStats, " each)"));
     }
-    if (given && grad_scale != 1.0f) {  // a shard sends none when it clips
+    if (given && (grad_scale != 1.0f || !clip_pieces.empty())) {
+      // a shard sends none when it clips
       return absl::InvalidArgumentError(absl::StrCat(
           "the reply of partition ", p.id,
           " carries layer statistics for a step that clips the average"));
     }
     std::vector<double> segments;
-    absl::Status applied =
-        replica_.ApplyReply(step, p.range.begin, p.range.size(), reply, hyper,
-                            grad_scale, given ? nullptr : &segments);
+    absl::Status applied = replica_.ApplyReply(
+        step, p.range.begin, p.range.size(), reply, hyper, grad_scale,
+        given ? nullptr : &segments, clip_pieces);
     if (!applied.ok()) return applied;
     lamb_pieces_[p.id] = {
         step, given

@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 16  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 17  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -65,6 +65,8 @@ def _load():
         "morse_session_set_defer_apply": ([P, I], I),
         "morse_session_set_step_clipping": ([P, I], I),
         "morse_session_clip": ([P, ctypes.c_float, ctypes.POINTER(ctypes.c_double)], I),
+        "morse_session_clip_pieces": ([P, ctypes.POINTER(ctypes.c_uint64),
+                                       ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
         "morse_session_clips_locally": ([P, ctypes.POINTER(I)], I),
         "morse_session_average_norm": ([P, ctypes.c_double, ctypes.POINTER(ctypes.c_double)], I),
         "morse_session_average_gradient": ([P, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
@@ -260,6 +262,16 @@ class Session:
         value = ctypes.c_double()
         _check(_lib.morse_session_clip(self._handle, max_norm, ctypes.byref(value)))
         return value.value
+
+    def clip_pieces(self, pieces):
+        """Clips parts of the averaged gradient after clip() waited for every
+        reply: `pieces` is [(end, scale), ...] in element order, the last
+        ending at the model's size; each scales the elements since the
+        previous end."""
+        n = len(pieces)
+        ends = (ctypes.c_uint64 * n)(*[int(e) for e, _ in pieces])
+        scales = (ctypes.c_float * n)(*[float(s) for _, s in pieces])
+        _check(_lib.morse_session_clip_pieces(self._handle, ends, scales, n))
 
     def clips_locally(self):
         """Whether the step in flight clips this worker's own gradient (a

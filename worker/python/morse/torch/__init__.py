@@ -103,9 +103,11 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     is DeepSpeed's: each rank clips its own gradient, and the call returns
     that rank's own norm; from the first call on, those steps push at
     step(), once the clip is known, instead of during backward(). Call it on
-    every rank alike, over all of the optimizer's parameters; several calls
-    in a step compose as torch's (each returns the norm of the gradient the
-    earlier ones clipped). Under morse-run --node-aggregation every rank of
+    every rank alike, over all of the optimizer's parameters or some of
+    them (then each parameter is clipped by its own factors: design.md 2.6,
+    "Clipping part of the model"); several calls in a step compose as
+    torch's (each returns the norm of the gradient the earlier ones
+    clipped). Under morse-run --node-aggregation every rank of
     the node calls it: the node's gradient is gathered then, and each rank
     returns the norm DDP's would (sharded: combined from the slices')."""
     if isinstance(parameters, torch.Tensor):
@@ -581,6 +583,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # in the step in flight (the pushes' state then).
         self._clips = False
         self._clipped = False
+        # A clip of part of the model in the step in flight: a factor per
+        # parameter, and the gradient the norms are of (_part_clip).
+        self._part_factors = None
+        self._part_base = None
         self._pushed = None
         # The first step showed .grad edited between backward() and step():
         # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
@@ -1131,8 +1137,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _owned(self, parameters):
         """For clip_grad_norm_: None if none of `parameters` is this
-        optimizer's (or it leaves clipping to torch); else how many of its
-        trainable parameters they are. ValueError for a mix."""
+        optimizer's (or it leaves clipping to torch); else the indices of
+        its trainable parameters among them. ValueError for a mix."""
         trained = self._params if self._node is None else self._node_params
         mine = {id(p) for p in trained}
         ours = [p for p in parameters if id(p) in mine]
@@ -1145,11 +1151,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise ValueError("clip_grad_norm_ over a Morse optimizer's parameters and others at "
                              "once: clip them apart (Morse clips the averaged gradient of all of "
                              "its own)")
-        if len({id(p) for p in ours}) != len(trained):
-            raise ValueError(f"clip_grad_norm_ over {len(ours)} of the Morse optimizer's "
-                             f"{len(trained)} trainable parameters: Morse clips the averaged "
-                             "gradient of all of them at once; pass them all (model.parameters())")
-        return len(ours)
+        chosen = {id(p) for p in ours}
+        return [i for i, p in enumerate(trained) if id(p) in chosen]
 
     def _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite, owned):
         """clip_grad_norm_ on this optimizer's parameters (see the module's)."""
@@ -1158,9 +1161,82 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
                              "parameters: a positive max_norm (inf for the norm alone)")
+        trained = self._params if self._node is None else self._node_params
+        if len(owned) < len(trained) or self._part_factors is not None:
+            return self._part_clip(max_norm, order, error_if_nonfinite, owned)
         if self._node is not None:
-            return self._node_clip(max_norm, order, error_if_nonfinite, owned)
-        return self._worker_clip(max_norm, order, error_if_nonfinite, owned)
+            return self._node_clip(max_norm, order, error_if_nonfinite, len(owned))
+        return self._worker_clip(max_norm, order, error_if_nonfinite, len(owned))
+
+    def _part_clip(self, max_norm, order, error_if_nonfinite, owned):
+        """clip_grad_norm_ over some of the parameters (`owned`: their
+        indices), or any clip in a step that had one (design.md 2.6,
+        "Clipping part of the model"): as torch's on the gradient the step's
+        earlier calls clipped, with a factor per parameter. In a step that
+        averages, the norms are of the averaged gradient (decoded from the
+        replies every worker holds) and step() sends the factors as the
+        step's clip pieces; in a compressing step, of this rank's own
+        gradient, which step() scales in place before its pushes leave."""
+        if self._node is not None:
+            raise ValueError(f"clip_grad_norm_ over {len(owned)} of the Morse optimizer's "
+                             f"{len(self._node_params)} trainable parameters under morse-run "
+                             "--node-aggregation: a node clips the whole model's gradient; pass "
+                             "them all (model.parameters()), or run a worker per rank")
+        if self._cuda:
+            raise MorseError("UNIMPLEMENTED: clip_grad_norm_ over part of a Morse optimizer's "
+                             "parameters on CUDA tensors: pass them all (model.parameters())")
+        if self._part_factors is None:
+            # The factor of the step's earlier clips of the whole model, if
+            # any, from here on one per parameter.
+            clipped = self._clipped
+            if clipped and clipped[2] is None:  # this step runs unclipped (see below)
+                return self._norm_tensor(self._norm_by_parameter(self._flat_grad, order, owned),
+                                         order, error_if_nonfinite, len(owned))
+            self._push_for_clip()
+            try:
+                with self._device_context(), self._explained():
+                    own = self._session.clips_locally()
+                    self._session.clip(0.0)  # waits for every reply where the step averages
+            except MorseError as error:
+                if "began without the workers' clipping" not in str(error):
+                    raise
+                # Its pushes left unclipped during backward(): as _worker_clip.
+                self._surprised("clip_grad_norm_ was called for the first time, after the step's "
+                                "gradients had been pushed unclipped during backward(): the step "
+                                "ran unclipped, and the call returned this rank's own gradient's "
+                                "norm", holds=False)
+                norms = self._step_norms(None, True)
+                self._clipped = (norms, 1.0, None)
+                return self._norm_tensor(self._norm_by_parameter(self._flat_grad, order, owned),
+                                         order, error_if_nonfinite, len(owned))
+            if own:
+                base = self._flat_grad
+            else:
+                base = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
+                with self._explained():
+                    self._session.average_gradient(base)
+            factor = clipped[1] if clipped else 1.0
+            self._part_factors = [factor] * len(self._params)
+            self._part_base = (base, own, {})
+        base, own, by_order = self._part_base
+        if order not in by_order:
+            by_order[order] = [float(torch.linalg.vector_norm(base[lo:hi].double(), order))
+                               for lo, hi in self._ranges]
+        norms = by_order[order]
+        factors = self._part_factors
+        if order == 0:
+            seen_each = [n if factors[i] != 0.0 else 0.0 for i, n in enumerate(norms)]
+        else:
+            seen_each = [n * factors[i] for i, n in enumerate(norms)]
+        seen = float(torch.linalg.vector_norm(torch.tensor([seen_each[i] for i in owned],
+                                                           dtype=torch.float64), order)) \
+            if owned else 0.0
+        more = 1.0 if math.isinf(max_norm) else _clip_factor(seen, max_norm)
+        if more < 1.0:
+            for i in owned:
+                factors[i] *= more
+        return self._norm_tensor(seen, order, error_if_nonfinite, len(owned))
+
 
     def _node_clip(self, max_norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_ in a node (every rank of it calls it): the node's
@@ -1328,11 +1404,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return cache[order]
         return norm_of
 
-    def _norm_by_parameter(self, flat, order):
+    def _norm_by_parameter(self, flat, order, owned=None):
         """torch's clip_grad_norm_ of order `order` over the views of `flat`
-        at this optimizer's parameters: each parameter's norm, then the norm
-        of those (in double)."""
-        norms = [torch.linalg.vector_norm(flat[lo:hi].double(), order) for lo, hi in self._ranges]
+        at this optimizer's parameters (those of indices `owned`, or all):
+        each parameter's norm, then the norm of those (in double)."""
+        ranges = self._ranges if owned is None else [self._ranges[i] for i in owned]
+        norms = [torch.linalg.vector_norm(flat[lo:hi].double(), order) for lo, hi in ranges]
         if not norms:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack(norms), order))
@@ -1406,6 +1483,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
                          and self._step_moments() != self._sent_moments)
         self._pending = None
         self._clipped = False
+        if self._part_factors is not None:
+            # The step's clip of part of the model: the averaged gradient's
+            # pieces to every replica and mirror, or this rank's own
+            # gradient scaled where its pushes read it (a compressing step).
+            factors, (_, own, _) = self._part_factors, self._part_base
+            self._part_factors = self._part_base = None  # this step's alone, whatever happens
+            if own:
+                with torch.no_grad():
+                    for (lo, hi), factor in zip(self._ranges, factors):
+                        if factor != 1.0:
+                            self._flat_grad[lo:hi].mul_(float(torch.tensor(factor, dtype=torch.float32)))
+            else:
+                with self._explained():
+                    self._session.clip_pieces(_clip_pieces(self._ranges, factors,
+                                                           self._flat_grad.numel()))
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
@@ -2113,6 +2205,28 @@ def _shown_hyper(hyper):
     """(lr, weight_decay) pairs, one per segment, in words."""
     shown = ", ".join(f"({lr:.7g}, {wd:.7g})" for lr, wd in hyper)
     return shown if len(hyper) == 1 else f"[{shown}] (one per parameter group)"
+
+
+def _clip_pieces(ranges, factors, dim):
+    """A step's clip of part of the model as pieces of the flat buffer of
+    `dim` elements, [(end, scale), ...] (design.md 2.6): each parameter's
+    (`ranges`) factor rounded to float32, 1 between parameters, runs of
+    one scale merged."""
+    pieces, at = [], 0
+
+    def add(end, scale):
+        if pieces and pieces[-1][1] == scale:
+            pieces[-1] = (end, scale)
+        else:
+            pieces.append((end, scale))
+    for (lo, hi), factor in sorted(zip(ranges, factors)):
+        if lo > at:
+            add(lo, 1.0)
+        add(hi, float(torch.tensor(factor, dtype=torch.float32)))
+        at = hi
+    if dim > at:
+        add(dim, 1.0)
+    return pieces
 
 
 def _sample_layout(partitions, ranges, device, per_partition=64):
