@@ -78,10 +78,9 @@ struct ShardCore::PartitionState {
   bool workers_clip ABSL_GUARDED_BY(mu) = false;
   bool last_workers_clip ABSL_GUARDED_BY(mu) = false;
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
-  // A clip of part of the model (its commit's pieces, the whole list and
-  // the partition's share of it, compress::ClipPiecesOf), or empty.
+  // A clip of part of the model (its commit's pieces, the whole model's),
+  // or empty.
   compress::ClipPieces committed_pieces ABSL_GUARDED_BY(mu);
-  compress::ClipPieces mirror_pieces ABSL_GUARDED_BY(mu);
   std::vector<double> committed_values ABSL_GUARDED_BY(mu);
   // The optimizer's arrays that are not per element (onebit_lamb's layer
   // state), in State()'s order, after the partition's last applied commit

@@ -763,7 +763,6 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   p.committed_values.clear();
   p.mirror_scale = 1.0f;
   p.committed_pieces.clear();
-  p.mirror_pieces.clear();
   return std::shared_ptr<const Reply>(std::move(reply));
 }
 
@@ -787,8 +786,10 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   const Reply& r = *p.last_reply;
   trace::Scope traced("mirror", r.step, p.partition.id);
   if (!p.mirror_moments_applied)
-    ApplyOwnReply(r, p.partition, p.mirror_hyper, p.mirror_scale, nullptr,
-                  p.mirror_pieces);
+    ApplyOwnReply(
+        r, p.partition, p.mirror_hyper, p.mirror_scale, nullptr,
+        compress::ClipPiecesOf(p.committed_pieces, p.partition.range.begin,
+                               p.partition.range.end));
   p.mirror_moments_applied = false;
   if (!p.committed_values.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_
@@ -962,8 +963,6 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
         *commit.grad_sum_of_squares,
         commit.clip_max_norm.value_or(job_.algorithm.clip_grad_norm));
     p.committed_pieces = commit.clip_pieces;
-    p.mirror_pieces = compress::ClipPiecesOf(
-        commit.clip_pieces, p.partition.range.begin, p.partition.range.end);
   }
   p.committed_values = commit.values;
   p.awaiting_commit = false;

@@ -1198,15 +1198,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     own = self._session.clips_locally()
                     self._session.clip(0.0)  # waits for every reply where the step averages
             except MorseError as error:
-                if "began without the workers' clipping" not in str(error):
-                    raise
-                # Its pushes left unclipped during backward(): as _worker_clip.
-                self._surprised("clip_grad_norm_ was called for the first time, after the step's "
-                                "gradients had been pushed unclipped during backward(): the step "
-                                "ran unclipped, and the call returned this rank's own gradient's "
-                                "norm", holds=False)
-                norms = self._step_norms(None, True)
-                self._clipped = (norms, 1.0, None)
+                self._clipped = (self._unclipped_step(error), 1.0, None)
                 return self._norm_tensor(self._norm_by_parameter(self._flat_grad, order, owned),
                                          order, error_if_nonfinite, len(owned))
             if own:
@@ -1224,19 +1216,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                for lo, hi in self._ranges]
         norms = by_order[order]
         factors = self._part_factors
-        if order == 0:
-            seen_each = [n if factors[i] != 0.0 else 0.0 for i, n in enumerate(norms)]
-        else:
-            seen_each = [n * factors[i] for i, n in enumerate(norms)]
-        seen = float(torch.linalg.vector_norm(torch.tensor([seen_each[i] for i in owned],
-                                                           dtype=torch.float64), order)) \
+        # Each parameter's norm as the earlier calls left it (order 0 counts
+        # non-zeros, which a factor keeps unless it is 0).
+        seen_each = [(norms[i] if factors[i] != 0.0 else 0.0) if order == 0 else norms[i] * factors[i]
+                     for i in owned]
+        seen = float(torch.linalg.vector_norm(torch.tensor(seen_each, dtype=torch.float64), order)) \
             if owned else 0.0
         more = 1.0 if math.isinf(max_norm) else _clip_factor(seen, max_norm)
         if more < 1.0:
             for i in owned:
                 factors[i] *= more
         return self._norm_tensor(seen, order, error_if_nonfinite, len(owned))
-
 
     def _node_clip(self, max_norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_ in a node (every rank of it calls it): the node's
@@ -1352,15 +1342,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     if factor < 1.0:
                         self._session.clip(self._l2_max_norm(norms, order, factor, limit))
         except MorseError as error:
-            if "began without the workers' clipping" not in str(error):
-                raise
-            # Its pushes left unclipped during backward(): the step runs
-            # unclipped, and the call returns this rank's own norm.
-            self._surprised("clip_grad_norm_ was called for the first time, after the step's "
-                            "gradients had been pushed unclipped during backward(): the step ran "
-                            "unclipped, and the call returned this rank's own gradient's norm",
-                            holds=False)
-            norms = self._step_norms(None, True)
+            norms = self._unclipped_step(error)
             limit = None  # nothing clips this step
         norm = norms(order)
         # The clip so far: the step's norms, the factor it applies and the
@@ -1369,6 +1351,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
         factor = _clip_factor(norm, limit or 0.0)
         self._clipped = (norms, factor, limit)
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
+
+    def _unclipped_step(self, error):
+        """A step's first clip_grad_norm_ came after its pushes had left
+        unclipped during backward() (what `error` says; any other error is
+        raised): the step runs unclipped, and the call returns this rank's
+        own norm. Returns the norms of this rank's own gradient."""
+        if "began without the workers' clipping" not in str(error):
+            raise error
+        self._surprised("clip_grad_norm_ was called for the first time, after the step's "
+                        "gradients had been pushed unclipped during backward(): the step ran "
+                        "unclipped, and the call returned this rank's own gradient's norm",
+                        holds=False)
+        return self._step_norms(None, True)
 
     def _step_norms(self, sum_of_squares, own):
         """The norms of the step's gradient before any clip, by order: the
@@ -1493,7 +1488,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     for (lo, hi), factor in zip(self._ranges, factors):
                         if factor != 1.0:
-                            self._flat_grad[lo:hi].mul_(float(torch.tensor(factor, dtype=torch.float32)))
+                            self._flat_grad[lo:hi].mul_(_float32(factor))
             else:
                 with self._explained():
                     self._session.clip_pieces(_clip_pieces(self._ranges, factors,
@@ -2207,6 +2202,11 @@ def _shown_hyper(hyper):
     return shown if len(hyper) == 1 else f"[{shown}] (one per parameter group)"
 
 
+def _float32(value):
+    """`value` rounded to float32 (a clip factor as every replica applies it)."""
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
 def _clip_pieces(ranges, factors, dim):
     """A step's clip of part of the model as pieces of the flat buffer of
     `dim` elements, [(end, scale), ...] (design.md 2.6): each parameter's
@@ -2222,7 +2222,7 @@ def _clip_pieces(ranges, factors, dim):
     for (lo, hi), factor in sorted(zip(ranges, factors)):
         if lo > at:
             add(lo, 1.0)
-        add(hi, float(torch.tensor(factor, dtype=torch.float32)))
+        add(hi, _float32(factor))
         at = hi
     if dim > at:
         add(dim, 1.0)
