@@ -37,6 +37,22 @@ void CutShard(const LayoutSpec& spec, Range r, Fn fn) {
   }
 }
 
+// How many runs CutShard makes of shard range `r`, by arithmetic over the
+// cuts inside it (O(log cuts + cuts inside)).
+uint64_t RunsOfShard(const LayoutSpec& spec, Range r) {
+  auto runs_of = [&spec](uint64_t n) {
+    return n / spec.partition_elems + (n % spec.partition_elems != 0 ? 1 : 0);
+  };
+  uint64_t runs = 0;
+  uint64_t begin = r.begin;
+  for (auto cut = std::upper_bound(spec.cuts.begin(), spec.cuts.end(), r.begin);
+       cut != spec.cuts.end() && *cut < r.end; ++cut) {
+    runs += runs_of(*cut - begin);
+    begin = *cut;
+  }
+  return runs + runs_of(r.end - begin);
+}
+
 }  // namespace
 
 uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element) {
@@ -86,8 +102,10 @@ uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
 }
 
 absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
-  if (spec.dim == 0)
-    return absl::InvalidArgumentError("layout: dim must be positive");
+  if (spec.dim == 0 || spec.dim > kMaxDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layout: dim must be in [1, 2^50], got ", spec.dim));
+  }
   if (spec.shards == 0)
     return absl::InvalidArgumentError("layout: shards must be positive");
   if (spec.block_elems == 0 || spec.block_elems % 16 != 0) {
@@ -116,7 +134,8 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
   }
   Layout layout;
   layout.spec_ = spec;
-  layout.block_count_ = (spec.dim + spec.block_elems - 1) / spec.block_elems;
+  layout.block_count_ =
+      spec.dim / spec.block_elems + (spec.dim % spec.block_elems != 0 ? 1 : 0);
   if (spec.shards > layout.block_count_) {
     return absl::InvalidArgumentError(
         absl::StrCat("layout: ", spec.shards, " shards but only ",
@@ -126,10 +145,23 @@ absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {
   uint64_t block = 0;
   for (uint32_t s = 0; s < spec.shards; ++s) {
     const uint64_t blocks = BlocksOfShard(layout.block_count_, spec.shards, s);
-    Range range{block * spec.block_elems,
-                std::min(spec.dim, (block + blocks) * spec.block_elems)};
+    layout.shards_.push_back(
+        Range{block * spec.block_elems,
+              std::min(spec.dim, (block + blocks) * spec.block_elems)});
     block += blocks;
-    layout.shards_.push_back(range);
+  }
+  uint64_t partitions = 0;
+  for (const Range& range : layout.shards_)
+    partitions += RunsOfShard(spec, range);
+  if (partitions > kMaxPartitions) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "layout: ", spec.dim, " elements in partitions of ",
+        spec.partition_elems, " make ", partitions, " partitions, more than ",
+        kMaxPartitions, "; raise partition_elems"));
+  }
+  layout.partitions_.reserve(partitions);
+  for (uint32_t s = 0; s < spec.shards; ++s) {
+    const Range range = layout.shards_[s];
     layout.first_partition_.push_back(
         static_cast<uint32_t>(layout.partitions_.size()));
     CutShard(spec, range, [&](const Range& run, uint32_t segment) {

@@ -79,14 +79,23 @@ inline Range SegmentRange(const LayoutSpec& spec, uint32_t segment) {
 inline constexpr uint32_t kDefaultPartitionsPerShard = 8;
 inline constexpr uint32_t kMinDefaultPartitionElems = 1u << 16;
 inline constexpr uint32_t kMaxDefaultPartitionElems = 1u << 20;
+
+// The most partitions a layout may cut: each is a push and a reply every
+// step, so a job near this is already far too finely cut, and the bound
+// keeps a config's layout from asking for gigabytes of partition records.
+inline constexpr uint64_t kMaxPartitions = uint64_t{1} << 20;
+// The largest model a layout takes (2^50 elements, 4 PiB of fp32): far
+// beyond any job, and small enough that no element index overflows.
+inline constexpr uint64_t kMaxDim = uint64_t{1} << 50;
 uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
                                uint32_t block_elems);
 
 class Layout {
  public:
-  // INVALID_ARGUMENT for D = 0, S = 0, more shards than blocks, block and
-  // partition sizes that break the rules above, or cuts out of order, off
-  // a block or outside (0, D).
+  // INVALID_ARGUMENT for D = 0 or above kMaxDim, S = 0, more shards than
+  // blocks, block and partition sizes that break the rules above, cuts out of
+  // order, off a block or outside (0, D), or more than kMaxPartitions
+  // partitions.
   static absl::StatusOr<Layout> Create(const LayoutSpec& spec);
 
   const LayoutSpec& spec() const { return spec_; }

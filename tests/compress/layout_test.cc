@@ -77,9 +77,11 @@ TEST(LayoutTest, FingerprintIsAFunctionOfTheSpec) {
 }
 
 TEST(LayoutTest, BadSpecsAreRejected) {
-  for (LayoutSpec bad : {LayoutSpec{0, 1, 16, 16}, LayoutSpec{100, 0, 16, 16},
-                         LayoutSpec{100, 1, 24, 48}, LayoutSpec{100, 1, 16, 24},
-                         LayoutSpec{100, 8, 16, 16} /* 7 blocks, 8 shards */}) {
+  for (LayoutSpec bad :
+       {LayoutSpec{0, 1, 16, 16}, LayoutSpec{kMaxDim + 1, 1, 1 << 16, 1 << 30},
+        LayoutSpec{UINT64_MAX, 1, 16, 16}, LayoutSpec{100, 0, 16, 16},
+        LayoutSpec{100, 1, 24, 48}, LayoutSpec{100, 1, 16, 24},
+        LayoutSpec{100, 8, 16, 16} /* 7 blocks, 8 shards */}) {
     EXPECT_EQ(Layout::Create(bad).status().code(),
               absl::StatusCode::kInvalidArgument);
   }
@@ -124,6 +126,26 @@ TEST(LayoutTest, CutsOutOfOrderOffABlockOrOutsideTheModelAreRejected) {
         Layout::Create(LayoutSpec{1000, 2, 16, 128, cuts});
     EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_NE(layout.status().message().find("cut"), std::string::npos);
+  }
+}
+
+// A layout of more than kMaxPartitions partitions is refused before any is
+// built (a config could otherwise ask for gigabytes of records); one just
+// at the bound, with cuts adding partitions, is built.
+TEST(LayoutTest, MorePartitionsThanTheBoundAreRefused) {
+  const uint64_t at_bound = kMaxPartitions * 16;
+  auto built = Layout::Create(LayoutSpec{at_bound, 3, 16, 16});
+  ASSERT_TRUE(built.ok()) << built.status();
+  EXPECT_EQ(built->partitions().size(), kMaxPartitions);
+  for (LayoutSpec over :
+       {LayoutSpec{at_bound + 1, 3, 16, 16},
+        LayoutSpec{at_bound * 2, 1, 16, 32, {48}} /* the cut adds one */,
+        LayoutSpec{kMaxDim, 1, 16, 16}}) {
+    const absl::StatusOr<Layout> layout = Layout::Create(over);
+    EXPECT_EQ(layout.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(layout.status().message().find("raise partition_elems"),
+              std::string::npos)
+        << layout.status();
   }
 }
 

@@ -187,6 +187,14 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 2 "
        "freeze_step: 1 min_workers: 1 timeouts { straggler_seconds: -0.5 }",
        "timeouts.straggler_seconds"},
+      // A model cut finer than compress::kMaxPartitions (the fuzzer's
+      // find: 2 GiB of partition records), or larger than kMaxDim.
+      {"workers: 1 shards: 1 synthetic { dim: 4000000000 } lr { lr: 1 } "
+       "steps: 1 block_elems: 16 partition_elems: 16",
+       "partition_elems"},
+      {"workers: 1 shards: 1 external { dim: 18446744073709551615 } "
+       "lr { lr: 1 } steps: 1",
+       "dim"},
       {"workers: 1 bogus: 3", "bogus"},
   };
   for (const auto& c : cases) {
