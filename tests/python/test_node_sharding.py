@@ -37,9 +37,16 @@
    the job's averaged gradient; in OneBitAdam's compression phase the
    node's own) combined from the slices', and clips every slice by its
    factor: fp32 Adam within 1e-6 of the leader's run, by clip_grad_norm_
-   and by clip_grad_norm=."""
+   and by clip_grad_norm=.
+8. clip_grad_norm_ over the first layer, then over the whole model, every
+   step (`part`): each call returns DDP's norm on every rank, the leader's
+   node and the sharded node end every step within 1e-6 of DDP + AdamW
+   (which without the clips is further off), and each slice's shards hold
+   its owner's parameters after every step (the step's clip pieces reach
+   their mirrors)."""
 import glob
 import json
+import math
 import os
 import re
 import signal
@@ -83,15 +90,22 @@ def worker(out, mode):
                                clip_grad_norm=CLIP)
     else:
         opt = build(name, model.parameters(), 0.01)
-    if variant in ("leader", "clipleader", "clipjobleader"):  # the leader holding the node's state
+    if variant in ("leader", "clipleader", "clipjobleader", "partleader"):  # the leader holding the node's state
         params, norms = [], []
         for step in range(STEPS):
             x, y = batch(step, rank)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
+            numpy.save(f"{out}/own-{rank}-{step}.npy",
+                       torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
             if variant == "clipleader":
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            if variant == "partleader":
+                norms.append(part_clips(model))
             opt.step()
+            if variant == "partleader" and local == 0:
+                check(opt._holds_shards_model(), f"rank {rank} step {step}: the shards' mirrors "
+                      "differ from the leader's parameters")
             params.append(flat(model).numpy().tobytes().hex())
         json.dump(params, open(f"{out}/params-{rank}-{variant}.json", "w"))
         json.dump(norms, open(f"{out}/norms-{rank}-{variant}.json", "w"))
@@ -131,11 +145,16 @@ def worker(out, mode):
                    torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy())
         if variant == "clipfull":  # every rank, as a DDP script does
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if variant == "partfull":
+            norms.append(part_clips(model))
         opt.step()
+        if variant == "partfull":
+            check(opt._holds_shards_model(), f"rank {rank} step {step}: slice {local}'s shards' "
+                  "mirrors differ from its owner's parameters")
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
         f = flat(model)
-        params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob") else
+        params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and node == 0:
             numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
@@ -289,6 +308,92 @@ def restart(how):
           f"and end every step on the undisturbed run's bits")
 
 
+def part_clips(model):
+    """`part`'s clips, as a DDP script might make them: the first layer
+    by CLIP, then the whole model by 3 CLIP; their norms."""
+    return [float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), CLIP)),
+            float(torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP))]
+
+
+def clip_part():
+    """clip_grad_norm_ over the first layer, then the whole model, every
+    step, on the leader's node and on the sharded node. fp32 Adam: DDP's
+    norms on every rank, the parameters DDP + AdamW's (fed the nodes'
+    averages, clipped by torch) within 1e-6. OneBitAdam: DDP's norms in
+    its warmup, the node's own gradient's in its compression phase (1-bit
+    Adam's rule, as for whole clips). Both: the shards' mirrors the
+    workers' after every step (checked by the ranks)."""
+    for name in ("Adam", "OneBitAdam"):
+        outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{name}-{v}-")
+                for v in ("partleader", "partfull")}
+        check(all(code == 0 for code, _ in run_nodes(outs["partleader"], f"{name}:partleader",
+                                                     how="leader")), f"{name}: leader failed")
+        check(all(code == 0 for code, _ in run_nodes(outs["partfull"], f"{name}:partfull")),
+              f"{name}: sharded failed")
+        worst, apart, acted = check_part_clips(name, outs)
+        phase = "" if name == "Adam" else " (in the compression phase the node's own gradient's)"
+        against = (f"the parameters {worst:.2g} from DDP + AdamW's after every step ({apart:.2g} "
+                   "without the clips); " if name == "Adam" else "")
+        print(f"PASS: {name}, clip_grad_norm_ over the first layer, then the whole model, on the "
+              f"leader's and the sharded node: DDP's norms on every rank{phase}, the first "
+              f"layer's clip acting in every step, the whole's in {acted} of {STEPS}; {against}"
+              "the shards' mirrors the workers' after every step")
+
+
+def check_part_clips(name, outs):
+    """clip_part's norms, and for Adam its parameters against DDP + AdamW's
+    with and without the clips: (worst, apart, steps the whole's clip acted)."""
+    model = model_of()
+    sizes = [p.numel() for p in model.parameters()]
+    first = sizes[0] + sizes[1]  # the first layer's elements
+    reference, unclipped = model_of(), model_of()
+    ref_opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.0)
+                for m in (reference, unclipped)]
+    worst, apart, acted = 0.0, 0.0, 0
+    for step in range(STEPS):
+        # Each run's ranks computed their gradients from its own parameters.
+        for variant, out in outs.items():
+            own = [numpy.load(f"{out}/own-{r}-{step}.npy") for r in range(4)]
+            nodes_avg = [node_average(own[:2]), node_average(own[2:])]
+            average = (nodes_avg[0] + nodes_avg[1]) / numpy.float32(2)
+            for r in range(4):
+                # OneBitAdam's compression phase (freeze_step 3) clips the
+                # node's own gradient.
+                g = (average if name == "Adam" or step < 3 else nodes_avg[r // 2]).astype(numpy.float64)
+                part = numpy.linalg.norm(g[:first])
+                factor = min(1.0, CLIP / (part + 1e-6))
+                whole = math.sqrt((part * factor) ** 2 + numpy.linalg.norm(g[first:]) ** 2)
+                got = json.load(open(f"{out}/norms-{r}-{variant}.json"))[step]
+                for call, (have, want) in enumerate(zip(got, (part, whole))):
+                    check(abs(have - want) <= 1e-5 * want, f"{name} {variant} rank {r} step {step} "
+                          f"call {call}: clip_grad_norm_ gave {have}, DDP's is {want}")
+                check(part > CLIP, f"{name} step {step}: the first layer's clip did not act")
+                acted += variant == "partleader" and r == 0 and whole > 3 * CLIP
+            if variant == "partleader" and name == "Adam":
+                for m, o, clips in ((reference, ref_opts[0], True), (unclipped, ref_opts[1], False)):
+                    at = 0
+                    for p in m.parameters():
+                        p.grad = torch.from_numpy(average[at:at + p.numel()].copy()).view_as(p)
+                        at += p.numel()
+                    if clips:
+                        torch.nn.utils.clip_grad_norm_(list(m[0].parameters()), CLIP)
+                        torch.nn.utils.clip_grad_norm_(m.parameters(), 3 * CLIP)
+                    o.step()
+        if name != "Adam":
+            continue
+        want, off = flat(reference).numpy(), flat(unclipped).numpy()
+        for variant, out in outs.items():
+            for r in range(4):
+                got = numpy.frombuffer(bytes.fromhex(
+                    json.load(open(f"{out}/params-{r}-{variant}.json"))[step]), numpy.float32)
+                worst = max(worst, float(numpy.abs(got - want).max()))
+        apart = max(apart, float(numpy.abs(off - want).max()))
+    if name == "Adam":
+        check(worst <= 1e-6, f"the nodes' parameters are {worst} from DDP + AdamW's")
+        check(apart > 100 * max(worst, 1e-8), f"the clips hardly matter here ({apart}): a weak test")
+    return worst, apart, acted
+
+
 def clip_as_the_leader():
     """clip_grad_norm_ after backward() on every rank, fp32 Adam: the
     sharded node returns DDP's norm (of the job's averaged gradient,
@@ -422,7 +527,7 @@ if __name__ == "__main__":
         worker(*sys.argv[-2:])
         sys.exit(0)
     modes = sys.argv[1:] or ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "cuda", "leader",
-                             "clip", "three",
+                             "clip", "part", "three",
                              "resume", "restart_sharded", "restart_leader", "wrong"]
     for mode in modes:
         if mode == "clamp":
@@ -439,6 +544,8 @@ if __name__ == "__main__":
             adam_as_the_leader()
         elif mode == "clip":
             clip_as_the_leader()
+        elif mode == "part":
+            clip_part()
         elif mode.startswith("restart_"):
             restart(mode[len("restart_"):])
         elif mode == "three":

@@ -1161,11 +1161,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
                              "parameters: a positive max_norm (inf for the norm alone)")
-        trained = self._params if self._node is None else self._node_params
-        if len(owned) < len(trained) or self._part_factors is not None:
-            return self._part_clip(max_norm, order, error_if_nonfinite, owned)
         if self._node is not None:
-            return self._node_clip(max_norm, order, error_if_nonfinite, len(owned))
+            return self._node_clip(max_norm, order, error_if_nonfinite, owned)
+        if len(owned) < len(self._params) or self._part_factors is not None:
+            return self._part_clip(max_norm, order, error_if_nonfinite, owned)
         return self._worker_clip(max_norm, order, error_if_nonfinite, len(owned))
 
     def _part_clip(self, max_norm, order, error_if_nonfinite, owned):
@@ -1177,21 +1176,28 @@ class _MorseOptimizer(torch.optim.Optimizer):
         replies every worker holds) and step() sends the factors as the
         step's clip pieces; in a compressing step, of this rank's own
         gradient, which step() scales in place before its pushes leave."""
-        if self._node is not None:
-            raise ValueError(f"clip_grad_norm_ over {len(owned)} of the Morse optimizer's "
-                             f"{len(self._node_params)} trainable parameters under morse-run "
-                             "--node-aggregation: a node clips the whole model's gradient; pass "
-                             "them all (model.parameters()), or run a worker per rank")
+        seen_each = self._part_norms(order, owned)
+        if seen_each is None:  # this step runs unclipped (_unclipped_step)
+            return self._norm_tensor(self._norm_by_parameter(self._flat_grad, order, owned),
+                                     order, error_if_nonfinite, len(owned))
+        seen = _norm_of_norms(seen_each, order)
+        self._part_scale(owned, seen, max_norm)
+        return self._norm_tensor(seen, order, error_if_nonfinite, len(owned))
+
+    def _part_norms(self, order, owned):
+        """The norms of order `order` of the parameters of indices `owned`
+        (among self._params) as the step's earlier clips left them, in
+        order; None where the step runs unclipped (its pushes left before
+        its first clip). The step's first such call takes the base gradient
+        and turns the factor of its earlier clips of the whole model, if
+        any, into one per parameter."""
         if self._cuda:
             raise MorseError("UNIMPLEMENTED: clip_grad_norm_ over part of a Morse optimizer's "
                              "parameters on CUDA tensors: pass them all (model.parameters())")
         if self._part_factors is None:
-            # The factor of the step's earlier clips of the whole model, if
-            # any, from here on one per parameter.
             clipped = self._clipped
-            if clipped and clipped[2] is None:  # this step runs unclipped (see below)
-                return self._norm_tensor(self._norm_by_parameter(self._flat_grad, order, owned),
-                                         order, error_if_nonfinite, len(owned))
+            if clipped and clipped[2] is None:
+                return None
             self._push_for_clip()
             try:
                 with self._device_context(), self._explained():
@@ -1199,8 +1205,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._session.clip(0.0)  # waits for every reply where the step averages
             except MorseError as error:
                 self._clipped = (self._unclipped_step(error), 1.0, None)
-                return self._norm_tensor(self._norm_by_parameter(self._flat_grad, order, owned),
-                                         order, error_if_nonfinite, len(owned))
+                return None
             if own:
                 base = self._flat_grad
             else:
@@ -1218,15 +1223,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         factors = self._part_factors
         # Each parameter's norm as the earlier calls left it (order 0 counts
         # non-zeros, which a factor keeps unless it is 0).
-        seen_each = [(norms[i] if factors[i] != 0.0 else 0.0) if order == 0 else norms[i] * factors[i]
-                     for i in owned]
-        seen = float(torch.linalg.vector_norm(torch.tensor(seen_each, dtype=torch.float64), order)) \
-            if owned else 0.0
+        return [(norms[i] if factors[i] != 0.0 else 0.0) if order == 0 else norms[i] * factors[i]
+                for i in owned]
+
+    def _part_scale(self, owned, seen, max_norm):
+        """A clip of part of the model whose parameters (indices `owned`)
+        have the norm `seen`: their factors times its clip factor."""
         more = 1.0 if math.isinf(max_norm) else _clip_factor(seen, max_norm)
         if more < 1.0:
             for i in owned:
-                factors[i] *= more
-        return self._norm_tensor(seen, order, error_if_nonfinite, len(owned))
+                self._part_factors[i] *= more
 
     def _node_clip(self, max_norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_ in a node (every rank of it calls it): the node's
@@ -1240,10 +1246,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._gathered is None:
             self._node_gather(at_clip=True)
         failure, error, norm = self._gathered[1], None, None
+        # A clip of part of the model, or any clip in a step that had one
+        # (every rank of the node calls it: the leader, or every owner,
+        # decides alike).
+        part = len(owned) < len(self._node_params) or self._part_factors is not None
+        if self._slices is not None and part:
+            first, end = self._slices[node.local_rank]
+            local = [i - first for i in owned if first <= i < end]
         if failure is None and self._session is not None:
             try:
-                if self._slices is None:
-                    norm = float(self._worker_clip(max_norm, order, False, owned))
+                if self._slices is None and part:
+                    norm = float(self._part_clip(max_norm, order, False, owned))
+                elif self._slices is None:
+                    norm = float(self._worker_clip(max_norm, order, False, len(owned)))
+                elif part:
+                    norm = self._part_norms(order, local)  # this slice's parameters' norms
                 else:
                     norm = self._slice_norms(order)
             except Exception as e:  # the node hears it before this rank raises it
@@ -1254,7 +1271,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             outcomes = node.objects((failure, norm))
             failed = [(k, f) for k, (f, _) in enumerate(outcomes) if f is not None]
-            if not failed:
+            if not failed and part:
+                # The slices hold the parameters in order: their norms
+                # together are the model's, as one worker lists them.
+                norm = _norm_of_norms([n for _, each in outcomes for n in each], order)
+                self._part_scale(local, norm, max_norm)
+            elif not failed:
                 norm = self._combine_slice_norms([n for _, n in outcomes], order, max_norm)
         if failed:
             if error is not None:
@@ -1276,7 +1298,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         with self._device_context(), self._explained():
             own = self._session.clips_locally()
             norms = self._step_norms(None if own else self._session.clip(0.0), own)
-        self._clipped = (norms, 1.0, None)
+        self._clipped = (norms, 1.0, 0.0)  # the limit is set in _combine_slice_norms
         return norms(order), norms(2.0)
 
     def _push_for_clip(self):
@@ -1308,7 +1330,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             limit = factor * more * (l2 + 1e-6) if math.isfinite(seen) else max_norm
             with self._device_context(), self._explained():
                 self._session.clip(limit)
-        self._clipped = (clipped_norms, factor * more, None)
+        self._clipped = (clipped_norms, factor * more, 0.0)
         return seen
 
     def _worker_clip(self, max_norm, order, error_if_nonfinite, owned):
@@ -1894,7 +1916,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         node = self._node
         if self.clip_grad_norm is not None and not self._clipped:
             # clip_grad_norm=: the model's norm, as clip_grad_norm_ takes it.
-            self._node_clip(float(self.clip_grad_norm), 2.0, False, len(self._node_params))
+            self._node_clip(float(self.clip_grad_norm), 2.0, False,
+                            list(range(len(self._node_params))))
         if self._gathered is None:
             self._node_gather()
         missing, failure, sent = self._gathered
@@ -2249,6 +2272,14 @@ def _sample_layout(partitions, ranges, device, per_partition=64):
 def _same_bits(a, b):
     """Whether two float32 tensors hold the same bits (-0.0 is not +0.0)."""
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _norm_of_norms(norms, order):
+    """torch's clip_grad_norm_ of order `order` from its parameters' norms
+    (in double); 0 for none."""
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), order))
 
 
 def _clip_factor(norm, max_norm):
