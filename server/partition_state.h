@@ -77,6 +77,11 @@ struct ShardCore::PartitionState {
   // word; the others must agree), and those of the last completed step.
   bool workers_clip ABSL_GUARDED_BY(mu) = false;
   bool last_workers_clip ABSL_GUARDED_BY(mu) = false;
+  // The last completed step came from a checkpoint (or RestorePartition),
+  // its commit applied before it was written: how it clipped is not known
+  // here, and a commit of it that the next pushes carry is taken as
+  // applied, unchecked, as for older steps.
+  bool last_step_restored ABSL_GUARDED_BY(mu) = false;
   float mirror_scale ABSL_GUARDED_BY(mu) = 1.0f;
   // A clip of part of the model (its commit's pieces, the whole model's),
   // or empty.

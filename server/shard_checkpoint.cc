@@ -221,6 +221,7 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->committed_norm.reset();
     p->committed_max_norm.reset();
     p->last_workers_clip = false;
+    p->last_step_restored = true;
     p->committed_values.clear();
     p->whole_state = whole;
     p->last_reply = last[i];

@@ -760,6 +760,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   p.committed_norm.reset();
   p.committed_max_norm.reset();
   p.last_workers_clip = workers_clip;
+  p.last_step_restored = false;
   p.committed_values.clear();
   p.mirror_scale = 1.0f;
   p.committed_pieces.clear();
@@ -872,7 +873,9 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
         "rank ", rank, " sent ", what, " of step ", step, " but partition ",
         p.partition.id, " has completed ", p.next_step, " steps"));
   }
-  if (step < p.next_step - 1) return absl::OkStatus();  // applied long ago
+  if (step < p.next_step - 1 || p.last_step_restored) {
+    return absl::OkStatus();  // applied long ago, or before a checkpoint
+  }
   // What the step waits for: the optimizer's commit (every step of one that
   // commits) and, when it clipped the averaged gradient, its norm; both in
   // one commit when it needs both (design.md 2.6).
@@ -1322,6 +1325,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   p.committed_norm.reset();
   p.committed_max_norm.reset();
   p.last_workers_clip = false;
+  p.last_step_restored = true;
   p.committed_values.clear();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);

@@ -6,6 +6,15 @@ job), so the workers Join it again, replay their retained pushes of the steps
 it lost, check that it recomputes the replies they applied, and go on. After
 every step every rank holds the same bits as the undisturbed simulator.
 
+The same with the script's clip_grad_norm_ of the whole model every step
+(`whole`), and over the first layer, then the whole model (`part`), fp32
+Adam, so that every step averages and commits its clip (its norm, or its
+pieces): the killed shard's restart from step 8 replays steps 8 and 9 with
+their clips (carried by the next steps' pushes; the commit of step 7,
+which the checkpoint holds applied, is taken as applied), and every rank
+ends every step on the bits of the same job undisturbed, the shards'
+mirrors holding the workers' parameters after every step.
+
 The config is written on one line, as protobuf's text format allows, with
 a comment: morse-run must read its checkpoint.dir (the shards' checkpoints,
 their last written as they stop, land there) and not the comment's field.
@@ -47,6 +56,74 @@ def worker(out):
             print(f"killed shard 1 (pid {pid}) after step {step}", flush=True)
 
     train_recorded(opt, model, out, STEPS, features=12, classes=5, on_step=kill_shard)
+
+
+def worker_clips(out, what, kill):
+    """`part`: Adam with clips of the first layer and of the whole every
+    step (`what` "part"), or of the whole alone ("whole"); shard 1 killed
+    after step KILL_AFTER when `kill`. Writes each step's parameters, as
+    hex, to params-<rank>.json."""
+    import json
+    import morse.torch
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    rank = int(os.environ["MORSE_RANK"])
+    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=64)
+    params = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if what == "part":
+            norm = float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), 0.05))
+            check(norm > 0.05, f"step {step}: the first layer's clip did not act ({norm})")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        opt.step()
+        # (Not in the step of the kill: rank 1 may ask while shard 1 is
+        # back at step 8, which the shards' model is not a step's.)
+        check(step == KILL_AFTER or opt._holds_shards_model(), f"rank {rank} step {step}: the "
+              "shards' mirrors differ from this rank's parameters")
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+                      .tobytes().hex())
+        if kill and rank == 0 and step == KILL_AFTER:
+            pid = shard_pid(os.environ["MORSE_CONFIG"], 1)
+            check(pid is not None, "shard 1's process not found")
+            os.kill(pid, signal.SIGKILL)
+            print(f"killed shard 1 (pid {pid}) after step {step}", flush=True)
+    json.dump(params, open(f"{out}/params-{rank}.json", "w"))
+
+
+def clips(one_line, what):
+    """`part` (the module's docstring), or `whole` (a clip of the whole
+    model alone): the restarted run's bits are the undisturbed run's.
+    `one_line`: the config, its checkpoint.dir "D"."""
+    import json
+    runs = {}
+    for kill in (True, False):
+        out = tempfile.mkdtemp(prefix=f"morse-restart-{what}-{'kill' if kill else 'whole'}-")
+        config = os.path.join(out, "base.textproto")
+        os.makedirs(f"{out}/checkpoints")
+        with open(config, "w") as f:  # each run its own checkpoints
+            f.write(one_line.replace('"D"', f'"{out}/checkpoints"') + "\n")
+        code, log = morse_run(__file__, 2, 2, out, f"{what}-kill" if kill else what, config=config)
+        if code != 0:
+            print(log[-4000:])
+        check(code == 0, f"the {what} clip job {'with' if kill else 'without'} the kill failed")
+        if kill:
+            check("killed shard 1" in log and "restarted from its checkpoint at step 8" in log,
+                  "shard 1 was not killed and replayed from step 8")
+        runs[kill] = [json.load(open(f"{out}/params-{r}.json")) for r in range(2)]
+        subprocess.run(["rm", "-rf", out])
+    check(runs[True][0] == runs[True][1], "the ranks differ")
+    for step in range(STEPS):
+        check(runs[True][0][step] == runs[False][0][step],
+              f"step {step}: the restarted run's parameters differ from the undisturbed run's")
+    clipped = ("over the first layer and the whole every step" if what == "part" else
+               "over the whole every step")
+    print(f"PASS: {what}: clip_grad_norm_ {clipped}, shard 1 killed after step {KILL_AFTER} and "
+          f"replayed from step 8 with the steps' clips: {STEPS} steps on the undisturbed run's "
+          "bits, the mirrors the workers' after every step")
 
 
 def launcher_tidies():
@@ -119,6 +196,9 @@ if __name__ == "__main__":
                 model(torch.ones(3, 16)).sum().backward()
                 opt.step()
                 opt.zero_grad()
+        elif sys.argv[-1].startswith(("part", "whole")):
+            what, _, kill = sys.argv[-1].partition("-")
+            worker_clips(sys.argv[-2], what, kill == "kill")
         else:
             worker(sys.argv[-1])
         sys.exit(0)
@@ -148,5 +228,7 @@ if __name__ == "__main__":
           "bit-identical to each other and to the simulator; the one-line config's checkpoint.dir "
           "holds the shards' checkpoints")
     subprocess.run(["rm", "-rf", checkpoints])
+    clips(one_line, "whole")
+    clips(one_line, "part")
     slow_to_stop()
     launcher_tidies()

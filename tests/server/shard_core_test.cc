@@ -1679,6 +1679,26 @@ TEST_F(ShardCoreTest, AClipOfPartOfTheModelComesAsPieces) {
   EXPECT_EQ(commit({{dim, 1.0f}}, 0.0f).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+
+  // Restarted from a checkpoint written after step 0, the shard holds the
+  // clipped mirror, and step 1's pushes carry step 0's clip again
+  // (previous_*): it takes them as applied (it refused them, knowing no
+  // workers_clip of a step it restored, and the job stopped).
+  const std::string path = ::testing::TempDir() + "/clipped_in_pieces.ckpt";
+  ASSERT_TRUE(core_->SaveCheckpoint(path).ok());
+  auto restored = *ShardCore::Create(job_, 1);
+  ASSERT_TRUE(restored->RestoreCheckpoint(path).ok());
+  std::swap(core_, restored);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs args = Args(1, r, parts[0]);
+    args.workers_clip = true;
+    args.previous_grad_sum_of_squares = total;
+    args.previous_clip_max_norm = 0.0f;
+    args.previous_clip_pieces = pieces;
+    const absl::Status pushed = Push(std::move(args));
+    EXPECT_TRUE(r < 2 ? pushed.message() == "pending" : pushed.ok()) << pushed;
+  }
 }
 
 TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
