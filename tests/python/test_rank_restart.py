@@ -14,6 +14,10 @@ whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... The runs:
   every step) is killed in a local step and resumes from a checkpoint
   taken in the middle of a local interval (every 5 steps);
 - a DiLoCo rank is killed in the middle of an interval;
+- an Adam job whose script clips the first layer, then the whole model,
+  after every backward() (`clip`: the steps' clip pieces) has rank 1
+  killed in step 14 after its clips, and ends every step on the bits of
+  the same job undisturbed;
 - a OneBitAdam job whose script changes the weights after every step from
   step 2 on (scaled by 0.98, by 0.5 after step 10, and clamped) has rank 1
   killed in step 14 after
@@ -66,6 +70,8 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
                    "weight_decay": 0.0}]
         opt = morse.torch.ZeroOneAdam(groups, lr=0.01, weight_decay=0.01, **ZERO_ONE,
                                       block_elems=16, partition_elems=64)
+    elif mode == "clip":
+        opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=64)
     else:
         opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=5, block_elems=16,
                                      partition_elems=64)
@@ -99,6 +105,9 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
         np.save(f"{out}/grad-{rank}-{step}-{life}.npy", flat.numpy())
         if rank == 0 and mode == "zero_one":
             json.dump(opt._group_hyper(), open(f"{out}/hyper-{step}-{life}.json", "w"))
+        if mode == "clip":  # a part of the model, then the whole (clip pieces every step)
+            torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), 0.05)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
         if dies:
             # Once the other rank has finished this step, every push of this
             # one has reached the shards (they may still be on their way when
@@ -160,14 +169,15 @@ def diloco_worker(out, kill_rank, kill_in):
             os.rename(name + ".tmp", name)
 
 
-def diloco_outer_checksums(out, ranks):
-    """Each rank's outer checksum after every sync, its lives agreeing."""
+def checksums_of(out, ranks, steps=range(STEPS)):
+    """Each rank's checksum after every step of `steps` (DiLoCo's: the
+    outer one after each sync), its lives agreeing."""
     result = []
     for r in range(ranks):
         sums = []
-        for sync in range(1, STEPS + 1):
-            values = {open(p).read() for p in glob.glob(f"{out}/checksum-{r}-{sync}-*")}
-            check(len(values) == 1, f"rank {r} sync {sync}: {values or 'no checksum'}")
+        for step in steps:
+            values = {open(p).read() for p in glob.glob(f"{out}/checksum-{r}-{step}-*")}
+            check(len(values) == 1, f"rank {r} step {step}: {values or 'no checksum'}")
             sums.append(values.pop())
         result.append(sums)
     return result
@@ -192,13 +202,41 @@ def run_diloco():
             check("[rank 1] life 1 starts at inner step 16" in log,
                   "the restarted DiLoCo rank did not start at its checkpoint of sync 8")
             check("replaying steps 8..8" in log, "the restarted rank did not replay sync 8")
-        outs.append(diloco_outer_checksums(out, 2))
+        outs.append(checksums_of(out, 2, range(1, STEPS + 1)))
         shutil.rmtree(out)
     check(outs[0][0] == outs[0][1], "the DiLoCo ranks differ")
     check(outs[0] == outs[1], f"the restarted DiLoCo run differs from the undisturbed one: "
                               f"{outs[0][0]} vs {outs[1][0]}")
     print(f"PASS: DiLoCo rank 1 killed in inner step 19 and restarted from sync 8; {STEPS} syncs "
           "bit-identical to the undisturbed run on both ranks")
+
+
+def run_clip():
+    """`clip` (the module's docstring): Adam, the script clipping the first
+    layer, then the whole model, every step; rank 1 killed in step 14 after
+    its clips, restarted from step 12: every step's checksum on both ranks,
+    in either life, the undisturbed run's."""
+    runs = []
+    for kill in (True, False):
+        out = tempfile.mkdtemp(prefix="morse-rank-restart-clip-")
+        config = os.path.join(out, "base.textproto")
+        with open(config, "w") as f:
+            f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+        code, log = morse_run(__file__, 2, 2, out, "clip", "-1", "1" if kill else "-1", "14", "1",
+                              config=config, extra=["--rank-restarts", "1"])
+        if code != 0:
+            print(log)
+        check(code == 0, "the clipped job failed")
+        if kill:
+            check("[rank 1] life 1 starts at step 12" in log and "replaying steps 12..14" in log,
+                  "rank 1 was not restarted from step 12 and replayed to 14")
+        runs.append(checksums_of(out, 2))
+        shutil.rmtree(out)
+    check(runs[0][0] == runs[0][1], "the clipped job's ranks differ")
+    check(runs[0] == runs[1], "the restarted clipped run differs from the undisturbed one")
+    print(f"PASS (clip): clip_grad_norm_ of the first layer, then the whole model, every step; "
+          f"rank 1 killed in step 14 after its clips and restarted from step 12: {STEPS} steps "
+          "on both ranks bit-identical to the undisturbed run")
 
 
 def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_after=-1,
@@ -307,4 +345,5 @@ if __name__ == "__main__":
     run(kill_rank=1, kill_in=17, after_backward=True, checkpoint=15, replayed=15,
         mode="zero_one", every=5)
     run(kill_rank=1, kill_in=14, after_backward=True, checkpoint=12, replayed=14, mode="clamp")
+    run_clip()
     run_diloco()
