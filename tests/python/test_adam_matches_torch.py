@@ -93,6 +93,19 @@ def chosen(model, which):
     return [model.get_parameter(name) for name in which.split()]
 
 
+def edit_clipped(model, step):
+    """edit_clip's and edit_part's edits of the clipped gradient, as a DDP
+    script might make them after clip_grad_norm_: a layer's weight halved,
+    a bias zeroed every other step, and every third step a parameter
+    scaled by 0.3 through .data (no version counter moves)."""
+    with torch.no_grad():
+        model.a.weight.grad.mul_(0.5)
+        if step % 2 == 0:
+            model.b.bias.grad.zero_()
+        if step % 3 == 0:
+            model.t.grad.data.mul_(0.3)
+
+
 def worker_part(kind):
     """clip_grad_norm_ over the first layer, then the whole model, every
     step, with OneBitAdam, ZeroOneAdam or OneBitLamb through their warmup
@@ -151,6 +164,9 @@ def worker(mode):
     calls = PARTS if mode == "clip_part" else [
         (m, o, "all") for m, o in {"clip_orders": ORDERS, "clip_p": ORDERS_P}.get(mode, TWICE)]
     edit = mode in ("edit", "edit_data")  # .grad edited after backward(), then clipped
+    # .grad scaled or zeroed after clip_grad_norm_ (of the whole model, or
+    # of part of it), as DDP's clipped average would be.
+    edit_after = mode in ("edit_clip", "edit_part")
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
     model = Model()
@@ -238,13 +254,17 @@ def worker(mode):
                     model.a.weight.grad[0].zero_()
                     for p in model.parameters():
                         p.grad.mul_(0.5)
-        if clip_after or edit:
+        if clip_after or edit or mode == "edit_clip":
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
+        if mode == "edit_part":
+            returned = torch.nn.utils.clip_grad_norm_([model.a.weight, model.a.bias], 0.05).item()
+        if edit_after:
+            edit_clipped(model, step)
         if clip_twice:
             returned = [torch.nn.utils.clip_grad_norm_(chosen(model, w), m, norm_type=o).item()
                         for m, o, w in calls]
         opt.step()
-        if mode == "clip_part":
+        if mode in ("clip_part", "edit_clip", "edit_part"):
             # The shards' mirrors applied the step's clip pieces too: each
             # partition's hash of x equal to this rank's.
             check(opt._session.holds_shards_model(),
@@ -268,14 +288,20 @@ def worker(mode):
                 reference.a.weight.grad[0].zero_()
                 for p in reference.parameters():
                     p.grad.mul_(0.5)
-        if clip or clip_after or edit:  # torch's clip on the global batch's gradient
+        if mode == "edit_part":
+            norm = morse.torch._TORCH_CLIP_GRAD_NORM([reference.a.weight, reference.a.bias],
+                                                     0.05).item()
+            clipped += norm > 0.05
+            check(abs(returned - norm) <= 1e-5 * norm, f"rank {opt.rank} step {step}: "
+                  f"clip_grad_norm_ returned {returned}, torch's on the global batch {norm}")
+        if clip or clip_after or edit or mode == "edit_clip":  # torch's clip on the global batch's gradient
             norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), limit).item()
             clipped += norm > limit
             # last_step's grad_norm: the averaged gradient's, as torch's.
             got = opt.last_step.get("grad_norm")
             check(got is not None and abs(got - norm) <= 1e-5 * norm,
                   f"rank {opt.rank} step {step}: last_step grad_norm {got}, torch's {norm}")
-            if clip_after or edit:  # what clip_grad_norm_ returned: DDP's, the average's
+            if clip_after or edit or mode == "edit_clip":  # what clip_grad_norm_ returned: DDP's, the average's
                 check(abs(returned - norm) <= 1e-5 * norm,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
                       f"torch's on the global batch {norm}")
@@ -290,6 +316,8 @@ def worker(mode):
                 check(abs(got - want) <= 1e-5 * want,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
                       f"torch's {want}")
+        if edit_after:  # DDP's edit of the clipped average
+            edit_clipped(reference, step)
         betas_seen.add(tuple(opt.param_groups[0]["betas"]))
         ref_opt.step()
         for sched in schedulers:
@@ -307,7 +335,7 @@ def worker(mode):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
-    if clip or clip_after or edit:
+    if clip or clip_after or edit or edit_after:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
     if clip_twice:
         check(clipped >= 5, f"both clips acted in only {clipped} of 20 steps")
@@ -325,6 +353,10 @@ def worker(mode):
                     f"{clipped} steps",
             "edit_data": f".grad edited through .data after backward(), then clip_grad_norm_, "
                          f"which clipped {clipped} steps",
+            "edit_clip": f"clip_grad_norm_(params, 0.2), which clipped {clipped} steps, then "
+                         ".grad scaled or zeroed per parameter (mul_, zero_, through .data)",
+            "edit_part": f"clip_grad_norm_ of the first layer, which clipped {clipped} steps, then "
+                         ".grad scaled or zeroed per parameter (mul_, zero_, through .data)",
             "clip_part": f"clip_grad_norm_ over part of the parameters and the whole, (max_norm, "
                          f"norm_type, which) {PARTS} in turn after backward(), the first and a later "
                          f"one clipping in {clipped} steps",
@@ -447,7 +479,7 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "clip_p", "clip_part", "edit", "edit_data", "no_sync",
+                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "no_sync",
                  "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)

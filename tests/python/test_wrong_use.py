@@ -213,14 +213,17 @@ def main():
         torch.nn.Linear(3, 2).parameters(), missing_grads="skip", **args))
 
     # Gradients edited after clip_grad_norm_ pushed them (the first step's,
-    # which pushes at the clip): refused after the step, which used them as
-    # clip_grad_norm_ saw them. DDP's clip factor is of the gradient it saw,
-    # and Morse's needs the exchange, which sends the gradients. (What a
-    # script begins after its pushes left in later steps, Morse adapts to:
-    # test_adam_matches_torch's "late_*" modes.)
+    # which pushes at the clip) other than by scaling a parameter's whole
+    # gradient by a factor in [0, 1] (which joins the step's clip:
+    # test_adam_matches_torch's edit_clip): refused after the step, which
+    # used them as clip_grad_norm_ saw them. DDP's clip factor is of the
+    # gradient it saw, and Morse's needs the exchange, which sends the
+    # gradients. (What a script begins after its pushes left in later
+    # steps, Morse adapts to: test_adam_matches_torch's "late_*" modes.)
     # The same through .data, which moves no version counter: the bits decide.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
-    for halve in (lambda g: g.mul_(0.5), lambda g: g.data.mul_(0.5)):
+    for edit in (lambda g: g.add_(0.5), lambda g: g.data.add_(0.5), lambda g: g.mul_(2.0),
+                 lambda g: g[0].mul_(0.5)):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
             opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
@@ -229,9 +232,10 @@ def main():
             def misuse():
                 model(torch.ones(4, 3)).sum().backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-                halve(model.weight.grad)
+                edit(model.weight.grad)
                 opt.step()
             expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
+            check(opt.step_index == 1, "the refused step ran, as clip_grad_norm_ saw it")
 
     # Several calls in a step compose on the averaged gradient
     # (test_adam_matches_torch's clip_twice and clip_orders), and in a compressing step too, where each

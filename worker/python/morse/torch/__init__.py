@@ -730,7 +730,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # torch.optim skips it; Morse updates every element every step.
         missing = [name for name, p in zip(self._names, self._params) if p.grad is None]
         self._restore_views()
-        if edited and not first and self._snapshot is not None:
+        if not first and self._snapshot is not None and self._pending is not None:
+            # The bits decide (an edit through .data moves no version counter).
             edited = self._edited_after_backward()
         elif (not edited and not first and self._snapshot is None and self._samples is not None
               and self._pending is not None):
@@ -1374,6 +1375,39 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._clipped = (norms, factor, limit)
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
 
+    def _fold_edit(self, pushed):
+        """At step(), gradients edited after clip_grad_norm_ had pushed them
+        (`pushed`: what left): where the edit multiplied each parameter's
+        gradient by one float32 factor in [0, 1] (a mul_, a zero_, a div_ by a
+        power of 2), as DDP would the clipped average, the factors join the
+        step's clip, sent as its clip pieces, and the step gives DDP's
+        result. Returns whether it did; anything else (another edit, a
+        compressing step, whose pushes read the gradient at step(), CUDA
+        tensors) is left to the caller's refusal."""
+        clipped = self._clipped
+        if self._cuda:
+            return False
+        if self._part_factors is not None:
+            if self._part_base[1]:
+                return False  # a compressing step: its own gradient, scaled at step()
+        elif not clipped or clipped[2] is None:
+            return False  # not clipped by the workers this step, or it ran unclipped
+        scales = []
+        for lo, hi in self._ranges:
+            scale = _scale_between(pushed[lo:hi], self._flat_grad[lo:hi])
+            if scale is None:
+                return False
+            scales.append(scale)
+        if self._part_factors is None:
+            with self._device_context(), self._explained():
+                if self._session.clips_locally():
+                    return False
+                self._session.clip(0.0)  # the whole model's clip becomes pieces
+            self._part_factors = [clipped[1]] * len(self._params)
+            self._part_base = (None, False, {})
+        self._part_factors = [f * c for f, c in zip(self._part_factors, scales)]
+        return True
+
     def _unclipped_step(self, error):
         """A step's first clip_grad_norm_ came after its pushes had left
         unclipped during backward() (what `error` says; any other error is
@@ -1482,6 +1516,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._push_now()
         first, edited, missing, pushed = self._pushed
         self._pushed = None
+        if edited and not first and pushed is None and self._snapshot is not None \
+                and self._fold_edit(self._snapshot):
+            # Pushed during backward() (overlap), clipped, then edited: the
+            # edit scaled whole parameters and joins the step's clip.
+            edited = False
         late = False  # edited after clip_grad_norm_ pushed them
         if pushed is not None:
             touched = (self._flat_grad._version != pushed[0]
@@ -1491,6 +1530,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._restore_views()
             # Changed bits count (an edit through .data moves no version counter).
             late = not _same_bits(self._flat_grad, pushed[1])
+            if late and self._fold_edit(pushed[1]):
+                late = False  # the edit scaled whole parameters: it joins the step's clip
             if not (touched or late) and first and self._snapshot is not None and not self._snapshot_touched:
                 self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
@@ -1547,9 +1588,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
-                f"(editing, scaling or zeroing .grad) in step {self.step_index - 1}, which used "
-                "them as they were at clip_grad_norm_; edit .grad before clip_grad_norm_, as "
-                "under DDP its clip factor is of the gradient it sees")
+                f"in step {self.step_index - 1}, which used them as they were at "
+                "clip_grad_norm_: after it, only a parameter's whole gradient scaled by a "
+                "factor in [0, 1] (mul_, zero_) joins the step's clip"
+                f"{'' if not self._cuda else ' (not on CUDA tensors)'}; make other edits "
+                "before clip_grad_norm_, as under DDP its clip factor is of the gradient it sees")
         if edited:
             self._surprised("the gradients changed after backward() had pushed them (editing, "
                             "scaling or zeroing .grad)")
@@ -2223,6 +2266,34 @@ def _shown_hyper(hyper):
     """(lr, weight_decay) pairs, one per segment, in words."""
     shown = ", ".join(f"({lr:.7g}, {wd:.7g})" for lr, wd in hyper)
     return shown if len(hyper) == 1 else f"[{shown}] (one per parameter group)"
+
+
+def _scale_between(was, now):
+    """The factor c in [0, 1] with now = c * was, element by element in
+    float32 (what a mul_ by c, a div_ by a power of 2 or a zero_ leaves), or
+    None where there is none: 1 for the same bits, 0 where now is all zero.
+    Where several float32 values give those bits, the one of fewest
+    significant bits (so that every rank names the script's factor)."""
+    if _same_bits(now, was):
+        return 1.0
+    if not bool(now.any()):
+        return 0.0
+    j = int(torch.argmax(was.abs()))
+    if float(was[j]) == 0.0 or not bool(torch.isfinite(now).all()):
+        return None
+    # The ratio of the largest element is within an ulp or two of the factor.
+    estimate = torch.tensor(float(now[j]) / float(was[j]), dtype=torch.float32)
+    found = []
+    for step in (0, 1, -1, 2, -2):
+        c = estimate
+        for _ in range(abs(step)):
+            c = torch.nextafter(c, torch.tensor(math.inf if step > 0 else -math.inf))
+        c = float(c)
+        if 0.0 <= c <= 1.0 and torch.equal(was * c, now):
+            found.append(c)
+    if not found:
+        return None
+    return min(found, key=lambda c: (len(c.hex().split("p")[0].rstrip("0")), c))
 
 
 def _float32(value):
