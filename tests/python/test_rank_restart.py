@@ -183,20 +183,29 @@ def checksums_of(out, ranks, steps=range(STEPS)):
     return result
 
 
+def restart_job(name, *args):
+    """A job of this script on 2 ranks and 2 shards (`args` after --worker
+    OUT), checkpoints every 4 steps and --rank-restarts 1, in a folder of
+    its own: (its output, the folder); fails unless the job succeeds."""
+    out = tempfile.mkdtemp(prefix=f"morse-rank-restart-{name}-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+    code, log = morse_run(__file__, 2, 2, out, *args, config=config,
+                          extra=["--rank-restarts", "1"])
+    if code != 0:
+        print(log)
+    check(code == 0, f"the {name} job failed")
+    return log, out
+
+
 def run_diloco():
     """DiLoCo's rank 1 killed in the middle of an interval (inner step 19,
     after sync 9, whose checkpoint is sync 8's) and restarted: every sync's
     outer parameters and momentum on both ranks equal an undisturbed run's."""
     outs = []
     for kill in (True, False):
-        out = tempfile.mkdtemp(prefix="morse-rank-restart-diloco-")
-        config = os.path.join(out, "base.textproto")
-        with open(config, "w") as f:
-            f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
-        code, log = morse_run(__file__, 2, 2, out, "diloco", "1" if kill else "-1", "19",
-                              config=config, extra=["--rank-restarts", "1"])
-        print(log)
-        check(code == 0, "the DiLoCo job failed")
+        log, out = restart_job("diloco", "diloco", "1" if kill else "-1", "19")
         if kill:
             check("[rank 1] killing myself in inner step 19" in log, "rank 1 was not killed")
             check("[rank 1] life 1 starts at inner step 16" in log,
@@ -218,15 +227,7 @@ def run_clip():
     in either life, the undisturbed run's."""
     runs = []
     for kill in (True, False):
-        out = tempfile.mkdtemp(prefix="morse-rank-restart-clip-")
-        config = os.path.join(out, "base.textproto")
-        with open(config, "w") as f:
-            f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
-        code, log = morse_run(__file__, 2, 2, out, "clip", "-1", "1" if kill else "-1", "14", "1",
-                              config=config, extra=["--rank-restarts", "1"])
-        if code != 0:
-            print(log)
-        check(code == 0, "the clipped job failed")
+        log, out = restart_job("clip", "clip", "-1", "1" if kill else "-1", "14", "1")
         if kill:
             check("[rank 1] life 1 starts at step 12" in log and "replaying steps 12..14" in log,
                   "rank 1 was not restarted from step 12 and replayed to 14")
