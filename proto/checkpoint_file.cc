@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -96,6 +97,17 @@ void CheckpointWriter::AddBytes(const std::string& name,
   Put<uint64_t>(&body_, bytes.size());
   body_.append(bytes.data(), bytes.size());
   ++arrays_;
+}
+
+absl::Status MakeCheckpointDir(const std::string& dir) {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (!error && std::filesystem::is_directory(dir, error)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "checkpoint folder ", dir, " cannot be made: ",
+      error ? error.message() : "something else is there by that name"));
 }
 
 absl::Status CheckpointWriter::Write(const std::string& path) const {

@@ -33,6 +33,12 @@ struct CheckpointHeader {
   int64_t step = 0;  // steps completed
 };
 
+// Makes `dir` (checkpoint.dir, --checkpoint_dir) and its missing parents,
+// so that a daemon's first checkpoint is not its first sign of a folder
+// that is not there. FAILED_PRECONDITION naming the folder and why when it
+// cannot (a file in the way, no permission).
+absl::Status MakeCheckpointDir(const std::string& dir);
+
 class CheckpointWriter {
  public:
   explicit CheckpointWriter(CheckpointHeader header)

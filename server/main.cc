@@ -15,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "compress/compute_pool.h"
 #include "compress/trace.h"
+#include "proto/checkpoint_file.h"
 #include "proto/flags.h"
 #include "proto/job_config.h"
 #include "proto/process_memory.h"
@@ -39,8 +40,8 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for this shard's checkpoint (shard-<s>.ckpt); default: "
           "the config's "
-          "checkpoint.dir. If a checkpoint is there at start, the shard "
-          "resumes from it. Written "
+          "checkpoint.dir, made at start if missing. If a checkpoint is "
+          "there at start, the shard resumes from it. Written "
           "every checkpoint.every_steps steps and at shutdown when the shard "
           "is between steps.");
 ABSL_FLAG(std::string, metrics_listen, "",
@@ -141,9 +142,12 @@ int main(int argc, char** argv) {
   options.listen = absl::GetFlag(FLAGS_listen);
   std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (checkpoint_dir.empty()) checkpoint_dir = job->checkpoint_dir;
-  if (!checkpoint_dir.empty())
+  if (!checkpoint_dir.empty()) {
+    if (absl::Status s = proto::MakeCheckpointDir(checkpoint_dir); !s.ok())
+      return Fail(kExitConfig, std::string(s.message()));
     options.checkpoint =
         absl::StrCat(checkpoint_dir, "/shard-", shard, ".ckpt");
+  }
   options.state_log = absl::GetFlag(FLAGS_state_log);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);

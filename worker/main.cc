@@ -38,7 +38,7 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
           "Directory for this worker's checkpoint (worker-<rank>.ckpt: its "
           "x, m, v and error buffer), written "
           "every checkpoint.every_steps steps; default: the config's "
-          "checkpoint.dir.");
+          "checkpoint.dir. Made at start if missing.");
 ABSL_FLAG(bool, resume, false,
           "Join a job whose servers hold its state (restarted from "
           "checkpoints, or running): from this worker's checkpoint if it holds "

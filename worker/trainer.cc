@@ -156,9 +156,12 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
   const std::string checkpoint_dir = options_.checkpoint_dir.empty()
                                          ? job_.checkpoint_dir
                                          : options_.checkpoint_dir;
-  if (!checkpoint_dir.empty())
+  if (!checkpoint_dir.empty()) {
+    if (absl::Status s = proto::MakeCheckpointDir(checkpoint_dir); !s.ok())
+      return s;
     checkpoint_ =
         absl::StrCat(checkpoint_dir, "/worker-", options_.rank, ".ckpt");
+  }
   bool resume = options_.resume;
   if (options_.rejoin && !resume) {
     // Ranks other than 0 take the model from the shards either way; rank 0

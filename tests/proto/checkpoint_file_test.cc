@@ -50,6 +50,23 @@ TEST_F(CheckpointFileTest, RoundTrip) {
   EXPECT_EQ(reader->Ints("x", 3).status().code(), absl::StatusCode::kDataLoss);
 }
 
+// checkpoint.dir is made with its parents when a daemon starts (a job
+// whose folder was missing ran on with every checkpoint failing); a file
+// in the way is FAILED_PRECONDITION naming the folder.
+TEST_F(CheckpointFileTest, TheFolderIsMadeOrTheReasonGiven) {
+  const std::string nested = dir_ + "/run/7/checkpoints";
+  ASSERT_TRUE(MakeCheckpointDir(nested).ok());
+  ASSERT_TRUE(MakeCheckpointDir(nested).ok());  // there already
+  CheckpointWriter writer({"shard", 0, 1, 2, 3});
+  EXPECT_TRUE(writer.Write(nested + "/shard-0.ckpt").ok());
+  std::ofstream(dir_ + "/file") << "x";
+  for (const std::string& blocked : {dir_ + "/file", dir_ + "/file/below"}) {
+    const absl::Status made = MakeCheckpointDir(blocked);
+    EXPECT_EQ(made.code(), absl::StatusCode::kFailedPrecondition) << made;
+    EXPECT_NE(made.message().find(blocked), std::string::npos) << made;
+  }
+}
+
 TEST_F(CheckpointFileTest, MissingTruncatedAndModifiedFiles) {
   EXPECT_EQ(CheckpointReader::Open(path_).status().code(),
             absl::StatusCode::kNotFound);
