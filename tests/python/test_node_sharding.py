@@ -43,7 +43,11 @@
    node and the sharded node end every step within 1e-6 of DDP + AdamW
    (which without the clips is further off), and each slice's shards hold
    its owner's parameters after every step (the step's clip pieces reach
-   their mirrors)."""
+   their mirrors).
+9. clip_grad_norm_, then .grad scaled and zeroed per parameter on every
+   rank of the leader's node (`edit`): within 1e-6 of DDP + AdamW given the
+   same edits of the clipped average; one rank alone editing is refused,
+   naming it."""
 import glob
 import json
 import math
@@ -90,7 +94,8 @@ def worker(out, mode):
                                clip_grad_norm=CLIP)
     else:
         opt = build(name, model.parameters(), 0.01)
-    if variant in ("leader", "clipleader", "clipjobleader", "partleader"):  # the leader holding the node's state
+    if variant in ("leader", "clipleader", "clipjobleader", "partleader", "editleader", "editone"):
+        # the leader holding the node's state
         params, norms = [], []
         for step in range(STEPS):
             x, y = batch(step, rank)
@@ -102,8 +107,12 @@ def worker(out, mode):
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             if variant == "partleader":
                 norms.append(part_clips(model))
+            if variant in ("editleader", "editone"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
+                if variant == "editleader" or local == 1:  # editone: local rank 1 alone
+                    edit_clipped(model, step)
             opt.step()
-            if variant == "partleader" and local == 0:
+            if variant in ("partleader", "editleader") and local == 0:
                 check(opt._holds_shards_model(), f"rank {rank} step {step}: the shards' mirrors "
                       "differ from the leader's parameters")
             params.append(flat(model).numpy().tobytes().hex())
@@ -313,6 +322,62 @@ def part_clips(model):
     by CLIP, then the whole model by 3 CLIP; their norms."""
     return [float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), CLIP)),
             float(torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP))]
+
+
+def edit_clipped(model, step):
+    """`edit`'s edits of the clipped gradient, on every rank as a DDP script
+    makes them: the first layer's weight halved, the last bias zeroed every
+    other step."""
+    with torch.no_grad():
+        model[0].weight.grad.mul_(0.5)
+        if step % 2 == 0:
+            model[2].bias.grad.zero_()
+
+
+def edit_after_clip():
+    """`edit`: clip_grad_norm_ of the whole model, then .grad scaled and
+    zeroed per parameter on every rank of the leader's node, fp32 Adam: the
+    parameters DDP + AdamW's given the same edits of the clipped average
+    (within 1e-6; without the edits further off), the shards' mirrors the
+    leader's after every step. Local rank 1 alone editing (`editone`): every
+    rank of both nodes fails, naming it."""
+    out = tempfile.mkdtemp(prefix="morse-sharded-edit-")
+    check(all(code == 0 for code, _ in run_nodes(out, "Adam:editleader", how="leader")),
+          "the node's edits after the clip failed")
+    reference, unedited = model_of(), model_of()
+    ref_opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.0)
+                for m in (reference, unedited)]
+    worst, apart = 0.0, 0.0
+    for step in range(STEPS):
+        own = [numpy.load(f"{out}/own-{r}-{step}.npy") for r in range(4)]
+        average = (node_average(own[:2]) + node_average(own[2:])) / numpy.float32(2)
+        for m, o, edits in ((reference, ref_opts[0], True), (unedited, ref_opts[1], False)):
+            at = 0
+            for p in m.parameters():
+                p.grad = torch.from_numpy(average[at:at + p.numel()].copy()).view_as(p)
+                at += p.numel()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 3 * CLIP)
+            if edits:
+                edit_clipped(m, step)
+            o.step()
+        want = flat(reference).numpy()
+        for r in range(4):
+            got = numpy.frombuffer(bytes.fromhex(
+                json.load(open(f"{out}/params-{r}-editleader.json"))[step]), numpy.float32)
+            worst = max(worst, float(numpy.abs(got - want).max()))
+        apart = max(apart, float(numpy.abs(flat(unedited).numpy() - want).max()))
+    check(worst <= 1e-6, f"the node's parameters are {worst} from DDP + AdamW's")
+    check(apart > 100 * max(worst, 1e-8), f"the edits hardly matter here ({apart}): a weak test")
+    results = run_nodes(tempfile.mkdtemp(prefix="morse-sharded-editone-"), "Adam:editone",
+                        how="leader")
+    for node, (code, text) in enumerate(results):
+        check(code != 0 and re.search(rf"local ranks \[1\] of node {node} changed \.grad after "
+                                      r"clip_grad_norm_ in step 0 otherwise than its leader", text),
+              f"node {node}: a rank that alone edited after the clip is not named")
+    print(f"PASS: edit: clip_grad_norm_, then .grad scaled and zeroed per parameter on every rank of "
+          f"the leader's node: the parameters {worst:.2g} from DDP + AdamW's given the same edits "
+          f"({apart:.2g} without them), the mirrors the leader's after every step; local rank 1 "
+          "alone editing stops both nodes, naming it")
 
 
 def clip_part():
@@ -527,7 +592,7 @@ if __name__ == "__main__":
         worker(*sys.argv[-2:])
         sys.exit(0)
     modes = sys.argv[1:] or ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "cuda", "leader",
-                             "clip", "part", "three",
+                             "clip", "part", "edit", "three",
                              "resume", "restart_sharded", "restart_leader", "wrong"]
     for mode in modes:
         if mode == "clamp":
@@ -546,6 +611,8 @@ if __name__ == "__main__":
             clip_as_the_leader()
         elif mode == "part":
             clip_part()
+        elif mode == "edit":
+            edit_after_clip()
         elif mode.startswith("restart_"):
             restart(mode[len("restart_"):])
         elif mode == "three":

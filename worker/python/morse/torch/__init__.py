@@ -606,6 +606,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # (load_state_dict of it restores nothing).
         self._nonce = os.urandom(8).hex()
         self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
+        self._clip_gathered = False  # ... done at clip_grad_norm_
+        # A node's leader, in a step whose gather came at the clip: the
+        # factors by which each other rank scaled its .grad since (None for
+        # another edit), which must be the leader's own (_worker_step).
+        self._node_edit_scales = None
         self._node_buckets = None
         self._push_error = None  # a leader's push at the gather failed: raised at its step
         self._pushed_before_last = 0  # partitions the leader pushed before the last bucket
@@ -1381,32 +1386,33 @@ class _MorseOptimizer(torch.optim.Optimizer):
         gradient by one float32 factor in [0, 1] (a mul_, a zero_, a div_ by a
         power of 2), as DDP would the clipped average, the factors join the
         step's clip, sent as its clip pieces, and the step gives DDP's
-        result. Returns whether it did; anything else (another edit, a
-        compressing step, whose pushes read the gradient at step(), CUDA
-        tensors) is left to the caller's refusal."""
+        result. Returns the factors by parameter where it did, else None:
+        anything else (another edit, a compressing step, whose pushes read
+        the gradient at step(), CUDA tensors) is left to the caller's
+        refusal."""
         clipped = self._clipped
         if self._cuda:
-            return False
+            return None
         if self._part_factors is not None:
             if self._part_base[1]:
-                return False  # a compressing step: its own gradient, scaled at step()
+                return None  # a compressing step: its own gradient, scaled at step()
         elif not clipped or clipped[2] is None:
-            return False  # not clipped by the workers this step, or it ran unclipped
+            return None  # not clipped by the workers this step, or it ran unclipped
         scales = []
         for lo, hi in self._ranges:
             scale = _scale_between(pushed[lo:hi], self._flat_grad[lo:hi])
             if scale is None:
-                return False
+                return None
             scales.append(scale)
         if self._part_factors is None:
             with self._device_context(), self._explained():
                 if self._session.clips_locally():
-                    return False
+                    return None
                 self._session.clip(0.0)  # the whole model's clip becomes pieces
             self._part_factors = [clipped[1]] * len(self._params)
             self._part_base = (None, False, {})
         self._part_factors = [f * c for f, c in zip(self._part_factors, scales)]
-        return True
+        return scales
 
     def _unclipped_step(self, error):
         """A step's first clip_grad_norm_ came after its pushes had left
@@ -1516,11 +1522,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._push_now()
         first, edited, missing, pushed = self._pushed
         self._pushed = None
-        if edited and not first and pushed is None and self._snapshot is not None \
-                and self._fold_edit(self._snapshot):
-            # Pushed during backward() (overlap), clipped, then edited: the
-            # edit scaled whole parameters and joins the step's clip.
-            edited = False
+        folded = None  # the factors of an edit after the clip that joined it
+        if edited and not first and pushed is None and self._snapshot is not None:
+            # Pushed during backward() (overlap), clipped, then edited: an
+            # edit that scaled whole parameters joins the step's clip.
+            folded = self._fold_edit(self._snapshot)
+            edited = folded is None
         late = False  # edited after clip_grad_norm_ pushed them
         if pushed is not None:
             touched = (self._flat_grad._version != pushed[0]
@@ -1530,8 +1537,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._restore_views()
             # Changed bits count (an edit through .data moves no version counter).
             late = not _same_bits(self._flat_grad, pushed[1])
-            if late and self._fold_edit(pushed[1]):
-                late = False  # the edit scaled whole parameters: it joins the step's clip
+            if late:
+                folded = self._fold_edit(pushed[1])  # whole parameters scaled: it joins the clip
+                late = folded is None
             if not (touched or late) and first and self._snapshot is not None and not self._snapshot_touched:
                 self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
@@ -1585,6 +1593,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._holds_pushes = True
             self._snapshot = None
             edited = False
+        # A node's leader: its other ranks edited their .grad after the
+        # clip as it did (the same factors), or the step is refused.
+        others, self._node_edit_scales = self._node_edit_scales, None
+        if others is not None and not late:
+            mine = folded or [1.0] * len(self._params)
+            differ = [k for k, scales in enumerate(others, 1) if scales != mine]
+            if differ:
+                raise MorseError(
+                    f"FAILED_PRECONDITION: local ranks {differ} of node {self._node.node} "
+                    f"changed .grad after clip_grad_norm_ in step {self.step_index - 1} "
+                    "otherwise than its leader (local rank 0), whose gradients the step used: "
+                    "edit .grad the same way on every rank (after clip_grad_norm_, only by "
+                    "scaling a parameter's whole gradient by a factor in [0, 1])")
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
@@ -1696,6 +1717,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             take()
         sent = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in kept]
         self._gathered = (missing, failure, sent)
+        self._clip_gathered = at_clip
 
     def _start_node_buckets(self, elems):
         """A node's rank with overlap: its gradients leave for the rank that
@@ -1847,6 +1869,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         missing, failure, sent = self._gathered
         self._gathered = None
         error = None
+        judged = self._clip_gathered  # the leader judges edits made after the clip
+        if judged:
+            scales = node.objects(None if node.is_leader else self._scales_since_gathered(sent))
+            if node.is_leader:
+                self._node_edit_scales = scales[1:]
         if node.is_leader:
             error, outcome = self._step_for_node(failure)
             failure, _, buffers, _ = node.finish(*outcome)
@@ -1864,8 +1891,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._unpack_buffers(buffers)
         if error is not None:
             raise error
-        self._check_edited_after_clip(sent)
+        if not judged:
+            self._check_edited_after_clip(sent)
         self._check_missing(missing)
+
+    def _scales_since_gathered(self, sent):
+        """A node's rank other than the leader, at step() after a clip: the
+        factor by which each parameter's .grad was scaled since the clip
+        sent it (_scale_between; None for another edit)."""
+        return [None if (p.grad is None) != (g is None) else
+                1.0 if g is None else _scale_between(g.reshape(-1), p.grad.reshape(-1))
+                for p, g in sent]
 
     def _check_edited_after_clip(self, sent):
         edited = self._edited_since_gathered(sent)
