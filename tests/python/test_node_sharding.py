@@ -45,9 +45,9 @@
    its owner's parameters after every step (the step's clip pieces reach
    their mirrors).
 9. clip_grad_norm_, then .grad scaled and zeroed per parameter on every
-   rank of the leader's node (`edit`): within 1e-6 of DDP + AdamW given the
-   same edits of the clipped average; one rank alone editing is refused,
-   naming it."""
+   rank of the leader's node and of the sharded node (`edit`): within 1e-6
+   of DDP + AdamW given the same edits of the clipped average; one rank
+   alone editing is refused, naming it."""
 import glob
 import json
 import math
@@ -156,14 +156,18 @@ def worker(out, mode):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         if variant == "partfull":
             norms.append(part_clips(model))
+        if variant == "editfull":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
+            edit_clipped(model, step)
         opt.step()
-        if variant == "partfull":
+        if variant in ("partfull", "editfull"):
             check(opt._holds_shards_model(), f"rank {rank} step {step}: slice {local}'s shards' "
                   "mirrors differ from its owner's parameters")
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
         f = flat(model)
-        params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull") else
+        params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull",
+                                                                "editfull") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and node == 0:
             numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
@@ -336,37 +340,41 @@ def edit_clipped(model, step):
 
 def edit_after_clip():
     """`edit`: clip_grad_norm_ of the whole model, then .grad scaled and
-    zeroed per parameter on every rank of the leader's node, fp32 Adam: the
-    parameters DDP + AdamW's given the same edits of the clipped average
-    (within 1e-6; without the edits further off), the shards' mirrors the
-    leader's after every step. Local rank 1 alone editing (`editone`): every
-    rank of both nodes fails, naming it."""
-    out = tempfile.mkdtemp(prefix="morse-sharded-edit-")
-    check(all(code == 0 for code, _ in run_nodes(out, "Adam:editleader", how="leader")),
-          "the node's edits after the clip failed")
-    reference, unedited = model_of(), model_of()
-    ref_opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.0)
-                for m in (reference, unedited)]
+    zeroed per parameter on every rank, fp32 Adam, on the leader's node and
+    on the sharded node: the parameters DDP + AdamW's given the same edits
+    of the clipped average (within 1e-6; without the edits further off),
+    the shards' mirrors the workers' after every step. Local rank 1 alone
+    editing (`editone`, the leader's node): every rank of both nodes fails,
+    naming it."""
+    outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-") for v in ("editleader", "editfull")}
+    for variant, out in outs.items():
+        check(all(code == 0 for code, _ in run_nodes(
+            out, f"Adam:{variant}", how="leader" if variant == "editleader" else "sharded")),
+            f"{variant}: the node's edits after the clip failed")
     worst, apart = 0.0, 0.0
-    for step in range(STEPS):
-        own = [numpy.load(f"{out}/own-{r}-{step}.npy") for r in range(4)]
-        average = (node_average(own[:2]) + node_average(own[2:])) / numpy.float32(2)
-        for m, o, edits in ((reference, ref_opts[0], True), (unedited, ref_opts[1], False)):
-            at = 0
-            for p in m.parameters():
-                p.grad = torch.from_numpy(average[at:at + p.numel()].copy()).view_as(p)
-                at += p.numel()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 3 * CLIP)
-            if edits:
-                edit_clipped(m, step)
-            o.step()
-        want = flat(reference).numpy()
-        for r in range(4):
-            got = numpy.frombuffer(bytes.fromhex(
-                json.load(open(f"{out}/params-{r}-editleader.json"))[step]), numpy.float32)
-            worst = max(worst, float(numpy.abs(got - want).max()))
-        apart = max(apart, float(numpy.abs(flat(unedited).numpy() - want).max()))
-    check(worst <= 1e-6, f"the node's parameters are {worst} from DDP + AdamW's")
+    for variant, out in outs.items():
+        reference, unedited = model_of(), model_of()
+        ref_opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.0)
+                    for m in (reference, unedited)]
+        for step in range(STEPS):
+            own = [numpy.load(f"{out}/own-{r}-{step}.npy") for r in range(4)]
+            average = (node_average(own[:2]) + node_average(own[2:])) / numpy.float32(2)
+            for m, o, edits in ((reference, ref_opts[0], True), (unedited, ref_opts[1], False)):
+                at = 0
+                for p in m.parameters():
+                    p.grad = torch.from_numpy(average[at:at + p.numel()].copy()).view_as(p)
+                    at += p.numel()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 3 * CLIP)
+                if edits:
+                    edit_clipped(m, step)
+                o.step()
+            want = flat(reference).numpy()
+            for r in range(4):
+                got = numpy.frombuffer(bytes.fromhex(
+                    json.load(open(f"{out}/params-{r}-{variant}.json"))[step]), numpy.float32)
+                worst = max(worst, float(numpy.abs(got - want).max()))
+            apart = max(apart, float(numpy.abs(flat(unedited).numpy() - want).max()))
+    check(worst <= 1e-6, f"the nodes' parameters are {worst} from DDP + AdamW's")
     check(apart > 100 * max(worst, 1e-8), f"the edits hardly matter here ({apart}): a weak test")
     results = run_nodes(tempfile.mkdtemp(prefix="morse-sharded-editone-"), "Adam:editone",
                         how="leader")
@@ -375,9 +383,9 @@ def edit_after_clip():
                                       r"clip_grad_norm_ in step 0 otherwise than its leader", text),
               f"node {node}: a rank that alone edited after the clip is not named")
     print(f"PASS: edit: clip_grad_norm_, then .grad scaled and zeroed per parameter on every rank of "
-          f"the leader's node: the parameters {worst:.2g} from DDP + AdamW's given the same edits "
-          f"({apart:.2g} without them), the mirrors the leader's after every step; local rank 1 "
-          "alone editing stops both nodes, naming it")
+          f"the leader's and the sharded node: the parameters {worst:.2g} from DDP + AdamW's given "
+          f"the same edits ({apart:.2g} without them), the mirrors the workers' after every step; "
+          "local rank 1 alone editing stops both nodes, naming it")
 
 
 def clip_part():

@@ -607,9 +607,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._nonce = os.urandom(8).hex()
         self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
         self._clip_gathered = False  # ... done at clip_grad_norm_
-        # A node's leader, in a step whose gather came at the clip: the
-        # factors by which each other rank scaled its .grad since (None for
-        # another edit), which must be the leader's own (_worker_step).
+        # The rank that steps for a node (or a slice), in a step whose
+        # gather came at the clip: [(local rank, the factors by which it
+        # scaled each parameter's .grad since, None for another edit)] of
+        # the other ranks, which must be its own (_node_edits_judged).
         self._node_edit_scales = None
         self._node_buckets = None
         self._push_error = None  # a leader's push at the gather failed: raised at its step
@@ -1598,14 +1599,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         others, self._node_edit_scales = self._node_edit_scales, None
         if others is not None and not late:
             mine = folded or [1.0] * len(self._params)
-            differ = [k for k, scales in enumerate(others, 1) if scales != mine]
+            differ = [k for k, scales in others if scales != mine]
             if differ:
+                k = self._node.local_rank
+                which = "its leader (local rank 0)," if self._slices is None else \
+                    f"local rank {k}, which steps slice {k},"
                 raise MorseError(
                     f"FAILED_PRECONDITION: local ranks {differ} of node {self._node.node} "
                     f"changed .grad after clip_grad_norm_ in step {self.step_index - 1} "
-                    "otherwise than its leader (local rank 0), whose gradients the step used: "
-                    "edit .grad the same way on every rank (after clip_grad_norm_, only by "
-                    "scaling a parameter's whole gradient by a factor in [0, 1])")
+                    f"otherwise than {which} whose gradients the step used: edit .grad the same "
+                    "way on every rank (after clip_grad_norm_, only by scaling a parameter's "
+                    "whole gradient by a factor in [0, 1])")
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
@@ -1869,11 +1873,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         missing, failure, sent = self._gathered
         self._gathered = None
         error = None
-        judged = self._clip_gathered  # the leader judges edits made after the clip
-        if judged:
-            scales = node.objects(None if node.is_leader else self._scales_since_gathered(sent))
-            if node.is_leader:
-                self._node_edit_scales = scales[1:]
+        judged = self._node_edits_judged(sent)  # by the leader, edits made after the clip
         if node.is_leader:
             error, outcome = self._step_for_node(failure)
             failure, _, buffers, _ = node.finish(*outcome)
@@ -1895,13 +1895,28 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._check_edited_after_clip(sent)
         self._check_missing(missing)
 
-    def _scales_since_gathered(self, sent):
-        """A node's rank other than the leader, at step() after a clip: the
-        factor by which each parameter's .grad was scaled since the clip
-        sent it (_scale_between; None for another edit)."""
-        return [None if (p.grad is None) != (g is None) else
+    def _node_edits_judged(self, sent):
+        """At step(), in a step whose gather came at clip_grad_norm_: every
+        rank of the node tells the rank that steps each parameter (the
+        leader, or the slice's owner) the factor by which it scaled that
+        parameter's .grad since the clip sent it (`sent`; None for another
+        edit), which that rank's step compares with its own
+        (_worker_step). Returns whether it did (else each rank checks its
+        own gradients after the step)."""
+        if not self._clip_gathered:
+            return False
+        node = self._node
+        index = {id(p): i for i, p in enumerate(self._node_params)}
+        mine = {index[id(p)]: None if (p.grad is None) != (g is None) else
                 1.0 if g is None else _scale_between(g.reshape(-1), p.grad.reshape(-1))
-                for p, g in sent]
+                for p, g in sent}
+        told = node.objects(mine)
+        if self._session is not None:
+            first, end = (0, len(self._node_params)) if self._slices is None \
+                else self._slices[node.local_rank]
+            self._node_edit_scales = [(k, [scales[i] for i in range(first, end)])
+                                      for k, scales in enumerate(told) if k != node.local_rank]
+        return True
 
     def _check_edited_after_clip(self, sent):
         edited = self._edited_since_gathered(sent)
@@ -2001,6 +2016,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._node_gather()
         missing, failure, sent = self._gathered
         self._gathered = None
+        judged = self._node_edits_judged(sent)  # by each slice's owner, edits made after the clip
         error, outcome = self._step_for_node(failure)
         outcomes = node.finish_all(*outcome)
         for k, (failed, _, _, _) in enumerate(outcomes):
@@ -2012,7 +2028,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._unpack_buffers(outcomes[0][2])
         if error is not None:
             raise error
-        self._check_edited_after_clip(sent)
+        if not judged:
+            self._check_edited_after_clip(sent)
         self._check_missing(missing)
 
     def _share_slices(self):
