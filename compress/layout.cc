@@ -62,22 +62,21 @@ uint32_t PartitionIndexAt(const LayoutSpec& spec, uint64_t element) {
     const uint64_t begin = block * spec.block_elems;
     block += BlocksOfShard(blocks, spec.shards, s);
     const uint64_t end = std::min(spec.dim, block * spec.block_elems);
-    const bool holds = element < end || s + 1 == spec.shards;
-    if (spec.cuts.empty()) {
-      if (holds) {
-        return static_cast<uint32_t>(index +
-                                     (element - begin) / spec.partition_elems);
-      }
-      index += (end - begin + spec.partition_elems - 1) / spec.partition_elems;
+    if (element >= end && s + 1 < spec.shards) {  // a shard before its own
+      index += RunsOfShard(spec, Range{begin, end});
       continue;
     }
-    // With cuts, the shard's runs are counted one by one.
+    if (spec.cuts.empty()) {
+      return static_cast<uint32_t>(index +
+                                   (element - begin) / spec.partition_elems);
+    }
+    // With cuts, the holding shard's runs up to the element one by one.
     CutShard(spec, Range{begin, end}, [&](const Range& run, uint32_t) {
-      if (holds && element < run.end) return false;
+      if (element < run.end) return false;
       ++index;
       return true;
     });
-    if (holds) return static_cast<uint32_t>(index);
+    return static_cast<uint32_t>(index);
   }
   return static_cast<uint32_t>(index);
 }
