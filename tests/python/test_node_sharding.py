@@ -94,7 +94,8 @@ def worker(out, mode):
                                clip_grad_norm=CLIP)
     else:
         opt = build(name, model.parameters(), 0.01)
-    if variant in ("leader", "clipleader", "clipjobleader", "partleader", "editleader", "editone"):
+    if variant in ("leader", "clipleader", "clipjobleader", "partleader", "editleader", "editone",
+                   "addone"):
         # the leader holding the node's state
         params, norms = [], []
         for step in range(STEPS):
@@ -111,6 +112,11 @@ def worker(out, mode):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
                 if variant == "editleader" or local == 1:  # editone: local rank 1 alone
                     edit_clipped(model, step)
+            if variant == "addone":  # local rank 1 alone, an edit that is no scaling
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
+                if local == 1:
+                    with torch.no_grad():
+                        model[2].bias.grad.add_(0.5)
             opt.step()
             if variant in ("partleader", "editleader") and local == 0:
                 check(opt._holds_shards_model(), f"rank {rank} step {step}: the shards' mirrors "
@@ -344,8 +350,8 @@ def edit_after_clip():
     on the sharded node: the parameters DDP + AdamW's given the same edits
     of the clipped average (within 1e-6; without the edits further off),
     the shards' mirrors the workers' after every step. Local rank 1 alone
-    editing (`editone`, the leader's node): every rank of both nodes fails,
-    naming it."""
+    editing (`editone`: a scaling, `addone`: an addition; the leader's
+    node): every rank of both nodes fails, naming it."""
     outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-") for v in ("editleader", "editfull")}
     for variant, out in outs.items():
         check(all(code == 0 for code, _ in run_nodes(
@@ -376,12 +382,14 @@ def edit_after_clip():
             apart = max(apart, float(numpy.abs(flat(unedited).numpy() - want).max()))
     check(worst <= 1e-6, f"the nodes' parameters are {worst} from DDP + AdamW's")
     check(apart > 100 * max(worst, 1e-8), f"the edits hardly matter here ({apart}): a weak test")
-    results = run_nodes(tempfile.mkdtemp(prefix="morse-sharded-editone-"), "Adam:editone",
-                        how="leader")
-    for node, (code, text) in enumerate(results):
-        check(code != 0 and re.search(rf"local ranks \[1\] of node {node} changed \.grad after "
-                                      r"clip_grad_norm_ in step 0 otherwise than its leader", text),
-              f"node {node}: a rank that alone edited after the clip is not named")
+    for variant in ("editone", "addone"):  # local rank 1 alone scales, or adds
+        results = run_nodes(tempfile.mkdtemp(prefix=f"morse-sharded-{variant}-"),
+                            f"Adam:{variant}", how="leader")
+        for node, (code, text) in enumerate(results):
+            check(code != 0 and re.search(rf"local ranks \[1\] of node {node} changed \.grad "
+                                          r"after clip_grad_norm_ in step 0 otherwise than its "
+                                          r"leader", text),
+                  f"{variant}: node {node}: a rank that alone edited after the clip is not named")
     print(f"PASS: edit: clip_grad_norm_, then .grad scaled and zeroed per parameter on every rank of "
           f"the leader's and the sharded node: the parameters {worst:.2g} from DDP + AdamW's given "
           f"the same edits ({apart:.2g} without them), the mirrors the workers' after every step; "

@@ -610,7 +610,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # The rank that steps for a node (or a slice), in a step whose
         # gather came at the clip: [(local rank, the factors by which it
         # scaled each parameter's .grad since, None for another edit)] of
-        # the other ranks, which must be its own (_node_edits_judged).
+        # the other ranks, which must be its own (_judge_node_edits).
         self._node_edit_scales = None
         self._node_buckets = None
         self._push_error = None  # a leader's push at the gather failed: raised at its step
@@ -1519,6 +1519,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _worker_step(self):
         """The step as one Morse worker (every rank, or a node's leader)."""
+        # A node's stepping rank: the other ranks' edits since the clip,
+        # this step's alone whatever happens.
+        others, self._node_edit_scales = self._node_edit_scales, None
         if self._pushed is None:
             self._push_now()
         first, edited, missing, pushed = self._pushed
@@ -1594,9 +1597,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._holds_pushes = True
             self._snapshot = None
             edited = False
-        # A node's leader: its other ranks edited their .grad after the
-        # clip as it did (the same factors), or the step is refused.
-        others, self._node_edit_scales = self._node_edit_scales, None
+        # A node's stepping rank: its other ranks edited their .grad after
+        # the clip as it did (the same factors), or the step is refused.
         if others is not None and not late:
             mine = folded or [1.0] * len(self._params)
             differ = [k for k, scales in others if scales != mine]
@@ -1856,13 +1858,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._grad_version = self._flat_grad._version  # what the pushes read: no edit
         self._reset_node_buckets()
 
-    def _edited_since_gathered(self, sent):
-        """The names of the parameters (of those this rank does not step)
-        whose .grad changed since clip_grad_norm_ sent them."""
-        names = {id(p): n for n, p in zip(self._node_names, self._node_params)}
-        return [names[id(p)] for p, g in sent
-                if (p.grad is None) != (g is None) or (g is not None and not _same_bits(p.grad, g))]
-
     def _node_step(self):
         """The step of a rank in a node of several (node.py): the leader
         steps for the node with the average of its ranks' gradients, and
@@ -1873,7 +1868,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         missing, failure, sent = self._gathered
         self._gathered = None
         error = None
-        judged = self._node_edits_judged(sent)  # by the leader, edits made after the clip
+        self._judge_node_edits(sent)  # by the leader, edits made after the clip
         if node.is_leader:
             error, outcome = self._step_for_node(failure)
             failure, _, buffers, _ = node.finish(*outcome)
@@ -1891,20 +1886,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._unpack_buffers(buffers)
         if error is not None:
             raise error
-        if not judged:
-            self._check_edited_after_clip(sent)
         self._check_missing(missing)
 
-    def _node_edits_judged(self, sent):
-        """At step(), in a step whose gather came at clip_grad_norm_: every
-        rank of the node tells the rank that steps each parameter (the
-        leader, or the slice's owner) the factor by which it scaled that
-        parameter's .grad since the clip sent it (`sent`; None for another
-        edit), which that rank's step compares with its own
-        (_worker_step). Returns whether it did (else each rank checks its
-        own gradients after the step)."""
+    def _judge_node_edits(self, sent):
+        """At step(), in a step whose gather came at clip_grad_norm_ (the
+        only one in which `sent`, what this rank sent then of the gradients
+        it does not step, holds anything): every rank of the node tells the
+        rank that steps each parameter (the leader, or the slice's owner)
+        the factor by which it scaled that parameter's .grad since (None for
+        another edit), which that rank's step compares with its own
+        (_worker_step), refusing the step unless they agree."""
+        self._node_edit_scales = None
         if not self._clip_gathered:
-            return False
+            return
         node = self._node
         index = {id(p): i for i, p in enumerate(self._node_params)}
         mine = {index[id(p)]: None if (p.grad is None) != (g is None) else
@@ -1916,18 +1910,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 else self._slices[node.local_rank]
             self._node_edit_scales = [(k, [scales[i] for i in range(first, end)])
                                       for k, scales in enumerate(told) if k != node.local_rank]
-        return True
-
-    def _check_edited_after_clip(self, sent):
-        edited = self._edited_since_gathered(sent)
-        if edited:
-            shown = ", ".join(edited[:5]) + (f" and {len(edited) - 5} more" if len(edited) > 5 else "")
-            raise MorseError(
-                f"FAILED_PRECONDITION: the gradients of {shown} changed after clip_grad_norm_ "
-                f"sent them to the node (editing, scaling or zeroing .grad) in step "
-                f"{self.step_index - 1}, which used them as they were at clip_grad_norm_; edit "
-                ".grad before clip_grad_norm_, as under DDP its clip factor is of the gradient "
-                "it sees")
 
     def _save_checkpoint(self):
         """This rank's checkpoint of the step just ended (a sharded node's
@@ -2016,7 +1998,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._node_gather()
         missing, failure, sent = self._gathered
         self._gathered = None
-        judged = self._node_edits_judged(sent)  # by each slice's owner, edits made after the clip
+        self._judge_node_edits(sent)  # by each slice's owner, edits made after the clip
         error, outcome = self._step_for_node(failure)
         outcomes = node.finish_all(*outcome)
         for k, (failed, _, _, _) in enumerate(outcomes):
@@ -2028,8 +2010,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._unpack_buffers(outcomes[0][2])
         if error is not None:
             raise error
-        if not judged:
-            self._check_edited_after_clip(sent)
         self._check_missing(missing)
 
     def _share_slices(self):
