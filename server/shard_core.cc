@@ -1379,8 +1379,8 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
     }
     ApplyMirror(p);
     float* mirror = mirror_.x().data() + offset;
-    if (p.x_replaced_step == step &&
-        std::memcmp(mirror, x.data(), n * sizeof(float)) == 0) {
+    const bool same = std::memcmp(mirror, x.data(), n * sizeof(float)) == 0;
+    if (p.x_replaced_step == step && same) {
       return absl::OkStatus();  // again (rank 0 restarted and replaying)
     }
     if (step > p.next_step && NextExchange(p) == p.next_step) {
@@ -1400,7 +1400,11 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
           "exchanging (rank 0 asked before step ",
           step, ")"));
     }
-    if (p.arrived > 0) {
+    // A partition the change left as it was may have pushes of the step
+    // already: another rank found every partition holding its weights
+    // once rank 0 had given the ones that changed (their hashes checked
+    // those pushes against these bits).
+    if (p.arrived > 0 && !same) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", p.hyper_rank, " pushed step ", step, " of partition ",
           partition,

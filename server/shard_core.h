@@ -303,7 +303,10 @@ class ShardCore {
                                 const PartitionSnapshot& state);
   // Rank 0 replaces one partition's x between two steps of a job that has
   // trained (weights changed after a step: design.md 4): `step` must be
-  // the partition's next one, with no push of it arrived yet; the rest of
+  // the partition's next one, with no push of it arrived yet unless the
+  // partition holds this x already (a change that left it as it was:
+  // another rank may have found the shards holding its weights once rank
+  // 0 had given the partitions that changed, and pushed); the rest of
   // its state (m, v, error buffers, kept replies) is kept. The pushes of
   // `step` must then carry the hash of this x (PushRequest.x_hash), so a
   // rank that did not change its weights the same way fails that step.

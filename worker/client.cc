@@ -245,7 +245,11 @@ absl::StatusOr<int64_t> PushClient::Fetch(std::optional<ModelArrays> model,
       absl::Status mixed = absl::FailedPreconditionError(
           absl::StrCat("partition ", p.id, " has completed ",
                        state.completed_steps(), " steps, others ", step,
-                       "; restart the servers from their checkpoints"));
+                       ": a shard restarted from its checkpoint is brought "
+                       "to the workers' step by their replays (the next "
+                       "step's pushes: ask again after it); shards started "
+                       "from checkpoints of different steps cannot be (start "
+                       "the job again from a saved state)"));
       mixed.SetPayload(kMixedStepsKey, absl::Cord("1"));
       return mixed;
     }

@@ -13,6 +13,8 @@
 #include "compress/trace.h"
 #include "proto/checkpoint_file.h"
 #include "worker/engine/host/engine.h"
+#include "worker/rpc_status.h"
+#include "worker/shard_recovery.h"
 #include "worker/transport/grpc/transport.h"
 
 namespace morse::worker {
@@ -1010,6 +1012,15 @@ absl::Status Session::ReloadModel() {
         "exchanges (in the variance and 1-bit phases, every step)"));
   }
   auto held = client_->CompletedSteps();
+  if (held.ok() ? *held < step_ : Retryable(held.status())) {
+    // A shard restarted from its checkpoint since the last step (or is
+    // restarting): the workers' replays bring it to this step first.
+    if (absl::Status s =
+            ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
+        !s.ok())
+      return s;
+    held = client_->CompletedSteps();
+  }
   if (!held.ok()) return held.status();
   if (*held > step_) {
     // A rank restarted from its checkpoint and replaying steps the shards
@@ -1082,6 +1093,14 @@ absl::Status Session::AwaitShardsX() {
         !(step_ > 0 && absl::IsUnavailable(shards.status()))) {
       return Fail(shards.status());
     }
+    if (step_ > 0 && (!shards.ok() || shards->completed_steps < step_)) {
+      // A shard restarted from its checkpoint since the last step needs
+      // this rank's replays too before rank 0 can give it the weights.
+      if (absl::Status s =
+              ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
+          !s.ok())
+        return Fail(s);
+    }
     if (shards.ok() && shards->completed_steps > step_) {
       return Fail(absl::FailedPreconditionError(absl::StrCat(
           "the shards completed step ", step_, " while rank ", rank_,
@@ -1115,16 +1134,27 @@ absl::StatusOr<bool> Session::HoldsShardsModel() {
   // FAILED_PRECONDITION: asked again, up to the connect timeout. Only the
   // partitions' hashes of x cross the wire (PushRequest.x_hash's, which
   // the pushes then carry: the check relies on them either way).
+  // A shard restarted from its checkpoint since the last step is behind
+  // until the workers' replays bring it to this step: they go now.
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   absl::Duration pause = absl::Milliseconds(5);
   auto shards = client_->CompareX(replica_.x());
+  bool caught_up = false;
   while (!shards.ok() &&
          (absl::IsUnavailable(shards.status()) ||
           absl::IsFailedPrecondition(shards.status())) &&
          absl::Now() < deadline) {
-    absl::SleepFor(pause);
-    pause = std::min(2 * pause, absl::Milliseconds(100));
+    if (!caught_up) {
+      caught_up = true;
+      if (absl::Status s =
+              ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
+          !s.ok())
+        return s;
+    } else {
+      absl::SleepFor(pause);
+      pause = std::min(2 * pause, absl::Milliseconds(100));
+    }
     shards = client_->CompareX(replica_.x());
   }
   if (!shards.ok()) return shards.status();

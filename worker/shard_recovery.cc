@@ -40,6 +40,112 @@ void ShardRecovery::Sending(uint32_t id) {
   sent_[id] = true;
 }
 
+absl::Status ShardRecovery::CatchUpBetweenSteps(PushClient* client,
+                                                int64_t step) {
+  const proto::JobSpec& job = client->job_;
+  if (job.replay_steps == 0) return absl::OkStatus();
+  const uint32_t shards = client->transport_->shards();
+  const absl::Time deadline =
+      absl::Now() + absl::Seconds(job.recovery_timeout_seconds);
+  absl::Duration pause = absl::Milliseconds(5);
+  // Where each shard is; a restarted one gets this worker's Join first (an
+  // external job's shard learns the model's size, then reads its
+  // checkpoint), and one still starting is asked again.
+  std::vector<int64_t> from(shards, step);
+  for (uint32_t s = 0; s < shards; ++s) {
+    for (;;) {
+      v1::ShardInfo info;
+      absl::Status status =
+          worker::Wait(&Transport::GetShardInfo, *client->transport_, s,
+                       v1::ShardInfoRequest(), &info,
+                       client->Options(job.rpc_timeout_seconds));
+      if (status.ok() && info.initialized()) {
+        from[s] = compress::NextExchange(job.algorithm, info.completed_steps());
+        break;
+      }
+      if (status.ok()) client->Rejoin(s);
+      if (!status.ok() && !Retryable(status)) {
+        return RpcError(status, client->transport_->address(s));
+      }
+      if (absl::Now() > deadline) {
+        return absl::UnavailableError(absl::StrCat(
+            client->transport_->address(s),
+            " did not come back with its model within ",
+            job.recovery_timeout_seconds, " s (timeouts.recovery_seconds)",
+            status.ok() ? "" : absl::StrCat(": ", status.message())));
+      }
+      absl::SleepFor(pause);
+      pause = std::min(2 * pause, absl::Milliseconds(200));
+    }
+  }
+  if (std::all_of(from.begin(), from.end(),
+                  [step](int64_t f) { return f >= step; })) {
+    return absl::OkStatus();
+  }
+  // The replays, as a step's exchange would send them (retried while the
+  // shard is unreachable, refused again when it restarts again); the first
+  // failure is the call's.
+  class Replays : public ExchangeSide {
+   public:
+    explicit Replays(PushClient* client) : client_(client) {}
+    void Issue(std::unique_ptr<PushCall> call) override {
+      ++call->attempt;
+      PushCall* raw = call.release();
+      client_->transport_->Push(
+          raw->partition->shard, raw->request, &raw->reply,
+          client_->Options(client_->job_.rpc_timeout_seconds,
+                           raw->partition->id),
+          [this, raw](absl::Status status) {
+            // Every call here is a replay, which recovery ends itself.
+            std::unique_ptr<PushCall> left =
+                recovery_->OnAnswer(std::unique_ptr<PushCall>(raw), status);
+            if (left != nullptr) {
+              Fail(*left->partition,
+                   absl::InternalError("a replay came back as a push"), false);
+            }
+          });
+    }
+    void Fail(const compress::Partition& partition, absl::Status status,
+              bool) override {
+      MutexLock lock(&mu_);
+      if (error_.ok()) {
+        error_ = absl::Status(
+            status.code(),
+            absl::StrCat("replaying partition ", partition.id, " to ",
+                         client_->transport_->address(partition.shard), ": ",
+                         status.message()));
+      }
+    }
+    absl::Status error() const {
+      MutexLock lock(&mu_);
+      return error_;
+    }
+    ShardRecovery* recovery_ = nullptr;
+
+   private:
+    PushClient* const client_;
+    mutable Mutex mu_;
+    absl::Status error_ ABSL_GUARDED_BY(mu_);
+  };
+  Replays replays(client);
+  {
+    ShardRecovery recovery(client, step, &replays);
+    replays.recovery_ = &recovery;
+    for (uint32_t s = 0; s < shards; ++s) {
+      if (from[s] >= step) continue;
+      std::fprintf(
+          stderr,
+          "morse-worker %u: %s restarted from its checkpoint at step "
+          "%lld; replaying steps %lld..%lld before step %lld\n",
+          client->rank_, client->transport_->address(s).c_str(),
+          static_cast<long long>(from[s]), static_cast<long long>(from[s]),
+          static_cast<long long>(step - 1), static_cast<long long>(step));
+      recovery.CatchUp(s, from[s]);
+    }
+  }  // waits for every replay
+  return replays.error();
+}
+
 void ShardRecovery::Done() {
   MutexLock lock(&mu_);
   --pending_;

@@ -102,6 +102,20 @@ class ShardRecovery {
   // Pushes retried so far (unreachable shards, elastic re-pushes).
   uint32_t retries() const;
 
+  // Between steps, with no exchange in flight: brings every shard that
+  // restarted from its checkpoint up to `step`, this worker's next step,
+  // as the step's first push to it would. A shard that lost its model is
+  // joined again; one behind this worker is replayed this worker's
+  // retained pushes of the steps it lost (their replies checked against
+  // the ones applied). What a worker asks of the shards' model between
+  // steps needs every shard at one step (Session::HoldsShardsModel,
+  // ReloadModel, ServerError), and a restarted shard moves on only with
+  // the workers' replays: a partition's replay is answered once every
+  // worker's is in, this call's or another worker's next step's. Gives
+  // up after timeouts.recovery_seconds; OK at once where nothing is
+  // retained (checkpoint.replay_steps 0) or no shard is behind.
+  static absl::Status CatchUpBetweenSteps(PushClient* client, int64_t step);
+
  private:
   void RetryLater(std::unique_ptr<PushCall> call);
   // Ends a call of `partition` with an error: the exchange's push

@@ -15,6 +15,15 @@ which the checkpoint holds applied, is taken as applied), and every rank
 ends every step on the bits of the same job undisturbed, the shards'
 mirrors holding the workers' parameters after every step.
 
+The same with the weights clamped after every step (`clamp`: a change
+after a step, which rank 0 gives the shards before the next step's
+pushes): the next step begins by asking whether the shards hold the
+clamped weights, with shard 1 just restarted (from the checkpoint the
+shards wrote once they held step 9's weights) and behind; the workers
+replay step 9 to it before rank 0 gives it the weights, and every rank ends
+every step on the undisturbed run's bits. (Before, the question failed:
+the restarted shard had no model until a push joined it again.)
+
 The config is written on one line, as protobuf's text format allows, with
 a comment: morse-run must read its checkpoint.dir (the shards' checkpoints,
 their last written as they stop, land there) and not the comment's field.
@@ -60,9 +69,10 @@ def worker(out):
 
 def worker_clips(out, what, kill):
     """`part`: Adam with clips of the first layer and of the whole every
-    step (`what` "part"), or of the whole alone ("whole"); shard 1 killed
-    after step KILL_AFTER when `kill`. Writes each step's parameters, as
-    hex, to params-<rank>.json."""
+    step (`what` "part"), or of the whole alone ("whole"), or no clip and
+    the weights clamped after every step ("clamp"); shard 1 killed after
+    step KILL_AFTER when `kill`. Writes each step's parameters, as hex, to
+    params-<rank>.json."""
     import json
     import morse.torch
     torch.manual_seed(3)
@@ -78,11 +88,16 @@ def worker_clips(out, what, kill):
         if what == "part":
             norm = float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), 0.05))
             check(norm > 0.05, f"step {step}: the first layer's clip did not act ({norm})")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        if what != "clamp":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
         opt.step()
+        if what == "clamp":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.3, 0.3)
         # (Not in the step of the kill: rank 1 may ask while shard 1 is
         # back at step 8, which the shards' model is not a step's.)
-        check(step == KILL_AFTER or opt._holds_shards_model(), f"rank {rank} step {step}: the "
+        check(step == KILL_AFTER or what == "clamp" or opt._holds_shards_model(), f"rank {rank} step {step}: the "
               "shards' mirrors differ from this rank's parameters")
         params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
                       .tobytes().hex())
@@ -95,9 +110,10 @@ def worker_clips(out, what, kill):
 
 
 def clips(one_line, what):
-    """`part` (the module's docstring), or `whole` (a clip of the whole
-    model alone): the restarted run's bits are the undisturbed run's.
-    `one_line`: the config, its checkpoint.dir "D"."""
+    """`part` (the module's docstring), `whole` (a clip of the whole model
+    alone), or `clamp` (the module's docstring): the restarted run's bits
+    are the undisturbed run's. `one_line`: the config, its checkpoint.dir
+    "D"."""
     import json
     runs = {}
     for kill in (True, False):
@@ -111,14 +127,27 @@ def clips(one_line, what):
             print(log[-4000:])
         check(code == 0, f"the {what} clip job {'with' if kill else 'without'} the kill failed")
         if kill:
-            check("killed shard 1" in log and "restarted from its checkpoint at step 8" in log,
-                  "shard 1 was not killed and replayed from step 8")
+            # (Weights changed after step 8: the shards wrote a checkpoint
+            # of step 9 once they held them.)
+            at = 9 if what == "clamp" else 8
+            replayed = "killed shard 1" in log and f"restarted from its checkpoint at step {at}" in log
+            if what == "clamp":  # by the step's weight change, before its pushes
+                replayed = replayed and "replaying steps 9..9 before step 10" in log
+            if not replayed:
+                print("\n".join(line for line in log.splitlines()
+                                if "completed" not in line and "checkpoint of" not in line))
+            check(replayed, f"shard 1 was not killed and replayed from step {at}")
         runs[kill] = [json.load(open(f"{out}/params-{r}.json")) for r in range(2)]
         subprocess.run(["rm", "-rf", out])
     check(runs[True][0] == runs[True][1], "the ranks differ")
     for step in range(STEPS):
         check(runs[True][0][step] == runs[False][0][step],
               f"step {step}: the restarted run's parameters differ from the undisturbed run's")
+    if what == "clamp":
+        print(f"PASS: clamp: weights clamped after every step, shard 1 killed after step "
+              f"{KILL_AFTER} and brought to step 10 by the workers' replays before rank 0 gave "
+              f"the shards the clamped weights: {STEPS} steps on the undisturbed run's bits")
+        return
     clipped = ("over the first layer and the whole every step" if what == "part" else
                "over the whole every step")
     print(f"PASS: {what}: clip_grad_norm_ {clipped}, shard 1 killed after step {KILL_AFTER} and "
@@ -196,7 +225,7 @@ if __name__ == "__main__":
                 model(torch.ones(3, 16)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-        elif sys.argv[-1].startswith(("part", "whole")):
+        elif sys.argv[-1].startswith(("part", "whole", "clamp")):
             what, _, kill = sys.argv[-1].partition("-")
             worker_clips(sys.argv[-2], what, kill == "kill")
         else:
@@ -207,6 +236,9 @@ if __name__ == "__main__":
                                        "checkpoint.dir": ["D"], "timeouts": None,
                                        "timeouts.recovery_seconds": ["60"]},
           f"morse-run read {_config_fields(one_line)} from {one_line!r}")
+    if sys.argv[1:] == ["clamp"]:  # this part alone
+        clips(one_line, "clamp")
+        sys.exit(0)
     out = tempfile.mkdtemp(prefix="morse-restart-")
     checkpoints = tempfile.mkdtemp(prefix="morse-restart-checkpoints-")
     config = os.path.join(out, "base.textproto")
@@ -230,5 +262,6 @@ if __name__ == "__main__":
     subprocess.run(["rm", "-rf", checkpoints])
     clips(one_line, "whole")
     clips(one_line, "part")
+    clips(one_line, "clamp")
     slow_to_stop()
     launcher_tidies()

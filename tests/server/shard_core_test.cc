@@ -606,6 +606,13 @@ TEST_F(ShardCoreTest, WeightsChangedAfterAStepReplaceXAloneAndAreChecked) {
   EXPECT_EQ(late.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(late.message().find("rank 1 pushed step 2"), std::string::npos)
       << late;
+  // Unless the change left the partition as it was: another rank found
+  // the shards holding its weights once rank 0 had given the partitions
+  // that changed, and pushed.
+  const std::vector<float> now = core_->FetchPartition(p.id, fingerprint())->x;
+  const absl::Status kept = core_->ReplaceX(0, p.id, fingerprint(), 2, now);
+  EXPECT_TRUE(kept.ok()) << kept;
+  EXPECT_EQ(core_->FetchPartition(p.id, fingerprint())->x, now);
 
   // Every partition of the shard replaced at one step: the observer, once.
   auto fresh = *ShardCore::Create(job_, 1);
