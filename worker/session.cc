@@ -1015,10 +1015,7 @@ absl::Status Session::ReloadModel() {
   if (held.ok() ? *held < step_ : Retryable(held.status())) {
     // A shard restarted from its checkpoint since the last step (or is
     // restarting): the workers' replays bring it to this step first.
-    if (absl::Status s =
-            ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
-        !s.ok())
-      return s;
+    if (absl::Status s = CatchUpShards(); !s.ok()) return s;
     held = client_->CompletedSteps();
   }
   if (!held.ok()) return held.status();
@@ -1096,10 +1093,7 @@ absl::Status Session::AwaitShardsX() {
     if (step_ > 0 && (!shards.ok() || shards->completed_steps < step_)) {
       // A shard restarted from its checkpoint since the last step needs
       // this rank's replays too before rank 0 can give it the weights.
-      if (absl::Status s =
-              ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
-          !s.ok())
-        return Fail(s);
+      if (absl::Status s = CatchUpShards(); !s.ok()) return Fail(s);
     }
     if (shards.ok() && shards->completed_steps > step_) {
       return Fail(absl::FailedPreconditionError(absl::StrCat(
@@ -1126,6 +1120,24 @@ absl::Status Session::AwaitShardsX() {
   }
 }
 
+absl::Status Session::CatchUpShards() {
+  absl::StatusOr<bool> replayed =
+      ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
+  if (!replayed.ok()) return replayed.status();
+  const bool commits = compress::CommitsLayers(job_.algorithm);
+  if (!*replayed || step_ == 0 || !(rank_ == 0 || job_.elastic()) ||
+      !(commits || previous_grad_sum_of_squares_.has_value())) {
+    return absl::OkStatus();
+  }
+  // The last step, replayed, waits for its commit, which Finish sent
+  // before the shard restarted and the next step's pushes would carry.
+  return client_->Commit(step_ - 1, previous_grad_sum_of_squares_,
+                         previous_clip_max_norm_,
+                         commits ? absl::MakeConstSpan(previous_commit_)
+                                 : absl::Span<const double>(),
+                         previous_clip_pieces_);
+}
+
 absl::StatusOr<bool> Session::HoldsShardsModel() {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (absl::Status s = SyncHost(); !s.ok()) return s;
@@ -1134,27 +1146,26 @@ absl::StatusOr<bool> Session::HoldsShardsModel() {
   // FAILED_PRECONDITION: asked again, up to the connect timeout. Only the
   // partitions' hashes of x cross the wire (PushRequest.x_hash's, which
   // the pushes then carry: the check relies on them either way).
-  // A shard restarted from its checkpoint since the last step is behind
-  // until the workers' replays bring it to this step: they go now.
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   absl::Duration pause = absl::Milliseconds(5);
   auto shards = client_->CompareX(replica_.x());
-  bool caught_up = false;
   while (!shards.ok() &&
          (absl::IsUnavailable(shards.status()) ||
           absl::IsFailedPrecondition(shards.status())) &&
          absl::Now() < deadline) {
-    if (!caught_up) {
-      caught_up = true;
-      if (absl::Status s =
-              ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
-          !s.ok())
-        return s;
-    } else {
-      absl::SleepFor(pause);
-      pause = std::min(2 * pause, absl::Milliseconds(100));
-    }
+    // A shard restarted from its checkpoint since the last step (or
+    // restarting) is behind until the workers' replays bring it to this
+    // step: they go now. (Nothing is sent where no shard is behind.)
+    if (absl::Status s = CatchUpShards(); !s.ok()) return s;
+    absl::SleepFor(pause);
+    pause = std::min(2 * pause, absl::Milliseconds(100));
+    shards = client_->CompareX(replica_.x());
+  }
+  if (shards.ok() && shards->completed_steps < step_) {
+    // Every shard behind: restarted from checkpoints of one step (or
+    // zero_one_adam's local steps, which they do not see).
+    if (absl::Status s = CatchUpShards(); !s.ok()) return s;
     shards = client_->CompareX(replica_.x());
   }
   if (!shards.ok()) return shards.status();
@@ -1174,6 +1185,16 @@ absl::Status Session::ServerError(absl::Span<float> out) {
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   auto steps = client_->FetchServerError(out);
+  if (steps.ok() ? *steps < step_
+                 : Retryable(steps.status()) ||
+                       steps.status()
+                           .GetPayload(PushClient::kMixedStepsKey)
+                           .has_value()) {
+    // A shard restarted from its checkpoint since the last step: the
+    // workers' replays bring it to this step first.
+    if (absl::Status s = CatchUpShards(); !s.ok()) return s;
+    steps = client_->FetchServerError(out);
+  }
   if (!steps.ok()) return steps.status();
   if (*steps != step_) {
     const compress::StepPlan last =

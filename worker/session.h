@@ -295,6 +295,11 @@ class Session {
   // shards (PushClient::Abort) so every other worker fails with it too;
   // not in an elastic job, which goes on without this worker.
   absl::Status Fail(absl::Status status);
+  // Between steps: brings every shard restarted from its checkpoint since
+  // the last step to this one (ShardRecovery::CatchUpBetweenSteps), and
+  // where that replayed the last step, sends its commit again (rank 0, or
+  // every rank in an elastic job, as Finish does).
+  absl::Status CatchUpShards();
   // ReloadModel after the first step, the host's x current.
   absl::Status ReplaceModel();
   // ReloadModel on a rank but 0: waits, up to the connect timeout, until

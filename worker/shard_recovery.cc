@@ -40,10 +40,10 @@ void ShardRecovery::Sending(uint32_t id) {
   sent_[id] = true;
 }
 
-absl::Status ShardRecovery::CatchUpBetweenSteps(PushClient* client,
-                                                int64_t step) {
+absl::StatusOr<bool> ShardRecovery::CatchUpBetweenSteps(PushClient* client,
+                                                        int64_t step) {
   const proto::JobSpec& job = client->job_;
-  if (job.replay_steps == 0) return absl::OkStatus();
+  if (job.replay_steps == 0) return false;
   const uint32_t shards = client->transport_->shards();
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job.recovery_timeout_seconds);
@@ -80,7 +80,7 @@ absl::Status ShardRecovery::CatchUpBetweenSteps(PushClient* client,
   }
   if (std::all_of(from.begin(), from.end(),
                   [step](int64_t f) { return f >= step; })) {
-    return absl::OkStatus();
+    return false;
   }
   // The replays, as a step's exchange would send them (retried while the
   // shard is unreachable, refused again when it restarts again); the first
@@ -143,7 +143,8 @@ absl::Status ShardRecovery::CatchUpBetweenSteps(PushClient* client,
       recovery.CatchUp(s, from[s]);
     }
   }  // waits for every replay
-  return replays.error();
+  if (absl::Status s = replays.error(); !s.ok()) return s;
+  return true;
 }
 
 void ShardRecovery::Done() {

@@ -112,9 +112,12 @@ class ShardRecovery {
   // ReloadModel, ServerError), and a restarted shard moves on only with
   // the workers' replays: a partition's replay is answered once every
   // worker's is in, this call's or another worker's next step's. Gives
-  // up after timeouts.recovery_seconds; OK at once where nothing is
-  // retained (checkpoint.replay_steps 0) or no shard is behind.
-  static absl::Status CatchUpBetweenSteps(PushClient* client, int64_t step);
+  // up after timeouts.recovery_seconds. Returns whether it replayed
+  // anything: false at once where nothing is retained
+  // (checkpoint.replay_steps 0) or no shard is behind. A replayed last
+  // step then waits for its commit (the caller's to send).
+  static absl::StatusOr<bool> CatchUpBetweenSteps(PushClient* client,
+                                                  int64_t step);
 
  private:
   void RetryLater(std::unique_ptr<PushCall> call);

@@ -22,7 +22,12 @@ clamped weights, with shard 1 just restarted (from the checkpoint the
 shards wrote once they held step 9's weights) and behind; the workers
 replay step 9 to it before rank 0 gives it the weights, and every rank ends
 every step on the undisturbed run's bits. (Before, the question failed:
-the restarted shard had no model until a push joined it again.)
+the restarted shard had no model until a push joined it again.) And
+OneBitAdam with rank 0's `state_dict()` after every step (`save`), the
+first right after the kill: it brings shard 1 to step 10 too, and every
+saved server error buffer is the undisturbed run's. In every variant the
+ranks ask whether the shards hold their parameters right after the kill
+too (`holds_shards_model()`, which catches the shard up the same way).
 
 The config is written on one line, as protobuf's text format allows, with
 a comment: morse-run must read its checkpoint.dir (the shards' checkpoints,
@@ -70,16 +75,23 @@ def worker(out):
 def worker_clips(out, what, kill):
     """`part`: Adam with clips of the first layer and of the whole every
     step (`what` "part"), or of the whole alone ("whole"), or no clip and
-    the weights clamped after every step ("clamp"); shard 1 killed after
-    step KILL_AFTER when `kill`. Writes each step's parameters, as hex, to
-    params-<rank>.json."""
+    the weights clamped after every step ("clamp"), or OneBitAdam with rank
+    0's state_dict() after every step ("save"); shard 1 killed after step
+    KILL_AFTER when `kill`, before the ranks ask whether the shards hold
+    their parameters. Writes each step's parameters, as hex, to
+    params-<rank>.json, and the server error buffers rank 0 saved to
+    errors-0.json."""
     import json
     import morse.torch
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
     rank = int(os.environ["MORSE_RANK"])
-    opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=64)
-    params = []
+    if what == "save":  # its compression phase has server error buffers
+        opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=5, block_elems=16,
+                                     partition_elems=64)
+    else:
+        opt = morse.torch.Adam(model.parameters(), lr=0.01, block_elems=16, partition_elems=64)
+    params, errors = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
@@ -88,34 +100,38 @@ def worker_clips(out, what, kill):
         if what == "part":
             norm = float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), 0.05))
             check(norm > 0.05, f"step {step}: the first layer's clip did not act ({norm})")
-        if what != "clamp":
+        if what in ("part", "whole"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
         opt.step()
         if what == "clamp":
             with torch.no_grad():
                 for p in model.parameters():
                     p.clamp_(-0.3, 0.3)
-        # (Not in the step of the kill: rank 1 may ask while shard 1 is
-        # back at step 8, which the shards' model is not a step's.)
-        check(step == KILL_AFTER or what == "clamp" or opt._holds_shards_model(), f"rank {rank} step {step}: the "
-              "shards' mirrors differ from this rank's parameters")
-        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-                      .tobytes().hex())
         if kill and rank == 0 and step == KILL_AFTER:
             pid = shard_pid(os.environ["MORSE_CONFIG"], 1)
             check(pid is not None, "shard 1's process not found")
             os.kill(pid, signal.SIGKILL)
             print(f"killed shard 1 (pid {pid}) after step {step}", flush=True)
+        if what == "save" and rank == 0:
+            # The shards' error buffers as rank 0's state_dict() saves them
+            # (after the kill, from shard 1 brought back to this step first).
+            errors.append(opt.state_dict()["state"]["server_error"].numpy().tobytes().hex())
+        # (Also right after the kill, shard 1 back at an older step: the
+        # ranks' replays bring it to this one first.)
+        check(what == "clamp" or opt._holds_shards_model(), f"rank {rank} step {step}: the "
+              "shards' mirrors differ from this rank's parameters")
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+                      .tobytes().hex())
     json.dump(params, open(f"{out}/params-{rank}.json", "w"))
+    json.dump(errors, open(f"{out}/errors-{rank}.json", "w"))
 
 
 def clips(one_line, what):
-    """`part` (the module's docstring), `whole` (a clip of the whole model
-    alone), or `clamp` (the module's docstring): the restarted run's bits
-    are the undisturbed run's. `one_line`: the config, its checkpoint.dir
-    "D"."""
+    """`part`, `clamp` or `save` (the module's docstring), or `whole` (a
+    clip of the whole model alone): the restarted run's bits are the
+    undisturbed run's. `one_line`: the config, its checkpoint.dir "D"."""
     import json
-    runs = {}
+    runs, saved = {}, {}
     for kill in (True, False):
         out = tempfile.mkdtemp(prefix=f"morse-restart-{what}-{'kill' if kill else 'whole'}-")
         config = os.path.join(out, "base.textproto")
@@ -131,18 +147,28 @@ def clips(one_line, what):
             # of step 9 once they held them.)
             at = 9 if what == "clamp" else 8
             replayed = "killed shard 1" in log and f"restarted from its checkpoint at step {at}" in log
-            if what == "clamp":  # by the step's weight change, before its pushes
-                replayed = replayed and "replaying steps 9..9 before step 10" in log
+            if what in ("clamp", "save"):  # by the question, before the next step's pushes
+                replayed = replayed and f"replaying steps {at}..9 before step 10" in log
             if not replayed:
                 print("\n".join(line for line in log.splitlines()
                                 if "completed" not in line and "checkpoint of" not in line))
             check(replayed, f"shard 1 was not killed and replayed from step {at}")
         runs[kill] = [json.load(open(f"{out}/params-{r}.json")) for r in range(2)]
+        saved[kill] = json.load(open(f"{out}/errors-0.json"))
         subprocess.run(["rm", "-rf", out])
     check(runs[True][0] == runs[True][1], "the ranks differ")
     for step in range(STEPS):
         check(runs[True][0][step] == runs[False][0][step],
               f"step {step}: the restarted run's parameters differ from the undisturbed run's")
+    check(saved[True] == saved[False], "rank 0's saved server error buffers differ from the "
+          "undisturbed run's")
+    if what == "save":
+        check(len(saved[True]) == STEPS and any(e != saved[True][0] for e in saved[True]),
+              "rank 0 saved no server error buffers that change")
+        print(f"PASS: save: rank 0's state_dict() after every step, shard 1 killed after step "
+              f"{KILL_AFTER} and brought to step 10 by the workers' replays for it: {STEPS} steps "
+              "and every saved server error buffer on the undisturbed run's bits")
+        return
     if what == "clamp":
         print(f"PASS: clamp: weights clamped after every step, shard 1 killed after step "
               f"{KILL_AFTER} and brought to step 10 by the workers' replays before rank 0 gave "
@@ -225,7 +251,7 @@ if __name__ == "__main__":
                 model(torch.ones(3, 16)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-        elif sys.argv[-1].startswith(("part", "whole", "clamp")):
+        elif sys.argv[-1].startswith(("part", "whole", "clamp", "save")):
             what, _, kill = sys.argv[-1].partition("-")
             worker_clips(sys.argv[-2], what, kill == "kill")
         else:
@@ -236,8 +262,8 @@ if __name__ == "__main__":
                                        "checkpoint.dir": ["D"], "timeouts": None,
                                        "timeouts.recovery_seconds": ["60"]},
           f"morse-run read {_config_fields(one_line)} from {one_line!r}")
-    if sys.argv[1:] == ["clamp"]:  # this part alone
-        clips(one_line, "clamp")
+    if sys.argv[1:] in (["clamp"], ["save"]):  # this part alone
+        clips(one_line, sys.argv[1])
         sys.exit(0)
     out = tempfile.mkdtemp(prefix="morse-restart-")
     checkpoints = tempfile.mkdtemp(prefix="morse-restart-checkpoints-")
@@ -263,5 +289,6 @@ if __name__ == "__main__":
     clips(one_line, "whole")
     clips(one_line, "part")
     clips(one_line, "clamp")
+    clips(one_line, "save")
     slow_to_stop()
     launcher_tidies()
