@@ -96,12 +96,15 @@ absl::StatusOr<bool> ShardRecovery::CatchUpBetweenSteps(PushClient* client,
           client_->Options(client_->job_.rpc_timeout_seconds,
                            raw->partition->id),
           [this, raw](absl::Status status) {
-            // Every call here is a replay, which recovery ends itself.
+            // Every call here is a replay, which recovery ends itself
+            // (Done); one handed back would be a push, which none is.
             std::unique_ptr<PushCall> left =
                 recovery_->OnAnswer(std::unique_ptr<PushCall>(raw), status);
             if (left != nullptr) {
-              Fail(*left->partition,
-                   absl::InternalError("a replay came back as a push"), false);
+              recovery_->Fail(
+                  *left->partition,
+                  absl::InternalError("a replay came back as a push"),
+                  /*exchange_owns=*/false);
             }
           });
     }
