@@ -59,6 +59,7 @@ class TwoRanks {
   }
 
   std::vector<std::unique_ptr<worker::Session>> ranks;
+  testing::Cluster& cluster() { return cluster_; }
 
  private:
   proto::JobSpec job_;
@@ -246,6 +247,92 @@ TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
       EXPECT_TRUE(*given) << "rank " << r
                           << " after the shards took the change";
     }
+  }
+}
+
+// A shard killed between two steps and restarted from its checkpoint is
+// behind the ranks until their replays bring it forward (design.md 4). A
+// rank that asks the shards between steps does that first
+// (ShardRecovery::CatchUpBetweenSteps): rank 0's server error buffers and
+// rank 1's HoldsShardsModel after a kill in the warmup, whose clipped step
+// then waits for its commit again (Session::CatchUpShards); ReloadModel on
+// both ranks after a kill in the compression phase, where the ranks then
+// change their weights. Every step's x is the simulator's, and the server
+// error buffers after the catch-up are the ones before the kill.
+TEST(SessionTest, AShardRestartedBetweenStepsIsCaughtUpByTheRanksThatAsk) {
+  const std::string config = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 1000 }
+    lr { lr: 0.01 }
+    steps: 8
+    freeze_step: 4
+    block_elems: 16
+    partition_elems: 256
+    clip_grad_norm: 1.0
+    checkpoint { every_steps: 2 }
+    timeouts { connect_seconds: 20 recovery_seconds: 20 }
+  )";
+  auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  TwoRanks two(config, job);
+  two.cluster().AddServerArgs({"--checkpoint_dir=" + two.cluster().dir()});
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  std::vector<std::unique_ptr<worker::Session>>& ranks = two.ranks;
+  auto sim =
+      compress::Simulator::Create(job.algorithm, ranks[0]->replica().x());
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  for (int64_t step = 0; step < 8; ++step) {
+    std::vector<std::vector<float>> grads;
+    for (uint32_t r = 0; r < 2; ++r)
+      grads.push_back(compress::testing::VariedData(1000, 10 * step + r));
+    auto stepped = two.Both(
+        [&](worker::Session& s, uint32_t r) { return s.Step(grads[r]); });
+    ASSERT_TRUE(stepped.first.ok()) << stepped.first;
+    ASSERT_TRUE(stepped.second.ok()) << stepped.second;
+    const std::vector<absl::Span<const float>> spans = {grads[0], grads[1]};
+    ASSERT_TRUE(sim->Step(spans).ok());
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto x = ranks[r]->replica().x();
+      ASSERT_TRUE(std::equal(x.begin(), x.end(), sim->worker_x(r).begin()))
+          << "rank " << r << " after step " << step;
+    }
+    if (step != 2 && step != 4) continue;
+    // Shard 1's last checkpoint is of the step before this one.
+    std::vector<float> before(1000), after(1000);
+    ASSERT_TRUE(ranks[0]->ServerError(absl::MakeSpan(before)).ok());
+    two.cluster().KillServer(1);
+    two.cluster().RestartServer(1, false);
+    if (step == 2) {
+      auto asked = two.Both([&](worker::Session& s, uint32_t r) {
+        if (r == 0) return s.ServerError(absl::MakeSpan(after));
+        absl::StatusOr<bool> holds = s.HoldsShardsModel();
+        if (!holds.ok()) return holds.status();
+        return *holds
+                   ? absl::OkStatus()
+                   : absl::InternalError("the shards do not hold rank 1's x");
+      });
+      ASSERT_TRUE(asked.first.ok()) << asked.first;
+      ASSERT_TRUE(asked.second.ok()) << asked.second;
+      EXPECT_EQ(before, after) << "the server error buffers after the catch-up";
+      continue;
+    }
+    std::vector<float> changed(ranks[0]->replica().x().begin(),
+                               ranks[0]->replica().x().end());
+    for (float& f : changed) f = std::min(std::max(f, -0.02f), 0.02f);
+    ASSERT_TRUE(sim->ReplaceX(changed).ok());
+    for (auto& rank : ranks)
+      std::copy(changed.begin(), changed.end(), rank->replica().x().begin());
+    auto reloaded =
+        two.Both([&](worker::Session& s, uint32_t) { return s.ReloadModel(); });
+    ASSERT_TRUE(reloaded.first.ok()) << reloaded.first;
+    ASSERT_TRUE(reloaded.second.ok()) << reloaded.second;
+    for (uint32_t r = 0; r < 2; ++r) {
+      auto holds = ranks[r]->HoldsShardsModel();
+      ASSERT_TRUE(holds.ok()) << holds.status();
+      EXPECT_TRUE(*holds) << "rank " << r << " after the change";
+    }
+    ASSERT_TRUE(ranks[0]->ServerError(absl::MakeSpan(after)).ok());
+    EXPECT_EQ(before, after) << "the server error buffers after the change";
   }
 }
 
