@@ -237,6 +237,72 @@ def main():
             expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
             check(opt.step_index == 1, "the refused step ran, as clip_grad_norm_ saw it")
 
+    # In a compressing step (each rank's own gradient, pushed at step())
+    # clip_grad_norm_ is torch's own on .grad, in place, and step() pushes
+    # .grad as it finds it: edits after the clip train as torch's order
+    # gives them (DeepSpeed's rule). Every gradient halved after
+    # clip_grad_norm_(.., 0.01) trains bit for bit as clip_grad_norm_(..,
+    # 0.005) (factors a power of 2 apart); an add_ or a row's mul_ after it
+    # as torch's own clip_grad_norm_ followed by the same edit (to float
+    # rounding: torch sums the norm in another order), and unlike the
+    # edit made before the clip. .grad after the clip is torch's.
+    torch_clip = morse.torch._TORCH_CLIP_GRAD_NORM
+    edits = {"add": lambda g: g.add_(0.5), "row": lambda g: g[0].mul_(0.5)}
+    trained = {}
+    for plan in ("halved", "half_norm", "add", "add_torch", "add_first", "row", "row_torch"):
+        with server(base) as address:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(3, 2)
+            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
+                                         servers=[address], config=base)
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.ones(4, 3)).sum().backward()
+                if step == 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                    opt.step()
+                    continue
+                edit = edits.get(plan.split("_")[0])
+                if plan == "add_first":
+                    edit(model.weight.grad)
+                if plan.endswith("_torch"):
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")  # (torch's clip is an edit to Morse)
+                        torch_clip(model.parameters(), 0.01)
+                        edit(model.weight.grad)
+                        opt.step()
+                    continue
+                expected = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+                for q, p in zip(expected, model.parameters()):
+                    q.grad = p.grad.clone()
+                torch_clip(expected, 0.005 if plan == "half_norm" else 0.01)
+                torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                               0.005 if plan == "half_norm" else 0.01)
+                got = [p.grad for p in model.parameters()]
+                check(all(torch.allclose(g, q.grad, rtol=1e-6, atol=0)
+                          for g, q in zip(got, expected)) and float(got[0].abs().max()) < 0.1,
+                      f"{plan}: .grad after clip_grad_norm_ in a compressing step is not torch's")
+                if plan == "halved":
+                    for p in model.parameters():
+                        p.grad.mul_(0.5)
+                elif edit is not None and plan != "add_first":
+                    edit(model.weight.grad)
+                opt.step()
+            trained[plan] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    check(torch.equal(trained["halved"], trained["half_norm"]),
+          "a compressing step's gradients halved after clip_grad_norm_ are not those of half the "
+          f"max_norm: {(trained['halved'] - trained['half_norm']).abs().max()}")
+    for edit in edits:
+        apart = float((trained[edit] - trained["add_first"]).abs().max())
+        off = float((trained[edit] - trained[f"{edit}_torch"]).abs().max())
+        check(off <= 1e-6 and (edit != "add" or apart > 1e-4),
+              f"{edit} after clip_grad_norm_ in a compressing step: {off} from torch's order, "
+              f"{apart} from the edit before the clip")
+        print(f"PASS: {edit} after clip_grad_norm_ in a compressing step: {off:.1e} from torch's "
+              f"order, {apart:.1e} from the edit made before the clip")
+    print("PASS: gradients halved after clip_grad_norm_ in a compressing step train bit for bit "
+          "as half the max_norm; .grad after the clip is torch's")
+
     # Several calls in a step compose on the averaged gradient
     # (test_adam_matches_torch's clip_twice and clip_orders), and in a compressing step too, where each
     # rank clips its own gradient and pushes at step(): against one clip by

@@ -102,7 +102,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     compression phase, ZeroOneAdam's 1-bit and local steps) the rule
     is DeepSpeed's: each rank clips its own gradient, and the call returns
     that rank's own norm; from the first call on, those steps push at
-    step(), once the clip is known, instead of during backward(). Call it on
+    step(), once the clip is known, instead of during backward(). There
+    the call is torch's own on the rank's .grad, scaled in place (not yet
+    on a node or on CUDA tensors), and step() pushes .grad as it finds it,
+    so an edit after the clip is in torch's order. Call it on
     every rank alike, over all of the optimizer's parameters or some of
     them (then each parameter is clipped by its own factors: design.md 2.6,
     "Clipping part of the model"); several calls in a step compose as
@@ -583,6 +586,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # in the step in flight (the pushes' state then).
         self._clips = False
         self._clipped = False
+        # The step in flight clips this rank's own gradient with its pushes
+        # at step() (a compressing step): each clip_grad_norm_ is torch's own
+        # on .grad, in place (_own_clip); None until the step's first clip.
+        self._own_clipping = None
+        self._own_scaled = False  # ... and one has scaled .grad
         # A clip of part of the model in the step in flight: a factor per
         # parameter, and the gradient the norms are of (_part_clip).
         self._part_factors = None
@@ -1170,9 +1178,46 @@ class _MorseOptimizer(torch.optim.Optimizer):
                              "parameters: a positive max_norm (inf for the norm alone)")
         if self._node is not None:
             return self._node_clip(max_norm, order, error_if_nonfinite, owned)
+        if self._own_clipping is None and not self._cuda and self.clip_grad_norm is None:
+            if self._clipped or self._part_factors is not None:
+                self._own_clipping = False
+            else:
+                self._push_for_clip()
+                with self._explained():
+                    self._own_clipping = self._session.clips_locally()
+        if self._own_clipping:
+            return self._own_clip(max_norm, order, error_if_nonfinite, owned)
         if len(owned) < len(self._params) or self._part_factors is not None:
             return self._part_clip(max_norm, order, error_if_nonfinite, owned)
         return self._worker_clip(max_norm, order, error_if_nonfinite, len(owned))
+
+    def _own_clip(self, max_norm, order, error_if_nonfinite, owned):
+        """clip_grad_norm_ in a step that clips this rank's own gradient and
+        pushes it at step() (a compressing step; DeepSpeed's rule): torch's
+        own, on .grad as it is now, scaled in place, so that .grad is
+        torch's after it and an edit after it is pushed as torch would have
+        it (step() pushes .grad as it finds it). The step's first clip of
+        the whole model by L2 takes the session's sum of squares and its
+        factor (compress::ClipScale), as clip_grad_norm= does: the same
+        bits."""
+        limit = 0.0 if math.isinf(max_norm) else max_norm
+        self._restore_views()  # a .grad the script replaced is the one to clip
+        if len(owned) == len(self._params) and order == 2.0 and not self._own_scaled:
+            with self._explained():
+                sum_of_squares = self._session.clip(0.0)  # and the session scales by nothing
+            norm = math.sqrt(sum_of_squares)
+            scale = _clip_scale(sum_of_squares, limit)
+        else:
+            norm = self._norm_by_parameter(self._flat_grad, order, owned)
+            scale = _float32(_clip_factor(norm, limit))
+        returned = self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
+        self._own_scaled = True
+        if scale < 1.0:
+            with torch.no_grad():
+                for i in owned:
+                    lo, hi = self._ranges[i]
+                    self._flat_grad[lo:hi].mul_(scale)
+        return returned
 
     def _part_clip(self, max_norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_ over some of the parameters (`owned`: their
@@ -1522,10 +1567,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # A node's stepping rank: the other ranks' edits since the clip,
         # this step's alone whatever happens.
         others, self._node_edit_scales = self._node_edit_scales, None
+        # A step whose clips were torch's own, in place (_own_clip): its
+        # pushes take .grad as it is now, every edit in torch's order.
+        own_clipped, self._own_clipping, self._own_scaled = self._own_clipping, None, False
         if self._pushed is None:
             self._push_now()
         first, edited, missing, pushed = self._pushed
         self._pushed = None
+        if own_clipped and not first:
+            edited = False
+            if pushed is not None:
+                self._restore_views()
+                pushed = None
         folded = None  # the factors of an edit after the clip that joined it
         if edited and not first and pushed is None and self._snapshot is not None:
             # Pushed during backward() (overlap), clipped, then edited: an
@@ -2384,6 +2437,17 @@ def _norm_of_norms(norms, order):
     if not norms:
         return 0.0
     return float(torch.linalg.vector_norm(torch.tensor(norms, dtype=torch.float64), order))
+
+
+def _clip_scale(sum_of_squares, max_norm):
+    """compress::ClipScale: the clip factor of a gradient whose sum of
+    squares is `sum_of_squares`, in float32, computed as the session does
+    (1 for max_norm 0)."""
+    limit = _float32(max_norm)
+    if not limit > 0.0:
+        return 1.0
+    coefficient = limit / (math.sqrt(sum_of_squares) + 1e-6)
+    return _float32(coefficient) if coefficient < 1.0 else 1.0
 
 
 def _clip_factor(norm, max_norm):
