@@ -302,6 +302,38 @@ def main():
               f"order, {apart:.1e} from the edit made before the clip")
     print("PASS: gradients halved after clip_grad_norm_ in a compressing step train bit for bit "
           "as half the max_norm; .grad after the clip is torch's")
+    # The same in the first step of an optimizer resumed in the compression
+    # phase (its clip begins the step, as a resumed Trainer's does): an add_
+    # after the clip, bit for bit as in the run it resumes.
+    def compressing_run(steps, saved=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        if saved is not None:
+            model.load_state_dict(saved[0])
+        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
+                                     servers=[address], config=base)
+        if saved is not None:
+            opt.load_state_dict(saved[1])
+        for step in steps:
+            opt.zero_grad()
+            model(torch.full((4, 3), 1.0 + step)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            if step == 2:
+                model.weight.grad.add_(0.5)
+            opt.step()
+        return model, opt
+    with server(base) as address:
+        whole, _ = compressing_run(range(3))
+    with server(base) as address:
+        model, opt = compressing_run(range(2))
+        saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+    with server(base) as address:
+        resumed, _ = compressing_run([2], saved)
+    check(all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters())),
+          "an add_ after clip_grad_norm_ in a resumed optimizer's first (compressing) step differs "
+          "from the run it resumes")
+    print("PASS: an add_ after clip_grad_norm_ in a resumed optimizer's first step, a compressing "
+          "one, bit for bit as in the run it resumes")
 
     # Several calls in a step compose on the averaged gradient
     # (test_adam_matches_torch's clip_twice and clip_orders), and in a compressing step too, where each

@@ -1574,11 +1574,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._push_now()
         first, edited, missing, pushed = self._pushed
         self._pushed = None
-        if own_clipped and not first:
-            edited = False
-            if pushed is not None:
+        if own_clipped:
+            if pushed is not None:  # (what the first clip found, before it scaled .grad)
                 self._restore_views()
                 pushed = None
+            if not first:  # (the first step's edits before its clip still decide)
+                edited = False
         folded = None  # the factors of an edit after the clip that joined it
         if edited and not first and pushed is None and self._snapshot is not None:
             # Pushed during backward() (overlap), clipped, then edited: an
