@@ -765,22 +765,9 @@ absl::Status Session::Finish(StepTraffic* traffic) {
     }
     previous_commit_ = *std::move(commit);
   }
-  if ((commits || sum_of_squares.has_value()) &&
-      (rank_ == 0 || job_.elastic())) {
-    // The shards' mirrors apply the step once they have its commit (the
-    // averaged gradient's norm, the optimizer's values, or both in one);
-    // the next step's pushes carry it as well, so only rank 0 waits for
-    // this, or in an elastic job every rank (the same commit again is OK):
-    // rank 0 may have left, and the job's last step has no next pushes.
-    if (absl::Status s =
-            client_->Commit(step_, sum_of_squares, previous_clip_max_norm_,
-                            commits ? absl::MakeConstSpan(previous_commit_)
-                                    : absl::Span<const double>(),
-                            previous_clip_pieces_);
-        !s.ok()) {
-      return Fail(absl::Status(
-          s.code(), absl::StrCat("step ", step_, ": ", s.message())));
-    }
+  if (absl::Status s = CommitLastStep(step_); !s.ok()) {
+    return Fail(absl::Status(s.code(),
+                             absl::StrCat("step ", step_, ": ", s.message())));
   }
   if (trace_step_start_ >= 0) trace::Complete("step", trace_step_start_, step_);
   ++step_;
@@ -1120,22 +1107,32 @@ absl::Status Session::AwaitShardsX() {
   }
 }
 
-absl::Status Session::CatchUpShards() {
-  absl::StatusOr<bool> replayed =
-      ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
-  if (!replayed.ok()) return replayed.status();
+absl::Status Session::CommitLastStep(int64_t step) {
   const bool commits = compress::CommitsLayers(job_.algorithm);
-  if (!*replayed || step_ == 0 || !(rank_ == 0 || job_.elastic()) ||
-      !(commits || previous_grad_sum_of_squares_.has_value())) {
+  if (!(commits || previous_grad_sum_of_squares_.has_value()) ||
+      !(rank_ == 0 || job_.elastic())) {
     return absl::OkStatus();
   }
-  // The last step, replayed, waits for its commit, which Finish sent
-  // before the shard restarted and the next step's pushes would carry.
-  return client_->Commit(step_ - 1, previous_grad_sum_of_squares_,
+  // The shards' mirrors apply the step once they have its commit (the
+  // averaged gradient's norm, the optimizer's values, or both in one);
+  // the next step's pushes carry it as well, so only rank 0 waits for
+  // this, or in an elastic job every rank (the same commit again is OK):
+  // rank 0 may have left, and the job's last step has no next pushes.
+  return client_->Commit(step, previous_grad_sum_of_squares_,
                          previous_clip_max_norm_,
                          commits ? absl::MakeConstSpan(previous_commit_)
                                  : absl::Span<const double>(),
                          previous_clip_pieces_);
+}
+
+absl::Status Session::CatchUpShards() {
+  absl::StatusOr<bool> replayed =
+      ShardRecovery::CatchUpBetweenSteps(client_.get(), step_);
+  if (!replayed.ok()) return replayed.status();
+  // The last step, replayed, waits for its commit, which Finish sent
+  // before the shard restarted and the next step's pushes would carry.
+  if (!*replayed || step_ == 0) return absl::OkStatus();
+  return CommitLastStep(step_ - 1);
 }
 
 absl::StatusOr<bool> Session::HoldsShardsModel() {

@@ -295,6 +295,9 @@ class Session {
   // shards (PushClient::Abort) so every other worker fails with it too;
   // not in an elastic job, which goes on without this worker.
   absl::Status Fail(absl::Status status);
+  // Sends step `step`'s commit (the last step's: previous_*) where it has
+  // one, from rank 0 or, in an elastic job, every rank.
+  absl::Status CommitLastStep(int64_t step);
   // Between steps: brings every shard restarted from its checkpoint since
   // the last step to this one (ShardRecovery::CatchUpBetweenSteps), and
   // where that replayed the last step, sends its commit again (rank 0, or

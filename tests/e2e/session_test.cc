@@ -47,6 +47,25 @@ class TwoRanks {
     ASSERT_TRUE(started.second.ok()) << started.second;
   }
 
+  // Step `step` on both ranks with gradients drawn from the step and the
+  // rank, and on `sim`: both ranks' x must be the simulator's after it.
+  void StepLikeTheSimulator(compress::Simulator& sim, int64_t step) {
+    std::vector<std::vector<float>> grads;
+    for (uint32_t r = 0; r < 2; ++r)
+      grads.push_back(compress::testing::VariedData(1000, 10 * step + r));
+    auto stepped =
+        Both([&](worker::Session& s, uint32_t r) { return s.Step(grads[r]); });
+    ASSERT_TRUE(stepped.first.ok()) << stepped.first;
+    ASSERT_TRUE(stepped.second.ok()) << stepped.second;
+    const std::vector<absl::Span<const float>> spans = {grads[0], grads[1]};
+    ASSERT_TRUE(sim.Step(spans).ok());
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto x = ranks[r]->replica().x();
+      ASSERT_TRUE(std::equal(x.begin(), x.end(), sim.worker_x(r).begin()))
+          << "rank " << r << " after step " << step;
+    }
+  }
+
   // f(session, rank) on both ranks at once (each may wait for the other),
   // and their outcomes.
   template <typename F>
@@ -202,20 +221,7 @@ TEST(SessionTest, WeightsChangedAfterAStepOnEveryRankMatchTheSimulator) {
       compress::Simulator::Create(job.algorithm, ranks[0]->replica().x());
   ASSERT_TRUE(sim.ok()) << sim.status();
   for (int64_t step = 0; step < 8; ++step) {
-    std::vector<std::vector<float>> grads;
-    for (uint32_t r = 0; r < 2; ++r)
-      grads.push_back(compress::testing::VariedData(1000, 10 * step + r));
-    auto stepped =
-        both([&](worker::Session& s, uint32_t r) { return s.Step(grads[r]); });
-    ASSERT_TRUE(stepped.first.ok()) << stepped.first;
-    ASSERT_TRUE(stepped.second.ok()) << stepped.second;
-    const std::vector<absl::Span<const float>> spans = {grads[0], grads[1]};
-    ASSERT_TRUE(sim->Step(spans).ok());
-    for (uint32_t r = 0; r < 2; ++r) {
-      const auto x = ranks[r]->replica().x();
-      ASSERT_TRUE(std::equal(x.begin(), x.end(), sim->worker_x(r).begin()))
-          << "rank " << r << " after step " << step;
-    }
+    ASSERT_NO_FATAL_FAILURE(two.StepLikeTheSimulator(*sim, step));
     if (step != 2 && step != 4) continue;
     // Between steps every rank holds the shards' model (their hashes of x
     // match: the model stays on the shards).
@@ -282,20 +288,7 @@ TEST(SessionTest, AShardRestartedBetweenStepsIsCaughtUpByTheRanksThatAsk) {
       compress::Simulator::Create(job.algorithm, ranks[0]->replica().x());
   ASSERT_TRUE(sim.ok()) << sim.status();
   for (int64_t step = 0; step < 8; ++step) {
-    std::vector<std::vector<float>> grads;
-    for (uint32_t r = 0; r < 2; ++r)
-      grads.push_back(compress::testing::VariedData(1000, 10 * step + r));
-    auto stepped = two.Both(
-        [&](worker::Session& s, uint32_t r) { return s.Step(grads[r]); });
-    ASSERT_TRUE(stepped.first.ok()) << stepped.first;
-    ASSERT_TRUE(stepped.second.ok()) << stepped.second;
-    const std::vector<absl::Span<const float>> spans = {grads[0], grads[1]};
-    ASSERT_TRUE(sim->Step(spans).ok());
-    for (uint32_t r = 0; r < 2; ++r) {
-      const auto x = ranks[r]->replica().x();
-      ASSERT_TRUE(std::equal(x.begin(), x.end(), sim->worker_x(r).begin()))
-          << "rank " << r << " after step " << step;
-    }
+    ASSERT_NO_FATAL_FAILURE(two.StepLikeTheSimulator(*sim, step));
     if (step != 2 && step != 4) continue;
     // Shard 1's last checkpoint is of the step before this one.
     std::vector<float> before(1000), after(1000);
