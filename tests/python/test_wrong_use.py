@@ -237,6 +237,19 @@ def main():
             expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
             check(opt.step_index == 1, "the refused step ran, as clip_grad_norm_ saw it")
 
+    def onebit_linear(address, saved=None):
+        """A 3x2 Linear (seed 0) and its OneBitAdam (freeze_step 1, one rank
+        on `address`), both resumed from `saved` (their state_dicts) if given."""
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        if saved is not None:
+            model.load_state_dict(saved[0])
+        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
+                                     servers=[address], config=base)
+        if saved is not None:
+            opt.load_state_dict(saved[1])
+        return model, opt
+
     # In a compressing step (each rank's own gradient, pushed at step())
     # clip_grad_norm_ is torch's own on .grad, in place, and step() pushes
     # .grad as it finds it: edits after the clip train as torch's order
@@ -251,10 +264,7 @@ def main():
     trained = {}
     for plan in ("halved", "half_norm", "add", "add_torch", "add_first", "row", "row_torch"):
         with server(base) as address:
-            torch.manual_seed(0)
-            model = torch.nn.Linear(3, 2)
-            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
-                                         servers=[address], config=base)
+            model, opt = onebit_linear(address)
             for step in range(3):
                 opt.zero_grad()
                 model(torch.ones(4, 3)).sum().backward()
@@ -306,14 +316,7 @@ def main():
     # phase (its clip begins the step, as a resumed Trainer's does): an add_
     # after the clip, bit for bit as in the run it resumes.
     def compressing_run(steps, saved=None):
-        torch.manual_seed(0)
-        model = torch.nn.Linear(3, 2)
-        if saved is not None:
-            model.load_state_dict(saved[0])
-        opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
-                                     servers=[address], config=base)
-        if saved is not None:
-            opt.load_state_dict(saved[1])
+        model, opt = onebit_linear(address, saved)
         for step in steps:
             opt.zero_grad()
             model(torch.full((4, 3), 1.0 + step)).sum().backward()
@@ -344,10 +347,7 @@ def main():
     moved = {}
     for plan in ("twice", "equivalent", "first"):
         with server(base) as address:
-            torch.manual_seed(0)
-            model = torch.nn.Linear(3, 2)
-            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
-                                         servers=[address], config=base)
+            model, opt = onebit_linear(address)
             for step in range(2):
                 opt.zero_grad()
                 model(torch.ones(4, 3)).sum().backward()
@@ -396,10 +396,7 @@ def main():
     parts = {}
     for plan in ("part", "none"):
         with server(base) as address:
-            torch.manual_seed(0)
-            model = torch.nn.Linear(3, 2)
-            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
-                                         servers=[address], config=base)
+            model, opt = onebit_linear(address)
             for step in range(3):
                 opt.zero_grad()
                 model(torch.ones(4, 3)).sum().backward()
