@@ -10,6 +10,8 @@ whole state to MORSE_CHECKPOINT_DIR after steps 4, 8, 12, ... The runs:
   backward(): it replays step 8;
 - shard 1 is killed after step 5 (morse-run restarts it from step 4's
   checkpoint), then rank 1 in step 14 before backward();
+- shard 1 and rank 1 are killed together in step 14 before backward(),
+  as when the host of both is lost (`host`): both restart from step 12;
 - a ZeroOneAdam rank with two parameter groups (each its own lr, changed
   every step) is killed in a local step and resumes from a checkpoint
   taken in the middle of a local interval (every 5 steps);
@@ -96,6 +98,10 @@ def worker(out, mode, kill_rank, kill_in, after_backward, kill_shard_after=-1):
             # rank then finds the shards holding its changed weights, and
             # its checkpoint of step 12 must still hold the change.
             time.sleep(1.0)
+        if dies and mode == "host":
+            # The host of rank 1 and shard 1 lost: the shard dies first.
+            os.kill(shard_pid(os.environ["MORSE_CONFIG"], 1), signal.SIGKILL)
+            print(f"killed shard 1 in step {step}", flush=True)
         if dies and not after_backward:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -258,6 +264,9 @@ def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_aft
     if kill_shard_after >= 0:
         check(f"killed shard 1 after step {kill_shard_after}" in log and "restarting it on" in log,
               "shard 1 was not killed and restarted")
+    if mode == "host":
+        check(f"killed shard 1 in step {kill_in}" in log and "restarting it on" in log,
+              "shard 1 was not killed with the rank and restarted")
     check(f"rank {kill_rank} exited with -9; restarting it (1 of --rank-restarts 1)" in log,
           f"morse-run did not restart rank {kill_rank}")
     check(f"[rank {kill_rank}] life 1 starts at step {checkpoint}" in log,
@@ -334,6 +343,11 @@ if __name__ == "__main__":
     # job without waiting for every rank to have joined that shard again.
     run(kill_rank=1, kill_in=14, after_backward=False, checkpoint=12, replayed=13,
         kill_shard_after=5)
+    # A host lost with a shard and a rank on it: rank 1 kills shard 1, then
+    # itself, in step 14 before backward(). Both restart from their
+    # checkpoints of step 12: rank 0 replays steps 12..13 to the shard and
+    # waits in step 14 for rank 1, which replays 12..13 and goes on.
+    run(kill_rank=1, kill_in=14, after_backward=False, checkpoint=12, replayed=13, mode="host")
     # ZeroOneAdam with two groups of their own lr and weight_decay, which
     # change every step. From step 9 on the interval is 4 (design.md 2.7,
     # s = step + 1): steps 11, 15 and 19 sync, the others are local. With
