@@ -22,7 +22,11 @@ way:
   accelerator.clip_grad_norm_) by another max_norm than the optimizer's
   own clip_grad_norm is refused with what to do;
 - Trainer's torch_compile (aot_eager) compiles the model in place and
-  trains bit-identically to eager.
+  trains bit-identically to eager;
+- bf16 mixed precision (Trainer's bf16=True, Accelerator's
+  mixed_precision="bf16") autocasts the forward as Accelerate does under
+  DDP: the first step's loss DDP's bit for bit (and not float32's), every
+  step within 1e-3 of DDP's; fp16 is refused saying to use bf16.
 
 Needs transformers and accelerate: under Debian's python3 (torch 1.13, no
 transformers) this test is skipped, saying so; its torch2_ twin runs it in
@@ -147,6 +151,17 @@ def wrong_use():
         check(all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters())),
               "accelerator.clip_grad_norm_ left the gradients as they were")
         opt.step()
+    # fp16 (GradScaler) is refused with what to do; Trainer and Accelerate
+    # refuse it themselves on a CPU, so the check is asked directly.
+    from types import SimpleNamespace
+    from morse.torch.hf import _check_precision
+    _check_precision(SimpleNamespace(mixed_precision="bf16"))
+    try:
+        _check_precision(SimpleNamespace(mixed_precision="fp16"))
+        check(False, "mixed_precision='fp16' was accepted")
+    except ValueError as e:
+        check("use bf16" in str(e), f"the message says what to do: {e}")
+        print(f"ok: ValueError: {e}")
     print("PASS: Trainer's and Accelerate's clipping against the optimizer's clip_grad_norm "
           "refused; parameters re-attached; accelerator.clip_grad_norm_ returns the norm and the "
           "step clips")
@@ -167,6 +182,19 @@ def main():
         ddp, _, _ = run(script, "--optimizer", "ddp", *fp32)
         adam, adam_sum, _ = run(script, "--optimizer", "adam", *fp32)
         close_to_ddp(f"{script} Adam", ddp, adam, 1e-5)
+        # bf16 mixed precision (Trainer's bf16=True, Accelerator's
+        # mixed_precision="bf16"): the forward under autocast, as
+        # Accelerate's prepare gives DDP's model. The first step's loss
+        # (the weights as built) is DDP's bit for bit and not float32's
+        # (autocast ran); the rest within bf16's rounding of DDP's.
+        ddp16, _, _ = run(script, "--optimizer", "ddp", *fp32, "--bf16")
+        adam16, _, _ = run(script, "--optimizer", "adam", *fp32, "--bf16")
+        first = min(ddp16)
+        check(adam16[first] == ddp16[first],
+              f"{script} bf16: the first step's loss {adam16[first]!r} is not DDP's {ddp16[first]!r}")
+        check(adam16[first] != adam[first],
+              f"{script} bf16: the first step's loss is float32's ({adam[first]!r}): no autocast")
+        close_to_ddp(f"{script} Adam bf16", ddp16, adam16, 1e-3)
         if script == "hf_trainer.py":
             # Trainer's torch_compile: compiled in place (Accelerate would
             # compile only a model it wraps), the same bits as eager with

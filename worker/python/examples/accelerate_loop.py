@@ -38,7 +38,8 @@ def main():
     a = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=a.accumulation,
-                              cpu=not torch.cuda.is_available())
+                              cpu=not torch.cuda.is_available(),
+                              mixed_precision="bf16" if a.bf16 else "no")
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

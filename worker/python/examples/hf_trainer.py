@@ -12,6 +12,9 @@ the callback (see morse/torch/hf.py):
     opt = morse.torch.OneBitAdam(model.parameters(), lr=...)
     Trainer(..., optimizers=(opt, None), callbacks=[MorseCallback()])
 
+With --bf16 the forward runs under Trainer's bf16 autocast (MorseCallback
+applies it, as Accelerate does for the models it wraps).
+
 With --weight-decay the optimizer gets Trainer's two parameter groups
 (decay, and biases and norms without), each group its own weight_decay.
 
@@ -109,6 +112,9 @@ def common_arguments(parser, stack):
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help="decoupled weight decay of every parameter but biases and norms, "
                              "in a group apart as Trainer builds it (default: 0.0)")
+    parser.add_argument("--bf16", action="store_true",
+                        help=f"bf16 mixed precision ({stack}'s autocast; the parameters, gradients "
+                             "and optimizer stay float32)")
     parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
 
@@ -154,7 +160,7 @@ def main():
         warmup_steps=max(1, a.steps // 10), max_grad_norm=a.max_grad_norm, logging_steps=1,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=a.seed, data_seed=a.seed,
-        disable_tqdm=True, dataloader_drop_last=True, weight_decay=a.weight_decay,
+        disable_tqdm=True, dataloader_drop_last=True, weight_decay=a.weight_decay, bf16=a.bf16,
         torch_compile=bool(a.compile), torch_compile_backend=a.compile)
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,

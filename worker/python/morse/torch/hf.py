@@ -26,6 +26,10 @@ model in DistributedDataParallel. Morse averages the gradients itself, so
 the model is kept out of DDP (else every gradient would be all-reduced
 twice). The callback also
 
+- runs the forward under autocast for bf16 (Trainer's bf16=True,
+  Accelerator(mixed_precision="bf16")), as Accelerate's prepare does for
+  the models it wraps; the parameters and gradients stay float32. fp16
+  (GradScaler's loss scaling and skipped steps) is refused;
 - turns Trainer's clipping off when the optimizer clips by its own
   clip_grad_norm (which must then equal max_grad_norm), so that the step
   is not clipped twice;
@@ -86,21 +90,63 @@ def _attach_model(model, opt):
             opt._x_versions[i] = p._version
 
 
-def keep_out_of_ddp(model):
+def keep_out_of_ddp(model, autocast_handler=None):
     """Marks `model` so that Accelerate's prepare() leaves it as it is:
     no DistributedDataParallel wrapper (Morse averages the gradients), no
-    device move, no autocast, no torch.compile (compiled here in place
-    instead, when Accelerate is set to compile: Trainer's torch_compile,
-    Accelerator(dynamo_backend=...)). Returns it."""
+    device move, no torch.compile (compiled here in place instead, when
+    Accelerate is set to compile: Trainer's torch_compile,
+    Accelerator(dynamo_backend=...)). bf16 mixed precision (Trainer's
+    bf16=True, Accelerator(mixed_precision="bf16")) is applied here as
+    Accelerate's prepare applies it: the forward runs under torch.autocast
+    (`autocast_handler`: the Accelerator's AutocastKwargs, if any) and its
+    outputs come back in float32; the parameters and gradients stay
+    float32, the optimizer's. fp16 is refused (see _check_precision).
+    Returns it."""
     from accelerate.state import AcceleratorState, is_initialized
     from accelerate.utils import DynamoBackend
     # The Accelerator's settings (Trainer has made its own by now).
-    plugin = getattr(AcceleratorState(), "dynamo_plugin", None) if is_initialized() else None
+    state = AcceleratorState() if is_initialized() else None
+    _check_precision(state)
+    plugin = getattr(state, "dynamo_plugin", None)
     compiled = getattr(model, "_compiled_call_impl", None) is not None
     if plugin is not None and plugin.backend != DynamoBackend.NO and not compiled:
         model.compile(**plugin.to_kwargs())  # in place: the parameters stay Morse's
+    if _precision(state) == "bf16" and "_original_forward" not in model.__dict__:
+        _autocast_forward(model, autocast_handler)
     model._is_accelerate_prepared = True
     return model
+
+
+def _precision(state):
+    return str(getattr(state, "mixed_precision", None) or "no")
+
+
+def _check_precision(state):
+    """ValueError for a mixed precision Morse cannot train with: fp16 (and
+    fp8) scale the loss and skip the steps whose gradients overflow
+    (GradScaler), where a Morse optimizer's pushes have left at backward()."""
+    precision = _precision(state)
+    if precision not in ("no", "bf16"):
+        raise ValueError(
+            f"mixed_precision={precision!r}: fp16 scales the loss and skips the steps whose "
+            "gradients overflow (GradScaler), and a Morse optimizer's gradients have left for the "
+            "shards by then; use bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16'): "
+            "autocast without loss scaling), or float32")
+
+
+def _autocast_forward(model, autocast_handler):
+    """model.forward under Accelerate's autocast context for bf16, its
+    outputs converted to float32: what Accelerator.prepare_model does for
+    a model it prepares (and unwrap_model undoes, by _original_forward)."""
+    from types import MethodType
+    from accelerate.utils import convert_outputs_to_fp32
+    from accelerate.utils.modeling import get_mixed_precision_context_manager
+    autocast = get_mixed_precision_context_manager(True, autocast_handler)
+    model._original_forward = model.forward
+    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
+    wrapped = convert_outputs_to_fp32(autocast(forward))
+    model.forward = MethodType(wrapped, model) if hasattr(model._original_forward, "__func__") \
+        else wrapped
 
 
 def prepare(accelerator, *objects):
@@ -113,15 +159,11 @@ def prepare(accelerator, *objects):
     if len(opts) != 1:
         raise ValueError(f"morse.torch.hf.prepare needs exactly one Morse optimizer among the "
                          f"objects; got {len(opts)}")
-    if str(getattr(accelerator, "mixed_precision", "no")) != "no":
-        raise ValueError(f"mixed_precision={accelerator.mixed_precision!r}: Morse trains float32 "
-                         "parameters, and autocast would not reach a model kept out of DDP; use "
-                         "mixed_precision='no'")
     opt = _morse_optimizer(opts[0])
     for o in objects:
         if isinstance(o, torch.nn.Module):
             _attach_model(o, opt)
-            keep_out_of_ddp(o)
+            keep_out_of_ddp(o, accelerator.autocast_handler)
     _route_clipping(accelerator, opt)
     return accelerator.prepare(*objects)
 
@@ -187,13 +229,14 @@ class MorseCallback(_callback_base()):
 
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = self._optimizer(optimizer)
+        if getattr(args, "fp16", False):
+            raise ValueError("fp16=True scales the loss and skips the steps whose gradients "
+                             "overflow (GradScaler), and a Morse optimizer's gradients have left "
+                             "for the shards by then: use bf16=True (autocast without loss "
+                             "scaling) or float32")
         if model is not None:
             _attach_model(model, opt)
-            keep_out_of_ddp(model)
-        if getattr(args, "fp16", False) or getattr(args, "bf16", False):
-            raise ValueError("fp16/bf16 Trainer runs autocast the model; Morse trains float32 "
-                             "parameters and its model stays out of Accelerate's wrappers: train "
-                             "in float32 (fp16=False, bf16=False)")
+            keep_out_of_ddp(model)  # with Trainer's bf16 autocast
         max_norm = float(getattr(args, "max_grad_norm", 0) or 0)
         if max_norm > 0 and opt.clip_grad_norm is not None:
             # Trainer's clip ends in morse.torch.clip_grad_norm_ (the averaged
