@@ -21,6 +21,9 @@ way:
   DDP (morse.torch.clip_grad_norm_); Trainer's clipping (and
   accelerator.clip_grad_norm_) by another max_norm than the optimizer's
   own clip_grad_norm is refused with what to do;
+- `accelerate launch` (torchrun's variables, the shard started apart and
+  given by MORSE_SERVERS) runs the Accelerate loop bit-identically to the
+  same job under morse-run;
 - Trainer's torch_compile (aot_eager) compiles the model in place and
   trains bit-identically to eager;
 - bf16 mixed precision (Trainer's bf16=True, Accelerator's
@@ -39,24 +42,26 @@ import subprocess
 import sys
 import tempfile
 
-from harness import check, server  # noqa: E402
+from harness import check, free_port, server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "..", "worker", "python", "examples")
 RANKS, SHARDS = 2, 2
 
 
-def run(script, *args, expect_ok=True, launcher=()):
+def run(script, *args, expect_ok=True, launcher=(), shards=SHARDS, env=None, command=None):
     """morse-run --servers 2 --workers 2 [launcher flags] -- python script
-    args; returns (losses by step, the parameters' checksum on every rank,
-    output)."""
+    args (or `command` + [script, --losses, ...] args); returns (losses by
+    step, the parameters' checksum on every rank, output)."""
     out = tempfile.mkdtemp(prefix="morse-hf-")
     losses = os.path.join(out, "losses.json")
-    command = [os.environ["MORSE_RUN"], "--servers", str(SHARDS), "--workers", str(RANKS), *launcher, "--",
-               sys.executable, os.path.join(EXAMPLES, script), "--losses", losses, *args]
+    if command is None:
+        command = [os.environ["MORSE_RUN"], "--servers", str(shards), "--workers", str(RANKS),
+                   *launcher, "--", sys.executable]
+    command = [*command, os.path.join(EXAMPLES, script), "--losses", losses, *args]
     # In the run's own folder: Trainer makes its output_dir even when it saves nothing.
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            timeout=500, cwd=out)
+                            timeout=500, cwd=out, env=env)
     if expect_ok and result.returncode != 0:
         print(result.stdout[-6000:])
     check((result.returncode == 0) == expect_ok,
@@ -167,6 +172,35 @@ def wrong_use():
           "step clips")
 
 
+def accelerate_launch():
+    """`accelerate launch` as the job's launcher (torchrun's variables), the
+    shard started apart and named by MORSE_SERVERS, as docs/python.md shows:
+    the same OneBitAdam job as under morse-run, bit for bit (every step's
+    loss and the parameters)."""
+    args = ["--optimizer", "onebit_adam", "--steps", "12", "--freeze-step", "4"]
+    # One thread a rank under both launchers (torchrun's default; morse-run's
+    # share of this host's cores): the same kernels, the same bits.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    folder = tempfile.mkdtemp(prefix="morse-hf-launch-")
+    config = os.path.join(folder, "job.textproto")
+    with open(config, "w") as f:
+        f.write(f"workers: {RANKS}\nshards: 1\nexternal {{}}\n")
+    with server(config) as address:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                  "--num_processes", str(RANKS), "--num_machines", "1", "--mixed_precision", "no",
+                  "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+        launched, launched_sum, log = run(
+            "accelerate_loop.py", *args, command=launch,
+            env=dict(env, MORSE_SERVERS=address, MORSE_CONFIG=config, MORSE_INSECURE="1"))
+    shutil.rmtree(folder, ignore_errors=True)
+    check(log.count("Morse step 12") == RANKS, "every rank took 12 Morse steps")
+    under_run, run_sum, _ = run("accelerate_loop.py", *args, shards=1, env=env)
+    check(launched == under_run and launched_sum == run_sum,
+          f"accelerate launch's job differs from morse-run's: {launched_sum} vs {run_sum}")
+    print(f"PASS: accelerate launch with the shard started apart: {len(launched)} OneBitAdam steps, "
+          "bit-identical to the same job under morse-run")
+
+
 def main():
     try:
         import accelerate  # noqa: F401
@@ -176,6 +210,7 @@ def main():
               "runs this in the torch 2.x venv (tests/python/torch2-venv.sh)")
         sys.exit(77)
     wrong_use()
+    accelerate_launch()
 
     for script in ("hf_trainer.py", "accelerate_loop.py"):
         fp32 = ["--steps", "12", "--accumulation", "2", "--max-grad-norm", "1.0"]
