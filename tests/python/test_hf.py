@@ -25,7 +25,8 @@ way:
   given by MORSE_SERVERS) runs the Accelerate loop bit-identically to the
   same job under morse-run;
 - Trainer's torch_compile (aot_eager) compiles the model in place and
-  trains bit-identically to eager;
+  trains bit-identically to eager, and its activation_checkpointing
+  bit-identically to the run without;
 - bf16 mixed precision (Trainer's bf16=True, Accelerator's
   mixed_precision="bf16") autocasts the forward as Accelerate does under
   DDP: the first step's loss DDP's bit for bit (and not float32's), every
@@ -239,6 +240,13 @@ def main():
             check(compiled == adam and compiled_sum == adam_sum,
                   "Trainer with torch_compile (aot_eager) differs from eager")
             print("ok: Trainer's torch_compile=True (aot_eager) compiles in place, bit-identical to eager")
+            # Activation checkpointing: the layers' forward again inside
+            # backward(), whose hooks then fire in the recomputation.
+            again, again_sum, log = run(script, "--optimizer", "adam", *fp32, "--activation-checkpointing")
+            check(log.count("(activation checkpointing)") == RANKS, "every rank checkpointed")
+            check(again == adam and again_sum == adam_sum,
+                  "Trainer with activation_checkpointing differs from the same run without")
+            print("ok: Trainer's activation_checkpointing=True, bit-identical to the run without")
         onebit = ["--steps", "40", "--freeze-step", "10"]
         ddp, _, _ = run(script, "--optimizer", "ddp", *onebit)
         one, _, _ = run(script, "--optimizer", "onebit_adam", *onebit)

@@ -149,6 +149,9 @@ def main():
     parser.add_argument("--output-dir", default="hf-trainer-out", help="checkpoints (default: hf-trainer-out)")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="Trainer's activation_checkpointing (the layers' activations "
+                             "recomputed in backward())")
     parser.add_argument("--compile", metavar="BACKEND",
                         help="Trainer's torch_compile with this backend (inductor, aot_eager; "
                              "default: not compiled)")
@@ -161,7 +164,8 @@ def main():
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=a.seed, data_seed=a.seed,
         disable_tqdm=True, dataloader_drop_last=True, weight_decay=a.weight_decay, bf16=a.bf16,
-        torch_compile=bool(a.compile), torch_compile_backend=a.compile)
+        torch_compile=bool(a.compile), torch_compile_backend=a.compile,
+        activation_checkpointing=a.activation_checkpointing)
     torch.manual_seed(a.seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -189,7 +193,8 @@ def main():
                 json.dump({str(s): v for s, v in losses.losses.items()}, f)
     compiled = getattr(model, "_compiled_call_impl", None) is not None  # model.compile() in place
     print(f"rank {rank}: parameters checksum {parameters_checksum(model)}"
-          f"{' (compiled in place)' if compiled else ''}", flush=True)
+          f"{' (compiled in place)' if compiled else ''}"
+          f"{' (activation checkpointing)' if model.is_activation_checkpointing else ''}", flush=True)
     del trainer, model
     leave_process_group()
 
