@@ -16,6 +16,7 @@ way:
   bit-identical to the uninterrupted run: the same losses and parameters
   (also with morse-run --node-aggregation);
   with a rank's state missing, that rank says which file it looked for;
+  the same for the Accelerate loop's save_state / load_state;
 - the fp32 runs clip with Trainer's max_grad_norm and the loop's
   accelerator.clip_grad_norm_, which clip the averaged gradient as under
   DDP (morse.torch.clip_grad_norm_); Trainer's clipping (and
@@ -298,6 +299,31 @@ def main():
     shutil.rmtree(out, ignore_errors=True)
     print("PASS: a Trainer run resumed from its checkpoint is bit-identical to the whole run; "
           "a missing rank state is named")
+
+    # Accelerate's save_state / load_state: optimizer.bin is rank 0's state,
+    # every other rank's lies beside it, and the weights are saved whole
+    # (Accelerate took the parameters, views of one flat buffer, for
+    # aliases and kept one of them) and loaded (safetensors' load_model
+    # refused them).
+    out = tempfile.mkdtemp(prefix="morse-hf-accelerate-resume-")
+    whole, whole_sum, _ = run("accelerate_loop.py", *common, "--output-dir", f"{out}/whole")
+    saved = sorted(os.listdir(f"{out}/whole/checkpoint-6"))
+    check({"optimizer.bin", "model.safetensors", "morse-rank-1.pt"} <= set(saved)
+          and "morse-rank-0.pt" not in saved, f"checkpoint-6 holds {saved}")
+    for name in ("resumed", "lost"):
+        shutil.copytree(f"{out}/whole/checkpoint-6", f"{out}/{name}/checkpoint-6")
+    resumed, resumed_sum, _ = run("accelerate_loop.py", *common, "--resume", "--output-dir",
+                                  f"{out}/resumed")
+    check(sorted(resumed) == list(range(7, 13)), f"the resumed loop logged steps 7..12 ({sorted(resumed)})")
+    check(all(resumed[s] == whole[s] for s in resumed) and resumed_sum == whole_sum,
+          f"the resumed Accelerate loop differs from the whole run ({resumed_sum} vs {whole_sum})")
+    os.remove(f"{out}/lost/checkpoint-6/morse-rank-1.pt")
+    _, _, log = run("accelerate_loop.py", *common, "--resume", "--output-dir", f"{out}/lost",
+                    expect_ok=False)
+    check("morse-rank-1.pt, is not there" in log, "rank 1 names the state it lacks")
+    shutil.rmtree(out, ignore_errors=True)
+    print("PASS: an Accelerate loop resumed with load_state from its save_state is bit-identical "
+          "to the whole run; a missing rank state is named")
 
 
 if __name__ == "__main__":

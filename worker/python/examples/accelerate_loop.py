@@ -14,6 +14,11 @@ Morse-specific lines are the optimizer and the prepare call:
 The loop's accelerator.clip_grad_norm_ clips the averaged gradient, as
 under DDP (morse.torch.clip_grad_norm_).
 
+--save-steps N checkpoints with accelerator.save_state every N steps (the
+prepare above makes every rank's optimizer state part of it), --resume goes
+on from the last one with accelerator.load_state, bit for bit as the run
+that saved it.
+
 --optimizer ddp runs the same loop with torch.optim.AdamW under DDP (the
 baseline). Rank 0 prints the loss of every
 step (averaged over ranks) and writes them to --losses.
@@ -35,6 +40,12 @@ from hf_trainer import (VOCAB, Sequences, common_arguments, leave_process_group,
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_arguments(parser, "Accelerator")
+    parser.add_argument("--output-dir", default="accelerate-out",
+                        help="checkpoints, OUTPUT_DIR/checkpoint-STEP (default: accelerate-out)")
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="accelerator.save_state every N steps (default: 0, none)")
+    parser.add_argument("--resume", action="store_true",
+                        help="accelerator.load_state of the last checkpoint in --output-dir")
     a = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=a.accumulation,
@@ -60,10 +71,26 @@ def main():
     else:
         model, opt, loader = morse.torch.hf.prepare(accelerator, model, opt, loader)
 
+    # The scheduler in the checkpoints too (Accelerate saves the prepared
+    # ones; this one is stepped here).
+    accelerator.register_for_checkpointing(sched)
     losses, step, total = {}, 0, torch.zeros((), device=accelerator.device)
+    batches = len(loader)
+    skip = 0  # batches of the current epoch that the resumed run has seen
+    if a.resume:
+        saved = [int(d.split("-")[1]) for d in os.listdir(a.output_dir) if d.startswith("checkpoint-")]
+        step = max(saved)
+        accelerator.load_state(os.path.join(a.output_dir, f"checkpoint-{step}"))
+        epochs, skip = divmod(step * a.accumulation, batches)
+        for _ in range(epochs):  # each epoch's shuffle draws from the loader's generator
+            for _ in loader:
+                pass
+        print(f"resumed at step {step} from {a.output_dir}/checkpoint-{step}", flush=True)
     model.train()
     while step < a.steps:
-        for batch in loader:
+        epoch = accelerator.skip_first_batches(loader, skip) if skip else loader
+        skip = 0
+        for batch in epoch:
             with accelerator.accumulate(model):
                 loss = model(**{"input_ids": batch["input_ids"], "labels": batch["labels"]}).loss
                 total += loss.detach() / a.accumulation
@@ -79,12 +106,16 @@ def main():
                 step += 1
                 losses[step] = accelerator.gather(total).mean().item()
                 total.zero_()
+                if a.save_steps and step % a.save_steps == 0:
+                    accelerator.save_state(os.path.join(a.output_dir, f"checkpoint-{step}"))
                 if step == a.steps:
                     break
 
     if accelerator.is_main_process:
         print("losses: " + " ".join(f"{s}:{v:.4f}" for s, v in sorted(losses.items())), flush=True)
-        print(f"loss {losses[1]:.4f} at step 1, {losses[a.steps]:.4f} at step {a.steps}", flush=True)
+        first = min(losses)
+        print(f"loss {losses[first]:.4f} at step {first}, {losses[a.steps]:.4f} at step {a.steps}",
+              flush=True)
         if a.losses:
             with open(a.losses, "w") as f:
                 json.dump({str(s): v for s, v in losses.items()}, f)

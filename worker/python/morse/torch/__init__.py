@@ -610,6 +610,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # kept aside (rank, step) until this rank's own is loaded.
         self._finds_own_state = False
         self._awaiting_own_state = None
+        # Set by morse.torch.hf.prepare's load_state hook: this rank's own
+        # state of the checkpoint Accelerate is loading, loaded in place of
+        # another rank's.
+        self._own_state_file = None
         # Tells this optimizer's own state_dict() of the current step apart
         # (load_state_dict of it restores nothing).
         self._nonce = os.urandom(8).hex()
@@ -2283,10 +2287,24 @@ class _MorseOptimizer(torch.optim.Optimizer):
         saved_rank = state.get("rank", self._rank)
         if saved_rank != self._rank and bool(state["worker_error"].abs().max() > 0):
             if self._finds_own_state:
-                # Hugging Face Trainer loads rank 0's file on every rank:
-                # morse.torch.hf.MorseCallback loads this rank's own before
-                # the first step (step() refuses to run without it).
+                # Hugging Face Trainer and Accelerate's load_state load rank
+                # 0's file on every rank: this rank's own is loaded from
+                # beside it (Accelerate: at once, the file the hook named;
+                # Trainer: MorseCallback before the first step), and step()
+                # refuses to run without it.
                 self._awaiting_own_state = (saved_rank, int(state["step"]))
+                own, self._own_state_file = self._own_state_file, None
+                if own is not None:
+                    if not os.path.isfile(own):
+                        raise FileNotFoundError(
+                            f"rank {self._rank} was given rank {saved_rank}'s optimizer state (step "
+                            f"{int(state['step'])}), and its own, {own}, is not there: "
+                            "morse.torch.hf.prepare's save_state hook writes it on every rank "
+                            "into the folder that save_state writes; load a folder saved so, or "
+                            "copy the morse-rank-*.pt files of that checkpoint beside its "
+                            "optimizer.bin")
+                    self.load_state_dict(torch.load(own, map_location=self._flat.device,
+                                                    weights_only=True))
                 return
             raise ValueError(
                 f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its worker error "

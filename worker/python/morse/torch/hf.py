@@ -38,6 +38,10 @@ twice). The callback also
   resume loads this rank's own where Trainer loads rank 0's optimizer.pt
   on every rank, so a resumed run is bit-identical to an uninterrupted one.
 
+Under Accelerate, prepare does the same for accelerator.save_state and
+load_state (morse-rank-R.pt beside optimizer.bin), and the forward's bf16
+autocast.
+
 Importing this module imports transformers (the callback's base class);
 accelerate is imported where it is used. The versions tested are pinned in
 tests/python/torch2-venv.sh.
@@ -164,8 +168,86 @@ def prepare(accelerator, *objects):
         if isinstance(o, torch.nn.Module):
             _attach_model(o, opt)
             keep_out_of_ddp(o, accelerator.autocast_handler)
+            _copies_for_safetensors(o, opt)
     _route_clipping(accelerator, opt)
+    _checkpoint_each_rank(accelerator, opt)
     return accelerator.prepare(*objects)
+
+
+def _checkpoint_each_rank(accelerator, opt):
+    """accelerator.save_state / load_state with a Morse optimizer.
+    Accelerate saves the main process's optimizer.state_dict() (each node's
+    with save_on_each_node) and loads that file on every rank, but a rank's
+    worker error buffer is its own. So every rank whose state Accelerate
+    does not write saves its own beside it (RANK_STATE, as MorseCallback
+    does for Trainer), and a rank that load_state gives another rank's
+    state loads its own from the same folder instead.
+
+    The model's weights need copies both ways: a Morse optimizer's
+    parameters are views of its flat buffer, one storage, which Accelerate's
+    safetensors save takes for tensors aliasing each other (it kept one
+    parameter and dropped the rest, with a warning) and safetensors'
+    load_model refuses ("None is covering the entire storage"). The save
+    writes copies (a tied parameter one copy, dropped once as for any tied
+    model), and the load reads copies (_copies_for_safetensors)."""
+    opt._finds_own_state = True
+
+    def writes_here():
+        each_node = getattr(accelerator.project_configuration, "save_on_each_node", False)
+        return accelerator.is_local_main_process if each_node else accelerator.is_main_process
+
+    def save(models, weights, output_dir):
+        if writes_here():  # its optimizer.bin is its own; the weights go as copies
+            for model, state in zip(models, weights):
+                if hasattr(model, "_morse_copies_once"):
+                    _copied(state, opt._flat)
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, RANK_STATE.format(rank=opt.rank))
+        torch.save(opt.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load(models, input_dir):
+        opt._own_state_file = os.path.join(input_dir, RANK_STATE.format(rank=opt.rank))
+        from accelerate.utils.constants import SAFE_MODEL_NAME
+        for i, model in enumerate(models):
+            name = f"{SAFE_MODEL_NAME}{f'_{i}' if i else ''}.safetensors"
+            if os.path.isfile(os.path.join(input_dir, name)) and hasattr(model, "_morse_copies_once"):
+                model._morse_copies_once = True  # load_model reads its state_dict() once
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
+def _copied(state_dict, flat):
+    """Replaces in `state_dict` each tensor that is a view of `flat` by a
+    copy, views of the same elements by one copy (tied parameters stay
+    tied). Returns it."""
+    start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    copies = {}
+    for name, value in state_dict.items():
+        if torch.is_tensor(value) and start <= value.data_ptr() < end:
+            key = (value.data_ptr(), value.numel())
+            if key not in copies:
+                copies[key] = value.detach().clone()
+            state_dict[name] = copies[key]
+    return state_dict
+
+
+def _copies_for_safetensors(model, opt):
+    """The load side of _checkpoint_each_rank: safetensors' load_model
+    (Accelerate's load_state) reads the model's state_dict() once, to find
+    tied parameters, and copies the file's values into the parameters
+    themselves; that one state_dict() gives copies (the load hook sets
+    model._morse_copies_once)."""
+    def hook(module, state_dict, prefix, local_metadata):
+        if prefix or not module._morse_copies_once:
+            return None
+        module._morse_copies_once = False
+        return _copied(state_dict, opt._flat)
+
+    model._morse_copies_once = False
+    model._register_state_dict_hook(hook)
 
 
 def _route_clipping(accelerator, opt):
