@@ -6,7 +6,8 @@ way:
 
 - fp32 (morse.torch.Adam, clipping at 1.0, 2 accumulated micro-batches):
   every step's loss (averaged over the ranks) equals DDP's to float
-  rounding, under Trainer and under Accelerate;
+  rounding, under Trainer and under Accelerate; the model that
+  accelerator.save_model writes reloads with the trained parameters;
 - 1-bit (OneBitAdam): within the convergence margin of DDP's loss;
 - with Trainer's weight decay (a decay and a no-decay group): fp32 Adam
   equals DDP's losses to float rounding, and OneBitLamb converges like
@@ -174,6 +175,27 @@ def wrong_use():
           "step clips")
 
 
+def check_saved_model(folder, checksum):
+    """accelerator.save_model's file (written by rank 0 at the end) reloads
+    into a fresh model with every parameter the trained one has (Accelerate
+    took the parameters, views of the optimizer's flat buffer, for aliases
+    and kept one of them)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+    sys.path.insert(0, EXAMPLES)
+    from hf_trainer import model_config, parameters_checksum
+    model = GPT2LMHeadModel(model_config())
+    saved = load_file(os.path.join(folder, "model.safetensors"))
+    missing, unexpected = model.load_state_dict(saved, strict=False)
+    check(set(missing) <= {"lm_head.weight"} and not unexpected,  # lm_head is tied to wte
+          f"accelerator.save_model wrote {len(saved)} tensors; missing {missing}")
+    with torch.no_grad():
+        reloaded = parameters_checksum(model)
+    check(reloaded == checksum, f"the saved model ({reloaded}) is not the trained one ({checksum})")
+    print(f"ok: accelerator.save_model wrote all {len(saved)} tensors; reloaded, the trained parameters")
+
+
 def accelerate_launch():
     """`accelerate launch` as the job's launcher (torchrun's variables), the
     shard started apart and named by MORSE_SERVERS, as docs/python.md shows:
@@ -217,8 +239,13 @@ def main():
     for script in ("hf_trainer.py", "accelerate_loop.py"):
         fp32 = ["--steps", "12", "--accumulation", "2", "--max-grad-norm", "1.0"]
         ddp, _, _ = run(script, "--optimizer", "ddp", *fp32)
-        adam, adam_sum, _ = run(script, "--optimizer", "adam", *fp32)
+        saved = tempfile.mkdtemp(prefix="morse-hf-model-")
+        adam, adam_sum, _ = run(script, "--optimizer", "adam", *fp32,
+                                *(["--save-model", saved] if script == "accelerate_loop.py" else []))
         close_to_ddp(f"{script} Adam", ddp, adam, 1e-5)
+        if script == "accelerate_loop.py":
+            check_saved_model(saved, adam_sum)
+        shutil.rmtree(saved, ignore_errors=True)
         # bf16 mixed precision (Trainer's bf16=True, Accelerator's
         # mixed_precision="bf16"): the forward under autocast, as
         # Accelerate's prepare gives DDP's model. The first step's loss

@@ -30,11 +30,11 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
+from transformers import GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_trainer import (VOCAB, Sequences, common_arguments, leave_process_group, morse_optimizer,  # noqa: E402
-                        parameter_groups, parameters_checksum)
+from hf_trainer import (Sequences, common_arguments, leave_process_group, model_config,  # noqa: E402
+                        morse_optimizer, parameter_groups, parameters_checksum)
 
 
 def main():
@@ -46,15 +46,15 @@ def main():
                         help="accelerator.save_state every N steps (default: 0, none)")
     parser.add_argument("--resume", action="store_true",
                         help="accelerator.load_state of the last checkpoint in --output-dir")
+    parser.add_argument("--save-model", metavar="DIR",
+                        help="accelerator.save_model of the trained model into DIR at the end")
     a = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=a.accumulation,
                               cpu=not torch.cuda.is_available(),
                               mixed_precision="bf16" if a.bf16 else "no")
     torch.manual_seed(a.seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(config).to(accelerator.device)
+    model = GPT2LMHeadModel(model_config()).to(accelerator.device)
     loader = torch.utils.data.DataLoader(Sequences(seed=a.seed), batch_size=a.batch, shuffle=True,
                                          drop_last=True, generator=torch.Generator().manual_seed(a.seed))
     if a.optimizer == "ddp":
@@ -123,6 +123,8 @@ def main():
           f"{parameters_checksum(accelerator.unwrap_model(model))}", flush=True)
     if a.optimizer != "ddp":
         print(f"rank {accelerator.process_index}: Morse step {morse.torch.hf._morse_optimizer(opt).step_index}", flush=True)
+    if a.save_model:
+        accelerator.save_model(model, a.save_model)
     leave_process_group()  # before end_training, which would leave it at once
     accelerator.end_training()
 

@@ -85,6 +85,12 @@ def leave_process_group():
     torch.distributed.destroy_process_group()
 
 
+def model_config():
+    """The tiny GPT-2 both examples train (no dropout: the runs compare bit for bit)."""
+    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
 def parameters_checksum(model):
     flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
@@ -167,8 +173,7 @@ def main():
         torch_compile=bool(a.compile), torch_compile_backend=a.compile,
         activation_checkpointing=a.activation_checkpointing)
     torch.manual_seed(a.seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = model_config()
     model = GPT2LMHeadModel(config).to(args.device)
     losses = Losses()
     callbacks = [losses]

@@ -185,23 +185,29 @@ def _checkpoint_each_rank(accelerator, opt):
 
     The model's weights need copies both ways: a Morse optimizer's
     parameters are views of its flat buffer, one storage, which Accelerate's
-    safetensors save takes for tensors aliasing each other (it kept one
-    parameter and dropped the rest, with a warning) and safetensors'
-    load_model refuses ("None is covering the entire storage"). The save
-    writes copies (a tied parameter one copy, dropped once as for any tied
-    model), and the load reads copies (_copies_for_safetensors)."""
+    safetensors save takes for tensors aliasing each other (save_state and
+    save_model kept one parameter and dropped the rest, with a warning)
+    and safetensors' load_model refuses ("None is covering the entire
+    storage"). accelerator.get_state_dict, which both saves call, gives
+    copies (a tied parameter one copy, dropped once as for any tied model),
+    and the load reads copies (_copies_for_safetensors)."""
     opt._finds_own_state = True
+    original = accelerator.get_state_dict
 
-    def writes_here():
+    def writes():
+        """Whether Accelerate's saves write files in this process."""
         each_node = getattr(accelerator.project_configuration, "save_on_each_node", False)
         return accelerator.is_local_main_process if each_node else accelerator.is_main_process
 
+    def get_state_dict(model, unwrap=True):
+        state = original(model, unwrap=unwrap)
+        return _copied(state, opt._flat) if writes() else state  # (no copy where nothing is written)
+
+    accelerator.get_state_dict = get_state_dict
+
     def save(models, weights, output_dir):
-        if writes_here():  # its optimizer.bin is its own; the weights go as copies
-            for model, state in zip(models, weights):
-                if hasattr(model, "_morse_copies_once"):
-                    _copied(state, opt._flat)
-            return
+        if writes():
+            return  # its optimizer.bin is its own
         os.makedirs(output_dir, exist_ok=True)
         path = os.path.join(output_dir, RANK_STATE.format(rank=opt.rank))
         torch.save(opt.state_dict(), path + ".tmp")
@@ -221,15 +227,16 @@ def _checkpoint_each_rank(accelerator, opt):
 
 def _copied(state_dict, flat):
     """Replaces in `state_dict` each tensor that is a view of `flat` by a
-    copy, views of the same elements by one copy (tied parameters stay
-    tied). Returns it."""
+    copy in host memory (what a save writes; no device memory taken),
+    views of the same elements by one copy (tied parameters stay tied).
+    Returns it."""
     start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     copies = {}
     for name, value in state_dict.items():
-        if torch.is_tensor(value) and start <= value.data_ptr() < end:
+        if torch.is_tensor(value) and value.device == flat.device and start <= value.data_ptr() < end:
             key = (value.data_ptr(), value.numel())
             if key not in copies:
-                copies[key] = value.detach().clone()
+                copies[key] = value.detach().to("cpu", copy=True)
             state_dict[name] = copies[key]
     return state_dict
 
