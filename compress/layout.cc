@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "compress/codec.h"
 #include "compress/fnv.h"
 
 namespace morse::compress {
@@ -98,6 +99,14 @@ uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
       whole_blocks((largest_shard + kDefaultPartitionsPerShard - 1) /
                    kDefaultPartitionsPerShard);
   return static_cast<uint32_t>(std::clamp(wanted, lo, hi));
+}
+
+uint32_t DefaultBlockElems(uint64_t dim, uint32_t shards) {
+  auto blocks = [dim](uint64_t block) { return (dim + block - 1) / block; };
+  uint32_t block = kDefaultBlockElems;
+  if (dim == 0) return block;
+  while (block > 16 && blocks(block) < shards) block /= 2;
+  return block;
 }
 
 absl::StatusOr<Layout> Layout::Create(const LayoutSpec& spec) {

@@ -90,6 +90,14 @@ inline constexpr uint64_t kMaxDim = uint64_t{1} << 50;
 uint32_t DefaultPartitionElems(uint64_t dim, uint32_t shards,
                                uint32_t block_elems);
 
+// The block size a job gets when its config does not choose one:
+// kDefaultBlockElems, unless the model is too small to give every shard a
+// block of that size (a LoRA adapter, a toy model on several shards; such a
+// layout was refused); then the largest power of two, at least 16, that
+// gives every shard a block where the model allows it. With `dim` 0 (not
+// known yet) kDefaultBlockElems.
+uint32_t DefaultBlockElems(uint64_t dim, uint32_t shards);
+
 class Layout {
  public:
   // INVALID_ARGUMENT for D = 0 or above kMaxDim, S = 0, more shards than

@@ -350,8 +350,11 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
     return Invalid("lr", s.message());
 
   a.freeze_step = c.freeze_step();
-  const uint32_t block =
-      c.has_block_elems() ? c.block_elems() : compress::kDefaultBlockElems;
+  // Unset: 2048, or smaller for a model too small to give every shard a
+  // block of 2048 (compress::DefaultBlockElems).
+  const uint32_t block = c.has_block_elems() ? c.block_elems()
+                                             : compress::DefaultBlockElems(
+                                                   a.layout.dim, c.shards());
   a.layout.shards = c.shards();
   a.layout.block_elems = block;
   // Unset: chosen from the model's size (DESIGN 3); a server's base config

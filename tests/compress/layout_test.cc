@@ -186,5 +186,41 @@ TEST(LayoutTest, TheDefaultPartitionSizeGivesSmallModelsSeveralPerShard) {
   }
 }
 
+// A model too small for a block of 2048 per shard gets the largest power
+// of two that gives every shard one; a model that has a block of 2048 for
+// every shard, or of unknown size, keeps 2048 (its layout as it was); below
+// a block of 16 a shard the layout still refuses.
+TEST(LayoutTest, TheDefaultBlockGivesEveryShardOneWhereTheModelAllows) {
+  struct Case {
+    uint64_t dim;
+    uint32_t shards;
+    uint32_t want;
+  };
+  for (const Case& c : std::vector<Case>{{1'000'000, 2, 2048},
+                                         {4095, 2, 2048},  // two blocks
+                                         {10, 1, 2048},    // one block
+                                         {2048, 2, 1024},  // LoRA r=4
+                                         {2048, 3, 512},   // 4 blocks
+                                         {100, 2, 64},     // 2 blocks
+                                         {40, 3, 16},      // 3 blocks
+                                         {0, 2, 2048}}) {
+    const uint32_t block = DefaultBlockElems(c.dim, c.shards);
+    EXPECT_EQ(block, c.want) << c.dim << " " << c.shards;
+    if (c.dim == 0) continue;
+    const LayoutSpec spec{c.dim,
+                          c.shards,
+                          block,
+                          DefaultPartitionElems(c.dim, c.shards, block),
+                          {}};
+    const absl::StatusOr<Layout> layout = Layout::Create(spec);
+    ASSERT_TRUE(layout.ok())
+        << c.dim << " " << c.shards << ": " << layout.status();
+    EXPECT_GE(layout->block_count(), c.shards);
+  }
+  const uint32_t tiny = DefaultBlockElems(10, 2);
+  EXPECT_EQ(tiny, 16u);
+  EXPECT_FALSE(Layout::Create({10, 2, tiny, tiny, {}}).ok());  // one block
+}
+
 }  // namespace
 }  // namespace morse::compress

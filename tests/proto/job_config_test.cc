@@ -58,6 +58,30 @@ TEST(JobConfigTest, ThePartitionSizeFollowsTheModelUnlessSet) {
   EXPECT_EQ(sized(head + "external {} block_elems: 3008"), 1049792u);
 }
 
+// Unset, block_elems is 2048 unless the model is too small to give every
+// shard a block of 2048 (compress::DefaultBlockElems; such a layout was
+// refused); set, it is kept.
+TEST(JobConfigTest, TheBlockSizeShrinksForAModelTooSmallForItsShards) {
+  auto blocked = [](const std::string& text) {
+    auto job = ParseJobConfig(text, ConfigFormat::kText);
+    EXPECT_TRUE(job.ok()) << job.status();
+    return job.ok() ? job->algorithm.layout.block_elems : 0u;
+  };
+  const std::string head =
+      "workers: 2 shards: 2 steps: 10 lr { lr: 0.01 } optimizer: \"adam\" ";
+  EXPECT_EQ(blocked(head + "synthetic { dim: 1000000 }"), 2048u);
+  EXPECT_EQ(blocked(head + "external { dim: 2048 }"), 1024u);
+  EXPECT_EQ(blocked(head + "external {}"), 2048u);  // a server's, size to come
+  EXPECT_EQ(blocked(head + "synthetic { dim: 100 }"), 64u);
+  EXPECT_EQ(blocked(head + "synthetic { dim: 4095 }"), 2048u);  // as it was
+  auto set = ParseJobConfig(head + "synthetic { dim: 2048 } block_elems: 2048",
+                            ConfigFormat::kText);
+  ASSERT_FALSE(set.ok());
+  EXPECT_NE(set.status().message().find("every shard needs a block"),
+            std::string::npos)
+      << set.status();
+}
+
 TEST(JobConfigTest, AdamDefaultsAndJson) {
   auto job = ParseJobConfig(
       R"({"workers": 2, "shards": 1, "mlp": {"trainPath": "t.csv",
