@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Makes VENV, a virtual environment of Debian's /usr/bin/python3 with a
-# current torch 2.x, transformers and accelerate from PyPI (pinned below), for the Python tests' second
+# current torch 2.x, transformers, accelerate and peft from PyPI (pinned below), for the Python tests' second
 # run (ctest -L torch2; issue 41: CI tests torch 2.x beside Debian's 1.13).
 #
 #   tests/python/torch2-venv.sh VENV
@@ -14,8 +14,9 @@
 set -euo pipefail
 venv="${1:?usage: torch2-venv.sh VENV}"
 # scikit-learn: the examples' digits (bundled with it, no download);
-# transformers and accelerate: test_hf (Trainer and Accelerate, issue 41).
-pins=(torch==2.11.0 numpy==2.1.3 scikit-learn==1.5.2 scipy==1.14.1 transformers==5.24.0 accelerate==1.15.0)
+# transformers, accelerate and peft: test_hf (Trainer and Accelerate, LoRA; issue 41).
+pins=(torch==2.11.0 numpy==2.1.3 scikit-learn==1.5.2 scipy==1.14.1 transformers==5.24.0 accelerate==1.15.0
+      peft==0.21.2)
 stamp="$venv/morse-pins"
 pypi_answers() {
   /usr/bin/python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/torch/', timeout=20)" 2>/dev/null

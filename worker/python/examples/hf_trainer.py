@@ -158,6 +158,9 @@ def main():
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="Trainer's activation_checkpointing (the layers' activations "
                              "recomputed in backward())")
+    parser.add_argument("--lora", type=int, metavar="R",
+                        help="fine-tune LoRA adapters of rank R on the attention (peft's "
+                             "get_peft_model; the model's own weights frozen, out of the optimizer)")
     parser.add_argument("--compile", metavar="BACKEND",
                         help="Trainer's torch_compile with this backend (inductor, aot_eager; "
                              "default: not compiled)")
@@ -175,6 +178,11 @@ def main():
     torch.manual_seed(a.seed)
     config = model_config()
     model = GPT2LMHeadModel(config).to(args.device)
+    if a.lora:
+        from peft import LoraConfig, get_peft_model
+        # GPT-2's projections are Conv1D (fan_in_fan_out).
+        model = get_peft_model(model, LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0,
+                                                 target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
     losses = Losses()
     callbacks = [losses]
     optimizers = (None, None)
