@@ -37,45 +37,49 @@ TEST(JobConfigTest, DefaultsForOneBitAdam) {
   EXPECT_EQ(job->uploads_per_shard, 1u);
 }
 
+// The layout a two-shard Adam job with `rest` compiles to ({} and a
+// failure if it does not compile).
+compress::LayoutSpec LayoutOf(const std::string& rest) {
+  auto job = ParseJobConfig(
+      "workers: 2 shards: 2 steps: 10 lr { lr: 0.01 } optimizer: \"adam\" " +
+          rest,
+      ConfigFormat::kText);
+  EXPECT_TRUE(job.ok()) << job.status();
+  return job.ok() ? job->algorithm.layout : compress::LayoutSpec{};
+}
+
 // Unset, partition_elems follows the model's size (compress::
 // DefaultPartitionElems); set, it is kept; a server's base config for an
 // external model, whose size comes later, takes the largest default.
 TEST(JobConfigTest, ThePartitionSizeFollowsTheModelUnlessSet) {
-  auto sized = [](const std::string& text) {
-    auto job = ParseJobConfig(text, ConfigFormat::kText);
-    EXPECT_TRUE(job.ok()) << job.status();
-    return job.ok() ? job->algorithm.layout.partition_elems : 0u;
+  auto sized = [](const std::string& rest) {
+    return LayoutOf(rest).partition_elems;
   };
-  const std::string head =
-      "workers: 2 shards: 2 steps: 10 lr { lr: 0.01 } optimizer: \"adam\" ";
-  EXPECT_EQ(sized(head + "synthetic { dim: 1000000 }"), 65536u);
-  EXPECT_EQ(sized(head + "synthetic { dim: 10000000 }"), 626688u);
-  EXPECT_EQ(sized(head + "synthetic { dim: 25000000 }"), 1u << 20);
-  EXPECT_EQ(sized(head + "synthetic { dim: 25000000 } partition_elems: 4096"),
-            4096u);
-  EXPECT_EQ(sized(head + "external { dim: 10000000 }"), 626688u);
-  EXPECT_EQ(sized(head + "external {}"), 1u << 20);
-  EXPECT_EQ(sized(head + "external {} block_elems: 3008"), 1049792u);
+  EXPECT_EQ(sized("synthetic { dim: 1000000 }"), 65536u);
+  EXPECT_EQ(sized("synthetic { dim: 10000000 }"), 626688u);
+  EXPECT_EQ(sized("synthetic { dim: 25000000 }"), 1u << 20);
+  EXPECT_EQ(sized("synthetic { dim: 25000000 } partition_elems: 4096"), 4096u);
+  EXPECT_EQ(sized("external { dim: 10000000 }"), 626688u);
+  EXPECT_EQ(sized("external {}"), 1u << 20);
+  EXPECT_EQ(sized("external {} block_elems: 3008"), 1049792u);
 }
 
 // Unset, block_elems is 2048 unless the model is too small to give every
 // shard a block of 2048 (compress::DefaultBlockElems; such a layout was
 // refused); set, it is kept.
 TEST(JobConfigTest, TheBlockSizeShrinksForAModelTooSmallForItsShards) {
-  auto blocked = [](const std::string& text) {
-    auto job = ParseJobConfig(text, ConfigFormat::kText);
-    EXPECT_TRUE(job.ok()) << job.status();
-    return job.ok() ? job->algorithm.layout.block_elems : 0u;
+  auto blocked = [](const std::string& rest) {
+    return LayoutOf(rest).block_elems;
   };
-  const std::string head =
-      "workers: 2 shards: 2 steps: 10 lr { lr: 0.01 } optimizer: \"adam\" ";
-  EXPECT_EQ(blocked(head + "synthetic { dim: 1000000 }"), 2048u);
-  EXPECT_EQ(blocked(head + "external { dim: 2048 }"), 1024u);
-  EXPECT_EQ(blocked(head + "external {}"), 2048u);  // a server's, size to come
-  EXPECT_EQ(blocked(head + "synthetic { dim: 100 }"), 64u);
-  EXPECT_EQ(blocked(head + "synthetic { dim: 4095 }"), 2048u);  // as it was
-  auto set = ParseJobConfig(head + "synthetic { dim: 2048 } block_elems: 2048",
-                            ConfigFormat::kText);
+  EXPECT_EQ(blocked("synthetic { dim: 1000000 }"), 2048u);
+  EXPECT_EQ(blocked("external { dim: 2048 }"), 1024u);
+  EXPECT_EQ(blocked("external {}"), 2048u);  // a server's, size to come
+  EXPECT_EQ(blocked("synthetic { dim: 100 }"), 64u);
+  EXPECT_EQ(blocked("synthetic { dim: 4095 }"), 2048u);  // as it was
+  auto set = ParseJobConfig(
+      "workers: 2 shards: 2 steps: 10 lr { lr: 0.01 } optimizer: \"adam\" "
+      "synthetic { dim: 2048 } block_elems: 2048",
+      ConfigFormat::kText);
   ASSERT_FALSE(set.ok());
   EXPECT_NE(set.status().message().find("every shard needs a block"),
             std::string::npos)
