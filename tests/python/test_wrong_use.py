@@ -191,6 +191,27 @@ def main():
         model[1].weight.grad.fill_(float("inf"))
         expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
 
+    # fp16 loss scaling: a step that torch.amp.GradScaler drives is refused
+    # saying to train in bf16 (its skipped steps are each rank's own). Torch
+    # 1.13's GradScaler runs on CUDA only (disabled here, it calls step()
+    # itself, as without it); torch 2.x's on the CPU too.
+    scaler_type = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    with server(base) as address:
+        model = torch.nn.Linear(3, 2)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=base)
+        if scaler_type is not None:
+            scaler = scaler_type("cpu")
+            scaler.scale(model(torch.ones(4, 3)).sum()).backward()
+            expect(ValueError, "Train in bf16", lambda: scaler.step(opt))
+        else:
+            print(f"(torch {torch.__version__} has no torch.amp.GradScaler: its fp16 refusal "
+                  "is checked under torch 2.x)")
+            model(torch.ones(4, 3)).sum().backward()
+        opt.step()  # a step that no GradScaler drives is a step
+        check(opt.step_index == 1, "a plain step() after the refusal did not run")
+        expect(TypeError, "unexpected keyword arguments ['lr']", lambda: opt.step(lr=0.1))
+
     # A parameter that gets no gradient in a step (zero_grad(set_to_none=True)
     # and a loss that does not use it): torch.optim would skip it, Morse
     # cannot, so it says so, naming it; missing_grads="zero" accepts it.

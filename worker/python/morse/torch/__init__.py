@@ -217,6 +217,11 @@ _COMMIT_KEYS = {"onebit_lamb": "lamb_commit"}
 
 
 class _MorseOptimizer(torch.optim.Optimizer):
+    # torch.amp.GradScaler hands a step it drives to the optimizer (its
+    # grad_scaler argument, or the grad_scale and found_inf attributes),
+    # so that step() can refuse it (_refuse_grad_scaler).
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
                  codec, down_codec, feedback, feedback_beta, bias_correction, mask_zero_variance,
                  bound_update,
@@ -1112,7 +1117,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 p.grad.zero_()
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, **amp):
+        # (**amp: torch 1.13's GradScaler passes grad_scaler=; torch 2's,
+        # given no such parameter, sets attributes instead, without a warning.)
+        self._refuse_grad_scaler(amp.pop("grad_scaler", None))
+        if amp:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(amp)}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1136,6 +1146,24 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._check_groups(after_step=self.step_index - 1)
         self._check_thawed()
         return loss
+
+    def _refuse_grad_scaler(self, grad_scaler):
+        """ValueError for a step that torch.amp.GradScaler drives (fp16 loss
+        scaling): it skips the step on a rank whose own gradients overflowed
+        and steps the others, where DDP's ranks, which all see the averaged
+        gradient, skip together; Morse's ranks would drift a batch apart
+        (the skipping rank's next gradient pushed for this step) and part
+        at the end."""
+        if grad_scaler is None and getattr(self, "found_inf", None) is None:
+            return
+        for name in ("grad_scale", "found_inf"):  # GradScaler deletes them only after a step
+            self.__dict__.pop(name, None)
+        raise ValueError(
+            "torch.amp.GradScaler (fp16 loss scaling) drives this step: it skips a step on the "
+            "rank whose own gradients overflowed and steps the others, and a Morse optimizer's "
+            "ranks step together (under DDP every rank sees the averaged gradient and all skip "
+            "alike). Train in bf16 (torch.autocast(..., dtype=torch.bfloat16), no GradScaler) "
+            "or in float32")
 
     def _check_thawed(self):
         """MorseError if a parameter frozen when the optimizer was built
