@@ -163,11 +163,10 @@ def wrong_use():
         opt.step()
     # fp16 (GradScaler) is refused with what to do; Trainer and Accelerate
     # refuse it themselves on a CPU, so the check is asked directly.
-    from types import SimpleNamespace
     from morse.torch.hf import _check_precision
-    _check_precision(SimpleNamespace(mixed_precision="bf16"))
+    _check_precision("bf16")
     try:
-        _check_precision(SimpleNamespace(mixed_precision="fp16"))
+        _check_precision("fp16")
         check(False, "mixed_precision='fp16' was accepted")
     except ValueError as e:
         check("use bf16" in str(e), f"the message says what to do: {e}")
@@ -175,6 +174,26 @@ def wrong_use():
     print("PASS: Trainer's and Accelerate's clipping against the optimizer's clip_grad_norm "
           "refused; parameters re-attached; accelerator.clip_grad_norm_ returns the norm and the "
           "step clips")
+
+
+def check_resume(name, script, args, out, launcher=()):
+    """`script` with `args` (12 steps, a checkpoint every 6) into
+    OUT/NAME-whole, then a fresh job resumed from a copy of its
+    checkpoint-6 in OUT/NAME-resumed: the resumed run logs steps 7..12 with
+    the whole run's losses and ends on its parameters. Returns the whole
+    run's checkpoint-6 folder."""
+    whole, whole_sum, _ = run(script, *args, "--output-dir", f"{out}/{name}-whole", launcher=launcher)
+    checkpoint = f"{out}/{name}-whole/checkpoint-6"
+    shutil.copytree(checkpoint, f"{out}/{name}-resumed/checkpoint-6")
+    resumed, resumed_sum, _ = run(script, *args, "--resume", "--output-dir",
+                                  f"{out}/{name}-resumed", launcher=launcher)
+    check(sorted(resumed) == list(range(7, 13)),
+          f"{name}: the resumed run logged steps 7..12 ({sorted(resumed)})")
+    check(all(resumed[s] == whole[s] for s in resumed),
+          f"{name}: the resumed run's losses differ from the whole run's")
+    check(resumed_sum == whole_sum, f"{name}: the resumed run's parameters ({resumed_sum}) differ "
+          f"from the whole run's ({whole_sum})")
+    return checkpoint
 
 
 def check_saved_model(folder, checksum):
@@ -313,13 +332,9 @@ def main():
     close_to_ddp("hf_trainer.py Adam on LoRA adapters", ddp, adam, 1e-5)
     out = tempfile.mkdtemp(prefix="morse-hf-lora-")
     common = ["--steps", "12", "--freeze-step", "4", "--save-steps", "6", *lora]
-    whole, whole_sum, _ = run("hf_trainer.py", *common, "--output-dir", f"{out}/whole")
-    check(os.path.isfile(f"{out}/whole/checkpoint-6/adapter_model.safetensors"),
+    checkpoint = check_resume("lora", "hf_trainer.py", common, out)
+    check(os.path.isfile(f"{checkpoint}/adapter_model.safetensors"),
           "the LoRA checkpoint holds the adapters")
-    shutil.copytree(f"{out}/whole/checkpoint-6", f"{out}/resumed/checkpoint-6")
-    resumed, resumed_sum, _ = run("hf_trainer.py", *common, "--resume", "--output-dir", f"{out}/resumed")
-    check(sorted(resumed) == list(range(7, 13)) and all(resumed[s] == whole[s] for s in resumed)
-          and resumed_sum == whole_sum, "the resumed LoRA run differs from the whole run")
     shutil.rmtree(out, ignore_errors=True)
     print("PASS: LoRA adapters under Trainer: fp32 Adam equals DDP's losses; a OneBitAdam run "
           "resumed from its checkpoint is bit-identical to the whole run")
@@ -328,25 +343,13 @@ def main():
     # (the worker error buffers matter); a fresh job resumes from step 6.
     out = tempfile.mkdtemp(prefix="morse-hf-resume-")
     common = ["--steps", "12", "--freeze-step", "4", "--save-steps", "6"]
-    whole, whole_sum, _ = run("hf_trainer.py", *common, "--output-dir", f"{out}/whole")
+    checkpoint = check_resume("trainer", "hf_trainer.py", common, out)
     for name in ("optimizer.pt", "morse-rank-0.pt", "morse-rank-1.pt"):
-        check(os.path.isfile(f"{out}/whole/checkpoint-6/{name}"), f"checkpoint-6 has {name}")
-    shutil.copytree(f"{out}/whole/checkpoint-6", f"{out}/resumed/checkpoint-6")
-    shutil.copytree(f"{out}/whole/checkpoint-6", f"{out}/lost/checkpoint-6")
-    resumed, resumed_sum, _ = run("hf_trainer.py", *common, "--resume", "--output-dir", f"{out}/resumed")
-    check(sorted(resumed) == list(range(7, 13)), f"the resumed run logged steps 7..12 ({sorted(resumed)})")
-    check(all(resumed[s] == whole[s] for s in resumed), "the resumed run's losses equal the whole run's")
-    check(resumed_sum == whole_sum, f"the resumed run's parameters ({resumed_sum}) equal the whole "
-          f"run's ({whole_sum})")
+        check(os.path.isfile(f"{checkpoint}/{name}"), f"checkpoint-6 has {name}")
+    shutil.copytree(checkpoint, f"{out}/lost/checkpoint-6")
     # The same with one Morse worker for the two ranks (--node-aggregation):
     # rank 1 holds no optimizer state, its file only the step.
-    one = ("--node-aggregation",)
-    whole, whole_sum, _ = run("hf_trainer.py", *common, "--output-dir", f"{out}/agg-whole", launcher=one)
-    shutil.copytree(f"{out}/agg-whole/checkpoint-6", f"{out}/agg-resumed/checkpoint-6")
-    resumed, resumed_sum, _ = run("hf_trainer.py", *common, "--resume", "--output-dir",
-                                  f"{out}/agg-resumed", launcher=one)
-    check(all(resumed[s] == whole[s] for s in resumed) and resumed_sum == whole_sum,
-          "with --node-aggregation the resumed run differs from the whole run")
+    check_resume("agg", "hf_trainer.py", common, out, launcher=("--node-aggregation",))
     os.remove(f"{out}/lost/checkpoint-6/morse-rank-1.pt")
     _, _, log = run("hf_trainer.py", *common, "--resume", "--output-dir", f"{out}/lost", expect_ok=False)
     check("this rank's own, morse-rank-1.pt, is in none of" in log, "rank 1 names the state it lacks")
@@ -360,17 +363,11 @@ def main():
     # aliases and kept one of them) and loaded (safetensors' load_model
     # refused them).
     out = tempfile.mkdtemp(prefix="morse-hf-accelerate-resume-")
-    whole, whole_sum, _ = run("accelerate_loop.py", *common, "--output-dir", f"{out}/whole")
-    saved = sorted(os.listdir(f"{out}/whole/checkpoint-6"))
+    checkpoint = check_resume("accelerate", "accelerate_loop.py", common, out)
+    saved = sorted(os.listdir(checkpoint))
     check({"optimizer.bin", "model.safetensors", "morse-rank-1.pt"} <= set(saved)
           and "morse-rank-0.pt" not in saved, f"checkpoint-6 holds {saved}")
-    for name in ("resumed", "lost"):
-        shutil.copytree(f"{out}/whole/checkpoint-6", f"{out}/{name}/checkpoint-6")
-    resumed, resumed_sum, _ = run("accelerate_loop.py", *common, "--resume", "--output-dir",
-                                  f"{out}/resumed")
-    check(sorted(resumed) == list(range(7, 13)), f"the resumed loop logged steps 7..12 ({sorted(resumed)})")
-    check(all(resumed[s] == whole[s] for s in resumed) and resumed_sum == whole_sum,
-          f"the resumed Accelerate loop differs from the whole run ({resumed_sum} vs {whole_sum})")
+    shutil.copytree(checkpoint, f"{out}/lost/checkpoint-6")
     os.remove(f"{out}/lost/checkpoint-6/morse-rank-1.pt")
     _, _, log = run("accelerate_loop.py", *common, "--resume", "--output-dir", f"{out}/lost",
                     expect_ok=False)

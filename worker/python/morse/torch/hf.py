@@ -110,26 +110,23 @@ def keep_out_of_ddp(model, autocast_handler=None):
     from accelerate.utils import DynamoBackend
     # The Accelerator's settings (Trainer has made its own by now).
     state = AcceleratorState() if is_initialized() else None
-    _check_precision(state)
+    precision = str(getattr(state, "mixed_precision", None) or "no")
+    _check_precision(precision)
     plugin = getattr(state, "dynamo_plugin", None)
     compiled = getattr(model, "_compiled_call_impl", None) is not None
     if plugin is not None and plugin.backend != DynamoBackend.NO and not compiled:
         model.compile(**plugin.to_kwargs())  # in place: the parameters stay Morse's
-    if _precision(state) == "bf16" and "_original_forward" not in model.__dict__:
+    if precision == "bf16" and "_original_forward" not in model.__dict__:
         _autocast_forward(model, autocast_handler)
     model._is_accelerate_prepared = True
     return model
 
 
-def _precision(state):
-    return str(getattr(state, "mixed_precision", None) or "no")
-
-
-def _check_precision(state):
-    """ValueError for a mixed precision Morse cannot train with: fp16 (and
-    fp8) scale the loss and skip the steps whose gradients overflow
-    (GradScaler), where a Morse optimizer's pushes have left at backward()."""
-    precision = _precision(state)
+def _check_precision(precision):
+    """ValueError for a mixed precision ("no", "bf16", "fp16", ...) Morse
+    cannot train with: fp16 (and fp8) scale the loss and skip the steps
+    whose gradients overflow (GradScaler), where a Morse optimizer's pushes
+    have left at backward()."""
     if precision not in ("no", "bf16"):
         raise ValueError(
             f"mixed_precision={precision!r}: fp16 scales the loss and skips the steps whose "
@@ -147,10 +144,9 @@ def _autocast_forward(model, autocast_handler):
     from accelerate.utils.modeling import get_mixed_precision_context_manager
     autocast = get_mixed_precision_context_manager(True, autocast_handler)
     model._original_forward = model.forward
-    forward = model.forward.__func__ if hasattr(model.forward, "__func__") else model.forward
-    wrapped = convert_outputs_to_fp32(autocast(forward))
-    model.forward = MethodType(wrapped, model) if hasattr(model._original_forward, "__func__") \
-        else wrapped
+    bound = hasattr(model.forward, "__func__")
+    wrapped = convert_outputs_to_fp32(autocast(model.forward.__func__ if bound else model.forward))
+    model.forward = MethodType(wrapped, model) if bound else wrapped
 
 
 def prepare(accelerator, *objects):
@@ -319,10 +315,7 @@ class MorseCallback(_callback_base()):
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = self._optimizer(optimizer)
         if getattr(args, "fp16", False):
-            raise ValueError("fp16=True scales the loss and skips the steps whose gradients "
-                             "overflow (GradScaler), and a Morse optimizer's gradients have left "
-                             "for the shards by then: use bf16=True (autocast without loss "
-                             "scaling) or float32")
+            _check_precision("fp16")
         if model is not None:
             _attach_model(model, opt)
             keep_out_of_ddp(model)  # with Trainer's bf16 autocast
