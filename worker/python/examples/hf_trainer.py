@@ -12,6 +12,12 @@ the callback (see morse/torch/hf.py):
     opt = morse.torch.OneBitAdam(model.parameters(), lr=...)
     Trainer(..., optimizers=(opt, None), callbacks=[MorseCallback()])
 
+or, for DiLoCo (each rank's own AdamW, an outer step on the shards every
+--sync-every steps; Trainer's scheduler and clipping take the inner steps):
+
+    opt = morse.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=...),
+                             sync_every=...)
+
 With --bf16 the forward runs under Trainer's bf16 autocast (MorseCallback
 applies it, as Accelerate does for the models it wraps).
 
@@ -100,11 +106,15 @@ def common_arguments(parser, stack):
     """The flags hf_trainer.py and accelerate_loop.py share; `stack` (Trainer,
     Accelerator) is whose DDP and gradient accumulation they mean."""
     parser.add_argument("--optimizer", default="onebit_adam",
-                        choices=["onebit_adam", "onebit_lamb", "zero_one_adam", "adam", "ddp"],
+                        choices=["onebit_adam", "onebit_lamb", "zero_one_adam", "adam", "diloco",
+                                 "ddp"],
                         help="morse.torch.OneBitAdam, morse.torch.OneBitLamb (each tensor a layer), "
                              "morse.torch.ZeroOneAdam (DeepSpeed's defaults but the freeze), "
-                             "morse.torch.Adam (fp32 Adam through the shards), or AdamW under "
+                             "morse.torch.Adam (fp32 Adam through the shards), morse.torch.DiLoCo "
+                             "over each rank's own AdamW (--sync-every), or AdamW under "
                              f"{stack}'s DDP (default: onebit_adam)")
+    parser.add_argument("--sync-every", type=int, default=5,
+                        help="--optimizer diloco: inner steps between syncs (default: 5)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
     parser.add_argument("--freeze-step", type=int, default=15,
                         help="OneBitAdam's and OneBitLamb's warmup steps, ZeroOneAdam's "
@@ -146,6 +156,12 @@ def morse_optimizer(a, model):
         return morse.torch.OneBitLamb(params, lr=a.lr, freeze_step=a.freeze_step)
     if a.optimizer == "zero_one_adam":
         return morse.torch.ZeroOneAdam(params, lr=a.lr, var_freeze_step=a.freeze_step)
+    if a.optimizer == "diloco":
+        # Each rank's own AdamW (the groups' weight_decay, else none), and
+        # every --sync-every steps an outer step on the shards (the paper's
+        # Nesterov SGD; fp32 pseudo-gradients).
+        inner = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
+        return morse.torch.DiLoCo(model, inner, sync_every=a.sync_every)
     return morse.torch.Adam(params, lr=a.lr)
 
 

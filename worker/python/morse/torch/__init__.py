@@ -2315,24 +2315,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         saved_rank = state.get("rank", self._rank)
         if saved_rank != self._rank and bool(state["worker_error"].abs().max() > 0):
             if self._finds_own_state:
-                # Hugging Face Trainer and Accelerate's load_state load rank
-                # 0's file on every rank: this rank's own is loaded from
-                # beside it (Accelerate: at once, the file the hook named;
-                # Trainer: MorseCallback before the first step), and step()
-                # refuses to run without it.
-                self._awaiting_own_state = (saved_rank, int(state["step"]))
-                own, self._own_state_file = self._own_state_file, None
-                if own is not None:
-                    if not os.path.isfile(own):
-                        raise FileNotFoundError(
-                            f"rank {self._rank} was given rank {saved_rank}'s optimizer state (step "
-                            f"{int(state['step'])}), and its own, {own}, is not there: "
-                            "morse.torch.hf.prepare's save_state hook writes it on every rank "
-                            "into the folder that save_state writes; load a folder saved so, or "
-                            "copy the morse-rank-*.pt files of that checkpoint beside its "
-                            "optimizer.bin")
-                    self.load_state_dict(torch.load(own, map_location=self._flat.device,
-                                                    weights_only=True))
+                _await_own_state(self, saved_rank, int(state["step"]), self._flat.device)
                 return
             raise ValueError(
                 f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its worker error "
@@ -2432,6 +2415,26 @@ def _scale_between(was, now):
 def _float32(value):
     """`value` rounded to float32 (a clip factor as every replica applies it)."""
     return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _await_own_state(opt, saved_rank, step, device):
+    """`opt` (a Morse optimizer, or DiLoCo) was given rank `saved_rank`'s
+    state of step `step` under morse.torch.hf: Hugging Face Trainer and
+    Accelerate's load_state load rank 0's file on every rank, so this
+    rank's own is loaded from beside it (Accelerate: at once, the file the
+    load hook named; Trainer: MorseCallback before the first step), and
+    step() refuses to run without it."""
+    opt._awaiting_own_state = (saved_rank, step)
+    own, opt._own_state_file = opt._own_state_file, None
+    if own is None:
+        return
+    if not os.path.isfile(own):
+        raise FileNotFoundError(
+            f"rank {opt.rank} was given rank {saved_rank}'s optimizer state (step {step}), and its "
+            f"own, {own}, is not there: morse.torch.hf.prepare's save_state hook writes it on "
+            "every rank into the folder that save_state writes; load a folder saved so, or copy "
+            "the morse-rank-*.pt files of that checkpoint beside its optimizer.bin")
+    opt.load_state_dict(torch.load(own, map_location=device, weights_only=True))
 
 
 def _clip_pieces(ranges, factors, dim):

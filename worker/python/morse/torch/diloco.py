@@ -28,8 +28,8 @@ import weakref
 import torch
 
 from .. import _native
-from . import (MorseError, _base_config, _codec_lines, _env, _external_model, _MorseOptimizer,
-               _rank_checkpoint, _security)
+from . import (MorseError, _await_own_state, _base_config, _codec_lines, _env, _external_model,
+               _MorseOptimizer, _rank_checkpoint, _security)
 
 
 def _float(name, value):
@@ -42,7 +42,7 @@ def _float(name, value):
     return value
 
 
-class DiLoCo:
+class DiLoCo(torch.optim.Optimizer):
     """Wraps `inner_optimizer` (built over `params`, a model or its
     parameters) so that every `sync_every` calls of step() end with an outer
     step through the Morse job that morse-run (or rank=, world_size=,
@@ -73,7 +73,13 @@ class DiLoCo:
     state_dict() holds the inner optimizer's state, this rank's parameters,
     the outer parameters, the outer momentum, this rank's worker error
     buffer and, on rank 0, the shards' error buffers: save every rank's,
-    and load each into a fresh job to continue the run exactly."""
+    and load each into a fresh job to continue the run exactly.
+
+    It is a torch.optim.Optimizer whose param_groups, state and defaults
+    are the inner optimizer's (torch.optim.Optimizer.__init__ is not run:
+    nothing of it is its own), so that what takes an Optimizer (a
+    scheduler, Hugging Face Trainer, Accelerate's prepare) takes it, and a
+    scheduler built over it schedules the inner steps."""
 
     def __init__(self, params, inner_optimizer, *, sync_every=500, outer_lr=0.7,
                  outer_momentum=0.9, nesterov=True, fragments=1, overlap_steps=0, mixing=None,
@@ -84,7 +90,7 @@ class DiLoCo:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError(f"inner_optimizer is a {type(inner_optimizer).__name__}; DiLoCo wraps "
                             "a torch.optim.Optimizer over the model's parameters")
-        if isinstance(inner_optimizer, _MorseOptimizer):
+        if isinstance(inner_optimizer, (_MorseOptimizer, DiLoCo)):
             raise ValueError(f"inner_optimizer is a Morse {type(inner_optimizer).__name__}, which "
                              "exchanges every step itself; DiLoCo's inner steps are each rank's "
                              "own: give it a torch optimizer (e.g. torch.optim.AdamW)")
@@ -211,6 +217,16 @@ class DiLoCo:
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
                 self._to_params()
         self._averaged = None  # a node's step: whether it merges, once averaged (at a clip)
+        # Under morse.torch.hf (Trainer's and Accelerate's resume load rank
+        # 0's state on every rank), as for the other Morse optimizers:
+        # another rank's state is set aside (rank, step) until this rank's
+        # own is loaded, from the file the load hook names if it does.
+        self._finds_own_state = False
+        self._awaiting_own_state = None
+        self._own_state_file = None
+        # Tells this optimizer's own state_dict() of now apart (Accelerate's
+        # wrapper gives it straight back: nothing to restore).
+        self._nonce = os.urandom(8).hex()
         if self._node is not None:
             # Through shared memory where the host lets it (node.py): the
             # node's average comes back with one flag more than the model.
@@ -351,6 +367,30 @@ class DiLoCo:
     def param_groups(self):
         return self.inner.param_groups
 
+    def add_param_group(self, param_group):
+        raise ValueError("DiLoCo's outer parameters are fixed at construction: add_param_group is "
+                         "not supported; build the inner optimizer and DiLoCo over every "
+                         "parameter")
+
+    @property
+    def state(self):
+        """The inner optimizer's per-parameter state (what wrappers such as
+        Accelerate's read as torch.optim.Optimizer.state)."""
+        return self.inner.state
+
+    @property
+    def defaults(self):
+        return self.inner.defaults
+
+    @property
+    def device(self):
+        """The device of the model's parameters (the inner state's)."""
+        return self._params[0].device
+
+    def _taken(self):
+        """What tells this optimizer's state_dict() of now apart."""
+        return f"{self._nonce}:{self._inner_steps}"
+
     @property
     def rank(self):
         return self._rank
@@ -410,6 +450,14 @@ class DiLoCo:
         """The inner optimizer's step; every sync_every-th also syncs: pushes
         this rank's pseudo-gradient, waits for the outer step and sets the
         parameters to the new outer parameters."""
+        if self._awaiting_own_state is not None:
+            rank, step = self._awaiting_own_state
+            raise MorseError(
+                f"FAILED_PRECONDITION: this rank (rank {self._rank}) was given rank {rank}'s DiLoCo "
+                f"state of outer step {step} and not yet its own: its inner optimizer's state, "
+                "parameters and error buffer are its own. Load this rank's state_dict (saved by "
+                "this rank) with load_state_dict before step(); under Hugging Face Trainer, "
+                "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
         merges = False
         if self._node is not None:
             if closure is not None:
@@ -528,9 +576,10 @@ class DiLoCo:
             # rank's inner state and parameters are the same as its.
             return {"inner": self.inner.state_dict(), "inner_steps": self._inner_steps,
                     "sync_every": self.sync_every, "params": self._local(), "outer": None,
-                    "node_member": True}
+                    "node_member": True, "rank": self._rank}
         step, m, _, error = self._session.get_state()
-        outer = {"step": step, "rank": self._rank, "params": self._x.clone(),
+        outer = {"step": step, "rank": self._rank, "taken": self._taken(),
+                 "params": self._x.clone(),
                  "momentum": torch.from_numpy(m), "worker_error": torch.from_numpy(error)}
         if self._worker == 0:
             outer["server_error"] = torch.from_numpy(self._session.server_error())
@@ -548,6 +597,25 @@ class DiLoCo:
         syncs they differ from the outer parameters)."""
         outer = state_dict["outer"]
         dim = self._x.numel()
+        if (outer is not None and outer.get("taken") == self._taken()
+                and self._awaiting_own_state is None and torch.equal(
+                    state_dict["params"].detach().reshape(-1).cpu(), self._local())):
+            # This optimizer's own state_dict() of now, given back
+            # (Accelerate's optimizer wrapper does that when it is built):
+            # nothing to restore, and the shards may be ahead of it.
+            return
+        # Whose state it is: its inner optimizer's state and parameters are
+        # that rank's own (and a node's, that node's).
+        saved_rank = (state_dict.get("rank", self._rank) if outer is None
+                      else outer.get("rank", self._rank))
+        if saved_rank != self._rank:
+            if self._finds_own_state:
+                _await_own_state(self, saved_rank, int(outer["step"]) if outer else -1,
+                                 self.device)
+                return
+            raise ValueError(f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: "
+                             "its inner optimizer's state, parameters and worker error buffer are "
+                             "that rank's own; load each rank's own")
         if self._session is None:
             # A node's other rank: its leader restores the node's worker.
             if "params" not in state_dict or state_dict["params"].numel() != dim:
@@ -555,6 +623,7 @@ class DiLoCo:
             self.inner.load_state_dict(state_dict["inner"])
             self._inner_steps = int(state_dict["inner_steps"])
             self._set_local(state_dict["params"].detach().reshape(-1).to("cpu", torch.float32))
+            self._awaiting_own_state = None
             return
         for key in ("params", "momentum", "worker_error"):
             if key not in outer or outer[key].numel() != dim:
@@ -572,10 +641,11 @@ class DiLoCo:
             if state_dict.get(key, default) != mine:
                 raise ValueError(f"this state_dict was saved with {key}={state_dict.get(key)!r}, "
                                  f"this optimizer has {mine}; build it with the saved value")
-        saved_rank = outer.get("rank", self._rank)
-        if saved_rank != self._rank and bool(outer["worker_error"].abs().max() > 0):
-            raise ValueError(f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: "
-                             "its worker error buffer is that rank's own; load each rank's own")
+        if self._awaiting_own_state is not None and int(outer["step"]) != self._awaiting_own_state[1]:
+            raise ValueError(
+                f"this state_dict is of outer step {int(outer['step'])}, but the checkpoint being "
+                f"resumed (rank {self._awaiting_own_state[0]}'s state) is of outer step "
+                f"{self._awaiting_own_state[1]}: load this rank's state of the same checkpoint")
         if "server_error" in outer and outer["server_error"].numel() != dim:
             raise ValueError(f"state_dict['outer']['server_error'] must hold {dim} values")
 
@@ -605,6 +675,7 @@ class DiLoCo:
             raise
         self._inner_steps = inner_steps
         self._due = step + 1
+        self._awaiting_own_state = None
         with torch.no_grad():
             local = state_dict["params"].detach().reshape(-1).to("cpu", torch.float32)
             for p, (lo, hi) in zip(self._params, self._ranges):

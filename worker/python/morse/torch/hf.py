@@ -58,12 +58,24 @@ RANK_STATE = "morse-rank-{rank}.pt"
 
 
 def _morse_optimizer(optimizer):
-    """The Morse optimizer inside Accelerate's wrapper, or None."""
+    """The Morse optimizer (or DiLoCo) inside Accelerate's wrapper, or None."""
+    from .diloco import DiLoCo
+    kinds = (_MorseOptimizer, DiLoCo)
     seen = 0
-    while optimizer is not None and not isinstance(optimizer, _MorseOptimizer) and seen < 8:
+    while optimizer is not None and not isinstance(optimizer, kinds) and seen < 8:
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
-    return optimizer if isinstance(optimizer, _MorseOptimizer) else None
+    return optimizer if isinstance(optimizer, kinds) else None
+
+
+def _is_diloco(opt):
+    from .diloco import DiLoCo
+    return isinstance(opt, DiLoCo)
+
+
+def _state_device(opt):
+    """Where `opt`'s state_dict() keeps its tensors (torch.load's map_location)."""
+    return opt.device if _is_diloco(opt) else opt._flat.device
 
 
 def _attach_model(model, opt):
@@ -71,10 +83,13 @@ def _attach_model(model, opt):
     Trainer moves the model to args.device, and on the CPU that is a copy
     (torch copies a tensor on "cpu" to "cpu:0"): a parameter copied with
     every bit kept is pointed back into the optimizer's flat buffer; any
-    other change is refused."""
+    other change is refused. DiLoCo's parameters are the model's own
+    tensors (its inner optimizer's), which a move keeps."""
     ids = {id(p) for p in model.parameters()}
     if not any(id(p) in ids for p in opt._params):
         raise ValueError("the Morse optimizer was not built from this model's parameters")
+    if _is_diloco(opt):
+        return
     with torch.no_grad():
         for i, (name, p, (lo, hi)) in enumerate(zip(opt._names, opt._params, opt._ranges)):
             view = opt._flat[lo:hi]
@@ -154,18 +169,22 @@ def prepare(accelerator, *objects):
     one: the models among `objects` stay out of DDP (keep_out_of_ddp) and
     must already be on their device; the rest (the optimizer, data loaders
     sharded by rank, schedulers) is prepared as Accelerate does."""
-    opts = [o for o in objects
-            if isinstance(o, torch.optim.Optimizer) and _morse_optimizer(o) is not None]
+    opts = [o for o in objects if _morse_optimizer(o) is not None]
     if len(opts) != 1:
         raise ValueError(f"morse.torch.hf.prepare needs exactly one Morse optimizer among the "
                          f"objects; got {len(opts)}")
     opt = _morse_optimizer(opts[0])
+    flat = not _is_diloco(opt)  # parameters that are views of one flat buffer
     for o in objects:
         if isinstance(o, torch.nn.Module):
             _attach_model(o, opt)
             keep_out_of_ddp(o, accelerator.autocast_handler)
-            _copies_for_safetensors(o, opt)
-    _route_clipping(accelerator, opt)
+            if flat:
+                _copies_for_safetensors(o, opt)
+    if flat:
+        # (DiLoCo's inner steps clip each rank's own gradient: Accelerate's
+        # own clip, as the script's torch.nn.utils.clip_grad_norm_.)
+        _route_clipping(accelerator, opt)
     _checkpoint_each_rank(accelerator, opt)
     return accelerator.prepare(*objects)
 
@@ -199,7 +218,8 @@ def _checkpoint_each_rank(accelerator, opt):
         state = original(model, unwrap=unwrap)
         return _copied(state, opt._flat) if writes() else state  # (no copy where nothing is written)
 
-    accelerator.get_state_dict = get_state_dict
+    if not _is_diloco(opt):  # (DiLoCo's parameters are the model's own tensors)
+        accelerator.get_state_dict = get_state_dict
 
     def save(models, weights, output_dir):
         if writes():
@@ -308,7 +328,8 @@ class MorseCallback(_callback_base()):
         if opt is None:
             raise ValueError("MorseCallback needs a Morse optimizer: Trainer(..., "
                              "optimizers=(morse.torch.OneBitAdam(model.parameters(), ...), None), "
-                             "callbacks=[MorseCallback()])")
+                             "callbacks=[MorseCallback()]), or morse.torch.DiLoCo(model, "
+                             "torch.optim.AdamW(model.parameters(), ...), sync_every=...)")
         self.opt = opt
         return opt
 
@@ -320,7 +341,9 @@ class MorseCallback(_callback_base()):
             _attach_model(model, opt)
             keep_out_of_ddp(model)  # with Trainer's bf16 autocast
         max_norm = float(getattr(args, "max_grad_norm", 0) or 0)
-        if max_norm > 0 and opt.clip_grad_norm is not None:
+        # (DiLoCo has no clip of its own: Trainer's clips each rank's own
+        # gradient for its inner step.)
+        if max_norm > 0 and getattr(opt, "clip_grad_norm", None) is not None:
             # Trainer's clip ends in morse.torch.clip_grad_norm_ (the averaged
             # gradient's, as under DDP); an optimizer that clips by its own
             # clip_grad_norm would clip the step twice.
@@ -357,7 +380,7 @@ class MorseCallback(_callback_base()):
         for folder in places:
             path = os.path.join(folder, name)
             if os.path.isfile(path):
-                opt.load_state_dict(torch.load(path, map_location=opt._flat.device, weights_only=True))
+                opt.load_state_dict(torch.load(path, map_location=_state_device(opt), weights_only=True))
                 return control
         rank, step = opt._awaiting_own_state
         raise FileNotFoundError(
