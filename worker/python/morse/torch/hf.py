@@ -7,6 +7,10 @@ Trainer: pass the optimizer and MorseCallback, and nothing else changes:
     trainer = Trainer(model=model, args=args, train_dataset=...,
                       optimizers=(opt, None), callbacks=[MorseCallback()])
 
+morse.torch.DiLoCo (over any torch inner optimizer) takes the place of
+opt the same way; the stack's scheduler and clipping then take each rank's
+inner steps.
+
 Accelerate: prepare through morse.torch.hf.prepare instead of
 accelerator.prepare:
 
