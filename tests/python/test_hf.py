@@ -215,7 +215,8 @@ def diloco(script, ddp):
     two steps after the last), which a DDP wrap would have averaged; a run
     resumed from its checkpoint of step 6, between syncs (each rank's inner
     state and parameters its own, loaded from beside rank 0's), is
-    bit-identical to the whole run."""
+    bit-identical to the whole run; under Trainer also with the two ranks
+    one node (--node-aggregation)."""
     args = ["--optimizer", "diloco", "--sync-every", "4"]
     loco, _, _ = run(script, *args, "--steps", "40")
     last = sorted(loco)[-5:]
@@ -225,7 +226,12 @@ def diloco(script, ddp):
     check(mean < 0.5 * first, f"{script} DiLoCo: its loss {mean:.3f} is not below half the first")
     _, apart, _ = run(script, *args, "--steps", "14", ranks_agree=False)
     out = tempfile.mkdtemp(prefix="morse-hf-diloco-")
-    check_resume(f"{script[:-3]}-diloco", script, [*args, "--steps", "12", "--save-steps", "6"], out)
+    resume = [*args, "--steps", "12", "--save-steps", "6"]
+    check_resume(f"{script[:-3]}-diloco", script, resume, out)
+    if script == "hf_trainer.py":
+        # The two ranks one DiLoCo worker (--node-aggregation: the node
+        # averages each inner step's gradient, its leader syncs).
+        check_resume("diloco-agg", script, resume, out, launcher=("--node-aggregation",))
     shutil.rmtree(out, ignore_errors=True)
     print(f"PASS: {script}: DiLoCo learns, the ranks' models apart between syncs "
           f"({', '.join(apart)} two steps after one), resumed between syncs bit-identically")
