@@ -1127,14 +1127,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._awaiting_own_state is not None:
-            rank, step = self._awaiting_own_state
-            raise MorseError(
-                f"FAILED_PRECONDITION: this rank (rank {self._rank}) was given rank {rank}'s "
-                f"optimizer state of step {step} and not yet its own: its worker error buffer is "
-                "its own, and another's would change the run. Load this rank's state_dict (saved "
-                f"by this rank) with load_state_dict before step(); under Hugging Face Trainer, "
-                "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
+        _check_own_state_loaded(self, "optimizer state of step",
+                                "its worker error buffer is its own, and another's would change "
+                                "the run")
         if self._slices is not None:
             self._slice_step()
         elif self._node is not None:
@@ -2415,6 +2410,20 @@ def _scale_between(was, now):
 def _float32(value):
     """`value` rounded to float32 (a clip factor as every replica applies it)."""
     return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _check_own_state_loaded(opt, what, why):
+    """MorseError for a step() of `opt` while it holds another rank's state
+    (`what` of step N: "optimizer state of step"), set aside by
+    _await_own_state, and not yet this rank's own (`why` it must be)."""
+    if opt._awaiting_own_state is None:
+        return
+    rank, step = opt._awaiting_own_state
+    raise MorseError(
+        f"FAILED_PRECONDITION: this rank (rank {opt.rank}) was given rank {rank}'s {what} {step} "
+        f"and not yet its own: {why}. Load this rank's state_dict (saved by this rank) with "
+        "load_state_dict before step(); under Hugging Face Trainer, "
+        "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
 
 
 def _await_own_state(opt, saved_rank, step, device):

@@ -28,8 +28,8 @@ import weakref
 import torch
 
 from .. import _native
-from . import (MorseError, _await_own_state, _base_config, _codec_lines, _env, _external_model,
-               _MorseOptimizer, _rank_checkpoint, _security)
+from . import (MorseError, _await_own_state, _base_config, _check_own_state_loaded, _codec_lines,
+               _env, _external_model, _MorseOptimizer, _rank_checkpoint, _security)
 
 
 def _float(name, value):
@@ -450,14 +450,9 @@ class DiLoCo(torch.optim.Optimizer):
         """The inner optimizer's step; every sync_every-th also syncs: pushes
         this rank's pseudo-gradient, waits for the outer step and sets the
         parameters to the new outer parameters."""
-        if self._awaiting_own_state is not None:
-            rank, step = self._awaiting_own_state
-            raise MorseError(
-                f"FAILED_PRECONDITION: this rank (rank {self._rank}) was given rank {rank}'s DiLoCo "
-                f"state of outer step {step} and not yet its own: its inner optimizer's state, "
-                "parameters and error buffer are its own. Load this rank's state_dict (saved by "
-                "this rank) with load_state_dict before step(); under Hugging Face Trainer, "
-                "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
+        _check_own_state_loaded(self, "DiLoCo state of outer step",
+                                "its inner optimizer's state, parameters and error buffer are its "
+                                "own")
         merges = False
         if self._node is not None:
             if closure is not None:
