@@ -42,7 +42,11 @@ way:
 
 Needs transformers, accelerate and peft: under Debian's python3 (torch 1.13, no
 transformers) this test is skipped, saying so; its torch2_ twin runs it in
-the venv of tests/python/torch2-venv.sh, which pins them."""
+the venv of tests/python/torch2-venv.sh, which pins them.
+
+ctest runs it in parts, each a test of its own (torch2_hf_setup, _trainer,
+_accelerate, _diloco, _groups, _resume): `test_hf.py [PART ...]`, all of them
+without arguments."""
 import json
 import os
 import re
@@ -293,64 +297,92 @@ def main():
         import peft  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as e:
-        print(f"SKIPPED: {sys.executable} has no transformers/accelerate/peft ({e}); the torch2_hf test "
-              "runs this in the torch 2.x venv (tests/python/torch2-venv.sh)")
+        print(f"SKIPPED: {sys.executable} has no transformers/accelerate/peft ({e}); the torch2_hf_* tests "
+              "run this in the torch 2.x venv (tests/python/torch2-venv.sh)")
         sys.exit(77)
+    parts = {"setup": setup, "trainer": lambda: one_stack("hf_trainer.py"),
+             "accelerate": lambda: one_stack("accelerate_loop.py"), "diloco": diloco_both, "groups": groups,
+             "resume": resume}
+    chosen = sys.argv[1:] or list(parts)
+    unknown = [p for p in chosen if p not in parts]
+    if unknown:
+        sys.exit(f"test_hf.py: no part {', '.join(unknown)}; the parts are {', '.join(parts)} (none: all)")
+    for part in chosen:
+        parts[part]()
+
+
+# The fp32 runs' arguments: 12 steps of 2 accumulated micro-batches,
+# clipped at 1.0 by the stack (Trainer's max_grad_norm,
+# accelerator.clip_grad_norm_).
+FP32 = ["--steps", "12", "--accumulation", "2", "--max-grad-norm", "1.0"]
+
+
+def setup():
     wrong_use()
     accelerate_launch()
 
+
+def one_stack(script):
+    """fp32 Adam against DDP (and bf16), Trainer's compile and activation
+    checkpointing, and OneBitAdam's convergence, under one stack."""
+    ddp, _, _ = run(script, "--optimizer", "ddp", *FP32)
+    saved = tempfile.mkdtemp(prefix="morse-hf-model-")
+    adam, adam_sum, _ = run(script, "--optimizer", "adam", *FP32,
+                            *(["--save-model", saved] if script == "accelerate_loop.py" else []))
+    close_to_ddp(f"{script} Adam", ddp, adam, 1e-5)
+    if script == "accelerate_loop.py":
+        check_saved_model(saved, adam_sum)
+    shutil.rmtree(saved, ignore_errors=True)
+    # bf16 mixed precision (Trainer's bf16=True, Accelerator's
+    # mixed_precision="bf16"): the forward under autocast, as
+    # Accelerate's prepare gives DDP's model. The first step's loss
+    # (the weights as built) is DDP's bit for bit and not float32's
+    # (autocast ran); the rest within bf16's rounding of DDP's.
+    ddp16, _, _ = run(script, "--optimizer", "ddp", *FP32, "--bf16")
+    adam16, _, _ = run(script, "--optimizer", "adam", *FP32, "--bf16")
+    first = min(ddp16)
+    check(adam16[first] == ddp16[first],
+          f"{script} bf16: the first step's loss {adam16[first]!r} is not DDP's {ddp16[first]!r}")
+    check(adam16[first] != adam[first],
+          f"{script} bf16: the first step's loss is float32's ({adam[first]!r}): no autocast")
+    close_to_ddp(f"{script} Adam bf16", ddp16, adam16, 1e-3)
+    if script == "hf_trainer.py":
+        # Trainer's torch_compile: compiled in place (Accelerate would
+        # compile only a model it wraps), the same bits as eager with
+        # aot_eager (test_torch_compile).
+        compiled, compiled_sum, log = run(script, "--optimizer", "adam", *FP32, "--compile", "aot_eager")
+        check(log.count("(compiled in place)") == RANKS, "every rank's model was compiled")
+        check(compiled == adam and compiled_sum == adam_sum,
+              "Trainer with torch_compile (aot_eager) differs from eager")
+        print("ok: Trainer's torch_compile=True (aot_eager) compiles in place, bit-identical to eager")
+        # Activation checkpointing: the layers' forward again inside
+        # backward(), whose hooks then fire in the recomputation.
+        again, again_sum, log = run(script, "--optimizer", "adam", *FP32, "--activation-checkpointing")
+        check(log.count("(activation checkpointing)") == RANKS, "every rank checkpointed")
+        check(again == adam and again_sum == adam_sum,
+              "Trainer with activation_checkpointing differs from the same run without")
+        print("ok: Trainer's activation_checkpointing=True, bit-identical to the run without")
+    onebit = ["--steps", "40", "--freeze-step", "10"]
+    ddp, _, _ = run(script, "--optimizer", "ddp", *onebit)
+    one, _, _ = run(script, "--optimizer", "onebit_adam", *onebit)
+    converges_like_ddp(f"{script} OneBitAdam", ddp, one)
+    print(f"PASS: {script}: fp32 Adam equals DDP's losses; OneBitAdam converges like DDP")
+
+
+def diloco_both():
     for script in ("hf_trainer.py", "accelerate_loop.py"):
-        fp32 = ["--steps", "12", "--accumulation", "2", "--max-grad-norm", "1.0"]
-        ddp, _, _ = run(script, "--optimizer", "ddp", *fp32)
-        saved = tempfile.mkdtemp(prefix="morse-hf-model-")
-        adam, adam_sum, _ = run(script, "--optimizer", "adam", *fp32,
-                                *(["--save-model", saved] if script == "accelerate_loop.py" else []))
-        close_to_ddp(f"{script} Adam", ddp, adam, 1e-5)
-        if script == "accelerate_loop.py":
-            check_saved_model(saved, adam_sum)
-        shutil.rmtree(saved, ignore_errors=True)
-        # bf16 mixed precision (Trainer's bf16=True, Accelerator's
-        # mixed_precision="bf16"): the forward under autocast, as
-        # Accelerate's prepare gives DDP's model. The first step's loss
-        # (the weights as built) is DDP's bit for bit and not float32's
-        # (autocast ran); the rest within bf16's rounding of DDP's.
-        ddp16, _, _ = run(script, "--optimizer", "ddp", *fp32, "--bf16")
-        adam16, _, _ = run(script, "--optimizer", "adam", *fp32, "--bf16")
-        first = min(ddp16)
-        check(adam16[first] == ddp16[first],
-              f"{script} bf16: the first step's loss {adam16[first]!r} is not DDP's {ddp16[first]!r}")
-        check(adam16[first] != adam[first],
-              f"{script} bf16: the first step's loss is float32's ({adam[first]!r}): no autocast")
-        close_to_ddp(f"{script} Adam bf16", ddp16, adam16, 1e-3)
-        if script == "hf_trainer.py":
-            # Trainer's torch_compile: compiled in place (Accelerate would
-            # compile only a model it wraps), the same bits as eager with
-            # aot_eager (test_torch_compile).
-            compiled, compiled_sum, log = run(script, "--optimizer", "adam", *fp32, "--compile", "aot_eager")
-            check(log.count("(compiled in place)") == RANKS, "every rank's model was compiled")
-            check(compiled == adam and compiled_sum == adam_sum,
-                  "Trainer with torch_compile (aot_eager) differs from eager")
-            print("ok: Trainer's torch_compile=True (aot_eager) compiles in place, bit-identical to eager")
-            # Activation checkpointing: the layers' forward again inside
-            # backward(), whose hooks then fire in the recomputation.
-            again, again_sum, log = run(script, "--optimizer", "adam", *fp32, "--activation-checkpointing")
-            check(log.count("(activation checkpointing)") == RANKS, "every rank checkpointed")
-            check(again == adam and again_sum == adam_sum,
-                  "Trainer with activation_checkpointing differs from the same run without")
-            print("ok: Trainer's activation_checkpointing=True, bit-identical to the run without")
-        onebit = ["--steps", "40", "--freeze-step", "10"]
-        ddp, _, _ = run(script, "--optimizer", "ddp", *onebit)
-        one, _, _ = run(script, "--optimizer", "onebit_adam", *onebit)
-        converges_like_ddp(f"{script} OneBitAdam", ddp, one)
-        print(f"PASS: {script}: fp32 Adam equals DDP's losses; OneBitAdam converges like DDP")
+        ddp, _, _ = run(script, "--optimizer", "ddp", "--steps", "40", "--freeze-step", "10")
         diloco(script, ddp)
+
+
+def groups():
     # Trainer's weight decay: its AdamW under DDP decays every parameter but
     # biases and norms (two groups); the example gives a Morse optimizer the
     # same two groups. fp32 Adam equals DDP's losses; OneBitLamb (the BERT
     # recipe, at LAMB's larger lr) and ZeroOneAdam converge like DDP.
     decay = ["--weight-decay", "0.01"]
-    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *fp32, *decay)
-    adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *fp32, *decay)
+    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *FP32, *decay)
+    adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *FP32, *decay)
     close_to_ddp("hf_trainer.py Adam with weight-decay groups", ddp, adam, 1e-5)
     longer = ["--steps", "60", "--freeze-step", "15"]  # LAMB starts slower, then passes AdamW
     ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *longer, *decay)
@@ -369,8 +401,8 @@ def main():
     # of the 2 shards, so the job's default block is 1024 (such a model was
     # refused).
     lora = ["--lora", "1", "--lr", "0.05"]
-    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *fp32, *lora)
-    adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *fp32, *lora)
+    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *FP32, *lora)
+    adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *FP32, *lora)
     close_to_ddp("hf_trainer.py Adam on LoRA adapters", ddp, adam, 1e-5)
     out = tempfile.mkdtemp(prefix="morse-hf-lora-")
     common = ["--steps", "12", "--freeze-step", "4", "--save-steps", "6", *lora]
@@ -381,6 +413,9 @@ def main():
     print("PASS: LoRA adapters under Trainer: fp32 Adam equals DDP's losses; a OneBitAdam run "
           "resumed from its checkpoint is bit-identical to the whole run")
 
+
+
+def resume():
     # Resume: checkpoints at steps 6 and 12 of a OneBitAdam run frozen at 4
     # (the worker error buffers matter); a fresh job resumes from step 6.
     out = tempfile.mkdtemp(prefix="morse-hf-resume-")
