@@ -20,6 +20,14 @@ first cut): one Morse worker per node.
    same changes and the shards' model theirs; changed on one rank of a
    node only: every rank of the node fails, saying to change them the
    same way on every rank (clamp_one; load_one before the first step).
+3b. clip_grad_norm_ on every rank (`clip`): DDP's norm; in the
+   compression phase the node's own (1-bit Adam's rule), torch's clip of
+   the node's average on every rank's .grad, with the bits of the job's
+   clip_grad_norm (the leaders the simulator's with it). `edit`: in the
+   compression phase an addition and a row's halving of .grad after the
+   clip on every rank, pushed by the leader bit for bit as torch's order
+   leaves them; `edit_one`: local rank 1 alone editing fails every rank of
+   the node, naming it.
 4. Ranks of a node that set different learning rates: every rank of the
    node fails naming the values; nodes that disagree on --node-aggregation
    fail the rendezvous saying so.
@@ -29,6 +37,7 @@ first cut): one Morse worker per node.
    takes its whole node through gloo's sockets, node 0 saying why once,
    with the same bits."""
 import json
+import math
 import os
 import re
 import subprocess
@@ -41,6 +50,7 @@ import torch
 from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
 
 STEPS = 8
+FREEZE = 3  # the compressed optimizers' freeze step (build)
 CLIP = 0.05  # clip_grad_norm_'s max_norm in the clip runs: below every step's norm here
 
 
@@ -50,7 +60,7 @@ def build(name, params, lr, **more):
     if name == "Adam":
         return morse.torch.Adam(params, lr=lr, **common)
     if name == "OneBitAdam":
-        return morse.torch.OneBitAdam(params, lr=lr, freeze_step=3, **common)
+        return morse.torch.OneBitAdam(params, lr=lr, freeze_step=FREEZE, **common)
     if name == "ZeroOneAdam":
         return morse.torch.ZeroOneAdam(params, lr=lr, var_freeze_step=3, var_update_scaler=1,
                                        local_step_scaler=2, local_step_clipper=4, **common)
@@ -104,8 +114,18 @@ def worker(out, mode):
                     p.grad.mul_(0.5)
         mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
         numpy.save(f"{out}/own-{rank}-{step}.npy", mine.cpu().numpy())
-        if variant == "clip":  # every rank, as a DDP script does
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        if variant in ("clip", "edit", "edit_one"):
+            # Every rank, as a DDP script does. edit: the norm alone before
+            # the compression phase (max_norm inf: the steps clip nothing, as
+            # the simulator without clip_grad_norm), then a clip and .grad
+            # edited after it on every rank (edit_one: on local rank 1 alone).
+            clips = variant == "clip" or step >= FREEZE
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                              CLIP if clips else math.inf)))
+            clipped = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            numpy.save(f"{out}/clipped-{rank}-{step}.npy", clipped.cpu().numpy())
+            if clips and (variant == "edit" or (variant == "edit_one" and local == 1)):
+                edit_clipped(model)
         opt.step()
         # The node's buckets (of about partition_elems) left during backward()
         # (overlap), all of them but where the step edited or accumulated
@@ -138,6 +158,24 @@ def worker(out, mode):
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
 
 
+def edit_clipped(model):
+    """Edits after clip_grad_norm_ that are no scaling of a whole
+    parameter: an addition to the first layer's weights, a row of the
+    last's halved."""
+    with torch.no_grad():
+        model[0].weight.grad.add_(1e-3)
+        model[2].weight.grad[0].mul_(0.5)
+
+
+def edited(flat, sizes):
+    """edit_clipped on a flat gradient (numpy float32), the same bits."""
+    flat = flat.copy()
+    flat[:sizes[0]] += numpy.float32(1e-3)
+    row = sizes[0] + sizes[1]
+    flat[row:row + 20] *= numpy.float32(0.5)
+    return flat
+
+
 def clamp_weights(model, variant, rank, step):
     """A WGAN critic's weight clipping after step `step`: on every rank
     (variant clamp, but after the last step), or on rank 1 alone after
@@ -160,10 +198,10 @@ def node_average(own):
     return total
 
 
-def check_node_averages(out, nnodes, local_size):
+def check_node_averages(out, nnodes, local_size, steps=range(STEPS)):
     """Each leader pushed ((g0 + g1) + ...) / L of its node's own gradients."""
     for node in range(nnodes):
-        for step in range(STEPS):
+        for step in steps:
             own = [numpy.load(f"{out}/own-{node * local_size + r}-{step}.npy") for r in range(local_size)]
             total = node_average(own)
             pushed = numpy.load(f"{out}/grad-{node}-{step}.npy")
@@ -177,7 +215,9 @@ def check_clip_norms(out, nnodes, local_size, freeze):
     node's own after (1-bit Adam's rule), equal on every rank of a node."""
     norms = [json.load(open(f"{out}/norms-{r}.json")) for r in range(nnodes * local_size)]
     for step in range(STEPS):
-        nodes_avg = [numpy.load(f"{out}/grad-{n}-{step}.npy").astype(numpy.float64) for n in range(nnodes)]
+        nodes_avg = [node_average([numpy.load(f"{out}/own-{n * local_size + r}-{step}.npy")
+                                   for r in range(local_size)]).astype(numpy.float64)
+                     for n in range(nnodes)]
         job = sum(nodes_avg) / nnodes
         for r in range(nnodes * local_size):
             node = r // local_size
@@ -187,6 +227,36 @@ def check_clip_norms(out, nnodes, local_size, freeze):
             check(norms[r][step] == norms[node * local_size][step],
                   f"rank {r} step {step}: not its leader's norm")
             check(norms[r][step] > CLIP, f"step {step}: the clip did not act ({norms[r][step]})")
+
+
+def check_own_clips(out, nnodes, local_size, variant, sizes):
+    """The compression phase of the clip variants (each node clips its
+    own gradient, 1-bit Adam's rule): every rank's .grad after
+    clip_grad_norm_ is its leader's, torch's clip of the node's average (to
+    float rounding: torch sums the norm in another order), as DDP's inside
+    the node; the leader pushed .grad as the ranks left it (`edit`: edited
+    after the clip, bit for bit). `clip`: the gradients recorded for the
+    simulator become the nodes' averages, which the simulator with the
+    job's clip_grad_norm clips, to check the bits of the clip."""
+    for node in range(nnodes):
+        for step in range(FREEZE, STEPS):
+            ranks = range(node * local_size, (node + 1) * local_size)
+            average = node_average([numpy.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
+            clipped = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in ranks]
+            check(all(c.tobytes() == clipped[0].tobytes() for c in clipped),
+                  f"node {node} step {step}: .grad after clip_grad_norm_ differs between its ranks")
+            norm = numpy.linalg.norm(average.astype(numpy.float64))
+            want = average * numpy.float32(CLIP / (norm + 1e-6))
+            check(norm > CLIP and numpy.allclose(clipped[0], want, rtol=1e-6, atol=0),
+                  f"node {node} step {step}: .grad after clip_grad_norm_ is not torch's clip of the "
+                  f"node's average: {numpy.abs(clipped[0] - want).max()} apart")
+            pushed = numpy.load(f"{out}/grad-{node}-{step}.npy")
+            expected = edited(clipped[0], sizes) if variant == "edit" else clipped[0]
+            check(pushed.tobytes() == expected.tobytes(),
+                  f"node {node} step {step}: the leader did not push .grad as the clip "
+                  f"{'and the edit ' if variant == 'edit' else ''}left it")
+            if variant == "clip":
+                numpy.save(f"{out}/grad-{node}-{step}.npy", average)
 
 
 def check_nodes_share(out, nnodes, local_size, nodes_may_differ):
@@ -224,14 +294,17 @@ def two_nodes(name, variant=""):
     banner = re.findall(r"shard \d/2 of job '\S+': model size from the workers, (\d+) workers", results[0][1])
     check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")
     may_differ = name == "ZeroOneAdam"
-    check_node_averages(out, 2, 2)
+    own_clips = variant in ("clip", "edit")  # the compression phase's clip is the node's own
+    check_node_averages(out, 2, 2, range(FREEZE) if own_clips else range(STEPS))
+    if own_clips:
+        check_own_clips(out, 2, 2, variant, [200, 20, 80, 4])
     check_shared(out, 4, shm_usable() and variant != "gloo", name)
     fell_back = [len(re.findall(r"exchanges its gradients through gloo's sockets, not shared memory: "
                                 r"local rank 1 could not map", text)) for _, text in results]
     check(fell_back == ([1, 0] if variant == "gloo" else [0, 0]) or not shm_usable(),
           f"{name}: the node a rank of which could not map its region says so once: {fell_back}")
-    if variant == "clip":
-        check_clip_norms(out, 2, 2, freeze=3)
+    if own_clips:
+        check_clip_norms(out, 2, 2, FREEZE)
     check_nodes_share(out, 2, 2, may_differ)
     for node in range(2):  # zero_one_adam's shards hold the last sync's model
         check(may_differ or json.load(open(f"{out}/holds-{node}.json")),
@@ -249,7 +322,10 @@ def two_nodes(name, variant=""):
             "accum": ", two backward() a step with accumulation_steps=2 (overlapped)",
             "accum_learned": ", two backward() a step without accumulation_steps (the overlap "
                              "gives way to step())",
-            "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm)",
+            "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm; in the "
+                    "compression phase torch's clip of the node's average, .grad on every rank)",
+            "edit": ", in the compression phase clip_grad_norm_, then .grad added to and a row "
+                    "halved on every rank (pushed as torch's order gives them)",
             "load": ", weights loaded after building it",
             "gloo": ", one rank of each node without shared memory (its node through gloo)"}.get(
                 variant, "")
@@ -295,13 +371,25 @@ def wrong_use():
             check(re.search(rf"\[rank {rank}\].*local ranks \[1\] of node 0 hold other parameters "
                             rf"than its leader {when} .*same way on every rank", result.stdout),
                   f"{variant}: rank {rank} names the rank that changed its weights alone")
+    # In the compression phase, an edit after clip_grad_norm_ made by local
+    # rank 1 alone: the step is the leader's, then every rank fails naming it.
+    command[-2:] = [tempfile.mkdtemp(), "OneBitAdam:edit_one"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=240)
+    print(result.stdout[-3000:])
+    check(result.returncode != 0, "edit_one: a node whose rank 1 alone edited after the clip should fail")
+    for rank in (0, 1):
+        check(re.search(rf"\[rank {rank}\].*local ranks \[1\] of node 0 changed \.grad after "
+                        rf"clip_grad_norm_ in step {FREEZE} otherwise than its leader", result.stdout),
+              f"edit_one: rank {rank} names the rank that edited alone")
     results = nodes(__file__, 2, 1, "-", "Adam", extra=[("--node-aggregation",), ()], timeout=120)
     for node, (code, text) in enumerate(results):
         print(text[-1500:])
         check(code != 0 and "--node-aggregation" in text and "every node must give the same" in text,
               f"node {node}: the disagreement on --node-aggregation is named")
-    print("PASS: different learning rates in a node, weights changed on one of its ranks only and "
-          "a disagreement on --node-aggregation fail, saying so")
+    print("PASS: different learning rates in a node, weights changed on one of its ranks only, an "
+          "edit after clip_grad_norm_ on one of its ranks only and a disagreement on "
+          "--node-aggregation fail, saying so")
 
 
 if __name__ == "__main__":
@@ -312,6 +400,7 @@ if __name__ == "__main__":
         two_nodes(name)
     two_nodes("OneBitAdam", "clamp")
     two_nodes("OneBitAdam", "clip")
+    two_nodes("OneBitAdam", "edit")
     two_nodes("Adam", "load")
     two_nodes("Adam", "scaled")
     two_nodes("OneBitAdam", "accum")

@@ -629,6 +629,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # scaled each parameter's .grad since, None for another edit)] of
         # the other ranks, which must be its own (_judge_node_edits).
         self._node_edit_scales = None
+        # ... in a step whose clips were the leader's own (_node_own_clip):
+        # the local ranks whose .grad at step() was not the leader's.
+        self._node_grads_differ = None
         self._node_buckets = None
         self._push_error = None  # a leader's push at the gather failed: raised at its step
         self._pushed_before_last = 0  # partitions the leader pushed before the last bucket
@@ -1324,6 +1327,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         node = self._node
         if self._gathered is None:
             self._node_gather(at_clip=True)
+        norm = self._node_own_clip(max_norm, order, owned) if self._slices is None else None
+        if norm is not None:
+            return self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         failure, error, norm = self._gathered[1], None, None
         # A clip of part of the model, or any clip in a step that had one
         # (every rank of the node calls it: the leader, or every owner,
@@ -1343,7 +1349,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 else:
                     norm = self._slice_norms(order)
             except Exception as e:  # the node hears it before this rank raises it
-                error, failure = e, f"{type(e).__name__}: {e}"
+                error, failure = e, _told(e)
         if self._slices is None:
             failure, norm = node.objects((failure, norm) if node.is_leader else None)[0]
             failed = [(0, failure)] if failure is not None else []
@@ -1365,6 +1371,65 @@ class _MorseOptimizer(torch.optim.Optimizer):
                              f"{'the node' if self._slices is None else f'slice {k}'}; this rank is "
                              f"rank {self._rank})")
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
+
+    def _node_own_clip(self, max_norm, order, owned):
+        """clip_grad_norm_ on the leader's node in a step that clips the
+        node's own gradient and pushes it at step() (a compressing step):
+        as on one rank (_own_clip), torch's own on the node's average, which
+        the leader scales in place and gives the node, so that every rank's
+        .grad after it is torch's (DDP's inside the node, 1-bit Adam's rule
+        between nodes) and an edit after it, the same on every rank, is
+        pushed as torch would have it. Before a later clip in the step the
+        ranks' .grad must still agree (an edit the same on every rank).
+        Returns the norm where it clipped so; None where the step clips
+        otherwise (_node_clip goes on)."""
+        node = self._node
+        own, failure, norm = self._own_clipping, self._gathered[1], None
+        if own and failure is None:
+            failure = self._node_grads_agree("between two clip_grad_norm_ calls")
+        error = None
+        if node.is_leader and failure is None and own is None:
+            try:
+                if self._cuda or self.clip_grad_norm is not None or self._clipped \
+                        or self._part_factors is not None:
+                    own = False
+                else:
+                    self._push_for_clip()
+                    with self._explained():
+                        own = self._session.clips_locally()
+            except Exception as e:  # the node hears it before this rank raises it
+                error, failure = e, _told(e)
+        if node.is_leader and failure is None and own:
+            try:
+                norm = float(self._own_clip(max_norm, order, False, owned))
+            except Exception as e:
+                error, failure = e, _told(e)
+        failure, own, norm = node.objects((failure, own, norm) if node.is_leader else None)[0]
+        if failure is not None:
+            if error is not None:
+                raise error
+            raise MorseError(f"{failure}\n  (clip_grad_norm_ of this node's leader, rank "
+                             f"{node.leader}; this rank is rank {self._rank})")
+        self._own_clipping = own
+        if not own:
+            return None
+        self._restore_views()
+        node.share(self._flat_grad)  # the leader's clipped gradient, every rank's .grad
+        return norm
+
+    def _node_grads_agree(self, when):
+        """In a step whose clips are the leader's own (_node_own_clip):
+        every rank of the node compares its .grad with the leader's; a
+        failure message naming the ranks that differ, else None."""
+        node = self._node
+        self._restore_views()
+        digests = node.objects(_digest_of([self._flat_grad]))
+        differ = [k for k, d in enumerate(digests) if d != digests[0]]
+        if not differ:
+            return None
+        return (f"FAILED_PRECONDITION: local ranks {differ} of node {node.node} changed .grad {when} "
+                f"in step {self.step_index} otherwise than its leader (local rank 0), whose "
+                "gradients the step uses: edit .grad the same way on every rank")
 
     def _slice_norms(self, order):
         """A sharded node's owner, at clip_grad_norm_: its slice's norms of
@@ -1594,6 +1659,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # A node's stepping rank: the other ranks' edits since the clip,
         # this step's alone whatever happens.
         others, self._node_edit_scales = self._node_edit_scales, None
+        grads_differ, self._node_grads_differ = self._node_grads_differ, None
         # A step whose clips were torch's own, in place (_own_clip): its
         # pushes take .grad as it is now, every edit in torch's order.
         own_clipped, self._own_clipping, self._own_scaled = self._own_clipping, None, False
@@ -1693,6 +1759,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     f"otherwise than {which} whose gradients the step used: edit .grad the same "
                     "way on every rank (after clip_grad_norm_, only by scaling a parameter's "
                     "whole gradient by a factor in [0, 1])")
+        if grads_differ is not None:
+            raise MorseError(grads_differ)
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
@@ -1958,6 +2026,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if failure is not None:
                 error = MorseError(f"{failure}\n  (the step of this node's leader, rank "
                                    f"{node.leader}; this rank is rank {self._rank})")
+        self._own_clipping, self._own_scaled = None, False  # (the leader's step took them)
         node.share(self._flat)
         if not node.is_leader:
             # The leader's step decided on what this rank wrote; it holds
@@ -1978,6 +2047,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         another edit), which that rank's step compares with its own
         (_worker_step), refusing the step unless they agree."""
         self._node_edit_scales = None
+        if self._own_clipping:
+            # The leader's own clip (_node_own_clip): .grad the leader's on
+            # every rank since, each edit after it the same on every rank.
+            failure = self._node_grads_agree("after clip_grad_norm_")
+            if self._node.is_leader:
+                self._node_grads_differ = failure
+            return
         if not self._clip_gathered:
             return
         node = self._node
@@ -2059,7 +2135,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     raise early  # a push at the gather (_collect_node_buckets)
                 self._worker_step()
             except Exception as e:  # the node hears it before this rank raises it
-                error, failure = e, f"{type(e).__name__}: {e}"
+                error, failure = e, _told(e)
         checksum = self._session.checksum() if failure is None else None
         buffers = self._pack_buffers() if self._session_buffers and failure is None else None
         members = self._session.members() if failure is None else None
@@ -2358,6 +2434,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+
+def _told(error):
+    """An exception as a node's rank tells it to the others: a MorseError's
+    message (which begins with its status code), else the type's name and
+    the message."""
+    return str(error) if isinstance(error, MorseError) else f"{type(error).__name__}: {error}"
 
 
 def _digest_of(params):
