@@ -47,7 +47,12 @@
 9. clip_grad_norm_, then .grad scaled and zeroed per parameter on every
    rank of the leader's node and of the sharded node (`edit`): within 1e-6
    of DDP + AdamW given the same edits of the clipped average; one rank
-   alone editing is refused, naming it."""
+   alone editing is refused, naming it.
+10. In OneBitAdam's compression phase (`own`), clip_grad_norm_ then an
+   addition and a row's halving of .grad on every rank of the sharded
+   node: .grad after the clip torch's clip of the node's average on every
+   rank, each slice pushed bit for bit as the edit left it, each slice's
+   job the simulator's; one rank alone editing fails, named."""
 import glob
 import json
 import math
@@ -62,7 +67,8 @@ import numpy
 import torch
 
 from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
-from test_node_aggregation import CLIP, STEPS, build, clamp_weights, node_average  # noqa: E402
+from test_node_aggregation import CLIP, FREEZE, STEPS, build, clamp_weights, node_average  # noqa: E402
+from test_node_aggregation import edit_clipped as add_after_clip, edited  # noqa: E402
 
 
 def model_of(seed=5):
@@ -165,6 +171,16 @@ def worker(out, mode):
         if variant == "editfull":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
             edit_clipped(model, step)
+        if variant in ("ownfull", "ownone"):
+            # The norm alone before the compression phase (max_norm inf),
+            # then a clip and an edit after it that is no scaling, on every
+            # rank (ownone: on local rank 1 alone).
+            clips = step >= FREEZE
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP if clips else math.inf)
+            numpy.save(f"{out}/clipped-{rank}-{step}.npy",
+                       torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+            if clips and (variant == "ownfull" or local == 1):
+                add_after_clip(model)
         opt.step()
         if variant in ("partfull", "editfull"):
             check(opt._holds_shards_model(), f"rank {rank} step {step}: slice {local}'s shards' "
@@ -173,7 +189,7 @@ def worker(out, mode):
         checksums.append(opt.checksum())
         f = flat(model)
         params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull",
-                                                                "editfull") else
+                                                                "editfull", "ownfull") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and node == 0:
             numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
@@ -396,6 +412,53 @@ def edit_after_clip():
           "local rank 1 alone editing stops both nodes, naming it")
 
 
+def edit_in_compression():
+    """`own`: OneBitAdam on the sharded node, in its compression phase
+    clip_grad_norm_ on every rank, then an addition and a row's halving of
+    .grad (1-bit Adam's rule: the node's own gradient, in torch's order).
+    Every rank's .grad after the clip is the same, torch's clip of the
+    node's average (within 1e-6); each slice's owner pushed that slice of
+    it as the edit left it, bit for bit; each slice's job the simulator fed
+    those pushes. Local rank 1 alone editing (`ownone`): every rank of both
+    nodes fails, naming it."""
+    out = tempfile.mkdtemp(prefix="morse-sharded-own-")
+    check(all(code == 0 for code, _ in run_nodes(out, "OneBitAdam:ownfull")),
+          "the sharded node's edits after the clip in the compression phase failed")
+    sizes = [200, 20, 80, 4]
+    check_slices(out, 2, 2, steps=range(FREEZE))
+    for node in range(2):
+        for step in range(FREEZE, STEPS):
+            ranks = range(2 * node, 2 * node + 2)
+            average = node_average([numpy.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
+            clipped = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in ranks]
+            check(all(c.tobytes() == clipped[0].tobytes() for c in clipped),
+                  f"node {node} step {step}: .grad after clip_grad_norm_ differs between its ranks")
+            norm = numpy.linalg.norm(average.astype(numpy.float64))
+            want = average * numpy.float32(CLIP / (norm + 1e-6))
+            check(norm > CLIP and numpy.allclose(clipped[0], want, rtol=1e-6, atol=0),
+                  f"node {node} step {step}: .grad after clip_grad_norm_ is not torch's clip of the "
+                  f"node's average: {numpy.abs(clipped[0] - want).max()} apart")
+            pushed = edited(clipped[0], sizes)
+            for k in range(2):
+                lo, hi = json.load(open(f"{out}/range-{k}.json"))
+                got = numpy.load(f"{out}/slice-{k}/grad-{node}-{step}.npy")
+                check(got.tobytes() == pushed[lo:hi].tobytes(), f"node {node} step {step}: slice "
+                      f"{k}'s owner did not push .grad as the clip and the edit left it")
+    check_nodes_share(out, 2, 2, "ownfull", False)
+    for k in range(2):
+        check_ranks_match_simulator(f"{out}/slice-{k}", 2, STEPS)
+    results = run_nodes(tempfile.mkdtemp(prefix="morse-sharded-ownone-"), "OneBitAdam:ownone")
+    for node, (code, text) in enumerate(results):
+        check(code != 0 and re.search(rf"local ranks \[1\] of node {node} changed \.grad after "
+                                      rf"clip_grad_norm_ in step {FREEZE} otherwise than local rank 0",
+                                      text),
+              f"ownone: node {node}: a rank that alone edited after the clip is not named")
+    print("PASS: own: OneBitAdam's compression phase on the sharded node, clip_grad_norm_ then "
+          ".grad added to and a row halved on every rank: .grad after the clip torch's clip of the "
+          "node's average on every rank, each slice pushed as the edit left it, bit for bit, each "
+          "slice's job the simulator's; local rank 1 alone editing stops both nodes, naming it")
+
+
 def clip_part():
     """clip_grad_norm_ over the first layer, then the whole model, every
     step, on the leader's node and on the sharded node. fp32 Adam: DDP's
@@ -611,7 +674,7 @@ if __name__ == "__main__":
     # (python_node_sharding_optimizers, ...): a part's name runs its modes.
     parts = {"optimizers": ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "cuda", "leader",
                             "three"],
-             "clips": ["clip", "part", "edit"],
+             "clips": ["clip", "part", "edit", "own"],
              "recovery": ["resume", "restart_sharded", "restart_leader", "wrong"]}
     modes = [m for arg in sys.argv[1:] or list(parts) for m in parts.get(arg, [arg])]
     for mode in modes:
@@ -633,6 +696,8 @@ if __name__ == "__main__":
             clip_part()
         elif mode == "edit":
             edit_after_clip()
+        elif mode == "own":
+            edit_in_compression()
         elif mode.startswith("restart_"):
             restart(mode[len("restart_"):])
         elif mode == "three":

@@ -632,6 +632,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # ... in a step whose clips were the leader's own (_node_own_clip):
         # the local ranks whose .grad at step() was not the leader's.
         self._node_grads_differ = None
+        self._node_clipped = None  # ... and the gradient the last such clip gave every rank
         self._node_buckets = None
         self._push_error = None  # a leader's push at the gather failed: raised at its step
         self._pushed_before_last = 0  # partitions the leader pushed before the last bucket
@@ -1327,7 +1328,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         node = self._node
         if self._gathered is None:
             self._node_gather(at_clip=True)
-        norm = self._node_own_clip(max_norm, order, owned) if self._slices is None else None
+        norm = self._node_own_clip(max_norm, order, owned)
         if norm is not None:
             return self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         failure, error, norm = self._gathered[1], None, None
@@ -1373,22 +1374,24 @@ class _MorseOptimizer(torch.optim.Optimizer):
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
 
     def _node_own_clip(self, max_norm, order, owned):
-        """clip_grad_norm_ on the leader's node in a step that clips the
-        node's own gradient and pushes it at step() (a compressing step):
-        as on one rank (_own_clip), torch's own on the node's average, which
-        the leader scales in place and gives the node, so that every rank's
-        .grad after it is torch's (DDP's inside the node, 1-bit Adam's rule
-        between nodes) and an edit after it, the same on every rank, is
-        pushed as torch would have it. Before a later clip in the step the
-        ranks' .grad must still agree (an edit the same on every rank).
-        Returns the norm where it clipped so; None where the step clips
-        otherwise (_node_clip goes on)."""
+        """clip_grad_norm_ in a node's step that clips the node's own
+        gradient and pushes it at step() (a compressing step): as on one
+        rank (_own_clip), torch's own on the node's average, scaled in place
+        where it is stepped (by the leader; sharded, each slice by its owner
+        with the model's factor) and given to every rank of the node as its
+        .grad, so that .grad after it is torch's on every rank (DDP's inside
+        the node, 1-bit Adam's rule between nodes) and an edit after it, the
+        same on every rank, is pushed as torch would have it. Before a later
+        clip in the step the ranks' .grad must still agree. Returns the norm
+        where it clipped so; None where the step clips otherwise (_node_clip
+        goes on)."""
         node = self._node
-        own, failure, norm = self._own_clipping, self._gathered[1], None
+        sharded = self._slices is not None
+        own, failure, norms = self._own_clipping, self._gathered[1], None
         if own and failure is None:
             failure = self._node_grads_agree("between two clip_grad_norm_ calls")
         error = None
-        if node.is_leader and failure is None and own is None:
+        if self._session is not None and failure is None and own is None:
             try:
                 if self._cuda or self.clip_grad_norm is not None or self._clipped \
                         or self._part_factors is not None:
@@ -1399,37 +1402,99 @@ class _MorseOptimizer(torch.optim.Optimizer):
                         own = self._session.clips_locally()
             except Exception as e:  # the node hears it before this rank raises it
                 error, failure = e, _told(e)
-        if node.is_leader and failure is None and own:
+        if self._session is not None and failure is None and own:
             try:
-                norm = float(self._own_clip(max_norm, order, False, owned))
+                if sharded:  # this slice's parameters' norms, the model's combined below
+                    first, end = self._slices[node.local_rank]
+                    norms = [float(torch.linalg.vector_norm(self._flat_grad[lo:hi].double(), order))
+                             for lo, hi in (self._ranges[i - first] for i in owned if first <= i < end)]
+                else:
+                    norms = float(self._own_clip(max_norm, order, False, owned))
             except Exception as e:
                 error, failure = e, _told(e)
-        failure, own, norm = node.objects((failure, own, norm) if node.is_leader else None)[0]
-        if failure is not None:
+        if sharded:
+            outcomes = node.objects((failure, own, norms))
+            failed = [(k, f) for k, (f, _, _) in enumerate(outcomes) if f is not None]
+            own = all(o for _, o, _ in outcomes)
+        else:
+            failure, own, norms = node.objects((failure, own, norms) if node.is_leader else None)[0]
+            failed = [(0, failure)] if failure is not None else []
+        if failed:
             if error is not None:
                 raise error
-            raise MorseError(f"{failure}\n  (clip_grad_norm_ of this node's leader, rank "
-                             f"{node.leader}; this rank is rank {self._rank})")
+            k, failure = failed[0]
+            raise MorseError(f"{failure}\n  (clip_grad_norm_ of local rank {k}, which steps "
+                             f"{'the node' if not sharded else f'slice {k}'}; this rank is rank "
+                             f"{self._rank})")
         self._own_clipping = own
         if not own:
             return None
-        self._restore_views()
-        node.share(self._flat_grad)  # the leader's clipped gradient, every rank's .grad
+        if not sharded:
+            self._restore_views()
+            node.share(self._flat_grad)  # the leader's clipped gradient, every rank's .grad
+            self._node_clipped = self._flat_grad.clone()
+            return norms
+        norm = _norm_of_norms([n for _, _, each in outcomes for n in each], order)
+        scale = _float32(_clip_factor(norm, max_norm))
+        first, end = self._slices[node.local_rank]
+        if scale < 1.0:
+            with torch.no_grad():
+                for i in owned:
+                    if first <= i < end:
+                        lo, hi = self._ranges[i - first]
+                        self._flat_grad[lo:hi].mul_(scale)
+        self._share_slice_grads()
+        self._node_clipped = self._node_grads()
         return norm
 
-    def _node_grads_agree(self, when):
-        """In a step whose clips are the leader's own (_node_own_clip):
-        every rank of the node compares its .grad with the leader's; a
-        failure message naming the ranks that differ, else None."""
+    def _node_grads(self):
+        """The node's gradient as this rank holds it: its flat gradient (a
+        sharded node's rank: every slice's .grad, one after another)."""
+        from .node import flat_grads
+        self._restore_views()
+        return self._flat_grad if self._slices is None else flat_grads(self._node_params)
+
+    def _share_slice_grads(self):
+        """A sharded node: every rank takes each slice's .grad from the
+        slice's owner."""
+        from .node import flat_grads
         node = self._node
         self._restore_views()
-        digests = node.objects(_digest_of([self._flat_grad]))
+        for k, (first, end) in enumerate(self._slices):
+            params = self._node_params[first:end]
+            if k == node.local_rank:
+                flat = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
+            else:
+                flat = flat_grads(params)
+            node.share(flat, owner=k)
+            if k != node.local_rank:
+                at = 0
+                with torch.no_grad():
+                    for p in params:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        p.grad.copy_(flat[at:at + p.numel()].view_as(p))
+                        at += p.numel()
+
+    def _node_grads_agree(self, when):
+        """In a step whose clips are the node's own (_node_own_clip): every
+        rank of the node compares its .grad with local rank 0's; a failure
+        message naming the ranks that differ, else None. Each rank first
+        compares its own with the clip's (a copy, no hash); only where some
+        rank changed it do the ranks hash theirs."""
+        node = self._node
+        grads = self._node_grads()
+        if not any(node.objects(not torch.equal(grads, self._node_clipped))):
+            return None
+        digests = node.objects(_digest_of([grads]))
         differ = [k for k, d in enumerate(digests) if d != digests[0]]
         if not differ:
             return None
+        than = ("its leader (local rank 0), whose gradients the step uses" if self._slices is None
+                else "local rank 0 (each slice's owner pushes its own)")
         return (f"FAILED_PRECONDITION: local ranks {differ} of node {node.node} changed .grad {when} "
-                f"in step {self.step_index} otherwise than its leader (local rank 0), whose "
-                "gradients the step uses: edit .grad the same way on every rank")
+                f"in step {self.step_index} otherwise than {than}: edit .grad the same way on every "
+                "rank")
 
     def _slice_norms(self, order):
         """A sharded node's owner, at clip_grad_norm_: its slice's norms of
@@ -2051,7 +2116,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # The leader's own clip (_node_own_clip): .grad the leader's on
             # every rank since, each edit after it the same on every rank.
             failure = self._node_grads_agree("after clip_grad_norm_")
-            if self._node.is_leader:
+            self._node_clipped = None
+            if self._session is not None:  # (the rank steps for the node, or a slice)
                 self._node_grads_differ = failure
             return
         if not self._clip_gathered:
@@ -2157,6 +2223,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._gathered = None
         self._judge_node_edits(sent)  # by each slice's owner, edits made after the clip
         error, outcome = self._step_for_node(failure)
+        self._own_clipping, self._own_scaled = None, False  # (the slice's step took them)
         outcomes = node.finish_all(*outcome)
         for k, (failed, _, _, _) in enumerate(outcomes):
             if error is None and failed is not None:
