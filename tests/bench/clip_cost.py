@@ -6,12 +6,20 @@
           backward() (it waits for the exchange where the step averages;
           in a compression phase the pushes wait for it);
   option  the optimizer's clip_grad_norm=1e-3 (no call in the script);
-  edit    .grad halved after backward() (the pushes then wait for step()).
+  edit    .grad halved after backward() (the pushes then wait for step());
+  add     (onebit) the script's clip, then in the compression phase .grad
+          added to after it (each rank's own gradient, pushed in torch's
+          order; on a node every rank then compares its .grad by a hash).
 
 max_norm 1e-3 clips every step. OPTIMIZER=adam (fp32, every step averages)
-or onebit (freeze_step 2: steps 4..15 are the compression phase).
+or onebit (freeze_step 2: steps 4..15 are the compression phase). Under
+morse-run --node-aggregation the 2 ranks are one node: in the compression
+phase the script's clip is the node's own on the node's average, which
+every rank then holds as .grad.
 
     OPTIMIZER=adam build/bin/morse-run --servers 1 --workers 2 -- python3 tests/bench/clip_cost.py script
+    OPTIMIZER=onebit build/bin/morse-run --servers 1 --workers 2 --node-aggregation -- \
+        python3 tests/bench/clip_cost.py add
 """
 import os
 import sys
@@ -22,9 +30,11 @@ import torch
 import morse.torch
 
 mode = sys.argv[-1]
-if mode not in ("none", "script", "option", "edit"):
-    sys.exit(f"usage: clip_cost.py none|script|option|edit, not {mode!r}")
+if mode not in ("none", "script", "option", "edit", "add"):
+    sys.exit(f"usage: clip_cost.py none|script|option|edit|add, not {mode!r}")
 name = os.environ.get("OPTIMIZER", "adam")
+if mode == "add" and name != "onebit":
+    sys.exit("clip_cost.py add: OPTIMIZER=onebit (an addition after the clip is refused where the step averages)")
 rank = int(os.environ["MORSE_RANK"])
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -40,8 +50,11 @@ for step in range(16):
     start = time.time()
     opt.zero_grad()
     model(x).square().mean().backward()
-    if mode == "script":
+    if mode in ("script", "add"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    if mode == "add" and step >= 2:
+        with torch.no_grad():
+            model[0].bias.grad.add_(1e-6)
     elif mode == "edit":
         with torch.no_grad():
             for p in model.parameters():
