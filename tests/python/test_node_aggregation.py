@@ -229,6 +229,24 @@ def check_clip_norms(out, nnodes, local_size, freeze):
             check(norms[r][step] > CLIP, f"step {step}: the clip did not act ({norms[r][step]})")
 
 
+def check_node_clip(out, node, step, local_size):
+    """A compressing step's clip_grad_norm_ on a node (torch's own on the
+    node's average): every rank's .grad after it (clipped-R-STEP.npy) the
+    same, within 1e-6 of torch's clip of the node's average (torch sums the
+    norm in another order). Returns (the average, the clipped gradient)."""
+    ranks = range(node * local_size, (node + 1) * local_size)
+    average = node_average([numpy.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
+    clipped = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in ranks]
+    check(all(c.tobytes() == clipped[0].tobytes() for c in clipped),
+          f"node {node} step {step}: .grad after clip_grad_norm_ differs between its ranks")
+    norm = numpy.linalg.norm(average.astype(numpy.float64))
+    want = average * numpy.float32(CLIP / (norm + 1e-6))
+    check(norm > CLIP and numpy.allclose(clipped[0], want, rtol=1e-6, atol=0),
+          f"node {node} step {step}: .grad after clip_grad_norm_ is not torch's clip of the "
+          f"node's average: {numpy.abs(clipped[0] - want).max()} apart")
+    return average, clipped[0]
+
+
 def check_own_clips(out, nnodes, local_size, variant, sizes):
     """The compression phase of the clip variants (each node clips its
     own gradient, 1-bit Adam's rule): every rank's .grad after
@@ -240,18 +258,9 @@ def check_own_clips(out, nnodes, local_size, variant, sizes):
     job's clip_grad_norm clips, to check the bits of the clip."""
     for node in range(nnodes):
         for step in range(FREEZE, STEPS):
-            ranks = range(node * local_size, (node + 1) * local_size)
-            average = node_average([numpy.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
-            clipped = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in ranks]
-            check(all(c.tobytes() == clipped[0].tobytes() for c in clipped),
-                  f"node {node} step {step}: .grad after clip_grad_norm_ differs between its ranks")
-            norm = numpy.linalg.norm(average.astype(numpy.float64))
-            want = average * numpy.float32(CLIP / (norm + 1e-6))
-            check(norm > CLIP and numpy.allclose(clipped[0], want, rtol=1e-6, atol=0),
-                  f"node {node} step {step}: .grad after clip_grad_norm_ is not torch's clip of the "
-                  f"node's average: {numpy.abs(clipped[0] - want).max()} apart")
+            average, clipped = check_node_clip(out, node, step, local_size)
             pushed = numpy.load(f"{out}/grad-{node}-{step}.npy")
-            expected = edited(clipped[0], sizes) if variant == "edit" else clipped[0]
+            expected = edited(clipped, sizes) if variant == "edit" else clipped
             check(pushed.tobytes() == expected.tobytes(),
                   f"node {node} step {step}: the leader did not push .grad as the clip "
                   f"{'and the edit ' if variant == 'edit' else ''}left it")

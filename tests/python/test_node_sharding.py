@@ -68,7 +68,7 @@ import torch
 
 from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
 from test_node_aggregation import CLIP, FREEZE, STEPS, build, clamp_weights, node_average  # noqa: E402
-from test_node_aggregation import edit_clipped as add_after_clip, edited  # noqa: E402
+from test_node_aggregation import check_node_clip, edit_clipped as add_after_clip, edited  # noqa: E402
 
 
 def model_of(seed=5):
@@ -428,17 +428,8 @@ def edit_in_compression():
     check_slices(out, 2, 2, steps=range(FREEZE))
     for node in range(2):
         for step in range(FREEZE, STEPS):
-            ranks = range(2 * node, 2 * node + 2)
-            average = node_average([numpy.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
-            clipped = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in ranks]
-            check(all(c.tobytes() == clipped[0].tobytes() for c in clipped),
-                  f"node {node} step {step}: .grad after clip_grad_norm_ differs between its ranks")
-            norm = numpy.linalg.norm(average.astype(numpy.float64))
-            want = average * numpy.float32(CLIP / (norm + 1e-6))
-            check(norm > CLIP and numpy.allclose(clipped[0], want, rtol=1e-6, atol=0),
-                  f"node {node} step {step}: .grad after clip_grad_norm_ is not torch's clip of the "
-                  f"node's average: {numpy.abs(clipped[0] - want).max()} apart")
-            pushed = edited(clipped[0], sizes)
+            _, clipped = check_node_clip(out, node, step, 2)
+            pushed = edited(clipped, sizes)
             for k in range(2):
                 lo, hi = json.load(open(f"{out}/range-{k}.json"))
                 got = numpy.load(f"{out}/slice-{k}/grad-{node}-{step}.npy")

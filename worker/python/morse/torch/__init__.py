@@ -1364,14 +1364,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._part_scale(local, norm, max_norm)
             elif not failed:
                 norm = self._combine_slice_norms([n for _, n in outcomes], order, max_norm)
-        if failed:
-            if error is not None:
-                raise error
-            k, failure = failed[0]
-            raise MorseError(f"{failure}\n  (clip_grad_norm_ of local rank {k}, which steps "
-                             f"{'the node' if self._slices is None else f'slice {k}'}; this rank is "
-                             f"rank {self._rank})")
+        self._raise_clip_failure(failed, error)
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
+
+    def _raise_clip_failure(self, failed, error):
+        """After a node's clip_grad_norm_ exchange: raises this rank's own
+        `error`, or the first of `failed` ((local rank, message) of the
+        ranks that failed) naming that rank; nothing where none failed."""
+        if not failed:
+            return
+        if error is not None:
+            raise error
+        k, failure = failed[0]
+        raise MorseError(f"{failure}\n  (clip_grad_norm_ of local rank {k}, which steps "
+                         f"{'the node' if self._slices is None else f'slice {k}'}; this rank is "
+                         f"rank {self._rank})")
 
     def _node_own_clip(self, max_norm, order, owned):
         """clip_grad_norm_ in a node's step that clips the node's own
@@ -1419,13 +1426,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             failure, own, norms = node.objects((failure, own, norms) if node.is_leader else None)[0]
             failed = [(0, failure)] if failure is not None else []
-        if failed:
-            if error is not None:
-                raise error
-            k, failure = failed[0]
-            raise MorseError(f"{failure}\n  (clip_grad_norm_ of local rank {k}, which steps "
-                             f"{'the node' if not sharded else f'slice {k}'}; this rank is rank "
-                             f"{self._rank})")
+        self._raise_clip_failure(failed, error)
         self._own_clipping = own
         if not own:
             return None
@@ -1457,24 +1458,27 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _share_slice_grads(self):
         """A sharded node: every rank takes each slice's .grad from the
         slice's owner."""
-        from .node import flat_grads
+        def grad_of(p):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            return p.grad
+        self._restore_views()  # the owner's .grad: views of its flat gradient
+        self._share_from_owners(grad_of)
+
+    def _share_from_owners(self, tensor_of):
+        """A sharded node: every rank takes tensor_of(p) (a parameter, its
+        .grad) of each slice's parameters from the slice's owner."""
         node = self._node
-        self._restore_views()
         for k, (first, end) in enumerate(self._slices):
-            params = self._node_params[first:end]
-            if k == node.local_rank:
-                flat = torch.cat([self._flat_grad[lo:hi] for lo, hi in self._ranges])
-            else:
-                flat = flat_grads(params)
+            tensors = [tensor_of(p) for p in self._node_params[first:end]]
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
             node.share(flat, owner=k)
             if k != node.local_rank:
                 at = 0
                 with torch.no_grad():
-                    for p in params:
-                        if p.grad is None:
-                            p.grad = torch.zeros_like(p)
-                        p.grad.copy_(flat[at:at + p.numel()].view_as(p))
-                        at += p.numel()
+                    for t in tensors:
+                        t.copy_(flat[at:at + t.numel()].view_as(t))
+                        at += t.numel()
 
     def _node_grads_agree(self, when):
         """In a step whose clips are the node's own (_node_own_clip): every
@@ -2239,17 +2243,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _share_slices(self):
         """A sharded node: every rank takes each slice's parameters from
         the slice's owner."""
-        node = self._node
-        for k, (first, end) in enumerate(self._slices):
-            params = self._node_params[first:end]
-            flat = torch.cat([p.detach().reshape(-1) for p in params])
-            node.share(flat, owner=k)
-            if k != node.local_rank:
-                at = 0
-                with torch.no_grad():
-                    for p in params:
-                        p.copy_(flat[at:at + p.numel()].view_as(p))
-                        at += p.numel()
+        self._share_from_owners(lambda p: p)
         self._other_versions = {id(p): p._version for p in self._others}
 
     def _node_weights_differ(self, digests):
