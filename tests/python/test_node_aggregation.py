@@ -405,22 +405,30 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(*sys.argv[-2:])
         sys.exit(0)
-    for name in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):
-        two_nodes(name)
-    two_nodes("OneBitAdam", "clamp")
-    two_nodes("OneBitAdam", "clip")
-    two_nodes("OneBitAdam", "edit")
-    two_nodes("Adam", "load")
-    two_nodes("Adam", "scaled")
-    two_nodes("OneBitAdam", "accum")
-    two_nodes("OneBitAdam", "accum_learned")
-    two_nodes("OneBitLamb", "gloo")
-    # CUDA tensors (the 4 ranks sharing this host's GPU; staged through the
-    # host inside each node): where there is a GPU.
-    if torch.cuda.is_available():
-        two_nodes("OneBitAdam", "cuda")
-    else:
-        print("SKIPPED (this part only): CUDA tensors with node aggregation; no GPU here "
-              f"(torch {torch.__version__}: torch.cuda.is_available() is False)")
-    one_node_of_three()
-    wrong_use()
+    # ctest runs the modes in these parts, each a test of its own
+    # (python_node_aggregation_optimizers, ...): a part's name runs its
+    # modes; a mode is OPTIMIZER or OPTIMIZER:VARIANT (two_nodes), "cuda",
+    # "three" or "wrong".
+    parts = {"optimizers": ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "OneBitLamb:gloo",
+                            "cuda", "three", "wrong"],
+             "idioms": ["OneBitAdam:clamp", "OneBitAdam:clip", "OneBitAdam:edit", "Adam:load",
+                        "Adam:scaled", "OneBitAdam:accum", "OneBitAdam:accum_learned"]}
+    modes = [m for arg in sys.argv[1:] or list(parts) for m in parts.get(arg, [arg])]
+    for mode in modes:
+        if mode == "cuda":
+            # CUDA tensors (the 4 ranks sharing this host's GPU; staged
+            # through the host inside each node): where there is a GPU.
+            if torch.cuda.is_available():
+                two_nodes("OneBitAdam", "cuda")
+            else:
+                print("SKIPPED (this part only): CUDA tensors with node aggregation; no GPU "
+                      f"here (torch {torch.__version__}: torch.cuda.is_available() is False)")
+        elif mode == "three":
+            one_node_of_three()
+        elif mode == "wrong":
+            wrong_use()
+        else:
+            name, _, variant = mode.partition(":")
+            if name not in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):
+                sys.exit(f"unknown part or mode {mode!r}: the parts are {', '.join(parts)}")
+            two_nodes(name, variant)
