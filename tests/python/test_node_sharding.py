@@ -665,7 +665,8 @@ if __name__ == "__main__":
     # (python_node_sharding_optimizers, ...): a part's name runs its modes.
     parts = {"optimizers": ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "clamp", "cuda", "leader",
                             "three"],
-             "clips": ["clip", "part", "edit", "own"],
+             "clips": ["clip", "part"],
+             "edits": ["edit", "own"],
              "recovery": ["resume", "restart_sharded", "restart_leader", "wrong"]}
     modes = [m for arg in sys.argv[1:] or list(parts) for m in parts.get(arg, [arg])]
     for mode in modes:

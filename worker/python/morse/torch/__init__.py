@@ -624,6 +624,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._nonce = os.urandom(8).hex()
         self._gathered = None  # a node's rank: the step's gather, once done (_node_gather)
         self._clip_gathered = False  # ... done at clip_grad_norm_
+        self._sent_copied = False  # ... and what it sent copied there (_keep_sent)
         # The rank that steps for a node (or a slice), in a step whose
         # gather came at the clip: [(local rank, the factors by which it
         # scaled each parameter's .grad since, None for another edit)] of
@@ -1367,6 +1368,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._raise_clip_failure(failed, error)
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
 
+    def _keep_sent(self):
+        """In a step whose gather came at its first clip_grad_norm_ and
+        whose clip is not the node's own (_node_own_clip): a copy of what this rank sent of
+        the gradients it does not step (unchanged since), which step()
+        compares .grad with (_judge_node_edits); once a step."""
+        if self._sent_copied:
+            return
+        missing, failure, sent = self._gathered
+        self._gathered = (missing, failure, [(p, g.clone() if g is not None else None)
+                                             for p, g in sent])
+        self._sent_copied = True
+
     def _raise_clip_failure(self, failed, error):
         """After a node's clip_grad_norm_ exchange: raises this rank's own
         `error`, or the first of `failed` ((local rank, message) of the
@@ -1426,6 +1439,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             failure, own, norms = node.objects((failure, own, norms) if node.is_leader else None)[0]
             failed = [(0, failure)] if failure is not None else []
+        if not own:
+            self._keep_sent()
         self._raise_clip_failure(failed, error)
         self._own_clipping = own
         if not own:
@@ -1433,7 +1448,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not sharded:
             self._restore_views()
             node.share(self._flat_grad)  # the leader's clipped gradient, every rank's .grad
-            self._node_clipped = self._flat_grad.clone()
+            self._node_clipped = self._kept_clip()
             return norms
         norm = _norm_of_norms([n for _, _, each in outcomes for n in each], order)
         scale = _float32(_clip_factor(norm, max_norm))
@@ -1445,15 +1460,30 @@ class _MorseOptimizer(torch.optim.Optimizer):
                         lo, hi = self._ranges[i - first]
                         self._flat_grad[lo:hi].mul_(scale)
         self._share_slice_grads()
-        self._node_clipped = self._node_grads()
+        self._node_clipped = self._kept_clip()
         return norm
 
+    def _kept_clip(self):
+        """What a node's own clip has just given every rank as .grad, kept
+        to compare .grad with later (_node_grads_agree): the regions of
+        shared memory it came through from the leader (sharded: from each
+        slice's owner), read where they lie; a copy where it came through
+        gloo."""
+        node = self._node
+        owners = 1 if self._slices is None else len(self._slices)
+        kept = [node.kept(owner=k) for k in range(owners)]
+        if any(k is None for k in kept):
+            return [torch.cat([g.detach().reshape(-1) for g in self._node_grads()])]
+        return kept
+
     def _node_grads(self):
-        """The node's gradient as this rank holds it: its flat gradient (a
-        sharded node's rank: every slice's .grad, one after another)."""
-        from .node import flat_grads
+        """The node's gradient as this rank holds it, in pieces that follow
+        one another (no copies): its flat gradient (a sharded node's rank:
+        every parameter's .grad, zeros where one has none)."""
         self._restore_views()
-        return self._flat_grad if self._slices is None else flat_grads(self._node_params)
+        if self._slices is None:
+            return [self._flat_grad]
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._node_params]
 
     def _share_slice_grads(self):
         """A sharded node: every rank takes each slice's .grad from the
@@ -1484,14 +1514,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         """In a step whose clips are the node's own (_node_own_clip): every
         rank of the node compares its .grad with local rank 0's; a failure
         message naming the ranks that differ, else None. Each rank first
-        compares its own with the clip's (a copy, no hash); only where some
-        rank changed it do the ranks hash theirs."""
+        compares its own with what the clip gave it (_kept_clip); only
+        where some rank changed it do the ranks compare with local rank 0's
+        (NodeGroup.differing)."""
         node = self._node
         grads = self._node_grads()
-        if not any(node.objects(not torch.equal(grads, self._node_clipped))):
+        if not any(node.objects(not _same_pieces(grads, self._node_clipped))):
             return None
-        digests = node.objects(_digest_of([grads]))
-        differ = [k for k, d in enumerate(digests) if d != digests[0]]
+        differ = node.differing(grads)
         if not differ:
             return None
         than = ("its leader (local rank 0), whose gradients the step uses" if self._slices is None
@@ -1939,8 +1969,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 and not at_clip))
         elif failure is None and self._session is not None:
             take()
-        sent = [(p, p.grad.detach().clone() if p.grad is not None else None) for p in kept]
+        # (Copied where the clip is not the node's own, which compares whole
+        # gradients instead: _keep_sent.)
+        sent = [(p, p.grad.detach() if p.grad is not None else None) for p in kept]
         self._gathered = (missing, failure, sent)
+        self._sent_copied = not sent
         self._clip_gathered = at_clip
 
     def _start_node_buckets(self, elems):
@@ -2632,6 +2665,23 @@ def _sample_layout(partitions, ranges, device, per_partition=64):
 def _same_bits(a, b):
     """Whether two float32 tensors hold the same bits (-0.0 is not +0.0)."""
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _same_pieces(parts, kept):
+    """Whether float32 tensors `parts`, one after another, hold the bits of
+    the tensors `kept`, one after another (no part straddles two of
+    `kept`)."""
+    k, at = 0, 0
+    for part in parts:
+        n = part.numel()
+        while k < len(kept) and at == kept[k].numel() and n > 0:
+            k, at = k + 1, 0
+        if k == len(kept) or at + n > kept[k].numel():
+            return False
+        if not _same_bits(part.detach().reshape(-1).contiguous(), kept[k][at:at + n]):
+            return False
+        at += n
+    return k == len(kept) or (k == len(kept) - 1 and at == kept[k].numel())
 
 
 def _norm_of_norms(norms, order):

@@ -110,6 +110,7 @@ class NodeGroup:
         # the values go through gloo.
         self._staging = self._outgoing = None
         self._capacity = 0
+        self._kept = {}  # by owner: how many values its last share() left in its region
 
     def close(self):
         """Ends this rank's part in the node's group (at exit)."""
@@ -246,7 +247,9 @@ class NodeGroup:
                 with torch.no_grad():
                     flat.view(-1).copy_(region)
             self._wait(self.pg.barrier())  # every rank has them: the region may change again
+            self._kept[owner] = n
             return
+        self._kept[owner] = None
         host = flat.detach().cpu() if flat.is_cuda else flat.detach()
         if not host.is_contiguous():
             host = host.contiguous()
@@ -254,6 +257,43 @@ class NodeGroup:
         if host.data_ptr() != flat.data_ptr():
             with torch.no_grad():
                 flat.copy_(host)
+
+    def kept(self, owner=0):
+        """What local rank `owner` last share()d, where it lies in the
+        owner's region of shared memory until the owner's next share() or
+        differing() (read it, do not write it); None where that went through
+        gloo."""
+        n = self._kept.get(owner)
+        return self._outgoing[owner][:n] if n else None
+
+    def differing(self, parts, owner=0):
+        """The local ranks whose float32 tensors `parts` (the same shapes
+        on every rank; every rank calls it) differ bit for bit from local
+        rank `owner`'s. Through shared memory the owner writes its parts to
+        its region and each rank compares its own with them there; through
+        gloo each rank sends a hash of its own."""
+        from . import _digest_of, _same_bits
+        n = sum(t.numel() for t in parts)
+        if self._outgoing is not None and n <= self._capacity:
+            region = self._outgoing[owner][:n]
+            if self.local_rank == owner:
+                torch.cat([t.detach().reshape(-1) for t in parts], out=region)
+            self._broadcast(torch.zeros(1), owner)  # the owner's values are in place
+            self._kept[owner] = None
+            same, at = True, 0
+            if self.local_rank != owner:
+                for t in parts:
+                    k = t.numel()
+                    same = same and _same_bits(t.detach().reshape(-1).contiguous(),
+                                               region[at:at + k])
+                    at += k
+            # (The owner writes its region again only after this gather,
+            # which every rank enters once it has read.)
+            flags = self.objects(same)
+        else:
+            digests = self.objects(_digest_of(parts))
+            flags = [d == digests[owner] for d in digests]
+        return [k for k, same in enumerate(flags) if not same]
 
     def _mean(self, parts, end=None):
         """The node's average of the ranks' `parts` (each [:end]), summed in
