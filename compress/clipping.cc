@@ -54,10 +54,9 @@ absl::Status ValidateClipPieces(absl::Span<const ClipPiece> pieces,
           "clip piece ", i, " ends at ", piece.end, ": the ends must rise ",
           "strictly from 0 to the model's size ", dim));
     }
-    if (!(piece.scale >= 0.0f && piece.scale <= 1.0f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("clip piece ", i, "'s scale ", piece.scale,
-                       ": a clip factor in [0, 1]"));
+    if (!std::isfinite(piece.scale)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "clip piece ", i, "'s scale ", piece.scale, ": a finite factor"));
     }
     previous = piece.end;
   }

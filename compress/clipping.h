@@ -49,10 +49,11 @@ GradientNorms AllGradientNorms(absl::Span<const float> values);
 
 // A clip of part of the model (design.md 2.6, "Clipping part of the
 // model"): the workers' clip_grad_norm_ over some of the parameters, each
-// clipped by its own factors. The step's clip is then a list of pieces in
-// element order, piece i scaling elements [end of piece i-1 (0 for the
-// first), end) of the decoded average by `scale`; the last piece ends at
-// the model's size.
+// clipped by its own factors (times the factor of an edit of a whole
+// parameter's gradient after the clip: any finite value). The step's clip
+// is then a list of pieces in element order, piece i scaling elements [end
+// of piece i-1 (0 for the first), end) of the decoded average by `scale`;
+// the last piece ends at the model's size.
 struct ClipPiece {
   uint64_t end = 0;
   float scale = 1.0f;
@@ -60,7 +61,7 @@ struct ClipPiece {
 using ClipPieces = std::vector<ClipPiece>;
 
 // OK, or INVALID_ARGUMENT saying what is wrong, unless `pieces` is empty or
-// ends strictly increase to `dim` and every scale is finite, in [0, 1].
+// ends strictly increase to `dim` and every scale is finite.
 absl::Status ValidateClipPieces(absl::Span<const ClipPiece> pieces,
                                 uint64_t dim);
 // Whether two lists hold the same pieces, scales bit for bit.

@@ -941,7 +941,8 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
           "rank ", rank, " clipped step ", step, " in ",
           commit.clip_pieces.size(), " piece(s), another clip than the ",
           p.committed_pieces.size(),
-          " piece(s) sent before; every worker must clip alike"));
+          " piece(s) sent before; every worker must clip alike, and edit "
+          ".grad alike after clip_grad_norm_"));
     }
   }
   if (!p.awaiting_commit) return absl::OkStatus();  // applied, or restored past

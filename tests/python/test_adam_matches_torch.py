@@ -96,12 +96,17 @@ def chosen(model, which):
 def edit_clipped(model, step):
     """edit_clip's and edit_part's edits of the clipped gradient, as a DDP
     script might make them after clip_grad_norm_: a layer's weight halved,
-    a bias zeroed every other step, and every third step a parameter
-    scaled by 0.3 through .data (no version counter moves)."""
+    a bias zeroed every other step, every third step a parameter scaled by
+    0.3 through .data (no version counter moves), and in the other steps a
+    weight divided by 3 (a div_ that no float32 factor gives bit for bit)
+    and a bias doubled (a factor above 1)."""
     with torch.no_grad():
         model.a.weight.grad.mul_(0.5)
         if step % 2 == 0:
             model.b.bias.grad.zero_()
+        else:
+            model.b.weight.grad.div_(3)
+            model.a.bias.grad.mul_(2.0)
         if step % 3 == 0:
             model.t.grad.data.mul_(0.3)
 
@@ -354,9 +359,11 @@ def worker(mode):
             "edit_data": f".grad edited through .data after backward(), then clip_grad_norm_, "
                          f"which clipped {clipped} steps",
             "edit_clip": f"clip_grad_norm_(params, 0.2), which clipped {clipped} steps, then "
-                         ".grad scaled or zeroed per parameter (mul_, zero_, through .data)",
+                         ".grad scaled or zeroed per parameter (mul_ by 0.5 and 2, div_ by 3, "
+                         "zero_, through .data)",
             "edit_part": f"clip_grad_norm_ of the first layer, which clipped {clipped} steps, then "
-                         ".grad scaled or zeroed per parameter (mul_, zero_, through .data)",
+                         ".grad scaled or zeroed per parameter (mul_ by 0.5 and 2, div_ by 3, "
+                         "zero_, through .data)",
             "clip_part": f"clip_grad_norm_ over part of the parameters and the whole, (max_norm, "
                          f"norm_type, which) {PARTS} in turn after backward(), the first and a later "
                          f"one clipping in {clipped} steps",

@@ -353,11 +353,13 @@ def part_clips(model):
 def edit_clipped(model, step):
     """`edit`'s edits of the clipped gradient, on every rank as a DDP script
     makes them: the first layer's weight halved, the last bias zeroed every
-    other step."""
+    other step and in the others divided by 3."""
     with torch.no_grad():
         model[0].weight.grad.mul_(0.5)
         if step % 2 == 0:
             model[2].bias.grad.zero_()
+        else:
+            model[2].bias.grad.div_(3)
 
 
 def edit_after_clip():
@@ -406,7 +408,7 @@ def edit_after_clip():
                                           r"after clip_grad_norm_ in step 0 otherwise than its "
                                           r"leader", text),
                   f"{variant}: node {node}: a rank that alone edited after the clip is not named")
-    print(f"PASS: edit: clip_grad_norm_, then .grad scaled and zeroed per parameter on every rank of "
+    print(f"PASS: edit: clip_grad_norm_, then .grad scaled (mul_, div_) and zeroed per parameter on every rank of "
           f"the leader's and the sharded node: the parameters {worst:.2g} from DDP + AdamW's given "
           f"the same edits ({apart:.2g} without them), the mirrors the workers' after every step; "
           "local rank 1 alone editing stops both nodes, naming it")

@@ -235,7 +235,7 @@ def main():
 
     # Gradients edited after clip_grad_norm_ pushed them (the first step's,
     # which pushes at the clip) other than by scaling a parameter's whole
-    # gradient by a factor in [0, 1] (which joins the step's clip:
+    # gradient (a mul_, a div_, a zero_, which join the step's clip:
     # test_adam_matches_torch's edit_clip): refused after the step, which
     # used them as clip_grad_norm_ saw them. DDP's clip factor is of the
     # gradient it saw, and Morse's needs the exchange, which sends the
@@ -243,15 +243,16 @@ def main():
     # steps, Morse adapts to: test_adam_matches_torch's "late_*" modes.)
     # The same through .data, which moves no version counter: the bits decide.
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
-    for edit in (lambda g: g.add_(0.5), lambda g: g.data.add_(0.5), lambda g: g.mul_(2.0),
-                 lambda g: g[0].mul_(0.5)):
+    for edit in (lambda g: g.add_(0.5), lambda g: g.data.add_(0.5), lambda g: g[0].mul_(0.5)):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
             opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
                                    servers=[address], config=base)
 
             def misuse():
-                model(torch.ones(4, 3)).sum().backward()
+                # Columns of the weight's gradient apart (18, 22, 26): an
+                # add_ is no factor of it.
+                model(torch.arange(12.0).view(4, 3)).sum().backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
                 edit(model.weight.grad)
                 opt.step()

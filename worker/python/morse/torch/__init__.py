@@ -1619,11 +1619,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _fold_edit(self, pushed):
         """At step(), gradients edited after clip_grad_norm_ had pushed them
-        (`pushed`: what left): where the edit multiplied each parameter's
-        gradient by one float32 factor in [0, 1] (a mul_, a zero_, a div_ by a
-        power of 2), as DDP would the clipped average, the factors join the
-        step's clip, sent as its clip pieces, and the step gives DDP's
-        result. Returns the factors by parameter where it did, else None:
+        (`pushed`: what left): where the edit scaled each parameter's
+        whole gradient by one factor (a mul_ by a float32, a zero_, a div_;
+        _scale_between), as DDP would the clipped average, the factors join
+        the step's clip, sent as its clip pieces, and the step gives DDP's
+        result (to float rounding). Returns the factors by parameter where it did, else None:
         anything else (another edit, a compressing step, whose pushes read
         the gradient at step(), CUDA tensors) is left to the caller's
         refusal."""
@@ -1857,15 +1857,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     f"changed .grad after clip_grad_norm_ in step {self.step_index - 1} "
                     f"otherwise than {which} whose gradients the step used: edit .grad the same "
                     "way on every rank (after clip_grad_norm_, only by scaling a parameter's "
-                    "whole gradient by a factor in [0, 1])")
+                    "whole gradient: mul_, div_, zero_)")
         if grads_differ is not None:
             raise MorseError(grads_differ)
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
                 f"in step {self.step_index - 1}, which used them as they were at "
-                "clip_grad_norm_: after it, only a parameter's whole gradient scaled by a "
-                "factor in [0, 1] (mul_, zero_) joins the step's clip"
+                "clip_grad_norm_: after it, only a parameter's whole gradient scaled (mul_, "
+                "div_, zero_) joins the step's clip"
                 f"{'' if not self._cuda else ' (not on CUDA tensors)'}; make other edits "
                 "before clip_grad_norm_, as under DDP its clip factor is of the gradient it sees")
         if edited:
@@ -2557,31 +2557,40 @@ def _shown_hyper(hyper):
 
 
 def _scale_between(was, now):
-    """The factor c in [0, 1] with now = c * was, element by element in
-    float32 (what a mul_ by c, a div_ by a power of 2 or a zero_ leaves), or
-    None where there is none: 1 for the same bits, 0 where now is all zero.
-    Where several float32 values give those bits, the one of fewest
-    significant bits (so that every rank names the script's factor)."""
+    """The float32 factor c that a parameter's gradient `was` became `now`
+    by, element by element in float32, or None where there is none: 1 for
+    the same bits, 0 where now is all zero, c where now = c * was (a mul_,
+    a div_ by a power of 2), and float32(1 / d) where now = was / d (a
+    div_ by another d, which c applies to float rounding). Where several
+    float32 values give those bits, the one of fewest significant bits (so
+    that every rank names the script's factor)."""
     if _same_bits(now, was):
         return 1.0
     if not bool(now.any()):
         return 0.0
     j = int(torch.argmax(was.abs()))
-    if float(was[j]) == 0.0 or not bool(torch.isfinite(now).all()):
+    if float(was[j]) == 0.0 or float(now[j]) == 0.0 or not bool(torch.isfinite(now).all()):
         return None
-    # The ratio of the largest element is within an ulp or two of the factor.
-    estimate = torch.tensor(float(now[j]) / float(was[j]), dtype=torch.float32)
+    # The ratio of the largest element is within an ulp or two of the
+    # factor (or of the divisor). Every candidate that gives the bits is
+    # ranked by the significant bits of the script's number (the factor, or
+    # the divisor), a factor first where they tie, so that a rank whose
+    # values a nearby number also fits names the script's.
     found = []
-    for step in (0, 1, -1, 2, -2):
-        c = estimate
-        for _ in range(abs(step)):
-            c = torch.nextafter(c, torch.tensor(math.inf if step > 0 else -math.inf))
-        c = float(c)
-        if 0.0 <= c <= 1.0 and torch.equal(was * c, now):
-            found.append(c)
+    for divides in (False, True):
+        ratio = float(was[j]) / float(now[j]) if divides else float(now[j]) / float(was[j])
+        estimate = torch.tensor(ratio, dtype=torch.float32)
+        for step in (0, 1, -1, 2, -2):
+            c = estimate
+            for _ in range(abs(step)):
+                c = torch.nextafter(c, torch.tensor(math.inf if step > 0 else -math.inf))
+            c = float(c)
+            if math.isfinite(c) and c != 0.0 and torch.equal(was / c if divides else was * c, now):
+                found.append((len(c.hex().split("p")[0].rstrip("0")), divides, abs(c), c))
     if not found:
         return None
-    return min(found, key=lambda c: (len(c.hex().split("p")[0].rstrip("0")), c))
+    _, divides, _, c = min(found)
+    return _float32(1.0 / c) if divides else c
 
 
 def _float32(value):
