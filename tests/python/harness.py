@@ -44,6 +44,25 @@ def check(condition, message):
         sys.exit(1)
 
 
+def modes_of(parts):
+    """The modes a test script runs: those of each part named on its
+    command line (a name that is no part is a mode of its own), or every
+    part's. `parts` maps each part's name to its modes; ctest runs each part
+    as a test of its own (tests/python/CMakeLists.txt)."""
+    return [m for arg in sys.argv[1:] or list(parts) for m in parts.get(arg, [arg])]
+
+
+def has_cuda(what):
+    """Whether torch sees a GPU; where it does not, says that `what` is
+    skipped (this part only), and why."""
+    import torch
+    if torch.cuda.is_available():
+        return True
+    print(f"SKIPPED (this part only): {what}; no GPU here (torch {torch.__version__}: "
+          "torch.cuda.is_available() is False)")
+    return False
+
+
 def flat_layout(opt, model, tensors):
     """One tensor per parameter of `model` (its weights or gradients) as the
     simulator takes them: concatenated, or, with parameter groups trained

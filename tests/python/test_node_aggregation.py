@@ -47,7 +47,7 @@ import tempfile
 import numpy
 import torch
 
-from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
+from harness import check, check_ranks_match_simulator, has_cuda, modes_of, nodes  # noqa: E402
 
 STEPS = 8
 FREEZE = 3  # the compressed optimizers' freeze step (build)
@@ -413,16 +413,12 @@ if __name__ == "__main__":
                             "cuda", "three", "wrong"],
              "idioms": ["OneBitAdam:clamp", "OneBitAdam:clip", "OneBitAdam:edit", "Adam:load",
                         "Adam:scaled", "OneBitAdam:accum", "OneBitAdam:accum_learned"]}
-    modes = [m for arg in sys.argv[1:] or list(parts) for m in parts.get(arg, [arg])]
-    for mode in modes:
+    for mode in modes_of(parts):
         if mode == "cuda":
             # CUDA tensors (the 4 ranks sharing this host's GPU; staged
             # through the host inside each node): where there is a GPU.
-            if torch.cuda.is_available():
+            if has_cuda("CUDA tensors with node aggregation"):
                 two_nodes("OneBitAdam", "cuda")
-            else:
-                print("SKIPPED (this part only): CUDA tensors with node aggregation; no GPU "
-                      f"here (torch {torch.__version__}: torch.cuda.is_available() is False)")
         elif mode == "three":
             one_node_of_three()
         elif mode == "wrong":

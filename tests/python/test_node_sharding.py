@@ -66,7 +66,7 @@ import tempfile
 import numpy
 import torch
 
-from harness import check, check_ranks_match_simulator, nodes  # noqa: E402
+from harness import check, check_ranks_match_simulator, has_cuda, modes_of, nodes  # noqa: E402
 from test_node_aggregation import CLIP, FREEZE, STEPS, build, clamp_weights, node_average  # noqa: E402
 from test_node_aggregation import check_node_clip, edit_clipped as add_after_clip, edited  # noqa: E402
 
@@ -670,18 +670,14 @@ if __name__ == "__main__":
              "clips": ["clip", "part"],
              "edits": ["edit", "own"],
              "recovery": ["resume", "restart_sharded", "restart_leader", "wrong"]}
-    modes = [m for arg in sys.argv[1:] or list(parts) for m in parts.get(arg, [arg])]
-    for mode in modes:
+    for mode in modes_of(parts):
         if mode == "clamp":
             two_nodes("OneBitAdam", "clamp")
         elif mode == "cuda":
             # CUDA tensors (the 4 ranks sharing this host's GPU; staged
             # through the host inside each node): where there is a GPU.
-            if torch.cuda.is_available():
+            if has_cuda("CUDA tensors with the sharded node state"):
                 two_nodes("OneBitAdam", "cuda")
-            else:
-                print("SKIPPED (this part only): CUDA tensors with the sharded node state; no GPU "
-                      f"here (torch {torch.__version__}: torch.cuda.is_available() is False)")
         elif mode == "leader":
             adam_as_the_leader()
         elif mode == "clip":
