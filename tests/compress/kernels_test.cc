@@ -286,9 +286,10 @@ TEST_P(KernelsTest, LambLoopsMatchTheReference) {
       ref_.lamb_update_x(s, 3e-3f, x_ref.data(), m.data(), v.data(), n);
       fast_->lamb_update_x(s, 3e-3f, x_fast.data(), m.data(), v.data(), n);
       EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << where;
-      if (n > 0)
+      if (n > 0) {
         EXPECT_NE(FirstBitDifference(x_ref, x0), -1)
             << where << ": x did not move";
+      }
       // The moments from a decoded reply, masked or not, copying v' or not.
       const std::vector<float> decoded = VariedData(n, 34);
       for (bool mask : {false, true}) {
@@ -304,7 +305,9 @@ TEST_P(KernelsTest, LambLoopsMatchTheReference) {
           EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << at << " m";
           EXPECT_EQ(FirstBitDifference(v_fast, v_ref), -1) << at << " v";
           EXPECT_EQ(FirstBitDifference(f_fast, f_ref), -1) << at << " v'";
-          if (n > 0) EXPECT_NE(FirstBitDifference(m_ref, m), -1) << at;
+          if (n > 0) {
+            EXPECT_NE(FirstBitDifference(m_ref, m), -1) << at;
+          }
           for (size_t j = 0; j < n; ++j) {
             if (mask && frozen && v[j] == 0.0f) {
               ASSERT_TRUE(m_ref[j] == 0.0f && !std::signbit(m_ref[j]))
@@ -345,7 +348,9 @@ TEST_P(KernelsTest, ZeroOneLoopsMatchTheReference) {
         EXPECT_EQ(FirstBitDifference(x_fast, x_ref), -1) << where << " x";
         EXPECT_EQ(FirstBitDifference(m_fast, m_ref), -1) << where << " m";
         EXPECT_EQ(FirstBitDifference(u_fast, u_ref), -1) << where << " u";
-        if (n > 0) EXPECT_NE(FirstBitDifference(u_ref, u0), -1) << where;
+        if (n > 0) {
+          EXPECT_NE(FirstBitDifference(u_ref, u0), -1) << where;
+        }
       }
     }
     std::vector<float> out_ref(n, -1), out_fast(n, -2);
