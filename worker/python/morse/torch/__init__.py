@@ -2576,6 +2576,14 @@ def _scale_between(was, now):
     # ranked by the significant bits of the script's number (the factor, or
     # the divisor), a factor first where they tie, so that a rank whose
     # values a nearby number also fits names the script's.
+    # A candidate is tried on a sample of the elements (the largest among
+    # them) before all of them.
+    sample = torch.cat([torch.tensor([j]), torch.arange(0, was.numel(), max(1, was.numel() // 255))])
+    was_sample, now_sample = was[sample], now[sample]
+
+    def gives(c, divides, a, b):
+        return torch.equal(a / c if divides else a * c, b)
+
     found = []
     for divides in (False, True):
         ratio = float(was[j]) / float(now[j]) if divides else float(now[j]) / float(was[j])
@@ -2585,7 +2593,8 @@ def _scale_between(was, now):
             for _ in range(abs(step)):
                 c = torch.nextafter(c, torch.tensor(math.inf if step > 0 else -math.inf))
             c = float(c)
-            if math.isfinite(c) and c != 0.0 and torch.equal(was / c if divides else was * c, now):
+            if (math.isfinite(c) and c != 0.0 and gives(c, divides, was_sample, now_sample)
+                    and gives(c, divides, was, now)):
                 found.append((len(c.hex().split("p")[0].rstrip("0")), divides, abs(c), c))
     if not found:
         return None
