@@ -10,6 +10,11 @@
   add     (onebit) the script's clip, then in the compression phase .grad
           added to after it (each rank's own gradient, pushed in torch's
           order; on a node every rank then compares its .grad by a hash).
+  scaler  fp16 loss scaling's recipe, torch.amp.GradScaler (torch 2.x):
+          scaler.scale(loss).backward(), scaler.unscale_(opt), the script's
+          clip, scaler.step(opt), scaler.update() (the pushes wait for
+          step(), or the clip, and the ranks take one verdict on overflow
+          over torch.distributed's group); nothing overflows.
 
 max_norm 1e-3 clips every step. OPTIMIZER=adam (fp32, every step averages)
 or onebit (freeze_step 2: steps 4..15 are the compression phase). Under
@@ -30,8 +35,8 @@ import torch
 import morse.torch
 
 mode = sys.argv[-1]
-if mode not in ("none", "script", "option", "edit", "add"):
-    sys.exit(f"usage: clip_cost.py none|script|option|edit|add, not {mode!r}")
+if mode not in ("none", "script", "option", "edit", "add", "scaler"):
+    sys.exit(f"usage: clip_cost.py none|script|option|edit|add|scaler, not {mode!r}")
 name = os.environ.get("OPTIMIZER", "adam")
 if mode == "add" and name != "onebit":
     sys.exit("clip_cost.py add: OPTIMIZER=onebit (an addition after the clip is refused where the step averages)")
@@ -45,12 +50,18 @@ if name == "onebit":
 else:
     opt = morse.torch.Adam(model, clip_grad_norm=clip)
 x = torch.randn(16, 1024)
+scaler = torch.amp.GradScaler("cpu") if mode == "scaler" else None
 times = []
 for step in range(16):
     start = time.time()
     opt.zero_grad()
-    model(x).square().mean().backward()
-    if mode in ("script", "add"):
+    loss = model(x).square().mean()
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+    else:
+        loss.backward()
+    if mode in ("script", "add", "scaler"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     if mode == "add" and step >= 2:
         with torch.no_grad():
@@ -59,7 +70,11 @@ for step in range(16):
         with torch.no_grad():
             for p in model.parameters():
                 p.grad.mul_(0.5)
-    opt.step()
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
     times.append(time.time() - start)
 if rank == 0:
     t = sorted(times[4:])

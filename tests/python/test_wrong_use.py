@@ -191,25 +191,41 @@ def main():
         model[1].weight.grad.fill_(float("inf"))
         expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
 
-    # fp16 loss scaling: a step that torch.amp.GradScaler drives is refused
-    # saying to train in bf16 (its skipped steps are each rank's own). Torch
-    # 1.13's GradScaler runs on CUDA only (disabled here, it calls step()
-    # itself, as without it); torch 2.x's on the CPU too.
+    # fp16 loss scaling (torch.amp.GradScaler; torch 1.13's runs on CUDA
+    # only): a step whose gradients overflowed is skipped (on every rank:
+    # test_grad_scaler) and the scale backs off; one that did not is
+    # unscaled in .grad and taken. A GradScaler that hands Morse the step
+    # only after the pushes left (torch 1.13's grad_scaler= argument) is
+    # refused, saying to train in bf16; a plain step() after it is a step.
     scaler_type = getattr(getattr(torch, "amp", None), "GradScaler", None)
     with server(base) as address:
         model = torch.nn.Linear(3, 2)
         opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
                                config=base)
         if scaler_type is not None:
-            scaler = scaler_type("cpu")
+            scaler = scaler_type("cpu", init_scale=1024.0)
+            scaler.scale(model(torch.ones(4, 3)).sum() * float("inf")).backward()
+            scaler.step(opt)
+            scaler.update()
+            check(opt.step_index == 0 and scaler.get_scale() == 512.0,
+                  f"an overflowing step: step_index {opt.step_index}, scale {scaler.get_scale()}")
+            opt.zero_grad()
             scaler.scale(model(torch.ones(4, 3)).sum()).backward()
-            expect(ValueError, "Train in bf16", lambda: scaler.step(opt))
+            scaler.step(opt)
+            scaler.update()
+            check(opt.step_index == 1 and bool((model.weight.grad == 4.0).all()),
+                  f"a step GradScaler drove: step_index {opt.step_index}, .grad "
+                  f"{model.weight.grad.tolist()} (4.0 unscaled)")
+            print("ok: GradScaler skipped the overflowing step and took the next, unscaled")
         else:
-            print(f"(torch {torch.__version__} has no torch.amp.GradScaler: its fp16 refusal "
-                  "is checked under torch 2.x)")
-            model(torch.ones(4, 3)).sum().backward()
+            print(f"(torch {torch.__version__} has no torch.amp.GradScaler: its steps are "
+                  "checked under torch 2.x)")
+        opt.zero_grad()
+        model(torch.ones(4, 3)).sum().backward()
+        before = opt.step_index
+        expect(ValueError, "Train in bf16", lambda: opt.step(grad_scaler=object()))
         opt.step()  # a step that no GradScaler drives is a step
-        check(opt.step_index == 1, "a plain step() after the refusal did not run")
+        check(opt.step_index == before + 1, "a plain step() after the refusal did not run")
         expect(TypeError, "unexpected keyword arguments ['lr']", lambda: opt.step(lr=0.1))
 
     # A parameter that gets no gradient in a step (zero_grad(set_to_none=True)

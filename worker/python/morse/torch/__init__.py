@@ -40,6 +40,7 @@ import hashlib
 import itertools
 import math
 import os
+import re
 import warnings
 import weakref
 
@@ -135,6 +136,31 @@ def _install_clip_grad_norm():
     clip_module.clip_grad_norm_ = clip_grad_norm_
 
 
+_TORCH_SCALE = None  # torch.amp.GradScaler.scale, where _install_grad_scaler_hook replaced it
+
+
+def _install_grad_scaler_hook():
+    """Puts a notice into torch.amp.GradScaler.scale (once): every live Morse
+    optimizer learns, before backward(), that the step's loss is scaled and
+    by which scaler, so that its pushes wait for step(), where the job
+    decides whether the step's gradients overflowed (_scaler_step)."""
+    global _TORCH_SCALE
+    scaler_class = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler_class is None or _TORCH_SCALE is not None:
+        return  # (torch 1.13: torch.cuda.amp.GradScaler alone, refused at step())
+    _TORCH_SCALE = scaler_class.scale
+
+    def scale(self, outputs):
+        if self.is_enabled():
+            for ref in _OPTIMIZERS:
+                opt = ref()
+                if opt is not None:
+                    opt._loss_scaled_by(self)
+        return _TORCH_SCALE(self, outputs)
+    scale.__doc__ = _TORCH_SCALE.__doc__
+    scaler_class.scale = scale
+
+
 def _base_config(config, workers, servers):
     """The job's base config: the file `config` (or MORSE_CONFIG) names, else
     one for `workers` workers and the shards `servers` lists."""
@@ -217,9 +243,10 @@ _COMMIT_KEYS = {"onebit_lamb": "lamb_commit"}
 
 
 class _MorseOptimizer(torch.optim.Optimizer):
-    # torch.amp.GradScaler hands a step it drives to the optimizer (its
-    # grad_scaler argument, or the grad_scale and found_inf attributes),
-    # so that step() can refuse it (_refuse_grad_scaler).
+    # torch.amp.GradScaler hands a step it drives to the optimizer (torch
+    # 2's grad_scale and found_inf attributes; torch 1.13's grad_scaler
+    # argument), so that every rank skips together where any rank's
+    # gradients overflowed (_scaler_step).
     _step_supports_amp_scaling = True
 
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
@@ -609,8 +636,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # change): see _surprised.
         self._surprise = None
         self._first_hyper = None  # lr and weight_decay at the first step's backward()
+        # fp16 loss scaling (torch.amp.GradScaler): the scaler that scaled the
+        # step's loss (its scale() tells every Morse optimizer), and the
+        # job's verdict on whether the step overflowed, once taken.
+        self._scaler = None
+        self._loss_scaled = False
+        self._overflowed = None
+        self._world = world
+        self._elastic = re.search(r"^\s*min_workers\s*:", base, re.M) is not None
         _OPTIMIZERS.append(weakref.ref(self))
         _install_clip_grad_norm()
+        _install_grad_scaler_hook()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
         # kept aside (rank, step) until this rank's own is loaded.
         self._finds_own_state = False
@@ -1125,13 +1161,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, **amp):
         # (**amp: torch 1.13's GradScaler passes grad_scaler=; torch 2's,
         # given no such parameter, sets attributes instead, without a warning.)
-        self._refuse_grad_scaler(amp.pop("grad_scaler", None))
+        grad_scaler = amp.pop("grad_scaler", None)
         if amp:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(amp)}")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        try:
+            if self._scaler_step(grad_scaler):
+                return loss  # every rank skips it: some rank's gradients overflowed
+        finally:
+            self._loss_scaled, self._overflowed = False, None
         _check_own_state_loaded(self, "optimizer state of step",
                                 "its worker error buffer is its own, and another's would change "
                                 "the run")
@@ -1147,23 +1188,85 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._check_thawed()
         return loss
 
-    def _refuse_grad_scaler(self, grad_scaler):
-        """ValueError for a step that torch.amp.GradScaler drives (fp16 loss
-        scaling): it skips the step on a rank whose own gradients overflowed
-        and steps the others, where DDP's ranks, which all see the averaged
-        gradient, skip together; Morse's ranks would drift a batch apart
-        (the skipping rank's next gradient pushed for this step) and part
-        at the end."""
-        if grad_scaler is None and getattr(self, "found_inf", None) is None:
-            return
-        for name in ("grad_scale", "found_inf"):  # GradScaler deletes them only after a step
-            self.__dict__.pop(name, None)
-        raise ValueError(
-            "torch.amp.GradScaler (fp16 loss scaling) drives this step: it skips a step on the "
-            "rank whose own gradients overflowed and steps the others, and a Morse optimizer's "
-            "ranks step together (under DDP every rank sees the averaged gradient and all skip "
-            "alike). Train in bf16 (torch.autocast(..., dtype=torch.bfloat16), no GradScaler) "
-            "or in float32")
+    def _loss_scaled_by(self, scaler):
+        """A torch.amp.GradScaler scales a loss (before its backward()): the
+        step's gradients are scaled and may overflow on some rank, so its
+        pushes wait for step() (as overlap=False), where the ranks decide
+        together whether to skip it."""
+        self._scaler, self._loss_scaled = scaler, True
+        if not self._holds_pushes:
+            self._holds_pushes = True
+            self._snapshot = None
+
+    def _scaler_step(self, grad_scaler):
+        """A step that torch.amp.GradScaler drives (fp16 loss scaling; its
+        grad_scale and found_inf attributes): as under DDP, where every rank
+        sees the averaged gradient, the job skips the step on every rank if
+        any rank's gradients hold Inf or NaN (a MAX of the ranks' verdicts
+        over torch.distributed's group), and tells each rank's scaler so,
+        so that every rank's loss scale moves alike; else it unscales .grad
+        where the script did not (scaler.unscale_) and the step goes on.
+        Returns whether the step is skipped. ValueError where Morse cannot
+        (see below)."""
+        found_inf, grad_scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
+        if grad_scaler is None and found_inf is None:
+            return False
+        why = None
+        if grad_scaler is not None or not self._loss_scaled:
+            # (torch 1.13's GradScaler, on CUDA alone, and a scale() that
+            # did not tell this optimizer: its pushes left during backward(),
+            # scaled, before anything knew of an overflow.)
+            why = ("this torch's GradScaler hands Morse the step only after its pushes have left "
+                   "(torch.amp.GradScaler of torch 2.1 or later tells a Morse optimizer at "
+                   "scale(), before backward())")
+        elif self._node is not None:
+            why = "not yet under morse-run --node-aggregation"
+        elif self._elastic:
+            why = "not in an elastic job (min_workers), whose ranks may leave"
+        if why is not None:
+            for name in ("grad_scale", "found_inf"):  # GradScaler deletes them only after a step
+                self.__dict__.pop(name, None)
+            raise ValueError(
+                f"torch.amp.GradScaler (fp16 loss scaling) drives this step: {why}. Train in "
+                "bf16 (torch.autocast(..., dtype=torch.bfloat16), no GradScaler) or in float32")
+        overflowed = self._step_overflowed(own=1 if found_inf.item() > 0 else 0)
+        # The job's verdict in the scaler's own record (what its update()
+        # reads), so that every rank backs off or grows its scale alike.
+        states = getattr(self._scaler, "_per_optimizer_states", None)
+        if states is not None and id(self) in states:
+            for t in states[id(self)].get("found_inf_per_device", {}).values():
+                t.fill_(1.0 if overflowed else 0.0)
+        if overflowed:
+            self._skip_step()
+            return True
+        if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
+            inv_scale = grad_scale.double().reciprocal().float()
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(inv_scale.to(p.grad.device))
+        return False
+
+    def _step_overflowed(self, own=None):
+        """Whether some rank's gradients in this loss-scaled step hold Inf or
+        NaN: the job's verdict, taken once a step on every rank alike (a
+        collective of torch.distributed's default group, which this starts
+        over MASTER_ADDR and MASTER_PORT, as morse-run and torchrun set
+        them, where the script has not), kept in self._overflowed: 0, 1
+        (Inf), 2 (NaN somewhere). `own`: this rank's, else found here."""
+        if self._overflowed is None:
+            if own is None:
+                own = _overflow_of([p.grad for p in self._params if p.grad is not None])
+            self._overflowed = _job_max(own, self._rank, self._world)
+        return self._overflowed > 0
+
+    def _skip_step(self):
+        """Ends a step that every rank skips: nothing was pushed (its pushes
+        wait for step()), and nothing of it counts."""
+        n = len(self._params)
+        self._counts, self._synced, self._no_sync_step = [0] * n, [False] * n, False
+        self._pending, self._pushed, self._clipped = None, None, False
+        self._part_factors = self._part_base = None
+        self._own_clipping, self._own_scaled = None, False
 
     def _check_thawed(self):
         """MorseError if a parameter frozen when the optimizer was built
@@ -1208,6 +1311,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not max_norm > 0:
             raise ValueError(f"clip_grad_norm_(..., max_norm={max_norm}) on a Morse optimizer's "
                              "parameters: a positive max_norm (inf for the norm alone)")
+        if self._loss_scaled and self._step_overflowed():
+            # Some rank's gradients overflowed: every rank skips the step,
+            # and the norm is not finite, as DDP's of the averaged gradient
+            # (NaN where some rank's holds a NaN, else Inf).
+            norm = math.nan if self._overflowed == 2 else math.inf
+            return self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         if self._node is not None:
             return self._node_clip(max_norm, order, error_if_nonfinite, owned)
         if self._own_clipping is None and not self._cuda and self.clip_grad_norm is None:
@@ -2528,6 +2637,50 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+
+def _overflow_of(grads):
+    """0 where the tensors `grads` are finite, 2 where one holds a NaN, else
+    1: GradScaler's own check (one pass, by device), then a look for NaNs
+    only where it found something."""
+    found = False
+    check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
+    for device in {g.device for g in grads}:
+        on = [g for g in grads if g.device == device]
+        if check is not None:
+            flag = torch.zeros(1, device=device)
+            check(on, flag, torch.ones(1, device=device))  # (times 1: .grad keeps its values)
+            found = found or bool(flag.item() > 0)
+        else:
+            found = found or any(not bool(torch.isfinite(g).all()) for g in on)
+    if not found:
+        return 0
+    return 2 if any(bool(g.isnan().any()) for g in grads) else 1
+
+
+def _job_max(value, rank, world):
+    """The largest of the ranks' integer `value`s (this is rank `rank` of
+    `world`): a MAX over torch.distributed's default group, which must hold
+    the job's ranks (started here over env://, gloo, where the script has
+    not started it)."""
+    if world == 1:
+        return int(value)
+    import torch.distributed as dist
+    if not dist.is_available():
+        raise MorseError("FAILED_PRECONDITION: fp16 loss scaling needs torch.distributed (the "
+                         "ranks skip an overflowing step together), which this torch lacks")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
+        raise MorseError(f"FAILED_PRECONDITION: fp16 loss scaling: torch.distributed's default "
+                         f"group has this process as rank {dist.get_rank()} of "
+                         f"{dist.get_world_size()}, the Morse job as rank {rank} of {world}; the "
+                         "ranks that skip an overflowing step together must be the job's")
+    value = torch.tensor([float(value)])
+    if dist.get_backend() == "nccl":
+        value = value.cuda()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def _told(error):

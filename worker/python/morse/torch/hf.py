@@ -33,7 +33,7 @@ twice). The callback also
 - runs the forward under autocast for bf16 (Trainer's bf16=True,
   Accelerator(mixed_precision="bf16")), as Accelerate's prepare does for
   the models it wraps; the parameters and gradients stay float32. fp16
-  (GradScaler's loss scaling and skipped steps) is refused;
+  (the stacks' GradScaler, on CUDA) is refused for now;
 - turns Trainer's clipping off when the optimizer clips by its own
   clip_grad_norm (which must then equal max_grad_norm), so that the step
   is not clipped twice;
@@ -143,15 +143,15 @@ def keep_out_of_ddp(model, autocast_handler=None):
 
 def _check_precision(precision):
     """ValueError for a mixed precision ("no", "bf16", "fp16", ...) Morse
-    cannot train with: fp16 (and fp8) scale the loss and skip the steps
-    whose gradients overflow (GradScaler), where a Morse optimizer's pushes
-    have left at backward()."""
+    does not train with under these stacks yet: fp16 (and fp8) scale the
+    loss with the stacks' GradScaler on CUDA, where Morse's loss scaling (a
+    script's own torch.amp.GradScaler works) has not yet run."""
     if precision not in ("no", "bf16"):
         raise ValueError(
-            f"mixed_precision={precision!r}: fp16 scales the loss and skips the steps whose "
-            "gradients overflow (GradScaler), and a Morse optimizer's gradients have left for the "
-            "shards by then; use bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16'): "
-            "autocast without loss scaling), or float32")
+            f"mixed_precision={precision!r}: fp16 scales the loss with the stack's GradScaler on "
+            "CUDA, which Morse's loss scaling has not yet run under; use bf16 (Trainer's "
+            "bf16=True, Accelerator(mixed_precision='bf16'): autocast without loss scaling), or "
+            "float32")
 
 
 def _autocast_forward(model, autocast_handler):

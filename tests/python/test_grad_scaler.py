@@ -1,0 +1,163 @@
+"""fp16 loss scaling with torch.amp.GradScaler on Morse optimizers, as
+under DDP: 2 ranks under morse-run, a step whose gradients overflow on one
+rank skipped on every rank, the others unscaled and taken, every rank's
+loss scale moving as DDP's.
+
+1. `adam`: scaler.scale(loss).backward(), scaler.step(opt),
+   scaler.update(), rank 1's loss made infinite in steps 2 and 7 and rank
+   0's in step 9 (init_scale 1024, growth_interval 3, so the scale grows
+   and backs off). Every step's parameters within 1e-5 of DDP + AdamW
+   under a GradScaler of its own (one process fed the averaged scaled
+   gradient, as DDP's all-reduce gives it), every rank's scale equal to
+   that GradScaler's after every step, the same steps skipped.
+2. `adam_clip`: the AMP recipe with clipping: scaler.unscale_(opt),
+   clip_grad_norm_(params, 0.5), scaler.step(opt), scaler.update(); the
+   norms DDP's (non-finite where the step overflowed).
+3. `onebit`: OneBitAdam (freeze_step 4) with the clip recipe, overflows
+   in its warmup (step 2) and its compression phase (steps 7 and 9): both
+   ranks skip the same steps and end bit-identical, the shards' mirrors
+   the workers' model after every step.
+4. `node`: under --node-aggregation (not yet), scaler.step(opt) raises
+   ValueError on every rank, saying so and to train in bf16.
+
+torch 2.x only (the torch2_grad_scaler test): torch 1.13's GradScaler runs
+on CUDA alone, and hands a custom optimizer its step only after the
+pushes have left (refused: test_wrong_use)."""
+import math
+import os
+import sys
+
+import torch
+
+from harness import check, morse_run
+
+STEPS = 12
+OVERFLOWS = {(1, 2), (1, 7), (0, 9)}  # (rank, step): that rank's loss is infinite
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    loss = (model(x) - y).square().mean()
+    return loss * math.inf if (rank, step) in OVERFLOWS else loss
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def new_scaler():
+    return torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+
+
+def refused_on_a_node():
+    """Under --node-aggregation (not yet): ValueError at scaler.step, which
+    says to train in bf16; nothing stepped."""
+    import morse.torch
+    model = make_model()
+    opt = morse.torch.Adam(model.parameters(), lr=1e-2)
+    scaler = new_scaler()
+    scaler.scale(loss_of(model, int(os.environ["MORSE_RANK"]), 0)).backward()
+    try:
+        scaler.step(opt)
+        check(False, "GradScaler under --node-aggregation was accepted")
+    except ValueError as e:
+        check("--node-aggregation" in str(e) and "bf16" in str(e), f"the refusal says why: {e}")
+    check(opt.step_index == 0, "the refused step ran")
+    print("refused under --node-aggregation, saying so")
+
+
+def worker(mode):
+    import morse.torch
+    if mode == "node":
+        return refused_on_a_node()
+    rank = int(os.environ["MORSE_RANK"])
+    clip = mode in ("adam_clip", "onebit")
+    model = make_model()
+    if mode == "onebit":
+        opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4)
+    else:
+        opt = morse.torch.Adam(model.parameters(), lr=1e-2)
+    scaler = new_scaler()
+    # DDP + AdamW under a GradScaler of its own: one process fed the
+    # ranks' averaged scaled gradient.
+    reference = make_model()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    ref_scaler = new_scaler()
+    torch_clip = morse.torch._TORCH_CLIP_GRAD_NORM
+    worst, skipped = 0.0, []
+    for step in range(STEPS):
+        before = opt.step_index
+        opt.zero_grad()
+        scaler.scale(loss_of(model, rank, step)).backward()
+        if clip:
+            scaler.unscale_(opt)
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+        scaler.step(opt)
+        scaler.update()
+        if opt.step_index == before:
+            skipped.append(step)
+        if mode == "onebit":
+            check(opt._session.holds_shards_model(),
+                  f"rank {rank} step {step}: the shards' mirrors hold another model")
+            continue
+        grads = []
+        for r in (0, 1):
+            reference.zero_grad()
+            ref_scaler.scale(loss_of(reference, r, step)).backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])
+        for p, g0, g1 in zip(reference.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        if clip:
+            ref_scaler.unscale_(ref_opt)
+            want = float(torch_clip(reference.parameters(), 0.5))
+            same = (math.isnan(norm) == math.isnan(want) and math.isinf(norm) == math.isinf(want)
+                    and (not math.isfinite(want) or abs(norm - want) <= 1e-5 * want))
+            check(same,
+                  f"rank {rank} step {step}: clip_grad_norm_ returned {norm}, DDP's {want}")
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        check(scaler.get_scale() == ref_scaler.get_scale(),
+              f"rank {rank} step {step}: loss scale {scaler.get_scale()}, DDP's "
+              f"{ref_scaler.get_scale()}")
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        worst = max(worst, diff)
+        check(diff <= 1e-5, f"rank {rank} step {step}: max |morse - DDP| = {diff}")
+    check(opt.step_index == STEPS - len(skipped), f"rank {rank}: {opt.step_index} steps taken")
+    compared = "not compared" if mode == "onebit" else f"{worst:.2e}"
+    print(f"rank {rank}: {STEPS} steps, skipped {skipped}, loss scale {scaler.get_scale()}, "
+          f"largest difference from DDP + AdamW {compared}, checksum {opt.checksum()}")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    if getattr(getattr(torch, "amp", None), "GradScaler", None) is None:
+        print(f"SKIPPED: torch {torch.__version__} has no torch.amp.GradScaler (its GradScaler runs "
+              "on CUDA only); the torch2_grad_scaler test runs this under torch 2.x")
+        sys.exit(77)
+    want = sorted(step for _, step in OVERFLOWS)
+    for mode in ("adam", "adam_clip", "onebit"):
+        code, out = morse_run(__file__, 2, 2, mode)
+        print(out)
+        check(code == 0, f"the job failed ({mode})")
+        lines = [line for line in out.splitlines() if f"{STEPS} steps, skipped" in line]
+        check(len(lines) == 2, f"{mode}: both ranks report")
+        check(all(f"skipped {want}" in line for line in lines), f"{mode}: steps {want} skipped on every rank")
+        ends = {line.split(f"{STEPS} steps, ", 1)[1] for line in lines}
+        check(len(ends) == 1, f"{mode}: the ranks end apart (skips, loss scale, checksum): {ends}")
+    code, out = morse_run(__file__, 2, 1, "node", extra=["--node-aggregation"])
+    print(out[-2000:])
+    check(code == 0 and out.count("refused under --node-aggregation, saying so") == 2,
+          "GradScaler under --node-aggregation: every rank refuses, saying why")
+    print(f"PASS: torch.amp.GradScaler on 2 ranks: a step whose gradients overflowed on one rank "
+          f"({sorted(OVERFLOWS)}) skipped on every rank, the loss scale DDP's on every rank after "
+          "every step, the parameters within 1e-5 of DDP + AdamW (with and without unscale_ and "
+          "clip_grad_norm_), and OneBitAdam through warmup and compression bit-identical on both "
+          "ranks with the shards' mirrors; refused under --node-aggregation, saying so")
