@@ -17,8 +17,9 @@ loss scale moving as DDP's.
    in its warmup (step 2) and its compression phase (steps 7 and 9): both
    ranks skip the same steps and end bit-identical, the shards' mirrors
    the workers' model after every step.
-4. `node`: under --node-aggregation (not yet), scaler.step(opt) raises
-   ValueError on every rank, saying so and to train in bf16.
+4. `adam_clip` again with the 2 ranks one node (morse-run
+   --node-aggregation, led and sharded): the same checks (the node's
+   average is DDP's).
 
 torch 2.x only (the torch2_grad_scaler test): torch 1.13's GradScaler runs
 on CUDA alone, and hands a custom optimizer its step only after the
@@ -55,27 +56,8 @@ def new_scaler():
     return torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
 
 
-def refused_on_a_node():
-    """Under --node-aggregation (not yet): ValueError at scaler.step, which
-    says to train in bf16; nothing stepped."""
-    import morse.torch
-    model = make_model()
-    opt = morse.torch.Adam(model.parameters(), lr=1e-2)
-    scaler = new_scaler()
-    scaler.scale(loss_of(model, int(os.environ["MORSE_RANK"]), 0)).backward()
-    try:
-        scaler.step(opt)
-        check(False, "GradScaler under --node-aggregation was accepted")
-    except ValueError as e:
-        check("--node-aggregation" in str(e) and "bf16" in str(e), f"the refusal says why: {e}")
-    check(opt.step_index == 0, "the refused step ran")
-    print("refused under --node-aggregation, saying so")
-
-
 def worker(mode):
     import morse.torch
-    if mode == "node":
-        return refused_on_a_node()
     rank = int(os.environ["MORSE_RANK"])
     clip = mode in ("adam_clip", "onebit")
     model = make_model()
@@ -143,21 +125,25 @@ if __name__ == "__main__":
               "on CUDA only); the torch2_grad_scaler test runs this under torch 2.x")
         sys.exit(77)
     want = sorted(step for _, step in OVERFLOWS)
-    for mode in ("adam", "adam_clip", "onebit"):
-        code, out = morse_run(__file__, 2, 2, mode)
+    # (mode, morse-run's extra arguments): the 2 ranks as two workers, and
+    # as one node of 2 (the leader steps; sharded, each rank its slice).
+    for mode, extra in (("adam", []), ("adam_clip", []), ("onebit", []),
+                        ("adam_clip", ["--node-aggregation"]),
+                        ("adam_clip", ["--node-aggregation=sharded"])):
+        code, out = morse_run(__file__, 2, 2 if not extra else 1, mode, extra=extra)
         print(out)
-        check(code == 0, f"the job failed ({mode})")
+        what = " ".join([mode] + extra)
+        check(code == 0, f"the job failed ({what})")
         lines = [line for line in out.splitlines() if f"{STEPS} steps, skipped" in line]
-        check(len(lines) == 2, f"{mode}: both ranks report")
-        check(all(f"skipped {want}" in line for line in lines), f"{mode}: steps {want} skipped on every rank")
+        check(len(lines) == 2, f"{what}: both ranks report")
+        check(all(f"skipped {want}" in line for line in lines), f"{what}: steps {want} skipped on every rank")
+        # (A sharded node's rank checksums its own slice's state.)
         ends = {line.split(f"{STEPS} steps, ", 1)[1] for line in lines}
-        check(len(ends) == 1, f"{mode}: the ranks end apart (skips, loss scale, checksum): {ends}")
-    code, out = morse_run(__file__, 2, 1, "node", extra=["--node-aggregation"])
-    print(out[-2000:])
-    check(code == 0 and out.count("refused under --node-aggregation, saying so") == 2,
-          "GradScaler under --node-aggregation: every rank refuses, saying why")
+        if "sharded" in what:
+            ends = {end.split(", checksum")[0] for end in ends}
+        check(len(ends) == 1, f"{what}: the ranks end apart (skips, loss scale, checksum): {ends}")
     print(f"PASS: torch.amp.GradScaler on 2 ranks: a step whose gradients overflowed on one rank "
           f"({sorted(OVERFLOWS)}) skipped on every rank, the loss scale DDP's on every rank after "
           "every step, the parameters within 1e-5 of DDP + AdamW (with and without unscale_ and "
-          "clip_grad_norm_), and OneBitAdam through warmup and compression bit-identical on both "
-          "ranks with the shards' mirrors; refused under --node-aggregation, saying so")
+          "clip_grad_norm_; as two workers and as one node of 2, led or sharded), and OneBitAdam "
+          "through warmup and compression bit-identical on both ranks with the shards' mirrors")

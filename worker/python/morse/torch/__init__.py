@@ -1197,6 +1197,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not self._holds_pushes:
             self._holds_pushes = True
             self._snapshot = None
+        # A node's ranks gather their gradients at step() from now on (no
+        # bucket leaves during backward()).
+        self._node_buckets = None
 
     def _scaler_step(self, grad_scaler):
         """A step that torch.amp.GradScaler drives (fp16 loss scaling; its
@@ -1219,8 +1222,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             why = ("this torch's GradScaler hands Morse the step only after its pushes have left "
                    "(torch.amp.GradScaler of torch 2.1 or later tells a Morse optimizer at "
                    "scale(), before backward())")
-        elif self._node is not None:
-            why = "not yet under morse-run --node-aggregation"
         elif self._elastic:
             why = "not in an elastic job (min_workers), whose ranks may leave"
         if why is not None:
@@ -1241,7 +1242,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return True
         if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
             inv_scale = grad_scale.double().reciprocal().float()
-            for p in self._params:
+            for p in self._node_params if self._node is not None else self._params:
                 if p.grad is not None:
                     p.grad.mul_(inv_scale.to(p.grad.device))
         return False
@@ -1255,7 +1256,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         (Inf), 2 (NaN somewhere). `own`: this rank's, else found here."""
         if self._overflowed is None:
             if own is None:
-                own = _overflow_of([p.grad for p in self._params if p.grad is not None])
+                params = self._node_params if self._node is not None else self._params
+                own = _overflow_of([p.grad for p in params if p.grad is not None])
             self._overflowed = _job_max(own, self._rank, self._world)
         return self._overflowed > 0
 
