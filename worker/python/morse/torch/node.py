@@ -272,7 +272,7 @@ class NodeGroup:
         rank `owner`'s. Through shared memory the owner writes its parts to
         its region and each rank compares its own with them there; through
         gloo each rank sends a hash of its own."""
-        from . import _digest_of, _same_bits
+        from . import _digest_of, _same_pieces
         n = sum(t.numel() for t in parts)
         if self._outgoing is not None and n <= self._capacity:
             region = self._outgoing[owner][:n]
@@ -280,13 +280,7 @@ class NodeGroup:
                 torch.cat([t.detach().reshape(-1) for t in parts], out=region)
             self._broadcast(torch.zeros(1), owner)  # the owner's values are in place
             self._kept[owner] = None
-            same, at = True, 0
-            if self.local_rank != owner:
-                for t in parts:
-                    k = t.numel()
-                    same = same and _same_bits(t.detach().reshape(-1).contiguous(),
-                                               region[at:at + k])
-                    at += k
+            same = self.local_rank == owner or _same_pieces(parts, [region])
             # (The owner writes its region again only after this gather,
             # which every rank enters once it has read.)
             flags = self.objects(same)
