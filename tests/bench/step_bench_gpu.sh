@@ -14,6 +14,8 @@
 #
 # Usage: tests/bench/step_bench_gpu.sh [BUNDLE.tar.gz|.tar.xz] [--quick]
 #   (default out/morse-bundle.tar.gz; --quick: 4 timed steps instead of 6)
+#   PARTS=tests,one,window,two (the default: all) picks the parts, so that
+#   a lease's calls can split them.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bundle="${1:-out/morse-bundle.tar.gz}"
@@ -31,32 +33,56 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'
 echo "$(nproc) cores, $(lscpu | sed -n 's/^Model name: *//p')"
 status=0
+parts=",${PARTS:-tests,one,window,two},"
+want() { [[ "$parts" == *",$1,"* ]]; }
+if want tests; then
 stamp "GPU tests"
 {
-  timeout 120 "$work/morse/tests/run-tests.sh" gpu --gtest_brief=1 2>&1 ||
+  timeout 150 "$work/morse/tests/run-tests.sh" gpu --gtest_brief=1 2>&1 ||
     echo "FAILED: run-tests.sh gpu"
-  (cd "$work/morse/tests/python" && timeout 240 python3 test_cuda_tensors.py 2>&1) ||
+  stamp "test_cuda_tensors.py"
+  (cd "$work/morse/tests/python" && timeout 200 python3 test_cuda_tensors.py 2>&1) ||
     echo "FAILED: test_cuda_tensors.py"
-  # A sharded node's state with CUDA tensors, 2 nodes x 2 ranks sharing the
-  # GPU (never run on one before 2026-12-02).
-  (cd "$work/morse/tests/python" && timeout 180 python3 test_node_sharding.py cuda 2>&1) ||
+  # Nodes of 2 ranks sharing the GPU, led and sharded (never run on one
+  # before 2026-12-04).
+  stamp "test_node_aggregation.py cuda"
+  (cd "$work/morse/tests/python" && timeout 150 python3 test_node_aggregation.py cuda 2>&1) ||
+    echo "FAILED: test_node_aggregation.py cuda"
+  stamp "test_node_sharding.py cuda"
+  (cd "$work/morse/tests/python" && timeout 150 python3 test_node_sharding.py cuda 2>&1) ||
     echo "FAILED: test_node_sharding.py cuda"
-  # DiLoCo with two ranks' models on the GPU (never run on one before 2026-12-02).
-  (cd "$work/morse/tests/python" && timeout 120 python3 test_diloco.py 2>&1) ||
-    echo "FAILED: test_diloco.py"
-} | grep -E "PASS|FAIL|tests from|all passed|failed|^GPU|^SKIP" | tee "$out/tests.txt"
+  # DiLoCo with two ranks' models on the GPU, and fp16 loss scaling with
+  # GradScaler("cuda") (neither run on one before 2026-12-04).
+  stamp "test_diloco.py int8@cuda"
+  (cd "$work/morse/tests/python" && timeout 100 python3 test_diloco.py int8@cuda 2>&1) ||
+    echo "FAILED: test_diloco.py int8@cuda"
+  stamp "test_grad_scaler.py cuda"
+  (cd "$work/morse/tests/python" && timeout 100 python3 test_grad_scaler.py cuda 2>&1) ||
+    echo "FAILED: test_grad_scaler.py cuda"
+  # fp16 under Trainer and Accelerate (their GradScaler on CUDA), from the
+  # source tree (the examples are not in the bundle).
+  stamp "test_hf.py fp16"
+  (cd "$here/../python" && timeout 200 python3 test_hf.py fp16 2>&1) || echo "FAILED: test_hf.py fp16"
+} 2>&1 | tee "$out/tests-full.txt" | grep -E "PASS|FAIL|tests from|all passed|failed|^GPU|^SKIP|Error|error|^##" | tee "$out/tests.txt"
 grep -q "FAIL" "$out/tests.txt" && status=1
+fi
 bench=(python3 "$here/step_bench.py" --model gpt134m --device cuda --shards 2 --steps "$steps" --skip 2)
-stamp "one rank"
-timeout 200 "${bench[@]}" --ranks 1 --modes torch,onebit_adam,adam --trace-dir "$work/trace" 2>&1 | grep '^{' | tee "$out/one-rank.jsonl" || status=1
-tar -czf "$out/trace.tgz" -C "$work" trace
+if want one; then
+  stamp "one rank"
+  timeout 200 "${bench[@]}" --ranks 1 --modes torch,onebit_adam,adam --trace-dir "$work/trace" 2>&1 | grep '^{' | tee "$out/one-rank.jsonl" || status=1
+  tar -czf "$out/trace.tgz" -C "$work" trace
+fi
 # The window of every partition: the 1-bit trace showed the default 32
 # holding the last partitions back, and the fp32 trace (2026-11-27) an
 # exchange paced by 32 partitions of 4 MB over a 61 ms round trip. Against
 # the lines above.
-stamp "one rank, --window 512"
-timeout 150 "${bench[@]}" --ranks 1 --modes onebit_adam,adam --window 512 2>&1 | grep '^{' | tee "$out/window.jsonl" || status=1
-stamp "two ranks"
-timeout 200 "${bench[@]}" --ranks 2 --modes torch,onebit_adam,adam,ddp 2>&1 | grep '^{' | tee "$out/two-ranks.jsonl" || status=1
+if want window; then
+  stamp "one rank, --window 512"
+  timeout 150 "${bench[@]}" --ranks 1 --modes onebit_adam,adam --window 512 2>&1 | grep '^{' | tee "$out/window.jsonl" || status=1
+fi
+if want two; then
+  stamp "two ranks"
+  timeout 200 "${bench[@]}" --ranks 2 --modes torch,onebit_adam,adam,ddp 2>&1 | grep '^{' | tee "$out/two-ranks.jsonl" || status=1
+fi
 stamp done
 exit $status

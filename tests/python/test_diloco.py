@@ -18,7 +18,8 @@ one among them, are refused before the job is joined. Under morse-run
 --node-aggregation (2 nodes x 2 ranks) each node is one DiLoCo worker whose
 ranks take their inner steps together on the node's average gradient,
 bit-identical to the simulator with N = 2 (a sync every SYNC_EVERY steps,
-and streaming with an overlap); =sharded is refused."""
+and streaming with an overlap); =sharded is refused. Arguments name codecs
+to run alone (`test_diloco.py int8@cuda`: that run only); none, everything."""
 import glob
 import json
 import os
@@ -29,7 +30,7 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, has_cuda, morse_run  # noqa: E402
 
 RANKS = 3
 SYNC_EVERY = 3
@@ -456,12 +457,13 @@ if __name__ == "__main__":
         else:
             worker(*sys.argv[-3:])
         sys.exit(0)
-    node_aggregation()
-    codecs = ["fp32", "int8", "int8+warmup"]
-    if torch.cuda.is_available():
-        codecs.append("int8@cuda")
-    else:
-        print("SKIPPED: DiLoCo with models on the GPU (torch sees no GPU); the CPU runs below")
+    # Arguments: the codecs to run alone (say int8@cuda); none: everything.
+    chosen = sys.argv[1:]
+    if not chosen:
+        node_aggregation()
+    codecs = chosen or ["fp32", "int8", "int8+warmup", "int8@cuda"]
+    if any(c.endswith("@cuda") for c in codecs) and not has_cuda("DiLoCo with models on the GPU"):
+        codecs = [c for c in codecs if not c.endswith("@cuda")]
     for codec in codecs:
         out = tempfile.mkdtemp(prefix="morse-diloco-")
         code, log = morse_run(__file__, RANKS, 2, out, codec, "full")
@@ -483,7 +485,7 @@ if __name__ == "__main__":
         warmed = f"{WARMUP} of one inner step, then " if "warmup" in codec else ""
         print(f"PASS: {syncs} syncs ({warmed}{SYNC_EVERY} inner steps each), {RANKS} ranks "
               f"bit-identical to each other and to the simulator ({codec})")
-    for overlap in ("0", "1"):
+    for overlap in ("0", "1") if not chosen else ():
         # Streaming: 6 syncs of alternating fragments, int4 with feedback;
         # saved with the second fragment half-way and resumed in a fresh job.
         out = tempfile.mkdtemp(prefix="morse-streaming-")

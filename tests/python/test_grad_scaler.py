@@ -20,6 +20,11 @@ loss scale moving as DDP's.
 4. `adam_clip` again with the 2 ranks one node (morse-run
    --node-aggregation, led and sharded): the same checks (the node's
    average is DDP's).
+5. `adam_clip@cuda` and `onebit@cuda` (the part `cuda`; skipped, saying
+   so, without a GPU): 2 and 3 with the models, the reference and
+   GradScaler("cuda") on the GPU, where fp16 loss scaling is used.
+
+Parts (command-line arguments; none: all): `cpu` (1-4), `cuda` (5).
 
 torch 2.x only (the torch2_grad_scaler test): torch 1.13's GradScaler runs
 on CUDA alone, and hands a custom optimizer its step only after the
@@ -30,47 +35,50 @@ import sys
 
 import torch
 
-from harness import check, morse_run
+from harness import check, has_cuda, modes_of, morse_run
 
 STEPS = 12
 OVERFLOWS = {(1, 2), (1, 7), (0, 9)}  # (rank, step): that rank's loss is infinite
 
 
-def batch(rank, step):
+def batch(rank, step, device):
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    return torch.randn(8, 6, generator=g).to(device), torch.randn(8, 3, generator=g).to(device)
 
 
 def loss_of(model, rank, step):
-    x, y = batch(rank, step)
+    x, y = batch(rank, step, next(model.parameters()).device)
     loss = (model(x) - y).square().mean()
     return loss * math.inf if (rank, step) in OVERFLOWS else loss
 
 
-def make_model():
+def make_model(device):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).to(device)
 
 
-def new_scaler():
-    return torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+def new_scaler(device):
+    return torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
 
 
 def worker(mode):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
+    mode, _, device = mode.partition("@")
+    device = device or "cpu"
     clip = mode in ("adam_clip", "onebit")
-    model = make_model()
+    model = make_model(device)
     if mode == "onebit":
         opt = morse.torch.OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4)
     else:
         opt = morse.torch.Adam(model.parameters(), lr=1e-2)
-    scaler = new_scaler()
+    scaler = new_scaler(device)
     # DDP + AdamW under a GradScaler of its own: one process fed the
     # ranks' averaged scaled gradient.
-    reference = make_model()
+    reference = make_model(device)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
-    ref_scaler = new_scaler()
+    ref_scaler = new_scaler(device)
     torch_clip = morse.torch._TORCH_CLIP_GRAD_NORM
     worst, skipped = 0.0, []
     for step in range(STEPS):
@@ -111,6 +119,7 @@ def worker(mode):
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {rank} step {step}: max |morse - DDP| = {diff}")
     check(opt.step_index == STEPS - len(skipped), f"rank {rank}: {opt.step_index} steps taken")
+    check(all(p.device.type == device for p in model.parameters()), f"rank {rank}: parameters left {device}")
     compared = "not compared" if mode == "onebit" else f"{worst:.2e}"
     print(f"rank {rank}: {STEPS} steps, skipped {skipped}, loss scale {scaler.get_scale()}, "
           f"largest difference from DDP + AdamW {compared}, checksum {opt.checksum()}")
@@ -127,9 +136,15 @@ if __name__ == "__main__":
     want = sorted(step for _, step in OVERFLOWS)
     # (mode, morse-run's extra arguments): the 2 ranks as two workers, and
     # as one node of 2 (the leader steps; sharded, each rank its slice).
-    for mode, extra in (("adam", []), ("adam_clip", []), ("onebit", []),
-                        ("adam_clip", ["--node-aggregation"]),
-                        ("adam_clip", ["--node-aggregation=sharded"])):
+    parts = {"cpu": [("adam", ()), ("adam_clip", ()), ("onebit", ()),
+                     ("adam_clip", ("--node-aggregation",)),
+                     ("adam_clip", ("--node-aggregation=sharded",))],
+             "cuda": [("adam_clip@cuda", ()), ("onebit@cuda", ())]}
+    runs = modes_of(parts)
+    if any("@cuda" in mode for mode, _ in runs) and not has_cuda("the models on the GPU"):
+        runs = [(mode, extra) for mode, extra in runs if "@cuda" not in mode]
+    for mode, extra in runs:
+        extra = list(extra)
         code, out = morse_run(__file__, 2, 2 if not extra else 1, mode, extra=extra)
         print(out)
         what = " ".join([mode] + extra)
@@ -142,8 +157,9 @@ if __name__ == "__main__":
         if "sharded" in what:
             ends = {end.split(", checksum")[0] for end in ends}
         check(len(ends) == 1, f"{what}: the ranks end apart (skips, loss scale, checksum): {ends}")
-    print(f"PASS: torch.amp.GradScaler on 2 ranks: a step whose gradients overflowed on one rank "
-          f"({sorted(OVERFLOWS)}) skipped on every rank, the loss scale DDP's on every rank after "
-          "every step, the parameters within 1e-5 of DDP + AdamW (with and without unscale_ and "
-          "clip_grad_norm_; as two workers and as one node of 2, led or sharded), and OneBitAdam "
-          "through warmup and compression bit-identical on both ranks with the shards' mirrors")
+    ran = ", ".join(" ".join([mode, *extra]) for mode, extra in runs)
+    print(f"PASS: torch.amp.GradScaler on 2 ranks ({ran}): a step whose gradients overflowed on "
+          f"one rank ({sorted(OVERFLOWS)}) skipped on every rank, the loss scale DDP's on every "
+          "rank after every step, Adam's parameters within 1e-5 of DDP + AdamW (with and without "
+          "unscale_ and clip_grad_norm_), and OneBitAdam through warmup and compression "
+          "bit-identical on both ranks with the shards' mirrors")

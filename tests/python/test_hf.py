@@ -38,16 +38,21 @@ way:
 - bf16 mixed precision (Trainer's bf16=True, Accelerator's
   mixed_precision="bf16") autocasts the forward as Accelerate does under
   DDP: the first step's loss DDP's bit for bit (and not float32's), every
-  step within 1e-3 of DDP's; fp16 is refused saying to use bf16.
+  step within 1e-3 of DDP's; fp8, and fp16 with DiLoCo, are refused
+  saying to use bf16;
+- fp16 (the part `fp16`, on a GPU: skipped, saying so, without one): the
+  stacks' autocast and GradScaler over morse.torch.Adam, one rank, the
+  losses the stack's own AdamW's.
 
 Needs transformers, accelerate and peft: under Debian's python3 (torch 1.13, no
 transformers) this test is skipped, saying so; its torch2_ twin runs it in
 the venv of tests/python/torch2-venv.sh, which pins them.
 
 ctest runs it in parts, each a test of its own (torch2_hf_setup, _trainer,
-_accelerate, _diloco, _groups, _resume): `test_hf.py [PART ...]`, all of them
+_accelerate, _diloco, _groups, _resume, _fp16): `test_hf.py [PART ...]`, all of them
 without arguments."""
 import json
+import math
 import os
 import re
 import shutil
@@ -63,8 +68,8 @@ RANKS, SHARDS = 2, 2
 
 
 def run(script, *args, expect_ok=True, launcher=(), shards=SHARDS, env=None, command=None,
-        ranks_agree=True):
-    """morse-run --servers 2 --workers 2 [launcher flags] -- python script
+        ranks_agree=True, ranks=RANKS):
+    """morse-run --servers 2 --workers 2 (`shards`, `ranks`) [launcher flags] -- python script
     args (or `command` + [script, --losses, ...] args); returns (losses by
     step, the parameters' checksum on every rank, output). Every rank ends
     with the same parameters, or with `ranks_agree` False each with its own
@@ -72,7 +77,7 @@ def run(script, *args, expect_ok=True, launcher=(), shards=SHARDS, env=None, com
     out = tempfile.mkdtemp(prefix="morse-hf-")
     losses = os.path.join(out, "losses.json")
     if command is None:
-        command = [os.environ["MORSE_RUN"], "--servers", str(shards), "--workers", str(RANKS),
+        command = [os.environ["MORSE_RUN"], "--servers", str(shards), "--workers", str(ranks),
                    *launcher, "--", sys.executable]
     command = [*command, os.path.join(EXAMPLES, script), "--losses", losses, *args]
     # In the run's own folder: Trainer makes its output_dir even when it saves nothing.
@@ -85,8 +90,8 @@ def run(script, *args, expect_ok=True, launcher=(), shards=SHARDS, env=None, com
     if not expect_ok:
         return None, None, result.stdout
     sums = set(re.findall(r"parameters checksum ([0-9a-f]+)", result.stdout))
-    check(len(re.findall(r"parameters checksum", result.stdout)) == RANKS
-          and len(sums) == (1 if ranks_agree else RANKS),
+    check(len(re.findall(r"parameters checksum", result.stdout)) == ranks
+          and len(sums) == (1 if ranks_agree else ranks),
           f"{script}: {'every rank holds the same' if ranks_agree else 'each rank holds its own'} "
           f"parameters ({sums})")
     with open(losses) as f:
@@ -174,19 +179,76 @@ def wrong_use():
         check(all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters())),
               "accelerator.clip_grad_norm_ left the gradients as they were")
         opt.step()
-    # fp16 (GradScaler) is refused with what to do; Trainer and Accelerate
-    # refuse it themselves on a CPU, so the check is asked directly.
+    accelerate_fp16(gpt, config.name)
+    # fp8 is refused with what to do, and so is fp16 with DiLoCo (each
+    # rank's scaler would skip its own inner steps); fp16 with the other
+    # optimizers trains (the part `fp16`, on a GPU). Trainer and
+    # Accelerate refuse fp16 themselves on a CPU, so the check is asked
+    # directly.
+    from morse.torch.diloco import DiLoCo
     from morse.torch.hf import _check_precision
     _check_precision("bf16")
-    try:
-        _check_precision("fp16")
-        check(False, "mixed_precision='fp16' was accepted")
-    except ValueError as e:
-        check("use bf16" in str(e), f"the message says what to do: {e}")
-        print(f"ok: ValueError: {e}")
+    _check_precision("fp16")
+    for precision, opt in (("fp8", None), ("fp16", object.__new__(DiLoCo))):
+        try:
+            _check_precision(precision, opt)
+            check(False, f"mixed_precision={precision!r} was accepted ({type(opt).__name__})")
+        except ValueError as e:
+            check("use bf16" in str(e), f"the message says what to do: {e}")
+            print(f"ok: ValueError: {e}")
     print("PASS: Trainer's and Accelerate's clipping against the optimizer's clip_grad_norm "
           "refused; parameters re-attached; accelerator.clip_grad_norm_ returns the norm and the "
           "step clips")
+
+
+def accelerate_fp16(gpt, config):
+    """Accelerate's fp16 path on the CPU: Accelerator(mixed_precision="fp16")
+    makes its GradScaler on CUDA alone, so a CPU one stands in for it here
+    (as it would be made there). Two steps: the first's gradients
+    overflow (the step is skipped and the scale halved), the second's are
+    finite: accelerator.clip_grad_norm_ unscales them first, as
+    Accelerate's own does, and returns the unscaled gradient's norm, and
+    the step is taken."""
+    import torch
+    from accelerate import Accelerator
+    import morse.torch
+    import morse.torch.hf
+    with server(config) as address:
+        model = GPT2LMHeadModel_of(gpt)
+        opt = morse.torch.Adam(model.parameters(), rank=0, world_size=1, servers=[address],
+                               config=config)
+        from accelerate.state import AcceleratorState
+        AcceleratorState._reset_state(True)  # (this process made a float32 Accelerator before)
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        model, opt = morse.torch.hf.prepare(accelerator, model, opt)
+        ids = torch.zeros(2, 4, dtype=torch.long)
+        for step, blow_up in enumerate((True, False)):
+            opt.zero_grad()
+            loss = model(ids, labels=ids).loss
+            accelerator.backward(loss * math.inf if blow_up else loss)
+            scale = accelerator.scaler.get_scale()
+            want = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) / scale
+                                                       for p in model.parameters()]))
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if blow_up:
+                check(not math.isfinite(float(norm)), f"the overflowing step's norm is {float(norm)}")
+                check(opt.optimizer.step_index == 0, "the overflowing step was taken")
+                check(accelerator.scaler.get_scale() == scale / 2, "the scale did not back off")
+            else:
+                check(abs(float(norm) - float(want)) <= 1e-5 * float(want),
+                      f"accelerator.clip_grad_norm_ returned {float(norm)}, the unscaled "
+                      f"gradient's norm is {float(want)}")
+                check(opt.optimizer.step_index == 1, "the finite step was not taken")
+    print("ok: Accelerate's fp16 (a CPU GradScaler standing in for its CUDA one): the overflowing "
+          "step skipped, accelerator.clip_grad_norm_ unscales first, the next step taken")
+
+
+def GPT2LMHeadModel_of(gpt):
+    from transformers import GPT2LMHeadModel
+    return GPT2LMHeadModel(gpt)
 
 
 def check_resume(name, script, args, out, launcher=()):
@@ -302,7 +364,7 @@ def main():
         sys.exit(77)
     parts = {"setup": setup, "trainer": lambda: one_stack("hf_trainer.py"),
              "accelerate": lambda: one_stack("accelerate_loop.py"), "diloco": diloco_both, "groups": groups,
-             "resume": resume}
+             "resume": resume, "fp16": fp16}
     chosen = sys.argv[1:] or list(parts)
     unknown = [p for p in chosen if p not in parts]
     if unknown:
@@ -367,6 +429,32 @@ def one_stack(script):
     one, _, _ = run(script, "--optimizer", "onebit_adam", *onebit)
     converges_like_ddp(f"{script} OneBitAdam", ddp, one)
     print(f"PASS: {script}: fp32 Adam equals DDP's losses; OneBitAdam converges like DDP")
+
+
+def fp16():
+    """fp16 mixed precision (Trainer's fp16=True, Accelerator's
+    mixed_precision="fp16": autocast and the stack's own GradScaler) over
+    morse.torch.Adam against the stack's AdamW, on a GPU (the stacks run
+    fp16 on CUDA alone; without a GPU this part is skipped, saying so).
+    One rank: two would share the one GPU, where the stacks' DDP (NCCL)
+    refuses them; the job's verdict over ranks is test_grad_scaler's. The
+    first step's loss is the stack's bit for bit (the same autocast
+    forward), every step's within 1e-3 (the same steps skipped: a step
+    taken by one and skipped by the other moves the loss more)."""
+    from harness import has_cuda
+    if not has_cuda("fp16 under Trainer and Accelerate"):
+        if sys.argv[1:] == ["fp16"]:
+            sys.exit(77)  # (ctest: skipped)
+        return
+    for script in ("hf_trainer.py", "accelerate_loop.py"):
+        ddp, _, _ = run(script, "--optimizer", "ddp", *FP32, "--fp16", ranks=1, shards=1)
+        adam, _, log = run(script, "--optimizer", "adam", *FP32, "--fp16", ranks=1, shards=1)
+        first = min(ddp)
+        check(adam[first] == ddp[first],
+              f"{script} fp16: the first step's loss {adam[first]!r} is not the stack's {ddp[first]!r}")
+        close_to_ddp(f"{script} Adam fp16", ddp, adam, 1e-3)
+    print("PASS: fp16 under Trainer and Accelerate: their GradScaler drives morse.torch.Adam, "
+          "the losses the stacks' own AdamW's")
 
 
 def diloco_both():

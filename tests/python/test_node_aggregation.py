@@ -130,8 +130,12 @@ def worker(out, mode):
         # The node's buckets (of about partition_elems) left during backward()
         # (overlap), all of them but where the step edited or accumulated
         # without saying so; the job's partitions are 64 elements, so several.
+        # On CUDA tensors the node gathers at step() (no buckets yet: a
+        # bucket's copy to the host in a hook would hold up backward()).
         early, total = opt._buckets_in_backward or (0, 0)
-        if variant not in ("scaled", "accum_learned") or step == 0:
+        if device.type == "cuda":
+            check(total == 0, f"rank {rank} step {step}: {total} buckets on CUDA tensors")
+        elif variant not in ("scaled", "accum_learned") or step == 0:
             check(total >= 2 and early == total,
                   f"rank {rank} step {step}: {early} of {total} buckets left during backward()")
         elif step > 0:

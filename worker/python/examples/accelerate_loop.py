@@ -52,7 +52,7 @@ def main():
 
     accelerator = Accelerator(gradient_accumulation_steps=a.accumulation,
                               cpu=not torch.cuda.is_available(),
-                              mixed_precision="bf16" if a.bf16 else "no")
+                              mixed_precision="bf16" if a.bf16 else "fp16" if a.fp16 else "no")
     torch.manual_seed(a.seed)
     model = GPT2LMHeadModel(model_config()).to(accelerator.device)
     loader = torch.utils.data.DataLoader(Sequences(seed=a.seed), batch_size=a.batch, shuffle=True,

@@ -18,8 +18,10 @@ or, for DiLoCo (each rank's own AdamW, an outer step on the shards every
     opt = morse.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=...),
                              sync_every=...)
 
-With --bf16 the forward runs under Trainer's bf16 autocast (MorseCallback
-applies it, as Accelerate does for the models it wraps).
+With --bf16 (or --fp16) the forward runs under Trainer's autocast
+(MorseCallback applies it, as Accelerate does for the models it wraps);
+with --fp16 Trainer's GradScaler scales the loss, and a step whose
+gradients overflow on any rank is skipped on every rank, as under DDP.
 
 With --weight-decay the optimizer gets Trainer's two parameter groups
 (decay, and biases and norms without), each group its own weight_decay.
@@ -128,9 +130,14 @@ def common_arguments(parser, stack):
     parser.add_argument("--weight-decay", type=float, default=0.0,
                         help="decoupled weight decay of every parameter but biases and norms, "
                              "in a group apart as Trainer builds it (default: 0.0)")
-    parser.add_argument("--bf16", action="store_true",
-                        help=f"bf16 mixed precision ({stack}'s autocast; the parameters, gradients "
-                             "and optimizer stay float32)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true",
+                           help=f"bf16 mixed precision ({stack}'s autocast; the parameters, "
+                                "gradients and optimizer stay float32)")
+    precision.add_argument("--fp16", action="store_true",
+                           help=f"fp16 mixed precision ({stack}'s autocast and its GradScaler, "
+                                "which skips a step whose gradients overflow on any rank; CUDA "
+                                "and torch 2.3 or later)")
     parser.add_argument("--losses", help="rank 0 writes {step: loss} here as JSON")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
 
@@ -188,9 +195,11 @@ def main():
         warmup_steps=max(1, a.steps // 10), max_grad_norm=a.max_grad_norm, logging_steps=1,
         save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500,
         report_to=[], use_cpu=not torch.cuda.is_available(), seed=a.seed, data_seed=a.seed,
-        disable_tqdm=True, dataloader_drop_last=True, weight_decay=a.weight_decay, bf16=a.bf16,
+        disable_tqdm=True, dataloader_drop_last=True, weight_decay=a.weight_decay,
+        bf16=a.bf16, fp16=a.fp16,
         torch_compile=bool(a.compile), torch_compile_backend=a.compile,
-        activation_checkpointing=a.activation_checkpointing)
+        # (Named only when set: transformers before 5.2x has no such argument.)
+        **({"activation_checkpointing": True} if a.activation_checkpointing else {}))
     torch.manual_seed(a.seed)
     config = model_config()
     model = GPT2LMHeadModel(config).to(args.device)
@@ -221,9 +230,10 @@ def main():
             with open(a.losses, "w") as f:
                 json.dump({str(s): v for s, v in losses.losses.items()}, f)
     compiled = getattr(model, "_compiled_call_impl", None) is not None  # model.compile() in place
+    checkpointed = getattr(model, "is_activation_checkpointing", False)
     print(f"rank {rank}: parameters checksum {parameters_checksum(model)}"
           f"{' (compiled in place)' if compiled else ''}"
-          f"{' (activation checkpointing)' if model.is_activation_checkpointing else ''}", flush=True)
+          f"{' (activation checkpointing)' if checkpointed else ''}", flush=True)
     del trainer, model
     leave_process_group()
 

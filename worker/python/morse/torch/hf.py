@@ -30,10 +30,12 @@ model in DistributedDataParallel. Morse averages the gradients itself, so
 the model is kept out of DDP (else every gradient would be all-reduced
 twice). The callback also
 
-- runs the forward under autocast for bf16 (Trainer's bf16=True,
-  Accelerator(mixed_precision="bf16")), as Accelerate's prepare does for
-  the models it wraps; the parameters and gradients stay float32. fp16
-  (the stacks' GradScaler, on CUDA) is refused for now;
+- runs the forward under autocast for bf16 and fp16 (Trainer's
+  bf16=True or fp16=True, Accelerator(mixed_precision="bf16" or "fp16")),
+  as Accelerate's prepare does for the models it wraps; the parameters and
+  gradients stay float32. fp16's loss scaling is the stack's own
+  torch.amp.GradScaler, which drives a Morse optimizer as it drives DDP
+  (the job skips an overflowing step on every rank; design.md 2.12);
 - turns Trainer's clipping off when the optimizer clips by its own
   clip_grad_norm (which must then equal max_grad_norm), so that the step
   is not clipped twice;
@@ -118,12 +120,13 @@ def keep_out_of_ddp(model, autocast_handler=None):
     no DistributedDataParallel wrapper (Morse averages the gradients), no
     device move, no torch.compile (compiled here in place instead, when
     Accelerate is set to compile: Trainer's torch_compile,
-    Accelerator(dynamo_backend=...)). bf16 mixed precision (Trainer's
-    bf16=True, Accelerator(mixed_precision="bf16")) is applied here as
+    Accelerator(dynamo_backend=...)). bf16 and fp16 mixed precision
+    (Trainer's bf16=True or fp16=True, Accelerator(mixed_precision=...))
+    is applied here as
     Accelerate's prepare applies it: the forward runs under torch.autocast
     (`autocast_handler`: the Accelerator's AutocastKwargs, if any) and its
     outputs come back in float32; the parameters and gradients stay
-    float32, the optimizer's. fp16 is refused (see _check_precision).
+    float32, the optimizer's (see _check_precision).
     Returns it."""
     from accelerate.state import AcceleratorState, is_initialized
     from accelerate.utils import DynamoBackend
@@ -135,23 +138,38 @@ def keep_out_of_ddp(model, autocast_handler=None):
     compiled = getattr(model, "_compiled_call_impl", None) is not None
     if plugin is not None and plugin.backend != DynamoBackend.NO and not compiled:
         model.compile(**plugin.to_kwargs())  # in place: the parameters stay Morse's
-    if precision == "bf16" and "_original_forward" not in model.__dict__:
+    if precision in ("bf16", "fp16") and "_original_forward" not in model.__dict__:
         _autocast_forward(model, autocast_handler)
     model._is_accelerate_prepared = True
     return model
 
 
-def _check_precision(precision):
+def _check_precision(precision, opt=None):
     """ValueError for a mixed precision ("no", "bf16", "fp16", ...) Morse
-    does not train with under these stacks yet: fp16 (and fp8) scale the
-    loss with the stacks' GradScaler on CUDA, where Morse's loss scaling (a
-    script's own torch.amp.GradScaler works) has not yet run."""
-    if precision not in ("no", "bf16"):
+    does not train with under these stacks: fp8; fp16 under a torch
+    without torch.amp.GradScaler (before 2.3; its CUDA GradScaler hands a
+    Morse optimizer the step only after the pushes have left), and fp16
+    with DiLoCo (`opt`), whose ranks would each skip their own overflowing
+    inner steps and reach their syncs apart."""
+    if precision in ("no", "bf16"):
+        return
+    if precision == "fp16" and opt is not None and _is_diloco(opt):
         raise ValueError(
-            f"mixed_precision={precision!r}: fp16 scales the loss with the stack's GradScaler on "
-            "CUDA, which Morse's loss scaling has not yet run under; use bf16 (Trainer's "
-            "bf16=True, Accelerator(mixed_precision='bf16'): autocast without loss scaling), or "
-            "float32")
+            "mixed_precision='fp16' with morse.torch.DiLoCo: each rank's GradScaler would skip "
+            "its own overflowing inner steps, and the ranks would reach their syncs apart; use "
+            "bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16')), or float32")
+    if precision == "fp16":
+        if getattr(getattr(torch, "amp", None), "GradScaler", None) is not None:
+            return
+        raise ValueError(
+            f"mixed_precision='fp16' under torch {torch.__version__}: its GradScaler hands a Morse "
+            "optimizer the step only after the pushes have left (torch.amp.GradScaler of torch "
+            "2.3 or later tells a Morse optimizer before backward()); use bf16 (Trainer's "
+            "bf16=True, Accelerator(mixed_precision='bf16')), or float32")
+    raise ValueError(
+        f"mixed_precision={precision!r}: Morse trains under 'no', 'bf16' and 'fp16' (fp16 with "
+        "torch.amp.GradScaler); use bf16 (Trainer's bf16=True, "
+        "Accelerator(mixed_precision='bf16')), or float32")
 
 
 def _autocast_forward(model, autocast_handler):
@@ -178,6 +196,7 @@ def prepare(accelerator, *objects):
         raise ValueError(f"morse.torch.hf.prepare needs exactly one Morse optimizer among the "
                          f"objects; got {len(opts)}")
     opt = _morse_optimizer(opts[0])
+    _check_precision(str(getattr(accelerator, "mixed_precision", None) or "no"), opt)
     flat = not _is_diloco(opt)  # parameters that are views of one flat buffer
     for o in objects:
         if isinstance(o, torch.nn.Module):
@@ -280,7 +299,8 @@ def _copies_for_safetensors(model, opt):
 def _route_clipping(accelerator, opt):
     """accelerator.clip_grad_norm_ on the Morse optimizer's parameters: as
     torch.nn.utils.clip_grad_norm_ (morse.torch.clip_grad_norm_, the
-    averaged gradient's, clipped in step()); for an optimizer built with
+    averaged gradient's, clipped in step()) once fp16's GradScaler has
+    unscaled them, as Accelerate's does; for an optimizer built with
     clip_grad_norm, which clips inside step() already, it leaves the
     gradients alone and returns this rank's own gradient's norm (the
     average's is in opt.last_step["grad_norm"] after step()), and must be
@@ -297,6 +317,9 @@ def _route_clipping(accelerator, opt):
         if len(mine) != len([p for p in parameters if p.requires_grad]):
             raise ValueError("accelerator.clip_grad_norm_ over the Morse optimizer's parameters and "
                              "others at once: clip them apart")
+        # fp16: the gradients unscaled first (once a step), as Accelerate's
+        # own clip does.
+        accelerator.unscale_gradients()
         if opt.clip_grad_norm is None:
             return torch.nn.utils.clip_grad_norm_(mine, max_norm, norm_type=norm_type)
         grads = [p.grad for p in mine if p.grad is not None]
@@ -340,10 +363,10 @@ class MorseCallback(_callback_base()):
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = self._optimizer(optimizer)
         if getattr(args, "fp16", False):
-            _check_precision("fp16")
+            _check_precision("fp16", opt)
         if model is not None:
             _attach_model(model, opt)
-            keep_out_of_ddp(model)  # with Trainer's bf16 autocast
+            keep_out_of_ddp(model)  # with Trainer's bf16 or fp16 autocast
         max_norm = float(getattr(args, "max_grad_norm", 0) or 0)
         # (DiLoCo has no clip of its own: Trainer's clips each rank's own
         # gradient for its inner step.)

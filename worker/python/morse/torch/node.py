@@ -42,6 +42,8 @@ def flat_grads(params, out=None):
              for p in params]
     if out is None:
         return torch.cat(grads)
+    if out.device != grads[0].device:  # CUDA gradients into host memory: one copy
+        return out.copy_(torch.cat(grads))
     return torch.cat(grads, out=out)
 
 
