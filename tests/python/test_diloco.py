@@ -21,7 +21,9 @@ bit-identical to the simulator with N = 2 (a sync every SYNC_EVERY steps,
 and streaming with an overlap); =sharded is refused. Arguments name codecs
 to run alone (`test_diloco.py int8@cuda`: that run only); none, everything."""
 import glob
+import copy
 import json
+import math
 import os
 import shutil
 import signal
@@ -46,12 +48,32 @@ WARMUP_SYNCS_AT = [1, 2, 5, 8, 11]
 NODE_CLIP = 0.3  # clip_grad_norm_'s max_norm in the int8clip node run
 
 
-def backward(model, step, rank, device="cpu"):
-    """Rank's batch of inner step `step` (a function of both), its loss's
-    backward()."""
+# int8+amp: (rank, inner step) whose loss is infinite under the GradScaler:
+# two steps inside an interval and one whose step ends with a sync.
+AMP_OVERFLOWS = {(1, 1), (1, 5), (2, 4)}
+
+
+def loss_of(model, step, rank, device="cpu"):
+    """Rank's loss of inner step `step` (its batch a function of both)."""
     g = torch.Generator().manual_seed(100 * step + rank)
     x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
-    torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+    return torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device))
+
+
+def backward(model, step, rank, device="cpu"):
+    loss_of(model, step, rank, device).backward()
+
+
+def amp_step(model, opt, scaler, step, rank):
+    """One step of the fp16 recipe (scale, backward, unscale_, torch's clip
+    at 0.5, scaler.step, update), the loss infinite where AMP_OVERFLOWS
+    says."""
+    loss = loss_of(model, step, rank)
+    scaler.scale(loss * math.inf if (rank, step) in AMP_OVERFLOWS else loss).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    scaler.step(opt)
+    scaler.update()
 
 
 def node_worker(out, mode):
@@ -220,8 +242,9 @@ def worker(out, codec, phase):
     import numpy as np
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
-    codec, _, warmup = codec.partition("+")
-    warmup = dict(warmup_steps=WARMUP) if warmup == "warmup" else {}
+    codec, _, variant = codec.partition("+")
+    warmup = dict(warmup_steps=WARMUP) if variant == "warmup" else {}
+    amp = variant == "amp"
     syncs_at = WARMUP_SYNCS_AT if warmup else [SYNC_EVERY * (k + 1) for k in range(SYNCS)]
     codec, _, where = codec.partition("@")
     device = torch.device("cuda" if where == "cuda" and rank < 2 else "cpu")
@@ -273,15 +296,40 @@ def worker(out, codec, phase):
     # gradient, and (without the resume, which would need its state) an lr
     # schedule on the inner optimizer.
     scheduler = torch.optim.lr_scheduler.StepLR(inner, 4, 0.5) if codec == "fp32" else None
+    if amp:
+        # fp16 loss scaling: the same recipe on a copy of the model under
+        # torch's AdamW and a GradScaler of its own, set to the outer
+        # parameters at each sync, is what each rank's inner steps must
+        # be, bit for bit (its own skips, its own loss scale).
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+        shadow = copy.deepcopy(model)
+        shadow_inner = torch.optim.AdamW(shadow.parameters(), lr=0.01, weight_decay=0.01)
+        shadow_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+        skipped = []
     checksums = []
     for step in range(first, SYNC_EVERY * SYNCS):
         if phase == "save" and step == SAVE_AT:
             torch.save(opt.state_dict(), f"{out}/state-{rank}.pt")
             return
         opt.zero_grad()
-        backward(model, step, rank, device)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
+        if amp:
+            before = opt.inner_steps
+            amp_step(model, opt, scaler, step, rank)
+            check(opt.inner_steps == before + 1, f"step {step}: {opt.inner_steps - before} inner steps")
+            shadow_inner.zero_grad()
+            taken = adamw_steps(shadow_inner)
+            amp_step(shadow, shadow_inner, shadow_scaler, step, rank)
+            if adamw_steps(shadow_inner) == taken:
+                skipped.append(step)
+            if step + 1 in syncs_at:
+                torch.nn.utils.vector_to_parameters(opt.outer_parameters(), shadow.parameters())
+            check(all(torch.equal(a, b) for a, b in zip(model.parameters(), shadow.parameters())),
+                  f"rank {rank} step {step}: the inner step is not torch's AdamW under its GradScaler")
+            check(scaler.get_scale() == shadow_scaler.get_scale(), f"step {step}: another loss scale")
+        else:
+            backward(model, step, rank, device)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
         if scheduler is not None:
             scheduler.step()
         synced = len([s for s in syncs_at if s <= step + 1])
@@ -300,6 +348,16 @@ def worker(out, codec, phase):
         checksums.append(opt.checksum())
     json.dump(checksums, open(f"{out}/checksums-{rank}{'-resumed' if phase == 'resume' else ''}.json",
                               "w"))
+    if amp:
+        want = [step for r, step in sorted(AMP_OVERFLOWS) if r == rank]
+        check(skipped == want, f"rank {rank}: skipped inner steps {skipped}, expected {want}")
+        print(f"rank {rank}: skipped inner steps {skipped}, loss scale {scaler.get_scale()}")
+
+
+def adamw_steps(opt):
+    """How many steps torch's AdamW `opt` has taken (0 before its first)."""
+    state = opt.state_dict()["state"]
+    return float(state[0]["step"]) if 0 in state else 0.0
 
 
 STREAM_SYNC_EVERY = 4  # each fragment syncs every 4 inner steps
@@ -461,9 +519,13 @@ if __name__ == "__main__":
     chosen = sys.argv[1:]
     if not chosen:
         node_aggregation()
-    codecs = chosen or ["fp32", "int8", "int8+warmup", "int8@cuda"]
+    codecs = chosen or ["fp32", "int8", "int8+warmup", "int8+amp", "int8@cuda"]
     if any(c.endswith("@cuda") for c in codecs) and not has_cuda("DiLoCo with models on the GPU"):
         codecs = [c for c in codecs if not c.endswith("@cuda")]
+    if "int8+amp" in codecs and getattr(getattr(torch, "amp", None), "GradScaler", None) is None:
+        print(f"SKIPPED (this part only): DiLoCo under fp16 loss scaling; torch {torch.__version__} "
+              "has no torch.amp.GradScaler (torch2_diloco runs it)")
+        codecs.remove("int8+amp")
     for codec in codecs:
         out = tempfile.mkdtemp(prefix="morse-diloco-")
         code, log = morse_run(__file__, RANKS, 2, out, codec, "full")
@@ -477,6 +539,12 @@ if __name__ == "__main__":
                         else [SYNC_EVERY * (k + 1) for k in range(SYNCS)])
             check_resumed(out, codec, len([s for s in schedule if s <= SAVE_AT]), codec)
             print(f"PASS: resumed at inner step {SAVE_AT} in a fresh job, the same bits ({codec})")
+        if codec == "int8+amp":
+            lines = [line for line in log.splitlines() if "skipped inner steps" in line]
+            check(len(lines) == RANKS, "every rank reports its skipped inner steps")
+            print(f"PASS: under torch.amp.GradScaler each rank skipped its own overflowing inner "
+                  f"steps ({sorted(AMP_OVERFLOWS)}), bit for bit torch's AdamW under its own "
+                  "GradScaler, and every rank synced at the same steps")
         syncs = len(WARMUP_SYNCS_AT) if "warmup" in codec else SYNCS
         for r in range(RANKS):
             for outer in range(syncs):

@@ -180,16 +180,20 @@ def wrong_use():
               "accelerator.clip_grad_norm_ left the gradients as they were")
         opt.step()
     accelerate_fp16(gpt, config.name)
-    # fp8 is refused with what to do, and so is fp16 with DiLoCo (each
-    # rank's scaler would skip its own inner steps); fp16 with the other
-    # optimizers trains (the part `fp16`, on a GPU). Trainer and
-    # Accelerate refuse fp16 themselves on a CPU, so the check is asked
-    # directly.
+    # fp8 is refused with what to do, and so is fp16 with DiLoCo under
+    # --node-aggregation (each rank's scaler would skip on its own
+    # gradients a step the node takes together); fp16 trains otherwise
+    # (the part `fp16`, on a GPU; DiLoCo's: test_diloco `int8+amp`).
+    # Trainer and Accelerate refuse fp16 themselves on a CPU, so the check
+    # is asked directly.
     from morse.torch.diloco import DiLoCo
     from morse.torch.hf import _check_precision
     _check_precision("bf16")
     _check_precision("fp16")
-    for precision, opt in (("fp8", None), ("fp16", object.__new__(DiLoCo))):
+    _check_precision("fp16", object.__new__(DiLoCo))
+    in_node = object.__new__(DiLoCo)
+    in_node._node = object()  # (as under --node-aggregation)
+    for precision, opt in (("fp8", None), ("fp16", in_node)):
         try:
             _check_precision(precision, opt)
             check(False, f"mixed_precision={precision!r} was accepted ({type(opt).__name__})")

@@ -79,7 +79,18 @@ class DiLoCo(torch.optim.Optimizer):
     are the inner optimizer's (torch.optim.Optimizer.__init__ is not run:
     nothing of it is its own), so that what takes an Optimizer (a
     scheduler, Hugging Face Trainer, Accelerate's prepare) takes it, and a
-    scheduler built over it schedules the inner steps."""
+    scheduler built over it schedules the inner steps.
+
+    Under fp16 loss scaling (torch.amp.GradScaler, a script's or Trainer's
+    and Accelerate's) each rank's inner steps are its own, as they would be
+    training alone: a step whose gradients overflowed on this rank is
+    skipped by this rank alone (its inner optimizer does not step), but it
+    counts as an inner step, so that every rank reaches each sync at the
+    same step() (design.md 2.11)."""
+
+    # torch.amp.GradScaler hands the steps it drives to step() (torch 2's
+    # grad_scale and found_inf attributes), which counts a skipped one.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, inner_optimizer, *, sync_every=500, outer_lr=0.7,
                  outer_momentum=0.9, nesterov=True, fragments=1, overlap_steps=0, mixing=None,
@@ -446,13 +457,25 @@ class DiLoCo(torch.optim.Optimizer):
         else:
             self.inner.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure=None):
+    def step(self, closure=None, **amp):
         """The inner optimizer's step; every sync_every-th also syncs: pushes
         this rank's pseudo-gradient, waits for the outer step and sets the
         parameters to the new outer parameters."""
+        # (**amp: torch 1.13's GradScaler passes grad_scaler=; torch 2's,
+        # given no such parameter, sets attributes instead.)
+        grad_scaler = amp.pop("grad_scaler", None)
+        if amp:
+            raise TypeError(f"step() got unexpected keyword arguments {sorted(amp)}")
         _check_own_state_loaded(self, "DiLoCo state of outer step",
                                 "its inner optimizer's state, parameters and error buffer are its "
                                 "own")
+        if self._scaled_step_overflowed(grad_scaler):
+            # This rank's inner step is skipped, and counted: the schedule
+            # of syncs is every rank's.
+            self._inner_steps += 1
+            if self._session is not None:
+                self._after_inner_step()
+            return None
         merges = False
         if self._node is not None:
             if closure is not None:
@@ -467,6 +490,44 @@ class DiLoCo(torch.optim.Optimizer):
             if merges:
                 self._node_merged()
             return loss
+        self._after_inner_step()
+        if merges:
+            self._node_merged()
+        return loss
+
+    def _scaled_step_overflowed(self, grad_scaler):
+        """For a step that torch.amp.GradScaler drives (its found_inf and
+        grad_scale attributes): whether this rank's gradients overflowed
+        (the step is skipped); else .grad is unscaled where the script did
+        not (scaler.unscale_). ValueError where DiLoCo cannot: torch 1.13's
+        GradScaler, and under --node-aggregation (the node's ranks would
+        each decide on their own gradients for the step they share)."""
+        found_inf, grad_scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
+        if grad_scaler is None and found_inf is None:
+            return False
+        why = None
+        if grad_scaler is not None:
+            why = "this torch's GradScaler (torch.amp.GradScaler of torch 2.3 or later works)"
+        elif self._node is not None:
+            why = ("not under --node-aggregation, whose ranks take each inner step together on "
+                   "the node's average")
+        if why is not None:
+            raise ValueError(f"torch.amp.GradScaler (fp16 loss scaling) drives this DiLoCo step: "
+                             f"{why}. Train in bf16 (torch.autocast(..., dtype=torch.bfloat16), "
+                             "no GradScaler) or in float32")
+        if found_inf.item() > 0:
+            return True
+        if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
+            inv_scale = grad_scale.double().reciprocal().float()
+            for group in self.inner.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(inv_scale.to(p.grad.device))
+        return False
+
+    def _after_inner_step(self):
+        """The job's part of an inner step just counted: the sync in flight
+        applied at its step, and the sync due begun."""
         if self._in_flight is not None and self._inner_steps == self._in_flight[1]:
             self._apply()
         # The job's schedule by inner steps (compress::InnerStepsBefore: the
@@ -477,9 +538,6 @@ class DiLoCo(torch.optim.Optimizer):
         if self._session.inner_steps_before(self._due) == self._inner_steps:
             self._due += 1
             self._sync()
-        if merges:
-            self._node_merged()
-        return loss
 
     @torch.no_grad()
     def sync(self):

@@ -149,15 +149,17 @@ def _check_precision(precision, opt=None):
     does not train with under these stacks: fp8; fp16 under a torch
     without torch.amp.GradScaler (before 2.3; its CUDA GradScaler hands a
     Morse optimizer the step only after the pushes have left), and fp16
-    with DiLoCo (`opt`), whose ranks would each skip their own overflowing
-    inner steps and reach their syncs apart."""
+    with DiLoCo (`opt`) under --node-aggregation, whose ranks take each
+    inner step together on the node's average."""
     if precision in ("no", "bf16"):
         return
-    if precision == "fp16" and opt is not None and _is_diloco(opt):
+    if (precision == "fp16" and opt is not None and _is_diloco(opt)
+            and getattr(opt, "_node", None) is not None):
         raise ValueError(
-            "mixed_precision='fp16' with morse.torch.DiLoCo: each rank's GradScaler would skip "
-            "its own overflowing inner steps, and the ranks would reach their syncs apart; use "
-            "bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16')), or float32")
+            "mixed_precision='fp16' with morse.torch.DiLoCo under --node-aggregation: the node's "
+            "ranks take each inner step together, and each rank's GradScaler would skip on its "
+            "own gradients; use bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16')), "
+            "or float32")
     if precision == "fp16":
         if getattr(getattr(torch, "amp", None), "GradScaler", None) is not None:
             return
