@@ -212,7 +212,8 @@ def accelerate_fp16(gpt, config):
     overflow (the step is skipped and the scale halved), the second's are
     finite: accelerator.clip_grad_norm_ unscales them first, as
     Accelerate's own does, and returns the unscaled gradient's norm, and
-    the step is taken."""
+    the step is taken; step_was_skipped (which Trainer and the prepared
+    schedulers read) says which step was skipped."""
     import torch
     from accelerate import Accelerator
     import morse.torch
@@ -237,6 +238,10 @@ def accelerate_fp16(gpt, config):
                                                        for p in model.parameters()]))
             norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            # What Trainer and the prepared schedulers read to leave the lr
+            # as it was (GradScaler calls a Morse optimizer's step() anyway).
+            check(opt.step_was_skipped == blow_up and accelerator.optimizer_step_was_skipped == blow_up,
+                  f"step {step}: step_was_skipped is {opt.step_was_skipped}")
             if blow_up:
                 check(not math.isfinite(float(norm)), f"the overflowing step's norm is {float(norm)}")
                 check(opt.optimizer.step_index == 0, "the overflowing step was taken")
@@ -247,7 +252,8 @@ def accelerate_fp16(gpt, config):
                       f"gradient's norm is {float(want)}")
                 check(opt.optimizer.step_index == 1, "the finite step was not taken")
     print("ok: Accelerate's fp16 (a CPU GradScaler standing in for its CUDA one): the overflowing "
-          "step skipped, accelerator.clip_grad_norm_ unscales first, the next step taken")
+          "step skipped and reported so, accelerator.clip_grad_norm_ unscales first, the next "
+          "step taken")
 
 
 def GPT2LMHeadModel_of(gpt):

@@ -642,6 +642,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._scaler = None
         self._loss_scaled = False
         self._overflowed = None
+        self._skipped_last = False  # whether the last step() skipped (morse.torch.hf reads it)
         self._world = world
         self._elastic = re.search(r"^\s*min_workers\s*:", base, re.M) is not None
         _OPTIMIZERS.append(weakref.ref(self))
@@ -1169,7 +1170,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
-            if self._scaler_step(grad_scaler):
+            self._skipped_last = self._scaler_step(grad_scaler)
+            if self._skipped_last:
                 return loss  # every rank skips it: some rank's gradients overflowed
         finally:
             self._loss_scaled, self._overflowed = False, None

@@ -209,6 +209,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._x = self._local()
         self._grad = torch.zeros(dim, dtype=torch.float32)
         self._inner_steps = 0
+        self._skipped_last = False  # whether the last step() skipped (morse.torch.hf reads it)
         self._due = 1  # the outer step whose sync is due next (by inner steps)
         self.last_sync = {}
         self._session = None  # a node's other ranks have none
@@ -469,7 +470,8 @@ class DiLoCo(torch.optim.Optimizer):
         _check_own_state_loaded(self, "DiLoCo state of outer step",
                                 "its inner optimizer's state, parameters and error buffer are its "
                                 "own")
-        if self._scaled_step_overflowed(grad_scaler):
+        self._skipped_last = self._scaled_step_overflowed(grad_scaler)
+        if self._skipped_last:
             # This rank's inner step is skipped, and counted: the schedule
             # of syncs is every rank's.
             self._inner_steps += 1

@@ -211,7 +211,33 @@ def prepare(accelerator, *objects):
         # own clip, as the script's torch.nn.utils.clip_grad_norm_.)
         _route_clipping(accelerator, opt)
     _checkpoint_each_rank(accelerator, opt)
+    _install_skip_report()
     return accelerator.prepare(*objects)
+
+
+def _install_skip_report():
+    """fp16: Accelerate learns that GradScaler skipped a step from the
+    optimizer's step() not being called (AcceleratedOptimizer's
+    step_was_skipped, which Trainer and Accelerate's prepared schedulers
+    read to leave the learning rate where it was, as under DDP). GradScaler
+    calls a Morse optimizer's step() (and DiLoCo's) every time
+    (_step_supports_amp_scaling), which skips inside; so for those
+    step_was_skipped reads what their last step() did (once, for every
+    AcceleratedOptimizer)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+    original = AcceleratedOptimizer.step_was_skipped
+    if getattr(original.fget, "morse", False):
+        return
+
+    def step_was_skipped(self):
+        opt = _morse_optimizer(self.optimizer)
+        if opt is not None and self.scaler is not None:
+            return opt._skipped_last
+        return original.fget(self)
+
+    step_was_skipped.__doc__ = original.__doc__
+    step_was_skipped.morse = True
+    AcceleratedOptimizer.step_was_skipped = property(step_was_skipped)
 
 
 def _checkpoint_each_rank(accelerator, opt):
@@ -366,6 +392,7 @@ class MorseCallback(_callback_base()):
         opt = self._optimizer(optimizer)
         if getattr(args, "fp16", False):
             _check_precision("fp16", opt)
+            _install_skip_report()
         if model is not None:
             _attach_model(model, opt)
             keep_out_of_ddp(model)  # with Trainer's bf16 or fp16 autocast
