@@ -20,8 +20,8 @@ ranks take their inner steps together on the node's average gradient,
 bit-identical to the simulator with N = 2 (a sync every SYNC_EVERY steps,
 and streaming with an overlap); =sharded is refused. Arguments name codecs
 to run alone (`test_diloco.py int8@cuda`: that run only); none, everything."""
-import glob
 import copy
+import glob
 import json
 import math
 import os

@@ -1213,25 +1213,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         where the script did not (scaler.unscale_) and the step goes on.
         Returns whether the step is skipped. ValueError where Morse cannot
         (see below)."""
-        found_inf, grad_scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
+        found_inf, grad_scale = _amp_of(self)
         if grad_scaler is None and found_inf is None:
             return False
-        why = None
         if grad_scaler is not None or not self._loss_scaled:
             # (torch 1.13's GradScaler, on CUDA alone, and a scale() that
             # did not tell this optimizer: its pushes left during backward(),
             # scaled, before anything knew of an overflow.)
-            why = ("this torch's GradScaler hands Morse the step only after its pushes have left "
-                   "(torch.amp.GradScaler of torch 2.1 or later tells a Morse optimizer at "
-                   "scale(), before backward())")
-        elif self._elastic:
-            why = "not in an elastic job (min_workers), whose ranks may leave"
-        if why is not None:
-            for name in ("grad_scale", "found_inf"):  # GradScaler deletes them only after a step
-                self.__dict__.pop(name, None)
-            raise ValueError(
-                f"torch.amp.GradScaler (fp16 loss scaling) drives this step: {why}. Train in "
-                "bf16 (torch.autocast(..., dtype=torch.bfloat16), no GradScaler) or in float32")
+            raise _grad_scaler_refused(
+                self, "this step", "this torch's GradScaler hands Morse the step only after its "
+                "pushes have left (torch.amp.GradScaler of torch 2.3 or later tells a Morse "
+                "optimizer at scale(), before backward())")
+        if self._elastic:
+            raise _grad_scaler_refused(self, "this step",
+                                       "not in an elastic job (min_workers), whose ranks may leave")
         overflowed = self._step_overflowed(own=1 if found_inf.item() > 0 else 0)
         # The job's verdict in the scaler's own record (what its update()
         # reads), so that every rank backs off or grows its scale alike.
@@ -1243,10 +1238,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._skip_step()
             return True
         if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
-            inv_scale = grad_scale.double().reciprocal().float()
-            for p in self._node_params if self._node is not None else self._params:
-                if p.grad is not None:
-                    p.grad.mul_(inv_scale.to(p.grad.device))
+            _unscale(self._node_params if self._node is not None else self._params, grad_scale)
         return False
 
     def _step_overflowed(self, own=None):
@@ -2641,6 +2633,32 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+
+def _amp_of(opt):
+    """(found_inf, grad_scale): what torch 2's GradScaler set on `opt`
+    (_step_supports_amp_scaling) for the step it drives, or None each."""
+    return opt.__dict__.get("found_inf"), opt.__dict__.get("grad_scale")
+
+
+def _grad_scaler_refused(opt, what, why):
+    """The ValueError for a GradScaler driving `what` (a step of `opt`)
+    where it cannot, `why`; the scaler's attributes taken off `opt` first
+    (GradScaler deletes them only after a step returns)."""
+    for name in ("grad_scale", "found_inf"):
+        opt.__dict__.pop(name, None)
+    return ValueError(f"torch.amp.GradScaler (fp16 loss scaling) drives {what}: {why}. Train in "
+                      "bf16 (torch.autocast(..., dtype=torch.bfloat16), no GradScaler) or in "
+                      "float32")
+
+
+def _unscale(params, grad_scale):
+    """Each .grad of `params` times float32(1 / grad_scale), as
+    GradScaler.unscale_ would."""
+    inv_scale = grad_scale.double().reciprocal().float()
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(inv_scale.to(p.grad.device))
 
 
 def _overflow_of(grads):

@@ -28,8 +28,9 @@ import weakref
 import torch
 
 from .. import _native
-from . import (MorseError, _await_own_state, _base_config, _check_own_state_loaded, _codec_lines,
-               _env, _external_model, _MorseOptimizer, _rank_checkpoint, _security)
+from . import (MorseError, _amp_of, _await_own_state, _base_config, _check_own_state_loaded,
+               _codec_lines, _env, _external_model, _grad_scaler_refused, _MorseOptimizer,
+               _rank_checkpoint, _security, _unscale)
 
 
 def _float(name, value):
@@ -504,27 +505,20 @@ class DiLoCo(torch.optim.Optimizer):
         not (scaler.unscale_). ValueError where DiLoCo cannot: torch 1.13's
         GradScaler, and under --node-aggregation (the node's ranks would
         each decide on their own gradients for the step they share)."""
-        found_inf, grad_scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
+        found_inf, grad_scale = _amp_of(self)
         if grad_scaler is None and found_inf is None:
             return False
-        why = None
         if grad_scaler is not None:
-            why = "this torch's GradScaler (torch.amp.GradScaler of torch 2.3 or later works)"
-        elif self._node is not None:
-            why = ("not under --node-aggregation, whose ranks take each inner step together on "
-                   "the node's average")
-        if why is not None:
-            raise ValueError(f"torch.amp.GradScaler (fp16 loss scaling) drives this DiLoCo step: "
-                             f"{why}. Train in bf16 (torch.autocast(..., dtype=torch.bfloat16), "
-                             "no GradScaler) or in float32")
+            raise _grad_scaler_refused(self, "this DiLoCo step", "this torch's GradScaler "
+                                       "(torch.amp.GradScaler of torch 2.3 or later works)")
+        if self._node is not None:
+            raise _grad_scaler_refused(self, "this DiLoCo step", "not under --node-aggregation, "
+                                       "whose ranks take each inner step together on the node's "
+                                       "average")
         if found_inf.item() > 0:
             return True
         if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
-            inv_scale = grad_scale.double().reciprocal().float()
-            for group in self.inner.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.mul_(inv_scale.to(p.grad.device))
+            _unscale([p for group in self.inner.param_groups for p in group["params"]], grad_scale)
         return False
 
     def _after_inner_step(self):
