@@ -156,7 +156,8 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                  absl::Span<const uint8_t> reply,
                                  const StepHyper* hyper, float grad_scale,
                                  std::vector<double>* lamb_segments,
-                                 absl::Span<const ClipPiece> clip_pieces) {
+                                 absl::Span<const ClipPiece> clip_pieces,
+                                 const CodecSpec* codec) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
@@ -169,7 +170,8 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
     }
     return absl::OkStatus();
   }
-  const ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
+  ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
+  if (codec != nullptr) rule.codec = *codec;
   const size_t offset = begin - range_.begin;
   MORSE_CHECK(lamb_segments == nullptr || rule.lamb);
   // grad_scale scales the decoded values alone: the rule's scalars are

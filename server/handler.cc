@@ -129,6 +129,7 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
   args.previous_clip_pieces = *std::move(pieces);
   args.workers_clip = request.workers_clip();
   if (request.has_x_hash()) args.x_hash = request.x_hash();
+  args.previous_amended.swap(*request.mutable_previous_amended());
   if (request.replayed()) {
     args.replay_absent.emplace(request.replay_absent().begin(),
                                request.replay_absent().end());
@@ -256,6 +257,8 @@ absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
       request.clip_piece_ends(), request.clip_piece_scales());
   if (!pieces.ok()) return pieces.status();
   commit.clip_pieces = *std::move(pieces);
+  for (const v1::AmendedPartition& part : request.amended())
+    commit.amended.emplace_back(part.partition(), part.values());
   return (*core)->CommitStep(request.rank(), request.step(),
                              request.layout_fingerprint(), commit);
 }

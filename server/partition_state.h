@@ -87,6 +87,13 @@ struct ShardCore::PartitionState {
   // or empty.
   compress::ClipPieces committed_pieces ABSL_GUARDED_BY(mu);
   std::vector<double> committed_values ABSL_GUARDED_BY(mu);
+  // The gradient the workers amended the last completed step to over this
+  // partition (StepCommit::amended; fp32 bytes), until the mirror applies
+  // it in place of the reply; with its hash, kept until the next step
+  // completes, that later commits of the step must match (none: not
+  // amended).
+  std::string committed_amendment ABSL_GUARDED_BY(mu);
+  std::optional<uint64_t> committed_amendment_hash ABSL_GUARDED_BY(mu);
   // The optimizer's arrays that are not per element (onebit_lamb's layer
   // state), in State()'s order, after the partition's last applied commit
   // (Optimizer::StateAfterCommit). Each partition keeps its own: the

@@ -223,6 +223,8 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->last_workers_clip = false;
     p->last_step_restored = true;
     p->committed_values.clear();
+    p->committed_amendment.clear();
+    p->committed_amendment_hash.reset();
     p->whole_state = whole;
     p->last_reply = last[i];
     p->history.clear();

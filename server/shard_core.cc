@@ -308,6 +308,10 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
   *carried = StepCommit{
       args.previous_grad_sum_of_squares, args.previous_clip_max_norm,
       std::move(args.previous_commit), std::move(args.previous_clip_pieces)};
+  if (!args.previous_amended.empty()) {
+    carried->amended.emplace_back(args.partition,
+                                  std::move(args.previous_amended));
+  }
   if (carried->grad_sum_of_squares.has_value() || !carried->values.empty()) {
     if (absl::Status s =
             CheckCommit(p, args.rank, args.step - 1, *carried, commits);
@@ -764,6 +768,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   p.committed_values.clear();
   p.mirror_scale = 1.0f;
   p.committed_pieces.clear();
+  p.committed_amendment.clear();
+  p.committed_amendment_hash.reset();
   return std::shared_ptr<const Reply>(std::move(reply));
 }
 
@@ -786,11 +792,28 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   p.mirror_pending = false;
   const Reply& r = *p.last_reply;
   trace::Scope traced("mirror", r.step, p.partition.id);
-  if (!p.mirror_moments_applied)
+  if (!p.committed_amendment.empty()) {
+    // The workers' amended gradient in place of the reply (design.md 2.6,
+    // "Edits after the clip"), checked when it arrived (CheckCommit).
+    static const compress::CodecSpec kFp32{compress::CodecKind::kFp32};
+    MORSE_CHECK(!p.mirror_moments_applied);  // a clipped step's mirror waits
+    MORSE_CHECK(
+        mirror_
+            .ApplyReply(
+                r.step, p.partition.range.begin, p.partition.range.size(),
+                {reinterpret_cast<const uint8_t*>(p.committed_amendment.data()),
+                 p.committed_amendment.size()},
+                p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr, 1.0f,
+                nullptr, {}, &kFp32)
+            .ok());
+    p.committed_amendment.clear();
+    p.committed_amendment.shrink_to_fit();
+  } else if (!p.mirror_moments_applied) {
     ApplyOwnReply(
         r, p.partition, p.mirror_hyper, p.mirror_scale, nullptr,
         compress::ClipPiecesOf(p.committed_pieces, p.partition.range.begin,
                                p.partition.range.end));
+  }
   p.mirror_moments_applied = false;
   if (!p.committed_values.empty()) {  // checked when it arrived (CheckCommit)
     MORSE_CHECK(mirror_
@@ -866,6 +889,41 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
         !s.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", rank, ": ", s.message()));
+    }
+  }
+  // This partition's part of an amended gradient, if the commit has one.
+  const std::string* amendment = nullptr;
+  if (!commit.amended.empty()) {
+    if (!norm || commit.clip_max_norm.value_or(1.0f) != 0.0f ||
+        !commit.clip_pieces.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank,
+          ": an amended gradient comes with the gradient's sum of squares, a "
+          "max_norm of 0 and no clip pieces"));
+    }
+    for (const auto& [partition, values] : commit.amended) {
+      if (partition == p.partition.id) amendment = &values;
+    }
+    if (amendment == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rank ", rank, ": an amended gradient without partition ",
+          p.partition.id, ", which this shard holds"));
+    }
+    const uint64_t n = p.partition.range.size();
+    if (amendment->size() != 4 * n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": an amended gradient of ",
+                       amendment->size(), " bytes for partition ",
+                       p.partition.id, " of ", n, " elements (4 bytes each)"));
+    }
+    for (uint64_t i = 0; i < n; ++i) {
+      float value;
+      std::memcpy(&value, amendment->data() + 4 * i, 4);
+      if (!std::isfinite(value)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", rank, ": the amended gradient's element ",
+                         p.partition.range.begin + i, " is ", value));
+      }
     }
   }
   if (step >= p.next_step) {
@@ -944,6 +1002,20 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
           " piece(s) sent before; every worker must clip alike, and edit "
           ".grad alike after clip_grad_norm_"));
     }
+    const std::optional<uint64_t> hash =
+        amendment != nullptr
+            ? std::optional<uint64_t>(compress::BytesHash(*amendment))
+            : std::nullopt;
+    if (hash != p.committed_amendment_hash) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", rank, "'s commit of step ", step, " ",
+          amendment != nullptr ? "amends" : "does not amend",
+          " the gradient of partition ", p.partition.id, " ",
+          p.committed_amendment_hash.has_value()
+              ? "otherwise than the one sent before, which amended it"
+              : "but the one sent before did not",
+          "; every worker must edit .grad alike after clip_grad_norm_"));
+    }
   }
   if (!p.awaiting_commit) return absl::OkStatus();  // applied, or restored past
   const std::optional<double> own = p.last_reply != nullptr
@@ -969,6 +1041,11 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
     p.committed_pieces = commit.clip_pieces;
   }
   p.committed_values = commit.values;
+  for (const auto& [partition, values] : commit.amended) {
+    if (partition != p.partition.id) continue;
+    p.committed_amendment = values;
+    p.committed_amendment_hash = compress::BytesHash(values);
+  }
   p.awaiting_commit = false;
 }
 
@@ -1328,6 +1405,8 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
   p.last_workers_clip = false;
   p.last_step_restored = true;
   p.committed_values.clear();
+  p.committed_amendment.clear();
+  p.committed_amendment_hash.reset();
   p.last_reply = nullptr;
   std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
   p.history.clear();

@@ -76,6 +76,9 @@ struct PushArgs {
   // Step 0, and the step after a ReplaceX: the hash of the worker's x over
   // the partition (PushRequest.x_hash), checked against the mirror's.
   std::optional<uint64_t> x_hash;
+  // The previous step's gradient over the partition as the workers amended
+  // it (StepCommit::amended), if they did.
+  std::string previous_amended;
 };
 
 // What the workers commit after a step whose mirror update needs the whole
@@ -90,6 +93,10 @@ struct StepCommit {
   // With a max_norm of 0: the workers' clip of part of the model
   // (compress::ClipPiece; morse.proto CommitRequest.clip_piece_ends).
   compress::ClipPieces clip_pieces;
+  // With a max_norm of 0 and no pieces: the step's gradient as the workers
+  // amended it, by partition id (fp32 bytes, one per element; morse.proto
+  // CommitRequest.amended): one for each of this shard's partitions.
+  std::vector<std::pair<uint32_t, std::string>> amended;
 };
 
 // The absl::Status payload of an ABORTED push that is ahead of its

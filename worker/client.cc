@@ -521,7 +521,8 @@ absl::Status PushClient::Abort(int64_t step, const std::string& reason) {
 absl::Status PushClient::Commit(
     int64_t step, std::optional<double> grad_sum_of_squares,
     std::optional<float> clip_max_norm, absl::Span<const double> values,
-    absl::Span<const compress::ClipPiece> clip_pieces) {
+    absl::Span<const compress::ClipPiece> clip_pieces,
+    absl::Span<const float> amended) {
   v1::CommitRequest request;
   request.set_rank(rank_);
   request.set_step(step);
@@ -533,6 +534,19 @@ absl::Status PushClient::Commit(
   for (const compress::ClipPiece& piece : clip_pieces) {
     request.add_clip_piece_ends(piece.end);
     request.add_clip_piece_scales(piece.scale);
+  }
+  // Each shard's own request where the commit carries the amended
+  // gradient: its partitions' parts alone.
+  std::vector<v1::CommitRequest> requests;
+  if (!amended.empty()) {
+    requests.assign(transport_->shards(), request);
+    for (const compress::Partition& p : layout_.partitions()) {
+      v1::AmendedPartition* part = requests[p.shard].add_amended();
+      part->set_partition(p.id);
+      part->set_values(
+          reinterpret_cast<const char*>(amended.data() + p.range.begin),
+          4 * p.range.size());
+    }
   }
   const char* what = values.empty() ? "committing the gradient norm to"
                                     : "committing the layer coefficients to";
@@ -550,7 +564,8 @@ absl::Status PushClient::Commit(
     const std::vector<absl::Status> statuses = CallShards(
         job_.rpc_timeout_seconds, pending,
         [&](uint32_t s, const CallOptions& options, auto done) {
-          transport_->Commit(s, request, &replies[s], options, std::move(done));
+          transport_->Commit(s, requests.empty() ? request : requests[s],
+                             &replies[s], options, std::move(done));
         });
     bool any = false;
     for (uint32_t s = 0; s < statuses.size(); ++s) {

@@ -136,11 +136,15 @@ class PushClient {
   // workers_clip), the optimizer's values when it commits (onebit_lamb:
   // compress::Replica::LambStep's layer coefficients and state), both in
   // one commit when the step has both; `clip_pieces`, the workers' clip of
-  // part of the model (with a max_norm of 0), if any.
+  // part of the model (with a max_norm of 0), if any; `amended`, the
+  // step's gradient as the workers amended it (the whole model, with a
+  // max_norm of 0; Session::AmendAt), if they did: each shard gets its
+  // partitions' parts.
   absl::Status Commit(int64_t step, std::optional<double> grad_sum_of_squares,
                       std::optional<float> clip_max_norm,
                       absl::Span<const double> values,
-                      absl::Span<const compress::ClipPiece> clip_pieces = {});
+                      absl::Span<const compress::ClipPiece> clip_pieces = {},
+                      absl::Span<const float> amended = {});
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();

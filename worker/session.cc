@@ -282,6 +282,7 @@ absl::Status Session::BeginStep() {
   max_norm_ = job_.algorithm.clip_grad_norm;
   clipped_ = false;
   clip_pieces_.clear();
+  amended_.clear();
   own_sum_of_squares_.reset();
   waited_.reset();
   waited_traffic_ = StepTraffic{};
@@ -348,7 +349,8 @@ void Session::StartExchange() {
                  workers_clip_ && clips_average_,
                  step == 0 || step == x_hash_step_
                      ? absl::Span<const float>(replica_.x())
-                     : absl::Span<const float>()},
+                     : absl::Span<const float>(),
+                 previous_amended_},
       /*parallel_encode=*/true);
   buffers_.clear();
 }
@@ -440,6 +442,7 @@ absl::StatusOr<double> Session::ClipAt(float max_norm) {
   clipped_ = true;
   max_norm_ = max_norm;
   clip_pieces_.clear();
+  amended_.clear();
   if (clips_locally_) {
     // This worker's own gradient (a compressing step): its pushes wait for
     // Finish, which clips by the last max_norm (SendAndWait, LocalStep).
@@ -463,6 +466,58 @@ absl::Status Session::ClipPiecesAt(compress::ClipPieces pieces) {
   }
   max_norm_ = 0.0f;
   clip_pieces_ = std::move(pieces);
+  amended_.clear();
+  return absl::OkStatus();
+}
+
+absl::Status Session::AmendAt(std::vector<float> gradient) {
+  if (absl::Status s = HoldsAverage(); !s.ok()) return s;
+  const uint64_t dim = job_.algorithm.layout.dim;
+  if (gradient.size() != dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("an amended gradient of ", gradient.size(), " floats for ",
+                     dim, " parameters"));
+  }
+  for (const compress::Partition& p : layout_.partitions()) {
+    const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
+    if (reply.has_value() && reply->staged) {
+      return absl::UnimplementedError(absl::StrCat(
+          "step ", step_, ": the replies wait on the ", engine_->kind(),
+          " engine; an amended gradient is applied on the host alone"));
+    }
+  }
+  for (uint64_t i = 0; i < dim; ++i) {
+    if (!std::isfinite(gradient[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", step_, ": the amended gradient's element ", i,
+                       " is ", gradient[i]));
+    }
+  }
+  // The amended gradient is the step's, clip and all: the commit carries
+  // the sum of squares with a max_norm of 0 (the shards' mirrors scale it
+  // by nothing).
+  max_norm_ = 0.0f;
+  clip_pieces_.clear();
+  amended_ = std::move(gradient);
+  return absl::OkStatus();
+}
+
+absl::Status Session::ClippedAverage(absl::Span<float> out) const {
+  if (absl::Status s = AverageGradient(out); !s.ok()) return s;
+  if (!amended_.empty()) {
+    std::copy(amended_.begin(), amended_.end(), out.begin());
+    return absl::OkStatus();
+  }
+  if (!clip_pieces_.empty()) {
+    compress::ScaleByPieces(clip_pieces_, 0, out);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::optional<double>> sum = RepliesSumOfSquares();
+  if (!sum.ok()) return sum.status();
+  const float scale = compress::ClipScale(sum->value_or(0.0), max_norm_);
+  if (scale != 1.0f) {
+    for (float& g : out) g *= scale;
+  }
   return absl::OkStatus();
 }
 
@@ -721,12 +776,19 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       trace::Scope traced("apply", step_, p.id);
       const compress::ClipPieces pieces =
           compress::ClipPiecesOf(clip_pieces_, p.range.begin, p.range.end);
-      if (absl::Status s =
-              reply.staged
-                  ? engine_->ApplyStagedReply(step_, p, hyper, scale, pieces)
-                  : engine_->ApplyReply(step_, p, bytes, hyper, scale,
-                                        reply.extras.lamb_pieces, pieces);
-          !s.ok()) {
+      absl::Status s;
+      if (!amended_.empty() && !reply.payload.empty()) {
+        s = engine_->ApplyAmended(step_, p,
+                                  absl::MakeConstSpan(amended_).subspan(
+                                      p.range.begin, p.range.size()),
+                                  hyper);
+      } else if (reply.staged) {
+        s = engine_->ApplyStagedReply(step_, p, hyper, scale, pieces);
+      } else {
+        s = engine_->ApplyReply(step_, p, bytes, hyper, scale,
+                                reply.extras.lamb_pieces, pieces);
+      }
+      if (!s.ok()) {
         return Fail(
             absl::Status(s.code(), absl::StrCat("step ", step_, ": partition ",
                                                 p.id, ": ", s.message())));
@@ -751,6 +813,11 @@ absl::Status Session::Finish(StepTraffic* traffic) {
   previous_clip_pieces_ =
       chose_max_norm ? std::move(clip_pieces_) : compress::ClipPieces();
   clip_pieces_.clear();
+  previous_amended_ =
+      chose_max_norm && !amended_.empty()
+          ? std::make_shared<const std::vector<float>>(std::move(amended_))
+          : nullptr;
+  amended_.clear();
   const bool commits = compress::CommitsLayers(job_.algorithm);
   if (commits) {
     // The optimizer's step from sums over the whole model (onebit_lamb: x
@@ -833,6 +900,8 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
     writer.AddInts("previous_clip_piece_ends", ends);
     writer.AddFloats("previous_clip_piece_scales", scales);
   }
+  if (previous_amended_ != nullptr)
+    writer.AddFloats("previous_amended", *previous_amended_);
   // The optimizer's own arrays (onebit_lamb's v' and layer state).
   for (const compress::NamedState& array :
        replica_.SaveState(0, job_.algorithm.layout.dim)) {
@@ -893,6 +962,13 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
           absl::StrCat(reader.path(), ": ", s.message()));
     }
   }
+  std::shared_ptr<const std::vector<float>> amended;
+  if (reader.Has("previous_amended")) {
+    std::vector<float> values;
+    if (absl::Status s = floats("previous_amended", dim, &values); !s.ok())
+      return s;
+    amended = std::make_shared<const std::vector<float>>(std::move(values));
+  }
   std::vector<compress::NamedState> own;
   for (const compress::StateArray& array :
        compress::OptimizerOf(job_.algorithm).State(job_.algorithm)) {
@@ -951,6 +1027,7 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
   previous_grad_sum_of_squares_ = norm;
   previous_clip_max_norm_ = max_norm;
   previous_clip_pieces_ = std::move(pieces);
+  previous_amended_ = std::move(amended);
   return absl::OkStatus();
 }
 
@@ -1118,11 +1195,13 @@ absl::Status Session::CommitLastStep(int64_t step) {
   // the next step's pushes carry it as well, so only rank 0 waits for
   // this, or in an elastic job every rank (the same commit again is OK):
   // rank 0 may have left, and the job's last step has no next pushes.
-  return client_->Commit(step, previous_grad_sum_of_squares_,
-                         previous_clip_max_norm_,
-                         commits ? absl::MakeConstSpan(previous_commit_)
-                                 : absl::Span<const double>(),
-                         previous_clip_pieces_);
+  return client_->Commit(
+      step, previous_grad_sum_of_squares_, previous_clip_max_norm_,
+      commits ? absl::MakeConstSpan(previous_commit_)
+              : absl::Span<const double>(),
+      previous_clip_pieces_,
+      previous_amended_ != nullptr ? absl::MakeConstSpan(*previous_amended_)
+                                   : absl::Span<const float>());
 }
 
 absl::Status Session::CatchUpShards() {
@@ -1285,6 +1364,7 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
   previous_grad_sum_of_squares_.reset();
   previous_clip_max_norm_.reset();
   previous_clip_pieces_.clear();
+  previous_amended_ = nullptr;
   return engine_->Load(replica_, error_);
 }
 

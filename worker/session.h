@@ -155,6 +155,24 @@ class Session {
   // with norm_type 3, 0.5, ...). UNIMPLEMENTED where the replies wait on a
   // GPU; INVALID_ARGUMENT for another size.
   absl::Status AverageGradient(absl::Span<float> out) const;
+  // The step's gradient as every replica and mirror will apply it: the
+  // averaged gradient scaled by the step's clip (ClipAt's max_norm or
+  // ClipPiecesAt's pieces, one fp32 multiplication an element, as
+  // compress::Replica::ApplyReply does), under AverageGradient's
+  // conditions: what DDP leaves in .grad after its clip_grad_norm_, which
+  // morse.torch shows the script.
+  absl::Status ClippedAverage(absl::Span<float> out) const;
+  // Replaces the gradient of the step in flight, once ClipAt has waited
+  // for every reply in a step that averages, by `gradient` (dim floats):
+  // every replica and the shards' mirrors apply the step's update to it in
+  // place of the clipped average (design.md 2.6, "Edits after the clip":
+  // a script's edit of .grad after clip_grad_norm_ that no clip factor
+  // gives). Every worker must amend alike: the commit and the next step's
+  // pushes carry it, and a shard refuses another. A later ClipAt or
+  // ClipPiecesAt of the step undoes it. FAILED_PRECONDITION outside such a
+  // step; UNIMPLEMENTED where the replies wait on a GPU; INVALID_ARGUMENT
+  // for another size or a value that is not finite.
+  absl::Status AmendAt(std::vector<float> gradient);
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);
 
@@ -378,6 +396,10 @@ class Session {
   std::optional<float> previous_clip_max_norm_;  // when the workers chose it
   compress::ClipPieces clip_pieces_;             // ClipPiecesAt, this step
   compress::ClipPieces previous_clip_pieces_;
+  // AmendAt's gradient of this step (empty: none), and the last step's,
+  // which its commit and the next step's pushes carry.
+  std::vector<float> amended_;
+  std::shared_ptr<const std::vector<float>> previous_amended_;
   // onebit_lamb: the last step's commit, likewise.
   std::vector<double> previous_commit_;
   std::vector<bool> sent_;

@@ -196,6 +196,12 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
     call->request.add_previous_clip_piece_ends(piece.end);
     call->request.add_previous_clip_piece_scales(piece.scale);
   }
+  if (extras_.previous_amended != nullptr) {
+    call->request.set_previous_amended(
+        reinterpret_cast<const char*>(extras_.previous_amended->data() +
+                                      partition.range.begin),
+        4 * partition.range.size());
+  }
   call->request.set_workers_clip(extras_.workers_clip);
   if (!extras_.x.empty()) {
     call->request.set_x_hash(compress::XHash(

@@ -75,6 +75,10 @@ struct StepExtras {
   // Step 0: the worker's x over the whole model, each partition's hash of
   // which its push carries (PushRequest.x_hash); empty at later steps.
   absl::Span<const float> x;
+  // The previous step's gradient as the workers amended it (the whole
+  // model; Session::AmendAt), each partition's part of which its push
+  // carries (PushRequest.previous_amended); null when not amended.
+  std::shared_ptr<const std::vector<float>> previous_amended;
 };
 
 // One step's exchange, sent partition by partition: Send waits for a slot

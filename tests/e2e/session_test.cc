@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -436,6 +437,111 @@ TEST(SessionTest, TheAveragedGradientOfAClippedStepIsTheMeanOfTheRanks) {
   });
   EXPECT_TRUE(held.first.ok()) << held.first;
   EXPECT_TRUE(held.second.ok()) << held.second;
+}
+
+// Edits after the clip (design.md 2.6): in a step that averages, after
+// ClipAt, ClippedAverage gives the average scaled by the clip factor, and
+// AmendAt makes another gradient the step's. Both ranks, both shards'
+// mirrors and a replica fed that gradient agree after the step, the next
+// step's pushes carrying it too; AmendAt before ClipAt, in a compressing
+// step, of the wrong size or with a NaN says why and changes nothing.
+TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
+  const std::string config = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 1000 }
+    lr { lr: 0.01 }
+    steps: 4
+    freeze_step: 2
+    block_elems: 16
+    partition_elems: 256
+    timeouts { connect_seconds: 20 }
+  )";
+  auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  TwoRanks two(config, job);
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  // Powers of two: their mean is exact in fp32.
+  std::vector<std::vector<float>> grads(2, std::vector<float>(1000));
+  std::vector<float> mean(1000);
+  for (size_t i = 0; i < 1000; ++i) {
+    grads[0][i] = static_cast<float>(i % 7) * 0.25f;
+    grads[1][i] = -static_cast<float>(i % 5) * 0.5f;
+    mean[i] = (grads[0][i] + grads[1][i]) / 2;
+  }
+  // What a script's edit made of the clipped average: no clip factor.
+  std::vector<float> amended(1000);
+  for (size_t i = 0; i < 1000; ++i)
+    amended[i] = 0.001f * static_cast<float>(i % 13) - 0.004f;
+  compress::Replica expected(job.algorithm, {0, 1000});
+  {
+    const auto x = two.ranks[0]->replica().x();
+    std::copy(x.begin(), x.end(), expected.x().begin());
+  }
+  const compress::CodecSpec fp32{compress::CodecKind::kFp32};
+  for (int64_t step = 0; step < 3; ++step) {
+    auto stepped = two.Both([&](worker::Session& s,
+                                uint32_t r) -> absl::Status {
+      if (absl::Status st = s.SetStepClipping(step != 1); !st.ok()) return st;
+      if (absl::Status st = s.Begin(grads[r]); !st.ok()) return st;
+      if (step == 1) return s.Finish();  // its pushes carry step 0's amendment
+      if (s.AmendAt(amended).code() != absl::StatusCode::kFailedPrecondition)
+        return absl::InternalError("amended before ClipAt");
+      absl::StatusOr<double> sum = s.ClipAt(1.0f);
+      if (!sum.ok()) return sum.status();
+      if (step == 2) {  // a compressing step: each worker clips its own
+        return s.AmendAt(amended).code() ==
+                       absl::StatusCode::kFailedPrecondition
+                   ? s.Finish()
+                   : absl::InternalError("amended a compressing step");
+      }
+      std::vector<float> clipped(1000);
+      if (absl::Status st = s.ClippedAverage(absl::MakeSpan(clipped)); !st.ok())
+        return st;
+      const float scale = compress::ClipScale(*sum, 1.0f);
+      if (!(scale < 1.0f)) return absl::InternalError("the step did not clip");
+      for (size_t i = 0; i < 1000; ++i) {
+        const float want = mean[i] * scale;
+        if (std::memcmp(&want, &clipped[i], 4) != 0) {
+          return absl::InternalError(
+              absl::StrCat("element ", i, ": ", clipped[i],
+                           " of the clipped average, not ", want));
+        }
+      }
+      std::vector<float> wrong = amended;
+      wrong.pop_back();
+      if (s.AmendAt(wrong).code() != absl::StatusCode::kInvalidArgument)
+        return absl::InternalError("999 floats amended");
+      wrong = amended;
+      wrong[3] = std::nanf("");
+      if (s.AmendAt(wrong).code() != absl::StatusCode::kInvalidArgument)
+        return absl::InternalError("a NaN amended");
+      if (absl::Status st = s.AmendAt(amended); !st.ok()) return st;
+      if (absl::Status st = s.ClippedAverage(absl::MakeSpan(clipped)); !st.ok())
+        return st;
+      if (clipped != amended)
+        return absl::InternalError("the step's gradient is not the amended");
+      return s.Finish();
+    });
+    ASSERT_TRUE(stepped.first.ok()) << "step " << step << ": " << stepped.first;
+    ASSERT_TRUE(stepped.second.ok())
+        << "step " << step << ": " << stepped.second;
+    if (step == 2) break;
+    const std::vector<float>& g = step == 0 ? amended : mean;
+    ASSERT_TRUE(expected
+                    .ApplyReply(step, 0, 1000,
+                                {reinterpret_cast<const uint8_t*>(g.data()),
+                                 4 * g.size()},
+                                nullptr, 1.0f, nullptr, {}, &fp32)
+                    .ok());
+    for (uint32_t r = 0; r < 2; ++r) {
+      const auto x = two.ranks[r]->replica().x();
+      EXPECT_TRUE(std::equal(x.begin(), x.end(), expected.x().begin()))
+          << "rank " << r << " after step " << step;
+      absl::StatusOr<bool> holds = two.ranks[r]->HoldsShardsModel();
+      ASSERT_TRUE(holds.ok()) << holds.status();
+      EXPECT_TRUE(*holds) << "rank " << r << " after step " << step;
+    }
+  }
 }
 
 }  // namespace

@@ -1710,6 +1710,146 @@ TEST_F(ShardCoreTest, AClipOfPartOfTheModelComesAsPieces) {
   }
 }
 
+// Edits after the clip (design.md 2.6): a commit whose workers amended the
+// step's gradient (with S, a max_norm of 0 and no pieces) has every one of
+// the shard's partitions, each of its size and finite, or is refused and
+// changes nothing; the mirror then applies the amended values in place of
+// the decoded average. Another commit of the step must amend alike, and so
+// must the next step's pushes, which carry it too (previous_amended).
+TEST_F(ShardCoreTest, AnAmendedGradientTakesTheAveragesPlace) {
+  std::string config(kConfig);
+  config.replace(config.find("freeze_step: 1"), 14, "freeze_step: 3");
+  job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  const auto parts = core_->layout().shard_partitions(1);
+  InitializeAll(*core_);
+  std::vector<std::shared_ptr<const Reply>> replies(parts.size());
+  double total = 3.0;  // the other shard's, and this one's below
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (uint32_t r = 0; r < 3; ++r) {
+      PushArgs args = Args(0, r, parts[i]);
+      args.workers_clip = true;
+      ASSERT_EQ(Push(std::move(args), &replies[i]).ok(), r == 2);
+    }
+    total += *replies[i]->grad_sum_of_squares;
+  }
+  // The amended gradient of each partition: values of its own.
+  std::vector<std::pair<uint32_t, std::string>> amended;
+  for (const compress::Partition& p : parts) {
+    const std::vector<float> g =
+        compress::testing::VariedData(p.range.size(), 700 + p.id);
+    amended.emplace_back(
+        p.id,
+        std::string(reinterpret_cast<const char*>(g.data()), 4 * g.size()));
+  }
+  const auto commit = [&](std::optional<float> m, compress::ClipPieces pieces,
+                          std::vector<std::pair<uint32_t, std::string>> a) {
+    StepCommit c{total, m, {}, std::move(pieces)};
+    c.amended = std::move(a);
+    return core_->CommitStep(0, 0, fingerprint(), c);
+  };
+  const uint64_t dim = job_.algorithm.layout.dim;
+  const uint64_t before = core_->MirrorChecksum();
+  EXPECT_EQ(commit(0.5f, {}, amended).code(),
+            absl::StatusCode::kInvalidArgument);  // a max_norm besides
+  EXPECT_EQ(commit(0.0f, {{dim, 0.5f}}, amended).code(),
+            absl::StatusCode::kInvalidArgument);  // pieces besides
+  auto missing = amended;
+  missing.pop_back();
+  EXPECT_EQ(commit(0.0f, {}, missing).code(),
+            absl::StatusCode::kInvalidArgument);  // a partition short
+  auto shorter = amended;
+  shorter[0].second.resize(shorter[0].second.size() - 4);
+  EXPECT_EQ(commit(0.0f, {}, shorter).code(),
+            absl::StatusCode::kInvalidArgument);
+  auto nan = amended;
+  const float bad = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(nan[1].second.data() + 8, &bad, 4);
+  EXPECT_EQ(commit(0.0f, {}, nan).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(core_->MirrorChecksum(), before);
+
+  ASSERT_TRUE(commit(0.0f, {}, amended).ok());
+  compress::Replica expected = InitialReplica(*core_, job_.algorithm);
+  const compress::CodecSpec fp32{compress::CodecKind::kFp32};
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string& g = amended[i].second;
+    ASSERT_TRUE(
+        expected
+            .ApplyReply(0, parts[i].range.begin, parts[i].range.size(),
+                        {reinterpret_cast<const uint8_t*>(g.data()), g.size()},
+                        nullptr, 1.0f, nullptr, {}, &fp32)
+            .ok());
+  }
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+  compress::Replica averaged = InitialReplica(*core_, job_.algorithm);
+  ApplyReplies(averaged, 0, parts, replies, 1.0f);
+  EXPECT_NE(averaged.Checksum(), expected.Checksum());  // the amendment acted
+  EXPECT_TRUE(commit(0.0f, {}, amended).ok());          // the same again
+  EXPECT_EQ(commit(0.0f, {}, {}).code(),
+            absl::StatusCode::kFailedPrecondition);  // not amended
+  auto other = amended;
+  other[0].second[0] ^= 1;
+  EXPECT_EQ(commit(0.0f, {}, other).code(),
+            absl::StatusCode::kFailedPrecondition);  // amended otherwise
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+
+  // Step 1's pushes carry step 0's commit with the partition's part of the
+  // amendment: another part is refused.
+  const auto next = [&](uint32_t rank, std::string part) {
+    PushArgs args = Args(1, rank, parts[0]);
+    args.previous_grad_sum_of_squares = total;
+    args.previous_clip_max_norm = 0.0f;
+    args.previous_amended = std::move(part);
+    return Push(std::move(args));
+  };
+  EXPECT_EQ(next(0, other[0].second).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(next(0, "").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(next(0, amended[0].second).message(), "pending");
+}
+
+// A shard whose commit of an amended step came with the next step's pushes
+// alone (rank 0's Commit lost) moves its mirror by the amended gradient as
+// well.
+TEST_F(ShardCoreTest, AnAmendedGradientMayComeWithTheNextPushes) {
+  std::string config(kConfig);
+  config.replace(config.find("freeze_step: 1"), 14, "freeze_step: 3");
+  job_ = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  InitializeAll(*core_);
+  const compress::Partition& p = first();
+  std::shared_ptr<const Reply> reply;
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs args = Args(0, r, p);
+    args.workers_clip = true;
+    ASSERT_EQ(Push(std::move(args), &reply).ok(), r == 2);
+  }
+  const std::vector<float> g =
+      compress::testing::VariedData(p.range.size(), 77);
+  const std::string bytes(reinterpret_cast<const char*>(g.data()),
+                          4 * g.size());
+  const double total = *reply->grad_sum_of_squares + 1.0;
+  std::shared_ptr<const Reply> next;
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs args = Args(1, r, p);
+    args.previous_grad_sum_of_squares = total;
+    args.previous_clip_max_norm = 0.0f;
+    args.previous_amended = bytes;
+    const absl::Status pushed = Push(std::move(args), &next);
+    EXPECT_TRUE(r < 2 ? pushed.message() == "pending" : pushed.ok()) << pushed;
+  }
+  compress::Replica expected = InitialReplica(*core_, job_.algorithm);
+  const compress::CodecSpec fp32{compress::CodecKind::kFp32};
+  ASSERT_TRUE(expected
+                  .ApplyReply(0, p.range.begin, p.range.size(),
+                              {reinterpret_cast<const uint8_t*>(bytes.data()),
+                               bytes.size()},
+                              nullptr, 1.0f, nullptr, {}, &fp32)
+                  .ok());
+  ApplyReplies(expected, 1, {&p, 1}, {next}, 1.0f);
+  EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
+}
+
 TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   const proto::JobSpec job = LambShardJob();
   compress::Replica worker(job.algorithm, {0, job.algorithm.layout.dim});

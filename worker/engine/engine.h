@@ -169,6 +169,18 @@ class Engine {
       const compress::StepHyper* hyper = nullptr, float grad_scale = 1.0f,
       absl::Span<const double> lamb_pieces = {},
       absl::Span<const compress::ClipPiece> clip_pieces = {}) = 0;
+  // Applies partition `p`'s part of the gradient the workers amended step
+  // `step` to (Session::AmendAt: `gradient`, its p.range.size() floats),
+  // in place of the decoded reply and its clip, as every replica and
+  // mirror does (design.md 2.6, "Edits after the clip"). UNIMPLEMENTED
+  // where the engine has no host path for it (a GPU engine).
+  virtual absl::Status ApplyAmended(int64_t /*step*/,
+                                    const compress::Partition& /*p*/,
+                                    absl::Span<const float> /*gradient*/,
+                                    const compress::StepHyper* /*hyper*/) {
+    return absl::UnimplementedError(
+        "an amended gradient is applied on the host engine alone");
+  }
   // A reply kept for the end of the step (Session::SetDeferApply) taken
   // ahead into the engine's own memory as it lands (a GPU engine copies it
   // to the device; x, m and v unchanged), then applied by ApplyStagedReply

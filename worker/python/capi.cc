@@ -390,6 +390,22 @@ int morse_session_average_gradient(morse_session* s, float* out, uint64_t dim) {
   });
 }
 
+int morse_session_clipped_average(morse_session* s, float* out, uint64_t dim) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(out, "out"); !st.ok()) return st;
+    return s->session->ClippedAverage(absl::MakeSpan(out, dim));
+  });
+}
+
+int morse_session_amend(morse_session* s, const float* gradient, uint64_t dim) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(gradient, "gradient"); !st.ok()) return st;
+    return s->session->AmendAt(std::vector<float>(gradient, gradient + dim));
+  });
+}
+
 int morse_session_received_buffers(morse_session* s, void* out,
                                    uint64_t capacity, uint64_t* size) {
   return Guard([&]() -> absl::Status {

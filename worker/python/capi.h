@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 17
+#define MORSE_CAPI_VERSION 18
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -133,6 +133,14 @@ int morse_session_average_norm(morse_session* s, double norm_type,
  * under the same conditions, host replies only (Session::AverageGradient):
  * for a norm of another order. */
 int morse_session_average_gradient(morse_session* s, float* out, uint64_t dim);
+/* The step's gradient as every replica will apply it: the average scaled
+ * by the step's clip (or its amended gradient), under the same conditions
+ * (Session::ClippedAverage): what DDP's .grad holds after its clip. */
+int morse_session_clipped_average(morse_session* s, float* out, uint64_t dim);
+/* Makes `gradient` (dim floats) the step's gradient in place of the
+ * clipped average, under the same conditions (Session::AmendAt): a
+ * script's edit of .grad after clip_grad_norm_. */
+int morse_session_amend(morse_session* s, const float* gradient, uint64_t dim);
 
 int morse_session_begin(morse_session* s, const float* grad, uint64_t dim);
 int morse_session_begin_device(morse_session* s);

@@ -97,9 +97,37 @@ class HostEngine final : public Engine {
       absl::Span<const uint8_t> reply, const compress::StepHyper* hyper,
       float grad_scale, absl::Span<const double> lamb_pieces,
       absl::Span<const compress::ClipPiece> clip_pieces) override {
+    return Apply(step, p, reply, hyper, grad_scale, lamb_pieces, clip_pieces,
+                 nullptr);
+  }
+
+  absl::Status ApplyAmended(int64_t step, const compress::Partition& p,
+                            absl::Span<const float> gradient,
+                            const compress::StepHyper* hyper) override {
+    if (gradient.size() != p.range.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("an amended gradient of ", gradient.size(),
+                       " floats for partition ", p.id, " of ", p.range.size()));
+    }
+    static const compress::CodecSpec kFp32{compress::CodecKind::kFp32};
+    return Apply(step, p,
+                 {reinterpret_cast<const uint8_t*>(gradient.data()),
+                  4 * gradient.size()},
+                 hyper, 1.0f, {}, {}, &kFp32);
+  }
+
+  // The reply (or an amended gradient, as an fp32 payload) applied to the
+  // session's replica.
+  absl::Status Apply(int64_t step, const compress::Partition& p,
+                     absl::Span<const uint8_t> reply,
+                     const compress::StepHyper* hyper, float grad_scale,
+                     absl::Span<const double> lamb_pieces,
+                     absl::Span<const compress::ClipPiece> clip_pieces,
+                     const compress::CodecSpec* codec) {
     if (lamb_pieces_.empty()) {
       return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply,
-                                 hyper, grad_scale, nullptr, clip_pieces);
+                                 hyper, grad_scale, nullptr, clip_pieces,
+                                 codec);
     }
     // onebit_lamb: the partition's share of CommitStep's statistics, from
     // its shard (which took them on its mirror), or else computed in the
@@ -121,7 +149,7 @@ class HostEngine final : public Engine {
     std::vector<double> segments;
     absl::Status applied = replica_.ApplyReply(
         step, p.range.begin, p.range.size(), reply, hyper, grad_scale,
-        given ? nullptr : &segments, clip_pieces);
+        given ? nullptr : &segments, clip_pieces, codec);
     if (!applied.ok()) return applied;
     lamb_pieces_[p.id] = {
         step, given

@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 17  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 18  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -70,6 +70,8 @@ def _load():
         "morse_session_clips_locally": ([P, ctypes.POINTER(I)], I),
         "morse_session_average_norm": ([P, ctypes.c_double, ctypes.POINTER(ctypes.c_double)], I),
         "morse_session_average_gradient": ([P, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
+        "morse_session_clipped_average": ([P, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
+        "morse_session_amend": ([P, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
         "morse_session_received_buffers": ([P, P, U64, ctypes.POINTER(U64)], I),
         "morse_session_begin": ([P, P, U64], I),
         "morse_session_begin_device": ([P], I),
@@ -295,6 +297,22 @@ class Session:
         _check(_lib.morse_session_average_gradient(
             self._handle, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
             out.numel()))
+
+    def clipped_average(self, out):
+        """Writes the step's gradient as every replica will apply it (the
+        average scaled by the step's clip) into `out` (a contiguous float32
+        CPU tensor of dim elements), under average_norm's conditions."""
+        _check(_lib.morse_session_clipped_average(
+            self._handle, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+            out.numel()))
+
+    def amend(self, gradient):
+        """Makes `gradient` (a contiguous float32 CPU tensor of dim
+        elements) the step's gradient in place of its clipped average, under
+        average_norm's conditions: every replica and mirror applies it."""
+        _check(_lib.morse_session_amend(
+            self._handle, ctypes.cast(gradient.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+            gradient.numel()))
 
     def received_buffers(self):
         """The module buffers (bytes) that came with the last step's reply."""
