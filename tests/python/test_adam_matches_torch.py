@@ -111,6 +111,24 @@ def edit_clipped(model, step):
             model.t.grad.data.mul_(0.3)
 
 
+def edit_any(model, step):
+    """edit_any's edits of the clipped gradient, as a DDP script might make
+    them after clip_grad_norm_, which no factor per parameter gives: an add_
+    and a clamp_, a row zeroed (part of a parameter) followed by a second
+    clip, a whole weight halved (a factor) followed by a second clip, or
+    nothing."""
+    with torch.no_grad():
+        if step % 4 == 0:
+            model.a.weight.grad.add_(0.01)
+            model.b.weight.grad.clamp_(-0.02, 0.02)
+        elif step % 4 == 1:
+            model.a.weight.grad[0].zero_()
+        elif step % 4 == 2:
+            model.a.weight.grad.mul_(0.5)
+    if step % 4 in (1, 2):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+
 def worker_part(kind):
     """clip_grad_norm_ over the first layer, then the whole model, every
     step, with OneBitAdam, ZeroOneAdam or OneBitLamb through their warmup
@@ -171,7 +189,10 @@ def worker(mode):
     edit = mode in ("edit", "edit_data")  # .grad edited after backward(), then clipped
     # .grad scaled or zeroed after clip_grad_norm_ (of the whole model, or
     # of part of it), as DDP's clipped average would be.
-    edit_after = mode in ("edit_clip", "edit_part")
+    edit_after = mode in ("edit_clip", "edit_part", "edit_any")
+    # Any edit after it ("edit_any": additions, clamps, rows, a second clip).
+    edit_clipped_by = edit_any if mode == "edit_any" else edit_clipped
+    clip_then_edit = mode in ("edit_clip", "edit_any")
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
     model = Model()
@@ -259,17 +280,17 @@ def worker(mode):
                     model.a.weight.grad[0].zero_()
                     for p in model.parameters():
                         p.grad.mul_(0.5)
-        if clip_after or edit or mode == "edit_clip":
+        if clip_after or edit or clip_then_edit:
             returned = torch.nn.utils.clip_grad_norm_(model.parameters(), limit).item()
         if mode == "edit_part":
             returned = torch.nn.utils.clip_grad_norm_([model.a.weight, model.a.bias], 0.05).item()
         if edit_after:
-            edit_clipped(model, step)
+            edit_clipped_by(model, step)
         if clip_twice:
             returned = [torch.nn.utils.clip_grad_norm_(chosen(model, w), m, norm_type=o).item()
                         for m, o, w in calls]
         opt.step()
-        if mode in ("clip_part", "edit_clip", "edit_part"):
+        if mode in ("clip_part", "edit_clip", "edit_part", "edit_any"):
             # The shards' mirrors applied the step's clip pieces too: each
             # partition's hash of x equal to this rank's.
             check(opt._session.holds_shards_model(),
@@ -299,14 +320,14 @@ def worker(mode):
             clipped += norm > 0.05
             check(abs(returned - norm) <= 1e-5 * norm, f"rank {opt.rank} step {step}: "
                   f"clip_grad_norm_ returned {returned}, torch's on the global batch {norm}")
-        if clip or clip_after or edit or mode == "edit_clip":  # torch's clip on the global batch's gradient
+        if clip or clip_after or edit or clip_then_edit:  # torch's clip on the global batch's gradient
             norm = morse.torch._TORCH_CLIP_GRAD_NORM(reference.parameters(), limit).item()
             clipped += norm > limit
             # last_step's grad_norm: the averaged gradient's, as torch's.
             got = opt.last_step.get("grad_norm")
             check(got is not None and abs(got - norm) <= 1e-5 * norm,
                   f"rank {opt.rank} step {step}: last_step grad_norm {got}, torch's {norm}")
-            if clip_after or edit or mode == "edit_clip":  # what clip_grad_norm_ returned: DDP's, the average's
+            if clip_after or edit or clip_then_edit:  # what clip_grad_norm_ returned: DDP's, the average's
                 check(abs(returned - norm) <= 1e-5 * norm,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ returned {returned}, "
                       f"torch's on the global batch {norm}")
@@ -322,7 +343,7 @@ def worker(mode):
                       f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
                       f"torch's {want}")
         if edit_after:  # DDP's edit of the clipped average
-            edit_clipped(reference, step)
+            edit_clipped_by(reference, step)
         betas_seen.add(tuple(opt.param_groups[0]["betas"]))
         ref_opt.step()
         for sched in schedulers:
@@ -361,6 +382,9 @@ def worker(mode):
             "edit_clip": f"clip_grad_norm_(params, 0.2), which clipped {clipped} steps, then "
                          ".grad scaled or zeroed per parameter (mul_ by 0.5 and 2, div_ by 3, "
                          "zero_, through .data)",
+            "edit_any": f"clip_grad_norm_(params, 0.2), which clipped {clipped} steps, then "
+                        ".grad edited otherwise than by factors (add_, clamp_, a row zeroed, then a "
+                        "second clip)",
             "edit_part": f"clip_grad_norm_ of the first layer, which clipped {clipped} steps, then "
                          ".grad scaled or zeroed per parameter (mul_ by 0.5 and 2, div_ by 3, "
                          "zero_, through .data)",
@@ -486,7 +510,7 @@ if __name__ == "__main__":
         worker(sys.argv[-1])
         sys.exit(0)
     for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "no_sync",
+                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "edit_any", "no_sync",
                  "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"):
         code, out = morse_run(__file__, 2, 2, mode)

@@ -249,31 +249,46 @@ def main():
     expect(ValueError, "missing_grads='skip'", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), missing_grads="skip", **args))
 
-    # Gradients edited after clip_grad_norm_ pushed them (the first step's,
-    # which pushes at the clip) other than by scaling a parameter's whole
-    # gradient (a mul_, a div_, a zero_, which join the step's clip:
-    # test_adam_matches_torch's edit_clip): refused after the step, which
-    # used them as clip_grad_norm_ saw them. DDP's clip factor is of the
-    # gradient it saw, and Morse's needs the exchange, which sends the
-    # gradients. (What a script begins after its pushes left in later
-    # steps, Morse adapts to: test_adam_matches_torch's "late_*" modes.)
-    # The same through .data, which moves no version counter: the bits decide.
+    # Gradients edited after clip_grad_norm_ otherwise than by scaling a
+    # parameter's whole gradient (an add_, through .data too, which moves no
+    # version counter, or part of a parameter): the step trains on .grad as
+    # the edit left it, as DDP's does on its clipped average. After the clip
+    # .grad holds the clipped average (one rank here: its own gradient,
+    # clipped), and step() sends the edited one to the shards (design.md
+    # 2.6, "Edits after the clip"): torch's AdamW after torch's clip and the
+    # same edit, the shards' mirrors alike. (Until session 67 refused after
+    # the step; test_adam_matches_torch's edit_any: 2 ranks against DDP.)
     base = config_file("workers: 1\nshards: 1\nexternal {}\n")
+    torch_clip = morse.torch._TORCH_CLIP_GRAD_NORM
     for edit in (lambda g: g.add_(0.5), lambda g: g.data.add_(0.5), lambda g: g[0].mul_(0.5)):
         with server(base) as address:
             model = torch.nn.Linear(3, 2)
-            opt = morse.torch.Adam(model.named_parameters(), rank=0, world_size=1,
-                                   servers=[address], config=base)
-
-            def misuse():
+            reference = torch.nn.Linear(3, 2)
+            reference.load_state_dict(model.state_dict())
+            opt = morse.torch.Adam(model.named_parameters(), lr=0.01, weight_decay=0.0, rank=0,
+                                   world_size=1, servers=[address], config=base)
+            ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.0)
+            for m in (model, reference):
                 # Columns of the weight's gradient apart (18, 22, 26): an
                 # add_ is no factor of it.
-                model(torch.arange(12.0).view(4, 3)).sum().backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
-                edit(model.weight.grad)
-                opt.step()
-            expect(MorseError, "changed after clip_grad_norm_ pushed them", misuse)
-            check(opt.step_index == 1, "the refused step ran, as clip_grad_norm_ saw it")
+                m(torch.arange(12.0).view(4, 3)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+            torch_clip(reference.parameters(), 0.01)
+            shown = max(float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+                        for p, q in zip(model.parameters(), reference.parameters()))
+            check(shown <= 1e-6, f".grad after the clip is {shown:.1e} (relative) from torch's "
+                  "clipped gradient")
+            edit(model.weight.grad)
+            edit(reference.weight.grad)
+            opt.step()
+            ref_opt.step()
+            check(opt.step_index == 1, "the step did not run")
+            diff = max(float((p - q).abs().max())
+                       for p, q in zip(model.parameters(), reference.parameters()))
+            check(diff <= 1e-6, f"an edit after clip_grad_norm_ trained {diff:.1e} from torch's")
+            check(opt._session.holds_shards_model(), "the shard's mirror differs after the edit")
+    print("PASS: an add_, an add_ through .data and a row's mul_ after clip_grad_norm_ train as "
+          "torch's clip and the same edit, the shard's mirror alike")
 
     def onebit_linear(address, saved=None):
         """A 3x2 Linear (seed 0) and its OneBitAdam (freeze_step 1, one rank

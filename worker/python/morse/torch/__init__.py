@@ -628,6 +628,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._part_factors = None
         self._part_base = None
         self._pushed = None
+        # The step in flight's clip_grad_norm_ put the clipped average in
+        # .grad, as DDP's leaves it (_show_clipped_average), and an edit
+        # after it that no factor per parameter gives made .grad the step's
+        # gradient (_amending: the session sends it, design.md 2.6).
+        self._shown = False
+        self._amending = False
         # The first step showed .grad edited between backward() and step():
         # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
         self._holds_pushes = False
@@ -1263,6 +1269,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._pending, self._pushed, self._clipped = None, None, False
         self._part_factors = self._part_base = None
         self._own_clipping, self._own_scaled = None, False
+        self._shown = self._amending = False
 
     def _check_thawed(self):
         """MorseError if a parameter frozen when the optimizer was built
@@ -1315,6 +1322,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         if self._node is not None:
             return self._node_clip(max_norm, order, error_if_nonfinite, owned)
+        if self._shown and not self._amending:
+            self._fold_or_amend()  # an edit since the last clip's .grad
+        if self._amending:
+            return self._amended_clip(max_norm, order, error_if_nonfinite, owned)
         if self._own_clipping is None and not self._cuda and self.clip_grad_norm is None:
             if self._clipped or self._part_factors is not None:
                 self._own_clipping = False
@@ -1325,8 +1336,74 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._own_clipping:
             return self._own_clip(max_norm, order, error_if_nonfinite, owned)
         if len(owned) < len(self._params) or self._part_factors is not None:
-            return self._part_clip(max_norm, order, error_if_nonfinite, owned)
-        return self._worker_clip(max_norm, order, error_if_nonfinite, len(owned))
+            norm = self._part_clip(max_norm, order, error_if_nonfinite, owned)
+        else:
+            norm = self._worker_clip(max_norm, order, error_if_nonfinite, len(owned))
+        self._show_clipped_average()
+        return norm
+
+    def _show_clipped_average(self):
+        """After a clip_grad_norm_ of the averaged gradient whose pushes left
+        at the clip (the step's first, or overlap=False): .grad becomes what
+        DDP's holds after its clip, the clipped average, every rank's the
+        same bits (the session's ClippedAverage: the replies decoded and
+        scaled as every replica will), so that an edit of .grad after the
+        clip acts on it as under DDP; step() compares .grad with it
+        (design.md 2.6, "Edits after the clip"). Not on CUDA tensors, in a
+        node, in a compressing step, or where the pushes left during
+        backward() (step() adapts there)."""
+        pushed = self._pushed[3] if self._pushed is not None else None
+        if pushed is None or self._cuda or self._node is not None or self._own_clipping:
+            return
+        if self._part_factors is not None:
+            if self._part_base[1]:
+                return  # this rank's own gradient
+            with self._explained():
+                self._session.clip_pieces(_clip_pieces(self._ranges, self._part_factors,
+                                                       self._flat_grad.numel()))
+        elif not self._clipped or self._clipped[2] is None:
+            return  # the step runs unclipped
+        self._restore_views()
+        with self._explained():
+            self._session.clipped_average(self._flat_grad)
+        first, edited, missing, _ = self._pushed
+        self._pushed = (first, edited, missing, (self._flat_grad._version, self._flat_grad.clone()))
+        self._shown = True
+
+    def _fold_or_amend(self):
+        """A clip_grad_norm_ after an earlier one of the step showed the
+        clipped average in .grad: an edit since then that scaled each
+        parameter's whole gradient joins the step's clip (_fold_edit), any
+        other makes .grad the step's gradient from here on (_amending)."""
+        self._restore_views()
+        shown = self._pushed[3][1]
+        if _same_bits(self._flat_grad, shown):
+            return
+        if self._fold_edit(shown) is None:
+            self._amending = True
+            return
+        if self._part_base[0] is None:  # the clip's norms are of the average from here on
+            base = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
+            with self._explained():
+                self._session.average_gradient(base)
+            self._part_base = (base, False, {})
+        self._pushed = self._pushed[:3] + ((self._flat_grad._version, self._flat_grad.clone()),)
+
+    def _amended_clip(self, max_norm, order, error_if_nonfinite, owned):
+        """clip_grad_norm_ once .grad is the step's gradient (_amending):
+        torch's own on .grad, in place, as DDP's on the averaged gradient
+        its .grad holds (every rank's the same)."""
+        limit = 0.0 if math.isinf(max_norm) else max_norm
+        self._restore_views()
+        norm = self._norm_by_parameter(self._flat_grad, order, owned)
+        scale = _float32(_clip_factor(norm, limit))
+        returned = self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
+        if scale < 1.0:
+            with torch.no_grad():
+                for i in owned:
+                    lo, hi = self._ranges[i]
+                    self._flat_grad[lo:hi].mul_(scale)
+        return returned
 
     def _own_clip(self, max_norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_ in a step that clips this rank's own gradient and
@@ -1867,6 +1944,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # A step whose clips were torch's own, in place (_own_clip): its
         # pushes take .grad as it is now, every edit in torch's order.
         own_clipped, self._own_clipping, self._own_scaled = self._own_clipping, None, False
+        # .grad held the clipped average (_show_clipped_average), and it is
+        # the step's gradient where edited otherwise than by factors.
+        shown, amend = self._shown, self._amending
+        self._shown = self._amending = False
         if self._pushed is None:
             self._push_now()
         first, edited, missing, pushed = self._pushed
@@ -1892,9 +1973,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._restore_views()
             # Changed bits count (an edit through .data moves no version counter).
             late = not _same_bits(self._flat_grad, pushed[1])
-            if late:
+            if late and not amend:
                 folded = self._fold_edit(pushed[1])  # whole parameters scaled: it joins the clip
                 late = folded is None
+            if late and shown:
+                amend, late = True, False  # .grad, edited, is the step's gradient
             if not (touched or late) and first and self._snapshot is not None and not self._snapshot_touched:
                 self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
@@ -1915,10 +1998,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     for (lo, hi), factor in zip(self._ranges, factors):
                         if factor != 1.0:
                             self._flat_grad[lo:hi].mul_(_float32(factor))
-            else:
+            elif not amend:
                 with self._explained():
                     self._session.clip_pieces(_clip_pieces(self._ranges, factors,
                                                            self._flat_grad.numel()))
+        if amend:
+            with self._explained():
+                self._session.amend(self._flat_grad)
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
@@ -1941,10 +2027,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._session_buffers:
             self._take_buffers()
         moved = self._first_hyper is not None and self._first_hyper != self._group_hyper()
-        if first and (edited or moved) and self._overlap:
+        if first and (edited or moved or amend) and self._overlap:
             # The first step pushed at step(), edits (or lr changes) included:
             # the script makes them after backward(), so later steps push at
-            # step() too.
+            # step() too; so where it edited .grad after clip_grad_norm_
+            # otherwise than by factors (an amended step), which needs the
+            # pushes to wait for the clip.
             self._holds_pushes = True
             self._snapshot = None
             edited = False
