@@ -1089,11 +1089,29 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step,
     return s;
   }
   if (step < 0) return absl::InvalidArgumentError("negative step");
+  // A commit with an amended gradient is of the partitions it names (one
+  // request each: Commit sends them apart), which must be this shard's.
+  for (const auto& [partition, values] : commit.amended) {
+    if (partition >= layout_.partitions().size() ||
+        layout_.partitions()[partition].shard != shard_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rank ", rank, ": an amended gradient of partition ",
+                       partition, ", which shard ", shard_, " does not hold"));
+    }
+  }
+  const auto named = [&](uint32_t partition) {
+    if (commit.amended.empty()) return true;
+    for (const auto& [id, values] : commit.amended) {
+      if (id == partition) return true;
+    }
+    return false;
+  };
   // Every partition checked before any changes (locks in order, as Snapshot).
   std::vector<std::unique_ptr<MutexLock>> locks;
   std::vector<bool> applies(partitions_.size());
   for (size_t i = 0; i < partitions_.size(); ++i) {
     PartitionState& p = *partitions_[i];
+    if (!named(p.partition.id)) continue;
     locks.push_back(std::make_unique<MutexLock>(&p.mu));
     bool a = false;
     if (absl::Status s = CheckCommit(p, rank, step, commit, &a); !s.ok()) {

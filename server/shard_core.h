@@ -95,7 +95,7 @@ struct StepCommit {
   compress::ClipPieces clip_pieces;
   // With a max_norm of 0 and no pieces: the step's gradient as the workers
   // amended it, by partition id (fp32 bytes, one per element; morse.proto
-  // CommitRequest.amended): one for each of this shard's partitions.
+  // CommitRequest.amended): the commit is of those partitions alone.
   std::vector<std::pair<uint32_t, std::string>> amended;
 };
 

@@ -535,15 +535,20 @@ absl::Status PushClient::Commit(
     request.add_clip_piece_ends(piece.end);
     request.add_clip_piece_scales(piece.scale);
   }
-  // Each shard's own request where the commit carries the amended
-  // gradient: its partitions' parts alone.
-  std::vector<v1::CommitRequest> requests;
-  if (!amended.empty()) {
-    requests.assign(transport_->shards(), request);
+  // Where the commit carries the amended gradient, one request for each
+  // partition with its values (each the size of an fp32 push, within the
+  // messages' limit), all in flight at once; else the one request to
+  // every shard.
+  std::vector<std::pair<uint32_t, v1::CommitRequest>> calls;
+  if (amended.empty()) {
+    for (uint32_t s = 0; s < transport_->shards(); ++s)
+      calls.emplace_back(s, request);
+  } else {
     for (const compress::Partition& p : layout_.partitions()) {
-      v1::AmendedPartition* part = requests[p.shard].add_amended();
-      part->set_partition(p.id);
-      part->set_values(
+      v1::CommitRequest& part = calls.emplace_back(p.shard, request).second;
+      v1::AmendedPartition* values = part.add_amended();
+      values->set_partition(p.id);
+      values->set_values(
           reinterpret_cast<const char*>(amended.data() + p.range.begin),
           4 * p.range.size());
     }
@@ -558,24 +563,37 @@ absl::Status PushClient::Commit(
   const absl::Time give_up =
       absl::Now() + absl::Seconds(job_.recovery_timeout_seconds);
   absl::Duration backoff = absl::Milliseconds(20);
-  std::vector<bool> pending(transport_->shards(), true);
-  std::vector<v1::CommitReply> replies(transport_->shards());
+  std::vector<bool> pending(calls.size(), true);
+  std::vector<v1::CommitReply> replies(calls.size());
   while (true) {
-    const std::vector<absl::Status> statuses = CallShards(
-        job_.rpc_timeout_seconds, pending,
-        [&](uint32_t s, const CallOptions& options, auto done) {
-          transport_->Commit(s, requests.empty() ? request : requests[s],
-                             &replies[s], options, std::move(done));
-        });
+    std::vector<absl::Status> statuses(calls.size());
+    {
+      Mutex mu;
+      size_t left = std::count(pending.begin(), pending.end(), true);
+      for (size_t i = 0; i < calls.size(); ++i) {
+        if (!pending[i]) continue;
+        transport_->Commit(calls[i].first, calls[i].second, &replies[i],
+                           Options(job_.rpc_timeout_seconds),
+                           [&, i](absl::Status status) {
+                             MutexLock lock(&mu);
+                             statuses[i] = std::move(status);
+                             --left;
+                           });
+      }
+      MutexLock lock(&mu);
+      mu.Await(absl::Condition(
+          +[](size_t* n) { return *n == 0; }, &left));
+    }
     bool any = false;
-    for (uint32_t s = 0; s < statuses.size(); ++s) {
-      if (!pending[s]) continue;
-      const absl::Status& status = statuses[s];
+    for (size_t i = 0; i < calls.size(); ++i) {
+      if (!pending[i]) continue;
+      const uint32_t s = calls[i].first;
+      const absl::Status& status = statuses[i];
       const std::optional<int64_t> accepts = proto::NextStep(status);
       if (status.ok() ||
           (status.code() == absl::StatusCode::kFailedPrecondition &&
            accepts.has_value() && *accepts <= step)) {
-        pending[s] = false;
+        pending[i] = false;
         continue;
       }
       const bool unknown = Retryable(status) ||

@@ -138,8 +138,8 @@ class PushClient {
   // one commit when the step has both; `clip_pieces`, the workers' clip of
   // part of the model (with a max_norm of 0), if any; `amended`, the
   // step's gradient as the workers amended it (the whole model, with a
-  // max_norm of 0; Session::AmendAt), if they did: each shard gets its
-  // partitions' parts.
+  // max_norm of 0; Session::AmendAt), if they did: each shard gets one
+  // request for each of its partitions, with the partition's part.
   absl::Status Commit(int64_t step, std::optional<double> grad_sum_of_squares,
                       std::optional<float> clip_max_norm,
                       absl::Span<const double> values,

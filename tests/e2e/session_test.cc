@@ -20,6 +20,7 @@
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
+#include "proto/wire.h"
 #include "tests/compress/test_util.h"
 #include "tests/e2e/cluster.h"
 #include "worker/transport/grpc/transport.h"
@@ -449,30 +450,34 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
   const std::string config = R"(
     workers: 2
     shards: 2
-    synthetic { dim: 1000 }
+    synthetic { dim: 2000000 }
     lr { lr: 0.01 }
     steps: 4
     freeze_step: 2
-    block_elems: 16
-    partition_elems: 256
+    partition_elems: 65536
     timeouts { connect_seconds: 20 }
   )";
+  // Each shard's part of the model (4 MB in fp32) is more than a message
+  // may hold (16 bytes a value of the largest partition, and 1 MiB): the
+  // commit goes a partition at a time.
+  constexpr size_t kDim = 2000000;
   auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  ASSERT_GT(4 * kDim / 2, static_cast<size_t>(proto::MaxMessageBytes(job)));
   TwoRanks two(config, job);
   ASSERT_NO_FATAL_FAILURE(two.Start());
   // Powers of two: their mean is exact in fp32.
-  std::vector<std::vector<float>> grads(2, std::vector<float>(1000));
-  std::vector<float> mean(1000);
-  for (size_t i = 0; i < 1000; ++i) {
+  std::vector<std::vector<float>> grads(2, std::vector<float>(kDim));
+  std::vector<float> mean(kDim);
+  for (size_t i = 0; i < kDim; ++i) {
     grads[0][i] = static_cast<float>(i % 7) * 0.25f;
     grads[1][i] = -static_cast<float>(i % 5) * 0.5f;
     mean[i] = (grads[0][i] + grads[1][i]) / 2;
   }
   // What a script's edit made of the clipped average: no clip factor.
-  std::vector<float> amended(1000);
-  for (size_t i = 0; i < 1000; ++i)
+  std::vector<float> amended(kDim);
+  for (size_t i = 0; i < kDim; ++i)
     amended[i] = 0.001f * static_cast<float>(i % 13) - 0.004f;
-  compress::Replica expected(job.algorithm, {0, 1000});
+  compress::Replica expected(job.algorithm, {0, kDim});
   {
     const auto x = two.ranks[0]->replica().x();
     std::copy(x.begin(), x.end(), expected.x().begin());
@@ -494,12 +499,12 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
                    ? s.Finish()
                    : absl::InternalError("amended a compressing step");
       }
-      std::vector<float> clipped(1000);
+      std::vector<float> clipped(kDim);
       if (absl::Status st = s.ClippedAverage(absl::MakeSpan(clipped)); !st.ok())
         return st;
       const float scale = compress::ClipScale(*sum, 1.0f);
       if (!(scale < 1.0f)) return absl::InternalError("the step did not clip");
-      for (size_t i = 0; i < 1000; ++i) {
+      for (size_t i = 0; i < kDim; ++i) {
         const float want = mean[i] * scale;
         if (std::memcmp(&want, &clipped[i], 4) != 0) {
           return absl::InternalError(
@@ -510,7 +515,7 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
       std::vector<float> wrong = amended;
       wrong.pop_back();
       if (s.AmendAt(wrong).code() != absl::StatusCode::kInvalidArgument)
-        return absl::InternalError("999 floats amended");
+        return absl::InternalError("one float short amended");
       wrong = amended;
       wrong[3] = std::nanf("");
       if (s.AmendAt(wrong).code() != absl::StatusCode::kInvalidArgument)
@@ -528,7 +533,7 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
     if (step == 2) break;
     const std::vector<float>& g = step == 0 ? amended : mean;
     ASSERT_TRUE(expected
-                    .ApplyReply(step, 0, 1000,
+                    .ApplyReply(step, 0, kDim,
                                 {reinterpret_cast<const uint8_t*>(g.data()),
                                  4 * g.size()},
                                 nullptr, 1.0f, nullptr, {}, &fp32)

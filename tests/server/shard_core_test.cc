@@ -1754,10 +1754,10 @@ TEST_F(ShardCoreTest, AnAmendedGradientTakesTheAveragesPlace) {
             absl::StatusCode::kInvalidArgument);  // a max_norm besides
   EXPECT_EQ(commit(0.0f, {{dim, 0.5f}}, amended).code(),
             absl::StatusCode::kInvalidArgument);  // pieces besides
-  auto missing = amended;
-  missing.pop_back();
-  EXPECT_EQ(commit(0.0f, {}, missing).code(),
-            absl::StatusCode::kInvalidArgument);  // a partition short
+  auto foreign = amended;
+  foreign[0].first = core_->layout().shard_partitions(0)[0].id;
+  EXPECT_EQ(commit(0.0f, {}, foreign).code(),
+            absl::StatusCode::kInvalidArgument);  // shard 0's partition
   auto shorter = amended;
   shorter[0].second.resize(shorter[0].second.size() - 4);
   EXPECT_EQ(commit(0.0f, {}, shorter).code(),
@@ -1768,7 +1768,6 @@ TEST_F(ShardCoreTest, AnAmendedGradientTakesTheAveragesPlace) {
   EXPECT_EQ(commit(0.0f, {}, nan).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(core_->MirrorChecksum(), before);
 
-  ASSERT_TRUE(commit(0.0f, {}, amended).ok());
   compress::Replica expected = InitialReplica(*core_, job_.algorithm);
   const compress::CodecSpec fp32{compress::CodecKind::kFp32};
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -1780,6 +1779,12 @@ TEST_F(ShardCoreTest, AnAmendedGradientTakesTheAveragesPlace) {
                         nullptr, 1.0f, nullptr, {}, &fp32)
             .ok());
   }
+  // A commit of each partition apart (as Commit sends them): until the
+  // last one's comes, that partition waits.
+  for (size_t i = 0; i + 1 < amended.size(); ++i)
+    ASSERT_TRUE(commit(0.0f, {}, {amended[i]}).ok());
+  EXPECT_NE(core_->MirrorChecksum(), expected.Checksum());
+  ASSERT_TRUE(commit(0.0f, {}, {amended.back()}).ok());
   EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());
   compress::Replica averaged = InitialReplica(*core_, job_.algorithm);
   ApplyReplies(averaged, 0, parts, replies, 1.0f);
