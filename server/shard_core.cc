@@ -1007,14 +1007,19 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
             ? std::optional<uint64_t>(compress::BytesHash(*amendment))
             : std::nullopt;
     if (hash != p.committed_amendment_hash) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "rank ", rank, "'s commit of step ", step, " ",
-          amendment != nullptr ? "amends" : "does not amend",
-          " the gradient of partition ", p.partition.id, " ",
-          p.committed_amendment_hash.has_value()
-              ? "otherwise than the one sent before, which amended it"
-              : "but the one sent before did not",
-          "; every worker must edit .grad alike after clip_grad_norm_"));
+      const char* how = amendment == nullptr
+                            ? " does not amend the gradient of partition "
+                            : " amends the gradient of partition ";
+      const char* before = amendment == nullptr
+                               ? ", which the one sent before amended"
+                           : p.committed_amendment_hash.has_value()
+                               ? " otherwise than the one sent before"
+                               : ", which the one sent before did not amend";
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank, "'s commit of step ", step, how,
+                       p.partition.id, before,
+                       "; every worker must edit .grad alike after "
+                       "clip_grad_norm_"));
     }
   }
   if (!p.awaiting_commit) return absl::OkStatus();  // applied, or restored past

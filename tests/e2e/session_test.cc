@@ -531,6 +531,23 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
     ASSERT_TRUE(stepped.second.ok())
         << "step " << step << ": " << stepped.second;
     if (step == 2) break;
+    if (step == 0) {
+      // Rank 1 restarted from its checkpoint after the amended step: its
+      // step 1 pushes carry the amendment again (the shards would refuse
+      // them without it).
+      const std::string path = ::testing::TempDir() + "/amended_rank1.ckpt";
+      ASSERT_TRUE(two.ranks[1]->SaveCheckpoint(path).ok());
+      two.ranks[1].reset();
+      auto session = worker::Session::Connect(
+          job, 1,
+          {two.cluster().server_address(0), two.cluster().server_address(1)},
+          proto::Insecure());
+      ASSERT_TRUE(session.ok()) << session.status();
+      two.ranks[1] = *std::move(session);
+      absl::StatusOr<int64_t> started = two.ranks[1]->Start(true, path);
+      ASSERT_TRUE(started.ok()) << started.status();
+      ASSERT_EQ(*started, 1);
+    }
     const std::vector<float>& g = step == 0 ? amended : mean;
     ASSERT_TRUE(expected
                     .ApplyReply(step, 0, kDim,
