@@ -105,11 +105,16 @@ absl::Status CopyToHost(void* host, const void* device, size_t bytes) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Context>> Context::Create() {
+absl::StatusOr<std::unique_ptr<Context>> Context::Create(bool high_priority) {
   std::unique_ptr<Context> ctx(new Context());
+  int least = 0, greatest = 0;  // numerically, greatest < least
+  if (high_priority) {
+    MORSE_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  }
   cudaStream_t stream;
-  MORSE_CUDA_RETURN_IF_ERROR(
-      cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  MORSE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithPriority(
+      &stream, cudaStreamNonBlocking, high_priority ? greatest : least));
   ctx->stream_ = stream;
   MORSE_CUDA_RETURN_IF_ERROR(
       cudaMalloc(reinterpret_cast<void**>(&ctx->flag_), sizeof(int)));

@@ -94,7 +94,11 @@ class Event {
 // kernels that sum (the synthetic loss). One thread uses a context at a time.
 class Context {
  public:
-  static absl::StatusOr<std::unique_ptr<Context>> Create();
+  // `high_priority`: the stream at the device's highest priority, whose
+  // kernels the GPU schedules ahead of queued work of lower priority (the
+  // training's own, on PyTorch's streams) as it frees up.
+  static absl::StatusOr<std::unique_ptr<Context>> Create(
+      bool high_priority = false);
   ~Context();
 
   void* stream() const { return stream_; }  // a cudaStream_t

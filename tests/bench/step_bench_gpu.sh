@@ -15,7 +15,8 @@
 # Usage: tests/bench/step_bench_gpu.sh [BUNDLE.tar.gz|.tar.xz] [--quick]
 #   (default out/morse-bundle.tar.gz; --quick: 4 timed steps instead of 6)
 #   PARTS=tests,one,window,two (the default: all) picks the parts, so that
-#   a lease's calls can split them.
+#   a lease's calls can split them; PARTS=priority times 1-bit Adam with the
+#   send stream at normal and high priority, alternated (priority.jsonl).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bundle="${1:-out/morse-bundle.tar.gz}"
@@ -79,6 +80,19 @@ fi
 if want window; then
   stamp "one rank, --window 512"
   timeout 150 "${bench[@]}" --ranks 1 --modes onebit_adam,adam --window 512 2>&1 | grep '^{' | tee "$out/window.jsonl" || status=1
+fi
+# The send stream at high priority (MORSE_SEND_STREAM_PRIORITY=high): the
+# 1-bit round trip's forward leg grew to 12-15 ms on 2026-12-04, the
+# encodes queued behind backward()'s kernels. Normal and high alternated,
+# twice each, 1-bit Adam with one rank (PARTS=priority; not in the default).
+if want priority; then
+  for round in 1 2; do
+    for priority in normal high; do
+      stamp "one rank, send stream $priority (round $round)"
+      MORSE_SEND_STREAM_PRIORITY=$priority timeout 120 "${bench[@]}" --ranks 1 --modes torch,onebit_adam 2>&1 |
+        grep '^{' | sed "s/^{/{\"send_priority\": \"$priority\", /" | tee -a "$out/priority.jsonl" || status=1
+    done
+  done
 fi
 if want two; then
   stamp "two ranks"

@@ -1,6 +1,8 @@
 #include "worker/engine/cuda/engine.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <list>
 #include <vector>
 
@@ -156,7 +158,18 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (!segments.ok()) return segments.status();
       lamb_segments_ = *std::move(segments);
     }
-    auto send = kernels::Context::Create();
+    // MORSE_SEND_STREAM_PRIORITY=high: the encodes and their copies to the
+    // host at the device's highest stream priority, ahead of backward()'s
+    // queued kernels (an experiment of issue 35; docs/gpu.md).
+    const char* priority = std::getenv("MORSE_SEND_STREAM_PRIORITY");
+    const bool high = priority != nullptr && std::strcmp(priority, "high") == 0;
+    if (priority != nullptr && !high && std::strcmp(priority, "normal") != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("MORSE_SEND_STREAM_PRIORITY=", priority,
+                       ": high or normal (the default)"));
+    }
+    if (high) description_ += ", its send stream at high priority";
+    auto send = kernels::Context::Create(high);
     if (!send.ok()) return send.status();
     send_ = *std::move(send);
     auto apply = kernels::Context::Create();
