@@ -1396,14 +1396,18 @@ class _MorseOptimizer(torch.optim.Optimizer):
         limit = 0.0 if math.isinf(max_norm) else max_norm
         self._restore_views()
         norm = self._norm_by_parameter(self._flat_grad, order, owned)
-        scale = _float32(_clip_factor(norm, limit))
         returned = self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
+        self._scale_in_place(owned, _float32(_clip_factor(norm, limit)))
+        return returned
+
+    def _scale_in_place(self, owned, scale):
+        """A clip of .grad itself, as torch's: the parameters of indices
+        `owned` scaled by `scale` (a float32 factor) where it is below 1."""
         if scale < 1.0:
             with torch.no_grad():
                 for i in owned:
                     lo, hi = self._ranges[i]
                     self._flat_grad[lo:hi].mul_(scale)
-        return returned
 
     def _own_clip(self, max_norm, order, error_if_nonfinite, owned):
         """clip_grad_norm_ in a step that clips this rank's own gradient and
@@ -1426,11 +1430,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             scale = _float32(_clip_factor(norm, limit))
         returned = self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         self._own_scaled = True
-        if scale < 1.0:
-            with torch.no_grad():
-                for i in owned:
-                    lo, hi = self._ranges[i]
-                    self._flat_grad[lo:hi].mul_(scale)
+        self._scale_in_place(owned, scale)
         return returned
 
     def _part_clip(self, max_norm, order, error_if_nonfinite, owned):
