@@ -129,12 +129,14 @@ def edit_any(model, step):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
 
 
-def worker_part(kind):
+def worker_part(kind, amend=False):
     """clip_grad_norm_ over the first layer, then the whole model, every
     step, with OneBitAdam, ZeroOneAdam or OneBitLamb through their warmup
     and compressing steps: the shards' mirrors hold the workers' x after
     every step (the averaging steps' clip pieces), the part's clip acts,
-    and both ranks end with the same state."""
+    and both ranks end with the same state. `amend`: a bias added to
+    after the clips as well (the averaging steps amended, design.md 2.6;
+    the compressing ones each rank's own, in torch's order)."""
     import morse.torch
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -151,6 +153,9 @@ def worker_part(kind):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         acted += float(torch.nn.utils.clip_grad_norm_(list(model[0].parameters()), 0.05)) > 0.05
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        if amend:
+            with torch.no_grad():
+                model[2].bias.grad.add_(1e-3)
         opt.step()
         check(opt._session.holds_shards_model(),
               f"rank {rank} step {step} ({kind}): the shards' mirrors differ from the workers' x")
@@ -161,8 +166,8 @@ def worker_part(kind):
 
 def worker(mode):
     import morse.torch
-    if mode.startswith("part_"):
-        worker_part(mode[len("part_"):])
+    if mode.startswith(("part_", "amend_")):
+        worker_part(mode.split("_", 1)[1], amend=mode.startswith("amend_"))
         return
     if mode.startswith(("late_", "early_")):
         # "early_lr": the lr set between backward() and step() from step 0 on.
@@ -520,9 +525,11 @@ if __name__ == "__main__":
         if mode.startswith("late_"):
             check(out.count("warned: morse: in step") == 2, "both ranks warned")
     for kind in ("onebit", "zero_one", "lamb"):
-        code, out = morse_run(__file__, 2, 2, f"part_{kind}")
-        print(out)
-        check(code == 0, f"the job failed (part_{kind})")
-        sums = set(re.findall(r"mirrors equal, checksum ([0-9a-f]+)", out))
-        check(out.count("mirrors equal") == 2 and len(sums) == 1, f"both ranks alike ({kind})")
+        for variant in ("part", "amend"):
+            code, out = morse_run(__file__, 2, 2, f"{variant}_{kind}")
+            print(out)
+            check(code == 0, f"the job failed ({variant}_{kind})")
+            sums = set(re.findall(r"mirrors equal, checksum ([0-9a-f]+)", out))
+            check(out.count("mirrors equal") == 2 and len(sums) == 1,
+                  f"both ranks alike ({variant}_{kind})")
     print("PASS")
