@@ -301,9 +301,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 raise TypeError(f"parameter {i} ({tuple(p.shape)}) is {p.dtype}; "
                                 "Morse trains float32 parameters")
-            if not p.is_contiguous():
-                raise ValueError(f"parameter {i} ({tuple(p.shape)}) is not contiguous; "
-                                 "make it contiguous before building the optimizer")
             if p.device != self._params[0].device:
                 raise ValueError(f"parameter {i} is on {p.device}, parameter 0 on "
                                  f"{self._params[0].device}; Morse trains parameters on one device")
@@ -457,7 +454,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self.job_overrides = "\n".join(lines)
 
         # One flat tensor for the parameters and one for their gradients, on
-        # the parameters' device.
+        # the parameters' device. Each parameter becomes a view of it, with
+        # its values in their logical order: a non-contiguous one (a
+        # transpose made a Parameter) becomes contiguous, as DDP trains it.
         self._flat = torch.zeros(dim, dtype=torch.float32, device=device)
         self._flat_grad = torch.zeros(dim, dtype=torch.float32, device=device)
         self._ranges = []
