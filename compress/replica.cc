@@ -157,7 +157,7 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                  const StepHyper* hyper, float grad_scale,
                                  std::vector<double>* lamb_segments,
                                  absl::Span<const ClipPiece> clip_pieces,
-                                 const CodecSpec* codec) {
+                                 bool amended) {
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "reply range [", begin, ", ", begin + n, ") is outside the replica's [",
@@ -171,7 +171,7 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
     return absl::OkStatus();
   }
   ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
-  if (codec != nullptr) rule.codec = *codec;
+  if (amended) rule.codec = CodecSpec{CodecKind::kFp32};
   const size_t offset = begin - range_.begin;
   MORSE_CHECK(lamb_segments == nullptr || rule.lamb);
   // grad_scale scales the decoded values alone: the rule's scalars are

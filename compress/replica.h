@@ -75,16 +75,16 @@ class Replica {
   // `clip_pieces` (a clip of part of the model, relative to `begin`, as
   // ClipPiecesOf gives them; grad_scale is then 1): the decoded values
   // scaled by their pieces' factors before the update.
-  // `codec`, if given, is the payload's encoding in place of the step's:
-  // fp32 for a step whose gradient the workers amended (design.md 2.6,
-  // "Edits after the clip"), which every replica applies as it is.
+  // `amended`: the payload is the gradient the workers amended the step to
+  // (design.md 2.6, "Edits after the clip"), fp32 whatever the step's
+  // codec, which every replica applies as it is.
   absl::Status ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                           absl::Span<const uint8_t> reply,
                           const StepHyper* hyper = nullptr,
                           float grad_scale = 1.0f,
                           std::vector<double>* lamb_segments = nullptr,
                           absl::Span<const ClipPiece> clip_pieces = {},
-                          const CodecSpec* codec = nullptr);
+                          bool amended = false);
 
   // The local momentum m_i = b1*m + (1-b1)*g of [begin, begin + g.size()),
   // with g scaled by `grad_scale` first (ClipsLocally) unless it is 1; b1

@@ -22,6 +22,17 @@
 #include "server/partition_state.h"
 
 namespace morse::server {
+namespace {
+
+// The values `commit` amends `partition` to (StepCommit::amended), or null.
+const std::string* AmendmentOf(const StepCommit& commit, uint32_t partition) {
+  for (const auto& [id, values] : commit.amended) {
+    if (id == partition) return &values;
+  }
+  return nullptr;
+}
+
+}  // namespace
 
 using compress::CodecName;
 
@@ -795,7 +806,6 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
   if (!p.committed_amendment.empty()) {
     // The workers' amended gradient in place of the reply (design.md 2.6,
     // "Edits after the clip"), checked when it arrived (CheckCommit).
-    static const compress::CodecSpec kFp32{compress::CodecKind::kFp32};
     MORSE_CHECK(!p.mirror_moments_applied);  // a clipped step's mirror waits
     MORSE_CHECK(
         mirror_
@@ -804,7 +814,7 @@ void ShardCore::ApplyMirror(PartitionState& p) const {
                 {reinterpret_cast<const uint8_t*>(p.committed_amendment.data()),
                  p.committed_amendment.size()},
                 p.mirror_hyper.has_value() ? &*p.mirror_hyper : nullptr, 1.0f,
-                nullptr, {}, &kFp32)
+                nullptr, {}, /*amended=*/true)
             .ok());
     p.committed_amendment.clear();
     p.committed_amendment.shrink_to_fit();
@@ -901,9 +911,7 @@ absl::Status ShardCore::CheckCommit(const PartitionState& p, uint32_t rank,
           ": an amended gradient comes with the gradient's sum of squares, a "
           "max_norm of 0 and no clip pieces"));
     }
-    for (const auto& [partition, values] : commit.amended) {
-      if (partition == p.partition.id) amendment = &values;
-    }
+    amendment = AmendmentOf(commit, p.partition.id);
     if (amendment == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(
           "rank ", rank, ": an amended gradient without partition ",
@@ -1046,10 +1054,9 @@ void ShardCore::ApplyCommit(PartitionState& p, const StepCommit& commit) const {
     p.committed_pieces = commit.clip_pieces;
   }
   p.committed_values = commit.values;
-  for (const auto& [partition, values] : commit.amended) {
-    if (partition != p.partition.id) continue;
-    p.committed_amendment = values;
-    p.committed_amendment_hash = compress::BytesHash(values);
+  if (const std::string* values = AmendmentOf(commit, p.partition.id)) {
+    p.committed_amendment = *values;
+    p.committed_amendment_hash = compress::BytesHash(*values);
   }
   p.awaiting_commit = false;
 }
@@ -1104,19 +1111,14 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step,
                        partition, ", which shard ", shard_, " does not hold"));
     }
   }
-  const auto named = [&](uint32_t partition) {
-    if (commit.amended.empty()) return true;
-    for (const auto& [id, values] : commit.amended) {
-      if (id == partition) return true;
-    }
-    return false;
-  };
   // Every partition checked before any changes (locks in order, as Snapshot).
   std::vector<std::unique_ptr<MutexLock>> locks;
   std::vector<bool> applies(partitions_.size());
   for (size_t i = 0; i < partitions_.size(); ++i) {
     PartitionState& p = *partitions_[i];
-    if (!named(p.partition.id)) continue;
+    if (!commit.amended.empty() &&
+        AmendmentOf(commit, p.partition.id) == nullptr)
+      continue;
     locks.push_back(std::make_unique<MutexLock>(&p.mu));
     bool a = false;
     if (absl::Status s = CheckCommit(p, rank, step, commit, &a); !s.ok()) {

@@ -469,19 +469,19 @@ absl::Status PushClient::Join() {
   return absl::OkStatus();
 }
 
-std::vector<absl::Status> PushClient::CallShards(
-    double timeout_seconds, const std::vector<bool>& pending,
-    const StartCall& start) {
-  const size_t shards = transport_->shards();
-  std::vector<absl::Status> statuses(shards);
+std::vector<absl::Status> PushClient::CallEach(size_t count,
+                                               double timeout_seconds,
+                                               const std::vector<bool>& pending,
+                                               const StartCall& start) {
+  std::vector<absl::Status> statuses(count);
   Mutex mu;
   size_t left = 0;
-  for (uint32_t s = 0; s < shards; ++s) left += pending.empty() || pending[s];
-  for (uint32_t s = 0; s < shards; ++s) {
-    if (!pending.empty() && !pending[s]) continue;
-    start(s, Options(timeout_seconds), [&, s](absl::Status status) {
+  for (uint32_t i = 0; i < count; ++i) left += pending.empty() || pending[i];
+  for (uint32_t i = 0; i < count; ++i) {
+    if (!pending.empty() && !pending[i]) continue;
+    start(i, Options(timeout_seconds), [&, i](absl::Status status) {
       MutexLock lock(&mu);
-      statuses[s] = std::move(status);
+      statuses[i] = std::move(status);
       --left;
     });
   }
@@ -495,7 +495,7 @@ absl::Status PushClient::OnEveryShard(double timeout_seconds,
                                       absl::string_view what,
                                       const StartCall& start) {
   const std::vector<absl::Status> statuses =
-      CallShards(timeout_seconds, {}, start);
+      CallEach(transport_->shards(), timeout_seconds, {}, start);
   for (uint32_t s = 0; s < statuses.size(); ++s) {
     if (!statuses[s].ok())
       return RpcError(statuses[s],
@@ -566,24 +566,12 @@ absl::Status PushClient::Commit(
   std::vector<bool> pending(calls.size(), true);
   std::vector<v1::CommitReply> replies(calls.size());
   while (true) {
-    std::vector<absl::Status> statuses(calls.size());
-    {
-      Mutex mu;
-      size_t left = std::count(pending.begin(), pending.end(), true);
-      for (size_t i = 0; i < calls.size(); ++i) {
-        if (!pending[i]) continue;
-        transport_->Commit(calls[i].first, calls[i].second, &replies[i],
-                           Options(job_.rpc_timeout_seconds),
-                           [&, i](absl::Status status) {
-                             MutexLock lock(&mu);
-                             statuses[i] = std::move(status);
-                             --left;
-                           });
-      }
-      MutexLock lock(&mu);
-      mu.Await(absl::Condition(
-          +[](size_t* n) { return *n == 0; }, &left));
-    }
+    const std::vector<absl::Status> statuses =
+        CallEach(calls.size(), job_.rpc_timeout_seconds, pending,
+                 [&](uint32_t i, const CallOptions& options, auto done) {
+                   transport_->Commit(calls[i].first, calls[i].second,
+                                      &replies[i], options, std::move(done));
+                 });
     bool any = false;
     for (size_t i = 0; i < calls.size(); ++i) {
       if (!pending[i]) continue;

@@ -163,15 +163,15 @@ class PushClient {
   friend class StepExchange;
   friend class ShardRecovery;
   using StartCall = std::function<void(
-      uint32_t shard, const CallOptions& options, Transport::Done done)>;
-  // Starts one call on every shard whose `pending` is true (all, if empty)
-  // at once (`start` issues shard s's with `options` and `done`) and waits
-  // for all; each shard's outcome (OK for a shard not called).
-  std::vector<absl::Status> CallShards(double timeout_seconds,
-                                       const std::vector<bool>& pending,
-                                       const StartCall& start);
-  // CallShards on every shard; the first failure, described as `what` the
-  // shard.
+      uint32_t call, const CallOptions& options, Transport::Done done)>;
+  // Starts calls 0..count-1 whose `pending` is true (all, if empty) at
+  // once (`start` issues call i with `options` and `done`) and waits for
+  // all; each call's outcome (OK for one not made).
+  std::vector<absl::Status> CallEach(size_t count, double timeout_seconds,
+                                     const std::vector<bool>& pending,
+                                     const StartCall& start);
+  // CallEach with one call on every shard, call s on shard s; the first
+  // failure, described as `what` the shard.
   absl::Status OnEveryShard(double timeout_seconds, absl::string_view what,
                             const StartCall& start);
   struct Retained {

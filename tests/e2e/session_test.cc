@@ -482,7 +482,6 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
     const auto x = two.ranks[0]->replica().x();
     std::copy(x.begin(), x.end(), expected.x().begin());
   }
-  const compress::CodecSpec fp32{compress::CodecKind::kFp32};
   for (int64_t step = 0; step < 3; ++step) {
     auto stepped = two.Both([&](worker::Session& s,
                                 uint32_t r) -> absl::Status {
@@ -553,7 +552,7 @@ TEST(SessionTest, AnAmendedStepIsEveryReplicasAndMirrors) {
                     .ApplyReply(step, 0, kDim,
                                 {reinterpret_cast<const uint8_t*>(g.data()),
                                  4 * g.size()},
-                                nullptr, 1.0f, nullptr, {}, &fp32)
+                                nullptr, 1.0f, nullptr, {}, /*amended=*/true)
                     .ok());
     for (uint32_t r = 0; r < 2; ++r) {
       const auto x = two.ranks[r]->replica().x();

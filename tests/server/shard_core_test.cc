@@ -1769,14 +1769,13 @@ TEST_F(ShardCoreTest, AnAmendedGradientTakesTheAveragesPlace) {
   EXPECT_EQ(core_->MirrorChecksum(), before);
 
   compress::Replica expected = InitialReplica(*core_, job_.algorithm);
-  const compress::CodecSpec fp32{compress::CodecKind::kFp32};
   for (size_t i = 0; i < parts.size(); ++i) {
     const std::string& g = amended[i].second;
     ASSERT_TRUE(
         expected
             .ApplyReply(0, parts[i].range.begin, parts[i].range.size(),
                         {reinterpret_cast<const uint8_t*>(g.data()), g.size()},
-                        nullptr, 1.0f, nullptr, {}, &fp32)
+                        nullptr, 1.0f, nullptr, {}, /*amended=*/true)
             .ok());
   }
   // A commit of each partition apart (as Commit sends them): until the
@@ -1844,12 +1843,11 @@ TEST_F(ShardCoreTest, AnAmendedGradientMayComeWithTheNextPushes) {
     EXPECT_TRUE(r < 2 ? pushed.message() == "pending" : pushed.ok()) << pushed;
   }
   compress::Replica expected = InitialReplica(*core_, job_.algorithm);
-  const compress::CodecSpec fp32{compress::CodecKind::kFp32};
   ASSERT_TRUE(expected
                   .ApplyReply(0, p.range.begin, p.range.size(),
                               {reinterpret_cast<const uint8_t*>(bytes.data()),
                                bytes.size()},
-                              nullptr, 1.0f, nullptr, {}, &fp32)
+                              nullptr, 1.0f, nullptr, {}, /*amended=*/true)
                   .ok());
   ApplyReplies(expected, 1, {&p, 1}, {next}, 1.0f);
   EXPECT_EQ(core_->MirrorChecksum(), expected.Checksum());

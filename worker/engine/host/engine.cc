@@ -98,7 +98,7 @@ class HostEngine final : public Engine {
       float grad_scale, absl::Span<const double> lamb_pieces,
       absl::Span<const compress::ClipPiece> clip_pieces) override {
     return Apply(step, p, reply, hyper, grad_scale, lamb_pieces, clip_pieces,
-                 nullptr);
+                 /*amended=*/false);
   }
 
   absl::Status ApplyAmended(int64_t step, const compress::Partition& p,
@@ -109,11 +109,10 @@ class HostEngine final : public Engine {
           absl::StrCat("an amended gradient of ", gradient.size(),
                        " floats for partition ", p.id, " of ", p.range.size()));
     }
-    static const compress::CodecSpec kFp32{compress::CodecKind::kFp32};
     return Apply(step, p,
                  {reinterpret_cast<const uint8_t*>(gradient.data()),
                   4 * gradient.size()},
-                 hyper, 1.0f, {}, {}, &kFp32);
+                 hyper, 1.0f, {}, {}, /*amended=*/true);
   }
 
   // The reply (or an amended gradient, as an fp32 payload) applied to the
@@ -123,11 +122,11 @@ class HostEngine final : public Engine {
                      const compress::StepHyper* hyper, float grad_scale,
                      absl::Span<const double> lamb_pieces,
                      absl::Span<const compress::ClipPiece> clip_pieces,
-                     const compress::CodecSpec* codec) {
+                     bool amended) {
     if (lamb_pieces_.empty()) {
       return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply,
                                  hyper, grad_scale, nullptr, clip_pieces,
-                                 codec);
+                                 amended);
     }
     // onebit_lamb: the partition's share of CommitStep's statistics, from
     // its shard (which took them on its mirror), or else computed in the
@@ -149,7 +148,7 @@ class HostEngine final : public Engine {
     std::vector<double> segments;
     absl::Status applied = replica_.ApplyReply(
         step, p.range.begin, p.range.size(), reply, hyper, grad_scale,
-        given ? nullptr : &segments, clip_pieces, codec);
+        given ? nullptr : &segments, clip_pieces, amended);
     if (!applied.ok()) return applied;
     lamb_pieces_[p.id] = {
         step, given

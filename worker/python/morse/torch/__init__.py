@@ -1382,10 +1382,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._amending = True
             return
         if self._part_base[0] is None:  # the clip's norms are of the average from here on
-            base = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
-            with self._explained():
-                self._session.average_gradient(base)
-            self._part_base = (base, False, {})
+            self._part_base = (self._averaged_gradient(), False, {})
         self._pushed = self._pushed[:3] + ((self._flat_grad._version, self._flat_grad.clone()),)
 
     def _amended_clip(self, max_norm, order, error_if_nonfinite, owned):
@@ -1471,12 +1468,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             except MorseError as error:
                 self._clipped = (self._unclipped_step(error), 1.0, None)
                 return None
-            if own:
-                base = self._flat_grad
-            else:
-                base = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
-                with self._explained():
-                    self._session.average_gradient(base)
+            base = self._flat_grad if own else self._averaged_gradient()
             factor = clipped[1] if clipped else 1.0
             self._part_factors = [factor] * len(self._params)
             self._part_base = (base, own, {})
@@ -1490,6 +1482,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # non-zeros, which a factor keeps unless it is 0).
         return [(norms[i] if factors[i] != 0.0 else 0.0) if order == 0 else norms[i] * factors[i]
                 for i in owned]
+
+    def _averaged_gradient(self):
+        """The step's averaged gradient, decoded from the replies this rank
+        holds (a new host tensor), once the clip has waited for them."""
+        base = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
+        with self._explained():
+            self._session.average_gradient(base)
+        return base
 
     def _part_scale(self, owned, seen, max_norm):
         """A clip of part of the model whose parameters (indices `owned`)
@@ -1872,9 +1872,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                 "tensors in a step that averages: the shards send the averaged "
                                 "gradient's norms of order 2, 1 and inf, and its replies wait on "
                                 "the GPU, where Morse takes no other; use one of those orders")
-                        average.append(torch.empty(self._flat_grad.numel(), dtype=torch.float32))
-                        with self._explained():
-                            self._session.average_gradient(average[0])
+                        average.append(self._averaged_gradient())
                     cache[order] = self._norm_by_parameter(average[0], order)
             return cache[order]
         return norm_of
