@@ -470,7 +470,10 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   }
   if (c.has_channels_per_shard())
     job.channels_per_shard = c.channels_per_shard();
-  if (c.has_window()) job.window = c.window();
+  if (c.has_window()) {
+    if (c.window() == 0) return Invalid("window", "must be at least 1");
+    job.window = c.window();
+  }
   if (c.has_uploads_per_shard()) {
     if (c.uploads_per_shard() > 1024) {
       return Invalid("uploads_per_shard", "must be in [0, 1024] (0: no limit)");
@@ -481,7 +484,6 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
   if (job.channels_per_shard == 0 || job.channels_per_shard > 64) {
     return Invalid("channels_per_shard", "must be in [1, 64]");
   }
-  if (job.window == 0) return Invalid("window", "must be at least 1");
   if (job.log_every == 0) return Invalid("log_every", "must be at least 1");
   job.checkpoint_every_steps = c.checkpoint().every_steps();
   job.checkpoint_dir = c.checkpoint().dir();

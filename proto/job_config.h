@@ -71,7 +71,9 @@ struct JobSpec {
   // Pushes a worker uploads to one shard at once (JobConfig.
   // uploads_per_shard); 0: every push in the window at once.
   uint32_t uploads_per_shard = 1;
-  uint32_t window = 32;
+  // Partitions a worker keeps in flight (JobConfig.window); 0 where the
+  // config leaves it out: the engine's (Engine::DefaultWindow).
+  uint32_t window = 0;
   uint32_t log_every = 10;
   uint32_t checkpoint_every_steps = 0;
   std::string checkpoint_dir;

@@ -321,6 +321,9 @@ void Session::StartExchange() {
   }
   exchange_ = std::make_unique<StepExchange>(
       client_.get(), pool_.get(), step, plan_.up.kind,
+      client_->job().window != 0
+          ? client_->job().window
+          : engine_->DefaultWindow(layout_.partitions().size()),
       // The step keeps its own copy of the hyper-parameters it was begun with.
       [this, step, hyper = step_hyper_, deferred = deferred_](
           const compress::Partition& p, const std::string& reply,

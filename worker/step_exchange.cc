@@ -1,5 +1,7 @@
 #include "worker/step_exchange.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "compress/bytes_hash.h"
 #include "compress/sync.h"
@@ -11,12 +13,14 @@
 namespace morse::worker {
 
 StepExchange::StepExchange(PushClient* client, compress::ComputePool* pool,
-                           int64_t step, compress::CodecKind up, Apply apply,
-                           StepExtras extras, bool parallel_encode)
+                           int64_t step, compress::CodecKind up,
+                           uint32_t window, Apply apply, StepExtras extras,
+                           bool parallel_encode)
     : client_(client),
       pool_(pool),
       step_(step),
       wire_codec_(proto::ToWire(up)),
+      window_(std::max<uint32_t>(1, window)),
       parallel_encode_(parallel_encode),
       apply_(std::move(apply)),
       extras_(std::move(extras)),
@@ -43,7 +47,7 @@ StepExchange::~StepExchange() {
 }
 
 bool StepExchange::CanSend() const {
-  return in_flight_ < client_->job_.window || !error_.ok();
+  return in_flight_ < window_ || !error_.ok();
 }
 
 bool StepExchange::Idle() const { return in_flight_ == 0 && queue_.empty(); }

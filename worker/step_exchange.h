@@ -110,11 +110,12 @@ class StepExchange final : private ExchangeSide {
                                  const std::string& reply, ReplyExtras extras)>;
 
   // `pool` (null: none) encodes and applies partitions; it outlives the
-  // exchange. parallel_encode: `encode` may run on the pool, concurrently
-  // for different partitions (the host engine; not a GPU's).
+  // exchange. `window`: partitions in flight at once (at least 1).
+  // parallel_encode: `encode` may run on the pool, concurrently for
+  // different partitions (the host engine; not a GPU's).
   StepExchange(PushClient* client, compress::ComputePool* pool, int64_t step,
-               compress::CodecKind up, Apply apply, StepExtras extras = {},
-               bool parallel_encode = false);
+               compress::CodecKind up, uint32_t window, Apply apply,
+               StepExtras extras = {}, bool parallel_encode = false);
   ~StepExchange();
   StepExchange(const StepExchange&) = delete;
   StepExchange& operator=(const StepExchange&) = delete;
@@ -144,6 +145,7 @@ class StepExchange final : private ExchangeSide {
   compress::ComputePool* const pool_;
   const int64_t step_;
   const int wire_codec_;
+  const uint32_t window_;
   const bool parallel_encode_;
   Apply apply_;
   StepExtras extras_;  // buffers are moved into partition 0's push

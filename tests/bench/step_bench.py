@@ -359,7 +359,7 @@ def main():
     p.add_argument("--partition-elems", type=int, default=0,
                    help="Morse partition size in elements (default: the job's)")
     p.add_argument("--window", type=int, default=0,
-                   help="partitions in flight per Morse worker (JobConfig window; default the job's, 32)")
+                   help="partitions in flight per Morse worker (JobConfig window; default the engine's: 32 on the host, every partition on a GPU)")
     p.add_argument("--trace-dir", help="where each Morse mode's ranks and shards write their step "
                    "timelines (MORSE_TRACE)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per mode (default 1800)")

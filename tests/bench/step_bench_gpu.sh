@@ -5,8 +5,8 @@
 # 2026-11-27 it caught two bugs the others did not; test_diloco.py), then
 # tests/bench/step_bench.py on the 134M GPT-like model: one rank on the GPU
 # (torch-alone, OneBitAdam by phase, Adam, with step timelines), OneBitAdam
-# and Adam with a window of every partition, and two ranks sharing the GPU
-# (no MPS: they time-slice) against DDP over gloo. Lines go to stdout and to
+# and Adam at window 32 against the default (every partition), and two
+# ranks sharing the GPU (no MPS: they time-slice) against DDP over gloo. Lines go to stdout and to
 # $OUT (default /tmp/step-bench): tests.txt, one-rank.jsonl, window.jsonl,
 # two-ranks.jsonl, and trace.tgz (the one-rank timelines;
 # tests/bench/trace_summary.py reads them). Each part has its own time
@@ -15,7 +15,8 @@
 # Usage: tests/bench/step_bench_gpu.sh [BUNDLE.tar.gz|.tar.xz] [--quick]
 #   (default out/morse-bundle.tar.gz; --quick: 4 timed steps instead of 6)
 #   PARTS=tests,one,window,two (the default: all) picks the parts, so that
-#   a lease's calls can split them; PARTS=priority times 1-bit Adam with the
+#   a lease's calls can split them (window: window 32 against the GPU's
+#   default, every partition); PARTS=priority times 1-bit Adam with the
 #   send stream at normal and high priority, alternated (priority.jsonl).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -73,17 +74,22 @@ if want one; then
   timeout 200 "${bench[@]}" --ranks 1 --modes torch,onebit_adam,adam --trace-dir "$work/trace" 2>&1 | grep '^{' | tee "$out/one-rank.jsonl" || status=1
   tar -czf "$out/trace.tgz" -C "$work" trace
 fi
-# The window of every partition: the 1-bit trace showed the default 32
-# holding the last partitions back, and the fp32 trace (2026-11-27) an
-# exchange paced by 32 partitions of 4 MB over a 61 ms round trip. Against
-# the lines above.
+# The window: a GPU worker keeps every partition in flight by default
+# (since 2026-12-04: at 32 the last partitions waited for a slot and the
+# fp32 exchange was paced by 32 partitions of 4 MB in flight). The old
+# window of 32 against the default, alternated.
 if want window; then
-  stamp "one rank, --window 512"
-  timeout 150 "${bench[@]}" --ranks 1 --modes onebit_adam,adam --window 512 2>&1 | grep '^{' | tee "$out/window.jsonl" || status=1
+  for window in 32 default; do
+    stamp "one rank, window $window"
+    flag=()
+    [ "$window" = default ] || flag=(--window "$window")
+    timeout 150 "${bench[@]}" --ranks 1 --modes onebit_adam,adam "${flag[@]}" 2>&1 | grep '^{' |
+      sed "s/^{/{\"window\": \"$window\", /" | tee -a "$out/window.jsonl" || status=1
+  done
 fi
-# The send stream at high priority (MORSE_SEND_STREAM_PRIORITY=high): the
-# 1-bit round trip's forward leg grew to 12-15 ms on 2026-12-04, the
-# encodes queued behind backward()'s kernels. Normal and high alternated,
+# The send stream's priority (MORSE_SEND_STREAM_PRIORITY; high by default
+# since 2026-12-04, when it took 5-11% off the 1-bit step: the encodes no
+# longer queue behind backward()'s kernels). Normal and high alternated,
 # twice each, 1-bit Adam with one rank (PARTS=priority; not in the default).
 if want priority; then
   for round in 1 2; do

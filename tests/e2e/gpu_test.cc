@@ -230,6 +230,16 @@ TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {
   auto engine = worker::CreateEngine(
       "cuda", {&job->algorithm, &*layout, &replica, &error});
   ASSERT_TRUE(engine.ok()) << engine.status();
+  // Every partition in flight by default (each has its own staging slot),
+  // and the send stream at high priority unless MORSE_SEND_STREAM_PRIORITY
+  // says normal.
+  EXPECT_EQ((*engine)->DefaultWindow(130), 130u);
+  EXPECT_EQ((*engine)->DefaultWindow(0), 1u);
+  if (std::getenv("MORSE_SEND_STREAM_PRIORITY") == nullptr) {
+    EXPECT_EQ((*engine)->description().find("normal priority"),
+              std::string::npos)
+        << (*engine)->description();
+  }
   std::vector<float> gpu_grad(dim), cpu_grad(dim);
   ASSERT_TRUE((*engine)->Load(replica, error).ok());
   ASSERT_TRUE((*engine)->SetWorkload(**gpu).ok());

@@ -127,6 +127,9 @@ TEST(JobConfigTest, ErrorsNameTheField) {
        "block_elems: 24",
        "block_elems"},
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"adam\" window: 0",
+       "window"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
        "optimizer: \"adam\" uploads_per_shard: 1025",
        "uploads_per_shard"},
       {"workers: 1 shards: 9 synthetic { dim: 10 } lr { lr: 1 } steps: 1",
@@ -241,6 +244,20 @@ TEST(JobConfigTest, UploadsPerShardZeroLiftsTheLimit) {
       ConfigFormat::kText);
   ASSERT_TRUE(job.ok()) << job.status();
   EXPECT_EQ(job->uploads_per_shard, 0u);
+}
+
+// Unset, the window is the engine's to choose (0 here; Engine::
+// DefaultWindow: 32 on the host, every partition on a GPU); set, it is kept.
+TEST(JobConfigTest, TheWindowIsTheEnginesUnlessSet) {
+  const std::string base =
+      "workers: 2 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+      "optimizer: \"adam\" ";
+  auto unset = ParseJobConfig(base, ConfigFormat::kText);
+  ASSERT_TRUE(unset.ok()) << unset.status();
+  EXPECT_EQ(unset->window, 0u);
+  auto set = ParseJobConfig(base + "window: 5", ConfigFormat::kText);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->window, 5u);
 }
 
 TEST(JobConfigTest, MinWorkersDefaultsToWorkers) {

@@ -55,6 +55,21 @@ absl::Span<const uint8_t> Bytes(const std::string& s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
 }
 
+// A host worker keeps 32 partitions in flight where the config leaves
+// `window` out: its encoded payloads are host memory the window bounds.
+TEST(HostEngineTest, KeepsThirtyTwoPartitionsInFlightByDefault) {
+  const proto::JobSpec job = *proto::ParseJobConfig(
+      "workers: 1 shards: 1 synthetic { dim: 64 } lr { lr: 0.01 } steps: 1 "
+      "optimizer: \"adam\"",
+      proto::ConfigFormat::kText);
+  const compress::Layout layout =
+      *compress::Layout::Create(job.algorithm.layout);
+  HostWorker worker(job, layout, std::vector<float>(64));
+  EXPECT_EQ(job.window, 0u);
+  EXPECT_EQ(worker.engine->DefaultWindow(130), 32u);
+  EXPECT_EQ(worker.engine->DefaultWindow(1), 32u);
+}
+
 TEST(HostEngineTest, TakesALambReplysLayerStatisticsFromItsShard) {
   const proto::JobSpec job = *proto::ParseJobConfig(R"(
     workers: 2

@@ -101,6 +101,9 @@ class Engine {
   virtual const std::string& description() const = 0;
   // Null on the host: workloads use their CPU code there.
   virtual DeviceServices* device() = 0;
+  // Partitions a worker keeps in flight where the job's config leaves
+  // `window` out, for a model of `partitions`.
+  virtual uint32_t DefaultWindow(size_t partitions) const = 0;
 
   // The session's host replica and error buffer are the reference copies:
   // Load brings them into the engine, Store writes the engine's state back

@@ -158,18 +158,20 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (!segments.ok()) return segments.status();
       lamb_segments_ = *std::move(segments);
     }
-    // MORSE_SEND_STREAM_PRIORITY=high: the encodes and their copies to the
-    // host at the device's highest stream priority, ahead of backward()'s
-    // queued kernels (an experiment of issue 35; docs/gpu.md).
+    // The encodes and their copies to the host at the device's highest
+    // stream priority, ahead of backward()'s queued kernels (the 1-bit step
+    // 5-11% shorter on an H200; docs/gpu.md); MORSE_SEND_STREAM_PRIORITY=
+    // normal puts them at the default priority.
     const char* priority = std::getenv("MORSE_SEND_STREAM_PRIORITY");
-    const bool high = priority != nullptr && std::strcmp(priority, "high") == 0;
-    if (priority != nullptr && !high && std::strcmp(priority, "normal") != 0) {
+    const bool normal =
+        priority != nullptr && std::strcmp(priority, "normal") == 0;
+    if (priority != nullptr && !normal && std::strcmp(priority, "high") != 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("MORSE_SEND_STREAM_PRIORITY=", priority,
-                       ": high or normal (the default)"));
+                       ": high (the default) or normal"));
     }
-    if (high) description_ += ", its send stream at high priority";
-    auto send = kernels::Context::Create(high);
+    if (normal) description_ += ", its send stream at normal priority";
+    auto send = kernels::Context::Create(/*high_priority=*/!normal);
     if (!send.ok()) return send.status();
     send_ = *std::move(send);
     auto apply = kernels::Context::Create();
@@ -182,6 +184,12 @@ class CudaEngine final : public Engine, public DeviceServices {
   const std::string& kind() const override { return kName; }
   const std::string& description() const override { return description_; }
   DeviceServices* device() override { return this; }
+  // Every partition: each has its own staging slot, and a partition that
+  // waited for a slot of the window left late (the 134M model's last 24
+  // partitions on an H200; docs/benchmarks.md, "A training step").
+  uint32_t DefaultWindow(size_t partitions) const override {
+    return static_cast<uint32_t>(std::max<size_t>(1, partitions));
+  }
 
   absl::Status Load(const compress::Replica& replica,
                     const compress::ErrorFeedback& error) override {

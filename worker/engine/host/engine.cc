@@ -39,6 +39,8 @@ class HostEngine final : public Engine {
   const std::string& kind() const override { return kName; }
   const std::string& description() const override { return kName; }
   DeviceServices* device() override { return nullptr; }
+  // The encoded payloads in flight are host memory the window bounds.
+  uint32_t DefaultWindow(size_t) const override { return 32; }
 
   // The state is the session's: nothing to move.
   absl::Status Load(const compress::Replica&,
