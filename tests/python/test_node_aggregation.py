@@ -213,6 +213,32 @@ def check_node_averages(out, nnodes, local_size, steps=range(STEPS)):
                   "is not the node's average in local-rank order")
 
 
+def check_shown_averages(out, nnodes, local_size, variant, steps):
+    """The steps that average of the clip variants: every rank's .grad
+    after clip_grad_norm_ (clipped-R-STEP.npy) is DDP's, the clipped job
+    average (CLIP's clip, or `edit`'s max_norm inf: none), the same bits on
+    every rank and in the leader's .grad after step() (grad-NODE-STEP.npy),
+    within 1e-6 of torch's clip of the average (torch sums the norm in
+    another order). The gradients recorded for the simulator become the
+    nodes' averages, which the leaders pushed."""
+    ranks = nnodes * local_size
+    for step in steps:
+        averages = [node_average([numpy.load(f"{out}/own-{n * local_size + r}-{step}.npy")
+                                  for r in range(local_size)]) for n in range(nnodes)]
+        job = sum(a.astype(numpy.float64) for a in averages) / nnodes
+        shown = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in range(ranks)]
+        kept = [numpy.load(f"{out}/grad-{n}-{step}.npy") for n in range(nnodes)]
+        check(all(s.tobytes() == shown[0].tobytes() for s in shown + kept),
+              f"step {step}: .grad after clip_grad_norm_ differs between the ranks")
+        norm = numpy.linalg.norm(job)
+        want = job * (min(1.0, CLIP / (norm + 1e-6)) if variant == "clip" else 1.0)
+        off = float(numpy.abs(shown[0] - want).max() / numpy.abs(want).max())
+        check(off <= 1e-6, f"step {step}: .grad after clip_grad_norm_ is {off} (relative) from "
+              "DDP's clipped average")
+        for n in range(nnodes):
+            numpy.save(f"{out}/grad-{n}-{step}.npy", averages[n])
+
+
 def check_clip_norms(out, nnodes, local_size, freeze):
     """Every rank's clip_grad_norm_ returned DDP's norm: of the job's
     averaged gradient (the nodes' averages averaged) before `freeze`, of its
@@ -308,7 +334,10 @@ def two_nodes(name, variant=""):
     check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")
     may_differ = name == "ZeroOneAdam"
     own_clips = variant in ("clip", "edit")  # the compression phase's clip is the node's own
-    check_node_averages(out, 2, 2, range(FREEZE) if own_clips else range(STEPS))
+    if own_clips:
+        check_shown_averages(out, 2, 2, variant, range(FREEZE))
+    else:
+        check_node_averages(out, 2, 2, range(STEPS))
     if own_clips:
         check_own_clips(out, 2, 2, variant, [200, 20, 80, 4])
     check_shared(out, 4, shm_usable() and variant != "gloo", name)
@@ -335,8 +364,9 @@ def two_nodes(name, variant=""):
             "accum": ", two backward() a step with accumulation_steps=2 (overlapped)",
             "accum_learned": ", two backward() a step without accumulation_steps (the overlap "
                              "gives way to step())",
-            "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm; in the "
-                    "compression phase torch's clip of the node's average, .grad on every rank)",
+            "clip": ", clip_grad_norm_ after backward() on every rank (DDP's norm and, in the "
+                    "warmup, DDP's clipped average in .grad on every rank; in the compression "
+                    "phase torch's clip of the node's average, .grad on every rank)",
             "edit": ", in the compression phase clip_grad_norm_, then .grad added to and a row "
                     "halved on every rank (pushed as torch's order gives them)",
             "load": ", weights loaded after building it",

@@ -101,7 +101,7 @@ def worker(out, mode):
     else:
         opt = build(name, model.parameters(), 0.01)
     if variant in ("leader", "clipleader", "clipjobleader", "partleader", "editleader", "editone",
-                   "addone"):
+                   "addone", "anyleader"):
         # the leader holding the node's state
         params, norms = [], []
         for step in range(STEPS):
@@ -114,9 +114,12 @@ def worker(out, mode):
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             if variant == "partleader":
                 norms.append(part_clips(model))
-            if variant in ("editleader", "editone"):
+            if variant in ("editleader", "editone", "anyleader"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
-                if variant == "editleader" or local == 1:  # editone: local rank 1 alone
+                if variant == "anyleader":
+                    save_clipped(out, rank, step, model)
+                    edit_any(model, step)
+                elif variant == "editleader" or local == 1:  # editone: local rank 1 alone
                     edit_clipped(model, step)
             if variant == "addone":  # local rank 1 alone, an edit that is no scaling
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
@@ -124,7 +127,7 @@ def worker(out, mode):
                     with torch.no_grad():
                         model[2].bias.grad.add_(0.5)
             opt.step()
-            if variant in ("partleader", "editleader") and local == 0:
+            if variant in ("partleader", "editleader", "anyleader") and local == 0:
                 check(opt._holds_shards_model(), f"rank {rank} step {step}: the shards' mirrors "
                       "differ from the leader's parameters")
             params.append(flat(model).numpy().tobytes().hex())
@@ -168,9 +171,11 @@ def worker(out, mode):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         if variant == "partfull":
             norms.append(part_clips(model))
-        if variant == "editfull":
+        if variant in ("editfull", "anyfull"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
-            edit_clipped(model, step)
+            if variant == "anyfull":
+                save_clipped(out, rank, step, model)
+            (edit_any if variant == "anyfull" else edit_clipped)(model, step)
         if variant in ("ownfull", "ownone"):
             # The norm alone before the compression phase (max_norm inf),
             # then a clip and an edit after it that is no scaling, on every
@@ -182,14 +187,14 @@ def worker(out, mode):
             if clips and (variant == "ownfull" or local == 1):
                 add_after_clip(model)
         opt.step()
-        if variant in ("partfull", "editfull"):
+        if variant in ("partfull", "editfull", "anyfull"):
             check(opt._holds_shards_model(), f"rank {rank} step {step}: slice {local}'s shards' "
                   "mirrors differ from its owner's parameters")
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
         f = flat(model)
         params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull",
-                                                                "editfull", "ownfull") else
+                                                                "editfull", "anyfull", "ownfull") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and node == 0:
             numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
@@ -362,21 +367,49 @@ def edit_clipped(model, step):
             model[2].bias.grad.div_(3)
 
 
+def save_clipped(out, rank, step, model):
+    """.grad as clip_grad_norm_ left it on this rank (`any*` variants)."""
+    numpy.save(f"{out}/clipped-{rank}-{step}.npy",
+               torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+
+
+def edit_any(model, step):
+    """`edit`'s other edits of the clipped gradient, which no factor per
+    parameter gives, on every rank as a DDP script makes them: an add_ and
+    a clamp_; a row zeroed (slice 0's parameter) followed by a second clip;
+    a whole weight halved (slice 1's: a factor, while slice 0 is unchanged)
+    followed by a second clip; or nothing."""
+    with torch.no_grad():
+        if step % 4 == 0:
+            model[0].weight.grad.add_(0.01)
+            model[2].weight.grad.clamp_(-0.02, 0.02)
+        elif step % 4 == 1:
+            model[0].weight.grad[0].zero_()
+        elif step % 4 == 2:
+            model[2].weight.grad.mul_(0.5)
+    if step % 4 in (1, 2):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+
+
 def edit_after_clip():
     """`edit`: clip_grad_norm_ of the whole model, then .grad scaled and
-    zeroed per parameter on every rank, fp32 Adam, on the leader's node and
-    on the sharded node: the parameters DDP + AdamW's given the same edits
-    of the clipped average (within 1e-6; without the edits further off),
-    the shards' mirrors the workers' after every step. Local rank 1 alone
-    editing (`editone`: a scaling, `addone`: an addition; the leader's
-    node): every rank of both nodes fails, naming it."""
-    outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-") for v in ("editleader", "editfull")}
+    zeroed per parameter on every rank (`editleader`, `editfull`), or
+    edited otherwise (`anyleader`, `anyfull`: edit_any; the step amended,
+    design.md 2.6), fp32 Adam, on the leader's node and on the sharded
+    node: the parameters DDP + AdamW's given the same edits of the clipped
+    average (within 1e-6; without the edits further off), the shards'
+    mirrors the workers' after every step. Local rank 1 alone editing
+    (`editone`: a scaling, `addone`: an addition; the leader's node):
+    every rank of both nodes fails, naming it."""
+    outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-")
+            for v in ("editleader", "editfull", "anyleader", "anyfull")}
     for variant, out in outs.items():
         check(all(code == 0 for code, _ in run_nodes(
-            out, f"Adam:{variant}", how="leader" if variant == "editleader" else "sharded")),
+            out, f"Adam:{variant}", how="leader" if variant.endswith("leader") else "sharded")),
             f"{variant}: the node's edits after the clip failed")
     worst, apart = 0.0, 0.0
     for variant, out in outs.items():
+        edits_of = edit_any if variant.startswith("any") else edit_clipped
         reference, unedited = model_of(), model_of()
         ref_opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.0)
                     for m in (reference, unedited)]
@@ -389,8 +422,18 @@ def edit_after_clip():
                     p.grad = torch.from_numpy(average[at:at + p.numel()].copy()).view_as(p)
                     at += p.numel()
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 3 * CLIP)
+                if edits and variant.startswith("any"):
+                    # Every rank's .grad after the clip: DDP's, the clipped
+                    # average, the same bits on every rank.
+                    ddp = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).numpy()
+                    shown = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in range(4)]
+                    check(all(numpy.array_equal(s, shown[0]) for s in shown),
+                          f"{variant} step {step}: the ranks' .grad after the clip differ")
+                    off = float(numpy.abs(shown[0] - ddp).max() / numpy.abs(ddp).max())
+                    check(off <= 1e-6, f"{variant} step {step}: .grad after the clip is {off} "
+                          "(relative) from DDP's clipped average")
                 if edits:
-                    edit_clipped(m, step)
+                    edits_of(m, step)
                 o.step()
             want = flat(reference).numpy()
             for r in range(4):
@@ -408,7 +451,9 @@ def edit_after_clip():
                                           r"after clip_grad_norm_ in step 0 otherwise than its "
                                           r"leader", text),
                   f"{variant}: node {node}: a rank that alone edited after the clip is not named")
-    print(f"PASS: edit: clip_grad_norm_, then .grad scaled (mul_, div_) and zeroed per parameter on every rank of "
+    print(f"PASS: edit: clip_grad_norm_, then .grad scaled (mul_, div_) and zeroed per parameter, or "
+          "added to, clamped, a row zeroed and clipped again (.grad after the clip DDP's on "
+          "every rank), on every rank of "
           f"the leader's and the sharded node: the parameters {worst:.2g} from DDP + AdamW's given "
           f"the same edits ({apart:.2g} without them), the mirrors the workers' after every step; "
           "local rank 1 alone editing stops both nodes, naming it")

@@ -676,6 +676,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # the local ranks whose .grad at step() was not the leader's.
         self._node_grads_differ = None
         self._node_clipped = None  # ... and the gradient the last such clip gave every rank
+        # ... or, in a step that averages, whether the last clip gave every
+        # rank of the node the clipped average as its .grad (_node_show).
+        self._node_shown = False
         self._node_buckets = None
         self._push_error = None  # a leader's push at the gather failed: raised at its step
         self._pushed_before_last = 0  # partitions the leader pushed before the last bucket
@@ -1348,26 +1351,29 @@ class _MorseOptimizer(torch.optim.Optimizer):
         same bits (the session's ClippedAverage: the replies decoded and
         scaled as every replica will), so that an edit of .grad after the
         clip acts on it as under DDP; step() compares .grad with it
-        (design.md 2.6, "Edits after the clip"). Not on CUDA tensors, in a
-        node, in a compressing step, or where the pushes left during
-        backward() (step() adapts there)."""
+        (design.md 2.6, "Edits after the clip"). In a node the rank that
+        steps (the leader, or a slice's owner) shows it and _node_show gives
+        it to every rank. Not on CUDA tensors, in a compressing step, or
+        where the pushes left during backward() (step() adapts there).
+        Returns whether it showed it."""
         pushed = self._pushed[3] if self._pushed is not None else None
-        if pushed is None or self._cuda or self._node is not None or self._own_clipping:
-            return
+        if pushed is None or self._cuda or self._own_clipping:
+            return False
         if self._part_factors is not None:
             if self._part_base[1]:
-                return  # this rank's own gradient
+                return False  # this rank's own gradient
             with self._explained():
                 self._session.clip_pieces(_clip_pieces(self._ranges, self._part_factors,
                                                        self._flat_grad.numel()))
         elif not self._clipped or self._clipped[2] is None:
-            return  # the step runs unclipped
+            return False  # the step runs unclipped
         self._restore_views()
         with self._explained():
             self._session.clipped_average(self._flat_grad)
         first, edited, missing, _ = self._pushed
         self._pushed = (first, edited, missing, (self._flat_grad._version, self._flat_grad.clone()))
         self._shown = True
+        return True
 
     def _fold_or_amend(self):
         """A clip_grad_norm_ after an earlier one of the step showed the
@@ -1514,6 +1520,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if norm is not None:
             return self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         failure, error, norm = self._gathered[1], None, None
+        if self._node_shown:
+            norm = self._node_clip_after_show(max_norm, order, owned, failure)
+            if norm is not None:
+                return self._norm_tensor(norm, order, error_if_nonfinite, len(owned))
         # A clip of part of the model, or any clip in a step that had one
         # (every rank of the node calls it: the leader, or every owner,
         # decides alike).
@@ -1547,7 +1557,102 @@ class _MorseOptimizer(torch.optim.Optimizer):
             elif not failed:
                 norm = self._combine_slice_norms([n for _, n in outcomes], order, max_norm)
         self._raise_clip_failure(failed, error)
+        self._node_show()
         return self._norm_tensor(norm, order, error_if_nonfinite, owned)
+
+    def _node_outcomes(self, failure, value):
+        """Every rank of a node: the (local rank, failure) of the ranks
+        that step (the leader; sharded, every owner) that failed, and their
+        `value`s in local-rank order."""
+        node = self._node
+        if self._slices is None:
+            failure, value = node.objects((failure, value) if node.is_leader else None)[0]
+            return ([(0, failure)] if failure is not None else []), [value]
+        outcomes = node.objects((failure, value))
+        return [(k, f) for k, (f, _) in enumerate(outcomes) if f is not None], [v for _, v in outcomes]
+
+    def _node_show(self):
+        """After a node's clip of the averaged gradient: the rank that steps
+        (or each slice's owner) shows the clipped average in .grad
+        (_show_clipped_average) and every rank of the node takes it as its
+        .grad, as DDP's ranks hold it, kept to compare the ranks' .grad
+        with at step() and at a later clip (_node_grads_agree)."""
+        failure, error, shown = None, None, False
+        if self._session is not None:
+            try:
+                shown = self._show_clipped_average()
+            except Exception as e:  # the node hears it before this rank raises it
+                error, failure = e, _told(e)
+        failed, shown = self._node_outcomes(failure, shown)
+        self._raise_clip_failure(failed, error)
+        if not any(shown):
+            return
+        if self._slices is None:
+            self._restore_views()
+            self._node.share(self._flat_grad)
+        else:
+            self._share_slice_grads()
+        self._node_clipped = self._kept_clip()
+        self._node_shown = True
+
+    def _node_clip_after_show(self, max_norm, order, owned, failure):
+        """A node's clip_grad_norm_ after an earlier one of the step gave
+        every rank the clipped average (_node_show): the ranks' .grad must
+        agree; an edit since that scaled each parameter's whole gradient
+        joins the step's clip (_fold_or_amend) and the clip goes on as the
+        first did (None returned); any other makes .grad the step's gradient
+        on every slice (amended at step()), and this clip is torch's own on
+        it, as _node_own_clip's: the norm returned."""
+        error, amending = None, None
+        differ = self._node_grads_agree("between two clip_grad_norm_ calls")
+        failure = failure or differ
+        if self._session is not None and failure is None:
+            try:
+                if self._shown and not self._amending:
+                    self._fold_or_amend()
+                amending = self._amending
+            except Exception as e:
+                error, failure = e, _told(e)
+        failed, amending = self._node_outcomes(failure, amending)
+        self._raise_clip_failure(failed, error)
+        if not any(amending):
+            if self._slices is not None:
+                # Where one slice's edit joined its clip as factors, every
+                # slice's clip goes on by factors, so that the owners clip
+                # alike (_node_clip's `part`).
+                _, parts = self._node_outcomes(None, self._part_factors is not None)
+                if any(parts):
+                    if self._part_factors is None:
+                        try:
+                            self._clip_as_pieces()
+                            self._part_base = (self._averaged_gradient(), False, {})
+                        except Exception as e:
+                            error, failure = e, _told(e)
+                    failed, _ = self._node_outcomes(failure, None)
+                    self._raise_clip_failure(failed, error)
+            return None
+        if self._session is not None:
+            self._amending = True  # every slice, where one is (each its own job)
+        limit = 0.0 if math.isinf(max_norm) else max_norm
+        first, end = (0, len(self._node_params)) if self._slices is None \
+            else self._slices[self._node.local_rank]
+        mine = [i - first for i in owned if first <= i < end]  # among self._params
+        norms = None
+        if self._session is not None:
+            self._restore_views()
+            norms = [float(torch.linalg.vector_norm(self._flat_grad[lo:hi].double(), order))
+                     for lo, hi in (self._ranges[i] for i in mine)]
+        _, norms = self._node_outcomes(None, norms)  # the slices' norms, in the model's order
+        norm = _norm_of_norms([n for each in norms for n in each], order)
+        if self._session is not None:
+            self._scale_in_place(mine, _float32(_clip_factor(norm, limit)))
+        if self._slices is None:
+            self._restore_views()
+            self._node.share(self._flat_grad)
+        else:
+            self._share_slice_grads()
+        self._node_clipped = self._kept_clip()
+        return norm
 
     def _keep_sent(self):
         """In a step whose gather came at its first clip_grad_norm_ and
@@ -1826,11 +1931,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
             with self._device_context(), self._explained():
                 if self._session.clips_locally():
                     return None
-                self._session.clip(0.0)  # the whole model's clip becomes pieces
-            self._part_factors = [clipped[1]] * len(self._params)
-            self._part_base = (None, False, {})
+            self._clip_as_pieces()
         self._part_factors = [f * c for f, c in zip(self._part_factors, scales)]
         return scales
+
+    def _clip_as_pieces(self):
+        """The step's clip of the whole model becomes a factor per parameter
+        (the step's clip pieces, design.md 2.6), each the clip's factor."""
+        with self._device_context(), self._explained():
+            self._session.clip(0.0)
+        self._part_factors = [self._clipped[1]] * len(self._params)
+        self._part_base = (None, False, {})
 
     def _unclipped_step(self, error):
         """A step's first clip_grad_norm_ came after its pushes had left
@@ -2339,11 +2450,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         another edit), which that rank's step compares with its own
         (_worker_step), refusing the step unless they agree."""
         self._node_edit_scales = None
-        if self._own_clipping:
-            # The leader's own clip (_node_own_clip): .grad the leader's on
-            # every rank since, each edit after it the same on every rank.
+        if self._own_clipping or self._node_shown:
+            # The leader's own clip (_node_own_clip), or the clipped average
+            # shown (_node_show): .grad the leader's (each slice's owner's)
+            # on every rank since, each edit after it the same on every
+            # rank, which the step takes as the leader's (_worker_step).
             failure = self._node_grads_agree("after clip_grad_norm_")
-            self._node_clipped = None
+            self._node_clipped, self._node_shown = None, False
             if self._session is not None:  # (the rank steps for the node, or a slice)
                 self._node_grads_differ = failure
             return
