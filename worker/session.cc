@@ -481,14 +481,6 @@ absl::Status Session::AmendAt(std::vector<float> gradient) {
         absl::StrCat("an amended gradient of ", gradient.size(), " floats for ",
                      dim, " parameters"));
   }
-  for (const compress::Partition& p : layout_.partitions()) {
-    const std::optional<DeferredReply>& reply = (*deferred_)[p.id];
-    if (reply.has_value() && reply->staged) {
-      return absl::UnimplementedError(absl::StrCat(
-          "step ", step_, ": the replies wait on the ", engine_->kind(),
-          " engine; an amended gradient is applied on the host alone"));
-    }
-  }
   for (uint64_t i = 0; i < dim; ++i) {
     if (!std::isfinite(gradient[i])) {
       return absl::InvalidArgumentError(
@@ -650,25 +642,22 @@ absl::Status Session::AverageGradient(absl::Span<float> out) const {
       return absl::InternalError(
           absl::StrCat("step ", step_, ": no reply for partition ", p.id));
     }
-    if (reply->staged) {
-      return absl::UnimplementedError(absl::StrCat(
-          "step ", step_, ": the replies wait on the ", engine_->kind(),
-          " engine; the averaged gradient is read on the host alone"));
-    }
     const absl::Span<float> part = out.subspan(p.range.begin, p.range.size());
-    if (reply->payload.empty()) {  // an idle partition: nothing averaged
+    if (!reply->staged && reply->payload.empty()) {  // an idle partition
       std::fill(part.begin(), part.end(), 0.0f);
       continue;
     }
+    // A reply staged by a GPU engine is read where it lies on the host.
+    absl::StatusOr<absl::Span<const uint8_t>> bytes =
+        reply->staged
+            ? engine_->StagedReply(p)
+            : absl::MakeConstSpan(
+                  reinterpret_cast<const uint8_t*>(reply->payload.data()),
+                  reply->payload.size());
+    if (!bytes.ok()) return bytes.status();
     const compress::ReplyRule rule =
         compress::PlanReply(job_.algorithm, step_, HyperOf(step_hyper_, p));
-    if (absl::Status s = compress::Decode(
-            rule.codec,
-            absl::MakeConstSpan(
-                reinterpret_cast<const uint8_t*>(reply->payload.data()),
-                reply->payload.size()),
-            part);
-        !s.ok()) {
+    if (absl::Status s = compress::Decode(rule.codec, *bytes, part); !s.ok()) {
       return s;
     }
   }
@@ -780,7 +769,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
       const compress::ClipPieces pieces =
           compress::ClipPiecesOf(clip_pieces_, p.range.begin, p.range.end);
       absl::Status s;
-      if (!amended_.empty() && !reply.payload.empty()) {
+      if (!amended_.empty() && (reply.staged || !reply.payload.empty())) {
         s = engine_->ApplyAmended(step_, p,
                                   absl::MakeConstSpan(amended_).subspan(
                                       p.range.begin, p.range.size()),

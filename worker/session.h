@@ -152,8 +152,9 @@ class Session {
   // The averaged gradient itself (dim floats, the replies' decoded values,
   // before any clip), under the same conditions as AverageNorm: what
   // morse.torch takes a norm of another order of (torch's clip_grad_norm_
-  // with norm_type 3, 0.5, ...). UNIMPLEMENTED where the replies wait on a
-  // GPU; INVALID_ARGUMENT for another size.
+  // with norm_type 3, 0.5, ...); a GPU engine's replies are read where
+  // they are staged on the host (Engine::StagedReply). INVALID_ARGUMENT for
+  // another size.
   absl::Status AverageGradient(absl::Span<float> out) const;
   // The step's gradient as every replica and mirror will apply it: the
   // averaged gradient scaled by the step's clip (ClipAt's max_norm or
@@ -170,8 +171,7 @@ class Session {
   // gives). Every worker must amend alike: the commit and the next step's
   // pushes carry it, and a shard refuses another. A later ClipAt or
   // ClipPiecesAt of the step undoes it. FAILED_PRECONDITION outside such a
-  // step; UNIMPLEMENTED where the replies wait on a GPU; INVALID_ARGUMENT
-  // for another size or a value that is not finite.
+  // step; INVALID_ARGUMENT for another size or a value that is not finite.
   absl::Status AmendAt(std::vector<float> gradient);
   absl::Status SendPartition(uint32_t partition);
   absl::Status Finish(StepTraffic* traffic = nullptr);

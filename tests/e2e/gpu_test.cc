@@ -7,14 +7,20 @@
 // (cuBLAS) the GPU gradient must match the CPU's to rounding and both workers'
 // models must stay identical. These skip, saying why, without a GPU; the
 // --device checks at the end run everywhere.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "compress/codec.h"
+#include "compress/error_feedback.h"
 #include "compress/layout.h"
 #include "compress/replica.h"
+#include "compress/step_plan.h"
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "proto/job_config.h"
@@ -283,6 +289,89 @@ TEST(GpuTest, MixedMlpJobKeepsBothReplicasIdentical) {
   ASSERT_FALSE(accuracy.empty()) << gpu_log;
   EXPECT_GT(std::stod(accuracy.back()), 0.9) << gpu_log;
   std::system(absl::StrCat("rm -rf ", dir).c_str());
+}
+
+// A step that averages whose gradient the workers amended (design.md 2.6,
+// "Edits after the clip"), on the GPU engine and the host's: a reply the
+// GPU engine staged is read back where it lies on the host (what
+// Session::AverageGradient decodes), and partition 0's amended values
+// applied in place of its reply, the others' replies as they came, leave
+// x, m and v with the host replica's bits, over three fp32 Adam steps.
+TEST(GpuTest, AnAmendedStepOnTheGpuHasTheHostsBits) {
+  auto device = kernels::DeviceDescription();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
+  auto job = proto::ParseJobConfig(
+      "workers: 2 shards: 1 synthetic { dim: 3000 } lr { lr: 0.01 } "
+      "steps: 3 optimizer: \"adam\" block_elems: 16 partition_elems: 1024",
+      proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  const compress::AlgorithmConfig& config = job->algorithm;
+  const uint64_t dim = config.layout.dim;
+  auto layout = compress::Layout::Create(config.layout);
+  ASSERT_TRUE(layout.ok()) << layout.status();
+  compress::Replica host_replica(config, {0, dim}),
+      gpu_replica(config, {0, dim});
+  for (uint64_t j = 0; j < dim; ++j) {
+    host_replica.x()[j] = gpu_replica.x()[j] =
+        0.001f * static_cast<float>(j % 97) - 0.05f;
+  }
+  compress::ErrorFeedback host_error(config.worker_feedback, dim,
+                                     config.layout.block_elems),
+      gpu_error(config.worker_feedback, dim, config.layout.block_elems);
+  auto host = worker::CreateEngine(
+      "cpu", {&config, &*layout, &host_replica, &host_error});
+  auto gpu = worker::CreateEngine(
+      "cuda", {&config, &*layout, &gpu_replica, &gpu_error});
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  ASSERT_TRUE((*gpu)->Load(gpu_replica, gpu_error).ok());
+  for (int64_t step = 0; step < 3; ++step) {
+    (*gpu)->BeginReplies(step);
+    for (const compress::Partition& p : layout->partitions()) {
+      const compress::CodecSpec codec = compress::PlanReply(config, step).codec;
+      std::vector<float> values(p.range.size()), amended(p.range.size());
+      for (size_t j = 0; j < values.size(); ++j) {
+        values[j] =
+            0.01f * static_cast<float>((j * 7 + step * 13 + p.id) % 23) - 0.1f;
+        amended[j] = 0.5f * values[j] + 0.003f;
+      }
+      std::string reply(compress::PayloadBytes(codec, values.size()), '\0');
+      const absl::Span<uint8_t> out(reinterpret_cast<uint8_t*>(reply.data()),
+                                    reply.size());
+      ASSERT_TRUE(compress::Encode(codec, values, {}, out).ok());
+      const absl::Span<const uint8_t> bytes = out;
+      ASSERT_TRUE((*gpu)->StageReply(step, p, bytes).ok());
+      auto staged = (*gpu)->StagedReply(p);
+      ASSERT_TRUE(staged.ok()) << staged.status();
+      ASSERT_TRUE(std::equal(staged->begin(), staged->end(), bytes.begin(),
+                             bytes.end()))
+          << "step " << step << ", partition " << p.id;
+      if (p.id == 0) {
+        ASSERT_TRUE(
+            (*host)->ApplyAmended(step, p, amended, /*hyper=*/nullptr).ok());
+        ASSERT_TRUE(
+            (*gpu)->ApplyAmended(step, p, amended, /*hyper=*/nullptr).ok());
+      } else {
+        ASSERT_TRUE((*host)->ApplyReply(step, p, bytes).ok());
+        ASSERT_TRUE((*gpu)->ApplyStagedReply(step, p).ok());
+      }
+      EXPECT_EQ((*gpu)->StagedReply(p).status().code(),
+                absl::StatusCode::kFailedPrecondition);
+    }
+    ASSERT_TRUE((*gpu)->FinishApplies().ok());
+  }
+  ASSERT_TRUE((*gpu)->Store(gpu_replica, gpu_error).ok());
+  for (auto [name, a, b] :
+       {std::tuple{"x", absl::Span<const float>(host_replica.x()),
+                   absl::Span<const float>(gpu_replica.x())},
+        std::tuple{"m", absl::Span<const float>(host_replica.m()),
+                   absl::Span<const float>(gpu_replica.m())},
+        std::tuple{"v", absl::Span<const float>(host_replica.v()),
+                   absl::Span<const float>(gpu_replica.v())}}) {
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), 4 * dim), 0)
+        << name << " differs between the GPU and the host";
+  }
 }
 
 // Runs everywhere: what --device does with and without a GPU.

@@ -25,7 +25,9 @@ version counter: the first step compares the bits). And DDP's no_sync() idiom: a
 step all of them, so that step() pushes), rank 0 overlapping. And two
 parameter groups with their own lr and weight_decay (Hugging Face's
 decay / no-decay split, with a per-group LambdaLR and a group's lr changed
-mid-run), against torch.optim.AdamW with the same groups."""
+mid-run), against torch.optim.AdamW with the same groups. The modes that
+read the averaged gradient (CUDA_MODES) run again with the models on the
+GPU where there is one (`test_adam_matches_torch.py cuda`: those alone)."""
 import contextlib
 import os
 import re
@@ -34,7 +36,7 @@ import warnings
 
 import torch
 
-from harness import check, morse_run
+from harness import check, has_cuda, morse_run
 
 
 class Model(torch.nn.Module):
@@ -166,6 +168,10 @@ def worker_part(kind, amend=False):
 
 def worker(mode):
     import morse.torch
+    # "MODE@cuda": rank 0's and rank 1's models on the GPU (the reference
+    # on the CPU), for the modes that read the averaged gradient.
+    mode, _, where = mode.partition("@")
+    device = torch.device(where or "cpu")
     if mode.startswith(("part_", "amend_")):
         worker_part(mode.split("_", 1)[1], amend=mode.startswith("amend_"))
         return
@@ -200,7 +206,7 @@ def worker(mode):
     clip_then_edit = mode in ("edit_clip", "edit_any")
     limit = 0.1 if edit else 0.2  # clips most steps
     torch.manual_seed(1)
-    model = Model()
+    model = Model().to(device)
     rank = int(os.environ["MORSE_RANK"])
     # Rank 0 pushes from the backward pass, rank 1 at step(): the same bits.
     # "accumulate": each rank's batch in two backward() calls of half the
@@ -254,7 +260,7 @@ def worker(mode):
         if groups and step == 10:
             for o in (opt, ref_opt):  # one group's weight decay changed
                 o.param_groups[1]["weight_decay"] = 0.05
-        x, y = data(opt.rank, step)
+        x, y = (t.to(device) for t in data(opt.rank, step))
         if mode == "no_sync":
             # k backward() calls of 16/k rows each, as DDP scripts do with
             # model.no_sync() around all but the last.
@@ -363,7 +369,8 @@ def worker(mode):
                         m_.load_state_dict({k: v * 0.5 for k, v in m_.state_dict().items()})
                     for p in m_.parameters():
                         p.clamp_(-0.2, 0.2)
-        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        diff = max((a.detach().cpu() - b).abs().max().item()
+                   for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
     if clip or clip_after or edit or edit_after:
@@ -412,7 +419,8 @@ def worker(mode):
             "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
                        "halved weights loaded after step 10",
             }.get(mode, "constant")
-    print(f"rank {opt.rank}: 20 steps ({what}), largest difference from torch.optim.Adam {worst:.2e}")
+    print(f"rank {opt.rank}: 20 steps ({what}{', on CUDA tensors' if where else ''}), largest "
+          f"difference from torch.optim.Adam {worst:.2e}")
 
 
 def worker_late(kind, start):
@@ -510,20 +518,40 @@ def worker_late(kind, start):
           f"torch.optim.Adam {worst:.2e}" + (f" outside step {start}" if start else ""))
 
 
-if __name__ == "__main__":
-    if "--worker" in sys.argv:
-        worker(sys.argv[-1])
-        sys.exit(0)
-    for mode in ("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "edit_any", "no_sync",
-                 "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
-                 "weights", "one_cycle", "group_betas"):
+# The modes that read the averaged gradient (norms of other orders, clips of
+# part of the model, edits after the clip), again with the models on the
+# GPU: the replies read where the engine stages them (Engine::StagedReply),
+# an amended step applied on the device (`test_adam_matches_torch.py cuda`
+# runs these alone; without a GPU they are skipped, saying so).
+CUDA_MODES = ("clip_p", "clip_part", "edit_clip", "edit_part", "edit_any")
+
+
+def run_modes(modes):
+    for mode in modes:
         code, out = morse_run(__file__, 2, 2, mode)
         print(out)
         check(code == 0, f"the job failed ({mode})")
         check(out.count("largest difference from torch.optim.Adam") == 2, "both ranks report")
         if mode.startswith("late_"):
             check(out.count("warned: morse: in step") == 2, "both ranks warned")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        worker(sys.argv[-1])
+        sys.exit(0)
+    if sys.argv[1:] == ["cuda"]:
+        if not has_cuda("the modes that read the averaged gradient on CUDA tensors"):
+            sys.exit(77)
+        run_modes([f"{m}@cuda" for m in CUDA_MODES])
+        print("PASS")
+        sys.exit(0)
+    run_modes(("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
+                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "edit_any", "no_sync",
+                 "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
+                 "weights", "one_cycle", "group_betas"))
+    if has_cuda("the modes that read the averaged gradient on CUDA tensors"):
+        run_modes([f"{m}@cuda" for m in CUDA_MODES])
     for kind in ("onebit", "zero_one", "lamb"):
         for variant in ("part", "amend"):
             code, out = morse_run(__file__, 2, 2, f"{variant}_{kind}")

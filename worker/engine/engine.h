@@ -174,16 +174,12 @@ class Engine {
       absl::Span<const compress::ClipPiece> clip_pieces = {}) = 0;
   // Applies partition `p`'s part of the gradient the workers amended step
   // `step` to (Session::AmendAt: `gradient`, its p.range.size() floats),
-  // in place of the decoded reply and its clip, as every replica and
-  // mirror does (design.md 2.6, "Edits after the clip"). UNIMPLEMENTED
-  // where the engine has no host path for it (a GPU engine).
-  virtual absl::Status ApplyAmended(int64_t /*step*/,
-                                    const compress::Partition& /*p*/,
-                                    absl::Span<const float> /*gradient*/,
-                                    const compress::StepHyper* /*hyper*/) {
-    return absl::UnimplementedError(
-        "an amended gradient is applied on the host engine alone");
-  }
+  // in place of the decoded reply and its clip (and of a reply staged for
+  // `p`, which is dropped), as every replica and mirror does (design.md
+  // 2.6, "Edits after the clip").
+  virtual absl::Status ApplyAmended(int64_t step, const compress::Partition& p,
+                                    absl::Span<const float> gradient,
+                                    const compress::StepHyper* hyper) = 0;
   // A reply kept for the end of the step (Session::SetDeferApply) taken
   // ahead into the engine's own memory as it lands (a GPU engine copies it
   // to the device; x, m and v unchanged), then applied by ApplyStagedReply
@@ -198,6 +194,15 @@ class Engine {
       int64_t, const compress::Partition&, const compress::StepHyper* = nullptr,
       float = 1.0f,
       absl::Span<const compress::ClipPiece> /*clip_pieces*/ = {}) {
+    return absl::UnimplementedError("replies are applied from the host");
+  }
+  // The bytes of the reply StageReply took for `p` and nothing has applied
+  // yet, where the engine keeps them on the host (a GPU engine's pinned
+  // staging, valid until the reply is applied): what Session::
+  // AverageGradient decodes. FAILED_PRECONDITION where none is staged;
+  // UNIMPLEMENTED where the engine keeps no replies.
+  virtual absl::StatusOr<absl::Span<const uint8_t>> StagedReply(
+      const compress::Partition&) const {
     return absl::UnimplementedError("replies are applied from the host");
   }
   // The session begins the exchange of `step` (each attempt at it): what

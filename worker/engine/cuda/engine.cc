@@ -434,53 +434,68 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     slot.staged = 0;
     const uint8_t* payload = payloads_.as<uint8_t>() + slot.offset;
-    float* x = x_ptr_ + begin;
-    float* m = m_.as<float>() + begin;
-    float* v = v_.as<float>() + begin;
-    absl::Status s;
     if (rule.frozen_variance && !rule.lamb && rule.grad_scale == 1.0f &&
         clip_pieces.empty() && rule.codec.kind == compress::CodecKind::kSign1) {
-      s = kernels::DecodeFrozenUpdate(*apply_, rule.codec, payload, n,
-                                      rule.scalars, rule.mask, x, m, v);
-    } else {
-      // compress::ApplyRule's cases, on the decoded reply.
-      float* decoded = apply_scratch_.as<float>() + begin;
-      s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
-      if (s.ok() &&
-          rule.grad_scale != 1.0f) {  // the averaged gradient's clip factor
-        s = kernels::Scale(*apply_, rule.grad_scale, decoded, decoded, n);
-      }
-      // A clip of part of the model: each piece by its own factor (the
-      // same multiplication as compress::ScaleByPieces).
-      uint64_t start = 0;
-      for (const compress::ClipPiece& piece : clip_pieces) {
-        if (s.ok() && piece.scale != 1.0f) {
-          s = kernels::Scale(*apply_, piece.scale, decoded + start,
-                             decoded + start, piece.end - start);
-        }
-        start = piece.end;
-      }
-      if (!s.ok()) {
-      } else if (rule.lamb) {
-        compress::ReplyRule moments = rule;
-        moments.grad_scale = 1.0f;  // the decoded values are scaled above
-        s = kernels::LambMoments(*apply_, moments, decoded, m, v,
-                                 v_fresh_.as<float>() + begin, n);
-      } else if (rule.sync) {
-        const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
-        s = kernels::ZeroOneSyncUpdate(*apply_, rule.scalars, rule.mask,
-                                       decoded, anchor, x, m, v, n);
-      } else if (rule.frozen_variance) {
-        s = kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x,
-                                  m, v, n);
-      } else if (rule.bounded_variance) {
-        s = kernels::ZeroOneVarianceUpdate(*apply_, rule.scalars, decoded, x, m,
-                                           v, n);
-      } else {
-        s = kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
-      }
+      return kernels::DecodeFrozenUpdate(
+          *apply_, rule.codec, payload, n, rule.scalars, rule.mask,
+          x_ptr_ + begin, m_.as<float>() + begin, v_.as<float>() + begin);
     }
-    return s;  // enqueued; FinishApplies waits for it
+    // compress::ApplyRule's cases, on the decoded reply.
+    float* decoded = apply_scratch_.as<float>() + begin;
+    absl::Status s = kernels::Decode(*apply_, rule.codec, payload, n, decoded);
+    if (s.ok() &&
+        rule.grad_scale != 1.0f) {  // the averaged gradient's clip factor
+      s = kernels::Scale(*apply_, rule.grad_scale, decoded, decoded, n);
+    }
+    // A clip of part of the model: each piece by its own factor (the
+    // same multiplication as compress::ScaleByPieces).
+    uint64_t start = 0;
+    for (const compress::ClipPiece& piece : clip_pieces) {
+      if (s.ok() && piece.scale != 1.0f) {
+        s = kernels::Scale(*apply_, piece.scale, decoded + start,
+                           decoded + start, piece.end - start);
+      }
+      start = piece.end;
+    }
+    if (!s.ok()) return s;
+    return UpdateFromDecoded(rule, begin, n);  // enqueued; FinishApplies waits
+  }
+
+  // The amended gradient in place of the partition's reply, decoded and
+  // clipped (compress::Replica::ApplyReply's `amended`: the rule's codec
+  // fp32, scaled by nothing), into the decode's scratch and then through
+  // the same update.
+  absl::Status ApplyAmended(int64_t step, const compress::Partition& p,
+                            absl::Span<const float> gradient,
+                            const compress::StepHyper* hyper) override {
+    if (absl::Status s = OnDevice(); !s.ok()) return s;
+    const uint64_t begin = p.range.begin, n = p.range.size();
+    if (gradient.size() != n) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("an amended gradient of ", gradient.size(),
+                       " floats for partition ", p.id, " of ", n));
+    }
+    compress::ReplyRule rule = compress::PlanReply(config_, step, hyper, 1.0f);
+    rule.codec = compress::CodecSpec{compress::CodecKind::kFp32};
+    MutexLock lock(&apply_mu_);
+    slots_[p.id].staged = 0;  // the partition's reply, if staged, is not used
+    if (absl::Status s = apply_->CopyToDevice(
+            apply_scratch_.as<float>() + begin, gradient.data(), 4 * n);
+        !s.ok())
+      return s;
+    return UpdateFromDecoded(rule, begin, n);
+  }
+
+  absl::StatusOr<absl::Span<const uint8_t>> StagedReply(
+      const compress::Partition& p) const override {
+    MutexLock lock(&apply_mu_);
+    const Slot& slot = slots_[p.id];
+    if (slot.staged == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("partition ", p.id, " has no staged reply"));
+    }
+    return absl::Span<const uint8_t>(payloads_host_.data() + slot.offset,
+                                     slot.staged);
   }
 
   absl::Status FinishApplies() override {
@@ -618,6 +633,37 @@ class CudaEngine final : public Engine, public DeviceServices {
   // whatever the calling thread (gRPC threads apply replies).
   absl::Status OnDevice() const { return kernels::SetDevice(device_); }
 
+  // compress::ApplyRule's update of elements [begin, begin + n) from the
+  // decoded, clipped values in apply_scratch_ there, enqueued on the apply
+  // stream (apply_mu_ held).
+  absl::Status UpdateFromDecoded(const compress::ReplyRule& rule,
+                                 uint64_t begin, uint64_t n) {
+    const float* decoded = apply_scratch_.as<float>() + begin;
+    float* x = x_ptr_ + begin;
+    float* m = m_.as<float>() + begin;
+    float* v = v_.as<float>() + begin;
+    if (rule.lamb) {
+      compress::ReplyRule moments = rule;
+      moments.grad_scale = 1.0f;  // the decoded values are scaled already
+      return kernels::LambMoments(*apply_, moments, decoded, m, v,
+                                  v_fresh_.as<float>() + begin, n);
+    }
+    if (rule.sync) {
+      const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
+      return kernels::ZeroOneSyncUpdate(*apply_, rule.scalars, rule.mask,
+                                        decoded, anchor, x, m, v, n);
+    }
+    if (rule.frozen_variance) {
+      return kernels::FrozenUpdate(*apply_, rule.scalars, rule.mask, decoded, x,
+                                   m, v, n);
+    }
+    if (rule.bounded_variance) {
+      return kernels::ZeroOneVarianceUpdate(*apply_, rule.scalars, decoded, x,
+                                            m, v, n);
+    }
+    return kernels::AdamUpdate(*apply_, rule.scalars, decoded, x, m, v, n);
+  }
+
   static inline const std::string kName = "cuda";
   compress::AlgorithmConfig config_;
   compress::Layout layout_;
@@ -656,7 +702,7 @@ class CudaEngine final : public Engine, public DeviceServices {
   kernels::DeviceBuffer square_sums_;
   kernels::PinnedBuffer square_sums_host_;
   std::unique_ptr<kernels::Context> send_, apply_;
-  Mutex apply_mu_;
+  mutable Mutex apply_mu_;
   std::unique_ptr<DeviceMlpOps> mlp_ops_;
   std::list<kernels::DeviceBuffer> workload_buffers_;
 };

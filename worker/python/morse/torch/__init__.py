@@ -1353,11 +1353,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         clip acts on it as under DDP; step() compares .grad with it
         (design.md 2.6, "Edits after the clip"). In a node the rank that
         steps (the leader, or a slice's owner) shows it and _node_show gives
-        it to every rank. Not on CUDA tensors, in a compressing step, or
-        where the pushes left during backward() (step() adapts there).
-        Returns whether it showed it."""
+        it to every rank. Not in a compressing step, or where the pushes
+        left during backward() (step() adapts there). Returns whether it
+        showed it."""
         pushed = self._pushed[3] if self._pushed is not None else None
-        if pushed is None or self._cuda or self._own_clipping:
+        if pushed is None or self._own_clipping:
             return False
         if self._part_factors is not None:
             if self._part_base[1]:
@@ -1367,9 +1367,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                                        self._flat_grad.numel()))
         elif not self._clipped or self._clipped[2] is None:
             return False  # the step runs unclipped
+        else:
+            with self._device_context(), self._explained():
+                if self._session.clips_locally():
+                    return False  # a compressing step on CUDA tensors: this rank's own
         self._restore_views()
-        with self._explained():
-            self._session.clipped_average(self._flat_grad)
+        if self._cuda:  # decoded on the host, from where the replies are staged
+            shown = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
+            with self._device_context(), self._explained():
+                self._session.clipped_average(shown)
+            self._flat_grad.copy_(shown)
+        else:
+            with self._explained():
+                self._session.clipped_average(self._flat_grad)
         first, edited, missing, _ = self._pushed
         self._pushed = (first, edited, missing, (self._flat_grad._version, self._flat_grad.clone()))
         self._shown = True
@@ -1459,9 +1469,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         its first clip). The step's first such call takes the base gradient
         and turns the factor of its earlier clips of the whole model, if
         any, into one per parameter."""
-        if self._cuda:
-            raise MorseError("UNIMPLEMENTED: clip_grad_norm_ over part of a Morse optimizer's "
-                             "parameters on CUDA tensors: pass them all (model.parameters())")
         if self._part_factors is None:
             clipped = self._clipped
             if clipped and clipped[2] is None:
@@ -1470,6 +1477,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             try:
                 with self._device_context(), self._explained():
                     own = self._session.clips_locally()
+                    if own and self._cuda:
+                        raise MorseError(
+                            "UNIMPLEMENTED: clip_grad_norm_ over part of a Morse optimizer's "
+                            "parameters on CUDA tensors in a step that compresses (its pushes "
+                            "left at the clip, on the GPU): pass them all (model.parameters())")
                     self._session.clip(0.0)  # waits for every reply where the step averages
             except MorseError as error:
                 self._clipped = (self._unclipped_step(error), 1.0, None)
@@ -1578,7 +1590,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         .grad, as DDP's ranks hold it, kept to compare the ranks' .grad
         with at step() and at a later clip (_node_grads_agree)."""
         failure, error, shown = None, None, False
-        if self._session is not None:
+        # (Not on CUDA tensors yet: a node shares them through the host.)
+        if self._session is not None and not self._cuda:
             try:
                 shown = self._show_clipped_average()
             except Exception as e:  # the node hears it before this rank raises it
@@ -1587,13 +1600,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._raise_clip_failure(failed, error)
         if not any(shown):
             return
+        self._share_stepped_grads()
+        self._node_shown = True
+
+    def _share_stepped_grads(self):
+        """Every rank of the node takes as its .grad what the ranks that
+        step hold (the leader's, or each slice's owner's), kept to compare
+        the ranks' .grad with (_node_grads_agree)."""
         if self._slices is None:
             self._restore_views()
             self._node.share(self._flat_grad)
         else:
             self._share_slice_grads()
         self._node_clipped = self._kept_clip()
-        self._node_shown = True
 
     def _node_clip_after_show(self, max_norm, order, owned, failure):
         """A node's clip_grad_norm_ after an earlier one of the step gave
@@ -1646,12 +1665,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         norm = _norm_of_norms([n for each in norms for n in each], order)
         if self._session is not None:
             self._scale_in_place(mine, _float32(_clip_factor(norm, limit)))
-        if self._slices is None:
-            self._restore_views()
-            self._node.share(self._flat_grad)
-        else:
-            self._share_slice_grads()
-        self._node_clipped = self._kept_clip()
+        self._share_stepped_grads()
         return norm
 
     def _keep_sent(self):
@@ -1911,11 +1925,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the step's clip, sent as its clip pieces, and the step gives DDP's
         result (to float rounding). Returns the factors by parameter where it did, else None:
         anything else (another edit, a compressing step, whose pushes read
-        the gradient at step(), CUDA tensors) is left to the caller's
-        refusal."""
+        the gradient at step()) is left to the caller (an amended step, or a
+        refusal)."""
         clipped = self._clipped
-        if self._cuda:
-            return None
         if self._part_factors is not None:
             if self._part_base[1]:
                 return None  # a compressing step: its own gradient, scaled at step()
@@ -1977,12 +1989,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     # Another order (3, 0.5, ...): of the averaged gradient
                     # itself, which the shards send no norm of.
                     if not average:
-                        if self._cuda:
-                            raise MorseError(
-                                f"UNIMPLEMENTED: clip_grad_norm_(..., norm_type={order}) on CUDA "
-                                "tensors in a step that averages: the shards send the averaged "
-                                "gradient's norms of order 2, 1 and inf, and its replies wait on "
-                                "the GPU, where Morse takes no other; use one of those orders")
                         average.append(self._averaged_gradient())
                     cache[order] = self._norm_by_parameter(average[0], order)
             return cache[order]
@@ -2111,8 +2117,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._session.clip_pieces(_clip_pieces(self._ranges, factors,
                                                            self._flat_grad.numel()))
         if amend:
-            with self._explained():
-                self._session.amend(self._flat_grad)
+            with self._device_context(), self._explained():
+                self._session.amend(self._flat_grad.cpu() if self._cuda else self._flat_grad)
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
@@ -2167,7 +2173,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 f"in step {self.step_index - 1}, which used them as they were at "
                 "clip_grad_norm_: after it, only a parameter's whole gradient scaled (mul_, "
                 "div_, zero_) joins the step's clip"
-                f"{'' if not self._cuda else ' (not on CUDA tensors)'}; make other edits "
+                f"{' (none in a step that compresses, on CUDA tensors)' if self._cuda else ''}"
+                "; make other edits "
                 "before clip_grad_norm_, as under DDP its clip factor is of the gradient it sees")
         if edited:
             self._surprised("the gradients changed after backward() had pushed them (editing, "
