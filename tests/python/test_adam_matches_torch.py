@@ -519,11 +519,11 @@ def worker_late(kind, start):
 
 
 # The modes that read the averaged gradient (norms of other orders, clips of
-# part of the model, edits after the clip), again with the models on the
-# GPU: the replies read where the engine stages them (Engine::StagedReply),
-# an amended step applied on the device (`test_adam_matches_torch.py cuda`
-# runs these alone; without a GPU they are skipped, saying so).
-CUDA_MODES = ("clip_p", "clip_part", "edit_clip", "edit_part", "edit_any")
+# part of the model, scalings after the clip), again with the models on the
+# GPU: the replies read where the engine stages them (Engine::StagedReply;
+# `test_adam_matches_torch.py cuda` runs these alone; without a GPU they
+# are skipped, saying so).
+CUDA_MODES = ("clip_p", "clip_part", "edit_clip", "edit_part")
 
 
 def run_modes(modes):

@@ -262,6 +262,33 @@ def check_slices(out, nnodes, local_size, steps=range(STEPS)):
                   f"slice {k} node {node}: server_error in the state_dict of its job's worker 0 alone")
 
 
+def check_shown_slices(out, nnodes, local_size, steps):
+    """The warmup of `ownfull` (steps that average, clip_grad_norm_ with
+    max_norm inf: the norm alone): every rank's .grad after the call
+    (clipped-R-STEP.npy) is DDP's, the job's average, the same bits on
+    every rank, within 1e-6 of it (relative), and each slice's owner keeps
+    its slice of it after step(). The gradients recorded for the simulator
+    become the nodes' averages of each slice, which the owners pushed."""
+    ranks = nnodes * local_size
+    for step in steps:
+        averages = [node_average([numpy.load(f"{out}/own-{n * local_size + r}-{step}.npy")
+                                  for r in range(local_size)]) for n in range(nnodes)]
+        job = sum(a.astype(numpy.float64) for a in averages) / nnodes
+        shown = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in range(ranks)]
+        check(all(s.tobytes() == shown[0].tobytes() for s in shown),
+              f"step {step}: .grad after clip_grad_norm_ differs between the ranks")
+        off = float(numpy.abs(shown[0] - job).max() / numpy.abs(job).max())
+        check(off <= 1e-6, f"step {step}: .grad after clip_grad_norm_ is {off} (relative) from "
+              "DDP's averaged gradient")
+        for k in range(local_size):
+            lo, hi = json.load(open(f"{out}/range-{k}.json"))
+            for n in range(nnodes):
+                kept = numpy.load(f"{out}/slice-{k}/grad-{n}-{step}.npy")
+                check(kept.tobytes() == shown[0][lo:hi].tobytes(),
+                      f"step {step}: slice {k}'s owner on node {n} does not keep the shown average")
+                numpy.save(f"{out}/slice-{k}/grad-{n}-{step}.npy", averages[n][lo:hi])
+
+
 def check_nodes_share(out, nnodes, local_size, variant, may_differ):
     params = [json.load(open(f"{out}/params-{r}-{variant}.json")) for r in range(nnodes * local_size)]
     for r, p in enumerate(params):
@@ -472,6 +499,7 @@ def edit_in_compression():
     check(all(code == 0 for code, _ in run_nodes(out, "OneBitAdam:ownfull")),
           "the sharded node's edits after the clip in the compression phase failed")
     sizes = [200, 20, 80, 4]
+    check_shown_slices(out, 2, 2, range(FREEZE))
     check_slices(out, 2, 2, steps=range(FREEZE))
     for node in range(2):
         for step in range(FREEZE, STEPS):

@@ -1353,11 +1353,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
         clip acts on it as under DDP; step() compares .grad with it
         (design.md 2.6, "Edits after the clip"). In a node the rank that
         steps (the leader, or a slice's owner) shows it and _node_show gives
-        it to every rank. Not in a compressing step, or where the pushes
-        left during backward() (step() adapts there). Returns whether it
-        showed it."""
+        it to every rank. Not in a compressing step, where the pushes left
+        during backward() (step() adapts there), or on CUDA tensors (it would
+        cost a decode of the model on the host and its copy to the device
+        every clipped step: .grad keeps the rank's own gradient there).
+        Returns whether it showed it."""
         pushed = self._pushed[3] if self._pushed is not None else None
-        if pushed is None or self._own_clipping:
+        if pushed is None or self._own_clipping or self._cuda:
             return False
         if self._part_factors is not None:
             if self._part_base[1]:
@@ -1367,19 +1369,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                                        self._flat_grad.numel()))
         elif not self._clipped or self._clipped[2] is None:
             return False  # the step runs unclipped
-        else:
-            with self._device_context(), self._explained():
-                if self._session.clips_locally():
-                    return False  # a compressing step on CUDA tensors: this rank's own
         self._restore_views()
-        if self._cuda:  # decoded on the host, from where the replies are staged
-            shown = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
-            with self._device_context(), self._explained():
-                self._session.clipped_average(shown)
-            self._flat_grad.copy_(shown)
-        else:
-            with self._explained():
-                self._session.clipped_average(self._flat_grad)
+        with self._explained():
+            self._session.clipped_average(self._flat_grad)
         first, edited, missing, _ = self._pushed
         self._pushed = (first, edited, missing, (self._flat_grad._version, self._flat_grad.clone()))
         self._shown = True
@@ -1590,8 +1582,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         .grad, as DDP's ranks hold it, kept to compare the ranks' .grad
         with at step() and at a later clip (_node_grads_agree)."""
         failure, error, shown = None, None, False
-        # (Not on CUDA tensors yet: a node shares them through the host.)
-        if self._session is not None and not self._cuda:
+        if self._session is not None:
             try:
                 shown = self._show_clipped_average()
             except Exception as e:  # the node hears it before this rank raises it
@@ -2117,8 +2108,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     self._session.clip_pieces(_clip_pieces(self._ranges, factors,
                                                            self._flat_grad.numel()))
         if amend:
-            with self._device_context(), self._explained():
-                self._session.amend(self._flat_grad.cpu() if self._cuda else self._flat_grad)
+            with self._explained():
+                self._session.amend(self._flat_grad)
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
@@ -2173,8 +2164,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 f"in step {self.step_index - 1}, which used them as they were at "
                 "clip_grad_norm_: after it, only a parameter's whole gradient scaled (mul_, "
                 "div_, zero_) joins the step's clip"
-                f"{' (none in a step that compresses, on CUDA tensors)' if self._cuda else ''}"
-                "; make other edits "
+                f"{' (in a step that averages)' if self._cuda else ''}; make other edits "
                 "before clip_grad_norm_, as under DDP its clip factor is of the gradient it sees")
         if edited:
             self._surprised("the gradients changed after backward() had pushed them (editing, "
