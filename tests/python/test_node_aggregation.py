@@ -213,29 +213,39 @@ def check_node_averages(out, nnodes, local_size, steps=range(STEPS)):
                   "is not the node's average in local-rank order")
 
 
+def shown_average(out, nnodes, local_size, step, max_norm):
+    """A step that averages, clipped by clip_grad_norm_(…, max_norm) on
+    every rank: every rank's .grad after the call (clipped-R-STEP.npy) is
+    DDP's, the clipped job average, the same bits on every rank, within
+    1e-6 of torch's clip of the average (relative: torch sums the norm in
+    another order). Returns (the nodes' averages, which the stepping ranks
+    pushed, and what .grad held)."""
+    averages = [node_average([numpy.load(f"{out}/own-{n * local_size + r}-{step}.npy")
+                              for r in range(local_size)]) for n in range(nnodes)]
+    job = sum(a.astype(numpy.float64) for a in averages) / nnodes
+    shown = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in range(nnodes * local_size)]
+    check(all(s.tobytes() == shown[0].tobytes() for s in shown),
+          f"step {step}: .grad after clip_grad_norm_ differs between the ranks")
+    want = job * min(1.0, max_norm / (numpy.linalg.norm(job) + 1e-6))
+    off = float(numpy.abs(shown[0] - want).max() / numpy.abs(want).max())
+    check(off <= 1e-6, f"step {step}: .grad after clip_grad_norm_ is {off} (relative) from "
+          "DDP's clipped average")
+    return averages, shown[0]
+
+
 def check_shown_averages(out, nnodes, local_size, variant, steps):
-    """The steps that average of the clip variants: every rank's .grad
-    after clip_grad_norm_ (clipped-R-STEP.npy) is DDP's, the clipped job
-    average (CLIP's clip, or `edit`'s max_norm inf: none), the same bits on
-    every rank and in the leader's .grad after step() (grad-NODE-STEP.npy),
-    within 1e-6 of torch's clip of the average (torch sums the norm in
-    another order). The gradients recorded for the simulator become the
-    nodes' averages, which the leaders pushed."""
-    ranks = nnodes * local_size
+    """The steps that average of the clip variants (CLIP's clip, or
+    `edit`'s max_norm inf: none): .grad after the call DDP's on every rank
+    (shown_average) and in the leader's after step() (grad-NODE-STEP.npy).
+    The gradients recorded for the simulator become the nodes' averages,
+    which the leaders pushed."""
     for step in steps:
-        averages = [node_average([numpy.load(f"{out}/own-{n * local_size + r}-{step}.npy")
-                                  for r in range(local_size)]) for n in range(nnodes)]
-        job = sum(a.astype(numpy.float64) for a in averages) / nnodes
-        shown = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in range(ranks)]
-        kept = [numpy.load(f"{out}/grad-{n}-{step}.npy") for n in range(nnodes)]
-        check(all(s.tobytes() == shown[0].tobytes() for s in shown + kept),
-              f"step {step}: .grad after clip_grad_norm_ differs between the ranks")
-        norm = numpy.linalg.norm(job)
-        want = job * (min(1.0, CLIP / (norm + 1e-6)) if variant == "clip" else 1.0)
-        off = float(numpy.abs(shown[0] - want).max() / numpy.abs(want).max())
-        check(off <= 1e-6, f"step {step}: .grad after clip_grad_norm_ is {off} (relative) from "
-              "DDP's clipped average")
+        averages, shown = shown_average(out, nnodes, local_size, step,
+                                        CLIP if variant == "clip" else math.inf)
         for n in range(nnodes):
+            kept = numpy.load(f"{out}/grad-{n}-{step}.npy")
+            check(kept.tobytes() == shown.tobytes(),
+                  f"step {step}: node {n}'s leader does not keep the shown average")
             numpy.save(f"{out}/grad-{n}-{step}.npy", averages[n])
 
 

@@ -69,6 +69,7 @@ import torch
 from harness import check, check_ranks_match_simulator, has_cuda, modes_of, nodes  # noqa: E402
 from test_node_aggregation import CLIP, FREEZE, STEPS, build, clamp_weights, node_average  # noqa: E402
 from test_node_aggregation import check_node_clip, edit_clipped as add_after_clip, edited  # noqa: E402
+from test_node_aggregation import shown_average  # noqa: E402
 
 
 def model_of(seed=5):
@@ -269,22 +270,13 @@ def check_shown_slices(out, nnodes, local_size, steps):
     every rank, within 1e-6 of it (relative), and each slice's owner keeps
     its slice of it after step(). The gradients recorded for the simulator
     become the nodes' averages of each slice, which the owners pushed."""
-    ranks = nnodes * local_size
     for step in steps:
-        averages = [node_average([numpy.load(f"{out}/own-{n * local_size + r}-{step}.npy")
-                                  for r in range(local_size)]) for n in range(nnodes)]
-        job = sum(a.astype(numpy.float64) for a in averages) / nnodes
-        shown = [numpy.load(f"{out}/clipped-{r}-{step}.npy") for r in range(ranks)]
-        check(all(s.tobytes() == shown[0].tobytes() for s in shown),
-              f"step {step}: .grad after clip_grad_norm_ differs between the ranks")
-        off = float(numpy.abs(shown[0] - job).max() / numpy.abs(job).max())
-        check(off <= 1e-6, f"step {step}: .grad after clip_grad_norm_ is {off} (relative) from "
-              "DDP's averaged gradient")
+        averages, shown = shown_average(out, nnodes, local_size, step, math.inf)
         for k in range(local_size):
             lo, hi = json.load(open(f"{out}/range-{k}.json"))
             for n in range(nnodes):
                 kept = numpy.load(f"{out}/slice-{k}/grad-{n}-{step}.npy")
-                check(kept.tobytes() == shown[0][lo:hi].tobytes(),
+                check(kept.tobytes() == shown[lo:hi].tobytes(),
                       f"step {step}: slice {k}'s owner on node {n} does not keep the shown average")
                 numpy.save(f"{out}/slice-{k}/grad-{n}-{step}.npy", averages[n][lo:hi])
 
