@@ -1580,7 +1580,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         (or each slice's owner) shows the clipped average in .grad
         (_show_clipped_average) and every rank of the node takes it as its
         .grad, as DDP's ranks hold it, kept to compare the ranks' .grad
-        with at step() and at a later clip (_node_grads_agree)."""
+        with at step() and at a later clip (_node_grads_agree). Not for the
+        optimizer's own clip_grad_norm= (a sharded node's step() clips so;
+        the script reads no .grad after it)."""
+        if self.clip_grad_norm is not None:
+            return
         failure, error, shown = None, None, False
         if self._session is not None:
             try:
