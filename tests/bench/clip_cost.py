@@ -59,8 +59,9 @@ show = opt._show_clipped_average
 
 def timed_show():
     start = time.time()
-    show()
+    showed = show()
     shown[-1] += time.time() - start
+    return showed
 
 
 opt._show_clipped_average = timed_show
