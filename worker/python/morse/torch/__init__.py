@@ -1533,8 +1533,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # decides alike).
         part = len(owned) < len(self._node_params) or self._part_factors is not None
         if self._slices is not None and part:
-            first, end = self._slices[node.local_rank]
-            local = [i - first for i in owned if first <= i < end]
+            local = self._stepped_here(owned)
         if failure is None and self._session is not None:
             try:
                 if self._slices is None and part:
@@ -1645,23 +1644,32 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     failed, _ = self._node_outcomes(failure, None)
                     self._raise_clip_failure(failed, error)
             return None
+        mine, norms = self._stepped_here(owned), None
         if self._session is not None:
             self._amending = True  # every slice, where one is (each its own job)
-        limit = 0.0 if math.isinf(max_norm) else max_norm
-        first, end = (0, len(self._node_params)) if self._slices is None \
-            else self._slices[self._node.local_rank]
-        mine = [i - first for i in owned if first <= i < end]  # among self._params
-        norms = None
-        if self._session is not None:
             self._restore_views()
-            norms = [float(torch.linalg.vector_norm(self._flat_grad[lo:hi].double(), order))
-                     for lo, hi in (self._ranges[i] for i in mine)]
+            norms = self._grad_norms(order, mine)
         _, norms = self._node_outcomes(None, norms)  # the slices' norms, in the model's order
         norm = _norm_of_norms([n for each in norms for n in each], order)
         if self._session is not None:
-            self._scale_in_place(mine, _float32(_clip_factor(norm, limit)))
+            self._scale_in_place(mine, _float32(_clip_factor(norm, max_norm)))
         self._share_stepped_grads()
         return norm
+
+    def _stepped_here(self, owned):
+        """Of the node's parameters of indices `owned`, those this rank
+        steps (a sharded node's slice; the leader, all), as indices among
+        self._params."""
+        if self._slices is None:
+            return list(owned)
+        first, end = self._slices[self._node.local_rank]
+        return [i - first for i in owned if first <= i < end]
+
+    def _grad_norms(self, order, indices):
+        """The norms of order `order` (in double) of the gradients of this
+        optimizer's parameters of `indices`, one by one."""
+        return [float(torch.linalg.vector_norm(self._flat_grad[lo:hi].double(), order))
+                for lo, hi in (self._ranges[i] for i in indices)]
 
     def _keep_sent(self):
         """In a step whose gather came at its first clip_grad_norm_ and
@@ -1720,9 +1728,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if self._session is not None and failure is None and own:
             try:
                 if sharded:  # this slice's parameters' norms, the model's combined below
-                    first, end = self._slices[node.local_rank]
-                    norms = [float(torch.linalg.vector_norm(self._flat_grad[lo:hi].double(), order))
-                             for lo, hi in (self._ranges[i - first] for i in owned if first <= i < end)]
+                    norms = self._grad_norms(order, self._stepped_here(owned))
                 else:
                     norms = float(self._own_clip(max_norm, order, False, owned))
             except Exception as e:
@@ -1741,21 +1747,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if not own:
             return None
         if not sharded:
-            self._restore_views()
-            node.share(self._flat_grad)  # the leader's clipped gradient, every rank's .grad
-            self._node_clipped = self._kept_clip()
+            self._share_stepped_grads()  # the leader's clipped gradient, every rank's .grad
             return norms
         norm = _norm_of_norms([n for _, _, each in outcomes for n in each], order)
-        scale = _float32(_clip_factor(norm, max_norm))
-        first, end = self._slices[node.local_rank]
-        if scale < 1.0:
-            with torch.no_grad():
-                for i in owned:
-                    if first <= i < end:
-                        lo, hi = self._ranges[i - first]
-                        self._flat_grad[lo:hi].mul_(scale)
-        self._share_slice_grads()
-        self._node_clipped = self._kept_clip()
+        self._scale_in_place(self._stepped_here(owned), _float32(_clip_factor(norm, max_norm)))
+        self._share_stepped_grads()
         return norm
 
     def _kept_clip(self):
