@@ -1581,8 +1581,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         .grad, as DDP's ranks hold it, kept to compare the ranks' .grad
         with at step() and at a later clip (_node_grads_agree). Not for the
         optimizer's own clip_grad_norm= (a sharded node's step() clips so;
-        the script reads no .grad after it)."""
+        the script reads no .grad after it). Where nothing is shown, each
+        rank keeps what it sent, to compare its .grad with at step()
+        (_keep_sent)."""
         if self.clip_grad_norm is not None:
+            self._keep_sent()
             return
         failure, error, shown = None, None, False
         if self._session is not None:
@@ -1593,6 +1596,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         failed, shown = self._node_outcomes(failure, shown)
         self._raise_clip_failure(failed, error)
         if not any(shown):
+            self._keep_sent()
             return
         self._share_stepped_grads()
         self._node_shown = True
@@ -1673,9 +1677,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _keep_sent(self):
         """In a step whose gather came at its first clip_grad_norm_ and
-        whose clip is not the node's own (_node_own_clip): a copy of what this rank sent of
-        the gradients it does not step (unchanged since), which step()
-        compares .grad with (_judge_node_edits); once a step."""
+        whose clip neither is the node's own (_node_own_clip) nor showed the
+        clipped average (_node_show): a copy of what this rank sent of the
+        gradients it does not step (unchanged since), which step() compares
+        .grad with (_judge_node_edits); once a step."""
         if self._sent_copied:
             return
         missing, failure, sent = self._gathered
@@ -1740,8 +1745,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             failure, own, norms = node.objects((failure, own, norms) if node.is_leader else None)[0]
             failed = [(0, failure)] if failure is not None else []
-        if not own:
-            self._keep_sent()
         self._raise_clip_failure(failed, error)
         self._own_clipping = own
         if not own:
@@ -2267,8 +2270,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 and not at_clip))
         elif failure is None and self._session is not None:
             take()
-        # (Copied where the clip is not the node's own, which compares whole
-        # gradients instead: _keep_sent.)
+        # (Copied where the clip neither is the node's own nor shows the
+        # clipped average, both of which compare whole gradients instead:
+        # _keep_sent.)
         sent = [(p, p.grad.detach() if p.grad is not None else None) for p in kept]
         self._gathered = (missing, failure, sent)
         self._sent_copied = not sent
