@@ -121,8 +121,7 @@ absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
     return absl::InvalidArgumentError(
         absl::StrCat("--device ", options_.device, ": use auto, cpu or cuda"));
   }
-  if (job_.algorithm.optimizer == compress::OptimizerKind::kDiloco &&
-      job_.algorithm.diloco.warmup_steps > 0) {
+  if (job_.algorithm.diloco.warmup_steps > 0) {  // diloco's section alone
     // InnerAdam takes the same count every outer step.
     return absl::UnimplementedError(absl::StrCat(
         "diloco.warmup_steps (", job_.algorithm.diloco.warmup_steps,

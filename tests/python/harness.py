@@ -44,6 +44,19 @@ def check(condition, message):
         sys.exit(1)
 
 
+@contextlib.contextmanager
+def shown_on_failure(log):
+    """A job's output (`log`), printed only if a check inside fails, after
+    that check's FAIL line: where only the head of a failing test's output
+    is kept (CI's excerpt), the reason comes before the long log."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code:
+            print(f"the job's output:\n{log}", flush=True)
+        raise
+
+
 def modes_of(parts):
     """The modes a test script runs: those of each part named on its
     command line (a name that is no part is a mode of its own), or every

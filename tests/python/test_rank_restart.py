@@ -45,7 +45,8 @@ import time
 
 import torch
 
-from harness import check, check_ranks_match_simulator, morse_run, shard_pid  # noqa: E402
+from harness import (check, check_ranks_match_simulator, morse_run, shard_pid,  # noqa: E402
+                     shown_on_failure)
 
 STEPS = 20
 
@@ -199,9 +200,8 @@ def restart_job(name, *args):
         f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
     code, log = morse_run(__file__, 2, 2, out, *args, config=config,
                           extra=["--rank-restarts", "1"])
-    if code != 0:
-        print(log)
-    check(code == 0, f"the {name} job failed")
+    with shown_on_failure(log):
+        check(code == 0, f"the {name} job failed")
     return log, out
 
 
@@ -213,10 +213,11 @@ def run_diloco():
     for kill in (True, False):
         log, out = restart_job("diloco", "diloco", "1" if kill else "-1", "19")
         if kill:
-            check("[rank 1] killing myself in inner step 19" in log, "rank 1 was not killed")
-            check("[rank 1] life 1 starts at inner step 16" in log,
-                  "the restarted DiLoCo rank did not start at its checkpoint of sync 8")
-            check("replaying steps 8..8" in log, "the restarted rank did not replay sync 8")
+            with shown_on_failure(log):
+                check("[rank 1] killing myself in inner step 19" in log, "rank 1 was not killed")
+                check("[rank 1] life 1 starts at inner step 16" in log,
+                      "the restarted DiLoCo rank did not start at its checkpoint of sync 8")
+                check("replaying steps 8..8" in log, "the restarted rank did not replay sync 8")
         outs.append(checksums_of(out, 2, range(1, STEPS + 1)))
         shutil.rmtree(out)
     check(outs[0][0] == outs[0][1], "the DiLoCo ranks differ")
@@ -235,8 +236,9 @@ def run_clip():
     for kill in (True, False):
         log, out = restart_job("clip", "clip", "-1", "1" if kill else "-1", "14", "1")
         if kill:
-            check("[rank 1] life 1 starts at step 12" in log and "replaying steps 12..14" in log,
-                  "rank 1 was not restarted from step 12 and replayed to 14")
+            with shown_on_failure(log):
+                check("[rank 1] life 1 starts at step 12" in log and "replaying steps 12..14" in log,
+                      "rank 1 was not restarted from step 12 and replayed to 14")
         runs.append(checksums_of(out, 2))
         shutil.rmtree(out)
     check(runs[0][0] == runs[0][1], "the clipped job's ranks differ")
@@ -248,7 +250,6 @@ def run_clip():
 
 def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_after=-1,
         mode="onebit", every=4):
-    import numpy as np
     out = tempfile.mkdtemp(prefix="morse-rank-restart-")
     config = os.path.join(out, "base.textproto")
     with open(config, "w") as f:
@@ -256,8 +257,16 @@ def run(kill_rank, kill_in, after_backward, checkpoint, replayed, kill_shard_aft
     code, log = morse_run(__file__, 2, 2, out, mode, str(kill_shard_after), str(kill_rank),
                           str(kill_in), str(int(after_backward)), config=config,
                           extra=["--rank-restarts", "1"])
-    print(log)
     os.remove(config)
+    with shown_on_failure(log):
+        check_restarted_run(out, log, code, kill_rank, kill_in, checkpoint, replayed,
+                            kill_shard_after, mode)
+
+
+def check_restarted_run(out, log, code, kill_rank, kill_in, checkpoint, replayed,
+                        kill_shard_after, mode):
+    """run()'s checks of its job (`log`, exit `code`, files in `out`)."""
+    import numpy as np
     check(code == 0, "the job failed")
     check(f"[rank {kill_rank}] killing myself in step {kill_in}" in log,
           f"rank {kill_rank} was not killed")

@@ -174,6 +174,15 @@ def main():
         session.send_partitions([0])
         session.finish()
         check(opt.step_index == 2, f"the step after the refusals completed: {opt.step_index}")
+        # DiLoCo's calls, on an optimizer without inner steps.
+        import numpy as np
+        local = opt._flat.detach().numpy().copy()
+        kept = local.copy()
+        expect(MorseError, "FAILED_PRECONDITION: merge_outer is for an optimizer with inner steps "
+               "(diloco); this job's optimizer is adam", lambda: session.merge_outer(0, local))
+        check(np.array_equal(local, kept), "a refused merge changed the parameters")
+        expect(MorseError, "FAILED_PRECONDITION: inner_steps_before is for an optimizer with inner",
+               lambda: session.inner_steps_before(1))
 
     # A non-finite gradient: the error names the parameter, the step and
     # phase, and what to try.

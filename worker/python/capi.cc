@@ -517,9 +517,10 @@ int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
     if (absl::Status st = NotNull(local, "local"); !st.ok()) return st;
     const morse::compress::AlgorithmConfig& algorithm =
         s->session->job().algorithm;
-    if (algorithm.optimizer != morse::compress::OptimizerKind::kDiloco) {
+    if (morse::compress::OptimizerOf(algorithm).InnerSteps(algorithm) == 0) {
       return absl::FailedPreconditionError(
-          absl::StrCat("merge_outer is diloco's; this job's optimizer is ",
+          absl::StrCat("merge_outer is for an optimizer with inner steps "
+                       "(diloco); this job's optimizer is ",
                        morse::compress::OptimizerOf(algorithm).name()));
     }
     if (dim != s->session->layout().spec().dim) {
@@ -556,9 +557,10 @@ int morse_session_inner_steps_before(morse_session* s, int64_t step,
       return st;
     const morse::compress::AlgorithmConfig& algorithm =
         s->session->job().algorithm;
-    if (algorithm.optimizer != morse::compress::OptimizerKind::kDiloco) {
+    if (morse::compress::OptimizerOf(algorithm).InnerSteps(algorithm) == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "inner_steps_before is diloco's; this job's optimizer is ",
+          "inner_steps_before is for an optimizer with inner steps (diloco); "
+          "this job's optimizer is ",
           morse::compress::OptimizerOf(algorithm).name()));
     }
     if (step < 0) {

@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "compress/check.h"
+#include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/sync.h"
 #include "compress/update_rules.h"
@@ -146,15 +148,25 @@ class CudaEngine final : public Engine, public DeviceServices {
         *b = *std::move(allocated);
       }
     }
-    if (compress::CommitsLayers(config_)) {
+    // The optimizer's own arrays: each per-element one on the device (+0
+    // to start), the others on the host at their starting values.
+    const compress::Optimizer& optimizer = compress::OptimizerOf(config_);
+    for (const compress::StateArray& array : optimizer.State(config_)) {
+      OwnState& own = state_.emplace_back();
+      own.array = array;
+      if (!array.per_element) {
+        own.host = optimizer.InitialState(config_, array);
+        continue;
+      }
       auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
       if (!allocated.ok()) return allocated.status();
-      v_fresh_ = *std::move(allocated);
-      if (absl::Status s = v_fresh_.Fill(0); !s.ok()) return s;
+      own.device = *std::move(allocated);
+      if (absl::Status s = own.device.Fill(0); !s.ok()) return s;
+    }
+    if (compress::CommitsLayers(config_)) {
       pieces_ = compress::LambPieces(config_, layout_, {0, dim});
-      lamb_layers_.resize(compress::LayerCount(config_));
       auto segments =
-          kernels::LambSegments::Create(pieces_, lamb_layers_.size());
+          kernels::LambSegments::Create(pieces_, compress::LayerCount(config_));
       if (!segments.ok()) return segments.status();
       lamb_segments_ = *std::move(segments);
     }
@@ -220,12 +232,16 @@ class CudaEngine final : public Engine, public DeviceServices {
       lr_sum_ = interval.lr_sums.front();  // one segment (CreateCudaEngine)
       local_step_ = interval.last_step;
     }
-    if (compress::CommitsLayers(config_)) {
-      if (absl::Status s = v_fresh_.Upload(replica.v_fresh().data(), bytes);
-          !s.ok())
+    std::vector<compress::NamedState> saved =
+        replica.SaveState(0, config_.layout.dim);
+    for (size_t i = 0; i < state_.size(); ++i) {
+      if (!state_[i].array.per_element) {
+        state_[i].host = std::move(saved[i].values);
+      } else if (absl::Status s =
+                     state_[i].device.Upload(saved[i].values.data(), bytes);
+                 !s.ok()) {
         return s;
-      lamb_layers_.assign(replica.lamb_layers().begin(),
-                          replica.lamb_layers().end());
+      }
     }
     return absl::OkStatus();
   }
@@ -262,13 +278,22 @@ class CudaEngine final : public Engine, public DeviceServices {
           !s.ok())
         return s;
     }
-    if (compress::CommitsLayers(config_)) {
+    std::vector<compress::NamedState> own(state_.size());
+    for (size_t i = 0; i < state_.size(); ++i) {
+      own[i].name = state_[i].array.name;
+      if (!state_[i].array.per_element) {
+        own[i].values = state_[i].host;
+        continue;
+      }
+      own[i].values.resize(config_.layout.dim);
       if (absl::Status s =
-              v_fresh_.Download(replica.mutable_v_fresh().data(), bytes);
+              state_[i].device.Download(own[i].values.data(), bytes);
           !s.ok())
         return s;
-      replica.set_lamb_layers(lamb_layers_);
     }
+    if (absl::Status s = replica.RestoreState(0, config_.layout.dim, own);
+        !s.ok())
+      return s;
     return error.Restore(e);
   }
 
@@ -580,12 +605,13 @@ class CudaEngine final : public Engine, public DeviceServices {
     MutexLock lock(&apply_mu_);
     absl::StatusOr<absl::Span<const double>> sums =
         lamb_segments_.Sums(*apply_, rule, x_ptr_, m_.as<float>(),
-                            v_.as<float>(), v_fresh_.as<float>());
+                            v_.as<float>(), DeviceState("v_fresh"));
     if (!sums.ok()) return sums.status();
     const std::vector<double> totals =
         compress::LambTotalsOfSegments(config_, pieces_, *sums);
-    std::vector<double> commit =
-        compress::LambCommit(config_, {rule}, totals, lamb_layers_);
+    std::vector<double> commit = compress::LambCommit(
+        config_, {rule}, totals,
+        compress::UnflattenLambLayers(HostState("lamb_layers")));
     if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok())
       return s;
     if (absl::Status s = lamb_segments_.UpdateX(
@@ -594,7 +620,13 @@ class CudaEngine final : public Engine, public DeviceServices {
         !s.ok()) {
       return s;
     }
-    lamb_layers_ = compress::LambStateOf(commit);
+    // The arrays that are not per element, as the commit leaves them.
+    std::vector<std::vector<float>> after =
+        compress::OptimizerOf(config_).StateAfterCommit(config_, commit);
+    size_t next = 0;
+    for (OwnState& own : state_) {
+      if (!own.array.per_element) own.host = std::move(after[next++]);
+    }
     return commit;
   }
 
@@ -646,7 +678,7 @@ class CudaEngine final : public Engine, public DeviceServices {
       compress::ReplyRule moments = rule;
       moments.grad_scale = 1.0f;  // the decoded values are scaled already
       return kernels::LambMoments(*apply_, moments, decoded, m, v,
-                                  v_fresh_.as<float>() + begin, n);
+                                  DeviceState("v_fresh") + begin, n);
     }
     if (rule.sync) {
       const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
@@ -676,12 +708,31 @@ class CudaEngine final : public Engine, public DeviceServices {
   bool has_interval_ = false;
   float lr_sum_ = 0.0f;
   int64_t local_step_ = -1;
-  // onebit_lamb: v', the pieces of compress::LambTotals and the layers'
-  // state.
-  kernels::DeviceBuffer v_fresh_;
+  // The optimizer's own arrays (compress::Optimizer::State, in its order):
+  // a per-element one on the device, the others on the host.
+  struct OwnState {
+    compress::StateArray array;
+    kernels::DeviceBuffer device;
+    std::vector<float> host;
+  };
+  std::vector<OwnState> state_;
+  // The array the optimizer names `name` (its kernels' operand).
+  OwnState& Own(absl::string_view name) {
+    auto it =
+        std::find_if(state_.begin(), state_.end(),
+                     [&](const OwnState& s) { return s.array.name == name; });
+    MORSE_CHECK(it != state_.end());
+    return *it;
+  }
+  float* DeviceState(absl::string_view name) {
+    return Own(name).device.as<float>();
+  }
+  absl::Span<const float> HostState(absl::string_view name) {
+    return Own(name).host;
+  }
+  // onebit_lamb: the pieces of compress::LambTotals, by segment.
   std::vector<compress::LambPiece> pieces_;
   kernels::LambSegments lamb_segments_;
-  std::vector<compress::LambLayerState> lamb_layers_;
   float* x_ptr_ = nullptr;     // x_ or the caller's
   float* grad_ptr_ = nullptr;  // grad_ or the caller's
   // A partition's staging: its bytes at `offset` in payloads_ and
