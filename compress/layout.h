@@ -18,6 +18,7 @@
 #ifndef MORSE_COMPRESS_LAYOUT_H_
 #define MORSE_COMPRESS_LAYOUT_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -68,6 +69,20 @@ uint32_t PartitionCount(const LayoutSpec& spec);
 inline Range SegmentRange(const LayoutSpec& spec, uint32_t segment) {
   return Range{segment == 0 ? 0 : spec.cuts[segment - 1],
                segment < spec.cuts.size() ? spec.cuts[segment] : spec.dim};
+}
+
+// Calls fn(segment, part) for each segment's part of `range` that is not
+// empty, in order: a pass over a range with each segment's elements under
+// its own values (a local step's lr and weight_decay, a sync message's
+// learning-rate sum), on any replica.
+template <typename Fn>
+void ForEachSegmentPart(const LayoutSpec& spec, Range range, Fn&& fn) {
+  for (uint32_t k = 0; k <= spec.cuts.size(); ++k) {
+    const Range segment = SegmentRange(spec, k);
+    const Range part{std::max(range.begin, segment.begin),
+                     std::min(range.end, segment.end)};
+    if (part.begin < part.end) fn(k, part);
+  }
 }
 
 // The partition size a job gets when its config does not choose one: about

@@ -286,23 +286,6 @@ absl::Status Replica::LocalStep(int64_t step, absl::Span<const float> g,
   return absl::OkStatus();
 }
 
-namespace {
-
-// Calls fn(segment, part) for each segment's part of `range` that is not
-// empty, in order: a local step's pass or sync message over a range, each
-// segment's elements with its own values.
-template <typename Fn>
-void ForEachSegmentPart(const LayoutSpec& spec, Range range, Fn&& fn) {
-  for (uint32_t k = 0; k <= spec.cuts.size(); ++k) {
-    const Range segment = SegmentRange(spec, k);
-    const Range part{std::max(range.begin, segment.begin),
-                     std::min(range.end, segment.end)};
-    if (part.begin < part.end) fn(k, part);
-  }
-}
-
-}  // namespace
-
 void Replica::RunLocalPass(const LocalPass& pass, size_t at,
                            absl::Span<const float> g, const AdamScalars* sync,
                            absl::Span<float> message) {

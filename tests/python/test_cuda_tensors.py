@@ -6,14 +6,15 @@ zero-variance mask (a parameter no loss uses), for each of OneBitAdam
 script's clip_grad_norm_ after backward() (the bits of clip_grad_norm: the
 simulator runs with it), ZeroOneAdam (variance,
 1-bit, local and sync steps) and OneBitLamb (across the freeze, and again
-with the script's clip_grad_norm_). After
+with the script's clip_grad_norm_), and both again with two parameter
+groups of their own lr and weight_decay, each lr changed every step by a
+LambdaLR (each group's local steps, sync messages and LAMB layers with its
+own values). After
 every step each rank holds the x, m, v of the single-process simulator fed
 the gradients the workers computed (all three the same bits, except
 between zero_one_adam's syncs); the GPU ranks' parameters stay CUDA
-tensors; state_dict()/load_state_dict() round trip on the GPU. OneBitLamb
-with parameter groups of their own lr and weight_decay on CUDA tensors is
-refused at construction (UNIMPLEMENTED: the GPU's layer sums take one of
-each); clip_grad_norm_ with norm_type 3 in a step that averages gives
+tensors; state_dict()/load_state_dict() round trip on the GPU;
+clip_grad_norm_ with norm_type 3 in a step that averages gives
 torch's norm and clip (the replies decoded where they are staged). Exits
 77 (skipped, saying why) without a GPU."""
 import json
@@ -24,15 +25,16 @@ import tempfile
 import numpy as np
 import torch
 
-from harness import check, check_ranks_match_simulator, clip_in_job, morse_run, server  # noqa: E402
+from harness import (check, check_ranks_match_simulator, clip_in_job, flat_layout,  # noqa: E402
+                     morse_run, server)
 
 STEPS = 12
 SKIP = 77
 # Variance steps, 1-bit steps, then local intervals of 1, 2 and 4 steps; step
 # 12 ends with a sync, so state_dict() may save the whole run there.
 ZERO_ONE_SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
-OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "OneBitAdam+script clip", "ZeroOneAdam", "OneBitLamb",
-              "OneBitLamb+script clip")
+OPTIMIZERS = ("OneBitAdam", "OneBitAdam+clip", "OneBitAdam+script clip", "ZeroOneAdam",
+              "ZeroOneAdam+groups", "OneBitLamb", "OneBitLamb+script clip", "OneBitLamb+groups")
 CLIP = 0.05
 
 
@@ -47,8 +49,19 @@ def worker(out):
     name = os.environ.get("CUDA_OPTIMIZER", "OneBitAdam")
     # The unused parameter needs missing_grads (torch 2's zero_grad sets None).
     common = dict(lr=0.01, block_elems=16, partition_elems=64, overlap=rank == 0, missing_grads="zero")
+    schedule = None
     if name == "ZeroOneAdam":
         opt = morse.torch.ZeroOneAdam(model.parameters(), **ZERO_ONE_SCHEDULE, **common)
+    elif name.endswith("+groups"):  # Trainer's split, each group's lr its own every step
+        groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
+                  {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0,
+                   "lr": 0.02}]
+        if name == "ZeroOneAdam+groups":
+            opt = morse.torch.ZeroOneAdam(groups, **ZERO_ONE_SCHEDULE, **common)
+        else:
+            opt = morse.torch.OneBitLamb(groups, freeze_step=4, **common)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            opt, [lambda t: 1.0 - 0.03 * t, lambda t: 1.0 / (1 + t)])
     elif name == "OneBitAdam+clip":  # the averaged gradient, then each rank's own
         opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=4, clip_grad_norm=CLIP, **common)
     elif name.endswith("+script clip"):  # clip_grad_norm_ below: the same bits
@@ -60,23 +73,29 @@ def worker(out):
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy",
-                torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
-    checksums = []
+                flat_layout(opt, model, [p.detach().cpu() for p in model.parameters()]).numpy())
+    checksums, hypers = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         np.save(f"{out}/grad-{rank}-{step}.npy",
-                torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                           for p in model.parameters()]).cpu().numpy())
+                flat_layout(opt, model, [(p.grad if p.grad is not None else torch.zeros_like(p)).cpu()
+                                         for p in model.parameters()]).numpy())
         if name.endswith("+script clip"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        if schedule is not None:  # what the simulator steps each group with
+            hypers.append(opt._group_hyper())
         opt.step()
+        if schedule is not None:
+            schedule.step()
         checksums.append(opt.checksum())
         check(all(p.device.type == device.type for p in model.parameters()),
               f"rank {rank}: parameters left {device}")
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
+    if hypers and rank == 0:
+        json.dump(hypers, open(f"{out}/hypers.json", "w"))
     check(torch.equal(model.unused.detach().cpu(), torch.full((7,), 0.5)), "a parameter with v = 0 moved")
     saved = opt.state_dict()
     check(saved["state"]["exp_avg"].device.type == device.type, "state_dict on the parameters' device")
@@ -87,28 +106,6 @@ def worker(out):
     check(opt.checksum() != checksums[-1], "loading a different state changes the replica")
     opt.load_state_dict(saved)
     check(opt.checksum() == checksums[-1], "loading the saved state restores it")
-
-
-def groups_refused(name):
-    """Parameter groups of their own with morse.torch.<name> (OneBitLamb,
-    ZeroOneAdam) on CUDA tensors: MorseError UNIMPLEMENTED at construction,
-    naming the groups; True if so."""
-    import morse.torch
-    os.environ["MORSE_INSECURE"] = "1"  # the shard below listens on loopback in plaintext
-    config = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
-    config.write("workers: 1\nshards: 1\nexternal {}\n")
-    config.close()
-    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).cuda()
-    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
-              {"params": [p for p in model.parameters() if p.dim() == 1], "weight_decay": 0.0}]
-    with server(config.name) as address:
-        try:
-            getattr(morse.torch, name)(groups, rank=0, world_size=1, servers=[address],
-                                       config=config.name, block_elems=16)
-        except morse.MorseError as e:
-            print(f"{name} groups on CUDA tensors: {e}")
-            return "UNIMPLEMENTED" in str(e) and "external.groups" in str(e)
-    return False
 
 
 def norm_type_taken():
@@ -152,12 +149,6 @@ if __name__ == "__main__":
     # Every case runs, whatever failed before it (a lent GPU's minutes are
     # few): each prints PASS or FAIL, and the exit code says whether any failed.
     failed = []
-    for grouped in ("OneBitLamb", "ZeroOneAdam"):
-        if groups_refused(grouped):
-            print(f"PASS {grouped}+groups: refused on CUDA tensors, saying why")
-        else:
-            print(f"FAIL {grouped}+groups: not refused with UNIMPLEMENTED on CUDA tensors")
-            failed.append(f"{grouped}+groups")
     if norm_type_taken():
         print("PASS norm_type=3: on CUDA tensors in a step that averages, torch's norm and clip")
     else:
@@ -173,7 +164,7 @@ if __name__ == "__main__":
             if name.endswith("+script clip"):  # the simulator clips as clip_grad_norm does
                 clip_in_job(out, CLIP)
             # zero_one_adam's ranks differ between syncs (their own local steps).
-            check_ranks_match_simulator(out, 3, STEPS, ranks_may_differ=name == "ZeroOneAdam")
+            check_ranks_match_simulator(out, 3, STEPS, ranks_may_differ=name.startswith("ZeroOneAdam"))
         except SystemExit:  # check() printed FAIL and why
             print(f"(the {name} job's gradients, checksums and config are kept in {out})")
             failed.append(name)

@@ -147,6 +147,7 @@ class CudaEngine final : public Engine, public DeviceServices {
         if (!allocated.ok()) return allocated.status();
         *b = *std::move(allocated);
       }
+      lr_sums_.assign(layout_.segment_count(), 0.0f);
     }
     // The optimizer's own arrays: each per-element one on the device (+0
     // to start), the others on the host at their starting values.
@@ -164,11 +165,28 @@ class CudaEngine final : public Engine, public DeviceServices {
       if (absl::Status s = own.device.Fill(0); !s.ok()) return s;
     }
     if (compress::CommitsLayers(config_)) {
+      // Each segment of the layout (a parameter group) its own table, of
+      // its partitions' pieces in partition order.
       pieces_ = compress::LambPieces(config_, layout_, {0, dim});
-      auto segments =
-          kernels::LambSegments::Create(pieces_, compress::LayerCount(config_));
-      if (!segments.ok()) return segments.status();
-      lamb_segments_ = *std::move(segments);
+      std::vector<std::vector<compress::LambPiece>> of(layout_.segment_count());
+      std::vector<size_t> at(layout_.segment_count(), 0);
+      for (const compress::Partition& p : layout_.partitions()) {
+        LambRun& run = lamb_runs_.emplace_back();
+        run.group = p.segment;
+        run.at = at[p.segment];
+        for (const compress::LambPiece& piece :
+             compress::LambPiecesOf(config_, p.range)) {
+          of[p.segment].push_back(piece);
+          run.count += piece.segments();
+        }
+        at[p.segment] += run.count;
+      }
+      for (const std::vector<compress::LambPiece>& pieces : of) {
+        auto segments = kernels::LambSegments::Create(
+            pieces, compress::LayerCount(config_));
+        if (!segments.ok()) return segments.status();
+        lamb_groups_.push_back(*std::move(segments));
+      }
     }
     // The encodes and their copies to the host at the device's highest
     // stream priority, ahead of backward()'s queued kernels (the 1-bit step
@@ -229,7 +247,7 @@ class CudaEngine final : public Engine, public DeviceServices {
         if (absl::Status s = u_.Upload(interval.u.data(), bytes); !s.ok())
           return s;
       }
-      lr_sum_ = interval.lr_sums.front();  // one segment (CreateCudaEngine)
+      lr_sums_ = interval.lr_sums;  // one per segment
       local_step_ = interval.last_step;
     }
     std::vector<compress::NamedState> saved =
@@ -272,7 +290,7 @@ class CudaEngine final : public Engine, public DeviceServices {
         if (absl::Status s = u_.Download(interval.u.data(), bytes); !s.ok())
           return s;
       }
-      interval.lr_sums.assign(1, lr_sum_);
+      interval.lr_sums = lr_sums_;
       interval.last_step = local_step_;
       if (absl::Status s = replica.RestoreLocalInterval(std::move(interval));
           !s.ok())
@@ -347,13 +365,18 @@ class CudaEngine final : public Engine, public DeviceServices {
         return absl::FailedPreconditionError(
             absl::StrCat("the sync of step ", step, " before its local step"));
       }
+      // Each segment's elements with its own learning-rate sum.
       float* message = scratch_.as<float>() + begin;
-      if (absl::Status s = kernels::ZeroOneSyncMessage(
-              *send_, rule.sync, lr_sum_, u_.as<float>() + begin,
-              m_.as<float>() + begin, v_.as<float>() + begin, message, n);
-          !s.ok()) {
-        return s;
-      }
+      absl::Status s;
+      compress::ForEachSegmentPart(
+          config_.layout, p.range, [&](uint32_t k, compress::Range part) {
+            if (!s.ok()) return;
+            s = kernels::ZeroOneSyncMessage(
+                *send_, rule.sync, lr_sums_[k], u_.as<float>() + part.begin,
+                m_.as<float>() + part.begin, v_.as<float>() + part.begin,
+                scratch_.as<float>() + part.begin, part.size());
+          });
+      if (!s.ok()) return s;
       input = message;
     } else if (grad_scale != 1.0f) {
       // The worker's own clip factor (compress::ClipsLocally): the local
@@ -536,17 +559,16 @@ class CudaEngine final : public Engine, public DeviceServices {
   }
 
   // compress::Replica::LocalStep on the device: the anchor, the
-  // accumulated update u and the learning-rate sum live here (one: the
-  // engine refuses parameter groups of their own, so `hypers` holds at
-  // most one).
+  // accumulated update u and each segment's learning-rate sum live here;
+  // each segment's elements step with its own lr and weight_decay
+  // (parameter groups).
   absl::StatusOr<std::vector<float>> LocalStep(
       int64_t step, absl::Span<const compress::StepHyper> hypers,
       float grad_scale, compress::ComputePool*) override {
-    if (hypers.size() > 1) {
-      return absl::InvalidArgumentError(
-          "zero_one_adam's local steps on the GPU take one lr and "
-          "weight_decay for the whole model");
-    }
+    if (absl::Status s =
+            compress::CheckHyperCount(hypers, layout_.segment_count());
+        !s.ok())
+      return s;
     if (absl::Status s = OnDevice(); !s.ok()) return s;
     const absl::StatusOr<bool> starts =
         compress::BeginLocalStep(config_, step, local_step_);
@@ -559,10 +581,13 @@ class CudaEngine final : public Engine, public DeviceServices {
         return s;
       if (absl::Status s = send_->Fill(u_.data(), 0, bytes); !s.ok()) return s;
       has_interval_ = true;
-      lr_sum_ = 0.0f;
+      std::fill(lr_sums_.begin(), lr_sums_.end(), 0.0f);
     }
-    const compress::AdamScalars scalars =
-        compress::LocalStepScalars(config_, step, compress::HyperOf(hypers, 0));
+    std::vector<compress::AdamScalars> scalars;
+    for (uint32_t k = 0; k < lr_sums_.size(); ++k) {
+      scalars.push_back(compress::LocalStepScalars(
+          config_, step, compress::HyperOf(hypers, k)));
+    }
     const bool exchanges = compress::PlanStep(config_, step).exchanges;
     const float* g = grad_ptr_;
     if (grad_scale != 1.0f) {  // the worker's own clip factor
@@ -573,52 +598,72 @@ class CudaEngine final : public Engine, public DeviceServices {
       }
       g = scratch_.as<float>();
     }
-    if (absl::Status s = kernels::ZeroOneLocalStep(
-            *send_, scalars, g, x_ptr_, m_.as<float>(), u_.as<float>(),
-            v_.as<float>(), config_.layout.dim,
-            /*write_x=*/!exchanges);
-        !s.ok()) {
-      return s;
-    }
+    absl::Status s;
+    compress::ForEachSegmentPart(
+        config_.layout, compress::Range{0, config_.layout.dim},
+        [&](uint32_t k, compress::Range part) {
+          if (!s.ok()) return;
+          const uint64_t at = part.begin;
+          s = kernels::ZeroOneLocalStep(
+              *send_, scalars[k], g + at, x_ptr_ + at, m_.as<float>() + at,
+              u_.as<float>() + at, v_.as<float>() + at, part.size(),
+              /*write_x=*/!exchanges);
+        });
+    if (!s.ok()) return s;
     // Store and the next gradient read x and m from other streams.
     if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
-    lr_sum_ += scalars.lr;
+    for (uint32_t k = 0; k < lr_sums_.size(); ++k) lr_sums_[k] += scalars[k].lr;
     local_step_ = step;
-    return std::vector<float>{lr_sum_};
+    return lr_sums_;
   }
 
   // compress::Replica::LambStep on the device: the segments' sums come to
   // the host, which forms the totals and the commit exactly as the CPU does.
+  // Each parameter group's layers with its own rule (lr and weight_decay).
   absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool*) override {
     if (!compress::CommitsLayers(config_)) {
       return absl::FailedPreconditionError("CommitStep is for onebit_lamb");
     }
-    if (hypers.size() > 1) {  // CreateEngine refuses parameter groups
-      return absl::FailedPreconditionError(
-          "onebit_lamb's layer sums on the GPU take one lr and weight_decay");
-    }
+    if (absl::Status s =
+            compress::CheckHyperCount(hypers, layout_.segment_count());
+        !s.ok())
+      return s;
     if (absl::Status s = OnDevice(); !s.ok()) return s;
-    const compress::ReplyRule rule =
-        compress::PlanReply(config_, step, compress::HyperOf(hypers, 0));
+    const std::vector<compress::ReplyRule> rules =
+        compress::PlanReplies(config_, step, hypers);
     MutexLock lock(&apply_mu_);
-    absl::StatusOr<absl::Span<const double>> sums =
-        lamb_segments_.Sums(*apply_, rule, x_ptr_, m_.as<float>(),
-                            v_.as<float>(), DeviceState("v_fresh"));
-    if (!sums.ok()) return sums.status();
+    std::vector<absl::Span<const double>> group_sums;
+    for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
+      absl::StatusOr<absl::Span<const double>> sums = lamb_groups_[k].Sums(
+          *apply_, compress::RuleOf(rules, k), x_ptr_, m_.as<float>(),
+          v_.as<float>(), DeviceState("v_fresh"));
+      if (!sums.ok()) return sums.status();
+      group_sums.push_back(*sums);
+    }
+    // Every partition's sums in partition order, as LambTotals adds them.
+    std::vector<double> sums;
+    for (const LambRun& run : lamb_runs_) {
+      const absl::Span<const double> of = group_sums[run.group].subspan(
+          compress::kLambStats * run.at, compress::kLambStats * run.count);
+      sums.insert(sums.end(), of.begin(), of.end());
+    }
     const std::vector<double> totals =
-        compress::LambTotalsOfSegments(config_, pieces_, *sums);
+        compress::LambTotalsOfSegments(config_, pieces_, sums);
     std::vector<double> commit = compress::LambCommit(
-        config_, {rule}, totals,
+        config_, rules, totals,
         compress::UnflattenLambLayers(HostState("lamb_layers")));
     if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok())
       return s;
-    if (absl::Status s = lamb_segments_.UpdateX(
-            *apply_, rule, compress::LambLayerSteps(rule, commit), x_ptr_,
-            m_.as<float>(), v_.as<float>());
-        !s.ok()) {
-      return s;
+    for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
+      const compress::ReplyRule& rule = compress::RuleOf(rules, k);
+      if (absl::Status s = lamb_groups_[k].UpdateX(
+              *apply_, rule, compress::LambLayerSteps(rule, commit), x_ptr_,
+              m_.as<float>(), v_.as<float>());
+          !s.ok()) {
+        return s;
+      }
     }
     // The arrays that are not per element, as the commit leaves them.
     std::vector<std::vector<float>> after =
@@ -706,7 +751,7 @@ class CudaEngine final : public Engine, public DeviceServices {
   // zero_one_adam's local interval (compress::Replica::LocalInterval).
   kernels::DeviceBuffer anchor_, u_;
   bool has_interval_ = false;
-  float lr_sum_ = 0.0f;
+  std::vector<float> lr_sums_;  // one per segment of the layout
   int64_t local_step_ = -1;
   // The optimizer's own arrays (compress::Optimizer::State, in its order):
   // a per-element one on the device, the others on the host.
@@ -730,11 +775,19 @@ class CudaEngine final : public Engine, public DeviceServices {
   absl::Span<const float> HostState(absl::string_view name) {
     return Own(name).host;
   }
-  // onebit_lamb: the pieces of compress::LambTotals, by segment.
+  // onebit_lamb: the pieces of compress::LambTotals in partition order; the
+  // kernels' table of each parameter group (segment of the layout); and
+  // where each partition's statistics lie in its group's table: `count`
+  // segment sums from the `at`-th.
   std::vector<compress::LambPiece> pieces_;
-  kernels::LambSegments lamb_segments_;
-  float* x_ptr_ = nullptr;     // x_ or the caller's
-  float* grad_ptr_ = nullptr;  // grad_ or the caller's
+  std::vector<kernels::LambSegments> lamb_groups_;
+  struct LambRun {
+    uint32_t group = 0;
+    size_t at = 0, count = 0;
+  };
+  std::vector<LambRun> lamb_runs_;  // one per partition, in order
+  float* x_ptr_ = nullptr;          // x_ or the caller's
+  float* grad_ptr_ = nullptr;       // grad_ or the caller's
   // A partition's staging: its bytes at `offset` in payloads_ and
   // payloads_host_, its flag at its index in flags_ and flags_host_, and
   // the event after its encode's copy to the host.
@@ -783,15 +836,6 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
   if (!optimizer.HasGpuKernels()) {
     return absl::UnimplementedError(absl::StrCat(
         optimizer.name(), " has no GPU kernels; it trains on the CPU"));
-  }
-  if (!config.layout.cuts.empty() &&
-      (compress::CommitsLayers(config) || optimizer.StepsLocally())) {
-    return absl::UnimplementedError(absl::StrCat(
-        optimizer.name(),
-        " with parameter groups of their own lr and weight_decay "
-        "(external.groups) has no GPU kernels (",
-        compress::CommitsLayers(config) ? "the layer sums" : "the local steps",
-        " take one of each); it trains on the CPU"));
   }
   const bool freezes = optimizer.FreezesVariance();
   if (freezes && config.mask_zero_variance &&

@@ -351,15 +351,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # built may be set apart later (a scheduler's lambda per group), as
         # in torch. Groups that agree stay one segment only where they could
         # not train apart anyway: with schedule="cosine" (one lr for the
-        # model) and for OneBitLamb and ZeroOneAdam on CUDA tensors (the
-        # GPU's layer sums and local steps take one lr and weight_decay);
-        # there they must go on agreeing.
+        # model); there they must go on agreeing.
         counts = [sum(p.numel() for p in g["params"] if id(p) in trained) for g in self.param_groups]
         first = self.param_groups[0]
         differ = any(_hyper_of(g) != _hyper_of(first) for g in self.param_groups)
-        may_differ = (schedule == "constant"
-                      and not (self._cuda and optimizer in ("onebit_lamb", "zero_one_adam")))
-        self._groups_apart = differ or (may_differ and sum(n > 0 for n in counts) > 1)
+        self._groups_apart = differ or (schedule == "constant" and sum(n > 0 for n in counts) > 1)
         self._schedule = schedule
         # Every optimizer follows param_groups' betas and eps too, each group
         # its own (a scheduler that cycles the momentum), except under
@@ -928,13 +924,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             f"optimizer applies one {key} to the whole model (one update rule on every rank and "
             "shard), so every group must have the same")
 
-    def _why_one_segment(self):
-        """Why groups that agreed when built train as one (for messages)."""
-        if self._schedule != "constant":
-            return f"with schedule={self._schedule!r} (one lr for the whole model)"
-        return ("on CUDA tensors (the GPU's layer sums and local steps of OneBitLamb and "
-                "ZeroOneAdam take one lr and weight_decay)")
-
     def _step_moments(self):
         """Each segment's (beta1, beta2, eps) where any differs from the
         job's (followed with schedule='constant'), else None."""
@@ -964,6 +953,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 "schedulers set them). A scheduler that cycles the momentum (OneCycleLR and "
                 "CyclicLR, whose cycle_momentum=True is the default) needs schedule='constant'; "
                 "otherwise build the optimizer with the values you want")
+
+    def _why_one_segment(self):
+        """Why groups that agreed when built train as one (for messages)."""
+        if self._schedule != "constant":
+            return f"with schedule={self._schedule!r} (one lr for the whole model)"
+        return "with one of them holding every parameter to train"
 
     def _check_groups(self, after_step=None):
         """ValueError unless param_groups[0] has the job's betas and eps,
