@@ -132,12 +132,20 @@ absl::Status ShardDaemon::Serve() {
   int port = 0;
   builder.AddListeningPort(o.listen, proto::MakeServerCredentials(o.security),
                            &port);
+  // A port another process listens on is refused: with SO_REUSEPORT
+  // (gRPC's default on Linux) a second shard on the same address would
+  // answer some of the workers, which could join another job's shard.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(proto::MaxMessageBytes(o.job));
   builder.SetMaxSendMessageSize(proto::MaxMessageBytes(o.job));
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
-  if (server_ == nullptr || port == 0)
-    return absl::UnavailableError("cannot listen on " + o.listen);
+  if (server_ == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", o.listen,
+                     " (in use by another process, or not this host's "
+                     "address)"));
+  }
   server_->GetHealthCheckService()->SetServingStatus(true);
   // The probe port: a second server holding only the health service.
   if (!o.health_listen.empty()) {
@@ -145,10 +153,13 @@ absl::Status ShardDaemon::Serve() {
     int health_port = 0;
     health_builder.AddListeningPort(
         o.health_listen, grpc::InsecureServerCredentials(), &health_port);
+    health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_server_ = health_builder.BuildAndStart();
     if (health_server_ == nullptr || health_port == 0) {
-      return absl::UnavailableError("cannot serve health on " +
-                                    o.health_listen);
+      return absl::UnavailableError(
+          absl::StrCat("cannot serve health on ", o.health_listen,
+                       " (in use by another process, or not this host's "
+                       "address)"));
     }
     health_server_->GetHealthCheckService()->SetServingStatus(true);
     std::printf("morse-server shard %d: gRPC health on %s\n", o.shard,

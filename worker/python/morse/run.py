@@ -205,11 +205,14 @@ def _free_ports(count, host="127.0.0.1", taken=()):
     They are drawn below the ephemeral range where the host has one, so
     that no connection's own port (gloo's, gRPC's: every outgoing socket
     takes one) can fill one before its owner binds it; bind(0) would give
-    one from that range, which other processes race for."""
+    one from that range, which other processes race for. The draw is the
+    system's entropy, never the random module's shared state: a script
+    that seeds it (a fault campaign's schedule) would otherwise draw the
+    same ports as another copy of itself starting beside it."""
     sockets, ports = [], []
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     candidates = list(_below_ephemeral())
-    random.shuffle(candidates)
+    random.SystemRandom().shuffle(candidates)
     for _ in range(count):
         while True:
             port = candidates.pop() if candidates else 0
