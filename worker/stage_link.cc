@@ -142,8 +142,8 @@ absl::StatusOr<std::unique_ptr<StageLink>> StageLink::Listen(
   builder.AddListeningPort(address, proto::MakeServerCredentials(security),
                            &port);
   builder.RegisterService(link->service_.get());
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT,
-                             0);  // a taken port fails
+  // A taken port fails below (gRPC's default SO_REUSEPORT would share it).
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(INT_MAX);
   builder.SetMaxSendMessageSize(INT_MAX);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);

@@ -166,20 +166,19 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     if (compress::CommitsLayers(config_)) {
       // Each segment of the layout (a parameter group) its own table, of
-      // its partitions' pieces in partition order.
+      // its partitions' pieces in partition order. Partitions lie in element
+      // order and no partition straddles a segment, so the tables one after
+      // another hold every piece in partition order, as LambTotals adds them.
       pieces_ = compress::LambPieces(config_, layout_, {0, dim});
       std::vector<std::vector<compress::LambPiece>> of(layout_.segment_count());
-      std::vector<size_t> at(layout_.segment_count(), 0);
+      uint32_t last = 0;
       for (const compress::Partition& p : layout_.partitions()) {
-        LambRun& run = lamb_runs_.emplace_back();
-        run.group = p.segment;
-        run.at = at[p.segment];
+        MORSE_CHECK(p.segment >= last);
+        last = p.segment;
         for (const compress::LambPiece& piece :
              compress::LambPiecesOf(config_, p.range)) {
           of[p.segment].push_back(piece);
-          run.count += piece.segments();
         }
-        at[p.segment] += run.count;
       }
       for (const std::vector<compress::LambPiece>& pieces : of) {
         auto segments = kernels::LambSegments::Create(
@@ -634,20 +633,14 @@ class CudaEngine final : public Engine, public DeviceServices {
     const std::vector<compress::ReplyRule> rules =
         compress::PlanReplies(config_, step, hypers);
     MutexLock lock(&apply_mu_);
-    std::vector<absl::Span<const double>> group_sums;
+    // The groups' sums one after another: every piece's in partition order.
+    std::vector<double> sums;
     for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
-      absl::StatusOr<absl::Span<const double>> sums = lamb_groups_[k].Sums(
+      absl::StatusOr<absl::Span<const double>> of = lamb_groups_[k].Sums(
           *apply_, compress::RuleOf(rules, k), x_ptr_, m_.as<float>(),
           v_.as<float>(), DeviceState("v_fresh"));
-      if (!sums.ok()) return sums.status();
-      group_sums.push_back(*sums);
-    }
-    // Every partition's sums in partition order, as LambTotals adds them.
-    std::vector<double> sums;
-    for (const LambRun& run : lamb_runs_) {
-      const absl::Span<const double> of = group_sums[run.group].subspan(
-          compress::kLambStats * run.at, compress::kLambStats * run.count);
-      sums.insert(sums.end(), of.begin(), of.end());
+      if (!of.ok()) return of.status();
+      sums.insert(sums.end(), of->begin(), of->end());
     }
     const std::vector<double> totals =
         compress::LambTotalsOfSegments(config_, pieces_, sums);
@@ -775,19 +768,12 @@ class CudaEngine final : public Engine, public DeviceServices {
   absl::Span<const float> HostState(absl::string_view name) {
     return Own(name).host;
   }
-  // onebit_lamb: the pieces of compress::LambTotals in partition order; the
-  // kernels' table of each parameter group (segment of the layout); and
-  // where each partition's statistics lie in its group's table: `count`
-  // segment sums from the `at`-th.
+  // onebit_lamb: the pieces of compress::LambTotals in partition order, and
+  // the kernels' table of each parameter group (segment of the layout).
   std::vector<compress::LambPiece> pieces_;
   std::vector<kernels::LambSegments> lamb_groups_;
-  struct LambRun {
-    uint32_t group = 0;
-    size_t at = 0, count = 0;
-  };
-  std::vector<LambRun> lamb_runs_;  // one per partition, in order
-  float* x_ptr_ = nullptr;          // x_ or the caller's
-  float* grad_ptr_ = nullptr;       // grad_ or the caller's
+  float* x_ptr_ = nullptr;     // x_ or the caller's
+  float* grad_ptr_ = nullptr;  // grad_ or the caller's
   // A partition's staging: its bytes at `offset` in payloads_ and
   // payloads_host_, its flag at its index in flags_ and flags_host_, and
   // the event after its encode's copy to the host.
