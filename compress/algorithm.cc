@@ -16,6 +16,10 @@ absl::Status ValidateStepHyper(const StepHyper& hyper) {
         absl::StrCat("lr ", hyper.lr, " and weight_decay ", hyper.weight_decay,
                      " must be finite and not negative"));
   }
+  if (hyper.first_step < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("first_step ", hyper.first_step, " must not be negative"));
+  }
   if (hyper.moments.has_value()) {
     const StepMoments& m = *hyper.moments;
     return ValidateAdamHyper(AdamHyper{m.beta1, m.beta2, m.eps, 0.0f});
@@ -33,8 +37,10 @@ bool SameStepHyper(const std::optional<StepHyper>& a,
   const auto same = [&](float x, float y) { return bits(x) == bits(y); };
   if (a.has_value() != b.has_value()) return false;
   if (!a.has_value()) return true;
-  if (!same(a->lr, b->lr) || !same(a->weight_decay, b->weight_decay))
+  if (!same(a->lr, b->lr) || !same(a->weight_decay, b->weight_decay) ||
+      a->first_step != b->first_step) {
     return false;
+  }
   if (a->moments.has_value() != b->moments.has_value()) return false;
   return !a->moments.has_value() ||
          (same(a->moments->beta1, b->moments->beta1) &&
@@ -50,6 +56,10 @@ std::string DescribeStepHyper(const std::optional<StepHyper>& hyper) {
     absl::StrAppend(&out, " with betas (", hyper->moments->beta1, ", ",
                     hyper->moments->beta2, ") and eps ", hyper->moments->eps);
   }
+  if (hyper->first_step != 0) {
+    absl::StrAppend(&out, ", its parameters training since step ",
+                    hyper->first_step);
+  }
   return out;
 }
 
@@ -61,6 +71,20 @@ absl::Status CheckStepHyper(const AlgorithmConfig& config,
         "betas and eps set for a step of ", optimizer.name(),
         ", which applies the job's (adam, onebit_adam, zero_one_adam and "
         "onebit_lamb take them step by step)"));
+  }
+  if (hyper.first_step > 0 && !optimizer.CountsFromFirstStep()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a segment whose parameters train since step ",
+                     hyper.first_step, " in a job of ", optimizer.name(),
+                     ", whose state counts from the job's first step (adam and "
+                     "onebit_adam count a group's own)"));
+  }
+  if (hyper.first_step > 0 && optimizer.HasFreezeStep() &&
+      hyper.first_step >= config.freeze_step) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a segment whose parameters train since step ", hyper.first_step,
+        ", at or after freeze_step ", config.freeze_step,
+        ": its variance would freeze before it had any"));
   }
   return absl::OkStatus();
 }

@@ -35,16 +35,29 @@ struct StepMoments {
 // param_groups, carried in every push) instead of the job's schedule and
 // adam.weight_decay, and its betas and eps where they set those too. lr
 // and weight_decay finite and not negative, the moments as the job's
-// adam section (ValidateStepHyper).
+// adam section, first_step not negative (ValidateStepHyper).
 struct StepHyper {
   StepHyper() = default;
   StepHyper(float lr, float weight_decay,
-            std::optional<StepMoments> moments = std::nullopt)
-      : lr(lr), weight_decay(weight_decay), moments(moments) {}
+            std::optional<StepMoments> moments = std::nullopt,
+            int64_t first_step = 0)
+      : lr(lr),
+        weight_decay(weight_decay),
+        moments(moments),
+        first_step(first_step) {}
 
   float lr = 0;
   float weight_decay = 0;
   std::optional<StepMoments> moments;
+  // The job step at which the segment's parameters began to train, from
+  // which its bias corrections count Adam's updates (t = step + 1 -
+  // first_step, torch's per-parameter step; the frozen variance's 1 -
+  // b2^(freeze_step - first_step)): a group that morse.torch's
+  // add_param_group added at that step. 0 for the rest. Only where the
+  // optimizer counts them so (Optimizer::CountsFromFirstStep) and, with a
+  // freeze step, before it (CheckStepHyper); never after the step it is
+  // used in (the shard checks each push).
+  int64_t first_step = 0;
 };
 absl::Status ValidateStepHyper(const StepHyper& hyper);
 // The same bits (what every worker's push of a partition and step must

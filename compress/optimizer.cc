@@ -115,7 +115,9 @@ AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
   AdamHyper adam = StepAdamHyper(config, hyper);
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  return MakeAdamScalars(adam, lr, step + 1, bias_correction);
+  const int64_t first = hyper != nullptr ? hyper->first_step : 0;
+  MORSE_CHECK(first <= step);
+  return MakeAdamScalars(adam, lr, step + 1 - first, bias_correction);
 }
 
 StepPlan FullPrecisionPlan(const AlgorithmConfig& config) {
@@ -155,8 +157,11 @@ void FrozenVarianceScalars(const AlgorithmConfig& config,
   const AdamHyper adam = StepAdamHyper(config, hyper);
   if (config.bias_correction) {
     // v and its correction freeze together: 1 - b2^T_w.
+    const int64_t first = hyper != nullptr ? hyper->first_step : 0;
+    MORSE_CHECK(first < config.freeze_step);
     rule.scalars.bias_correction2 =
-        MakeAdamScalars(adam, 0.0f, config.freeze_step, true).bias_correction2;
+        MakeAdamScalars(adam, 0.0f, config.freeze_step - first, true)
+            .bias_correction2;
   }
   if (config.bound_update) rule.scalars.max_ratio = OneBitUpdateBound(adam);
 }

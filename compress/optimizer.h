@@ -116,6 +116,13 @@ class Optimizer {
   // partition's reply rule, PlanSend's rule or LocalStepScalars, all of
   // which read StepAdamHyper (CheckStepHyper refuses them elsewhere).
   virtual bool FollowsStepMoments() const { return false; }
+  // Whether a step's pushes may say from which step a segment's parameters
+  // train (StepHyper::first_step, a group added mid-job), each use of the
+  // step count then counting from there: only where that use is
+  // StepScalars' and FrozenVarianceScalars' bias corrections (adam,
+  // onebit_adam); elsewhere state that counts steps (zero_one_adam's
+  // schedule, onebit_lamb's warmup averages) would need its own.
+  virtual bool CountsFromFirstStep() const { return false; }
 
   // Whether the CUDA engine implements its reply rule (else a GPU worker
   // refuses the job, and --device auto trains on the CPU, saying why).
@@ -194,7 +201,8 @@ uint64_t StateBytesPerElement(const AlgorithmConfig& config);
 
 // For the optimizers' PlanReply: the frozen-variance phase's corrections
 // and bound (1-bit Adam's compression phase, DESIGN 2.1): v̂ = v/(1 -
-// b2^T_w) with bias correction, and |update| <= OneBitUpdateBound when
+// b2^T_w) with bias correction (T_w = freeze_step - `hyper`'s first_step:
+// the updates the segment's v had), and |update| <= OneBitUpdateBound when
 // bound_update is on.
 // The step's betas and eps (`hyper`'s where it sets them) govern both.
 void FrozenVarianceScalars(const AlgorithmConfig& config,
@@ -202,8 +210,9 @@ void FrozenVarianceScalars(const AlgorithmConfig& config,
 // The job's adam section with the step's betas and eps where `hyper` sets
 // them (CheckStepHyper: Optimizer::FollowsStepMoments).
 AdamHyper StepAdamHyper(const AlgorithmConfig& config, const StepHyper* hyper);
-// Adam's scalars of step `step` (t' = step + 1) at the workers' lr and
-// weight decay (`hyper`) or the job's schedule and weight decay.
+// Adam's scalars of step `step` (t' = step + 1, less `hyper`'s first_step)
+// at the workers' lr and weight decay (`hyper`) or the job's schedule and
+// weight decay.
 AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
                         const StepHyper* hyper, bool bias_correction);
 // The two kinds of step every optimizer's schedule is made of: full

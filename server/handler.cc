@@ -116,6 +116,13 @@ void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
     args.hyper->moments =
         compress::StepMoments{request.beta1(), request.beta2(), request.eps()};
   }
+  if (request.has_first_step()) {
+    if (!request.has_lr()) {
+      return done(absl::InvalidArgumentError(
+          "a push sets first_step only with lr and weight_decay"));
+    }
+    args.hyper->first_step = request.first_step();
+  }
   args.previous_commit.assign(request.previous_commit().begin(),
                               request.previous_commit().end());
   if (request.has_previous_grad_sum_of_squares()) {

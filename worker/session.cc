@@ -271,6 +271,15 @@ absl::Status Session::BeginStep() {
   }
   if (InStep())
     return absl::FailedPreconditionError("a step is already in progress");
+  for (const compress::StepHyper& hyper : hyper_) {
+    if (hyper.first_step > step_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step ", step_,
+                       " of a parameter group that trains "
+                       "since step ",
+                       hyper.first_step));
+    }
+  }
   trace_step_start_ = trace::Enabled() ? trace::NowMicros() : -1;
   plan_ = compress::PlanStep(job_.algorithm, step_);
   sent_.assign(layout_.partitions().size(), false);

@@ -187,6 +187,7 @@ absl::Status StepExchange::Send(const compress::Partition& partition,
       call->request.set_beta2(hyper->moments->beta2);
       call->request.set_eps(hyper->moments->eps);
     }
+    if (hyper->first_step != 0) call->request.set_first_step(hyper->first_step);
   }
   if (partition.id == 0 && !extras_.buffers.empty()) {
     call->request.set_buffers(std::move(extras_.buffers));

@@ -31,6 +31,8 @@ class Adam final : public Optimizer {
   // Its moments, bias corrections, local momentum (PlanSend), frozen-variance
   // correction and bound take the step's betas and eps (design.md 2.1, 2.2).
   bool FollowsStepMoments() const override { return true; }
+  // Its only count of steps is StepScalars' and FrozenVarianceScalars'.
+  bool CountsFromFirstStep() const override { return true; }
 };
 
 }  // namespace

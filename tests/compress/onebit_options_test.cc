@@ -309,6 +309,116 @@ TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
   }
 }
 
+// A parameter group added mid-job (morse.torch's add_param_group at step
+// k, StepHyper::first_step): its bias corrections count its own updates,
+// t = step + 1 - k, and its frozen variance's freeze_step - k, as torch's
+// per-parameter step does; only adam and onebit_adam take it, the latter
+// before freeze_step.
+TEST(OneBitOptionsTest, AGroupAddedMidJobCountsItsOwnUpdates) {
+  AlgorithmConfig c = OneBitConfig();
+  c.freeze_step = 10;
+  const auto expected = [&](double beta, int64_t t) {
+    return static_cast<float>(1.0 - std::pow(beta, t));
+  };
+  const StepHyper added{0.01f, 0.0f, std::nullopt, /*first_step=*/6};
+  for (OptimizerKind kind :
+       {OptimizerKind::kAdam, OptimizerKind::kOneBitAdam}) {
+    c.optimizer = kind;
+    ASSERT_TRUE(CheckStepHyper(c, added).ok());
+    const bool freezes = kind == OptimizerKind::kOneBitAdam;
+    for (int64_t step : {6, 7, 9, 10, 11, 500}) {
+      const ReplyRule rule = PlanReply(c, step, &added);
+      EXPECT_EQ(rule.scalars.bias_correction1,
+                expected(c.adam.beta1, step + 1 - 6))
+          << step;
+      EXPECT_EQ(
+          rule.scalars.bias_correction2,
+          expected(c.adam.beta2, freezes && step >= 10 ? 10 - 6 : step + 1 - 6))
+          << step;
+    }
+  }
+  StepHyper late = added;
+  late.first_step = 10;
+  EXPECT_EQ(CheckStepHyper(c, late).code(), absl::StatusCode::kInvalidArgument);
+  late.first_step = -1;
+  EXPECT_EQ(ValidateStepHyper(late).code(), absl::StatusCode::kInvalidArgument);
+  for (OptimizerKind kind :
+       {OptimizerKind::kZeroOneAdam, OptimizerKind::kOneBitLamb,
+        OptimizerKind::kDiloco}) {
+    c.optimizer = kind;
+    EXPECT_EQ(CheckStepHyper(c, added).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  // Two hypers that differ in first_step alone are not the same step's.
+  EXPECT_FALSE(SameStepHyper(added, StepHyper{0.01f, 0.0f}));
+}
+
+// The same through whole steps: a second segment that gets no gradient and
+// no weight decay before step k (its m and v stay 0, its x unmoved) and
+// trains from k with first_step k ends bit-identical to a job of that
+// segment alone started at step 0 on the same gradients, across the
+// freeze (at the same job step); the simulator refuses a first_step past the
+// step.
+TEST(OneBitOptionsTest, AGroupAddedMidJobTrainsAsAJobOfItsOwn) {
+  constexpr uint64_t kFirst = 256, kSecond = 320;
+  constexpr int64_t kAdded = 3;
+  AlgorithmConfig both = OneBitConfig();
+  both.freeze_step = 6;
+  both.layout = {kFirst + kSecond, 2, 64, 128, {kFirst}};
+  AlgorithmConfig alone = both;
+  alone.layout = {kSecond, 2, 64, 128, {}};
+  alone.freeze_step = both.freeze_step - kAdded;  // the same job step
+  const auto grad = [](uint32_t i, int64_t step, size_t j) {
+    return std::sin(0.1f * j + 0.7f * i + 0.3f * step);
+  };
+  std::vector<float> x0(kFirst + kSecond);
+  for (size_t j = 0; j < x0.size(); ++j) x0[j] = 0.01f * (j % 13) - 0.05f;
+  for (OptimizerKind kind :
+       {OptimizerKind::kAdam, OptimizerKind::kOneBitAdam}) {
+    both.optimizer = alone.optimizer = kind;
+    auto sim = Simulator::Create(both, x0);
+    ASSERT_TRUE(sim.ok()) << sim.status();
+    auto own = Simulator::Create(
+        alone, absl::MakeConstSpan(x0).subspan(kFirst, kSecond));
+    ASSERT_TRUE(own.ok()) << own.status();
+    for (int64_t step = 0; step < 14; ++step) {
+      std::vector<std::vector<float>> g(both.workers,
+                                        std::vector<float>(kFirst + kSecond));
+      std::vector<std::vector<float>> g_own(both.workers,
+                                            std::vector<float>(kSecond));
+      for (uint32_t i = 0; i < both.workers; ++i) {
+        for (size_t j = 0; j < kFirst; ++j) g[i][j] = grad(i, step, j);
+        for (size_t j = 0; step >= kAdded && j < kSecond; ++j)
+          g[i][kFirst + j] = g_own[i][j] = grad(i + 5, step - kAdded, j);
+      }
+      std::vector<absl::Span<const float>> views(g.begin(), g.end());
+      std::vector<StepHyper> hypers{StepHyper{0.01f, 0.0f},
+                                    StepHyper{0.02f, 0.0f}};
+      if (step >= kAdded) hypers[1].first_step = kAdded;
+      if (step == kAdded - 1) {  // the group is not there yet
+        StepHyper early = hypers[1];
+        early.first_step = kAdded;
+        EXPECT_EQ(sim->Step(views, {hypers[0], early}).code(),
+                  absl::StatusCode::kInvalidArgument);
+      }
+      ASSERT_TRUE(sim->Step(views, hypers).ok()) << step;
+      if (step < kAdded) {
+        for (size_t j = 0; j < kSecond; ++j)
+          ASSERT_EQ(sim->x()[kFirst + j], x0[kFirst + j]) << step;
+        continue;
+      }
+      std::vector<absl::Span<const float>> own_views(g_own.begin(),
+                                                     g_own.end());
+      ASSERT_TRUE(own->Step(own_views, {StepHyper{0.02f, 0.0f}}).ok());
+      for (size_t j = 0; j < kSecond; ++j) {
+        ASSERT_EQ(sim->x()[kFirst + j], own->x()[j])
+            << "step " << step << " element " << j;
+        ASSERT_EQ(sim->v()[kFirst + j], own->v()[j]) << step;
+      }
+    }
+  }
+}
+
 TEST(OneBitOptionsTest, FreezeStepZeroIsRefused) {
   AlgorithmConfig c = OneBitConfig();
   c.freeze_step = 0;

@@ -422,6 +422,54 @@ TEST_F(ShardCoreTest, StepHyperParametersMustAgreeAndReachTheMirror) {
   EXPECT_NE(plain->MirrorChecksum(), core_->MirrorChecksum());
 }
 
+// A group added mid-job (StepHyper::first_step, design.md 2.1): a push of a
+// step before its first is refused, and every push of a partition and step
+// must say the same first step, as the same lr. (onebit_adam takes one
+// before its freeze_step, here 1: OneBitOptionsTest; adam at any step.)
+TEST_F(ShardCoreTest, AGroupsFirstStepMustAgreeAndNotComeAfterThePush) {
+  PushArgs frozen = Args(1, 0, first());
+  frozen.hyper = compress::StepHyper{0.5f, 0.01f, std::nullopt, 1};
+  const absl::Status refused_frozen = Push(frozen);
+  EXPECT_EQ(refused_frozen.code(), absl::StatusCode::kInvalidArgument)
+      << refused_frozen;
+  EXPECT_NE(refused_frozen.message().find("freeze_step 1"),
+            absl::string_view::npos)
+      << refused_frozen;
+  job_ = *proto::ParseJobConfig(absl::StrCat(kConfig, R"(optimizer: "adam")"),
+                                proto::ConfigFormat::kText);
+  core_ = *ShardCore::Create(job_, 1);
+  InitializeAll(*core_);
+  PushArgs early = Args(0, 0, first());
+  early.hyper = compress::StepHyper{0.5f, 0.01f, std::nullopt, 1};
+  const absl::Status refused_early = Push(early);
+  EXPECT_EQ(refused_early.code(), absl::StatusCode::kInvalidArgument)
+      << refused_early;
+  EXPECT_NE(refused_early.message().find("since step 1"),
+            absl::string_view::npos)
+      << refused_early;
+  for (uint32_t r = 0; r < 3; ++r) {
+    PushArgs plain = Args(0, r, first());
+    plain.hyper = compress::StepHyper{0.5f, 0.01f};
+    EXPECT_EQ(Push(plain).ok(), r == 2);
+  }
+  const compress::StepHyper added{0.5f, 0.01f, std::nullopt, 1};
+  PushArgs a = Args(1, 0, first());
+  a.hyper = added;
+  EXPECT_EQ(Push(a).code(), absl::StatusCode::kUnknown);  // waits
+  PushArgs other = Args(1, 1, first());
+  other.hyper = compress::StepHyper{0.5f, 0.01f};
+  const absl::Status refused = Push(other);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("training since step 1"),
+            absl::string_view::npos)
+      << refused;
+  for (uint32_t r = 1; r < 3; ++r) {
+    PushArgs same = Args(1, r, first());
+    same.hyper = added;
+    EXPECT_EQ(Push(same).ok(), r == 2);
+  }
+}
+
 // Betas and eps set by the workers (a scheduler that cycles the momentum):
 // every optimizer's but diloco's, so a push that carries them there is
 // refused; for adam every push of a partition and step must carry the

@@ -130,13 +130,15 @@ absl::Status CheckSession(morse_session* s) {
 // `count` learning rates and weight decays from the caller's arrays (none
 // for 0).
 // `moments`: null, or 3 * count floats (each one's beta1, beta2, eps).
+// `first_steps`: null (all 0), or count steps from which each one's
+// parameters train.
 absl::StatusOr<std::vector<morse::compress::StepHyper>> StepHypers(
     uint32_t count, const float* lr, const float* weight_decay,
-    const float* moments) {
+    const float* moments, const int64_t* first_steps) {
   std::vector<morse::compress::StepHyper> hypers;
-  if (count == 0 && moments != nullptr) {
+  if (count == 0 && (moments != nullptr || first_steps != nullptr)) {
     return absl::InvalidArgumentError(
-        "betas and eps without lr and weight_decay");
+        "betas and eps, or first steps, without lr and weight_decay");
   }
   if (count == 0) return hypers;
   if (absl::Status st = NotNull(lr, "lr"); !st.ok()) return st;
@@ -148,6 +150,7 @@ absl::StatusOr<std::vector<morse::compress::StepHyper>> StepHypers(
       hypers.back().moments = morse::compress::StepMoments{
           moments[3 * i], moments[3 * i + 1], moments[3 * i + 2]};
     }
+    if (first_steps != nullptr) hypers.back().first_step = first_steps[i];
   }
   return hypers;
 }
@@ -292,10 +295,11 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
 
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* lr, const float* weight_decay,
-                                 const float* moments) {
+                                 const float* moments,
+                                 const int64_t* first_steps) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    auto hypers = StepHypers(count, lr, weight_decay, moments);
+    auto hypers = StepHypers(count, lr, weight_decay, moments, first_steps);
     if (!hypers.ok()) return hypers.status();
     return s->session->SetStepHyper(*std::move(hypers));
   });
@@ -835,7 +839,7 @@ int morse_simulator_step_without(morse_simulator* sim,
                                  uint32_t workers, uint64_t dim,
                                  const uint32_t* absent, uint32_t count) {
   return morse_simulator_step_hyper(sim, gradients, workers, dim, absent, count,
-                                    nullptr, nullptr, 0, nullptr);
+                                    nullptr, nullptr, 0, nullptr, nullptr);
 }
 
 int morse_simulator_step_hyper(morse_simulator* sim,
@@ -843,9 +847,11 @@ int morse_simulator_step_hyper(morse_simulator* sim,
                                uint64_t dim, const uint32_t* absent,
                                uint32_t count, const float* lr,
                                const float* weight_decay, uint32_t hypers,
-                               const float* moments) {
+                               const float* moments,
+                               const int64_t* first_steps) {
   return Guard([&]() -> absl::Status {
-    auto step_hypers = StepHypers(hypers, lr, weight_decay, moments);
+    auto step_hypers =
+        StepHypers(hypers, lr, weight_decay, moments, first_steps);
     if (!step_hypers.ok()) return step_hypers.status();
     if (count > 0) {
       if (absl::Status st = NotNull(absent, "absent"); !st.ok()) return st;

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 18
+#define MORSE_CAPI_VERSION 19
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -87,10 +87,14 @@ int morse_session_use_cuda(morse_session* s, float* x_device,
  * again. `moments`: NULL for the job's betas and eps, or 3 * count floats,
  * each group's beta1, beta2 and eps for these steps in turn (every
  * optimizer but diloco: groups with their own, a scheduler that cycles the
- * momentum). */
+ * momentum). `first_steps`: NULL (every group trains since step 0), or
+ * count steps from which each group's parameters train (a group added
+ * mid-job: its bias corrections count from there; adam and onebit_adam,
+ * the latter before freeze_step). */
 int morse_session_set_step_hyper(morse_session* s, uint32_t count,
                                  const float* lr, const float* weight_decay,
-                                 const float* moments);
+                                 const float* moments,
+                                 const int64_t* first_steps);
 
 /* Rank 0: `size` bytes of module buffers sent with the next step's push of
  * partition 0 (at most 64 MiB). After a step, every worker reads what came
@@ -255,13 +259,15 @@ int morse_simulator_step_without(morse_simulator* sim,
 /* The same, with the step's learning rates and weight decays as the
    workers set them (morse_session_set_step_hyper): `hypers` of each, one
    for the model or one per parameter group (0: the job's schedule), and
-   `moments` NULL or their betas and eps (3 * hypers floats). */
+   `moments` NULL or their betas and eps (3 * hypers floats), `first_steps`
+   NULL or the step each one's parameters train from. */
 int morse_simulator_step_hyper(morse_simulator* sim,
                                const float* const* gradients, uint32_t workers,
                                uint64_t dim, const uint32_t* absent,
                                uint32_t count, const float* lr,
                                const float* weight_decay, uint32_t hypers,
-                               const float* moments);
+                               const float* moments,
+                               const int64_t* first_steps);
 int morse_simulator_checksum(morse_simulator* sim, uint64_t* checksum);
 /* Worker `rank`'s own x, m, v (differs from the shared state only after
    zero_one_adam's local steps). */

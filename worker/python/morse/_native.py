@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 18  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 19  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -59,7 +59,7 @@ def _load():
         "morse_session_start": ([P, I, S, ctypes.POINTER(I64)], I),
         "morse_session_wait_all_joined": ([P], I),
         "morse_session_use_cuda": ([P, P, P], I),
-        "morse_session_set_step_hyper": ([P, U32, FP, FP, FP], I),
+        "morse_session_set_step_hyper": ([P, U32, FP, FP, FP, ctypes.POINTER(I64)], I),
         "morse_job_block_elems": ([S, S, ctypes.POINTER(U32)], I),
         "morse_session_set_buffers": ([P, P, U64], I),
         "morse_session_set_defer_apply": ([P, I], I),
@@ -102,7 +102,7 @@ def _load():
         "morse_simulator_step_without": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32],
                                          I),
         "morse_simulator_step_hyper": ([P, ctypes.POINTER(P), U32, U64, ctypes.POINTER(U32), U32,
-                                        FP, FP, U32, FP], I),
+                                        FP, FP, U32, FP, ctypes.POINTER(I64)], I),
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
         "morse_simulator_replace_x": ([P, P, U64], I),
@@ -223,14 +223,16 @@ class Session:
     def use_cuda(self, x_device_ptr, grad_device_ptr):
         _check(_lib.morse_session_use_cuda(self._handle, x_device_ptr, grad_device_ptr))
 
-    def set_step_hyper(self, lr=None, weight_decay=None, moments=None):
+    def set_step_hyper(self, lr=None, weight_decay=None, moments=None, first_steps=None):
         """This and later steps' lr and weight decay: numbers for the whole
         model, or sequences of one per parameter group (the job's
         external.groups); None: the job's schedule. moments: None for the
         job's betas and eps, or one (beta1, beta2, eps) per lr value (every
-        optimizer but diloco)."""
+        optimizer but diloco). first_steps: None (every group trains since
+        step 0), or one step per lr value from which that group's
+        parameters train (a group added mid-job; adam and onebit_adam)."""
         if lr is None:
-            _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None, None))
+            _check(_lib.morse_session_set_step_hyper(self._handle, 0, None, None, None, None))
             return
         lrs = list(lr) if isinstance(lr, (list, tuple)) else [lr]
         decays = list(weight_decay) if isinstance(weight_decay, (list, tuple)) else [weight_decay]
@@ -241,8 +243,11 @@ class Session:
             raise ValueError(f"{len(moments)} (beta1, beta2, eps) for {count} lr values")
         rule = None if moments is None else (ctypes.c_float * (3 * count))(
             *(float(v) for triple in moments for v in triple))
+        if first_steps is not None and len(first_steps) != count:
+            raise ValueError(f"{len(first_steps)} first steps for {count} lr values")
+        firsts = None if first_steps is None else (ctypes.c_int64 * count)(*map(int, first_steps))
         _check(_lib.morse_session_set_step_hyper(self._handle, count, (ctypes.c_float * count)(*lrs),
-                                                 (ctypes.c_float * count)(*decays), rule))
+                                                 (ctypes.c_float * count)(*decays), rule, firsts))
 
     def set_buffers(self, data):
         """Rank 0: module buffers (bytes) sent with the next step."""
@@ -523,12 +528,13 @@ class Simulator:
             _lib.morse_simulator_destroy(self._handle)
             self._handle = None
 
-    def step(self, gradients, absent=(), hypers=()):
+    def step(self, gradients, absent=(), hypers=(), first_steps=None):
         """One step; `absent`: ranks every partition's average leaves out;
         `hypers`: the step's (lr, weight_decay) as the workers set them, one
         for the model or one per parameter group (none: the job's
         schedule), each with beta1, beta2 and eps after them where the
-        workers set those too (all or none)."""
+        workers set those too (all or none); `first_steps`: None, or one
+        step per hyper from which that group's parameters train."""
         for g in gradients:
             if g.size != self._dim:
                 raise ValueError(f"each gradient must hold {self._dim} values")
@@ -543,8 +549,13 @@ class Simulator:
                              "eps), all alike")
         moments = (None if not hypers or len(hypers[0]) == 2
                    else (ctypes.c_float * (3 * count))(*(float(v) for h in hypers for v in h[2:])))
+        if first_steps is not None and len(first_steps) != count:
+            raise ValueError(f"{len(first_steps)} first steps for {count} hypers")
+        firsts = (None if first_steps is None
+                  else (ctypes.c_int64 * max(count, 1))(*map(int, first_steps)))
         _check(_lib.morse_simulator_step_hyper(self._handle, pointers, len(gradients), self._dim,
-                                               out, len(absent), lrs, decays, count, moments))
+                                               out, len(absent), lrs, decays, count, moments,
+                                               firsts))
 
     def checksum(self):
         value = ctypes.c_uint64()
