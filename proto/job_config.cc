@@ -184,6 +184,7 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
       job.external.dim = c.external().dim();
       job.external.shapes_fingerprint = c.external().shapes_fingerprint();
       job.external.shapes = c.external().shapes();
+      job.external.generation = c.external().generation();
       a.layout.dim = job.external.dim;
       if (c.external().layers_size() > static_cast<int>(kMaxLayers)) {
         return Invalid("external.layers",

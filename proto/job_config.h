@@ -40,6 +40,8 @@ struct ExternalSpec {
   uint64_t dim = 0;  // 0: not known yet (a server waiting for workers)
   uint64_t shapes_fingerprint = 0;
   std::string shapes;
+  // Layouts taken anew during the job (ExternalModel.generation).
+  uint32_t generation = 0;
 };
 
 // Parameters of an MLP: sum over layers of in*out weights + out biases.

@@ -66,8 +66,13 @@ absl::Status ShardHandler::Join(const v1::JoinRequest& request,
       job.ok() ? host_->Join(request.rank(), *job) : job.status();
   reply->set_workers_joined(host_->workers_joined());
   reply->set_workers(host_->base().workers());
-  if (ShardCore* core = host_->core())
+  if (status.ok() && job->external.generation != host_->generation()) {
+    // Taken for the next layout, which the others have yet to join.
+    reply->set_layout_fingerprint(
+        compress::Layout::Create(job->algorithm.layout)->fingerprint());
+  } else if (ShardCore* core = host_->core()) {
     reply->set_layout_fingerprint(core->layout().fingerprint());
+  }
   return status;
 }
 
@@ -276,6 +281,8 @@ absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request,
   reply->set_shards(host_->base().shards());
   reply->set_workers(host_->base().workers());
   reply->set_workers_joined(host_->workers_joined());
+  reply->set_generation(host_->generation());
+  reply->set_workers_joined_next(host_->workers_joined_next());
   ShardCore* core = host_->core();
   reply->set_configured(core != nullptr);
   if (core == nullptr) return absl::OkStatus();

@@ -89,9 +89,10 @@ absl::Status ShardDaemon::Serve() {
       ShardRuntime::Options{o.shard, o.checkpoint, state_log_.get(), nullptr});
   // Runs once the model's size is known: at start for built-in workloads,
   // at the first worker's Join for external (PyTorch) models.
-  const auto on_configured = [this](const proto::JobSpec& job,
-                                    ShardCore& core) -> absl::Status {
-    if (absl::Status s = runtime_->OnConfigured(job, core); !s.ok()) return s;
+  const auto on_configured = [this](const proto::JobSpec& job, ShardCore& core,
+                                    bool relaid) -> absl::Status {
+    if (absl::Status s = runtime_->OnConfigured(job, core, relaid); !s.ok())
+      return s;
     std::printf("morse-server: %s\n",
                 Describe(job, options_.shard, &core).c_str());
     std::fflush(stdout);

@@ -1,6 +1,8 @@
 #include "server/shard_host.h"
 
 #include "absl/strings/str_cat.h"
+#include "compress/algorithm.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 
 namespace morse::server {
@@ -17,23 +19,71 @@ absl::StatusOr<std::unique_ptr<ShardHost>> ShardHost::Create(
       base, shard, std::move(on_configured), max_model_elems, compute_threads));
   if (base.sized()) {
     MutexLock lock(&host->mu_);
-    if (absl::Status s = host->Configure(base); !s.ok()) return s;
+    if (absl::Status s = host->Configure(base, false); !s.ok()) return s;
   }
   return host;
 }
 
-absl::Status ShardHost::Configure(const proto::JobSpec& job) {
+absl::Status ShardHost::Configure(const proto::JobSpec& job, bool relaid) {
   auto core = ShardCore::Create(job, shard_, proto::HostMemoryBytes(),
                                 compute_threads_);
   if (core.status().code() == absl::StatusCode::kResourceExhausted)
     return core.status();
   if (!core.ok()) return absl::FailedPreconditionError(core.status().message());
   if (on_configured_) {
-    if (absl::Status s = on_configured_(job, **core); !s.ok()) return s;
+    if (absl::Status s = on_configured_(job, **core, relaid); !s.ok()) return s;
   }
   job_ = job;
+  if (owned_ != nullptr) retired_.push_back(std::move(owned_));
   owned_ = *std::move(core);
   core_.store(owned_.get());
+  return absl::OkStatus();
+}
+
+absl::Status ShardHost::JoinNext(uint32_t rank, const proto::JobSpec& job) {
+  const uint32_t now = job_.external.generation;
+  const uint32_t theirs = job.external.generation;
+  if (theirs != now + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " brings layout generation ", theirs,
+        " but the shard serves generation ", now,
+        theirs < now ? " (the others laid the model out anew since: every "
+                       "rank must call add_param_group at the same step)"
+                     : ""));
+  }
+  if (compress::OptimizerOf(job.algorithm).kind() !=
+          compress::OptimizerOf(job_.algorithm).kind() ||
+      job.algorithm.lr.kind != job_.algorithm.lr.kind) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", rank,
+                     " lays the model out anew with another optimizer or "
+                     "schedule than the job's"));
+  }
+  if (next_.has_value() &&
+      (job.algorithm.layout.dim != next_->algorithm.layout.dim ||
+       job.external.shapes_fingerprint != next_->external.shapes_fingerprint ||
+       compress::AlgorithmFingerprint(job.algorithm) !=
+           compress::AlgorithmFingerprint(next_->algorithm))) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " lays the model out anew as ", job.algorithm.layout.dim,
+        " parameters, another rank as ", next_->algorithm.layout.dim,
+        " (or with other shapes or settings): every rank must add the same "
+        "parameter groups"));
+  }
+  if (!next_.has_value()) {
+    next_ = job;
+    joined_next_.assign(base_.workers(), false);
+  }
+  joined_next_[rank] = true;
+  for (bool joined : joined_next_) {
+    if (!joined) return absl::OkStatus();  // the last one lays it out
+  }
+  if (absl::Status s = Configure(*next_, /*relaid=*/true); !s.ok()) {
+    return s;
+  }
+  next_.reset();
+  joined_.assign(base_.workers(), true);
+  joined_next_.clear();
   return absl::OkStatus();
 }
 
@@ -62,8 +112,12 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
         " (--max_model_elems)"));
   }
   MutexLock lock(&mu_);
+  if (owned_ != nullptr &&
+      job.external.generation != job_.external.generation) {
+    return JoinNext(rank, job);
+  }
   if (owned_ == nullptr) {
-    if (absl::Status s = Configure(job); !s.ok()) return s;
+    if (absl::Status s = Configure(job, false); !s.ok()) return s;
   } else {
     if (job.algorithm.layout.dim != job_.algorithm.layout.dim ||
         job.external.shapes_fingerprint != job_.external.shapes_fingerprint) {
@@ -108,6 +162,18 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
   joined_[rank] = true;
   owned_->ClearAbort();  // a worker (re)joining restarts a stopped job
   return absl::OkStatus();
+}
+
+uint32_t ShardHost::generation() const {
+  MutexLock lock(&mu_);
+  return job_.external.generation;
+}
+
+uint32_t ShardHost::workers_joined_next() const {
+  MutexLock lock(&mu_);
+  uint32_t n = 0;
+  for (bool j : joined_next_) n += j;
+  return n;
 }
 
 uint32_t ShardHost::workers_joined() const {

@@ -3,14 +3,20 @@
 // ranks have joined. For built-in workloads the core exists from the start;
 // for external models (PyTorch) the first worker's Join brings the size and
 // the optimizer's settings, and every other worker must bring the same.
+// An external model laid out anew (ExternalModel.generation g + 1, from
+// add_param_group) replaces the core once every worker has joined with it:
+// a fresh core of the new layout, which rank 0 then restores (design.md 4,
+// "A new layout mid-job").
 //
-// Thread-safe. core() is null until configured and never changes after.
+// Thread-safe. core() is null until configured; a core it returned stays
+// alive as long as the host (one replaced by a new layout is kept, idle).
 #ifndef MORSE_SERVER_SHARD_HOST_H_
 #define MORSE_SERVER_SHARD_HOST_H_
 
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,11 +28,12 @@ namespace morse::server {
 
 class ShardHost {
  public:
-  // Called once with the new core before any worker can use it (restore a
-  // checkpoint, set the step observer). An error fails the Join that
-  // configured it, and the shard stays unconfigured.
-  using OnConfigured =
-      std::function<absl::Status(const proto::JobSpec& job, ShardCore& core)>;
+  // Called once with each new core before any worker can use it (restore a
+  // checkpoint, set the step observer); `relaid`: it replaces a core of an
+  // earlier layout (nothing on disk is its state). An error fails the Join
+  // that configured it, and the shard keeps what it had.
+  using OnConfigured = std::function<absl::Status(
+      const proto::JobSpec& job, ShardCore& core, bool relaid)>;
 
   // For a sized base config, creates the core now (and runs on_configured).
   // max_model_elems (0: no limit but the host's memory) caps the model an
@@ -41,11 +48,17 @@ class ShardHost {
   // or algorithm), saying how; INVALID_ARGUMENT for an unknown rank;
   // RESOURCE_EXHAUSTED for a model above max_model_elems or the host's
   // memory (nothing is allocated then). A successful Join clears an abort
-  // (ShardCore::Abort): the job is restarting.
+  // (ShardCore::Abort): the job is restarting. A Join of the next layout
+  // generation is taken (OK) and counted until every worker has made one
+  // alike; the last makes the new core. One of an older generation, or of a
+  // next one that differs from another worker's, is FAILED_PRECONDITION.
   absl::Status Join(uint32_t rank, const proto::JobSpec& job);
 
   ShardCore* core() const { return core_.load(); }
   uint32_t workers_joined() const;
+  // The layout generation served, and the workers that joined the next.
+  uint32_t generation() const;
+  uint32_t workers_joined_next() const;
   uint32_t shard() const { return shard_; }
   const proto::JobSpec& base() const { return base_; }
 
@@ -59,7 +72,9 @@ class ShardHost {
         compute_threads_(compute_threads),
         on_configured_(std::move(on_configured)),
         joined_(base.workers()) {}
-  absl::Status Configure(const proto::JobSpec& job)
+  absl::Status Configure(const proto::JobSpec& job, bool relaid)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status JoinNext(uint32_t rank, const proto::JobSpec& job)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const proto::JobSpec base_;
@@ -72,6 +87,12 @@ class ShardHost {
   std::atomic<ShardCore*> core_{nullptr};
   proto::JobSpec job_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> joined_ ABSL_GUARDED_BY(mu_);
+  // The next layout, while some workers have joined with it.
+  std::optional<proto::JobSpec> next_ ABSL_GUARDED_BY(mu_);
+  std::vector<bool> joined_next_ ABSL_GUARDED_BY(mu_);
+  // Cores of earlier layouts: a call that took one before it was replaced
+  // may still hold it.
+  std::vector<std::unique_ptr<ShardCore>> retired_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace morse::server

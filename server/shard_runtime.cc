@@ -56,8 +56,13 @@ void ShardRuntime::SaveCheckpoint(const ShardCore& core, const char* why) {
 }
 
 absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job,
-                                        ShardCore& core) {
-  if (!options_.checkpoint_path.empty()) {
+                                        ShardCore& core, bool relaid) {
+  if (relaid) {
+    Log(absl::StrFormat(
+        "morse-server shard %u: the model laid out anew (generation %u, %d "
+        "parameters)",
+        options_.shard, job.external.generation, job.algorithm.layout.dim));
+  } else if (!options_.checkpoint_path.empty()) {
     absl::Status restored = core.RestoreCheckpoint(options_.checkpoint_path);
     if (restored.ok()) {
       Log(absl::StrFormat("morse-server shard %u: resumed from %s at step %d",

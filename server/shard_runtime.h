@@ -45,10 +45,13 @@ class ShardRuntime {
   void SetMetrics(ServerMetrics* metrics);
 
   // ShardHost's OnConfigured: resumes `core` from the checkpoint if there is
-  // one (FAILED_PRECONDITION, saying what to do, if it cannot be used) and
-  // installs the step observer (state log, periodic checkpoints, metrics,
-  // a progress line every log_every steps).
-  absl::Status OnConfigured(const proto::JobSpec& job, ShardCore& core);
+  // one (FAILED_PRECONDITION, saying what to do, if it cannot be used),
+  // unless `relaid` (a new layout mid-job: the file holds the old one's
+  // state until the new core's first checkpoint), and installs the step
+  // observer (state log, periodic checkpoints, metrics, a progress line
+  // every log_every steps).
+  absl::Status OnConfigured(const proto::JobSpec& job, ShardCore& core,
+                            bool relaid = false);
 
   // One pass of the expiry loop at `now`: a line naming the ranks a stalled
   // step waits for (at most every 5 s), then ShardCore::ExpireWaiting, and

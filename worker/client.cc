@@ -604,9 +604,14 @@ absl::Status PushClient::WaitAllJoined() {
   while (true) {
     auto infos = ShardInfos();
     if (!infos.ok()) return infos.status();
+    // A shard that serves an earlier layout generation still waits for
+    // workers to join this one (ShardHost::JoinNext).
     uint32_t joined = job_.workers();
-    for (const auto& info : *infos)
-      joined = std::min(joined, info.workers_joined());
+    for (const auto& info : *infos) {
+      joined = std::min(joined, info.generation() == job_.external.generation
+                                    ? info.workers_joined()
+                                    : info.workers_joined_next());
+    }
     if (joined == job_.workers()) return absl::OkStatus();
     if (absl::Now() > deadline) {
       return absl::FailedPreconditionError(

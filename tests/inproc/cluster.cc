@@ -240,8 +240,8 @@ InProcessCluster::Start(uint32_t s) {
   server::ShardRuntime* r = shard->runtime.get();
   auto host = server::ShardHost::Create(
       job_, s,
-      [r](const proto::JobSpec& job, server::ShardCore& core) {
-        return r->OnConfigured(job, core);
+      [r](const proto::JobSpec& job, server::ShardCore& core, bool relaid) {
+        return r->OnConfigured(job, core, relaid);
       },
       0, options_.compute_threads);
   if (!host.ok()) return host.status();

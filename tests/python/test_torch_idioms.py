@@ -2,8 +2,9 @@
 torch.distributed's variables, frozen parameters (requires_grad=False) stay
 bit-unchanged (one thawed later is refused after each step, naming it:
 torch.optim would train it; DDP, checked here too, leaves it out of its
-averaging, so its ranks train different copies of it), add_param_group is
-refused with a message, weights changed
+averaging, so its ranks train different copies of it), add_param_group
+past OneBitAdam's freeze_step is refused with a message (before it:
+test_add_param_group), weights changed
 behind the optimizer's back after a step (on every rank) become the job's,
 and morse-run says which Python it found when that one cannot import
 morse."""
@@ -136,7 +137,7 @@ if __name__ == "__main__":
         check(got["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
                              "LOCAL_WORLD_SIZE": "2"}, f"rank {r}'s torch variables: {got['env']}")
         check(got["frozen_unchanged"], f"rank {r}: a requires_grad=False parameter moved")
-        check("add_param_group is not supported" in got["add_param_group"],
+        check("step 6 is past freeze_step 2" in got["add_param_group"],
               f"rank {r}: add_param_group was not refused: {got['add_param_group']!r}")
         check(len(got["thawed"]) == 2 and all(
             "parameter 0 (8, 6) had requires_grad=False when the optimizer was built and got a "
@@ -148,7 +149,7 @@ if __name__ == "__main__":
         check(not got["changed"] and got["step"] == 9,
               f"rank {r}: a step after a weight changed on every rank: {got['changed']!r}")
     print("ok: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE set; frozen parameters unchanged; "
-          "a thawed one and add_param_group refused; weights changed behind the optimizer on every rank train on")
+          "a thawed one and add_param_group past the freeze refused; weights changed behind the optimizer on every rank train on")
 
     # A python3 on PATH that cannot import morse: morse-run names it.
     bin_dir = tempfile.mkdtemp(prefix="morse-fakepy-")

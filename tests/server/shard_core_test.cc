@@ -2325,5 +2325,73 @@ TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
   EXPECT_NE((*host)->core(), nullptr);
 }
 
+// A model laid out anew mid-job (ExternalModel.generation, add_param_group):
+// the shard serves the old core until every worker has joined with the next
+// generation alike, then a fresh core of the new layout; a worker of an
+// older generation, one that skips one, or one whose new layout differs
+// from another's is refused, and none of them changes what the shard
+// serves.
+TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
+  const auto job = [](uint64_t dim, uint32_t generation,
+                      const std::string& extra = "") {
+    return *proto::ParseJobConfig(
+        absl::StrCat("workers: 2 shards: 1 optimizer: \"adam\" external { "
+                     "dim: ",
+                     dim, " generation: ", generation, extra,
+                     " } lr { lr: 0.01 } steps: 50 block_elems: 16 "
+                     "partition_elems: 64"),
+        proto::ConfigFormat::kText);
+  };
+  std::vector<bool> relaid;
+  auto host = ShardHost::Create(
+      *proto::ParseJobConfig("workers: 2 shards: 1 optimizer: \"adam\" "
+                             "external {} lr { lr: 0.01 } steps: 50",
+                             proto::ConfigFormat::kText),
+      0, [&](const proto::JobSpec&, ShardCore&, bool r) {
+        relaid.push_back(r);
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(host.ok()) << host.status();
+  ShardHost& h = **host;
+  ASSERT_TRUE(h.Join(0, job(100, 0)).ok());
+  ASSERT_TRUE(h.Join(1, job(100, 0)).ok());
+  ShardCore* first = h.core();
+  EXPECT_EQ(first->layout().spec().dim, 100u);
+  EXPECT_EQ(h.generation(), 0u);
+
+  const absl::Status skipped = h.Join(0, job(160, 2));
+  EXPECT_EQ(skipped.code(), absl::StatusCode::kFailedPrecondition) << skipped;
+  ASSERT_TRUE(h.Join(0, job(160, 1, " groups: 96 groups: 64")).ok());
+  EXPECT_EQ(h.core(), first);  // rank 1 has not joined it yet
+  EXPECT_EQ(h.workers_joined(), 2u);
+  EXPECT_EQ(h.workers_joined_next(), 1u);
+  const absl::Status differs =
+      h.Join(1, job(176, 1, " groups: 112 groups: 64"));
+  EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition) << differs;
+  EXPECT_NE(differs.message().find("every rank must add the same"),
+            std::string::npos)
+      << differs;
+  EXPECT_EQ(h.core(), first);
+  EXPECT_EQ(h.workers_joined_next(), 1u);
+
+  ASSERT_TRUE(h.Join(1, job(160, 1, " groups: 96 groups: 64")).ok());
+  ShardCore* second = h.core();
+  ASSERT_NE(second, first);
+  EXPECT_EQ(second->layout().spec().dim, 160u);
+  EXPECT_EQ(second->layout().segment_count(), 2u);
+  EXPECT_EQ(second->Status().partitions_initialized, 0u);  // rank 0 restores
+  EXPECT_EQ(h.generation(), 1u);
+  EXPECT_EQ(h.workers_joined(), 2u);
+  EXPECT_EQ(h.workers_joined_next(), 0u);
+  EXPECT_EQ(relaid, (std::vector<bool>{false, true}));
+  EXPECT_EQ(first->layout().spec().dim, 100u);  // the old core is still there
+
+  const absl::Status old = h.Join(0, job(100, 0));
+  EXPECT_EQ(old.code(), absl::StatusCode::kFailedPrecondition) << old;
+  EXPECT_NE(old.message().find("at the same step"), std::string::npos) << old;
+  EXPECT_TRUE(h.Join(0, job(160, 1, " groups: 96 groups: 64")).ok());
+  EXPECT_EQ(h.core(), second);  // a rejoin of the generation served
+}
+
 }  // namespace
 }  // namespace morse::server

@@ -187,18 +187,21 @@ def _rank_checkpoint(session, worker, name=None):
     return os.path.join(checkpoint_dir, name or f"worker-{worker}.ckpt"), every
 
 
-def _external_model(params, layers=(), groups=()):
+def _external_model(params, layers=(), groups=(), generation=0):
     """(dim, the JobConfig line) of the model the parameters `params` make:
     `layers` the element counts of onebit_lamb's layers in order (each
     tensor, and each group's padding; none: not sent), `groups` those of
     parameter groups trained with their own lr and weight_decay, padding
-    included (none: one group)."""
+    included (none: one group); `generation` the times add_param_group laid
+    the model out anew."""
     shapes = ";".join("x".join(str(d) for d in p.shape) or "scalar" for p in params)
     dim = sum(groups) if len(groups) > 1 else sum(p.numel() for p in params)
     fingerprint = int.from_bytes(hashlib.sha256(shapes.encode()).digest()[:8], "little")
     extra = " ".join(f"layers: {n}" for n in layers)
     if len(groups) > 1:
         extra += "".join(f" groups: {n}" for n in groups)
+    if generation:
+        extra += f" generation: {generation}"
     return dim, (f'external {{ dim: {dim} shapes_fingerprint: {fingerprint} shapes: "{shapes}" '
                  f'{extra} }}')
 
@@ -255,7 +258,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  schedule, steps,
                  config, rank, world_size, servers, overlap, block_elems, partition_elems, security,
                  accumulation_steps=None, missing_grads="raise", broadcast_buffers=True, buffers=None,
-                 apply_at_step=True, clip_grad_norm=None, zero_one=None, lamb=None):
+                 apply_at_step=True, clip_grad_norm=None, zero_one=None, lamb=None,
+                 _layout=None):
+        # What it was built with, to build it again over more parameters
+        # (add_param_group); `_layout` is then (the layout generation, each
+        # group's first step).
+        built = {k: v for k, v in locals().items()
+                 if k not in ("self", "params", "_layout", "__class__")}
         if missing_grads not in ("raise", "zero"):
             raise ValueError(f"missing_grads={missing_grads!r}: 'raise' or 'zero'")
         # Given the model itself, the optimizer sees its buffers too (BatchNorm
@@ -446,7 +455,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
             for i, size in zip(self._segments, sizes):
                 group = [p.numel() for p in self.param_groups[i]["params"] if id(p) in trained]
                 layers += group + ([size - sum(group)] if size > sum(group) else [])
-        dim, lines[0] = _external_model(self._params, layers=layers, groups=sizes)
+        self._built_with = built
+        self._generation, first_steps = _layout or (0, ())
+        # The step from which each group trains (add_param_group's, and a
+        # loaded state's): its bias corrections count from there.
+        self._first_steps = list(first_steps) + [0] * (len(self.param_groups) - len(first_steps))
+        dim, lines[0] = _external_model(self._params, layers=layers, groups=sizes,
+                                        generation=self._generation)
         self.job_overrides = "\n".join(lines)
 
         # One flat tensor for the parameters and one for their gradients, on
@@ -516,6 +531,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 # completed since are replayed with the replies they kept.
                 self._session.start(True, self._rejoin_checkpoint())
             else:
+                if self._generation:
+                    # Laid out anew: the shards take the new layout once
+                    # every rank has joined with it.
+                    self._session.wait_all_joined()
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
         if self._node is not None:
             # The node's gradients and parameters move through shared
@@ -646,7 +665,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._skipped_last = False  # whether the last step() skipped (morse.torch.hf reads it)
         self._world = world
         self._elastic = re.search(r"^\s*min_workers\s*:", base, re.M) is not None
-        _OPTIMIZERS.append(weakref.ref(self))
+        if not any(ref() is self for ref in _OPTIMIZERS):
+            _OPTIMIZERS.append(weakref.ref(self))
         _install_clip_grad_norm()
         _install_grad_scaler_hook()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
@@ -687,11 +707,81 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._start_node_buckets(partition_elems or (1 << 20))
 
     def add_param_group(self, param_group):
-        if hasattr(self, "_session"):
-            raise ValueError("Morse optimizers train one flat buffer fixed at construction: "
-                             "add_param_group is not supported; build the optimizer with every "
-                             "parameter")
-        super().add_param_group(param_group)
+        """torch's add_param_group (progressive unfreezing), between a
+        step() and the next backward(), on every rank alike: the new group
+        trains from this step on as torch's optimizer trains it, its Adam
+        state counting from here (design.md 2.1, "A group that starts
+        later"). The flat buffer and the shards' layout are made anew with
+        the group at the end (design.md 4, "A new layout mid-job"): rank 0
+        carries the run's state over, so the other groups go on as they
+        were. Adam and OneBitAdam (before freeze_step), CPU tensors, the
+        constant schedule; not under --node-aggregation, --rank-restarts or
+        in an elastic job."""
+        if not hasattr(self, "_session"):  # torch's __init__ adding the groups
+            super().add_param_group(param_group)
+            return
+        why = self._why_no_new_group()
+        if why:
+            raise ValueError(f"add_param_group: {why}")
+        param_group = dict(param_group, params=_group_params(param_group))
+        groups = [dict(g) for g in self.param_groups]
+        torch.optim.Optimizer(groups + [param_group], self.defaults)  # torch's checks
+        step = self.step_index
+        state = self._state_dict(server_error=True)["state"]
+        for accumulator, handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        # .grad as it is (a backward() before this call without overlap, or
+        # the new parameters' own, which torch's optimizer would take at its
+        # next step) goes on in the new flat buffer.
+        grads = {id(p): p.grad.detach().clone()
+                 for g in groups + [param_group] for p in _group_params(g)
+                 if p.requires_grad and p.grad is not None}
+        first_steps = self._first_steps + [step]
+        old_dim = self._flat.numel()
+        session = self._session
+        del self._session  # torch's __init__ adds the groups again
+        try:
+            _MorseOptimizer.__init__(self, groups + [param_group],
+                                     _layout=(self._generation + 1, first_steps),
+                                     **self._built_with)
+        finally:
+            del session  # the old layout's connections
+        with torch.no_grad():
+            for p in self._params:
+                if id(p) in grads:
+                    p.grad.copy_(grads[id(p)])
+        dim = self._flat.numel()
+        for key, value in list(state.items()):
+            if torch.is_tensor(value) and value.numel() == old_dim:
+                grown = torch.zeros(dim, dtype=value.dtype, device=value.device)
+                grown[:old_dim] = value  # old elements keep their places
+                state[key] = grown
+        state["first_steps"] = first_steps
+        self.load_state_dict({"state": state, "param_groups": self._saved_groups()})
+
+    def _why_no_new_group(self):
+        """Why add_param_group cannot add a group now, or None."""
+        optimizer = self._built_with["optimizer"]
+        if optimizer not in ("adam", "onebit_adam"):
+            return (f"{type(self).__name__}'s state counts from the job's first step (Adam and "
+                    "OneBitAdam count a group's own): build the optimizer with every parameter, "
+                    "those to thaw later in a group of their own with lr 0 and weight_decay 0")
+        if self._freeze_step is not None and self.step_index >= self._freeze_step:
+            return (f"step {self.step_index} is past freeze_step {self._freeze_step}: the new "
+                    "parameters would have no variance to freeze; add them before it")
+        if self._schedule != "constant":
+            return (f"schedule={self._schedule!r} sets one lr for the whole model; groups need "
+                    "the default schedule='constant'")
+        if self._node is not None or self._cuda or self._checkpoint or self._elastic:
+            where = ("--node-aggregation" if self._node is not None else "CUDA tensors"
+                     if self._cuda else "--rank-restarts (checkpoints of the old layout)"
+                     if self._checkpoint else "an elastic job")
+            return f"not yet with {where}: build the optimizer with every parameter"
+        if self._pending is not None:
+            return ("this step's gradients are on their way to the shards: call it between "
+                    "step() and the next backward()")
+        return None
 
     @property
     def rank(self):
@@ -1022,7 +1112,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         hyper = self._group_hyper()
         if self._follow_groups:
             moments = self._step_moments() if self._follows_moments else None
-            self._session.set_step_hyper([lr for lr, _ in hyper], [wd for _, wd in hyper], moments)
+            firsts = [self._first_steps[i] for i in self._segments]
+            self._session.set_step_hyper([lr for lr, _ in hyper], [wd for _, wd in hyper], moments,
+                                         firsts if any(firsts) else None)
             self._sent_hyper, self._sent_moments = hyper, moments
         elif hyper != self._initial_hyper:
             (lr, weight_decay), = hyper
@@ -2719,6 +2811,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             state["node_slice"] = [self._node.local_rank, len(self._slices)]
         if self._worker == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
+        if any(self._first_steps):
+            state["first_steps"] = list(self._first_steps)  # groups added mid-run
         return {"state": state, "param_groups": groups}
 
     def _is_current(self, state):
@@ -2821,12 +2915,25 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             self._session.set_state(int(state["step"]), *moments, server_error)
         self._awaiting_own_state = None
+        firsts = list(state.get("first_steps") or [])
+        if firsts and len(firsts) != len(self.param_groups):
+            raise ValueError(f"this state_dict's run had {len(firsts)} parameter groups, this "
+                             f"optimizer {len(self.param_groups)}: build it with the same groups "
+                             "(or add them with add_param_group) before loading")
+        self._first_steps = firsts or [0] * len(self.param_groups)
         # The run restored is the model's weights as they are now (loaded
         # before this call, e.g. by Trainer after the optimizer was built)
         # with this state: later in-place changes are refused again.
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+
+def _group_params(group):
+    """A param group's parameters as a list (torch takes a tensor or any
+    iterable)."""
+    params = group["params"]
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def _amp_of(opt):

@@ -1,0 +1,195 @@
+"""add_param_group mid-run (progressive unfreezing, issue 41) under
+morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
+
+- "adam": morse.torch.Adam built over part of a model, the rest added as a
+  group with its own lr at step 3 and another at step 6, against
+  torch.optim.AdamW fed the averaged gradient with the same calls: within
+  1e-5 after every step (the two evaluate Adam in different orders), the
+  added parameters untouched before their step, and bias-corrected from it
+  as torch's per-parameter step (design.md 2.1, "A group that starts
+  later"); both ranks bit-identical.
+- "onebit": OneBitAdam, a group added at step 2 of a 5-step warmup: AdamW's
+  values through the warmup, both ranks bit-identical through the
+  compression phase, and refused past freeze_step.
+- "resume": each rank's state_dict() saved after the added group's step,
+  loaded in a second job into an optimizer built with every group: the
+  continued run ends bit-identical to the first job's.
+- refusals: ZeroOneAdam's, and a call between backward() and step() with
+  the pushes under way; each a ValueError saying why, the run going on
+  unchanged."""
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from harness import check, morse_run
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5)
+        self.b = torch.nn.Linear(5, 3)
+        self.t = torch.nn.Parameter(torch.randn(2, 3, 4) * 0.1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) + self.t.sum(dim=(0, 2))
+
+
+def data(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = data(rank, step)
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+# (step, the group added before it) for each mode's optimizer and torch's.
+ADDED = {"adam": [(3, lambda m: {"params": [m.t], "lr": 0.02}),
+                  (6, lambda m: {"params": [m.b.bias], "weight_decay": 0.1})],
+         "onebit": [(2, lambda m: {"params": [m.t, m.b.bias], "lr": 0.005})]}
+
+
+def built(model, mode, every=False):
+    """The optimizer's first groups (every=True: as after every addition)."""
+    first = [model.a.weight, model.a.bias, model.b.weight]
+    groups = [{"params": first}]
+    if every:
+        groups += [add(model) for _, add in ADDED["adam" if mode == "resume" else mode]]
+    return groups
+
+
+def worker(mode, out):
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    torch.manual_seed(1)
+    model = Model()
+    reference = Model()
+    reference.load_state_dict(model.state_dict())
+    kind = "adam" if mode in ("adam", "resume", "refused") else mode
+    options = dict(lr=0.01, block_elems=16, partition_elems=32, overlap=rank == 0)
+    if mode == "zero_one":
+        opt = morse.torch.ZeroOneAdam(built(model, "adam"), **options)
+        loss_of(model, rank, 0).backward()
+        opt.step()
+        try:
+            opt.add_param_group({"params": [model.t]})
+            said = ""
+        except ValueError as e:
+            said = str(e)
+        json.dump({"said": said}, open(f"{out}/zero_one-rank-{rank}.json", "w"))
+        return
+    if kind == "onebit":
+        opt = morse.torch.OneBitAdam(built(model, kind), freeze_step=5, **options)
+    else:
+        opt = morse.torch.Adam(built(model, kind), **options)
+    ref_opt = torch.optim.AdamW(built(reference, kind), lr=0.01, weight_decay=0.0)
+    steps = 12 if kind == "onebit" else 9
+    said = {}
+    worst = 0.0
+    for step in range(steps):
+        for at, add in ADDED[kind]:
+            if step == at:
+                for p, q in zip(add(model)["params"], add(reference)["params"]):
+                    check(torch.equal(p, q), f"step {step}: an added parameter moved before")
+                opt.add_param_group(add(model))
+                ref_opt.add_param_group(add(reference))
+        if mode == "resume" and step == 7:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                       f"{out}/saved-{rank}.pt")
+        model.zero_grad()
+        loss_of(model, rank, step).backward()
+        if mode == "refused" and step == 4 and rank == 0:  # pushes under way (overlap)
+            try:
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+            except ValueError as e:
+                said["mid_step"] = str(e)
+        opt.step()
+        check(opt._session.holds_shards_model(),
+              f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
+        reference.zero_grad()
+        (sum(loss_of(reference, r, step) for r in range(2)) / 2).backward()
+        ref_opt.step()
+        if kind == "onebit" and step >= 5:
+            continue  # compressed: no torch counterpart
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            diff = (p.detach() - q.detach()).abs().max().item()
+            worst = max(worst, diff)
+            check(diff < 1e-5, f"rank {rank} step {step}: {name} differs from AdamW's by {diff}")
+    if kind == "onebit":
+        try:
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        except ValueError as e:
+            said["frozen"] = str(e)
+    print(f"rank {rank}: largest difference from torch.optim.AdamW {worst:.3g}")
+    json.dump({"checksum": opt.checksum(), "step": opt.step_index, "said": said,
+               "x": [p.detach().tolist() for p in model.parameters()]},
+              open(f"{out}/{mode}-rank-{rank}.json", "w"))
+
+
+def resumed(out):
+    """The second job: every group built at once, the saved state loaded."""
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    model = Model()
+    saved = torch.load(f"{out}/saved-{rank}.pt")
+    model.load_state_dict(saved["model"])
+    opt = morse.torch.Adam(built(model, "resume", every=True), lr=0.01, block_elems=16,
+                           partition_elems=32, overlap=rank == 0)
+    opt.load_state_dict(saved["opt"])
+    for step in range(7, 9):
+        model.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+    json.dump({"checksum": opt.checksum(), "step": opt.step_index,
+               "x": [p.detach().tolist() for p in model.parameters()]},
+              open(f"{out}/resumed-rank-{rank}.json", "w"))
+
+
+def results(out, mode):
+    return [json.load(open(f"{out}/{mode}-rank-{r}.json")) for r in range(2)]
+
+
+def run(out, mode):
+    code, text = morse_run(__file__, 2, 2, mode, out)
+    print(text)
+    check(code == 0, f"the job failed ({mode})")
+    return text
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        mode, out = sys.argv[-2], sys.argv[-1]
+        resumed(out) if mode == "resumed" else worker(mode, out)
+        sys.exit(0)
+    out = tempfile.mkdtemp()
+    for mode in ("adam", "onebit"):
+        text = run(out, mode)
+        check(text.count("largest difference from torch.optim.AdamW") == 2, "both ranks report")
+        got = results(out, mode)
+        check(got[0]["checksum"] == got[1]["checksum"] and got[0]["x"] == got[1]["x"],
+              f"{mode}: the ranks differ")
+        print(f"PASS {mode}: within 1e-5 of AdamW with its groups added alike; ranks identical")
+    said = results(out, "onebit")[0]["said"]
+    check("past freeze_step 5" in said.get("frozen", ""), f"refused past the freeze: {said}")
+    run(out, "zero_one")
+    said = results(out, "zero_one")[0]["said"]
+    check("ZeroOneAdam's state counts from the job's first step" in said, f"ZeroOneAdam: {said}")
+    run(out, "refused")
+    said = results(out, "refused")[0]["said"]
+    check("between step() and the next backward()" in said.get("mid_step", ""),
+          f"refused mid-step: {said}")
+    check(results(out, "refused")[0]["x"] == results(out, "adam")[0]["x"],
+          "the refused calls changed nothing")
+    print("PASS refused: ZeroOneAdam, and mid-step, each saying why; the run unchanged")
+    run(out, "resume")
+    run(out, "resumed")
+    whole, again = results(out, "resume"), results(out, "resumed")
+    for r in range(2):
+        check(again[r]["x"] == whole[r]["x"] and again[r]["checksum"] == whole[r]["checksum"],
+              f"rank {r}: the resumed run differs from the whole one")
+    print("PASS resume: a state saved after add_param_group resumes bit-identically")
