@@ -11,6 +11,9 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
 - "onebit": OneBitAdam, a group added at step 2 of a 5-step warmup: AdamW's
   values through the warmup, both ranks bit-identical through the
   compression phase, and refused past freeze_step.
+- "module": built from a module (its BatchNorm's running statistics, which
+  rank 0 broadcasts), a parameter beside it added at step 3: AdamW's
+  values, the running statistics equal on both ranks, the names kept.
 - "resume": each rank's state_dict() saved after the added group's step,
   loaded in a second job into an optimizer built with every group: the
   continued run ends bit-identical to the first job's.
@@ -38,6 +41,19 @@ class Model(torch.nn.Module):
         return self.b(torch.relu(self.a(x))) + self.t.sum(dim=(0, 2))
 
 
+class Normed(torch.nn.Module):
+    """A body with a BatchNorm, whose running statistics rank 0 broadcasts,
+    and a parameter beside it."""
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 5),
+                                        torch.nn.ReLU(), torch.nn.Linear(5, 3))
+        self.t = torch.nn.Parameter(torch.randn(2, 3, 4) * 0.1)
+
+    def forward(self, x):
+        return self.body(x) + self.t.sum(dim=(0, 2))
+
+
 def data(rank, step):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
@@ -51,7 +67,10 @@ def loss_of(model, rank, step):
 # (step, the group added before it) for each mode's optimizer and torch's.
 ADDED = {"adam": [(3, lambda m: {"params": [m.t], "lr": 0.02}),
                   (6, lambda m: {"params": [m.b.bias], "weight_decay": 0.1})],
-         "onebit": [(2, lambda m: {"params": [m.t, m.b.bias], "lr": 0.005})]}
+         "onebit": [(2, lambda m: {"params": [m.t, m.b.bias], "lr": 0.005})],
+         # Built from the body module (its buffers broadcast); t added (the
+         # buffers still broadcast, the names kept).
+         "module": [(3, lambda m: {"params": [m.t]})]}
 
 
 def built(model, mode, every=False):
@@ -67,8 +86,8 @@ def worker(mode, out):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
     torch.manual_seed(1)
-    model = Model()
-    reference = Model()
+    model = Normed() if mode == "module" else Model()
+    reference = Normed() if mode == "module" else Model()
     reference.load_state_dict(model.state_dict())
     kind = "adam" if mode in ("adam", "resume", "refused") else mode
     options = dict(lr=0.01, block_elems=16, partition_elems=32, overlap=rank == 0)
@@ -85,9 +104,13 @@ def worker(mode, out):
         return
     if kind == "onebit":
         opt = morse.torch.OneBitAdam(built(model, kind), freeze_step=5, **options)
+    elif kind == "module":
+        opt = morse.torch.Adam(model.body, **options)
     else:
         opt = morse.torch.Adam(built(model, kind), **options)
-    ref_opt = torch.optim.AdamW(built(reference, kind), lr=0.01, weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(
+        list(reference.body.parameters()) if kind == "module"
+        else built(reference, kind), lr=0.01, weight_decay=0.0)
     steps = 12 if kind == "onebit" else 9
     said = {}
     worst = 0.0
@@ -125,6 +148,9 @@ def worker(mode, out):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
         except ValueError as e:
             said["frozen"] = str(e)
+    if kind == "module":
+        check(opt._names[:2] == ["0.weight", "0.bias"], f"the names kept: {opt._names}")
+        said["buffers"] = [b.tolist() for b in model.buffers()]
     print(f"rank {rank}: largest difference from torch.optim.AdamW {worst:.3g}")
     json.dump({"checksum": opt.checksum(), "step": opt.step_index, "said": said,
                "x": [p.detach().tolist() for p in model.parameters()]},
@@ -167,13 +193,16 @@ if __name__ == "__main__":
         resumed(out) if mode == "resumed" else worker(mode, out)
         sys.exit(0)
     out = tempfile.mkdtemp()
-    for mode in ("adam", "onebit"):
+    for mode in ("adam", "onebit", "module"):
         text = run(out, mode)
         check(text.count("largest difference from torch.optim.AdamW") == 2, "both ranks report")
         got = results(out, mode)
         check(got[0]["checksum"] == got[1]["checksum"] and got[0]["x"] == got[1]["x"],
               f"{mode}: the ranks differ")
         print(f"PASS {mode}: within 1e-5 of AdamW with its groups added alike; ranks identical")
+    normed = results(out, "module")
+    check(normed[0]["said"]["buffers"] == normed[1]["said"]["buffers"],
+          "module: rank 0's buffers broadcast after the call too")
     said = results(out, "onebit")[0]["said"]
     check("past freeze_step 5" in said.get("frozen", ""), f"refused past the freeze: {said}")
     run(out, "zero_one")

@@ -739,14 +739,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  if p.requires_grad and p.grad is not None}
         first_steps = self._first_steps + [step]
         old_dim = self._flat.numel()
+        # Built from a module, it keeps the module's buffers and names.
+        built = dict(self._built_with, buffers=list(self._buffers) or None)
+        names = {id(p): name for p, name in zip(self._params, self._names)}
         session = self._session
         del self._session  # torch's __init__ adds the groups again
         try:
             _MorseOptimizer.__init__(self, groups + [param_group],
-                                     _layout=(self._generation + 1, first_steps),
-                                     **self._built_with)
+                                     _layout=(self._generation + 1, first_steps), **built)
         finally:
             del session  # the old layout's connections
+        self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
         with torch.no_grad():
             for p in self._params:
                 if id(p) in grads:
