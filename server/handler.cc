@@ -49,8 +49,8 @@ void SetArray(const std::vector<float>& a, std::string* bytes, bool* zero) {
 
 }  // namespace
 
-absl::StatusOr<ShardCore*> ShardHandler::Core() const {
-  ShardCore* core = host_->core();
+absl::StatusOr<std::shared_ptr<ShardCore>> ShardHandler::Core() const {
+  std::shared_ptr<ShardCore> core = host_->core();
   if (core != nullptr) return core;
   // An external job's shard that restarted: the workers Join again.
   absl::Status status = absl::UnavailableError(
@@ -70,7 +70,7 @@ absl::Status ShardHandler::Join(const v1::JoinRequest& request,
     // Taken for the next layout, which the others have yet to join.
     reply->set_layout_fingerprint(
         compress::Layout::Create(job->algorithm.layout)->fingerprint());
-  } else if (ShardCore* core = host_->core()) {
+  } else if (std::shared_ptr<ShardCore> core = host_->core()) {
     reply->set_layout_fingerprint(core->layout().fingerprint());
   }
   return status;
@@ -78,7 +78,7 @@ absl::Status ShardHandler::Join(const v1::JoinRequest& request,
 
 absl::Status ShardHandler::InitPartition(
     const v1::InitPartitionRequest& request, v1::InitPartitionReply* reply) {
-  absl::StatusOr<ShardCore*> core = Core();
+  absl::StatusOr<std::shared_ptr<ShardCore>> core = Core();
   if (!core.ok()) return core.status();
   absl::Status status =
       (*core)->InitPartition(request.rank(), request.partition(),
@@ -90,7 +90,7 @@ absl::Status ShardHandler::InitPartition(
 }
 
 void ShardHandler::Push(v1::PushRequest& request, PushDone done) {
-  absl::StatusOr<ShardCore*> core = Core();
+  absl::StatusOr<std::shared_ptr<ShardCore>> core = Core();
   if (!core.ok()) return done(core.status());
   auto codec = proto::FromWire(request.codec());
   if (!codec.ok()) return done(codec.status());
@@ -167,7 +167,7 @@ void ShardHandler::ToMessage(const Reply& reply, v1::PushReply* message) {
 
 absl::Status ShardHandler::FetchPartition(
     const v1::FetchPartitionRequest& request, v1::PartitionState* reply) {
-  absl::StatusOr<ShardCore*> core = Core();
+  absl::StatusOr<std::shared_ptr<ShardCore>> core = Core();
   if (!core.ok()) return core.status();
   auto snapshot =
       (*core)->FetchPartition(request.partition(), request.layout_fingerprint(),
@@ -193,7 +193,7 @@ absl::Status ShardHandler::FetchPartition(
 }
 
 absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
-  absl::StatusOr<ShardCore*> core = Core();
+  absl::StatusOr<std::shared_ptr<ShardCore>> core = Core();
   if (!core.ok()) return core.status();
   PartitionSnapshot state;
   state.completed_steps = request.completed_steps();
@@ -247,14 +247,14 @@ absl::Status ShardHandler::RestorePartition(const v1::PartitionState& request) {
 }
 
 absl::Status ShardHandler::Abort(const v1::AbortRequest& request) {
-  absl::StatusOr<ShardCore*> core = Core();
+  absl::StatusOr<std::shared_ptr<ShardCore>> core = Core();
   if (!core.ok()) return core.status();
   return (*core)->Abort(request.rank(), request.step(),
                         request.layout_fingerprint(), request.reason());
 }
 
 absl::Status ShardHandler::Commit(const v1::CommitRequest& request) {
-  absl::StatusOr<ShardCore*> core = Core();
+  absl::StatusOr<std::shared_ptr<ShardCore>> core = Core();
   if (!core.ok()) return core.status();
   StepCommit commit;
   commit.values.assign(request.commit_values().begin(),
@@ -283,7 +283,7 @@ absl::Status ShardHandler::GetShardInfo(const v1::ShardInfoRequest& request,
   reply->set_workers_joined(host_->workers_joined());
   reply->set_generation(host_->generation());
   reply->set_workers_joined_next(host_->workers_joined_next());
-  ShardCore* core = host_->core();
+  std::shared_ptr<ShardCore> core = host_->core();
   reply->set_configured(core != nullptr);
   if (core == nullptr) return absl::OkStatus();
   const ShardStatus s = core->Status();

@@ -60,7 +60,7 @@ class ShardHandler {
 
  private:
   // The core, or UNAVAILABLE with kNeedsJoinKey while there is none.
-  absl::StatusOr<ShardCore*> Core() const;
+  absl::StatusOr<std::shared_ptr<ShardCore>> Core() const;
 
   ShardHost* host_;
 };

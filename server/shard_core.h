@@ -264,8 +264,9 @@ class ShardCore {
                           const StepCommit& commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
-  // The shard is shutting down (a signal): every waiting push, and every
-  // push from now on, fails with `why` (UNAVAILABLE: the workers retry
+  // The shard is shutting down (a signal), or a new layout replaced this
+  // core (ShardHost::JoinNext): every waiting push, and every push from now
+  // on, fails with `why` (UNAVAILABLE at shutdown: the workers retry
   // against the restarted shard, which takes the step again), so that no
   // call is left open for the server's shutdown to wait on. The waiting
   // pushes of the step in flight are dropped, as an expired step's are.

@@ -109,7 +109,7 @@ absl::Status ShardDaemon::Serve() {
     ShardHost* shard_host = host_.get();
     auto endpoint = proto::HttpEndpoint::Start(
         o.metrics_listen, metrics_->registry(), [shard_host] {
-          ShardCore* core = shard_host->core();
+          std::shared_ptr<ShardCore> core = shard_host->core();
           if (core == nullptr) return false;
           const ShardStatus s = core->Status();
           return s.partitions_initialized == s.partitions;
@@ -171,15 +171,15 @@ absl::Status ShardDaemon::Serve() {
       o.listen.substr(0, o.listen.rfind(':') + 1) + std::to_string(port);
   std::printf(
       "morse-server: %s; %s; %d compute threads, %s kernels; listening on %s\n",
-      Describe(o.job, o.shard, host_->core()).c_str(),
+      Describe(o.job, o.shard, host_->core().get()).c_str(),
       SecuritySummary(o.security).c_str(), o.compute_threads,
       compress::ActiveKernels().name, address.c_str());
   std::fflush(stdout);
   expirer_ = std::thread([this] {
     while (!stopping_.load()) {
-      ShardCore* core = host_->core();
+      std::shared_ptr<ShardCore> core = host_->core();
       if (core != nullptr) runtime_->Tick(*core, absl::Now());
-      runtime_->AwaitTick(core, absl::Milliseconds(200));
+      runtime_->AwaitTick(core.get(), absl::Milliseconds(200));
     }
   });
   return absl::OkStatus();
@@ -197,7 +197,7 @@ void ShardDaemon::Run() {
       health_server_->GetHealthCheckService()->SetServingStatus(false);
     // Pushes waiting for other workers would hold the shutdown until their
     // step ends (or expires): they are answered now, and later ones at once.
-    if (ShardCore* core = host_->core()) {
+    if (std::shared_ptr<ShardCore> core = host_->core()) {
       core->Stop(absl::UnavailableError(absl::StrFormat(
           "shard %d is shutting down (signal %d); a restarted shard takes "
           "the step again",
@@ -214,7 +214,7 @@ void ShardDaemon::Run() {
   io.stop();
   signal_thread.join();
   expirer_.join();
-  runtime_->Shutdown(host_->core());
+  runtime_->Shutdown(host_->core().get());
 }
 
 ShardDaemon::~ShardDaemon() {

@@ -34,9 +34,9 @@ absl::Status ShardHost::Configure(const proto::JobSpec& job, bool relaid) {
     if (absl::Status s = on_configured_(job, **core, relaid); !s.ok()) return s;
   }
   job_ = job;
-  if (owned_ != nullptr) retired_.push_back(std::move(owned_));
-  owned_ = *std::move(core);
-  core_.store(owned_.get());
+  owned_ = std::shared_ptr<ShardCore>(*std::move(core));
+  MutexLock lock(&core_mu_);
+  core_ = owned_;  // an earlier layout's core goes with its last caller
   return absl::OkStatus();
 }
 
@@ -78,9 +78,15 @@ absl::Status ShardHost::JoinNext(uint32_t rank, const proto::JobSpec& job) {
   for (bool joined : joined_next_) {
     if (!joined) return absl::OkStatus();  // the last one lays it out
   }
+  const std::shared_ptr<ShardCore> old = owned_;
   if (absl::Status s = Configure(*next_, /*relaid=*/true); !s.ok()) {
     return s;
   }
+  // Anything still waiting on the old layout (nothing should: every worker
+  // is between steps) is answered now, and anything later at once.
+  old->Stop(absl::FailedPreconditionError(absl::StrCat(
+      "the job's model was laid out anew (generation ",
+      job_.external.generation, "); this call was of the old layout")));
   next_.reset();
   joined_.assign(base_.workers(), true);
   joined_next_.clear();

@@ -9,11 +9,11 @@
 // "A new layout mid-job").
 //
 // Thread-safe. core() is null until configured; a core it returned stays
-// alive as long as the host (one replaced by a new layout is kept, idle).
+// alive while the caller holds it (one replaced by a new layout is freed
+// when the last call that took it ends).
 #ifndef MORSE_SERVER_SHARD_HOST_H_
 #define MORSE_SERVER_SHARD_HOST_H_
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -54,7 +54,10 @@ class ShardHost {
   // next one that differs from another worker's, is FAILED_PRECONDITION.
   absl::Status Join(uint32_t rank, const proto::JobSpec& job);
 
-  ShardCore* core() const { return core_.load(); }
+  std::shared_ptr<ShardCore> core() const {
+    MutexLock lock(&core_mu_);
+    return core_;
+  }
   uint32_t workers_joined() const;
   // The layout generation served, and the workers that joined the next.
   uint32_t generation() const;
@@ -83,16 +86,15 @@ class ShardHost {
   const int compute_threads_;
   OnConfigured on_configured_;
   mutable Mutex mu_;
-  std::unique_ptr<ShardCore> owned_ ABSL_GUARDED_BY(mu_);
-  std::atomic<ShardCore*> core_{nullptr};
+  std::shared_ptr<ShardCore> owned_ ABSL_GUARDED_BY(mu_);
+  // owned_, for calls that take it without waiting on a Join.
+  mutable Mutex core_mu_;
+  std::shared_ptr<ShardCore> core_ ABSL_GUARDED_BY(core_mu_);
   proto::JobSpec job_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> joined_ ABSL_GUARDED_BY(mu_);
   // The next layout, while some workers have joined with it.
   std::optional<proto::JobSpec> next_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> joined_next_ ABSL_GUARDED_BY(mu_);
-  // Cores of earlier layouts: a call that took one before it was replaced
-  // may still hold it.
-  std::vector<std::unique_ptr<ShardCore>> retired_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace morse::server

@@ -325,7 +325,7 @@ void InProcessCluster::Tick() {
     for (uint32_t s = 0; s < job_.shards(); ++s) {
       std::shared_ptr<Shard> shard = Get(s);
       if (shard == nullptr) continue;
-      if (server::ShardCore* core = shard->host->core())
+      if (std::shared_ptr<server::ShardCore> core = shard->host->core())
         shard->runtime->Tick(*core, absl::Now());
     }
     absl::SleepFor(absl::Milliseconds(50));

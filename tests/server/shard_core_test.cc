@@ -2330,7 +2330,7 @@ TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
 // generation alike, then a fresh core of the new layout; a worker of an
 // older generation, one that skips one, or one whose new layout differs
 // from another's is refused, and none of them changes what the shard
-// serves.
+// serves; the old core is freed once nothing holds it.
 TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
   const auto job = [](uint64_t dim, uint32_t generation,
                       const std::string& extra = "") {
@@ -2355,8 +2355,9 @@ TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
   ShardHost& h = **host;
   ASSERT_TRUE(h.Join(0, job(100, 0)).ok());
   ASSERT_TRUE(h.Join(1, job(100, 0)).ok());
-  ShardCore* first = h.core();
+  std::shared_ptr<ShardCore> first = h.core();
   EXPECT_EQ(first->layout().spec().dim, 100u);
+  InitializeAll(*first, 0);
   EXPECT_EQ(h.generation(), 0u);
 
   const absl::Status skipped = h.Join(0, job(160, 2));
@@ -2375,7 +2376,7 @@ TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
   EXPECT_EQ(h.workers_joined_next(), 1u);
 
   ASSERT_TRUE(h.Join(1, job(160, 1, " groups: 96 groups: 64")).ok());
-  ShardCore* second = h.core();
+  std::shared_ptr<ShardCore> second = h.core();
   ASSERT_NE(second, first);
   EXPECT_EQ(second->layout().spec().dim, 160u);
   EXPECT_EQ(second->layout().segment_count(), 2u);
@@ -2384,7 +2385,20 @@ TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
   EXPECT_EQ(h.workers_joined(), 2u);
   EXPECT_EQ(h.workers_joined_next(), 0u);
   EXPECT_EQ(relaid, (std::vector<bool>{false, true}));
-  EXPECT_EQ(first->layout().spec().dim, 100u);  // the old core is still there
+  // The old core lives while a call holds it (here the test), answering
+  // pushes with the reason, and goes with the last holder.
+  EXPECT_EQ(first->layout().spec().dim, 100u);
+  auto answer = std::make_shared<absl::Status>(absl::UnknownError("none"));
+  first->Push(EncodedPush(first->layout().fingerprint(),
+                          compress::PlanStep(job(100, 0).algorithm, 0).up, 0, 0,
+                          first->layout().shard_partitions(0)[0]),
+              [answer](auto r) { *answer = r.status(); });
+  EXPECT_EQ(answer->code(), absl::StatusCode::kFailedPrecondition) << *answer;
+  EXPECT_NE(answer->message().find("laid out anew"), std::string::npos)
+      << *answer;
+  const std::weak_ptr<ShardCore> gone = first;
+  first.reset();
+  EXPECT_TRUE(gone.expired());
 
   const absl::Status old = h.Join(0, job(100, 0));
   EXPECT_EQ(old.code(), absl::StatusCode::kFailedPrecondition) << old;
