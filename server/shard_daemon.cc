@@ -22,6 +22,14 @@ absl::Status ConfigError(const absl::Status& status) {
   return absl::InvalidArgumentError(status.message());
 }
 
+// A port gRPC could not bind: without SO_REUSEPORT, a second daemon on a
+// taken address lands here (exit 3).
+absl::Status CannotListen(absl::string_view what, absl::string_view address) {
+  return absl::UnavailableError(
+      absl::StrCat("cannot ", what, " on ", address,
+                   " (in use by another process, or not this host's address)"));
+}
+
 }  // namespace
 
 std::string ShardDaemon::Describe(const proto::JobSpec& job, uint32_t shard,
@@ -142,10 +150,7 @@ absl::Status ShardDaemon::Serve() {
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot listen on ", o.listen,
-                     " (in use by another process, or not this host's "
-                     "address)"));
+    return CannotListen("listen", o.listen);
   }
   server_->GetHealthCheckService()->SetServingStatus(true);
   // The probe port: a second server holding only the health service.
@@ -157,10 +162,7 @@ absl::Status ShardDaemon::Serve() {
     health_builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     health_server_ = health_builder.BuildAndStart();
     if (health_server_ == nullptr || health_port == 0) {
-      return absl::UnavailableError(
-          absl::StrCat("cannot serve health on ", o.health_listen,
-                       " (in use by another process, or not this host's "
-                       "address)"));
+      return CannotListen("serve health", o.health_listen);
     }
     health_server_->GetHealthCheckService()->SetServingStatus(true);
     std::printf("morse-server shard %d: gRPC health on %s\n", o.shard,
