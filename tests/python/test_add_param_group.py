@@ -19,7 +19,9 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   continued run ends bit-identical to the first job's.
 - refusals: ZeroOneAdam's, and a call between backward() and step() with
   the pushes under way; each a ValueError saying why, the run going on
-  unchanged."""
+  unchanged. And "mismatch": rank 0 alone adds a group: the job stops
+  within the (shortened) connect timeout, rank 0's error saying that every
+  rank must call it at the same step."""
 import json
 import os
 import sys
@@ -91,6 +93,15 @@ def worker(mode, out):
     reference.load_state_dict(model.state_dict())
     kind = "adam" if mode in ("adam", "resume", "refused") else mode
     options = dict(lr=0.01, block_elems=16, partition_elems=32, overlap=rank == 0)
+    if mode == "mismatch":  # rank 0 alone adds a group: the job stops, saying why
+        opt = morse.torch.Adam(built(model, "adam"), **options)
+        for step in range(4):
+            if step == 2 and rank == 0:
+                opt.add_param_group({"params": [model.t]})
+            model.zero_grad()
+            loss_of(model, rank, step).backward()
+            opt.step()
+        return
     if mode == "zero_one":
         opt = morse.torch.ZeroOneAdam(built(model, "adam"), **options)
         loss_of(model, rank, 0).backward()
@@ -215,6 +226,15 @@ if __name__ == "__main__":
     check(results(out, "refused")[0]["x"] == results(out, "adam")[0]["x"],
           "the refused calls changed nothing")
     print("PASS refused: ZeroOneAdam, and mid-step, each saying why; the run unchanged")
+    config = os.path.join(out, "short.textproto")
+    with open(config, "w") as f:
+        f.write("timeouts { connect_seconds: 5 step_seconds: 5 recovery_seconds: 10 }\n")
+    code, text = morse_run(__file__, 2, 2, "mismatch", out, config=config)
+    check(code != 0, "a job where rank 0 alone adds a group went on")
+    check("only 1 of 2 workers joined" in text
+          and "every rank must call it between the same two steps" in text,
+          f"the job did not say why it stopped:\n{text}")
+    print("PASS mismatch: rank 0 alone adding a group stops the job, saying why")
     run(out, "resume")
     run(out, "resumed")
     whole, again = results(out, "resume"), results(out, "resumed")

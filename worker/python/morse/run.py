@@ -899,7 +899,11 @@ def main(argv=None):
                             and not any("group lost a rank" in e for e in errors[w])):
                         r, code = w, workers[w].poll()
                         break
-                first = next((e for e in errors[r] if "MorseError" in e), errors[r][-1] if errors[r] else "")
+                # The exception's own line ("...MorseError: why"), not a
+                # traceback's source line that raises it.
+                first = next((e for e in errors[r] if "MorseError:" in e),
+                             next((e for e in errors[r] if "MorseError" in e),
+                                  errors[r][-1] if errors[r] else ""))
                 # Ranks that went too by now (one killed, another failing
                 # for its loss: which went first is not known): all named.
                 also = [f"{names[w]} exited with {workers[w].poll()}" for w in sorted(remaining)

@@ -534,7 +534,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 if self._generation:
                     # Laid out anew: the shards take the new layout once
                     # every rank has joined with it.
-                    self._session.wait_all_joined()
+                    try:
+                        self._session.wait_all_joined()
+                    except MorseError as e:
+                        raise MorseError(
+                            f"{e}\n  (add_param_group at step {first_steps[-1]}: every rank "
+                            "must call it between the same two steps, with the same "
+                            "parameter groups)") from None
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
         if self._node is not None:
             # The node's gradients and parameters move through shared
