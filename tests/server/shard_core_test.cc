@@ -367,7 +367,8 @@ TEST_F(ShardCoreTest, AFailedRecompressionLeavesTheServerErrorAlone) {
     ASSERT_NO_FATAL_FAILURE(InitializeAll(*core_));
     std::shared_ptr<const Reply> fresh;
     for (int64_t step : {0, 1, 2}) {
-      for (uint32_t r = 0; r < 3; ++r) Push(Args(step, r, first()), &fresh);
+      for (uint32_t r = 0; r < 3; ++r)
+        (void)Push(Args(step, r, first()), &fresh);
     }
     ASSERT_NE(again, nullptr);
     ASSERT_NE(fresh, nullptr);
