@@ -89,6 +89,13 @@ absl::Status CheckStepHyper(const AlgorithmConfig& config,
   return absl::OkStatus();
 }
 
+absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step) {
+  if (hyper.first_step <= step) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "step ", step, " of a parameter group that trains since step ",
+      hyper.first_step));
+}
+
 absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& c) {
   if (c.workers == 0)
     return absl::InvalidArgumentError("workers must be positive");

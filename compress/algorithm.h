@@ -191,6 +191,9 @@ absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
 // applies the job's (Optimizer::FollowsStepMoments: diloco).
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper);
+// INVALID_ARGUMENT when step `step` would use `hyper` before its segment's
+// first step (what every replica checks where the step is known).
+absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step);
 
 // The stochastic-rounding key of a sender: workers are ranks 0..N-1, shard s
 // sends as rank N + s.

@@ -171,11 +171,7 @@ absl::Status Simulator::Step(
   for (const StepHyper& hyper : hypers) {
     if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;
     if (absl::Status s = CheckStepHyper(config_, hyper); !s.ok()) return s;
-    if (hyper.first_step > step_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("step ", step_, " of a segment that trains since step ",
-                       hyper.first_step));
-    }
+    if (absl::Status s = CheckHyperAtStep(hyper, step_); !s.ok()) return s;
   }
   // zero_one_adam's local phase (design.md 2.7): every worker steps on its
   // own, each segment with its own lr and weight_decay; only a sync

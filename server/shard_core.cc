@@ -198,12 +198,7 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
   if (args.hyper.has_value()) {
     absl::Status s = compress::ValidateStepHyper(*args.hyper);
     if (s.ok()) s = compress::CheckStepHyper(job_.algorithm, *args.hyper);
-    if (s.ok() && args.hyper->first_step > args.step) {
-      s = absl::InvalidArgumentError(absl::StrCat("a push of step ", args.step,
-                                                  " whose parameters train "
-                                                  "since step ",
-                                                  args.hyper->first_step));
-    }
+    if (s.ok()) s = compress::CheckHyperAtStep(*args.hyper, args.step);
     if (!s.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", args.rank, ": ", s.message()));

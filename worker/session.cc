@@ -272,13 +272,8 @@ absl::Status Session::BeginStep() {
   if (InStep())
     return absl::FailedPreconditionError("a step is already in progress");
   for (const compress::StepHyper& hyper : hyper_) {
-    if (hyper.first_step > step_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("step ", step_,
-                       " of a parameter group that trains "
-                       "since step ",
-                       hyper.first_step));
-    }
+    if (absl::Status s = compress::CheckHyperAtStep(hyper, step_); !s.ok())
+      return s;
   }
   trace_step_start_ = trace::Enabled() ? trace::NowMicros() : -1;
   plan_ = compress::PlanStep(job_.algorithm, step_);

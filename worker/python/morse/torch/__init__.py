@@ -2894,6 +2894,13 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 f"this state_dict is of step {int(state['step'])}, but the checkpoint being resumed "
                 f"(rank {self._awaiting_own_state[0]}'s state) is of step "
                 f"{self._awaiting_own_state[1]}: load this rank's state of the same checkpoint")
+        # Groups added mid-run (add_param_group): their first steps, checked
+        # before anything is restored.
+        firsts = list(state.get("first_steps") or [])
+        if firsts and len(firsts) != len(self.param_groups):
+            raise ValueError(f"this state_dict's run had {len(firsts)} parameter groups, this "
+                             f"optimizer {len(self.param_groups)}: build it with the same groups "
+                             "(or add them with add_param_group) before loading")
         if "server_error" in state and state["server_error"].numel() != dim:
             raise ValueError(f"state_dict['state']['server_error'] must hold {dim} values")
         group = state_dict.get("param_groups", [{}])[0]
@@ -2924,11 +2931,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         else:
             self._session.set_state(int(state["step"]), *moments, server_error)
         self._awaiting_own_state = None
-        firsts = list(state.get("first_steps") or [])
-        if firsts and len(firsts) != len(self.param_groups):
-            raise ValueError(f"this state_dict's run had {len(firsts)} parameter groups, this "
-                             f"optimizer {len(self.param_groups)}: build it with the same groups "
-                             "(or add them with add_param_group) before loading")
         self._first_steps = firsts or [0] * len(self.param_groups)
         # The run restored is the model's weights as they are now (loaded
         # before this call, e.g. by Trainer after the optimizer was built)
