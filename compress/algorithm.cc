@@ -76,8 +76,8 @@ absl::Status CheckStepHyper(const AlgorithmConfig& config,
     return absl::InvalidArgumentError(
         absl::StrCat("a segment whose parameters train since step ",
                      hyper.first_step, " in a job of ", optimizer.name(),
-                     ", whose state counts from the job's first step (adam and "
-                     "onebit_adam count a group's own)"));
+                     ", whose state counts from the job's first step (adam, "
+                     "onebit_adam and onebit_lamb count a group's own)"));
   }
   if (hyper.first_step > 0 && optimizer.HasFreezeStep() &&
       hyper.first_step >= config.freeze_step) {

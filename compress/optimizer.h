@@ -120,8 +120,10 @@ class Optimizer {
   // train (StepHyper::first_step, a group added mid-job), each use of the
   // step count then counting from there: only where that use is
   // StepScalars' and FrozenVarianceScalars' bias corrections (adam,
-  // onebit_adam); elsewhere state that counts steps (zero_one_adam's
-  // schedule, onebit_lamb's warmup averages) would need its own.
+  // onebit_adam, onebit_lamb, whose layers' averages start from their
+  // initial state at that step); elsewhere state that counts steps
+  // (zero_one_adam's variance and local-step schedules, diloco's inner
+  // steps) would need its own.
   virtual bool CountsFromFirstStep() const { return false; }
 
   // Whether the CUDA engine implements its reply rule (else a GPU worker

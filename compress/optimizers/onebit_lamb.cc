@@ -94,6 +94,12 @@ class OneBitLamb final : public Optimizer {
   // 1-bit Adam's exchange with the step's betas and eps, and LAMB's moments,
   // fresh variance and layer sums from the same reply rules (design.md 2.8).
   bool FollowsStepMoments() const override { return true; }
+  // A group added mid-job (StepHyper::first_step k): its counts of steps are
+  // StepScalars' and FrozenVarianceScalars' corrections (bc2' too, which is
+  // the rule's bc2), and its layers' coefficient state starts where a job's
+  // does (c̄ = 0, f = 1) at k, as morse.torch lays it out; the v' copy at
+  // the freeze is the job's step, which k < freeze_step precedes.
+  bool CountsFromFirstStep() const override { return true; }
 
   // v' over the replica's range; each layer's coeff_freeze and last_factor
   // (FlattenLambLayers' order).

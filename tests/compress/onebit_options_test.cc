@@ -312,8 +312,9 @@ TEST(OneBitOptionsTest, BiasCorrectionFreezesWithV) {
 // A parameter group added mid-job (morse.torch's add_param_group at step
 // k, StepHyper::first_step): its bias corrections count its own updates,
 // t = step + 1 - k, and its frozen variance's freeze_step - k, as torch's
-// per-parameter step does; only adam and onebit_adam take it, the latter
-// before freeze_step.
+// per-parameter step does; only adam, onebit_adam and onebit_lamb take it,
+// the latter two before freeze_step (1-bit LAMB's fresh variance's bc2'
+// counts so too).
 TEST(OneBitOptionsTest, AGroupAddedMidJobCountsItsOwnUpdates) {
   AlgorithmConfig c = OneBitConfig();
   c.freeze_step = 10;
@@ -321,11 +322,11 @@ TEST(OneBitOptionsTest, AGroupAddedMidJobCountsItsOwnUpdates) {
     return static_cast<float>(1.0 - std::pow(beta, t));
   };
   const StepHyper added{0.01f, 0.0f, std::nullopt, /*first_step=*/6};
-  for (OptimizerKind kind :
-       {OptimizerKind::kAdam, OptimizerKind::kOneBitAdam}) {
+  for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kOneBitAdam,
+                             OptimizerKind::kOneBitLamb}) {
     c.optimizer = kind;
     ASSERT_TRUE(CheckStepHyper(c, added).ok());
-    const bool freezes = kind == OptimizerKind::kOneBitAdam;
+    const bool freezes = kind != OptimizerKind::kAdam;
     for (int64_t step : {6, 7, 9, 10, 11, 500}) {
       const ReplyRule rule = PlanReply(c, step, &added);
       EXPECT_EQ(rule.scalars.bias_correction1,
@@ -335,6 +336,10 @@ TEST(OneBitOptionsTest, AGroupAddedMidJobCountsItsOwnUpdates) {
           rule.scalars.bias_correction2,
           expected(c.adam.beta2, freezes && step >= 10 ? 10 - 6 : step + 1 - 6))
           << step;
+      if (kind == OptimizerKind::kOneBitLamb) {
+        EXPECT_EQ(rule.fresh_correction2, expected(c.adam.beta2, step + 1 - 6))
+            << step;
+      }
     }
   }
   StepHyper late = added;
@@ -343,8 +348,7 @@ TEST(OneBitOptionsTest, AGroupAddedMidJobCountsItsOwnUpdates) {
   late.first_step = -1;
   EXPECT_EQ(ValidateStepHyper(late).code(), absl::StatusCode::kInvalidArgument);
   for (OptimizerKind kind :
-       {OptimizerKind::kZeroOneAdam, OptimizerKind::kOneBitLamb,
-        OptimizerKind::kDiloco}) {
+       {OptimizerKind::kZeroOneAdam, OptimizerKind::kDiloco}) {
     c.optimizer = kind;
     EXPECT_EQ(CheckStepHyper(c, added).code(),
               absl::StatusCode::kInvalidArgument);
@@ -358,7 +362,8 @@ TEST(OneBitOptionsTest, AGroupAddedMidJobCountsItsOwnUpdates) {
 // trains from k with first_step k ends bit-identical to a job of that
 // segment alone started at step 0 on the same gradients, across the
 // freeze (at the same job step); the simulator refuses a first_step past the
-// step.
+// step. 1-bit LAMB's too, each segment a layer: the second's coefficient
+// state stays where it starts (U = 0) until k.
 TEST(OneBitOptionsTest, AGroupAddedMidJobTrainsAsAJobOfItsOwn) {
   constexpr uint64_t kFirst = 256, kSecond = 320;
   constexpr int64_t kAdded = 3;
@@ -373,9 +378,13 @@ TEST(OneBitOptionsTest, AGroupAddedMidJobTrainsAsAJobOfItsOwn) {
   };
   std::vector<float> x0(kFirst + kSecond);
   for (size_t j = 0; j < x0.size(); ++j) x0[j] = 0.01f * (j % 13) - 0.05f;
-  for (OptimizerKind kind :
-       {OptimizerKind::kAdam, OptimizerKind::kOneBitAdam}) {
+  for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kOneBitAdam,
+                             OptimizerKind::kOneBitLamb}) {
     both.optimizer = alone.optimizer = kind;
+    if (kind == OptimizerKind::kOneBitLamb) {
+      both.layers = {kFirst, kSecond};
+      alone.layers = {kSecond};
+    }
     auto sim = Simulator::Create(both, x0);
     ASSERT_TRUE(sim.ok()) << sim.status();
     auto own = Simulator::Create(

@@ -11,6 +11,12 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
 - "onebit": OneBitAdam, a group added at step 2 of a 5-step warmup: AdamW's
   values through the warmup, both ranks bit-identical through the
   compression phase, and refused past freeze_step.
+- "lamb": OneBitLamb, the same group added at step 2 of a 6-step warmup:
+  through the warmup within 1e-5 of 1-bit LAMB's rule (design.md 2.8)
+  written out in torch below, the added layers' bias corrections and
+  coefficient averages counting from their step; both ranks bit-identical
+  and the shards' mirrors the workers' x through the compression phase;
+  refused past freeze_step.
 - "module": built from a module (its BatchNorm's running statistics, which
   rank 0 broadcasts), a parameter beside it added at step 3: AdamW's
   values, the running statistics equal on both ranks, the names kept.
@@ -70,9 +76,51 @@ def loss_of(model, rank, step):
 ADDED = {"adam": [(3, lambda m: {"params": [m.t], "lr": 0.02}),
                   (6, lambda m: {"params": [m.b.bias], "weight_decay": 0.1})],
          "onebit": [(2, lambda m: {"params": [m.t, m.b.bias], "lr": 0.005})],
+         # LAMB's layer step |x| u/|u| undoes a scaling of u: a weight decay
+         # as large as this one's keeps the bias corrections in sight.
+         "lamb": [(2, lambda m: {"params": [m.t, m.b.bias], "lr": 0.05, "weight_decay": 0.5})],
          # Built from the body module (its buffers broadcast); t added (the
          # buffers still broadcast, the names kept).
          "module": [(3, lambda m: {"params": [m.t]})]}
+
+
+class LambWarmup:
+    """1-bit LAMB's warmup rule (design.md 2.8) in torch, each parameter
+    tensor a layer: Adam's moments of the averaged gradient with bias
+    corrections counting from the step its group was added, and each
+    layer's step lr * c with c = clamp(|x| / |u|, min_coeff, max_coeff)
+    (its average c̄ from 0 at that step; c = 1 where a norm is 0)."""
+    def __init__(self, groups, lr, weight_decay, betas=(0.9, 0.999), eps=1e-8,
+                 max_coeff=10.0, min_coeff=0.01, coeff_beta=0.9):
+        self.defaults = dict(lr=lr, weight_decay=weight_decay)
+        self.betas, self.eps = betas, eps
+        self.bounds, self.coeff_beta = (min_coeff, max_coeff), coeff_beta
+        self.step_index, self.groups, self.state = 0, [], {}
+        for group in groups:
+            self.add_param_group(group)
+
+    def add_param_group(self, group):
+        self.groups.append(dict(self.defaults, **group, first=self.step_index))
+
+    @torch.no_grad()
+    def step(self):
+        (b1, b2), t = self.betas, self.step_index
+        for group in self.groups:
+            n = t + 1 - group["first"]
+            bc1, bc2 = 1 - b1 ** n, 1 - b2 ** n
+            for x in group["params"]:
+                m, v, c_bar = self.state.get(x, (torch.zeros_like(x), torch.zeros_like(x), 0.0))
+                m = b1 * m + (1 - b1) * x.grad
+                v = b2 * v + (1 - b2) * (x.grad * x.grad)
+                u = (m / bc1) / (torch.sqrt(v / bc2) + self.eps) + group["weight_decay"] * x
+                norm_x, norm_u = x.double().norm().item(), u.double().norm().item()
+                c = 1.0
+                if norm_x > 0 and norm_u > 0:
+                    c = min(max(norm_x / norm_u, self.bounds[0]), self.bounds[1])
+                    c_bar = self.coeff_beta * c_bar + (1 - self.coeff_beta) * c
+                x -= (group["lr"] * c) * u
+                self.state[x] = (m, v, c_bar)
+        self.step_index += 1
 
 
 def built(model, mode, every=False):
@@ -115,14 +163,20 @@ def worker(mode, out):
         return
     if kind == "onebit":
         opt = morse.torch.OneBitAdam(built(model, kind), freeze_step=5, **options)
+    elif kind == "lamb":
+        opt = morse.torch.OneBitLamb(built(model, kind), freeze_step=6, weight_decay=0.01,
+                                     **options)
     elif kind == "module":
         opt = morse.torch.Adam(model.body, **options)
     else:
         opt = morse.torch.Adam(built(model, kind), **options)
-    ref_opt = torch.optim.AdamW(
-        list(reference.body.parameters()) if kind == "module"
-        else built(reference, kind), lr=0.01, weight_decay=0.0)
-    steps = 12 if kind == "onebit" else 9
+    if kind == "lamb":
+        ref_opt = LambWarmup(built(reference, kind), lr=0.01, weight_decay=0.01)
+    else:
+        ref_opt = torch.optim.AdamW(
+            list(reference.body.parameters()) if kind == "module"
+            else built(reference, kind), lr=0.01, weight_decay=0.0)
+    steps = 12 if kind in ("onebit", "lamb") else 9
     said = {}
     worst = 0.0
     for step in range(steps):
@@ -148,13 +202,14 @@ def worker(mode, out):
         reference.zero_grad()
         (sum(loss_of(reference, r, step) for r in range(2)) / 2).backward()
         ref_opt.step()
-        if kind == "onebit" and step >= 5:
+        if kind in ("onebit", "lamb") and step >= opt._freeze_step:
             continue  # compressed: no torch counterpart
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             diff = (p.detach() - q.detach()).abs().max().item()
             worst = max(worst, diff)
-            check(diff < 1e-5, f"rank {rank} step {step}: {name} differs from AdamW's by {diff}")
-    if kind == "onebit":
+            check(diff < 1e-5, f"rank {rank} step {step}: {name} differs from "
+                  f"{type(ref_opt).__name__}'s by {diff}")
+    if kind in ("onebit", "lamb"):
         try:
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
         except ValueError as e:
@@ -162,7 +217,7 @@ def worker(mode, out):
     if kind == "module":
         check(opt._names[:2] == ["0.weight", "0.bias"], f"the names kept: {opt._names}")
         said["buffers"] = [b.tolist() for b in model.buffers()]
-    print(f"rank {rank}: largest difference from torch.optim.AdamW {worst:.3g}")
+    print(f"rank {rank}: largest difference from {type(ref_opt).__name__} {worst:.3g}")
     json.dump({"checksum": opt.checksum(), "step": opt.step_index, "said": said,
                "x": [p.detach().tolist() for p in model.parameters()]},
               open(f"{out}/{mode}-rank-{rank}.json", "w"))
@@ -204,21 +259,25 @@ if __name__ == "__main__":
         resumed(out) if mode == "resumed" else worker(mode, out)
         sys.exit(0)
     out = tempfile.mkdtemp()
-    for mode in ("adam", "onebit", "module"):
+    for mode in ("adam", "onebit", "lamb", "module"):
         text = run(out, mode)
-        check(text.count("largest difference from torch.optim.AdamW") == 2, "both ranks report")
+        check(text.count("largest difference from ") == 2, "both ranks report")
         got = results(out, mode)
         check(got[0]["checksum"] == got[1]["checksum"] and got[0]["x"] == got[1]["x"],
               f"{mode}: the ranks differ")
-        print(f"PASS {mode}: within 1e-5 of AdamW with its groups added alike; ranks identical")
+        print(f"PASS {mode}: within 1e-5 of {'LambWarmup' if mode == 'lamb' else 'AdamW'} with "
+              "its groups added alike; ranks identical")
     normed = results(out, "module")
     check(normed[0]["said"]["buffers"] == normed[1]["said"]["buffers"],
           "module: rank 0's buffers broadcast after the call too")
-    said = results(out, "onebit")[0]["said"]
-    check("past freeze_step 5" in said.get("frozen", ""), f"refused past the freeze: {said}")
+    for mode, freeze in (("onebit", 5), ("lamb", 6)):
+        said = results(out, mode)[0]["said"]
+        check(f"since step 12, at or after freeze_step {freeze}" in said.get("frozen", ""),
+              f"{mode}: refused past the freeze: {said}")
     run(out, "zero_one")
     said = results(out, "zero_one")[0]["said"]
-    check("ZeroOneAdam's state counts from the job's first step" in said, f"ZeroOneAdam: {said}")
+    check("ZeroOneAdam cannot train a group from step 1" in said
+          and "whose state counts from the job's first step" in said, f"ZeroOneAdam: {said}")
     run(out, "refused")
     said = results(out, "refused")[0]["said"]
     check("between step() and the next backward()" in said.get("mid_step", ""),

@@ -374,6 +374,17 @@ int morse_session_clips_locally(morse_session* s, int* locally) {
   });
 }
 
+int morse_session_check_first_step(morse_session* s, int64_t first_step) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    morse::compress::StepHyper hyper;
+    hyper.first_step = first_step;
+    if (absl::Status st = morse::compress::ValidateStepHyper(hyper); !st.ok())
+      return st;
+    return morse::compress::CheckStepHyper(s->session->job().algorithm, hyper);
+  });
+}
+
 int morse_session_average_norm(morse_session* s, double norm_type,
                                double* norm) {
   return Guard([&]() -> absl::Status {

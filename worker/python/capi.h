@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define MORSE_CAPI_VERSION 19
+#define MORSE_CAPI_VERSION 20
 
 typedef struct morse_session morse_session;
 typedef struct morse_simulator morse_simulator;
@@ -128,6 +128,10 @@ int morse_session_clip_pieces(morse_session* s, const uint64_t* ends,
 /* *locally = 1 when the step in flight clips this worker's own gradient (a
  * compressing step), else 0 (Session::clips_locally). */
 int morse_session_clips_locally(morse_session* s, int* locally);
+/* OK when this job's optimizer can train a parameter group whose first step
+ * is `first_step` (a group added mid-job: compress::CheckStepHyper, which
+ * the shards apply to its pushes), else INVALID_ARGUMENT saying why. */
+int morse_session_check_first_step(morse_session* s, int64_t first_step);
 /* The averaged gradient's norm of order norm_type (1, 2 or inf) once
  * morse_session_clip has waited for every reply in a step that averages
  * (Session::AverageNorm). */

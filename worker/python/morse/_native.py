@@ -9,7 +9,7 @@ import os
 
 __all__ = ["Boundary", "Link", "MorseError", "Session", "Simulator", "cuda_device", "library_path"]
 
-_CAPI_VERSION = 19  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
+_CAPI_VERSION = 20  # libmorse's MORSE_CAPI_VERSION (worker/python/capi.h)
 _CODES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
           "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
           "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
@@ -68,6 +68,7 @@ def _load():
         "morse_session_clip_pieces": ([P, ctypes.POINTER(ctypes.c_uint64),
                                        ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
         "morse_session_clips_locally": ([P, ctypes.POINTER(I)], I),
+        "morse_session_check_first_step": ([P, I64], I),
         "morse_session_average_norm": ([P, ctypes.c_double, ctypes.POINTER(ctypes.c_double)], I),
         "morse_session_average_gradient": ([P, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
         "morse_session_clipped_average": ([P, ctypes.POINTER(ctypes.c_float), ctypes.c_uint64], I),
@@ -286,6 +287,15 @@ class Session:
         value = ctypes.c_int()
         _check(_lib.morse_session_clips_locally(self._handle, ctypes.byref(value)))
         return bool(value.value)
+
+    def first_step_refusal(self, first_step):
+        """None when this job's optimizer can train a parameter group from
+        step `first_step` (added mid-job), else why not."""
+        try:
+            _check(_lib.morse_session_check_first_step(self._handle, int(first_step)))
+        except MorseError as e:
+            return str(e).split(": ", 1)[-1]
+        return None
 
     def average_norm(self, norm_type):
         """The averaged gradient's norm of order norm_type (1, 2 or inf),

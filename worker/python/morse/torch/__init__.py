@@ -720,9 +720,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         later"). The flat buffer and the shards' layout are made anew with
         the group at the end (design.md 4, "A new layout mid-job"): rank 0
         carries the run's state over, so the other groups go on as they
-        were. Adam and OneBitAdam (before freeze_step), CPU tensors, the
-        constant schedule; not under --node-aggregation, --rank-restarts or
-        in an elastic job."""
+        were. Adam, and OneBitAdam and OneBitLamb before freeze_step (the
+        new layers' LAMB coefficients start as a job's do), CPU tensors,
+        the constant schedule; not under --node-aggregation, --rank-restarts
+        or in an elastic job."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
             super().add_param_group(param_group)
             return
@@ -744,7 +745,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  for g in groups + [param_group] for p in _group_params(g)
                  if p.requires_grad and p.grad is not None}
         first_steps = self._first_steps + [step]
-        old_dim = self._flat.numel()
         # Built from a module, it keeps the module's buffers and names.
         built = dict(self._built_with, buffers=list(self._buffers) or None)
         names = {id(p): name for p, name in zip(self._params, self._names)}
@@ -760,33 +760,42 @@ class _MorseOptimizer(torch.optim.Optimizer):
             for p in self._params:
                 if id(p) in grads:
                     p.grad.copy_(grads[id(p)])
-        dim = self._flat.numel()
+        # Each array grows from what the new layout starts with (zeros; 1-bit
+        # LAMB's layer state its initial values): the old elements and
+        # layers keep their places, the new ones come after them. The last
+        # step's commit (1-bit LAMB's) starts empty: the new layout's shards
+        # are restored after that step and need none.
+        fresh = self._state_dict(server_error=False)["state"]
         for key, value in list(state.items()):
-            if torch.is_tensor(value) and value.numel() == old_dim:
-                grown = torch.zeros(dim, dtype=value.dtype, device=value.device)
-                grown[:old_dim] = value  # old elements keep their places
+            if not torch.is_tensor(value):
+                continue
+            like = fresh[key] if key in fresh else torch.zeros(self._flat.numel())
+            if like.numel() == 0:
+                state[key] = like
+            elif value.numel() < like.numel():
+                grown = like.to(dtype=value.dtype, device=value.device).clone()
+                grown[:value.numel()] = value
                 state[key] = grown
         state["first_steps"] = first_steps
         self.load_state_dict({"state": state, "param_groups": self._saved_groups()})
 
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        optimizer = self._built_with["optimizer"]
-        if optimizer not in ("adam", "onebit_adam"):
-            return (f"{type(self).__name__}'s state counts from the job's first step (Adam and "
-                    "OneBitAdam count a group's own): build the optimizer with every parameter, "
-                    "those to thaw later in a group of their own with lr 0 and weight_decay 0")
-        if self._freeze_step is not None and self.step_index >= self._freeze_step:
-            return (f"step {self.step_index} is past freeze_step {self._freeze_step}: the new "
-                    "parameters would have no variance to freeze; add them before it")
-        if self._schedule != "constant":
-            return (f"schedule={self._schedule!r} sets one lr for the whole model; groups need "
-                    "the default schedule='constant'")
         if self._node is not None or self._cuda or self._checkpoint or self._elastic:
             where = ("--node-aggregation" if self._node is not None else "CUDA tensors"
                      if self._cuda else "--rank-restarts (checkpoints of the old layout)"
                      if self._checkpoint else "an elastic job")
             return f"not yet with {where}: build the optimizer with every parameter"
+        if self._schedule != "constant":
+            return (f"schedule={self._schedule!r} sets one lr for the whole model; groups need "
+                    "the default schedule='constant'")
+        # What the job's optimizer counts from a group's own first step is
+        # the C++ rule's to say (compress::CheckStepHyper, as the shards do).
+        why = self._session.first_step_refusal(self.step_index)
+        if why:
+            return (f"{type(self).__name__} cannot train a group from step {self.step_index}: "
+                    f"{why}. Build the optimizer with every parameter, those to thaw later in a "
+                    "group of their own with lr 0 and weight_decay 0")
         if self._pending is not None:
             return ("this step's gradients are on their way to the shards: call it between "
                     "step() and the next backward()")
