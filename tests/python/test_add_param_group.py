@@ -22,7 +22,9 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   values, the running statistics equal on both ranks, the names kept.
 - "resume": each rank's state_dict() saved after the added group's step,
   loaded in a second job into an optimizer built with every group: the
-  continued run ends bit-identical to the first job's.
+  continued run ends bit-identical to the first job's. The same for the
+  "lamb" run saved right after its call at step 2 and resumed across the
+  freeze (its layer state grown, its last commit dropped, with the layout).
 - refusals: ZeroOneAdam's, and a call between backward() and step() with
   the pushes under way; each a ValueError saying why, the run going on
   unchanged. And "mismatch": rank 0 alone adds a group: the job stops
@@ -186,9 +188,9 @@ def worker(mode, out):
                     check(torch.equal(p, q), f"step {step}: an added parameter moved before")
                 opt.add_param_group(add(model))
                 ref_opt.add_param_group(add(reference))
-        if mode == "resume" and step == 7:
+        if (mode, step) in SAVED.values():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
-                       f"{out}/saved-{rank}.pt")
+                       f"{out}/saved-{mode}-{rank}.pt")
         model.zero_grad()
         loss_of(model, rank, step).backward()
         if mode == "refused" and step == 4 and rank == 0:  # pushes under way (overlap)
@@ -223,23 +225,32 @@ def worker(mode, out):
               open(f"{out}/{mode}-rank-{rank}.json", "w"))
 
 
-def resumed(out):
+# A resumed mode: (the run it continues, the step whose state it loads).
+SAVED = {"resumed": ("resume", 7), "resumed_lamb": ("lamb", 2)}
+
+
+def resumed(out, mode):
     """The second job: every group built at once, the saved state loaded."""
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
     model = Model()
-    saved = torch.load(f"{out}/saved-{rank}.pt")
+    source, first = SAVED[mode]
+    saved = torch.load(f"{out}/saved-{source}-{rank}.pt")
     model.load_state_dict(saved["model"])
-    opt = morse.torch.Adam(built(model, "resume", every=True), lr=0.01, block_elems=16,
-                           partition_elems=32, overlap=rank == 0)
+    options = dict(lr=0.01, block_elems=16, partition_elems=32, overlap=rank == 0)
+    if source == "lamb":
+        opt = morse.torch.OneBitLamb(built(model, source, every=True), freeze_step=6,
+                                     weight_decay=0.01, **options)
+    else:
+        opt = morse.torch.Adam(built(model, source, every=True), **options)
     opt.load_state_dict(saved["opt"])
-    for step in range(7, 9):
+    for step in range(first, 12 if source == "lamb" else 9):
         model.zero_grad()
         loss_of(model, rank, step).backward()
         opt.step()
     json.dump({"checksum": opt.checksum(), "step": opt.step_index,
                "x": [p.detach().tolist() for p in model.parameters()]},
-              open(f"{out}/resumed-rank-{rank}.json", "w"))
+              open(f"{out}/{mode}-rank-{rank}.json", "w"))
 
 
 def results(out, mode):
@@ -256,7 +267,7 @@ def run(out, mode):
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         mode, out = sys.argv[-2], sys.argv[-1]
-        resumed(out) if mode == "resumed" else worker(mode, out)
+        resumed(out, mode) if mode in SAVED else worker(mode, out)
         sys.exit(0)
     out = tempfile.mkdtemp()
     for mode in ("adam", "onebit", "lamb", "module"):
@@ -295,9 +306,10 @@ if __name__ == "__main__":
           f"the job did not say why it stopped:\n{text}")
     print("PASS mismatch: rank 0 alone adding a group stops the job, saying why")
     run(out, "resume")
-    run(out, "resumed")
-    whole, again = results(out, "resume"), results(out, "resumed")
-    for r in range(2):
-        check(again[r]["x"] == whole[r]["x"] and again[r]["checksum"] == whole[r]["checksum"],
-              f"rank {r}: the resumed run differs from the whole one")
-    print("PASS resume: a state saved after add_param_group resumes bit-identically")
+    for mode, (source, _) in SAVED.items():
+        run(out, mode)
+        whole, again = results(out, source), results(out, mode)
+        for r in range(2):
+            check(again[r]["x"] == whole[r]["x"] and again[r]["checksum"] == whole[r]["checksum"],
+                  f"rank {r}: the resumed run differs from the whole one ({source})")
+        print(f"PASS {mode}: a state saved after add_param_group resumes bit-identically")
