@@ -198,6 +198,9 @@ def worker(mode, out):
                 opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
             except ValueError as e:
                 said["mid_step"] = str(e)
+            # The C ABI's check (morse_session_check_first_step) on bad input.
+            said["negative"] = opt._session.first_step_refusal(-1)
+            said["later"] = opt._session.first_step_refusal(9)
         opt.step()
         check(opt._session.holds_shards_model(),
               f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
@@ -293,6 +296,8 @@ if __name__ == "__main__":
     said = results(out, "refused")[0]["said"]
     check("between step() and the next backward()" in said.get("mid_step", ""),
           f"refused mid-step: {said}")
+    check("first_step -1 must not be negative" in (said.get("negative") or "")
+          and said.get("later") is None, f"the C ABI's first-step check: {said}")
     check(results(out, "refused")[0]["x"] == results(out, "adam")[0]["x"],
           "the refused calls changed nothing")
     print("PASS refused: ZeroOneAdam, and mid-step, each saying why; the run unchanged")
