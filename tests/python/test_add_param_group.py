@@ -25,9 +25,11 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   continued run ends bit-identical to the first job's. The same for the
   "lamb" run saved right after its call at step 2 and resumed across the
   freeze (its layer state grown, its last commit dropped, with the layout).
-- refusals: ZeroOneAdam's, and a call between backward() and step() with
-  the pushes under way; each a ValueError saying why, the run going on
-  unchanged. And "mismatch": rank 0 alone adds a group: the job stops
+- "zero_one": ZeroOneAdam with a group added before its first step trains
+  bit for bit as one built with it ("zero_one_built"), through every phase.
+- refusals: ZeroOneAdam's after a step, and a call between backward() and
+  step() with the pushes under way; each a ValueError saying why, the run
+  going on unchanged. And "mismatch": rank 0 alone adds a group: the job stops
   within the (shortened) connect timeout, rank 0's error saying that every
   rank must call it at the same step."""
 import json
@@ -73,6 +75,10 @@ def loss_of(model, rank, step):
     x, y = data(rank, step)
     return torch.nn.functional.cross_entropy(model(x), y)
 
+
+# ZeroOneAdam's schedule (1-based s): variance steps 1, 2 and 4, a 1-bit
+# step 3, syncs at 6, 7, 8 and 12, local steps 9 to 11 (design.md 2.7).
+ZERO_ONE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
 
 # (step, the group added before it) for each mode's optimizer and torch's.
 ADDED = {"adam": [(3, lambda m: {"params": [m.t], "lr": 0.02}),
@@ -152,16 +158,31 @@ def worker(mode, out):
             loss_of(model, rank, step).backward()
             opt.step()
         return
-    if mode == "zero_one":
-        opt = morse.torch.ZeroOneAdam(built(model, "adam"), **options)
-        loss_of(model, rank, 0).backward()
-        opt.step()
-        try:
-            opt.add_param_group({"params": [model.t]})
-            said = ""
-        except ValueError as e:
-            said = str(e)
-        json.dump({"said": said}, open(f"{out}/zero_one-rank-{rank}.json", "w"))
+    if mode in ("zero_one", "zero_one_built"):
+        # A group added before the first step, as scripts that build their
+        # optimizer group by group do, is one it was built with; later,
+        # 0/1 Adam's schedule counts from the job's first step: refused.
+        added = {"params": [model.t], "lr": 0.02}
+        opt = morse.torch.ZeroOneAdam(built(model, "adam") + [added] * (mode != "zero_one"),
+                                      **ZERO_ONE, **options)
+        if mode == "zero_one":
+            opt.add_param_group(added)
+        said = ""
+        for step in range(12):  # variance, 1-bit and local steps, syncs
+            model.zero_grad()
+            loss_of(model, rank, step).backward()
+            opt.step()
+            if step not in (8, 9, 10):  # local steps: each rank's x its own
+                check(opt._session.holds_shards_model(),
+                      f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
+            if step == 0 and mode == "zero_one":
+                try:
+                    opt.add_param_group({"params": [model.b.bias], "lr": 0.03})
+                except ValueError as e:
+                    said = str(e)
+        json.dump({"said": said, "checksum": opt.checksum(),
+                   "x": [p.detach().tolist() for p in model.parameters()]},
+                  open(f"{out}/{mode}-rank-{rank}.json", "w"))
         return
     if kind == "onebit":
         opt = morse.torch.OneBitAdam(built(model, kind), freeze_step=5, **options)
@@ -289,9 +310,17 @@ if __name__ == "__main__":
         check(f"since step 12, at or after freeze_step {freeze}" in said.get("frozen", ""),
               f"{mode}: refused past the freeze: {said}")
     run(out, "zero_one")
-    said = results(out, "zero_one")[0]["said"]
+    run(out, "zero_one_built")
+    added, built_with = results(out, "zero_one"), results(out, "zero_one_built")
+    for r in range(2):
+        check(added[r]["x"] == built_with[r]["x"] and added[r]["checksum"] == built_with[r]["checksum"],
+              f"rank {r}: ZeroOneAdam with a group added before step 0 differs from one built "
+              "with it")
+    said = added[0]["said"]
     check("ZeroOneAdam cannot train a group from step 1" in said
           and "whose state counts from the job's first step" in said, f"ZeroOneAdam: {said}")
+    print("PASS zero_one: a group added before the first step trains bit for bit as one built "
+          "with it through every phase; at step 1 refused, saying why")
     run(out, "refused")
     said = results(out, "refused")[0]["said"]
     check("between step() and the next backward()" in said.get("mid_step", ""),
@@ -300,7 +329,7 @@ if __name__ == "__main__":
           and said.get("later") is None, f"the C ABI's first-step check: {said}")
     check(results(out, "refused")[0]["x"] == results(out, "adam")[0]["x"],
           "the refused calls changed nothing")
-    print("PASS refused: ZeroOneAdam, and mid-step, each saying why; the run unchanged")
+    print("PASS refused: mid-step, saying why; the run unchanged; the C ABI's check")
     config = os.path.join(out, "short.textproto")
     with open(config, "w") as f:
         f.write("timeouts { connect_seconds: 5 step_seconds: 5 recovery_seconds: 10 }\n")
