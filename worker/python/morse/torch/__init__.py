@@ -721,7 +721,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the group at the end (design.md 4, "A new layout mid-job"): rank 0
         carries the run's state over, so the other groups go on as they
         were. Adam, and OneBitAdam and OneBitLamb before freeze_step (the
-        new layers' LAMB coefficients start as a job's do), CPU tensors,
+        new layers' LAMB coefficients start as a job's do), ZeroOneAdam
+        before its first step (as if built with the group), CPU tensors,
         the constant schedule; not under --node-aggregation, --rank-restarts
         or in an elastic job."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
