@@ -1,7 +1,7 @@
 """What add_param_group costs (docs/python.md, "Adding a parameter group"):
 one call against the job's own steps, timed in the same run.
 
-  build/bin/morse-run --servers 2 --workers 2 -- python3 tests/bench/add_param_group_cost.py [D] [from_start]
+  build/bin/morse-run --servers 2 --workers 2 -- python3 tests/bench/add_param_group_cost.py [D] [from_start] [lamb]
 
 A model of D float32 parameters (default 4M) in two tensors, the first
 3/4 trained from the start with Adam, the last 1/4 added as a group after
@@ -11,7 +11,9 @@ model's state from the shards on rank 0, lays the job out anew and
 restores it, so it should cost a few steps' worth of traffic, not more.
 With from_start the group is there from the first step (the same model
 laid out once): its median step is what the steps after the call should
-take."""
+take. With lamb the optimizer is OneBitLamb (freeze_step 100, so every
+step here is its warmup), whose call also grows each layer's coefficient
+state."""
 import os
 import statistics
 import sys
@@ -32,7 +34,9 @@ def main():
     groups = [{"params": [first]}]
     if from_start:
         groups.append({"params": [added], "lr": 2e-3})
-    opt = morse.torch.Adam(groups, lr=1e-3)
+    lamb = "lamb" in sys.argv[2:]
+    opt = (morse.torch.OneBitLamb(groups, lr=1e-3, freeze_step=100) if lamb
+           else morse.torch.Adam(groups, lr=1e-3))
 
     def steps(n, params):
         took = []
@@ -47,14 +51,15 @@ def main():
 
     if from_start:
         took = steps(10, [first, added])
-        print(f"rank {rank}: D={dim}, both groups from the start: median step {took * 1e3:.1f} ms")
+        print(f"rank {rank}: {type(opt).__name__} D={dim}, both groups from the start: "
+              f"median step {took * 1e3:.1f} ms")
         return
     before = steps(5, [first])
     start = time.perf_counter()
     opt.add_param_group({"params": [added], "lr": 2e-3})
     call = time.perf_counter() - start
     after = steps(10, [first, added])
-    print(f"rank {rank}: D={dim}: median step {before * 1e3:.1f} ms before, "
+    print(f"rank {rank}: {type(opt).__name__} D={dim}: median step {before * 1e3:.1f} ms before, "
           f"{after * 1e3:.1f} ms after; add_param_group {call * 1e3:.1f} ms = "
           f"{call / after:.2f} steps")
 
