@@ -65,6 +65,7 @@ std::string DescribeStepHyper(const std::optional<StepHyper>& hyper) {
 
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper) {
+  if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;
   const Optimizer& optimizer = OptimizerOf(config);
   if (hyper.moments.has_value() && !optimizer.FollowsStepMoments()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -187,8 +187,10 @@ struct AlgorithmConfig {
 
 // OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
 absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
-// INVALID_ARGUMENT when `hyper` sets betas and eps for an optimizer that
-// applies the job's (Optimizer::FollowsStepMoments: diloco).
+// INVALID_ARGUMENT when `hyper` is malformed (ValidateStepHyper, checked
+// first), sets betas and eps for an optimizer that applies the job's
+// (Optimizer::FollowsStepMoments: diloco), or starts a segment mid-job where
+// the optimizer cannot (Optimizer::CountsFromFirstStep, freeze_step).
 absl::Status CheckStepHyper(const AlgorithmConfig& config,
                             const StepHyper& hyper);
 // INVALID_ARGUMENT when step `step` would use `hyper` before its segment's

@@ -169,7 +169,6 @@ absl::Status Simulator::Step(
                      " applies one lr and weight_decay to the whole model"));
   }
   for (const StepHyper& hyper : hypers) {
-    if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;
     if (absl::Status s = CheckStepHyper(config_, hyper); !s.ok()) return s;
     if (absl::Status s = CheckHyperAtStep(hyper, step_); !s.ok()) return s;
   }

@@ -196,8 +196,7 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
     }
   }
   if (args.hyper.has_value()) {
-    absl::Status s = compress::ValidateStepHyper(*args.hyper);
-    if (s.ok()) s = compress::CheckStepHyper(job_.algorithm, *args.hyper);
+    absl::Status s = compress::CheckStepHyper(job_.algorithm, *args.hyper);
     if (s.ok()) s = compress::CheckHyperAtStep(*args.hyper, args.step);
     if (!s.ok()) {
       return absl::InvalidArgumentError(

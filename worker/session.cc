@@ -230,7 +230,6 @@ absl::Status Session::SetStepHyper(std::vector<compress::StepHyper> hypers) {
     return s;
   }
   for (const compress::StepHyper& hyper : hypers) {
-    if (absl::Status s = compress::ValidateStepHyper(hyper); !s.ok()) return s;
     if (absl::Status s = compress::CheckStepHyper(job_.algorithm, hyper);
         !s.ok()) {
       return s;

@@ -379,8 +379,6 @@ int morse_session_check_first_step(morse_session* s, int64_t first_step) {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     morse::compress::StepHyper hyper;
     hyper.first_step = first_step;
-    if (absl::Status st = morse::compress::ValidateStepHyper(hyper); !st.ok())
-      return st;
     return morse::compress::CheckStepHyper(s->session->job().algorithm, hyper);
   });
 }
