@@ -73,21 +73,15 @@ absl::Status CheckStepHyper(const AlgorithmConfig& config,
         ", which applies the job's (adam, onebit_adam, zero_one_adam and "
         "onebit_lamb take them step by step)"));
   }
-  if (hyper.first_step > 0 && !optimizer.CountsFromFirstStep()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a segment whose parameters train since step ",
-                     hyper.first_step, " in a job of ", optimizer.name(),
-                     ", whose state counts from the job's first step (adam, "
-                     "onebit_adam and onebit_lamb count a group's own)"));
-  }
-  if (hyper.first_step > 0 && optimizer.HasFreezeStep() &&
-      hyper.first_step >= config.freeze_step) {
+  if (hyper.first_step == 0) return absl::OkStatus();
+  if (!optimizer.CountsFromFirstStep()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "a segment whose parameters train since step ", hyper.first_step,
-        ", at or after freeze_step ", config.freeze_step,
-        ": its variance would freeze before it had any"));
+        " in a job of ", optimizer.name(),
+        ", whose state counts from the job's first step (adam, onebit_adam, "
+        "zero_one_adam and onebit_lamb count a group's own)"));
   }
-  return absl::OkStatus();
+  return optimizer.FirstCountedStep(config, hyper.first_step).status();
 }
 
 absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step) {

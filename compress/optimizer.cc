@@ -1,5 +1,7 @@
 #include "compress/optimizer.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
 #include "compress/update_rules.h"
@@ -24,6 +26,17 @@ const std::vector<const Optimizer*>& Optimizers() {
 }
 
 }  // namespace
+
+absl::StatusOr<int64_t> Optimizer::FirstCountedStep(
+    const AlgorithmConfig& config, int64_t first_step) const {
+  if (HasFreezeStep() && first_step >= config.freeze_step) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a segment whose parameters train since step ", first_step,
+                     ", at or after freeze_step ", config.freeze_step,
+                     ": its variance would freeze before it had any"));
+  }
+  return first_step;
+}
 
 const Optimizer& OptimizerOf(OptimizerKind kind) {
   const Optimizer& optimizer = *Optimizers().at(static_cast<size_t>(kind));
@@ -115,9 +128,18 @@ AdamScalars StepScalars(const AlgorithmConfig& config, int64_t step,
   AdamHyper adam = StepAdamHyper(config, hyper);
   if (hyper != nullptr) adam.weight_decay = hyper->weight_decay;
   const float lr = hyper != nullptr ? hyper->lr : LearningRate(config.lr, step);
-  const int64_t first = hyper != nullptr ? hyper->first_step : 0;
-  MORSE_CHECK(first <= step);
-  return MakeAdamScalars(adam, lr, step + 1 - first, bias_correction);
+  int64_t updates = step + 1;
+  if (hyper != nullptr && hyper->first_step > 0) {
+    MORSE_CHECK(hyper->first_step <= step);
+    const absl::StatusOr<int64_t> counted =
+        OptimizerOf(config).FirstCountedStep(config, hyper->first_step);
+    MORSE_CHECK(counted.ok());  // CheckStepHyper
+    // A segment held until a later step (zero_one_adam's, masked whole
+    // until its first variance step) takes its first update's corrections
+    // there: finite, and with m = v = 0 they move nothing.
+    updates = std::max<int64_t>(1, step + 1 - *counted);
+  }
+  return MakeAdamScalars(adam, lr, updates, bias_correction);
 }
 
 StepPlan FullPrecisionPlan(const AlgorithmConfig& config) {

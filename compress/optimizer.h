@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "compress/algorithm.h"
@@ -118,13 +119,21 @@ class Optimizer {
   virtual bool FollowsStepMoments() const { return false; }
   // Whether a step's pushes may say from which step a segment's parameters
   // train (StepHyper::first_step, a group added mid-job), each use of the
-  // step count then counting from there: only where that use is
-  // StepScalars' and FrozenVarianceScalars' bias corrections (adam,
-  // onebit_adam, onebit_lamb, whose layers' averages start from their
-  // initial state at that step); elsewhere state that counts steps
-  // (zero_one_adam's variance and local-step schedules, diloco's inner
-  // steps) would need its own.
+  // step count then counting from there: only where that use is a bias
+  // correction (StepScalars', FrozenVarianceScalars', zero_one_adam's n_v;
+  // adam, onebit_adam, onebit_lamb, whose layers' averages start from their
+  // initial state at that step, and zero_one_adam, whose schedules stay the
+  // job's); elsewhere state that counts steps (diloco's inner steps) would
+  // need its own.
   virtual bool CountsFromFirstStep() const { return false; }
+  // The step from which a segment whose parameters train since
+  // `first_step` (> 0) counts its updates: `first_step` itself, or a later
+  // one where the optimizer holds the segment until then (zero_one_adam:
+  // its first variance step, the 1-bit steps before it masking the whole
+  // segment, whose v is 0). INVALID_ARGUMENT where it cannot train from
+  // there (its variance would freeze before it had any).
+  virtual absl::StatusOr<int64_t> FirstCountedStep(
+      const AlgorithmConfig& config, int64_t first_step) const;
 
   // Whether the CUDA engine implements its reply rule (else a GPU worker
   // refuses the job, and --device auto trains on the CPU, saying why).

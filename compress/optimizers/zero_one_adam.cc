@@ -20,40 +20,65 @@
 namespace morse::compress {
 namespace {
 
-// zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
-// updated n_v times, b2 the step's (`hyper`'s where the workers set it, as
-// torch's Adam corrects by the step's betas).
-float ZeroOneVarianceCorrection(const AlgorithmConfig& config, int64_t step,
-                                const StepHyper* hyper) {
-  return MakeAdamScalars(StepAdamHyper(config, hyper), 0.0f,
-                         ZeroOneAt(config, step).variance_updates, true)
-      .bias_correction2;
+// One phase of the variance schedule (design.md 2.7, 1-based steps):
+// kappa updates at first, first + interval, ..., last.
+struct VariancePhase {
+  int64_t first = 0, last = 0, interval = 1;
+  int64_t before = 0;  // updates in the phases before it
+};
+
+// The first phase of the schedule that does not end before step s.
+VariancePhase PhaseReaching(int64_t kappa, int64_t s) {
+  VariancePhase phase;
+  int64_t end = 0;
+  for (int k = 0; k < 62; ++k) {
+    phase.interval = int64_t{1} << k;
+    phase.first = (end / phase.interval + 1) * phase.interval;
+    const int64_t span = kappa - 1;
+    phase.last = span > (std::numeric_limits<int64_t>::max() - phase.first) /
+                             phase.interval
+                     ? std::numeric_limits<int64_t>::max()
+                     : phase.first + span * phase.interval;
+    if (s <= phase.last) return phase;
+    phase.before += kappa;
+    end = phase.last;
+  }
+  phase.first = phase.last = std::numeric_limits<int64_t>::max();
+  return phase;
 }
 
-// The variance schedule (design.md 2.7) at 1-based step s <= F: phase k
-// updates v at kappa steps spaced 2^k apart, starting at the first multiple
-// of 2^k after the previous phase's last update. Returns the updates at
-// steps <= s; *at_s: whether s is one.
+// The variance schedule at 1-based step s <= F: phase k updates v at kappa
+// steps spaced 2^k apart, starting at the first multiple of 2^k after the
+// previous phase's last update. Returns the updates at steps <= s; *at_s:
+// whether s is one.
 int64_t VarianceUpdates(int64_t kappa, int64_t s, bool* at_s) {
-  *at_s = false;
-  int64_t end = 0, count = 0;
-  for (int k = 0; k < 62; ++k) {
-    const int64_t interval = int64_t{1} << k;
-    const int64_t first = (end / interval + 1) * interval;
-    if (s < first) return count;
-    const int64_t span = kappa - 1;
-    const int64_t last =
-        span > (std::numeric_limits<int64_t>::max() - first) / interval
-            ? std::numeric_limits<int64_t>::max()
-            : first + span * interval;
-    if (s <= last) {
-      *at_s = (s - first) % interval == 0;
-      return count + (s - first) / interval + 1;
-    }
-    count += kappa;
-    end = last;
-  }
-  return count;
+  const VariancePhase phase = PhaseReaching(kappa, s);
+  *at_s = s >= phase.first && (s - phase.first) % phase.interval == 0;
+  if (s < phase.first) return phase.before;
+  return phase.before + (s - phase.first) / phase.interval + 1;
+}
+
+// The first variance step at or after 1-based step s (past F too).
+int64_t NextVarianceStep(int64_t kappa, int64_t s) {
+  const VariancePhase phase = PhaseReaching(kappa, s);
+  if (s <= phase.first) return phase.first;
+  const int64_t into = s - phase.first + phase.interval - 1;
+  return phase.first + into / phase.interval * phase.interval;
+}
+
+// zero_one_adam's v correction at `step`: 1 - b2^n_v, v having been
+// updated n_v times (a segment added mid-job: since its first step;
+// before its first variance step, where it is masked whole, 1), b2 the
+// step's (`hyper`'s where the workers set it, as torch's Adam corrects by
+// the step's betas).
+float ZeroOneVarianceCorrection(const AlgorithmConfig& config, int64_t step,
+                                const StepHyper* hyper) {
+  int64_t updates = ZeroOneAt(config, step).variance_updates;
+  if (hyper != nullptr && hyper->first_step > 0)
+    updates -= ZeroOneAt(config, hyper->first_step - 1).variance_updates;
+  return MakeAdamScalars(StepAdamHyper(config, hyper), 0.0f,
+                         std::max<int64_t>(1, updates), true)
+      .bias_correction2;
 }
 
 }  // namespace
@@ -171,6 +196,34 @@ class ZeroOneAdam final : public Optimizer {
     while (!ZeroOneAt(c, step).exchanges)
       ++step;  // at most local_step_clipper - 1 steps
     return step;
+  }
+
+  // A group added mid-job (StepHyper::first_step k) counts its updates
+  // from the schedule's first variance step at or after k, its v being 0
+  // until then: the 1-bit steps before it mask the whole segment (2.1's
+  // zero-variance mask), so that its gradients there move nothing (its
+  // weight decay still does). The schedules stay the job's (design.md 2.7).
+  bool CountsFromFirstStep() const override { return true; }
+  absl::StatusOr<int64_t> FirstCountedStep(const AlgorithmConfig& c,
+                                           int64_t first_step) const override {
+    const ZeroOneSpec& z = c.zero_one;
+    const int64_t s = NextVarianceStep(z.var_update_scaler, first_step + 1);
+    if (s > z.var_freeze_step) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a segment whose parameters train since step ", first_step,
+          ", after zero_one_adam's last variance step before var_freeze_step ",
+          z.var_freeze_step, ": its variance would freeze before it had any"));
+    }
+    if (s != first_step + 1 && !c.mask_zero_variance) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a segment whose parameters train since step ", first_step,
+          ", a 1-bit step of zero_one_adam, with mask_zero_variance off: "
+          "until its first variance step (step ",
+          s - 1,
+          ") nothing would hold its v = 0 elements still; add it right "
+          "before a variance step"));
+    }
+    return s - 1;
   }
 
   bool StepsLocally() const override { return true; }

@@ -649,5 +649,182 @@ TEST(ZeroOneTest, ASyncsLocalStepByRangeGivesLocalStepsValues) {
   EXPECT_FALSE(by_range.local_step_by_range(16));
 }
 
+// A group added mid-job (design.md 2.1 "A group that starts later", 2.7):
+// kappa = 4, F = 8 gives variance steps t = 0-3, 5, 7 and 1-bit steps
+// t = 4, 6 before the local phase; intervals of at most 2 from t = 8.
+AlgorithmConfig AddedGroupConfig(uint64_t first, uint64_t second) {
+  AlgorithmConfig c =
+      ZeroOneConfig(/*freeze=*/8, /*kappa=*/4, /*scaler=*/2, /*clipper=*/2);
+  c.workers = 2;
+  c.layout = {first + second, 2, 64, 128, {first}};
+  c.warmup_codec = CodecSpec{CodecKind::kFp32, 64};
+  c.up_codec = c.down_codec = CodecSpec{CodecKind::kSign1, 64};
+  c.worker_feedback = c.server_feedback = FeedbackSpec{FeedbackKind::kEf};
+  return c;
+}
+
+// Its corrections count its own updates from the first variance step at or
+// after the step it was added (m from that step, n_v its own variance
+// steps, frozen in the local phase at those before F); the steps before it
+// take its first update's (finite: the segment is masked whole there). No
+// variance step left before F, or a 1-bit step with the mask off: refused.
+TEST(ZeroOneTest, AGroupAddedMidJobCountsFromItsFirstVarianceStep) {
+  AlgorithmConfig c = AddedGroupConfig(256, 320);
+  const auto expected = [](double beta, int64_t t) {
+    return static_cast<float>(1.0 - std::pow(beta, t));
+  };
+  const double b1 = c.adam.beta1, b2 = c.adam.beta2;
+  const StepHyper at_one_bit{0.01f, 0.0f, std::nullopt, /*first_step=*/4};
+  ASSERT_TRUE(CheckStepHyper(c, at_one_bit).ok());
+  EXPECT_EQ(*OptimizerOf(c).FirstCountedStep(c, 4), 5);
+  EXPECT_EQ(*OptimizerOf(c).FirstCountedStep(c, 5), 5);
+  // {step, m's updates, v's updates}
+  for (const auto& [step, m_updates, v_updates] :
+       std::vector<std::array<int64_t, 3>>{
+           {4, 1, 1}, {5, 1, 1}, {6, 2, 1}, {7, 3, 2}}) {
+    const ReplyRule rule = PlanReply(c, step, &at_one_bit);
+    EXPECT_EQ(rule.scalars.bias_correction1, expected(b1, m_updates)) << step;
+    EXPECT_EQ(rule.scalars.bias_correction2, expected(b2, v_updates)) << step;
+  }
+  for (int64_t step : {8, 9, 12}) {
+    EXPECT_EQ(LocalStepScalars(c, step, &at_one_bit).bias_correction2,
+              expected(b2, 2))
+        << step;
+  }
+  EXPECT_EQ(PlanReply(c, 9, &at_one_bit).scalars.bias_correction2,
+            expected(b2, 2));  // a sync's
+  StepHyper late = at_one_bit;
+  late.first_step = 8;  // the local phase
+  absl::Status refused = CheckStepHyper(c, late);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("var_freeze_step 8"), std::string::npos)
+      << refused;
+  late.first_step = 7;  // the last variance step
+  EXPECT_TRUE(CheckStepHyper(c, late).ok());
+  c.zero_one.var_freeze_step = 7;  // t = 6's next variance step is past F
+  late.first_step = 6;
+  EXPECT_EQ(CheckStepHyper(c, late).code(), absl::StatusCode::kInvalidArgument);
+  c.zero_one.var_freeze_step = 8;
+  c.mask_zero_variance = false;
+  refused = CheckStepHyper(c, at_one_bit);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("(step 5)"), std::string::npos) << refused;
+  late.first_step = 5;  // a variance step needs no mask
+  EXPECT_TRUE(CheckStepHyper(c, late).ok());
+}
+
+// Through whole steps, sign1 both ways with error feedback, 2 workers:
+// (1) a second segment added at a variance step (k = 2) with no gradient
+// and no weight decay before it trains bit for bit as a job of that segment
+// alone whose schedule is the first job's shifted by k (kappa 2, F 6: its
+// variance steps s' = 1, 2, 4, 6 are the first job's 3, 4, 6, 8, its
+// intervals the same); (2) one added at a 1-bit step (k = 4) is held until
+// its first variance step: it ends bit for bit as the same segment added at
+// t = 5, its gradients at t = 4 moving nothing (every replica's and worker's
+// x, m and v compared); with weight decay, t = 4 moves it by that alone.
+TEST(ZeroOneTest, AGroupAddedMidJobTrainsAsTheScheduleSays) {
+  constexpr uint64_t kFirst = 256, kSecond = 320;
+  constexpr int64_t kSteps = 16;
+  const AlgorithmConfig both = AddedGroupConfig(kFirst, kSecond);
+  const auto grad = [](uint32_t i, int64_t step, size_t j) {
+    return std::sin(0.1f * j + 0.7f * i + 0.3f * step) + 0.05f * i;
+  };
+  std::vector<float> x0(kFirst + kSecond);
+  for (size_t j = 0; j < x0.size(); ++j) x0[j] = 0.01f * (j % 13) - 0.05f;
+  // Runs the two-segment job, the second segment's gradients from step
+  // `from` (those of its step - `shift`), its pushes saying first_step
+  // `added` from then on (0 before), with weight decay `wd`.
+  const auto run =
+      [&](int64_t from, int64_t shift, int64_t added, float wd,
+          const std::function<void(int64_t, const Simulator&)>& after_step) {
+        auto sim = Simulator::Create(both, x0);
+        ASSERT_TRUE(sim.ok()) << sim.status();
+        for (int64_t step = 0; step < kSteps; ++step) {
+          std::vector<std::vector<float>> g(
+              both.workers, std::vector<float>(kFirst + kSecond));
+          for (uint32_t i = 0; i < both.workers; ++i) {
+            for (size_t j = 0; j < kFirst; ++j) g[i][j] = grad(i, step, j);
+            for (size_t j = 0; step >= from && j < kSecond; ++j)
+              g[i][kFirst + j] = grad(i + 5, step - shift, j);
+          }
+          std::vector<absl::Span<const float>> views(g.begin(), g.end());
+          std::vector<StepHyper> hypers{StepHyper{0.01f, 0.0f},
+                                        StepHyper{0.02f, wd}};
+          if (step >= added) hypers[1].first_step = added;
+          ASSERT_TRUE(sim->Step(views, hypers).ok()) << step;
+          after_step(step, *sim);
+        }
+      };
+  // (1) against a job of its own.
+  AlgorithmConfig alone = both;
+  alone.layout = {kSecond, 2, 64, 128, {}};
+  alone.zero_one = {/*freeze=*/6, /*kappa=*/2, /*scaler=*/2, /*clipper=*/2};
+  constexpr int64_t kAdded = 2;
+  auto own = Simulator::Create(
+      alone, absl::MakeConstSpan(x0).subspan(kFirst, kSecond));
+  ASSERT_TRUE(own.ok()) << own.status();
+  run(kAdded, kAdded, kAdded, 0.0f, [&](int64_t step, const Simulator& sim) {
+    if (step < kAdded) {
+      for (size_t j = 0; j < kSecond; ++j)
+        ASSERT_EQ(sim.x()[kFirst + j], x0[kFirst + j]) << step;
+      return;
+    }
+    ASSERT_EQ(PlanStep(both, step).compressing,
+              PlanStep(alone, step - kAdded).compressing);
+    ASSERT_EQ(PlanStep(both, step).exchanges,
+              PlanStep(alone, step - kAdded).exchanges);
+    std::vector<std::vector<float>> g(both.workers,
+                                      std::vector<float>(kSecond));
+    for (uint32_t i = 0; i < both.workers; ++i)
+      for (size_t j = 0; j < kSecond; ++j)
+        g[i][j] = grad(i + 5, step - kAdded, j);
+    std::vector<absl::Span<const float>> views(g.begin(), g.end());
+    ASSERT_TRUE(own->Step(views, {StepHyper{0.02f, 0.0f}}).ok());
+    for (size_t j = 0; j < kSecond; ++j) {
+      for (uint32_t i = 0; i < both.workers; ++i)
+        ASSERT_EQ(sim.worker_x(i)[kFirst + j], own->worker_x(i)[j])
+            << "step " << step << " worker " << i << " element " << j;
+      ASSERT_EQ(sim.v()[kFirst + j], own->v()[j]) << step;
+    }
+  });
+  // (2) added at the 1-bit step t = 4 against added at t = 5.
+  std::vector<std::vector<float>> at_five;
+  run(5, 0, 5, 0.0f, [&](int64_t, const Simulator& sim) {
+    std::vector<float> all(sim.x().begin(), sim.x().end());
+    all.insert(all.end(), sim.m().begin(), sim.m().end());
+    all.insert(all.end(), sim.v().begin(), sim.v().end());
+    for (uint32_t i = 0; i < both.workers; ++i) {
+      all.insert(all.end(), sim.worker_x(i).begin(), sim.worker_x(i).end());
+      all.insert(all.end(), sim.worker_m(i).begin(), sim.worker_m(i).end());
+    }
+    at_five.push_back(std::move(all));
+  });
+  int64_t compared = 0;
+  run(4, 0, 4, 0.0f, [&](int64_t step, const Simulator& sim) {
+    std::vector<float> all(sim.x().begin(), sim.x().end());
+    all.insert(all.end(), sim.m().begin(), sim.m().end());
+    all.insert(all.end(), sim.v().begin(), sim.v().end());
+    for (uint32_t i = 0; i < both.workers; ++i) {
+      all.insert(all.end(), sim.worker_x(i).begin(), sim.worker_x(i).end());
+      all.insert(all.end(), sim.worker_m(i).begin(), sim.worker_m(i).end());
+    }
+    ASSERT_TRUE(SameBits(all, at_five[step])) << "step " << step;
+    ++compared;
+  });
+  EXPECT_EQ(compared, kSteps);
+  // With weight decay, the held step moves the segment by it alone.
+  constexpr float kWd = 0.5f;
+  std::vector<float> before(kSecond);
+  run(4, 0, 4, kWd, [&](int64_t step, const Simulator& sim) {
+    const auto second = sim.x().subspan(kFirst, kSecond);
+    if (step == 3) std::copy(second.begin(), second.end(), before.begin());
+    if (step != 4) return;
+    for (size_t j = 0; j < kSecond; ++j) {
+      ASSERT_EQ(second[j], before[j] - 0.02f * (kWd * before[j])) << j;
+      ASSERT_EQ(sim.v()[kFirst + j], 0.0f) << j;
+    }
+  });
+}
+
 }  // namespace
 }  // namespace morse::compress

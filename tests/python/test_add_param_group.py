@@ -26,8 +26,12 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   "lamb" run saved right after its call at step 2 and resumed across the
   freeze (its layer state grown, its last commit dropped, with the layout).
 - "zero_one": ZeroOneAdam with a group added before its first step trains
-  bit for bit as one built with it ("zero_one_built"), through every phase.
-- refusals: ZeroOneAdam's after a step, and a call between backward() and
+  bit for bit as one built with it ("zero_one_built"), and a group added at
+  the 1-bit step 2 as the same group added at the variance step 3 (held,
+  unmoved, until its first variance step: design.md 2.7), through every
+  phase; the shards' mirrors the workers' x after every exchange.
+- refusals: ZeroOneAdam's with no variance step left before
+  var_freeze_step, and a call between backward() and
   step() with the pushes under way; each a ValueError saying why, the run
   going on unchanged. And "mismatch": rank 0 alone adds a group: the job stops
   within the (shortened) connect timeout, rank 0's error saying that every
@@ -43,11 +47,11 @@ from harness import check, morse_run
 
 
 class Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, t_rows=2):
         super().__init__()
         self.a = torch.nn.Linear(6, 5)
         self.b = torch.nn.Linear(5, 3)
-        self.t = torch.nn.Parameter(torch.randn(2, 3, 4) * 0.1)
+        self.t = torch.nn.Parameter(torch.randn(t_rows, 3, 4) * 0.1)
 
     def forward(self, x):
         return self.b(torch.relu(self.a(x))) + self.t.sum(dim=(0, 2))
@@ -160,26 +164,36 @@ def worker(mode, out):
         return
     if mode in ("zero_one", "zero_one_built"):
         # A group added before the first step, as scripts that build their
-        # optimizer group by group do, is one it was built with; later,
-        # 0/1 Adam's schedule counts from the job's first step: refused.
+        # optimizer group by group do, is one it was built with. One added
+        # at the 1-bit step 2 is held until the variance step 3 (its v is 0
+        # until then: design.md 2.7), so it is one added at step 3.
+        # t of 48 elements fills its last block of 16, so the group added
+        # after it pads nothing (a padded block's 1-bit scale is over 16).
+        model = Model(t_rows=4)
         added = {"params": [model.t], "lr": 0.02}
         opt = morse.torch.ZeroOneAdam(built(model, "adam") + [added] * (mode != "zero_one"),
                                       **ZERO_ONE, **options)
         if mode == "zero_one":
             opt.add_param_group(added)
-        said = ""
+        said, bias = "", [model.b.bias.detach().clone()]
         for step in range(12):  # variance, 1-bit and local steps, syncs
+            if step == (2 if mode == "zero_one" else 3):
+                opt.add_param_group({"params": [model.b.bias], "lr": 0.03})
             model.zero_grad()
             loss_of(model, rank, step).backward()
             opt.step()
+            bias.append(model.b.bias.detach().clone())
             if step not in (8, 9, 10):  # local steps: each rank's x its own
                 check(opt._session.holds_shards_model(),
                       f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
-            if step == 0 and mode == "zero_one":
-                try:
-                    opt.add_param_group({"params": [model.b.bias], "lr": 0.03})
+            if step == 3 and mode == "zero_one":
+                try:  # no variance step left before var_freeze_step
+                    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
                 except ValueError as e:
                     said = str(e)
+        check(all(torch.equal(b, bias[0]) for b in bias[:4]) and not torch.equal(bias[4], bias[3]),
+              f"rank {rank}: the bias added at step {2 if mode == 'zero_one' else 3} moved "
+              "before step 3 or not at step 3")
         json.dump({"said": said, "checksum": opt.checksum(),
                    "x": [p.detach().tolist() for p in model.parameters()]},
                   open(f"{out}/{mode}-rank-{rank}.json", "w"))
@@ -317,10 +331,12 @@ if __name__ == "__main__":
               f"rank {r}: ZeroOneAdam with a group added before step 0 differs from one built "
               "with it")
     said = added[0]["said"]
-    check("ZeroOneAdam cannot train a group from step 1" in said
-          and "whose state counts from the job's first step" in said, f"ZeroOneAdam: {said}")
+    check("ZeroOneAdam cannot train a group from step 4" in said
+          and "after zero_one_adam's last variance step before var_freeze_step 5" in said,
+          f"ZeroOneAdam: {said}")
     print("PASS zero_one: a group added before the first step trains bit for bit as one built "
-          "with it through every phase; at step 1 refused, saying why")
+          "with it, and one added at a 1-bit step as one added at the next variance step, "
+          "through every phase; with no variance step left refused, saying why")
     run(out, "refused")
     said = results(out, "refused")[0]["said"]
     check("between step() and the next backward()" in said.get("mid_step", ""),

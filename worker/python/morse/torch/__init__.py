@@ -722,7 +722,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         carries the run's state over, so the other groups go on as they
         were. Adam, and OneBitAdam and OneBitLamb before freeze_step (the
         new layers' LAMB coefficients start as a job's do), ZeroOneAdam
-        before its first step (as if built with the group), CPU tensors,
+        while a variance step is left before var_freeze_step (the group
+        held until the next one, design.md 2.7; before its first step as
+        if built with the group), CPU tensors,
         the constant schedule; not under --node-aggregation, --rank-restarts
         or in an elastic job."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
