@@ -54,7 +54,7 @@ while IFS= read -r f; do
 done < <(find "$build/tests" -maxdepth 2 -type f -perm -u+x \( -name '*_test' -o -name '*_bench' \) | sort)
 cp "$root/tests/bundle/run-tests.sh" "$top/tests/"
 mkdir -p "$top/tests/python"
-cp "$root"/tests/python/{harness,test_cuda_tensors,test_onebit_identical,test_adam_matches_torch,test_wrong_use,test_torch_idioms,test_resume,test_buffers,test_node_aggregation,test_node_sharding,test_diloco,test_grad_scaler}.py "$top/tests/python/"
+cp "$root"/tests/python/{harness,test_cuda_tensors,test_onebit_identical,test_adam_matches_torch,test_wrong_use,test_torch_idioms,test_resume,test_buffers,test_node_aggregation,test_node_sharding,test_diloco,test_grad_scaler,test_add_param_group}.py "$top/tests/python/"
 cp "$root"/deploy/configs/*.textproto "$top/share/morse/configs/"
 
 # The Python package: whatever CMake assembled in build/python/morse.

@@ -69,6 +69,10 @@ stamp "GPU tests"
   stamp "test_grad_scaler.py cuda"
   (cd "$work/morse/tests/python" && timeout 100 python3 test_grad_scaler.py cuda 2>&1) ||
     echo "FAILED: test_grad_scaler.py cuda"
+  # add_param_group on CUDA tensors (written 2026-12-05, not yet run on one).
+  stamp "test_add_param_group.py cuda"
+  (cd "$work/morse/tests/python" && timeout 150 python3 test_add_param_group.py cuda 2>&1) ||
+    echo "FAILED: test_add_param_group.py cuda"
   # fp16 under Trainer and Accelerate (their GradScaler on CUDA), from the
   # source tree (the examples are not in the bundle).
   stamp "test_hf.py fp16"

@@ -17,6 +17,12 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   coefficient averages counting from their step; both ranks bit-identical
   and the shards' mirrors the workers' x through the compression phase;
   refused past freeze_step.
+- "adam@cuda", "onebit@cuda", "lamb@cuda": those on CUDA tensors, the
+  same checks (skipped, saying so, without a GPU).
+- "node": "adam"'s calls under --node-aggregation, 2 nodes of 2 ranks (the
+  leaders push for their nodes): within 1e-5 of AdamW fed the 4 ranks'
+  average, every rank bit-identical; a call between backward() and step()
+  refused on every rank.
 - "module": built from a module (its BatchNorm's running statistics, which
   rank 0 broadcasts), a parameter beside it added at step 3: AdamW's
   values, the running statistics equal on both ranks, the names kept.
@@ -43,7 +49,7 @@ import tempfile
 
 import torch
 
-from harness import check, morse_run
+from harness import check, has_cuda, morse_run, nodes
 
 
 class Model(torch.nn.Module):
@@ -76,7 +82,8 @@ def data(rank, step):
 
 
 def loss_of(model, rank, step):
-    x, y = data(rank, step)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in data(rank, step))
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
@@ -148,11 +155,16 @@ def worker(mode, out):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
     torch.manual_seed(1)
-    model = Normed() if mode == "module" else Model()
-    reference = Normed() if mode == "module" else Model()
+    tag, mode, where = mode, *mode.partition("@")[::2]  # "MODE@cuda": on the GPU
+    device = torch.device(where or "cpu")
+    model = (Normed() if mode == "module" else Model()).to(device)
+    reference = (Normed() if mode == "module" else Model()).to(device)
     reference.load_state_dict(model.state_dict())
-    kind = "adam" if mode in ("adam", "resume", "refused") else mode
-    options = dict(lr=0.01, block_elems=16, partition_elems=32, overlap=rank == 0)
+    world = int(os.environ["MORSE_WORLD_SIZE"])
+    kind = "adam" if mode in ("adam", "resume", "refused", "node") else mode
+    # (A node's ranks gather during backward() alike: every one overlaps.)
+    options = dict(lr=0.01, block_elems=16, partition_elems=32,
+                   overlap=rank == 0 or mode == "node")
     if mode == "mismatch":  # rank 0 alone adds a group: the job stops, saying why
         opt = morse.torch.Adam(built(model, "adam"), **options)
         for step in range(4):
@@ -188,7 +200,7 @@ def worker(mode, out):
                       f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
             if step == 3 and mode == "zero_one":
                 try:  # no variance step left before var_freeze_step
-                    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+                    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
                 except ValueError as e:
                     said = str(e)
         check(all(torch.equal(b, bias[0]) for b in bias[:4]) and not torch.equal(bias[4], bias[3]),
@@ -196,7 +208,7 @@ def worker(mode, out):
               "before step 3 or not at step 3")
         json.dump({"said": said, "checksum": opt.checksum(),
                    "x": [p.detach().tolist() for p in model.parameters()]},
-                  open(f"{out}/{mode}-rank-{rank}.json", "w"))
+                  open(f"{out}/{tag}-rank-{rank}.json", "w"))
         return
     if kind == "onebit":
         opt = morse.torch.OneBitAdam(built(model, kind), freeze_step=5, **options)
@@ -223,24 +235,29 @@ def worker(mode, out):
                     check(torch.equal(p, q), f"step {step}: an added parameter moved before")
                 opt.add_param_group(add(model))
                 ref_opt.add_param_group(add(reference))
-        if (mode, step) in SAVED.values():
+        if (tag, step) in SAVED.values():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
-                       f"{out}/saved-{mode}-{rank}.pt")
+                       f"{out}/saved-{tag}-{rank}.pt")
         model.zero_grad()
         loss_of(model, rank, step).backward()
+        if mode == "node" and step == 4:  # every rank of the node: the gathers under way
+            try:
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
+            except ValueError as e:
+                said["mid_step"] = str(e)
         if mode == "refused" and step == 4 and rank == 0:  # pushes under way (overlap)
             try:
-                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
             except ValueError as e:
                 said["mid_step"] = str(e)
             # The C ABI's check (morse_session_check_first_step) on bad input.
             said["negative"] = opt._session.first_step_refusal(-1)
             said["later"] = opt._session.first_step_refusal(9)
         opt.step()
-        check(opt._session.holds_shards_model(),
+        check(opt._session is None or opt._session.holds_shards_model(),  # a node's leader
               f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
         reference.zero_grad()
-        (sum(loss_of(reference, r, step) for r in range(2)) / 2).backward()
+        (sum(loss_of(reference, r, step) for r in range(world)) / world).backward()
         ref_opt.step()
         if kind in ("onebit", "lamb") and step >= opt._freeze_step:
             continue  # compressed: no torch counterpart
@@ -251,7 +268,7 @@ def worker(mode, out):
                   f"{type(ref_opt).__name__}'s by {diff}")
     if kind in ("onebit", "lamb"):
         try:
-            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
         except ValueError as e:
             said["frozen"] = str(e)
     if kind == "module":
@@ -260,7 +277,7 @@ def worker(mode, out):
     print(f"rank {rank}: largest difference from {type(ref_opt).__name__} {worst:.3g}")
     json.dump({"checksum": opt.checksum(), "step": opt.step_index, "said": said,
                "x": [p.detach().tolist() for p in model.parameters()]},
-              open(f"{out}/{mode}-rank-{rank}.json", "w"))
+              open(f"{out}/{tag}-rank-{rank}.json", "w"))
 
 
 # A resumed mode: (the run it continues, the step whose state it loads).
@@ -305,24 +322,36 @@ def run(out, mode):
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         mode, out = sys.argv[-2], sys.argv[-1]
+        if os.path.isdir(mode):  # harness.nodes gives them the other way round
+            mode, out = out, mode
         resumed(out, mode) if mode in SAVED else worker(mode, out)
         sys.exit(0)
     out = tempfile.mkdtemp()
-    for mode in ("adam", "onebit", "lamb", "module"):
+    # `cuda` (the GPU script, tests/bench/step_bench_gpu.sh): those alone.
+    alone = sys.argv[1:] == ["cuda"]
+    modes = [] if alone else ["adam", "onebit", "lamb", "module"]
+    # On CUDA tensors (where there is a GPU): the same calls and checks.
+    if has_cuda("add_param_group on CUDA tensors (adam@cuda, onebit@cuda, lamb@cuda)"):
+        modes += ["adam@cuda", "onebit@cuda", "lamb@cuda"]
+    for mode in modes:
         text = run(out, mode)
         check(text.count("largest difference from ") == 2, "both ranks report")
         got = results(out, mode)
         check(got[0]["checksum"] == got[1]["checksum"] and got[0]["x"] == got[1]["x"],
               f"{mode}: the ranks differ")
-        print(f"PASS {mode}: within 1e-5 of {'LambWarmup' if mode == 'lamb' else 'AdamW'} with "
+        print(f"PASS {mode}: within 1e-5 of {'LambWarmup' if mode.startswith('lamb') else 'AdamW'} with "
               "its groups added alike; ranks identical")
+    for mode in modes:
+        freeze = {"onebit": 5, "lamb": 6}.get(mode.partition("@")[0])
+        if freeze:
+            said = results(out, mode)[0]["said"]
+            check(f"since step 12, at or after freeze_step {freeze}" in said.get("frozen", ""),
+                  f"{mode}: refused past the freeze: {said}")
+    if alone:
+        sys.exit(0)
     normed = results(out, "module")
     check(normed[0]["said"]["buffers"] == normed[1]["said"]["buffers"],
           "module: rank 0's buffers broadcast after the call too")
-    for mode, freeze in (("onebit", 5), ("lamb", 6)):
-        said = results(out, mode)[0]["said"]
-        check(f"since step 12, at or after freeze_step {freeze}" in said.get("frozen", ""),
-              f"{mode}: refused past the freeze: {said}")
     run(out, "zero_one")
     run(out, "zero_one_built")
     added, built_with = results(out, "zero_one"), results(out, "zero_one_built")
@@ -355,6 +384,18 @@ if __name__ == "__main__":
           and "every rank must call it between the same two steps" in text,
           f"the job did not say why it stopped:\n{text}")
     print("PASS mismatch: rank 0 alone adding a group stops the job, saying why")
+    # Under --node-aggregation: 2 nodes of 2 ranks, each leader pushing for
+    # its node; every rank of every node calls it.
+    by_node = nodes(__file__, 2, 2, out, "node", extra=("--servers", "2", "--node-aggregation"))
+    for node, (code, text) in enumerate(by_node):
+        print(text)
+        check(code == 0, f"node {node}'s ranks failed")
+    got = [json.load(open(f"{out}/node-rank-{r}.json")) for r in range(4)]
+    check(all(g["x"] == got[0]["x"] for g in got), "node: the ranks differ")
+    check(all("between step() and the next backward()" in g["said"].get("mid_step", "")
+              for g in got), f"node: a call mid-step refused on every rank: {got}")
+    print("PASS node: under --node-aggregation (2 nodes of 2 ranks) within 1e-5 of AdamW with its "
+          "groups added alike; every rank identical")
     run(out, "resume")
     for mode, (source, _) in SAVED.items():
         run(out, mode)

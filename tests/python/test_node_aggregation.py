@@ -28,8 +28,8 @@ first cut): one Morse worker per node.
    clip on every rank, pushed by the leader bit for bit as torch's order
    leaves them; `edit_one`: local rank 1 alone editing fails every rank of
    the node, naming it.
-4. Ranks of a node that set different learning rates: every rank of the
-   node fails naming the values; nodes that disagree on --node-aggregation
+4. Ranks of a node that set different learning rates (or overlap): every
+   rank of the node fails naming the values; nodes that disagree on --node-aggregation
    fail the rendezvous saying so.
 5. The node's values move through shared memory wherever this host has
    /dev/shm (every rank says which way its node went); `gloo`: one rank of
@@ -83,8 +83,10 @@ def worker(out, mode):
         # gloo, and node 0 says why.
         os.environ["MORSE_NODE_SHM_DIR" if node == 0 else "MORSE_NODE_SHM"] = (
             "/nonexistent/morse-shm" if node == 0 else "0")
-    opt = build(name, model.parameters(), lr,
-                **({"accumulation_steps": 2} if variant == "accum" else {}))
+    more = {"accumulation_steps": 2} if variant == "accum" else {}
+    if variant == "overlap_one":
+        more["overlap"] = rank == 0
+    opt = build(name, model.parameters(), lr, **more)
     json.dump(opt._node._staging is not None, open(f"{out}/shared-{rank}.json", "w"))
     if variant == "load" or (variant == "load_one" and rank == 1):
         # Weights loaded after building the optimizer, on every rank (or on
@@ -413,6 +415,15 @@ def wrong_use():
     for rank in (0, 1):
         check(re.search(rf"\[rank {rank}\].*set different \(lr, weight_decay\)", result.stdout),
               f"rank {rank} names the disagreement")
+    command[-1] = "Adam:overlap_one"  # local rank 0 alone overlapping
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=240)
+    print(result.stdout[-3000:])
+    check(result.returncode != 0, "ranks of a node with different overlap settings should fail")
+    for rank in (0, 1):
+        check(re.search(rf"\[rank {rank}\].*ValueError: overlap=.* local ranks \[1\] of node 0 "
+                        r"set overlap=False .* every rank of a node must pass the same overlap",
+                        result.stdout), f"rank {rank} names the overlap disagreement")
     for variant, when in (("clamp_one", "after step 2"), ("load_one", "before the first step")):
         command[-1] = f"OneBitAdam:{variant}"
         result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -440,7 +451,8 @@ def wrong_use():
         print(text[-1500:])
         check(code != 0 and "--node-aggregation" in text and "every node must give the same" in text,
               f"node {node}: the disagreement on --node-aggregation is named")
-    print("PASS: different learning rates in a node, weights changed on one of its ranks only, an "
+    print("PASS: different learning rates or overlap settings in a node, weights changed on one "
+          "of its ranks only, an "
           "edit after clip_grad_norm_ on one of its ranks only and a disagreement on "
           "--node-aggregation fail, saying so")
 

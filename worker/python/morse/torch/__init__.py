@@ -262,7 +262,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  _layout=None):
         # What it was built with, to build it again over more parameters
         # (add_param_group); `_layout` is then (the layout generation, each
-        # group's first step).
+        # group's first step, the node's group under --node-aggregation,
+        # which a node forms once).
         built = {k: v for k, v in locals().items()
                  if k not in ("self", "params", "_layout", "__class__")}
         if missing_grads not in ("raise", "zero"):
@@ -328,7 +329,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if aggregation not in ("1", "sharded"):
                 raise MorseError(f"INVALID_ARGUMENT: MORSE_NODE_AGGREGATION={aggregation!r}: 1 "
                                  "(the leader steps for the node) or sharded (morse-run sets it)")
-            self._node = node_of_job(self._rank, world)
+            kept = _layout[2] if _layout else None
+            self._node = kept if kept is not None else node_of_job(self._rank, world)
             worker, workers = self._node.node, self._node.nnodes
             local_size = self._node.size
             self._node_params, self._node_names = self._params, self._names
@@ -339,6 +341,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # bucket, _node_bucket_ready) and averaged at step(), where the
             # leader (or each slice's owner) pushes them.
             node_overlap, overlap = overlap, False
+            # The ranks of a node gather bucket by bucket during backward()
+            # only where all do: their exchanges must be the same.
+            overlaps = self._node.objects(bool(node_overlap))
+            if len(set(overlaps)) > 1:
+                raise ValueError(
+                    f"overlap={node_overlap} here, but local ranks "
+                    f"{[k for k, o in enumerate(overlaps) if o != overlaps[0]]} of node "
+                    f"{self._node.node} set overlap={not overlaps[0]} and the others "
+                    f"{overlaps[0]}: under --node-aggregation every rank of a node must pass the "
+                    "same overlap")
             if aggregation == "sharded":
                 starts = slices([p.numel() for p in self._params], local_size)
                 self._slices = list(zip(starts[:-1], starts[1:]))
@@ -456,7 +468,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 group = [p.numel() for p in self.param_groups[i]["params"] if id(p) in trained]
                 layers += group + ([size - sum(group)] if size > sum(group) else [])
         self._built_with = built
-        self._generation, first_steps = _layout or (0, ())
+        self._generation, first_steps = _layout[:2] if _layout else (0, ())
         # The step from which each group trains (add_param_group's, and a
         # loaded state's): its bias corrections count from there.
         self._first_steps = list(first_steps) + [0] * (len(self.param_groups) - len(first_steps))
@@ -724,40 +736,45 @@ class _MorseOptimizer(torch.optim.Optimizer):
         new layers' LAMB coefficients start as a job's do), ZeroOneAdam
         while a variance step is left before var_freeze_step (the group
         held until the next one, design.md 2.7; before its first step as
-        if built with the group), CPU tensors,
-        the constant schedule; not under --node-aggregation, --rank-restarts
-        or in an elastic job."""
+        if built with the group), CPU and CUDA tensors,
+        the constant schedule, under --node-aggregation with the leader
+        stepping for the node (every rank of every node calls it); not yet
+        with =sharded, --rank-restarts or in an elastic job."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
             super().add_param_group(param_group)
             return
         why = self._why_no_new_group()
+        if self._node is not None:  # the node's ranks refuse alike (the leader checks the rule)
+            why = next((w for w in self._node.objects(why) if w), None)
         if why:
             raise ValueError(f"add_param_group: {why}")
         param_group = dict(param_group, params=_group_params(param_group))
         groups = [dict(g) for g in self.param_groups]
         torch.optim.Optimizer(groups + [param_group], self.defaults)  # torch's checks
         step = self.step_index
-        state = self._state_dict(server_error=True)["state"]
+        # The run's state, held on the host (on CUDA tensors the device then
+        # holds one layout's optimizer state at a time, but for the flat
+        # buffers: the old session goes before the new one is made).
+        state = self._state_dict(server_error=True, on_host=True)["state"]
         for accumulator, handle in self._hooks:
             handle.remove()
         self._hooks = []
         # .grad as it is (a backward() before this call without overlap, or
         # the new parameters' own, which torch's optimizer would take at its
         # next step) goes on in the new flat buffer.
-        grads = {id(p): p.grad.detach().clone()
+        grads = {id(p): p.grad.detach().to("cpu", copy=True)
                  for g in groups + [param_group] for p in _group_params(g)
                  if p.requires_grad and p.grad is not None}
         first_steps = self._first_steps + [step]
         # Built from a module, it keeps the module's buffers and names.
         built = dict(self._built_with, buffers=list(self._buffers) or None)
         names = {id(p): name for p, name in zip(self._params, self._names)}
-        session = self._session
-        del self._session  # torch's __init__ adds the groups again
-        try:
-            _MorseOptimizer.__init__(self, groups + [param_group],
-                                     _layout=(self._generation + 1, first_steps), **built)
-        finally:
-            del session  # the old layout's connections
+        # The old layout's session (its engine's state and its connections)
+        # goes first: the shards take the new one from the new sessions'
+        # joins alone. torch's __init__ adds the groups again.
+        del self._session
+        _MorseOptimizer.__init__(self, groups + [param_group],
+                                 _layout=(self._generation + 1, first_steps, self._node), **built)
         self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
         with torch.no_grad():
             for p in self._params:
@@ -768,7 +785,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # layers keep their places, the new ones come after them. The last
         # step's commit (1-bit LAMB's) starts empty: the new layout's shards
         # are restored after that step and need none.
-        fresh = self._state_dict(server_error=False)["state"]
+        fresh = self._state_dict(server_error=False, on_host=True)["state"]
         for key, value in list(state.items()):
             if not torch.is_tensor(value):
                 continue
@@ -784,24 +801,25 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        if self._node is not None or self._cuda or self._checkpoint or self._elastic:
-            where = ("--node-aggregation" if self._node is not None else "CUDA tensors"
-                     if self._cuda else "--rank-restarts (checkpoints of the old layout)"
+        if self._slices is not None or self._checkpoint or self._elastic:
+            where = ("--node-aggregation=sharded" if self._slices is not None
+                     else "--rank-restarts (checkpoints of the old layout)"
                      if self._checkpoint else "an elastic job")
             return f"not yet with {where}: build the optimizer with every parameter"
+        if self._pending is not None or getattr(self, "_launched", None):
+            return ("this step's gradients are on their way to the shards: call it between "
+                    "step() and the next backward()")
         if self._schedule != "constant":
             return (f"schedule={self._schedule!r} sets one lr for the whole model; groups need "
                     "the default schedule='constant'")
         # What the job's optimizer counts from a group's own first step is
-        # the C++ rule's to say (compress::CheckStepHyper, as the shards do).
-        why = self._session.first_step_refusal(self.step_index)
+        # the C++ rule's to say (compress::CheckStepHyper, as the shards do;
+        # a node's leader says it for the node).
+        why = None if self._session is None else self._session.first_step_refusal(self.step_index)
         if why:
             return (f"{type(self).__name__} cannot train a group from step {self.step_index}: "
                     f"{why}. Build the optimizer with every parameter, those to thaw later in a "
                     "group of their own with lr 0 and weight_decay 0")
-        if self._pending is not None:
-            return ("this step's gradients are on their way to the shards: call it between "
-                    "step() and the next backward()")
         return None
 
     @property
@@ -2807,13 +2825,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 if key in source:
                     group[key] = source[key]
 
-    def _state_dict(self, server_error):
+    def _state_dict(self, server_error, on_host=False):
+        """state_dict()'s, its per-element arrays on the parameters' device
+        (on_host: on the CPU)."""
         groups = self._saved_groups()
         if self._session is None:
             return {"state": {"step": self.step_index, "rank": self._rank, "node_member": True},
                     "param_groups": groups}
         step, m, v, error = self._session.get_state()
-        device = self._flat.device
+        device = torch.device("cpu") if on_host else self._flat.device
         state = {"step": step, "rank": self._rank, "taken": f"{self._nonce}:{self.step_index}",
                  "exp_avg": torch.from_numpy(m).to(device),
                  "exp_avg_sq": torch.from_numpy(v).to(device),

@@ -187,6 +187,7 @@ class NodeGroup:
         self._staging = [r[:elems] for r in regions]
         self._outgoing = [r[elems:] for r in regions]
         self._capacity = elems
+        self._kept = {}  # (mapped again by a new layout: add_param_group)
         return True
 
     def staging(self, offset, n):
