@@ -769,12 +769,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # Built from a module, it keeps the module's buffers and names.
         built = dict(self._built_with, buffers=list(self._buffers) or None)
         names = {id(p): name for p, name in zip(self._params, self._names)}
-        # The old layout's session (its engine's state and its connections)
-        # goes first: the shards take the new one from the new sessions'
-        # joins alone. torch's __init__ adds the groups again.
+        # On CUDA tensors the old layout's session (its engine's state on the
+        # device) goes before the new one is made; on the CPU it stays until
+        # then, and the new session's channels find its connections to the
+        # shards open (a call 250-340 ms against 340-520 at 4M parameters,
+        # tests/bench/add_param_group_cost.py). torch's __init__ adds the
+        # groups again.
+        session = None if self._cuda else self._session
         del self._session
-        _MorseOptimizer.__init__(self, groups + [param_group],
-                                 _layout=(self._generation + 1, first_steps, self._node), **built)
+        try:
+            _MorseOptimizer.__init__(self, groups + [param_group],
+                                     _layout=(self._generation + 1, first_steps, self._node),
+                                     **built)
+        finally:
+            del session
         self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
         with torch.no_grad():
             for p in self._params:
