@@ -788,8 +788,7 @@ TEST(ZeroOneTest, AGroupAddedMidJobTrainsAsTheScheduleSays) {
     }
   });
   // (2) added at the 1-bit step t = 4 against added at t = 5.
-  std::vector<std::vector<float>> at_five;
-  run(5, 0, 5, 0.0f, [&](int64_t, const Simulator& sim) {
+  const auto every_replica = [&](const Simulator& sim) {
     std::vector<float> all(sim.x().begin(), sim.x().end());
     all.insert(all.end(), sim.m().begin(), sim.m().end());
     all.insert(all.end(), sim.v().begin(), sim.v().end());
@@ -797,18 +796,15 @@ TEST(ZeroOneTest, AGroupAddedMidJobTrainsAsTheScheduleSays) {
       all.insert(all.end(), sim.worker_x(i).begin(), sim.worker_x(i).end());
       all.insert(all.end(), sim.worker_m(i).begin(), sim.worker_m(i).end());
     }
-    at_five.push_back(std::move(all));
+    return all;
+  };
+  std::vector<std::vector<float>> at_five;
+  run(5, 0, 5, 0.0f, [&](int64_t, const Simulator& sim) {
+    at_five.push_back(every_replica(sim));
   });
   int64_t compared = 0;
   run(4, 0, 4, 0.0f, [&](int64_t step, const Simulator& sim) {
-    std::vector<float> all(sim.x().begin(), sim.x().end());
-    all.insert(all.end(), sim.m().begin(), sim.m().end());
-    all.insert(all.end(), sim.v().begin(), sim.v().end());
-    for (uint32_t i = 0; i < both.workers; ++i) {
-      all.insert(all.end(), sim.worker_x(i).begin(), sim.worker_x(i).end());
-      all.insert(all.end(), sim.worker_m(i).begin(), sim.worker_m(i).end());
-    }
-    ASSERT_TRUE(SameBits(all, at_five[step])) << "step " << step;
+    ASSERT_TRUE(SameBits(every_replica(sim), at_five[step])) << "step " << step;
     ++compared;
   });
   EXPECT_EQ(compared, kSteps);
