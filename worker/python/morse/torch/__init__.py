@@ -793,7 +793,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # layers keep their places, the new ones come after them. The last
         # step's commit (1-bit LAMB's) starts empty: the new layout's shards
         # are restored after that step and need none.
-        fresh = self._state_dict(server_error=False, on_host=True)["state"]
+        fresh = {} if self._session is None else self._own_state(torch.device("cpu"))
         for key, value in list(state.items()):
             if not torch.is_tensor(value):
                 continue
@@ -2846,16 +2846,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  "exp_avg": torch.from_numpy(m).to(device),
                  "exp_avg_sq": torch.from_numpy(v).to(device),
                  "worker_error": torch.from_numpy(error).to(device)}
-        # The optimizer's own state (1-bit LAMB: v', each layer's coefficient
-        # state and the last step's commit, design.md 2.8): per-parameter
-        # arrays on the parameters' device, the others on the CPU.
-        own = self._session.state_arrays()
-        if own:
-            arrays, commit = self._session.get_own_state()
-            for name, _, per_element in own:
-                value = torch.from_numpy(arrays[name])
-                state[_STATE_DICT_KEYS.get(name, name)] = value.to(device) if per_element else value
-            state[self._commit_key] = torch.from_numpy(commit)
+        state.update(self._own_state(device))
         if self._slices is not None:
             state["node_slice"] = [self._node.local_rank, len(self._slices)]
         if self._worker == 0 and server_error:
@@ -2863,6 +2854,22 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if any(self._first_steps):
             state["first_steps"] = list(self._first_steps)  # groups added mid-run
         return {"state": state, "param_groups": groups}
+
+    def _own_state(self, device):
+        """The optimizer's own state (1-bit LAMB: v', each layer's
+        coefficient state and the last step's commit, design.md 2.8), by
+        state_dict() key: per-element arrays on `device`, the others on the
+        CPU; {} for an optimizer without any."""
+        own = self._session.state_arrays()
+        if not own:
+            return {}
+        arrays, commit = self._session.get_own_state()
+        state = {}
+        for name, _, per_element in own:
+            value = torch.from_numpy(arrays[name])
+            state[_STATE_DICT_KEYS.get(name, name)] = value.to(device) if per_element else value
+        state[self._commit_key] = torch.from_numpy(commit)
+        return state
 
     def _is_current(self, state):
         """Whether `state` is what state_dict() gives now, bit for bit."""
