@@ -22,7 +22,8 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
 - "node": "adam"'s calls under --node-aggregation, 2 nodes of 2 ranks (the
   leaders push for their nodes): within 1e-5 of AdamW fed the 4 ranks'
   average, every rank bit-identical; a call between backward() and step()
-  refused on every rank.
+  refused on every rank. "node_zero_one": "zero_one" on those nodes, every
+  rank bit for bit "node_zero_one_built"'s.
 - "module": built from a module (its BatchNorm's running statistics, which
   rank 0 broadcasts), a parameter beside it added at step 3: AdamW's
   values, the running statistics equal on both ranks, the names kept.
@@ -156,6 +157,9 @@ def worker(mode, out):
     rank = int(os.environ["MORSE_RANK"])
     torch.manual_seed(1)
     tag, mode, where = mode, *mode.partition("@")[::2]  # "MODE@cuda": on the GPU
+    on_node = mode.startswith("node")  # "node", "node_MODE": under --node-aggregation
+    if mode.startswith("node_"):
+        mode = mode[len("node_"):]
     device = torch.device(where or "cpu")
     model = (Normed() if mode == "module" else Model()).to(device)
     reference = (Normed() if mode == "module" else Model()).to(device)
@@ -164,7 +168,7 @@ def worker(mode, out):
     kind = "adam" if mode in ("adam", "resume", "refused", "node") else mode
     # (A node's ranks gather during backward() alike: every one overlaps.)
     options = dict(lr=0.01, block_elems=16, partition_elems=32,
-                   overlap=rank == 0 or mode == "node")
+                   overlap=rank == 0 or on_node)
     if mode == "mismatch":  # rank 0 alone adds a group: the job stops, saying why
         opt = morse.torch.Adam(built(model, "adam"), **options)
         for step in range(4):
@@ -196,7 +200,7 @@ def worker(mode, out):
             opt.step()
             bias.append(model.b.bias.detach().clone())
             if step not in (8, 9, 10):  # local steps: each rank's x its own
-                check(opt._session.holds_shards_model(),
+                check(opt._session is None or opt._session.holds_shards_model(),
                       f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
             if step == 3 and mode == "zero_one":
                 try:  # no variance step left before var_freeze_step
@@ -394,8 +398,20 @@ if __name__ == "__main__":
     check(all(g["x"] == got[0]["x"] for g in got), "node: the ranks differ")
     check(all("between step() and the next backward()" in g["said"].get("mid_step", "")
               for g in got), f"node: a call mid-step refused on every rank: {got}")
+    # ZeroOneAdam's group held from a 1-bit step to the next variance step,
+    # on the leaders' nodes, as without nodes.
+    for mode in ("node_zero_one", "node_zero_one_built"):
+        for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, mode,
+                                                  extra=("--servers", "2", "--node-aggregation"))):
+            print(text)
+            check(code == 0, f"{mode}: node {node}'s ranks failed")
+    added, built_with = ([json.load(open(f"{out}/{m}-rank-{r}.json")) for r in range(4)]
+                         for m in ("node_zero_one", "node_zero_one_built"))
+    check(all(a["x"] == b["x"] == added[0]["x"] for a, b in zip(added, built_with)),
+          "node_zero_one: the group added at the 1-bit step differs from one added at the "
+          "variance step, or the ranks differ")
     print("PASS node: under --node-aggregation (2 nodes of 2 ranks) within 1e-5 of AdamW with its "
-          "groups added alike; every rank identical")
+          "groups added alike; every rank identical; ZeroOneAdam's held group as without nodes")
     run(out, "resume")
     for mode, (source, _) in SAVED.items():
         run(out, mode)
