@@ -677,6 +677,30 @@ void ShardCore::ClearAbort() {
   abort_.reset();
 }
 
+std::vector<bool> ShardCore::InSomeMembership() const {
+  std::vector<bool> in(job_.workers(), false);
+  for (const auto& state : partitions_) {
+    MutexLock lock(&state->mu);
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      if (state->live[r]) in[r] = true;
+    }
+  }
+  return in;
+}
+
+void ShardCore::SetMembership(const std::vector<bool>& members) {
+  MORSE_CHECK(members.size() == job_.workers());
+  for (const auto& state : partitions_) {
+    MutexLock lock(&state->mu);
+    MORSE_CHECK(state->arrived == 0);  // before any push
+    state->live_count = 0;
+    for (uint32_t r = 0; r < job_.workers(); ++r) {
+      state->live[r] = members[r];
+      state->live_count += members[r] ? 1 : 0;
+    }
+  }
+}
+
 std::optional<std::string> ShardCore::aborted() const {
   MutexLock lock(&abort_mu_);
   if (!abort_.has_value()) return std::nullopt;

@@ -264,6 +264,14 @@ class ShardCore {
                           const StepCommit& commit);
   // Forgets an abort: a worker joined again (the job restarts).
   void ClearAbort();
+  // Which ranks are in the membership of some partition: every rank, but
+  // in an elastic job after steps that completed without some (design.md 4,
+  // "Membership").
+  std::vector<bool> InSomeMembership() const;
+  // A fresh core's membership, before any push: the ranks that laid an
+  // elastic job's model out anew (ShardHost::JoinNext). The steps average
+  // those ranks alone, and their replies name the others as left out.
+  void SetMembership(const std::vector<bool>& members);
   // The shard is shutting down (a signal), or a new layout replaced this
   // core (ShardHost::JoinNext): every waiting push, and every push from now
   // on, fails with `why` (UNAVAILABLE at shutdown: the workers retry

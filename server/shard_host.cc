@@ -75,13 +75,28 @@ absl::Status ShardHost::JoinNext(uint32_t rank, const proto::JobSpec& job) {
     joined_next_.assign(base_.workers(), false);
   }
   joined_next_[rank] = true;
-  for (bool joined : joined_next_) {
-    if (!joined) return absl::OkStatus();  // the last one lays it out
+  // Every worker lays it out; in an elastic job, every rank still in the
+  // membership of some partition, and rank 0, which restores the new core
+  // (design.md 4, "A new layout mid-job").
+  const std::vector<bool> members =
+      job_.elastic() ? owned_->InSomeMembership()
+                     : std::vector<bool>(base_.workers(), true);
+  for (uint32_t r = 0; r < base_.workers(); ++r) {
+    if (!joined_next_[r] && (members[r] || r == 0)) {
+      return absl::OkStatus();  // the last one awaited lays it out
+    }
   }
   const std::shared_ptr<ShardCore> old = owned_;
   if (absl::Status s = Configure(*next_, /*relaid=*/true); !s.ok()) {
     return s;
   }
+  // The ranks that had left are left out of the new layout's steps, and
+  // cannot join it: their state is of the old layout.
+  left_relaid_.assign(base_.workers(), false);
+  for (uint32_t r = 0; r < base_.workers(); ++r) {
+    left_relaid_[r] = !joined_next_[r];
+  }
+  owned_->SetMembership(joined_next_);
   // Anything still waiting on the old layout (nothing should: every worker
   // is between steps) is answered now, and anything later at once.
   old->Stop(absl::FailedPreconditionError(absl::StrCat(
@@ -124,6 +139,14 @@ absl::Status ShardHost::Join(uint32_t rank, const proto::JobSpec& job) {
   }
   if (owned_ == nullptr) {
     if (absl::Status s = Configure(job, false); !s.ok()) return s;
+  } else if (!left_relaid_.empty() && left_relaid_[rank]) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank,
+        " had left this elastic job when the others laid its model out anew "
+        "(layout generation ",
+        job_.external.generation,
+        ", add_param_group): its state is of the old layout, so it cannot "
+        "join; the job goes on without it"));
   } else {
     if (job.algorithm.layout.dim != job_.algorithm.layout.dim ||
         job.external.shapes_fingerprint != job_.external.shapes_fingerprint) {

@@ -50,8 +50,11 @@ class ShardHost {
   // memory (nothing is allocated then). A successful Join clears an abort
   // (ShardCore::Abort): the job is restarting. A Join of the next layout
   // generation is taken (OK) and counted until every worker has made one
-  // alike; the last makes the new core. One of an older generation, or of a
-  // next one that differs from another worker's, is FAILED_PRECONDITION.
+  // alike (in an elastic job: every rank in some partition's membership,
+  // and rank 0); the last makes the new core, whose membership is the ranks
+  // that joined it. One of an older generation, or of a next one that
+  // differs from another worker's, is FAILED_PRECONDITION, and so is a Join
+  // from a rank that had left an elastic job when its layout was made.
   absl::Status Join(uint32_t rank, const proto::JobSpec& job);
 
   std::shared_ptr<ShardCore> core() const {
@@ -95,6 +98,9 @@ class ShardHost {
   // The next layout, while some workers have joined with it.
   std::optional<proto::JobSpec> next_ ABSL_GUARDED_BY(mu_);
   std::vector<bool> joined_next_ ABSL_GUARDED_BY(mu_);
+  // An elastic job's ranks that had left when the layout served was made
+  // (none joined it); empty before any new layout.
+  std::vector<bool> left_relaid_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace morse::server

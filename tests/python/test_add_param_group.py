@@ -42,7 +42,12 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   step() with the pushes under way; each a ValueError saying why, the run
   going on unchanged. And "mismatch": rank 0 alone adds a group: the job stops
   within the (shortened) connect timeout, rank 0's error saying that every
-  rank must call it at the same step."""
+  rank must call it at the same step.
+- "elastic": morse-run --min-workers 2 of 3 ranks; rank 2 leaves (killed,
+  not restarted) before step 3, ranks 0 and 1 add a group at step 5: the
+  new layout is made without rank 2 (its steps leave it out from the start,
+  the membership [0, 1] through to the end), within 1e-5 of AdamW fed the
+  members' average, ranks 0 and 1 bit-identical."""
 import json
 import os
 import sys
@@ -178,6 +183,9 @@ def worker(mode, out):
             loss_of(model, rank, step).backward()
             opt.step()
         return
+    if mode == "elastic":
+        elastic(model, reference, opt_options=options, out=out)
+        return
     if mode in ("zero_one", "zero_one_built"):
         # A group added before the first step, as scripts that build their
         # optimizer group by group do, is one it was built with. One added
@@ -283,6 +291,47 @@ def worker(mode, out):
                "x": [p.detach().tolist() for p in model.parameters()]},
               open(f"{out}/{tag}-rank-{rank}.json", "w"))
 
+
+def elastic(model, reference, opt_options, out):
+    """An elastic job's ranks 0 and 1 add a group at step ELASTIC_ADD after
+    rank 2 left at step ELASTIC_LEFT (killed, not restarted): the call lays
+    the model out anew without rank 2, and the group trains as AdamW's fed
+    the members' average."""
+    import signal
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    opt = morse.torch.Adam(built(model, "adam"), **opt_options)
+    ref_opt = torch.optim.AdamW(built(reference, "adam"), lr=0.01, weight_decay=0.0)
+    worst, members = 0.0, []
+    for step in range(9):
+        if step == ELASTIC_ADD:
+            opt.add_param_group({"params": [model.t], "lr": 0.02})
+            ref_opt.add_param_group({"params": [reference.t], "lr": 0.02})
+        if rank == 2 and step == ELASTIC_LEFT:
+            print(f"rank 2 leaves in step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        model.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        members.append(opt.membership())
+        check(opt._session.holds_shards_model(),
+              f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
+        ranks = [0, 1, 2] if step < ELASTIC_LEFT else [0, 1]
+        reference.zero_grad()
+        (sum(loss_of(reference, r, step) for r in ranks) / len(ranks)).backward()
+        ref_opt.step()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            diff = (p.detach() - q.detach()).abs().max().item()
+            worst = max(worst, diff)
+            check(diff < 1e-5, f"rank {rank} step {step}: {name} differs from AdamW's by {diff}")
+    print(f"rank {rank}: largest difference from AdamW {worst:.3g}")
+    json.dump({"checksum": opt.checksum(), "members": members,
+               "x": [p.detach().tolist() for p in model.parameters()]},
+              open(f"{out}/elastic-rank-{rank}.json", "w"))
+
+
+# "elastic": rank 2 leaves before this step; ranks 0 and 1 add a group.
+ELASTIC_LEFT, ELASTIC_ADD = 3, 5
 
 # A resumed mode: (the run it continues, the step whose state it loads).
 SAVED = {"resumed": ("resume", 7), "resumed_lamb": ("lamb", 2)}
@@ -412,6 +461,26 @@ if __name__ == "__main__":
           "variance step, or the ranks differ")
     print("PASS node: under --node-aggregation (2 nodes of 2 ranks) within 1e-5 of AdamW with its "
           "groups added alike; every rank identical; ZeroOneAdam's held group as without nodes")
+    # An elastic job (--min-workers 2 of 3): rank 2 leaves, the others add
+    # a group without it.
+    with open(config, "w") as f:
+        f.write("timeouts { step_seconds: 1 recovery_seconds: 30 }\n")
+    code, text = morse_run(__file__, 3, 2, "elastic", out, config=config,
+                           extra=["--min-workers", "2"])
+    print(text)
+    check(code == 0 and "rank 2 leaves in step 3" in text, "elastic: the job failed")
+    # The old layout's step 3 waited for rank 2 (on each shard); the new
+    # layout's steps did not: they left it out from the start.
+    check(text.count("completed without rank(s) 2") == 2,
+          "elastic: a step of the new layout waited for rank 2")
+    got = [json.load(open(f"{out}/elastic-rank-{r}.json")) for r in range(2)]
+    check(got[0]["x"] == got[1]["x"] and got[0]["checksum"] == got[1]["checksum"],
+          "elastic: ranks 0 and 1 differ")
+    expected = [[0, 1, 2]] * ELASTIC_LEFT + [[0, 1]] * (9 - ELASTIC_LEFT)
+    check(got[0]["members"] == expected == got[1]["members"],
+          f"elastic: the memberships {got[0]['members']}, {got[1]['members']}")
+    print("PASS elastic: a group added after rank 2 left trains without it, within 1e-5 of AdamW "
+          "fed the members' average; the new layout's steps leave rank 2 out from the start")
     run(out, "resume")
     for mode, (source, _) in SAVED.items():
         run(out, mode)

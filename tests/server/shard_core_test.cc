@@ -2408,5 +2408,100 @@ TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
   EXPECT_EQ(h.core(), second);  // a rejoin of the generation served
 }
 
+// In an elastic job (min_workers 2 of 3) the ranks that left every
+// partition's membership are not waited for when the model is laid out
+// anew: the new core's steps leave them out from the start, and such a rank
+// cannot join it later (its state is of the old layout). A rank still in
+// some membership is waited for, and so is rank 0 (it restores the core).
+TEST(ShardHostTest, AnElasticJobLaysItsModelOutAnewWithoutTheRanksThatLeft) {
+  const auto job = [](uint64_t dim, uint32_t generation,
+                      const std::string& extra = "") {
+    return *proto::ParseJobConfig(
+        absl::StrCat("workers: 3 shards: 1 min_workers: 2 optimizer: "
+                     "\"adam\" external { dim: ",
+                     dim, " generation: ", generation, extra,
+                     " } lr { lr: 0.01 } steps: 50 block_elems: 16 "
+                     "partition_elems: 64 timeouts { step_seconds: 1 }"),
+        proto::ConfigFormat::kText);
+  };
+  auto host = ShardHost::Create(
+      *proto::ParseJobConfig("workers: 3 shards: 1 min_workers: 2 optimizer: "
+                             "\"adam\" external {} lr { lr: 0.01 } steps: 50 "
+                             "timeouts { step_seconds: 1 }",
+                             proto::ConfigFormat::kText),
+      0, nullptr);
+  ASSERT_TRUE(host.ok()) << host.status();
+  ShardHost& h = **host;
+  for (uint32_t r = 0; r < 3; ++r) ASSERT_TRUE(h.Join(r, job(100, 0)).ok());
+  std::shared_ptr<ShardCore> first = h.core();
+  InitializeAll(*first, 0);
+  // Step 0 without rank 2: it leaves every partition's membership.
+  const auto push = [](ShardCore& core, const proto::JobSpec& spec,
+                       int64_t step, uint32_t rank) {
+    auto replies =
+        std::make_shared<std::vector<std::shared_ptr<const Reply>>>();
+    for (const compress::Partition& p : core.layout().shard_partitions(0)) {
+      core.Push(EncodedPush(core.layout().fingerprint(),
+                            compress::PlanStep(spec.algorithm, step).up, step,
+                            rank, p),
+                [replies](auto r) {
+                  if (r.ok()) replies->push_back(*r);
+                });
+    }
+    return replies;
+  };
+  const auto zero = push(*first, job(100, 0), 0, 0);
+  push(*first, job(100, 0), 0, 1);
+  first->ExpireWaiting(absl::Now() + absl::Seconds(2));
+  ASSERT_EQ(zero->size(), 2u);
+  EXPECT_EQ(zero->front()->absent, std::vector<uint32_t>{2});
+  EXPECT_EQ(first->InSomeMembership(), (std::vector<bool>{true, true, false}));
+
+  // Rank 1 (a member) is waited for; then the new core, without rank 2.
+  ASSERT_TRUE(h.Join(0, job(160, 1, " groups: 96 groups: 64")).ok());
+  EXPECT_EQ(h.core(), first);
+  ASSERT_TRUE(h.Join(1, job(160, 1, " groups: 96 groups: 64")).ok());
+  std::shared_ptr<ShardCore> second = h.core();
+  ASSERT_NE(second, first);
+  EXPECT_EQ(h.generation(), 1u);
+  EXPECT_EQ(second->InSomeMembership(), (std::vector<bool>{true, true, false}));
+  // Its steps average ranks 0 and 1 at once, naming rank 2 left out.
+  InitializeAll(*second, 0);
+  const auto next = push(*second, job(160, 1, " groups: 96 groups: 64"), 0, 0);
+  EXPECT_TRUE(next->empty());  // waits for rank 1
+  push(*second, job(160, 1, " groups: 96 groups: 64"), 0, 1);
+  ASSERT_EQ(next->size(), second->layout().shard_partitions(0).size());
+  EXPECT_EQ(next->front()->absent, std::vector<uint32_t>{2});
+  // Rank 2 cannot join the new layout, nor the old.
+  for (const proto::JobSpec& late :
+       {job(160, 1, " groups: 96 groups: 64"), job(100, 0)}) {
+    const absl::Status refused = h.Join(2, late);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_EQ(h.core(), second);
+  }
+  EXPECT_NE(h.Join(2, job(160, 1, " groups: 96 groups: 64"))
+                .message()
+                .find("had left this elastic job"),
+            std::string::npos);
+  EXPECT_TRUE(h.Join(0, job(160, 1, " groups: 96 groups: 64")).ok());
+
+  // Rank 0 is waited for even when it has left: it restores the new core.
+  auto again = ShardHost::Create(job(100, 0), 0, nullptr);
+  ASSERT_TRUE(again.ok()) << again.status();
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE((*again)->Join(r, job(100, 0)).ok());
+  }
+  std::shared_ptr<ShardCore> core = (*again)->core();
+  InitializeAll(*core, 0);
+  push(*core, job(100, 0), 0, 1);
+  push(*core, job(100, 0), 0, 2);
+  core->ExpireWaiting(absl::Now() + absl::Seconds(2));
+  EXPECT_EQ(core->InSomeMembership(), (std::vector<bool>{false, true, true}));
+  ASSERT_TRUE((*again)->Join(1, job(160, 1, " groups: 96 groups: 64")).ok());
+  ASSERT_TRUE((*again)->Join(2, job(160, 1, " groups: 96 groups: 64")).ok());
+  EXPECT_EQ((*again)->core(), core);
+  EXPECT_EQ((*again)->workers_joined_next(), 2u);
+}
+
 }  // namespace
 }  // namespace morse::server

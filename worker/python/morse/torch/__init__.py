@@ -549,8 +549,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     try:
                         self._session.wait_all_joined()
                     except MorseError as e:
+                        who = ("every rank" if not self._elastic else
+                               "rank 0 and every rank in the last step's membership (an "
+                               "elastic job's ranks that had left are not waited for)")
                         raise MorseError(
-                            f"{e}\n  (add_param_group at step {first_steps[-1]}: every rank "
+                            f"{e}\n  (add_param_group at step {first_steps[-1]}: {who} "
                             "must call it between the same two steps, with the same "
                             "parameter groups)") from None
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
@@ -738,8 +741,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         held until the next one, design.md 2.7; before its first step as
         if built with the group), CPU and CUDA tensors,
         the constant schedule, under --node-aggregation with the leader
-        stepping for the node (every rank of every node calls it); not yet
-        with =sharded, --rank-restarts or in an elastic job."""
+        stepping for the node (every rank of every node calls it), in an
+        elastic job (rank 0 and the ranks still in it call it; those that
+        had left are not waited for, and cannot join the new layout); not
+        yet with =sharded or --rank-restarts."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
             super().add_param_group(param_group)
             return
@@ -809,10 +814,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        if self._slices is not None or self._checkpoint or self._elastic:
+        if self._slices is not None or self._checkpoint:
             where = ("--node-aggregation=sharded" if self._slices is not None
-                     else "--rank-restarts (checkpoints of the old layout)"
-                     if self._checkpoint else "an elastic job")
+                     else "--rank-restarts (checkpoints of the old layout)")
             return f"not yet with {where}: build the optimizer with every parameter"
         if self._pending is not None or getattr(self, "_launched", None):
             return ("this step's gradients are on their way to the shards: call it between "
