@@ -43,6 +43,13 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   going on unchanged. And "mismatch": rank 0 alone adds a group: the job stops
   within the (shortened) connect timeout, rank 0's error saying that every
   rank must call it at the same step.
+- "restart:7", "restart:6": "adam"'s calls under --rank-restarts 1, rank 1
+  killed after both (back from its checkpoint of the second call, adding
+  both groups again before its first step) and between them (back from
+  step 4, adding the first, then the second with the others): within 1e-5
+  of AdamW in either life, both ranks ending bit for bit as "adam"'s
+  undisturbed run; before the groups are back, a step() and a group of
+  other shapes refused, saying what to do.
 - "elastic": morse-run --min-workers 2 of 3 ranks; rank 2 leaves (killed,
   not restarted) before step 3, ranks 0 and 1 add a group at step 5: the
   new layout is made without rank 2 (its steps leave it out from the start,
@@ -186,6 +193,9 @@ def worker(mode, out):
     if mode == "elastic":
         elastic(model, reference, opt_options=options, out=out)
         return
+    if mode.startswith("restart:"):
+        restarted(out, int(mode.partition(":")[2]))
+        return
     if mode in ("zero_one", "zero_one_built"):
         # A group added before the first step, as scripts that build their
         # optimizer group by group do, is one it was built with. One added
@@ -328,6 +338,67 @@ def elastic(model, reference, opt_options, out):
     json.dump({"checksum": opt.checksum(), "members": members,
                "x": [p.detach().tolist() for p in model.parameters()]},
               open(f"{out}/elastic-rank-{rank}.json", "w"))
+
+
+def restarted(out, kill):
+    """"adam"'s two calls under morse-run --rank-restarts 1 (checkpoints
+    every 4 steps, and each call's own): rank 1 kills itself at the top of
+    step `kill` in its first life. Restarted, it goes on from its newest
+    checkpoint, adding the groups the run had added by then (the idiom for
+    scripts that may be restarted), and the later ones as the others do.
+    After every step, in either life, AdamW's values fed the average."""
+    import signal
+    import morse.torch
+    rank = int(os.environ["MORSE_RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    torch.manual_seed(1)
+    model, reference = Model(), Model()
+    reference.load_state_dict(model.state_dict())
+    opt = morse.torch.Adam(built(model, "adam"), lr=0.01, block_elems=16, partition_elems=32,
+                           overlap=rank == 0)
+    ref_opt = torch.optim.AdamW(built(reference, "adam"), lr=0.01, weight_decay=0.0)
+    start = opt.step_index
+    print(f"rank {rank} life {life} starts at step {start}", flush=True)
+    said = {}
+    if life == 1:  # before the groups are back: refused, saying what to do
+        try:
+            opt.step()
+        except morse.torch.MorseError as e:
+            said["step"] = str(e)
+        try:
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        except ValueError as e:
+            said["shape"] = str(e)
+    worst = 0.0
+    for step in range(9):
+        if rank == 1 and life == 0 and step == kill:
+            print(f"rank 1 kills itself at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        for i, (at, add) in enumerate(ADDED["adam"]):
+            if step >= at and len(ref_opt.param_groups) == 1 + i:
+                ref_opt.add_param_group(add(reference))
+            if step >= max(at, start) and len(opt.param_groups) == 1 + i:
+                opt.add_param_group(add(model))
+        reference.zero_grad()
+        (sum(loss_of(reference, r, step) for r in range(2)) / 2).backward()
+        ref_opt.step()
+        if step < start:
+            continue  # (the reference alone, up to where this life starts)
+        model.zero_grad()
+        loss_of(model, rank, step).backward()
+        opt.step()
+        # (A restarted rank's replayed steps are behind the shards'.)
+        check(life == 1 and step < kill or opt._session.holds_shards_model(),
+              f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            diff = (p.detach() - q.detach()).abs().max().item()
+            worst = max(worst, diff)
+            check(diff < 1e-5, f"rank {rank} life {life} step {step}: {name} differs from "
+                  f"AdamW's by {diff}")
+    print(f"rank {rank}: largest difference from AdamW {worst:.3g}")
+    json.dump({"checksum": opt.checksum(), "said": said,
+               "x": [p.detach().tolist() for p in model.parameters()]},
+              open(f"{out}/restart-{kill}-rank-{rank}.json", "w"))
 
 
 # "elastic": rank 2 leaves before this step; ranks 0 and 1 add a group.
@@ -481,6 +552,31 @@ if __name__ == "__main__":
           f"elastic: the memberships {got[0]['members']}, {got[1]['members']}")
     print("PASS elastic: a group added after rank 2 left trains without it, within 1e-5 of AdamW "
           "fed the members' average; the new layout's steps leave rank 2 out from the start")
+    # --rank-restarts: rank 1 killed after both calls (at step 7: its
+    # checkpoint of the second call's step 6 has both groups) and between
+    # them (at step 6 before the call: back from its checkpoint of step 4,
+    # it adds the first group, then the second with the others).
+    for kill, back in ((7, 6), (6, 4)):
+        with open(config, "w") as f:
+            f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+        code, text = morse_run(__file__, 2, 2, f"restart:{kill}", out, config=config,
+                               extra=["--rank-restarts", "1"])
+        print(text)
+        check(code == 0 and f"rank 1 kills itself at step {kill}" in text
+              and f"rank 1 life 1 starts at step {back}" in text,
+              f"restart:{kill}: the job failed, or rank 1 did not come back from step {back}")
+        got = [json.load(open(f"{out}/restart-{kill}-rank-{r}.json")) for r in range(2)]
+        undisturbed = results(out, "adam")[0]
+        check(all(g["x"] == undisturbed["x"] and g["checksum"] == undisturbed["checksum"]
+                  for g in got), f"restart:{kill}: a rank differs from the undisturbed run (adam)")
+        said = got[1]["said"]
+        check("call add_param_group with the others before the first backward()"
+              in said.get("step", "") and "add the groups the run added, in its order"
+              in said.get("shape", ""), f"restart:{kill}: before the groups were back: {said}")
+    print("PASS restart: a rank restarted after add_param_group (from its checkpoint of the "
+          "call's layout, the groups added again) and between two calls ends bit for bit as the "
+          "undisturbed run, within 1e-5 of AdamW after every step; a step or a wrong group "
+          "before the groups are back refused, saying what to do")
     run(out, "resume")
     for mode, (source, _) in SAVED.items():
         run(out, mode)

@@ -38,6 +38,7 @@ import bisect
 import contextlib
 import hashlib
 import itertools
+import json
 import math
 import os
 import re
@@ -187,6 +188,37 @@ def _rank_checkpoint(session, worker, name=None):
     return os.path.join(checkpoint_dir, name or f"worker-{worker}.ckpt"), every
 
 
+def _restarted_layout(worker):
+    """A rank restarted by morse-run --rank-restarts (MORSE_REJOIN=1) after
+    add_param_group: the layout of its newest checkpoints, as
+    add_param_group wrote it beside them (worker-<worker>.gen<g>.json:
+    the generation g, each group's first step and its trained parameters'
+    shapes, its checkpoints worker-<worker>.gen<g>.ckpt.<step>) and the
+    newest step it has one of; None where it has none of a later layout
+    than the first."""
+    folder = os.environ.get("MORSE_CHECKPOINT_DIR")
+    if not folder or os.environ.get("MORSE_REJOIN") != "1" or not os.path.isdir(folder):
+        return None
+    found = [int(m.group(1)) for m in (re.fullmatch(rf"worker-{worker}\.gen(\d+)\.json", f)
+                                       for f in os.listdir(folder)) if m]
+    if not found:
+        return None
+    generation = max(found)
+    with open(os.path.join(folder, f"worker-{worker}.gen{generation}.json")) as f:
+        layout = json.load(f)
+    base = f"worker-{worker}.gen{generation}.ckpt."
+    steps = [int(f[len(base):]) for f in os.listdir(folder)
+             if f.startswith(base) and f[len(base):].isdigit()]
+    if not steps:
+        raise MorseError(
+            f"FAILED_PRECONDITION: rank {worker} was lost inside add_param_group at step "
+            f"{layout['first_steps'][-1]}, after the shards took the new layout and before its "
+            "checkpoint of it: it cannot rejoin the job; restart the job from a saved "
+            "state_dict()")
+    layout["step"] = max(steps)
+    return layout
+
+
 def _external_model(params, layers=(), groups=(), generation=0):
     """(dim, the JobConfig line) of the model the parameters `params` make:
     `layers` the element counts of onebit_lamb's layers in order (each
@@ -263,7 +295,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # What it was built with, to build it again over more parameters
         # (add_param_group); `_layout` is then (the layout generation, each
         # group's first step, the node's group under --node-aggregation,
-        # which a node forms once).
+        # which a node forms once, and whether this rank rejoins the job
+        # from its checkpoint: restarted, it adds the run's groups again).
         built = {k: v for k, v in locals().items()
                  if k not in ("self", "params", "_layout", "__class__")}
         if missing_grads not in ("raise", "zero"):
@@ -359,6 +392,27 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 mine = {id(p) for p in self._params}
                 self._others = [p for p in self._node_params if id(p) not in mine]
         self._worker = worker
+        # A rank restarted after add_param_group: its checkpoints are of the
+        # layout with every group the run had added, which the script adds
+        # again (before its first backward(): "Adding a parameter group" in
+        # docs/python.md); until it has, the optimizer waits for them.
+        self._awaiting = None
+        restarted = _restarted_layout(worker) if _layout is None and self._node is None else None
+        if restarted is not None:
+            have = [[list(p.shape) for p in g["params"] if p.requires_grad]
+                    for g in self.param_groups]
+            want = restarted["groups"]
+            if have != want[:len(have)]:
+                raise MorseError(
+                    f"FAILED_PRECONDITION: rank {worker} restarted from its checkpoint of step "
+                    f"{restarted['step']}, whose parameter groups have the shapes {want}; the "
+                    f"optimizer was built with {have}: build it as the run did")
+            if len(have) < len(want):
+                self._awaiting = restarted
+                self._built_with = built
+                self._session = None
+                return
+            _layout = (restarted["generation"], restarted["first_steps"], None, True)
         trained = {id(p) for p in self._params}
         device = self._params[0].device
         if device.type not in ("cpu", "cuda"):
@@ -507,7 +561,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # state every checkpoint.every_steps steps to MORSE_CHECKPOINT_DIR, and
         # restarted (MORSE_REJOIN=1) starts from that checkpoint.
         self._checkpoint, self._checkpoint_every = None, 0
-        rejoin = os.environ.get("MORSE_REJOIN") == "1"
+        # (A restarted rank's later add_param_group lays the job out anew as
+        # every rank's does; only its first layout rejoins.)
+        rejoin = os.environ.get("MORSE_REJOIN") == "1" and (_layout is None or _layout[3])
         self._rejoined = rejoin
         # Module buffers go through slice 0's job (sharded node) and its
         # owners share them with their nodes.
@@ -533,9 +589,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # (the node): each keeps its own files, of its last two
             # checkpoints' steps (<path>.<step>), so that a node restarted
             # between two ranks' writes finds a step common to all.
+            # After add_param_group (a later layout generation) a rank's
+            # checkpoints are <name>.<step> too, of that layout's own name.
             self._checkpoint, self._checkpoint_every = _rank_checkpoint(
                 self._session, worker,
-                None if self._slices is None else f"slice-{self._node.local_rank}-worker-{worker}.ckpt")
+                f"slice-{self._node.local_rank}-worker-{worker}.ckpt" if self._slices is not None
+                else f"worker-{worker}.gen{self._generation}.ckpt" if self._generation else None)
             if rejoin:
                 # The model, moments and error buffer of the checkpoint's step
                 # (none: the shards' model and a zero error buffer); the
@@ -743,10 +802,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the constant schedule, under --node-aggregation with the leader
         stepping for the node (every rank of every node calls it), in an
         elastic job (rank 0 and the ranks still in it call it; those that
-        had left are not waited for, and cannot join the new layout); not
-        yet with =sharded or --rank-restarts."""
+        had left are not waited for, and cannot join the new layout), with
+        --rank-restarts (a restarted rank's script adds the groups again
+        before its first backward(); docs/python.md); not yet with =sharded
+        or --rank-restarts under --node-aggregation."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
             super().add_param_group(param_group)
+            return
+        if self._awaiting is not None:
+            self._add_awaited_group(param_group)
             return
         why = self._why_no_new_group()
         if self._node is not None:  # the node's ranks refuse alike (the leader checks the rule)
@@ -784,7 +848,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         del self._session
         try:
             _MorseOptimizer.__init__(self, groups + [param_group],
-                                     _layout=(self._generation + 1, first_steps, self._node),
+                                     _layout=(self._generation + 1, first_steps, self._node,
+                                              False),
                                      **built)
         finally:
             del session
@@ -811,12 +876,54 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 state[key] = grown
         state["first_steps"] = first_steps
         self.load_state_dict({"state": state, "param_groups": self._saved_groups()})
+        if self._checkpoint:
+            # A rank restarted from here on starts from the new layout: its
+            # description first, then its checkpoint of this step.
+            self._write_layout()
+            self._save_checkpoint()
 
+    def _write_layout(self):
+        """Beside this rank's checkpoints (--rank-restarts), the layout
+        they are of (_restarted_layout reads it)."""
+        folder, name = os.path.split(self._checkpoint)
+        path = os.path.join(folder, f"worker-{self._worker}.gen{self._generation}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"generation": self._generation, "first_steps": self._first_steps,
+                       "groups": [[list(p.shape) for p in g["params"] if p.requires_grad]
+                                  for g in self.param_groups]}, f)
+        os.replace(path + ".tmp", path)
+
+    def _add_awaited_group(self, param_group):
+        """add_param_group on a rank restarted after the run had added
+        groups: the script adds them again, in order (their shapes are
+        checked against the checkpoint's); with the last, the optimizer
+        rejoins the job from its checkpoint of that layout."""
+        layout = self._awaiting
+        param_group = dict(param_group, params=_group_params(param_group))
+        groups = [dict(g) for g in self.param_groups] + [param_group]
+        torch.optim.Optimizer(groups, self.defaults)  # torch's checks
+        have = [[list(p.shape) for p in g["params"] if p.requires_grad] for g in groups]
+        want = layout["groups"]
+        if have != want[:len(have)]:
+            raise ValueError(
+                f"add_param_group on rank {self._worker}, restarted from its checkpoint of step "
+                f"{layout['step']}: the groups would have the shapes {have}, the checkpoint's "
+                f"(added at steps {layout['first_steps'][1:]}) are {want}: add the groups the "
+                "run added, in its order")
+        if len(groups) < len(want):
+            super().add_param_group(param_group)
+            return
+        names = {id(p): name for p, name in zip(self._params, self._names)}
+        del self._session
+        _MorseOptimizer.__init__(self, groups, _layout=(layout["generation"], layout["first_steps"],
+                                                        None, True),
+                                 **dict(self._built_with, buffers=list(self._buffers) or None))
+        self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        if self._slices is not None or self._checkpoint:
+        if self._slices is not None or (self._checkpoint and self._node is not None):
             where = ("--node-aggregation=sharded" if self._slices is not None
-                     else "--rank-restarts (checkpoints of the old layout)")
+                     else "--rank-restarts under --node-aggregation (a node's checkpoints)")
             return f"not yet with {where}: build the optimizer with every parameter"
         if self._pending is not None or getattr(self, "_launched", None):
             return ("this step's gradients are on their way to the shards: call it between "
@@ -1293,6 +1400,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         so a parameter that then gets no gradient is seen as such at step()."""
         if set_to_none is None:
             set_to_none = _ZERO_GRAD_SETS_TO_NONE
+        if self._awaiting is not None:  # (a restarted rank: no flat buffer yet)
+            torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
+            return
         self._flat_grad.zero_()
         if set_to_none:
             for p in self._params:
@@ -1311,6 +1421,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         grad_scaler = amp.pop("grad_scaler", None)
         if amp:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(amp)}")
+        if self._awaiting is not None:
+            layout = self._awaiting
+            raise MorseError(
+                f"FAILED_PRECONDITION: rank {self._worker} restarted from its checkpoint of step "
+                f"{layout['step']}, whose layout has {len(layout['groups'])} parameter groups, the "
+                f"later ones added at steps {layout['first_steps'][1:]}; the optimizer has "
+                f"{len(self.param_groups)}: call add_param_group with the others before the "
+                "first backward(), as the run did (a script that may be restarted adds them "
+                "by the step it starts from, e.g. `if step >= k and len(opt.param_groups) == "
+                "n`)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -2616,7 +2736,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _save_checkpoint(self):
         """This rank's checkpoint of the step just ended (a sharded node's
         slice: <path>.<step>, the one before kept)."""
-        if self._slices is None:
+        if self._slices is None and not self._generation:
             self._session.save_checkpoint(self._checkpoint)
             return
         step = self._session.step_index
@@ -2633,11 +2753,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
 
     def _rejoin_checkpoint(self):
         """The checkpoint a restarted rank starts from: its own (leader,
-        plain rank), or a sharded node's latest step every slice has one
-        of ("" where none: the shards' model)."""
-        if self._slices is None:
+        plain rank; after add_param_group its newest of the layout), or a
+        sharded node's latest step every slice has one of ("" where none:
+        the shards' model)."""
+        if self._slices is None and not self._generation:
             return self._checkpoint or ""
         mine = self._checkpoint_steps() if self._checkpoint else []
+        if self._slices is None:
+            return f"{self._checkpoint}.{max(mine)}"  # (_restarted_layout found one)
         common = set(mine)
         for steps in self._node.objects(mine):
             common &= set(steps)
@@ -2780,6 +2903,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
     @property
     def step_index(self):
         """Steps completed by this worker (a node's rank: by its node)."""
+        if self._awaiting is not None:
+            return self._awaiting["step"]  # where its checkpoint has it start
         if self._session is None:
             return self._node.steps + self._node_first_step
         return self._session.step_index
