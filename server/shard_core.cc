@@ -1421,47 +1421,62 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
           absl::StrCat("the saved v of partition ", partition, " is negative"));
     }
   }
-  MutexLock lock(&p.mu);
-  if (!p.initialized) {
-    return absl::UnavailableError(
-        absl::StrCat("partition ", partition, " has no parameters yet"));
+  bool all = false;
+  {
+    MutexLock lock(&p.mu);
+    if (!p.initialized) {
+      return absl::UnavailableError(
+          absl::StrCat("partition ", partition, " has no parameters yet"));
+    }
+    if (p.arrived > 0 || (p.next_step > 0 && !p.restored)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "partition ", partition, " has trained (", p.next_step, " steps",
+          p.arrived > 0 ? ", a push of the next one waiting" : "",
+          "); a saved run is restored before the job's first step"));
+    }
+    if (absl::Status s = server_error_.RestoreRange(offset, state.server_error);
+        !s.ok())
+      return s;
+    std::copy(state.x.begin(), state.x.end(), mirror_.x().begin() + offset);
+    std::copy(state.m.begin(), state.m.end(),
+              mirror_.mutable_m().begin() + offset);
+    std::copy(state.v.begin(), state.v.end(),
+              mirror_.mutable_v().begin() + offset);
+    MORSE_CHECK(
+        mirror_.RestoreState(p.partition.range.begin, n, state.state).ok());
+    p.whole_state = WholeArrays(job_, state.state);
+    p.next_step = state.completed_steps;
+    p.restored = true;
+    p.x_replaced_step = -1;
+    p.mirror_pending = false;
+    p.mirror_moments_applied = false;
+    p.awaiting_commit = false;
+    p.committed_norm.reset();
+    p.committed_max_norm.reset();
+    p.last_workers_clip = false;
+    p.last_step_restored = true;
+    p.committed_values.clear();
+    p.committed_amendment.clear();
+    p.committed_amendment_hash.reset();
+    p.last_reply = nullptr;
+    std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
+    p.history.clear();
+    {
+      MutexLock progress(&progress_mu_);
+      observed_step_ = state.completed_steps - 1;
+      completions_.clear();
+      if (restored_step_ != state.completed_steps) {
+        restored_step_ = state.completed_steps;
+        restored_.clear();
+      }
+      restored_.insert(partition);
+      all = restored_.size() == partitions_.size();
+    }
   }
-  if (p.arrived > 0 || (p.next_step > 0 && !p.restored)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "partition ", partition, " has trained (", p.next_step, " steps",
-        p.arrived > 0 ? ", a push of the next one waiting" : "",
-        "); a saved run is restored before the job's first step"));
-  }
-  if (absl::Status s = server_error_.RestoreRange(offset, state.server_error);
-      !s.ok())
-    return s;
-  std::copy(state.x.begin(), state.x.end(), mirror_.x().begin() + offset);
-  std::copy(state.m.begin(), state.m.end(),
-            mirror_.mutable_m().begin() + offset);
-  std::copy(state.v.begin(), state.v.end(),
-            mirror_.mutable_v().begin() + offset);
-  MORSE_CHECK(
-      mirror_.RestoreState(p.partition.range.begin, n, state.state).ok());
-  p.whole_state = WholeArrays(job_, state.state);
-  p.next_step = state.completed_steps;
-  p.restored = true;
-  p.x_replaced_step = -1;
-  p.mirror_pending = false;
-  p.mirror_moments_applied = false;
-  p.awaiting_commit = false;
-  p.committed_norm.reset();
-  p.committed_max_norm.reset();
-  p.last_workers_clip = false;
-  p.last_step_restored = true;
-  p.committed_values.clear();
-  p.committed_amendment.clear();
-  p.committed_amendment_hash.reset();
-  p.last_reply = nullptr;
-  std::fill(p.last_hashes.begin(), p.last_hashes.end(), 0);
-  p.history.clear();
-  MutexLock progress(&progress_mu_);
-  observed_step_ = state.completed_steps - 1;
-  completions_.clear();
+  if (all && change_observer_)
+    change_observer_(
+        state.completed_steps, *this,
+        absl::StrCat("a saved run restored at step ", state.completed_steps));
   return absl::OkStatus();
 }
 
@@ -1550,7 +1565,9 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
     replaced_.insert(partition);
     all = replaced_.size() == partitions_.size();
   }
-  if (all && replace_observer_) replace_observer_(step, *this);
+  if (all && change_observer_)
+    change_observer_(step, *this,
+                     absl::StrCat("weights changed before step ", step));
   return absl::OkStatus();
 }
 

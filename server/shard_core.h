@@ -331,15 +331,20 @@ class ShardCore {
   // of `step` already in or an elastic job; UNAVAILABLE while the last
   // step waits for its commit; INVALID_ARGUMENT for a wrong size or
   // non-finite values; nothing changes on any error. Once every partition
-  // of the shard holds its new x, the replace observer runs (the runtime
-  // writes a checkpoint at once, so a restart cannot replay around it).
+  // of the shard holds its new x, the change observer runs.
   absl::Status ReplaceX(uint32_t rank, uint32_t partition,
                         uint64_t layout_fingerprint, int64_t step,
                         absl::Span<const float> x);
-  using ReplaceObserver =
-      std::function<void(int64_t step, const ShardCore& core)>;
-  void SetReplaceObserver(ReplaceObserver observer) {
-    replace_observer_ = std::move(observer);
+  // Runs once every partition of the shard holds state given between steps
+  // (`what` says which): ReplaceX's new x before `step`, or
+  // RestorePartition's saved run (a resume, or a layout made anew mid-job)
+  // at `step`. The runtime
+  // writes a checkpoint at once: a restart cannot replay around a change,
+  // nor find only a checkpoint of the old layout (design.md 4).
+  using ChangeObserver = std::function<void(int64_t step, const ShardCore& core,
+                                            absl::string_view what)>;
+  void SetChangeObserver(ChangeObserver observer) {
+    change_observer_ = std::move(observer);
   }
 
   // Cheap: counters and per-partition progress (the mirror checksum is
@@ -446,7 +451,7 @@ class ShardCore {
   compress::ErrorFeedback server_error_;
   std::vector<std::unique_ptr<PartitionState>> partitions_;
   StepObserver observer_;
-  ReplaceObserver replace_observer_;
+  ChangeObserver change_observer_;
   Wakeup wakeup_;
 
   // Taken inside a partition's lock, never around one.
@@ -467,6 +472,9 @@ class ShardCore {
   // The partitions whose x was replaced before step replaced_step_.
   int64_t replaced_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
   std::set<uint32_t> replaced_ ABSL_GUARDED_BY(progress_mu_);
+  // The partitions RestorePartition gave the state of restored_step_.
+  int64_t restored_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
+  std::set<uint32_t> restored_ ABSL_GUARDED_BY(progress_mu_);
 
   // Completes partitions when compute_threads > 0 (Create); destroyed
   // first, so what it runs finds the partitions alive.

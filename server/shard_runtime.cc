@@ -89,13 +89,15 @@ absl::Status ShardRuntime::OnConfigured(const proto::JobSpec& job,
       });
   // Weights changed after a step (ShardCore::ReplaceX) are on disk before
   // rank 0 learns they are in: a restart from an older checkpoint would
-  // replay the steps between without the change (design.md 4).
-  core.SetReplaceObserver([this](int64_t step, const ShardCore& c) {
-    if (checkpoints_ == nullptr) return;
-    SaveCheckpoint(c,
-                   absl::StrCat("weights changed before step ", step).c_str());
-    checkpoints_->Flush();
-  });
+  // replay the steps between without the change (design.md 4). So is a
+  // saved run rank 0 restored (a resume, or add_param_group's new layout,
+  // of which the shard has no other checkpoint).
+  core.SetChangeObserver(
+      [this](int64_t step, const ShardCore& c, absl::string_view what) {
+        if (checkpoints_ == nullptr) return;
+        SaveCheckpoint(c, std::string(what).c_str());
+        checkpoints_->Flush();
+      });
   core.SetWakeup([this](absl::Time deadline) {
     MutexLock lock(&wake_mu_);
     wake_at_ = std::min(wake_at_, deadline);

@@ -49,7 +49,9 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   step 4, adding the first, then the second with the others): within 1e-5
   of AdamW in either life, both ranks ending bit for bit as "adam"'s
   undisturbed run; before the groups are back, a step() and a group of
-  other shapes refused, saying what to do.
+  other shapes refused, saying what to do. "restart:-7": shard 1 killed
+  after the second call's step, restarted by morse-run from the checkpoint
+  it wrote once rank 0 had restored the new layout: the same bits.
 - "elastic": morse-run --min-workers 2 of 3 ranks; rank 2 leaves (killed,
   not restarted) before step 3, ranks 0 and 1 add a group at step 5: the
   new layout is made without rank 2 (its steps leave it out from the start,
@@ -349,6 +351,7 @@ def restarted(out, kill):
     After every step, in either life, AdamW's values fed the average."""
     import signal
     import morse.torch
+    from harness import shard_pid
     rank = int(os.environ["MORSE_RANK"])
     life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
     torch.manual_seed(1)
@@ -379,6 +382,11 @@ def restarted(out, kill):
                 ref_opt.add_param_group(add(reference))
             if step >= max(at, start) and len(opt.param_groups) == 1 + i:
                 opt.add_param_group(add(model))
+        if kill < 0 and rank == 0 and step == -kill:  # a shard, before backward()
+            pid = shard_pid(os.environ["MORSE_CONFIG"], 1)
+            check(pid is not None, "shard 1's process not found")
+            os.kill(pid, signal.SIGKILL)
+            print(f"killed shard 1 at step {step}", flush=True)
         reference.zero_grad()
         (sum(loss_of(reference, r, step) for r in range(2)) / 2).backward()
         ref_opt.step()
@@ -573,6 +581,21 @@ if __name__ == "__main__":
         check("call add_param_group with the others before the first backward()"
               in said.get("step", "") and "add the groups the run added, in its order"
               in said.get("shape", ""), f"restart:{kill}: before the groups were back: {said}")
+    # A shard killed after the step of the second call (at the top of step
+    # 7): morse-run restarts it from the checkpoint it wrote once rank 0 had
+    # restored the new layout at step 6 (its periodic one of step 4 is of
+    # the old layout), and the workers replay step 6 to it.
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+    code, text = morse_run(__file__, 2, 2, "restart:-7", out, config=config)
+    print(text)
+    check(code == 0 and "killed shard 1 at step 7" in text
+          and "(a saved run restored at step 6)" in text
+          and "resumed from" in text and "shard-1.ckpt at step 6" in text,
+          "restart:-7: the job failed, or shard 1 did not resume from the new layout's step 6")
+    got = [json.load(open(f"{out}/restart--7-rank-{r}.json")) for r in range(2)]
+    check(all(g["x"] == undisturbed["x"] and g["checksum"] == undisturbed["checksum"]
+              for g in got), "restart:-7: a rank differs from the undisturbed run (adam)")
     print("PASS restart: a rank restarted after add_param_group (from its checkpoint of the "
           "call's layout, the groups added again) and between two calls ends bit for bit as the "
           "undisturbed run, within 1e-5 of AdamW after every step; a step or a wrong group "

@@ -593,10 +593,11 @@ TEST_F(ShardCoreTest, WeightsChangedAfterAStepReplaceXAloneAndAreChecked) {
   ASSERT_NE(changed, before.x);
   int64_t observed = -1;
   int observations = 0;
-  core_->SetReplaceObserver([&](int64_t step, const ShardCore&) {
-    observed = step;
-    ++observations;
-  });
+  core_->SetChangeObserver(
+      [&](int64_t step, const ShardCore&, absl::string_view) {
+        observed = step;
+        ++observations;
+      });
 
   const auto code = [&](uint32_t rank, int64_t step,
                         absl::Span<const float> x) {
@@ -666,10 +667,11 @@ TEST_F(ShardCoreTest, WeightsChangedAfterAStepReplaceXAloneAndAreChecked) {
   // Every partition of the shard replaced at one step: the observer, once.
   auto fresh = *ShardCore::Create(job_, 1);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh));
-  fresh->SetReplaceObserver([&](int64_t step, const ShardCore&) {
-    observed = step;
-    ++observations;
-  });
+  fresh->SetChangeObserver(
+      [&](int64_t step, const ShardCore&, absl::string_view) {
+        observed = step;
+        ++observations;
+      });
   const auto& all = fresh->layout().shard_partitions(1);
   for (const compress::Partition& q : all) {
     for (uint32_t rank = 0; rank < 3; ++rank)
@@ -2002,6 +2004,11 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   // what this one did; without them it is refused and nothing changes.
   std::unique_ptr<ShardCore> fresh = *ShardCore::Create(job, 0);
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*fresh, 0));
+  std::vector<std::pair<int64_t, std::string>> observed;
+  fresh->SetChangeObserver(
+      [&](int64_t step, const ShardCore&, absl::string_view what) {
+        observed.emplace_back(step, std::string(what));
+      });
   const PartitionSnapshot before =
       *fresh->FetchPartition(parts[1].id, fingerprint, {.server_error = true});
   PartitionSnapshot saved =
@@ -2043,6 +2050,27 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   EXPECT_EQ(restored.server_error, saved.server_error);
   EXPECT_EQ(Own(restored, "v_fresh"), Own(saved, "v_fresh"));
   EXPECT_EQ(Own(restored, "lamb_layers"), Own(saved, "lamb_layers"));
+  // Once every partition of the shard holds the saved run (and not
+  // before), the change observer runs, once: the runtime writes a
+  // checkpoint then (a layout made anew mid-job has no other).
+  ASSERT_GT(parts.size(), 1u);
+  EXPECT_TRUE(observed.empty());
+  size_t given = 1;  // parts[1]
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (i == 1) continue;
+    ++given;
+    PartitionSnapshot other =
+        *core->FetchPartition(parts[i].id, fingerprint, {.server_error = true});
+    other.completed_steps = saved.completed_steps;
+    ASSERT_TRUE(
+        fresh->RestorePartition(0, parts[i].id, fingerprint, other).ok());
+    EXPECT_EQ(observed.size(), given == parts.size() ? 1u : 0u) << i;
+  }
+  EXPECT_EQ(
+      observed,
+      (std::vector<std::pair<int64_t, std::string>>{
+          {saved.completed_steps, absl::StrCat("a saved run restored at step ",
+                                               saved.completed_steps)}}));
   // Another optimizer has no v' or layer state to take.
   std::unique_ptr<ShardCore> adam =
       *ShardCore::Create(*proto::ParseJobConfig(R"(
