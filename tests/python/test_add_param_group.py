@@ -23,7 +23,11 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   leaders push for their nodes): within 1e-5 of AdamW fed the 4 ranks'
   average, every rank bit-identical; a call between backward() and step()
   refused on every rank. "node_zero_one": "zero_one" on those nodes, every
-  rank bit for bit "node_zero_one_built"'s.
+  rank bit for bit "node_zero_one_built"'s. "node_sharded": "node" under
+  --node-aggregation=sharded, the slices cut anew at each call (a.bias
+  moving from slice 1 to slice 0 at the first), the state moving with its
+  parameters between the node's ranks: bit for bit "node"'s run, every
+  rank alike; "shard_zero_one" bit for bit "shard_zero_one_built".
 - "module": built from a module (its BatchNorm's running statistics, which
   rank 0 broadcasts), a parameter beside it added at step 3: AdamW's
   values, the running statistics equal on both ranks, the names kept.
@@ -171,15 +175,16 @@ def worker(mode, out):
     rank = int(os.environ["MORSE_RANK"])
     torch.manual_seed(1)
     tag, mode, where = mode, *mode.partition("@")[::2]  # "MODE@cuda": on the GPU
-    on_node = mode.startswith("node")  # "node", "node_MODE": under --node-aggregation
-    if mode.startswith("node_"):
-        mode = mode[len("node_"):]
+    # "node", "node_MODE": under --node-aggregation; "shard_MODE": =sharded.
+    on_node = mode.startswith(("node", "shard_"))
+    if mode.startswith(("node_", "shard_")):
+        mode = mode.partition("_")[2]
     device = torch.device(where or "cpu")
     model = (Normed() if mode == "module" else Model()).to(device)
     reference = (Normed() if mode == "module" else Model()).to(device)
     reference.load_state_dict(model.state_dict())
     world = int(os.environ["MORSE_WORLD_SIZE"])
-    kind = "adam" if mode in ("adam", "resume", "refused", "node") else mode
+    kind = "adam" if mode in ("adam", "resume", "refused", "node", "sharded") else mode
     # (A node's ranks gather during backward() alike: every one overlaps.)
     options = dict(lr=0.01, block_elems=16, partition_elems=32,
                    overlap=rank == 0 or on_node)
@@ -264,7 +269,7 @@ def worker(mode, out):
                        f"{out}/saved-{tag}-{rank}.pt")
         model.zero_grad()
         loss_of(model, rank, step).backward()
-        if mode == "node" and step == 4:  # every rank of the node: the gathers under way
+        if mode in ("node", "sharded") and step == 4:  # every rank of the node: the gathers under way
             try:
                 opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, device=device))]})
             except ValueError as e:
@@ -540,6 +545,36 @@ if __name__ == "__main__":
           "variance step, or the ranks differ")
     print("PASS node: under --node-aggregation (2 nodes of 2 ranks) within 1e-5 of AdamW with its "
           "groups added alike; every rank identical; ZeroOneAdam's held group as without nodes")
+    # --node-aggregation=sharded: the slices are cut anew over the grown
+    # model (a.bias moves from slice 1 to slice 0 at the first call), the
+    # state moving with its parameters.
+    for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, "node_sharded",
+                                              extra=("--servers", "2",
+                                                     "--node-aggregation=sharded"))):
+        print(text)
+        check(code == 0, f"node_sharded: node {node}'s ranks failed")
+    got = [json.load(open(f"{out}/node_sharded-rank-{r}.json")) for r in range(4)]
+    check(all(g["x"] == got[0]["x"] for g in got), "node_sharded: the ranks differ")
+    check(got[0]["x"] == json.load(open(f"{out}/node-rank-0.json"))["x"],
+          "node_sharded: the sharded nodes' run differs from the leaders' (fp32 Adam, elementwise)")
+    check(all("between step() and the next backward()" in g["said"].get("mid_step", "")
+              for g in got), f"node_sharded: a call mid-step refused on every rank: {got}")
+    # ZeroOneAdam's held group on sharded nodes: its slice's error buffers
+    # (nonzero by then) carried through both calls.
+    for mode in ("shard_zero_one", "shard_zero_one_built"):
+        for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, mode,
+                                                  extra=("--servers", "2",
+                                                         "--node-aggregation=sharded"))):
+            print(text)
+            check(code == 0, f"{mode}: node {node}'s ranks failed")
+    added, built_with = ([json.load(open(f"{out}/{m}-rank-{r}.json")) for r in range(4)]
+                         for m in ("shard_zero_one", "shard_zero_one_built"))
+    check(all(a["x"] == b["x"] == added[0]["x"] for a, b in zip(added, built_with)),
+          "shard_zero_one: the group added at the 1-bit step differs from one added at the "
+          "variance step, or the ranks differ")
+    print("PASS node_sharded: under --node-aggregation=sharded the slices cut anew at each call, "
+          "bit for bit the leaders' run, within 1e-5 of AdamW; ZeroOneAdam's held group as "
+          "without nodes")
     # An elastic job (--min-workers 2 of 3): rank 2 leaves, the others add
     # a group without it.
     with open(config, "w") as f:

@@ -798,14 +798,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
         new layers' LAMB coefficients start as a job's do), ZeroOneAdam
         while a variance step is left before var_freeze_step (the group
         held until the next one, design.md 2.7; before its first step as
-        if built with the group), CPU and CUDA tensors,
-        the constant schedule, under --node-aggregation with the leader
-        stepping for the node (every rank of every node calls it), in an
-        elastic job (rank 0 and the ranks still in it call it; those that
-        had left are not waited for, and cannot join the new layout), with
-        --rank-restarts (a restarted rank's script adds the groups again
-        before its first backward(); docs/python.md); not yet with =sharded
-        or --rank-restarts under --node-aggregation."""
+        if built with the group), CPU and CUDA tensors, the constant
+        schedule; under --node-aggregation every rank of every node calls
+        it (=sharded: the slices cut anew, the state moving with its
+        parameters; not yet OneBitLamb); in an elastic job rank 0 and the
+        ranks still in it call it (those that had left are not waited for,
+        and cannot join the new layout); with --rank-restarts a restarted
+        rank's script adds the groups again before its first backward()
+        (docs/python.md); not yet --rank-restarts with --node-aggregation."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
             super().add_param_group(param_group)
             return
@@ -825,6 +825,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # holds one layout's optimizer state at a time, but for the flat
         # buffers: the old session goes before the new one is made).
         state = self._state_dict(server_error=True, on_host=True)["state"]
+        # A sharded node's slices are cut anew over the grown model, so its
+        # parameters' state moves with them between the node's ranks: each
+        # gives the others its slice's arrays by parameter (x's moments and
+        # the node's worker error; on node 0, its shards' error too).
+        moved = self._state_by_parameter(state) if self._slices is not None else None
         for accumulator, handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -864,6 +869,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # step's commit (1-bit LAMB's) starts empty: the new layout's shards
         # are restored after that step and need none.
         fresh = {} if self._session is None else self._own_state(torch.device("cpu"))
+        if moved is not None:
+            state = self._slice_state(state, moved)
         for key, value in list(state.items()):
             if not torch.is_tensor(value):
                 continue
@@ -881,6 +888,38 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # description first, then its checkpoint of this step.
             self._write_layout()
             self._save_checkpoint()
+
+    def _state_by_parameter(self, state):
+        """On a sharded node, before add_param_group lays it out anew: each
+        parameter's part of every per-element array of the node's slices'
+        states, by its index in the node's parameters, from every rank."""
+        first = self._slices[self._node.local_rank][0]
+        arrays = {key: value for key, value in state.items()
+                  if torch.is_tensor(value) and value.numel() == self._flat.numel()}
+        mine = {first + i: {key: value[lo:hi].clone() for key, value in arrays.items()}
+                for i, (lo, hi) in enumerate(self._ranges)}
+        moved = {}
+        for told in self._node.objects(mine):
+            moved.update(told)
+        return moved
+
+    def _slice_state(self, state, moved):
+        """This rank's state for its slice of the grown model: its
+        parameters' arrays as _state_by_parameter gave them (zeros for the
+        new ones and for padding), the server error on node 0 alone."""
+        first = self._slices[self._node.local_rank][0]
+        keys = {key for arrays in moved.values() for key in arrays}
+        if self._worker != 0:
+            keys.discard("server_error")
+        sliced = {key: value for key, value in state.items() if not torch.is_tensor(value)}
+        for key in keys:
+            array = torch.zeros(self._flat.numel())
+            for i, (lo, hi) in enumerate(self._ranges):
+                if key in moved.get(first + i, {}):
+                    array[lo:hi] = moved[first + i][key]
+            sliced[key] = array
+        sliced["node_slice"] = [self._node.local_rank, len(self._slices)]
+        return sliced
 
     def _write_layout(self):
         """Beside this rank's checkpoints (--rank-restarts), the layout
@@ -921,8 +960,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        if self._slices is not None or (self._checkpoint and self._node is not None):
-            where = ("--node-aggregation=sharded" if self._slices is not None
+        if (self._checkpoint and self._node is not None) or (
+                self._slices is not None and self._session.state_arrays()):
+            where = (f"--node-aggregation=sharded for {type(self).__name__} (its layers' state "
+                     "would move between the slices)" if not self._checkpoint
                      else "--rank-restarts under --node-aggregation (a node's checkpoints)")
             return f"not yet with {where}: build the optimizer with every parameter"
         if self._pending is not None or getattr(self, "_launched", None):
