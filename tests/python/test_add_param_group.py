@@ -27,7 +27,10 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   --node-aggregation=sharded, the slices cut anew at each call (a.bias
   moving from slice 1 to slice 0 at the first), the state moving with its
   parameters between the node's ranks: bit for bit "node"'s run, every
-  rank alike; "shard_zero_one" bit for bit "shard_zero_one_built".
+  rank alike; "shard_zero_one" bit for bit "shard_zero_one_built";
+  "shard_lamb": "lamb" on sharded nodes (a.bias and its layer's state
+  moving to slice 0), within 1e-5 of LambWarmup fed the 4 ranks' average
+  through the warmup, every rank alike.
 - "module": built from a module (its BatchNorm's running statistics, which
   rank 0 broadcasts), a parameter beside it added at step 3: AdamW's
   values, the running statistics equal on both ranks, the names kept.
@@ -161,6 +164,16 @@ class LambWarmup:
         self.step_index += 1
 
 
+def layer_states(opt):
+    """A sharded node's rank: {index in the node's parameters: its layer's
+    1-bit LAMB state} over its slice, from its state_dict()."""
+    state = opt.state_dict()["state"]
+    of, count = opt._layers()
+    by_layer = state["lamb_layers"].reshape(count, -1)
+    first = opt._slices[opt._node.local_rank][0]
+    return {first + i: by_layer[layer].tolist() for i, layer in enumerate(of)}
+
+
 def built(model, mode, every=False):
     """The optimizer's first groups (every=True: as after every addition)."""
     first = [model.a.weight, model.a.bias, model.b.weight]
@@ -262,8 +275,12 @@ def worker(mode, out):
             if step == at:
                 for p, q in zip(add(model)["params"], add(reference)["params"]):
                     check(torch.equal(p, q), f"step {step}: an added parameter moved before")
+                layers = kind == "lamb" and opt._slices is not None  # (a sharded node's)
+                before = layer_states(opt) if layers else None
                 opt.add_param_group(add(model))
                 ref_opt.add_param_group(add(reference))
+                if layers:
+                    said["layers"] = [before, layer_states(opt)]
         if (tag, step) in SAVED.values():
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
                        f"{out}/saved-{tag}-{rank}.pt")
@@ -572,9 +589,28 @@ if __name__ == "__main__":
     check(all(a["x"] == b["x"] == added[0]["x"] for a, b in zip(added, built_with)),
           "shard_zero_one: the group added at the 1-bit step differs from one added at the "
           "variance step, or the ranks differ")
+    # OneBitLamb on sharded nodes: b.bias moves from slice 1 to slice 0
+    # with its layer's coefficient state.
+    for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, "shard_lamb",
+                                              extra=("--servers", "2",
+                                                     "--node-aggregation=sharded"))):
+        print(text)
+        check(code == 0, f"shard_lamb: node {node}'s ranks failed")
+    got = [json.load(open(f"{out}/shard_lamb-rank-{r}.json")) for r in range(4)]
+    check(all(g["x"] == got[0]["x"] for g in got), "shard_lamb: the ranks differ")
+    check(all("since step 12, at or after freeze_step 6" in g["said"].get("frozen", "")
+              for g in got), f"shard_lamb: refused past the freeze on every rank: {got[0]['said']}")
+    # Node 0's layers' state before and after the call: a.bias's (node
+    # parameter 1) moved from local rank 1 to local rank 0 with it.
+    before, after = ({k: v for g in got[:2] for k, v in g["said"]["layers"][i].items()}
+                     for i in (0, 1))
+    moved = got[1]["said"]["layers"][0].keys() & got[0]["said"]["layers"][1].keys()
+    check(moved == {"1"} and all(after[k] == before[k] for k in before),
+          f"shard_lamb: the layers' state did not move with them: {before} then {after}")
     print("PASS node_sharded: under --node-aggregation=sharded the slices cut anew at each call, "
           "bit for bit the leaders' run, within 1e-5 of AdamW; ZeroOneAdam's held group as "
-          "without nodes")
+          "without nodes; OneBitLamb within 1e-5 of its rule through the warmup, its layers' "
+          "state moving with them")
     # An elastic job (--min-workers 2 of 3): rank 2 leaves, the others add
     # a group without it.
     with open(config, "w") as f:

@@ -801,7 +801,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if built with the group), CPU and CUDA tensors, the constant
         schedule; under --node-aggregation every rank of every node calls
         it (=sharded: the slices cut anew, the state moving with its
-        parameters; not yet OneBitLamb); in an elastic job rank 0 and the
+        parameters); in an elastic job rank 0 and the
         ranks still in it call it (those that had left are not waited for,
         and cannot join the new layout); with --rank-restarts a restarted
         rank's script adds the groups again before its first backward()
@@ -870,7 +870,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # are restored after that step and need none.
         fresh = {} if self._session is None else self._own_state(torch.device("cpu"))
         if moved is not None:
-            state = self._slice_state(state, moved)
+            state = self._slice_state(state, moved, fresh)
         for key, value in list(state.items()):
             if not torch.is_tensor(value):
                 continue
@@ -889,35 +889,64 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._write_layout()
             self._save_checkpoint()
 
+    def _layers(self):
+        """Each parameter's layer (1-bit LAMB's, design.md 2.8: every
+        parameter tensor, and each group's padding, a layer of its own) and
+        the layers' count."""
+        layer, end, of = 0, 0, []
+        for lo, hi in self._ranges:
+            layer += lo != end  # the padding before it, a layer
+            of.append(layer)
+            layer, end = layer + 1, hi
+        return of, layer + (end != self._flat.numel())
+
+    def _layer_keys(self):
+        """state_dict's keys of the optimizer's arrays kept by layer."""
+        return {_STATE_DICT_KEYS.get(name, name)
+                for name, _, per_element in self._session.state_arrays() if not per_element}
+
     def _state_by_parameter(self, state):
         """On a sharded node, before add_param_group lays it out anew: each
         parameter's part of every per-element array of the node's slices'
-        states, by its index in the node's parameters, from every rank."""
+        states (and its layer's of 1-bit LAMB's layer state), by its index
+        in the node's parameters, from every rank."""
         first = self._slices[self._node.local_rank][0]
         arrays = {key: value for key, value in state.items()
                   if torch.is_tensor(value) and value.numel() == self._flat.numel()}
-        mine = {first + i: {key: value[lo:hi].clone() for key, value in arrays.items()}
-                for i, (lo, hi) in enumerate(self._ranges)}
+        layer_of, layers = self._layers()
+        by_layer = {key: state[key].reshape(layers, -1) for key in self._layer_keys()}
+        mine = {}
+        for i, (lo, hi) in enumerate(self._ranges):
+            mine[first + i] = {key: value[lo:hi].clone() for key, value in arrays.items()}
+            mine[first + i].update({key: value[layer_of[i]].clone()
+                                    for key, value in by_layer.items()})
         moved = {}
         for told in self._node.objects(mine):
             moved.update(told)
         return moved
 
-    def _slice_state(self, state, moved):
+    def _slice_state(self, state, moved, fresh):
         """This rank's state for its slice of the grown model: its
         parameters' arrays as _state_by_parameter gave them (zeros for the
-        new ones and for padding), the server error on node 0 alone."""
+        new ones and for padding; a layer's state as a job starts it), the
+        server error on node 0 alone."""
         first = self._slices[self._node.local_rank][0]
         keys = {key for arrays in moved.values() for key in arrays}
         if self._worker != 0:
             keys.discard("server_error")
-        sliced = {key: value for key, value in state.items() if not torch.is_tensor(value)}
+        layer_keys = self._layer_keys()
+        layer_of, layers = self._layers()
+        sliced = dict(state)  # (the scalars, and a last commit, which the caller drops)
         for key in keys:
-            array = torch.zeros(self._flat.numel())
+            if key in layer_keys:
+                array = fresh[key].clone().reshape(layers, -1)
+            else:
+                array = torch.zeros(self._flat.numel())
             for i, (lo, hi) in enumerate(self._ranges):
                 if key in moved.get(first + i, {}):
-                    array[lo:hi] = moved[first + i][key]
-            sliced[key] = array
+                    array[layer_of[i] if key in layer_keys else slice(lo, hi)] = \
+                        moved[first + i][key]
+            sliced[key] = array.reshape(-1)
         sliced["node_slice"] = [self._node.local_rank, len(self._slices)]
         return sliced
 
@@ -960,12 +989,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        if (self._checkpoint and self._node is not None) or (
-                self._slices is not None and self._session.state_arrays()):
-            where = (f"--node-aggregation=sharded for {type(self).__name__} (its layers' state "
-                     "would move between the slices)" if not self._checkpoint
-                     else "--rank-restarts under --node-aggregation (a node's checkpoints)")
-            return f"not yet with {where}: build the optimizer with every parameter"
+        if self._checkpoint and self._node is not None:
+            return ("not yet with --rank-restarts under --node-aggregation (a node's "
+                    "checkpoints): build the optimizer with every parameter")
         if self._pending is not None or getattr(self, "_launched", None):
             return ("this step's gradients are on their way to the shards: call it between "
                     "step() and the next backward()")
