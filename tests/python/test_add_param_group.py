@@ -59,6 +59,11 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   other shapes refused, saying what to do. "restart:-7": shard 1 killed
   after the second call's step, restarted by morse-run from the checkpoint
   it wrote once rank 0 had restored the new layout: the same bits.
+  "node_restart:7", "shard_restart:7": the same on 2 nodes of 2 ranks
+  (the leader's, and sharded), rank 3 killed after both calls: node 1
+  restarts, every rank of it adding both groups again, its leader (each
+  owner) back from its checkpoint of step 6; every rank ends bit for bit
+  as "node"'s (and "node_sharded"'s) undisturbed run.
 - "elastic": morse-run --min-workers 2 of 3 ranks; rank 2 leaves (killed,
   not restarted) before step 3, ranks 0 and 1 add a group at step 5: the
   new layout is made without rank 2 (its steps leave it out from the start,
@@ -214,7 +219,7 @@ def worker(mode, out):
         elastic(model, reference, opt_options=options, out=out)
         return
     if mode.startswith("restart:"):
-        restarted(out, int(mode.partition(":")[2]))
+        restarted(out, int(mode.partition(":")[2]), tag.replace(":", "-"), options)
         return
     if mode in ("zero_one", "zero_one_built"):
         # A group added before the first step, as scripts that build their
@@ -364,23 +369,25 @@ def elastic(model, reference, opt_options, out):
               open(f"{out}/elastic-rank-{rank}.json", "w"))
 
 
-def restarted(out, kill):
+def restarted(out, kill, tag, options):
     """"adam"'s two calls under morse-run --rank-restarts 1 (checkpoints
-    every 4 steps, and each call's own): rank 1 kills itself at the top of
-    step `kill` in its first life. Restarted, it goes on from its newest
+    every 4 steps, and each call's own): the last rank kills itself at the
+    top of step `kill` in its first life (under --node-aggregation, node
+    1's second: its node restarts). Restarted, it goes on from its newest
     checkpoint, adding the groups the run had added by then (the idiom for
     scripts that may be restarted), and the later ones as the others do.
-    After every step, in either life, AdamW's values fed the average."""
+    After every step, in either life, AdamW's values fed the average.
+    A negative `kill`: rank 0 kills shard 1 at the top of step -kill."""
     import signal
     import morse.torch
     from harness import shard_pid
     rank = int(os.environ["MORSE_RANK"])
+    world = int(os.environ["MORSE_WORLD_SIZE"])
     life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
     torch.manual_seed(1)
     model, reference = Model(), Model()
     reference.load_state_dict(model.state_dict())
-    opt = morse.torch.Adam(built(model, "adam"), lr=0.01, block_elems=16, partition_elems=32,
-                           overlap=rank == 0)
+    opt = morse.torch.Adam(built(model, "adam"), **options)
     ref_opt = torch.optim.AdamW(built(reference, "adam"), lr=0.01, weight_decay=0.0)
     start = opt.step_index
     print(f"rank {rank} life {life} starts at step {start}", flush=True)
@@ -396,8 +403,8 @@ def restarted(out, kill):
             said["shape"] = str(e)
     worst = 0.0
     for step in range(9):
-        if rank == 1 and life == 0 and step == kill:
-            print(f"rank 1 kills itself at step {step}", flush=True)
+        if rank == world - 1 and life == 0 and step == kill:
+            print(f"rank {rank} kills itself at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         for i, (at, add) in enumerate(ADDED["adam"]):
             if step >= at and len(ref_opt.param_groups) == 1 + i:
@@ -410,7 +417,7 @@ def restarted(out, kill):
             os.kill(pid, signal.SIGKILL)
             print(f"killed shard 1 at step {step}", flush=True)
         reference.zero_grad()
-        (sum(loss_of(reference, r, step) for r in range(2)) / 2).backward()
+        (sum(loss_of(reference, r, step) for r in range(world)) / world).backward()
         ref_opt.step()
         if step < start:
             continue  # (the reference alone, up to where this life starts)
@@ -418,7 +425,8 @@ def restarted(out, kill):
         loss_of(model, rank, step).backward()
         opt.step()
         # (A restarted rank's replayed steps are behind the shards'.)
-        check(life == 1 and step < kill or opt._session.holds_shards_model(),
+        check(life == 1 and step < kill or opt._session is None
+              or opt._session.holds_shards_model(),
               f"rank {rank} step {step}: the shards' mirrors differ from the workers' x")
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             diff = (p.detach() - q.detach()).abs().max().item()
@@ -428,7 +436,7 @@ def restarted(out, kill):
     print(f"rank {rank}: largest difference from AdamW {worst:.3g}")
     json.dump({"checksum": opt.checksum(), "said": said,
                "x": [p.detach().tolist() for p in model.parameters()]},
-              open(f"{out}/restart-{kill}-rank-{rank}.json", "w"))
+              open(f"{out}/{tag}-rank-{rank}.json", "w"))
 
 
 # "elastic": rank 2 leaves before this step; ranks 0 and 1 add a group.
@@ -667,10 +675,33 @@ if __name__ == "__main__":
     got = [json.load(open(f"{out}/restart--7-rank-{r}.json")) for r in range(2)]
     check(all(g["x"] == undisturbed["x"] and g["checksum"] == undisturbed["checksum"]
               for g in got), "restart:-7: a rank differs from the undisturbed run (adam)")
+    # Node 1 restarted (rank 3 killed after both calls): its leader (or,
+    # sharded, each owner) back from its checkpoint of the second call,
+    # every rank of the node adding the groups again.
+    for mode, how, undisturbed in (("node_restart:7", "--node-aggregation", "node"),
+                                   ("shard_restart:7", "--node-aggregation=sharded",
+                                    "node_sharded")):
+        with open(config, "w") as f:
+            f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
+        for node, (code, text) in enumerate(nodes(
+                __file__, 2, 2, out, mode, extra=("--servers", "2", how, "--rank-restarts", "1",
+                                                  "--config", config))):
+            print(text)
+            check(code == 0, f"{mode}: node {node}'s ranks failed")
+            check(node == 0 or ("rank 3 kills itself at step 7" in text
+                                and "rank 3 life 1 starts at step 6" in text
+                                and "rank 2 life 1 starts at step 6" in text),
+                  f"{mode}: node 1 did not come back from step 6")
+        tag = mode.replace(":", "-")
+        got = [json.load(open(f"{out}/{tag}-rank-{r}.json")) for r in range(4)]
+        whole = json.load(open(f"{out}/{undisturbed}-rank-0.json"))
+        check(all(g["x"] == whole["x"] for g in got),
+              f"{mode}: a rank differs from the undisturbed run ({undisturbed})")
     print("PASS restart: a rank restarted after add_param_group (from its checkpoint of the "
           "call's layout, the groups added again) and between two calls ends bit for bit as the "
           "undisturbed run, within 1e-5 of AdamW after every step; a step or a wrong group "
-          "before the groups are back refused, saying what to do")
+          "before the groups are back refused, saying what to do; a shard restarted after a "
+          "call; a node restarted after the calls (leader's and sharded)")
     run(out, "resume")
     for mode, (source, _) in SAVED.items():
         run(out, mode)

@@ -188,34 +188,34 @@ def _rank_checkpoint(session, worker, name=None):
     return os.path.join(checkpoint_dir, name or f"worker-{worker}.ckpt"), every
 
 
-def _restarted_layout(worker):
+def _restarted_layout(base):
     """A rank restarted by morse-run --rank-restarts (MORSE_REJOIN=1) after
     add_param_group: the layout of its newest checkpoints, as
-    add_param_group wrote it beside them (worker-<worker>.gen<g>.json:
-    the generation g, each group's first step and its trained parameters'
-    shapes, its checkpoints worker-<worker>.gen<g>.ckpt.<step>) and the
-    newest step it has one of; None where it has none of a later layout
-    than the first."""
+    add_param_group wrote it beside them (<base>.gen<g>.json: the
+    generation g, each group's first step and its trained parameters'
+    shapes; the checkpoints <base>.gen<g>.ckpt.<step>; base worker-<w>, or
+    a sharded node's slice-<k>-worker-<w>), with the steps it has one of;
+    None where it has none of a later layout than the first."""
     folder = os.environ.get("MORSE_CHECKPOINT_DIR")
     if not folder or os.environ.get("MORSE_REJOIN") != "1" or not os.path.isdir(folder):
         return None
-    found = [int(m.group(1)) for m in (re.fullmatch(rf"worker-{worker}\.gen(\d+)\.json", f)
+    found = [int(m.group(1)) for m in (re.fullmatch(rf"{re.escape(base)}\.gen(\d+)\.json", f)
                                        for f in os.listdir(folder)) if m]
     if not found:
         return None
     generation = max(found)
-    with open(os.path.join(folder, f"worker-{worker}.gen{generation}.json")) as f:
+    with open(os.path.join(folder, f"{base}.gen{generation}.json")) as f:
         layout = json.load(f)
-    base = f"worker-{worker}.gen{generation}.ckpt."
-    steps = [int(f[len(base):]) for f in os.listdir(folder)
-             if f.startswith(base) and f[len(base):].isdigit()]
-    if not steps:
+    prefix = f"{base}.gen{generation}.ckpt."
+    layout["steps"] = sorted(int(f[len(prefix):]) for f in os.listdir(folder)
+                             if f.startswith(prefix) and f[len(prefix):].isdigit())
+    if not layout["steps"]:
         raise MorseError(
-            f"FAILED_PRECONDITION: rank {worker} was lost inside add_param_group at step "
+            f"FAILED_PRECONDITION: {base} was lost inside add_param_group at step "
             f"{layout['first_steps'][-1]}, after the shards took the new layout and before its "
             "checkpoint of it: it cannot rejoin the job; restart the job from a saved "
             "state_dict()")
-    layout["step"] = max(steps)
+    layout["step"] = layout["steps"][-1]
     return layout
 
 
@@ -397,7 +397,27 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # again (before its first backward(): "Adding a parameter group" in
         # docs/python.md); until it has, the optimizer waits for them.
         self._awaiting = None
-        restarted = _restarted_layout(worker) if _layout is None and self._node is None else None
+        restarted = None
+        if _layout is None and os.environ.get("MORSE_REJOIN") == "1":
+            base = (f"worker-{worker}" if self._slices is None
+                    else f"slice-{self._node.local_rank}-worker-{worker}")
+            if self._node is None:
+                restarted = _restarted_layout(base)
+            else:
+                # A node's ranks take its leader's layout (sharded: every
+                # owner has its own, of one generation), from the newest
+                # step every owner has a checkpoint of.
+                owns = self._node.is_leader or self._slices is not None
+                told = self._node.objects(_restarted_layout(base) if owns else None)
+                restarted = told[0]
+                if restarted is not None and self._slices is not None:
+                    common = set.intersection(*(set(t["steps"]) for t in told))
+                    if not common:
+                        raise MorseError(
+                            f"FAILED_PRECONDITION: the slices of node {self._node.node} have no "
+                            "checkpoint of one step after add_param_group: restart the job "
+                            "from a saved state_dict()")
+                    restarted = dict(restarted, step=max(common))
         if restarted is not None:
             have = [[list(p.shape) for p in g["params"] if p.requires_grad]
                     for g in self.param_groups]
@@ -412,7 +432,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._built_with = built
                 self._session = None
                 return
-            _layout = (restarted["generation"], restarted["first_steps"], None, True)
+            _layout = (restarted["generation"], restarted["first_steps"], self._node, True)
         trained = {id(p) for p in self._params}
         device = self._params[0].device
         if device.type not in ("cpu", "cuda"):
@@ -591,10 +611,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # between two ranks' writes finds a step common to all.
             # After add_param_group (a later layout generation) a rank's
             # checkpoints are <name>.<step> too, of that layout's own name.
+            base = (f"worker-{worker}" if self._slices is None
+                    else f"slice-{self._node.local_rank}-worker-{worker}")
             self._checkpoint, self._checkpoint_every = _rank_checkpoint(
                 self._session, worker,
-                f"slice-{self._node.local_rank}-worker-{worker}.ckpt" if self._slices is not None
-                else f"worker-{worker}.gen{self._generation}.ckpt" if self._generation else None)
+                f"{base}.gen{self._generation}.ckpt" if self._generation else f"{base}.ckpt")
             if rejoin:
                 # The model, moments and error buffer of the checkpoint's step
                 # (none: the shards' model and a zero error buffer); the
@@ -805,7 +826,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         ranks still in it call it (those that had left are not waited for,
         and cannot join the new layout); with --rank-restarts a restarted
         rank's script adds the groups again before its first backward()
-        (docs/python.md); not yet --rank-restarts with --node-aggregation."""
+        (a restarted node's, on every rank of it; docs/python.md)."""
         if not hasattr(self, "_session"):  # torch's __init__ adding the groups
             super().add_param_group(param_group)
             return
@@ -953,8 +974,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
     def _write_layout(self):
         """Beside this rank's checkpoints (--rank-restarts), the layout
         they are of (_restarted_layout reads it)."""
-        folder, name = os.path.split(self._checkpoint)
-        path = os.path.join(folder, f"worker-{self._worker}.gen{self._generation}.json")
+        path = self._checkpoint[:-len(".ckpt")] + ".json"
         with open(path + ".tmp", "w") as f:
             json.dump({"generation": self._generation, "first_steps": self._first_steps,
                        "groups": [[list(p.shape) for p in g["params"] if p.requires_grad]
@@ -984,14 +1004,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         names = {id(p): name for p, name in zip(self._params, self._names)}
         del self._session
         _MorseOptimizer.__init__(self, groups, _layout=(layout["generation"], layout["first_steps"],
-                                                        None, True),
+                                                        self._node, True),
                                  **dict(self._built_with, buffers=list(self._buffers) or None))
         self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
-        if self._checkpoint and self._node is not None:
-            return ("not yet with --rank-restarts under --node-aggregation (a node's "
-                    "checkpoints): build the optimizer with every parameter")
         if self._pending is not None or getattr(self, "_launched", None):
             return ("this step's gradients are on their way to the shards: call it between "
                     "step() and the next backward()")
