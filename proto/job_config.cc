@@ -34,6 +34,88 @@ absl::Status Invalid(absl::string_view field, absl::string_view why) {
       absl::StrCat("config field '", field, "': ", why));
 }
 
+// An optimizer's own section of the JobConfig (design.md 5, the optimizer
+// seam: compress/ knows no proto, so its readers live here, one per
+// section). Read into the algorithm when the job's optimizer is
+// `optimizer`; refused when set for another (`set` names the field set,
+// or none).
+struct OptimizerSection {
+  absl::string_view optimizer;  // compress::Optimizer::name()
+  const char* (*set)(const v1::JobConfig& c);
+  absl::Status (*read)(const v1::JobConfig& c, compress::AlgorithmConfig& a);
+};
+
+const char* LambSet(const v1::JobConfig& c) {
+  if (c.has_onebit_lamb()) return "onebit_lamb";
+  // (Only onebit_lamb's coefficients are per layer.)
+  if (c.has_synthetic() && c.synthetic().layer_elems() > 0)
+    return "synthetic.layer_elems";
+  return nullptr;
+}
+
+absl::Status ReadLamb(const v1::JobConfig& c, compress::AlgorithmConfig& a) {
+  const v1::OneBitLambConfig& l = c.onebit_lamb();
+  if (l.has_max_coeff()) a.lamb.max_coeff = l.max_coeff();
+  if (l.has_min_coeff()) a.lamb.min_coeff = l.min_coeff();
+  if (l.has_coeff_beta()) a.lamb.coeff_beta = l.coeff_beta();
+  if (l.has_factor_max()) a.lamb.factor_max = l.factor_max();
+  if (l.has_factor_min()) a.lamb.factor_min = l.factor_min();
+  if (l.has_factor_threshold()) a.lamb.factor_threshold = l.factor_threshold();
+  return absl::OkStatus();
+}
+
+const char* ZeroOneSet(const v1::JobConfig& c) {
+  return c.has_zero_one_adam() ? "zero_one_adam" : nullptr;
+}
+
+absl::Status ReadZeroOne(const v1::JobConfig& c, compress::AlgorithmConfig& a) {
+  const v1::ZeroOneAdamConfig& z = c.zero_one_adam();
+  if (z.has_var_freeze_step()) a.zero_one.var_freeze_step = z.var_freeze_step();
+  if (z.has_var_update_scaler())
+    a.zero_one.var_update_scaler = z.var_update_scaler();
+  if (z.has_local_step_scaler())
+    a.zero_one.local_step_scaler = z.local_step_scaler();
+  if (z.has_local_step_clipper())
+    a.zero_one.local_step_clipper = z.local_step_clipper();
+  if (c.freeze_step() != 0) {
+    return Invalid("freeze_step",
+                   "is onebit_adam's; zero_one_adam freezes v at "
+                   "zero_one_adam.var_freeze_step");
+  }
+  return absl::OkStatus();
+}
+
+const char* DilocoSet(const v1::JobConfig& c) {
+  return c.has_diloco() ? "diloco" : nullptr;
+}
+
+absl::Status ReadDiloco(const v1::JobConfig& c, compress::AlgorithmConfig& a) {
+  const v1::DilocoConfig& d = c.diloco();
+  if (d.has_sync_every()) a.diloco.sync_every = d.sync_every();
+  if (d.has_outer_lr()) a.diloco.outer_lr = d.outer_lr();
+  if (d.has_outer_momentum()) a.diloco.outer_momentum = d.outer_momentum();
+  if (d.has_nesterov()) a.diloco.nesterov = d.nesterov();
+  if (d.has_fragments()) a.diloco.fragments = d.fragments();
+  if (d.has_overlap_steps()) a.diloco.overlap_steps = d.overlap_steps();
+  if (d.has_warmup_steps()) a.diloco.warmup_steps = d.warmup_steps();
+  if (d.has_warmup_sync_every())
+    a.diloco.warmup_sync_every = d.warmup_sync_every();
+  a.diloco.mixing =
+      d.has_mixing() ? d.mixing() : (a.diloco.overlap_steps > 0 ? 0.5f : 0.0f);
+  if (c.freeze_step() != 0 || c.has_warmup_codec()) {
+    return Invalid(c.freeze_step() != 0 ? "freeze_step" : "warmup_codec",
+                   "is onebit_adam's; diloco has no warmup (every step is "
+                   "an outer step in up_codec and down_codec)");
+  }
+  return absl::OkStatus();
+}
+
+constexpr OptimizerSection kOptimizerSections[] = {
+    {"onebit_lamb", LambSet, ReadLamb},
+    {"zero_one_adam", ZeroOneSet, ReadZeroOne},
+    {"diloco", DilocoSet, ReadDiloco},
+};
+
 absl::StatusOr<CodecSpec> ToCodec(const v1::CodecConfig& c,
                                   absl::string_view field,
                                   CodecKind default_kind, uint32_t block) {
@@ -236,69 +318,17 @@ absl::StatusOr<JobSpec> FromProto(const v1::JobConfig& c) {
                      "onebit_adam, zero_one_adam and onebit_lamb"));
   }
   a.optimizer = optimizer->kind();
-  if (a.optimizer == compress::OptimizerKind::kOneBitLamb) {
-    const v1::OneBitLambConfig& l = c.onebit_lamb();
-    if (l.has_max_coeff()) a.lamb.max_coeff = l.max_coeff();
-    if (l.has_min_coeff()) a.lamb.min_coeff = l.min_coeff();
-    if (l.has_coeff_beta()) a.lamb.coeff_beta = l.coeff_beta();
-    if (l.has_factor_max()) a.lamb.factor_max = l.factor_max();
-    if (l.has_factor_min()) a.lamb.factor_min = l.factor_min();
-    if (l.has_factor_threshold())
-      a.lamb.factor_threshold = l.factor_threshold();
-  } else if (c.has_onebit_lamb()) {
-    return Invalid("onebit_lamb",
-                   "is set but the optimizer is not onebit_lamb");
-  } else if (c.has_synthetic() && c.synthetic().layer_elems() > 0) {
-    return Invalid("synthetic.layer_elems",
-                   "is set but the optimizer is not onebit_lamb (only its "
-                   "coefficients are per layer)");
+  for (const OptimizerSection& section : kOptimizerSections) {
+    if (optimizer->name() == section.optimizer) {
+      if (absl::Status s = section.read(c, a); !s.ok()) return s;
+    } else if (const char* field = section.set(c); field != nullptr) {
+      return Invalid(field, absl::StrCat("is set but the optimizer is not ",
+                                         section.optimizer));
+    }
   }
   // onebit_adam and zero_one_adam compress with error feedback by default
   // and have a frozen v to mask and bound.
   const bool onebit = optimizer->FreezesVariance();
-  const bool zero_one = a.optimizer == compress::OptimizerKind::kZeroOneAdam;
-  if (zero_one) {
-    const v1::ZeroOneAdamConfig& z = c.zero_one_adam();
-    if (z.has_var_freeze_step())
-      a.zero_one.var_freeze_step = z.var_freeze_step();
-    if (z.has_var_update_scaler())
-      a.zero_one.var_update_scaler = z.var_update_scaler();
-    if (z.has_local_step_scaler())
-      a.zero_one.local_step_scaler = z.local_step_scaler();
-    if (z.has_local_step_clipper())
-      a.zero_one.local_step_clipper = z.local_step_clipper();
-    if (c.freeze_step() != 0) {
-      return Invalid("freeze_step",
-                     "is onebit_adam's; zero_one_adam freezes v at "
-                     "zero_one_adam.var_freeze_step");
-    }
-  } else if (c.has_zero_one_adam()) {
-    return Invalid("zero_one_adam",
-                   "is set but the optimizer is not zero_one_adam");
-  }
-
-  if (a.optimizer == compress::OptimizerKind::kDiloco) {
-    const v1::DilocoConfig& d = c.diloco();
-    if (d.has_sync_every()) a.diloco.sync_every = d.sync_every();
-    if (d.has_outer_lr()) a.diloco.outer_lr = d.outer_lr();
-    if (d.has_outer_momentum()) a.diloco.outer_momentum = d.outer_momentum();
-    if (d.has_nesterov()) a.diloco.nesterov = d.nesterov();
-    if (d.has_fragments()) a.diloco.fragments = d.fragments();
-    if (d.has_overlap_steps()) a.diloco.overlap_steps = d.overlap_steps();
-    if (d.has_warmup_steps()) a.diloco.warmup_steps = d.warmup_steps();
-    if (d.has_warmup_sync_every())
-      a.diloco.warmup_sync_every = d.warmup_sync_every();
-    a.diloco.mixing = d.has_mixing()
-                          ? d.mixing()
-                          : (a.diloco.overlap_steps > 0 ? 0.5f : 0.0f);
-    if (c.freeze_step() != 0 || c.has_warmup_codec()) {
-      return Invalid(c.freeze_step() != 0 ? "freeze_step" : "warmup_codec",
-                     "is onebit_adam's; diloco has no warmup (every step is "
-                     "an outer step in up_codec and down_codec)");
-    }
-  } else if (c.has_diloco()) {
-    return Invalid("diloco", "is set but the optimizer is not diloco");
-  }
 
   const v1::AdamConfig& adam = c.adam();
   if (adam.has_beta1()) a.adam.beta1 = adam.beta1();

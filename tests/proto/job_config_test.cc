@@ -160,6 +160,16 @@ TEST(JobConfigTest, ErrorsNameTheField) {
       {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
        "diloco { sync_every: 4 }",
        "diloco"},
+      // Each optimizer's own section, set for another (the section table).
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"adam\" onebit_lamb { max_coeff: 2 }",
+       "onebit_lamb"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 1 "
+       "optimizer: \"onebit_lamb\" zero_one_adam { var_freeze_step: 2 }",
+       "zero_one_adam"},
+      {"workers: 1 shards: 1 synthetic { dim: 10 } lr { lr: 1 } steps: 5 "
+       "optimizer: \"zero_one_adam\" freeze_step: 1",
+       "freeze_step"},
       {"workers: 1 shards: 1 external { dim: 16 } lr { lr: 1 } steps: 1 "
        "optimizer: \"diloco\" diloco { outer_momentum: 1 }",
        "outer_momentum"},
