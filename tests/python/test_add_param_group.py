@@ -474,6 +474,20 @@ def results(out, mode):
     return [json.load(open(f"{out}/{mode}-rank-{r}.json")) for r in range(2)]
 
 
+def on_nodes(out, mode, how="--node-aggregation", extra=()):
+    """`mode` on 2 nodes of 2 ranks (`how`: the leaders stepping, or
+    =sharded), every node's ranks passing: each node's output, and the 4
+    ranks' results."""
+    texts = []
+    for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, mode,
+                                              extra=("--servers", "2", how, *extra))):
+        print(text)
+        check(code == 0, f"{mode}: node {node}'s ranks failed")
+        texts.append(text)
+    tag = mode.replace(":", "-")
+    return texts, [json.load(open(f"{out}/{tag}-rank-{r}.json")) for r in range(4)]
+
+
 def run(out, mode):
     code, text = morse_run(__file__, 2, 2, mode, out)
     print(text)
@@ -548,23 +562,13 @@ if __name__ == "__main__":
     print("PASS mismatch: rank 0 alone adding a group stops the job, saying why")
     # Under --node-aggregation: 2 nodes of 2 ranks, each leader pushing for
     # its node; every rank of every node calls it.
-    by_node = nodes(__file__, 2, 2, out, "node", extra=("--servers", "2", "--node-aggregation"))
-    for node, (code, text) in enumerate(by_node):
-        print(text)
-        check(code == 0, f"node {node}'s ranks failed")
-    got = [json.load(open(f"{out}/node-rank-{r}.json")) for r in range(4)]
+    _, got = on_nodes(out, "node")
     check(all(g["x"] == got[0]["x"] for g in got), "node: the ranks differ")
     check(all("between step() and the next backward()" in g["said"].get("mid_step", "")
               for g in got), f"node: a call mid-step refused on every rank: {got}")
     # ZeroOneAdam's group held from a 1-bit step to the next variance step,
     # on the leaders' nodes, as without nodes.
-    for mode in ("node_zero_one", "node_zero_one_built"):
-        for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, mode,
-                                                  extra=("--servers", "2", "--node-aggregation"))):
-            print(text)
-            check(code == 0, f"{mode}: node {node}'s ranks failed")
-    added, built_with = ([json.load(open(f"{out}/{m}-rank-{r}.json")) for r in range(4)]
-                         for m in ("node_zero_one", "node_zero_one_built"))
+    added, built_with = (on_nodes(out, m)[1] for m in ("node_zero_one", "node_zero_one_built"))
     check(all(a["x"] == b["x"] == added[0]["x"] for a, b in zip(added, built_with)),
           "node_zero_one: the group added at the 1-bit step differs from one added at the "
           "variance step, or the ranks differ")
@@ -573,12 +577,8 @@ if __name__ == "__main__":
     # --node-aggregation=sharded: the slices are cut anew over the grown
     # model (a.bias moves from slice 1 to slice 0 at the first call), the
     # state moving with its parameters.
-    for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, "node_sharded",
-                                              extra=("--servers", "2",
-                                                     "--node-aggregation=sharded"))):
-        print(text)
-        check(code == 0, f"node_sharded: node {node}'s ranks failed")
-    got = [json.load(open(f"{out}/node_sharded-rank-{r}.json")) for r in range(4)]
+    sharded = "--node-aggregation=sharded"
+    _, got = on_nodes(out, "node_sharded", sharded)
     check(all(g["x"] == got[0]["x"] for g in got), "node_sharded: the ranks differ")
     check(got[0]["x"] == json.load(open(f"{out}/node-rank-0.json"))["x"],
           "node_sharded: the sharded nodes' run differs from the leaders' (fp32 Adam, elementwise)")
@@ -586,25 +586,14 @@ if __name__ == "__main__":
               for g in got), f"node_sharded: a call mid-step refused on every rank: {got}")
     # ZeroOneAdam's held group on sharded nodes: its slice's error buffers
     # (nonzero by then) carried through both calls.
-    for mode in ("shard_zero_one", "shard_zero_one_built"):
-        for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, mode,
-                                                  extra=("--servers", "2",
-                                                         "--node-aggregation=sharded"))):
-            print(text)
-            check(code == 0, f"{mode}: node {node}'s ranks failed")
-    added, built_with = ([json.load(open(f"{out}/{m}-rank-{r}.json")) for r in range(4)]
+    added, built_with = (on_nodes(out, m, sharded)[1]
                          for m in ("shard_zero_one", "shard_zero_one_built"))
     check(all(a["x"] == b["x"] == added[0]["x"] for a, b in zip(added, built_with)),
           "shard_zero_one: the group added at the 1-bit step differs from one added at the "
           "variance step, or the ranks differ")
-    # OneBitLamb on sharded nodes: b.bias moves from slice 1 to slice 0
+    # OneBitLamb on sharded nodes: a.bias moves from slice 1 to slice 0
     # with its layer's coefficient state.
-    for node, (code, text) in enumerate(nodes(__file__, 2, 2, out, "shard_lamb",
-                                              extra=("--servers", "2",
-                                                     "--node-aggregation=sharded"))):
-        print(text)
-        check(code == 0, f"shard_lamb: node {node}'s ranks failed")
-    got = [json.load(open(f"{out}/shard_lamb-rank-{r}.json")) for r in range(4)]
+    _, got = on_nodes(out, "shard_lamb", sharded)
     check(all(g["x"] == got[0]["x"] for g in got), "shard_lamb: the ranks differ")
     check(all("since step 12, at or after freeze_step 6" in g["said"].get("frozen", "")
               for g in got), f"shard_lamb: refused past the freeze on every rank: {got[0]['said']}")
@@ -622,7 +611,7 @@ if __name__ == "__main__":
     # An elastic job (--min-workers 2 of 3): rank 2 leaves, the others add
     # a group without it.
     with open(config, "w") as f:
-        f.write("timeouts { step_seconds: 1 recovery_seconds: 30 }\n")
+        f.write("timeouts { step_seconds: 3 recovery_seconds: 30 }\n")
     code, text = morse_run(__file__, 3, 2, "elastic", out, config=config,
                            extra=["--min-workers", "2"])
     print(text)
@@ -683,17 +672,11 @@ if __name__ == "__main__":
                                     "node_sharded")):
         with open(config, "w") as f:
             f.write("checkpoint { every_steps: 4 }\ntimeouts { recovery_seconds: 60 }\n")
-        for node, (code, text) in enumerate(nodes(
-                __file__, 2, 2, out, mode, extra=("--servers", "2", how, "--rank-restarts", "1",
-                                                  "--config", config))):
-            print(text)
-            check(code == 0, f"{mode}: node {node}'s ranks failed")
-            check(node == 0 or ("rank 3 kills itself at step 7" in text
-                                and "rank 3 life 1 starts at step 6" in text
-                                and "rank 2 life 1 starts at step 6" in text),
-                  f"{mode}: node 1 did not come back from step 6")
-        tag = mode.replace(":", "-")
-        got = [json.load(open(f"{out}/{tag}-rank-{r}.json")) for r in range(4)]
+        texts, got = on_nodes(out, mode, how, ("--rank-restarts", "1", "--config", config))
+        check("rank 3 kills itself at step 7" in texts[1]
+              and "rank 3 life 1 starts at step 6" in texts[1]
+              and "rank 2 life 1 starts at step 6" in texts[1],
+              f"{mode}: node 1 did not come back from step 6")
         whole = json.load(open(f"{out}/{undisturbed}-rank-0.json"))
         check(all(g["x"] == whole["x"] for g in got),
               f"{mode}: a rank differs from the undisturbed run ({undisturbed})")

@@ -2354,6 +2354,19 @@ TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
   EXPECT_NE((*host)->core(), nullptr);
 }
 
+// An external job (`head`: workers, shards, ...) of `dim` parameters laid out
+// `generation` times (`extra`: more of external's fields), with the
+// settings the ShardHost tests share.
+proto::JobSpec LaidOut(absl::string_view head, uint64_t dim,
+                       uint32_t generation, const std::string& extra = "") {
+  return *proto::ParseJobConfig(
+      absl::StrCat(head, " optimizer: \"adam\" external { dim: ", dim,
+                   " generation: ", generation, extra,
+                   " } lr { lr: 0.01 } steps: 50 block_elems: 16 "
+                   "partition_elems: 64 timeouts { step_seconds: 1 }"),
+      proto::ConfigFormat::kText);
+}
+
 // A model laid out anew mid-job (ExternalModel.generation, add_param_group):
 // the shard serves the old core until every worker has joined with the next
 // generation alike, then a fresh core of the new layout; a worker of an
@@ -2363,13 +2376,7 @@ TEST(ShardLimitsTest, MemoryAndModelSizeCaps) {
 TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
   const auto job = [](uint64_t dim, uint32_t generation,
                       const std::string& extra = "") {
-    return *proto::ParseJobConfig(
-        absl::StrCat("workers: 2 shards: 1 optimizer: \"adam\" external { "
-                     "dim: ",
-                     dim, " generation: ", generation, extra,
-                     " } lr { lr: 0.01 } steps: 50 block_elems: 16 "
-                     "partition_elems: 64"),
-        proto::ConfigFormat::kText);
+    return LaidOut("workers: 2 shards: 1", dim, generation, extra);
   };
   std::vector<bool> relaid;
   auto host = ShardHost::Create(
@@ -2444,13 +2451,8 @@ TEST(ShardHostTest, ANewLayoutTakesEffectOnceEveryWorkerJoinedWithIt) {
 TEST(ShardHostTest, AnElasticJobLaysItsModelOutAnewWithoutTheRanksThatLeft) {
   const auto job = [](uint64_t dim, uint32_t generation,
                       const std::string& extra = "") {
-    return *proto::ParseJobConfig(
-        absl::StrCat("workers: 3 shards: 1 min_workers: 2 optimizer: "
-                     "\"adam\" external { dim: ",
-                     dim, " generation: ", generation, extra,
-                     " } lr { lr: 0.01 } steps: 50 block_elems: 16 "
-                     "partition_elems: 64 timeouts { step_seconds: 1 }"),
-        proto::ConfigFormat::kText);
+    return LaidOut("workers: 3 shards: 1 min_workers: 2", dim, generation,
+                   extra);
   };
   auto host = ShardHost::Create(
       *proto::ParseJobConfig("workers: 3 shards: 1 min_workers: 2 optimizer: "
