@@ -398,6 +398,10 @@ def restarted(out, kill, tag, options):
         except morse.torch.MorseError as e:
             said["step"] = str(e)
         try:
+            opt.state_dict()
+        except morse.torch.MorseError as e:
+            said["state_dict"] = str(e)
+        try:
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
         except ValueError as e:
             said["shape"] = str(e)
@@ -647,7 +651,8 @@ if __name__ == "__main__":
                   for g in got), f"restart:{kill}: a rank differs from the undisturbed run (adam)")
         said = got[1]["said"]
         check("call add_param_group with the others before the first backward()"
-              in said.get("step", "") and "add the groups the run added, in its order"
+              in said.get("step", "") and "state_dict() on rank 1" in said.get("state_dict", "")
+              and "add the groups the run added, in its order"
               in said.get("shape", ""), f"restart:{kill}: before the groups were back: {said}")
     # A shard killed after the step of the second call (at the top of step
     # 7): morse-run restarts it from the checkpoint it wrote once rank 0 had

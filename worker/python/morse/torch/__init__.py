@@ -971,6 +971,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         sliced["node_slice"] = [self._node.local_rank, len(self._slices)]
         return sliced
 
+    def _check_not_awaiting(self, what):
+        """MorseError if this rank, restarted after add_param_group, still
+        waits for the script to add the run's groups again."""
+        if self._awaiting is None:
+            return
+        layout = self._awaiting
+        raise MorseError(
+            f"FAILED_PRECONDITION: {what} on rank {self._rank}, restarted from its checkpoint of "
+            f"step {layout['step']}, whose layout has {len(layout['groups'])} parameter groups, "
+            f"the later ones added at steps {layout['first_steps'][1:]}; the optimizer has "
+            f"{len(self.param_groups)}: call add_param_group with the others before the first "
+            "backward(), as the run did (a script that may be restarted adds them by the step "
+            "it starts from, e.g. `if step >= k and len(opt.param_groups) == n`)")
+
     def _write_layout(self):
         """Beside this rank's checkpoints (--rank-restarts), the layout
         they are of (_restarted_layout reads it)."""
@@ -1505,16 +1519,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         grad_scaler = amp.pop("grad_scaler", None)
         if amp:
             raise TypeError(f"step() got unexpected keyword arguments {sorted(amp)}")
-        if self._awaiting is not None:
-            layout = self._awaiting
-            raise MorseError(
-                f"FAILED_PRECONDITION: rank {self._worker} restarted from its checkpoint of step "
-                f"{layout['step']}, whose layout has {len(layout['groups'])} parameter groups, the "
-                f"later ones added at steps {layout['first_steps'][1:]}; the optimizer has "
-                f"{len(self.param_groups)}: call add_param_group with the others before the "
-                "first backward(), as the run did (a script that may be restarted adds them "
-                "by the step it starts from, e.g. `if step >= k and len(opt.param_groups) == "
-                "n`)")
+        self._check_not_awaiting("step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -3022,6 +3027,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the continued run is bit-identical to an uninterrupted one). A
         node's rank other than its leader (node aggregation) holds no
         optimizer state: its state_dict has the step alone."""
+        self._check_not_awaiting("state_dict()")
         return self._state_dict(server_error=True)
 
     def _saved_groups(self):
@@ -3113,6 +3119,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         by another rank is refused when its worker error buffer matters
         (feedback other than 'none'), since loading it would silently change
         the run."""
+        self._check_not_awaiting("load_state_dict()")
         state = state_dict["state"]
         dim = self._flat.numel()
         if self._session is None:
