@@ -92,10 +92,8 @@ absl::Status ShardHost::JoinNext(uint32_t rank, const proto::JobSpec& job) {
   }
   // The ranks that had left are left out of the new layout's steps, and
   // cannot join it: their state is of the old layout.
-  left_relaid_.assign(base_.workers(), false);
-  for (uint32_t r = 0; r < base_.workers(); ++r) {
-    left_relaid_[r] = !joined_next_[r];
-  }
+  left_relaid_ = joined_next_;
+  left_relaid_.flip();
   owned_->SetMembership(joined_next_);
   // Anything still waiting on the old layout (nothing should: every worker
   // is between steps) is answered now, and anything later at once.

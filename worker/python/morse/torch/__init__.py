@@ -188,6 +188,12 @@ def _rank_checkpoint(session, worker, name=None):
     return os.path.join(checkpoint_dir, name or f"worker-{worker}.ckpt"), every
 
 
+def _group_shapes(groups):
+    """Each group's trained parameters' shapes (what a layout written
+    beside a rank's checkpoints records of its groups)."""
+    return [[list(p.shape) for p in g["params"] if p.requires_grad] for g in groups]
+
+
 def _restarted_layout(base):
     """A rank restarted by morse-run --rank-restarts (MORSE_REJOIN=1) after
     add_param_group: the layout of its newest checkpoints, as
@@ -419,8 +425,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                             "from a saved state_dict()")
                     restarted = dict(restarted, step=max(common))
         if restarted is not None:
-            have = [[list(p.shape) for p in g["params"] if p.requires_grad]
-                    for g in self.param_groups]
+            have = _group_shapes(self.param_groups)
             want = restarted["groups"]
             if have != want[:len(have)]:
                 raise MorseError(
@@ -861,9 +866,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  for g in groups + [param_group] for p in _group_params(g)
                  if p.requires_grad and p.grad is not None}
         first_steps = self._first_steps + [step]
-        # Built from a module, it keeps the module's buffers and names.
-        built = dict(self._built_with, buffers=list(self._buffers) or None)
-        names = {id(p): name for p, name in zip(self._params, self._names)}
         # On CUDA tensors the old layout's session (its engine's state on the
         # device) goes before the new one is made; on the CPU it stays until
         # then, and the new session's channels find its connections to the
@@ -871,15 +873,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # tests/bench/add_param_group_cost.py). torch's __init__ adds the
         # groups again.
         session = None if self._cuda else self._session
-        del self._session
         try:
-            _MorseOptimizer.__init__(self, groups + [param_group],
-                                     _layout=(self._generation + 1, first_steps, self._node,
-                                              False),
-                                     **built)
+            self._rebuild(groups + [param_group], (self._generation + 1, first_steps, False))
         finally:
             del session
-        self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
         with torch.no_grad():
             for p in self._params:
                 if id(p) in grads:
@@ -932,10 +929,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         states (and its layer's of 1-bit LAMB's layer state), by its index
         in the node's parameters, from every rank."""
         first = self._slices[self._node.local_rank][0]
-        arrays = {key: value for key, value in state.items()
-                  if torch.is_tensor(value) and value.numel() == self._flat.numel()}
+        layer_keys = self._layer_keys()
+        arrays = {key: value for key, value in state.items() if torch.is_tensor(value)
+                  and value.numel() == self._flat.numel() and key not in layer_keys}
         layer_of, layers = self._layers()
-        by_layer = {key: state[key].reshape(layers, -1) for key in self._layer_keys()}
+        by_layer = {key: state[key].reshape(layers, -1) for key in layer_keys}
         mine = {}
         for i, (lo, hi) in enumerate(self._ranges):
             mine[first + i] = {key: value[lo:hi].clone() for key, value in arrays.items()}
@@ -991,8 +989,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         path = self._checkpoint[:-len(".ckpt")] + ".json"
         with open(path + ".tmp", "w") as f:
             json.dump({"generation": self._generation, "first_steps": self._first_steps,
-                       "groups": [[list(p.shape) for p in g["params"] if p.requires_grad]
-                                  for g in self.param_groups]}, f)
+                       "groups": _group_shapes(self.param_groups)}, f)
         os.replace(path + ".tmp", path)
 
     def _add_awaited_group(self, param_group):
@@ -1004,7 +1001,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         param_group = dict(param_group, params=_group_params(param_group))
         groups = [dict(g) for g in self.param_groups] + [param_group]
         torch.optim.Optimizer(groups, self.defaults)  # torch's checks
-        have = [[list(p.shape) for p in g["params"] if p.requires_grad] for g in groups]
+        have = _group_shapes(groups)
         want = layout["groups"]
         if have != want[:len(have)]:
             raise ValueError(
@@ -1015,12 +1012,21 @@ class _MorseOptimizer(torch.optim.Optimizer):
         if len(groups) < len(want):
             super().add_param_group(param_group)
             return
+        self._rebuild(groups, (layout["generation"], layout["first_steps"], True))
+
+    def _rebuild(self, groups, layout):
+        """This optimizer made anew over `groups` (torch's __init__ adds
+        them again) with `layout` = (generation, each group's first step,
+        whether it rejoins from its checkpoint), its session dropped first:
+        built from a module, it keeps the module's buffers and names, and a
+        node keeps its group."""
         names = {id(p): name for p, name in zip(self._params, self._names)}
+        generation, first_steps, rejoins = layout
         del self._session
-        _MorseOptimizer.__init__(self, groups, _layout=(layout["generation"], layout["first_steps"],
-                                                        self._node, True),
+        _MorseOptimizer.__init__(self, groups, _layout=(generation, first_steps, self._node, rejoins),
                                  **dict(self._built_with, buffers=list(self._buffers) or None))
         self._names = [names.get(id(p), name) for p, name in zip(self._params, self._names)]
+
     def _why_no_new_group(self):
         """Why add_param_group cannot add a group now, or None."""
         if self._pending is not None or getattr(self, "_launched", None):
