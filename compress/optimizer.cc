@@ -70,14 +70,18 @@ bool CommitsLayers(const AlgorithmConfig& config) {
 }
 
 bool StepsLocally(const AlgorithmConfig& config) {
-  return OptimizerOf(config).StepsLocally();
+  return !OptimizerOf(config).IntervalState(config).empty();
 }
 
-absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
-                        absl::Span<const NamedState> state,
-                        absl::string_view what) {
-  const Optimizer& optimizer = OptimizerOf(config);
-  const std::vector<StateArray> arrays = optimizer.State(config);
+namespace {
+
+// `state` holds `arrays` (the optimizer's), in order, each of its length
+// (`elements` for per-element arrays, or with `may_be_empty` none where
+// every per-element array is empty).
+absl::Status CheckArrays(const Optimizer& optimizer,
+                         const std::vector<StateArray>& arrays,
+                         uint64_t elements, absl::Span<const NamedState> state,
+                         absl::string_view what, bool may_be_empty) {
   const auto names = [](const auto& list) {
     std::string out;
     for (const auto& a : list)
@@ -92,15 +96,45 @@ absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
         absl::StrCat(what, " has the optimizer arrays [", names(state), "]; ",
                      optimizer.name(), " keeps [", names(arrays), "]"));
   }
+  bool held = true;  // the per-element arrays hold values
+  if (may_be_empty) {
+    for (size_t i = 0; i < arrays.size(); ++i) {
+      if (arrays[i].per_element && state[i].values.empty()) held = false;
+    }
+  }
   for (size_t i = 0; i < arrays.size(); ++i) {
-    const uint64_t want = arrays[i].per_element ? elements : arrays[i].floats;
+    const uint64_t want = !arrays[i].per_element ? arrays[i].floats
+                          : held                 ? elements
+                                                 : 0;
     if (state[i].values.size() != want) {
       return absl::InvalidArgumentError(
           absl::StrCat(what, " has ", state[i].values.size(), " values of ",
                        state[i].name, "; ", optimizer.name(), " needs ", want));
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
+                        absl::Span<const NamedState> state,
+                        absl::string_view what) {
+  const Optimizer& optimizer = OptimizerOf(config);
+  if (absl::Status s = CheckArrays(optimizer, optimizer.State(config), elements,
+                                   state, what, /*may_be_empty=*/false);
+      !s.ok()) {
+    return s;
+  }
   return optimizer.ValidateState(state, what);
+}
+
+absl::Status CheckInterval(const AlgorithmConfig& config, uint64_t elements,
+                           absl::Span<const NamedState> interval,
+                           absl::string_view what) {
+  const Optimizer& optimizer = OptimizerOf(config);
+  return CheckArrays(optimizer, optimizer.IntervalState(config), elements,
+                     interval, what, /*may_be_empty=*/true);
 }
 
 uint64_t StateBytesPerElement(const AlgorithmConfig& config) {

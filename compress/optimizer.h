@@ -93,9 +93,6 @@ class Optimizer {
   // and bound_update mean something.
   virtual bool FreezesVariance() const { return true; }
 
-  // Whether workers step on their own between exchanges (zero_one_adam's
-  // local phase), keeping an anchor and an accumulated update.
-  virtual bool StepsLocally() const { return false; }
   // The inner steps each worker takes per job step with an optimizer of its
   // own, whose result it pushes (diloco's sync_every / fragments, after any
   // warmup: InnerStepsBefore, optimizers/diloco.h); 0: none, a step's push
@@ -141,6 +138,16 @@ class Optimizer {
 
   // Its state beyond x, m, v and the error buffers.
   virtual std::vector<StateArray> State(
+      const AlgorithmConfig& /*config*/) const {
+    return {};
+  }
+  // The arrays of a local interval in progress, where workers step on
+  // their own between exchanges (zero_one_adam's local phase: x at the
+  // interval's start, the update accumulated since, each segment's
+  // learning-rate sum): a worker's alone, kept by its checkpoints and its
+  // engine, never sent to the shards. A per-element one may be held empty
+  // (no interval under way). None: the workers take no local steps.
+  virtual std::vector<StateArray> IntervalState(
       const AlgorithmConfig& /*config*/) const {
     return {};
   }
@@ -195,7 +202,8 @@ std::string OptimizerNames();
 // (Optimizer::CommitDoubles > 0: onebit_lamb's layer coefficients, with
 // its fresh variance and layer state).
 bool CommitsLayers(const AlgorithmConfig& config);
-// Whether the optimizer takes local steps (Optimizer::StepsLocally).
+// Whether the workers take local steps (Optimizer::IntervalState is not
+// empty).
 bool StepsLocally(const AlgorithmConfig& config);
 
 // OK or INVALID_ARGUMENT: `state` holds every array of the optimizer's
@@ -205,6 +213,13 @@ bool StepsLocally(const AlgorithmConfig& config);
 absl::Status CheckState(const AlgorithmConfig& config, uint64_t elements,
                         absl::Span<const NamedState> state,
                         absl::string_view what);
+
+// OK or INVALID_ARGUMENT: `interval` holds every array of the optimizer's
+// IntervalState(), in order, the per-element ones all `elements` long or
+// all empty, the others of their length; `what` starts the message.
+absl::Status CheckInterval(const AlgorithmConfig& config, uint64_t elements,
+                           absl::Span<const NamedState> interval,
+                           absl::string_view what);
 
 // The state arrays' bytes per element of a replica (4 per per-element
 // array).

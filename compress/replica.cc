@@ -379,23 +379,42 @@ absl::Status Replica::LocalStepRange(int64_t step, uint64_t begin,
   return absl::OkStatus();
 }
 
-absl::Status Replica::RestoreLocalInterval(LocalInterval interval) {
-  if (interval.anchor.size() != interval.u.size() ||
-      (!interval.anchor.empty() && interval.anchor.size() != range_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a local interval of ", interval.anchor.size(), " and ",
-        interval.u.size(), " elements for a replica of ", range_.size()));
+std::vector<NamedState> Replica::SaveInterval() const {
+  std::vector<NamedState> interval;
+  for (const StateArray& array : OptimizerOf(config_).IntervalState(config_)) {
+    NamedState& saved = interval.emplace_back();
+    saved.name = array.name;
+    if (array.name == "anchor") {
+      saved.values = anchor_;
+    } else if (array.name == "u") {
+      if (!anchor_.empty()) saved.values = u_;
+    } else {
+      MORSE_CHECK(array.name == "lr_sum");
+      saved.values = lr_sums_;
+    }
   }
-  if (interval.lr_sums.size() != lr_sums_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a local interval with ", interval.lr_sums.size(),
-        " learning-rate sums for a model of ", lr_sums_.size(), " segments"));
+  return interval;
+}
+
+absl::Status Replica::RestoreInterval(absl::Span<const NamedState> interval,
+                                      int64_t last_step) {
+  if (absl::Status s =
+          CheckInterval(config_, range_.size(), interval, "the local interval");
+      !s.ok()) {
+    return s;
   }
   by_range_ = LocalPass{};
-  anchor_ = std::move(interval.anchor);
-  u_ = std::move(interval.u);
-  lr_sums_ = std::move(interval.lr_sums);
-  local_step_ = interval.last_step;
+  for (const NamedState& array : interval) {
+    if (array.name == "anchor") {
+      anchor_ = array.values;
+    } else if (array.name == "u") {
+      u_ = array.values;
+    } else {
+      MORSE_CHECK(array.name == "lr_sum");
+      lr_sums_ = array.values;
+    }
+  }
+  local_step_ = last_step;
   return absl::OkStatus();
 }
 

@@ -137,23 +137,19 @@ class Replica {
   // sync's pushes of each segment carry as their lr when the workers set
   // the lr.
   absl::Span<const float> lr_sums() const { return lr_sums_; }
-  // The local interval in progress, for a worker's checkpoint: x at its
-  // start (anchor), the update accumulated since (u), the learning-rate
-  // sums and the last local step (-1: none; anchor and u empty before the
-  // local phase and for an interval of one step, which leaves x alone until
-  // its sync).
-  struct LocalInterval {
-    std::vector<float> anchor, u;
-    std::vector<float> lr_sums;  // one per segment
-    int64_t last_step = -1;
-  };
-  LocalInterval local_interval() const {
-    if (anchor_.empty()) return {{}, {}, lr_sums_, local_step_};
-    return {anchor_, u_, lr_sums_, local_step_};
-  }
-  // INVALID_ARGUMENT, nothing changed, unless anchor and u are both empty or
-  // both of the replica's size, and there is one sum per segment.
-  absl::Status RestoreLocalInterval(LocalInterval interval);
+  // The local interval in progress (Optimizer::IntervalState, in its
+  // order), for a worker's checkpoint and engine: x at its start
+  // (`anchor`), the update accumulated since (`u`), and each segment's
+  // learning-rate sum (`lr_sum`); anchor and u empty before the local phase
+  // and for an interval of one step, which leaves x alone until its sync.
+  // The one place that maps the interval's names to this replica's storage.
+  std::vector<NamedState> SaveInterval() const;
+  // The last step LocalStep ran (-1: none).
+  int64_t last_local_step() const { return local_step_; }
+  // Sets SaveInterval's form back, with the interval's last local step:
+  // INVALID_ARGUMENT, nothing changed, unless CheckInterval accepts it.
+  absl::Status RestoreInterval(absl::Span<const NamedState> interval,
+                               int64_t last_step);
 
   // onebit_lamb (compress/lamb.h): ApplyReply moves m, v and the fresh
   // variance v'; x follows the step's commit. A worker, holding the whole

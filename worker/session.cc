@@ -904,12 +904,11 @@ absl::Status Session::SaveCheckpoint(const std::string& path) const {
   }
   if (compress::CommitsLayers(job_.algorithm))
     writer.AddInts("previous_lamb_commit", DoubleBits(previous_commit_));
-  if (whole_step != step) {  // inside a zero_one_adam local interval
-    const compress::Replica::LocalInterval interval = replica_.local_interval();
-    writer.AddFloats("anchor", interval.anchor);
-    writer.AddFloats("u", interval.u);
-    writer.AddFloats("lr_sum", interval.lr_sums);  // one per segment
-    writer.AddInts("last_local_step", {&interval.last_step, 1});
+  if (whole_step != step) {  // inside a local interval (zero_one_adam's)
+    for (const compress::NamedState& array : replica_.SaveInterval())
+      writer.AddFloats(array.name, array.values);
+    const int64_t last = replica_.last_local_step();
+    writer.AddInts("last_local_step", {&last, 1});
   }
   return writer.Write(path);
 }
@@ -993,24 +992,34 @@ absl::Status Session::RestoreWholeState(const proto::CheckpointReader& reader,
     if (!bits.ok()) return bits.status();
     commit = BitsDouble(*bits);
   }
-  std::optional<compress::Replica::LocalInterval> interval;
+  std::optional<std::vector<compress::NamedState>> interval;
+  int64_t last_local_step = -1;
   if (whole_step != reader.header().step) {
     interval.emplace();
-    if (absl::Status s = floats("anchor", dim, &interval->anchor); !s.ok())
-      return s;
-    if (absl::Status s = floats("u", dim, &interval->u); !s.ok()) return s;
-    if (absl::Status s =
-            floats("lr_sum", layout_.segment_count(), &interval->lr_sums);
-        !s.ok())
-      return s;
+    for (const compress::StateArray& array :
+         compress::OptimizerOf(job_.algorithm).IntervalState(job_.algorithm)) {
+      compress::NamedState& read = interval->emplace_back();
+      read.name = array.name;
+      // A per-element array is saved empty where no interval holds it.
+      const uint64_t n = !array.per_element              ? array.floats
+                         : reader.Count(array.name) == 0 ? 0
+                                                         : dim;
+      if (absl::Status s = floats(array.name.c_str(), n, &read.values); !s.ok())
+        return s;
+    }
+    if (absl::Status s = compress::CheckInterval(job_.algorithm, dim, *interval,
+                                                 reader.path());
+        !s.ok()) {
+      return absl::DataLossError(s.message());
+    }
     auto last = reader.Ints("last_local_step", 1);
     if (!last.ok()) return last.status();
-    interval->last_step = (*last)[0];
+    last_local_step = (*last)[0];
   }
   // Everything read: now change the session.
   if (absl::Status s = error_.Restore(error); !s.ok()) return s;
   if (interval.has_value()) {
-    if (absl::Status s = replica_.RestoreLocalInterval(*std::move(interval));
+    if (absl::Status s = replica_.RestoreInterval(*interval, last_local_step);
         !s.ok())
       return s;
   }

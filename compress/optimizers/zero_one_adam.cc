@@ -226,7 +226,12 @@ class ZeroOneAdam final : public Optimizer {
     return s - 1;
   }
 
-  bool StepsLocally() const override { return true; }
+  // A worker's local interval (Replica::LocalStep): x at its start, the
+  // update accumulated since, and each segment's learning-rate sum.
+  std::vector<StateArray> IntervalState(
+      const AlgorithmConfig& c) const override {
+    return {{"anchor"}, {"u"}, {"lr_sum", false, c.layout.cuts.size() + 1}};
+  }
   // Parameter groups: each segment's local steps take its own lr and
   // weight_decay, and its sync its own interval's sum (Replica::LocalStep).
   bool HyperByPartition() const override { return true; }

@@ -575,17 +575,42 @@ TEST(ZeroOneTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   EXPECT_EQ(worker.LocalStep(30, g, two).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(worker.x(), x));
-  // The interval as a worker's checkpoint keeps it: one sum per group, and
-  // another count is refused.
-  const Replica::LocalInterval interval = worker.local_interval();
-  ASSERT_EQ(interval.lr_sums.size(), 3u);
-  Replica::LocalInterval one = interval;
-  one.lr_sums.resize(1);
+  // The interval as a worker's checkpoint keeps it (the optimizer's
+  // IntervalState, by name): one sum per group, and another count, an
+  // anchor without its u or an array missing is refused, changing nothing.
+  const std::vector<NamedState> interval = worker.SaveInterval();
+  ASSERT_EQ(interval.size(), 3u);
+  EXPECT_EQ(interval[0].name, "anchor");
+  EXPECT_EQ(interval[1].name, "u");
+  EXPECT_EQ(interval[1].values.size(), interval[0].values.size());
+  ASSERT_EQ(interval[2].name, "lr_sum");
+  ASSERT_EQ(interval[2].values.size(), 3u);
   Replica restored(c, {0, dim});
-  EXPECT_EQ(restored.RestoreLocalInterval(one).code(),
+  std::vector<NamedState> one = interval;
+  one[2].values.resize(1);
+  EXPECT_EQ(restored.RestoreInterval(one, worker.last_local_step()).code(),
             absl::StatusCode::kInvalidArgument);
-  ASSERT_TRUE(restored.RestoreLocalInterval(interval).ok());
+  if (!interval[0].values.empty()) {
+    std::vector<NamedState> no_u = interval;
+    no_u[1].values.clear();
+    EXPECT_EQ(restored.RestoreInterval(no_u, worker.last_local_step()).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(restored
+                .RestoreInterval(absl::MakeConstSpan(interval).subspan(1),
+                                 worker.last_local_step())
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(restored.last_local_step(), -1);
+  ASSERT_TRUE(
+      restored.RestoreInterval(interval, worker.last_local_step()).ok());
   EXPECT_TRUE(SameBits(restored.lr_sums(), worker.lr_sums()));
+  EXPECT_EQ(restored.last_local_step(), worker.last_local_step());
+  const std::vector<NamedState> again = restored.SaveInterval();
+  for (size_t i = 0; i < again.size(); ++i) {
+    EXPECT_EQ(again[i].name, interval[i].name);
+    EXPECT_TRUE(SameBits(again[i].values, interval[i].values)) << i;
+  }
 }
 
 // A CPU worker runs a sync's local step a partition at a time inside its

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "kernels/device.h"
 #include "proto/job_config.h"
+#include "tests/compress/test_util.h"
 #include "tests/e2e/cluster.h"
 #include "tests/e2e/expected.h"
 #include "worker/engine/engine.h"
@@ -207,6 +208,88 @@ TEST(GpuTest, OneBitLambOnTheGpuStaysBitIdenticalAcrossTheFreeze) {
     steps: 30
   )",
                                       "layer_elems: 70000"));
+}
+
+// The CUDA engine's Load and Store carry x, m, v, the error buffer and
+// every array the optimizer names (Optimizer::State: onebit_lamb's v' and
+// layer state; IntervalState: zero_one_adam's anchor, u and lr sums, with
+// the interval's last local step) to the device and back bit for bit: a
+// replica's state loaded into the engine and stored into a fresh replica.
+TEST(GpuTest, LoadAndStoreKeepEveryArrayOfTheOptimizer) {
+  auto device = kernels::DeviceDescription();
+  if (!device.ok())
+    GTEST_SKIP() << "no GPU here: " << device.status().message();
+  for (const char* optimizer : {"zero_one_adam", "onebit_lamb"}) {
+    SCOPED_TRACE(optimizer);
+    const bool lamb = std::strcmp(optimizer, "onebit_lamb") == 0;
+    auto job = proto::ParseJobConfig(
+        MixedJob(absl::StrCat("optimizer: \"", optimizer, "\"\nsteps: 30\n",
+                              lamb ? "freeze_step: 10\n" : ""),
+                 lamb ? "layer_elems: 70000" : ""),
+        proto::ConfigFormat::kText);
+    ASSERT_TRUE(job.ok()) << job.status();
+    const compress::AlgorithmConfig& c = job->algorithm;
+    const uint64_t dim = c.layout.dim;
+    auto layout = compress::Layout::Create(c.layout);
+    ASSERT_TRUE(layout.ok()) << layout.status();
+    const auto values = [dim](float k) {
+      std::vector<float> out(dim);
+      for (uint64_t j = 0; j < dim; ++j) out[j] = std::sin(k * (j + 1));
+      return out;
+    };
+    compress::Replica replica(c, {0, dim});
+    std::copy_n(values(0.1f).begin(), dim, replica.x().begin());
+    std::copy_n(values(0.2f).begin(), dim, replica.mutable_m().begin());
+    const std::vector<float> v = [&] {
+      std::vector<float> out = values(0.3f);
+      for (float& e : out) e = e * e;
+      return out;
+    }();
+    std::copy_n(v.begin(), dim, replica.mutable_v().begin());
+    std::vector<compress::NamedState> own = replica.SaveState(0, dim);
+    for (compress::NamedState& array : own) {
+      if (array.values.size() == dim) array.values = v;  // v' as v
+    }
+    ASSERT_TRUE(replica.RestoreState(0, dim, own).ok());
+    std::vector<compress::NamedState> interval = replica.SaveInterval();
+    for (compress::NamedState& array : interval) {
+      array.values = array.name == "anchor" ? values(0.4f)
+                     : array.name == "u"
+                         ? values(0.5f)
+                         : std::vector<float>(array.values.size(), 0.0125f);
+    }
+    ASSERT_TRUE(replica.RestoreInterval(interval, 17).ok());
+    compress::ErrorFeedback error(c.worker_feedback, dim, c.layout.block_elems);
+    ASSERT_TRUE(error.Restore(values(0.6f)).ok());
+
+    auto engine =
+        worker::CreateEngine("cuda", {&c, &*layout, &replica, &error});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    ASSERT_TRUE((*engine)->Load(replica, error).ok());
+    compress::Replica stored(c, {0, dim});
+    compress::ErrorFeedback stored_error(c.worker_feedback, dim,
+                                         c.layout.block_elems);
+    ASSERT_TRUE((*engine)->Store(stored, stored_error).ok());
+
+    EXPECT_TRUE(compress::testing::SameBits(stored.x(), replica.x()));
+    EXPECT_TRUE(compress::testing::SameBits(stored.m(), replica.m()));
+    EXPECT_TRUE(compress::testing::SameBits(stored.v(), replica.v()));
+    std::vector<float> e(dim), stored_e(dim);
+    error.Read(0, absl::MakeSpan(e));
+    stored_error.Read(0, absl::MakeSpan(stored_e));
+    EXPECT_TRUE(compress::testing::SameBits(stored_e, e));
+    for (const auto& [got, want] :
+         {std::pair{stored.SaveState(0, dim), replica.SaveState(0, dim)},
+          std::pair{stored.SaveInterval(), replica.SaveInterval()}}) {
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].name, want[i].name);
+        EXPECT_TRUE(compress::testing::SameBits(got[i].values, want[i].values))
+            << want[i].name;
+      }
+    }
+    EXPECT_EQ(stored.last_local_step(), replica.last_local_step());
+  }
 }
 
 TEST(GpuTest, MlpGradientOnTheGpuMatchesTheCpu) {

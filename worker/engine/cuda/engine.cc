@@ -141,28 +141,25 @@ class CudaEngine final : public Engine, public DeviceServices {
       square_sums_host_ = *std::move(host);
     }
     if (absl::Status s = e_.Fill(0); !s.ok()) return s;
-    if (compress::StepsLocally(config_)) {
-      for (kernels::DeviceBuffer* b : {&anchor_, &u_}) {
+    // The optimizer's own arrays and those of its local interval: each
+    // per-element one on the device (+0 to start), the others on the host
+    // at their starting values.
+    const compress::Optimizer& optimizer = compress::OptimizerOf(config_);
+    for (auto [arrays, owned] :
+         {std::pair{optimizer.State(config_), &state_},
+          std::pair{optimizer.IntervalState(config_), &interval_}}) {
+      for (const compress::StateArray& array : arrays) {
+        OwnState& own = owned->emplace_back();
+        own.array = array;
+        if (!array.per_element) {
+          own.host = optimizer.InitialState(config_, array);
+          continue;
+        }
         auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
         if (!allocated.ok()) return allocated.status();
-        *b = *std::move(allocated);
+        own.device = *std::move(allocated);
+        if (absl::Status s = own.device.Fill(0); !s.ok()) return s;
       }
-      lr_sums_.assign(layout_.segment_count(), 0.0f);
-    }
-    // The optimizer's own arrays: each per-element one on the device (+0
-    // to start), the others on the host at their starting values.
-    const compress::Optimizer& optimizer = compress::OptimizerOf(config_);
-    for (const compress::StateArray& array : optimizer.State(config_)) {
-      OwnState& own = state_.emplace_back();
-      own.array = array;
-      if (!array.per_element) {
-        own.host = optimizer.InitialState(config_, array);
-        continue;
-      }
-      auto allocated = kernels::DeviceBuffer::Allocate(4 * dim);
-      if (!allocated.ok()) return allocated.status();
-      own.device = *std::move(allocated);
-      if (absl::Status s = own.device.Fill(0); !s.ok()) return s;
     }
     if (compress::CommitsLayers(config_)) {
       // Each segment of the layout (a parameter group) its own table, of
@@ -235,32 +232,16 @@ class CudaEngine final : public Engine, public DeviceServices {
     if (absl::Status s = v_.Upload(replica.v().data(), bytes); !s.ok())
       return s;
     if (absl::Status s = e_.Upload(e.data(), bytes); !s.ok()) return s;
-    if (compress::StepsLocally(config_)) {
-      const compress::Replica::LocalInterval interval =
-          replica.local_interval();
-      has_interval_ = !interval.anchor.empty();
-      if (has_interval_) {
-        if (absl::Status s = anchor_.Upload(interval.anchor.data(), bytes);
-            !s.ok())
-          return s;
-        if (absl::Status s = u_.Upload(interval.u.data(), bytes); !s.ok())
-          return s;
-      }
-      lr_sums_ = interval.lr_sums;  // one per segment
-      local_step_ = interval.last_step;
-    }
-    std::vector<compress::NamedState> saved =
-        replica.SaveState(0, config_.layout.dim);
-    for (size_t i = 0; i < state_.size(); ++i) {
-      if (!state_[i].array.per_element) {
-        state_[i].host = std::move(saved[i].values);
-      } else if (absl::Status s =
-                     state_[i].device.Upload(saved[i].values.data(), bytes);
-                 !s.ok()) {
-        return s;
-      }
-    }
-    return absl::OkStatus();
+    if (absl::Status s =
+            Upload(replica.SaveState(0, config_.layout.dim), state_);
+        !s.ok())
+      return s;
+    std::vector<compress::NamedState> interval = replica.SaveInterval();
+    has_interval_ = std::any_of(
+        interval.begin(), interval.end(),
+        [](const compress::NamedState& a) { return !a.values.empty(); });
+    local_step_ = replica.last_local_step();
+    return Upload(std::move(interval), interval_);
   }
 
   absl::Status Store(compress::Replica& replica,
@@ -278,39 +259,19 @@ class CudaEngine final : public Engine, public DeviceServices {
         !s.ok())
       return s;
     if (absl::Status s = e_.Download(e.data(), bytes); !s.ok()) return s;
-    if (compress::StepsLocally(config_)) {
-      compress::Replica::LocalInterval interval;
-      if (has_interval_) {
-        interval.anchor.resize(config_.layout.dim);
-        interval.u.resize(config_.layout.dim);
-        if (absl::Status s = anchor_.Download(interval.anchor.data(), bytes);
-            !s.ok())
-          return s;
-        if (absl::Status s = u_.Download(interval.u.data(), bytes); !s.ok())
-          return s;
-      }
-      interval.lr_sums = lr_sums_;
-      interval.last_step = local_step_;
-      if (absl::Status s = replica.RestoreLocalInterval(std::move(interval));
-          !s.ok())
-        return s;
-    }
-    std::vector<compress::NamedState> own(state_.size());
-    for (size_t i = 0; i < state_.size(); ++i) {
-      own[i].name = state_[i].array.name;
-      if (!state_[i].array.per_element) {
-        own[i].values = state_[i].host;
-        continue;
-      }
-      own[i].values.resize(config_.layout.dim);
-      if (absl::Status s =
-              state_[i].device.Download(own[i].values.data(), bytes);
-          !s.ok())
-        return s;
-    }
-    if (absl::Status s = replica.RestoreState(0, config_.layout.dim, own);
+    absl::StatusOr<std::vector<compress::NamedState>> own = Download(state_);
+    if (!own.ok()) return own.status();
+    if (absl::Status s = replica.RestoreState(0, config_.layout.dim, *own);
         !s.ok())
       return s;
+    if (!interval_.empty()) {
+      absl::StatusOr<std::vector<compress::NamedState>> interval =
+          Download(interval_);
+      if (!interval.ok()) return interval.status();
+      if (absl::Status s = replica.RestoreInterval(*interval, local_step_);
+          !s.ok())
+        return s;
+    }
     return error.Restore(e);
   }
 
@@ -371,9 +332,10 @@ class CudaEngine final : public Engine, public DeviceServices {
           config_.layout, p.range, [&](uint32_t k, compress::Range part) {
             if (!s.ok()) return;
             s = kernels::ZeroOneSyncMessage(
-                *send_, rule.sync, lr_sums_[k], u_.as<float>() + part.begin,
-                m_.as<float>() + part.begin, v_.as<float>() + part.begin,
-                scratch_.as<float>() + part.begin, part.size());
+                *send_, rule.sync, HostState("lr_sum")[k],
+                DeviceState("u") + part.begin, m_.as<float>() + part.begin,
+                v_.as<float>() + part.begin, scratch_.as<float>() + part.begin,
+                part.size());
           });
       if (!s.ok()) return s;
       input = message;
@@ -573,17 +535,20 @@ class CudaEngine final : public Engine, public DeviceServices {
         compress::BeginLocalStep(config_, step, local_step_);
     if (!starts.ok()) return starts.status();
     const size_t bytes = 4 * config_.layout.dim;
+    std::vector<float>& lr_sums = HostState("lr_sum");  // one per segment
     if (*starts) {
       // x is final: every reply's update was synchronized. Both ahead of
       // the step's kernel on the same stream.
-      if (absl::Status s = send_->Copy(anchor_.data(), x_ptr_, bytes); !s.ok())
+      if (absl::Status s = send_->Copy(DeviceState("anchor"), x_ptr_, bytes);
+          !s.ok())
         return s;
-      if (absl::Status s = send_->Fill(u_.data(), 0, bytes); !s.ok()) return s;
+      if (absl::Status s = send_->Fill(DeviceState("u"), 0, bytes); !s.ok())
+        return s;
       has_interval_ = true;
-      std::fill(lr_sums_.begin(), lr_sums_.end(), 0.0f);
+      std::fill(lr_sums.begin(), lr_sums.end(), 0.0f);
     }
     std::vector<compress::AdamScalars> scalars;
-    for (uint32_t k = 0; k < lr_sums_.size(); ++k) {
+    for (uint32_t k = 0; k < lr_sums.size(); ++k) {
       scalars.push_back(compress::LocalStepScalars(
           config_, step, compress::HyperOf(hypers, k)));
     }
@@ -605,15 +570,15 @@ class CudaEngine final : public Engine, public DeviceServices {
           const uint64_t at = part.begin;
           s = kernels::ZeroOneLocalStep(
               *send_, scalars[k], g + at, x_ptr_ + at, m_.as<float>() + at,
-              u_.as<float>() + at, v_.as<float>() + at, part.size(),
+              DeviceState("u") + at, v_.as<float>() + at, part.size(),
               /*write_x=*/!exchanges);
         });
     if (!s.ok()) return s;
     // Store and the next gradient read x and m from other streams.
     if (absl::Status s = send_->Synchronize(); !s.ok()) return s;
-    for (uint32_t k = 0; k < lr_sums_.size(); ++k) lr_sums_[k] += scalars[k].lr;
+    for (uint32_t k = 0; k < lr_sums.size(); ++k) lr_sums[k] += scalars[k].lr;
     local_step_ = step;
-    return lr_sums_;
+    return lr_sums;
   }
 
   // compress::Replica::LambStep on the device: the segments' sums come to
@@ -719,7 +684,7 @@ class CudaEngine final : public Engine, public DeviceServices {
                                   DeviceState("v_fresh") + begin, n);
     }
     if (rule.sync) {
-      const float* anchor = has_interval_ ? anchor_.as<float>() + begin : x;
+      const float* anchor = has_interval_ ? DeviceState("anchor") + begin : x;
       return kernels::ZeroOneSyncUpdate(*apply_, rule.scalars, rule.mask,
                                         decoded, anchor, x, m, v, n);
     }
@@ -741,32 +706,69 @@ class CudaEngine final : public Engine, public DeviceServices {
   DeviceArrays arrays_;
   int device_ = 0;
   kernels::DeviceBuffer x_, m_, v_, e_, grad_, scratch_, apply_scratch_;
-  // zero_one_adam's local interval (compress::Replica::LocalInterval).
-  kernels::DeviceBuffer anchor_, u_;
-  bool has_interval_ = false;
-  std::vector<float> lr_sums_;  // one per segment of the layout
-  int64_t local_step_ = -1;
-  // The optimizer's own arrays (compress::Optimizer::State, in its order):
-  // a per-element one on the device, the others on the host.
+  // The optimizer's own arrays (compress::Optimizer::State, in its order)
+  // and those of its local interval (IntervalState: zero_one_adam's anchor,
+  // u and lr sums): a per-element one on the device, the others on the host.
   struct OwnState {
     compress::StateArray array;
     kernels::DeviceBuffer device;
     std::vector<float> host;
   };
-  std::vector<OwnState> state_;
+  std::vector<OwnState> state_, interval_;
+  bool has_interval_ = false;  // interval_'s per-element arrays hold one
+  int64_t local_step_ = -1;    // the last step LocalStep ran
   // The array the optimizer names `name` (its kernels' operand).
   OwnState& Own(absl::string_view name) {
-    auto it =
-        std::find_if(state_.begin(), state_.end(),
-                     [&](const OwnState& s) { return s.array.name == name; });
-    MORSE_CHECK(it != state_.end());
-    return *it;
+    for (std::vector<OwnState>* arrays : {&state_, &interval_}) {
+      for (OwnState& own : *arrays) {
+        if (own.array.name == name) return own;
+      }
+    }
+    MORSE_CHECK(false);
+    return state_.front();
   }
   float* DeviceState(absl::string_view name) {
     return Own(name).device.as<float>();
   }
-  absl::Span<const float> HostState(absl::string_view name) {
+  std::vector<float>& HostState(absl::string_view name) {
     return Own(name).host;
+  }
+  // A replica's arrays (SaveState's or SaveInterval's form, in `owned`'s
+  // order) into the engine's: a per-element one left empty stays as it is.
+  absl::Status Upload(std::vector<compress::NamedState> saved,
+                      std::vector<OwnState>& owned) {
+    MORSE_CHECK(saved.size() == owned.size());
+    for (size_t i = 0; i < owned.size(); ++i) {
+      if (!owned[i].array.per_element) {
+        owned[i].host = std::move(saved[i].values);
+      } else if (!saved[i].values.empty()) {
+        if (absl::Status s = owned[i].device.Upload(saved[i].values.data(),
+                                                    4 * saved[i].values.size());
+            !s.ok())
+          return s;
+      }
+    }
+    return absl::OkStatus();
+  }
+  // The engine's arrays in a replica's form; the interval's per-element
+  // ones empty where no interval is under way.
+  absl::StatusOr<std::vector<compress::NamedState>> Download(
+      const std::vector<OwnState>& owned) const {
+    const bool held = &owned != &interval_ || has_interval_;
+    std::vector<compress::NamedState> out(owned.size());
+    for (size_t i = 0; i < owned.size(); ++i) {
+      out[i].name = owned[i].array.name;
+      if (!owned[i].array.per_element) {
+        out[i].values = owned[i].host;
+      } else if (held) {
+        out[i].values.resize(config_.layout.dim);
+        if (absl::Status s = owned[i].device.Download(out[i].values.data(),
+                                                      4 * config_.layout.dim);
+            !s.ok())
+          return s;
+      }
+    }
+    return out;
   }
   // onebit_lamb: the pieces of compress::LambTotals in partition order, and
   // the kernels' table of each parameter group (segment of the layout).
