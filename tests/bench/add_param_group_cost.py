@@ -1,7 +1,7 @@
 """What add_param_group costs (docs/python.md, "Adding a parameter group"):
 one call against the job's own steps, timed in the same run.
 
-  build/bin/morse-run --servers 2 --workers 2 -- python3 tests/bench/add_param_group_cost.py [D] [from_start] [lamb]
+  build/bin/morse-run --servers 2 --workers 2 -- python3 tests/bench/add_param_group_cost.py [D] [from_start] [lamb] [split]
 
 A model of D float32 parameters (default 4M) in two tensors, the first
 3/4 trained from the start with Adam, the last 1/4 added as a group after
@@ -13,7 +13,12 @@ With from_start the group is there from the first step (the same model
 laid out once): its median step is what the steps after the call should
 take. With lamb the optimizer is OneBitLamb (freeze_step 100, so every
 step here is its warmup), whose call also grows each layer's coefficient
-state."""
+state. With split the first 3/4 are two tensors of 3/8 each, so that a
+node of two ranks under `--node-aggregation=sharded` has a slice for each
+rank from the start (the call cuts the slices anew over three tensors and
+moves the state of those that change slice):
+
+  build/bin/morse-run --servers 2 --workers 2 --node-aggregation=sharded -- python3 tests/bench/add_param_group_cost.py 4194304 split"""
 import os
 import statistics
 import sys
@@ -30,8 +35,13 @@ def main():
     torch.manual_seed(0)
     first = torch.nn.Parameter(torch.randn(dim - dim // 4) * 0.01)
     added = torch.nn.Parameter(torch.randn(dim // 4) * 0.01)
+    trained = [first]
+    if "split" in sys.argv[2:]:
+        half = first.numel() // 2
+        trained = [torch.nn.Parameter(first.detach()[:half].clone()),
+                   torch.nn.Parameter(first.detach()[half:].clone())]
     from_start = "from_start" in sys.argv[2:]
-    groups = [{"params": [first]}]
+    groups = [{"params": trained}]
     if from_start:
         groups.append({"params": [added], "lr": 2e-3})
     lamb = "lamb" in sys.argv[2:]
@@ -50,15 +60,15 @@ def main():
         return statistics.median(took)
 
     if from_start:
-        took = steps(10, [first, added])
+        took = steps(10, trained + [added])
         print(f"rank {rank}: {type(opt).__name__} D={dim}, both groups from the start: "
               f"median step {took * 1e3:.1f} ms")
         return
-    before = steps(5, [first])
+    before = steps(5, trained)
     start = time.perf_counter()
     opt.add_param_group({"params": [added], "lr": 2e-3})
     call = time.perf_counter() - start
-    after = steps(10, [first, added])
+    after = steps(10, trained + [added])
     print(f"rank {rank}: {type(opt).__name__} D={dim}: median step {before * 1e3:.1f} ms before, "
           f"{after * 1e3:.1f} ms after; add_param_group {call * 1e3:.1f} ms = "
           f"{call / after:.2f} steps")
