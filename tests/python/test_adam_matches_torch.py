@@ -189,6 +189,13 @@ def worker(mode):
               f"one warning naming step {SURPRISE}: {said}")
         print(f"warned: {said[0][:160]}...")
         return
+    # "edit_learn": edit_any where .grad after the clip is first the rank's
+    # own gradient, as on CUDA tensors (edit_any@cuda does the same there):
+    # the step of the first edit trains without it, warning, and the steps
+    # after it as DDP's (the reference leaves that edit out).
+    learns = mode == "edit_learn" or (mode == "edit_any" and where == "cuda")
+    if mode == "edit_learn":
+        mode = "edit_any"
     schedules, accumulate, clip = mode == "schedules", mode == "accumulate", mode == "clip"
     # The script's own clip_grad_norm_ after backward(), as under DDP.
     clip_after = mode == "clip_after"
@@ -228,6 +235,12 @@ def worker(mode):
                            overlap=rank == 0,
                            accumulation_steps=2 if accumulate and rank == 1 else None,
                            clip_grad_norm=0.2 if clip else None)
+    if learns and where != "cuda":
+        opt._shows_average = False  # as it starts on CUDA tensors
+    # The warnings of the run, for edit_any's (learns: one; else none).
+    recorder = warnings.catch_warnings(record=True)
+    recorded = recorder.__enter__()
+    warnings.simplefilter("always")
     world = int(os.environ["MORSE_WORLD_SIZE"])
     reference = Model()
     reference.load_state_dict(model.state_dict())  # rank 0's values, which everyone now has
@@ -353,7 +366,7 @@ def worker(mode):
                 check(abs(got - want) <= 1e-5 * want,
                       f"rank {opt.rank} step {step}: clip_grad_norm_ call {i} returned {got}, "
                       f"torch's {want}")
-        if edit_after:  # DDP's edit of the clipped average
+        if edit_after and not (learns and step == 0):  # DDP's edit of the clipped average
             edit_clipped_by(reference, step)
         betas_seen.add(tuple(opt.param_groups[0]["betas"]))
         ref_opt.step()
@@ -373,6 +386,14 @@ def worker(mode):
                    for a, b in zip(model.parameters(), reference.parameters()))
         worst = max(worst, diff)
         check(diff <= 1e-5, f"rank {opt.rank} step {step}: max |morse - torch| = {diff}")
+    recorder.__exit__(None, None, None)
+    said = [str(w.message) for w in recorded if str(w.message).startswith("morse:")]
+    if learns:
+        check(len(said) == 1 and said[0].startswith("morse: in step 0 .grad was edited after "
+                                                     "clip_grad_norm_"),
+              f"rank {rank}: one warning, of step 0's edit: {said}")
+    elif mode == "edit_any":
+        check(not said, f"rank {rank}: no warning: {said}")
     if clip or clip_after or edit or edit_after:
         check(clipped >= 10, f"the clip acted in only {clipped} of 20 steps")
     if clip_twice:
@@ -419,6 +440,8 @@ def worker(mode):
             "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
                        "halved weights loaded after step 10",
             }.get(mode, "constant")
+    if learns:
+        what += ", .grad after the clip first the rank's own (step 0's edit left out, warned)"
     print(f"rank {opt.rank}: 20 steps ({what}{', on CUDA tensors' if where else ''}), largest "
           f"difference from torch.optim.Adam {worst:.2e}")
 
@@ -523,7 +546,7 @@ def worker_late(kind, start):
 # GPU: the replies read where the engine stages them (Engine::StagedReply;
 # `test_adam_matches_torch.py cuda` runs these alone; without a GPU they
 # are skipped, saying so).
-CUDA_MODES = ("clip_p", "clip_part", "edit_clip", "edit_part")
+CUDA_MODES = ("clip_p", "clip_part", "edit_clip", "edit_part", "edit_any")
 
 
 def run_modes(modes):
@@ -547,7 +570,7 @@ if __name__ == "__main__":
         print("PASS")
         sys.exit(0)
     run_modes(("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",
-                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "edit_any", "no_sync",
+                 "clip_p", "clip_part", "edit", "edit_data", "edit_clip", "edit_part", "edit_any", "edit_learn", "no_sync",
                  "late_edit", "late_edit_data", "late_clip", "late_lr", "late_again", "late_again_no_sync", "early_lr", "groups",
                  "weights", "one_cycle", "group_betas"))
     if has_cuda("the modes that read the averaged gradient on CUDA tensors"):

@@ -754,6 +754,12 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # gradient (_amending: the session sends it, design.md 2.6).
         self._shown = False
         self._amending = False
+        # Whether clip_grad_norm_ shows the clipped average in .grad: on the
+        # CPU always; on CUDA tensors, where it costs a decode of the model
+        # on the host and its copy to the device in every clipped step, once
+        # the script was seen editing .grad after a clip in a step that
+        # averages (until then .grad keeps the rank's own gradient there).
+        self._shows_average = not self._cuda
         # The first step showed .grad edited between backward() and step():
         # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
         self._holds_pushes = False
@@ -1709,10 +1715,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
         it to every rank. Not in a compressing step, where the pushes left
         during backward() (step() adapts there), or on CUDA tensors (it would
         cost a decode of the model on the host and its copy to the device
-        every clipped step: .grad keeps the rank's own gradient there).
+        every clipped step: .grad keeps the rank's own gradient there until
+        the script is seen editing it after a clip, _shows_average).
         Returns whether it showed it."""
         pushed = self._pushed[3] if self._pushed is not None else None
-        if pushed is None or self._own_clipping or self._cuda:
+        if pushed is None or self._own_clipping or not self._shows_average:
             return False
         if self._part_factors is not None:
             if self._part_base[1]:
@@ -1723,12 +1730,38 @@ class _MorseOptimizer(torch.optim.Optimizer):
         elif not self._clipped or self._clipped[2] is None:
             return False  # the step runs unclipped
         self._restore_views()
-        with self._explained():
-            self._session.clipped_average(self._flat_grad)
+        with self._device_context(), self._explained():
+            if self._cuda:  # decoded on the host, where the engine stages the replies
+                average = torch.empty(self._flat_grad.numel(), dtype=torch.float32)
+                self._session.clipped_average(average)
+                with torch.no_grad():
+                    self._flat_grad.copy_(average)
+            else:
+                self._session.clipped_average(self._flat_grad)
         first, edited, missing, _ = self._pushed
         self._pushed = (first, edited, missing, (self._flat_grad._version, self._flat_grad.clone()))
         self._shown = True
         return True
+
+    def _learn_to_show(self):
+        """The step just ended edited .grad after clip_grad_norm_, otherwise
+        than by factors, where .grad held this rank's own clipped gradient
+        (CUDA tensors, _shows_average): the step trained on the clipped
+        average unedited. From the next step on .grad after the clip holds
+        the clipped average, as under DDP, and such edits amend the step
+        (and the pushes wait for the clip)."""
+        step = self.step_index - 1
+        self._shows_average = True
+        if self._overlap:
+            self._holds_pushes = True
+            self._snapshot = None
+        warnings.warn(
+            f"morse: in step {step} .grad was edited after clip_grad_norm_ on CUDA tensors, "
+            "where .grad after the clip holds this rank's own gradient until a script is seen "
+            "editing it: that step trained on the clipped average without the edit. From step "
+            f"{step + 1} on .grad after clip_grad_norm_ holds the clipped average, as DDP's does, "
+            "and edits of it train as under DDP (at the cost of a decode of the model on the host "
+            "and its copy to the GPU in each clipped step)", RuntimeWarning, stacklevel=3)
 
     def _fold_or_amend(self):
         """A clip_grad_norm_ after an earlier one of the step showed the
@@ -2420,6 +2453,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             if not first:  # (the first step's edits before its clip still decide)
                 edited = False
         folded = None  # the factors of an edit after the clip that joined it
+        learned = False  # .grad first seen edited after the clip, not shown (CUDA)
         if edited and not first and pushed is None and self._snapshot is not None:
             # Pushed during backward() (overlap), clipped, then edited: an
             # edit that scaled whole parameters joins the step's clip.
@@ -2439,6 +2473,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 late = folded is None
             if late and shown:
                 amend, late = True, False  # .grad, edited, is the step's gradient
+            if late and not self._shows_average and self._node is None:
+                with self._device_context(), self._explained():
+                    learned = not self._session.clips_locally()  # a step that averages
+                late = not learned
             if not (touched or late) and first and self._snapshot is not None and not self._snapshot_touched:
                 self._snapshot = None  # nothing edits the gradients after backward()
         changed = None
@@ -2465,7 +2503,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                                            self._flat_grad.numel()))
         if amend:
             with self._explained():
-                self._session.amend(self._flat_grad)
+                self._session.amend(self._flat_grad.cpu() if self._cuda else self._flat_grad)
         if self._cuda:
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
@@ -2514,13 +2552,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "whole gradient: mul_, div_, zero_)")
         if grads_differ is not None:
             raise MorseError(grads_differ)
+        if learned:
+            self._learn_to_show()
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
                 f"in step {self.step_index - 1}, which used them as they were at "
                 "clip_grad_norm_: after it, only a parameter's whole gradient scaled (mul_, "
                 "div_, zero_) joins the step's clip"
-                f"{' (in a step that averages)' if self._cuda else ''}; make other edits "
+                f"{' (on CUDA tensors, in a step that averages)' if self._cuda else ''}; make other edits "
                 "before clip_grad_norm_, as under DDP its clip factor is of the gradient it sees")
         if edited:
             self._surprised("the gradients changed after backward() had pushed them (editing, "
