@@ -15,7 +15,9 @@ the gradients the workers computed (all three the same bits, except
 between zero_one_adam's syncs); the GPU ranks' parameters stay CUDA
 tensors; state_dict()/load_state_dict() round trip on the GPU;
 clip_grad_norm_ with norm_type 3 in a step that averages gives
-torch's norm and clip (the replies decoded where they are staged). Exits
+torch's norm and clip (the replies decoded where they are staged); edits
+of .grad after clip_grad_norm_ in OneBitAdam's compression phase train
+bit for bit as on the CPU. Exits
 77 (skipped, saying why) without a GPU."""
 import json
 import os
@@ -137,6 +139,41 @@ def norm_type_taken():
         return abs(got - want) <= 1e-5 * want and kept
 
 
+def compressing_edits(device):
+    """OneBitAdam's compression phase (freeze_step 1, one rank, one shard)
+    on a Linear on `device`, clip_grad_norm_ after backward() each step and,
+    in the compressing steps, .grad edited after it (an add_, a row's mul_,
+    every gradient halved): the clip is torch's own on .grad, in place, and
+    step() pushes .grad as it finds it (DeepSpeed's rule). Returns the
+    parameters after 5 steps, and the same without the edits, on the CPU."""
+    import morse.torch
+    os.environ["MORSE_INSECURE"] = "1"
+    config = tempfile.NamedTemporaryFile("w", suffix=".textproto", delete=False)
+    config.write("workers: 1\nshards: 1\nexternal {}\n")
+    config.close()
+    trained = []
+    for edits in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(10, 4).to(device)
+        with server(config.name) as address:
+            opt = morse.torch.OneBitAdam(model.parameters(), freeze_step=1, rank=0, world_size=1,
+                                         servers=[address], config=config.name, block_elems=16)
+            for step in range(5):
+                opt.zero_grad()
+                x = torch.randn(8, 10, generator=torch.Generator().manual_seed(step)).to(device)
+                model(x).square().sum().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+                if edits and step > 0:
+                    with torch.no_grad():
+                        model.weight.grad.add_(0.001 * step)
+                        model.weight.grad[0].mul_(0.5)
+                        for p in model.parameters():
+                            p.grad.mul_(0.5)
+                opt.step()
+        trained.append(torch.cat([p.detach().cpu().flatten() for p in model.parameters()]))
+    return trained
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
@@ -154,6 +191,20 @@ if __name__ == "__main__":
     else:
         print("FAIL norm_type=3: not torch's norm and clip on CUDA tensors")
         failed.append("norm_type=3")
+    # Edits after clip_grad_norm_ in compressing steps on CUDA tensors
+    # (refused until session 74): the same bits as on the CPU, and moved by
+    # the edits.
+    on_gpu, on_cpu = compressing_edits("cuda"), compressing_edits("cpu")
+    if torch.equal(on_gpu[0], on_cpu[0]) and torch.equal(on_gpu[1], on_cpu[1]) \
+            and not torch.equal(on_gpu[0], on_gpu[1]):
+        print("PASS compressing edits: .grad edited after clip_grad_norm_ in OneBitAdam's "
+              "compression phase on CUDA tensors trains bit for bit as on the CPU")
+    else:
+        print("FAIL compressing edits: on CUDA tensors "
+              f"{(on_gpu[0] - on_cpu[0]).abs().max():.2e} from the CPU's run "
+              f"(unedited {(on_gpu[1] - on_cpu[1]).abs().max():.2e}); the edits moved it "
+              f"{(on_gpu[0] - on_gpu[1]).abs().max():.2e}")
+        failed.append("compressing edits")
     for name in OPTIMIZERS:
         os.environ["CUDA_OPTIMIZER"] = name
         out = tempfile.mkdtemp(prefix="morse-cuda-")

@@ -1687,7 +1687,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             self._fold_or_amend()  # an edit since the last clip's .grad
         if self._amending:
             return self._amended_clip(max_norm, order, error_if_nonfinite, owned)
-        if self._own_clipping is None and not self._cuda and self.clip_grad_norm is None:
+        if self._own_clipping is None and self.clip_grad_norm is None:
             if self._clipped or self._part_factors is not None:
                 self._own_clipping = False
             else:
@@ -1811,6 +1811,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
         limit = 0.0 if math.isinf(max_norm) else max_norm
         self._restore_views()  # a .grad the script replaced is the one to clip
         if len(owned) == len(self._params) and order == 2.0 and not self._own_scaled:
+            if self._cuda:
+                self._send([])  # the session's sum reads .grad as torch's work leaves it
             with self._explained():
                 sum_of_squares = self._session.clip(0.0)  # and the session scales by nothing
             norm = math.sqrt(sum_of_squares)
@@ -2486,12 +2488,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
                          and self._step_moments() != self._sent_moments)
         self._pending = None
         self._clipped = False
+        scaled_here = own_clipped  # .grad scaled in place for the pushes at step()
         if self._part_factors is not None:
             # The step's clip of part of the model: the averaged gradient's
             # pieces to every replica and mirror, or this rank's own
             # gradient scaled where its pushes read it (a compressing step).
             factors, (_, own, _) = self._part_factors, self._part_base
             self._part_factors = self._part_base = None  # this step's alone, whatever happens
+            scaled_here = scaled_here or own
             if own:
                 with torch.no_grad():
                     for (lo, hi), factor in zip(self._ranges, factors):
@@ -2505,6 +2509,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
             with self._explained():
                 self._session.amend(self._flat_grad.cpu() if self._cuda else self._flat_grad)
         if self._cuda:
+            if scaled_here:  # the pushes (encoded at finish()) read .grad as torch's work leaves it
+                self._send([])
             with torch.cuda.device(self._device), self._explained():
                 self.last_step = self._session.finish()
         else:
