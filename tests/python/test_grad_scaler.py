@@ -26,9 +26,11 @@ loss scale moving as DDP's.
 
 Parts (command-line arguments; none: all): `cpu` (1-4), `cuda` (5).
 
-torch 2.x only (the torch2_grad_scaler test): torch 1.13's GradScaler runs
-on CUDA alone, and hands a custom optimizer its step only after the
-pushes have left (refused: test_wrong_use)."""
+Under torch 1.13, whose GradScaler (torch.cuda.amp.GradScaler) hands a
+custom optimizer its step through step(grad_scaler=...) and runs on CUDA
+alone, the same runs (the python_grad_scaler test): on the CPU with that
+GradScaler's two CUDA kernels written out in torch (Torch113CpuScaler),
+on a GPU with the real one."""
 import math
 import os
 import sys
@@ -59,7 +61,77 @@ def make_model(device):
 
 
 def new_scaler(device):
-    return torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
+    if getattr(getattr(torch, "amp", None), "GradScaler", None) is not None:
+        return torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
+    if device == "cuda":  # torch 1.13's
+        return torch.cuda.amp.GradScaler(init_scale=1024.0, growth_interval=3)
+    return Torch113CpuScaler(init_scale=1024.0, growth_interval=3)
+
+
+class Torch113CpuScaler(torch.cuda.amp.GradScaler):
+    """torch 1.13's GradScaler on the CPU, where it disables itself (its
+    loss scaling runs on CUDA alone): the same class, its two CUDA kernels
+    (the unscale with its check for Inf and NaN, the scale's update)
+    written out in torch, as torch 2's CPU GradScaler computes them. All
+    else (scale(), unscale_(), step(grad_scaler=) for an optimizer that
+    _step_supports_amp_scaling, the per-optimizer states update() reads) is
+    torch 1.13's own."""
+
+    def __init__(self, init_scale, growth_interval):
+        import collections
+        from torch.cuda.amp import grad_scaler
+        super().__init__(enabled=False)
+        self._enabled = True
+        self._init_scale, self._scale = init_scale, None
+        self._growth_factor, self._backoff_factor = 2.0, 0.5
+        self._growth_interval = growth_interval
+        self._init_growth_tracker, self._growth_tracker = 0, None
+        self._per_optimizer_states = collections.defaultdict(
+            grad_scaler._refresh_per_optimizer_state)
+
+    def scale(self, outputs):
+        # torch 1.13's scale() asserts a CUDA tensor before it multiplies:
+        # Morse's notice on that class (morse.torch hooks it at import),
+        # then the multiplication alone.
+        import morse.torch
+        base = torch.cuda.amp.GradScaler.scale
+        check(base is not morse.torch._TORCH_SCALE, "morse.torch hooks torch 1.13's GradScaler.scale")
+        own, morse.torch._TORCH_SCALE = morse.torch._TORCH_SCALE, Torch113CpuScaler._multiply
+        try:
+            return base(self, outputs)
+        finally:
+            morse.torch._TORCH_SCALE = own
+
+    def _multiply(self, outputs):
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(outputs.device)
+        return outputs * self._scale.to(device=outputs.device)
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        if not bool(torch.isfinite(p.grad).all()):
+                            found_inf.fill_(1.0)
+                        p.grad.mul_(inv_scale)
+        return {found_inf.device: found_inf}
+
+    def update(self, new_scale=None):
+        import collections
+        from torch.cuda.amp import grad_scaler
+        found = sum(t.item() for state in self._per_optimizer_states.values()
+                    for t in state["found_inf_per_device"].values())
+        if found:
+            self._scale.mul_(self._backoff_factor)
+            self._growth_tracker.zero_()
+        elif int(self._growth_tracker) + 1 == self._growth_interval:
+            self._scale.mul_(self._growth_factor)
+            self._growth_tracker.zero_()
+        else:
+            self._growth_tracker += 1
+        self._per_optimizer_states = collections.defaultdict(
+            grad_scaler._refresh_per_optimizer_state)
 
 
 def worker(mode):
@@ -129,10 +201,6 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
         sys.exit(0)
-    if getattr(getattr(torch, "amp", None), "GradScaler", None) is None:
-        print(f"SKIPPED: torch {torch.__version__} has no torch.amp.GradScaler (its GradScaler runs "
-              "on CUDA only); the torch2_grad_scaler test runs this under torch 2.x")
-        sys.exit(77)
     want = sorted(step for _, step in OVERFLOWS)
     # (mode, morse-run's extra arguments): the 2 ranks as two workers, and
     # as one node of 2 (the leader steps; sharded, each rank its slice).
@@ -158,7 +226,8 @@ if __name__ == "__main__":
             ends = {end.split(", checksum")[0] for end in ends}
         check(len(ends) == 1, f"{what}: the ranks end apart (skips, loss scale, checksum): {ends}")
     ran = ", ".join(" ".join([mode, *extra]) for mode, extra in runs)
-    print(f"PASS: torch.amp.GradScaler on 2 ranks ({ran}): a step whose gradients overflowed on "
+    scaler = type(new_scaler("cpu")).__name__
+    print(f"PASS: {scaler} (torch {torch.__version__}) on 2 ranks ({ran}): a step whose gradients overflowed on "
           f"one rank ({sorted(OVERFLOWS)}) skipped on every rank, the loss scale DDP's on every "
           "rank after every step, Adam's parameters within 1e-5 of DDP + AdamW (with and without "
           "unscale_ and clip_grad_norm_), and OneBitAdam through warmup and compression "

@@ -199,11 +199,13 @@ def main():
         expect(MorseError, "at step 1 (compression phase): non-finite values in 1.weight", opt.step)
 
     # fp16 loss scaling (torch.amp.GradScaler; torch 1.13's runs on CUDA
-    # only): a step whose gradients overflowed is skipped (on every rank:
-    # test_grad_scaler) and the scale backs off; one that did not is
-    # unscaled in .grad and taken. A GradScaler that hands Morse the step
-    # only after the pushes left (torch 1.13's grad_scaler= argument) is
-    # refused, saying to train in bf16; a plain step() after it is a step.
+    # only: test_grad_scaler runs it on the CPU with its CUDA kernels
+    # written out): a step whose gradients overflowed is skipped (on every
+    # rank: test_grad_scaler) and the scale backs off; one that did not is
+    # unscaled in .grad and taken. A step(grad_scaler=...) from a scaler
+    # whose scale() did not tell the optimizer (its pushes left before
+    # anything knew of an overflow) is refused, saying to train in bf16; a
+    # plain step() after it is a step.
     scaler_type = getattr(getattr(torch, "amp", None), "GradScaler", None)
     with server(base) as address:
         model = torch.nn.Linear(3, 2)
@@ -225,8 +227,8 @@ def main():
                   f"{model.weight.grad.tolist()} (4.0 unscaled)")
             print("ok: GradScaler skipped the overflowing step and took the next, unscaled")
         else:
-            print(f"(torch {torch.__version__} has no torch.amp.GradScaler: its steps are "
-                  "checked under torch 2.x)")
+            print(f"(torch {torch.__version__} has no torch.amp.GradScaler: test_grad_scaler "
+                  "runs its torch.cuda.amp.GradScaler on the CPU)")
         opt.zero_grad()
         model(torch.ones(4, 3)).sum().backward()
         before = opt.step_index

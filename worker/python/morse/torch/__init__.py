@@ -146,9 +146,12 @@ def _install_grad_scaler_hook():
     by which scaler, so that its pushes wait for step(), where the job
     decides whether the step's gradients overflowed (_scaler_step)."""
     global _TORCH_SCALE
-    scaler_class = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    # (torch 1.13: torch.cuda.amp.GradScaler alone, which torch 2's
+    # subclasses.)
+    scaler_class = getattr(getattr(torch, "amp", None), "GradScaler", None) or \
+        getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)
     if scaler_class is None or _TORCH_SCALE is not None:
-        return  # (torch 1.13: torch.cuda.amp.GradScaler alone, refused at step())
+        return
     _TORCH_SCALE = scaler_class.scale
 
     def scale(self, outputs):
@@ -1583,17 +1586,30 @@ class _MorseOptimizer(torch.optim.Optimizer):
         found_inf, grad_scale = _amp_of(self)
         if grad_scaler is None and found_inf is None:
             return False
-        if grad_scaler is not None or not self._loss_scaled:
-            # (torch 1.13's GradScaler, on CUDA alone, and a scale() that
-            # did not tell this optimizer: its pushes left during backward(),
-            # scaled, before anything knew of an overflow.)
+        if grad_scaler is not None and not hasattr(grad_scaler, "_per_optimizer_states"):
+            found_inf = None  # not torch's GradScaler (refused below)
+        if (grad_scaler is not None and found_inf is not None) or not self._loss_scaled \
+                or grad_scaler not in (None, self._scaler):
+            # (A scale() that did not tell this optimizer: its pushes left
+            # during backward(), scaled, before anything knew of an
+            # overflow.)
             raise _grad_scaler_refused(
-                self, "this step", "this torch's GradScaler hands Morse the step only after its "
-                "pushes have left (torch.amp.GradScaler of torch 2.3 or later tells a Morse "
-                "optimizer at scale(), before backward())")
+                self, "this step", "this GradScaler hands Morse the step only after its pushes "
+                "have left (torch's GradScaler tells a Morse optimizer at scale(), before "
+                "backward())")
         if self._elastic:
             raise _grad_scaler_refused(self, "this step",
                                        "not in an elastic job (min_workers), whose ranks may leave")
+        if grad_scaler is not None:
+            # torch 1.13's contract (step(grad_scaler=)): the optimizer
+            # unscales .grad through the scaler, where the script did not
+            # (scaler.unscale_), which records this rank's verdict.
+            if not grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"]:
+                grad_scaler.unscale_(self)
+            grad_scale = None  # unscaled
+            found_inf = sum(v.item() for v in
+                            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values())
+            found_inf = torch.tensor(float(found_inf))
         overflowed = self._step_overflowed(own=1 if found_inf.item() > 0 else 0)
         # The job's verdict in the scaler's own record (what its update()
         # reads), so that every rank backs off or grows its scale alike.
@@ -3294,15 +3310,21 @@ def _unscale(params, grad_scale):
 
 def _overflow_of(grads):
     """0 where the tensors `grads` are finite, 2 where one holds a NaN, else
-    1: GradScaler's own check (one pass, by device), then a look for NaNs
-    only where it found something."""
+    1: GradScaler's own check (one pass, by device; a look at each tensor
+    where this torch has none for the device, as torch 1.13 on the CPU),
+    then a look for NaNs only where it found something."""
     found = False
     check = getattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)
     for device in {g.device for g in grads}:
         on = [g for g in grads if g.device == device]
+        flag = None
         if check is not None:
             flag = torch.zeros(1, device=device)
-            check(on, flag, torch.ones(1, device=device))  # (times 1: .grad keeps its values)
+            try:
+                check(on, flag, torch.ones(1, device=device))  # (times 1: .grad keeps its values)
+            except NotImplementedError:
+                flag = None
+        if flag is not None:
             found = found or bool(flag.item() > 0)
         else:
             found = found or any(not bool(torch.isfinite(g).all()) for g in on)

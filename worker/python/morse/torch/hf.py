@@ -146,11 +146,10 @@ def keep_out_of_ddp(model, autocast_handler=None):
 
 def _check_precision(precision, opt=None):
     """ValueError for a mixed precision ("no", "bf16", "fp16", ...) Morse
-    does not train with under these stacks: fp8; fp16 under a torch
-    without torch.amp.GradScaler (before 2.3; its CUDA GradScaler hands a
-    Morse optimizer the step only after the pushes have left), and fp16
-    with DiLoCo (`opt`) under --node-aggregation, whose ranks take each
-    inner step together on the node's average."""
+    does not train with under these stacks: fp8, and fp16 with DiLoCo
+    (`opt`) under --node-aggregation, whose ranks take each inner step
+    together on the node's average. (fp16's GradScaler, torch.amp's or
+    before torch 2.3 torch.cuda.amp's, tells a Morse optimizer at scale().)"""
     if precision in ("no", "bf16"):
         return
     if (precision == "fp16" and opt is not None and _is_diloco(opt)
@@ -161,13 +160,7 @@ def _check_precision(precision, opt=None):
             "own gradients; use bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16')), "
             "or float32")
     if precision == "fp16":
-        if getattr(getattr(torch, "amp", None), "GradScaler", None) is not None:
-            return
-        raise ValueError(
-            f"mixed_precision='fp16' under torch {torch.__version__}: its GradScaler hands a Morse "
-            "optimizer the step only after the pushes have left (torch.amp.GradScaler of torch "
-            "2.3 or later tells a Morse optimizer before backward()); use bf16 (Trainer's "
-            "bf16=True, Accelerator(mixed_precision='bf16')), or float32")
+        return
     raise ValueError(
         f"mixed_precision={precision!r}: Morse trains under 'no', 'bf16' and 'fp16' (fp16 with "
         "torch.amp.GradScaler); use bf16 (Trainer's bf16=True, "
