@@ -286,3 +286,82 @@ def server(config_path):
     finally:
         proc.terminate()
         proc.wait()
+
+
+def cpu_grad_scaler(init_scale, growth_interval):
+    """A GradScaler for CPU tensors: torch.amp.GradScaler("cpu") where
+    torch has it (2.3 and later), else torch 1.13's torch.cuda.amp one,
+    which runs on CUDA alone, with its CUDA kernels written out
+    (_Torch113CpuScaler)."""
+    import torch
+    if getattr(getattr(torch, "amp", None), "GradScaler", None) is not None:
+        return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+    return _torch113_cpu_scaler()(init_scale, growth_interval)
+
+
+def _torch113_cpu_scaler():
+    """torch 1.13's GradScaler on the CPU, where it disables itself: the
+    same class, its two CUDA kernels (the unscale with its check for Inf
+    and NaN, the scale's update) written out in torch, as torch 2's CPU
+    GradScaler computes them, and scale()'s multiplication without its
+    assert of a CUDA tensor, behind morse.torch's hook of that class's
+    scale(). All else (unscale_(), step(grad_scaler=) for an optimizer that
+    _step_supports_amp_scaling, the per-optimizer states update() reads)
+    is torch 1.13's own."""
+    import collections
+
+    import morse.torch
+    import torch
+    from torch.cuda.amp import grad_scaler
+
+    class _Torch113CpuScaler(torch.cuda.amp.GradScaler):
+        def __init__(self, init_scale, growth_interval):
+            super().__init__(enabled=False)
+            self._enabled = True
+            self._init_scale, self._scale = init_scale, None
+            self._growth_factor, self._backoff_factor = 2.0, 0.5
+            self._growth_interval = growth_interval
+            self._init_growth_tracker, self._growth_tracker = 0, None
+            self._per_optimizer_states = collections.defaultdict(
+                grad_scaler._refresh_per_optimizer_state)
+
+        def scale(self, outputs):
+            if morse.torch._TORCH_SCALE is None:  # not hooked (no optimizer needs to hear)
+                return self._multiply(outputs)
+            base = torch.cuda.amp.GradScaler.scale
+            own, morse.torch._TORCH_SCALE = morse.torch._TORCH_SCALE, type(self)._multiply
+            try:
+                return base(self, outputs)  # morse.torch's notice, then _multiply
+            finally:
+                morse.torch._TORCH_SCALE = own
+
+        def _multiply(self, outputs):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device)
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            if not bool(torch.isfinite(p.grad).all()):
+                                found_inf.fill_(1.0)
+                            p.grad.mul_(inv_scale)
+            return {found_inf.device: found_inf}
+
+        def update(self, new_scale=None):
+            found = sum(t.item() for state in self._per_optimizer_states.values()
+                        for t in state["found_inf_per_device"].values())
+            if found:
+                self._scale.mul_(self._backoff_factor)
+                self._growth_tracker.zero_()
+            elif int(self._growth_tracker) + 1 == self._growth_interval:
+                self._scale.mul_(self._growth_factor)
+                self._growth_tracker.zero_()
+            else:
+                self._growth_tracker += 1
+            self._per_optimizer_states = collections.defaultdict(
+                grad_scaler._refresh_per_optimizer_state)
+
+    return _Torch113CpuScaler

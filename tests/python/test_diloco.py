@@ -32,7 +32,7 @@ import tempfile
 
 import torch
 
-from harness import check, check_ranks_match_simulator, has_cuda, morse_run  # noqa: E402
+from harness import check, check_ranks_match_simulator, cpu_grad_scaler, has_cuda, morse_run  # noqa: E402
 
 RANKS = 3
 SYNC_EVERY = 3
@@ -301,10 +301,10 @@ def worker(out, codec, phase):
         # torch's AdamW and a GradScaler of its own, set to the outer
         # parameters at each sync, is what each rank's inner steps must
         # be, bit for bit (its own skips, its own loss scale).
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+        scaler = cpu_grad_scaler(init_scale=1024.0, growth_interval=3)
         shadow = copy.deepcopy(model)
         shadow_inner = torch.optim.AdamW(shadow.parameters(), lr=0.01, weight_decay=0.01)
-        shadow_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+        shadow_scaler = cpu_grad_scaler(init_scale=1024.0, growth_interval=3)
         skipped = []
     checksums = []
     for step in range(first, SYNC_EVERY * SYNCS):
@@ -522,10 +522,6 @@ if __name__ == "__main__":
     codecs = chosen or ["fp32", "int8", "int8+warmup", "int8+amp", "int8@cuda"]
     if any(c.endswith("@cuda") for c in codecs) and not has_cuda("DiLoCo with models on the GPU"):
         codecs = [c for c in codecs if not c.endswith("@cuda")]
-    if "int8+amp" in codecs and getattr(getattr(torch, "amp", None), "GradScaler", None) is None:
-        print(f"SKIPPED (this part only): DiLoCo under fp16 loss scaling; torch {torch.__version__} "
-              "has no torch.amp.GradScaler (torch2_diloco runs it)")
-        codecs.remove("int8+amp")
     for codec in codecs:
         out = tempfile.mkdtemp(prefix="morse-diloco-")
         code, log = morse_run(__file__, RANKS, 2, out, codec, "full")

@@ -29,7 +29,7 @@ Parts (command-line arguments; none: all): `cpu` (1-4), `cuda` (5).
 Under torch 1.13, whose GradScaler (torch.cuda.amp.GradScaler) hands a
 custom optimizer its step through step(grad_scaler=...) and runs on CUDA
 alone, the same runs (the python_grad_scaler test): on the CPU with that
-GradScaler's two CUDA kernels written out in torch (Torch113CpuScaler),
+GradScaler's two CUDA kernels written out in torch (harness.cpu_grad_scaler),
 on a GPU with the real one."""
 import math
 import os
@@ -37,7 +37,7 @@ import sys
 
 import torch
 
-from harness import check, has_cuda, modes_of, morse_run
+from harness import check, cpu_grad_scaler, has_cuda, modes_of, morse_run
 
 STEPS = 12
 OVERFLOWS = {(1, 2), (1, 7), (0, 9)}  # (rank, step): that rank's loss is infinite
@@ -61,77 +61,11 @@ def make_model(device):
 
 
 def new_scaler(device):
+    if device == "cpu":
+        return cpu_grad_scaler(init_scale=1024.0, growth_interval=3)
     if getattr(getattr(torch, "amp", None), "GradScaler", None) is not None:
         return torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
-    if device == "cuda":  # torch 1.13's
-        return torch.cuda.amp.GradScaler(init_scale=1024.0, growth_interval=3)
-    return Torch113CpuScaler(init_scale=1024.0, growth_interval=3)
-
-
-class Torch113CpuScaler(torch.cuda.amp.GradScaler):
-    """torch 1.13's GradScaler on the CPU, where it disables itself (its
-    loss scaling runs on CUDA alone): the same class, its two CUDA kernels
-    (the unscale with its check for Inf and NaN, the scale's update)
-    written out in torch, as torch 2's CPU GradScaler computes them. All
-    else (scale(), unscale_(), step(grad_scaler=) for an optimizer that
-    _step_supports_amp_scaling, the per-optimizer states update() reads) is
-    torch 1.13's own."""
-
-    def __init__(self, init_scale, growth_interval):
-        import collections
-        from torch.cuda.amp import grad_scaler
-        super().__init__(enabled=False)
-        self._enabled = True
-        self._init_scale, self._scale = init_scale, None
-        self._growth_factor, self._backoff_factor = 2.0, 0.5
-        self._growth_interval = growth_interval
-        self._init_growth_tracker, self._growth_tracker = 0, None
-        self._per_optimizer_states = collections.defaultdict(
-            grad_scaler._refresh_per_optimizer_state)
-
-    def scale(self, outputs):
-        # torch 1.13's scale() asserts a CUDA tensor before it multiplies:
-        # Morse's notice on that class (morse.torch hooks it at import),
-        # then the multiplication alone.
-        import morse.torch
-        base = torch.cuda.amp.GradScaler.scale
-        check(base is not morse.torch._TORCH_SCALE, "morse.torch hooks torch 1.13's GradScaler.scale")
-        own, morse.torch._TORCH_SCALE = morse.torch._TORCH_SCALE, Torch113CpuScaler._multiply
-        try:
-            return base(self, outputs)
-        finally:
-            morse.torch._TORCH_SCALE = own
-
-    def _multiply(self, outputs):
-        if self._scale is None:
-            self._lazy_init_scale_growth_tracker(outputs.device)
-        return outputs * self._scale.to(device=outputs.device)
-
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        if not bool(torch.isfinite(p.grad).all()):
-                            found_inf.fill_(1.0)
-                        p.grad.mul_(inv_scale)
-        return {found_inf.device: found_inf}
-
-    def update(self, new_scale=None):
-        import collections
-        from torch.cuda.amp import grad_scaler
-        found = sum(t.item() for state in self._per_optimizer_states.values()
-                    for t in state["found_inf_per_device"].values())
-        if found:
-            self._scale.mul_(self._backoff_factor)
-            self._growth_tracker.zero_()
-        elif int(self._growth_tracker) + 1 == self._growth_interval:
-            self._scale.mul_(self._growth_factor)
-            self._growth_tracker.zero_()
-        else:
-            self._growth_tracker += 1
-        self._per_optimizer_states = collections.defaultdict(
-            grad_scaler._refresh_per_optimizer_state)
+    return torch.cuda.amp.GradScaler(init_scale=1024.0, growth_interval=3)  # torch 1.13's
 
 
 def worker(mode):

@@ -90,7 +90,8 @@ class DiLoCo(torch.optim.Optimizer):
     same step() (design.md 2.11)."""
 
     # torch.amp.GradScaler hands the steps it drives to step() (torch 2's
-    # grad_scale and found_inf attributes), which counts a skipped one.
+    # grad_scale and found_inf attributes; torch 1.13's grad_scaler
+    # argument), which counts a skipped one.
     _step_supports_amp_scaling = True
 
     def __init__(self, params, inner_optimizer, *, sync_every=500, outer_lr=0.7,
@@ -502,19 +503,27 @@ class DiLoCo(torch.optim.Optimizer):
         """For a step that torch.amp.GradScaler drives (its found_inf and
         grad_scale attributes): whether this rank's gradients overflowed
         (the step is skipped); else .grad is unscaled where the script did
-        not (scaler.unscale_). ValueError where DiLoCo cannot: torch 1.13's
-        GradScaler, and under --node-aggregation (the node's ranks would
-        each decide on their own gradients for the step they share)."""
+        not (scaler.unscale_); torch 1.13's GradScaler (step(grad_scaler=))
+        through its unscale_. ValueError under --node-aggregation (the
+        node's ranks would each decide on their own gradients for the step
+        they share)."""
         found_inf, grad_scale = _amp_of(self)
         if grad_scaler is None and found_inf is None:
             return False
-        if grad_scaler is not None:
-            raise _grad_scaler_refused(self, "this DiLoCo step", "this torch's GradScaler "
-                                       "(torch.amp.GradScaler of torch 2.3 or later works)")
+        if grad_scaler is not None and not hasattr(grad_scaler, "_per_optimizer_states"):
+            raise _grad_scaler_refused(self, "this DiLoCo step", "not torch's GradScaler")
         if self._node is not None:
             raise _grad_scaler_refused(self, "this DiLoCo step", "not under --node-aggregation, "
                                        "whose ranks take each inner step together on the node's "
                                        "average")
+        if grad_scaler is not None:
+            # torch 1.13's contract (step(grad_scaler=)): .grad unscaled
+            # through the scaler where the script did not (scaler.unscale_),
+            # which records this rank's verdict where update() reads it.
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if not state["found_inf_per_device"]:
+                grad_scaler.unscale_(self)
+            return sum(v.item() for v in state["found_inf_per_device"].values()) > 0
         if found_inf.item() > 0:
             return True
         if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
