@@ -289,6 +289,22 @@ TEST(GpuTest, LoadAndStoreKeepEveryArrayOfTheOptimizer) {
       }
     }
     EXPECT_EQ(stored.last_local_step(), replica.last_local_step());
+    // A replica with no interval under way (its anchor and u empty, its
+    // sums held) comes back without one.
+    compress::Replica fresh(c, {0, dim});
+    ASSERT_TRUE((*engine)->Load(fresh, error).ok());
+    compress::Replica none(c, {0, dim});
+    ASSERT_TRUE(none.RestoreInterval(interval, 17).ok());  // to be replaced
+    ASSERT_TRUE((*engine)->Store(none, stored_error).ok());
+    const std::vector<compress::NamedState> want = fresh.SaveInterval(),
+                                            got = none.SaveInterval();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(compress::testing::SameBits(got[i].values, want[i].values))
+          << want[i].name << " (no interval): " << got[i].values.size()
+          << " values";
+    }
+    EXPECT_EQ(none.last_local_step(), -1);
   }
 }
 

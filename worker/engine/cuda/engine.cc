@@ -237,9 +237,11 @@ class CudaEngine final : public Engine, public DeviceServices {
         !s.ok())
       return s;
     std::vector<compress::NamedState> interval = replica.SaveInterval();
-    has_interval_ = std::any_of(
-        interval.begin(), interval.end(),
-        [](const compress::NamedState& a) { return !a.values.empty(); });
+    has_interval_ = false;  // whether its per-element arrays hold one
+    for (size_t i = 0; i < interval.size(); ++i) {
+      if (interval_[i].array.per_element && !interval[i].values.empty())
+        has_interval_ = true;
+    }
     local_step_ = replica.last_local_step();
     return Upload(std::move(interval), interval_);
   }
