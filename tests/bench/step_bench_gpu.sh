@@ -49,9 +49,10 @@ stamp "GPU tests"
     echo "FAILED: test_cuda_tensors.py"
   # Norms of other orders, clips of part of the model and edits after the
   # clip on CUDA tensors, 2 ranks against DDP's rule (never run on a GPU
-  # before; written 2026-12-04, session 68).
+  # before; written 2026-12-04, session 68; edit_any@cuda, the edits that
+  # amend from the step after the first, session 74).
   stamp "test_adam_matches_torch.py cuda"
-  (cd "$work/morse/tests/python" && timeout 200 python3 test_adam_matches_torch.py cuda 2>&1) ||
+  (cd "$work/morse/tests/python" && timeout 300 python3 test_adam_matches_torch.py cuda 2>&1) ||
     echo "FAILED: test_adam_matches_torch.py cuda"
   # Nodes of 2 ranks sharing the GPU, led and sharded (never run on one
   # before 2026-12-04).
