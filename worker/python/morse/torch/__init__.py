@@ -157,9 +157,12 @@ def _install_grad_scaler_hook():
     def scale(self, outputs):
         if self.is_enabled():
             for ref in _OPTIMIZERS:
-                opt = ref()
-                if opt is not None:
-                    opt._loss_scaled_by(self)
+                # (A node's DiLoCo is listed too, for clip_grad_norm_: its
+                # inner steps are its own, and it hears of the scaler at
+                # step().)
+                told = getattr(ref(), "_loss_scaled_by", None)
+                if told is not None:
+                    told(self)
         return _TORCH_SCALE(self, outputs)
     scale.__doc__ = _TORCH_SCALE.__doc__
     scaler_class.scale = scale
