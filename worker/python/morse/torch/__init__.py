@@ -1607,13 +1607,14 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # torch 1.13's contract (step(grad_scaler=)): the optimizer
             # unscales .grad through the scaler, where the script did not
             # (scaler.unscale_), which records this rank's verdict.
-            if not grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"]:
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if not state["found_inf_per_device"]:
                 grad_scaler.unscale_(self)
             grad_scale = None  # unscaled
-            found_inf = sum(v.item() for v in
-                            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values())
-            found_inf = torch.tensor(float(found_inf))
-        overflowed = self._step_overflowed(own=1 if found_inf.item() > 0 else 0)
+            own = 1 if sum(v.item() for v in state["found_inf_per_device"].values()) > 0 else 0
+        else:
+            own = 1 if found_inf.item() > 0 else 0
+        overflowed = self._step_overflowed(own=own)
         # The job's verdict in the scaler's own record (what its update()
         # reads), so that every rank backs off or grows its scale alike.
         states = getattr(self._scaler, "_per_optimizer_states", None)
