@@ -19,7 +19,10 @@ one among them, are refused before the job is joined. Under morse-run
 ranks take their inner steps together on the node's average gradient,
 bit-identical to the simulator with N = 2 (a sync every SYNC_EVERY steps,
 and streaming with an overlap); =sharded is refused. Arguments name codecs
-to run alone (`test_diloco.py int8@cuda`: that run only); none, everything."""
+to run alone (`test_diloco.py int8@cuda`: that run only); none, everything.
+Under a GradScaler on nodes (`int8amp`) a step is skipped by every rank of
+the node where one of them overflowed, as DDP inside the node would, the
+loss scales move alike, and a skipped step at a sync still merges."""
 import copy
 import glob
 import json
@@ -51,6 +54,10 @@ NODE_CLIP = 0.3  # clip_grad_norm_'s max_norm in the int8clip node run
 # int8+amp: (rank, inner step) whose loss is infinite under the GradScaler:
 # two steps inside an interval and one whose step ends with a sync.
 AMP_OVERFLOWS = {(1, 1), (1, 5), (2, 4)}
+# int8amp (2 nodes x 2 ranks): node 0 overflows in steps 1 and 5 (a merge
+# step) on its rank 1, node 1 in step 4 on its leader and 8 (a merge step)
+# on its rank 3.
+NODE_AMP_OVERFLOWS = {(1, 1), (1, 5), (2, 4), (3, 8)}
 
 
 def loss_of(model, step, rank, device="cpu"):
@@ -76,13 +83,32 @@ def amp_step(model, opt, scaler, step, rank):
     scaler.update()
 
 
+def expected_scales(skipped, steps, init_scale=1024.0, growth_interval=3):
+    """GradScaler's loss scale after each of `steps` steps, those in
+    `skipped` overflowing: halved at each, doubled after growth_interval
+    steps in a row without one."""
+    scale, tracker, scales = init_scale, 0, []
+    for step in range(steps):
+        if step in skipped:
+            scale, tracker = scale * 0.5, 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                scale, tracker = scale * 2.0, 0
+        scales.append(scale)
+    return scales
+
+
 def node_worker(out, mode):
     """Under morse-run --node-aggregation (2 nodes x 2 ranks): mode "int8"
     (a sync every SYNC_EVERY inner steps) or "stream" (int4, FRAGMENTS
-    fragments, overlap_steps 1, flush() at the end). Each rank saves its own
-    gradient and the one its inner step took (the node's average) at every
-    step, and its parameters; each node's leader its pseudo-gradients and
-    checksums. Under =sharded, the refusal."""
+    fragments, overlap_steps 1, flush() at the end); "int8clip" clips;
+    "int8amp" under a GradScaler (the loss infinite where NODE_AMP_OVERFLOWS
+    says; unscale_ and a clip that keeps every bit in even steps, neither in
+    odd ones). Each rank saves its own (unscaled) gradient and the one its
+    inner step took (the node's average) at every step, and its parameters
+    (under amp, its skipped steps and loss scales); each node's leader its
+    pseudo-gradients and checksums. Under =sharded, the refusal."""
     import numpy as np
     import morse.torch
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
@@ -111,6 +137,8 @@ def node_worker(out, mode):
         np.save(f"{out}/x0.npy", opt.outer_parameters().numpy())
     steps = (STREAM_SYNC_EVERY // FRAGMENTS) * STREAM_SYNCS if stream else SYNC_EVERY * SYNCS
     checksums, params, norms = [], {}, []
+    if mode == "int8amp":
+        scaler, skipped, scales = cpu_grad_scaler(init_scale=1024.0, growth_interval=3), [], []
     for step in range(opt.inner_steps, steps + 1):
         if mode == "int8kill" and rank == 1 and life == 0 and step == 7:
             os.kill(os.getpid(), signal.SIGKILL)  # the node restarts (--rank-restarts)
@@ -119,12 +147,33 @@ def node_worker(out, mode):
             opt.flush()  # the last sync, in flight with the overlap (on every rank)
         else:
             opt.zero_grad()
-            backward(model, step, rank)
-            np.save(f"{out}/own-{rank}-{step}.npy",
-                    torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
-            if mode == "int8clip":  # of the node's average, as DDP inside the node
-                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), NODE_CLIP)))
-            opt.step()
+            if mode == "int8amp":
+                loss = loss_of(model, step, rank)
+                scaler.scale(loss * math.inf if (rank, step) in NODE_AMP_OVERFLOWS else loss).backward()
+                own = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                if step % 2 == 0:
+                    scaler.unscale_(opt)  # this rank's own gradient
+                    own = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                    # The node's average first (_clip_grad_norm), clipped by
+                    # 1.0 (no bit changes), then the node's verdict at step().
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e30)
+                else:
+                    own = own * torch.tensor(1.0 / scaler.get_scale())  # a power of two
+                np.save(f"{out}/own-{rank}-{step}.npy", own.numpy())
+                taken = adamw_steps(inner)
+                scaler.step(opt)
+                scaler.update()
+                if adamw_steps(inner) == taken:
+                    skipped.append(step)
+                scales.append(scaler.get_scale())
+            else:
+                backward(model, step, rank)
+                np.save(f"{out}/own-{rank}-{step}.npy",
+                        torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+                if mode == "int8clip":  # of the node's average, as DDP inside the node
+                    norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                                      NODE_CLIP)))
+                opt.step()
             np.save(f"{out}/took-{rank}-{step}.npy",
                     torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
         params[step] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes().hex()
@@ -139,10 +188,12 @@ def node_worker(out, mode):
         assert opt.membership() == world, f"membership {opt.membership()}, expected {world}"
     json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
     json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
+    if mode == "int8amp":
+        json.dump({"skipped": skipped, "scales": scales}, open(f"{out}/amp-{rank}.json", "w"))
     print(f"rank {rank}: {steps} inner steps, {opt.step_index} outer")
 
 
-def node_aggregation():
+def node_aggregation(modes=("int8", "stream", "int8clip", "int8amp"), restarts=True):
     """DiLoCo under morse-run --node-aggregation, 2 nodes x 2 ranks: each
     node's ranks take every inner step with the node's average gradient
     ((g0 + g1) / 2, bit for bit) and end every step on the same
@@ -152,7 +203,7 @@ def node_aggregation():
     from harness import nodes
     from test_node_aggregation import node_average
     import numpy as np
-    for mode in ("int8", "stream", "int8clip"):
+    for mode in modes:
         out = tempfile.mkdtemp(prefix=f"morse-diloco-nodes-{mode}-")
         results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
         for node, (code, text) in enumerate(results):
@@ -164,7 +215,22 @@ def node_aggregation():
             ranks = (2 * node, 2 * node + 1)
             norms = [json.load(open(f"{out}/norms-{r}.json")) for r in ranks]
             check(norms[0] == norms[1], f"{mode}: node {node}'s ranks' clip_grad_norm_ differ")
+            skipped = set()
+            if mode == "int8amp":
+                # As DDP inside the node: a step is skipped on every rank of
+                # the node where one of them overflowed, and no other, and
+                # the ranks' loss scales move alike.
+                want = sorted(s for r, s in NODE_AMP_OVERFLOWS if r in ranks)
+                amp = [json.load(open(f"{out}/amp-{r}.json")) for r in ranks]
+                for r, got in zip(ranks, amp):
+                    check(got["skipped"] == want, f"rank {r} skipped {got['skipped']}, not {want}")
+                    check(got["scales"] == expected_scales(want, steps),
+                          f"rank {r}'s loss scales {got['scales']}, not the node's "
+                          f"{expected_scales(want, steps)}")
+                skipped = set(want)
             for step in range(steps):
+                if step in skipped:
+                    continue
                 average = node_average([np.load(f"{out}/own-{r}-{step}.npy") for r in ranks])
                 if mode == "int8clip":
                     # torch's clip of the node's average (in its own order of
@@ -188,7 +254,8 @@ def node_aggregation():
                   f"{mode}: rank {ranks[1]} does not report its leader's checksums")
             os.rename(f"{out}/checksums-{ranks[0]}.json", f"{out}/checksums-leader-{node}.json")
         for f in os.listdir(out):
-            if f.startswith(("own-", "took-", "params-", "checksums-", "norms-")) and "leader" not in f:
+            if f.startswith(("own-", "took-", "params-", "checksums-", "norms-", "amp-")) \
+                    and "leader" not in f:
                 os.remove(f"{out}/{f}")
         for node in range(2):
             os.rename(f"{out}/checksums-leader-{node}.json", f"{out}/checksums-{node}.json")
@@ -197,6 +264,8 @@ def node_aggregation():
         print(f"PASS: DiLoCo ({mode}) under --node-aggregation, 2 nodes x 2 ranks: every inner step "
               f"on the node's average gradient, each node's ranks on one model, the leaders "
               f"bit-identical to the simulator with N = 2 for {syncs} syncs")
+    if not restarts:
+        return
     # A non-leader killed in inner step 7 (a sync every 3, checkpoints every
     # sync): morse-run restarts the node, the leader rejoins from its
     # checkpoint of sync 2 (inner step 6) with its inner state, the other

@@ -30,7 +30,7 @@ import torch
 from .. import _native
 from . import (MorseError, _amp_of, _await_own_state, _base_config, _check_own_state_loaded,
                _codec_lines, _env, _external_model, _grad_scaler_refused, _MorseOptimizer,
-               _rank_checkpoint, _security, _unscale)
+               _overflow_of, _rank_checkpoint, _security, _unscale)
 
 
 def _float(name, value):
@@ -87,7 +87,9 @@ class DiLoCo(torch.optim.Optimizer):
     training alone: a step whose gradients overflowed on this rank is
     skipped by this rank alone (its inner optimizer does not step), but it
     counts as an inner step, so that every rank reaches each sync at the
-    same step() (design.md 2.11)."""
+    same step() (design.md 2.11). Under --node-aggregation the node's
+    ranks skip together, as DDP's inside the node: where any of them
+    overflowed (the node's average holds an Inf or NaN)."""
 
     # torch.amp.GradScaler hands the steps it drives to step() (torch 2's
     # grad_scale and found_inf attributes; torch 1.13's grad_scaler
@@ -231,6 +233,7 @@ class DiLoCo(torch.optim.Optimizer):
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
                 self._to_params()
         self._averaged = None  # a node's step: whether it merges, once averaged (at a clip)
+        self._scaler = None  # a node's rank: the GradScaler whose scale() told it last
         # Under morse.torch.hf (Trainer's and Accelerate's resume load rank
         # 0's state on every rank), as for the other Morse optimizers:
         # another rank's state is set aside (rank, step) until this rank's
@@ -248,9 +251,12 @@ class DiLoCo(torch.optim.Optimizer):
             self._node_start()
             # The script's clip_grad_norm_ clips the node's average, as DDP
             # inside the node would (_clip_grad_norm).
-            from . import _OPTIMIZERS, _install_clip_grad_norm
+            # torch.amp.GradScaler's scale() tells it which scaler's record
+            # of the step's overflow to set to the node's (_loss_scaled_by).
+            from . import _OPTIMIZERS, _install_clip_grad_norm, _install_grad_scaler_hook
             _OPTIMIZERS.append(weakref.ref(self))
             _install_clip_grad_norm()
+            _install_grad_scaler_hook()
 
     def _node_start(self):
         """The node takes its leader's parameters, inner steps and (a
@@ -474,11 +480,15 @@ class DiLoCo(torch.optim.Optimizer):
                                 "own")
         self._skipped_last = self._scaled_step_overflowed(grad_scaler)
         if self._skipped_last:
-            # This rank's inner step is skipped, and counted: the schedule
-            # of syncs is every rank's.
+            # This rank's inner step is skipped (a node's: every rank of it),
+            # and counted: the schedule of syncs is every rank's, and a
+            # merge due at this step is taken by the node's ranks together.
             self._inner_steps += 1
+            merges, self._averaged = self._averaged, None
             if self._session is not None:
                 self._after_inner_step()
+            if merges:
+                self._node_merged()
             return None
         merges = False
         if self._node is not None:
@@ -504,18 +514,15 @@ class DiLoCo(torch.optim.Optimizer):
         grad_scale attributes): whether this rank's gradients overflowed
         (the step is skipped); else .grad is unscaled where the script did
         not (scaler.unscale_); torch 1.13's GradScaler (step(grad_scaler=))
-        through its unscale_. ValueError under --node-aggregation (the
-        node's ranks would each decide on their own gradients for the step
-        they share)."""
+        through its unscale_. A node's rank: the node's verdict
+        (_node_overflowed)."""
         found_inf, grad_scale = _amp_of(self)
         if grad_scaler is None and found_inf is None:
             return False
         if grad_scaler is not None and not hasattr(grad_scaler, "_per_optimizer_states"):
             raise _grad_scaler_refused(self, "this DiLoCo step", "not torch's GradScaler")
         if self._node is not None:
-            raise _grad_scaler_refused(self, "this DiLoCo step", "not under --node-aggregation, "
-                                       "whose ranks take each inner step together on the node's "
-                                       "average")
+            return self._node_overflowed(grad_scaler, grad_scale)
         if grad_scaler is not None:
             # torch 1.13's contract (step(grad_scaler=)): .grad unscaled
             # through the scaler where the script did not (scaler.unscale_),
@@ -529,6 +536,43 @@ class DiLoCo(torch.optim.Optimizer):
         if grad_scale is not None:  # as scaler.unscale_ would, had the script called it
             _unscale([p for group in self.inner.param_groups for p in group["params"]], grad_scale)
         return False
+
+    def _node_overflowed(self, grad_scaler, grad_scale):
+        """_scaled_step_overflowed on a node's rank. As DDP inside the node,
+        whose scaler unscales the averaged gradient: the node's average is
+        taken first (kept in self._averaged for step()), unscaled where the
+        script did not, and the step overflowed where the average holds an
+        Inf or NaN (where some rank's gradient did), the same verdict on
+        every rank of the node. Each rank's scaler records that verdict,
+        so that the node's loss scales move alike. (The scale is a power of
+        two: averaging the unscaled gradients, where the script unscaled
+        its own, gives the unscaled average's bits.)"""
+        scaler = grad_scaler if grad_scaler is not None else self._scaler
+        states = getattr(scaler, "_per_optimizer_states", None)
+        if states is None or id(self) not in states:
+            raise _grad_scaler_refused(
+                self, "this DiLoCo step", "under --node-aggregation morse.torch writes the "
+                "node's verdict into the GradScaler's record, and this one's scale() did not "
+                "tell it (torch's GradScaler does, before backward())")
+        if self._averaged is None:
+            self._averaged = self._node_average()
+        state = states[id(self)]
+        if grad_scaler is not None:
+            if not state["found_inf_per_device"]:
+                grad_scaler.unscale_(self)  # the node's average, as DDP's scaler
+            grad_scale = None
+        overflowed = _overflow_of([p.grad for p in self._params if p.grad is not None]) > 0
+        for t in state["found_inf_per_device"].values():
+            t.fill_(1.0 if overflowed else 0.0)
+        if not overflowed and grad_scale is not None:
+            _unscale(self._params, grad_scale)  # as scaler.unscale_ would, had the script called it
+        return overflowed
+
+    def _loss_scaled_by(self, scaler):
+        """A node's rank (listed among morse.torch's optimizers for
+        clip_grad_norm_): torch.amp.GradScaler.scale names the scaler whose
+        record of the step's overflow step() sets to the node's verdict."""
+        self._scaler = scaler
 
     def _after_inner_step(self):
         """The job's part of an inner step just counted: the sync in flight

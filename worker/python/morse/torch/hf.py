@@ -144,22 +144,12 @@ def keep_out_of_ddp(model, autocast_handler=None):
     return model
 
 
-def _check_precision(precision, opt=None):
+def _check_precision(precision):
     """ValueError for a mixed precision ("no", "bf16", "fp16", ...) Morse
-    does not train with under these stacks: fp8, and fp16 with DiLoCo
-    (`opt`) under --node-aggregation, whose ranks take each inner step
-    together on the node's average. (fp16's GradScaler, torch.amp's or
-    before torch 2.3 torch.cuda.amp's, tells a Morse optimizer at scale().)"""
-    if precision in ("no", "bf16"):
-        return
-    if (precision == "fp16" and opt is not None and _is_diloco(opt)
-            and getattr(opt, "_node", None) is not None):
-        raise ValueError(
-            "mixed_precision='fp16' with morse.torch.DiLoCo under --node-aggregation: the node's "
-            "ranks take each inner step together, and each rank's GradScaler would skip on its "
-            "own gradients; use bf16 (Trainer's bf16=True, Accelerator(mixed_precision='bf16')), "
-            "or float32")
-    if precision == "fp16":
+    does not train with under these stacks: fp8. (fp16's GradScaler,
+    torch.amp's or before torch 2.3 torch.cuda.amp's, tells a Morse
+    optimizer at scale().)"""
+    if precision in ("no", "bf16", "fp16"):
         return
     raise ValueError(
         f"mixed_precision={precision!r}: Morse trains under 'no', 'bf16' and 'fp16' (fp16 with "
@@ -191,7 +181,7 @@ def prepare(accelerator, *objects):
         raise ValueError(f"morse.torch.hf.prepare needs exactly one Morse optimizer among the "
                          f"objects; got {len(opts)}")
     opt = _morse_optimizer(opts[0])
-    _check_precision(str(getattr(accelerator, "mixed_precision", None) or "no"), opt)
+    _check_precision(str(getattr(accelerator, "mixed_precision", None) or "no"))
     flat = not _is_diloco(opt)  # parameters that are views of one flat buffer
     for o in objects:
         if isinstance(o, torch.nn.Module):
@@ -384,7 +374,7 @@ class MorseCallback(_callback_base()):
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = self._optimizer(optimizer)
         if getattr(args, "fp16", False):
-            _check_precision("fp16", opt)
+            _check_precision("fp16")
             _install_skip_report()
         if model is not None:
             _attach_model(model, opt)
