@@ -117,6 +117,7 @@ struct ShardCore::PartitionState {
   // The step whose pushes must carry the hash of x: x was replaced before
   // it (ShardCore::ReplaceX); -1 for none.
   int64_t x_replaced_step ABSL_GUARDED_BY(mu) = -1;
+  uint64_t x_replaced_hash ABSL_GUARDED_BY(mu) = 0;  // compress::XHash of it
 
   // Forgets the pending step's pushes (completed, expired or aborted).
   void ClearPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {

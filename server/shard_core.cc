@@ -215,8 +215,9 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
                        " was completed before this server restarted from its "
                        "checkpoint; its reply is gone"));
     }
-    if (!LeftOut(*p.last_reply, args.rank) &&
-        hash != p.last_hashes[args.rank]) {
+    if (LeftOut(*p.last_reply, args.rank)) {
+      if (absl::Status s = CheckLeftOutX(p, args); !s.ok()) return s;
+    } else if (hash != p.last_hashes[args.rank]) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rank ", args.rank, " re-sent step ", args.step, " of partition ",
           args.partition, " with different bytes"));
@@ -253,8 +254,9 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
                      absl::Cord(absl::StrCat(NextExchange(p))));
     return stale;
   }
-  if (!LeftOut(*answered->reply, args.rank) &&
-      hash != answered->hashes[args.rank]) {
+  if (LeftOut(*answered->reply, args.rank)) {
+    if (absl::Status s = CheckLeftOutX(p, args); !s.ok()) return s;
+  } else if (hash != answered->hashes[args.rank]) {
     return absl::FailedPreconditionError(
         absl::StrCat("rank ", args.rank, " replayed step ", args.step,
                      " of partition ", args.partition,
@@ -263,6 +265,28 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
                      "from the run's"));
   }
   return answered->reply;
+}
+
+absl::Status ShardCore::CheckLeftOutX(const PartitionState& p,
+                                      const PushArgs& args) const {
+  if (args.step != p.x_replaced_step) return absl::OkStatus();
+  if (!args.x_hash.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank 0 changed the weights after step ", args.step - 1, " and rank ",
+        args.rank, ", left out of step ", args.step,
+        ", did not (its push of partition ", args.partition,
+        " was computed from the old ones): change the weights the same way "
+        "on every rank"));
+  }
+  if (*args.x_hash != p.x_replaced_hash) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", args.rank, "'s parameters in partition ", args.partition,
+        " at step ", args.step,
+        " (a step completed without it) are not the "
+        "ones rank 0 changed them to after step ",
+        args.step - 1, ": change the weights the same way on every rank"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
@@ -1490,11 +1514,6 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
     return absl::FailedPreconditionError(absl::StrCat(
         "only rank 0 gives the shards changed weights, not rank ", rank));
   }
-  if (job_.elastic()) {
-    return absl::FailedPreconditionError(
-        "weights cannot change after a step in an elastic job (min_workers "
-        "below workers): rank 0 may be out of a step's membership");
-  }
   PartitionState& p =
       *partitions_[partition - layout_.shard_partitions(shard_).front().id];
   const uint64_t offset = p.partition.range.begin - range_.begin,
@@ -1557,6 +1576,7 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
     }
     std::copy(x.begin(), x.end(), mirror);
     p.x_replaced_step = step;
+    p.x_replaced_hash = compress::XHash(x);
     MutexLock progress(&progress_mu_);
     if (replaced_step_ != step) {
       replaced_step_ = step;

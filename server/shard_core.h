@@ -327,8 +327,10 @@ class ShardCore {
   // `step` must then carry the hash of this x (PushRequest.x_hash), so a
   // rank that did not change its weights the same way fails that step.
   // The same x again is OK and changes nothing (rank 0 restarted and
-  // replaying). FAILED_PRECONDITION for another rank, another step, a push
-  // of `step` already in or an elastic job; UNAVAILABLE while the last
+  // replaying). In an elastic job the same, rank 0 giving x as long as it
+  // is in the job; a rank left out of `step` shows x's hash with its late
+  // push (CheckLeftOutX). FAILED_PRECONDITION for another rank, another
+  // step or a push of `step` already in; UNAVAILABLE while the last
   // step waits for its commit; INVALID_ARGUMENT for a wrong size or
   // non-finite values; nothing changes on any error. Once every partition
   // of the shard holds its new x, the change observer runs.
@@ -386,6 +388,13 @@ class ShardCore {
   absl::Status CheckPushArgs(const PushArgs& args) const;
   absl::StatusOr<std::shared_ptr<const Reply>> KeptReply(
       const PartitionState& p, const PushArgs& args, uint64_t hash) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // A push of a step that completed without its rank (an elastic job's
+  // straggler, or a rank back from a restart), at the step after rank 0
+  // replaced x: it must show that x (PushArgs::x_hash), as the step's own
+  // pushes did. No hash of its own to compare it with otherwise.
+  absl::Status CheckLeftOutX(const PartitionState& p,
+                             const PushArgs& args) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   absl::Status CheckCurrentPush(const PartitionState& p, PushArgs& args,
                                 StepCommit* carried, bool* commits) const

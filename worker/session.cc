@@ -1090,7 +1090,11 @@ absl::Status Session::ReloadModel() {
   if (*held > step_) {
     // A rank restarted from its checkpoint and replaying steps the shards
     // have completed: they changed the weights then; this rank's replayed
-    // pushes are checked against the ones it made (their hashes).
+    // pushes are checked against the ones it made (their hashes). In an
+    // elastic job it may have been left out of this step (a straggler, or
+    // back from a restart): no push of its own to compare with, so its
+    // push shows x (ShardCore::CheckLeftOutX).
+    x_hash_step_ = step_;
     return absl::OkStatus();
   }
   if (*held < step_) {
@@ -1098,11 +1102,6 @@ absl::Status Session::ReloadModel() {
         "the shards hold step ", *held, " and this worker is at step ", step_,
         " (zero_one_adam's local steps do not reach them): weights change "
         "after a step that exchanged, before one that exchanges"));
-  }
-  if (step_ > 0 && job_.elastic()) {
-    return absl::FailedPreconditionError(
-        "weights cannot change after a step in an elastic job (min_workers "
-        "below workers): rank 0 may be out of a step's membership");
   }
   // From here a failure leaves the ranks with different models: it stops
   // the job, so the others learn why at once instead of waiting for this
@@ -1181,7 +1180,10 @@ absl::Status Session::AwaitShardsX() {
           " s (timeouts.connect_seconds) rank 0 did not give the shards the "
           "same ones: ",
           step_ == 0 ? "load the same weights on every rank"
-                     : "change the weights the same way on every rank")));
+                     : "change the weights the same way on every rank",
+          job_.elastic() ? " (in an elastic job rank 0 gives them: it must "
+                           "still be in the job)"
+                         : "")));
     }
     absl::SleepFor(pause);
     pause = std::min(2 * pause, absl::Milliseconds(100));

@@ -248,9 +248,10 @@ class Session {
   // or the reverse, fails that step with FAILED_PRECONDITION. A rank
   // behind the shards (restarted, replaying) changes nothing there: the
   // hashes of its replayed pushes check its model (design.md 4).
-  // FAILED_PRECONDITION, nothing changed, in a step, in an elastic job
-  // after the first step, or where the shards are at an earlier step
-  // (zero_one_adam's local interval).
+  // In an elastic job the same, rank 0 giving the shards x as long as it
+  // is in the job (a rank waits for it up to the connect timeout).
+  // FAILED_PRECONDITION, nothing changed, in a step, or where the shards
+  // are at an earlier step (zero_one_adam's local interval).
   absl::Status ReloadModel();
   // Whether the shards hold this worker's x (after SyncHost) at the step it
   // is at, between steps: morse.torch asks when parameters were written

@@ -23,6 +23,13 @@ docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
   With --rank-restarts 1 too (checkpoints every 4 steps), node 1 restarts
   from step 4 while node 0 goes on, catches up and is back in the
   membership: all four ranks on the same bits after every step.
+- `clamp`: weights changed after a step in an elastic job (every rank
+  clamps them after step CLAMPED - 1): with rank 2 gone for good, ranks
+  0 and 1 bit-identical to the simulator given the membership and the
+  change; with rank 2 restarted (replaying the clamp, its late pushes
+  showing the changed weights), all three identical; and with rank 2
+  restarted clamping otherwise, its late push refused, saying so, and the
+  job going on without it.
 - --min-workers out of range (the nodes' count under --node-aggregation)
   or with --stages is refused."""
 import glob
@@ -42,13 +49,18 @@ from harness import check, morse_run, nodes  # noqa: E402
 
 STEPS = 16
 KILLED = 6
+CLAMP = 0.1  # `clamp` runs: every rank clamps its weights to ±CLAMP after step CLAMPED - 1
+CLAMPED = 9
 
 
-def worker(out, pace, killed=2):
+def worker(out, pace, killed=2, change=""):
     """A rank of the job: rank `killed` kills itself in its first life
     (rank 2 of 3 ranks; rank 3, node 1's second, of 2 nodes x 2). With
     `pace` > 0 (its restart is tested) the others go at that pace and wait
-    before step STEPS - 3 until it has caught up."""
+    before step STEPS - 3 until it has caught up. `change` "clamp": every
+    rank clamps its weights to ±CLAMP after step CLAMPED - 1 (a rank back
+    from its restart in its replay); "clamp_other": the same, but the
+    restarted rank clamps to ±CLAMP / 2."""
     import numpy as np
     import morse.torch
     torch.manual_seed(3)
@@ -80,6 +92,11 @@ def worker(out, pace, killed=2):
         if rank == killed and life == 0 and step == KILLED:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if change and step == CLAMPED:
+            bound = CLAMP / 2 if change == "clamp_other" and life > 0 else CLAMP
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-bound, bound)
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
         opt.zero_grad()
@@ -182,14 +199,17 @@ def records(out, rank):
             else None for s in range(STEPS)]
 
 
-def run_leaves():
+def run_leaves(change=""):
+    """Rank 2 killed for good (`change` "clamp": every rank left clamps
+    its weights after step CLAMPED - 1, which become the job's)."""
     import numpy as np
     from morse import _native
     out = tempfile.mkdtemp(prefix="morse-elastic-")
     config = os.path.join(out, "base.textproto")
     with open(config, "w") as f:
         f.write("timeouts { step_seconds: 1 recovery_seconds: 60 }\n")
-    code, log = morse_run(__file__, 3, 2, out, "0", config=config, extra=["--min-workers", "2"])
+    code, log = morse_run(__file__, 3, 2, out, f"0:{change}", config=config,
+                          extra=["--min-workers", "2"])
     print(log)
     check(code == 0, "the elastic job failed")
     check("[rank 2] killing myself in step 6" in log, "rank 2 was not killed")
@@ -213,24 +233,49 @@ def run_leaves():
     for s in range(STEPS):
         grads = [np.load(f"{out}/grad-{r}-{s}.npy") if os.path.exists(f"{out}/grad-{r}-{s}.npy")
                  else np.zeros(dim, np.float32) for r in range(3)]
+        if change and s == CLAMPED:
+            # The weights every rank left changed to, the simulator's too.
+            before = np.frombuffer(bytes.fromhex(ranks[0][s - 1]["x"]), np.float32)
+            sim.replace_x(np.clip(before, np.float32(-CLAMP), np.float32(CLAMP)))
         sim.step(grads, absent=[2] if s >= KILLED else [])
         for r in range(2):
             check(sim.worker_checksum(r) == ranks[r][s]["checksum"],
                   f"step {s}: rank {r} {ranks[r][s]['checksum']}, simulator {sim.worker_checksum(r)}")
+    if change:
+        x = np.frombuffer(bytes.fromhex(ranks[0][STEPS - 1]["x"]), np.float32)
+        check(sim.x().tobytes() == x.tobytes(), "rank 0's weights are not the simulator's")
     shutil.rmtree(out)
+    changed = f", the weights clamped after step {CLAMPED - 1} on both" if change else ""
     print(f"PASS: rank 2 killed in step {KILLED} for good; ranks 0 and 1 finished {STEPS} steps "
-          "without it, bit-identical to the simulator given that membership")
+          f"without it{changed}, bit-identical to the simulator given that membership")
 
 
-def run_returns():
+def run_returns(change=""):
+    """Rank 2 killed and restarted (`change`: as worker's; "clamp_other":
+    the restarted rank changes its weights otherwise and leaves, its late
+    push refused, while ranks 0 and 1 finish)."""
     out = tempfile.mkdtemp(prefix="morse-elastic-")
     config = os.path.join(out, "base.textproto")
     with open(config, "w") as f:
         f.write("checkpoint { every_steps: 4 replay_steps: 16 }\n"
                 "timeouts { step_seconds: 1 recovery_seconds: 60 }\n")
-    code, log = morse_run(__file__, 3, 2, out, "0.4", config=config,
+    code, log = morse_run(__file__, 3, 2, out, f"0.4:{change}", config=config,
                           extra=["--min-workers", "2", "--rank-restarts", "1"])
     print(log)
+    if change == "clamp_other":
+        check(code == 0, "the elastic job failed")
+        want = (f"at step {CLAMPED} (a step completed without it) are not the ones rank 0 "
+                "changed them to")
+        check(want in log, "rank 2's other change was not refused at its late push")
+        check("the job finished without rank 2" in log, "morse-run did not say rank 2 left")
+        ranks = [records(out, r) for r in range(2)]
+        for s in range(STEPS):
+            check(ranks[1][s]["checksum"] == ranks[0][s]["checksum"], f"rank 1 differs at step {s}")
+        shutil.rmtree(out)
+        print(f"PASS: rank 2, back from its restart and left out of step {CLAMPED}, changed its "
+              "weights otherwise than rank 0: its late push was refused and it left the job; "
+              "ranks 0 and 1 finished")
+        return
     check(code == 0, "the elastic job failed")
     check("rank 2 exited with -9; restarting it (1 of --rank-restarts 1)" in log,
           "morse-run did not restart rank 2")
@@ -245,18 +290,21 @@ def run_returns():
     check(ranks[0][STEPS - 1]["members"] == [0, 1, 2],
           f"rank 2 did not join again: the last step's membership {ranks[0][STEPS - 1]['members']}")
     shutil.rmtree(out)
+    changed = f" (the weights clamped after step {CLAMPED - 1})" if change else ""
     print(f"PASS: rank 2 killed in step {KILLED}, restarted from step 4; steps {left_out} went on "
-          f"without it, it caught up and joined again; all three ranks identical after {STEPS} steps")
+          f"without it, it caught up and joined again; all three ranks identical after {STEPS} "
+          f"steps{changed}")
 
 
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         if sys.argv[-1].startswith("node:"):  # --worker OUT node:PACE
             worker(sys.argv[-2], float(sys.argv[-1][5:]), killed=3)
-        else:
-            worker(sys.argv[-2], float(sys.argv[-1]))  # --worker OUT PACE
+        else:  # --worker OUT PACE[:CHANGE]
+            pace, _, change = sys.argv[-1].partition(":")
+            worker(sys.argv[-2], float(pace), change=change)
         sys.exit(0)
-    modes = sys.argv[1:] or ["refusals", "leaves", "returns", "leader", "sharded"]
+    modes = sys.argv[1:] or ["refusals", "leaves", "returns", "clamp", "leader", "sharded"]
     for flags, why in ((["--min-workers", "4"], "give 1 to the job's 3 workers"),
                        (["--min-workers", "0"], "give 1 to the job's 3 workers"),
                        (["--min-workers", "2", "--node-aggregation"],
@@ -274,6 +322,10 @@ if __name__ == "__main__":
         run_leaves()
     if "returns" in modes:
         run_returns()
+    if "clamp" in modes:
+        run_leaves("clamp")
+        run_returns("clamp")
+        run_returns("clamp_other")
     for how in ("leader", "sharded"):
         if how in modes:
             run_node_leaves(how)

@@ -997,6 +997,77 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   EXPECT_EQ(core->MirrorChecksum(), before);
 }
 
+// Weights changed after a step in an elastic job (ReplaceX): rank 0 gives
+// them as in any job; a rank left out of the step after the change shows
+// with its late push that it changed them the same way (its push has no
+// bytes of its own to be checked against), or is refused.
+TEST(ElasticShardTest, ALeftOutRanksLatePushShowsTheChangedWeights) {
+  auto job = proto::ParseJobConfig(
+      absl::StrCat(kConfig,
+                   "min_workers: 2 timeouts { step_seconds: 1 "
+                   "recovery_seconds: 5 } checkpoint { replay_steps: 4 }"),
+      proto::ConfigFormat::kText);
+  ASSERT_TRUE(job.ok()) << job.status();
+  auto core = *ShardCore::Create(*job, 1);
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core));
+  const compress::Partition& p = core->layout().shard_partitions(1)[0];
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto args = [&](int64_t step, uint32_t rank) {
+    return EncodedPush(fingerprint, compress::PlanStep(job->algorithm, step).up,
+                       step, rank, p);
+  };
+  std::vector<absl::StatusOr<std::shared_ptr<const Reply>>> got(
+      3, absl::UnknownError("pending"));
+  const auto push = [&](PushArgs a) {
+    const uint32_t rank = a.rank;
+    got[rank] = absl::UnknownError("pending");
+    core->Push(std::move(a), [&got, rank](auto r) { got[rank] = r; });
+  };
+  // Step 0 without rank 2.
+  push(args(0, 0));
+  push(args(0, 1));
+  ASSERT_EQ(core->ExpireWaiting(absl::Now() + absl::Seconds(2)).size(), 1u);
+  ASSERT_TRUE(got[0].ok()) << got[0].status();
+  const std::shared_ptr<const Reply> step0 = *got[0];
+  // Rank 0 changes the weights before step 1.
+  std::vector<float> changed = core->FetchPartition(p.id, fingerprint)->x;
+  for (float& f : changed) f = std::min(std::max(f, -0.01f), 0.01f);
+  const absl::Status replaced =
+      core->ReplaceX(0, p.id, fingerprint, 1, changed);
+  ASSERT_TRUE(replaced.ok()) << replaced;
+  EXPECT_EQ(core->FetchPartition(p.id, fingerprint)->x, changed);
+  const uint64_t hash = compress::XHash(changed);
+  for (uint32_t rank : {0u, 1u}) {
+    PushArgs a = args(1, rank);
+    a.x_hash = hash;
+    push(std::move(a));
+  }
+  ASSERT_TRUE(got[1].ok()) << got[1].status();
+  const std::shared_ptr<const Reply> step1 = *got[1];
+  EXPECT_EQ(step1->absent, std::vector<uint32_t>{2});
+  // Rank 2 catches up: step 0 as before; step 1 only from the new weights.
+  push(args(0, 2));
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_EQ(*got[2], step0);
+  push(args(1, 2));
+  EXPECT_EQ(got[2].status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(got[2].status().message().find("left out of step 1, did not"),
+            absl::string_view::npos)
+      << got[2].status();
+  PushArgs other = args(1, 2);
+  other.x_hash = hash + 1;
+  push(std::move(other));
+  EXPECT_EQ(got[2].status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(got[2].status().message().find("not the ones rank 0 changed"),
+            absl::string_view::npos)
+      << got[2].status();
+  PushArgs same = args(1, 2);
+  same.x_hash = hash;
+  push(std::move(same));
+  ASSERT_TRUE(got[2].ok()) << got[2].status();
+  EXPECT_EQ(*got[2], step1);
+}
+
 // Stragglers (design.md 4, "Stragglers"): with timeouts.straggler_seconds a
 // step that has min_workers pushes waits that much longer for the others,
 // counted from the min_workers-th push, not step_seconds; the late rank
