@@ -29,7 +29,8 @@ docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
   change; with rank 2 restarted (replaying the clamp, its late pushes
   showing the changed weights), all three identical; and with rank 2
   restarted clamping otherwise, its late push refused, saying so, and the
-  job going on without it.
+  job going on without it; with rank 0 gone, the others' change stopping
+  them, saying that rank 0 gives the weights.
 - --min-workers out of range (the nodes' count under --node-aggregation)
   or with --stages is refused."""
 import glob
@@ -296,13 +297,43 @@ def run_returns(change=""):
           f"steps{changed}")
 
 
+def run_without_rank0():
+    """Rank 0 killed for good in step KILLED; ranks 1 and 2 go on and
+    clamp their weights after step CLAMPED - 1: rank 0 gives the shards
+    changed weights, so each of them stops within timeouts.connect_seconds,
+    saying that rank 0 must still be in the job, and morse-run, with fewer
+    than min_workers ranks left, fails the job."""
+    out = tempfile.mkdtemp(prefix="morse-elastic-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("timeouts { step_seconds: 1 recovery_seconds: 60 connect_seconds: 3 }\n")
+    code, log = morse_run(__file__, 3, 2, out, "0:clamp_without0", config=config,
+                          extra=["--min-workers", "2"])
+    print(log)
+    check(code != 0, "the job went on with changed weights and no rank 0 to give them")
+    check("fewer than min_workers (2) remain; stopping the job" in log,
+          "morse-run did not stop the job once fewer than min_workers ranks were left")
+    for rank in (1, 2):
+        check(f"[rank {rank}] morse._native.MorseError: FAILED_PRECONDITION" in log and
+              "in an elastic job rank 0 gives them: it must still be in the job" in log,
+              f"rank {rank} did not say why it stopped")
+    check(all(os.path.exists(f"{out}/step-{r}-{CLAMPED - 1}.json") for r in (1, 2)),
+          "ranks 1 and 2 did not train without rank 0 until the change")
+    shutil.rmtree(out)
+    print(f"PASS: rank 0 killed in step {KILLED}; ranks 1 and 2 went on, and their change of "
+          f"the weights after step {CLAMPED - 1} stopped them, saying rank 0 gives them")
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         if sys.argv[-1].startswith("node:"):  # --worker OUT node:PACE
             worker(sys.argv[-2], float(sys.argv[-1][5:]), killed=3)
         else:  # --worker OUT PACE[:CHANGE]
             pace, _, change = sys.argv[-1].partition(":")
-            worker(sys.argv[-2], float(pace), change=change)
+            if change == "clamp_without0":  # rank 0 killed, the others clamp
+                worker(sys.argv[-2], float(pace), killed=0, change="clamp")
+            else:
+                worker(sys.argv[-2], float(pace), change=change)
         sys.exit(0)
     modes = sys.argv[1:] or ["refusals", "leaves", "returns", "clamp", "leader", "sharded"]
     for flags, why in ((["--min-workers", "4"], "give 1 to the job's 3 workers"),
@@ -326,6 +357,7 @@ if __name__ == "__main__":
         run_leaves("clamp")
         run_returns("clamp")
         run_returns("clamp_other")
+        run_without_rank0()
     for how in ("leader", "sharded"):
         if how in modes:
             run_node_leaves(how)

@@ -886,6 +886,15 @@ def main(argv=None):
                 # without this rank, and fail them if fewer than
                 # min_workers are left.
                 lost.append(r)
+                if len(lost) > args.morse_workers - min_workers:
+                    # Fewer than min_workers ranks are left: no step can
+                    # complete any more, and the job has failed.
+                    why = (f"{names[r]} exited with {code}, and {len(lost)} of the job's "
+                           f"{args.morse_workers} ranks have left it: fewer than min_workers "
+                           f"({min_workers}) remain")
+                    sys.stderr.write(f"{node}: {why}; stopping the job\n")
+                    status = code
+                    break
                 sys.stderr.write(f"{node}: {names[r]} exited with {code}; the job goes on without "
                                  f"it (min_workers {min_workers} of {args.morse_workers})\n")
                 continue
