@@ -206,6 +206,34 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// A push of the step after rank 0 replaced x (ShardCore::ReplaceX) shows
+// the hash of that x, `hash` (PushArgs::x_hash): OK, or FAILED_PRECONDITION
+// saying how it differs. `left_out`: the step completed without the rank.
+absl::Status ShowsReplacedX(const PushArgs& args, uint64_t hash,
+                            bool left_out) {
+  const std::string which = left_out ? " (a step completed without it)" : "";
+  if (!args.x_hash.has_value()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank 0 changed the weights after step ", args.step - 1, " and rank ",
+        args.rank, " did not (its push of partition ", args.partition,
+        " at step ", args.step, which,
+        " was computed from the old ones): change the weights the same way "
+        "on every rank"));
+  }
+  if (*args.x_hash != hash) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", args.rank, "'s parameters in partition ", args.partition,
+        " at step ", args.step, which,
+        " are not the ones rank 0 changed them to after step ", args.step - 1,
+        ": change the weights the same way on every rank"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
     const PartitionState& p, const PushArgs& args, uint64_t hash) const {
   if (args.step == p.next_step - 1) {  // a retry of the completed step
@@ -270,23 +298,7 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
 absl::Status ShardCore::CheckLeftOutX(const PartitionState& p,
                                       const PushArgs& args) const {
   if (args.step != p.x_replaced_step) return absl::OkStatus();
-  if (!args.x_hash.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank 0 changed the weights after step ", args.step - 1, " and rank ",
-        args.rank, ", left out of step ", args.step,
-        ", did not (its push of partition ", args.partition,
-        " was computed from the old ones): change the weights the same way "
-        "on every rank"));
-  }
-  if (*args.x_hash != p.x_replaced_hash) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", args.rank, "'s parameters in partition ", args.partition,
-        " at step ", args.step,
-        " (a step completed without it) are not the "
-        "ones rank 0 changed them to after step ",
-        args.step - 1, ": change the weights the same way on every rank"));
-  }
-  return absl::OkStatus();
+  return ShowsReplacedX(args, p.x_replaced_hash, /*left_out=*/true);
 }
 
 absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
@@ -387,37 +399,24 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
   // the model it was computed from.
   const bool replaced =
       p.x_replaced_step == args.step && p.next_step == args.step;
-  if (replaced && !args.x_hash.has_value()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank 0 changed the weights after step ", args.step - 1, " and rank ",
-        args.rank, " did not (its push of partition ", args.partition,
-        " at step ", args.step,
-        " was computed from the old ones): change the weights the same way "
-        "on every rank"));
-  }
-  if (args.x_hash.has_value() &&
-      ((args.step == 0 && p.next_step == 0) || replaced)) {
+  if (replaced) {
+    if (absl::Status s =
+            ShowsReplacedX(args, p.x_replaced_hash, /*left_out=*/false);
+        !s.ok()) {
+      return s;
+    }
+  } else if (args.x_hash.has_value() && args.step == 0 && p.next_step == 0) {
     // Before the first step the mirror's x is the job's initial model:
     // rank 0's, or what it restored (a model loaded after the optimizer
-    // was built, morse.torch's reload); after a ReplaceX, rank 0's new x.
+    // was built, morse.torch's reload).
     const uint64_t offset = p.partition.range.begin - range_.begin;
     if (compress::XHash(mirror_.x().subspan(
             offset, p.partition.range.size())) != *args.x_hash) {
-      return absl::FailedPreconditionError(
-          args.step == 0
-              ? absl::StrCat("rank ", args.rank, "'s parameters in partition ",
-                             args.partition,
-                             " are not the job's at step 0 (rank 0's): every "
-                             "rank must load the same weights, and load them "
-                             "on every rank if one does after building the "
-                             "optimizer")
-              : absl::StrCat("rank ", args.rank, "'s parameters in partition ",
-                             args.partition, " at step ", args.step,
-                             " are not the ones rank 0 changed them to after "
-                             "step ",
-                             args.step - 1,
-                             ": change the weights the same way on every "
-                             "rank"));
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rank ", args.rank, "'s parameters in partition ", args.partition,
+          " are not the job's at step 0 (rank 0's): every rank must load the "
+          "same weights, and load them on every rank if one does after "
+          "building the optimizer"));
     }
   }
   if (p.arrived > 0 && !same(p.hyper, args.hyper)) {
