@@ -46,8 +46,10 @@
    their mirrors).
 9. clip_grad_norm_, then .grad scaled and zeroed per parameter on every
    rank of the leader's node and of the sharded node (`edit`): within 1e-6
-   of DDP + AdamW given the same edits of the clipped average; one rank
-   alone editing is refused, naming it.
+   of DDP + AdamW given the same edits of the clipped average (`learnleader`:
+   the leader's node started as on CUDA tensors, .grad after the clip each
+   rank's own, so step 0 trains without the edits, the leader warning, and
+   every step after as DDP's); one rank alone editing is refused, naming it.
 10. In OneBitAdam's compression phase (`own`), clip_grad_norm_ then an
    addition and a row's halving of .grad on every rank of the sharded
    node: .grad after the clip torch's clip of the node's average on every
@@ -62,6 +64,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import numpy
 import torch
@@ -101,8 +104,16 @@ def worker(out, mode):
                                clip_grad_norm=CLIP)
     else:
         opt = build(name, model.parameters(), 0.01)
+    if variant == "learnleader":
+        # .grad after the clip first the rank's own, as on CUDA tensors: the
+        # leader learns from step 0's edit (warning) to show the node the
+        # clipped average from step 1 on.
+        opt._shows_average = False
+        recorder = warnings.catch_warnings(record=True)
+        recorded = recorder.__enter__()
+        warnings.simplefilter("always")
     if variant in ("leader", "clipleader", "clipjobleader", "partleader", "editleader", "editone",
-                   "addone", "anyleader"):
+                   "addone", "anyleader", "learnleader"):
         # the leader holding the node's state
         params, norms = [], []
         for step in range(STEPS):
@@ -115,9 +126,9 @@ def worker(out, mode):
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             if variant == "partleader":
                 norms.append(part_clips(model))
-            if variant in ("editleader", "editone", "anyleader"):
+            if variant in ("editleader", "editone", "anyleader", "learnleader"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
-                if variant == "anyleader":
+                if variant in ("anyleader", "learnleader"):
                     save_clipped(out, rank, step, model)
                     edit_any(model, step)
                 elif variant == "editleader" or local == 1:  # editone: local rank 1 alone
@@ -128,12 +139,18 @@ def worker(out, mode):
                     with torch.no_grad():
                         model[2].bias.grad.add_(0.5)
             opt.step()
-            if variant in ("partleader", "editleader", "anyleader") and local == 0:
+            if variant in ("partleader", "editleader", "anyleader", "learnleader") and local == 0:
                 check(opt._holds_shards_model(), f"rank {rank} step {step}: the shards' mirrors "
                       "differ from the leader's parameters")
             params.append(flat(model).numpy().tobytes().hex())
         json.dump(params, open(f"{out}/params-{rank}-{variant}.json", "w"))
         json.dump(norms, open(f"{out}/norms-{rank}-{variant}.json", "w"))
+        if variant == "learnleader":
+            recorder.__exit__(None, None, None)
+            said = [str(w.message) for w in recorded if str(w.message).startswith("morse:")]
+            check(len(said) == (1 if local == 0 else 0) and all(
+                m.startswith("morse: in step 0 .grad was edited after clip_grad_norm_")
+                for m in said), f"rank {rank}: the leader's one warning, of step 0: {said}")
         return
     first, end = opt._slices[local]
     sizes = [p.numel() for p in model.parameters()]
@@ -410,7 +427,8 @@ def edit_any(model, step):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
 
 
-def edit_after_clip():
+def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", "learnleader"),
+                    alone=("editone", "addone")):
     """`edit`: clip_grad_norm_ of the whole model, then .grad scaled and
     zeroed per parameter on every rank (`editleader`, `editfull`), or
     edited otherwise (`anyleader`, `anyfull`: edit_any; the step amended,
@@ -420,28 +438,30 @@ def edit_after_clip():
     mirrors the workers' after every step. Local rank 1 alone editing
     (`editone`: a scaling, `addone`: an addition; the leader's node):
     every rank of both nodes fails, naming it."""
-    outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-")
-            for v in ("editleader", "editfull", "anyleader", "anyfull")}
+    outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-") for v in variants}
     for variant, out in outs.items():
         check(all(code == 0 for code, _ in run_nodes(
             out, f"Adam:{variant}", how="leader" if variant.endswith("leader") else "sharded")),
             f"{variant}: the node's edits after the clip failed")
     worst, apart = 0.0, 0.0
     for variant, out in outs.items():
-        edits_of = edit_any if variant.startswith("any") else edit_clipped
+        edits_of = edit_any if variant.startswith(("any", "learn")) else edit_clipped
         reference, unedited = model_of(), model_of()
         ref_opts = [torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.0)
                     for m in (reference, unedited)]
         for step in range(STEPS):
             own = [numpy.load(f"{out}/own-{r}-{step}.npy") for r in range(4)]
             average = (node_average(own[:2]) + node_average(own[2:])) / numpy.float32(2)
-            for m, o, edits in ((reference, ref_opts[0], True), (unedited, ref_opts[1], False)):
+            # (learnleader: step 0 trains on the clipped average unedited.)
+            edited_here = not (variant == "learnleader" and step == 0)
+            for m, o, edits in ((reference, ref_opts[0], edited_here),
+                                (unedited, ref_opts[1], False)):
                 at = 0
                 for p in m.parameters():
                     p.grad = torch.from_numpy(average[at:at + p.numel()].copy()).view_as(p)
                     at += p.numel()
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 3 * CLIP)
-                if edits and variant.startswith("any"):
+                if edits and variant.startswith(("any", "learn")):
                     # Every rank's .grad after the clip: DDP's, the clipped
                     # average, the same bits on every rank.
                     ddp = torch.cat([p.grad.reshape(-1) for p in m.parameters()]).numpy()
@@ -462,7 +482,7 @@ def edit_after_clip():
             apart = max(apart, float(numpy.abs(flat(unedited).numpy() - want).max()))
     check(worst <= 1e-6, f"the nodes' parameters are {worst} from DDP + AdamW's")
     check(apart > 100 * max(worst, 1e-8), f"the edits hardly matter here ({apart}): a weak test")
-    for variant in ("editone", "addone"):  # local rank 1 alone scales, or adds
+    for variant in alone:  # local rank 1 alone scales, or adds
         results = run_nodes(tempfile.mkdtemp(prefix=f"morse-sharded-{variant}-"),
                             f"Adam:{variant}", how="leader")
         for node, (code, text) in enumerate(results):

@@ -2495,7 +2495,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 late = folded is None
             if late and shown:
                 amend, late = True, False  # .grad, edited, is the step's gradient
-            if late and not self._shows_average and self._node is None:
+            if late and not self._shows_average and self._slices is None:
+                # (A node's leader learns for the node: it alone shows the
+                # clipped average, which every rank then takes, _node_show.)
                 with self._device_context(), self._explained():
                     learned = not self._session.clips_locally()  # a step that averages
                 late = not learned
@@ -2563,7 +2565,9 @@ class _MorseOptimizer(torch.optim.Optimizer):
             edited = False
         # A node's stepping rank: its other ranks edited their .grad after
         # the clip as it did (the same factors), or the step is refused.
-        if others is not None and not late:
+        if others is not None and not late and not learned:
+            # (A step that learned trained on the clipped average without
+            # any rank's edit.)
             mine = folded or [1.0] * len(self._params)
             differ = [k for k, scales in others if scales != mine]
             if differ:
