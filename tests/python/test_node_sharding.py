@@ -49,7 +49,9 @@
    of DDP + AdamW given the same edits of the clipped average (`learnleader`:
    the leader's node started as on CUDA tensors, .grad after the clip each
    rank's own, so step 0 trains without the edits, the leader warning, and
-   every step after as DDP's); one rank alone editing is refused, naming it.
+   every step after as DDP's; `learnfull` the same on the sharded node,
+   step 0's edit in slice 0 alone, both owners showing from step 1); one
+   rank alone editing is refused, naming it.
 10. In OneBitAdam's compression phase (`own`), clip_grad_norm_ then an
    addition and a row's halving of .grad on every rank of the sharded
    node: .grad after the clip torch's clip of the node's average on every
@@ -104,10 +106,10 @@ def worker(out, mode):
                                clip_grad_norm=CLIP)
     else:
         opt = build(name, model.parameters(), 0.01)
-    if variant == "learnleader":
+    if variant in ("learnleader", "learnfull"):
         # .grad after the clip first the rank's own, as on CUDA tensors: the
-        # leader learns from step 0's edit (warning) to show the node the
-        # clipped average from step 1 on.
+        # leader (each slice's owner) learns from step 0's edit (warning)
+        # to show the node the clipped average from step 1 on.
         opt._shows_average = False
         recorder = warnings.catch_warnings(record=True)
         recorded = recorder.__enter__()
@@ -189,11 +191,17 @@ def worker(out, mode):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         if variant == "partfull":
             norms.append(part_clips(model))
-        if variant in ("editfull", "anyfull"):
+        if variant in ("editfull", "anyfull", "learnfull"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 3 * CLIP)
-            if variant == "anyfull":
+            if variant in ("anyfull", "learnfull"):
                 save_clipped(out, rank, step, model)
-            (edit_any if variant == "anyfull" else edit_clipped)(model, step)
+            if variant == "learnfull" and step == 0:
+                # Slice 0's parameters alone: its owner learns, and slice
+                # 1's owner learns from it (it shows its slice from step 1).
+                with torch.no_grad():
+                    model[0].weight.grad.add_(0.01)
+            else:
+                (edit_any if variant in ("anyfull", "learnfull") else edit_clipped)(model, step)
         if variant in ("ownfull", "ownone"):
             # The norm alone before the compression phase (max_norm inf),
             # then a clip and an edit after it that is no scaling, on every
@@ -205,17 +213,24 @@ def worker(out, mode):
             if clips and (variant == "ownfull" or local == 1):
                 add_after_clip(model)
         opt.step()
-        if variant in ("partfull", "editfull", "anyfull"):
+        if variant in ("partfull", "editfull", "anyfull", "learnfull"):
             check(opt._holds_shards_model(), f"rank {rank} step {step}: slice {local}'s shards' "
                   "mirrors differ from its owner's parameters")
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
         f = flat(model)
         params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull",
-                                                                "editfull", "anyfull", "ownfull") else
+                                                                "editfull", "anyfull", "ownfull",
+                                                                "learnfull") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and node == 0:
             numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
+    if variant == "learnfull":
+        recorder.__exit__(None, None, None)
+        said = [str(w.message) for w in recorded if str(w.message).startswith("morse:")]
+        check(len(said) == (1 if local == 0 else 0) and all(
+            m.startswith("morse: in step 0 .grad was edited after clip_grad_norm_") for m in said),
+            f"rank {rank}: slice 0's owner's one warning, of step 0: {said}")
     if variant == "resume_first":
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{out}/state-{rank}.pt")
     json.dump(checksums, open(f"{d}/checksums-{node}.json", "w"))
@@ -427,7 +442,8 @@ def edit_any(model, step):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
 
 
-def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", "learnleader"),
+def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", "learnleader",
+                              "learnfull"),
                     alone=("editone", "addone")):
     """`edit`: clip_grad_norm_ of the whole model, then .grad scaled and
     zeroed per parameter on every rank (`editleader`, `editfull`), or
@@ -453,7 +469,7 @@ def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", 
             own = [numpy.load(f"{out}/own-{r}-{step}.npy") for r in range(4)]
             average = (node_average(own[:2]) + node_average(own[2:])) / numpy.float32(2)
             # (learnleader: step 0 trains on the clipped average unedited.)
-            edited_here = not (variant == "learnleader" and step == 0)
+            edited_here = not (variant.startswith("learn") and step == 0)
             for m, o, edits in ((reference, ref_opts[0], edited_here),
                                 (unedited, ref_opts[1], False)):
                 at = 0

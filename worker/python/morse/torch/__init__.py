@@ -766,6 +766,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # the script was seen editing .grad after a clip in a step that
         # averages (until then .grad keeps the rank's own gradient there).
         self._shows_average = not self._cuda
+        self._learned_in_step = False  # a sharded node's owner learned so in this step
         # The first step showed .grad edited between backward() and step():
         # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
         self._holds_pushes = False
@@ -2495,9 +2496,10 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 late = folded is None
             if late and shown:
                 amend, late = True, False  # .grad, edited, is the step's gradient
-            if late and not self._shows_average and self._slices is None:
+            if late and not self._shows_average:
                 # (A node's leader learns for the node: it alone shows the
-                # clipped average, which every rank then takes, _node_show.)
+                # clipped average, which every rank then takes, _node_show;
+                # a sharded node's owners learn together, _slice_step.)
                 with self._device_context(), self._explained():
                     learned = not self._session.clips_locally()  # a step that averages
                 late = not learned
@@ -2584,6 +2586,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise MorseError(grads_differ)
         if learned:
             self._learn_to_show()
+            self._learned_in_step = True
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
@@ -2989,10 +2992,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         missing, failure, sent = self._gathered
         self._gathered = None
         self._judge_node_edits(sent)  # by each slice's owner, edits made after the clip
+        self._learned_in_step = False
         error, outcome = self._step_for_node(failure)
         self._own_clipping, self._own_scaled = None, False  # (the slice's step took them)
-        outcomes = node.finish_all(*outcome)
-        for k, (failed, _, _, _) in enumerate(outcomes):
+        outcomes = node.finish_all(*outcome, learned=self._learned_in_step)
+        if not self._shows_average and any(o[4] for o in outcomes):
+            # An owner learned to show its slice's clipped average
+            # (_learn_to_show): every owner shows its own from now on, so
+            # that the .grad every rank takes after a clip is the clipped
+            # average throughout.
+            self._shows_average = True
+            if self._overlap:
+                self._holds_pushes = True
+                self._snapshot = None
+        for k, (failed, *_) in enumerate(outcomes):
             if error is None and failed is not None:
                 error = MorseError(f"{failed}\n  (the step of slice {k}'s owner, rank "
                                    f"{node.node * node.size + k}; this rank is rank {self._rank})")

@@ -403,11 +403,12 @@ class NodeGroup:
         self._learn_members([outcome[3]])
         return outcome
 
-    def finish_all(self, failure=None, checksum=None, buffers=None, members=None):
+    def finish_all(self, failure=None, checksum=None, buffers=None, members=None, learned=False):
         """Every rank's outcome of the step to every rank of the node (each
-        owner stepped its slice): [(failure, checksum, buffers, members)]
-        by local rank."""
-        outcomes = self.objects((failure, checksum, buffers, members))
+        owner stepped its slice): [(failure, checksum, buffers, members,
+        learned: whether it learned to show the clipped average)] by local
+        rank."""
+        outcomes = self.objects((failure, checksum, buffers, members, learned))
         self.steps += 1
         self._learn_members([o[3] for o in outcomes])
         return outcomes
