@@ -150,10 +150,10 @@ def node_worker(out, mode):
             if mode == "int8amp":
                 loss = loss_of(model, step, rank)
                 scaler.scale(loss * math.inf if (rank, step) in NODE_AMP_OVERFLOWS else loss).backward()
-                own = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
                 if step % 2 == 0:
                     scaler.unscale_(opt)  # this rank's own gradient
-                    own = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                own = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+                if step % 2 == 0:
                     # The node's average first (_clip_grad_norm), clipped by
                     # 1.0 (no bit changes), then the node's verdict at step().
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e30)

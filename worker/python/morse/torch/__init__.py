@@ -766,7 +766,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         # the script was seen editing .grad after a clip in a step that
         # averages (until then .grad keeps the rank's own gradient there).
         self._shows_average = not self._cuda
-        self._learned_in_step = False  # a sharded node's owner learned so in this step
         # The first step showed .grad edited between backward() and step():
         # the pushes wait for step() (or clip_grad_norm_), as overlap=False.
         self._holds_pushes = False
@@ -1772,10 +1771,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         the clipped average, as under DDP, and such edits amend the step
         (and the pushes wait for the clip)."""
         step = self.step_index - 1
-        self._shows_average = True
-        if self._overlap:
-            self._holds_pushes = True
-            self._snapshot = None
+        self._show_average()
         warnings.warn(
             f"morse: in step {step} .grad was edited after clip_grad_norm_ on CUDA tensors, "
             "where .grad after the clip holds this rank's own gradient until a script is seen "
@@ -1783,6 +1779,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
             f"{step + 1} on .grad after clip_grad_norm_ holds the clipped average, as DDP's does, "
             "and edits of it train as under DDP (at the cost of a decode of the model on the host "
             "and its copy to the GPU in each clipped step)", RuntimeWarning, stacklevel=3)
+
+    def _show_average(self):
+        """From the next step on .grad after clip_grad_norm_ holds the
+        clipped average (_shows_average), and an overlapping rank holds its
+        pushes until the clip, which an edit after it may amend."""
+        self._shows_average = True
+        if self._overlap:
+            self._holds_pushes = True
+            self._snapshot = None
 
     def _fold_or_amend(self):
         """A clip_grad_norm_ after an earlier one of the step showed the
@@ -2586,7 +2591,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             raise MorseError(grads_differ)
         if learned:
             self._learn_to_show()
-            self._learned_in_step = True
         if late:
             raise MorseError(
                 "FAILED_PRECONDITION: the gradients changed after clip_grad_norm_ pushed them "
@@ -2992,19 +2996,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         missing, failure, sent = self._gathered
         self._gathered = None
         self._judge_node_edits(sent)  # by each slice's owner, edits made after the clip
-        self._learned_in_step = False
+        showed = self._shows_average
         error, outcome = self._step_for_node(failure)
         self._own_clipping, self._own_scaled = None, False  # (the slice's step took them)
-        outcomes = node.finish_all(*outcome, learned=self._learned_in_step)
+        learned = self._shows_average and not showed  # (_learn_to_show, in this slice's step)
+        outcomes = node.finish_all(*outcome, learned=learned)
         if not self._shows_average and any(o[4] for o in outcomes):
-            # An owner learned to show its slice's clipped average
-            # (_learn_to_show): every owner shows its own from now on, so
-            # that the .grad every rank takes after a clip is the clipped
-            # average throughout.
-            self._shows_average = True
-            if self._overlap:
-                self._holds_pushes = True
-                self._snapshot = None
+            # Another owner learned to show its slice's clipped average:
+            # every owner shows its own from now on, so that the .grad
+            # every rank takes after a clip is the clipped average throughout.
+            self._show_average()
         for k, (failed, *_) in enumerate(outcomes):
             if error is None and failed is not None:
                 error = MorseError(f"{failed}\n  (the step of slice {k}'s owner, rank "
