@@ -240,6 +240,8 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
   MutexLock progress(&progress_mu_);
   initialized_ = static_cast<uint32_t>(partitions_.size());
   observed_step_ = h.step - 1;
+  released_step_ = observed_step_;
+  unobserved_.clear();
   return absl::OkStatus();
 }
 

@@ -483,15 +483,35 @@ absl::Status ShardCore::AcceptPush(PartitionState& p, PushArgs& args,
     }
   }
   p.waiters.emplace_back(args.rank, std::move(done));
-  if (p.arrived > 0 && p.arrived == p.live_count && !p.completing) {
-    if (pool_ == nullptr) {
-      *completion = CompleteLocked(p);
-    } else {
-      p.completing = true;  // a retry arriving meanwhile only waits
-      *schedule = true;
-    }
-  }
+  if (p.arrived > 0 && p.arrived == p.live_count && !p.completing)
+    StartCompletion(p, completion, schedule);
   return absl::OkStatus();
+}
+
+bool ShardCore::HoldForObservers(PartitionState& p) {
+  // Without an observer nothing reads the shard as of a step. (A core's
+  // own tests may push a partition's steps without waiting for the
+  // replies, which no worker can: its next step needs them.)
+  if (!observer_) return false;
+  MutexLock progress(&progress_mu_);
+  // p's last completed step, or an earlier one, completed the shard's and
+  // its observer has not returned. (One the shard has not completed yet
+  // holds nothing: its observer cannot run before p's next step anyway.)
+  if (released_step_ >= std::min(observed_step_, p.next_step - 1)) return false;
+  p.completing = true;  // a retry arriving meanwhile only waits
+  held_.push_back(&p);
+  return true;
+}
+
+void ShardCore::StartCompletion(PartitionState& p, Completion* completion,
+                                bool* schedule) {
+  if (HoldForObservers(p)) return;
+  if (pool_ == nullptr) {
+    *completion = CompleteLocked(p);
+  } else {
+    p.completing = true;  // a retry arriving meanwhile only waits
+    *schedule = true;
+  }
 }
 
 void ShardCore::Push(PushArgs args, ReplyCallback done) {
@@ -511,8 +531,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
   std::shared_ptr<const Reply> reply;  // a retry's
   Completion completion;               // the step this push completed, inline
   bool schedule = false;               // ... or on the pool
-  std::optional<int64_t>
-      completed_norm;  // a step whose mirror this push's norm completed
+  bool committed = false;  // this push's commit completed the step before
+  bool observe = false;    // ... and the shard's, whose observer is due
   {
     MutexLock lock(&p.mu);
     if (!p.initialized) {
@@ -546,7 +566,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
       }
       if (commits) {
         ApplyCommit(p, carried);
-        completed_norm = args.step - 1;
+        committed = true;
+        observe = CountCompleted(args.step - 1);
       }
       if (absl::Status s =
               AcceptPush(p, args, hash, done, &completion, &schedule);
@@ -559,10 +580,8 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
     MutexLock progress(&progress_mu_);
     ++accepted_;
   }
-  if (completed_norm.has_value()) {
-    NoteStepCompleted(*completed_norm);
-    MirrorSoon(p);
-  }
+  if (observe) RunObservers();
+  if (committed) MirrorSoon(p);
   if (schedule) {
     pool_->Schedule([this, &p] { CompleteOnPool(p); });
   } else if (!completion.waiters.empty()) {
@@ -575,10 +594,10 @@ void ShardCore::Push(PushArgs args, ReplyCallback done) {
 ShardCore::Completion ShardCore::CompleteLocked(PartitionState& p) {
   Completion c;
   absl::StatusOr<std::shared_ptr<const Reply>> result = Complete(p);
-  c.awaiting_commit = p.awaiting_commit;
   c.waiters.swap(p.waiters);
   if (result.ok()) {
     c.reply = *std::move(result);
+    c.observe = !p.awaiting_commit && CountCompleted(c.reply->step);
   } else {
     c.failure = result.status();
   }
@@ -603,10 +622,11 @@ void ShardCore::Answer(PartitionState& p, Completion c) {
   // The observer first (it sees the step complete before any worker can
   // start the next; what it reads of the mirror is brought up to date),
   // then the replies, then the mirror update of this partition.
-  // A step that clips the averaged gradient completes when its norm
-  // arrives (Commit), which the mirror needs.
+  // A step that waits for its commit (a clipped average's norm, or the
+  // optimizer's values) completes when that arrives (Commit, or the next
+  // step's pushes).
   const bool ok = c.failure.ok();
-  if (ok && !c.awaiting_commit) NoteStepCompleted(c.reply->step);
+  if (c.observe) RunObservers();
   {
     trace::Scope traced("reply", ok ? c.reply->step : -1, p.partition.id);
     for (auto& [rank, callback] : c.waiters) {
@@ -1178,14 +1198,14 @@ absl::Status ShardCore::CommitStep(uint32_t rank, int64_t step,
     }
     applies[i] = a;
   }
-  uint32_t completed = 0;
+  bool observe = false;
   for (size_t i = 0; i < partitions_.size(); ++i) {
     if (!applies[i]) continue;
     ApplyCommit(*partitions_[i], commit);
-    ++completed;
+    observe = CountCompleted(step) || observe;
   }
   locks.clear();
-  for (uint32_t i = 0; i < completed; ++i) NoteStepCompleted(step);
+  if (observe) RunObservers();
   for (size_t i = 0; i < partitions_.size(); ++i) {
     if (applies[i]) MirrorSoon(*partitions_[i]);
   }
@@ -1199,25 +1219,53 @@ void ShardCore::FlushMirrors() const {
   }
 }
 
-void ShardCore::NoteStepCompleted(int64_t step) {
-  std::vector<int64_t> finished;
+bool ShardCore::CountCompleted(int64_t step) {
+  MutexLock progress(&progress_mu_);
+  if (++completions_[step] < partitions_.size()) return false;
+  // Steps finish in order: a step's replies are all out before any
+  // worker can push the next one.
+  // (zero_one_adam's local steps complete nothing: the next exchange.)
+  bool due = false;
+  while (!completions_.empty() &&
+         completions_.begin()->first ==
+             compress::NextExchange(job_.algorithm, observed_step_ + 1) &&
+         completions_.begin()->second == partitions_.size()) {
+    observed_step_ = completions_.begin()->first;
+    unobserved_.push_back(observed_step_);
+    completions_.erase(completions_.begin());
+    due = true;
+  }
+  return due;
+}
+
+void ShardCore::RunObservers() {
+  std::vector<PartitionState*> held;
   {
-    MutexLock progress(&progress_mu_);
-    if (++completions_[step] < partitions_.size()) return;
-    // Steps finish in order: a step's replies are all out before any
-    // worker can push the next one.
-    // (zero_one_adam's local steps complete nothing: the next exchange.)
-    while (!completions_.empty() &&
-           completions_.begin()->first ==
-               compress::NextExchange(job_.algorithm, observed_step_ + 1) &&
-           completions_.begin()->second == partitions_.size()) {
-      observed_step_ = completions_.begin()->first;
-      finished.push_back(observed_step_);
-      completions_.erase(completions_.begin());
+    // Whichever thread takes the lock first runs every observer due, in
+    // order; the others find none left.
+    MutexLock observing(&observer_mu_);
+    while (true) {
+      int64_t step;
+      {
+        MutexLock progress(&progress_mu_);
+        if (unobserved_.empty()) {
+          held.swap(held_);  // released_step_ == observed_step_ now
+          break;
+        }
+        step = unobserved_.front();
+        unobserved_.pop_front();
+      }
+      if (observer_) observer_(step, *this);
+      MutexLock progress(&progress_mu_);
+      released_step_ = step;
     }
   }
-  if (observer_) {
-    for (int64_t s : finished) observer_(s, *this);
+  for (PartitionState* p : held) {
+    if (pool_ != nullptr) {
+      pool_->Schedule([this, p] { CompleteOnPool(*p); });
+    } else {
+      CompleteOnPool(*p);
+    }
   }
 }
 
@@ -1236,7 +1284,9 @@ std::optional<std::string> ShardCore::Stalled(absl::Time now) const {
   for (const auto& state : partitions_) {
     PartitionState& p = *state;
     MutexLock lock(&p.mu);
-    if (p.arrived == 0 || now - p.first_arrival < patience) continue;
+    // One with every push in is completing (or held for an observer).
+    if (p.arrived == 0 || p.completing || now - p.first_arrival < patience)
+      continue;
     // An elastic job's step with min_workers pushes is not stalled: it
     // completes without the others (ExpireWaiting).
     if (job_.elastic() && p.arrived >= job_.min_workers) continue;
@@ -1305,7 +1355,7 @@ std::vector<std::string> ShardCore::ExpireWaiting(absl::Time now) {
         }
         if (waited >= patience)
           dropped[{NextExchange(p), missing}].push_back(p.partition.id);
-        completion = CompleteLocked(p);
+        if (!HoldForObservers(p)) completion = CompleteLocked(p);
       } else if (waited >= timeout) {
         status = absl::DeadlineExceededError(absl::StrCat(
             "step ", NextExchange(p), " of partition ", p.partition.id,
@@ -1487,6 +1537,8 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
     {
       MutexLock progress(&progress_mu_);
       observed_step_ = state.completed_steps - 1;
+      released_step_ = observed_step_;
+      unobserved_.clear();
       completions_.clear();
       if (restored_step_ != state.completed_steps) {
         restored_step_ = state.completed_steps;

@@ -25,6 +25,7 @@
 #define MORSE_SERVER_SHARD_CORE_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -173,7 +174,9 @@ struct ShardStatus {
 class ShardCore {
  public:
   // Called once per step when every partition of the shard has completed it,
-  // with the mirror exactly as after that step (for logs and tests).
+  // in step order and one at a time, with the mirror exactly as after that
+  // step (for logs, checkpoints and tests): a partition whose pushes
+  // complete a later step meanwhile is held until it returns.
   using StepObserver = std::function<void(int64_t step, const ShardCore& core)>;
 
   // RESOURCE_EXHAUSTED, before allocating anything, if the shard's state
@@ -375,7 +378,8 @@ class ShardCore {
   struct Completion {
     std::shared_ptr<const Reply> reply;
     absl::Status failure;
-    bool awaiting_commit = false;  // the step waits for its commit (Commit)
+    // The step completed the shard's: its observer is due (RunObservers).
+    bool observe = false;
     std::vector<std::pair<uint32_t, ReplyCallback>> waiters;
   };
   // Push, in the order it runs: the arguments alone (before any lock);
@@ -383,8 +387,8 @@ class ShardCore {
   // worker's replay); for the step in flight, everything the push must
   // agree with (its commit of the step before taken out of args into
   // *carried, *commits when that completes it), then the push kept and
-  // the step completed when it is the last one (inline into *completion, or
-  // *schedule on the pool). AcceptPush moves `done` only when it succeeds.
+  // the step completed when it is the last one (StartCompletion).
+  // AcceptPush moves `done` only when it succeeds.
   absl::Status CheckPushArgs(const PushArgs& args) const;
   absl::StatusOr<std::shared_ptr<const Reply>> KeptReply(
       const PartitionState& p, const PushArgs& args, uint64_t hash) const
@@ -402,11 +406,23 @@ class ShardCore {
   absl::Status AcceptPush(PartitionState& p, PushArgs& args, uint64_t hash,
                           ReplyCallback& done, Completion* completion,
                           bool* schedule) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // Every push of p's step is in: completes it inline into *completion
+  // (without a pool), or marks it for the pool (*schedule), or, while the
+  // observer of an earlier step has not returned, holds it: RunObservers
+  // then completes it. Without the hold a partition whose commit came
+  // early (Commit, or the other partitions' pushes) could move the mirror
+  // under an observer still reading it.
+  void StartCompletion(PartitionState& p, Completion* completion,
+                       bool* schedule) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
+  // The hold: true, and p marked completing and held, if it applies.
+  bool HoldForObservers(PartitionState& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   Completion CompleteLocked(PartitionState& p)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
-  // The pool's task for a partition whose pushes are all in.
+  // The pool's task for a partition whose pushes are all in (and a held
+  // one's completion, without a pool).
   void CompleteOnPool(PartitionState& p);
-  // The step observer, then the waiting pushes' callbacks, then the mirror.
+  // The step observers due, then the waiting pushes' callbacks, then the
+  // mirror.
   void Answer(PartitionState& p, Completion completion);
   // Applies the partition's last reply to the mirror if that is still to do
   // and possible (not waiting for the step's gradient norm).
@@ -443,7 +459,15 @@ class ShardCore {
   // sync after local steps.
   int64_t NextExchange(const PartitionState& p) const
       ABSL_SHARED_LOCKS_REQUIRED(p.mu);
-  void NoteStepCompleted(int64_t step);
+  // Counts a partition's completion of `step` (its reply out, and its
+  // commit in where the step waits for one), under that partition's lock:
+  // whoever finds the partition's step completed finds it counted. True
+  // when the shard has now completed a step, whose observer is due.
+  bool CountCompleted(int64_t step) ABSL_LOCKS_EXCLUDED(progress_mu_);
+  // Runs the observer of each step the shard has completed, in order, one
+  // at a time, then completes the partitions held meanwhile. Called with
+  // no partition's lock held.
+  void RunObservers() ABSL_LOCKS_EXCLUDED(observer_mu_, progress_mu_);
   // The abort that refuses a push of `step`, if any.
   std::optional<absl::Status> AbortFor(int64_t step) const;
   // Stop's status once the shard is shutting down.
@@ -469,9 +493,18 @@ class ShardCore {
       ABSL_GUARDED_BY(abort_mu_);  // step, message
   std::optional<absl::Status> stopping_ ABSL_GUARDED_BY(abort_mu_);  // Stop
 
+  // Held while observers run; taken outside every other lock.
+  Mutex observer_mu_;
   mutable Mutex progress_mu_;
   uint32_t initialized_ ABSL_GUARDED_BY(progress_mu_) = 0;
+  // The last step every partition has completed; the steps up to it whose
+  // observer has not run yet, in order; the last step whose observer has
+  // returned (observed_step_ once none is due); the partitions whose next
+  // step is held for them (StartCompletion).
   int64_t observed_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
+  std::deque<int64_t> unobserved_ ABSL_GUARDED_BY(progress_mu_);
+  int64_t released_step_ ABSL_GUARDED_BY(progress_mu_) = -1;
+  std::vector<PartitionState*> held_ ABSL_GUARDED_BY(progress_mu_);
   std::map<int64_t, uint32_t> completions_
       ABSL_GUARDED_BY(progress_mu_);  // step -> partitions
   uint64_t accepted_ ABSL_GUARDED_BY(progress_mu_) = 0;

@@ -120,11 +120,11 @@ void ShardRuntime::StepCompleted(int64_t step, const ShardCore& core,
   }
   // The workers keep the pushes of the last replay_steps (every + 1) steps
   // (DESIGN 4), and a shard restarted from its newest checkpoint must find
-  // them all. The observer runs before this step's last replies go out, so
-  // no worker pushes step + 1 before it returns: if the newest checkpoint on
-  // disk is more than `slack` steps behind step + 1, wait for the write in
-  // flight. A write slower than a step (fsync under load) then holds the
-  // next step back instead of making the run unrecoverable.
+  // them all. The observer runs before this step's last replies go out,
+  // and no partition completes step + 1 before it returns: if the newest
+  // checkpoint on disk is more than `slack` steps behind step + 1, wait for
+  // the write in flight. A write slower than a step (fsync under load) then
+  // holds the next step back instead of making the run unrecoverable.
   if (checkpoints_ != nullptr && every > 0) {
     bool behind;
     {

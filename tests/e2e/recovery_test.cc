@@ -193,6 +193,9 @@ void ExpectEveryWorkerSurvivesAKill(const std::string& config, int first,
         << ReadFile(cluster.worker_log(rank)) << "restarted worker 1:\n"
         << ReadFile(cluster.restarted_worker_log(1, 1)) << "server 0:\n"
         << ReadFile(cluster.server_log(0));
+    // Said now: a failure below names no step of its own.
+    std::printf("worker %d killed after %d steps\n", rank, at);
+    std::fflush(stdout);
     cluster.KillWorker(rank);
     absl::SleepFor(absl::Seconds(1));
     cluster.RestartWorker(rank, /*checksums=*/true);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "compress/bytes_hash.h"
 #include "compress/check.h"
 #include "compress/fnv.h"
@@ -1767,6 +1768,35 @@ std::unique_ptr<ShardCore> InitializedLambShard(const proto::JobSpec& job,
   return core;
 }
 
+// Step 0 of both workers on every partition of the LambShardJob's `core`:
+// rank 0's push waits, rank 1's completes it; `worker` applies each reply
+// and *commit is its commit of the step (Replica::LambStep).
+void CompleteLambStepZero(ShardCore& core, const proto::JobSpec& job,
+                          compress::Replica& worker,
+                          std::vector<double>* commit) {
+  const uint64_t fingerprint = core.layout().fingerprint();
+  for (const auto& p : core.layout().partitions()) {
+    std::shared_ptr<const Reply> reply;
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      core.Push(
+          EncodedPush(fingerprint, compress::PlanStep(job.algorithm, 0).up, 0,
+                      rank, p),
+          [&](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+            ASSERT_TRUE(r.ok()) << r.status();
+            reply = *r;
+          });
+      ASSERT_EQ(reply != nullptr, rank == 1) << p.id;
+    }
+    ASSERT_TRUE(worker
+                    .ApplyReply(0, p.range.begin, p.range.size(),
+                                {reinterpret_cast<const uint8_t*>(
+                                     reply->payload.data()),
+                                 reply->payload.size()})
+                    .ok());
+  }
+  *commit = *worker.LambStep(0);
+}
+
 // onebit_lamb (docs/design.md 2.8): each step's mirror update waits for the
 // workers' layer commit. A push of the next step without it, a malformed
 // one, one that differs from the commit already taken, or one for a step
@@ -2004,34 +2034,22 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   const uint64_t fingerprint = core->layout().fingerprint();
   const auto push = [&](int64_t step, uint32_t rank,
                         const compress::Partition& p,
-                        std::vector<double> commit,
-                        std::shared_ptr<const Reply>* reply = nullptr) {
+                        std::vector<double> commit) {
     PushArgs a = EncodedPush(
         fingerprint, compress::PlanStep(job.algorithm, step).up, step, rank, p);
     a.previous_commit = std::move(commit);
     auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
     core->Push(std::move(a),
-               [status, reply](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+               [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
                  *status = r.status();
-                 if (r.ok() && reply != nullptr) *reply = *r;
                });
     return *status;
   };
   const auto parts = core->layout().partitions();
   // Step 0 completes on every partition; the worker applies the replies and
   // forms the commit.
-  for (const auto& p : parts) {
-    std::shared_ptr<const Reply> reply;
-    ASSERT_EQ(push(0, 0, p, {}).message(), "pending");
-    ASSERT_TRUE(push(0, 1, p, {}, &reply).ok());
-    ASSERT_TRUE(worker
-                    .ApplyReply(0, p.range.begin, p.range.size(),
-                                {reinterpret_cast<const uint8_t*>(
-                                     reply->payload.data()),
-                                 reply->payload.size()})
-                    .ok());
-  }
-  const std::vector<double> commit = *worker.LambStep(0);
+  std::vector<double> commit;
+  ASSERT_NO_FATAL_FAILURE(CompleteLambStepZero(*core, job, worker, &commit));
   ASSERT_EQ(commit.size(), 3u * 3);  // layers of 90, 90 and 20
   // Without its commit, the mirror cannot be read and step 1 is refused.
   EXPECT_EQ(core->FetchPartition(parts[0].id, fingerprint).status().code(),
@@ -2177,6 +2195,55 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
   EXPECT_EQ(foreign.code(), absl::StatusCode::kInvalidArgument) << foreign;
   EXPECT_NE(foreign.message().find("adam keeps [none]"), std::string::npos)
       << foreign;
+}
+
+// The step observer sees the mirror as after its step: the runtime writes
+// the state log's checksums and the periodic checkpoints from it. A step of
+// onebit_lamb completes with its commit (rank 0's Commit, and every push of
+// the next step carries it), and a partition may have every push of the
+// next step while the observer still reads the shard: its completion waits
+// for the observer to return, and then runs.
+TEST(LambShardTest, TheObserverSeesItsStepWhileTheNextOneArrives) {
+  const proto::JobSpec job = LambShardJob();
+  compress::Replica worker(job.algorithm, {0, job.algorithm.layout.dim});
+  std::unique_ptr<ShardCore> core = InitializedLambShard(job, worker);
+  const uint64_t fingerprint = core->layout().fingerprint();
+  const auto parts = core->layout().partitions();
+  std::vector<double> commit;
+  ASSERT_NO_FATAL_FAILURE(CompleteLambStepZero(*core, job, worker, &commit));
+  // The observer of step 0 lets both ranks push step 1 to the first
+  // partition, and gives that step a second to complete before it reads
+  // the shard.
+  absl::Notification observing, completed;
+  std::optional<uint64_t> checksum;
+  absl::Status snapshot;
+  core->SetStepObserver([&](int64_t step, const ShardCore& c) {
+    if (step != 0) return;
+    observing.Notify();
+    completed.WaitForNotificationWithTimeout(absl::Seconds(1));
+    checksum = c.MirrorChecksum();
+    snapshot = c.Snapshot().status();
+  });
+  std::thread next([&] {
+    observing.WaitForNotification();
+    for (uint32_t rank = 0; rank < 2; ++rank) {
+      PushArgs a =
+          EncodedPush(fingerprint, compress::PlanStep(job.algorithm, 1).up, 1,
+                      rank, parts[0]);
+      a.previous_commit = commit;
+      core->Push(std::move(a),
+                 [&, rank](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+                   EXPECT_TRUE(r.ok()) << r.status();
+                   if (rank == 1) completed.Notify();
+                 });
+    }
+  });
+  ASSERT_TRUE(core->CommitValues(0, 0, fingerprint, commit).ok());
+  next.join();
+  EXPECT_EQ(checksum, worker.Checksum());
+  EXPECT_TRUE(snapshot.ok()) << snapshot;
+  // Held, not lost: step 1 of that partition completed once it returned.
+  EXPECT_TRUE(completed.HasBeenNotified());
 }
 
 // A server applies onebit_lamb commits from its RPC threads, each under its
