@@ -54,6 +54,13 @@ CLAMP = 0.1  # `clamp` runs: every rank clamps its weights to ±CLAMP after step
 CLAMPED = 9
 
 
+def wait_for(*paths):
+    """Waits until one of `paths` exists, for up to 120 s."""
+    deadline = time.time() + 120
+    while not any(os.path.exists(p) for p in paths) and time.time() < deadline:
+        time.sleep(0.05)
+
+
 def worker(out, pace, killed=2, change=""):
     """A rank of the job: rank `killed` kills itself in its first life
     (rank 2 of 3 ranks; rank 3, node 1's second, of 2 nodes x 2). With
@@ -61,7 +68,9 @@ def worker(out, pace, killed=2, change=""):
     before step STEPS - 3 until it has caught up. `change` "clamp": every
     rank clamps its weights to ±CLAMP after step CLAMPED - 1 (a rank back
     from its restart in its replay); "clamp_other": the same, but the
-    restarted rank clamps to ±CLAMP / 2."""
+    restarted rank clamps to ±CLAMP / 2, coming back only once the others
+    have completed step CLAMPED (so that it is left out of it), and the
+    others wait only until it is about to be refused."""
     import numpy as np
     import morse.torch
     torch.manual_seed(3)
@@ -72,6 +81,10 @@ def worker(out, pace, killed=2, change=""):
         # Back later than timeouts.step_seconds (at most 2 here), however
         # fast the restart: the steps go on without it meanwhile.
         time.sleep(3)
+        if change == "clamp_other":
+            # Left out of step CLAMPED whatever the host's speed: back
+            # once the others have completed it.
+            wait_for(f"{out}/step-0-{CLAMPED}.json")
     opt = morse.torch.OneBitAdam(model.parameters(), lr=0.01, freeze_step=3, block_elems=16,
                                  partition_elems=64)
     first = opt.step_index
@@ -87,14 +100,15 @@ def worker(out, pace, killed=2, change=""):
     waits = rank // size != killed // size
     for step in range(first, STEPS):
         if pace and waits and step == STEPS - 3:
-            deadline = time.time() + 120
-            while not os.path.exists(f"{out}/step-{killed}-{step - 1}.json") and time.time() < deadline:
-                time.sleep(0.05)
+            # ... or until it is about to be refused ("clamp_other").
+            wait_for(f"{out}/step-{killed}-{step - 1}.json", f"{out}/refused-{killed}")
         if rank == killed and life == 0 and step == KILLED:
             print(f"killing myself in step {step}, before backward()", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if change and step == CLAMPED:
             bound = CLAMP / 2 if change == "clamp_other" and life > 0 else CLAMP
+            if bound != CLAMP:
+                open(f"{out}/refused-{rank}", "w").close()
             with torch.no_grad():
                 for p in model.parameters():
                     p.clamp_(-bound, bound)

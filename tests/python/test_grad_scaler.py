@@ -23,8 +23,19 @@ loss scale moving as DDP's.
 5. `adam_clip@cuda` and `onebit@cuda` (the part `cuda`; skipped, saying
    so, without a GPU): 2 and 3 with the models, the reference and
    GradScaler("cuda") on the GPU, where fp16 loss scaling is used.
+6. `restart`: `adam` under morse-run --rank-restarts 2, rank 1 killed in
+   step 5: the job cannot take it back (the ranks' overflow verdict goes
+   through torch.distributed's group, which a restarted rank cannot join
+   again), so it stops within seconds, saying so and what to do instead
+   (rank 0 that its group lost a rank, the restarted ranks that they are
+   back from a restart), instead of the gloo error or a wait; rank 0 had
+   warned at its first step that a lost rank would stop the job. The
+   same in an elastic job (--min-workers 1), which cannot leave rank 1
+   out. (An elastic job under a GradScaler that loses no rank trains as
+   any other: `adam` with --min-workers 1 in part `cpu`.)
 
-Parts (command-line arguments; none: all): `cpu` (1-4), `cuda` (5).
+Parts (command-line arguments; none: all): `cpu` (1-4), `cuda` (5),
+`restart` (6).
 
 Under torch 1.13, whose GradScaler (torch.cuda.amp.GradScaler) hands a
 custom optimizer its step through step(grad_scaler=...) and runs on CUDA
@@ -33,13 +44,18 @@ GradScaler's two CUDA kernels written out in torch (harness.cpu_grad_scaler),
 on a GPU with the real one."""
 import math
 import os
+import re
+import signal
 import sys
+import tempfile
+import time
 
 import torch
 
 from harness import check, cpu_grad_scaler, has_cuda, modes_of, morse_run
 
 STEPS = 12
+KILLED = 5  # `restart`: rank 1's step that it dies in
 OVERFLOWS = {(1, 2), (1, 7), (0, 9)}  # (rank, step): that rank's loss is infinite
 
 
@@ -71,6 +87,10 @@ def new_scaler(device):
 def worker(mode):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
+    life = int(os.environ.get("MORSE_RESTART_COUNT", "0"))
+    killed = mode == "restart"  # rank 1 dies in step KILLED in its first life
+    if killed:
+        mode = "adam"
     mode, _, device = mode.partition("@")
     device = device or "cpu"
     clip = mode in ("adam_clip", "onebit")
@@ -87,7 +107,9 @@ def worker(mode):
     ref_scaler = new_scaler(device)
     torch_clip = morse.torch._TORCH_CLIP_GRAD_NORM
     worst, skipped = 0.0, []
-    for step in range(STEPS):
+    for step in range(opt.step_index, STEPS):
+        if killed and rank == 1 and life == 0 and step == KILLED:
+            os.kill(os.getpid(), signal.SIGKILL)
         before = opt.step_index
         opt.zero_grad()
         scaler.scale(loss_of(model, rank, step)).backward()
@@ -131,6 +153,49 @@ def worker(mode):
           f"largest difference from DDP + AdamW {compared}, checksum {opt.checksum()}")
 
 
+def restart(how):
+    """`restart` (6): rank 1 killed under --rank-restarts 2 (`how`
+    "restarts"), or in an elastic job (--min-workers 1, "elastic"), stops
+    the job, saying why, within seconds."""
+    out = tempfile.mkdtemp(prefix=f"morse-grad-scaler-{how}-")
+    config = os.path.join(out, "base.textproto")
+    with open(config, "w") as f:
+        f.write("checkpoint { every_steps: 2 replay_steps: 16 }\n")
+    began = time.monotonic()
+    code, log = morse_run(__file__, 2, 1, "restart", config=config, timeout=240,
+                          extra=["--rank-restarts", "2"] if how == "restarts" else
+                          ["--min-workers", "1"])
+    took = time.monotonic() - began
+    print(log[-6000:])
+    check(code != 0, f"{how}: the job went on after it lost a rank under a GradScaler")
+    check(("rank 1 exited with -9; restarting it" if how == "restarts" else
+           "rank 1 exited with -9; the job goes on without it") in log,
+          f"{how}: rank 1 was not killed (and restarted, or left out)")
+    lost = ("UNAVAILABLE: fp16 loss scaling: the ranks could not agree whether this step "
+            "overflowed: a rank left torch.distributed's group")
+    back = ("FAILED_PRECONDITION: fp16 loss scaling cannot take back a rank restarted by "
+            "--rank-restarts: this rank is back from a restart")
+    check(lost in log, f"{how}: the rank whose group lost rank 1 did not say so")
+    check(how != "restarts" or back in log, "a restarted rank did not say why it stops")
+    check(re.search(r"morse-run: rank \d's error: morse\._native\.MorseError: "
+                    r"(UNAVAILABLE|FAILED_PRECONDITION): fp16 loss scaling", log),
+          f"{how}: morse-run's last word is not the reason")
+    check("restart the whole job from its checkpoints" in log,
+          f"{how}: what to do instead is not said")
+    warning = ("and morse-run --rank-restarts cannot take a restarted rank back into it: "
+               if how == "restarts" else "and an elastic job (min_workers) cannot go on without "
+               "a rank that left it (the group's next collective fails): ") + \
+        "a lost rank will stop the job"
+    warned = log.count(warning)
+    check(warned == 1, f"{how}: rank 0 did not warn once at its first step that a lost rank "
+          f"will stop the job ({warned} warnings)")
+    print(f"PASS: GradScaler {'under --rank-restarts 2' if how == 'restarts' else 'in an elastic job'}"
+          f", rank 1 killed in step {KILLED}: the job stops after {took:.1f} s, rank 0 saying its "
+          "group lost a rank" + (" and the restarted ranks that fp16 loss scaling cannot take "
+                                 "them back" if how == "restarts" else "")
+          + ", with what to do instead; rank 0 had warned at its first step")
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-1])
@@ -138,11 +203,18 @@ if __name__ == "__main__":
     want = sorted(step for _, step in OVERFLOWS)
     # (mode, morse-run's extra arguments): the 2 ranks as two workers, and
     # as one node of 2 (the leader steps; sharded, each rank its slice).
-    parts = {"cpu": [("adam", ()), ("adam_clip", ()), ("onebit", ()),
+    # `restart`'s two runs are restart(how)'s, not the loop's below.
+    parts = {"restart": [("restarts", ()), ("elastic", ())],
+             "cpu": [("adam", ()), ("adam_clip", ()), ("onebit", ()),
                      ("adam_clip", ("--node-aggregation",)),
-                     ("adam_clip", ("--node-aggregation=sharded",))],
+                     ("adam_clip", ("--node-aggregation=sharded",)),
+                     ("adam", ("--min-workers", "1"))],
              "cuda": [("adam_clip@cuda", ()), ("onebit@cuda", ())]}
     runs = modes_of(parts)
+    for how in ("restarts", "elastic"):
+        if (how, ()) in runs:
+            runs.remove((how, ()))
+            restart(how)
     if any("@cuda" in mode for mode, _ in runs) and not has_cuda("the models on the GPU"):
         runs = [(mode, extra) for mode, extra in runs if "@cuda" not in mode]
     for mode, extra in runs:
@@ -161,8 +233,9 @@ if __name__ == "__main__":
         check(len(ends) == 1, f"{what}: the ranks end apart (skips, loss scale, checksum): {ends}")
     ran = ", ".join(" ".join([mode, *extra]) for mode, extra in runs)
     scaler = type(new_scaler("cpu")).__name__
-    print(f"PASS: {scaler} (torch {torch.__version__}) on 2 ranks ({ran}): a step whose gradients overflowed on "
-          f"one rank ({sorted(OVERFLOWS)}) skipped on every rank, the loss scale DDP's on every "
-          "rank after every step, Adam's parameters within 1e-5 of DDP + AdamW (with and without "
-          "unscale_ and clip_grad_norm_), and OneBitAdam through warmup and compression "
-          "bit-identical on both ranks with the shards' mirrors")
+    if runs:
+        print(f"PASS: {scaler} (torch {torch.__version__}) on 2 ranks ({ran}): a step whose "
+              f"gradients overflowed on one rank ({sorted(OVERFLOWS)}) skipped on every rank, the "
+              "loss scale DDP's on every rank after every step, Adam's parameters within 1e-5 of "
+              "DDP + AdamW (with and without unscale_ and clip_grad_norm_), and OneBitAdam through "
+              "warmup and compression bit-identical on both ranks with the shards' mirrors")

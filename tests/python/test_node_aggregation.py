@@ -10,8 +10,8 @@ first cut): one Morse worker per node.
    (and each other's bits, except zero_one_adam's local steps). After the
    first step the leader pushes a partition before the last bucket's
    average is in.
-   On a GPU host, also OneBitAdam on CUDA tensors (skipped, saying so,
-   without a GPU).
+   On a GPU host, also OneBitAdam on CUDA tensors, and `edit` (3b) on
+   them (skipped, saying so, without a GPU).
 2. One host, 3 ranks in one node: one worker, the average in local-rank
    order ((g0 + g1) + g2) / 3, the simulator with N = 1.
 3. Weights loaded after building the optimizer, before the first step,
@@ -71,10 +71,11 @@ def build(name, params, lr, **more):
 
 def worker(out, mode):
     name, _, variant = mode.partition(":")
+    variant, _, on = variant.partition("@")  # VARIANT@cuda: on CUDA tensors
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     node = int(os.environ["MORSE_NODE_RANK"])
     torch.manual_seed(5)
-    device = torch.device("cuda" if variant == "cuda" else "cpu")
+    device = torch.device("cuda" if "cuda" in (variant, on) else "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4)).to(device)
     lr = 0.02 if variant == "lr" and rank == 1 else 0.01
     if variant == "gloo" and local == 1:
@@ -334,8 +335,12 @@ def check_shared(out, ranks, expected, what):
 
 
 def two_nodes(name, variant=""):
+    """`variant` may end in @cuda: on CUDA tensors, where .grad after a
+    clip of the averaged gradient stays the rank's own until the script is
+    seen editing it (design.md 2.6)."""
     out = tempfile.mkdtemp(prefix=f"morse-aggregate-{name}-")
     mode = f"{name}:{variant}" if variant else name
+    variant, _, on = variant.partition("@")
     results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
     for node, (code, text) in enumerate(results):  # every failing node's output before the verdict
         if code != 0:
@@ -346,7 +351,9 @@ def two_nodes(name, variant=""):
     check(banner and set(banner) == {"2"}, f"{name}: the shards see 2 workers (one per node): {banner}")
     may_differ = name == "ZeroOneAdam"
     own_clips = variant in ("clip", "edit")  # the compression phase's clip is the node's own
-    if own_clips:
+    if own_clips and on == "cuda":
+        check_node_averages(out, 2, 2, range(FREEZE))
+    elif own_clips:
         check_shown_averages(out, 2, 2, variant, range(FREEZE))
     else:
         check_node_averages(out, 2, 2, range(STEPS))
@@ -383,7 +390,7 @@ def two_nodes(name, variant=""):
                     "halved on every rank (pushed as torch's order gives them)",
             "load": ", weights loaded after building it",
             "gloo": ", one rank of each node without shared memory (its node through gloo)"}.get(
-                variant, "")
+                variant, "") + (" on CUDA tensors" if on == "cuda" else "")
     print(f"PASS: {name}{what}: 2 nodes x 2 ranks with node "
           "aggregation: one worker per node, the node "
           f"average pushed, every rank on its leader's bits, the simulator with N = 2 for {STEPS} steps")
@@ -463,8 +470,8 @@ if __name__ == "__main__":
         sys.exit(0)
     # ctest runs the modes in these parts, each a test of its own
     # (python_node_aggregation_optimizers, ...): a part's name runs its
-    # modes; a mode is OPTIMIZER or OPTIMIZER:VARIANT (two_nodes), "cuda",
-    # "three" or "wrong".
+    # modes; a mode is OPTIMIZER or OPTIMIZER:VARIANT (two_nodes; VARIANT@cuda
+    # on CUDA tensors), "cuda", "three" or "wrong".
     parts = {"optimizers": ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "OneBitLamb:gloo",
                             "cuda", "three", "wrong"],
              "idioms": ["OneBitAdam:clamp", "OneBitAdam:clip", "OneBitAdam:edit", "Adam:load",
@@ -475,6 +482,7 @@ if __name__ == "__main__":
             # through the host inside each node): where there is a GPU.
             if has_cuda("CUDA tensors with node aggregation"):
                 two_nodes("OneBitAdam", "cuda")
+                two_nodes("OneBitAdam", "edit@cuda")
         elif mode == "three":
             one_node_of_three()
         elif mode == "wrong":

@@ -15,8 +15,9 @@
    state.
 2. Weights clamped after every step on every rank: the same, with the
    simulator fed the changes; clamped on one rank only: every rank of the
-   node fails, naming it. On a GPU host, OneBitAdam on CUDA tensors too
-   (skipped, saying so, without a GPU).
+   node fails, naming it. On a GPU host, OneBitAdam on CUDA tensors too,
+   and 9's `learnleader`, `learnfull` and `addone` and 10 on
+   them (skipped, saying so, without a GPU).
 3. One host, 3 ranks in one node: 3 slices, ((g0 + g1) + g2) / 3 each.
 4. Resume: each rank's state_dict after 4 steps loaded into a fresh job
    (fresh shards) that runs 4 more steps gives the bits of an
@@ -93,12 +94,13 @@ def flat(model):
 
 def worker(out, mode):
     name, _, variant = mode.partition(":")
+    variant, _, on = variant.partition("@")  # VARIANT@cuda: on CUDA tensors
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     node = int(os.environ["MORSE_NODE_RANK"])
     if variant in ("kill", "steps"):
         restart_worker(out, name, variant)
         return
-    device = torch.device("cuda" if variant == "cuda" else "cpu")
+    device = torch.device("cuda" if "cuda" in (variant, on) else "cpu")
     model = model_of().to(device)
     if variant.startswith("clipjob"):  # clip_grad_norm=, the job's
         import morse.torch
@@ -110,7 +112,9 @@ def worker(out, mode):
         # .grad after the clip first the rank's own, as on CUDA tensors: the
         # leader (each slice's owner) learns from step 0's edit (warning)
         # to show the node the clipped average from step 1 on.
-        opt._shows_average = False
+        if device.type == "cpu":
+            opt._shows_average = False
+        check(not opt._shows_average, f"rank {rank}: shows the clipped average from the start")
         recorder = warnings.catch_warnings(record=True)
         recorded = recorder.__enter__()
         warnings.simplefilter("always")
@@ -119,11 +123,11 @@ def worker(out, mode):
         # the leader holding the node's state
         params, norms = [], []
         for step in range(STEPS):
-            x, y = batch(step, rank)
+            x, y = (t.to(device) for t in batch(step, rank))
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             numpy.save(f"{out}/own-{rank}-{step}.npy",
-                       torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+                       torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy())
             if variant == "clipleader":
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             if variant == "partleader":
@@ -209,7 +213,7 @@ def worker(out, mode):
             clips = step >= FREEZE
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP if clips else math.inf)
             numpy.save(f"{out}/clipped-{rank}-{step}.npy",
-                       torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+                       torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy())
             if clips and (variant == "ownfull" or local == 1):
                 add_after_clip(model)
         opt.step()
@@ -421,7 +425,7 @@ def edit_clipped(model, step):
 def save_clipped(out, rank, step, model):
     """.grad as clip_grad_norm_ left it on this rank (`any*` variants)."""
     numpy.save(f"{out}/clipped-{rank}-{step}.npy",
-               torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy())
+               torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu().numpy())
 
 
 def edit_any(model, step):
@@ -444,7 +448,7 @@ def edit_any(model, step):
 
 def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", "learnleader",
                               "learnfull"),
-                    alone=("editone", "addone")):
+                    alone=("editone", "addone"), on=""):
     """`edit`: clip_grad_norm_ of the whole model, then .grad scaled and
     zeroed per parameter on every rank (`editleader`, `editfull`), or
     edited otherwise (`anyleader`, `anyfull`: edit_any; the step amended,
@@ -453,12 +457,14 @@ def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", 
     average (within 1e-6; without the edits further off), the shards'
     mirrors the workers' after every step. Local rank 1 alone editing
     (`editone`: a scaling, `addone`: an addition; the leader's node):
-    every rank of both nodes fails, naming it."""
+    every rank of both nodes fails, naming it. `on`="cuda": on CUDA
+    tensors."""
+    suffix = f"@{on}" if on else ""
     outs = {v: tempfile.mkdtemp(prefix=f"morse-sharded-{v}-") for v in variants}
     for variant, out in outs.items():
         check(all(code == 0 for code, _ in run_nodes(
-            out, f"Adam:{variant}", how="leader" if variant.endswith("leader") else "sharded")),
-            f"{variant}: the node's edits after the clip failed")
+            out, f"Adam:{variant}{suffix}", how="leader" if variant.endswith("leader") else "sharded")),
+            f"{variant}{suffix}: the node's edits after the clip failed")
     worst, apart = 0.0, 0.0
     for variant, out in outs.items():
         edits_of = edit_any if variant.startswith(("any", "learn")) else edit_clipped
@@ -500,7 +506,7 @@ def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", 
     check(apart > 100 * max(worst, 1e-8), f"the edits hardly matter here ({apart}): a weak test")
     for variant in alone:  # local rank 1 alone scales, or adds
         results = run_nodes(tempfile.mkdtemp(prefix=f"morse-sharded-{variant}-"),
-                            f"Adam:{variant}", how="leader")
+                            f"Adam:{variant}{suffix}", how="leader")
         for node, (code, text) in enumerate(results):
             check(code != 0 and re.search(rf"local ranks \[1\] of node {node} changed \.grad "
                                           r"after clip_grad_norm_ in step 0 otherwise than its "
@@ -511,10 +517,11 @@ def edit_after_clip(variants=("editleader", "editfull", "anyleader", "anyfull", 
           "every rank), on every rank of "
           f"the leader's and the sharded node: the parameters {worst:.2g} from DDP + AdamW's given "
           f"the same edits ({apart:.2g} without them), the mirrors the workers' after every step; "
-          "local rank 1 alone editing stops both nodes, naming it")
+          "local rank 1 alone editing stops both nodes, naming it"
+          f"{' (on CUDA tensors: ' + ', '.join(variants) + ')' if on else ''}")
 
 
-def edit_in_compression():
+def edit_in_compression(on=""):
     """`own`: OneBitAdam on the sharded node, in its compression phase
     clip_grad_norm_ on every rank, then an addition and a row's halving of
     .grad (1-bit Adam's rule: the node's own gradient, in torch's order).
@@ -522,12 +529,16 @@ def edit_in_compression():
     node's average (within 1e-6); each slice's owner pushed that slice of
     it as the edit left it, bit for bit; each slice's job the simulator fed
     those pushes. Local rank 1 alone editing (`ownone`): every rank of both
-    nodes fails, naming it."""
+    nodes fails, naming it. `on`="cuda": on CUDA tensors (where .grad
+    after a clip of the averaged gradient, in the warmup, stays the rank's
+    own: design.md 2.6)."""
+    suffix = f"@{on}" if on else ""
     out = tempfile.mkdtemp(prefix="morse-sharded-own-")
-    check(all(code == 0 for code, _ in run_nodes(out, "OneBitAdam:ownfull")),
+    check(all(code == 0 for code, _ in run_nodes(out, f"OneBitAdam:ownfull{suffix}")),
           "the sharded node's edits after the clip in the compression phase failed")
     sizes = [200, 20, 80, 4]
-    check_shown_slices(out, 2, 2, range(FREEZE))
+    if on != "cuda":
+        check_shown_slices(out, 2, 2, range(FREEZE))
     check_slices(out, 2, 2, steps=range(FREEZE))
     for node in range(2):
         for step in range(FREEZE, STEPS):
@@ -541,7 +552,7 @@ def edit_in_compression():
     check_nodes_share(out, 2, 2, "ownfull", False)
     for k in range(2):
         check_ranks_match_simulator(f"{out}/slice-{k}", 2, STEPS)
-    results = run_nodes(tempfile.mkdtemp(prefix="morse-sharded-ownone-"), "OneBitAdam:ownone")
+    results = run_nodes(tempfile.mkdtemp(prefix="morse-sharded-ownone-"), f"OneBitAdam:ownone{suffix}")
     for node, (code, text) in enumerate(results):
         check(code != 0 and re.search(rf"local ranks \[1\] of node {node} changed \.grad after "
                                       rf"clip_grad_norm_ in step {FREEZE} otherwise than local rank 0",
@@ -550,7 +561,8 @@ def edit_in_compression():
     print("PASS: own: OneBitAdam's compression phase on the sharded node, clip_grad_norm_ then "
           ".grad added to and a row halved on every rank: .grad after the clip torch's clip of the "
           "node's average on every rank, each slice pushed as the edit left it, bit for bit, each "
-          "slice's job the simulator's; local rank 1 alone editing stops both nodes, naming it")
+          "slice's job the simulator's; local rank 1 alone editing stops both nodes, naming it"
+          f"{' (on CUDA tensors)' if on else ''}")
 
 
 def clip_part():
@@ -779,6 +791,9 @@ if __name__ == "__main__":
             # through the host inside each node): where there is a GPU.
             if has_cuda("CUDA tensors with the sharded node state"):
                 two_nodes("OneBitAdam", "cuda")
+                edit_in_compression(on="cuda")
+                edit_after_clip(("learnleader", "learnfull"), alone=("addone",),
+                                on="cuda")
         elif mode == "leader":
             adam_as_the_leader()
         elif mode == "clip":

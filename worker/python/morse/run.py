@@ -144,6 +144,16 @@ def _config_int(fields, name):
         return None
 
 
+def _error_line(lines):
+    """A failed rank's error, from its last lines of output: the
+    exception's own line ("...MorseError: why"), not a traceback's source
+    line that raises it, without the "[rank0]: " that torch.distributed's
+    exception hook puts before each line; "" where it printed none."""
+    line = next((e for e in lines if "MorseError:" in e),
+                next((e for e in lines if "MorseError" in e), lines[-1] if lines else ""))
+    return re.sub(r"^\[rank\d+\]: ", "", line)
+
+
 def _base_config(path, workers, shards, min_workers=None):
     text = ""
     if path:
@@ -331,7 +341,10 @@ def _parse(argv):
                              "it (MORSE_REJOIN=1, MORSE_RESTART_COUNT) and replays the steps since; "
                              "the script must go on from opt.step_index (DiLoCo: opt.inner_steps) with "
                              "the same batches. With --node-aggregation a failed rank restarts its "
-                             "whole node (its ranks share the node's group and step)")
+                             "whole node (its ranks share the node's group and step). Not for "
+                             "scripts whose ranks share torch.distributed's default group (their "
+                             "own, Trainer's, Accelerate's, fp16 loss scaling's): a restarted rank "
+                             "cannot join it again, so a lost rank stops the job")
     parser.add_argument("--min-workers", type=int, default=None, metavar="M",
                         help="an elastic job (docs/python.md, \"Elastic jobs\"): a rank that dies "
                              "(and is not restarted) does not stop the job, and the shards complete "
@@ -892,7 +905,10 @@ def main(argv=None):
                     why = (f"{names[r]} exited with {code}, and {len(lost)} of the job's "
                            f"{args.morse_workers} ranks have left it: fewer than min_workers "
                            f"({min_workers}) remain")
-                    sys.stderr.write(f"{node}: {why}; stopping the job\n")
+                    time.sleep(0.2)  # the rank's last lines
+                    first = _error_line(errors[r]) if code > 0 else ""
+                    sys.stderr.write(f"{node}: {why}; stopping the job\n"
+                                     + (f"{node}: {names[r]}'s error: {first}\n" if first else ""))
                     status = code
                     break
                 sys.stderr.write(f"{node}: {names[r]} exited with {code}; the job goes on without "
@@ -908,11 +924,7 @@ def main(argv=None):
                             and not any("group lost a rank" in e for e in errors[w])):
                         r, code = w, workers[w].poll()
                         break
-                # The exception's own line ("...MorseError: why"), not a
-                # traceback's source line that raises it.
-                first = next((e for e in errors[r] if "MorseError:" in e),
-                             next((e for e in errors[r] if "MorseError" in e),
-                                  errors[r][-1] if errors[r] else ""))
+                first = _error_line(errors[r])
                 # Ranks that went too by now (one killed, another failing
                 # for its loss: which went first is not known): all named.
                 also = [f"{names[w]} exited with {workers[w].poll()}" for w in sorted(remaining)

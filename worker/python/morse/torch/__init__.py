@@ -105,9 +105,9 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     is DeepSpeed's: each rank clips its own gradient, and the call returns
     that rank's own norm; from the first call on, those steps push at
     step(), once the clip is known, instead of during backward(). There
-    the call is torch's own on the rank's .grad, scaled in place (not yet
-    on a node or on CUDA tensors), and step() pushes .grad as it finds it,
-    so an edit after the clip is in torch's order. Call it on
+    the call is torch's own on the rank's .grad (on a node, on the node's
+    average), scaled in place, and step() pushes .grad as it finds it, so
+    an edit after the clip is in torch's order. Call it on
     every rank alike, over all of the optimizer's parameters or some of
     them (then each parameter is clipped by its own factors: design.md 2.6,
     "Clipping part of the model"); several calls in a step compose as
@@ -411,16 +411,16 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._awaiting = None
         restarted = None
         if _layout is None and os.environ.get("MORSE_REJOIN") == "1":
-            base = (f"worker-{worker}" if self._slices is None
+            stem = (f"worker-{worker}" if self._slices is None
                     else f"slice-{self._node.local_rank}-worker-{worker}")
             if self._node is None:
-                restarted = _restarted_layout(base)
+                restarted = _restarted_layout(stem)
             else:
                 # A node's ranks take its leader's layout (sharded: every
                 # owner has its own, of one generation), from the newest
                 # step every owner has a checkpoint of.
                 owns = self._node.is_leader or self._slices is not None
-                told = self._node.objects(_restarted_layout(base) if owns else None)
+                told = self._node.objects(_restarted_layout(stem) if owns else None)
                 restarted = told[0]
                 if restarted is not None and self._slices is not None:
                     common = set.intersection(*(set(t["steps"]) for t in told))
@@ -622,11 +622,11 @@ class _MorseOptimizer(torch.optim.Optimizer):
             # between two ranks' writes finds a step common to all.
             # After add_param_group (a later layout generation) a rank's
             # checkpoints are <name>.<step> too, of that layout's own name.
-            base = (f"worker-{worker}" if self._slices is None
+            stem = (f"worker-{worker}" if self._slices is None
                     else f"slice-{self._node.local_rank}-worker-{worker}")
             self._checkpoint, self._checkpoint_every = _rank_checkpoint(
                 self._session, worker,
-                f"{base}.gen{self._generation}.ckpt" if self._generation else f"{base}.ckpt")
+                f"{stem}.gen{self._generation}.ckpt" if self._generation else f"{stem}.ckpt")
             if rejoin:
                 # The model, moments and error buffer of the checkpoint's step
                 # (none: the shards' model and a zero error buffer); the
@@ -1548,6 +1548,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 return loss  # every rank skips it: some rank's gradients overflowed
         finally:
             self._loss_scaled, self._overflowed = False, None
+            _warn_if_group_cannot_take_back(self._elastic)
         _check_own_state_loaded(self, "optimizer state of step",
                                 "its worker error buffer is its own, and another's would change "
                                 "the run")
@@ -1600,9 +1601,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self, "this step", "this GradScaler hands Morse the step only after its pushes "
                 "have left (torch's GradScaler tells a Morse optimizer at scale(), before "
                 "backward())")
-        if self._elastic:
-            raise _grad_scaler_refused(self, "this step",
-                                       "not in an elastic job (min_workers), whose ranks may leave")
         if grad_scaler is not None:
             # torch 1.13's contract (step(grad_scaler=)): the optimizer
             # unscales .grad through the scaler, where the script did not
@@ -1634,7 +1632,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
         collective of torch.distributed's default group, which this starts
         over MASTER_ADDR and MASTER_PORT, as morse-run and torchrun set
         them, where the script has not), kept in self._overflowed: 0, 1
-        (Inf), 2 (NaN somewhere). `own`: this rank's, else found here."""
+        (Inf), 2 (NaN somewhere). `own`: this rank's, else found here. A
+        process restarted by morse-run --rank-restarts (MORSE_REJOIN=1)
+        stops here: it cannot join the others' group again (its
+        init_process_group finds their connections gone), and its
+        GradScaler starts over."""
+        if self._overflowed is None and os.environ.get("MORSE_REJOIN") == "1":
+            raise MorseError(
+                f"FAILED_PRECONDITION: fp16 loss scaling {_CANNOT_TAKE_BACK}: this rank is back "
+                "from a restart, and the job's ranks agree on each step's overflow through "
+                "torch.distributed's group, which it cannot join again (and its GradScaler "
+                f"would start over from its initial scale); {_RESTART_WHOLE}")
         if self._overflowed is None:
             if own is None:
                 params = self._node_params if self._node is not None else self._params
@@ -2135,7 +2143,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         error = None
         if self._session is not None and failure is None and own is None:
             try:
-                if self._cuda or self.clip_grad_norm is not None or self._clipped \
+                if self.clip_grad_norm is not None or self._clipped \
                         or self._part_factors is not None:
                     own = False
                 else:
@@ -3376,8 +3384,56 @@ def _job_max(value, rank, world):
     value = torch.tensor([float(value)])
     if dist.get_backend() == "nccl":
         value = value.cuda()
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    except RuntimeError as e:  # a rank gone (killed; restarted by --rank-restarts)
+        raise MorseError(
+            "UNAVAILABLE: fp16 loss scaling: the ranks could not agree whether this step "
+            f"overflowed: a rank left torch.distributed's group ({e}), through which they agree "
+            f"on it, so they cannot go on without that rank (fp16 loss scaling "
+            f"{_CANNOT_TAKE_BACK}, and an elastic job under it cannot leave one out); "
+            f"{_RESTART_WHOLE}") from None
     return int(value.item())
+
+
+def _warn_if_group_cannot_take_back(elastic=False):
+    """Once a job, on rank 0: where morse-run --rank-restarts is to take
+    lost ranks back (MORSE_CHECKPOINT_DIR), or an elastic job (`elastic`:
+    min_workers) to go on without them, and torch.distributed's default
+    group is up (started by the script, by Trainer or Accelerate, or for
+    fp16 loss scaling), says at the first step that a lost rank will stop
+    the job instead: a restarted rank cannot join that group again (its
+    init_process_group finds the others' connections gone), and the
+    group's next collective fails on the ranks left."""
+    global _GROUP_WARNED
+    restarts = bool(os.environ.get("MORSE_CHECKPOINT_DIR"))
+    if (_GROUP_WARNED or not (restarts or elastic) or os.environ.get("MORSE_REJOIN") == "1"
+            or os.environ.get("RANK", "0") != "0"):
+        return
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    _GROUP_WARNED = True
+    how = " and ".join(([] if not restarts else ["morse-run --rank-restarts cannot take a "
+                                                 "restarted rank back into it"])
+                       + ([] if not elastic else ["an elastic job (min_workers) cannot go on "
+                                                  "without a rank that left it (the group's next "
+                                                  "collective fails)"]))
+    warnings.warn(
+        "morse: torch.distributed's default group is up in this job (started by the script, by "
+        f"Trainer or Accelerate, or for fp16 loss scaling), and {how}: a lost rank will stop the "
+        "job; to recover, restart the whole job from its checkpoints (or leave torch.distributed "
+        "and GradScaler out of a script whose lost ranks Morse should ride out)",
+        RuntimeWarning, stacklevel=3)
+
+
+_GROUP_WARNED = False
+
+# What a GradScaler job does when a rank is lost (_step_overflowed, _job_max).
+_CANNOT_TAKE_BACK = "cannot take back a rank restarted by --rank-restarts"
+_RESTART_WHOLE = ("restart the whole job from its checkpoints instead (each rank's "
+                  "opt.state_dict() and scaler.state_dict(), as a DDP script resumes), or train "
+                  "in bf16 (no GradScaler), whose jobs take a restarted rank back")
 
 
 def _told(error):
@@ -3531,7 +3587,11 @@ def _sample_layout(partitions, ranges, device, per_partition=64):
 
 
 def _same_bits(a, b):
-    """Whether two float32 tensors hold the same bits (-0.0 is not +0.0)."""
+    """Whether two float32 tensors hold the same bits (-0.0 is not +0.0);
+    compared where `b` lies (a CUDA tensor against a region of the node's
+    shared memory: copied to the host)."""
+    if a.device != b.device:
+        a = a.to(b.device)
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 

@@ -23,6 +23,7 @@ overlap, 0, the outer parameters, without).
 """
 import copy
 import os
+import re
 import weakref
 
 import torch
@@ -30,7 +31,8 @@ import torch
 from .. import _native
 from . import (MorseError, _amp_of, _await_own_state, _base_config, _check_own_state_loaded,
                _codec_lines, _env, _external_model, _grad_scaler_refused, _MorseOptimizer,
-               _overflow_of, _rank_checkpoint, _security, _unscale)
+               _overflow_of, _rank_checkpoint, _security, _unscale,
+               _warn_if_group_cannot_take_back)
 
 
 def _float(name, value):
@@ -186,6 +188,7 @@ class DiLoCo(torch.optim.Optimizer):
             worker, workers = self._node.node, self._node.nnodes
         self._worker = worker
         base = _base_config(config, workers, servers)
+        self._elastic = re.search(r"^\s*min_workers\s*:", base, re.M) is not None
         dim, external = _external_model(self._params)
         lines = [
             external,
@@ -479,6 +482,7 @@ class DiLoCo(torch.optim.Optimizer):
                                 "its inner optimizer's state, parameters and error buffer are its "
                                 "own")
         self._skipped_last = self._scaled_step_overflowed(grad_scaler)
+        _warn_if_group_cannot_take_back(self._elastic)
         if self._skipped_last:
             # This rank's inner step is skipped (a node's: every rank of it),
             # and counted: the schedule of syncs is every rank's, and a

@@ -279,7 +279,9 @@ class NodeGroup:
         n = sum(t.numel() for t in parts)
         if self._outgoing is not None and n <= self._capacity:
             region = self._outgoing[owner][:n]
-            if self.local_rank == owner:
+            if self.local_rank == owner and region.device != parts[0].device:
+                region.copy_(torch.cat([t.detach().reshape(-1) for t in parts]))  # CUDA: one copy
+            elif self.local_rank == owner:
                 torch.cat([t.detach().reshape(-1) for t in parts], out=region)
             self._broadcast(torch.zeros(1), owner)  # the owner's values are in place
             self._kept[owner] = None
