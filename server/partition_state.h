@@ -55,6 +55,9 @@ struct ShardCore::PartitionState {
   std::vector<std::pair<uint32_t, ReplyCallback>> waiters ABSL_GUARDED_BY(mu);
   // Every push is in and the step's completion is scheduled on the pool.
   bool completing ABSL_GUARDED_BY(mu) = false;
+  // Since when its completion has been held for an observer
+  // (ShardCore::HoldForObservers; the step trace's "held"), or -1.
+  int64_t held_since_us ABSL_GUARDED_BY(mu) = -1;
   // The last completed step, next_step - 1:
   std::shared_ptr<const Reply> last_reply ABSL_GUARDED_BY(mu);
   // Its mirror update, when not applied yet: replies go out first, and the
@@ -124,6 +127,7 @@ struct ShardCore::PartitionState {
     for (auto& push : pushes) push.reset();
     arrived = 0;
     completing = false;
+    held_since_us = -1;
     hyper.reset();
     workers_clip = false;
     buffers.clear();

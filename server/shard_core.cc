@@ -499,6 +499,7 @@ bool ShardCore::HoldForObservers(PartitionState& p) {
   // holds nothing: its observer cannot run before p's next step anyway.)
   if (released_step_ >= std::min(observed_step_, p.next_step - 1)) return false;
   p.completing = true;  // a retry arriving meanwhile only waits
+  if (trace::Enabled()) p.held_since_us = trace::NowMicros();
   held_.push_back(&p);
   return true;
 }
@@ -613,6 +614,10 @@ void ShardCore::CompleteOnPool(PartitionState& p) {
     if (!p.completing) return;
     p.completing = false;
     MORSE_CHECK(p.arrived == p.live_count);  // only ClearPending lowers it
+    if (p.held_since_us >= 0) {
+      trace::Complete("held", p.held_since_us, p.next_step, p.partition.id);
+      p.held_since_us = -1;
+    }
     completion = CompleteLocked(p);
   }
   Answer(p, std::move(completion));

@@ -35,7 +35,8 @@ on CUDA, GPU r % count. Models: --model gpt134m (12 layers, d 768, vocab
 32000, seq 256, batch 8: issue 35's GPU model), gpt21m (4 layers, d 512,
 vocab 8192, seq 128, batch 8: its CPU model), tiny (for CI); or --layers,
 --d-model, --vocab, --seq, --batch. --window sets the job's partitions in
-flight per worker. --trace-dir DIR: each Morse mode's ranks and shards
+flight per worker; --checkpoint-every K has shards and ranks checkpoint
+every K steps. --trace-dir DIR: each Morse mode's ranks and shards
 write their step timelines there (MORSE_TRACE; MODE-RANK.json and
 MODE-server-S.json; tests/bench/trace_summary.py reads them).
 """
@@ -309,10 +310,12 @@ def run_mode(a, mode, shape):
         os.makedirs(a.trace_dir, exist_ok=True)
         env["MORSE_TRACE"] = os.path.join(a.trace_dir, f"{mode}-{{rank}}.json")
     config = []
-    if a.window:
+    job_lines = ([f"window: {a.window}"] if a.window else []) + (
+        [f"checkpoint {{ every_steps: {a.checkpoint_every} }}"] if a.checkpoint_every else [])
+    if job_lines:
         path = os.path.join(tempfile.mkdtemp(prefix="morse-step-bench-"), "job.textproto")
         with open(path, "w") as f:
-            f.write(f"window: {a.window}\n")
+            f.write("".join(line + "\n" for line in job_lines))
         config = ["--config", path]
     command = (morse_run_command() + ["--servers", str(a.shards), "--workers", str(a.ranks)] + config
                + ["--"] + args)
@@ -360,6 +363,9 @@ def main():
                    help="Morse partition size in elements (default: the job's)")
     p.add_argument("--window", type=int, default=0,
                    help="partitions in flight per Morse worker (JobConfig window; default the engine's: 32 on the host, every partition on a GPU)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="shards and ranks checkpoint every K steps (checkpoint { every_steps: K } "
+                        "in the job's config; default 0: never)")
     p.add_argument("--trace-dir", help="where each Morse mode's ranks and shards write their step "
                    "timelines (MORSE_TRACE)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per mode (default 1800)")

@@ -23,6 +23,7 @@
 #include "compress/lamb.h"
 #include "compress/messages.h"
 #include "compress/simulator.h"
+#include "compress/trace.h"
 #include "gtest/gtest.h"
 #include "proto/job_config.h"
 #include "server/checkpoint_thread.h"
@@ -2211,6 +2212,9 @@ TEST(LambShardTest, TheObserverSeesItsStepWhileTheNextOneArrives) {
   const auto parts = core->layout().partitions();
   std::vector<double> commit;
   ASSERT_NO_FATAL_FAILURE(CompleteLambStepZero(*core, job, worker, &commit));
+  // The step trace shows the hold.
+  const std::string trace_path = ::testing::TempDir() + "/held_trace.json";
+  ASSERT_TRUE(trace::Start(trace_path, "shard 0").ok());
   // The observer of step 0 lets both ranks push step 1 to the first
   // partition, and gives that step a second to complete before it reads
   // the shard.
@@ -2244,6 +2248,12 @@ TEST(LambShardTest, TheObserverSeesItsStepWhileTheNextOneArrives) {
   EXPECT_TRUE(snapshot.ok()) << snapshot;
   // Held, not lost: step 1 of that partition completed once it returned.
   EXPECT_TRUE(completed.HasBeenNotified());
+  ASSERT_TRUE(trace::Stop().ok());
+  std::ifstream file(trace_path);
+  const std::string trace_json((std::istreambuf_iterator<char>(file)),
+                               std::istreambuf_iterator<char>());
+  EXPECT_NE(trace_json.find("\"name\":\"held\""), std::string::npos)
+      << trace_json;
 }
 
 // A server applies onebit_lamb commits from its RPC threads, each under its
