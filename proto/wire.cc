@@ -130,12 +130,18 @@ grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index) {
   args.SetMaxSendMessageSize(MaxMessageBytes(job));
   // Distinct arguments give distinct subchannels, hence distinct TCP streams.
   args.SetInt("morse.channel_index", channel_index);
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 20000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveMs);
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   // Backoff between reconnect attempts while servers are not up yet.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   return args;
+}
+
+void AcceptKeepalive(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(
+      GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kKeepaliveMs / 2);
 }
 
 absl::Status FromGrpc(const grpc::Status& status) {

@@ -35,8 +35,21 @@ absl::StatusOr<std::vector<compress::NamedState>> NamedArrays(
     const google::protobuf::RepeatedPtrField<v1::NamedArray>& arrays);
 
 // Channel arguments for a worker's connection to a shard. `channel_index`
-// makes each of a shard's channels a separate TCP connection.
+// makes each of a shard's channels a separate TCP connection. A worker's
+// channels ping their shard after kKeepaliveMs of silence, with or without
+// calls in flight, to notice a peer that is gone.
+inline constexpr int kKeepaliveMs = 20000;
 grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index);
+
+// Has a shard's server accept those pings (gRPC's keepalive guide: a
+// server must allow what its clients send). gRPC's defaults for a server
+// (no pings without calls, none closer than 5 minutes without data) count
+// such pings as strikes, and past two answer with GOAWAY "too_many_pings",
+// failing the calls in flight with UNAVAILABLE: the test suite saw that
+// once, on both
+// ranks of a job whose connections had been silent for a minute while the
+// ranks compiled their models.
+void AcceptKeepalive(grpc::ServerBuilder& builder);
 
 // Makes gRPC notice a restarted server within about a second: its client
 // channels' backup poller runs every 300 ms instead of 5 s (the

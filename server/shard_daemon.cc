@@ -145,6 +145,7 @@ absl::Status ShardDaemon::Serve() {
   // (gRPC's default on Linux) a second shard on the same address would
   // answer some of the workers, which could join another job's shard.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  proto::AcceptKeepalive(builder);  // the workers' (proto::ChannelArgs)
   builder.SetMaxReceiveMessageSize(proto::MaxMessageBytes(o.job));
   builder.SetMaxSendMessageSize(proto::MaxMessageBytes(o.job));
   builder.RegisterService(service_.get());

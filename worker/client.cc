@@ -145,7 +145,14 @@ absl::Status PushClient::WaitInitialized() {
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   while (true) {
     auto infos = ShardInfos();
-    if (!infos.ok()) return infos.status();
+    if (!infos.ok()) {
+      // A connection lost under the call (a GOAWAY, a shard restarting)
+      // is retried.
+      if (!Retryable(infos.status()) || absl::Now() > deadline)
+        return infos.status();
+      absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
     bool all = true;
     for (const auto& info : *infos) all = all && info.initialized();
     if (all) return absl::OkStatus();
@@ -603,7 +610,14 @@ absl::Status PushClient::WaitAllJoined() {
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   while (true) {
     auto infos = ShardInfos();
-    if (!infos.ok()) return infos.status();
+    if (!infos.ok()) {
+      // A connection lost under the call (a GOAWAY, a shard restarting)
+      // is retried.
+      if (!Retryable(infos.status()) || absl::Now() > deadline)
+        return infos.status();
+      absl::SleepFor(absl::Milliseconds(20));
+      continue;
+    }
     // A shard that serves an earlier layout generation still waits for
     // workers to join this one (ShardHost::JoinNext).
     uint32_t joined = job_.workers();

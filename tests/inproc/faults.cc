@@ -7,9 +7,27 @@ namespace morse::inproc {
 std::string FaultPlan::ToString() const {
   return absl::StrFormat(
       "refuse %.2f, lose reply %.2f, duplicate %.2f, drop %.2f, delay up to "
-      "%s, seed %d",
+      "%s, every %d-th shard info lost, seed %d",
       refuse, lose_reply, duplicate, drop, absl::FormatDuration(max_delay),
-      seed);
+      lose_shard_info_every, seed);
+}
+
+void FaultyTransport::GetShardInfo(uint32_t shard,
+                                   const v1::ShardInfoRequest& request,
+                                   v1::ShardInfo* reply,
+                                   const worker::CallOptions& options,
+                                   Done done) {
+  const int every = plan_.lose_shard_info_every;
+  if (every <= 0 || ++shard_info_calls_ % every != 0)
+    return inner_->GetShardInfo(shard, request, reply, options,
+                                std::move(done));
+  ++injected_;
+  inner_->GetShardInfo(
+      shard, request, reply, options,
+      [done = std::move(done)](absl::Status) mutable {
+        done(absl::UnavailableError(
+            "injected: the connection was lost under the call"));
+      });
 }
 
 FaultyTransport::FaultyTransport(std::unique_ptr<worker::Transport> inner,

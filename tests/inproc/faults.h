@@ -31,6 +31,10 @@ struct FaultPlan {
       0;  // not delivered, no answer: DEADLINE_EXCEEDED at the deadline
   absl::Duration max_delay =
       absl::ZeroDuration();  // each push waits up to this first
+  // Every k-th GetShardInfo call is delivered and its caller gets
+  // UNAVAILABLE, as when the connection is lost under the call (a GOAWAY);
+  // 0: none.
+  int lose_shard_info_every = 0;
   uint64_t seed = 1;
 
   std::string ToString() const;
@@ -81,9 +85,7 @@ class FaultyTransport final : public worker::Transport {
   }
   void GetShardInfo(uint32_t shard, const v1::ShardInfoRequest& request,
                     v1::ShardInfo* reply, const worker::CallOptions& options,
-                    Done done) override {
-    inner_->GetShardInfo(shard, request, reply, options, std::move(done));
-  }
+                    Done done) override;
   void Push(uint32_t shard, const v1::PushRequest& request,
             v1::PushReply* reply, const worker::CallOptions& options,
             Done done) override {
@@ -114,6 +116,7 @@ class FaultyTransport final : public worker::Transport {
   Mutex mu_;
   std::mt19937_64 random_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> injected_{0};
+  std::atomic<uint64_t> shard_info_calls_{0};
   // Delivered duplicates' calls still in flight (the destructor waits).
   std::atomic<int> duplicates_{0};
   worker::Timer timer_;  // delays and drops

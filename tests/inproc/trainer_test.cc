@@ -13,6 +13,7 @@
 #include "proto/job_config.h"
 #include "tests/e2e/expected.h"
 #include "tests/inproc/cluster.h"
+#include "tests/inproc/faults.h"
 
 namespace morse::inproc {
 namespace {
@@ -95,6 +96,38 @@ TEST(TrainerTest, RunsOneStepAtATimeLikeTheSimulatorAndReportsEach) {
   for (std::string line; std::getline(metrics, line);) ++metric_lines;
   EXPECT_EQ(metric_lines, job.steps);
   EXPECT_TRUE(std::ifstream(dir + "/worker-0.ckpt").good());
+}
+
+// A worker starting up polls its shards (GetShardInfo) until every worker
+// has joined and rank 0's parameters are in. A poll whose connection is
+// lost under it (UNAVAILABLE: a GOAWAY, a shard restarting) is retried
+// until the connect timeout, as the first contact is: it had failed the
+// job (the test suite saw a rank's wait for the others end "UNAVAILABLE: Too
+// many pings").
+TEST(TrainerTest, AStatusPollLostUnderItsCallIsRetried) {
+  proto::JobSpec job = Job();
+  job.checkpoint_every_steps = 0;
+  auto cluster = InProcessCluster::Create(job, {});
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  FaultPlan plan;
+  plan.lose_shard_info_every = 3;
+  auto faulty = std::make_unique<FaultyTransport>((*cluster)->Connect(), plan);
+  FaultyTransport* faults = faulty.get();
+  worker::TrainerOptions options;
+  options.checksums = true;
+  options.security.insecure = true;
+  auto trainer = worker::Trainer::Create(job, options, std::move(faulty));
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  EXPECT_GE(faults->injected(), 1u) << "the polls lost no call";
+  const testing::Expected expected = testing::Simulate(job);
+  for (int64_t step = 0; step < job.steps; ++step) {
+    auto record = (*trainer)->Step();
+    ASSERT_TRUE(record.ok()) << record.status();
+    ASSERT_TRUE(record->checksum.has_value());
+    EXPECT_EQ(absl::StrFormat("%016x", *record->checksum),
+              expected.worker[0][step])
+        << "step " << step;
+  }
 }
 
 // A fresh job's m and v are all zero: FetchPartition flags them and leaves
