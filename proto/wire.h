@@ -46,9 +46,8 @@ grpc::ChannelArguments ChannelArgs(const JobSpec& job, int channel_index);
 // (no pings without calls, none closer than 5 minutes without data) count
 // such pings as strikes, and past two answer with GOAWAY "too_many_pings",
 // failing the calls in flight with UNAVAILABLE: the test suite saw that
-// once, on both
-// ranks of a job whose connections had been silent for a minute while the
-// ranks compiled their models.
+// once, on both ranks of a job whose connections had been silent for a
+// minute while the ranks compiled their models.
 void AcceptKeepalive(grpc::ServerBuilder& builder);
 
 // Makes gRPC notice a restarted server within about a second: its client
