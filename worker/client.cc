@@ -144,15 +144,8 @@ absl::Status PushClient::WaitInitialized() {
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   while (true) {
-    auto infos = ShardInfos();
-    if (!infos.ok()) {
-      // A connection lost under the call (a GOAWAY, a shard restarting)
-      // is retried.
-      if (!Retryable(infos.status()) || absl::Now() > deadline)
-        return infos.status();
-      absl::SleepFor(absl::Milliseconds(50));
-      continue;
-    }
+    auto infos = ShardInfosUntil(deadline, absl::Milliseconds(50));
+    if (!infos.ok()) return infos.status();
     bool all = true;
     for (const auto& info : *infos) all = all && info.initialized();
     if (all) return absl::OkStatus();
@@ -377,6 +370,16 @@ absl::StatusOr<int64_t> PushClient::CompletedSteps() {
   for (const v1::ShardInfo& info : *infos)
     steps = std::min(steps, info.completed_steps());
   return steps;
+}
+
+absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfosUntil(
+    absl::Time deadline, absl::Duration pause) {
+  while (true) {
+    auto infos = ShardInfos();
+    if (infos.ok() || !Retryable(infos.status()) || absl::Now() > deadline)
+      return infos;
+    absl::SleepFor(pause);
+  }
 }
 
 absl::StatusOr<std::vector<v1::ShardInfo>> PushClient::ShardInfos() {
@@ -609,15 +612,8 @@ absl::Status PushClient::WaitAllJoined() {
   const absl::Time deadline =
       absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
   while (true) {
-    auto infos = ShardInfos();
-    if (!infos.ok()) {
-      // A connection lost under the call (a GOAWAY, a shard restarting)
-      // is retried.
-      if (!Retryable(infos.status()) || absl::Now() > deadline)
-        return infos.status();
-      absl::SleepFor(absl::Milliseconds(20));
-      continue;
-    }
+    auto infos = ShardInfosUntil(deadline, absl::Milliseconds(20));
+    if (!infos.ok()) return infos.status();
     // A shard that serves an earlier layout generation still waits for
     // workers to join this one (ShardHost::JoinNext).
     uint32_t joined = job_.workers();

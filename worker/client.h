@@ -148,6 +148,11 @@ class PushClient {
 
   // Every shard's info, in shard order.
   absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfos();
+  // The same, a call lost with its connection (UNAVAILABLE: a GOAWAY, a
+  // shard restarting) asked again every `pause` until `deadline`: the
+  // start-up polls' (WaitAllJoined, WaitInitialized).
+  absl::StatusOr<std::vector<v1::ShardInfo>> ShardInfosUntil(
+      absl::Time deadline, absl::Duration pause);
 
   const proto::JobSpec& job() const { return job_; }
   const compress::Layout& layout() const { return layout_; }
