@@ -280,7 +280,15 @@ def check_restarted_run(out, log, code, kill_rank, kill_in, checkpoint, replayed
           f"morse-run did not restart rank {kill_rank}")
     check(f"[rank {kill_rank}] life 1 starts at step {checkpoint}" in log,
           "the restarted rank did not start at its checkpoint")
-    check(f"replaying steps {checkpoint}..{replayed}" in log,
+    # A host lost in step 14 (mode "host"): rank 0 may still be in step 13
+    # when the shard dies (rank 1 was a step ahead, having its replies of
+    # step 13 first). Then it replays steps 12..12 to the shard before step
+    # 13, and rank 1, restarted, finds that shard at step 12 and resumes
+    # there: nothing to replay. Either way the bits are checked below.
+    rank0_behind = (mode == "host"
+                    and f"replaying steps {checkpoint}..{checkpoint} before step {checkpoint + 1}" in log
+                    and f"worker {kill_rank}: resuming at step {checkpoint};" in log)
+    check(f"replaying steps {checkpoint}..{replayed}" in log or rank0_behind,
           f"the restarted rank did not replay steps {checkpoint}..{replayed}")
     # Each step's gradient and checksum as the lives that ran it saw them:
     # a replayed step must give the same bits in both.
@@ -355,7 +363,9 @@ if __name__ == "__main__":
     # A host lost with a shard and a rank on it: rank 1 kills shard 1, then
     # itself, in step 14 before backward(). Both restart from their
     # checkpoints of step 12: rank 0 replays steps 12..13 to the shard and
-    # waits in step 14 for rank 1, which replays 12..13 and goes on.
+    # waits in step 14 for rank 1, which replays 12..13 and goes on (or,
+    # where rank 0 was still in step 13, replays 12..12, and rank 1 resumes
+    # at step 12).
     run(kill_rank=1, kill_in=14, after_backward=False, checkpoint=12, replayed=13, mode="host")
     # ZeroOneAdam with two groups of their own lr and weight_decay, which
     # change every step. From step 9 on the interval is 4 (design.md 2.7,
