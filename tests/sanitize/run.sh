@@ -63,36 +63,32 @@ shards_of() {
 }
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
+# run_part K TEST SHARDS INDEX: one gtest shard of TEST, its output in
+# $logs/K and its exit status in $logs/K.code.
+run_part() {
+  local code=0
+  GTEST_TOTAL_SHARDS="$3" GTEST_SHARD_INDEX="$4" "$build/$2" --gtest_brief=1 >"$logs/$1" 2>&1 ||
+    code=$?
+  echo "$code" >"$logs/$1.code"
+}
 names=()
-pids=()  # a test's process, or "" where it ran in the foreground
-codes=()
 for t in "${tests[@]}"; do
   n="$(shards_of "$t")"
   for ((i = 0; i < n; ++i)); do
-    name="$t"
-    [ "$n" -eq 1 ] || name="$t (shard $((i + 1))/$n)"
-    out="$logs/${#names[@]}"
-    names+=("$name")
+    k=${#names[@]}
+    if [ "$n" -eq 1 ]; then names+=("$t"); else names+=("$t (shard $((i + 1))/$n)"); fi
     if [ "$mode" = thread ]; then
-      GTEST_TOTAL_SHARDS="$n" GTEST_SHARD_INDEX="$i" "$build/$t" --gtest_brief=1 >"$out" 2>&1 &
-      pids+=("$!")
-      codes+=("")
+      run_part "$k" "$t" "$n" "$i" &
     else
-      code=0
-      "$build/$t" --gtest_brief=1 >"$out" 2>&1 || code=$?
-      pids+=("")
-      codes+=("$code")
+      run_part "$k" "$t" "$n" "$i"
     fi
   done
 done
+wait
 failed=()
 for k in "${!names[@]}"; do
   out="$logs/$k"
-  code="${codes[$k]}"
-  if [ -n "${pids[$k]}" ]; then
-    code=0
-    wait "${pids[$k]}" || code=$?
-  fi
+  code="$(cat "$out.code")"
   if [ "$code" -eq 0 ]; then
     echo "ok   ${names[$k]}: $(grep -E 'PASSED' "$out" | tail -1)"
   else
