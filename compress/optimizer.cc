@@ -65,8 +65,19 @@ std::string OptimizerNames() {
   return names;
 }
 
+absl::Status Optimizer::ValidateCommit(const AlgorithmConfig& config,
+                                       absl::Span<const double> commit) const {
+  if (Layers() == nullptr) return absl::OkStatus();
+  return ValidateCommitOfLayers(config, *Layers(), commit);
+}
+
+uint64_t Optimizer::CommitDoubles(const AlgorithmConfig& config) const {
+  if (Layers() == nullptr) return 0;
+  return Layers()->commit_values() * LayerCount(config);
+}
+
 bool CommitsLayers(const AlgorithmConfig& config) {
-  return OptimizerOf(config).CommitDoubles(config) > 0;
+  return OptimizerOf(config).Layers() != nullptr;
 }
 
 bool StepsLocally(const AlgorithmConfig& config) {

@@ -7,10 +7,10 @@
 // reply rule), which settings of AlgorithmConfig are its own (validation,
 // fingerprint), which state it keeps beyond x, m, v and the error buffers
 // (named arrays, as checkpoints name them), and what the workers commit to
-// the shards after a step. The element loops it names live in
-// update_rules, lamb and the kernel tables, written once for every
-// replica. design.md 5 ("The optimizer seam") says how to add one, step by
-// step.
+// the shards after a step (its layer rule, compress/layers.h). The element
+// loops it names live in update_rules, lamb and the kernel tables, written
+// once for every replica. design.md 5 ("The optimizer seam") says how to add
+// one, step by step.
 #ifndef MORSE_COMPRESS_OPTIMIZER_H_
 #define MORSE_COMPRESS_OPTIMIZER_H_
 
@@ -24,6 +24,7 @@
 #include "absl/types/span.h"
 #include "compress/algorithm.h"
 #include "compress/fnv.h"
+#include "compress/layers.h"
 #include "compress/step_plan.h"
 
 namespace morse::compress {
@@ -173,20 +174,24 @@ class Optimizer {
     return absl::OkStatus();
   }
 
+  // Its rule over whole layers (compress/layers.h: onebit_lamb's trust
+  // ratios), or nullptr: its steps move x by the replies alone. With one,
+  // the workers commit each step's layer values to the shards (CommitDoubles
+  // of them), and its state holds one per-element array (read as the rule's
+  // `fresh`) and one layer state array, in that order.
+  virtual const LayerRule* Layers() const { return nullptr; }
+
   // OK or INVALID_ARGUMENT: a commit of CommitDoubles values that no
-  // worker could send (from a peer or a saved run).
-  virtual absl::Status ValidateCommit(
-      const AlgorithmConfig& /*config*/,
-      absl::Span<const double> /*commit*/) const {
-    return absl::OkStatus();
-  }
+  // worker could send (from a peer or a saved run): the layer rule's
+  // (ValidateCommitOfLayers).
+  absl::Status ValidateCommit(const AlgorithmConfig& config,
+                              absl::Span<const double> commit) const;
 
   // How many doubles the workers commit to the shards after each step,
-  // before the shards' mirrors can move x (0: none; the commit then holds
-  // the clip's norm only, when the step clips the average).
-  virtual uint64_t CommitDoubles(const AlgorithmConfig& /*config*/) const {
-    return 0;
-  }
+  // before the shards' mirrors can move x: the layer rule's values for
+  // every layer, or 0 (the commit then holds the clip's norm only, when
+  // the step clips the average).
+  uint64_t CommitDoubles(const AlgorithmConfig& config) const;
 };
 
 // The optimizer of `config` (config.optimizer).
@@ -198,9 +203,8 @@ const Optimizer* FindOptimizer(absl::string_view name);
 // onebit_lamb or diloco".
 std::string OptimizerNames();
 
-// Whether the workers commit values after every step
-// (Optimizer::CommitDoubles > 0: onebit_lamb's layer coefficients, with
-// its fresh variance and layer state).
+// Whether the workers commit values after every step (the optimizer has a
+// layer rule: onebit_lamb's layer coefficients).
 bool CommitsLayers(const AlgorithmConfig& config);
 // Whether the workers take local steps (Optimizer::IntervalState is not
 // empty).

@@ -30,40 +30,43 @@ absl::Span<const float> ScaledGradient(absl::Span<const float> g,
   return scaled;
 }
 
-// The statistics of a partition's LAMB segments, in LambSegmentsOf's order,
-// computed behind an update that moves through the partition: Through(end)
-// adds every segment that ends at or before global element `end`.
+// The statistics of a partition's layer segments, in SegmentStatsOf's
+// order, computed behind an update that moves through the partition:
+// Through(end) adds every segment that ends at or before global element
+// `end`.
 class SegmentsBehind {
  public:
   // `out` may be null: then nothing is computed.
   SegmentsBehind(const AlgorithmConfig& config, const ReplyRule& rule,
                  Range partition, Range held, absl::Span<const float> x,
                  absl::Span<const float> m, absl::Span<const float> v,
-                 absl::Span<const float> v_fresh, std::vector<double>* out)
-      : rule_(rule),
+                 absl::Span<const float> fresh, std::vector<double>* out)
+      : layers_(OptimizerOf(config).Layers()),
+        rule_(rule),
         held_(held),
         x_(x),
         m_(m),
         v_(v),
-        v_fresh_(v_fresh),
+        fresh_(fresh),
         out_(out) {
     if (out_ == nullptr) return;
+    MORSE_CHECK(layers_ != nullptr);
     out_->clear();
-    pieces_ = LambPiecesOf(config, partition);
+    stats_.resize(layers_->stats());
+    pieces_ = LayerPiecesOf(config, partition);
     if (!pieces_.empty()) at_ = pieces_[0].begin;
   }
 
   void Through(uint64_t end) {
     if (out_ == nullptr) return;
     for (; next_ < pieces_.size();) {
-      const LambPiece& piece = pieces_[next_];
-      const uint64_t stop = std::min(at_ + kLambSegment, piece.end);
+      const LayerPiece& piece = pieces_[next_];
+      const uint64_t stop = std::min(at_ + kLayerSegment, piece.end);
       if (stop > end) return;
       const size_t j = at_ - held_.begin;
-      double sums[kLambStats];
-      LambSegmentSums(rule_, &x_[j], &m_[j], &v_[j], &v_fresh_[j], stop - at_,
-                      sums);
-      out_->insert(out_->end(), sums, sums + kLambStats);
+      layers_->SegmentStats(rule_, &x_[j], &m_[j], &v_[j], &fresh_[j],
+                            stop - at_, stats_.data());
+      out_->insert(out_->end(), stats_.begin(), stats_.end());
       at_ = stop;
       if (at_ == piece.end && ++next_ < pieces_.size())
         at_ = pieces_[next_].begin;
@@ -73,11 +76,13 @@ class SegmentsBehind {
   bool done() const { return out_ == nullptr || next_ == pieces_.size(); }
 
  private:
+  const LayerRule* const layers_;
   const ReplyRule& rule_;
   const Range held_;
-  const absl::Span<const float> x_, m_, v_, v_fresh_;
+  const absl::Span<const float> x_, m_, v_, fresh_;
   std::vector<double>* const out_;
-  std::vector<LambPiece> pieces_;
+  std::vector<double> stats_;
+  std::vector<LayerPiece> pieces_;
   size_t next_ = 0;  // the piece of the next segment
   uint64_t at_ = 0;  // where the next segment starts
 };
@@ -137,7 +142,7 @@ Replica::Replica(const AlgorithmConfig& config, Range range)
       v_(range.size(), 0.0f),
       x_(absl::MakeSpan(owned_x_)),
       lr_sums_(config.layout.cuts.size() + 1, 0.0f) {
-  InitLamb();
+  InitLayers();
 }
 
 Replica::Replica(const AlgorithmConfig& config, Range range,
@@ -149,13 +154,13 @@ Replica::Replica(const AlgorithmConfig& config, Range range,
       x_(external_x),
       lr_sums_(config.layout.cuts.size() + 1, 0.0f) {
   MORSE_CHECK(external_x.size() == range.size());
-  InitLamb();
+  InitLayers();
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                                  absl::Span<const uint8_t> reply,
                                  const StepHyper* hyper, float grad_scale,
-                                 std::vector<double>* lamb_segments,
+                                 std::vector<double>* segment_stats,
                                  absl::Span<const ClipPiece> clip_pieces,
                                  bool amended) {
   if (begin < range_.begin || begin + n > range_.end) {
@@ -173,11 +178,11 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   ReplyRule rule = PlanReply(config_, step, hyper, grad_scale);
   if (amended) rule.codec = CodecSpec{CodecKind::kFp32};
   const size_t offset = begin - range_.begin;
-  MORSE_CHECK(lamb_segments == nullptr || rule.lamb);
+  MORSE_CHECK(segment_stats == nullptr || rule.lamb);
   // grad_scale scales the decoded values alone: the rule's scalars are
-  // LambSegments' own.
+  // SegmentStats' own.
   SegmentsBehind segments(config_, rule, {begin, begin + n}, range_, x_, m_, v_,
-                          v_fresh_, lamb_segments);
+                          v_fresh_, segment_stats);
   // Applies the decoded values of [begin + at, begin + at + len), then takes
   // the statistics of the segments that piece completes. A worker's sync
   // starts from x at the last sync (the anchor); a mirror's x is that.
@@ -441,12 +446,11 @@ std::vector<NamedState> Replica::SaveState(uint64_t begin, uint64_t n) const {
   for (const StateArray& array : OptimizerOf(config_).State(config_)) {
     NamedState& saved = state.emplace_back();
     saved.name = array.name;
-    if (array.name == "v_fresh") {
+    if (array.per_element) {
       const auto first = v_fresh_.begin() + (begin - range_.begin);
       saved.values.assign(first, first + n);
     } else {
-      MORSE_CHECK(array.name == "lamb_layers");
-      saved.values = FlattenLambLayers(lamb_layers_);
+      saved.values = layer_state_;
     }
   }
   return state;
@@ -460,52 +464,62 @@ absl::Status Replica::RestoreState(uint64_t begin, uint64_t n,
   }
   if (absl::Status s = CheckState(config_, n, state, "the state"); !s.ok())
     return s;
-  for (const NamedState& array : state) {
-    if (array.name == "v_fresh") {
-      std::copy(array.values.begin(), array.values.end(),
+  const std::vector<StateArray> arrays = OptimizerOf(config_).State(config_);
+  for (size_t k = 0; k < state.size(); ++k) {  // CheckState: in order
+    if (arrays[k].per_element) {
+      std::copy(state[k].values.begin(), state[k].values.end(),
                 v_fresh_.begin() + (begin - range_.begin));
     } else {
-      MORSE_CHECK(array.name == "lamb_layers");
-      lamb_layers_ = UnflattenLambLayers(array.values);
+      layer_state_ = state[k].values;
     }
   }
   return absl::OkStatus();
 }
 
-void Replica::InitLamb() {
-  if (config_.optimizer != OptimizerKind::kOneBitLamb) return;
+void Replica::InitLayers() {
+  const Optimizer& optimizer = OptimizerOf(config_);
+  if (optimizer.Layers() == nullptr) return;
+  // Optimizer::Layers: one per-element array, then the layer state.
+  const std::vector<StateArray> arrays = optimizer.State(config_);
+  MORSE_CHECK(arrays.size() == 2 && arrays[0].per_element &&
+              !arrays[1].per_element);
   v_fresh_.assign(range_.size(), 0.0f);
-  lamb_layers_.resize(LayerCount(config_));
+  layer_state_ = optimizer.InitialState(config_, arrays[1]);
 }
 
-std::vector<double> Replica::LambSegments(int64_t step, Range partition,
+std::vector<double> Replica::SegmentStats(int64_t step, Range partition,
                                           const StepHyper* hyper) const {
-  return LambSegmentsOf(PlanReply(config_, step, hyper),
-                        LambPiecesOf(config_, partition), range_, x_, m_, v_,
+  const LayerRule* layers = OptimizerOf(config_).Layers();
+  MORSE_CHECK(layers != nullptr);
+  return SegmentStatsOf(*layers, PlanReply(config_, step, hyper),
+                        LayerPiecesOf(config_, partition), range_, x_, m_, v_,
                         v_fresh_);
 }
 
-absl::StatusOr<std::vector<double>> Replica::LambStep(
+absl::StatusOr<std::vector<double>> Replica::CommitStep(
     int64_t step, absl::Span<const StepHyper> hypers,
-    absl::Span<const std::vector<double>> partition_pieces, ComputePool* pool,
+    absl::Span<const std::vector<double>> partition_stats, ComputePool* pool,
     const std::vector<bool>& moved) {
-  if (config_.optimizer != OptimizerKind::kOneBitLamb) {
-    return absl::FailedPreconditionError("LambStep is for onebit_lamb");
+  const Optimizer& optimizer = OptimizerOf(config_);
+  const LayerRule* layers = optimizer.Layers();
+  if (layers == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        optimizer.name(), " has no layer rule: its steps commit nothing"));
   }
   if (!moved.empty() && moved.size() != LayerCount(config_)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "moved flags for ", moved.size(), " layers of ", LayerCount(config_)));
   }
   if (range_.begin != 0 || range_.end != config_.layout.dim) {
-    return absl::FailedPreconditionError(
-        "a onebit_lamb commit needs the whole model's replica");
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a ", optimizer.name(), " commit needs the whole model's replica"));
   }
   absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
   if (!layout.ok()) return layout.status();
-  if (!partition_pieces.empty() &&
-      partition_pieces.size() != layout->partitions().size()) {
+  if (!partition_stats.empty() &&
+      partition_stats.size() != layout->partitions().size()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "piece statistics of ", partition_pieces.size(),
+        "piece statistics of ", partition_stats.size(),
         " partitions for a layout of ", layout->partitions().size()));
   }
   if (absl::Status s = CheckHyperCount(hypers, layout->segment_count());
@@ -513,15 +527,15 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
     return s;
   }
   const std::vector<ReplyRule> rules = PlanReplies(config_, step, hypers);
-  // Each partition's pieces in partition order: the order LambTotals sums.
-  std::vector<LambPiece> pieces;
-  std::vector<double> sums;
+  // Each partition's pieces in partition order: the order LayerTotals adds.
+  std::vector<LayerPiece> pieces;
+  std::vector<double> stats;
   for (const Partition& p : layout->partitions()) {
-    const std::vector<LambPiece> of = LambPiecesOf(config_, p.range);
+    const std::vector<LayerPiece> of = LayerPiecesOf(config_, p.range);
     pieces.insert(pieces.end(), of.begin(), of.end());
     const bool given =
-        !partition_pieces.empty() && !partition_pieces[p.id].empty();
-    for (const LambPiece& piece : of) {
+        !partition_stats.empty() && !partition_stats[p.id].empty();
+    for (const LayerPiece& piece : of) {
       // Its x has moved: statistics from now would be another step's.
       if (!given && !moved.empty() && moved[piece.layer]) {
         return absl::InvalidArgumentError(
@@ -531,29 +545,34 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
     }
     const std::vector<double> computed =
         given ? std::vector<double>()
-              : LambPieceSums(of, LambSegmentsOf(RuleOf(rules, p.segment), of,
-                                                 range_, x_, m_, v_, v_fresh_));
-    const std::vector<double>& these =
-        given ? partition_pieces[p.id] : computed;
-    if (these.size() != kLambStats * of.size()) {
+              : PieceStats(*layers, of,
+                           SegmentStatsOf(*layers, RuleOf(rules, p.segment), of,
+                                          range_, x_, m_, v_, v_fresh_));
+    const std::vector<double>& these = given ? partition_stats[p.id] : computed;
+    if (these.size() != layers->stats() * of.size()) {
       return absl::InvalidArgumentError(
           absl::StrCat("partition ", p.id, " has ", of.size(), " pieces, got ",
                        these.size(), " statistics"));
     }
-    sums.insert(sums.end(), these.begin(), these.end());
+    stats.insert(stats.end(), these.begin(), these.end());
   }
-  const std::vector<double> totals = LambTotalsOfPieces(config_, pieces, sums);
-  std::vector<double> commit = LambCommit(config_, rules, totals, lamb_layers_);
-  if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
+  const std::vector<double> totals =
+      LayerTotals(config_, *layers, pieces, stats);
+  std::vector<double> commit =
+      LayerCommit(config_, *layers, rules, totals, layer_state_);
+  if (absl::Status s = ValidateCommitOfLayers(config_, *layers, commit);
+      !s.ok()) {
+    return s;
+  }
   // x moves element by element: partitions in parallel give the same bits.
-  // The layers MoveLambLayer moved are left out.
+  // The layers MoveLayer moved are left out.
   const auto& partitions = layout->partitions();
   const auto update = [&](size_t i) {
     const Partition& p = partitions[i];
     const ReplyRule rule = PlanReply(config_, step, HyperOf(hypers, p.segment));
-    for (const LambPiece& piece : LambPiecesOf(config_, p.range)) {
+    for (const LayerPiece& piece : LayerPiecesOf(config_, p.range)) {
       if (moved.empty() || !moved[piece.layer]) {
-        LambUpdateX(config_, rule, commit, range_, piece.begin,
+        MoveLayersX(config_, *layers, rule, commit, range_, piece.begin,
                     piece.end - piece.begin, x_, m_, v_);
       }
     }
@@ -563,17 +582,20 @@ absl::StatusOr<std::vector<double>> Replica::LambStep(
   } else {
     for (size_t i = 0; i < partitions.size(); ++i) update(i);
   }
-  lamb_layers_ = LambStateOf(commit);
+  layer_state_ = optimizer.StateAfterCommit(config_, commit)[0];
   return commit;
 }
 
-absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
-                                    const StepHyper* hyper,
-                                    absl::Span<const double> piece_sums) {
-  if (config_.optimizer != OptimizerKind::kOneBitLamb || range_.begin != 0 ||
+absl::Status Replica::MoveLayer(int64_t step, size_t layer,
+                                const StepHyper* hyper,
+                                absl::Span<const double> piece_stats) {
+  const Optimizer& optimizer = OptimizerOf(config_);
+  const LayerRule* layers = optimizer.Layers();
+  if (layers == nullptr || range_.begin != 0 ||
       range_.end != config_.layout.dim) {
     return absl::FailedPreconditionError(
-        "MoveLambLayer is for a onebit_lamb worker's whole replica");
+        "MoveLayer is for a worker's whole replica of an optimizer with a "
+        "layer rule");
   }
   if (layer >= LayerCount(config_)) {
     return absl::InvalidArgumentError(
@@ -581,39 +603,35 @@ absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
   }
   absl::StatusOr<Layout> layout = Layout::Create(config_.layout);
   if (!layout.ok()) return layout.status();
-  // The layer's pieces in partition order, as LambTotals adds them, from
+  // The layer's pieces in partition order, as LayerTotals adds them, from
   // the partitions it overlaps alone (called once per layer and step).
   const std::vector<uint64_t> bounds = LayerBounds(config_);
-  std::vector<LambPiece> pieces;
+  std::vector<LayerPiece> pieces;
   for (const Partition& p : layout->partitions()) {
     if (p.range.end <= bounds[layer] || p.range.begin >= bounds[layer + 1])
       continue;
-    for (const LambPiece& piece : LambPiecesOf(config_, p.range)) {
+    for (const LayerPiece& piece : LayerPiecesOf(config_, p.range)) {
       if (piece.layer != layer) continue;
       pieces.push_back(piece);
     }
   }
-  if (piece_sums.size() != kLambStats * pieces.size()) {
+  const size_t k = layers->stats(), c = layers->commit_values();
+  if (piece_stats.size() != k * pieces.size()) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", layer, " has ", pieces.size(), " pieces, got ",
-                     piece_sums.size(), " statistics"));
+                     piece_stats.size(), " statistics"));
   }
   const ReplyRule rule = PlanReply(config_, step, hyper);
   const std::vector<double> totals =
-      LambTotalsOfPieces(config_, pieces, piece_sums);
-  // A commit with this layer's values alone (LambUpdateX reads no other's).
-  std::vector<double> commit(kLambCommit * LayerCount(config_), 0.0);
-  double* mine = &commit[kLambCommit * layer];
-  LambLayerCommit(config_.lamb, rule, &totals[kLambStats * layer],
-                  lamb_layers_[layer], mine);
-  if (absl::Status s = ValidateLambLayerCommit(
-          layer, absl::MakeConstSpan(mine, kLambCommit));
-      !s.ok()) {
-    return s;
-  }
-  for (const LambPiece& piece : pieces) {
-    LambUpdateX(config_, rule, commit, range_, piece.begin,
-                piece.end - piece.begin, x_, m_, v_);
+      LayerTotals(config_, *layers, pieces, piece_stats);
+  std::vector<double> mine(c);
+  layers->Commit(config_, rule, &totals[k * layer], layer, layer_state_,
+                 mine.data());
+  if (absl::Status s = layers->ValidateLayer(layer, mine); !s.ok()) return s;
+  for (const LayerPiece& piece : pieces) {
+    const size_t j = piece.begin - range_.begin;
+    layers->MoveX(rule, mine.data(), &x_[j], &m_[j], &v_[j],
+                  piece.end - piece.begin);
   }
   return absl::OkStatus();
 }
@@ -621,17 +639,22 @@ absl::Status Replica::MoveLambLayer(int64_t step, size_t layer,
 absl::Status Replica::ApplyCommit(int64_t step, uint64_t begin, uint64_t n,
                                   absl::Span<const double> commit,
                                   const StepHyper* hyper) {
-  if (config_.optimizer != OptimizerKind::kOneBitLamb) {
-    return absl::FailedPreconditionError(
-        "a onebit_lamb commit for another optimizer");
+  const Optimizer& optimizer = OptimizerOf(config_);
+  const LayerRule* layers = optimizer.Layers();
+  if (layers == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "a layer commit for ", optimizer.name(), ", which has no layer rule"));
   }
   if (begin < range_.begin || begin + n > range_.end) {
     return absl::InvalidArgumentError(absl::StrCat(
         "commit range [", begin, ", ", begin + n, ") is outside the replica"));
   }
-  if (absl::Status s = ValidateLambCommit(config_, commit); !s.ok()) return s;
-  LambUpdateX(config_, PlanReply(config_, step, hyper), commit, range_, begin,
-              n, x_, m_, v_);
+  if (absl::Status s = ValidateCommitOfLayers(config_, *layers, commit);
+      !s.ok()) {
+    return s;
+  }
+  MoveLayersX(config_, *layers, PlanReply(config_, step, hyper), commit, range_,
+              begin, n, x_, m_, v_);
   return absl::OkStatus();
 }
 

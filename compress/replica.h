@@ -19,7 +19,7 @@
 #include "compress/clipping.h"
 #include "compress/error_feedback.h"
 #include "compress/halving_sum.h"
-#include "compress/lamb.h"
+#include "compress/layers.h"
 #include "compress/layout.h"
 #include "compress/optimizer.h"
 #include "compress/optimizers/zero_one_adam.h"
@@ -68,8 +68,9 @@ class Replica {
   // and applies the update. INVALID_ARGUMENT (nothing changed) if the
   // payload is malformed or the range is outside the replica.
   // `grad_scale`: the step's clip factor (ClipScale), when it clips.
-  // `lamb_segments` (onebit_lamb, a partition's range): also sets it to
-  // what LambSegments gives after the update, each segment computed as
+  // `segment_stats` (an optimizer with a layer rule, a partition's range):
+  // also sets it to what SegmentStats gives after the update, each segment
+  // computed as
   // soon as the piece of the reply that holds it is applied, while its
   // elements are still in cache (the same bits: one pass instead of two).
   // `clip_pieces` (a clip of part of the model, relative to `begin`, as
@@ -82,7 +83,7 @@ class Replica {
                           absl::Span<const uint8_t> reply,
                           const StepHyper* hyper = nullptr,
                           float grad_scale = 1.0f,
-                          std::vector<double>* lamb_segments = nullptr,
+                          std::vector<double>* segment_stats = nullptr,
                           absl::Span<const ClipPiece> clip_pieces = {},
                           bool amended = false);
 
@@ -151,48 +152,49 @@ class Replica {
   absl::Status RestoreInterval(absl::Span<const NamedState> interval,
                                int64_t last_step);
 
-  // onebit_lamb (compress/lamb.h): ApplyReply moves m, v and the fresh
-  // variance v'; x follows the step's commit. A worker, holding the whole
-  // model, forms the commit itself once every reply of `step` is applied,
-  // applies it, and returns it for the shards; FAILED_PRECONDITION for a
-  // replica of part of the model. `hypers`: the step's learning rates and
-  // weight decays as the workers set them (HyperOf: none, one, or one per
-  // segment; INVALID_ARGUMENT, nothing changed, for another count).
+  // An optimizer with a layer rule (compress/layers.h: onebit_lamb):
+  // ApplyReply moves m, v and its per-element array; x follows the step's
+  // commit. A worker, holding the whole model, forms the commit itself once
+  // every reply of `step` is applied, applies it, and returns it for the
+  // shards; FAILED_PRECONDITION for a replica of part of the model or an
+  // optimizer without one. `hypers`: the step's learning rates and weight
+  // decays as the workers set them (HyperOf: none, one, or one per segment;
+  // INVALID_ARGUMENT, nothing changed, for another count).
   //
-  // `partition_pieces`, if not empty, holds per partition (by id) the
-  // statistics of its pieces at this step (LambPieceSums of its
-  // LambSegments), or nothing for those to compute here: a worker takes
-  // them from each reply (its shard's, PushReply `lamb_pieces`) or computes
-  // them as each reply lands, instead of in one pass after the last.
+  // `partition_stats`, if not empty, holds per partition (by id) the
+  // statistics of its pieces at this step (PieceStats of its SegmentStats),
+  // or nothing for those to compute here: a worker takes them from each
+  // reply (its shard's, PushReply `piece_stats`) or computes them as each
+  // reply lands, instead of in one pass after the last.
   // `pool` (may be null) moves x over the partitions in parallel.
   //
-  // `moved` (empty, or one flag per layer): the layers MoveLambLayer has
-  // moved already at this step, whose x LambStep leaves alone (their
-  // commit is the same either way).
-  absl::StatusOr<std::vector<double>> LambStep(
+  // `moved` (empty, or one flag per layer): the layers MoveLayer has moved
+  // already at this step, whose x CommitStep leaves alone (their commit is
+  // the same either way).
+  absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, absl::Span<const StepHyper> hypers = {},
-      absl::Span<const std::vector<double>> partition_pieces = {},
+      absl::Span<const std::vector<double>> partition_stats = {},
       ComputePool* pool = nullptr, const std::vector<bool>& moved = {});
-  // LambStep's part for one layer, on a worker, as soon as every piece of
+  // CommitStep's part for one layer, on a worker, as soon as every piece of
   // `layer` has its statistics (so before the step's last reply lands):
-  // the layer's coefficient from `pieces`, its pieces' statistics
-  // (LambPieceSums, pieces in partition order), moves x over the layer with
-  // `hyper` (its group's). The same bits as LambStep. The layer state stays
-  // as it was until LambStep. INVALID_ARGUMENT, nothing changed, for a
-  // wrong count of statistics.
-  absl::Status MoveLambLayer(int64_t step, size_t layer, const StepHyper* hyper,
-                             absl::Span<const double> pieces);
+  // the layer's commit from `piece_stats`, its pieces' (PieceStats, pieces
+  // in partition order), moves x over the layer with `hyper` (its group's).
+  // The same bits as CommitStep. The layer state stays as it was until
+  // CommitStep. INVALID_ARGUMENT, nothing changed, for a wrong count of
+  // statistics.
+  absl::Status MoveLayer(int64_t step, size_t layer, const StepHyper* hyper,
+                         absl::Span<const double> piece_stats);
   // The statistics of the segments of `partition` (a range of the model)
-  // for the step of `step` (compress/lamb.h's LambSegmentsOf), once its
+  // for the step of `step` (compress/layers.h's SegmentStatsOf), once its
   // reply has been applied.
-  std::vector<double> LambSegments(int64_t step, Range partition,
+  std::vector<double> SegmentStats(int64_t step, Range partition,
                                    const StepHyper* hyper = nullptr) const;
   // A shard's mirror: applies the optimizer's commit of `step` (from the
   // workers; onebit_lamb's layer coefficients move x) over [begin, begin +
   // n) and nothing else, so that partitions may apply their commits at
   // once from different threads. The optimizer's arrays that are not per
   // element after the commit (Optimizer::StateAfterCommit) are the caller's
-  // to keep: LambStep keeps them here, a shard keeps them with each
+  // to keep: CommitStep keeps them here, a shard keeps them with each
   // partition. INVALID_ARGUMENT, nothing changed, for a malformed commit or
   // range.
   absl::Status ApplyCommit(int64_t step, uint64_t begin, uint64_t n,
@@ -200,10 +202,8 @@ class Replica {
                            const StepHyper* hyper = nullptr);
   absl::Span<const float> v_fresh() const { return v_fresh_; }
   absl::Span<float> mutable_v_fresh() { return absl::MakeSpan(v_fresh_); }
-  absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }
-  void set_lamb_layers(std::vector<LambLayerState> layers) {
-    lamb_layers_ = std::move(layers);
-  }
+  // The layer rule's state (onebit_lamb's FlattenLambLayers order).
+  absl::Span<const float> layer_state() const { return layer_state_; }
 
   // The optimizer's own state (Optimizer::State) over [begin, begin + n)
   // of the range: per-element arrays sliced to it, the others whole. The
@@ -244,10 +244,11 @@ class Replica {
                     const AdamScalars* sync = nullptr,
                     absl::Span<float> message = {});
   LocalPass by_range_;
-  // onebit_lamb: v' over the range, and every layer's state.
+  // An optimizer with a layer rule (Optimizer::Layers): its per-element
+  // array over the range (onebit_lamb's v') and its layer state.
   std::vector<float> v_fresh_;
-  std::vector<LambLayerState> lamb_layers_;
-  void InitLamb();  // sizes v' and the layers' state for onebit_lamb
+  std::vector<float> layer_state_;
+  void InitLayers();  // sizes both for such an optimizer
 };
 
 }  // namespace morse::compress

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "compress/lamb.h"
+#include "compress/layers.h"
 #include "compress/messages.h"
 #include "compress/optimizer.h"
 #include "compress/replica.h"
@@ -30,9 +30,10 @@ Simulator::Simulator(const AlgorithmConfig& config, Layout layout,
       x_(x0.begin(), x0.end()),
       m_(x0.size(), 0.0f),
       v_(x0.size(), 0.0f) {
-  if (config.optimizer == OptimizerKind::kOneBitLamb) {
+  const Optimizer& optimizer = OptimizerOf(config);
+  if (optimizer.Layers() != nullptr) {  // its per-element array, its layers'
     v_fresh_.assign(x0.size(), 0.0f);
-    lamb_layers_.resize(LayerCount(config));
+    layer_state_ = optimizer.InitialState(config, optimizer.State(config)[1]);
   }
   for (uint32_t i = 0; i < config.workers; ++i) {
     worker_errors_.emplace_back(config.worker_feedback, x0.size(),
@@ -247,18 +248,19 @@ absl::Status Simulator::Step(
               rule.lamb ? absl::MakeSpan(v_fresh_).subspan(begin, n)
                         : absl::Span<float>());
   }
-  if (rules[0].lamb) {  // x moves by each layer's coefficient, from sums
-                        // over the whole layer
+  const Optimizer& optimizer = OptimizerOf(config_);
+  if (const LayerRule* layers = optimizer.Layers()) {
+    // x moves by each layer's commit, from sums over the whole layer.
     const Range all{0, x_.size()};
-    const std::vector<double> totals =
-        LambTotals(config_, layout_, rules, all, x_, m_, v_, v_fresh_);
+    const std::vector<double> totals = LayerTotalsOf(
+        config_, *layers, layout_, rules, all, x_, m_, v_, v_fresh_);
     const std::vector<double> commit =
-        LambCommit(config_, rules, totals, lamb_layers_);
+        LayerCommit(config_, *layers, rules, totals, layer_state_);
     for (const Partition& p : layout_.partitions()) {
-      LambUpdateX(config_, RuleOf(rules, p.segment), commit, all, p.range.begin,
-                  p.range.size(), absl::MakeSpan(x_), m_, v_);
+      MoveLayersX(config_, *layers, RuleOf(rules, p.segment), commit, all,
+                  p.range.begin, p.range.size(), absl::MakeSpan(x_), m_, v_);
     }
-    lamb_layers_ = LambStateOf(commit);
+    layer_state_ = optimizer.StateAfterCommit(config_, commit)[0];
   }
   diverged_ = false;
   ++step_;

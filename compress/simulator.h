@@ -66,9 +66,11 @@ class Simulator {
   const ErrorFeedback& worker_error(uint32_t rank) const {
     return worker_errors_[rank];
   }
-  // onebit_lamb (compress/lamb.h): the fresh variance and the layers' state.
+  // An optimizer with a layer rule (compress/layers.h): its per-element
+  // array (onebit_lamb's fresh variance) and its layer state
+  // (FlattenLambLayers' order).
   absl::Span<const float> v_fresh() const { return v_fresh_; }
-  absl::Span<const LambLayerState> lamb_layers() const { return lamb_layers_; }
+  absl::Span<const float> layer_state() const { return layer_state_; }
   const ErrorFeedback& server_error(uint32_t shard) const {
     return server_errors_[shard];
   }
@@ -103,7 +105,7 @@ class Simulator {
   std::vector<float> lr_sums_;
   bool diverged_ = false;
   std::vector<float> v_fresh_;
-  std::vector<LambLayerState> lamb_layers_;
+  std::vector<float> layer_state_;
 };
 
 }  // namespace morse::compress

@@ -97,7 +97,7 @@ struct ReplyRule {
   float grad_scale = 1.0f;
   // onebit_lamb (compress/lamb.h): the reply moves m, v and the fresh
   // variance v' only (LambMoments); x follows the step's commit
-  // (LambUpdateX). frozen_variance says which phase; v' is corrected by
+  // (LambMoveX). frozen_variance says which phase; v' is corrected by
   // 1 - b2^t' (fresh_correction2), and copied from v at the last warmup
   // step (copy_fresh).
   bool lamb = false;

@@ -316,13 +316,13 @@ absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule,
 }
 
 absl::StatusOr<LambSegments> LambSegments::Create(
-    absl::Span<const compress::LambPiece> pieces, size_t layers) {
+    absl::Span<const compress::LayerPiece> pieces, size_t layers) {
   std::vector<launch::LambSegment> table;
-  for (const compress::LambPiece& piece : pieces) {
+  for (const compress::LayerPiece& piece : pieces) {
     for (uint64_t at = piece.begin; at < piece.end;
-         at += compress::kLambSegment) {
+         at += compress::kLayerSegment) {
       const uint64_t len =
-          std::min<uint64_t>(compress::kLambSegment, piece.end - at);
+          std::min<uint64_t>(compress::kLayerSegment, piece.end - at);
       table.push_back({at, static_cast<uint32_t>(len), piece.layer});
     }
   }

@@ -128,21 +128,22 @@ absl::Status ZeroOneSyncUpdate(Context& ctx, const compress::AdamScalars& adam,
 absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule,
                          const float* decoded, float* m, float* v,
                          float* v_fresh, size_t n);
-// A worker's whole model for compress::LambTotals: the segments of the
-// pieces (compress::LambPieces over [0, D)) in device memory, the buffers
+// A worker's whole model for onebit_lamb's layer rule
+// (compress::LayerTotals): the segments of the pieces (compress::LayerPieces
+// over [0, D)) in device memory, the buffers
 // their sums go through, and the layers' steps.
 class LambSegments {
  public:
   static absl::StatusOr<LambSegments> Create(
-      absl::Span<const compress::LambPiece> pieces, size_t layers);
-  // compress::LambTotalsOfSegments' input: every segment's kLambStats
-  // values, computed on the GPU. Waits for the stream.
+      absl::Span<const compress::LayerPiece> pieces, size_t layers);
+  // compress::PieceStats' input: every segment's kLambStats values,
+  // computed on the GPU. Waits for the stream.
   absl::StatusOr<absl::Span<const double>> Sums(Context& ctx,
                                                 const compress::ReplyRule& rule,
                                                 const float* x, const float* m,
                                                 const float* v,
                                                 const float* v_fresh);
-  // compress::LambUpdateX over the whole model with each layer's step
+  // compress::MoveLayersX over the whole model with each layer's step
   // (compress::LambLayerSteps). Waits for the stream.
   absl::Status UpdateX(Context& ctx, const compress::ReplyRule& rule,
                        absl::Span<const float> steps, float* x, const float* m,

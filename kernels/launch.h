@@ -95,7 +95,7 @@ cudaError_t ZeroOneSyncUpdate(AdamArgs adam, bool mask, const float* w,
                               const float* v, size_t n, cudaStream_t stream);
 
 // onebit_lamb (compress/lamb.h): a reply rule's fields, and a segment of
-// compress::LambTotals' order (within one piece of one layer).
+// compress::LayerTotals' order (within one piece of one layer).
 struct LambArgs {
   AdamArgs adam;
   float fresh_correction2;
@@ -103,7 +103,7 @@ struct LambArgs {
 };
 struct LambSegment {
   uint64_t begin;  // global element
-  uint32_t len;    // <= compress::kLambSegment
+  uint32_t len;    // <= compress::kLayerSegment
   uint32_t layer;
 };
 cudaError_t LambMoments(LambArgs args, const float* decoded, float* m, float* v,

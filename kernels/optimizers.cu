@@ -1,6 +1,6 @@
 // The element work of zero_one_adam (design.md 2.7) and onebit_lamb (2.8)
 // on the GPU: compress/update_rules.cc's ZeroOne* loops and compress/
-// lamb.cc's LambMoments, LambSegmentSums and LambUpdateX, the same fp32
+// lamb.cc's LambMoments, LambSegmentSums and LambMoveX, the same fp32
 // (and, for the layer sums, double) operations in the same order, each an
 // explicitly rounded intrinsic.
 #include "compress/halving_sum.h"
@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(kSegment)
   }
 }
 
-// compress::LambUpdateX: x = x - step_l * u over each segment, step_l its
+// compress::LambMoveX: x = x - step_l * u over each segment, step_l its
 // layer's lr * c_l.
 __global__ void __launch_bounds__(kSegment)
     LambUpdateXKernel(LambArgs a, const LambSegment* __restrict__ segments,

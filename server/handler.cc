@@ -162,7 +162,7 @@ void ShardHandler::ToMessage(const Reply& reply, v1::PushReply* message) {
     message->set_grad_max_abs(reply.grad_other_norms->max_abs);
   }
   for (uint32_t rank : reply.absent) message->add_absent(rank);
-  for (double value : reply.lamb_pieces) message->add_lamb_pieces(value);
+  for (double value : reply.piece_stats) message->add_piece_stats(value);
 }
 
 absl::Status ShardHandler::FetchPartition(

@@ -65,7 +65,7 @@ struct ShardCore::PartitionState {
   // (ApplyMirror).
   bool mirror_pending ABSL_GUARDED_BY(mu) = false;
   // onebit_lamb: the mirror took that reply's moments as it went out (for
-  // its layer statistics, Reply::lamb_pieces); the commit moves x alone.
+  // its layer statistics, Reply::piece_stats); the commit moves x alone.
   bool mirror_moments_applied ABSL_GUARDED_BY(mu) = false;
   std::optional<compress::StepHyper> mirror_hyper ABSL_GUARDED_BY(mu);
   // Gradient clipping of the last completed step (compress::ClipsAverage):

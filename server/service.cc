@@ -58,7 +58,7 @@ grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
   // morse.proto's PushReply: step = 1, partition = 2, codec = 3 (varints),
   // payload = 4, buffers = 5 (length-delimited), grad_sum_of_squares = 6
   // (fixed64), absent = 7 (packed varints), grad_sum_abs = 8 (fixed64),
-  // grad_max_abs = 9 (fixed32), lamb_pieces = 10 (packed doubles).
+  // grad_max_abs = 9 (fixed32), piece_stats = 10 (packed doubles).
   using google::protobuf::io::CodedOutputStream;
   using google::protobuf::io::StringOutputStream;
   // Tags: field number << 3 | wire type (0 varint, 1 fixed64, 2
@@ -115,10 +115,10 @@ grpc::ByteBuffer SerializePushReply(std::shared_ptr<const Reply> reply) {
       out.WriteTag(tag(9, 5));
       out.WriteLittleEndian32(max_bits);
     }
-    if (!reply->lamb_pieces.empty()) {  // packed
+    if (!reply->piece_stats.empty()) {  // packed
       out.WriteTag(tag(10, 2));
-      out.WriteVarint64(reply->lamb_pieces.size() * sizeof(double));
-      for (double value : reply->lamb_pieces) {
+      out.WriteVarint64(reply->piece_stats.size() * sizeof(double));
+      for (double value : reply->piece_stats) {
         uint64_t bits = 0;
         std::memcpy(&bits, &value, sizeof bits);
         out.WriteLittleEndian64(bits);

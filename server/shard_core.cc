@@ -13,7 +13,7 @@
 #include "absl/strings/str_join.h"
 #include "compress/bytes_hash.h"
 #include "compress/check.h"
-#include "compress/lamb.h"
+#include "compress/layers.h"
 #include "compress/messages.h"
 #include "compress/optimizer.h"
 #include "compress/scratch.h"
@@ -816,19 +816,21 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
         absl::StrCat("partition ", part.id, " step ", step,
                      ": recompression failed: ", status.message()));
   }
-  // onebit_lamb: the mirror takes the reply's moments now (x moves with
-  // the workers' commit) and sends the layer statistics of the
-  // partition's pieces with the reply, the same bits every worker would
-  // take from its own replica (design.md 2.8). A step that clips the
-  // average scales its moments by a factor the commit brings: the workers
-  // take those themselves.
-  const bool lamb_pieces = compress::CommitsLayers(job_.algorithm) && !clips;
-  if (lamb_pieces) {
+  // An optimizer with a layer rule (onebit_lamb): the mirror takes the
+  // reply's moments now (x moves with the workers' commit) and sends the
+  // layer statistics of the partition's pieces with the reply, the same
+  // bits every worker would take from its own replica (design.md 2.8). A
+  // step that clips the average scales its moments by a factor the commit
+  // brings: the workers take those themselves.
+  const compress::LayerRule* layers =
+      compress::OptimizerOf(job_.algorithm).Layers();
+  const bool piece_stats = layers != nullptr && !clips;
+  if (piece_stats) {
     trace::Scope moments("mirror", step, part.id);
     std::vector<double> segments;
     ApplyOwnReply(*reply, part, hyper, 1.0f, &segments);
-    reply->lamb_pieces = compress::LambPieceSums(
-        compress::LambPiecesOf(job_.algorithm, part.range), segments);
+    reply->piece_stats = compress::PieceStats(
+        *layers, compress::LayerPiecesOf(job_.algorithm, part.range), segments);
   }
   if (p.last_reply != nullptr && job_.replay_steps > 1) {
     p.history.push_back({std::move(p.last_reply), p.last_hashes});
@@ -841,9 +843,9 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
   // The mirror applies this reply after the workers have it (Push), or
   // before anything reads the mirror.
   p.mirror_pending = true;
-  p.mirror_moments_applied = lamb_pieces;
+  p.mirror_moments_applied = piece_stats;
   p.mirror_hyper = hyper;
-  p.awaiting_commit = clips || compress::CommitsLayers(job_.algorithm);
+  p.awaiting_commit = clips || layers != nullptr;
   p.committed_norm.reset();
   p.committed_max_norm.reset();
   p.last_workers_clip = workers_clip;
@@ -859,12 +861,12 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
 void ShardCore::ApplyOwnReply(
     const Reply& r, const compress::Partition& part,
     const std::optional<compress::StepHyper>& hyper, float scale,
-    std::vector<double>* lamb_segments,
+    std::vector<double>* segment_stats,
     absl::Span<const compress::ClipPiece> clip_pieces) const {
   const absl::Status s = mirror_.ApplyReply(
       r.step, part.range.begin, part.range.size(),
       {reinterpret_cast<const uint8_t*>(r.payload.data()), r.payload.size()},
-      hyper.has_value() ? &*hyper : nullptr, scale, lamb_segments, clip_pieces);
+      hyper.has_value() ? &*hyper : nullptr, scale, segment_stats, clip_pieces);
   // The payload is this shard's own encoding of finite values: decoding it
   // cannot fail. If it ever did, the mirror would be wrong: stop loudly.
   MORSE_CHECK(s.ok());

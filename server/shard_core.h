@@ -118,10 +118,11 @@ struct Reply {
   // reply's norms of order 1 and infinity too (compress::GradientOtherNorms),
   // for a worker's clip_grad_norm_ with norm_type 1 or inf.
   std::optional<compress::OtherNorms> grad_other_norms;
-  // onebit_lamb, when the step does not clip the average: the layer
-  // statistics of the partition's pieces after this reply, from the mirror
-  // (compress::LambPieceSums), which the workers then need not take.
-  std::vector<double> lamb_pieces;
+  // An optimizer with a layer rule (onebit_lamb), when the step does not
+  // clip the average: the layer statistics of the partition's pieces after
+  // this reply, from the mirror (compress::PieceStats), which the workers
+  // then need not take.
+  std::vector<double> piece_stats;
   // The ranks the average left out (membership, design.md 4, "Membership"),
   // ascending.
   std::vector<uint32_t> absent;
@@ -251,7 +252,7 @@ class ShardCore {
   absl::Status Commit(uint32_t rank, int64_t step, uint64_t layout_fingerprint,
                       double grad_sum_of_squares,
                       std::optional<float> clip_max_norm = std::nullopt);
-  // onebit_lamb's commit of step `step` (compress::Replica::LambStep: each
+  // onebit_lamb's commit of step `step` (compress::Replica::CommitStep: each
   // layer's coefficient and state after the step), which the mirror needs
   // to move x; as Commit otherwise (every step of onebit_lamb waits for
   // one). INVALID_ARGUMENT for a malformed commit.
@@ -429,12 +430,12 @@ class ShardCore {
   void ApplyMirror(PartitionState& p) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(p.mu);
   // The mirror takes reply `r` of partition `part`, this shard's own
   // (compress::Replica::ApplyReply with the step's `hyper` and clip factor
-  // `scale`; `lamb_segments` and `clip_pieces` as there), under the
+  // `scale`; `segment_stats` and `clip_pieces` as there), under the
   // partition's lock.
   void ApplyOwnReply(
       const Reply& r, const compress::Partition& part,
       const std::optional<compress::StepHyper>& hyper, float scale,
-      std::vector<double>* lamb_segments = nullptr,
+      std::vector<double>* segment_stats = nullptr,
       absl::Span<const compress::ClipPiece> clip_pieces = {}) const;
   // The optimizer's own arrays of [begin, begin + n) (a partition of p's,
   // or the whole shard for p any partition at the same step): the

@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "compress/bytes_hash.h"
-#include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/sync.h"
 #include "proto/wire.h"

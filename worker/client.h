@@ -134,7 +134,7 @@ class PushClient {
   // waits for them all: the averaged gradient's sum of squares when the
   // step clipped it (with the workers' max_norm when its pushes said
   // workers_clip), the optimizer's values when it commits (onebit_lamb:
-  // compress::Replica::LambStep's layer coefficients and state), both in
+  // compress::Replica::CommitStep's layer coefficients and state), both in
   // one commit when the step has both; `clip_pieces`, the workers' clip of
   // part of the model (with a max_norm of 0), if any; `amended`, the
   // step's gradient as the workers amended it (the whole model, with a

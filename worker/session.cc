@@ -8,7 +8,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "compress/codec.h"
-#include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/trace.h"
 #include "proto/checkpoint_file.h"
@@ -347,7 +346,7 @@ void Session::StartExchange() {
         trace::Instant("receive", step, p.id);
         trace::Scope traced("apply", step, p.id);
         return engine_->ApplyReply(step, p, bytes, HyperOf(hyper, p), 1.0f,
-                                   extras.lamb_pieces);
+                                   extras.piece_stats);
       },
       StepExtras{step_hyper_, std::move(buffers_),
                  previous_grad_sum_of_squares_, previous_clip_max_norm_,
@@ -781,7 +780,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
         s = engine_->ApplyStagedReply(step_, p, hyper, scale, pieces);
       } else {
         s = engine_->ApplyReply(step_, p, bytes, hyper, scale,
-                                reply.extras.lamb_pieces, pieces);
+                                reply.extras.piece_stats, pieces);
       }
       if (!s.ok()) {
         return Fail(

@@ -136,8 +136,8 @@ void StepExchange::Deliver(std::unique_ptr<PushCall> done,
       extras.other = compress::OtherNorms{done->reply.grad_sum_abs(),
                                           done->reply.grad_max_abs()};
     }
-    extras.lamb_pieces.assign(done->reply.lamb_pieces().begin(),
-                              done->reply.lamb_pieces().end());
+    extras.piece_stats.assign(done->reply.piece_stats().begin(),
+                              done->reply.piece_stats().end());
     result = apply_(*done->partition, done->reply.payload(), std::move(extras));
   }
   const double apply_seconds = Since(start);

@@ -93,12 +93,13 @@ struct StepExtras {
 // norms of its decoded values when the step clips the averaged gradient
 // (compress::ClipsAverage, design.md 2.6): its sum of squares, and its
 // norms of order 1 and infinity when the workers clip (a script's
-// clip_grad_norm_ may take those); and onebit_lamb's layer statistics of
-// the partition's pieces, taken on the shard's mirror (design.md 2.8).
+// clip_grad_norm_ may take those); and the layer statistics of the
+// partition's pieces (a layer rule's: onebit_lamb), taken on the shard's
+// mirror (design.md 2.8).
 struct ReplyExtras {
   std::optional<double> sum_of_squares;
   std::optional<compress::OtherNorms> other;
-  std::vector<double> lamb_pieces;
+  std::vector<double> piece_stats;
 };
 
 class StepExchange final : private ExchangeSide {

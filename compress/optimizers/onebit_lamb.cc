@@ -12,8 +12,9 @@
 //   compression: coeff_l = coeff_freeze_l * factor_l, factor_l from v' and
 //                clamped to [factor_min, factor_max] and to within
 //                factor_threshold of the last;
-//   x_l = x_l - lr * coeff_l * u_l (LambUpdateX).
-// A worker computes the layers' commit; the shards' mirrors receive it
+//   x_l = x_l - lr * coeff_l * u_l (LambMoveX).
+// The sums over a layer are its layer rule's statistics (compress/layers.h):
+// a worker computes the layers' commit; the shards' mirrors receive it
 // (CommitDoubles) before they move x.
 #include <cmath>
 #include <cstring>
@@ -24,6 +25,45 @@
 
 namespace morse::compress {
 namespace {
+
+// Statistics [sum x^2, sum u^2, 0] (warmup) or [sum u^2, sum p^2,
+// max d/d'] (compression); each layer commits [coefficient, coeff_freeze,
+// last_factor], its state the last two (FlattenLambLayers' order).
+class LambLayers final : public LayerRule {
+ public:
+  int stats() const override { return kLambStats; }
+  int commit_values() const override { return kLambCommit; }
+
+  void SegmentStats(const ReplyRule& rule, const float* x, const float* m,
+                    const float* v, const float* fresh, uint64_t n,
+                    double* out) const override {
+    LambSegmentSums(rule, x, m, v, fresh, n, out);
+  }
+
+  void Add(const double* part, double* total) const override {
+    static_assert(kLambStats == 3);
+    total[0] += part[0];
+    total[1] += part[1];
+    total[2] = part[2] > total[2] ? part[2] : total[2];
+  }
+
+  void Commit(const AlgorithmConfig& c, const ReplyRule& rule,
+              const double* totals, size_t layer, absl::Span<const float> state,
+              double* out) const override {
+    LambLayerCommit(c.lamb, rule, totals,
+                    {state[2 * layer], state[2 * layer + 1]}, out);
+  }
+
+  absl::Status ValidateLayer(size_t layer,
+                             absl::Span<const double> values) const override {
+    return ValidateLambLayerCommit(layer, values);
+  }
+
+  void MoveX(const ReplyRule& rule, const double* commit, float* x,
+             const float* m, const float* v, uint64_t n) const override {
+    LambMoveX(rule, commit, x, m, v, n);
+  }
+};
 
 class OneBitLamb final : public Optimizer {
  public:
@@ -55,7 +95,7 @@ class OneBitLamb final : public Optimizer {
           absl::StrCat("onebit_lamb.factor_threshold must be in [0, 1), got ",
                        l.factor_threshold));
     }
-    return LayerSegments(c).status();
+    return LayerSegments(c, name()).status();
   }
 
   void Fingerprint(const AlgorithmConfig& c, Fnv64& hash) const override {
@@ -122,14 +162,10 @@ class OneBitLamb final : public Optimizer {
     return ValidateSavedLamb(state[0].values, state[1].values, what);
   }
 
-  absl::Status ValidateCommit(const AlgorithmConfig& c,
-                              absl::Span<const double> commit) const override {
-    return ValidateLambCommit(c, commit);
-  }
+  const LayerRule* Layers() const override { return &layers_; }
 
-  uint64_t CommitDoubles(const AlgorithmConfig& c) const override {
-    return kLambCommit * LayerCount(c);
-  }
+ private:
+  LambLayers layers_;
 };
 
 }  // namespace

@@ -469,7 +469,7 @@ void BM_PhaseLambApplyReply(benchmark::State& state) {
                .ok())
         std::abort();
       if (!fused)
-        segments = replica.LambSegments(kPhaseStep, {at, at + kPartition});
+        segments = replica.SegmentStats(kPhaseStep, {at, at + kPartition});
       benchmark::DoNotOptimize(segments.data());
     }
   });

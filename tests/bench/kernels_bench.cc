@@ -153,10 +153,10 @@ int main(int argc, char** argv) {
   lamb.lamb = true;
   lamb.frozen_variance = true;
   auto segments =
-      kernels::LambSegments::Create({compress::LambPiece{0, n, 0}}, 1);
+      kernels::LambSegments::Create({compress::LayerPiece{0, n, 0}}, 1);
   if (!segments.ok()) return 1;
   row("lamb layer sums (to the host)",
-      16.0 * n + 24.0 * n / compress::kLambSegment, [&] {
+      16.0 * n + 24.0 * n / compress::kLayerSegment, [&] {
         return segments
             ->Sums(ctx, lamb, x.as<float>(), m.as<float>(), v.as<float>(),
                    g.as<float>())

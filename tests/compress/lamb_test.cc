@@ -250,15 +250,15 @@ void RunAgainstReference(
     ASSERT_TRUE(SameBits(sim->m(), ref.m())) << "m at step " << t;
     ASSERT_TRUE(SameBits(sim->v(), ref.v())) << "v at step " << t;
     ASSERT_TRUE(SameBits(sim->v_fresh(), ref.v_fresh())) << "v' at step " << t;
-    ASSERT_EQ(sim->lamb_layers().size(), c.layers.size());
+    ASSERT_EQ(sim->layer_state().size(), 2 * c.layers.size());
     for (size_t l = 0; l < c.layers.size(); ++l) {
-      ASSERT_EQ(sim->lamb_layers()[l].coeff_freeze, ref.freeze()[l])
+      ASSERT_EQ(sim->layer_state()[2 * l], ref.freeze()[l])
           << "layer " << l << " step " << t;
-      ASSERT_EQ(sim->lamb_layers()[l].last_factor, ref.last()[l])
+      ASSERT_EQ(sim->layer_state()[2 * l + 1], ref.last()[l])
           << "layer " << l << " step " << t;
       saw_max_coeff |= ref.coefficients()[l] == c.lamb.max_coeff;
       // The factor moves by at most factor_threshold a step.
-      const float now = sim->lamb_layers()[l].last_factor;
+      const float now = sim->layer_state()[2 * l + 1];
       EXPECT_LE(std::abs(now / last[l] - 1.0f),
                 c.lamb.factor_threshold * 1.0001f)
           << l << " " << t;
@@ -291,10 +291,10 @@ TEST(LambTest, PiecesLongerThanASegment) {
   c.layout.partition_elems = 640;
   auto layout = Layout::Create(c.layout);
   ASSERT_TRUE(layout.ok());
-  const std::vector<LambPiece> pieces =
-      LambPieces(c, *layout, {0, c.layout.dim});
+  const std::vector<LayerPiece> pieces =
+      LayerPieces(c, *layout, {0, c.layout.dim});
   uint64_t longest = 0;
-  for (const LambPiece& piece : pieces)
+  for (const LayerPiece& piece : pieces)
     longest = std::max(longest, piece.segments());
   ASSERT_GE(longest, 2u);
   RunAgainstReference(c, 30);
@@ -323,7 +323,8 @@ TEST(LambTest, GroupsTrainWithTheirOwnLrAndWeightDecay) {
   const AlgorithmConfig c = GroupedLambConfig();
   ASSERT_TRUE(ValidateAlgorithmConfig(c).ok());
   EXPECT_TRUE(OptimizerOf(c).HyperByPartition());
-  EXPECT_EQ(*LayerSegments(c), (std::vector<uint32_t>{0, 0, 0, 1, 2, 2}));
+  EXPECT_EQ(*LayerSegments(c, "onebit_lamb"),
+            (std::vector<uint32_t>{0, 0, 0, 1, 2, 2}));
   RunAgainstReference(c, 40, GroupHypers);
   // The groups' values matter: the same steps with the job's one lr and
   // weight decay end elsewhere.
@@ -459,14 +460,15 @@ void RunWorkerAndMirrors(
       pieces.resize(layout->partitions().size());
       for (const Partition& p : layout->partitions()) {
         const std::vector<double> after =
-            worker.LambSegments(t, p.range, HyperOf(hypers, p.segment));
+            worker.SegmentStats(t, p.range, HyperOf(hypers, p.segment));
         ASSERT_EQ(applied[p.id].size(), after.size()) << p.id;
         ASSERT_EQ(
             std::memcmp(applied[p.id].data(), after.data(), 8 * after.size()),
             0)
             << "partition " << p.id << " step " << t;
         if (p.id % 2 == 0 || t % 4 == 3)
-          pieces[p.id] = LambPieceSums(LambPiecesOf(c, p.range), applied[p.id]);
+          pieces[p.id] = PieceStats(*OptimizerOf(c).Layers(),
+                                    LayerPiecesOf(c, p.range), applied[p.id]);
       }
     }
     // Every fourth step, as the engine does when a layer's last piece lands:
@@ -475,26 +477,29 @@ void RunWorkerAndMirrors(
     if (t % 4 == 3) {
       moved.assign(c.layers.size(), false);
       for (size_t l : {size_t{0}, size_t{2}, c.layers.size() - 1}) {
-        std::vector<LambPiece> of;
-        for (const LambPiece& piece : LambPieces(c, *layout, {0, dim}))
+        std::vector<LayerPiece> of;
+        for (const LayerPiece& piece : LayerPieces(c, *layout, {0, dim}))
           if (piece.layer == l) of.push_back(piece);
-        const StepHyper* hyper = HyperOf(hypers, LayerSegments(c).value()[l]);
-        const std::vector<double> layer_pieces = LambPieceSums(
-            of, LambSegmentsOf(PlanReply(c, t, hyper), of, {0, dim}, worker.x(),
-                               worker.m(), worker.v(), worker.v_fresh()));
-        ASSERT_TRUE(worker.MoveLambLayer(t, l, hyper, layer_pieces).ok());
+        const StepHyper* hyper =
+            HyperOf(hypers, LayerSegments(c, "onebit_lamb").value()[l]);
+        const std::vector<double> layer_pieces = PieceStats(
+            *OptimizerOf(c).Layers(), of,
+            SegmentStatsOf(*OptimizerOf(c).Layers(), PlanReply(c, t, hyper), of,
+                           {0, dim}, worker.x(), worker.m(), worker.v(),
+                           worker.v_fresh()));
+        ASSERT_TRUE(worker.MoveLayer(t, l, hyper, layer_pieces).ok());
         moved[l] = true;
       }
       // Statistics of a moved layer cannot be taken from x now.
       std::vector<std::vector<double>> missing = pieces;
       missing[0].clear();
       EXPECT_EQ(
-          worker.LambStep(t, hypers, missing, nullptr, moved).status().code(),
+          worker.CommitStep(t, hypers, missing, nullptr, moved).status().code(),
           absl::StatusCode::kInvalidArgument);
     }
     // Every third step moves x over the partitions on a pool.
-    auto commit =
-        worker.LambStep(t, hypers, pieces, t % 3 == 2 ? &pool : nullptr, moved);
+    auto commit = worker.CommitStep(t, hypers, pieces,
+                                    t % 3 == 2 ? &pool : nullptr, moved);
     ASSERT_TRUE(commit.ok()) << commit.status();
     for (const Partition& p : layout->partitions()) {
       ASSERT_TRUE(mirrors[p.shard]
@@ -517,10 +522,8 @@ void RunWorkerAndMirrors(
                            sim->v_fresh().subspan(r.begin, r.size())));
     }
     // The layers' state a shard keeps with each partition, and the worker's.
-    ASSERT_EQ(LambStateOf(*commit)[2].last_factor,
-              sim->lamb_layers()[2].last_factor);
-    ASSERT_EQ(worker.lamb_layers()[2].last_factor,
-              sim->lamb_layers()[2].last_factor);
+    ASSERT_EQ(LambStateOf(*commit)[2].last_factor, sim->layer_state()[5]);
+    ASSERT_EQ(worker.layer_state()[5], sim->layer_state()[5]);
   }
   out.emplace(std::move(replicas));
 }
@@ -547,17 +550,17 @@ TEST(LambTest, AWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   EXPECT_EQ(mirrors[0].ApplyCommit(24, 0, 128, bad).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(mirrors[0].x(), before));
-  EXPECT_EQ(mirrors[0].LambStep(24).status().code(),
+  EXPECT_EQ(mirrors[0].CommitStep(24).status().code(),
             absl::StatusCode::kFailedPrecondition);
   // Piece statistics for another layout, or of the wrong length, change
   // nothing either.
   const std::vector<float> worker_before(worker.x().begin(), worker.x().end());
   std::vector<std::vector<double>> wrong(layout->partitions().size() + 1);
-  EXPECT_EQ(worker.LambStep(24, {}, wrong).status().code(),
+  EXPECT_EQ(worker.CommitStep(24, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
   wrong.pop_back();
   wrong[1] = {1.0};  // never 3 per piece
-  EXPECT_EQ(worker.LambStep(24, {}, wrong).status().code(),
+  EXPECT_EQ(worker.CommitStep(24, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(worker.x(), worker_before));
 }
@@ -569,8 +572,9 @@ TEST(LambTest, WithGroupsAWorkerAndShardMirrorsGiveTheSimulatorsBits) {
   // Two hypers for three groups change nothing.
   Replica& worker = replicas->worker;
   const std::vector<float> before(worker.x().begin(), worker.x().end());
-  EXPECT_EQ(worker.LambStep(24, {{0.01f, 0.0f}, {0.01f, 0.0f}}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      worker.CommitStep(24, {{0.01f, 0.0f}, {0.01f, 0.0f}}).status().code(),
+      absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(worker.x(), before));
 }
 

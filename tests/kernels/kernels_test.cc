@@ -21,6 +21,7 @@
 #include "compress/error_feedback.h"
 #include "compress/lamb.h"
 #include "compress/layout.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "compress/stochastic_rounding.h"
 #include "compress/update_rules.h"
@@ -528,8 +529,8 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
   auto layout = compress::Layout::Create(c.layout);
   ASSERT_TRUE(layout.ok()) << layout.status();
   const size_t n = c.layout.dim;
-  const std::vector<compress::LambPiece> pieces =
-      compress::LambPieces(c, *layout, {0, n});
+  const std::vector<compress::LayerPiece> pieces =
+      compress::LayerPieces(c, *layout, {0, n});
   auto segments = kernels::LambSegments::Create(pieces, c.layers.size());
   ASSERT_TRUE(segments.ok()) << segments.status();
   const std::vector<float> g = RandomValues(n, 1, 1.0f),
@@ -568,24 +569,26 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
         "")
         << "v'";
     // The totals: the CPU's, from the GPU's segments.
-    const std::vector<double> totals =
-        compress::LambTotals(c, *layout, {rule}, {0, n}, x, m, v, vf);
+    const compress::LayerRule& layers = *compress::OptimizerOf(c).Layers();
+    const std::vector<double> totals = compress::LayerTotalsOf(
+        c, layers, *layout, {rule}, {0, n}, x, m, v, vf);
     auto sums = segments->Sums(*ctx_, rule, dx.as<float>(), dm.as<float>(),
                                dv.as<float>(), dvf.as<float>());
     ASSERT_TRUE(sums.ok()) << sums.status();
-    const std::vector<double> gpu_totals =
-        compress::LambTotalsOfSegments(c, pieces, *sums);
+    const std::vector<double> gpu_totals = compress::LayerTotals(
+        c, layers, pieces, compress::PieceStats(layers, pieces, *sums));
     ASSERT_EQ(gpu_totals.size(), totals.size());
     for (size_t i = 0; i < totals.size(); ++i) {
       EXPECT_EQ(std::memcmp(&gpu_totals[i], &totals[i], 8), 0)
           << "total " << i << ": " << gpu_totals[i] << " vs " << totals[i];
     }
     // The x update with the commit's steps.
-    std::vector<compress::LambLayerState> state(c.layers.size());
+    const std::vector<float> state = compress::FlattenLambLayers(
+        std::vector<compress::LambLayerState>(c.layers.size()));
     const std::vector<double> commit =
-        compress::LambCommit(c, {rule}, totals, state);
-    compress::LambUpdateX(c, rule, commit, {0, n}, 0, n, absl::MakeSpan(x), m,
-                          v);
+        compress::LayerCommit(c, layers, {rule}, totals, state);
+    compress::MoveLayersX(c, layers, rule, commit, {0, n}, 0, n,
+                          absl::MakeSpan(x), m, v);
     ASSERT_TRUE(segments
                     ->UpdateX(*ctx_, rule,
                               compress::LambLayerSteps(rule, commit),

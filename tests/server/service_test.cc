@@ -48,7 +48,7 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
       reply->grad_sum_of_squares = 0.1 + 1e-17;
       reply->absent = {1, 200, 70000};  // varints of 1, 2 and 3 bytes
       reply->grad_other_norms = compress::OtherNorms{0.3 + 1e-16, 0.7f};
-      reply->lamb_pieces = {0.1 + 1e-17, 2.5, -0.0, 1e300};
+      reply->piece_stats = {0.1 + 1e-17, 2.5, -0.0, 1e300};
     }
     v1::PushReply expected;
     expected.set_step(reply->step);
@@ -61,7 +61,7 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
       for (uint32_t rank : reply->absent) expected.add_absent(rank);
       expected.set_grad_sum_abs(reply->grad_other_norms->sum_abs);
       expected.set_grad_max_abs(reply->grad_other_norms->max_abs);
-      for (double value : reply->lamb_pieces) expected.add_lamb_pieces(value);
+      for (double value : reply->piece_stats) expected.add_piece_stats(value);
     }
     const grpc::ByteBuffer wire = SerializePushReply(reply);
     EXPECT_EQ(Flatten(wire), expected.SerializeAsString())
@@ -88,11 +88,11 @@ TEST(SerializePushReplyTest, IsTheProtobufEncodingOfTheSameReply) {
       EXPECT_EQ(parsed.grad_sum_abs(), reply->grad_other_norms->sum_abs);
       EXPECT_EQ(parsed.grad_max_abs(), reply->grad_other_norms->max_abs);
     }
-    const std::vector<double> pieces(parsed.lamb_pieces().begin(),
-                                     parsed.lamb_pieces().end());
-    ASSERT_EQ(pieces.size(), reply->lamb_pieces.size());
+    const std::vector<double> pieces(parsed.piece_stats().begin(),
+                                     parsed.piece_stats().end());
+    ASSERT_EQ(pieces.size(), reply->piece_stats.size());
     if (!pieces.empty()) {  // memcmp takes no null pointers, even for 0 bytes
-      EXPECT_EQ(std::memcmp(pieces.data(), reply->lamb_pieces.data(),
+      EXPECT_EQ(std::memcmp(pieces.data(), reply->piece_stats.data(),
                             8 * pieces.size()),
                 0);
     }

@@ -1795,7 +1795,7 @@ void CompleteLambStepZero(ShardCore& core, const proto::JobSpec& job,
                                  reply->payload.size()})
                     .ok());
   }
-  *commit = *worker.LambStep(0);
+  *commit = *worker.CommitStep(0);
 }
 
 // onebit_lamb (docs/design.md 2.8): each step's mirror update waits for the
@@ -2286,7 +2286,7 @@ TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
     ASSERT_NE(replies[p.id], nullptr);
     ASSERT_TRUE(replies[p.id]->grad_sum_of_squares.has_value());
     // Its moments wait for the clip factor: no layer statistics.
-    EXPECT_TRUE(replies[p.id]->lamb_pieces.empty());
+    EXPECT_TRUE(replies[p.id]->piece_stats.empty());
     total += *replies[p.id]->grad_sum_of_squares;
   }
   const float scale = compress::ClipScale(total, job.algorithm.clip_grad_norm);
@@ -2300,7 +2300,7 @@ TEST(LambShardTest, AClippedWarmupStepsCommitCarriesTheNormWithTheValues) {
                                 nullptr, scale)
                     .ok());
   }
-  const std::vector<double> commit = *worker.LambStep(0);
+  const std::vector<double> commit = *worker.CommitStep(0);
   const uint64_t checksum = core->MirrorChecksum();
   const absl::Status values_alone =
       core->CommitValues(0, 0, fingerprint, commit);
@@ -2387,22 +2387,23 @@ TEST(LambShardTest, RepliesCarryTheLayerStatisticsAWorkerWouldTake) {
           worker.ApplyReply(step, p.range.begin, p.range.size(), bytes).ok());
       ASSERT_TRUE(
           own.ApplyReply(step, p.range.begin, p.range.size(), bytes).ok());
-      const std::vector<compress::LambPiece> of =
-          compress::LambPiecesOf(job.algorithm, p.range);
+      const std::vector<compress::LayerPiece> of =
+          compress::LayerPiecesOf(job.algorithm, p.range);
       const std::vector<double> expected =
-          compress::LambPieceSums(of, worker.LambSegments(step, p.range));
-      ASSERT_EQ(reply->lamb_pieces.size(), compress::kLambStats * of.size());
-      EXPECT_EQ(0, std::memcmp(reply->lamb_pieces.data(), expected.data(),
+          compress::PieceStats(*compress::OptimizerOf(job.algorithm).Layers(),
+                               of, worker.SegmentStats(step, p.range));
+      ASSERT_EQ(reply->piece_stats.size(), compress::kLambStats * of.size());
+      EXPECT_EQ(0, std::memcmp(reply->piece_stats.data(), expected.data(),
                                expected.size() * sizeof(double)))
           << "step " << step << " partition " << p.id;
       // A statistic that is not zero (the sums of squares of each piece).
-      EXPECT_GT(reply->lamb_pieces[0], 0.0);
-      pieces[p.id] = reply->lamb_pieces;
+      EXPECT_GT(reply->piece_stats[0], 0.0);
+      pieces[p.id] = reply->piece_stats;
     }
     // The worker's commit from the shard's statistics alone is the one
     // from its own.
-    commit = *worker.LambStep(step, {}, pieces);
-    EXPECT_EQ(*own.LambStep(step), commit) << step;
+    commit = *worker.CommitStep(step, {}, pieces);
+    EXPECT_EQ(*own.CommitStep(step), commit) << step;
     EXPECT_TRUE(
         std::equal(worker.x().begin(), worker.x().end(), own.x().begin()))
         << step;
@@ -2420,7 +2421,7 @@ TEST(LambShardTest, RepliesCarryTheLayerStatisticsAWorkerWouldTake) {
   // Statistics of another count are refused (nothing moves).
   std::vector<std::vector<double>> wrong(parts.size());
   wrong[0] = {1.0};
-  EXPECT_EQ(worker.LambStep(4, {}, wrong).status().code(),
+  EXPECT_EQ(worker.CommitStep(4, {}, wrong).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

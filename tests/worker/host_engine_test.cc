@@ -99,9 +99,9 @@ TEST(HostEngineTest, TakesALambReplysLayerStatisticsFromItsShard) {
     EXPECT_TRUE(
         mirror.ApplyReply(step, p.range.begin, p.range.size(), Bytes(reply))
             .ok());
-    return compress::LambPieceSums(
-        compress::LambPiecesOf(job.algorithm, p.range),
-        mirror.LambSegments(step, p.range));
+    return compress::PieceStats(*compress::OptimizerOf(job.algorithm).Layers(),
+                                compress::LayerPiecesOf(job.algorithm, p.range),
+                                mirror.SegmentStats(step, p.range));
   };
   for (int64_t step = 0; step < 4; ++step) {  // the warmup, then 1-bit
     given.engine->BeginReplies(step);
@@ -134,7 +134,7 @@ TEST(HostEngineTest, TakesALambReplysLayerStatisticsFromItsShard) {
     const std::vector<double> commit =
         *own.engine->CommitStep(step, {}, nullptr);
     EXPECT_EQ(*given.engine->CommitStep(step, {}, nullptr), commit) << step;
-    ASSERT_EQ(*mirror.LambStep(step), commit);
+    ASSERT_EQ(*mirror.CommitStep(step), commit);
     EXPECT_EQ(0, std::memcmp(given.replica.x().data(), own.replica.x().data(),
                              4 * x0.size()))
         << step;

@@ -159,10 +159,11 @@ class Engine {
   // Applies the reply of partition `p` for `step` (compress::PlanReply, with
   // the step's `hyper` when the workers set one, and the averaged
   // gradient's clip factor `grad_scale`); INVALID_ARGUMENT, nothing
-  // changed, for a malformed reply. `lamb_pieces` (onebit_lamb, may be
-  // empty): the layer statistics of the partition's pieces at this step as
-  // its shard took them on its mirror (compress::LambPieceSums; PushReply
-  // `lamb_pieces`), which an engine may use instead of its own.
+  // changed, for a malformed reply. `piece_stats` (an optimizer with a
+  // layer rule, may be empty): the layer statistics of the partition's
+  // pieces at this step as its shard took them on its mirror
+  // (compress::PieceStats; PushReply `piece_stats`), which an engine may
+  // use instead of its own.
   // `clip_pieces` (a clip of part of the model, grad_scale 1): the
   // partition's pieces (compress::ClipPiecesOf), each scaling its decoded
   // values before the update.
@@ -170,7 +171,7 @@ class Engine {
       int64_t step, const compress::Partition& p,
       absl::Span<const uint8_t> reply,
       const compress::StepHyper* hyper = nullptr, float grad_scale = 1.0f,
-      absl::Span<const double> lamb_pieces = {},
+      absl::Span<const double> piece_stats = {},
       absl::Span<const compress::ClipPiece> clip_pieces = {}) = 0;
   // Applies partition `p`'s part of the gradient the workers amended step
   // `step` to (Session::AmendAt: `gradient`, its p.range.size() floats),
@@ -230,9 +231,9 @@ class Engine {
     return absl::UnimplementedError("a local step by partition");
   }
   // The optimizer's step after every reply of `step` is applied, for an
-  // optimizer that commits (compress::Optimizer::CommitDoubles): its
-  // commit from the whole model, applied to x, returned for the shards
-  // (onebit_lamb: compress::Replica::LambStep). `hypers`: the step's, as
+  // optimizer that commits (its layer rule, compress::Optimizer::Layers):
+  // its commit from the whole model, applied to x, returned for the shards
+  // (compress::Replica::CommitStep). `hypers`: the step's, as
   // Session::SetStepHyper took them (none, one, or one per segment).
   // `pool` (may be null): the worker's compute pool, idle by then, for a
   // CPU engine's whole-model passes.

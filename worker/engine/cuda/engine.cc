@@ -165,19 +165,22 @@ class CudaEngine final : public Engine, public DeviceServices {
       // Each segment of the layout (a parameter group) its own table, of
       // its partitions' pieces in partition order. Partitions lie in element
       // order and no partition straddles a segment, so the tables one after
-      // another hold every piece in partition order, as LambTotals adds them.
-      pieces_ = compress::LambPieces(config_, layout_, {0, dim});
-      std::vector<std::vector<compress::LambPiece>> of(layout_.segment_count());
+      // another hold every piece in partition order, as LayerTotals adds them.
+      // The layer kernels are onebit_lamb's, the one optimizer with a layer
+      // rule (compress/layers.h) and GPU kernels (HasGpuKernels).
+      pieces_ = compress::LayerPieces(config_, layout_, {0, dim});
+      std::vector<std::vector<compress::LayerPiece>> of(
+          layout_.segment_count());
       uint32_t last = 0;
       for (const compress::Partition& p : layout_.partitions()) {
         MORSE_CHECK(p.segment >= last);
         last = p.segment;
-        for (const compress::LambPiece& piece :
-             compress::LambPiecesOf(config_, p.range)) {
+        for (const compress::LayerPiece& piece :
+             compress::LayerPiecesOf(config_, p.range)) {
           of[p.segment].push_back(piece);
         }
       }
-      for (const std::vector<compress::LambPiece>& pieces : of) {
+      for (const std::vector<compress::LayerPiece>& pieces : of) {
         auto segments = kernels::LambSegments::Create(
             pieces, compress::LayerCount(config_));
         if (!segments.ok()) return segments.status();
@@ -398,12 +401,12 @@ class CudaEngine final : public Engine, public DeviceServices {
     });
   }
 
-  // The shard's layer statistics (lamb_pieces) are left: the device sums
+  // The shard's layer statistics (piece_stats) are left: the device sums
   // its own segments in CommitStep, the same bits.
   absl::Status ApplyReply(
       int64_t step, const compress::Partition& p,
       absl::Span<const uint8_t> reply, const compress::StepHyper* hyper,
-      float grad_scale, absl::Span<const double> /*lamb_pieces*/,
+      float grad_scale, absl::Span<const double> /*piece_stats*/,
       absl::Span<const compress::ClipPiece> clip_pieces) override {
     if (absl::Status s = StageReply(step, p, reply); !s.ok()) return s;
     return ApplyStagedReply(step, p, hyper, grad_scale, clip_pieces);
@@ -583,14 +586,16 @@ class CudaEngine final : public Engine, public DeviceServices {
     return lr_sums;
   }
 
-  // compress::Replica::LambStep on the device: the segments' sums come to
+  // compress::Replica::CommitStep on the device: the segments' sums come to
   // the host, which forms the totals and the commit exactly as the CPU does.
   // Each parameter group's layers with its own rule (lr and weight_decay).
   absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool*) override {
-    if (!compress::CommitsLayers(config_)) {
-      return absl::FailedPreconditionError("CommitStep is for onebit_lamb");
+    const compress::LayerRule* layers = compress::OptimizerOf(config_).Layers();
+    if (layers == nullptr) {
+      return absl::FailedPreconditionError(
+          "CommitStep is for an optimizer with a layer rule");
     }
     if (absl::Status s =
             compress::CheckHyperCount(hypers, layout_.segment_count());
@@ -610,11 +615,13 @@ class CudaEngine final : public Engine, public DeviceServices {
       sums.insert(sums.end(), of->begin(), of->end());
     }
     const std::vector<double> totals =
-        compress::LambTotalsOfSegments(config_, pieces_, sums);
-    std::vector<double> commit = compress::LambCommit(
-        config_, rules, totals,
-        compress::UnflattenLambLayers(HostState("lamb_layers")));
-    if (absl::Status s = compress::ValidateLambCommit(config_, commit); !s.ok())
+        compress::LayerTotals(config_, *layers, pieces_,
+                              compress::PieceStats(*layers, pieces_, sums));
+    std::vector<double> commit = compress::LayerCommit(
+        config_, *layers, rules, totals, HostState("lamb_layers"));
+    if (absl::Status s =
+            compress::ValidateCommitOfLayers(config_, *layers, commit);
+        !s.ok())
       return s;
     for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
       const compress::ReplyRule& rule = compress::RuleOf(rules, k);
@@ -772,9 +779,9 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     return out;
   }
-  // onebit_lamb: the pieces of compress::LambTotals in partition order, and
+  // onebit_lamb: the pieces of compress::LayerTotals in partition order, and
   // the kernels' table of each parameter group (segment of the layout).
-  std::vector<compress::LambPiece> pieces_;
+  std::vector<compress::LayerPiece> pieces_;
   std::vector<kernels::LambSegments> lamb_groups_;
   float* x_ptr_ = nullptr;     // x_ or the caller's
   float* grad_ptr_ = nullptr;  // grad_ or the caller's

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/codec.h"
-#include "compress/lamb.h"
+#include "compress/layers.h"
 #include "compress/messages.h"
 #include "compress/optimizer.h"
 #include "compress/scratch.h"
@@ -20,16 +20,19 @@ absl::Span<uint8_t> AsBytes(std::string* s) {
 class HostEngine final : public Engine {
  public:
   explicit HostEngine(const EngineState& state)
-      : config_(*state.config), replica_(*state.replica), error_(*state.error) {
-    if (compress::CommitsLayers(config_)) {
-      lamb_pieces_.resize(state.layout->partitions().size());
+      : config_(*state.config),
+        replica_(*state.replica),
+        error_(*state.error),
+        layers_(compress::OptimizerOf(config_).Layers()) {
+    if (layers_ != nullptr) {
+      piece_stats_.resize(state.layout->partitions().size());
       // Each partition's pieces (a layer each), and which partitions hold
       // each layer, in order.
       layer_partitions_.resize(compress::LayerCount(config_));
       partition_pieces_.resize(state.layout->partitions().size());
       for (const compress::Partition& p : state.layout->partitions()) {
-        partition_pieces_[p.id] = compress::LambPiecesOf(config_, p.range);
-        for (const compress::LambPiece& piece : partition_pieces_[p.id])
+        partition_pieces_[p.id] = compress::LayerPiecesOf(config_, p.range);
+        for (const compress::LayerPiece& piece : partition_pieces_[p.id])
           layer_partitions_[piece.layer].push_back(p.id);
       }
       BeginReplies(-1);
@@ -97,9 +100,9 @@ class HostEngine final : public Engine {
   absl::Status ApplyReply(
       int64_t step, const compress::Partition& p,
       absl::Span<const uint8_t> reply, const compress::StepHyper* hyper,
-      float grad_scale, absl::Span<const double> lamb_pieces,
+      float grad_scale, absl::Span<const double> piece_stats,
       absl::Span<const compress::ClipPiece> clip_pieces) override {
-    return Apply(step, p, reply, hyper, grad_scale, lamb_pieces, clip_pieces,
+    return Apply(step, p, reply, hyper, grad_scale, piece_stats, clip_pieces,
                  /*amended=*/false);
   }
 
@@ -122,24 +125,24 @@ class HostEngine final : public Engine {
   absl::Status Apply(int64_t step, const compress::Partition& p,
                      absl::Span<const uint8_t> reply,
                      const compress::StepHyper* hyper, float grad_scale,
-                     absl::Span<const double> lamb_pieces,
+                     absl::Span<const double> piece_stats,
                      absl::Span<const compress::ClipPiece> clip_pieces,
                      bool amended) {
-    if (lamb_pieces_.empty()) {
+    if (piece_stats_.empty()) {
       return replica_.ApplyReply(step, p.range.begin, p.range.size(), reply,
                                  hyper, grad_scale, nullptr, clip_pieces,
                                  amended);
     }
-    // onebit_lamb: the partition's share of CommitStep's statistics, from
+    // A layer rule: the partition's share of CommitStep's statistics, from
     // its shard (which took them on its mirror), or else computed in the
     // same pass as the reply's moments, while other replies are on the way.
-    const std::vector<compress::LambPiece>& pieces = partition_pieces_[p.id];
-    const bool given = !lamb_pieces.empty();
-    if (given && lamb_pieces.size() != compress::kLambStats * pieces.size()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the reply of partition ", p.id, " carries ", lamb_pieces.size(),
-          " layer statistics for ", pieces.size(), " pieces (",
-          compress::kLambStats, " each)"));
+    const std::vector<compress::LayerPiece>& pieces = partition_pieces_[p.id];
+    const bool given = !piece_stats.empty();
+    if (given && piece_stats.size() != layers_->stats() * pieces.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the reply of partition ", p.id, " carries ",
+                       piece_stats.size(), " layer statistics for ",
+                       pieces.size(), " pieces (", layers_->stats(), " each)"));
     }
     if (given && (grad_scale != 1.0f || !clip_pieces.empty())) {
       // a shard sends none when it clips
@@ -152,16 +155,16 @@ class HostEngine final : public Engine {
         step, p.range.begin, p.range.size(), reply, hyper, grad_scale,
         given ? nullptr : &segments, clip_pieces, amended);
     if (!applied.ok()) return applied;
-    lamb_pieces_[p.id] = {
+    piece_stats_[p.id] = {
         step, given
-                  ? std::vector<double>(lamb_pieces.begin(), lamb_pieces.end())
-                  : compress::LambPieceSums(pieces, segments)};
+                  ? std::vector<double>(piece_stats.begin(), piece_stats.end())
+                  : compress::PieceStats(*layers_, pieces, segments)};
     MoveCompleteLayers(step, p, hyper);
     return applied;
   }
 
   void BeginReplies(int64_t step) override {
-    if (lamb_pieces_.empty()) return;
+    if (piece_stats_.empty()) return;
     MutexLock lock(&layers_mu_);
     layers_step_ = step;
     pieces_missing_.clear();
@@ -194,13 +197,13 @@ class HostEngine final : public Engine {
   absl::StatusOr<std::vector<double>> CommitStep(
       int64_t step, absl::Span<const compress::StepHyper> hypers,
       compress::ComputePool* pool) override {
-    std::vector<std::vector<double>> pieces(lamb_pieces_.size());
-    for (size_t i = 0; i < pieces.size(); ++i) {
+    std::vector<std::vector<double>> stats(piece_stats_.size());
+    for (size_t i = 0; i < stats.size(); ++i) {
       // Statistics of another step (a reply not applied here) are computed
       // again.
-      if (lamb_pieces_[i].step == step)
-        pieces[i] = std::move(lamb_pieces_[i].values);
-      lamb_pieces_[i] = {};
+      if (piece_stats_[i].step == step)
+        stats[i] = std::move(piece_stats_[i].values);
+      piece_stats_[i] = {};
     }
     std::vector<bool> moved;
     {
@@ -208,7 +211,7 @@ class HostEngine final : public Engine {
       if (layers_step_ == step) moved = moved_;
     }
     absl::StatusOr<std::vector<double>> commit =
-        replica_.LambStep(step, hypers, pieces, pool, moved);
+        replica_.CommitStep(step, hypers, stats, pool, moved);
     BeginReplies(-1);
     return commit;
   }
@@ -241,16 +244,18 @@ class HostEngine final : public Engine {
   compress::Replica& replica_;
   compress::ErrorFeedback& error_;
   std::vector<float> own_grad_;  // the hook's output
-  // onebit_lamb: per partition, the statistics of its pieces that
+  // The optimizer's layer rule (compress/layers.h), or nullptr.
+  const compress::LayerRule* const layers_;
+  // A layer rule's: per partition, the statistics of its pieces that
   // ApplyReply took (each slot written by its partition's reply only).
-  struct LambPieces {
+  struct HeldStats {
     int64_t step = -1;
-    std::vector<double> values;  // LambPieceSums of partition_pieces_
+    std::vector<double> values;  // PieceStats of partition_pieces_
   };
-  std::vector<LambPieces> lamb_pieces_;
+  std::vector<HeldStats> piece_stats_;
 
-  // onebit_lamb: moves x over each layer of partition `p` whose pieces all
-  // have their statistics at `step` (compress::Replica::MoveLambLayer), on
+  // A layer rule's: moves x over each layer of partition `p` whose pieces
+  // all have their statistics at `step` (compress::Replica::MoveLayer), on
   // this thread, while other replies are on the way: CommitStep then moves
   // the others alone. A layer that cannot move here is left to CommitStep,
   // which says why.
@@ -260,7 +265,7 @@ class HostEngine final : public Engine {
     {
       MutexLock lock(&layers_mu_);
       if (layers_step_ != step) return;
-      for (const compress::LambPiece& piece : partition_pieces_[p.id]) {
+      for (const compress::LayerPiece& piece : partition_pieces_[p.id]) {
         if (--pieces_missing_[piece.layer] == 0)
           complete.push_back(piece.layer);
       }
@@ -270,25 +275,24 @@ class HostEngine final : public Engine {
       std::vector<double> sums;
       bool all = true;
       for (uint32_t id : layer_partitions_[layer]) {
-        const LambPieces& held = lamb_pieces_[id];
+        const HeldStats& held = piece_stats_[id];
         all = all && held.step == step;
         if (!all) break;
         // The partition's pieces: this layer's alone.
-        const std::vector<compress::LambPiece>& pieces = partition_pieces_[id];
+        const std::vector<compress::LayerPiece>& pieces = partition_pieces_[id];
         for (size_t k = 0; k < pieces.size(); ++k) {
           if (pieces[k].layer != layer) continue;
-          const auto first = held.values.begin() + compress::kLambStats * k;
-          sums.insert(sums.end(), first, first + compress::kLambStats);
+          const auto first = held.values.begin() + layers_->stats() * k;
+          sums.insert(sums.end(), first, first + layers_->stats());
         }
       }
-      if (!all || !replica_.MoveLambLayer(step, layer, hyper, sums).ok())
-        continue;
+      if (!all || !replica_.MoveLayer(step, layer, hyper, sums).ok()) continue;
       MutexLock lock(&layers_mu_);
       if (layers_step_ == step) moved_[layer] = true;
     }
   }
 
-  std::vector<std::vector<compress::LambPiece>> partition_pieces_;
+  std::vector<std::vector<compress::LayerPiece>> partition_pieces_;
   std::vector<std::vector<uint32_t>> layer_partitions_;
   Mutex layers_mu_;
   int64_t layers_step_ ABSL_GUARDED_BY(layers_mu_) = -1;
