@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
-#include "compress/optimizer.h"
 #include "compress/step_plan.h"
 
 namespace morse::compress {
@@ -177,9 +176,8 @@ absl::Status ValidateCommitOfLayers(const AlgorithmConfig& config,
   const size_t c = layers.commit_values();
   if (commit.size() != c * count) {
     return absl::InvalidArgumentError(
-        absl::StrCat("a ", OptimizerOf(config).name(), " commit has ", c,
-                     " values for each of the model's ", count, " layers, got ",
-                     commit.size()));
+        absl::StrCat("a commit has ", c, " values for each of the model's ",
+                     count, " layers, got ", commit.size()));
   }
   for (size_t l = 0; l < count; ++l) {
     if (absl::Status s = layers.ValidateLayer(l, commit.subspan(c * l, c));
