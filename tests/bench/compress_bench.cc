@@ -165,8 +165,8 @@ void BM_FillDraws(benchmark::State& state, const KernelTable* table) {
 
 // 1-bit LAMB's per-element loops (design.md 2.8) in the compression phase,
 // per kernel implementation: the segment statistics read x, m, v and v'
-// (kSumSegment elements a call, as LambTotals makes them); the x update reads
-// x, m, v and writes x.
+// (kSumSegment elements a call, as LayerTotalsOf makes them); the x update
+// reads x, m, v and writes x.
 void BM_LambSegmentSums(benchmark::State& state, const KernelTable* table) {
   if (table == nullptr) {
     state.SkipWithError("this CPU cannot run this implementation");
