@@ -128,14 +128,6 @@ std::vector<float> FlattenLambLayers(absl::Span<const LambLayerState> layers) {
   return values;
 }
 
-std::vector<LambLayerState> UnflattenLambLayers(
-    absl::Span<const float> values) {
-  std::vector<LambLayerState> layers(values.size() / 2);
-  for (size_t l = 0; l < layers.size(); ++l)
-    layers[l] = {values[2 * l], values[2 * l + 1]};
-  return layers;
-}
-
 std::vector<float> LambLayerSteps(const ReplyRule& rule,
                                   absl::Span<const double> commit) {
   std::vector<float> steps(commit.size() / kLambCommit);

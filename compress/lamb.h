@@ -16,11 +16,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "compress/algorithm.h"
-#include "compress/halving_sum.h"
 
 namespace morse::compress {
 
@@ -69,9 +67,8 @@ absl::Status ValidateSavedLamb(absl::Span<const float> v_fresh,
 std::vector<LambLayerState> LambStateOf(absl::Span<const double> commit);
 
 // Every layer's state as floats, coeff_freeze then last_factor of each
-// layer in turn (checkpoints, FetchPartition), and back.
+// layer in turn (checkpoints, FetchPartition, the layer rule's state).
 std::vector<float> FlattenLambLayers(absl::Span<const LambLayerState> layers);
-std::vector<LambLayerState> UnflattenLambLayers(absl::Span<const float> values);
 
 // Each layer's step lr * c_l in fp32 (what LambMoveX moves x by, per unit
 // of u; the CUDA engine's).

@@ -478,9 +478,14 @@ absl::Status Replica::RestoreState(uint64_t begin, uint64_t n,
 
 void Replica::InitLayers() {
   const Optimizer& optimizer = OptimizerOf(config_);
-  if (optimizer.Layers() == nullptr) return;
-  // Optimizer::Layers: one per-element array, then the layer state.
+  // A replica holds an optimizer's own state as a layer rule's alone
+  // (Optimizer::Layers: one per-element array, then the layer state), the
+  // shape SaveState and RestoreState map to its members.
   const std::vector<StateArray> arrays = optimizer.State(config_);
+  if (optimizer.Layers() == nullptr) {
+    MORSE_CHECK(arrays.empty());
+    return;
+  }
   MORSE_CHECK(arrays.size() == 2 && arrays[0].per_element &&
               !arrays[1].per_element);
   v_fresh_.assign(range_.size(), 0.0f);
