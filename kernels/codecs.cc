@@ -318,6 +318,7 @@ absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule,
 absl::StatusOr<LambSegments> LambSegments::Create(
     absl::Span<const compress::LayerPiece> pieces, size_t layers) {
   std::vector<launch::LambSegment> table;
+  std::vector<uint32_t> ends;
   for (const compress::LayerPiece& piece : pieces) {
     for (uint64_t at = piece.begin; at < piece.end;
          at += compress::kLayerSegment) {
@@ -325,24 +326,34 @@ absl::StatusOr<LambSegments> LambSegments::Create(
           std::min<uint64_t>(compress::kLayerSegment, piece.end - at);
       table.push_back({at, static_cast<uint32_t>(len), piece.layer});
     }
+    if (table.size() > UINT32_MAX) {
+      return absl::InvalidArgumentError(
+          "onebit_lamb on the GPU: more than 2^32 - 1 layer segments");
+    }
+    ends.push_back(static_cast<uint32_t>(table.size()));
   }
   LambSegments out;
   out.count_ = table.size();
+  out.pieces_ = pieces.size();
   out.layers_ = layers;
-  const size_t sums_bytes =
-      sizeof(double) * compress::kLambStats * std::max<size_t>(1, table.size());
+  const auto at_least_one = [](size_t n) { return std::max<size_t>(1, n); };
+  const size_t piece_sums_bytes =
+      sizeof(double) * compress::kLambStats * at_least_one(pieces.size());
   for (auto [buffer, bytes] :
-       {std::pair{&out.segments_, sizeof(launch::LambSegment) *
-                                      std::max<size_t>(1, table.size())},
-        {&out.sums_, sums_bytes},
-        {&out.steps_, sizeof(float) * std::max<size_t>(1, layers)}}) {
+       {std::pair{&out.segments_,
+                  sizeof(launch::LambSegment) * at_least_one(table.size())},
+        {&out.piece_ends_, sizeof(uint32_t) * at_least_one(ends.size())},
+        {&out.sums_,
+         sizeof(double) * compress::kLambStats * at_least_one(table.size())},
+        {&out.piece_sums_, piece_sums_bytes},
+        {&out.steps_, sizeof(float) * at_least_one(layers)}}) {
     auto allocated = DeviceBuffer::Allocate(bytes);
     if (!allocated.ok()) return allocated.status();
     *buffer = *std::move(allocated);
   }
   for (auto [buffer, bytes] :
-       {std::pair{&out.host_sums_, sums_bytes},
-        {&out.host_steps_, sizeof(float) * std::max<size_t>(1, layers)}}) {
+       {std::pair{&out.host_piece_sums_, piece_sums_bytes},
+        {&out.host_steps_, sizeof(float) * at_least_one(layers)}}) {
     auto allocated = PinnedBuffer::Allocate(bytes);
     if (!allocated.ok()) return allocated.status();
     *buffer = *std::move(allocated);
@@ -354,24 +365,35 @@ absl::StatusOr<LambSegments> LambSegments::Create(
       return s;
     }
   }
+  if (!ends.empty()) {
+    if (absl::Status s =
+            out.piece_ends_.Upload(ends.data(), sizeof(uint32_t) * ends.size());
+        !s.ok()) {
+      return s;
+    }
+  }
   return out;
 }
 
-absl::StatusOr<absl::Span<const double>> LambSegments::Sums(
+absl::StatusOr<absl::Span<const double>> LambSegments::PieceSums(
     Context& ctx, const compress::ReplyRule& rule, const float* x,
     const float* m, const float* v, const float* v_fresh) {
   if (absl::Status s = CheckLamb(rule); !s.ok()) return s;
   MORSE_CUDA_RETURN_IF_ERROR(launch::LambSegmentSums(
       LambArgsOf(rule), segments_.as<launch::LambSegment>(), count_, x, m, v,
       v_fresh, sums_.as<double>(), StreamOf(ctx)));
-  const size_t bytes = sizeof(double) * compress::kLambStats * count_;
-  if (absl::Status s = ctx.CopyToHost(host_sums_.data(), sums_.data(), bytes);
+  MORSE_CUDA_RETURN_IF_ERROR(
+      launch::LambPieceSums(sums_.as<double>(), piece_ends_.as<uint32_t>(),
+                            pieces_, piece_sums_.as<double>(), StreamOf(ctx)));
+  const size_t bytes = sizeof(double) * compress::kLambStats * pieces_;
+  if (absl::Status s =
+          ctx.CopyToHost(host_piece_sums_.data(), piece_sums_.data(), bytes);
       !s.ok())
     return s;
   if (absl::Status s = ctx.Synchronize(); !s.ok()) return s;
   return absl::Span<const double>(
-      reinterpret_cast<const double*>(host_sums_.data()),
-      compress::kLambStats * count_);
+      reinterpret_cast<const double*>(host_piece_sums_.data()),
+      compress::kLambStats * pieces_);
 }
 
 absl::Status LambSegments::UpdateX(Context& ctx,

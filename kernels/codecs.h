@@ -130,19 +130,18 @@ absl::Status LambMoments(Context& ctx, const compress::ReplyRule& rule,
                          float* v_fresh, size_t n);
 // A worker's whole model for onebit_lamb's layer rule
 // (compress::LayerTotals): the segments of the pieces (compress::LayerPieces
-// over [0, D)) in device memory, the buffers
-// their sums go through, and the layers' steps.
+// over [0, D)) in device memory, the buffers their sums go through, and the
+// layers' steps.
 class LambSegments {
  public:
   static absl::StatusOr<LambSegments> Create(
       absl::Span<const compress::LayerPiece> pieces, size_t layers);
-  // compress::PieceStats' input: every segment's kLambStats values,
-  // computed on the GPU. Waits for the stream.
-  absl::StatusOr<absl::Span<const double>> Sums(Context& ctx,
-                                                const compress::ReplyRule& rule,
-                                                const float* x, const float* m,
-                                                const float* v,
-                                                const float* v_fresh);
+  // compress::PieceStats(SegmentStatsOf(...)) of every piece, kLambStats
+  // values each: the segments' sums and each piece's, in the CPU's order,
+  // on the GPU (only the pieces' come to the host). Waits for the stream.
+  absl::StatusOr<absl::Span<const double>> PieceSums(
+      Context& ctx, const compress::ReplyRule& rule, const float* x,
+      const float* m, const float* v, const float* v_fresh);
   // compress::MoveLayersX over the whole model with each layer's step
   // (compress::LambLayerSteps). Waits for the stream.
   absl::Status UpdateX(Context& ctx, const compress::ReplyRule& rule,
@@ -150,9 +149,11 @@ class LambSegments {
                        const float* v);
 
  private:
-  size_t count_ = 0, layers_ = 0;
-  DeviceBuffer segments_, sums_, steps_;
-  PinnedBuffer host_sums_, host_steps_;
+  size_t count_ = 0, pieces_ = 0, layers_ = 0;
+  // The segments, each piece's end among them, their sums and the
+  // pieces'; the layers' steps.
+  DeviceBuffer segments_, piece_ends_, sums_, piece_sums_, steps_;
+  PinnedBuffer host_piece_sums_, host_steps_;
 };
 
 }  // namespace morse::kernels

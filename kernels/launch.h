@@ -113,6 +113,11 @@ cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments,
                             size_t count, const float* x, const float* m,
                             const float* v, const float* v_fresh, double* out,
                             cudaStream_t stream);
+// compress::PieceStats for onebit_lamb's layer rule: out[3p..3p+2] adds
+// piece p's segments' sums (segments [ends[p-1], ends[p]) of `sums`) in
+// order from 0, and takes their maximum.
+cudaError_t LambPieceSums(const double* sums, const uint32_t* ends,
+                          size_t pieces, double* out, cudaStream_t stream);
 // x -= steps[layer] * u over every segment.
 cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments,
                         size_t count, const float* steps, float* x,

@@ -30,84 +30,153 @@ __device__ __forceinline__ float UpdateDirection(const LambArgs& a, float x,
   return Add(q, Mul(s.weight_decay, x));
 }
 
-// compress/halving_sum.h's segment, one thread per element.
+// compress/halving_sum.h's segment of kSegment terms, a warp per segment:
+// lane l holds terms l, l + 32, l + 64, ... The tree's levels h =
+// kSegment/2 .. 32 add terms a lane holds itself (its t[k] and t[k +
+// h/32]), the levels 16 .. 1 lane l's sum and lane l + h's: the same pairs
+// in the same order as t[i] = t[i] + t[i + h] over the whole segment.
+// (A CTA a segment, the tree in shared memory, ran at 0.40 of a device
+// copy on an H100: docs/gpu.md.)
 constexpr int kSegment = static_cast<int>(compress::kSumSegment);
+constexpr int kLanes = 32;
+constexpr int kPerLane = kSegment / kLanes;
+static_assert(kSegment % kLanes == 0 && (kPerLane & (kPerLane - 1)) == 0);
+constexpr int kWarpsPerBlock = 8;  // segments a CTA
+constexpr int kBlockThreads = kLanes * kWarpsPerBlock;
 
-// compress::LambSegmentSums: a CTA of kSegment threads per segment, the
-// terms in shared memory, added by the same halving tree.
-__global__ void __launch_bounds__(kSegment)
+unsigned BlocksFor(size_t segments) {
+  return static_cast<unsigned>((segments + kWarpsPerBlock - 1) /
+                               kWarpsPerBlock);
+}
+
+// The segment this thread's warp takes, and its lane.
+__device__ __forceinline__ size_t WarpSegment() {
+  return static_cast<size_t>(blockIdx.x) * kWarpsPerBlock +
+         threadIdx.x / kLanes;
+}
+__device__ __forceinline__ uint32_t Lane() { return threadIdx.x % kLanes; }
+
+struct AddRn {
+  __device__ double operator()(double mine, double other) const {
+    return __dadd_rn(mine, other);
+  }
+};
+struct Larger {  // the CPU's: NaN never wins (the terms are >= 0 or 0)
+  __device__ double operator()(double mine, double other) const {
+    return other > mine ? other : mine;
+  }
+};
+
+// The tree over a lane's terms t (see above); lane 0's result is the
+// segment's. Every lane of the warp must call it.
+template <typename Op>
+__device__ __forceinline__ double WarpHalving(double (&t)[kPerLane], Op op) {
+#pragma unroll
+  for (int h = kPerLane / 2; h >= 1; h /= 2) {
+#pragma unroll
+    for (int k = 0; k < h; ++k) t[k] = op(t[k], t[k + h]);
+  }
+  double sum = t[0];
+#pragma unroll
+  for (int h = kLanes / 2; h >= 1; h /= 2)
+    sum = op(sum, __shfl_down_sync(0xffffffffu, sum, h));
+  return sum;
+}
+
+// compress::LambSegmentSums: a warp a segment (WarpHalving).
+__global__ void __launch_bounds__(kBlockThreads)
     LambSegmentsKernel(LambArgs a, const LambSegment* __restrict__ segments,
-                       const float* __restrict__ x, const float* __restrict__ m,
-                       const float* __restrict__ v,
+                       size_t count, const float* __restrict__ x,
+                       const float* __restrict__ m, const float* __restrict__ v,
                        const float* __restrict__ v_fresh,
                        double* __restrict__ out) {
-  __shared__ double sa[kSegment], sb[kSegment], sm[kSegment];
-  const LambSegment seg = segments[blockIdx.x];
-  const int t = threadIdx.x;
-  double ta = 0.0, tb = 0.0, tm = 0.0;
-  if (static_cast<uint32_t>(t) < seg.len) {
-    const size_t j = seg.begin + t;
+  const size_t s = WarpSegment();
+  if (s >= count) return;  // the whole warp
+  const LambSegment seg = segments[s];
+  const uint32_t lane = Lane();
+  double ta[kPerLane], tb[kPerLane], tm[kPerLane];
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    ta[k] = tb[k] = tm[k] = 0.0;
+    const uint32_t i = lane + k * kLanes;
+    if (i >= seg.len) continue;
+    const size_t j = seg.begin + i;
     float q = 0.0f, ratio = 0.0f;
     const float u =
         UpdateDirection(a, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
     if (a.frozen) {
-      ta = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
-      tb = __dmul_rn(static_cast<double>(q), static_cast<double>(q));
-      tm = ratio > 0.0f ? static_cast<double>(ratio) : 0.0;  // NaN: 0
+      ta[k] = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
+      tb[k] = __dmul_rn(static_cast<double>(q), static_cast<double>(q));
+      tm[k] = ratio > 0.0f ? static_cast<double>(ratio) : 0.0;  // NaN: 0
     } else {
-      ta = __dmul_rn(static_cast<double>(x[j]), static_cast<double>(x[j]));
-      tb = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
+      ta[k] = __dmul_rn(static_cast<double>(x[j]), static_cast<double>(x[j]));
+      tb[k] = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
     }
   }
-  sa[t] = ta;
-  sb[t] = tb;
-  sm[t] = tm;
-  __syncthreads();
-  for (int h = kSegment / 2; h >= 1; h /= 2) {
-    if (t < h) {
-      sa[t] = __dadd_rn(sa[t], sa[t + h]);
-      sb[t] = __dadd_rn(sb[t], sb[t + h]);
-      sm[t] = sm[t + h] > sm[t] ? sm[t + h] : sm[t];
-    }
-    __syncthreads();
+  const double sa = WarpHalving(ta, AddRn());
+  const double sb = WarpHalving(tb, AddRn());
+  const double sm = WarpHalving(tm, Larger());
+  if (lane == 0) {
+    out[3 * s] = sa;
+    out[3 * s + 1] = sb;
+    out[3 * s + 2] = sm;
   }
-  if (t == 0) {
-    out[3 * static_cast<size_t>(blockIdx.x)] = sa[0];
-    out[3 * static_cast<size_t>(blockIdx.x) + 1] = sb[0];
-    out[3 * static_cast<size_t>(blockIdx.x) + 2] = sm[0];
+}
+
+// compress::PieceStats with onebit_lamb's Add (LambLayers): a thread a
+// piece, its segments in order, as the CPU adds them.
+__global__ void LambPieceSumsKernel(const double* __restrict__ sums,
+                                    const uint32_t* __restrict__ ends,
+                                    size_t pieces, double* __restrict__ out) {
+  const size_t p = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p >= pieces) return;
+  double a = 0.0, b = 0.0, most = 0.0;
+  for (uint32_t s = p == 0 ? 0 : ends[p - 1]; s < ends[p]; ++s) {
+    a = __dadd_rn(a, sums[3 * static_cast<size_t>(s)]);
+    b = __dadd_rn(b, sums[3 * static_cast<size_t>(s) + 1]);
+    const double m = sums[3 * static_cast<size_t>(s) + 2];
+    most = m > most ? m : most;
   }
+  out[3 * p] = a;
+  out[3 * p + 1] = b;
+  out[3 * p + 2] = most;
 }
 
 // compress::LambMoveX: x = x - step_l * u over each segment, step_l its
-// layer's lr * c_l.
-__global__ void __launch_bounds__(kSegment)
+// layer's lr * c_l; a warp a segment.
+__global__ void __launch_bounds__(kBlockThreads)
     LambUpdateXKernel(LambArgs a, const LambSegment* __restrict__ segments,
-                      const float* __restrict__ steps, float* __restrict__ x,
-                      const float* __restrict__ m,
+                      size_t count, const float* __restrict__ steps,
+                      float* __restrict__ x, const float* __restrict__ m,
                       const float* __restrict__ v) {
-  const LambSegment seg = segments[blockIdx.x];
-  if (threadIdx.x >= seg.len) return;
-  const size_t j = seg.begin + threadIdx.x;
-  float q, ratio;  // unused here (the CPU passes v' = 0 and no outputs)
-  const float u = UpdateDirection(a, x[j], m[j], v[j], 0.0f, &q, &ratio);
-  x[j] = Sub(x[j], Mul(steps[seg.layer], u));
+  const size_t s = WarpSegment();
+  if (s >= count) return;
+  const LambSegment seg = segments[s];
+  const float step = steps[seg.layer];
+  for (uint32_t i = Lane(); i < seg.len; i += kLanes) {
+    const size_t j = seg.begin + i;
+    float q, ratio;  // unused here (the CPU passes v' = 0 and no outputs)
+    const float u = UpdateDirection(a, x[j], m[j], v[j], 0.0f, &q, &ratio);
+    x[j] = Sub(x[j], Mul(step, u));
+  }
 }
 
-// compress::SegmentSumOfSquares: a CTA per segment, the same halving tree.
-__global__ void __launch_bounds__(kSegment)
+// compress::SegmentSumOfSquares: a warp a segment, the same tree.
+__global__ void __launch_bounds__(kBlockThreads)
     SumOfSquaresKernel(const float* __restrict__ x, size_t n,
                        double* __restrict__ out) {
-  __shared__ double t[kSegment];
-  const size_t j = static_cast<size_t>(blockIdx.x) * kSegment + threadIdx.x;
-  const double value = j < n ? static_cast<double>(x[j]) : 0.0;
-  t[threadIdx.x] = __dmul_rn(value, value);
-  __syncthreads();
-  for (int h = kSegment / 2; h >= 1; h /= 2) {
-    if (static_cast<int>(threadIdx.x) < h)
-      t[threadIdx.x] = __dadd_rn(t[threadIdx.x], t[threadIdx.x + h]);
-    __syncthreads();
+  const size_t s = WarpSegment();
+  const size_t begin = s * kSegment;
+  if (begin >= n) return;
+  double t[kPerLane];
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const size_t j = begin + Lane() + k * kLanes;
+    const double value = j < n ? static_cast<double>(x[j]) : 0.0;
+    t[k] = __dmul_rn(value, value);
   }
-  if (threadIdx.x == 0) out[blockIdx.x] = t[0];
+  const double sum = WarpHalving(t, AddRn());
+  if (Lane() == 0) out[s] = sum;
 }
 
 }  // namespace
@@ -115,8 +184,8 @@ __global__ void __launch_bounds__(kSegment)
 cudaError_t SumOfSquaresSegments(const float* x, size_t n, double* out,
                                  cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  SumOfSquaresKernel<<<static_cast<unsigned>((n + kSegment - 1) / kSegment),
-                       kSegment, 0, stream>>>(x, n, out);
+  SumOfSquaresKernel<<<BlocksFor((n + kSegment - 1) / kSegment), kBlockThreads,
+                       0, stream>>>(x, n, out);
   return cudaGetLastError();
 }
 
@@ -216,8 +285,18 @@ cudaError_t LambSegmentSums(LambArgs args, const LambSegment* segments,
                             const float* v, const float* v_fresh, double* out,
                             cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  LambSegmentsKernel<<<static_cast<unsigned>(count), kSegment, 0, stream>>>(
-      args, segments, x, m, v, v_fresh, out);
+  LambSegmentsKernel<<<BlocksFor(count), kBlockThreads, 0, stream>>>(
+      args, segments, count, x, m, v, v_fresh, out);
+  return cudaGetLastError();
+}
+
+cudaError_t LambPieceSums(const double* sums, const uint32_t* ends,
+                          size_t pieces, double* out, cudaStream_t stream) {
+  if (pieces == 0) return cudaSuccess;
+  constexpr unsigned kThreads = 128;
+  LambPieceSumsKernel<<<static_cast<unsigned>((pieces + kThreads - 1) /
+                                              kThreads),
+                        kThreads, 0, stream>>>(sums, ends, pieces, out);
   return cudaGetLastError();
 }
 
@@ -225,8 +304,8 @@ cudaError_t LambUpdateX(LambArgs args, const LambSegment* segments,
                         size_t count, const float* steps, float* x,
                         const float* m, const float* v, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
-  LambUpdateXKernel<<<static_cast<unsigned>(count), kSegment, 0, stream>>>(
-      args, segments, steps, x, m, v);
+  LambUpdateXKernel<<<BlocksFor(count), kBlockThreads, 0, stream>>>(
+      args, segments, count, steps, x, m, v);
   return cudaGetLastError();
 }
 

@@ -146,22 +146,24 @@ int main(int argc, char** argv) {
                                      m.as<float>(), out.as<float>(),
                                      v.as<float>(), n, /*write_x=*/true);
   });
-  // onebit_lamb's step after its replies, over one layer of n elements:
-  // the segment sums (x, m, v, v' read; the sums copied to the host), then
-  // the x update (x, m, v read; x written).
+  // onebit_lamb's step after its replies, over one layer of n elements in
+  // pieces of 2^20 (a partition each): the segments' and the pieces' sums
+  // (x, m, v, v' read; the pieces' sums copied to the host), then the x
+  // update (x, m, v read; x written).
   compress::ReplyRule lamb;
   lamb.lamb = true;
   lamb.frozen_variance = true;
-  auto segments =
-      kernels::LambSegments::Create({compress::LayerPiece{0, n, 0}}, 1);
+  std::vector<compress::LayerPiece> pieces;
+  for (uint64_t at = 0; at < n; at += uint64_t{1} << 20)
+    pieces.push_back({at, std::min<uint64_t>(n, at + (uint64_t{1} << 20)), 0});
+  auto segments = kernels::LambSegments::Create(pieces, 1);
   if (!segments.ok()) return 1;
-  row("lamb layer sums (to the host)",
-      16.0 * n + 24.0 * n / compress::kLayerSegment, [&] {
-        return segments
-            ->Sums(ctx, lamb, x.as<float>(), m.as<float>(), v.as<float>(),
-                   g.as<float>())
-            .status();
-      });
+  row("lamb layer sums (to the host)", 16.0 * n + 24.0 * pieces.size(), [&] {
+    return segments
+        ->PieceSums(ctx, lamb, x.as<float>(), m.as<float>(), v.as<float>(),
+                    g.as<float>())
+        .status();
+  });
   const std::vector<float> steps = {1e-6f};
   row("lamb x update", 16.0 * n, [&] {
     return segments->UpdateX(ctx, lamb, steps, x.as<float>(), m.as<float>(),

@@ -568,15 +568,24 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
         FirstDifference(Download<float>(dvf, n).data(), vf.data(), 4 * n, 4),
         "")
         << "v'";
-    // The totals: the CPU's, from the GPU's segments.
+    // The totals: the CPU's, from the GPU's pieces.
     const compress::LayerRule& layers = *compress::OptimizerOf(c).Layers();
     const std::vector<double> totals = compress::LayerTotalsOf(
         c, layers, *layout, {rule}, {0, n}, x, m, v, vf);
-    auto sums = segments->Sums(*ctx_, rule, dx.as<float>(), dm.as<float>(),
-                               dv.as<float>(), dvf.as<float>());
-    ASSERT_TRUE(sums.ok()) << sums.status();
-    const std::vector<double> gpu_totals = compress::LayerTotals(
-        c, layers, pieces, compress::PieceStats(layers, pieces, *sums));
+    auto piece_stats =
+        segments->PieceSums(*ctx_, rule, dx.as<float>(), dm.as<float>(),
+                            dv.as<float>(), dvf.as<float>());
+    ASSERT_TRUE(piece_stats.ok()) << piece_stats.status();
+    const std::vector<double> cpu_pieces = compress::PieceStats(
+        layers, pieces,
+        compress::SegmentStatsOf(layers, rule, pieces, {0, n}, x, m, v, vf));
+    ASSERT_EQ(piece_stats->size(), cpu_pieces.size());
+    EXPECT_EQ(std::memcmp(piece_stats->data(), cpu_pieces.data(),
+                          8 * cpu_pieces.size()),
+              0)
+        << "the pieces' statistics";
+    const std::vector<double> gpu_totals =
+        compress::LayerTotals(c, layers, pieces, *piece_stats);
     ASSERT_EQ(gpu_totals.size(), totals.size());
     for (size_t i = 0; i < totals.size(); ++i) {
       EXPECT_EQ(std::memcmp(&gpu_totals[i], &totals[i], 8), 0)

@@ -605,18 +605,18 @@ class CudaEngine final : public Engine, public DeviceServices {
     const std::vector<compress::ReplyRule> rules =
         compress::PlanReplies(config_, step, hypers);
     MutexLock lock(&apply_mu_);
-    // The groups' sums one after another: every piece's in partition order.
-    std::vector<double> sums;
+    // The groups' pieces one after another: every piece's statistics in
+    // partition order.
+    std::vector<double> piece_stats;
     for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
-      absl::StatusOr<absl::Span<const double>> of = lamb_groups_[k].Sums(
+      absl::StatusOr<absl::Span<const double>> of = lamb_groups_[k].PieceSums(
           *apply_, compress::RuleOf(rules, k), x_ptr_, m_.as<float>(),
           v_.as<float>(), DeviceState("v_fresh"));
       if (!of.ok()) return of.status();
-      sums.insert(sums.end(), of->begin(), of->end());
+      piece_stats.insert(piece_stats.end(), of->begin(), of->end());
     }
     const std::vector<double> totals =
-        compress::LayerTotals(config_, *layers, pieces_,
-                              compress::PieceStats(*layers, pieces_, sums));
+        compress::LayerTotals(config_, *layers, pieces_, piece_stats);
     std::vector<double> commit = compress::LayerCommit(
         config_, *layers, rules, totals, HostState("lamb_layers"));
     if (absl::Status s =
