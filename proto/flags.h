@@ -40,6 +40,15 @@ inline void ParseFlags(int argc, char** argv, const char* usage,
            absl::EndsWith(file, "proto/security_flags.cc");
   };
   config.contains_helpshort_flags = config.contains_help_flags;
+  // --help's headings name the flags' files from the source tree, not
+  // from wherever the binary was built.
+  config.normalize_filename = [](absl::string_view file) -> std::string {
+    for (absl::string_view top : {"proto/", "server/", "worker/"}) {
+      const size_t at = file.rfind(top);
+      if (at != absl::string_view::npos) return std::string(file.substr(at));
+    }
+    return std::string(file);
+  };
   absl::SetFlagsUsageConfig(config);
   // Normalized copies of the flags up to "--" (after it, arguments are data).
   static std::vector<std::string> storage;
