@@ -67,12 +67,15 @@ struct Larger {  // the CPU's: NaN never wins (the terms are >= 0 or 0)
   }
 };
 
-// The tree over a lane's terms t (see above); lane 0's result is the
-// segment's. Every lane of the warp must call it.
-template <typename Op>
-__device__ __forceinline__ double WarpHalving(double (&t)[kPerLane], Op op) {
+// The tree over a lane's N terms t (see above: the levels from 16N down),
+// N = kPerLane, or kPerLane / 2 where the caller took the first level as
+// it read the terms; lane 0's result is the segment's. Every lane of the
+// warp must call it.
+template <int N, typename Op>
+__device__ __forceinline__ double WarpHalving(double (&t)[N], Op op) {
+  static_assert(N >= 1 && N <= kPerLane && (N & (N - 1)) == 0);
 #pragma unroll
-  for (int h = kPerLane / 2; h >= 1; h /= 2) {
+  for (int h = N / 2; h >= 1; h /= 2) {
 #pragma unroll
     for (int k = 0; k < h; ++k) t[k] = op(t[k], t[k + h]);
   }
@@ -83,7 +86,34 @@ __device__ __forceinline__ double WarpHalving(double (&t)[kPerLane], Op op) {
   return sum;
 }
 
-// compress::LambSegmentSums: a warp a segment (WarpHalving).
+// Element i of a segment's three terms (0 past its end).
+struct LambTerms {
+  double a = 0.0, b = 0.0, most = 0.0;
+};
+__device__ __forceinline__ LambTerms TermsAt(const LambArgs& a,
+                                             const LambSegment& seg, uint32_t i,
+                                             const float* x, const float* m,
+                                             const float* v,
+                                             const float* v_fresh) {
+  LambTerms t;
+  if (i >= seg.len) return t;
+  const size_t j = seg.begin + i;
+  float q = 0.0f, ratio = 0.0f;
+  const float u = UpdateDirection(a, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
+  if (a.frozen) {
+    t.a = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
+    t.b = __dmul_rn(static_cast<double>(q), static_cast<double>(q));
+    t.most = ratio > 0.0f ? static_cast<double>(ratio) : 0.0;  // NaN: 0
+  } else {
+    t.a = __dmul_rn(static_cast<double>(x[j]), static_cast<double>(x[j]));
+    t.b = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
+  }
+  return t;
+}
+
+// compress::LambSegmentSums: a warp a segment (WarpHalving). The tree's
+// first level (terms k and k + kPerLane/2 of a lane) is taken as the terms
+// are read, so that a lane holds half of them at once.
 __global__ void __launch_bounds__(kBlockThreads)
     LambSegmentsKernel(LambArgs a, const LambSegment* __restrict__ segments,
                        size_t count, const float* __restrict__ x,
@@ -94,24 +124,16 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (s >= count) return;  // the whole warp
   const LambSegment seg = segments[s];
   const uint32_t lane = Lane();
-  double ta[kPerLane], tb[kPerLane], tm[kPerLane];
+  constexpr int kHalf = kPerLane / 2;
+  double ta[kHalf], tb[kHalf], tm[kHalf];
 #pragma unroll
-  for (int k = 0; k < kPerLane; ++k) {
-    ta[k] = tb[k] = tm[k] = 0.0;
-    const uint32_t i = lane + k * kLanes;
-    if (i >= seg.len) continue;
-    const size_t j = seg.begin + i;
-    float q = 0.0f, ratio = 0.0f;
-    const float u =
-        UpdateDirection(a, x[j], m[j], v[j], v_fresh[j], &q, &ratio);
-    if (a.frozen) {
-      ta[k] = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
-      tb[k] = __dmul_rn(static_cast<double>(q), static_cast<double>(q));
-      tm[k] = ratio > 0.0f ? static_cast<double>(ratio) : 0.0;  // NaN: 0
-    } else {
-      ta[k] = __dmul_rn(static_cast<double>(x[j]), static_cast<double>(x[j]));
-      tb[k] = __dmul_rn(static_cast<double>(u), static_cast<double>(u));
-    }
+  for (int k = 0; k < kHalf; ++k) {
+    const LambTerms lo = TermsAt(a, seg, lane + k * kLanes, x, m, v, v_fresh);
+    const LambTerms hi =
+        TermsAt(a, seg, lane + (k + kHalf) * kLanes, x, m, v, v_fresh);
+    ta[k] = AddRn()(lo.a, hi.a);
+    tb[k] = AddRn()(lo.b, hi.b);
+    tm[k] = Larger()(lo.most, hi.most);
   }
   const double sa = WarpHalving(ta, AddRn());
   const double sb = WarpHalving(tb, AddRn());
