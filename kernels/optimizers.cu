@@ -154,10 +154,9 @@ __global__ void LambPieceSumsKernel(const double* __restrict__ sums,
   if (p >= pieces) return;
   double a = 0.0, b = 0.0, most = 0.0;
   for (uint32_t s = p == 0 ? 0 : ends[p - 1]; s < ends[p]; ++s) {
-    a = __dadd_rn(a, sums[3 * static_cast<size_t>(s)]);
-    b = __dadd_rn(b, sums[3 * static_cast<size_t>(s) + 1]);
-    const double m = sums[3 * static_cast<size_t>(s) + 2];
-    most = m > most ? m : most;
+    a = AddRn()(a, sums[3 * static_cast<size_t>(s)]);
+    b = AddRn()(b, sums[3 * static_cast<size_t>(s) + 1]);
+    most = Larger()(most, sums[3 * static_cast<size_t>(s) + 2]);
   }
   out[3 * p] = a;
   out[3 * p + 1] = b;
