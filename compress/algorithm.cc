@@ -4,8 +4,6 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "compress/fnv.h"
-#include "compress/optimizer.h"
 
 namespace morse::compress {
 
@@ -63,27 +61,6 @@ std::string DescribeStepHyper(const std::optional<StepHyper>& hyper) {
   return out;
 }
 
-absl::Status CheckStepHyper(const AlgorithmConfig& config,
-                            const StepHyper& hyper) {
-  if (absl::Status s = ValidateStepHyper(hyper); !s.ok()) return s;
-  const Optimizer& optimizer = OptimizerOf(config);
-  if (hyper.moments.has_value() && !optimizer.FollowsStepMoments()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "betas and eps set for a step of ", optimizer.name(),
-        ", which applies the job's (adam, onebit_adam, zero_one_adam and "
-        "onebit_lamb take them step by step)"));
-  }
-  if (hyper.first_step == 0) return absl::OkStatus();
-  if (!optimizer.CountsFromFirstStep()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a segment whose parameters train since step ", hyper.first_step,
-        " in a job of ", optimizer.name(),
-        ", whose state counts from the job's first step (adam, onebit_adam, "
-        "zero_one_adam and onebit_lamb count a group's own)"));
-  }
-  return optimizer.FirstCountedStep(config, hyper.first_step).status();
-}
-
 absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step) {
   if (hyper.first_step <= step) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
@@ -91,7 +68,7 @@ absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step) {
       hyper.first_step));
 }
 
-absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& c) {
+absl::Status ValidateCommonAlgorithm(const AlgorithmConfig& c) {
   if (c.workers == 0)
     return absl::InvalidArgumentError("workers must be positive");
   if (absl::Status s = Layout::Create(c.layout).status(); !s.ok()) return s;
@@ -124,7 +101,6 @@ absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& c) {
                        c.layout.dim, " elements"));
     }
   }
-  if (absl::Status s = OptimizerOf(c).Validate(c); !s.ok()) return s;
   for (const FeedbackSpec* fb : {&c.worker_feedback, &c.server_feedback}) {
     if (absl::Status s = ValidateFeedbackSpec(*fb); !s.ok()) return s;
   }
@@ -140,53 +116,6 @@ RoundingKey SenderKey(const AlgorithmConfig& config, int64_t step,
                       uint32_t sender_rank, uint64_t first_index) {
   return RoundingKey{config.seed, static_cast<uint64_t>(step), sender_rank,
                      first_index};
-}
-
-uint64_t AlgorithmFingerprint(const AlgorithmConfig& c) {
-  Fnv64 hash;
-  const auto mix = [&](uint64_t value) { hash.MixInt(value); };
-  const auto mix_float = [&](float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    mix(bits);
-  };
-  const auto mix_codec = [&](const CodecSpec& codec) {
-    mix(static_cast<uint64_t>(codec.kind));
-    mix(codec.block_elems);
-    mix(static_cast<uint64_t>(codec.scale));
-    mix(static_cast<uint64_t>(codec.rounding));
-    uint64_t ratio;
-    std::memcpy(&ratio, &codec.topk_ratio, 8);
-    mix(ratio);
-  };
-  const auto mix_feedback = [&](const FeedbackSpec& fb) {
-    mix(static_cast<uint64_t>(fb.kind));
-    mix_float(fb.beta);
-    mix(static_cast<uint64_t>(fb.storage));
-  };
-  mix(1);  // format version
-  mix(static_cast<uint64_t>(c.optimizer));
-  mix(c.workers);
-  mix(c.layout.dim);
-  mix(c.layout.shards);
-  mix(c.layout.block_elems);
-  mix(c.layout.partition_elems);
-  for (float f : {c.adam.beta1, c.adam.beta2, c.adam.eps, c.adam.weight_decay})
-    mix_float(f);
-  mix(static_cast<uint64_t>(c.freeze_step));
-  mix_codec(c.warmup_codec);
-  mix_codec(c.up_codec);
-  mix_codec(c.down_codec);
-  mix_feedback(c.worker_feedback);
-  mix_feedback(c.server_feedback);
-  mix(c.bias_correction);
-  mix(c.mask_zero_variance);
-  mix(c.bound_update);
-  if (c.clip_grad_norm > 0.0f)
-    mix_float(c.clip_grad_norm);  // absent before clipping existed
-  OptimizerOf(c).Fingerprint(c, hash);
-  mix(c.seed);
-  return hash.value();
 }
 
 }  // namespace morse::compress

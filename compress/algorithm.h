@@ -1,7 +1,8 @@
 // The algorithm of a job: the optimizer, its hyper-parameters, codecs,
 // error feedback, layout and schedule (AlgorithmConfig), which every worker,
 // shard, mirror and the simulator run by; JobConfig (proto/job_config.h)
-// loads it. What each optimizer does with it: compress/optimizer.h.
+// loads it. What each optimizer does with it, and the checks and the
+// fingerprint of the whole (which ask the optimizer): compress/optimizer.h.
 #ifndef MORSE_COMPRESS_ALGORITHM_H_
 #define MORSE_COMPRESS_ALGORITHM_H_
 
@@ -185,14 +186,11 @@ struct AlgorithmConfig {
   uint64_t seed = 0;  // stochastic rounding
 };
 
-// OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
-absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
-// INVALID_ARGUMENT when `hyper` is malformed (ValidateStepHyper, checked
-// first), sets betas and eps for an optimizer that applies the job's
-// (Optimizer::FollowsStepMoments: diloco), or starts a segment mid-job where
-// the optimizer cannot (Optimizer::CountsFromFirstStep, freeze_step).
-absl::Status CheckStepHyper(const AlgorithmConfig& config,
-                            const StepHyper& hyper);
+// OK or INVALID_ARGUMENT naming the field: the checks every optimizer
+// shares (workers, layout, Adam's settings, schedule, codecs, freeze_step,
+// layers, feedback, clipping). ValidateAlgorithmConfig
+// (compress/optimizer.h) adds the optimizer's own.
+absl::Status ValidateCommonAlgorithm(const AlgorithmConfig& config);
 // INVALID_ARGUMENT when step `step` would use `hyper` before its segment's
 // first step (what every replica checks where the step is known).
 absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step);
@@ -201,12 +199,6 @@ absl::Status CheckHyperAtStep(const StepHyper& hyper, int64_t step);
 // sends as rank N + s.
 RoundingKey SenderKey(const AlgorithmConfig& config, int64_t step,
                       uint32_t sender_rank, uint64_t first_index);
-
-// A fingerprint of everything in `config` that must not change when a job
-// resumes from a checkpoint: workers, layout, optimizer, Adam
-// hyper-parameters, freeze step, codecs, feedback and seed. The learning-rate
-// schedule is left out, so a resumed job may train for more steps.
-uint64_t AlgorithmFingerprint(const AlgorithmConfig& config);
 
 }  // namespace morse::compress
 

@@ -8,8 +8,7 @@
 #include "compress/check.h"
 #include "compress/kernels.h"
 #include "compress/layers.h"
-#include "compress/replica.h"
-#include "compress/step_plan.h"
+#include "compress/step_rules.h"
 
 namespace morse::compress {
 namespace {

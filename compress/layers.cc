@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
-#include "compress/step_plan.h"
+#include "compress/step_rules.h"
 
 namespace morse::compress {
 namespace {

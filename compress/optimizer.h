@@ -25,7 +25,7 @@
 #include "compress/algorithm.h"
 #include "compress/fnv.h"
 #include "compress/layers.h"
-#include "compress/step_plan.h"
+#include "compress/step_rules.h"
 
 namespace morse::compress {
 
@@ -80,6 +80,13 @@ class Optimizer {
                     uint64_t /*first_index*/) const {
     return false;
   }
+  // Completes a sender's rule of a step (PlanSend has set the codec, the
+  // local momentum and its beta1, `accumulated` for a local plan's push,
+  // feedback, the mask, the rounding key and `idle`): zero_one_adam's sync
+  // scalars.
+  virtual void PlanSend(const AlgorithmConfig& /*config*/, int64_t /*step*/,
+                        const StepPlan& /*plan*/, const StepHyper* /*hyper*/,
+                        SendRule& /*rule*/) const {}
   // Completes the reply rule of a step that exchanges: PlanReply has set
   // the codec, the masks, the clip factor and Adam's scalars at the step's
   // learning rate and weight decay with t' = step + 1.
@@ -202,6 +209,23 @@ const Optimizer* FindOptimizer(absl::string_view name);
 // Every optimizer's name, for errors: "onebit_adam, adam, zero_one_adam,
 // onebit_lamb or diloco".
 std::string OptimizerNames();
+
+// The job's algorithm as a whole, the optimizer's part included (these ask
+// it, so they live here rather than in compress/algorithm.h):
+// OK or INVALID_ARGUMENT naming the field; shared with the job config loader.
+absl::Status ValidateAlgorithmConfig(const AlgorithmConfig& config);
+// INVALID_ARGUMENT when `hyper` is malformed (ValidateStepHyper, checked
+// first), sets betas and eps for an optimizer that applies the job's
+// (Optimizer::FollowsStepMoments: diloco), or starts a segment mid-job where
+// the optimizer cannot (Optimizer::CountsFromFirstStep, freeze_step).
+absl::Status CheckStepHyper(const AlgorithmConfig& config,
+                            const StepHyper& hyper);
+// A fingerprint of everything in `config` that must not change when a job
+// resumes from a checkpoint: workers, layout, optimizer, Adam
+// hyper-parameters, freeze step, codecs, feedback and seed, and the
+// optimizer's own settings (Optimizer::Fingerprint). The learning-rate
+// schedule is left out, so a resumed job may train for more steps.
+uint64_t AlgorithmFingerprint(const AlgorithmConfig& config);
 
 // Whether the workers commit values after every step (the optimizer has a
 // layer rule: onebit_lamb's layer coefficients).

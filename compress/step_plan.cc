@@ -2,9 +2,7 @@
 
 #include <algorithm>
 
-#include "absl/strings/str_cat.h"
 #include "compress/optimizer.h"
-#include "compress/optimizers/zero_one_adam.h"
 
 namespace morse::compress {
 
@@ -24,10 +22,6 @@ bool Idle(const AlgorithmConfig& config, int64_t step, uint64_t first_index) {
   return OptimizerOf(config).Idle(config, step, first_index);
 }
 
-size_t SendBytes(const SendRule& rule, uint64_t n) {
-  return rule.idle ? 0 : PayloadBytes(rule.codec, n);
-}
-
 SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
                   Direction direction, uint32_t sender, uint64_t first_index,
                   const StepHyper* hyper) {
@@ -39,11 +33,11 @@ SendRule PlanSend(const AlgorithmConfig& config, int64_t step,
   rule.accumulated = direction == Direction::kUp && plan.local;
   rule.step = step;
   rule.beta1 = StepAdamHyper(config, hyper).beta1;
-  if (rule.accumulated) rule.sync = LocalStepScalars(config, step, hyper);
   rule.feedback = plan.feedback;
   rule.mask = plan.compressing && config.mask_zero_variance;
   rule.key = SenderKey(config, step, sender, first_index);
   rule.idle = Idle(config, step, first_index);
+  OptimizerOf(config).PlanSend(config, step, plan, hyper, rule);
   return rule;
 }
 
@@ -67,21 +61,6 @@ ReplyRule PlanReply(const AlgorithmConfig& config, int64_t step,
   rule.scalars = StepScalars(config, step, hyper, config.bias_correction);
   OptimizerOf(config).PlanReply(config, step, plan, hyper, rule);
   return rule;
-}
-
-const StepHyper* HyperOf(absl::Span<const StepHyper> hypers, uint32_t segment) {
-  if (hypers.empty()) return nullptr;
-  return &hypers[hypers.size() == 1 ? 0 : segment];
-}
-
-absl::Status CheckHyperCount(absl::Span<const StepHyper> hypers,
-                             uint32_t segments) {
-  if (hypers.size() <= 1 || hypers.size() == segments) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      hypers.size(), " learning rates and weight decays for a model of ",
-      segments,
-      " parameter groups (the job's external.groups): give one, or one per "
-      "group"));
 }
 
 std::vector<ReplyRule> PlanReplies(const AlgorithmConfig& config, int64_t step,

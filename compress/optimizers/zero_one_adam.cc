@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/optimizer.h"
+#include "compress/step_plan.h"
 
 namespace morse::compress {
 namespace {
@@ -238,6 +239,14 @@ class ZeroOneAdam final : public Optimizer {
   // Every phase takes the step's betas and eps: its reply rules, local
   // momentum, local steps and sync message (design.md 2.7).
   bool FollowsStepMoments() const override { return true; }
+
+  // A sync's push is the interval's mean update (Replica::SyncMessage),
+  // formed with eps and v's correction at the step's betas and eps.
+  void PlanSend(const AlgorithmConfig& c, int64_t step,
+                const StepPlan& /*plan*/, const StepHyper* hyper,
+                SendRule& rule) const override {
+    if (rule.accumulated) rule.sync = LocalStepScalars(c, step, hyper);
+  }
 
   void PlanReply(const AlgorithmConfig& c, int64_t step, const StepPlan& plan,
                  const StepHyper* hyper, ReplyRule& rule) const override {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "compress/compute_pool.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"

@@ -10,6 +10,7 @@
 #include "compress/codec.h"
 #include "compress/error_feedback.h"
 #include "compress/messages.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "compress/update_rules.h"

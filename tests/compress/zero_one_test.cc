@@ -12,6 +12,7 @@
 
 #include "compress/compute_pool.h"
 #include "compress/layout.h"
+#include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "compress/simulator.h"
 #include "gtest/gtest.h"
