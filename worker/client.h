@@ -3,13 +3,13 @@
 // (transport/transport.h): gRPC in the daemons, where each shard gets
 // `channels_per_shard` channels (separate TCP connections; partitions are
 // spread over them round-robin), or in-process in tests. A step's exchange is a
-// StepExchange: it encodes partitions on the calling thread and keeps up to
-// `window` pushes in flight; a reply is applied on a gRPC thread as soon as it
-// arrives, so encoding, transfer and decoding overlap. Pushes that fail with
-// UNAVAILABLE (server not up yet, or restarting) are retried with
-// exponential backoff on a timer (never sleeping on a gRPC thread) until
-// timeouts.recovery_seconds; pushes are idempotent on the server, so a retry
-// is safe.
+// StepExchange (worker/step_exchange.h, over this client): it encodes
+// partitions on the calling thread and keeps up to `window` pushes in flight; a
+// reply is applied on a gRPC thread as soon as it arrives, so encoding,
+// transfer and decoding overlap. Pushes that fail with UNAVAILABLE (server not
+// up yet, or restarting) are retried with exponential backoff on a timer (never
+// sleeping on a gRPC thread) until timeouts.recovery_seconds; pushes are
+// idempotent on the server, so a retry is safe.
 //
 // Shard recovery (DESIGN 4): the client keeps each completed push of the
 // last checkpoint.replay_steps steps with a hash of its reply. A shard that
@@ -39,7 +39,6 @@
 #include "proto/job_config.h"
 #include "proto/morse.pb.h"
 #include "proto/security.h"
-#include "worker/step_exchange.h"
 #include "worker/timer.h"
 #include "worker/transport/transport.h"
 

@@ -26,6 +26,7 @@
 #include "proto/job_config.h"
 #include "worker/client.h"
 #include "worker/engine/engine.h"
+#include "worker/step_exchange.h"
 
 namespace morse::worker {
 

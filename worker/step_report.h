@@ -27,7 +27,7 @@
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
-#include "worker/client.h"
+#include "worker/step_exchange.h"
 
 namespace morse::worker {
 
