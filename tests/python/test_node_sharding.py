@@ -344,6 +344,12 @@ def two_nodes(name, variant=""):
     check(len(banner) == 4 and set(banner) == {"2"},
           f"{name}: 2 slices x 2 shards, each seeing 2 workers (one per node): {banner}")
     check(re.search(r"\[slice 1 server 1\]", text), f"{name}: the shards are named by slice")
+    # This model's slices are whole parameters, 200 and 104 elements: rank 0
+    # (alone) says that slice 0 holds more than 1.25 even shares.
+    warned = re.findall(r"\[rank (\d)\].*slice 0 holds 200 of the model's 304 elements, 1\.32 "
+                        r"times an even share \(its largest parameter is .*, of 200 elements\)",
+                        text + results[1][1])
+    check(warned == ["0"], f"{name}: rank 0 alone warns that slice 0 is uneven: {warned}")
     may_differ = name == "ZeroOneAdam"
     check_slices(out, 2, 2)
     check_nodes_share(out, 2, 2, variant or "plain", may_differ)

@@ -370,7 +370,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
         worker, workers = self._rank, world
         aggregation = os.environ.get("MORSE_NODE_AGGREGATION")
         if aggregation:
-            from .node import node_of_job, slices
+            from .node import node_of_job, slices, uneven
             if aggregation not in ("1", "sharded"):
                 raise MorseError(f"INVALID_ARGUMENT: MORSE_NODE_AGGREGATION={aggregation!r}: 1 "
                                  "(the leader steps for the node) or sharded (morse-run sets it)")
@@ -397,8 +397,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     f"{overlaps[0]}: under --node-aggregation every rank of a node must pass the "
                     "same overlap")
             if aggregation == "sharded":
-                starts = slices([p.numel() for p in self._params], local_size)
+                sizes = [p.numel() for p in self._params]
+                starts = slices(sizes, local_size)
                 self._slices = list(zip(starts[:-1], starts[1:]))
+                cut = uneven(sizes, starts, self._names)
+                if cut is not None and _layout is None and self._rank == 0:
+                    k, held, share, name, size = cut
+                    warnings.warn(
+                        f"morse: --node-aggregation=sharded gives each local rank a slice of "
+                        f"whole parameters, and slice {k} holds {held:,} of the model's "
+                        f"{sum(sizes):,} elements, {share:.2f} times an even share (its largest "
+                        f"parameter is {name}, of {size:,} elements): local rank {k} of each "
+                        "node holds that much more optimizer state than an even cut would give "
+                        "it. Morse does not cut a parameter between slices; fewer ranks per "
+                        "node even it out", RuntimeWarning, stacklevel=3)
                 first, end = self._slices[self._node.local_rank]
                 self._params, self._names = self._params[first:end], self._names[first:end]
                 mine = {id(p) for p in self._params}

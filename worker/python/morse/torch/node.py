@@ -489,3 +489,24 @@ def slices(sizes, count):
         lo, hi = ends[-1] + 1, len(sizes) - (count - k)
         ends.append(min(range(lo, hi + 1), key=lambda i: (abs(running[i] - target), i)))
     return ends + [len(sizes)]
+
+# Where slices() leaves a rank more than this many even shares of the
+# model's elements, rank 0 says so (uneven()).
+UNEVEN = 1.25
+
+
+def uneven(sizes, starts, names):
+    """Where slices() cut parameters of `sizes` (named `names`) unevenly:
+    (slice, its elements, how many even shares that is, its largest
+    parameter's name and size) for the slice that holds most, if that is
+    above UNEVEN even shares; else None. A slice holds whole parameters, so
+    one tensor larger than an even share (an embedding) makes its rank hold
+    that much more of the node's optimizer state."""
+    total = sum(sizes)
+    held = [sum(sizes[starts[k]:starts[k + 1]]) for k in range(len(starts) - 1)]
+    k = max(range(len(held)), key=lambda i: (held[i], -i))
+    share = held[k] * len(held) / total
+    if share <= UNEVEN:
+        return None
+    big = max(range(starts[k], starts[k + 1]), key=lambda j: (sizes[j], -j))
+    return k, held[k], share, names[big], sizes[big]
