@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "kernels/codecs.h"
 #include "kernels/device.h"
+#include "kernels/layers.h"
 #include "kernels/mlp.h"
 #include "worker/mlp_backprop.h"
 
@@ -531,7 +532,9 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
   const size_t n = c.layout.dim;
   const std::vector<compress::LayerPiece> pieces =
       compress::LayerPieces(c, *layout, {0, n});
-  auto segments = kernels::LambSegments::Create(pieces, c.layers.size());
+  // Through the engine's door: the layer kernels of c's optimizer.
+  ASSERT_TRUE(kernels::HasLayerKernels(c));
+  auto segments = kernels::LayerKernelsFor(c, pieces);
   ASSERT_TRUE(segments.ok()) << segments.status();
   const std::vector<float> g = RandomValues(n, 1, 1.0f),
                            x0 = RandomValues(n, 2, 1.0f),
@@ -573,8 +576,8 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
     const std::vector<double> totals = compress::LayerTotalsOf(
         c, layers, *layout, {rule}, {0, n}, x, m, v, vf);
     auto piece_stats =
-        segments->PieceSums(*ctx_, rule, dx.as<float>(), dm.as<float>(),
-                            dv.as<float>(), dvf.as<float>());
+        (*segments)->PieceStats(*ctx_, rule, dx.as<float>(), dm.as<float>(),
+                                dv.as<float>(), dvf.as<float>());
     ASSERT_TRUE(piece_stats.ok()) << piece_stats.status();
     const std::vector<double> cpu_pieces = compress::PieceStats(
         layers, pieces,
@@ -598,14 +601,34 @@ TEST_F(KernelsTest, OneBitLambMatchesTheCpu) {
         compress::LayerCommit(c, layers, {rule}, totals, state);
     compress::MoveLayersX(c, layers, rule, commit, {0, n}, 0, n,
                           absl::MakeSpan(x), m, v);
-    ASSERT_TRUE(segments
-                    ->UpdateX(*ctx_, rule,
-                              compress::LambLayerSteps(rule, commit),
-                              dx.as<float>(), dm.as<float>(), dv.as<float>())
+    ASSERT_TRUE((*segments)
+                    ->MoveX(*ctx_, rule, commit, dx.as<float>(), dm.as<float>(),
+                            dv.as<float>())
                     .ok());
     EXPECT_EQ(
         FirstDifference(Download<float>(dx, n).data(), x.data(), 4 * n, 4), "")
         << "x";
+  }
+}
+
+// Which optimizers' layer rules have GPU kernels (kernels/layers.h): the
+// CUDA engine's choice, host code alone, so it runs without a GPU too.
+TEST(LayerKernelsTest, OnlyALayerRuleWithKernelsHasThem) {
+  for (compress::OptimizerKind kind :
+       {compress::OptimizerKind::kOneBitAdam, compress::OptimizerKind::kAdam,
+        compress::OptimizerKind::kZeroOneAdam,
+        compress::OptimizerKind::kOneBitLamb,
+        compress::OptimizerKind::kDiloco}) {
+    compress::AlgorithmConfig c;
+    c.optimizer = kind;
+    const compress::Optimizer& optimizer = compress::OptimizerOf(c);
+    SCOPED_TRACE(optimizer.name());
+    EXPECT_EQ(kernels::HasLayerKernels(c),
+              kind == compress::OptimizerKind::kOneBitLamb);
+    if (optimizer.Layers() == nullptr) {
+      EXPECT_EQ(kernels::LayerKernelsFor(c, {}).status().code(),
+                absl::StatusCode::kUnimplemented);
+    }
   }
 }
 

@@ -8,12 +8,12 @@
 
 #include "absl/strings/str_cat.h"
 #include "compress/check.h"
-#include "compress/lamb.h"
 #include "compress/optimizer.h"
 #include "compress/sync.h"
 #include "compress/update_rules.h"
 #include "kernels/codecs.h"
 #include "kernels/device.h"
+#include "kernels/layers.h"
 #include "kernels/mlp.h"
 
 namespace morse::worker::cuda {
@@ -166,8 +166,7 @@ class CudaEngine final : public Engine, public DeviceServices {
       // its partitions' pieces in partition order. Partitions lie in element
       // order and no partition straddles a segment, so the tables one after
       // another hold every piece in partition order, as LayerTotals adds them.
-      // The layer kernels are onebit_lamb's, the one optimizer with a layer
-      // rule (compress/layers.h) and GPU kernels (HasGpuKernels).
+      // The layer kernels are the optimizer's own (kernels/layers.h).
       pieces_ = compress::LayerPieces(config_, layout_, {0, dim});
       std::vector<std::vector<compress::LayerPiece>> of(
           layout_.segment_count());
@@ -181,10 +180,9 @@ class CudaEngine final : public Engine, public DeviceServices {
         }
       }
       for (const std::vector<compress::LayerPiece>& pieces : of) {
-        auto segments = kernels::LambSegments::Create(
-            pieces, compress::LayerCount(config_));
-        if (!segments.ok()) return segments.status();
-        lamb_groups_.push_back(*std::move(segments));
+        auto group = kernels::LayerKernelsFor(config_, pieces);
+        if (!group.ok()) return group.status();
+        layer_groups_.push_back(*std::move(group));
       }
     }
     // The encodes and their copies to the host at the device's highest
@@ -608,25 +606,27 @@ class CudaEngine final : public Engine, public DeviceServices {
     // The groups' pieces one after another: every piece's statistics in
     // partition order.
     std::vector<double> piece_stats;
-    for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
-      absl::StatusOr<absl::Span<const double>> of = lamb_groups_[k].PieceSums(
-          *apply_, compress::RuleOf(rules, k), x_ptr_, m_.as<float>(),
-          v_.as<float>(), DeviceState("v_fresh"));
+    for (uint32_t k = 0; k < layer_groups_.size(); ++k) {
+      absl::StatusOr<absl::Span<const double>> of =
+          layer_groups_[k]->PieceStats(
+              *apply_, compress::RuleOf(rules, k), x_ptr_, m_.as<float>(),
+              v_.as<float>(),
+              LayerArray(/*per_element=*/true).device.as<float>());
       if (!of.ok()) return of.status();
       piece_stats.insert(piece_stats.end(), of->begin(), of->end());
     }
     const std::vector<double> totals =
         compress::LayerTotals(config_, *layers, pieces_, piece_stats);
-    std::vector<double> commit = compress::LayerCommit(
-        config_, *layers, rules, totals, HostState("lamb_layers"));
+    std::vector<double> commit =
+        compress::LayerCommit(config_, *layers, rules, totals,
+                              LayerArray(/*per_element=*/false).host);
     if (absl::Status s =
             compress::ValidateCommitOfLayers(config_, *layers, commit);
         !s.ok())
       return s;
-    for (uint32_t k = 0; k < lamb_groups_.size(); ++k) {
-      const compress::ReplyRule& rule = compress::RuleOf(rules, k);
-      if (absl::Status s = lamb_groups_[k].UpdateX(
-              *apply_, rule, compress::LambLayerSteps(rule, commit), x_ptr_,
+    for (uint32_t k = 0; k < layer_groups_.size(); ++k) {
+      if (absl::Status s = layer_groups_[k]->MoveX(
+              *apply_, compress::RuleOf(rules, k), commit, x_ptr_,
               m_.as<float>(), v_.as<float>());
           !s.ok()) {
         return s;
@@ -742,6 +742,15 @@ class CudaEngine final : public Engine, public DeviceServices {
   std::vector<float>& HostState(absl::string_view name) {
     return Own(name).host;
   }
+  // A layer rule's arrays (compress/layers.h): its state's per-element one
+  // (the rule's `fresh`) and its layer state, in that order.
+  OwnState& LayerArray(bool per_element) {
+    for (OwnState& own : state_) {
+      if (own.array.per_element == per_element) return own;
+    }
+    MORSE_CHECK(false);
+    return state_.front();
+  }
   // A replica's arrays (SaveState's or SaveInterval's form, in `owned`'s
   // order) into the engine's: a per-element one left empty stays as it is.
   absl::Status Upload(std::vector<compress::NamedState> saved,
@@ -779,10 +788,11 @@ class CudaEngine final : public Engine, public DeviceServices {
     }
     return out;
   }
-  // onebit_lamb: the pieces of compress::LayerTotals in partition order, and
-  // the kernels' table of each parameter group (segment of the layout).
+  // An optimizer with a layer rule: the pieces of compress::LayerTotals in
+  // partition order, and its layer kernels over each parameter group
+  // (segment of the layout).
   std::vector<compress::LayerPiece> pieces_;
-  std::vector<kernels::LambSegments> lamb_groups_;
+  std::vector<std::unique_ptr<kernels::LayerKernels>> layer_groups_;
   float* x_ptr_ = nullptr;     // x_ or the caller's
   float* grad_ptr_ = nullptr;  // grad_ or the caller's
   // A partition's staging: its bytes at `offset` in payloads_ and
@@ -833,6 +843,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateEngine(const EngineState& state,
   if (!optimizer.HasGpuKernels()) {
     return absl::UnimplementedError(absl::StrCat(
         optimizer.name(), " has no GPU kernels; it trains on the CPU"));
+  }
+  if (optimizer.Layers() != nullptr && !kernels::HasLayerKernels(config)) {
+    return absl::UnimplementedError(
+        absl::StrCat(optimizer.name(),
+                     " has no GPU kernels for its layer rule; it trains on "
+                     "the CPU"));
   }
   const bool freezes = optimizer.FreezesVariance();
   if (freezes && config.mask_zero_variance &&
