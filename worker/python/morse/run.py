@@ -525,6 +525,34 @@ def _loopback(host):
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
+def _interface_toward(host):
+    """The name of this host's network interface whose (primary IPv4)
+    address its routes use to reach `host`, or None: toward loopback, over
+    IPv6, or where it cannot tell. Node 0, whose --rdzv HOST is its own
+    address, gets the interface that holds it."""
+    import fcntl
+    import struct
+    try:
+        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(target)  # sends nothing: the kernel picks the route and its source
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    if local.startswith("127."):
+        return None
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(got[20:24]) == local:
+                return name
+    return None
+
+
 def main(argv=None):
     try:
         args, command = _parse(sys.argv[1:] if argv is None else argv)
@@ -741,6 +769,18 @@ def main(argv=None):
         env.pop("MORSE_NODE_AGGREGATION", None)
     env.setdefault("MASTER_ADDR", args.host)
     env.setdefault("MASTER_PORT", str(master_port))
+    # gloo (a script's process group across the nodes, Trainer's and
+    # Accelerate's) gives its peers the address of this host's name unless
+    # told an interface, and the name often maps to 127.0.0.1 or 127.0.1.1
+    # (/etc/hosts): every connection from another node is then refused.
+    # Across hosts the ranks get the interface toward the rendezvous host;
+    # a given GLOO_SOCKET_IFNAME is kept.
+    if args.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in env:
+        interface = _interface_toward(args.host)
+        if interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = interface
+            sys.stderr.write(f"{node}: GLOO_SOCKET_IFNAME={interface} (the interface toward "
+                             f"{args.host}, for the ranks' gloo groups; set it to choose)\n")
     # torch's intra-op threads: a share of this host's cores per copy, not
     # every core in each (torch 2.x then spins its OpenMP threads against
     # the other copies': the digits example with 4 ranks on 2 cores took
