@@ -12,8 +12,13 @@ through MASTER_ADDR (as Trainer, Accelerate and DDP scripts do) with no
 GLOO_SOCKET_IFNAME given (this host's name maps to 127.0.0.1, which gloo
 would hand the other node: morse-run names the interface toward the
 rendezvous host), and train OneBitAdam through its freeze, bit-identical
-to the simulator with N = 4 after every step. Needs root (ip netns, tc);
-skipped (exit 77, which ctest shows as skipped) otherwise."""
+to the simulator with N = 4 after every step. Then the same over TLS
+(deploy/make-certs.sh's credentials for 198.18.0.1) with
+--node-aggregation=sharded: node 0 starts each slice's shards, and the
+ranks that step the same slice on the two hosts hold the same bits after
+every step. Needs root (ip netns, tc); skipped (exit 77, which ctest shows
+as skipped) otherwise."""
+import json
 import os
 import re
 import subprocess
@@ -30,8 +35,9 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 SCRIPT = os.path.join(ROOT, "tests", "python", "test_multinode.py")  # its worker: env, then 8 steps
 
 
-def run_nodes(vc, out):
-    """Node 1 first (as happens on clusters), then node 0; [(code, output)]."""
+def run_nodes(vc, out, flags=("--insecure",)):
+    """Node 1 first (as happens on clusters), then node 0, each with
+    `flags`; [(code, output)]."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(BUILD, "python"), os.path.join(ROOT, "tests", "python")]),
                MORSE_RUN=os.path.join(BUILD, "bin", "morse-run"), PYTHONFAULTHANDLER="1")
@@ -39,7 +45,7 @@ def run_nodes(vc, out):
     for node in (1, 0):
         argv = ["ip", "netns", "exec", vc.ns(node), os.path.join(BUILD, "bin", "morse-run"),
                 "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                "--rdzv", f"{vc.address(0)}:29400", "--rdzv-timeout", "60", "--servers", "2", "--insecure",
+                "--rdzv", f"{vc.address(0)}:29400", "--rdzv-timeout", "60", "--servers", "2", *flags,
                 "--", "/usr/bin/python3", SCRIPT, "--worker", out, "env"]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=env))
@@ -64,8 +70,13 @@ if __name__ == "__main__":
     from harness import check, check_ranks_match_simulator  # noqa: E402
     out = tempfile.mkdtemp(prefix="morse-multihost-")
     start = time.time()
+    sharded_out = tempfile.mkdtemp(prefix="morse-multihost-sharded-")
+    creds = os.path.join(tempfile.mkdtemp(prefix="morse-multihost-creds-"), "creds")
+    subprocess.run([os.path.join(ROOT, "deploy", "make-certs.sh"), creds, "198.18.0.1"], check=True,
+                   stdout=subprocess.DEVNULL)
     with VirtualCluster(2, 10) as vc:
         results = run_nodes(vc, out)
+        sharded = run_nodes(vc, sharded_out, ("--tls-dir", creds, "--node-aggregation=sharded"))
         tags = [f"{vc.tag}a0", f"{vc.tag}a1"]
     for node, (code, text) in enumerate(results):
         print(f"----- node {node} -----\n{text}")
@@ -79,8 +90,19 @@ if __name__ == "__main__":
     check(len(re.findall(r"GLOO SUM 6 MASTER 198\.18\.0\.1:", both)) == 4,
           "the 4 ranks on 2 hosts do not form one gloo group through MASTER_ADDR")
     check_ranks_match_simulator(out, 4, 8)
+    for node, (code, text) in enumerate(sharded):
+        print(f"----- node {node}, TLS, --node-aggregation=sharded -----\n{text}")
+        check(code == 0, f"node {node} exited with {code} (TLS, sharded)")
+    for k in range(2):
+        check(len(re.findall(rf"\[slice {k} server \d\] morse-server shard \d: stopped after 8 steps",
+                             sharded[0][1])) == 2 and "[slice" not in sharded[1][1],
+              f"node 0 does not run slice {k}'s two shards through 8 steps")
+        on_hosts = [json.load(open(f"{sharded_out}/checksums-{k + 2 * node}.json")) for node in range(2)]
+        check(len(on_hosts[0]) == 8 and on_hosts[0] == on_hosts[1],
+              f"slice {k}: the owners on the two hosts differ: {on_hosts}")
     leftover = subprocess.run(["ip", "netns", "list"], stdout=subprocess.PIPE, text=True).stdout
     check(vc.tag not in leftover, f"namespaces left behind: {leftover}")
     print(f"PASS: 2 hosts x 2 ranks (separate network stacks): node 0's shards on 198.18.0.1, one gloo "
-          f"group across the hosts, 8 OneBitAdam steps bit-identical to the simulator with N = 4 "
+          f"group across the hosts, 8 OneBitAdam steps bit-identical to the simulator with N = 4"
+          f"; over TLS with --node-aggregation=sharded each slice's owners on the two hosts identical "
           f"({time.time() - start:.1f} s)")
