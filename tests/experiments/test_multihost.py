@@ -12,15 +12,18 @@ through MASTER_ADDR (as Trainer, Accelerate and DDP scripts do) with no
 GLOO_SOCKET_IFNAME given (this host's name maps to 127.0.0.1, which gloo
 would hand the other node: morse-run names the interface toward the
 rendezvous host), and train OneBitAdam through its freeze, bit-identical
-to the simulator with N = 4 after every step. Then the same over TLS
-(deploy/make-certs.sh's credentials for 198.18.0.1) with
---node-aggregation=sharded: node 0 starts each slice's shards, and the
-ranks that step the same slice on the two hosts hold the same bits after
-every step. Needs root (ip netns, tc); skipped (exit 77, which ctest shows
+to the simulator with N = 4 after every step. Then the same by name
+over TLS (`--rdzv node-a:PORT`, deploy/make-certs.sh's credentials for
+node-a) with --node-aggregation=sharded, where each host has its own
+/etc/hosts as Debian writes it (its own name at 127.0.1.1, the other's at
+its address): node 0 listens on every interface where its name is
+loopback, starts each slice's shards, and the ranks that step the same
+slice on the two hosts hold the same bits after every step. Needs root (ip netns, tc); skipped (exit 77, which ctest shows
 as skipped) otherwise."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,9 +38,9 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 SCRIPT = os.path.join(ROOT, "tests", "python", "test_multinode.py")  # its worker: env, then 8 steps
 
 
-def run_nodes(vc, out, flags=("--insecure",)):
+def run_nodes(vc, out, flags=("--insecure",), rdzv="198.18.0.1"):
     """Node 1 first (as happens on clusters), then node 0, each with
-    `flags`; [(code, output)]."""
+    `flags` and --rdzv RDZV:29400; [(code, output)]."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(BUILD, "python"), os.path.join(ROOT, "tests", "python")]),
                MORSE_RUN=os.path.join(BUILD, "bin", "morse-run"), PYTHONFAULTHANDLER="1")
@@ -45,7 +48,7 @@ def run_nodes(vc, out, flags=("--insecure",)):
     for node in (1, 0):
         argv = ["ip", "netns", "exec", vc.ns(node), os.path.join(BUILD, "bin", "morse-run"),
                 "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-                "--rdzv", f"{vc.address(0)}:29400", "--rdzv-timeout", "60", "--servers", "2", *flags,
+                "--rdzv", f"{rdzv}:29400", "--rdzv-timeout", "60", "--servers", "2", *flags,
                 "--", "/usr/bin/python3", SCRIPT, "--worker", out, "env"]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=env))
@@ -72,18 +75,32 @@ if __name__ == "__main__":
     start = time.time()
     sharded_out = tempfile.mkdtemp(prefix="morse-multihost-sharded-")
     creds = os.path.join(tempfile.mkdtemp(prefix="morse-multihost-creds-"), "creds")
-    subprocess.run([os.path.join(ROOT, "deploy", "make-certs.sh"), creds, "198.18.0.1"], check=True,
+    subprocess.run([os.path.join(ROOT, "deploy", "make-certs.sh"), creds, "node-a"], check=True,
                    stdout=subprocess.DEVNULL)
     with VirtualCluster(2, 10) as vc:
         results = run_nodes(vc, out)
-        sharded = run_nodes(vc, sharded_out, ("--tls-dir", creds, "--node-aggregation=sharded"))
+        # Each host's /etc/hosts (ip netns exec mounts /etc/netns/NS/hosts
+        # over it), as Debian writes it: its own name at 127.0.1.1.
+        hosts_files = []
+        try:
+            for i, (me, other) in enumerate((("node-a", "node-b"), ("node-b", "node-a"))):
+                folder = f"/etc/netns/{vc.ns(i)}"
+                os.makedirs(folder)
+                hosts_files.append(folder)
+                with open(os.path.join(folder, "hosts"), "w") as f:
+                    f.write(f"127.0.0.1 localhost\n127.0.1.1 {me}\n{vc.address(1 - i)} {other}\n")
+            sharded = run_nodes(vc, sharded_out, ("--tls-dir", creds, "--node-aggregation=sharded"),
+                                rdzv="node-a")
+        finally:
+            for folder in hosts_files:
+                shutil.rmtree(folder)
         tags = [f"{vc.tag}a0", f"{vc.tag}a1"]
     for node, (code, text) in enumerate(results):
         print(f"----- node {node} -----\n{text}")
     for node, (code, text) in enumerate(results):
         check(code == 0, f"node {node} exited with {code}")
-        check(f"GLOO_SOCKET_IFNAME={tags[node]} (the interface toward 198.18.0.1" in text,
-              f"node {node} does not name its interface toward the rendezvous host")
+        check(f"GLOO_SOCKET_IFNAME={tags[node]} (the interface of 198.18.0.{node + 1}" in text,
+              f"node {node} does not name the interface of its address on the rendezvous")
     both = results[0][1] + results[1][1]
     check("[server 0]" in results[0][1] and "[server" not in results[1][1],
           "node 0 starts the shards, node 1 none")
@@ -93,6 +110,8 @@ if __name__ == "__main__":
     for node, (code, text) in enumerate(sharded):
         print(f"----- node {node}, TLS, --node-aggregation=sharded -----\n{text}")
         check(code == 0, f"node {node} exited with {code} (TLS, sharded)")
+    check("node-a is a loopback address on this host (/etc/hosts): the rendezvous and the shards "
+          "listen on every interface" in sharded[0][1], "node 0 does not say it listens on every interface")
     for k in range(2):
         check(len(re.findall(rf"\[slice {k} server \d\] morse-server shard \d: stopped after 8 steps",
                              sharded[0][1])) == 2 and "[slice" not in sharded[1][1],
@@ -104,5 +123,6 @@ if __name__ == "__main__":
     check(vc.tag not in leftover, f"namespaces left behind: {leftover}")
     print(f"PASS: 2 hosts x 2 ranks (separate network stacks): node 0's shards on 198.18.0.1, one gloo "
           f"group across the hosts, 8 OneBitAdam steps bit-identical to the simulator with N = 4"
-          f"; over TLS with --node-aggregation=sharded each slice's owners on the two hosts identical "
+          f"; by name (node 0's own name at 127.0.1.1) over TLS with --node-aggregation=sharded each "
+          f"slice's owners on the two hosts identical "
           f"({time.time() - start:.1f} s)")

@@ -42,6 +42,24 @@ def split_address(text):
     return host.strip("[]"), int(port)
 
 
+def _loopback_spelling(host):
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def loopback_only(host):
+    """Whether `host` is a name this machine resolves to loopback addresses
+    alone, not a loopback spelling (127.0.0.1, localhost, ::1): Debian and
+    Ubuntu map a machine's own name to 127.0.1.1 in /etc/hosts, so on node 0
+    --rdzv node-a:PORT would listen where no other node can reach."""
+    if _loopback_spelling(host):
+        return False
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        return False
+    return bool(found) and all(_loopback_spelling(a) for a in found)
+
+
 def _send(conn, message):
     conn.sendall((json.dumps(message) + "\n").encode())
 
@@ -85,14 +103,17 @@ class Store:
         self._problem = None  # why the job cannot start
         self._published = False
         self._events = queue.Queue()  # (node, code, why); code None: lost
+        # This node's address as the first node to join reached it.
+        self.local_address = None
         self._listener = self._listen(self._host, port)
         threading.Thread(target=self._accept, daemon=True).start()
 
     @staticmethod
     def _listen(host, port):
         # HOST is how the other nodes reach this one; where it is not an
-        # address of this machine (a name behind NAT), listen on every one.
-        for where in (host, ""):
+        # address of this machine (a name behind NAT), or a name this
+        # machine gives loopback alone (loopback_only), listen on every one.
+        for where in ((host, "") if not loopback_only(host) else ("",)):
             try:
                 return socket.create_server((where, port), reuse_port=False)
             except OSError as e:
@@ -153,6 +174,11 @@ class Store:
             problem = self._check(hello)
             if problem is None:
                 self._peers[hello["join"]] = conn
+                if self.local_address is None:
+                    try:
+                        self.local_address = conn.getsockname()[0]
+                    except OSError:
+                        pass
                 self._cond.notify_all()
         if problem is not None:
             # The refused node hears why before node 0 may give up and exit.
@@ -260,6 +286,8 @@ class Member:
                         f"no rendezvous at {address} within {timeout:g} s (--rdzv-timeout): {e.strerror or e}; "
                         f"start node 0's morse-run with the same --rdzv") from e
                 time.sleep(0.5)
+        # This node's address on the way to node 0 (its gloo interface's).
+        self.local_address = self._conn.getsockname()[0]
         _send(self._conn, {"version": VERSION, "join": node_rank, "nnodes": nnodes,
                            "nproc_per_node": nproc_per_node, "host": socket.gethostname(),
                            "config": config, "servers": servers, "aggregation": aggregation})

@@ -40,7 +40,8 @@ rank k steps slice k and holds its optimizer state alone.
 
 Across nodes, the same command runs on every node with its own --node-rank
 (torchrun's flags). Node 0 listens on --rdzv HOST:PORT (HOST: its address as
-the others reach it) until all M nodes have joined and agree on M, L,
+the others reach it; every interface where HOST is a name this host gives
+loopback alone) until all M nodes have joined and agree on M, L,
 --servers and --config, then starts the S shards on HOST and hands every node
 their addresses and the config; node i runs ranks i*L .. i*L+L-1 (RANK,
 LOCAL_RANK, WORLD_SIZE = M*L, LOCAL_WORLD_SIZE = L, GROUP_RANK = i). A
@@ -300,7 +301,8 @@ def _parse(argv):
                              "rendezvous and starts the shards")
     parser.add_argument("--rdzv", default=None, metavar="HOST:PORT",
                         help="with --nnodes > 1: node 0's address as the other nodes reach it, and a "
-                             "free port there; the shards listen on HOST too")
+                             "free port there; the shards listen on HOST too (on every interface "
+                             "where HOST is node 0's name and /etc/hosts gives it loopback)")
     parser.add_argument("--rdzv-timeout", type=float, default=300,
                         help="seconds to wait for every node to join (default 300); a node missing "
                              "by then fails the job on every node that came")
@@ -525,21 +527,12 @@ def _loopback(host):
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
-def _interface_toward(host):
+def _interface_holding(address):
     """The name of this host's network interface whose (primary IPv4)
-    address its routes use to reach `host`, or None: toward loopback, over
-    IPv6, or where it cannot tell. Node 0, whose --rdzv HOST is its own
-    address, gets the interface that holds it."""
+    address is `address`, or None: loopback, IPv6, or none found."""
     import fcntl
     import struct
-    try:
-        target = socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_DGRAM)[0][4]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(target)  # sends nothing: the kernel picks the route and its source
-            local = s.getsockname()[0]
-    except OSError:
-        return None
-    if local.startswith("127."):
+    if _loopback(address) or ":" in address:
         return None
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -548,7 +541,7 @@ def _interface_toward(host):
                 got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
             except OSError:
                 continue  # no IPv4 address
-            if socket.inet_ntoa(got[20:24]) == local:
+            if socket.inet_ntoa(got[20:24]) == address:
                 return name
     return None
 
@@ -729,10 +722,24 @@ def main(argv=None):
             fail_before_start(f"{server_name(i)} did not start on {listen} (see its output above)")
         return p, marker["address"], lines
 
+    listens = []  # where each shard listens (its restarts too)
     if starts_servers:
         listen = f"[{args.host}]:0" if ":" in args.host else f"{args.host}:0"
+        # A name this host gives loopback alone (/etc/hosts' 127.0.1.1): the
+        # shards listen on every interface and are known by the name, which
+        # the other nodes resolve to this host's address (and TLS checks).
+        widened = multi and _rendezvous.loopback_only(args.host)
+        if widened:
+            listen = "0.0.0.0:0"
+            sys.stderr.write(f"{node}: {args.host} is a loopback address on this host (/etc/hosts): "
+                             "the rendezvous and the shards listen on every interface, and the "
+                             f"other nodes reach them as {args.host}\n")
         for i in range(args.jobs * args.shards):
             p, address, lines = start_server(i, listen)
+            port = address.rsplit(":", 1)[1]
+            listens.append(f"{listen.rsplit(':', 1)[0]}:{port}")
+            if widened:
+                address = f"{args.host}:{port}"
             servers.append(p)
             addresses.append(address)
             server_lines.append(lines)
@@ -773,14 +780,17 @@ def main(argv=None):
     # Accelerate's) gives its peers the address of this host's name unless
     # told an interface, and the name often maps to 127.0.0.1 or 127.0.1.1
     # (/etc/hosts): every connection from another node is then refused.
-    # Across hosts the ranks get the interface toward the rendezvous host;
+    # Across hosts the ranks get the interface of this node's address on
+    # the rendezvous's connection (node 0's as the first node reached it);
     # a given GLOO_SOCKET_IFNAME is kept.
-    if args.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in env:
-        interface = _interface_toward(args.host)
+    rendezvous = store or member
+    if rendezvous and rendezvous.local_address and "GLOO_SOCKET_IFNAME" not in env:
+        interface = _interface_holding(rendezvous.local_address)
         if interface is not None:
             env["GLOO_SOCKET_IFNAME"] = interface
-            sys.stderr.write(f"{node}: GLOO_SOCKET_IFNAME={interface} (the interface toward "
-                             f"{args.host}, for the ranks' gloo groups; set it to choose)\n")
+            sys.stderr.write(f"{node}: GLOO_SOCKET_IFNAME={interface} (the interface of "
+                             f"{rendezvous.local_address}, this node's address on the rendezvous, for "
+                             "the ranks' gloo groups; set it to choose)\n")
     # torch's intra-op threads: a share of this host's cores per copy, not
     # every core in each (torch 2.x then spins its OpenMP threads against
     # the other copies': the digits example with 4 ranks on 2 cores took
@@ -867,7 +877,7 @@ def main(argv=None):
                 sys.stderr.write(f"{node}: {server_name(s)} exited with {code}; restarting it on "
                                  f"{addresses[s]} from its checkpoint ({restarts} of --restarts "
                                  f"{args.restarts}); the workers wait for it\n")
-                servers[s], _, server_lines[s] = start_server(s, addresses[s])
+                servers[s], _, server_lines[s] = start_server(s, listens[s])
                 continue
             why = f"{server_name(s)} exited with {code}"
             sys.stderr.write(f"{node}: {why}; stopping every rank"
