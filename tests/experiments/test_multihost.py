@@ -18,8 +18,17 @@ node-a) with --node-aggregation=sharded, where each host has its own
 /etc/hosts as Debian writes it (its own name at 127.0.1.1, the other's at
 its address): node 0 listens on every interface where its name is
 loopback, starts each slice's shards, and the ranks that step the same
-slice on the two hosts hold the same bits after every step. Needs root (ip netns, tc); skipped (exit 77, which ctest shows
-as skipped) otherwise."""
+slice on the two hosts hold the same bits after every step.
+
+`test_multihost.py trainer`: Hugging Face Trainer across the two hosts
+(worker/python/examples/hf_trainer.py, OneBitAdam, one rank a host, by
+name), which starts its own gloo group: both ranks end with the same
+parameters and the loss falls. Runs on the torch 2.x venv
+($MORSE_TORCH2_PYTHON).
+
+Needs root (ip netns, tc); skipped (exit 77, which ctest shows as skipped)
+otherwise."""
+import contextlib
 import json
 import os
 import re
@@ -38,18 +47,19 @@ sys.path.insert(0, os.path.join(BUILD, "python"))
 SCRIPT = os.path.join(ROOT, "tests", "python", "test_multinode.py")  # its worker: env, then 8 steps
 
 
-def run_nodes(vc, out, flags=("--insecure",), rdzv="198.18.0.1"):
+def run_nodes(vc, out, flags=("--insecure",), rdzv="198.18.0.1", nproc=2, command=None):
     """Node 1 first (as happens on clusters), then node 0, each with
-    `flags` and --rdzv RDZV:29400; [(code, output)]."""
+    `flags`, --rdzv RDZV:29400 and `nproc` ranks of `command` (default
+    test_multinode.py's worker); [(code, output)]."""
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     env.update(PYTHONPATH=os.pathsep.join([os.path.join(BUILD, "python"), os.path.join(ROOT, "tests", "python")]),
                MORSE_RUN=os.path.join(BUILD, "bin", "morse-run"), PYTHONFAULTHANDLER="1")
     procs = []
     for node in (1, 0):
         argv = ["ip", "netns", "exec", vc.ns(node), os.path.join(BUILD, "bin", "morse-run"),
-                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc),
                 "--rdzv", f"{rdzv}:29400", "--rdzv-timeout", "60", "--servers", "2", *flags,
-                "--", "/usr/bin/python3", SCRIPT, "--worker", out, "env"]
+                "--", *(command(node) if command else ["/usr/bin/python3", SCRIPT, "--worker", out, "env"])]
         procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env=env))
         time.sleep(0.3)
@@ -65,10 +75,58 @@ def run_nodes(vc, out, flags=("--insecure",), rdzv="198.18.0.1"):
     return list(reversed(results))
 
 
+@contextlib.contextmanager
+def debian_hosts(vc):
+    """Each host's /etc/hosts (ip netns exec mounts /etc/netns/NS/hosts
+    over it) as Debian writes it: its own name at 127.0.1.1, the other's
+    at its address. node-a is host 0, node-b host 1."""
+    folders = []
+    try:
+        for i, (me, other) in enumerate((("node-a", "node-b"), ("node-b", "node-a"))):
+            folder = f"/etc/netns/{vc.ns(i)}"
+            os.makedirs(folder)
+            folders.append(folder)
+            with open(os.path.join(folder, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n127.0.1.1 {me}\n{vc.address(1 - i)} {other}\n")
+        yield
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder)
+
+
+def trainer():
+    from experiment import VirtualCluster  # noqa: E402
+    from harness import check  # noqa: E402
+    python = os.environ.get("MORSE_TORCH2_PYTHON", os.path.join(BUILD, "venv-torch2", "bin", "python"))
+    if not os.access(python, os.X_OK):
+        print(f"SKIPPED: no torch 2.x venv at {python} (see python_torch2_venv)")
+        sys.exit(77)
+    out = tempfile.mkdtemp(prefix="morse-multihost-trainer-")
+    example = os.path.join(ROOT, "worker", "python", "examples", "hf_trainer.py")
+    with VirtualCluster(2, 10) as vc, debian_hosts(vc):
+        results = run_nodes(vc, out, rdzv="node-a", nproc=1, command=lambda node: [
+            python, example, "--steps", "20", "--output-dir", os.path.join(out, f"node{node}"),
+            "--losses", os.path.join(out, "losses.json")])
+    for node, (code, text) in enumerate(results):
+        print(f"----- node {node} -----\n{text}")
+        check(code == 0, f"node {node} exited with {code}")
+    sums = [re.findall(r"rank \d: parameters checksum (\w+)", text) for _, text in results]
+    check(len(sums[0]) == 1 and sums[0] == sums[1], f"the two hosts' parameters differ: {sums}")
+    losses = json.load(open(os.path.join(out, "losses.json")))
+    first, last = losses[min(losses, key=int)], losses[max(losses, key=int)]
+    check(len(losses) == 20 and last < 0.8 * first, f"Trainer's loss did not fall: {losses}")
+    shutil.rmtree(out)
+    print(f"PASS: Hugging Face Trainer on 2 hosts by name (Debian's /etc/hosts): the same parameters on "
+          f"both, loss {first:.3f} -> {last:.3f} in 20 OneBitAdam steps")
+
+
 if __name__ == "__main__":
     if os.geteuid() != 0:
         print("SKIPPED: two hosts in network namespaces need root for ip netns and tc")
         sys.exit(77)
+    if sys.argv[1:] == ["trainer"]:
+        trainer()
+        sys.exit(0)
     from experiment import VirtualCluster  # noqa: E402
     from harness import check, check_ranks_match_simulator  # noqa: E402
     out = tempfile.mkdtemp(prefix="morse-multihost-")
@@ -79,21 +137,9 @@ if __name__ == "__main__":
                    stdout=subprocess.DEVNULL)
     with VirtualCluster(2, 10) as vc:
         results = run_nodes(vc, out)
-        # Each host's /etc/hosts (ip netns exec mounts /etc/netns/NS/hosts
-        # over it), as Debian writes it: its own name at 127.0.1.1.
-        hosts_files = []
-        try:
-            for i, (me, other) in enumerate((("node-a", "node-b"), ("node-b", "node-a"))):
-                folder = f"/etc/netns/{vc.ns(i)}"
-                os.makedirs(folder)
-                hosts_files.append(folder)
-                with open(os.path.join(folder, "hosts"), "w") as f:
-                    f.write(f"127.0.0.1 localhost\n127.0.1.1 {me}\n{vc.address(1 - i)} {other}\n")
+        with debian_hosts(vc):
             sharded = run_nodes(vc, sharded_out, ("--tls-dir", creds, "--node-aggregation=sharded"),
                                 rdzv="node-a")
-        finally:
-            for folder in hosts_files:
-                shutil.rmtree(folder)
         tags = [f"{vc.tag}a0", f"{vc.tag}a1"]
     for node, (code, text) in enumerate(results):
         print(f"----- node {node} -----\n{text}")
