@@ -42,7 +42,8 @@ def split_address(text):
     return host.strip("[]"), int(port)
 
 
-def _loopback_spelling(host):
+def loopback(host):
+    """Whether `host` is spelled as loopback: 127.x.x.x, localhost or ::1."""
     return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
@@ -51,13 +52,13 @@ def loopback_only(host):
     alone, not a loopback spelling (127.0.0.1, localhost, ::1): Debian and
     Ubuntu map a machine's own name to 127.0.1.1 in /etc/hosts, so on node 0
     --rdzv node-a:PORT would listen where no other node can reach."""
-    if _loopback_spelling(host):
+    if loopback(host):
         return False
     try:
         found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
     except OSError:
         return False
-    return bool(found) and all(_loopback_spelling(a) for a in found)
+    return bool(found) and all(loopback(a) for a in found)
 
 
 def _send(conn, message):

@@ -444,7 +444,7 @@ def _parse(argv):
     args.host = "127.0.0.1"
     if args.nnodes > 1:
         args.host = _rendezvous.split_address(args.rdzv)[0]
-        if not _loopback(args.host) and not (args.tls_dir or args.insecure):
+        if not _rendezvous.loopback(args.host) and not (args.tls_dir or args.insecure):
             parser.error(f"the shards would listen on {args.host} in plaintext: pass --tls-dir DIR "
                          f"(deploy/make-certs.sh DIR {args.host}) or, on a private network, --insecure")
     return args, command
@@ -523,16 +523,12 @@ def _check_only(args, command, server_bin, starts_servers, node):
     return 0
 
 
-def _loopback(host):
-    return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
 def _interface_holding(address):
     """The name of this host's network interface whose (primary IPv4)
     address is `address`, or None: loopback, IPv6, or none found."""
     import fcntl
     import struct
-    if _loopback(address) or ":" in address:
+    if _rendezvous.loopback(address) or ":" in address:
         return None
     siocgifaddr = 0x8915
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
