@@ -10,8 +10,8 @@ gives it: `morse-run --nnodes 2 --node-rank i --nproc-per-node 2 --rdzv
 its address and hands them out; the four ranks form one gloo process group
 through MASTER_ADDR (as Trainer, Accelerate and DDP scripts do) with no
 GLOO_SOCKET_IFNAME given (this host's name maps to 127.0.0.1, which gloo
-would hand the other node: morse-run names the interface toward the
-rendezvous host), and train OneBitAdam through its freeze, bit-identical
+would hand the other node: morse-run names the interface of each node's
+address on the rendezvous), and train OneBitAdam through its freeze, bit-identical
 to the simulator with N = 4 after every step. Then the same by name
 over TLS (`--rdzv node-a:PORT`, deploy/make-certs.sh's credentials for
 node-a) with --node-aggregation=sharded, where each host has its own
