@@ -27,7 +27,9 @@ parameter groups with their own lr and weight_decay (Hugging Face's
 decay / no-decay split, with a per-group LambdaLR and a group's lr changed
 mid-run), against torch.optim.AdamW with the same groups. The modes that
 read the averaged gradient (CUDA_MODES) run again with the models on the
-GPU where there is one (`test_adam_matches_torch.py cuda`: those alone)."""
+GPU where there is one (`test_adam_matches_torch.py cuda`: those alone).
+`test_adam_matches_torch.py surfaces` runs the modes that meet torch's own
+code (SURFACES), as the torch2_ twin does."""
 import contextlib
 import os
 import re
@@ -547,6 +549,16 @@ def worker_late(kind, start):
 # `test_adam_matches_torch.py cuda` runs these alone; without a GPU they
 # are skipped, saying so).
 CUDA_MODES = ("clip_p", "clip_part", "edit_clip", "edit_part", "edit_any")
+# `test_adam_matches_torch.py surfaces` (the torch2_ twin, under torch 2.x;
+# tests/python/CMakeLists.txt): the modes torch's own code is on the path
+# of, each once: torch.optim.AdamW and its schedulers, param_groups,
+# clip_grad_norm_ of every norm order, zero_grad(set_to_none=True), .grad
+# edits with and without a version counter, no_sync() and the hooks, a
+# clip and an lr change learned mid-run. The others vary Morse's own
+# arithmetic over the same calls (more clips, edits after a clip, each
+# optimizer's mirrors), which does not depend on torch's version.
+SURFACES = ("constant", "schedules", "accumulate", "clip_after", "clip_orders", "edit", "edit_data",
+            "no_sync", "late_clip", "late_lr", "groups", "weights", "one_cycle", "group_betas")
 
 
 def run_modes(modes):
@@ -567,6 +579,10 @@ if __name__ == "__main__":
         if not has_cuda("the modes that read the averaged gradient on CUDA tensors"):
             sys.exit(77)
         run_modes([f"{m}@cuda" for m in CUDA_MODES])
+        print("PASS")
+        sys.exit(0)
+    if sys.argv[1:] == ["surfaces"]:
+        run_modes(SURFACES)
         print("PASS")
         sys.exit(0)
     run_modes(("constant", "schedules", "accumulate", "clip", "clip_after", "clip_twice", "clip_orders",

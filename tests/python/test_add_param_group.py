@@ -68,7 +68,11 @@ morse-run: 2 ranks (rank 0 overlapping, rank 1 pushing at step()), 2 shards.
   not restarted) before step 3, ranks 0 and 1 add a group at step 5: the
   new layout is made without rank 2 (its steps leave it out from the start,
   the membership [0, 1] through to the end), within 1e-5 of AdamW fed the
-  members' average, ranks 0 and 1 bit-identical."""
+  members' average, ranks 0 and 1 bit-identical.
+
+`test_add_param_group.py surfaces` runs "adam", "onebit", "lamb", "module",
+"zero_one", the refusals and the resumes alone: what meets torch's own code
+(its torch2_ twin, under torch 2.x; tests/python/CMakeLists.txt)."""
 import json
 import os
 import sys
@@ -499,6 +503,19 @@ def run(out, mode):
     return text
 
 
+def resume_checks(out):
+    """"resume" and each of SAVED's runs: the resumed run ends bit-identical
+    to the whole one."""
+    run(out, "resume")
+    for mode, (source, _) in SAVED.items():
+        run(out, mode)
+        whole, again = results(out, source), results(out, mode)
+        for r in range(2):
+            check(again[r]["x"] == whole[r]["x"] and again[r]["checksum"] == whole[r]["checksum"],
+                  f"rank {r}: the resumed run differs from the whole one ({source})")
+        print(f"PASS {mode}: a state saved after add_param_group resumes bit-identically")
+
+
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         mode, out = sys.argv[-2], sys.argv[-1]
@@ -509,6 +526,11 @@ if __name__ == "__main__":
     out = tempfile.mkdtemp()
     # `cuda` (the GPU script, tests/bench/step_bench_gpu.sh): those alone.
     alone = sys.argv[1:] == ["cuda"]
+    # `surfaces` (the torch2_ twin, tests/python/CMakeLists.txt): the calls
+    # torch's own code is on the path of (Optimizer.add_param_group, its
+    # param_groups, a module's buffers, state_dict), without the nodes,
+    # the elastic job and the restarts, which check Morse's machinery alone.
+    surfaces = sys.argv[1:] == ["surfaces"]
     modes = [] if alone else ["adam", "onebit", "lamb", "module"]
     # On CUDA tensors (where there is a GPU): the same calls and checks.
     if has_cuda("add_param_group on CUDA tensors (adam@cuda, onebit@cuda, lamb@cuda)"):
@@ -555,6 +577,9 @@ if __name__ == "__main__":
     check(results(out, "refused")[0]["x"] == results(out, "adam")[0]["x"],
           "the refused calls changed nothing")
     print("PASS refused: mid-step, saying why; the run unchanged; the C ABI's check")
+    if surfaces:
+        resume_checks(out)
+        sys.exit(0)
     config = os.path.join(out, "short.textproto")
     with open(config, "w") as f:
         f.write("timeouts { connect_seconds: 5 step_seconds: 5 recovery_seconds: 10 }\n")
@@ -690,11 +715,4 @@ if __name__ == "__main__":
           "undisturbed run, within 1e-5 of AdamW after every step; a step or a wrong group "
           "before the groups are back refused, saying what to do; a shard restarted after a "
           "call; a node restarted after the calls (leader's and sharded)")
-    run(out, "resume")
-    for mode, (source, _) in SAVED.items():
-        run(out, mode)
-        whole, again = results(out, source), results(out, mode)
-        for r in range(2):
-            check(again[r]["x"] == whole[r]["x"] and again[r]["checksum"] == whole[r]["checksum"],
-                  f"rank {r}: the resumed run differs from the whole one ({source})")
-        print(f"PASS {mode}: a state saved after add_param_group resumes bit-identically")
+    resume_checks(out)
