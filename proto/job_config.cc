@@ -1,9 +1,12 @@
 #include "proto/job_config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -610,10 +613,24 @@ absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized) {
 }
 
 absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path) {
+  // A folder opens as a file with nothing in it, which would read as a
+  // config of defaults and fail later on a field the user never wrote.
+  struct stat st;
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot read config file '", path, "': it is a directory"));
+  }
+  errno = 0;
   std::ifstream in(path);
-  if (!in)
-    return absl::NotFoundError(
-        absl::StrCat("cannot read config file '", path, "'"));
+  if (!in) {
+    const int error = errno;
+    return absl::Status(
+        error == EACCES ? absl::StatusCode::kPermissionDenied
+                        : absl::StatusCode::kNotFound,
+        absl::StrCat("cannot read config file '", path, "'",
+                     error != 0 ? absl::StrCat(": ", std::strerror(error))
+                                : std::string()));
+  }
   std::stringstream text;
   text << in.rdbuf();
   const std::string body = text.str();

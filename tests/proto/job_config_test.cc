@@ -1,5 +1,6 @@
 #include "proto/job_config.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
@@ -415,8 +416,19 @@ TEST(JobConfigTest, StateBytesCountWhatIsKeptForReplay) {
 }
 
 TEST(JobConfigTest, MissingFileIsNotFound) {
-  EXPECT_EQ(LoadJobConfig("/nonexistent/job.textproto").status().code(),
-            absl::StatusCode::kNotFound);
+  const absl::Status missing =
+      LoadJobConfig("/nonexistent/job.textproto").status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(missing.message(), "No such file or directory"))
+      << missing;
+}
+
+// A folder given for the config is refused as one, not read as a config of
+// defaults (which failed on `workers`, a field the user never wrote).
+TEST(JobConfigTest, AFolderIsNoConfigFile) {
+  const absl::Status folder = LoadJobConfig(::testing::TempDir()).status();
+  EXPECT_EQ(folder.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(folder.message(), "is a directory")) << folder;
 }
 
 }  // namespace
