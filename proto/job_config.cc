@@ -635,6 +635,14 @@ absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path) {
   text << in.rdbuf();
   const std::string body = text.str();
   const size_t first = body.find_first_not_of(" \t\r\n");
+  // An empty file (a ConfigMap's key missing, a template that rendered
+  // nothing) would read as defaults and fail on `workers`.
+  if (first == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config file '", path,
+                     "' is empty: a job's config sets at least `workers` "
+                     "(deploy/configs/ has examples)"));
+  }
   const bool json =
       (path.size() >= 5 && path.substr(path.size() - 5) == ".json") ||
       (first != std::string::npos && body[first] == '{');

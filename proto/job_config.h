@@ -110,7 +110,10 @@ absl::StatusOr<JobSpec> ParseJobConfigWithOverrides(
 absl::StatusOr<JobSpec> ParseJobConfigProto(absl::string_view serialized);
 
 // Reads a file: JSON if the name ends in .json or the text starts with '{',
-// text format otherwise. Errors name the file.
+// text format otherwise. Errors name the file: NOT_FOUND (or
+// PERMISSION_DENIED) with the system's reason where it cannot be opened,
+// INVALID_ARGUMENT for a folder and for a file with nothing but
+// whitespace, which would otherwise read as a config of defaults.
 absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path);
 
 // Trailing metadata of refused pushes (DESIGN 4, shard recovery): an

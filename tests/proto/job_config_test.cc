@@ -1,5 +1,8 @@
 #include "proto/job_config.h"
 
+#include <cstdio>
+#include <fstream>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -429,6 +432,17 @@ TEST(JobConfigTest, AFolderIsNoConfigFile) {
   const absl::Status folder = LoadJobConfig(::testing::TempDir()).status();
   EXPECT_EQ(folder.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(folder.message(), "is a directory")) << folder;
+}
+
+// An empty file (a ConfigMap's key missing) says so, not that `workers` is 0.
+TEST(JobConfigTest, AnEmptyFileSaysItIsEmpty) {
+  const std::string path =
+      ::testing::TempDir() + "/job_config_test_empty.textproto";
+  { std::ofstream(path) << " \n\t\n"; }
+  const absl::Status empty = LoadJobConfig(path).status();
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(empty.message(), "is empty")) << empty;
+  std::remove(path.c_str());
 }
 
 }  // namespace
