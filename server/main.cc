@@ -99,7 +99,15 @@ int main(int argc, char** argv) {
   auto job = proto::LoadJobConfig(config_path);
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
-  if (shard < 0) return Fail(kExitConfig, "--shard is required (0..shards-1)");
+  if (shard < 0) {
+    return Fail(kExitConfig,
+                shard == -1
+                    ? absl::StrFormat("--shard is required: 0..%u (the job has "
+                                      "%u shards)",
+                                      job->shards() - 1, job->shards())
+                    : absl::StrFormat("--shard %d: must be in 0..%u", shard,
+                                      job->shards() - 1));
+  }
   const absl::StatusOr<int> threads = compress::ComputePool::ThreadsFromFlag(
       absl::GetFlag(FLAGS_compute_threads));
   if (!threads.ok())

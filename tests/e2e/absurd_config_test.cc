@@ -102,5 +102,47 @@ TEST_F(AbsurdConfigTest, AbsurdCountsAndTimeoutsNameTheirField) {
   }
 }
 
+// A folder, an empty file or a missing file given as --config: both daemons
+// exit 2 saying which, not that a field the user never wrote is wrong.
+TEST_F(AbsurdConfigTest, AConfigFileThatHoldsNoConfigSaysWhy) {
+  const std::string empty = dir_ + "/empty.textproto";
+  std::ofstream(empty) << "\n";
+  const struct {
+    std::string path;
+    std::string why;
+  } cases[] = {{dir_, "is a directory"},
+               {empty, "is empty"},
+               {dir_ + "/missing.textproto", "No such file or directory"}};
+  for (const auto& c : cases) {
+    for (const Outcome& o :
+         {RunToExit(dir_, {testing::ServerBin(), "--config", c.path, "--shard",
+                           "0", "--insecure"}),
+          RunToExit(dir_, {testing::WorkerBin(), "--config", c.path, "--rank",
+                           "0", "--insecure", "--check_config"})}) {
+      EXPECT_EQ(o.exit_code, 2) << c.path << "\n" << o.log;
+      EXPECT_NE(o.log.find(c.why), std::string::npos) << c.path << "\n"
+                                                      << o.log;
+    }
+  }
+}
+
+// --shard left out, or out of the job's range, names the range.
+TEST_F(AbsurdConfigTest, AShardOutsideTheJobNamesTheRange) {
+  const std::string config =
+      std::string(kBase) + "workers: 1 synthetic { dim: 1000 }";
+  const Outcome missing = RunToExit(
+      dir_, {testing::ServerBin(), "--config", Write(config), "--insecure"});
+  EXPECT_EQ(missing.exit_code, 2) << missing.log;
+  EXPECT_NE(missing.log.find("--shard is required: 0..0 (the job has 1 "
+                             "shards)"),
+            std::string::npos)
+      << missing.log;
+  for (const std::string shard : {"-3", "1"}) {
+    const Outcome o = Server(config, {"--shard", shard});
+    EXPECT_EQ(o.exit_code, 2) << shard << "\n" << o.log;
+    EXPECT_NE(o.log.find("--shard " + shard + ":"), std::string::npos) << o.log;
+  }
+}
+
 }  // namespace
 }  // namespace morse
