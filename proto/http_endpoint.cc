@@ -7,6 +7,7 @@
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
 #include "prometheus/text_serializer.h"
+#include "proto/address.h"
 
 namespace morse::proto {
 
@@ -62,17 +63,19 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
   auto impl = std::make_unique<Impl>();
   impl->registry = std::move(registry);
   impl->ready = std::move(ready);
-  const size_t colon = address.rfind(':');
-  boost::system::error_code error;
-  const auto host =
-      boost::asio::ip::make_address(address.substr(0, colon), error);
-  if (colon == std::string::npos || error) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("'", address, "' is not host:port"));
+  const absl::StatusOr<uint16_t> port = PortOf(address, "HTTP address");
+  if (!port.ok()) return port.status();
+  std::string literal = address.substr(0, address.rfind(':'));
+  if (literal.size() > 2 && literal.front() == '[' && literal.back() == ']') {
+    literal = literal.substr(1, literal.size() - 2);  // [IPv6]:PORT
   }
-  const tcp::endpoint endpoint(
-      host,
-      static_cast<unsigned short>(std::atoi(address.c_str() + colon + 1)));
+  boost::system::error_code error;
+  const auto host = boost::asio::ip::make_address(literal, error);
+  if (error) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "HTTP address '", address, "': the host is not an IP address"));
+  }
+  const tcp::endpoint endpoint(host, *port);
   impl->acceptor.open(endpoint.protocol(), error);
   if (!error)
     impl->acceptor.set_option(tcp::acceptor::reuse_address(true), error);

@@ -11,6 +11,7 @@
 #include "compress/kernels.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "proto/address.h"
 #include "proto/wire.h"
 
 namespace morse::server {
@@ -76,6 +77,19 @@ absl::StatusOr<std::unique_ptr<ShardDaemon>> ShardDaemon::Start(
   if (absl::Status s = proto::ValidateServerSecurity(options.security);
       !s.ok()) {
     return ConfigError(s);
+  }
+  const struct {
+    const char* flag;
+    const std::string& address;
+    bool required;
+  } addresses[] = {{"--listen", options.listen, true},
+                   {"--metrics_listen", options.metrics_listen, false},
+                   {"--health_listen", options.health_listen, false}};
+  for (const auto& a : addresses) {
+    if (a.address.empty() && !a.required) continue;  // off
+    if (auto port = proto::PortOf(a.address, a.flag); !port.ok()) {
+      return ConfigError(port.status());
+    }
   }
   std::unique_ptr<ShardDaemon> daemon(new ShardDaemon(std::move(options)));
   if (absl::Status s = daemon->Serve(); !s.ok()) return s;

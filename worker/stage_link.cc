@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "compress/sync.h"
 #include "grpcpp/grpcpp.h"
+#include "proto/address.h"
 #include "proto/morse.grpc.pb.h"
 #include "proto/wire.h"
 
@@ -130,6 +131,8 @@ class StageService final : public v1::Stage::Service {
 
 absl::StatusOr<std::unique_ptr<StageLink>> StageLink::Listen(
     const std::string& address, const proto::SecurityOptions& security) {
+  if (auto port = proto::PortOf(address, "the stage's address"); !port.ok())
+    return port.status();
   if (absl::Status s = proto::ValidateServerSecurity(security); !s.ok())
     return s;
   auto tokens = proto::TokenFile::FromOptions(security);

@@ -144,5 +144,25 @@ TEST_F(AbsurdConfigTest, AShardOutsideTheJobNamesTheRange) {
   }
 }
 
+// Addresses that are not HOST:PORT end both daemons with exit 2 naming the
+// flag: gRPC would serve "127.0.0.1:99999" on port 34463, and a worker given
+// a shard's address without a port waited for it forever.
+TEST_F(AbsurdConfigTest, AnAddressThatIsNotHostPortIsRefused) {
+  const std::string config =
+      std::string(kBase) + "workers: 1 synthetic { dim: 1000 }";
+  const Outcome listen = Server(config, {"--listen", "127.0.0.1:99999"});
+  const Outcome metrics = Server(config, {"--metrics_listen", "nonsense"});
+  const Outcome worker =
+      RunToExit(dir_, {testing::WorkerBin(), "--config", Write(config),
+                       "--rank", "0", "--servers", "shard-0", "--insecure"});
+  for (const auto& [o, said] :
+       {std::pair{listen, "--listen '127.0.0.1:99999' is not HOST:PORT"},
+        std::pair{metrics, "--metrics_listen 'nonsense' is not HOST:PORT"},
+        std::pair{worker, "shard 0's address 'shard-0' is not HOST:PORT"}}) {
+    EXPECT_EQ(o.exit_code, 2) << o.log;
+    EXPECT_NE(o.log.find(said), std::string::npos) << o.log;
+  }
+}
+
 }  // namespace
 }  // namespace morse

@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "proto/address.h"
 #include "proto/wire.h"
 
 namespace morse::worker {
@@ -19,6 +20,11 @@ absl::StatusOr<std::unique_ptr<GrpcTransport>> GrpcTransport::Create(
   if (rank >= job.workers()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "rank ", rank, " is outside the job's ", job.workers(), " workers"));
+  }
+  for (size_t s = 0; s < servers.size(); ++s) {
+    const auto port =
+        proto::PortOf(servers[s], absl::StrCat("shard ", s, "'s address"));
+    if (!port.ok()) return port.status();
   }
   proto::SecurityOptions own = security;
   own.token_file =
