@@ -5,15 +5,15 @@
 
 namespace morse::proto {
 
-absl::StatusOr<uint16_t> PortOf(absl::string_view address,
-                                absl::string_view what) {
+absl::StatusOr<HostPort> SplitHostPort(absl::string_view address,
+                                       absl::string_view what) {
   const auto refuse = [&](absl::string_view why) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " '", address, "' is not HOST:PORT (", why, ")"));
   };
   const size_t colon = address.rfind(':');
   if (colon == absl::string_view::npos) return refuse("no port");
-  const absl::string_view host = address.substr(0, colon);
+  absl::string_view host = address.substr(0, colon);
   const absl::string_view port = address.substr(colon + 1);
   if (host.empty() || host == "[]") return refuse("no host");
   if (port.empty() || port.size() > 5) {
@@ -27,7 +27,10 @@ absl::StatusOr<uint16_t> PortOf(absl::string_view address,
     value = value * 10 + static_cast<uint32_t>(c - '0');
   }
   if (value > 65535) return refuse("the port is a number in 0..65535");
-  return static_cast<uint16_t>(value);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return HostPort{std::string(host), static_cast<uint16_t>(value)};
 }
 
 }  // namespace morse::proto

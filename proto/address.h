@@ -6,18 +6,23 @@
 #define MORSE_PROTO_ADDRESS_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace morse::proto {
 
-// The port of `address` (HOST:PORT, or [IPv6]:PORT), or INVALID_ARGUMENT
-// naming `what` (the flag, say) where HOST is empty or PORT is not a
-// number in 0..65535. HOST itself (a name or a literal) is left to the
-// resolver.
-absl::StatusOr<uint16_t> PortOf(absl::string_view address,
-                                absl::string_view what);
+struct HostPort {
+  std::string host;  // a name or a literal; an IPv6 one without its brackets
+  uint16_t port = 0;
+};
+
+// `address` (HOST:PORT, or [IPv6]:PORT) split, or INVALID_ARGUMENT naming
+// `what` (the flag, say) where HOST is empty or PORT is not a number in
+// 0..65535. HOST itself is left to the resolver.
+absl::StatusOr<HostPort> SplitHostPort(absl::string_view address,
+                                       absl::string_view what);
 
 }  // namespace morse::proto
 

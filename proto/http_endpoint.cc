@@ -63,19 +63,15 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
   auto impl = std::make_unique<Impl>();
   impl->registry = std::move(registry);
   impl->ready = std::move(ready);
-  const absl::StatusOr<uint16_t> port = PortOf(address, "HTTP address");
-  if (!port.ok()) return port.status();
-  std::string literal = address.substr(0, address.rfind(':'));
-  if (literal.size() > 2 && literal.front() == '[' && literal.back() == ']') {
-    literal = literal.substr(1, literal.size() - 2);  // [IPv6]:PORT
-  }
+  const absl::StatusOr<HostPort> split = SplitHostPort(address, "HTTP address");
+  if (!split.ok()) return split.status();
   boost::system::error_code error;
-  const auto host = boost::asio::ip::make_address(literal, error);
+  const auto host = boost::asio::ip::make_address(split->host, error);
   if (error) {
     return absl::InvalidArgumentError(absl::StrCat(
         "HTTP address '", address, "': the host is not an IP address"));
   }
-  const tcp::endpoint endpoint(host, *port);
+  const tcp::endpoint endpoint(host, split->port);
   impl->acceptor.open(endpoint.protocol(), error);
   if (!error)
     impl->acceptor.set_option(tcp::acceptor::reuse_address(true), error);

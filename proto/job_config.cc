@@ -645,7 +645,7 @@ absl::StatusOr<JobSpec> LoadJobConfig(const std::string& path) {
   }
   const bool json =
       (path.size() >= 5 && path.substr(path.size() - 5) == ".json") ||
-      (first != std::string::npos && body[first] == '{');
+      body[first] == '{';
   auto job =
       ParseJobConfig(body, json ? ConfigFormat::kJson : ConfigFormat::kText);
   if (!job.ok()) {

@@ -99,25 +99,23 @@ int main(int argc, char** argv) {
   auto job = proto::LoadJobConfig(config_path);
   if (!job.ok()) return Fail(kExitConfig, std::string(job.status().message()));
   const int shard = absl::GetFlag(FLAGS_shard);
-  if (shard < 0) {
+  if (shard == -1) {  // the flag's default: not given
     return Fail(kExitConfig,
-                shard == -1
-                    ? absl::StrFormat("--shard is required: 0..%u (the job has "
-                                      "%u shards)",
-                                      job->shards() - 1, job->shards())
-                    : absl::StrFormat("--shard %d: must be in 0..%u", shard,
-                                      job->shards() - 1));
+                absl::StrFormat("--shard is required: 0..%u (the job has %u "
+                                "shards)",
+                                job->shards() - 1, job->shards()));
+  }
+  if (shard < 0 || shard >= static_cast<int>(job->shards())) {
+    return Fail(kExitConfig,
+                absl::StrFormat("--shard %d: must be in 0..%u (the job has %u "
+                                "shards)",
+                                shard, job->shards() - 1, job->shards()));
   }
   const absl::StatusOr<int> threads = compress::ComputePool::ThreadsFromFlag(
       absl::GetFlag(FLAGS_compute_threads));
   if (!threads.ok())
     return Fail(kExitConfig, std::string(threads.status().message()));
   const int compute_threads = *threads;
-  if (shard >= static_cast<int>(job->shards())) {
-    return Fail(kExitConfig,
-                absl::StrFormat("--shard %d: the job has %u shards", shard,
-                                job->shards()));
-  }
   const proto::SecurityOptions security = proto::SecurityOptionsFromFlags();
   if (absl::Status s = proto::ValidateServerSecurity(security); !s.ok()) {
     return Fail(kExitConfig, std::string(s.message()));

@@ -87,8 +87,8 @@ absl::StatusOr<std::unique_ptr<ShardDaemon>> ShardDaemon::Start(
                    {"--health_listen", options.health_listen, false}};
   for (const auto& a : addresses) {
     if (a.address.empty() && !a.required) continue;  // off
-    if (auto port = proto::PortOf(a.address, a.flag); !port.ok()) {
-      return ConfigError(port.status());
+    if (auto split = proto::SplitHostPort(a.address, a.flag); !split.ok()) {
+      return ConfigError(split.status());
     }
   }
   std::unique_ptr<ShardDaemon> daemon(new ShardDaemon(std::move(options)));

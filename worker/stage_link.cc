@@ -131,8 +131,9 @@ class StageService final : public v1::Stage::Service {
 
 absl::StatusOr<std::unique_ptr<StageLink>> StageLink::Listen(
     const std::string& address, const proto::SecurityOptions& security) {
-  if (auto port = proto::PortOf(address, "the stage's address"); !port.ok())
-    return port.status();
+  if (auto split = proto::SplitHostPort(address, "the stage's address");
+      !split.ok())
+    return split.status();
   if (absl::Status s = proto::ValidateServerSecurity(security); !s.ok())
     return s;
   auto tokens = proto::TokenFile::FromOptions(security);

@@ -7,11 +7,21 @@
 namespace morse::proto {
 namespace {
 
-TEST(AddressTest, HostPortGivesItsPort) {
-  EXPECT_EQ(*PortOf("127.0.0.1:7000", "--listen"), 7000);
-  EXPECT_EQ(*PortOf("0.0.0.0:0", "--listen"), 0);
-  EXPECT_EQ(*PortOf("node-a:65535", "--listen"), 65535);
-  EXPECT_EQ(*PortOf("[::1]:29400", "--listen"), 29400);
+TEST(AddressTest, HostPortSplits) {
+  const struct {
+    const char* address;
+    const char* host;
+    uint16_t port;
+  } cases[] = {{"127.0.0.1:7000", "127.0.0.1", 7000},
+               {"0.0.0.0:0", "0.0.0.0", 0},
+               {"node-a:65535", "node-a", 65535},
+               {"[::1]:29400", "::1", 29400}};
+  for (const auto& c : cases) {
+    const auto split = SplitHostPort(c.address, "--listen");
+    ASSERT_TRUE(split.ok()) << split.status();
+    EXPECT_EQ(split->host, c.host);
+    EXPECT_EQ(split->port, c.port);
+  }
 }
 
 // gRPC took "127.0.0.1:99999" as port 34463 (99999 modulo 65536), and a
@@ -20,7 +30,7 @@ TEST(AddressTest, WhatIsNotHostPortIsRefusedNamingTheFlag) {
   for (const char* address : {"127.0.0.1:99999", "127.0.0.1:100000", "nonsense",
                               "127.0.0.1:", ":7000", "[]:7000",
                               "127.0.0.1:70a0", "127.0.0.1:-1", "a"}) {
-    const auto port = PortOf(address, "--listen");
+    const auto port = SplitHostPort(address, "--listen");
     ASSERT_FALSE(port.ok()) << address;
     EXPECT_EQ(port.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_TRUE(absl::StrContains(port.status().message(),

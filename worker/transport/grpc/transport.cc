@@ -22,9 +22,9 @@ absl::StatusOr<std::unique_ptr<GrpcTransport>> GrpcTransport::Create(
         "rank ", rank, " is outside the job's ", job.workers(), " workers"));
   }
   for (size_t s = 0; s < servers.size(); ++s) {
-    const auto port =
-        proto::PortOf(servers[s], absl::StrCat("shard ", s, "'s address"));
-    if (!port.ok()) return port.status();
+    const auto split = proto::SplitHostPort(
+        servers[s], absl::StrCat("shard ", s, "'s address"));
+    if (!split.ok()) return split.status();
   }
   proto::SecurityOptions own = security;
   own.token_file =
