@@ -69,7 +69,9 @@ ABSL_FLAG(std::string, trace, "",
           "Perfetto or chrome://tracing) to this file when it exits; off when "
           "empty (docs/operations.md).");
 ABSL_FLAG(bool, check_config, false,
-          "Parse the flags and config, print a summary, and exit.");
+          "Parse the flags and config, check what the start would refuse "
+          "(--shard, addresses, the TLS policy) without serving, print a "
+          "summary, and exit.");
 
 namespace {
 
@@ -117,9 +119,6 @@ int main(int argc, char** argv) {
     return Fail(kExitConfig, std::string(threads.status().message()));
   const int compute_threads = *threads;
   const proto::SecurityOptions security = proto::SecurityOptionsFromFlags();
-  if (absl::Status s = proto::ValidateServerSecurity(security); !s.ok()) {
-    return Fail(kExitConfig, std::string(s.message()));
-  }
   if (const std::string trace = absl::GetFlag(FLAGS_trace);
       !trace.empty() && !absl::GetFlag(FLAGS_check_config)) {
     if (absl::Status s = trace::Start(trace, absl::StrCat("shard ", shard));
@@ -127,7 +126,19 @@ int main(int argc, char** argv) {
       return Fail(kExitConfig, absl::StrCat("--trace: ", s.message()));
     }
   }
+  server::ShardDaemonOptions options;
+  options.job = *job;
+  options.shard = static_cast<uint32_t>(shard);
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.state_log = absl::GetFlag(FLAGS_state_log);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
+  options.max_model_elems = absl::GetFlag(FLAGS_max_model_elems);
+  options.compute_threads = compute_threads;
+  options.security = security;
   if (absl::GetFlag(FLAGS_check_config)) {
+    if (absl::Status s = server::ShardDaemon::Check(options); !s.ok())
+      return Fail(kExitConfig, std::string(s.message()));
     std::unique_ptr<server::ShardCore> core;
     if (job->sized()) {
       auto created =
@@ -142,10 +153,6 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  server::ShardDaemonOptions options;
-  options.job = *job;
-  options.shard = static_cast<uint32_t>(shard);
-  options.listen = absl::GetFlag(FLAGS_listen);
   std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   if (checkpoint_dir.empty()) checkpoint_dir = job->checkpoint_dir;
   if (!checkpoint_dir.empty()) {
@@ -154,12 +161,6 @@ int main(int argc, char** argv) {
     options.checkpoint =
         absl::StrCat(checkpoint_dir, "/shard-", shard, ".ckpt");
   }
-  options.state_log = absl::GetFlag(FLAGS_state_log);
-  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  options.health_listen = absl::GetFlag(FLAGS_health_listen);
-  options.max_model_elems = absl::GetFlag(FLAGS_max_model_elems);
-  options.compute_threads = compute_threads;
-  options.security = security;
   auto daemon = server::ShardDaemon::Start(std::move(options));
   if (!daemon.ok()) {
     return Fail(daemon.status().code() == absl::StatusCode::kUnavailable

@@ -67,8 +67,7 @@ std::string ShardDaemon::SecuritySummary(
 ShardDaemon::ShardDaemon(ShardDaemonOptions options)
     : options_(std::move(options)) {}
 
-absl::StatusOr<std::unique_ptr<ShardDaemon>> ShardDaemon::Start(
-    ShardDaemonOptions options) {
+absl::Status ShardDaemon::Check(const ShardDaemonOptions& options) {
   if (options.shard >= options.job.shards()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("--shard %d: the job has %u shards", options.shard,
@@ -91,6 +90,12 @@ absl::StatusOr<std::unique_ptr<ShardDaemon>> ShardDaemon::Start(
       return ConfigError(split.status());
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ShardDaemon>> ShardDaemon::Start(
+    ShardDaemonOptions options) {
+  if (absl::Status s = Check(options); !s.ok()) return s;
   std::unique_ptr<ShardDaemon> daemon(new ShardDaemon(std::move(options)));
   if (absl::Status s = daemon->Serve(); !s.ok()) return s;
   return daemon;

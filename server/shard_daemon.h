@@ -49,6 +49,10 @@ class ShardDaemon {
  public:
   static absl::StatusOr<std::unique_ptr<ShardDaemon>> Start(
       ShardDaemonOptions options);
+  // What Start refuses before it serves (INVALID_ARGUMENT): the shard out
+  // of the job, the security policy, an address that is not HOST:PORT.
+  // For --check_config.
+  static absl::Status Check(const ShardDaemonOptions& options);
   ~ShardDaemon();
   ShardDaemon(const ShardDaemon&) = delete;
   ShardDaemon& operator=(const ShardDaemon&) = delete;

@@ -75,7 +75,9 @@ ABSL_FLAG(std::string, trace, "",
           "Perfetto or chrome://tracing) to this file when it exits; off when "
           "empty (docs/operations.md).");
 ABSL_FLAG(bool, check_config, false,
-          "Parse the flags and config, print a summary, and exit.");
+          "Parse the flags and config, check what the start would refuse "
+          "(addresses, --device, credentials) without reaching a shard, "
+          "print a summary, and exit.");
 
 namespace {
 
@@ -176,6 +178,11 @@ int main(int argc, char** argv) {
     }
   }
   if (absl::GetFlag(FLAGS_check_config)) {
+    if (absl::Status s = worker::Trainer::Check(*job, options); !s.ok()) {
+      std::fprintf(stderr, "morse-worker: %s\n",
+                   std::string(s.message()).c_str());
+      return 2;
+    }
     if (absl::Status s = proto::CheckFitsInMemory(
             proto::WorkerStateBytes(*job),
             absl::StrCat("worker ", rank, " (", job->algorithm.layout.dim,

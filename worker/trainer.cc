@@ -16,6 +16,7 @@
 #include "compress/optimizer.h"
 #include "compress/replica.h"
 #include "prometheus/registry.h"
+#include "proto/address.h"
 #include "proto/checkpoint_file.h"
 #include "proto/http_endpoint.h"
 #include "worker/client.h"
@@ -115,19 +116,46 @@ void Trainer::Log(const std::string& line) const {
   }
 }
 
-absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
-  if (options_.device != "auto" && options_.device != "cpu" &&
-      options_.device != "cuda") {
+namespace {
+
+// What Begin refuses whatever the transport.
+absl::Status CheckOptions(const proto::JobSpec& job,
+                          const TrainerOptions& options) {
+  if (options.device != "auto" && options.device != "cpu" &&
+      options.device != "cuda") {
     return absl::InvalidArgumentError(
-        absl::StrCat("--device ", options_.device, ": use auto, cpu or cuda"));
+        absl::StrCat("--device ", options.device, ": use auto, cpu or cuda"));
   }
-  if (job_.algorithm.diloco.warmup_steps > 0) {  // diloco's section alone
+  if (job.algorithm.diloco.warmup_steps > 0) {  // diloco's section alone
     // InnerAdam takes the same count every outer step.
     return absl::UnimplementedError(absl::StrCat(
-        "diloco.warmup_steps (", job_.algorithm.diloco.warmup_steps,
+        "diloco.warmup_steps (", job.algorithm.diloco.warmup_steps,
         ") is morse.torch.DiLoCo's for now: morse-worker's inner Adam takes "
         "sync_every / fragments steps every outer step; leave it unset"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Trainer::Check(const proto::JobSpec& job,
+                            const TrainerOptions& options) {
+  if (absl::Status s = CheckOptions(job, options); !s.ok()) return s;
+  // Channels connect lazily: this reads the credentials and parses the
+  // addresses, and reaches no shard.
+  auto transport = GrpcTransport::Create(job, options.servers, options.rank,
+                                         options.security);
+  if (!transport.ok()) return transport.status();
+  if (!options.metrics_listen.empty()) {
+    auto address =
+        proto::SplitHostPort(options.metrics_listen, "--metrics_listen");
+    if (!address.ok()) return address.status();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Begin(std::unique_ptr<Transport> transport) {
+  if (absl::Status s = CheckOptions(job_, options_); !s.ok()) return s;
   auto workload = MakeWorkload(job_, options_.rank);
   if (!workload.ok()) return workload.status();
   workload_ = *std::move(workload);

@@ -99,6 +99,12 @@ class Trainer {
   static absl::StatusOr<std::unique_ptr<Trainer>> Create(
       const proto::JobSpec& job, const TrainerOptions& options,
       std::unique_ptr<Transport> transport);
+  // What Create would refuse before it reaches a shard or reads data: the
+  // options (--device), a config section morse-worker cannot run, the
+  // servers' addresses and credentials, the metrics address. For
+  // --check_config; Create checks the same.
+  static absl::Status Check(const proto::JobSpec& job,
+                            const TrainerOptions& options);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;

@@ -164,5 +164,45 @@ TEST_F(AbsurdConfigTest, AnAddressThatIsNotHostPortIsRefused) {
   }
 }
 
+// --check_config says what the daemon would refuse at its start: the
+// addresses, the worker's --device, the server's TLS policy (the manifests'
+// checks run it: docs/deploy.md).
+TEST_F(AbsurdConfigTest, CheckConfigRefusesWhatTheStartWould) {
+  const std::string config =
+      std::string(kBase) + "workers: 1 synthetic { dim: 1000 }";
+  const Outcome listen =
+      Server(config, {"--listen", "127.0.0.1:99999", "--check_config"});
+  const Outcome health =
+      Server(config, {"--health_listen", "nonsense", "--check_config"});
+  const std::vector<std::string> worker = {
+      testing::WorkerBin(), "--config",      Write(config), "--rank", "0",
+      "--insecure",         "--check_config"};
+  const auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = worker;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunToExit(dir_, argv);
+  };
+  const Outcome address = with({"--servers", "127.0.0.1"});
+  const Outcome device =
+      with({"--servers", "127.0.0.1:7000", "--device", "gpu"});
+  const Outcome metrics =
+      with({"--servers", "127.0.0.1:7000", "--metrics_listen", "127.0.0.1:x"});
+  for (const auto& [o, said] :
+       {std::pair{listen, "--listen '127.0.0.1:99999' is not HOST:PORT"},
+        std::pair{health, "--health_listen 'nonsense' is not HOST:PORT"},
+        std::pair{address, "shard 0's address '127.0.0.1' is not HOST:PORT"},
+        std::pair{device, "--device gpu: use auto, cpu or cuda"},
+        std::pair{metrics,
+                  "--metrics_listen '127.0.0.1:x' is not HOST:PORT"}}) {
+    EXPECT_EQ(o.exit_code, 2) << o.log;
+    EXPECT_NE(o.log.find(said), std::string::npos) << o.log;
+    EXPECT_EQ(o.log.find("config OK"), std::string::npos) << o.log;
+  }
+  // And passes what it would start with.
+  const Outcome ok = with({"--servers", "127.0.0.1:7000", "--device", "cpu"});
+  EXPECT_EQ(ok.exit_code, 0) << ok.log;
+  EXPECT_NE(ok.log.find("config OK"), std::string::npos) << ok.log;
+}
+
 }  // namespace
 }  // namespace morse
