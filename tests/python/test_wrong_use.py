@@ -104,6 +104,14 @@ def main():
     expect(TypeError, "float32", lambda: morse.torch.OneBitAdam(
         [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], **args))
     expect(ValueError, "no parameters", lambda: morse.torch.Adam([], **args))
+    # A parameter listed twice (torch.optim warns, and steps it twice).
+    shared = torch.nn.Linear(3, 2)
+    expect(ValueError, "parameter 2 (2, 3) is the same tensor as parameter 0 (2, 3): list each "
+           "parameter once", lambda: morse.torch.Adam(list(shared.parameters()) + [shared.weight],
+                                                        **args))
+    # In two groups: torch's own check.
+    expect(ValueError, "more than one parameter group", lambda: morse.torch.OneBitAdam(
+        [{"params": [shared.weight]}, {"params": [shared.bias, shared.weight]}], **args))
     expect(ValueError, "only with broadcast_buffers=True", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), buffers=[torch.zeros(2)], broadcast_buffers=False, **args))
     # Parameter groups with betas and eps of their own train apart

@@ -345,6 +345,15 @@ class _MorseOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         every = [p for group in self.param_groups for p in group["params"]]
         every_name = names or [f"parameter {i} {tuple(p.shape)}" for i, p in enumerate(every)]
+        # A parameter listed twice would sit twice in the flat buffer: its
+        # gradient pushed and counted in the norms twice (torch.optim warns
+        # and steps it twice).
+        first_seen = {}
+        for name, p in zip(every_name, every):
+            if id(p) in first_seen:
+                raise ValueError(f"{name} is the same tensor as {first_seen[id(p)]}: list each "
+                                 "parameter once (model.parameters() does)")
+            first_seen[id(p)] = name
         # Frozen parameters (requires_grad=False) stay out of the flat buffer:
         # Morse never touches them, as torch.optim never updates them.
         self._params = [p for p in every if p.requires_grad]
