@@ -33,7 +33,7 @@ absl::Status EncodeWorkerMessage(const SendRule& rule, const Replica& replica,
   const uint64_t n = g.size();
   if (rule.idle) return EmptyPayload(payload);
   const auto mask = [&](uint64_t at, uint64_t len) {
-    return rule.mask ? replica.v().subspan(at - replica.range().begin, len)
+    return rule.mask ? replica.VarianceMask(at, len)
                      : absl::Span<const float>();
   };
   if (rule.accumulated) {  // zero_one_adam's sync: the gradient is already in u

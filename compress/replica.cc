@@ -141,7 +141,10 @@ Replica::Replica(const AlgorithmConfig& config, Range range)
       m_(range.size(), 0.0f),
       v_(range.size(), 0.0f),
       x_(absl::MakeSpan(owned_x_)),
-      lr_sums_(config.layout.cuts.size() + 1, 0.0f) {
+      lr_sums_(config.layout.cuts.size() + 1, 0.0f),
+      zero_block_(std::max<uint64_t>(1, config.layout.block_elems)),
+      zeros_(std::make_unique<Zeros>((range.size() + zero_block_ - 1) /
+                                     zero_block_)) {
   InitLayers();
 }
 
@@ -152,9 +155,43 @@ Replica::Replica(const AlgorithmConfig& config, Range range,
       m_(range.size(), 0.0f),
       v_(range.size(), 0.0f),
       x_(external_x),
-      lr_sums_(config.layout.cuts.size() + 1, 0.0f) {
+      lr_sums_(config.layout.cuts.size() + 1, 0.0f),
+      zero_block_(std::max<uint64_t>(1, config.layout.block_elems)),
+      zeros_(std::make_unique<Zeros>((range.size() + zero_block_ - 1) /
+                                     zero_block_)) {
   MORSE_CHECK(external_x.size() == range.size());
   InitLayers();
+}
+
+absl::Span<const float> Replica::VarianceMask(uint64_t begin,
+                                              uint64_t n) const {
+  MORSE_CHECK(begin >= range_.begin && begin + n <= range_.end);
+  const uint64_t at = begin - range_.begin;
+  const absl::Span<const float> mask = absl::MakeConstSpan(v_).subspan(at, n);
+  if (n == 0) return {};
+  const uint64_t generation =
+      zeros_->generation.load(std::memory_order_relaxed);
+  for (uint64_t b = at / zero_block_; b <= (at + n - 1) / zero_block_; ++b) {
+    const uint64_t held = zeros_->blocks[b].load(std::memory_order_relaxed);
+    uint64_t known = held >> 2 == generation ? held & 3 : kZerosUnknown;
+    if (known == kZerosUnknown) {
+      const uint64_t first = b * zero_block_;
+      const uint64_t end = std::min<uint64_t>(first + zero_block_, v_.size());
+      uint32_t zeros = 0;  // a count, which the compiler vectorizes
+      for (uint64_t j = first; j < end; ++j) zeros += v_[j] == 0.0f;
+      known = zeros > 0 ? kSomeZero : kNoZero;
+      zeros_->blocks[b].store(generation << 2 | known,
+                              std::memory_order_relaxed);
+    }
+    if (known == kSomeZero) return mask;
+  }
+  return {};
+}
+
+void Replica::ForgetZeros(uint64_t at, uint64_t n) {
+  if (n == 0) return;
+  for (uint64_t b = at / zero_block_; b <= (at + n - 1) / zero_block_; ++b)
+    zeros_->blocks[b].store(kZerosUnknown, std::memory_order_relaxed);
 }
 
 absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
@@ -187,6 +224,9 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   // the statistics of the segments that piece completes. A worker's sync
   // starts from x at the last sync (the anchor); a mirror's x is that.
   MORSE_CHECK(clip_pieces.empty() || grad_scale == 1.0f);
+  // The rules that write v (ApplyRule): Adam's and 0/1 Adam's variance
+  // steps, and LAMB's moments before its freeze.
+  const bool writes_v = !rule.outer && !rule.sync && !rule.frozen_variance;
   const auto apply = [&](uint64_t at, absl::Span<float> decoded) {
     const uint64_t len = decoded.size();
     if (!clip_pieces.empty()) ScaleByPieces(clip_pieces, at, decoded);
@@ -198,6 +238,7 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
                   : absl::Span<const float>(),
               rule.lamb ? absl::MakeSpan(v_fresh_).subspan(offset + at, len)
                         : absl::Span<float>());
+    if (writes_v) ForgetZeros(offset + at, len);
     segments.Through(begin + at + len);
   };
   const uint64_t block = rule.codec.block_elems;

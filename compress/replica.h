@@ -9,7 +9,9 @@
 #ifndef MORSE_COMPRESS_REPLICA_H_
 #define MORSE_COMPRESS_REPLICA_H_
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -58,10 +60,27 @@ class Replica {
   const Range& range() const { return range_; }
   absl::Span<float> x() { return x_; }
   absl::Span<float> mutable_m() { return absl::MakeSpan(m_); }
-  absl::Span<float> mutable_v() { return absl::MakeSpan(v_); }
+  // Forgets what VarianceMask knew of v: the caller is about to write it
+  // (a restore), and no VarianceMask over the elements it writes runs
+  // beside it.
+  absl::Span<float> mutable_v() {
+    zeros_->generation.fetch_add(1, std::memory_order_relaxed);
+    return absl::MakeSpan(v_);
+  }
   absl::Span<const float> x() const { return x_; }
   absl::Span<const float> m() const { return m_; }
   absl::Span<const float> v() const { return v_; }
+
+  // The zero-variance mask's v over global elements [begin, begin + n):
+  // v there, or an empty span where none of it is exactly 0, so that an
+  // encode with the mask (EncodeWorkerMessage, EncodeShardReply) skips
+  // reading v, 4 bytes an element; the mask changes only elements whose v
+  // is 0, so its bits are the same either way. Whether each block of v
+  // (the layout's block_elems) holds a 0 is found once and kept until v
+  // changes there (ApplyReply with a rule that writes v, mutable_v): in
+  // the compression phase, where v is frozen, once a run. Safe beside
+  // calls over other partitions (partitions are whole blocks).
+  absl::Span<const float> VarianceMask(uint64_t begin, uint64_t n) const;
 
   // Decodes the reply of step `step` for global elements [begin, begin + n)
   // (with the workers' `hyper`, if they set one)
@@ -249,6 +268,24 @@ class Replica {
   std::vector<float> v_fresh_;
   std::vector<float> layer_state_;
   void InitLayers();  // sizes both for such an optimizer
+
+  // VarianceMask's knowledge of v, a word per block of the range: not
+  // known, no 0 or some 0, in its low bits, and above them the generation
+  // of v it holds for. mutable_v starts a generation (which forgets every
+  // block at once); ApplyReply forgets the blocks it writes v in. Atomic
+  // (relaxed): a restore of one partition may start a generation while
+  // another partition's encode asks about its own blocks.
+  enum : uint64_t { kZerosUnknown = 0, kNoZero = 1, kSomeZero = 2 };
+  uint64_t zero_block_;
+  struct Zeros {
+    explicit Zeros(uint64_t blocks)
+        : blocks(std::make_unique<std::atomic<uint64_t>[]>(blocks)) {}
+    std::atomic<uint64_t> generation{0};
+    std::unique_ptr<std::atomic<uint64_t>[]> blocks;
+  };
+  std::unique_ptr<Zeros> zeros_;  // a pointer, for the move constructor
+  // Forgets the blocks that [at, at + n) of the range touches.
+  void ForgetZeros(uint64_t at, uint64_t n);
 };
 
 }  // namespace morse::compress

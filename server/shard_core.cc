@@ -789,7 +789,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::Complete(
       reinterpret_cast<uint8_t*>(reply->payload.data()), reply->payload.size());
   const uint64_t offset = part.range.begin - range_.begin;
   const absl::Span<const float> mask_v =
-      rule.mask ? mirror_.v().subspan(offset, n) : absl::Span<const float>();
+      rule.mask ? mirror_.VarianceMask(part.range.begin, n)
+                : absl::Span<const float>();
   absl::Status status = compress::EncodeShardReply(
       rule, plan.up, views, server_error_, offset, n, mask_v, payload);
   const bool clips =

@@ -505,7 +505,7 @@ void BM_PhaseShardReply(benchmark::State& state) {
                                                        pushes[t].end());
     if (!EncodeShardReply(down, up.codec, views, server, begin, n,
                           p.config.mask_zero_variance
-                              ? p.replica.v().subspan(begin, n)
+                              ? p.replica.VarianceMask(begin, n)
                               : absl::Span<const float>(),
                           absl::MakeSpan(replies[t]))
              .ok()) {

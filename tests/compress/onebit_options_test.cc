@@ -485,6 +485,47 @@ TEST(OneBitOptionsTest, AChunkedCompressionPhaseMessageHasTheBitsOfAWholeOne) {
   }
 }
 
+// The encodes read v for the mask only where some element is 0
+// (Replica::VarianceMask): v's span where a block of it holds a 0, none
+// where no block does, and what it knew forgotten wherever v is written
+// (a restore through mutable_v, a warmup step's ApplyReply).
+TEST(OneBitOptionsTest, TheMaskReadsVOnlyWhereSomeElementIsZero) {
+  const uint64_t dim = 4 * 64 + 10;  // blocks of 64, the last short
+  AlgorithmConfig c = OneBitConfig();
+  c.layout = {dim, 1, 64, 320};
+  c.adam.beta2 = 0.25f;  // a step with no gradient takes v's least to 0
+  Replica replica(c, {0, dim});
+  for (uint64_t j = 0; j < dim; ++j) replica.mutable_v()[j] = 1e-3f;
+  EXPECT_TRUE(replica.VarianceMask(0, dim).empty());
+  EXPECT_TRUE(replica.VarianceMask(100, 50).empty());
+
+  replica.mutable_v()[130] = 0.0f;  // block 2
+  const absl::Span<const float> whole = replica.VarianceMask(0, dim);
+  EXPECT_EQ(whole.data(), replica.v().data());
+  EXPECT_EQ(whole.size(), dim);
+  const absl::Span<const float> part = replica.VarianceMask(120, 20);
+  EXPECT_EQ(part.data(), replica.v().data() + 120);
+  EXPECT_EQ(part.size(), 20u);
+  EXPECT_TRUE(replica.VarianceMask(0, 128).empty());   // blocks 0 and 1
+  EXPECT_TRUE(replica.VarianceMask(192, 74).empty());  // block 3 and the last
+
+  // A warmup step writes v: with no gradient and beta2 0.25 the least
+  // positive float becomes 0, and the mask must see it.
+  for (uint64_t j = 0; j < dim; ++j)
+    replica.mutable_v()[j] = std::numeric_limits<float>::denorm_min();
+  ASSERT_TRUE(replica.VarianceMask(0, dim).empty());
+  const ReplyRule rule = PlanReply(c, 0);
+  ASSERT_FALSE(rule.frozen_variance);
+  std::vector<uint8_t> reply(PayloadBytes(rule.codec, dim));
+  ASSERT_TRUE(Encode(rule.codec, std::vector<float>(dim, 0.0f), {},
+                     absl::MakeSpan(reply))
+                  .ok());
+  ASSERT_TRUE(replica.ApplyReply(0, 0, dim, reply).ok());
+  ASSERT_EQ(replica.v()[0], 0.0f);
+  EXPECT_EQ(replica.VarianceMask(0, dim).data(), replica.v().data());
+  EXPECT_FALSE(replica.VarianceMask(64, 64).empty());
+}
+
 // Replica::ApplyReply decodes a sign1 reply a chunk of blocks at a time and
 // updates while the chunk is in cache: the bits of decoding the whole
 // partition first, with the mask and the bounded update (compression phase)
