@@ -209,12 +209,13 @@ def launcher_tidies():
           in done.stderr and "Traceback" not in done.stderr, f"a missing --config: {done.stderr[-800:]}")
     done = subprocess.run(base + ["--", os.path.join(tmp, "no-such-command")], env=env,
                           capture_output=True, text=True, timeout=60)
-    check(done.returncode != 0 and "cannot run" in done.stderr and "Traceback" not in done.stderr,
-          f"a COMMAND that does not exist: {done.stderr[-800:]}")
-    check("stopped before any worker joined" in done.stdout, "its shard was not stopped")
+    check(done.returncode == 2 and "cannot run" in done.stderr and "no such program" in done.stderr
+          and "Traceback" not in done.stderr, f"a COMMAND that does not exist: {done.stderr[-800:]}")
+    check("[server" not in done.stdout, f"a shard started for a COMMAND that cannot run: {done.stdout}")
     subprocess.run(["rm", "-rf", tmp])
     print("PASS: morse-run removes its folder (keeps and names it when it holds the checkpoints); "
-          "a missing --config or COMMAND is a clear error that stops the shards")
+          "a missing --config is a clear error that stops the shards, a missing COMMAND one before "
+          "any starts")
 
 
 def slow_to_stop():

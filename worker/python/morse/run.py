@@ -367,7 +367,11 @@ def _parse(argv):
     args = parser.parse_args(own)
     if not command:
         parser.error("give the command to run after --, e.g. -- python3 train.py")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+    if shutil.which(command[0]) is None:  # before any shard starts
+        parser.error(f"cannot run {command[0]}: no such program on PATH, or not an executable file")
+    if args.nnodes < 1:
+        parser.error(f"--nnodes {args.nnodes}: the nodes of the job, at least 1")
+    if not 0 <= args.node_rank < args.nnodes:
         parser.error(f"--node-rank {args.node_rank} with --nnodes {args.nnodes}: "
                      f"the node rank must be 0 to nnodes - 1")
     if args.nproc_per_node is None:
