@@ -227,10 +227,17 @@ absl::Status Replica::ApplyReply(int64_t step, uint64_t begin, uint64_t n,
   // The rules that write v (ApplyRule): Adam's and 0/1 Adam's variance
   // steps, and LAMB's moments before its freeze.
   const bool writes_v = !rule.outer && !rule.sync && !rule.frozen_variance;
+  // 1-bit LAMB's frozen moments read v for the mask alone: where no element
+  // of the partition has v = 0 the mask selects nothing, and they skip v.
+  ReplyRule applied = rule;
+  if (rule.lamb && rule.frozen_variance && rule.mask &&
+      VarianceMask(begin, n).empty()) {
+    applied.mask = false;
+  }
   const auto apply = [&](uint64_t at, absl::Span<float> decoded) {
     const uint64_t len = decoded.size();
     if (!clip_pieces.empty()) ScaleByPieces(clip_pieces, at, decoded);
-    ApplyRule(rule, decoded, x_.subspan(offset + at, len),
+    ApplyRule(applied, decoded, x_.subspan(offset + at, len),
               absl::MakeSpan(m_).subspan(offset + at, len),
               absl::MakeSpan(v_).subspan(offset + at, len),
               rule.sync && !anchor_.empty()
