@@ -129,9 +129,18 @@ int main(int argc, char** argv) {
   }
   worker::TrainerOptions options;
   const int rank = absl::GetFlag(FLAGS_rank);
+  if (rank == -1) {  // the flag's default: not given
+    std::fprintf(stderr,
+                 "morse-worker: --rank is required: 0..%u (the job has %u "
+                 "workers)\n",
+                 job->workers() - 1, job->workers());
+    return 2;
+  }
   if (rank < 0 || static_cast<uint32_t>(rank) >= job->workers()) {
-    std::fprintf(stderr, "morse-worker: --rank must be in 0..%u\n",
-                 job->workers() - 1);
+    std::fprintf(stderr,
+                 "morse-worker: --rank %d: must be in 0..%u (the job has %u "
+                 "workers)\n",
+                 rank, job->workers() - 1, job->workers());
     return 2;
   }
   options.rank = static_cast<uint32_t>(rank);
@@ -140,8 +149,9 @@ int main(int argc, char** argv) {
   if (options.servers.size() != job->shards()) {
     std::fprintf(
         stderr,
-        "morse-worker: --servers lists %zu addresses; the job has %u shards\n",
-        options.servers.size(), job->shards());
+        "morse-worker: --servers lists %zu address%s; the job has %u shard%s\n",
+        options.servers.size(), options.servers.size() == 1 ? "" : "es",
+        job->shards(), job->shards() == 1 ? "" : "s");
     return 2;
   }
   options.metrics_path = absl::GetFlag(FLAGS_metrics);

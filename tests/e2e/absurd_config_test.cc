@@ -144,6 +144,34 @@ TEST_F(AbsurdConfigTest, AShardOutsideTheJobNamesTheRange) {
   }
 }
 
+// The same for a worker's --rank, and a --servers list of the wrong length
+// says how many it lists and how many the job has.
+TEST_F(AbsurdConfigTest, ARankOutsideTheJobNamesTheRange) {
+  const std::string config =
+      std::string(kBase) + "workers: 2 synthetic { dim: 1000 }";
+  const std::string path = Write(config);
+  const auto worker = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = {testing::WorkerBin(), "--config", path,
+                                     "--insecure", "--check_config"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunToExit(dir_, argv);
+  };
+  const Outcome missing = worker({"--servers", "127.0.0.1:7000"});
+  const Outcome negative = worker({"--rank", "-3"});
+  const Outcome beyond = worker({"--rank", "2"});
+  const Outcome servers =
+      worker({"--rank", "1", "--servers", "127.0.0.1:7000,127.0.0.1:7001"});
+  for (const auto& [o, said] :
+       {std::pair{missing, "--rank is required: 0..1 (the job has 2 workers)"},
+        std::pair{negative, "--rank -3: must be in 0..1"},
+        std::pair{beyond, "--rank 2: must be in 0..1"},
+        std::pair{servers,
+                  "--servers lists 2 addresses; the job has 1 shard"}}) {
+    EXPECT_EQ(o.exit_code, 2) << o.log;
+    EXPECT_NE(o.log.find(said), std::string::npos) << o.log;
+  }
+}
+
 // Addresses that are not HOST:PORT end both daemons with exit 2 naming the
 // flag: gRPC would serve "127.0.0.1:99999" on port 34463, and a worker given
 // a shard's address without a port waited for it forever.
