@@ -182,6 +182,17 @@ def main():
         session.send_partitions([0])
         session.finish()
         check(opt.step_index == 2, f"the step after the refusals completed: {opt.step_index}")
+        # A torch.optim optimizer's state_dict (per parameter), or no state
+        # dict at all: refused, saying what load_state_dict takes.
+        reference = torch.optim.Adam(model.parameters())
+        model(torch.ones(4, 3)).sum().backward()
+        reference.step()
+        expect(ValueError, "parameter by parameter, as torch.optim's optimizers save it",
+               lambda: opt.load_state_dict(reference.state_dict()))
+        expect(ValueError, "load_state_dict takes what this optimizer's state_dict() returned",
+               lambda: opt.load_state_dict(None))
+        expect(ValueError, "without a state dict", lambda: opt.load_state_dict({}))
+        opt.zero_grad()
         # DiLoCo's calls, on an optimizer without inner steps.
         import numpy as np
         local = opt._flat.detach().numpy().copy()

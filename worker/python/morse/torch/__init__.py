@@ -3239,7 +3239,19 @@ class _MorseOptimizer(torch.optim.Optimizer):
         (feedback other than 'none'), since loading it would silently change
         the run."""
         self._check_not_awaiting("load_state_dict()")
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
+            raise ValueError(f"load_state_dict takes what this optimizer's state_dict() returned "
+                             f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}"
+                             f"{'' if not isinstance(state_dict, dict) else ' without a state dict'}")
         state = state_dict["state"]
+        if state and all(isinstance(k, int) and isinstance(v, dict) for k, v in state.items()):
+            raise ValueError(
+                "this state_dict holds its state parameter by parameter, as torch.optim's "
+                "optimizers save it; Morse's is one flat array per name over the model "
+                "(exp_avg, exp_avg_sq, the worker error buffer, the step): load a state_dict "
+                "saved by a morse.torch optimizer. To go on from a torch.optim run, build the "
+                "morse.torch optimizer after loading the model's weights and train from there "
+                "(its moments start at zero)")
         dim = self._flat.numel()
         if self._session is None:
             # A node's other rank: its leader restores the node's worker; the
