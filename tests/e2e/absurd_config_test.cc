@@ -53,10 +53,17 @@ class AbsurdConfigTest : public ::testing::Test {
     argv.insert(argv.end(), extra.begin(), extra.end());
     return RunToExit(dir_, argv);
   }
+  // morse-worker --check_config on `config` with `extra` flags.
+  Outcome WorkerCheck(const std::string& config,
+                      std::vector<std::string> extra) {
+    std::vector<std::string> argv = {testing::WorkerBin(), "--config",
+                                     Write(config), "--insecure",
+                                     "--check_config"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunToExit(dir_, argv);
+  }
   Outcome WorkerCheck(const std::string& config) {
-    return RunToExit(
-        dir_, {testing::WorkerBin(), "--config", Write(config), "--rank", "0",
-               "--servers", "127.0.0.1:1", "--insecure", "--check_config"});
+    return WorkerCheck(config, {"--rank", "0", "--servers", "127.0.0.1:1"});
   }
   std::string dir_;
 };
@@ -149,12 +156,8 @@ TEST_F(AbsurdConfigTest, AShardOutsideTheJobNamesTheRange) {
 TEST_F(AbsurdConfigTest, ARankOutsideTheJobNamesTheRange) {
   const std::string config =
       std::string(kBase) + "workers: 2 synthetic { dim: 1000 }";
-  const std::string path = Write(config);
   const auto worker = [&](std::vector<std::string> extra) {
-    std::vector<std::string> argv = {testing::WorkerBin(), "--config", path,
-                                     "--insecure", "--check_config"};
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return RunToExit(dir_, argv);
+    return WorkerCheck(config, std::move(extra));
   };
   const Outcome missing = worker({"--servers", "127.0.0.1:7000"});
   const Outcome negative = worker({"--rank", "-3"});
@@ -202,13 +205,9 @@ TEST_F(AbsurdConfigTest, CheckConfigRefusesWhatTheStartWould) {
       Server(config, {"--listen", "127.0.0.1:99999", "--check_config"});
   const Outcome health =
       Server(config, {"--health_listen", "nonsense", "--check_config"});
-  const std::vector<std::string> worker = {
-      testing::WorkerBin(), "--config",      Write(config), "--rank", "0",
-      "--insecure",         "--check_config"};
   const auto with = [&](std::vector<std::string> extra) {
-    std::vector<std::string> argv = worker;
-    argv.insert(argv.end(), extra.begin(), extra.end());
-    return RunToExit(dir_, argv);
+    extra.insert(extra.begin(), {"--rank", "0"});
+    return WorkerCheck(config, std::move(extra));
   };
   const Outcome address = with({"--servers", "127.0.0.1"});
   const Outcome device =
