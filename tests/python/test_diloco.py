@@ -353,6 +353,11 @@ def worker(out, codec, phase):
                 check(False, "rank 0's state was accepted on rank 1")
             except ValueError as e:
                 print(f"refused rank 0's state on rank 1: {e}")
+        try:  # the inner optimizer's (torch.optim's) state given to DiLoCo
+            opt.load_state_dict(state["inner"])
+            check(False, "the inner optimizer's state was accepted by DiLoCo")
+        except ValueError as e:
+            check("inner.load_state_dict" in str(e), str(e))
         opt.load_state_dict(state)
         first = opt.inner_steps
         check(first == SAVE_AT, f"resumed at inner step {first}")

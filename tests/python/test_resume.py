@@ -6,7 +6,8 @@ freeze, 2 workers, 2 shards; OneBitLamb's state_dict carries v', the
 layers' state and the last commit; and OneBitAdam and OneBitLamb with two
 parameter groups of their own lr and weight_decay, the first padded to
 whole blocks). Also: another rank's state is refused, and rank 0's state without
-the shards' error buffer is refused against fresh shards."""
+the shards' error buffer is refused against fresh shards, and OneBitLamb
+refuses torch.optim.AdamW's state (test_torch_state loads it into the others)."""
 import json
 import os
 import sys
@@ -76,6 +77,16 @@ def worker(mode):
                 check(False, "a OneBitLamb state without lamb_layers was accepted")
             except ValueError as e:
                 check("lamb_layers" in str(e), str(e))
+        if type(opt).__name__ == "OneBitLamb" and len(opt.param_groups) == 1:
+            params = list(model.parameters())  # torch.optim.AdamW's state of this model
+            adamw = {"state": {i: {"step": torch.tensor(4.0), "exp_avg": torch.zeros_like(p),
+                                   "exp_avg_sq": torch.zeros_like(p)} for i, p in enumerate(params)},
+                     "param_groups": [{"lr": 0.01, "params": list(range(len(params)))}]}
+            try:
+                opt.load_state_dict(adamw)
+                check(False, "AdamW's state was accepted by OneBitLamb")
+            except ValueError as e:
+                check("cannot continue" in str(e) and "layer" in str(e), str(e))
         other = torch.load(f"{out}/ckpt-{1 - rank}.pt")["opt"]
         try:
             opt.load_state_dict(other)

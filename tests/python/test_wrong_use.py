@@ -182,12 +182,13 @@ def main():
         session.send_partitions([0])
         session.finish()
         check(opt.step_index == 2, f"the step after the refusals completed: {opt.step_index}")
-        # A torch.optim optimizer's state_dict (per parameter), or no state
-        # dict at all: refused, saying what load_state_dict takes.
-        reference = torch.optim.Adam(model.parameters())
+        # A torch.optim state_dict without Adam's moments (an SGD's; Adam's
+        # and AdamW's load: test_torch_state), or no state dict at all:
+        # refused, saying what load_state_dict takes.
+        reference = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(torch.ones(4, 3)).sum().backward()
         reference.step()
-        expect(ValueError, "parameter by parameter, as torch.optim's optimizers save it",
+        expect(ValueError, "no exp_avg and exp_avg_sq (its state holds ['momentum_buffer'])",
                lambda: opt.load_state_dict(reference.state_dict()))
         expect(ValueError, "load_state_dict takes what this optimizer's state_dict() returned",
                lambda: opt.load_state_dict(None))

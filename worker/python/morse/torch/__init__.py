@@ -3237,21 +3237,20 @@ class _MorseOptimizer(torch.optim.Optimizer):
         or resumed from their own checkpoints) nothing is sent. A state saved
         by another rank is refused when its worker error buffer matters
         (feedback other than 'none'), since loading it would silently change
-        the run."""
+        the run. A torch.optim Adam or AdamW state_dict (parameter by
+        parameter) is taken too: _from_per_parameter."""
         self._check_not_awaiting("load_state_dict()")
         if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
             raise ValueError(f"load_state_dict takes what this optimizer's state_dict() returned "
                              f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}"
                              f"{'' if not isinstance(state_dict, dict) else ' without a state dict'}")
         state = state_dict["state"]
-        if state and all(isinstance(k, int) and isinstance(v, dict) for k, v in state.items()):
-            raise ValueError(
-                "this state_dict holds its state parameter by parameter, as torch.optim's "
-                "optimizers save it; Morse's is one flat array per name over the model "
-                "(exp_avg, exp_avg_sq, the worker error buffer, the step): load a state_dict "
-                "saved by a morse.torch optimizer. To go on from a torch.optim run, build the "
-                "morse.torch optimizer after loading the model's weights and train from there "
-                "(its moments start at zero)")
+        if _per_parameter(state_dict):
+            state_dict = self._from_per_parameter(state_dict)
+            state = state_dict["state"]
+            if state.get("fresh"):  # saved before its first step: no moments, the groups
+                self._load_groups(state_dict)
+                return
         dim = self._flat.numel()
         if self._session is None:
             # A node's other rank: its leader restores the node's worker; the
@@ -3336,6 +3335,121 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+    def _from_per_parameter(self, state_dict):
+        """A state_dict saved parameter by parameter (torch.optim's Adam or
+        AdamW; DeepSpeed's OnebitAdam, ZeroOneAdam) as this optimizer's
+        own: the moments (exp_avg, exp_avg_sq) laid out in the flat buffer,
+        the step the parameters share, the error buffers at zero (a torch
+        run has none; DeepSpeed's are laid out for its ranks' chunks, and
+        its own load resets them too), the saved groups' lr and weight
+        decay. ValueError, before anything is restored, for what Morse
+        cannot continue exactly: a parameter without state, steps that
+        differ, AMSGrad or maximize, moments of another shape, an optimizer
+        with state of its own (OneBitLamb's v' and layer state)."""
+        kind = type(self).__name__
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            count = len(saved_groups) if isinstance(saved_groups, list) else 0
+            raise ValueError(f"this state_dict has {count} parameter groups, the optimizer "
+                             f"{len(self.param_groups)}: build it with the groups of the run "
+                             "that saved it")
+        saved_state = state_dict["state"]
+        held = []  # (name, parameter, its saved state or None), the trained ones
+        names = {id(p): n for p, n in zip(self._params, self._names)}
+        if self._node is not None:
+            names = {id(p): n for p, n in zip(self._node_params, self._node_names)}
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            params = _group_params(group)
+            indices = saved.get("params") if isinstance(saved, dict) else None
+            if not isinstance(indices, list) or len(indices) != len(params):
+                raise ValueError(
+                    f"this state_dict's parameter group {g} has "
+                    f"{len(indices) if isinstance(indices, list) else 'no list of'} parameters, "
+                    f"the optimizer's {len(params)}: build it with the parameters, in the "
+                    "order, of the run that saved it")
+            for option in ("amsgrad", "maximize"):
+                if saved.get(option):
+                    raise ValueError(f"this state_dict's group {g} was trained with "
+                                     f"{option}=True, which {kind} does not do")
+            for index, p in zip(indices, params):
+                if p.requires_grad:
+                    held.append((names.get(id(p), f"parameter {index}"), p,
+                                 saved_state.get(index)))
+        if all(s is None for _, _, s in held):
+            return {"state": {"step": 0, "fresh": True}, "param_groups": saved_groups}
+        if self._session is not None and self._session.state_arrays():
+            raise ValueError(
+                f"this state_dict holds Adam's state parameter by parameter, which {kind} "
+                "cannot continue: its own state (v' and each layer's coefficient state) has no "
+                "counterpart there. Load a state_dict saved by a morse.torch "
+                f"{kind}, or start {kind} after loading the model's weights")
+        steps = {}
+        for name, p, s in held:
+            if s is None or "exp_avg" not in s or "exp_avg_sq" not in s:
+                what = ("no state (it had no gradient in the run that saved it)" if s is None
+                        else f"no exp_avg and exp_avg_sq (its state holds {sorted(s)})")
+                raise ValueError(
+                    f"{name} has {what}: {kind} continues Adam's moments, and counts one step "
+                    "for the whole model. Load the state of an Adam or AdamW run in which every "
+                    "parameter it trains had a gradient")
+            for key in ("exp_avg", "exp_avg_sq"):
+                if tuple(s[key].shape) != tuple(p.shape):
+                    raise ValueError(f"{name}'s saved {key} has shape {tuple(s[key].shape)}, the "
+                                     f"parameter {tuple(p.shape)}: load the state of the same model")
+            step = s.get("step", 0)
+            steps.setdefault(int(step.item() if torch.is_tensor(step) else step), []).append(name)
+        if len(steps) > 1:
+            shown = "; ".join(f"step {k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
+                              for k, v in sorted(steps.items()))
+            raise ValueError(
+                f"this state_dict's parameters are at different steps ({shown}): {kind} counts "
+                "one step for the whole model. Load a state in which every parameter took each "
+                "step")
+        step = next(iter(steps))
+        if any("worker_error" in s or "server_error" in s for _, _, s in held):
+            warnings.warn(
+                "morse: this state_dict's compression error buffers (DeepSpeed's, laid out for "
+                f"its ranks) are not {kind}'s: they start at zero here, as DeepSpeed's own "
+                "load_state_dict resets them", RuntimeWarning, stacklevel=3)
+        # torch 2's Adam says when its weight decay was an L2 term in the
+        # gradient; Morse's is decoupled, as AdamW's.
+        coupled = [g for g, saved in enumerate(saved_groups)
+                   if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay")]
+        if coupled:
+            warnings.warn(
+                f"morse: this state_dict's group(s) {coupled} were trained by torch.optim.Adam "
+                f"with weight_decay (an L2 term in the gradient); {kind}'s weight decay is "
+                "decoupled, as AdamW's, and takes the same value: set param_groups' "
+                "weight_decay after loading for another", RuntimeWarning, stacklevel=3)
+        state = {"step": step}
+        if self._session is not None:
+            dim = self._flat.numel()
+            m, v = torch.zeros(dim), torch.zeros(dim)
+            by_id = {id(p): s for _, p, s in held}
+            for p, (lo, hi) in zip(self._params, self._ranges):
+                s = by_id[id(p)]
+                m[lo:hi] = s["exp_avg"].detach().to("cpu", torch.float32).reshape(-1)
+                v[lo:hi] = s["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
+            state.update(exp_avg=m, exp_avg_sq=v, worker_error=torch.zeros(dim))
+            if self._worker == 0:
+                state["server_error"] = torch.zeros(dim)
+            if self._slices is not None:
+                state["node_slice"] = [self._node.local_rank, len(self._slices)]
+        return {"state": state, "param_groups": saved_groups}
+
+
+def _per_parameter(state_dict):
+    """Whether `state_dict` holds its state parameter by parameter (as
+    torch.optim's optimizers save it: state by parameter index, each group
+    listing its indices) rather than Morse's flat arrays."""
+    state = state_dict["state"]
+    if state:
+        return all(isinstance(k, int) and isinstance(v, dict) for k, v in state.items())
+    groups = state_dict.get("param_groups")
+    return (isinstance(groups, list) and bool(groups)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+            and "step" not in state)
 
 
 def _group_params(group):

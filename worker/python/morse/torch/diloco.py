@@ -701,6 +701,13 @@ class DiLoCo(torch.optim.Optimizer):
         buffers): against fresh shards rank 0 restores them and the others
         wait for it. The parameters become this rank's saved ones (between
         syncs they differ from the outer parameters)."""
+        if not isinstance(state_dict, dict) or "outer" not in state_dict:
+            raise ValueError(
+                "DiLoCo.load_state_dict takes what DiLoCo.state_dict() returned (its inner "
+                "optimizer's state, the outer momentum and error buffers, the parameters); this "
+                f"is {'a dict without outer' if isinstance(state_dict, dict) else type(state_dict).__name__}"
+                ". To go on from a torch.optim run, load the model's weights and the inner "
+                "optimizer's state (DiLoCo(...).inner.load_state_dict) before the first step")
         outer = state_dict["outer"]
         dim = self._x.numel()
         if (outer is not None and outer.get("taken") == self._taken()
