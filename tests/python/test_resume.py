@@ -7,9 +7,12 @@ layers' state and the last commit; and OneBitAdam and OneBitLamb with two
 parameter groups of their own lr and weight_decay, the first padded to
 whole blocks). Also: another rank's state is refused, and rank 0's state without
 the shards' error buffer is refused against fresh shards, and OneBitLamb
-refuses torch.optim.AdamW's state (test_torch_state loads it into the others)."""
+refuses torch.optim.AdamW's state (test_torch_state loads it into the others).
+And OneBitAdam's 2-worker state resumed by 3 workers and by 1: from the
+saved step, every rank alike, rank 0 warning what the other size changes."""
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -57,10 +60,41 @@ def optimizer(model):
                                       partition_elems=32)
 
 
+def resized(mode, rank, out):
+    """OneBitAdam's 2-worker checkpoint of step 4 (past its freeze: the
+    worker error buffers matter) resumed by 3 workers ("grow": rank 2 loads
+    no state) or 1 ("shrink"): every rank goes on from step 4, alike and
+    equal to the shards' mirrors, and rank 0 warns once saying what the
+    other size drops or starts at zero."""
+    import warnings
+    saved = torch.load(f"{out}/ckpt-{min(rank, 1)}.pt")
+    model = model_and_batch()
+    model.load_state_dict(saved["model"])
+    opt = optimizer(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rank < 2:
+            opt.load_state_dict(saved["opt"])
+    said = [str(w.message) for w in caught if "morse:" in str(w.message)]
+    want = {"grow": "workers 2..2 have no saved state", "shrink": "workers 1..1 are not loaded"}[mode]
+    check(len(said) == (rank == 0) and all(want in s for s in said), f"rank {rank} warned {said}")
+    check(opt.step_index == SAVE_AT, f"rank {rank} resumed at step {opt.step_index}")
+    for step in range(SAVE_AT, STEPS):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        check(opt._session.holds_shards_model(), f"rank {rank} step {step}: mirrors differ")
+    print(f"rank {rank}: {mode} from step {SAVE_AT}, checksum {opt.checksum()}", flush=True)
+
+
 def worker(mode):
     import morse.torch
     rank = int(os.environ["MORSE_RANK"])
     out = os.environ["RESUME_DIR"]
+    if mode in ("grow", "shrink"):
+        resized(mode, rank, out)
+        return
     model = model_and_batch()
     if mode == "through":
         opt = optimizer(model)
@@ -127,6 +161,12 @@ def main():
                       f"{name} rank {rank} step {step}: resumed {resumed[str(step)]}, uninterrupted "
                       f"{through[str(step)]}")
             print(f"{name} rank {rank}: steps {SAVE_AT}..{STEPS - 1} bit-identical after the resume")
+    for mode, workers in (("grow", 3), ("shrink", 1)):
+        code, text = morse_run(__file__, workers, 2, mode, timeout=180)
+        print(text[-2500:])
+        sums = set(re.findall(rf"{mode} from step {SAVE_AT}, checksum (\w+)", text))
+        check(code == 0 and len(re.findall(rf"{mode} from step", text)) == workers
+              and len(sums) == 1, f"the {mode} run: every rank ends alike ({sums})")
     code, text = morse_run(__file__, 2, 2, "no_server_state",
                            config=_config(out, "timeouts { connect_seconds: 5 }\n"), timeout=180)
     print(text[-2500:])

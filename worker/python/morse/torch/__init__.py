@@ -424,7 +424,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                 self._params, self._names = self._params[first:end], self._names[first:end]
                 mine = {id(p) for p in self._params}
                 self._others = [p for p in self._node_params if id(p) not in mine]
-        self._worker = worker
+        self._worker, self._workers = worker, workers
         # A rank restarted after add_param_group: its checkpoints are of the
         # layout with every group the run had added, which the script adds
         # again (before its first backward(): "Adding a parameter group" in
@@ -3180,7 +3180,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                     "param_groups": groups}
         step, m, v, error = self._session.get_state()
         device = torch.device("cpu") if on_host else self._flat.device
-        state = {"step": step, "rank": self._rank, "taken": f"{self._nonce}:{self.step_index}",
+        state = {"step": step, "rank": self._rank, "workers": self._workers,
+                 "taken": f"{self._nonce}:{self.step_index}",
                  "exp_avg": torch.from_numpy(m).to(device),
                  "exp_avg_sq": torch.from_numpy(v).to(device),
                  "worker_error": torch.from_numpy(error).to(device)}
@@ -3307,6 +3308,8 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                  f"{self.param_groups[0][key]}; build the optimizer with the saved "
                                  "values (the job's algorithm fixes them)")
 
+        self._warn_resized(state)
+
         def host(t):
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
         server_error = host(state["server_error"]) if "server_error" in state else None
@@ -3335,6 +3338,26 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+    def _warn_resized(self, state):
+        """Worker 0 warns where the state was saved by a job of another
+        number of workers while the error buffers mattered (its own is not
+        zero): the run goes on, but not as the saved job would have."""
+        saved = state.get("workers")
+        if (self._worker != 0 or saved is None or int(saved) == self._workers
+                or not bool(state["worker_error"].abs().max() > 0)):
+            return
+        saved = int(saved)
+        if saved > self._workers:
+            what = (f"the worker error buffers of workers {self._workers}..{saved - 1} are not "
+                    "loaded: their residue of the compression is dropped")
+        else:
+            what = (f"workers {saved}..{self._workers - 1} have no saved state: they load none "
+                    "(they take x, m and v from the shards) and start with zero error buffers")
+        warnings.warn(f"morse: this state was saved by a job of {saved} workers, and this job has "
+                      f"{self._workers}: {what}. The run goes on from the saved step, not bit for "
+                      "bit as the saved job would have (with the same number of workers it would)",
+                      RuntimeWarning, stacklevel=3)
 
     def _from_per_parameter(self, state_dict):
         """A state_dict saved parameter by parameter (torch.optim's Adam or
