@@ -23,6 +23,10 @@ optimizer at the saved step with the saved moments.
   AdamW's moments: v (frozen there) is torch's exp_avg_sq in every
   parameter's place after 5 steps, and the shards' mirrors hold the
   workers' x after every step, both ranks alike.
+- The way back: each `adamw` run's state at its end, converted by
+  morse.torch.torch_optim_state_dict (rank 0's; the sharded node's two
+  slices together), loaded into torch.optim.AdamW, which goes on 3 steps
+  within 1e-5 of the AdamW run that never left; one slice alone refused.
 - Then `adamw` on one node of 2 ranks, --node-aggregation=sharded (each
   rank loads its slice's moments from the whole file), and `onebit` with
   the leader stepping for the node (the other rank takes the step alone).
@@ -36,7 +40,7 @@ import torch
 
 from harness import check, morse_run
 
-SAVED_AT, STEPS = 3, 8
+SAVED_AT, STEPS, BACK = 3, 8, 3
 LR = 0.01
 
 
@@ -87,11 +91,12 @@ def reference(out):
         ddp_step(model, opt, step)
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"{out}/ckpt.pt")
     weights = {}
-    for step in range(SAVED_AT, STEPS):
+    for step in range(SAVED_AT, STEPS + BACK):
         ddp_step(model, opt, step)
         weights[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    moments = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
-               for n, p in model.named_parameters() if p.requires_grad}
+        if step == STEPS - 1:
+            moments = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                       for n, p in model.named_parameters() if p.requires_grad}
     torch.save({"weights": weights, "moments": moments}, f"{out}/reference.pt")
 
 
@@ -190,6 +195,9 @@ def worker(mode):
             diff = max(float((names[n] - w).abs().max()) for n, w in ref["weights"][step].items())
             check(diff <= 1e-5, f"rank {rank} step {step}: max |morse - AdamW| = {diff}")
     state = opt.state_dict()["state"]
+    if mode == "adamw":  # for the way back (back_to_adamw)
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()},
+                   f"{out}/morse-{os.environ.get('LOCAL_RANK', rank)}.pt")
     if opt._session is None:  # a node's rank that the leader steps for: no moments
         print(f"rank {rank}: {mode} from AdamW's state at step {SAVED_AT}, {STEPS - SAVED_AT} "
               f"steps, mirrors equal, checksum {opt.checksum()}", flush=True)
@@ -210,6 +218,36 @@ def worker(mode):
                   f"rank {rank}: {name}'s frozen exp_avg_sq is not the loaded one in its place")
     print(f"rank {rank}: {mode} from AdamW's state at step {SAVED_AT}, {STEPS - SAVED_AT} steps, "
           f"mirrors equal, checksum {opt.checksum()}", flush=True)
+
+
+def back_to_adamw(out, how):
+    """The way back: the Morse run's state after step STEPS - 1 (rank 0's,
+    or both slices' of the sharded node) as torch.optim.AdamW's, loaded
+    with the weights into DDP + AdamW, which goes on BACK steps within 1e-5
+    of the AdamW run that never left."""
+    import morse.torch
+    ref = torch.load(f"{out}/reference.pt")
+    saved = [torch.load(f"{out}/morse-{k}.pt") for k in range(2 if how == "sharded" else 1)]
+    model = Model()
+    model.load_state_dict(saved[0]["model"])
+    opt = torch.optim.AdamW(groups(model), lr=0.5)
+    opt.load_state_dict(morse.torch.torch_optim_state_dict(*[s["opt"] for s in saved]))
+    check(opt.param_groups[0]["lr"] == LR, f"lr {opt.param_groups[0]['lr']}, saved {LR}")
+    if how == "sharded":  # one slice alone is refused, naming what to give
+        try:
+            morse.torch.torch_optim_state_dict(saved[1]["opt"])
+            check(False, "one slice of two was converted")
+        except ValueError as e:
+            check("its 2 slices' together" in str(e), str(e))
+    names = dict(model.named_parameters())
+    worst = 0.0
+    for step in range(STEPS, STEPS + BACK):
+        ddp_step(model, opt, step)
+        worst = max([worst] + [float((names[n] - w).abs().max())
+                               for n, w in ref["weights"][step].items()])
+    check(worst <= 1e-5, f"AdamW from Morse's state ({how}): max |x - AdamW's| = {worst}")
+    print(f"AdamW from morse.torch.Adam's state ({how or 'flat'}): {BACK} steps within {worst:.1e} "
+          "of the AdamW run that never left")
 
 
 def _index(saved, model, name):
@@ -233,6 +271,8 @@ def main():
         # (A sharded node's ranks each sum their own slice's job.)
         check(text.count("mirrors equal") == 2 and (len(sums) == 1 or how == "sharded"),
               f"{mode}: both ranks end with one checksum: {sums}")
+        if mode == "adamw":
+            back_to_adamw(out, how)
     print("PASS")
 
 

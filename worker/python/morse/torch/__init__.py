@@ -50,7 +50,8 @@ import torch
 from .. import _native
 from .._native import MorseError
 
-__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError"]
+__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError",
+           "torch_optim_state_dict"]
 
 
 def _zero_grad_default():
@@ -3186,6 +3187,17 @@ class _MorseOptimizer(torch.optim.Optimizer):
                  "exp_avg_sq": torch.from_numpy(v).to(device),
                  "worker_error": torch.from_numpy(error).to(device)}
         state.update(self._own_state(device))
+        # Where each trained parameter lies in the arrays above (its index
+        # as torch.optim numbers the groups' parameters, frozen ones
+        # included; its range and shape), and each group's indices, for
+        # torch_optim_state_dict.
+        listed = [_group_params(g) for g in self.param_groups]
+        starts = list(itertools.accumulate([0] + [len(g) for g in listed]))
+        index = {id(p): starts[g] + i for g, params in enumerate(listed)
+                 for i, p in enumerate(params)}
+        state["parameters"] = [[index[id(p)], lo, hi, list(p.shape)]
+                               for p, (lo, hi) in zip(self._params, self._ranges)]
+        state["torch_groups"] = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
         if self._slices is not None:
             state["node_slice"] = [self._node.local_rank, len(self._slices)]
         if self._worker == 0 and server_error:
@@ -4025,3 +4037,4 @@ class OneBitLamb(_MorseOptimizer):
 
 
 from .diloco import DiLoCo  # noqa: E402 (uses the helpers above)
+from .interop import torch_optim_state_dict  # noqa: E402
