@@ -3413,7 +3413,7 @@ class _MorseOptimizer(torch.optim.Optimizer):
                                  saved_state.get(index)))
         if all(s is None for _, _, s in held):
             return {"state": {"step": 0, "fresh": True}, "param_groups": saved_groups}
-        if self._session is not None and self._session.state_arrays():
+        if self._lamb:  # (on a node's every rank alike, the leader's session or not)
             raise ValueError(
                 f"this state_dict holds Adam's state parameter by parameter, which {kind} "
                 "cannot continue: its own state (v' and each layer's coefficient state) has no "
@@ -3481,10 +3481,9 @@ def _per_parameter(state_dict):
     state = state_dict["state"]
     if state:
         return all(isinstance(k, int) and isinstance(v, dict) for k, v in state.items())
-    groups = state_dict.get("param_groups")
+    groups = state_dict.get("param_groups")  # (torch's, saved before its first step)
     return (isinstance(groups, list) and bool(groups)
-            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
-            and "step" not in state)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups))
 
 
 def _group_params(group):
