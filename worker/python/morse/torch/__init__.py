@@ -49,6 +49,7 @@ import torch
 
 from .. import _native
 from .._native import MorseError
+from .state import _COMMIT_KEYS, _STATE_DICT_KEYS, _StateDict, _as_list, torch_optim_state_dict
 
 __all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError",
            "torch_optim_state_dict"]
@@ -283,14 +284,9 @@ def _security(security):
 
 
 
-# state_dict's keys of the optimizers' own arrays (Morse's names, design.md
-# 5's optimizer seam): torch's spelling where torch has one.
-_STATE_DICT_KEYS = {"v_fresh": "exp_avg_sq_fresh"}
-# The key of the last step's commit, for the optimizers that commit.
-_COMMIT_KEYS = {"onebit_lamb": "lamb_commit"}
 
 
-class _MorseOptimizer(torch.optim.Optimizer):
+class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
     # torch.amp.GradScaler hands a step it drives to the optimizer (torch
     # 2's grad_scale and found_inf attributes; torch 1.13's grad_scaler
     # argument), so that every rank skips together where any rank's
@@ -2664,7 +2660,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
         self._restore_views()
         pairs = self._node_pairs()
         mine = 0 if self._slices is None else node.local_rank
-        first = 0 if self._slices is None else self._slices[mine][0]
         # Parameters written since the last step (a clamp_, a
         # load_state_dict): each rank tells the rank that steps them their
         # hash, slice by slice (the leader's: one slice).
@@ -3137,355 +3132,6 @@ class _MorseOptimizer(torch.optim.Optimizer):
             return self._node.checksum
         return self._session.checksum()
 
-    def state_dict(self):
-        """The run's state: step, m (exp_avg), v (exp_avg_sq) and this rank's
-        worker error buffer (OneBitLamb: also v' as exp_avg_sq_fresh, the
-        layers' coefficient state as lamb_layers and the last step's commit
-        as lamb_commit); on rank 0 also the shards' error buffers
-        (server_error), so that rank 0's state_dict and each rank's own
-        restore the whole run with load_state_dict in a fresh job (exactly:
-        the continued run is bit-identical to an uninterrupted one). A
-        node's rank other than its leader (node aggregation) holds no
-        optimizer state: its state_dict has the step alone."""
-        self._check_not_awaiting("state_dict()")
-        return self._state_dict(server_error=True)
-
-    def _saved_groups(self):
-        """param_groups as torch saves them: each group's settings and its
-        trained parameters' indices, counted across the groups."""
-        groups, index = [], 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            count = sum(1 for p in group["params"] if p.requires_grad)
-            saved["params"] = list(range(index, index + count))
-            index += count
-            groups.append(saved)
-        return groups
-
-    def _load_groups(self, state_dict):
-        """lr and weight_decay of the saved groups back into param_groups
-        (one saved group sets every group)."""
-        saved = state_dict.get("param_groups", [{}])
-        for i, group in enumerate(self.param_groups):
-            source = saved[i] if len(saved) == len(self.param_groups) else saved[0]
-            for key in ("lr", "weight_decay"):
-                if key in source:
-                    group[key] = source[key]
-
-    def _state_dict(self, server_error, on_host=False):
-        """state_dict()'s, its per-element arrays on the parameters' device
-        (on_host: on the CPU)."""
-        groups = self._saved_groups()
-        if self._session is None:
-            return {"state": {"step": self.step_index, "rank": self._rank, "node_member": True},
-                    "param_groups": groups}
-        step, m, v, error = self._session.get_state()
-        device = torch.device("cpu") if on_host else self._flat.device
-        state = {"step": step, "rank": self._rank, "workers": self._workers,
-                 "taken": f"{self._nonce}:{self.step_index}",
-                 "exp_avg": torch.from_numpy(m).to(device),
-                 "exp_avg_sq": torch.from_numpy(v).to(device),
-                 "worker_error": torch.from_numpy(error).to(device)}
-        state.update(self._own_state(device))
-        # Where each trained parameter lies in the arrays above (its index
-        # as torch.optim numbers the groups' parameters, frozen ones
-        # included; its range and shape), and each group's indices, for
-        # torch_optim_state_dict.
-        listed = [_group_params(g) for g in self.param_groups]
-        starts = list(itertools.accumulate([0] + [len(g) for g in listed]))
-        index = {id(p): starts[g] + i for g, params in enumerate(listed)
-                 for i, p in enumerate(params)}
-        state["parameters"] = [[index[id(p)], lo, hi, list(p.shape)]
-                               for p, (lo, hi) in zip(self._params, self._ranges)]
-        state["torch_groups"] = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
-        if self._slices is not None:
-            state["node_slice"] = [self._node.local_rank, len(self._slices)]
-        if self._worker == 0 and server_error:
-            state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
-        if any(self._first_steps):
-            state["first_steps"] = list(self._first_steps)  # groups added mid-run
-        return {"state": state, "param_groups": groups}
-
-    def _own_state(self, device):
-        """The optimizer's own state (1-bit LAMB: v', each layer's
-        coefficient state and the last step's commit, design.md 2.8), by
-        state_dict() key: per-element arrays on `device`, the others on the
-        CPU; {} for an optimizer without any."""
-        own = self._session.state_arrays()
-        if not own:
-            return {}
-        arrays, commit = self._session.get_own_state()
-        state = {}
-        for name, _, per_element in own:
-            value = torch.from_numpy(arrays[name])
-            state[_STATE_DICT_KEYS.get(name, name)] = value.to(device) if per_element else value
-        state[self._commit_key] = torch.from_numpy(commit)
-        return state
-
-    def _is_current(self, state):
-        """Whether `state` is what state_dict() gives now, bit for bit."""
-        if state.get("taken") != f"{self._nonce}:{self.step_index}" or self._awaiting_own_state:
-            return False
-        # The shards' part (server_error) is left out: it is restored only
-        # against fresh shards, and fetching it is a pull of the whole model.
-        now = self._state_dict(server_error=False)["state"]
-        for key, value in now.items():
-            if torch.is_tensor(value):
-                saved = state.get(key)
-                if not torch.is_tensor(saved) or saved.shape != value.shape or not torch.equal(
-                        saved.detach().cpu(), value.detach().cpu()):
-                    return False
-            elif state.get(key) != value:
-                return False
-        return True
-
-    def load_state_dict(self, state_dict):
-        """Restores a run saved with state_dict(), before the first step():
-        build the model, load its weights (before this call; before the
-        optimizer is built, or after it as Trainer does), build the
-        optimizer, then call this on every rank with that rank's saved state
-        (rank 0's must hold server_error). Against fresh shards, rank 0 restores them (x from the
-        model, m, v, the server error and the step) and the other ranks wait
-        for it; against shards that already hold that step (they survived,
-        or resumed from their own checkpoints) nothing is sent. A state saved
-        by another rank is refused when its worker error buffer matters
-        (feedback other than 'none'), since loading it would silently change
-        the run. A torch.optim Adam or AdamW state_dict (parameter by
-        parameter) is taken too: _from_per_parameter."""
-        self._check_not_awaiting("load_state_dict()")
-        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict):
-            raise ValueError(f"load_state_dict takes what this optimizer's state_dict() returned "
-                             f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}"
-                             f"{'' if not isinstance(state_dict, dict) else ' without a state dict'}")
-        state = state_dict["state"]
-        if _per_parameter(state_dict):
-            state_dict = self._from_per_parameter(state_dict)
-            state = state_dict["state"]
-            if state.get("fresh"):  # saved before its first step: no moments, the groups
-                self._load_groups(state_dict)
-                return
-        dim = self._flat.numel()
-        if self._session is None:
-            # A node's other rank: its leader restores the node's worker; the
-            # parameters come from the model's weights, as on the leader.
-            self._node_first_step = int(state.get("step", 0)) - self._node.steps
-            self._load_groups(state_dict)
-            return
-        if self._is_current(state):
-            # This optimizer's own state_dict() of this very step, given back
-            # (Accelerate's optimizer wrapper does that when it is built, to
-            # move it to the device): nothing to restore, and the shards may
-            # be ahead of it already (rank 0 resumed them).
-            return
-        mine = None if self._slices is None else [self._node.local_rank, len(self._slices)]
-        if list(state.get("node_slice") or []) != list(mine or []):
-            saved = state.get("node_slice")
-            raise ValueError(
-                f"this state_dict holds {f'slice {saved[0]} of {saved[1]}' if saved else 'the whole model'}"
-                f"'s optimizer state, this rank trains "
-                f"{f'slice {mine[0]} of {mine[1]}' if mine else 'the whole model'} "
-                "(--node-aggregation=sharded: each local rank holds its slice's state): load "
-                "each rank's own state_dict, saved under the same morse-run flags")
-        for key in ("exp_avg", "exp_avg_sq", "worker_error"):
-            if key not in state or state[key].numel() != dim:
-                raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
-        saved_rank = state.get("rank", self._rank)
-        if saved_rank != self._rank and bool(state["worker_error"].abs().max() > 0):
-            if self._finds_own_state:
-                _await_own_state(self, saved_rank, int(state["step"]), self._flat.device)
-                return
-            raise ValueError(
-                f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its worker error "
-                f"buffer is rank {saved_rank}'s own, and loading it here would change the run. Save "
-                "every rank's optimizer.state_dict() (e.g. to f'opt-{rank}.pt') and load each "
-                "rank's own")
-        if self._awaiting_own_state is not None and int(state["step"]) != self._awaiting_own_state[1]:
-            raise ValueError(
-                f"this state_dict is of step {int(state['step'])}, but the checkpoint being resumed "
-                f"(rank {self._awaiting_own_state[0]}'s state) is of step "
-                f"{self._awaiting_own_state[1]}: load this rank's state of the same checkpoint")
-        # Groups added mid-run (add_param_group): their first steps, checked
-        # before anything is restored.
-        firsts = list(state.get("first_steps") or [])
-        if firsts and len(firsts) != len(self.param_groups):
-            raise ValueError(f"this state_dict's run had {len(firsts)} parameter groups, this "
-                             f"optimizer {len(self.param_groups)}: build it with the same groups "
-                             "(or add them with add_param_group) before loading")
-        if "server_error" in state and state["server_error"].numel() != dim:
-            raise ValueError(f"state_dict['state']['server_error'] must hold {dim} values")
-        group = state_dict.get("param_groups", [{}])[0]
-        for key in () if self._follows_moments else ("betas", "eps"):
-            if key in group and _as_list(group[key]) != _as_list(self.param_groups[0][key]):
-                raise ValueError(f"the saved {key} {group[key]} differ from this optimizer's "
-                                 f"{self.param_groups[0][key]}; build the optimizer with the saved "
-                                 "values (the job's algorithm fixes them)")
-
-        self._warn_resized(state)
-
-        def host(t):
-            return t.detach().to("cpu", torch.float32).contiguous().numpy()
-        server_error = host(state["server_error"]) if "server_error" in state else None
-        moments = [host(state[k]) for k in ("exp_avg", "exp_avg_sq", "worker_error")]
-        own = self._session.state_arrays()
-        if own:
-            keys = [_STATE_DICT_KEYS.get(name, name) for name, _, _ in own]
-            missing = [k for k in keys + [self._commit_key] if k not in state]
-            if missing:
-                kind = type(self).__name__
-                raise ValueError(f"this state_dict has no {', '.join(missing)}: a {kind} state "
-                                 f"is saved by {kind}.state_dict()")
-            for (_, values, _), key in zip(own, keys):
-                if state[key].numel() != values:
-                    raise ValueError(f"state_dict['state']['{key}'] must hold {values} values")
-            self._session.set_own_state(
-                int(state["step"]), *moments, server_error, [host(state[k]) for k in keys],
-                state[self._commit_key].detach().to("cpu", torch.float64).contiguous().numpy())
-        else:
-            self._session.set_state(int(state["step"]), *moments, server_error)
-        self._awaiting_own_state = None
-        self._first_steps = firsts or [0] * len(self.param_groups)
-        # The run restored is the model's weights as they are now (loaded
-        # before this call, e.g. by Trainer after the optimizer was built)
-        # with this state: later in-place changes are refused again.
-        self._x_versions = [p._version for p in self._params]
-        # lr and weight_decay follow param_groups every step, as in torch.
-        self._load_groups(state_dict)
-
-    def _warn_resized(self, state):
-        """Worker 0 warns where the state was saved by a job of another
-        number of workers while the error buffers mattered (its own is not
-        zero): the run goes on, but not as the saved job would have."""
-        saved = state.get("workers")
-        if (self._worker != 0 or saved is None or int(saved) == self._workers
-                or not bool(state["worker_error"].abs().max() > 0)):
-            return
-        saved = int(saved)
-        if saved > self._workers:
-            what = (f"the worker error buffers of workers {self._workers}..{saved - 1} are not "
-                    "loaded: their residue of the compression is dropped")
-        else:
-            what = (f"workers {saved}..{self._workers - 1} have no saved state: they load none "
-                    "(they take x, m and v from the shards) and start with zero error buffers")
-        warnings.warn(f"morse: this state was saved by a job of {saved} workers, and this job has "
-                      f"{self._workers}: {what}. The run goes on from the saved step, not bit for "
-                      "bit as the saved job would have (with the same number of workers it would)",
-                      RuntimeWarning, stacklevel=3)
-
-    def _from_per_parameter(self, state_dict):
-        """A state_dict saved parameter by parameter (torch.optim's Adam or
-        AdamW; DeepSpeed's OnebitAdam, ZeroOneAdam) as this optimizer's
-        own: the moments (exp_avg, exp_avg_sq) laid out in the flat buffer,
-        the step the parameters share, the error buffers at zero (a torch
-        run has none; DeepSpeed's are laid out for its ranks' chunks, and
-        its own load resets them too), the saved groups' lr and weight
-        decay. ValueError, before anything is restored, for what Morse
-        cannot continue exactly: a parameter without state, steps that
-        differ, AMSGrad or maximize, moments of another shape, an optimizer
-        with state of its own (OneBitLamb's v' and layer state)."""
-        kind = type(self).__name__
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
-            count = len(saved_groups) if isinstance(saved_groups, list) else 0
-            raise ValueError(f"this state_dict has {count} parameter groups, the optimizer "
-                             f"{len(self.param_groups)}: build it with the groups of the run "
-                             "that saved it")
-        saved_state = state_dict["state"]
-        held = []  # (name, parameter, its saved state or None), the trained ones
-        names = {id(p): n for p, n in zip(self._params, self._names)}
-        if self._node is not None:
-            names = {id(p): n for p, n in zip(self._node_params, self._node_names)}
-        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            params = _group_params(group)
-            indices = saved.get("params") if isinstance(saved, dict) else None
-            if not isinstance(indices, list) or len(indices) != len(params):
-                raise ValueError(
-                    f"this state_dict's parameter group {g} has "
-                    f"{len(indices) if isinstance(indices, list) else 'no list of'} parameters, "
-                    f"the optimizer's {len(params)}: build it with the parameters, in the "
-                    "order, of the run that saved it")
-            for option in ("amsgrad", "maximize"):
-                if saved.get(option):
-                    raise ValueError(f"this state_dict's group {g} was trained with "
-                                     f"{option}=True, which {kind} does not do")
-            for index, p in zip(indices, params):
-                if p.requires_grad:
-                    held.append((names.get(id(p), f"parameter {index}"), p,
-                                 saved_state.get(index)))
-        if all(s is None for _, _, s in held):
-            return {"state": {"step": 0, "fresh": True}, "param_groups": saved_groups}
-        if self._lamb:  # (on a node's every rank alike, the leader's session or not)
-            raise ValueError(
-                f"this state_dict holds Adam's state parameter by parameter, which {kind} "
-                "cannot continue: its own state (v' and each layer's coefficient state) has no "
-                "counterpart there. Load a state_dict saved by a morse.torch "
-                f"{kind}, or start {kind} after loading the model's weights")
-        steps = {}
-        for name, p, s in held:
-            if s is None or "exp_avg" not in s or "exp_avg_sq" not in s:
-                what = ("no state (it had no gradient in the run that saved it)" if s is None
-                        else f"no exp_avg and exp_avg_sq (its state holds {sorted(s)})")
-                raise ValueError(
-                    f"{name} has {what}: {kind} continues Adam's moments, and counts one step "
-                    "for the whole model. Load the state of an Adam or AdamW run in which every "
-                    "parameter it trains had a gradient")
-            for key in ("exp_avg", "exp_avg_sq"):
-                if tuple(s[key].shape) != tuple(p.shape):
-                    raise ValueError(f"{name}'s saved {key} has shape {tuple(s[key].shape)}, the "
-                                     f"parameter {tuple(p.shape)}: load the state of the same model")
-            step = s.get("step", 0)
-            steps.setdefault(int(step.item() if torch.is_tensor(step) else step), []).append(name)
-        if len(steps) > 1:
-            shown = "; ".join(f"step {k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}"
-                              for k, v in sorted(steps.items()))
-            raise ValueError(
-                f"this state_dict's parameters are at different steps ({shown}): {kind} counts "
-                "one step for the whole model. Load a state in which every parameter took each "
-                "step")
-        step = next(iter(steps))
-        if any("worker_error" in s or "server_error" in s for _, _, s in held):
-            warnings.warn(
-                "morse: this state_dict's compression error buffers (DeepSpeed's, laid out for "
-                f"its ranks) are not {kind}'s: they start at zero here, as DeepSpeed's own "
-                "load_state_dict resets them", RuntimeWarning, stacklevel=3)
-        # torch 2's Adam says when its weight decay was an L2 term in the
-        # gradient; Morse's is decoupled, as AdamW's.
-        coupled = [g for g, saved in enumerate(saved_groups)
-                   if saved.get("decoupled_weight_decay") is False and saved.get("weight_decay")]
-        if coupled:
-            warnings.warn(
-                f"morse: this state_dict's group(s) {coupled} were trained by torch.optim.Adam "
-                f"with weight_decay (an L2 term in the gradient); {kind}'s weight decay is "
-                "decoupled, as AdamW's, and takes the same value: set param_groups' "
-                "weight_decay after loading for another", RuntimeWarning, stacklevel=3)
-        state = {"step": step}
-        if self._session is not None:
-            dim = self._flat.numel()
-            m, v = torch.zeros(dim), torch.zeros(dim)
-            by_id = {id(p): s for _, p, s in held}
-            for p, (lo, hi) in zip(self._params, self._ranges):
-                s = by_id[id(p)]
-                m[lo:hi] = s["exp_avg"].detach().to("cpu", torch.float32).reshape(-1)
-                v[lo:hi] = s["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(-1)
-            state.update(exp_avg=m, exp_avg_sq=v, worker_error=torch.zeros(dim))
-            if self._worker == 0:
-                state["server_error"] = torch.zeros(dim)
-            if self._slices is not None:
-                state["node_slice"] = [self._node.local_rank, len(self._slices)]
-        return {"state": state, "param_groups": saved_groups}
-
-
-def _per_parameter(state_dict):
-    """Whether `state_dict` holds its state parameter by parameter (as
-    torch.optim's optimizers save it: state by parameter index, each group
-    listing its indices) rather than Morse's flat arrays."""
-    state = state_dict["state"]
-    if state:
-        return all(isinstance(k, int) and isinstance(v, dict) for k, v in state.items())
-    groups = state_dict.get("param_groups")  # (torch's, saved before its first step)
-    return (isinstance(groups, list) and bool(groups)
-            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups))
-
-
 def _group_params(group):
     """A param group's parameters as a list (torch takes a tensor or any
     iterable)."""
@@ -3708,26 +3354,6 @@ def _check_own_state_loaded(opt, what, why):
         "morse.torch.hf.MorseCallback saves each rank's beside the checkpoint and loads it")
 
 
-def _await_own_state(opt, saved_rank, step, device):
-    """`opt` (a Morse optimizer, or DiLoCo) was given rank `saved_rank`'s
-    state of step `step` under morse.torch.hf: Hugging Face Trainer and
-    Accelerate's load_state load rank 0's file on every rank, so this
-    rank's own is loaded from beside it (Accelerate: at once, the file the
-    load hook named; Trainer: MorseCallback before the first step), and
-    step() refuses to run without it."""
-    opt._awaiting_own_state = (saved_rank, step)
-    own, opt._own_state_file = opt._own_state_file, None
-    if own is None:
-        return
-    if not os.path.isfile(own):
-        raise FileNotFoundError(
-            f"rank {opt.rank} was given rank {saved_rank}'s optimizer state (step {step}), and its "
-            f"own, {own}, is not there: morse.torch.hf.prepare's save_state hook writes it on "
-            "every rank into the folder that save_state writes; load a folder saved so, or copy "
-            "the morse-rank-*.pt files of that checkpoint beside its optimizer.bin")
-    opt.load_state_dict(torch.load(own, map_location=device, weights_only=True))
-
-
 def _clip_pieces(ranges, factors, dim):
     """A step's clip of part of the model as pieces of the flat buffer of
     `dim` elements, [(end, scale), ...] (design.md 2.6): each parameter's
@@ -3818,12 +3444,6 @@ def _clip_factor(norm, max_norm):
     if not 0.0 < max_norm < math.inf:
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))
-
-
-def _as_list(value):
-    """betas (a tuple) or eps (a number) as a list of floats, for comparing
-    (torch 2 allows tensors)."""
-    return [float(v) for v in value] if isinstance(value, (tuple, list)) else [float(value)]
 
 
 def _moments_of(group):
@@ -4036,4 +3656,3 @@ class OneBitLamb(_MorseOptimizer):
 
 
 from .diloco import DiLoCo  # noqa: E402 (uses the helpers above)
-from .interop import torch_optim_state_dict  # noqa: E402

@@ -29,10 +29,10 @@ import weakref
 import torch
 
 from .. import _native
-from . import (MorseError, _amp_of, _await_own_state, _base_config, _check_own_state_loaded,
-               _codec_lines, _env, _external_model, _grad_scaler_refused, _MorseOptimizer,
-               _overflow_of, _rank_checkpoint, _security, _unscale,
-               _warn_if_group_cannot_take_back)
+from . import (MorseError, _amp_of, _base_config, _check_own_state_loaded, _codec_lines, _env,
+               _external_model, _grad_scaler_refused, _MorseOptimizer, _overflow_of,
+               _rank_checkpoint, _security, _unscale, _warn_if_group_cannot_take_back)
+from .state import _await_own_state
 
 
 def _float(name, value):
