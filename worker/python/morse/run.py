@@ -605,7 +605,7 @@ def main(argv=None):
         except (_rendezvous.RendezvousError, KeyboardInterrupt) as e:
             if store:
                 if isinstance(e, KeyboardInterrupt):
-                    store.abort(f"node 0 was interrupted before the job started")
+                    store.abort("node 0 was interrupted before the job started")
                 store.close()
             if isinstance(e, KeyboardInterrupt):
                 sys.stderr.write(f"{node}: interrupted while waiting for the other nodes\n")
@@ -678,7 +678,7 @@ def main(argv=None):
             os._exit(130)
         sys.stderr.write(f"{node}: interrupted, stopping every process\n")
         if store:
-            store.abort(f"node 0 was interrupted", 130)
+            store.abort("node 0 was interrupted", 130)
         if member:
             member.report(130, f"node {args.node_rank} was interrupted")
         stop_all()
