@@ -13,7 +13,7 @@ packages=(
   libopenblas-dev python3-sklearn prometheus-cpp-dev prometheus
   python3-dev python3-torch python3-matplotlib iproute2
   openssl systemd dpkg-dev patchelf xz-utils python3-pip python3-setuptools python3-venv
-  clang libclang-rt-14-dev clang-format
+  clang libclang-rt-14-dev clang-format python3-pyflakes
   "$@"
 )
 # The deploy checks run npm packages (tests/deploy); Debian's npm unless a

@@ -5,7 +5,6 @@ import contextlib
 import glob
 import json
 import os
-import socket
 import subprocess
 import time
 import sys

@@ -33,7 +33,6 @@ docs/python.md "Elastic jobs"): morse-run --min-workers 2 runs 3 ranks and
   them, saying that rank 0 gives the weights.
 - --min-workers out of range (the nodes' count under --node-aggregation)
   or with --stages is refused."""
-import glob
 import json
 import os
 import re
