@@ -19,9 +19,9 @@ way:
   bit-identical to the uninterrupted run: the same losses and parameters
   (also with morse-run --node-aggregation);
   with a rank's state missing, that rank says which file it looked for;
-  and a Trainer run of DDP + AdamW resumed from its checkpoint with
-  morse.torch.Adam goes on as DDP does (losses within 1e-5), with
-  OneBitAdam in 1-bit steps;
+  and a Trainer run (and an Accelerate loop) of DDP + AdamW resumed from
+  its checkpoint with morse.torch.Adam goes on as DDP does (losses within
+  1e-5), with OneBitAdam in 1-bit steps;
   the same for the Accelerate loop's save_state / load_state;
 - the fp32 runs clip with Trainer's max_grad_norm and the loop's
   accelerator.clip_grad_norm_, which clip the averaged gradient as under
@@ -536,25 +536,28 @@ def resume():
     # steps 7..12 as DDP's own (Trainer's two groups: --weight-decay), and
     # OneBitAdam frozen at 4 goes on from AdamW's moments in 1-bit steps,
     # every rank alike (run() checks).
-    out = tempfile.mkdtemp(prefix="morse-hf-from-ddp-")
+    # The same through Accelerate's save_state / load_state (its
+    # optimizer.bin AdamW's state; the model's safetensors).
     swap = ["--steps", "12", "--save-steps", "6", "--weight-decay", "0.01"]
-    ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *swap, "--output-dir", f"{out}/ddp")
-    for optimizer in ("adam", "onebit_adam"):
-        shutil.copytree(f"{out}/ddp/checkpoint-6", f"{out}/{optimizer}/checkpoint-6")
-        resumed, _, log = run("hf_trainer.py", "--optimizer", optimizer, "--freeze-step", "4", *swap,
-                              "--resume", "--output-dir", f"{out}/{optimizer}")
-        check(sorted(resumed) == list(range(7, 13)),
-              f"{optimizer} from DDP's checkpoint logged steps 7..12 ({sorted(resumed)})")
-        if optimizer == "adam":
-            close_to_ddp("Adam going on from DDP + AdamW's checkpoint", {s: ddp[s] for s in resumed},
-                         resumed, 1e-5)
-        else:  # (what it loads is test_torch_state's; here that Trainer's resume takes it)
-            worst = max(abs(ddp[s] - resumed[s]) / ddp[s] for s in resumed)
-            print(f"OneBitAdam from DDP + AdamW's checkpoint: 6 steps, every rank alike, losses "
-                  f"within {worst:.2e} of DDP's")
-    shutil.rmtree(out, ignore_errors=True)
-    print("PASS: Trainer resumes DDP + AdamW's checkpoint with morse.torch.Adam (as DDP goes on) "
-          "and OneBitAdam")
+    for script in ("hf_trainer.py", "accelerate_loop.py"):
+        out = tempfile.mkdtemp(prefix="morse-hf-from-ddp-")
+        ddp, _, _ = run(script, "--optimizer", "ddp", *swap, "--output-dir", f"{out}/ddp")
+        for optimizer in ("adam", "onebit_adam"):
+            shutil.copytree(f"{out}/ddp/checkpoint-6", f"{out}/{optimizer}/checkpoint-6")
+            resumed, _, log = run(script, "--optimizer", optimizer, "--freeze-step", "4", *swap,
+                                  "--resume", "--output-dir", f"{out}/{optimizer}")
+            check(sorted(resumed) == list(range(7, 13)),
+                  f"{script} {optimizer} from DDP's checkpoint logged steps 7..12 ({sorted(resumed)})")
+            if optimizer == "adam":
+                close_to_ddp(f"{script}: Adam going on from DDP + AdamW's checkpoint",
+                             {s: ddp[s] for s in resumed}, resumed, 1e-5)
+            else:  # (what it loads is test_torch_state's; here that the stack's resume takes it)
+                worst = max(abs(ddp[s] - resumed[s]) / ddp[s] for s in resumed)
+                print(f"{script}: OneBitAdam from DDP + AdamW's checkpoint: 6 steps, every rank "
+                      f"alike, losses within {worst:.2e} of DDP's")
+        shutil.rmtree(out, ignore_errors=True)
+    print("PASS: Trainer and Accelerate resume DDP + AdamW's checkpoint with morse.torch.Adam (as "
+          "DDP goes on) and OneBitAdam")
 
     # Accelerate's save_state / load_state: optimizer.bin is rank 0's state,
     # every other rank's lies beside it, and the weights are saved whole
