@@ -6,7 +6,9 @@ every rank's model must be the outer parameters; the outer parameters must
 follow torch.optim.SGD(nesterov=True) on the ranks' average pseudo-gradient
 (within float rounding of the average). Run with fp32 both ways (and an lr
 scheduler on the inner optimizer), with int8 and error feedback on both
-sides (and a resume mid-interval in a fresh job), and the same with a
+sides (and a resume mid-interval in a fresh job, then the same states
+resumed by one rank more, which has none: it starts at the shards' last
+sync), and the same with a
 synchronous warmup (warmup_steps: each sync at the inner step the schedule
 written out here says, resumed mid-interval too); the inner steps clip
 with torch's clip_grad_norm_. Where torch sees a GPU, the int8 run again
@@ -345,7 +347,15 @@ def worker(out, codec, phase):
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     check(torch.equal(flat, opt.outer_parameters()), "the model does not start from x_outer")
     first = 0
-    if phase == "resume":
+    if phase == "grow" and rank == RANKS:
+        # A rank the saved job did not have (RANKS + 1 now): it loads
+        # nothing and starts at the shards' last sync, with their outer
+        # parameters (the others resume from their own states).
+        first = opt.inner_steps
+        check(first == SYNC_EVERY * (SAVE_AT // SYNC_EVERY) and opt.step_index == SAVE_AT // SYNC_EVERY,
+              f"rank {rank} without a state starts at inner step {first}, outer step "
+              f"{opt.step_index}")
+    elif phase in ("resume", "grow"):
         state = torch.load(f"{out}/state-{rank}.pt")
         if rank == 1:  # another rank's state is refused, and nothing changes
             try:
@@ -420,8 +430,8 @@ def worker(out, codec, phase):
         check(torch.equal(local, opt.outer_parameters()),
               f"sync {outer}: the model is not the outer parameters")
         checksums.append(opt.checksum())
-    json.dump(checksums, open(f"{out}/checksums-{rank}{'-resumed' if phase == 'resume' else ''}.json",
-                              "w"))
+    suffix = {"resume": "-resumed", "grow": "-grown"}.get(phase, "")
+    json.dump(checksums, open(f"{out}/checksums-{rank}{suffix}.json", "w"))
     if amp:
         want = [step for r, step in sorted(AMP_OVERFLOWS) if r == rank]
         check(skipped == want, f"rank {rank}: skipped inner steps {skipped}, expected {want}")
@@ -540,8 +550,8 @@ def streaming_worker(out, overlap, phase):
                   f"sync {outer}: partition {q} is not the {'mix' if overlap else 'outer'}")
         np.save(f"{out}/grad-{rank}-{outer}.npy", opt._grad.numpy())
         checksums.append(opt.checksum())
-    json.dump(checksums, open(f"{out}/checksums-{rank}{'-resumed' if phase == 'resume' else ''}.json",
-                              "w"))
+    suffix = {"resume": "-resumed", "grow": "-grown"}.get(phase, "")
+    json.dump(checksums, open(f"{out}/checksums-{rank}{suffix}.json", "w"))
 
 
 def check_outer_steps(out):
@@ -576,6 +586,21 @@ def check_resumed(out, arg, done, what):
         resumed = json.load(open(f"{saved}/checksums-{r}-resumed.json"))
         check(resumed == whole[r][done:],
               f"rank {r} resumed: {resumed}, uninterrupted: {whole[r][done:]}")
+    if arg == "int8":
+        # The same states resumed by one rank more, which has none: it
+        # starts at the shards' last sync and every rank syncs alike (it
+        # waited for syncs no other rank would push, until the job's
+        # timeout, before).
+        code, log = morse_run(__file__, RANKS + 1, 2, saved, arg, "grow")
+        print(log)
+        check(code == 0, f"the job of {RANKS + 1} ranks from {RANKS} ranks' states failed")
+        check(f"rank {RANKS} has no saved state and starts at sync {done}" in log,
+              f"rank {RANKS} says where it starts")
+        grown = [json.load(open(f"{saved}/checksums-{r}-grown.json")) for r in range(RANKS + 1)]
+        check(all(g == grown[0] and len(g) == len(whole[0]) - done for g in grown),
+              f"the ranks of the grown job synced apart: {grown}")
+        print(f"PASS: {RANKS} ranks' states resumed by {RANKS + 1}, the new rank from the shards' "
+              "last sync, every rank's outer state alike after each sync")
     shutil.rmtree(saved)
 
 

@@ -32,7 +32,7 @@ from .. import _native
 from . import (MorseError, _amp_of, _base_config, _check_own_state_loaded, _codec_lines, _env,
                _external_model, _grad_scaler_refused, _MorseOptimizer, _overflow_of,
                _rank_checkpoint, _security, _unscale, _warn_if_group_cannot_take_back)
-from .state import _await_own_state
+from .state import _await_own_state, _warn_resized
 
 
 def _float(name, value):
@@ -186,7 +186,7 @@ class DiLoCo(torch.optim.Optimizer):
             from .node import node_of_job
             self._node = node_of_job(self._rank, world)
             worker, workers = self._node.node, self._node.nnodes
-        self._worker = worker
+        self._worker, self._workers = worker, workers
         base = _base_config(config, workers, servers)
         self._elastic = re.search(r"^\s*min_workers\s*:", base, re.M) is not None
         dim, external = _external_model(self._params)
@@ -216,6 +216,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._x = self._local()
         self._grad = torch.zeros(dim, dtype=torch.float32)
         self._inner_steps = 0
+        self._starts_at = 0  # the shards' sync when this rank joined them without a state of its own
         self._skipped_last = False  # whether the last step() skipped (morse.torch.hf reads it)
         self._due = 1  # the outer step whose sync is due next (by inner steps)
         self.last_sync = {}
@@ -235,6 +236,14 @@ class DiLoCo(torch.optim.Optimizer):
             else:
                 self._session.start(False)  # rank 0 uploads; the others receive rank 0's values
                 self._to_params()
+                # Shards that rank 0 restored to sync k (a resumed job, this
+                # rank loading its own state next, or a rank the saved job
+                # did not have, which loads none): the inner steps go on
+                # from that sync's, with the shards' outer parameters.
+                self._starts_at = self._session.step_index
+                if self._starts_at > 0:
+                    self._inner_steps = self._session.inner_steps_before(self._starts_at)
+                    self._due = self._starts_at + 1
         self._averaged = None  # a node's step: whether it merges, once averaged (at a clip)
         self._scaler = None  # a node's rank: the GradScaler whose scale() told it last
         # Under morse.torch.hf (Trainer's and Accelerate's resume load rank
@@ -481,6 +490,11 @@ class DiLoCo(torch.optim.Optimizer):
         _check_own_state_loaded(self, "DiLoCo state of outer step",
                                 "its inner optimizer's state, parameters and error buffer are its "
                                 "own")
+        if self._starts_at:
+            print(f"morse: rank {self._rank} has no saved state and starts at sync "
+                  f"{self._starts_at} of the shards (inner step {self._inner_steps}): their outer "
+                  "parameters, a zero error buffer and a fresh inner optimizer", flush=True)
+            self._starts_at = 0
         self._skipped_last = self._scaled_step_overflowed(grad_scaler)
         _warn_if_group_cannot_take_back(self._elastic)
         if self._skipped_last:
@@ -684,8 +698,8 @@ class DiLoCo(torch.optim.Optimizer):
                     "sync_every": self.sync_every, "params": self._local(), "outer": None,
                     "node_member": True, "rank": self._rank}
         step, m, _, error = self._session.get_state()
-        outer = {"step": step, "rank": self._rank, "taken": self._taken(),
-                 "params": self._x.clone(),
+        outer = {"step": step, "rank": self._rank, "workers": self._workers,
+                 "taken": self._taken(), "params": self._x.clone(),
                  "momentum": torch.from_numpy(m), "worker_error": torch.from_numpy(error)}
         if self._worker == 0:
             outer["server_error"] = torch.from_numpy(self._session.server_error())
@@ -779,6 +793,8 @@ class DiLoCo(torch.optim.Optimizer):
         saved_x = self._x.clone()
         self._x.copy_(outer["params"].detach().reshape(-1))
         server_error = host(outer["server_error"]) if "server_error" in outer else None
+        _warn_resized(self._worker, self._workers, outer.get("workers"), outer["worker_error"],
+                      "the outer parameters")
         try:
             self._session.set_state(step, host(outer["momentum"]), torch.zeros(dim).numpy(),
                                     host(outer["worker_error"]), server_error)
@@ -789,6 +805,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._inner_steps = inner_steps
         self._due = step + 1
         self._awaiting_own_state = None
+        self._starts_at = 0
         with torch.no_grad():
             local = state_dict["params"].detach().reshape(-1).to("cpu", torch.float32)
             for p, (lo, hi) in zip(self._params, self._ranges):

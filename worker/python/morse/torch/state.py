@@ -214,7 +214,8 @@ class _StateDict:
                                  f"{self.param_groups[0][key]}; build the optimizer with the saved "
                                  "values (the job's algorithm fixes them)")
 
-        self._warn_resized(state)
+        _warn_resized(self._worker, self._workers, state.get("workers"),
+                      state["worker_error"], "x, m and v")
 
         def host(t):
             return t.detach().to("cpu", torch.float32).contiguous().numpy()
@@ -244,26 +245,6 @@ class _StateDict:
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
-
-    def _warn_resized(self, state):
-        """Worker 0 warns where the state was saved by a job of another
-        number of workers while the error buffers mattered (its own is not
-        zero): the run goes on, but not as the saved job would have."""
-        saved = state.get("workers")
-        if (self._worker != 0 or saved is None or int(saved) == self._workers
-                or not bool(state["worker_error"].abs().max() > 0)):
-            return
-        saved = int(saved)
-        if saved > self._workers:
-            what = (f"the worker error buffers of workers {self._workers}..{saved - 1} are not "
-                    "loaded: their residue of the compression is dropped")
-        else:
-            what = (f"workers {saved}..{self._workers - 1} have no saved state: they load none "
-                    "(they take x, m and v from the shards) and start with zero error buffers")
-        warnings.warn(f"morse: this state was saved by a job of {saved} workers, and this job has "
-                      f"{self._workers}: {what}. The run goes on from the saved step, not bit for "
-                      "bit as the saved job would have (with the same number of workers it would)",
-                      RuntimeWarning, stacklevel=3)
 
     def _from_per_parameter(self, state_dict):
         """A state_dict saved parameter by parameter (torch.optim's Adam or
@@ -378,6 +359,27 @@ def _per_parameter(state_dict):
     groups = state_dict.get("param_groups")  # (torch's, saved before its first step)
     return (isinstance(groups, list) and bool(groups)
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups))
+
+
+def _warn_resized(worker, workers, saved, worker_error, taken):
+    """On worker 0 of a job of `workers`: a warning where the state it
+    loads was saved by a job of `saved` workers (None: not recorded) while
+    the error buffers mattered (its own, `worker_error`, is not zero): the
+    run goes on, but not as the saved job would have. `taken`: what a
+    worker without a saved state takes from the shards."""
+    if worker != 0 or saved is None or int(saved) == workers or not bool(worker_error.abs().max() > 0):
+        return
+    saved = int(saved)
+    if saved > workers:
+        what = (f"the worker error buffers of workers {workers}..{saved - 1} are not loaded: "
+                "their residue of the compression is dropped")
+    else:
+        what = (f"workers {saved}..{workers - 1} have no saved state: they load none (they take "
+                f"{taken} from the shards) and start with zero error buffers")
+    warnings.warn(f"morse: this state was saved by a job of {saved} workers, and this job has "
+                  f"{workers}: {what}. The run goes on from the saved step, not bit for bit as the "
+                  "saved job would have (with the same number of workers it would)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _await_own_state(opt, saved_rank, step, device):
