@@ -266,9 +266,9 @@ class _StateDict:
                              "that saved it")
         saved_state = state_dict["state"]
         held = []  # (name, parameter, its saved state or None), the trained ones
-        names = {id(p): n for p, n in zip(self._params, self._names)}
-        if self._node is not None:
-            names = {id(p): n for p, n in zip(self._node_params, self._node_names)}
+        trained, labels = ((self._params, self._names) if self._node is None
+                           else (self._node_params, self._node_names))
+        names = {id(p): n for p, n in zip(trained, labels)}
         for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             params = group["params"]
             indices = saved.get("params") if isinstance(saved, dict) else None
@@ -452,7 +452,7 @@ def torch_optim_state_dict(*state_dicts):
                 "exp_avg_sq": v[lo:hi].detach().clone().reshape(shape)}
     groups = []
     numbered = next(iter(slices.values()))["torch_groups"]
-    for group, indices in zip(saved["param_groups"], numbered):
+    for group, indices in zip(state_dicts[0]["param_groups"], numbered):
         # torch.optim.AdamW's own settings beside the saved ones (torch's
         # load_state_dict takes every key of a saved group), and torch's
         # numbering, in which frozen parameters count (without state).
