@@ -58,13 +58,17 @@ class _StateDict:
 
     def _load_groups(self, state_dict):
         """lr and weight_decay of the saved groups back into param_groups
-        (one saved group sets every group)."""
+        (one saved group sets every group), and betas and eps where the
+        steps follow param_groups' (schedule "constant"), as torch's
+        load_state_dict does; with schedule "cosine" load_state_dict has
+        refused saved ones that differ."""
         saved = state_dict.get("param_groups", [{}])
+        keys = ("lr", "weight_decay") + (("betas", "eps") if self._follows_moments else ())
         for i, group in enumerate(self.param_groups):
             source = saved[i] if len(saved) == len(self.param_groups) else saved[0]
-            for key in ("lr", "weight_decay"):
+            for key in keys:
                 if key in source:
-                    group[key] = source[key]
+                    group[key] = tuple(source[key]) if key == "betas" else source[key]
 
     def _state_dict(self, server_error, on_host=False):
         """state_dict()'s, its per-element arrays on the parameters' device
