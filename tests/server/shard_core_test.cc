@@ -916,10 +916,13 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   const auto push = [&](int64_t step, uint32_t rank) {
     shard.Push(args(step, rank));
   };
-  // Step 0: ranks 0 and 1 push; rank 2 does not.
+  // Step 0: ranks 0 and 1 push; rank 2 does not. (Times are taken before
+  // the pushes they bound, so that a slow machine cannot pass a deadline
+  // between a push and the check.)
+  const absl::Time step0_start = absl::Now();
   push(0, 0);
   push(0, 1);
-  EXPECT_TRUE(core->ExpireWaiting(absl::Now()).empty());  // not yet
+  EXPECT_TRUE(core->ExpireWaiting(step0_start).empty());  // not yet
   const std::vector<std::string> changes =
       core->ExpireWaiting(absl::Now() + absl::Seconds(2));
   ASSERT_EQ(changes.size(), 1u);
@@ -1010,8 +1013,9 @@ TEST(ElasticShardTest, AStepCompletesWithoutTheMissingWhoComeBackByPushing) {
   EXPECT_TRUE(core->Status().out.empty());
   // Step 3 with one push, fewer than min_workers: only the recovery
   // timeout ends it, as a failure.
+  const absl::Time step3_start = absl::Now();
   push(3, 0);
-  EXPECT_TRUE(core->ExpireWaiting(absl::Now() + absl::Seconds(2)).empty());
+  EXPECT_TRUE(core->ExpireWaiting(step3_start + absl::Seconds(2)).empty());
   EXPECT_FALSE(got[0].ok());
   EXPECT_EQ(got[0].status().code(), absl::StatusCode::kUnknown);  // pending
   const std::optional<std::string> stalled =
