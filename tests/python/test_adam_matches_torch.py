@@ -3,7 +3,9 @@
 averaged gradient, after every step, to 1e-5 absolute (the two evaluate the
 same formula in different orders: Morse m/bc1 / (sqrt(v/bc2) + eps), torch
 m / (sqrt(v)/sqrt(bc2) + eps) * lr/bc1). Several parameter shapes, several
-partitions. Then the same with torch's LambdaLR and StepLR schedulers and a
+partitions; built as a script swaps it in, morse.torch.AdamW given
+torch.optim.AdamW's own arguments (its default weight decay, foreach,
+capturable, under torch 2 a tensor lr). Then the same with torch's LambdaLR and StepLR schedulers and a
 weight-decay change in param_groups mid-run, which Morse reads at every step
 (against torch.optim.AdamW: Morse's weight decay is decoupled). And with
 clip_grad_norm against torch.nn.utils.clip_grad_norm_ on the averaged
@@ -58,6 +60,7 @@ def data(rank, step):
 
 
 SURPRISE = 6  # the "late_*" modes' first step of the new idiom
+TORCH2 = int(torch.__version__.split(".")[0]) >= 2
 
 
 def adopt(opt, reference, ref_opt):
@@ -232,11 +235,21 @@ def worker(mode):
     split = lambda m: [  # noqa: E731
         {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0, "lr": 0.02, **own},
         {"params": [m.a.weight, m.b.weight, m.t], "weight_decay": 0.1}]
-    opt = morse.torch.Adam(split(model) if groups else model.parameters(), lr=0.01,
-                           block_elems=16, partition_elems=32,
-                           overlap=rank == 0,
-                           accumulation_steps=2 if accumulate and rank == 1 else None,
-                           clip_grad_norm=0.2 if clip else None)
+    # "constant": the one-line swap, torch.optim.AdamW(...) ->
+    # morse.torch.AdamW(...) with AdamW's own arguments: its default weight
+    # decay (0.01), torch's choice of implementation and, under torch 2, a
+    # tensor lr. The other modes: morse.torch.Adam against AdamW without
+    # weight decay (the same update at 0).
+    swap = mode == "constant"
+    torch_args = dict(lr=0.01, weight_decay=0.0)
+    if swap:
+        torch_args = dict(lr=torch.tensor(0.01) if TORCH2 else 0.01, foreach=False, capturable=False)
+    opt = (morse.torch.AdamW if swap else morse.torch.Adam)(
+        split(model) if groups else model.parameters(), **torch_args,
+        block_elems=16, partition_elems=32,
+        overlap=rank == 0,
+        accumulation_steps=2 if accumulate and rank == 1 else None,
+        clip_grad_norm=0.2 if clip else None)
     if learns and where != "cuda":
         opt._shows_average = False  # as it starts on CUDA tensors
     # The warnings of the run, for edit_any's (learns: one; else none).
@@ -247,8 +260,8 @@ def worker(mode):
     reference = Model()
     reference.load_state_dict(model.state_dict())  # rank 0's values, which everyone now has
     # Morse's weight decay is decoupled, as AdamW's (identical to Adam at 0).
-    ref_opt = torch.optim.AdamW(split(reference) if groups else reference.parameters(), lr=0.01,
-                                weight_decay=0.0)
+    ref_opt = torch.optim.AdamW(split(reference) if groups else reference.parameters(),
+                                **torch_args)
     schedulers = []
     if groups:
         for o in (opt, ref_opt):  # each group its own schedule
@@ -441,7 +454,10 @@ def worker(mode):
                            "and eps",
             "weights": f"weights clamp_()ed after every step ({clamped} elements clamped) and "
                        "halved weights loaded after step 10",
-            }.get(mode, "constant")
+            "constant": f"morse.torch.AdamW for torch.optim.AdamW, the same arguments "
+                        f"({', '.join(f'{k}={v!r}' for k, v in torch_args.items())}; weight_decay "
+                        f"{ref_opt.param_groups[0]['weight_decay']!r}, AdamW's default)",
+            }.get(mode, mode)
     if learns:
         what += ", .grad after the clip first the rank's own (step 0's edit left out, warned)"
     print(f"rank {opt.rank}: 20 steps ({what}{', on CUDA tensors' if where else ''}), largest "

@@ -129,6 +129,35 @@ def main():
         schedule="cosine", steps=10, **args))
     expect(ValueError, "feedback='ef' has none", lambda: morse.torch.Adam(
         torch.nn.Linear(3, 2).parameters(), feedback="ef", feedback_beta=0.5, **args))
+    # torch.optim.Adam's variants Morse has no counterpart for, refused by
+    # name (its choices of implementation, foreach, fused and capturable,
+    # are accepted: test_adam_matches_torch's "constant"); DeepSpeed's
+    # OnebitAdam arguments as ZeroOneAdam's and OnebitLamb's (its transport
+    # settings accepted, its variants refused).
+    linear = lambda: torch.nn.Linear(3, 2).parameters()  # noqa: E731
+    expect(ValueError, "Adam does not support the AMSGrad variant", lambda: morse.torch.AdamW(
+        linear(), 1e-3, (0.9, 0.999), 1e-8, 0.01, True, **args))  # amsgrad, torch's 6th
+    expect(ValueError, "maximize=True is not supported", lambda: morse.torch.Adam(
+        linear(), maximize=True, **args))
+    expect(ValueError, "differentiable=True is not supported", lambda: morse.torch.Adam(
+        linear(), differentiable=True, **args))
+    expect(ValueError, "Morse's weight decay is decoupled", lambda: morse.torch.Adam(
+        linear(), weight_decay=0.1, decoupled_weight_decay=False, **args))
+    expect(TypeError, "AdamW takes no decoupled_weight_decay", lambda: morse.torch.AdamW(
+        linear(), decoupled_weight_decay=True, **args))
+    for bad, words in ((dict(amsgrad=True), "1-bit Adam does not support the AMSGrad variant"),
+                       (dict(eps_inside_sqrt=True), "eps_inside_sqrt=True is not supported"),
+                       (dict(max_grad_norm=1.0), "DeepSpeed's OnebitAdam ignores it")):
+        expect(ValueError, words, lambda: morse.torch.OneBitAdam(linear(), **bad, **args))
+    # DeepSpeed's tutorial's OneBitAdam params, and torch's choices of
+    # implementation: accepted, so the constructor gets as far as the
+    # credentials (none given here).
+    expect(MorseError, "--insecure", lambda: morse.torch.OneBitAdam(
+        linear(), **dict(lr=4e-4, freeze_step=23000, cuda_aware=False, comm_backend_name="nccl"),
+        security={}, **args))
+    expect(MorseError, "--insecure", lambda: morse.torch.AdamW(
+        linear(), lr=torch.tensor(1e-3), fused=True, foreach=False, capturable=True,
+        security={}, **args))
     for bad in (-1.0, 0, float("nan"), float("inf"), "big"):
         expect(ValueError, "a positive, finite max_norm", lambda: morse.torch.Adam(
             torch.nn.Linear(3, 2).parameters(), clip_grad_norm=bad, **args))

@@ -51,7 +51,7 @@ from .. import _native
 from .._native import MorseError
 from .state import _COMMIT_KEYS, _STATE_DICT_KEYS, _StateDict, _as_list, torch_optim_state_dict
 
-__all__ = ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError",
+__all__ = ["OneBitAdam", "Adam", "AdamW", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError",
            "torch_optim_state_dict"]
 
 
@@ -501,13 +501,13 @@ class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
         betas, eps = self.param_groups[0]["betas"], self.param_groups[0]["eps"]
         self._update_rule = (_as_list(betas), _as_list(eps))
         adam = [f"beta1: {float(betas[0])!r}", f"beta2: {float(betas[1])!r}", f"eps: {float(eps)!r}",
-                f"weight_decay: {weight_decay!r}"]
+                f"weight_decay: {float(weight_decay)!r}"]
         adam.append(f"bias_correction: {'true' if bias_correction else 'false'}")
         lines = [
             None,  # the model, below
             f'optimizer: "{optimizer}"',
             "adam { " + " ".join(adam) + " }",
-            f'lr {{ schedule: "{schedule}" lr: {lr!r} }}',
+            f'lr {{ schedule: "{schedule}" lr: {float(lr)!r} }}',  # torch 2 takes a tensor lr
             f"steps: {steps}",
         ] + _codec_lines(codec, down_codec, feedback, feedback_beta)
         # With the constant schedule (the default) the steps follow
@@ -3459,6 +3459,36 @@ def _shown_value(value):
     return repr(float(value))
 
 
+def _refuse_variants(algorithm, counterpart, *, amsgrad=False, maximize=False,
+                     differentiable=False, eps_inside_sqrt=False, max_grad_norm=0.0,
+                     decoupled_weight_decay=True, weight_decay=0.0):
+    """Refuses, with ValueError, the variants of the update that the
+    optimizer this one stands in for (`counterpart`: torch.optim's AdamW or
+    Adam, DeepSpeed's OnebitAdam, ZeroOneAdam or OnebitLamb) offers and
+    Morse does not; the arguments that only choose how torch computes its
+    step (foreach, fused, capturable) or how DeepSpeed communicates
+    (cuda_aware, comm_backend_name) are not passed here: they are accepted
+    and change nothing."""
+    if amsgrad:
+        raise ValueError(f"{algorithm} does not support the AMSGrad variant (amsgrad=True)")
+    if maximize:
+        raise ValueError(f"maximize=True is not supported: {algorithm} minimizes; negate the loss")
+    if differentiable:
+        raise ValueError("differentiable=True is not supported: the step leaves the process "
+                         "(its update comes from the shards), so autograd cannot follow it")
+    if eps_inside_sqrt:
+        raise ValueError("eps_inside_sqrt=True is not supported: Morse adds eps outside the "
+                         "square root, as torch.optim.Adam")
+    if max_grad_norm:
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}: {counterpart} ignores it; "
+                         "clip with clip_grad_norm=")
+    if not decoupled_weight_decay and weight_decay:
+        raise ValueError(f"decoupled_weight_decay=False with weight_decay={weight_decay!r}: "
+                         "Morse's weight decay is decoupled, as AdamW's (torch.optim.Adam's "
+                         "default adds it to the gradient instead); for an L2 term, add it to "
+                         "the loss")
+
+
 class OneBitAdam(_MorseOptimizer):
     """1-bit Adam (Tang et al. 2021): full-precision Adam for freeze_step steps
     (at least 1), then sign-compressed momentum with error feedback on
@@ -3482,7 +3512,12 @@ class OneBitAdam(_MorseOptimizer):
                  rank=None, world_size=None, servers=None,
                  overlap=True, accumulation_steps=None, schedule="constant", steps=0,
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
+                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None,
+                 eps_inside_sqrt=False, max_grad_norm=0.0, amsgrad=False, cuda_aware=False,
+                 comm_backend_name=None):
+        del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
+        _refuse_variants("1-bit Adam", "DeepSpeed's OnebitAdam", amsgrad=amsgrad,
+                         eps_inside_sqrt=eps_inside_sqrt, max_grad_norm=max_grad_norm)
         if freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step}: OneBitAdam needs at least one warmup "
                              "step (with none there is no variance to freeze)")
@@ -3506,14 +3541,29 @@ class Adam(_MorseOptimizer):
     LoCo is codec="int4", feedback="ema" (feedback_beta, the moving average's
     weight of the newest error, defaults to 0.5 for ema; docs/config.md).
     clip_grad_norm (default None: off) clips the averaged gradient by its
-    global L2 norm, as torch.nn.utils.clip_grad_norm_ on the global batch."""
+    global L2 norm, as torch.nn.utils.clip_grad_norm_ on the global batch.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
-                 codec="fp32", down_codec=None, feedback="none", feedback_beta=None,
-                 bias_correction=True, config=None, rank=None, world_size=None, servers=None,
-                 overlap=True, accumulation_steps=None, schedule="constant", steps=0,
-                 block_elems=None, partition_elems=None, security=None, missing_grads="raise",
-                 broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
+    weight_decay is decoupled, as torch.optim.AdamW's (AdamW below has
+    AdamW's default of 0.01). torch.optim.Adam's other arguments are
+    taken where they mean what Morse does: foreach, fused and capturable
+    choose how torch computes its step and change nothing here (Morse's step
+    is its own, and cannot be captured in a CUDA graph); amsgrad, maximize,
+    differentiable and decoupled_weight_decay=False with a weight decay
+    raise ValueError."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, *, codec="fp32", down_codec=None, feedback="none",
+                 feedback_beta=None, bias_correction=True, config=None, rank=None,
+                 world_size=None, servers=None, overlap=True, accumulation_steps=None,
+                 schedule="constant", steps=0, block_elems=None, partition_elems=None,
+                 security=None, missing_grads="raise", broadcast_buffers=True, buffers=None,
+                 apply_at_step=True, clip_grad_norm=None, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None,
+                 decoupled_weight_decay=True):
+        del foreach, capturable, fused  # how torch computes its step
+        _refuse_variants("Adam", "torch.optim.Adam", amsgrad=amsgrad, maximize=maximize,
+                         differentiable=differentiable,
+                         decoupled_weight_decay=decoupled_weight_decay, weight_decay=weight_decay)
         super().__init__(params, optimizer="adam", lr=lr, betas=betas, eps=eps,
                          weight_decay=weight_decay, freeze_step=0, codec=codec,
                          down_codec=down_codec, feedback=feedback, feedback_beta=feedback_beta,
@@ -3525,6 +3575,19 @@ class Adam(_MorseOptimizer):
                          missing_grads=missing_grads, broadcast_buffers=broadcast_buffers,
                          buffers=buffers, apply_at_step=apply_at_step,
                          clip_grad_norm=clip_grad_norm)
+
+
+class AdamW(Adam):
+    """Adam under torch.optim.AdamW's name, arguments and defaults
+    (weight_decay 0.01, decoupled), so that a script's
+    torch.optim.AdamW(...) becomes morse.torch.AdamW(...) with the same
+    arguments; Adam's keyword-only ones (codec, clip_grad_norm, ...) too."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, **kwargs):
+        if "decoupled_weight_decay" in kwargs:
+            raise TypeError("AdamW takes no decoupled_weight_decay: its weight decay is decoupled")
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 
 class ZeroOneAdam(_MorseOptimizer):
@@ -3554,14 +3617,8 @@ class ZeroOneAdam(_MorseOptimizer):
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
                  broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
-        if amsgrad:
-            raise ValueError("0/1 Adam does not support the AMSGrad variant (amsgrad=True)")
-        if eps_inside_sqrt:
-            raise ValueError("eps_inside_sqrt=True is not supported: Morse adds eps outside the "
-                             "square root, as torch.optim.Adam")
-        if max_grad_norm:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}: DeepSpeed's ZeroOneAdam ignores it; "
-                             "clip with clip_grad_norm=")
+        _refuse_variants("0/1 Adam", "DeepSpeed's ZeroOneAdam", amsgrad=amsgrad,
+                         eps_inside_sqrt=eps_inside_sqrt, max_grad_norm=max_grad_norm)
         zero_one = dict(var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler,
                         local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
         for name, value in zero_one.items():
@@ -3613,14 +3670,8 @@ class OneBitLamb(_MorseOptimizer):
                  block_elems=None, partition_elems=None, security=None, missing_grads="raise",
                  broadcast_buffers=True, buffers=None, apply_at_step=True, clip_grad_norm=None):
         del cuda_aware, comm_backend_name  # DeepSpeed's transport settings
-        if amsgrad:
-            raise ValueError("1-bit LAMB does not support the AMSGrad variant (amsgrad=True)")
-        if eps_inside_sqrt:
-            raise ValueError("eps_inside_sqrt=True is not supported: Morse adds eps outside the "
-                             "square root, as torch.optim.Adam")
-        if max_grad_norm:
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}: DeepSpeed's OnebitLamb ignores it; "
-                             "clip with clip_grad_norm=")
+        _refuse_variants("1-bit LAMB", "DeepSpeed's OnebitLamb", amsgrad=amsgrad,
+                         eps_inside_sqrt=eps_inside_sqrt, max_grad_norm=max_grad_norm)
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step={freeze_step!r}: OneBitLamb needs at least one warmup step")
         lamb = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
