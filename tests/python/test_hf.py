@@ -10,8 +10,9 @@ way:
   accelerator.save_model writes reloads with the trained parameters;
 - 1-bit (OneBitAdam): within the convergence margin of DDP's loss;
 - with Trainer's weight decay (a decay and a no-decay group): fp32 Adam
-  equals DDP's losses to float rounding, and OneBitLamb converges like
-  DDP;
+  equals DDP's losses to float rounding, also built by Trainer itself
+  (optimizer_cls_and_kwargs=(morse.torch.AdamW, ...)), a OneBitAdam run
+  so built resumes bit-identically, and OneBitLamb converges like DDP;
 - LoRA adapters (peft) under Trainer: fp32 Adam equals DDP's losses, and a
   OneBitAdam run resumes bit-identically;
 - a Trainer run resumed from its own checkpoint (rank 0's optimizer.pt
@@ -481,6 +482,18 @@ def groups():
     ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *FP32, *decay)
     adam, _, _ = run("hf_trainer.py", "--optimizer", "adam", *FP32, *decay)
     close_to_ddp("hf_trainer.py Adam with weight-decay groups", ddp, adam, 1e-5)
+    # Trainer building the optimizer itself from a class and its arguments
+    # (optimizer_cls_and_kwargs=(morse.torch.AdamW, ...)), with its own
+    # decay / no-decay groups: the same losses; and a OneBitAdam run so
+    # built, resumed from its checkpoint (rank 0's optimizer.pt loaded into
+    # the optimizer Trainer built, before MorseCallback sees it), is
+    # bit-identical to the whole run.
+    built, _, _ = run("hf_trainer.py", "--optimizer", "adam", "--built-by-trainer", *FP32, *decay)
+    close_to_ddp("hf_trainer.py AdamW built by Trainer (optimizer_cls_and_kwargs)", ddp, built, 1e-5)
+    out = tempfile.mkdtemp(prefix="morse-hf-built-")
+    check_resume("built", "hf_trainer.py", ["--steps", "12", "--freeze-step", "4", "--save-steps", "6",
+                                             "--built-by-trainer", *decay], out)
+    shutil.rmtree(out, ignore_errors=True)
     longer = ["--steps", "60", "--freeze-step", "15"]  # LAMB starts slower, then passes AdamW
     ddp, _, _ = run("hf_trainer.py", "--optimizer", "ddp", *longer, *decay)
     lamb, _, _ = run("hf_trainer.py", "--optimizer", "onebit_lamb", "--lr", "0.1", *longer, *decay)

@@ -25,6 +25,11 @@ gradients overflow on any rank is skipped on every rank, as under DDP.
 
 With --weight-decay the optimizer gets Trainer's two parameter groups
 (decay, and biases and norms without), each group its own weight_decay.
+With --built-by-trainer Trainer builds the optimizer itself, with those
+groups, from a class and its arguments:
+
+    Trainer(..., optimizer_cls_and_kwargs=(morse.torch.AdamW, dict(lr=...)),
+            callbacks=[MorseCallback()])
 
 Trainer's max_grad_norm clips the averaged gradient, as under DDP
 (morse.torch.clip_grad_norm_).
@@ -172,9 +177,30 @@ def morse_optimizer(a, model):
     return morse.torch.Adam(params, lr=a.lr)
 
 
+def built_by_trainer(a):
+    """Trainer's optimizer_cls_and_kwargs for --optimizer: Trainer builds the
+    optimizer itself, over its decay / no-decay groups (weight_decay from
+    TrainingArguments), with these arguments."""
+    import morse.torch
+    if a.optimizer == "onebit_adam":
+        return morse.torch.OneBitAdam, dict(lr=a.lr, freeze_step=a.freeze_step)
+    if a.optimizer == "onebit_lamb":
+        return morse.torch.OneBitLamb, dict(lr=a.lr, freeze_step=a.freeze_step)
+    if a.optimizer == "zero_one_adam":
+        return morse.torch.ZeroOneAdam, dict(lr=a.lr, var_freeze_step=a.freeze_step)
+    if a.optimizer == "adam":
+        return morse.torch.AdamW, dict(lr=a.lr)
+    raise SystemExit(f"--built-by-trainer: --optimizer {a.optimizer} is not an optimizer Trainer "
+                     "builds from a class (DiLoCo wraps the model and an inner optimizer)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_arguments(parser, "Trainer")
+    parser.add_argument("--built-by-trainer", action="store_true",
+                        help="let Trainer build the Morse optimizer (optimizer_cls_and_kwargs: its "
+                             "decay / no-decay groups, --weight-decay as TrainingArguments' "
+                             "weight_decay) instead of passing it built (optimizers=)")
     parser.add_argument("--output-dir", default="hf-trainer-out", help="checkpoints (default: hf-trainer-out)")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (default: 0, none)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --output-dir")
@@ -210,13 +236,16 @@ def main():
                                                  target_modules=["c_attn", "c_proj"], fan_in_fan_out=True))
     losses = Losses()
     callbacks = [losses]
-    optimizers = (None, None)
+    optimizers, built = (None, None), {}
     if a.optimizer != "ddp":
         from morse.torch.hf import MorseCallback
-        optimizers = (morse_optimizer(a, model), None)
+        if a.built_by_trainer:
+            built = dict(optimizer_cls_and_kwargs=built_by_trainer(a))
+        else:
+            optimizers = (morse_optimizer(a, model), None)
         callbacks.append(MorseCallback())
     trainer = Trainer(model=model, args=args, train_dataset=Sequences(seed=a.seed),
-                      optimizers=optimizers, callbacks=callbacks)
+                      optimizers=optimizers, callbacks=callbacks, **built)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
 
     rank = int(os.environ.get("RANK", "0"))

@@ -292,6 +292,9 @@ class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
     # argument), so that every rank skips together where any rank's
     # gradients overflowed (_scaler_step).
     _step_supports_amp_scaling = True
+    # morse.torch.hf.MorseCallback sets it where Trainer will build the
+    # optimizer itself (optimizer_cls_and_kwargs): _finds_own_state below.
+    _finds_own_state_when_built = False
 
     def __init__(self, params, *, optimizer, lr, betas, eps, weight_decay, freeze_step,
                  codec, down_codec, feedback, feedback_beta, bias_correction, mask_zero_variance,
@@ -806,8 +809,10 @@ class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
         _install_clip_grad_norm()
         _install_grad_scaler_hook()
         # Set by morse.torch.hf.MorseCallback: another rank's state_dict is
-        # kept aside (rank, step) until this rank's own is loaded.
-        self._finds_own_state = False
+        # kept aside (rank, step) until this rank's own is loaded. (Set
+        # from the start where Trainer builds the optimizer itself and loads
+        # a checkpoint into it before the callback sees it.)
+        self._finds_own_state = _MorseOptimizer._finds_own_state_when_built
         self._awaiting_own_state = None
         # Set by morse.torch.hf.prepare's load_state hook: this rank's own
         # state of the checkpoint Accelerate is loading, loaded in place of

@@ -7,6 +7,13 @@ Trainer: pass the optimizer and MorseCallback, and nothing else changes:
     trainer = Trainer(model=model, args=args, train_dataset=...,
                       optimizers=(opt, None), callbacks=[MorseCallback()])
 
+or let Trainer build it over its decay / no-decay parameter groups:
+
+    trainer = Trainer(model=model, args=args, train_dataset=...,
+                      optimizer_cls_and_kwargs=(morse.torch.AdamW,
+                                                dict(lr=args.learning_rate)),
+                      callbacks=[MorseCallback()])
+
 morse.torch.DiLoCo (over any torch inner optimizer) takes the place of
 opt the same way; the stack's scheduler and clipping then take each rank's
 inner steps.
@@ -356,7 +363,10 @@ def _callback_base():
 
 
 class MorseCallback(_callback_base()):
-    """A Trainer callback for a Morse optimizer (see the module's doc)."""
+    """A Trainer callback for a Morse optimizer (see the module's doc): one
+    given as Trainer(optimizers=(opt, None)), or one Trainer builds itself
+    from Trainer(optimizer_cls_and_kwargs=(morse.torch.AdamW, {...})) with
+    its decay / no-decay parameter groups."""
 
     def __init__(self):
         self.opt = None
@@ -366,19 +376,35 @@ class MorseCallback(_callback_base()):
         if opt is None:
             raise ValueError("MorseCallback needs a Morse optimizer: Trainer(..., "
                              "optimizers=(morse.torch.OneBitAdam(model.parameters(), ...), None), "
-                             "callbacks=[MorseCallback()]), or morse.torch.DiLoCo(model, "
-                             "torch.optim.AdamW(model.parameters(), ...), sync_every=...)")
+                             "callbacks=[MorseCallback()]), Trainer(..., optimizer_cls_and_kwargs="
+                             "(morse.torch.AdamW, dict(lr=...)), callbacks=[MorseCallback()]), or "
+                             "morse.torch.DiLoCo(model, torch.optim.AdamW(model.parameters(), ...), "
+                             "sync_every=...)")
         self.opt = opt
         return opt
 
     def on_init_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        opt = self._optimizer(optimizer)
         if getattr(args, "fp16", False):
             _check_precision("fp16")
             _install_skip_report()
+        if optimizer is None:
+            # Trainer builds the optimizer in train() (optimizer_cls_and_kwargs),
+            # after it has moved the model, and loads a checkpoint's state into
+            # it before on_train_begin: a Morse optimizer built from here on
+            # keeps another rank's state aside, as _use() sets.
+            _MorseOptimizer._finds_own_state_when_built = True
+            if model is not None:
+                keep_out_of_ddp(model)
+            return control
+        opt = self._optimizer(optimizer)
         if model is not None:
             _attach_model(model, opt)
             keep_out_of_ddp(model)  # with Trainer's bf16 or fp16 autocast
+        self._use(args, opt)
+        return control
+
+    def _use(self, args, opt):
+        """Trainer's clipping and checkpoints with the Morse optimizer."""
         max_norm = float(getattr(args, "max_grad_norm", 0) or 0)
         # (DiLoCo has no clip of its own: Trainer's clips each rank's own
         # gradient for its inner step.)
@@ -394,7 +420,6 @@ class MorseCallback(_callback_base()):
                     "averaged gradient as under DDP)")
             args.max_grad_norm = 0.0  # the optimizer clips
         opt._finds_own_state = True
-        return control
 
     def on_save(self, args, state, control, optimizer=None, **kwargs):
         opt = self._optimizer(optimizer or self.opt)
@@ -405,7 +430,12 @@ class MorseCallback(_callback_base()):
         os.replace(path + ".tmp", path)
         return control
 
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.opt is None:  # built by Trainer (optimizer_cls_and_kwargs)
+            opt = self._optimizer(optimizer)
+            if model is not None:
+                _attach_model(model, opt)
+            self._use(args, opt)
         opt = self._optimizer(optimizer or self.opt)
         if opt._awaiting_own_state is None:
             return control
