@@ -186,6 +186,20 @@ def wrong_use():
                   for a, p in zip(before, model.parameters())),
               "after accelerator.clip_grad_norm_ .grad holds the clipped gradient, as DDP's")
         opt.step()
+    # MorseCallback with no Morse optimizer (neither optimizers= nor
+    # optimizer_cls_and_kwargs=: Trainer builds its own AdamW): refused
+    # when training begins, saying how to give one.
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True, max_steps=1)
+    data = [{"input_ids": torch.zeros(4, dtype=torch.long), "labels": torch.zeros(4, dtype=torch.long)}] * 8
+    trainer = Trainer(model=GPT2LMHeadModel(gpt), args=args, train_dataset=data,
+                      callbacks=[MorseCallback()])
+    try:
+        trainer.train()
+        check(False, "MorseCallback trained with Trainer's own AdamW")
+    except ValueError as e:
+        check("optimizer_cls_and_kwargs=(morse.torch.AdamW" in str(e), f"the message says how: {e}")
+        print(f"ok: ValueError: {e}")
+    morse.torch._MorseOptimizer._finds_own_state_when_built = False
     accelerate_fp16(gpt, config.name)
     # fp8 is refused with what to do; fp16 trains (the part `fp16`, on a
     # GPU; DiLoCo's, alone and under --node-aggregation: test_diloco
