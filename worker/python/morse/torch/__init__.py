@@ -52,7 +52,7 @@ from .._native import MorseError
 from .state import _COMMIT_KEYS, _STATE_DICT_KEYS, _StateDict, _as_list, torch_optim_state_dict
 
 __all__ = ["OneBitAdam", "Adam", "AdamW", "ZeroOneAdam", "OneBitLamb", "DiLoCo", "MorseError",
-           "torch_optim_state_dict"]
+           "torch_optim_state_dict", "from_deepspeed"]
 
 
 def _zero_grad_default():
@@ -3712,3 +3712,4 @@ class OneBitLamb(_MorseOptimizer):
 
 
 from .diloco import DiLoCo  # noqa: E402 (uses the helpers above)
+from .deepspeed import from_deepspeed  # noqa: E402 (builds the classes above)
