@@ -857,14 +857,19 @@ std::vector<double> BitsDouble(absl::Span<const int64_t> bits) {
 
 }  // namespace
 
+int64_t Session::exchanged_step() const {
+  int64_t step = step_;
+  while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges)
+    --step;
+  return step;
+}
+
 absl::Status Session::SaveCheckpoint(const std::string& path) const {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   // The error buffer changes only at exchanges: after zero_one_adam's local
   // steps it is the one of the step after the last sync, where the shards
   // are and where a resumed worker that takes x, m, v from them starts.
-  int64_t step = step_;
-  while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges)
-    --step;
+  const int64_t step = exchanged_step();
   proto::CheckpointWriter writer(
       {"worker", rank_, layout_.fingerprint(),
        compress::AlgorithmFingerprint(job_.algorithm), step});

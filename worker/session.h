@@ -202,6 +202,10 @@ class Session {
   absl::Status SaveCheckpoint(const std::string& path) const;
 
   int64_t step() const { return step_; }
+  // The step after the last exchange: step() but inside a zero_one_adam
+  // local interval, where it is the step after the interval's last sync
+  // (the shards hold the state of that step, this worker a later one).
+  int64_t exchanged_step() const;
   // Whether a step has begun and not finished.
   bool step_in_flight() const { return InStep(); }
   // The sum of squares of the last step's averaged gradient, over the whole

@@ -589,6 +589,10 @@ int64_t morse_session_step(morse_session* s) {
   return s == nullptr ? -1 : s->session->step();
 }
 
+int64_t morse_session_exchanged_step(morse_session* s) {
+  return s == nullptr ? -1 : s->session->exchanged_step();
+}
+
 int morse_session_grad_sum_of_squares(morse_session* s, double* value,
                                       int* present) {
   return Guard([&]() -> absl::Status {

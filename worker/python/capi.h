@@ -183,6 +183,10 @@ int morse_session_merge_outer(morse_session* s, int64_t step, float* local,
 int morse_session_inner_steps_before(morse_session* s, int64_t step,
                                      int64_t* inner_steps);
 int64_t morse_session_step(morse_session* s);
+/* The step after the last exchange: morse_session_step but inside a
+ * zero_one_adam local interval, where it is the step after its last sync
+ * (the step the shards hold the state of). */
+int64_t morse_session_exchanged_step(morse_session* s);
 /* The sum of squares of the last step's averaged gradient when that step
    clipped it (clip_grad_norm): *present 1 and *value; else *present 0. */
 int morse_session_grad_sum_of_squares(morse_session* s, double* value,

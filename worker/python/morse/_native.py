@@ -83,6 +83,7 @@ def _load():
         "morse_session_merge_outer": ([P, I64, P, U64], I),
         "morse_session_inner_steps_before": ([P, I64, ctypes.POINTER(I64)], I),
         "morse_session_step": ([P], I64),
+        "morse_session_exchanged_step": ([P], I64),
         "morse_session_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_session_grad_sum_of_squares": ([P, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(I)], I),
         "morse_session_get_state": ([P, ctypes.POINTER(I64), P, P, P], I),
@@ -397,6 +398,12 @@ class Session:
     @property
     def step_index(self):
         return _lib.morse_session_step(self._handle)
+
+    @property
+    def exchanged_step(self):
+        """step_index, but inside a zero_one_adam local interval the step
+        after its last sync (where the shards are)."""
+        return _lib.morse_session_exchanged_step(self._handle)
 
     def grad_sum_of_squares(self):
         """The last step's averaged gradient's sum of squares, if it clipped

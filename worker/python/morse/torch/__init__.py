@@ -530,6 +530,7 @@ class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
         if optimizer in ("onebit_adam", "zero_one_adam", "onebit_lamb"):
             lines.append(f"mask_zero_variance: {'true' if mask_zero_variance else 'false'}")
             lines.append(f"bound_update: {'true' if bound_update else 'false'}")
+        self._zero_one = dict(zero_one) if zero_one is not None else None
         if zero_one is not None:
             lines.append("zero_one_adam { " + " ".join(f"{k}: {int(v)}" for k, v in zero_one.items()) + " }")
         if lamb is not None:

@@ -27,6 +27,19 @@ def _as_list(value):
     return [float(v) for v in value] if isinstance(value, (tuple, list)) else [float(value)]
 
 
+def _inside_interval_words(inside, period):
+    """What a state saved inside a ZeroOneAdam local interval is, in words:
+    `inside` its [step, step after the last sync]; `period` the longest
+    interval (local_step_clipper), or None."""
+    step, synced = inside
+    where = (f", as Trainer's save_steps a multiple of {period}, local_step_clipper" if period
+             else "")
+    return (f"this state is of step {step}, inside one of ZeroOneAdam's local intervals (its last "
+            f"sync completed step {synced}): the shards hold that sync's state and each rank its "
+            f"own since, which no state_dict holds, so it cannot be resumed. A state saved right "
+            f"after a sync (at a step count that is a multiple of the interval{where}) can be")
+
+
 class _StateDict:
     """state_dict() and load_state_dict() of _MorseOptimizer, over its
     session, flat buffer and parameter groups."""
@@ -40,9 +53,26 @@ class _StateDict:
         restore the whole run with load_state_dict in a fresh job (exactly:
         the continued run is bit-identical to an uninterrupted one). A
         node's rank other than its leader (node aggregation) holds no
-        optimizer state: its state_dict has the step alone."""
+        optimizer state: its state_dict has the step alone.
+
+        Inside one of ZeroOneAdam's local intervals the shards hold the
+        state of the interval's last sync and each rank its own since, which
+        no state_dict() holds: there it warns and returns a state that
+        load_state_dict() refuses (a checkpoint's weights still load)."""
         self._check_not_awaiting("state_dict()")
-        return self._state_dict(server_error=True)
+        state = self._state_dict(server_error=True)
+        inside = state["state"].get("inside_interval")
+        if inside is not None and self._worker == 0:
+            warnings.warn(f"morse: {_inside_interval_words(inside, self._interval_period())} "
+                          "(load_state_dict refuses this one)", RuntimeWarning, stacklevel=2)
+        return state
+
+    def _interval_period(self):
+        """ZeroOneAdam's local_step_clipper where every interval divides it
+        (a power of two: a step count that is a multiple of it ends a sync),
+        else None."""
+        clipper = int((getattr(self, "_zero_one", None) or {}).get("local_step_clipper", 0))
+        return clipper if clipper > 0 and clipper & (clipper - 1) == 0 else None
 
     def _saved_groups(self):
         """param_groups as torch saves them: each group's settings and its
@@ -98,7 +128,10 @@ class _StateDict:
         state["torch_groups"] = [list(range(a, b)) for a, b in zip(starts[:-1], starts[1:])]
         if self._slices is not None:
             state["node_slice"] = [self._node.local_rank, len(self._slices)]
-        if self._worker == 0 and server_error:
+        synced = self._session.exchanged_step
+        if synced != step:
+            state["inside_interval"] = [step, synced]  # ZeroOneAdam's: state_dict()
+        elif self._worker == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         if any(self._first_steps):
             state["first_steps"] = list(self._first_steps)  # groups added mid-run
@@ -156,6 +189,10 @@ class _StateDict:
                              f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}"
                              f"{'' if not isinstance(state_dict, dict) else ' without a state dict'}")
         state = state_dict["state"]
+        if state.get("inside_interval") is not None:
+            raise ValueError(_inside_interval_words(state["inside_interval"], self._interval_period())
+                             + "; to go on from this one, load its weights and start a fresh "
+                             "optimizer")
         if _per_parameter(state_dict):
             state_dict = self._from_per_parameter(state_dict)
             state = state_dict["state"]
