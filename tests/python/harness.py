@@ -43,6 +43,17 @@ def check(condition, message):
         sys.exit(1)
 
 
+def expect(exception, words, call):
+    """call() raises `exception` with `words` in its message (printed)."""
+    try:
+        call()
+    except exception as e:
+        check(words in str(e), f"{exception.__name__} without '{words}': {e}")
+        print(f"ok: {exception.__name__}: {e}")
+        return
+    check(False, f"no {exception.__name__} ({words})")
+
+
 @contextlib.contextmanager
 def shown_on_failure(log):
     """A job's output (`log`), printed only if a check inside fails, after

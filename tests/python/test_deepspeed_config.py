@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from harness import check, server
+from harness import check, expect, server
 
 os.environ["MORSE_INSECURE"] = "1"  # the shards here are plaintext on loopback
 
@@ -85,13 +85,7 @@ def expected_lr(k, low, high, warmup, kind, total=None):
 
 
 def refused(call, words, exception=ValueError):
-    try:
-        call()
-    except exception as e:
-        check(words in str(e), f"{exception.__name__} without '{words}': {e}")
-        print(f"ok: {exception.__name__}: {e}")
-        return
-    check(False, f"no {exception.__name__} ({words})")
+    expect(exception, words, call)
 
 
 def main():

@@ -10,20 +10,10 @@ import warnings
 
 import torch
 
-from harness import check, free_port, morse_run, server
+from harness import check, expect, free_port, morse_run, server
 
 os.environ["MORSE_INSECURE"] = "1"  # the servers here are plaintext on loopback
 
-
-
-def expect(exception, words, build):
-    try:
-        build()
-    except exception as e:
-        check(words in str(e), f"{exception.__name__} without '{words}': {e}")
-        print(f"ok: {exception.__name__}: {e}")
-        return
-    check(False, f"no {exception.__name__} ({words})")
 
 
 def _raised(call):

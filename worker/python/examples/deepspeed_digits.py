@@ -17,12 +17,10 @@ import argparse
 import json
 import os
 
-import numpy as np
 import torch
-from sklearn.datasets import load_digits
 
 import morse.torch
-from digits_mlp import accuracy, batch, make_model
+from digits_mlp import accuracy, batch, digits_split, make_model
 
 
 def main():
@@ -34,11 +32,7 @@ def main():
     with open(args.deepspeed_config) as f:
         ds = json.load(f)
 
-    digits = load_digits()
-    order = np.random.RandomState(0).permutation(len(digits.target))
-    features = torch.tensor(digits.data[order] / 16.0, dtype=torch.float32)
-    labels = torch.tensor(digits.target[order])
-    train_x, train_y, test_x, test_y = features[:-360], labels[:-360], features[-360:], labels[-360:]
+    train_x, train_y, test_x, test_y = digits_split()
 
     torch.manual_seed(args.seed)
     model = make_model()

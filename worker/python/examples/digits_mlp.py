@@ -30,6 +30,16 @@ def batch(features, labels, rank, world, step, size, seed=0):
     return features[pick], labels[pick]
 
 
+def digits_split():
+    """The UCI digits scaled to [0, 1], shuffled once: (train_x, train_y,
+    test_x, test_y), the last 360 rows held out."""
+    digits = load_digits()
+    order = np.random.RandomState(0).permutation(len(digits.target))
+    features = torch.tensor(digits.data[order] / 16.0, dtype=torch.float32)
+    labels = torch.tensor(digits.target[order])
+    return features[:-360], labels[:-360], features[-360:], labels[-360:]
+
+
 def accuracy(model, x, y):
     with torch.no_grad():
         return (model(x).argmax(1) == y).float().mean().item()
@@ -44,11 +54,7 @@ def main():
                         help="initial weights and batch order (default 0)")
     args = parser.parse_args()
 
-    digits = load_digits()
-    order = np.random.RandomState(0).permutation(len(digits.target))
-    features = torch.tensor(digits.data[order] / 16.0, dtype=torch.float32)
-    labels = torch.tensor(digits.target[order])
-    train_x, train_y, test_x, test_y = features[:-360], labels[:-360], features[-360:], labels[-360:]
+    train_x, train_y, test_x, test_y = digits_split()
 
     torch.manual_seed(args.seed)
     model = make_model()
