@@ -116,6 +116,18 @@ def main():
         print(f"ok: {kind} from DeepSpeed's tutorial section: the job of {kind}(...) by hand, "
               "clipping at 1.0, 2 accumulated backward() calls")
 
+    # Where DeepSpeed's default differs from the Morse class's, the config
+    # gets DeepSpeed's: OnebitAdam freezes at 100000 (OneBitAdam's own
+    # default is 100), FusedAdam's AdamW decays by 0 (torch's AdamW, 0.01).
+    for kind, default in (("OneBitAdam", dict(freeze_step=100000)),
+                          ("AdamW", dict(weight_decay=0.0))):
+        text, _ = build(lambda **c: morse.torch.from_deepspeed(
+            model.parameters(), {"optimizer": {"type": kind, "params": {"lr": 1e-3}}}, **c)[0])
+        by_hand, _ = build(lambda **c: getattr(morse.torch, kind)(model.parameters(), lr=1e-3,
+                                                                  **default, **c))
+        check(text == by_hand, f"{kind} without {default}: not DeepSpeed's default\n{text}\n---\n{by_hand}")
+        print(f"ok: {kind} without {', '.join(default)}: DeepSpeed's default {default}")
+
     # The schedules: every step's lr DeepSpeed's, and the steps train.
     torch.manual_seed(0)
     for scheduler in ({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3,

@@ -19,7 +19,9 @@ What it reads, and nothing else silently:
   (their params as DeepSpeed's tutorials give them) and Adam / AdamW
   (DeepSpeed's FusedAdam arguments: adam_w_mode, default true, is the
   decoupled weight decay Morse has; torch_adam and set_grad_none choose
-  DeepSpeed's implementation and change nothing);
+  DeepSpeed's implementation and change nothing), with DeepSpeed's
+  defaults where the Morse class's differ (OnebitAdam's freeze_step
+  100000, FusedAdam's weight_decay 0);
 - "gradient_clipping": the optimizer's clip_grad_norm (the global L2 norm of
   the averaged gradient, as DeepSpeed's engine clips before its step; each
   rank's own in a compressing step, as DeepSpeed's 1-bit optimizers did);
@@ -44,6 +46,10 @@ __all__ = ["from_deepspeed", "DeepSpeedWarmup"]
 # Morse class of each.
 _TYPES = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam", "onebitlamb": "OneBitLamb",
           "adam": "Adam", "adamw": "AdamW"}
+# The one default of DeepSpeed's optimizer that the Morse class does not
+# share, by class.
+_DEEPSPEED_DEFAULTS = {"OneBitAdam": ("freeze_step", 100000), "Adam": ("weight_decay", 0.0),
+                       "AdamW": ("weight_decay", 0.0)}
 # DeepSpeed's FusedAdam arguments that choose its implementation.
 _IMPLEMENTATION = ("torch_adam", "set_grad_none")
 
@@ -84,6 +90,12 @@ def from_deepspeed(params, ds_config, **overrides):
                          f"{', '.join(sorted(set(_TYPES.values())))} (DeepSpeed's names for them)")
     kwargs = dict(section.get("params") or {})
     _no_auto("optimizer.params", kwargs)
+    # DeepSpeed's defaults where Morse's class has another: OnebitAdam
+    # freezes at step 100000 (morse.torch.OneBitAdam at 100), and FusedAdam
+    # (its Adam and AdamW) decays by 0 (torch.optim.AdamW's, and so
+    # morse.torch.AdamW's, is 0.01).
+    if kind in _DEEPSPEED_DEFAULTS:
+        kwargs.setdefault(*_DEEPSPEED_DEFAULTS[kind])
     if kind in ("Adam", "AdamW"):
         # FusedAdam's adam_w_mode (in params, or beside them as some configs
         # put it): True, its default, is AdamW's decoupled weight decay.
