@@ -28,7 +28,9 @@ What it reads, and nothing else silently:
 - "scheduler": WarmupLR and WarmupDecayLR (log or linear warmup), as
   DeepSpeedWarmup below, stepped after each opt.step() as DeepSpeed's
   engine steps it; other schedulers raise ValueError naming torch's own;
-- "gradient_accumulation_steps": the optimizer's accumulation_steps.
+- "gradient_accumulation_steps": the optimizer's accumulation_steps (then
+  step() after every k-th backward(), the loss divided by k: DeepSpeed's
+  engine did both itself).
 
 "fp16" or "bf16" enabled is the script's autocast (and GradScaler for fp16)
 with Morse, and "zero_optimization" at a stage above 0 is --node-aggregation
