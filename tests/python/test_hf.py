@@ -54,6 +54,7 @@ the venv of tests/python/torch2-venv.sh, which pins them.
 ctest runs it in parts, each a test of its own (torch2_hf_setup, _trainer,
 _accelerate, _diloco, _groups, _resume, _fp16): `test_hf.py [PART ...]`, all of them
 without arguments."""
+import gc
 import json
 import math
 import os
@@ -62,6 +63,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 
 from harness import check, free_port, server  # noqa: E402
 
@@ -200,6 +202,28 @@ def wrong_use():
         check("optimizer_cls_and_kwargs=(morse.torch.AdamW" in str(e), f"the message says how: {e}")
         print(f"ok: ValueError: {e}")
     morse.torch._MorseOptimizer._finds_own_state_when_built = False
+    # ZeroOneAdam past var_freeze_step syncs every 1, 2, 4 steps here
+    # (local_step_clipper 4): Trainer's checkpoints every 6 steps would fall
+    # between syncs, where no state can be resumed; MorseCallback warns when
+    # the Trainer is built, and not for save_steps 8.
+    with server(config.name) as address:
+        model = GPT2LMHeadModel(gpt)
+        opt = morse.torch.ZeroOneAdam(model.parameters(), rank=0, world_size=1, servers=[address],
+                                      config=config.name, var_freeze_step=2, local_step_scaler=2,
+                                      local_step_clipper=4)
+        for every, warns in ((6, True), (8, False)):
+            args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True,
+                                     max_steps=20, save_strategy="steps", save_steps=every)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                Trainer(model=model, args=args, optimizers=(opt, None), callbacks=[MorseCallback()])
+            said = [str(w.message) for w in caught if "cannot be resumed" in str(w.message)]
+            check(len(said) == (1 if warns else 0) and (not warns or "save_steps a multiple of "
+                                                         "local_step_clipper=4" in said[0]),
+                  f"save_steps={every}: warned {said}")
+            print(f"ok: save_steps={every}: {said[0] if said else 'no warning'}")
+        del opt, model
+        gc.collect()
     accelerate_fp16(gpt, config.name)
     # fp8 is refused with what to do; fp16 trains (the part `fp16`, on a
     # GPU; DiLoCo's, alone and under --node-aggregation: test_diloco
