@@ -106,8 +106,8 @@ def from_deepspeed(params, ds_config, **overrides):
             kwargs.pop(key, None)
         if kind == "Adam":
             kwargs["decoupled_weight_decay"] = bool(adam_w_mode)
-    for key in ("gradient_clipping", "gradient_accumulation_steps"):
-        _no_auto("config", {key: ds.get(key)})
+    _no_auto("config", {key: ds.get(key)
+                        for key in ("gradient_clipping", "gradient_accumulation_steps")})
     clip = float(ds.get("gradient_clipping") or 0.0)
     if clip > 0:
         kwargs["clip_grad_norm"] = clip

@@ -372,8 +372,8 @@ def _warn_saves_inside_intervals(args, opt):
     max_steps = int(getattr(args, "max_steps", -1) or -1)
     if 0 < max_steps <= zero_one["var_freeze_step"]:
         return  # no local step in the run
-    strategy = str(getattr(getattr(args, "save_strategy", "no"), "value",
-                           getattr(args, "save_strategy", "no")))
+    strategy = getattr(args, "save_strategy", "no")
+    strategy = str(getattr(strategy, "value", strategy))  # an enum in transformers
     if strategy == "no":
         return
     period = opt._interval_period()
@@ -468,12 +468,12 @@ class MorseCallback(_callback_base()):
         return control
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if self.opt is None:  # built by Trainer (optimizer_cls_and_kwargs)
-            opt = self._optimizer(optimizer)
+        built_by_trainer = self.opt is None  # (optimizer_cls_and_kwargs)
+        opt = self._optimizer(optimizer or self.opt)
+        if built_by_trainer:
             if model is not None:
                 _attach_model(model, opt)
             self._use(args, opt)
-        opt = self._optimizer(optimizer or self.opt)
         if opt._awaiting_own_state is None:
             return control
         # Trainer loaded rank 0's optimizer.pt here: find this rank's own.
