@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "compress/codec.h"
@@ -857,11 +858,15 @@ std::vector<double> BitsDouble(absl::Span<const int64_t> bits) {
 
 }  // namespace
 
-int64_t Session::exchanged_step() const {
-  int64_t step = step_;
-  while (step > 0 && !compress::PlanStep(job_.algorithm, step - 1).exchanges)
-    --step;
+// The step after the last exchange up to `step` (Session::exchanged_step).
+static int64_t ExchangedStep(const compress::AlgorithmConfig& algorithm,
+                             int64_t step) {
+  while (step > 0 && !compress::PlanStep(algorithm, step - 1).exchanges) --step;
   return step;
+}
+
+int64_t Session::exchanged_step() const {
+  return ExchangedStep(job_.algorithm, step_);
 }
 
 absl::Status Session::SaveCheckpoint(const std::string& path) const {
@@ -1072,6 +1077,63 @@ absl::StatusOr<Session::OwnState> Session::SavedOwn() {
   state.arrays = replica_.SaveState(0, job_.algorithm.layout.dim);
   state.commit = previous_commit_;
   return state;
+}
+
+absl::StatusOr<Session::IntervalState> Session::SavedInterval() {
+  if (InStep()) return absl::FailedPreconditionError("a step is in progress");
+  if (exchanged_step() == step_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", step_, " is not inside a zero_one_adam local interval"));
+  }
+  if (absl::Status s = SyncHost(); !s.ok()) return s;
+  IntervalState state;
+  state.arrays = replica_.SaveInterval();
+  state.last_local_step = replica_.last_local_step();
+  return state;
+}
+
+absl::Status Session::ShardsAtSync(absl::Span<float> m,
+                                   absl::Span<float> server_error) {
+  const uint64_t dim = job_.algorithm.layout.dim;
+  if (m.size() != dim || server_error.size() != dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the shards' m and error buffers have ", dim, " elements each"));
+  }
+  absl::StatusOr<IntervalState> interval = SavedInterval();
+  if (!interval.ok()) return interval.status();
+  const int64_t synced = exchanged_step();
+  compress::Replica shards(job_.algorithm, {0, dim});
+  auto steps = client_->FetchModel(shards);
+  if (!steps.ok()) return steps.status();
+  auto error_steps = client_->FetchServerError(server_error);
+  if (!error_steps.ok()) return error_steps.status();
+  if (*error_steps != *steps) {
+    return absl::UnavailableError(
+        "the shards moved on while their state was read");
+  }
+  // The interval's anchor is x at its last sync, which the shards hold
+  // (design.md 2.7: a shard's mirror never leaves it).
+  const auto anchor = std::find_if(
+      interval->arrays.begin(), interval->arrays.end(),
+      [](const compress::NamedState& a) { return a.name == "anchor"; });
+  const bool at_sync =
+      *steps == synced &&
+      (anchor == interval->arrays.end() || anchor->values.empty() ||
+       std::equal(anchor->values.begin(), anchor->values.end(),
+                  shards.x().begin(), [](float a, float b) {
+                    return absl::bit_cast<uint32_t>(a) ==
+                           absl::bit_cast<uint32_t>(b);
+                  }));
+  if (!at_sync) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the shards have completed ", *steps,
+        " steps, this worker's interval "
+        "started after step ",
+        synced, *steps == synced ? ", and their x is not its anchor" : "",
+        ": they no longer hold its last sync"));
+  }
+  std::copy(shards.m().begin(), shards.m().end(), m.begin());
+  return absl::OkStatus();
 }
 
 absl::Status Session::ReloadModel() {
@@ -1300,7 +1362,8 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
                               absl::Span<const float> v,
                               absl::Span<const float> error,
                               absl::Span<const float> server_error,
-                              const OwnState* own) {
+                              const OwnState* own,
+                              const IntervalState* interval) {
   const uint64_t dim = job_.algorithm.layout.dim;
   if (step < 0 || m.size() != dim || v.size() != dim ||
       (!server_error.empty() && server_error.size() != dim)) {
@@ -1311,28 +1374,71 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
   }
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
   if (absl::Status s = CheckOwnState(own); !s.ok()) return s;
+  // Where the shards must be: the step itself, or inside a local interval
+  // the step after its last sync.
+  const int64_t shard_step = ExchangedStep(job_.algorithm, step);
+  if ((shard_step != step) != (interval != nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "step ", step,
+        shard_step != step
+            ? absl::StrCat(" is inside a zero_one_adam local interval (its "
+                           "last sync completed step ",
+                           shard_step, "): its state needs the interval's")
+            : " is not inside a local interval, yet an interval's state was "
+              "given"));
+  }
+  std::vector<float> anchor;  // the shards' x at the interval's last sync
+  if (interval != nullptr) {
+    if (absl::Status s = compress::CheckInterval(
+            job_.algorithm, dim, interval->arrays, "the local interval");
+        !s.ok()) {
+      return s;
+    }
+    if (interval->last_local_step != step - 1 ||
+        (!interval->shards_m.empty() && interval->shards_m.size() != dim)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the local interval's state of step ", step,
+                       " needs its last local step ", step - 1, " (given ",
+                       interval->last_local_step, ") and the shards' m of ",
+                       dim, " elements or none"));
+    }
+    for (const compress::NamedState& array : interval->arrays)
+      if (array.name == "anchor") anchor = array.values;
+    if (anchor.size() != dim) {
+      return absl::InvalidArgumentError(
+          "the local interval's state has no anchor");
+    }
+  }
   auto held = client_->CompletedSteps();
   if (!held.ok()) return held.status();
-  if (*held != step) {
+  if (*held != shard_step) {
     if (*held != 0 || step_ != 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the shards hold step ", *held, " of this job, the saved state step ",
-          step, "; load a state saved at step ", *held,
+          shard_step, "; load a state saved at step ", *held,
           ", or restart the shards fresh (or from their "
           "checkpoints of step ",
-          step, ") and load it before the first step()"));
+          shard_step, ") and load it before the first step()"));
     }
     if (rank_ == 0) {
-      if (server_error.empty()) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("the shards are fresh and this state (step ", step,
-                         ") has no server state: save rank "
-                         "0's optimizer.state_dict() (it holds the shards' "
-                         "error buffers) and load it on rank 0"));
+      if (server_error.empty() ||
+          (interval != nullptr && interval->shards_m.empty())) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the shards are fresh and this state (step ", step,
+            ") has no server state: save rank "
+            "0's optimizer.state_dict() (it holds the shards' "
+            "error buffers",
+            interval != nullptr ? " and m at the interval's sync" : "",
+            ") and load it on rank 0"));
       }
       if (absl::Status s = SyncHost(); !s.ok()) return s;
+      // Inside a local interval the shards hold its last sync: its anchor
+      // and m, the frozen v.
       if (absl::Status s = client_->RestoreModel(
-              step, replica_.x(), m, v, server_error,
+              shard_step,
+              interval != nullptr ? absl::MakeConstSpan(anchor) : replica_.x(),
+              interval != nullptr ? absl::MakeConstSpan(interval->shards_m) : m,
+              v, server_error,
               own != nullptr ? absl::MakeConstSpan(own->arrays)
                              : absl::Span<const compress::NamedState>());
           !s.ok()) {
@@ -1341,12 +1447,12 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
     } else {
       const absl::Time deadline =
           absl::Now() + absl::Seconds(job_.connect_timeout_seconds);
-      while (*held != step) {
+      while (*held != shard_step) {
         if (absl::Now() > deadline) {
           return absl::FailedPreconditionError(
               absl::StrCat("waited ", job_.connect_timeout_seconds,
-                           " s for rank 0 to restore the shards to step ", step,
-                           " (they hold step ", *held,
+                           " s for rank 0 to restore the shards to step ",
+                           shard_step, " (they hold step ", *held,
                            "); load the saved state on every rank"));
         }
         absl::SleepFor(absl::Milliseconds(50));
@@ -1369,6 +1475,12 @@ absl::Status Session::Restore(int64_t step, absl::Span<const float> m,
     previous_commit_ = own->commit;
   } else {
     previous_commit_.clear();
+  }
+  if (interval != nullptr) {
+    if (absl::Status s = replica_.RestoreInterval(interval->arrays,
+                                                  interval->last_local_step);
+        !s.ok())
+      return s;
   }
   step_ = step;
   previous_grad_sum_of_squares_.reset();

@@ -235,12 +235,36 @@ class Session {
     std::vector<compress::NamedState> arrays;
     std::vector<double> commit;
   };
+  //
+  // Inside a zero_one_adam local interval (design.md 2.7) the worker is at
+  // a later step than the shards, which hold the interval's last sync:
+  // `interval` then carries this worker's interval state (Replica::
+  // SaveInterval's arrays and its last local step) and, for rank 0 against
+  // fresh shards, their m at that sync (ShardsAtSync's); the shards are
+  // brought to the step after the sync, with the anchor as their x, and
+  // this worker to `step`, its x the caller's (its own, loaded before).
+  struct IntervalState {
+    std::vector<compress::NamedState> arrays;
+    int64_t last_local_step = -1;
+    std::vector<float> shards_m;  // empty: none (not rank 0's)
+  };
   absl::Status Restore(int64_t step, absl::Span<const float> m,
                        absl::Span<const float> v, absl::Span<const float> error,
                        absl::Span<const float> server_error = {},
-                       const OwnState* own = nullptr);
+                       const OwnState* own = nullptr,
+                       const IntervalState* interval = nullptr);
   // This worker's OwnState (state_dict), between steps.
   absl::StatusOr<OwnState> SavedOwn();
+  // Between steps inside a zero_one_adam local interval (else
+  // FAILED_PRECONDITION): this worker's IntervalState (state_dict), its
+  // shards_m left empty.
+  absl::StatusOr<IntervalState> SavedInterval();
+  // Between steps inside a zero_one_adam local interval: the shards' m and
+  // error buffers (dim floats each) at the interval's last sync, which no
+  // worker holds (rank 0's state_dict). FAILED_PRECONDITION where the shards
+  // are not at that sync or their x is not this worker's anchor.
+  absl::Status ShardsAtSync(absl::Span<float> m,
+                            absl::Span<float> server_error);
   // Between steps, the model as the caller changed it (morse.torch:
   // weights loaded after the optimizer was built, or changed after a step:
   // a clamp_, a load_state_dict) becomes the job's. Before the first step

@@ -332,6 +332,97 @@ TEST(SessionTest, AShardRestartedBetweenStepsIsCaughtUpByTheRanksThatAsk) {
   }
 }
 
+// zero_one_adam's local interval (design.md 2.7), as morse.torch saves and
+// restores it: between steps inside one (steps 4 and 5 are local, the sync
+// of step 3 completed 4), SavedInterval gives the interval's state and
+// ShardsAtSync the shards' m at its last sync, which is the workers' m
+// right after it. Restore refuses an interval's state outside an interval,
+// none inside one, and one of another last local step, changing nothing;
+// given each rank's own, against shards that hold the sync already, it
+// leaves the run as it was (the steps after it the simulator's).
+TEST(SessionTest, ALocalIntervalsStateIsSavedRestoredAndMisuseRefused) {
+  const std::string config = R"(
+    workers: 2
+    shards: 2
+    synthetic { dim: 1000 }
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
+    lr { lr: 0.01 }
+    steps: 8
+    block_elems: 16
+    partition_elems: 256
+  )";
+  auto job = *proto::ParseJobConfig(config, proto::ConfigFormat::kText);
+  TwoRanks two(config, job);
+  ASSERT_NO_FATAL_FAILURE(two.Start());
+  std::vector<std::unique_ptr<worker::Session>>& ranks = two.ranks;
+  auto sim =
+      compress::Simulator::Create(job.algorithm, ranks[0]->replica().x());
+  ASSERT_TRUE(sim.ok()) << sim.status();
+  std::vector<float> m_at_sync;
+  for (int64_t step = 0; step < 6; ++step) {
+    ASSERT_NO_FATAL_FAILURE(two.StepLikeTheSimulator(*sim, step));
+    if (step == 3) {
+      m_at_sync.assign(ranks[0]->replica().m().begin(),
+                       ranks[0]->replica().m().end());
+      EXPECT_EQ(ranks[0]->SavedInterval().status().code(),
+                absl::StatusCode::kFailedPrecondition)
+          << "right after a sync";
+    }
+  }
+  ASSERT_EQ(ranks[0]->exchanged_step(), 4);
+  std::vector<float> shards_m(1000), server_error(1000);
+  ASSERT_TRUE(
+      ranks[0]
+          ->ShardsAtSync(absl::MakeSpan(shards_m), absl::MakeSpan(server_error))
+          .ok());
+  EXPECT_EQ(shards_m, m_at_sync);
+  EXPECT_NE(shards_m, std::vector<float>(ranks[0]->replica().m().begin(),
+                                         ranks[0]->replica().m().end()))
+      << "the local steps moved the worker's m";
+
+  struct Saved {
+    std::vector<float> m, v, error;
+    worker::Session::IntervalState interval;
+  };
+  std::vector<Saved> saved(2);
+  for (uint32_t r = 0; r < 2; ++r) {
+    worker::Session& s = *ranks[r];
+    auto interval = s.SavedInterval();
+    ASSERT_TRUE(interval.ok()) << interval.status();
+    EXPECT_EQ(interval->last_local_step, 5);
+    saved[r] = {{s.replica().m().begin(), s.replica().m().end()},
+                {s.replica().v().begin(), s.replica().v().end()},
+                std::vector<float>(1000),
+                *std::move(interval)};
+    s.error().Read(0, absl::MakeSpan(saved[r].error));
+  }
+  const uint64_t before = ranks[0]->replica().Checksum();
+  worker::Session::IntervalState wrong = saved[0].interval;
+  wrong.last_local_step = 4;
+  for (const auto& [step, interval] :
+       {std::pair{int64_t{6},
+                  static_cast<worker::Session::IntervalState*>(nullptr)},
+        {int64_t{4}, &saved[0].interval},
+        {int64_t{6}, &wrong}}) {
+    const absl::Status refused = ranks[0]->Restore(
+        step, saved[0].m, saved[0].v, saved[0].error, {}, nullptr, interval);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument)
+        << "step " << step << ": " << refused;
+  }
+  EXPECT_EQ(ranks[0]->replica().Checksum(), before);
+  EXPECT_EQ(ranks[0]->step(), 6);
+
+  auto restored = two.Both([&](worker::Session& s, uint32_t r) {
+    return s.Restore(6, saved[r].m, saved[r].v, saved[r].error, {}, nullptr,
+                     &saved[r].interval);
+  });
+  ASSERT_TRUE(restored.first.ok()) << restored.first;
+  ASSERT_TRUE(restored.second.ok()) << restored.second;
+  for (int64_t step = 6; step < 8; ++step)
+    ASSERT_NO_FATAL_FAILURE(two.StepLikeTheSimulator(*sim, step));
+}
+
 // A step whose workers clip the averaged gradient (morse.torch's
 // clip_grad_norm_): after ClipAt, AverageGradient gives the replies' decoded
 // values, the mean of the two ranks' gradients (fp32, exact here), whose

@@ -103,7 +103,7 @@ def flat_layout(opt, model, tensors):
 
 
 def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, on_step=None,
-                   record_hypers=False):
+                   record_hypers=False, first=0, name="checksums"):
     """This rank (MORSE_RANK) trains `model` with `opt` for `steps` steps of
     cross-entropy on 8 random samples of `features` inputs and `classes`
     labels, drawn from seed 100 * step + rank, and writes to `out` what
@@ -115,20 +115,22 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
     optimizer's flat buffer (groups in order, padding zero) and rank 0 also
     writes each step's groups' (lr, weight_decay) to hypers.json; with
     record_hypers, what each step sent instead, betas and eps included
-    where it sent them (a scheduler that changes lr or betas). Returns the
+    where it sent them (a scheduler that changes lr or betas). first > 0:
+    steps first..steps-1 of a run that goes on (or resumed), the job and
+    x0 not written, the checksums to <name>-<rank>.json. Returns the
     checksums."""
     import numpy as np
     import torch
     rank = int(os.environ["MORSE_RANK"])
     grouped = getattr(opt, "_groups_apart", False)
 
-    if rank == 0:
+    if rank == 0 and first == 0:
         with open(os.environ["MORSE_CONFIG"]) as f:
             base = f.read()
         json.dump({"base": base, "overrides": opt.job_overrides}, open(f"{out}/job.json", "w"))
         np.save(f"{out}/x0.npy", flat_layout(opt, model, [p.detach() for p in model.parameters()]).numpy())
     checksums, hypers = [], []
-    for step in range(steps):
+    for step in range(first, steps):
         g = torch.Generator().manual_seed(100 * step + rank)
         x, y = torch.randn(8, features, generator=g), torch.randint(0, classes, (8,), generator=g)
         opt.zero_grad()
@@ -149,8 +151,8 @@ def train_recorded(opt, model, out, steps, features, classes, on_gradient=None, 
         checksums.append(opt.checksum())
         if on_step is not None:
             on_step(step)
-    json.dump(checksums, open(f"{out}/checksums-{rank}.json", "w"))
-    if (grouped or record_hypers) and rank == 0:
+    json.dump(checksums, open(f"{out}/{name}-{rank}.json", "w"))
+    if (grouped or record_hypers) and rank == 0 and first == 0:
         json.dump(hypers, open(f"{out}/hypers.json", "w"))
     return checksums
 

@@ -18,7 +18,8 @@ way:
 - a Trainer run resumed from its own checkpoint (rank 0's optimizer.pt
   loaded on every rank, MorseCallback finding each rank's own state) is
   bit-identical to the uninterrupted run: the same losses and parameters
-  (also with morse-run --node-aggregation);
+  (also with morse-run --node-aggregation, and for ZeroOneAdam saved
+  inside a local interval, each rank on its own parameters);
   with a rank's state missing, that rank says which file it looked for;
   and a Trainer run (and an Accelerate loop) of DDP + AdamW resumed from
   its checkpoint with morse.torch.Adam goes on as DDP does (losses within
@@ -54,7 +55,6 @@ the venv of tests/python/torch2-venv.sh, which pins them.
 ctest runs it in parts, each a test of its own (torch2_hf_setup, _trainer,
 _accelerate, _diloco, _groups, _resume, _fp16): `test_hf.py [PART ...]`, all of them
 without arguments."""
-import gc
 import json
 import math
 import os
@@ -63,7 +63,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import warnings
 
 from harness import check, free_port, server  # noqa: E402
 
@@ -202,28 +201,6 @@ def wrong_use():
         check("optimizer_cls_and_kwargs=(morse.torch.AdamW" in str(e), f"the message says how: {e}")
         print(f"ok: ValueError: {e}")
     morse.torch._MorseOptimizer._finds_own_state_when_built = False
-    # ZeroOneAdam past var_freeze_step syncs every 1, 2, 4 steps here
-    # (local_step_clipper 4): Trainer's checkpoints every 6 steps would fall
-    # between syncs, where no state can be resumed; MorseCallback warns when
-    # the Trainer is built, and not for save_steps 8.
-    with server(config.name) as address:
-        model = GPT2LMHeadModel(gpt)
-        opt = morse.torch.ZeroOneAdam(model.parameters(), rank=0, world_size=1, servers=[address],
-                                      config=config.name, var_freeze_step=2, local_step_scaler=2,
-                                      local_step_clipper=4)
-        for every, warns in ((6, True), (8, False)):
-            args = TrainingArguments(output_dir=tempfile.mkdtemp(), report_to=[], use_cpu=True,
-                                     max_steps=20, save_strategy="steps", save_steps=every)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                Trainer(model=model, args=args, optimizers=(opt, None), callbacks=[MorseCallback()])
-            said = [str(w.message) for w in caught if "cannot be resumed" in str(w.message)]
-            check(len(said) == (1 if warns else 0) and (not warns or "save_steps a multiple of "
-                                                         "local_step_clipper=4" in said[0]),
-                  f"save_steps={every}: warned {said}")
-            print(f"ok: save_steps={every}: {said[0] if said else 'no warning'}")
-        del opt, model
-        gc.collect()
     accelerate_fp16(gpt, config.name)
     # fp8 is refused with what to do; fp16 trains (the part `fp16`, on a
     # GPU; DiLoCo's, alone and under --node-aggregation: test_diloco
@@ -564,6 +541,7 @@ def groups():
 
 
 def resume():
+    import torch
     # Resume: checkpoints at steps 6 and 12 of a OneBitAdam run frozen at 4
     # (the worker error buffers matter); a fresh job resumes from step 6.
     out = tempfile.mkdtemp(prefix="morse-hf-resume-")
@@ -572,6 +550,20 @@ def resume():
     for name in ("optimizer.pt", "morse-rank-0.pt", "morse-rank-1.pt"):
         check(os.path.isfile(f"{checkpoint}/{name}"), f"checkpoint-6 has {name}")
     shutil.copytree(checkpoint, f"{out}/lost/checkpoint-6")
+    # ZeroOneAdam saved inside a local interval (past var_freeze_step 2 the
+    # intervals are 1, 2, then 4 steps: step 6 falls between the syncs of
+    # steps 4 and 8, each rank on its own parameters): every rank's own
+    # state beside the checkpoint holds them, and the resumed run, through
+    # the syncs of steps 8 and 12, is the whole run's.
+    checkpoint = check_resume(
+        "zero-one", "hf_trainer.py",
+        ["--optimizer", "zero_one_adam", "--steps", "12", "--freeze-step", "2",
+         "--local-step-scaler", "1", "--local-step-clipper", "4", "--save-steps", "6"], out)
+    saved = [torch.load(f"{checkpoint}/morse-rank-{r}.pt", weights_only=True)["state"]
+             for r in range(2)]
+    check(all(s.get("inside_interval") == [6, 4] for s in saved)
+          and not torch.equal(saved[0]["interval_x"], saved[1]["interval_x"]),
+          "zero-one: checkpoint-6 was saved inside an interval, each rank on its own parameters")
     # The same with one Morse worker for the two ranks (--node-aggregation):
     # rank 1 holds no optimizer state, its file only the step.
     check_resume("agg", "hf_trainer.py", common, out, launcher=("--node-aggregation",))

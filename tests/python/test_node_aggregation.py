@@ -43,6 +43,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import numpy
 import torch
@@ -151,6 +152,8 @@ def worker(out, mode):
         if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
             numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
+        if name == "ZeroOneAdam" and variant == "" and opt.step_index == 7:
+            check_state_inside_interval(opt, rank, local)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and rank == 0:
@@ -163,6 +166,22 @@ def worker(out, mode):
     json.dump(params, open(f"{out}/params-{rank}.json", "w"))
     json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
+
+
+def check_state_inside_interval(opt, rank, local):
+    """After step s = 7, between zero_one_adam's syncs of 6 and 8: under
+    --node-aggregation no state_dict() holds the interval (the node's
+    members hold none of the leader's parameters), so rank 0 warns and the
+    state says so (load_state_dict refuses such a state: test_zero_one)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = opt.state_dict()["state"]
+    said = [str(w.message) for w in caught if "local intervals" in str(w.message)]
+    check(len(said) == (1 if rank == 0 else 0) and (not said or "--node-aggregation" in said[0]),
+          f"rank {rank} warned {said}")
+    if local == 0:
+        check(state.get("inside_interval") == [7, 6] and "interval_x" not in state,
+              f"rank {rank}: the state inside the interval: {sorted(state)}")
 
 
 def edit_clipped(model):

@@ -14,7 +14,13 @@ it): the averaged gradient in variance steps, each rank's own in 1-bit and
 local steps. And under torch's OneCycleLR, which cycles lr and betas[0]
 every step, with two groups of their own beta2 and eps: the simulator
 stepped with the lr, betas and eps each step's pushes carried (every phase
-takes them: design.md 2.7)."""
+takes them: design.md 2.7). And a resume from the middle of a local
+interval (plain and groups): each rank's state_dict() saved at step 18
+(2 steps after the sync of step 16) restores, in a fresh job with fresh
+shards and every rank loading rank 0's model as Trainer does, a run that
+goes on bit-identically, rank by rank, to the one that never stopped; a
+rank's state on another rank, and one saved without its interval (by an
+earlier version, or under --node-aggregation), are refused."""
 import json
 import os
 import sys
@@ -27,6 +33,7 @@ from harness import (check, check_ranks_match_simulator, clip_each_step, clip_in
                      check_one_cycle_hypers, morse_run, one_cycle, train_recorded)
 
 STEPS = 18
+MORE = 6  # steps after the save inside an interval: a sync at 20 and 24
 RANKS = 3
 SCHEDULE = dict(var_freeze_step=5, var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
 
@@ -36,6 +43,7 @@ CLIP = 0.05
 
 def worker(out, mode):
     import morse.torch
+    mode, _, resumed = mode.partition("@")
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
     rank = int(os.environ["MORSE_RANK"])
@@ -67,30 +75,75 @@ def worker(out, mode):
     if mode == "one_cycle":  # lr up and down, betas[0] the other way
         on_step, check_moved = one_cycle(opt, STEPS)
     clip = clip_each_step(model, CLIP) if mode == "groups" else None
-    train_recorded(opt, model, out, STEPS, features=10, classes=4, on_gradient=clip,
-                   on_step=on_step, record_hypers=mode == "one_cycle")
+    recorded = dict(features=10, classes=4, on_gradient=clip, on_step=on_step)
+    if resumed:
+        go_on_resumed(opt, model, schedule if mode == "groups" else None, out, rank, recorded)
+        return
+    train_recorded(opt, model, out, STEPS, record_hypers=mode == "one_cycle", **recorded)
     if mode == "one_cycle":
         check_moved()
+        return
     # The last step (s = 18, interval 4) is local: the shards hold the sync
-    # of s = 16 and each rank its own state since, which no state_dict
-    # holds. state_dict() says so (rank 0 warns) instead of failing (a
-    # Trainer saving there went on), and load_state_dict refuses what it
-    # gave, saying what to do.
+    # of s = 16 and each rank its own state since, which its state_dict()
+    # holds (rank 0's also the shards' part at the sync); the run goes on
+    # to compare with the resumed one.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = opt.state_dict()
-    check(state["state"].get("inside_interval") == [18, 16] and "server_error" not in state["state"],
-          f"rank {rank}: the state inside the interval: {state['state'].get('inside_interval')}")
-    said = [str(w.message) for w in caught if "local intervals" in str(w.message)]
-    check(len(said) == (1 if rank == 0 else 0), f"rank {rank} warned {said}")
+    check(not caught, f"rank {rank} warned {[str(w.message) for w in caught]}")
+    inner = state["state"]
+    check(inner.get("inside_interval") == [18, 16] and inner["interval_last_local_step"] == 17
+          and ("server_error" in inner) == (rank == 0)
+          and ("interval_shards_exp_avg" in inner) == (rank == 0),
+          f"rank {rank}: the state inside the interval: {sorted(inner)}")
+    torch.save({"model": model.state_dict(), "opt": state,
+                "schedule": schedule.state_dict() if mode == "groups" else None},
+               f"{out}/saved-{rank}.pt")
+    train_recorded(opt, model, out, STEPS + MORE, first=STEPS, name="after", **recorded)
+
+
+def go_on_resumed(opt, model, schedule, out, rank, recorded):
+    """A fresh job from the states saved at step 18 (inside an interval):
+    every rank loads rank 0's model (as Trainer does) and its own
+    optimizer state, then trains the steps after it."""
+    saved = torch.load(f"{out}/saved-{rank}.pt")
+    model.load_state_dict(torch.load(f"{out}/saved-0.pt")["model"])
+    other = torch.load(f"{out}/saved-{(rank + 1) % RANKS}.pt")["opt"]
     try:
-        opt.load_state_dict(state)
-        check(False, "a state of the middle of a local interval was loaded")
+        opt.load_state_dict(other)
+        check(False, "another rank's state inside an interval was accepted")
+    except ValueError as e:
+        check("parameters inside a local interval" in str(e), f"unclear refusal: {e}")
+    old = {"state": {k: v for k, v in saved["opt"]["state"].items()
+                     if not k.startswith("interval_")},
+           "param_groups": saved["opt"]["param_groups"]}
+    try:  # as an earlier version saved it: without the interval
+        opt.load_state_dict(old)
+        check(False, "a state of the middle of a local interval without it was loaded")
     except ValueError as e:
         check("cannot be resumed" in str(e) and "a multiple of 4, local_step_clipper" in str(e)
-              and "start a fresh optimizer" in str(e),
-              f"unclear refusal: {e}")
-        print(f"refused to load the state of the middle of an interval: {e}")
+              and "start a fresh optimizer" in str(e), f"unclear refusal: {e}")
+    opt.load_state_dict(saved["opt"])
+    if schedule is not None:
+        schedule.load_state_dict(saved["schedule"])
+    check(opt.step_index == STEPS, f"resumed at step {opt.step_index}")
+    train_recorded(opt, model, out, STEPS + MORE, first=STEPS, name="resumed", **recorded)
+
+
+def check_resumed(out, mode):
+    """The run resumed from step 18 (inside an interval) in a fresh job
+    equals, rank by rank, the one that went on."""
+    code, log = morse_run(__file__, RANKS, 2, out, f"{mode}@resumed")
+    print(log)
+    check(code == 0, f"the resumed job failed ({mode})")
+    after = [json.load(open(f"{out}/after-{rank}.json")) for rank in range(RANKS)]
+    for rank in range(RANKS):
+        resumed = json.load(open(f"{out}/resumed-{rank}.json"))
+        check(resumed == after[rank], f"rank {rank} ({mode}): resumed {resumed}, went on {after[rank]}")
+    check(len({a[0] for a in after}) == RANKS, f"the ranks' first steps after the save agree: "
+          f"{[a[0] for a in after]} (the interval's state would not be tested)")
+    print(f"PASS: resumed at step {STEPS}, inside a local interval, each of {RANKS} ranks "
+          f"bit-identical to the run that went on for {MORE} steps ({mode})")
 
 
 if __name__ == "__main__":
@@ -111,10 +164,13 @@ if __name__ == "__main__":
             clip_in_job(out, CLIP)
         if mode == "one_cycle":  # what the pushes carried: each group's lr, wd, betas, eps
             check_one_cycle_hypers(out, STEPS)
+        if mode != "one_cycle":
+            check_resumed(out, mode)
         together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
         apart = STEPS - together
         check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
         check(together >= 8, f"only {together} steps where the ranks agreed")
         print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's "
               f"({mode}); {apart} local steps apart, {together} steps equal")
+
     print("PASS: under OneCycleLR each group's lr, betas and eps followed step by step")

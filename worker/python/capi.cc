@@ -37,6 +37,8 @@ struct morse_session {
   // live here for morse_session_state_array.
   std::vector<morse::compress::StateArray> arrays;
   uint64_t commit_values = 0;  // Optimizer::CommitDoubles
+  // Its local interval's arrays (Optimizer::IntervalState), the same way.
+  std::vector<morse::compress::StateArray> interval_arrays;
 };
 
 struct morse_simulator {
@@ -252,9 +254,9 @@ int morse_session_create(const char* base, const char* overrides, uint32_t rank,
         (*session)->job().algorithm;
     const morse::compress::Optimizer& optimizer =
         morse::compress::OptimizerOf(algorithm);
-    *out =
-        new morse_session{*std::move(session), dim, optimizer.State(algorithm),
-                          optimizer.CommitDoubles(algorithm)};
+    *out = new morse_session{
+        *std::move(session), dim, optimizer.State(algorithm),
+        optimizer.CommitDoubles(algorithm), optimizer.IntervalState(algorithm)};
     return absl::OkStatus();
   });
 }
@@ -666,8 +668,12 @@ int morse_session_state_arrays(morse_session* s, uint32_t* count,
   });
 }
 
-int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
-                              uint64_t* values, int* per_element) {
+// Array i of `arrays` (the session's state or interval arrays): its name,
+// length and whether it has one value per parameter.
+static int ArrayInfo(morse_session* s,
+                     const std::vector<morse::compress::StateArray>* arrays,
+                     uint32_t i, const char** name, uint64_t* values,
+                     int* per_element) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     for (const void* p :
@@ -675,15 +681,113 @@ int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
           static_cast<const void*>(per_element)}) {
       if (absl::Status st = NotNull(p, "an output"); !st.ok()) return st;
     }
-    if (i >= s->arrays.size()) {
+    if (i >= arrays->size()) {
       return absl::OutOfRangeError(
-          absl::StrCat("state array ", i, " of ", s->arrays.size()));
+          absl::StrCat("array ", i, " of ", arrays->size()));
     }
-    const morse::compress::StateArray& array = s->arrays[i];
+    const morse::compress::StateArray& array = (*arrays)[i];
     *name = array.name.c_str();
     *values = array.per_element ? s->dim : array.floats;
     *per_element = array.per_element ? 1 : 0;
     return absl::OkStatus();
+  });
+}
+
+int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
+                              uint64_t* values, int* per_element) {
+  return ArrayInfo(s, s == nullptr ? nullptr : &s->arrays, i, name, values,
+                   per_element);
+}
+
+int morse_session_interval_arrays(morse_session* s, uint32_t* count) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(count, "count"); !st.ok()) return st;
+    *count = static_cast<uint32_t>(s->interval_arrays.size());
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_interval_array(morse_session* s, uint32_t i,
+                                 const char** name, uint64_t* values,
+                                 int* per_element) {
+  return ArrayInfo(s, s == nullptr ? nullptr : &s->interval_arrays, i, name,
+                   values, per_element);
+}
+
+int morse_session_get_interval(morse_session* s, float* const* arrays,
+                               uint32_t count, int64_t* last_local_step,
+                               float* shards_m, float* server_error) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    if (absl::Status st = NotNull(last_local_step, "last_local_step"); !st.ok())
+      return st;
+    if (count != s->interval_arrays.size() || count == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          count, " interval arrays asked for; the optimizer keeps ",
+          s->interval_arrays.size()));
+    }
+    if (absl::Status st = NotNull(arrays, "arrays"); !st.ok()) return st;
+    if ((shards_m == nullptr) != (server_error == nullptr)) {
+      return absl::InvalidArgumentError(
+          "shards_m and server_error are asked for together");
+    }
+    auto interval = s->session->SavedInterval();
+    if (!interval.ok()) return interval.status();
+    for (uint32_t i = 0; i < count; ++i) {
+      if (absl::Status st = NotNull(arrays[i], "an interval array"); !st.ok())
+        return st;
+    }
+    if (shards_m != nullptr) {
+      if (absl::Status st =
+              s->session->ShardsAtSync(absl::MakeSpan(shards_m, s->dim),
+                                       absl::MakeSpan(server_error, s->dim));
+          !st.ok())
+        return st;
+    }
+    for (uint32_t i = 0; i < count; ++i) {
+      const std::vector<float>& values = interval->arrays[i].values;
+      std::copy(values.begin(), values.end(), arrays[i]);
+    }
+    *last_local_step = interval->last_local_step;
+    return absl::OkStatus();
+  });
+}
+
+int morse_session_set_interval(morse_session* s, int64_t step, const float* m,
+                               const float* v, const float* error,
+                               const float* server_error, const float* shards_m,
+                               const float* const* arrays, uint32_t count,
+                               int64_t last_local_step) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = CheckSession(s); !st.ok()) return st;
+    for (const void* p :
+         {static_cast<const void*>(m), static_cast<const void*>(v),
+          static_cast<const void*>(error), static_cast<const void*>(arrays)}) {
+      if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
+    }
+    if (count != s->interval_arrays.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(count, " interval arrays given; the optimizer keeps ",
+                       s->interval_arrays.size()));
+    }
+    morse::worker::Session::IntervalState interval;
+    for (uint32_t i = 0; i < count; ++i) {
+      if (absl::Status st = NotNull(arrays[i], "an interval array"); !st.ok())
+        return st;
+      const morse::compress::StateArray& array = s->interval_arrays[i];
+      const uint64_t n = array.per_element ? s->dim : array.floats;
+      interval.arrays.push_back({array.name, {arrays[i], arrays[i] + n}});
+    }
+    interval.last_local_step = last_local_step;
+    if (shards_m != nullptr)
+      interval.shards_m.assign(shards_m, shards_m + s->dim);
+    return s->session->Restore(
+        step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
+        absl::MakeConstSpan(error, s->dim),
+        server_error == nullptr ? absl::Span<const float>()
+                                : absl::MakeConstSpan(server_error, s->dim),
+        nullptr, &interval);
   });
 }
 

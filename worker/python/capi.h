@@ -228,6 +228,33 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
                                 const float* server_error,
                                 const float* const* arrays, uint32_t count,
                                 const double* commit, uint64_t commit_values);
+/* zero_one_adam's local interval (design.md 2.7), whose state no other
+   call holds: its arrays (compress::Optimizer::IntervalState) are listed
+   as morse_session_state_array lists the optimizer's own: *count of them
+   (zero_one_adam: "anchor" and "u", one value per parameter, and "lr_sum",
+   one per segment; the others: none). */
+int morse_session_interval_arrays(morse_session* s, uint32_t* count);
+int morse_session_interval_array(morse_session* s, uint32_t i,
+                                 const char** name, uint64_t* values,
+                                 int* per_element);
+/* Between steps inside a local interval (FAILED_PRECONDITION elsewhere):
+   arrays[i] receives interval array i (`count`, in order), and
+   *last_local_step the interval's last local step; with shards_m and
+   server_error (dim floats each, both or neither; rank 0) also the
+   shards' m and error buffers at the interval's last sync. */
+int morse_session_get_interval(morse_session* s, float* const* arrays,
+                               uint32_t count, int64_t* last_local_step,
+                               float* shards_m, float* server_error);
+/* set_state for a state saved inside a local interval (set_state refuses
+   one): the worker's m, v and error at `step`, its interval arrays and
+   last local step, and on rank 0 against fresh shards their server_error
+   and m at the interval's last sync (shards_m; NULL elsewhere). The
+   worker's x is its parameters as they are (its own, written before). */
+int morse_session_set_interval(morse_session* s, int64_t step, const float* m,
+                               const float* v, const float* error,
+                               const float* server_error, const float* shards_m,
+                               const float* const* arrays, uint32_t count,
+                               int64_t last_local_step);
 /* The shards' error buffers (dim floats), between steps. */
 int morse_session_server_error(morse_session* s, float* out);
 /* Between steps: the parameters as the caller changed them (since start,

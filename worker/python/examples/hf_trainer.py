@@ -126,6 +126,12 @@ def common_arguments(parser, stack):
     parser.add_argument("--freeze-step", type=int, default=15,
                         help="OneBitAdam's and OneBitLamb's warmup steps, ZeroOneAdam's "
                              "var_freeze_step (default: 15)")
+    parser.add_argument("--local-step-scaler", type=int, default=32678,
+                        help="ZeroOneAdam's local_step_scaler: steps before each doubling of the "
+                             "local interval (default: 32678, DeepSpeed's)")
+    parser.add_argument("--local-step-clipper", type=int, default=16,
+                        help="ZeroOneAdam's local_step_clipper: the longest local interval "
+                             "(default: 16, DeepSpeed's)")
     parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: 1e-2)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per rank per micro-batch (default: 8)")
     parser.add_argument("--accumulation", type=int, default=1,
@@ -157,6 +163,12 @@ def parameter_groups(model, weight_decay):
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
 
 
+def zero_one_arguments(a):
+    """ZeroOneAdam's arguments from the flags."""
+    return dict(lr=a.lr, var_freeze_step=a.freeze_step, local_step_scaler=a.local_step_scaler,
+                local_step_clipper=a.local_step_clipper)
+
+
 def morse_optimizer(a, model):
     """The Morse optimizer that --optimizer names (not ddp), with Trainer's
     decay / no-decay groups when --weight-decay is set."""
@@ -167,7 +179,7 @@ def morse_optimizer(a, model):
     if a.optimizer == "onebit_lamb":
         return morse.torch.OneBitLamb(params, lr=a.lr, freeze_step=a.freeze_step)
     if a.optimizer == "zero_one_adam":
-        return morse.torch.ZeroOneAdam(params, lr=a.lr, var_freeze_step=a.freeze_step)
+        return morse.torch.ZeroOneAdam(params, **zero_one_arguments(a))
     if a.optimizer == "diloco":
         # Each rank's own AdamW (the groups' weight_decay, else none), and
         # every --sync-every steps an outer step on the shards (the paper's
@@ -187,7 +199,7 @@ def built_by_trainer(a):
     if a.optimizer == "onebit_lamb":
         return morse.torch.OneBitLamb, dict(lr=a.lr, freeze_step=a.freeze_step)
     if a.optimizer == "zero_one_adam":
-        return morse.torch.ZeroOneAdam, dict(lr=a.lr, var_freeze_step=a.freeze_step)
+        return morse.torch.ZeroOneAdam, zero_one_arguments(a)
     if a.optimizer == "adam":
         return morse.torch.AdamW, dict(lr=a.lr)
     raise SystemExit(f"--built-by-trainer: --optimizer {a.optimizer} is not an optimizer Trainer "

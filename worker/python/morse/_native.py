@@ -92,6 +92,10 @@ def _load():
         "morse_session_state_array": ([P, U32, ctypes.POINTER(S), ctypes.POINTER(U64), ctypes.POINTER(I)], I),
         "morse_session_get_own_state": ([P, P, U32, P, ctypes.POINTER(U64)], I),
         "morse_session_set_own_state": ([P, I64, P, P, P, P, P, U32, P, U64], I),
+        "morse_session_interval_arrays": ([P, ctypes.POINTER(U32)], I),
+        "morse_session_interval_array": ([P, U32, ctypes.POINTER(S), ctypes.POINTER(U64), ctypes.POINTER(I)], I),
+        "morse_session_get_interval": ([P, P, U32, ctypes.POINTER(I64), P, P], I),
+        "morse_session_set_interval": ([P, I64, P, P, P, P, P, P, U32, I64], I),
         "morse_session_server_error": ([P, P], I),
         "morse_session_reload_model": ([P], I),
         "morse_session_holds_shards_model": ([P, ctypes.POINTER(I)], I),
@@ -201,6 +205,7 @@ class Session:
         self._dim = x.size
         self._grad = None
         self._state_arrays, self._commit_values = None, 0  # state_arrays()
+        self._interval_arrays = None  # interval_arrays()
         handle = ctypes.c_void_p()
         _check(lib.morse_session_create(base_config.encode(), overrides.encode(), rank,
                                         ",".join(servers).encode(),
@@ -490,6 +495,65 @@ class Session:
             None if server_error is None else _float32_array(server_error, "server_error"),
             pointers if arrays else None, len(arrays),
             commit.ctypes.data if commit.size else None, commit.size))
+
+    def interval_arrays(self):
+        """zero_one_adam's local interval arrays, in order: (name, values,
+        per_element) each ("anchor", "u" and "lr_sum"; the other
+        optimizers: none). Fixed for the session, so asked once."""
+        if self._interval_arrays is None:
+            count = ctypes.c_uint32()
+            _check(_lib.morse_session_interval_arrays(self._handle, ctypes.byref(count)))
+            arrays = []
+            for i in range(count.value):
+                name, values, per_element = ctypes.c_char_p(), ctypes.c_uint64(), ctypes.c_int()
+                _check(_lib.morse_session_interval_array(
+                    self._handle, i, ctypes.byref(name), ctypes.byref(values),
+                    ctypes.byref(per_element)))
+                arrays.append((name.value.decode(), values.value, bool(per_element.value)))
+            self._interval_arrays = arrays
+        return self._interval_arrays
+
+    def get_interval(self, with_shards):
+        """Between steps inside a local interval: its arrays ({name: float32
+        array}, in order), its last local step, and with_shards (rank 0) the
+        shards' m and error buffers at its last sync (else None, None)."""
+        import numpy as np
+        expected = self.interval_arrays()
+        arrays = {name: np.empty(values, dtype=np.float32) for name, values, _ in expected}
+        pointers = (ctypes.c_void_p * max(1, len(expected)))(
+            *[arrays[name].ctypes.data for name, _, _ in expected])
+        shards_m, server_error = ((np.empty(self._dim, dtype=np.float32) for _ in range(2))
+                                  if with_shards else (None, None))
+        last = ctypes.c_int64()
+        _check(_lib.morse_session_get_interval(
+            self._handle, pointers, len(expected), ctypes.byref(last),
+            None if shards_m is None else shards_m.ctypes.data,
+            None if server_error is None else server_error.ctypes.data))
+        return arrays, last.value, shards_m, server_error
+
+    def set_interval(self, step, m, v, error, server_error, shards_m, arrays, last_local_step):
+        """set_state for a state saved inside a local interval: `arrays` in
+        interval_arrays' order; server_error and shards_m rank 0's (or
+        None)."""
+        for name, a in (("m", m), ("v", v), ("error", error), ("server_error", server_error),
+                        ("shards_m", shards_m)):
+            if a is not None and a.size != self._dim:
+                raise ValueError(f"{name} must hold {self._dim} values")
+        expected = self.interval_arrays()
+        if len(arrays) != len(expected):
+            raise ValueError(f"{len(arrays)} interval arrays given, the optimizer keeps "
+                             f"{len(expected)}")
+        for (name, values, _), a in zip(expected, arrays):
+            if a.size != values:
+                raise ValueError(f"{name} must hold {values} values")
+        pointers = (ctypes.c_void_p * max(1, len(arrays)))(
+            *[_float32_array(a, name) for (name, _, _), a in zip(expected, arrays)])
+        _check(_lib.morse_session_set_interval(
+            self._handle, step, _float32_array(m, "m"), _float32_array(v, "v"),
+            _float32_array(error, "error"),
+            None if server_error is None else _float32_array(server_error, "server_error"),
+            None if shards_m is None else _float32_array(shards_m, "shards_m"),
+            pointers, len(arrays), last_local_step))
 
     def server_error(self):
         import numpy as np

@@ -62,7 +62,6 @@ accelerate is imported where it is used. The versions tested are pinned in
 tests/python/torch2-venv.sh.
 """
 import os
-import warnings
 
 import torch
 
@@ -360,39 +359,6 @@ def _route_clipping(accelerator, opt):
     accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-def _warn_saves_inside_intervals(args, opt):
-    """Warns where Trainer's checkpoints can fall inside ZeroOneAdam's local
-    intervals (past var_freeze_step), whose states no state_dict holds:
-    saves every save_steps steps end a sync only where save_steps is a
-    multiple of local_step_clipper and that is a power of two (every
-    interval then divides it)."""
-    zero_one = getattr(opt, "_zero_one", None)
-    if not zero_one:
-        return
-    max_steps = int(getattr(args, "max_steps", -1) or -1)
-    if 0 < max_steps <= zero_one["var_freeze_step"]:
-        return  # no local step in the run
-    strategy = getattr(args, "save_strategy", "no")
-    strategy = str(getattr(strategy, "value", strategy))  # an enum in transformers
-    if strategy == "no":
-        return
-    period = opt._interval_period()
-    save_steps = getattr(args, "save_steps", 0)
-    if (strategy == "steps" and period and isinstance(save_steps, int)
-            and save_steps % period == 0):
-        return
-    every = (f"save_steps={save_steps}" if strategy == "steps"
-             else f"save_strategy={strategy!r}")
-    fix = (f"save_steps a multiple of local_step_clipper={period}" if period else
-           "local_step_clipper a power of two and save_steps a multiple of it")
-    warnings.warn(
-        f"morse: Trainer saves by {every}, and past var_freeze_step="
-        f"{zero_one['var_freeze_step']} ZeroOneAdam's syncs come every 1, 2, 4, ... up to "
-        f"local_step_clipper={zero_one['local_step_clipper']} steps: a checkpoint saved between "
-        f"two syncs cannot be resumed (its state_dict() warns, and load_state_dict refuses it). "
-        f"With {fix} every checkpoint is saved at a sync", RuntimeWarning, stacklevel=3)
-
-
 def _callback_base():
     from transformers import TrainerCallback
     return TrainerCallback
@@ -456,7 +422,6 @@ class MorseCallback(_callback_base()):
                     "averaged gradient as under DDP)")
             args.max_grad_norm = 0.0  # the optimizer clips
         opt._finds_own_state = True
-        _warn_saves_inside_intervals(args, opt)
 
     def on_save(self, args, state, control, optimizer=None, **kwargs):
         opt = self._optimizer(optimizer or self.opt)

@@ -27,17 +27,29 @@ def _as_list(value):
     return [float(v) for v in value] if isinstance(value, (tuple, list)) else [float(value)]
 
 
+# A state saved inside a ZeroOneAdam local interval: its interval arrays
+# (the session's names: anchor, u, lr_sum) under these keys, and the rank's
+# own parameters (each rank moves on its own there; the model's checkpoint
+# is rank 0's), its last local step and, on rank 0, the shards' m at the
+# interval's last sync.
+_INTERVAL_PREFIX = "interval_"
+_INTERVAL_X, _INTERVAL_LAST, _INTERVAL_SHARDS_M = ("interval_x", "interval_last_local_step",
+                                                   "interval_shards_exp_avg")
+
+
 def _inside_interval_words(inside, period):
-    """What a state saved inside a ZeroOneAdam local interval is, in words:
-    `inside` its [step, step after the last sync]; `period` the longest
-    interval (local_step_clipper), or None."""
+    """What a state saved inside a ZeroOneAdam local interval without its
+    interval's arrays is, in words (under --node-aggregation, or saved
+    before 2026-12-07): `inside` its [step, step after the last sync];
+    `period` the longest interval (local_step_clipper), or None."""
     step, synced = inside
     where = (f", as Trainer's save_steps a multiple of {period}, local_step_clipper" if period
              else "")
     return (f"this state is of step {step}, inside one of ZeroOneAdam's local intervals (its last "
-            f"sync completed step {synced}): the shards hold that sync's state and each rank its "
-            f"own since, which no state_dict holds, so it cannot be resumed. A state saved right "
-            f"after a sync (at a step count that is a multiple of the interval{where}) can be")
+            f"sync completed step {synced}), and does not hold that interval's state (saved under "
+            f"--node-aggregation, or by a version before 2026-12-07), so it cannot be resumed. A "
+            f"state saved right after a sync (at a step count that is a multiple of the "
+            f"interval{where}) can be")
 
 
 class _StateDict:
@@ -55,14 +67,18 @@ class _StateDict:
         node's rank other than its leader (node aggregation) holds no
         optimizer state: its state_dict has the step alone.
 
-        Inside one of ZeroOneAdam's local intervals the shards hold the
-        state of the interval's last sync and each rank its own since, which
-        no state_dict() holds: there it warns and returns a state that
-        load_state_dict() refuses (a checkpoint's weights still load)."""
+        Inside one of ZeroOneAdam's local intervals each rank has moved on
+        its own since the interval's last sync, which the shards hold: each
+        rank's state_dict() then also holds its own parameters (which
+        load_state_dict() writes back over the model's: a checkpoint's
+        model is rank 0's) and the interval's arrays, and rank 0's the
+        shards' m and error buffers at that sync. Under --node-aggregation
+        there it warns and returns a state that load_state_dict() refuses
+        (a checkpoint's weights still load)."""
         self._check_not_awaiting("state_dict()")
         state = self._state_dict(server_error=True)
         inside = state["state"].get("inside_interval")
-        if inside is not None and self._worker == 0:
+        if inside is not None and _INTERVAL_X not in state["state"] and self._worker == 0:
             warnings.warn(f"morse: {_inside_interval_words(inside, self._interval_period())} "
                           "(load_state_dict refuses this one)", RuntimeWarning, stacklevel=2)
         return state
@@ -131,11 +147,28 @@ class _StateDict:
         synced = self._session.exchanged_step
         if synced != step:
             state["inside_interval"] = [step, synced]  # ZeroOneAdam's: state_dict()
+            if self._node is None:
+                state.update(self._interval_state(server_error and self._worker == 0, device))
         elif self._worker == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         if any(self._first_steps):
             state["first_steps"] = list(self._first_steps)  # groups added mid-run
         return {"state": state, "param_groups": groups}
+
+    def _interval_state(self, with_shards, device):
+        """Inside a ZeroOneAdam local interval: this rank's parameters, the
+        interval's arrays and last local step, and with_shards the shards'
+        m and error buffers at its last sync, by state_dict() key."""
+        arrays, last, shards_m, server_error = self._session.get_interval(with_shards)
+        state = {_INTERVAL_X: self._flat.detach().to(device, copy=True),
+                 _INTERVAL_LAST: last}
+        for name, _, per_element in self._session.interval_arrays():
+            value = torch.from_numpy(arrays[name])
+            state[_INTERVAL_PREFIX + name] = value.to(device) if per_element else value
+        if with_shards:
+            state[_INTERVAL_SHARDS_M] = torch.from_numpy(shards_m).to(device)
+            state["server_error"] = torch.from_numpy(server_error).to(device)
+        return state
 
     def _own_state(self, device):
         """The optimizer's own state (1-bit LAMB: v', each layer's
@@ -189,7 +222,7 @@ class _StateDict:
                              f"(a dict with 'state' and 'param_groups'), got {type(state_dict).__name__}"
                              f"{'' if not isinstance(state_dict, dict) else ' without a state dict'}")
         state = state_dict["state"]
-        if state.get("inside_interval") is not None:
+        if state.get("inside_interval") is not None and _INTERVAL_X not in state:
             raise ValueError(_inside_interval_words(state["inside_interval"], self._interval_period())
                              + "; to go on from this one, load its weights and start a fresh "
                              "optimizer")
@@ -225,13 +258,22 @@ class _StateDict:
             if key not in state or state[key].numel() != dim:
                 raise ValueError(f"state_dict['state']['{key}'] must hold {dim} values")
         saved_rank = state.get("rank", self._rank)
-        if saved_rank != self._rank and bool(state["worker_error"].abs().max() > 0):
+        inside = _INTERVAL_X in state  # each rank's own parameters and interval
+        if inside and state.get("workers", self._workers) != self._workers:
+            raise ValueError(
+                f"this state_dict was saved inside one of ZeroOneAdam's local intervals by a job "
+                f"of {state['workers']} workers, where each rank had moved on on its own: a job "
+                f"of {self._workers} cannot go on from it. Resume it with {state['workers']} "
+                "workers, or from a state saved right after a sync")
+        if saved_rank != self._rank and (inside or bool(state["worker_error"].abs().max() > 0)):
             if self._finds_own_state:
                 _await_own_state(self, saved_rank, int(state["step"]), self._flat.device)
                 return
             raise ValueError(
-                f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its worker error "
-                f"buffer is rank {saved_rank}'s own, and loading it here would change the run. Save "
+                f"this state_dict is rank {saved_rank}'s, this is rank {self._rank}: its "
+                f"{'parameters inside a local interval' if inside else 'worker error buffer'} "
+                f"{'are' if inside else 'is'} rank {saved_rank}'s own, and loading "
+                f"{'them' if inside else 'it'} here would change the run. Save "
                 "every rank's optimizer.state_dict() (e.g. to f'opt-{rank}.pt') and load each "
                 "rank's own")
         if self._awaiting_own_state is not None and int(state["step"]) != self._awaiting_own_state[1]:
@@ -276,6 +318,8 @@ class _StateDict:
             self._session.set_own_state(
                 int(state["step"]), *moments, server_error, [host(state[k]) for k in keys],
                 state[self._commit_key].detach().to("cpu", torch.float64).contiguous().numpy())
+        elif _INTERVAL_X in state:
+            self._load_interval(state, moments, server_error, host)
         else:
             self._session.set_state(int(state["step"]), *moments, server_error)
         self._awaiting_own_state = None
@@ -286,6 +330,43 @@ class _StateDict:
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+    def _load_interval(self, state, moments, server_error, host):
+        """load_state_dict() of a state saved inside a ZeroOneAdam local
+        interval (_interval_state's): this rank's own parameters over the
+        model's, then the session (rank 0 brings fresh shards to the
+        interval's last sync)."""
+        expected = self._session.interval_arrays()
+        keys = [_INTERVAL_PREFIX + name for name, _, _ in expected]
+        missing = [k for k in keys + [_INTERVAL_LAST] if k not in state]
+        if missing:
+            raise ValueError(f"this state_dict of a local interval has no {', '.join(missing)}: "
+                             "load a state saved by ZeroOneAdam.state_dict() with the same job")
+        for (name, values, _), key in zip(expected, keys):
+            if state[key].numel() != values:
+                raise ValueError(f"state_dict['state']['{key}'] must hold {values} values")
+        x = state[_INTERVAL_X]
+        if x.numel() != self._flat.numel():
+            raise ValueError(f"state_dict['state']['{_INTERVAL_X}'] must hold "
+                             f"{self._flat.numel()} values")
+        shards_m = state.get(_INTERVAL_SHARDS_M)
+        if shards_m is not None and shards_m.numel() != self._flat.numel():
+            raise ValueError(f"state_dict['state']['{_INTERVAL_SHARDS_M}'] must hold "
+                             f"{self._flat.numel()} values")
+        # This rank's parameters inside the interval are its own; the model
+        # loaded (rank 0's, from a checkpoint) is not, except on rank 0.
+        before = self._flat.detach().clone()
+        with torch.no_grad():
+            self._flat.copy_(x.to(self._flat.device, torch.float32))
+        try:
+            self._session.set_interval(
+                int(state["step"]), *moments, server_error,
+                None if shards_m is None else host(shards_m),
+                [host(state[k]) for k in keys], int(state[_INTERVAL_LAST]))
+        except BaseException:
+            with torch.no_grad():
+                self._flat.copy_(before)  # nothing changed
+            raise
 
     def _from_per_parameter(self, state_dict):
         """A state_dict saved parameter by parameter (torch.optim's Adam or
