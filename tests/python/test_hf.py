@@ -555,15 +555,18 @@ def resume():
     # steps 4 and 8, each rank on its own parameters): every rank's own
     # state beside the checkpoint holds them, and the resumed run, through
     # the syncs of steps 8 and 12, is the whole run's.
-    checkpoint = check_resume(
-        "zero-one", "hf_trainer.py",
-        ["--optimizer", "zero_one_adam", "--steps", "12", "--freeze-step", "2",
-         "--local-step-scaler", "1", "--local-step-clipper", "4", "--save-steps", "6"], out)
+    zero_one = ["--optimizer", "zero_one_adam", "--steps", "12", "--freeze-step", "2",
+                "--local-step-scaler", "1", "--local-step-clipper", "4", "--save-steps", "6"]
+    checkpoint = check_resume("zero-one", "hf_trainer.py", zero_one, out)
     saved = [torch.load(f"{checkpoint}/morse-rank-{r}.pt", weights_only=True)["state"]
              for r in range(2)]
     check(all(s.get("inside_interval") == [6, 4] for s in saved)
           and not torch.equal(saved[0]["interval_x"], saved[1]["interval_x"]),
           "zero-one: checkpoint-6 was saved inside an interval, each rank on its own parameters")
+    # And under --node-aggregation: the leader's state holds the interval,
+    # rank 1's the node's parameters (rank 0's file given to it by Trainer,
+    # it finds its own).
+    check_resume("zero-one-agg", "hf_trainer.py", zero_one, out, launcher=("--node-aggregation",))
     # The same with one Morse worker for the two ranks (--node-aggregation):
     # rank 1 holds no optimizer state, its file only the step.
     check_resume("agg", "hf_trainer.py", common, out, launcher=("--node-aggregation",))
@@ -571,8 +574,9 @@ def resume():
     _, _, log = run("hf_trainer.py", *common, "--resume", "--output-dir", f"{out}/lost", expect_ok=False)
     check("this rank's own, morse-rank-1.pt, is in none of" in log, "rank 1 names the state it lacks")
     shutil.rmtree(out, ignore_errors=True)
-    print("PASS: a Trainer run resumed from its checkpoint is bit-identical to the whole run; "
-          "a missing rank state is named")
+    print("PASS: a Trainer run resumed from its checkpoint is bit-identical to the whole run "
+          "(ZeroOneAdam's too, saved inside a local interval, with and without "
+          "--node-aggregation); a missing rank state is named")
 
     # A Trainer run of DDP + AdamW, saved at step 6 (its optimizer.pt
     # torch's per-parameter state), resumed with morse.torch.Adam instead:

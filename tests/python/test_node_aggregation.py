@@ -28,6 +28,10 @@ first cut): one Morse worker per node.
    clip on every rank, pushed by the leader bit for bit as torch's order
    leaves them; `edit_one`: local rank 1 alone editing fails every rank of
    the node, naming it.
+3c. ZeroOneAdam saved inside a local interval (each node on parameters
+   of its own) and resumed by a fresh job, every rank loading rank 0's
+   model and its own state: every rank's parameters after every later
+   step the uninterrupted run's (interval_resume).
 4. Ranks of a node that set different learning rates (or overlap): every
    rank of the node fails naming the values; nodes that disagree on --node-aggregation
    fail the rendezvous saying so.
@@ -36,10 +40,12 @@ first cut): one Morse worker per node.
    each node without it (a folder that does not exist, MORSE_NODE_SHM=0)
    takes its whole node through gloo's sockets, node 0 saying why once,
    with the same bits."""
+import hashlib
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +57,9 @@ import torch
 from harness import check, check_ranks_match_simulator, has_cuda, modes_of, nodes  # noqa: E402
 
 STEPS = 8
+# interval_resume: ZeroOneAdam saved after s = 7 (between the syncs of 6 and
+# 8), the run going on to s = 12.
+INTERVAL_SAVE, INTERVAL_STEPS = 7, 12
 FREEZE = 3  # the compressed optimizers' freeze step (build)
 CLIP = 0.05  # clip_grad_norm_'s max_norm in the clip runs: below every step's norm here
 
@@ -70,8 +79,77 @@ def build(name, params, lr, **more):
     raise ValueError(name)
 
 
+def interval_worker(out, resumed):
+    """ZeroOneAdam on 2 nodes x 2 ranks for 12 steps: each rank saves its
+    state_dict() after s = 7, between the syncs of 6 and 8 (each node on
+    parameters of its own), rank 0 also the model; `resumed`: a fresh job
+    from there (every rank loading rank 0's model, as Trainer does, and its
+    own state). Each rank writes its parameters' digest after every step."""
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    opt = build("ZeroOneAdam", model.parameters(), 0.01)
+    first = 0
+    if resumed:
+        model.load_state_dict(torch.load(f"{out}/model.pt"))
+        opt.load_state_dict(torch.load(f"{out}/opt-{rank}.pt"))
+        first = INTERVAL_SAVE
+    digests = {}
+    for step in range(first, INTERVAL_STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        digests[step] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+        if step + 1 == INTERVAL_SAVE and not resumed:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                state = opt.state_dict()
+            check(not caught, f"rank {rank} warned {[str(w.message) for w in caught]}")
+            inner = state["state"]
+            leader = int(os.environ["LOCAL_RANK"]) == 0
+            check("interval_x" in inner and (not leader or inner.get("inside_interval") == [7, 6]),
+                  f"rank {rank}: the state inside the interval: {sorted(inner)}")
+            torch.save(state, f"{out}/opt-{rank}.pt")
+            if rank == 0:
+                torch.save(model.state_dict(), f"{out}/model.pt")
+    json.dump(digests, open(f"{out}/{'resumed' if resumed else 'whole'}-{rank}.json", "w"))
+
+
+def interval_resume():
+    out = tempfile.mkdtemp(prefix="morse-aggregate-interval-")
+    runs = {}
+    for mode in ("ZeroOneAdam:interval_save", "ZeroOneAdam:interval_resumed"):
+        results = nodes(__file__, 2, 2, out, mode, extra=("--servers", "2", "--node-aggregation"))
+        for node, (code, text) in enumerate(results):
+            if code != 0:
+                print(f"--- node {node} (exit {code}):\n{text[-4000:]}")
+            check(code == 0, f"{mode}: node {node} exited with {code}")
+    for kind in ("whole", "resumed"):
+        runs[kind] = [json.load(open(f"{out}/{kind}-{rank}.json")) for rank in range(4)]
+    at_save = str(INTERVAL_SAVE - 1)
+    check(runs["whole"][0][at_save] == runs["whole"][1][at_save]
+          and runs["whole"][0][at_save] != runs["whole"][2][at_save],
+          "after s = 7 the ranks of a node agree and the nodes differ (a local interval)")
+    for rank in range(4):
+        for step in range(INTERVAL_SAVE, INTERVAL_STEPS):
+            check(runs["resumed"][rank][str(step)] == runs["whole"][rank][str(step)],
+                  f"rank {rank} step {step}: resumed {runs['resumed'][rank][str(step)]}, "
+                  f"whole {runs['whole'][rank][str(step)]}")
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"PASS: ZeroOneAdam, 2 nodes x 2 ranks with node aggregation, saved inside a local "
+          f"interval (s = {INTERVAL_SAVE}) and resumed by a fresh job: every rank's parameters the "
+          f"uninterrupted run's after each of steps {INTERVAL_SAVE + 1}..{INTERVAL_STEPS}, through "
+          "the syncs of 8 and 12")
+
+
 def worker(out, mode):
     name, _, variant = mode.partition(":")
+    if variant.startswith("interval_"):
+        interval_worker(out, variant == "interval_resumed")
+        return
     variant, _, on = variant.partition("@")  # VARIANT@cuda: on CUDA tensors
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     node = int(os.environ["MORSE_NODE_RANK"])
@@ -152,8 +230,6 @@ def worker(out, mode):
         if local == 0:  # the leader's flat gradient holds what it pushed: the node's average
             numpy.save(f"{out}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
-        if name == "ZeroOneAdam" and variant == "" and opt.step_index == 7:
-            check_state_inside_interval(opt, rank, local)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
         if clamp_weights(model, variant, rank, step) and rank == 0:
@@ -166,22 +242,6 @@ def worker(out, mode):
     json.dump(params, open(f"{out}/params-{rank}.json", "w"))
     json.dump(norms, open(f"{out}/norms-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, step_index {opt.step_index}")
-
-
-def check_state_inside_interval(opt, rank, local):
-    """After step s = 7, between zero_one_adam's syncs of 6 and 8: under
-    --node-aggregation no state_dict() holds the interval (the node's
-    members hold none of the leader's parameters), so rank 0 warns and the
-    state says so (load_state_dict refuses such a state: test_zero_one)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        state = opt.state_dict()["state"]
-    said = [str(w.message) for w in caught if "local intervals" in str(w.message)]
-    check(len(said) == (1 if rank == 0 else 0) and (not said or "--node-aggregation" in said[0]),
-          f"rank {rank} warned {said}")
-    if local == 0:
-        check(state.get("inside_interval") == [7, 6] and "interval_x" not in state,
-              f"rank {rank}: the state inside the interval: {sorted(state)}")
 
 
 def edit_clipped(model):
@@ -492,7 +552,7 @@ if __name__ == "__main__":
     # modes; a mode is OPTIMIZER or OPTIMIZER:VARIANT (two_nodes; VARIANT@cuda
     # on CUDA tensors), "cuda", "three" or "wrong".
     parts = {"optimizers": ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "OneBitLamb:gloo",
-                            "cuda", "three", "wrong"],
+                            "cuda", "three", "wrong", "interval_resume"],
              "idioms": ["OneBitAdam:clamp", "OneBitAdam:clip", "OneBitAdam:edit", "Adam:load",
                         "Adam:scaled", "OneBitAdam:accum", "OneBitAdam:accum_learned"]}
     for mode in modes_of(parts):
@@ -506,6 +566,8 @@ if __name__ == "__main__":
             one_node_of_three()
         elif mode == "wrong":
             wrong_use()
+        elif mode == "interval_resume":
+            interval_resume()
         else:
             name, _, variant = mode.partition(":")
             if name not in ("OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb"):

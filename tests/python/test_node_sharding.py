@@ -222,6 +222,8 @@ def worker(out, mode):
                   "mirrors differ from its owner's parameters")
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
+        if name == "ZeroOneAdam" and not variant and opt.step_index == 7:
+            sharded_interval_refused(opt, rank, local)
         f = flat(model)
         params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull",
                                                                 "editfull", "anyfull", "ownfull",
@@ -246,6 +248,25 @@ def worker(out, mode):
               open(f"{out}/held-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, slice {local} = elements {lo}..{hi}, "
           f"step_index {opt.step_index}")
+
+
+def sharded_interval_refused(opt, rank, local):
+    """After s = 7, between zero_one_adam's syncs of 6 and 8: a sharded
+    node's state_dict() holds no local interval (rank 0 warns) and
+    load_state_dict refuses it, saying to save at a sync."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = opt.state_dict()
+    said = [str(w.message) for w in caught if "local intervals" in str(w.message)]
+    check(len(said) == (1 if rank == 0 else 0), f"rank {rank} warned {said}")
+    check(state["state"].get("inside_interval") == [7, 6] and "interval_x" not in state["state"],
+          f"rank {rank}: the state inside the interval: {sorted(state['state'])}")
+    try:
+        opt.load_state_dict(state)
+        check(False, f"rank {rank}: a sharded state inside a local interval was loaded")
+    except ValueError as e:
+        check("--node-aggregation=sharded" in str(e) and "cannot be resumed" in str(e),
+              f"rank {rank}: unclear refusal: {e}")
 
 
 def restart_worker(out, name, variant):

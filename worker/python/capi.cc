@@ -693,6 +693,30 @@ static int ArrayInfo(morse_session* s,
   });
 }
 
+// The `count` arrays the caller gives (set_own_state's, set_interval's),
+// `listed` in order (the session's state or interval arrays), as named
+// arrays: INVALID_ARGUMENT for another count or a null array.
+static absl::Status ReadArrays(
+    morse_session* s, const std::vector<morse::compress::StateArray>& listed,
+    const float* const* arrays, uint32_t count, const char* what,
+    std::vector<morse::compress::NamedState>* out) {
+  if (count != listed.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(count, " ", what, " arrays given; the optimizer keeps ",
+                     listed.size()));
+  }
+  if (count > 0) {
+    if (absl::Status st = NotNull(arrays, "arrays"); !st.ok()) return st;
+  }
+  for (uint32_t i = 0; i < count; ++i) {
+    if (absl::Status st = NotNull(arrays[i], "a state array"); !st.ok())
+      return st;
+    const uint64_t n = listed[i].per_element ? s->dim : listed[i].floats;
+    out->push_back({listed[i].name, {arrays[i], arrays[i] + n}});
+  }
+  return absl::OkStatus();
+}
+
 int morse_session_state_array(morse_session* s, uint32_t i, const char** name,
                               uint64_t* values, int* per_element) {
   return ArrayInfo(s, s == nullptr ? nullptr : &s->arrays, i, name, values,
@@ -763,22 +787,14 @@ int morse_session_set_interval(morse_session* s, int64_t step, const float* m,
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
     for (const void* p :
          {static_cast<const void*>(m), static_cast<const void*>(v),
-          static_cast<const void*>(error), static_cast<const void*>(arrays)}) {
+          static_cast<const void*>(error)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
     }
-    if (count != s->interval_arrays.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(count, " interval arrays given; the optimizer keeps ",
-                       s->interval_arrays.size()));
-    }
     morse::worker::Session::IntervalState interval;
-    for (uint32_t i = 0; i < count; ++i) {
-      if (absl::Status st = NotNull(arrays[i], "an interval array"); !st.ok())
-        return st;
-      const morse::compress::StateArray& array = s->interval_arrays[i];
-      const uint64_t n = array.per_element ? s->dim : array.floats;
-      interval.arrays.push_back({array.name, {arrays[i], arrays[i] + n}});
-    }
+    if (absl::Status st = ReadArrays(s, s->interval_arrays, arrays, count,
+                                     "interval", &interval.arrays);
+        !st.ok())
+      return st;
     interval.last_local_step = last_local_step;
     if (shards_m != nullptr)
       interval.shards_m.assign(shards_m, shards_m + s->dim);
@@ -835,25 +851,14 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
           static_cast<const void*>(error)}) {
       if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
     }
-    if (count != s->arrays.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(count, " state arrays given; the optimizer keeps ",
-                       s->arrays.size()));
-    }
-    if (count > 0) {
-      if (absl::Status st = NotNull(arrays, "arrays"); !st.ok()) return st;
-    }
     if (commit_values > 0) {
       if (absl::Status st = NotNull(commit, "commit"); !st.ok()) return st;
     }
     morse::worker::Session::OwnState own;
-    for (uint32_t i = 0; i < count; ++i) {
-      if (absl::Status st = NotNull(arrays[i], "a state array"); !st.ok())
-        return st;
-      const morse::compress::StateArray& array = s->arrays[i];
-      const uint64_t n = array.per_element ? s->dim : array.floats;
-      own.arrays.push_back({array.name, {arrays[i], arrays[i] + n}});
-    }
+    if (absl::Status st =
+            ReadArrays(s, s->arrays, arrays, count, "state", &own.arrays);
+        !st.ok())
+      return st;
     if (commit_values > 0) own.commit.assign(commit, commit + commit_values);
     return s->session->Restore(
         step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),

@@ -39,15 +39,16 @@ _INTERVAL_X, _INTERVAL_LAST, _INTERVAL_SHARDS_M = ("interval_x", "interval_last_
 
 def _inside_interval_words(inside, period):
     """What a state saved inside a ZeroOneAdam local interval without its
-    interval's arrays is, in words (under --node-aggregation, or saved
-    before 2026-12-07): `inside` its [step, step after the last sync];
-    `period` the longest interval (local_step_clipper), or None."""
+    interval's arrays is, in words (under --node-aggregation=sharded, or
+    saved before 2026-12-07): `inside` its [step, step after the last
+    sync]; `period` the longest interval (local_step_clipper), or None."""
     step, synced = inside
     where = (f", as Trainer's save_steps a multiple of {period}, local_step_clipper" if period
              else "")
     return (f"this state is of step {step}, inside one of ZeroOneAdam's local intervals (its last "
             f"sync completed step {synced}), and does not hold that interval's state (saved under "
-            f"--node-aggregation, or by a version before 2026-12-07), so it cannot be resumed. A "
+            f"--node-aggregation=sharded, or by a version before 2026-12-07), so it cannot be "
+            f"resumed. A "
             f"state saved right after a sync (at a step count that is a multiple of the "
             f"interval{where}) can be")
 
@@ -72,13 +73,14 @@ class _StateDict:
         rank's state_dict() then also holds its own parameters (which
         load_state_dict() writes back over the model's: a checkpoint's
         model is rank 0's) and the interval's arrays, and rank 0's the
-        shards' m and error buffers at that sync. Under --node-aggregation
-        there it warns and returns a state that load_state_dict() refuses
-        (a checkpoint's weights still load)."""
+        shards' m and error buffers at that sync (under --node-aggregation
+        the leader's; each other rank's holds its parameters). Under
+        --node-aggregation=sharded there it warns and returns a state that
+        load_state_dict() refuses (a checkpoint's weights still load)."""
         self._check_not_awaiting("state_dict()")
         state = self._state_dict(server_error=True)
         inside = state["state"].get("inside_interval")
-        if inside is not None and _INTERVAL_X not in state["state"] and self._worker == 0:
+        if inside is not None and _INTERVAL_X not in state["state"] and self._rank == 0:
             warnings.warn(f"morse: {_inside_interval_words(inside, self._interval_period())} "
                           "(load_state_dict refuses this one)", RuntimeWarning, stacklevel=2)
         return state
@@ -120,11 +122,17 @@ class _StateDict:
         """state_dict()'s, its per-element arrays on the parameters' device
         (on_host: on the CPU)."""
         groups = self._saved_groups()
-        if self._session is None:
-            return {"state": {"step": self.step_index, "rank": self._rank, "node_member": True},
-                    "param_groups": groups}
-        step, m, v, error = self._session.get_state()
         device = torch.device("cpu") if on_host else self._flat.device
+        if self._session is None:
+            state = {"step": self.step_index, "rank": self._rank, "node_member": True}
+            if self._zero_one and self.step_index > int(self._zero_one["var_freeze_step"]):
+                # ZeroOneAdam's local phase: the node may be inside a local
+                # interval, on parameters of its own, which its leader's
+                # state holds too; this rank, resumed, takes its copy (the
+                # checkpoint's model is rank 0's).
+                state[_INTERVAL_X] = self._flat.detach().to(device, copy=True)
+            return {"state": state, "param_groups": groups}
+        step, m, v, error = self._session.get_state()
         state = {"step": step, "rank": self._rank, "workers": self._workers,
                  "taken": f"{self._nonce}:{self.step_index}",
                  "exp_avg": torch.from_numpy(m).to(device),
@@ -147,7 +155,7 @@ class _StateDict:
         synced = self._session.exchanged_step
         if synced != step:
             state["inside_interval"] = [step, synced]  # ZeroOneAdam's: state_dict()
-            if self._node is None:
+            if self._slices is None:
                 state.update(self._interval_state(server_error and self._worker == 0, device))
         elif self._worker == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
@@ -235,9 +243,13 @@ class _StateDict:
         dim = self._flat.numel()
         if self._session is None:
             # A node's other rank: its leader restores the node's worker; the
-            # parameters come from the model's weights, as on the leader.
+            # parameters come from the model's weights, as on the leader, or
+            # inside a ZeroOneAdam local interval from this rank's own state.
+            if not self._load_node_member(state):
+                return
             self._node_first_step = int(state.get("step", 0)) - self._node.steps
             self._load_groups(state_dict)
+            self._awaiting_own_state = None
             return
         if self._is_current(state):
             # This optimizer's own state_dict() of this very step, given back
@@ -330,6 +342,30 @@ class _StateDict:
         self._x_versions = [p._version for p in self._params]
         # lr and weight_decay follow param_groups every step, as in torch.
         self._load_groups(state_dict)
+
+    def _load_node_member(self, state):
+        """load_state_dict() on a node's rank that is not its leader (no
+        session): the parameters of its own state inside a local interval
+        over the model's. False where it now awaits its own state (Trainer
+        gave it rank 0's, which is of another node's interval)."""
+        x, saved_rank = state.get(_INTERVAL_X), state.get("rank", self._rank)
+        if saved_rank != self._rank and (x is not None or "inside_interval" in state):
+            if self._finds_own_state:
+                _await_own_state(self, saved_rank, int(state["step"]), self._flat.device)
+                return False
+            raise ValueError(
+                f"this state_dict is rank {saved_rank}'s, saved inside one of ZeroOneAdam's local "
+                f"intervals, where each node has parameters of its own; this is rank {self._rank}: "
+                "save every rank's optimizer.state_dict() (e.g. to f'opt-{rank}.pt') and load each "
+                "rank's own")
+        if x is not None:
+            if x.numel() != self._flat.numel():
+                raise ValueError(f"state_dict['state']['{_INTERVAL_X}'] must hold "
+                                 f"{self._flat.numel()} values")
+            with torch.no_grad():
+                self._flat.copy_(x.to(self._flat.device, torch.float32))
+            self._x_versions = [p._version for p in self._params]
+        return True
 
     def _load_interval(self, state, moments, server_error, host):
         """load_state_dict() of a state saved inside a ZeroOneAdam local
