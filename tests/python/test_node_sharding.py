@@ -22,6 +22,10 @@
 4. Resume: each rank's state_dict after 4 steps loaded into a fresh job
    (fresh shards) that runs 4 more steps gives the bits of an
    uninterrupted run of 8; a rank given another slice's state is refused.
+   ZeroOneAdam saved inside a local interval (each slice's owner its
+   slice's interval, every rank every slice's parameters) and resumed by a
+   fresh job: every rank on the uninterrupted run's parameters after each
+   later step (interval_resume, test_node_aggregation's).
 5. With --rank-restarts and checkpoints every 2 steps, a rank killed in
    step 5 restarts its node: sharded, the owner of slice 1 as its Morse
    step begins while slice 0's owner finishes step 5 and writes step 6's
@@ -75,7 +79,7 @@ import torch
 from harness import check, check_ranks_match_simulator, has_cuda, modes_of, nodes  # noqa: E402
 from test_node_aggregation import CLIP, FREEZE, STEPS, build, clamp_weights, node_average  # noqa: E402
 from test_node_aggregation import check_node_clip, edit_clipped as add_after_clip, edited  # noqa: E402
-from test_node_aggregation import shown_average  # noqa: E402
+from test_node_aggregation import interval_resume, shown_average  # noqa: E402
 
 
 def model_of(seed=5):
@@ -222,8 +226,6 @@ def worker(out, mode):
                   "mirrors differ from its owner's parameters")
         numpy.save(f"{d}/grad-{node}-{step}.npy", opt._flat_grad.cpu().numpy())
         checksums.append(opt.checksum())
-        if name == "ZeroOneAdam" and not variant and opt.step_index == 7:
-            sharded_interval_refused(opt, rank, local)
         f = flat(model)
         params.append(f.numpy().tobytes().hex() if variant in ("full", "clipfull", "clipjob", "partfull",
                                                                 "editfull", "anyfull", "ownfull",
@@ -248,25 +250,6 @@ def worker(out, mode):
               open(f"{out}/held-{rank}.json", "w"))
     print(f"rank {rank} (node {node}, local {local}): done, slice {local} = elements {lo}..{hi}, "
           f"step_index {opt.step_index}")
-
-
-def sharded_interval_refused(opt, rank, local):
-    """After s = 7, between zero_one_adam's syncs of 6 and 8: a sharded
-    node's state_dict() holds no local interval (rank 0 warns) and
-    load_state_dict refuses it, saying to save at a sync."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        state = opt.state_dict()
-    said = [str(w.message) for w in caught if "local intervals" in str(w.message)]
-    check(len(said) == (1 if rank == 0 else 0), f"rank {rank} warned {said}")
-    check(state["state"].get("inside_interval") == [7, 6] and "interval_x" not in state["state"],
-          f"rank {rank}: the state inside the interval: {sorted(state['state'])}")
-    try:
-        opt.load_state_dict(state)
-        check(False, f"rank {rank}: a sharded state inside a local interval was loaded")
-    except ValueError as e:
-        check("--node-aggregation=sharded" in str(e) and "cannot be resumed" in str(e),
-              f"rank {rank}: unclear refusal: {e}")
 
 
 def restart_worker(out, name, variant):
@@ -809,7 +792,8 @@ if __name__ == "__main__":
                             "three"],
              "clips": ["clip", "part"],
              "edits": ["edit", "own"],
-             "recovery": ["resume", "restart_sharded", "restart_leader", "wrong"]}
+             "recovery": ["resume", "interval_resume", "restart_sharded", "restart_leader",
+                          "wrong"]}
     for mode in modes_of(parts):
         if mode == "clamp":
             two_nodes("OneBitAdam", "clamp")
@@ -837,6 +821,8 @@ if __name__ == "__main__":
             one_node_of_three()
         elif mode == "resume":
             resume()
+        elif mode == "interval_resume":
+            interval_resume("--node-aggregation=sharded")
         elif mode == "wrong":
             wrong_use()
         else:

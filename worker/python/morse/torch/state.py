@@ -35,20 +35,27 @@ def _as_list(value):
 _INTERVAL_PREFIX = "interval_"
 _INTERVAL_X, _INTERVAL_LAST, _INTERVAL_SHARDS_M = ("interval_x", "interval_last_local_step",
                                                    "interval_shards_exp_avg")
+_INTERVAL_OTHERS = "interval_others"  # a sharded node's other slices' parameters
+
+
+def _flat_of(params, device):
+    """`params`' values, one after another, in a new flat tensor."""
+    if not params:
+        return torch.zeros(0, device=device)
+    return torch.cat([p.detach().reshape(-1) for p in params]).to(device)
 
 
 def _inside_interval_words(inside, period):
     """What a state saved inside a ZeroOneAdam local interval without its
-    interval's arrays is, in words (under --node-aggregation=sharded, or
-    saved before 2026-12-07): `inside` its [step, step after the last
-    sync]; `period` the longest interval (local_step_clipper), or None."""
+    interval's arrays (by a version before 2026-12-07) is, in words:
+    `inside` its [step, step after the last sync]; `period` the longest
+    interval (local_step_clipper), or None."""
     step, synced = inside
     where = (f", as Trainer's save_steps a multiple of {period}, local_step_clipper" if period
              else "")
     return (f"this state is of step {step}, inside one of ZeroOneAdam's local intervals (its last "
-            f"sync completed step {synced}), and does not hold that interval's state (saved under "
-            f"--node-aggregation=sharded, or by a version before 2026-12-07), so it cannot be "
-            f"resumed. A "
+            f"sync completed step {synced}), and does not hold that interval's state (saved by a "
+            f"version before 2026-12-07), so it cannot be resumed. A "
             f"state saved right after a sync (at a step count that is a multiple of the "
             f"interval{where}) can be")
 
@@ -74,16 +81,11 @@ class _StateDict:
         load_state_dict() writes back over the model's: a checkpoint's
         model is rank 0's) and the interval's arrays, and rank 0's the
         shards' m and error buffers at that sync (under --node-aggregation
-        the leader's; each other rank's holds its parameters). Under
-        --node-aggregation=sharded there it warns and returns a state that
-        load_state_dict() refuses (a checkpoint's weights still load)."""
+        the leader's, each other rank's its parameters; =sharded each
+        slice's owner its slice's interval and every slice's parameters as
+        it holds them)."""
         self._check_not_awaiting("state_dict()")
-        state = self._state_dict(server_error=True)
-        inside = state["state"].get("inside_interval")
-        if inside is not None and _INTERVAL_X not in state["state"] and self._rank == 0:
-            warnings.warn(f"morse: {_inside_interval_words(inside, self._interval_period())} "
-                          "(load_state_dict refuses this one)", RuntimeWarning, stacklevel=2)
-        return state
+        return self._state_dict(server_error=True)
 
     def _interval_period(self):
         """ZeroOneAdam's local_step_clipper where every interval divides it
@@ -155,8 +157,7 @@ class _StateDict:
         synced = self._session.exchanged_step
         if synced != step:
             state["inside_interval"] = [step, synced]  # ZeroOneAdam's: state_dict()
-            if self._slices is None:
-                state.update(self._interval_state(server_error and self._worker == 0, device))
+            state.update(self._interval_state(server_error and self._worker == 0, device))
         elif self._worker == 0 and server_error:
             state["server_error"] = torch.from_numpy(self._session.server_error()).to(device)
         if any(self._first_steps):
@@ -176,6 +177,8 @@ class _StateDict:
         if with_shards:
             state[_INTERVAL_SHARDS_M] = torch.from_numpy(shards_m).to(device)
             state["server_error"] = torch.from_numpy(server_error).to(device)
+        if self._slices is not None:  # a sharded node's other slices, as this rank holds them
+            state[_INTERVAL_OTHERS] = _flat_of(self._others, device)
         return state
 
     def _own_state(self, device):
@@ -381,10 +384,15 @@ class _StateDict:
         for (name, values, _), key in zip(expected, keys):
             if state[key].numel() != values:
                 raise ValueError(f"state_dict['state']['{key}'] must hold {values} values")
-        x = state[_INTERVAL_X]
+        x, others = state[_INTERVAL_X], state.get(_INTERVAL_OTHERS)
         if x.numel() != self._flat.numel():
             raise ValueError(f"state_dict['state']['{_INTERVAL_X}'] must hold "
                              f"{self._flat.numel()} values")
+        held = sum(p.numel() for p in self._others)
+        if self._slices is not None and (others is None or others.numel() != held):
+            raise ValueError(f"state_dict['state']['{_INTERVAL_OTHERS}'] must hold the other "
+                             f"slices' {held} values (a sharded node's state inside a local "
+                             "interval)")
         shards_m = state.get(_INTERVAL_SHARDS_M)
         if shards_m is not None and shards_m.numel() != self._flat.numel():
             raise ValueError(f"state_dict['state']['{_INTERVAL_SHARDS_M}'] must hold "
@@ -403,6 +411,16 @@ class _StateDict:
             with torch.no_grad():
                 self._flat.copy_(before)  # nothing changed
             raise
+        if self._slices is not None:
+            # The other slices' parameters, which their owners restore, as
+            # this rank held them (the node's).
+            with torch.no_grad():
+                offset = 0
+                for p in self._others:
+                    n = p.numel()
+                    p.copy_(others[offset:offset + n].view_as(p).to(p.device, p.dtype))
+                    offset += n
+            self._other_versions = {id(p): p._version for p in self._others}
 
     def _from_per_parameter(self, state_dict):
         """A state_dict saved parameter by parameter (torch.optim's Adam or
