@@ -621,9 +621,19 @@ def resume():
     _, _, log = run("accelerate_loop.py", *common, "--resume", "--output-dir", f"{out}/lost",
                     expect_ok=False)
     check("morse-rank-1.pt, is not there" in log, "rank 1 names the state it lacks")
+    # ZeroOneAdam saved between two syncs (as in resume()): each rank's
+    # parameters and interval in its own file, found again by load_state.
+    checkpoint = check_resume(
+        "accelerate-zero-one", "accelerate_loop.py",
+        ["--optimizer", "zero_one_adam", "--steps", "12", "--freeze-step", "2",
+         "--local-step-scaler", "1", "--local-step-clipper", "4", "--save-steps", "6"], out)
+    saved = torch.load(f"{checkpoint}/morse-rank-1.pt", weights_only=True)["state"]
+    check(saved.get("inside_interval") == [6, 4] and "interval_x" in saved,
+          "accelerate-zero-one: checkpoint-6 was saved inside an interval")
     shutil.rmtree(out, ignore_errors=True)
     print("PASS: an Accelerate loop resumed with load_state from its save_state is bit-identical "
-          "to the whole run; a missing rank state is named")
+          "to the whole run (ZeroOneAdam's too, saved inside a local interval); a missing rank "
+          "state is named")
 
 
 if __name__ == "__main__":

@@ -55,9 +55,8 @@ def _inside_interval_words(inside, period):
              else "")
     return (f"this state is of step {step}, inside one of ZeroOneAdam's local intervals (its last "
             f"sync completed step {synced}), and does not hold that interval's state (saved by a "
-            f"version before 2026-12-07), so it cannot be resumed. A "
-            f"state saved right after a sync (at a step count that is a multiple of the "
-            f"interval{where}) can be")
+            f"version before 2026-12-07), so it cannot be resumed. A state saved right after a "
+            f"sync (at a step count that is a multiple of the interval{where}) can be")
 
 
 class _StateDict:
@@ -73,7 +72,8 @@ class _StateDict:
         restore the whole run with load_state_dict in a fresh job (exactly:
         the continued run is bit-identical to an uninterrupted one). A
         node's rank other than its leader (node aggregation) holds no
-        optimizer state: its state_dict has the step alone.
+        optimizer state: its state_dict has the step alone (and in
+        ZeroOneAdam's local phase its parameters, below).
 
         Inside one of ZeroOneAdam's local intervals each rank has moved on
         its own since the interval's last sync, which the shards hold: each
