@@ -284,6 +284,25 @@ absl::Status Simulator::ReplaceX(absl::Span<const float> x) {
   return absl::OkStatus();
 }
 
+absl::Status Simulator::ReplaceWorkerX(uint32_t rank,
+                                       absl::Span<const float> x) {
+  if (rank >= config_.workers || x.size() != x_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker ", rank, " of ", config_.workers, ", x of ",
+                     x.size(), " elements (not ", x_.size(), ")"));
+  }
+  for (float f : x) {
+    if (!std::isfinite(f))
+      return absl::InvalidArgumentError("the new x holds Inf or NaN");
+  }
+  if (!diverged_) {
+    return absl::FailedPreconditionError(
+        "the workers are not inside a zero_one_adam local interval");
+  }
+  std::copy(x.begin(), x.end(), locals_[rank].x.begin());
+  return absl::OkStatus();
+}
+
 absl::Span<const float> Simulator::worker_x(uint32_t rank) const {
   return diverged_ ? absl::MakeConstSpan(locals_[rank].x)
                    : absl::MakeConstSpan(x_);

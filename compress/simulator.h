@@ -49,6 +49,12 @@ class Simulator {
   // INVALID_ARGUMENT, nothing changed, for a wrong size or non-finite
   // values; FAILED_PRECONDITION inside a zero_one_adam local interval.
   absl::Status ReplaceX(absl::Span<const float> x);
+  // Inside a zero_one_adam local interval, worker `rank`'s own x changed
+  // between steps (design.md 2.7, "Weights changed inside an interval"):
+  // its local steps go on from `x`; the sync starts from the anchor as
+  // always. FAILED_PRECONDITION outside an interval, INVALID_ARGUMENT,
+  // nothing changed, for a wrong rank or size or non-finite values.
+  absl::Status ReplaceWorkerX(uint32_t rank, absl::Span<const float> x);
 
   int64_t step() const { return step_; }  // steps completed
   bool compressing() const;               // is the next step compressed?

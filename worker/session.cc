@@ -1143,7 +1143,9 @@ absl::Status Session::ReloadModel() {
         "step ", step_,
         " is a local step of zero_one_adam (design.md 2.7): the shards hold "
         "the last sync's model, so weights change only before a step that "
-        "exchanges (in the variance and 1-bit phases, every step)"));
+        "exchanges (in the variance and 1-bit phases, every step), or "
+        "after a local step, where they are each rank's own until the "
+        "interval's sync"));
   }
   auto held = client_->CompletedSteps();
   if (held.ok() ? *held < step_ : Retryable(held.status())) {

@@ -215,7 +215,8 @@ def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
     """The job wrote checksums-<rank>.json (one checksum per step), job.json
     (base config and overrides), x0.npy and grad-<rank>-<step>.npy to `out`
     (train_recorded), and x-<step>.npy where the weights were changed
-    before that step: after every step every rank must hold the bits the
+    before that step (x-<step>-<rank>.npy: rank's own, inside a
+    zero_one_adam local interval): after every step every rank must hold the bits the
     simulator fed the same gradients (and changes) gives that rank, and, unless
     `ranks_may_differ` (zero_one_adam's local steps), rank 0's bits.
     Returns the number of steps after which all ranks agreed; removes
@@ -234,6 +235,9 @@ def check_ranks_match_simulator(out, ranks, steps, ranks_may_differ=False):
     for step in range(steps):
         if os.path.exists(f"{out}/x-{step}.npy"):
             sim.replace_x(np.load(f"{out}/x-{step}.npy"))
+        for r in range(ranks):  # inside a zero_one_adam interval: a rank's own
+            if os.path.exists(f"{out}/x-{step}-{r}.npy"):
+                sim.replace_worker_x(r, np.load(f"{out}/x-{step}-{r}.npy"))
         sim.step([np.load(f"{out}/grad-{r}-{step}.npy") for r in range(ranks)],
                  hypers=hypers[step])
         for r in range(ranks):

@@ -20,7 +20,11 @@ interval (plain and groups): each rank's state_dict() saved at step 18
 shards and every rank loading rank 0's model as Trainer does, a run that
 goes on bit-identically, rank by rank, to the one that never stopped; a
 rank's state on another rank, and one saved without its interval (by an
-earlier version, or under --node-aggregation), are refused."""
+earlier version), are refused. And weights changed inside local
+intervals (`edits`): swapped out and back on every rank (an EMA helper's
+evaluation), and scaled by rank 1 alone, its own x_i: every rank the
+simulator's bits, fed rank 1's changes."""
+import glob
 import json
 import os
 import sys
@@ -74,6 +78,8 @@ def worker(out, mode):
         on_step = lambda step: schedule.step()  # noqa: E731
     if mode == "one_cycle":  # lr up and down, betas[0] the other way
         on_step, check_moved = one_cycle(opt, STEPS)
+    if mode == "edits":
+        on_step = edits_inside_intervals(opt, model, out, rank)
     clip = clip_each_step(model, CLIP) if mode == "groups" else None
     recorded = dict(features=10, classes=4, on_gradient=clip, on_step=on_step)
     if resumed:
@@ -82,6 +88,7 @@ def worker(out, mode):
     train_recorded(opt, model, out, STEPS, record_hypers=mode == "one_cycle", **recorded)
     if mode == "one_cycle":
         check_moved()
+    if mode in ("one_cycle", "edits"):
         return
     # The last step (s = 18, interval 4) is local: the shards hold the sync
     # of s = 16 and each rank its own state since, which its state_dict()
@@ -100,6 +107,29 @@ def worker(out, mode):
                 "schedule": schedule.state_dict() if mode == "groups" else None},
                f"{out}/saved-{rank}.pt")
     train_recorded(opt, model, out, STEPS + MORE, first=STEPS, name="after", **recorded)
+
+
+def edits_inside_intervals(opt, model, out, rank):
+    """train_recorded's on_step: after each step inside a local interval
+    every rank swaps other weights in and back (an EMA helper's evaluation:
+    the same bits), and after every other one rank 1 alone scales its
+    parameters by 0.9 (its own x_i: x-<step>-1.npy for the simulator)."""
+    import numpy as np
+
+    def on_step(step):
+        if opt._session.exchanged_step == opt.step_index:
+            return  # at a sync: not inside an interval
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in model.parameters()]
+            for p in model.parameters():
+                p.zero_()
+            for p, k in zip(model.parameters(), kept):
+                p.copy_(k)
+            if rank == 1 and step % 2 == 0:
+                for p in model.parameters():
+                    p.mul_(0.9)
+                np.save(f"{out}/x-{step + 1}-{rank}.npy", opt._flat.cpu().numpy())
+    return on_step
 
 
 def go_on_resumed(opt, model, schedule, out, rank, recorded):
@@ -150,7 +180,7 @@ if __name__ == "__main__":
     if "--worker" in sys.argv:
         worker(sys.argv[-2], sys.argv[-1])
         sys.exit(0)
-    for mode in ("plain", "groups", "one_cycle"):
+    for mode in ("plain", "groups", "one_cycle", "edits"):
         out = tempfile.mkdtemp(prefix="morse-zero-one-")
         code, log = morse_run(__file__, RANKS, 2, out, mode)
         print(log)
@@ -164,13 +194,19 @@ if __name__ == "__main__":
             clip_in_job(out, CLIP)
         if mode == "one_cycle":  # what the pushes carried: each group's lr, wd, betas, eps
             check_one_cycle_hypers(out, STEPS)
-        if mode != "one_cycle":
+        if mode in ("plain", "groups"):
             check_resumed(out, mode)
+        if mode == "edits":
+            changed = len(glob.glob(f"{out}/x-*-1.npy"))
+            check(changed >= 3, f"rank 1 changed its own parameters inside intervals {changed} times")
         together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
         apart = STEPS - together
         check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
         check(together >= 8, f"only {together} steps where the ranks agreed")
         print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's "
               f"({mode}); {apart} local steps apart, {together} steps equal")
+        if mode == "edits":
+            print("PASS: weights swapped and restored on every rank inside local intervals, and "
+                  "changed by rank 1 alone there (its own x_i), each rank the simulator's bits")
 
     print("PASS: under OneCycleLR each group's lr, betas and eps followed step by step")

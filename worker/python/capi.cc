@@ -1042,6 +1042,15 @@ int morse_simulator_replace_x(morse_simulator* sim, const float* x,
   });
 }
 
+int morse_simulator_replace_worker_x(morse_simulator* sim, uint32_t rank,
+                                     const float* x, uint64_t dim) {
+  return Guard([&]() -> absl::Status {
+    if (absl::Status st = NotNull(sim, "the simulator"); !st.ok()) return st;
+    if (absl::Status st = NotNull(x, "x"); !st.ok()) return st;
+    return sim->simulator->ReplaceWorkerX(rank, absl::MakeConstSpan(x, dim));
+  });
+}
+
 // ---------------------------------------------------------------- pipeline
 
 int morse_link_listen(const char* address, const char* security,

@@ -313,6 +313,10 @@ int morse_simulator_x(morse_simulator* sim, float* x, uint64_t dim);
    the rest of the state kept (Simulator::ReplaceX). */
 int morse_simulator_replace_x(morse_simulator* sim, const float* x,
                               uint64_t dim);
+/* Inside a zero_one_adam local interval: worker `rank`'s own x becomes x
+   (Simulator::ReplaceWorkerX). */
+int morse_simulator_replace_worker_x(morse_simulator* sim, uint32_t rank,
+                                     const float* x, uint64_t dim);
 
 /* Pipeline stages (worker/stage_link.h, compress/boundary.h). */
 

@@ -112,6 +112,7 @@ def _load():
         "morse_simulator_checksum": ([P, ctypes.POINTER(U64)], I),
         "morse_simulator_x": ([P, FP, U64], I),
         "morse_simulator_replace_x": ([P, P, U64], I),
+        "morse_simulator_replace_worker_x": ([P, U32, P, U64], I),
         "morse_simulator_worker_checksum": ([P, ctypes.c_uint32, ctypes.POINTER(U64)], I),
         "morse_link_listen": ([S, S, ctypes.POINTER(P)], I),
         "morse_link_connect": ([S, S, ctypes.c_double, ctypes.POINTER(P)], I),
@@ -660,6 +661,12 @@ class Simulator:
     def replace_x(self, x):
         """Weights changed between steps: every replica's x becomes `x`."""
         _check(_lib.morse_simulator_replace_x(self._handle, _float32_array(x, "x"), x.size))
+
+    def replace_worker_x(self, rank, x):
+        """Inside a zero_one_adam local interval: worker `rank`'s own x
+        becomes `x`."""
+        _check(_lib.morse_simulator_replace_worker_x(self._handle, rank,
+                                                     _float32_array(x, "x"), x.size))
 
 
 class Link:

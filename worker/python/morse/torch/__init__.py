@@ -1378,6 +1378,14 @@ class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
                     torch.cuda.current_stream(self._device).synchronize()
                 self._session.reload_model()
             self._x_versions = [p._version for p in self._params]
+        elif changed and self._session.exchanged_step != self._session.step_index:
+            # Inside a ZeroOneAdam local interval each rank's parameters are
+            # its own (design.md 2.7): a change is this rank's, its local
+            # steps go on from it, and the interval's sync gives every rank
+            # x from the anchor, which the shards hold, as always. Nothing
+            # to give them (a swap and restore of the same bits, as EMA
+            # helpers make for an evaluation, changes nothing).
+            self._x_versions = [p._version for p in self._params]
         elif changed:
             # Changed after a step (a clamp_, a max_norm embedding's renorm,
             # load_state_dict(best)), as DDP allows: the changed weights
