@@ -46,10 +46,9 @@ twice). The callback also
 - turns Trainer's clipping off when the optimizer clips by its own
   clip_grad_norm (which must then equal max_grad_norm), so that the step
   is not clipped twice;
-- warns where Trainer's save_steps would put checkpoints between two of
-  ZeroOneAdam's syncs (past var_freeze_step), which cannot be resumed;
 - saves every rank's optimizer state beside each checkpoint
-  (checkpoint-N/morse-rank-R.pt: its worker error buffer is its own), and on
+  (checkpoint-N/morse-rank-R.pt: its worker error buffer is its own, and
+  between two of ZeroOneAdam's syncs its parameters too), and on
   resume loads this rank's own where Trainer loads rank 0's optimizer.pt
   on every rank, so a resumed run is bit-identical to an uninterrupted one.
 
