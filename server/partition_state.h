@@ -117,9 +117,12 @@ struct ShardCore::PartitionState {
   std::deque<Answered> history ABSL_GUARDED_BY(mu);
   // Restored by RestorePartition and not stepped since: may be restored again.
   bool restored ABSL_GUARDED_BY(mu) = false;
-  // The step whose pushes must carry the hash of x: x was replaced before
-  // it (ShardCore::ReplaceX); -1 for none.
+  // The step whose pushes must carry the hash of x: x was replaced after
+  // step x_replaced_after (ShardCore::ReplaceX), and this is the first
+  // step that exchanges since (zero_one_adam's local steps do not); -1 for
+  // none.
   int64_t x_replaced_step ABSL_GUARDED_BY(mu) = -1;
+  int64_t x_replaced_after ABSL_GUARDED_BY(mu) = -2;
   uint64_t x_replaced_hash ABSL_GUARDED_BY(mu) = 0;  // compress::XHash of it
 
   // Forgets the pending step's pushes (completed, expired or aborted).

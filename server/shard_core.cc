@@ -208,26 +208,28 @@ absl::Status ShardCore::CheckPushArgs(const PushArgs& args) const {
 
 namespace {
 
-// A push of the step after rank 0 replaced x (ShardCore::ReplaceX) shows
-// the hash of that x, `hash` (PushArgs::x_hash): OK, or FAILED_PRECONDITION
-// saying how it differs. `left_out`: the step completed without the rank.
-absl::Status ShowsReplacedX(const PushArgs& args, uint64_t hash,
+// A push of the first step that exchanges after rank 0 replaced x
+// (ShardCore::ReplaceX) shows the hash of that x (PushArgs::x_hash): OK, or
+// FAILED_PRECONDITION saying how it differs. `left_out`: the step completed
+// without the rank.
+// `after`: the step rank 0 changed them after.
+absl::Status ShowsReplacedX(const PushArgs& args, uint64_t hash, int64_t after,
                             bool left_out) {
   const std::string which = left_out ? " (a step completed without it)" : "";
   if (!args.x_hash.has_value()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank 0 changed the weights after step ", args.step - 1, " and rank ",
+        "rank 0 changed the weights after step ", after, " and rank ",
         args.rank, " did not (its push of partition ", args.partition,
         " at step ", args.step, which,
         " was computed from the old ones): change the weights the same way "
         "on every rank"));
   }
   if (*args.x_hash != hash) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", args.rank, "'s parameters in partition ", args.partition,
-        " at step ", args.step, which,
-        " are not the ones rank 0 changed them to after step ", args.step - 1,
-        ": change the weights the same way on every rank"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", args.rank, "'s parameters in partition ",
+                     args.partition, " at step ", args.step, which,
+                     " are not the ones rank 0 changed them to after step ",
+                     after, ": change the weights the same way on every rank"));
   }
   return absl::OkStatus();
 }
@@ -298,7 +300,8 @@ absl::StatusOr<std::shared_ptr<const Reply>> ShardCore::KeptReply(
 absl::Status ShardCore::CheckLeftOutX(const PartitionState& p,
                                       const PushArgs& args) const {
   if (args.step != p.x_replaced_step) return absl::OkStatus();
-  return ShowsReplacedX(args, p.x_replaced_hash, /*left_out=*/true);
+  return ShowsReplacedX(args, p.x_replaced_hash, p.x_replaced_after,
+                        /*left_out=*/true);
 }
 
 absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
@@ -395,13 +398,14 @@ absl::Status ShardCore::CheckCurrentPush(const PartitionState& p,
         " by a max_norm of its own, but the job clips by clip_grad_norm ",
         job_.algorithm.clip_grad_norm));
   }
-  // At the step after rank 0 replaced x (ReplaceX) every push must show
-  // the model it was computed from.
+  // At the first step that exchanges after rank 0 replaced x (ReplaceX)
+  // every push must show the model it was computed from (zero_one_adam's
+  // sync: the interval's anchor).
   const bool replaced =
-      p.x_replaced_step == args.step && p.next_step == args.step;
+      p.x_replaced_step == args.step && NextExchange(p) == args.step;
   if (replaced) {
-    if (absl::Status s =
-            ShowsReplacedX(args, p.x_replaced_hash, /*left_out=*/false);
+    if (absl::Status s = ShowsReplacedX(args, p.x_replaced_hash,
+                                        p.x_replaced_after, /*left_out=*/false);
         !s.ok()) {
       return s;
     }
@@ -1529,6 +1533,7 @@ absl::Status ShardCore::RestorePartition(uint32_t rank, uint32_t partition,
     p.next_step = state.completed_steps;
     p.restored = true;
     p.x_replaced_step = -1;
+    p.x_replaced_after = -2;
     p.mirror_pending = false;
     p.mirror_moments_applied = false;
     p.awaiting_commit = false;
@@ -1602,7 +1607,7 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
     ApplyMirror(p);
     float* mirror = mirror_.x().data() + offset;
     const bool same = std::memcmp(mirror, x.data(), n * sizeof(float)) == 0;
-    if (p.x_replaced_step == step && same) {
+    if (p.x_replaced_after == step - 1 && same) {
       return absl::OkStatus();  // again (rank 0 restarted and replaying)
     }
     if (step > p.next_step && NextExchange(p) == p.next_step) {
@@ -1614,12 +1619,18 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
           ", and the steps between cannot be replayed before the weights "
           "change; restart the job from its checkpoints"));
     }
-    if (step != p.next_step || step != NextExchange(p)) {
+    // Right after a step that exchanged: before the next one, or before a
+    // zero_one_adam interval, whose anchor x becomes.
+    const bool between =
+        step == NextExchange(p) ||
+        (step > 0 &&
+         compress::NextExchange(job_.algorithm, step - 1) == step - 1);
+    if (step != p.next_step || !between) {
       return absl::FailedPreconditionError(absl::StrCat(
           "partition ", partition, " has completed ", p.next_step,
           " steps and pushes step ", NextExchange(p),
-          " next; weights change between two steps, the second one "
-          "exchanging (rank 0 asked before step ",
+          " next; weights change right after a step that exchanged (rank 0 "
+          "asked before step ",
           step, ")"));
     }
     // A partition the change left as it was may have pushes of the step
@@ -1634,7 +1645,8 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
           "way on every rank, before its step()"));
     }
     std::copy(x.begin(), x.end(), mirror);
-    p.x_replaced_step = step;
+    p.x_replaced_step = NextExchange(p);
+    p.x_replaced_after = step - 1;
     p.x_replaced_hash = compress::XHash(x);
     MutexLock progress(&progress_mu_);
     if (replaced_step_ != step) {

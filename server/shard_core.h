@@ -330,6 +330,9 @@ class ShardCore {
   // its state (m, v, error buffers, kept replies) is kept. The pushes of
   // `step` must then carry the hash of this x (PushRequest.x_hash), so a
   // rank that did not change its weights the same way fails that step.
+  // Where `step` begins a zero_one_adam interval (the step before it
+  // exchanged, it does not) x is the interval's anchor, and the pushes of
+  // its sync carry the hash.
   // The same x again is OK and changes nothing (rank 0 restarted and
   // replaying). In an elastic job the same, rank 0 giving x as long as it
   // is in the job; a rank left out of `step` shows x's hash with its late

@@ -354,7 +354,8 @@ void Session::StartExchange() {
                  previous_clip_pieces_, previous_commit_,
                  workers_clip_ && clips_average_,
                  step == 0 || step == x_hash_step_
-                     ? absl::Span<const float>(replica_.x())
+                     ? (shown_x_.empty() ? absl::Span<const float>(replica_.x())
+                                         : absl::MakeConstSpan(shown_x_))
                      : absl::Span<const float>(),
                  previous_amended_},
       /*parallel_encode=*/true);
@@ -832,6 +833,7 @@ absl::Status Session::Finish(StepTraffic* traffic) {
                              absl::StrCat("step ", step_, ": ", s.message())));
   }
   if (trace_step_start_ >= 0) trace::Complete("step", trace_step_start_, step_);
+  if (step_ == x_hash_step_) shown_x_ = std::vector<float>();
   ++step_;
   return absl::OkStatus();
 }
@@ -1138,14 +1140,17 @@ absl::Status Session::ShardsAtSync(absl::Span<float> m,
 
 absl::Status Session::ReloadModel() {
   if (InStep()) return absl::FailedPreconditionError("a step is in progress");
-  if (step_ > 0 && !compress::PlanStep(job_.algorithm, step_).exchanges) {
+  // Between a step that exchanged and a local one (zero_one_adam's interval
+  // begins) x becomes the interval's anchor: the job's, as before a step
+  // that exchanges, the pushes of the interval's sync showing it.
+  if (step_ > 0 && !compress::PlanStep(job_.algorithm, step_).exchanges &&
+      !compress::PlanStep(job_.algorithm, step_ - 1).exchanges) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step_,
-        " is a local step of zero_one_adam (design.md 2.7): the shards hold "
-        "the last sync's model, so weights change only before a step that "
-        "exchanges (in the variance and 1-bit phases, every step), or "
-        "after a local step, where they are each rank's own until the "
-        "interval's sync"));
+        " continues a local interval of zero_one_adam (design.md 2.7): the "
+        "shards hold the interval's anchor, so weights become the job's "
+        "only between a step that exchanged and the next one; inside an "
+        "interval they are each rank's own until its sync"));
   }
   auto held = client_->CompletedSteps();
   if (held.ok() ? *held < step_ : Retryable(held.status())) {
@@ -1162,7 +1167,7 @@ absl::Status Session::ReloadModel() {
     // elastic job it may have been left out of this step (a straggler, or
     // back from a restart): no push of its own to compare with, so its
     // push shows x (ShardCore::CheckLeftOutX).
-    x_hash_step_ = step_;
+    ShowXAtNextExchange();
     return absl::OkStatus();
   }
   if (*held < step_) {
@@ -1194,6 +1199,17 @@ absl::Status Session::ReloadModel() {
   return AwaitShardsX();
 }
 
+void Session::ShowXAtNextExchange() {
+  x_hash_step_ = compress::NextExchange(job_.algorithm, step_);
+  // Before a zero_one_adam interval x moves by the local steps until the
+  // sync, whose pushes show the interval's anchor: x as it is now.
+  if (x_hash_step_ != step_) {
+    shown_x_.assign(replica_.x().begin(), replica_.x().end());
+  } else {
+    shown_x_.clear();
+  }
+}
+
 absl::Status Session::ReplaceModel() {
   if (rank_ == 0) {
     absl::Status s = client_->ReplaceX(step_, replica_.x());
@@ -1203,7 +1219,7 @@ absl::Status Session::ReplaceModel() {
                        step_ - 1, ")"));
     }
     if (!s.ok()) return Fail(s);
-    x_hash_step_ = step_;
+    ShowXAtNextExchange();
     return s;
   }
   return AwaitShardsX();
@@ -1236,7 +1252,7 @@ absl::Status Session::AwaitShardsX() {
           " waited for rank 0 to give them the same weights")));
     }
     if (shards.ok() && shards->completed_steps == step_ && shards->same) {
-      x_hash_step_ = step_;
+      ShowXAtNextExchange();
       return absl::OkStatus();
     }
     if (absl::Now() > deadline) {
@@ -1323,7 +1339,7 @@ absl::StatusOr<bool> Session::HoldsShardsModel() {
   // The shards may hold this x because rank 0 has just given it to them
   // (ReloadModel: the same change on every rank): the pushes of this step
   // must then show it (PushRequest.x_hash), as a changing rank's do.
-  if (holds) x_hash_step_ = step_;
+  if (holds) ShowXAtNextExchange();
   return holds;
 }
 

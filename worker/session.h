@@ -274,13 +274,16 @@ class Session {
   // rank waits, up to the connect timeout, until the shards hold the same
   // x as its own. Its pushes of the next step then carry x's hash
   // (PushRequest.x_hash), so a rank that changed nothing while rank 0 did,
-  // or the reverse, fails that step with FAILED_PRECONDITION. A rank
+  // or the reverse, fails that step with FAILED_PRECONDITION. Right after
+  // a step that exchanged and before a local one (a zero_one_adam interval
+  // begins) the same: x becomes the interval's anchor, and the pushes of
+  // the interval's sync carry its hash. A rank
   // behind the shards (restarted, replaying) changes nothing there: the
   // hashes of its replayed pushes check its model (design.md 4).
   // In an elastic job the same, rank 0 giving the shards x as long as it
   // is in the job (a rank waits for it up to the connect timeout).
   // FAILED_PRECONDITION, nothing changed, in a step, or where the shards
-  // are at an earlier step (zero_one_adam's local interval).
+  // are at an earlier step (inside zero_one_adam's local interval).
   absl::Status ReloadModel();
   // Whether the shards hold this worker's x (after SyncHost) at the step it
   // is at, between steps: morse.torch asks when parameters were written
@@ -353,6 +356,10 @@ class Session {
   absl::Status CatchUpShards();
   // ReloadModel after the first step, the host's x current.
   absl::Status ReplaceModel();
+  // The shards hold this worker's x at its step (weights changed): the
+  // pushes of the next step that exchanges show it (x_hash_step_,
+  // shown_x_).
+  void ShowXAtNextExchange();
   // ReloadModel on a rank but 0: waits, up to the connect timeout, until
   // the shards hold this worker's x at its step (rank 0 gives it them);
   // the step's pushes then carry x's hash. Stops the job otherwise.
@@ -380,8 +387,11 @@ class Session {
   std::unique_ptr<compress::ComputePool> pool_;
   int64_t step_ = 0;
   // The step whose pushes carry x's hash (PushRequest.x_hash): 0, or the
-  // step after weights were changed (ReloadModel).
+  // first step that exchanges after weights were changed (ReloadModel).
   int64_t x_hash_step_ = 0;
+  // The x those pushes show where it is not x then: the weights changed
+  // before a zero_one_adam interval, its anchor (empty otherwise).
+  std::vector<float> shown_x_;
   // The step in flight (between Begin and Finish).
   compress::StepPlan plan_;
   std::vector<compress::StepHyper> hyper_;  // see SetStepHyper

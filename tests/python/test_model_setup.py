@@ -16,8 +16,9 @@ weight_decay train apart: one with lr 0 stays bit for bit as loaded while
 the other trains with its own betas and eps (beta1 changed every step),
 through OneBitAdam's warmup and compression, and the shard's mirror equals
 every rank's model after every step. ZeroOneAdam
-takes a change before a step that syncs and refuses one before a local
-step. Where a GPU is, the first case and a change after a step run on
+takes a change before a step that syncs and right after one before a
+local interval (the interval's anchor: its sync shows it, and stops the job
+where one rank alone changed). Where a GPU is, the first case and a change after a step run on
 CUDA tensors too (skipped without one, saying so). `test_model_setup.py
 surfaces` leaves out the jobs where one rank alone loads or changes its
 weights (its torch2_ twin)."""
@@ -57,8 +58,8 @@ def worker(out, mode):
     if mode == "groups_built_apart":  # groups_apart's values, the groups apart when built
         params[1].update(lr=0.02)
     # groups_own: 32-element blocks pad the first group's 112 elements to 128.
-    if mode == "late_zero_one":
-        # Steps 0-1 update v, 2 and 3 sync, 4 is local (design.md 2.7).
+    if mode.startswith("late_zero_one"):
+        # Steps 0-1 update v, 2 and 3 sync, 4-6 are local, 7 syncs (design.md 2.7).
         opt = morse.torch.ZeroOneAdam(params, lr=0.01, var_freeze_step=2, var_update_scaler=1,
                                       local_step_scaler=1, local_step_clipper=4, block_elems=16,
                                       partition_elems=32)
@@ -81,7 +82,7 @@ def worker(out, mode):
     error = ""
     checksums = []
     try:
-        for step in range(6):
+        for step in range(8 if mode.startswith("late_zero_one") else 6):
             if mode == "groups_built_apart":
                 opt.param_groups[1]["lr"] = 0.01 if step <= 2 else 0.02
             if mode == "groups_own":  # its beta1 changed every step (OneCycleLR's way)
@@ -102,8 +103,10 @@ def worker(out, mode):
                 with torch.no_grad():
                     model(torch.ones(1, 6).to(model[0].weight.device))
                 model.load_state_dict(kept)
-            if mode == "late_zero_one" and step in (1, 3):
-                # Before step 2 (a sync): the job's; before step 4 (local): refused.
+            if (mode == "late_zero_one" and step in (1, 3)
+                    or mode == "late_zero_one_rank0_only" and step == 3 and rank == 0):
+                # Before step 2 (a sync): the job's; before step 4 (local):
+                # the job's too, the anchor of the interval that step 7 syncs.
                 with torch.no_grad():
                     for p in model.parameters():
                         p.mul_(0.5)
@@ -227,13 +230,24 @@ if __name__ == "__main__":
           "become the job's: the "
           "shard's mirror equals every rank's model after all 6 steps")
     code, zero_one, mirror = run_logged("late_zero_one")
+    check(code == 0 and zero_one[0]["bits"] == zero_one[1]["bits"],
+          f"ZeroOneAdam: weights changed before a sync and before a local interval: "
+          f"{zero_one[0]['error']} {zero_one[1]['error']}")
     for r in range(2):
-        check("step 4 is a local step of zero_one_adam" in zero_one[r]["error"]
-              and zero_one[r]["checksums"] == mirror and len(mirror) == 4,
-              f"rank {r}: weights changed before a local step: {zero_one[r]['error']!r} after "
-              f"{zero_one[r]['checksums']} (the shard's {mirror})")
-    print("ok: ZeroOneAdam: weights changed before a sync step become the job's, before a local "
-          "step they are refused, saying why")
+        exchanged = [zero_one[r]["checksums"][s] for s in (0, 1, 2, 3, 7)]
+        check(not zero_one[r]["error"] and exchanged == mirror,
+              f"rank {r}: after the steps that exchanged {exchanged}, the shard's {mirror}")
+    print("ok: ZeroOneAdam: weights changed before a sync step, and right after a sync before "
+          "a local interval (its anchor), become the job's: the shard's mirror equals every "
+          "rank's model after each step that exchanged, the interval's sync of step 7 included")
+    if not surfaces:
+        code, ranks, _ = run_logged("late_zero_one_rank0_only", config)
+        errors = [got["error"] for got in ranks]
+        check(all(errors) and any("after step 3" in e and "same way on every rank" in e
+                                  for e in errors),
+              f"ZeroOneAdam, rank 0 alone changed its weights before an interval: {errors}")
+        print("ok: ZeroOneAdam: rank 0 alone changed its weights before a local interval: the "
+              "job stopped at the interval's sync (step 7), saying to change them on every rank")
     for mode in () if surfaces else ("late_rank0_only", "late_rank1_only"):
         code, ranks, _ = run_logged(mode, config)
         errors = [got["error"] for got in ranks]

@@ -23,7 +23,8 @@ rank's state on another rank, and one saved without its interval (by an
 earlier version), are refused. And weights changed inside local
 intervals (`edits`): swapped out and back on every rank (an EMA helper's
 evaluation), and scaled by rank 1 alone, its own x_i: every rank the
-simulator's bits, fed rank 1's changes."""
+simulator's bits, fed rank 1's changes; and changed on every rank right
+after a sync, before a local interval (its anchor, the job's)."""
 import glob
 import json
 import os
@@ -113,12 +114,28 @@ def edits_inside_intervals(opt, model, out, rank):
     """train_recorded's on_step: after each step inside a local interval
     every rank swaps other weights in and back (an EMA helper's evaluation:
     the same bits), and after every other one rank 1 alone scales its
-    parameters by 0.9 (its own x_i: x-<step>-1.npy for the simulator)."""
+    parameters by 0.9 (its own x_i: x-<step>-1.npy for the simulator);
+    right after some steps that exchanged (a sync, most before a local
+    step) every rank scales them by 0.95 (the job's: x-<step>.npy)."""
     import numpy as np
 
     def on_step(step):
+        if rank == 0 and os.path.exists(f"{out}/x-{step}.npy"):
+            # Whether the step after the job's change was local (the change
+            # an interval's anchor) or exchanged.
+            local = opt._session.exchanged_step != opt.step_index
+            open(f"{out}/{'local' if local else 'exchanged'}-after-{step}", "w").close()
         if opt._session.exchanged_step == opt.step_index:
-            return  # at a sync: not inside an interval
+            # Right after a step that exchanged, past the freeze: every
+            # rank scales its parameters alike, the next interval's
+            # anchor, the job's (x-<step>.npy).
+            if step >= SCHEDULE["var_freeze_step"]:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.95)
+                if rank == 0:
+                    np.save(f"{out}/x-{step + 1}.npy", opt._flat.cpu().numpy())
+            return
         with torch.no_grad():
             kept = [p.detach().clone() for p in model.parameters()]
             for p in model.parameters():
@@ -199,6 +216,8 @@ if __name__ == "__main__":
         if mode == "edits":
             changed = len(glob.glob(f"{out}/x-*-1.npy"))
             check(changed >= 3, f"rank 1 changed its own parameters inside intervals {changed} times")
+            anchors = len(glob.glob(f"{out}/local-after-*"))
+            check(anchors >= 2, f"the job's weights changed before a local interval {anchors} times")
         together = check_ranks_match_simulator(out, RANKS, STEPS, ranks_may_differ=True)
         apart = STEPS - together
         check(apart >= 4, f"only {apart} steps where the ranks stepped on their own")
@@ -206,7 +225,9 @@ if __name__ == "__main__":
         print(f"PASS: {STEPS} steps, {RANKS} ranks each bit-identical to the simulator's "
               f"({mode}); {apart} local steps apart, {together} steps equal")
         if mode == "edits":
-            print("PASS: weights swapped and restored on every rank inside local intervals, and "
-                  "changed by rank 1 alone there (its own x_i), each rank the simulator's bits")
+            print("PASS: weights swapped and restored on every rank inside local intervals, "
+                  "changed by rank 1 alone there (its own x_i), and on every rank right after "
+                  f"a sync ({anchors} times before a local interval: its anchor), each rank the "
+                  "simulator's bits")
 
     print("PASS: under OneCycleLR each group's lr, betas and eps followed step by step")

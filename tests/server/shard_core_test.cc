@@ -1739,6 +1739,88 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
   EXPECT_EQ(push(args(7, 1, first, sign1)), absl::OkStatus());
 }
 
+// zero_one_adam: weights changed right after a step that exchanged and
+// before a local interval (ReplaceX, design.md 2.7) are the interval's
+// anchor: the shard's x, which the pushes of the interval's sync must show
+// (without the hash, or with the old x's, refused). Inside the interval the
+// shard refuses a change (each rank's own there), changing nothing.
+TEST(ZeroOneShardTest, WeightsChangedBeforeAnIntervalAreShownAtItsSync) {
+  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+    workers: 2
+    shards: 1
+    synthetic { dim: 200 }
+    lr { lr: 0.01 }
+    steps: 20
+    block_elems: 16
+    partition_elems: 64
+    optimizer: "zero_one_adam"
+    zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
+  )",
+                                                    proto::ConfigFormat::kText);
+  // Variance steps 0 and 1; syncs at 2 and 3, local steps 4..6, a sync at 7.
+  std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
+  const uint64_t fingerprint = core->layout().fingerprint();
+  ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));
+  const auto push = [&](PushArgs a) {
+    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
+    core->Push(std::move(a),
+               [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+                 *status = r.status();
+               });
+    return *status;
+  };
+  const auto args = [&](int64_t step, uint32_t rank,
+                        const compress::Partition& p) {
+    return EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up,
+                       step, rank, p);
+  };
+  for (int64_t step = 0; step < 4; ++step) {
+    for (const auto& p : core->layout().partitions()) {
+      for (uint32_t rank = 0; rank < 2; ++rank)
+        ASSERT_EQ(push(args(step, rank, p)).ok(), rank == 1) << step;
+    }
+  }
+  const compress::Partition& first = core->layout().partitions()[0];
+  const PartitionSnapshot before = *core->FetchPartition(first.id, fingerprint);
+  ASSERT_EQ(before.completed_steps, 4);
+  std::vector<float> changed = before.x;
+  for (float& f : changed) f *= 0.5f;
+  ASSERT_NE(changed, before.x);
+
+  const absl::Status inside =
+      core->ReplaceX(0, first.id, fingerprint, 5, changed);
+  EXPECT_EQ(inside.code(), absl::StatusCode::kFailedPrecondition) << inside;
+  EXPECT_EQ(core->FetchPartition(first.id, fingerprint)->x, before.x);
+
+  ASSERT_TRUE(core->ReplaceX(0, first.id, fingerprint, 4, changed).ok());
+  EXPECT_TRUE(core->ReplaceX(0, first.id, fingerprint, 4, changed).ok())
+      << "the same x again (rank 0 replaying)";
+  const PartitionSnapshot after = *core->FetchPartition(first.id, fingerprint);
+  EXPECT_EQ(after.completed_steps, 4);
+  EXPECT_EQ(after.x, changed);
+  EXPECT_EQ(after.m, before.m);
+
+  // The sync of step 7.
+  const absl::Status unchanged = push(args(7, 1, first));
+  EXPECT_EQ(unchanged.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(unchanged.message().find("after step 3 and rank 1 did not"),
+            std::string::npos)
+      << unchanged;
+  PushArgs old = args(7, 1, first);
+  old.x_hash = compress::XHash(before.x);
+  const absl::Status differs = push(std::move(old));
+  EXPECT_EQ(differs.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(differs.message().find("same way on every rank"), std::string::npos)
+      << differs;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    PushArgs shown = args(7, rank, first);
+    shown.x_hash = compress::XHash(changed);
+    const absl::Status s = push(std::move(shown));
+    EXPECT_EQ(s.ok(), rank == 1) << s;
+  }
+  EXPECT_EQ(core->FetchPartition(first.id, fingerprint)->completed_steps, 8);
+}
+
 // The onebit_lamb shard of the LambShardTests (2 workers, 1 shard, layers
 // of 90 elements across 64-element partitions), `extra` JobConfig fields
 // added, its partitions initialized with VariedData, and `worker`'s replica

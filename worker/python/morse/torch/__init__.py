@@ -1389,7 +1389,8 @@ class _MorseOptimizer(_StateDict, torch.optim.Optimizer):
         elif changed:
             # Changed after a step (a clamp_, a max_norm embedding's renorm,
             # load_state_dict(best)), as DDP allows: the changed weights
-            # become the job's, the optimizer's state going on. Rank 0
+            # become the job's (before a ZeroOneAdam local interval, its
+            # anchor), the optimizer's state going on. Rank 0
             # gives the shards its x; the others wait until they hold the
             # same; the next pushes carry each partition's hash, so a rank
             # that changed its weights otherwise stops the job, saying so.
