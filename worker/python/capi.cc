@@ -637,21 +637,33 @@ int morse_session_get_state(morse_session* s, int64_t* step, float* m, float* v,
   });
 }
 
+// Session::Restore from the C ABI's arrays of s->dim floats (m, v and
+// error required, server_error optional) and the rank's own state or its
+// local interval (each optional), after the session's check.
+static absl::Status RestoreFrom(
+    morse_session* s, int64_t step, const float* m, const float* v,
+    const float* error, const float* server_error,
+    const morse::worker::Session::OwnState* own = nullptr,
+    const morse::worker::Session::IntervalState* interval = nullptr) {
+  for (const void* p :
+       {static_cast<const void*>(m), static_cast<const void*>(v),
+        static_cast<const void*>(error)}) {
+    if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
+  }
+  return s->session->Restore(
+      step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
+      absl::MakeConstSpan(error, s->dim),
+      server_error == nullptr ? absl::Span<const float>()
+                              : absl::MakeConstSpan(server_error, s->dim),
+      own, interval);
+}
+
 int morse_session_set_state(morse_session* s, int64_t step, const float* m,
                             const float* v, const float* error,
                             const float* server_error) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    for (const void* p :
-         {static_cast<const void*>(m), static_cast<const void*>(v),
-          static_cast<const void*>(error)}) {
-      if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
-    }
-    return s->session->Restore(
-        step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
-        absl::MakeConstSpan(error, s->dim),
-        server_error == nullptr ? absl::Span<const float>()
-                                : absl::MakeConstSpan(server_error, s->dim));
+    return RestoreFrom(s, step, m, v, error, server_error);
   });
 }
 
@@ -785,11 +797,6 @@ int morse_session_set_interval(morse_session* s, int64_t step, const float* m,
                                int64_t last_local_step) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    for (const void* p :
-         {static_cast<const void*>(m), static_cast<const void*>(v),
-          static_cast<const void*>(error)}) {
-      if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
-    }
     morse::worker::Session::IntervalState interval;
     if (absl::Status st = ReadArrays(s, s->interval_arrays, arrays, count,
                                      "interval", &interval.arrays);
@@ -798,12 +805,7 @@ int morse_session_set_interval(morse_session* s, int64_t step, const float* m,
     interval.last_local_step = last_local_step;
     if (shards_m != nullptr)
       interval.shards_m.assign(shards_m, shards_m + s->dim);
-    return s->session->Restore(
-        step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
-        absl::MakeConstSpan(error, s->dim),
-        server_error == nullptr ? absl::Span<const float>()
-                                : absl::MakeConstSpan(server_error, s->dim),
-        nullptr, &interval);
+    return RestoreFrom(s, step, m, v, error, server_error, nullptr, &interval);
   });
 }
 
@@ -846,11 +848,6 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
                                 const double* commit, uint64_t commit_values) {
   return Guard([&]() -> absl::Status {
     if (absl::Status st = CheckSession(s); !st.ok()) return st;
-    for (const void* p :
-         {static_cast<const void*>(m), static_cast<const void*>(v),
-          static_cast<const void*>(error)}) {
-      if (absl::Status st = NotNull(p, "a state array"); !st.ok()) return st;
-    }
     if (commit_values > 0) {
       if (absl::Status st = NotNull(commit, "commit"); !st.ok()) return st;
     }
@@ -860,12 +857,7 @@ int morse_session_set_own_state(morse_session* s, int64_t step, const float* m,
         !st.ok())
       return st;
     if (commit_values > 0) own.commit.assign(commit, commit + commit_values);
-    return s->session->Restore(
-        step, absl::MakeConstSpan(m, s->dim), absl::MakeConstSpan(v, s->dim),
-        absl::MakeConstSpan(error, s->dim),
-        server_error == nullptr ? absl::Span<const float>()
-                                : absl::MakeConstSpan(server_error, s->dim),
-        &own);
+    return RestoreFrom(s, step, m, v, error, server_error, &own);
   });
 }
 
