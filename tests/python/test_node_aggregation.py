@@ -17,7 +17,9 @@ first cut): one Morse worker per node.
 3. Weights loaded after building the optimizer, before the first step,
    and weights changed after every step on every rank (a WGAN critic's
    clamp_): the job's, the leaders bit-identical to the simulator fed the
-   same changes and the shards' model theirs; changed on one rank of a
+   same changes and the shards' model theirs (ZeroOneAdam too: a clamp
+   right after a sync whose next step is local is the next interval's
+   anchor, one inside an interval the node's own x_i); changed on one rank of a
    node only: every rank of the node fails, saying to change them the
    same way on every rank (clamp_one; load_one before the first step).
 3b. clip_grad_norm_ on every rank (`clip`): DDP's norm; in the
@@ -236,9 +238,14 @@ def worker(out, mode):
         checksums.append(opt.checksum())
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
         params.append(flat.numpy().tobytes().hex()[:64] + f"{float(flat.double().sum()):.17g}")
-        if clamp_weights(model, variant, rank, step) and rank == 0:
-            numpy.save(f"{out}/x-{step + 1}.npy",
-                       torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy())
+        if clamp_weights(model, variant, rank, step) and local == 0:
+            # The job's weights (rank 0 saves them for the simulator), or
+            # inside a ZeroOneAdam local interval the node's own x_i.
+            inside = opt._session.exchanged_step != opt.step_index
+            if rank == 0 or inside:
+                numpy.save(f"{out}/x-{step + 1}{f'-{node}' if inside else ''}.npy",
+                           torch.cat([p.detach().reshape(-1)
+                                      for p in model.parameters()]).cpu().numpy())
     if local == 0:
         json.dump(checksums, open(f"{out}/checksums-{node}.json", "w"))
         # The shards' model is the leader's (their hashes of x).
@@ -557,7 +564,7 @@ if __name__ == "__main__":
     # on CUDA tensors), "cuda", "three" or "wrong".
     parts = {"optimizers": ["OneBitAdam", "Adam", "ZeroOneAdam", "OneBitLamb", "OneBitLamb:gloo",
                             "cuda", "three", "wrong", "interval_resume"],
-             "idioms": ["OneBitAdam:clamp", "OneBitAdam:clip", "OneBitAdam:edit", "Adam:load",
+             "idioms": ["OneBitAdam:clamp", "ZeroOneAdam:clamp", "OneBitAdam:clip", "OneBitAdam:edit", "Adam:load",
                         "Adam:scaled", "OneBitAdam:accum", "OneBitAdam:accum_learned"]}
     for mode in modes_of(parts):
         if mode == "cuda":

@@ -14,7 +14,8 @@
    element) gives the bits of the same run with the leader holding the
    state.
 2. Weights clamped after every step on every rank: the same, with the
-   simulator fed the changes; clamped on one rank only: every rank of the
+   simulator fed the changes (OneBitAdam, and ZeroOneAdam through its
+   syncs and local intervals); clamped on one rank only: every rank of the
    node fails, naming it. On a GPU host, OneBitAdam on CUDA tensors too,
    and 9's `learnleader`, `learnfull` and `addone` and 10 on
    them (skipped, saying so, without a GPU).
@@ -231,8 +232,14 @@ def worker(out, mode):
                                                                 "editfull", "anyfull", "ownfull",
                                                                 "learnfull") else
                       f.numpy().tobytes().hex()[:64] + f"{float(f.double().sum()):.17g}")
-        if clamp_weights(model, variant, rank, step) and node == 0:
-            numpy.save(f"{d}/x-{step + 1}.npy", opt._flat.cpu().numpy())
+        if clamp_weights(model, variant, rank, step):
+            # Slice `local`'s weights: the job's (node 0 saves them for its
+            # simulator), or inside a ZeroOneAdam local interval the node's
+            # own x_i.
+            inside = opt._session.exchanged_step != opt.step_index
+            if node == 0 or inside:
+                numpy.save(f"{d}/x-{step + 1}{f'-{node}' if inside else ''}.npy",
+                           opt._flat.cpu().numpy())
     if variant == "learnfull":
         recorder.__exit__(None, None, None)
         said = [str(w.message) for w in recorded if str(w.message).startswith("morse:")]
@@ -797,6 +804,8 @@ if __name__ == "__main__":
     for mode in modes_of(parts):
         if mode == "clamp":
             two_nodes("OneBitAdam", "clamp")
+            # Before, right after and inside ZeroOneAdam's local intervals.
+            two_nodes("ZeroOneAdam", "clamp")
         elif mode == "cuda":
             # CUDA tensors (the 4 ranks sharing this host's GPU; staged
             # through the host inside each node): where there is a GPU.
