@@ -1658,15 +1658,10 @@ TEST_F(ShardCoreTest, CheckpointsAreWrittenOnTheirOwnThread) {
   EXPECT_EQ(restored->MirrorChecksum(), core_->MirrorChecksum());
 }
 
-// Sizes: a shard whose state exceeds the memory limit is refused before
-// anything is allocated; an external job's first Join may not size a shard
-// above the operator's --max_model_elems.
-// zero_one_adam (docs/design.md 2.7): the shard takes pushes only at the
-// schedule's exchanges. A push of a local step, or with the codec of
-// another phase, is refused with FAILED_PRECONDITION and changes nothing;
-// one beyond the next sync is ABORTED naming the step the shard accepts.
-TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
-  const proto::JobSpec job = *proto::ParseJobConfig(R"(
+// The zero_one_adam job of the ZeroOneShardTests: 2 workers, 1 shard;
+// variance steps 0 and 1, syncs at 2 and 3, local steps 4..6, a sync at 7.
+proto::JobSpec ZeroOneShardJob() {
+  return *proto::ParseJobConfig(R"(
     workers: 2
     shards: 1
     synthetic { dim: 200 }
@@ -1677,8 +1672,26 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
     optimizer: "zero_one_adam"
     zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
   )",
-                                                    proto::ConfigFormat::kText);
-  // Variance steps 0 and 1; syncs at 2 and 3, then every 4th (s = 8, 12).
+                                proto::ConfigFormat::kText);
+}
+
+// `core`'s answer to push `args` as Push returns: "pending" (UNKNOWN) while
+// its step waits for other pushes.
+absl::Status PushedNow(ShardCore& core, PushArgs args) {
+  auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
+  core.Push(std::move(args),
+            [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
+              *status = r.status();
+            });
+  return *status;
+}
+
+// zero_one_adam (docs/design.md 2.7): the shard takes pushes only at the
+// schedule's exchanges. A push of a local step, or with the codec of
+// another phase, is refused with FAILED_PRECONDITION and changes nothing;
+// one beyond the next sync is ABORTED naming the step the shard accepts.
+TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
+  const proto::JobSpec job = ZeroOneShardJob();
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
   const uint64_t fingerprint = core->layout().fingerprint();
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));  // the only shard
@@ -1687,14 +1700,7 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
                         compress::CodecSpec codec) {
     return EncodedPush(fingerprint, codec, step, rank, p);
   };
-  const auto push = [&](PushArgs a) {
-    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
-    core->Push(std::move(a),
-               [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
-                 *status = r.status();
-               });
-    return *status;
-  };
+  const auto push = [&](PushArgs a) { return PushedNow(*core, std::move(a)); };
   const compress::CodecSpec fp32 = job.algorithm.warmup_codec,
                             sign1 = job.algorithm.up_codec;
   const compress::Partition& first = core->layout().partitions()[0];
@@ -1745,30 +1751,11 @@ TEST(ZeroOneShardTest, PushesOnlyAtExchangesAndOfTheirPhasesKind) {
 // (without the hash, or with the old x's, refused). Inside the interval the
 // shard refuses a change (each rank's own there), changing nothing.
 TEST(ZeroOneShardTest, WeightsChangedBeforeAnIntervalAreShownAtItsSync) {
-  const proto::JobSpec job = *proto::ParseJobConfig(R"(
-    workers: 2
-    shards: 1
-    synthetic { dim: 200 }
-    lr { lr: 0.01 }
-    steps: 20
-    block_elems: 16
-    partition_elems: 64
-    optimizer: "zero_one_adam"
-    zero_one_adam { var_freeze_step: 2 var_update_scaler: 1 local_step_scaler: 1 local_step_clipper: 4 }
-  )",
-                                                    proto::ConfigFormat::kText);
-  // Variance steps 0 and 1; syncs at 2 and 3, local steps 4..6, a sync at 7.
+  const proto::JobSpec job = ZeroOneShardJob();
   std::unique_ptr<ShardCore> core = *ShardCore::Create(job, 0);
   const uint64_t fingerprint = core->layout().fingerprint();
   ASSERT_NO_FATAL_FAILURE(InitializeAll(*core, 0));
-  const auto push = [&](PushArgs a) {
-    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
-    core->Push(std::move(a),
-               [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
-                 *status = r.status();
-               });
-    return *status;
-  };
+  const auto push = [&](PushArgs a) { return PushedNow(*core, std::move(a)); };
   const auto args = [&](int64_t step, uint32_t rank,
                         const compress::Partition& p) {
     return EncodedPush(fingerprint, compress::PlanStep(job.algorithm, step).up,
@@ -2125,12 +2112,7 @@ TEST(LambShardTest, TheMirrorMovesOnlyWithTheWorkersCommit) {
     PushArgs a = EncodedPush(
         fingerprint, compress::PlanStep(job.algorithm, step).up, step, rank, p);
     a.previous_commit = std::move(commit);
-    auto status = std::make_shared<absl::Status>(absl::UnknownError("pending"));
-    core->Push(std::move(a),
-               [status](absl::StatusOr<std::shared_ptr<const Reply>> r) {
-                 *status = r.status();
-               });
-    return *status;
+    return PushedNow(*core, std::move(a));
   };
   const auto parts = core->layout().partitions();
   // Step 0 completes on every partition; the worker applies the replies and
