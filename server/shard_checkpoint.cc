@@ -66,8 +66,13 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   // rank in it, and 1 for a rank the last reply left out, partition by
   // partition.
   std::string replies;
-  std::vector<int64_t> reply_meta, hashes, members, left_out;
+  std::vector<int64_t> reply_meta, hashes, members, left_out, replaced;
   for (const auto& p : partitions_) {
+    // Weights rank 0 changed (ReplaceX) whose pushes are still to show
+    // them: the step they must, the step the change followed, x's hash.
+    replaced.push_back(p->x_replaced_step);
+    replaced.push_back(p->x_replaced_after);
+    replaced.push_back(static_cast<int64_t>(p->x_replaced_hash));
     const bool has = p->last_reply != nullptr && step > 0;
     reply_meta.push_back(has ? static_cast<int64_t>(p->last_reply->codec) : -1);
     reply_meta.push_back(
@@ -85,6 +90,7 @@ absl::StatusOr<proto::CheckpointWriter> ShardCore::Snapshot() const {
   writer.AddInts("push_hashes", hashes);
   writer.AddInts("members", members);
   writer.AddInts("last_reply_absent", left_out);
+  writer.AddInts("x_replaced", replaced);
   return writer;
 }
 
@@ -150,6 +156,15 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     auto read = reader->Ints(name, cells);
     if (!read.ok()) return read.status();
     *into = *std::move(read);
+  }
+  // Each partition's replaced x to check (none in files before it).
+  std::vector<int64_t> replaced;
+  for (size_t i = 0; i < parts; ++i)
+    replaced.insert(replaced.end(), {-1, -2, 0});
+  if (reader->Has("x_replaced")) {
+    auto read = reader->Ints("x_replaced", 3 * parts);
+    if (!read.ok()) return read.status();
+    replaced = *std::move(read);
   }
   for (size_t i = 0; i < parts; ++i) {
     int64_t in = 0;
@@ -226,6 +241,9 @@ absl::Status ShardCore::RestoreCheckpoint(const std::string& path) {
     p->committed_amendment.clear();
     p->committed_amendment_hash.reset();
     p->whole_state = whole;
+    p->x_replaced_step = replaced[3 * i];
+    p->x_replaced_after = replaced[3 * i + 1];
+    p->x_replaced_hash = static_cast<uint64_t>(replaced[3 * i + 2]);
     p->last_reply = last[i];
     p->history.clear();
     p->live_count = 0;

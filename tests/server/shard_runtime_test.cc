@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "compress/bytes_hash.h"
 #include "compress/sync.h"
 #include "gtest/gtest.h"
 #include "proto/checkpoint_file.h"
@@ -140,7 +141,8 @@ TEST_F(ShardRuntimeTest, CheckpointsEveryKStepsAndAtShutdownAndResumes) {
 
 // Weights changed after a step (ShardCore::ReplaceX, design.md 4): once
 // every partition holds its new x, the checkpoint is on disk, before rank 0
-// hears back, so a restart never replays the steps before without it.
+// hears back, so a restart never replays the steps before without it; and
+// a shard restarted from it still requires the next pushes to show x.
 TEST_F(ShardRuntimeTest, WeightsChangedAfterAStepAreCheckpointedAtOnce) {
   auto runtime = MakeRuntime();
   auto core = MakeCore(*runtime);
@@ -166,6 +168,22 @@ TEST_F(ShardRuntimeTest, WeightsChangedAfterAStepAreCheckpointedAtOnce) {
   ASSERT_TRUE(fetched.ok()) << fetched.status();
   EXPECT_EQ(fetched->x, std::vector<float>(partitions[0].range.size(),
                                            0.25f * (partitions[0].id + 1)));
+  // The restarted shard still checks that step 1's pushes show the change:
+  // without x's hash refused, with it taken.
+  absl::Status unchanged = absl::UnknownError("pending");
+  resumed->Push(Args(*resumed, 1, 0, partitions[0]),
+                [&](auto r) { unchanged = r.status(); });
+  EXPECT_EQ(unchanged.code(), absl::StatusCode::kFailedPrecondition)
+      << unchanged;
+  EXPECT_NE(unchanged.message().find("after step 0 and rank 0 did not"),
+            std::string::npos)
+      << unchanged;
+  PushArgs shown = Args(*resumed, 1, 0, partitions[0]);
+  shown.x_hash = compress::XHash(fetched->x);
+  absl::Status taken = absl::UnknownError("pending");
+  resumed->Push(std::move(shown), [&](auto r) { taken = r.status(); });
+  EXPECT_EQ(taken.code(), absl::StatusCode::kUnknown)
+      << taken;  // waits for rank 1
 }
 
 TEST_F(ShardRuntimeTest, ACorruptCheckpointStopsTheShardSayingWhatToDo) {
