@@ -1167,6 +1167,7 @@ absl::Status Session::ReloadModel() {
     // elastic job it may have been left out of this step (a straggler, or
     // back from a restart): no push of its own to compare with, so its
     // push shows x (ShardCore::CheckLeftOutX).
+    if (absl::Status s = SyncHost(); !s.ok()) return s;
     ShowXAtNextExchange();
     return absl::OkStatus();
   }

@@ -356,9 +356,9 @@ class Session {
   absl::Status CatchUpShards();
   // ReloadModel after the first step, the host's x current.
   absl::Status ReplaceModel();
-  // The shards hold this worker's x at its step (weights changed): the
-  // pushes of the next step that exchanges show it (x_hash_step_,
-  // shown_x_).
+  // The shards hold this worker's x at its step (weights changed), the
+  // host's x current (SyncHost): the pushes of the next step that
+  // exchanges show it (x_hash_step_, shown_x_).
   void ShowXAtNextExchange();
   // ReloadModel on a rank but 0: waits, up to the connect timeout, until
   // the shards hold this worker's x at its step (rank 0 gives it them);
