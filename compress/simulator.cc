@@ -267,15 +267,26 @@ absl::Status Simulator::Step(
   return absl::OkStatus();
 }
 
-absl::Status Simulator::ReplaceX(absl::Span<const float> x) {
-  if (x.size() != x_.size()) {
+namespace {
+
+// A new x for ReplaceX or ReplaceWorkerX: `dim` finite values, or
+// INVALID_ARGUMENT saying what is wrong.
+absl::Status CheckNewX(absl::Span<const float> x, size_t dim) {
+  if (x.size() != dim) {
     return absl::InvalidArgumentError(
-        absl::StrCat("x has ", x.size(), " elements, not ", x_.size()));
+        absl::StrCat("x has ", x.size(), " elements, not ", dim));
   }
   for (float f : x) {
     if (!std::isfinite(f))
       return absl::InvalidArgumentError("the new x holds Inf or NaN");
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Simulator::ReplaceX(absl::Span<const float> x) {
+  if (absl::Status s = CheckNewX(x, x_.size()); !s.ok()) return s;
   if (diverged_) {
     return absl::FailedPreconditionError(
         "the workers are inside a zero_one_adam local interval");
@@ -286,15 +297,11 @@ absl::Status Simulator::ReplaceX(absl::Span<const float> x) {
 
 absl::Status Simulator::ReplaceWorkerX(uint32_t rank,
                                        absl::Span<const float> x) {
-  if (rank >= config_.workers || x.size() != x_.size()) {
+  if (rank >= config_.workers) {
     return absl::InvalidArgumentError(
-        absl::StrCat("worker ", rank, " of ", config_.workers, ", x of ",
-                     x.size(), " elements (not ", x_.size(), ")"));
+        absl::StrCat("worker ", rank, " of ", config_.workers));
   }
-  for (float f : x) {
-    if (!std::isfinite(f))
-      return absl::InvalidArgumentError("the new x holds Inf or NaN");
-  }
+  if (absl::Status s = CheckNewX(x, x_.size()); !s.ok()) return s;
   if (!diverged_) {
     return absl::FailedPreconditionError(
         "the workers are not inside a zero_one_adam local interval");

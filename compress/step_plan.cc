@@ -18,6 +18,11 @@ int64_t NextExchange(const AlgorithmConfig& config, int64_t step) {
   return OptimizerOf(config).NextExchange(config, step);
 }
 
+bool TakesChangedX(const AlgorithmConfig& config, int64_t step) {
+  return NextExchange(config, step) == step ||
+         (step > 0 && NextExchange(config, step - 1) == step - 1);
+}
+
 bool Idle(const AlgorithmConfig& config, int64_t step, uint64_t first_index) {
   return OptimizerOf(config).Idle(config, step, first_index);
 }

@@ -23,6 +23,11 @@ const char* PhaseName(const AlgorithmConfig& config, int64_t step);
 // The first step >= `step` at which the workers push (`step` itself except
 // between zero_one_adam's syncs).
 int64_t NextExchange(const AlgorithmConfig& config, int64_t step);
+// Whether weights changed between steps `step` − 1 and `step` can become
+// the job's (design.md 4, "Weights changed after a step"): `step` exchanges,
+// or the step before it did (a zero_one_adam interval begins, whose anchor
+// they become). Not inside such an interval, whose shards hold its anchor.
+bool TakesChangedX(const AlgorithmConfig& config, int64_t step);
 
 // Whether the partition starting at `first_index` sits step `step` out
 // (Optimizer::Idle): every sender sends it empty, and every replica leaves

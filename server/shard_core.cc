@@ -1621,11 +1621,7 @@ absl::Status ShardCore::ReplaceX(uint32_t rank, uint32_t partition,
     }
     // Right after a step that exchanged: before the next one, or before a
     // zero_one_adam interval, whose anchor x becomes.
-    const bool between =
-        step == NextExchange(p) ||
-        (step > 0 &&
-         compress::NextExchange(job_.algorithm, step - 1) == step - 1);
-    if (step != p.next_step || !between) {
+    if (step != p.next_step || !compress::TakesChangedX(job_.algorithm, step)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "partition ", partition, " has completed ", p.next_step,
           " steps and pushes step ", NextExchange(p),

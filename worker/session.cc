@@ -1143,8 +1143,7 @@ absl::Status Session::ReloadModel() {
   // Between a step that exchanged and a local one (zero_one_adam's interval
   // begins) x becomes the interval's anchor: the job's, as before a step
   // that exchanges, the pushes of the interval's sync showing it.
-  if (step_ > 0 && !compress::PlanStep(job_.algorithm, step_).exchanges &&
-      !compress::PlanStep(job_.algorithm, step_ - 1).exchanges) {
+  if (!compress::TakesChangedX(job_.algorithm, step_)) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", step_,
         " continues a local interval of zero_one_adam (design.md 2.7): the "
